@@ -1,1 +1,155 @@
-//! placeholder
+//! The Latchkey arbiter: the one service that holds etcd write credentials
+//! and turns lock.v1 calls into etcd transactions.
+//!
+//! A request flows: TLS (rustls) → [`identity`] finds the caller's SPIFFE ID
+//! (the peer SVID, or the edge proxy's header when the peer is the edge) →
+//! `service/` validates the key and class and checks the caller's prefix
+//! grants ([`policy`], reloaded from `policies/`) → the class [`hook`] may
+//! refuse → [`store`] runs ONE grant transaction comparing key absence, the
+//! epoch record, the seal and the session record → the fencing [`token`] is
+//! `epoch × 2^48 + revision` of that transaction, made durable in the
+//! [`high_water`] mark before it is returned. A held key queues the caller in
+//! [`waiters`] (FIFO per key), whose driver retries on watch events, local
+//! releases and polls. [`epoch`] seals the arbiter when the lock log is not
+//! the one the epoch was minted for.
+
+pub mod cli;
+pub mod config;
+pub mod epoch;
+pub mod error;
+pub mod high_water;
+pub mod hook;
+pub mod identity;
+pub mod policy;
+pub mod records;
+mod service;
+pub mod store;
+pub mod token;
+mod waiters;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use latchkey_proto::adminv1::admin_server::AdminServer;
+use latchkey_proto::lockv1::lock_server::LockServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tracing::{info, warn};
+
+pub use config::{Config, TlsFiles};
+pub use error::ArbiterError;
+pub use service::{AdminService, Arbiter, LockService};
+
+use crate::epoch::EpochGuard;
+use crate::high_water::HighWater;
+use crate::identity::IdentitySource;
+use crate::policy::Policies;
+use crate::store::{Store, StoreConfig};
+use crate::waiters::Queues;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("policies: {0}")]
+    Policies(#[from] latchkey_policies::PolicyError),
+    #[error(transparent)]
+    HighWater(#[from] high_water::HighWaterError),
+    #[error("etcd: {0}")]
+    Store(#[source] ArbiterError),
+    #[error("cannot read {path}: {source}")]
+    ReadTls {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// Builds the arbiter's state: policies, high-water mark, etcd connection,
+/// and the epoch record (created on first start).
+pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
+    let policies = Arc::new(Policies::load(&config.policies_dir)?);
+    let high_water = Arc::new(HighWater::open(&config.state_dir)?);
+    let guard = Arc::new(EpochGuard::default());
+    let store = Store::connect(
+        &StoreConfig {
+            endpoints: config.etcd_endpoints.clone(),
+            prefix: config.prefix.clone(),
+            connect_timeout: config.etcd_connect_timeout,
+            request_timeout: config.etcd_request_timeout,
+        },
+        guard,
+        high_water,
+    )
+    .await
+    .map_err(RunError::Store)?;
+    let state = store.load_epoch().await.map_err(RunError::Store)?;
+    match store.guard().seal_reason() {
+        Some(reason) => warn!(epoch = state.epoch(), %reason, "starting SEALED"),
+        None => info!(epoch = state.epoch(), cluster_id = state.cluster_id, "lock log ready"),
+    }
+    let identity = match &config.tls {
+        Some(_) => IdentitySource::Tls {
+            trust_domain: config.trust_domain.clone(),
+            edge_identity: config.edge_identity.clone(),
+        },
+        None => IdentitySource::InsecureDev {
+            trust_domain: config.trust_domain.clone(),
+        },
+    };
+    Ok(Arc::new(Arbiter {
+        queues: Queues::new(store.clone(), config.retry_poll),
+        store,
+        policies,
+        identity,
+        hooks: config.hooks.clone(),
+        max_wait: config.max_wait,
+    }))
+}
+
+fn read(path: &std::path::Path) -> Result<Vec<u8>, RunError> {
+    std::fs::read(path).map_err(|source| RunError::ReadTls {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Serves lock.v1 and admin.v1 on `listener` until `shutdown` completes.
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), RunError> {
+    let arbiter = build(&config).await?;
+    let stop = CancellationToken::new();
+    arbiter
+        .policies
+        .clone()
+        .spawn_reloader(config.policy_poll, stop.clone());
+
+    let mut server = Server::builder()
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(5)));
+    match &config.tls {
+        Some(tls) => {
+            let identity = Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
+            let ca = Certificate::from_pem(read(&tls.client_ca)?);
+            // Client certificates are required: no SVID, no handshake.
+            server = server.tls_config(ServerTlsConfig::new().identity(identity).client_ca_root(ca))?;
+        }
+        None => warn!(
+            "INSECURE DEV MODE: no TLS, callers name themselves in a header; never run this way outside a laptop"
+        ),
+    }
+    let addr = listener.local_addr().ok();
+    info!(?addr, tls = config.tls.is_some(), "arbiter serving lock.v1 and admin.v1");
+    let result = server
+        .add_service(LockServer::new(LockService::new(arbiter.clone())))
+        .add_service(AdminServer::new(AdminService::new(arbiter)))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await;
+    stop.cancel();
+    result.map_err(RunError::from)
+}

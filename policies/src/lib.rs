@@ -1,1 +1,52 @@
-//! placeholder
+//! The reviewed policy model of Latchkey: what a lock key may look like, which
+//! lock classes exist and what they promise (enforcement, TTL, posture on
+//! quorum loss), and which SPIFFE identities may lock which key prefixes.
+//!
+//! A request flows through it like this: the caller's key is parsed into a
+//! [`LockKey`] (rejecting anything outside the public key syntax), the
+//! caller's SPIFFE ID and key go to [`PrefixGrants::authorise`] (one radix
+//! trie lookup, longest prefix on whole path segments), and the requested
+//! class name is resolved with [`PolicySet::class`] to get its TTL, tier and
+//! enforcement. The [`PolicySet`] itself is built once per policy change by
+//! [`PolicySet::load_dir`] from the Git-reviewed `classes/` and `grants/`
+//! TOML files (ADR-24), and refused whole if any file breaks a rule, so the
+//! caller keeps serving the last good set.
+//!
+//! The crate is pure: no async, no I/O beyond reading the policy files, and
+//! no panics outside tests, because it is also compiled to
+//! `wasm32-unknown-unknown` for the Envoy filter, where a panic takes down the
+//! VM. [`PolicySet::from_files`] serves callers that get the file texts some
+//! other way.
+
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::unreachable,
+        clippy::todo,
+        clippy::unimplemented,
+        clippy::indexing_slicing
+    )
+)]
+
+mod class;
+mod date;
+mod error;
+mod fnv;
+mod grants;
+mod key;
+mod policy_set;
+
+pub use class::{
+    ADVISORY_MIN_TTL_SECONDS, ClassError, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TTL_SECONDS,
+    Enforcement, FENCE_MARGIN_MS, Fairness, LockClass, MAX_CLASS_NAME_BYTES, MAX_TTL_SECONDS,
+    MAX_WAITERS_PER_KEY_LIMIT, MIN_TTL_SECONDS, NameError, OnQuorumLoss, ReviewReport, Tier,
+    review,
+};
+pub use date::{Date, DateError};
+pub use error::PolicyError;
+pub use grants::{PrefixGrants, PrefixGrantsBuilder};
+pub use key::{ECHO_CHARS, KeyError, LockKey, MAX_KEY_BYTES};
+pub use policy_set::{CLASSES_DIR, GRANTS_DIR, PolicyFile, PolicySet, fingerprint};

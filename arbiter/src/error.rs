@@ -1,0 +1,168 @@
+//! Domain errors of the arbiter and their one mapping to `tonic::Status`.
+//!
+//! Every refusal carries a `google.rpc.ErrorInfo` whose `reason` is the name of
+//! a `latchkey.lock.v1.Reason` value (without the `REASON_` prefix). Messages
+//! say what a person can do; none of them ever contains a fencing token.
+
+use latchkey_proto::ERROR_DOMAIN;
+use latchkey_proto::lockv1::Reason;
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+/// The one message for every authorisation refusal, whether or not the key
+/// exists or is held (ADR-19: no existence leak through errors).
+pub const NOT_AUTHORISED_MESSAGE: &str =
+    "this identity has no prefix grant covering the key; ask the key's owners to add one in policies/";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ArbiterError {
+    #[error("no verified SPIFFE identity on this call: {detail}")]
+    Unauthenticated { detail: String },
+    #[error("{}", NOT_AUTHORISED_MESSAGE)]
+    NotAuthorised,
+    #[error("this call needs the operator role; operators are listed in the policies/ grant files")]
+    NotOperator,
+    #[error("{0}")]
+    BadKey(String),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("unknown lock class {class:?}; the classes are defined in the policies/ files")]
+    UnknownClass { class: String },
+    #[error(
+        "session {session:#x} is unknown, expired or not yours; open a new session and acquire again"
+    )]
+    SessionExpired { session: i64 },
+    #[error(
+        "session {session:#x} has a TTL of {session_ttl}s but class {class:?} needs {class_ttl}s; open a session for this class"
+    )]
+    SessionClassMismatch {
+        session: i64,
+        session_ttl: u32,
+        class: String,
+        class_ttl: u32,
+    },
+    #[error("key {key:?} is held by another session")]
+    Held { key: String },
+    #[error(
+        "key {key:?} is already held by this identity under another session ({holder_session:#x}): a leaked lock, not contention; release it from that session or let it expire"
+    )]
+    Leak { key: String, holder_session: i64 },
+    #[error("timed out waiting for key {key:?}: still held when the call's deadline came")]
+    WaitTimeout { key: String },
+    #[error("too many waiters queued for key {key:?} (limit {limit} for its class); retry later")]
+    QueueFull { key: String, limit: u32 },
+    #[error("key {key:?} is not held by session {session:#x} (released, expired or never granted)")]
+    NotHeld { key: String, session: i64 },
+    #[error(
+        "the token does not match the current grant of key {key:?}; release with the token the grant returned"
+    )]
+    TokenMismatch { key: String },
+    #[error("{reason}; no grants until an operator runs `latchctl admin advance-epoch --expected {epoch} --reason ...`")]
+    Sealed { reason: String, epoch: u32 },
+    #[error("{message}")]
+    HookDenied {
+        code: Code,
+        reason_code: String,
+        message: String,
+    },
+    #[error("the lock log (etcd) is unavailable: {detail}; retry with backoff")]
+    StoreUnavailable { detail: String },
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ArbiterError {
+    pub fn reason(&self) -> Reason {
+        match self {
+            Self::Unauthenticated { .. } => Reason::Unauthenticated,
+            Self::NotAuthorised | Self::NotOperator => Reason::NotAuthorised,
+            Self::BadKey(_) => Reason::BadKey,
+            Self::BadRequest(_) | Self::Internal(_) => Reason::BadRequest,
+            Self::UnknownClass { .. } => Reason::UnknownClass,
+            Self::SessionExpired { .. } => Reason::SessionExpired,
+            Self::SessionClassMismatch { .. } => Reason::SessionClassMismatch,
+            Self::Held { .. } => Reason::Held,
+            Self::Leak { .. } => Reason::Leak,
+            Self::WaitTimeout { .. } => Reason::WaitTimeout,
+            Self::QueueFull { .. } => Reason::QueueFull,
+            Self::NotHeld { .. } => Reason::NotHeld,
+            Self::TokenMismatch { .. } => Reason::TokenMismatch,
+            Self::Sealed { .. } => Reason::Sealed,
+            Self::HookDenied { .. } => Reason::HookDenied,
+            Self::StoreUnavailable { .. } => Reason::StoreUnavailable,
+        }
+    }
+
+    pub fn code(&self) -> Code {
+        match self {
+            Self::Unauthenticated { .. } => Code::Unauthenticated,
+            Self::NotAuthorised | Self::NotOperator => Code::PermissionDenied,
+            Self::BadKey(_)
+            | Self::BadRequest(_)
+            | Self::UnknownClass { .. }
+            | Self::SessionClassMismatch { .. } => Code::InvalidArgument,
+            Self::Held { .. } => Code::Aborted,
+            Self::WaitTimeout { .. } => Code::DeadlineExceeded,
+            Self::QueueFull { .. } => Code::ResourceExhausted,
+            Self::Leak { .. }
+            | Self::SessionExpired { .. }
+            | Self::NotHeld { .. }
+            | Self::TokenMismatch { .. }
+            | Self::Sealed { .. } => Code::FailedPrecondition,
+            Self::HookDenied { code, .. } => *code,
+            Self::StoreUnavailable { .. } => Code::Unavailable,
+            Self::Internal(_) => Code::Internal,
+        }
+    }
+
+    /// Worth retrying the same request later without any change.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::StoreUnavailable { .. } | Self::Held { .. })
+    }
+
+    pub fn store(detail: impl std::fmt::Display) -> Self {
+        Self::StoreUnavailable {
+            detail: detail.to_string(),
+        }
+    }
+}
+
+/// The reason's wire name: `REASON_HELD` -> `HELD`.
+pub fn reason_name(reason: Reason) -> &'static str {
+    let name = reason.as_str_name();
+    name.strip_prefix("REASON_").unwrap_or(name)
+}
+
+impl From<ArbiterError> for Status {
+    fn from(err: ArbiterError) -> Status {
+        let mut details = ErrorDetails::new();
+        let mut metadata = std::collections::HashMap::new();
+        if let ArbiterError::HookDenied { reason_code, .. } = &err {
+            metadata.insert("hookReason".to_string(), reason_code.clone());
+        }
+        details.set_error_info(reason_name(err.reason()), ERROR_DOMAIN, metadata);
+        Status::with_error_details(err.code(), err.to_string(), details)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_carries_reason_and_code() {
+        let status: Status = ArbiterError::Held { key: "a/b".into() }.into();
+        assert_eq!(status.code(), Code::Aborted);
+        let details = status.get_error_details();
+        let info = details.error_info();
+        assert_eq!(info.map(|i| i.reason.as_str()), Some("HELD"));
+        assert_eq!(info.map(|i| i.domain.as_str()), Some(ERROR_DOMAIN));
+    }
+
+    #[test]
+    fn denial_message_is_fixed() {
+        let status: Status = ArbiterError::NotAuthorised.into();
+        assert_eq!(status.code(), Code::PermissionDenied);
+        assert_eq!(status.message(), NOT_AUTHORISED_MESSAGE);
+    }
+}

@@ -1,0 +1,201 @@
+//! The revision high-water mark, kept outside the lock log.
+//!
+//! etcd 3.4 keeps the SAME cluster id when a snapshot is restored with the
+//! same member flags (measured on this project's machines), so ADR-03's
+//! cluster-id binding alone misses such a restore. Before a grant's token is
+//! returned, the arbiter makes the grant's revision durable in a small file in
+//! its state directory. A lock log whose revisions are below that mark for the
+//! same epoch has gone back in time, and the arbiter seals.
+//!
+//! Writes are group-committed: concurrent grants wait on one file write +
+//! fsync that covers all of them.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Mark {
+    pub epoch: u32,
+    #[serde(with = "as_string")]
+    pub cluster_id: u64,
+    pub revision: i64,
+}
+
+impl Mark {
+    /// Whether `self` is past `other` (a later epoch, or a higher revision in it).
+    fn covers(&self, other: &Mark) -> bool {
+        (self.epoch, self.revision) >= (other.epoch, other.revision)
+    }
+}
+
+mod as_string {
+    use serde::{Deserialize, Deserializer, Serializer};
+    pub fn serialize<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&v.to_string())
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HighWaterError {
+    #[error("cannot create the arbiter state directory {path}: {source}")]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot read the high-water mark {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "the high-water mark {path} is corrupt ({detail}); refusing to start because a restored lock log could go unnoticed — restore the file or, if this arbiter never granted, delete it"
+    )]
+    Corrupt { path: PathBuf, detail: String },
+    #[error("cannot write the high-water mark {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub struct HighWater {
+    path: PathBuf,
+    /// Highest mark asked for so far (in memory).
+    wanted: Mutex<Option<Mark>>,
+    /// Highest mark known to be on disk; the async lock serialises writers.
+    durable: tokio::sync::Mutex<Option<Mark>>,
+    durable_view: Mutex<Option<Mark>>,
+}
+
+impl HighWater {
+    pub const FILE: &'static str = "high-water-mark.json";
+
+    pub fn open(state_dir: &Path) -> Result<Self, HighWaterError> {
+        std::fs::create_dir_all(state_dir).map_err(|source| HighWaterError::CreateDir {
+            path: state_dir.to_path_buf(),
+            source,
+        })?;
+        let path = state_dir.join(Self::FILE);
+        let mark = match std::fs::read(&path) {
+            Ok(bytes) => Some(serde_json::from_slice::<Mark>(&bytes).map_err(|e| {
+                HighWaterError::Corrupt {
+                    path: path.clone(),
+                    detail: e.to_string(),
+                }
+            })?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(source) => return Err(HighWaterError::Read { path, source }),
+        };
+        Ok(Self {
+            path,
+            wanted: Mutex::new(mark),
+            durable: tokio::sync::Mutex::new(mark),
+            durable_view: Mutex::new(mark),
+        })
+    }
+
+    /// The mark on disk.
+    pub fn current(&self) -> Option<Mark> {
+        self.durable_view.lock().map(|g| *g).unwrap_or(None)
+    }
+
+    /// Returns once a mark at least as high as `mark` is on disk.
+    pub async fn record(&self, mark: Mark) -> Result<(), HighWaterError> {
+        if let Ok(mut wanted) = self.wanted.lock() {
+            match *wanted {
+                Some(w) if w.covers(&mark) => {}
+                _ => *wanted = Some(mark),
+            }
+        }
+        let mut durable = self.durable.lock().await;
+        if durable.is_some_and(|d| d.covers(&mark)) {
+            return Ok(());
+        }
+        let target = self
+            .wanted
+            .lock()
+            .map(|w| w.unwrap_or(mark))
+            .unwrap_or(mark);
+        let path = self.path.clone();
+        let bytes = serde_json::to_vec(&target).unwrap_or_default();
+        tokio::task::spawn_blocking(move || write_durably(&path, &bytes))
+            .await
+            .map_err(|e| HighWaterError::Write {
+                path: self.path.clone(),
+                source: std::io::Error::other(e),
+            })??;
+        *durable = Some(target);
+        if let Ok(mut view) = self.durable_view.lock() {
+            *view = Some(target);
+        }
+        Ok(())
+    }
+}
+
+fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), HighWaterError> {
+    let err = |source| HighWaterError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let tmp = path.with_extension("json.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(err)?;
+    f.write_all(bytes).map_err(err)?;
+    f.sync_all().map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn survives_reopen_and_only_goes_up() -> Result<(), HighWaterError> {
+        let dir = tempfile::tempdir().map_err(|source| HighWaterError::Read {
+            path: PathBuf::new(),
+            source,
+        })?;
+        let hw = HighWater::open(dir.path())?;
+        assert_eq!(hw.current(), None);
+        let m = |epoch, revision| Mark {
+            epoch,
+            cluster_id: 7,
+            revision,
+        };
+        hw.record(m(1, 10)).await?;
+        hw.record(m(1, 5)).await?;
+        assert_eq!(hw.current(), Some(m(1, 10)));
+        hw.record(m(2, 3)).await?;
+        drop(hw);
+        let hw = HighWater::open(dir.path())?;
+        assert_eq!(hw.current(), Some(m(2, 3)));
+        Ok(())
+    }
+
+    #[test]
+    fn corrupt_file_refuses_to_open() {
+        let Ok(dir) = tempfile::tempdir() else { return };
+        let _ = std::fs::write(dir.path().join(HighWater::FILE), b"{not json");
+        assert!(matches!(
+            HighWater::open(dir.path()),
+            Err(HighWaterError::Corrupt { .. })
+        ));
+    }
+}

@@ -1,0 +1,194 @@
+//! lock.v1 and admin.v1 over tonic: one file per RPC under `service/`.
+//! Handlers are plain async methods on [`Arbiter`], so tests can call them
+//! directly; errors become `tonic::Status` only at this boundary.
+
+mod acquire;
+mod admin;
+mod close_session;
+mod inspect;
+mod keep_alive;
+mod open_session;
+mod release;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use latchkey_policies::{LockClass, LockKey, PolicySet};
+use latchkey_proto::adminv1::admin_server::Admin;
+use latchkey_proto::adminv1::{
+    AdvanceEpochRequest, AdvanceEpochResponse, GetStatusRequest, GetStatusResponse,
+};
+use latchkey_proto::lockv1::lock_server::Lock;
+use latchkey_proto::lockv1::{
+    AcquireRequest, AcquireResponse, CloseSessionRequest, CloseSessionResponse, InspectRequest,
+    InspectResponse, KeepAliveRequest, KeepAliveResponse, OpenSessionRequest, OpenSessionResponse,
+    ReleaseRequest, ReleaseResponse,
+};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::error::ArbiterError;
+use crate::hook::ClassHooks;
+use crate::identity::{Caller, IdentitySource};
+use crate::policy::Policies;
+use crate::store::Store;
+use crate::waiters::Queues;
+
+/// Everything a request handler needs.
+pub struct Arbiter {
+    pub(crate) store: Store,
+    pub(crate) queues: Arc<Queues>,
+    pub(crate) policies: Arc<Policies>,
+    pub(crate) identity: IdentitySource,
+    pub(crate) hooks: Arc<dyn ClassHooks>,
+    pub(crate) max_wait: Duration,
+}
+
+impl Arbiter {
+    pub(crate) fn caller<T>(&self, request: &Request<T>) -> Result<Caller, ArbiterError> {
+        self.identity.caller(request)
+    }
+
+    /// Parses the key and checks the caller's prefix grants. The refusal is
+    /// the same whether or not the key exists or is held.
+    pub(crate) fn authorised_key(
+        &self,
+        policies: &PolicySet,
+        caller: &Caller,
+        raw: &str,
+    ) -> Result<LockKey, ArbiterError> {
+        let key = LockKey::parse(raw).map_err(|e| ArbiterError::BadKey(e.to_string()))?;
+        policies
+            .authorise(&caller.identity, &key)
+            .ok_or(ArbiterError::NotAuthorised)?;
+        Ok(key)
+    }
+
+    pub(crate) fn class<'p>(
+        &self,
+        policies: &'p PolicySet,
+        name: &str,
+    ) -> Result<&'p LockClass, ArbiterError> {
+        policies
+            .class(name)
+            .ok_or_else(|| ArbiterError::UnknownClass {
+                class: truncate(name, 64),
+            })
+    }
+
+    pub(crate) fn require_operator(&self, caller: &Caller) -> Result<(), ArbiterError> {
+        if self.policies.current().is_operator(&caller.identity) {
+            Ok(())
+        } else {
+            Err(ArbiterError::NotOperator)
+        }
+    }
+}
+
+pub(crate) fn truncate(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_string()
+    } else {
+        let cut: String = s.chars().take(max).collect();
+        format!("{cut}…")
+    }
+}
+
+pub(crate) fn session_id(raw: i64) -> Result<i64, ArbiterError> {
+    if raw <= 0 {
+        return Err(ArbiterError::BadRequest(
+            "session_id is missing; call OpenSession first and pass its session_id".into(),
+        ));
+    }
+    Ok(raw)
+}
+
+/// The tonic-facing service; cheap to clone.
+#[derive(Clone)]
+pub struct LockService {
+    pub(crate) inner: Arc<Arbiter>,
+}
+
+impl LockService {
+    pub fn new(inner: Arc<Arbiter>) -> Self {
+        Self { inner }
+    }
+}
+
+type KeepAliveStream = Pin<Box<dyn Stream<Item = Result<KeepAliveResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Lock for LockService {
+    async fn open_session(
+        &self,
+        request: Request<OpenSessionRequest>,
+    ) -> Result<Response<OpenSessionResponse>, Status> {
+        Ok(Response::new(self.inner.open_session(request).await?))
+    }
+
+    type KeepAliveStream = KeepAliveStream;
+
+    async fn keep_alive(
+        &self,
+        request: Request<Streaming<KeepAliveRequest>>,
+    ) -> Result<Response<Self::KeepAliveStream>, Status> {
+        Ok(Response::new(self.inner.clone().keep_alive(request)?))
+    }
+
+    async fn close_session(
+        &self,
+        request: Request<CloseSessionRequest>,
+    ) -> Result<Response<CloseSessionResponse>, Status> {
+        Ok(Response::new(self.inner.close_session(request).await?))
+    }
+
+    async fn acquire(
+        &self,
+        request: Request<AcquireRequest>,
+    ) -> Result<Response<AcquireResponse>, Status> {
+        Ok(Response::new(self.inner.acquire(request).await?))
+    }
+
+    async fn release(
+        &self,
+        request: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
+        Ok(Response::new(self.inner.release(request).await?))
+    }
+
+    async fn inspect(
+        &self,
+        request: Request<InspectRequest>,
+    ) -> Result<Response<InspectResponse>, Status> {
+        Ok(Response::new(self.inner.inspect(request).await?))
+    }
+}
+
+#[derive(Clone)]
+pub struct AdminService {
+    pub(crate) inner: Arc<Arbiter>,
+}
+
+impl AdminService {
+    pub fn new(inner: Arc<Arbiter>) -> Self {
+        Self { inner }
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn get_status(
+        &self,
+        request: Request<GetStatusRequest>,
+    ) -> Result<Response<GetStatusResponse>, Status> {
+        Ok(Response::new(self.inner.get_status(request).await?))
+    }
+
+    async fn advance_epoch(
+        &self,
+        request: Request<AdvanceEpochRequest>,
+    ) -> Result<Response<AdvanceEpochResponse>, Status> {
+        Ok(Response::new(self.inner.advance_epoch(request).await?))
+    }
+}

@@ -1,0 +1,222 @@
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use latchkey_proto::lockv1::{AcquireRequest, AcquireResponse, Grant as WireGrant, WaitMode};
+use tonic::Request;
+use tracing::{debug, info};
+
+use super::{Arbiter, session_id, truncate};
+use crate::error::ArbiterError;
+use crate::hook::{HookDecision, HookInput};
+use crate::records::now_unix_ms;
+use crate::store::{Grant, GrantOutcome, GrantRequest};
+
+pub const MAX_METADATA_ENTRIES: usize = 16;
+pub const MAX_METADATA_KEY_BYTES: usize = 64;
+pub const MAX_METADATA_VALUE_BYTES: usize = 256;
+
+/// Answer a little before the caller's deadline, so it hears WAIT_TIMEOUT
+/// from us rather than a bare DEADLINE_EXCEEDED from its own stack.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
+
+/// The call's deadline from the `grpc-timeout` header ("<digits><unit>").
+pub fn grpc_timeout<T>(request: &Request<T>) -> Option<Duration> {
+    let raw = request.metadata().get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = raw.split_at(raw.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), ArbiterError> {
+    if metadata.len() > MAX_METADATA_ENTRIES {
+        return Err(ArbiterError::BadRequest(format!(
+            "at most {MAX_METADATA_ENTRIES} metadata entries are accepted"
+        )));
+    }
+    for (k, v) in metadata {
+        if k.is_empty() || k.len() > MAX_METADATA_KEY_BYTES || k.chars().any(char::is_control) {
+            return Err(ArbiterError::BadRequest(format!(
+                "metadata key {:?} must be 1..={MAX_METADATA_KEY_BYTES} bytes of printable text",
+                truncate(k, 32)
+            )));
+        }
+        if v.len() > MAX_METADATA_VALUE_BYTES || v.chars().any(char::is_control) {
+            return Err(ArbiterError::BadRequest(format!(
+                "metadata value for {:?} must be at most {MAX_METADATA_VALUE_BYTES} bytes of printable text",
+                truncate(k, 32)
+            )));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
+    let token = grant.token().ok_or_else(|| {
+        ArbiterError::Internal("the epoch or revision is outside the token range".into())
+    })?;
+    Ok(WireGrant {
+        key: grant.key.clone(),
+        token,
+        epoch: grant.epoch,
+        revision: grant.revision,
+        session_id: grant.session,
+    })
+}
+
+impl Arbiter {
+    /// Validate, authorise, ask the class hook, then grant (one transaction)
+    /// or queue FIFO behind this key's other waiters until the deadline.
+    pub async fn acquire(
+        &self,
+        request: Request<AcquireRequest>,
+    ) -> Result<AcquireResponse, ArbiterError> {
+        let caller = self.caller(&request)?;
+        let deadline = grpc_timeout(&request);
+        let req = request.into_inner();
+        let policies = self.policies.current();
+        let key = self.authorised_key(&policies, &caller, &req.key)?;
+        let class = self.class(&policies, &req.class)?;
+        let session = session_id(req.session_id)?;
+        let wait = WaitMode::try_from(req.wait)
+            .map_err(|_| ArbiterError::BadRequest(format!("unknown wait mode {}", req.wait)))?;
+        let metadata: BTreeMap<String, String> = req.metadata.into_iter().collect();
+        check_metadata(&metadata)?;
+
+        let waiting = self.queues.waiting(key.as_str());
+        let annotations = match self.hooks.before_grant(&HookInput {
+            identity: &caller.identity,
+            key: key.as_str(),
+            class: &class.name,
+            session,
+            metadata: &metadata,
+            waiters: waiting,
+            now_unix_ms: now_unix_ms(),
+        }) {
+            HookDecision::Allow { annotations } => annotations,
+            HookDecision::Deny {
+                code,
+                reason,
+                message,
+            } => {
+                return Err(ArbiterError::HookDenied {
+                    code,
+                    reason_code: reason,
+                    message,
+                });
+            }
+        };
+        let grant_req = GrantRequest {
+            key: key.as_str().to_string(),
+            identity: caller.identity.clone(),
+            session,
+            class: class.name.clone(),
+            ttl_seconds: class.ttl_seconds,
+            annotations,
+        };
+
+        // Waiters already queued here go first: a newcomer never barges.
+        let watch_from = if waiting > 0 {
+            if let Some(grant) = self.already_held(&grant_req).await? {
+                return Ok(AcquireResponse {
+                    grant: Some(wire_grant(&grant)?),
+                });
+            }
+            None
+        } else {
+            match self.store.try_grant(&grant_req).await? {
+                GrantOutcome::Granted(grant) => {
+                    info!(identity = %caller.identity, key = %grant.key, class = %class.name, "granted");
+                    return Ok(AcquireResponse {
+                        grant: Some(wire_grant(&grant)?),
+                    });
+                }
+                GrantOutcome::Held { watch_from } => Some(watch_from),
+            }
+        };
+        if wait == WaitMode::WaitNone {
+            return Err(ArbiterError::Held {
+                key: grant_req.key,
+            });
+        }
+
+        let budget = deadline
+            .map(|d| d.saturating_sub(DEADLINE_MARGIN.min(d / 20)))
+            .unwrap_or(self.max_wait)
+            .min(self.max_wait);
+        let key_name = grant_req.key.clone();
+        let mut ticket = self
+            .queues
+            .enqueue(grant_req, watch_from, class.max_waiters_per_key)?;
+        debug!(identity = %caller.identity, key = %key_name, "queued");
+        match tokio::time::timeout(budget, ticket.wait()).await {
+            Ok(reply) => {
+                let grant = reply?;
+                info!(identity = %caller.identity, key = %grant.key, class = %class.name, "granted after waiting");
+                Ok(AcquireResponse {
+                    grant: Some(wire_grant(&grant)?),
+                })
+            }
+            // Dropping the ticket leaves the queue (and releases a grant that
+            // raced with the timeout).
+            Err(_) => Err(ArbiterError::WaitTimeout { key: key_name }),
+        }
+    }
+
+    /// With waiters queued, a caller that already holds the key (a retry) or
+    /// holds it under another session (a leak) is answered without queueing.
+    async fn already_held(&self, req: &GrantRequest) -> Result<Option<Grant>, ArbiterError> {
+        let state = self.store.serving_epoch().await?;
+        let Some(holder) = self.store.holder(&req.key).await? else {
+            return Ok(None);
+        };
+        if holder.lease == req.session && holder.record.identity == req.identity {
+            return Ok(Some(Grant {
+                key: req.key.clone(),
+                session: req.session,
+                epoch: state.epoch(),
+                revision: holder.revision,
+            }));
+        }
+        if holder.record.identity == req.identity {
+            return Err(ArbiterError::Leak {
+                key: req.key.clone(),
+                holder_session: holder.record.session,
+            });
+        }
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_grpc_timeout() {
+        let mut r = Request::new(());
+        assert_eq!(grpc_timeout(&r), None);
+        r.metadata_mut()
+            .insert("grpc-timeout", "1500m".parse().unwrap_or_else(|_| unreachable!()));
+        assert_eq!(grpc_timeout(&r), Some(Duration::from_millis(1500)));
+        r.metadata_mut()
+            .insert("grpc-timeout", "2S".parse().unwrap_or_else(|_| unreachable!()));
+        assert_eq!(grpc_timeout(&r), Some(Duration::from_secs(2)));
+    }
+
+    #[test]
+    fn metadata_is_bounded() {
+        let mut m = BTreeMap::new();
+        m.insert("ticket".to_string(), "CHG-1".to_string());
+        assert!(check_metadata(&m).is_ok());
+        m.insert("x".into(), "a\nb".into());
+        assert!(check_metadata(&m).is_err());
+    }
+}

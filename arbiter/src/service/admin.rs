@@ -1,0 +1,55 @@
+use latchkey_proto::adminv1::{
+    AdvanceEpochRequest, AdvanceEpochResponse, GetStatusRequest, GetStatusResponse,
+};
+use tonic::Request;
+use tracing::warn;
+
+use super::Arbiter;
+use crate::error::ArbiterError;
+
+impl Arbiter {
+    pub async fn get_status(
+        &self,
+        request: Request<GetStatusRequest>,
+    ) -> Result<GetStatusResponse, ArbiterError> {
+        let caller = self.caller(&request)?;
+        self.require_operator(&caller)?;
+        // A fresh read: it also re-checks the header against the epoch.
+        let state = self.store.load_epoch().await?;
+        let mark = self.store.high_water();
+        let seal_reason = self.store.guard().seal_reason();
+        Ok(GetStatusResponse {
+            epoch: state.epoch(),
+            epoch_cluster_id: state.cluster_id,
+            current_cluster_id: self.store.current_cluster_id().await?,
+            sealed: seal_reason.is_some(),
+            seal_reason: seal_reason.unwrap_or_default(),
+            revision_high_water_mark: mark.map_or(0, |m| m.revision),
+        })
+    }
+
+    /// ADR-03's unseal. Requires the operator role (two-person approval comes
+    /// with the operations work).
+    pub async fn advance_epoch(
+        &self,
+        request: Request<AdvanceEpochRequest>,
+    ) -> Result<AdvanceEpochResponse, ArbiterError> {
+        let caller = self.caller(&request)?;
+        self.require_operator(&caller)?;
+        let req = request.into_inner();
+        let reason = req.reason.trim();
+        if reason.is_empty() || reason.len() > 512 {
+            return Err(ArbiterError::BadRequest(
+                "an epoch advance needs a reason (1..=512 bytes): it is stored with the new epoch"
+                    .into(),
+            ));
+        }
+        let (record, deleted) = self.store.advance_epoch(req.expected_epoch, reason).await?;
+        warn!(operator = %caller.identity, epoch = record.epoch, holds_deleted = deleted, reason, "epoch advanced");
+        Ok(AdvanceEpochResponse {
+            epoch: record.epoch,
+            cluster_id: record.cluster_id().unwrap_or(0),
+            holds_deleted: deleted,
+        })
+    }
+}

@@ -1,0 +1,21 @@
+use latchkey_proto::lockv1::{CloseSessionRequest, CloseSessionResponse};
+use tonic::Request;
+use tracing::info;
+
+use super::{Arbiter, session_id};
+use crate::error::ArbiterError;
+
+impl Arbiter {
+    /// Revokes the session's lease: every hold on it goes in one committed entry.
+    pub async fn close_session(
+        &self,
+        request: Request<CloseSessionRequest>,
+    ) -> Result<CloseSessionResponse, ArbiterError> {
+        let caller = self.caller(&request)?;
+        let session = session_id(request.get_ref().session_id)?;
+        self.owned_session(&caller.identity, session).await?;
+        self.store.revoke(session).await?;
+        info!(identity = %caller.identity, session, "session closed");
+        Ok(CloseSessionResponse {})
+    }
+}

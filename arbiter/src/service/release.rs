@@ -1,0 +1,51 @@
+use latchkey_proto::lockv1::{ReleaseRequest, ReleaseResponse};
+use tonic::Request;
+use tracing::{debug, info};
+
+use super::{Arbiter, session_id};
+use crate::error::ArbiterError;
+use crate::token;
+
+impl Arbiter {
+    /// Releases a hold. With a waiter queued here, the key is handed to it in
+    /// the same transaction (one etcd commit per contended handoff).
+    pub async fn release(
+        &self,
+        request: Request<ReleaseRequest>,
+    ) -> Result<ReleaseResponse, ArbiterError> {
+        let caller = self.caller(&request)?;
+        let req = request.into_inner();
+        let policies = self.policies.current();
+        let key = self.authorised_key(&policies, &caller, &req.key)?;
+        let session = session_id(req.session_id)?;
+        let (epoch, revision) = token::unpack(req.token);
+        let current = self.store.guard().state().map(|s| s.epoch());
+        if current != Some(epoch) || revision <= 0 {
+            return Err(ArbiterError::TokenMismatch {
+                key: key.as_str().to_string(),
+            });
+        }
+        if let Some(head) = self.queues.head(key.as_str()) {
+            match self
+                .store
+                .hand_over(key.as_str(), session, revision, &head.req)
+                .await
+            {
+                Ok(Some(grant)) => {
+                    info!(identity = %caller.identity, key = %key.as_str(), next = %head.req.identity, "released and handed over");
+                    self.queues.deliver(&head, Ok(grant));
+                    self.hooks
+                        .after_release(&caller.identity, key.as_str(), &head.req.class);
+                    return Ok(ReleaseResponse {});
+                }
+                Ok(None) => {}
+                Err(e) => debug!(error = %e, "hand-over failed; releasing plainly"),
+            }
+        }
+        self.store.release(key.as_str(), session, revision).await?;
+        self.queues.kick(key.as_str());
+        info!(identity = %caller.identity, key = %key.as_str(), "released");
+        self.hooks.after_release(&caller.identity, key.as_str(), "");
+        Ok(ReleaseResponse {})
+    }
+}

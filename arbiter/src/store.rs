@@ -1,0 +1,687 @@
+//! The lock log: every etcd call the arbiter makes, and the only module that
+//! names `etcd_client`.
+//!
+//! Each response header goes through the epoch guard (cluster id and revision
+//! against the epoch record and the high-water mark) before its result is used.
+//! A grant is one transaction comparing key absence, the epoch record's bytes,
+//! the seal's absence and the session record; a release with a local waiter
+//! hands over in one transaction too. Watches and polls only trigger attempts.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream,
+    LeaseKeeper, PutOptions, ResponseHeader, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
+};
+use tracing::{error, warn};
+
+use crate::epoch::{EpochGuard, EpochState};
+use crate::error::ArbiterError;
+use crate::high_water::{HighWater, Mark};
+use crate::records::{
+    EpochRecord, HolderRecord, Layout, SealRecord, SessionRecord, decode, encode, now_unix_ms,
+};
+use crate::token;
+
+/// A committed grant. The token is derived, never stored separately.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub key: String,
+    pub session: i64,
+    pub epoch: u32,
+    pub revision: i64,
+}
+
+impl Grant {
+    pub fn token(&self) -> Option<u64> {
+        token::pack(self.epoch, self.revision)
+    }
+}
+
+/// Everything a grant transaction needs for one caller.
+#[derive(Debug, Clone)]
+pub struct GrantRequest {
+    pub key: String,
+    pub identity: String,
+    pub session: i64,
+    pub class: String,
+    pub ttl_seconds: u32,
+    pub annotations: std::collections::BTreeMap<String, String>,
+}
+
+impl GrantRequest {
+    fn session_bytes(&self) -> Vec<u8> {
+        encode(&SessionRecord {
+            identity: self.identity.clone(),
+            ttl_seconds: self.ttl_seconds,
+        })
+    }
+    fn holder_bytes(&self) -> Vec<u8> {
+        encode(&HolderRecord {
+            identity: self.identity.clone(),
+            session: self.session,
+            class: self.class.clone(),
+            acquired_at_unix_ms: now_unix_ms(),
+            annotations: self.annotations.clone(),
+        })
+    }
+}
+
+#[derive(Debug)]
+pub enum GrantOutcome {
+    Granted(Grant),
+    /// Held by another session; watch from `watch_from` so nothing between the
+    /// failed transaction and the watch is missed.
+    Held { watch_from: i64 },
+}
+
+#[derive(Debug, Clone)]
+pub struct HolderView {
+    pub record: HolderRecord,
+    pub revision: i64,
+    pub lease: i64,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub endpoints: Vec<String>,
+    pub prefix: String,
+    pub connect_timeout: Duration,
+    pub request_timeout: Duration,
+}
+
+#[derive(Clone)]
+pub struct Store {
+    client: Client,
+    layout: Layout,
+    guard: Arc<EpochGuard>,
+    high_water: Arc<HighWater>,
+}
+
+fn header_of(h: Option<&ResponseHeader>) -> Result<(u64, i64), ArbiterError> {
+    h.map(|h| (h.cluster_id(), h.revision()))
+        .ok_or_else(|| ArbiterError::store("etcd response without a header"))
+}
+
+fn first_kv(resp: &TxnOpResponse) -> Option<&etcd_client::KeyValue> {
+    match resp {
+        TxnOpResponse::Get(g) => g.kvs().first(),
+        _ => None,
+    }
+}
+
+impl Store {
+    pub async fn connect(
+        config: &StoreConfig,
+        guard: Arc<EpochGuard>,
+        high_water: Arc<HighWater>,
+    ) -> Result<Self, ArbiterError> {
+        // require_leader: a member cut off from the quorum fails fast instead
+        // of serving a stale view or hanging.
+        let options = ConnectOptions::new()
+            .with_require_leader(true)
+            .with_connect_timeout(config.connect_timeout)
+            .with_timeout(config.request_timeout)
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
+        let client = Client::connect(&config.endpoints, Some(options))
+            .await
+            .map_err(ArbiterError::store)?;
+        Ok(Self {
+            client,
+            layout: Layout::new(&config.prefix),
+            guard,
+            high_water,
+        })
+    }
+
+    pub fn guard(&self) -> &EpochGuard {
+        &self.guard
+    }
+
+    pub fn high_water(&self) -> Option<Mark> {
+        self.high_water.current()
+    }
+
+    /// Checks a header; on a fresh seal, records it in the log for every arbiter.
+    async fn observe(&self, cluster_id: u64, revision: Option<i64>) -> Result<(), ArbiterError> {
+        if let Some(reason) = self
+            .guard
+            .observe(cluster_id, revision, self.high_water.current())
+        {
+            self.publish_seal(&reason).await;
+        }
+        Ok(())
+    }
+
+    async fn publish_seal(&self, reason: &str) {
+        error!(reason, "lock log sealed: refusing every grant until the epoch advances");
+        let record = encode(&SealRecord {
+            reason: reason.to_string(),
+            sealed_at_unix_ms: now_unix_ms(),
+        });
+        let seal = self.layout.seal();
+        let txn = Txn::new()
+            .when([Compare::create_revision(seal.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(seal, record, None)]);
+        if let Err(e) = self.client.kv_client().txn(txn).await {
+            warn!(error = %e, "could not write the seal record; this arbiter stays sealed");
+        }
+    }
+
+    /// Reads (creating on first start) the epoch record and installs it.
+    pub async fn load_epoch(&self) -> Result<EpochState, ArbiterError> {
+        let mut kv = self.client.kv_client();
+        let epoch_key = self.layout.epoch();
+        let txn = Txn::new().and_then([
+            TxnOp::get(epoch_key.clone(), None),
+            TxnOp::get(self.layout.seal(), None),
+        ]);
+        let resp = kv.txn(txn).await.map_err(ArbiterError::store)?;
+        let (cluster_id, revision) = header_of(resp.header())?;
+        let ops = resp.op_responses();
+        let seal = ops.get(1).and_then(first_kv).and_then(|kv| decode::<SealRecord>(kv.value()));
+        let (record, bytes) = match ops.first().and_then(first_kv) {
+            Some(kv) => {
+                let record: EpochRecord = decode(kv.value()).ok_or_else(|| {
+                    ArbiterError::Internal(format!("the epoch record at {epoch_key} is not valid"))
+                })?;
+                (record, kv.value().to_vec())
+            }
+            None => {
+                let record = EpochRecord {
+                    epoch: 1,
+                    cluster_id: cluster_id.to_string(),
+                    advanced_at_unix_ms: now_unix_ms(),
+                    reason: "first start".into(),
+                };
+                let bytes = encode(&record);
+                let txn = Txn::new()
+                    .when([Compare::create_revision(epoch_key.clone(), CompareOp::Equal, 0)])
+                    .and_then([TxnOp::put(epoch_key.clone(), bytes.clone(), None)]);
+                let created = kv.txn(txn).await.map_err(ArbiterError::store)?;
+                if !created.succeeded() {
+                    // Another arbiter created it first: read theirs.
+                    return Box::pin(self.load_epoch()).await;
+                }
+                tracing::info!(cluster_id, "created epoch record: epoch 1");
+                (record, bytes)
+            }
+        };
+        let state = EpochState {
+            cluster_id: record.cluster_id().unwrap_or(0),
+            record,
+            bytes,
+        };
+        if let Some(reason) = self.guard.install(
+            state.clone(),
+            cluster_id,
+            Some(revision),
+            self.high_water.current(),
+            seal.as_ref(),
+        ) && seal.is_none()
+        {
+            self.publish_seal(&reason).await;
+        }
+        Ok(state)
+    }
+
+    /// The epoch to grant in; while sealed, re-reads the record first so an
+    /// advance made through another arbiter is seen.
+    pub async fn serving_epoch(&self) -> Result<EpochState, ArbiterError> {
+        match self.guard.serving() {
+            Ok(s) => Ok(s),
+            Err(ArbiterError::Sealed { .. }) | Err(ArbiterError::StoreUnavailable { .. }) => {
+                self.load_epoch().await?;
+                self.guard.serving()
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    pub async fn open_session(&self, identity: &str, ttl_seconds: u32) -> Result<i64, ArbiterError> {
+        let lease = self
+            .client
+            .lease_client()
+            .grant(i64::from(ttl_seconds), None)
+            .await
+            .map_err(ArbiterError::store)?;
+        let (cluster_id, _) = header_of(lease.header())?;
+        self.observe(cluster_id, None).await?;
+        let id = lease.id();
+        let record = encode(&SessionRecord {
+            identity: identity.to_string(),
+            ttl_seconds,
+        });
+        let resp = self
+            .client
+            .kv_client()
+            .put(self.layout.session(id), record, Some(PutOptions::new().with_lease(id)))
+            .await
+            .map_err(ArbiterError::store)?;
+        let (cluster_id, revision) = header_of(resp.header())?;
+        self.observe(cluster_id, Some(revision)).await?;
+        Ok(id)
+    }
+
+    pub async fn session(&self, lease: i64) -> Result<Option<SessionRecord>, ArbiterError> {
+        let resp = self
+            .client
+            .kv_client()
+            .get(self.layout.session(lease), None)
+            .await
+            .map_err(ArbiterError::store)?;
+        let (cluster_id, revision) = header_of(resp.header())?;
+        self.observe(cluster_id, Some(revision)).await?;
+        Ok(resp.kvs().first().and_then(|kv| decode(kv.value())))
+    }
+
+    pub async fn revoke(&self, lease: i64) -> Result<(), ArbiterError> {
+        match self.client.lease_client().revoke(lease).await {
+            Ok(_) => Ok(()),
+            Err(etcd_client::Error::GRpcStatus(s)) if s.code() == tonic::Code::NotFound => Ok(()),
+            Err(e) => Err(ArbiterError::store(e)),
+        }
+    }
+
+    pub async fn renewer(&self, lease: i64) -> Result<Renewer, ArbiterError> {
+        let (keeper, stream) = self
+            .client
+            .lease_client()
+            .keep_alive(lease)
+            .await
+            .map_err(ArbiterError::store)?;
+        Ok(Renewer { keeper, stream })
+    }
+
+    /// One grant attempt: one transaction, classified. A refusal caused by a
+    /// change under us (epoch advanced, key freed between compare and read)
+    /// is retried a few times, never answered with a guess.
+    pub async fn try_grant(&self, req: &GrantRequest) -> Result<GrantOutcome, ArbiterError> {
+        for _ in 0..4 {
+            if let Some(outcome) = self.grant_once(req).await? {
+                return Ok(outcome);
+            }
+        }
+        Err(ArbiterError::store(
+            "the lock log kept changing under the grant transaction",
+        ))
+    }
+
+    async fn grant_once(&self, req: &GrantRequest) -> Result<Option<GrantOutcome>, ArbiterError> {
+        let state = self.serving_epoch().await?;
+        let holder_key = self.layout.holder(&req.key);
+        let session_key = self.layout.session(req.session);
+        let epoch_key = self.layout.epoch();
+        let seal_key = self.layout.seal();
+        let txn = Txn::new()
+            .when([
+                Compare::create_revision(holder_key.clone(), CompareOp::Equal, 0),
+                Compare::value(epoch_key.clone(), CompareOp::Equal, state.bytes.clone()),
+                Compare::create_revision(seal_key.clone(), CompareOp::Equal, 0),
+                Compare::value(session_key.clone(), CompareOp::Equal, req.session_bytes()),
+            ])
+            .and_then([TxnOp::put(
+                holder_key.clone(),
+                req.holder_bytes(),
+                Some(PutOptions::new().with_lease(req.session)),
+            )])
+            .or_else([
+                TxnOp::get(holder_key, None),
+                TxnOp::get(epoch_key, None),
+                TxnOp::get(seal_key, None),
+                TxnOp::get(session_key, None),
+            ]);
+        let resp = self
+            .client
+            .kv_client()
+            .txn(txn)
+            .await
+            .map_err(ArbiterError::store)?;
+        let (cluster_id, revision) = header_of(resp.header())?;
+        self.observe(cluster_id, Some(revision)).await?;
+        if resp.succeeded() {
+            let grant = Grant {
+                key: req.key.clone(),
+                session: req.session,
+                epoch: state.epoch(),
+                revision,
+            };
+            self.make_durable(&state, revision).await?;
+            return Ok(Some(GrantOutcome::Granted(grant)));
+        }
+        let ops = resp.op_responses();
+        let holder = ops.first().and_then(first_kv);
+        let epoch_now = ops.get(1).and_then(first_kv).map(|kv| kv.value().to_vec());
+        let seal = ops.get(2).and_then(first_kv);
+        let session = ops.get(3).and_then(first_kv);
+
+        if seal.is_some() || epoch_now.as_deref() != Some(state.bytes.as_slice()) {
+            // The epoch moved or the log was sealed under us: re-read, and let
+            // the caller try again against the new state.
+            self.load_epoch().await?;
+            self.guard.serving()?;
+            return Ok(None);
+        }
+        let session_record = session.and_then(|kv| decode::<SessionRecord>(kv.value()));
+        match session_record {
+            Some(s) if s.identity == req.identity && s.ttl_seconds != req.ttl_seconds => {
+                return Err(ArbiterError::SessionClassMismatch {
+                    session: req.session,
+                    session_ttl: s.ttl_seconds,
+                    class: req.class.clone(),
+                    class_ttl: req.ttl_seconds,
+                });
+            }
+            Some(s) if s.identity == req.identity => {}
+            _ => return Err(ArbiterError::SessionExpired { session: req.session }),
+        }
+        let Some(holder) = holder else {
+            // Everything matched by the time we read it: the key was freed in
+            // between. Another attempt decides.
+            return Ok(None);
+        };
+        let record: Option<HolderRecord> = decode(holder.value());
+        match record {
+            Some(h) if h.session == req.session => {
+                // Idempotent retry: the same grant, same token.
+                let grant = Grant {
+                    key: req.key.clone(),
+                    session: req.session,
+                    epoch: state.epoch(),
+                    revision: holder.mod_revision(),
+                };
+                Ok(Some(GrantOutcome::Granted(grant)))
+            }
+            Some(h) if h.identity == req.identity => Err(ArbiterError::Leak {
+                key: req.key.clone(),
+                holder_session: h.session,
+            }),
+            _ => Ok(Some(GrantOutcome::Held {
+                watch_from: revision + 1,
+            })),
+        }
+    }
+
+    async fn make_durable(&self, state: &EpochState, revision: i64) -> Result<(), ArbiterError> {
+        self.high_water
+            .record(Mark {
+                epoch: state.epoch(),
+                cluster_id: state.cluster_id,
+                revision,
+            })
+            .await
+            .map_err(|e| {
+                // The grant is committed but cannot be vouched for after a
+                // restore: refuse to hand out its token.
+                error!(error = %e, "high-water mark not durable; refusing the grant");
+                ArbiterError::Internal(
+                    "the arbiter could not make the grant durable in its state directory".into(),
+                )
+            })
+    }
+
+    pub async fn holder(&self, key: &str) -> Result<Option<HolderView>, ArbiterError> {
+        let resp = self
+            .client
+            .kv_client()
+            .get(self.layout.holder(key), None)
+            .await
+            .map_err(ArbiterError::store)?;
+        let (cluster_id, revision) = header_of(resp.header())?;
+        self.observe(cluster_id, Some(revision)).await?;
+        Ok(resp.kvs().first().and_then(|kv| {
+            decode(kv.value()).map(|record| HolderView {
+                record,
+                revision: kv.mod_revision(),
+                lease: kv.lease(),
+            })
+        }))
+    }
+
+    /// Hands `key` from the releasing session straight to `next` in one
+    /// transaction. `Ok(None)` if any compare failed (the caller then does a
+    /// plain release).
+    pub async fn hand_over(
+        &self,
+        key: &str,
+        session: i64,
+        revision: i64,
+        next: &GrantRequest,
+    ) -> Result<Option<Grant>, ArbiterError> {
+        let state = self.serving_epoch().await?;
+        let holder_key = self.layout.holder(key);
+        let txn = Txn::new()
+            .when([
+                Compare::mod_revision(holder_key.clone(), CompareOp::Equal, revision),
+                Compare::lease(holder_key.clone(), CompareOp::Equal, session),
+                Compare::value(self.layout.epoch(), CompareOp::Equal, state.bytes.clone()),
+                Compare::create_revision(self.layout.seal(), CompareOp::Equal, 0),
+                Compare::value(
+                    self.layout.session(next.session),
+                    CompareOp::Equal,
+                    next.session_bytes(),
+                ),
+            ])
+            .and_then([TxnOp::put(
+                holder_key,
+                next.holder_bytes(),
+                Some(PutOptions::new().with_lease(next.session)),
+            )]);
+        let resp = self
+            .client
+            .kv_client()
+            .txn(txn)
+            .await
+            .map_err(ArbiterError::store)?;
+        let (cluster_id, rev) = header_of(resp.header())?;
+        self.observe(cluster_id, Some(rev)).await?;
+        if !resp.succeeded() {
+            return Ok(None);
+        }
+        self.make_durable(&state, rev).await?;
+        Ok(Some(Grant {
+            key: key.to_string(),
+            session: next.session,
+            epoch: state.epoch(),
+            revision: rev,
+        }))
+    }
+
+    /// Deletes the hold if `session` holds `key` at `revision`.
+    pub async fn release(&self, key: &str, session: i64, revision: i64) -> Result<(), ArbiterError> {
+        let holder_key = self.layout.holder(key);
+        let txn = Txn::new()
+            .when([
+                Compare::mod_revision(holder_key.clone(), CompareOp::Equal, revision),
+                Compare::lease(holder_key.clone(), CompareOp::Equal, session),
+            ])
+            .and_then([TxnOp::delete(holder_key.clone(), None)])
+            .or_else([TxnOp::get(holder_key, None)]);
+        let resp = self
+            .client
+            .kv_client()
+            .txn(txn)
+            .await
+            .map_err(ArbiterError::store)?;
+        let (cluster_id, rev) = header_of(resp.header())?;
+        self.observe(cluster_id, Some(rev)).await?;
+        if resp.succeeded() {
+            return Ok(());
+        }
+        let ops = resp.op_responses();
+        match ops.first().and_then(first_kv) {
+            Some(kv) if kv.lease() == session => Err(ArbiterError::TokenMismatch {
+                key: key.to_string(),
+            }),
+            _ => Err(ArbiterError::NotHeld {
+                key: key.to_string(),
+                session,
+            }),
+        }
+    }
+
+    /// Watches `key` from `from_revision`; see [`KeyWatch`].
+    pub async fn watch(&self, key: &str, from_revision: i64) -> Result<KeyWatch, ArbiterError> {
+        let stream = self
+            .client
+            .watch_client()
+            .watch(
+                self.layout.holder(key),
+                Some(WatchOptions::new().with_start_revision(from_revision)),
+            )
+            .await
+            .map_err(ArbiterError::store)?;
+        Ok(KeyWatch { stream })
+    }
+
+    /// ADR-03's unseal: compare epoch E, write E+1 bound to the current
+    /// cluster id, delete every hold, every durable waiter and the seal.
+    pub async fn advance_epoch(
+        &self,
+        expected: u32,
+        reason: &str,
+    ) -> Result<(EpochRecord, i64), ArbiterError> {
+        let mut kv = self.client.kv_client();
+        let epoch_key = self.layout.epoch();
+        let current = kv
+            .get(epoch_key.clone(), None)
+            .await
+            .map_err(ArbiterError::store)?;
+        let (cluster_id, _) = header_of(current.header())?;
+        let Some(existing) = current.kvs().first() else {
+            return Err(ArbiterError::BadRequest(
+                "there is no epoch record yet; start an arbiter against this etcd first".into(),
+            ));
+        };
+        let record: EpochRecord = decode(existing.value())
+            .ok_or_else(|| ArbiterError::Internal("the epoch record is not valid".into()))?;
+        if record.epoch != expected {
+            return Err(ArbiterError::BadRequest(format!(
+                "the epoch is {}, not {expected}; check `latchctl admin status` and pass the current epoch",
+                record.epoch
+            )));
+        }
+        let next = record.epoch + 1;
+        if next >= token::MAX_EPOCH {
+            return Err(ArbiterError::Internal("the epoch space is exhausted".into()));
+        }
+        let new_record = EpochRecord {
+            epoch: next,
+            cluster_id: cluster_id.to_string(),
+            advanced_at_unix_ms: now_unix_ms(),
+            reason: reason.to_string(),
+        };
+        let txn = Txn::new()
+            .when([Compare::value(
+                epoch_key.clone(),
+                CompareOp::Equal,
+                existing.value().to_vec(),
+            )])
+            .and_then([
+                TxnOp::put(epoch_key, encode(&new_record), None),
+                TxnOp::delete(self.layout.holders(), Some(etcd_client::DeleteOptions::new().with_prefix())),
+                TxnOp::delete(
+                    self.layout.durable_waiters(),
+                    Some(etcd_client::DeleteOptions::new().with_prefix()),
+                ),
+                TxnOp::delete(self.layout.seal(), None),
+            ]);
+        let resp = kv.txn(txn).await.map_err(ArbiterError::store)?;
+        if !resp.succeeded() {
+            return Err(ArbiterError::BadRequest(
+                "the epoch record changed while advancing; read the status and try again".into(),
+            ));
+        }
+        let deleted = match resp.op_responses().get(1) {
+            Some(TxnOpResponse::Delete(d)) => d.deleted(),
+            _ => 0,
+        };
+        self.load_epoch().await?;
+        Ok((new_record, deleted))
+    }
+
+    /// The cluster id etcd reports now.
+    pub async fn current_cluster_id(&self) -> Result<u64, ArbiterError> {
+        let resp = self
+            .client
+            .kv_client()
+            .get(self.layout.epoch(), Some(GetOptions::new().with_count_only()))
+            .await
+            .map_err(ArbiterError::store)?;
+        Ok(header_of(resp.header())?.0)
+    }
+
+    /// Keys held under a prefix, for tests and inspection tools.
+    pub async fn count_holds(&self) -> Result<i64, ArbiterError> {
+        let resp = self
+            .client
+            .kv_client()
+            .get(
+                self.layout.holders(),
+                Some(GetOptions::new().with_prefix().with_count_only()),
+            )
+            .await
+            .map_err(ArbiterError::store)?;
+        Ok(resp.count())
+    }
+}
+
+/// One session's renewal stream to etcd.
+pub struct Renewer {
+    keeper: LeaseKeeper,
+    stream: LeaseKeepAliveStream,
+}
+
+impl Renewer {
+    /// Renews once; the TTL left, or 0 when the lease is gone.
+    pub async fn renew(&mut self) -> Result<i64, ArbiterError> {
+        self.keeper.keep_alive().await.map_err(ArbiterError::store)?;
+        match self.stream.message().await.map_err(ArbiterError::store)? {
+            Some(resp) => Ok(resp.ttl()),
+            None => Err(ArbiterError::store("lease keep-alive stream closed")),
+        }
+    }
+}
+
+/// What a key watch reported.
+#[derive(Debug, PartialEq, Eq)]
+pub enum WatchSignal {
+    /// The key was deleted (release or session expiry): worth an attempt.
+    Freed,
+    /// The key changed hands or was written: the wait goes on.
+    Changed,
+    /// The watch ended (compaction, cancel, stream error): fall back to polling.
+    Lost,
+}
+
+pub struct KeyWatch {
+    stream: WatchStream,
+}
+
+impl KeyWatch {
+    pub async fn next(&mut self) -> WatchSignal {
+        loop {
+            match self.stream.message().await {
+                Ok(Some(resp)) => {
+                    if resp.canceled() {
+                        return WatchSignal::Lost;
+                    }
+                    if resp.events().is_empty() {
+                        continue;
+                    }
+                    let freed = resp
+                        .events()
+                        .iter()
+                        .any(|e| e.event_type() == EventType::Delete);
+                    return if freed {
+                        WatchSignal::Freed
+                    } else {
+                        WatchSignal::Changed
+                    };
+                }
+                Ok(None) | Err(_) => return WatchSignal::Lost,
+            }
+        }
+    }
+}

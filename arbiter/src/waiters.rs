@@ -1,0 +1,292 @@
+//! In-memory FIFO waiters per key (ADR-14, ADR-15).
+//!
+//! Envoy ring-hashes on the key, so every waiter for a key lands on one
+//! arbiter, which queues them in arrival order. One driver task per contended
+//! key attempts a grant for the head waiter whenever something suggests the
+//! key may be free: a delete event on the key's watch, a kick from a local
+//! release or cancellation, or a poll tick (~1 s with jitter) when the watch
+//! is lost. Every attempt is a full grant transaction; a notification never
+//! grants.
+//!
+//! Delivery is exactly-once per waiter: the waiter's sender is taken out of a
+//! shared slot by whichever path delivers first (the driver, or a release that
+//! handed the key over in its own transaction). A grant that finds its waiter
+//! gone (cancelled, timed out) is released at once, so an abandoned call never
+//! leaves a hold behind.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{Notify, oneshot};
+use tracing::{debug, warn};
+
+use crate::error::ArbiterError;
+use crate::store::{Grant, GrantOutcome, GrantRequest, KeyWatch, Store, WatchSignal};
+
+type Reply = Result<Grant, ArbiterError>;
+type Slot = Arc<Mutex<Option<oneshot::Sender<Reply>>>>;
+
+struct Waiter {
+    id: u64,
+    req: GrantRequest,
+    slot: Slot,
+}
+
+struct KeyQueue {
+    waiters: VecDeque<Waiter>,
+    kick: Arc<Notify>,
+}
+
+pub struct Queues {
+    keys: Mutex<HashMap<String, KeyQueue>>,
+    next_id: AtomicU64,
+    store: Store,
+    poll: Duration,
+}
+
+/// The head of a key's queue, as seen by a release that may hand over.
+pub struct Head {
+    pub id: u64,
+    pub req: GrantRequest,
+    slot: Slot,
+}
+
+impl Queues {
+    pub fn new(store: Store, poll: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            keys: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            store,
+            poll,
+        })
+    }
+
+    pub fn waiting(&self, key: &str) -> usize {
+        self.keys
+            .lock()
+            .map(|k| k.get(key).map_or(0, |q| q.waiters.len()))
+            .unwrap_or(0)
+    }
+
+    pub fn head(&self, key: &str) -> Option<Head> {
+        let keys = self.keys.lock().ok()?;
+        let w = keys.get(key)?.waiters.front()?;
+        Some(Head {
+            id: w.id,
+            req: w.req.clone(),
+            slot: w.slot.clone(),
+        })
+    }
+
+    /// Joins the tail of `req.key`'s queue. Starts the key's driver if the
+    /// queue was empty.
+    pub fn enqueue(
+        self: &Arc<Self>,
+        req: GrantRequest,
+        watch_from: Option<i64>,
+        limit: u32,
+    ) -> Result<Ticket, ArbiterError> {
+        let (tx, rx) = oneshot::channel();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let key = req.key.clone();
+        let mut keys = self
+            .keys
+            .lock()
+            .map_err(|_| ArbiterError::Internal("waiter queues poisoned".into()))?;
+        let start_driver = !keys.contains_key(&key);
+        let queue = keys.entry(key.clone()).or_insert_with(|| KeyQueue {
+            waiters: VecDeque::new(),
+            kick: Arc::new(Notify::new()),
+        });
+        if queue.waiters.len() >= limit as usize {
+            return Err(ArbiterError::QueueFull { key, limit });
+        }
+        queue.waiters.push_back(Waiter {
+            id,
+            req,
+            slot: Arc::new(Mutex::new(Some(tx))),
+        });
+        let kick = queue.kick.clone();
+        drop(keys);
+        if start_driver {
+            tokio::spawn(drive(self.clone(), key.clone(), kick, watch_from));
+        }
+        Ok(Ticket {
+            queues: self.clone(),
+            key,
+            id,
+            rx: Some(rx),
+        })
+    }
+
+    /// Wakes the key's driver (a local release, or a cancelled head).
+    pub fn kick(&self, key: &str) {
+        if let Ok(keys) = self.keys.lock()
+            && let Some(q) = keys.get(key)
+        {
+            q.kick.notify_one();
+        }
+    }
+
+    fn remove(&self, key: &str, id: u64) {
+        if let Ok(mut keys) = self.keys.lock()
+            && let Some(q) = keys.get_mut(key)
+        {
+            let was_head = q.waiters.front().is_some_and(|w| w.id == id);
+            q.waiters.retain(|w| w.id != id);
+            if was_head {
+                q.kick.notify_one();
+            }
+        }
+    }
+
+    /// Delivers to the waiter in `head` unless another path already did.
+    pub fn deliver(self: &Arc<Self>, head: &Head, reply: Reply) {
+        self.deliver_to(&head.req.key, head.id, &head.slot, reply);
+    }
+
+    fn deliver_to(self: &Arc<Self>, key: &str, id: u64, slot: &Slot, reply: Reply) {
+        let tx = slot.lock().ok().and_then(|mut s| s.take());
+        let Some(tx) = tx else {
+            return; // delivered already (e.g. by a hand-over): nothing to do
+        };
+        self.remove(key, id);
+        if let Err(Ok(grant)) = tx.send(reply) {
+            self.release_orphan(grant);
+        }
+    }
+
+    /// A grant whose caller went away: release it now rather than leave a
+    /// hold on a session that may live for a long time.
+    pub fn release_orphan(self: &Arc<Self>, grant: Grant) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            debug!(key = %grant.key, "releasing a grant whose caller went away");
+            if let Err(e) = this
+                .store
+                .release(&grant.key, grant.session, grant.revision)
+                .await
+            {
+                warn!(key = %grant.key, error = %e, "could not release an abandoned grant; it ends with its session");
+            }
+            this.kick(&grant.key);
+        });
+    }
+
+    /// Removes the key's queue if it is empty; returns the head otherwise.
+    fn head_or_retire(&self, key: &str) -> Option<Head> {
+        let mut keys = self.keys.lock().ok()?;
+        let q = keys.get(key)?;
+        match q.waiters.front() {
+            Some(w) => Some(Head {
+                id: w.id,
+                req: w.req.clone(),
+                slot: w.slot.clone(),
+            }),
+            None => {
+                keys.remove(key);
+                None
+            }
+        }
+    }
+}
+
+/// A queued Acquire. Dropping it (cancelled call, timeout) leaves the queue at
+/// once; a grant that raced with the drop is released.
+pub struct Ticket {
+    queues: Arc<Queues>,
+    key: String,
+    id: u64,
+    rx: Option<oneshot::Receiver<Reply>>,
+}
+
+impl Ticket {
+    pub async fn wait(&mut self) -> Reply {
+        match self.rx.as_mut() {
+            Some(rx) => {
+                let reply = rx
+                    .await
+                    .unwrap_or_else(|_| Err(ArbiterError::Internal("waiter dropped".into())));
+                self.rx = None;
+                reply
+            }
+            None => Err(ArbiterError::Internal("waited twice".into())),
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.queues.remove(&self.key, self.id);
+        if let Some(mut rx) = self.rx.take() {
+            rx.close();
+            if let Ok(Ok(grant)) = rx.try_recv() {
+                self.queues.release_orphan(grant);
+            }
+        }
+    }
+}
+
+fn jittered(base: Duration) -> Duration {
+    let ms = u64::try_from(base.as_millis()).unwrap_or(1000).max(1);
+    Duration::from_millis(ms / 2 + fastrand::u64(0..=ms))
+}
+
+async fn drive(queues: Arc<Queues>, key: String, kick: Arc<Notify>, watch_from: Option<i64>) {
+    let mut watch: Option<KeyWatch> = None;
+    let mut from = watch_from;
+    while let Some(head) = queues.head_or_retire(&key) {
+        match queues.store.try_grant(&head.req).await {
+            Ok(GrantOutcome::Granted(grant)) => {
+                queues.deliver(&head, Ok(grant));
+                continue;
+            }
+            Ok(GrantOutcome::Held { watch_from }) => {
+                if from.is_none() {
+                    from = Some(watch_from);
+                }
+            }
+            Err(e) if matches!(e, ArbiterError::StoreUnavailable { .. }) => {
+                debug!(key = %key, error = %e, "grant attempt failed; polling");
+                watch = None;
+                tokio::select! {
+                    _ = kick.notified() => {}
+                    _ = tokio::time::sleep(jittered(queues.poll)) => {}
+                }
+                continue;
+            }
+            Err(e) => {
+                queues.deliver(&head, Err(e));
+                continue;
+            }
+        }
+        if watch.is_none()
+            && let Some(rev) = from.take()
+        {
+            watch = queues.store.watch(&key, rev).await.ok();
+        }
+        // Wait for a hint; every hint leads to a full grant transaction.
+        match watch.as_mut() {
+            Some(w) => {
+                tokio::select! {
+                    signal = w.next() => {
+                        if signal == WatchSignal::Lost {
+                            debug!(key = %key, "watch lost; polling until re-watched");
+                            watch = None;
+                        }
+                    }
+                    _ = kick.notified() => {}
+                    _ = tokio::time::sleep(jittered(queues.poll * 5)) => {}
+                }
+            }
+            None => {
+                tokio::select! {
+                    _ = kick.notified() => {}
+                    _ = tokio::time::sleep(jittered(queues.poll)) => {}
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,262 @@
+//! The client handle: the channel, the sessions it keeps open (one per TTL),
+//! and the calls that need no session.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use latchkey_proto::adminv1::{
+    AdvanceEpochRequest, AdvanceEpochResponse, GetStatusRequest, GetStatusResponse,
+};
+use latchkey_proto::lockv1::{InspectRequest, OpenSessionRequest, ReleaseRequest};
+use tokio::time::Instant;
+
+use crate::config::ClientConfig;
+use crate::error::Error;
+use crate::lock::LockBuilder;
+use crate::rpc::Rpc;
+use crate::session::{Session, SessionInner};
+use crate::token::FencingToken;
+
+/// A connection to the arbiter under one identity. Cheap to clone; clones
+/// share the channel and the sessions.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<ClientInner>,
+}
+
+struct ClientInner {
+    rpc: Rpc,
+    sessions: Mutex<Sessions>,
+    /// One OpenSession at a time, so two first acquires of a class cannot
+    /// open two leases for one TTL.
+    opening: tokio::sync::Mutex<()>,
+}
+
+#[derive(Default)]
+struct Sessions {
+    by_id: HashMap<i64, Arc<SessionInner>>,
+    /// Which session served a class last; saves an OpenSession per acquire.
+    by_class: HashMap<String, i64>,
+}
+
+/// Who holds a key, as the arbiter that answered sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inspection {
+    pub key: String,
+    /// `None` when the key is free.
+    pub holder: Option<Holder>,
+    /// Waiters queued on the arbiter that answered.
+    pub waiters: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// The holder's SPIFFE ID.
+    pub identity: String,
+    pub session_id: i64,
+    pub class: String,
+    pub token: FencingToken,
+    pub acquired_at_unix_ms: i64,
+    pub annotations: BTreeMap<String, String>,
+}
+
+impl Client {
+    /// Connects (eagerly, so a wrong endpoint or certificate shows here).
+    pub async fn connect(config: ClientConfig) -> Result<Self, Error> {
+        let rpc = Rpc::connect(&config).await?;
+        Ok(Self {
+            inner: Arc::new(ClientInner {
+                rpc,
+                sessions: Mutex::new(Sessions::default()),
+                opening: tokio::sync::Mutex::new(()),
+            }),
+        })
+    }
+
+    fn sessions(&self) -> MutexGuard<'_, Sessions> {
+        self.inner
+            .sessions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A session with `class`'s TTL: one this client already has if the
+    /// arbiter finds one that fits, else a new lease whose keepalive starts now.
+    pub async fn open_session(&self, class: &str) -> Result<Session, Error> {
+        let _opening = self.inner.opening.lock().await;
+        let reuse_session_ids = {
+            let mut sessions = self.sessions();
+            sessions.prune();
+            let mut ids: Vec<i64> = sessions.by_id.keys().copied().collect();
+            ids.sort_unstable();
+            ids
+        };
+        let rpc = &self.inner.rpc;
+        let opened_at = Instant::now();
+        let reply = rpc
+            .lock()
+            .open_session(rpc.unary(OpenSessionRequest {
+                class: class.to_owned(),
+                reuse_session_ids,
+            }))
+            .await?
+            .into_inner();
+        if reply.ttl_seconds == 0 {
+            return Err(Error::Protocol {
+                rpc: "OpenSession",
+                problem: "zero TTL",
+            });
+        }
+        let ttl = Duration::from_secs(u64::from(reply.ttl_seconds));
+        let interval = match reply.keepalive_interval_ms {
+            0 => ttl / 3,
+            ms => Duration::from_millis(u64::from(ms)).min(ttl / 2),
+        }
+        .max(Duration::from_millis(100));
+
+        let mut sessions = self.sessions();
+        let existing = sessions
+            .by_id
+            .get(&reply.session_id)
+            .filter(|s| s.core.fenced().is_none())
+            .cloned();
+        let inner = match existing {
+            Some(inner) => inner,
+            None => {
+                let inner =
+                    SessionInner::start(rpc.clone(), reply.session_id, ttl, interval, opened_at);
+                sessions.by_id.insert(reply.session_id, Arc::clone(&inner));
+                tracing::debug!(session_id = reply.session_id, ttl_s = reply.ttl_seconds, "session opened");
+                inner
+            }
+        };
+        sessions.by_class.insert(class.to_owned(), reply.session_id);
+        Ok(Session::new(inner, reply.reused))
+    }
+
+    /// The live session that served `class` last, or a fresh open.
+    pub(crate) async fn session_for_class(&self, class: &str) -> Result<Session, Error> {
+        {
+            let sessions = self.sessions();
+            let cached = sessions
+                .by_class
+                .get(class)
+                .and_then(|id| sessions.by_id.get(id))
+                .filter(|s| s.core.fenced().is_none());
+            if let Some(inner) = cached {
+                return Ok(Session::new(Arc::clone(inner), true));
+            }
+        }
+        self.open_session(class).await
+    }
+
+    pub(crate) fn forget_class(&self, class: &str, session_id: i64) {
+        let mut sessions = self.sessions();
+        if sessions.by_class.get(class) == Some(&session_id) {
+            sessions.by_class.remove(class);
+        }
+    }
+
+    /// A session of this client by id, if it is still open.
+    pub fn session(&self, session_id: i64) -> Option<Session> {
+        self.sessions()
+            .by_id
+            .get(&session_id)
+            .filter(|s| s.core.fenced().is_none())
+            .map(|inner| Session::new(Arc::clone(inner), true))
+    }
+
+    /// Starts a lock request; see [`LockBuilder`].
+    pub fn lock(&self, key: impl Into<String>, class: impl Into<String>) -> LockBuilder {
+        LockBuilder::new(self.clone(), key.into(), class.into())
+    }
+
+    /// Who holds `key`.
+    pub async fn inspect(&self, key: &str) -> Result<Inspection, Error> {
+        let rpc = &self.inner.rpc;
+        let reply = rpc
+            .lock()
+            .inspect(rpc.unary(InspectRequest {
+                key: key.to_owned(),
+            }))
+            .await?
+            .into_inner();
+        Ok(Inspection {
+            key: reply.key,
+            waiters: reply.waiters,
+            holder: reply.holder.map(|h| Holder {
+                identity: h.identity,
+                session_id: h.session_id,
+                class: h.class,
+                token: FencingToken::new(h.token),
+                acquired_at_unix_ms: h.acquired_at_unix_ms,
+                annotations: h.annotations.into_iter().collect(),
+            }),
+        })
+    }
+
+    /// Releases a hold by its grant, bypassing the re-entrancy count: for a
+    /// hold this process did not acquire (`latchctl release` after
+    /// `acquire --detach`). Prefer [`crate::LockGuard::release`].
+    pub async fn release_grant(
+        &self,
+        key: &str,
+        session_id: i64,
+        token: FencingToken,
+    ) -> Result<(), Error> {
+        let rpc = &self.inner.rpc;
+        rpc.lock()
+            .release(rpc.unary(ReleaseRequest {
+                key: key.to_owned(),
+                session_id,
+                token: token.get(),
+            }))
+            .await?;
+        Ok(())
+    }
+
+    /// The arbiter's epoch and seal state. Operator identities only.
+    pub async fn admin_status(&self) -> Result<GetStatusResponse, Error> {
+        let rpc = &self.inner.rpc;
+        Ok(rpc
+            .admin()
+            .get_status(rpc.unary(GetStatusRequest {}))
+            .await?
+            .into_inner())
+    }
+
+    /// Unseals after a restore by moving the epoch from `expected` to
+    /// `expected + 1`; deletes every hold. Operator identities only.
+    pub async fn advance_epoch(
+        &self,
+        expected: u32,
+        reason: &str,
+    ) -> Result<AdvanceEpochResponse, Error> {
+        let rpc = &self.inner.rpc;
+        Ok(rpc
+            .admin()
+            .advance_epoch(rpc.unary(AdvanceEpochRequest {
+                expected_epoch: expected,
+                reason: reason.to_owned(),
+            }))
+            .await?
+            .into_inner())
+    }
+}
+
+impl Sessions {
+    /// Dead sessions are neither offered for reuse nor kept renewing.
+    fn prune(&mut self) {
+        self.by_id.retain(|_, s| s.core.fenced().is_none());
+        let by_id = &self.by_id;
+        self.by_class.retain(|_, id| by_id.contains_key(id));
+    }
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sessions: Vec<i64> = self.sessions().by_id.keys().copied().collect();
+        f.debug_struct("Client").field("sessions", &sessions).finish()
+    }
+}

@@ -1,0 +1,181 @@
+//! The one error type of the client, and the mapping from `tonic::Status`.
+
+use std::path::PathBuf;
+
+use latchkey_proto::lockv1::Reason;
+use tonic::Code;
+use tonic_types::StatusExt;
+
+use crate::session::FenceReason;
+
+/// Everything a Latchkey call can fail with.
+///
+/// No variant carries a fencing token: tokens are capabilities and errors end
+/// up in logs.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The arbiter (or Envoy in front of it) answered with a non-OK status.
+    /// `reason` comes from the `google.rpc.ErrorInfo` detail in the
+    /// `latchkey.dev` domain, `Unspecified` when there is none.
+    #[error("{}: {}: {message}", code_name(*code), reason_name(*reason))]
+    Refused {
+        code: Code,
+        reason: Reason,
+        message: String,
+    },
+    /// The channel to `endpoint` could not be set up or connected.
+    #[error("connecting to {endpoint}")]
+    Transport {
+        endpoint: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The client configuration cannot work.
+    #[error("invalid configuration: {field}: {problem}")]
+    Config { field: &'static str, problem: String },
+    /// A TLS file could not be read.
+    #[error("reading {what} {}", path.display())]
+    ReadFile {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The session is dead (deadline passed, expired at the arbiter, or
+    /// closed), so every hold on it is lost.
+    #[error("session {session_id} is fenced: {reason}")]
+    Fenced {
+        session_id: i64,
+        reason: FenceReason,
+    },
+    /// The arbiter answered OK with a reply this client cannot use.
+    #[error("malformed reply to {rpc}: {problem}")]
+    Protocol {
+        rpc: &'static str,
+        problem: &'static str,
+    },
+}
+
+impl Error {
+    /// Worth retrying as is: the network or the store, not the request.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Refused { code, reason, .. } => {
+                matches!(reason, Reason::StoreUnavailable)
+                    || matches!(code, Code::Unavailable | Code::Unknown | Code::Cancelled)
+                    || (*code == Code::DeadlineExceeded && *reason != Reason::WaitTimeout)
+            }
+            Error::Transport { .. } => true,
+            Error::Config { .. }
+            | Error::ReadFile { .. }
+            | Error::Fenced { .. }
+            | Error::Protocol { .. } => false,
+        }
+    }
+
+    /// The refusal reason, `Unspecified` for errors that are not refusals.
+    pub fn reason(&self) -> Reason {
+        match self {
+            Error::Refused { reason, .. } => *reason,
+            _ => Reason::Unspecified,
+        }
+    }
+
+    /// The gRPC code, if the error came from a status.
+    pub fn code(&self) -> Option<Code> {
+        match self {
+            Error::Refused { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+impl From<tonic::Status> for Error {
+    fn from(status: tonic::Status) -> Self {
+        Error::Refused {
+            code: status.code(),
+            reason: reason_of(&status),
+            message: status.message().to_owned(),
+        }
+    }
+}
+
+/// The `Reason` in the status's `ErrorInfo`, if it is ours.
+pub(crate) fn reason_of(status: &tonic::Status) -> Reason {
+    let details = status.get_error_details();
+    details
+        .error_info()
+        .filter(|info| info.domain == latchkey_proto::ERROR_DOMAIN)
+        .and_then(|info| Reason::from_str_name(&format!("REASON_{}", info.reason)))
+        .unwrap_or(Reason::Unspecified)
+}
+
+/// The reason as it appears on the wire: `HELD`, not `REASON_HELD`.
+pub fn reason_name(reason: Reason) -> &'static str {
+    let name = reason.as_str_name();
+    name.strip_prefix("REASON_").unwrap_or(name)
+}
+
+/// The canonical gRPC name of a code (`FAILED_PRECONDITION`), as the proto
+/// comments and `docs/errors.md` spell it.
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic_types::ErrorDetails;
+
+    fn refusal(code: Code, reason: &str, domain: &str) -> tonic::Status {
+        tonic::Status::with_error_details(
+            code,
+            "key is held",
+            ErrorDetails::with_error_info(reason, domain, std::collections::HashMap::new()),
+        )
+    }
+
+    #[test]
+    fn reason_comes_from_error_info() {
+        let err = Error::from(refusal(Code::Aborted, "HELD", "latchkey.dev"));
+        assert_eq!(err.reason(), Reason::Held);
+        assert_eq!(err.to_string(), "ABORTED: HELD: key is held");
+        assert!(!err.is_transient());
+    }
+
+    #[test]
+    fn foreign_or_missing_detail_is_unspecified() {
+        let err = Error::from(refusal(Code::Aborted, "HELD", "example.com"));
+        assert_eq!(err.reason(), Reason::Unspecified);
+        let err = Error::from(tonic::Status::unavailable("no route"));
+        assert_eq!(err.reason(), Reason::Unspecified);
+        assert_eq!(err.to_string(), "UNAVAILABLE: UNSPECIFIED: no route");
+        assert!(err.is_transient());
+    }
+
+    #[test]
+    fn wait_timeout_is_not_transient_but_store_unavailable_is() {
+        let wait = Error::from(refusal(Code::DeadlineExceeded, "WAIT_TIMEOUT", "latchkey.dev"));
+        assert!(!wait.is_transient());
+        let store = Error::from(refusal(Code::Unavailable, "STORE_UNAVAILABLE", "latchkey.dev"));
+        assert!(store.is_transient());
+    }
+}

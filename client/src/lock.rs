@@ -1,0 +1,352 @@
+//! Acquiring a key (ADR-13): the builder, and the guard that is the hold.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use latchkey_proto::lockv1::{AcquireRequest, Reason, ReleaseRequest, WaitMode};
+
+use crate::client::Client;
+use crate::error::Error;
+use crate::session::{Begin, Decrement, FenceCallback, FenceReason, Hold, Session, SessionInner};
+use crate::token::FencingToken;
+
+/// Built by [`Client::lock`]; [`LockBuilder::acquire`] sends it.
+#[must_use = "a lock is only requested by .acquire(on_fence)"]
+pub struct LockBuilder {
+    client: Client,
+    key: String,
+    class: String,
+    wait: Option<Duration>,
+    metadata: HashMap<String, String>,
+    session: Option<Session>,
+}
+
+impl LockBuilder {
+    pub(crate) fn new(client: Client, key: String, class: String) -> Self {
+        Self {
+            client,
+            key,
+            class,
+            wait: None,
+            metadata: HashMap::new(),
+            session: None,
+        }
+    }
+
+    /// Queue for up to `wait` instead of failing at once with HELD. The wait
+    /// is the call's gRPC deadline.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// Metadata for the class's hooks (a change ticket, say).
+    pub fn metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.metadata.insert(key.into(), value.into());
+        self
+    }
+
+    /// Attach the hold to this session rather than to the client's session
+    /// for the class's TTL.
+    pub fn session(mut self, session: &Session) -> Self {
+        self.session = Some(session.clone());
+        self
+    }
+
+    /// Acquires the key. `on_fence` is called once if the hold is lost while
+    /// this guard exists (the session's deadline passed or it expired); by
+    /// then other holders may already have the key, so stop touching the
+    /// resource. It runs on the keepalive task: keep it short.
+    pub async fn acquire<F>(self, on_fence: F) -> Result<LockGuard, Error>
+    where
+        F: Fn(FenceReason) + Send + Sync + 'static,
+    {
+        let on_fence: FenceCallback = Arc::new(on_fence);
+        let explicit = self.session.is_some();
+        let mut session = match &self.session {
+            Some(session) => Arc::clone(&session.inner),
+            None => self.client.session_for_class(&self.class).await?.inner,
+        };
+        let mut retried = false;
+        loop {
+            match self.acquire_on(&session, &on_fence).await {
+                Err(err) if !explicit && !retried && stale_session(&err) => {
+                    // The class's session went away or its TTL changed since
+                    // we cached it: open (or be handed) the right one once.
+                    if err.reason() == Reason::SessionExpired {
+                        session.core.fence(FenceReason::Expired);
+                    }
+                    self.client.forget_class(&self.class, session.core.id);
+                    session = self.client.session_for_class(&self.class).await?.inner;
+                    retried = true;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    async fn acquire_on(
+        &self,
+        session: &Arc<SessionInner>,
+        on_fence: &FenceCallback,
+    ) -> Result<LockGuard, Error> {
+        let core = &session.core;
+        loop {
+            match core.begin_acquire(&self.key, on_fence)? {
+                (Begin::Reentered(hold), Some(guard_id)) => {
+                    return Ok(LockGuard::new(hold, Arc::clone(session), guard_id));
+                }
+                (Begin::Wait(settled), _) => settled.await,
+                (Begin::Outermost, _) => break,
+                (Begin::Reentered(_), None) => {
+                    return Err(Error::Protocol {
+                        rpc: "Acquire",
+                        problem: "nested acquire without a guard id",
+                    });
+                }
+            }
+        }
+
+        // From here the key is Acquiring in the table; whatever happens to
+        // this future, the entry must be settled.
+        let mut pending = PendingAcquire {
+            session,
+            key: &self.key,
+            settled: false,
+        };
+        let rpc = &session.rpc;
+        let mut request = rpc.unary(AcquireRequest {
+            key: self.key.clone(),
+            class: self.class.clone(),
+            session_id: core.id,
+            wait: match self.wait {
+                Some(_) => WaitMode::WaitUntilDeadline,
+                None => WaitMode::WaitNone,
+            } as i32,
+            metadata: self.metadata.clone(),
+        });
+        if let Some(wait) = self.wait {
+            request.set_timeout(wait);
+        }
+        let grant = rpc
+            .lock()
+            .acquire(request)
+            .await?
+            .into_inner()
+            .grant
+            .ok_or(Error::Protocol {
+                rpc: "Acquire",
+                problem: "OK without a grant",
+            })?;
+        if grant.session_id != core.id || grant.key != self.key {
+            return Err(Error::Protocol {
+                rpc: "Acquire",
+                problem: "grant for another session or key",
+            });
+        }
+        let hold = Arc::new(Hold::new(
+            grant.key,
+            grant.session_id,
+            FencingToken::new(grant.token),
+            grant.epoch,
+            grant.revision,
+        ));
+        pending.settled = true;
+        let guard_id = core.granted(Arc::clone(&hold), on_fence)?;
+        tracing::debug!(key = %self.key, session_id = core.id, epoch = hold.epoch, "acquired");
+        Ok(LockGuard::new(hold, Arc::clone(session), guard_id))
+    }
+}
+
+fn stale_session(err: &Error) -> bool {
+    matches!(
+        err.reason(),
+        Reason::SessionExpired | Reason::SessionClassMismatch
+    )
+}
+
+struct PendingAcquire<'a> {
+    session: &'a SessionInner,
+    key: &'a str,
+    settled: bool,
+}
+
+impl Drop for PendingAcquire<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.session.core.acquire_failed(self.key);
+        }
+    }
+}
+
+/// A hold on a key. Nested acquires of the same key on the same session
+/// return more guards of the same hold; the arbiter hears only of the first
+/// acquire and the last release.
+///
+/// Dropping a guard counts it down like [`LockGuard::release`]; the final
+/// Release is then sent from a task if a Tokio runtime is running.
+#[must_use = "dropping the guard releases the lock"]
+pub struct LockGuard {
+    hold: Arc<Hold>,
+    session: Arc<SessionInner>,
+    guard_id: u64,
+    armed: bool,
+}
+
+impl LockGuard {
+    fn new(hold: Arc<Hold>, session: Arc<SessionInner>, guard_id: u64) -> Self {
+        Self {
+            hold,
+            session,
+            guard_id,
+            armed: true,
+        }
+    }
+
+    /// The fencing token to present at the resource.
+    pub fn token(&self) -> FencingToken {
+        self.hold.token
+    }
+
+    pub fn epoch(&self) -> u32 {
+        self.hold.epoch
+    }
+
+    pub fn revision(&self) -> i64 {
+        self.hold.revision
+    }
+
+    pub fn key(&self) -> &str {
+        &self.hold.key
+    }
+
+    pub fn session_id(&self) -> i64 {
+        self.hold.session_id
+    }
+
+    /// How many guards share this hold.
+    pub fn hold_count(&self) -> u32 {
+        self.hold.count()
+    }
+
+    /// Whether to start a new unit of work under this lock (ADR-12 stage one).
+    pub fn can_start(&self) -> bool {
+        self.session.core.can_start()
+    }
+
+    /// Time left before the hold is fenced unless a keepalive succeeds.
+    pub fn remaining_ttl(&self) -> Duration {
+        self.session.core.remaining_ttl()
+    }
+
+    pub fn is_fenced(&self) -> bool {
+        self.session.core.fenced().is_some()
+    }
+
+    /// Counts this guard down; the last one sends Release.
+    pub async fn release(mut self) -> Result<(), Error> {
+        self.armed = false;
+        let core = &self.session.core;
+        match core.release_one(&self.hold, self.guard_id) {
+            Decrement::Remaining(_) | Decrement::NotHeld => Ok(()),
+            Decrement::Last => {
+                let _settle = SettleRelease {
+                    session: &self.session,
+                    key: &self.hold.key,
+                };
+                if let Some(reason) = core.fenced() {
+                    return Err(Error::Fenced {
+                        session_id: core.id,
+                        reason,
+                    });
+                }
+                send_release(&self.session, &self.hold).await
+            }
+        }
+    }
+
+    /// Forgets this guard without sending Release: the hold stays until
+    /// the session ends (its TTL, once this process stops renewing).
+    pub fn detach(mut self) {
+        self.armed = false;
+        if self.session.core.release_one(&self.hold, self.guard_id) == Decrement::Last {
+            self.session.core.released(&self.hold.key);
+        }
+    }
+}
+
+async fn send_release(session: &SessionInner, hold: &Hold) -> Result<(), Error> {
+    let rpc = &session.rpc;
+    rpc.lock()
+        .release(rpc.unary(ReleaseRequest {
+            key: hold.key.clone(),
+            session_id: hold.session_id,
+            token: hold.token.get(),
+        }))
+        .await?;
+    tracing::debug!(key = %hold.key, session_id = hold.session_id, "released");
+    Ok(())
+}
+
+/// Settles a final release in the table even if its future is dropped.
+struct SettleRelease<'a> {
+    session: &'a SessionInner,
+    key: &'a str,
+}
+
+impl Drop for SettleRelease<'_> {
+    fn drop(&mut self) {
+        self.session.core.released(self.key);
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let core = &self.session.core;
+        if core.release_one(&self.hold, self.guard_id) != Decrement::Last {
+            return;
+        }
+        let runtime = tokio::runtime::Handle::try_current();
+        match (core.fenced(), runtime) {
+            (None, Ok(runtime)) => {
+                let session = Arc::clone(&self.session);
+                let hold = Arc::clone(&self.hold);
+                runtime.spawn(async move {
+                    let _settle = SettleRelease {
+                        session: &session,
+                        key: &hold.key,
+                    };
+                    if let Err(err) = send_release(&session, &hold).await {
+                        tracing::warn!(
+                            key = %hold.key,
+                            session_id = hold.session_id,
+                            error = %err,
+                            "release on drop failed; the hold ends with the session"
+                        );
+                    }
+                });
+            }
+            // Fenced: nothing to release. No runtime: the session's
+            // keepalive cannot run either, so the hold ends with its TTL.
+            _ => core.released(&self.hold.key),
+        }
+    }
+}
+
+impl fmt::Debug for LockGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockGuard")
+            .field("key", &self.hold.key)
+            .field("token", &self.hold.token)
+            .field("epoch", &self.hold.epoch)
+            // Not the revision: with the epoch it spells the token.
+            .field("session_id", &self.hold.session_id)
+            .field("hold_count", &self.hold.count())
+            .finish()
+    }
+}

@@ -1,0 +1,313 @@
+//! Sessions (ADR-10): one arbiter lease per TTL per client, renewed by one
+//! keepalive stream, with every hold of that TTL attached to it. The
+//! session is also where ADR-12's two stages live: `can_start()` turns false
+//! at the first failed keepalive, and at the send-time deadline every hold's
+//! `on_fence` fires, once.
+
+mod holds;
+mod keepalive;
+mod liveness;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use latchkey_proto::lockv1::CloseSessionRequest;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+pub(crate) use holds::{Begin, Decrement, Hold};
+use holds::Holds;
+use liveness::Liveness;
+
+use crate::error::Error;
+use crate::rpc::Rpc;
+
+/// Why the holds of a session were lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceReason {
+    /// No keepalive succeeded before the local deadline (last successful
+    /// send + TTL − 1 s). The arbiter may not have expired the lease yet,
+    /// but it will before anything this holder could still do is safe.
+    DeadlineExceeded,
+    /// The arbiter answered that the session no longer exists.
+    Expired,
+    /// [`Session::close`] was called while holds were attached.
+    Closed,
+}
+
+impl fmt::Display for FenceReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FenceReason::DeadlineExceeded => "no keepalive succeeded before the fence deadline",
+            FenceReason::Expired => "the arbiter expired the session",
+            FenceReason::Closed => "the session was closed",
+        })
+    }
+}
+
+pub(crate) type FenceCallback = Arc<dyn Fn(FenceReason) + Send + Sync + 'static>;
+
+/// The state the keepalive task and the guards share.
+pub(crate) struct SessionCore {
+    pub(crate) id: i64,
+    pub(crate) ttl: Duration,
+    pub(crate) keepalive_interval: Duration,
+    state: Mutex<CoreState>,
+}
+
+struct CoreState {
+    liveness: Liveness,
+    holds: Holds,
+    on_fence: HashMap<u64, FenceCallback>,
+    next_guard: u64,
+}
+
+impl SessionCore {
+    fn new(id: i64, ttl: Duration, keepalive_interval: Duration, opened_at: Instant) -> Self {
+        Self {
+            id,
+            ttl,
+            keepalive_interval,
+            state: Mutex::new(CoreState {
+                liveness: Liveness::new(opened_at, ttl),
+                holds: Holds::default(),
+                on_fence: HashMap::new(),
+                next_guard: 0,
+            }),
+        }
+    }
+
+    /// Callbacks run outside this lock, so a poisoned lock means a panic in
+    /// our own short critical sections; the state is still consistent.
+    fn state(&self) -> MutexGuard<'_, CoreState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn can_start(&self) -> bool {
+        self.state().liveness.can_start(Instant::now())
+    }
+
+    pub(crate) fn remaining_ttl(&self) -> Duration {
+        self.state().liveness.remaining(Instant::now())
+    }
+
+    pub(crate) fn fenced(&self) -> Option<FenceReason> {
+        self.state().liveness.dead()
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        self.state().liveness.deadline()
+    }
+
+    pub(crate) fn renewed(&self, sent_at: Instant, remaining: Duration) {
+        self.state().liveness.renewed(sent_at, remaining);
+    }
+
+    pub(crate) fn keepalive_failed(&self) {
+        let mut state = self.state();
+        if state.liveness.dead().is_none() {
+            state.liveness.failed();
+            tracing::debug!(session_id = self.id, "keepalive failed; not starting new work");
+        }
+    }
+
+    /// Marks the session dead and calls every registered `on_fence` once.
+    pub(crate) fn fence(&self, reason: FenceReason) {
+        let callbacks = {
+            let mut state = self.state();
+            if !state.liveness.fence(reason) {
+                return;
+            }
+            std::mem::take(&mut state.on_fence)
+        };
+        tracing::warn!(
+            session_id = self.id,
+            holds = callbacks.len(),
+            %reason,
+            "session fenced"
+        );
+        for callback in callbacks.into_values() {
+            // One panicking callback must not keep the others from firing.
+            if catch_unwind(AssertUnwindSafe(|| callback(reason))).is_err() {
+                tracing::error!(session_id = self.id, "an on_fence callback panicked");
+            }
+        }
+    }
+
+    fn dead_error(&self, reason: FenceReason) -> Error {
+        Error::Fenced {
+            session_id: self.id,
+            reason,
+        }
+    }
+
+    /// Starts an acquire of `key`; a nested one registers its callback here.
+    pub(crate) fn begin_acquire(
+        &self,
+        key: &str,
+        on_fence: &FenceCallback,
+    ) -> Result<(Begin, Option<u64>), Error> {
+        let mut state = self.state();
+        if let Some(reason) = state.liveness.dead() {
+            return Err(self.dead_error(reason));
+        }
+        let begin = state.holds.begin(key);
+        let guard_id = match begin {
+            Begin::Reentered(_) => Some(state.register(on_fence)),
+            Begin::Wait(_) | Begin::Outermost => None,
+        };
+        Ok((begin, guard_id))
+    }
+
+    /// The arbiter granted the outermost acquire.
+    pub(crate) fn granted(&self, hold: Arc<Hold>, on_fence: &FenceCallback) -> Result<u64, Error> {
+        let mut state = self.state();
+        if let Some(reason) = state.liveness.dead() {
+            state.holds.failed(&hold.key);
+            return Err(self.dead_error(reason));
+        }
+        state.holds.granted(hold);
+        Ok(state.register(on_fence))
+    }
+
+    pub(crate) fn acquire_failed(&self, key: &str) {
+        self.state().holds.failed(key);
+    }
+
+    /// A guard is done: drop its callback and count it down.
+    pub(crate) fn release_one(&self, hold: &Arc<Hold>, guard_id: u64) -> Decrement {
+        let mut state = self.state();
+        state.on_fence.remove(&guard_id);
+        state.holds.decrement(hold)
+    }
+
+    pub(crate) fn released(&self, key: &str) {
+        self.state().holds.released(key);
+    }
+}
+
+impl CoreState {
+    fn register(&mut self, on_fence: &FenceCallback) -> u64 {
+        let id = self.next_guard;
+        self.next_guard += 1;
+        self.on_fence.insert(id, Arc::clone(on_fence));
+        id
+    }
+}
+
+/// Owns the keepalive task: when the last handle (client map, `Session`,
+/// guard) goes, renewal stops and the lease runs out at the arbiter.
+pub(crate) struct SessionInner {
+    pub(crate) core: Arc<SessionCore>,
+    pub(crate) rpc: Rpc,
+    keepalive: AbortHandle,
+}
+
+impl SessionInner {
+    /// Spawns the keepalive task; needs a Tokio runtime.
+    pub(crate) fn start(
+        rpc: Rpc,
+        id: i64,
+        ttl: Duration,
+        keepalive_interval: Duration,
+        opened_at: Instant,
+    ) -> Arc<Self> {
+        let core = Arc::new(SessionCore::new(id, ttl, keepalive_interval, opened_at));
+        let task = tokio::spawn(keepalive::run(Arc::clone(&core), rpc.clone()));
+        Arc::new(Self {
+            core,
+            rpc,
+            keepalive: task.abort_handle(),
+        })
+    }
+}
+
+impl Drop for SessionInner {
+    fn drop(&mut self) {
+        self.keepalive.abort();
+    }
+}
+
+/// A handle on one session. Cheap to clone; every clone is the same lease.
+#[derive(Clone)]
+pub struct Session {
+    pub(crate) inner: Arc<SessionInner>,
+    reused: bool,
+}
+
+impl Session {
+    pub(crate) fn new(inner: Arc<SessionInner>, reused: bool) -> Self {
+        Self { inner, reused }
+    }
+
+    /// The arbiter's lease id.
+    pub fn id(&self) -> i64 {
+        self.inner.core.id
+    }
+
+    pub fn ttl(&self) -> Duration {
+        self.inner.core.ttl
+    }
+
+    pub fn keepalive_interval(&self) -> Duration {
+        self.inner.core.keepalive_interval
+    }
+
+    /// Whether the arbiter returned a session this client already had.
+    pub fn reused(&self) -> bool {
+        self.reused
+    }
+
+    /// False from the first failed keepalive until the next successful one,
+    /// and for good once the session is fenced. Check before each unit of work.
+    pub fn can_start(&self) -> bool {
+        self.inner.core.can_start()
+    }
+
+    /// Time until the fence deadline (zero once fenced).
+    pub fn remaining_ttl(&self) -> Duration {
+        self.inner.core.remaining_ttl()
+    }
+
+    pub fn is_fenced(&self) -> bool {
+        self.inner.core.fenced().is_some()
+    }
+
+    pub fn fence_reason(&self) -> Option<FenceReason> {
+        self.inner.core.fenced()
+    }
+
+    /// Ends the session at the arbiter, which releases every hold on it.
+    /// Holds still attached get `on_fence(Closed)`; renewal stops even if
+    /// the call fails, so the lease then runs out with its TTL.
+    pub async fn close(self) -> Result<(), Error> {
+        let core = &self.inner.core;
+        if let Some(reason) = core.fenced() {
+            return match reason {
+                FenceReason::Closed => Ok(()),
+                other => Err(core.dead_error(other)),
+            };
+        }
+        core.fence(FenceReason::Closed);
+        self.inner.keepalive.abort();
+        let rpc = &self.inner.rpc;
+        rpc.lock()
+            .close_session(rpc.unary(CloseSessionRequest { session_id: core.id }))
+            .await?;
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Session")
+            .field("id", &self.id())
+            .field("ttl", &self.ttl())
+            .field("reused", &self.reused)
+            .field("fenced", &self.fence_reason())
+            .finish()
+    }
+}

@@ -1,0 +1,715 @@
+//! Lock classes: the reviewed decisions that make a lock safe or unsafe
+//! (enforcement, posture on quorum loss, TTL, tier), their validation, and
+//! the cost report printed beside them in review (ADR-01, -04, -11, -14).
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::date::Date;
+use crate::error::PolicyError;
+use crate::key;
+
+/// Platform TTL range in seconds (ADR-11).
+pub const MIN_TTL_SECONDS: u32 = 5;
+pub const MAX_TTL_SECONDS: u32 = 300;
+pub const DEFAULT_TTL_SECONDS: u32 = 15;
+/// Advisory classes may not go below this: a false expiry there can
+/// produce a duplicate write, not just a retry (ADR-11).
+pub const ADVISORY_MIN_TTL_SECONDS: u32 = 30;
+
+pub const DEFAULT_MAX_WAITERS_PER_KEY: u32 = 64;
+pub const MAX_WAITERS_PER_KEY_LIMIT: u32 = 10_000;
+
+/// Class names are metrics labels and CRD names; keep them short.
+pub const MAX_CLASS_NAME_BYTES: usize = 63;
+
+/// The client fences this long before the TTL measured from the last
+/// keepalive's send time (ADR-12).
+pub const FENCE_MARGIN_MS: u64 = 1_000;
+
+/// One lock class, as written in a `[[class]]` table.
+///
+/// Deserializing only checks shapes and types; call [`LockClass::validate`]
+/// for the platform rules.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LockClass {
+    pub name: String,
+    pub tier: Tier,
+    pub enforcement: Enforcement,
+    #[serde(default = "default_ttl_seconds")]
+    pub ttl_seconds: u32,
+    #[serde(default)]
+    pub on_quorum_loss: OnQuorumLoss,
+    #[serde(default)]
+    pub fairness: Fairness,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub risk_owner: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiver_expires: Option<Date>,
+    #[serde(default = "default_max_waiters_per_key")]
+    pub max_waiters_per_key: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+}
+
+fn default_ttl_seconds() -> u32 {
+    DEFAULT_TTL_SECONDS
+}
+
+fn default_max_waiters_per_key() -> u32 {
+    DEFAULT_MAX_WAITERS_PER_KEY
+}
+
+/// Which etcd cluster tier serves the class (ADR-07).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// Coordination: leader election and other low-rate, long-held locks.
+    Coord,
+    /// Entity: many short locks on individual business objects.
+    Entity,
+}
+
+/// Whether the guarded resource checks the fencing token (ADR-01).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Enforcement {
+    /// The resource rejects stale tokens: mutual exclusion is claimed.
+    Fenced,
+    /// Grants are ordered and expire, but nothing stops a paused holder:
+    /// needs a named risk owner and a waiver date.
+    Advisory,
+}
+
+/// What the arbiter does when it cannot reach an etcd quorum (ADR-04).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnQuorumLoss {
+    /// No grants, no renewals; holders self-fence at their deadlines.
+    #[default]
+    Closed,
+    /// Grant from local memory with token zero, recorded as unprotected.
+    Open,
+}
+
+/// How waiters are queued (ADR-14).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fairness {
+    /// FIFO in the arbiter's memory; order is lost on arbiter restart.
+    #[default]
+    Memory,
+    /// Waiters as etcd keys. Parsed so the field is reserved, but refused
+    /// by validation: not implemented in this release.
+    Durable,
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Tier::Coord => "coord",
+            Tier::Entity => "entity",
+        })
+    }
+}
+
+impl fmt::Display for Enforcement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Enforcement::Fenced => "fenced",
+            Enforcement::Advisory => "advisory",
+        })
+    }
+}
+
+impl fmt::Display for OnQuorumLoss {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OnQuorumLoss::Closed => "closed",
+            OnQuorumLoss::Open => "open",
+        })
+    }
+}
+
+impl fmt::Display for Fairness {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Fairness::Memory => "memory",
+            Fairness::Durable => "durable",
+        })
+    }
+}
+
+/// A platform rule a class breaks. Wrapped in [`PolicyError::InvalidClass`],
+/// which adds the class name.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ClassError {
+    #[error("invalid name: {0}")]
+    Name(NameError),
+
+    #[error(
+        "ttlSeconds = {ttl} is outside the platform range {min}..={max}: \
+         choose a value in range (the default is {default})",
+        min = MIN_TTL_SECONDS,
+        max = MAX_TTL_SECONDS,
+        default = DEFAULT_TTL_SECONDS
+    )]
+    TtlOutOfRange { ttl: u32 },
+
+    #[error(
+        "ttlSeconds = {ttl} is below the advisory floor of {floor}: a false expiry on an \
+         unfenced resource can cause a duplicate write; raise ttlSeconds or fence the resource",
+        floor = ADVISORY_MIN_TTL_SECONDS
+    )]
+    AdvisoryTtlBelowFloor { ttl: u32 },
+
+    #[error(
+        "onQuorumLoss = \"open\" is not allowed for a fenced class: fenced classes claim \
+         mutual exclusion, which an ungoverned grant breaks; use onQuorumLoss = \"closed\""
+    )]
+    OpenOnQuorumLossFenced,
+
+    #[error("durable fairness is not implemented in this release; use fairness = \"memory\"")]
+    DurableFairnessNotImplemented,
+
+    #[error(
+        "advisory classes need riskOwner (who accepts the risk of an unfenced lock, e.g. \
+         \"team-reporting@example.com\") and waiverExpires (\"YYYY-MM-DD\"); missing: {missing}"
+    )]
+    AdvisoryWithoutWaiver { missing: &'static str },
+
+    #[error(
+        "fenced classes take no {field}: a waiver is only for advisory classes; \
+         remove {field} or set enforcement = \"advisory\""
+    )]
+    WaiverOnFenced { field: &'static str },
+
+    #[error(
+        "riskOwner must name a person or team in printable text, e.g. \"team-reporting@example.com\""
+    )]
+    BadRiskOwner,
+
+    #[error(
+        "waiverExpires = {expired} has passed (today is {today}): renew the waiver on the \
+         record with a new date, or fence the resource and set enforcement = \"fenced\""
+    )]
+    WaiverExpired { expired: Date, today: Date },
+
+    #[error(
+        "maxWaitersPerKey = {value} is outside 1..={max}",
+        max = MAX_WAITERS_PER_KEY_LIMIT
+    )]
+    MaxWaitersOutOfRange { value: u32 },
+}
+
+/// Why a class name is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum NameError {
+    #[error("the name is empty")]
+    Empty,
+
+    #[error("class names are at most {max} bytes; this one is {len}", max = MAX_CLASS_NAME_BYTES)]
+    TooLong { len: usize },
+
+    #[error("the name contains the invisible or control character {codepoint} at byte {at}")]
+    Unprintable { codepoint: String, at: usize },
+
+    #[error("class names are a single segment; \"/\" is not allowed")]
+    Slash,
+
+    #[error("\".\" and \"..\" are not class names")]
+    Dot,
+}
+
+impl LockClass {
+    /// Checks the platform rules; `today` decides whether a waiver has expired.
+    ///
+    /// Reports the first rule broken.
+    pub fn validate(&self, today: Date) -> Result<(), PolicyError> {
+        self.check(today)
+            .map_err(|source| PolicyError::InvalidClass {
+                class: key::excerpt(&self.name),
+                source,
+            })
+    }
+
+    fn check(&self, today: Date) -> Result<(), ClassError> {
+        validate_name(&self.name).map_err(ClassError::Name)?;
+
+        let ttl = self.ttl_seconds;
+        if !(MIN_TTL_SECONDS..=MAX_TTL_SECONDS).contains(&ttl) {
+            return Err(ClassError::TtlOutOfRange { ttl });
+        }
+        if !(1..=MAX_WAITERS_PER_KEY_LIMIT).contains(&self.max_waiters_per_key) {
+            return Err(ClassError::MaxWaitersOutOfRange {
+                value: self.max_waiters_per_key,
+            });
+        }
+        if self.fairness == Fairness::Durable {
+            return Err(ClassError::DurableFairnessNotImplemented);
+        }
+
+        match self.enforcement {
+            Enforcement::Fenced => {
+                if self.on_quorum_loss == OnQuorumLoss::Open {
+                    return Err(ClassError::OpenOnQuorumLossFenced);
+                }
+                if self.risk_owner.is_some() {
+                    return Err(ClassError::WaiverOnFenced { field: "riskOwner" });
+                }
+                if self.waiver_expires.is_some() {
+                    return Err(ClassError::WaiverOnFenced {
+                        field: "waiverExpires",
+                    });
+                }
+            }
+            Enforcement::Advisory => {
+                let (owner, expires) = match (&self.risk_owner, self.waiver_expires) {
+                    (Some(owner), Some(expires)) => (owner, expires),
+                    (None, None) => {
+                        return Err(ClassError::AdvisoryWithoutWaiver {
+                            missing: "riskOwner and waiverExpires",
+                        });
+                    }
+                    (None, Some(_)) => {
+                        return Err(ClassError::AdvisoryWithoutWaiver {
+                            missing: "riskOwner",
+                        });
+                    }
+                    (Some(_), None) => {
+                        return Err(ClassError::AdvisoryWithoutWaiver {
+                            missing: "waiverExpires",
+                        });
+                    }
+                };
+                if owner.trim().is_empty() || !owner.chars().all(key::is_printable) {
+                    return Err(ClassError::BadRiskOwner);
+                }
+                if ttl < ADVISORY_MIN_TTL_SECONDS {
+                    return Err(ClassError::AdvisoryTtlBelowFloor { ttl });
+                }
+                // The waiver is good through the whole of its last day.
+                if expires < today {
+                    return Err(ClassError::WaiverExpired {
+                        expired: expires,
+                        today,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// How often the client sends a keepalive: a third of the TTL, so two
+    /// can be lost before the lease expires.
+    pub fn keepalive_interval_ms(&self) -> u64 {
+        u64::from(self.ttl_seconds) * 1000 / 3
+    }
+
+    /// How long after the send time of its last successful keepalive a
+    /// holder calls onFence: TTL minus a one-second margin (ADR-12).
+    pub fn fence_deadline_ms(&self) -> u64 {
+        (u64::from(self.ttl_seconds) * 1000).saturating_sub(FENCE_MARGIN_MS)
+    }
+}
+
+/// A class name is one key segment: printable, no `/`, not `.` or `..`,
+/// at most [`MAX_CLASS_NAME_BYTES`].
+fn validate_name(name: &str) -> Result<(), NameError> {
+    if name.is_empty() {
+        return Err(NameError::Empty);
+    }
+    if name.len() > MAX_CLASS_NAME_BYTES {
+        return Err(NameError::TooLong { len: name.len() });
+    }
+    if let Some((at, c)) = name.char_indices().find(|&(_, c)| !key::is_printable(c)) {
+        return Err(NameError::Unprintable {
+            codepoint: format!("U+{:04X}", u32::from(c)),
+            at,
+        });
+    }
+    if name.contains('/') {
+        return Err(NameError::Slash);
+    }
+    if name == "." || name == ".." {
+        return Err(NameError::Dot);
+    }
+    Ok(())
+}
+
+/// The cost of a class's TTL next to the TTL (ADR-11): what
+/// `latchctl classes check` prints for a pull request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReviewReport {
+    pub class: String,
+    pub tier: Tier,
+    pub enforcement: Enforcement,
+    pub on_quorum_loss: OnQuorumLoss,
+    pub ttl_seconds: u32,
+    pub expected_sessions: u64,
+    /// Each session sends one keepalive this often.
+    pub keepalive_interval_ms: u64,
+    /// Keepalive load on the tier: sessions / (ttl / 3).
+    pub keepalives_per_second: f64,
+    /// Worst case a dead holder blocks its key: the lease must expire.
+    pub liveness_bound_seconds: u32,
+    /// A live holder that cannot renew fences this long after the send
+    /// time of its last successful keepalive (ttl - 1 s).
+    pub fence_deadline_ms: u64,
+    /// For advisory classes: who owns the risk, and until when.
+    pub waiver: Option<(String, Date)>,
+}
+
+/// Computes the review numbers for `class` at `expected_sessions`
+/// concurrent sessions (one session per identity and TTL, ADR-10).
+pub fn review(class: &LockClass, expected_sessions: u64) -> ReviewReport {
+    let ttl = class.ttl_seconds;
+    let keepalives_per_second = if ttl == 0 {
+        f64::INFINITY
+    } else {
+        expected_sessions as f64 * 3.0 / f64::from(ttl)
+    };
+    ReviewReport {
+        class: class.name.clone(),
+        tier: class.tier,
+        enforcement: class.enforcement,
+        on_quorum_loss: class.on_quorum_loss,
+        ttl_seconds: ttl,
+        expected_sessions,
+        keepalive_interval_ms: class.keepalive_interval_ms(),
+        keepalives_per_second,
+        liveness_bound_seconds: ttl,
+        fence_deadline_ms: class.fence_deadline_ms(),
+        waiver: match (&class.risk_owner, class.waiver_expires) {
+            (Some(owner), Some(expires)) => Some((owner.clone(), expires)),
+            _ => None,
+        },
+    }
+}
+
+/// One line per class, e.g.
+///
+/// `demo: coord, fenced, ttl 15s: 200.0 keepalives/s for 1000 sessions (one per session every 5000 ms); a dead holder blocks its key for up to 15 s; a holder that cannot renew fences 14.0 s after its last keepalive send`
+impl fmt::Display for ReviewReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {}, {}, ttl {}s: {:.1} keepalives/s for {} sessions (one per session every {} ms); \
+             a dead holder blocks its key for up to {} s; a holder that cannot renew fences {:.1} s \
+             after its last keepalive send",
+            key::excerpt(&self.class),
+            self.tier,
+            self.enforcement,
+            self.ttl_seconds,
+            self.keepalives_per_second,
+            self.expected_sessions,
+            self.keepalive_interval_ms,
+            self.liveness_bound_seconds,
+            self.fence_deadline_ms as f64 / 1000.0,
+        )?;
+        if self.on_quorum_loss == OnQuorumLoss::Open {
+            f.write_str("; grants continue UNPROTECTED (token 0) during quorum loss")?;
+        }
+        if let Some((owner, expires)) = &self.waiver {
+            write!(
+                f,
+                "; ADVISORY: no mutual exclusion, risk owned by {} until {expires}",
+                key::excerpt(owner)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn today() -> Date {
+        Date::parse("2026-01-15").unwrap()
+    }
+
+    fn parse(toml_text: &str) -> LockClass {
+        toml::from_str(toml_text).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn fenced() -> LockClass {
+        parse("name = \"demo\"\ntier = \"coord\"\nenforcement = \"fenced\"")
+    }
+
+    fn advisory() -> LockClass {
+        parse(
+            "name = \"batch\"\ntier = \"entity\"\nenforcement = \"advisory\"\nttlSeconds = 60\n\
+             riskOwner = \"team@example.com\"\nwaiverExpires = \"2027-06-30\"",
+        )
+    }
+
+    fn rule(class: &LockClass) -> ClassError {
+        match class.validate(today()) {
+            Err(PolicyError::InvalidClass { source, .. }) => source,
+            other => panic!("expected InvalidClass, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let c = fenced();
+        assert_eq!(c.ttl_seconds, 15);
+        assert_eq!(c.on_quorum_loss, OnQuorumLoss::Closed);
+        assert_eq!(c.fairness, Fairness::Memory);
+        assert_eq!(c.max_waiters_per_key, 64);
+        assert_eq!(c.risk_owner, None);
+        assert_eq!(c.description, None);
+        c.validate(today()).unwrap();
+        advisory().validate(today()).unwrap();
+    }
+
+    #[test]
+    fn unknown_fields_and_values_are_refused() {
+        let err = toml::from_str::<LockClass>(
+            "name = \"x\"\ntier = \"coord\"\nenforcement = \"fenced\"\nttl = 10",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("unknown field `ttl`"), "{err}");
+        let err =
+            toml::from_str::<LockClass>("name = \"x\"\ntier = \"edge\"\nenforcement = \"fenced\"")
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("unknown variant `edge`"), "{err}");
+        let err = toml::from_str::<LockClass>("name = \"x\"\ntier = \"coord\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("missing field `enforcement`"), "{err}");
+    }
+
+    #[test]
+    fn ttl_range_and_advisory_floor() {
+        for ttl in [5, 15, 300] {
+            let c = LockClass {
+                ttl_seconds: ttl,
+                ..fenced()
+            };
+            c.validate(today()).unwrap();
+        }
+        for ttl in [0, 4, 301] {
+            let c = LockClass {
+                ttl_seconds: ttl,
+                ..fenced()
+            };
+            assert_eq!(rule(&c), ClassError::TtlOutOfRange { ttl });
+        }
+        let c = LockClass {
+            ttl_seconds: 29,
+            ..advisory()
+        };
+        assert_eq!(rule(&c), ClassError::AdvisoryTtlBelowFloor { ttl: 29 });
+        LockClass {
+            ttl_seconds: 30,
+            ..advisory()
+        }
+        .validate(today())
+        .unwrap();
+    }
+
+    #[test]
+    fn open_on_quorum_loss_only_for_advisory() {
+        let c = LockClass {
+            on_quorum_loss: OnQuorumLoss::Open,
+            ..fenced()
+        };
+        assert_eq!(rule(&c), ClassError::OpenOnQuorumLossFenced);
+        LockClass {
+            on_quorum_loss: OnQuorumLoss::Open,
+            ..advisory()
+        }
+        .validate(today())
+        .unwrap();
+    }
+
+    #[test]
+    fn durable_fairness_is_parsed_then_refused_honestly() {
+        let c = parse(
+            "name = \"d\"\ntier = \"entity\"\nenforcement = \"fenced\"\nfairness = \"durable\"",
+        );
+        assert_eq!(c.fairness, Fairness::Durable);
+        let msg = c.validate(today()).unwrap_err().to_string();
+        assert_eq!(
+            msg,
+            "lock class \"d\": durable fairness is not implemented in this release; \
+             use fairness = \"memory\""
+        );
+    }
+
+    #[test]
+    fn advisory_needs_owner_and_unexpired_waiver() {
+        let c = LockClass {
+            risk_owner: None,
+            waiver_expires: None,
+            ..advisory()
+        };
+        assert_eq!(
+            rule(&c),
+            ClassError::AdvisoryWithoutWaiver {
+                missing: "riskOwner and waiverExpires"
+            }
+        );
+        let c = LockClass {
+            risk_owner: None,
+            ..advisory()
+        };
+        assert_eq!(
+            rule(&c),
+            ClassError::AdvisoryWithoutWaiver {
+                missing: "riskOwner"
+            }
+        );
+        let c = LockClass {
+            waiver_expires: None,
+            ..advisory()
+        };
+        assert_eq!(
+            rule(&c),
+            ClassError::AdvisoryWithoutWaiver {
+                missing: "waiverExpires"
+            }
+        );
+        let c = LockClass {
+            risk_owner: Some("  ".into()),
+            ..advisory()
+        };
+        assert_eq!(rule(&c), ClassError::BadRiskOwner);
+
+        let expires = Date::parse("2026-01-14").unwrap();
+        let c = LockClass {
+            waiver_expires: Some(expires),
+            ..advisory()
+        };
+        assert_eq!(
+            rule(&c),
+            ClassError::WaiverExpired {
+                expired: expires,
+                today: today()
+            }
+        );
+        // Good through its last day.
+        LockClass {
+            waiver_expires: Some(today()),
+            ..advisory()
+        }
+        .validate(today())
+        .unwrap();
+    }
+
+    #[test]
+    fn fenced_takes_no_waiver() {
+        let c = LockClass {
+            risk_owner: Some("x@example.com".into()),
+            ..fenced()
+        };
+        assert_eq!(rule(&c), ClassError::WaiverOnFenced { field: "riskOwner" });
+        let c = LockClass {
+            waiver_expires: Some(today()),
+            ..fenced()
+        };
+        assert_eq!(
+            rule(&c),
+            ClassError::WaiverOnFenced {
+                field: "waiverExpires"
+            }
+        );
+    }
+
+    #[test]
+    fn names_are_single_printable_segments() {
+        for bad in ["", "a/b", ".", "..", "a\tb", &"n".repeat(64)] {
+            let c = LockClass {
+                name: bad.to_string(),
+                ..fenced()
+            };
+            assert!(matches!(rule(&c), ClassError::Name(_)), "{bad:?}");
+        }
+        let c = LockClass {
+            name: "a/b".into(),
+            ..fenced()
+        };
+        assert_eq!(
+            c.validate(today()).unwrap_err().to_string(),
+            "lock class \"a/b\": invalid name: class names are a single segment; \"/\" is not allowed"
+        );
+        LockClass {
+            name: "payments-ledger.v2".into(),
+            ..fenced()
+        }
+        .validate(today())
+        .unwrap();
+    }
+
+    #[test]
+    fn max_waiters_range() {
+        for value in [0, 10_001] {
+            let c = LockClass {
+                max_waiters_per_key: value,
+                ..fenced()
+            };
+            assert_eq!(rule(&c), ClassError::MaxWaitersOutOfRange { value });
+        }
+        LockClass {
+            max_waiters_per_key: 10_000,
+            ..fenced()
+        }
+        .validate(today())
+        .unwrap();
+    }
+
+    #[test]
+    fn timing_follows_ttl() {
+        let c = LockClass {
+            ttl_seconds: 15,
+            ..fenced()
+        };
+        assert_eq!(c.keepalive_interval_ms(), 5_000);
+        assert_eq!(c.fence_deadline_ms(), 14_000);
+        let c = LockClass {
+            ttl_seconds: 10,
+            ..fenced()
+        };
+        assert_eq!(c.keepalive_interval_ms(), 3_333);
+        assert_eq!(c.fence_deadline_ms(), 9_000);
+    }
+
+    #[test]
+    fn review_prints_cost_next_to_knob() {
+        let report = review(&fenced(), 1000);
+        assert_eq!(report.keepalives_per_second, 200.0);
+        assert_eq!(report.liveness_bound_seconds, 15);
+        assert_eq!(report.fence_deadline_ms, 14_000);
+        assert_eq!(
+            report.to_string(),
+            "demo: coord, fenced, ttl 15s: 200.0 keepalives/s for 1000 sessions (one per session \
+             every 5000 ms); a dead holder blocks its key for up to 15 s; a holder that cannot \
+             renew fences 14.0 s after its last keepalive send"
+        );
+        let short = review(
+            &LockClass {
+                ttl_seconds: 5,
+                ..fenced()
+            },
+            1000,
+        );
+        assert_eq!(short.keepalives_per_second, 600.0);
+
+        let line = review(&advisory(), 10).to_string();
+        assert!(line.contains("0.5 keepalives/s for 10 sessions"), "{line}");
+        assert!(
+            line.ends_with(
+                "ADVISORY: no mutual exclusion, risk owned by team@example.com until 2027-06-30"
+            ),
+            "{line}"
+        );
+        assert!(!line.contains('\n'));
+    }
+}

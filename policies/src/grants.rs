@@ -1,0 +1,450 @@
+//! Prefix grants: which SPIFFE identities may lock which key prefixes (ADR-19).
+//!
+//! Every (identity, prefix) pair is compiled into one radix trie, keyed by
+//! `"{identity}\0{prefix}/"`. A lookup for `key` asks for the longest stored
+//! ancestor of `"{identity}\0{key}/"`. The two separators make the byte-wise
+//! trie match whole things:
+//!
+//! - `\0` cannot occur in a SPIFFE ID or a key, so a stored entry can only be
+//!   an ancestor of the probe if its identity is exactly the caller's
+//!   (`spiffe://td/x` never matches `spiffe://td/xy`);
+//! - the trailing `/` means prefix `a/b` (stored `a/b/`) is an ancestor of
+//!   `a/b/` and `a/b/c/` but not of `a/bc/`: prefixes match on whole segments.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::str::FromStr;
+
+use radix_trie::Trie;
+use spiffe::SpiffeId;
+
+use crate::error::PolicyError;
+use crate::fnv::Fnv1a;
+use crate::key::{self, LockKey};
+
+/// The compiled grant table. Cheap to query, rebuilt whole on every change.
+#[derive(Clone, Default)]
+pub struct PrefixGrants {
+    /// `"{identity}\0{prefix}/"` -> `prefix`.
+    trie: Trie<String, Box<str>>,
+    /// The same content, sorted, for listing and hashing.
+    entries: BTreeMap<String, BTreeSet<String>>,
+    len: usize,
+    version: u64,
+}
+
+/// Accumulates grants, validating each as it is added.
+#[derive(Debug, Clone, Default)]
+pub struct PrefixGrantsBuilder {
+    entries: BTreeMap<String, BTreeSet<String>>,
+}
+
+impl PrefixGrants {
+    pub fn builder() -> PrefixGrantsBuilder {
+        PrefixGrantsBuilder::default()
+    }
+
+    /// Builds a table from `(identity, prefixes)` pairs. Repeated identities
+    /// merge; repeated prefixes collapse.
+    pub fn from_entries<I, P, S>(entries: I) -> Result<PrefixGrants, PolicyError>
+    where
+        I: IntoIterator<Item = (S, P)>,
+        P: IntoIterator,
+        P::Item: AsRef<str>,
+        S: AsRef<str>,
+    {
+        let mut builder = PrefixGrants::builder();
+        for (identity, prefixes) in entries {
+            builder.grant(identity.as_ref(), prefixes)?;
+        }
+        Ok(builder.build())
+    }
+
+    /// The longest prefix granted to `identity` that contains `key`, or
+    /// `None` if the identity may not lock it.
+    ///
+    /// `identity` must be in canonical form, as `SpiffeId`'s `Display`
+    /// writes it (lowercase trust domain); an SVID parsed by the `spiffe`
+    /// crate already is. Anything else matches nothing.
+    pub fn authorise(&self, identity: &str, key: &LockKey) -> Option<&str> {
+        // A NUL in the identity could forge the separator; SPIFFE IDs never
+        // contain one, so such a caller is simply not granted anything.
+        if identity.as_bytes().contains(&0) {
+            return None;
+        }
+        let mut probe = String::with_capacity(identity.len() + key.len() + 2);
+        probe.push_str(identity);
+        probe.push('\0');
+        probe.push_str(key.as_str());
+        probe.push('/');
+        self.trie
+            .get_ancestor_value(probe.as_str())
+            .map(|prefix| &**prefix)
+    }
+
+    /// Whether `identity` may lock `key`.
+    pub fn allows(&self, identity: &str, key: &LockKey) -> bool {
+        self.authorise(identity, key).is_some()
+    }
+
+    /// The number of (identity, prefix) pairs.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A content hash of the sorted (identity, prefix) pairs: equal tables
+    /// have equal versions, in any process, on any platform, however the
+    /// entries were ordered or split across files. FNV-1a, so it detects
+    /// change; it is not a security boundary.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The identities with at least one grant, in canonical form, sorted.
+    pub fn identities(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
+    /// The prefixes granted to `identity`, sorted; empty if none.
+    pub fn prefixes(&self, identity: &str) -> impl Iterator<Item = &str> {
+        self.entries
+            .get(identity)
+            .into_iter()
+            .flat_map(|prefixes| prefixes.iter().map(String::as_str))
+    }
+}
+
+impl fmt::Debug for PrefixGrants {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PrefixGrants")
+            .field("len", &self.len)
+            .field("version", &format_args!("{:016x}", self.version))
+            .field("entries", &self.entries)
+            .finish()
+    }
+}
+
+impl PartialEq for PrefixGrants {
+    fn eq(&self, other: &Self) -> bool {
+        self.entries == other.entries
+    }
+}
+
+impl Eq for PrefixGrants {}
+
+impl PrefixGrantsBuilder {
+    /// Grants `identity` every prefix in `prefixes`.
+    ///
+    /// The identity must be a valid SPIFFE ID; it is stored in canonical
+    /// form. Each prefix must be a valid [`LockKey`], except that one
+    /// trailing `/` is allowed and dropped (`"payments/"` means
+    /// `"payments"`). An empty list is refused: it is almost certainly a
+    /// mistake in review, and granting nothing needs no entry.
+    pub fn grant<P>(&mut self, identity: &str, prefixes: P) -> Result<&mut Self, PolicyError>
+    where
+        P: IntoIterator,
+        P::Item: AsRef<str>,
+    {
+        let identity = canonical_identity(identity)?;
+        let mut checked = BTreeSet::new();
+        for prefix in prefixes {
+            let prefix = prefix.as_ref();
+            let prefix = prefix.strip_suffix('/').unwrap_or(prefix);
+            key::validate(prefix).map_err(|source| PolicyError::InvalidPrefix {
+                identity: identity.clone(),
+                source,
+            })?;
+            checked.insert(prefix.to_owned());
+        }
+        if checked.is_empty() {
+            return Err(PolicyError::GrantWithoutPrefixes { identity });
+        }
+        self.entries.entry(identity).or_default().extend(checked);
+        Ok(self)
+    }
+
+    /// Compiles the trie.
+    pub fn build(self) -> PrefixGrants {
+        let mut trie = Trie::new();
+        let mut hash = Fnv1a::new();
+        let mut len = 0;
+        for (identity, prefixes) in &self.entries {
+            for prefix in prefixes {
+                trie.insert(format!("{identity}\0{prefix}/"), Box::from(prefix.as_str()));
+                hash.write_field(identity.as_bytes());
+                hash.write_field(prefix.as_bytes());
+                len += 1;
+            }
+        }
+        PrefixGrants {
+            trie,
+            entries: self.entries,
+            len,
+            version: hash.finish(),
+        }
+    }
+}
+
+/// Validates a SPIFFE ID and returns its canonical text.
+pub(crate) fn canonical_identity(identity: &str) -> Result<String, PolicyError> {
+    SpiffeId::from_str(identity)
+        .map(|id| id.to_string())
+        .map_err(|source| PolicyError::InvalidIdentity {
+            identity: key::excerpt(identity),
+            source,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALICE: &str = "spiffe://td/workload/alice";
+    const BOB: &str = "spiffe://td/workload/bob";
+
+    fn key(s: &str) -> LockKey {
+        LockKey::parse(s).unwrap()
+    }
+
+    #[test]
+    fn prefixes_match_whole_segments() {
+        let grants = PrefixGrants::from_entries([(ALICE, vec!["a/b"])]).unwrap();
+        assert_eq!(grants.authorise(ALICE, &key("a/b")), Some("a/b"));
+        assert_eq!(grants.authorise(ALICE, &key("a/b/c")), Some("a/b"));
+        assert_eq!(grants.authorise(ALICE, &key("a/b/c/d")), Some("a/b"));
+        assert_eq!(grants.authorise(ALICE, &key("a/bc")), None);
+        assert_eq!(grants.authorise(ALICE, &key("a")), None);
+        assert_eq!(grants.authorise(ALICE, &key("a/c")), None);
+        assert_eq!(grants.authorise(ALICE, &key("ab")), None);
+    }
+
+    #[test]
+    fn longest_match_wins() {
+        let grants =
+            PrefixGrants::from_entries([(ALICE, vec!["shared", "shared/cron", "shared/cron/x"])])
+                .unwrap();
+        assert_eq!(grants.authorise(ALICE, &key("shared/q")), Some("shared"));
+        assert_eq!(
+            grants.authorise(ALICE, &key("shared/cron")),
+            Some("shared/cron")
+        );
+        assert_eq!(
+            grants.authorise(ALICE, &key("shared/cron/y")),
+            Some("shared/cron")
+        );
+        assert_eq!(
+            grants.authorise(ALICE, &key("shared/cron/x/1")),
+            Some("shared/cron/x")
+        );
+        assert_eq!(
+            grants.authorise(ALICE, &key("shared/cronx")),
+            Some("shared")
+        );
+    }
+
+    #[test]
+    fn other_identities_get_nothing() {
+        let grants =
+            PrefixGrants::from_entries([(ALICE, vec!["payments"]), (BOB, vec!["shared"])]).unwrap();
+        assert_eq!(grants.authorise(BOB, &key("payments/1")), None);
+        assert_eq!(grants.authorise(ALICE, &key("shared/1")), None);
+        assert_eq!(
+            grants.authorise("spiffe://td/workload/carol", &key("payments")),
+            None
+        );
+        assert_eq!(grants.authorise("", &key("payments")), None);
+    }
+
+    #[test]
+    fn identity_prefix_of_another_identity_does_not_leak() {
+        let grants = PrefixGrants::from_entries([
+            ("spiffe://td/x", vec!["x-only"]),
+            ("spiffe://td/xy", vec!["xy-only"]),
+        ])
+        .unwrap();
+        assert_eq!(grants.authorise("spiffe://td/x", &key("xy-only")), None);
+        assert_eq!(grants.authorise("spiffe://td/xy", &key("x-only")), None);
+        assert_eq!(
+            grants.authorise("spiffe://td/x", &key("x-only/1")),
+            Some("x-only")
+        );
+        assert_eq!(
+            grants.authorise("spiffe://td/xy", &key("xy-only")),
+            Some("xy-only")
+        );
+        // Nor does a path-wise parent identity inherit a child's grants, or vice versa.
+        let grants = PrefixGrants::from_entries([("spiffe://td/x/y", vec!["k"])]).unwrap();
+        assert_eq!(grants.authorise("spiffe://td/x", &key("k")), None);
+        assert_eq!(grants.authorise("spiffe://td/x/y/z", &key("k")), None);
+    }
+
+    #[test]
+    fn forged_separator_in_identity_is_refused() {
+        let grants = PrefixGrants::from_entries([(ALICE, vec!["demo"])]).unwrap();
+        let forged = format!("{ALICE}\0demo/x");
+        assert_eq!(grants.authorise(&forged, &key("y")), None);
+    }
+
+    #[test]
+    fn identities_are_canonicalised() {
+        let grants =
+            PrefixGrants::from_entries([("spiffe://TD.Example/workload/a", vec!["k"])]).unwrap();
+        assert_eq!(
+            grants.authorise("spiffe://td.example/workload/a", &key("k")),
+            Some("k")
+        );
+        assert_eq!(
+            grants.identities().collect::<Vec<_>>(),
+            ["spiffe://td.example/workload/a"]
+        );
+    }
+
+    #[test]
+    fn trailing_slash_in_prefix_is_dropped() {
+        let grants = PrefixGrants::from_entries([(ALICE, vec!["a/b/"])]).unwrap();
+        assert_eq!(grants.authorise(ALICE, &key("a/b/c")), Some("a/b"));
+        assert_eq!(grants.authorise(ALICE, &key("a/bc")), None);
+        assert_eq!(grants.len(), 1);
+    }
+
+    #[test]
+    fn invalid_entries_are_refused_with_context() {
+        let err = PrefixGrants::from_entries([("not-a-spiffe-id", vec!["a"])]).unwrap_err();
+        assert!(
+            matches!(err, PolicyError::InvalidIdentity { .. }),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("\"not-a-spiffe-id\" is not a SPIFFE ID"),
+            "{err}"
+        );
+
+        for bad in ["", "/", "a//b", "/a", "a/../b", "a\tb", "a//"] {
+            let err = PrefixGrants::from_entries([(ALICE, vec![bad])]).unwrap_err();
+            assert!(
+                matches!(err, PolicyError::InvalidPrefix { .. }),
+                "{bad:?}: {err:?}"
+            );
+            assert!(
+                err.to_string()
+                    .starts_with(&format!("grant for {ALICE} has an invalid prefix"))
+            );
+        }
+
+        let err = PrefixGrants::from_entries([(ALICE, Vec::<&str>::new())]).unwrap_err();
+        assert!(
+            matches!(err, PolicyError::GrantWithoutPrefixes { .. }),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn repeated_identities_merge_and_duplicates_collapse() {
+        let grants = PrefixGrants::from_entries([
+            (ALICE, vec!["a", "b"]),
+            (BOB, vec!["c"]),
+            (ALICE, vec!["b/", "d"]),
+        ])
+        .unwrap();
+        assert_eq!(grants.len(), 4);
+        assert_eq!(grants.prefixes(ALICE).collect::<Vec<_>>(), ["a", "b", "d"]);
+        assert_eq!(grants.prefixes("spiffe://td/nobody").count(), 0);
+    }
+
+    #[test]
+    fn version_is_a_stable_content_hash() {
+        let one = PrefixGrants::from_entries([(ALICE, vec!["a", "b"]), (BOB, vec!["c"])]).unwrap();
+        let two =
+            PrefixGrants::from_entries([(BOB, vec!["c"]), (ALICE, vec!["b", "a", "a/"])]).unwrap();
+        assert_eq!(one.version(), two.version());
+        assert_eq!(one, two);
+        let three =
+            PrefixGrants::from_entries([(ALICE, vec!["a", "b"]), (BOB, vec!["d"])]).unwrap();
+        assert_ne!(one.version(), three.version());
+        // Moving a prefix between identities changes the version.
+        let four = PrefixGrants::from_entries([(ALICE, vec!["a"]), (BOB, vec!["b", "c"])]).unwrap();
+        assert_ne!(one.version(), four.version());
+        // Pinned, so an accidental change to the hashing shows up in review.
+        let empty = PrefixGrants::builder().build();
+        assert_eq!(empty.version(), 0xcbf2_9ce4_8422_2325);
+        assert!(empty.is_empty());
+    }
+
+    #[test]
+    fn ten_thousand_prefixes() {
+        let identities: Vec<String> = (0..100)
+            .map(|i| format!("spiffe://td/workload/w{i}"))
+            .collect();
+        let mut builder = PrefixGrants::builder();
+        for (i, identity) in identities.iter().enumerate() {
+            let prefixes = (0..100).map(|j| format!("ns{i}/team{j}"));
+            builder.grant(identity, prefixes).unwrap();
+        }
+        let grants = builder.build();
+        assert_eq!(grants.len(), 10_000);
+        for (i, identity) in identities.iter().enumerate() {
+            for j in (0..100).step_by(7) {
+                let granted = format!("ns{i}/team{j}");
+                assert_eq!(
+                    grants.authorise(identity, &key(&format!("{granted}/job/1"))),
+                    Some(granted.as_str())
+                );
+                // team1 must not grant team10..team19.
+                assert_eq!(
+                    grants.authorise(identity, &key(&format!("ns{i}/team{j}0x"))),
+                    None
+                );
+                let other = &identities[(i + 1) % identities.len()];
+                assert_eq!(grants.authorise(other, &key(&granted)), None);
+            }
+        }
+    }
+
+    /// Checks the trie against a direct scan over many small random tables,
+    /// so the byte encoding cannot drift from the segment semantics.
+    #[test]
+    fn agrees_with_a_naive_matcher() {
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let ids = ["spiffe://t/a", "spiffe://t/ab", "spiffe://t/a/b"];
+        let segs = ["a", "b", "ab", "a.b", "é"];
+        let random_path = |next: &mut dyn FnMut(u64) -> u64| {
+            let depth = 1 + next(3) as usize;
+            (0..depth)
+                .map(|_| segs[next(segs.len() as u64) as usize])
+                .collect::<Vec<_>>()
+                .join("/")
+        };
+        for _ in 0..200 {
+            let mut table: Vec<(&str, String)> = Vec::new();
+            for _ in 0..next(8) {
+                table.push((ids[next(3) as usize], random_path(&mut next)));
+            }
+            let grants =
+                PrefixGrants::from_entries(table.iter().map(|(id, p)| (*id, [p.as_str()])))
+                    .unwrap_or_else(|e| panic!("{e}"));
+            for _ in 0..50 {
+                let id = ids[next(3) as usize];
+                let k = key(&random_path(&mut next));
+                let naive = table
+                    .iter()
+                    .filter(|(i, p)| {
+                        *i == id && (k.as_str() == p || k.as_str().starts_with(&format!("{p}/")))
+                    })
+                    .map(|(_, p)| p.as_str())
+                    .max_by_key(|p| p.len());
+                assert_eq!(grants.authorise(id, &k), naive, "{id} {k} {table:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! A real single-member etcd 3.4 process for tests.
+//!
+//! Each server gets free loopback ports and its own temp dir (data dirs and `etcd.log`
+//! inside it), and is SIGKILLed and reaped on drop. Faults are injected on the real
+//! process: [`EtcdServer::kill`], [`EtcdServer::pause`] (SIGSTOP), and
+//! [`EtcdServer::restore`] from a snapshot, which rewinds the revision and, depending on
+//! [`RestoreFlags`], keeps or changes the cluster ID.
+
+use std::fs::{self, OpenOptions};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use etcd_client::{Client, ConnectOptions};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tempfile::TempDir;
+
+use crate::eventually;
+
+const ETCD_BIN: &str = "etcd";
+const ETCDCTL_BIN: &str = "etcdctl";
+/// A cold single-member start (election included) takes about a second on a busy CI box.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+const LOG_TAIL_LINES: usize = 40;
+/// Retries of `start` when a port picked as free was taken before etcd bound it.
+const START_ATTEMPTS: usize = 3;
+
+/// How [`EtcdServer::restore`] runs `etcdctl snapshot restore`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestoreFlags {
+    /// The same `--name`, `--initial-cluster` and `--initial-cluster-token` as the running
+    /// member: etcd comes back with the SAME cluster ID, so the ID alone does not reveal
+    /// the restore.
+    Same,
+    /// A new `--initial-cluster-token`: the restored cluster gets a new cluster ID.
+    Different,
+}
+
+/// A running (or deliberately stopped) etcd member.
+#[derive(Debug)]
+pub struct EtcdServer {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    cluster_token: String,
+    data_dir: PathBuf,
+    log_path: PathBuf,
+    child: Option<Child>,
+    /// Bumped per restore so each restore gets a fresh data dir and token.
+    generation: u32,
+    // Last field: dropped after the process is killed in `Drop`.
+    dir: TempDir,
+}
+
+impl EtcdServer {
+    /// Starts etcd on free loopback ports and waits until it serves requests.
+    pub async fn start() -> anyhow::Result<Self> {
+        let mut last_err = None;
+        for _ in 0..START_ATTEMPTS {
+            let mut server = Self::new()?;
+            match server.spawn_and_wait().await {
+                Ok(()) => return Ok(server),
+                // Only a lost port race is worth another try with new ports.
+                Err(err) if server.log_tail().contains("address already in use") => {
+                    tracing::warn!(error = %format!("{err:#}"), "etcd lost a port race; retrying");
+                    last_err = Some(err);
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        Err(last_err.unwrap_or_else(|| anyhow::anyhow!("etcd did not start")))
+    }
+
+    fn new() -> anyhow::Result<Self> {
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-etcd-")
+            .tempdir()
+            .context("creating etcd temp dir")?;
+        let (client_port, peer_port) = free_port_pair()?;
+        let name = "latchkey-test".to_owned();
+        Ok(Self {
+            cluster_token: format!("latchkey-test-{peer_port}"),
+            data_dir: dir.path().join("data-0"),
+            log_path: dir.path().join("etcd.log"),
+            name,
+            client_port,
+            peer_port,
+            child: None,
+            generation: 0,
+            dir,
+        })
+    }
+
+    /// `http://127.0.0.1:PORT`, stable across restarts and restores.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    pub fn client_port(&self) -> u16 {
+        self.client_port
+    }
+
+    /// The current data dir (a new one after each restore).
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// etcd's stdout and stderr, appended across restarts.
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    /// The process id, if the process is running (or paused).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// A fresh client. Connecting fails fast while etcd is down; requests to a paused
+    /// etcd hang, so wrap them in a timeout when that matters.
+    pub async fn client(&self) -> anyhow::Result<Client> {
+        let options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(2));
+        Client::connect([self.endpoint()], Some(options))
+            .await
+            .with_context(|| format!("connecting to etcd at {}", self.endpoint()))
+    }
+
+    /// The cluster ID from a status response header.
+    pub async fn cluster_id(&self) -> anyhow::Result<u64> {
+        let status = self.client().await?.status().await.context("etcd status")?;
+        let header = status.header().context("status response without header")?;
+        Ok(header.cluster_id())
+    }
+
+    /// The current store revision from a status response header.
+    pub async fn revision(&self) -> anyhow::Result<i64> {
+        let status = self.client().await?.status().await.context("etcd status")?;
+        let header = status.header().context("status response without header")?;
+        Ok(header.revision())
+    }
+
+    /// `etcdctl snapshot save` into `path`.
+    pub async fn snapshot_save(&self, path: &Path) -> anyhow::Result<()> {
+        let endpoint = self.endpoint();
+        run_etcdctl(&[
+            "--endpoints",
+            &endpoint,
+            "snapshot",
+            "save",
+            path_str(path)?,
+        ])
+        .await
+    }
+
+    /// Stops etcd, restores `snapshot` into a fresh data dir and starts it again on the
+    /// same ports. See [`RestoreFlags`] for what happens to the cluster ID.
+    pub async fn restore(&mut self, snapshot: &Path, flags: RestoreFlags) -> anyhow::Result<()> {
+        self.kill()?;
+        self.generation += 1;
+        if flags == RestoreFlags::Different {
+            self.cluster_token = format!("{}-restored-{}", self.cluster_token, self.generation);
+        }
+        let data_dir = self.dir.path().join(format!("data-{}", self.generation));
+        let peer_url = self.peer_url();
+        let initial_cluster = self.initial_cluster();
+        run_etcdctl(&[
+            "snapshot",
+            "restore",
+            path_str(snapshot)?,
+            "--name",
+            &self.name,
+            "--initial-cluster",
+            &initial_cluster,
+            "--initial-cluster-token",
+            &self.cluster_token,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+            "--data-dir",
+            path_str(&data_dir)?,
+        ])
+        .await?;
+        self.data_dir = data_dir;
+        self.spawn_and_wait().await
+    }
+
+    /// SIGKILLs the process and reaps it. A no-op if it is not running.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        if let Some(mut child) = self.child.take() {
+            // A stopped process still dies on SIGKILL.
+            child.kill().context("killing etcd")?;
+            child.wait().context("reaping etcd")?;
+        }
+        Ok(())
+    }
+
+    /// Kills (if running) and starts again with the same data dir and ports.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill()?;
+        self.spawn_and_wait().await
+    }
+
+    /// SIGSTOP: the process keeps its sockets but answers nothing.
+    pub fn pause(&self) -> anyhow::Result<()> {
+        self.signal(Signal::SIGSTOP)
+    }
+
+    /// SIGCONT after [`Self::pause`].
+    pub fn resume(&self) -> anyhow::Result<()> {
+        self.signal(Signal::SIGCONT)
+    }
+
+    fn signal(&self, signal: Signal) -> anyhow::Result<()> {
+        let child = self.child.as_ref().context("etcd is not running")?;
+        let pid = i32::try_from(child.id()).context("pid out of range")?;
+        kill(Pid::from_raw(pid), signal).with_context(|| format!("sending {signal} to etcd"))
+    }
+
+    fn peer_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.peer_port)
+    }
+
+    fn initial_cluster(&self) -> String {
+        format!("{}={}", self.name, self.peer_url())
+    }
+
+    async fn spawn_and_wait(&mut self) -> anyhow::Result<()> {
+        self.spawn()?;
+        if let Err(err) = self.wait_ready().await {
+            let tail = self.log_tail();
+            let _ = self.kill();
+            eprintln!(
+                "etcd did not become ready; last lines of {}:\n{tail}",
+                self.log_path.display()
+            );
+            return Err(err.context(format!(
+                "etcd at {} did not become ready; log tail ({}):\n{tail}",
+                self.endpoint(),
+                self.log_path.display()
+            )));
+        }
+        tracing::debug!(endpoint = %self.endpoint(), data_dir = %self.data_dir.display(), "etcd ready");
+        Ok(())
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .with_context(|| format!("opening {}", self.log_path.display()))?;
+        let stderr = log.try_clone().context("cloning log file handle")?;
+        let client_url = self.endpoint();
+        let peer_url = self.peer_url();
+        let child = Command::new(ETCD_BIN)
+            .arg("--name")
+            .arg(&self.name)
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .arg("--listen-client-urls")
+            .arg(&client_url)
+            .arg("--advertise-client-urls")
+            .arg(&client_url)
+            .arg("--listen-peer-urls")
+            .arg(&peer_url)
+            .arg("--initial-advertise-peer-urls")
+            .arg(&peer_url)
+            .arg("--initial-cluster")
+            .arg(self.initial_cluster())
+            .arg("--initial-cluster-token")
+            .arg(&self.cluster_token)
+            .arg("--initial-cluster-state")
+            .arg("new")
+            .args(["--logger", "zap", "--log-outputs", "stderr"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(stderr))
+            .spawn()
+            .with_context(|| {
+                format!("spawning `{ETCD_BIN}` (is etcd 3.4 installed? run scripts/setup)")
+            })?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let endpoint = self.endpoint();
+        let child = self.child.as_mut().context("etcd is not running")?;
+        let exited = eventually("etcd to answer status", READY_TIMEOUT, || {
+            // Checked first so a crashed etcd fails now, not at the deadline.
+            let exited = child.try_wait().ok().flatten();
+            let endpoint = endpoint.clone();
+            async move {
+                if exited.is_some() {
+                    return Ok(exited);
+                }
+                let options = ConnectOptions::new()
+                    .with_connect_timeout(Duration::from_millis(500))
+                    .with_timeout(Duration::from_secs(1));
+                Client::connect([endpoint], Some(options))
+                    .await?
+                    .status()
+                    .await?;
+                Ok(None)
+            }
+        })
+        .await?;
+        if let Some(status) = exited {
+            self.child = None;
+            bail!("etcd exited during startup with {status}");
+        }
+        Ok(())
+    }
+
+    fn log_tail(&self) -> String {
+        let Ok(log) = fs::read_to_string(&self.log_path) else {
+            return String::from("(no log)");
+        };
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Two distinct free loopback ports. Both listeners are held until both are picked, so
+/// the two never coincide; etcd binds them right after.
+fn free_port_pair() -> anyhow::Result<(u16, u16)> {
+    let a = TcpListener::bind("127.0.0.1:0").context("binding a free port")?;
+    let b = TcpListener::bind("127.0.0.1:0").context("binding a free port")?;
+    Ok((a.local_addr()?.port(), b.local_addr()?.port()))
+}
+
+fn path_str(path: &Path) -> anyhow::Result<&str> {
+    path.to_str()
+        .with_context(|| format!("path is not UTF-8: {}", path.display()))
+}
+
+async fn run_etcdctl(args: &[&str]) -> anyhow::Result<()> {
+    let output = tokio::process::Command::new(ETCDCTL_BIN)
+        .env("ETCDCTL_API", "3")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .with_context(|| format!("running `{ETCDCTL_BIN}` (is etcd-client installed?)"))?;
+    if !output.status.success() {
+        bail!(
+            "`{ETCDCTL_BIN} {}` failed with {}:\n{}{}",
+            args.join(" "),
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(())
+}
