@@ -1,6 +1,8 @@
 //! The end-to-end test binary: one `mod` per scenario file, linked once.
 //!
-//! Scenarios start real processes (etcd, later the arbiter and Envoy) through the
+//! Scenarios start real processes (etcd, the arbiter, later Envoy) through the
 //! harnesses in `latchkey_tests`.
 
 mod etcd_harness;
+mod grants;
+mod support;

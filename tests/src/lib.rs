@@ -13,6 +13,7 @@ use std::time::Duration;
 use anyhow::bail;
 use tokio::time::Instant;
 
+pub mod arbiter;
 pub mod etcd;
 // Harness modules added by other work items go below this line (e.g. `pub mod arbiter;`).
 

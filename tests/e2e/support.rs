@@ -1,0 +1,123 @@
+//! Small helpers shared by the scenarios: a stack (real etcd + in-process
+//! arbiter), lock.v1 calls with short names, and refusal inspection.
+
+use std::time::Duration;
+
+use latchkey_proto::lockv1::lock_client::LockClient;
+use latchkey_proto::lockv1::{
+    AcquireRequest, Grant, OpenSessionRequest, ReleaseRequest, WaitMode,
+};
+use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
+use latchkey_tests::etcd::EtcdServer;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+use tonic_types::StatusExt;
+
+pub type Client = LockClient<Channel>;
+
+pub struct Stack {
+    pub etcd: EtcdServer,
+    pub arbiter: Arbiter,
+}
+
+pub async fn stack() -> anyhow::Result<Stack> {
+    stack_with(ArbiterOptions::default()).await
+}
+
+pub async fn stack_with(opts: ArbiterOptions) -> anyhow::Result<Stack> {
+    latchkey_tests::init_tracing();
+    let etcd = EtcdServer::start().await?;
+    let arbiter = Arbiter::start(&etcd, opts).await?;
+    Ok(Stack { etcd, arbiter })
+}
+
+pub async fn open(c: &mut Client, class: &str) -> anyhow::Result<i64> {
+    Ok(c
+        .open_session(OpenSessionRequest {
+            class: class.into(),
+            reuse_session_ids: vec![],
+        })
+        .await?
+        .into_inner()
+        .session_id)
+}
+
+pub async fn try_lock(c: &mut Client, key: &str, class: &str, session: i64) -> Result<Grant, Status> {
+    let resp = c
+        .acquire(AcquireRequest {
+            key: key.into(),
+            class: class.into(),
+            session_id: session,
+            wait: WaitMode::WaitNone.into(),
+            metadata: Default::default(),
+        })
+        .await?;
+    resp.into_inner()
+        .grant
+        .ok_or_else(|| Status::internal("no grant in an OK response"))
+}
+
+pub async fn wait_lock(
+    c: &mut Client,
+    key: &str,
+    class: &str,
+    session: i64,
+    timeout: Duration,
+) -> Result<Grant, Status> {
+    let mut req = tonic::Request::new(AcquireRequest {
+        key: key.into(),
+        class: class.into(),
+        session_id: session,
+        wait: WaitMode::WaitUntilDeadline.into(),
+        metadata: Default::default(),
+    });
+    req.set_timeout(timeout);
+    let resp = c.acquire(req).await?;
+    resp.into_inner()
+        .grant
+        .ok_or_else(|| Status::internal("no grant in an OK response"))
+}
+
+pub async fn release(c: &mut Client, g: &Grant) -> Result<(), Status> {
+    c.release(ReleaseRequest {
+        key: g.key.clone(),
+        session_id: g.session_id,
+        token: g.token,
+    })
+    .await?;
+    Ok(())
+}
+
+/// (code, ErrorInfo.reason) of a refusal.
+pub fn refusal(s: &Status) -> (Code, String) {
+    let reason = s
+        .get_error_details()
+        .error_info()
+        .map(|i| i.reason.clone())
+        .unwrap_or_default();
+    (s.code(), reason)
+}
+
+pub fn expect_refusal<T: std::fmt::Debug>(
+    r: Result<T, Status>,
+    code: Code,
+    reason: &str,
+) -> anyhow::Result<Status> {
+    match r {
+        Ok(v) => anyhow::bail!("expected {code:?}/{reason}, got OK {v:?}"),
+        Err(s) => {
+            let got = refusal(&s);
+            anyhow::ensure!(
+                got == (code, reason.to_string()),
+                "expected {code:?}/{reason}, got {got:?}: {}",
+                s.message()
+            );
+            Ok(s)
+        }
+    }
+}
+
+/// The etcd revision now (a cheap read).
+pub async fn revision(etcd: &EtcdServer) -> anyhow::Result<i64> {
+    etcd.revision().await
+}

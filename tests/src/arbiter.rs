@@ -1,0 +1,347 @@
+//! The arbiter under test: in-process ([`Arbiter`], through the library's
+//! `run` on a port-0 listener) or as a real process ([`ArbiterProcess`], for
+//! log inspection and SIGKILL), plus mTLS clients carrying dev SVIDs.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use latchkey_client::dev_certs::{self, DevTrustDomain};
+use latchkey_proto::adminv1::admin_client::AdminClient;
+use latchkey_proto::lockv1::InspectRequest;
+use latchkey_proto::lockv1::lock_client::LockClient;
+use tempfile::TempDir;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+use crate::etcd::EtcdServer;
+use crate::{eventually, workspace_root};
+
+pub const TRUST_DOMAIN: &str = "dev.latchkey";
+pub const NAMES: &[&str] = &[
+    "latchkey/arbiter",
+    "latchkey/edge",
+    "latchkey/operator",
+    "workload/demo",
+    "workload/alice",
+    "workload/bob",
+    "workload/mallory",
+    "workload/bench",
+];
+
+/// The dev trust domain for this test process (generated once).
+pub fn certs() -> anyhow::Result<&'static DevTrustDomain> {
+    static CERTS: OnceLock<Result<(TempDir, DevTrustDomain), String>> = OnceLock::new();
+    let made = CERTS.get_or_init(|| {
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-certs-")
+            .tempdir()
+            .map_err(|e| e.to_string())?;
+        let td = dev_certs::generate(dir.path(), TRUST_DOMAIN, NAMES).map_err(|e| e.to_string())?;
+        Ok((dir, td))
+    });
+    match made {
+        Ok((_, td)) => Ok(td),
+        Err(e) => bail!("dev certificates: {e}"),
+    }
+}
+
+/// `spiffe://dev.latchkey/<name>`.
+pub fn spiffe(name: &str) -> String {
+    dev_certs::spiffe_id(TRUST_DOMAIN, name)
+}
+
+#[derive(Debug, Clone)]
+pub struct ArbiterOptions {
+    pub policies_dir: PathBuf,
+    /// Each test gets its own etcd, so the default prefix is fine.
+    pub prefix: String,
+    pub edge_identity: Option<String>,
+    pub retry_poll: Duration,
+    pub max_wait: Duration,
+    /// Reuse a state dir (high-water mark) across restarts; a temp dir otherwise.
+    pub state_dir: Option<PathBuf>,
+}
+
+impl Default for ArbiterOptions {
+    fn default() -> Self {
+        Self {
+            policies_dir: workspace_root().join("policies/dev"),
+            prefix: "/latchkey".into(),
+            edge_identity: None,
+            retry_poll: Duration::from_millis(500),
+            max_wait: Duration::from_secs(60),
+            state_dir: None,
+        }
+    }
+}
+
+/// An arbiter running inside the test process.
+pub struct Arbiter {
+    addr: SocketAddr,
+    state_dir: PathBuf,
+    _state: Option<TempDir>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), latchkey_arbiter::RunError>>>,
+}
+
+impl Arbiter {
+    pub async fn start(etcd: &EtcdServer, opts: ArbiterOptions) -> anyhow::Result<Self> {
+        let certs = certs()?;
+        let (state_tmp, state_dir) = match &opts.state_dir {
+            Some(d) => (None, d.clone()),
+            None => {
+                let t = TempDir::new()?;
+                let p = t.path().to_path_buf();
+                (Some(t), p)
+            }
+        };
+        let svid = certs.svid("latchkey/arbiter");
+        let mut config = latchkey_arbiter::Config::new(
+            vec![etcd.endpoint()],
+            opts.policies_dir.clone(),
+            state_dir.clone(),
+        );
+        config.prefix = opts.prefix.clone();
+        config.tls = Some(latchkey_arbiter::TlsFiles {
+            cert: svid.cert,
+            key: svid.key,
+            client_ca: certs.ca(),
+        });
+        config.trust_domain = TRUST_DOMAIN.into();
+        config.edge_identity = opts.edge_identity.clone();
+        config.retry_poll = opts.retry_poll;
+        config.max_wait = opts.max_wait;
+        config.policy_poll = Duration::from_millis(200);
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(latchkey_arbiter::run(listener, config, async {
+            let _ = rx.await;
+        }));
+        let mut arbiter = Self {
+            addr,
+            state_dir,
+            _state: state_tmp,
+            shutdown: Some(tx),
+            task: Some(task),
+        };
+        arbiter.wait_ready().await?;
+        Ok(arbiter)
+    }
+
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let addr = self.addr;
+        let ready = eventually("the arbiter to answer", Duration::from_secs(20), || async move {
+            let mut c = LockClient::new(channel(addr, "workload/demo").await?);
+            // Any answer from the service (even a refusal) means it is up.
+            match c
+                .inspect(InspectRequest {
+                    key: "demo/ready".into(),
+                })
+                .await
+            {
+                Ok(_) => Ok(()),
+                Err(s) if s.code() != tonic::Code::Unavailable && s.code() != tonic::Code::Unknown => Ok(()),
+                Err(s) => bail!("{s}"),
+            }
+        })
+        .await;
+        if let Err(e) = ready {
+            if let Some(task) = self.task.take()
+                && task.is_finished()
+            {
+                let result = task.await;
+                bail!("the arbiter exited: {result:?}");
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    pub async fn lock(&self, name: &str) -> anyhow::Result<LockClient<Channel>> {
+        Ok(LockClient::new(channel(self.addr, name).await?))
+    }
+
+    pub async fn admin(&self, name: &str) -> anyhow::Result<AdminClient<Channel>> {
+        Ok(AdminClient::new(channel(self.addr, name).await?))
+    }
+
+    /// Graceful stop; returns what `run` returned.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(10), task)
+                .await
+                .context("arbiter did not stop")???;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Arbiter {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// An mTLS channel to `addr` carrying `name`'s dev SVID.
+pub async fn channel(addr: SocketAddr, name: &str) -> anyhow::Result<Channel> {
+    let certs = certs()?;
+    let svid = certs.svid(name);
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(certs.ca())?))
+        .identity(Identity::from_pem(
+            std::fs::read(&svid.cert)?,
+            std::fs::read(&svid.key)?,
+        ))
+        .domain_name("localhost");
+    let channel = Channel::from_shared(format!("https://{addr}"))?
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await?;
+    Ok(channel)
+}
+
+/// A TLS channel without a client certificate (must be refused).
+pub async fn anonymous_channel(addr: SocketAddr) -> anyhow::Result<Channel> {
+    let certs = certs()?;
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(certs.ca())?))
+        .domain_name("localhost");
+    Ok(Channel::from_shared(format!("https://{addr}"))?
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await?)
+}
+
+/// The arbiter as a real process (the binary built from this crate's
+/// `arbiter-under-test` target, identical to `latchkey-arbiter`).
+pub struct ArbiterProcess {
+    child: Option<Child>,
+    addr: SocketAddr,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+impl ArbiterProcess {
+    pub async fn start(
+        binary: &Path,
+        etcd: &EtcdServer,
+        opts: ArbiterOptions,
+        rust_log: &str,
+    ) -> anyhow::Result<Self> {
+        let certs = certs()?;
+        let dir = TempDir::new()?;
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+            l.local_addr()?.port()
+        };
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        let state = opts
+            .state_dir
+            .clone()
+            .unwrap_or_else(|| dir.path().join("state"));
+        let log = dir.path().join("arbiter.log");
+        let out = std::fs::File::create(&log)?;
+        let svid = certs.svid("latchkey/arbiter");
+        let mut cmd = Command::new(binary);
+        cmd.arg("--listen")
+            .arg(addr.to_string())
+            .arg("--etcd")
+            .arg(etcd.endpoint())
+            .arg("--prefix")
+            .arg(&opts.prefix)
+            .arg("--policies")
+            .arg(&opts.policies_dir)
+            .arg("--tls-cert")
+            .arg(&svid.cert)
+            .arg("--tls-key")
+            .arg(&svid.key)
+            .arg("--tls-ca")
+            .arg(certs.ca())
+            .arg("--trust-domain")
+            .arg(TRUST_DOMAIN)
+            .arg("--state-dir")
+            .arg(&state)
+            .env("RUST_LOG", rust_log)
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
+        if let Some(edge) = &opts.edge_identity {
+            cmd.arg("--edge-identity").arg(edge);
+        }
+        let child = cmd.spawn().with_context(|| format!("spawn {}", binary.display()))?;
+        let proc = Self {
+            child: Some(child),
+            addr,
+            log,
+            _dir: dir,
+        };
+        eventually("the arbiter process to answer", Duration::from_secs(20), || async move {
+            let mut c = LockClient::new(channel(addr, "workload/demo").await?);
+            match c.inspect(InspectRequest { key: "demo/ready".into() }).await {
+                Ok(_) => Ok(()),
+                Err(s) if s.code() != tonic::Code::Unavailable && s.code() != tonic::Code::Unknown => Ok(()),
+                Err(s) => bail!("{s}"),
+            }
+        })
+        .await
+        .with_context(|| format!("log:\n{}", std::fs::read_to_string(&proc.log).unwrap_or_default()))?;
+        Ok(proc)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn log(&self) -> anyhow::Result<String> {
+        Ok(std::fs::read_to_string(&self.log)?)
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait: the graceful path.
+    pub fn terminate(&mut self) -> anyhow::Result<()> {
+        if let Some(mut c) = self.child.take() {
+            let pid = nix::unistd::Pid::from_raw(i32::try_from(c.id())?);
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ArbiterProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
