@@ -143,7 +143,10 @@ impl Store {
         self.high_water.current()
     }
 
-    /// Checks a header; on a fresh seal, records it in the log for every arbiter.
+    /// Checks a header before its response is used. On a fresh seal, records
+    /// it in the log for every arbiter; while sealed, nothing read or written
+    /// under this header is used (a grant committed in a restored log is never
+    /// answered with its token).
     async fn observe(&self, cluster_id: u64, revision: Option<i64>) -> Result<(), ArbiterError> {
         if let Some(reason) = self
             .guard
@@ -151,7 +154,7 @@ impl Store {
         {
             self.publish_seal(&reason).await;
         }
-        Ok(())
+        self.guard.serving().map(|_| ())
     }
 
     async fn publish_seal(&self, reason: &str) {

@@ -6,3 +6,4 @@
 mod etcd_harness;
 mod grants;
 mod support;
+mod waiting;

@@ -1,0 +1,71 @@
+//! `latchctl admin`: operator calls.
+
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+use latchkey_client::Client;
+use serde_json::json;
+
+use crate::{Failure, Output};
+
+#[derive(Debug, Subcommand)]
+pub enum AdminCommand {
+    /// The arbiter's epoch, cluster ids and seal state.
+    Status,
+    /// Unseal after a restore: epoch `expected` -> `expected + 1`, deleting every hold.
+    AdvanceEpoch(AdvanceArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct AdvanceArgs {
+    /// The epoch the arbiter is at now (see `admin status`).
+    #[arg(long)]
+    pub expected: u32,
+    /// Why; stored with the new epoch record.
+    #[arg(long)]
+    pub reason: String,
+}
+
+pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<ExitCode, Failure> {
+    match command {
+        AdminCommand::Status => {
+            let s = client.admin_status().await?;
+            if out.json {
+                out.line(json!({
+                    "epoch": s.epoch,
+                    "epoch_cluster_id": s.epoch_cluster_id,
+                    "current_cluster_id": s.current_cluster_id,
+                    "sealed": s.sealed,
+                    "seal_reason": s.seal_reason,
+                    "revision_high_water_mark": s.revision_high_water_mark,
+                }));
+            } else {
+                println!("epoch                {}", s.epoch);
+                println!("epoch cluster id     {:#018x}", s.epoch_cluster_id);
+                println!("current cluster id   {:#018x}", s.current_cluster_id);
+                println!("revision high-water  {}", s.revision_high_water_mark);
+                if s.sealed {
+                    println!("sealed               YES: {}", s.seal_reason);
+                } else {
+                    println!("sealed               no");
+                }
+            }
+        }
+        AdminCommand::AdvanceEpoch(args) => {
+            let r = client.advance_epoch(args.expected, &args.reason).await?;
+            if out.json {
+                out.line(json!({
+                    "epoch": r.epoch,
+                    "cluster_id": r.cluster_id,
+                    "holds_deleted": r.holds_deleted,
+                }));
+            } else {
+                println!(
+                    "epoch advanced to {} (cluster {:#018x}); {} holds deleted",
+                    r.epoch, r.cluster_id, r.holds_deleted
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
