@@ -154,6 +154,10 @@ impl Store {
         {
             self.publish_seal(&reason).await;
         }
+        if self.guard.serving().is_err() {
+            // Sealed: an advance made through another arbiter may have lifted it.
+            self.load_epoch().await?;
+        }
         self.guard.serving().map(|_| ())
     }
 

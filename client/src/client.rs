@@ -127,7 +127,11 @@ impl Client {
                 let inner =
                     SessionInner::start(rpc.clone(), reply.session_id, ttl, interval, opened_at);
                 sessions.by_id.insert(reply.session_id, Arc::clone(&inner));
-                tracing::debug!(session_id = reply.session_id, ttl_s = reply.ttl_seconds, "session opened");
+                tracing::debug!(
+                    session_id = reply.session_id,
+                    ttl_s = reply.ttl_seconds,
+                    "session opened"
+                );
                 inner
             }
         };
@@ -257,6 +261,8 @@ impl Sessions {
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let sessions: Vec<i64> = self.sessions().by_id.keys().copied().collect();
-        f.debug_struct("Client").field("sessions", &sessions).finish()
+        f.debug_struct("Client")
+            .field("sessions", &sessions)
+            .finish()
     }
 }

@@ -32,7 +32,10 @@ pub enum Error {
     },
     /// The client configuration cannot work.
     #[error("invalid configuration: {field}: {problem}")]
-    Config { field: &'static str, problem: String },
+    Config {
+        field: &'static str,
+        problem: String,
+    },
     /// A TLS file could not be read.
     #[error("reading {what} {}", path.display())]
     ReadFile {
@@ -173,9 +176,17 @@ mod tests {
 
     #[test]
     fn wait_timeout_is_not_transient_but_store_unavailable_is() {
-        let wait = Error::from(refusal(Code::DeadlineExceeded, "WAIT_TIMEOUT", "latchkey.dev"));
+        let wait = Error::from(refusal(
+            Code::DeadlineExceeded,
+            "WAIT_TIMEOUT",
+            "latchkey.dev",
+        ));
         assert!(!wait.is_transient());
-        let store = Error::from(refusal(Code::Unavailable, "STORE_UNAVAILABLE", "latchkey.dev"));
+        let store = Error::from(refusal(
+            Code::Unavailable,
+            "STORE_UNAVAILABLE",
+            "latchkey.dev",
+        ));
         assert!(store.is_transient());
     }
 }

@@ -17,6 +17,11 @@
 //! last guard of a hold sends Release. Tokens never appear in `Debug`,
 //! `Display`, errors or logs.
 
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
 mod client;
 pub mod config;
 pub mod dev_certs;

@@ -46,10 +46,12 @@ impl Rpc {
                     .ca_certificate(Certificate::from_pem(ca))
                     .identity(Identity::from_pem(cert, key))
                     .domain_name(config.tls_domain.as_deref().unwrap_or("localhost"));
-                endpoint = endpoint.tls_config(tls).map_err(|source| Error::Transport {
-                    endpoint: config.endpoint.clone(),
-                    source,
-                })?;
+                endpoint = endpoint
+                    .tls_config(tls)
+                    .map_err(|source| Error::Transport {
+                        endpoint: config.endpoint.clone(),
+                        source,
+                    })?;
             }
             None => {
                 if https {
@@ -60,19 +62,23 @@ impl Rpc {
                 }
             }
         }
-        let dev_identity = match (&config.tls, &config.dev_identity) {
-            (None, Some(id)) => Some(AsciiMetadataValue::try_from(id.as_str()).map_err(|_| {
-                Error::Config {
-                    field: "dev_identity",
-                    problem: "not a valid header value".into(),
-                }
-            })?),
-            _ => None,
-        };
-        let channel = endpoint.connect().await.map_err(|source| Error::Transport {
-            endpoint: config.endpoint.clone(),
-            source,
-        })?;
+        let dev_identity =
+            match (&config.tls, &config.dev_identity) {
+                (None, Some(id)) => Some(AsciiMetadataValue::try_from(id.as_str()).map_err(
+                    |_| Error::Config {
+                        field: "dev_identity",
+                        problem: "not a valid header value".into(),
+                    },
+                )?),
+                _ => None,
+            };
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|source| Error::Transport {
+                endpoint: config.endpoint.clone(),
+                source,
+            })?;
         Ok(Self {
             channel,
             dev_identity,

@@ -18,8 +18,8 @@ use latchkey_proto::lockv1::CloseSessionRequest;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-pub(crate) use holds::{Begin, Decrement, Hold};
 use holds::Holds;
+pub(crate) use holds::{Begin, Decrement, Hold};
 use liveness::Liveness;
 
 use crate::error::Error;
@@ -110,7 +110,10 @@ impl SessionCore {
         let mut state = self.state();
         if state.liveness.dead().is_none() {
             state.liveness.failed();
-            tracing::debug!(session_id = self.id, "keepalive failed; not starting new work");
+            tracing::debug!(
+                session_id = self.id,
+                "keepalive failed; not starting new work"
+            );
         }
     }
 
@@ -295,7 +298,9 @@ impl Session {
         self.inner.keepalive.abort();
         let rpc = &self.inner.rpc;
         rpc.lock()
-            .close_session(rpc.unary(CloseSessionRequest { session_id: core.id }))
+            .close_session(rpc.unary(CloseSessionRequest {
+                session_id: core.id,
+            }))
             .await?;
         Ok(())
     }

@@ -5,5 +5,6 @@
 
 mod etcd_harness;
 mod grants;
+mod seal;
 mod support;
 mod waiting;

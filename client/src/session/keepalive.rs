@@ -69,7 +69,10 @@ async fn renew(core: &SessionCore, rpc: &Rpc) -> FenceReason {
                 continue;
             }
             Err(_) => {
-                tracing::debug!(session_id = core.id, "keepalive stream did not open in time");
+                tracing::debug!(
+                    session_id = core.id,
+                    "keepalive stream did not open in time"
+                );
                 core.keepalive_failed();
                 continue;
             }

@@ -104,7 +104,10 @@ mod tests {
         live.failed();
         assert!(!live.can_start(t0 + Duration::from_secs(1)));
         // Stage one does not move the deadline: holds are still ours.
-        assert_eq!(live.remaining(t0 + Duration::from_secs(4)), Duration::from_secs(10));
+        assert_eq!(
+            live.remaining(t0 + Duration::from_secs(4)),
+            Duration::from_secs(10)
+        );
         live.renewed(t0 + Duration::from_secs(5), TTL);
         assert!(live.can_start(t0 + Duration::from_secs(6)));
     }

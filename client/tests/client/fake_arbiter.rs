@@ -122,7 +122,11 @@ impl Lock for FakeArbiter {
         bump(&self.counters.open_session);
         let req = request.into_inner();
         let Some(&ttl) = self.classes.get(&req.class) else {
-            return Err(refusal(Code::InvalidArgument, "UNKNOWN_CLASS", "no such class"));
+            return Err(refusal(
+                Code::InvalidArgument,
+                "UNKNOWN_CLASS",
+                "no such class",
+            ));
         };
         let mut state = self.lock();
         let reusable = req

@@ -35,11 +35,19 @@ async fn blocked_path_stops_new_work_first_then_fences_at_the_send_time_deadline
     let client = dev_client(proxy.addr).await;
     let fired: Fired = Arc::default();
 
-    let outer = match client.lock("jobs/a", "short").acquire(recorder(&fired, "outer")).await {
+    let outer = match client
+        .lock("jobs/a", "short")
+        .acquire(recorder(&fired, "outer"))
+        .await
+    {
         Ok(g) => g,
         Err(e) => panic!("acquire: {e}"),
     };
-    let inner = match client.lock("jobs/a", "short").acquire(recorder(&fired, "inner")).await {
+    let inner = match client
+        .lock("jobs/a", "short")
+        .acquire(recorder(&fired, "inner"))
+        .await
+    {
         Ok(g) => g,
         Err(e) => panic!("nested acquire: {e}"),
     };
@@ -84,8 +92,16 @@ async fn blocked_path_stops_new_work_first_then_fences_at_the_send_time_deadline
     let fired = snapshot(&fired);
     let mut labels: Vec<_> = fired.iter().map(|(_, _, label)| *label).collect();
     labels.sort_unstable();
-    assert_eq!(labels, ["inner", "outer"], "each hold's on_fence exactly once");
-    assert!(fired.iter().all(|(_, r, _)| *r == FenceReason::DeadlineExceeded));
+    assert_eq!(
+        labels,
+        ["inner", "outer"],
+        "each hold's on_fence exactly once"
+    );
+    assert!(
+        fired
+            .iter()
+            .all(|(_, r, _)| *r == FenceReason::DeadlineExceeded)
+    );
     let fence_at = fired.iter().map(|(t, _, _)| *t).min().unwrap_or(blocked_at);
 
     eprintln!(
@@ -125,7 +141,11 @@ async fn a_blip_shorter_than_the_deadline_only_pauses_new_work() {
     let proxy = Proxy::start(arbiter.serve().await).await;
     let client = dev_client(proxy.addr).await;
     let fired: Fired = Arc::default();
-    let guard = match client.lock("jobs/b", "short").acquire(recorder(&fired, "g")).await {
+    let guard = match client
+        .lock("jobs/b", "short")
+        .acquire(recorder(&fired, "g"))
+        .await
+    {
         Ok(g) => g,
         Err(e) => panic!("acquire: {e}"),
     };
@@ -169,7 +189,11 @@ async fn the_arbiter_expiring_the_session_fences_at_once() {
     let arbiter = FakeArbiter::new(&[("short", 3)]);
     let client = dev_client(arbiter.serve().await).await;
     let fired: Fired = Arc::default();
-    let guard = match client.lock("jobs/c", "short").acquire(recorder(&fired, "g")).await {
+    let guard = match client
+        .lock("jobs/c", "short")
+        .acquire(recorder(&fired, "g"))
+        .await
+    {
         Ok(g) => g,
         Err(e) => panic!("acquire: {e}"),
     };

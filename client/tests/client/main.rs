@@ -4,9 +4,10 @@
 
 mod fake_arbiter;
 mod fencing;
+mod latchctl;
 mod proxy;
-mod reentrancy;
 mod redaction;
+mod reentrancy;
 
 use std::time::Duration;
 

@@ -61,21 +61,31 @@ async fn the_token_shows_in_no_debug_display_error_or_log() {
         Err(e) => panic!("acquire: {e}"),
     };
     let token = guard.token().get();
-    assert!(token > u64::from(EPOCH) << 48, "the fake grants real-looking tokens");
+    assert!(
+        token > u64::from(EPOCH) << 48,
+        "the fake grants real-looking tokens"
+    );
     let nested = match client.lock("secret/k", "short").acquire(|_| {}).await {
         Ok(g) => g,
         Err(e) => panic!("acquire: {e}"),
     };
 
     assert_clean("guard Debug", &format!("{guard:?} {guard:#?}"), token);
-    assert_clean("token Display", &format!("{} {:?}", guard.token(), guard.token()), token);
+    assert_clean(
+        "token Display",
+        &format!("{} {:?}", guard.token(), guard.token()),
+        token,
+    );
     assert_eq!(format!("{}", guard.token()), "FencingToken(<redacted>)");
 
     let inspection = match client.inspect("secret/k").await {
         Ok(i) => i,
         Err(e) => panic!("inspect: {e}"),
     };
-    assert_eq!(inspection.holder.as_ref().map(|h| h.token.get()), Some(token));
+    assert_eq!(
+        inspection.holder.as_ref().map(|h| h.token.get()),
+        Some(token)
+    );
     assert_clean("inspection Debug", &format!("{inspection:?}"), token);
 
     let other = dev_client(addr).await;
@@ -111,7 +121,11 @@ async fn the_token_shows_in_no_debug_display_error_or_log() {
         within = Duration::from_secs(2),
         "drop did not release"
     );
-    let logs = String::from_utf8_lossy(&logs.0.lock().unwrap_or_else(|p| p.into_inner())).to_string();
-    assert!(logs.contains("acquired"), "the capture saw the library's logs");
+    let logs =
+        String::from_utf8_lossy(&logs.0.lock().unwrap_or_else(|p| p.into_inner())).to_string();
+    assert!(
+        logs.contains("acquired"),
+        "the capture saw the library's logs"
+    );
     assert_clean("logs", &logs, token);
 }

@@ -73,11 +73,19 @@ async fn one_session_per_ttl_and_other_clients_see_held() {
         panic!("acquires failed");
     };
     assert_eq!(a.session_id(), b.session_id(), "same TTL, same session");
-    assert_ne!(a.session_id(), slow.session_id(), "other TTL, other session");
+    assert_ne!(
+        a.session_id(),
+        slow.session_id(),
+        "other TTL, other session"
+    );
     assert_eq!(FakeArbiter::count(&c.open_session), 3);
     let a2 = client.lock("k/4", "a").acquire(|_| {}).await;
     assert!(a2.is_ok());
-    assert_eq!(FakeArbiter::count(&c.open_session), 3, "class session is cached");
+    assert_eq!(
+        FakeArbiter::count(&c.open_session),
+        3,
+        "class session is cached"
+    );
 
     let session = match client.open_session("b").await {
         Ok(s) => s,
@@ -120,7 +128,10 @@ async fn closing_a_session_fences_its_holds() {
     if let Err(e) = session.close().await {
         panic!("close: {e}");
     }
-    assert_eq!(rx.try_recv().ok(), Some(latchkey_client::FenceReason::Closed));
+    assert_eq!(
+        rx.try_recv().ok(),
+        Some(latchkey_client::FenceReason::Closed)
+    );
     assert!(guard.is_fenced());
     assert_eq!(FakeArbiter::count(&arbiter.counters.close_session), 1);
     drop(guard);

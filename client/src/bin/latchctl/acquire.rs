@@ -48,8 +48,14 @@ pub async fn grant(
     class: &str,
     wait: Option<Duration>,
     meta: &[(String, String)],
-) -> Result<(Session, LockGuard, mpsc::UnboundedReceiver<latchkey_client::FenceReason>), Failure>
-{
+) -> Result<
+    (
+        Session,
+        LockGuard,
+        mpsc::UnboundedReceiver<latchkey_client::FenceReason>,
+    ),
+    Failure,
+> {
     let session = client.open_session(class).await?;
     let (fenced, on_fence) = mpsc::unbounded_channel();
     let mut lock = client.lock(key, class).session(&session);

@@ -10,12 +10,16 @@ pub fn parse(input: &str) -> Result<Duration, String> {
     let mut total = Duration::ZERO;
     let mut rest = text;
     while !rest.is_empty() {
-        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
         if digits == 0 {
             return Err(format!("{input:?}: expected a number at {rest:?}"));
         }
         let (number, after) = rest.split_at(digits);
-        let unit_len = after.find(|c: char| c.is_ascii_digit()).unwrap_or(after.len());
+        let unit_len = after
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(after.len());
         let (unit, after) = after.split_at(unit_len);
         let value: u64 = number
             .parse()

@@ -80,7 +80,9 @@ pub async fn hold(client: Client, args: HoldArgs, out: Output) -> Result<ExitCod
             if let Err(e) = guard.release().await {
                 out.note(
                     json!({ "event": "release_failed", "key": key, "error": e.to_string() }),
-                    format_args!("latchctl: release of {key} failed ({e}); it ends with the session"),
+                    format_args!(
+                        "latchctl: release of {key} failed ({e}); it ends with the session"
+                    ),
                 );
             }
             let _ = session.close().await;
@@ -116,7 +118,10 @@ fn forward(child: &Child, signal: Signal) {
 /// SIGTERM, then SIGKILL after the grace period.
 async fn stop(child: &mut Child) {
     forward(child, Signal::SIGTERM);
-    if tokio::time::timeout(KILL_GRACE, child.wait()).await.is_err() {
+    if tokio::time::timeout(KILL_GRACE, child.wait())
+        .await
+        .is_err()
+    {
         let _ = child.start_kill();
         let _ = child.wait().await;
     }

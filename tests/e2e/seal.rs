@@ -1,0 +1,172 @@
+//! ADR-03 on a real etcd: a restored lock log never re-issues a token.
+//!
+//! Both restore shapes are exercised: with the same member flags (etcd keeps
+//! the cluster id — only the revision high-water mark reveals it) and with
+//! different flags (new cluster id). After either, every grant is refused with
+//! SEALED until an operator advances the epoch, and every token issued after
+//! the advance is larger than every token issued before the restore.
+
+use std::time::Duration;
+
+use latchkey_proto::adminv1::{AdvanceEpochRequest, GetStatusRequest};
+use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
+use latchkey_tests::etcd::RestoreFlags;
+use latchkey_tests::eventually;
+use tonic::Code;
+
+use crate::support::*;
+
+/// Grants `n` times on a few keys; returns the largest token.
+async fn churn(c: &mut Client, session: i64, n: usize) -> anyhow::Result<u64> {
+    let mut max = 0;
+    for i in 0..n {
+        let g = try_lock(c, &format!("demo/r{}", i % 3), "demo", session).await?;
+        max = max.max(g.token);
+        release(c, &g).await?;
+    }
+    Ok(max)
+}
+
+async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyhow::Result<()> {
+    let mut s = stack().await?;
+    let state_dir = s.arbiter.state_dir().to_path_buf();
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    churn(&mut alice, session, 3).await?;
+    let snapshot = tempfile::NamedTempFile::new()?;
+    s.etcd.snapshot_save(snapshot.path()).await?;
+    // tokens issued after the snapshot: a naive restore would issue them again
+    let before_restore = churn(&mut alice, session, 20).await?;
+    let cluster_before = s.etcd.cluster_id().await?;
+
+    s.etcd.restore(snapshot.path(), flags).await?;
+    let cluster_after = s.etcd.cluster_id().await?;
+    match flags {
+        RestoreFlags::Same => assert_eq!(cluster_before, cluster_after, "etcd kept the cluster id"),
+        RestoreFlags::Different => assert_ne!(cluster_before, cluster_after),
+    }
+
+    // the running arbiter refuses, naming the way out
+    let sealed = eventually("the arbiter to seal", Duration::from_secs(20), || {
+        let mut alice = alice.clone();
+        async move {
+            let mut alice2 = alice.clone();
+            // the session may or may not be in the snapshot; use a fresh one when it is not
+            let session = match open(&mut alice2, "demo").await {
+                Ok(id) => id,
+                Err(_) => session,
+            };
+            match try_lock(&mut alice, "demo/after", "demo", session).await {
+                // a grant in the restored log ends the wait: it is the failure
+                Ok(g) => Ok(Err(g)),
+                Err(st) if refusal(&st) == (Code::FailedPrecondition, "SEALED".to_string()) => Ok(Ok(st)),
+                Err(st) => anyhow::bail!("not sealed yet: {st}"),
+            }
+        }
+    })
+    .await?;
+    let sealed = match sealed {
+        Ok(st) => st,
+        Err(g) => anyhow::bail!(
+            "granted in the restored log (token above every earlier one: {})",
+            g.token > before_restore
+        ),
+    };
+    assert!(sealed.message().contains("advance-epoch"), "{}", sealed.message());
+
+    // an arbiter restarted on the same state dir is still sealed
+    let Stack { etcd, arbiter } = s;
+    arbiter.stop().await?;
+    let arbiter = Arbiter::start(&etcd, ArbiterOptions { state_dir: Some(state_dir), ..Default::default() }).await?;
+    let mut alice = arbiter.lock("workload/alice").await?;
+    expect_refusal(open(&mut alice, "demo").await.map_err(status_of), Code::FailedPrecondition, "SEALED")?;
+    // an arbiter with no memory of the old log is sealed by the seal record
+    let fresh = Arbiter::start(&etcd, ArbiterOptions::default()).await?;
+    let mut fresh_alice = fresh.lock("workload/alice").await?;
+    expect_refusal(open(&mut fresh_alice, "demo").await.map_err(status_of), Code::FailedPrecondition, "SEALED")?;
+
+    // status shows it; only an operator may advance
+    let mut op = arbiter.admin("latchkey/operator").await?;
+    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    assert!(status.sealed, "{status:?}");
+    assert_eq!(status.epoch, 1);
+    let mut not_op = arbiter.admin("workload/alice").await?;
+    expect_refusal(
+        not_op.advance_epoch(AdvanceEpochRequest { expected_epoch: 1, reason: "x".into() }).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    expect_refusal(
+        op.advance_epoch(AdvanceEpochRequest { expected_epoch: 7, reason: "restore drill".into() }).await,
+        Code::InvalidArgument,
+        "BAD_REQUEST",
+    )?;
+    let advanced = op
+        .advance_epoch(AdvanceEpochRequest { expected_epoch: 1, reason: "restore drill".into() })
+        .await?
+        .into_inner();
+    assert_eq!(advanced.epoch, 2);
+    assert_eq!(advanced.cluster_id, cluster_after);
+
+    // every arbiter serves again (the others see the new epoch), and every new
+    // token is above every token issued before the restore
+    for a in [&arbiter, &fresh] {
+        let mut c = a.lock("workload/alice").await?;
+        let session = open(&mut c, "demo").await?;
+        let g = try_lock(&mut c, "demo/after", "demo", session).await?;
+        assert_eq!(g.epoch, 2);
+        assert!(g.token > before_restore, "token regression after restore");
+        release(&mut c, &g).await?;
+    }
+    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    assert!(!status.sealed, "{status:?}");
+    Ok(())
+}
+
+fn status_of(e: anyhow::Error) -> tonic::Status {
+    match e.downcast::<tonic::Status>() {
+        Ok(s) => s,
+        Err(e) => tonic::Status::unknown(e.to_string()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restore_with_the_same_member_flags_is_sealed_by_the_high_water_mark() -> anyhow::Result<()> {
+    restore_is_sealed_until_the_epoch_advances(RestoreFlags::Same).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restore_with_new_member_flags_is_sealed_by_the_cluster_id() -> anyhow::Result<()> {
+    restore_is_sealed_until_the_epoch_advances(RestoreFlags::Different).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restore_to_before_an_epoch_advance_is_sealed_too() -> anyhow::Result<()> {
+    let mut s = stack().await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    churn(&mut alice, session, 2).await?;
+    let snapshot = tempfile::NamedTempFile::new()?;
+    s.etcd.snapshot_save(snapshot.path()).await?;
+    let mut op = s.arbiter.admin("latchkey/operator").await?;
+    op.advance_epoch(AdvanceEpochRequest { expected_epoch: 1, reason: "rehome".into() }).await?;
+    let session = open(&mut alice, "demo").await?;
+    let high = churn(&mut alice, session, 2).await?;
+    assert_eq!(high >> 48, 2);
+    s.etcd.restore(snapshot.path(), RestoreFlags::Same).await?;
+    eventually("sealed", Duration::from_secs(20), || {
+        let mut alice = alice.clone();
+        async move {
+            match open(&mut alice, "demo").await {
+                Err(e) => {
+                    let st = status_of(e);
+                    anyhow::ensure!(refusal(&st).1 == "SEALED", "{st}");
+                    Ok(())
+                }
+                Ok(_) => anyhow::bail!("served"),
+            }
+        }
+    })
+    .await?;
+    Ok(())
+}
