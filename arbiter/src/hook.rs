@@ -45,7 +45,9 @@ impl HookDecision {
 
 pub trait ClassHooks: Send + Sync {
     fn before_grant(&self, input: &HookInput<'_>) -> HookDecision;
-    fn after_release(&self, _identity: &str, _key: &str, _class: &str) {}
+    /// Bookkeeping after a release. The release call does not name the class;
+    /// a hook that needs it keeps its own record from `before_grant`.
+    fn after_release(&self, _identity: &str, _key: &str) {}
 }
 
 /// Every class allowed, nothing annotated.

@@ -16,12 +16,16 @@
 //! passes, every hold's `on_fence` fires once. Releasing (or dropping) the
 //! last guard of a hold sends Release. Tokens never appear in `Debug`,
 //! `Display`, errors or logs.
+//!
+//! [`cli`] is latchctl, the shell's way into the same calls; the binaries
+//! are thin wrappers around [`cli::main`].
 
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+pub mod cli;
 mod client;
 pub mod config;
 pub mod dev_certs;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_proto::lockv1::{AcquireRequest, Reason, ReleaseRequest, WaitMode};
+use tokio::time::Instant;
 
 use crate::client::Client;
 use crate::error::Error;
@@ -239,6 +240,13 @@ impl LockGuard {
     /// Time left before the hold is fenced unless a keepalive succeeds.
     pub fn remaining_ttl(&self) -> Duration {
         self.session.core.remaining_ttl()
+    }
+
+    /// When `on_fence` fires unless a keepalive succeeds first: the send
+    /// time of the last successful renewal plus the TTL minus one second
+    /// (ADR-12). Moves forward with every renewal.
+    pub fn fence_deadline(&self) -> Instant {
+        self.session.core.deadline()
     }
 
     pub fn is_fenced(&self) -> bool {

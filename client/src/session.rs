@@ -275,6 +275,12 @@ impl Session {
         self.inner.core.remaining_ttl()
     }
 
+    /// When the session's holds are fenced unless a keepalive succeeds
+    /// first: last successful send + TTL − 1 s (ADR-12).
+    pub fn fence_deadline(&self) -> Instant {
+        self.inner.core.deadline()
+    }
+
     pub fn is_fenced(&self) -> bool {
         self.inner.core.fenced().is_some()
     }

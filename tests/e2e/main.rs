@@ -3,8 +3,11 @@
 //! Scenarios start real processes (etcd, the arbiter, later Envoy) through the
 //! harnesses in `latchkey_tests`.
 
+mod client;
 mod etcd_harness;
 mod grants;
+mod identity;
+mod policies;
 mod seal;
 mod support;
 mod waiting;

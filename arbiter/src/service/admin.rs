@@ -25,6 +25,8 @@ impl Arbiter {
             sealed: seal_reason.is_some(),
             seal_reason: seal_reason.unwrap_or_default(),
             revision_high_water_mark: mark.map_or(0, |m| m.revision),
+            policy_error: self.policies.last_error().unwrap_or_default(),
+            grants_version: self.policies.current().grants().version(),
         })
     }
 

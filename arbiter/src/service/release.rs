@@ -34,8 +34,7 @@ impl Arbiter {
                 Ok(Some(grant)) => {
                     info!(identity = %caller.identity, key = %key.as_str(), next = %head.req.identity, "released and handed over");
                     self.queues.deliver(&head, Ok(grant));
-                    self.hooks
-                        .after_release(&caller.identity, key.as_str(), &head.req.class);
+                    self.hooks.after_release(&caller.identity, key.as_str());
                     return Ok(ReleaseResponse {});
                 }
                 Ok(None) => {}
@@ -45,7 +44,7 @@ impl Arbiter {
         self.store.release(key.as_str(), session, revision).await?;
         self.queues.kick(key.as_str());
         info!(identity = %caller.identity, key = %key.as_str(), "released");
-        self.hooks.after_release(&caller.identity, key.as_str(), "");
+        self.hooks.after_release(&caller.identity, key.as_str());
         Ok(ReleaseResponse {})
     }
 }

@@ -2,11 +2,11 @@
 
 use std::process::ExitCode;
 
+use crate::Client;
 use clap::{Args, Subcommand};
-use latchkey_client::Client;
 use serde_json::json;
 
-use crate::{Failure, Output};
+use super::{Failure, Output};
 
 #[derive(Debug, Subcommand)]
 pub enum AdminCommand {

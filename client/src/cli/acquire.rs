@@ -4,12 +4,12 @@ use std::io::Read;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use crate::{Client, FenceReason, FencingToken, LockGuard, Session};
 use clap::Args;
-use latchkey_client::{Client, FencingToken, LockGuard, Session};
 use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::{Failure, Output, duration, parse_meta};
+use super::{Failure, Output, duration, parse_meta};
 
 #[derive(Debug, Args)]
 pub struct AcquireArgs {
@@ -48,14 +48,7 @@ pub async fn grant(
     class: &str,
     wait: Option<Duration>,
     meta: &[(String, String)],
-) -> Result<
-    (
-        Session,
-        LockGuard,
-        mpsc::UnboundedReceiver<latchkey_client::FenceReason>,
-    ),
-    Failure,
-> {
+) -> Result<(Session, LockGuard, mpsc::UnboundedReceiver<FenceReason>), Failure> {
     let session = client.open_session(class).await?;
     let (fenced, on_fence) = mpsc::unbounded_channel();
     let mut lock = client.lock(key, class).session(&session);

@@ -3,11 +3,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::dev_certs;
 use clap::Args;
-use latchkey_client::dev_certs;
 use serde_json::json;
 
-use crate::{Failure, Output};
+use super::{Failure, Output};
 
 const DEFAULT_NAMES: &[&str] = &[
     "latchkey/arbiter",

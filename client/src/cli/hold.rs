@@ -6,16 +6,16 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::{ExitCode, ExitStatus};
 use std::time::Duration;
 
+use crate::{Client, FenceReason};
 use clap::Args;
-use latchkey_client::{Client, FenceReason};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::json;
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::acquire::grant;
-use crate::{Failure, Output, duration, parse_meta};
+use super::acquire::grant;
+use super::{Failure, Output, duration, parse_meta};
 
 /// How long a command gets between SIGTERM and SIGKILL once the lock is lost.
 const KILL_GRACE: Duration = Duration::from_secs(2);

@@ -8,7 +8,7 @@ use clap::{Args, Subcommand};
 use latchkey_policies::{Date, PolicySet, review};
 use serde_json::json;
 
-use crate::{Failure, Output};
+use super::{Failure, Output};
 
 #[derive(Debug, Subcommand)]
 pub enum ClassesCommand {

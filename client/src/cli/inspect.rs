@@ -3,11 +3,11 @@
 
 use std::process::ExitCode;
 
+use crate::Client;
 use clap::Args;
-use latchkey_client::Client;
 use serde_json::json;
 
-use crate::{Failure, Output};
+use super::{Failure, Output};
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {

@@ -1,0 +1,144 @@
+//! Who the caller is: the peer SVID over mTLS, the edge's header only from
+//! the edge's own certificate, nothing without a client certificate; and
+//! tokens never reach the logs.
+
+use std::time::Duration;
+
+use latchkey_proto::lockv1::lock_client::LockClient;
+use latchkey_proto::lockv1::{InspectRequest, ReleaseRequest};
+use latchkey_tests::arbiter::{ArbiterOptions, ArbiterProcess, anonymous_channel, channel, spiffe};
+use latchkey_tests::etcd::EtcdServer;
+use tonic::Code;
+use tonic::metadata::MetadataValue;
+use tonic::service::Interceptor;
+
+use crate::support::*;
+
+#[derive(Clone)]
+struct Vouch(&'static str);
+
+impl Interceptor for Vouch {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        let v: MetadataValue<_> = self
+            .0
+            .parse()
+            .map_err(|_| tonic::Status::internal("bad header value"))?;
+        req.metadata_mut().insert("x-latchkey-identity", v);
+        Ok(req)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_client_certificate_no_service() -> anyhow::Result<()> {
+    let s = stack().await?;
+    // The handshake itself fails (TLS 1.3 may report it on the first call).
+    let outcome = match anonymous_channel(s.arbiter.addr()).await {
+        Err(_) => None,
+        Ok(ch) => Some(LockClient::new(ch).inspect(InspectRequest { key: "demo/x".into() }).await),
+    };
+    match outcome {
+        None => {}
+        Some(Ok(r)) => anyhow::bail!("served without a client certificate: {r:?}"),
+        // refused by the TLS layer, never answered by the service
+        Some(Err(st)) => {
+            assert!(
+                matches!(st.code(), Code::Unavailable | Code::Cancelled | Code::Unknown),
+                "{st}"
+            );
+            assert_eq!(refusal(&st).1, "", "the service never saw the call: {st}");
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_ignored() -> anyhow::Result<()> {
+    let s = stack_with(ArbiterOptions {
+        edge_identity: Some(spiffe("latchkey/edge")),
+        ..Default::default()
+    })
+    .await?;
+    // the edge vouches for alice: the arbiter acts for alice
+    let edge = channel(s.arbiter.addr(), "latchkey/edge").await?;
+    let mut as_alice = LockClient::with_interceptor(edge.clone(), Vouch("spiffe://dev.latchkey/workload/alice"));
+    let session = as_alice
+        .open_session(latchkey_proto::lockv1::OpenSessionRequest { class: "demo".into(), reuse_session_ids: vec![] })
+        .await?
+        .into_inner()
+        .session_id;
+    let g = as_alice
+        .acquire(latchkey_proto::lockv1::AcquireRequest {
+            key: "demo/edge".into(),
+            class: "demo".into(),
+            session_id: session,
+            wait: 0,
+            metadata: Default::default(),
+        })
+        .await?
+        .into_inner()
+        .grant
+        .ok_or_else(|| anyhow::anyhow!("no grant"))?;
+    let who = as_alice.inspect(InspectRequest { key: "demo/edge".into() }).await?.into_inner();
+    assert_eq!(who.holder.map(|h| h.identity), Some(spiffe("workload/alice")));
+    as_alice
+        .release(ReleaseRequest { key: g.key, session_id: session, token: g.token })
+        .await?;
+    // the edge without a header is refused
+    let mut bare_edge = LockClient::new(edge);
+    let r = bare_edge.inspect(InspectRequest { key: "demo/edge".into() }).await;
+    expect_refusal(r, Code::Unauthenticated, "UNAUTHENTICATED")?;
+    // a workload forging the header stays itself: mallory is still mallory
+    let m = channel(s.arbiter.addr(), "workload/mallory").await?;
+    let mut forged = LockClient::with_interceptor(m, Vouch("spiffe://dev.latchkey/workload/alice"));
+    let r = forged.inspect(InspectRequest { key: "demo/edge".into() }).await;
+    expect_refusal(r, Code::PermissionDenied, "NOT_AUTHORISED")?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tokens_never_appear_in_the_logs() -> anyhow::Result<()> {
+    latchkey_tests::init_tracing();
+    let etcd = EtcdServer::start().await?;
+    let binary = std::path::PathBuf::from(env!("CARGO_BIN_EXE_arbiter-under-test"));
+    let mut arbiter = ArbiterProcess::start(&binary, &etcd, ArbiterOptions::default(), "debug").await?;
+    let mut alice = LockClient::new(channel(arbiter.addr(), "workload/alice").await?);
+    let mut bob = LockClient::new(channel(arbiter.addr(), "workload/bob").await?);
+    let sa = open(&mut alice, "demo").await?;
+    let sb = open(&mut bob, "demo").await?;
+    let mut tokens = Vec::new();
+    for i in 0..3 {
+        let key = format!("demo/log{i}");
+        let g = try_lock(&mut alice, &key, "demo", sa).await?;
+        tokens.push(g.token);
+        let mut b = bob.clone();
+        let k = key.clone();
+        let waiter = tokio::spawn(async move { wait_lock(&mut b, &k, "demo", sb, Duration::from_secs(20)).await });
+        // let the waiter queue, then exercise every path that touches a token
+        latchkey_tests::eventually("bob queued", Duration::from_secs(10), || {
+            let mut alice = alice.clone();
+            let key = key.clone();
+            async move {
+                let r = alice.inspect(InspectRequest { key }).await?.into_inner();
+                anyhow::ensure!(r.waiters == 1, "{} waiting", r.waiters);
+                Ok(())
+            }
+        })
+        .await?;
+        let _ = alice.release(ReleaseRequest { key: key.clone(), session_id: sa, token: g.token + 7 }).await;
+        let _ = alice.inspect(InspectRequest { key: key.clone() }).await?;
+        release(&mut alice, &g).await?;
+        let next = waiter.await??;
+        tokens.push(next.token);
+        tokens.push(g.token + 7);
+        release(&mut bob, &next).await?;
+    }
+    arbiter.terminate()?;
+    let log = arbiter.log()?;
+    assert!(log.contains("granted"), "the log has content: {log}");
+    for t in tokens {
+        for form in [t.to_string(), format!("{t:x}"), format!("{t:#x}")] {
+            assert!(!log.contains(&form), "token {form} found in the arbiter log");
+        }
+    }
+    Ok(())
+}
