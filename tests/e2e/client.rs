@@ -561,20 +561,31 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
     // be read whether or not latchctl has exited.
     let dir = tempfile::tempdir()?;
     let stderr_path = dir.path().join("stderr");
+    let pid_path = dir.path().join("pid");
     let mut child = latchctl(proxy.addr, "workload/alice")?
-        .env("RUST_LOG", "latchkey_client=debug")
-        .args(["hold", KEY, "--class", "short", "--", "sleep", "60"])
+        .args(["hold", KEY, "--class", "short", "--", "sh", "-c"])
+        .arg(format!("echo $$ > {}; exec sleep 60", pid_path.display()))
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&stderr_path)?)
         .spawn()
         .context("spawn latchctl")?;
     let stderr = || std::fs::read_to_string(&stderr_path).unwrap_or_default();
 
-    let holder = eventually("latchctl to hold the key", Duration::from_secs(10), || {
-        let bob = bob.clone();
-        async move { bob.inspect(KEY).await?.holder.context("not held yet") }
-    })
+    // The command runs only once latchctl has the grant in hand (the key
+    // shows as held at the arbiter earlier, while the reply is in flight).
+    let pid = eventually(
+        "latchctl to start its command",
+        Duration::from_secs(10),
+        || {
+            let pid_path = pid_path.clone();
+            async move {
+                let text = std::fs::read_to_string(&pid_path)?;
+                Ok(text.trim().parse::<i32>()?)
+            }
+        },
+    )
     .await?;
+    let holder = bob.inspect(KEY).await?.holder.context("held by latchctl")?;
     assert_eq!(holder.identity, spiffe("workload/alice"));
 
     proxy.block();
@@ -598,6 +609,12 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
     assert!(
         exited_after <= SHORT_TTL - FENCE_MARGIN + Duration::from_secs(1),
         "latchctl should stop the command at its fence deadline, took {exited_after:?}"
+    );
+    let sleep_pid = nix::unistd::Pid::from_raw(pid);
+    assert_eq!(
+        nix::sys::signal::kill(sleep_pid, None),
+        Err(nix::errno::Errno::ESRCH),
+        "the command must be stopped, not orphaned"
     );
 
     // And the arbiter lets the key go once the lease runs out.
