@@ -92,6 +92,28 @@ impl IdentitySource {
         }
     }
 
+    /// The peer itself (its own SVID), never an identity it vouches for.
+    pub fn peer<T>(&self, request: &Request<T>) -> Result<Caller, ArbiterError> {
+        match self {
+            Self::InsecureDev { .. } => self.caller(request),
+            Self::Tls { trust_domain, .. } => {
+                let certs = request
+                    .peer_certs()
+                    .ok_or_else(|| unauthenticated("no client certificate on the connection"))?;
+                let leaf = certs
+                    .first()
+                    .ok_or_else(|| unauthenticated("no client certificate on the connection"))?;
+                Ok(Caller {
+                    identity: spiffe_id_of_certificate(leaf.as_ref(), trust_domain)?,
+                })
+            }
+        }
+    }
+
+    pub fn is_edge(&self, identity: &str) -> bool {
+        matches!(self, Self::Tls { edge_identity: Some(e), .. } if e == identity)
+    }
+
     pub fn caller<T>(&self, request: &Request<T>) -> Result<Caller, ArbiterError> {
         match self {
             Self::InsecureDev { trust_domain } => {

@@ -18,7 +18,8 @@ use futures::Stream;
 use latchkey_policies::{LockClass, LockKey, PolicySet};
 use latchkey_proto::adminv1::admin_server::Admin;
 use latchkey_proto::adminv1::{
-    AdvanceEpochRequest, AdvanceEpochResponse, GetStatusRequest, GetStatusResponse,
+    AdvanceEpochRequest, AdvanceEpochResponse, EdgePolicy, GetEdgePolicyRequest,
+    GetStatusRequest, GetStatusResponse,
 };
 use latchkey_proto::lockv1::lock_server::Lock;
 use latchkey_proto::lockv1::{
@@ -190,5 +191,12 @@ impl Admin for AdminService {
         request: Request<AdvanceEpochRequest>,
     ) -> Result<Response<AdvanceEpochResponse>, Status> {
         Ok(Response::new(self.inner.advance_epoch(request).await?))
+    }
+
+    async fn get_edge_policy(
+        &self,
+        request: Request<GetEdgePolicyRequest>,
+    ) -> Result<Response<EdgePolicy>, Status> {
+        Ok(Response::new(self.inner.get_edge_policy(request).await?))
     }
 }

@@ -142,3 +142,32 @@ async fn tokens_never_appear_in_the_logs() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_edge_policy_goes_to_the_edge_and_operators_only() -> anyhow::Result<()> {
+    use latchkey_proto::adminv1::GetEdgePolicyRequest;
+    use latchkey_proto::adminv1::admin_client::AdminClient;
+    let s = stack_with(ArbiterOptions {
+        edge_identity: Some(spiffe("latchkey/edge")),
+        ..Default::default()
+    })
+    .await?;
+    // the edge asks on its own behalf: no identity header needed
+    let mut edge = AdminClient::new(channel(s.arbiter.addr(), "latchkey/edge").await?);
+    let policy = edge.get_edge_policy(GetEdgePolicyRequest {}).await?.into_inner();
+    assert_ne!(policy.version, 0);
+    let alice = policy
+        .grants
+        .iter()
+        .find(|g| g.identity == spiffe("workload/alice"))
+        .ok_or_else(|| anyhow::anyhow!("alice's grants missing: {policy:?}"))?;
+    assert!(alice.prefixes.iter().any(|p| p == "demo"));
+    assert!(policy.classes.iter().any(|c| c.name == "demo" && c.max_waiters_per_key > 0));
+    let mut op = s.arbiter.admin("latchkey/operator").await?;
+    assert_eq!(op.get_edge_policy(GetEdgePolicyRequest {}).await?.into_inner().version, policy.version);
+    // a workload cannot read who may lock what, not even by forging the header
+    let m = channel(s.arbiter.addr(), "workload/mallory").await?;
+    let mut forged = AdminClient::with_interceptor(m, Vouch("spiffe://dev.latchkey/latchkey/edge"));
+    expect_refusal(forged.get_edge_policy(GetEdgePolicyRequest {}).await, Code::PermissionDenied, "NOT_AUTHORISED")?;
+    Ok(())
+}

@@ -1,5 +1,6 @@
 use latchkey_proto::adminv1::{
-    AdvanceEpochRequest, AdvanceEpochResponse, GetStatusRequest, GetStatusResponse,
+    AdvanceEpochRequest, AdvanceEpochResponse, EdgeClass, EdgeGrant, EdgePolicy,
+    GetEdgePolicyRequest, GetStatusRequest, GetStatusResponse,
 };
 use tonic::Request;
 use tracing::warn;
@@ -52,6 +53,40 @@ impl Arbiter {
             epoch: record.epoch,
             cluster_id: record.cluster_id().unwrap_or(0),
             holds_deleted: deleted,
+        })
+    }
+}
+
+impl Arbiter {
+    /// The grant table for the edge filter. The edge calls on its own behalf,
+    /// so the peer's own SVID decides (never a vouched-for identity).
+    pub async fn get_edge_policy(
+        &self,
+        request: Request<GetEdgePolicyRequest>,
+    ) -> Result<EdgePolicy, ArbiterError> {
+        let peer = self.identity.peer(&request)?;
+        let policies = self.policies.current();
+        if !self.identity.is_edge(&peer.identity) && !policies.is_operator(&peer.identity) {
+            return Err(ArbiterError::NotOperator);
+        }
+        let grants = policies.grants();
+        Ok(EdgePolicy {
+            version: grants.version(),
+            grants: grants
+                .identities()
+                .map(|identity| EdgeGrant {
+                    identity: identity.to_string(),
+                    prefixes: grants.prefixes(identity).map(str::to_string).collect(),
+                })
+                .collect(),
+            classes: policies
+                .classes()
+                .values()
+                .map(|c| EdgeClass {
+                    name: c.name.clone(),
+                    max_waiters_per_key: c.max_waiters_per_key,
+                })
+                .collect(),
         })
     }
 }
