@@ -241,3 +241,31 @@ async fn inspect_shows_the_holder_and_waiters() -> anyhow::Result<()> {
     assert!(next.token > g.token);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tokens_keep_growing_across_arbiter_and_etcd_restarts() -> anyhow::Result<()> {
+    use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
+    let Stack { mut etcd, arbiter } = stack().await?;
+    let state = arbiter.state_dir().to_path_buf();
+    let mut last = 0;
+    let mut arbiter = Some(arbiter);
+    for round in 0..3 {
+        let a = match arbiter.take() {
+            Some(a) => a,
+            None => Arbiter::start(&etcd, ArbiterOptions { state_dir: Some(state.clone()), ..Default::default() }).await?,
+        };
+        let mut alice = a.lock("workload/alice").await?;
+        let session = open(&mut alice, "demo").await?;
+        for _ in 0..3 {
+            let g = try_lock(&mut alice, "demo/restart", "demo", session).await?;
+            assert!(g.token > last, "round {round}: token did not grow");
+            last = g.token;
+            release(&mut alice, &g).await?;
+        }
+        a.stop().await?;
+        // the lock log restarts too (same data): revisions carry on
+        etcd.kill()?;
+        etcd.restart().await?;
+    }
+    Ok(())
+}
