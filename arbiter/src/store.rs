@@ -147,11 +147,19 @@ impl Store {
     /// it in the log for every arbiter; while sealed, nothing read or written
     /// under this header is used (a grant committed in a restored log is never
     /// answered with its token).
-    async fn observe(&self, cluster_id: u64, revision: Option<i64>) -> Result<(), ArbiterError> {
-        if let Some(reason) = self
-            .guard
-            .observe(cluster_id, revision, self.high_water.current())
-        {
+    ///
+    /// `mark` is the high-water mark read BEFORE the request was sent: every
+    /// grant made durable by then committed at or below any revision etcd can
+    /// report for this request. Comparing with the mark as it is when the
+    /// response is handled would mistake a slow response, overtaken by a later
+    /// grant of another request, for a restore.
+    async fn observe(
+        &self,
+        mark: Option<Mark>,
+        cluster_id: u64,
+        revision: Option<i64>,
+    ) -> Result<(), ArbiterError> {
+        if let Some(reason) = self.guard.observe(cluster_id, revision, mark) {
             self.publish_seal(&reason).await;
         }
         if self.guard.serving().is_err() {
@@ -184,6 +192,7 @@ impl Store {
             TxnOp::get(epoch_key.clone(), None),
             TxnOp::get(self.layout.seal(), None),
         ]);
+        let mark = self.high_water.current();
         let resp = kv.txn(txn).await.map_err(ArbiterError::store)?;
         let (cluster_id, revision) = header_of(resp.header())?;
         let ops = resp.op_responses();
@@ -224,7 +233,7 @@ impl Store {
             state.clone(),
             cluster_id,
             Some(revision),
-            self.high_water.current(),
+            mark,
             seal.as_ref(),
         ) && seal.is_none()
         {
@@ -247,6 +256,7 @@ impl Store {
     }
 
     pub async fn open_session(&self, identity: &str, ttl_seconds: u32) -> Result<i64, ArbiterError> {
+        let mark = self.high_water.current();
         let lease = self
             .client
             .lease_client()
@@ -254,12 +264,13 @@ impl Store {
             .await
             .map_err(ArbiterError::store)?;
         let (cluster_id, _) = header_of(lease.header())?;
-        self.observe(cluster_id, None).await?;
+        self.observe(mark, cluster_id, None).await?;
         let id = lease.id();
         let record = encode(&SessionRecord {
             identity: identity.to_string(),
             ttl_seconds,
         });
+        let mark = self.high_water.current();
         let resp = self
             .client
             .kv_client()
@@ -267,11 +278,12 @@ impl Store {
             .await
             .map_err(ArbiterError::store)?;
         let (cluster_id, revision) = header_of(resp.header())?;
-        self.observe(cluster_id, Some(revision)).await?;
+        self.observe(mark, cluster_id, Some(revision)).await?;
         Ok(id)
     }
 
     pub async fn session(&self, lease: i64) -> Result<Option<SessionRecord>, ArbiterError> {
+        let mark = self.high_water.current();
         let resp = self
             .client
             .kv_client()
@@ -279,7 +291,7 @@ impl Store {
             .await
             .map_err(ArbiterError::store)?;
         let (cluster_id, revision) = header_of(resp.header())?;
-        self.observe(cluster_id, Some(revision)).await?;
+        self.observe(mark, cluster_id, Some(revision)).await?;
         Ok(resp.kvs().first().and_then(|kv| decode(kv.value())))
     }
 
@@ -339,6 +351,7 @@ impl Store {
                 TxnOp::get(seal_key, None),
                 TxnOp::get(session_key, None),
             ]);
+        let mark = self.high_water.current();
         let resp = self
             .client
             .kv_client()
@@ -346,7 +359,7 @@ impl Store {
             .await
             .map_err(ArbiterError::store)?;
         let (cluster_id, revision) = header_of(resp.header())?;
-        self.observe(cluster_id, Some(revision)).await?;
+        self.observe(mark, cluster_id, Some(revision)).await?;
         if resp.succeeded() {
             let grant = Grant {
                 key: req.key.clone(),
@@ -429,6 +442,7 @@ impl Store {
     }
 
     pub async fn holder(&self, key: &str) -> Result<Option<HolderView>, ArbiterError> {
+        let mark = self.high_water.current();
         let resp = self
             .client
             .kv_client()
@@ -436,7 +450,7 @@ impl Store {
             .await
             .map_err(ArbiterError::store)?;
         let (cluster_id, revision) = header_of(resp.header())?;
-        self.observe(cluster_id, Some(revision)).await?;
+        self.observe(mark, cluster_id, Some(revision)).await?;
         Ok(resp.kvs().first().and_then(|kv| {
             decode(kv.value()).map(|record| HolderView {
                 record,
@@ -475,6 +489,7 @@ impl Store {
                 next.holder_bytes(),
                 Some(PutOptions::new().with_lease(next.session)),
             )]);
+        let mark = self.high_water.current();
         let resp = self
             .client
             .kv_client()
@@ -482,7 +497,7 @@ impl Store {
             .await
             .map_err(ArbiterError::store)?;
         let (cluster_id, rev) = header_of(resp.header())?;
-        self.observe(cluster_id, Some(rev)).await?;
+        self.observe(mark, cluster_id, Some(rev)).await?;
         if !resp.succeeded() {
             return Ok(None);
         }
@@ -505,6 +520,7 @@ impl Store {
             ])
             .and_then([TxnOp::delete(holder_key.clone(), None)])
             .or_else([TxnOp::get(holder_key, None)]);
+        let mark = self.high_water.current();
         let resp = self
             .client
             .kv_client()
@@ -512,7 +528,7 @@ impl Store {
             .await
             .map_err(ArbiterError::store)?;
         let (cluster_id, rev) = header_of(resp.header())?;
-        self.observe(cluster_id, Some(rev)).await?;
+        self.observe(mark, cluster_id, Some(rev)).await?;
         if resp.succeeded() {
             return Ok(());
         }

@@ -269,3 +269,30 @@ async fn tokens_keep_growing_across_arbiter_and_etcd_restarts() -> anyhow::Resul
     }
     Ok(())
 }
+
+/// Regression: responses to concurrent grants arrive out of order; a slow
+/// response overtaken by a later grant's durable high-water mark must not be
+/// taken for a restore (found by latchkey-bench, which sealed under load).
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_grants_never_seal_the_lock_log() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let mut c = s.arbiter.lock(if w % 2 == 0 { "workload/alice" } else { "workload/bob" }).await?;
+        workers.push(tokio::spawn(async move {
+            let session = open(&mut c, "demo").await?;
+            for i in 0..40 {
+                let g = try_lock(&mut c, &format!("demo/c{w}-{i}"), "demo", session).await?;
+                release(&mut c, &g).await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for w in workers {
+        w.await??;
+    }
+    let mut op = s.arbiter.admin("latchkey/operator").await?;
+    let status = op.get_status(latchkey_proto::adminv1::GetStatusRequest {}).await?.into_inner();
+    assert!(!status.sealed, "sealed under load: {}", status.seal_reason);
+    Ok(())
+}

@@ -100,12 +100,19 @@ impl Plan {
             ops: args.ops.unwrap_or(if args.quick { 200 } else { 2000 }),
             concurrency: args.concurrency,
             waiters: args.waiters,
-            hot: Duration::try_from_secs_f64(args.hot_secs.unwrap_or(if args.quick { 2.0 } else { 5.0 }))
-                .context("--hot-secs")?,
+            hot: Duration::try_from_secs_f64(args.hot_secs.unwrap_or(if args.quick {
+                2.0
+            } else {
+                5.0
+            }))
+            .context("--hot-secs")?,
             warmup: if args.quick { 3 } else { 20 },
         };
         ensure!(plan.concurrency >= 1, "--concurrency must be at least 1");
-        ensure!(plan.ops >= plan.concurrency, "--ops must be at least --concurrency");
+        ensure!(
+            plan.ops >= plan.concurrency,
+            "--ops must be at least --concurrency"
+        );
         ensure!(plan.waiters >= 2, "--waiters must be at least 2 to contend");
         ensure!(!plan.hot.is_zero(), "--hot-secs must be positive");
         Ok(plan)
@@ -122,8 +129,6 @@ struct Run {
     elapsed: Duration,
     /// Per cycle (uncontended) or per Acquire including the queue wait (contended), µs.
     latency: Histogram<u64>,
-    /// Contended only: release sent → next grant received, µs.
-    gap: Option<Histogram<u64>>,
 }
 
 #[tokio::main]
@@ -140,7 +145,9 @@ async fn main() -> anyhow::Result<()> {
         .map_err(|e| anyhow!("installing the tracing subscriber: {e}"))?;
 
     // Declared first so they outlive the arbiter that polls them.
-    let bench_waiters: Vec<String> = (0..plan.waiters).map(|i| format!("workload/bench-{i}")).collect();
+    let bench_waiters: Vec<String> = (0..plan.waiters)
+        .map(|i| format!("workload/bench-{i}"))
+        .collect();
     let policies = policies_with_waiters(&bench_waiters)?;
     let certs = arbiter::certs()?;
     let names: Vec<&str> = bench_waiters.iter().map(String::as_str).collect();
@@ -179,17 +186,33 @@ async fn main() -> anyhow::Result<()> {
     eprintln!("running: raw etcd txn + delete");
     let raw = uncontended(&plan, |w| RawEtcd::connect(endpoint.clone(), w)).await?;
     eprintln!("running: etcd Lock + Unlock");
-    let etcd_lock = uncontended(&plan, |w| EtcdLock::connect(endpoint.clone(), format!("bench-etcd/lock-{w}"))).await?;
+    let etcd_lock = uncontended(&plan, |w| {
+        EtcdLock::connect(endpoint.clone(), format!("bench-etcd/lock-{w}"))
+    })
+    .await?;
     eprintln!("running: latchkey Acquire + Release");
-    let latchkey = uncontended(&plan, |w| Latchkey::connect(addr, "workload/bench".to_owned(), format!("bench/k-{w}"))).await?;
-    let raw_name = format!("raw etcd: txn put-if-absent + delete (C={c})");
-    table.row(&raw_name, &raw, &raw.latency, None);
-    table.row(&format!("etcd Lock + Unlock (C={c})"), &etcd_lock, &etcd_lock.latency, Some((&raw_name, &raw, &raw.latency)));
+    let latchkey = uncontended(&plan, |w| {
+        Latchkey::connect(addr, "workload/bench".to_owned(), format!("bench/k-{w}"))
+    })
+    .await?;
     table.row(
-        &format!("latchkey Acquire(try) + Release (C={c})"),
+        format!("raw etcd: txn put-if-absent + delete (C={c})"),
+        &raw,
+        &raw.latency,
+        None,
+    );
+    let vs_raw = Some(("raw etcd", &raw, &raw.latency));
+    table.row(
+        format!("etcd Lock + Unlock (C={c})"),
+        &etcd_lock,
+        &etcd_lock.latency,
+        vs_raw,
+    );
+    table.row(
+        format!("latchkey Acquire(try) + Release (C={c})"),
         &latchkey,
         &latchkey.latency,
-        Some((&raw_name, &raw, &raw.latency)),
+        vs_raw,
     );
 
     let demo_waiters: Vec<String> = DEMO_WAITERS.iter().map(|s| (*s).to_owned()).collect();
@@ -201,29 +224,39 @@ async fn main() -> anyhow::Result<()> {
         })
         .await?;
         eprintln!("running: hot key, latchkey, M={m}");
-        let hot = contended(&plan, waiters, |name| Latchkey::connect(addr, name.to_owned(), key.to_owned())).await?;
+        let hot = contended(&plan, waiters, |name| {
+            Latchkey::connect(addr, name.to_owned(), key.to_owned())
+        })
+        .await?;
 
-        let etcd_wait = format!("hot key M={m}, etcd Lock: lock wait");
-        let etcd_gap = format!("hot key M={m}, etcd Lock: unlock→next grant");
-        table.row(&etcd_wait, &etcd_hot.run, &etcd_hot.run.latency, None);
-        if let Some(gap) = &etcd_hot.run.gap {
-            table.row(&etcd_gap, &etcd_hot.run, gap, None);
-        }
+        let (etcd_wait, etcd_gap) = (format!("etcd wait M={m}"), format!("etcd gap M={m}"));
         table.row(
-            &format!("hot key M={m}, latchkey: acquire wait"),
+            format!("hot key M={m}, etcd Lock: lock wait"),
+            &etcd_hot.run,
+            &etcd_hot.run.latency,
+            None,
+        );
+        table.row(
+            format!("hot key M={m}, etcd Lock: unlock→next grant"),
+            &etcd_hot.run,
+            &etcd_hot.gap,
+            None,
+        );
+        table.row(
+            format!("hot key M={m}, latchkey: acquire wait"),
             &hot.run,
             &hot.run.latency,
             Some((&etcd_wait, &etcd_hot.run, &etcd_hot.run.latency)),
         );
-        if let (Some(gap), Some(etcd_gap_hist)) = (&hot.run.gap, &etcd_hot.run.gap) {
-            table.row(
-                &format!("hot key M={m}, latchkey: release→next grant"),
-                &hot.run,
-                gap,
-                Some((&etcd_gap, &etcd_hot.run, etcd_gap_hist)),
-            );
-        }
-        table.checks.push(format!("M={m} {key}: {}", check_token_order(&hot.tokens)?));
+        table.row(
+            format!("hot key M={m}, latchkey: release→next grant"),
+            &hot.run,
+            &hot.gap,
+            Some((&etcd_gap, &etcd_hot.run, &etcd_hot.gap)),
+        );
+        table
+            .checks
+            .push(format!("M={m} {key}: {}", check_token_order(&hot.tokens)?));
     }
 
     println!();
@@ -284,7 +317,6 @@ where
     Ok(Run {
         elapsed: start.elapsed(),
         latency,
-        gap: None,
     })
 }
 
@@ -310,7 +342,11 @@ impl RawEtcd {
 impl Cycle for RawEtcd {
     async fn cycle(&mut self) -> anyhow::Result<()> {
         let txn = Txn::new()
-            .when([Compare::create_revision(self.key.as_str(), CompareOp::Equal, 0)])
+            .when([Compare::create_revision(
+                self.key.as_str(),
+                CompareOp::Equal,
+                0,
+            )])
             .and_then([TxnOp::put(
                 self.key.as_str(),
                 "held",
@@ -318,7 +354,10 @@ impl Cycle for RawEtcd {
             )]);
         let put = self.client.txn(txn).await.context("put-if-absent txn")?;
         ensure!(put.succeeded(), "{} was not free", self.key);
-        self.client.delete(self.key.as_str(), None).await.context("delete")?;
+        self.client
+            .delete(self.key.as_str(), None)
+            .await
+            .context("delete")?;
         Ok(())
     }
 }
@@ -347,10 +386,18 @@ impl EtcdLock {
     /// Blocks until granted; returns the lock's ownership key.
     async fn lock(&mut self) -> anyhow::Result<Vec<u8>> {
         let options = LockOptions::new().with_lease(self.lease.id);
-        let locked = tokio::time::timeout(WAIT_TIMEOUT, self.client.lock(self.name.as_str(), Some(options)))
-            .await
-            .with_context(|| format!("etcd lock {} not granted within {WAIT_TIMEOUT:?}", self.name))?
-            .context("etcd lock")?;
+        let locked = tokio::time::timeout(
+            WAIT_TIMEOUT,
+            self.client.lock(self.name.as_str(), Some(options)),
+        )
+        .await
+        .with_context(|| {
+            format!(
+                "etcd lock {} not granted within {WAIT_TIMEOUT:?}",
+                self.name
+            )
+        })?
+        .context("etcd lock")?;
         Ok(locked.key().to_vec())
     }
 
@@ -488,6 +535,8 @@ struct HotKey {
 
 struct HotRun {
     run: Run,
+    /// Release sent → next grant received, µs.
+    gap: Histogram<u64>,
     /// Fencing tokens in grant order (empty for etcd's Lock, which has none).
     tokens: Vec<u64>,
 }
@@ -502,7 +551,8 @@ where
     let start_line = Arc::new(Barrier::new(waiters.len() + 1));
     let mut tasks = JoinSet::new();
     for name in waiters {
-        let (setup, start_line, hot, run_for) = (setup(name), start_line.clone(), hot.clone(), plan.hot);
+        let (setup, start_line, hot, run_for) =
+            (setup(name), start_line.clone(), hot.clone(), plan.hot);
         tasks.spawn(async move {
             let ready = setup.await;
             start_line.wait().await;
@@ -513,7 +563,10 @@ where
                 let sent = Instant::now();
                 let token = lock.acquire().await?;
                 let granted = Instant::now();
-                ensure!(!hot.held.swap(true, Ordering::SeqCst), "two waiters hold the hot key at once");
+                ensure!(
+                    !hot.held.swap(true, Ordering::SeqCst),
+                    "two waiters hold the hot key at once"
+                );
                 latency.saturating_record(micros(granted - sent));
                 if let Some(released) = locked(&hot.released_at)?.take() {
                     gap.saturating_record(micros(granted.saturating_duration_since(released)));
@@ -540,11 +593,8 @@ where
     let elapsed = start.elapsed();
     let tokens = std::mem::take(&mut *locked(&hot.tokens)?);
     Ok(HotRun {
-        run: Run {
-            elapsed,
-            latency,
-            gap: Some(gap),
-        },
+        run: Run { elapsed, latency },
+        gap,
         tokens,
     })
 }
@@ -580,7 +630,9 @@ impl EtcdLease {
             let every = Duration::from_secs(LEASE_TTL_SECS.unsigned_abs() / 3);
             loop {
                 tokio::time::sleep(every).await;
-                if keeper.keep_alive().await.is_err() || !matches!(responses.message().await, Ok(Some(_))) {
+                if keeper.keep_alive().await.is_err()
+                    || !matches!(responses.message().await, Ok(Some(_)))
+                {
                     tracing::warn!(lease = id, "etcd lease keepalive ended");
                     return;
                 }
@@ -646,14 +698,21 @@ impl Drop for LatchkeySession {
 /// A copy of the dev policies plus a grant of prefix `bench` to each of `names`, so each
 /// contended waiter can be its own identity.
 fn policies_with_waiters(names: &[String]) -> anyhow::Result<TempDir> {
-    let dir = tempfile::Builder::new().prefix("latchkey-bench-policies-").tempdir()?;
+    let dir = tempfile::Builder::new()
+        .prefix("latchkey-bench-policies-")
+        .tempdir()?;
     let dev = workspace_root().join("policies/dev");
     for sub in ["classes", "grants"] {
         copy_toml_files(&dev.join(sub), &dir.path().join(sub))?;
     }
     let grants: String = names
         .iter()
-        .map(|name| format!("[[grant]]\nidentity = \"{}\"\nprefixes = [\"bench\"]\n\n", arbiter::spiffe(name)))
+        .map(|name| {
+            format!(
+                "[[grant]]\nidentity = \"{}\"\nprefixes = [\"bench\"]\n\n",
+                arbiter::spiffe(name)
+            )
+        })
         .collect();
     let path = dir.path().join("grants/zz-bench-waiters.toml");
     std::fs::write(&path, grants).with_context(|| format!("writing {}", path.display()))?;
@@ -667,7 +726,8 @@ fn copy_toml_files(from: &Path, to: &Path) -> anyhow::Result<()> {
         if let Some(name) = path.file_name()
             && path.is_file()
         {
-            std::fs::copy(&path, to.join(name)).with_context(|| format!("copying {}", path.display()))?;
+            std::fs::copy(&path, to.join(name))
+                .with_context(|| format!("copying {}", path.display()))?;
         }
     }
     Ok(())
@@ -686,17 +746,26 @@ fn micros(d: Duration) -> u64 {
 }
 
 fn locked<T>(m: &Mutex<T>) -> anyhow::Result<MutexGuard<'_, T>> {
-    m.lock().map_err(|_| anyhow!("a waiter panicked holding shared state"))
+    m.lock()
+        .map_err(|_| anyhow!("a waiter panicked holding shared state"))
 }
 
 struct Row {
     scenario: String,
     ops: u64,
     ops_per_sec: f64,
+    mean_us: f64,
     p50_us: u64,
     p99_us: u64,
-    /// (baseline scenario, ops/s ratio, p50 ratio)
-    versus: Option<(String, f64, f64)>,
+    versus: Option<Versus>,
+}
+
+/// A row's ratios to its baseline: above 1 means more ops/s, or a longer latency.
+struct Versus {
+    baseline: String,
+    ops_per_sec: f64,
+    p50: f64,
+    p99: f64,
 }
 
 #[derive(Default)]
@@ -706,52 +775,61 @@ struct Table {
 }
 
 impl Table {
-    /// Adds `latency` of `run` (its ops/s over the run's wall time), with ratios to a
-    /// baseline row when given.
+    /// Adds `latency` (recorded during `run`; its count over the run's wall time gives
+    /// ops/s), with ratios to a baseline `(label, run, latency)` when given.
     fn row(
         &mut self,
-        scenario: &str,
+        scenario: String,
         run: &Run,
         latency: &Histogram<u64>,
         baseline: Option<(&str, &Run, &Histogram<u64>)>,
     ) {
-        let ops_per_sec = |ops: u64, run: &Run| ops as f64 / run.elapsed.as_secs_f64().max(1e-9);
-        let p50_us = latency.value_at_quantile(0.5);
-        let versus = baseline.map(|(name, base, base_latency)| {
-            let base_p50 = base_latency.value_at_quantile(0.5).max(1);
-            (
-                name.to_owned(),
-                ops_per_sec(latency.len(), run) / ops_per_sec(base_latency.len(), base).max(1e-9),
-                p50_us as f64 / base_p50 as f64,
-            )
+        let ops_per_sec =
+            |h: &Histogram<u64>, run: &Run| h.len() as f64 / run.elapsed.as_secs_f64().max(1e-9);
+        let quantile = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q).max(1) as f64;
+        let versus = baseline.map(|(label, base_run, base)| Versus {
+            baseline: label.to_owned(),
+            ops_per_sec: ops_per_sec(latency, run) / ops_per_sec(base, base_run).max(1e-9),
+            p50: quantile(latency, 0.5) / quantile(base, 0.5),
+            p99: quantile(latency, 0.99) / quantile(base, 0.99),
         });
         self.rows.push(Row {
-            scenario: scenario.to_owned(),
+            scenario,
             ops: latency.len(),
-            ops_per_sec: ops_per_sec(latency.len(), run),
-            p50_us,
+            ops_per_sec: ops_per_sec(latency, run),
+            mean_us: latency.mean(),
+            p50_us: latency.value_at_quantile(0.5),
             p99_us: latency.value_at_quantile(0.99),
             versus,
         });
     }
 
     fn print(&self, json: bool) -> anyhow::Result<()> {
-        let width = self.rows.iter().map(|r| r.scenario.chars().count()).max().unwrap_or(8);
+        let width = self
+            .rows
+            .iter()
+            .map(|r| r.scenario.chars().count())
+            .max()
+            .unwrap_or(8);
         println!(
-            "{:<width$} | {:>6} | {:>8} | {:>9} | {:>9} | ratio to baseline (ops/s, p50)",
-            "scenario", "ops", "ops/s", "p50", "p99"
+            "{:<width$} | {:>6} | {:>7} | {:>9} | {:>9} | {:>9} | ratio to baseline (ops/s, p50, p99)",
+            "scenario", "ops", "ops/s", "mean", "p50", "p99"
         );
-        println!("{}", "-".repeat(width + 80));
+        println!("{}", "-".repeat(width + 100));
         for r in &self.rows {
             let ratio = match &r.versus {
-                Some((base, ops, p50)) => format!("x{ops:.2} ops/s, x{p50:.2} p50 vs {base}"),
+                Some(v) => format!(
+                    "x{:.2}, x{:.2}, x{:.2} vs {}",
+                    v.ops_per_sec, v.p50, v.p99, v.baseline
+                ),
                 None => "(baseline)".to_owned(),
             };
             println!(
-                "{:<width$} | {:>6} | {:>8.0} | {:>9} | {:>9} | {ratio}",
+                "{:<width$} | {:>6} | {:>7.0} | {:>9} | {:>9} | {:>9} | {ratio}",
                 r.scenario,
                 r.ops,
                 r.ops_per_sec,
+                duration_text(r.mean_us.round() as u64),
                 duration_text(r.p50_us),
                 duration_text(r.p99_us),
             );
@@ -766,11 +844,13 @@ impl Table {
                     "scenario": r.scenario,
                     "ops": r.ops,
                     "ops_per_sec": r.ops_per_sec,
+                    "mean_us": r.mean_us,
                     "p50_us": r.p50_us,
                     "p99_us": r.p99_us,
-                    "baseline": r.versus.as_ref().map(|v| &v.0),
-                    "ops_per_sec_ratio": r.versus.as_ref().map(|v| v.1),
-                    "p50_ratio": r.versus.as_ref().map(|v| v.2),
+                    "baseline": r.versus.as_ref().map(|v| &v.baseline),
+                    "ops_per_sec_ratio": r.versus.as_ref().map(|v| v.ops_per_sec),
+                    "p50_ratio": r.versus.as_ref().map(|v| v.p50),
+                    "p99_ratio": r.versus.as_ref().map(|v| v.p99),
                 });
                 println!("{}", serde_json::to_string(&line)?);
             }
