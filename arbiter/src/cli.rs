@@ -4,14 +4,17 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::{Config, TlsFiles};
 use anyhow::{Context, bail};
 use clap::Parser;
-use crate::{Config, TlsFiles};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser, Debug)]
-#[command(version, about = "Latchkey arbiter: lock.v1 over mTLS, grants as etcd transactions")]
+#[command(
+    version,
+    about = "Latchkey arbiter: lock.v1 over mTLS, grants as etcd transactions"
+)]
 struct Args {
     /// Address to serve gRPC on.
     #[arg(long, default_value = "127.0.0.1:7443")]
@@ -59,7 +62,10 @@ pub async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     if args.log_json {
-        tracing_subscriber::fmt().json().with_env_filter(filter).init();
+        tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init();
     } else {
         tracing_subscriber::fmt().with_env_filter(filter).init();
     }
@@ -85,7 +91,8 @@ pub async fn main() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {}

@@ -135,7 +135,13 @@ impl EpochGuard {
         mark: Option<Mark>,
         seal_record: Option<&SealRecord>,
     ) -> Option<String> {
-        let verdict = evaluate(&state, header_cluster_id, header_revision, mark, seal_record);
+        let verdict = evaluate(
+            &state,
+            header_cluster_id,
+            header_revision,
+            mark,
+            seal_record,
+        );
         let Ok(mut inner) = self.inner.write() else {
             return None;
         };
@@ -207,8 +213,14 @@ mod tests {
 
     #[test]
     fn clean_log_serves() {
-        assert_eq!(evaluate(&state(1, 9), 9, Some(50), mark(1, 9, 40), None), None);
-        assert_eq!(evaluate(&state(2, 9), 9, Some(5), mark(1, 9, 40), None), None);
+        assert_eq!(
+            evaluate(&state(1, 9), 9, Some(50), mark(1, 9, 40), None),
+            None
+        );
+        assert_eq!(
+            evaluate(&state(2, 9), 9, Some(5), mark(1, 9, 40), None),
+            None
+        );
     }
 
     #[test]
@@ -232,10 +244,18 @@ mod tests {
     #[test]
     fn seal_is_sticky_until_the_epoch_advances() {
         let guard = EpochGuard::default();
-        assert!(guard.install(state(1, 9), 9, Some(30), mark(1, 9, 40), None).is_some());
+        assert!(
+            guard
+                .install(state(1, 9), 9, Some(30), mark(1, 9, 40), None)
+                .is_some()
+        );
         assert!(guard.serving().is_err());
         // revisions grow past the mark again: still sealed
-        assert!(guard.install(state(1, 9), 9, Some(41), mark(1, 9, 40), None).is_none());
+        assert!(
+            guard
+                .install(state(1, 9), 9, Some(41), mark(1, 9, 40), None)
+                .is_none()
+        );
         assert!(guard.serving().is_err());
         // the advance lifts it
         guard.install(state(2, 9), 9, Some(42), mark(1, 9, 40), None);

@@ -11,8 +11,7 @@ use tonic_types::{ErrorDetails, StatusExt};
 
 /// The one message for every authorisation refusal, whether or not the key
 /// exists or is held (ADR-19: no existence leak through errors).
-pub const NOT_AUTHORISED_MESSAGE: &str =
-    "this identity has no prefix grant covering the key; ask the key's owners to add one in policies/";
+pub const NOT_AUTHORISED_MESSAGE: &str = "this identity has no prefix grant covering the key; ask the key's owners to add one in policies/";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ArbiterError {
@@ -57,7 +56,9 @@ pub enum ArbiterError {
         "the token does not match the current grant of key {key:?}; release with the token the grant returned"
     )]
     TokenMismatch { key: String },
-    #[error("{reason}; no grants until an operator runs `latchctl admin advance-epoch --expected {epoch} --reason ...`")]
+    #[error(
+        "{reason}; no grants until an operator runs `latchctl admin advance-epoch --expected {epoch} --reason ...`"
+    )]
     Sealed { reason: String, epoch: u32 },
     #[error("{message}")]
     HookDenied {

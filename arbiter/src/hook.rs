@@ -25,7 +25,9 @@ pub struct HookInput<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HookDecision {
     /// Go ahead; the annotations are stored on the holder record (Inspect shows them).
-    Allow { annotations: BTreeMap<String, String> },
+    Allow {
+        annotations: BTreeMap<String, String>,
+    },
     /// Refuse with a code (PERMISSION_DENIED or FAILED_PRECONDITION), a
     /// machine-readable reason and a message shown to the caller.
     Deny {

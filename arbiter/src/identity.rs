@@ -178,7 +178,9 @@ mod tests {
         let mut req = Request::new(());
         req.metadata_mut().insert(
             DEV_IDENTITY_HEADER,
-            "spiffe://dev.latchkey/workload/a".parse().unwrap_or_else(|_| unreachable!()),
+            "spiffe://dev.latchkey/workload/a"
+                .parse()
+                .unwrap_or_else(|_| unreachable!()),
         );
         let dev = IdentitySource::InsecureDev {
             trust_domain: "dev.latchkey".into(),

@@ -88,7 +88,11 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     let state = store.load_epoch().await.map_err(RunError::Store)?;
     match store.guard().seal_reason() {
         Some(reason) => warn!(epoch = state.epoch(), %reason, "starting SEALED"),
-        None => info!(epoch = state.epoch(), cluster_id = state.cluster_id, "lock log ready"),
+        None => info!(
+            epoch = state.epoch(),
+            cluster_id = state.cluster_id,
+            "lock log ready"
+        ),
     }
     let identity = match &config.tls {
         Some(_) => IdentitySource::Tls {
@@ -137,14 +141,19 @@ pub async fn run(
             let identity = Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
             let ca = Certificate::from_pem(read(&tls.client_ca)?);
             // Client certificates are required: no SVID, no handshake.
-            server = server.tls_config(ServerTlsConfig::new().identity(identity).client_ca_root(ca))?;
+            server =
+                server.tls_config(ServerTlsConfig::new().identity(identity).client_ca_root(ca))?;
         }
         None => warn!(
             "INSECURE DEV MODE: no TLS, callers name themselves in a header; never run this way outside a laptop"
         ),
     }
     let addr = listener.local_addr().ok();
-    info!(?addr, tls = config.tls.is_some(), "arbiter serving lock.v1 and admin.v1");
+    info!(
+        ?addr,
+        tls = config.tls.is_some(),
+        "arbiter serving lock.v1 and admin.v1"
+    );
     let result = server
         .add_service(LockServer::new(LockService::new(arbiter.clone())))
         .add_service(AdminServer::new(AdminService::new(arbiter)))

@@ -18,8 +18,8 @@ use futures::Stream;
 use latchkey_policies::{LockClass, LockKey, PolicySet};
 use latchkey_proto::adminv1::admin_server::Admin;
 use latchkey_proto::adminv1::{
-    AdvanceEpochRequest, AdvanceEpochResponse, EdgePolicy, GetEdgePolicyRequest,
-    GetStatusRequest, GetStatusResponse,
+    AdvanceEpochRequest, AdvanceEpochResponse, EdgePolicy, GetEdgePolicyRequest, GetStatusRequest,
+    GetStatusResponse,
 };
 use latchkey_proto::lockv1::lock_server::Lock;
 use latchkey_proto::lockv1::{

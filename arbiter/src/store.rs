@@ -73,7 +73,9 @@ pub enum GrantOutcome {
     Granted(Grant),
     /// Held by another session; watch from `watch_from` so nothing between the
     /// failed transaction and the watch is missed.
-    Held { watch_from: i64 },
+    Held {
+        watch_from: i64,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -170,7 +172,10 @@ impl Store {
     }
 
     async fn publish_seal(&self, reason: &str) {
-        error!(reason, "lock log sealed: refusing every grant until the epoch advances");
+        error!(
+            reason,
+            "lock log sealed: refusing every grant until the epoch advances"
+        );
         let record = encode(&SealRecord {
             reason: reason.to_string(),
             sealed_at_unix_ms: now_unix_ms(),
@@ -196,7 +201,10 @@ impl Store {
         let resp = kv.txn(txn).await.map_err(ArbiterError::store)?;
         let (cluster_id, revision) = header_of(resp.header())?;
         let ops = resp.op_responses();
-        let seal = ops.get(1).and_then(first_kv).and_then(|kv| decode::<SealRecord>(kv.value()));
+        let seal = ops
+            .get(1)
+            .and_then(first_kv)
+            .and_then(|kv| decode::<SealRecord>(kv.value()));
         let (record, bytes) = match ops.first().and_then(first_kv) {
             Some(kv) => {
                 let record: EpochRecord = decode(kv.value()).ok_or_else(|| {
@@ -213,7 +221,11 @@ impl Store {
                 };
                 let bytes = encode(&record);
                 let txn = Txn::new()
-                    .when([Compare::create_revision(epoch_key.clone(), CompareOp::Equal, 0)])
+                    .when([Compare::create_revision(
+                        epoch_key.clone(),
+                        CompareOp::Equal,
+                        0,
+                    )])
                     .and_then([TxnOp::put(epoch_key.clone(), bytes.clone(), None)]);
                 let created = kv.txn(txn).await.map_err(ArbiterError::store)?;
                 if !created.succeeded() {
@@ -255,7 +267,11 @@ impl Store {
         }
     }
 
-    pub async fn open_session(&self, identity: &str, ttl_seconds: u32) -> Result<i64, ArbiterError> {
+    pub async fn open_session(
+        &self,
+        identity: &str,
+        ttl_seconds: u32,
+    ) -> Result<i64, ArbiterError> {
         let mark = self.high_water.current();
         let lease = self
             .client
@@ -274,7 +290,11 @@ impl Store {
         let resp = self
             .client
             .kv_client()
-            .put(self.layout.session(id), record, Some(PutOptions::new().with_lease(id)))
+            .put(
+                self.layout.session(id),
+                record,
+                Some(PutOptions::new().with_lease(id)),
+            )
             .await
             .map_err(ArbiterError::store)?;
         let (cluster_id, revision) = header_of(resp.header())?;
@@ -394,7 +414,11 @@ impl Store {
                 });
             }
             Some(s) if s.identity == req.identity => {}
-            _ => return Err(ArbiterError::SessionExpired { session: req.session }),
+            _ => {
+                return Err(ArbiterError::SessionExpired {
+                    session: req.session,
+                });
+            }
         }
         let Some(holder) = holder else {
             // Everything matched by the time we read it: the key was freed in
@@ -511,7 +535,12 @@ impl Store {
     }
 
     /// Deletes the hold if `session` holds `key` at `revision`.
-    pub async fn release(&self, key: &str, session: i64, revision: i64) -> Result<(), ArbiterError> {
+    pub async fn release(
+        &self,
+        key: &str,
+        session: i64,
+        revision: i64,
+    ) -> Result<(), ArbiterError> {
         let holder_key = self.layout.holder(key);
         let txn = Txn::new()
             .when([
@@ -587,7 +616,9 @@ impl Store {
         }
         let next = record.epoch + 1;
         if next >= token::MAX_EPOCH {
-            return Err(ArbiterError::Internal("the epoch space is exhausted".into()));
+            return Err(ArbiterError::Internal(
+                "the epoch space is exhausted".into(),
+            ));
         }
         let new_record = EpochRecord {
             epoch: next,
@@ -603,7 +634,10 @@ impl Store {
             )])
             .and_then([
                 TxnOp::put(epoch_key, encode(&new_record), None),
-                TxnOp::delete(self.layout.holders(), Some(etcd_client::DeleteOptions::new().with_prefix())),
+                TxnOp::delete(
+                    self.layout.holders(),
+                    Some(etcd_client::DeleteOptions::new().with_prefix()),
+                ),
                 TxnOp::delete(
                     self.layout.durable_waiters(),
                     Some(etcd_client::DeleteOptions::new().with_prefix()),
@@ -629,7 +663,10 @@ impl Store {
         let resp = self
             .client
             .kv_client()
-            .get(self.layout.epoch(), Some(GetOptions::new().with_count_only()))
+            .get(
+                self.layout.epoch(),
+                Some(GetOptions::new().with_count_only()),
+            )
             .await
             .map_err(ArbiterError::store)?;
         Ok(header_of(resp.header())?.0)
@@ -659,7 +696,10 @@ pub struct Renewer {
 impl Renewer {
     /// Renews once; the TTL left, or 0 when the lease is gone.
     pub async fn renew(&mut self) -> Result<i64, ArbiterError> {
-        self.keeper.keep_alive().await.map_err(ArbiterError::store)?;
+        self.keeper
+            .keep_alive()
+            .await
+            .map_err(ArbiterError::store)?;
         match self.stream.message().await.map_err(ArbiterError::store)? {
             Some(resp) => Ok(resp.ttl()),
             None => Err(ArbiterError::store("lease keep-alive stream closed")),

@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use etcd_client::GetOptions;
-use latchkey_proto::lockv1::{AcquireRequest, InspectRequest, OpenSessionRequest, ReleaseRequest, WaitMode};
+use latchkey_proto::lockv1::{
+    AcquireRequest, InspectRequest, OpenSessionRequest, ReleaseRequest, WaitMode,
+};
 use tonic::Code;
 
 use crate::support::*;
@@ -22,11 +24,17 @@ async fn a_grant_is_one_transaction_and_its_token_is_epoch_and_revision() -> any
     assert_eq!(g.revision, before + 1, "the grant is the next revision");
     assert_eq!(revision(&s.etcd).await?, before + 1);
     assert_eq!(g.epoch, 1);
-    assert_eq!(g.token, (u64::from(g.epoch) << EPOCH_SHIFT) + u64::try_from(g.revision)?);
+    assert_eq!(
+        g.token,
+        (u64::from(g.epoch) << EPOCH_SHIFT) + u64::try_from(g.revision)?
+    );
     // the holder record sits on the session lease, written by that transaction
     let mut etcd = s.etcd.client().await?;
     let kv = etcd.get("/latchkey/l/demo/report", None).await?;
-    let kv = kv.kvs().first().ok_or_else(|| anyhow::anyhow!("no holder key"))?;
+    let kv = kv
+        .kvs()
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no holder key"))?;
     assert_eq!(kv.lease(), session);
     assert_eq!(kv.mod_revision(), g.revision);
     let holder: serde_json::Value = serde_json::from_slice(kv.value())?;
@@ -48,7 +56,10 @@ async fn try_lock_refuses_a_held_key_and_tokens_only_grow() -> anyhow::Result<()
         let g = try_lock(&mut alice, "demo/k", "demo", sa).await?;
         let refused = try_lock(&mut bob, "demo/k", "demo", sb).await;
         let st = expect_refusal(refused, Code::Aborted, "HELD")?;
-        assert!(!st.message().contains(&g.token.to_string()), "no token in errors");
+        assert!(
+            !st.message().contains(&g.token.to_string()),
+            "no token in errors"
+        );
         assert!(g.token > last, "tokens strictly increase");
         last = g.token;
         release(&mut alice, &g).await?;
@@ -75,7 +86,11 @@ async fn retry_from_the_same_session_gets_the_same_grant_and_another_session_is_
     let mut alice2 = s.arbiter.lock("workload/alice").await?;
     let s2 = open(&mut alice2, "demo").await?;
     assert_ne!(s1, s2);
-    expect_refusal(try_lock(&mut alice2, "demo/r", "demo", s2).await, Code::FailedPrecondition, "LEAK")?;
+    expect_refusal(
+        try_lock(&mut alice2, "demo/r", "demo", s2).await,
+        Code::FailedPrecondition,
+        "LEAK",
+    )?;
     // a waiting acquire from the leaking session is refused at once too
     expect_refusal(
         wait_lock(&mut alice2, "demo/r", "demo", s2, Duration::from_secs(5)).await,
@@ -90,7 +105,10 @@ async fn sessions_are_one_lease_per_identity_and_ttl() -> anyhow::Result<()> {
     let s = stack().await?;
     let mut alice = s.arbiter.lock("workload/alice").await?;
     let first = alice
-        .open_session(OpenSessionRequest { class: "demo".into(), reuse_session_ids: vec![] })
+        .open_session(OpenSessionRequest {
+            class: "demo".into(),
+            reuse_session_ids: vec![],
+        })
         .await?
         .into_inner();
     assert_eq!(first.ttl_seconds, 15);
@@ -133,7 +151,11 @@ async fn sessions_are_one_lease_per_identity_and_ttl() -> anyhow::Result<()> {
     // the etcd lease count: one per (identity, TTL) opened above
     let etcd = s.etcd.client().await?;
     let leases = etcd.lease_client().leases().await?;
-    assert_eq!(leases.leases().len(), 3, "alice/demo, bob/demo, alice/short");
+    assert_eq!(
+        leases.leases().len(),
+        3,
+        "alice/demo, bob/demo, alice/short"
+    );
     Ok(())
 }
 
@@ -144,9 +166,25 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
     let session = open(&mut alice, "demo").await?;
     let before = revision(&s.etcd).await?;
     let long = format!("demo/{}", "x".repeat(600));
-    for key in ["", "demo//a", "demo/../etc", "demo/a\u{7}b", "/demo/a", "demo/a/", long.as_str()] {
-        let st = expect_refusal(try_lock(&mut alice, key, "demo", session).await, Code::InvalidArgument, "BAD_KEY")?;
-        assert!(st.message().len() < 400, "the message stays short: {}", st.message());
+    for key in [
+        "",
+        "demo//a",
+        "demo/../etc",
+        "demo/a\u{7}b",
+        "/demo/a",
+        "demo/a/",
+        long.as_str(),
+    ] {
+        let st = expect_refusal(
+            try_lock(&mut alice, key, "demo", session).await,
+            Code::InvalidArgument,
+            "BAD_KEY",
+        )?;
+        assert!(
+            st.message().len() < 400,
+            "the message stays short: {}",
+            st.message()
+        );
     }
     expect_refusal(
         try_lock(&mut alice, "demo/a", "no-such-class", session).await,
@@ -158,7 +196,11 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
         Code::FailedPrecondition,
         "SESSION_EXPIRED",
     )?;
-    expect_refusal(try_lock(&mut alice, "demo/a", "demo", 0).await, Code::InvalidArgument, "BAD_REQUEST")?;
+    expect_refusal(
+        try_lock(&mut alice, "demo/a", "demo", 0).await,
+        Code::InvalidArgument,
+        "BAD_REQUEST",
+    )?;
     let mut req = AcquireRequest {
         key: "demo/a".into(),
         class: "demo".into(),
@@ -167,25 +209,53 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
         metadata: Default::default(),
     };
     req.metadata.insert("ticket".into(), "x".repeat(300));
-    expect_refusal(alice.acquire(req).await, Code::InvalidArgument, "BAD_REQUEST")?;
-    assert_eq!(revision(&s.etcd).await?, before, "no refusal wrote anything");
+    expect_refusal(
+        alice.acquire(req).await,
+        Code::InvalidArgument,
+        "BAD_REQUEST",
+    )?;
+    assert_eq!(
+        revision(&s.etcd).await?,
+        before,
+        "no refusal wrote anything"
+    );
 
     // release with a wrong token or session: refused, the hold stays
     let g = try_lock(&mut alice, "demo/a", "demo", session).await?;
     let wrong = alice
-        .release(ReleaseRequest { key: g.key.clone(), session_id: session, token: g.token + 1 })
+        .release(ReleaseRequest {
+            key: g.key.clone(),
+            session_id: session,
+            token: g.token + 1,
+        })
         .await;
     expect_refusal(wrong, Code::FailedPrecondition, "TOKEN_MISMATCH")?;
     let wrong = alice
-        .release(ReleaseRequest { key: g.key.clone(), session_id: session + 1, token: g.token })
+        .release(ReleaseRequest {
+            key: g.key.clone(),
+            session_id: session + 1,
+            token: g.token,
+        })
         .await;
     expect_refusal(wrong, Code::FailedPrecondition, "NOT_HELD")?;
-    let inspect = alice.inspect(InspectRequest { key: g.key.clone() }).await?.into_inner();
+    let inspect = alice
+        .inspect(InspectRequest { key: g.key.clone() })
+        .await?
+        .into_inner();
     assert_eq!(inspect.holder.map(|h| h.token), Some(g.token));
     release(&mut alice, &g).await?;
-    expect_refusal(release(&mut alice, &g).await, Code::FailedPrecondition, "NOT_HELD")?;
+    expect_refusal(
+        release(&mut alice, &g).await,
+        Code::FailedPrecondition,
+        "NOT_HELD",
+    )?;
     let mut etcd = s.etcd.client().await?;
-    let held = etcd.get("/latchkey/l/", Some(GetOptions::new().with_prefix().with_count_only())).await?;
+    let held = etcd
+        .get(
+            "/latchkey/l/",
+            Some(GetOptions::new().with_prefix().with_count_only()),
+        )
+        .await?;
     assert_eq!(held.count(), 0);
     Ok(())
 }
@@ -198,17 +268,44 @@ async fn prefix_grants_decide_and_a_denial_never_reveals_the_key() -> anyhow::Re
     let sa = open(&mut alice, "demo").await?;
     let sm = open(&mut mallory, "demo").await?;
     let _held = try_lock(&mut alice, "demo/secret", "demo", sa).await?;
-    let held = expect_refusal(try_lock(&mut mallory, "demo/secret", "demo", sm).await, Code::PermissionDenied, "NOT_AUTHORISED")?;
-    let free = expect_refusal(try_lock(&mut mallory, "demo/free", "demo", sm).await, Code::PermissionDenied, "NOT_AUTHORISED")?;
-    assert_eq!(held.message(), free.message(), "same answer whether or not the key is held");
-    let inspected = mallory.inspect(InspectRequest { key: "demo/secret".into() }).await;
+    let held = expect_refusal(
+        try_lock(&mut mallory, "demo/secret", "demo", sm).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    let free = expect_refusal(
+        try_lock(&mut mallory, "demo/free", "demo", sm).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    assert_eq!(
+        held.message(),
+        free.message(),
+        "same answer whether or not the key is held"
+    );
+    let inspected = mallory
+        .inspect(InspectRequest {
+            key: "demo/secret".into(),
+        })
+        .await;
     let i = expect_refusal(inspected, Code::PermissionDenied, "NOT_AUTHORISED")?;
     assert_eq!(i.message(), free.message());
     // "demo" grants demo/..., not demox/...
-    expect_refusal(try_lock(&mut alice, "demox/1", "demo", sa).await, Code::PermissionDenied, "NOT_AUTHORISED")?;
-    assert!(try_lock(&mut alice, "demo", "demo", sa).await.is_ok(), "the prefix itself is granted");
+    expect_refusal(
+        try_lock(&mut alice, "demox/1", "demo", sa).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    assert!(
+        try_lock(&mut alice, "demo", "demo", sa).await.is_ok(),
+        "the prefix itself is granted"
+    );
     // mallory's own prefix works
-    assert!(try_lock(&mut mallory, "mallory/x", "demo", sm).await.is_ok());
+    assert!(
+        try_lock(&mut mallory, "mallory/x", "demo", sm)
+            .await
+            .is_ok()
+    );
     Ok(())
 }
 
@@ -219,14 +316,26 @@ async fn inspect_shows_the_holder_and_waiters() -> anyhow::Result<()> {
     let mut bob = s.arbiter.lock("workload/bob").await?;
     let sa = open(&mut alice, "demo").await?;
     let sb = open(&mut bob, "demo").await?;
-    let free = alice.inspect(InspectRequest { key: "demo/i".into() }).await?.into_inner();
+    let free = alice
+        .inspect(InspectRequest {
+            key: "demo/i".into(),
+        })
+        .await?
+        .into_inner();
     assert!(free.holder.is_none());
     let g = try_lock(&mut alice, "demo/i", "demo", sa).await?;
-    let waiter = tokio::spawn(async move { wait_lock(&mut bob, "demo/i", "demo", sb, Duration::from_secs(20)).await });
+    let waiter = tokio::spawn(async move {
+        wait_lock(&mut bob, "demo/i", "demo", sb, Duration::from_secs(20)).await
+    });
     latchkey_tests::eventually("one waiter", Duration::from_secs(10), || {
         let mut alice = alice.clone();
         async move {
-            let r = alice.inspect(InspectRequest { key: "demo/i".into() }).await?.into_inner();
+            let r = alice
+                .inspect(InspectRequest {
+                    key: "demo/i".into(),
+                })
+                .await?
+                .into_inner();
             anyhow::ensure!(r.waiters == 1, "waiters = {}", r.waiters);
             let h = r.holder.ok_or_else(|| anyhow::anyhow!("no holder"))?;
             anyhow::ensure!(h.identity == "spiffe://dev.latchkey/workload/alice");
@@ -252,7 +361,16 @@ async fn tokens_keep_growing_across_arbiter_and_etcd_restarts() -> anyhow::Resul
     for round in 0..3 {
         let a = match arbiter.take() {
             Some(a) => a,
-            None => Arbiter::start(&etcd, ArbiterOptions { state_dir: Some(state.clone()), ..Default::default() }).await?,
+            None => {
+                Arbiter::start(
+                    &etcd,
+                    ArbiterOptions {
+                        state_dir: Some(state.clone()),
+                        ..Default::default()
+                    },
+                )
+                .await?
+            }
         };
         let mut alice = a.lock("workload/alice").await?;
         let session = open(&mut alice, "demo").await?;
@@ -278,7 +396,14 @@ async fn concurrent_grants_never_seal_the_lock_log() -> anyhow::Result<()> {
     let s = stack().await?;
     let mut workers = Vec::new();
     for w in 0..8 {
-        let mut c = s.arbiter.lock(if w % 2 == 0 { "workload/alice" } else { "workload/bob" }).await?;
+        let mut c = s
+            .arbiter
+            .lock(if w % 2 == 0 {
+                "workload/alice"
+            } else {
+                "workload/bob"
+            })
+            .await?;
         workers.push(tokio::spawn(async move {
             let session = open(&mut c, "demo").await?;
             for i in 0..40 {
@@ -292,7 +417,10 @@ async fn concurrent_grants_never_seal_the_lock_log() -> anyhow::Result<()> {
         w.await??;
     }
     let mut op = s.arbiter.admin("latchkey/operator").await?;
-    let status = op.get_status(latchkey_proto::adminv1::GetStatusRequest {}).await?.into_inner();
+    let status = op
+        .get_status(latchkey_proto::adminv1::GetStatusRequest {})
+        .await?
+        .into_inner();
     assert!(!status.sealed, "sealed under load: {}", status.seal_reason);
     Ok(())
 }

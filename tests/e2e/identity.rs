@@ -34,7 +34,13 @@ async fn no_client_certificate_no_service() -> anyhow::Result<()> {
     // The handshake itself fails (TLS 1.3 may report it on the first call).
     let outcome = match anonymous_channel(s.arbiter.addr()).await {
         Err(_) => None,
-        Ok(ch) => Some(LockClient::new(ch).inspect(InspectRequest { key: "demo/x".into() }).await),
+        Ok(ch) => Some(
+            LockClient::new(ch)
+                .inspect(InspectRequest {
+                    key: "demo/x".into(),
+                })
+                .await,
+        ),
     };
     match outcome {
         None => {}
@@ -42,7 +48,10 @@ async fn no_client_certificate_no_service() -> anyhow::Result<()> {
         // refused by the TLS layer, never answered by the service
         Some(Err(st)) => {
             assert!(
-                matches!(st.code(), Code::Unavailable | Code::Cancelled | Code::Unknown),
+                matches!(
+                    st.code(),
+                    Code::Unavailable | Code::Cancelled | Code::Unknown
+                ),
                 "{st}"
             );
             assert_eq!(refusal(&st).1, "", "the service never saw the call: {st}");
@@ -60,9 +69,13 @@ async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_ignored() -> a
     .await?;
     // the edge vouches for alice: the arbiter acts for alice
     let edge = channel(s.arbiter.addr(), "latchkey/edge").await?;
-    let mut as_alice = LockClient::with_interceptor(edge.clone(), Vouch("spiffe://dev.latchkey/workload/alice"));
+    let mut as_alice =
+        LockClient::with_interceptor(edge.clone(), Vouch("spiffe://dev.latchkey/workload/alice"));
     let session = as_alice
-        .open_session(latchkey_proto::lockv1::OpenSessionRequest { class: "demo".into(), reuse_session_ids: vec![] })
+        .open_session(latchkey_proto::lockv1::OpenSessionRequest {
+            class: "demo".into(),
+            reuse_session_ids: vec![],
+        })
         .await?
         .into_inner()
         .session_id;
@@ -78,19 +91,39 @@ async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_ignored() -> a
         .into_inner()
         .grant
         .ok_or_else(|| anyhow::anyhow!("no grant"))?;
-    let who = as_alice.inspect(InspectRequest { key: "demo/edge".into() }).await?.into_inner();
-    assert_eq!(who.holder.map(|h| h.identity), Some(spiffe("workload/alice")));
+    let who = as_alice
+        .inspect(InspectRequest {
+            key: "demo/edge".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(
+        who.holder.map(|h| h.identity),
+        Some(spiffe("workload/alice"))
+    );
     as_alice
-        .release(ReleaseRequest { key: g.key, session_id: session, token: g.token })
+        .release(ReleaseRequest {
+            key: g.key,
+            session_id: session,
+            token: g.token,
+        })
         .await?;
     // the edge without a header is refused
     let mut bare_edge = LockClient::new(edge);
-    let r = bare_edge.inspect(InspectRequest { key: "demo/edge".into() }).await;
+    let r = bare_edge
+        .inspect(InspectRequest {
+            key: "demo/edge".into(),
+        })
+        .await;
     expect_refusal(r, Code::Unauthenticated, "UNAUTHENTICATED")?;
     // a workload forging the header stays itself: mallory is still mallory
     let m = channel(s.arbiter.addr(), "workload/mallory").await?;
     let mut forged = LockClient::with_interceptor(m, Vouch("spiffe://dev.latchkey/workload/alice"));
-    let r = forged.inspect(InspectRequest { key: "demo/edge".into() }).await;
+    let r = forged
+        .inspect(InspectRequest {
+            key: "demo/edge".into(),
+        })
+        .await;
     expect_refusal(r, Code::PermissionDenied, "NOT_AUTHORISED")?;
     Ok(())
 }
@@ -100,7 +133,8 @@ async fn tokens_never_appear_in_the_logs() -> anyhow::Result<()> {
     latchkey_tests::init_tracing();
     let etcd = EtcdServer::start().await?;
     let binary = std::path::PathBuf::from(env!("CARGO_BIN_EXE_arbiter-under-test"));
-    let mut arbiter = ArbiterProcess::start(&binary, &etcd, ArbiterOptions::default(), "debug").await?;
+    let mut arbiter =
+        ArbiterProcess::start(&binary, &etcd, ArbiterOptions::default(), "debug").await?;
     let mut alice = LockClient::new(channel(arbiter.addr(), "workload/alice").await?);
     let mut bob = LockClient::new(channel(arbiter.addr(), "workload/bob").await?);
     let sa = open(&mut alice, "demo").await?;
@@ -112,7 +146,9 @@ async fn tokens_never_appear_in_the_logs() -> anyhow::Result<()> {
         tokens.push(g.token);
         let mut b = bob.clone();
         let k = key.clone();
-        let waiter = tokio::spawn(async move { wait_lock(&mut b, &k, "demo", sb, Duration::from_secs(20)).await });
+        let waiter = tokio::spawn(async move {
+            wait_lock(&mut b, &k, "demo", sb, Duration::from_secs(20)).await
+        });
         // let the waiter queue, then exercise every path that touches a token
         latchkey_tests::eventually("bob queued", Duration::from_secs(10), || {
             let mut alice = alice.clone();
@@ -124,7 +160,13 @@ async fn tokens_never_appear_in_the_logs() -> anyhow::Result<()> {
             }
         })
         .await?;
-        let _ = alice.release(ReleaseRequest { key: key.clone(), session_id: sa, token: g.token + 7 }).await;
+        let _ = alice
+            .release(ReleaseRequest {
+                key: key.clone(),
+                session_id: sa,
+                token: g.token + 7,
+            })
+            .await;
         let _ = alice.inspect(InspectRequest { key: key.clone() }).await?;
         release(&mut alice, &g).await?;
         let next = waiter.await??;
@@ -137,7 +179,10 @@ async fn tokens_never_appear_in_the_logs() -> anyhow::Result<()> {
     assert!(log.contains("granted"), "the log has content: {log}");
     for t in tokens {
         for form in [t.to_string(), format!("{t:x}"), format!("{t:#x}")] {
-            assert!(!log.contains(&form), "token {form} found in the arbiter log");
+            assert!(
+                !log.contains(&form),
+                "token {form} found in the arbiter log"
+            );
         }
     }
     Ok(())
@@ -154,7 +199,10 @@ async fn the_edge_policy_goes_to_the_edge_and_operators_only() -> anyhow::Result
     .await?;
     // the edge asks on its own behalf: no identity header needed
     let mut edge = AdminClient::new(channel(s.arbiter.addr(), "latchkey/edge").await?);
-    let policy = edge.get_edge_policy(GetEdgePolicyRequest {}).await?.into_inner();
+    let policy = edge
+        .get_edge_policy(GetEdgePolicyRequest {})
+        .await?
+        .into_inner();
     assert_ne!(policy.version, 0);
     let alice = policy
         .grants
@@ -162,12 +210,119 @@ async fn the_edge_policy_goes_to_the_edge_and_operators_only() -> anyhow::Result
         .find(|g| g.identity == spiffe("workload/alice"))
         .ok_or_else(|| anyhow::anyhow!("alice's grants missing: {policy:?}"))?;
     assert!(alice.prefixes.iter().any(|p| p == "demo"));
-    assert!(policy.classes.iter().any(|c| c.name == "demo" && c.max_waiters_per_key > 0));
+    assert!(
+        policy
+            .classes
+            .iter()
+            .any(|c| c.name == "demo" && c.max_waiters_per_key > 0)
+    );
     let mut op = s.arbiter.admin("latchkey/operator").await?;
-    assert_eq!(op.get_edge_policy(GetEdgePolicyRequest {}).await?.into_inner().version, policy.version);
+    assert_eq!(
+        op.get_edge_policy(GetEdgePolicyRequest {})
+            .await?
+            .into_inner()
+            .version,
+        policy.version
+    );
     // a workload cannot read who may lock what, not even by forging the header
     let m = channel(s.arbiter.addr(), "workload/mallory").await?;
     let mut forged = AdminClient::with_interceptor(m, Vouch("spiffe://dev.latchkey/latchkey/edge"));
-    expect_refusal(forged.get_edge_policy(GetEdgePolicyRequest {}).await, Code::PermissionDenied, "NOT_AUTHORISED")?;
+    expect_refusal(
+        forged.get_edge_policy(GetEdgePolicyRequest {}).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    Ok(())
+}
+
+#[test]
+fn without_tls_the_arbiter_refuses_to_start_unless_told_it_is_a_laptop() -> anyhow::Result<()> {
+    let binary = env!("CARGO_BIN_EXE_arbiter-under-test");
+    let out = std::process::Command::new(binary)
+        .args(["--listen", "127.0.0.1:0", "--etcd", "http://127.0.0.1:1"])
+        .output()?;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("TLS is required"), "{stderr}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn insecure_dev_mode_takes_the_caller_from_its_header() -> anyhow::Result<()> {
+    use latchkey_proto::lockv1::OpenSessionRequest;
+    latchkey_tests::init_tracing();
+    let etcd = EtcdServer::start().await?;
+    let state = tempfile::tempdir()?;
+    let config = latchkey_arbiter::Config::new(
+        vec![etcd.endpoint()],
+        latchkey_tests::workspace_root().join("policies/dev"),
+        state.path().to_path_buf(),
+    ); // tls: None = insecure dev mode
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(latchkey_arbiter::run(listener, config, async {
+        let _ = stopped.await;
+    }));
+    let ch =
+        latchkey_tests::eventually("plain h2 arbiter", Duration::from_secs(10), || async move {
+            Ok(
+                tonic::transport::Channel::from_shared(format!("http://{addr}"))?
+                    .connect()
+                    .await?,
+            )
+        })
+        .await?;
+    #[derive(Clone)]
+    struct Dev;
+    impl Interceptor for Dev {
+        fn call(
+            &mut self,
+            mut req: tonic::Request<()>,
+        ) -> Result<tonic::Request<()>, tonic::Status> {
+            req.metadata_mut().insert(
+                "x-latchkey-dev-identity",
+                MetadataValue::from_static("spiffe://dev.latchkey/workload/alice"),
+            );
+            Ok(req)
+        }
+    }
+    let mut named = LockClient::with_interceptor(ch.clone(), Dev);
+    let open = latchkey_tests::eventually("dev-mode session", Duration::from_secs(10), || {
+        let mut named = named.clone();
+        async move {
+            Ok(named
+                .open_session(OpenSessionRequest {
+                    class: "demo".into(),
+                    reuse_session_ids: vec![],
+                })
+                .await?
+                .into_inner())
+        }
+    })
+    .await?;
+    let g = named
+        .acquire(latchkey_proto::lockv1::AcquireRequest {
+            key: "demo/dev".into(),
+            class: "demo".into(),
+            session_id: open.session_id,
+            wait: 0,
+            metadata: Default::default(),
+        })
+        .await?
+        .into_inner();
+    assert!(g.grant.is_some());
+    let mut anonymous = LockClient::new(ch);
+    expect_refusal(
+        anonymous
+            .inspect(InspectRequest {
+                key: "demo/dev".into(),
+            })
+            .await,
+        Code::Unauthenticated,
+        "UNAUTHENTICATED",
+    )?;
+    let _ = stop.send(());
+    server.await??;
     Ok(())
 }

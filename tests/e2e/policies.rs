@@ -27,22 +27,36 @@ fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
 }
 
 async fn open_class(c: &mut Client, class: &str) -> Result<i64, tonic::Status> {
-    Ok(c
-        .open_session(OpenSessionRequest { class: class.into(), reuse_session_ids: vec![] })
-        .await?
-        .into_inner()
-        .session_id)
+    Ok(c.open_session(OpenSessionRequest {
+        class: class.into(),
+        reuse_session_ids: vec![],
+    })
+    .await?
+    .into_inner()
+    .session_id)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn policy_files_reload_and_a_bad_change_keeps_the_last_good_set() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     copy_dir(&workspace_root().join("policies/dev"), dir.path())?;
-    let s = stack_with(ArbiterOptions { policies_dir: dir.path().to_path_buf(), ..Default::default() }).await?;
+    let s = stack_with(ArbiterOptions {
+        policies_dir: dir.path().to_path_buf(),
+        ..Default::default()
+    })
+    .await?;
     let mut alice = s.arbiter.lock("workload/alice").await?;
-    expect_refusal(open_class(&mut alice, "reports").await, Code::InvalidArgument, "UNKNOWN_CLASS")?;
+    expect_refusal(
+        open_class(&mut alice, "reports").await,
+        Code::InvalidArgument,
+        "UNKNOWN_CLASS",
+    )?;
     let sa = open(&mut alice, "demo").await?;
-    expect_refusal(try_lock(&mut alice, "reports/daily", "demo", sa).await, Code::PermissionDenied, "NOT_AUTHORISED")?;
+    expect_refusal(
+        try_lock(&mut alice, "reports/daily", "demo", sa).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
 
     // a reviewed change lands: a new class and a new grant
     std::fs::write(
@@ -68,14 +82,18 @@ async fn policy_files_reload_and_a_bad_change_keeps_the_last_good_set() -> anyho
     )?;
     std::fs::write(dir.path().join("grants/reports.toml"), "this is not toml")?;
     let mut op = s.arbiter.admin("latchkey/operator").await?;
-    let why = eventually("the refusal to be reported", Duration::from_secs(10), || {
-        let mut op = op.clone();
-        async move {
-            let st = op.get_status(GetStatusRequest {}).await?.into_inner();
-            anyhow::ensure!(!st.policy_error.is_empty(), "no policy error yet");
-            Ok(st.policy_error)
-        }
-    })
+    let why = eventually(
+        "the refusal to be reported",
+        Duration::from_secs(10),
+        || {
+            let mut op = op.clone();
+            async move {
+                let st = op.get_status(GetStatusRequest {}).await?.into_inner();
+                anyhow::ensure!(!st.policy_error.is_empty(), "no policy error yet");
+                Ok(st.policy_error)
+            }
+        },
+    )
     .await?;
     assert!(why.contains("reports"), "the reason names the file: {why}");
     let _ = op.get_status(GetStatusRequest {}).await?;

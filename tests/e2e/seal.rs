@@ -59,7 +59,9 @@ async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyh
             match try_lock(&mut alice, "demo/after", "demo", session).await {
                 // a grant in the restored log ends the wait: it is the failure
                 Ok(g) => Ok(Err(g)),
-                Err(st) if refusal(&st) == (Code::FailedPrecondition, "SEALED".to_string()) => Ok(Ok(st)),
+                Err(st) if refusal(&st) == (Code::FailedPrecondition, "SEALED".to_string()) => {
+                    Ok(Ok(st))
+                }
                 Err(st) => anyhow::bail!("not sealed yet: {st}"),
             }
         }
@@ -72,18 +74,37 @@ async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyh
             g.token > before_restore
         ),
     };
-    assert!(sealed.message().contains("advance-epoch"), "{}", sealed.message());
+    assert!(
+        sealed.message().contains("advance-epoch"),
+        "{}",
+        sealed.message()
+    );
 
     // an arbiter restarted on the same state dir is still sealed
     let Stack { etcd, arbiter } = s;
     arbiter.stop().await?;
-    let arbiter = Arbiter::start(&etcd, ArbiterOptions { state_dir: Some(state_dir), ..Default::default() }).await?;
+    let arbiter = Arbiter::start(
+        &etcd,
+        ArbiterOptions {
+            state_dir: Some(state_dir),
+            ..Default::default()
+        },
+    )
+    .await?;
     let mut alice = arbiter.lock("workload/alice").await?;
-    expect_refusal(open(&mut alice, "demo").await.map_err(status_of), Code::FailedPrecondition, "SEALED")?;
+    expect_refusal(
+        open(&mut alice, "demo").await.map_err(status_of),
+        Code::FailedPrecondition,
+        "SEALED",
+    )?;
     // an arbiter with no memory of the old log is sealed by the seal record
     let fresh = Arbiter::start(&etcd, ArbiterOptions::default()).await?;
     let mut fresh_alice = fresh.lock("workload/alice").await?;
-    expect_refusal(open(&mut fresh_alice, "demo").await.map_err(status_of), Code::FailedPrecondition, "SEALED")?;
+    expect_refusal(
+        open(&mut fresh_alice, "demo").await.map_err(status_of),
+        Code::FailedPrecondition,
+        "SEALED",
+    )?;
 
     // status shows it; only an operator may advance
     let mut op = arbiter.admin("latchkey/operator").await?;
@@ -92,17 +113,29 @@ async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyh
     assert_eq!(status.epoch, 1);
     let mut not_op = arbiter.admin("workload/alice").await?;
     expect_refusal(
-        not_op.advance_epoch(AdvanceEpochRequest { expected_epoch: 1, reason: "x".into() }).await,
+        not_op
+            .advance_epoch(AdvanceEpochRequest {
+                expected_epoch: 1,
+                reason: "x".into(),
+            })
+            .await,
         Code::PermissionDenied,
         "NOT_AUTHORISED",
     )?;
     expect_refusal(
-        op.advance_epoch(AdvanceEpochRequest { expected_epoch: 7, reason: "restore drill".into() }).await,
+        op.advance_epoch(AdvanceEpochRequest {
+            expected_epoch: 7,
+            reason: "restore drill".into(),
+        })
+        .await,
         Code::InvalidArgument,
         "BAD_REQUEST",
     )?;
     let advanced = op
-        .advance_epoch(AdvanceEpochRequest { expected_epoch: 1, reason: "restore drill".into() })
+        .advance_epoch(AdvanceEpochRequest {
+            expected_epoch: 1,
+            reason: "restore drill".into(),
+        })
         .await?
         .into_inner();
     assert_eq!(advanced.epoch, 2);
@@ -131,7 +164,8 @@ fn status_of(e: anyhow::Error) -> tonic::Status {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_restore_with_the_same_member_flags_is_sealed_by_the_high_water_mark() -> anyhow::Result<()> {
+async fn a_restore_with_the_same_member_flags_is_sealed_by_the_high_water_mark()
+-> anyhow::Result<()> {
     restore_is_sealed_until_the_epoch_advances(RestoreFlags::Same).await
 }
 
@@ -149,7 +183,11 @@ async fn a_restore_to_before_an_epoch_advance_is_sealed_too() -> anyhow::Result<
     let snapshot = tempfile::NamedTempFile::new()?;
     s.etcd.snapshot_save(snapshot.path()).await?;
     let mut op = s.arbiter.admin("latchkey/operator").await?;
-    op.advance_epoch(AdvanceEpochRequest { expected_epoch: 1, reason: "rehome".into() }).await?;
+    op.advance_epoch(AdvanceEpochRequest {
+        expected_epoch: 1,
+        reason: "rehome".into(),
+    })
+    .await?;
     let session = open(&mut alice, "demo").await?;
     let high = churn(&mut alice, session, 2).await?;
     assert_eq!(high >> 48, 2);

@@ -4,9 +4,7 @@
 use std::time::Duration;
 
 use latchkey_proto::lockv1::lock_client::LockClient;
-use latchkey_proto::lockv1::{
-    AcquireRequest, Grant, OpenSessionRequest, ReleaseRequest, WaitMode,
-};
+use latchkey_proto::lockv1::{AcquireRequest, Grant, OpenSessionRequest, ReleaseRequest, WaitMode};
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
 use latchkey_tests::etcd::EtcdServer;
 use tonic::transport::Channel;
@@ -32,17 +30,21 @@ pub async fn stack_with(opts: ArbiterOptions) -> anyhow::Result<Stack> {
 }
 
 pub async fn open(c: &mut Client, class: &str) -> anyhow::Result<i64> {
-    Ok(c
-        .open_session(OpenSessionRequest {
-            class: class.into(),
-            reuse_session_ids: vec![],
-        })
-        .await?
-        .into_inner()
-        .session_id)
+    Ok(c.open_session(OpenSessionRequest {
+        class: class.into(),
+        reuse_session_ids: vec![],
+    })
+    .await?
+    .into_inner()
+    .session_id)
 }
 
-pub async fn try_lock(c: &mut Client, key: &str, class: &str, session: i64) -> Result<Grant, Status> {
+pub async fn try_lock(
+    c: &mut Client,
+    key: &str,
+    class: &str,
+    session: i64,
+) -> Result<Grant, Status> {
     let resp = c
         .acquire(AcquireRequest {
             key: key.into(),

@@ -13,15 +13,22 @@ use crate::support::*;
 
 async fn waiters(c: &Client, key: &str) -> anyhow::Result<u32> {
     let mut c = c.clone();
-    Ok(c.inspect(InspectRequest { key: key.into() }).await?.into_inner().waiters)
+    Ok(c.inspect(InspectRequest { key: key.into() })
+        .await?
+        .into_inner()
+        .waiters)
 }
 
 async fn until_waiters(c: &Client, key: &str, n: u32) -> anyhow::Result<()> {
-    eventually(&format!("{n} waiters on {key}"), Duration::from_secs(10), || async move {
-        let w = waiters(c, key).await?;
-        anyhow::ensure!(w == n, "{w} waiting");
-        Ok(())
-    })
+    eventually(
+        &format!("{n} waiters on {key}"),
+        Duration::from_secs(10),
+        || async move {
+            let w = waiters(c, key).await?;
+            anyhow::ensure!(w == n, "{w} waiting");
+            Ok(())
+        },
+    )
     .await
 }
 
@@ -31,21 +38,33 @@ async fn waiters_are_served_fifo_and_a_release_hands_over_in_one_commit() -> any
     let mut alice = s.arbiter.lock("workload/alice").await?;
     let mut bob = s.arbiter.lock("workload/bob").await?;
     let mut demo = s.arbiter.lock("workload/demo").await?;
-    let (sa, sb, sd) = (open(&mut alice, "demo").await?, open(&mut bob, "demo").await?, open(&mut demo, "demo").await?);
+    let (sa, sb, sd) = (
+        open(&mut alice, "demo").await?,
+        open(&mut bob, "demo").await?,
+        open(&mut demo, "demo").await?,
+    );
     let first = try_lock(&mut alice, "demo/q", "demo", sa).await?;
 
     let mut b = bob.clone();
-    let bob_wait = tokio::spawn(async move { wait_lock(&mut b, "demo/q", "demo", sb, Duration::from_secs(30)).await });
+    let bob_wait = tokio::spawn(async move {
+        wait_lock(&mut b, "demo/q", "demo", sb, Duration::from_secs(30)).await
+    });
     until_waiters(&alice, "demo/q", 1).await?;
     let mut d = demo.clone();
-    let demo_wait = tokio::spawn(async move { wait_lock(&mut d, "demo/q", "demo", sd, Duration::from_secs(30)).await });
+    let demo_wait = tokio::spawn(async move {
+        wait_lock(&mut d, "demo/q", "demo", sd, Duration::from_secs(30)).await
+    });
     until_waiters(&alice, "demo/q", 2).await?;
 
     let before = revision(&s.etcd).await?;
     release(&mut alice, &first).await?;
     let second = bob_wait.await??;
     assert_eq!(second.session_id, sb, "the first waiter is served first");
-    assert_eq!(second.revision, before + 1, "release and grant are one commit");
+    assert_eq!(
+        second.revision,
+        before + 1,
+        "release and grant are one commit"
+    );
     assert!(second.token > first.token);
     assert_eq!(waiters(&alice, "demo/q").await?, 1);
 
@@ -64,13 +83,23 @@ async fn a_newcomer_never_barges_past_queued_waiters() -> anyhow::Result<()> {
     let mut alice = s.arbiter.lock("workload/alice").await?;
     let mut bob = s.arbiter.lock("workload/bob").await?;
     let mut demo = s.arbiter.lock("workload/demo").await?;
-    let (sa, sb, sd) = (open(&mut alice, "demo").await?, open(&mut bob, "demo").await?, open(&mut demo, "demo").await?);
+    let (sa, sb, sd) = (
+        open(&mut alice, "demo").await?,
+        open(&mut bob, "demo").await?,
+        open(&mut demo, "demo").await?,
+    );
     let held = try_lock(&mut alice, "demo/nb", "demo", sa).await?;
     let mut b = bob.clone();
-    let bob_wait = tokio::spawn(async move { wait_lock(&mut b, "demo/nb", "demo", sb, Duration::from_secs(30)).await });
+    let bob_wait = tokio::spawn(async move {
+        wait_lock(&mut b, "demo/nb", "demo", sb, Duration::from_secs(30)).await
+    });
     until_waiters(&alice, "demo/nb", 1).await?;
     // a try-lock while someone is queued is refused even at the instant of release
-    expect_refusal(try_lock(&mut demo, "demo/nb", "demo", sd).await, Code::Aborted, "HELD")?;
+    expect_refusal(
+        try_lock(&mut demo, "demo/nb", "demo", sd).await,
+        Code::Aborted,
+        "HELD",
+    )?;
     release(&mut alice, &held).await?;
     let got = bob_wait.await??;
     assert_eq!(got.session_id, sb);
@@ -82,7 +111,10 @@ async fn a_timed_out_or_cancelled_waiter_leaves_the_queue_at_once() -> anyhow::R
     let s = stack().await?;
     let mut alice = s.arbiter.lock("workload/alice").await?;
     let mut bob = s.arbiter.lock("workload/bob").await?;
-    let (sa, sb) = (open(&mut alice, "demo").await?, open(&mut bob, "demo").await?);
+    let (sa, sb) = (
+        open(&mut alice, "demo").await?,
+        open(&mut bob, "demo").await?,
+    );
     let held = try_lock(&mut alice, "demo/t", "demo", sa).await?;
 
     let timed_out = wait_lock(&mut bob, "demo/t", "demo", sb, Duration::from_millis(1500)).await;
@@ -95,14 +127,21 @@ async fn a_timed_out_or_cancelled_waiter_leaves_the_queue_at_once() -> anyhow::R
 
     // a cancelled call (the client drops it) leaves at once too
     let mut b = bob.clone();
-    let cancelled = tokio::spawn(async move { wait_lock(&mut b, "demo/t", "demo", sb, Duration::from_secs(30)).await });
+    let cancelled = tokio::spawn(async move {
+        wait_lock(&mut b, "demo/t", "demo", sb, Duration::from_secs(30)).await
+    });
     until_waiters(&alice, "demo/t", 1).await?;
     cancelled.abort();
     until_waiters(&alice, "demo/t", 0).await?;
     // ...and no grant goes to the departed waiter
     release(&mut alice, &held).await?;
     let mut a = alice.clone();
-    let inspect = a.inspect(InspectRequest { key: "demo/t".into() }).await?.into_inner();
+    let inspect = a
+        .inspect(InspectRequest {
+            key: "demo/t".into(),
+        })
+        .await?
+        .into_inner();
     assert!(inspect.holder.is_none(), "the key is free: {inspect:?}");
     Ok(())
 }
@@ -120,13 +159,23 @@ async fn an_expired_session_releases_every_hold_in_one_entry_and_the_next_waiter
     let g2 = try_lock(&mut alice, "demo/e2", "short", sa).await?;
     let mut etcd = s.etcd.client().await?;
     let mut watch = etcd
-        .watch("/latchkey/l/", Some(WatchOptions::new().with_prefix().with_start_revision(g2.revision + 1)))
+        .watch(
+            "/latchkey/l/",
+            Some(
+                WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(g2.revision + 1),
+            ),
+        )
         .await?;
     let mut b = bob.clone();
     // bob keeps his own session alive while he waits
     let keep = tokio::spawn(async move {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let mut replies = b.keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+        let mut replies = b
+            .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
         loop {
             tx.send(KeepAliveRequest { session_id: sb }).await?;
             replies.message().await?;
@@ -141,17 +190,25 @@ async fn an_expired_session_releases_every_hold_in_one_entry_and_the_next_waiter
     // both holds went in the same committed entry (the lease revocation)
     let mut deletes = Vec::new();
     while deletes.len() < 2 {
-        let Some(resp) = watch.message().await? else { break };
+        let Some(resp) = watch.message().await? else {
+            break;
+        };
         for e in resp.events() {
             if e.event_type() == EventType::Delete
                 && let Some(kv) = e.kv()
             {
-                deletes.push((String::from_utf8_lossy(kv.key()).to_string(), kv.mod_revision()));
+                deletes.push((
+                    String::from_utf8_lossy(kv.key()).to_string(),
+                    kv.mod_revision(),
+                ));
             }
         }
     }
     assert_eq!(deletes.len(), 2, "{deletes:?}");
-    assert_eq!(deletes[0].1, deletes[1].1, "one committed entry: {deletes:?}");
+    assert_eq!(
+        deletes[0].1, deletes[1].1,
+        "one committed entry: {deletes:?}"
+    );
     assert!(next.revision > deletes[0].1);
     Ok(())
 }
@@ -163,43 +220,130 @@ async fn keepalive_renews_the_session_and_reports_the_ttl() -> anyhow::Result<()
     let sa = open(&mut alice, "short").await?;
     let g = try_lock(&mut alice, "demo/ka", "short", sa).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let mut replies = alice.keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+    let mut replies = alice
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
     let until = tokio::time::Instant::now() + Duration::from_secs(8);
     while tokio::time::Instant::now() < until {
         tx.send(KeepAliveRequest { session_id: sa }).await?;
-        let r = replies.message().await?.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+        let r = replies
+            .message()
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("stream ended"))?;
         assert_eq!(r.session_id, sa);
-        assert!((4..=5).contains(&r.remaining_ttl_seconds), "ttl {}", r.remaining_ttl_seconds);
+        assert!(
+            (4..=5).contains(&r.remaining_ttl_seconds),
+            "ttl {}",
+            r.remaining_ttl_seconds
+        );
         tokio::time::sleep(Duration::from_millis(1200)).await;
     }
     // past the 5 s TTL, the hold is still there because the session was renewed
-    let inspect = alice.inspect(InspectRequest { key: "demo/ka".into() }).await?.into_inner();
+    let inspect = alice
+        .inspect(InspectRequest {
+            key: "demo/ka".into(),
+        })
+        .await?
+        .into_inner();
     assert_eq!(inspect.holder.map(|h| h.token), Some(g.token));
     // someone else's session cannot be renewed through this identity
     let mut bob = s.arbiter.lock("workload/bob").await?;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let mut replies = bob.keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+    let mut replies = bob
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
     tx.send(KeepAliveRequest { session_id: sa }).await?;
-    expect_refusal(replies.message().await, Code::FailedPrecondition, "SESSION_EXPIRED")?;
+    expect_refusal(
+        replies.message().await,
+        Code::FailedPrecondition,
+        "SESSION_EXPIRED",
+    )?;
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_release_through_another_arbiter_wakes_the_waiter_through_the_watch() -> anyhow::Result<()> {
+async fn a_release_through_another_arbiter_wakes_the_waiter_through_the_watch() -> anyhow::Result<()>
+{
     let s = stack().await?;
-    let other = Arbiter::start(&s.etcd, ArbiterOptions { retry_poll: Duration::from_secs(30), ..Default::default() }).await?;
+    let other = Arbiter::start(
+        &s.etcd,
+        ArbiterOptions {
+            retry_poll: Duration::from_secs(30),
+            ..Default::default()
+        },
+    )
+    .await?;
     // the waiter's arbiter polls only every ~30 s: a prompt grant means the watch fired
-    let waiting_side = Arbiter::start(&s.etcd, ArbiterOptions { retry_poll: Duration::from_secs(30), ..Default::default() }).await?;
+    let waiting_side = Arbiter::start(
+        &s.etcd,
+        ArbiterOptions {
+            retry_poll: Duration::from_secs(30),
+            ..Default::default()
+        },
+    )
+    .await?;
     let mut alice = other.lock("workload/alice").await?;
     let mut bob = waiting_side.lock("workload/bob").await?;
-    let (sa, sb) = (open(&mut alice, "demo").await?, open(&mut bob, "demo").await?);
+    let (sa, sb) = (
+        open(&mut alice, "demo").await?,
+        open(&mut bob, "demo").await?,
+    );
     let held = try_lock(&mut alice, "demo/w", "demo", sa).await?;
     let mut b = bob.clone();
-    let wait = tokio::spawn(async move { wait_lock(&mut b, "demo/w", "demo", sb, Duration::from_secs(25)).await });
+    let wait = tokio::spawn(async move {
+        wait_lock(&mut b, "demo/w", "demo", sb, Duration::from_secs(25)).await
+    });
     until_waiters(&bob, "demo/w", 1).await?;
     release(&mut alice, &held).await?;
     let got = tokio::time::timeout(Duration::from_secs(10), wait).await???;
     assert!(got.token > held.token);
     drop(s);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn closing_a_session_releases_every_hold_at_once_and_serves_the_next_waiter()
+-> anyhow::Result<()> {
+    use latchkey_proto::lockv1::CloseSessionRequest;
+    let s = stack().await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let (sa, sb) = (
+        open(&mut alice, "demo").await?,
+        open(&mut bob, "demo").await?,
+    );
+    let g1 = try_lock(&mut alice, "demo/c1", "demo", sa).await?;
+    let _g2 = try_lock(&mut alice, "demo/c2", "demo", sa).await?;
+    let mut b = bob.clone();
+    let wait = tokio::spawn(async move {
+        wait_lock(&mut b, "demo/c1", "demo", sb, Duration::from_secs(20)).await
+    });
+    until_waiters(&alice, "demo/c1", 1).await?;
+    // only the owner may close it
+    expect_refusal(
+        bob.close_session(CloseSessionRequest { session_id: sa })
+            .await,
+        Code::FailedPrecondition,
+        "SESSION_EXPIRED",
+    )?;
+    alice
+        .close_session(CloseSessionRequest { session_id: sa })
+        .await?;
+    let next = wait.await??;
+    assert!(next.token > g1.token);
+    let c2 = alice
+        .inspect(InspectRequest {
+            key: "demo/c2".into(),
+        })
+        .await?
+        .into_inner();
+    assert!(c2.holder.is_none(), "every hold of the session went");
+    expect_refusal(
+        try_lock(&mut alice, "demo/c3", "demo", sa).await,
+        Code::FailedPrecondition,
+        "SESSION_EXPIRED",
+    )?;
     Ok(())
 }

@@ -142,9 +142,7 @@ impl Arbiter {
             }
         };
         if wait == WaitMode::WaitNone {
-            return Err(ArbiterError::Held {
-                key: grant_req.key,
-            });
+            return Err(ArbiterError::Held { key: grant_req.key });
         }
 
         let budget = deadline
@@ -203,11 +201,15 @@ mod tests {
     fn parses_grpc_timeout() {
         let mut r = Request::new(());
         assert_eq!(grpc_timeout(&r), None);
-        r.metadata_mut()
-            .insert("grpc-timeout", "1500m".parse().unwrap_or_else(|_| unreachable!()));
+        r.metadata_mut().insert(
+            "grpc-timeout",
+            "1500m".parse().unwrap_or_else(|_| unreachable!()),
+        );
         assert_eq!(grpc_timeout(&r), Some(Duration::from_millis(1500)));
-        r.metadata_mut()
-            .insert("grpc-timeout", "2S".parse().unwrap_or_else(|_| unreachable!()));
+        r.metadata_mut().insert(
+            "grpc-timeout",
+            "2S".parse().unwrap_or_else(|_| unreachable!()),
+        );
         assert_eq!(grpc_timeout(&r), Some(Duration::from_secs(2)));
     }
 
