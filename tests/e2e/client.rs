@@ -107,6 +107,15 @@ async fn nested_acquire_and_release_never_reach_etcd_and_the_final_release_frees
     let still = alice.inspect("demo/re").await?.holder;
     assert_eq!(still.map(|h| h.token), Some(outer.token()), "still held");
 
+    // The same identity on another session is a leak, not re-entrancy.
+    let other = connect(s.arbiter.addr(), "workload/alice").await?;
+    match other.lock("demo/re", "demo").acquire(|_| {}).await {
+        Err(Error::Refused { code, reason, .. }) => {
+            assert_eq!((code, reason), (Code::FailedPrecondition, Reason::Leak));
+        }
+        other => bail!("alice on a second session: {other:?}"),
+    }
+
     let first = outer.token();
     outer.release().await?;
     assert!(
@@ -365,11 +374,26 @@ async fn a_blocked_path_stops_new_work_then_fences_before_the_arbiter_hands_the_
     assert_eq!(holder.identity, spiffe("workload/bob"));
 
     assert!(!guard.can_start() && guard.is_fenced());
+    let fenced_session = guard.session_id();
     match guard.release().await {
         Err(Error::Fenced { reason, .. }) => assert_eq!(reason, FenceReason::DeadlineExceeded),
         other => bail!("release after the fence: {other:?}"),
     }
     bob_guard.release().await?;
+
+    // The path heals: the client drops the dead session and opens a new one.
+    proxy.unblock();
+    let again = alice
+        .lock("demo/adr12-after", "short")
+        .acquire(|_| {})
+        .await?;
+    assert_ne!(
+        again.session_id(),
+        fenced_session,
+        "a fenced session is not reused"
+    );
+    assert!(again.can_start());
+    again.release().await?;
     Ok(())
 }
 
@@ -590,6 +614,15 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
 
     proxy.block();
     let blocked_at = Instant::now();
+    let waiter = bob.clone();
+    let bob_waiting = tokio::spawn(async move {
+        let guard = waiter
+            .lock(KEY, "short")
+            .wait(Duration::from_secs(20))
+            .acquire(|_| {})
+            .await;
+        (Instant::now(), guard)
+    });
     let status = match timeout(SHORT_TTL + Duration::from_secs(3), child.wait()).await {
         Ok(status) => status?,
         Err(_) => {
@@ -617,12 +650,18 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
         "the command must be stopped, not orphaned"
     );
 
-    // And the arbiter lets the key go once the lease runs out.
-    let granted = bob
-        .lock(KEY, "short")
-        .wait(Duration::from_secs(20))
-        .acquire(|_| {})
-        .await?;
+    // The arbiter lets the key go once the lease runs out, and not before
+    // latchctl has stopped the command.
+    let exited_at = blocked_at + exited_after;
+    let (granted_at, granted) = timeout(Duration::from_secs(20), bob_waiting)
+        .await
+        .context("bob was never granted")??;
+    let granted = granted?;
+    ensure!(
+        exited_at < granted_at,
+        "bob was granted {:?} before latchctl stopped its command",
+        exited_at - granted_at
+    );
     assert!(granted.token() > holder.token);
     granted.release().await?;
     Ok(())
@@ -666,6 +705,10 @@ impl Proxy {
 
     fn block(&self) {
         self.blocked.send_replace(true);
+    }
+
+    fn unblock(&self) {
+        self.blocked.send_replace(false);
     }
 }
 

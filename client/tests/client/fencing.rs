@@ -115,6 +115,11 @@ async fn blocked_path_stops_new_work_first_then_fences_at_the_send_time_deadline
     assert!(deadline_seen <= blocked_at + Duration::from_secs(2));
     assert!(deadline_seen + Duration::from_millis(1100) >= blocked_at + Duration::from_secs(2));
     assert!(fence_at >= deadline_seen, "fenced before the deadline");
+    // The deadline the library reports is the one it fenced at.
+    assert!(
+        fence_at >= outer.fence_deadline(),
+        "fenced before fence_deadline()"
+    );
     assert!(
         fence_at <= deadline_seen + Duration::from_millis(300),
         "fenced {:?} after the deadline",
