@@ -96,17 +96,9 @@ impl IdentitySource {
     pub fn peer<T>(&self, request: &Request<T>) -> Result<Caller, ArbiterError> {
         match self {
             Self::InsecureDev { .. } => self.caller(request),
-            Self::Tls { trust_domain, .. } => {
-                let certs = request
-                    .peer_certs()
-                    .ok_or_else(|| unauthenticated("no client certificate on the connection"))?;
-                let leaf = certs
-                    .first()
-                    .ok_or_else(|| unauthenticated("no client certificate on the connection"))?;
-                Ok(Caller {
-                    identity: spiffe_id_of_certificate(leaf.as_ref(), trust_domain)?,
-                })
-            }
+            Self::Tls { trust_domain, .. } => Ok(Caller {
+                identity: peer_svid(request, trust_domain)?,
+            }),
         }
     }
 
@@ -130,13 +122,7 @@ impl IdentitySource {
                 trust_domain,
                 edge_identity,
             } => {
-                let certs = request
-                    .peer_certs()
-                    .ok_or_else(|| unauthenticated("no client certificate on the connection"))?;
-                let leaf = certs
-                    .first()
-                    .ok_or_else(|| unauthenticated("no client certificate on the connection"))?;
-                let peer = spiffe_id_of_certificate(leaf.as_ref(), trust_domain)?;
+                let peer = peer_svid(request, trust_domain)?;
                 if edge_identity.as_deref() == Some(peer.as_str()) {
                     let vouched = header(request, EDGE_IDENTITY_HEADER).ok_or_else(|| {
                         unauthenticated(format!(
@@ -152,6 +138,17 @@ impl IdentitySource {
             }
         }
     }
+}
+
+/// The SPIFFE ID of the connection's client certificate.
+fn peer_svid<T>(request: &Request<T>, trust_domain: &str) -> Result<String, ArbiterError> {
+    let certs = request
+        .peer_certs()
+        .ok_or_else(|| unauthenticated("no client certificate on the connection"))?;
+    let leaf = certs
+        .first()
+        .ok_or_else(|| unauthenticated("no client certificate on the connection"))?;
+    spiffe_id_of_certificate(leaf.as_ref(), trust_domain)
 }
 
 fn header<'a, T>(request: &'a Request<T>, name: &str) -> Option<&'a str> {
