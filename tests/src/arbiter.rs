@@ -137,19 +137,8 @@ impl Arbiter {
 
     async fn wait_ready(&mut self) -> anyhow::Result<()> {
         let addr = self.addr;
-        let ready = eventually("the arbiter to answer", Duration::from_secs(20), || async move {
-            let mut c = LockClient::new(channel(addr, "workload/demo").await?);
-            // Any answer from the service (even a refusal) means it is up.
-            match c
-                .inspect(InspectRequest {
-                    key: "demo/ready".into(),
-                })
-                .await
-            {
-                Ok(_) => Ok(()),
-                Err(s) if s.code() != tonic::Code::Unavailable && s.code() != tonic::Code::Unknown => Ok(()),
-                Err(s) => bail!("{s}"),
-            }
+        let ready = eventually("the arbiter to answer", Duration::from_secs(20), || {
+            answers(addr)
         })
         .await;
         if let Err(e) = ready {
@@ -202,6 +191,23 @@ impl Drop for Arbiter {
         if let Some(task) = self.task.take() {
             task.abort();
         }
+    }
+}
+
+/// Whether the arbiter at `addr` answers lock.v1 (even a refusal means it is up).
+async fn answers(addr: SocketAddr) -> anyhow::Result<()> {
+    let mut c = LockClient::new(channel(addr, "workload/demo").await?);
+    match c
+        .inspect(InspectRequest {
+            key: "demo/ready".into(),
+        })
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(s) if s.code() != tonic::Code::Unavailable && s.code() != tonic::Code::Unknown => {
+            Ok(())
+        }
+        Err(s) => bail!("{s}"),
     }
 }
 
@@ -294,23 +300,27 @@ impl ArbiterProcess {
         if let Some(edge) = &opts.edge_identity {
             cmd.arg("--edge-identity").arg(edge);
         }
-        let child = cmd.spawn().with_context(|| format!("spawn {}", binary.display()))?;
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawn {}", binary.display()))?;
         let proc = Self {
             child: Some(child),
             addr,
             log,
             _dir: dir,
         };
-        eventually("the arbiter process to answer", Duration::from_secs(20), || async move {
-            let mut c = LockClient::new(channel(addr, "workload/demo").await?);
-            match c.inspect(InspectRequest { key: "demo/ready".into() }).await {
-                Ok(_) => Ok(()),
-                Err(s) if s.code() != tonic::Code::Unavailable && s.code() != tonic::Code::Unknown => Ok(()),
-                Err(s) => bail!("{s}"),
-            }
-        })
+        eventually(
+            "the arbiter process to answer",
+            Duration::from_secs(20),
+            || answers(addr),
+        )
         .await
-        .with_context(|| format!("log:\n{}", std::fs::read_to_string(&proc.log).unwrap_or_default()))?;
+        .with_context(|| {
+            format!(
+                "log:\n{}",
+                std::fs::read_to_string(&proc.log).unwrap_or_default()
+            )
+        })?;
         Ok(proc)
     }
 
