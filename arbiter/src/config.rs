@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use latchkey_hook_host::{HookHost, HostSettings};
+
 use crate::hook::{ClassHooks, NoHooks};
 
 #[derive(Debug, Clone)]
@@ -37,6 +39,9 @@ pub struct Config {
     pub etcd_connect_timeout: Duration,
     pub etcd_request_timeout: Duration,
     pub hooks: Arc<dyn ClassHooks>,
+    /// Runs the classes' Wasm hooks; its compiled-module cache defaults to
+    /// `state_dir/hook-cache`. Shared so tests can read its metrics.
+    pub hook_host: Arc<HookHost>,
 }
 
 impl Config {
@@ -49,12 +54,16 @@ impl Config {
             tls: None,
             trust_domain: "dev.latchkey".into(),
             edge_identity: None,
-            state_dir,
+            state_dir: state_dir.clone(),
             max_wait: Duration::from_secs(300),
             retry_poll: Duration::from_secs(1),
             etcd_connect_timeout: Duration::from_secs(5),
             etcd_request_timeout: Duration::from_secs(10),
             hooks: Arc::new(NoHooks),
+            hook_host: Arc::new(HookHost::new(HostSettings {
+                cache_dir: Some(state_dir.join("hook-cache")),
+                ..HostSettings::default()
+            })),
         }
     }
 }

@@ -26,6 +26,7 @@ mod service;
 pub mod store;
 pub mod token;
 mod waiters;
+pub mod wasm_hooks;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -70,7 +71,16 @@ pub enum RunError {
 /// Builds the arbiter's state: policies, high-water mark, etcd connection,
 /// and the epoch record (created on first start).
 pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
-    let policies = Arc::new(Policies::load(&config.policies_dir)?);
+    let policies =
+        Arc::new(Policies::load(&config.policies_dir)?.with_hooks(config.hook_host.clone()));
+    // Compile the classes' hooks before serving (a class whose module is
+    // refused fails closed; the others are served).
+    let (host, set, dir) = (
+        config.hook_host.clone(),
+        policies.current(),
+        config.policies_dir.clone(),
+    );
+    let _ = tokio::task::spawn_blocking(move || host.sync(&set, &dir)).await;
     let high_water = Arc::new(HighWater::open(&config.state_dir)?);
     let guard = Arc::new(EpochGuard::default());
     let store = Store::connect(
@@ -108,9 +118,26 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         store,
         policies,
         identity,
-        hooks: config.hooks.clone(),
+        hooks: Arc::new(wasm_hooks::WasmHooks::new(
+            config.hook_host.clone(),
+            config.hooks.clone(),
+        )),
         max_wait: config.max_wait,
     }))
+}
+
+/// Hook metrics go to the log once a minute until a metrics endpoint exists.
+fn spawn_hook_metrics_log(host: Arc<latchkey_hook_host::HookHost>, stop: CancellationToken) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => wasm_hooks::WasmHooks::log_metrics(&host),
+            }
+        }
+    });
 }
 
 fn read(path: &std::path::Path) -> Result<Vec<u8>, RunError> {
@@ -132,6 +159,7 @@ pub async fn run(
         .policies
         .clone()
         .spawn_reloader(config.policy_poll, stop.clone());
+    spawn_hook_metrics_log(config.hook_host.clone(), stop.clone());
 
     let mut server = Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use latchkey_hook_host::HookHost;
 use latchkey_policies::{Date, PolicyError, PolicySet, fingerprint};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -15,6 +16,8 @@ pub struct Policies {
     current: RwLock<Arc<PolicySet>>,
     fingerprint: Mutex<u64>,
     last_error: RwLock<Option<String>>,
+    /// Synced with every new set before it is swapped in, and on each poll.
+    hooks: Option<Arc<HookHost>>,
 }
 
 impl Policies {
@@ -27,7 +30,24 @@ impl Policies {
             current: RwLock::new(Arc::new(set)),
             fingerprint: Mutex::new(print),
             last_error: RwLock::new(None),
+            hooks: None,
         })
+    }
+
+    /// Keeps `host` in line with the policies in force (see `refresh`).
+    pub fn with_hooks(mut self, host: Arc<HookHost>) -> Self {
+        self.hooks = Some(host);
+        self
+    }
+
+    /// One poll: reload changed policy files, else pick up rebuilt hook
+    /// modules of the set in force. Blocking; run off the request path.
+    pub fn refresh(&self) {
+        if !self.reload_if_changed()
+            && let Some(host) = &self.hooks
+        {
+            host.sync(&self.current(), &self.dir);
+        }
     }
 
     pub fn current(&self) -> Arc<PolicySet> {
@@ -57,6 +77,10 @@ impl Policies {
         }
         match PolicySet::load_dir(&self.dir, Date::today_utc()) {
             Ok(set) => {
+                // The new set's hooks are compiled before it takes effect.
+                if let Some(host) = &self.hooks {
+                    host.sync(&set, &self.dir);
+                }
                 info!(
                     dir = %self.dir.display(),
                     classes = set.classes().len(),
@@ -89,7 +113,7 @@ impl Policies {
                     _ = stop.cancelled() => return,
                     _ = tick.tick() => {
                         let this = self.clone();
-                        let _ = tokio::task::spawn_blocking(move || this.reload_if_changed()).await;
+                        let _ = tokio::task::spawn_blocking(move || this.refresh()).await;
                     }
                 }
             }

@@ -11,8 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream,
-    LeaseKeeper, PutOptions, ResponseHeader, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, GetResponse,
+    LeaseKeepAliveStream, LeaseKeeper, PutOptions, ResponseHeader, Txn, TxnOp, TxnOpResponse,
+    TxnResponse, WatchOptions, WatchStream,
 };
 use tracing::{error, warn};
 
@@ -171,6 +172,38 @@ impl Store {
         self.guard.serving().map(|_| ())
     }
 
+    /// Runs a transaction; its header is checked before anything in it is used.
+    async fn checked_txn(&self, txn: Txn) -> Result<(TxnResponse, i64), ArbiterError> {
+        let mark = self.high_water.current();
+        let resp = self
+            .client
+            .kv_client()
+            .txn(txn)
+            .await
+            .map_err(ArbiterError::store)?;
+        let (cluster_id, revision) = header_of(resp.header())?;
+        self.observe(mark, cluster_id, Some(revision)).await?;
+        Ok((resp, revision))
+    }
+
+    /// A linearizable read; its header is checked before its values are used.
+    async fn checked_get(
+        &self,
+        key: String,
+        options: Option<GetOptions>,
+    ) -> Result<GetResponse, ArbiterError> {
+        let mark = self.high_water.current();
+        let resp = self
+            .client
+            .kv_client()
+            .get(key, options)
+            .await
+            .map_err(ArbiterError::store)?;
+        let (cluster_id, revision) = header_of(resp.header())?;
+        self.observe(mark, cluster_id, Some(revision)).await?;
+        Ok(resp)
+    }
+
     async fn publish_seal(&self, reason: &str) {
         error!(
             reason,
@@ -303,15 +336,7 @@ impl Store {
     }
 
     pub async fn session(&self, lease: i64) -> Result<Option<SessionRecord>, ArbiterError> {
-        let mark = self.high_water.current();
-        let resp = self
-            .client
-            .kv_client()
-            .get(self.layout.session(lease), None)
-            .await
-            .map_err(ArbiterError::store)?;
-        let (cluster_id, revision) = header_of(resp.header())?;
-        self.observe(mark, cluster_id, Some(revision)).await?;
+        let resp = self.checked_get(self.layout.session(lease), None).await?;
         Ok(resp.kvs().first().and_then(|kv| decode(kv.value())))
     }
 
@@ -371,15 +396,7 @@ impl Store {
                 TxnOp::get(seal_key, None),
                 TxnOp::get(session_key, None),
             ]);
-        let mark = self.high_water.current();
-        let resp = self
-            .client
-            .kv_client()
-            .txn(txn)
-            .await
-            .map_err(ArbiterError::store)?;
-        let (cluster_id, revision) = header_of(resp.header())?;
-        self.observe(mark, cluster_id, Some(revision)).await?;
+        let (resp, revision) = self.checked_txn(txn).await?;
         if resp.succeeded() {
             let grant = Grant {
                 key: req.key.clone(),
@@ -466,15 +483,7 @@ impl Store {
     }
 
     pub async fn holder(&self, key: &str) -> Result<Option<HolderView>, ArbiterError> {
-        let mark = self.high_water.current();
-        let resp = self
-            .client
-            .kv_client()
-            .get(self.layout.holder(key), None)
-            .await
-            .map_err(ArbiterError::store)?;
-        let (cluster_id, revision) = header_of(resp.header())?;
-        self.observe(mark, cluster_id, Some(revision)).await?;
+        let resp = self.checked_get(self.layout.holder(key), None).await?;
         Ok(resp.kvs().first().and_then(|kv| {
             decode(kv.value()).map(|record| HolderView {
                 record,
@@ -513,15 +522,7 @@ impl Store {
                 next.holder_bytes(),
                 Some(PutOptions::new().with_lease(next.session)),
             )]);
-        let mark = self.high_water.current();
-        let resp = self
-            .client
-            .kv_client()
-            .txn(txn)
-            .await
-            .map_err(ArbiterError::store)?;
-        let (cluster_id, rev) = header_of(resp.header())?;
-        self.observe(mark, cluster_id, Some(rev)).await?;
+        let (resp, rev) = self.checked_txn(txn).await?;
         if !resp.succeeded() {
             return Ok(None);
         }
@@ -549,15 +550,7 @@ impl Store {
             ])
             .and_then([TxnOp::delete(holder_key.clone(), None)])
             .or_else([TxnOp::get(holder_key, None)]);
-        let mark = self.high_water.current();
-        let resp = self
-            .client
-            .kv_client()
-            .txn(txn)
-            .await
-            .map_err(ArbiterError::store)?;
-        let (cluster_id, rev) = header_of(resp.header())?;
-        self.observe(mark, cluster_id, Some(rev)).await?;
+        let (resp, _) = self.checked_txn(txn).await?;
         if resp.succeeded() {
             return Ok(());
         }
@@ -670,6 +663,41 @@ impl Store {
             .await
             .map_err(ArbiterError::store)?;
         Ok(header_of(resp.header())?.0)
+    }
+
+    /// How many keys `identity` holds in `class`, over every arbiter: the
+    /// holder records under each of `prefixes` (the identity's grants; it
+    /// can hold nothing elsewhere), read with one range per prefix. For a
+    /// hook that asks for `holdCount`; exact as of the read, not part of the
+    /// grant transaction.
+    pub async fn count_holds_of(
+        &self,
+        identity: &str,
+        class: &str,
+        prefixes: &[&str],
+    ) -> Result<u32, ArbiterError> {
+        let mut seen = std::collections::HashSet::new();
+        let mut count = 0u32;
+        for prefix in prefixes {
+            let resp = self
+                .checked_get(
+                    self.layout.holder(prefix),
+                    Some(GetOptions::new().with_prefix()),
+                )
+                .await?;
+            for kv in resp.kvs() {
+                if !seen.insert(kv.key().to_vec()) {
+                    continue;
+                }
+                if let Some(record) = decode::<HolderRecord>(kv.value())
+                    && record.identity == identity
+                    && record.class == class
+                {
+                    count = count.saturating_add(1);
+                }
+            }
+        }
+        Ok(count)
     }
 
     /// Keys held under a prefix, for tests and inspection tools.

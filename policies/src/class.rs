@@ -9,6 +9,7 @@ use thiserror::Error;
 
 use crate::date::Date;
 use crate::error::PolicyError;
+use crate::hook::ClassHook;
 use crate::key;
 
 /// Platform TTL range in seconds (ADR-11).
@@ -33,7 +34,7 @@ pub const FENCE_MARGIN_MS: u64 = 1_000;
 ///
 /// Deserializing only checks shapes and types; call [`LockClass::validate`]
 /// for the platform rules.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LockClass {
     pub name: String,
@@ -53,6 +54,9 @@ pub struct LockClass {
     pub max_waiters_per_key: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
+    /// A Wasm hook run before every grant of the class (policies/HOOKS.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hook: Option<ClassHook>,
 }
 
 fn default_ttl_seconds() -> u32 {
@@ -203,6 +207,16 @@ pub enum ClassError {
         max = MAX_WAITERS_PER_KEY_LIMIT
     )]
     MaxWaitersOutOfRange { value: u32 },
+
+    #[error("hook.module must name a .wasm file (a path relative to the policy directory)")]
+    HookModule,
+
+    #[error("hook.{field} = {value} is outside the platform range 1..={max}")]
+    HookLimit {
+        field: &'static str,
+        value: u32,
+        max: u32,
+    },
 }
 
 /// Why a class name is unusable.
@@ -250,6 +264,9 @@ impl LockClass {
         }
         if self.fairness == Fairness::Durable {
             return Err(ClassError::DurableFairnessNotImplemented);
+        }
+        if let Some(hook) = &self.hook {
+            hook.check()?;
         }
 
         match self.enforcement {

@@ -36,6 +36,7 @@ mod date;
 mod error;
 mod fnv;
 mod grants;
+mod hook;
 mod key;
 mod policy_set;
 
@@ -48,5 +49,10 @@ pub use class::{
 pub use date::{Date, DateError};
 pub use error::PolicyError;
 pub use grants::{PrefixGrants, PrefixGrantsBuilder};
+pub use hook::{
+    ClassHook, DEFAULT_HOOK_DEADLINE_MS, DEFAULT_HOOK_MAX_OUTPUT_BYTES, DEFAULT_HOOK_MEMORY_MIB,
+    DEFAULT_HOOK_TABLE_ELEMENTS, HookInputKind, MAX_HOOK_DEADLINE_MS, MAX_HOOK_MAX_OUTPUT_BYTES,
+    MAX_HOOK_MEMORY_MIB, MAX_HOOK_TABLE_ELEMENTS,
+};
 pub use key::{ECHO_CHARS, KeyError, LockKey, MAX_KEY_BYTES};
 pub use policy_set::{CLASSES_DIR, GRANTS_DIR, PolicyFile, PolicySet, fingerprint};

@@ -17,5 +17,5 @@ pub mod admin {
     }
 }
 
-pub use lock::v1 as lockv1;
 pub use admin::v1 as adminv1;
+pub use lock::v1 as lockv1;

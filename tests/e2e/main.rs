@@ -4,8 +4,10 @@
 //! harnesses in `latchkey_tests`.
 
 mod client;
+mod edge;
 mod etcd_harness;
 mod grants;
+mod hooks;
 mod identity;
 mod policies;
 mod seal;

@@ -14,8 +14,10 @@ use anyhow::bail;
 use tokio::time::Instant;
 
 pub mod arbiter;
+pub mod envoy;
 pub mod etcd;
 // Harness modules added by other work items go below this line (e.g. `pub mod arbiter;`).
+pub mod hooks;
 
 /// How often [`eventually`] re-checks its condition.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);

@@ -7,9 +7,10 @@ use tracing::{debug, info};
 
 use super::{Arbiter, session_id, truncate};
 use crate::error::ArbiterError;
-use crate::hook::{HookDecision, HookInput};
+use crate::hook::{HolderSummary, HookDecision, HookInput, monotonic_ns};
 use crate::records::now_unix_ms;
 use crate::store::{Grant, GrantOutcome, GrantRequest};
+use latchkey_policies::HookInputKind;
 
 pub const MAX_METADATA_ENTRIES: usize = 16;
 pub const MAX_METADATA_KEY_BYTES: usize = 64;
@@ -91,6 +92,32 @@ impl Arbiter {
         check_metadata(&metadata)?;
 
         let waiting = self.queues.waiting(key.as_str());
+        // Inputs that cost an etcd read are fetched only for a hook that asks.
+        let hook = class.hook.as_ref();
+        let holder = match hook.filter(|h| h.needs(HookInputKind::Holder)) {
+            Some(_) => self
+                .store
+                .holder(key.as_str())
+                .await?
+                .map(|h| HolderSummary {
+                    identity: h.record.identity,
+                    session: h.record.session,
+                    class: h.record.class,
+                    acquired_at_unix_ms: h.record.acquired_at_unix_ms,
+                }),
+            None => None,
+        };
+        let hold_count = match hook.filter(|h| h.needs(HookInputKind::HoldCount)) {
+            Some(_) => {
+                let prefixes: Vec<&str> = policies.grants().prefixes(&caller.identity).collect();
+                Some(
+                    self.store
+                        .count_holds_of(&caller.identity, &class.name, &prefixes)
+                        .await?,
+                )
+            }
+            None => None,
+        };
         let annotations = match self.hooks.before_grant(&HookInput {
             identity: &caller.identity,
             key: key.as_str(),
@@ -99,6 +126,10 @@ impl Arbiter {
             metadata: &metadata,
             waiters: waiting,
             now_unix_ms: now_unix_ms(),
+            now_monotonic_ns: monotonic_ns(),
+            hook,
+            holder,
+            hold_count,
         }) {
             HookDecision::Allow { annotations } => annotations,
             HookDecision::Deny {

@@ -1,0 +1,217 @@
+//! The plugin configuration (JSON, in the ECDS resource) and its validation.
+//!
+//! Unknown fields are refused, so a typo in a limit name fails `on_configure`
+//! (Envoy then keeps the previous filter) instead of silently using a default.
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::identity::valid_trust_domain;
+use crate::policy::{EdgePolicy, PolicyBuildError};
+
+/// Upper bound on admission slot tables (each slot is one shared-data entry,
+/// which Envoy never deletes).
+pub const MAX_SLOTS: u32 = 1 << 20;
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GrantConfig {
+    pub identity: String,
+    pub prefixes: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassConfig {
+    pub name: String,
+    pub max_waiters_per_key: u32,
+}
+
+/// Where and how often to refresh the grant table from the arbiter.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RefreshConfig {
+    /// The Envoy cluster of the arbiter.
+    pub cluster: String,
+    #[serde(default = "default_period_ms")]
+    pub period_ms: u64,
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+fn default_period_ms() -> u64 {
+    5_000
+}
+fn default_timeout_ms() -> u64 {
+    2_000
+}
+fn default_filter_version() -> u64 {
+    1
+}
+fn default_max_waiters_per_key() -> u32 {
+    latchkey_policies::DEFAULT_MAX_WAITERS_PER_KEY
+}
+fn default_max_waiters_per_identity() -> u32 {
+    256
+}
+fn default_max_message_bytes() -> usize {
+    16 * 1024
+}
+fn default_key_slots() -> u32 {
+    16_384
+}
+fn default_identity_slots() -> u32 {
+    4_096
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterConfig {
+    pub trust_domain: String,
+    /// Reported as the `filter_version` gauge: which rollout is serving.
+    #[serde(default = "default_filter_version")]
+    pub filter_version: u64,
+    /// The grant table served until the first refresh (and kept if none succeeds).
+    #[serde(default)]
+    pub grants: Vec<GrantConfig>,
+    #[serde(default)]
+    pub classes: Vec<ClassConfig>,
+    /// Waiter bound for a class not in `classes`.
+    #[serde(default = "default_max_waiters_per_key")]
+    pub default_max_waiters_per_key: u32,
+    #[serde(default = "default_max_waiters_per_identity")]
+    pub max_waiters_per_identity: u32,
+    /// The largest request message the edge decodes.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: usize,
+    /// Distinct keys that can have waiters at once (across all workers).
+    #[serde(default = "default_key_slots")]
+    pub key_slots: u32,
+    /// Distinct identities that can have waiters at once.
+    #[serde(default = "default_identity_slots")]
+    pub identity_slots: u32,
+    #[serde(default)]
+    pub refresh: Option<RefreshConfig>,
+}
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("plugin configuration is not valid JSON for this filter: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("trust_domain {0:?} is not a SPIFFE trust domain")]
+    TrustDomain(String),
+    #[error("{field} must be between {min} and {max}")]
+    Range {
+        field: &'static str,
+        min: u64,
+        max: u64,
+    },
+    #[error(transparent)]
+    Policy(#[from] PolicyBuildError),
+}
+
+impl FilterConfig {
+    /// Parses and validates; also compiles the initial grant table.
+    pub fn parse(json: &[u8]) -> Result<(FilterConfig, EdgePolicy), ConfigError> {
+        let config: FilterConfig = serde_json::from_slice(json)?;
+        if !valid_trust_domain(&config.trust_domain) {
+            return Err(ConfigError::TrustDomain(config.trust_domain));
+        }
+        let range = |field, v: u64, min, max| {
+            if (min..=max).contains(&v) {
+                Ok(())
+            } else {
+                Err(ConfigError::Range { field, min, max })
+            }
+        };
+        range(
+            "default_max_waiters_per_key",
+            config.default_max_waiters_per_key.into(),
+            1,
+            latchkey_policies::MAX_WAITERS_PER_KEY_LIMIT.into(),
+        )?;
+        range(
+            "max_waiters_per_identity",
+            config.max_waiters_per_identity.into(),
+            1,
+            1 << 20,
+        )?;
+        range(
+            "max_message_bytes",
+            config.max_message_bytes as u64,
+            64,
+            4 << 20,
+        )?;
+        range("key_slots", config.key_slots.into(), 1, MAX_SLOTS.into())?;
+        range(
+            "identity_slots",
+            config.identity_slots.into(),
+            1,
+            MAX_SLOTS.into(),
+        )?;
+        if let Some(r) = &config.refresh {
+            range("refresh.period_ms", r.period_ms, 100, 3_600_000)?;
+            range("refresh.timeout_ms", r.timeout_ms, 10, 60_000)?;
+            if r.cluster.is_empty() {
+                return Err(ConfigError::Range {
+                    field: "refresh.cluster (length)",
+                    min: 1,
+                    max: 255,
+                });
+            }
+        }
+        let policy = EdgePolicy::from_config(&config)?;
+        Ok((config, policy))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_config_takes_defaults() {
+        let (c, p) = FilterConfig::parse(br#"{"trust_domain":"dev.latchkey"}"#).unwrap();
+        assert_eq!(c.filter_version, 1);
+        assert_eq!(c.max_message_bytes, 16 * 1024);
+        assert!(p.grants().is_empty());
+    }
+
+    #[test]
+    fn full_config_parses() {
+        let json = br#"{
+            "trust_domain": "dev.latchkey",
+            "filter_version": 7,
+            "grants": [{"identity": "spiffe://dev.latchkey/workload/a", "prefixes": ["a/b", "c"]}],
+            "classes": [{"name": "demo", "max_waiters_per_key": 2}],
+            "default_max_waiters_per_key": 4,
+            "max_waiters_per_identity": 3,
+            "max_message_bytes": 1024,
+            "key_slots": 64,
+            "identity_slots": 16,
+            "refresh": {"cluster": "arbiter", "period_ms": 1000}
+        }"#;
+        let (c, p) = FilterConfig::parse(json).unwrap();
+        assert_eq!(c.filter_version, 7);
+        assert_eq!(p.grants().len(), 2);
+        assert_eq!(p.max_waiters_per_key("demo"), 2);
+        assert_eq!(p.max_waiters_per_key("other"), 4);
+        assert_eq!(c.refresh.unwrap().timeout_ms, 2000);
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_values_are_refused() {
+        for bad in [
+            &br#"{"trust_domain":"dev.latchkey","max_waiter_per_key":3}"#[..],
+            br#"{"trust_domain":"dev.latchkey","refresh":{"cluster":"a","perod_ms":1}}"#,
+            br#"{"trust_domain":"Not A Domain"}"#,
+            br#"{"trust_domain":"dev.latchkey","key_slots":0}"#,
+            br#"{"trust_domain":"dev.latchkey","grants":[{"identity":"nope","prefixes":["a"]}]}"#,
+            br#"{"trust_domain":"dev.latchkey","grants":[{"identity":"spiffe://dev.latchkey/a","prefixes":["a//b"]}]}"#,
+            br#"{"trust_domain":"dev.latchkey","classes":[{"name":"x","max_waiters_per_key":0}]}"#,
+            br#"not json"#,
+        ] {
+            assert!(FilterConfig::parse(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+}

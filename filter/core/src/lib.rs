@@ -1,0 +1,36 @@
+//! The logic of Latchkey's Envoy edge filter, kept free of `proxy_wasm` so it is
+//! tested natively (the `latchkey-filter` crate is the thin glue).
+//!
+//! A request flows through it like this: the caller's SPIFFE ID comes from the
+//! TLS peer ([`identity::peer_identity`]); the method from the `:path`
+//! ([`request::Method`]); for Acquire, Release and Inspect the body is one gRPC
+//! frame whose lock.v1 message gives the key and class
+//! ([`decision::check_keyed`], which also matches the `x-lock-key` header and
+//! asks the grant table, [`policy::EdgePolicy`], for the longest granted
+//! prefix); a waiting Acquire then takes a place under the per-key and
+//! per-identity bounds in host shared data ([`admission::Admission`]), given back
+//! when the stream ends. Refusals are [`status::Refusal`]s; stat names are in
+//! [`metrics`]. The configuration is [`config::FilterConfig`].
+
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::unreachable,
+        clippy::todo,
+        clippy::unimplemented,
+        clippy::indexing_slicing
+    )
+)]
+
+pub mod admission;
+pub mod config;
+pub mod decision;
+pub mod identity;
+pub mod metrics;
+pub mod policy;
+pub mod request;
+pub mod status;
+pub mod wire;

@@ -1,0 +1,90 @@
+//! Stat names. Labels are namespace, class, reason and scope only (ADR-22):
+//! never a key, an identity or a token. Label values come from bounded sets —
+//! the namespace is the first segment of the *granted prefix* (so it ranges
+//! over the grant table, not over what callers send), the class is a known
+//! class name or `_unknown` — and are sanitised to `[A-Za-z0-9_-]`.
+//!
+//! Names are dotted (`latchkey_edge.<stat>.ns.<ns>.class.<class>`); the Envoy
+//! bootstrap's `stats_tags` turn `ns`, `class`, `reason` and `scope` into
+//! Prometheus labels.
+
+use crate::status::DenyReason;
+
+pub const PREFIX: &str = "latchkey_edge";
+
+/// Counters, gauges and the histogram without labels.
+pub const FILTER_VERSION: &str = "latchkey_edge.filter_version";
+pub const GRANT_TABLE_VERSION: &str = "latchkey_edge.grant_table_version";
+pub const GRANT_TABLE_SIZE: &str = "latchkey_edge.grant_table_size";
+pub const CONFIG_ERRORS: &str = "latchkey_edge.config_errors";
+pub const DECISION_US: &str = "latchkey_edge.decision_us";
+pub const REFRESH_OK: &str = "latchkey_edge.policy_refresh.result.updated";
+pub const REFRESH_UNCHANGED: &str = "latchkey_edge.policy_refresh.result.unchanged";
+pub const REFRESH_FAILED: &str = "latchkey_edge.policy_refresh.result.failed";
+
+/// A label value: `[A-Za-z0-9_-]`, at most 48 characters, never empty.
+pub fn label(raw: &str) -> String {
+    let mut out: String = raw
+        .chars()
+        .take(48)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if out.is_empty() {
+        out.push('_');
+    }
+    out
+}
+
+/// `ns.<namespace>.class.<class>` for an authorised request.
+pub fn scope(granted_prefix: &str, class: &str) -> String {
+    let ns = granted_prefix.split('/').next().unwrap_or(granted_prefix);
+    format!("ns.{}.class.{}", label(ns), label(class))
+}
+
+pub fn allowed(method: &str, scope: &str) -> String {
+    format!("{PREFIX}.allowed.method.{method}.{scope}")
+}
+
+pub fn denied(reason: DenyReason) -> String {
+    format!("{PREFIX}.denied.reason.{}", reason.label())
+}
+
+pub fn admission_rejected(which: &str, scope: &str) -> String {
+    format!("{PREFIX}.admission_rejected.scope.{which}.{scope}")
+}
+
+pub fn waiters(scope: &str) -> String {
+    format!("{PREFIX}.waiters.{scope}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_sanitised_and_bounded() {
+        assert_eq!(label("payments-ledger"), "payments-ledger");
+        assert_eq!(label("a.b c"), "a_b_c");
+        assert_eq!(label(""), "_");
+        assert_eq!(label(&"x".repeat(100)).len(), 48);
+    }
+
+    #[test]
+    fn scope_uses_the_granted_prefix_namespace() {
+        assert_eq!(scope("payments/eu", "demo"), "ns.payments.class.demo");
+        assert_eq!(
+            allowed("acquire", &scope("demo", "demo")),
+            "latchkey_edge.allowed.method.acquire.ns.demo.class.demo"
+        );
+        assert_eq!(
+            denied(DenyReason::NotAuthorised),
+            "latchkey_edge.denied.reason.not_authorised"
+        );
+    }
+}

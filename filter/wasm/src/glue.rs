@@ -1,0 +1,543 @@
+//! The proxy-wasm contexts.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::{Duration, SystemTime};
+
+use latchkey_filter_core::admission::{Admission, SharedStore, StoreError, Ticket};
+use latchkey_filter_core::config::FilterConfig;
+use latchkey_filter_core::decision::{self, KEY_HEADER};
+use latchkey_filter_core::identity::{IDENTITY_HEADER, peer_identity};
+use latchkey_filter_core::metrics;
+use latchkey_filter_core::policy::{EDGE_POLICY_METHOD, EDGE_POLICY_SERVICE, EdgePolicy};
+use latchkey_filter_core::request::Method;
+use latchkey_filter_core::status::{DenyReason, GrpcCode, Refusal};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{
+    Action, BufferType, ContextType, GrpcStatusCode, LogLevel, MapType, MetricType, Status,
+};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Warn);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(EdgeRoot::default()) });
+}}
+
+/// Shared data through the host: one map per `vm_id`, across workers.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostStore;
+
+impl SharedStore for HostStore {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+        hostcalls::get_shared_data(key).map_err(|s| StoreError::Host(format!("{s:?}")))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(Status::CasMismatch) => Err(StoreError::CasMismatch),
+            Err(s) => Err(StoreError::Host(format!("{s:?}"))),
+        }
+    }
+}
+
+/// Metric ids by name, defined on first use. Names come from bounded sets
+/// (see `metrics`), and the map is capped anyway.
+#[derive(Default)]
+struct Metrics {
+    ids: HashMap<String, u32>,
+}
+
+const MAX_METRICS: usize = 4096;
+
+/// Delay before the first grant-table refresh after a (re)configure.
+const FIRST_REFRESH_MS: u64 = 200;
+
+impl Metrics {
+    fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
+        if let Some(id) = self.ids.get(name) {
+            return Some(*id);
+        }
+        if self.ids.len() >= MAX_METRICS {
+            return None;
+        }
+        let id = hostcalls::define_metric(kind, name).ok()?;
+        self.ids.insert(name.to_owned(), id);
+        Some(id)
+    }
+
+    fn add(&mut self, name: &str, delta: i64) {
+        if let Some(id) = self.id(MetricType::Counter, name) {
+            let _ = hostcalls::increment_metric(id, delta);
+        }
+    }
+
+    fn gauge_add(&mut self, name: &str, delta: i64) {
+        if let Some(id) = self.id(MetricType::Gauge, name) {
+            let _ = hostcalls::increment_metric(id, delta);
+        }
+    }
+
+    fn gauge_set(&mut self, name: &str, value: u64) {
+        if let Some(id) = self.id(MetricType::Gauge, name) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+
+    fn histogram(&mut self, name: &str, value: u64) {
+        if let Some(id) = self.id(MetricType::Histogram, name) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+}
+
+/// What the root context shares with the stream contexts of the same VM.
+struct Active {
+    config: FilterConfig,
+    policy: EdgePolicy,
+    admission: Admission,
+}
+
+#[derive(Default)]
+struct State {
+    active: Option<Rc<Active>>,
+    metrics: Metrics,
+}
+
+type SharedState = Rc<RefCell<State>>;
+
+fn log(level: LogLevel, message: &str) {
+    let _ = hostcalls::log(level, message);
+}
+
+#[derive(Default)]
+struct EdgeRoot {
+    state: SharedState,
+    refresh_in_flight: Option<u32>,
+}
+
+impl EdgeRoot {
+    fn publish_policy(&self, policy: &EdgePolicy) {
+        let mut st = self.state.borrow_mut();
+        st.metrics
+            .gauge_set(metrics::GRANT_TABLE_VERSION, policy.version());
+        st.metrics
+            .gauge_set(metrics::GRANT_TABLE_SIZE, policy.grants().len() as u64);
+    }
+}
+
+impl Context for EdgeRoot {
+    fn on_grpc_call_response(&mut self, token_id: u32, status_code: u32, response_size: usize) {
+        if self.refresh_in_flight != Some(token_id) {
+            return;
+        }
+        self.refresh_in_flight = None;
+        let Some(active) = self.state.borrow().active.clone() else {
+            return;
+        };
+        let body = if status_code == 0 {
+            hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, response_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        } else {
+            let (_, message) = hostcalls::get_grpc_status().unwrap_or((status_code, None));
+            log(
+                LogLevel::Warn,
+                &format!(
+                    "latchkey edge: grant table refresh failed (grpc status {status_code}: {}); keeping version {:016x}",
+                    message.unwrap_or_default(),
+                    active.policy.version()
+                ),
+            );
+            self.state
+                .borrow_mut()
+                .metrics
+                .add(metrics::REFRESH_FAILED, 1);
+            return;
+        };
+        match EdgePolicy::from_arbiter(&body, active.config.default_max_waiters_per_key) {
+            Ok(policy) if policy.same_as(&active.policy) => {
+                self.state
+                    .borrow_mut()
+                    .metrics
+                    .add(metrics::REFRESH_UNCHANGED, 1);
+            }
+            Ok(policy) => {
+                self.publish_policy(&policy);
+                let next = Active {
+                    config: active.config.clone(),
+                    policy,
+                    admission: active.admission,
+                };
+                let mut st = self.state.borrow_mut();
+                st.active = Some(Rc::new(next));
+                st.metrics.add(metrics::REFRESH_OK, 1);
+            }
+            Err(e) => {
+                log(
+                    LogLevel::Warn,
+                    &format!(
+                        "latchkey edge: refused the arbiter's grant table ({e}); keeping the last good one"
+                    ),
+                );
+                self.state
+                    .borrow_mut()
+                    .metrics
+                    .add(metrics::REFRESH_FAILED, 1);
+            }
+        }
+    }
+}
+
+impl RootContext for EdgeRoot {
+    fn on_vm_start(&mut self, _vm_configuration_size: usize) -> bool {
+        true
+    }
+
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let raw = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let (config, policy) = match FilterConfig::parse(&raw) {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                log(
+                    LogLevel::Error,
+                    &format!("latchkey edge: configuration refused: {e}"),
+                );
+                self.state
+                    .borrow_mut()
+                    .metrics
+                    .add(metrics::CONFIG_ERRORS, 1);
+                return false;
+            }
+        };
+        let admission = Admission::new(config.key_slots, config.identity_slots);
+        if let Err(e) = admission.create_slots(&HostStore) {
+            log(
+                LogLevel::Error,
+                &format!("latchkey edge: admission slots: {e}"),
+            );
+            self.state
+                .borrow_mut()
+                .metrics
+                .add(metrics::CONFIG_ERRORS, 1);
+            return false;
+        }
+        if config.refresh.is_some() {
+            // The first refresh soon; on_tick then sets the configured period.
+            let _ = hostcalls::set_tick_period(Duration::from_millis(FIRST_REFRESH_MS));
+        }
+        self.publish_policy(&policy);
+        let mut st = self.state.borrow_mut();
+        st.metrics
+            .gauge_set(metrics::FILTER_VERSION, config.filter_version);
+        // Define the denial counters up front so they show (at 0) on /stats.
+        for r in DenyReason::ALL {
+            st.metrics.add(&metrics::denied(r), 0);
+        }
+        st.active = Some(Rc::new(Active {
+            config,
+            policy,
+            admission,
+        }));
+        true
+    }
+
+    fn on_tick(&mut self) {
+        if self.refresh_in_flight.is_some() {
+            return;
+        }
+        let Some(active) = self.state.borrow().active.clone() else {
+            return;
+        };
+        let Some(refresh) = &active.config.refresh else {
+            return;
+        };
+        let _ = hostcalls::set_tick_period(Duration::from_millis(refresh.period_ms));
+        match hostcalls::dispatch_grpc_call(
+            &refresh.cluster,
+            EDGE_POLICY_SERVICE,
+            EDGE_POLICY_METHOD,
+            Vec::new(),
+            Some(&[]),
+            Duration::from_millis(refresh.timeout_ms),
+        ) {
+            Ok(token) => self.refresh_in_flight = Some(token),
+            Err(e) => {
+                log(
+                    LogLevel::Warn,
+                    &format!("latchkey edge: cannot dispatch the grant table refresh: {e:?}"),
+                );
+                self.state
+                    .borrow_mut()
+                    .metrics
+                    .add(metrics::REFRESH_FAILED, 1);
+            }
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(EdgeStream {
+            state: self.state.clone(),
+            active: self.state.borrow().active.clone(),
+            method: Method::Other,
+            identity: String::new(),
+            key_header: None,
+            decided: false,
+            held: None,
+            started: None,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct EdgeStream {
+    state: SharedState,
+    /// The configuration and grant table this stream started with.
+    active: Option<Rc<Active>>,
+    method: Method,
+    identity: String,
+    /// The client's `x-lock-key`, if it sent one (must equal the body's key).
+    key_header: Option<String>,
+    decided: bool,
+    /// An admission place and the stat scope of its waiters gauge.
+    held: Option<(Ticket, String)>,
+    started: Option<SystemTime>,
+}
+
+/// The filter state key the route's ring hash reads (`hash_policy.filter_state`):
+/// Envoy's well-known hashable string object.
+const ROUTE_KEY_STATE: &str = "envoy.hashable_string";
+
+/// Sets `envoy.hashable_string` in the request's filter state through Envoy's
+/// `set_envoy_filter_state` foreign function (argument: the
+/// `SetEnvoyFilterStateArguments` message, `{path = 1, value = 2, span = 3}`).
+fn set_route_key(key: &str) -> Result<(), Status> {
+    let mut args = latchkey_filter_core::wire::Writer::new();
+    args.string(1, ROUTE_KEY_STATE).string(2, key);
+    hostcalls::call_foreign_function("set_envoy_filter_state", Some(&args.finish())).map(|_| ())
+}
+
+fn grpc_code(code: GrpcCode) -> GrpcStatusCode {
+    match code {
+        GrpcCode::InvalidArgument => GrpcStatusCode::InvalidArgument,
+        GrpcCode::PermissionDenied => GrpcStatusCode::PermissionDenied,
+        GrpcCode::ResourceExhausted => GrpcStatusCode::ResourceExhausted,
+        GrpcCode::Unimplemented => GrpcStatusCode::Unimplemented,
+        GrpcCode::Internal => GrpcStatusCode::Internal,
+        GrpcCode::Unavailable => GrpcStatusCode::Unavailable,
+        GrpcCode::Unauthenticated => GrpcStatusCode::Unauthenticated,
+    }
+}
+
+impl EdgeStream {
+    fn refuse(&mut self, refusal: Refusal) -> Action {
+        self.decided = true;
+        self.state
+            .borrow_mut()
+            .metrics
+            .add(&metrics::denied(refusal.why), 1);
+        let details = refusal.status_details_bin();
+        let sent = hostcalls::send_grpc_response(
+            grpc_code(refusal.code),
+            Some(refusal.message),
+            vec![("grpc-status-details-bin", details.as_bytes())],
+        );
+        if sent.is_err() {
+            let _ = hostcalls::reset_http_request();
+        }
+        Action::Pause
+    }
+
+    fn set_header(&self, name: &str, value: &str) {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
+    }
+
+    /// Decides a keyed call on its whole body.
+    fn decide(&mut self, body_size: usize) -> Action {
+        self.decided = true;
+        let Some(active) = self.active.clone() else {
+            return self.refuse(Refusal::of(DenyReason::NoPolicy));
+        };
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let header_key = self.key_header.clone();
+        let authorised = match decision::check_keyed(
+            &active.policy,
+            &self.identity,
+            self.method,
+            &body,
+            header_key.as_deref(),
+            active.config.max_message_bytes,
+        ) {
+            Ok(a) => a,
+            Err(refusal) => return self.refuse(refusal),
+        };
+        // Routing affinity follows the authorised key: the ring hash reads it
+        // from filter state set here (request headers can no longer be changed
+        // in the body phase); a client's x-lock-key, if sent, had to equal it.
+        if let Err(e) = set_route_key(authorised.key.as_str()) {
+            log(
+                LogLevel::Error,
+                &format!("latchkey edge: cannot set the routing key: {e:?}"),
+            );
+            return self.refuse(Refusal::of(DenyReason::NoRouteKey));
+        }
+        if authorised.waits {
+            let limit = active.policy.max_waiters_per_key(&authorised.class);
+            match active.admission.admit(
+                &HostStore,
+                authorised.key.as_str(),
+                limit,
+                &self.identity,
+                active.config.max_waiters_per_identity,
+            ) {
+                Ok(ticket) => {
+                    self.state
+                        .borrow_mut()
+                        .metrics
+                        .gauge_add(&metrics::waiters(&authorised.scope), 1);
+                    self.held = Some((ticket, authorised.scope.clone()));
+                }
+                Err(rejection) => {
+                    let refusal = decision::admission_refusal(rejection);
+                    let which = match refusal.why {
+                        DenyReason::QueueFullKey => "key",
+                        DenyReason::QueueFullIdentity => "identity",
+                        _ => "table",
+                    };
+                    self.state
+                        .borrow_mut()
+                        .metrics
+                        .add(&metrics::admission_rejected(which, &authorised.scope), 1);
+                    return self.refuse(refusal);
+                }
+            }
+        }
+        let mut st = self.state.borrow_mut();
+        st.metrics
+            .add(&metrics::allowed(self.method.label(), &authorised.scope), 1);
+        if let (Some(start), Ok(now)) = (self.started, hostcalls::get_current_time())
+            && let Ok(spent) = now.duration_since(start)
+        {
+            st.metrics
+                .histogram(metrics::DECISION_US, spent.as_micros() as u64);
+        }
+        Action::Continue
+    }
+
+    fn release(&mut self) {
+        if let (Some((ticket, scope)), Some(active)) = (self.held.take(), self.active.as_ref()) {
+            active.admission.release(&HostStore, &ticket);
+            self.state
+                .borrow_mut()
+                .metrics
+                .gauge_add(&metrics::waiters(&scope), -1);
+        }
+    }
+}
+
+impl Context for EdgeStream {}
+
+impl HttpContext for EdgeStream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.started = hostcalls::get_current_time().ok();
+        let Some(active) = self.active.clone() else {
+            return self.refuse(Refusal::of(DenyReason::NoPolicy));
+        };
+        let mtls = hostcalls::get_property(vec!["connection", "mtls"])
+            .ok()
+            .flatten();
+        let san = hostcalls::get_property(vec!["connection", "uri_san_peer_certificate"])
+            .ok()
+            .flatten();
+        // Whatever a client sent in the identity header goes, verified or not.
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, IDENTITY_HEADER, None);
+        self.identity =
+            match peer_identity(mtls.as_deref(), san.as_deref(), &active.config.trust_domain) {
+                Ok(id) => id,
+                Err(_) => return self.refuse(Refusal::of(DenyReason::Unauthenticated)),
+            };
+        self.set_header(IDENTITY_HEADER, &self.identity.clone());
+        // Request headers are readable only in this phase: keep what the body
+        // decision needs. The client's x-lock-key is checked against the body
+        // later and not forwarded (routing uses the authorised key instead).
+        self.key_header = hostcalls::get_map_value(MapType::HttpRequestHeaders, KEY_HEADER)
+            .ok()
+            .flatten();
+        if self.key_header.is_some() {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, None);
+        }
+        let path = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":path")
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        self.method = Method::from_path(&path);
+        if !self.method.is_keyed() {
+            self.state
+                .borrow_mut()
+                .metrics
+                .add(&metrics::allowed(self.method.label(), "ns._.class._"), 1);
+            self.decided = true;
+            return Action::Continue;
+        }
+        if end_of_stream {
+            return self.refuse(Refusal::of(DenyReason::BadRequest));
+        }
+        // Not Pause: the host turns a paused header phase into "stop all", and
+        // the body would never reach this filter. The headers go on to Envoy's
+        // buffer filter, which holds them (and so the router, its host choice
+        // and the arbiter) until this filter lets the body through.
+        Action::Continue
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.decided {
+            return Action::Continue;
+        }
+        let max = self
+            .active
+            .as_ref()
+            .map(|a| a.config.max_message_bytes)
+            .unwrap_or(0);
+        if decision::body_too_large(body_size, max) {
+            return self.refuse(Refusal::of(DenyReason::Oversized));
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.decide(body_size)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.decided {
+            return Action::Continue;
+        }
+        let size = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .map(|b| b.len())
+            .unwrap_or(0);
+        self.decide(size)
+    }
+
+    fn on_log(&mut self) {
+        self.release();
+    }
+}
+
+impl Drop for EdgeStream {
+    fn drop(&mut self) {
+        // on_log runs on every stream end; this covers a host that skips it.
+        self.release();
+    }
+}

@@ -1,0 +1,446 @@
+//! One engine for the process, one fresh store per call.
+//!
+//! The engine uses the pooling allocator (instantiation reuses pre-reserved
+//! slots instead of mapping memory per call) and epoch interruption: a
+//! ticker thread advances the epoch every `tick`, and each store traps once
+//! the epoch passes its deadline. Memory and tables are capped per call by
+//! [`CallLimiter`], which also remembers that a growth was refused, so the
+//! trap that follows is reported as out-of-memory rather than a bare trap.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use latchkey_hook_abi::{
+    EXPORT_ALLOC, EXPORT_MEMORY, HookResponse, IMPORT_LOG, IMPORT_MODULE, OutputLimits, Verdict,
+    unpack,
+};
+use latchkey_policies::{MAX_HOOK_MEMORY_MIB, MAX_HOOK_TABLE_ELEMENTS};
+use tracing::{debug, error, info, warn};
+use wasmtime::{
+    Caller, Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Memory, ModuleExport,
+    OptLevel, PoolingAllocationConfig, ResourceLimiter, Store, Trap,
+};
+
+/// Why a call produced no usable answer. Every kind denies the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FailureKind {
+    /// The class has a hook but no module loaded (never loaded successfully).
+    NotLoaded,
+    /// The pool or the store refused to instantiate the module.
+    Instantiate,
+    /// The deadline passed.
+    Timeout,
+    /// A memory growth beyond the cap was refused.
+    OutOfMemory,
+    /// Any other trap (a guest panic, unreachable, bad memory access).
+    Trap,
+    /// The answer was too large, out of bounds, not JSON or broke the ABI.
+    MalformedOutput,
+}
+
+impl FailureKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureKind::NotLoaded => "not_loaded",
+            FailureKind::Instantiate => "instantiate",
+            FailureKind::Timeout => "timeout",
+            FailureKind::OutOfMemory => "out_of_memory",
+            FailureKind::Trap => "trap",
+            FailureKind::MalformedOutput => "malformed_output",
+        }
+    }
+
+    /// The reason code the caller sees.
+    pub fn reason(self) -> &'static str {
+        match self {
+            FailureKind::NotLoaded => "HOOK_NOT_LOADED",
+            FailureKind::Instantiate => "HOOK_UNAVAILABLE",
+            FailureKind::Timeout => "HOOK_TIMEOUT",
+            FailureKind::OutOfMemory => "HOOK_OUT_OF_MEMORY",
+            FailureKind::Trap => "HOOK_TRAPPED",
+            FailureKind::MalformedOutput => "HOOK_BAD_OUTPUT",
+        }
+    }
+}
+
+impl fmt::Display for FailureKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HookFailure {
+    pub kind: FailureKind,
+    pub detail: String,
+}
+
+impl HookFailure {
+    fn new(kind: FailureKind, detail: impl Into<String>) -> Self {
+        Self {
+            kind,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// Per-call limits, resolved from the class's hook table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CallLimits {
+    pub deadline: Duration,
+    pub memory_bytes: usize,
+    pub table_elements: usize,
+    pub max_output_bytes: usize,
+}
+
+/// Bytes a hook may log per call, and per line.
+const LOG_BUDGET_BYTES: usize = 2048;
+const LOG_LINE_BYTES: usize = 512;
+
+pub(crate) struct CallState {
+    limiter: CallLimiter,
+    class: Arc<str>,
+    log_budget: usize,
+}
+
+struct CallLimiter {
+    memory_bytes: usize,
+    table_elements: usize,
+    memory_refused: bool,
+}
+
+impl ResourceLimiter for CallLimiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.memory_bytes {
+            self.memory_refused = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= self.table_elements)
+    }
+
+    fn instances(&self) -> usize {
+        1
+    }
+
+    fn tables(&self) -> usize {
+        2
+    }
+
+    fn memories(&self) -> usize {
+        1
+    }
+}
+
+/// The engine, the linker with the one import, and the epoch ticker.
+pub(crate) struct Runtime {
+    pub engine: Engine,
+    pub linker: Linker<CallState>,
+    pub tick: Duration,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+const MIB: usize = 1 << 20;
+
+impl Runtime {
+    pub fn new(tick: Duration, pool_slots: u32) -> Result<Self, wasmtime::Error> {
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_core_instances(pool_slots)
+            .total_memories(pool_slots)
+            .total_tables(pool_slots)
+            .max_memories_per_module(1)
+            .max_tables_per_module(2)
+            .max_memory_size(MAX_HOOK_MEMORY_MIB as usize * MIB)
+            .table_elements(MAX_HOOK_TABLE_ELEMENTS as usize)
+            // Reset small memories by memset rather than madvise: cheaper
+            // per call for hooks that touch a few pages.
+            .linear_memory_keep_resident(64 * 1024)
+            .table_keep_resident(64 * 1024);
+        let mut config = Config::new();
+        config
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
+            .epoch_interruption(true)
+            .cranelift_opt_level(OptLevel::Speed);
+        let engine = Engine::new(&config)?;
+        let mut linker = Linker::new(&engine);
+        linker.func_wrap(IMPORT_MODULE, IMPORT_LOG, guest_log)?;
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let ticker_engine = engine.weak();
+        let ticker_stop = stop.clone();
+        std::thread::Builder::new()
+            .name("hook-epoch".into())
+            .spawn(move || {
+                while !ticker_stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(tick);
+                    match ticker_engine.upgrade() {
+                        Some(e) => e.increment_epoch(),
+                        None => return,
+                    }
+                }
+            })
+            .map_err(|e| wasmtime::Error::msg(format!("cannot start the epoch ticker: {e}")))?;
+        Ok(Self {
+            engine,
+            linker,
+            tick,
+            stop,
+        })
+    }
+
+    /// Epoch ticks for `deadline`: the call traps between `deadline` and
+    /// `deadline + tick` after it starts.
+    fn ticks(&self, deadline: Duration) -> u64 {
+        let tick = self.tick.as_nanos().max(1);
+        let n = deadline.as_nanos().div_ceil(tick);
+        u64::try_from(n).unwrap_or(u64::MAX).saturating_add(1)
+    }
+}
+
+/// The exports a loaded module is called through, looked up once.
+pub(crate) struct Exports {
+    pub memory: ModuleExport,
+    pub alloc: ModuleExport,
+    pub before_grant: ModuleExport,
+    pub after_release: Option<ModuleExport>,
+}
+
+fn guest_log(mut caller: Caller<'_, CallState>, level: i32, ptr: u32, len: u32) {
+    let Some(wasmtime::Extern::Memory(memory)) = caller.get_export(EXPORT_MEMORY) else {
+        return;
+    };
+    let len = (len as usize)
+        .min(LOG_LINE_BYTES)
+        .min(caller.data().log_budget);
+    if len == 0 {
+        return;
+    }
+    let mut buf = vec![0u8; len];
+    if memory.read(&caller, ptr as usize, &mut buf).is_err() {
+        return;
+    }
+    caller.data_mut().log_budget -= len;
+    let line = String::from_utf8_lossy(&buf);
+    let class = &*caller.data().class;
+    match level {
+        0 => error!(class, hook_log = %line, "hook"),
+        1 => warn!(class, hook_log = %line, "hook"),
+        2 => info!(class, hook_log = %line, "hook"),
+        _ => debug!(class, hook_log = %line, "hook"),
+    }
+}
+
+pub(crate) fn trial_store(rt: &Runtime, class: &Arc<str>, limits: &CallLimits) -> Store<CallState> {
+    let mut store = Store::new(
+        &rt.engine,
+        CallState {
+            limiter: CallLimiter {
+                memory_bytes: limits.memory_bytes,
+                table_elements: limits.table_elements,
+                memory_refused: false,
+            },
+            class: class.clone(),
+            log_budget: LOG_BUDGET_BYTES,
+        },
+    );
+    store.limiter(|s| &mut s.limiter);
+    store.set_epoch_deadline(rt.ticks(limits.deadline));
+    store.epoch_deadline_trap();
+    store
+}
+
+fn classify(store: &Store<CallState>, e: &wasmtime::Error, limits: &CallLimits) -> HookFailure {
+    if let Some(Trap::Interrupt) = e.downcast_ref::<Trap>() {
+        return HookFailure::new(
+            FailureKind::Timeout,
+            format!(
+                "the hook ran past its {:?} deadline and was stopped",
+                limits.deadline
+            ),
+        );
+    }
+    if store.data().limiter.memory_refused {
+        return HookFailure::new(
+            FailureKind::OutOfMemory,
+            format!(
+                "the hook tried to grow its memory past its {} MiB cap",
+                limits.memory_bytes / MIB
+            ),
+        );
+    }
+    match e.downcast_ref::<Trap>() {
+        Some(trap) => HookFailure::new(FailureKind::Trap, format!("the hook trapped: {trap}")),
+        None => HookFailure::new(FailureKind::Trap, format!("the hook failed: {e}")),
+    }
+}
+
+fn memory_of(
+    store: &mut Store<CallState>,
+    instance: &wasmtime::Instance,
+    exports: &Exports,
+) -> Result<Memory, HookFailure> {
+    match instance.get_module_export(&mut *store, &exports.memory) {
+        Some(wasmtime::Extern::Memory(m)) => Ok(m),
+        _ => Err(HookFailure::new(
+            FailureKind::Instantiate,
+            "the hook exports no memory",
+        )),
+    }
+}
+
+fn func<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
+    store: &mut Store<CallState>,
+    instance: &wasmtime::Instance,
+    export: &ModuleExport,
+    name: &str,
+) -> Result<wasmtime::TypedFunc<P, R>, HookFailure> {
+    match instance.get_module_export(&mut *store, export) {
+        Some(wasmtime::Extern::Func(f)) => f
+            .typed::<P, R>(&*store)
+            .map_err(|e| HookFailure::new(FailureKind::Instantiate, format!("{name}: {e}"))),
+        _ => Err(HookFailure::new(
+            FailureKind::Instantiate,
+            format!("{name} is missing"),
+        )),
+    }
+}
+
+/// What one call runs: a loaded module of a class, under its limits.
+pub(crate) struct Callee<'a> {
+    pub rt: &'a Runtime,
+    pub pre: &'a InstancePre<CallState>,
+    pub exports: &'a Exports,
+    pub class: &'a Arc<str>,
+    pub limits: &'a CallLimits,
+}
+
+/// Instantiates, copies `input` in, calls `export` and returns its packed
+/// answer pointer (0 when the export returns nothing), with the store.
+fn invoke(
+    callee: &Callee<'_>,
+    export: &ModuleExport,
+    input: &[u8],
+    returns: bool,
+) -> Result<(Store<CallState>, Memory, u64), HookFailure> {
+    let Callee {
+        rt,
+        pre,
+        exports,
+        class,
+        limits,
+    } = *callee;
+    let mut store = trial_store(rt, class, limits);
+    let instance = match pre.instantiate(&mut store) {
+        Ok(i) => i,
+        Err(e) if store.data().limiter.memory_refused => {
+            return Err(HookFailure::new(
+                FailureKind::OutOfMemory,
+                format!("the hook needs more memory than its cap at start: {e}"),
+            ));
+        }
+        Err(e) => {
+            return Err(HookFailure::new(
+                FailureKind::Instantiate,
+                format!("cannot instantiate the hook: {e}"),
+            ));
+        }
+    };
+    let memory = memory_of(&mut store, &instance, exports)?;
+    let alloc = func::<u32, u32>(&mut store, &instance, &exports.alloc, EXPORT_ALLOC)?;
+    let len = u32::try_from(input.len())
+        .map_err(|_| HookFailure::new(FailureKind::Instantiate, "input too large"))?;
+    let ptr = alloc
+        .call(&mut store, len)
+        .map_err(|e| classify(&store, &e, limits))?;
+    if ptr == 0 {
+        return Err(HookFailure::new(
+            FailureKind::OutOfMemory,
+            "the hook could not allocate its input buffer",
+        ));
+    }
+    memory.write(&mut store, ptr as usize, input).map_err(|_| {
+        HookFailure::new(
+            FailureKind::MalformedOutput,
+            "latchkey_alloc returned a buffer outside the hook's memory",
+        )
+    })?;
+    let packed = if returns {
+        let f = func::<(u32, u32), u64>(&mut store, &instance, export, "export")?;
+        f.call(&mut store, (ptr, len))
+            .map_err(|e| classify(&store, &e, limits))?
+    } else {
+        let f = func::<(u32, u32), ()>(&mut store, &instance, export, "export")?;
+        f.call(&mut store, (ptr, len))
+            .map_err(|e| classify(&store, &e, limits))?;
+        0
+    };
+    Ok((store, memory, packed))
+}
+
+/// One before-grant call: a fresh store, the request in, the answer checked.
+pub(crate) fn before_grant(callee: &Callee<'_>, input: &[u8]) -> Result<Verdict, HookFailure> {
+    let limits = callee.limits;
+    let (store, memory, packed) = invoke(callee, &callee.exports.before_grant, input, true)?;
+    let (out_ptr, out_len) = unpack(packed);
+    let out_len = out_len as usize;
+    if out_len > limits.max_output_bytes {
+        return Err(HookFailure::new(
+            FailureKind::MalformedOutput,
+            format!(
+                "the answer is {out_len} bytes, more than the class's cap of {}",
+                limits.max_output_bytes
+            ),
+        ));
+    }
+    let out = memory
+        .data(&store)
+        .get(out_ptr as usize..(out_ptr as usize).saturating_add(out_len))
+        .ok_or_else(|| {
+            HookFailure::new(
+                FailureKind::MalformedOutput,
+                "the answer points outside the hook's memory",
+            )
+        })?;
+    let response: HookResponse = serde_json::from_slice(out).map_err(|e| {
+        HookFailure::new(
+            FailureKind::MalformedOutput,
+            format!("the answer is not an ABI v1 response: {e}"),
+        )
+    })?;
+    response.verdict(&OutputLimits::default()).map_err(|e| {
+        HookFailure::new(
+            FailureKind::MalformedOutput,
+            format!("the answer is refused: {e}"),
+        )
+    })
+}
+
+/// One after-release call; its result only feeds the metrics.
+pub(crate) fn after_release(
+    callee: &Callee<'_>,
+    export: &ModuleExport,
+    input: &[u8],
+) -> Result<(), HookFailure> {
+    invoke(callee, export, input, false).map(|_| ())
+}

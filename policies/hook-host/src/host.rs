@@ -1,0 +1,550 @@
+//! The per-class registry: which module serves which class, how it is
+//! (re)loaded off the request path, and how a call's result becomes the
+//! arbiter's decision.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use latchkey_hook_abi::{
+    ABI_VERSION, DenyCode, EXPORT_ABI_VERSION, EXPORT_AFTER_RELEASE, EXPORT_ALLOC,
+    EXPORT_BEFORE_GRANT, EXPORT_FREE, EXPORT_MEMORY, HookRequest, ReleaseNotice, Verdict,
+};
+use latchkey_policies::{ClassHook, PolicySet};
+use tracing::{debug, info, warn};
+use wasmtime::{ExternType, InstancePre, Module, Store, ValType};
+
+use crate::cache::{self, Source};
+use crate::call::{
+    self, CallLimits, CallState, Callee, Exports, FailureKind, HookFailure, Runtime,
+};
+use crate::metrics::{Metrics, Recorded};
+
+const MIB: usize = 1 << 20;
+
+/// How the host runs.
+#[derive(Debug, Clone)]
+pub struct HostSettings {
+    /// Compiled modules are cached here (by content hash). `None`: no cache.
+    pub cache_dir: Option<PathBuf>,
+    /// Epoch tick: deadlines are enforced to within one tick.
+    pub epoch_tick: Duration,
+    /// Instances that may run at once (pooling allocator slots).
+    pub pool_slots: u32,
+}
+
+impl Default for HostSettings {
+    fn default() -> Self {
+        Self {
+            cache_dir: None,
+            epoch_tick: Duration::from_micros(200),
+            pool_slots: 32,
+        }
+    }
+}
+
+/// What the arbiter does with a call's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HookOutcome {
+    Allow {
+        annotations: BTreeMap<String, String>,
+    },
+    Deny {
+        code: DenyCode,
+        reason: String,
+        message: String,
+        /// Set when the hook did not decide: it failed and the host denied.
+        failure: Option<FailureKind>,
+    },
+}
+
+/// A module refused at load: the class keeps its previous module (if any).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub class: String,
+    pub module: PathBuf,
+    pub reason: String,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "hook for class \"{}\" refused ({}): {}",
+            self.class,
+            self.module.display(),
+            self.reason
+        )
+    }
+}
+
+/// One class's loaded hook.
+struct Loaded {
+    spec: ClassHook,
+    path: PathBuf,
+    digest: String,
+    /// Size and mtime when last read, to skip hashing unchanged files.
+    stamp: (u64, u128),
+    pre: InstancePre<CallState>,
+    exports: Exports,
+    limits: CallLimits,
+    config: serde_json::Value,
+    class: Arc<str>,
+}
+
+impl Loaded {
+    fn callee<'a>(&'a self, rt: &'a Runtime) -> Callee<'a> {
+        Callee {
+            rt,
+            pre: &self.pre,
+            exports: &self.exports,
+            class: &self.class,
+            limits: &self.limits,
+        }
+    }
+}
+
+/// A file and spec that failed to load, so it is not retried every poll.
+#[derive(Clone, PartialEq)]
+struct Attempt {
+    spec: ClassHook,
+    stamp: (u64, u128),
+}
+
+pub struct HookHost {
+    settings: HostSettings,
+    runtime: OnceLock<Result<Runtime, String>>,
+    classes: RwLock<HashMap<String, Arc<Loaded>>>,
+    refusals: RwLock<BTreeMap<String, Refusal>>,
+    failed: Mutex<HashMap<String, Attempt>>,
+    /// key -> class for holds whose class's module wants after-release calls.
+    held: Mutex<HashMap<String, String>>,
+    metrics: Metrics,
+    started: Instant,
+}
+
+/// Most keys tracked for after-release calls.
+const MAX_TRACKED_HOLDS: usize = 65_536;
+
+impl HookHost {
+    pub fn new(settings: HostSettings) -> Self {
+        Self {
+            settings,
+            runtime: OnceLock::new(),
+            classes: RwLock::new(HashMap::new()),
+            refusals: RwLock::new(BTreeMap::new()),
+            failed: Mutex::new(HashMap::new()),
+            held: Mutex::new(HashMap::new()),
+            metrics: Metrics::default(),
+            started: Instant::now(),
+        }
+    }
+
+    /// The engine is made on first use, so an arbiter without hooks pays nothing.
+    fn runtime(&self) -> Result<&Runtime, String> {
+        self.runtime
+            .get_or_init(|| {
+                Runtime::new(self.settings.epoch_tick, self.settings.pool_slots)
+                    .map_err(|e| format!("cannot start the Wasm engine: {e}"))
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Modules refused at their last load, by class.
+    pub fn refusals(&self) -> BTreeMap<String, Refusal> {
+        self.refusals.read().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// The content hash of the module serving `class`.
+    pub fn loaded_digest(&self, class: &str) -> Option<String> {
+        self.classes
+            .read()
+            .ok()?
+            .get(class)
+            .map(|l| l.digest.clone())
+    }
+
+    /// Nanoseconds since the host started: the monotonic clock hooks see.
+    pub fn monotonic_ns(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Brings the loaded modules in line with `policies` (module paths
+    /// relative to `base`): compiles what changed, keeps the previous module
+    /// of a class whose new one is refused, drops classes that lost their
+    /// hook. Blocking (Cranelift): call it off the request path. Returns the
+    /// refusals made by this call.
+    pub fn sync(&self, policies: &PolicySet, base: &Path) -> Vec<Refusal> {
+        let mut refused = Vec::new();
+        let wanted: Vec<(&String, &ClassHook)> = policies
+            .classes()
+            .iter()
+            .filter_map(|(name, c)| c.hook.as_ref().map(|h| (name, h)))
+            .collect();
+        for (class, spec) in &wanted {
+            let path = resolve(base, &spec.module);
+            match self.sync_class(class, spec, &path) {
+                Ok(()) => {}
+                Err(reason) => {
+                    let r = Refusal {
+                        class: (*class).clone(),
+                        module: path,
+                        reason,
+                    };
+                    let kept = self.loaded_digest(class).is_some();
+                    warn!(class = %r.class, module = %r.module.display(), reason = %r.reason, previous_kept = kept, "hook module refused");
+                    if let Ok(mut all) = self.refusals.write() {
+                        all.insert(r.class.clone(), r.clone());
+                    }
+                    refused.push(r);
+                }
+            }
+        }
+        // Classes that no longer have a hook (or no longer exist).
+        if let Ok(mut classes) = self.classes.write() {
+            classes.retain(|name, _| wanted.iter().any(|(c, _)| *c == name));
+        }
+        if let Ok(mut all) = self.refusals.write() {
+            all.retain(|name, _| wanted.iter().any(|(c, _)| *c == name));
+        }
+        refused
+    }
+
+    fn sync_class(&self, class: &str, spec: &ClassHook, path: &Path) -> Result<(), String> {
+        let stamp = stamp(path).map_err(|e| format!("cannot read the module: {e}"))?;
+        let current = self.classes.read().ok().and_then(|c| c.get(class).cloned());
+        if let Some(cur) = &current
+            && cur.spec == *spec
+            && cur.path == path
+            && cur.stamp == stamp
+        {
+            return Ok(());
+        }
+        let attempt = Attempt {
+            spec: spec.clone(),
+            stamp,
+        };
+        if let Ok(failed) = self.failed.lock()
+            && failed.get(class) == Some(&attempt)
+        {
+            // Already refused, unchanged since: keep the refusal, say nothing.
+            return Ok(());
+        }
+        let result = self.load(class, spec, path, stamp, current.as_deref());
+        match result {
+            Ok(loaded) => {
+                info!(class, module = %path.display(), digest = %loaded.digest, "hook loaded");
+                if let Ok(mut classes) = self.classes.write() {
+                    classes.insert(class.to_string(), Arc::new(loaded));
+                }
+                if let Ok(mut r) = self.refusals.write() {
+                    r.remove(class);
+                }
+                if let Ok(mut f) = self.failed.lock() {
+                    f.remove(class);
+                }
+                Ok(())
+            }
+            Err(reason) => {
+                if let Ok(mut f) = self.failed.lock() {
+                    f.insert(class.to_string(), attempt);
+                }
+                Err(reason)
+            }
+        }
+    }
+
+    fn load(
+        &self,
+        class: &str,
+        spec: &ClassHook,
+        path: &Path,
+        stamp: (u64, u128),
+        current: Option<&Loaded>,
+    ) -> Result<Loaded, String> {
+        let rt = self.runtime()?;
+        let bytes = std::fs::read(path).map_err(|e| format!("cannot read the module: {e}"))?;
+        let digest = cache::digest(&bytes);
+        let limits = CallLimits {
+            deadline: Duration::from_millis(u64::from(spec.deadline_ms)),
+            memory_bytes: spec.memory_mib as usize * MIB,
+            table_elements: spec.table_elements as usize,
+            max_output_bytes: spec.max_output_bytes as usize,
+        };
+        let config = serde_json::to_value(&spec.config)
+            .map_err(|e| format!("the hook config cannot be passed as JSON: {e}"))?;
+        // Same bytes, new limits or config: reuse the compiled module.
+        let (module, source) = match current {
+            Some(cur) if cur.digest == digest => (cur.pre.module().clone(), Source::Cache),
+            _ => cache::load(
+                &rt.engine,
+                self.settings.cache_dir.as_deref(),
+                &bytes,
+                &digest,
+            )
+            .map_err(|e| format!("not a valid Wasm module: {e:#}"))?,
+        };
+        let exports = check_abi(&module, &limits)?;
+        let pre = rt
+            .linker
+            .instantiate_pre(&module)
+            .map_err(|e| format!("imports something other than latchkey.log: {e:#}"))?;
+        let class: Arc<str> = Arc::from(class);
+        // One trial call of the version export, under the class's limits.
+        let mut store: Store<CallState> = call_store(rt, &class, &limits);
+        let instance = pre
+            .instantiate(&mut store)
+            .map_err(|e| format!("cannot be instantiated within its limits: {e:#}"))?;
+        let version = instance
+            .get_typed_func::<(), i32>(&mut store, EXPORT_ABI_VERSION)
+            .and_then(|f| f.call(&mut store, ()))
+            .map_err(|e| format!("{EXPORT_ABI_VERSION} failed: {e:#}"))?;
+        if u32::try_from(version).ok() != Some(ABI_VERSION) {
+            return Err(format!(
+                "speaks hook ABI version {version}; this arbiter speaks version {ABI_VERSION}"
+            ));
+        }
+        debug!(class = %class, ?source, "hook module ready");
+        Ok(Loaded {
+            spec: spec.clone(),
+            path: path.to_path_buf(),
+            digest,
+            stamp,
+            pre,
+            exports,
+            limits,
+            config,
+            class,
+        })
+    }
+
+    /// Runs the class's hook for one Acquire. `spec` is the class's hook in
+    /// the policy set the request was checked against; the loaded module
+    /// (and its config) is the last one that loaded for the class.
+    pub fn before_grant(&self, mut request: HookRequest) -> HookOutcome {
+        let started = Instant::now();
+        let class = request.class.clone();
+        let loaded = self
+            .classes
+            .read()
+            .ok()
+            .and_then(|c| c.get(&class).cloned());
+        let Some(loaded) = loaded else {
+            let why = self
+                .refusals
+                .read()
+                .ok()
+                .and_then(|r| r.get(&class).map(|r| r.reason.clone()))
+                .unwrap_or_else(|| "it has not been loaded yet".into());
+            return self.failed(
+                &class,
+                started,
+                HookFailure {
+                    kind: FailureKind::NotLoaded,
+                    detail: format!("no module is loaded: {why}"),
+                },
+            );
+        };
+        let rt = match self.runtime() {
+            Ok(rt) => rt,
+            Err(e) => {
+                return self.failed(
+                    &class,
+                    started,
+                    HookFailure {
+                        kind: FailureKind::Instantiate,
+                        detail: e,
+                    },
+                );
+            }
+        };
+        request.config = loaded.config.clone();
+        let input = match serde_json::to_vec(&request) {
+            Ok(i) => i,
+            Err(e) => {
+                return self.failed(
+                    &class,
+                    started,
+                    HookFailure {
+                        kind: FailureKind::Instantiate,
+                        detail: format!("cannot encode the request: {e}"),
+                    },
+                );
+            }
+        };
+        match call::before_grant(&loaded.callee(rt), &input) {
+            Ok(Verdict::Allow { annotations }) => {
+                self.metrics
+                    .record(&class, started.elapsed(), Recorded::Allowed);
+                if loaded.exports.after_release.is_some() {
+                    self.track(&request.key, &class);
+                }
+                HookOutcome::Allow { annotations }
+            }
+            Ok(Verdict::Deny {
+                code,
+                reason,
+                message,
+            }) => {
+                self.metrics
+                    .record(&class, started.elapsed(), Recorded::Denied(&reason));
+                HookOutcome::Deny {
+                    code,
+                    reason,
+                    message,
+                    failure: None,
+                }
+            }
+            Err(f) => self.failed(&class, started, f),
+        }
+    }
+
+    fn failed(&self, class: &str, started: Instant, f: HookFailure) -> HookOutcome {
+        self.metrics
+            .record(class, started.elapsed(), Recorded::Failed(f.kind));
+        warn!(class, kind = %f.kind, detail = %f.detail, "hook failed; request denied (fail closed)");
+        HookOutcome::Deny {
+            code: DenyCode::FailedPrecondition,
+            reason: f.kind.reason().to_string(),
+            message: format!(
+                "the hook of class \"{class}\" failed, so the request is refused: {}",
+                f.detail
+            ),
+            failure: Some(f.kind),
+        }
+    }
+
+    fn track(&self, key: &str, class: &str) {
+        if let Ok(mut held) = self.held.lock()
+            && (held.len() < MAX_TRACKED_HOLDS || held.contains_key(key))
+        {
+            held.insert(key.to_string(), class.to_string());
+        }
+    }
+
+    /// Bookkeeping after a release: calls the class's after-release export
+    /// if its module has one. Failures are counted, never surfaced.
+    pub fn after_release(&self, identity: &str, key: &str, now_unix_ms: i64) {
+        let Some(class) = self.held.lock().ok().and_then(|mut h| h.remove(key)) else {
+            return;
+        };
+        let Some(loaded) = self
+            .classes
+            .read()
+            .ok()
+            .and_then(|c| c.get(&class).cloned())
+        else {
+            return;
+        };
+        let (Some(export), Ok(rt)) = (&loaded.exports.after_release, self.runtime()) else {
+            return;
+        };
+        let notice = ReleaseNotice {
+            version: ABI_VERSION,
+            class: class.clone(),
+            identity: identity.to_string(),
+            key: key.to_string(),
+            now_unix_ms,
+            now_monotonic_ns: self.monotonic_ns(),
+            config: loaded.config.clone(),
+        };
+        let Ok(input) = serde_json::to_vec(&notice) else {
+            return;
+        };
+        if let Err(f) = call::after_release(&loaded.callee(rt), export, &input) {
+            warn!(class = %class, kind = %f.kind, detail = %f.detail, "after-release hook failed");
+        }
+    }
+}
+
+fn call_store(rt: &Runtime, class: &Arc<str>, limits: &CallLimits) -> Store<CallState> {
+    call::trial_store(rt, class, limits)
+}
+
+fn resolve(base: &Path, module: &str) -> PathBuf {
+    let p = Path::new(module);
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    }
+}
+
+fn stamp(path: &Path) -> std::io::Result<(u64, u128)> {
+    let meta = std::fs::metadata(path)?;
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    Ok((meta.len(), mtime))
+}
+
+/// The ABI exports with the right types, and a memory the class's cap fits.
+fn check_abi(module: &Module, limits: &CallLimits) -> Result<Exports, String> {
+    use ValType::{I32, I64};
+    let func = |name: &str, params: &[ValType], results: &[ValType]| -> Result<(), String> {
+        match module.get_export(name) {
+            Some(ExternType::Func(f)) => {
+                let p: Vec<ValType> = f.params().collect();
+                let r: Vec<ValType> = f.results().collect();
+                let same = |a: &[ValType], b: &[ValType]| {
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| ValType::eq(x, y))
+                };
+                if same(&p, params) && same(&r, results) {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "export {name} has the wrong signature (see policies/HOOKS.md)"
+                    ))
+                }
+            }
+            _ => Err(format!(
+                "lacks the hook ABI v1 export {name} (build it with latchkey-hook-sdk's hook! macro)"
+            )),
+        }
+    };
+    func(EXPORT_ABI_VERSION, &[], &[I32])?;
+    func(EXPORT_ALLOC, &[I32], &[I32])?;
+    func(EXPORT_FREE, &[I32, I32], &[])?;
+    func(EXPORT_BEFORE_GRANT, &[I32, I32], &[I64])?;
+    let after = match module.get_export(EXPORT_AFTER_RELEASE) {
+        None => None,
+        Some(_) => {
+            func(EXPORT_AFTER_RELEASE, &[I32, I32], &[])?;
+            module.get_export_index(EXPORT_AFTER_RELEASE)
+        }
+    };
+    match module.get_export(EXPORT_MEMORY) {
+        Some(ExternType::Memory(m)) => {
+            let min = usize::try_from(m.minimum())
+                .unwrap_or(usize::MAX)
+                .saturating_mul(64 * 1024);
+            if min > limits.memory_bytes {
+                return Err(format!(
+                    "its memory starts at {} KiB, above the class's cap of {} MiB",
+                    min / 1024,
+                    limits.memory_bytes / MIB
+                ));
+            }
+        }
+        _ => return Err(format!("lacks the hook ABI v1 export {EXPORT_MEMORY}")),
+    }
+    let index = |name: &str| {
+        module
+            .get_export_index(name)
+            .ok_or_else(|| format!("lacks the hook ABI v1 export {name}"))
+    };
+    Ok(Exports {
+        memory: index(EXPORT_MEMORY)?,
+        alloc: index(EXPORT_ALLOC)?,
+        before_grant: index(EXPORT_BEFORE_GRANT)?,
+        after_release: after,
+    })
+}

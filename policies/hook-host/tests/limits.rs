@@ -1,0 +1,460 @@
+//! The host against hand-written modules (WAT), one test per limit and per
+//! load refusal, and against the real example guests when
+//! `scripts/build-wasm` has built them (target/wasm/).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use latchkey_hook_abi::{ABI_VERSION, DenyCode, HookRequest};
+use latchkey_hook_host::{FailureKind, HookHost, HookOutcome, HostSettings};
+use latchkey_policies::{Date, PolicyFile, PolicySet};
+
+const ALLOW: &str = r#"{"version":1,"decision":"allow","annotations":{"by":"wat"}}"#;
+
+/// A module with the ABI exports whose before-grant export runs `body`
+/// (which must leave an i64 on the stack). The answer text `ALLOW` sits at 16.
+fn abi_module(body: &str) -> Vec<u8> {
+    let escaped = ALLOW.replace('"', "\\\"");
+    let wat = format!(
+        r#"(module
+  (memory (export "memory") 1)
+  (global $next (mut i32) (i32.const 4096))
+  (data (i32.const 16) "{escaped}")
+  (func (export "latchkey_abi_version") (result i32) i32.const 1)
+  (func (export "latchkey_alloc") (param $n i32) (result i32) (local $p i32)
+    global.get $next local.set $p
+    global.get $next local.get $n i32.add global.set $next
+    local.get $p)
+  (func (export "latchkey_free") (param i32 i32))
+  (func (export "latchkey_before_grant") (param i32 i32) (result i64)
+    {body}))"#
+    );
+    wat::parse_str(wat).unwrap()
+}
+
+fn allow_body() -> String {
+    format!("i64.const {}", (16u64 << 32) | ALLOW.len() as u64)
+}
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    host: HookHost,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HookHost::new(HostSettings {
+            cache_dir: Some(dir.path().join("cache")),
+            ..Default::default()
+        });
+        Self { dir, host }
+    }
+
+    fn write(&self, name: &str, bytes: &[u8]) -> PathBuf {
+        let p = self.dir.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    /// Loads classes `(name, module file, extra hook lines)`.
+    fn sync(&self, classes: &[(&str, &str, &str)]) -> Vec<String> {
+        let mut text = String::new();
+        for (name, module, extra) in classes {
+            text.push_str(&format!(
+                "[[class]]\nname = \"{name}\"\ntier = \"coord\"\nenforcement = \"fenced\"\n[class.hook]\nmodule = \"{module}\"\n{extra}\n"
+            ));
+        }
+        let set = PolicySet::from_files(
+            &[PolicyFile {
+                path: Path::new("classes/t.toml"),
+                text: &text,
+            }],
+            &[],
+            Date::parse("2026-01-15").unwrap(),
+        )
+        .unwrap();
+        self.host
+            .sync(&set, self.dir.path())
+            .into_iter()
+            .map(|r| r.to_string())
+            .collect()
+    }
+
+    fn call(&self, class: &str) -> HookOutcome {
+        self.host.before_grant(request(class, Default::default()))
+    }
+}
+
+fn request(class: &str, metadata: std::collections::BTreeMap<String, String>) -> HookRequest {
+    HookRequest {
+        version: ABI_VERSION,
+        class: class.into(),
+        identity: "spiffe://dev.latchkey/workload/alice".into(),
+        key: "demo/a".into(),
+        session: 1,
+        metadata,
+        holder: None,
+        waiters: 0,
+        now_unix_ms: 1_767_409_200_000,
+        now_monotonic_ns: 0,
+        hold_count: Some(0),
+        config: serde_json::Value::Null,
+    }
+}
+
+fn failure(o: &HookOutcome) -> Option<FailureKind> {
+    match o {
+        HookOutcome::Deny { failure, .. } => *failure,
+        HookOutcome::Allow { .. } => None,
+    }
+}
+
+#[test]
+fn a_well_formed_module_allows_and_annotates() {
+    let f = Fixture::new();
+    f.write("ok.wasm", &abi_module(&allow_body()));
+    assert!(f.sync(&[("ok", "ok.wasm", "")]).is_empty());
+    match f.call("ok") {
+        HookOutcome::Allow { annotations } => {
+            assert_eq!(annotations.get("by").map(String::as_str), Some("wat"))
+        }
+        other => panic!("{other:?}"),
+    }
+    let m = f.host.metrics().class("ok").unwrap();
+    assert_eq!((m.invocations, m.allowed), (1, 1));
+}
+
+#[test]
+fn an_infinite_loop_is_cut_off_at_the_deadline_and_other_classes_still_run() {
+    let f = Fixture::new();
+    f.write("loop.wasm", &abi_module("(loop $l (br $l)) i64.const 0"));
+    f.write("ok.wasm", &abi_module(&allow_body()));
+    assert!(
+        f.sync(&[
+            ("spin", "loop.wasm", "deadlineMs = 2"),
+            ("ok", "ok.wasm", "")
+        ])
+        .is_empty()
+    );
+    let t = Instant::now();
+    let out = f.call("spin");
+    let took = t.elapsed();
+    assert_eq!(failure(&out), Some(FailureKind::Timeout), "{out:?}");
+    assert!(took >= Duration::from_millis(2), "{took:?}");
+    assert!(took < Duration::from_millis(50), "cut off late: {took:?}");
+    match &out {
+        HookOutcome::Deny {
+            code,
+            reason,
+            message,
+            ..
+        } => {
+            assert_eq!(*code, DenyCode::FailedPrecondition);
+            assert_eq!(reason, "HOOK_TIMEOUT");
+            assert!(
+                message.contains("\"spin\"") && message.contains("deadline"),
+                "{message}"
+            );
+        }
+        HookOutcome::Allow { .. } => unreachable!(),
+    }
+    assert!(matches!(f.call("ok"), HookOutcome::Allow { .. }));
+    let m = f.host.metrics().class("spin").unwrap();
+    assert_eq!(m.failures.get(&FailureKind::Timeout), Some(&1));
+}
+
+#[test]
+fn a_memory_bomb_hits_the_cap() {
+    let f = Fixture::new();
+    let bomb =
+        "(loop $l (br_if $l (i32.ne (memory.grow (i32.const 16)) (i32.const -1)))) unreachable";
+    f.write("bomb.wasm", &abi_module(bomb));
+    assert!(
+        f.sync(&[("bomb", "bomb.wasm", "memoryMib = 4\ndeadlineMs = 50")])
+            .is_empty()
+    );
+    let out = f.call("bomb");
+    assert_eq!(failure(&out), Some(FailureKind::OutOfMemory), "{out:?}");
+    assert!(format!("{out:?}").contains("4 MiB cap"), "{out:?}");
+}
+
+#[test]
+fn malformed_answers_are_denied() {
+    let f = Fixture::new();
+    // 10 bytes of the module's data that are not JSON ("{\"version\"" cut short).
+    f.write(
+        "cut.wasm",
+        &abi_module(&format!("i64.const {}", (16u64 << 32) | 10)),
+    );
+    f.write(
+        "huge.wasm",
+        &abi_module(&format!("i64.const {}", (16u64 << 32) | 1_000_000)),
+    );
+    f.write(
+        "wild.wasm",
+        &abi_module(&format!("i64.const {}", (0xffff_0000u64 << 32) | 10)),
+    );
+    f.write("trap.wasm", &abi_module("unreachable"));
+    assert!(
+        f.sync(&[
+            ("cut", "cut.wasm", ""),
+            ("huge", "huge.wasm", ""),
+            ("wild", "wild.wasm", ""),
+            ("trap", "trap.wasm", ""),
+        ])
+        .is_empty()
+    );
+    assert_eq!(failure(&f.call("cut")), Some(FailureKind::MalformedOutput));
+    let huge = f.call("huge");
+    assert_eq!(failure(&huge), Some(FailureKind::MalformedOutput));
+    assert!(
+        format!("{huge:?}").contains("more than the class's cap"),
+        "{huge:?}"
+    );
+    assert_eq!(failure(&f.call("wild")), Some(FailureKind::MalformedOutput));
+    assert_eq!(failure(&f.call("trap")), Some(FailureKind::Trap));
+}
+
+#[test]
+fn bad_modules_are_refused_at_load_and_the_previous_one_stays() {
+    let f = Fixture::new();
+    f.write("h.wasm", &abi_module(&allow_body()));
+    assert!(f.sync(&[("c", "h.wasm", "")]).is_empty());
+    let good = f.host.loaded_digest("c").unwrap();
+
+    // Not Wasm at all.
+    f.write("h.wasm", b"#!/bin/sh\necho hi\n");
+    let refused = f.sync(&[("c", "h.wasm", "")]);
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert!(
+        refused[0].contains("class \"c\"") && refused[0].contains("not a valid Wasm module"),
+        "{refused:?}"
+    );
+    assert_eq!(f.host.loaded_digest("c").as_deref(), Some(good.as_str()));
+    assert!(matches!(f.call("c"), HookOutcome::Allow { .. }));
+    // Unchanged since the refusal: not compiled or reported again.
+    assert!(f.sync(&[("c", "h.wasm", "")]).is_empty());
+    assert_eq!(f.host.refusals().len(), 1);
+
+    // Valid Wasm without the before-grant export.
+    let missing = wat::parse_str(
+        r#"(module (memory (export "memory") 1)
+            (func (export "latchkey_abi_version") (result i32) i32.const 1)
+            (func (export "latchkey_alloc") (param i32) (result i32) i32.const 8)
+            (func (export "latchkey_free") (param i32 i32)))"#,
+    )
+    .unwrap();
+    f.write("h.wasm", &missing);
+    let refused = f.sync(&[("c", "h.wasm", "")]);
+    assert!(
+        refused[0].contains("lacks the hook ABI v1 export latchkey_before_grant"),
+        "{refused:?}"
+    );
+    assert_eq!(f.host.loaded_digest("c").as_deref(), Some(good.as_str()));
+
+    // Importing anything but latchkey.log (a clock, say).
+    let clock = wat::parse_str(format!(
+        r#"(module (import "wasi_snapshot_preview1" "clock_time_get" (func (param i32 i64 i32) (result i32)))
+            (memory (export "memory") 1)
+            (func (export "latchkey_abi_version") (result i32) i32.const 1)
+            (func (export "latchkey_alloc") (param i32) (result i32) i32.const 8)
+            (func (export "latchkey_free") (param i32 i32))
+            (func (export "latchkey_before_grant") (param i32 i32) (result i64) {}))"#,
+        allow_body()
+    ))
+    .unwrap();
+    f.write("h.wasm", &clock);
+    let refused = f.sync(&[("c", "h.wasm", "")]);
+    assert!(
+        refused[0].contains("imports something other than latchkey.log"),
+        "{refused:?}"
+    );
+
+    // Another ABI version.
+    f.write("h.wasm", &wat::parse_str(v2_module()).unwrap());
+    let refused = f.sync(&[("c", "h.wasm", "")]);
+    assert!(refused[0].contains("ABI version 2"), "{refused:?}");
+
+    // A good module again (other bytes: a trapping one loads fine): swapped
+    // in, refusal cleared.
+    f.write("h.wasm", &abi_module("unreachable"));
+    assert!(f.sync(&[("c", "h.wasm", "")]).is_empty());
+    assert_ne!(f.host.loaded_digest("c").as_deref(), Some(good.as_str()));
+    assert!(f.host.refusals().is_empty());
+}
+
+/// Like `abi_module(allow)`, but its version export returns 2.
+fn v2_module() -> String {
+    let escaped = ALLOW.replace('"', "\\\"");
+    format!(
+        r#"(module (memory (export "memory") 1)
+            (data (i32.const 16) "{escaped}")
+            (func (export "latchkey_abi_version") (result i32) i32.const 2)
+            (func (export "latchkey_alloc") (param i32) (result i32) i32.const 4096)
+            (func (export "latchkey_free") (param i32 i32))
+            (func (export "latchkey_before_grant") (param i32 i32) (result i64) {}))"#,
+        allow_body()
+    )
+}
+
+#[test]
+fn a_missing_module_file_fails_closed_for_that_class_only() {
+    let f = Fixture::new();
+    f.write("ok.wasm", &abi_module(&allow_body()));
+    let refused = f.sync(&[("gone", "nope.wasm", ""), ("ok", "ok.wasm", "")]);
+    assert_eq!(refused.len(), 1);
+    let out = f.call("gone");
+    assert_eq!(failure(&out), Some(FailureKind::NotLoaded));
+    assert!(
+        format!("{out:?}").contains("cannot read the module"),
+        "{out:?}"
+    );
+    assert!(matches!(f.call("ok"), HookOutcome::Allow { .. }));
+}
+
+#[test]
+fn a_memory_that_starts_above_the_cap_is_refused() {
+    let f = Fixture::new();
+    let wat = format!(
+        r#"(module (memory (export "memory") 80)
+            (func (export "latchkey_abi_version") (result i32) i32.const 1)
+            (func (export "latchkey_alloc") (param i32) (result i32) i32.const 8)
+            (func (export "latchkey_free") (param i32 i32))
+            (func (export "latchkey_before_grant") (param i32 i32) (result i64) {}))"#,
+        allow_body()
+    );
+    f.write("big.wasm", &wat::parse_str(wat).unwrap());
+    let refused = f.sync(&[("big", "big.wasm", "memoryMib = 4")]);
+    assert!(
+        refused[0].contains("above the class's cap of 4 MiB"),
+        "{refused:?}"
+    );
+}
+
+/// The real guests, when built (scripts/build-wasm; the e2e tests build them).
+fn guest(name: &str) -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/wasm")
+        .join(format!("{name}.wasm"));
+    p.is_file().then_some(p)
+}
+
+#[test]
+fn the_change_ticket_guest_runs_in_the_host() {
+    let Some(module) = guest("latchkey_hook_change_ticket") else {
+        eprintln!(
+            "skipped: target/wasm/latchkey_hook_change_ticket.wasm not built (scripts/build-wasm)"
+        );
+        return;
+    };
+    let f = Fixture::new();
+    let module = module.display().to_string();
+    assert!(
+        f.sync(&[(
+            "t",
+            &module,
+            "[class.hook.config]\npattern = \"^CHG-[0-9]{4,}$\""
+        )])
+        .is_empty()
+    );
+    let ok = f.host.before_grant(request(
+        "t",
+        [("ticket".to_string(), "CHG-1234".to_string())].into(),
+    ));
+    assert_eq!(
+        ok,
+        HookOutcome::Allow {
+            annotations: [("ticket".to_string(), "CHG-1234".to_string())].into()
+        }
+    );
+    match f.host.before_grant(request("t", Default::default())) {
+        HookOutcome::Deny {
+            reason,
+            failure: None,
+            ..
+        } => assert_eq!(reason, "TICKET_MISSING"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_misbehaving_guest_is_contained() {
+    let Some(module) = guest("latchkey_hook_misbehave") else {
+        eprintln!(
+            "skipped: target/wasm/latchkey_hook_misbehave.wasm not built (scripts/build-wasm)"
+        );
+        return;
+    };
+    let f = Fixture::new();
+    let m = module.display().to_string();
+    assert!(
+        f.sync(&[
+            ("loop", &m, "[class.hook.config]\nbehavior = \"loop\""),
+            (
+                "bomb",
+                &m,
+                "deadlineMs = 50\n[class.hook.config]\nbehavior = \"bomb\""
+            ),
+            ("panic", &m, "[class.hook.config]\nbehavior = \"panic\""),
+            ("fine", &m, "[class.hook.config]\nbehavior = \"allow\""),
+        ])
+        .is_empty()
+    );
+    assert_eq!(failure(&f.call("loop")), Some(FailureKind::Timeout));
+    assert_eq!(failure(&f.call("bomb")), Some(FailureKind::OutOfMemory));
+    assert_eq!(failure(&f.call("panic")), Some(FailureKind::Trap));
+    assert!(matches!(f.call("fine"), HookOutcome::Allow { .. }));
+}
+
+/// `cargo test --release -p latchkey-hook-host --test limits -- --ignored --nocapture`:
+/// per-call time of the change-ticket guest, straight through the host.
+#[test]
+#[ignore]
+fn per_call_time_of_the_change_ticket_guest() {
+    let Some(module) = guest("latchkey_hook_change_ticket") else {
+        return;
+    };
+    let f = Fixture::new();
+    let module = module.display().to_string();
+    assert!(
+        f.sync(&[(
+            "t",
+            &module,
+            "deadlineMs = 50\n[class.hook.config]\npattern = \"^CHG-[0-9]{4,}$\""
+        )])
+        .is_empty()
+    );
+    let req = request("t", [("ticket".to_string(), "CHG-1234".to_string())].into());
+    for _ in 0..200 {
+        f.host.before_grant(req.clone());
+    }
+    let mut times: Vec<Duration> = (0..2000)
+        .map(|_| {
+            let t = Instant::now();
+            f.host.before_grant(req.clone());
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    eprintln!(
+        "change-ticket per call: p50 {:?} p99 {:?} max {:?}",
+        times[1000], times[1980], times[1999]
+    );
+    // The host's own overhead: a hand-written module that answers at once.
+    f.write("ok.wasm", &abi_module(&allow_body()));
+    assert!(f.sync(&[("ok", "ok.wasm", "deadlineMs = 50")]).is_empty());
+    let req = request("ok", Default::default());
+    let mut times: Vec<Duration> = (0..2000)
+        .map(|_| {
+            let t = Instant::now();
+            f.host.before_grant(req.clone());
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    eprintln!(
+        "minimal module per call: p50 {:?} p99 {:?} max {:?}",
+        times[1000], times[1980], times[1999]
+    );
+}

