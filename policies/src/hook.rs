@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::class::ClassError;
 
-pub const DEFAULT_HOOK_DEADLINE_MS: u32 = 1;
+pub const DEFAULT_HOOK_DEADLINE_MS: u32 = 10;
 pub const MAX_HOOK_DEADLINE_MS: u32 = 50;
 pub const DEFAULT_HOOK_MEMORY_MIB: u32 = 16;
 pub const MAX_HOOK_MEMORY_MIB: u32 = 64;
@@ -105,7 +105,7 @@ mod tests {
     #[test]
     fn defaults_are_the_safe_ones() {
         let h: ClassHook = toml::from_str("module = \"x.wasm\"").unwrap();
-        assert_eq!(h.deadline_ms, 1);
+        assert_eq!(h.deadline_ms, 10);
         assert_eq!(h.memory_mib, 16);
         assert_eq!(h.max_output_bytes, 16384);
         assert!(h.inputs.is_empty());
