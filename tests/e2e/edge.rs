@@ -975,3 +975,106 @@ async fn each_identity_has_its_own_request_rate_limit() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Ring-hash affinity follows the authorised key: with two arbiters behind
+/// Envoy, every call for one key (acquire, both waiters, inspect) reaches the
+/// same arbiter — the one whose in-memory FIFO queues that key — and the keys
+/// spread over both.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_call_for_a_key_reaches_the_same_arbiter() -> anyhow::Result<()> {
+    use latchkey_tests::arbiter::Arbiter;
+    let opts = ArbiterOptions {
+        edge_identity: Some(spiffe("latchkey/edge")),
+        ..Default::default()
+    };
+    let stack = stack_with(opts.clone()).await?;
+    let second = Arbiter::start(&stack.etcd, opts).await?;
+    let mut envoy_opts = EnvoyOptions::with_filter(stack.arbiter.addr(), json!({}))?;
+    envoy_opts.second_arbiter = Some(second.addr());
+    let envoy = Envoy::start(envoy_opts).await?;
+    let direct = [
+        LockClient::new(channel(stack.arbiter.addr(), "workload/alice").await?),
+        LockClient::new(channel(second.addr(), "workload/alice").await?),
+    ];
+    let edge = Edge {
+        _stack: stack,
+        envoy,
+    };
+    let mut alice = edge.client("workload/alice").await?;
+    let mut bob = edge.client("workload/bob").await?;
+    let mut demo = edge.client("workload/demo").await?;
+    let mut served = [0u32; 2];
+    for i in 0..12 {
+        // fresh sessions each round: the loop may outlast a 15 s TTL on a busy machine
+        let (sa, sb, sd) = (
+            open(&mut alice, "demo").await?,
+            open(&mut bob, "demo").await?,
+            open(&mut demo, "demo").await?,
+        );
+        let key = format!("demo/affinity-{i}");
+        let held = lock(&mut alice, &key, "demo", sa).await?;
+        let (mut b, k) = (bob.clone(), key.clone());
+        let bob_wait = tokio::spawn(async move {
+            lock_wait(&mut b, &k, "demo", sb, Duration::from_secs(20)).await
+        });
+        eventually("bob queued first", Duration::from_secs(10), || {
+            let (mut via_edge, key) = (alice.clone(), key.clone());
+            async move {
+                let r = via_edge
+                    .inspect(keyed(InspectRequest { key: key.clone() }, &key))
+                    .await?;
+                anyhow::ensure!(r.into_inner().waiters == 1, "bob not queued yet");
+                Ok(())
+            }
+        })
+        .await?;
+        let (mut d, k) = (demo.clone(), key.clone());
+        let demo_wait = tokio::spawn(async move {
+            lock_wait(&mut d, &k, "demo", sd, Duration::from_secs(20)).await
+        });
+        // both waiters queued on ONE arbiter, and an inspect through Envoy lands there too
+        let on = eventually(
+            "both waiters on one arbiter",
+            Duration::from_secs(10),
+            || {
+                let (mut via_edge, direct, key) = (alice.clone(), direct.clone(), key.clone());
+                async move {
+                    let seen = via_edge
+                        .inspect(keyed(InspectRequest { key: key.clone() }, &key))
+                        .await?
+                        .into_inner()
+                        .waiters;
+                    anyhow::ensure!(seen == 2, "Envoy's inspect saw {seen} waiters");
+                    let mut per = [0u32; 2];
+                    for (n, mut c) in direct.into_iter().enumerate() {
+                        per[n] = c
+                            .inspect(InspectRequest { key: key.clone() })
+                            .await?
+                            .into_inner()
+                            .waiters;
+                    }
+                    match per {
+                        [2, 0] => Ok(0),
+                        [0, 2] => Ok(1),
+                        other => anyhow::bail!("waiters split across arbiters: {other:?}"),
+                    }
+                }
+            },
+        )
+        .await?;
+        served[on] += 1;
+        unlock(&mut alice, &held).await?;
+        let second_holder = bob_wait.await??;
+        assert!(second_holder.token > held.token);
+        unlock(&mut bob, &second_holder).await?;
+        let third = demo_wait.await??;
+        assert!(third.token > second_holder.token, "FIFO: bob, then demo");
+        unlock(&mut demo, &third).await?;
+    }
+    assert!(
+        served[0] > 0 && served[1] > 0,
+        "keys spread over both arbiters: {served:?}"
+    );
+    drop(second);
+    Ok(())
+}

@@ -102,6 +102,8 @@ pub fn config_with_extra_grants(mut config: Value, n: usize) -> Value {
 #[derive(Debug, Clone)]
 pub struct EnvoyOptions {
     pub arbiter: SocketAddr,
+    /// A second arbiter endpoint in the ring (for the key-affinity test).
+    pub second_arbiter: Option<SocketAddr>,
     /// The filter and its configuration; `None` runs Envoy without it (the
     /// benchmark baseline), with the identity header set natively from the
     /// peer URI SAN instead.
@@ -117,6 +119,7 @@ impl EnvoyOptions {
     pub fn with_filter(arbiter: SocketAddr, overrides: Value) -> anyhow::Result<Self> {
         Ok(Self {
             arbiter,
+            second_arbiter: None,
             filter: Some((filter_wasm()?, dev_filter_config(overrides)?)),
             rate_per_second: 10_000,
             rate_burst: 10_000,
@@ -127,6 +130,7 @@ impl EnvoyOptions {
     pub fn without_filter(arbiter: SocketAddr) -> Self {
         Self {
             arbiter,
+            second_arbiter: None,
             filter: None,
             rate_per_second: 100_000,
             rate_burst: 100_000,
@@ -239,6 +243,14 @@ impl Envoy {
             Some(_) => drop_block(&bootstrap, "NO_FILTER"),
             None => drop_block(&bootstrap, "FILTER"),
         };
+        let bootstrap = match opts.second_arbiter {
+            Some(second) => {
+                vars.insert("ARBITER2_PORT", second.port().to_string());
+                bootstrap
+            }
+            None => drop_block(&bootstrap, "SECOND_ARBITER"),
+        };
+        let arbiters = 1 + usize::from(opts.second_arbiter.is_some());
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, render(&bootstrap, &vars)?)?;
         let log = dir.path().join("envoy.log");
@@ -269,11 +281,11 @@ impl Envoy {
             .spawn()
             .with_context(|| format!("spawn {}", envoy_binary().display()))?;
         envoy.child = Some(child);
-        envoy.wait_ready().await?;
+        envoy.wait_ready(arbiters).await?;
         Ok(envoy)
     }
 
-    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+    async fn wait_ready(&mut self, arbiters: usize) -> anyhow::Result<()> {
         let admin = self.admin;
         let ready = eventually(
             "Envoy to be ready with a healthy arbiter",
@@ -285,7 +297,7 @@ impl Envoy {
                 }
                 let stats =
                     admin_get(admin, "/stats?filter=cluster.arbiter.membership_healthy").await?;
-                if !stats.contains("membership_healthy: 1") {
+                if !stats.contains(&format!("membership_healthy: {arbiters}")) {
                     bail!("arbiter not healthy yet: {stats}");
                 }
                 Ok(())
