@@ -333,21 +333,31 @@ fn a_memory_that_starts_above_the_cap_is_refused() {
 }
 
 /// The real guests, when built (scripts/build-wasm; the e2e tests build them).
-fn guest(name: &str) -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../target/wasm")
-        .join(format!("{name}.wasm"));
-    p.is_file().then_some(p)
+/// A guest built by the project's Wasm build step (`scripts/build-wasm`), which
+/// this runs when the artifact is missing: these tests never pass vacuously.
+fn guest(name: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let p = root.join("target/wasm").join(format!("{name}.wasm"));
+    if !p.is_file() {
+        let status = std::process::Command::new(root.join("scripts/build-wasm"))
+            .arg(name.replace('_', "-"))
+            .status();
+        assert!(
+            matches!(status, Ok(s) if s.success()),
+            "scripts/build-wasm {name} failed: {status:?}"
+        );
+    }
+    assert!(
+        p.is_file(),
+        "{} missing after scripts/build-wasm",
+        p.display()
+    );
+    p
 }
 
 #[test]
 fn the_change_ticket_guest_runs_in_the_host() {
-    let Some(module) = guest("latchkey_hook_change_ticket") else {
-        eprintln!(
-            "skipped: target/wasm/latchkey_hook_change_ticket.wasm not built (scripts/build-wasm)"
-        );
-        return;
-    };
+    let module = guest("latchkey_hook_change_ticket");
     let f = Fixture::new();
     let module = module.display().to_string();
     assert!(
@@ -380,12 +390,7 @@ fn the_change_ticket_guest_runs_in_the_host() {
 
 #[test]
 fn the_misbehaving_guest_is_contained() {
-    let Some(module) = guest("latchkey_hook_misbehave") else {
-        eprintln!(
-            "skipped: target/wasm/latchkey_hook_misbehave.wasm not built (scripts/build-wasm)"
-        );
-        return;
-    };
+    let module = guest("latchkey_hook_misbehave");
     let f = Fixture::new();
     let m = module.display().to_string();
     assert!(
@@ -405,56 +410,4 @@ fn the_misbehaving_guest_is_contained() {
     assert_eq!(failure(&f.call("bomb")), Some(FailureKind::OutOfMemory));
     assert_eq!(failure(&f.call("panic")), Some(FailureKind::Trap));
     assert!(matches!(f.call("fine"), HookOutcome::Allow { .. }));
-}
-
-/// `cargo test --release -p latchkey-hook-host --test limits -- --ignored --nocapture`:
-/// per-call time of the change-ticket guest, straight through the host.
-#[test]
-#[ignore]
-fn per_call_time_of_the_change_ticket_guest() {
-    let Some(module) = guest("latchkey_hook_change_ticket") else {
-        return;
-    };
-    let f = Fixture::new();
-    let module = module.display().to_string();
-    assert!(
-        f.sync(&[(
-            "t",
-            &module,
-            "deadlineMs = 50\n[class.hook.config]\npattern = \"^CHG-[0-9]{4,}$\""
-        )])
-        .is_empty()
-    );
-    let req = request("t", [("ticket".to_string(), "CHG-1234".to_string())].into());
-    for _ in 0..200 {
-        f.host.before_grant(req.clone());
-    }
-    let mut times: Vec<Duration> = (0..2000)
-        .map(|_| {
-            let t = Instant::now();
-            f.host.before_grant(req.clone());
-            t.elapsed()
-        })
-        .collect();
-    times.sort();
-    eprintln!(
-        "change-ticket per call: p50 {:?} p99 {:?} max {:?}",
-        times[1000], times[1980], times[1999]
-    );
-    // The host's own overhead: a hand-written module that answers at once.
-    f.write("ok.wasm", &abi_module(&allow_body()));
-    assert!(f.sync(&[("ok", "ok.wasm", "deadlineMs = 50")]).is_empty());
-    let req = request("ok", Default::default());
-    let mut times: Vec<Duration> = (0..2000)
-        .map(|_| {
-            let t = Instant::now();
-            f.host.before_grant(req.clone());
-            t.elapsed()
-        })
-        .collect();
-    times.sort();
-    eprintln!(
-        "minimal module per call: p50 {:?} p99 {:?} max {:?}",
-        times[1000], times[1980], times[1999]
-    );
 }
