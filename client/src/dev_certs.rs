@@ -95,6 +95,19 @@ pub enum DevCertError {
     },
 }
 
+/// The identities of the dev trust domain: the arbiter, the edge, an
+/// operator, and the demo workloads (`latchctl dev-certs` and the tests).
+pub const DEV_NAMES: &[&str] = &[
+    "latchkey/arbiter",
+    "latchkey/edge",
+    "latchkey/operator",
+    "workload/demo",
+    "workload/alice",
+    "workload/bob",
+    "workload/mallory",
+    "workload/bench",
+];
+
 /// `spiffe://{trust_domain}/{name}`.
 pub fn spiffe_id(trust_domain: &str, name: &str) -> String {
     format!("spiffe://{trust_domain}/{name}")

@@ -23,16 +23,7 @@ use crate::etcd::EtcdServer;
 use crate::{eventually, workspace_root};
 
 pub const TRUST_DOMAIN: &str = "dev.latchkey";
-pub const NAMES: &[&str] = &[
-    "latchkey/arbiter",
-    "latchkey/edge",
-    "latchkey/operator",
-    "workload/demo",
-    "workload/alice",
-    "workload/bob",
-    "workload/mallory",
-    "workload/bench",
-];
+pub use latchkey_client::dev_certs::DEV_NAMES as NAMES;
 
 /// The dev trust domain for this test process (generated once).
 pub fn certs() -> anyhow::Result<&'static DevTrustDomain> {

@@ -9,16 +9,7 @@ use serde_json::json;
 
 use super::{Failure, Output};
 
-const DEFAULT_NAMES: &[&str] = &[
-    "latchkey/arbiter",
-    "latchkey/edge",
-    "latchkey/operator",
-    "workload/demo",
-    "workload/alice",
-    "workload/bob",
-    "workload/mallory",
-    "workload/bench",
-];
+use crate::dev_certs::DEV_NAMES as DEFAULT_NAMES;
 
 #[derive(Debug, Args)]
 pub struct DevCertsArgs {
