@@ -10,30 +10,20 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use latchkey_hook_host::FailureKind;
-use latchkey_proto::lockv1::{AcquireRequest, Grant, InspectRequest, OpenSessionRequest, WaitMode};
+use latchkey_proto::lockv1::{AcquireRequest, Grant, InspectRequest, WaitMode};
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::eventually;
 use latchkey_tests::hooks::{HookedArbiter, dev_policies_copy, hook_wasm};
 use tonic::{Code, Status};
 use tonic_types::StatusExt;
 
-use crate::support::{Client, release};
+use crate::support::{Client, open, release};
 
 async fn hooked(policies: &Path) -> anyhow::Result<(EtcdServer, HookedArbiter)> {
     latchkey_tests::init_tracing();
     let etcd = EtcdServer::start().await?;
     let arbiter = HookedArbiter::start(&etcd, policies).await?;
     Ok((etcd, arbiter))
-}
-
-async fn session(c: &mut Client, class: &str) -> anyhow::Result<i64> {
-    Ok(c.open_session(OpenSessionRequest {
-        class: class.into(),
-        reuse_session_ids: vec![],
-    })
-    .await?
-    .into_inner()
-    .session_id)
 }
 
 async fn acquire(
@@ -92,7 +82,7 @@ async fn change_ticket_denies_without_a_ticket_and_annotates_the_holder_with_it(
     let dir = dev_policies_copy()?;
     let (_etcd, a) = hooked(dir.path()).await?;
     let mut alice = a.lock("workload/alice").await?;
-    let s = session(&mut alice, "ticketed").await?;
+    let s = open(&mut alice, "ticketed").await?;
 
     let (code, reason, hook_reason, message) =
         hook_refusal(acquire(&mut alice, "demo/db", "ticketed", s, &[]).await)?;
@@ -146,7 +136,7 @@ async fn change_ticket_denies_without_a_ticket_and_annotates_the_holder_with_it(
     release(&mut alice, &g).await?;
 
     // A class without a hook is untouched by it.
-    let sd = session(&mut alice, "demo").await?;
+    let sd = open(&mut alice, "demo").await?;
     let g = acquire(&mut alice, "demo/db", "demo", sd, &[]).await?;
     release(&mut alice, &g).await?;
 
@@ -167,7 +157,7 @@ async fn quota_denies_the_third_hold_of_an_identity_until_one_is_released() -> a
     let (_etcd, a) = hooked(dir.path()).await?;
     let mut alice = a.lock("workload/alice").await?;
     let mut bob = a.lock("workload/bob").await?;
-    let s = session(&mut alice, "quota").await?;
+    let s = open(&mut alice, "quota").await?;
     let g1 = acquire(&mut alice, "demo/q1", "quota", s, &[]).await?;
     let g2 = acquire(&mut alice, "shared/q2", "quota", s, &[]).await?;
     // A retry of a key already held is not a new hold.
@@ -181,7 +171,7 @@ async fn quota_denies_the_third_hold_of_an_identity_until_one_is_released() -> a
     );
     assert!(message.contains("already holds 2"), "{message}");
     // Another identity has its own quota.
-    let sb = session(&mut bob, "quota").await?;
+    let sb = open(&mut bob, "quota").await?;
     let gb = acquire(&mut bob, "demo/q3", "quota", sb, &[]).await?;
     release(&mut bob, &gb).await?;
 
@@ -233,10 +223,10 @@ async fn maintenance_window_allows_inside_and_denies_outside_with_the_next_openi
     )?;
     let (_etcd, a) = hooked(dir.path()).await?;
     let mut alice = a.lock("workload/alice").await?;
-    let s = session(&mut alice, "open-now").await?;
+    let s = open(&mut alice, "open-now").await?;
     let g = acquire(&mut alice, "demo/failover", "open-now", s, &[]).await?;
     release(&mut alice, &g).await?;
-    let s = session(&mut alice, "closed-now").await?;
+    let s = open(&mut alice, "closed-now").await?;
     let (code, _, hook_reason, message) =
         hook_refusal(acquire(&mut alice, "demo/failover", "closed-now", s, &[]).await)?;
     assert_eq!(
@@ -248,7 +238,7 @@ async fn maintenance_window_allows_inside_and_denies_outside_with_the_next_openi
         "{message}"
     );
     // The dev class (weekend 02:00-04:00) answers one way or the other, never fails.
-    let s = session(&mut alice, "windowed").await?;
+    let s = open(&mut alice, "windowed").await?;
     match acquire(&mut alice, "demo/drill", "windowed", s, &[]).await {
         Ok(g) => release(&mut alice, &g).await?,
         Err(e) => assert_eq!(hook_refusal::<()>(Err(e))?.2, "OUTSIDE_WINDOW"),
@@ -275,7 +265,7 @@ async fn a_looping_hook_is_cut_off_and_denied_while_other_classes_are_served() -
     )?;
     let (_etcd, a) = hooked(dir.path()).await?;
     let mut alice = a.lock("workload/alice").await?;
-    let s = session(&mut alice, "spin").await?;
+    let s = open(&mut alice, "spin").await?;
     let started = Instant::now();
     let (code, _, hook_reason, message) =
         hook_refusal(acquire(&mut alice, "demo/x", "spin", s, &[]).await)?;
@@ -305,7 +295,7 @@ async fn a_looping_hook_is_cut_off_and_denied_while_other_classes_are_served() -
     );
 
     // The next requests, of other classes (hooked or not), are served.
-    let st = session(&mut alice, "ticketed").await?;
+    let st = open(&mut alice, "ticketed").await?;
     let g = acquire(
         &mut alice,
         "demo/x",
@@ -315,12 +305,12 @@ async fn a_looping_hook_is_cut_off_and_denied_while_other_classes_are_served() -
     )
     .await?;
     release(&mut alice, &g).await?;
-    let sd = session(&mut alice, "demo").await?;
+    let sd = open(&mut alice, "demo").await?;
     let g = acquire(&mut alice, "demo/x", "demo", sd, &[]).await?;
     release(&mut alice, &g).await?;
 
     // The memory bomb hits its cap.
-    let sb = session(&mut alice, "bomb").await?;
+    let sb = open(&mut alice, "bomb").await?;
     let (code, _, hook_reason, message) =
         hook_refusal(acquire(&mut alice, "demo/y", "bomb", sb, &[]).await)?;
     assert_eq!(
@@ -373,7 +363,7 @@ async fn bad_modules_are_refused_at_load_and_the_previous_one_stays_in_service()
         .loaded_digest("reloadable")
         .ok_or_else(|| anyhow::anyhow!("not loaded"))?;
     let mut alice = a.lock("workload/alice").await?;
-    let s = session(&mut alice, "reloadable").await?;
+    let s = open(&mut alice, "reloadable").await?;
 
     // A Wasm module with none of the ABI exports (the empty module).
     replace(&module, b"\0asm\x01\0\0\0")?;
@@ -484,7 +474,7 @@ async fn a_hot_reload_under_concurrent_acquires_loses_no_request() -> anyhow::Re
             .await?;
         let stop = stop.clone();
         workers.push(tokio::spawn(async move {
-            let s = session(&mut c, "live").await?;
+            let s = open(&mut c, "live").await?;
             let (mut ok, key) = (0u32, format!("shared/live-{w}"));
             while !stop.is_cancelled() {
                 // Both modules allow this request: the ticket hook (a valid

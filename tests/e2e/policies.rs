@@ -5,7 +5,6 @@ use std::path::Path;
 use std::time::Duration;
 
 use latchkey_proto::adminv1::GetStatusRequest;
-use latchkey_proto::lockv1::OpenSessionRequest;
 use latchkey_tests::arbiter::ArbiterOptions;
 use latchkey_tests::{eventually, workspace_root};
 use tonic::Code;
@@ -24,16 +23,6 @@ fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-async fn open_class(c: &mut Client, class: &str) -> Result<i64, tonic::Status> {
-    Ok(c.open_session(OpenSessionRequest {
-        class: class.into(),
-        reuse_session_ids: vec![],
-    })
-    .await?
-    .into_inner()
-    .session_id)
 }
 
 #[tokio::test(flavor = "multi_thread")]

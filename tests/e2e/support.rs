@@ -29,7 +29,8 @@ pub async fn stack_with(opts: ArbiterOptions) -> anyhow::Result<Stack> {
     Ok(Stack { etcd, arbiter })
 }
 
-pub async fn open(c: &mut Client, class: &str) -> anyhow::Result<i64> {
+/// Opens a session for `class`; the refusal as a `Status` for tests that check it.
+pub async fn open_class(c: &mut Client, class: &str) -> Result<i64, Status> {
     Ok(c.open_session(OpenSessionRequest {
         class: class.into(),
         reuse_session_ids: vec![],
@@ -37,6 +38,10 @@ pub async fn open(c: &mut Client, class: &str) -> anyhow::Result<i64> {
     .await?
     .into_inner()
     .session_id)
+}
+
+pub async fn open(c: &mut Client, class: &str) -> anyhow::Result<i64> {
+    Ok(open_class(c, class).await?)
 }
 
 pub async fn try_lock(
