@@ -14,10 +14,12 @@ use anyhow::bail;
 use tokio::time::Instant;
 
 pub mod arbiter;
+pub mod cluster;
 pub mod envoy;
 pub mod etcd;
-// Harness modules added by other work items go below this line (e.g. `pub mod arbiter;`).
+pub mod gate;
 pub mod hooks;
+pub mod postgres;
 
 /// How often [`eventually`] re-checks its condition.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);

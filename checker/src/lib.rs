@@ -1,0 +1,1 @@
+//! Lock-history checker (being written).

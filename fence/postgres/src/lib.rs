@@ -1,0 +1,1 @@
+//! Reference PostgreSQL fence (being written).

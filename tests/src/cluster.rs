@@ -1,0 +1,1 @@
+//! 3-member etcd cluster harness (being written).

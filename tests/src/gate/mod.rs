@@ -1,0 +1,1 @@
+//! The release gate (being written).

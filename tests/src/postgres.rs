@@ -1,0 +1,1 @@
+//! Private PostgreSQL server harness (being written).
