@@ -55,6 +55,11 @@ struct Args {
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
+    /// Run with a deliberate bug so the release gate can prove its checker
+    /// catches it (`grant-on-watch`). Only in builds with `test-faults`.
+    #[cfg(feature = "test-faults")]
+    #[arg(long, value_parser = crate::test_fault::TestFault::parse, default_value = "none")]
+    test_fault: crate::test_fault::TestFault,
 }
 
 /// Parses the process arguments and serves until SIGINT/SIGTERM.
@@ -87,6 +92,10 @@ pub async fn main() -> anyhow::Result<()> {
     config.trust_domain = args.trust_domain;
     config.edge_identity = args.edge_identity;
     config.max_wait = Duration::from_secs(args.max_wait_seconds);
+    #[cfg(feature = "test-faults")]
+    {
+        config.test_fault = args.test_fault;
+    }
     let listener = TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;

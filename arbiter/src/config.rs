@@ -8,6 +8,7 @@ use std::time::Duration;
 use latchkey_hook_host::{HookHost, HostSettings};
 
 use crate::hook::{ClassHooks, NoHooks};
+use crate::test_fault::TestFault;
 
 #[derive(Debug, Clone)]
 pub struct TlsFiles {
@@ -42,6 +43,9 @@ pub struct Config {
     /// Runs the classes' Wasm hooks; its compiled-module cache defaults to
     /// `state_dir/hook-cache`. Shared so tests can read its metrics.
     pub hook_host: Arc<HookHost>,
+    /// A deliberate bug for the release gate's self-test; always
+    /// [`TestFault::None`] unless built with the `test-faults` feature.
+    pub test_fault: TestFault,
 }
 
 impl Config {
@@ -64,6 +68,7 @@ impl Config {
                 cache_dir: Some(state_dir.join("hook-cache")),
                 ..HostSettings::default()
             })),
+            test_fault: TestFault::None,
         }
     }
 }

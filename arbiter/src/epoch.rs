@@ -237,6 +237,7 @@ mod tests {
         let seal = SealRecord {
             reason: "x".into(),
             sealed_at_unix_ms: 0,
+            next_epoch_at_least: 2,
         };
         assert!(evaluate(&state(1, 9), 9, Some(50), None, Some(&seal)).is_some());
     }

@@ -24,6 +24,7 @@ pub mod policy;
 pub mod records;
 mod service;
 pub mod store;
+pub mod test_fault;
 pub mod token;
 mod waiters;
 pub mod wasm_hooks;
@@ -104,6 +105,9 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             "lock log ready"
         ),
     }
+    if config.test_fault != crate::test_fault::TestFault::None {
+        warn!(fault = ?config.test_fault, "RUNNING WITH A DELIBERATE BUG FOR THE RELEASE GATE: this arbiter is unsafe");
+    }
     let identity = match &config.tls {
         Some(_) => IdentitySource::Tls {
             trust_domain: config.trust_domain.clone(),
@@ -114,7 +118,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         },
     };
     Ok(Arc::new(Arbiter {
-        queues: Queues::new(store.clone(), config.retry_poll),
+        queues: Queues::new(store.clone(), config.retry_poll, config.test_fault),
         store,
         policies,
         identity,

@@ -36,6 +36,12 @@ impl EpochRecord {
 pub struct SealRecord {
     pub reason: String,
     pub sealed_at_unix_ms: i64,
+    /// The lowest epoch the advance may move to: one above every epoch the
+    /// sealing arbiters have granted in. After a restore to before an
+    /// earlier advance, etcd's epoch record is older than epochs already
+    /// used, and advancing it by one would re-use an epoch (and its tokens).
+    #[serde(default)]
+    pub next_epoch_at_least: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -204,21 +204,56 @@ impl Store {
         Ok(resp)
     }
 
+    /// One above every epoch this arbiter has granted in or served.
+    fn next_epoch_floor(&self) -> u32 {
+        let marked = self.high_water.current().map_or(0, |m| m.epoch);
+        let served = self.guard.state().map_or(0, |s| s.epoch());
+        marked.max(served).saturating_add(1)
+    }
+
     async fn publish_seal(&self, reason: &str) {
         error!(
             reason,
             "lock log sealed: refusing every grant until the epoch advances"
         );
+        let floor = self.next_epoch_floor();
         let record = encode(&SealRecord {
             reason: reason.to_string(),
             sealed_at_unix_ms: now_unix_ms(),
+            next_epoch_at_least: floor,
         });
         let seal = self.layout.seal();
-        let txn = Txn::new()
-            .when([Compare::create_revision(seal.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(seal, record, None)]);
-        if let Err(e) = self.client.kv_client().txn(txn).await {
-            warn!(error = %e, "could not write the seal record; this arbiter stays sealed");
+        let mut kv = self.client.kv_client();
+        // Write the seal, or raise the floor of one another arbiter wrote.
+        for _ in 0..3 {
+            let existing = match kv.get(seal.clone(), None).await {
+                Ok(resp) => resp.kvs().first().map(|kv| {
+                    let floor =
+                        decode::<SealRecord>(kv.value()).map_or(0, |s| s.next_epoch_at_least);
+                    (kv.mod_revision(), floor)
+                }),
+                Err(e) => {
+                    warn!(error = %e, "could not read the seal record; this arbiter stays sealed");
+                    return;
+                }
+            };
+            let guard = match existing {
+                None => Compare::create_revision(seal.clone(), CompareOp::Equal, 0),
+                Some((_, theirs)) if theirs >= floor => return,
+                Some((rev, _)) => Compare::mod_revision(seal.clone(), CompareOp::Equal, rev),
+            };
+            let txn =
+                Txn::new()
+                    .when([guard])
+                    .and_then([TxnOp::put(seal.clone(), record.clone(), None)]);
+            match kv.txn(txn).await {
+                Ok(resp) if resp.succeeded() => return,
+                Ok(_) => continue,
+                Err(e) => {
+                    warn!(error = %e, "could not write the seal record; this arbiter stays sealed");
+                    return;
+                }
+            }
         }
     }
 
@@ -464,6 +499,26 @@ impl Store {
         }
     }
 
+    /// The gate's deliberate bug (`TestFault::GrantOnWatch`): a put with no
+    /// compares at all. Never compiled into a release build.
+    #[cfg(feature = "test-faults")]
+    pub async fn grant_blind(&self, req: &GrantRequest) -> Result<Grant, ArbiterError> {
+        let state = self.serving_epoch().await?;
+        let txn = Txn::new().and_then([TxnOp::put(
+            self.layout.holder(&req.key),
+            req.holder_bytes(),
+            Some(PutOptions::new().with_lease(req.session)),
+        )]);
+        let (_, revision) = self.checked_txn(txn).await?;
+        self.make_durable(&state, revision).await?;
+        Ok(Grant {
+            key: req.key.clone(),
+            session: req.session,
+            epoch: state.epoch(),
+            revision,
+        })
+    }
+
     async fn make_durable(&self, state: &EpochState, revision: i64) -> Result<(), ArbiterError> {
         self.high_water
             .record(Mark {
@@ -589,12 +644,27 @@ impl Store {
     ) -> Result<(EpochRecord, i64), ArbiterError> {
         let mut kv = self.client.kv_client();
         let epoch_key = self.layout.epoch();
+        let seal_key = self.layout.seal();
         let current = kv
-            .get(epoch_key.clone(), None)
+            .txn(Txn::new().and_then([
+                TxnOp::get(epoch_key.clone(), None),
+                TxnOp::get(seal_key.clone(), None),
+            ]))
             .await
             .map_err(ArbiterError::store)?;
         let (cluster_id, _) = header_of(current.header())?;
-        let Some(existing) = current.kvs().first() else {
+        let ops = current.op_responses();
+        let seal = ops.get(1).and_then(first_kv);
+        let seal_floor = seal
+            .and_then(|kv| decode::<SealRecord>(kv.value()))
+            .map_or(0, |s| s.next_epoch_at_least);
+        let seal_compare = match seal {
+            Some(kv) => {
+                Compare::mod_revision(seal_key.clone(), CompareOp::Equal, kv.mod_revision())
+            }
+            None => Compare::create_revision(seal_key.clone(), CompareOp::Equal, 0),
+        };
+        let Some(existing) = ops.first().and_then(first_kv) else {
             return Err(ArbiterError::BadRequest(
                 "there is no epoch record yet; start an arbiter against this etcd first".into(),
             ));
@@ -607,7 +677,13 @@ impl Store {
                 record.epoch
             )));
         }
-        let next = record.epoch + 1;
+        // Above etcd's record, above every epoch a sealing arbiter has used
+        // (the seal's floor) and above every epoch this arbiter has used:
+        // after a restore to before an earlier advance, record + 1 may be an
+        // epoch that already issued tokens.
+        let next = (record.epoch + 1)
+            .max(seal_floor)
+            .max(self.next_epoch_floor());
         if next >= token::MAX_EPOCH {
             return Err(ArbiterError::Internal(
                 "the epoch space is exhausted".into(),
@@ -620,11 +696,15 @@ impl Store {
             reason: reason.to_string(),
         };
         let txn = Txn::new()
-            .when([Compare::value(
-                epoch_key.clone(),
-                CompareOp::Equal,
-                existing.value().to_vec(),
-            )])
+            .when([
+                Compare::value(
+                    epoch_key.clone(),
+                    CompareOp::Equal,
+                    existing.value().to_vec(),
+                ),
+                // a seal raised meanwhile may carry a higher floor
+                seal_compare,
+            ])
             .and_then([
                 TxnOp::put(epoch_key, encode(&new_record), None),
                 TxnOp::delete(
@@ -640,7 +720,7 @@ impl Store {
         let resp = kv.txn(txn).await.map_err(ArbiterError::store)?;
         if !resp.succeeded() {
             return Err(ArbiterError::BadRequest(
-                "the epoch record changed while advancing; read the status and try again".into(),
+                "the epoch record or the seal changed while advancing; read the status and try again".into(),
             ));
         }
         let deleted = match resp.op_responses().get(1) {

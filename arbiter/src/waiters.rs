@@ -24,6 +24,7 @@ use tracing::{debug, warn};
 
 use crate::error::ArbiterError;
 use crate::store::{Grant, GrantOutcome, GrantRequest, KeyWatch, Store, WatchSignal};
+use crate::test_fault::TestFault;
 
 type Reply = Result<Grant, ArbiterError>;
 type Slot = Arc<Mutex<Option<oneshot::Sender<Reply>>>>;
@@ -44,6 +45,8 @@ pub struct Queues {
     next_id: AtomicU64,
     store: Store,
     poll: Duration,
+    #[cfg_attr(not(feature = "test-faults"), allow(dead_code))]
+    fault: TestFault,
 }
 
 /// The head of a key's queue, as seen by a release that may hand over.
@@ -54,12 +57,13 @@ pub struct Head {
 }
 
 impl Queues {
-    pub fn new(store: Store, poll: Duration) -> Arc<Self> {
+    pub fn new(store: Store, poll: Duration, fault: TestFault) -> Arc<Self> {
         Arc::new(Self {
             keys: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             store,
             poll,
+            fault,
         })
     }
 
@@ -272,6 +276,15 @@ async fn drive(queues: Arc<Queues>, key: String, kick: Arc<Notify>, watch_from: 
             Some(w) => {
                 tokio::select! {
                     signal = w.next() => {
+                        #[cfg(feature = "test-faults")]
+                        if signal != WatchSignal::Lost
+                            && queues.fault == TestFault::GrantOnWatch
+                            && let Some(head) = queues.head_or_retire(&key)
+                        {
+                            let reply = queues.store.grant_blind(&head.req).await;
+                            queues.deliver(&head, reply);
+                            continue;
+                        }
                         if signal == WatchSignal::Lost {
                             debug!(key = %key, "watch lost; polling until re-watched");
                             watch = None;

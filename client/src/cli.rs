@@ -13,6 +13,7 @@ mod classes;
 mod duration;
 mod hold;
 mod inspect;
+mod pause_test;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -88,6 +89,12 @@ enum Command {
     /// Operator calls.
     #[command(subcommand)]
     Admin(admin::AdminCommand),
+    /// Prove a resource is fenced: freeze a holder past its TTL, let a second
+    /// holder write, resume the first and check its write is rejected.
+    PauseTest(pause_test::PauseTestArgs),
+    /// pause-test's first holder (run by pause-test itself).
+    #[command(hide = true)]
+    PauseTestHolder(pause_test::HolderArgs),
 }
 
 /// Why latchctl stops with a non-zero status.
@@ -181,6 +188,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Hold(args) => hold::hold(connect(&cli.global).await?, args, out).await,
         Command::Inspect(args) => inspect::inspect(connect(&cli.global).await?, args, out).await,
         Command::Admin(command) => admin::run(connect(&cli.global).await?, command, out).await,
+        Command::PauseTest(args) => pause_test::run(&cli.global, args, out).await,
+        Command::PauseTestHolder(args) => pause_test::holder(&cli.global, args).await,
     }
 }
 

@@ -3,6 +3,8 @@
 //! the cost report printed beside them in review (ADR-01, -04, -11, -14).
 
 use std::fmt;
+use std::path::Path;
+use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -11,6 +13,7 @@ use crate::date::Date;
 use crate::error::PolicyError;
 use crate::hook::ClassHook;
 use crate::key;
+use crate::pause_test::{self, ClassPauseTest, PauseTestError};
 
 /// Platform TTL range in seconds (ADR-11).
 pub const MIN_TTL_SECONDS: u32 = 5;
@@ -57,6 +60,10 @@ pub struct LockClass {
     /// A Wasm hook run before every grant of the class (policies/HOOKS.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hook: Option<ClassHook>,
+    /// Where the class's pause-test result is (ADR-17): required for a fenced
+    /// class, allowed on an advisory one working towards fencing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_test: Option<ClassPauseTest>,
 }
 
 fn default_ttl_seconds() -> u32 {
@@ -217,6 +224,28 @@ pub enum ClassError {
         value: u32,
         max: u32,
     },
+
+    #[error("pauseTest.{field} {rule}")]
+    PauseTestField {
+        field: &'static str,
+        rule: &'static str,
+    },
+
+    #[error(
+        "enforcement = \"fenced\" but no passing pause test: there is no [class.pauseTest]. \
+         Run `{command}` against the real resource and add [class.pauseTest] with its resource \
+         and result, or declare the class advisory with riskOwner and waiverExpires"
+    )]
+    FencedWithoutPauseTest { command: String },
+
+    #[error(
+        "enforcement = \"fenced\" but no passing pause test: {reason}. Run `{command}` against \
+         the real resource, or declare the class advisory with riskOwner and waiverExpires"
+    )]
+    NoPassingPauseTest {
+        reason: Box<PauseTestError>,
+        command: String,
+    },
 }
 
 /// Why a class name is unusable.
@@ -241,7 +270,9 @@ pub enum NameError {
 impl LockClass {
     /// Checks the platform rules; `today` decides whether a waiver has expired.
     ///
-    /// Reports the first rule broken.
+    /// Reports the first rule broken. A fenced class's pause-test result is a
+    /// file beside the policy, so it is checked apart, by
+    /// [`LockClass::check_pause_test`]; [`crate::PolicySet::load_dir`] does both.
     pub fn validate(&self, today: Date) -> Result<(), PolicyError> {
         self.check(today)
             .map_err(|source| PolicyError::InvalidClass {
@@ -267,6 +298,9 @@ impl LockClass {
         }
         if let Some(hook) = &self.hook {
             hook.check()?;
+        }
+        if let Some(pause_test) = &self.pause_test {
+            pause_test.check()?;
         }
 
         match self.enforcement {
@@ -318,6 +352,44 @@ impl LockClass {
             }
         }
         Ok(())
+    }
+
+    /// ADR-17: a fenced class must name a passing pause-test result that is
+    /// under a year old at `now`, for this class and its resource (and schema
+    /// version, when declared). Reads the result file, relative to
+    /// `policy_dir`; advisory classes pass without reading anything.
+    ///
+    /// Separate from [`LockClass::validate`], which needs no files.
+    pub fn check_pause_test(&self, policy_dir: &Path, now: SystemTime) -> Result<(), PolicyError> {
+        if self.enforcement != Enforcement::Fenced {
+            return Ok(());
+        }
+        let source = match &self.pause_test {
+            None => ClassError::FencedWithoutPauseTest {
+                command: pause_test::kit_command(
+                    &self.name,
+                    None,
+                    &policy_dir
+                        .join("pause-tests")
+                        .join(format!("{}.json", self.name)),
+                ),
+            },
+            Some(spec) => match pause_test::verify(&self.name, spec, policy_dir, now) {
+                Ok(()) => return Ok(()),
+                Err(reason) => ClassError::NoPassingPauseTest {
+                    reason: Box::new(reason),
+                    command: pause_test::kit_command(
+                        &self.name,
+                        Some(&spec.resource),
+                        &policy_dir.join(&spec.result),
+                    ),
+                },
+            },
+        };
+        Err(PolicyError::InvalidClass {
+            class: key::excerpt(&self.name),
+            source,
+        })
     }
 
     /// How often the client sends a keepalive: a third of the TTL, so two
@@ -663,6 +735,49 @@ mod tests {
         }
         .validate(today())
         .unwrap();
+    }
+
+    #[test]
+    fn pause_test_block_is_syntax_checked_here_and_read_elsewhere() {
+        let with_block = |class: &str, result: &str| {
+            parse(&format!(
+                "{class}\n[pauseTest]\nresource = \"postgresql:t.rows\"\nresult = \"{result}\""
+            ))
+        };
+        // No file is read by validate, for either enforcement.
+        with_block(
+            "name = \"demo\"\ntier = \"coord\"\nenforcement = \"fenced\"",
+            "p/demo.json",
+        )
+        .validate(today())
+        .unwrap();
+        fenced().validate(today()).unwrap();
+        let c = LockClass {
+            pause_test: with_block(
+                "name = \"x\"\ntier = \"coord\"\nenforcement = \"fenced\"",
+                "/abs.json",
+            )
+            .pause_test,
+            ..advisory()
+        };
+        assert!(matches!(
+            rule(&c),
+            ClassError::PauseTestField {
+                field: "result",
+                ..
+            }
+        ));
+        // An advisory class reads nothing even through check_pause_test.
+        let c = LockClass {
+            pause_test: with_block(
+                "name = \"x\"\ntier = \"coord\"\nenforcement = \"fenced\"",
+                "p/none.json",
+            )
+            .pause_test,
+            ..advisory()
+        };
+        c.check_pause_test(Path::new("/nonexistent"), SystemTime::now())
+            .unwrap();
     }
 
     #[test]

@@ -10,7 +10,9 @@
 //! enforcement. The [`PolicySet`] itself is built once per policy change by
 //! [`PolicySet::load_dir`] from the Git-reviewed `classes/` and `grants/`
 //! TOML files (ADR-24), and refused whole if any file breaks a rule, so the
-//! caller keeps serving the last good set.
+//! caller keeps serving the last good set. A fenced class is refused unless
+//! the [`PauseTestResult`] it names passed for it, against its resource,
+//! within the last year (ADR-17).
 //!
 //! The crate is pure: no async, no I/O beyond reading the policy files, and
 //! no panics outside tests, because it is also compiled to
@@ -38,6 +40,7 @@ mod fnv;
 mod grants;
 mod hook;
 mod key;
+mod pause_test;
 mod policy_set;
 
 pub use class::{
@@ -55,4 +58,8 @@ pub use hook::{
     MAX_HOOK_MEMORY_MIB, MAX_HOOK_TABLE_ELEMENTS,
 };
 pub use key::{ECHO_CHARS, KeyError, LockKey, MAX_KEY_BYTES};
+pub use pause_test::{
+    ClassPauseTest, PAUSE_TEST_MAX_CLOCK_SKEW, PAUSE_TEST_RESULT_VERSION, PAUSE_TEST_VALID_DAYS,
+    PauseTestError, PauseTestEvidence, PauseTestOutcome, PauseTestResult, WriteOutcome, rfc3339,
+};
 pub use policy_set::{CLASSES_DIR, GRANTS_DIR, PolicyFile, PolicySet, fingerprint};

@@ -5,13 +5,14 @@
 //! ```text
 //! <dir>/classes/*.toml   one or more [[class]] tables per file
 //! <dir>/grants/*.toml    [[grant]] and [[operator]] tables
+//! <dir>/pause-tests/     pause-test results named by fenced classes (by convention)
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io;
-use std::path::{Path, PathBuf};
-use std::time::UNIX_EPOCH;
+use std::path::{Component, Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Deserialize;
 
@@ -46,6 +47,13 @@ pub struct PolicyFile<'a> {
     pub text: &'a str,
 }
 
+/// Where fenced classes' pause-test results are read from, and when.
+#[derive(Clone, Copy)]
+struct PauseTests<'a> {
+    dir: &'a Path,
+    now: SystemTime,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ClassFile {
@@ -77,12 +85,26 @@ struct OperatorTable {
 
 impl PolicySet {
     /// Loads `dir/classes/*.toml` and `dir/grants/*.toml`, in file-name
-    /// order, and validates everything against `today`.
+    /// order, and validates everything: waivers against `today`, and each
+    /// fenced class's pause-test result (ADR-17, read relative to `dir`)
+    /// against the system clock. [`PolicySet::load_dir_at`] takes one clock
+    /// for both.
     ///
     /// Files whose names start with `.` are skipped (editor swap files,
     /// Kubernetes' `..data` links); symlinks are followed. Both
     /// subdirectories must exist; `grants/` may be empty, `classes/` may not.
+    #[cfg(not(all(target_arch = "wasm32", target_os = "unknown")))]
     pub fn load_dir(dir: &Path, today: Date) -> Result<PolicySet, PolicyError> {
+        PolicySet::load(dir, today, SystemTime::now())
+    }
+
+    /// [`PolicySet::load_dir`] at `now`: waivers are checked against its UTC
+    /// date, pause-test results against the instant.
+    pub fn load_dir_at(dir: &Path, now: SystemTime) -> Result<PolicySet, PolicyError> {
+        PolicySet::load(dir, Date::from_system_time(now), now)
+    }
+
+    fn load(dir: &Path, today: Date, now: SystemTime) -> Result<PolicySet, PolicyError> {
         let classes_dir = dir.join(CLASSES_DIR);
         let grants_dir = dir.join(GRANTS_DIR);
         let class_texts = read_all(&classes_dir)?;
@@ -92,6 +114,7 @@ impl PolicySet {
             &as_files(&class_texts),
             &as_files(&grant_texts),
             today,
+            Some(PauseTests { dir, now }),
         )?;
         tracing::debug!(
             dir = %dir.display(),
@@ -105,13 +128,18 @@ impl PolicySet {
     }
 
     /// Builds a set from file texts already in memory, with the same rules
-    /// as [`PolicySet::load_dir`]. `classes` must not be empty.
+    /// as [`PolicySet::load_dir`] except one: pause-test results are files
+    /// beside the policy, so they are not read, and a fenced class is taken
+    /// as the policy directory's loader (the arbiter) already checked it.
+    /// For callers that receive a reviewed set rather than review one (the
+    /// Envoy filter); never the place a class becomes fenced. `classes` must
+    /// not be empty.
     pub fn from_files(
         classes: &[PolicyFile<'_>],
         grants: &[PolicyFile<'_>],
         today: Date,
     ) -> Result<PolicySet, PolicyError> {
-        PolicySet::build(Path::new(CLASSES_DIR), classes, grants, today)
+        PolicySet::build(Path::new(CLASSES_DIR), classes, grants, today, None)
     }
 
     fn build(
@@ -119,6 +147,7 @@ impl PolicySet {
         class_files: &[PolicyFile<'_>],
         grant_files: &[PolicyFile<'_>],
         today: Date,
+        pause_tests: Option<PauseTests<'_>>,
     ) -> Result<PolicySet, PolicyError> {
         if class_files.is_empty() {
             return Err(PolicyError::NoClasses {
@@ -136,6 +165,11 @@ impl PolicySet {
             }
             for class in parsed.class {
                 class.validate(today).map_err(|e| e.in_file(file.path))?;
+                if let Some(PauseTests { dir, now }) = pause_tests {
+                    class
+                        .check_pause_test(dir, now)
+                        .map_err(|e| e.in_file(file.path))?;
+                }
                 if let Some((_, first)) = classes.get(&class.name) {
                     return Err(PolicyError::DuplicateClass {
                         name: class.name,
@@ -215,32 +249,88 @@ impl PolicySet {
 
 /// A cheap change detector for a policy directory: a hash over each
 /// `classes/*.toml` and `grants/*.toml` file's relative path, size,
-/// modification time and contents, in name order. Poll it and reload when
-/// it changes; take it *before* loading, so a change during the load is
-/// seen on the next poll.
+/// modification time and contents, in name order, and over each pause-test
+/// result those classes name (or its absence), so a result that appears,
+/// is renewed or goes bad is a change too. Poll it and reload when it
+/// changes; take it *before* loading, so a change during the load is seen
+/// on the next poll.
 pub fn fingerprint(dir: &Path) -> io::Result<u64> {
     let mut hash = Fnv1a::new();
+    let mut results = BTreeSet::new();
     for sub in [CLASSES_DIR, GRANTS_DIR] {
         let sub_dir = dir.join(sub);
         for path in toml_files(&sub_dir).map_err(|e| with_path(e, &sub_dir))? {
-            let meta = fs::metadata(&path).map_err(|e| with_path(e, &path))?;
-            let mtime_nanos = meta
-                .modified()
-                .ok()
-                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-                .map_or(0, |d| d.as_nanos());
             let contents = fs::read(&path).map_err(|e| with_path(e, &path))?;
-            let mut contents_hash = Fnv1a::new();
-            contents_hash.write(&contents);
-
-            let relative = path.strip_prefix(dir).unwrap_or(&path);
-            hash.write_field(relative.to_string_lossy().as_bytes());
-            hash.write_u64(meta.len());
-            hash.write(&mtime_nanos.to_le_bytes());
-            hash.write_u64(contents_hash.finish());
+            if sub == CLASSES_DIR {
+                results.extend(named_results(&contents));
+            }
+            hash_file(&mut hash, dir, &path, &contents)?;
+        }
+    }
+    // Only paths the load would accept: the fingerprint reads nothing else.
+    let inside = |r: &String| {
+        Path::new(r)
+            .components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+    };
+    for result in results.into_iter().filter(inside) {
+        let path = dir.join(&result);
+        match fs::read(&path) {
+            Ok(contents) => hash_file(&mut hash, dir, &path, &contents)?,
+            Err(_) => {
+                hash.write_field(result.as_bytes());
+                hash.write_field(b"(absent)");
+            }
         }
     }
     Ok(hash.finish())
+}
+
+fn hash_file(hash: &mut Fnv1a, dir: &Path, path: &Path, contents: &[u8]) -> io::Result<()> {
+    let meta = fs::metadata(path).map_err(|e| with_path(e, path))?;
+    let mtime_nanos = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let mut contents_hash = Fnv1a::new();
+    contents_hash.write(contents);
+
+    let relative = path.strip_prefix(dir).unwrap_or(path);
+    hash.write_field(relative.to_string_lossy().as_bytes());
+    hash.write_u64(meta.len());
+    hash.write(&mtime_nanos.to_le_bytes());
+    hash.write_u64(contents_hash.finish());
+    Ok(())
+}
+
+/// The `pauseTest.result` paths a class file names, read leniently: a file
+/// that does not parse names none here, and the load reports it.
+fn named_results(contents: &[u8]) -> Vec<String> {
+    #[derive(Deserialize)]
+    struct Classes {
+        #[serde(default)]
+        class: Vec<Class>,
+    }
+    #[derive(Deserialize)]
+    struct Class {
+        #[serde(default, rename = "pauseTest")]
+        pause_test: Option<Spec>,
+    }
+    #[derive(Deserialize)]
+    struct Spec {
+        result: String,
+    }
+    std::str::from_utf8(contents)
+        .ok()
+        .and_then(|text| toml::from_str::<Classes>(text).ok())
+        .map(|file| {
+            file.class
+                .into_iter()
+                .filter_map(|c| c.pause_test.map(|p| p.result))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn with_path(e: io::Error, path: &Path) -> io::Error {
@@ -289,9 +379,19 @@ fn read_all(dir: &Path) -> Result<Vec<(PathBuf, String)>, PolicyError> {
 mod tests {
     use super::*;
     use crate::class::{Enforcement, Tier};
+    use crate::pause_test::{PauseTestEvidence, PauseTestOutcome, PauseTestResult, WriteOutcome};
+    use std::time::Duration;
+
+    const DAY: Duration = Duration::from_secs(86_400);
+    const RESOURCE: &str = "postgresql:test.rows";
 
     fn today() -> Date {
         Date::parse("2026-01-15").unwrap()
+    }
+
+    /// Noon on `today()`: the clock the loads in these tests run at.
+    fn now() -> SystemTime {
+        humantime::parse_rfc3339("2026-01-15T12:00:00Z").unwrap()
     }
 
     const DEMO_CLASS: &str = r#"
@@ -299,6 +399,9 @@ mod tests {
 name = "demo"
 tier = "coord"
 enforcement = "fenced"
+[class.pauseTest]
+resource = "postgresql:test.rows"
+result = "pause-tests/demo.json"
 "#;
 
     const ALICE_GRANT: &str = r#"
@@ -310,28 +413,103 @@ prefixes = ["demo", "shared/"]
 identity = "spiffe://td/latchkey/operator"
 "#;
 
-    /// A policy directory in a temp dir, from (relative path, text) pairs.
-    fn policy_dir(files: &[(&str, &str)]) -> tempfile::TempDir {
+    /// A fenced class whose pause test is at `pause-tests/<name>.json`.
+    fn fenced_class(name: &str) -> String {
+        format!(
+            "[[class]]\nname = \"{name}\"\ntier = \"entity\"\nenforcement = \"fenced\"\n\
+             [class.pauseTest]\nresource = \"{RESOURCE}\"\nresult = \"pause-tests/{name}.json\"\n"
+        )
+    }
+
+    /// A passing result for `class` against [`RESOURCE`], finished a day before `now()`.
+    fn passing(class: &str) -> PauseTestResult {
+        let finished = now() - DAY;
+        PauseTestResult {
+            version: 1,
+            class: class.into(),
+            resource: RESOURCE.into(),
+            resource_schema_version: None,
+            started_at: finished - Duration::from_secs(21),
+            finished_at: finished,
+            outcome: PauseTestOutcome::Pass,
+            kit: "unit test fixture (not evidence)".into(),
+            evidence: PauseTestEvidence {
+                ttl_seconds: 10,
+                paused_for_ms: 12_400,
+                first_write: WriteOutcome::Accepted,
+                second_holder_write: WriteOutcome::Accepted,
+                second_token_greater: true,
+                stale_write_after_resume: WriteOutcome::Rejected,
+                final_row_from: "second-holder".into(),
+            },
+            failure: None,
+        }
+    }
+
+    fn json(result: &PauseTestResult) -> String {
+        result.to_json_pretty().unwrap()
+    }
+
+    /// A policy directory in a temp dir, from (relative path, text) pairs;
+    /// `demo`'s passing pause test is always there.
+    fn policy_dir<S: AsRef<str>>(files: &[(&str, S)]) -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
         fs::create_dir(dir.path().join(CLASSES_DIR)).unwrap();
         fs::create_dir(dir.path().join(GRANTS_DIR)).unwrap();
+        fs::create_dir(dir.path().join("pause-tests")).unwrap();
+        fs::write(
+            dir.path().join("pause-tests/demo.json"),
+            json(&passing("demo")),
+        )
+        .unwrap();
         for (path, text) in files {
-            fs::write(dir.path().join(path), text).unwrap();
+            let path = dir.path().join(path);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(path, text.as_ref()).unwrap();
         }
         dir
     }
 
-    fn load_err(files: &[(&str, &str)]) -> String {
+    fn load_err<S: AsRef<str>>(files: &[(&str, S)]) -> String {
         let dir = policy_dir(files);
-        PolicySet::load_dir(dir.path(), today())
+        PolicySet::load_dir_at(dir.path(), now())
             .unwrap_err()
             .to_string()
     }
 
+    /// A copy of `dev/` with a fixture result for each fenced class, since
+    /// the real results are produced by the kit against a real resource.
+    fn dev_copy_with_fixtures() -> tempfile::TempDir {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("dev");
+        let dir = policy_dir::<&str>(&[]);
+        for sub in [CLASSES_DIR, GRANTS_DIR] {
+            for path in toml_files(&src.join(sub)).unwrap() {
+                fs::copy(&path, dir.path().join(sub).join(path.file_name().unwrap())).unwrap();
+            }
+        }
+        let classes = read_all(&dir.path().join(CLASSES_DIR)).unwrap();
+        let set = PolicySet::from_files(&as_files(&classes), &[], Date::today_utc()).unwrap();
+        for class in set.classes().values() {
+            if let Some(spec) = &class.pause_test {
+                let result = PauseTestResult {
+                    class: class.name.clone(),
+                    resource: spec.resource.clone(),
+                    resource_schema_version: spec.schema_version.clone(),
+                    finished_at: SystemTime::now() - DAY,
+                    started_at: SystemTime::now() - DAY,
+                    ..passing("")
+                };
+                fs::write(dir.path().join(&spec.result), json(&result)).unwrap();
+            }
+        }
+        dir
+    }
+
     #[test]
     fn loads_the_dev_policies() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("dev");
-        let set = PolicySet::load_dir(&dir, Date::today_utc()).unwrap_or_else(|e| panic!("{e}"));
+        let dir = dev_copy_with_fixtures();
+        let dir = dir.path();
+        let set = PolicySet::load_dir(dir, Date::today_utc()).unwrap_or_else(|e| panic!("{e}"));
 
         for name in ["demo", "payments-ledger", "batch-report", "short"] {
             assert!(set.class(name).is_some(), "missing class {name}");
@@ -376,18 +554,50 @@ identity = "spiffe://td/latchkey/operator"
         assert!(!set.is_operator(&id("alice")));
 
         assert_eq!(set.review(100).len(), set.classes().len());
-        fingerprint(&dir).unwrap();
+        fingerprint(dir).unwrap();
+    }
+
+    /// ADR-17 in the dev policies: every fenced class names its pause test
+    /// against the dev table, at `pause-tests/<class>.json`; `windowed`,
+    /// which cannot be pause-tested on a weekday, is advisory.
+    #[test]
+    fn dev_fenced_classes_name_their_pause_tests() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("dev");
+        let classes = read_all(&src.join(CLASSES_DIR)).unwrap();
+        let set = PolicySet::from_files(&as_files(&classes), &[], Date::today_utc()).unwrap();
+        let mut fenced = Vec::new();
+        for class in set.classes().values() {
+            if class.enforcement != Enforcement::Fenced {
+                continue;
+            }
+            fenced.push(class.name.as_str());
+            let spec = class
+                .pause_test
+                .as_ref()
+                .unwrap_or_else(|| panic!("{} has no [class.pauseTest]", class.name));
+            assert_eq!(spec.resource, "postgresql:dev.latchkey_fenced_rows");
+            assert_eq!(spec.result, format!("pause-tests/{}.json", class.name));
+        }
+        fenced.sort_unstable();
+        assert_eq!(
+            fenced,
+            ["demo", "payments-ledger", "quota", "short", "ticketed"]
+        );
+        let windowed = set.class("windowed").unwrap();
+        assert_eq!(windowed.enforcement, Enforcement::Advisory);
+        assert_eq!(
+            windowed.risk_owner.as_deref(),
+            Some("team-platform@example.com")
+        );
     }
 
     #[test]
     fn loads_and_merges_across_files() {
         let dir = policy_dir(&[
             ("classes/a.toml", DEMO_CLASS),
-            (
-                "classes/b.toml",
-                "[[class]]\nname = \"x\"\ntier = \"entity\"\nenforcement = \"fenced\"\n\
-                 [[class]]\nname = \"y\"\ntier = \"entity\"\nenforcement = \"fenced\"\n",
-            ),
+            ("classes/b.toml", &(fenced_class("x") + &fenced_class("y"))),
+            ("pause-tests/x.json", &json(&passing("x"))),
+            ("pause-tests/y.json", &json(&passing("y"))),
             ("grants/a.toml", ALICE_GRANT),
             (
                 "grants/b.toml",
@@ -396,7 +606,7 @@ identity = "spiffe://td/latchkey/operator"
             ("classes/notes.md", "not policy"),
             ("classes/.swap.toml", "garbage ["),
         ]);
-        let set = PolicySet::load_dir(dir.path(), today()).unwrap();
+        let set = PolicySet::load_dir_at(dir.path(), now()).unwrap();
         assert_eq!(set.classes().keys().collect::<Vec<_>>(), ["demo", "x", "y"]);
         assert_eq!(
             set.grants()
@@ -413,7 +623,7 @@ identity = "spiffe://td/latchkey/operator"
             ("classes/a.toml", DEMO_CLASS),
             ("grants/a.toml", ALICE_GRANT),
         ]);
-        let loaded = PolicySet::load_dir(dir.path(), today()).unwrap();
+        let loaded = PolicySet::load_dir_at(dir.path(), now()).unwrap();
         let built = PolicySet::from_files(
             &[PolicyFile {
                 path: Path::new("classes/a.toml"),
@@ -432,7 +642,7 @@ identity = "spiffe://td/latchkey/operator"
     #[test]
     fn empty_classes_dir_is_refused() {
         let dir = policy_dir(&[("grants/a.toml", ALICE_GRANT)]);
-        let err = PolicySet::load_dir(dir.path(), today())
+        let err = PolicySet::load_dir_at(dir.path(), now())
             .unwrap_err()
             .to_string();
         let expected = format!(
@@ -445,7 +655,7 @@ identity = "spiffe://td/latchkey/operator"
     #[test]
     fn missing_subdirectory_is_named() {
         let dir = tempfile::tempdir().unwrap();
-        let err = PolicySet::load_dir(dir.path(), today())
+        let err = PolicySet::load_dir_at(dir.path(), now())
             .unwrap_err()
             .to_string();
         assert!(
@@ -508,7 +718,7 @@ identity = "spiffe://td/latchkey/operator"
             ("classes/a.toml", DEMO_CLASS),
             ("classes/b.toml", DEMO_CLASS),
         ]);
-        let err = PolicySet::load_dir(dir.path(), today()).unwrap_err();
+        let err = PolicySet::load_dir_at(dir.path(), now()).unwrap_err();
         match &err {
             PolicyError::DuplicateClass {
                 name,
@@ -570,6 +780,297 @@ identity = "spiffe://td/latchkey/operator"
             ),
         ]);
         assert!(err.contains("g.toml: grant for spiffe://td/a has an invalid prefix: lock key has an empty path segment"), "{err}");
+    }
+
+    /// The load error for a fenced class "ledger" whose result is `result`
+    /// (None: no file), after "<dir>/classes/l.toml: ".
+    fn ledger_err(class_toml: &str, result: Option<&str>) -> String {
+        let mut files = vec![("classes/l.toml", class_toml)];
+        if let Some(result) = result {
+            files.push(("pause-tests/ledger.json", result));
+        }
+        let dir = policy_dir(&files);
+        let err = PolicySet::load_dir_at(dir.path(), now())
+            .unwrap_err()
+            .to_string();
+        let prefix = format!("{}: ", dir.path().join("classes/l.toml").display());
+        let rest = err.strip_prefix(&prefix).unwrap_or_else(|| panic!("{err}"));
+        rest.replace(&dir.path().display().to_string(), "<dir>")
+    }
+
+    const RUN_LEDGER: &str = "Run `latchctl pause-test --class ledger --resource \
+        postgresql:test.rows --out <dir>/pause-tests/ledger.json` against the real resource, \
+        or declare the class advisory with riskOwner and waiverExpires";
+
+    fn refused(reason: &str) -> String {
+        format!(
+            "lock class \"ledger\": enforcement = \"fenced\" but no passing pause test: \
+             {reason}. {RUN_LEDGER}"
+        )
+    }
+
+    #[test]
+    fn a_fenced_class_loads_with_a_passing_pause_test() {
+        let dir = policy_dir(&[
+            ("classes/l.toml", fenced_class("ledger").as_str()),
+            ("pause-tests/ledger.json", &json(&passing("ledger"))),
+        ]);
+        let set = PolicySet::load_dir_at(dir.path(), now()).unwrap();
+        let ledger = set.class("ledger").unwrap();
+        assert_eq!(ledger.enforcement, Enforcement::Fenced);
+        assert_eq!(
+            ledger.pause_test.as_ref().map(|p| p.result.as_str()),
+            Some("pause-tests/ledger.json")
+        );
+        // A declared schema version that the result records.
+        let with_schema = fenced_class("ledger") + "schemaVersion = \"7\"\n";
+        let result = PauseTestResult {
+            resource_schema_version: Some("7".into()),
+            ..passing("ledger")
+        };
+        let dir = policy_dir(&[
+            ("classes/l.toml", with_schema.as_str()),
+            ("pause-tests/ledger.json", &json(&result)),
+        ]);
+        PolicySet::load_dir_at(dir.path(), now()).unwrap();
+        // load_dir, on the system clock, agrees about a fresh result.
+        let fresh = PauseTestResult {
+            finished_at: SystemTime::now(),
+            ..passing("ledger")
+        };
+        let dir = policy_dir(&[
+            ("classes/l.toml", fenced_class("ledger").as_str()),
+            ("pause-tests/ledger.json", &json(&fresh)),
+        ]);
+        PolicySet::load_dir(dir.path(), Date::today_utc()).unwrap();
+    }
+
+    #[test]
+    fn a_fenced_class_without_its_result_file_is_refused() {
+        assert_eq!(
+            ledger_err(&fenced_class("ledger"), None),
+            refused("pause-tests/ledger.json does not exist")
+        );
+    }
+
+    #[test]
+    fn a_fenced_class_without_a_pause_test_block_is_refused() {
+        assert_eq!(
+            ledger_err(
+                "[[class]]\nname = \"ledger\"\ntier = \"entity\"\nenforcement = \"fenced\"\n",
+                None
+            ),
+            "lock class \"ledger\": enforcement = \"fenced\" but no passing pause test: there \
+             is no [class.pauseTest]. Run `latchctl pause-test --class ledger --resource \
+             <kind>:<name> --out <dir>/pause-tests/ledger.json` against the real resource and \
+             add [class.pauseTest] with its resource and result, or declare the class advisory \
+             with riskOwner and waiverExpires"
+        );
+    }
+
+    #[test]
+    fn an_unparsable_result_is_refused() {
+        let err = ledger_err(&fenced_class("ledger"), Some("{\"version\": 1,"));
+        assert_eq!(
+            err,
+            refused(
+                "pause-tests/ledger.json is not a pause-test result (EOF while parsing a value \
+                 at line 1 column 14)"
+            )
+        );
+
+        let err = ledger_err(
+            &fenced_class("ledger"),
+            Some(&json(&passing("ledger")).replace("\"kit\"", "\"kitt\"")),
+        );
+        assert!(err.contains("unknown field `kitt`"), "{err}");
+        let err = ledger_err(
+            &fenced_class("ledger"),
+            Some(&json(&passing("ledger")).replace("2026-01-14T12:00:00Z", "yesterday")),
+        );
+        assert!(
+            err.contains(
+                "is not a pause-test result (\"yesterday\" is not an RFC 3339 UTC timestamp"
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_result_for_another_class_or_resource_is_refused() {
+        assert_eq!(
+            ledger_err(&fenced_class("ledger"), Some(&json(&passing("demo")))),
+            refused("pause-tests/ledger.json is the result for class \"demo\", not this one")
+        );
+        let elsewhere = PauseTestResult {
+            resource: "postgresql:staging.rows".into(),
+            ..passing("ledger")
+        };
+        assert_eq!(
+            ledger_err(&fenced_class("ledger"), Some(&json(&elsewhere))),
+            refused(
+                "pause-tests/ledger.json tested resource \"postgresql:staging.rows\", but \
+                 [class.pauseTest] names \"postgresql:test.rows\""
+            )
+        );
+        let old = PauseTestResult {
+            version: 2,
+            ..passing("ledger")
+        };
+        assert_eq!(
+            ledger_err(&fenced_class("ledger"), Some(&json(&old))),
+            refused("pause-tests/ledger.json has result version 2; this release reads version 1")
+        );
+    }
+
+    #[test]
+    fn a_failed_pause_test_is_refused() {
+        let failed = PauseTestResult {
+            outcome: PauseTestOutcome::Fail,
+            failure: Some("the stale write after resume was accepted".into()),
+            evidence: PauseTestEvidence {
+                stale_write_after_resume: WriteOutcome::Accepted,
+                final_row_from: "first-holder".into(),
+                ..passing("ledger").evidence
+            },
+            ..passing("ledger")
+        };
+        assert_eq!(
+            ledger_err(&fenced_class("ledger"), Some(&json(&failed))),
+            refused(
+                "the pause test in pause-tests/ledger.json failed at 2026-01-14T12:00:00Z: the \
+                 stale write after resume was accepted"
+            )
+        );
+    }
+
+    #[test]
+    fn a_schema_version_mismatch_is_refused() {
+        let class = fenced_class("ledger") + "schemaVersion = \"8\"\n";
+        let result = PauseTestResult {
+            resource_schema_version: Some("7".into()),
+            ..passing("ledger")
+        };
+        assert_eq!(
+            ledger_err(&class, Some(&json(&result))),
+            refused(
+                "pause-tests/ledger.json was run against resource schema version \"7\", but \
+                 [class.pauseTest] declares schemaVersion = \"8\": the schema changed since the \
+                 test"
+            )
+        );
+        assert_eq!(
+            ledger_err(&class, Some(&json(&passing("ledger")))),
+            refused(
+                "pause-tests/ledger.json was run against resource schema version (none \
+                 recorded), but [class.pauseTest] declares schemaVersion = \"8\": the schema \
+                 changed since the test"
+            )
+        );
+    }
+
+    #[test]
+    fn a_result_older_than_a_year_is_refused() {
+        let old = PauseTestResult {
+            finished_at: now() - 366 * DAY,
+            ..passing("ledger")
+        };
+        assert_eq!(
+            ledger_err(&fenced_class("ledger"), Some(&json(&old))),
+            refused(
+                "the pause test passed on 2025-01-14 and expired on 2026-01-14 (results last \
+                 365 days), so it must be run again"
+            )
+        );
+        let year_old = PauseTestResult {
+            finished_at: now() - 365 * DAY,
+            ..passing("ledger")
+        };
+        let dir = policy_dir(&[
+            ("classes/l.toml", fenced_class("ledger").as_str()),
+            ("pause-tests/ledger.json", &json(&year_old)),
+        ]);
+        PolicySet::load_dir_at(dir.path(), now()).unwrap();
+    }
+
+    #[test]
+    fn a_result_from_the_future_is_refused() {
+        let ahead = PauseTestResult {
+            finished_at: now() + DAY + Duration::from_secs(1),
+            ..passing("ledger")
+        };
+        assert_eq!(
+            ledger_err(&fenced_class("ledger"), Some(&json(&ahead))),
+            refused(
+                "pause-tests/ledger.json finished at 2026-01-16T12:00:01Z, more than a day after \
+                 now (2026-01-15T12:00:00Z): check the clock of the machine that ran the kit"
+            )
+        );
+        // Within a day ahead is clock skew, and fine.
+        let skewed = PauseTestResult {
+            finished_at: now() + DAY,
+            ..passing("ledger")
+        };
+        let dir = policy_dir(&[
+            ("classes/l.toml", fenced_class("ledger").as_str()),
+            ("pause-tests/ledger.json", &json(&skewed)),
+        ]);
+        PolicySet::load_dir_at(dir.path(), now()).unwrap();
+    }
+
+    #[test]
+    fn an_advisory_class_may_name_a_pause_test_it_does_not_have_yet() {
+        let advisory = "[[class]]\nname = \"ledger\"\ntier = \"entity\"\nenforcement = \"advisory\"\n\
+            ttlSeconds = 30\nriskOwner = \"team@example.com\"\nwaiverExpires = \"2027-06-30\"\n\
+            [class.pauseTest]\nresource = \"postgresql:test.rows\"\nresult = \"pause-tests/ledger.json\"\n";
+        let dir = policy_dir(&[("classes/l.toml", advisory)]);
+        let set = PolicySet::load_dir_at(dir.path(), now()).unwrap();
+        assert!(set.class("ledger").unwrap().pause_test.is_some());
+
+        // Syntax is still checked.
+        let bad = advisory.replace("pause-tests/ledger.json", "../ledger.json");
+        let err = load_err(&[("classes/l.toml", bad.as_str())]);
+        assert!(
+            err.ends_with(
+                "l.toml: lock class \"ledger\": pauseTest.result must be a .json path inside the \
+                 policy directory, relative to it, e.g. \"pause-tests/payments-ledger.json\""
+            ),
+            "{err}"
+        );
+        let typo = advisory.replace("result =", "results =");
+        let err = load_err(&[("classes/l.toml", typo.as_str())]);
+        assert!(err.contains("unknown field `results`"), "{err}");
+    }
+
+    #[test]
+    fn from_files_does_not_read_pause_tests() {
+        let text = fenced_class("ledger");
+        PolicySet::from_files(
+            &[PolicyFile {
+                path: Path::new("classes/l.toml"),
+                text: &text,
+            }],
+            &[],
+            today(),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn fingerprint_sees_pause_test_results() {
+        let dir = policy_dir(&[("classes/l.toml", fenced_class("ledger").as_str())]);
+        let absent = fingerprint(dir.path()).unwrap();
+        assert_eq!(absent, fingerprint(dir.path()).unwrap());
+        let result = dir.path().join("pause-tests/ledger.json");
+        fs::write(&result, json(&passing("ledger"))).unwrap();
+        let present = fingerprint(dir.path()).unwrap();
+        assert_ne!(absent, present);
+        fs::write(&result, json(&passing("other"))).unwrap();
+        assert_ne!(present, fingerprint(dir.path()).unwrap());
+        // Results no class names do not count.
+        let named = fingerprint(dir.path()).unwrap();
+        fs::write(dir.path().join("pause-tests/unused.json"), "{}").unwrap();
+        assert_eq!(named, fingerprint(dir.path()).unwrap());
     }
 
     #[test]

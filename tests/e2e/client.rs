@@ -15,7 +15,7 @@ use latchkey_client::{Client, ClientConfig, Error, FenceReason, Reason, TlsFiles
 use latchkey_policies::{Date, PolicySet};
 use latchkey_tests::arbiter::{certs, spiffe};
 use latchkey_tests::etcd::EtcdServer;
-use latchkey_tests::{eventually, workspace_root};
+use latchkey_tests::eventually;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -546,13 +546,13 @@ async fn latchctl_holds_acquires_inspects_and_releases_on_the_real_arbiter() -> 
 
 #[tokio::test(flavor = "multi_thread")]
 async fn latchctl_classes_check_prints_one_review_line_per_class() -> anyhow::Result<()> {
-    let policies = workspace_root().join("policies/dev");
-    let expected = PolicySet::load_dir(&policies, Date::today_utc())?;
+    let policies = latchkey_tests::dev_policies()?;
+    let expected = PolicySet::load_dir(policies, Date::today_utc())?;
     // No endpoint or certificates needed: this never dials.
     let out = run(Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"))
         .env_clear()
         .args(["classes", "check"])
-        .arg(&policies)
+        .arg(policies)
         .kill_on_drop(true))
     .await?;
     ensure!(out.status.success(), "classes check: {}", text(&out.stderr));

@@ -784,6 +784,7 @@ async fn a_grant_change_reaches_the_edge_without_a_reload() -> anyhow::Result<()
             std::fs::copy(f.path(), policies.path().join(sub).join(f.file_name()))?;
         }
     }
+    latchkey_tests::write_pause_test_fixtures(policies.path())?;
     let opts = ArbiterOptions {
         policies_dir: policies.path().to_path_buf(),
         ..ArbiterOptions::default()

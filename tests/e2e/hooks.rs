@@ -21,6 +21,7 @@ use crate::support::{Client, open, release};
 
 async fn hooked(policies: &Path) -> anyhow::Result<(EtcdServer, HookedArbiter)> {
     latchkey_tests::init_tracing();
+    latchkey_tests::write_pause_test_fixtures(policies)?;
     let etcd = EtcdServer::start().await?;
     let arbiter = HookedArbiter::start(&etcd, policies).await?;
     Ok((etcd, arbiter))
@@ -68,10 +69,12 @@ fn hook_refusal<T: std::fmt::Debug>(
     }
 }
 
-/// A class file with one hooked class.
+/// A class file with one hooked class (fenced: `hooked` writes its pause-test fixture).
 fn class(name: &str, module: &Path, hook_extra: &str) -> String {
     format!(
-        "[[class]]\nname = \"{name}\"\ntier = \"coord\"\nenforcement = \"fenced\"\n[class.hook]\nmodule = \"{}\"\n{hook_extra}\n",
+        "[[class]]\nname = \"{name}\"\ntier = \"coord\"\nenforcement = \"fenced\"\n\
+         [class.pauseTest]\nresource = \"postgresql:test.{name}\"\nresult = \"pause-tests/{name}.json\"\n\
+         [class.hook]\nmodule = \"{}\"\n{hook_extra}\n",
         module.display()
     )
 }

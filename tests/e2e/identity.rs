@@ -255,7 +255,7 @@ async fn insecure_dev_mode_takes_the_caller_from_its_header() -> anyhow::Result<
     let state = tempfile::tempdir()?;
     let config = latchkey_arbiter::Config::new(
         vec![etcd.endpoint()],
-        latchkey_tests::workspace_root().join("policies/dev"),
+        latchkey_tests::dev_policies()?.to_path_buf(),
         state.path().to_path_buf(),
     ); // tls: None = insecure dev mode
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -4,11 +4,14 @@
 //! harnesses in `latchkey_tests`.
 
 mod client;
+mod cluster;
 mod edge;
 mod etcd_harness;
+mod gate;
 mod grants;
 mod hooks;
 mod identity;
+mod pause_test;
 mod policies;
 mod seal;
 mod support;

@@ -29,6 +29,7 @@ fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
 async fn policy_files_reload_and_a_bad_change_keeps_the_last_good_set() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     copy_dir(&workspace_root().join("policies/dev"), dir.path())?;
+    latchkey_tests::write_pause_test_fixtures(dir.path())?;
     let s = stack_with(ArbiterOptions {
         policies_dir: dir.path().to_path_buf(),
         ..Default::default()
@@ -47,10 +48,16 @@ async fn policy_files_reload_and_a_bad_change_keeps_the_last_good_set() -> anyho
         "NOT_AUTHORISED",
     )?;
 
-    // a reviewed change lands: a new class and a new grant
+    // a reviewed change lands: a new class (with its pause test) and a new grant
+    let fixture = latchkey_tests::pause_test_fixture("reports", "postgresql:test.reports");
+    std::fs::write(
+        dir.path().join("pause-tests/reports.json"),
+        fixture.to_json_pretty()?,
+    )?;
     std::fs::write(
         dir.path().join("classes/reports.toml"),
-        "[[class]]\nname = \"reports\"\ntier = \"entity\"\nenforcement = \"fenced\"\nttlSeconds = 20\n",
+        "[[class]]\nname = \"reports\"\ntier = \"entity\"\nenforcement = \"fenced\"\nttlSeconds = 20\n\
+         [class.pauseTest]\nresource = \"postgresql:test.reports\"\nresult = \"pause-tests/reports.json\"\n",
     )?;
     std::fs::write(
         dir.path().join("grants/reports.toml"),

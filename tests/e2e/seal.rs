@@ -208,3 +208,84 @@ async fn a_restore_to_before_an_epoch_advance_is_sealed_too() -> anyhow::Result<
     .await?;
     Ok(())
 }
+
+/// Waits until opening a session on `c` is refused with SEALED.
+async fn wait_sealed(c: &Client) -> anyhow::Result<()> {
+    eventually("sealed", Duration::from_secs(20), || {
+        let mut c = c.clone();
+        async move {
+            match open(&mut c, "demo").await {
+                Err(e) => {
+                    let st = status_of(e);
+                    anyhow::ensure!(refusal(&st).1 == "SEALED", "{st}");
+                    Ok(())
+                }
+                Ok(_) => anyhow::bail!("served"),
+            }
+        }
+    })
+    .await
+}
+
+/// Found by the release gate: restoring the same snapshot twice put etcd's
+/// epoch record back to 1 both times, and the second advance moved it to 2
+/// again — an epoch that had already issued tokens. The arbiter that had
+/// granted in epoch 2 stayed sealed for good; an arbiter without that memory
+/// would have issued epoch-2 tokens below earlier ones. The advance now goes
+/// above every epoch a sealing arbiter has used.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_restore_of_the_same_snapshot_never_reuses_an_epoch() -> anyhow::Result<()> {
+    let mut s = stack().await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    churn(&mut alice, session, 2).await?;
+    let snapshot = tempfile::NamedTempFile::new()?;
+    s.etcd.snapshot_save(snapshot.path()).await?;
+    churn(&mut alice, session, 5).await?;
+    let mut op = s.arbiter.admin("latchkey/operator").await?;
+
+    // first restore: sealed, advanced to epoch 2, many grants in epoch 2
+    s.etcd.restore(snapshot.path(), RestoreFlags::Same).await?;
+    wait_sealed(&alice).await?;
+    let first = op
+        .advance_epoch(AdvanceEpochRequest {
+            expected_epoch: 1,
+            reason: "first restore".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(first.epoch, 2);
+    let session = open(&mut alice, "demo").await?;
+    let epoch2_high = churn(&mut alice, session, 30).await?;
+    assert_eq!(epoch2_high >> 48, 2);
+
+    // second restore of the same snapshot: etcd says epoch 1 again
+    s.etcd.restore(snapshot.path(), RestoreFlags::Same).await?;
+    wait_sealed(&alice).await?;
+    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    assert_eq!(status.epoch, 1, "the restored record: {status:?}");
+    let second = op
+        .advance_epoch(AdvanceEpochRequest {
+            expected_epoch: 1,
+            reason: "second restore".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(second.epoch, 3, "epoch 2 already issued tokens");
+
+    // the arbiter that granted in epoch 2 serves again, and so does one with
+    // no memory at all; every token is above every epoch-2 token
+    let fresh = Arbiter::start(&s.etcd, ArbiterOptions::default()).await?;
+    for a in [&s.arbiter, &fresh] {
+        let mut c = a.lock("workload/alice").await?;
+        let session = open(&mut c, "demo").await?;
+        let g = try_lock(&mut c, "demo/after", "demo", session).await?;
+        assert_eq!(g.epoch, 3);
+        assert!(
+            g.token > epoch2_high,
+            "token regression after the second restore"
+        );
+        release(&mut c, &g).await?;
+    }
+    Ok(())
+}

@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 use crate::etcd::EtcdServer;
-use crate::{eventually, workspace_root};
+use crate::eventually;
 
 pub const TRUST_DOMAIN: &str = "dev.latchkey";
 pub use latchkey_client::dev_certs::DEV_NAMES as NAMES;
@@ -62,7 +62,10 @@ pub struct ArbiterOptions {
 impl Default for ArbiterOptions {
     fn default() -> Self {
         Self {
-            policies_dir: workspace_root().join("policies/dev"),
+            // policies/dev, with fixture pause-test results (ADR-17).
+            policies_dir: crate::dev_policies()
+                .map(Path::to_path_buf)
+                .unwrap_or_else(|e| panic!("{e:#}")),
             prefix: "/latchkey".into(),
             edge_identity: None,
             retry_poll: Duration::from_millis(500),
@@ -250,13 +253,29 @@ impl ArbiterProcess {
         opts: ArbiterOptions,
         rust_log: &str,
     ) -> anyhow::Result<Self> {
+        Self::start_with(binary, &[etcd.endpoint()], None, opts, rust_log, &[]).await
+    }
+
+    /// [`ArbiterProcess::start`] against any etcd endpoints, on `listen` (a
+    /// free port when `None`; pass the old address to restart in place) and
+    /// with extra flags.
+    pub async fn start_with(
+        binary: &Path,
+        etcd_endpoints: &[String],
+        listen: Option<SocketAddr>,
+        opts: ArbiterOptions,
+        rust_log: &str,
+        extra_args: &[String],
+    ) -> anyhow::Result<Self> {
         let certs = certs()?;
         let dir = TempDir::new()?;
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-            l.local_addr()?.port()
+        let addr: SocketAddr = match listen {
+            Some(addr) => addr,
+            None => {
+                let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+                l.local_addr()?
+            }
         };
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let state = opts
             .state_dir
             .clone()
@@ -268,7 +287,7 @@ impl ArbiterProcess {
         cmd.arg("--listen")
             .arg(addr.to_string())
             .arg("--etcd")
-            .arg(etcd.endpoint())
+            .arg(etcd_endpoints.join(","))
             .arg("--prefix")
             .arg(&opts.prefix)
             .arg("--policies")
@@ -291,6 +310,7 @@ impl ArbiterProcess {
         if let Some(edge) = &opts.edge_identity {
             cmd.arg("--edge-identity").arg(edge);
         }
+        cmd.args(extra_args);
         let child = cmd
             .spawn()
             .with_context(|| format!("spawn {}", binary.display()))?;

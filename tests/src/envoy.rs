@@ -47,8 +47,8 @@ pub fn envoy_binary() -> PathBuf {
 /// `policies/dev` (the same table the arbiter loads), a refresh from the arbiter
 /// cluster, and the given overrides merged on top.
 pub fn dev_filter_config(overrides: Value) -> anyhow::Result<Value> {
-    let set = PolicySet::load_dir(&workspace_root().join("policies/dev"), Date::today_utc())
-        .context("policies/dev")?;
+    let set =
+        PolicySet::load_dir(crate::dev_policies()?, Date::today_utc()).context("policies/dev")?;
     let grants: Vec<Value> = set
         .grants()
         .identities()

@@ -339,12 +339,12 @@ fn free_port_pair() -> anyhow::Result<(u16, u16)> {
     Ok((a.local_addr()?.port(), b.local_addr()?.port()))
 }
 
-fn path_str(path: &Path) -> anyhow::Result<&str> {
+pub(crate) fn path_str(path: &Path) -> anyhow::Result<&str> {
     path.to_str()
         .with_context(|| format!("path is not UTF-8: {}", path.display()))
 }
 
-async fn run_etcdctl(args: &[&str]) -> anyhow::Result<()> {
+pub(crate) async fn run_etcdctl(args: &[&str]) -> anyhow::Result<()> {
     let output = tokio::process::Command::new(ETCDCTL_BIN)
         .env("ETCDCTL_API", "3")
         .args(args)

@@ -172,16 +172,6 @@ impl Drop for HookedArbiter {
 pub fn dev_policies_copy() -> anyhow::Result<TempDir> {
     all_hooks()?;
     let dir = TempDir::new()?;
-    let src = workspace_root().join("policies/dev");
-    for sub in ["classes", "grants"] {
-        std::fs::create_dir_all(dir.path().join(sub))?;
-        for entry in std::fs::read_dir(src.join(sub))? {
-            let entry = entry?;
-            let text = std::fs::read_to_string(entry.path())?;
-            let wasm = workspace_root().join("target/wasm");
-            let text = text.replace("../../target/wasm", &wasm.display().to_string());
-            std::fs::write(dir.path().join(sub).join(entry.file_name()), text)?;
-        }
-    }
+    crate::copy_dev_policies(dir.path())?;
     Ok(dir)
 }

@@ -6,11 +6,16 @@
 //! drop, and every wait is a poll with a deadline ([`eventually`]), never a fixed sleep.
 
 use std::future::Future;
-use std::path::PathBuf;
-use std::sync::Once;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::sync::{Once, OnceLock};
+use std::time::{Duration, SystemTime};
 
-use anyhow::bail;
+use anyhow::{Context, bail};
+use latchkey_policies::{
+    Date, Enforcement, PauseTestEvidence, PauseTestOutcome, PauseTestResult, PolicyFile, PolicySet,
+    WriteOutcome,
+};
+use tempfile::TempDir;
 use tokio::time::Instant;
 
 pub mod arbiter;
@@ -55,6 +60,124 @@ pub fn workspace_root() -> PathBuf {
         .parent()
         .map(PathBuf::from)
         .unwrap_or(manifest_dir)
+}
+
+/// The `kit` of every fixture result: a test's stand-in for the pause-test kit's
+/// output, never evidence that a resource is fenced (ADR-17).
+pub const PAUSE_TEST_FIXTURE_KIT: &str = "test fixture (not evidence)";
+
+/// A passing pause-test result for `class` against `resource`, finished just now,
+/// as the kit would write it, for test policy directories only.
+pub fn pause_test_fixture(class: &str, resource: &str) -> PauseTestResult {
+    let finished = SystemTime::now();
+    PauseTestResult {
+        version: latchkey_policies::PAUSE_TEST_RESULT_VERSION,
+        class: class.into(),
+        resource: resource.into(),
+        resource_schema_version: None,
+        started_at: finished - Duration::from_secs(21),
+        finished_at: finished,
+        outcome: PauseTestOutcome::Pass,
+        kit: PAUSE_TEST_FIXTURE_KIT.into(),
+        evidence: PauseTestEvidence {
+            ttl_seconds: 10,
+            paused_for_ms: 12_400,
+            first_write: WriteOutcome::Accepted,
+            second_holder_write: WriteOutcome::Accepted,
+            second_token_greater: true,
+            stale_write_after_resume: WriteOutcome::Rejected,
+            final_row_from: "second-holder".into(),
+        },
+        failure: None,
+    }
+}
+
+/// Writes a [`pause_test_fixture`] for every fenced class in `policy_dir/classes/*.toml`
+/// that names a pause test, where its `[class.pauseTest] result` says, so a test copy of
+/// a policy directory loads (the real results come from the kit against a real
+/// resource). Files that do not load are skipped: the arbiter reports them. Refuses to
+/// write under the repository's `policies/`.
+pub fn write_pause_test_fixtures(policy_dir: &Path) -> anyhow::Result<()> {
+    let repo_policies = workspace_root().join("policies");
+    let canonical = policy_dir.canonicalize()?;
+    if repo_policies
+        .canonicalize()
+        .is_ok_and(|p| canonical.starts_with(p))
+    {
+        bail!(
+            "refusing to write pause-test fixtures into {}: fixtures are for test copies only",
+            policy_dir.display()
+        );
+    }
+    for entry in std::fs::read_dir(policy_dir.join("classes"))? {
+        let path = entry?.path();
+        if path.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path)?;
+        let file = PolicyFile {
+            path: &path,
+            text: &text,
+        };
+        let Ok(set) = PolicySet::from_files(&[file], &[], Date::today_utc()) else {
+            continue;
+        };
+        for class in set.classes().values() {
+            let Some(spec) = &class.pause_test else {
+                continue;
+            };
+            if class.enforcement != Enforcement::Fenced {
+                continue;
+            }
+            let fixture = PauseTestResult {
+                resource_schema_version: spec.schema_version.clone(),
+                ..pause_test_fixture(&class.name, &spec.resource)
+            };
+            let out = policy_dir.join(&spec.result);
+            if let Some(parent) = out.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            std::fs::write(&out, fixture.to_json_pretty()?)
+                .with_context(|| format!("writing {}", out.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Copies `policies/dev` (its `classes/` and `grants/`) into `to`, with hook module
+/// paths made absolute and fixture pause-test results, so the copy loads as the
+/// original will once its real results are in.
+pub fn copy_dev_policies(to: &Path) -> anyhow::Result<()> {
+    let src = workspace_root().join("policies/dev");
+    let wasm = workspace_root().join("target/wasm");
+    for sub in ["classes", "grants"] {
+        std::fs::create_dir_all(to.join(sub))?;
+        for entry in std::fs::read_dir(src.join(sub))? {
+            let entry = entry?;
+            let text = std::fs::read_to_string(entry.path())?;
+            let text = text.replace("../../target/wasm", &wasm.display().to_string());
+            std::fs::write(to.join(sub).join(entry.file_name()), text)?;
+        }
+    }
+    write_pause_test_fixtures(to)
+}
+
+/// One read-only [`copy_dev_policies`] for this test process: the default policy
+/// directory of the harnesses. Tests that change policies make their own copy.
+pub fn dev_policies() -> anyhow::Result<&'static Path> {
+    static DIR: OnceLock<Result<TempDir, String>> = OnceLock::new();
+    let made = DIR.get_or_init(|| {
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-dev-policies-")
+            .tempdir()
+            .map_err(|e| e.to_string())?;
+        copy_dev_policies(dir.path()).map_err(|e| format!("{e:#}"))?;
+        Ok(dir)
+    });
+    match made {
+        Ok(dir) => Ok(dir.path()),
+        Err(e) => bail!("a copy of policies/dev: {e}"),
+    }
 }
 
 /// Installs a `tracing` subscriber that writes through the test harness's capture, with
@@ -110,6 +233,22 @@ mod tests {
     fn workspace_root_has_the_workspace_manifest() {
         assert!(workspace_root().join("Cargo.toml").is_file());
         assert!(workspace_root().join("tests").is_dir());
+    }
+
+    #[test]
+    fn the_dev_policies_copy_loads_and_policies_dev_is_left_alone() {
+        let dir = dev_policies().unwrap();
+        let set = PolicySet::load_dir(dir, Date::today_utc()).unwrap();
+        for class in set.classes().values() {
+            if class.enforcement == Enforcement::Fenced {
+                let spec = class.pause_test.as_ref().unwrap();
+                let text = std::fs::read_to_string(dir.join(&spec.result)).unwrap();
+                let result = PauseTestResult::from_json(&text).unwrap();
+                assert_eq!(result.kit, PAUSE_TEST_FIXTURE_KIT);
+            }
+        }
+        let err = write_pause_test_fixtures(&workspace_root().join("policies/dev")).unwrap_err();
+        assert!(err.to_string().contains("test copies only"), "{err}");
     }
 
     #[test]

@@ -1,1 +1,290 @@
-//! Reference PostgreSQL fence (being written).
+//! The reference fence for PostgreSQL (ADR-16): the guarded write and the
+//! fencing high-water mark in one statement, as code meant to be copied.
+//!
+//! A write flows through it like this. The workload holds a Latchkey lock and
+//! takes its token with `LockGuard::token().get()`. It calls
+//! [`guarded_write`] with the record's id, that token and the new payload.
+//! One `INSERT ... ON CONFLICT DO UPDATE ... WHERE t.fence < EXCLUDED.fence
+//! RETURNING writes` either creates the record, or overwrites it and raises
+//! its mark to the token, or — when the record already carries a mark at or
+//! above the token — changes nothing and returns no row. No row back is the
+//! rejection ([`WriteOutcome::FencedOut`]): a holder that was frozen past its
+//! TTL and resumed after a later holder wrote cannot overwrite that write.
+//!
+//! Why it is built this way (docs/fencing.md has the long form):
+//! - the comparison and the write are one statement, so PostgreSQL's row lock
+//!   makes them atomic; a `SELECT fence` followed by an `UPDATE` is a race;
+//! - strictly `<`: a holder presenting the mark's own token again (a reused
+//!   or replayed token) is refused; `<=` would let it through;
+//! - one mark per record (the `fence` column), not per table: a table-wide
+//!   mark lets one key's writer fence out every other key's writer, and
+//!   tempts people into a separate "mark" row read in a second statement.
+//!
+//! Tokens are capabilities: nothing in this crate formats one into an error
+//! or a log line, and PostgreSQL's error text is scrubbed of the token before
+//! it is kept (a constraint violation's DETAIL can echo the parameters).
+
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+use std::fmt;
+
+use tokio_postgres::Client;
+use tokio_postgres::error::SqlState;
+
+/// The reference table. Copy the pattern (a `fence bigint` per record, the
+/// guarded statement below) into your own table rather than using this one.
+pub const TABLE: &str = "latchkey_fenced_rows";
+
+/// Creates the reference table if it is missing.
+pub const CREATE_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS latchkey_fenced_rows (
+    id      text   PRIMARY KEY,
+    fence   bigint NOT NULL,
+    payload text   NOT NULL,
+    writes  bigint NOT NULL
+)";
+
+/// The guarded upsert: `$1` id, `$2` token (bigint), `$3` payload. Creates a
+/// missing record; otherwise writes only if the record's mark is strictly
+/// below the token, and raises the mark in the same statement. One row back
+/// (the record's write count) means accepted; zero rows means fenced out.
+pub const GUARDED_WRITE_SQL: &str =
+    "INSERT INTO latchkey_fenced_rows AS t (id, fence, payload, writes)
+VALUES ($1, $2, $3, 1)
+ON CONFLICT (id) DO UPDATE
+   SET fence = EXCLUDED.fence, payload = EXCLUDED.payload, writes = t.writes + 1
+ WHERE t.fence < EXCLUDED.fence
+RETURNING writes";
+
+/// The plain guarded update for a record that already exists: `$1` id, `$2`
+/// token, `$3` payload. The affected row count is the answer: 1 = written,
+/// 0 = fenced out (or no such record — this form never creates one).
+pub const GUARDED_UPDATE_SQL: &str = "UPDATE latchkey_fenced_rows
+   SET payload = $3, fence = $2, writes = writes + 1
+ WHERE id = $1 AND fence < $2";
+
+/// What a [`guarded_write`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// The write landed and the record's mark is now the token.
+    /// `write_seq` counts the writes the record has accepted (1 = created).
+    Accepted { write_seq: i64 },
+    /// The record carries a mark at or above the token: a later (or the
+    /// same) grant already wrote. Nothing changed.
+    FencedOut,
+}
+
+impl WriteOutcome {
+    pub fn is_accepted(self) -> bool {
+        matches!(self, WriteOutcome::Accepted { .. })
+    }
+}
+
+/// What a [`guarded_update`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpdateOutcome {
+    /// One row updated; its mark is now the token.
+    Updated,
+    /// No row updated: the record's mark is at or above the token, or the
+    /// record does not exist. (The upsert form, [`guarded_write`], tells the
+    /// two apart by creating the record.)
+    FencedOutOrMissing,
+}
+
+/// Why a fenced write could not be attempted or did not complete. The text
+/// never contains the token.
+#[derive(Debug, thiserror::Error)]
+pub enum FenceError {
+    /// PostgreSQL's `bigint` is signed: a token above `i64::MAX` cannot be
+    /// stored as a mark, so it is refused rather than wrapped negative
+    /// (a wrapped token would compare below every real mark).
+    #[error(
+        "the fencing token does not fit PostgreSQL's bigint (it is above 2^63-1); \
+         refusing to write rather than store a wrapped mark"
+    )]
+    TokenOutOfRange,
+    /// PostgreSQL refused or the connection failed; `message` is scrubbed of
+    /// the token.
+    #[error("{op}: {message}")]
+    Postgres {
+        op: &'static str,
+        /// The SQLSTATE, when the server answered with an error.
+        code: Option<SqlState>,
+        message: String,
+        /// The connection is gone (reconnect before retrying).
+        closed: bool,
+    },
+}
+
+impl FenceError {
+    /// Whether the same write may succeed if retried: connection trouble,
+    /// serialization failures, deadlocks, a server shutting down. A fenced-out
+    /// write is not an error and never transient.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            FenceError::TokenOutOfRange => false,
+            FenceError::Postgres { code, closed, .. } => {
+                *closed
+                    || code.as_ref().is_some_and(|c| {
+                        let c = c.code();
+                        c.starts_with("08") // connection exception
+                            || c.starts_with("40") // serialization failure, deadlock
+                            || c.starts_with("57P") // operator intervention (shutdown)
+                            || c == "53300" // too many connections
+                    })
+            }
+        }
+    }
+
+    /// Wraps a driver error, removing every occurrence of `token` (as its
+    /// decimal digits) from the text kept. Also for callers that run their
+    /// own guarded statement with the token as a parameter.
+    pub fn from_postgres(
+        op: &'static str,
+        err: &tokio_postgres::Error,
+        token: Option<u64>,
+    ) -> Self {
+        let mut message = match err.as_db_error() {
+            // Severity, message and SQLSTATE only; DETAIL may echo the row.
+            Some(db) => format!(
+                "{}: {} (SQLSTATE {})",
+                db.severity(),
+                db.message(),
+                db.code().code()
+            ),
+            None => err.to_string(),
+        };
+        if let Some(token) = token {
+            message = redact(&message, token);
+        }
+        FenceError::Postgres {
+            op,
+            code: err.code().cloned(),
+            message,
+            closed: err.is_closed(),
+        }
+    }
+}
+
+/// `text` with every occurrence of `token`'s decimal digits replaced.
+pub fn redact(text: &str, token: u64) -> String {
+    text.replace(&token.to_string(), "<redacted>")
+}
+
+/// The token as the `bigint` parameter the guarded statements take, or
+/// [`FenceError::TokenOutOfRange`].
+pub fn token_param(token: u64) -> Result<i64, FenceError> {
+    i64::try_from(token).map_err(|_| FenceError::TokenOutOfRange)
+}
+
+/// Creates the reference table (idempotent).
+pub async fn ensure_schema(client: &Client) -> Result<(), FenceError> {
+    client
+        .batch_execute(CREATE_TABLE_SQL)
+        .await
+        .map_err(|e| FenceError::from_postgres("creating the fenced table", &e, None))
+}
+
+/// The guarded write: creates the record or overwrites it, if and only if the
+/// record's mark is strictly below `token`, in one statement. Pass
+/// `guard.token().get()` of the grant under which this unit of work started.
+pub async fn guarded_write(
+    client: &Client,
+    id: &str,
+    token: u64,
+    payload: &str,
+) -> Result<WriteOutcome, FenceError> {
+    let fence = token_param(token)?;
+    let rows = client
+        .query(GUARDED_WRITE_SQL, &[&id, &fence, &payload])
+        .await
+        .map_err(|e| FenceError::from_postgres("guarded write", &e, Some(token)))?;
+    // The row-count check: no row back means the WHERE refused the update.
+    match rows.first() {
+        None => Ok(WriteOutcome::FencedOut),
+        Some(row) => {
+            let write_seq: i64 = row.try_get(0).map_err(|e| {
+                FenceError::from_postgres("reading the write count", &e, Some(token))
+            })?;
+            Ok(WriteOutcome::Accepted { write_seq })
+        }
+    }
+}
+
+/// The plain guarded `UPDATE` (see [`GUARDED_UPDATE_SQL`]): the affected row
+/// count is the answer. Never creates a record.
+pub async fn guarded_update(
+    client: &Client,
+    id: &str,
+    token: u64,
+    payload: &str,
+) -> Result<UpdateOutcome, FenceError> {
+    let fence = token_param(token)?;
+    let updated = client
+        .execute(GUARDED_UPDATE_SQL, &[&id, &fence, &payload])
+        .await
+        .map_err(|e| FenceError::from_postgres("guarded update", &e, Some(token)))?;
+    Ok(if updated == 0 {
+        UpdateOutcome::FencedOutOrMissing
+    } else {
+        UpdateOutcome::Updated
+    })
+}
+
+impl fmt::Display for WriteOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WriteOutcome::Accepted { write_seq } => write!(f, "accepted (write #{write_seq})"),
+            WriteOutcome::FencedOut => f.write_str("fenced out"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_above_bigint_are_refused_without_printing_them() {
+        let token = u64::MAX - 7;
+        let err = token_param(token).unwrap_err();
+        assert!(matches!(err, FenceError::TokenOutOfRange));
+        assert!(!err.to_string().contains(&token.to_string()));
+        assert!(!format!("{err:?}").contains(&token.to_string()));
+        assert!(!err.is_transient());
+        assert_eq!(token_param(i64::MAX as u64).unwrap(), i64::MAX);
+        assert_eq!(token_param(0).unwrap(), 0);
+    }
+
+    #[test]
+    fn redact_removes_every_occurrence() {
+        let token = 281_474_976_710_699u64;
+        let text = format!("Failing row contains (a, {token}, x) and again {token}");
+        let clean = redact(&text, token);
+        assert!(!clean.contains(&token.to_string()), "{clean}");
+        assert_eq!(clean.matches("<redacted>").count(), 2);
+    }
+
+    #[test]
+    fn the_statements_compare_strictly_and_in_one_statement() {
+        for sql in [GUARDED_WRITE_SQL, GUARDED_UPDATE_SQL] {
+            assert!(sql.contains("fence <"), "{sql}");
+            assert!(!sql.contains("<="), "{sql}");
+            assert_eq!(sql.matches(';').count(), 0, "one statement: {sql}");
+        }
+        assert!(GUARDED_WRITE_SQL.contains("RETURNING writes"));
+    }
+
+    #[test]
+    fn outcomes_read_as_words() {
+        assert_eq!(
+            WriteOutcome::Accepted { write_seq: 3 }.to_string(),
+            "accepted (write #3)"
+        );
+        assert_eq!(WriteOutcome::FencedOut.to_string(), "fenced out");
+        assert!(WriteOutcome::Accepted { write_seq: 1 }.is_accepted());
+        assert!(!WriteOutcome::FencedOut.is_accepted());
+    }
+}

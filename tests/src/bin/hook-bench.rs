@@ -125,13 +125,16 @@ async fn main() -> anyhow::Result<()> {
     std::fs::write(
         dir.path().join("classes/bench.toml"),
         format!(
-            "[[class]]\nname = \"bench-plain\"\ntier = \"entity\"\nenforcement = \"fenced\"\n\n\
+            "[[class]]\nname = \"bench-plain\"\ntier = \"entity\"\nenforcement = \"fenced\"\n\
+             [class.pauseTest]\nresource = \"bench:plain\"\nresult = \"pause-tests/bench-plain.json\"\n\n\
              [[class]]\nname = \"bench-ticket\"\ntier = \"entity\"\nenforcement = \"fenced\"\n\
+             [class.pauseTest]\nresource = \"bench:ticket\"\nresult = \"pause-tests/bench-ticket.json\"\n\
              [class.hook]\nmodule = \"{}\"\ndeadlineMs = {}\n[class.hook.config]\npattern = \"^CHG-[0-9]{{4,10}}$\"\n",
             module.display(),
             args.deadline_ms
         ),
     )?;
+    latchkey_tests::write_pause_test_fixtures(dir.path())?;
     let etcd = EtcdServer::start().await.context("start etcd")?;
     let arbiter = HookedArbiter::start(&etcd, dir.path()).await?;
 

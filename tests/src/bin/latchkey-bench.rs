@@ -705,6 +705,7 @@ fn policies_with_waiters(names: &[String]) -> anyhow::Result<TempDir> {
     for sub in ["classes", "grants"] {
         copy_toml_files(&dev.join(sub), &dir.path().join(sub))?;
     }
+    latchkey_tests::write_pause_test_fixtures(dir.path())?;
     let grants: String = names
         .iter()
         .map(|name| {

@@ -1,1 +1,573 @@
-//! The release gate (being written).
+//! The release gate (ADR-23): real processes under a seeded nemesis, every
+//! client operation recorded, the history judged by `latchkey_checker`.
+//!
+//! A run starts a 3-member etcd cluster (each member in its own network
+//! namespace, so partitions are real), a private PostgreSQL holding the
+//! reference fence, one or two arbiter processes and N worker processes
+//! (`gate-worker`, the client library doing acquire → fenced write →
+//! release). The nemesis injects every fault kind in [`Fault::ALL`] at least
+//! once, then random ones until the duration is up. Afterwards the workers
+//! stop, the per-process histories are merged, and the checker verifies
+//! linearizability against a lock model per key, token order, and that the
+//! fence never accepted a stale write.
+//!
+//! `latchkey-gate` (src/bin) runs it from the command line for long soaks;
+//! the e2e suite runs a short gate and the broken-arbiter self-test.
+
+pub mod nemesis;
+pub mod record;
+pub mod worker;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use latchkey_checker::{CheckOptions, History, Report};
+use latchkey_policies::{PauseTestEvidence, PauseTestOutcome, PauseTestResult, WriteOutcome};
+use tokio::sync::Mutex;
+
+use crate::arbiter::{ArbiterOptions, ArbiterProcess, certs};
+use crate::cluster::{ClusterOptions, EtcdCluster};
+use crate::postgres::PostgresServer;
+
+pub use nemesis::Fault;
+
+/// The lock class every worker uses; TTL 5 s so lease expiry is quick.
+pub const CLASS: &str = "gate";
+pub const TTL: Duration = Duration::from_secs(5);
+/// The resource the gate's class is fenced by: the reference fence's table.
+const GATE_RESOURCE: &str = "postgresql:gate.latchkey_fenced_rows";
+
+/// Where the gate finds the binaries it runs as separate processes.
+#[derive(Debug, Clone)]
+pub struct Binaries {
+    pub arbiter: PathBuf,
+    pub worker: PathBuf,
+}
+
+impl Binaries {
+    /// Next to the running executable (what `latchkey-gate` uses).
+    pub fn beside_current_exe() -> anyhow::Result<Self> {
+        let exe = std::env::current_exe()?;
+        let dir = exe.parent().context("executable without a directory")?;
+        Ok(Self {
+            arbiter: dir.join("arbiter-under-test"),
+            worker: dir.join("gate-worker"),
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GateConfig {
+    pub seed: u64,
+    pub duration: Duration,
+    pub workers: usize,
+    pub keys: usize,
+    pub arbiters: usize,
+    /// Faults to schedule; each one at least once. Empty = no nemesis.
+    pub faults: Vec<Fault>,
+    /// Pause between faults (uniform in this range).
+    pub fault_gap: (Duration, Duration),
+    /// `--test-fault` for the arbiters (the checker's self-test).
+    pub arbiter_test_fault: Option<String>,
+    /// Where a failing run's history and report are kept.
+    pub out_dir: PathBuf,
+    /// Keep the history, report and logs even when the run passes.
+    pub keep: bool,
+    pub binaries: Binaries,
+}
+
+impl GateConfig {
+    /// The short gate CI runs: every fault kind, a few keys, a few thousand
+    /// operations.
+    pub fn short(seed: u64, binaries: Binaries, out_dir: PathBuf) -> Self {
+        Self {
+            seed,
+            duration: Duration::from_secs(100),
+            workers: 6,
+            keys: 3,
+            arbiters: 2,
+            faults: Fault::ALL.to_vec(),
+            fault_gap: (Duration::from_millis(1500), Duration::from_millis(4000)),
+            arbiter_test_fault: None,
+            out_dir,
+            keep: false,
+            binaries,
+        }
+    }
+}
+
+/// What a run found.
+pub struct GateOutcome {
+    pub report: Report,
+    pub faults: Vec<String>,
+    pub operations: usize,
+    pub worker_restarts: usize,
+    /// Where the history, report and logs were kept: always on a failure,
+    /// on a pass only with [`GateConfig::keep`].
+    pub saved: Option<PathBuf>,
+}
+
+impl fmt::Display for GateOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "gate: {} history lines, {} faults injected, {} worker incarnations restarted",
+            self.operations,
+            self.faults.len(),
+            self.worker_restarts
+        )?;
+        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+        for fault in &self.faults {
+            let kind = fault.split_whitespace().next().unwrap_or(fault);
+            *counts.entry(kind).or_default() += 1;
+        }
+        for (kind, n) in counts {
+            writeln!(f, "  fault {kind}: {n}")?;
+        }
+        write!(f, "{}", self.report)?;
+        if let Some(dir) = &self.saved {
+            writeln!(f, "history and report saved in {}", dir.display())?;
+        }
+        Ok(())
+    }
+}
+
+/// A worker process and its incarnation count.
+struct Worker {
+    index: usize,
+    incarnation: usize,
+    child: Option<Child>,
+    seed: u64,
+    arbiter: usize,
+}
+
+/// Everything the nemesis acts on.
+pub(crate) struct Rig {
+    pub cluster: Mutex<EtcdCluster>,
+    pub arbiters: Mutex<Vec<Option<ArbiterProcess>>>,
+    pub arbiter_addrs: Vec<std::net::SocketAddr>,
+    pub arbiter_state: Vec<PathBuf>,
+    pub arbiter_args: Vec<String>,
+    pub arbiter_opts: ArbiterOptions,
+    pub binaries: Binaries,
+    workers: Mutex<Vec<Worker>>,
+    pub dir: PathBuf,
+}
+
+impl Rig {
+    pub(crate) async fn start_arbiter(&self, i: usize) -> anyhow::Result<ArbiterProcess> {
+        let endpoints = self.cluster.lock().await.endpoints();
+        let opts = ArbiterOptions {
+            state_dir: Some(self.arbiter_state[i].clone()),
+            ..self.arbiter_opts.clone()
+        };
+        ArbiterProcess::start_with(
+            &self.binaries.arbiter,
+            &endpoints,
+            Some(self.arbiter_addrs[i]),
+            opts,
+            "info,latchkey_arbiter=info",
+            &self.arbiter_args,
+        )
+        .await
+    }
+
+    /// A worker that is inside a hold right now (its last history line is a
+    /// successful acquire), as (name, pid).
+    pub(crate) async fn holding_worker(&self) -> Option<(String, u32)> {
+        let workers = self.workers.lock().await;
+        for w in workers.iter() {
+            let Some(child) = &w.child else { continue };
+            let name = w.name();
+            let path = self.dir.join(format!("{name}.jsonl"));
+            if last_line_is_grant(&path) {
+                return Some((name, child.id()));
+            }
+        }
+        None
+    }
+}
+
+impl Worker {
+    fn name(&self) -> String {
+        format!("w{}.{}", self.index, self.incarnation)
+    }
+}
+
+fn last_line_is_grant(path: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return false;
+    };
+    let Some(last) = text.lines().last() else {
+        return false;
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(last) else {
+        return false;
+    };
+    if v["type"] != "complete" || v["outcome"] != "ok" || v["token"].is_null() {
+        return false;
+    }
+    // A completed acquire is the only completion carrying a token.
+    true
+}
+
+/// Runs one gate and checks its history.
+pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
+    if config.workers == 0 || config.keys == 0 || config.arbiters == 0 {
+        bail!("the gate needs at least one worker, key and arbiter");
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("latchkey-gate-")
+        .tempdir()?;
+    let history_dir = dir.path().join("history");
+    std::fs::create_dir_all(&history_dir)?;
+    let stop_file = dir.path().join("stop");
+
+    let cluster = EtcdCluster::start(ClusterOptions::default())
+        .await
+        .context("starting the 3-member etcd cluster")?;
+    let postgres = PostgresServer::start()
+        .await
+        .context("starting PostgreSQL")?;
+    {
+        let pg = postgres.client().await?;
+        latchkey_fence_postgres::ensure_schema(&pg).await?;
+    }
+    let policies = dir.path().join("policies");
+    write_policies(&policies, config.workers)?;
+    issue_worker_svids(config.workers)?;
+
+    let mut arbiter_args = Vec::new();
+    if let Some(fault) = &config.arbiter_test_fault {
+        arbiter_args.push("--test-fault".to_owned());
+        arbiter_args.push(fault.clone());
+    }
+    let arbiter_opts = ArbiterOptions {
+        policies_dir: policies.clone(),
+        retry_poll: Duration::from_millis(500),
+        ..ArbiterOptions::default()
+    };
+    let mut addrs = Vec::new();
+    let mut states = Vec::new();
+    for i in 0..config.arbiters {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        addrs.push(l.local_addr()?);
+        states.push(dir.path().join(format!("arbiter-{i}")));
+    }
+    let rig = Arc::new(Rig {
+        cluster: Mutex::new(cluster),
+        arbiters: Mutex::new(Vec::new()),
+        arbiter_addrs: addrs,
+        arbiter_state: states,
+        arbiter_args,
+        arbiter_opts,
+        binaries: config.binaries.clone(),
+        workers: Mutex::new(Vec::new()),
+        dir: history_dir.clone(),
+    });
+    for i in 0..config.arbiters {
+        let a = rig.start_arbiter(i).await?;
+        rig.arbiters.lock().await.push(Some(a));
+    }
+
+    let keys: Vec<String> = (0..config.keys)
+        .map(|k| format!("bench/gate/k{k}"))
+        .collect();
+    let mut rng = fastrand::Rng::with_seed(config.seed);
+    {
+        let mut workers = rig.workers.lock().await;
+        for index in 0..config.workers {
+            workers.push(Worker {
+                index,
+                incarnation: 0,
+                child: None,
+                seed: rng.u64(..),
+                arbiter: index % config.arbiters,
+            });
+        }
+    }
+    let spawn = WorkerSpawn {
+        binary: config.binaries.worker.clone(),
+        keys: keys.join(","),
+        postgres: postgres.url(),
+        history_dir: history_dir.clone(),
+        stop_file: stop_file.clone(),
+        addrs: rig.arbiter_addrs.clone(),
+        log_dir: dir.path().to_path_buf(),
+    };
+    let mut restarts = 0usize;
+    {
+        let mut workers = rig.workers.lock().await;
+        for w in workers.iter_mut() {
+            spawn.start(w)?;
+        }
+    }
+
+    // Keep the workers going: a tainted or crashed incarnation is replaced.
+    let supervisor = {
+        let rig = Arc::clone(&rig);
+        let spawn = spawn.clone();
+        tokio::spawn(async move {
+            let mut restarted = 0usize;
+            let mut crashes = 0usize;
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if spawn.stop_file.exists() {
+                    return Ok::<_, anyhow::Error>(restarted);
+                }
+                let mut workers = rig.workers.lock().await;
+                for w in workers.iter_mut() {
+                    let Some(child) = w.child.as_mut() else {
+                        continue;
+                    };
+                    if let Some(status) = child.try_wait()? {
+                        match status.code() {
+                            Some(worker::EXIT_TAINTED) => {}
+                            _ => {
+                                crashes += 1;
+                                if crashes > 20 {
+                                    bail!(
+                                        "gate workers keep failing (last: {} exited {status}); see {}",
+                                        w.name(),
+                                        spawn.log_dir.display()
+                                    );
+                                }
+                            }
+                        }
+                        w.child = None;
+                        w.incarnation += 1;
+                        w.seed = w.seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                        spawn.start(w)?;
+                        restarted += 1;
+                    }
+                }
+            }
+        })
+    };
+
+    // The nemesis, then the stop.
+    let faults = nemesis::run(&rig, &config, &mut rng, &history_dir).await;
+    std::fs::write(&stop_file, b"stop")?;
+    match supervisor.await? {
+        Ok(n) => restarts += n,
+        Err(e) => return Err(e),
+    }
+    {
+        let mut workers = rig.workers.lock().await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        for w in workers.iter_mut() {
+            if let Some(mut child) = w.child.take() {
+                loop {
+                    if child.try_wait()?.is_some() {
+                        break;
+                    }
+                    if tokio::time::Instant::now() > deadline {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+    let faults = faults?;
+
+    // Merge and judge.
+    let merged = dir.path().join("history.jsonl");
+    let operations = merge_histories(&history_dir, &merged)?;
+    let history = History::from_jsonl(std::io::BufReader::new(std::fs::File::open(&merged)?))
+        .with_context(|| format!("parsing {}", merged.display()))?;
+    let report = latchkey_checker::check(&history, &CheckOptions::default());
+    let saved = if report.ok() && !config.keep {
+        None
+    } else {
+        let keep = config
+            .out_dir
+            .join(format!("gate-seed-{}-{}", config.seed, std::process::id()));
+        std::fs::create_dir_all(&keep)?;
+        std::fs::copy(&merged, keep.join("history.jsonl"))?;
+        std::fs::write(keep.join("report.txt"), report.to_string())?;
+        std::fs::write(
+            keep.join("report.json"),
+            serde_json::to_vec_pretty(&report)?,
+        )?;
+        for entry in std::fs::read_dir(dir.path())? {
+            let entry = entry?;
+            let name = entry.file_name();
+            if name.to_string_lossy().ends_with(".log") {
+                let _ = std::fs::copy(entry.path(), keep.join(name));
+            }
+        }
+        Some(keep)
+    };
+    drop(rig);
+    drop(postgres);
+    Ok(GateOutcome {
+        report,
+        faults,
+        operations,
+        worker_restarts: restarts,
+        saved,
+    })
+}
+
+#[derive(Clone)]
+struct WorkerSpawn {
+    binary: PathBuf,
+    keys: String,
+    postgres: String,
+    history_dir: PathBuf,
+    stop_file: PathBuf,
+    addrs: Vec<std::net::SocketAddr>,
+    log_dir: PathBuf,
+}
+
+impl WorkerSpawn {
+    fn start(&self, w: &mut Worker) -> anyhow::Result<()> {
+        let certs = certs()?;
+        let svid = certs.svid(&worker_identity(w.index));
+        let name = w.name();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_dir.join(format!("worker-{}.log", w.index)))?;
+        let child = Command::new(&self.binary)
+            .arg("--arbiter")
+            .arg(format!("https://{}", self.addrs[w.arbiter]))
+            .arg("--ca")
+            .arg(certs.ca())
+            .arg("--cert")
+            .arg(&svid.cert)
+            .arg("--key")
+            .arg(&svid.key)
+            .arg("--keys")
+            .arg(&self.keys)
+            .arg("--class")
+            .arg(CLASS)
+            .arg("--postgres")
+            .arg(&self.postgres)
+            .arg("--history")
+            .arg(self.history_dir.join(format!("{name}.jsonl")))
+            .arg("--process")
+            .arg(&name)
+            .arg("--seed")
+            .arg(w.seed.to_string())
+            .arg("--stop-file")
+            .arg(&self.stop_file)
+            .env("RUST_LOG", "warn")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("spawn {}", self.binary.display()))?;
+        w.child = Some(child);
+        Ok(())
+    }
+}
+
+/// Concatenates every process's history, ordered by time, into `out`;
+/// returns the number of lines.
+fn merge_histories(dir: &Path, out: &Path) -> anyhow::Result<usize> {
+    let mut lines: Vec<(u64, String)> = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "jsonl") {
+            for line in std::fs::read_to_string(&path)?.lines() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let v: serde_json::Value = serde_json::from_str(line)
+                    .with_context(|| format!("{}: not JSON: {line}", path.display()))?;
+                lines.push((v["time"].as_u64().unwrap_or(0), line.to_owned()));
+            }
+        }
+    }
+    lines.sort_by_key(|(t, _)| *t);
+    let mut text = String::new();
+    for (_, line) in &lines {
+        text.push_str(line);
+        text.push('\n');
+    }
+    std::fs::write(out, text)?;
+    Ok(lines.len())
+}
+
+/// Worker `index`'s SPIFFE name. Every worker has its own identity: the
+/// arbiter refuses a second hold of a key by the same identity under another
+/// session as a leak, so workers sharing one identity would not contend.
+fn worker_identity(index: usize) -> String {
+    format!("workload/gate-{index}")
+}
+
+/// Issues the workers' SVIDs from the test trust domain's CA.
+fn issue_worker_svids(workers: usize) -> anyhow::Result<()> {
+    let names: Vec<String> = (0..workers).map(worker_identity).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    latchkey_client::dev_certs::generate(&certs()?.dir, crate::arbiter::TRUST_DOMAIN, &names)?;
+    Ok(())
+}
+
+/// The gate's policy directory: one fenced class with a short TTL and a
+/// grant on `bench/gate` for every worker.
+fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir.join("classes"))?;
+    std::fs::create_dir_all(dir.join("grants"))?;
+    std::fs::write(
+        dir.join("classes/gate.toml"),
+        format!(
+            "[[class]]\nname = \"{CLASS}\"\ndescription = \"Release gate workload\"\ntier = \"coord\"\n\
+             enforcement = \"fenced\"\nttlSeconds = {}\n\
+             [class.pauseTest]\nresource = \"{GATE_RESOURCE}\"\nresult = \"pause-tests/{CLASS}.json\"\n",
+            TTL.as_secs()
+        ),
+    )?;
+    let mut grants = String::new();
+    for i in 0..workers {
+        grants.push_str(&format!(
+            "[[grant]]\nidentity = \"{}\"\nprefixes = [\"bench/gate\"]\n\n",
+            crate::arbiter::spiffe(&worker_identity(i))
+        ));
+    }
+    grants.push_str(&format!(
+        "[[operator]]\nidentity = \"{}\"\n",
+        crate::arbiter::spiffe("latchkey/operator")
+    ));
+    std::fs::write(dir.join("grants/gate.toml"), grants)?;
+    // The gate's own class guards the reference fence the gate itself
+    // checks; its "pause test" is this fixture, and the gate's fence check
+    // is the evidence.
+    std::fs::create_dir_all(dir.join("pause-tests"))?;
+    let now = std::time::SystemTime::now();
+    let fixture = PauseTestResult {
+        version: 1,
+        class: CLASS.into(),
+        resource: GATE_RESOURCE.into(),
+        resource_schema_version: None,
+        started_at: now,
+        finished_at: now,
+        outcome: PauseTestOutcome::Pass,
+        kit: "release gate fixture (not evidence)".into(),
+        evidence: PauseTestEvidence {
+            ttl_seconds: u32::try_from(TTL.as_secs())?,
+            paused_for_ms: 0,
+            first_write: WriteOutcome::Accepted,
+            second_holder_write: WriteOutcome::Accepted,
+            second_token_greater: true,
+            stale_write_after_resume: WriteOutcome::Rejected,
+            final_row_from: "second-holder".into(),
+        },
+        failure: None,
+    };
+    std::fs::write(
+        dir.join(format!("pause-tests/{CLASS}.json")),
+        fixture.to_json_pretty()?,
+    )?;
+    Ok(())
+}

@@ -1,0 +1,341 @@
+//! Direct checks outside the search: token order and fenced writes. They
+//! are cheap, exact, and name the operations involved in plain words, so a
+//! violation the search also finds reads clearly here.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::history::{Function, Operation, Outcome, format_token};
+use crate::report::{OpSummary, Violation, ViolationKind};
+
+/// One key's operations (indices into the history) and every advance.
+pub(crate) struct KeyOps<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) ops: &'a [Operation],
+    pub(crate) mine: Vec<usize>,
+    pub(crate) advances: &'a [usize],
+    pub(crate) start: u64,
+    /// Report at most this many violations of one kind on one key.
+    pub(crate) cap: usize,
+}
+
+/// Collects violations, keeping at most `cap` per kind and counting the rest.
+pub(crate) struct Findings {
+    pub(crate) violations: Vec<Violation>,
+    pub(crate) notes: Vec<String>,
+    suppressed: HashMap<ViolationKind, usize>,
+    cap: usize,
+}
+
+impl Findings {
+    fn new(cap: usize) -> Self {
+        Findings {
+            violations: Vec::new(),
+            notes: Vec::new(),
+            suppressed: HashMap::new(),
+            cap,
+        }
+    }
+
+    fn push(&mut self, v: Violation) {
+        let same = self.violations.iter().filter(|x| x.kind == v.kind).count();
+        if same < self.cap {
+            self.violations.push(v);
+        } else {
+            *self.suppressed.entry(v.kind).or_insert(0) += 1;
+        }
+    }
+
+    fn finish(mut self, key: &str) -> Self {
+        let mut kinds: Vec<_> = self.suppressed.iter().map(|(k, n)| (*k, *n)).collect();
+        kinds.sort_by_key(|(k, _)| format!("{k}"));
+        for (kind, n) in kinds {
+            self.notes
+                .push(format!("{n} more {kind} violations on {key} not listed"));
+        }
+        self
+    }
+}
+
+impl KeyOps<'_> {
+    fn op(&self, i: usize) -> &Operation {
+        &self.ops[i]
+    }
+
+    fn summary(&self, i: usize) -> OpSummary {
+        OpSummary::new(self.op(i), self.start)
+    }
+
+    fn violation(&self, kind: ViolationKind, message: String, ops: &[usize]) -> Violation {
+        Violation {
+            kind,
+            key: self.key.to_string(),
+            message,
+            ops: ops.iter().map(|&i| self.summary(i)).collect(),
+            partial_linearization: Vec::new(),
+        }
+    }
+
+    /// Short form for messages: `w2#17 acquire ok e1:r5512 [1203.4 ms, 1210.0 ms]`.
+    fn name(&self, i: usize) -> String {
+        self.summary(i).to_string()
+    }
+
+    /// Runs every direct check on this key.
+    pub(crate) fn check(&self) -> Findings {
+        let mut found = Findings::new(self.cap);
+        self.check_grants(&mut found);
+        self.check_writes(&mut found);
+        found.finish(self.key)
+    }
+
+    fn grants(&self) -> Vec<(usize, u64)> {
+        self.mine
+            .iter()
+            .filter_map(|&i| {
+                let o = self.op(i);
+                (o.f == Function::Acquire && o.is_ok())
+                    .then_some(())
+                    .and_then(|()| o.subject_token().map(|t| (i, t)))
+            })
+            .collect()
+    }
+
+    fn check_grants(&self, found: &mut Findings) {
+        let grants = self.grants();
+
+        // Distinct tokens.
+        let mut first: HashMap<u64, usize> = HashMap::new();
+        for &(i, t) in &grants {
+            if let Some(&a) = first.get(&t) {
+                found.push(self.violation(
+                    ViolationKind::DuplicateToken,
+                    format!(
+                        "duplicate token on {}: {} and {} were both granted {}",
+                        self.key,
+                        self.name(a),
+                        self.name(i),
+                        format_token(t)
+                    ),
+                    &[a, i],
+                ));
+            } else {
+                first.insert(t, i);
+            }
+        }
+
+        // Grant order: a grant that completed before another was invoked
+        // must have the smaller token.
+        let mut by_ret: Vec<(u64, u64, usize)> = grants
+            .iter()
+            .filter_map(|&(i, t)| self.op(i).complete_time().map(|r| (r, t, i)))
+            .collect();
+        by_ret.sort_unstable();
+        let mut best: Vec<(u64, usize)> = Vec::with_capacity(by_ret.len());
+        for &(_, t, i) in &by_ret {
+            let prev = best.last().copied();
+            best.push(match prev {
+                Some((bt, bi)) if bt >= t => (bt, bi),
+                _ => (t, i),
+            });
+        }
+        for &(b, tb) in &grants {
+            let call = self.op(b).invoke_time;
+            let before = by_ret.partition_point(|&(r, _, _)| r < call);
+            if before == 0 {
+                continue;
+            }
+            let (ta, a) = best[before - 1];
+            if ta > tb {
+                found.push(self.violation(
+                    ViolationKind::TokenRegression,
+                    format!(
+                        "token regression on {}: {} was granted a smaller token than {}, \
+                         which completed before it was invoked",
+                        self.key,
+                        self.name(b),
+                        self.name(a)
+                    ),
+                    &[a, b],
+                ));
+            }
+        }
+
+        // Consecutive grants in token order (the model's grant order) need
+        // something that could free the first one between them.
+        let mut by_token = grants.clone();
+        by_token.sort_by_key(|&(i, t)| (t, i));
+        for pair in by_token.windows(2) {
+            let [(a, ta), (b, tb)] = [pair[0], pair[1]];
+            if ta == tb {
+                continue;
+            }
+            let (oa, ob) = (self.op(a), self.op(b));
+            let b_ret = ob.complete_time().unwrap_or(u64::MAX);
+            if b_ret < oa.invoke_time {
+                continue; // reported as a token regression
+            }
+            let frees = |x: usize| {
+                let ox = self.op(x);
+                let x_ret = match ox.outcome() {
+                    Some(Outcome::Ok) => ox.complete_time().unwrap_or(u64::MAX),
+                    Some(Outcome::Fail) if ox.f != Function::Release => return false,
+                    _ => u64::MAX,
+                };
+                let applies = match ox.f {
+                    Function::Advance => true,
+                    Function::Release | Function::Expire => {
+                        ox.process == oa.process && ox.token.is_none_or(|t| t == ta)
+                    }
+                    _ => false,
+                };
+                applies && oa.invoke_time <= x_ret && ox.invoke_time <= b_ret
+            };
+            let freed = self.mine.iter().chain(self.advances).any(|&x| frees(x));
+            if !freed {
+                found.push(self.violation(
+                    ViolationKind::DoubleGrant,
+                    format!(
+                        "double grant on {}: {} while {} held it and no release/expire/advance \
+                         could come between",
+                        self.key,
+                        self.name(b),
+                        self.name(a)
+                    ),
+                    &[b, a],
+                ));
+            }
+        }
+    }
+
+    fn check_writes(&self, found: &mut Findings) {
+        let accepted: Vec<usize> = self
+            .mine
+            .iter()
+            .copied()
+            .filter(|&i| self.op(i).f == Function::Write && self.op(i).is_ok())
+            .collect();
+        if accepted.is_empty() {
+            return;
+        }
+        let granted: HashSet<(&str, u64)> = self
+            .grants()
+            .into_iter()
+            .map(|(i, t)| (self.op(i).process.as_str(), t))
+            .collect();
+        let mut tokenless = 0usize;
+        let mut seqless = 0usize;
+        let mut stale: HashSet<usize> = HashSet::new();
+        for &w in &accepted {
+            let o = self.op(w);
+            match o.token {
+                None => tokenless += 1,
+                Some(t) if !granted.contains(&(o.process.as_str(), t)) => {
+                    found.push(self.violation(
+                        ViolationKind::UngrantedWriteToken,
+                        format!(
+                            "write with a token never granted to that process on {}: {} \
+                             was accepted, but {} never acquired {} there",
+                            self.key,
+                            self.name(w),
+                            o.process,
+                            format_token(t)
+                        ),
+                        &[w],
+                    ));
+                }
+                Some(_) => {}
+            }
+            if o.seq().is_none() {
+                seqless += 1;
+            }
+        }
+
+        // The resource's commit order: tokens never go back.
+        let mut by_seq: Vec<(i64, u64, usize)> = accepted
+            .iter()
+            .filter_map(|&w| {
+                let o = self.op(w);
+                Some((o.seq()?, o.token?, w))
+            })
+            .collect();
+        by_seq.sort_unstable();
+        let mut newest: Option<(u64, usize)> = None;
+        for &(_, t, w) in &by_seq {
+            match newest {
+                Some((nt, n)) if t < nt => {
+                    stale.insert(w);
+                    found.push(self.violation(
+                        ViolationKind::StaleWriteAccepted,
+                        format!(
+                            "stale fenced write accepted on {}: {} was committed after {}, \
+                             which carried a newer token",
+                            self.key,
+                            self.name(w),
+                            self.name(n)
+                        ),
+                        &[w, n],
+                    ));
+                }
+                Some((nt, _)) if nt >= t => {}
+                _ => newest = Some((t, w)),
+            }
+        }
+
+        // Real time: once a write with a newer token was accepted and had
+        // completed, an older token must be refused.
+        let mut by_ret: Vec<(u64, u64, usize)> = accepted
+            .iter()
+            .filter_map(|&w| {
+                let o = self.op(w);
+                Some((o.complete_time()?, o.token?, w))
+            })
+            .collect();
+        by_ret.sort_unstable();
+        let mut best: Vec<(u64, usize)> = Vec::with_capacity(by_ret.len());
+        for &(_, t, w) in &by_ret {
+            let prev = best.last().copied();
+            best.push(match prev {
+                Some((bt, bw)) if bt >= t => (bt, bw),
+                _ => (t, w),
+            });
+        }
+        for &w in &accepted {
+            let o = self.op(w);
+            let Some(t) = o.token else { continue };
+            if stale.contains(&w) {
+                continue;
+            }
+            let before = by_ret.partition_point(|&(r, _, _)| r < o.invoke_time);
+            if before == 0 {
+                continue;
+            }
+            let (nt, n) = best[before - 1];
+            if nt > t {
+                found.push(self.violation(
+                    ViolationKind::StaleWriteAccepted,
+                    format!(
+                        "stale fenced write accepted on {}: {} was accepted although {} \
+                         with a newer token had completed before it was invoked",
+                        self.key,
+                        self.name(w),
+                        self.name(n)
+                    ),
+                    &[w, n],
+                ));
+            }
+        }
+
+        if tokenless > 0 {
+            found.notes.push(format!(
+                "{tokenless} accepted writes on {} carry no token; they were not checked against grants",
+                self.key
+            ));
+        }
+        if seqless > 0 {
+            found.notes.push(format!(
+                "{seqless} accepted writes on {} carry no seq; they were left out of the commit-order check",
+                self.key
+            ));
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! The seeded nemesis: every fault kind in the schedule at least once (in a
+//! seeded order), then random kinds until the run's duration is up. Each
+//! fault is recorded in the history as a `fault` operation (start and end),
+//! and the epoch advance after a restore as an `advance` operation, which the
+//! checker's model uses (it drops every hold).
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use latchkey_client::{Client, ClientConfig, TlsFiles};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::time::Instant;
+
+use super::record::{Fields, Outcome, Recorder};
+use super::{GateConfig, Rig, TTL};
+use crate::arbiter::certs;
+use crate::eventually;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// SIGKILL an etcd member, restart it with the same flags and data.
+    KillMember,
+    /// SIGSTOP the etcd leader past an election, then SIGCONT.
+    PauseLeader,
+    /// Cut one etcd member (often the leader) off the network, then heal.
+    Partition,
+    /// SIGKILL an arbiter process, restart it with the same state dir.
+    KillArbiter,
+    /// SIGSTOP a worker inside a hold for longer than the TTL, then SIGCONT.
+    PauseHolder,
+    /// Restore the cluster from an earlier snapshot with the same member
+    /// flags (same cluster id), then advance the epoch as an operator.
+    Restore,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 6] = [
+        Fault::KillMember,
+        Fault::PauseLeader,
+        Fault::Partition,
+        Fault::KillArbiter,
+        Fault::PauseHolder,
+        Fault::Restore,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::KillMember => "kill-member",
+            Fault::PauseLeader => "pause-leader",
+            Fault::Partition => "partition",
+            Fault::KillArbiter => "kill-arbiter",
+            Fault::PauseHolder => "pause-holder",
+            Fault::Restore => "restore",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Fault, String> {
+        Fault::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<_> = Fault::ALL.iter().map(|f| f.name()).collect();
+                format!("unknown fault {name:?}; known: {}", names.join(", "))
+            })
+    }
+}
+
+/// Runs the schedule until `config.duration` has passed since the start;
+/// returns the faults injected, by description.
+pub(crate) async fn run(
+    rig: &Rig,
+    config: &GateConfig,
+    rng: &mut fastrand::Rng,
+    history_dir: &Path,
+) -> anyhow::Result<Vec<String>> {
+    let start = Instant::now();
+    let end = start + config.duration;
+    let mut rec = Recorder::create(&history_dir.join("nemesis.jsonl"), "nemesis")?;
+    let mut injected = Vec::new();
+
+    // Warm up, then keep a snapshot for the restore fault.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let snapshot = rig.dir.parent().unwrap_or(&rig.dir).join("snapshot.db");
+    if config.faults.contains(&Fault::Restore) {
+        rig.cluster
+            .lock()
+            .await
+            .snapshot_save(&snapshot)
+            .await
+            .context("snapshot for the restore fault")?;
+    }
+
+    let mut first_round = config.faults.clone();
+    rng.shuffle(&mut first_round);
+    let mut queue = first_round.into_iter();
+    while Instant::now() < end {
+        let gap = rng.u64(
+            u64::try_from(config.fault_gap.0.as_millis())?
+                ..=u64::try_from(config.fault_gap.1.as_millis())?,
+        );
+        tokio::time::sleep(Duration::from_millis(gap)).await;
+        let fault = match queue.next() {
+            Some(f) => f,
+            None if config.faults.is_empty() => continue,
+            None => {
+                if Instant::now() >= end {
+                    break;
+                }
+                config.faults[rng.usize(..config.faults.len())]
+            }
+        };
+        let description = inject(rig, fault, rng, &mut rec, &snapshot)
+            .await
+            .with_context(|| format!("injecting {}", fault.name()))?;
+        tracing::info!(fault = %description, "nemesis");
+        injected.push(description);
+    }
+    // Let the system settle so the last operations complete normally.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    Ok(injected)
+}
+
+async fn inject(
+    rig: &Rig,
+    fault: Fault,
+    rng: &mut fastrand::Rng,
+    rec: &mut Recorder,
+    snapshot: &Path,
+) -> anyhow::Result<String> {
+    match fault {
+        Fault::KillMember => {
+            let mut cluster = rig.cluster.lock().await;
+            let i = rng.usize(..cluster.members());
+            let what = format!("kill-member {}", cluster.name(i));
+            let op = begin(rec, &what)?;
+            cluster.kill(i)?;
+            tokio::time::sleep(Duration::from_millis(rng.u64(500..2500))).await;
+            cluster.restart(i).await?;
+            end(rec, op)?;
+            Ok(what)
+        }
+        Fault::PauseLeader => {
+            let cluster = rig.cluster.lock().await;
+            let l = cluster.leader().await?;
+            let what = format!("pause-leader {}", cluster.name(l));
+            let op = begin(rec, &what)?;
+            cluster.pause(l)?;
+            tokio::time::sleep(Duration::from_millis(rng.u64(2000..4000))).await;
+            cluster.resume(l)?;
+            end(rec, op)?;
+            Ok(what)
+        }
+        Fault::Partition => {
+            let mut cluster = rig.cluster.lock().await;
+            let i = if rng.bool() {
+                cluster.leader().await?
+            } else {
+                rng.usize(..cluster.members())
+            };
+            let what = format!("partition {}", cluster.name(i));
+            let op = begin(rec, &what)?;
+            cluster.partition(i)?;
+            tokio::time::sleep(Duration::from_millis(rng.u64(2000..5000))).await;
+            cluster.heal(i)?;
+            end(rec, op)?;
+            cluster.wait_healthy(Duration::from_secs(30)).await?;
+            Ok(what)
+        }
+        Fault::KillArbiter => {
+            let mut arbiters = rig.arbiters.lock().await;
+            let i = rng.usize(..arbiters.len());
+            let what = format!("kill-arbiter arbiter-{i}");
+            let op = begin(rec, &what)?;
+            if let Some(mut a) = arbiters[i].take() {
+                a.kill();
+            }
+            tokio::time::sleep(Duration::from_millis(rng.u64(300..1500))).await;
+            arbiters[i] = Some(rig.start_arbiter(i).await?);
+            end(rec, op)?;
+            Ok(what)
+        }
+        Fault::PauseHolder => {
+            // Catch a worker inside a hold (it checked can_start and is in its
+            // unit of work); fall back to the next check after 5 s.
+            let found = eventually("a worker inside a hold", Duration::from_secs(5), || async {
+                rig.holding_worker().await.context("no worker holds a key")
+            })
+            .await
+            .ok();
+            let Some((name, pid)) = found else {
+                return Ok("pause-holder skipped (no holder found)".into());
+            };
+            let what = format!("pause-holder {name}");
+            let op = begin(rec, &what)?;
+            let pid = Pid::from_raw(i32::try_from(pid)?);
+            kill(pid, Signal::SIGSTOP)?;
+            tokio::time::sleep(TTL + Duration::from_millis(rng.u64(1500..3000))).await;
+            kill(pid, Signal::SIGCONT)?;
+            end(rec, op)?;
+            Ok(what)
+        }
+        Fault::Restore => {
+            let what = "restore from snapshot + advance-epoch".to_owned();
+            let op = begin(rec, &what)?;
+            rig.cluster.lock().await.restore(snapshot).await?;
+            let operator = operator_client(rig).await?;
+            // The arbiters notice the lower revision on their next etcd
+            // response and seal; the operator then advances the epoch.
+            let status = eventually("an arbiter to seal", Duration::from_secs(20), || async {
+                let s = operator.admin_status().await?;
+                if s.sealed {
+                    Ok(s)
+                } else {
+                    anyhow::bail!("not sealed yet (epoch {})", s.epoch)
+                }
+            })
+            .await?;
+            let adv = rec.invoke("advance", Fields::default())?;
+            match operator
+                .advance_epoch(status.epoch, "release gate: restore from snapshot")
+                .await
+            {
+                Ok(resp) => rec.complete(
+                    adv,
+                    Outcome::Ok,
+                    Fields {
+                        detail: Some(format!(
+                            "epoch {} -> {}, {} holds deleted",
+                            status.epoch, resp.epoch, resp.holds_deleted
+                        )),
+                        ..Fields::default()
+                    },
+                )?,
+                Err(e) => {
+                    rec.complete(
+                        adv,
+                        Outcome::Unknown,
+                        Fields {
+                            detail: Some(e.to_string()),
+                            ..Fields::default()
+                        },
+                    )?;
+                    return Err(e).context("advancing the epoch after the restore");
+                }
+            }
+            end(rec, op)?;
+            Ok(what)
+        }
+    }
+}
+
+async fn operator_client(rig: &Rig) -> anyhow::Result<Client> {
+    let certs = certs()?;
+    let svid = certs.svid("latchkey/operator");
+    let config = ClientConfig::tls(
+        format!("https://{}", rig.arbiter_addrs[0]),
+        TlsFiles {
+            ca: certs.ca(),
+            cert: svid.cert,
+            key: svid.key,
+        },
+    );
+    eventually(
+        "the operator client to connect",
+        Duration::from_secs(20),
+        || {
+            let config = config.clone();
+            async move { Ok(Client::connect(config).await?) }
+        },
+    )
+    .await
+}
+
+fn begin(rec: &mut Recorder, what: &str) -> anyhow::Result<u64> {
+    rec.invoke(
+        "fault",
+        Fields {
+            detail: Some(what.to_owned()),
+            ..Fields::default()
+        },
+    )
+}
+
+fn end(rec: &mut Recorder, op: u64) -> anyhow::Result<()> {
+    rec.complete(op, Outcome::Ok, Fields::default())
+}

@@ -1,0 +1,232 @@
+//! One gate workload process: acquire a random key through the client
+//! library, write to the PostgreSQL reference fence with the grant's token,
+//! release; every step recorded. The nemesis may SIGSTOP this process at any
+//! moment, which is the point: a holder frozen inside its unit of work wakes
+//! up with a stale token, and the fence must refuse its write.
+//!
+//! Any outcome the worker cannot know (a transport error, a refused release)
+//! ends the process with [`EXIT_TAINTED`] after recording what may still
+//! linger (an `expire` from its fence deadline); the gate starts a fresh
+//! incarnation, so no hidden hold outlives the dead process's lease.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use latchkey_client::{Client, ClientConfig, Error, TlsFiles};
+use latchkey_fence_postgres::{WriteOutcome, guarded_write};
+use latchkey_proto::lockv1::Reason;
+
+use super::record::{Fields, Outcome, Recorder, mono_ns, mono_of};
+
+/// The worker stopped because the stop file appeared.
+pub const EXIT_STOPPED: i32 = 0;
+/// The worker saw an outcome it cannot know; start a new incarnation.
+pub const EXIT_TAINTED: i32 = 3;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// The arbiter, `https://127.0.0.1:PORT`.
+    #[arg(long)]
+    pub arbiter: String,
+    #[arg(long)]
+    pub ca: PathBuf,
+    #[arg(long)]
+    pub cert: PathBuf,
+    #[arg(long)]
+    pub key: PathBuf,
+    /// Keys to lock, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub keys: Vec<String>,
+    #[arg(long)]
+    pub class: String,
+    /// tokio-postgres connection string of the fenced resource.
+    #[arg(long)]
+    pub postgres: String,
+    /// History file (JSON lines, appended).
+    #[arg(long)]
+    pub history: PathBuf,
+    /// Process name in the history, e.g. `w3.2` (worker 3, incarnation 2).
+    #[arg(long)]
+    pub process: String,
+    #[arg(long)]
+    pub seed: u64,
+    /// The worker finishes its current operation and exits once this exists.
+    #[arg(long)]
+    pub stop_file: PathBuf,
+}
+
+fn is_definite_refusal(err: &Error) -> bool {
+    // The arbiter answered and said no before anything was written; every
+    // other failure (transport, store unavailable, cancelled) may hide a grant.
+    matches!(
+        err.reason(),
+        Reason::Held
+            | Reason::Leak
+            | Reason::WaitTimeout
+            | Reason::Sealed
+            | Reason::QueueFull
+            | Reason::NotHeld
+            | Reason::TokenMismatch
+            | Reason::SessionExpired
+    )
+}
+
+pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
+    let mut rng = fastrand::Rng::with_seed(args.seed);
+    let mut rec = Recorder::create(&args.history, &args.process)?;
+    let (pg, conn) = tokio_postgres::connect(&args.postgres, tokio_postgres::NoTls)
+        .await
+        .context("connecting to the fenced resource")?;
+    tokio::spawn(conn);
+    let mut config = ClientConfig::tls(
+        &args.arbiter,
+        TlsFiles {
+            ca: args.ca.clone(),
+            cert: args.cert.clone(),
+            key: args.key.clone(),
+        },
+    );
+    config.connect_timeout = Duration::from_secs(2);
+    config.request_timeout = Duration::from_secs(3);
+    // The arbiter may be down (the nemesis kills it): wait for it, recording
+    // nothing, since nothing was asked yet.
+    let client = loop {
+        if args.stop_file.exists() {
+            return Ok(EXIT_STOPPED);
+        }
+        match Client::connect(config.clone()).await {
+            Ok(c) => break c,
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
+
+    while !args.stop_file.exists() {
+        let key = args.keys[rng.usize(..args.keys.len())].clone();
+        let op = rec.invoke("acquire", key_field(&key))?;
+        let wait = Duration::from_millis(rng.u64(300..2500));
+        let guard = match client
+            .lock(&key, &args.class)
+            .wait(wait)
+            .acquire(|_| {})
+            .await
+        {
+            Ok(guard) => {
+                rec.complete(
+                    op,
+                    Outcome::Ok,
+                    Fields {
+                        token: Some(guard.token().get()),
+                        ..Fields::default()
+                    },
+                )?;
+                guard
+            }
+            Err(e) if is_definite_refusal(&e) => {
+                rec.complete(op, Outcome::Fail, detail(&e))?;
+                if !matches!(e.reason(), Reason::Held | Reason::WaitTimeout) {
+                    // Sealed, or the session is gone: do not spin.
+                    tokio::time::sleep(Duration::from_millis(rng.u64(50..250))).await;
+                }
+                if e.reason() == Reason::SessionExpired {
+                    return Ok(EXIT_TAINTED);
+                }
+                continue;
+            }
+            Err(e) => {
+                rec.complete(op, Outcome::Unknown, detail(&e))?;
+                // If it was granted after all, the hold lives on this
+                // process's session until its lease runs out.
+                rec.invoke_at("expire", key_field(&key), mono_ns())?;
+                return Ok(EXIT_TAINTED);
+            }
+        };
+        let token = guard.token().get();
+
+        if guard.can_start() {
+            // The unit of work. A SIGSTOP here wakes up past the lease: the
+            // write below then carries a stale token.
+            tokio::time::sleep(Duration::from_millis(rng.u64(0..300))).await;
+            let op = rec.invoke(
+                "write",
+                Fields {
+                    key: Some(key.clone()),
+                    token: Some(token),
+                    ..Fields::default()
+                },
+            )?;
+            let payload = format!("{}#{op}", args.process);
+            match guarded_write(&pg, &key, token, &payload).await {
+                Ok(WriteOutcome::Accepted { write_seq }) => rec.complete(
+                    op,
+                    Outcome::Ok,
+                    Fields {
+                        seq: Some(write_seq),
+                        ..Fields::default()
+                    },
+                )?,
+                Ok(WriteOutcome::FencedOut) => {
+                    rec.complete(op, Outcome::Fail, Fields::default())?
+                }
+                Err(e) => rec.complete(
+                    op,
+                    Outcome::Unknown,
+                    Fields {
+                        detail: Some(e.to_string()),
+                        ..Fields::default()
+                    },
+                )?,
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.u64(0..100))).await;
+
+        let deadline = guard.fence_deadline();
+        let op = rec.invoke(
+            "release",
+            Fields {
+                key: Some(key.clone()),
+                token: Some(token),
+                ..Fields::default()
+            },
+        )?;
+        match guard.release().await {
+            Ok(()) => rec.complete(op, Outcome::Ok, Fields::default())?,
+            Err(e) => {
+                let outcome = if is_definite_refusal(&e) || matches!(e, Error::Fenced { .. }) {
+                    Outcome::Fail
+                } else {
+                    Outcome::Unknown
+                };
+                rec.complete(op, outcome, detail(&e))?;
+                // The hold may linger until the lease ends, which is no
+                // earlier than the fence deadline (ADR-12).
+                let from = mono_of(deadline.min(tokio::time::Instant::now()).into_std());
+                rec.invoke_at(
+                    "expire",
+                    Fields {
+                        key: Some(key.clone()),
+                        token: Some(token),
+                        ..Fields::default()
+                    },
+                    from,
+                )?;
+                return Ok(EXIT_TAINTED);
+            }
+        }
+    }
+    Ok(EXIT_STOPPED)
+}
+
+fn key_field(key: &str) -> Fields {
+    Fields {
+        key: Some(key.to_owned()),
+        ..Fields::default()
+    }
+}
+
+fn detail(e: &Error) -> Fields {
+    Fields {
+        detail: Some(e.to_string()),
+        ..Fields::default()
+    }
+}
