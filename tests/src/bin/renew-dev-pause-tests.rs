@@ -24,7 +24,8 @@ use std::time::{Duration, SystemTime};
 use anyhow::{Context, bail, ensure};
 use clap::Parser;
 use latchkey_policies::{
-    ClassPauseTest, Date, Enforcement, LockClass, LockKey, PauseTestResult, PolicyFile, PolicySet,
+    CLASSES_DIR, ClassPauseTest, Date, Enforcement, GRANTS_DIR, LockClass, LockKey,
+    PauseTestResult, PolicyFile, PolicySet,
 };
 use latchkey_tests::arbiter::{ArbiterOptions, ArbiterProcess, certs, spiffe};
 use latchkey_tests::etcd::EtcdServer;
@@ -119,8 +120,8 @@ async fn stop_signal() -> &'static str {
 /// `Ok(true)` when every class passed and `policies/dev` loads afterwards.
 async fn run(args: Args) -> anyhow::Result<bool> {
     let policies = workspace_root().join("policies/dev");
-    let latchctl = binary(args.latchctl.as_deref(), "latchctl")?;
-    let arbiter_bin = binary(args.arbiter.as_deref(), "latchkey-arbiter")?;
+    let latchctl = binary(args.latchctl.as_deref(), "latchctl", "--latchctl")?;
+    let arbiter_bin = binary(args.arbiter.as_deref(), "latchkey-arbiter", "--arbiter")?;
     let targets = targets(&policies, &args)?;
     eprintln!(
         "renew-dev-pause-tests: fenced classes in {}: {}",
@@ -211,8 +212,9 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     Ok(all_passed)
 }
 
-/// `explicit`, or `name` next to this program (where cargo puts its siblings).
-fn binary(explicit: Option<&Path>, name: &str) -> anyhow::Result<PathBuf> {
+/// `explicit` (given with `flag`), or `name` next to this program, where cargo
+/// puts the workspace's other binaries.
+fn binary(explicit: Option<&Path>, name: &str, flag: &str) -> anyhow::Result<PathBuf> {
     let path = match explicit {
         Some(p) => p.to_path_buf(),
         None => std::env::current_exe()?
@@ -222,13 +224,8 @@ fn binary(explicit: Option<&Path>, name: &str) -> anyhow::Result<PathBuf> {
     };
     ensure!(
         path.is_file(),
-        "{} not found: build it (scripts/renew-pause-tests does) or pass --{}",
-        path.display(),
-        if name == "latchctl" {
-            "latchctl"
-        } else {
-            "arbiter"
-        }
+        "{} not found: build it (scripts/renew-pause-tests does) or pass {flag}",
+        path.display()
     );
     Ok(path)
 }
@@ -236,8 +233,8 @@ fn binary(explicit: Option<&Path>, name: &str) -> anyhow::Result<PathBuf> {
 /// The fenced classes of `policies` (all, or those in `--class`), read from its
 /// policy files without reading any result, each with its key and hook metadata.
 fn targets(policies: &Path, args: &Args) -> anyhow::Result<Vec<Target>> {
-    let classes = read_toml_dir(&policies.join("classes"))?;
-    let grants = read_toml_dir(&policies.join("grants"))?;
+    let classes = read_toml_dir(&policies.join(CLASSES_DIR))?;
+    let grants = read_toml_dir(&policies.join(GRANTS_DIR))?;
     let class_files: Vec<PolicyFile<'_>> = classes
         .iter()
         .map(|(path, text)| PolicyFile { path, text })
@@ -422,7 +419,7 @@ async fn renew(
         .await
         .with_context(|| format!("reading back {row:?}"))?
         .with_context(|| format!("no row {row:?} in {DEV_SCHEMA}.latchkey_fenced_rows"))?;
-    let (payload, writes): (String, i64) = (stored.get(0), stored.get(1));
+    let (payload, writes): (String, i64) = (stored.try_get(0)?, stored.try_get(1)?);
     ensure!(
         payload.ends_with(" second-holder") && writes == 2,
         "PostgreSQL disagrees with the result: row {row:?} holds {payload:?} after {writes} writes"
@@ -432,16 +429,13 @@ async fn renew(
     install(&dest, &bytes)?;
     let e = &result.evidence;
     Ok(format!(
-        "{name}: PASS on {key} against {resource}: ttl {ttl}s, holder frozen {paused} ms, \
-         first write {first}, second holder's write {second} with a greater token, stale write \
-         after resume {stale}; PostgreSQL holds the second holder's write ({writes} writes). \
-         Wrote {dest}, valid until {expires}",
+        "{name}: PASS ({key}, {resource}): ttl {ttl}s, holder frozen {paused} ms, second token \
+         greater, stale write {stale}, row holds the second holder's write; wrote {dest}, valid \
+         until {expires}",
         key = target.key,
         resource = result.resource,
         ttl = e.ttl_seconds,
         paused = e.paused_for_ms,
-        first = e.first_write,
-        second = e.second_holder_write,
         stale = e.stale_write_after_resume,
         dest = dest
             .strip_prefix(workspace_root())
