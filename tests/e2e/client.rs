@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use latchkey_client::{Client, ClientConfig, Error, FenceReason, Reason, TlsFiles};
 use latchkey_policies::{Date, PolicySet};
-use latchkey_tests::arbiter::{certs, spiffe};
+use latchkey_tests::arbiter::{certs, spiffe, svid_flags};
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::eventually;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -400,19 +400,12 @@ async fn a_blocked_path_stops_new_work_then_fences_before_the_arbiter_hands_the_
 // --- latchctl ---------------------------------------------------------------
 
 fn latchctl(addr: SocketAddr, name: &str) -> anyhow::Result<Command> {
-    let certs = certs()?;
-    let svid = certs.svid(name);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"));
     cmd.env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .arg("--endpoint")
         .arg(format!("https://{addr}"))
-        .arg("--ca")
-        .arg(certs.ca())
-        .arg("--cert")
-        .arg(&svid.cert)
-        .arg("--key")
-        .arg(&svid.key)
+        .args(svid_flags(name)?)
         .stdin(Stdio::null())
         .kill_on_drop(true);
     Ok(cmd)

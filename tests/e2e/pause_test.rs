@@ -14,7 +14,7 @@ use latchkey_policies::{
     PAUSE_TEST_RESULT_VERSION, PauseTestEvidence, PauseTestOutcome, PauseTestResult,
     WriteOutcome as Observed,
 };
-use latchkey_tests::arbiter::{ArbiterOptions, certs};
+use latchkey_tests::arbiter::{ArbiterOptions, svid_flags};
 use latchkey_tests::postgres::PostgresServer;
 use tempfile::TempDir;
 use tokio::process::Command;
@@ -264,19 +264,12 @@ impl Rig {
     /// `latchctl pause-test KEY` with alice's SVID, the class, the resource,
     /// this rig's PostgreSQL and `--out`, plus `extra`.
     async fn kit(&self, key: &str, out: &Path, extra: &[&str]) -> anyhow::Result<Output> {
-        let certs = certs()?;
-        let svid = certs.svid(IDENTITY);
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"));
         cmd.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .arg("--endpoint")
             .arg(format!("https://{}", self.stack.arbiter.addr()))
-            .arg("--ca")
-            .arg(certs.ca())
-            .arg("--cert")
-            .arg(&svid.cert)
-            .arg("--key")
-            .arg(&svid.key)
+            .args(svid_flags(IDENTITY)?)
             .args(["pause-test", key, "--class", CLASS, "--resource", RESOURCE])
             .arg("--postgres")
             .arg(self.pg.url())

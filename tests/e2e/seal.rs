@@ -192,21 +192,7 @@ async fn a_restore_to_before_an_epoch_advance_is_sealed_too() -> anyhow::Result<
     let high = churn(&mut alice, session, 2).await?;
     assert_eq!(high >> 48, 2);
     s.etcd.restore(snapshot.path(), RestoreFlags::Same).await?;
-    eventually("sealed", Duration::from_secs(20), || {
-        let mut alice = alice.clone();
-        async move {
-            match open(&mut alice, "demo").await {
-                Err(e) => {
-                    let st = status_of(e);
-                    anyhow::ensure!(refusal(&st).1 == "SEALED", "{st}");
-                    Ok(())
-                }
-                Ok(_) => anyhow::bail!("served"),
-            }
-        }
-    })
-    .await?;
-    Ok(())
+    wait_sealed(&alice).await
 }
 
 /// Waits until opening a session on `c` is refused with SEALED.

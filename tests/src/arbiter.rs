@@ -42,6 +42,21 @@ pub fn certs() -> anyhow::Result<&'static DevTrustDomain> {
     }
 }
 
+/// `--ca <bundle> --cert <svid> --key <key>` for `name`: the connection
+/// flags latchctl and the gate's workers take.
+pub fn svid_flags(name: &str) -> anyhow::Result<Vec<std::ffi::OsString>> {
+    let certs = certs()?;
+    let svid = certs.svid(name);
+    Ok(vec![
+        "--ca".into(),
+        certs.ca().into(),
+        "--cert".into(),
+        svid.cert.into(),
+        "--key".into(),
+        svid.key.into(),
+    ])
+}
+
 /// `spiffe://dev.latchkey/<name>`.
 pub fn spiffe(name: &str) -> String {
     dev_certs::spiffe_id(TRUST_DOMAIN, name)

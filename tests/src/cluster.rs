@@ -33,7 +33,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tempfile::TempDir;
 
-use crate::etcd::{path_str, run_etcdctl};
+use crate::etcd::{MemberFlags, member_flags, path_str, run_etcdctl};
 use crate::eventually;
 
 const ETCD_BIN: &str = "etcd";
@@ -721,30 +721,17 @@ impl Member {
             }
             None => Command::new(ETCD_BIN),
         };
-        let client_url = self.client_url();
-        let peer_url = self.peer_url();
         let child = command
-            .arg("--name")
-            .arg(&self.name)
-            .arg("--data-dir")
-            .arg(&self.data_dir)
-            .arg("--listen-client-urls")
-            .arg(&client_url)
-            .arg("--advertise-client-urls")
-            .arg(&client_url)
-            .arg("--listen-peer-urls")
-            .arg(&peer_url)
-            .arg("--initial-advertise-peer-urls")
-            .arg(&peer_url)
-            .arg("--initial-cluster")
-            .arg(initial_cluster)
-            .arg("--initial-cluster-token")
-            .arg(cluster_token)
-            .arg("--initial-cluster-state")
-            .arg("new")
+            .args(member_flags(&MemberFlags {
+                name: &self.name,
+                data_dir: &self.data_dir,
+                client_url: &self.client_url(),
+                peer_url: &self.peer_url(),
+                initial_cluster,
+                cluster_token,
+            }))
             .args(["--heartbeat-interval", HEARTBEAT_INTERVAL_MS])
             .args(["--election-timeout", ELECTION_TIMEOUT_MS])
-            .args(["--logger", "zap", "--log-outputs", "stderr"])
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(stderr))

@@ -251,28 +251,15 @@ impl EtcdServer {
             .open(&self.log_path)
             .with_context(|| format!("opening {}", self.log_path.display()))?;
         let stderr = log.try_clone().context("cloning log file handle")?;
-        let client_url = self.endpoint();
-        let peer_url = self.peer_url();
         let child = Command::new(ETCD_BIN)
-            .arg("--name")
-            .arg(&self.name)
-            .arg("--data-dir")
-            .arg(&self.data_dir)
-            .arg("--listen-client-urls")
-            .arg(&client_url)
-            .arg("--advertise-client-urls")
-            .arg(&client_url)
-            .arg("--listen-peer-urls")
-            .arg(&peer_url)
-            .arg("--initial-advertise-peer-urls")
-            .arg(&peer_url)
-            .arg("--initial-cluster")
-            .arg(self.initial_cluster())
-            .arg("--initial-cluster-token")
-            .arg(&self.cluster_token)
-            .arg("--initial-cluster-state")
-            .arg("new")
-            .args(["--logger", "zap", "--log-outputs", "stderr"])
+            .args(member_flags(&MemberFlags {
+                name: &self.name,
+                data_dir: &self.data_dir,
+                client_url: &self.endpoint(),
+                peer_url: &self.peer_url(),
+                initial_cluster: &self.initial_cluster(),
+                cluster_token: &self.cluster_token,
+            }))
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(stderr))
@@ -362,4 +349,36 @@ pub(crate) async fn run_etcdctl(args: &[&str]) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The flags that identify an etcd member (and must stay the same across a
+/// restore for the cluster id to stay the same).
+pub(crate) struct MemberFlags<'a> {
+    pub name: &'a str,
+    pub data_dir: &'a Path,
+    pub client_url: &'a str,
+    pub peer_url: &'a str,
+    pub initial_cluster: &'a str,
+    pub cluster_token: &'a str,
+}
+
+/// `etcd` arguments for a member of a new cluster, logging to stderr.
+pub(crate) fn member_flags(m: &MemberFlags<'_>) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = Vec::new();
+    let mut flag = |name: &str, value: &std::ffi::OsStr| {
+        args.push(name.into());
+        args.push(value.into());
+    };
+    flag("--name", m.name.as_ref());
+    flag("--data-dir", m.data_dir.as_os_str());
+    flag("--listen-client-urls", m.client_url.as_ref());
+    flag("--advertise-client-urls", m.client_url.as_ref());
+    flag("--listen-peer-urls", m.peer_url.as_ref());
+    flag("--initial-advertise-peer-urls", m.peer_url.as_ref());
+    flag("--initial-cluster", m.initial_cluster.as_ref());
+    flag("--initial-cluster-token", m.cluster_token.as_ref());
+    flag("--initial-cluster-state", "new".as_ref());
+    flag("--logger", "zap".as_ref());
+    flag("--log-outputs", "stderr".as_ref());
+    args
 }

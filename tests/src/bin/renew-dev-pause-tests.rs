@@ -27,7 +27,7 @@ use latchkey_policies::{
     CLASSES_DIR, ClassPauseTest, Date, Enforcement, GRANTS_DIR, LockClass, LockKey,
     PauseTestResult, PolicyFile, PolicySet,
 };
-use latchkey_tests::arbiter::{ArbiterOptions, ArbiterProcess, certs, spiffe};
+use latchkey_tests::arbiter::{ArbiterOptions, ArbiterProcess, certs, spiffe, svid_flags};
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::postgres::PostgresServer;
 use latchkey_tests::{PAUSE_TEST_FIXTURE_KIT, copy_dev_policies, workspace_root};
@@ -334,19 +334,12 @@ struct Kit<'a> {
 impl Kit<'_> {
     /// `latchctl <identity's mTLS flags> pause-test KEY --class --resource --postgres --out`.
     async fn run(&self, target: &Target, out: &Path) -> anyhow::Result<Output> {
-        let certs = certs()?;
-        let svid = certs.svid(self.identity);
         let mut cmd = Command::new(self.latchctl);
         cmd.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .arg("--endpoint")
             .arg(format!("https://{}", self.arbiter.addr()))
-            .arg("--ca")
-            .arg(certs.ca())
-            .arg("--cert")
-            .arg(&svid.cert)
-            .arg("--key")
-            .arg(&svid.key)
+            .args(svid_flags(self.identity)?)
             .arg("pause-test")
             .arg(&target.key)
             .arg("--class")

@@ -27,10 +27,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use latchkey_checker::{CheckOptions, History, Report};
-use latchkey_policies::{PauseTestEvidence, PauseTestOutcome, PauseTestResult, WriteOutcome};
 use tokio::sync::Mutex;
 
-use crate::arbiter::{ArbiterOptions, ArbiterProcess, certs};
+use crate::arbiter::{ArbiterOptions, ArbiterProcess, certs, svid_flags};
 use crate::cluster::{ClusterOptions, EtcdCluster};
 use crate::postgres::PostgresServer;
 
@@ -430,8 +429,6 @@ struct WorkerSpawn {
 
 impl WorkerSpawn {
     fn start(&self, w: &mut Worker) -> anyhow::Result<()> {
-        let certs = certs()?;
-        let svid = certs.svid(&worker_identity(w.index));
         let name = w.name();
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -440,12 +437,7 @@ impl WorkerSpawn {
         let child = Command::new(&self.binary)
             .arg("--arbiter")
             .arg(format!("https://{}", self.addrs[w.arbiter]))
-            .arg("--ca")
-            .arg(certs.ca())
-            .arg("--cert")
-            .arg(&svid.cert)
-            .arg("--key")
-            .arg(&svid.key)
+            .args(svid_flags(&worker_identity(w.index))?)
             .arg("--keys")
             .arg(&self.keys)
             .arg("--class")
@@ -540,34 +532,8 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
         crate::arbiter::spiffe("latchkey/operator")
     ));
     std::fs::write(dir.join("grants/gate.toml"), grants)?;
-    // The gate's own class guards the reference fence the gate itself
-    // checks; its "pause test" is this fixture, and the gate's fence check
-    // is the evidence.
-    std::fs::create_dir_all(dir.join("pause-tests"))?;
-    let now = std::time::SystemTime::now();
-    let fixture = PauseTestResult {
-        version: 1,
-        class: CLASS.into(),
-        resource: GATE_RESOURCE.into(),
-        resource_schema_version: None,
-        started_at: now,
-        finished_at: now,
-        outcome: PauseTestOutcome::Pass,
-        kit: "release gate fixture (not evidence)".into(),
-        evidence: PauseTestEvidence {
-            ttl_seconds: u32::try_from(TTL.as_secs())?,
-            paused_for_ms: 0,
-            first_write: WriteOutcome::Accepted,
-            second_holder_write: WriteOutcome::Accepted,
-            second_token_greater: true,
-            stale_write_after_resume: WriteOutcome::Rejected,
-            final_row_from: "second-holder".into(),
-        },
-        failure: None,
-    };
-    std::fs::write(
-        dir.join(format!("pause-tests/{CLASS}.json")),
-        fixture.to_json_pretty()?,
-    )?;
+    // The fixture only lets the arbiter load the class: the gate's own
+    // fence check is the evidence here.
+    crate::write_pause_test_fixtures(dir)?;
     Ok(())
 }
