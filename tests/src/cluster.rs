@@ -33,7 +33,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tempfile::TempDir;
 
-use crate::etcd::{MemberFlags, member_flags, path_str, run_etcdctl};
+use crate::etcd::{MemberFlags, log_tail, member_flags, path_str, run_etcdctl};
 use crate::eventually;
 
 const ETCD_BIN: &str = "etcd";
@@ -48,7 +48,6 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 const CLIENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// HTTP/2 keep-alives let the cluster client notice a paused or partitioned member.
 const CLIENT_KEEP_ALIVE: Duration = Duration::from_secs(1);
-const LOG_TAIL_LINES: usize = 30;
 /// Loopback mode only: retries when a port picked as free was taken before etcd bound it.
 const START_ATTEMPTS: usize = 3;
 /// Keeps every interface name (`lkc` + 6 + 2 + `h` + index) within 15 characters.
@@ -798,11 +797,7 @@ impl Member {
     }
 
     fn log_tail(&self) -> String {
-        let Ok(log) = fs::read_to_string(&self.log_path) else {
-            return String::from("(no log)");
-        };
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
+        log_tail(&self.log_path)
     }
 }
 

@@ -301,11 +301,7 @@ impl EtcdServer {
     }
 
     fn log_tail(&self) -> String {
-        let Ok(log) = fs::read_to_string(&self.log_path) else {
-            return String::from("(no log)");
-        };
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
+        log_tail(&self.log_path)
     }
 }
 
@@ -349,6 +345,15 @@ pub(crate) async fn run_etcdctl(args: &[&str]) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The last lines of an etcd log, for error messages.
+pub(crate) fn log_tail(path: &Path) -> String {
+    let Ok(log) = fs::read_to_string(path) else {
+        return String::from("(no log)");
+    };
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
 }
 
 /// The flags that identify an etcd member (and must stay the same across a
