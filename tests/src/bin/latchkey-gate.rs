@@ -7,7 +7,7 @@
 //! ```
 //! Exit code 0 when the history checks out, 1 when the checker found a
 //! violation (history and report saved under --out), 2 when the run could
-//! not be carried out.
+//! not be carried out. `--check history.jsonl` re-checks a saved history.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -46,6 +46,36 @@ struct Args {
     /// Keep the history, report and logs under --out even when the run passes.
     #[arg(long)]
     keep: bool,
+    /// Run nothing: check a saved history (JSON lines) and print the report.
+    #[arg(long, value_name = "HISTORY")]
+    check: Option<PathBuf>,
+}
+
+/// `--check`: the checker alone, on a history a run saved.
+fn check_saved(path: &std::path::Path) -> ExitCode {
+    let history = std::fs::File::open(path)
+        .map_err(anyhow::Error::from)
+        .and_then(|f| {
+            Ok(latchkey_checker::History::from_jsonl(
+                std::io::BufReader::new(f),
+            )?)
+        });
+    match history {
+        Ok(history) => {
+            let report =
+                latchkey_checker::check(&history, &latchkey_checker::CheckOptions::default());
+            print!("{report}");
+            if report.ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("latchkey-gate: {}: {e:#}", path.display());
+            ExitCode::from(2)
+        }
+    }
 }
 
 #[tokio::main]
@@ -57,6 +87,9 @@ async fn main() -> ExitCode {
         )
         .init();
     let args = Args::parse();
+    if let Some(path) = &args.check {
+        return check_saved(path);
+    }
     let seed = args.seed.unwrap_or_else(|| fastrand::u64(..));
     println!("gate: seed {seed} (re-run with --seed {seed})");
     let faults = if args.faults.is_empty() {
