@@ -4,6 +4,7 @@
 //! and the epoch advance after a restore as an `advance` operation, which the
 //! checker's model uses (it drops every hold).
 
+use std::collections::VecDeque;
 use std::path::Path;
 use std::time::Duration;
 
@@ -94,14 +95,18 @@ pub(crate) async fn run(
 
     let mut first_round = config.faults.clone();
     rng.shuffle(&mut first_round);
-    let mut queue = first_round.into_iter();
-    while Instant::now() < end {
+    let mut queue: VecDeque<Fault> = first_round.into();
+    // Every kind at least once: a fault that found nothing to act on (no
+    // worker inside a hold) goes back in the queue, a few times at most,
+    // even past the duration.
+    let mut retries = 0;
+    while Instant::now() < end || (!queue.is_empty() && retries < 5) {
         let gap = rng.u64(
             u64::try_from(config.fault_gap.0.as_millis())?
                 ..=u64::try_from(config.fault_gap.1.as_millis())?,
         );
         tokio::time::sleep(Duration::from_millis(gap)).await;
-        let fault = match queue.next() {
+        let fault = match queue.pop_front() {
             Some(f) => f,
             None if config.faults.is_empty() => continue,
             None => {
@@ -111,9 +116,15 @@ pub(crate) async fn run(
                 config.faults[rng.usize(..config.faults.len())]
             }
         };
-        let description = inject(rig, fault, rng, &mut rec, &snapshot)
+        let Some(description) = inject(rig, fault, rng, &mut rec, &snapshot)
             .await
-            .with_context(|| format!("injecting {}", fault.name()))?;
+            .with_context(|| format!("injecting {}", fault.name()))?
+        else {
+            tracing::info!(fault = fault.name(), "nemesis: nothing to act on; later");
+            queue.push_back(fault);
+            retries += 1;
+            continue;
+        };
         tracing::info!(fault = %description, "nemesis");
         injected.push(description);
     }
@@ -122,13 +133,14 @@ pub(crate) async fn run(
     Ok(injected)
 }
 
+/// Injects `fault`; `None` when there was nothing to act on.
 async fn inject(
     rig: &Rig,
     fault: Fault,
     rng: &mut fastrand::Rng,
     rec: &mut Recorder,
     snapshot: &Path,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<Option<String>> {
     match fault {
         Fault::KillMember => {
             let mut cluster = rig.cluster.lock().await;
@@ -139,7 +151,7 @@ async fn inject(
             tokio::time::sleep(Duration::from_millis(rng.u64(500..2500))).await;
             cluster.restart(i).await?;
             end(rec, op)?;
-            Ok(what)
+            Ok(Some(what))
         }
         Fault::PauseLeader => {
             let cluster = rig.cluster.lock().await;
@@ -150,7 +162,7 @@ async fn inject(
             tokio::time::sleep(Duration::from_millis(rng.u64(2000..4000))).await;
             cluster.resume(l)?;
             end(rec, op)?;
-            Ok(what)
+            Ok(Some(what))
         }
         Fault::Partition => {
             let mut cluster = rig.cluster.lock().await;
@@ -166,7 +178,7 @@ async fn inject(
             cluster.heal(i)?;
             end(rec, op)?;
             cluster.wait_healthy(Duration::from_secs(30)).await?;
-            Ok(what)
+            Ok(Some(what))
         }
         Fault::KillArbiter => {
             let mut arbiters = rig.arbiters.lock().await;
@@ -179,7 +191,7 @@ async fn inject(
             tokio::time::sleep(Duration::from_millis(rng.u64(300..1500))).await;
             arbiters[i] = Some(rig.start_arbiter(i).await?);
             end(rec, op)?;
-            Ok(what)
+            Ok(Some(what))
         }
         Fault::PauseHolder => {
             // Catch a worker inside a hold (it checked can_start and is in its
@@ -190,7 +202,7 @@ async fn inject(
             .await
             .ok();
             let Some((name, pid)) = found else {
-                return Ok("pause-holder skipped (no holder found)".into());
+                return Ok(None);
             };
             let what = format!("pause-holder {name}");
             let op = begin(rec, &what)?;
@@ -199,7 +211,7 @@ async fn inject(
             tokio::time::sleep(TTL + Duration::from_millis(rng.u64(1500..3000))).await;
             kill(pid, Signal::SIGCONT)?;
             end(rec, op)?;
-            Ok(what)
+            Ok(Some(what))
         }
         Fault::Restore => {
             let what = "restore from snapshot + advance-epoch".to_owned();
@@ -246,7 +258,7 @@ async fn inject(
                 }
             }
             end(rec, op)?;
-            Ok(what)
+            Ok(Some(what))
         }
     }
 }
