@@ -376,7 +376,7 @@ impl ClassPauseTest {
 /// `out` is where the result should go.
 pub(crate) fn kit_command(class: &str, resource: Option<&str>, out: &Path) -> String {
     format!(
-        "latchctl pause-test --class {} --resource {} --out {}",
+        "latchctl pause-test <KEY> --class {} --resource {} --postgres <CONNINFO> --out {}",
         key::excerpt(class),
         resource.map_or_else(|| "<kind>:<name>".to_string(), key::excerpt),
         out.display()

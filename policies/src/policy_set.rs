@@ -798,8 +798,8 @@ identity = "spiffe://td/latchkey/operator"
         rest.replace(&dir.path().display().to_string(), "<dir>")
     }
 
-    const RUN_LEDGER: &str = "Run `latchctl pause-test --class ledger --resource \
-        postgresql:test.rows --out <dir>/pause-tests/ledger.json` against the real resource, \
+    const RUN_LEDGER: &str = "Run `latchctl pause-test <KEY> --class ledger --resource \
+        postgresql:test.rows --postgres <CONNINFO> --out <dir>/pause-tests/ledger.json` against the real resource, \
         or declare the class advisory with riskOwner and waiverExpires";
 
     fn refused(reason: &str) -> String {
@@ -861,8 +861,8 @@ identity = "spiffe://td/latchkey/operator"
                 None
             ),
             "lock class \"ledger\": enforcement = \"fenced\" but no passing pause test: there \
-             is no [class.pauseTest]. Run `latchctl pause-test --class ledger --resource \
-             <kind>:<name> --out <dir>/pause-tests/ledger.json` against the real resource and \
+             is no [class.pauseTest]. Run `latchctl pause-test <KEY> --class ledger --resource \
+             <kind>:<name> --postgres <CONNINFO> --out <dir>/pause-tests/ledger.json` against the real resource and \
              add [class.pauseTest] with its resource and result, or declare the class advisory \
              with riskOwner and waiverExpires"
         );
