@@ -27,10 +27,13 @@ struct Args {
     /// How long the nemesis runs, e.g. 100s, 30m, 2h.
     #[arg(long, default_value = "100s", value_parser = humantime::parse_duration)]
     duration: Duration,
+    /// Workload processes (each its own SPIFFE identity).
     #[arg(long, default_value_t = 6)]
     workers: usize,
+    /// Lock keys the workers contend on.
     #[arg(long, default_value_t = 3)]
     keys: usize,
+    /// Arbiter processes; workers are spread over them.
     #[arg(long, default_value_t = 2)]
     arbiters: usize,
     /// Fault kinds, comma-separated (default: all). `none` for no nemesis.
