@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::{Config, TlsFiles};
+use crate::{Config, EtcdClientCert, EtcdCredentials, EtcdUser, TlsFiles};
 use anyhow::{Context, bail};
 use clap::Parser;
 use tokio::net::TcpListener;
@@ -19,9 +19,26 @@ struct Args {
     /// Address to serve gRPC on.
     #[arg(long, default_value = "127.0.0.1:7443")]
     listen: String,
-    /// etcd client URL(s), comma-separated.
+    /// etcd client URL(s), comma-separated; all http:// or all https://.
+    /// With https://, etcd's certificate is verified against each URL's host
+    /// (a DNS name, or an IP address that must be an IP SAN of the certificate).
     #[arg(long, value_delimiter = ',', default_value = "http://127.0.0.1:2379")]
     etcd: Vec<String>,
+    /// Trust bundle for etcd's server certificate (PEM); required with https:// endpoints.
+    #[arg(long, value_name = "PEM")]
+    etcd_ca: Option<PathBuf>,
+    /// The arbiter's client certificate for etcd's --client-cert-auth (PEM chain); needs --etcd-key.
+    #[arg(long, value_name = "PEM", requires = "etcd_key")]
+    etcd_cert: Option<PathBuf>,
+    /// The private key of --etcd-cert (PEM).
+    #[arg(long, value_name = "PEM", requires = "etcd_cert")]
+    etcd_key: Option<PathBuf>,
+    /// etcd user for etcd's password auth; needs --etcd-password-file and https:// endpoints.
+    #[arg(long, value_name = "NAME", requires = "etcd_password_file")]
+    etcd_user: Option<String>,
+    /// File holding the etcd user's password (one trailing newline is ignored); read once at start.
+    #[arg(long, value_name = "PATH", requires = "etcd_user")]
+    etcd_password_file: Option<PathBuf>,
     /// Key prefix in etcd.
     #[arg(long, default_value = "/latchkey")]
     prefix: String,
@@ -62,9 +79,38 @@ struct Args {
     test_fault: crate::test_fault::TestFault,
 }
 
+/// The etcd credentials the flags name, checked against the endpoints
+/// before anything is read or connected.
+fn etcd_credentials(args: &Args) -> anyhow::Result<EtcdCredentials> {
+    let client_cert = match (&args.etcd_cert, &args.etcd_key) {
+        (Some(cert), Some(key)) => Some(EtcdClientCert {
+            cert: cert.clone(),
+            key: key.clone(),
+        }),
+        (None, None) => None,
+        _ => bail!("--etcd-cert and --etcd-key go together: pass both or neither"),
+    };
+    let user = match (&args.etcd_user, &args.etcd_password_file) {
+        (Some(name), Some(password_file)) => Some(EtcdUser {
+            name: name.clone(),
+            password_file: password_file.clone(),
+        }),
+        (None, None) => None,
+        _ => bail!("--etcd-user and --etcd-password-file go together: pass both or neither"),
+    };
+    let credentials = EtcdCredentials {
+        ca: args.etcd_ca.clone(),
+        client_cert,
+        user,
+    };
+    credentials.check(&args.etcd)?;
+    Ok(credentials)
+}
+
 /// Parses the process arguments and serves until SIGINT/SIGTERM.
 pub async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let etcd_credentials = etcd_credentials(&args)?;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     if args.log_json {
         tracing_subscriber::fmt()
@@ -87,6 +133,7 @@ pub async fn main() -> anyhow::Result<()> {
         ),
     };
     let mut config = Config::new(args.etcd, args.policies, args.state_dir);
+    config.etcd_credentials = etcd_credentials;
     config.prefix = args.prefix;
     config.tls = tls;
     config.trust_domain = args.trust_domain;
@@ -109,4 +156,218 @@ pub async fn main() -> anyhow::Result<()> {
     };
     crate::run(listener, config, shutdown).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &str = "hunter2-do-not-print";
+
+    fn parse(extra: &[&str]) -> Result<Args, clap::Error> {
+        let mut argv = vec!["latchkey-arbiter", "--insecure-dev"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv)
+    }
+
+    fn refusal(extra: &[&str]) -> String {
+        match parse(extra) {
+            Err(e) => e.to_string(),
+            Ok(args) => match etcd_credentials(&args) {
+                Err(e) => format!("{e:#}"),
+                Ok(c) => panic!("accepted {extra:?}: {c:?}"),
+            },
+        }
+    }
+
+    #[test]
+    fn mutual_tls_with_a_user_is_accepted() {
+        let args = parse(&[
+            "--etcd",
+            "https://10.0.0.1:2379,https://etcd-b:2379",
+            "--etcd-ca",
+            "ca.pem",
+            "--etcd-cert",
+            "arbiter.pem",
+            "--etcd-key",
+            "arbiter.key",
+            "--etcd-user",
+            "latchkey",
+            "--etcd-password-file",
+            "pw",
+        ])
+        .unwrap();
+        let creds = etcd_credentials(&args).unwrap();
+        assert!(creds.client_cert.is_some());
+        assert_eq!(creds.user.map(|u| u.name), Some("latchkey".into()));
+    }
+
+    #[test]
+    fn the_default_plain_http_endpoint_needs_no_credentials() {
+        let args = parse(&[]).unwrap();
+        assert!(etcd_credentials(&args).unwrap().ca.is_none());
+    }
+
+    #[test]
+    fn a_cert_without_a_key_is_refused() {
+        let msg = refusal(&[
+            "--etcd",
+            "https://127.0.0.1:2379",
+            "--etcd-ca",
+            "ca.pem",
+            "--etcd-cert",
+            "arbiter.pem",
+        ]);
+        assert!(msg.contains("--etcd-key"), "{msg}");
+        let msg = refusal(&[
+            "--etcd",
+            "https://127.0.0.1:2379",
+            "--etcd-ca",
+            "ca.pem",
+            "--etcd-key",
+            "arbiter.key",
+        ]);
+        assert!(msg.contains("--etcd-cert"), "{msg}");
+    }
+
+    #[test]
+    fn https_without_a_ca_is_refused() {
+        let msg = refusal(&["--etcd", "https://127.0.0.1:2379"]);
+        assert!(msg.contains("--etcd-ca"), "{msg}");
+    }
+
+    #[test]
+    fn mixed_schemes_are_refused() {
+        let msg = refusal(&[
+            "--etcd",
+            "https://127.0.0.1:2379,http://127.0.0.1:2380",
+            "--etcd-ca",
+            "ca.pem",
+        ]);
+        assert!(msg.contains("mix http://"), "{msg}");
+    }
+
+    #[test]
+    fn a_user_without_a_password_file_is_refused() {
+        let msg = refusal(&[
+            "--etcd",
+            "https://127.0.0.1:2379",
+            "--etcd-ca",
+            "ca.pem",
+            "--etcd-user",
+            "latchkey",
+        ]);
+        assert!(msg.contains("--etcd-password-file"), "{msg}");
+    }
+
+    #[test]
+    fn help_lists_the_etcd_credential_flags() {
+        let help = <Args as clap::CommandFactory>::command()
+            .render_long_help()
+            .to_string();
+        for flag in [
+            "--etcd-ca",
+            "--etcd-cert",
+            "--etcd-key",
+            "--etcd-user",
+            "--etcd-password-file",
+        ] {
+            assert!(help.contains(flag), "{flag} missing from --help");
+        }
+    }
+
+    /// Starts far enough to read the credentials; returns the error.
+    async fn start_error(config: Config) -> String {
+        let err = match crate::build(&config).await {
+            Ok(_) => panic!("the arbiter started"),
+            Err(e) => e,
+        };
+        let msg = format!("{:#}", anyhow::Error::from(err));
+        assert!(!msg.contains(SECRET), "the password leaked: {msg}");
+        msg
+    }
+
+    /// A config whose policies dir does not exist: the etcd checks come first.
+    fn config_in(dir: &std::path::Path, endpoint: &str) -> Config {
+        Config::new(
+            vec![endpoint.into()],
+            dir.join("no-policies"),
+            dir.join("state"),
+        )
+    }
+
+    #[tokio::test]
+    async fn an_unreadable_file_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = config_in(dir.path(), "https://127.0.0.1:1");
+        let missing = dir.path().join("no-such-ca.pem");
+        config.etcd_credentials.ca = Some(missing.clone());
+        let msg = start_error(config).await;
+        assert!(msg.contains(&missing.display().to_string()), "{msg}");
+
+        let mut config = config_in(dir.path(), "https://127.0.0.1:1");
+        let not_pem = dir.path().join("not-pem.pem");
+        std::fs::write(&not_pem, "hello").unwrap();
+        config.etcd_credentials.ca = Some(not_pem.clone());
+        let msg = start_error(config).await;
+        assert!(msg.contains(&not_pem.display().to_string()), "{msg}");
+        assert!(msg.contains("no PEM certificate"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn the_password_is_never_printed() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, test_cert_pem()).unwrap();
+        let password_file = dir.path().join("etcd-password");
+        std::fs::write(&password_file, format!("{SECRET}\n")).unwrap();
+        // Nothing listens on port 1: the start fails after reading the password.
+        let mut config = config_in(dir.path(), "https://127.0.0.1:1");
+        config.policies_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../policies/dev").into();
+        config.etcd_connect_timeout = Duration::from_millis(200);
+        config.etcd_request_timeout = Duration::from_millis(500);
+        config.etcd_credentials = EtcdCredentials {
+            ca: Some(ca),
+            client_cert: None,
+            user: Some(EtcdUser {
+                name: "latchkey".into(),
+                password_file: password_file.clone(),
+            }),
+        };
+        let debug = format!("{:?}", config.etcd_credentials);
+        assert!(!debug.contains(SECRET), "{debug}");
+        let msg = start_error(config).await;
+        assert!(msg.contains("cannot reach etcd"), "{msg}");
+        assert!(msg.contains("user \"latchkey\""), "{msg}");
+
+        let login = crate::store::EtcdLogin::new("latchkey".into(), SECRET.into());
+        assert!(!format!("{login:?}").contains(SECRET));
+
+        let empty = dir.path().join("empty-password");
+        std::fs::write(&empty, "\n").unwrap();
+        let mut config = config_in(dir.path(), "https://127.0.0.1:1");
+        config.etcd_credentials = EtcdCredentials {
+            ca: Some(dir.path().join("ca.pem")),
+            client_cert: None,
+            user: Some(EtcdUser {
+                name: "latchkey".into(),
+                password_file: empty.clone(),
+            }),
+        };
+        let msg = start_error(config).await;
+        assert!(
+            msg.contains("empty") && msg.contains(&empty.display().to_string()),
+            "{msg}"
+        );
+    }
+
+    /// A well-formed certificate: these tests never get to a handshake.
+    fn test_cert_pem() -> String {
+        let key = rcgen::KeyPair::generate().unwrap();
+        rcgen::CertificateParams::new(vec!["localhost".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap()
+            .pem()
+    }
 }

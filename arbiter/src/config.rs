@@ -19,9 +19,133 @@ pub struct TlsFiles {
     pub client_ca: PathBuf,
 }
 
+/// How the arbiter authenticates to etcd: the arbiter is the only holder of
+/// etcd write credentials (a client certificate and/or a user).
+///
+/// `https://` endpoints need [`EtcdCredentials::ca`]; etcd's certificate is
+/// verified against each endpoint's host (a DNS name or an IP address, which
+/// must then be an IP SAN), so list etcd by the names its certificate carries.
+#[derive(Debug, Clone, Default)]
+pub struct EtcdCredentials {
+    /// Trust bundle for etcd's server certificate (PEM).
+    pub ca: Option<PathBuf>,
+    /// The arbiter's client certificate, for etcd's `--client-cert-auth`.
+    pub client_cert: Option<EtcdClientCert>,
+    /// etcd's username/password auth.
+    pub user: Option<EtcdUser>,
+}
+
+#[derive(Debug, Clone)]
+pub struct EtcdClientCert {
+    /// PEM chain, leaf first.
+    pub cert: PathBuf,
+    /// PEM private key.
+    pub key: PathBuf,
+}
+
+/// An etcd user whose password is in a file, read once when the arbiter
+/// starts (so the password is never on a command line or in `Debug` output).
+#[derive(Debug, Clone)]
+pub struct EtcdUser {
+    pub name: String,
+    pub password_file: PathBuf,
+}
+
+/// What is wrong with the etcd endpoints or credentials, found before connecting.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EtcdConfigError {
+    #[error("no etcd endpoint given (--etcd)")]
+    NoEndpoints,
+    #[error(
+        "etcd endpoint {endpoint:?} has no scheme; write http://{endpoint} or https://{endpoint}"
+    )]
+    NoScheme { endpoint: String },
+    #[error(
+        "etcd endpoints mix http:// ({http:?}) and https:// ({https:?}); use https:// for every member"
+    )]
+    MixedSchemes { http: String, https: String },
+    #[error(
+        "https:// etcd endpoints need --etcd-ca (the trust bundle for etcd's server certificate)"
+    )]
+    HttpsWithoutCa,
+    #[error("--etcd-ca and --etcd-cert/--etcd-key need https:// etcd endpoints (got {endpoint:?})")]
+    TlsOverHttp { endpoint: String },
+    #[error("--etcd-user sends a password: it needs https:// etcd endpoints (got {endpoint:?})")]
+    PasswordOverHttp { endpoint: String },
+    #[error("the etcd user name is empty")]
+    EmptyUser,
+}
+
+impl EtcdCredentials {
+    /// Checks `endpoints` against these credentials: one scheme for all,
+    /// TLS material exactly when that scheme is `https`, and never a password
+    /// over plain http.
+    pub fn check(&self, endpoints: &[String]) -> Result<(), EtcdConfigError> {
+        let first = endpoints.first().ok_or(EtcdConfigError::NoEndpoints)?;
+        let (mut http, mut https) = (None, None);
+        for e in endpoints {
+            if e.starts_with("https://") {
+                https.get_or_insert(e);
+            } else if e.starts_with("http://") {
+                http.get_or_insert(e);
+            } else {
+                return Err(EtcdConfigError::NoScheme {
+                    endpoint: e.clone(),
+                });
+            }
+        }
+        if let (Some(http), Some(https)) = (http, https) {
+            return Err(EtcdConfigError::MixedSchemes {
+                http: http.clone(),
+                https: https.clone(),
+            });
+        }
+        if https.is_some() {
+            if self.ca.is_none() {
+                return Err(EtcdConfigError::HttpsWithoutCa);
+            }
+        } else if self.ca.is_some() || self.client_cert.is_some() {
+            return Err(EtcdConfigError::TlsOverHttp {
+                endpoint: first.clone(),
+            });
+        } else if self.user.is_some() {
+            return Err(EtcdConfigError::PasswordOverHttp {
+                endpoint: first.clone(),
+            });
+        }
+        if self.user.as_ref().is_some_and(|u| u.name.is_empty()) {
+            return Err(EtcdConfigError::EmptyUser);
+        }
+        Ok(())
+    }
+
+    /// How the arbiter reaches etcd, for logs and errors (never a password).
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        match (&self.ca, &self.client_cert) {
+            (None, _) => parts.push("plain http, no credentials".to_string()),
+            (Some(ca), None) => parts.push(format!(
+                "TLS trusting {}, no client certificate",
+                ca.display()
+            )),
+            (Some(ca), Some(c)) => parts.push(format!(
+                "TLS trusting {}, client certificate {}",
+                ca.display(),
+                c.cert.display()
+            )),
+        }
+        if let Some(user) = &self.user {
+            parts.push(format!("user {:?}", user.name));
+        }
+        parts.join(", ")
+    }
+}
+
 #[derive(Clone)]
 pub struct Config {
     pub etcd_endpoints: Vec<String>,
+    /// TLS material and user for etcd (none: plain http).
+    pub etcd_credentials: EtcdCredentials,
     /// Key prefix in etcd; several deployments may share one cluster.
     pub prefix: String,
     pub policies_dir: PathBuf,
@@ -52,6 +176,7 @@ impl Config {
     pub fn new(etcd_endpoints: Vec<String>, policies_dir: PathBuf, state_dir: PathBuf) -> Self {
         Self {
             etcd_endpoints,
+            etcd_credentials: EtcdCredentials::default(),
             prefix: "/latchkey".into(),
             policies_dir,
             policy_poll: Duration::from_secs(2),
@@ -70,5 +195,94 @@ impl Config {
             })),
             test_fault: TestFault::None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn eps(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn tls() -> EtcdCredentials {
+        EtcdCredentials {
+            ca: Some("ca.pem".into()),
+            client_cert: Some(EtcdClientCert {
+                cert: "c.pem".into(),
+                key: "c.key".into(),
+            }),
+            user: None,
+        }
+    }
+
+    #[test]
+    fn plain_http_without_credentials_is_fine() {
+        let none = EtcdCredentials::default();
+        assert_eq!(
+            none.check(&eps(&["http://a:2379", "http://b:2379"])),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn https_with_ca_is_fine() {
+        assert_eq!(
+            tls().check(&eps(&["https://a:2379", "https://b:2379"])),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn mixing_http_and_https_is_refused() {
+        let err = tls()
+            .check(&eps(&["https://a:2379", "http://b:2379"]))
+            .unwrap_err();
+        assert!(matches!(err, EtcdConfigError::MixedSchemes { .. }), "{err}");
+        assert!(err.to_string().contains("http://b:2379"), "{err}");
+    }
+
+    #[test]
+    fn https_without_ca_is_refused() {
+        let err = EtcdCredentials::default()
+            .check(&eps(&["https://a:2379"]))
+            .unwrap_err();
+        assert_eq!(err, EtcdConfigError::HttpsWithoutCa);
+        assert!(err.to_string().contains("--etcd-ca"), "{err}");
+    }
+
+    #[test]
+    fn tls_material_over_http_is_refused() {
+        let err = tls().check(&eps(&["http://a:2379"])).unwrap_err();
+        assert!(matches!(err, EtcdConfigError::TlsOverHttp { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_password_over_http_is_refused() {
+        let creds = EtcdCredentials {
+            user: Some(EtcdUser {
+                name: "arbiter".into(),
+                password_file: "pw".into(),
+            }),
+            ..EtcdCredentials::default()
+        };
+        let err = creds.check(&eps(&["http://a:2379"])).unwrap_err();
+        assert!(
+            matches!(err, EtcdConfigError::PasswordOverHttp { .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn endpoints_need_a_scheme() {
+        let err = EtcdCredentials::default()
+            .check(&eps(&["127.0.0.1:2379"]))
+            .unwrap_err();
+        assert!(matches!(err, EtcdConfigError::NoScheme { .. }), "{err}");
+        assert_eq!(
+            EtcdCredentials::default().check(&[]),
+            Err(EtcdConfigError::NoEndpoints)
+        );
     }
 }

@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tracing::{info, warn};
 
-pub use config::{Config, TlsFiles};
+pub use config::{Config, EtcdClientCert, EtcdConfigError, EtcdCredentials, EtcdUser, TlsFiles};
 pub use error::ArbiterError;
 pub use service::{AdminService, Arbiter, LockService};
 
@@ -48,7 +48,7 @@ use crate::epoch::EpochGuard;
 use crate::high_water::HighWater;
 use crate::identity::IdentitySource;
 use crate::policy::Policies;
-use crate::store::{Store, StoreConfig};
+use crate::store::{EtcdLogin, EtcdTlsPem, Store, StoreConfig};
 use crate::waiters::Queues;
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +59,25 @@ pub enum RunError {
     HighWater(#[from] high_water::HighWaterError),
     #[error("etcd: {0}")]
     Store(#[source] ArbiterError),
+    #[error(transparent)]
+    EtcdConfig(#[from] EtcdConfigError),
+    /// The first requests to etcd failed: a wrong address, etcd down, or
+    /// credentials etcd refuses.
+    #[error("cannot reach etcd at {endpoints} ({access}){hint}")]
+    EtcdUnreachable {
+        endpoints: String,
+        /// How the arbiter tried (TLS, client certificate, user), never a password.
+        access: String,
+        /// What to check, when the credentials suggest it.
+        hint: &'static str,
+        #[source]
+        source: ArbiterError,
+    },
+    #[error("{path}: {what}")]
+    BadFile {
+        path: std::path::PathBuf,
+        what: &'static str,
+    },
     #[error("cannot read {path}: {source}")]
     ReadTls {
         path: std::path::PathBuf,
@@ -72,6 +91,11 @@ pub enum RunError {
 /// Builds the arbiter's state: policies, high-water mark, etcd connection,
 /// and the epoch record (created on first start).
 pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
+    // etcd's endpoints and credentials first: a bad flag or file fails the
+    // start before anything else is loaded.
+    let credentials = &config.etcd_credentials;
+    credentials.check(&config.etcd_endpoints)?;
+    let (etcd_tls, etcd_login) = (etcd_tls(credentials)?, etcd_login(credentials)?);
     let policies =
         Arc::new(Policies::load(&config.policies_dir)?.with_hooks(config.hook_host.clone()));
     // Compile the classes' hooks before serving (a class whose module is
@@ -84,19 +108,35 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     let _ = tokio::task::spawn_blocking(move || host.sync(&set, &dir)).await;
     let high_water = Arc::new(HighWater::open(&config.state_dir)?);
     let guard = Arc::new(EpochGuard::default());
+    let unreachable = |source| RunError::EtcdUnreachable {
+        endpoints: config.etcd_endpoints.join(","),
+        access: credentials.describe(),
+        // etcd with --client-cert-auth drops a TLS client without a
+        // certificate with no more than a broken pipe.
+        hint: if credentials.ca.is_some() && credentials.client_cert.is_none() {
+            "; if etcd runs with --client-cert-auth, pass --etcd-cert and --etcd-key"
+        } else {
+            ""
+        },
+        source,
+    };
     let store = Store::connect(
         &StoreConfig {
             endpoints: config.etcd_endpoints.clone(),
             prefix: config.prefix.clone(),
             connect_timeout: config.etcd_connect_timeout,
             request_timeout: config.etcd_request_timeout,
+            tls: etcd_tls,
+            login: etcd_login,
         },
         guard,
         high_water,
     )
     .await
-    .map_err(RunError::Store)?;
-    let state = store.load_epoch().await.map_err(RunError::Store)?;
+    .map_err(unreachable)?;
+    // The first request: the connection, TLS handshake and auth happen here.
+    let state = store.load_epoch().await.map_err(unreachable)?;
+    info!(access = %credentials.describe(), "connected to etcd");
     match store.guard().seal_reason() {
         Some(reason) => warn!(epoch = state.epoch(), %reason, "starting SEALED"),
         None => info!(
@@ -149,6 +189,87 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>, RunError> {
         path: path.to_path_buf(),
         source,
     })
+}
+
+/// Reads a PEM file that must hold at least one `kind` block.
+fn read_pem(path: &std::path::Path, kind: PemKind) -> Result<Vec<u8>, RunError> {
+    let pem = read(path)?;
+    let mut reader = std::io::BufReader::new(pem.as_slice());
+    let found = rustls_pemfile::read_all(&mut reader).any(|item| {
+        matches!(
+            (kind, item),
+            (
+                PemKind::Certificate,
+                Ok(rustls_pemfile::Item::X509Certificate(_))
+            ) | (
+                PemKind::Key,
+                Ok(rustls_pemfile::Item::Pkcs1Key(_)
+                    | rustls_pemfile::Item::Pkcs8Key(_)
+                    | rustls_pemfile::Item::Sec1Key(_))
+            )
+        )
+    });
+    if !found {
+        return Err(RunError::BadFile {
+            path: path.to_path_buf(),
+            what: match kind {
+                PemKind::Certificate => "no PEM certificate in this file",
+                PemKind::Key => "no PEM private key in this file",
+            },
+        });
+    }
+    Ok(pem)
+}
+
+#[derive(Debug, Clone, Copy)]
+enum PemKind {
+    Certificate,
+    Key,
+}
+
+/// etcd's TLS material, read once at start.
+fn etcd_tls(credentials: &EtcdCredentials) -> Result<Option<EtcdTlsPem>, RunError> {
+    let Some(ca) = &credentials.ca else {
+        return Ok(None);
+    };
+    let identity = match &credentials.client_cert {
+        Some(c) => Some((
+            read_pem(&c.cert, PemKind::Certificate)?,
+            read_pem(&c.key, PemKind::Key)?,
+        )),
+        None => None,
+    };
+    Ok(Some(EtcdTlsPem {
+        ca: read_pem(ca, PemKind::Certificate)?,
+        identity,
+    }))
+}
+
+/// The etcd user's password, read once at start: the file's content without
+/// its trailing newline. No error ever quotes the content.
+fn etcd_login(credentials: &EtcdCredentials) -> Result<Option<EtcdLogin>, RunError> {
+    let Some(user) = &credentials.user else {
+        return Ok(None);
+    };
+    let bytes = read(&user.password_file)?;
+    let Ok(text) = String::from_utf8(bytes) else {
+        return Err(RunError::BadFile {
+            path: user.password_file.clone(),
+            what: "the etcd password file is not UTF-8",
+        });
+    };
+    let password = text.strip_suffix('\n').unwrap_or(&text);
+    let password = password.strip_suffix('\r').unwrap_or(password);
+    if password.is_empty() {
+        return Err(RunError::BadFile {
+            path: user.password_file.clone(),
+            what: "the etcd password file is empty",
+        });
+    }
+    Ok(Some(EtcdLogin::new(
+        user.name.clone(),
+        password.to_string(),
+    )))
 }
 
 /// Serves lock.v1 and admin.v1 on `listener` until `shutdown` completes.

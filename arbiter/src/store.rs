@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, GetResponse,
-    LeaseKeepAliveStream, LeaseKeeper, PutOptions, ResponseHeader, Txn, TxnOp, TxnOpResponse,
-    TxnResponse, WatchOptions, WatchStream,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, GetResponse,
+    Identity, LeaseKeepAliveStream, LeaseKeeper, PutOptions, ResponseHeader, TlsOptions, Txn,
+    TxnOp, TxnOpResponse, TxnResponse, WatchOptions, WatchStream,
 };
 use tracing::{error, warn};
 
@@ -92,6 +92,68 @@ pub struct StoreConfig {
     pub prefix: String,
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
+    /// TLS for `https://` endpoints (`None` for `http://`).
+    pub tls: Option<EtcdTlsPem>,
+    /// etcd username/password auth.
+    pub login: Option<EtcdLogin>,
+}
+
+/// etcd TLS material, already read from disk (PEM).
+#[derive(Clone)]
+pub struct EtcdTlsPem {
+    /// Trust bundle for etcd's server certificate.
+    pub ca: Vec<u8>,
+    /// The arbiter's client certificate chain and key.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for EtcdTlsPem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdTlsPem")
+            .field("ca_bytes", &self.ca.len())
+            .field("client_certificate", &self.identity.is_some())
+            .finish()
+    }
+}
+
+/// An etcd user and its password. `Debug` never shows the password, and
+/// there is no `Display`.
+#[derive(Clone)]
+pub struct EtcdLogin {
+    pub name: String,
+    password: String,
+}
+
+impl EtcdLogin {
+    pub fn new(name: String, password: String) -> Self {
+        Self { name, password }
+    }
+}
+
+impl std::fmt::Debug for EtcdLogin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdLogin")
+            .field("name", &self.name)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+/// An etcd client error with its causes: tonic keeps the interesting part
+/// of a connection failure (refused, TLS alert, unknown issuer) in the
+/// source chain, which `Display` alone drops.
+fn etcd_error(err: etcd_client::Error) -> ArbiterError {
+    let mut detail = err.to_string();
+    let mut source = std::error::Error::source(&err);
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !detail.contains(&text) {
+            detail.push_str(": ");
+            detail.push_str(&text);
+        }
+        source = cause.source();
+    }
+    ArbiterError::store(detail)
 }
 
 #[derive(Clone)]
@@ -122,14 +184,30 @@ impl Store {
     ) -> Result<Self, ArbiterError> {
         // require_leader: a member cut off from the quorum fails fast instead
         // of serving a stale view or hanging.
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_require_leader(true)
             .with_connect_timeout(config.connect_timeout)
             .with_timeout(config.request_timeout)
             .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
+        if let Some(tls) = &config.tls {
+            // No domain_name: tonic verifies etcd's certificate against each
+            // endpoint's own host, so every member is checked by its name.
+            let mut tls_options = TlsOptions::new().ca_certificate(Certificate::from_pem(&tls.ca));
+            if let Some((cert, key)) = &tls.identity {
+                tls_options = tls_options.identity(Identity::from_pem(cert, key));
+            }
+            options = options.with_tls(tls_options);
+        }
+        if let Some(login) = &config.login {
+            // Tokens expire (etcd's --auth-token-ttl); refresh rather than fail.
+            options = options
+                .with_user(login.name.clone(), login.password.clone())
+                .with_auto_token_refresh(true);
+        }
+        // `options` holds the password in its Debug output: never log it.
         let client = Client::connect(&config.endpoints, Some(options))
             .await
-            .map_err(ArbiterError::store)?;
+            .map_err(etcd_error)?;
         Ok(Self {
             client,
             layout: Layout::new(&config.prefix),
@@ -175,12 +253,7 @@ impl Store {
     /// Runs a transaction; its header is checked before anything in it is used.
     async fn checked_txn(&self, txn: Txn) -> Result<(TxnResponse, i64), ArbiterError> {
         let mark = self.high_water.current();
-        let resp = self
-            .client
-            .kv_client()
-            .txn(txn)
-            .await
-            .map_err(ArbiterError::store)?;
+        let resp = self.client.kv_client().txn(txn).await.map_err(etcd_error)?;
         let (cluster_id, revision) = header_of(resp.header())?;
         self.observe(mark, cluster_id, Some(revision)).await?;
         Ok((resp, revision))
@@ -198,7 +271,7 @@ impl Store {
             .kv_client()
             .get(key, options)
             .await
-            .map_err(ArbiterError::store)?;
+            .map_err(etcd_error)?;
         let (cluster_id, revision) = header_of(resp.header())?;
         self.observe(mark, cluster_id, Some(revision)).await?;
         Ok(resp)
@@ -266,7 +339,7 @@ impl Store {
             TxnOp::get(self.layout.seal(), None),
         ]);
         let mark = self.high_water.current();
-        let resp = kv.txn(txn).await.map_err(ArbiterError::store)?;
+        let resp = kv.txn(txn).await.map_err(etcd_error)?;
         let (cluster_id, revision) = header_of(resp.header())?;
         let ops = resp.op_responses();
         let seal = ops
@@ -295,7 +368,7 @@ impl Store {
                         0,
                     )])
                     .and_then([TxnOp::put(epoch_key.clone(), bytes.clone(), None)]);
-                let created = kv.txn(txn).await.map_err(ArbiterError::store)?;
+                let created = kv.txn(txn).await.map_err(etcd_error)?;
                 if !created.succeeded() {
                     // Another arbiter created it first: read theirs.
                     return Box::pin(self.load_epoch()).await;
@@ -346,7 +419,7 @@ impl Store {
             .lease_client()
             .grant(i64::from(ttl_seconds), None)
             .await
-            .map_err(ArbiterError::store)?;
+            .map_err(etcd_error)?;
         let (cluster_id, _) = header_of(lease.header())?;
         self.observe(mark, cluster_id, None).await?;
         let id = lease.id();
@@ -364,7 +437,7 @@ impl Store {
                 Some(PutOptions::new().with_lease(id)),
             )
             .await
-            .map_err(ArbiterError::store)?;
+            .map_err(etcd_error)?;
         let (cluster_id, revision) = header_of(resp.header())?;
         self.observe(mark, cluster_id, Some(revision)).await?;
         Ok(id)
@@ -379,7 +452,7 @@ impl Store {
         match self.client.lease_client().revoke(lease).await {
             Ok(_) => Ok(()),
             Err(etcd_client::Error::GRpcStatus(s)) if s.code() == tonic::Code::NotFound => Ok(()),
-            Err(e) => Err(ArbiterError::store(e)),
+            Err(e) => Err(etcd_error(e)),
         }
     }
 
@@ -389,7 +462,7 @@ impl Store {
             .lease_client()
             .keep_alive(lease)
             .await
-            .map_err(ArbiterError::store)?;
+            .map_err(etcd_error)?;
         Ok(Renewer { keeper, stream })
     }
 
@@ -631,7 +704,7 @@ impl Store {
                 Some(WatchOptions::new().with_start_revision(from_revision)),
             )
             .await
-            .map_err(ArbiterError::store)?;
+            .map_err(etcd_error)?;
         Ok(KeyWatch { stream })
     }
 
@@ -651,7 +724,7 @@ impl Store {
                 TxnOp::get(seal_key.clone(), None),
             ]))
             .await
-            .map_err(ArbiterError::store)?;
+            .map_err(etcd_error)?;
         let (cluster_id, _) = header_of(current.header())?;
         let ops = current.op_responses();
         let seal = ops.get(1).and_then(first_kv);
@@ -717,7 +790,7 @@ impl Store {
                 ),
                 TxnOp::delete(self.layout.seal(), None),
             ]);
-        let resp = kv.txn(txn).await.map_err(ArbiterError::store)?;
+        let resp = kv.txn(txn).await.map_err(etcd_error)?;
         if !resp.succeeded() {
             return Err(ArbiterError::BadRequest(
                 "the epoch record or the seal changed while advancing; read the status and try again".into(),
@@ -741,7 +814,7 @@ impl Store {
                 Some(GetOptions::new().with_count_only()),
             )
             .await
-            .map_err(ArbiterError::store)?;
+            .map_err(etcd_error)?;
         Ok(header_of(resp.header())?.0)
     }
 
@@ -790,7 +863,7 @@ impl Store {
                 Some(GetOptions::new().with_prefix().with_count_only()),
             )
             .await
-            .map_err(ArbiterError::store)?;
+            .map_err(etcd_error)?;
         Ok(resp.count())
     }
 }
@@ -804,11 +877,8 @@ pub struct Renewer {
 impl Renewer {
     /// Renews once; the TTL left, or 0 when the lease is gone.
     pub async fn renew(&mut self) -> Result<i64, ArbiterError> {
-        self.keeper
-            .keep_alive()
-            .await
-            .map_err(ArbiterError::store)?;
-        match self.stream.message().await.map_err(ArbiterError::store)? {
+        self.keeper.keep_alive().await.map_err(etcd_error)?;
+        match self.stream.message().await.map_err(etcd_error)? {
             Some(resp) => Ok(resp.ttl()),
             None => Err(ArbiterError::store("lease keep-alive stream closed")),
         }

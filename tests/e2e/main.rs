@@ -7,6 +7,7 @@ mod client;
 mod cluster;
 mod edge;
 mod etcd_harness;
+mod etcd_tls;
 mod gate;
 mod grants;
 mod hooks;

@@ -72,6 +72,9 @@ pub struct ArbiterOptions {
     pub max_wait: Duration,
     /// Reuse a state dir (high-water mark) across restarts; a temp dir otherwise.
     pub state_dir: Option<PathBuf>,
+    /// The arbiter's etcd TLS and user (`--etcd-ca`, `--etcd-cert`, ...);
+    /// none by default, for a plain-http etcd.
+    pub etcd_credentials: latchkey_arbiter::EtcdCredentials,
 }
 
 impl Default for ArbiterOptions {
@@ -86,6 +89,7 @@ impl Default for ArbiterOptions {
             retry_poll: Duration::from_millis(500),
             max_wait: Duration::from_secs(60),
             state_dir: None,
+            etcd_credentials: latchkey_arbiter::EtcdCredentials::default(),
         }
     }
 }
@@ -117,6 +121,7 @@ impl Arbiter {
             state_dir.clone(),
         );
         config.prefix = opts.prefix.clone();
+        config.etcd_credentials = opts.etcd_credentials.clone();
         config.tls = Some(latchkey_arbiter::TlsFiles {
             cert: svid.cert,
             key: svid.key,
@@ -144,22 +149,35 @@ impl Arbiter {
         Ok(arbiter)
     }
 
+    /// Polls until the arbiter answers; fails at once (with `run`'s error)
+    /// if it exits, e.g. because it cannot reach etcd.
     async fn wait_ready(&mut self) -> anyhow::Result<()> {
         let addr = self.addr;
+        let task = &self.task;
         let ready = eventually("the arbiter to answer", Duration::from_secs(20), || {
-            answers(addr)
+            let exited = task.as_ref().is_some_and(JoinHandle::is_finished);
+            async move {
+                if exited {
+                    return Ok(false);
+                }
+                answers(addr).await.map(|()| true)
+            }
         })
         .await;
-        if let Err(e) = ready {
-            if let Some(task) = self.task.take()
-                && task.is_finished()
-            {
-                let result = task.await;
-                bail!("the arbiter exited: {result:?}");
+        match ready {
+            Ok(true) => Ok(()),
+            Ok(false) | Err(_) if self.task.as_ref().is_some_and(JoinHandle::is_finished) => {
+                let Some(task) = self.task.take() else {
+                    bail!("the arbiter exited");
+                };
+                match task.await {
+                    Ok(Err(e)) => Err(anyhow::Error::from(e).context("the arbiter exited")),
+                    other => bail!("the arbiter exited: {other:?}"),
+                }
             }
-            return Err(e);
+            Ok(false) => bail!("the arbiter exited"),
+            Err(e) => Err(e),
         }
-        Ok(())
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -324,6 +342,22 @@ impl ArbiterProcess {
             .stderr(out);
         if let Some(edge) = &opts.edge_identity {
             cmd.arg("--edge-identity").arg(edge);
+        }
+        let etcd = &opts.etcd_credentials;
+        if let Some(ca) = &etcd.ca {
+            cmd.arg("--etcd-ca").arg(ca);
+        }
+        if let Some(c) = &etcd.client_cert {
+            cmd.arg("--etcd-cert")
+                .arg(&c.cert)
+                .arg("--etcd-key")
+                .arg(&c.key);
+        }
+        if let Some(u) = &etcd.user {
+            cmd.arg("--etcd-user")
+                .arg(&u.name)
+                .arg("--etcd-password-file")
+                .arg(&u.password_file);
         }
         cmd.args(extra_args);
         let child = cmd

@@ -5,6 +5,10 @@
 //! process: [`EtcdServer::kill`], [`EtcdServer::pause`] (SIGSTOP), and
 //! [`EtcdServer::restore`] from a snapshot, which rewinds the revision and, depending on
 //! [`RestoreFlags`], keeps or changes the cluster ID.
+//!
+//! [`EtcdServer::start_with`] can serve clients over TLS ([`EtcdTls`], certificates
+//! from a dev CA of its own, see [`etcd_certs`]), require client certificates
+//! (`--client-cert-auth`) and, with [`EtcdServer::enable_auth`], users and passwords.
 
 use std::fs::{self, OpenOptions};
 use std::net::TcpListener;
@@ -12,8 +16,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use std::sync::OnceLock;
+
 use anyhow::{Context, bail};
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, Identity, Permission, PermissionType, TlsOptions,
+};
+use latchkey_client::dev_certs::{self, DevTrustDomain, SvidFiles};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tempfile::TempDir;
@@ -39,6 +48,77 @@ pub enum RestoreFlags {
     Different,
 }
 
+/// The trust domain of the dev CA that issues etcd's server certificate and
+/// the client certificates etcd accepts; separate from the arbiter's callers'.
+pub const ETCD_TRUST_DOMAIN: &str = "etcd.latchkey";
+/// etcd's own certificate (SANs `localhost` and `127.0.0.1`, where it listens).
+pub const ETCD_SERVER_NAME: &str = "etcd/server";
+/// The arbiter's client certificate for etcd.
+pub const ETCD_ARBITER_NAME: &str = "etcd/arbiter";
+/// The harness's own client certificate (readiness polls, `client()`, `etcdctl`).
+pub const ETCD_HARNESS_NAME: &str = "etcd/harness";
+
+/// The etcd dev CA for this test process (generated once). Its certificates are
+/// SVID-shaped (ECDSA P-256, server and client usage, SANs `localhost` and
+/// `127.0.0.1`); etcd checks only the chain and, for its own, the IP SAN.
+pub fn etcd_certs() -> anyhow::Result<&'static DevTrustDomain> {
+    static CERTS: OnceLock<Result<(TempDir, DevTrustDomain), String>> = OnceLock::new();
+    let made = CERTS.get_or_init(|| {
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-etcd-certs-")
+            .tempdir()
+            .map_err(|e| e.to_string())?;
+        let td = dev_certs::generate(
+            dir.path(),
+            ETCD_TRUST_DOMAIN,
+            &[ETCD_SERVER_NAME, ETCD_ARBITER_NAME, ETCD_HARNESS_NAME],
+        )
+        .map_err(|e| format!("{e:#}"))?;
+        Ok((dir, td))
+    });
+    match made {
+        Ok((_, td)) => Ok(td),
+        Err(e) => bail!("etcd dev certificates: {e}"),
+    }
+}
+
+/// How [`EtcdServer::start_with`] starts etcd.
+#[derive(Debug, Clone, Default)]
+pub struct EtcdOptions {
+    /// Serve clients over TLS (`https://`); `None` is plain http.
+    pub tls: Option<EtcdTls>,
+}
+
+/// etcd's client TLS: `--cert-file`, `--key-file`, `--trusted-ca-file` and,
+/// with `client_cert_auth`, `--client-cert-auth`.
+#[derive(Debug, Clone)]
+pub struct EtcdTls {
+    /// Signs etcd's certificate and every client certificate etcd accepts.
+    pub ca: PathBuf,
+    pub server: SvidFiles,
+    pub client_cert_auth: bool,
+    /// What the harness's own clients present.
+    pub harness: SvidFiles,
+}
+
+impl EtcdTls {
+    /// TLS from [`etcd_certs`], requiring client certificates.
+    pub fn mutual() -> anyhow::Result<Self> {
+        let certs = etcd_certs()?;
+        Ok(Self {
+            ca: certs.ca(),
+            server: certs.svid(ETCD_SERVER_NAME),
+            client_cert_auth: true,
+            harness: certs.svid(ETCD_HARNESS_NAME),
+        })
+    }
+
+    /// The client certificate made for the arbiter, chaining to [`Self::ca`].
+    pub fn arbiter_cert(&self) -> anyhow::Result<SvidFiles> {
+        Ok(etcd_certs()?.svid(ETCD_ARBITER_NAME))
+    }
+}
+
 /// A running (or deliberately stopped) etcd member.
 #[derive(Debug)]
 pub struct EtcdServer {
@@ -51,6 +131,9 @@ pub struct EtcdServer {
     child: Option<Child>,
     /// Bumped per restore so each restore gets a fresh data dir and token.
     generation: u32,
+    tls: Option<EtcdTls>,
+    /// The harness's user once [`Self::enable_auth`] ran (root, password).
+    login: Option<(String, String)>,
     // Last field: dropped after the process is killed in `Drop`.
     dir: TempDir,
 }
@@ -58,9 +141,14 @@ pub struct EtcdServer {
 impl EtcdServer {
     /// Starts etcd on free loopback ports and waits until it serves requests.
     pub async fn start() -> anyhow::Result<Self> {
+        Self::start_with(EtcdOptions::default()).await
+    }
+
+    /// [`Self::start`] with TLS (see [`EtcdOptions`]).
+    pub async fn start_with(options: EtcdOptions) -> anyhow::Result<Self> {
         let mut last_err = None;
         for _ in 0..START_ATTEMPTS {
-            let mut server = Self::new()?;
+            let mut server = Self::new(options.clone())?;
             match server.spawn_and_wait().await {
                 Ok(()) => return Ok(server),
                 // Only a lost port race is worth another try with new ports.
@@ -74,7 +162,7 @@ impl EtcdServer {
         Err(last_err.unwrap_or_else(|| anyhow::anyhow!("etcd did not start")))
     }
 
-    fn new() -> anyhow::Result<Self> {
+    fn new(options: EtcdOptions) -> anyhow::Result<Self> {
         let dir = tempfile::Builder::new()
             .prefix("latchkey-etcd-")
             .tempdir()
@@ -90,13 +178,106 @@ impl EtcdServer {
             peer_port,
             child: None,
             generation: 0,
+            tls: options.tls,
+            login: None,
             dir,
         })
     }
 
-    /// `http://127.0.0.1:PORT`, stable across restarts and restores.
+    /// `http://127.0.0.1:PORT` (`https://` with TLS), stable across restarts
+    /// and restores.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The TLS etcd serves with, if any.
+    pub fn tls(&self) -> Option<&EtcdTls> {
+        self.tls.as_ref()
+    }
+
+    /// How the harness's own clients connect: TLS with its client certificate,
+    /// and the root user once auth is enabled.
+    fn connect_options(&self) -> anyhow::Result<ConnectOptions> {
+        let mut options = ConnectOptions::new();
+        if let Some(tls) = &self.tls {
+            let read = |p: &Path| fs::read(p).with_context(|| format!("reading {}", p.display()));
+            options = options.with_tls(
+                TlsOptions::new()
+                    .ca_certificate(Certificate::from_pem(read(&tls.ca)?))
+                    .identity(Identity::from_pem(
+                        read(&tls.harness.cert)?,
+                        read(&tls.harness.key)?,
+                    )),
+            );
+        }
+        if let Some((user, password)) = &self.login {
+            options = options.with_user(user.clone(), password.clone());
+        }
+        Ok(options)
+    }
+
+    /// `etcdctl` flags for TLS and the root user.
+    fn etcdctl_flags(&self) -> anyhow::Result<Vec<String>> {
+        let mut flags = Vec::new();
+        if let Some(tls) = &self.tls {
+            for (flag, path) in [
+                ("--cacert", &tls.ca),
+                ("--cert", &tls.harness.cert),
+                ("--key", &tls.harness.key),
+            ] {
+                flags.push(flag.to_owned());
+                flags.push(path_str(path)?.to_owned());
+            }
+        }
+        if let Some((user, password)) = &self.login {
+            flags.push(format!("--user={user}:{password}"));
+        }
+        Ok(flags)
+    }
+
+    /// Turns on etcd's auth: a `root` user (which etcd 3.4 requires) with
+    /// `root_password`, used by the harness's own clients from now on.
+    pub async fn enable_auth(&mut self, root_password: &str) -> anyhow::Result<()> {
+        let mut client = self.client().await?;
+        client
+            .user_add("root", root_password, None)
+            .await
+            .context("adding etcd user root")?;
+        client
+            .user_grant_role("root", "root")
+            .await
+            .context("granting role root")?;
+        client.auth_enable().await.context("enabling etcd auth")?;
+        self.login = Some(("root".into(), root_password.into()));
+        Ok(())
+    }
+
+    /// Adds `user` with read-write access to the keys under `prefix` only
+    /// (after [`Self::enable_auth`]).
+    pub async fn add_user(&self, user: &str, password: &str, prefix: &str) -> anyhow::Result<()> {
+        let mut client = self.client().await?;
+        let role = format!("{user}-rw");
+        client
+            .role_add(role.as_str())
+            .await
+            .context("adding role")?;
+        client
+            .role_grant_permission(
+                role.as_str(),
+                Permission::new(PermissionType::Readwrite, prefix).with_prefix(),
+            )
+            .await
+            .context("granting the prefix")?;
+        client
+            .user_add(user, password, None)
+            .await
+            .context("adding user")?;
+        client
+            .user_grant_role(user, role.as_str())
+            .await
+            .context("granting the role")?;
+        Ok(())
     }
 
     pub fn client_port(&self) -> u16 {
@@ -121,7 +302,9 @@ impl EtcdServer {
     /// A fresh client. Connecting fails fast while etcd is down; requests to a paused
     /// etcd hang, so wrap them in a timeout when that matters.
     pub async fn client(&self) -> anyhow::Result<Client> {
-        let options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(2));
+        let options = self
+            .connect_options()?
+            .with_connect_timeout(Duration::from_secs(2));
         Client::connect([self.endpoint()], Some(options))
             .await
             .with_context(|| format!("connecting to etcd at {}", self.endpoint()))
@@ -144,14 +327,16 @@ impl EtcdServer {
     /// `etcdctl snapshot save` into `path`.
     pub async fn snapshot_save(&self, path: &Path) -> anyhow::Result<()> {
         let endpoint = self.endpoint();
-        run_etcdctl(&[
+        let flags = self.etcdctl_flags()?;
+        let mut args: Vec<&str> = flags.iter().map(String::as_str).collect();
+        args.extend([
             "--endpoints",
             &endpoint,
             "snapshot",
             "save",
             path_str(path)?,
-        ])
-        .await
+        ]);
+        run_etcdctl(&args).await
     }
 
     /// Stops etcd, restores `snapshot` into a fresh data dir and starts it again on the
@@ -251,6 +436,20 @@ impl EtcdServer {
             .open(&self.log_path)
             .with_context(|| format!("opening {}", self.log_path.display()))?;
         let stderr = log.try_clone().context("cloning log file handle")?;
+        let mut tls_flags: Vec<std::ffi::OsString> = Vec::new();
+        if let Some(tls) = &self.tls {
+            tls_flags.extend([
+                "--cert-file".into(),
+                tls.server.cert.clone().into(),
+                "--key-file".into(),
+                tls.server.key.clone().into(),
+                "--trusted-ca-file".into(),
+                tls.ca.clone().into(),
+            ]);
+            if tls.client_cert_auth {
+                tls_flags.push("--client-cert-auth".into());
+            }
+        }
         let child = Command::new(ETCD_BIN)
             .args(member_flags(&MemberFlags {
                 name: &self.name,
@@ -260,6 +459,7 @@ impl EtcdServer {
                 initial_cluster: &self.initial_cluster(),
                 cluster_token: &self.cluster_token,
             }))
+            .args(tls_flags)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(stderr))
@@ -273,16 +473,18 @@ impl EtcdServer {
 
     async fn wait_ready(&mut self) -> anyhow::Result<()> {
         let endpoint = self.endpoint();
+        let connect_options = self.connect_options()?;
         let child = self.child.as_mut().context("etcd is not running")?;
         let exited = eventually("etcd to answer status", READY_TIMEOUT, || {
             // Checked first so a crashed etcd fails now, not at the deadline.
             let exited = child.try_wait().ok().flatten();
             let endpoint = endpoint.clone();
+            let options = connect_options.clone();
             async move {
                 if exited.is_some() {
                     return Ok(exited);
                 }
-                let options = ConnectOptions::new()
+                let options = options
                     .with_connect_timeout(Duration::from_millis(500))
                     .with_timeout(Duration::from_secs(1));
                 Client::connect([endpoint], Some(options))

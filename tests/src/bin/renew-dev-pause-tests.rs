@@ -160,6 +160,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             retry_poll: Duration::from_millis(500),
             max_wait: Duration::from_secs(60),
             state_dir: None,
+            etcd_credentials: Default::default(),
         },
         "info",
     )
