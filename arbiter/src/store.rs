@@ -284,6 +284,13 @@ impl Store {
         marked.max(served).saturating_add(1)
     }
 
+    /// Writes the seal record so every arbiter, even one with no memory of
+    /// the old log, refuses too. Not when the epoch record already shows an
+    /// epoch above everything this arbiter served or marked: then an advance
+    /// came after what this arbiter saw (it only noticed late), the anomaly
+    /// is behind the new epoch, and a seal written now would shut the
+    /// advanced log for good. The local seal then lifts on the next epoch
+    /// read.
     async fn publish_seal(&self, reason: &str) {
         error!(
             reason,
@@ -296,29 +303,51 @@ impl Store {
             next_epoch_at_least: floor,
         });
         let seal = self.layout.seal();
+        let epoch_key = self.layout.epoch();
         let mut kv = self.client.kv_client();
         // Write the seal, or raise the floor of one another arbiter wrote.
         for _ in 0..3 {
-            let existing = match kv.get(seal.clone(), None).await {
-                Ok(resp) => resp.kvs().first().map(|kv| {
-                    let floor =
-                        decode::<SealRecord>(kv.value()).map_or(0, |s| s.next_epoch_at_least);
-                    (kv.mod_revision(), floor)
-                }),
+            let read = Txn::new().and_then([
+                TxnOp::get(seal.clone(), None),
+                TxnOp::get(epoch_key.clone(), None),
+            ]);
+            let resp = match kv.txn(read).await {
+                Ok(resp) => resp,
                 Err(e) => {
                     warn!(error = %e, "could not read the seal record; this arbiter stays sealed");
                     return;
                 }
             };
-            let guard = match existing {
+            let ops = resp.op_responses();
+            let existing = ops.first().and_then(first_kv).map(|kv| {
+                let floor = decode::<SealRecord>(kv.value()).map_or(0, |s| s.next_epoch_at_least);
+                (kv.mod_revision(), floor)
+            });
+            let epoch_now = ops.get(1).and_then(first_kv);
+            if let Some(kv) = epoch_now
+                && let Some(record) = decode::<EpochRecord>(kv.value())
+                && record.epoch >= floor
+            {
+                warn!(
+                    epoch = record.epoch,
+                    "the epoch advanced past what this arbiter saw; not sealing the new epoch"
+                );
+                return;
+            }
+            let epoch_unchanged = match epoch_now {
+                Some(kv) => {
+                    Compare::mod_revision(epoch_key.clone(), CompareOp::Equal, kv.mod_revision())
+                }
+                None => Compare::create_revision(epoch_key.clone(), CompareOp::Equal, 0),
+            };
+            let seal_guard = match existing {
                 None => Compare::create_revision(seal.clone(), CompareOp::Equal, 0),
                 Some((_, theirs)) if theirs >= floor => return,
                 Some((rev, _)) => Compare::mod_revision(seal.clone(), CompareOp::Equal, rev),
             };
-            let txn =
-                Txn::new()
-                    .when([guard])
-                    .and_then([TxnOp::put(seal.clone(), record.clone(), None)]);
+            let txn = Txn::new()
+                .when([seal_guard, epoch_unchanged])
+                .and_then([TxnOp::put(seal.clone(), record.clone(), None)]);
             match kv.txn(txn).await {
                 Ok(resp) if resp.succeeded() => return,
                 Ok(_) => continue,

@@ -275,3 +275,62 @@ async fn a_second_restore_of_the_same_snapshot_never_reuses_an_epoch() -> anyhow
     }
     Ok(())
 }
+
+/// Found by the release gate's soak: after a restore, one arbiter sealed and
+/// the operator advanced the epoch through it; a second arbiter noticed the
+/// restore only afterwards (its first etcd answer still showed a revision
+/// below its mark) and published the seal record into the advanced epoch,
+/// which shut every arbiter for the rest of the run. A late observer now
+/// leaves an epoch alone that is above everything it served.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_arbiter_that_notices_a_restore_after_the_advance_does_not_seal_the_new_epoch()
+-> anyhow::Result<()> {
+    let mut s = stack().await?;
+    let late = Arbiter::start(&s.etcd, ArbiterOptions::default()).await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    churn(&mut alice, session, 2).await?;
+    let snapshot = tempfile::NamedTempFile::new()?;
+    s.etcd.snapshot_save(snapshot.path()).await?;
+    // both arbiters grant past the snapshot, so both marks are above it
+    let mut bob = late.lock("workload/bob").await?;
+    let bob_session = open(&mut bob, "demo").await?;
+    let late_high = churn(&mut bob, bob_session, 20).await?;
+    churn(&mut alice, session, 2).await?;
+
+    s.etcd.restore(snapshot.path(), RestoreFlags::Same).await?;
+    // the first arbiter seals (its status read sees the restore) and the
+    // operator advances through it; the late arbiter has not looked yet
+    wait_sealed(&alice).await?;
+    let mut op = s.arbiter.admin("latchkey/operator").await?;
+    let advanced = op
+        .advance_epoch(AdvanceEpochRequest {
+            expected_epoch: 1,
+            reason: "restore drill".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(advanced.epoch, 2);
+
+    // now the late arbiter is asked: it sees the low revision, but the epoch
+    // already moved past it. Both arbiters serve, with tokens above all
+    // earlier ones.
+    eventually("both arbiters to serve", Duration::from_secs(20), || {
+        let (first, late) = (&s.arbiter, &late);
+        async move {
+            for a in [late, first] {
+                let mut c = a.lock("workload/bob").await?;
+                let session = open(&mut c, "demo").await?;
+                let g = try_lock(&mut c, "demo/after-late", "demo", session).await?;
+                anyhow::ensure!(g.epoch == 2, "epoch {}", g.epoch);
+                anyhow::ensure!(g.token > late_high, "token regression");
+                release(&mut c, &g).await?;
+            }
+            Ok(())
+        }
+    })
+    .await?;
+    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    assert!(!status.sealed, "{status:?}");
+    Ok(())
+}
