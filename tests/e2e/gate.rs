@@ -38,6 +38,10 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
         outcome.report.ok(),
         "the release gate found a violation (seed {seed}):\n{outcome}"
     );
+    assert!(
+        outcome.recovered_after.is_some(),
+        "the history is safe but the service did not recover after the faults (seed {seed}):\n{outcome}"
+    );
     for fault in Fault::ALL {
         assert!(
             outcome.faults.iter().any(|f| f.starts_with(fault.name())),

@@ -5,9 +5,10 @@
 //! cargo build -p latchkey-tests --bins
 //! target/debug/latchkey-gate --duration 30m --seed 42
 //! ```
-//! Exit code 0 when the history checks out, 1 when the checker found a
-//! violation (history and report saved under --out), 2 when the run could
-//! not be carried out. `--check history.jsonl` re-checks a saved history.
+//! Exit code 0 when the history checks out and every key was granted again
+//! after the last fault, 1 when the checker found a violation (history and
+//! report saved under --out) or the service did not recover, 2 when the run
+//! could not be carried out. `--check history.jsonl` re-checks a saved history.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -128,7 +129,7 @@ async fn main() -> ExitCode {
     match gate::run(config).await {
         Ok(outcome) => {
             print!("{outcome}");
-            if outcome.report.ok() {
+            if outcome.report.ok() && outcome.recovered_after.is_some() {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)

@@ -106,6 +106,12 @@ pub struct GateOutcome {
     pub faults: Vec<String>,
     pub operations: usize,
     pub worker_restarts: usize,
+    /// How long after the nemesis stopped every key was granted again;
+    /// `None` when some key was not within [`RECOVERY_TIMEOUT`] (liveness
+    /// lost: the history may still be safe).
+    pub recovered_after: Option<Duration>,
+    /// The longest stretch of the run in which no acquire succeeded.
+    pub longest_without_grant: Duration,
     /// Where the history, report and logs were kept: always on a failure,
     /// on a pass only with [`GateConfig::keep`].
     pub saved: Option<PathBuf>,
@@ -128,6 +134,23 @@ impl fmt::Display for GateOutcome {
         for (kind, n) in counts {
             writeln!(f, "  fault {kind}: {n}")?;
         }
+        match self.recovered_after {
+            Some(d) => writeln!(
+                f,
+                "recovery: every key granted again {:.1} s after the last fault",
+                d.as_secs_f64()
+            )?,
+            None => writeln!(
+                f,
+                "recovery: NOT RECOVERED: some key was not granted within {} s after the last fault",
+                RECOVERY_TIMEOUT.as_secs()
+            )?,
+        }
+        writeln!(
+            f,
+            "longest stretch without a grant: {:.1} s",
+            self.longest_without_grant.as_secs_f64()
+        )?;
         write!(f, "{}", self.report)?;
         if let Some(dir) = &self.saved {
             writeln!(f, "history and report saved in {}", dir.display())?;
@@ -351,6 +374,11 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
 
     // The nemesis, then the stop.
     let faults = nemesis::run(&rig, &config, &mut rng, &history_dir).await;
+    let recovered_after = if faults.is_ok() {
+        wait_for_recovery(&history_dir, &keys).await
+    } else {
+        None
+    };
     std::fs::write(&stop_file, b"stop")?;
     match supervisor.await? {
         Ok(n) => restarts += n,
@@ -380,6 +408,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     // Merge and judge.
     let merged = dir.path().join("history.jsonl");
     let operations = merge_histories(&history_dir, &merged)?;
+    let longest_without_grant = longest_without_grant(&merged)?;
     let history = History::from_jsonl(std::io::BufReader::new(std::fs::File::open(&merged)?))
         .with_context(|| format!("parsing {}", merged.display()))?;
     let report = latchkey_checker::check(&history, &CheckOptions::default());
@@ -412,6 +441,8 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         faults,
         operations,
         worker_restarts: restarts,
+        recovered_after,
+        longest_without_grant,
         saved,
     })
 }
@@ -462,6 +493,93 @@ impl WorkerSpawn {
         w.child = Some(child);
         Ok(())
     }
+}
+
+/// How long the gate waits, once the nemesis stopped, for every key to be
+/// granted again.
+pub const RECOVERY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Waits until every key has a successful acquire that completed after now
+/// (the nemesis has stopped and healed everything); how long that took.
+async fn wait_for_recovery(history_dir: &Path, keys: &[String]) -> Option<Duration> {
+    let since = record::mono_ns();
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < RECOVERY_TIMEOUT {
+        let granted = granted_keys_since(history_dir, since);
+        if keys.iter().all(|k| granted.contains(k)) {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    None
+}
+
+/// Keys with an acquire that completed ok after `since`, from the tails of
+/// the history files.
+fn granted_keys_since(history_dir: &Path, since: u64) -> std::collections::BTreeSet<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut granted = std::collections::BTreeSet::new();
+    let Ok(entries) = std::fs::read_dir(history_dir) else {
+        return granted;
+    };
+    for entry in entries.flatten() {
+        let Ok(mut file) = std::fs::File::open(entry.path()) else {
+            continue;
+        };
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let _ = file.seek(SeekFrom::Start(len.saturating_sub(256 * 1024)));
+        let mut text = String::new();
+        if file.read_to_string(&mut text).is_err() {
+            continue;
+        }
+        // The key is on the invoke line; the token on the completion.
+        let mut keys_of_ops: BTreeMap<u64, String> = BTreeMap::new();
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let op = v["op"].as_u64().unwrap_or(0);
+            if v["type"] == "invoke" && v["f"] == "acquire" {
+                if let Some(key) = v["key"].as_str() {
+                    keys_of_ops.insert(op, key.to_owned());
+                }
+            } else if v["type"] == "complete"
+                && v["outcome"] == "ok"
+                && v["time"].as_u64().unwrap_or(0) > since
+                && let Some(key) = keys_of_ops.get(&op)
+            {
+                granted.insert(key.clone());
+            }
+        }
+    }
+    granted
+}
+
+/// The longest gap between successive successful acquires in a merged
+/// history (from its first to its last event).
+fn longest_without_grant(merged: &Path) -> anyhow::Result<Duration> {
+    let mut acquires: std::collections::HashSet<(String, u64)> = std::collections::HashSet::new();
+    let (mut first, mut last, mut previous, mut longest) = (None, 0u64, None::<u64>, 0u64);
+    for line in std::fs::read_to_string(merged)?.lines() {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        let time = v["time"].as_u64().unwrap_or(0);
+        first.get_or_insert(time);
+        last = last.max(time);
+        let id = (
+            v["process"].as_str().unwrap_or_default().to_owned(),
+            v["op"].as_u64().unwrap_or(0),
+        );
+        if v["type"] == "invoke" && v["f"] == "acquire" {
+            acquires.insert(id);
+        } else if v["type"] == "complete" && v["outcome"] == "ok" && acquires.contains(&id) {
+            let from = previous.or(first).unwrap_or(time);
+            longest = longest.max(time.saturating_sub(from));
+            previous = Some(time);
+        }
+    }
+    let from = previous.or(first).unwrap_or(last);
+    longest = longest.max(last.saturating_sub(from));
+    Ok(Duration::from_nanos(longest))
 }
 
 /// Concatenates every process's history, ordered by time, into `out`;

@@ -93,40 +93,49 @@ pub(crate) async fn run(
             .context("snapshot for the restore fault")?;
     }
 
-    let mut first_round = config.faults.clone();
-    rng.shuffle(&mut first_round);
-    let mut queue: VecDeque<Fault> = first_round.into();
-    // Every kind at least once: a fault that found nothing to act on (no
-    // worker inside a hold) goes back in the queue, a few times at most,
-    // even past the duration.
-    let mut retries = 0;
-    while Instant::now() < end || (!queue.is_empty() && retries < 5) {
+    // Every kind at least once, in a seeded order, then random kinds. A
+    // fault that found nothing to act on (no worker inside a hold) stays
+    // owed and is tried again after one random fault, past the duration if
+    // need be (a few times at most).
+    let mut owed = config.faults.clone();
+    rng.shuffle(&mut owed);
+    let mut owed: VecDeque<Fault> = owed.into();
+    let mut retry_after_random = false;
+    let mut overtime = 0;
+    while !config.faults.is_empty() && (Instant::now() < end || (!owed.is_empty() && overtime < 5))
+    {
+        if Instant::now() >= end {
+            overtime += 1;
+        }
         let gap = rng.u64(
             u64::try_from(config.fault_gap.0.as_millis())?
                 ..=u64::try_from(config.fault_gap.1.as_millis())?,
         );
         tokio::time::sleep(Duration::from_millis(gap)).await;
-        let fault = match queue.pop_front() {
-            Some(f) => f,
-            None if config.faults.is_empty() => continue,
-            None => {
-                if Instant::now() >= end {
-                    break;
-                }
-                config.faults[rng.usize(..config.faults.len())]
-            }
+        let fault = match owed.front() {
+            Some(f) if !retry_after_random => *f,
+            _ => config.faults[rng.usize(..config.faults.len())],
         };
-        let Some(description) = inject(rig, fault, rng, &mut rec, &snapshot)
+        let injected_now = inject(rig, fault, rng, &mut rec, &snapshot)
             .await
-            .with_context(|| format!("injecting {}", fault.name()))?
-        else {
-            tracing::info!(fault = fault.name(), "nemesis: nothing to act on; later");
-            queue.push_back(fault);
-            retries += 1;
-            continue;
-        };
-        tracing::info!(fault = %description, "nemesis");
-        injected.push(description);
+            .with_context(|| format!("injecting {}", fault.name()))?;
+        match injected_now {
+            Some(description) => {
+                if let Some(i) = owed.iter().position(|f| *f == fault) {
+                    owed.remove(i);
+                }
+                retry_after_random = false;
+                tracing::info!(fault = %description, "nemesis");
+                injected.push(description);
+            }
+            None => {
+                tracing::info!(fault = fault.name(), "nemesis: nothing to act on; later");
+                retry_after_random = true;
+            }
+        }
+    }
+    if config.faults.is_empty() {
+        tokio::time::sleep_until(end).await;
     }
     // Let the system settle so the last operations complete normally.
     tokio::time::sleep(Duration::from_secs(2)).await;
