@@ -27,7 +27,7 @@ pub struct Mark {
 
 impl Mark {
     /// Whether `self` is past `other` (a later epoch, or a higher revision in it).
-    fn covers(&self, other: &Mark) -> bool {
+    pub fn covers(&self, other: &Mark) -> bool {
         (self.epoch, self.revision) >= (other.epoch, other.revision)
     }
 }

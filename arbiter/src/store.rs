@@ -72,6 +72,11 @@ impl GrantRequest {
 #[derive(Debug)]
 pub enum GrantOutcome {
     Granted(Grant),
+    /// The key is already held by the requesting session: its existing grant
+    /// (a retry, or a new call of the same session). Before it reaches a
+    /// caller it must be claimed ([`crate::waiters::Queues::claim_reused`]),
+    /// since the same grant may be being released as an orphan.
+    Reused(Grant),
     /// Held by another session; watch from `watch_from` so nothing between the
     /// failed transaction and the watch is missed.
     Held {
@@ -162,6 +167,12 @@ pub struct Store {
     layout: Layout,
     guard: Arc<EpochGuard>,
     high_water: Arc<HighWater>,
+    /// The highest revision any checked etcd answer has shown in the serving
+    /// epoch (in memory only). The durable mark holds this arbiter's own
+    /// grants; this one also holds every other arbiter's grants it has seen,
+    /// so a restore to below them seals this arbiter too, even when its own
+    /// grants all lie below the restored revision.
+    seen: Arc<std::sync::Mutex<Option<Mark>>>,
 }
 
 fn header_of(h: Option<&ResponseHeader>) -> Result<(u64, i64), ArbiterError> {
@@ -213,6 +224,7 @@ impl Store {
             layout: Layout::new(&config.prefix),
             guard,
             high_water,
+            seen: Arc::new(std::sync::Mutex::new(None)),
         })
     }
 
@@ -252,11 +264,48 @@ impl Store {
 
     /// Runs a transaction; its header is checked before anything in it is used.
     async fn checked_txn(&self, txn: Txn) -> Result<(TxnResponse, i64), ArbiterError> {
-        let mark = self.high_water.current();
+        let mark = self.mark_before_request();
         let resp = self.client.kv_client().txn(txn).await.map_err(etcd_error)?;
         let (cluster_id, revision) = header_of(resp.header())?;
         self.observe(mark, cluster_id, Some(revision)).await?;
+        self.saw(cluster_id, revision);
         Ok((resp, revision))
+    }
+
+    /// What an answer to a request sent now must not go below: the durable
+    /// mark of this arbiter's grants, or the highest revision it has seen in
+    /// this epoch, whichever is further. Read BEFORE the request is sent.
+    fn mark_before_request(&self) -> Option<Mark> {
+        let durable = self.high_water.current();
+        let seen = self.seen.lock().ok().and_then(|s| *s);
+        match (durable, seen) {
+            (Some(d), Some(s)) if s.epoch == d.epoch && s.cluster_id == d.cluster_id => {
+                Some(if s.covers(&d) { s } else { d })
+            }
+            (Some(d), Some(s)) if s.epoch > d.epoch => Some(s),
+            (Some(d), _) => Some(d),
+            (None, s) => s,
+        }
+    }
+
+    /// Raises the seen mark after an answer passed the checks.
+    fn saw(&self, cluster_id: u64, revision: i64) {
+        let Some(state) = self.guard.state() else {
+            return;
+        };
+        if state.cluster_id != cluster_id || self.guard.serving().is_err() {
+            return;
+        }
+        let now = Mark {
+            epoch: state.epoch(),
+            cluster_id,
+            revision,
+        };
+        if let Ok(mut seen) = self.seen.lock()
+            && seen.is_none_or(|s| !s.covers(&now))
+        {
+            *seen = Some(now);
+        }
     }
 
     /// A linearizable read; its header is checked before its values are used.
@@ -265,7 +314,7 @@ impl Store {
         key: String,
         options: Option<GetOptions>,
     ) -> Result<GetResponse, ArbiterError> {
-        let mark = self.high_water.current();
+        let mark = self.mark_before_request();
         let resp = self
             .client
             .kv_client()
@@ -274,6 +323,7 @@ impl Store {
             .map_err(etcd_error)?;
         let (cluster_id, revision) = header_of(resp.header())?;
         self.observe(mark, cluster_id, Some(revision)).await?;
+        self.saw(cluster_id, revision);
         Ok(resp)
     }
 
@@ -589,7 +639,7 @@ impl Store {
                     epoch: state.epoch(),
                     revision: holder.mod_revision(),
                 };
-                Ok(Some(GrantOutcome::Granted(grant)))
+                Ok(Some(GrantOutcome::Reused(grant)))
             }
             Some(h) if h.identity == req.identity => Err(ArbiterError::Leak {
                 key: req.key.clone(),

@@ -40,8 +40,22 @@ struct KeyQueue {
     kick: Arc<Notify>,
 }
 
+/// Grants that reached a caller as "already yours" (key -> revision), and
+/// grants being released because their caller went away. One lock over both:
+/// a session's existing grant is either handed to its new call or released
+/// as an orphan, never both. (Found by the release gate: a waiter timed out
+/// while the hand-over for it was committing, the same session's next call
+/// got the grant as "already yours", and the orphan release then deleted
+/// it under that call: a double grant.)
+#[derive(Default)]
+struct Reuse {
+    claimed: HashMap<String, i64>,
+    orphaned: HashMap<String, i64>,
+}
+
 pub struct Queues {
     keys: Mutex<HashMap<String, KeyQueue>>,
+    reuse: Mutex<Reuse>,
     next_id: AtomicU64,
     store: Store,
     poll: Duration,
@@ -60,6 +74,7 @@ impl Queues {
     pub fn new(store: Store, poll: Duration, fault: TestFault) -> Arc<Self> {
         Arc::new(Self {
             keys: Mutex::new(HashMap::new()),
+            reuse: Mutex::new(Reuse::default()),
             next_id: AtomicU64::new(1),
             store,
             poll,
@@ -146,6 +161,36 @@ impl Queues {
         }
     }
 
+    /// Delivers a session's existing grant to its waiting call, claiming it
+    /// under the same lock the orphan release takes. `false` when the grant
+    /// is being released as an orphan.
+    fn deliver_reused(self: &Arc<Self>, head: &Head, grant: Grant) -> bool {
+        let Ok(mut reuse) = self.reuse.lock() else {
+            return false;
+        };
+        if reuse.orphaned.get(&grant.key) == Some(&grant.revision) {
+            return false;
+        }
+        let tx = head.slot.lock().ok().and_then(|mut s| s.take());
+        let Some(tx) = tx else {
+            return true; // delivered already by another path
+        };
+        self.remove(&head.req.key, head.id);
+        let (key, revision) = (grant.key.clone(), grant.revision);
+        match tx.send(Ok(grant)) {
+            Ok(()) => {
+                reuse.claimed.insert(key, revision);
+            }
+            Err(Ok(grant)) => {
+                // Its caller went away too: an orphan after all.
+                drop(reuse);
+                self.release_orphan(grant);
+            }
+            Err(Err(_)) => {}
+        }
+        true
+    }
+
     /// Delivers to the waiter in `head` unless another path already did.
     pub fn deliver(self: &Arc<Self>, head: &Head, reply: Reply) {
         self.deliver_to(&head.req.key, head.id, &head.slot, reply);
@@ -162,9 +207,48 @@ impl Queues {
         }
     }
 
+    /// Claims a session's existing grant for a new call of that session.
+    /// `false` when the grant is being released as an orphan: the caller
+    /// then waits for the release like for any other holder.
+    pub fn claim_reused(&self, grant: &Grant) -> bool {
+        let Ok(mut reuse) = self.reuse.lock() else {
+            return false;
+        };
+        if reuse.orphaned.get(&grant.key) == Some(&grant.revision) {
+            return false;
+        }
+        reuse.claimed.insert(grant.key.clone(), grant.revision);
+        true
+    }
+
+    /// A grant or release at `revision` makes a claim on an older grant of
+    /// `key` moot. (Never a claim on this grant or a newer one: a call of the
+    /// same session may have claimed it a moment ago.)
+    pub fn forget_claims_before(&self, key: &str, revision: i64) {
+        if let Ok(mut reuse) = self.reuse.lock()
+            && reuse
+                .claimed
+                .get(key)
+                .is_some_and(|claimed| *claimed < revision)
+        {
+            reuse.claimed.remove(key);
+        }
+    }
+
     /// A grant whose caller went away: release it now rather than leave a
-    /// hold on a session that may live for a long time.
+    /// hold on a session that may live for a long time — unless a new call
+    /// of the same session has claimed it meanwhile.
     pub fn release_orphan(self: &Arc<Self>, grant: Grant) {
+        {
+            let Ok(mut reuse) = self.reuse.lock() else {
+                return;
+            };
+            if reuse.claimed.get(&grant.key) == Some(&grant.revision) {
+                debug!(key = %grant.key, "an abandoned grant was claimed by its session's next call; keeping it");
+                return;
+            }
+            reuse.orphaned.insert(grant.key.clone(), grant.revision);
+        }
         let this = self.clone();
         tokio::spawn(async move {
             debug!(key = %grant.key, "releasing a grant whose caller went away");
@@ -174,6 +258,11 @@ impl Queues {
                 .await
             {
                 warn!(key = %grant.key, error = %e, "could not release an abandoned grant; it ends with its session");
+            }
+            if let Ok(mut reuse) = this.reuse.lock()
+                && reuse.orphaned.get(&grant.key) == Some(&grant.revision)
+            {
+                reuse.orphaned.remove(&grant.key);
             }
             this.kick(&grant.key);
         });
@@ -244,8 +333,18 @@ async fn drive(queues: Arc<Queues>, key: String, kick: Arc<Notify>, watch_from: 
     while let Some(head) = queues.head_or_retire(&key) {
         match queues.store.try_grant(&head.req).await {
             Ok(GrantOutcome::Granted(grant)) => {
+                queues.forget_claims_before(&key, grant.revision);
                 queues.deliver(&head, Ok(grant));
                 continue;
+            }
+            Ok(GrantOutcome::Reused(grant)) => {
+                if queues.deliver_reused(&head, grant.clone()) {
+                    continue;
+                }
+                // Being released as an orphan: wait for its delete.
+                if from.is_none() {
+                    from = Some(grant.revision + 1);
+                }
             }
             Ok(GrantOutcome::Held { watch_from }) => {
                 if from.is_none() {

@@ -334,3 +334,64 @@ async fn an_arbiter_that_notices_a_restore_after_the_advance_does_not_seal_the_n
     assert!(!status.sealed, "{status:?}");
     Ok(())
 }
+
+/// Two arbiters; every grant of the first predates the snapshot, so its own
+/// high-water mark says nothing about the restore. It has seen the other
+/// arbiter's later revisions, though, and that is enough: it seals before
+/// granting a token below the other's, without waiting for the other to
+/// notice and publish the seal.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_arbiter_whose_own_grants_predate_the_snapshot_still_seals_after_a_restore()
+-> anyhow::Result<()> {
+    let mut s = stack().await?;
+    let other = Arbiter::start(&s.etcd, ArbiterOptions::default()).await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    churn(&mut alice, session, 2).await?;
+    let snapshot = tempfile::NamedTempFile::new()?;
+    s.etcd.snapshot_save(snapshot.path()).await?;
+    let mut bob = other.lock("workload/bob").await?;
+    let bob_session = open(&mut bob, "demo").await?;
+    let other_high = churn(&mut bob, bob_session, 20).await?;
+    // the first arbiter reads the log once more (a refused try-lock): it
+    // now knows the log went past the snapshot
+    let held = try_lock(&mut bob, "demo/r9", "demo", bob_session).await?;
+    assert!(
+        try_lock(&mut alice, "demo/r9", "demo", session)
+            .await
+            .is_err()
+    );
+    release(&mut bob, &held).await?;
+    drop(other);
+
+    s.etcd.restore(snapshot.path(), RestoreFlags::Same).await?;
+    let refused = eventually(
+        "the first arbiter to answer",
+        Duration::from_secs(20),
+        || {
+            let mut alice = alice.clone();
+            async move {
+                let session = open(&mut alice, "demo").await.ok();
+                match session {
+                    Some(session) => match try_lock(&mut alice, "demo/r0", "demo", session).await {
+                        Ok(g) => Ok(Err(g.token)),
+                        Err(st) if refusal(&st).1 == "SEALED" => Ok(Ok(())),
+                        Err(st) => anyhow::bail!("{st}"),
+                    },
+                    None => {
+                        wait_sealed(&alice).await?;
+                        Ok(Ok(()))
+                    }
+                }
+            }
+        },
+    )
+    .await?;
+    if let Err(token) = refused {
+        panic!(
+            "granted in the restored log; token above the other arbiter's: {}",
+            token > other_high
+        );
+    }
+    Ok(())
+}

@@ -347,3 +347,75 @@ async fn closing_a_session_releases_every_hold_at_once_and_serves_the_next_waite
     )?;
     Ok(())
 }
+
+/// Found by the release gate (an etcd leader paused for 3 s): a waiter timed
+/// out while the release that handed the key to it was still committing; its
+/// session called again at once and was answered with the handed-over grant
+/// as "already yours", and the release of the abandoned hand-over then
+/// deleted that grant under it, so the next caller got a second grant. A
+/// session's existing grant now goes either to its new call or to the orphan
+/// release, never both.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hand_over_to_a_timed_out_waiter_is_not_released_under_its_sessions_next_call()
+-> anyhow::Result<()> {
+    let s = stack().await?;
+    let key = "demo/handover-race";
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let a_session = open(&mut alice, "demo").await?;
+    let b_session = open(&mut bob, "demo").await?;
+    let held = try_lock(&mut bob, key, "demo", b_session).await?;
+
+    let first = {
+        let mut alice = alice.clone();
+        tokio::spawn(async move {
+            wait_lock(
+                &mut alice,
+                key,
+                "demo",
+                a_session,
+                Duration::from_millis(2500),
+            )
+            .await
+        })
+    };
+    until_waiters(&alice, key, 1).await?;
+    // etcd stops: bob's release (a hand-over to alice) cannot commit yet
+    s.etcd.pause()?;
+    let released = {
+        let mut bob = bob.clone();
+        let held = held.clone();
+        tokio::spawn(async move { release(&mut bob, &held).await })
+    };
+    let timed_out = first.await?;
+    assert_eq!(
+        timed_out.map(|g| g.token).map_err(|st| refusal(&st)),
+        Err((Code::DeadlineExceeded, "WAIT_TIMEOUT".into()))
+    );
+    // alice's session calls again; then etcd comes back and the hand-over
+    // commits for a waiter that is gone
+    let second = {
+        let mut alice = alice.clone();
+        tokio::spawn(async move {
+            wait_lock(&mut alice, key, "demo", a_session, Duration::from_secs(15)).await
+        })
+    };
+    // pacing, not waiting: let the second call reach the arbiter
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.etcd.resume()?;
+    released.await??;
+    let grant = second.await??;
+
+    // whatever alice got, it is hers: bob cannot take the key, and her
+    // release finds her hold
+    for _ in 0..10 {
+        let err = try_lock(&mut bob, key, "demo", b_session)
+            .await
+            .map(|g| g.token)
+            .map_err(|st| refusal(&st));
+        assert_eq!(err, Err((Code::Aborted, "HELD".into())), "a second grant");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    release(&mut alice, &grant).await?;
+    Ok(())
+}

@@ -155,20 +155,31 @@ impl Arbiter {
 
         // Waiters already queued here go first: a newcomer never barges.
         let watch_from = if waiting > 0 {
-            if let Some(grant) = self.already_held(&grant_req).await? {
-                return Ok(AcquireResponse {
-                    grant: Some(wire_grant(&grant)?),
-                });
+            match self.already_held(&grant_req).await? {
+                Some(grant) if self.queues.claim_reused(&grant) => {
+                    return Ok(AcquireResponse {
+                        grant: Some(wire_grant(&grant)?),
+                    });
+                }
+                // being released as an orphan: queue behind the others
+                Some(grant) => Some(grant.revision + 1),
+                None => None,
             }
-            None
         } else {
             match self.store.try_grant(&grant_req).await? {
                 GrantOutcome::Granted(grant) => {
+                    self.queues.forget_claims_before(&grant.key, grant.revision);
                     info!(identity = %caller.identity, key = %grant.key, class = %class.name, "granted");
                     return Ok(AcquireResponse {
                         grant: Some(wire_grant(&grant)?),
                     });
                 }
+                GrantOutcome::Reused(grant) if self.queues.claim_reused(&grant) => {
+                    return Ok(AcquireResponse {
+                        grant: Some(wire_grant(&grant)?),
+                    });
+                }
+                GrantOutcome::Reused(grant) => Some(grant.revision + 1),
                 GrantOutcome::Held { watch_from } => Some(watch_from),
             }
         };

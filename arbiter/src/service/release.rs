@@ -42,6 +42,8 @@ impl Arbiter {
             }
         }
         self.store.release(key.as_str(), session, revision).await?;
+        // the released grant and anything older
+        self.queues.forget_claims_before(key.as_str(), revision + 1);
         self.queues.kick(key.as_str());
         info!(identity = %caller.identity, key = %key.as_str(), "released");
         self.hooks.after_release(&caller.identity, key.as_str());
