@@ -195,17 +195,20 @@ async fn a_restore_to_before_an_epoch_advance_is_sealed_too() -> anyhow::Result<
     wait_sealed(&alice).await
 }
 
+/// `Ok` when `e` is a SEALED refusal; the error otherwise.
+fn expect_sealed(e: anyhow::Error) -> anyhow::Result<()> {
+    let st = status_of(e);
+    anyhow::ensure!(refusal(&st).1 == "SEALED", "{st}");
+    Ok(())
+}
+
 /// Waits until opening a session on `c` is refused with SEALED.
 async fn wait_sealed(c: &Client) -> anyhow::Result<()> {
     eventually("sealed", Duration::from_secs(20), || {
         let mut c = c.clone();
         async move {
             match open(&mut c, "demo").await {
-                Err(e) => {
-                    let st = status_of(e);
-                    anyhow::ensure!(refusal(&st).1 == "SEALED", "{st}");
-                    Ok(())
-                }
+                Err(e) => expect_sealed(e),
                 Ok(_) => anyhow::bail!("served"),
             }
         }
@@ -371,17 +374,14 @@ async fn an_arbiter_whose_own_grants_predate_the_snapshot_still_seals_after_a_re
         || {
             let mut alice = alice.clone();
             async move {
-                let session = open(&mut alice, "demo").await.ok();
-                match session {
-                    Some(session) => match try_lock(&mut alice, "demo/r0", "demo", session).await {
-                        Ok(g) => Ok(Err(g.token)),
-                        Err(st) if refusal(&st).1 == "SEALED" => Ok(Ok(())),
-                        Err(st) => anyhow::bail!("{st}"),
-                    },
-                    None => {
-                        wait_sealed(&alice).await?;
-                        Ok(Ok(()))
-                    }
+                // refused at the session or at the grant; a grant is the failure
+                let session = match open(&mut alice, "demo").await {
+                    Ok(session) => session,
+                    Err(e) => return expect_sealed(e).map(Ok),
+                };
+                match try_lock(&mut alice, "demo/r0", "demo", session).await {
+                    Ok(g) => Ok(Err(g.token)),
+                    Err(st) => expect_sealed(st.into()).map(Ok),
                 }
             }
         },

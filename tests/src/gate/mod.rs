@@ -408,9 +408,9 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     // Merge and judge.
     let merged = dir.path().join("history.jsonl");
     let operations = merge_histories(&history_dir, &merged)?;
-    let longest_without_grant = longest_without_grant(&merged)?;
     let history = History::from_jsonl(std::io::BufReader::new(std::fs::File::open(&merged)?))
         .with_context(|| format!("parsing {}", merged.display()))?;
+    let longest_without_grant = longest_without_grant(&history);
     let report = latchkey_checker::check(&history, &CheckOptions::default());
     let saved = if report.ok() && !config.keep {
         None
@@ -555,31 +555,29 @@ fn granted_keys_since(history_dir: &Path, since: u64) -> std::collections::BTree
     granted
 }
 
-/// The longest gap between successive successful acquires in a merged
-/// history (from its first to its last event).
-fn longest_without_grant(merged: &Path) -> anyhow::Result<Duration> {
-    let mut acquires: std::collections::HashSet<(String, u64)> = std::collections::HashSet::new();
-    let (mut first, mut last, mut previous, mut longest) = (None, 0u64, None::<u64>, 0u64);
-    for line in std::fs::read_to_string(merged)?.lines() {
-        let v: serde_json::Value = serde_json::from_str(line)?;
-        let time = v["time"].as_u64().unwrap_or(0);
-        first.get_or_insert(time);
-        last = last.max(time);
-        let id = (
-            v["process"].as_str().unwrap_or_default().to_owned(),
-            v["op"].as_u64().unwrap_or(0),
-        );
-        if v["type"] == "invoke" && v["f"] == "acquire" {
-            acquires.insert(id);
-        } else if v["type"] == "complete" && v["outcome"] == "ok" && acquires.contains(&id) {
-            let from = previous.or(first).unwrap_or(time);
-            longest = longest.max(time.saturating_sub(from));
-            previous = Some(time);
-        }
+/// The longest gap between successive successful acquires, from the
+/// history's first event to its last.
+fn longest_without_grant(history: &History) -> Duration {
+    let ops = history.ops();
+    let first = history.start_time();
+    let last = ops
+        .iter()
+        .map(|o| o.complete_time().unwrap_or(o.invoke_time))
+        .max()
+        .unwrap_or(first);
+    let mut grants: Vec<u64> = ops
+        .iter()
+        .filter(|o| o.f == latchkey_checker::Function::Acquire && o.is_ok())
+        .filter_map(|o| o.complete_time())
+        .collect();
+    grants.sort_unstable();
+    let mut previous = first;
+    let mut longest = 0;
+    for t in grants.into_iter().chain([last]) {
+        longest = longest.max(t.saturating_sub(previous));
+        previous = t;
     }
-    let from = previous.or(first).unwrap_or(last);
-    longest = longest.max(last.saturating_sub(from));
-    Ok(Duration::from_nanos(longest))
+    Duration::from_nanos(longest)
 }
 
 /// Concatenates every process's history, ordered by time, into `out`;

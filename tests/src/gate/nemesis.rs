@@ -137,8 +137,7 @@ pub(crate) async fn run(
     if config.faults.is_empty() {
         tokio::time::sleep_until(end).await;
     }
-    // Let the system settle so the last operations complete normally.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The gate then waits (polling) until every key is granted again.
     Ok(injected)
 }
 
