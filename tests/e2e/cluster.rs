@@ -340,14 +340,17 @@ async fn leftover_networks_of_dead_processes_are_removed() -> anyhow::Result<()>
     };
     ip(&["netns", "add", &ns])?;
     ip(&["link", "add", &bridge, "type", "bridge"])?;
-    // Its temp dir, and a process still using it (as an orphaned etcd would).
+    // Its temp dir, and a process still using it (as an orphaned etcd would). Another
+    // test's cluster start may remove the dir at any moment, so the orphan starts first
+    // (every cleanup that sees the dir then also sees the orphan) and keeps running
+    // without its file (`tail -F` retries): only a cleanup's SIGKILL may end it.
     let dir = std::env::temp_dir().join(format!("latchkey-cluster-{pid:06x}-crashed"));
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("etcd-0.log"), "")?;
     let mut orphan = std::process::Command::new("tail")
-        .arg("-f")
+        .arg("-F")
         .arg(dir.join("etcd-0.log"))
+        .stderr(std::process::Stdio::null())
         .spawn()?;
+    std::fs::create_dir_all(&dir)?;
 
     // Another test's cluster start may remove them first; either way they go.
     tokio::task::spawn_blocking(remove_leftover_networks).await??;
