@@ -16,12 +16,8 @@ use latchkey_policies::{Date, PolicySet};
 use latchkey_tests::arbiter::{certs, spiffe, svid_flags};
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::eventually;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
+use latchkey_tests::proxy::Proxy;
 use tokio::process::Command;
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, timeout};
 use tonic::Code;
 
@@ -256,7 +252,7 @@ async fn a_blocked_path_stops_new_work_then_fences_before_the_arbiter_hands_the_
     const KEY: &str = "demo/adr12";
     let s = stack().await?;
     let proxy = Proxy::start(s.arbiter.addr()).await?;
-    let alice = connect(proxy.addr, "workload/alice").await?;
+    let alice = connect(proxy.addr(), "workload/alice").await?;
     let bob = connect(s.arbiter.addr(), "workload/bob").await?;
     let fired: Fired = Arc::default();
 
@@ -579,7 +575,7 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
     let dir = tempfile::tempdir()?;
     let stderr_path = dir.path().join("stderr");
     let pid_path = dir.path().join("pid");
-    let mut child = latchctl(proxy.addr, "workload/alice")?
+    let mut child = latchctl(proxy.addr(), "workload/alice")?
         .args(["hold", KEY, "--class", "short", "--", "sh", "-c"])
         .arg(format!("echo $$ > {}; exec sleep 60", pid_path.display()))
         .stdout(Stdio::null())
@@ -658,77 +654,4 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
     assert!(granted.token() > holder.token);
     granted.release().await?;
     Ok(())
-}
-
-// --- a blocked network path ------------------------------------------------
-
-/// A TCP proxy that can stop forwarding in both directions: a network path
-/// that goes dark. TLS passes through it untouched. Bytes read while
-/// blocking are held, as a partition that heals would deliver them late.
-struct Proxy {
-    addr: SocketAddr,
-    blocked: watch::Sender<bool>,
-    accept: JoinHandle<()>,
-}
-
-impl Proxy {
-    async fn start(upstream: SocketAddr) -> anyhow::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let (blocked, watch) = watch::channel(false);
-        let accept = tokio::spawn(async move {
-            while let Ok((downstream, _)) = listener.accept().await {
-                let Ok(up) = TcpStream::connect(upstream).await else {
-                    continue;
-                };
-                let _ = downstream.set_nodelay(true);
-                let _ = up.set_nodelay(true);
-                let (down_read, down_write) = downstream.into_split();
-                let (up_read, up_write) = up.into_split();
-                tokio::spawn(pipe(down_read, up_write, watch.clone()));
-                tokio::spawn(pipe(up_read, down_write, watch.clone()));
-            }
-        });
-        Ok(Self {
-            addr,
-            blocked,
-            accept,
-        })
-    }
-
-    fn block(&self) {
-        self.blocked.send_replace(true);
-    }
-
-    fn unblock(&self) {
-        self.blocked.send_replace(false);
-    }
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-    }
-}
-
-async fn pipe(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut blocked: watch::Receiver<bool>) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        if blocked.wait_for(|b| !*b).await.is_err() {
-            return;
-        }
-        let n = tokio::select! {
-            read = from.read(&mut buf) => match read {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            },
-            _ = blocked.wait_for(|b| *b) => continue,
-        };
-        if blocked.wait_for(|b| !*b).await.is_err() {
-            return;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
 }

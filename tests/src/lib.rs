@@ -25,6 +25,7 @@ pub mod etcd;
 pub mod gate;
 pub mod hooks;
 pub mod postgres;
+pub mod proxy;
 
 /// How often [`eventually`] re-checks its condition.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);

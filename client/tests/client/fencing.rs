@@ -8,8 +8,8 @@ use latchkey_client::{Error, FenceReason};
 use tokio::time::{Instant, sleep};
 
 use crate::fake_arbiter::FakeArbiter;
-use crate::proxy::Proxy;
 use crate::{assert_eventually, dev_client};
+use latchkey_tests::proxy::Proxy;
 
 type Fired = Arc<Mutex<Vec<(Instant, FenceReason, &'static str)>>>;
 
@@ -31,8 +31,8 @@ fn snapshot(fired: &Fired) -> Vec<(Instant, FenceReason, &'static str)> {
 #[tokio::test]
 async fn blocked_path_stops_new_work_first_then_fences_at_the_send_time_deadline() {
     let arbiter = FakeArbiter::new(&[("short", 3)]);
-    let proxy = Proxy::start(arbiter.serve().await).await;
-    let client = dev_client(proxy.addr).await;
+    let proxy = Proxy::start(arbiter.serve().await).await.expect("proxy");
+    let client = dev_client(proxy.addr()).await;
     let fired: Fired = Arc::default();
 
     let outer = match client
@@ -143,8 +143,8 @@ async fn blocked_path_stops_new_work_first_then_fences_at_the_send_time_deadline
 #[tokio::test]
 async fn a_blip_shorter_than_the_deadline_only_pauses_new_work() {
     let arbiter = FakeArbiter::new(&[("short", 3)]);
-    let proxy = Proxy::start(arbiter.serve().await).await;
-    let client = dev_client(proxy.addr).await;
+    let proxy = Proxy::start(arbiter.serve().await).await.expect("proxy");
+    let client = dev_client(proxy.addr()).await;
     let fired: Fired = Arc::default();
     let guard = match client
         .lock("jobs/b", "short")

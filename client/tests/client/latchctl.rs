@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::process::Command;
 
 use crate::fake_arbiter::FakeArbiter;
-use crate::proxy::Proxy;
+use latchkey_tests::proxy::Proxy;
 
 fn latchctl(addr: std::net::SocketAddr) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_latchctl"));
@@ -122,8 +122,8 @@ async fn usage_errors_exit_2() {
 #[tokio::test]
 async fn hold_stops_the_command_when_the_lock_is_lost() {
     let arbiter = FakeArbiter::new(&[("short", 3)]);
-    let proxy = Proxy::start(arbiter.serve().await).await;
-    let child = latchctl(proxy.addr)
+    let proxy = Proxy::start(arbiter.serve().await).await.expect("proxy");
+    let child = latchctl(proxy.addr())
         .args(["hold", "jobs/long", "--class", "short", "--", "sleep", "30"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -5,7 +5,6 @@
 mod fake_arbiter;
 mod fencing;
 mod latchctl;
-mod proxy;
 mod redaction;
 mod reentrancy;
 

@@ -1,6 +1,6 @@
-//! A TCP proxy that can stop forwarding: a blocked network path. Bytes
-//! already read while blocked are held, not dropped, and flow on unblock,
-//! as a partition that heals would deliver them.
+//! A TCP proxy that can stop forwarding in both directions: a network path that goes
+//! dark. TLS passes through it untouched. Bytes already read when the path blocks are
+//! held, not dropped, and flow on unblock, as a partition that heals delivers them late.
 
 use std::net::SocketAddr;
 
@@ -8,24 +8,23 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
+/// Forwards every connection to its upstream until [`Proxy::block`]; stops accepting
+/// when dropped.
 pub struct Proxy {
-    pub addr: SocketAddr,
+    addr: SocketAddr,
     blocked: watch::Sender<bool>,
+    accept: JoinHandle<()>,
 }
 
 impl Proxy {
-    pub async fn start(upstream: SocketAddr) -> Self {
-        let listener = match TcpListener::bind("127.0.0.1:0").await {
-            Ok(l) => l,
-            Err(e) => panic!("bind: {e}"),
-        };
-        let addr = match listener.local_addr() {
-            Ok(a) => a,
-            Err(e) => panic!("local_addr: {e}"),
-        };
+    /// Listens on a free loopback port and forwards to `upstream`.
+    pub async fn start(upstream: SocketAddr) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
         let (blocked, watch) = watch::channel(false);
-        tokio::spawn(async move {
+        let accept = tokio::spawn(async move {
             while let Ok((downstream, _)) = listener.accept().await {
                 let Ok(up) = TcpStream::connect(upstream).await else {
                     continue;
@@ -38,15 +37,32 @@ impl Proxy {
                 tokio::spawn(pipe(up_read, down_write, watch.clone()));
             }
         });
-        Self { addr, blocked }
+        Ok(Self {
+            addr,
+            blocked,
+            accept,
+        })
     }
 
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The path goes dark: nothing more is forwarded either way.
     pub fn block(&self) {
         self.blocked.send_replace(true);
     }
 
+    /// The path heals: held and new bytes flow again.
     pub fn unblock(&self) {
         self.blocked.send_replace(false);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
     }
 }
 
