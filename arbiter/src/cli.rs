@@ -69,6 +69,10 @@ struct Args {
     /// Serve without TLS; callers name themselves in a header. Laptops only.
     #[arg(long)]
     insecure_dev: bool,
+    /// Serve Prometheus metrics on this address (plain HTTP, `GET /metrics`).
+    /// Labels are namespace and class only: no key, identity or token.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -139,6 +143,7 @@ pub async fn main() -> anyhow::Result<()> {
     config.trust_domain = args.trust_domain;
     config.edge_identity = args.edge_identity;
     config.max_wait = Duration::from_secs(args.max_wait_seconds);
+    config.metrics_listen = args.metrics_listen;
     #[cfg(feature = "test-faults")]
     {
         config.test_fault = args.test_fault;

@@ -170,6 +170,8 @@ pub struct Config {
     /// A deliberate bug for the release gate's self-test; always
     /// [`TestFault::None`] unless built with the `test-faults` feature.
     pub test_fault: TestFault,
+    /// Where to serve Prometheus metrics over plain HTTP (`GET /metrics`); none: not served.
+    pub metrics_listen: Option<String>,
 }
 
 impl Config {
@@ -194,6 +196,7 @@ impl Config {
                 ..HostSettings::default()
             })),
             test_fault: TestFault::None,
+            metrics_listen: None,
         }
     }
 }

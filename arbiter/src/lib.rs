@@ -20,6 +20,7 @@ pub mod error;
 pub mod high_water;
 pub mod hook;
 pub mod identity;
+pub mod metrics;
 pub mod policy;
 pub mod records;
 mod service;
@@ -47,6 +48,7 @@ pub use service::{AdminService, Arbiter, LockService};
 use crate::epoch::EpochGuard;
 use crate::high_water::HighWater;
 use crate::identity::IdentitySource;
+use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::store::{EtcdLogin, EtcdTlsPem, Store, StoreConfig};
 use crate::waiters::Queues;
@@ -86,6 +88,12 @@ pub enum RunError {
     },
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("cannot listen for metrics on {addr}: {source}")]
+    MetricsListen {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Builds the arbiter's state: policies, high-water mark, etcd connection,
@@ -129,7 +137,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             tls: etcd_tls,
             login: etcd_login,
         },
-        guard,
+        guard.clone(),
         high_water,
     )
     .await
@@ -157,8 +165,17 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             trust_domain: config.trust_domain.clone(),
         },
     };
+    let queues = Queues::new(store.clone(), config.retry_poll, config.test_fault);
     Ok(Arc::new(Arbiter {
-        queues: Queues::new(store.clone(), config.retry_poll, config.test_fault),
+        metrics: Arc::new(Metrics::new(
+            {
+                let queues = queues.clone();
+                Arc::new(move || queues.totals())
+            },
+            guard,
+            config.hook_host.clone(),
+        )),
+        queues,
         store,
         policies,
         identity,
@@ -170,7 +187,43 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     }))
 }
 
-/// Hook metrics go to the log once a minute until a metrics endpoint exists.
+/// Serves `GET /metrics` (Prometheus text) until `stop`.
+fn spawn_metrics_server(listener: TcpListener, arbiter: Arc<Arbiter>, stop: CancellationToken) {
+    use axum::http::{StatusCode, header};
+    let addr = listener.local_addr().ok();
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let arbiter = arbiter.clone();
+            async move {
+                match arbiter.metrics_text() {
+                    Ok(text) => (
+                        StatusCode::OK,
+                        [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
+                        text,
+                    ),
+                    Err(_) => (
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+                        "encoding the metrics failed\n".to_string(),
+                    ),
+                }
+            }
+        }),
+    );
+    info!(?addr, "serving Prometheus metrics on /metrics");
+    tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await;
+        if let Err(e) = served {
+            warn!(error = %e, "the metrics server stopped");
+        }
+    });
+}
+
+/// Hook metrics also go to the log once a minute (latency percentiles are
+/// only there).
 fn spawn_hook_metrics_log(host: Arc<latchkey_hook_host::HookHost>, stop: CancellationToken) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
@@ -278,8 +331,25 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RunError> {
+    // Bound before anything else starts: a taken port fails the start.
+    let metrics_listener = match &config.metrics_listen {
+        Some(addr) => {
+            Some(
+                TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| RunError::MetricsListen {
+                        addr: addr.clone(),
+                        source,
+                    })?,
+            )
+        }
+        None => None,
+    };
     let arbiter = build(&config).await?;
     let stop = CancellationToken::new();
+    if let Some(listener) = metrics_listener {
+        spawn_metrics_server(listener, arbiter.clone(), stop.clone());
+    }
     arbiter
         .policies
         .clone()

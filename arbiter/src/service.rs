@@ -32,6 +32,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::error::ArbiterError;
 use crate::hook::ClassHooks;
 use crate::identity::{Caller, IdentitySource};
+use crate::metrics::{Metrics, Scope};
 use crate::policy::Policies;
 use crate::store::Store;
 use crate::waiters::Queues;
@@ -44,6 +45,7 @@ pub struct Arbiter {
     pub(crate) identity: IdentitySource,
     pub(crate) hooks: Arc<dyn ClassHooks>,
     pub(crate) max_wait: Duration,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 impl Arbiter {
@@ -59,11 +61,28 @@ impl Arbiter {
         caller: &Caller,
         raw: &str,
     ) -> Result<LockKey, ArbiterError> {
+        self.authorised_key_in(policies, caller, raw, &mut Scope::default())
+    }
+
+    /// [`Self::authorised_key`], noting the granted prefix's namespace in `scope`.
+    pub(crate) fn authorised_key_in(
+        &self,
+        policies: &PolicySet,
+        caller: &Caller,
+        raw: &str,
+        scope: &mut Scope,
+    ) -> Result<LockKey, ArbiterError> {
         let key = LockKey::parse(raw).map_err(|e| ArbiterError::BadKey(e.to_string()))?;
-        policies
+        let prefix = policies
             .authorise(&caller.identity, &key)
             .ok_or(ArbiterError::NotAuthorised)?;
+        scope.authorised(prefix);
         Ok(key)
+    }
+
+    /// The Prometheus text exposition of this arbiter's metrics.
+    pub fn metrics_text(&self) -> Result<String, std::fmt::Error> {
+        self.metrics.encode()
     }
 
     pub(crate) fn class<'p>(

@@ -89,6 +89,17 @@ impl Queues {
             .unwrap_or(0)
     }
 
+    /// (keys with a queue, waiters over all keys), for the metrics.
+    pub fn totals(&self) -> (usize, usize) {
+        self.keys
+            .lock()
+            .map(|k| {
+                let queued = k.values().filter(|q| !q.waiters.is_empty());
+                queued.fold((0, 0), |(keys, n), q| (keys + 1, n + q.waiters.len()))
+            })
+            .unwrap_or((0, 0))
+    }
+
     pub fn head(&self, key: &str) -> Option<Head> {
         let keys = self.keys.lock().ok()?;
         let w = keys.get(key)?.waiters.front()?;

@@ -42,6 +42,7 @@ mod hook;
 mod key;
 mod pause_test;
 mod policy_set;
+mod telemetry;
 
 pub use class::{
     ADVISORY_MIN_TTL_SECONDS, ClassError, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TTL_SECONDS,
@@ -63,3 +64,4 @@ pub use pause_test::{
     PauseTestError, PauseTestEvidence, PauseTestOutcome, PauseTestResult, WriteOutcome, rfc3339,
 };
 pub use policy_set::{CLASSES_DIR, GRANTS_DIR, PolicyFile, PolicySet, fingerprint};
+pub use telemetry::{MAX_LABEL_CHARS, metric_label, metric_namespace};

@@ -12,6 +12,7 @@ mod gate;
 mod grants;
 mod hooks;
 mod identity;
+mod metrics;
 mod pause_test;
 mod policies;
 mod seal;

@@ -75,6 +75,8 @@ pub struct ArbiterOptions {
     /// The arbiter's etcd TLS and user (`--etcd-ca`, `--etcd-cert`, ...);
     /// none by default, for a plain-http etcd.
     pub etcd_credentials: latchkey_arbiter::EtcdCredentials,
+    /// Serve Prometheus metrics (`--metrics-listen`) on a free loopback port.
+    pub metrics: bool,
 }
 
 impl Default for ArbiterOptions {
@@ -90,6 +92,7 @@ impl Default for ArbiterOptions {
             max_wait: Duration::from_secs(60),
             state_dir: None,
             etcd_credentials: latchkey_arbiter::EtcdCredentials::default(),
+            metrics: false,
         }
     }
 }
@@ -97,6 +100,7 @@ impl Default for ArbiterOptions {
 /// An arbiter running inside the test process.
 pub struct Arbiter {
     addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
     state_dir: PathBuf,
     _state: Option<TempDir>,
     shutdown: Option<oneshot::Sender<()>>,
@@ -132,6 +136,12 @@ impl Arbiter {
         config.retry_poll = opts.retry_poll;
         config.max_wait = opts.max_wait;
         config.policy_poll = Duration::from_millis(200);
+        // A port that was free a moment ago: `run` binds the address itself.
+        let metrics_addr = match opts.metrics {
+            true => Some(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?),
+            false => None,
+        };
+        config.metrics_listen = metrics_addr.map(|a| a.to_string());
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let (tx, rx) = oneshot::channel::<()>();
@@ -140,6 +150,7 @@ impl Arbiter {
         }));
         let mut arbiter = Self {
             addr,
+            metrics_addr,
             state_dir,
             _state: state_tmp,
             shutdown: Some(tx),
@@ -182,6 +193,11 @@ impl Arbiter {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where `GET /metrics` is served (with [`ArbiterOptions::metrics`]).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
     }
 
     pub fn state_dir(&self) -> &Path {
@@ -275,6 +291,7 @@ pub async fn anonymous_channel(addr: SocketAddr) -> anyhow::Result<Channel> {
 pub struct ArbiterProcess {
     child: Option<Child>,
     addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
     log: PathBuf,
     _dir: TempDir,
 }
@@ -359,6 +376,13 @@ impl ArbiterProcess {
                 .arg("--etcd-password-file")
                 .arg(&u.password_file);
         }
+        let metrics_addr = match opts.metrics {
+            true => Some(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?),
+            false => None,
+        };
+        if let Some(m) = metrics_addr {
+            cmd.arg("--metrics-listen").arg(m.to_string());
+        }
         cmd.args(extra_args);
         let child = cmd
             .spawn()
@@ -366,6 +390,7 @@ impl ArbiterProcess {
         let proc = Self {
             child: Some(child),
             addr,
+            metrics_addr,
             log,
             _dir: dir,
         };
@@ -382,6 +407,11 @@ impl ArbiterProcess {
             )
         })?;
         Ok(proc)
+    }
+
+    /// Where `GET /metrics` is served (with [`ArbiterOptions::metrics`]).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
     }
 
     pub fn addr(&self) -> SocketAddr {

@@ -1,5 +1,5 @@
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use latchkey_proto::lockv1::{AcquireRequest, AcquireResponse, Grant as WireGrant, WaitMode};
 use tonic::Request;
@@ -8,6 +8,7 @@ use tracing::{debug, info};
 use super::{Arbiter, session_id, truncate};
 use crate::error::ArbiterError;
 use crate::hook::{HolderSummary, HookDecision, HookInput, monotonic_ns};
+use crate::metrics::Scope;
 use crate::records::now_unix_ms;
 use crate::store::{Grant, GrantOutcome, GrantRequest};
 use latchkey_policies::HookInputKind;
@@ -79,12 +80,25 @@ impl Arbiter {
         &self,
         request: Request<AcquireRequest>,
     ) -> Result<AcquireResponse, ArbiterError> {
+        let started = Instant::now();
+        let mut scope = Scope::default();
+        let result = self.acquire_in(request, &mut scope).await;
+        self.metrics.acquire(&scope, &result, started.elapsed());
+        result
+    }
+
+    async fn acquire_in(
+        &self,
+        request: Request<AcquireRequest>,
+        scope: &mut Scope,
+    ) -> Result<AcquireResponse, ArbiterError> {
         let caller = self.caller(&request)?;
         let deadline = grpc_timeout(&request);
         let req = request.into_inner();
         let policies = self.policies.current();
-        let key = self.authorised_key(&policies, &caller, &req.key)?;
+        let key = self.authorised_key_in(&policies, &caller, &req.key, scope)?;
         let class = self.class(&policies, &req.class)?;
+        scope.class(&class.name);
         let session = session_id(req.session_id)?;
         let wait = WaitMode::try_from(req.wait)
             .map_err(|_| ArbiterError::BadRequest(format!("unknown wait mode {}", req.wait)))?;
@@ -196,6 +210,7 @@ impl Arbiter {
             .queues
             .enqueue(grant_req, watch_from, class.max_waiters_per_key)?;
         debug!(identity = %caller.identity, key = %key_name, "queued");
+        scope.waited = true;
         match tokio::time::timeout(budget, ticket.wait()).await {
             Ok(reply) => {
                 let grant = reply?;

@@ -48,6 +48,7 @@ impl Arbiter {
                 let end = reply.is_err();
                 if let Err(e) = &reply {
                     debug!(identity = %caller.identity, error = %e, "keepalive refused");
+                    self.metrics.renewal_refused(e);
                 }
                 if tx.send(reply.map_err(Status::from)).await.is_err() || end {
                     return;

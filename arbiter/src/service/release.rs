@@ -4,6 +4,7 @@ use tracing::{debug, info};
 
 use super::{Arbiter, session_id};
 use crate::error::ArbiterError;
+use crate::metrics::Scope;
 use crate::token;
 
 impl Arbiter {
@@ -13,10 +14,22 @@ impl Arbiter {
         &self,
         request: Request<ReleaseRequest>,
     ) -> Result<ReleaseResponse, ArbiterError> {
+        let mut scope = Scope::default();
+        let result = self.release_in(request, &mut scope).await;
+        self.metrics
+            .release(&scope, &result, matches!(result, Ok(Released::HandedOver)));
+        result.map(|_| ReleaseResponse {})
+    }
+
+    async fn release_in(
+        &self,
+        request: Request<ReleaseRequest>,
+        scope: &mut Scope,
+    ) -> Result<Released, ArbiterError> {
         let caller = self.caller(&request)?;
         let req = request.into_inner();
         let policies = self.policies.current();
-        let key = self.authorised_key(&policies, &caller, &req.key)?;
+        let key = self.authorised_key_in(&policies, &caller, &req.key, scope)?;
         let session = session_id(req.session_id)?;
         let (epoch, revision) = token::unpack(req.token);
         let current = self.store.guard().state().map(|s| s.epoch());
@@ -35,7 +48,7 @@ impl Arbiter {
                     info!(identity = %caller.identity, key = %key.as_str(), next = %head.req.identity, "released and handed over");
                     self.queues.deliver(&head, Ok(grant));
                     self.hooks.after_release(&caller.identity, key.as_str());
-                    return Ok(ReleaseResponse {});
+                    return Ok(Released::HandedOver);
                 }
                 Ok(None) => {}
                 Err(e) => debug!(error = %e, "hand-over failed; releasing plainly"),
@@ -47,6 +60,13 @@ impl Arbiter {
         self.queues.kick(key.as_str());
         info!(identity = %caller.identity, key = %key.as_str(), "released");
         self.hooks.after_release(&caller.identity, key.as_str());
-        Ok(ReleaseResponse {})
+        Ok(Released::Plainly)
     }
+}
+
+/// How a release ended.
+enum Released {
+    Plainly,
+    /// The key went to the next waiter in the same transaction.
+    HandedOver,
 }

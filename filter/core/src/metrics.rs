@@ -22,29 +22,17 @@ pub const REFRESH_OK: &str = "latchkey_edge.policy_refresh.result.updated";
 pub const REFRESH_UNCHANGED: &str = "latchkey_edge.policy_refresh.result.unchanged";
 pub const REFRESH_FAILED: &str = "latchkey_edge.policy_refresh.result.failed";
 
-/// A label value: `[A-Za-z0-9_-]`, at most 48 characters, never empty.
-pub fn label(raw: &str) -> String {
-    let mut out: String = raw
-        .chars()
-        .take(48)
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    if out.is_empty() {
-        out.push('_');
-    }
-    out
-}
+/// A label value: `[A-Za-z0-9_-]`, at most 48 characters, never empty (shared
+/// with the arbiter's metrics).
+pub use latchkey_policies::metric_label as label;
 
 /// `ns.<namespace>.class.<class>` for an authorised request.
 pub fn scope(granted_prefix: &str, class: &str) -> String {
-    let ns = granted_prefix.split('/').next().unwrap_or(granted_prefix);
-    format!("ns.{}.class.{}", label(ns), label(class))
+    format!(
+        "ns.{}.class.{}",
+        latchkey_policies::metric_namespace(granted_prefix),
+        label(class)
+    )
 }
 
 pub fn allowed(method: &str, scope: &str) -> String {

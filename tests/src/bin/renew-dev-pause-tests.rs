@@ -161,6 +161,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             max_wait: Duration::from_secs(60),
             state_dir: None,
             etcd_credentials: Default::default(),
+            metrics: false,
         },
         "info",
     )

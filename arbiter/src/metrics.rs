@@ -1,0 +1,422 @@
+//! The arbiter's Prometheus metrics (ADR-22), served on `--metrics-listen`.
+//!
+//! Labels are `namespace`, `class`, `outcome` and `kind` only, each from a
+//! bounded set: the namespace is the first segment of the granted prefix that
+//! let the call in (`_` before authorisation), the class a known class name
+//! (`_` before it is known), the outcome `granted`, `granted_after_wait`,
+//! `released`, `handed_over` or an error reason (`held`, `wait_timeout`, ...).
+//! Never a key, an identity, a session or a token: per-key questions go to
+//! `Inspect`. [`ALLOWED_LABELS`] is checked against the whole exposition by a
+//! test, so a new metric cannot add a key label unnoticed.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use latchkey_hook_host::HookHost;
+use latchkey_policies::{metric_label, metric_namespace};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::epoch::EpochGuard;
+use crate::error::{ArbiterError, reason_name};
+
+/// Reports (keys with a queue, waiters over all keys).
+pub type WaiterTotals = Arc<dyn Fn() -> (usize, usize) + Send + Sync>;
+
+/// Every label name any arbiter metric may carry.
+pub const ALLOWED_LABELS: &[&str] = &["namespace", "class", "outcome", "kind"];
+
+/// The exposition's content type (OpenMetrics text, which Prometheus scrapes).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The label value before the namespace or class is known.
+const UNKNOWN: &str = "_";
+
+/// What a call has established about itself so far: filled in as it passes
+/// authorisation and class lookup, read when it ends.
+#[derive(Debug, Default, Clone)]
+pub struct Scope {
+    namespace: Option<String>,
+    class: Option<String>,
+    /// The call queued before its grant.
+    pub waited: bool,
+}
+
+impl Scope {
+    pub fn authorised(&mut self, granted_prefix: &str) {
+        self.namespace = Some(metric_namespace(granted_prefix));
+    }
+
+    pub fn class(&mut self, class: &str) {
+        self.class = Some(metric_label(class));
+    }
+
+    fn namespace_label(&self) -> String {
+        self.namespace.clone().unwrap_or_else(|| UNKNOWN.into())
+    }
+
+    fn class_label(&self) -> String {
+        self.class.clone().unwrap_or_else(|| UNKNOWN.into())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabels {
+    namespace: String,
+    class: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ScopeLabels {
+    namespace: String,
+    class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NamespaceOutcome {
+    namespace: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: String,
+}
+
+/// The outcome label of a failed call: its reason, in lower case.
+fn failure(err: &ArbiterError) -> String {
+    reason_name(err.reason()).to_ascii_lowercase()
+}
+
+/// Counters and histograms the handlers update, plus the state read at
+/// scrape time (queues, seal, hooks).
+pub struct Metrics {
+    registry: Registry,
+    acquires: Family<CallLabels, Counter>,
+    releases: Family<NamespaceOutcome, Counter>,
+    grant_wait: Family<ScopeLabels, Histogram>,
+    renewals_refused: Family<OutcomeLabels, Counter>,
+}
+
+impl fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Metrics {
+    /// `waiters` reports (keys with a queue, waiters over all keys) at scrape time.
+    pub fn new(waiters: WaiterTotals, guard: Arc<EpochGuard>, hooks: Arc<HookHost>) -> Self {
+        let mut registry = Registry::with_prefix("latchkey_arbiter");
+        let acquires = Family::<CallLabels, Counter>::default();
+        registry.register(
+            "acquires",
+            "Acquire calls by namespace, class and outcome (granted, granted_after_wait, or the refusal reason)",
+            acquires.clone(),
+        );
+        let releases = Family::<NamespaceOutcome, Counter>::default();
+        registry.register(
+            "releases",
+            "Release calls by namespace and outcome (released, handed_over to the next waiter, or the refusal reason)",
+            releases.clone(),
+        );
+        let grant_wait = Family::<ScopeLabels, Histogram>::new_with_constructor(|| {
+            // 0.5 ms .. ~65 s
+            Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+        });
+        registry.register(
+            "grant_wait_seconds",
+            "Time from an Acquire call's arrival to its grant, queueing included",
+            grant_wait.clone(),
+        );
+        let renewals_refused = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "session_renewals_refused",
+            "Keepalives refused (the stream ends; the holder fences), by reason: session_expired above all",
+            renewals_refused.clone(),
+        );
+        registry.register_collector(Box::new(StateCollector {
+            waiters,
+            guard,
+            hooks,
+        }));
+        Self {
+            registry,
+            acquires,
+            releases,
+            grant_wait,
+            renewals_refused,
+        }
+    }
+
+    /// Records one Acquire call's end.
+    pub fn acquire<T>(&self, scope: &Scope, result: &Result<T, ArbiterError>, elapsed: Duration) {
+        let outcome = match result {
+            Ok(_) if scope.waited => "granted_after_wait".to_string(),
+            Ok(_) => "granted".to_string(),
+            Err(e) => failure(e),
+        };
+        if result.is_ok() {
+            self.grant_wait
+                .get_or_create(&ScopeLabels {
+                    namespace: scope.namespace_label(),
+                    class: scope.class_label(),
+                })
+                .observe(elapsed.as_secs_f64());
+        }
+        self.acquires
+            .get_or_create(&CallLabels {
+                namespace: scope.namespace_label(),
+                class: scope.class_label(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Records one Release call's end; `handed_over` when the key went
+    /// straight to the next waiter in the same transaction.
+    pub fn release<T>(&self, scope: &Scope, result: &Result<T, ArbiterError>, handed_over: bool) {
+        let outcome = match result {
+            Ok(_) if handed_over => "handed_over".to_string(),
+            Ok(_) => "released".to_string(),
+            Err(e) => failure(e),
+        };
+        self.releases
+            .get_or_create(&NamespaceOutcome {
+                namespace: scope.namespace_label(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Records a keepalive stream ended by a refusal (an expired session above all).
+    pub fn renewal_refused(&self, err: &ArbiterError) {
+        self.renewals_refused
+            .get_or_create(&OutcomeLabels {
+                outcome: failure(err),
+            })
+            .inc();
+    }
+
+    /// The text exposition (OpenMetrics).
+    pub fn encode(&self) -> Result<String, fmt::Error> {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
+        Ok(out)
+    }
+}
+
+/// Gauges and hook counters read at scrape time.
+struct StateCollector {
+    waiters: WaiterTotals,
+    guard: Arc<EpochGuard>,
+    hooks: Arc<HookHost>,
+}
+
+impl fmt::Debug for StateCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StateCollector").finish_non_exhaustive()
+    }
+}
+
+fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, v: i64) -> fmt::Result {
+    let g = ConstGauge::new(v);
+    g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
+impl Collector for StateCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let (keys, waiters) = (self.waiters)();
+        gauge(
+            &mut encoder,
+            "waiters",
+            "Acquire calls queued in this arbiter, all keys",
+            i64::try_from(waiters).unwrap_or(i64::MAX),
+        )?;
+        gauge(
+            &mut encoder,
+            "contended_keys",
+            "Keys with at least one queued waiter in this arbiter",
+            i64::try_from(keys).unwrap_or(i64::MAX),
+        )?;
+        gauge(
+            &mut encoder,
+            "sealed",
+            "1 while the arbiter refuses every grant (a restored or foreign lock log; see admin status)",
+            i64::from(self.guard.seal_reason().is_some()),
+        )?;
+        gauge(
+            &mut encoder,
+            "epoch",
+            "The epoch this arbiter serves (0 before the first etcd read)",
+            self.guard.state().map_or(0, |s| i64::from(s.epoch())),
+        )?;
+
+        let snapshot = self.hooks.metrics().snapshot();
+        let classes = || snapshot.iter().map(|(c, m)| (metric_label(c), m));
+        let mut family = |name: &str, help: &str, rows: Vec<(Vec<(&str, String)>, u64)>| {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (labels, v) in rows {
+                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+            }
+            Ok::<(), fmt::Error>(())
+        };
+        family(
+            "hook_invocations",
+            "Class hook calls, by class",
+            classes()
+                .map(|(c, m)| (vec![("class", c)], m.invocations))
+                .collect(),
+        )?;
+        family(
+            "hook_denials",
+            "Class hook calls that denied the grant, by class",
+            classes()
+                .map(|(c, m)| (vec![("class", c)], m.denials.values().sum()))
+                .collect(),
+        )?;
+        family(
+            "hook_failures",
+            "Class hook calls that failed (and denied, fail closed), by class and kind",
+            classes()
+                .flat_map(|(c, m)| {
+                    m.failures.iter().map(move |(kind, v)| {
+                        (
+                            vec![("class", c.clone()), ("kind", metric_label(kind.as_str()))],
+                            *v,
+                        )
+                    })
+                })
+                .collect(),
+        )?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use latchkey_hook_host::HostSettings;
+
+    use super::*;
+
+    fn metrics(waiters: (usize, usize)) -> Metrics {
+        Metrics::new(
+            Arc::new(move || waiters),
+            Arc::new(EpochGuard::default()),
+            Arc::new(HookHost::new(HostSettings::default())),
+        )
+    }
+
+    fn scope(prefix: &str, class: &str) -> Scope {
+        let mut s = Scope::default();
+        s.authorised(prefix);
+        s.class(class);
+        s
+    }
+
+    /// Every label name used by a sample line of the exposition.
+    fn label_names(text: &str) -> BTreeSet<String> {
+        let mut names = BTreeSet::new();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((_, rest)) = line.split_once('{') else {
+                continue;
+            };
+            let Some((labels, _)) = rest.rsplit_once('}') else {
+                continue;
+            };
+            for pair in labels.split(',') {
+                if let Some((name, _)) = pair.split_once('=') {
+                    names.insert(name.to_string());
+                }
+            }
+        }
+        names
+    }
+
+    #[test]
+    fn calls_are_counted_by_namespace_class_and_outcome() -> Result<(), fmt::Error> {
+        let m = metrics((2, 5));
+        let granted = scope("payments/ledger", "short");
+        m.acquire(&granted, &Ok(()), Duration::from_millis(3));
+        let mut waited = scope("payments/ledger", "short");
+        waited.waited = true;
+        m.acquire(&waited, &Ok(()), Duration::from_secs(2));
+        m.acquire::<()>(
+            &granted,
+            &Err(ArbiterError::Held { key: "x".into() }),
+            Duration::ZERO,
+        );
+        m.acquire::<()>(
+            &Scope::default(),
+            &Err(ArbiterError::NotAuthorised),
+            Duration::ZERO,
+        );
+        m.release(&granted, &Ok(()), true);
+        m.release(&granted, &Ok(()), false);
+        m.renewal_refused(&ArbiterError::SessionExpired { session: 7 });
+        let text = m.encode()?;
+        for line in [
+            r#"latchkey_arbiter_acquires_total{namespace="payments",class="short",outcome="granted"} 1"#,
+            r#"latchkey_arbiter_acquires_total{namespace="payments",class="short",outcome="granted_after_wait"} 1"#,
+            r#"latchkey_arbiter_acquires_total{namespace="payments",class="short",outcome="held"} 1"#,
+            r#"latchkey_arbiter_acquires_total{namespace="_",class="_",outcome="not_authorised"} 1"#,
+            r#"latchkey_arbiter_releases_total{namespace="payments",outcome="handed_over"} 1"#,
+            r#"latchkey_arbiter_releases_total{namespace="payments",outcome="released"} 1"#,
+            r#"latchkey_arbiter_session_renewals_refused_total{outcome="session_expired"} 1"#,
+            r#"latchkey_arbiter_grant_wait_seconds_count{namespace="payments",class="short"} 2"#,
+            "latchkey_arbiter_waiters 5",
+            "latchkey_arbiter_contended_keys 2",
+            "latchkey_arbiter_sealed 0",
+            "latchkey_arbiter_epoch 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+        }
+        Ok(())
+    }
+
+    /// ADR-22's lint: no metric may carry a label outside the bounded set
+    /// (a key, identity, session or token label would fail here).
+    #[test]
+    fn only_bounded_labels_are_ever_used() -> Result<(), fmt::Error> {
+        let m = metrics((1, 1));
+        let s = scope("demo", "demo");
+        m.acquire(&s, &Ok(()), Duration::from_millis(1));
+        m.acquire::<()>(
+            &s,
+            &Err(ArbiterError::WaitTimeout { key: "k".into() }),
+            Duration::ZERO,
+        );
+        m.release(&s, &Ok(()), false);
+        m.renewal_refused(&ArbiterError::SessionExpired { session: 1 });
+        let text = m.encode()?;
+        let names = label_names(&text);
+        // `le` is the histogram's bucket bound, part of every histogram.
+        let allowed: BTreeSet<String> = ALLOWED_LABELS
+            .iter()
+            .chain(&["le"])
+            .map(|s| s.to_string())
+            .collect();
+        assert!(!names.is_empty(), "no labels parsed from:\n{text}");
+        assert!(names.is_subset(&allowed), "labels {names:?} in:\n{text}");
+        assert!(!text.contains("\"k\""), "{text}");
+        Ok(())
+    }
+
+    #[test]
+    fn label_values_are_sanitised() {
+        let s = scope("we ird.ns/x", "cla\"ss");
+        assert_eq!(s.namespace_label(), "we_ird_ns");
+        assert_eq!(s.class_label(), "cla_ss");
+        assert_eq!(Scope::default().namespace_label(), "_");
+    }
+}
