@@ -81,12 +81,6 @@ struct ScopeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct NamespaceOutcome {
-    namespace: String,
-    outcome: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: String,
 }
@@ -101,8 +95,9 @@ fn failure(err: &ArbiterError) -> String {
 pub struct Metrics {
     registry: Registry,
     acquires: Family<CallLabels, Counter>,
-    releases: Family<NamespaceOutcome, Counter>,
+    releases: Family<CallLabels, Counter>,
     grant_wait: Family<ScopeLabels, Histogram>,
+    hold: Family<ScopeLabels, Histogram>,
     renewals_refused: Family<OutcomeLabels, Counter>,
 }
 
@@ -122,11 +117,20 @@ impl Metrics {
             "Acquire calls by namespace, class and outcome (granted, granted_after_wait, or the refusal reason)",
             acquires.clone(),
         );
-        let releases = Family::<NamespaceOutcome, Counter>::default();
+        let releases = Family::<CallLabels, Counter>::default();
         registry.register(
             "releases",
-            "Release calls by namespace and outcome (released, handed_over to the next waiter, or the refusal reason)",
+            "Release calls by namespace, class (_ when refused) and outcome (released, handed_over to the next waiter, or the refusal reason)",
             releases.clone(),
+        );
+        let hold = Family::<ScopeLabels, Histogram>::new_with_constructor(|| {
+            // 10 ms .. ~5.8 days
+            Histogram::new(exponential_buckets(0.01, 4.0, 15))
+        });
+        registry.register(
+            "hold_seconds",
+            "How long released holds lasted (grant to release, by the arbiters' wall clocks)",
+            hold.clone(),
         );
         let grant_wait = Family::<ScopeLabels, Histogram>::new_with_constructor(|| {
             // 0.5 ms .. ~65 s
@@ -153,6 +157,7 @@ impl Metrics {
             acquires,
             releases,
             grant_wait,
+            hold,
             renewals_refused,
         }
     }
@@ -182,16 +187,32 @@ impl Metrics {
     }
 
     /// Records one Release call's end; `handed_over` when the key went
-    /// straight to the next waiter in the same transaction.
-    pub fn release<T>(&self, scope: &Scope, result: &Result<T, ArbiterError>, handed_over: bool) {
+    /// straight to the next waiter in the same transaction, `held_for` the
+    /// hold's length when its record was read.
+    pub fn release<T>(
+        &self,
+        scope: &Scope,
+        result: &Result<T, ArbiterError>,
+        handed_over: bool,
+        held_for: Option<Duration>,
+    ) {
         let outcome = match result {
             Ok(_) if handed_over => "handed_over".to_string(),
             Ok(_) => "released".to_string(),
             Err(e) => failure(e),
         };
+        if let (Ok(_), Some(held)) = (result, held_for) {
+            self.hold
+                .get_or_create(&ScopeLabels {
+                    namespace: scope.namespace_label(),
+                    class: scope.class_label(),
+                })
+                .observe(held.as_secs_f64());
+        }
         self.releases
-            .get_or_create(&NamespaceOutcome {
+            .get_or_create(&CallLabels {
                 namespace: scope.namespace_label(),
+                class: scope.class_label(),
                 outcome,
             })
             .inc();
@@ -361,8 +382,8 @@ mod tests {
             &Err(ArbiterError::NotAuthorised),
             Duration::ZERO,
         );
-        m.release(&granted, &Ok(()), true);
-        m.release(&granted, &Ok(()), false);
+        m.release(&granted, &Ok(()), true, Some(Duration::from_secs(4)));
+        m.release(&granted, &Ok(()), false, None);
         m.renewal_refused(&ArbiterError::SessionExpired { session: 7 });
         let text = m.encode()?;
         for line in [
@@ -370,8 +391,10 @@ mod tests {
             r#"latchkey_arbiter_acquires_total{namespace="payments",class="short",outcome="granted_after_wait"} 1"#,
             r#"latchkey_arbiter_acquires_total{namespace="payments",class="short",outcome="held"} 1"#,
             r#"latchkey_arbiter_acquires_total{namespace="_",class="_",outcome="not_authorised"} 1"#,
-            r#"latchkey_arbiter_releases_total{namespace="payments",outcome="handed_over"} 1"#,
-            r#"latchkey_arbiter_releases_total{namespace="payments",outcome="released"} 1"#,
+            r#"latchkey_arbiter_releases_total{namespace="payments",class="short",outcome="handed_over"} 1"#,
+            r#"latchkey_arbiter_releases_total{namespace="payments",class="short",outcome="released"} 1"#,
+            r#"latchkey_arbiter_hold_seconds_count{namespace="payments",class="short"} 1"#,
+            r#"latchkey_arbiter_hold_seconds_sum{namespace="payments",class="short"} 4.0"#,
             r#"latchkey_arbiter_session_renewals_refused_total{outcome="session_expired"} 1"#,
             r#"latchkey_arbiter_grant_wait_seconds_count{namespace="payments",class="short"} 2"#,
             "latchkey_arbiter_waiters 5",
@@ -396,7 +419,7 @@ mod tests {
             &Err(ArbiterError::WaitTimeout { key: "k".into() }),
             Duration::ZERO,
         );
-        m.release(&s, &Ok(()), false);
+        m.release(&s, &Ok(()), false, Some(Duration::from_millis(40)));
         m.renewal_refused(&ArbiterError::SessionExpired { session: 1 });
         let text = m.encode()?;
         let names = label_names(&text);

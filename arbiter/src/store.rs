@@ -180,6 +180,12 @@ fn header_of(h: Option<&ResponseHeader>) -> Result<(u64, i64), ArbiterError> {
         .ok_or_else(|| ArbiterError::store("etcd response without a header"))
 }
 
+/// A hand-over's new grant, and the record of the hold it replaced.
+pub struct HandedOver {
+    pub grant: Grant,
+    pub previous: Option<HolderRecord>,
+}
+
 fn first_kv(resp: &TxnOpResponse) -> Option<&etcd_client::KeyValue> {
     match resp {
         TxnOpResponse::Get(g) => g.kvs().first(),
@@ -700,6 +706,21 @@ impl Store {
         }))
     }
 
+    /// Whether `session` holds `key` at exactly `revision` now (a
+    /// linearizable read).
+    pub async fn holds(
+        &self,
+        key: &str,
+        session: i64,
+        revision: i64,
+    ) -> Result<bool, ArbiterError> {
+        let resp = self.checked_get(self.layout.holder(key), None).await?;
+        Ok(resp
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.mod_revision() == revision && kv.lease() == session))
+    }
+
     /// Hands `key` from the releasing session straight to `next` in one
     /// transaction. `Ok(None)` if any compare failed (the caller then does a
     /// plain release).
@@ -709,7 +730,7 @@ impl Store {
         session: i64,
         revision: i64,
         next: &GrantRequest,
-    ) -> Result<Option<Grant>, ArbiterError> {
+    ) -> Result<Option<HandedOver>, ArbiterError> {
         let state = self.serving_epoch().await?;
         let holder_key = self.layout.holder(key);
         let txn = Txn::new()
@@ -727,39 +748,55 @@ impl Store {
             .and_then([TxnOp::put(
                 holder_key,
                 next.holder_bytes(),
-                Some(PutOptions::new().with_lease(next.session)),
+                Some(PutOptions::new().with_lease(next.session).with_prev_key()),
             )]);
         let (resp, rev) = self.checked_txn(txn).await?;
         if !resp.succeeded() {
             return Ok(None);
         }
+        let previous = match resp.op_responses().first() {
+            Some(TxnOpResponse::Put(p)) => p.prev_key().and_then(|kv| decode(kv.value())),
+            _ => None,
+        };
         self.make_durable(&state, rev).await?;
-        Ok(Some(Grant {
-            key: key.to_string(),
-            session: next.session,
-            epoch: state.epoch(),
-            revision: rev,
+        Ok(Some(HandedOver {
+            grant: Grant {
+                key: key.to_string(),
+                session: next.session,
+                epoch: state.epoch(),
+                revision: rev,
+            },
+            previous,
         }))
     }
 
-    /// Deletes the hold if `session` holds `key` at `revision`.
+    /// Deletes the hold if `session` holds `key` at `revision`; returns the
+    /// deleted holder record (for the metrics), if it could be read.
     pub async fn release(
         &self,
         key: &str,
         session: i64,
         revision: i64,
-    ) -> Result<(), ArbiterError> {
+    ) -> Result<Option<HolderRecord>, ArbiterError> {
         let holder_key = self.layout.holder(key);
         let txn = Txn::new()
             .when([
                 Compare::mod_revision(holder_key.clone(), CompareOp::Equal, revision),
                 Compare::lease(holder_key.clone(), CompareOp::Equal, session),
             ])
-            .and_then([TxnOp::delete(holder_key.clone(), None)])
+            .and_then([TxnOp::delete(
+                holder_key.clone(),
+                Some(etcd_client::DeleteOptions::new().with_prev_key()),
+            )])
             .or_else([TxnOp::get(holder_key, None)]);
         let (resp, _) = self.checked_txn(txn).await?;
         if resp.succeeded() {
-            return Ok(());
+            return Ok(match resp.op_responses().first() {
+                Some(TxnOpResponse::Delete(d)) => {
+                    d.prev_kvs().first().and_then(|kv| decode(kv.value()))
+                }
+                _ => None,
+            });
         }
         let ops = resp.op_responses();
         match ops.first().and_then(first_kv) {

@@ -47,10 +47,49 @@ struct KeyQueue {
 /// while the hand-over for it was committing, the same session's next call
 /// got the grant as "already yours", and the orphan release then deleted
 /// it under that call: a double grant.)
+///
+/// A claim is made before the grant is re-checked in etcd and delivered: a
+/// grant read as "yours" may already have been deleted by an orphan release
+/// that finished after the read (found by the hooks/waiting e2e tests under
+/// load), so only a claim followed by a fresh read that still finds the hold
+/// may deliver it. Claims count the calls holding them.
 #[derive(Default)]
 struct Reuse {
-    claimed: HashMap<String, i64>,
+    /// key -> (revision, calls that claimed it)
+    claimed: HashMap<String, (i64, usize)>,
     orphaned: HashMap<String, i64>,
+}
+
+impl Reuse {
+    fn claimed(&self, grant: &Grant) -> bool {
+        self.claimed
+            .get(&grant.key)
+            .is_some_and(|(rev, _)| *rev == grant.revision)
+    }
+
+    fn claim(&mut self, grant: &Grant) -> bool {
+        if self.orphaned.get(&grant.key) == Some(&grant.revision) {
+            return false;
+        }
+        match self.claimed.get_mut(&grant.key) {
+            Some((rev, n)) if *rev == grant.revision => *n += 1,
+            _ => {
+                self.claimed.insert(grant.key.clone(), (grant.revision, 1));
+            }
+        }
+        true
+    }
+
+    fn unclaim(&mut self, grant: &Grant) {
+        if let Some((rev, n)) = self.claimed.get_mut(&grant.key)
+            && *rev == grant.revision
+        {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.claimed.remove(&grant.key);
+            }
+        }
+    }
 }
 
 pub struct Queues {
@@ -61,6 +100,17 @@ pub struct Queues {
     poll: Duration,
     #[cfg_attr(not(feature = "test-faults"), allow(dead_code))]
     fault: TestFault,
+}
+
+/// What [`Queues::claim_verified`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Still held by the session, and now claimed: deliver it.
+    Claimed,
+    /// Being released as an orphan: wait for the delete.
+    Orphaned,
+    /// Gone since it was read: try again.
+    Gone,
 }
 
 /// The head of a key's queue, as seen by a release that may hand over.
@@ -172,34 +222,22 @@ impl Queues {
         }
     }
 
-    /// Delivers a session's existing grant to its waiting call, claiming it
-    /// under the same lock the orphan release takes. `false` when the grant
-    /// is being released as an orphan.
-    fn deliver_reused(self: &Arc<Self>, head: &Head, grant: Grant) -> bool {
-        let Ok(mut reuse) = self.reuse.lock() else {
-            return false;
-        };
-        if reuse.orphaned.get(&grant.key) == Some(&grant.revision) {
-            return false;
-        }
+    /// Delivers a session's existing grant, claimed and re-checked by
+    /// [`Queues::claim_verified`], to its waiting call.
+    fn deliver_claimed(self: &Arc<Self>, head: &Head, grant: Grant) {
         let tx = head.slot.lock().ok().and_then(|mut s| s.take());
         let Some(tx) = tx else {
-            return true; // delivered already by another path
+            // delivered already by another path: this call's claim is moot
+            self.unclaim(&grant);
+            return;
         };
         self.remove(&head.req.key, head.id);
-        let (key, revision) = (grant.key.clone(), grant.revision);
-        match tx.send(Ok(grant)) {
-            Ok(()) => {
-                reuse.claimed.insert(key, revision);
-            }
-            Err(Ok(grant)) => {
-                // Its caller went away too: an orphan after all.
-                drop(reuse);
-                self.release_orphan(grant);
-            }
-            Err(Err(_)) => {}
+        if let Err(Ok(grant)) = tx.send(Ok(grant)) {
+            // Its caller went away too: an orphan after all, unless another
+            // call of the session holds a claim on it.
+            self.unclaim(&grant);
+            self.release_orphan(grant);
         }
-        true
     }
 
     /// Delivers to the waiter in `head` unless another path already did.
@@ -218,18 +256,46 @@ impl Queues {
         }
     }
 
-    /// Claims a session's existing grant for a new call of that session.
-    /// `false` when the grant is being released as an orphan: the caller
-    /// then waits for the release like for any other holder.
-    pub fn claim_reused(&self, grant: &Grant) -> bool {
-        let Ok(mut reuse) = self.reuse.lock() else {
-            return false;
-        };
-        if reuse.orphaned.get(&grant.key) == Some(&grant.revision) {
-            return false;
+    /// Claims a session's existing grant (read from etcd a moment ago) for
+    /// a new call of that session, then re-reads the hold: `Claimed` only if
+    /// it still exists after the claim, so no orphan release can delete it
+    /// any more. `Orphaned` when it is being released as an orphan (wait for
+    /// the delete like for any other holder); `Gone` when it went between the
+    /// read and the claim (try again).
+    pub async fn claim_verified(&self, grant: &Grant) -> Result<Claim, ArbiterError> {
+        #[cfg(feature = "test-faults")]
+        if self.fault == TestFault::SlowReuse {
+            tokio::time::sleep(crate::test_fault::SLOW_REUSE).await;
         }
-        reuse.claimed.insert(grant.key.clone(), grant.revision);
-        true
+        let claimed = match self.reuse.lock() {
+            Ok(mut reuse) => reuse.claim(grant),
+            Err(_) => false,
+        };
+        if !claimed {
+            return Ok(Claim::Orphaned);
+        }
+        match self
+            .store
+            .holds(&grant.key, grant.session, grant.revision)
+            .await
+        {
+            Ok(true) => Ok(Claim::Claimed),
+            Ok(false) => {
+                self.unclaim(grant);
+                Ok(Claim::Gone)
+            }
+            Err(e) => {
+                self.unclaim(grant);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives back one call's claim (its caller went away before delivery).
+    pub fn unclaim(&self, grant: &Grant) {
+        if let Ok(mut reuse) = self.reuse.lock() {
+            reuse.unclaim(grant);
+        }
     }
 
     /// A grant or release at `revision` makes a claim on an older grant of
@@ -240,7 +306,7 @@ impl Queues {
             && reuse
                 .claimed
                 .get(key)
-                .is_some_and(|claimed| *claimed < revision)
+                .is_some_and(|(claimed, _)| *claimed < revision)
         {
             reuse.claimed.remove(key);
         }
@@ -254,7 +320,7 @@ impl Queues {
             let Ok(mut reuse) = self.reuse.lock() else {
                 return;
             };
-            if reuse.claimed.get(&grant.key) == Some(&grant.revision) {
+            if reuse.claimed(&grant) {
                 debug!(key = %grant.key, "an abandoned grant was claimed by its session's next call; keeping it");
                 return;
             }
@@ -348,15 +414,29 @@ async fn drive(queues: Arc<Queues>, key: String, kick: Arc<Notify>, watch_from: 
                 queues.deliver(&head, Ok(grant));
                 continue;
             }
-            Ok(GrantOutcome::Reused(grant)) => {
-                if queues.deliver_reused(&head, grant.clone()) {
+            Ok(GrantOutcome::Reused(grant)) => match queues.claim_verified(&grant).await {
+                Ok(Claim::Claimed) => {
+                    queues.deliver_claimed(&head, grant);
                     continue;
                 }
+                // Deleted since the read: the next attempt sees what is there now.
+                Ok(Claim::Gone) => continue,
                 // Being released as an orphan: wait for its delete.
-                if from.is_none() {
-                    from = Some(grant.revision + 1);
+                Ok(Claim::Orphaned) => {
+                    if from.is_none() {
+                        from = Some(grant.revision + 1);
+                    }
                 }
-            }
+                Err(e) => {
+                    debug!(key = %key, error = %e, "re-reading a reused grant failed; polling");
+                    watch = None;
+                    tokio::select! {
+                        _ = kick.notified() => {}
+                        _ = tokio::time::sleep(jittered(queues.poll)) => {}
+                    }
+                    continue;
+                }
+            },
             Ok(GrantOutcome::Held { watch_from }) => {
                 if from.is_none() {
                     from = Some(watch_from);

@@ -145,15 +145,19 @@ async fn metrics_count_calls_by_namespace_and_class_and_never_name_a_key_or_toke
             1.0,
         ),
         (
-            r#"latchkey_arbiter_releases_total{namespace="demo",outcome="handed_over"}"#,
+            r#"latchkey_arbiter_releases_total{namespace="demo",class="demo",outcome="handed_over"}"#,
             1.0,
         ),
         (
-            r#"latchkey_arbiter_releases_total{namespace="demo",outcome="released"}"#,
+            r#"latchkey_arbiter_releases_total{namespace="demo",class="demo",outcome="released"}"#,
             1.0,
         ),
         (
             r#"latchkey_arbiter_grant_wait_seconds_count{namespace="demo",class="demo"}"#,
+            2.0,
+        ),
+        (
+            r#"latchkey_arbiter_hold_seconds_count{namespace="demo",class="demo"}"#,
             2.0,
         ),
         (

@@ -77,6 +77,8 @@ pub struct ArbiterOptions {
     pub etcd_credentials: latchkey_arbiter::EtcdCredentials,
     /// Serve Prometheus metrics (`--metrics-listen`) on a free loopback port.
     pub metrics: bool,
+    /// A deliberate bug or timing widener (`--test-fault`); none by default.
+    pub test_fault: latchkey_arbiter::test_fault::TestFault,
 }
 
 impl Default for ArbiterOptions {
@@ -93,6 +95,7 @@ impl Default for ArbiterOptions {
             state_dir: None,
             etcd_credentials: latchkey_arbiter::EtcdCredentials::default(),
             metrics: false,
+            test_fault: latchkey_arbiter::test_fault::TestFault::None,
         }
     }
 }
@@ -136,6 +139,7 @@ impl Arbiter {
         config.retry_poll = opts.retry_poll;
         config.max_wait = opts.max_wait;
         config.policy_poll = Duration::from_millis(200);
+        config.test_fault = opts.test_fault;
         // A port that was free a moment ago: `run` binds the address itself.
         let metrics_addr = match opts.metrics {
             true => Some(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?),
@@ -382,6 +386,9 @@ impl ArbiterProcess {
         };
         if let Some(m) = metrics_addr {
             cmd.arg("--metrics-listen").arg(m.to_string());
+        }
+        if opts.test_fault != latchkey_arbiter::test_fault::TestFault::None {
+            cmd.arg("--test-fault").arg(opts.test_fault.name());
         }
         cmd.args(extra_args);
         let child = cmd

@@ -11,6 +11,7 @@ use crate::hook::{HolderSummary, HookDecision, HookInput, monotonic_ns};
 use crate::metrics::Scope;
 use crate::records::now_unix_ms;
 use crate::store::{Grant, GrantOutcome, GrantRequest};
+use crate::waiters::Claim;
 use latchkey_policies::HookInputKind;
 
 pub const MAX_METADATA_ENTRIES: usize = 16;
@@ -71,6 +72,13 @@ pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
         revision: grant.revision,
         session_id: grant.session,
     })
+}
+
+/// Where an Acquire goes after its first attempt.
+enum Next {
+    Deliver(Grant),
+    /// Queue, watching the key from this revision when known.
+    Queue(Option<i64>),
 }
 
 impl Arbiter {
@@ -168,34 +176,29 @@ impl Arbiter {
         };
 
         // Waiters already queued here go first: a newcomer never barges.
-        let watch_from = if waiting > 0 {
+        let next = if waiting > 0 {
             match self.already_held(&grant_req).await? {
-                Some(grant) if self.queues.claim_reused(&grant) => {
-                    return Ok(AcquireResponse {
-                        grant: Some(wire_grant(&grant)?),
-                    });
-                }
-                // being released as an orphan: queue behind the others
-                Some(grant) => Some(grant.revision + 1),
-                None => None,
+                Some(grant) => self.reuse(grant).await?,
+                None => Next::Queue(None),
             }
         } else {
             match self.store.try_grant(&grant_req).await? {
                 GrantOutcome::Granted(grant) => {
                     self.queues.forget_claims_before(&grant.key, grant.revision);
                     info!(identity = %caller.identity, key = %grant.key, class = %class.name, "granted");
-                    return Ok(AcquireResponse {
-                        grant: Some(wire_grant(&grant)?),
-                    });
+                    Next::Deliver(grant)
                 }
-                GrantOutcome::Reused(grant) if self.queues.claim_reused(&grant) => {
-                    return Ok(AcquireResponse {
-                        grant: Some(wire_grant(&grant)?),
-                    });
-                }
-                GrantOutcome::Reused(grant) => Some(grant.revision + 1),
-                GrantOutcome::Held { watch_from } => Some(watch_from),
+                GrantOutcome::Reused(grant) => self.reuse(grant).await?,
+                GrantOutcome::Held { watch_from } => Next::Queue(Some(watch_from)),
             }
+        };
+        let watch_from = match next {
+            Next::Deliver(grant) => {
+                return Ok(AcquireResponse {
+                    grant: Some(wire_grant(&grant)?),
+                });
+            }
+            Next::Queue(from) => from,
         };
         if wait == WaitMode::WaitNone {
             return Err(ArbiterError::Held { key: grant_req.key });
@@ -223,6 +226,17 @@ impl Arbiter {
             // raced with the timeout).
             Err(_) => Err(ArbiterError::WaitTimeout { key: key_name }),
         }
+    }
+
+    /// A session's existing grant goes to this call only once claimed and
+    /// re-read; otherwise the call queues, watching from after it.
+    async fn reuse(&self, grant: Grant) -> Result<Next, ArbiterError> {
+        Ok(match self.queues.claim_verified(&grant).await? {
+            Claim::Claimed => Next::Deliver(grant),
+            // being released as an orphan, or just gone: queue behind the
+            // others and watch for what comes next
+            Claim::Orphaned | Claim::Gone => Next::Queue(Some(grant.revision + 1)),
+        })
     }
 
     /// With waiters queued, a caller that already holds the key (a retry) or

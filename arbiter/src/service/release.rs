@@ -1,3 +1,5 @@
+use std::time::Duration;
+
 use latchkey_proto::lockv1::{ReleaseRequest, ReleaseResponse};
 use tonic::Request;
 use tracing::{debug, info};
@@ -5,6 +7,8 @@ use tracing::{debug, info};
 use super::{Arbiter, session_id};
 use crate::error::ArbiterError;
 use crate::metrics::Scope;
+use crate::records::{HolderRecord, now_unix_ms};
+use crate::store::HandedOver;
 use crate::token;
 
 impl Arbiter {
@@ -16,8 +20,20 @@ impl Arbiter {
     ) -> Result<ReleaseResponse, ArbiterError> {
         let mut scope = Scope::default();
         let result = self.release_in(request, &mut scope).await;
-        self.metrics
-            .release(&scope, &result, matches!(result, Ok(Released::HandedOver)));
+        let (handed_over, held_for) = match &result {
+            Ok(released) => {
+                let previous = released.previous.as_ref();
+                if let Some(record) = previous {
+                    scope.class(&record.class);
+                }
+                (
+                    released.handed_over,
+                    previous.map(|r| held_for(r.acquired_at_unix_ms, now_unix_ms())),
+                )
+            }
+            Err(_) => (false, None),
+        };
+        self.metrics.release(&scope, &result, handed_over, held_for);
         result.map(|_| ReleaseResponse {})
     }
 
@@ -44,29 +60,43 @@ impl Arbiter {
                 .hand_over(key.as_str(), session, revision, &head.req)
                 .await
             {
-                Ok(Some(grant)) => {
+                Ok(Some(HandedOver { grant, previous })) => {
                     info!(identity = %caller.identity, key = %key.as_str(), next = %head.req.identity, "released and handed over");
                     self.queues.deliver(&head, Ok(grant));
                     self.hooks.after_release(&caller.identity, key.as_str());
-                    return Ok(Released::HandedOver);
+                    return Ok(Released {
+                        handed_over: true,
+                        previous,
+                    });
                 }
                 Ok(None) => {}
                 Err(e) => debug!(error = %e, "hand-over failed; releasing plainly"),
             }
         }
-        self.store.release(key.as_str(), session, revision).await?;
+        let previous = self.store.release(key.as_str(), session, revision).await?;
         // the released grant and anything older
         self.queues.forget_claims_before(key.as_str(), revision + 1);
         self.queues.kick(key.as_str());
         info!(identity = %caller.identity, key = %key.as_str(), "released");
         self.hooks.after_release(&caller.identity, key.as_str());
-        Ok(Released::Plainly)
+        Ok(Released {
+            handed_over: false,
+            previous,
+        })
     }
 }
 
 /// How a release ended.
-enum Released {
-    Plainly,
+struct Released {
     /// The key went to the next waiter in the same transaction.
-    HandedOver,
+    handed_over: bool,
+    /// The record of the hold that ended, when etcd returned it.
+    previous: Option<HolderRecord>,
+}
+
+/// How long a hold lasted, by wall clocks (the granting arbiter's and ours):
+/// zero if they disagree the wrong way.
+fn held_for(acquired_at_unix_ms: i64, now_unix_ms: i64) -> Duration {
+    let ms = now_unix_ms.saturating_sub(acquired_at_unix_ms).max(0);
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }

@@ -162,6 +162,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             state_dir: None,
             etcd_credentials: Default::default(),
             metrics: false,
+            test_fault: Default::default(),
         },
         "info",
     )
