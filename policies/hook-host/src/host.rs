@@ -21,6 +21,14 @@ use crate::call::{
 };
 use crate::metrics::{Metrics, Recorded};
 
+/// The deny reason by which a hook says its class's config is invalid
+/// (policies/HOOKS.md); the host checks each new module and config with one
+/// trial call and refuses a pair answered with it.
+pub const MISCONFIGURED: &str = "HOOK_MISCONFIGURED";
+/// Who and what the config check's trial call asks about.
+pub const CONFIG_CHECK_IDENTITY: &str = "spiffe://latchkey.invalid/config-check";
+pub const CONFIG_CHECK_KEY: &str = "latchkey-config-check";
+
 const MIB: usize = 1 << 20;
 
 /// How the host runs.
@@ -311,7 +319,7 @@ impl HookHost {
             ));
         }
         debug!(class = %class, ?source, "hook module ready");
-        Ok(Loaded {
+        let loaded = Loaded {
             spec: spec.clone(),
             path: path.to_path_buf(),
             digest,
@@ -321,7 +329,50 @@ impl HookHost {
             limits,
             config,
             class,
-        })
+        };
+        self.check_config(rt, &loaded)?;
+        Ok(loaded)
+    }
+
+    /// One trial `before_grant` with a made-up request: a module that
+    /// answers [`MISCONFIGURED`] does not accept the class's config, so the
+    /// pair is refused and the previous one stays in service. (A module
+    /// rebuilt under an unchanged config, or written before its new class
+    /// file, would otherwise fail every request until the config caught up.)
+    /// Any other answer, trap or timeout says nothing about the config.
+    fn check_config(&self, rt: &Runtime, loaded: &Loaded) -> Result<(), String> {
+        let request = HookRequest {
+            version: ABI_VERSION,
+            class: loaded.class.to_string(),
+            identity: CONFIG_CHECK_IDENTITY.to_string(),
+            key: CONFIG_CHECK_KEY.to_string(),
+            session: 0,
+            metadata: BTreeMap::new(),
+            holder: None,
+            waiters: 0,
+            now_unix_ms: now_unix_ms(),
+            now_monotonic_ns: self.monotonic_ns(),
+            hold_count: loaded
+                .spec
+                .needs(latchkey_policies::HookInputKind::HoldCount)
+                .then_some(0),
+            config: loaded.config.clone(),
+        };
+        let Ok(input) = serde_json::to_vec(&request) else {
+            return Ok(());
+        };
+        match call::before_grant(&loaded.callee(rt), &input) {
+            Ok(Verdict::Deny {
+                reason, message, ..
+            }) if reason == MISCONFIGURED => Err(format!(
+                "does not accept the class's hook config (a trial call answered {MISCONFIGURED}: {message})"
+            )),
+            Ok(_) => Ok(()),
+            Err(f) => {
+                debug!(class = %loaded.class, kind = %f.kind, "the config check call failed; loading anyway");
+                Ok(())
+            }
+        }
     }
 
     /// Runs the class's hook for one Acquire. `spec` is the class's hook in
@@ -474,6 +525,12 @@ fn resolve(base: &Path, module: &str) -> PathBuf {
     } else {
         base.join(p)
     }
+}
+
+fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 fn stamp(path: &Path) -> std::io::Result<(u64, u128)> {

@@ -14,7 +14,20 @@ const ALLOW: &str = r#"{"version":1,"decision":"allow","annotations":{"by":"wat"
 /// A module with the ABI exports whose before-grant export runs `body`
 /// (which must leave an i64 on the stack). The answer text `ALLOW` sits at 16.
 fn abi_module(body: &str) -> Vec<u8> {
-    let escaped = ALLOW.replace('"', "\\\"");
+    abi_module_with(ALLOW, body)
+}
+
+/// A module whose before-grant export always answers `answer`.
+fn answering(answer: &str) -> Vec<u8> {
+    abi_module_with(
+        answer,
+        &format!("i64.const {}", (16u64 << 32) | answer.len() as u64),
+    )
+}
+
+/// [`abi_module`] with `answer` at 16 instead of `ALLOW`.
+fn abi_module_with(answer: &str, body: &str) -> Vec<u8> {
+    let escaped = answer.replace('"', "\\\"");
     let wat = format!(
         r#"(module
   (memory (export "memory") 1)
@@ -214,6 +227,45 @@ fn malformed_answers_are_denied() {
     );
     assert_eq!(failure(&f.call("wild")), Some(FailureKind::MalformedOutput));
     assert_eq!(failure(&f.call("trap")), Some(FailureKind::Trap));
+}
+
+/// A module that answers HOOK_MISCONFIGURED to the host's trial call does
+/// not accept its class's config: the pair is refused and the previous one
+/// stays in service (a module rebuilt under an unchanged config, or written
+/// before its new class file, would otherwise fail every request).
+#[test]
+fn a_module_that_rejects_its_config_is_refused_and_the_previous_pair_stays() {
+    let f = Fixture::new();
+    f.write("h.wasm", &abi_module(&allow_body()));
+    assert!(f.sync(&[("c", "h.wasm", "")]).is_empty());
+    let good = f.host.loaded_digest("c").unwrap();
+
+    f.write(
+        "h.wasm",
+        &answering(
+            r#"{"version":1,"decision":"deny","code":"FAILED_PRECONDITION","reason":"HOOK_MISCONFIGURED","message":"unknown field `behavior`"}"#,
+        ),
+    );
+    let refused = f.sync(&[("c", "h.wasm", "")]);
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert!(
+        refused[0].contains("does not accept the class's hook config")
+            && refused[0].contains("unknown field `behavior`"),
+        "{refused:?}"
+    );
+    assert_eq!(f.host.loaded_digest("c").as_deref(), Some(good.as_str()));
+    assert!(matches!(f.call("c"), HookOutcome::Allow { .. }));
+
+    // Any other denial says nothing about the config: that module loads.
+    f.write(
+        "h.wasm",
+        &answering(
+            r#"{"version":1,"decision":"deny","code":"PERMISSION_DENIED","reason":"TICKET_MISSING","message":"no ticket"}"#,
+        ),
+    );
+    assert!(f.sync(&[("c", "h.wasm", "")]).is_empty());
+    assert_ne!(f.host.loaded_digest("c").as_deref(), Some(good.as_str()));
+    assert!(f.host.refusals().is_empty());
 }
 
 #[test]
