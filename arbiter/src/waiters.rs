@@ -404,6 +404,14 @@ fn jittered(base: Duration) -> Duration {
     Duration::from_millis(ms / 2 + fastrand::u64(0..=ms))
 }
 
+/// Waits for a kick or one jittered poll period, whichever comes first.
+async fn poll_later(kick: &Notify, poll: Duration) {
+    tokio::select! {
+        _ = kick.notified() => {}
+        _ = tokio::time::sleep(jittered(poll)) => {}
+    }
+}
+
 async fn drive(queues: Arc<Queues>, key: String, kick: Arc<Notify>, watch_from: Option<i64>) {
     let mut watch: Option<KeyWatch> = None;
     let mut from = watch_from;
@@ -430,10 +438,7 @@ async fn drive(queues: Arc<Queues>, key: String, kick: Arc<Notify>, watch_from: 
                 Err(e) => {
                     debug!(key = %key, error = %e, "re-reading a reused grant failed; polling");
                     watch = None;
-                    tokio::select! {
-                        _ = kick.notified() => {}
-                        _ = tokio::time::sleep(jittered(queues.poll)) => {}
-                    }
+                    poll_later(&kick, queues.poll).await;
                     continue;
                 }
             },
@@ -445,10 +450,7 @@ async fn drive(queues: Arc<Queues>, key: String, kick: Arc<Notify>, watch_from: 
             Err(e) if matches!(e, ArbiterError::StoreUnavailable { .. }) => {
                 debug!(key = %key, error = %e, "grant attempt failed; polling");
                 watch = None;
-                tokio::select! {
-                    _ = kick.notified() => {}
-                    _ = tokio::time::sleep(jittered(queues.poll)) => {}
-                }
+                poll_later(&kick, queues.poll).await;
                 continue;
             }
             Err(e) => {
@@ -484,12 +486,7 @@ async fn drive(queues: Arc<Queues>, key: String, kick: Arc<Notify>, watch_from: 
                     _ = tokio::time::sleep(jittered(queues.poll * 5)) => {}
                 }
             }
-            None => {
-                tokio::select! {
-                    _ = kick.notified() => {}
-                    _ = tokio::time::sleep(jittered(queues.poll)) => {}
-                }
-            }
+            None => poll_later(&kick, queues.poll).await,
         }
     }
 }
