@@ -238,18 +238,12 @@ async fn inject(
             })
             .await?;
             let adv = rec.invoke("advance", Fields::default())?;
-            match operator
-                .advance_epoch(status.epoch, "release gate: restore from snapshot")
-                .await
-            {
-                Ok(resp) => rec.complete(
+            match advance(&operator, status.epoch).await {
+                Ok(detail) => rec.complete(
                     adv,
                     Outcome::Ok,
                     Fields {
-                        detail: Some(format!(
-                            "epoch {} -> {}, {} holds deleted",
-                            status.epoch, resp.epoch, resp.holds_deleted
-                        )),
+                        detail: Some(detail),
                         ..Fields::default()
                     },
                 )?,
@@ -267,6 +261,42 @@ async fn inject(
             }
             end(rec, op)?;
             Ok(Some(what))
+        }
+    }
+}
+
+/// The operator's epoch advance after a restore, retried while etcd is still
+/// coming back (a member of the restored cluster may refuse connections for
+/// a moment), as an operator would on UNAVAILABLE. An attempt whose outcome
+/// was lost and that did commit shows as the epoch having moved on.
+async fn advance(operator: &Client, expected: u32) -> anyhow::Result<String> {
+    const REASON: &str = "release gate: restore from snapshot";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match operator.advance_epoch(expected, REASON).await {
+            Ok(resp) => {
+                return Ok(format!(
+                    "epoch {expected} -> {}, {} holds deleted",
+                    resp.epoch, resp.holds_deleted
+                ));
+            }
+            Err(e) if e.is_transient() && tokio::time::Instant::now() < deadline => {
+                tracing::debug!(error = %e, "epoch advance not done yet; retrying");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(e) => {
+                // An earlier attempt may have committed before its answer was lost.
+                if let Ok(s) = operator.admin_status().await
+                    && s.epoch > expected
+                    && !s.sealed
+                {
+                    return Ok(format!(
+                        "epoch {expected} -> {} (by an attempt whose answer was lost)",
+                        s.epoch
+                    ));
+                }
+                return Err(e.into());
+            }
         }
     }
 }
