@@ -212,17 +212,16 @@ async fn maintenance_window_allows_inside_and_denies_outside_with_the_next_openi
 -> anyhow::Result<()> {
     let module = hook_wasm("latchkey-hook-maintenance-window")?;
     let dir = dev_policies_copy()?;
-    let window = |start: i64, end: i64| {
-        format!(
-            "[[class.hook.config.windows]]\nstart = \"{}\"\nend = \"{}\"",
-            hhmm(start),
-            hhmm(end)
-        )
+    let window = |start: &str, end: &str| {
+        format!("[[class.hook.config.windows]]\nstart = \"{start}\"\nend = \"{end}\"")
     };
+    // Read the clock once: the assertion below names the same minute even if
+    // the test runs across a minute boundary.
+    let closed_opens = hhmm(120);
     std::fs::write(
         dir.path().join("classes/windows.toml"),
-        class("open-now", &module, &window(-60, 60))
-            + &class("closed-now", &module, &window(120, 180)),
+        class("open-now", &module, &window(&hhmm(-60), &hhmm(60)))
+            + &class("closed-now", &module, &window(&closed_opens, &hhmm(180))),
     )?;
     let (_etcd, a) = hooked(dir.path()).await?;
     let mut alice = a.lock("workload/alice").await?;
@@ -237,7 +236,7 @@ async fn maintenance_window_allows_inside_and_denies_outside_with_the_next_openi
         (Code::FailedPrecondition, "OUTSIDE_WINDOW")
     );
     assert!(
-        message.contains("next window opens") && message.contains(&hhmm(120)),
+        message.contains("next window opens") && message.contains(&closed_opens),
         "{message}"
     );
     // The dev class (weekend 02:00-04:00) answers one way or the other, never fails.
