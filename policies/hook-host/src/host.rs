@@ -126,6 +126,9 @@ pub struct HookHost {
     classes: RwLock<HashMap<String, Arc<Loaded>>>,
     refusals: RwLock<BTreeMap<String, Refusal>>,
     failed: Mutex<HashMap<String, Attempt>>,
+    /// The last refusal logged per class, as (module file state, reason): a
+    /// refusal is news once, and again only when the file or the reason changes.
+    reported: Mutex<HashMap<String, (Option<(u64, u128)>, String)>>,
     /// key -> class for holds whose class's module wants after-release calls.
     held: Mutex<HashMap<String, String>>,
     metrics: Metrics,
@@ -143,6 +146,7 @@ impl HookHost {
             classes: RwLock::new(HashMap::new()),
             refusals: RwLock::new(BTreeMap::new()),
             failed: Mutex::new(HashMap::new()),
+            reported: Mutex::new(HashMap::new()),
             held: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
             started: Instant::now(),
@@ -206,7 +210,10 @@ impl HookHost {
                         reason,
                     };
                     let kept = self.loaded_digest(class).is_some();
-                    warn!(class = %r.class, module = %r.module.display(), reason = %r.reason, previous_kept = kept, "hook module refused");
+                    self.metrics.record_refusal(class);
+                    if self.is_news(class, &r.module, &r.reason) {
+                        warn!(class = %r.class, module = %r.module.display(), reason = %r.reason, previous_kept = kept, "hook module refused (logged again only when the file or the reason changes)");
+                    }
                     if let Ok(mut all) = self.refusals.write() {
                         all.insert(r.class.clone(), r.clone());
                     }
@@ -215,6 +222,13 @@ impl HookHost {
             }
         }
         // Classes that no longer have a hook (or no longer exist).
+        if let Ok(mut reported) = self.reported.lock() {
+            // A class that loaded (or lost its hook) starts afresh: its next
+            // refusal is news again.
+            reported.retain(|name, _| {
+                refused.iter().any(|r| &r.class == name) || self.is_still_failed(name)
+            });
+        }
         if let Ok(mut classes) = self.classes.write() {
             classes.retain(|name, _| wanted.iter().any(|(c, _)| *c == name));
         }
@@ -222,6 +236,24 @@ impl HookHost {
             all.retain(|name, _| wanted.iter().any(|(c, _)| *c == name));
         }
         refused
+    }
+
+    fn is_still_failed(&self, class: &str) -> bool {
+        self.failed.lock().is_ok_and(|f| f.contains_key(class))
+    }
+
+    /// True when this refusal differs from the last one logged for `class`
+    /// (another module file state or another reason); remembers it.
+    fn is_news(&self, class: &str, path: &Path, reason: &str) -> bool {
+        let state = (stamp(path).ok(), reason.to_string());
+        let Ok(mut reported) = self.reported.lock() else {
+            return true;
+        };
+        if reported.get(class) == Some(&state) {
+            return false;
+        }
+        reported.insert(class.to_string(), state);
+        true
     }
 
     fn sync_class(&self, class: &str, spec: &ClassHook, path: &Path) -> Result<(), String> {

@@ -21,6 +21,9 @@ pub struct ClassMetrics {
     pub denials: BTreeMap<String, u64>,
     /// Calls that failed (and were denied, fail closed), by kind.
     pub failures: BTreeMap<FailureKind, u64>,
+    /// Module loads refused for this class (unreadable, invalid, refusing its
+    /// config): every refusal counts, though each is logged once per change.
+    pub module_refusals: u64,
     /// Latency of whole calls (instantiate, copy in, run, read out), in ns.
     /// `None` only if the histogram could not be made (it always can).
     pub latency_ns: Option<Histogram<u64>>,
@@ -33,6 +36,7 @@ impl ClassMetrics {
             allowed: 0,
             denials: BTreeMap::new(),
             failures: BTreeMap::new(),
+            module_refusals: 0,
             // 1 ns .. 60 s, two significant digits: a few KiB per class.
             latency_ns: Histogram::new_with_bounds(1, 60_000_000_000, 2).ok(),
         }
@@ -92,6 +96,21 @@ impl Metrics {
                 }
             },
             Recorded::Failed(kind) => *m.failures.entry(kind).or_insert(0) += 1,
+        }
+    }
+
+    /// Counts one refused module load for `class`.
+    pub(crate) fn record_refusal(&self, class: &str) {
+        let Ok(mut classes) = self.classes.lock() else {
+            return;
+        };
+        match classes.get_mut(class) {
+            Some(m) => m.module_refusals += 1,
+            None => {
+                let mut m = ClassMetrics::new();
+                m.module_refusals = 1;
+                classes.insert(class.to_string(), m);
+            }
         }
     }
 

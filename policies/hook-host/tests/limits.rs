@@ -269,6 +269,56 @@ fn a_module_that_rejects_its_config_is_refused_and_the_previous_pair_stays() {
 }
 
 #[test]
+fn a_refused_module_is_logged_once_per_change_and_counted_every_time() {
+    use std::sync::{Arc, Mutex};
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let log = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let log = log.clone();
+            move || log.clone()
+        })
+        .with_ansi(false)
+        .finish();
+    let refusals_logged = || {
+        String::from_utf8_lossy(&log.0.lock().unwrap())
+            .matches("hook module refused")
+            .count()
+    };
+    tracing::subscriber::with_default(subscriber, || {
+        let f = Fixture::new();
+        // Missing: refused at every poll, logged once.
+        for _ in 0..5 {
+            assert_eq!(f.sync(&[("c", "gone.wasm", "")]).len(), 1);
+        }
+        assert_eq!(refusals_logged(), 1);
+        assert_eq!(f.host.metrics().class("c").unwrap().module_refusals, 5);
+        // The file appears but is not Wasm: another outcome, logged once more.
+        f.write("gone.wasm", b"not wasm");
+        f.sync(&[("c", "gone.wasm", "")]);
+        f.sync(&[("c", "gone.wasm", "")]);
+        assert_eq!(refusals_logged(), 2);
+        // Loaded, then missing again: news again.
+        f.write("gone.wasm", &abi_module(&allow_body()));
+        assert!(f.sync(&[("c", "gone.wasm", "")]).is_empty());
+        std::fs::remove_file(f.dir.path().join("gone.wasm")).unwrap();
+        f.sync(&[("c", "gone.wasm", "")]);
+        f.sync(&[("c", "gone.wasm", "")]);
+        assert_eq!(refusals_logged(), 3);
+    });
+}
+
+#[test]
 fn bad_modules_are_refused_at_load_and_the_previous_one_stays() {
     let f = Fixture::new();
     f.write("h.wasm", &abi_module(&allow_body()));
