@@ -23,16 +23,16 @@ use tonic::transport::Channel;
 
 use crate::support::*;
 
-struct Edge {
-    _stack: Stack,
-    envoy: Envoy,
+pub(crate) struct Edge {
+    pub(crate) _stack: Stack,
+    pub(crate) envoy: Envoy,
 }
 
-async fn edge(overrides: Value) -> anyhow::Result<Edge> {
+pub(crate) async fn edge(overrides: Value) -> anyhow::Result<Edge> {
     edge_with(ArbiterOptions::default(), overrides).await
 }
 
-async fn edge_with(mut opts: ArbiterOptions, overrides: Value) -> anyhow::Result<Edge> {
+pub(crate) async fn edge_with(mut opts: ArbiterOptions, overrides: Value) -> anyhow::Result<Edge> {
     opts.edge_identity = Some(spiffe("latchkey/edge"));
     let stack = stack_with(opts).await?;
     let envoy = Envoy::start(EnvoyOptions::with_filter(stack.arbiter.addr(), overrides)?).await?;
@@ -44,11 +44,11 @@ async fn edge_with(mut opts: ArbiterOptions, overrides: Value) -> anyhow::Result
 
 impl Edge {
     /// A lock.v1 client through Envoy carrying `name`'s SVID.
-    async fn client(&self, name: &str) -> anyhow::Result<Client> {
+    pub(crate) async fn client(&self, name: &str) -> anyhow::Result<Client> {
         Ok(LockClient::new(channel(self.envoy.addr(), name).await?))
     }
 
-    async fn denied(&self, reason: &str) -> anyhow::Result<u64> {
+    pub(crate) async fn denied(&self, reason: &str) -> anyhow::Result<u64> {
         self.envoy
             .counter(&format!("wasmcustom.latchkey_edge.denied.reason.{reason}"))
             .await
@@ -56,7 +56,7 @@ impl Edge {
 }
 
 /// A request carrying `x-lock-key` (the edge requires it on keyed calls).
-fn keyed<T>(message: T, key: &str) -> tonic::Request<T> {
+pub(crate) fn keyed<T>(message: T, key: &str) -> tonic::Request<T> {
     let mut req = tonic::Request::new(message);
     if let Ok(v) = key.parse() {
         req.metadata_mut().insert("x-lock-key", v);
@@ -64,7 +64,7 @@ fn keyed<T>(message: T, key: &str) -> tonic::Request<T> {
     req
 }
 
-async fn lock(
+pub(crate) async fn lock(
     c: &mut Client,
     key: &str,
     class: &str,
@@ -80,7 +80,7 @@ async fn lock(
     .ok_or_else(|| tonic::Status::internal("no grant in an OK response"))
 }
 
-async fn lock_wait(
+pub(crate) async fn lock_wait(
     c: &mut Client,
     key: &str,
     class: &str,
@@ -99,7 +99,7 @@ async fn lock_wait(
         .ok_or_else(|| tonic::Status::internal("no grant in an OK response"))
 }
 
-async fn unlock(c: &mut Client, g: &Grant) -> Result<(), tonic::Status> {
+pub(crate) async fn unlock(c: &mut Client, g: &Grant) -> Result<(), tonic::Status> {
     let req = ReleaseRequest {
         key: g.key.clone(),
         session_id: g.session_id,
@@ -109,7 +109,12 @@ async fn unlock(c: &mut Client, g: &Grant) -> Result<(), tonic::Status> {
     Ok(())
 }
 
-fn acquire_request(key: &str, class: &str, session: i64, wait: WaitMode) -> AcquireRequest {
+pub(crate) fn acquire_request(
+    key: &str,
+    class: &str,
+    session: i64,
+    wait: WaitMode,
+) -> AcquireRequest {
     AcquireRequest {
         key: key.into(),
         class: class.into(),
@@ -120,7 +125,7 @@ fn acquire_request(key: &str, class: &str, session: i64, wait: WaitMode) -> Acqu
 }
 
 /// A raw gRPC call: any body, any headers. Returns (grpc-status, grpc-message).
-async fn raw_call(
+pub(crate) async fn raw_call(
     channel: Channel,
     path: &str,
     body: Vec<u8>,
@@ -154,14 +159,14 @@ async fn raw_call(
     Ok((status, pick("grpc-message").unwrap_or_default()))
 }
 
-fn frame(message: &[u8]) -> Vec<u8> {
+pub(crate) fn frame(message: &[u8]) -> Vec<u8> {
     let mut b = vec![0u8];
     b.extend_from_slice(&(message.len() as u32).to_be_bytes());
     b.extend_from_slice(message);
     b
 }
 
-fn encode<M: prost::Message>(m: &M) -> Vec<u8> {
+pub(crate) fn encode<M: prost::Message>(m: &M) -> Vec<u8> {
     frame(&m.encode_to_vec())
 }
 
@@ -282,36 +287,35 @@ async fn without_a_client_certificate_the_tls_handshake_fails() -> anyhow::Resul
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_forged_identity_header_is_ignored() -> anyhow::Result<()> {
+async fn a_forged_identity_header_is_refused() -> anyhow::Result<()> {
     let e = edge(json!({})).await?;
     let mut mallory = e.client("workload/mallory").await?;
     let session = open(&mut mallory, "demo").await?;
     let forged = spiffe("workload/demo");
-    // Claiming to be demo does not open demo's keys...
-    let mut req = keyed(
-        acquire_request("demo/forged", "demo", session, WaitMode::WaitNone),
-        "demo/forged",
+    let upstream = e.envoy.upstream_requests().await?;
+    // Claiming to be demo is refused outright, on demo's keys and on
+    // mallory's own: only the edge names the caller.
+    for key in ["demo/forged", "mallory/own"] {
+        let mut req = keyed(
+            acquire_request(key, "demo", session, WaitMode::WaitNone),
+            key,
+        );
+        req.metadata_mut()
+            .insert("x-latchkey-identity", forged.parse()?);
+        expect_refusal(
+            mallory.acquire(req).await,
+            Code::InvalidArgument,
+            "RESERVED_HEADER",
+        )?;
+    }
+    assert_eq!(
+        e.envoy.upstream_requests().await?,
+        upstream,
+        "never forwarded"
     );
-    req.metadata_mut()
-        .insert("x-latchkey-identity", forged.parse()?);
-    expect_refusal(
-        mallory.acquire(req).await,
-        Code::PermissionDenied,
-        "NOT_AUTHORISED",
-    )?;
-    // ...and on mallory's own key the arbiter records mallory, not the forgery.
-    let mut req = keyed(
-        acquire_request("mallory/own", "demo", session, WaitMode::WaitNone),
-        "mallory/own",
-    );
-    req.metadata_mut()
-        .insert("x-latchkey-identity", forged.parse()?);
-    let g = mallory
-        .acquire(req)
-        .await?
-        .into_inner()
-        .grant
-        .ok_or_else(|| anyhow::anyhow!("no grant"))?;
+    assert!(e.denied("reserved_header").await? >= 2);
+    // Without it, the arbiter records mallory, the verified caller.
+    let g = lock(&mut mallory, "mallory/own", "demo", session).await?;
     let seen = mallory
         .inspect(keyed(
             InspectRequest {

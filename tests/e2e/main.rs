@@ -11,6 +11,7 @@ mod etcd_tls;
 mod gate;
 mod grants;
 mod hooks;
+mod hostile_edge;
 mod identity;
 mod metrics;
 mod pause_test;

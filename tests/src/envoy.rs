@@ -24,9 +24,13 @@ use tokio::net::TcpStream;
 use crate::arbiter::{TRUST_DOMAIN, certs, spiffe};
 use crate::{eventually, workspace_root};
 
-/// The filter as `scripts/build-wasm latchkey-filter` writes it.
+/// The filter as `scripts/build-wasm latchkey-filter` writes it, or the module
+/// named by `$LATCHKEY_FILTER_WASM` (to run a scenario against another build,
+/// e.g. the previous release when checking that a regression test fails on it).
 pub fn filter_wasm() -> anyhow::Result<PathBuf> {
-    let path = workspace_root().join("target/wasm/latchkey_filter.wasm");
+    let path = std::env::var_os("LATCHKEY_FILTER_WASM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/wasm/latchkey_filter.wasm"));
     if !path.is_file() {
         bail!(
             "{} is missing: run `scripts/build-wasm latchkey-filter` (scripts/test does)",
@@ -66,7 +70,8 @@ pub fn dev_filter_config(overrides: Value) -> anyhow::Result<Value> {
         "filter_version": 1,
         "grants": grants,
         "classes": classes,
-        "refresh": {"cluster": "arbiter", "period_ms": 2000, "timeout_ms": 1000},
+        "admission_secret": admission_secret()?,
+        "refresh": {"cluster": "arbiter_policy", "period_ms": 2000, "timeout_ms": 1000},
     });
     if let (Some(base), Value::Object(extra)) = (config.as_object_mut(), overrides) {
         for (k, v) in extra {
@@ -74,6 +79,20 @@ pub fn dev_filter_config(overrides: Value) -> anyhow::Result<Value> {
         }
     }
     Ok(config)
+}
+
+/// The filter's `admission_secret` for this test process: 16 random bytes as
+/// hex, the same for every configuration rendered here (a hot swap keeps it).
+pub fn admission_secret() -> anyhow::Result<String> {
+    static SECRET: std::sync::OnceLock<Result<String, String>> = std::sync::OnceLock::new();
+    let made = SECRET.get_or_init(|| {
+        let mut bytes = [0u8; 16];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+            .map_err(|e| format!("/dev/urandom: {e}"))?;
+        Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    });
+    made.clone().map_err(|e| anyhow::anyhow!(e))
 }
 
 /// A grant table of `n` prefixes (for the benchmark): `n - 1` synthetic

@@ -1,25 +1,44 @@
-//! Key-affine admission: bounds on concurrent *waiting* Acquire calls per key
-//! (the class's limit) and per identity, counted across every Envoy worker.
+//! Admission at the edge, counted across every Envoy worker: bounds on
+//! concurrent *waiting* Acquire calls per key (the class's limit) and per
+//! identity, and on every identity's concurrent streams (KeepAlive included).
 //!
 //! Workers run separate Wasm VMs; what they share is the host's shared-data map
 //! (one per `vm_id`), which offers get, set and compare-and-swap, but no atomic
 //! add and no delete. So counters live in fixed tables of slots
-//! (`lk/adm/<table>/<index>`): a slot holds `count: u32 LE` then its owner (the key
-//! or identity). An owner is hashed to a home slot and probes [`PROBES`] slots
-//! from there; a slot with count 0 is free. The number of entries is therefore
-//! bounded by the configured slot counts, however many keys pass through.
+//! (`lk/adm/<table>/<index>`): a slot holds `count: u32 LE` then the owner's
+//! fingerprint (`u64 LE`). The number of entries is bounded by the configured
+//! slot counts, however many keys pass through.
 //!
-//! Every change is a CAS loop. Two workers may claim two free slots for the
-//! same owner at once; the rule "the earliest slot in probe order wins" resolves
-//! it: after claiming, a worker that sees the owner in an earlier slot gives its
-//! claim back and retries.
+//! Placement is keyed: an owner's fingerprint is SipHash-2-4 under the
+//! admission secret ([`AdmissionSecret`]), its home slot the fingerprint modulo
+//! the table size, and it probes up to [`PROBES`] slots from there. A caller who
+//! does not know the secret cannot choose keys that crowd another key's window.
+//! And crowding never refuses another key's waiter anyway: only the key's own
+//! count (in the slot carrying its fingerprint) is held against its bound; a
+//! key whose whole window is taken by other keys' waiters *overflows* — the
+//! edge lets it wait without a place (counted; the arbiter's own per-key
+//! bound still holds). Identity windows that fill up are a distinct refusal
+//! ([`Rejection::TableFull`], [`Rejection::StreamTableFull`]).
+//!
+//! A slot whose count drops to 0 keeps its fingerprint (it is free, but still
+//! marks that the window was used), so a lookup stops at the first slot that
+//! was never used: an owner is always placed in the first free slot, and slots
+//! are never un-used again, so it cannot sit beyond one. Every change is a CAS
+//! loop. Two workers may claim two free slots for the same owner at once; the
+//! rule "the earliest slot in probe order wins" resolves it: after claiming, a
+//! worker that sees the owner in an earlier slot gives its claim back and
+//! retries.
 
 use thiserror::Error;
 
+use crate::keyed_hash::AdmissionSecret;
+
 /// How many consecutive slots an owner may use.
-pub const PROBES: u32 = 8;
+pub const PROBES: u32 = 16;
 /// CAS retries before giving up (and refusing, fail closed).
 const MAX_RETRIES: usize = 64;
+/// Where the secret lives when the configuration does not give one.
+pub const SECRET_ENTRY: &str = "lk/adm/secret";
 
 /// The host's shared data (proxy-wasm `get_shared_data`/`set_shared_data`).
 pub trait SharedStore {
@@ -43,8 +62,12 @@ pub enum Rejection {
     KeyFull,
     #[error("the identity has its maximum of waiters")]
     IdentityFull,
-    #[error("no free admission slot")]
+    #[error("no free slot for the identity in the waiter table")]
     TableFull,
+    #[error("the identity has its maximum of open streams")]
+    StreamsFull,
+    #[error("no free slot for the identity in the stream table")]
+    StreamTableFull,
     #[error("shared data unavailable or contended")]
     Store,
 }
@@ -54,6 +77,7 @@ pub enum Rejection {
 enum Table {
     Key,
     Identity,
+    Stream,
 }
 
 impl Table {
@@ -61,29 +85,46 @@ impl Table {
         match self {
             Table::Key => "k",
             Table::Identity => "i",
+            Table::Stream => "s",
         }
     }
 }
 
-/// A held place: give it back with [`Admission::release`] when the stream ends.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One counted place: a slot and the fingerprint it was counted under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    table: Table,
+    index: u32,
+    owner: u64,
+}
+
+/// A waiting Acquire's places: give them back with [`Admission::release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ticket {
-    key: String,
-    key_slot: u32,
-    identity: String,
-    identity_slot: u32,
+    /// `None`: the key's window was full of other keys (overflow).
+    key: Option<Place>,
+    identity: Place,
+}
+
+impl Ticket {
+    /// Admitted without a key place (the key's window was full of others).
+    pub fn overflowed(&self) -> bool {
+        self.key.is_none()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Admission {
     key_slots: u32,
     identity_slots: u32,
+    secret: AdmissionSecret,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Slot {
     count: u32,
-    owner: Vec<u8>,
+    /// `None`: never used.
+    owner: Option<u64>,
     cas: Option<u32>,
 }
 
@@ -91,52 +132,74 @@ fn slot_name(table: Table, index: u32) -> String {
     format!("lk/adm/{}/{index}", table.name())
 }
 
-fn encode(count: u32, owner: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(4 + owner.len());
+fn encode(count: u32, owner: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(12);
     v.extend_from_slice(&count.to_le_bytes());
-    v.extend_from_slice(owner);
+    v.extend_from_slice(&owner.to_le_bytes());
     v
 }
 
 fn read_slot(store: &dyn SharedStore, name: &str) -> Result<Slot, Rejection> {
     let (value, cas) = store.get(name).map_err(|_| Rejection::Store)?;
     let value = value.unwrap_or_default();
-    let (count, owner) = match value.split_first_chunk::<4>() {
-        Some((c, owner)) => (u32::from_le_bytes(*c), owner.to_vec()),
-        None => (0, Vec::new()),
+    let slot = match value.split_first_chunk::<4>() {
+        Some((c, rest)) => match rest.split_first_chunk::<8>() {
+            Some((o, _)) => Slot {
+                count: u32::from_le_bytes(*c),
+                owner: Some(u64::from_le_bytes(*o)),
+                cas,
+            },
+            None => Slot {
+                count: 0,
+                owner: None,
+                cas,
+            },
+        },
+        None => Slot {
+            count: 0,
+            owner: None,
+            cas,
+        },
     };
-    Ok(Slot { count, owner, cas })
+    Ok(slot)
 }
 
-/// FNV-1a: a stable home slot for an owner (not a security boundary; owners
-/// are compared in full).
-fn home(owner: &str, slots: u32) -> u32 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in owner.as_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    (h % u64::from(slots.max(1))) as u32
+/// Why a table refused a place.
+enum Refused {
+    AtLimit,
+    WindowFull,
+    Store,
 }
 
 impl Admission {
-    pub fn new(key_slots: u32, identity_slots: u32) -> Self {
+    pub fn new(key_slots: u32, identity_slots: u32, secret: AdmissionSecret) -> Self {
         Self {
             key_slots: key_slots.max(1),
             identity_slots: identity_slots.max(1),
+            secret,
         }
     }
 
     fn slots(&self, table: Table) -> u32 {
         match table {
             Table::Key => self.key_slots,
-            Table::Identity => self.identity_slots,
+            Table::Identity | Table::Stream => self.identity_slots,
         }
     }
 
-    fn probe_order(&self, table: Table, owner: &str) -> impl Iterator<Item = u32> {
+    /// The owner's fingerprint in `table` (the table's name is hashed in, so
+    /// one identity lands independently in the waiter and stream tables).
+    fn fingerprint(&self, table: Table, owner: &str) -> u64 {
+        let mut data = Vec::with_capacity(2 + owner.len());
+        data.extend_from_slice(table.name().as_bytes());
+        data.push(0);
+        data.extend_from_slice(owner.as_bytes());
+        self.secret.hash(&data)
+    }
+
+    fn probe_order(&self, table: Table, owner: u64) -> impl Iterator<Item = u32> {
         let n = self.slots(table);
-        let start = home(owner, n);
+        let start = (owner % u64::from(n)) as u32;
         (0..PROBES.min(n)).map(move |i| (start + i) % n)
     }
 
@@ -149,38 +212,59 @@ impl Admission {
         identity: &str,
         identity_limit: u32,
     ) -> Result<Ticket, Rejection> {
-        let identity_slot = self
+        let identity = self
             .take(store, Table::Identity, identity, identity_limit)
-            .map_err(|r| {
-                if r == Rejection::KeyFull {
-                    Rejection::IdentityFull
-                } else {
-                    r
-                }
+            .map_err(|r| match r {
+                Refused::AtLimit => Rejection::IdentityFull,
+                Refused::WindowFull => Rejection::TableFull,
+                Refused::Store => Rejection::Store,
             })?;
         match self.take(store, Table::Key, key, key_limit) {
-            Ok(key_slot) => Ok(Ticket {
-                key: key.to_owned(),
-                key_slot,
-                identity: identity.to_owned(),
-                identity_slot,
+            Ok(place) => Ok(Ticket {
+                key: Some(place),
+                identity,
+            }),
+            // Other keys fill this key's window: never a reason to refuse it.
+            Err(Refused::WindowFull) => Ok(Ticket {
+                key: None,
+                identity,
             }),
             Err(r) => {
-                self.give_back(store, Table::Identity, identity_slot, identity);
-                Err(r)
+                self.give_back(store, &identity);
+                Err(match r {
+                    Refused::AtLimit => Rejection::KeyFull,
+                    _ => Rejection::Store,
+                })
             }
         }
     }
 
-    /// Gives a place back. Idempotence is the caller's job (release once).
+    /// Gives a waiter's places back. Idempotence is the caller's job.
     pub fn release(&self, store: &dyn SharedStore, ticket: &Ticket) {
-        self.give_back(store, Table::Key, ticket.key_slot, &ticket.key);
-        self.give_back(
-            store,
-            Table::Identity,
-            ticket.identity_slot,
-            &ticket.identity,
-        );
+        if let Some(key) = &ticket.key {
+            self.give_back(store, key);
+        }
+        self.give_back(store, &ticket.identity);
+    }
+
+    /// Counts one more open stream for `identity`, up to `limit`.
+    pub fn open_stream(
+        &self,
+        store: &dyn SharedStore,
+        identity: &str,
+        limit: u32,
+    ) -> Result<Place, Rejection> {
+        self.take(store, Table::Stream, identity, limit)
+            .map_err(|r| match r {
+                Refused::AtLimit => Rejection::StreamsFull,
+                Refused::WindowFull => Rejection::StreamTableFull,
+                Refused::Store => Rejection::Store,
+            })
+    }
+
+    /// Gives a stream's place back. Idempotence is the caller's job.
+    pub fn close_stream(&self, store: &dyn SharedStore, place: &Place) {
+        self.give_back(store, place);
     }
 
     /// Creates every missing slot entry, empty. Run from `on_configure`: the
@@ -188,117 +272,155 @@ impl Admission {
     /// slots already exist and every claim is a real compare-and-swap.
     /// Idempotent: an existing entry is never written.
     pub fn create_slots(&self, store: &dyn SharedStore) -> Result<(), StoreError> {
-        for (table, n) in [
-            (Table::Key, self.key_slots),
-            (Table::Identity, self.identity_slots),
-        ] {
-            for i in 0..n {
+        for table in [Table::Key, Table::Identity, Table::Stream] {
+            for i in 0..self.slots(table) {
                 let name = slot_name(table, i);
                 if store.get(&name)?.1.is_none() {
-                    store.set(&name, &encode(0, &[]), None)?;
+                    store.set(&name, &[], None)?;
                 }
             }
         }
         Ok(())
     }
 
-    /// The current count for `owner` (tests and diagnostics).
+    /// The current count of waiters on `key` (tests and diagnostics).
     pub fn count(&self, store: &dyn SharedStore, key: &str) -> u32 {
-        self.probe_order(Table::Key, key)
-            .filter_map(|i| read_slot(store, &slot_name(Table::Key, i)).ok())
-            .filter(|s| s.count > 0 && s.owner == key.as_bytes())
+        self.count_in(store, Table::Key, key)
+    }
+
+    /// The current count of `identity`'s open streams (tests and diagnostics).
+    pub fn streams(&self, store: &dyn SharedStore, identity: &str) -> u32 {
+        self.count_in(store, Table::Stream, identity)
+    }
+
+    fn count_in(&self, store: &dyn SharedStore, table: Table, owner: &str) -> u32 {
+        let fp = self.fingerprint(table, owner);
+        self.probe_order(table, fp)
+            .filter_map(|i| read_slot(store, &slot_name(table, i)).ok())
+            .filter(|s| s.owner == Some(fp))
             .map(|s| s.count)
             .sum()
     }
 
-    /// Increments `owner`'s count (claiming a slot if needed); `KeyFull` at the limit.
+    /// Increments `owner`'s count (claiming a slot if needed).
     fn take(
         &self,
         store: &dyn SharedStore,
         table: Table,
         owner: &str,
         limit: u32,
-    ) -> Result<u32, Rejection> {
-        let order: Vec<u32> = self.probe_order(table, owner).collect();
-        for _ in 0..MAX_RETRIES {
-            let mut slots = Vec::with_capacity(order.len());
-            let mut created = false;
-            for &i in &order {
-                let slot = read_slot(store, &slot_name(table, i))?;
+    ) -> Result<Place, Refused> {
+        let fp = self.fingerprint(table, owner);
+        let order: Vec<u32> = self.probe_order(table, fp).collect();
+        let place = |index| Place {
+            table,
+            index,
+            owner: fp,
+        };
+        let read = |i: u32| read_slot(store, &slot_name(table, i)).map_err(|_| Refused::Store);
+        let set = |i: u32, count: u32, cas| match store.set(
+            &slot_name(table, i),
+            &encode(count, fp),
+            cas,
+        ) {
+            Ok(()) => Ok(true),
+            Err(StoreError::CasMismatch) => Ok(false),
+            Err(StoreError::Host(_)) => Err(Refused::Store),
+        };
+        'retry: for _ in 0..MAX_RETRIES {
+            let mut mine = None;
+            let mut free = None;
+            for (pos, &i) in order.iter().enumerate() {
+                let slot = read(i)?;
                 if slot.cas.is_none() {
                     // Never claim a missing entry directly: Envoy skips the CAS
                     // check on creation. Create it empty, then claim it by CAS.
                     store
-                        .set(&slot_name(table, i), &encode(0, &[]), None)
-                        .map_err(|_| Rejection::Store)?;
-                    created = true;
+                        .set(&slot_name(table, i), &[], None)
+                        .map_err(|_| Refused::Store)?;
+                    continue 'retry;
                 }
-                slots.push((i, slot));
-            }
-            if created {
-                continue;
-            }
-            let mine = slots
-                .iter()
-                .find(|(_, s)| s.count > 0 && s.owner == owner.as_bytes());
-            if let Some((i, s)) = mine {
-                if s.count >= limit {
-                    return Err(Rejection::KeyFull);
+                if slot.owner == Some(fp) {
+                    mine = Some((i, slot));
+                    break;
                 }
-                match store.set(
-                    &slot_name(table, *i),
-                    &encode(s.count + 1, owner.as_bytes()),
-                    s.cas,
-                ) {
-                    Ok(()) => return Ok(*i),
-                    Err(StoreError::CasMismatch) => continue,
-                    Err(StoreError::Host(_)) => return Err(Rejection::Store),
+                if slot.count == 0 && free.is_none() {
+                    free = Some((pos, i, slot.clone()));
                 }
-            }
-            if limit == 0 {
-                return Err(Rejection::KeyFull);
-            }
-            let Some((pos, (i, s))) = slots.iter().enumerate().find(|(_, (_, s))| s.count == 0)
-            else {
-                return Err(Rejection::TableFull);
-            };
-            match store.set(&slot_name(table, *i), &encode(1, owner.as_bytes()), s.cas) {
-                Ok(()) => {}
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => return Err(Rejection::Store),
-            }
-            // Did another worker claim an earlier slot for the same owner meanwhile?
-            let mut earlier = false;
-            for &j in order.iter().take(pos) {
-                let s = read_slot(store, &slot_name(table, j))?;
-                if s.count > 0 && s.owner == owner.as_bytes() {
-                    earlier = true;
+                if slot.owner.is_none() {
+                    // Never used: the owner cannot be placed beyond it.
                     break;
                 }
             }
-            if !earlier {
-                return Ok(*i);
+            if let Some((i, s)) = mine {
+                if s.count >= limit {
+                    return Err(Refused::AtLimit);
+                }
+                if set(i, s.count + 1, s.cas)? {
+                    return Ok(place(i));
+                }
+                continue;
             }
-            self.give_back(store, table, *i, owner);
+            if limit == 0 {
+                return Err(Refused::AtLimit);
+            }
+            let Some((pos, i, s)) = free else {
+                return Err(Refused::WindowFull);
+            };
+            if !set(i, 1, s.cas)? {
+                continue;
+            }
+            // Did another worker claim an earlier slot for the same owner meanwhile?
+            for &j in order.iter().take(pos) {
+                if read(j)?.owner == Some(fp) {
+                    self.give_back(store, &place(i));
+                    continue 'retry;
+                }
+            }
+            return Ok(place(i));
         }
-        Err(Rejection::Store)
+        Err(Refused::Store)
     }
 
-    fn give_back(&self, store: &dyn SharedStore, table: Table, index: u32, owner: &str) {
-        let name = slot_name(table, index);
+    fn give_back(&self, store: &dyn SharedStore, place: &Place) {
+        let name = slot_name(place.table, place.index);
         for _ in 0..MAX_RETRIES {
             let Ok(s) = read_slot(store, &name) else {
                 return;
             };
-            if s.count == 0 || s.owner != owner.as_bytes() {
+            if s.count == 0 || s.owner != Some(place.owner) {
                 return;
             }
-            match store.set(&name, &encode(s.count - 1, owner.as_bytes()), s.cas) {
+            match store.set(&name, &encode(s.count - 1, place.owner), s.cas) {
                 Err(StoreError::CasMismatch) => continue,
                 _ => return,
             }
         }
     }
+}
+
+/// The secret every worker uses when the configuration gives none: the first
+/// configure stores `candidate` in shared data (create empty, then claim by
+/// CAS, so concurrent creators agree), and everyone reads what is stored. It
+/// survives filter updates for the life of the Envoy process (same `vm_id`).
+pub fn shared_secret(
+    store: &dyn SharedStore,
+    candidate: AdmissionSecret,
+) -> Result<AdmissionSecret, StoreError> {
+    for _ in 0..MAX_RETRIES {
+        let (value, cas) = store.get(SECRET_ENTRY)?;
+        if let Some(bytes) = value.as_deref().and_then(|v| <[u8; 16]>::try_from(v).ok()) {
+            return Ok(AdmissionSecret::from_bytes(bytes));
+        }
+        match cas {
+            None => store.set(SECRET_ENTRY, &[], None)?,
+            Some(cas) => match store.set(SECRET_ENTRY, &candidate.to_bytes(), Some(cas)) {
+                Ok(()) | Err(StoreError::CasMismatch) => {}
+                Err(e) => return Err(e),
+            },
+        }
+    }
+    Err(StoreError::CasMismatch)
 }
 
 /// An in-memory [`SharedStore`] with Envoy's semantics (CAS token bumps on every set).
@@ -354,10 +476,18 @@ mod tests {
 
     const ID: &str = "spiffe://dev.latchkey/workload/a";
 
+    fn secret() -> AdmissionSecret {
+        AdmissionSecret::from_bytes(*b"0123456789abcdef")
+    }
+
+    fn adm(key_slots: u32, identity_slots: u32) -> Admission {
+        Admission::new(key_slots, identity_slots, secret())
+    }
+
     #[test]
     fn the_key_bound_holds_and_slots_come_back() {
         let store = MemoryStore::default();
-        let adm = Admission::new(64, 16);
+        let adm = adm(64, 16);
         let t1 = adm.admit(&store, "a/k", 2, ID, 10).unwrap();
         let t2 = adm.admit(&store, "a/k", 2, ID, 10).unwrap();
         assert_eq!(adm.admit(&store, "a/k", 2, ID, 10), Err(Rejection::KeyFull));
@@ -374,7 +504,7 @@ mod tests {
     #[test]
     fn the_identity_bound_holds_across_keys() {
         let store = MemoryStore::default();
-        let adm = Admission::new(64, 16);
+        let adm = adm(64, 16);
         let t1 = adm.admit(&store, "a/1", 5, ID, 2).unwrap();
         let _t2 = adm.admit(&store, "a/2", 5, ID, 2).unwrap();
         assert_eq!(
@@ -395,15 +525,12 @@ mod tests {
     #[test]
     fn the_number_of_entries_is_bounded() {
         let store = MemoryStore::default();
-        let adm = Admission::new(8, 4);
+        let adm = adm(8, 4);
         let mut held = Vec::new();
         for i in 0..8 {
             held.push(adm.admit(&store, &format!("k/{i}"), 1, ID, 100).unwrap());
         }
-        assert_eq!(
-            adm.admit(&store, "k/8", 1, ID, 100),
-            Err(Rejection::TableFull)
-        );
+        assert!(held.iter().all(|t| !t.overflowed()));
         for t in &held {
             adm.release(&store, t);
         }
@@ -414,10 +541,161 @@ mod tests {
         assert!(store.entries() <= 8 + 4);
     }
 
+    /// Keys whose home slot (under `secret`) is `want`.
+    fn keys_homed_at(adm: &Admission, want: u32, n: usize, prefix: &str) -> Vec<String> {
+        (0u64..)
+            .map(|i| format!("{prefix}/{i}"))
+            .filter(|k| {
+                let fp = adm.fingerprint(Table::Key, k);
+                adm.probe_order(Table::Key, fp).next() == Some(want)
+            })
+            .take(n)
+            .collect()
+    }
+
+    #[test]
+    fn a_window_crowded_by_other_keys_never_refuses_a_key() {
+        // Even an attacker who knows the secret and fills the victim's whole
+        // window with waiters of her own keys does not get the victim refused.
+        let store = MemoryStore::default();
+        let adm = adm(1024, 64);
+        let victim = "demo/report";
+        let home = adm
+            .probe_order(Table::Key, adm.fingerprint(Table::Key, victim))
+            .next()
+            .unwrap();
+        let mallory = "spiffe://dev.latchkey/workload/mallory";
+        let mut aimed = Vec::new();
+        for i in 0..PROBES {
+            let key = keys_homed_at(&adm, (home + i) % 1024, 1, "mallory/aim").remove(0);
+            aimed.push(adm.admit(&store, &key, 1, mallory, 1000).unwrap());
+        }
+        let alice = "spiffe://dev.latchkey/workload/alice";
+        let t = adm.admit(&store, victim, 1, alice, 10).unwrap();
+        assert!(t.overflowed(), "admitted without a place");
+        // Overflow holds the identity's place all the same.
+        assert_eq!(
+            adm.admit(&store, "demo/other", 1, alice, 1),
+            Err(Rejection::IdentityFull)
+        );
+        adm.release(&store, &t);
+        // Once a place frees up in the window, the key counts there again.
+        adm.release(&store, &aimed[3]);
+        let t1 = adm.admit(&store, victim, 1, alice, 10).unwrap();
+        assert!(!t1.overflowed());
+        assert_eq!(
+            adm.admit(&store, victim, 1, alice, 10),
+            Err(Rejection::KeyFull)
+        );
+    }
+
+    #[test]
+    fn only_a_keys_own_waiters_count_against_its_bound() {
+        let store = MemoryStore::default();
+        let adm = adm(1024, 64);
+        // Many keys homed at the same slot: each has its own count.
+        let keys = keys_homed_at(&adm, 7, 6, "k");
+        let tickets: Vec<_> = keys
+            .iter()
+            .map(|k| adm.admit(&store, k, 1, ID, 100).unwrap())
+            .collect();
+        for k in &keys {
+            assert_eq!(adm.count(&store, k), 1);
+            assert_eq!(adm.admit(&store, k, 1, ID, 100), Err(Rejection::KeyFull));
+        }
+        // A freed slot in the middle of the run: the keys behind it are still
+        // found (lookups pass freed slots), and no key gets a second slot.
+        adm.release(&store, &tickets[1]);
+        for k in keys.iter().skip(2) {
+            assert_eq!(adm.admit(&store, k, 1, ID, 100), Err(Rejection::KeyFull));
+        }
+        assert!(adm.admit(&store, &keys[1], 1, ID, 100).is_ok());
+    }
+
+    #[test]
+    fn the_placement_depends_on_the_secret() {
+        let a = Admission::new(16_384, 16, secret());
+        let b = Admission::new(16_384, 16, AdmissionSecret::from_bytes([9; 16]));
+        let moved = (0..64)
+            .filter(|i| {
+                let k = format!("demo/{i}");
+                a.fingerprint(Table::Key, &k) % 16_384 != b.fingerprint(Table::Key, &k) % 16_384
+            })
+            .count();
+        assert!(moved > 60, "{moved}");
+    }
+
+    #[test]
+    fn identity_windows_that_fill_up_are_a_named_refusal() {
+        let store = MemoryStore::default();
+        let adm = adm(64, 4);
+        for i in 0..4 {
+            adm.admit(
+                &store,
+                &format!("k/{i}"),
+                5,
+                &format!("spiffe://td/w/{i}"),
+                5,
+            )
+            .unwrap();
+            adm.open_stream(&store, &format!("spiffe://td/w/{i}"), 5)
+                .unwrap();
+        }
+        assert_eq!(
+            adm.admit(&store, "k/x", 5, "spiffe://td/w/x", 5),
+            Err(Rejection::TableFull)
+        );
+        assert_eq!(
+            adm.open_stream(&store, "spiffe://td/w/x", 5),
+            Err(Rejection::StreamTableFull)
+        );
+    }
+
+    #[test]
+    fn streams_are_bounded_per_identity_and_come_back() {
+        let store = MemoryStore::default();
+        let adm = adm(64, 64);
+        let places: Vec<_> = (0..3)
+            .map(|_| adm.open_stream(&store, ID, 3).unwrap())
+            .collect();
+        assert_eq!(adm.open_stream(&store, ID, 3), Err(Rejection::StreamsFull));
+        // Another identity is unaffected, and streams are not waiters.
+        let other = "spiffe://dev.latchkey/workload/b";
+        assert!(adm.open_stream(&store, other, 3).is_ok());
+        assert!(adm.admit(&store, "a/k", 1, ID, 1).is_ok());
+        adm.close_stream(&store, &places[0]);
+        assert_eq!(adm.streams(&store, ID), 2);
+        assert!(adm.open_stream(&store, ID, 3).is_ok());
+    }
+
+    #[test]
+    fn without_a_configured_secret_every_worker_shares_the_first_one() {
+        let store = MemoryStore::default();
+        let first = shared_secret(&store, AdmissionSecret::from_bytes([1; 16])).unwrap();
+        let second = shared_secret(&store, AdmissionSecret::from_bytes([2; 16])).unwrap();
+        assert_eq!(first, AdmissionSecret::from_bytes([1; 16]));
+        assert_eq!(second, first);
+        // Concurrent creators agree too.
+        let store = Arc::new(MemoryStore::default());
+        let threads: Vec<_> = (0..4u8)
+            .map(|n| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    shared_secret(&*store, AdmissionSecret::from_bytes([n; 16])).unwrap()
+                })
+            })
+            .collect();
+        let seen: std::collections::HashSet<_> = threads
+            .into_iter()
+            .map(|t| t.join().unwrap().to_bytes())
+            .collect();
+        assert_eq!(seen.len(), 1);
+    }
+
     #[test]
     fn concurrent_workers_never_exceed_the_bound() {
         let store = Arc::new(MemoryStore::default());
-        let adm = Admission::new(4, 4);
+        let adm = adm(4, 4);
         let limit = 3;
         let peak = Arc::new(std::sync::atomic::AtomicU32::new(0));
         let threads: Vec<_> = (0..4)
@@ -431,6 +709,11 @@ mod tests {
                             peak.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
                             adm.release(&*store, &t);
                         }
+                        if let Ok(p) = adm.open_stream(&*store, ID, limit) {
+                            let now = adm.streams(&*store, ID);
+                            peak.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+                            adm.close_stream(&*store, &p);
+                        }
                     }
                 })
             })
@@ -440,5 +723,6 @@ mod tests {
         }
         assert!(peak.load(std::sync::atomic::Ordering::SeqCst) <= limit);
         assert_eq!(adm.count(&*store, "hot/key"), 0);
+        assert_eq!(adm.streams(&*store, ID), 0);
     }
 }

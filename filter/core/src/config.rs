@@ -7,6 +7,7 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::identity::valid_trust_domain;
+use crate::keyed_hash::AdmissionSecret;
 use crate::policy::{EdgePolicy, PolicyBuildError};
 
 /// Upper bound on admission slot tables (each slot is one shared-data entry,
@@ -63,6 +64,12 @@ fn default_key_slots() -> u32 {
 fn default_identity_slots() -> u32 {
     4_096
 }
+/// Far below the arbiter cluster's circuit breaker (envoy/edge.yaml), so one
+/// identity cannot overflow it for everyone (a test checks the ratio).
+pub const DEFAULT_MAX_STREAMS_PER_IDENTITY: u32 = 256;
+fn default_max_streams_per_identity() -> u32 {
+    DEFAULT_MAX_STREAMS_PER_IDENTITY
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -87,9 +94,23 @@ pub struct FilterConfig {
     /// Distinct keys that can have waiters at once (across all workers).
     #[serde(default = "default_key_slots")]
     pub key_slots: u32,
-    /// Distinct identities that can have waiters at once.
+    /// Distinct identities that can have waiters (and, separately, open
+    /// streams) at once.
     #[serde(default = "default_identity_slots")]
     pub identity_slots: u32,
+    /// Concurrent streams (every method, KeepAlive included) one identity may
+    /// have open through the edge, across all workers.
+    #[serde(default = "default_max_streams_per_identity")]
+    pub max_streams_per_identity: u32,
+    /// 32 hex digits (16 random bytes) keying where keys and identities land
+    /// in the admission tables; generate one per deployment (`openssl rand
+    /// -hex 16`) and give every Envoy of it the same one. Without it the
+    /// filter derives one from the clock at its first start (shared by all
+    /// workers, logged as a warning): guessable to within a few dozen bits,
+    /// which does not matter for correctness (a crowded window never refuses
+    /// another key) but lets a patient tenant aim collisions.
+    #[serde(default)]
+    pub admission_secret: Option<AdmissionSecret>,
     #[serde(default)]
     pub refresh: Option<RefreshConfig>,
 }
@@ -149,6 +170,12 @@ impl FilterConfig {
             1,
             MAX_SLOTS.into(),
         )?;
+        range(
+            "max_streams_per_identity",
+            config.max_streams_per_identity.into(),
+            1,
+            1 << 20,
+        )?;
         if let Some(r) = &config.refresh {
             range("refresh.period_ms", r.period_ms, 100, 3_600_000)?;
             range("refresh.timeout_ms", r.timeout_ms, 10, 60_000)?;
@@ -174,6 +201,8 @@ mod tests {
         let (c, p) = FilterConfig::parse(br#"{"trust_domain":"dev.latchkey"}"#).unwrap();
         assert_eq!(c.filter_version, 1);
         assert_eq!(c.max_message_bytes, 16 * 1024);
+        assert_eq!(c.max_streams_per_identity, DEFAULT_MAX_STREAMS_PER_IDENTITY);
+        assert_eq!(c.admission_secret, None);
         assert!(p.grants().is_empty());
     }
 
@@ -189,6 +218,8 @@ mod tests {
             "max_message_bytes": 1024,
             "key_slots": 64,
             "identity_slots": 16,
+            "max_streams_per_identity": 9,
+            "admission_secret": "00112233445566778899aabbccddeeff",
             "refresh": {"cluster": "arbiter", "period_ms": 1000}
         }"#;
         let (c, p) = FilterConfig::parse(json).unwrap();
@@ -197,6 +228,45 @@ mod tests {
         assert_eq!(p.max_waiters_per_key("demo"), 2);
         assert_eq!(p.max_waiters_per_key("other"), 4);
         assert_eq!(c.refresh.unwrap().timeout_ms, 2000);
+        assert_eq!(c.max_streams_per_identity, 9);
+        assert_eq!(
+            c.admission_secret,
+            AdmissionSecret::from_hex("00112233445566778899aabbccddeeff").ok()
+        );
+    }
+
+    #[test]
+    fn a_bad_secret_is_refused_without_echoing_it() {
+        let e = FilterConfig::parse(
+            br#"{"trust_domain":"dev.latchkey","admission_secret":"s3cr3t-value"}"#,
+        )
+        .unwrap_err();
+        assert!(!e.to_string().contains("s3cr3t"), "{e}");
+        assert!(e.to_string().contains("32 hex digits"), "{e}");
+    }
+
+    /// One identity at its stream bound must stay far from the arbiter
+    /// cluster's circuit breaker in the shipped bootstrap, or it could make
+    /// Envoy answer everyone UNAVAILABLE "overflow" (issue 10).
+    #[test]
+    fn the_stream_bound_is_far_below_the_arbiter_circuit_breaker() {
+        let yaml = include_str!("../../../envoy/edge.yaml");
+        let cluster = yaml
+            .split("  - name: ")
+            .find(|c| c.starts_with("arbiter\n"))
+            .expect("the arbiter cluster");
+        let threshold = |name: &str| -> u32 {
+            cluster
+                .lines()
+                .find_map(|l| l.trim().strip_prefix(&format!("{name}: ")))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("{name} in the arbiter cluster"))
+        };
+        let bound = DEFAULT_MAX_STREAMS_PER_IDENTITY;
+        assert!(threshold("max_requests") >= 16 * bound);
+        assert!(threshold("max_pending_requests") >= 8 * bound);
+        // The grant-table refresh has a cluster (and breaker) of its own.
+        assert!(yaml.contains("  - name: arbiter_policy\n"));
     }
 
     #[test]
@@ -206,6 +276,8 @@ mod tests {
             br#"{"trust_domain":"dev.latchkey","refresh":{"cluster":"a","perod_ms":1}}"#,
             br#"{"trust_domain":"Not A Domain"}"#,
             br#"{"trust_domain":"dev.latchkey","key_slots":0}"#,
+            br#"{"trust_domain":"dev.latchkey","max_streams_per_identity":0}"#,
+            br#"{"trust_domain":"dev.latchkey","admission_secret":"00"}"#,
             br#"{"trust_domain":"dev.latchkey","grants":[{"identity":"nope","prefixes":["a"]}]}"#,
             br#"{"trust_domain":"dev.latchkey","grants":[{"identity":"spiffe://dev.latchkey/a","prefixes":["a//b"]}]}"#,
             br#"{"trust_domain":"dev.latchkey","classes":[{"name":"x","max_waiters_per_key":0}]}"#,

@@ -81,7 +81,10 @@ pub fn admission_refusal(r: Rejection) -> Refusal {
     Refusal::of(match r {
         Rejection::KeyFull => DenyReason::QueueFullKey,
         Rejection::IdentityFull => DenyReason::QueueFullIdentity,
-        Rejection::TableFull | Rejection::Store => DenyReason::AdmissionTableFull,
+        Rejection::TableFull => DenyReason::AdmissionTableFull,
+        Rejection::StreamsFull => DenyReason::TooManyStreams,
+        Rejection::StreamTableFull => DenyReason::StreamTableFull,
+        Rejection::Store => DenyReason::AdmissionUnavailable,
     })
 }
 

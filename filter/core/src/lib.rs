@@ -28,7 +28,9 @@
 pub mod admission;
 pub mod config;
 pub mod decision;
+pub mod headers;
 pub mod identity;
+pub mod keyed_hash;
 pub mod metrics;
 pub mod policy;
 pub mod request;

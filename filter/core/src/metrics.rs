@@ -21,6 +21,14 @@ pub const DECISION_US: &str = "latchkey_edge.decision_us";
 pub const REFRESH_OK: &str = "latchkey_edge.policy_refresh.result.updated";
 pub const REFRESH_UNCHANGED: &str = "latchkey_edge.policy_refresh.result.unchanged";
 pub const REFRESH_FAILED: &str = "latchkey_edge.policy_refresh.result.failed";
+/// Waiting Acquires admitted without a key place (the key's probe window was
+/// full of other keys' waiters; the arbiter's per-key bound still holds).
+pub const ADMISSION_OVERFLOW: &str = "latchkey_edge.admission_overflow";
+/// 1 when `admission_secret` is configured, 0 when derived from the clock.
+pub const ADMISSION_SECRET_CONFIGURED: &str = "latchkey_edge.admission_secret_configured";
+/// Streams open through the edge (all identities; a per-identity count would
+/// put identities in stat names).
+pub const STREAMS_OPEN: &str = "latchkey_edge.streams_open";
 
 /// A label value: `[A-Za-z0-9_-]`, at most 48 characters, never empty (shared
 /// with the arbiter's metrics).

@@ -13,8 +13,10 @@ use crate::wire::{Reader, WireError};
 
 /// The lock.v1 service path prefix.
 pub const LOCK_SERVICE: &str = "/latchkey.lock.v1.Lock/";
+/// The admin.v1 service path prefix.
+pub const ADMIN_SERVICE: &str = "/latchkey.admin.v1.Admin/";
 
-/// How the edge treats a call.
+/// A call the edge forwards, and how it treats it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Method {
     Acquire,
@@ -23,24 +25,47 @@ pub enum Method {
     /// OpenSession, KeepAlive, CloseSession: authenticated and rate limited,
     /// not key-checked; never buffered (KeepAlive is a stream).
     Session,
-    /// Anything else under `/latchkey.` (the admin API): authenticated and
-    /// passed on; the arbiter checks the operator role itself.
-    Other,
+    /// admin.v1 GetStatus and AdvanceEpoch: passed on naming the verified
+    /// caller; the arbiter checks the operator role itself.
+    Admin,
+}
+
+/// What the edge does with a request, from its `:method` and `:path`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Call {
+    Forward(Method),
+    /// admin.v1 GetEdgePolicy: the grant table is served to the edge's own
+    /// refresh only (which does not pass through the filter chain).
+    EdgePolicy,
+    /// Anything else: answered UNIMPLEMENTED by the edge, never forwarded.
+    Unknown,
+}
+
+impl Call {
+    /// Exact paths only (no query, no trailing slash, no percent-encoding):
+    /// what the edge checks must be what the arbiter routes.
+    pub fn of(http_method: &str, path: &str) -> Call {
+        if http_method != "POST" {
+            return Call::Unknown;
+        }
+        if let Some(name) = path.strip_prefix(LOCK_SERVICE) {
+            return match name {
+                "Acquire" => Call::Forward(Method::Acquire),
+                "Release" => Call::Forward(Method::Release),
+                "Inspect" => Call::Forward(Method::Inspect),
+                "OpenSession" | "KeepAlive" | "CloseSession" => Call::Forward(Method::Session),
+                _ => Call::Unknown,
+            };
+        }
+        match path.strip_prefix(ADMIN_SERVICE) {
+            Some("GetStatus" | "AdvanceEpoch") => Call::Forward(Method::Admin),
+            Some("GetEdgePolicy") => Call::EdgePolicy,
+            _ => Call::Unknown,
+        }
+    }
 }
 
 impl Method {
-    pub fn from_path(path: &str) -> Method {
-        // Query strings never appear on gRPC paths; ignore one defensively.
-        let path = path.split('?').next().unwrap_or(path);
-        match path.strip_prefix(LOCK_SERVICE) {
-            Some("Acquire") => Method::Acquire,
-            Some("Release") => Method::Release,
-            Some("Inspect") => Method::Inspect,
-            Some("OpenSession" | "KeepAlive" | "CloseSession") => Method::Session,
-            _ => Method::Other,
-        }
-    }
-
     /// Whether the edge needs the request body (the key lives in it).
     pub fn is_keyed(self) -> bool {
         matches!(self, Method::Acquire | Method::Release | Method::Inspect)
@@ -52,7 +77,7 @@ impl Method {
             Method::Release => "release",
             Method::Inspect => "inspect",
             Method::Session => "session",
-            Method::Other => "other",
+            Method::Admin => "admin",
         }
     }
 }
@@ -166,22 +191,48 @@ mod tests {
     }
 
     #[test]
-    fn methods_come_from_the_path() {
+    fn only_known_methods_are_forwarded() {
+        let post = |p: &str| Call::of("POST", p);
         assert_eq!(
-            Method::from_path("/latchkey.lock.v1.Lock/Acquire"),
-            Method::Acquire
+            post("/latchkey.lock.v1.Lock/Acquire"),
+            Call::Forward(Method::Acquire)
         );
+        for m in ["OpenSession", "KeepAlive", "CloseSession"] {
+            assert_eq!(
+                post(&format!("/latchkey.lock.v1.Lock/{m}")),
+                Call::Forward(Method::Session)
+            );
+        }
+        for m in ["GetStatus", "AdvanceEpoch"] {
+            assert_eq!(
+                post(&format!("/latchkey.admin.v1.Admin/{m}")),
+                Call::Forward(Method::Admin)
+            );
+        }
         assert_eq!(
-            Method::from_path("/latchkey.lock.v1.Lock/KeepAlive"),
-            Method::Session
+            post("/latchkey.admin.v1.Admin/GetEdgePolicy"),
+            Call::EdgePolicy
         );
+        for unknown in [
+            "/latchkey.lock.v1.Lock/Acquirex",
+            "/latchkey.lock.v1.Lock/acquire",
+            "/latchkey.lock.v1.Lock/Acquire/",
+            "/latchkey.lock.v1.Lock/Acquire?x=1",
+            "/latchkey.lock.v1.Lock/",
+            "/latchkey.admin.v1.Admin/GetEdge%50olicy",
+            "/latchkey.admin.v1.Admin/GetEdgePolicy/",
+            "/latchkey.admin.v1.Admin/Shutdown",
+            "/latchkey.lock.v2.Lock/Acquire",
+            "/grpc.health.v1.Health/Check",
+            "//latchkey.lock.v1.Lock/Acquire",
+            "/",
+            "",
+        ] {
+            assert_eq!(post(unknown), Call::Unknown, "{unknown}");
+        }
         assert_eq!(
-            Method::from_path("/latchkey.lock.v1.Lock/Acquirex"),
-            Method::Other
-        );
-        assert_eq!(
-            Method::from_path("/latchkey.admin.v1.Admin/GetStatus"),
-            Method::Other
+            Call::of("GET", "/latchkey.lock.v1.Lock/Acquire"),
+            Call::Unknown
         );
     }
 

@@ -33,6 +33,13 @@ pub enum DenyReason {
     AdmissionTableFull,
     NoPolicy,
     NoRouteKey,
+    ReservedHeader,
+    ReservedTrailer,
+    UnknownMethod,
+    EdgePolicyForbidden,
+    TooManyStreams,
+    StreamTableFull,
+    AdmissionUnavailable,
 }
 
 impl DenyReason {
@@ -51,10 +58,17 @@ impl DenyReason {
             Self::AdmissionTableFull => "admission_table_full",
             Self::NoPolicy => "no_policy",
             Self::NoRouteKey => "no_route_key",
+            Self::ReservedHeader => "reserved_header",
+            Self::ReservedTrailer => "reserved_trailer",
+            Self::UnknownMethod => "unknown_method",
+            Self::EdgePolicyForbidden => "edge_policy_forbidden",
+            Self::TooManyStreams => "too_many_streams",
+            Self::StreamTableFull => "stream_table_full",
+            Self::AdmissionUnavailable => "admission_unavailable",
         }
     }
 
-    pub const ALL: [DenyReason; 12] = [
+    pub const ALL: [DenyReason; 19] = [
         Self::Unauthenticated,
         Self::NotAuthorised,
         Self::BadKey,
@@ -67,6 +81,13 @@ impl DenyReason {
         Self::AdmissionTableFull,
         Self::NoPolicy,
         Self::NoRouteKey,
+        Self::ReservedHeader,
+        Self::ReservedTrailer,
+        Self::UnknownMethod,
+        Self::EdgePolicyForbidden,
+        Self::TooManyStreams,
+        Self::StreamTableFull,
+        Self::AdmissionUnavailable,
     ];
 }
 
@@ -135,7 +156,42 @@ impl Refusal {
             DenyReason::AdmissionTableFull => (
                 ResourceExhausted,
                 "QUEUE_FULL",
-                "the edge is tracking too many waited-on keys; retry later",
+                "the edge is tracking too many waiting callers; retry later",
+            ),
+            DenyReason::AdmissionUnavailable => (
+                Unavailable,
+                "EDGE_BUSY",
+                "the edge could not count this call against its bounds (shared state contended); retry with backoff",
+            ),
+            DenyReason::ReservedHeader => (
+                InvalidArgument,
+                "RESERVED_HEADER",
+                "x-latchkey-* headers are reserved for the edge; remove them from the request (the edge names the caller from its SVID)",
+            ),
+            DenyReason::ReservedTrailer => (
+                InvalidArgument,
+                "RESERVED_HEADER",
+                "request trailers may not carry x-latchkey-* or x-lock-key; send x-lock-key in the initial headers only and no x-latchkey-* at all",
+            ),
+            DenyReason::UnknownMethod => (
+                Unimplemented,
+                "UNIMPLEMENTED",
+                "the edge forwards only the lock.v1 and admin.v1 methods it knows (POST, exact path); check the method name and the client's proto version",
+            ),
+            DenyReason::EdgePolicyForbidden => (
+                PermissionDenied,
+                "NOT_AUTHORISED",
+                "GetEdgePolicy is not served through the edge: the grant table is served only to the edge itself (operators: call the arbiter directly)",
+            ),
+            DenyReason::TooManyStreams => (
+                ResourceExhausted,
+                "TOO_MANY_STREAMS",
+                "this caller has too many open streams at the edge; close idle streams (one KeepAlive per session) or retry later",
+            ),
+            DenyReason::StreamTableFull => (
+                ResourceExhausted,
+                "TOO_MANY_STREAMS",
+                "the edge is tracking too many callers with open streams; retry later",
             ),
             DenyReason::NoRouteKey => (
                 Internal,

@@ -5,13 +5,17 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
-use latchkey_filter_core::admission::{Admission, SharedStore, StoreError, Ticket};
+use latchkey_filter_core::admission::{
+    Admission, Place, SharedStore, StoreError, Ticket, shared_secret,
+};
 use latchkey_filter_core::config::FilterConfig;
 use latchkey_filter_core::decision::{self, KEY_HEADER};
+use latchkey_filter_core::headers::{check_request_headers, check_trailers};
 use latchkey_filter_core::identity::{IDENTITY_HEADER, peer_identity};
+use latchkey_filter_core::keyed_hash::AdmissionSecret;
 use latchkey_filter_core::metrics;
 use latchkey_filter_core::policy::{EDGE_POLICY_METHOD, EDGE_POLICY_SERVICE, EdgePolicy};
-use latchkey_filter_core::request::Method;
+use latchkey_filter_core::request::{Call, Method};
 use latchkey_filter_core::status::{DenyReason, GrpcCode, Refusal};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -215,7 +219,30 @@ impl RootContext for EdgeRoot {
                 return false;
             }
         };
-        let admission = Admission::new(config.key_slots, config.identity_slots);
+        let secret = match config.admission_secret {
+            Some(secret) => secret,
+            None => match shared_secret(&HostStore, clock_secret()) {
+                Ok(secret) => {
+                    log(
+                        LogLevel::Warn,
+                        "latchkey edge: no admission_secret configured; admission placement is keyed by a value derived from the clock (set admission_secret in production)",
+                    );
+                    secret
+                }
+                Err(e) => {
+                    log(
+                        LogLevel::Error,
+                        &format!("latchkey edge: admission secret: {e}"),
+                    );
+                    self.state
+                        .borrow_mut()
+                        .metrics
+                        .add(metrics::CONFIG_ERRORS, 1);
+                    return false;
+                }
+            },
+        };
+        let admission = Admission::new(config.key_slots, config.identity_slots, secret);
         if let Err(e) = admission.create_slots(&HostStore) {
             log(
                 LogLevel::Error,
@@ -235,6 +262,12 @@ impl RootContext for EdgeRoot {
         let mut st = self.state.borrow_mut();
         st.metrics
             .gauge_set(metrics::FILTER_VERSION, config.filter_version);
+        st.metrics.gauge_set(
+            metrics::ADMISSION_SECRET_CONFIGURED,
+            u64::from(config.admission_secret.is_some()),
+        );
+        st.metrics.add(metrics::ADMISSION_OVERFLOW, 0);
+        st.metrics.gauge_add(metrics::STREAMS_OPEN, 0);
         // Define the denial counters up front so they show (at 0) on /stats.
         for r in DenyReason::ALL {
             st.metrics.add(&metrics::denied(r), 0);
@@ -284,11 +317,12 @@ impl RootContext for EdgeRoot {
         Some(Box::new(EdgeStream {
             state: self.state.clone(),
             active: self.state.borrow().active.clone(),
-            method: Method::Other,
+            method: Method::Session,
             identity: String::new(),
             key_header: None,
             decided: false,
             held: None,
+            stream: None,
             started: None,
         }))
     }
@@ -307,9 +341,37 @@ struct EdgeStream {
     /// The client's `x-lock-key`, if it sent one (must equal the body's key).
     key_header: Option<String>,
     decided: bool,
-    /// An admission place and the stat scope of its waiters gauge.
+    /// A waiter's admission places and the stat scope of its waiters gauge:
+    /// given back when the arbiter answers or the stream ends.
     held: Option<(Ticket, String)>,
+    /// The identity's open-stream place: given back when the stream ends.
+    stream: Option<Place>,
     started: Option<SystemTime>,
+}
+
+/// A stand-in secret when none is configured: wasm32-unknown-unknown has no
+/// entropy source, so the host clock's nanoseconds, mixed. Weak by design
+/// (see `FilterConfig::admission_secret`); only the first VM's value is used.
+fn clock_secret() -> AdmissionSecret {
+    let nanos = hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let mix = AdmissionSecret::from_bytes(*b"latchkey-edge-v1");
+    let mut seed = nanos.to_le_bytes().to_vec();
+    seed.push(0);
+    let a = mix.hash(&seed);
+    seed.push(1);
+    let b = mix.hash(&seed);
+    let mut bytes = [0u8; 16];
+    for (dst, src) in bytes
+        .iter_mut()
+        .zip(a.to_le_bytes().into_iter().chain(b.to_le_bytes()))
+    {
+        *dst = src;
+    }
+    AdmissionSecret::from_bytes(bytes)
 }
 
 /// The filter state key the route's ring hash reads (`hash_policy.filter_state`):
@@ -402,10 +464,13 @@ impl EdgeStream {
                 active.config.max_waiters_per_identity,
             ) {
                 Ok(ticket) => {
-                    self.state
-                        .borrow_mut()
-                        .metrics
+                    let mut st = self.state.borrow_mut();
+                    st.metrics
                         .gauge_add(&metrics::waiters(&authorised.scope), 1);
+                    if ticket.overflowed() {
+                        st.metrics.add(metrics::ADMISSION_OVERFLOW, 1);
+                    }
+                    drop(st);
                     self.held = Some((ticket, authorised.scope.clone()));
                 }
                 Err(rejection) => {
@@ -413,6 +478,7 @@ impl EdgeStream {
                     let which = match refusal.why {
                         DenyReason::QueueFullKey => "key",
                         DenyReason::QueueFullIdentity => "identity",
+                        DenyReason::AdmissionUnavailable => "store",
                         _ => "table",
                     };
                     self.state
@@ -435,13 +501,26 @@ impl EdgeStream {
         Action::Continue
     }
 
-    fn release(&mut self) {
+    /// Gives the waiter's places back (once): the wait is over.
+    fn release_waiter(&mut self) {
         if let (Some((ticket, scope)), Some(active)) = (self.held.take(), self.active.as_ref()) {
             active.admission.release(&HostStore, &ticket);
             self.state
                 .borrow_mut()
                 .metrics
                 .gauge_add(&metrics::waiters(&scope), -1);
+        }
+    }
+
+    /// Gives every place back (once): the stream is over.
+    fn release(&mut self) {
+        self.release_waiter();
+        if let (Some(place), Some(active)) = (self.stream.take(), self.active.as_ref()) {
+            active.admission.close_stream(&HostStore, &place);
+            self.state
+                .borrow_mut()
+                .metrics
+                .gauge_add(metrics::STREAMS_OPEN, -1);
         }
     }
 }
@@ -460,28 +539,64 @@ impl HttpContext for EdgeStream {
         let san = hostcalls::get_property(vec!["connection", "uri_san_peer_certificate"])
             .ok()
             .flatten();
-        // Whatever a client sent in the identity header goes, verified or not.
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, IDENTITY_HEADER, None);
         self.identity =
             match peer_identity(mtls.as_deref(), san.as_deref(), &active.config.trust_domain) {
                 Ok(id) => id,
                 Err(_) => return self.refuse(Refusal::of(DenyReason::Unauthenticated)),
             };
-        self.set_header(IDENTITY_HEADER, &self.identity.clone());
-        // Request headers are readable only in this phase: keep what the body
-        // decision needs. The client's x-lock-key is checked against the body
-        // later and not forwarded (routing uses the authorised key instead).
-        self.key_header = hostcalls::get_map_value(MapType::HttpRequestHeaders, KEY_HEADER)
-            .ok()
-            .flatten();
-        if self.key_header.is_some() {
+        // Request headers are readable only in this phase: refuse any
+        // x-latchkey-* the client sent (the edge names the caller, nobody
+        // else), and keep what the body decision needs.
+        // Bytes, not `get_map`: that unwraps UTF-8, and a header value need
+        // not be UTF-8 (a panic would take the VM down).
+        let headers: Vec<(String, String)> = hostcalls::get_map_bytes(MapType::HttpRequestHeaders)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+            .collect();
+        let checked =
+            match check_request_headers(headers.iter().map(|(k, v)| (k.as_str(), v.as_str()))) {
+                Ok(checked) => checked,
+                Err(refusal) => return self.refuse(refusal),
+            };
+        let pseudo = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+                .unwrap_or_default()
+        };
+        self.method = match Call::of(pseudo(":method"), pseudo(":path")) {
+            Call::Forward(method) => method,
+            Call::EdgePolicy => return self.refuse(Refusal::of(DenyReason::EdgePolicyForbidden)),
+            Call::Unknown => return self.refuse(Refusal::of(DenyReason::UnknownMethod)),
+        };
+        // The client's x-lock-key is checked against the body later and not
+        // forwarded (routing uses the authorised key instead).
+        if checked.key_repeated {
+            return self.refuse(Refusal::of(DenyReason::KeyMismatch));
+        }
+        if checked.key.is_some() {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, None);
         }
-        let path = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":path")
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        self.method = Method::from_path(&path);
+        self.key_header = checked.key;
+        // Every forwarded call names its verified caller, admin calls included.
+        self.set_header(IDENTITY_HEADER, &self.identity.clone());
+        // Every stream counts against its identity's bound until it ends.
+        match active.admission.open_stream(
+            &HostStore,
+            &self.identity,
+            active.config.max_streams_per_identity,
+        ) {
+            Ok(place) => {
+                self.stream = Some(place);
+                self.state
+                    .borrow_mut()
+                    .metrics
+                    .gauge_add(metrics::STREAMS_OPEN, 1);
+            }
+            Err(rejection) => return self.refuse(decision::admission_refusal(rejection)),
+        }
         if !self.method.is_keyed() {
             self.state
                 .borrow_mut()
@@ -519,6 +634,15 @@ impl HttpContext for EdgeStream {
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // Reserved names are refused here too, whatever the method: tonic
+        // merges a unary request's trailers into its metadata. Pausing keeps
+        // the trailers from the router, and the local reply ends the stream,
+        // which resets the upstream request (for a call passed on at header
+        // time) before the arbiter has seen its end: it never completes.
+        let trailers = hostcalls::get_map_bytes(MapType::HttpRequestTrailers).unwrap_or_default();
+        if let Err(refusal) = check_trailers(trailers.iter().map(|(k, _)| k.as_str())) {
+            return self.refuse(refusal);
+        }
         if self.decided {
             return Action::Continue;
         }
@@ -528,6 +652,14 @@ impl HttpContext for EdgeStream {
             .map(|b| b.len())
             .unwrap_or(0);
         self.decide(size)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        // The arbiter has answered: the wait is over, whether or not the
+        // client ever reads the answer (a zero receive window must not keep
+        // the place).
+        self.release_waiter();
+        Action::Continue
     }
 
     fn on_log(&mut self) {
