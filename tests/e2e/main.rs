@@ -10,6 +10,7 @@ mod etcd_harness;
 mod etcd_tls;
 mod gate;
 mod grants;
+mod hostile_arbiter;
 mod hooks;
 mod hostile_edge;
 mod identity;

@@ -1,0 +1,473 @@
+//! Hostile callers straight at the arbiter (issue 10): valid workload SVIDs
+//! over mTLS, no edge in between. Possession of a session id or a token read
+//! from somewhere is not ownership; one identity's sessions, renewals and
+//! waiting calls are bounded at the arbiter; Inspect hands out no capability.
+
+use std::time::Duration;
+
+use latchkey_proto::lockv1::{
+    CloseSessionRequest, Grant, InspectRequest, KeepAliveRequest, OpenSessionRequest,
+    ReleaseRequest,
+};
+use latchkey_tests::eventually;
+use tonic::Code;
+
+use crate::support::*;
+
+/// (lease, mod revision) of the holder record of `key`, read from etcd itself.
+async fn holder_in_etcd(s: &Stack, key: &str) -> anyhow::Result<Option<(i64, i64)>> {
+    let mut etcd = s.etcd.client().await?;
+    let resp = etcd.get(format!("/latchkey/l/{key}"), None).await?;
+    Ok(resp
+        .kvs()
+        .first()
+        .map(|kv| (kv.lease(), kv.mod_revision())))
+}
+
+/// Bob releases with alice's session id and token, as if he had read them
+/// (Inspect used to hand them out).
+async fn release_as(c: &mut Client, g: &Grant) -> Result<(), tonic::Status> {
+    c.release(ReleaseRequest {
+        key: g.key.clone(),
+        session_id: g.session_id,
+        token: g.token,
+    })
+    .await
+    .map(|_| ())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn another_identity_cannot_release_a_hold_with_its_session_and_token() -> anyhow::Result<()>
+{
+    let s = stack().await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let sa = open(&mut alice, "demo").await?;
+    let g = try_lock(&mut alice, "demo/report", "demo", sa).await?;
+
+    let refused = release_as(&mut bob, &g).await;
+    let status = expect_refusal(refused, Code::FailedPrecondition, "NOT_HELD")?;
+    assert!(!status.message().contains(&g.token.to_string()));
+    assert_eq!(
+        holder_in_etcd(&s, "demo/report").await?,
+        Some((sa, g.revision)),
+        "alice still holds the key"
+    );
+    // the same answer as for a session that never existed: ids are no oracle
+    let unknown = bob
+        .release(ReleaseRequest {
+            key: g.key.clone(),
+            session_id: 0x1234_5678,
+            token: g.token,
+        })
+        .await;
+    let other = expect_refusal(unknown, Code::FailedPrecondition, "NOT_HELD")?;
+    // and a wrong token with alice's session says no more than that
+    let wrong = bob
+        .release(ReleaseRequest {
+            key: g.key.clone(),
+            session_id: sa,
+            token: g.token + 1,
+        })
+        .await;
+    expect_refusal(wrong, Code::FailedPrecondition, "NOT_HELD")?;
+    assert_eq!(
+        status.message().replace(&format!("{sa:#x}"), "S"),
+        other.message().replace("0x12345678", "S")
+    );
+    // alice herself still releases
+    release(&mut alice, &g).await?;
+    assert_eq!(holder_in_etcd(&s, "demo/report").await?, None);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn another_identity_cannot_hand_a_hold_over_to_a_waiter() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let sa = open(&mut alice, "demo").await?;
+    let sb = open(&mut bob, "demo").await?;
+    let g = try_lock(&mut alice, "demo/report", "demo", sa).await?;
+
+    // bob queues for the key, then "releases" alice's hold to hand it to himself
+    let mut waiter = bob.clone();
+    let waiting = tokio::spawn(async move {
+        wait_lock(
+            &mut waiter,
+            "demo/report",
+            "demo",
+            sb,
+            Duration::from_secs(4),
+        )
+        .await
+    });
+    let mut probe = alice.clone();
+    eventually("bob to be queued", Duration::from_secs(10), || {
+        let mut probe = probe.clone();
+        async move {
+            let view = probe
+                .inspect(InspectRequest {
+                    key: "demo/report".into(),
+                })
+                .await?
+                .into_inner();
+            anyhow::ensure!(view.waiters == 1, "{} waiting", view.waiters);
+            Ok(())
+        }
+    })
+    .await?;
+    expect_refusal(
+        release_as(&mut bob, &g).await,
+        Code::FailedPrecondition,
+        "NOT_HELD",
+    )?;
+    assert_eq!(
+        holder_in_etcd(&s, "demo/report").await?,
+        Some((sa, g.revision)),
+        "no hand-over: alice still holds the key"
+    );
+    // bob's wait ends at its deadline, not with alice's key
+    expect_refusal(
+        waiting.await?,
+        Code::DeadlineExceeded,
+        "WAIT_TIMEOUT",
+    )?;
+    assert_eq!(
+        holder_in_etcd(&s, "demo/report").await?,
+        Some((sa, g.revision))
+    );
+    let view = probe
+        .inspect(InspectRequest {
+            key: "demo/report".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(view.waiters, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn another_identity_cannot_renew_close_or_reuse_a_session() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let sa = open(&mut alice, "demo").await?;
+    let g = try_lock(&mut alice, "demo/report", "demo", sa).await?;
+
+    // KeepAlive: the same refusal as for a session that does not exist
+    for session in [sa, 0x7777_0001] {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tx.send(KeepAliveRequest {
+            session_id: session,
+        })
+        .await?;
+        let mut replies = bob
+            .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        expect_refusal(
+            replies
+                .message()
+                .await
+                .and_then(|m| m.ok_or_else(|| tonic::Status::internal("stream ended"))),
+            Code::FailedPrecondition,
+            "SESSION_EXPIRED",
+        )?;
+    }
+    // CloseSession: refused, and alice's session and hold stay
+    for session in [sa, 0x7777_0001] {
+        expect_refusal(
+            bob.close_session(CloseSessionRequest {
+                session_id: session,
+            })
+            .await,
+            Code::FailedPrecondition,
+            "SESSION_EXPIRED",
+        )?;
+    }
+    assert_eq!(
+        holder_in_etcd(&s, "demo/report").await?,
+        Some((sa, g.revision))
+    );
+    // OpenSession: alice's session is never reused for bob
+    let opened = bob
+        .open_session(OpenSessionRequest {
+            class: "demo".into(),
+            reuse_session_ids: vec![sa],
+        })
+        .await?
+        .into_inner();
+    assert!(!opened.reused);
+    assert_ne!(opened.session_id, sa);
+    // alice's own calls still work on it
+    let again = alice
+        .open_session(OpenSessionRequest {
+            class: "demo".into(),
+            reuse_session_ids: vec![sa],
+        })
+        .await?
+        .into_inner();
+    assert!(again.reused);
+    assert_eq!(again.session_id, sa);
+    alice
+        .close_session(CloseSessionRequest { session_id: sa })
+        .await?;
+    eventually("alice's hold to go with her session", Duration::from_secs(5), || async {
+        anyhow::ensure!(holder_in_etcd(&s, "demo/report").await?.is_none());
+        Ok(())
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inspect_gives_no_token_and_the_session_only_to_its_holder() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let sa = open(&mut alice, "demo").await?;
+    let g = try_lock(&mut alice, "demo/report", "demo", sa).await?;
+
+    let seen_by_bob = bob
+        .inspect(InspectRequest {
+            key: "demo/report".into(),
+        })
+        .await?
+        .into_inner()
+        .holder
+        .ok_or_else(|| anyhow::anyhow!("no holder"))?;
+    assert_eq!(seen_by_bob.identity, "spiffe://dev.latchkey/workload/alice");
+    #[allow(deprecated)]
+    let token = seen_by_bob.token;
+    assert_eq!(token, 0, "never a token");
+    assert_eq!(seen_by_bob.session_id, 0, "not bob's session to see");
+    assert_eq!(seen_by_bob.class, "demo");
+
+    let seen_by_alice = alice
+        .inspect(InspectRequest {
+            key: "demo/report".into(),
+        })
+        .await?
+        .into_inner()
+        .holder
+        .ok_or_else(|| anyhow::anyhow!("no holder"))?;
+    #[allow(deprecated)]
+    let token = seen_by_alice.token;
+    assert_eq!(token, 0, "never a token, not even to the holder");
+    assert_eq!(seen_by_alice.session_id, sa);
+    assert_ne!(g.token, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn session_ids_are_unpredictable() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let mut ids = Vec::new();
+    for _ in 0..8 {
+        // distinct sessions: no reuse candidates
+        ids.push(open(&mut alice, "demo").await?);
+    }
+    for id in &ids {
+        assert!(*id > 0 && *id < (1i64 << 53), "{id:#x} is not in 1..2^53");
+    }
+    let steps: Vec<i64> = ids.windows(2).map(|w| w[1].wrapping_sub(w[0])).collect();
+    let small = steps.iter().filter(|d| d.unsigned_abs() < 1 << 20).count();
+    assert!(
+        small <= 1,
+        "session ids follow each other closely ({ids:x?}): predictable"
+    );
+    Ok(())
+}
+
+/// The default `--max-sessions-per-identity`.
+const MAX_SESSIONS: usize = 1000;
+/// The default `--max-waiters-per-identity`.
+const MAX_WAITERS: usize = 64;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_identity_cannot_open_more_sessions_than_its_bound() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let mallory = s.arbiter.lock("workload/mallory").await?;
+    // a few opens at a time: the bound holds under concurrency too
+    let mut opened = 0usize;
+    let mut refused = None;
+    'outer: for _ in 0..(MAX_SESSIONS / 8 + 2) {
+        let batch: Vec<_> = (0..8)
+            .map(|_| {
+                let mut c = mallory.clone();
+                tokio::spawn(async move { open_class(&mut c, "demo").await })
+            })
+            .collect();
+        for call in batch {
+            match call.await? {
+                Ok(_) => opened += 1,
+                Err(status) => {
+                    refused = Some(status);
+                    if opened >= MAX_SESSIONS {
+                        break 'outer;
+                    }
+                }
+            }
+        }
+        if refused.is_some() {
+            break;
+        }
+    }
+    let status = refused.ok_or_else(|| {
+        anyhow::anyhow!("one identity opened {opened} sessions: no bound per identity")
+    })?;
+    assert_eq!(opened, MAX_SESSIONS, "{}", status.message());
+    expect_refusal(Err::<(), _>(status.clone()), Code::ResourceExhausted, "IDENTITY_LIMIT")?;
+    assert!(
+        status.message().contains("sessions") && status.message().contains("reuse"),
+        "an actionable message: {}",
+        status.message()
+    );
+    // another identity is unaffected
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let sb = open(&mut bob, "demo").await?;
+    try_lock(&mut bob, "demo/after-flood", "demo", sb).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_identity_cannot_queue_more_waiting_acquires_than_its_bound() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let alice = s.arbiter.lock("workload/alice").await?;
+    let sb = open(&mut bob, "demo").await?;
+    let keys = ["demo/q0", "demo/q1", "demo/q2"];
+    for key in keys {
+        try_lock(&mut bob, key, "demo", sb).await?;
+    }
+    let sa = open(&mut alice.clone(), "demo").await?;
+    // alice queues up to her bound, spread over two keys (each under its per-key bound)
+    let mut waits = Vec::new();
+    for i in 0..MAX_WAITERS {
+        let mut c = alice.clone();
+        let key = keys[i % 2];
+        waits.push(tokio::spawn(async move {
+            wait_lock(&mut c, key, "demo", sa, Duration::from_secs(30)).await
+        }));
+    }
+    let mut probe = bob.clone();
+    eventually("alice's waiters to be queued", Duration::from_secs(20), || {
+        let mut probe = probe.clone();
+        async move {
+            let mut total = 0;
+            for key in &keys[..2] {
+                total += probe
+                    .inspect(InspectRequest {
+                        key: (*key).into(),
+                    })
+                    .await?
+                    .into_inner()
+                    .waiters as usize;
+            }
+            anyhow::ensure!(total == MAX_WAITERS, "{total} queued");
+            Ok(())
+        }
+    })
+    .await?;
+    // one more, on a key with nobody queued: refused at once
+    let started = tokio::time::Instant::now();
+    let more = wait_lock(
+        &mut alice.clone(),
+        keys[2],
+        "demo",
+        sa,
+        Duration::from_secs(10),
+    )
+    .await;
+    let status = expect_refusal(more, Code::ResourceExhausted, "QUEUE_FULL")?;
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        status.message().contains("waiting"),
+        "an actionable message: {}",
+        status.message()
+    );
+    // another identity still queues on the same keys
+    let mut demo = s.arbiter.lock("workload/demo").await?;
+    let sd = open(&mut demo, "demo").await?;
+    expect_refusal(
+        wait_lock(&mut demo, keys[0], "demo", sd, Duration::from_millis(800)).await,
+        Code::DeadlineExceeded,
+        "WAIT_TIMEOUT",
+    )?;
+    // alice's waiters leave; she may queue again
+    for w in &waits {
+        w.abort();
+    }
+    eventually("alice's waiters to leave", Duration::from_secs(10), || {
+        let mut probe = probe.clone();
+        async move {
+            let view = probe
+                .inspect(InspectRequest {
+                    key: keys[0].into(),
+                })
+                .await?
+                .into_inner();
+            anyhow::ensure!(view.waiters == 0, "{} queued", view.waiters);
+            Ok(())
+        }
+    })
+    .await?;
+    expect_refusal(
+        wait_lock(&mut alice.clone(), keys[2], "demo", sa, Duration::from_millis(800)).await,
+        Code::DeadlineExceeded,
+        "WAIT_TIMEOUT",
+    )?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn renewals_per_identity_are_rate_limited() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let mut mallory = s.arbiter.lock("workload/mallory").await?;
+    let sm = open(&mut mallory, "demo").await?;
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let mut replies = mallory
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let sender = tokio::spawn(async move {
+        for _ in 0..20_000 {
+            if tx.send(KeepAliveRequest { session_id: sm }).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut renewed = 0u32;
+    let refusal = loop {
+        match tokio::time::timeout(Duration::from_secs(10), replies.message()).await {
+            Ok(Ok(Some(_))) => renewed += 1,
+            Ok(Ok(None)) => anyhow::bail!("the stream ended after {renewed} renewals"),
+            Ok(Err(status)) => break status,
+            Err(_) => anyhow::bail!("no answer after {renewed} renewals"),
+        }
+        anyhow::ensure!(
+            renewed < 20_000,
+            "{renewed} renewals of one session as fast as it could send: no rate bound"
+        );
+    };
+    sender.abort();
+    let status = expect_refusal(Err::<(), _>(refusal), Code::ResourceExhausted, "IDENTITY_LIMIT")?;
+    assert!(status.message().contains("renewals"), "{}", status.message());
+    // another identity renews as usual
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let sb = open(&mut bob, "demo").await?;
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(KeepAliveRequest { session_id: sb }).await?;
+    let mut replies = bob
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let reply = replies
+        .message()
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+    assert_eq!(reply.session_id, sb);
+    Ok(())
+}
