@@ -66,6 +66,18 @@ struct Args {
     /// Longest wait for an Acquire, in seconds.
     #[arg(long, default_value_t = 300)]
     max_wait_seconds: u64,
+    /// Sessions one identity may have open, over every arbiter (OpenSession
+    /// answers RESOURCE_EXHAUSTED / IDENTITY_LIMIT beyond it).
+    #[arg(long, default_value_t = crate::bounds::DEFAULT_MAX_SESSIONS_PER_IDENTITY)]
+    max_sessions_per_identity: u32,
+    /// Acquire calls one identity may have waiting in this arbiter, over all
+    /// keys (RESOURCE_EXHAUSTED / QUEUE_FULL beyond it).
+    #[arg(long, default_value_t = crate::waiters::DEFAULT_MAX_WAITERS_PER_IDENTITY)]
+    max_waiters_per_identity: u32,
+    /// Session renewals per second one identity may send to this arbiter,
+    /// with a burst of twice as many (RESOURCE_EXHAUSTED / IDENTITY_LIMIT beyond it).
+    #[arg(long, default_value_t = crate::bounds::DEFAULT_MAX_RENEWALS_PER_IDENTITY)]
+    max_renewals_per_identity: u32,
     /// Serve without TLS; callers name themselves in a header. Laptops only.
     #[arg(long)]
     insecure_dev: bool,
@@ -143,6 +155,9 @@ pub async fn main() -> anyhow::Result<()> {
     config.trust_domain = args.trust_domain;
     config.edge_identity = args.edge_identity;
     config.max_wait = Duration::from_secs(args.max_wait_seconds);
+    config.max_sessions_per_identity = args.max_sessions_per_identity;
+    config.max_waiters_per_identity = args.max_waiters_per_identity;
+    config.max_renewals_per_identity = args.max_renewals_per_identity;
     config.metrics_listen = args.metrics_listen;
     #[cfg(feature = "test-faults")]
     {

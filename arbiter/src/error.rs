@@ -50,6 +50,12 @@ pub enum ArbiterError {
     WaitTimeout { key: String },
     #[error("too many waiters queued for key {key:?} (limit {limit} for its class); retry later")]
     QueueFull { key: String, limit: u32 },
+    #[error(
+        "this identity already has {limit} Acquire calls waiting at this arbiter (its --max-waiters-per-identity); let some finish or cancel them, or try-lock with WAIT_NONE"
+    )]
+    TooManyWaiters { limit: u32 },
+    #[error("{}", bound.message(*limit))]
+    IdentityLimit { bound: IdentityBound, limit: u32 },
     #[error("key {key:?} is not held by session {session:#x} (released, expired or never granted)")]
     NotHeld { key: String, session: i64 },
     #[error(
@@ -85,7 +91,8 @@ impl ArbiterError {
             Self::Held { .. } => Reason::Held,
             Self::Leak { .. } => Reason::Leak,
             Self::WaitTimeout { .. } => Reason::WaitTimeout,
-            Self::QueueFull { .. } => Reason::QueueFull,
+            Self::QueueFull { .. } | Self::TooManyWaiters { .. } => Reason::QueueFull,
+            Self::IdentityLimit { .. } => Reason::IdentityLimit,
             Self::NotHeld { .. } => Reason::NotHeld,
             Self::TokenMismatch { .. } => Reason::TokenMismatch,
             Self::Sealed { .. } => Reason::Sealed,
@@ -104,7 +111,9 @@ impl ArbiterError {
             | Self::SessionClassMismatch { .. } => Code::InvalidArgument,
             Self::Held { .. } => Code::Aborted,
             Self::WaitTimeout { .. } => Code::DeadlineExceeded,
-            Self::QueueFull { .. } => Code::ResourceExhausted,
+            Self::QueueFull { .. }
+            | Self::TooManyWaiters { .. }
+            | Self::IdentityLimit { .. } => Code::ResourceExhausted,
             Self::Leak { .. }
             | Self::SessionExpired { .. }
             | Self::NotHeld { .. }
@@ -124,6 +133,36 @@ impl ArbiterError {
     pub fn store(detail: impl std::fmt::Display) -> Self {
         Self::StoreUnavailable {
             detail: detail.to_string(),
+        }
+    }
+}
+
+/// A per-identity bound of the arbiter, other than waiting calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdentityBound {
+    /// Open sessions (`--max-sessions-per-identity`).
+    Sessions,
+    /// Session renewals per second (`--max-renewals-per-identity`).
+    Renewals,
+}
+
+impl IdentityBound {
+    fn message(self, limit: u32) -> String {
+        match self {
+            Self::Sessions => format!(
+                "this identity has {limit} open sessions (the arbiter's --max-sessions-per-identity); reuse one session per lock class (OpenSession's reuse_session_ids) and close sessions you no longer need"
+            ),
+            Self::Renewals => format!(
+                "this identity renews sessions faster than {limit} renewals per second (the arbiter's --max-renewals-per-identity); renew each session once per keepalive_interval_ms, and reopen the stream after a short pause"
+            ),
+        }
+    }
+
+    /// The metric label.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Self::Sessions => "sessions",
+            Self::Renewals => "renewals",
         }
     }
 }

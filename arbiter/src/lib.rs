@@ -13,6 +13,7 @@
 //! releases and polls. [`epoch`] seals the arbiter when the lock log is not
 //! the one the epoch was minted for.
 
+pub mod bounds;
 pub mod cli;
 pub mod config;
 pub mod epoch;
@@ -165,7 +166,12 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             trust_domain: config.trust_domain.clone(),
         },
     };
-    let queues = Queues::new(store.clone(), config.retry_poll, config.test_fault);
+    let queues = Queues::with_identity_bound(
+        store.clone(),
+        config.retry_poll,
+        config.test_fault,
+        config.max_waiters_per_identity,
+    );
     Ok(Arc::new(Arbiter {
         metrics: Arc::new(Metrics::new(
             {
@@ -184,6 +190,10 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             config.hooks.clone(),
         )),
         max_wait: config.max_wait,
+        bounds: Arc::new(bounds::Bounds::new(
+            config.max_sessions_per_identity,
+            config.max_renewals_per_identity,
+        )),
     }))
 }
 

@@ -99,6 +99,12 @@ pub struct Metrics {
     grant_wait: Family<ScopeLabels, Histogram>,
     hold: Family<ScopeLabels, Histogram>,
     renewals_refused: Family<OutcomeLabels, Counter>,
+    identity_bounds: Family<KindLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: String,
 }
 
 impl fmt::Debug for Metrics {
@@ -147,6 +153,12 @@ impl Metrics {
             "Keepalives refused (the stream ends; the holder fences), by reason: session_expired above all",
             renewals_refused.clone(),
         );
+        let identity_bounds = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "identity_bound_refusals",
+            "Calls refused because their identity reached a per-identity bound, by kind: sessions, renewals (per second) or waiters",
+            identity_bounds.clone(),
+        );
         registry.register_collector(Box::new(StateCollector {
             waiters,
             guard,
@@ -159,7 +171,18 @@ impl Metrics {
             grant_wait,
             hold,
             renewals_refused,
+            identity_bounds,
         }
+    }
+
+    /// Records a call refused by a per-identity bound (`kind`: sessions,
+    /// renewals or waiters; never the identity).
+    pub fn identity_bound_refused(&self, kind: &'static str) {
+        self.identity_bounds
+            .get_or_create(&KindLabels {
+                kind: kind.to_string(),
+            })
+            .inc();
     }
 
     /// Records one Acquire call's end.
@@ -302,6 +325,13 @@ impl Collector for StateCollector {
             "Class hook calls that denied the grant, by class",
             classes()
                 .map(|(c, m)| (vec![("class", c)], m.denials.values().sum()))
+                .collect(),
+        )?;
+        family(
+            "hook_module_refusals",
+            "Class hook module loads refused (missing, invalid, refusing its config), by class; logged once per change, counted every time",
+            classes()
+                .map(|(c, m)| (vec![("class", c)], m.module_refusals))
                 .collect(),
         )?;
         family(

@@ -4,6 +4,8 @@
 //! - `{prefix}/sys/epoch` — [`EpochRecord`]: the epoch and the cluster id it was minted for.
 //! - `{prefix}/sys/seal`  — present while the log is sealed (a restore was seen).
 //! - `{prefix}/s/{lease}` — [`SessionRecord`] on the session's lease.
+//! - `{prefix}/si/{hex(identity)}/{lease}` — empty, on the session's lease: the
+//!   identity's open sessions, counted for `--max-sessions-per-identity`.
 //! - `{prefix}/l/{key}`   — [`HolderRecord`] on the holder's session lease.
 //! - `{prefix}/q/`        — reserved for durable waiters (deleted by an epoch advance).
 //!
@@ -91,6 +93,19 @@ impl Layout {
     pub fn session(&self, lease: i64) -> String {
         format!("{}/s/{lease:016x}", self.prefix)
     }
+    /// One open session of `identity` (hex, so no identity is a prefix of
+    /// another's entries).
+    pub fn identity_session(&self, identity: &str, lease: i64) -> String {
+        format!("{}{lease:016x}", self.identity_sessions(identity))
+    }
+    /// Every open session of `identity`: a prefix to count.
+    pub fn identity_sessions(&self, identity: &str) -> String {
+        let mut hex = String::with_capacity(identity.len() * 2);
+        for b in identity.bytes() {
+            hex.push_str(&format!("{b:02x}"));
+        }
+        format!("{}/si/{hex}/", self.prefix)
+    }
     pub fn holder(&self, key: &str) -> String {
         format!("{}/l/{key}", self.prefix)
     }
@@ -99,6 +114,40 @@ impl Layout {
     }
     pub fn durable_waiters(&self) -> String {
         format!("{}/q/", self.prefix)
+    }
+}
+
+/// Why a hold is not the caller's to release or hand over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotOwned {
+    /// Not held by the caller's session, or not by the caller's identity:
+    /// one answer for both, so a session id is no oracle.
+    NotHeld,
+    /// The caller's own hold, but not at the token's revision.
+    TokenMismatch,
+}
+
+/// Whether the hold at `mod_revision` on `lease`, recorded as `record`, is
+/// `identity`'s hold through `session` at `revision`. Both the lease and the
+/// record must name the session: a token and a session id read from
+/// somewhere are not ownership.
+pub fn check_owner(
+    record: Option<&HolderRecord>,
+    lease: i64,
+    mod_revision: i64,
+    identity: &str,
+    session: i64,
+    revision: i64,
+) -> Result<(), NotOwned> {
+    match record {
+        Some(r) if r.identity == identity && r.session == session && lease == session => {
+            if mod_revision == revision {
+                Ok(())
+            } else {
+                Err(NotOwned::TokenMismatch)
+            }
+        }
+        _ => Err(NotOwned::NotHeld),
     }
 }
 
@@ -131,5 +180,56 @@ mod tests {
         let l = Layout::new("/latchkey/");
         assert_eq!(l.holder("a/b"), "/latchkey/l/a/b");
         assert_eq!(l.session(255), "/latchkey/s/00000000000000ff");
+        assert_eq!(l.identity_sessions("s://a"), "/latchkey/si/733a2f2f61/");
+        assert_eq!(
+            l.identity_session("s://a", 1),
+            "/latchkey/si/733a2f2f61/0000000000000001"
+        );
+        // "spiffe://td/a" is a string prefix of "spiffe://td/a/b"; their entries are not
+        assert!(
+            !l.identity_session("spiffe://td/a/b", 1)
+                .starts_with(&l.identity_sessions("spiffe://td/a"))
+        );
+    }
+
+    fn hold(identity: &str, session: i64) -> HolderRecord {
+        HolderRecord {
+            identity: identity.into(),
+            session,
+            class: "demo".into(),
+            acquired_at_unix_ms: 1,
+            annotations: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn only_the_holding_identity_and_session_own_a_hold() {
+        let alice = hold("spiffe://td/alice", 7);
+        assert_eq!(check_owner(Some(&alice), 7, 40, "spiffe://td/alice", 7, 40), Ok(()));
+        // alice, wrong token: she may learn that
+        assert_eq!(
+            check_owner(Some(&alice), 7, 40, "spiffe://td/alice", 7, 39),
+            Err(NotOwned::TokenMismatch)
+        );
+        // bob with alice's session and token, or with a wrong token: nothing more than NOT_HELD
+        for revision in [40, 39] {
+            assert_eq!(
+                check_owner(Some(&alice), 7, 40, "spiffe://td/bob", 7, revision),
+                Err(NotOwned::NotHeld)
+            );
+        }
+        // another session of alice's, a record on another lease, no record
+        assert_eq!(
+            check_owner(Some(&alice), 7, 40, "spiffe://td/alice", 8, 40),
+            Err(NotOwned::NotHeld)
+        );
+        assert_eq!(
+            check_owner(Some(&alice), 9, 40, "spiffe://td/alice", 7, 40),
+            Err(NotOwned::NotHeld)
+        );
+        assert_eq!(
+            check_owner(None, 7, 40, "spiffe://td/alice", 7, 40),
+            Err(NotOwned::NotHeld)
+        );
     }
 }

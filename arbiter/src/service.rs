@@ -46,6 +46,8 @@ pub struct Arbiter {
     pub(crate) hooks: Arc<dyn ClassHooks>,
     pub(crate) max_wait: Duration,
     pub(crate) metrics: Arc<Metrics>,
+    /// Per-identity bounds on sessions and renewals.
+    pub(crate) bounds: Arc<crate::bounds::Bounds>,
 }
 
 impl Arbiter {

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, GetResponse,
-    Identity, LeaseKeepAliveStream, LeaseKeeper, PutOptions, ResponseHeader, TlsOptions, Txn,
+    Identity, LeaseGrantOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, ResponseHeader, TlsOptions, Txn,
     TxnOp, TxnOpResponse, TxnResponse, WatchOptions, WatchStream,
 };
 use tracing::{error, warn};
@@ -20,8 +20,10 @@ use tracing::{error, warn};
 use crate::epoch::{EpochGuard, EpochState};
 use crate::error::ArbiterError;
 use crate::high_water::{HighWater, Mark};
+use crate::error::IdentityBound;
 use crate::records::{
-    EpochRecord, HolderRecord, Layout, SealRecord, SessionRecord, decode, encode, now_unix_ms,
+    EpochRecord, HolderRecord, Layout, NotOwned, SealRecord, SessionRecord, check_owner, decode,
+    encode, now_unix_ms,
 };
 use crate::token;
 
@@ -184,6 +186,36 @@ fn header_of(h: Option<&ResponseHeader>) -> Result<(u64, i64), ArbiterError> {
 pub struct HandedOver {
     pub grant: Grant,
     pub previous: Option<HolderRecord>,
+}
+
+/// A hold the caller was found to own: its record's bytes, lease and
+/// revision, which the release or hand-over transaction compares again.
+#[derive(Debug, Clone)]
+pub struct OwnedHold {
+    pub key: String,
+    pub session: i64,
+    pub revision: i64,
+    value: Vec<u8>,
+}
+
+/// Session ids are etcd lease ids the arbiter draws itself: positive, below
+/// 2^53 (exact in a JSON number or a double), from the OS's CSPRNG, so
+/// knowing one session id tells nothing about another's.
+pub fn random_lease_id() -> Result<i64, ArbiterError> {
+    let mut bytes = [0u8; 8];
+    getrandom::getrandom(&mut bytes)
+        .map_err(|e| ArbiterError::Internal(format!("no randomness for a session id: {e}")))?;
+    let id = i64::from_le_bytes(bytes) & ((1i64 << 53) - 1);
+    // 0 means "let etcd choose" to LeaseGrant: draw again rather than allow it
+    Ok(if id == 0 { 1 } else { id })
+}
+
+/// How many fresh ids an OpenSession tries when etcd says the lease exists.
+const LEASE_ID_ATTEMPTS: usize = 4;
+
+fn lease_exists(err: &etcd_client::Error) -> bool {
+    matches!(err, etcd_client::Error::GRpcStatus(s)
+        if s.code() == tonic::Code::FailedPrecondition && s.message().contains("lease already exists"))
 }
 
 fn first_kv(resp: &TxnOpResponse) -> Option<&etcd_client::KeyValue> {
@@ -493,36 +525,72 @@ impl Store {
         }
     }
 
+    /// How many sessions `identity` has open, over every arbiter.
+    pub async fn count_sessions_of(&self, identity: &str) -> Result<u32, ArbiterError> {
+        let resp = self
+            .checked_get(
+                self.layout.identity_sessions(identity),
+                Some(GetOptions::new().with_prefix().with_count_only()),
+            )
+            .await?;
+        Ok(u32::try_from(resp.count()).unwrap_or(u32::MAX))
+    }
+
+    /// Opens a session: a lease with an id of our own drawing (see
+    /// [`random_lease_id`]), its record and its entry in the identity's
+    /// session count, both on the lease. Refused when the identity already
+    /// has `max_sessions` open (counted just before; callers serialise the
+    /// opens of one identity, so one arbiter never overshoots).
     pub async fn open_session(
         &self,
         identity: &str,
         ttl_seconds: u32,
+        max_sessions: u32,
     ) -> Result<i64, ArbiterError> {
-        let mark = self.high_water.current();
-        let lease = self
-            .client
-            .lease_client()
-            .grant(i64::from(ttl_seconds), None)
-            .await
-            .map_err(etcd_error)?;
+        if self.count_sessions_of(identity).await? >= max_sessions {
+            return Err(ArbiterError::IdentityLimit {
+                bound: IdentityBound::Sessions,
+                limit: max_sessions,
+            });
+        }
+        let mut attempt = 0;
+        let (id, lease) = loop {
+            attempt += 1;
+            let id = random_lease_id()?;
+            let mark = self.high_water.current();
+            match self
+                .client
+                .lease_client()
+                .grant(
+                    i64::from(ttl_seconds),
+                    Some(LeaseGrantOptions::new().with_id(id)),
+                )
+                .await
+            {
+                Ok(lease) => break (id, (lease, mark)),
+                Err(e) if lease_exists(&e) && attempt < LEASE_ID_ATTEMPTS => continue,
+                Err(e) => return Err(etcd_error(e)),
+            }
+        };
+        let (lease, mark) = lease;
         let (cluster_id, _) = header_of(lease.header())?;
         self.observe(mark, cluster_id, None).await?;
-        let id = lease.id();
+        if lease.id() != id {
+            return Err(ArbiterError::Internal(
+                "etcd granted a lease under another id than the one asked for".into(),
+            ));
+        }
         let record = encode(&SessionRecord {
             identity: identity.to_string(),
             ttl_seconds,
         });
+        let on_lease = || Some(PutOptions::new().with_lease(id));
+        let txn = Txn::new().and_then([
+            TxnOp::put(self.layout.session(id), record, on_lease()),
+            TxnOp::put(self.layout.identity_session(identity, id), "", on_lease()),
+        ]);
         let mark = self.high_water.current();
-        let resp = self
-            .client
-            .kv_client()
-            .put(
-                self.layout.session(id),
-                record,
-                Some(PutOptions::new().with_lease(id)),
-            )
-            .await
-            .map_err(etcd_error)?;
+        let resp = self.client.kv_client().txn(txn).await.map_err(etcd_error)?;
         let (cluster_id, revision) = header_of(resp.header())?;
         self.observe(mark, cluster_id, Some(revision)).await?;
         Ok(id)
@@ -533,7 +601,40 @@ impl Store {
         Ok(resp.kvs().first().and_then(|kv| decode(kv.value())))
     }
 
-    pub async fn revoke(&self, lease: i64) -> Result<(), ArbiterError> {
+    /// Closes `identity`'s session: one transaction deletes its record (and
+    /// its entry in the identity's count) only if the record still names
+    /// `identity`, so from then on no grant, renewal or hand-over uses it;
+    /// then the lease is revoked, which ends every hold on it in one entry.
+    /// Someone else's session, or one that is gone, is `SessionExpired`
+    /// alike. If the revoke fails after the delete, the holds end with the
+    /// TTL (nobody can renew the session any more).
+    pub async fn close_session(&self, identity: &str, session: i64) -> Result<(), ArbiterError> {
+        let session_key = self.layout.session(session);
+        let resp = self.checked_get(session_key.clone(), None).await?;
+        let Some(kv) = resp.kvs().first() else {
+            return Err(ArbiterError::SessionExpired { session });
+        };
+        let owned = decode::<SessionRecord>(kv.value()).is_some_and(|r| r.identity == identity);
+        if !owned || kv.lease() != session {
+            return Err(ArbiterError::SessionExpired { session });
+        }
+        let txn = Txn::new()
+            .when([
+                Compare::value(session_key.clone(), CompareOp::Equal, kv.value().to_vec()),
+                Compare::lease(session_key.clone(), CompareOp::Equal, session),
+            ])
+            .and_then([
+                TxnOp::delete(session_key, None),
+                TxnOp::delete(self.layout.identity_session(identity, session), None),
+            ]);
+        let (resp, _) = self.checked_txn(txn).await?;
+        if !resp.succeeded() {
+            return Err(ArbiterError::SessionExpired { session });
+        }
+        self.revoke(session).await
+    }
+
+    async fn revoke(&self, lease: i64) -> Result<(), ArbiterError> {
         match self.client.lease_client().revoke(lease).await {
             Ok(_) => Ok(()),
             Err(etcd_client::Error::GRpcStatus(s)) if s.code() == tonic::Code::NotFound => Ok(()),
@@ -721,35 +822,86 @@ impl Store {
             .is_some_and(|kv| kv.mod_revision() == revision && kv.lease() == session))
     }
 
-    /// Hands `key` from the releasing session straight to `next` in one
-    /// transaction. `Ok(None)` if any compare failed (the caller then does a
-    /// plain release).
-    pub async fn hand_over(
+    /// The hold on `key` if it is `identity`'s through `session` at
+    /// `revision` (the token's); otherwise `NotHeld` — the same answer for
+    /// another identity's hold as for no hold, so session ids and tokens
+    /// read from somewhere are no oracle — or `TokenMismatch` for the
+    /// caller's own hold at another revision.
+    pub async fn owned_hold(
         &self,
         key: &str,
+        identity: &str,
         session: i64,
         revision: i64,
+    ) -> Result<OwnedHold, ArbiterError> {
+        let resp = self.checked_get(self.layout.holder(key), None).await?;
+        let kv = resp.kvs().first();
+        let record = kv.and_then(|kv| decode::<HolderRecord>(kv.value()));
+        let checked = match kv {
+            Some(kv) => check_owner(
+                record.as_ref(),
+                kv.lease(),
+                kv.mod_revision(),
+                identity,
+                session,
+                revision,
+            ),
+            None => Err(NotOwned::NotHeld),
+        };
+        match (checked, kv) {
+            (Ok(()), Some(kv)) => Ok(OwnedHold {
+                key: key.to_string(),
+                session,
+                revision,
+                value: kv.value().to_vec(),
+            }),
+            (Err(NotOwned::TokenMismatch), _) => Err(ArbiterError::TokenMismatch {
+                key: key.to_string(),
+            }),
+            _ => Err(ArbiterError::NotHeld {
+                key: key.to_string(),
+                session,
+            }),
+        }
+    }
+
+    /// Compares that make a write act only on the hold `owned` found: the
+    /// same record bytes (the caller's identity and session), on the same
+    /// lease, at the same revision.
+    fn still_owned(&self, owned: &OwnedHold) -> [Compare; 3] {
+        let holder_key = self.layout.holder(&owned.key);
+        [
+            Compare::mod_revision(holder_key.clone(), CompareOp::Equal, owned.revision),
+            Compare::lease(holder_key.clone(), CompareOp::Equal, owned.session),
+            Compare::value(holder_key, CompareOp::Equal, owned.value.clone()),
+        ]
+    }
+
+    /// Hands the caller's hold straight to `next` in one transaction.
+    /// `Ok(None)` if any compare failed (the caller then does a plain
+    /// release, which answers why).
+    pub async fn hand_over(
+        &self,
+        owned: &OwnedHold,
         next: &GrantRequest,
     ) -> Result<Option<HandedOver>, ArbiterError> {
         let state = self.serving_epoch().await?;
-        let holder_key = self.layout.holder(key);
-        let txn = Txn::new()
-            .when([
-                Compare::mod_revision(holder_key.clone(), CompareOp::Equal, revision),
-                Compare::lease(holder_key.clone(), CompareOp::Equal, session),
-                Compare::value(self.layout.epoch(), CompareOp::Equal, state.bytes.clone()),
-                Compare::create_revision(self.layout.seal(), CompareOp::Equal, 0),
-                Compare::value(
-                    self.layout.session(next.session),
-                    CompareOp::Equal,
-                    next.session_bytes(),
-                ),
-            ])
-            .and_then([TxnOp::put(
-                holder_key,
-                next.holder_bytes(),
-                Some(PutOptions::new().with_lease(next.session).with_prev_key()),
-            )]);
+        let holder_key = self.layout.holder(&owned.key);
+        let mut compares = self.still_owned(owned).to_vec();
+        compares.extend([
+            Compare::value(self.layout.epoch(), CompareOp::Equal, state.bytes.clone()),
+            Compare::create_revision(self.layout.seal(), CompareOp::Equal, 0),
+            Compare::value(
+                self.layout.session(next.session),
+                CompareOp::Equal,
+                next.session_bytes(),
+            ),
+        ]);
+        let txn = Txn::new().when(compares).and_then([TxnOp::put(
+            holder_key,
+            next.holder_bytes(),
+            Some(PutOptions::new().with_lease(next.session).with_prev_key()),
+        )]);
         let (resp, rev) = self.checked_txn(txn).await?;
         if !resp.succeeded() {
             return Ok(None);
@@ -761,7 +913,7 @@ impl Store {
         self.make_durable(&state, rev).await?;
         Ok(Some(HandedOver {
             grant: Grant {
-                key: key.to_string(),
+                key: owned.key.clone(),
                 session: next.session,
                 epoch: state.epoch(),
                 revision: rev,
@@ -770,43 +922,56 @@ impl Store {
         }))
     }
 
-    /// Deletes the hold if `session` holds `key` at `revision`; returns the
-    /// deleted holder record (for the metrics), if it could be read.
-    pub async fn release(
+    /// Deletes the caller's hold; returns its record (for the metrics).
+    /// `NotHeld` if it changed since [`Self::owned_hold`] found it (expired,
+    /// or released by another call of the same caller).
+    pub async fn release_owned(
+        &self,
+        owned: &OwnedHold,
+    ) -> Result<Option<HolderRecord>, ArbiterError> {
+        let txn = Txn::new()
+            .when(self.still_owned(owned))
+            .and_then([TxnOp::delete(
+                self.layout.holder(&owned.key),
+                Some(etcd_client::DeleteOptions::new().with_prev_key()),
+            )]);
+        let (resp, _) = self.checked_txn(txn).await?;
+        if !resp.succeeded() {
+            return Err(ArbiterError::NotHeld {
+                key: owned.key.clone(),
+                session: owned.session,
+            });
+        }
+        Ok(match resp.op_responses().first() {
+            Some(TxnOpResponse::Delete(d)) => d.prev_kvs().first().and_then(|kv| decode(kv.value())),
+            _ => None,
+        })
+    }
+
+    /// Deletes a grant this arbiter made whose caller went away, if `session`
+    /// still holds `key` at `revision` (the orphan release; never on a
+    /// caller's say-so).
+    pub async fn release_orphan(
         &self,
         key: &str,
         session: i64,
         revision: i64,
-    ) -> Result<Option<HolderRecord>, ArbiterError> {
+    ) -> Result<(), ArbiterError> {
         let holder_key = self.layout.holder(key);
         let txn = Txn::new()
             .when([
                 Compare::mod_revision(holder_key.clone(), CompareOp::Equal, revision),
                 Compare::lease(holder_key.clone(), CompareOp::Equal, session),
             ])
-            .and_then([TxnOp::delete(
-                holder_key.clone(),
-                Some(etcd_client::DeleteOptions::new().with_prev_key()),
-            )])
-            .or_else([TxnOp::get(holder_key, None)]);
+            .and_then([TxnOp::delete(holder_key, None)]);
         let (resp, _) = self.checked_txn(txn).await?;
         if resp.succeeded() {
-            return Ok(match resp.op_responses().first() {
-                Some(TxnOpResponse::Delete(d)) => {
-                    d.prev_kvs().first().and_then(|kv| decode(kv.value()))
-                }
-                _ => None,
-            });
-        }
-        let ops = resp.op_responses();
-        match ops.first().and_then(first_kv) {
-            Some(kv) if kv.lease() == session => Err(ArbiterError::TokenMismatch {
-                key: key.to_string(),
-            }),
-            _ => Err(ArbiterError::NotHeld {
+            Ok(())
+        } else {
+            Err(ArbiterError::NotHeld {
                 key: key.to_string(),
                 session,
-            }),
+            })
         }
     }
 

@@ -26,6 +26,10 @@ use crate::error::ArbiterError;
 use crate::store::{Grant, GrantOutcome, GrantRequest, KeyWatch, Store, WatchSignal};
 use crate::test_fault::TestFault;
 
+/// The default `--max-waiters-per-identity`: the edge's own per-identity
+/// bound, so a direct caller gets no more than one through the edge.
+pub const DEFAULT_MAX_WAITERS_PER_IDENTITY: u32 = 64;
+
 type Reply = Result<Grant, ArbiterError>;
 type Slot = Arc<Mutex<Option<oneshot::Sender<Reply>>>>;
 
@@ -92,8 +96,47 @@ impl Reuse {
     }
 }
 
+/// The queues of every key, and how many waiters each identity has in them
+/// (an entry only while it has one, so the map is bounded by the waiters).
+#[derive(Default)]
+struct Book {
+    keys: HashMap<String, KeyQueue>,
+    per_identity: HashMap<String, u32>,
+}
+
+impl Book {
+    /// Removes waiter `id` from `key`'s queue; whether it was the head.
+    fn remove(&mut self, key: &str, id: u64) -> bool {
+        let Some(q) = self.keys.get_mut(key) else {
+            return false;
+        };
+        let Some(at) = q.waiters.iter().position(|w| w.id == id) else {
+            return false;
+        };
+        let was_head = at == 0;
+        if was_head {
+            q.kick.notify_one();
+        }
+        if let Some(w) = q.waiters.remove(at) {
+            self.leave(&w.req.identity);
+        }
+        was_head
+    }
+
+    fn leave(&mut self, identity: &str) {
+        if let Some(n) = self.per_identity.get_mut(identity) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_identity.remove(identity);
+            }
+        }
+    }
+}
+
 pub struct Queues {
-    keys: Mutex<HashMap<String, KeyQueue>>,
+    keys: Mutex<Book>,
+    /// Waiting calls one identity may have queued here, over all keys.
+    max_per_identity: u32,
     reuse: Mutex<Reuse>,
     next_id: AtomicU64,
     store: Store,
@@ -121,9 +164,17 @@ pub struct Head {
 }
 
 impl Queues {
-    pub fn new(store: Store, poll: Duration, fault: TestFault) -> Arc<Self> {
+    /// Queues in which one identity may have `max_per_identity` waiting
+    /// calls over all keys.
+    pub fn with_identity_bound(
+        store: Store,
+        poll: Duration,
+        fault: TestFault,
+        max_per_identity: u32,
+    ) -> Arc<Self> {
         Arc::new(Self {
-            keys: Mutex::new(HashMap::new()),
+            keys: Mutex::new(Book::default()),
+            max_per_identity,
             reuse: Mutex::new(Reuse::default()),
             next_id: AtomicU64::new(1),
             store,
@@ -135,7 +186,7 @@ impl Queues {
     pub fn waiting(&self, key: &str) -> usize {
         self.keys
             .lock()
-            .map(|k| k.get(key).map_or(0, |q| q.waiters.len()))
+            .map(|k| k.keys.get(key).map_or(0, |q| q.waiters.len()))
             .unwrap_or(0)
     }
 
@@ -144,7 +195,7 @@ impl Queues {
         self.keys
             .lock()
             .map(|k| {
-                let queued = k.values().filter(|q| !q.waiters.is_empty());
+                let queued = k.keys.values().filter(|q| !q.waiters.is_empty());
                 queued.fold((0, 0), |(keys, n), q| (keys + 1, n + q.waiters.len()))
             })
             .unwrap_or((0, 0))
@@ -152,7 +203,7 @@ impl Queues {
 
     pub fn head(&self, key: &str) -> Option<Head> {
         let keys = self.keys.lock().ok()?;
-        let w = keys.get(key)?.waiters.front()?;
+        let w = keys.keys.get(key)?.waiters.front()?;
         Some(Head {
             id: w.id,
             req: w.req.clone(),
@@ -161,7 +212,8 @@ impl Queues {
     }
 
     /// Joins the tail of `req.key`'s queue. Starts the key's driver if the
-    /// queue was empty.
+    /// queue was empty. Refused when the key's queue holds `limit` waiters
+    /// or the caller's identity has its bound of waiters queued here.
     pub fn enqueue(
         self: &Arc<Self>,
         req: GrantRequest,
@@ -175,14 +227,25 @@ impl Queues {
             .keys
             .lock()
             .map_err(|_| ArbiterError::Internal("waiter queues poisoned".into()))?;
-        let start_driver = !keys.contains_key(&key);
-        let queue = keys.entry(key.clone()).or_insert_with(|| KeyQueue {
+        let book = &mut *keys;
+        let mine = book.per_identity.get(&req.identity).copied().unwrap_or(0);
+        if mine >= self.max_per_identity {
+            return Err(ArbiterError::TooManyWaiters {
+                limit: self.max_per_identity,
+            });
+        }
+        let start_driver = !book.keys.contains_key(&key);
+        let queue = book.keys.entry(key.clone()).or_insert_with(|| KeyQueue {
             waiters: VecDeque::new(),
             kick: Arc::new(Notify::new()),
         });
         if queue.waiters.len() >= limit as usize {
+            if queue.waiters.is_empty() {
+                book.keys.remove(&key);
+            }
             return Err(ArbiterError::QueueFull { key, limit });
         }
+        *book.per_identity.entry(req.identity.clone()).or_insert(0) += 1;
         queue.waiters.push_back(Waiter {
             id,
             req,
@@ -204,21 +267,15 @@ impl Queues {
     /// Wakes the key's driver (a local release, or a cancelled head).
     pub fn kick(&self, key: &str) {
         if let Ok(keys) = self.keys.lock()
-            && let Some(q) = keys.get(key)
+            && let Some(q) = keys.keys.get(key)
         {
             q.kick.notify_one();
         }
     }
 
     fn remove(&self, key: &str, id: u64) {
-        if let Ok(mut keys) = self.keys.lock()
-            && let Some(q) = keys.get_mut(key)
-        {
-            let was_head = q.waiters.front().is_some_and(|w| w.id == id);
-            q.waiters.retain(|w| w.id != id);
-            if was_head {
-                q.kick.notify_one();
-            }
+        if let Ok(mut keys) = self.keys.lock() {
+            keys.remove(key, id);
         }
     }
 
@@ -331,7 +388,7 @@ impl Queues {
             debug!(key = %grant.key, "releasing a grant whose caller went away");
             if let Err(e) = this
                 .store
-                .release(&grant.key, grant.session, grant.revision)
+                .release_orphan(&grant.key, grant.session, grant.revision)
                 .await
             {
                 warn!(key = %grant.key, error = %e, "could not release an abandoned grant; it ends with its session");
@@ -348,7 +405,7 @@ impl Queues {
     /// Removes the key's queue if it is empty; returns the head otherwise.
     fn head_or_retire(&self, key: &str) -> Option<Head> {
         let mut keys = self.keys.lock().ok()?;
-        let q = keys.get(key)?;
+        let q = keys.keys.get(key)?;
         match q.waiters.front() {
             Some(w) => Some(Head {
                 id: w.id,
@@ -356,7 +413,7 @@ impl Queues {
                 slot: w.slot.clone(),
             }),
             None => {
-                keys.remove(key);
+                keys.keys.remove(key);
                 None
             }
         }
@@ -488,5 +545,53 @@ async fn drive(queues: Arc<Queues>, key: String, kick: Arc<Notify>, watch_from: 
             }
             None => poll_later(&kick, queues.poll).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiter(id: u64, identity: &str, key: &str) -> Waiter {
+        Waiter {
+            id,
+            req: GrantRequest {
+                key: key.into(),
+                identity: identity.into(),
+                session: 1,
+                class: "demo".into(),
+                ttl_seconds: 15,
+                annotations: Default::default(),
+            },
+            slot: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    fn join(book: &mut Book, w: Waiter) {
+        *book.per_identity.entry(w.req.identity.clone()).or_insert(0) += 1;
+        book.keys
+            .entry(w.req.key.clone())
+            .or_insert_with(|| KeyQueue {
+                waiters: VecDeque::new(),
+                kick: Arc::new(Notify::new()),
+            })
+            .waiters
+            .push_back(w);
+    }
+
+    #[test]
+    fn waiters_are_counted_per_identity_and_forgotten_when_they_leave() {
+        let mut book = Book::default();
+        join(&mut book, waiter(1, "alice", "k1"));
+        join(&mut book, waiter(2, "alice", "k2"));
+        join(&mut book, waiter(3, "bob", "k1"));
+        assert_eq!(book.per_identity.get("alice"), Some(&2));
+        assert!(book.remove("k1", 1), "alice's waiter was k1's head");
+        assert!(!book.remove("k1", 1), "gone already: counted once");
+        assert_eq!(book.per_identity.get("alice"), Some(&1));
+        assert!(!book.remove("k2", 99));
+        assert!(book.remove("k2", 2));
+        assert!(book.remove("k1", 3));
+        assert!(book.per_identity.is_empty(), "no entry without a waiter");
     }
 }

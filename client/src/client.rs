@@ -54,9 +54,11 @@ pub struct Inspection {
 pub struct Holder {
     /// The holder's SPIFFE ID.
     pub identity: String,
+    /// The holder's session, shown only to the holder's own identity and
+    /// to operators; 0 for everyone else. (Inspect never returns the
+    /// token: a token is a capability, and the holder has it from its grant.)
     pub session_id: i64,
     pub class: String,
-    pub token: FencingToken,
     pub acquired_at_unix_ms: i64,
     pub annotations: BTreeMap<String, String>,
 }
@@ -193,7 +195,6 @@ impl Client {
                 identity: h.identity,
                 session_id: h.session_id,
                 class: h.class,
-                token: FencingToken::new(h.token),
                 acquired_at_unix_ms: h.acquired_at_unix_ms,
                 annotations: h.annotations.into_iter().collect(),
             }),

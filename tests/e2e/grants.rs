@@ -242,7 +242,7 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
         .inspect(InspectRequest { key: g.key.clone() })
         .await?
         .into_inner();
-    assert_eq!(inspect.holder.map(|h| h.token), Some(g.token));
+    assert_eq!(inspect.holder.map(|h| h.session_id), Some(session));
     release(&mut alice, &g).await?;
     expect_refusal(
         release(&mut alice, &g).await,

@@ -246,7 +246,7 @@ async fn keepalive_renews_the_session_and_reports_the_ttl() -> anyhow::Result<()
         })
         .await?
         .into_inner();
-    assert_eq!(inspect.holder.map(|h| h.token), Some(g.token));
+    assert_eq!(inspect.holder.map(|h| h.session_id), Some(g.session_id));
     // someone else's session cannot be renewed through this identity
     let mut bob = s.arbiter.lock("workload/bob").await?;
     let (tx, rx) = tokio::sync::mpsc::channel(4);

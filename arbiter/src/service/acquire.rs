@@ -211,7 +211,12 @@ impl Arbiter {
         let key_name = grant_req.key.clone();
         let mut ticket = self
             .queues
-            .enqueue(grant_req, watch_from, class.max_waiters_per_key)?;
+            .enqueue(grant_req, watch_from, class.max_waiters_per_key)
+            .inspect_err(|e| {
+                if matches!(e, ArbiterError::TooManyWaiters { .. }) {
+                    self.metrics.identity_bound_refused("waiters");
+                }
+            })?;
         debug!(identity = %caller.identity, key = %key_name, "queued");
         scope.waited = true;
         match tokio::time::timeout(budget, ticket.wait()).await {

@@ -6,15 +6,16 @@ use super::{Arbiter, session_id};
 use crate::error::ArbiterError;
 
 impl Arbiter {
-    /// Revokes the session's lease: every hold on it goes in one committed entry.
+    /// Revokes the caller's session's lease: every hold on it goes in one
+    /// committed entry. Someone else's session is `SESSION_EXPIRED`, the
+    /// same as one that does not exist.
     pub async fn close_session(
         &self,
         request: Request<CloseSessionRequest>,
     ) -> Result<CloseSessionResponse, ArbiterError> {
         let caller = self.caller(&request)?;
         let session = session_id(request.get_ref().session_id)?;
-        self.owned_session(&caller.identity, session).await?;
-        self.store.revoke(session).await?;
+        self.store.close_session(&caller.identity, session).await?;
         info!(identity = %caller.identity, session, "session closed");
         Ok(CloseSessionResponse {})
     }

@@ -3,10 +3,11 @@ use tonic::Request;
 
 use super::Arbiter;
 use crate::error::ArbiterError;
-use crate::token;
 
 impl Arbiter {
-    /// Who holds a key, for callers with a grant on its prefix only.
+    /// Who holds a key, for callers with a grant on its prefix only. Never
+    /// the token (a capability: the holder has it from its grant); the
+    /// holder's session id only to the holder's identity and to operators.
     pub async fn inspect(
         &self,
         request: Request<InspectRequest>,
@@ -14,22 +15,42 @@ impl Arbiter {
         let caller = self.caller(&request)?;
         let policies = self.policies.current();
         let key = self.authorised_key(&policies, &caller, &request.get_ref().key)?;
-        let state = self.store.serving_epoch().await.ok();
-        let holder = self.store.holder(key.as_str()).await?.map(|h| Holder {
-            identity: h.record.identity,
-            session_id: h.record.session,
-            class: h.record.class,
-            token: state
-                .as_ref()
-                .and_then(|s| token::pack(s.epoch(), h.revision))
-                .unwrap_or(0),
-            acquired_at_unix_ms: h.record.acquired_at_unix_ms,
-            annotations: h.record.annotations.into_iter().collect(),
+        let operator = policies.is_operator(&caller.identity);
+        let holder = self.store.holder(key.as_str()).await?.map(|h| {
+            let shown = session_shown(&h.record.identity, &caller.identity, operator);
+            let session_id = if shown { h.record.session } else { 0 };
+            Holder {
+                identity: h.record.identity,
+                session_id,
+                class: h.record.class,
+                acquired_at_unix_ms: h.record.acquired_at_unix_ms,
+                annotations: h.record.annotations.into_iter().collect(),
+                ..Holder::default()
+            }
         });
         Ok(InspectResponse {
             key: key.as_str().to_string(),
             holder,
             waiters: u32::try_from(self.queues.waiting(key.as_str())).unwrap_or(u32::MAX),
         })
+    }
+}
+
+/// Whether a holder's session id is shown to `caller`: to the holder's own
+/// identity and to operators only (a session id is not a capability, but
+/// nobody else needs it).
+fn session_shown(holder: &str, caller: &str, operator: bool) -> bool {
+    operator || holder == caller
+}
+
+#[cfg(test)]
+mod tests {
+    use super::session_shown;
+
+    #[test]
+    fn only_the_holder_and_operators_see_the_session() {
+        assert!(session_shown("spiffe://td/alice", "spiffe://td/alice", false));
+        assert!(!session_shown("spiffe://td/alice", "spiffe://td/bob", false));
+        assert!(session_shown("spiffe://td/alice", "spiffe://td/op", true));
     }
 }

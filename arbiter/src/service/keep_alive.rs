@@ -14,8 +14,11 @@ use crate::store::Renewer;
 
 impl Arbiter {
     /// Renews sessions on request. Each session's ownership is checked once
-    /// per stream; each renewal is answered with the TTL left, and a session
-    /// that is gone ends the stream with SESSION_EXPIRED.
+    /// per stream (someone else's session is SESSION_EXPIRED, as one that is
+    /// gone); each renewal is answered with the TTL left, and a session that
+    /// is gone ends the stream with SESSION_EXPIRED. Renewals count against
+    /// the identity's rate (IDENTITY_LIMIT ends the stream; the client
+    /// reopens it after a pause).
     pub fn keep_alive(
         self: Arc<Self>,
         request: Request<Streaming<KeepAliveRequest>>,
@@ -28,6 +31,7 @@ impl Arbiter {
             while let Some(Ok(req)) = inbound.next().await {
                 let reply = async {
                     let session = session_id(req.session_id)?;
+                    self.bounds.renewal(&caller.identity)?;
                     let renewer = match renewers.entry(session) {
                         Entry::Occupied(e) => e.into_mut(),
                         Entry::Vacant(e) => {
@@ -49,6 +53,9 @@ impl Arbiter {
                 if let Err(e) = &reply {
                     debug!(identity = %caller.identity, error = %e, "keepalive refused");
                     self.metrics.renewal_refused(e);
+                    if let ArbiterError::IdentityLimit { bound, .. } = e {
+                        self.metrics.identity_bound_refused(bound.kind());
+                    }
                 }
                 if tx.send(reply.map_err(Status::from)).await.is_err() || end {
                     return;

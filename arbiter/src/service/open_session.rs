@@ -11,6 +11,8 @@ const MAX_REUSE_CANDIDATES: usize = 32;
 impl Arbiter {
     /// One etcd lease per (identity, TTL): a candidate the client already has
     /// is returned if it is the caller's, alive, and has the class's TTL.
+    /// A new session needs the identity to be under its bound of open
+    /// sessions (`IDENTITY_LIMIT` otherwise).
     pub async fn open_session(
         &self,
         request: Request<OpenSessionRequest>,
@@ -39,7 +41,17 @@ impl Arbiter {
                 });
             }
         }
-        let session_id = self.store.open_session(&caller.identity, ttl).await?;
+        let opened = {
+            let _turn = self.bounds.open_turn(&caller.identity).await;
+            self.store
+                .open_session(&caller.identity, ttl, self.bounds.max_sessions)
+                .await
+        };
+        if let Err(e @ ArbiterError::IdentityLimit { bound, .. }) = &opened {
+            self.metrics.identity_bound_refused(bound.kind());
+            info!(identity = %caller.identity, error = %e, "session refused");
+        }
+        let session_id = opened?;
         info!(identity = %caller.identity, session = session_id, ttl, "session opened");
         Ok(OpenSessionResponse {
             session_id,

@@ -12,8 +12,12 @@ use crate::store::HandedOver;
 use crate::token;
 
 impl Arbiter {
-    /// Releases a hold. With a waiter queued here, the key is handed to it in
+    /// Releases a hold of the caller's: its record must name the caller's
+    /// identity and session, on that session's lease, at the token's
+    /// revision (checked on a read, then compared again in the transaction
+    /// that writes). With a waiter queued here, the key is handed to it in
     /// the same transaction (one etcd commit per contended handoff).
+    /// Another identity's hold is `NOT_HELD`, as if there were none.
     pub async fn release(
         &self,
         request: Request<ReleaseRequest>,
@@ -54,12 +58,12 @@ impl Arbiter {
                 key: key.as_str().to_string(),
             });
         }
+        let owned = self
+            .store
+            .owned_hold(key.as_str(), &caller.identity, session, revision)
+            .await?;
         if let Some(head) = self.queues.head(key.as_str()) {
-            match self
-                .store
-                .hand_over(key.as_str(), session, revision, &head.req)
-                .await
-            {
+            match self.store.hand_over(&owned, &head.req).await {
                 Ok(Some(HandedOver { grant, previous })) => {
                     info!(identity = %caller.identity, key = %key.as_str(), next = %head.req.identity, "released and handed over");
                     self.queues.deliver(&head, Ok(grant));
@@ -73,7 +77,7 @@ impl Arbiter {
                 Err(e) => debug!(error = %e, "hand-over failed; releasing plainly"),
             }
         }
-        let previous = self.store.release(key.as_str(), session, revision).await?;
+        let previous = self.store.release_owned(&owned).await?;
         // the released grant and anything older
         self.queues.forget_claims_before(key.as_str(), revision + 1);
         self.queues.kick(key.as_str());

@@ -1,5 +1,6 @@
 //! `latchctl inspect`: who holds a key. The arbiter answers only callers
-//! with a grant on the key's prefix, so the token is printed too.
+//! with a grant on the key's prefix, and never with a token; the holder's
+//! session id only to the holder's own identity and to operators.
 
 use std::process::ExitCode;
 
@@ -22,9 +23,8 @@ pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<E
             "waiters": view.waiters,
             "holder": view.holder.as_ref().map(|h| json!({
                 "identity": h.identity,
-                "session_id": h.session_id,
+                "session_id": (h.session_id != 0).then_some(h.session_id),
                 "class": h.class,
-                "token": h.token.get(),
                 "acquired_at_unix_ms": h.acquired_at_unix_ms,
                 "annotations": h.annotations,
             })),
@@ -36,9 +36,10 @@ pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<E
         Some(h) => {
             println!("key       {}", view.key);
             println!("holder    {}", h.identity);
-            println!("session   {}", h.session_id);
+            if h.session_id != 0 {
+                println!("session   {}", h.session_id);
+            }
             println!("class     {}", h.class);
-            println!("token     {}", h.token.get());
             println!("acquired  {}", utc(h.acquired_at_unix_ms));
             println!("waiters   {}", view.waiters);
             for (k, v) in &h.annotations {

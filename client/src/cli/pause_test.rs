@@ -16,7 +16,8 @@
 //! The outcome is written as a [`PauseTestResult`], the file a fenced class
 //! names in `[class.pauseTest]`. Exit 0 on pass, 1 on fail, 2 when the test
 //! could not run (no result is written then). Tokens are compared in-process
-//! (the first holder's through Inspect) and never printed.
+//! (the first holder's comes over the child's stdout pipe: Inspect never
+//! returns tokens) and never printed.
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
@@ -132,6 +133,9 @@ enum HolderEvent {
         first_write: Observed,
         ttl_seconds: u32,
         session_id: i64,
+        /// The first holder's token, for the kit's order check (Inspect
+        /// never returns tokens). Only on this pipe; never printed.
+        token: PipedToken,
     },
     /// The write after resume.
     #[serde(rename_all = "camelCase")]
@@ -140,6 +144,18 @@ enum HolderEvent {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<String>,
     },
+}
+
+/// A token on the pipe between the kit and its holder child: `Debug` never
+/// shows it, so no error message about an unexpected event carries it.
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+struct PipedToken(u64);
+
+impl std::fmt::Debug for PipedToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<token>")
+    }
 }
 
 /// The guarded write under test: the reference fence, or the owner's own.
@@ -250,6 +266,7 @@ pub async fn holder(global: &Global, args: HolderArgs) -> Result<ExitCode, Failu
         first_write: observed(&first),
         ttl_seconds,
         session_id: guard.session_id(),
+        token: PipedToken(token.get()),
     })
     .await?;
 
@@ -400,12 +417,18 @@ async fn kit(
     let ready = timeout(args.wait + HOLDER_START_SLACK, holder.next_event())
         .await
         .map_err(|_| cannot_run!("the holder did not acquire and write in time"))?;
-    let (first_write, ttl_seconds, holder_session) = match ready {
+    let (first_write, ttl_seconds, holder_session, first_token) = match ready {
         Ok(HolderEvent::Ready {
             first_write,
             ttl_seconds,
             session_id,
-        }) => (first_write, ttl_seconds, session_id),
+            token,
+        }) => (
+            first_write,
+            ttl_seconds,
+            session_id,
+            FencingToken::new(token.0),
+        ),
         Ok(other) => return Err(cannot_run!("the holder said {other:?} before ready")),
         Err(()) => return Err(cannot_run!("the holder failed: {}", holder.stderr().await)),
     };
@@ -416,7 +439,7 @@ async fn kit(
              lock service, or --write-sql updates only an existing record)"
         ));
     }
-    let first_token = holder_token(&client, &args.key, holder_session).await?;
+    holder_holds(&client, &args.key, holder_session).await?;
 
     // 2. Freeze it past its TTL.
     let ttl = Duration::from_secs(u64::from(ttl_seconds));
@@ -601,19 +624,15 @@ fn write_result(path: &Path, result: &PauseTestResult) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The first holder's token, from Inspect while it holds: the kit compares
-/// tokens without either crossing a pipe or a terminal.
-async fn holder_token(
-    client: &Client,
-    key: &str,
-    session_id: i64,
-) -> Result<FencingToken, CannotRun> {
+/// Checks with Inspect that the first holder's session holds the key (the
+/// kit runs as the same identity, so it sees the session id).
+async fn holder_holds(client: &Client, key: &str, session_id: i64) -> Result<(), CannotRun> {
     let view = client
         .inspect(key)
         .await
         .map_err(|e| cannot_run!("inspecting {key}: {e}"))?;
     match view.holder {
-        Some(h) if h.session_id == session_id => Ok(h.token),
+        Some(h) if h.session_id == session_id => Ok(()),
         Some(h) => Err(cannot_run!(
             "{key} is held by session {}, not the holder's session {session_id}",
             h.session_id
@@ -848,12 +867,14 @@ mod tests {
             first_write: Observed::Accepted,
             ttl_seconds: 5,
             session_id: 7,
+            token: PipedToken(281_474_976_710_699),
         };
         let line = serde_json::to_string(&ready).unwrap();
         assert_eq!(
             line,
-            r#"{"event":"ready","firstWrite":"accepted","ttlSeconds":5,"sessionId":7}"#
+            r#"{"event":"ready","firstWrite":"accepted","ttlSeconds":5,"sessionId":7,"token":281474976710699}"#
         );
+        assert!(!format!("{ready:?}").contains("281474976710699"));
         assert_eq!(serde_json::from_str::<HolderEvent>(&line).unwrap(), ready);
         let stale = HolderEvent::StaleWrite {
             outcome: Observed::Rejected,

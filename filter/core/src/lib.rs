@@ -2,15 +2,20 @@
 //! tested natively (the `latchkey-filter` crate is the thin glue).
 //!
 //! A request flows through it like this: the caller's SPIFFE ID comes from the
-//! TLS peer ([`identity::peer_identity`]); the method from the `:path`
-//! ([`request::Method`]); for Acquire, Release and Inspect the body is one gRPC
-//! frame whose lock.v1 message gives the key and class
-//! ([`decision::check_keyed`], which also matches the `x-lock-key` header and
-//! asks the grant table, [`policy::EdgePolicy`], for the longest granted
-//! prefix); a waiting Acquire then takes a place under the per-key and
-//! per-identity bounds in host shared data ([`admission::Admission`]), given back
-//! when the stream ends. Refusals are [`status::Refusal`]s; stat names are in
-//! [`metrics`]. The configuration is [`config::FilterConfig`].
+//! TLS peer ([`identity::peer_identity`]); any client-sent `x-latchkey-*`
+//! header is refused ([`headers`]) and the edge names the caller itself; the
+//! `:method` and `:path` must be a known call ([`request::Call`]: GetEdgePolicy
+//! and anything unknown are answered by the edge); every stream takes a place
+//! under its identity's stream bound ([`admission::Admission::open_stream`]);
+//! for Acquire, Release and Inspect the body is one gRPC frame whose lock.v1
+//! message gives the key and class ([`decision::check_keyed`], which also
+//! matches the `x-lock-key` header and asks the grant table,
+//! [`policy::EdgePolicy`], for the longest granted prefix); a waiting Acquire
+//! then takes a place under the per-key and per-identity bounds in host shared
+//! data, placed by a keyed hash ([`keyed_hash`]) and given back when the
+//! arbiter answers or the stream ends. Request trailers carrying a reserved
+//! name are refused on every method. Refusals are [`status::Refusal`]s; stat
+//! names are in [`metrics`]. The configuration is [`config::FilterConfig`].
 
 #![cfg_attr(
     not(test),

@@ -2,20 +2,26 @@
 //! `latchkey-filter-core`. Everything that decides lives in the core crate;
 //! this crate only moves bytes between Envoy and it.
 //!
-//! Per request: `on_http_request_headers` authenticates the TLS peer, replaces
-//! any client-sent `x-latchkey-identity` with the verified SPIFFE ID and, for
-//! Acquire/Release/Inspect, lets the headers on to Envoy's buffer filter (next
-//! in the chain, which holds them from the router until the body has passed
-//! here); `on_http_request_body` buffers the (bounded) body, decides, sets
-//! `x-lock-key` to the authorised key for Envoy's ring hash, takes an admission
-//! place for a waiting Acquire, and continues or answers with a gRPC refusal; `on_log` (every way a stream ends:
-//! response, reset, timeout) gives the place back. The root context parses the
-//! plugin configuration and refreshes the grant table from the arbiter on a
-//! timer, keeping the last good table on failure.
+//! Per request: `on_http_request_headers` authenticates the TLS peer, refuses
+//! any client-sent `x-latchkey-*` header, answers GetEdgePolicy and unknown
+//! methods itself, sets `x-latchkey-identity` to the verified SPIFFE ID, takes
+//! a place under the identity's stream bound and, for Acquire/Release/Inspect,
+//! lets the headers on to Envoy's buffer filter (next in the chain, which holds
+//! them from the router until the body has passed here);
+//! `on_http_request_body` buffers the (bounded) body, decides, sets the routing
+//! key for Envoy's ring hash, takes an admission place for a waiting Acquire,
+//! and continues or answers with a gRPC refusal; `on_http_request_trailers`
+//! refuses reserved names in trailers (for every method: the local reply
+//! resets a call already passed on); `on_http_response_headers` gives the
+//! waiter's place back (the wait is over once the arbiter answers); `on_log`
+//! (every way a stream ends: response, reset, timeout) gives every place back.
+//! The root context parses the plugin configuration and refreshes the grant
+//! table from the arbiter on a timer, keeping the last good table on failure.
 //!
 //! Host calls go through `proxy_wasm::hostcalls` (which return `Result`) rather
 //! than the trait helpers (which unwrap), and clippy denies unwrap/expect/panic:
-//! a panic would take the VM down.
+//! a panic would take the VM down. Header maps are read as bytes for the same
+//! reason (`get_map` unwraps UTF-8).
 
 #![deny(
     clippy::unwrap_used,
