@@ -184,11 +184,9 @@ mod tests {
     async fn one_identity_opens_one_session_at_a_time() {
         let bounds = Bounds::new(1, 1);
         let turn = bounds.open_turn("spiffe://td/a").await;
-        let again = tokio::time::timeout(
-            Duration::from_millis(50),
-            bounds.open_turn("spiffe://td/a"),
-        )
-        .await;
+        let again =
+            tokio::time::timeout(Duration::from_millis(50), bounds.open_turn("spiffe://td/a"))
+                .await;
         assert!(again.is_err(), "a second open waits for the first");
         drop(turn);
         let _turn = bounds.open_turn("spiffe://td/a").await;

@@ -205,7 +205,10 @@ mod tests {
     #[test]
     fn only_the_holding_identity_and_session_own_a_hold() {
         let alice = hold("spiffe://td/alice", 7);
-        assert_eq!(check_owner(Some(&alice), 7, 40, "spiffe://td/alice", 7, 40), Ok(()));
+        assert_eq!(
+            check_owner(Some(&alice), 7, 40, "spiffe://td/alice", 7, 40),
+            Ok(())
+        );
         // alice, wrong token: she may learn that
         assert_eq!(
             check_owner(Some(&alice), 7, 40, "spiffe://td/alice", 7, 39),

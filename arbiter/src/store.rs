@@ -12,15 +12,15 @@ use std::time::Duration;
 
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, GetResponse,
-    Identity, LeaseGrantOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, ResponseHeader, TlsOptions, Txn,
-    TxnOp, TxnOpResponse, TxnResponse, WatchOptions, WatchStream,
+    Identity, LeaseGrantOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, ResponseHeader,
+    TlsOptions, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchOptions, WatchStream,
 };
 use tracing::{error, warn};
 
 use crate::epoch::{EpochGuard, EpochState};
 use crate::error::ArbiterError;
-use crate::high_water::{HighWater, Mark};
 use crate::error::IdentityBound;
+use crate::high_water::{HighWater, Mark};
 use crate::records::{
     EpochRecord, HolderRecord, Layout, NotOwned, SealRecord, SessionRecord, check_owner, decode,
     encode, now_unix_ms,
@@ -943,7 +943,9 @@ impl Store {
             });
         }
         Ok(match resp.op_responses().first() {
-            Some(TxnOpResponse::Delete(d)) => d.prev_kvs().first().and_then(|kv| decode(kv.value())),
+            Some(TxnOpResponse::Delete(d)) => {
+                d.prev_kvs().first().and_then(|kv| decode(kv.value()))
+            }
             _ => None,
         })
     }

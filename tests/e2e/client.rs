@@ -80,7 +80,11 @@ async fn nested_acquire_and_release_never_reach_etcd_and_the_final_release_frees
     let view = alice.inspect("demo/re").await?;
     let holder = view.holder.context("held after the outermost acquire")?;
     assert_eq!(holder.identity, spiffe("workload/alice"), "mTLS identity");
-    assert_eq!(holder.session_id, outer.session_id(), "the holder sees its session");
+    assert_eq!(
+        holder.session_id,
+        outer.session_id(),
+        "the holder sees its session"
+    );
 
     let before = s.etcd.revision().await?;
     let inner = alice.lock("demo/re", "demo").acquire(|_| {}).await?;
@@ -482,7 +486,10 @@ async fn latchctl_holds_acquires_inspects_and_releases_on_the_real_arbiter() -> 
     let view = json(&out)?;
     assert_eq!(view["holder"]["identity"], spiffe("workload/alice"));
     assert_eq!(view["holder"]["session_id"].as_i64(), Some(session));
-    assert!(view["holder"]["token"].is_null(), "inspect never shows a token");
+    assert!(
+        view["holder"]["token"].is_null(),
+        "inspect never shows a token"
+    );
 
     let out = run(latchctl(addr, "workload/alice")?.args([
         "release",

@@ -18,10 +18,7 @@ use crate::support::*;
 async fn holder_in_etcd(s: &Stack, key: &str) -> anyhow::Result<Option<(i64, i64)>> {
     let mut etcd = s.etcd.client().await?;
     let resp = etcd.get(format!("/latchkey/l/{key}"), None).await?;
-    Ok(resp
-        .kvs()
-        .first()
-        .map(|kv| (kv.lease(), kv.mod_revision())))
+    Ok(resp.kvs().first().map(|kv| (kv.lease(), kv.mod_revision())))
 }
 
 /// Bob releases with alice's session id and token, as if he had read them
@@ -37,8 +34,7 @@ async fn release_as(c: &mut Client, g: &Grant) -> Result<(), tonic::Status> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn another_identity_cannot_release_a_hold_with_its_session_and_token() -> anyhow::Result<()>
-{
+async fn another_identity_cannot_release_a_hold_with_its_session_and_token() -> anyhow::Result<()> {
     let s = stack().await?;
     let mut alice = s.arbiter.lock("workload/alice").await?;
     let mut bob = s.arbiter.lock("workload/bob").await?;
@@ -128,11 +124,7 @@ async fn another_identity_cannot_hand_a_hold_over_to_a_waiter() -> anyhow::Resul
         "no hand-over: alice still holds the key"
     );
     // bob's wait ends at its deadline, not with alice's key
-    expect_refusal(
-        waiting.await?,
-        Code::DeadlineExceeded,
-        "WAIT_TIMEOUT",
-    )?;
+    expect_refusal(waiting.await?, Code::DeadlineExceeded, "WAIT_TIMEOUT")?;
     assert_eq!(
         holder_in_etcd(&s, "demo/report").await?,
         Some((sa, g.revision))
@@ -213,10 +205,14 @@ async fn another_identity_cannot_renew_close_or_reuse_a_session() -> anyhow::Res
     alice
         .close_session(CloseSessionRequest { session_id: sa })
         .await?;
-    eventually("alice's hold to go with her session", Duration::from_secs(5), || async {
-        anyhow::ensure!(holder_in_etcd(&s, "demo/report").await?.is_none());
-        Ok(())
-    })
+    eventually(
+        "alice's hold to go with her session",
+        Duration::from_secs(5),
+        || async {
+            anyhow::ensure!(holder_in_etcd(&s, "demo/report").await?.is_none());
+            Ok(())
+        },
+    )
     .await?;
     Ok(())
 }
@@ -319,7 +315,11 @@ async fn one_identity_cannot_open_more_sessions_than_its_bound() -> anyhow::Resu
         anyhow::anyhow!("one identity opened {opened} sessions: no bound per identity")
     })?;
     assert_eq!(opened, MAX_SESSIONS, "{}", status.message());
-    expect_refusal(Err::<(), _>(status.clone()), Code::ResourceExhausted, "IDENTITY_LIMIT")?;
+    expect_refusal(
+        Err::<(), _>(status.clone()),
+        Code::ResourceExhausted,
+        "IDENTITY_LIMIT",
+    )?;
     assert!(
         status.message().contains("sessions") && status.message().contains("reuse"),
         "an actionable message: {}",
@@ -353,23 +353,25 @@ async fn one_identity_cannot_queue_more_waiting_acquires_than_its_bound() -> any
         }));
     }
     let mut probe = bob.clone();
-    eventually("alice's waiters to be queued", Duration::from_secs(20), || {
-        let mut probe = probe.clone();
-        async move {
-            let mut total = 0;
-            for key in &keys[..2] {
-                total += probe
-                    .inspect(InspectRequest {
-                        key: (*key).into(),
-                    })
-                    .await?
-                    .into_inner()
-                    .waiters as usize;
+    eventually(
+        "alice's waiters to be queued",
+        Duration::from_secs(20),
+        || {
+            let mut probe = probe.clone();
+            async move {
+                let mut total = 0;
+                for key in &keys[..2] {
+                    total += probe
+                        .inspect(InspectRequest { key: (*key).into() })
+                        .await?
+                        .into_inner()
+                        .waiters as usize;
+                }
+                anyhow::ensure!(total == MAX_WAITERS, "{total} queued");
+                Ok(())
             }
-            anyhow::ensure!(total == MAX_WAITERS, "{total} queued");
-            Ok(())
-        }
-    })
+        },
+    )
     .await?;
     // one more, on a key with nobody queued: refused at once
     let started = tokio::time::Instant::now();
@@ -415,7 +417,14 @@ async fn one_identity_cannot_queue_more_waiting_acquires_than_its_bound() -> any
     })
     .await?;
     expect_refusal(
-        wait_lock(&mut alice.clone(), keys[2], "demo", sa, Duration::from_millis(800)).await,
+        wait_lock(
+            &mut alice.clone(),
+            keys[2],
+            "demo",
+            sa,
+            Duration::from_millis(800),
+        )
+        .await,
         Code::DeadlineExceeded,
         "WAIT_TIMEOUT",
     )?;
@@ -453,8 +462,16 @@ async fn renewals_per_identity_are_rate_limited() -> anyhow::Result<()> {
         );
     };
     sender.abort();
-    let status = expect_refusal(Err::<(), _>(refusal), Code::ResourceExhausted, "IDENTITY_LIMIT")?;
-    assert!(status.message().contains("renewals"), "{}", status.message());
+    let status = expect_refusal(
+        Err::<(), _>(refusal),
+        Code::ResourceExhausted,
+        "IDENTITY_LIMIT",
+    )?;
+    assert!(
+        status.message().contains("renewals"),
+        "{}",
+        status.message()
+    );
     // another identity renews as usual
     let mut bob = s.arbiter.lock("workload/bob").await?;
     let sb = open(&mut bob, "demo").await?;

@@ -49,8 +49,16 @@ mod tests {
 
     #[test]
     fn only_the_holder_and_operators_see_the_session() {
-        assert!(session_shown("spiffe://td/alice", "spiffe://td/alice", false));
-        assert!(!session_shown("spiffe://td/alice", "spiffe://td/bob", false));
+        assert!(session_shown(
+            "spiffe://td/alice",
+            "spiffe://td/alice",
+            false
+        ));
+        assert!(!session_shown(
+            "spiffe://td/alice",
+            "spiffe://td/bob",
+            false
+        ));
         assert!(session_shown("spiffe://td/alice", "spiffe://td/op", true));
     }
 }
