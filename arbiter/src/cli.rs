@@ -60,6 +60,11 @@ struct Args {
     /// SPIFFE ID of the edge proxy, whose identity header is trusted.
     #[arg(long)]
     edge_identity: Option<String>,
+    /// With --edge-identity: also serve workloads that call the arbiter
+    /// directly (dev and tests). Without it only the edge and operators are
+    /// served, so no workload walks around the edge's admission bounds.
+    #[arg(long)]
+    allow_direct_workloads: bool,
     /// Directory for the revision high-water mark (keep it on durable disk).
     #[arg(long, default_value = ".latchkey-arbiter")]
     state_dir: PathBuf,
@@ -154,6 +159,7 @@ pub async fn main() -> anyhow::Result<()> {
     config.tls = tls;
     config.trust_domain = args.trust_domain;
     config.edge_identity = args.edge_identity;
+    config.allow_direct_workloads = args.allow_direct_workloads;
     config.max_wait = Duration::from_secs(args.max_wait_seconds);
     config.max_sessions_per_identity = args.max_sessions_per_identity;
     config.max_waiters_per_identity = args.max_waiters_per_identity;

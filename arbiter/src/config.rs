@@ -155,6 +155,11 @@ pub struct Config {
     pub trust_domain: String,
     /// The edge proxy's SPIFFE ID: only this peer may name the caller in a header.
     pub edge_identity: Option<String>,
+    /// With an edge configured: may workloads call the arbiter directly? In
+    /// production no (the arbiter serves only the edge and operators, so the
+    /// edge's admission bounds cannot be walked around); dev and tests may.
+    /// Without an edge, direct calls are the only way in and always allowed.
+    pub allow_direct_workloads: bool,
     /// Where the revision high-water mark lives (outside etcd).
     pub state_dir: PathBuf,
     /// Longest an Acquire may wait, whatever its deadline.
@@ -192,6 +197,7 @@ impl Config {
             tls: None,
             trust_domain: "dev.latchkey".into(),
             edge_identity: None,
+            allow_direct_workloads: false,
             state_dir: state_dir.clone(),
             max_wait: Duration::from_secs(300),
             max_sessions_per_identity: crate::bounds::DEFAULT_MAX_SESSIONS_PER_IDENTITY,

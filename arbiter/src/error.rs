@@ -21,6 +21,10 @@ pub enum ArbiterError {
     NotAuthorised,
     #[error("this call needs the operator role; operators are listed in the policies/ grant files")]
     NotOperator,
+    #[error(
+        "this arbiter serves workloads only through the edge (Envoy with the Latchkey filter); call your sidecar, not the arbiter (operators may call directly)"
+    )]
+    DirectCallRefused,
     #[error("{0}")]
     BadKey(String),
     #[error("{0}")]
@@ -82,7 +86,9 @@ impl ArbiterError {
     pub fn reason(&self) -> Reason {
         match self {
             Self::Unauthenticated { .. } => Reason::Unauthenticated,
-            Self::NotAuthorised | Self::NotOperator => Reason::NotAuthorised,
+            Self::NotAuthorised | Self::NotOperator | Self::DirectCallRefused => {
+                Reason::NotAuthorised
+            }
             Self::BadKey(_) => Reason::BadKey,
             Self::BadRequest(_) | Self::Internal(_) => Reason::BadRequest,
             Self::UnknownClass { .. } => Reason::UnknownClass,
@@ -104,16 +110,18 @@ impl ArbiterError {
     pub fn code(&self) -> Code {
         match self {
             Self::Unauthenticated { .. } => Code::Unauthenticated,
-            Self::NotAuthorised | Self::NotOperator => Code::PermissionDenied,
+            Self::NotAuthorised | Self::NotOperator | Self::DirectCallRefused => {
+                Code::PermissionDenied
+            }
             Self::BadKey(_)
             | Self::BadRequest(_)
             | Self::UnknownClass { .. }
             | Self::SessionClassMismatch { .. } => Code::InvalidArgument,
             Self::Held { .. } => Code::Aborted,
             Self::WaitTimeout { .. } => Code::DeadlineExceeded,
-            Self::QueueFull { .. }
-            | Self::TooManyWaiters { .. }
-            | Self::IdentityLimit { .. } => Code::ResourceExhausted,
+            Self::QueueFull { .. } | Self::TooManyWaiters { .. } | Self::IdentityLimit { .. } => {
+                Code::ResourceExhausted
+            }
             Self::Leak { .. }
             | Self::SessionExpired { .. }
             | Self::NotHeld { .. }

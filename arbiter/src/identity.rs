@@ -5,9 +5,14 @@
 //! rustls; the SAN is parsed and validated as a SPIFFE ID here and must belong
 //! to the configured trust domain). Only when that certificate is the
 //! configured edge proxy's own identity does the arbiter take the caller from
-//! the edge's identity header instead — Envoy strips whatever a client sent
-//! and sets the verified one. Without TLS nothing is served, except in the
+//! the edge's identity header instead — the edge filter refuses whatever a
+//! client sent and sets the verified one. That header counts only from the
+//! initial request headers ([`channel`]: never from trailers, which tonic
+//! would merge into metadata). Without TLS nothing is served, except in the
 //! explicit insecure dev mode, where a header names the caller.
+//! docs/security.md has the whole threat model.
+
+pub mod channel;
 
 use std::str::FromStr;
 
@@ -15,6 +20,7 @@ use spiffe::SpiffeId;
 use tonic::Request;
 use x509_parser::extensions::GeneralName;
 
+use self::channel::{ForwardedIdentity, Named};
 use crate::error::ArbiterError;
 
 /// The header the edge proxy sets to the verified caller's SPIFFE ID.
@@ -92,24 +98,14 @@ impl IdentitySource {
         }
     }
 
-    /// The peer itself (its own SVID), never an identity it vouches for.
-    pub fn peer<T>(&self, request: &Request<T>) -> Result<Caller, ArbiterError> {
-        match self {
-            Self::InsecureDev { .. } => self.caller(request),
-            Self::Tls { trust_domain, .. } => Ok(Caller {
-                identity: peer_svid(request, trust_domain)?,
-            }),
-        }
-    }
-
-    pub fn is_edge(&self, identity: &str) -> bool {
-        matches!(self, Self::Tls { edge_identity: Some(e), .. } if e == identity)
-    }
-
+    /// The identity a call acts for: the peer's SVID, or the caller the edge
+    /// names. An edge peer that names nobody acts for nobody (its only call of
+    /// its own is the grant-table refresh, see [`Self::is_edge_itself`]).
     pub fn caller<T>(&self, request: &Request<T>) -> Result<Caller, ArbiterError> {
+        let forwarded = forwarded(request);
         match self {
             Self::InsecureDev { trust_domain } => {
-                let raw = header(request, DEV_IDENTITY_HEADER).ok_or_else(|| {
+                let raw = named(&forwarded.dev, DEV_IDENTITY_HEADER)?.ok_or_else(|| {
                     unauthenticated(format!(
                         "insecure dev mode: set the {DEV_IDENTITY_HEADER} header to your SPIFFE ID"
                     ))
@@ -124,19 +120,79 @@ impl IdentitySource {
             } => {
                 let peer = peer_svid(request, trust_domain)?;
                 if edge_identity.as_deref() == Some(peer.as_str()) {
-                    let vouched = header(request, EDGE_IDENTITY_HEADER).ok_or_else(|| {
+                    let vouched = named(&forwarded.edge, EDGE_IDENTITY_HEADER)?.ok_or_else(|| {
                         unauthenticated(format!(
-                            "the edge proxy sent no {EDGE_IDENTITY_HEADER} header"
+                            "the edge proxy named no caller ({EDGE_IDENTITY_HEADER}); the edge acts only for the callers it names"
                         ))
                     })?;
-                    return Ok(Caller {
-                        identity: parse_spiffe_id(vouched, trust_domain)?,
-                    });
+                    let identity = parse_spiffe_id(vouched, trust_domain)?;
+                    if identity == peer {
+                        return Err(unauthenticated(
+                            "the edge named itself as the caller; the edge acts only for its callers",
+                        ));
+                    }
+                    return Ok(Caller { identity });
                 }
-                // Any identity header from anyone but the edge is ignored.
+                // Only the edge may name a caller: anyone else who tries is
+                // refused rather than silently taken as themselves.
+                if !forwarded.edge.is_absent() {
+                    return Err(unauthenticated(format!(
+                        "{peer} sent {EDGE_IDENTITY_HEADER}; only the edge proxy may name a caller, and your certificate already names you: drop the header"
+                    )));
+                }
                 Ok(Caller { identity: peer })
             }
         }
+    }
+
+    /// True when the peer is the edge acting on its own behalf: its SVID, with
+    /// no caller named in the initial headers. Only the filter's own
+    /// grant-table refresh (a call Envoy makes outside the filter chain) looks
+    /// like this; every call the edge forwards names its caller.
+    pub fn is_edge_itself<T>(&self, request: &Request<T>) -> bool {
+        match self {
+            Self::InsecureDev { .. } => false,
+            Self::Tls {
+                trust_domain,
+                edge_identity: Some(edge),
+            } => {
+                forwarded(request).edge.is_absent()
+                    && peer_svid(request, trust_domain).is_ok_and(|p| &p == edge)
+            }
+            Self::Tls { .. } => false,
+        }
+    }
+
+    /// True when the caller reached the arbiter directly (not through the edge).
+    pub fn is_direct<T>(&self, request: &Request<T>) -> bool {
+        match self {
+            Self::InsecureDev { .. } => true,
+            Self::Tls {
+                trust_domain,
+                edge_identity,
+            } => match peer_svid(request, trust_domain) {
+                Ok(peer) => edge_identity.as_deref() != Some(peer.as_str()),
+                Err(_) => true,
+            },
+        }
+    }
+}
+
+/// The reserved headers the channel took from the initial headers; nothing
+/// when the request did not pass the channel (then nothing was forwarded).
+fn forwarded<T>(request: &Request<T>) -> ForwardedIdentity {
+    request
+        .extensions()
+        .get::<ForwardedIdentity>()
+        .cloned()
+        .unwrap_or_default()
+}
+
+fn named<'a>(value: &'a Named, header: &str) -> Result<Option<&'a str>, ArbiterError> {
+    match value {
+        Named::Absent => Ok(None),
+        Named::One(v) => Ok(Some(v)),
+        Named::Invalid(why) => Err(unauthenticated(format!("the {header} header was {why}"))),
     }
 }
 
@@ -149,10 +205,6 @@ fn peer_svid<T>(request: &Request<T>, trust_domain: &str) -> Result<String, Arbi
         .first()
         .ok_or_else(|| unauthenticated("no client certificate on the connection"))?;
     spiffe_id_of_certificate(leaf.as_ref(), trust_domain)
-}
-
-fn header<'a, T>(request: &'a Request<T>, name: &str) -> Option<&'a str> {
-    request.metadata().get(name).and_then(|v| v.to_str().ok())
 }
 
 #[cfg(test)]
@@ -170,25 +222,69 @@ mod tests {
         assert!(parse_spiffe_id("spiffe://dev.latchkey/a/../b", "dev.latchkey").is_err());
     }
 
-    #[test]
-    fn dev_mode_takes_the_header_and_tls_ignores_it() {
+    fn with_forwarded(f: ForwardedIdentity) -> Request<()> {
         let mut req = Request::new(());
-        req.metadata_mut().insert(
-            DEV_IDENTITY_HEADER,
-            "spiffe://dev.latchkey/workload/a"
-                .parse()
-                .unwrap_or_else(|_| unreachable!()),
-        );
+        req.extensions_mut().insert(f);
+        req
+    }
+
+    #[test]
+    fn dev_mode_takes_the_header_from_the_channel_and_tls_ignores_it() {
+        let req = with_forwarded(ForwardedIdentity {
+            dev: Named::One("spiffe://dev.latchkey/workload/a".into()),
+            ..Default::default()
+        });
         let dev = IdentitySource::InsecureDev {
             trust_domain: "dev.latchkey".into(),
         };
-        assert!(dev.caller(&req).is_ok());
+        assert_eq!(
+            dev.caller(&req).ok().map(|c| c.identity),
+            Some("spiffe://dev.latchkey/workload/a".to_string())
+        );
         let tls = IdentitySource::Tls {
             trust_domain: "dev.latchkey".into(),
             edge_identity: None,
         };
         assert!(matches!(
             tls.caller(&req),
+            Err(ArbiterError::Unauthenticated { .. })
+        ));
+    }
+
+    /// Metadata is where tonic puts a unary request's trailers: an identity
+    /// header there names nobody.
+    #[test]
+    fn metadata_alone_never_names_a_caller() {
+        let mut req = Request::new(());
+        for name in [DEV_IDENTITY_HEADER, EDGE_IDENTITY_HEADER] {
+            req.metadata_mut().insert(
+                name,
+                "spiffe://dev.latchkey/latchkey/operator"
+                    .parse()
+                    .unwrap_or_else(|_| unreachable!()),
+            );
+        }
+        let dev = IdentitySource::InsecureDev {
+            trust_domain: "dev.latchkey".into(),
+        };
+        assert!(matches!(
+            dev.caller(&req),
+            Err(ArbiterError::Unauthenticated { .. })
+        ));
+        assert!(!dev.is_edge_itself(&req));
+    }
+
+    #[test]
+    fn an_invalid_forwarded_header_is_refused() {
+        let req = with_forwarded(ForwardedIdentity {
+            dev: Named::Invalid("sent more than once"),
+            ..Default::default()
+        });
+        let dev = IdentitySource::InsecureDev {
+            trust_domain: "dev.latchkey".into(),
+        };
+        assert!(matches!(
+            dev.caller(&req),
             Err(ArbiterError::Unauthenticated { .. })
         ));
     }

@@ -185,6 +185,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         store,
         policies,
         identity,
+        direct_workloads: config.edge_identity.is_none() || config.allow_direct_workloads,
         hooks: Arc::new(wasm_hooks::WasmHooks::new(
             config.hook_host.clone(),
             config.hooks.clone(),
@@ -388,6 +389,8 @@ pub async fn run(
         "arbiter serving lock.v1 and admin.v1"
     );
     let result = server
+        // Forwarded identities count only from the initial headers.
+        .layer(identity::channel::IdentityChannelLayer)
         .add_service(LockServer::new(LockService::new(arbiter.clone())))
         .add_service(AdminServer::new(AdminService::new(arbiter)))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)

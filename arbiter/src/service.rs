@@ -43,6 +43,8 @@ pub struct Arbiter {
     pub(crate) queues: Arc<Queues>,
     pub(crate) policies: Arc<Policies>,
     pub(crate) identity: IdentitySource,
+    /// Workloads may call directly (no edge configured, or allowed for dev).
+    pub(crate) direct_workloads: bool,
     pub(crate) hooks: Arc<dyn ClassHooks>,
     pub(crate) max_wait: Duration,
     pub(crate) metrics: Arc<Metrics>,
@@ -51,8 +53,17 @@ pub struct Arbiter {
 }
 
 impl Arbiter {
+    /// The identity the call acts for (see [`IdentitySource::caller`]), and
+    /// the production rule that workloads come through the edge.
     pub(crate) fn caller<T>(&self, request: &Request<T>) -> Result<Caller, ArbiterError> {
-        self.identity.caller(request)
+        let caller = self.identity.caller(request)?;
+        if !self.direct_workloads
+            && self.identity.is_direct(request)
+            && !self.policies.current().is_operator(&caller.identity)
+        {
+            return Err(ArbiterError::DirectCallRefused);
+        }
+        Ok(caller)
     }
 
     /// Parses the key and checks the caller's prefix grants. The refusal is

@@ -61,7 +61,7 @@ async fn no_client_certificate_no_service() -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_ignored() -> anyhow::Result<()> {
+async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_refused() -> anyhow::Result<()> {
     let s = stack_with(ArbiterOptions {
         edge_identity: Some(spiffe("latchkey/edge")),
         ..Default::default()
@@ -116,7 +116,8 @@ async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_ignored() -> a
         })
         .await;
     expect_refusal(r, Code::Unauthenticated, "UNAUTHENTICATED")?;
-    // a workload forging the header stays itself: mallory is still mallory
+    // a workload forging the header is refused outright (not taken as alice,
+    // and not quietly served as mallory either)
     let m = channel(s.arbiter.addr(), "workload/mallory").await?;
     let mut forged = LockClient::with_interceptor(m, Vouch("spiffe://dev.latchkey/workload/alice"));
     let r = forged
@@ -124,7 +125,7 @@ async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_ignored() -> a
             key: "demo/edge".into(),
         })
         .await;
-    expect_refusal(r, Code::PermissionDenied, "NOT_AUTHORISED")?;
+    expect_refusal(r, Code::Unauthenticated, "UNAUTHENTICATED")?;
     Ok(())
 }
 
@@ -224,13 +225,21 @@ async fn the_edge_policy_goes_to_the_edge_and_operators_only() -> anyhow::Result
             .version,
         policy.version
     );
-    // a workload cannot read who may lock what, not even by forging the header
+    // a workload cannot read who may lock what: not on its own certificate ...
     let m = channel(s.arbiter.addr(), "workload/mallory").await?;
+    expect_refusal(
+        AdminClient::new(m.clone())
+            .get_edge_policy(GetEdgePolicyRequest {})
+            .await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    // ... and forging the header is refused outright
     let mut forged = AdminClient::with_interceptor(m, Vouch("spiffe://dev.latchkey/latchkey/edge"));
     expect_refusal(
         forged.get_edge_policy(GetEdgePolicyRequest {}).await,
-        Code::PermissionDenied,
-        "NOT_AUTHORISED",
+        Code::Unauthenticated,
+        "UNAUTHENTICATED",
     )?;
     Ok(())
 }

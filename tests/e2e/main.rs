@@ -13,6 +13,7 @@ mod grants;
 mod hooks;
 mod hostile_arbiter;
 mod hostile_edge;
+mod hostile_identity;
 mod identity;
 mod metrics;
 mod pause_test;

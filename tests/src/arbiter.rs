@@ -68,6 +68,10 @@ pub struct ArbiterOptions {
     /// Each test gets its own etcd, so the default prefix is fine.
     pub prefix: String,
     pub edge_identity: Option<String>,
+    /// With an edge: serve workloads that call directly too
+    /// (`--allow-direct-workloads`). On by default: most scenarios call the
+    /// arbiter directly; the trust-boundary tests turn it off.
+    pub allow_direct_workloads: bool,
     pub retry_poll: Duration,
     pub max_wait: Duration,
     /// Reuse a state dir (high-water mark) across restarts; a temp dir otherwise.
@@ -90,6 +94,7 @@ impl Default for ArbiterOptions {
                 .unwrap_or_else(|e| panic!("{e:#}")),
             prefix: "/latchkey".into(),
             edge_identity: None,
+            allow_direct_workloads: true,
             retry_poll: Duration::from_millis(500),
             max_wait: Duration::from_secs(60),
             state_dir: None,
@@ -136,6 +141,7 @@ impl Arbiter {
         });
         config.trust_domain = TRUST_DOMAIN.into();
         config.edge_identity = opts.edge_identity.clone();
+        config.allow_direct_workloads = opts.allow_direct_workloads;
         config.retry_poll = opts.retry_poll;
         config.max_wait = opts.max_wait;
         config.policy_poll = Duration::from_millis(200);
@@ -363,6 +369,9 @@ impl ArbiterProcess {
             .stderr(out);
         if let Some(edge) = &opts.edge_identity {
             cmd.arg("--edge-identity").arg(edge);
+        }
+        if opts.allow_direct_workloads {
+            cmd.arg("--allow-direct-workloads");
         }
         let etcd = &opts.etcd_credentials;
         if let Some(ca) = &etcd.ca {

@@ -162,7 +162,8 @@ impl EnvoyOptions {
 pub struct Envoy {
     child: Option<Child>,
     dir: TempDir,
-    admin: SocketAddr,
+    /// Envoy's admin listener: a Unix socket (mode 0600) in the run dir, never TCP.
+    admin: PathBuf,
     listen: SocketAddr,
     log: PathBuf,
 }
@@ -236,12 +237,12 @@ impl Envoy {
         let ecds = dir.path().join("ecds");
         std::fs::create_dir_all(&sds)?;
         std::fs::create_dir_all(&ecds)?;
-        let admin_port = free_port()?;
+        let admin_socket = dir.path().join("admin.sock");
         let listen_port = free_port()?;
         let edge = certs.svid("latchkey/edge");
         let templates = workspace_root().join("envoy");
         let mut vars = BTreeMap::new();
-        vars.insert("ADMIN_PORT", admin_port.to_string());
+        vars.insert("ADMIN_SOCKET", admin_socket.display().to_string());
         vars.insert("LISTEN_PORT", listen_port.to_string());
         vars.insert("TRUST_DOMAIN", TRUST_DOMAIN.to_string());
         vars.insert("SDS_DIR", sds.display().to_string());
@@ -275,7 +276,7 @@ impl Envoy {
         let log = dir.path().join("envoy.log");
         let mut envoy = Envoy {
             child: None,
-            admin: format!("127.0.0.1:{admin_port}").parse()?,
+            admin: admin_socket,
             listen: format!("127.0.0.1:{listen_port}").parse()?,
             log: log.clone(),
             dir,
@@ -305,21 +306,25 @@ impl Envoy {
     }
 
     async fn wait_ready(&mut self, arbiters: usize) -> anyhow::Result<()> {
-        let admin = self.admin;
+        let admin = self.admin.clone();
         let ready = eventually(
             "Envoy to be ready with a healthy arbiter",
             Duration::from_secs(30),
-            || async move {
-                let ready = admin_get(admin, "/ready").await?;
-                if !ready.contains("LIVE") {
-                    bail!("not live yet: {ready}");
+            || {
+                let admin = admin.clone();
+                async move {
+                    let ready = admin_get_unix(&admin, "/ready").await?;
+                    if !ready.contains("LIVE") {
+                        bail!("not live yet: {ready}");
+                    }
+                    let stats =
+                        admin_get_unix(&admin, "/stats?filter=cluster.arbiter.membership_healthy")
+                            .await?;
+                    if !stats.contains(&format!("membership_healthy: {arbiters}")) {
+                        bail!("arbiter not healthy yet: {stats}");
+                    }
+                    Ok(())
                 }
-                let stats =
-                    admin_get(admin, "/stats?filter=cluster.arbiter.membership_healthy").await?;
-                if !stats.contains(&format!("membership_healthy: {arbiters}")) {
-                    bail!("arbiter not healthy yet: {stats}");
-                }
-                Ok(())
             },
         )
         .await;
@@ -397,8 +402,9 @@ impl Envoy {
         self.listen
     }
 
-    pub fn admin_addr(&self) -> SocketAddr {
-        self.admin
+    /// The admin listener's Unix socket.
+    pub fn admin_socket(&self) -> &Path {
+        &self.admin
     }
 
     pub fn log(&self) -> String {
@@ -407,7 +413,7 @@ impl Envoy {
 
     /// Every `name: integer` line of `/stats`.
     pub async fn stats(&self) -> anyhow::Result<BTreeMap<String, u64>> {
-        let text = admin_get(self.admin, "/stats").await?;
+        let text = admin_get_unix(&self.admin, "/stats").await?;
         Ok(text
             .lines()
             .filter_map(|l| {
@@ -419,8 +425,8 @@ impl Envoy {
 
     /// One counter or gauge; 0 if it does not exist (yet).
     pub async fn counter(&self, name: &str) -> anyhow::Result<u64> {
-        let text = admin_get(
-            self.admin,
+        let text = admin_get_unix(
+            &self.admin,
             &format!("/stats?filter=^{}$", name.replace('.', "\\.")),
         )
         .await?;
@@ -444,7 +450,7 @@ impl Envoy {
     }
 
     pub async fn prometheus(&self) -> anyhow::Result<String> {
-        admin_get(self.admin, "/stats/prometheus").await
+        admin_get_unix(&self.admin, "/stats/prometheus").await
     }
 
     /// Upstream requests Envoy sent to the arbiter (health checks not included).
@@ -473,9 +479,26 @@ impl Drop for Envoy {
     }
 }
 
-/// A plain HTTP/1.1 GET on the admin port.
+/// A plain HTTP/1.1 GET on an admin or metrics port (TCP).
 pub async fn admin_get(admin: SocketAddr, path: &str) -> anyhow::Result<String> {
-    let mut s = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(admin)).await??;
+    let s = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(admin)).await??;
+    http_get(s, path).await
+}
+
+/// A plain HTTP/1.1 GET on Envoy's admin Unix socket.
+pub async fn admin_get_unix(socket: &Path, path: &str) -> anyhow::Result<String> {
+    let s = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::net::UnixStream::connect(socket),
+    )
+    .await??;
+    http_get(s, path).await
+}
+
+async fn http_get<S>(mut s: S, path: &str) -> anyhow::Result<String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let req = format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n");
     s.write_all(req.as_bytes()).await?;
     let mut buf = Vec::new();

@@ -26,6 +26,7 @@ pub mod gate;
 pub mod hooks;
 pub mod postgres;
 pub mod proxy;
+pub mod raw_grpc;
 
 /// How often [`eventually`] re-checks its condition.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);

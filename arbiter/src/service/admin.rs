@@ -58,16 +58,20 @@ impl Arbiter {
 }
 
 impl Arbiter {
-    /// The grant table for the edge filter. The edge calls on its own behalf,
-    /// so the peer's own SVID decides (never a vouched-for identity).
+    /// The grant table for the edge filter: served to the edge acting on its
+    /// own behalf (its SVID, no caller named: the filter's refresh) and to
+    /// operators. A call the edge forwards names its caller and is judged as
+    /// that caller, so a workload never reads the table through the edge.
     pub async fn get_edge_policy(
         &self,
         request: Request<GetEdgePolicyRequest>,
     ) -> Result<EdgePolicy, ArbiterError> {
-        let peer = self.identity.peer(&request)?;
         let policies = self.policies.current();
-        if !self.identity.is_edge(&peer.identity) && !policies.is_operator(&peer.identity) {
-            return Err(ArbiterError::NotOperator);
+        if !self.identity.is_edge_itself(&request) {
+            let caller = self.caller(&request)?;
+            if !policies.is_operator(&caller.identity) {
+                return Err(ArbiterError::NotOperator);
+            }
         }
         let grants = policies.grants();
         Ok(EdgePolicy {
