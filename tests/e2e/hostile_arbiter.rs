@@ -352,7 +352,7 @@ async fn one_identity_cannot_queue_more_waiting_acquires_than_its_bound() -> any
             wait_lock(&mut c, key, "demo", sa, Duration::from_secs(30)).await
         }));
     }
-    let mut probe = bob.clone();
+    let probe = bob.clone();
     eventually(
         "alice's waiters to be queued",
         Duration::from_secs(20),

@@ -251,13 +251,14 @@ impl Lock for FakeArbiter {
     ) -> Result<Response<InspectResponse>, Status> {
         let key = request.into_inner().key;
         let state = self.lock();
-        let holder = state.holds.get(&key).map(|&(session_id, token)| Holder {
+        // Like the real arbiter: never a token in Inspect.
+        let holder = state.holds.get(&key).map(|&(session_id, _)| Holder {
             identity: "spiffe://latchkey.test/workload/demo".into(),
             session_id,
             class: "test".into(),
-            token,
             acquired_at_unix_ms: 0,
             annotations: HashMap::new(),
+            ..Holder::default()
         });
         Ok(Response::new(InspectResponse {
             key,

@@ -83,8 +83,8 @@ async fn the_token_shows_in_no_debug_display_error_or_log() {
         Err(e) => panic!("inspect: {e}"),
     };
     assert_eq!(
-        inspection.holder.as_ref().map(|h| h.token.get()),
-        Some(token)
+        inspection.holder.as_ref().map(|h| h.session_id),
+        Some(guard.session_id())
     );
     assert_clean("inspection Debug", &format!("{inspection:?}"), token);
 
