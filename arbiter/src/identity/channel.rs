@@ -247,7 +247,7 @@ mod tests {
             .header("x-latchkey-identity", "spiffe://dev.latchkey/workload/m")
             .body(body)
             .unwrap_or_else(|_| unreachable!());
-        let _ = svc.call(req);
+        let _ = svc.call(req).await;
         let req = seen
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -128,12 +128,15 @@ pub struct HookHost {
     failed: Mutex<HashMap<String, Attempt>>,
     /// The last refusal logged per class, as (module file state, reason): a
     /// refusal is news once, and again only when the file or the reason changes.
-    reported: Mutex<HashMap<String, (Option<(u64, u128)>, String)>>,
+    reported: Mutex<HashMap<String, ReportedRefusal>>,
     /// key -> class for holds whose class's module wants after-release calls.
     held: Mutex<HashMap<String, String>>,
     metrics: Metrics,
     started: Instant,
 }
+
+/// A refusal as logged: the module file's (size, mtime) if readable, and the reason.
+type ReportedRefusal = (Option<(u64, u128)>, String);
 
 /// Most keys tracked for after-release calls.
 const MAX_TRACKED_HOLDS: usize = 65_536;
