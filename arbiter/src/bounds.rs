@@ -1,44 +1,44 @@
 //! Per-identity bounds that hold for every caller, through the edge or
 //! direct: open sessions (counted in etcd, see [`crate::store::Store::open_session`];
 //! here only the turn-taking that keeps one arbiter from overshooting), and
-//! session renewals per second (a token bucket per identity, in memory).
+//! the etcd work renewals cost (a memo of recent renewals, per session).
 //! Waiting Acquires are bounded in [`crate::waiters`].
 //!
-//! Nothing here is keyed by anything but an authenticated identity, and the
-//! bucket map is bounded: a full bucket is forgotten (it is the same as none).
+//! Renewals are bounded by coalescing, never by refusal: a refused renewal
+//! would cost a client that renews on time its session and every hold on it.
+//! A session renewed in etcd less than a quarter of its TTL ago is answered
+//! from memory (the TTL left since that renewal, which is never more than
+//! etcd's own), so however fast an identity renews, etcd sees at most four
+//! renewals per session per TTL, and the sessions are bounded per identity.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
-use std::time::Instant;
-
-use crate::error::{ArbiterError, IdentityBound};
+use std::time::{Duration, Instant};
 
 /// The default `--max-sessions-per-identity`.
 pub const DEFAULT_MAX_SESSIONS_PER_IDENTITY: u32 = 1000;
-/// The default `--max-renewals-per-identity` (per second): 1000 sessions
-/// renewed every 5 s (a 15 s TTL), with a burst of twice as many.
-pub const DEFAULT_MAX_RENEWALS_PER_IDENTITY: u32 = 200;
 
-/// Identities tracked by the renewal buckets before full ones are dropped.
-const MAX_TRACKED_IDENTITIES: usize = 16_384;
+/// Sessions remembered as recently renewed; past this, renewals of other
+/// sessions go to etcd (the memo only saves work, it never decides).
+const MAX_REMEMBERED_RENEWALS: usize = 1 << 18;
 /// OpenSession turns: one identity's opens run one at a time (count, then
 /// create); different identities rarely share a stripe.
 const OPEN_STRIPES: usize = 64;
 
 pub struct Bounds {
     pub max_sessions: u32,
-    renewals: Mutex<Renewals>,
+    renewals: Mutex<RenewalMemo>,
     open_turns: [tokio::sync::Mutex<()>; OPEN_STRIPES],
     /// Keyed with a per-process secret: nobody can aim at another's stripe.
     stripe_hasher: RandomState,
 }
 
 impl Bounds {
-    pub fn new(max_sessions: u32, renewals_per_second: u32) -> Self {
+    pub fn new(max_sessions: u32) -> Self {
         Self {
             max_sessions,
-            renewals: Mutex::new(Renewals::new(renewals_per_second)),
+            renewals: Mutex::new(RenewalMemo::default()),
             open_turns: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
             stripe_hasher: RandomState::new(),
         }
@@ -52,83 +52,73 @@ impl Bounds {
         self.open_turns[stripe].lock().await
     }
 
-    /// Takes one renewal from `identity`'s budget, or refuses it.
-    pub fn renewal(&self, identity: &str) -> Result<(), ArbiterError> {
-        let mut renewals = self
-            .renewals
-            .lock()
-            .map_err(|_| ArbiterError::Internal("renewal budgets poisoned".into()))?;
-        renewals.take(identity, Instant::now())
+    /// The TTL left (whole seconds, at least 1) when `session` was renewed in
+    /// etcd within the last quarter of its TTL; `None`: renew it in etcd.
+    pub fn recent_renewal(&self, session: i64) -> Option<i64> {
+        self.renewals.lock().ok()?.recent(session, Instant::now())
+    }
+
+    /// Notes an etcd renewal of `session` sent at `sent` that answered `ttl_seconds`.
+    pub fn renewed(&self, session: i64, sent: Instant, ttl_seconds: i64) {
+        if let Ok(mut memo) = self.renewals.lock() {
+            memo.note(session, sent, ttl_seconds, Instant::now());
+        }
+    }
+
+    /// Forgets `session` (closed): its next renewal goes to etcd.
+    pub fn forget_renewal(&self, session: i64) {
+        if let Ok(mut memo) = self.renewals.lock() {
+            memo.entries.remove(&session);
+        }
     }
 }
 
-/// Token buckets: `rate` renewals per second, up to `2 × rate` saved up.
-struct Renewals {
-    rate: f64,
-    burst: f64,
-    limit: u32,
-    buckets: HashMap<String, Bucket>,
+#[derive(Default)]
+struct RenewalMemo {
+    entries: HashMap<i64, Renewed>,
 }
 
 #[derive(Clone, Copy)]
-struct Bucket {
-    tokens: f64,
+struct Renewed {
+    /// When the renewal was sent: the lease had `ttl` left from then at least.
     at: Instant,
+    ttl: Duration,
 }
 
-impl Renewals {
-    fn new(per_second: u32) -> Self {
-        let rate = f64::from(per_second.max(1));
-        Self {
-            rate,
-            burst: rate * 2.0,
-            limit: per_second.max(1),
-            buckets: HashMap::new(),
+impl Renewed {
+    fn fresh(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.at) < self.ttl / 4
+    }
+}
+
+impl RenewalMemo {
+    fn recent(&self, session: i64, now: Instant) -> Option<i64> {
+        let r = self.entries.get(&session)?;
+        if !r.fresh(now) {
+            return None;
         }
+        let left = r.ttl.saturating_sub(now.saturating_duration_since(r.at));
+        i64::try_from(left.as_secs()).ok().filter(|s| *s >= 1)
     }
 
-    fn refilled(&self, b: Bucket, now: Instant) -> f64 {
-        let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
-        (b.tokens + elapsed * self.rate).min(self.burst)
-    }
-
-    fn take(&mut self, identity: &str, now: Instant) -> Result<(), ArbiterError> {
-        let tokens = match self.buckets.get(identity) {
-            Some(b) => self.refilled(*b, now),
-            None => {
-                if self.buckets.len() >= MAX_TRACKED_IDENTITIES {
-                    self.forget_full(now);
-                }
-                self.burst
-            }
+    fn note(&mut self, session: i64, sent: Instant, ttl_seconds: i64, now: Instant) {
+        let Ok(secs) = u64::try_from(ttl_seconds) else {
+            self.entries.remove(&session);
+            return;
         };
-        if tokens < 1.0 {
-            self.buckets
-                .insert(identity.to_string(), Bucket { tokens, at: now });
-            return Err(ArbiterError::IdentityLimit {
-                bound: IdentityBound::Renewals,
-                limit: self.limit,
-            });
+        if self.entries.len() >= MAX_REMEMBERED_RENEWALS && !self.entries.contains_key(&session) {
+            self.entries.retain(|_, r| r.fresh(now));
+            if self.entries.len() >= MAX_REMEMBERED_RENEWALS {
+                return;
+            }
         }
-        if self.buckets.len() < MAX_TRACKED_IDENTITIES || self.buckets.contains_key(identity) {
-            self.buckets.insert(
-                identity.to_string(),
-                Bucket {
-                    tokens: tokens - 1.0,
-                    at: now,
-                },
-            );
-        }
-        Ok(())
-    }
-
-    /// Drops the buckets that have refilled: the same as having none.
-    fn forget_full(&mut self, now: Instant) {
-        let (rate, burst) = (self.rate, self.burst);
-        self.buckets.retain(|_, b| {
-            let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
-            b.tokens + elapsed * rate < burst
-        });
+        self.entries.insert(
+            session,
+            Renewed {
+                at: sent,
+                ttl: Duration::from_secs(secs),
+            },
+        );
     }
 }
 
@@ -139,50 +129,52 @@ mod tests {
     use super::*;
 
     #[test]
-    fn renewals_are_refused_past_the_burst_and_allowed_again_at_the_rate() {
-        let mut r = Renewals::new(10);
+    fn a_renewal_inside_a_quarter_ttl_is_answered_from_the_memo() {
+        let mut m = RenewalMemo::default();
         let t0 = Instant::now();
-        for _ in 0..20 {
-            assert!(r.take("spiffe://td/mallory", t0).is_ok());
-        }
-        let refused = r.take("spiffe://td/mallory", t0);
-        assert!(matches!(
-            refused,
-            Err(ArbiterError::IdentityLimit {
-                bound: IdentityBound::Renewals,
-                limit: 10
-            })
-        ));
-        // another identity is unaffected
-        assert!(r.take("spiffe://td/alice", t0).is_ok());
-        // 100 ms later: one more renewal's worth
-        let later = t0 + Duration::from_millis(100);
-        assert!(r.take("spiffe://td/mallory", later).is_ok());
-        assert!(r.take("spiffe://td/mallory", later).is_err());
-        // a steady 10/s is always fine
-        for i in 1..=50u64 {
-            let t = later + Duration::from_millis(100 * i);
-            assert!(r.take("spiffe://td/mallory", t).is_ok(), "renewal {i}");
-        }
+        assert_eq!(m.recent(7, t0), None, "never renewed: go to etcd");
+        m.note(7, t0, 20, t0);
+        assert_eq!(m.recent(7, t0), Some(20));
+        // 2 s later: 18 s left, still inside the first quarter (5 s)
+        assert_eq!(m.recent(7, t0 + Duration::from_secs(2)), Some(18));
+        // at a quarter of the TTL: back to etcd
+        assert_eq!(m.recent(7, t0 + Duration::from_secs(5)), None);
+        // another session is not covered
+        assert_eq!(m.recent(8, t0), None);
+        // a lease etcd says is gone is forgotten
+        m.note(7, t0, -1, t0);
+        assert_eq!(m.recent(7, t0), None);
     }
 
     #[test]
-    fn the_bucket_map_is_bounded() {
-        let mut r = Renewals::new(10);
+    fn the_memo_never_claims_more_than_etcd_answered() {
+        let mut m = RenewalMemo::default();
         let t0 = Instant::now();
-        for i in 0..MAX_TRACKED_IDENTITIES + 100 {
-            let _ = r.take(&format!("spiffe://td/w{i}"), t0);
+        // a TTL of 1 s: nothing is ever answered from memory (under 1 s left)
+        m.note(1, t0, 1, t0);
+        assert_eq!(m.recent(1, t0 + Duration::from_millis(100)), None);
+        // the answer counts from when the renewal was sent, not answered
+        m.note(2, t0, 8, t0 + Duration::from_millis(1500));
+        assert_eq!(m.recent(2, t0 + Duration::from_millis(1500)), Some(6));
+    }
+
+    #[test]
+    fn the_memo_is_bounded() {
+        let mut m = RenewalMemo::default();
+        let t0 = Instant::now();
+        for s in 0..(MAX_REMEMBERED_RENEWALS as i64 + 10) {
+            m.note(s, t0, 60, t0);
         }
-        assert!(r.buckets.len() <= MAX_TRACKED_IDENTITIES);
-        // once refilled, the old buckets go to make room
-        let later = t0 + Duration::from_secs(5);
-        let _ = r.take("spiffe://td/newcomer", later);
-        assert!(r.buckets.len() <= 1);
+        assert!(m.entries.len() <= MAX_REMEMBERED_RENEWALS);
+        // once stale, old entries make room
+        let later = t0 + Duration::from_secs(16);
+        m.note(-5, later, 60, later);
+        assert_eq!(m.entries.len(), 1);
     }
 
     #[tokio::test]
     async fn one_identity_opens_one_session_at_a_time() {
-        let bounds = Bounds::new(1, 1);
+        let bounds = Bounds::new(1);
         let turn = bounds.open_turn("spiffe://td/a").await;
         let again =
             tokio::time::timeout(Duration::from_millis(50), bounds.open_turn("spiffe://td/a"))

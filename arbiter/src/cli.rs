@@ -79,10 +79,6 @@ struct Args {
     /// keys (RESOURCE_EXHAUSTED / QUEUE_FULL beyond it).
     #[arg(long, default_value_t = crate::waiters::DEFAULT_MAX_WAITERS_PER_IDENTITY)]
     max_waiters_per_identity: u32,
-    /// Session renewals per second one identity may send to this arbiter,
-    /// with a burst of twice as many (RESOURCE_EXHAUSTED / IDENTITY_LIMIT beyond it).
-    #[arg(long, default_value_t = crate::bounds::DEFAULT_MAX_RENEWALS_PER_IDENTITY)]
-    max_renewals_per_identity: u32,
     /// Serve without TLS; callers name themselves in a header. Laptops only.
     #[arg(long)]
     insecure_dev: bool,
@@ -163,7 +159,6 @@ pub async fn main() -> anyhow::Result<()> {
     config.max_wait = Duration::from_secs(args.max_wait_seconds);
     config.max_sessions_per_identity = args.max_sessions_per_identity;
     config.max_waiters_per_identity = args.max_waiters_per_identity;
-    config.max_renewals_per_identity = args.max_renewals_per_identity;
     config.metrics_listen = args.metrics_listen;
     #[cfg(feature = "test-faults")]
     {

@@ -168,9 +168,6 @@ pub struct Config {
     pub max_sessions_per_identity: u32,
     /// Acquire calls one identity may have waiting in this arbiter, over all keys.
     pub max_waiters_per_identity: u32,
-    /// Session renewals per second one identity may send to this arbiter
-    /// (a burst of twice as many is allowed).
-    pub max_renewals_per_identity: u32,
     /// Poll period for waiters whose watch is lost (jittered ±50%).
     pub retry_poll: Duration,
     pub etcd_connect_timeout: Duration,
@@ -202,7 +199,6 @@ impl Config {
             max_wait: Duration::from_secs(300),
             max_sessions_per_identity: crate::bounds::DEFAULT_MAX_SESSIONS_PER_IDENTITY,
             max_waiters_per_identity: crate::waiters::DEFAULT_MAX_WAITERS_PER_IDENTITY,
-            max_renewals_per_identity: crate::bounds::DEFAULT_MAX_RENEWALS_PER_IDENTITY,
             retry_poll: Duration::from_secs(1),
             etcd_connect_timeout: Duration::from_secs(5),
             etcd_request_timeout: Duration::from_secs(10),

@@ -150,8 +150,6 @@ impl ArbiterError {
 pub enum IdentityBound {
     /// Open sessions (`--max-sessions-per-identity`).
     Sessions,
-    /// Session renewals per second (`--max-renewals-per-identity`).
-    Renewals,
 }
 
 impl IdentityBound {
@@ -160,9 +158,6 @@ impl IdentityBound {
             Self::Sessions => format!(
                 "this identity has {limit} open sessions (the arbiter's --max-sessions-per-identity); reuse one session per lock class (OpenSession's reuse_session_ids) and close sessions you no longer need"
             ),
-            Self::Renewals => format!(
-                "this identity renews sessions faster than {limit} renewals per second (the arbiter's --max-renewals-per-identity); renew each session once per keepalive_interval_ms, and reopen the stream after a short pause"
-            ),
         }
     }
 
@@ -170,7 +165,6 @@ impl IdentityBound {
     pub fn kind(self) -> &'static str {
         match self {
             Self::Sessions => "sessions",
-            Self::Renewals => "renewals",
         }
     }
 }

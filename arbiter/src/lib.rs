@@ -191,10 +191,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             config.hooks.clone(),
         )),
         max_wait: config.max_wait,
-        bounds: Arc::new(bounds::Bounds::new(
-            config.max_sessions_per_identity,
-            config.max_renewals_per_identity,
-        )),
+        bounds: Arc::new(bounds::Bounds::new(config.max_sessions_per_identity)),
     }))
 }
 

@@ -99,6 +99,7 @@ pub struct Metrics {
     grant_wait: Family<ScopeLabels, Histogram>,
     hold: Family<ScopeLabels, Histogram>,
     renewals_refused: Family<OutcomeLabels, Counter>,
+    renewals: Family<OutcomeLabels, Counter>,
     identity_bounds: Family<KindLabels, Counter>,
 }
 
@@ -153,10 +154,16 @@ impl Metrics {
             "Keepalives refused (the stream ends; the holder fences), by reason: session_expired above all",
             renewals_refused.clone(),
         );
+        let renewals = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "session_renewals",
+            "Keepalives answered, by outcome: renewed in etcd, or coalesced (the session was renewed in etcd within a quarter of its TTL, so the answer came from memory)",
+            renewals.clone(),
+        );
         let identity_bounds = Family::<KindLabels, Counter>::default();
         registry.register(
             "identity_bound_refusals",
-            "Calls refused because their identity reached a per-identity bound, by kind: sessions, renewals (per second) or waiters",
+            "Calls refused because their identity reached a per-identity bound, by kind: sessions or waiters",
             identity_bounds.clone(),
         );
         registry.register_collector(Box::new(StateCollector {
@@ -171,12 +178,13 @@ impl Metrics {
             grant_wait,
             hold,
             renewals_refused,
+            renewals,
             identity_bounds,
         }
     }
 
-    /// Records a call refused by a per-identity bound (`kind`: sessions,
-    /// renewals or waiters; never the identity).
+    /// Records a call refused by a per-identity bound (`kind`: sessions or
+    /// waiters; never the identity).
     pub fn identity_bound_refused(&self, kind: &'static str) {
         self.identity_bounds
             .get_or_create(&KindLabels {
@@ -237,6 +245,15 @@ impl Metrics {
                 namespace: scope.namespace_label(),
                 class: scope.class_label(),
                 outcome,
+            })
+            .inc();
+    }
+
+    /// Records one keepalive answered: `renewed` in etcd or `coalesced`.
+    pub fn renewal(&self, outcome: &'static str) {
+        self.renewals
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.to_string(),
             })
             .inc();
     }
