@@ -38,6 +38,22 @@ pub struct RefreshConfig {
     pub period_ms: u64,
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
+    /// How long after the arbiter last confirmed the grant table it counts as
+    /// stale: a key the stale table does not cover is then answered
+    /// `UNAVAILABLE` (`POLICY_STALE`, retryable), not `PERMISSION_DENIED`.
+    /// Default: three periods plus one timeout.
+    #[serde(default)]
+    pub stale_after_ms: Option<u64>,
+}
+
+impl RefreshConfig {
+    pub fn stale_after_ms(&self) -> u64 {
+        self.stale_after_ms.unwrap_or_else(|| {
+            self.period_ms
+                .saturating_mul(3)
+                .saturating_add(self.timeout_ms)
+        })
+    }
 }
 
 fn default_period_ms() -> u64 {
@@ -78,7 +94,10 @@ pub struct FilterConfig {
     /// Reported as the `filter_version` gauge: which rollout is serving.
     #[serde(default = "default_filter_version")]
     pub filter_version: u64,
-    /// The grant table served until the first refresh (and kept if none succeeds).
+    /// The grant table served until the first refresh (and kept if none
+    /// succeeds). With a `refresh`, the last good table an earlier VM of this
+    /// `vm_id` received from the arbiter (kept in shared data) is preferred:
+    /// it is what the arbiter said last (see `grant_table`).
     #[serde(default)]
     pub grants: Vec<GrantConfig>,
     #[serde(default)]
@@ -179,6 +198,9 @@ impl FilterConfig {
         if let Some(r) = &config.refresh {
             range("refresh.period_ms", r.period_ms, 100, 3_600_000)?;
             range("refresh.timeout_ms", r.timeout_ms, 10, 60_000)?;
+            if let Some(stale) = r.stale_after_ms {
+                range("refresh.stale_after_ms", stale, r.period_ms, 86_400_000)?;
+            }
             if r.cluster.is_empty() {
                 return Err(ConfigError::Range {
                     field: "refresh.cluster (length)",
@@ -227,7 +249,9 @@ mod tests {
         assert_eq!(p.grants().len(), 2);
         assert_eq!(p.max_waiters_per_key("demo"), 2);
         assert_eq!(p.max_waiters_per_key("other"), 4);
-        assert_eq!(c.refresh.unwrap().timeout_ms, 2000);
+        let refresh = c.refresh.unwrap();
+        assert_eq!(refresh.timeout_ms, 2000);
+        assert_eq!(refresh.stale_after_ms(), 3 * 1000 + 2000);
         assert_eq!(c.max_streams_per_identity, 9);
         assert_eq!(
             c.admission_secret,
@@ -274,6 +298,7 @@ mod tests {
         for bad in [
             &br#"{"trust_domain":"dev.latchkey","max_waiter_per_key":3}"#[..],
             br#"{"trust_domain":"dev.latchkey","refresh":{"cluster":"a","perod_ms":1}}"#,
+            br#"{"trust_domain":"dev.latchkey","refresh":{"cluster":"a","period_ms":1000,"stale_after_ms":999}}"#,
             br#"{"trust_domain":"Not A Domain"}"#,
             br#"{"trust_domain":"dev.latchkey","key_slots":0}"#,
             br#"{"trust_domain":"dev.latchkey","max_streams_per_identity":0}"#,

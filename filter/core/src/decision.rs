@@ -6,8 +6,8 @@
 use latchkey_policies::LockKey;
 
 use crate::admission::Rejection;
+use crate::grant_table::Table;
 use crate::metrics;
-use crate::policy::EdgePolicy;
 use crate::request::{Method, RequestError, decode, unframe};
 use crate::status::{DenyReason, Refusal};
 
@@ -25,6 +25,8 @@ pub struct Authorised {
     pub waits: bool,
     /// `ns.<ns>.class.<class>` for stats.
     pub scope: String,
+    /// The class's waiter bound, from the table that authorised the call.
+    pub max_waiters_per_key: u32,
 }
 
 /// Whether a body of `body_size` bytes can already be refused as oversized
@@ -33,8 +35,13 @@ pub fn body_too_large(body_size: usize, max_message_bytes: usize) -> bool {
     body_size > max_message_bytes.saturating_add(5)
 }
 
+/// A key the table does not cover is `NOT_AUTHORISED` only when the table is
+/// fresh: without a table (`POLICY_NOT_READY`) or with a stale one
+/// (`POLICY_STALE`) the refusal is `UNAVAILABLE`, since the caller may hold a
+/// grant the edge has not received (issue 19). Malformed requests are refused
+/// the same way whatever the table.
 pub fn check_keyed(
-    policy: &EdgePolicy,
+    table: Table<'_>,
     identity: &str,
     method: Method,
     body: &[u8],
@@ -57,9 +64,18 @@ pub fn check_keyed(
     {
         return Err(refuse(DenyReason::KeyMismatch));
     }
-    let granted = policy
-        .authorise(identity, &key)
-        .ok_or_else(|| refuse(DenyReason::NotAuthorised))?;
+    let (policy, stale) = match table {
+        Table::NotReady => return Err(refuse(DenyReason::PolicyNotReady)),
+        Table::Fresh(policy) => (policy, false),
+        Table::Stale(policy) => (policy, true),
+    };
+    let granted = policy.authorise(identity, &key).ok_or_else(|| {
+        refuse(if stale {
+            DenyReason::PolicyStale
+        } else {
+            DenyReason::NotAuthorised
+        })
+    })?;
     let class = request.class.unwrap_or_default();
     let class_label = if method == Method::Acquire && policy.knows_class(&class) {
         class.as_str()
@@ -70,6 +86,7 @@ pub fn check_keyed(
     };
     let scope = metrics::scope(granted, class_label);
     Ok(Authorised {
+        max_waiters_per_key: policy.max_waiters_per_key(&class),
         key,
         class,
         waits: method == Method::Acquire && request.waits,
@@ -92,6 +109,7 @@ pub fn admission_refusal(r: Rejection) -> Refusal {
 mod tests {
     use super::*;
     use crate::config::FilterConfig;
+    use crate::policy::EdgePolicy;
     use crate::status::GrpcCode;
     use crate::wire::Writer;
 
@@ -119,7 +137,7 @@ mod tests {
     #[test]
     fn an_authorised_acquire_passes_with_its_scope() {
         let a = check_keyed(
-            &policy(),
+            Table::Fresh(&policy()),
             ALICE,
             Method::Acquire,
             &body("a/b/c"),
@@ -131,7 +149,17 @@ mod tests {
         assert!(a.waits);
         assert_eq!(a.scope, "ns.a.class.demo");
         // No header: fine (the filter sets the routing key itself).
-        assert!(check_keyed(&policy(), ALICE, Method::Acquire, &body("a/b"), None, 4096).is_ok());
+        assert!(
+            check_keyed(
+                Table::Fresh(&policy()),
+                ALICE,
+                Method::Acquire,
+                &body("a/b"),
+                None,
+                4096
+            )
+            .is_ok()
+        );
     }
 
     #[test]
@@ -140,7 +168,7 @@ mod tests {
         let code = |r: Result<Authorised, Refusal>| r.map(|_| ()).map_err(|r| (r.code, r.why));
         assert_eq!(
             code(check_keyed(
-                &p,
+                Table::Fresh(&p),
                 ALICE,
                 Method::Acquire,
                 &body("a/bc"),
@@ -151,7 +179,7 @@ mod tests {
         );
         assert_eq!(
             code(check_keyed(
-                &p,
+                Table::Fresh(&p),
                 "spiffe://dev.latchkey/workload/bob",
                 Method::Acquire,
                 &body("a/b"),
@@ -162,7 +190,7 @@ mod tests {
         );
         assert_eq!(
             code(check_keyed(
-                &p,
+                Table::Fresh(&p),
                 ALICE,
                 Method::Acquire,
                 &body("a/b/x"),
@@ -173,7 +201,7 @@ mod tests {
         );
         assert_eq!(
             code(check_keyed(
-                &p,
+                Table::Fresh(&p),
                 ALICE,
                 Method::Acquire,
                 &body("a//b"),
@@ -184,7 +212,7 @@ mod tests {
         );
         assert_eq!(
             code(check_keyed(
-                &p,
+                Table::Fresh(&p),
                 ALICE,
                 Method::Acquire,
                 &body("a/b"),
@@ -195,7 +223,7 @@ mod tests {
         );
         assert_eq!(
             code(check_keyed(
-                &p,
+                Table::Fresh(&p),
                 ALICE,
                 Method::Release,
                 &[0, 0, 0, 0, 3, 0xff, 0xff, 0xff],
@@ -210,7 +238,7 @@ mod tests {
     fn the_denial_is_the_same_whether_or_not_a_grant_exists_nearby() {
         let p = policy();
         let a = check_keyed(
-            &p,
+            Table::Fresh(&p),
             ALICE,
             Method::Inspect,
             &body("a/bc"),
@@ -219,7 +247,7 @@ mod tests {
         )
         .unwrap_err();
         let b = check_keyed(
-            &p,
+            Table::Fresh(&p),
             ALICE,
             Method::Inspect,
             &body("zzz/none"),
@@ -228,6 +256,80 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(a, b);
+    }
+
+    /// Issue 19: without a table, or with a stale one, a caller is never told
+    /// PERMISSION_DENIED; a stale table still lets through what it covers.
+    #[test]
+    fn a_missing_or_stale_table_is_unavailable_not_permission_denied() {
+        let p = policy();
+        let code = |r: Result<Authorised, Refusal>| r.map(|_| ()).map_err(|r| (r.code, r.why));
+        for key in ["a/b/c", "zzz/none"] {
+            assert_eq!(
+                code(check_keyed(
+                    Table::NotReady,
+                    ALICE,
+                    Method::Acquire,
+                    &body(key),
+                    None,
+                    4096
+                )),
+                Err((GrpcCode::Unavailable, DenyReason::PolicyNotReady))
+            );
+        }
+        let stale = check_keyed(
+            Table::Stale(&p),
+            ALICE,
+            Method::Acquire,
+            &body("a/b/c"),
+            None,
+            4096,
+        )
+        .unwrap();
+        assert_eq!(stale.scope, "ns.a.class.demo");
+        assert_eq!(stale.max_waiters_per_key, 2);
+        assert_eq!(
+            code(check_keyed(
+                Table::Stale(&p),
+                ALICE,
+                Method::Acquire,
+                &body("a/bc"),
+                None,
+                4096
+            )),
+            Err((GrpcCode::Unavailable, DenyReason::PolicyStale))
+        );
+        // The same refusal whether or not a grant exists nearby, as when fresh.
+        assert_eq!(
+            check_keyed(
+                Table::Stale(&p),
+                ALICE,
+                Method::Inspect,
+                &body("a/bc"),
+                None,
+                4096
+            ),
+            check_keyed(
+                Table::Stale(&p),
+                ALICE,
+                Method::Inspect,
+                &body("zzz/none"),
+                None,
+                4096
+            ),
+        );
+        // A malformed request is refused as such whatever the table.
+        assert_eq!(
+            code(check_keyed(
+                Table::NotReady,
+                ALICE,
+                Method::Acquire,
+                &body("a//b"),
+                None,
+                4096
+            )),
+            Err((GrpcCode::InvalidArgument, DenyReason::BadKey))
+        );
     }
 
     #[test]

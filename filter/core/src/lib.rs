@@ -33,6 +33,7 @@
 pub mod admission;
 pub mod config;
 pub mod decision;
+pub mod grant_table;
 pub mod headers;
 pub mod identity;
 pub mod keyed_hash;

@@ -21,6 +21,23 @@ pub const DECISION_US: &str = "latchkey_edge.decision_us";
 pub const REFRESH_OK: &str = "latchkey_edge.policy_refresh.result.updated";
 pub const REFRESH_UNCHANGED: &str = "latchkey_edge.policy_refresh.result.unchanged";
 pub const REFRESH_FAILED: &str = "latchkey_edge.policy_refresh.result.failed";
+/// When the arbiter last confirmed the grant table this VM decides with
+/// (Unix seconds; alert on its age).
+pub const GRANT_TABLE_CONFIRMED_AT_S: &str = "latchkey_edge.grant_table_confirmed_at_s";
+/// A table taken from shared data on a tick (another worker's refresh).
+pub const GRANT_TABLE_ADOPTED: &str = "latchkey_edge.grant_table_adopted";
+
+/// Where a newly configured VM's table came from
+/// (`configured`, `carried`, `none`: see `grant_table::Origin`).
+pub fn grant_table_start(origin: crate::grant_table::Origin) -> String {
+    format!("{PREFIX}.grant_table_start.result.{}", origin.label())
+}
+
+/// Writing the last good table to shared data: `written`, `newer_kept`, `failed`.
+pub fn grant_table_store(result: &str) -> String {
+    format!("{PREFIX}.grant_table_store.result.{}", label(result))
+}
+
 /// Waiting Acquires admitted without a key place (the key's probe window was
 /// full of other keys' waiters; the arbiter's per-key bound still holds).
 pub const ADMISSION_OVERFLOW: &str = "latchkey_edge.admission_overflow";
@@ -75,6 +92,18 @@ mod tests {
         assert_eq!(
             denied(DenyReason::NotAuthorised),
             "latchkey_edge.denied.reason.not_authorised"
+        );
+        assert_eq!(
+            denied(DenyReason::PolicyNotReady),
+            "latchkey_edge.denied.reason.policy_not_ready"
+        );
+        assert_eq!(
+            denied(DenyReason::PolicyStale),
+            "latchkey_edge.denied.reason.policy_stale"
+        );
+        assert_eq!(
+            grant_table_start(crate::grant_table::Origin::Carried),
+            "latchkey_edge.grant_table_start.result.carried"
         );
     }
 }

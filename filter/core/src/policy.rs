@@ -162,7 +162,7 @@ impl EdgePolicy {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::wire::Writer;
 

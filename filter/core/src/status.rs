@@ -31,7 +31,8 @@ pub enum DenyReason {
     QueueFullKey,
     QueueFullIdentity,
     AdmissionTableFull,
-    NoPolicy,
+    PolicyNotReady,
+    PolicyStale,
     NoRouteKey,
     ReservedHeader,
     ReservedTrailer,
@@ -56,7 +57,8 @@ impl DenyReason {
             Self::QueueFullKey => "queue_full_key",
             Self::QueueFullIdentity => "queue_full_identity",
             Self::AdmissionTableFull => "admission_table_full",
-            Self::NoPolicy => "no_policy",
+            Self::PolicyNotReady => "policy_not_ready",
+            Self::PolicyStale => "policy_stale",
             Self::NoRouteKey => "no_route_key",
             Self::ReservedHeader => "reserved_header",
             Self::ReservedTrailer => "reserved_trailer",
@@ -68,7 +70,7 @@ impl DenyReason {
         }
     }
 
-    pub const ALL: [DenyReason; 19] = [
+    pub const ALL: [DenyReason; 20] = [
         Self::Unauthenticated,
         Self::NotAuthorised,
         Self::BadKey,
@@ -79,7 +81,8 @@ impl DenyReason {
         Self::QueueFullKey,
         Self::QueueFullIdentity,
         Self::AdmissionTableFull,
-        Self::NoPolicy,
+        Self::PolicyNotReady,
+        Self::PolicyStale,
         Self::NoRouteKey,
         Self::ReservedHeader,
         Self::ReservedTrailer,
@@ -198,10 +201,17 @@ impl Refusal {
                 "INTERNAL",
                 "the edge could not route this call by its key; retry",
             ),
-            DenyReason::NoPolicy => (
+            // Not PERMISSION_DENIED: the caller may well have a grant, and
+            // clients treat PERMISSION_DENIED as final (issue 19).
+            DenyReason::PolicyNotReady => (
                 Unavailable,
-                "STORE_UNAVAILABLE",
-                "the edge has no grant table yet; retry with backoff",
+                "POLICY_NOT_READY",
+                "the edge has not received its grant table from the arbiter yet; retry with backoff",
+            ),
+            DenyReason::PolicyStale => (
+                Unavailable,
+                "POLICY_STALE",
+                "the edge's grant table is out of date (its refresh from the arbiter is failing) and does not cover this key; retry with backoff",
             ),
         };
         Refusal {
@@ -261,6 +271,22 @@ mod tests {
         assert_eq!(base64(b"foo"), "Zm9v");
         assert_eq!(base64(b"foob"), "Zm9vYg");
         assert_eq!(base64(&[0xfb, 0xff]), "+/8");
+    }
+
+    #[test]
+    fn a_missing_or_stale_table_is_retryable_never_permission_denied() {
+        for why in [DenyReason::PolicyNotReady, DenyReason::PolicyStale] {
+            let r = Refusal::of(why);
+            assert_eq!(r.code, GrpcCode::Unavailable, "{why:?}");
+            assert_ne!(r.reason, "NOT_AUTHORISED");
+            assert_ne!(r.message, NOT_AUTHORISED_MESSAGE);
+            assert!(r.message.contains("retry"), "{}", r.message);
+        }
+        assert_eq!(
+            Refusal::of(DenyReason::PolicyNotReady).reason,
+            "POLICY_NOT_READY"
+        );
+        assert_eq!(Refusal::of(DenyReason::PolicyStale).reason, "POLICY_STALE");
     }
 
     #[test]

@@ -10,6 +10,7 @@ use latchkey_filter_core::admission::{
 };
 use latchkey_filter_core::config::FilterConfig;
 use latchkey_filter_core::decision::{self, KEY_HEADER};
+use latchkey_filter_core::grant_table::{GrantTable, LastGood, Origin, SaveError, Saved};
 use latchkey_filter_core::headers::{check_request_headers, check_trailers};
 use latchkey_filter_core::identity::{IDENTITY_HEADER, peer_identity};
 use latchkey_filter_core::keyed_hash::AdmissionSecret;
@@ -57,6 +58,9 @@ const MAX_METRICS: usize = 4096;
 
 /// Delay before the first grant-table refresh after a (re)configure.
 const FIRST_REFRESH_MS: u64 = 200;
+/// Refresh period while a VM has no grant table at all (first start, arbiter
+/// not answering): it refuses keyed calls until then, so try more often.
+const NOT_READY_REFRESH_MS: u64 = 1_000;
 
 impl Metrics {
     fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
@@ -99,7 +103,7 @@ impl Metrics {
 /// What the root context shares with the stream contexts of the same VM.
 struct Active {
     config: FilterConfig,
-    policy: EdgePolicy,
+    table: GrantTable,
     admission: Admission,
 }
 
@@ -115,6 +119,29 @@ fn log(level: LogLevel, message: &str) {
     let _ = hostcalls::log(level, message);
 }
 
+/// The host clock in milliseconds since the Unix epoch (0 if unreadable).
+fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// The last good table in shared data; a store error reads as none (logged).
+fn load_last_good() -> Option<LastGood> {
+    match LastGood::load(&HostStore) {
+        Ok(stored) => stored,
+        Err(e) => {
+            log(
+                LogLevel::Warn,
+                &format!("latchkey edge: cannot read the last good grant table: {e}"),
+            );
+            None
+        }
+    }
+}
+
 #[derive(Default)]
 struct EdgeRoot {
     state: SharedState,
@@ -122,12 +149,91 @@ struct EdgeRoot {
 }
 
 impl EdgeRoot {
-    fn publish_policy(&self, policy: &EdgePolicy) {
+    fn publish_table(&self, table: &GrantTable) {
         let mut st = self.state.borrow_mut();
-        st.metrics
-            .gauge_set(metrics::GRANT_TABLE_VERSION, policy.version());
-        st.metrics
-            .gauge_set(metrics::GRANT_TABLE_SIZE, policy.grants().len() as u64);
+        if let Some(policy) = table.policy() {
+            st.metrics
+                .gauge_set(metrics::GRANT_TABLE_VERSION, policy.version());
+            st.metrics
+                .gauge_set(metrics::GRANT_TABLE_SIZE, policy.grants().len() as u64);
+        }
+        st.metrics.gauge_set(
+            metrics::GRANT_TABLE_CONFIRMED_AT_S,
+            table.confirmed_at_ms() / 1000,
+        );
+    }
+
+    /// Replaces the VM's table (same configuration and admission).
+    fn install(&self, active: &Active, table: GrantTable) {
+        self.publish_table(&table);
+        let next = Active {
+            config: active.config.clone(),
+            table,
+            admission: active.admission,
+        };
+        self.state.borrow_mut().active = Some(Rc::new(next));
+    }
+
+    /// Keeps the arbiter's answer for the next VM (and the other workers).
+    fn store_last_good(&self, last_good: &LastGood) {
+        let result = match last_good.save(&HostStore) {
+            Ok(Saved::Written) => "written",
+            Ok(Saved::NewerKept) => "newer_kept",
+            Err(e) => {
+                let level = match e {
+                    SaveError::TooLarge { .. } => LogLevel::Error,
+                    SaveError::Store(_) => LogLevel::Warn,
+                };
+                log(
+                    level,
+                    &format!(
+                        "latchkey edge: the grant table is not kept for the next filter version: {e}"
+                    ),
+                );
+                "failed"
+            }
+        };
+        self.state
+            .borrow_mut()
+            .metrics
+            .add(&metrics::grant_table_store(result), 1);
+    }
+
+    /// Takes a table another worker (or an earlier VM) stored if it is newer
+    /// than this VM's: workers converge, and a table stays fresh while any
+    /// worker's refresh succeeds.
+    fn adopt_last_good(&self, active: &Active) {
+        let Some(stored) = load_last_good() else {
+            return;
+        };
+        if stored.refreshed_at_ms <= active.table.confirmed_at_ms() {
+            return;
+        }
+        if active
+            .table
+            .policy()
+            .is_some_and(|p| p.version() == stored.version)
+        {
+            active.table.confirm(stored.refreshed_at_ms);
+            self.publish_table(&active.table);
+            return;
+        }
+        let Ok(policy) =
+            EdgePolicy::from_arbiter(&stored.message, active.config.default_max_waiters_per_key)
+        else {
+            return;
+        };
+        let table = GrantTable::received(
+            &active.config,
+            policy,
+            Origin::Carried,
+            stored.refreshed_at_ms,
+        );
+        self.install(active, table);
+        self.state
+            .borrow_mut()
+            .metrics
+            .add(metrics::GRANT_TABLE_ADOPTED, 1);
     }
 }
 
@@ -152,7 +258,7 @@ impl Context for EdgeRoot {
                 &format!(
                     "latchkey edge: grant table refresh failed (grpc status {status_code}: {}); keeping version {:016x}",
                     message.unwrap_or_default(),
-                    active.policy.version()
+                    active.table.policy().map(EdgePolicy::version).unwrap_or(0)
                 ),
             );
             self.state
@@ -161,23 +267,27 @@ impl Context for EdgeRoot {
                 .add(metrics::REFRESH_FAILED, 1);
             return;
         };
+        let now = now_ms();
         match EdgePolicy::from_arbiter(&body, active.config.default_max_waiters_per_key) {
-            Ok(policy) if policy.same_as(&active.policy) => {
-                self.state
-                    .borrow_mut()
-                    .metrics
-                    .add(metrics::REFRESH_UNCHANGED, 1);
-            }
             Ok(policy) => {
-                self.publish_policy(&policy);
-                let next = Active {
-                    config: active.config.clone(),
-                    policy,
-                    admission: active.admission,
-                };
-                let mut st = self.state.borrow_mut();
-                st.active = Some(Rc::new(next));
-                st.metrics.add(metrics::REFRESH_OK, 1);
+                self.store_last_good(&LastGood {
+                    refreshed_at_ms: now,
+                    version: policy.version(),
+                    message: body,
+                });
+                if active.table.policy().is_some_and(|p| policy.same_as(p)) {
+                    active.table.confirm(now);
+                    self.publish_table(&active.table);
+                    self.state
+                        .borrow_mut()
+                        .metrics
+                        .add(metrics::REFRESH_UNCHANGED, 1);
+                } else {
+                    let table =
+                        GrantTable::received(&active.config, policy, Origin::Refreshed, now);
+                    self.install(&active, table);
+                    self.state.borrow_mut().metrics.add(metrics::REFRESH_OK, 1);
+                }
             }
             Err(e) => {
                 log(
@@ -254,12 +364,24 @@ impl RootContext for EdgeRoot {
                 .add(metrics::CONFIG_ERRORS, 1);
             return false;
         }
+        // A new VM (a new module or only a new configuration) starts from the
+        // last good table in shared data rather than an empty one (issue 19).
+        let stored = config.refresh.as_ref().and_then(|_| load_last_good());
+        let table = GrantTable::start(&config, policy, stored.as_ref(), now_ms());
         if config.refresh.is_some() {
             // The first refresh soon; on_tick then sets the configured period.
             let _ = hostcalls::set_tick_period(Duration::from_millis(FIRST_REFRESH_MS));
         }
-        self.publish_policy(&policy);
+        if table.origin() == Origin::None {
+            log(
+                LogLevel::Warn,
+                "latchkey edge: no grant table yet (none configured, none kept from an earlier filter); keyed calls are answered UNAVAILABLE POLICY_NOT_READY until the first refresh",
+            );
+        }
+        self.publish_table(&table);
         let mut st = self.state.borrow_mut();
+        st.metrics
+            .add(&metrics::grant_table_start(table.origin()), 1);
         st.metrics
             .gauge_set(metrics::FILTER_VERSION, config.filter_version);
         st.metrics.gauge_set(
@@ -274,7 +396,7 @@ impl RootContext for EdgeRoot {
         }
         st.active = Some(Rc::new(Active {
             config,
-            policy,
+            table,
             admission,
         }));
         true
@@ -290,7 +412,19 @@ impl RootContext for EdgeRoot {
         let Some(refresh) = &active.config.refresh else {
             return;
         };
-        let _ = hostcalls::set_tick_period(Duration::from_millis(refresh.period_ms));
+        self.adopt_last_good(&active);
+        let ready = self
+            .state
+            .borrow()
+            .active
+            .as_ref()
+            .is_some_and(|a| a.table.policy().is_some());
+        let period = if ready {
+            refresh.period_ms
+        } else {
+            refresh.period_ms.min(NOT_READY_REFRESH_MS)
+        };
+        let _ = hostcalls::set_tick_period(Duration::from_millis(period));
         match hostcalls::dispatch_grpc_call(
             &refresh.cluster,
             EDGE_POLICY_SERVICE,
@@ -426,15 +560,20 @@ impl EdgeStream {
     fn decide(&mut self, body_size: usize) -> Action {
         self.decided = true;
         let Some(active) = self.active.clone() else {
-            return self.refuse(Refusal::of(DenyReason::NoPolicy));
+            return self.refuse(Refusal::of(DenyReason::PolicyNotReady));
         };
         let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
             .ok()
             .flatten()
             .unwrap_or_default();
         let header_key = self.key_header.clone();
+        let now = self
+            .started
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or_else(now_ms);
         let authorised = match decision::check_keyed(
-            &active.policy,
+            active.table.view(now),
             &self.identity,
             self.method,
             &body,
@@ -455,11 +594,10 @@ impl EdgeStream {
             return self.refuse(Refusal::of(DenyReason::NoRouteKey));
         }
         if authorised.waits {
-            let limit = active.policy.max_waiters_per_key(&authorised.class);
             match active.admission.admit(
                 &HostStore,
                 authorised.key.as_str(),
-                limit,
+                authorised.max_waiters_per_key,
                 &self.identity,
                 active.config.max_waiters_per_identity,
             ) {
@@ -531,7 +669,7 @@ impl HttpContext for EdgeStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.started = hostcalls::get_current_time().ok();
         let Some(active) = self.active.clone() else {
-            return self.refuse(Refusal::of(DenyReason::NoPolicy));
+            return self.refuse(Refusal::of(DenyReason::PolicyNotReady));
         };
         let mtls = hostcalls::get_property(vec!["connection", "mtls"])
             .ok()
