@@ -4,7 +4,8 @@
 //! tests' copy of it (`latchctl-under-test`) are the same code.
 //!
 //! Errors print as `latchctl: <gRPC code>: <REASON>: <message>` on stderr
-//! with exit code 1; usage errors exit 2.
+//! with exit code 1, followed by a line saying to retry when the refusal is
+//! temporary (e.g. the edge's `POLICY_NOT_READY`); usage errors exit 2.
 
 mod acquire;
 mod admin;
@@ -226,6 +227,9 @@ pub async fn main() -> ExitCode {
         }
         Err(Failure::Lock(err)) => {
             eprintln!("latchctl: {}", chain(&err));
+            if let Some(hint) = err.retry_hint() {
+                eprintln!("latchctl: {hint}");
+            }
             ExitCode::FAILURE
         }
         Err(Failure::Plain(message)) => {

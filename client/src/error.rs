@@ -17,11 +17,15 @@ pub enum Error {
     /// The arbiter (or Envoy in front of it) answered with a non-OK status.
     /// `reason` comes from the `google.rpc.ErrorInfo` detail in the
     /// `latchkey.dev` domain, `Unspecified` when there is none.
-    #[error("{}: {}: {message}", code_name(*code), reason_name(*reason))]
+    #[error("{}: {}: {message}", code_name(*code), shown_reason(*reason, wire_reason))]
     Refused {
         code: Code,
         reason: Reason,
         message: String,
+        /// The `ErrorInfo` reason as sent (empty without one). The edge
+        /// filter has reasons of its own that `Reason` does not name, e.g.
+        /// `POLICY_NOT_READY` and `POLICY_STALE` (both retryable).
+        wire_reason: String,
     },
     /// The channel to `endpoint` could not be set up or connected.
     #[error("connecting to {endpoint}")]
@@ -84,6 +88,28 @@ impl Error {
         }
     }
 
+    /// What a person should do about a temporary refusal, `None` when
+    /// retrying as is would not help.
+    pub fn retry_hint(&self) -> Option<&'static str> {
+        if let Error::Refused { wire_reason, .. } = self {
+            match wire_reason.as_str() {
+                EDGE_POLICY_NOT_READY => {
+                    return Some(
+                        "the edge has not loaded its grant table yet (it just started); retry in a few seconds",
+                    );
+                }
+                EDGE_POLICY_STALE => {
+                    return Some(
+                        "the edge cannot refresh its grant table from the arbiter; retry in a few seconds, and tell the platform team if it persists",
+                    );
+                }
+                _ => {}
+            }
+        }
+        self.is_transient()
+            .then_some("temporary: retry in a few seconds")
+    }
+
     /// The gRPC code, if the error came from a status.
     pub fn code(&self) -> Option<Code> {
         match self {
@@ -99,6 +125,7 @@ impl From<tonic::Status> for Error {
             code: status.code(),
             reason: reason_of(&status),
             message: status.message().to_owned(),
+            wire_reason: wire_reason_of(&status),
         }
     }
 }
@@ -111,6 +138,31 @@ pub(crate) fn reason_of(status: &tonic::Status) -> Reason {
         .filter(|info| info.domain == latchkey_proto::ERROR_DOMAIN)
         .and_then(|info| Reason::from_str_name(&format!("REASON_{}", info.reason)))
         .unwrap_or(Reason::Unspecified)
+}
+
+/// The edge's refusal when it has no grant table yet (`UNAVAILABLE`).
+pub const EDGE_POLICY_NOT_READY: &str = "POLICY_NOT_READY";
+/// The edge's refusal of a key its out-of-date grant table does not cover
+/// (`UNAVAILABLE`).
+pub const EDGE_POLICY_STALE: &str = "POLICY_STALE";
+
+/// The `ErrorInfo` reason string as sent, if it is ours.
+fn wire_reason_of(status: &tonic::Status) -> String {
+    status
+        .get_error_details()
+        .error_info()
+        .filter(|info| info.domain == latchkey_proto::ERROR_DOMAIN)
+        .map(|info| info.reason.clone())
+        .unwrap_or_default()
+}
+
+/// `reason`'s name, or the reason as sent when `Reason` does not name it.
+fn shown_reason(reason: Reason, wire_reason: &str) -> &str {
+    if reason == Reason::Unspecified && !wire_reason.is_empty() {
+        wire_reason
+    } else {
+        reason_name(reason)
+    }
 }
 
 /// The reason as it appears on the wire: `HELD`, not `REASON_HELD`.
@@ -172,6 +224,46 @@ mod tests {
         assert_eq!(err.reason(), Reason::Unspecified);
         assert_eq!(err.to_string(), "UNAVAILABLE: UNSPECIFIED: no route");
         assert!(err.is_transient());
+    }
+
+    /// Issue 19: the edge's "no table yet" and "table out of date" refusals
+    /// print their own reason and tell a person to retry.
+    #[test]
+    fn edge_policy_refusals_print_their_reason_and_say_retry() {
+        for (reason, hint) in [
+            (EDGE_POLICY_NOT_READY, "not loaded its grant table yet"),
+            (EDGE_POLICY_STALE, "cannot refresh its grant table"),
+        ] {
+            let err = Error::from(refusal(Code::Unavailable, reason, "latchkey.dev"));
+            assert_eq!(err.reason(), Reason::Unspecified);
+            assert_eq!(
+                err.to_string(),
+                format!("UNAVAILABLE: {reason}: key is held")
+            );
+            assert!(err.is_transient());
+            assert!(
+                err.retry_hint().is_some_and(|h| h.contains(hint)),
+                "{reason}"
+            );
+        }
+        // A reason `Reason` names is shown by that name; a final one has no hint.
+        let denied = Error::from(refusal(
+            Code::PermissionDenied,
+            "NOT_AUTHORISED",
+            "latchkey.dev",
+        ));
+        assert_eq!(
+            denied.to_string(),
+            "PERMISSION_DENIED: NOT_AUTHORISED: key is held"
+        );
+        assert_eq!(denied.retry_hint(), None);
+        // Another domain's reason is not ours to show.
+        let foreign = Error::from(refusal(Code::Unavailable, "POLICY_STALE", "example.com"));
+        assert_eq!(foreign.to_string(), "UNAVAILABLE: UNSPECIFIED: key is held");
+        assert_eq!(
+            foreign.retry_hint(),
+            Some("temporary: retry in a few seconds")
+        );
     }
 
     #[test]

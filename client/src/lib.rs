@@ -37,7 +37,7 @@ mod token;
 
 pub use client::{Client, Holder, Inspection};
 pub use config::{ClientConfig, TlsFiles};
-pub use error::Error;
+pub use error::{EDGE_POLICY_NOT_READY, EDGE_POLICY_STALE, Error};
 pub use latchkey_proto::lockv1::Reason;
 pub use lock::{LockBuilder, LockGuard};
 pub use rpc::DEV_IDENTITY_HEADER;
