@@ -684,6 +684,394 @@ async fn the_filter_is_swapped_under_load_with_zero_failed_requests() -> anyhow:
     Ok(())
 }
 
+/// An edge whose grant table comes only from the arbiter (as dev-up ships
+/// it), ready once every worker's first refresh has answered.
+async fn arbiter_only_edge(overrides: Value) -> anyhow::Result<Edge> {
+    let opts = ArbiterOptions {
+        edge_identity: Some(spiffe("latchkey/edge")),
+        ..ArbiterOptions::default()
+    };
+    let stack = stack_with(opts).await?;
+    let envoy = Envoy::start(EnvoyOptions::with_arbiter_only_filter(
+        stack.arbiter.addr(),
+        overrides,
+    )?)
+    .await?;
+    Ok(Edge {
+        _stack: stack,
+        envoy,
+    })
+}
+
+async fn wait_for_grant_table(e: &Edge) -> anyhow::Result<()> {
+    // As dev-up waits: one refresh has answered (the other workers take
+    // that table from shared data on their next tick).
+    eventually(
+        "the first grant table from the arbiter",
+        Duration::from_secs(20),
+        || async {
+            let n = e
+                .envoy
+                .counter("wasmcustom.latchkey_edge.policy_refresh.result.updated")
+                .await?;
+            anyhow::ensure!(n >= 1, "{n} refreshes");
+            Ok(())
+        },
+    )
+    .await
+}
+
+/// What a hot update changes.
+#[derive(Debug, Clone, Copy)]
+enum Update {
+    /// The same module, a new configuration (`filter_version` + 1).
+    ConfigOnly,
+    /// New module bytes (a custom section added) and `filter_version` + 1.
+    NewModule,
+}
+
+/// Calls and failures during one phase of the swap test (phase 0 is before
+/// the first swap, phase n after swap n).
+#[derive(Debug, Default, Clone)]
+struct Phase {
+    calls: u64,
+    failed: u64,
+    permission_denied: u64,
+    /// `code/REASON` of the first few failures.
+    seen: Vec<String>,
+}
+
+/// Issue 19: four callers with grants loop Acquire + Release through the
+/// edge while the filter is swapped six times by ECDS; the grant table comes
+/// only from the arbiter. Nobody may be refused (least of all told
+/// PERMISSION_DENIED) and every swap must show its `filter_version`.
+async fn swaps_under_load_deny_nobody(update: Update) -> anyhow::Result<()> {
+    const SWAPS: u64 = 6;
+    let e = arbiter_only_edge(json!({})).await?;
+    wait_for_grant_table(&e).await?;
+    let wasm = std::fs::read(filter_wasm()?)?;
+    let dir = tempfile::tempdir()?;
+    let phase = Arc::new(AtomicU64::new(0));
+    let phases = Arc::new(std::sync::Mutex::new(vec![
+        Phase::default();
+        SWAPS as usize + 1
+    ]));
+    let ok = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let mut c = e.client("workload/alice").await?;
+        let (stop, ok, phase, phases) = (stop.clone(), ok.clone(), phase.clone(), phases.clone());
+        workers.push(tokio::spawn(async move {
+            // A fresh session every few seconds: the run may outlast the demo
+            // class's 15 s TTL on a busy machine.
+            let mut session = (open(&mut c, "demo").await?, std::time::Instant::now());
+            // On the very first start a worker decides nothing until its
+            // table arrives (POLICY_NOT_READY): wait for this connection's.
+            eventually(
+                "a grant table on this caller's worker",
+                Duration::from_secs(10),
+                || {
+                    let (mut c, s) = (c.clone(), session.0);
+                    async move {
+                        let g = lock(&mut c, &format!("demo/swap/{w}/ready"), "demo", s).await?;
+                        unlock(&mut c, &g).await?;
+                        Ok(())
+                    }
+                },
+            )
+            .await?;
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if session.1.elapsed() > Duration::from_secs(4) {
+                    session = (open(&mut c, "demo").await?, std::time::Instant::now());
+                }
+                let key = format!("demo/swap/{w}/{i}");
+                i += 1;
+                let outcome = match lock(&mut c, &key, "demo", session.0).await {
+                    Ok(g) => unlock(&mut c, &g).await.map(|_| 2),
+                    Err(s) => Err(s),
+                };
+                let at = phase.load(Ordering::Relaxed) as usize;
+                let mut p = phases.lock().map_err(|e| anyhow::anyhow!("{e}"))?;
+                let Some(p) = p.get_mut(at) else { continue };
+                match outcome {
+                    Ok(n) => {
+                        p.calls += n;
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(s) => {
+                        p.calls += 1;
+                        p.failed += 1;
+                        if s.code() == Code::PermissionDenied {
+                            p.permission_denied += 1;
+                        }
+                        if p.seen.len() < 3 {
+                            let (code, reason) = refusal(&s);
+                            p.seen.push(format!("{code:?}/{reason}: {}", s.message()));
+                        }
+                    }
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    eventually("load running", Duration::from_secs(10), || async {
+        anyhow::ensure!(ok.load(Ordering::Relaxed) > 50);
+        Ok(())
+    })
+    .await?;
+    for n in 1..=SWAPS {
+        let version = n + 1;
+        let module = match update {
+            Update::ConfigOnly => filter_wasm()?,
+            Update::NewModule => {
+                let path = dir.path().join(format!("latchkey_filter-swap-{n}.wasm"));
+                std::fs::write(&path, rebuilt(&wasm, &format!("swap-{n}")))?;
+                path
+            }
+        };
+        let config =
+            latchkey_tests::envoy::arbiter_only_filter_config(json!({"filter_version": version}))?;
+        phase.store(n, Ordering::Relaxed);
+        e.envoy.swap_filter(&module, &config).await?;
+        eventually(
+            "filter_version of the swap in stats",
+            Duration::from_secs(10),
+            || async {
+                let v = e
+                    .envoy
+                    .counter("wasmcustom.latchkey_edge.filter_version")
+                    .await?;
+                anyhow::ensure!(v == version, "filter_version {v}, want {version}");
+                Ok(())
+            },
+        )
+        .await?;
+        // Traffic on the new filter: at least a second and 200 more calls.
+        let (at, since) = (ok.load(Ordering::Relaxed), std::time::Instant::now());
+        eventually("load after the swap", Duration::from_secs(20), || async {
+            anyhow::ensure!(
+                ok.load(Ordering::Relaxed) > at + 100 && since.elapsed() > Duration::from_secs(1)
+            );
+            Ok(())
+        })
+        .await?;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await??;
+    }
+    let phases = phases.lock().map_err(|e| anyhow::anyhow!("{e}"))?.clone();
+    let report: Vec<String> = phases
+        .iter()
+        .enumerate()
+        .map(|(n, p)| {
+            format!(
+                "{update:?} phase {n}: {} calls, {} failed, {} PERMISSION_DENIED {:?}",
+                p.calls, p.failed, p.permission_denied, p.seen
+            )
+        })
+        .collect();
+    eprintln!("{}", report.join("\n"));
+    let failed: u64 = phases.iter().map(|p| p.failed).sum();
+    let denied: u64 = phases.iter().map(|p| p.permission_denied).sum();
+    anyhow::ensure!(
+        failed == 0 && denied == 0,
+        "{failed} failed calls ({denied} PERMISSION_DENIED) over {SWAPS} swaps:\n{}",
+        report.join("\n")
+    );
+    assert_eq!(e.denied("not_authorised").await?, 0);
+    // Every swapped-in VM started from the table kept in shared data.
+    let carried = e
+        .envoy
+        .counter("wasmcustom.latchkey_edge.grant_table_start.result.carried")
+        .await?;
+    assert!(
+        carried >= SWAPS,
+        "{carried} VMs started from the kept table"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn configuration_only_swaps_under_load_deny_nobody() -> anyhow::Result<()> {
+    swaps_under_load_deny_nobody(Update::ConfigOnly).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn new_module_swaps_under_load_deny_nobody() -> anyhow::Result<()> {
+    swaps_under_load_deny_nobody(Update::NewModule).await
+}
+
+/// A refresh that can never answer: Envoy refuses a gRPC call to a cluster it
+/// does not have, so the filter's refresh fails at dispatch.
+fn unreachable_refresh() -> Value {
+    json!({"cluster": "no_such_cluster", "period_ms": 300, "timeout_ms": 200, "stale_after_ms": 1000})
+}
+
+/// Issue 19: on the very first start, before any refresh answered, the edge
+/// has no table: a caller with a grant is told to retry (UNAVAILABLE,
+/// POLICY_NOT_READY, and latchctl says so), never PERMISSION_DENIED; the first
+/// refresh ends it.
+#[tokio::test(flavor = "multi_thread")]
+async fn before_its_first_grant_table_the_edge_says_retry_never_permission_denied()
+-> anyhow::Result<()> {
+    let e = arbiter_only_edge(json!({"refresh": unreachable_refresh()})).await?;
+    let mut alice = e.client("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    let upstream = e.envoy.upstream_requests().await?;
+    let s = expect_refusal(
+        lock(&mut alice, "demo/not-ready", "demo", session).await,
+        Code::Unavailable,
+        "POLICY_NOT_READY",
+    )?;
+    let err = latchkey_client::Error::from(s);
+    assert!(err.is_transient() && err.retry_hint().is_some(), "{err}");
+    // The same answer for a caller without a grant: nothing is decided.
+    let mut mallory = e.client("workload/mallory").await?;
+    expect_refusal(
+        lock(&mut mallory, "demo/not-ready", "demo", session).await,
+        Code::Unavailable,
+        "POLICY_NOT_READY",
+    )?;
+    assert_eq!(
+        e.envoy.upstream_requests().await?,
+        upstream,
+        "not forwarded"
+    );
+    // latchctl prints the reason and says to retry.
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"))
+            .env_clear()
+            .arg("--endpoint")
+            .arg(format!("https://{}", e.envoy.addr()))
+            .args(latchkey_tests::arbiter::svid_flags("workload/alice")?)
+            .args(["acquire", "demo/not-ready", "--class", "demo", "--detach"])
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("UNAVAILABLE: POLICY_NOT_READY") && stderr.contains("retry"),
+        "{stderr}"
+    );
+    assert!(e.denied("policy_not_ready").await? >= 3);
+    assert_eq!(e.denied("not_authorised").await?, 0);
+    assert!(
+        e.envoy
+            .counter("wasmcustom.latchkey_edge.grant_table_start.result.none")
+            .await?
+            >= 1
+    );
+    // The first table that arrives ends it (a configuration-only update here).
+    let config = latchkey_tests::envoy::arbiter_only_filter_config(json!({"filter_version": 2}))?;
+    e.envoy.swap_filter(&filter_wasm()?, &config).await?;
+    let g = eventually(
+        "served once the table arrived",
+        Duration::from_secs(20),
+        || {
+            let mut alice = alice.clone();
+            async move { Ok(lock(&mut alice, "demo/not-ready", "demo", session).await?) }
+        },
+    )
+    .await?;
+    unlock(&mut alice, &g).await?;
+    Ok(())
+}
+
+/// Issue 19: a table the arbiter has not confirmed for `stale_after_ms` still
+/// lets through what it covers (the arbiter authorises again) and answers the
+/// rest UNAVAILABLE POLICY_STALE; a refresh makes it final again. The swapped-in
+/// VM that cannot refresh starts from the table the earlier one kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stale_table_lets_covered_keys_through_and_tells_the_rest_to_retry() -> anyhow::Result<()>
+{
+    let fresh_refresh = json!({"cluster": "arbiter_policy", "period_ms": 300, "timeout_ms": 200, "stale_after_ms": 1000});
+    let e = arbiter_only_edge(json!({"refresh": fresh_refresh})).await?;
+    wait_for_grant_table(&e).await?;
+    let mut alice = e.client("workload/alice").await?;
+    let mut mallory = e.client("workload/mallory").await?;
+    let (sa, sm) = (
+        open(&mut alice, "demo").await?,
+        open(&mut mallory, "demo").await?,
+    );
+    // Every worker has the first table once another worker's is in shared data.
+    let g = eventually(
+        "served with the first table",
+        Duration::from_secs(10),
+        || {
+            let mut alice = alice.clone();
+            async move { Ok(lock(&mut alice, "demo/stale/a", "demo", sa).await?) }
+        },
+    )
+    .await?;
+    unlock(&mut alice, &g).await?;
+    let config = latchkey_tests::envoy::arbiter_only_filter_config(
+        json!({"filter_version": 2, "refresh": unreachable_refresh()}),
+    )?;
+    e.envoy.swap_filter(&filter_wasm()?, &config).await?;
+    eventually(
+        "mallory told to retry by a stale table",
+        Duration::from_secs(20),
+        || {
+            let mut mallory = mallory.clone();
+            async move {
+                expect_refusal(
+                    lock(&mut mallory, "demo/stale/m", "demo", sm).await,
+                    Code::Unavailable,
+                    "POLICY_STALE",
+                )?;
+                Ok(())
+            }
+        },
+    )
+    .await?;
+    // Covered keys go through the stale table; the arbiter still decides.
+    for i in 0..5 {
+        let g = lock(&mut alice, &format!("demo/stale/a{i}"), "demo", sa).await?;
+        unlock(&mut alice, &g).await?;
+    }
+    expect_refusal(
+        lock(&mut alice, "payments/not-hers", "demo", sa).await,
+        Code::Unavailable,
+        "POLICY_STALE",
+    )?;
+    assert!(e.denied("policy_stale").await? >= 2);
+    assert!(
+        e.envoy
+            .counter("wasmcustom.latchkey_edge.grant_table_start.result.carried")
+            .await?
+            >= 1
+    );
+    // A working refresh again: the denial is final again.
+    let config = latchkey_tests::envoy::arbiter_only_filter_config(
+        json!({"filter_version": 3, "refresh": fresh_refresh}),
+    )?;
+    e.envoy.swap_filter(&filter_wasm()?, &config).await?;
+    eventually(
+        "mallory denied by a fresh table",
+        Duration::from_secs(20),
+        || {
+            let mut mallory = mallory.clone();
+            async move {
+                expect_refusal(
+                    lock(&mut mallory, "demo/stale/m", "demo", sm).await,
+                    Code::PermissionDenied,
+                    "NOT_AUTHORISED",
+                )?;
+                Ok(())
+            }
+        },
+    )
+    .await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_bad_filter_update_is_refused_and_the_old_filter_keeps_serving() -> anyhow::Result<()> {
     let e = edge(json!({})).await?;

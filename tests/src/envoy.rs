@@ -81,6 +81,24 @@ pub fn dev_filter_config(overrides: Value) -> anyhow::Result<Value> {
     Ok(config)
 }
 
+/// The filter configuration as `scripts/dev-up` ships it: no grant table and
+/// no classes of its own, so everything it authorises by comes from the
+/// arbiter's `GetEdgePolicy` (over `arbiter_policy`); the overrides merged on top.
+pub fn arbiter_only_filter_config(overrides: Value) -> anyhow::Result<Value> {
+    let mut config = json!({
+        "trust_domain": TRUST_DOMAIN,
+        "filter_version": 1,
+        "admission_secret": admission_secret()?,
+        "refresh": {"cluster": "arbiter_policy", "period_ms": 2000, "timeout_ms": 1000},
+    });
+    if let (Some(base), Value::Object(extra)) = (config.as_object_mut(), overrides) {
+        for (k, v) in extra {
+            base.insert(k, v);
+        }
+    }
+    Ok(config)
+}
+
 /// The filter's `admission_secret` for this test process: 16 random bytes as
 /// hex, the same for every configuration rendered here (a hot swap keeps it).
 pub fn admission_secret() -> anyhow::Result<String> {
@@ -143,6 +161,15 @@ impl EnvoyOptions {
             rate_per_second: 10_000,
             rate_burst: 10_000,
             concurrency: 2,
+        })
+    }
+
+    /// The filter from `target/wasm` with [`arbiter_only_filter_config`]: the
+    /// grant table comes only from the arbiter, as in dev-up.
+    pub fn with_arbiter_only_filter(arbiter: SocketAddr, overrides: Value) -> anyhow::Result<Self> {
+        Ok(Self {
+            filter: Some((filter_wasm()?, arbiter_only_filter_config(overrides)?)),
+            ..Self::with_filter(arbiter, json!({}))?
         })
     }
 
