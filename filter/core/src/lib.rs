@@ -10,12 +10,18 @@
 //! for Acquire, Release and Inspect the body is one gRPC frame whose lock.v1
 //! message gives the key and class ([`decision::check_keyed`], which also
 //! matches the `x-lock-key` header and asks the grant table,
-//! [`policy::EdgePolicy`], for the longest granted prefix); a waiting Acquire
+//! [`policy::EdgePolicy`], for the longest granted prefix — as seen through
+//! [`grant_table::Table`]: without a table, or for a key a stale table does
+//! not cover, the answer is a retryable `UNAVAILABLE`, never
+//! `PERMISSION_DENIED`); a waiting Acquire
 //! then takes a place under the per-key and per-identity bounds in host shared
 //! data, placed by a keyed hash ([`keyed_hash`]) and given back when the
 //! arbiter answers or the stream ends. Request trailers carrying a reserved
 //! name are refused on every method. Refusals are [`status::Refusal`]s; stat
 //! names are in [`metrics`]. The configuration is [`config::FilterConfig`].
+//! The table a VM starts with — the last good one an earlier VM kept in shared
+//! data, so a filter swap never decides with an empty table — and its
+//! freshness are [`grant_table`].
 
 #![cfg_attr(
     not(test),

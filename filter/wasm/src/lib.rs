@@ -15,8 +15,11 @@
 //! resets a call already passed on); `on_http_response_headers` gives the
 //! waiter's place back (the wait is over once the arbiter answers); `on_log`
 //! (every way a stream ends: response, reset, timeout) gives every place back.
-//! The root context parses the plugin configuration and refreshes the grant
-//! table from the arbiter on a timer, keeping the last good table on failure.
+//! The root context parses the plugin configuration, starts from the last
+//! good grant table kept in shared data (so a VM swapped in by ECDS decides
+//! with the table the previous one had, not an empty one), and refreshes the
+//! table from the arbiter on a timer, writing each good answer back to shared
+//! data and keeping the last good table on failure.
 //!
 //! Host calls go through `proxy_wasm::hostcalls` (which return `Result`) rather
 //! than the trait helpers (which unwrap), and clippy denies unwrap/expect/panic:
