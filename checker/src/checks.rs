@@ -85,6 +85,7 @@ impl KeyOps<'_> {
         let mut found = Findings::new(self.cap);
         self.check_grants(&mut found);
         self.check_writes(&mut found);
+        self.check_refusals(&mut found);
         found.finish(self.key)
     }
 
@@ -176,9 +177,10 @@ impl KeyOps<'_> {
             }
             let frees = |x: usize| {
                 let ox = self.op(x);
+                // A refusal (release NOT_HELD, a failed advance) frees nothing.
                 let x_ret = match ox.outcome() {
                     Some(Outcome::Ok) => ox.complete_time().unwrap_or(u64::MAX),
-                    Some(Outcome::Fail) if ox.f != Function::Release => return false,
+                    Some(Outcome::Fail) => return false,
                     _ => u64::MAX,
                 };
                 let applies = match ox.f {
@@ -250,7 +252,8 @@ impl KeyOps<'_> {
             }
         }
 
-        // The resource's commit order: tokens never go back.
+        // The resource's commit order: each accepted token strictly above
+        // every one committed before it (the fence's `WHERE t.fence < $2`).
         let mut by_seq: Vec<(i64, u64, usize)> = accepted
             .iter()
             .filter_map(|&w| {
@@ -262,27 +265,32 @@ impl KeyOps<'_> {
         let mut newest: Option<(u64, usize)> = None;
         for &(_, t, w) in &by_seq {
             match newest {
-                Some((nt, n)) if t < nt => {
+                Some((nt, n)) if t <= nt => {
                     stale.insert(w);
                     found.push(self.violation(
                         ViolationKind::StaleWriteAccepted,
                         format!(
                             "stale fenced write accepted on {}: {} was committed after {}, \
-                             which carried a newer token",
+                             which carried {} (the fence accepts only a token strictly above \
+                             the record's mark)",
                             self.key,
                             self.name(w),
-                            self.name(n)
+                            self.name(n),
+                            if t == nt {
+                                "the same token"
+                            } else {
+                                "a newer token"
+                            }
                         ),
                         &[w, n],
                     ));
                 }
-                Some((nt, _)) if nt >= t => {}
                 _ => newest = Some((t, w)),
             }
         }
 
-        // Real time: once a write with a newer token was accepted and had
-        // completed, an older token must be refused.
+        // Real time: once a write with the same or a newer token was
+        // accepted and had completed, the fence must refuse this one.
         let mut by_ret: Vec<(u64, u64, usize)> = accepted
             .iter()
             .filter_map(|&w| {
@@ -310,18 +318,52 @@ impl KeyOps<'_> {
                 continue;
             }
             let (nt, n) = best[before - 1];
-            if nt > t {
+            if nt >= t && n != w {
+                stale.insert(w);
                 found.push(self.violation(
                     ViolationKind::StaleWriteAccepted,
                     format!(
                         "stale fenced write accepted on {}: {} was accepted although {} \
-                         with a newer token had completed before it was invoked",
+                         with {} had completed before it was invoked",
                         self.key,
                         self.name(w),
-                        self.name(n)
+                        self.name(n),
+                        if t == nt {
+                            "the same token"
+                        } else {
+                            "a newer token"
+                        }
                     ),
                     &[w, n],
                 ));
+            }
+        }
+
+        // One token, two accepted writes, neither ordered by the checks
+        // above (no seq, overlapping in time): one of them came second and
+        // met its own token as the mark.
+        let mut first_with: HashMap<u64, usize> = HashMap::new();
+        for &w in &accepted {
+            let Some(t) = self.op(w).token else { continue };
+            match first_with.get(&t) {
+                Some(&a) if !stale.contains(&w) && !stale.contains(&a) => {
+                    stale.insert(w);
+                    found.push(self.violation(
+                        ViolationKind::StaleWriteAccepted,
+                        format!(
+                            "token accepted twice on {}: {} and {} carry the same token; \
+                             the fence accepts a token only strictly above the record's mark",
+                            self.key,
+                            self.name(w),
+                            self.name(a)
+                        ),
+                        &[w, a],
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    first_with.insert(t, w);
+                }
             }
         }
 
@@ -335,6 +377,81 @@ impl KeyOps<'_> {
             found.notes.push(format!(
                 "{seqless} accepted writes on {} carry no seq; they were left out of the commit-order check",
                 self.key
+            ));
+        }
+    }
+    /// A refused write is legal only if the record's mark was already at or
+    /// above its token: some other write with such a token (accepted, or
+    /// with an unknown outcome, so perhaps committed) was invoked before the
+    /// refusal came back. Otherwise the fence said no to a write the
+    /// reference statement accepts.
+    fn check_refusals(&self, found: &mut Findings) {
+        // Writes that may have reached the record (accepted or unknown), by
+        // invoke time, with running maxima of their tokens: over all of them
+        // (could the mark be at or above t?) and over the accepted ones
+        // (which write to name as the mark).
+        let mut reach: Vec<(u64, u64, usize, bool)> = self
+            .mine
+            .iter()
+            .filter_map(|&x| {
+                let o = self.op(x);
+                if o.f != Function::Write || o.outcome() == Some(Outcome::Fail) {
+                    return None;
+                }
+                Some((o.invoke_time, o.token?, x, o.is_ok()))
+            })
+            .collect();
+        reach.sort_unstable();
+        let mut any_max: Vec<u64> = Vec::with_capacity(reach.len());
+        let mut ok_max: Vec<Option<(u64, usize)>> = Vec::with_capacity(reach.len());
+        for &(_, t, x, ok) in &reach {
+            let a = any_max.last().copied().unwrap_or(0).max(t);
+            let prev = ok_max.last().copied().flatten();
+            let b = match prev {
+                Some((bt, _)) if !ok || bt >= t => prev,
+                _ if ok => Some((t, x)),
+                _ => prev,
+            };
+            any_max.push(a);
+            ok_max.push(b);
+        }
+        for &w in &self.mine {
+            let o = self.op(w);
+            if o.f != Function::Write || o.outcome() != Some(Outcome::Fail) {
+                continue;
+            }
+            let (Some(t), Some(ret)) = (o.token, o.complete_time()) else {
+                continue;
+            };
+            let before = reach.partition_point(|&(call, _, _, _)| call <= ret);
+            let covered = before > 0 && any_max[before - 1] >= t;
+            let mark = if before > 0 { ok_max[before - 1] } else { None };
+            if covered {
+                continue;
+            }
+            let (text, ops) = match mark {
+                Some((_, m)) => (
+                    format!(
+                        "the newest token that could have written the record first is \
+                         that of {}",
+                        self.name(m)
+                    ),
+                    vec![w, m],
+                ),
+                None => (
+                    "no write could have reached the record before it".to_string(),
+                    vec![w],
+                ),
+            };
+            found.push(self.violation(
+                ViolationKind::FreshWriteRefused,
+                format!(
+                    "fenced write refused with a token above the record's mark on {}: {} was \
+                     refused, but {text}",
+                    self.key,
+                    self.name(w)
+                ),
+                &ops,
             ));
         }
     }

@@ -205,6 +205,22 @@ pub enum ParseError {
         process: String,
         op: u64,
     },
+    #[error(
+        "line {line}: {process}#{op} ({f}) was invoked after {process}#{unknown_op} \
+         (line {unknown_line}, {unknown_f}) ended with an unknown outcome; a gate worker \
+         records only an expire after an unknown acquire or release and exits, and the \
+         checker's search relies on that (docs/release-gate.md, \"The history\"): refusing \
+         to judge this history"
+    )]
+    ActedAfterUnknown {
+        line: usize,
+        process: String,
+        op: u64,
+        f: Function,
+        unknown_line: usize,
+        unknown_op: u64,
+        unknown_f: Function,
+    },
     #[error("line {line}: {process}#{op}: {problem}")]
     Invalid {
         line: usize,
@@ -223,6 +239,7 @@ impl ParseError {
             | ParseError::CompleteWithoutInvoke { line, .. }
             | ParseError::DuplicateInvoke { line, .. }
             | ParseError::DuplicateComplete { line, .. }
+            | ParseError::ActedAfterUnknown { line, .. }
             | ParseError::Invalid { line, .. } => *line,
         }
     }
@@ -253,11 +270,16 @@ impl History {
     }
 
     /// Reads JSON lines. Blank lines are skipped; unknown fields are ignored
-    /// so the gate can add fields without breaking older checkers.
+    /// so the gate can add fields without breaking older checkers. A history
+    /// whose process goes on after an unknown acquire or release (anything
+    /// but an `expire`) is refused: the search assumes it never does.
+    /// Histories made with [`HistoryBuilder`] are not held to that; their
+    /// author is.
     pub fn from_jsonl<R: BufRead>(reader: R) -> Result<History, ParseError> {
         let mut ops: Vec<Operation> = Vec::new();
         // (process, op) -> (index into ops, invoke line, complete line)
         let mut index: HashMap<(String, u64), (usize, usize, Option<usize>)> = HashMap::new();
+        let mut invoke_lines: Vec<usize> = Vec::new();
         for (i, line) in reader.lines().enumerate() {
             let line_no = i + 1;
             let text = line.map_err(|source| ParseError::Read {
@@ -295,6 +317,7 @@ impl History {
                         });
                     }
                     index.insert((process.clone(), op), (ops.len(), line_no, None));
+                    invoke_lines.push(line_no);
                     ops.push(Operation {
                         process,
                         op,
@@ -360,6 +383,7 @@ impl History {
                 }
             }
         }
+        check_discipline(&ops, &invoke_lines)?;
         Ok(History { ops })
     }
 
@@ -416,6 +440,43 @@ impl History {
         let _ = self.to_jsonl(&mut buf);
         String::from_utf8_lossy(&buf).into_owned()
     }
+}
+
+/// The worker discipline the search's "process moved on" pruning relies on:
+/// once an acquire or release of a process ends unknown (or never
+/// completes), that process invokes nothing more but `expire`s. Then no
+/// unknown operation can take effect after a later confirmed operation of
+/// its own process, which is what lets the search drop it once that later
+/// operation is linearized. Expires are exempt: they are markers placed at a
+/// fence deadline, not requests.
+fn check_discipline(ops: &[Operation], lines: &[usize]) -> Result<(), ParseError> {
+    // process -> (index of its first unknown acquire/release)
+    let mut first_unknown: HashMap<&str, usize> = HashMap::new();
+    let mut order: Vec<usize> = (0..ops.len()).collect();
+    order.sort_by_key(|&i| (ops[i].invoke_time, lines.get(i).copied().unwrap_or(0)));
+    for &i in &order {
+        let o = &ops[i];
+        if o.f == Function::Expire {
+            continue;
+        }
+        if let Some(&u) = first_unknown.get(o.process.as_str()) {
+            let before = &ops[u];
+            return Err(ParseError::ActedAfterUnknown {
+                line: lines.get(i).copied().unwrap_or(0),
+                process: o.process.clone(),
+                op: o.op,
+                f: o.f,
+                unknown_line: lines.get(u).copied().unwrap_or(0),
+                unknown_op: before.op,
+                unknown_f: before.f,
+            });
+        }
+        let unknown = !matches!(o.outcome(), Some(Outcome::Ok | Outcome::Fail));
+        if unknown && matches!(o.f, Function::Acquire | Function::Release) {
+            first_unknown.insert(o.process.as_str(), i);
+        }
+    }
+    Ok(())
 }
 
 fn malformed(line: usize, e: &serde_json::Error) -> ParseError {
@@ -700,6 +761,28 @@ mod tests {
         let err = parse(&format!("{inv}\n{bad_outcome}")).unwrap_err();
         assert_eq!(err.line(), 2);
         assert!(err.to_string().contains("maybe"), "{err}");
+    }
+
+    /// Issue 14 (4). A worker exits after an unknown outcome; the search
+    /// relies on it. A process that goes on acquiring after an acquire it
+    /// could not judge breaks that, and the history is refused.
+    #[test]
+    fn a_process_that_goes_on_after_an_unknown_outcome_is_refused() {
+        let text = r#"{"type":"invoke","process":"w1.1","op":1,"f":"acquire","key":"k","time":10}
+{"type":"complete","process":"w1.1","op":1,"outcome":"unknown","time":20}
+{"type":"invoke","process":"w1.1","op":2,"f":"expire","key":"k","time":30}
+{"type":"invoke","process":"w1.1","op":3,"f":"acquire","key":"k","time":40}
+{"type":"complete","process":"w1.1","op":3,"outcome":"ok","token":7,"time":50}
+"#;
+        let err = parse(text).unwrap_err();
+        assert_eq!(err.line(), 4, "{err}");
+        let msg = err.to_string();
+        assert!(msg.contains("w1.1#3"), "{msg}");
+        assert!(msg.contains("w1.1#1"), "{msg}");
+
+        // The expire alone after the unknown acquire is the discipline.
+        let upto: String = text.lines().take(3).map(|l| format!("{l}\n")).collect();
+        assert!(parse(&upto).is_ok());
     }
 
     #[test]

@@ -11,9 +11,13 @@
 //! release ok needs its process (and token) to be the holder; an expire
 //! (lease ran out) drops the named grant if it still holds; an advance
 //! drops every hold. Operations whose outcome is unknown (unknown or
-//! pending acquires, releases that failed or timed out, expiries, unknown
-//! advances) *fork*: they may take effect at any point after their invoke,
-//! or never. Failed acquires change nothing.
+//! pending acquires, releases and advances, and expiries) *fork*: they may
+//! take effect at any point after their invoke, or never. A `fail` is a
+//! definite refusal and changes nothing (a failed release releases nothing).
+//! The search drops a process's unknown operations once a later confirmed
+//! operation of that process is linearized; that is sound because a gate
+//! worker exits after an unknown outcome, and [`History::from_jsonl`]
+//! refuses a history in which a process goes on.
 //!
 //! **Algorithm.** Per key, a Wing–Gong / Lowe depth-first search as in
 //! Porcupine and Knossos ([`search`](crate::search)): repeatedly pick a
@@ -27,9 +31,11 @@
 //!
 //! **Direct checks** ([`checks`](crate::checks)) run beside the search:
 //! distinct and increasing grant tokens, a double-grant check naming both
-//! grants, and fenced writes (commit order by `seq` never goes back in
-//! token; no older token accepted after a newer one completed; every
-//! accepted token was granted to the writer on that key).
+//! grants, and fenced writes held to the reference fence's `fence < token`:
+//! accepted tokens strictly increase in commit order (`seq`) and in real
+//! time, so one token is never accepted twice; a refused write needs a write
+//! with an equal or newer token that could have landed before it; every
+//! accepted token was granted to the writer on that key.
 
 mod checks;
 mod history;
@@ -343,7 +349,9 @@ mod tests {
         b.released("w1", K, t(5));
         b.acquired("w2", K, t(9));
         b.wrote("w2", K, t(9), 2);
-        b.wrote("w2", K, t(9), 3);
+        // The fence refuses a grant's second write (its token is the mark).
+        let again = b.write("w2", K, t(9));
+        b.fail(again);
         b.released("w2", K, t(9));
         let r = run(&b.build());
         assert!(r.ok(), "{r}");
@@ -639,6 +647,123 @@ mod tests {
                 .next()
                 .is_some()
         );
+    }
+
+    /// Issue 14 (1). A release the arbiter refused (NOT_HELD) leaves the
+    /// hold where it was; the worker then records an `expire` at its
+    /// session's fence deadline, the earliest moment the lease can end. A
+    /// second grant before that deadline is a double grant. (The old worker
+    /// recorded the expire when it noticed the refusal; with that placement
+    /// the same grant is legal, which the second half checks.)
+    #[test]
+    fn a_hold_lives_until_the_expire_at_its_fence_deadline() {
+        let history = |expire_at_ms: u64| {
+            let mut b = History::builder();
+            b.at_ms(0);
+            b.acquired("w1.1", K, t(5));
+            b.at_ms(1000);
+            let rel = b.release("w1.1", K, t(5));
+            b.fail(rel);
+            b.at_ms(expire_at_ms);
+            b.expire("w1.1", K, Some(t(5)));
+            b.at_ms(2000);
+            b.acquired("w2.1", K, t(7));
+            b.build()
+        };
+        // Fence deadline 4 s after the release: w2's grant at 2 s is inside.
+        let r = run(&history(4000));
+        assert!(!r.ok(), "{r}");
+        let v = r
+            .violations_of(ViolationKind::DoubleGrant)
+            .next()
+            .expect("a double grant");
+        assert_eq!(names(v), vec!["w2.1#1", "w1.1#1"], "{r}");
+        // Past the deadline the lease may have ended: legal.
+        let r = run(&history(1500));
+        assert!(r.ok(), "{r}");
+    }
+
+    /// Issue 14 (1). An acquire whose outcome is unknown may or may not have
+    /// granted; its process exits, so nothing it does later can show which.
+    /// The fork "never granted" is always open, so a second grant inside the
+    /// hidden grant's window is legal whatever the expire's time: the
+    /// placement is recorded truthfully but cannot decide a verdict.
+    #[test]
+    fn a_hidden_grant_cannot_be_proven_from_the_history() {
+        let mut b = History::builder();
+        b.at_ms(0);
+        let a = b.acquire("w1.1", K);
+        b.at_ms(2500);
+        b.unknown(a);
+        b.at_ms(6000);
+        b.expire("w1.1", K, None);
+        b.at_ms(3000);
+        b.acquired("w2.1", K, t(7));
+        b.released("w2.1", K, t(7));
+        let r = run(&b.build());
+        assert!(r.ok(), "{r}");
+    }
+
+    /// Issue 14 (2). The reference fence accepts a token only strictly above
+    /// the record's mark: the same token accepted twice is a stale write.
+    #[test]
+    fn a_token_accepted_twice_is_a_violation() {
+        let mut b = History::builder();
+        b.acquired("w1.1", K, t(5));
+        b.wrote("w1.1", K, t(5), 1);
+        b.wrote("w1.1", K, t(5), 2);
+        b.released("w1.1", K, t(5));
+        let r = run(&b.build());
+        assert!(!r.ok(), "{r}");
+        assert_eq!(r.violations.len(), 1, "{r}");
+        assert_eq!(names(&r.violations[0]), vec!["w1.1#3", "w1.1#2"], "{r}");
+    }
+
+    /// Issue 14 (2). A refused write whose token is above every token the
+    /// record could have been written with is a fence that said no for
+    /// nothing (a `<=` where `<` belongs, a lost row).
+    #[test]
+    fn a_write_refused_below_its_token_is_a_violation() {
+        let mut b = History::builder();
+        b.acquired("w1.1", K, t(5));
+        b.wrote("w1.1", K, t(5), 1);
+        b.released("w1.1", K, t(5));
+        b.acquired("w2.1", K, t(7));
+        let w = b.write("w2.1", K, t(7));
+        b.fail(w);
+        b.released("w2.1", K, t(7));
+        let r = run(&b.build());
+        assert!(!r.ok(), "{r}");
+        assert_eq!(r.violations.len(), 1, "{r}");
+        assert_eq!(names(&r.violations[0]), vec!["w2.1#2", "w1.1#2"], "{r}");
+
+        // Refused because a write with the same token could have landed
+        // first: that is the fence working.
+        let mut b = History::builder();
+        b.acquired("w1.1", K, t(5));
+        let first = b.write("w1.1", K, t(5));
+        let again = b.write("w2.1", K, t(5));
+        b.unknown(first);
+        b.fail(again);
+        assert!(run(&b.build()).ok());
+    }
+
+    /// Issue 14 (3). A release the arbiter refused (NOT_HELD) did not
+    /// release: the hold stays, and a second grant is a double grant.
+    #[test]
+    fn a_failed_release_releases_nothing() {
+        let mut b = History::builder();
+        b.acquired("w1.1", K, t(5));
+        let rel = b.release("w1.1", K, t(5));
+        b.fail(rel);
+        b.acquired("w2.1", K, t(7));
+        let r = run(&b.build());
+        assert!(!r.ok(), "{r}");
+        let v = r
+            .violations_of(ViolationKind::DoubleGrant)
+            .next()
+            .expect("a double grant");
+        assert_eq!(names(v), vec!["w2.1#1", "w1.1#1"], "{r}");
     }
 
     #[test]

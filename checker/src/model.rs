@@ -1,11 +1,14 @@
 //! The sequential lock model for one key, and how history operations map
 //! onto it.
 //!
-//! Operations whose outcome is unknown (and every release that failed, since
-//! a failed release says nothing) are *optional*: the search may linearize
-//! them anywhere after their invoke, where they take their effect, or never,
-//! which is the same as "no effect". So each model operation has at most one
-//! effect and the state machine stays deterministic.
+//! Operations whose outcome is unknown (unknown or never completed) are
+//! *optional*: the search may linearize them anywhere after their invoke,
+//! where they take their effect, or never, which is the same as "no
+//! effect". So each model operation has at most one effect and the state
+//! machine stays deterministic. A `fail` is a definite refusal (the arbiter
+//! said no before writing anything: NOT_HELD, TOKEN_MISMATCH, HELD, ...), so
+//! a failed acquire, release or advance changes nothing and is left out; only
+//! unknown outcomes fork.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -175,7 +178,7 @@ pub(crate) struct Partition {
 }
 
 /// Splits the history per key. Writes and faults are not part of the lock
-/// model; failed acquires and failed advances change nothing and are left
+/// model; failed acquires, releases and advances change nothing and are left
 /// out (dropping a no-op cannot change whether a history linearizes: real
 /// time order is an interval order, so it stays transitive without it).
 pub(crate) fn partitions(history: &History) -> BTreeMap<String, Partition> {
@@ -201,6 +204,7 @@ pub(crate) fn partitions(history: &History) -> BTreeMap<String, Partition> {
             ),
             (Function::Acquire, Some(Outcome::Fail)) => continue,
             (Function::Acquire, _) => (Effect::MaybeGrant, false),
+            (Function::Release, Some(Outcome::Fail)) => continue,
             (Function::Release, _) => (Effect::Release { token: o.token }, definite),
             (Function::Expire, Some(Outcome::Fail)) => continue,
             (Function::Expire, _) => (Effect::Expire { token: o.token }, false),

@@ -72,9 +72,13 @@ pub enum ViolationKind {
     DuplicateToken,
     /// A later grant with a smaller token.
     TokenRegression,
-    /// Accepted writes whose tokens go back in the resource's commit order,
-    /// or an accepted write with an older token after a newer one finished.
+    /// Accepted writes whose tokens do not go strictly up in the resource's
+    /// commit order (a token accepted twice included), or an accepted write
+    /// with an older or equal token after another one finished.
     StaleWriteAccepted,
+    /// A refused write whose token was above every token the record could
+    /// have been written with: the fence refused what it must accept.
+    FreshWriteRefused,
     /// An accepted write whose token that process was never granted.
     UngrantedWriteToken,
 }
@@ -87,6 +91,7 @@ impl fmt::Display for ViolationKind {
             ViolationKind::DuplicateToken => "duplicate token",
             ViolationKind::TokenRegression => "token regression",
             ViolationKind::StaleWriteAccepted => "stale fenced write accepted",
+            ViolationKind::FreshWriteRefused => "fenced write refused above the mark",
             ViolationKind::UngrantedWriteToken => "write with an ungranted token",
         })
     }

@@ -168,12 +168,15 @@ pub(crate) fn simulate(cfg: SimConfig) -> History {
                 Some((k, t)) if holder[k] == Some((p, t)) => match rng.below(100) {
                     0..=44 => {
                         let mut w = op(p, Function::Write, Some(k), Some(t), None, lin);
+                        // The reference fence: strictly above the mark, so a
+                        // grant's second write to its record is refused.
+                        let accepts = t > resource_max[k];
                         let landed = if rng.chance(90) {
-                            w.outcome = Some(Outcome::Ok);
-                            true
+                            w.outcome = Some(if accepts { Outcome::Ok } else { Outcome::Fail });
+                            accepts
                         } else {
                             w.outcome = unknown(&mut rng);
-                            rng.chance(50)
+                            accepts && rng.chance(50)
                         };
                         if landed {
                             seq[k] += 1;
@@ -225,7 +228,7 @@ pub(crate) fn simulate(cfg: SimConfig) -> History {
                     // A zombie: its grant is gone (an epoch advance dropped it).
                     if rng.chance(50) {
                         let mut w = op(p, Function::Write, Some(k), Some(t), None, lin);
-                        if t >= resource_max[k] {
+                        if t > resource_max[k] {
                             seq[k] += 1;
                             resource_max[k] = t;
                             w.outcome = Some(Outcome::Ok);
