@@ -7,7 +7,9 @@
 //! Any outcome the worker cannot know (a transport error, a refused release)
 //! ends the process with [`EXIT_TAINTED`] after recording what may still
 //! linger (an `expire` from its fence deadline); the gate starts a fresh
-//! incarnation, so no hidden hold outlives the dead process's lease.
+//! incarnation, so no hidden hold outlives the dead process's lease. After
+//! such an outcome the worker records nothing but that `expire`: the
+//! checker's search relies on it and refuses a history that breaks it.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -17,7 +19,7 @@ use latchkey_client::{Client, ClientConfig, Error, TlsFiles};
 use latchkey_fence_postgres::{WriteOutcome, guarded_write};
 use latchkey_proto::lockv1::Reason;
 
-use super::record::{Fields, Outcome, Recorder, mono_ns, mono_of};
+use super::record::{Fields, Outcome, Recorder, mono_of};
 
 /// The worker stopped because the stop file appeared.
 pub const EXIT_STOPPED: i32 = 0;
@@ -100,13 +102,32 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
             Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     };
+    // One session for the whole incarnation, named on every acquire: a
+    // grant whose answer is lost lives on it, so its fence deadline bounds
+    // that hidden grant (the expire below).
+    let session = loop {
+        if args.stop_file.exists() {
+            return Ok(EXIT_STOPPED);
+        }
+        match client.open_session(&args.class).await {
+            Ok(s) => break s,
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
 
     while !args.stop_file.exists() {
+        if session.is_fenced() {
+            // Its lease is gone or going (a pause past the TTL): nothing was
+            // asked on it since, so nothing to record; a new incarnation
+            // opens a new session.
+            return Ok(EXIT_TAINTED);
+        }
         let key = args.keys[rng.usize(..args.keys.len())].clone();
         let op = rec.invoke("acquire", key_field(&key))?;
         let wait = Duration::from_millis(rng.u64(300..2500));
         let guard = match client
             .lock(&key, &args.class)
+            .session(&session)
             .wait(wait)
             .acquire(|_| {})
             .await
@@ -136,8 +157,13 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
             Err(e) => {
                 rec.complete(op, Outcome::Unknown, detail(&e))?;
                 // If it was granted after all, the hold lives on this
-                // process's session until its lease runs out.
-                rec.invoke_at("expire", key_field(&key), mono_ns())?;
+                // session until its lease runs out, which is no earlier than
+                // the session's fence deadline (last successful keepalive
+                // send + TTL - 1 s). Read it last and exit without another
+                // await: on this current-thread runtime no keepalive can
+                // move it after it is read.
+                let deadline = mono_of(session.fence_deadline().into_std());
+                rec.invoke_at("expire", key_field(&key), deadline)?;
                 return Ok(EXIT_TAINTED);
             }
         };
