@@ -230,12 +230,21 @@ mod tests {
     /// print their own reason and tell a person to retry.
     #[test]
     fn edge_policy_refusals_print_their_reason_and_say_retry() {
-        for (reason, hint) in [
-            (EDGE_POLICY_NOT_READY, "not loaded its grant table yet"),
-            (EDGE_POLICY_STALE, "cannot refresh its grant table"),
+        for (reason, hint, typed) in [
+            (
+                EDGE_POLICY_NOT_READY,
+                "not loaded its grant table yet",
+                Reason::PolicyNotReady,
+            ),
+            (
+                EDGE_POLICY_STALE,
+                "cannot refresh its grant table",
+                Reason::PolicyStale,
+            ),
         ] {
             let err = Error::from(refusal(Code::Unavailable, reason, "latchkey.dev"));
-            assert_eq!(err.reason(), Reason::Unspecified);
+            // lock.v1 names the edge's reasons, so programs can branch on them
+            assert_eq!(err.reason(), typed);
             assert_eq!(
                 err.to_string(),
                 format!("UNAVAILABLE: {reason}: key is held")
