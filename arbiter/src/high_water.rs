@@ -12,7 +12,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -74,9 +74,11 @@ pub struct HighWater {
     path: PathBuf,
     /// Highest mark asked for so far (in memory).
     wanted: Mutex<Option<Mark>>,
-    /// Highest mark known to be on disk; the async lock serialises writers.
-    durable: tokio::sync::Mutex<Option<Mark>>,
-    durable_view: Mutex<Option<Mark>>,
+    /// Highest mark known to be on disk. Its async lock is the writer's
+    /// turn: whoever holds it is the only one touching the temp file, and a
+    /// write runs in a task that owns the guard (see [`Self::record`]).
+    durable: Arc<tokio::sync::Mutex<Option<Mark>>>,
+    durable_view: Arc<Mutex<Option<Mark>>>,
 }
 
 impl HighWater {
@@ -101,8 +103,8 @@ impl HighWater {
         Ok(Self {
             path,
             wanted: Mutex::new(mark),
-            durable: tokio::sync::Mutex::new(mark),
-            durable_view: Mutex::new(mark),
+            durable: Arc::new(tokio::sync::Mutex::new(mark)),
+            durable_view: Arc::new(Mutex::new(mark)),
         })
     }
 
@@ -112,6 +114,12 @@ impl HighWater {
     }
 
     /// Returns once a mark at least as high as `mark` is on disk.
+    ///
+    /// Cancel-safe: the write itself (file, fsync, rename, and noting the new
+    /// durable mark) runs in a task that owns the writer's turn, so a caller
+    /// dropped mid-write (a client that went away) neither leaves the turn to
+    /// a second writer of the same temp file nor loses the mark it wrote;
+    /// the next caller waits for that write and finds its mark covered.
     pub async fn record(&self, mark: Mark) -> Result<(), HighWaterError> {
         if let Ok(mut wanted) = self.wanted.lock() {
             match *wanted {
@@ -119,7 +127,7 @@ impl HighWater {
                 _ => *wanted = Some(mark),
             }
         }
-        let mut durable = self.durable.lock().await;
+        let mut durable = Arc::clone(&self.durable).lock_owned().await;
         if durable.is_some_and(|d| d.covers(&mark)) {
             return Ok(());
         }
@@ -129,18 +137,31 @@ impl HighWater {
             .map(|w| w.unwrap_or(mark))
             .unwrap_or(mark);
         let path = self.path.clone();
-        let bytes = serde_json::to_vec(&target).unwrap_or_default();
-        tokio::task::spawn_blocking(move || write_durably(&path, &bytes))
-            .await
-            .map_err(|e| HighWaterError::Write {
-                path: self.path.clone(),
-                source: std::io::Error::other(e),
-            })??;
-        *durable = Some(target);
-        if let Ok(mut view) = self.durable_view.lock() {
-            *view = Some(target);
-        }
-        Ok(())
+        let view = Arc::clone(&self.durable_view);
+        let bytes = serde_json::to_vec(&target).map_err(|e| HighWaterError::Write {
+            path: self.path.clone(),
+            source: std::io::Error::other(e),
+        })?;
+        // Holds the turn until the file is durable and noted, whether or not
+        // anyone still awaits it.
+        let write = tokio::spawn(async move {
+            let blocking_path = path.clone();
+            tokio::task::spawn_blocking(move || write_durably(&blocking_path, &bytes))
+                .await
+                .map_err(|e| HighWaterError::Write {
+                    path,
+                    source: std::io::Error::other(e),
+                })??;
+            *durable = Some(target);
+            if let Ok(mut view) = view.lock() {
+                *view = Some(target);
+            }
+            Ok(())
+        });
+        write.await.map_err(|e| HighWaterError::Write {
+            path: self.path.clone(),
+            source: std::io::Error::other(e),
+        })?
     }
 }
 
@@ -164,6 +185,8 @@ fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), HighWaterError> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[tokio::test]
@@ -186,6 +209,50 @@ mod tests {
         drop(hw);
         let hw = HighWater::open(dir.path())?;
         assert_eq!(hw.current(), Some(m(2, 3)));
+        Ok(())
+    }
+
+    /// Issue 18: a grant cancelled while its mark was being written left that
+    /// write running without the writer's turn; the next grant wrote the same
+    /// temp file at the same time and one rename failed (ENOENT), refusing a
+    /// committed grant. Real file writes, grants dropped at varied points.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn grants_cancelled_mid_write_never_fail_the_next() -> Result<(), HighWaterError> {
+        let dir = tempfile::tempdir().map_err(|source| HighWaterError::Read {
+            path: PathBuf::new(),
+            source,
+        })?;
+        let hw = Arc::new(HighWater::open(dir.path())?);
+        let m = |revision| Mark {
+            epoch: 1,
+            cluster_id: 7,
+            revision,
+        };
+        let mut revision = 0;
+        for round in 0..300u64 {
+            // Cancelled grants: dropped after 0..400 µs, mostly mid-write.
+            let mut cancelled = Vec::new();
+            for k in 0..3u64 {
+                revision += 1;
+                let hw = Arc::clone(&hw);
+                let after = Duration::from_micros((round * 37 + k * 131) % 400);
+                cancelled.push(tokio::spawn(async move {
+                    let _ = tokio::time::timeout(after, hw.record(m(revision))).await;
+                }));
+            }
+            // A grant that is not cancelled must always be made durable.
+            revision += 1;
+            hw.record(m(revision)).await?;
+            assert!(hw.current().is_some_and(|c| c.covers(&m(revision))));
+            for c in cancelled {
+                let _ = c.await;
+            }
+        }
+        let on_disk = HighWater::open(dir.path())?.current();
+        assert!(
+            on_disk.is_some_and(|c| c.covers(&m(revision))),
+            "{on_disk:?}"
+        );
         Ok(())
     }
 
