@@ -73,9 +73,29 @@ impl Bounds {
     }
 }
 
+/// How often the memo drops what can no longer answer (closed and expired
+/// sessions, and those not renewed lately), so its memory comes back.
+const PRUNE_EVERY: Duration = Duration::from_secs(10);
+
+impl crate::store::RenewalMemo for Bounds {
+    fn recent(&self, lease: i64) -> Option<crate::store::Renewed> {
+        let memo = self.renewals.lock().ok()?;
+        let r = memo.entries.get(&lease)?;
+        r.fresh(Instant::now()).then(|| crate::store::Renewed {
+            ttl_seconds: i64::try_from(r.ttl.as_secs()).unwrap_or(i64::MAX),
+            sent: r.at,
+        })
+    }
+
+    fn note(&self, lease: i64, renewed: crate::store::Renewed) {
+        self.renewed(lease, renewed.sent, renewed.ttl_seconds);
+    }
+}
+
 #[derive(Default)]
 struct RenewalMemo {
     entries: HashMap<i64, Renewed>,
+    next_prune: Option<Instant>,
 }
 
 #[derive(Clone, Copy)]
@@ -101,13 +121,26 @@ impl RenewalMemo {
         i64::try_from(left.as_secs()).ok().filter(|s| *s >= 1)
     }
 
+    /// Drops entries past their quarter TTL (they answer nothing) and hands
+    /// the table's spare room back.
+    fn prune(&mut self, now: Instant) {
+        self.entries.retain(|_, r| r.fresh(now));
+        if self.entries.capacity() > 64 && self.entries.len() < self.entries.capacity() / 4 {
+            self.entries.shrink_to_fit();
+        }
+        self.next_prune = Some(now + PRUNE_EVERY);
+    }
+
     fn note(&mut self, session: i64, sent: Instant, ttl_seconds: i64, now: Instant) {
-        let Ok(secs) = u64::try_from(ttl_seconds) else {
+        if self.next_prune.is_none_or(|t| now >= t) {
+            self.prune(now);
+        }
+        let Ok(secs @ 1..) = u64::try_from(ttl_seconds) else {
             self.entries.remove(&session);
             return;
         };
         if self.entries.len() >= MAX_REMEMBERED_RENEWALS && !self.entries.contains_key(&session) {
-            self.entries.retain(|_, r| r.fresh(now));
+            self.prune(now);
             if self.entries.len() >= MAX_REMEMBERED_RENEWALS {
                 return;
             }
@@ -170,6 +203,21 @@ mod tests {
         let later = t0 + Duration::from_secs(16);
         m.note(-5, later, 60, later);
         assert_eq!(m.entries.len(), 1);
+    }
+
+    #[test]
+    fn stale_entries_leave_and_their_memory_comes_back() {
+        let mut m = RenewalMemo::default();
+        let t0 = Instant::now();
+        for s in 0..10_000 {
+            m.note(s, t0, 60, t0);
+        }
+        let peak = m.entries.capacity();
+        // past a quarter TTL and the prune interval, the next note prunes
+        let later = t0 + Duration::from_secs(16).max(PRUNE_EVERY);
+        m.note(-1, later, 60, later);
+        assert_eq!(m.entries.len(), 1);
+        assert!(m.entries.capacity() < peak / 4, "{}", m.entries.capacity());
     }
 
     #[tokio::test]

@@ -129,6 +129,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         },
         source,
     };
+    let bounds = Arc::new(bounds::Bounds::new(config.max_sessions_per_identity));
     let store = Store::connect(
         &StoreConfig {
             endpoints: config.etcd_endpoints.clone(),
@@ -140,6 +141,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         },
         guard.clone(),
         high_water,
+        bounds.clone(),
     )
     .await
     .map_err(unreachable)?;
@@ -191,7 +193,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             config.hooks.clone(),
         )),
         max_wait: config.max_wait,
-        bounds: Arc::new(bounds::Bounds::new(config.max_sessions_per_identity)),
+        bounds,
     }))
 }
 

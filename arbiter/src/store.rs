@@ -7,13 +7,15 @@
 //! the seal's absence and the session record; a release with a local waiter
 //! hands over in one transaction too. Watches and polls only trigger attempts.
 
+mod lease_renewals;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, GetResponse,
-    Identity, LeaseGrantOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, ResponseHeader,
-    TlsOptions, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchOptions, WatchStream,
+    Identity, LeaseGrantOptions, PutOptions, ResponseHeader, TlsOptions, Txn, TxnOp, TxnOpResponse,
+    TxnResponse, WatchOptions, WatchStream,
 };
 use tracing::{error, warn};
 
@@ -26,6 +28,8 @@ use crate::records::{
     encode, now_unix_ms,
 };
 use crate::token;
+use lease_renewals::LeaseRenewals;
+pub use lease_renewals::{Answer as RenewalAnswer, RenewalMemo, Renewed};
 
 /// A committed grant. The token is derived, never stored separately.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -175,6 +179,8 @@ pub struct Store {
     /// so a restore to below them seals this arbiter too, even when its own
     /// grants all lie below the restored revision.
     seen: Arc<std::sync::Mutex<Option<Mark>>>,
+    /// Every session's renewals, over a few shared keep-alive streams.
+    renewals: Arc<LeaseRenewals>,
 }
 
 fn header_of(h: Option<&ResponseHeader>) -> Result<(u64, i64), ArbiterError> {
@@ -218,6 +224,13 @@ fn lease_exists(err: &etcd_client::Error) -> bool {
         if s.code() == tonic::Code::FailedPrecondition && s.message().contains("lease already exists"))
 }
 
+/// etcd refused a put on a lease it no longer has: the session expired
+/// (never a store outage to retry).
+fn lease_not_found(err: &etcd_client::Error) -> bool {
+    matches!(err, etcd_client::Error::GRpcStatus(s)
+        if s.code() == tonic::Code::NotFound && s.message().contains("lease not found"))
+}
+
 fn first_kv(resp: &TxnOpResponse) -> Option<&etcd_client::KeyValue> {
     match resp {
         TxnOpResponse::Get(g) => g.kvs().first(),
@@ -230,6 +243,7 @@ impl Store {
         config: &StoreConfig,
         guard: Arc<EpochGuard>,
         high_water: Arc<HighWater>,
+        memo: Arc<dyn RenewalMemo>,
     ) -> Result<Self, ArbiterError> {
         // require_leader: a member cut off from the quorum fails fast instead
         // of serving a stale view or hanging.
@@ -258,6 +272,7 @@ impl Store {
             .await
             .map_err(etcd_error)?;
         Ok(Self {
+            renewals: Arc::new(LeaseRenewals::start(&client, memo)),
             client,
             layout: Layout::new(&config.prefix),
             guard,
@@ -302,8 +317,26 @@ impl Store {
 
     /// Runs a transaction; its header is checked before anything in it is used.
     async fn checked_txn(&self, txn: Txn) -> Result<(TxnResponse, i64), ArbiterError> {
+        self.checked_txn_on(txn, None).await
+    }
+
+    /// [`Self::checked_txn`] for a transaction that puts on `session`'s
+    /// lease: etcd's "lease not found" is `SessionExpired`.
+    async fn checked_txn_on(
+        &self,
+        txn: Txn,
+        session: Option<i64>,
+    ) -> Result<(TxnResponse, i64), ArbiterError> {
         let mark = self.mark_before_request();
-        let resp = self.client.kv_client().txn(txn).await.map_err(etcd_error)?;
+        let resp = self
+            .client
+            .kv_client()
+            .txn(txn)
+            .await
+            .map_err(|e| match session {
+                Some(session) if lease_not_found(&e) => ArbiterError::SessionExpired { session },
+                _ => etcd_error(e),
+            })?;
         let (cluster_id, revision) = header_of(resp.header())?;
         self.observe(mark, cluster_id, Some(revision)).await?;
         self.saw(cluster_id, revision);
@@ -590,7 +623,13 @@ impl Store {
             TxnOp::put(self.layout.identity_session(identity, id), "", on_lease()),
         ]);
         let mark = self.high_water.current();
-        let resp = self.client.kv_client().txn(txn).await.map_err(etcd_error)?;
+        let resp = self.client.kv_client().txn(txn).await.map_err(|e| {
+            if lease_not_found(&e) {
+                ArbiterError::SessionExpired { session: id }
+            } else {
+                etcd_error(e)
+            }
+        })?;
         let (cluster_id, revision) = header_of(resp.header())?;
         self.observe(mark, cluster_id, Some(revision)).await?;
         Ok(id)
@@ -642,14 +681,10 @@ impl Store {
         }
     }
 
-    pub async fn renewer(&self, lease: i64) -> Result<Renewer, ArbiterError> {
-        let (keeper, stream) = self
-            .client
-            .lease_client()
-            .keep_alive(lease)
-            .await
-            .map_err(etcd_error)?;
-        Ok(Renewer { keeper, stream })
+    /// Renews `lease` once over the shared keep-alive streams; a TTL of 0
+    /// or less means etcd no longer has it.
+    pub async fn renew(&self, lease: i64) -> Result<RenewalAnswer, ArbiterError> {
+        self.renewals.renew(lease).await
     }
 
     /// One grant attempt: one transaction, classified. A refusal caused by a
@@ -690,7 +725,7 @@ impl Store {
                 TxnOp::get(seal_key, None),
                 TxnOp::get(session_key, None),
             ]);
-        let (resp, revision) = self.checked_txn(txn).await?;
+        let (resp, revision) = self.checked_txn_on(txn, Some(req.session)).await?;
         if resp.succeeded() {
             let grant = Grant {
                 key: req.key.clone(),
@@ -1148,23 +1183,6 @@ impl Store {
             .await
             .map_err(etcd_error)?;
         Ok(resp.count())
-    }
-}
-
-/// One session's renewal stream to etcd.
-pub struct Renewer {
-    keeper: LeaseKeeper,
-    stream: LeaseKeepAliveStream,
-}
-
-impl Renewer {
-    /// Renews once; the TTL left, or 0 when the lease is gone.
-    pub async fn renew(&mut self) -> Result<i64, ArbiterError> {
-        self.keeper.keep_alive().await.map_err(etcd_error)?;
-        match self.stream.message().await.map_err(etcd_error)? {
-            Some(resp) => Ok(resp.ttl()),
-            None => Err(ArbiterError::store("lease keep-alive stream closed")),
-        }
     }
 }
 

@@ -147,26 +147,35 @@ async fn another_identity_cannot_renew_close_or_reuse_a_session() -> anyhow::Res
     let sa = open(&mut alice, "demo").await?;
     let g = try_lock(&mut alice, "demo/report", "demo", sa).await?;
 
-    // KeepAlive: the same refusal as for a session that does not exist
+    // KeepAlive: the same answer as for a session that does not exist (gone:
+    // no TTL left), and the stream goes on serving bob's own session.
+    let sb = open(&mut bob, "demo").await?;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut replies = bob
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
     for session in [sa, 0x7777_0001] {
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
         tx.send(KeepAliveRequest {
             session_id: session,
         })
         .await?;
-        let mut replies = bob
-            .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        let reply = replies
+            .message()
             .await?
-            .into_inner();
-        expect_refusal(
-            replies
-                .message()
-                .await
-                .and_then(|m| m.ok_or_else(|| tonic::Status::internal("stream ended"))),
-            Code::FailedPrecondition,
-            "SESSION_EXPIRED",
-        )?;
+            .ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+        assert_eq!(
+            (reply.session_id, reply.remaining_ttl_seconds),
+            (session, 0)
+        );
     }
+    tx.send(KeepAliveRequest { session_id: sb }).await?;
+    let reply = replies
+        .message()
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+    assert_eq!(reply.session_id, sb);
+    assert!(reply.remaining_ttl_seconds > 0, "{reply:?}");
     // CloseSession: refused, and alice's session and hold stay
     for session in [sa, 0x7777_0001] {
         expect_refusal(

@@ -259,11 +259,60 @@ async fn keepalive_renews_the_session_and_reports_the_ttl() -> anyhow::Result<()
         .await?
         .into_inner();
     tx.send(KeepAliveRequest { session_id: sa }).await?;
+    let reply = replies
+        .message()
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+    assert_eq!((reply.session_id, reply.remaining_ttl_seconds), (sa, 0));
+    Ok(())
+}
+
+/// Issue 18: a session whose lease etcd no longer has (here: its record
+/// outlives the lease, as in the window between a lease's expiry and its
+/// revocation) is SESSION_EXPIRED to Acquire and gone (no TTL left) to
+/// KeepAlive, never STORE_UNAVAILABLE; and the KeepAlive stream goes on
+/// renewing the caller's other session.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_etcd_no_longer_has_is_session_expired_and_the_stream_goes_on() -> anyhow::Result<()>
+{
+    let s = stack().await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let sa = open(&mut alice, "demo").await?;
+    let mut etcd = s.etcd.client().await?;
+    let record = etcd
+        .get(format!("/latchkey/s/{sa:016x}"), None)
+        .await?
+        .kvs()
+        .first()
+        .map(|kv| kv.value().to_vec())
+        .ok_or_else(|| anyhow::anyhow!("no session record"))?;
+    // A lease id etcd never granted, on another renewal lane than sa's (the
+    // arbiter shares a few keep-alive streams; a fresh one opens with it).
+    let gone = 0x5eed_0000_i64 + (sa + 1) % 4;
+    etcd.put(format!("/latchkey/s/{gone:016x}"), record, None)
+        .await?;
     expect_refusal(
-        replies.message().await,
+        try_lock(&mut alice, "demo/gone", "demo", gone).await,
         Code::FailedPrecondition,
         "SESSION_EXPIRED",
     )?;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut replies = alice
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    for (session, alive) in [(sa, true), (gone, false), (sa, true)] {
+        tx.send(KeepAliveRequest {
+            session_id: session,
+        })
+        .await?;
+        let r = replies
+            .message()
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+        assert_eq!(r.session_id, session);
+        assert_eq!(r.remaining_ttl_seconds > 0, alive, "{r:?}");
+    }
     Ok(())
 }
 

@@ -1,77 +1,179 @@
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
+use futures::stream::{FuturesUnordered, StreamExt as _};
 use latchkey_proto::lockv1::{KeepAliveRequest, KeepAliveResponse};
-use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status, Streaming};
 use tracing::debug;
 
 use super::{Arbiter, KeepAliveStream, session_id};
 use crate::error::ArbiterError;
-use crate::store::Renewer;
+
+/// Renewals of one client stream in flight at once. Past it the stream is not
+/// read until one is answered, so a client that sends faster is slowed by
+/// HTTP/2 flow control, never refused.
+const MAX_IN_FLIGHT_PER_STREAM: usize = 1024;
+/// Answers waiting for the client to read them.
+const REPLY_QUEUE: usize = 256;
+/// Sessions whose ownership one stream remembers having checked, at most
+/// (the per-identity session bound is usually far lower).
+const MAX_CHECKED_PER_STREAM: usize = 1 << 16;
+
+/// What one renewal came to.
+enum Renewal {
+    /// Renewed (or answered from the memo) with this many seconds left.
+    Alive(i64),
+    /// Gone, or not the caller's: the same answer either way.
+    Gone,
+}
 
 impl Arbiter {
-    /// Renews sessions on request. Each session's ownership is checked once
-    /// per stream (someone else's session is SESSION_EXPIRED, as one that is
-    /// gone); each renewal is answered with the TTL left, and a session that
-    /// is gone ends the stream with SESSION_EXPIRED. A session renewed in
-    /// etcd within the last quarter of its TTL is answered from the
-    /// arbiter's memo of renewals ([`crate::bounds`]): renewing faster costs
-    /// etcd nothing, and no renewal is ever refused for its rate.
+    /// Renews sessions on request. Renewals on one stream are pipelined:
+    /// each is answered when its own renewal is, in any order (answers carry
+    /// the session id), over the store's shared etcd keep-alive streams.
+    /// Each session's ownership is checked once per stream (someone else's
+    /// session is answered as one that is gone). A session that is gone is
+    /// answered with `remaining_ttl_seconds = 0` and the stream goes on for
+    /// the others; only a store failure or a malformed request ends it.
+    /// A session renewed in etcd within the last quarter of its TTL is
+    /// answered from the arbiter's memo of renewals ([`crate::bounds`]):
+    /// renewing faster costs etcd nothing, and no renewal is ever refused
+    /// for its rate.
     pub fn keep_alive(
         self: Arc<Self>,
         request: Request<Streaming<KeepAliveRequest>>,
     ) -> Result<KeepAliveStream, ArbiterError> {
         let caller = self.caller(&request)?;
         let mut inbound = request.into_inner();
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<KeepAliveResponse, Status>>(8);
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<KeepAliveResponse, Status>>(REPLY_QUEUE);
         tokio::spawn(async move {
-            let mut renewers: HashMap<i64, Renewer> = HashMap::new();
-            while let Some(Ok(req)) = inbound.next().await {
-                let reply = async {
-                    let session = session_id(req.session_id)?;
-                    let renewer = match renewers.entry(session) {
-                        Entry::Occupied(e) => e.into_mut(),
-                        Entry::Vacant(e) => {
-                            self.owned_session(&caller.identity, session).await?;
-                            e.insert(self.store.renewer(session).await?)
+            let identity = caller.identity.as_str();
+            let checked_cap = MAX_CHECKED_PER_STREAM.min(
+                usize::try_from(self.bounds.max_sessions)
+                    .unwrap_or(usize::MAX)
+                    .saturating_mul(2)
+                    .max(1024),
+            );
+            // The caller's sessions checked on this stream; a session that
+            // turns out gone leaves, and the set goes with the stream.
+            let mut checked: HashSet<i64> = HashSet::new();
+            let mut in_flight = FuturesUnordered::new();
+            let mut reading = true;
+            loop {
+                let room = reading && in_flight.len() < MAX_IN_FLIGHT_PER_STREAM;
+                let event = tokio::select! {
+                    req = inbound.next(), if room => Event::Request(req),
+                    Some(done) = in_flight.next() => Event::Done(done),
+                    else => Event::Idle,
+                };
+                match event {
+                    Event::Request(Some(Ok(req))) => {
+                        let known = checked.contains(&req.session_id);
+                        in_flight.push(self.renewal(identity, req.session_id, known));
+                    }
+                    Event::Request(_) => reading = false,
+                    Event::Idle => return,
+                    Event::Done((session, outcome)) => {
+                        let reply = match outcome {
+                            Ok(Renewal::Alive(ttl)) => {
+                                if checked.len() < checked_cap {
+                                    checked.insert(session);
+                                }
+                                Ok(KeepAliveResponse {
+                                    session_id: session,
+                                    remaining_ttl_seconds: ttl,
+                                })
+                            }
+                            Ok(Renewal::Gone) => {
+                                checked.remove(&session);
+                                self.metrics
+                                    .renewal_refused(&ArbiterError::SessionExpired { session });
+                                Ok(KeepAliveResponse {
+                                    session_id: session,
+                                    remaining_ttl_seconds: 0,
+                                })
+                            }
+                            Err(e) => {
+                                debug!(identity, error = %e, "keepalive stream ended");
+                                self.metrics.renewal_refused(&e);
+                                Err(Status::from(e))
+                            }
+                        };
+                        let end = reply.is_err();
+                        if tx.send(reply).await.is_err() || end {
+                            return;
                         }
-                    };
-                    // Ownership is settled above (once per stream); only then
-                    // may the memo answer.
-                    if let Some(ttl) = self.bounds.recent_renewal(session) {
-                        self.metrics.renewal("coalesced");
-                        return Ok(KeepAliveResponse {
-                            session_id: session,
-                            remaining_ttl_seconds: ttl,
-                        });
                     }
-                    let sent = Instant::now();
-                    let ttl = renewer.renew().await?;
-                    self.bounds.renewed(session, sent, ttl);
-                    if ttl <= 0 {
-                        return Err(ArbiterError::SessionExpired { session });
-                    }
-                    self.metrics.renewal("renewed");
-                    Ok(KeepAliveResponse {
-                        session_id: session,
-                        remaining_ttl_seconds: ttl,
-                    })
                 }
-                .await;
-                let end = reply.is_err();
-                if let Err(e) = &reply {
-                    debug!(identity = %caller.identity, error = %e, "keepalive refused");
-                    self.metrics.renewal_refused(e);
-                }
-                if tx.send(reply.map_err(Status::from)).await.is_err() || end {
+                if !reading && in_flight.is_empty() {
                     return;
                 }
             }
         });
         Ok(Box::pin(ReceiverStream::new(rx)))
     }
+
+    /// One renewal of `raw` for `identity`; `checked`: its ownership was
+    /// already checked on this stream.
+    async fn renewal(
+        &self,
+        identity: &str,
+        raw: i64,
+        checked: bool,
+    ) -> (i64, Result<Renewal, ArbiterError>) {
+        (raw, self.renew_session(identity, raw, checked).await)
+    }
+
+    async fn renew_session(
+        &self,
+        identity: &str,
+        raw: i64,
+        checked: bool,
+    ) -> Result<Renewal, ArbiterError> {
+        let session = session_id(raw)?;
+        if !checked {
+            match self.owned_session(identity, session).await {
+                Ok(_) => {}
+                Err(ArbiterError::SessionExpired { .. }) => return Ok(Renewal::Gone),
+                Err(e) => return Err(e),
+            }
+        }
+        // Ownership is settled above; only then may the memo answer.
+        if let Some(ttl) = self.bounds.recent_renewal(session) {
+            self.metrics.renewal("coalesced");
+            return Ok(Renewal::Alive(ttl));
+        }
+        // At most twice: a renewal already in flight (or just answered) when
+        // this one was asked answers for it too, counted from when it was
+        // sent; if that leaves under a second, renew afresh.
+        for _ in 0..2 {
+            let asked = Instant::now();
+            // The store notes etcd's answer in the memo.
+            let answer = self.store.renew(session).await?;
+            let renewed = answer.renewed;
+            if renewed.ttl_seconds <= 0 {
+                return Ok(Renewal::Gone);
+            }
+            self.metrics.renewal(if answer.sent_to_etcd {
+                "renewed"
+            } else {
+                "coalesced"
+            });
+            if renewed.sent >= asked {
+                return Ok(Renewal::Alive(renewed.ttl_seconds));
+            }
+            if let Some(ttl) = self.bounds.recent_renewal(session) {
+                return Ok(Renewal::Alive(ttl));
+            }
+        }
+        Err(ArbiterError::store("the lease renewal answered too late"))
+    }
+}
+
+enum Event<R, D> {
+    Request(Option<R>),
+    Done(D),
+    Idle,
 }
