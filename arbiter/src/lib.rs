@@ -197,6 +197,25 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     }))
 }
 
+/// The HTTP/2 connection flow-control window. h2 closes a connection with
+/// GOAWAY `ENHANCE_YOUR_CALM` ("too_many_data_frames") when the framing
+/// overhead of small DATA frames it buffers unread passes a budget of half
+/// this window (each frame under 256 bytes costs 256 minus its length;
+/// hyper 1.12 does not let us set that budget itself). A KeepAlive renewal is
+/// a 14-byte frame from clients that send one message per frame (grpcio):
+/// the hyper default (1 MiB, a 512 KiB budget) let ~2,100 unread renewals
+/// cut off every call on a connection (issue 18). 8 MiB: a 4 MiB budget,
+/// ~17,000 unread 14-byte frames.
+pub const HTTP2_CONNECTION_WINDOW: u32 = 8 * 1024 * 1024;
+/// The per-stream window: a stream the arbiter does not read stops its
+/// sender after 64 KiB, ~4,700 14-byte renewals (~1.1 MiB of that budget),
+/// so flow control slows a fast sender long before the budget is reached;
+/// three fully stalled streams fit in it at once. Calls are small, so the
+/// window does not limit anyone's throughput on a loopback or LAN path.
+pub const HTTP2_STREAM_WINDOW: u32 = 64 * 1024;
+/// Concurrent streams per connection (the edge bounds them per identity).
+pub const HTTP2_MAX_CONCURRENT_STREAMS: u32 = 1024;
+
 /// Serves `GET /metrics` (Prometheus text) until `stop`.
 fn spawn_metrics_server(listener: TcpListener, arbiter: Arc<Arbiter>, stop: CancellationToken) {
     use axum::http::{StatusCode, header};
@@ -368,7 +387,12 @@ pub async fn run(
 
     let mut server = Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
-        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(5)));
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(5)))
+        // HTTP/2 limits, on purpose: see HTTP2_CONNECTION_WINDOW and docs/sessions.md.
+        .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
+        .initial_stream_window_size(HTTP2_STREAM_WINDOW)
+        .http2_adaptive_window(Some(false))
+        .max_concurrent_streams(HTTP2_MAX_CONCURRENT_STREAMS);
     match &config.tls {
         Some(tls) => {
             let identity = Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
