@@ -430,6 +430,11 @@ impl ArbiterProcess {
         self.metrics_addr
     }
 
+    /// The process id (for CPU and memory readings).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
