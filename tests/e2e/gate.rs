@@ -1,11 +1,16 @@
 //! The release gate (ADR-23) as CI runs it: a short seeded run with every
-//! fault kind on a real 3-member etcd cluster, two real arbiters, six worker
-//! processes and the PostgreSQL reference fence; and the self-test showing
-//! that the same gate fails an arbiter with a deliberate bug.
+//! fault kind on a real 3-member etcd cluster, two real arbiters, twelve
+//! worker processes and the PostgreSQL reference fence; the self-test showing
+//! that the same gate fails an arbiter with a deliberate bug; and the two
+//! fault mechanisms that are not plain signals (a stepped clock, a stalled
+//! disk) checked on their own.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use latchkey_tests::gate::clock::SteppableClock;
+use latchkey_tests::gate::disk::StallableDir;
+use latchkey_tests::gate::record::mono_ns;
 use latchkey_tests::gate::{self, Binaries, Fault, GateConfig};
 use latchkey_tests::workspace_root;
 
@@ -51,9 +56,9 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
         );
     }
     assert!(
-        outcome.operations >= 2000,
-        "too few operations to mean anything: {}",
-        outcome.operations
+        outcome.report.ops_checked >= 10_000,
+        "too few checked operations to mean anything: {}",
+        outcome.report.ops_checked
     );
     Ok(())
 }
@@ -90,5 +95,97 @@ async fn gate_catches_an_arbiter_that_grants_on_watch_events() -> anyhow::Result
     assert!(saved.join("history.jsonl").exists());
     assert!(saved.join("report.txt").exists());
     std::fs::remove_dir_all(saved)?;
+    Ok(())
+}
+
+/// The clock-step fault's environment moves a running worker's wall clock
+/// when the control file changes, and leaves its monotonic clock (tokio's
+/// `Instant`, the history's clock) alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_step_moves_a_running_workers_wall_clock_only() -> anyhow::Result<()> {
+    const STEP_S: i64 = 3600;
+    let dir = tempfile::tempdir()?;
+    let clock = SteppableClock::new(&dir.path().join("clock"))?;
+    let started = mono_ns();
+    let probe = tokio::process::Command::new(binaries().worker)
+        .arg("clock-probe")
+        .envs(clock.env())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    clock.set(STEP_S)?;
+    let out = probe.wait_with_output().await?;
+    let finished = mono_ns();
+    assert!(out.status.success());
+    let samples: Vec<(i128, u64)> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l)?;
+            let wall = i128::from(v["wall_ns"].as_u64().unwrap_or(0));
+            Ok((wall, v["instant_mono_ns"].as_u64().unwrap_or(0)))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    assert_eq!(samples.len(), 20, "{samples:?}");
+    let offset_s = |wall: i128, mono: u64| -> f64 {
+        // The probe's wall clock against ours at the same monotonic moment.
+        let ours_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i128);
+        let ours_then = ours_now - i128::from(mono_ns().saturating_sub(mono));
+        (wall - ours_then) as f64 / 1e9
+    };
+    let (first_wall, first_mono) = samples[0];
+    let (last_wall, last_mono) = samples[samples.len() - 1];
+    assert!(
+        offset_s(first_wall, first_mono).abs() < 1.0,
+        "before the step the wall clock is the real one: {samples:?}"
+    );
+    assert!(
+        (offset_s(last_wall, last_mono) - STEP_S as f64).abs() < 1.0,
+        "after the step a running worker's wall clock is {STEP_S} s ahead: {samples:?}"
+    );
+    for (_, mono) in &samples {
+        assert!(
+            (started..=finished).contains(mono),
+            "the monotonic clock (tokio's Instant, the history's clock) never moves: {samples:?}"
+        );
+    }
+    Ok(())
+}
+
+/// The slow-disk faults' mechanism: while the FUSE passthrough's daemon is
+/// stalled, an fsync on the mount waits for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_disk_delays_fsync() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let disk = StallableDir::mount(&dir.path().join("backing"), &dir.path().join("mnt"))?;
+    let file = disk.path().join("wal");
+    let write_and_sync = move || -> anyhow::Result<Duration> {
+        use std::io::Write;
+        let started = std::time::Instant::now();
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&file)?;
+        f.write_all(b"record\n")?;
+        f.sync_data()?;
+        Ok(started.elapsed())
+    };
+    let normal = tokio::task::spawn_blocking(write_and_sync.clone()).await??;
+    assert!(normal < Duration::from_millis(300), "{normal:?}");
+    let stall = disk.stall(Duration::from_millis(800));
+    let synced = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::task::spawn_blocking(write_and_sync).await?
+    };
+    let ((), slow) = tokio::try_join!(stall, synced)?;
+    assert!(
+        slow >= Duration::from_millis(500),
+        "an fsync during an 800 ms stall took only {slow:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("backing/wal"))?,
+        "record\nrecord\n"
+    );
     Ok(())
 }

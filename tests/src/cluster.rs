@@ -35,6 +35,7 @@ use tempfile::TempDir;
 
 use crate::etcd::{MemberFlags, log_tail, member_flags, path_str, run_etcdctl};
 use crate::eventually;
+use crate::gate::disk::StallableDir;
 
 const ETCD_BIN: &str = "etcd";
 /// Short raft timings keep elections (and so the fault tests) around a second.
@@ -95,8 +96,12 @@ impl Default for ClusterOptions {
 /// A running etcd cluster; every member is SIGKILLed and the network torn down on drop.
 #[derive(Debug)]
 pub struct EtcdCluster {
-    // Drop order matters: members (processes) first, then their network, then the dir.
+    // Drop order matters: members (processes) first, then their disks and
+    // network, then the dir.
     members: Vec<Member>,
+    /// From [`EtcdCluster::start_with_stallable_disks`]: member i's directory
+    /// (every data dir generation) is served through `disks[i]`.
+    disks: Vec<StallableDir>,
     network: Option<Network>,
     cluster_token: String,
     /// Raft member id of each member, learned once all members answered.
@@ -110,6 +115,17 @@ impl EtcdCluster {
     /// Starts every member and waits until the cluster has a leader and every member
     /// answers.
     pub async fn start(opts: ClusterOptions) -> anyhow::Result<Self> {
+        Self::start_inner(opts, false).await
+    }
+
+    /// [`EtcdCluster::start`], with each member's directory on a FUSE
+    /// passthrough the nemesis can stall ([`EtcdCluster::disk`], the release
+    /// gate's slow-disk fault).
+    pub async fn start_with_stallable_disks(opts: ClusterOptions) -> anyhow::Result<Self> {
+        Self::start_inner(opts, true).await
+    }
+
+    async fn start_inner(opts: ClusterOptions, stallable_disks: bool) -> anyhow::Result<Self> {
         ensure!(
             (1..=MAX_MEMBERS).contains(&opts.members),
             "an etcd cluster needs 1..={MAX_MEMBERS} members, not {}",
@@ -118,7 +134,7 @@ impl EtcdCluster {
         let attempts = if opts.netns { 1 } else { START_ATTEMPTS };
         let mut last_err = None;
         for _ in 0..attempts {
-            let mut cluster = Self::new(opts).await?;
+            let mut cluster = Self::new(opts, stallable_disks).await?;
             match cluster.boot().await {
                 Ok(()) => return Ok(cluster),
                 Err(err) if !opts.netns && cluster.logs_contain("address already in use") => {
@@ -131,7 +147,7 @@ impl EtcdCluster {
         Err(last_err.unwrap_or_else(|| anyhow::anyhow!("etcd cluster did not start")))
     }
 
-    async fn new(opts: ClusterOptions) -> anyhow::Result<Self> {
+    async fn new(opts: ClusterOptions, stallable_disks: bool) -> anyhow::Result<Self> {
         if !opts.netns {
             // Netns mode does this (and more) under the host lock in `Network::create`.
             remove_leftover_dirs();
@@ -163,6 +179,16 @@ impl EtcdCluster {
         } else {
             free_ports(opts.members * 2)?
         };
+        let mut disks = Vec::new();
+        if stallable_disks {
+            for i in 0..opts.members {
+                let backing = dir.path().join(format!("{}.disk", member_name(i)));
+                disks.push(
+                    StallableDir::mount(&backing, &dir.path().join(member_name(i)))
+                        .with_context(|| format!("a stallable disk for {}", member_name(i)))?,
+                );
+            }
+        }
         let mut members = Vec::with_capacity(opts.members);
         for i in 0..opts.members {
             let (host, client_port, peer_port, netns, host_veth) = match &network {
@@ -201,6 +227,7 @@ impl EtcdCluster {
         };
         Ok(Self {
             members,
+            disks,
             network,
             cluster_token,
             member_ids: Vec::new(),
@@ -223,6 +250,11 @@ impl EtcdCluster {
 
     pub fn members(&self) -> usize {
         self.members.len()
+    }
+
+    /// Member `i`'s stallable disk (from [`EtcdCluster::start_with_stallable_disks`]).
+    pub fn disk(&self, i: usize) -> Option<&StallableDir> {
+        self.disks.get(i)
     }
 
     /// Client URLs (`http://IP:PORT`) of all members, reachable from the root namespace

@@ -28,15 +28,19 @@ struct Args {
     /// How long the nemesis runs, e.g. 100s, 30m, 2h.
     #[arg(long, default_value = "100s", value_parser = humantime::parse_duration)]
     duration: Duration,
-    /// Workload processes (each its own SPIFFE identity).
-    #[arg(long, default_value_t = 6)]
-    workers: usize,
-    /// Lock keys the workers contend on.
-    #[arg(long, default_value_t = 3)]
-    keys: usize,
+    /// Workload processes (each its own SPIFFE identity); default as CI's gate.
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Lock keys the workers contend on; default as CI's gate.
+    #[arg(long)]
+    keys: Option<usize>,
     /// Arbiter processes; workers are spread over them.
-    #[arg(long, default_value_t = 2)]
-    arbiters: usize,
+    #[arg(long)]
+    arbiters: Option<usize>,
+    /// Longest unit of work inside a hold, e.g. 20ms (one in 16 is ten
+    /// times longer); default as CI's gate.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    unit_of_work: Option<Duration>,
     /// Fault kinds, comma-separated (default: all). `none` for no nemesis.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
@@ -66,9 +70,16 @@ fn check_saved(path: &std::path::Path) -> ExitCode {
         });
     match history {
         Ok(history) => {
+            let started = std::time::Instant::now();
             let report =
                 latchkey_checker::check(&history, &latchkey_checker::CheckOptions::default());
+            let took = started.elapsed().as_secs_f64();
             print!("{report}");
+            println!(
+                "checker: {:.2} s ({:.0} ops/s)",
+                took,
+                report.ops_checked as f64 / took.max(1e-3)
+            );
             if report.ok() {
                 ExitCode::SUCCESS
             } else {
@@ -116,15 +127,17 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let short = GateConfig::short(seed, binaries, args.out);
     let config = GateConfig {
         duration: args.duration,
-        workers: args.workers,
-        keys: args.keys,
-        arbiters: args.arbiters,
+        workers: args.workers.unwrap_or(short.workers),
+        keys: args.keys.unwrap_or(short.keys),
+        arbiters: args.arbiters.unwrap_or(short.arbiters),
+        unit_of_work: args.unit_of_work.unwrap_or(short.unit_of_work),
         faults,
         arbiter_test_fault: args.arbiter_test_fault,
         keep: args.keep,
-        ..GateConfig::short(seed, binaries, args.out)
+        ..short
     };
     match gate::run(config).await {
         Ok(outcome) => {

@@ -14,6 +14,8 @@
 //! `latchkey-gate` (src/bin) runs it from the command line for long soaks;
 //! the e2e suite runs a short gate and the broken-arbiter self-test.
 
+pub mod clock;
+pub mod disk;
 pub mod nemesis;
 pub mod record;
 pub mod worker;
@@ -32,6 +34,8 @@ use tokio::sync::Mutex;
 use crate::arbiter::{ArbiterOptions, ArbiterProcess, certs, svid_flags};
 use crate::cluster::{ClusterOptions, EtcdCluster};
 use crate::postgres::PostgresServer;
+use clock::SteppableClock;
+use disk::StallableDir;
 
 pub use nemesis::Fault;
 
@@ -71,6 +75,11 @@ pub struct GateConfig {
     pub faults: Vec<Fault>,
     /// Pause between faults (uniform in this range).
     pub fault_gap: (Duration, Duration),
+    /// Longest unit of work a worker does inside a hold (one in 16 is ten
+    /// times longer, for the holder pauses).
+    pub unit_of_work: Duration,
+    /// Longest time a worker waits for a held key.
+    pub wait: Duration,
     /// `--test-fault` for the arbiters (the checker's self-test).
     pub arbiter_test_fault: Option<String>,
     /// Where a failing run's history and report are kept.
@@ -81,17 +90,19 @@ pub struct GateConfig {
 }
 
 impl GateConfig {
-    /// The short gate CI runs: every fault kind, a few keys, a few thousand
-    /// operations.
+    /// The short gate CI runs: every fault kind, enough keys and workers
+    /// with short units of work for over 10,000 checked operations.
     pub fn short(seed: u64, binaries: Binaries, out_dir: PathBuf) -> Self {
         Self {
             seed,
             duration: Duration::from_secs(100),
-            workers: 6,
-            keys: 3,
+            workers: 12,
+            keys: 16,
             arbiters: 2,
             faults: Fault::ALL.to_vec(),
             fault_gap: (Duration::from_millis(1500), Duration::from_millis(4000)),
+            unit_of_work: Duration::from_millis(20),
+            wait: Duration::from_millis(1000),
             arbiter_test_fault: None,
             out_dir,
             keep: false,
@@ -104,8 +115,13 @@ impl GateConfig {
 pub struct GateOutcome {
     pub report: Report,
     pub faults: Vec<String>,
+    /// History lines (invokes and completions).
     pub operations: usize,
     pub worker_restarts: usize,
+    /// From the first worker start to the stop (the workload's wall time).
+    pub workload_time: Duration,
+    /// How long the checker took on the merged history.
+    pub check_time: Duration,
     /// How long after the nemesis stopped every key was granted again;
     /// `None` when some key was not within [`RECOVERY_TIMEOUT`] (liveness
     /// lost: the history may still be safe).
@@ -125,6 +141,15 @@ impl fmt::Display for GateOutcome {
             self.operations,
             self.faults.len(),
             self.worker_restarts
+        )?;
+        writeln!(
+            f,
+            "throughput: {} ops checked in {:.1} s of workload ({:.0} ops/s); checker {:.2} s ({:.0} ops/s)",
+            self.report.ops_checked,
+            self.workload_time.as_secs_f64(),
+            self.ops_per_second(),
+            self.check_time.as_secs_f64(),
+            self.report.ops_checked as f64 / self.check_time.as_secs_f64().max(1e-3),
         )?;
         let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
         for fault in &self.faults {
@@ -159,6 +184,13 @@ impl fmt::Display for GateOutcome {
     }
 }
 
+impl GateOutcome {
+    /// Checked operations per second of workload.
+    pub fn ops_per_second(&self) -> f64 {
+        self.report.ops_checked as f64 / self.workload_time.as_secs_f64().max(1e-3)
+    }
+}
+
 /// A worker process and its incarnation count.
 struct Worker {
     index: usize,
@@ -176,8 +208,13 @@ pub(crate) struct Rig {
     pub arbiter_state: Vec<PathBuf>,
     pub arbiter_args: Vec<String>,
     pub arbiter_opts: ArbiterOptions,
+    /// With the slow-disk-arbiter fault: arbiter i's state dir is inside
+    /// `arbiter_disks[i]` (declared after `arbiters`: unmounted after they stop).
+    pub arbiter_disks: Vec<StallableDir>,
     pub binaries: Binaries,
     workers: Mutex<Vec<Worker>>,
+    /// With the clock-step fault: worker slot i's clock.
+    pub clocks: Vec<SteppableClock>,
     pub dir: PathBuf,
 }
 
@@ -200,15 +237,15 @@ impl Rig {
     }
 
     /// A worker that is inside a hold right now (its last history line is a
-    /// successful acquire), as (name, pid).
-    pub(crate) async fn holding_worker(&self) -> Option<(String, u32)> {
+    /// successful acquire), as (name, pid, slot).
+    pub(crate) async fn holding_worker(&self) -> Option<(String, u32, usize)> {
         let workers = self.workers.lock().await;
         for w in workers.iter() {
             let Some(child) = &w.child else { continue };
             let name = w.name();
             let path = self.dir.join(format!("{name}.jsonl"));
             if last_line_is_grant(&path) {
-                return Some((name, child.id()));
+                return Some((name, child.id(), w.index));
             }
         }
         None
@@ -222,7 +259,7 @@ impl Worker {
 }
 
 fn last_line_is_grant(path: &Path) -> bool {
-    let Ok(text) = std::fs::read_to_string(path) else {
+    let Some(text) = tail(path, 4096) else {
         return false;
     };
     let Some(last) = text.lines().last() else {
@@ -238,6 +275,23 @@ fn last_line_is_grant(path: &Path) -> bool {
     true
 }
 
+/// The last `bytes` of a file (whole lines after the first newline when cut).
+fn tail(path: &Path, bytes: u64) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    let from = len.saturating_sub(bytes);
+    file.seek(SeekFrom::Start(from)).ok()?;
+    let mut buf = Vec::new();
+    file.read_to_end(&mut buf).ok()?;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    if from == 0 {
+        Some(text)
+    } else {
+        text.split_once('\n').map(|(_, rest)| rest.to_owned())
+    }
+}
+
 /// Runs one gate and checks its history.
 pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     if config.workers == 0 || config.keys == 0 || config.arbiters == 0 {
@@ -250,9 +304,12 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     std::fs::create_dir_all(&history_dir)?;
     let stop_file = dir.path().join("stop");
 
-    let cluster = EtcdCluster::start(ClusterOptions::default())
-        .await
-        .context("starting the 3-member etcd cluster")?;
+    let cluster = if config.faults.contains(&Fault::SlowDiskMember) {
+        EtcdCluster::start_with_stallable_disks(ClusterOptions::default()).await
+    } else {
+        EtcdCluster::start(ClusterOptions::default()).await
+    }
+    .context("starting the 3-member etcd cluster")?;
     let postgres = PostgresServer::start()
         .await
         .context("starting PostgreSQL")?;
@@ -276,10 +333,30 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     };
     let mut addrs = Vec::new();
     let mut states = Vec::new();
+    let mut arbiter_disks = Vec::new();
     for i in 0..config.arbiters {
         let l = std::net::TcpListener::bind("127.0.0.1:0")?;
         addrs.push(l.local_addr()?);
-        states.push(dir.path().join(format!("arbiter-{i}")));
+        if config.faults.contains(&Fault::SlowDiskArbiter) {
+            let disk = StallableDir::mount(
+                &dir.path().join(format!("arbiter-{i}.disk")),
+                &dir.path().join(format!("arbiter-{i}")),
+            )
+            .with_context(|| format!("a stallable disk for arbiter-{i}"))?;
+            states.push(disk.path().join("state"));
+            arbiter_disks.push(disk);
+        } else {
+            states.push(dir.path().join(format!("arbiter-{i}")));
+        }
+    }
+    let mut clocks = Vec::new();
+    if config.faults.contains(&Fault::ClockStep) {
+        std::fs::create_dir_all(dir.path().join("clocks"))?;
+        for i in 0..config.workers {
+            clocks.push(SteppableClock::new(
+                &dir.path().join(format!("clocks/w{i}")),
+            )?);
+        }
     }
     let rig = Arc::new(Rig {
         cluster: Mutex::new(cluster),
@@ -288,8 +365,10 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         arbiter_state: states,
         arbiter_args,
         arbiter_opts,
+        arbiter_disks,
         binaries: config.binaries.clone(),
         workers: Mutex::new(Vec::new()),
+        clocks: clocks.clone(),
         dir: history_dir.clone(),
     });
     for i in 0..config.arbiters {
@@ -321,7 +400,11 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         stop_file: stop_file.clone(),
         addrs: rig.arbiter_addrs.clone(),
         log_dir: dir.path().to_path_buf(),
+        clocks,
+        unit_ms: u64::try_from(config.unit_of_work.as_millis())?,
+        wait_ms: u64::try_from(config.wait.as_millis())?,
     };
+    let workload_started = tokio::time::Instant::now();
     let mut restarts = 0usize;
     {
         let mut workers = rig.workers.lock().await;
@@ -403,6 +486,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
             }
         }
     }
+    let workload_time = workload_started.elapsed();
     let faults = faults?;
 
     // Merge and judge.
@@ -411,7 +495,9 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     let history = History::from_jsonl(std::io::BufReader::new(std::fs::File::open(&merged)?))
         .with_context(|| format!("parsing {}", merged.display()))?;
     let longest_without_grant = longest_without_grant(&history);
+    let checking = std::time::Instant::now();
     let report = latchkey_checker::check(&history, &CheckOptions::default());
+    let check_time = checking.elapsed();
     let saved = if report.ok() && !config.keep {
         None
     } else {
@@ -441,6 +527,8 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         faults,
         operations,
         worker_restarts: restarts,
+        workload_time,
+        check_time,
         recovered_after,
         longest_without_grant,
         saved,
@@ -456,6 +544,9 @@ struct WorkerSpawn {
     stop_file: PathBuf,
     addrs: Vec<std::net::SocketAddr>,
     log_dir: PathBuf,
+    clocks: Vec<SteppableClock>,
+    unit_ms: u64,
+    wait_ms: u64,
 }
 
 impl WorkerSpawn {
@@ -465,7 +556,11 @@ impl WorkerSpawn {
             .create(true)
             .append(true)
             .open(self.log_dir.join(format!("worker-{}.log", w.index)))?;
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        if let Some(clock) = self.clocks.get(w.index) {
+            command.envs(clock.env());
+        }
+        let child = command
             .arg("--arbiter")
             .arg(format!("https://{}", self.addrs[w.arbiter]))
             .args(svid_flags(&worker_identity(w.index))?)
@@ -483,6 +578,10 @@ impl WorkerSpawn {
             .arg(w.seed.to_string())
             .arg("--stop-file")
             .arg(&self.stop_file)
+            .arg("--unit-ms")
+            .arg(self.unit_ms.to_string())
+            .arg("--wait-ms")
+            .arg(self.wait_ms.to_string())
             .env("RUST_LOG", "warn")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())

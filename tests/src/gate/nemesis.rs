@@ -34,16 +34,27 @@ pub enum Fault {
     /// Restore the cluster from an earlier snapshot with the same member
     /// flags (same cluster id), then advance the epoch as an operator.
     Restore,
+    /// Step a holder's wall clock forward, then back behind the real time,
+    /// then to the real time again (libfaketime; see [`super::clock`]).
+    ClockStep,
+    /// Stall the disk under an etcd member's data dir (often the leader's)
+    /// again and again for a few seconds (see [`super::disk`]).
+    SlowDiskMember,
+    /// Stall the disk under an arbiter's durable state dir likewise.
+    SlowDiskArbiter,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 6] = [
+    pub const ALL: [Fault; 9] = [
         Fault::KillMember,
         Fault::PauseLeader,
         Fault::Partition,
         Fault::KillArbiter,
         Fault::PauseHolder,
         Fault::Restore,
+        Fault::ClockStep,
+        Fault::SlowDiskMember,
+        Fault::SlowDiskArbiter,
     ];
 
     pub fn name(self) -> &'static str {
@@ -54,6 +65,9 @@ impl Fault {
             Fault::KillArbiter => "kill-arbiter",
             Fault::PauseHolder => "pause-holder",
             Fault::Restore => "restore",
+            Fault::ClockStep => "clock-step",
+            Fault::SlowDiskMember => "slow-disk-member",
+            Fault::SlowDiskArbiter => "slow-disk-arbiter",
         }
     }
 
@@ -209,7 +223,7 @@ async fn inject(
             })
             .await
             .ok();
-            let Some((name, pid)) = found else {
+            let Some((name, pid, _)) = found else {
                 return Ok(None);
             };
             let what = format!("pause-holder {name}");
@@ -220,6 +234,76 @@ async fn inject(
             kill(pid, Signal::SIGCONT)?;
             end(rec, op)?;
             Ok(Some(what))
+        }
+        Fault::ClockStep => {
+            let found = eventually("a worker inside a hold", Duration::from_secs(5), || async {
+                rig.holding_worker().await.context("no worker holds a key")
+            })
+            .await
+            .ok();
+            let Some((name, _, index)) = found else {
+                return Ok(None);
+            };
+            let clock = rig
+                .clocks
+                .get(index)
+                .context("the gate started the workers without steppable clocks")?;
+            // From a minute to two hours: past the TTL and every keepalive
+            // interval, short of the dev certificates' one-day margin.
+            let step = i64::try_from(rng.u64(60..7200))?;
+            let what = format!("clock-step {name} +{step}s then -{step}s");
+            let op = begin(rec, &what)?;
+            // libfaketime re-reads the file at most every second: hold each
+            // step for longer than that.
+            clock.set(step)?;
+            tokio::time::sleep(Duration::from_millis(rng.u64(1500..3000))).await;
+            clock.set(-step)?;
+            tokio::time::sleep(Duration::from_millis(rng.u64(1500..3000))).await;
+            clock.set(0)?;
+            end(rec, op)?;
+            Ok(Some(what))
+        }
+        Fault::SlowDiskMember => {
+            let cluster = rig.cluster.lock().await;
+            let i = if rng.bool() {
+                cluster.leader().await?
+            } else {
+                rng.usize(..cluster.members())
+            };
+            let disk = cluster
+                .disk(i)
+                .context("the gate started etcd without stallable disks")?;
+            let what = format!("slow-disk-member {}", cluster.name(i));
+            let op = begin(rec, &what)?;
+            let total = Duration::from_millis(rng.u64(2000..4000));
+            let stalls = disk
+                .slow_for(
+                    total,
+                    (Duration::from_millis(100), Duration::from_millis(800)),
+                    rng,
+                )
+                .await?;
+            end(rec, op)?;
+            Ok(Some(format!("{what} ({stalls} stalls)")))
+        }
+        Fault::SlowDiskArbiter => {
+            let i = rng.usize(..rig.arbiter_disks.len().max(1));
+            let disk = rig
+                .arbiter_disks
+                .get(i)
+                .context("the gate started the arbiters without stallable disks")?;
+            let what = format!("slow-disk-arbiter arbiter-{i}");
+            let op = begin(rec, &what)?;
+            let total = Duration::from_millis(rng.u64(2000..4000));
+            let stalls = disk
+                .slow_for(
+                    total,
+                    (Duration::from_millis(100), Duration::from_millis(800)),
+                    rng,
+                )
+                .await?;
+            end(rec, op)?;
+            Ok(Some(format!("{what} ({stalls} stalls)")))
         }
         Fault::Restore => {
             let what = "restore from snapshot + advance-epoch".to_owned();

@@ -56,7 +56,18 @@ pub struct WorkerArgs {
     /// The worker finishes its current operation and exits once this exists.
     #[arg(long)]
     pub stop_file: PathBuf,
+    /// Longest unit of work inside a hold, in milliseconds (uniform from 0).
+    /// One unit in [`LONG_UNIT_EVERY`] is ten times longer, so the nemesis
+    /// finds holders to pause even when units are short.
+    #[arg(long, default_value_t = 300)]
+    pub unit_ms: u64,
+    /// Longest wait for a held key, in milliseconds (uniform from a tenth).
+    #[arg(long, default_value_t = 2500)]
+    pub wait_ms: u64,
 }
+
+/// One unit of work in this many is ten times longer than `--unit-ms`.
+pub const LONG_UNIT_EVERY: u64 = 16;
 
 fn is_definite_refusal(err: &Error) -> bool {
     // The arbiter answered and said no before anything was written; every
@@ -124,7 +135,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
         }
         let key = args.keys[rng.usize(..args.keys.len())].clone();
         let op = rec.invoke("acquire", key_field(&key))?;
-        let wait = Duration::from_millis(rng.u64(300..2500));
+        let wait = Duration::from_millis(rng.u64(args.wait_ms / 10..=args.wait_ms));
         let guard = match client
             .lock(&key, &args.class)
             .session(&session)
@@ -172,7 +183,12 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
         if guard.can_start() {
             // The unit of work. A SIGSTOP here wakes up past the lease: the
             // write below then carries a stale token.
-            tokio::time::sleep(Duration::from_millis(rng.u64(0..300))).await;
+            let longest = if rng.u64(..LONG_UNIT_EVERY) == 0 {
+                args.unit_ms * 10
+            } else {
+                args.unit_ms
+            };
+            tokio::time::sleep(Duration::from_millis(rng.u64(0..=longest))).await;
             let op = rec.invoke(
                 "write",
                 Fields {
@@ -204,7 +220,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
                 )?,
             }
         }
-        tokio::time::sleep(Duration::from_millis(rng.u64(0..100))).await;
+        tokio::time::sleep(Duration::from_millis(rng.u64(0..=args.unit_ms / 3))).await;
 
         let deadline = guard.fence_deadline();
         let op = rec.invoke(
