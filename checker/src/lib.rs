@@ -840,6 +840,33 @@ mod tests {
         assert!(!r.inconclusive(), "{r}");
     }
 
+    /// The soak's scale (ADR-23: ~100,000 operations a run): the search
+    /// stays near one state per operation on every key, so the checker is
+    /// never what limits a run's size.
+    #[test]
+    fn a_soak_sized_history_of_100000_ops_stays_near_one_state_per_op() {
+        let h = simulate(SimConfig {
+            keys: 32,
+            processes: 24,
+            min_ops: 100_000,
+            spread: 3,
+            seed: 14,
+        });
+        assert!(h.ops().len() >= 100_000);
+        let r = run(&h);
+        assert!(r.ok(), "{r}");
+        assert_eq!(r.keys_checked, 32);
+        for k in &r.keys {
+            assert!(
+                k.states_explored <= 4 * k.ops as u64 + 100,
+                "{}: {} states for {} ops",
+                k.key,
+                k.states_explored,
+                k.ops
+            );
+        }
+    }
+
     /// Turns a failed acquire into a grant on a key another process holds
     /// for its whole interval (between its grant and its definite release).
     fn inject_double_grant(h: &mut History) -> bool {
