@@ -5,7 +5,7 @@
 //! it widens every operation into an interval around its point, keeping
 //! each process sequential. The result is valid by construction.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::history::{Completion, Function, History, Operation, Outcome, token};
 
@@ -297,7 +297,9 @@ fn widen(plan: &[Planned], processes: usize, spread: u64, rng: &mut Rng) -> Hist
             format!("w{p}")
         }
     };
-    let mut sequences: HashMap<usize, Vec<usize>> = HashMap::new();
+    // Ordered: the rng is drawn per process in this order, so a seed gives
+    // one history (a HashMap's order differs from run to run).
+    let mut sequences: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (i, p) in plan.iter().enumerate() {
         if !p.asynchronous {
             sequences.entry(p.process).or_default().push(i);
