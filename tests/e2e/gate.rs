@@ -55,8 +55,12 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
             outcome.faults
         );
     }
+    // Throughput is printed above ("throughput: N ops checked ... ops/s"),
+    // not asserted: a count reached in a fixed time is a timed assertion.
+    // This floor only catches a workload that stopped working (on this
+    // machine kind the run checks 14,000-24,000 operations).
     assert!(
-        outcome.report.ops_checked >= 10_000,
+        outcome.report.ops_checked >= 1_000,
         "too few checked operations to mean anything: {}",
         outcome.report.ops_checked
     );
