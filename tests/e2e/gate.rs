@@ -111,18 +111,33 @@ async fn a_clock_step_moves_a_running_workers_wall_clock_only() -> anyhow::Resul
     let dir = tempfile::tempdir()?;
     let clock = SteppableClock::new(&dir.path().join("clock"))?;
     let started = mono_ns();
-    let probe = tokio::process::Command::new(binaries().worker)
+    let mut probe = tokio::process::Command::new(binaries().worker)
         .arg("clock-probe")
         .envs(clock.env())
         .stdout(std::process::Stdio::piped())
         .spawn()?;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Step the clock once the probe has taken its first sample (it takes 20,
+    // 200 ms apart, and re-reads the control file at least once a second).
+    let stdout = probe
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("the probe's stdout is not piped"))?;
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let mut printed = Vec::new();
+    let first = lines
+        .next_line()
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("the probe printed nothing"))?;
+    printed.push(first);
     clock.set(STEP_S)?;
-    let out = probe.wait_with_output().await?;
+    while let Some(line) = lines.next_line().await? {
+        printed.push(line);
+    }
+    let status = probe.wait().await?;
     let finished = mono_ns();
-    assert!(out.status.success());
-    let samples: Vec<(i128, u64)> = String::from_utf8(out.stdout)?
-        .lines()
+    assert!(status.success());
+    let samples: Vec<(i128, u64)> = printed
+        .iter()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l)?;
             let wall = i128::from(v["wall_ns"].as_u64().unwrap_or(0));
@@ -177,12 +192,13 @@ async fn a_stalled_disk_delays_fsync() -> anyhow::Result<()> {
     };
     let normal = tokio::task::spawn_blocking(write_and_sync.clone()).await??;
     assert!(normal < Duration::from_millis(300), "{normal:?}");
-    let stall = disk.stall(Duration::from_millis(800));
-    let synced = async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        tokio::task::spawn_blocking(write_and_sync).await?
-    };
-    let ((), slow) = tokio::try_join!(stall, synced)?;
+    // The disk stops before the write starts (no sleep to order them), and
+    // stays stopped for the stall's 800 ms.
+    disk.stop()?;
+    let synced = tokio::task::spawn_blocking(write_and_sync);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    disk.resume()?;
+    let slow = synced.await??;
     assert!(
         slow >= Duration::from_millis(500),
         "an fsync during an 800 ms stall took only {slow:?}"

@@ -72,10 +72,22 @@ impl StallableDir {
 
     /// Stalls every write and fsync on the mount for `d`.
     pub async fn stall(&self, d: Duration) -> anyhow::Result<()> {
-        let pid = Pid::from_raw(i32::try_from(self.daemon.id())?);
-        kill(pid, Signal::SIGSTOP)?;
+        self.stop()?;
         tokio::time::sleep(d).await;
-        kill(pid, Signal::SIGCONT)?;
+        self.resume()
+    }
+
+    /// Stops serving the mount (writes and fsyncs block) until [`Self::resume`].
+    pub fn stop(&self) -> anyhow::Result<()> {
+        self.signal(Signal::SIGSTOP)
+    }
+
+    pub fn resume(&self) -> anyhow::Result<()> {
+        self.signal(Signal::SIGCONT)
+    }
+
+    fn signal(&self, signal: Signal) -> anyhow::Result<()> {
+        kill(Pid::from_raw(i32::try_from(self.daemon.id())?), signal)?;
         Ok(())
     }
 
