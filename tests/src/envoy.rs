@@ -65,19 +65,8 @@ pub fn dev_filter_config(overrides: Value) -> anyhow::Result<Value> {
         .values()
         .map(|c| json!({"name": c.name, "max_waiters_per_key": c.max_waiters_per_key}))
         .collect();
-    let mut config = json!({
-        "trust_domain": TRUST_DOMAIN,
-        "filter_version": 1,
-        "grants": grants,
-        "classes": classes,
-        "admission_secret": admission_secret()?,
-        "refresh": {"cluster": "arbiter_policy", "period_ms": 2000, "timeout_ms": 1000},
-    });
-    if let (Some(base), Value::Object(extra)) = (config.as_object_mut(), overrides) {
-        for (k, v) in extra {
-            base.insert(k, v);
-        }
-    }
+    let mut config = arbiter_only_filter_config(json!({"grants": grants, "classes": classes}))?;
+    merge(&mut config, overrides);
     Ok(config)
 }
 
@@ -91,12 +80,17 @@ pub fn arbiter_only_filter_config(overrides: Value) -> anyhow::Result<Value> {
         "admission_secret": admission_secret()?,
         "refresh": {"cluster": "arbiter_policy", "period_ms": 2000, "timeout_ms": 1000},
     });
+    merge(&mut config, overrides);
+    Ok(config)
+}
+
+/// Sets each top-level field of `overrides` (an object) on `config`.
+fn merge(config: &mut Value, overrides: Value) {
     if let (Some(base), Value::Object(extra)) = (config.as_object_mut(), overrides) {
         for (k, v) in extra {
             base.insert(k, v);
         }
     }
-    Ok(config)
 }
 
 /// The filter's `admission_secret` for this test process: 16 random bytes as
