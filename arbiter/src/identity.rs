@@ -32,6 +32,9 @@ pub const DEV_IDENTITY_HEADER: &str = "x-latchkey-dev-identity";
 pub struct Caller {
     /// The caller's SPIFFE ID, e.g. `spiffe://prod.example/ns/payments/sa/worker`.
     pub identity: String,
+    /// Reached the arbiter on its own certificate (or in dev mode), not
+    /// named by the edge.
+    pub direct: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -112,6 +115,7 @@ impl IdentitySource {
                 })?;
                 Ok(Caller {
                     identity: parse_spiffe_id(raw, trust_domain)?,
+                    direct: true,
                 })
             }
             Self::Tls {
@@ -131,7 +135,10 @@ impl IdentitySource {
                             "the edge named itself as the caller; the edge acts only for its callers",
                         ));
                     }
-                    return Ok(Caller { identity });
+                    return Ok(Caller {
+                        identity,
+                        direct: false,
+                    });
                 }
                 // Only the edge may name a caller: anyone else who tries is
                 // refused rather than silently taken as themselves.
@@ -140,7 +147,10 @@ impl IdentitySource {
                         "{peer} sent {EDGE_IDENTITY_HEADER}; only the edge proxy may name a caller, and your certificate already names you: drop the header"
                     )));
                 }
-                Ok(Caller { identity: peer })
+                Ok(Caller {
+                    identity: peer,
+                    direct: true,
+                })
             }
         }
     }
@@ -160,20 +170,6 @@ impl IdentitySource {
                     && peer_svid(request, trust_domain).is_ok_and(|p| &p == edge)
             }
             Self::Tls { .. } => false,
-        }
-    }
-
-    /// True when the caller reached the arbiter directly (not through the edge).
-    pub fn is_direct<T>(&self, request: &Request<T>) -> bool {
-        match self {
-            Self::InsecureDev { .. } => true,
-            Self::Tls {
-                trust_domain,
-                edge_identity,
-            } => match peer_svid(request, trust_domain) {
-                Ok(peer) => edge_identity.as_deref() != Some(peer.as_str()),
-                Err(_) => true,
-            },
         }
     }
 }

@@ -58,7 +58,7 @@ impl Arbiter {
     pub(crate) fn caller<T>(&self, request: &Request<T>) -> Result<Caller, ArbiterError> {
         let caller = self.identity.caller(request)?;
         if !self.direct_workloads
-            && self.identity.is_direct(request)
+            && caller.direct
             && !self.policies.current().is_operator(&caller.identity)
         {
             return Err(ArbiterError::DirectCallRefused);
