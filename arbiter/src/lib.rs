@@ -21,6 +21,7 @@ pub mod error;
 pub mod high_water;
 pub mod hook;
 pub mod identity;
+pub mod lock_log;
 pub mod metrics;
 pub mod policy;
 pub mod records;

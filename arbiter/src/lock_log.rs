@@ -1,0 +1,268 @@
+//! What the grant protocol needs from the log, and nothing more.
+//!
+//! [`LockLog`] is the seam between the protocol ([`crate::table::LockTable`],
+//! which owns queues, claims, hand-over, orphan releases and the seal) and
+//! the store that makes grants durable. Two implementations:
+//! [`etcd::EtcdLog`], the real one, and `latchkey_sim::MemLog` (crate `sim/`), an in-memory log
+//! with etcd's semantics (one revision counter, leases on a controllable
+//! clock, watches, compare failures) and injectable faults, which the
+//! deterministic simulation drives. One contract suite
+//! (`tests/src/log_contract.rs`) holds both to the same behaviour, the etcd
+//! one on a real etcd.
+//!
+//! Every answer carries the [`Header`] it came with: the table checks it
+//! (cluster id and revision against the epoch record and the high-water
+//! mark) before it uses anything in the answer. A log never judges a header.
+//!
+//! Keys are lock keys (`ledger/inv-1`) and session ids; where they live in the
+//! store is the implementation's business.
+
+pub mod etcd;
+
+use std::time::Instant;
+
+use async_trait::async_trait;
+
+/// Which cluster answered, at which revision (etcd's response header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub cluster_id: u64,
+    pub revision: i64,
+}
+
+/// A value read from the log, with the header of the read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer<T> {
+    pub header: Header,
+    pub value: T,
+}
+
+impl<T> Answer<T> {
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Answer<U> {
+        Answer {
+            header: self.header,
+            value: f(self.value),
+        }
+    }
+}
+
+/// A stored key's value and its metadata, as etcd reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kv {
+    pub value: Vec<u8>,
+    pub create_revision: i64,
+    pub mod_revision: i64,
+    /// The lease the key is attached to (0: none).
+    pub lease: i64,
+}
+
+/// The epoch record and the seal record, read together.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Records {
+    pub epoch: Option<Kv>,
+    pub seal: Option<Kv>,
+}
+
+/// One grant transaction: put the holder record of `key` on `session`'s lease
+/// if the key is absent, the epoch record's bytes are `epoch`, there is no
+/// seal and `session`'s record is `session_record`.
+#[derive(Debug, Clone)]
+pub struct GrantTxn<'a> {
+    pub key: &'a str,
+    pub session: i64,
+    pub holder_record: Vec<u8>,
+    pub epoch: &'a [u8],
+    pub session_record: &'a [u8],
+}
+
+/// How a grant transaction ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Granted {
+    /// Committed at the answer's header revision.
+    Yes,
+    /// A compare failed; what the failure branch read, in the same
+    /// transaction.
+    No {
+        holder: Option<Kv>,
+        epoch: Option<Vec<u8>>,
+        sealed: bool,
+        session: Option<Vec<u8>>,
+    },
+}
+
+/// A hold found to be the caller's: the exact record bytes, lease and
+/// revision that a release or hand-over compares again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldAt {
+    pub key: String,
+    pub session: i64,
+    pub revision: i64,
+    pub value: Vec<u8>,
+}
+
+/// A hand-over: put `next`'s holder record on `next`'s lease over `from`
+/// (compared as in a release), if the epoch record's bytes are `epoch`,
+/// there is no seal and `next`'s session record is `next_session_record`.
+#[derive(Debug, Clone)]
+pub struct HandOverTxn<'a> {
+    pub from: &'a HeldAt,
+    pub next_session: i64,
+    pub holder_record: Vec<u8>,
+    pub epoch: &'a [u8],
+    pub next_session_record: &'a [u8],
+}
+
+/// What a key watch reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WatchSignal {
+    /// The key was deleted (release or session expiry): worth an attempt.
+    Freed,
+    /// The key changed hands or was written: the wait goes on.
+    Changed,
+    /// The watch ended (compaction, cancel, stream error): fall back to polling.
+    Lost,
+}
+
+/// A watch on one key; only ever a hint to try a grant.
+#[async_trait]
+pub trait KeyWatch: Send {
+    async fn next(&mut self) -> WatchSignal;
+}
+
+/// An answer to a lease renewal: the TTL left (0 or less: the lease is
+/// gone) and when the renewal it answers was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Renewal {
+    pub ttl_seconds: i64,
+    pub sent: Instant,
+    /// This ask reached the store (others were answered from a memo or
+    /// joined a renewal in flight).
+    pub sent_to_store: bool,
+}
+
+/// Why the log could not answer. Keeps its source; what a person should do
+/// about it is said where errors become gRPC statuses.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store did not answer, or answered with an error: the outcome of a
+    /// write is unknown.
+    #[error("{context}")]
+    Unavailable {
+        context: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+    /// A put on a lease the store no longer has: the session expired.
+    #[error("lease {lease:#x} is gone")]
+    LeaseGone { lease: i64 },
+    /// A lease with this id exists already.
+    #[error("lease {lease:#x} exists already")]
+    LeaseExists { lease: i64 },
+    /// The store answered something the protocol cannot read.
+    #[error("{0}")]
+    Malformed(String),
+}
+
+impl StoreError {
+    pub fn unavailable(context: impl Into<String>) -> Self {
+        Self::Unavailable {
+            context: context.into(),
+            source: None,
+        }
+    }
+
+    /// The message with every cause in the source chain (tonic keeps the
+    /// interesting part of a connection failure there).
+    pub fn detail(&self) -> String {
+        let mut detail = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(cause) = source {
+            let text = cause.to_string();
+            if !detail.contains(&text) {
+                detail.push_str(": ");
+                detail.push_str(&text);
+            }
+            source = cause.source();
+        }
+        detail
+    }
+}
+
+pub type LogResult<T> = Result<Answer<T>, StoreError>;
+
+/// The log under the grant protocol. Every method is one request to the
+/// store (one transaction, read or lease call), so an answer's header is the
+/// header of everything in it.
+#[async_trait]
+pub trait LockLog: Send + Sync + 'static {
+    // --- epoch and seal records ---
+
+    /// The epoch record and the seal, in one read.
+    async fn records(&self) -> LogResult<Records>;
+    /// Creates the epoch record if there is none; whether this call did.
+    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool>;
+    /// Puts the seal record if the seal is at `seal_at` (`None`: absent) and
+    /// the epoch record at `epoch_at` (`None`: absent); whether it did.
+    async fn put_seal(
+        &self,
+        record: Vec<u8>,
+        seal_at: Option<i64>,
+        epoch_at: Option<i64>,
+    ) -> LogResult<bool>;
+    /// The operator's advance: if the epoch record's bytes are `expected` and
+    /// the seal is at `seal_at`, puts `record`, deletes every hold, every
+    /// durable waiter and the seal, in one transaction. `Some(holds
+    /// deleted)`, or `None` when a compare failed.
+    async fn advance(
+        &self,
+        expected: Vec<u8>,
+        seal_at: Option<i64>,
+        record: Vec<u8>,
+    ) -> LogResult<Option<i64>>;
+
+    // --- holds ---
+
+    /// One grant transaction ([`GrantTxn`]). A put on a lease the store no
+    /// longer has is [`StoreError::LeaseGone`].
+    async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted>;
+    /// One hand-over transaction ([`HandOverTxn`]): the replaced record's
+    /// bytes when it committed (`Some(None)` if the store did not return
+    /// them), `None` when a compare failed.
+    async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>>;
+    /// Deletes `held` if it is still exactly that hold (bytes, lease,
+    /// revision): the deleted record's bytes, `None` when a compare failed.
+    async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>>;
+    /// Deletes `key` if it is held on lease `session` at `revision` (the
+    /// orphan release); whether it did.
+    async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool>;
+    /// The hold on `key` (a linearizable read).
+    async fn holder(&self, key: &str) -> LogResult<Option<Kv>>;
+    /// Every hold whose key starts with `prefix`, in key order.
+    async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>>;
+    /// How many keys are held.
+    async fn count_holds(&self) -> LogResult<i64>;
+    /// Watches `key` from `from_revision` (inclusive).
+    async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError>;
+
+    // --- sessions ---
+
+    /// Grants lease `id` with `ttl_seconds`; [`StoreError::LeaseExists`] if
+    /// the id is taken.
+    async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()>;
+    /// Puts `session`'s record and its entry in `identity`'s session count,
+    /// both on the session's lease ([`StoreError::LeaseGone`] if it expired).
+    async fn put_session(&self, session: i64, identity: &str, record: Vec<u8>) -> LogResult<()>;
+    /// `session`'s record.
+    async fn session(&self, session: i64) -> LogResult<Option<Kv>>;
+    /// How many sessions `identity` has open.
+    async fn count_sessions_of(&self, identity: &str) -> LogResult<u32>;
+    /// Deletes `session`'s record and its count entry if the record's bytes
+    /// are `record` on the session's lease; whether it did.
+    async fn delete_session(&self, session: i64, identity: &str, record: Vec<u8>)
+    -> LogResult<bool>;
+    /// Revokes the lease: every key on it goes in one revision. A lease
+    /// that is gone already is not an error.
+    async fn revoke(&self, lease: i64) -> Result<(), StoreError>;
+    /// Renews the lease once.
+    async fn renew(&self, lease: i64) -> Result<Renewal, StoreError>;
+}

@@ -1,0 +1,1 @@
+//! The lock log on etcd (being written).

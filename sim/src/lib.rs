@@ -1,0 +1,1 @@
+//! Deterministic simulation of the grant protocol (being written).
