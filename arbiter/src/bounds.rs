@@ -1,5 +1,5 @@
 //! Per-identity bounds that hold for every caller, through the edge or
-//! direct: open sessions (counted in etcd, see [`crate::store::Store::open_session`];
+//! direct: open sessions (counted in etcd, see [`crate::table::LockTable::open_session`];
 //! here only the turn-taking that keeps one arbiter from overshooting), and
 //! the etcd work renewals cost (a memo of recent renewals, per session).
 //! Waiting Acquires are bounded in [`crate::waiters`].
@@ -77,17 +77,17 @@ impl Bounds {
 /// sessions, and those not renewed lately), so its memory comes back.
 const PRUNE_EVERY: Duration = Duration::from_secs(10);
 
-impl crate::store::RenewalMemo for Bounds {
-    fn recent(&self, lease: i64) -> Option<crate::store::Renewed> {
+impl crate::lock_log::etcd::RenewalMemo for Bounds {
+    fn recent(&self, lease: i64) -> Option<crate::lock_log::etcd::Renewed> {
         let memo = self.renewals.lock().ok()?;
         let r = memo.entries.get(&lease)?;
-        r.fresh(Instant::now()).then(|| crate::store::Renewed {
+        r.fresh(Instant::now()).then(|| crate::lock_log::etcd::Renewed {
             ttl_seconds: i64::try_from(r.ttl.as_secs()).unwrap_or(i64::MAX),
             sent: r.at,
         })
     }
 
-    fn note(&self, lease: i64, renewed: crate::store::Renewed) {
+    fn note(&self, lease: i64, renewed: crate::lock_log::etcd::Renewed) {
         self.renewed(lease, renewed.sent, renewed.ttl_seconds);
     }
 }

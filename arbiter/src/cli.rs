@@ -77,7 +77,7 @@ struct Args {
     max_sessions_per_identity: u32,
     /// Acquire calls one identity may have waiting in this arbiter, over all
     /// keys (RESOURCE_EXHAUSTED / QUEUE_FULL beyond it).
-    #[arg(long, default_value_t = crate::waiters::DEFAULT_MAX_WAITERS_PER_IDENTITY)]
+    #[arg(long, default_value_t = crate::table::DEFAULT_MAX_WAITERS_PER_IDENTITY)]
     max_waiters_per_identity: u32,
     /// Serve without TLS; callers name themselves in a header. Laptops only.
     #[arg(long)]
@@ -89,11 +89,6 @@ struct Args {
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
-    /// Run with a deliberate bug so the release gate can prove its checker
-    /// catches it (`grant-on-watch`). Only in builds with `test-faults`.
-    #[cfg(feature = "test-faults")]
-    #[arg(long, value_parser = crate::test_fault::TestFault::parse, default_value = "none")]
-    test_fault: crate::test_fault::TestFault,
 }
 
 /// The etcd credentials the flags name, checked against the endpoints
@@ -126,7 +121,17 @@ fn etcd_credentials(args: &Args) -> anyhow::Result<EtcdCredentials> {
 
 /// Parses the process arguments and serves until SIGINT/SIGTERM.
 pub async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    main_with(std::env::args_os().collect(), None).await
+}
+
+/// [`main`] with the given arguments and a [`LogLayer`] around the lock log
+/// (for a program that embeds the arbiter, such as the release gate's
+/// arbiter-under-test with its deliberate bugs).
+pub async fn main_with(
+    argv: Vec<std::ffi::OsString>,
+    log_layer: Option<crate::config::LogLayer>,
+) -> anyhow::Result<()> {
+    let args = Args::parse_from(argv);
     let etcd_credentials = etcd_credentials(&args)?;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     if args.log_json {
@@ -160,10 +165,7 @@ pub async fn main() -> anyhow::Result<()> {
     config.max_sessions_per_identity = args.max_sessions_per_identity;
     config.max_waiters_per_identity = args.max_waiters_per_identity;
     config.metrics_listen = args.metrics_listen;
-    #[cfg(feature = "test-faults")]
-    {
-        config.test_fault = args.test_fault;
-    }
+    config.log_layer = log_layer;
     let listener = TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -361,7 +363,7 @@ mod tests {
         assert!(msg.contains("cannot reach etcd"), "{msg}");
         assert!(msg.contains("user \"latchkey\""), "{msg}");
 
-        let login = crate::store::EtcdLogin::new("latchkey".into(), SECRET.into());
+        let login = crate::lock_log::etcd::EtcdLogin::new("latchkey".into(), SECRET.into());
         assert!(!format!("{login:?}").contains(SECRET));
 
         let empty = dir.path().join("empty-password");

@@ -8,7 +8,7 @@ use std::time::Duration;
 use latchkey_hook_host::{HookHost, HostSettings};
 
 use crate::hook::{ClassHooks, NoHooks};
-use crate::test_fault::TestFault;
+use crate::lock_log::LockLog;
 
 #[derive(Debug, Clone)]
 pub struct TlsFiles {
@@ -141,6 +141,22 @@ impl EtcdCredentials {
     }
 }
 
+/// Wraps a lock log in another (see [`LogLayer`]).
+pub type WrapLog = dyn Fn(Arc<dyn LockLog>) -> Arc<dyn LockLog> + Send + Sync;
+
+/// A wrapper around the lock log, with a name for the start-up log.
+#[derive(Clone)]
+pub struct LogLayer {
+    pub name: String,
+    pub wrap: Arc<WrapLog>,
+}
+
+impl std::fmt::Debug for LogLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogLayer").field("name", &self.name).finish()
+    }
+}
+
 #[derive(Clone)]
 pub struct Config {
     pub etcd_endpoints: Vec<String>,
@@ -176,9 +192,10 @@ pub struct Config {
     /// Runs the classes' Wasm hooks; its compiled-module cache defaults to
     /// `state_dir/hook-cache`. Shared so tests can read its metrics.
     pub hook_host: Arc<HookHost>,
-    /// A deliberate bug for the release gate's self-test; always
-    /// [`TestFault::None`] unless built with the `test-faults` feature.
-    pub test_fault: TestFault,
+    /// Wraps the lock log before the arbiter uses it. Only a program that
+    /// embeds the arbiter can set one (there is no flag): the release gate's
+    /// arbiter-under-test puts its deliberate bugs here, outside this crate.
+    pub log_layer: Option<LogLayer>,
     /// Where to serve Prometheus metrics over plain HTTP (`GET /metrics`); none: not served.
     pub metrics_listen: Option<String>,
 }
@@ -198,7 +215,7 @@ impl Config {
             state_dir: state_dir.clone(),
             max_wait: Duration::from_secs(300),
             max_sessions_per_identity: crate::bounds::DEFAULT_MAX_SESSIONS_PER_IDENTITY,
-            max_waiters_per_identity: crate::waiters::DEFAULT_MAX_WAITERS_PER_IDENTITY,
+            max_waiters_per_identity: crate::table::DEFAULT_MAX_WAITERS_PER_IDENTITY,
             retry_poll: Duration::from_secs(1),
             etcd_connect_timeout: Duration::from_secs(5),
             etcd_request_timeout: Duration::from_secs(10),
@@ -207,7 +224,7 @@ impl Config {
                 cache_dir: Some(state_dir.join("hook-cache")),
                 ..HostSettings::default()
             })),
-            test_fault: TestFault::None,
+            log_layer: None,
             metrics_listen: None,
         }
     }

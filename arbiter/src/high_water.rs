@@ -71,7 +71,9 @@ pub enum HighWaterError {
 }
 
 pub struct HighWater {
-    path: PathBuf,
+    /// `None`: kept in memory only (the deterministic simulation, where a
+    /// "state directory" is whatever the simulation hands the next arbiter).
+    path: Option<PathBuf>,
     /// Highest mark asked for so far (in memory).
     wanted: Mutex<Option<Mark>>,
     /// Highest mark known to be on disk. Its async lock is the writer's
@@ -100,12 +102,23 @@ impl HighWater {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(source) => return Err(HighWaterError::Read { path, source }),
         };
-        Ok(Self {
+        Ok(Self::with(Some(path), mark))
+    }
+
+    /// A mark kept in memory, starting at `mark`: the simulation's state
+    /// directory (it carries `current()` over to a restarted arbiter, or
+    /// not, for an arbiter that lost its state).
+    pub fn in_memory(mark: Option<Mark>) -> Self {
+        Self::with(None, mark)
+    }
+
+    fn with(path: Option<PathBuf>, mark: Option<Mark>) -> Self {
+        Self {
             path,
             wanted: Mutex::new(mark),
             durable: Arc::new(tokio::sync::Mutex::new(mark)),
             durable_view: Arc::new(Mutex::new(mark)),
-        })
+        }
     }
 
     /// The mark on disk.
@@ -136,12 +149,19 @@ impl HighWater {
             .lock()
             .map(|w| w.unwrap_or(mark))
             .unwrap_or(mark);
-        let path = self.path.clone();
         let view = Arc::clone(&self.durable_view);
+        let Some(path) = self.path.clone() else {
+            *durable = Some(target);
+            if let Ok(mut view) = view.lock() {
+                *view = Some(target);
+            }
+            return Ok(());
+        };
         let bytes = serde_json::to_vec(&target).map_err(|e| HighWaterError::Write {
-            path: self.path.clone(),
+            path: path.clone(),
             source: std::io::Error::other(e),
         })?;
+        let joined_path = path.clone();
         // Holds the turn until the file is durable and noted, whether or not
         // anyone still awaits it.
         let write = tokio::spawn(async move {
@@ -159,7 +179,7 @@ impl HighWater {
             Ok(())
         });
         write.await.map_err(|e| HighWaterError::Write {
-            path: self.path.clone(),
+            path: joined_path,
             source: std::io::Error::other(e),
         })?
     }

@@ -11,9 +11,8 @@
 //! the grant transaction (or the queue) exactly as if there were no hook.
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
-use std::time::Instant;
 
+use async_trait::async_trait;
 use latchkey_policies::ClassHook;
 use tonic::Code;
 
@@ -27,7 +26,8 @@ pub struct HookInput<'a> {
     pub metadata: &'a BTreeMap<String, String>,
     pub waiters: usize,
     pub now_unix_ms: i64,
-    /// [`monotonic_ns`] when the request was checked.
+    /// [`monotonic_ns`] when the request was checked: the same clock the
+    /// after-release notice carries.
     pub now_monotonic_ns: u64,
     /// The class's hook table in the policy set this request was checked
     /// against; `None` for a class without a hook.
@@ -49,11 +49,11 @@ pub struct HolderSummary {
 }
 
 /// Nanoseconds on this arbiter's monotonic clock since it first asked:
-/// good for intervals on one arbiter, meaningless across arbiters.
+/// good for intervals on one arbiter, meaningless across arbiters. It is the
+/// hook host's clock, so both hook entry points (and the host's own trial
+/// calls) carry one clock whichever side reads it.
 pub fn monotonic_ns() -> u64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    let start = START.get_or_init(Instant::now);
-    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    latchkey_hook_host::monotonic_ns()
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,19 +79,30 @@ impl HookDecision {
     }
 }
 
+/// The hook point. Async because a hook may block (a Wasm call runs for up
+/// to its class's deadline): an implementation moves blocking work off the
+/// tokio workers (`spawn_blocking`) or does its own I/O, and the request
+/// awaits it. `async_trait` rather than a native async fn: the service holds
+/// the hooks as `Arc<dyn ClassHooks>`.
+#[async_trait]
 pub trait ClassHooks: Send + Sync {
-    fn before_grant(&self, input: &HookInput<'_>) -> HookDecision;
-    /// Bookkeeping after a release. The release call does not name the class;
-    /// a hook that needs it keeps its own record from `before_grant`.
-    fn after_release(&self, _identity: &str, _key: &str) {}
+    async fn before_grant(&self, input: &HookInput<'_>) -> HookDecision;
+    /// Bookkeeping after a release, awaited before Release answers: return
+    /// promptly and hand anything slow to a bounded background task (as
+    /// [`crate::wasm_hooks::WasmHooks`] does). Time, if a hook needs it, is
+    /// [`monotonic_ns`] (the clock `before_grant` got) and the wall clock.
+    /// The release call does not name the class; a hook that needs it keeps
+    /// its own record from `before_grant`.
+    async fn after_release(&self, _identity: &str, _key: &str) {}
 }
 
 /// Every class allowed, nothing annotated.
 #[derive(Debug, Default)]
 pub struct NoHooks;
 
+#[async_trait]
 impl ClassHooks for NoHooks {
-    fn before_grant(&self, _input: &HookInput<'_>) -> HookDecision {
+    async fn before_grant(&self, _input: &HookInput<'_>) -> HookDecision {
         HookDecision::allow()
     }
 }

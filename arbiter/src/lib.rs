@@ -26,10 +26,8 @@ pub mod metrics;
 pub mod policy;
 pub mod records;
 mod service;
-pub mod store;
-pub mod test_fault;
 pub mod token;
-mod waiters;
+pub mod table;
 pub mod wasm_hooks;
 
 use std::future::Future;
@@ -40,10 +38,11 @@ use latchkey_proto::lockv1::lock_server::LockServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tracing::{info, warn};
 
-pub use config::{Config, EtcdClientCert, EtcdConfigError, EtcdCredentials, EtcdUser, TlsFiles};
+pub use config::{Config, LogLayer, EtcdClientCert, EtcdConfigError, EtcdCredentials, EtcdUser, TlsFiles};
 pub use error::ArbiterError;
 pub use service::{AdminService, Arbiter, LockService};
 
@@ -52,8 +51,9 @@ use crate::high_water::HighWater;
 use crate::identity::IdentitySource;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
-use crate::store::{EtcdLogin, EtcdTlsPem, Store, StoreConfig};
-use crate::waiters::Queues;
+use crate::lock_log::LockLog;
+use crate::lock_log::etcd::{EtcdLog, EtcdLogin, EtcdTlsPem, StoreConfig};
+use crate::table::{LockTable, TableOptions};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -131,7 +131,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         source,
     };
     let bounds = Arc::new(bounds::Bounds::new(config.max_sessions_per_identity));
-    let store = Store::connect(
+    let etcd = EtcdLog::connect(
         &StoreConfig {
             endpoints: config.etcd_endpoints.clone(),
             prefix: config.prefix.clone(),
@@ -140,25 +140,35 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             tls: etcd_tls,
             login: etcd_login,
         },
-        guard.clone(),
-        high_water,
         bounds.clone(),
     )
     .await
-    .map_err(unreachable)?;
+    .map_err(|e| unreachable(e.into()))?;
+    let mut log: Arc<dyn LockLog> = Arc::new(etcd);
+    if let Some(layer) = &config.log_layer {
+        warn!(layer = %layer.name, "RUNNING WITH A LAYER AROUND THE LOCK LOG (a test build): this arbiter may be deliberately unsafe");
+        log = (layer.wrap)(log);
+    }
+    let table = LockTable::new(
+        log,
+        guard.clone(),
+        high_water,
+        TableOptions {
+            poll: config.retry_poll,
+            max_waiters_per_identity: config.max_waiters_per_identity,
+            ..TableOptions::default()
+        },
+    );
     // The first request: the connection, TLS handshake and auth happen here.
-    let state = store.load_epoch().await.map_err(unreachable)?;
+    let state = table.start().await.map_err(unreachable)?;
     info!(access = %credentials.describe(), "connected to etcd");
-    match store.guard().seal_reason() {
+    match guard.seal_reason() {
         Some(reason) => warn!(epoch = state.epoch(), %reason, "starting SEALED"),
         None => info!(
             epoch = state.epoch(),
             cluster_id = state.cluster_id,
             "lock log ready"
         ),
-    }
-    if config.test_fault != crate::test_fault::TestFault::None {
-        warn!(fault = ?config.test_fault, "RUNNING WITH A DELIBERATE BUG FOR THE RELEASE GATE: this arbiter is unsafe");
     }
     let identity = match &config.tls {
         Some(_) => IdentitySource::Tls {
@@ -169,23 +179,16 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             trust_domain: config.trust_domain.clone(),
         },
     };
-    let queues = Queues::with_identity_bound(
-        store.clone(),
-        config.retry_poll,
-        config.test_fault,
-        config.max_waiters_per_identity,
-    );
     Ok(Arc::new(Arbiter {
         metrics: Arc::new(Metrics::new(
             {
-                let queues = queues.clone();
-                Arc::new(move || queues.totals())
+                let table = table.clone();
+                Arc::new(move || table.totals())
             },
             guard,
             config.hook_host.clone(),
         )),
-        queues,
-        store,
+        table,
         policies,
         identity,
         direct_workloads: config.edge_identity.is_none() || config.allow_direct_workloads,
@@ -218,7 +221,12 @@ pub const HTTP2_STREAM_WINDOW: u32 = 64 * 1024;
 pub const HTTP2_MAX_CONCURRENT_STREAMS: u32 = 1024;
 
 /// Serves `GET /metrics` (Prometheus text) until `stop`.
-fn spawn_metrics_server(listener: TcpListener, arbiter: Arc<Arbiter>, stop: CancellationToken) {
+fn spawn_metrics_server(
+    listener: TcpListener,
+    arbiter: Arc<Arbiter>,
+    stop: CancellationToken,
+    tasks: &TaskTracker,
+) {
     use axum::http::{StatusCode, header};
     let addr = listener.local_addr().ok();
     let app = axum::Router::new().route(
@@ -242,7 +250,7 @@ fn spawn_metrics_server(listener: TcpListener, arbiter: Arc<Arbiter>, stop: Canc
         }),
     );
     info!(?addr, "serving Prometheus metrics on /metrics");
-    tokio::spawn(async move {
+    tasks.spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(stop.cancelled_owned())
             .await;
@@ -254,8 +262,12 @@ fn spawn_metrics_server(listener: TcpListener, arbiter: Arc<Arbiter>, stop: Canc
 
 /// Hook metrics also go to the log once a minute (latency percentiles are
 /// only there).
-fn spawn_hook_metrics_log(host: Arc<latchkey_hook_host::HookHost>, stop: CancellationToken) {
-    tokio::spawn(async move {
+fn spawn_hook_metrics_log(
+    host: Arc<latchkey_hook_host::HookHost>,
+    stop: CancellationToken,
+    tasks: &TaskTracker,
+) {
+    tasks.spawn(async move {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
         tick.tick().await;
         loop {
@@ -377,14 +389,15 @@ pub async fn run(
     };
     let arbiter = build(&config).await?;
     let stop = CancellationToken::new();
+    let tasks = TaskTracker::new();
     if let Some(listener) = metrics_listener {
-        spawn_metrics_server(listener, arbiter.clone(), stop.clone());
+        spawn_metrics_server(listener, arbiter.clone(), stop.clone(), &tasks);
     }
     arbiter
         .policies
         .clone()
-        .spawn_reloader(config.policy_poll, stop.clone());
-    spawn_hook_metrics_log(config.hook_host.clone(), stop.clone());
+        .spawn_reloader(config.policy_poll, stop.clone(), &tasks);
+    spawn_hook_metrics_log(config.hook_host.clone(), stop.clone(), &tasks);
 
     let mut server = Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
@@ -416,9 +429,14 @@ pub async fn run(
         // Forwarded identities count only from the initial headers.
         .layer(identity::channel::IdentityChannelLayer)
         .add_service(LockServer::new(LockService::new(arbiter.clone())))
-        .add_service(AdminServer::new(AdminService::new(arbiter)))
+        .add_service(AdminServer::new(AdminService::new(arbiter.clone())))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await;
+    // Returns only once everything it started has stopped: the table's
+    // drivers and orphan releases, the reloader, the metrics server.
     stop.cancel();
+    arbiter.table.shutdown().await;
+    tasks.close();
+    tasks.wait().await;
     result.map_err(RunError::from)
 }

@@ -104,8 +104,13 @@ impl Policies {
         }
     }
 
-    pub fn spawn_reloader(self: Arc<Self>, every: Duration, stop: CancellationToken) {
-        tokio::spawn(async move {
+    pub fn spawn_reloader(
+        self: Arc<Self>,
+        every: Duration,
+        stop: CancellationToken,
+        tasks: &tokio_util::task::TaskTracker,
+    ) {
+        tasks.spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {

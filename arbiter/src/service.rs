@@ -34,13 +34,12 @@ use crate::hook::ClassHooks;
 use crate::identity::{Caller, IdentitySource};
 use crate::metrics::{Metrics, Scope};
 use crate::policy::Policies;
-use crate::store::Store;
-use crate::waiters::Queues;
+use crate::table::LockTable;
 
 /// Everything a request handler needs.
 pub struct Arbiter {
-    pub(crate) store: Store,
-    pub(crate) queues: Arc<Queues>,
+    /// The grant protocol: queues, claims, hand-over, seal.
+    pub(crate) table: Arc<LockTable>,
     pub(crate) policies: Arc<Policies>,
     pub(crate) identity: IdentitySource,
     /// Workloads may call directly (no edge configured, or allowed for dev).

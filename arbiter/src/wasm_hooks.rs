@@ -7,25 +7,98 @@
 //! the host with the first policy set and [`crate::policy::Policies`] syncs
 //! it before each new set is swapped in and on every poll (for rebuilt
 //! module files).
+//!
+//! A Wasm call blocks its thread for up to the class's deadline, so it runs
+//! on tokio's blocking pool, never on an async worker: the Acquire awaits
+//! its before-grant call; a Release does not wait for its after-release call,
+//! which runs in the background, a bounded number at a time.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
+use async_trait::async_trait;
 use latchkey_hook_abi::{ABI_VERSION, DenyCode, HookRequest};
 use latchkey_hook_host::{HookHost, HookOutcome};
+use tokio::sync::Semaphore;
+use tokio::task::JoinError;
 use tonic::Code;
-use tracing::info;
+use tracing::{info, warn};
 
-use crate::hook::{ClassHooks, HookDecision, HookInput};
+use crate::hook::{ClassHooks, HookDecision, HookInput, monotonic_ns};
 use crate::records::now_unix_ms;
+
+/// After-release calls pending or running at once. They share the host's
+/// instance pool (32 slots by default) with before-grant calls, which
+/// decide requests; a burst of releases must not take the slots those need
+/// (a before-grant call without a slot is denied). Each call ends within its
+/// class's deadline, so a few slots drain thousands of calls a second.
+const MAX_PENDING_RELEASE_CALLS: usize = 8;
 
 pub struct WasmHooks {
     host: Arc<HookHost>,
     then: Arc<dyn ClassHooks>,
+    /// Room for after-release calls (see [`MAX_PENDING_RELEASE_CALLS`]).
+    release_slots: Arc<Semaphore>,
+    /// A dropped after-release call is logged once; the metrics count them all.
+    drop_logged: AtomicBool,
 }
 
 impl WasmHooks {
     pub fn new(host: Arc<HookHost>, then: Arc<dyn ClassHooks>) -> Self {
-        Self { host, then }
+        Self {
+            host,
+            then,
+            release_slots: Arc::new(Semaphore::new(MAX_PENDING_RELEASE_CALLS)),
+            drop_logged: AtomicBool::new(false),
+        }
+    }
+
+    /// The class's before-grant call, on the blocking pool. If that thread
+    /// panics or is cancelled there is no outcome: deny, as for a module
+    /// that trapped (fail closed).
+    async fn run_before_grant(&self, request: HookRequest) -> HookOutcome {
+        let started = Instant::now();
+        let class = request.class.clone();
+        let host = self.host.clone();
+        match tokio::task::spawn_blocking(move || host.before_grant(request)).await {
+            Ok(outcome) => outcome,
+            Err(e) => self
+                .host
+                .internal_failure(&class, started, did_not_finish(&e)),
+        }
+    }
+
+    /// Hands the release's after-release call (if its class's module wants
+    /// one) to the blocking pool without waiting for it; drops it, counted,
+    /// when [`MAX_PENDING_RELEASE_CALLS`] are already pending.
+    fn spawn_after_release(&self, identity: &str, key: &str) {
+        let Some(call) = self
+            .host
+            .release_call(identity, key, now_unix_ms(), monotonic_ns())
+        else {
+            return;
+        };
+        let Ok(permit) = self.release_slots.clone().try_acquire_owned() else {
+            if !self.drop_logged.swap(true, Ordering::Relaxed) {
+                warn!(
+                    class = call.class(),
+                    pending = MAX_PENDING_RELEASE_CALLS,
+                    "after-release hook calls are being dropped: too many pending (logged once; counted per class as after_release_dropped)"
+                );
+            }
+            self.host.release_call_dropped(call);
+            return;
+        };
+        let host = self.host.clone();
+        let class = call.class().to_string();
+        tokio::spawn(async move {
+            let done = tokio::task::spawn_blocking(move || host.run_release_call(call)).await;
+            drop(permit);
+            if let Err(e) = done {
+                warn!(class, reason = %did_not_finish(&e), "after-release hook call lost");
+            }
+        });
     }
 
     /// Logs every class's hook metrics (there is no metrics endpoint yet).
@@ -37,11 +110,20 @@ impl WasmHooks {
                 allowed = m.allowed,
                 denials = ?m.denials,
                 failures = ?m.failures.iter().map(|(k, v)| (k.as_str(), *v)).collect::<Vec<_>>(),
+                after_release_dropped = m.after_release_dropped,
                 p50_us = m.latency(0.5).as_micros() as u64,
                 p99_us = m.latency(0.99).as_micros() as u64,
                 "hook metrics"
             );
         }
+    }
+}
+
+fn did_not_finish(e: &JoinError) -> String {
+    if e.is_panic() {
+        "the host thread running the hook call panicked".into()
+    } else {
+        "the hook call was cancelled before it finished (the arbiter is shutting down)".into()
     }
 }
 
@@ -78,11 +160,12 @@ fn request(input: &HookInput<'_>) -> HookRequest {
     }
 }
 
+#[async_trait]
 impl ClassHooks for WasmHooks {
-    fn before_grant(&self, input: &HookInput<'_>) -> HookDecision {
+    async fn before_grant(&self, input: &HookInput<'_>) -> HookDecision {
         let mut annotations = match input.hook {
             None => Default::default(),
-            Some(_) => match self.host.before_grant(request(input)) {
+            Some(_) => match self.run_before_grant(request(input)).await {
                 HookOutcome::Allow { annotations } => annotations,
                 HookOutcome::Deny {
                     code: c,
@@ -98,7 +181,7 @@ impl ClassHooks for WasmHooks {
                 }
             },
         };
-        match self.then.before_grant(input) {
+        match self.then.before_grant(input).await {
             HookDecision::Allow { annotations: more } => {
                 annotations.extend(more);
                 HookDecision::Allow { annotations }
@@ -107,8 +190,8 @@ impl ClassHooks for WasmHooks {
         }
     }
 
-    fn after_release(&self, identity: &str, key: &str) {
-        self.host.after_release(identity, key, now_unix_ms());
-        self.then.after_release(identity, key);
+    async fn after_release(&self, identity: &str, key: &str) {
+        self.spawn_after_release(identity, key);
+        self.then.after_release(identity, key).await;
     }
 }

@@ -1,1 +1,446 @@
-//! The lock log on etcd (being written).
+//! The lock log on etcd: every etcd call the grant protocol makes, and
+//! (with the old `store` module, until it goes) the only module that names
+//! `etcd_client`.
+//!
+//! Each method is one etcd request (a transaction, a read or a lease call)
+//! ported from the store's transactions: the same compares, the same
+//! operations, the same key layout ([`Layout`]). The log only reports what
+//! etcd answered, header included; judging the header (epoch guard,
+//! high-water mark, seal) is the table's job, so none of it is here.
+//!
+//! - [`records`]: the epoch and seal records (read, create, seal, advance).
+//! - [`holds`]: grants, hand-overs, releases and reads of holder records.
+//! - [`sessions`]: leases, session records, revocation and renewal.
+//! - [`watch`]: a key watch over an etcd watch stream.
+//! - [`lease_renewals`]: every session's renewals over a few shared
+//!   keep-alive streams.
+
+mod holds;
+mod lease_renewals;
+mod records;
+mod sessions;
+mod watch;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{
+    Certificate, Client, ConnectOptions, GetOptions, Identity, KeyValue, ResponseHeader,
+    TlsOptions, TxnOpResponse,
+};
+
+use super::{
+    Answer, GrantTxn, Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LockLog, LogResult,
+    Records, Renewal, StoreError,
+};
+use crate::records::Layout;
+use lease_renewals::LeaseRenewals;
+pub use lease_renewals::{RenewalMemo, Renewed};
+
+/// Where etcd is and how to reach it.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub endpoints: Vec<String>,
+    pub prefix: String,
+    pub connect_timeout: Duration,
+    pub request_timeout: Duration,
+    /// TLS for `https://` endpoints (`None` for `http://`).
+    pub tls: Option<EtcdTlsPem>,
+    /// etcd username/password auth.
+    pub login: Option<EtcdLogin>,
+}
+
+/// etcd TLS material, already read from disk (PEM).
+#[derive(Clone)]
+pub struct EtcdTlsPem {
+    /// Trust bundle for etcd's server certificate.
+    pub ca: Vec<u8>,
+    /// The arbiter's client certificate chain and key.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+/// Sizes and presence only: the key must never reach a log.
+impl std::fmt::Debug for EtcdTlsPem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdTlsPem")
+            .field("ca_bytes", &self.ca.len())
+            .field("client_certificate", &self.identity.is_some())
+            .finish()
+    }
+}
+
+/// An etcd user and its password. `Debug` never shows the password, and
+/// there is no `Display`.
+#[derive(Clone)]
+pub struct EtcdLogin {
+    pub name: String,
+    password: String,
+}
+
+impl EtcdLogin {
+    pub fn new(name: String, password: String) -> Self {
+        Self { name, password }
+    }
+}
+
+impl std::fmt::Debug for EtcdLogin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdLogin")
+            .field("name", &self.name)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+/// The etcd [`LockLog`]. Cheap to clone: the client is a handle over shared
+/// channels and the renewal lanes are shared.
+#[derive(Clone)]
+pub struct EtcdLog {
+    client: Client,
+    layout: Layout,
+    /// Every session's renewals, over a few shared keep-alive streams.
+    renewals: Arc<LeaseRenewals>,
+}
+
+impl std::fmt::Debug for EtcdLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdLog")
+            .field("layout", &self.layout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdLog {
+    /// Connects to etcd and starts the renewal lanes (so it must run inside
+    /// a tokio runtime). `memo` is consulted and written by the lanes.
+    pub async fn connect(
+        config: &StoreConfig,
+        memo: Arc<dyn RenewalMemo>,
+    ) -> Result<Self, StoreError> {
+        // require_leader: a member cut off from the quorum fails fast instead
+        // of serving a stale view or hanging.
+        let mut options = ConnectOptions::new()
+            .with_require_leader(true)
+            .with_connect_timeout(config.connect_timeout)
+            .with_timeout(config.request_timeout)
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
+        if let Some(tls) = &config.tls {
+            // No domain_name: tonic verifies etcd's certificate against each
+            // endpoint's own host, so every member is checked by its name.
+            let mut tls_options = TlsOptions::new().ca_certificate(Certificate::from_pem(&tls.ca));
+            if let Some((cert, key)) = &tls.identity {
+                tls_options = tls_options.identity(Identity::from_pem(cert, key));
+            }
+            options = options.with_tls(tls_options);
+        }
+        if let Some(login) = &config.login {
+            // Tokens expire (etcd's --auth-token-ttl); refresh rather than fail.
+            options = options
+                .with_user(login.name.clone(), login.password.clone())
+                .with_auto_token_refresh(true);
+        }
+        // `options` holds the password in its Debug output: never log it.
+        let client = Client::connect(&config.endpoints, Some(options))
+            .await
+            .map_err(|e| unavailable("cannot connect to etcd", e))?;
+        Ok(Self {
+            renewals: Arc::new(LeaseRenewals::start(&client, memo)),
+            client,
+            layout: Layout::new(&config.prefix),
+        })
+    }
+
+    /// The cluster id etcd reports now (a count-only read of the epoch key,
+    /// so nothing is transferred but the header).
+    pub async fn current_cluster_id(&self) -> Result<u64, StoreError> {
+        let resp = self
+            .client
+            .kv_client()
+            .get(
+                self.layout.epoch(),
+                Some(GetOptions::new().with_count_only()),
+            )
+            .await
+            .map_err(|e| unavailable("cannot read etcd's cluster id", e))?;
+        Ok(header(resp.header())?.cluster_id)
+    }
+}
+
+#[async_trait]
+impl LockLog for EtcdLog {
+    async fn records(&self) -> LogResult<Records> {
+        records::read(self).await
+    }
+
+    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
+        records::create_epoch(self, record).await
+    }
+
+    async fn put_seal(
+        &self,
+        record: Vec<u8>,
+        seal_at: Option<i64>,
+        epoch_at: Option<i64>,
+    ) -> LogResult<bool> {
+        records::put_seal(self, record, seal_at, epoch_at).await
+    }
+
+    async fn advance(
+        &self,
+        expected: Vec<u8>,
+        seal_at: Option<i64>,
+        record: Vec<u8>,
+    ) -> LogResult<Option<i64>> {
+        records::advance(self, expected, seal_at, record).await
+    }
+
+    async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
+        holds::grant(self, txn).await
+    }
+
+    async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
+        holds::hand_over(self, txn).await
+    }
+
+    async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
+        holds::release(self, held).await
+    }
+
+    async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+        holds::release_orphan(self, key, session, revision).await
+    }
+
+    async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
+        holds::holder(self, key).await
+    }
+
+    async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>> {
+        holds::holders_under(self, prefix).await
+    }
+
+    async fn count_holds(&self) -> LogResult<i64> {
+        holds::count_holds(self).await
+    }
+
+    async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
+        watch::watch(self, key, from_revision).await
+    }
+
+    async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
+        sessions::grant_lease(self, id, ttl_seconds).await
+    }
+
+    async fn put_session(&self, session: i64, identity: &str, record: Vec<u8>) -> LogResult<()> {
+        sessions::put_session(self, session, identity, record).await
+    }
+
+    async fn session(&self, session: i64) -> LogResult<Option<Kv>> {
+        sessions::session(self, session).await
+    }
+
+    async fn count_sessions_of(&self, identity: &str) -> LogResult<u32> {
+        sessions::count_sessions_of(self, identity).await
+    }
+
+    async fn delete_session(
+        &self,
+        session: i64,
+        identity: &str,
+        record: Vec<u8>,
+    ) -> LogResult<bool> {
+        sessions::delete_session(self, session, identity, record).await
+    }
+
+    async fn revoke(&self, lease: i64) -> Result<(), StoreError> {
+        sessions::revoke(self, lease).await
+    }
+
+    async fn renew(&self, lease: i64) -> Result<Renewal, StoreError> {
+        self.renewals.renew(lease).await
+    }
+}
+
+/// The header every answer carries; etcd always sends one, so its absence
+/// means the answer cannot be checked and must not be used.
+fn header(h: Option<&ResponseHeader>) -> Result<Header, StoreError> {
+    h.map(|h| Header {
+        cluster_id: h.cluster_id(),
+        revision: h.revision(),
+    })
+    .ok_or_else(|| StoreError::Malformed("etcd response without a header".into()))
+}
+
+/// An answer with the header of the response it came in.
+fn answer<T>(h: Option<&ResponseHeader>, value: T) -> LogResult<T> {
+    Ok(Answer {
+        header: header(h)?,
+        value,
+    })
+}
+
+fn kv(kv: &KeyValue) -> Kv {
+    Kv {
+        value: kv.value().to_vec(),
+        create_revision: kv.create_revision(),
+        mod_revision: kv.mod_revision(),
+        lease: kv.lease(),
+    }
+}
+
+/// The first key a transaction's get operation found.
+fn first_kv(resp: &TxnOpResponse) -> Option<Kv> {
+    match resp {
+        TxnOpResponse::Get(g) => g.kvs().first().map(kv),
+        _ => None,
+    }
+}
+
+/// An etcd client error as the log's: the store did not answer, or
+/// answered with an error, while doing `context`.
+fn unavailable(context: &str, err: etcd_client::Error) -> StoreError {
+    StoreError::Unavailable {
+        context: context.to_string(),
+        source: Some(Box::new(EtcdError(err))),
+    }
+}
+
+/// [`unavailable`] for a request that puts on `lease`: etcd's "lease not
+/// found" there means the session expired, never an outage to retry.
+fn unavailable_on(context: &str, lease: i64, err: etcd_client::Error) -> StoreError {
+    if lease_not_found(&err) {
+        StoreError::LeaseGone { lease }
+    } else {
+        unavailable(context, err)
+    }
+}
+
+/// etcd refused a put on a lease it no longer has.
+fn lease_not_found(err: &etcd_client::Error) -> bool {
+    matches!(err, etcd_client::Error::GRpcStatus(s)
+        if s.code() == tonic::Code::NotFound && s.message().contains("lease not found"))
+}
+
+/// etcd refused a LeaseGrant because the id is taken.
+fn lease_exists(err: &etcd_client::Error) -> bool {
+    matches!(err, etcd_client::Error::GRpcStatus(s)
+        if s.code() == tonic::Code::FailedPrecondition && s.message().contains("lease already exists"))
+}
+
+/// Any NotFound status (a revoke of a lease that is gone already).
+fn not_found(err: &etcd_client::Error) -> bool {
+    matches!(err, etcd_client::Error::GRpcStatus(s) if s.code() == tonic::Code::NotFound)
+}
+
+/// An etcd client error that exposes its cause. `etcd_client::Error` has
+/// no `source()`, yet tonic keeps the interesting part of a connection
+/// failure (refused, TLS alert, unknown issuer) in the transport error's
+/// or the status's source chain, which [`StoreError::detail`] walks.
+#[derive(Debug)]
+struct EtcdError(etcd_client::Error);
+
+impl std::fmt::Display for EtcdError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for EtcdError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        use etcd_client::Error as E;
+        match &self.0 {
+            E::TransportError(e) => Some(e),
+            E::GRpcStatus(e) => Some(e),
+            E::IoError(e) => Some(e),
+            E::InvalidUri(e) => Some(e),
+            E::Utf8Error(e) => Some(e),
+            E::InvalidMetadataValue(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: tonic::Code, message: &str) -> etcd_client::Error {
+        etcd_client::Error::GRpcStatus(tonic::Status::new(code, message))
+    }
+
+    #[test]
+    fn lease_not_found_on_a_put_is_the_session_gone() {
+        let err = unavailable_on(
+            "grant",
+            7,
+            status(
+                tonic::Code::NotFound,
+                "etcdserver: requested lease not found",
+            ),
+        );
+        assert!(matches!(err, StoreError::LeaseGone { lease: 7 }));
+    }
+
+    #[test]
+    fn other_errors_on_a_put_are_unavailable() {
+        let err = unavailable_on(
+            "grant",
+            7,
+            status(tonic::Code::Unavailable, "etcdserver: leader changed"),
+        );
+        assert!(matches!(err, StoreError::Unavailable { .. }));
+        // another NotFound is not the lease
+        let err = unavailable_on("grant", 7, status(tonic::Code::NotFound, "key not found"));
+        assert!(matches!(err, StoreError::Unavailable { .. }));
+    }
+
+    #[test]
+    fn classifies_lease_grant_and_revoke_errors() {
+        assert!(lease_exists(&status(
+            tonic::Code::FailedPrecondition,
+            "etcdserver: lease already exists"
+        )));
+        assert!(!lease_exists(&status(
+            tonic::Code::FailedPrecondition,
+            "etcdserver: something else"
+        )));
+        assert!(not_found(&status(
+            tonic::Code::NotFound,
+            "etcdserver: requested lease not found"
+        )));
+        assert!(!not_found(&status(tonic::Code::Unavailable, "no leader")));
+    }
+
+    #[test]
+    fn the_source_chain_goes_past_the_etcd_error() {
+        use std::error::Error as _;
+        let cause = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let err = unavailable("cannot connect to etcd", etcd_client::Error::IoError(cause));
+        let etcd = err.source();
+        assert!(etcd.is_some_and(|e| e.to_string() == "io error: refused"));
+        let io = etcd.and_then(|e| e.source());
+        assert!(io.is_some_and(|e| e.downcast_ref::<std::io::Error>().is_some()));
+        assert!(
+            err.detail()
+                .starts_with("cannot connect to etcd: io error: refused")
+        );
+    }
+
+    #[test]
+    fn a_missing_header_is_malformed() {
+        assert!(matches!(header(None), Err(StoreError::Malformed(_))));
+    }
+
+    #[test]
+    fn debug_never_shows_secrets() {
+        let login = EtcdLogin::new("arbiter".into(), "hunter2".into());
+        let tls = EtcdTlsPem {
+            ca: b"ca".to_vec(),
+            identity: Some((b"cert".to_vec(), b"PRIVATE KEY".to_vec())),
+        };
+        let shown = format!("{login:?} {tls:?}");
+        assert!(shown.contains("arbiter"), "{shown}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(!shown.contains("PRIVATE"), "{shown}");
+    }
+}

@@ -3,15 +3,14 @@ use std::time::{Duration, Instant};
 
 use latchkey_proto::lockv1::{AcquireRequest, AcquireResponse, Grant as WireGrant, WaitMode};
 use tonic::Request;
-use tracing::{debug, info};
+use tracing::info;
 
 use super::{Arbiter, session_id, truncate};
 use crate::error::ArbiterError;
 use crate::hook::{HolderSummary, HookDecision, HookInput, monotonic_ns};
 use crate::metrics::Scope;
 use crate::records::now_unix_ms;
-use crate::store::{Grant, GrantOutcome, GrantRequest};
-use crate::waiters::Claim;
+use crate::table::{Grant, GrantRequest};
 use latchkey_policies::HookInputKind;
 
 pub const MAX_METADATA_ENTRIES: usize = 16;
@@ -74,13 +73,6 @@ pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
     })
 }
 
-/// Where an Acquire goes after its first attempt.
-enum Next {
-    Deliver(Grant),
-    /// Queue, watching the key from this revision when known.
-    Queue(Option<i64>),
-}
-
 impl Arbiter {
     /// Validate, authorise, ask the class hook, then grant (one transaction)
     /// or queue FIFO behind this key's other waiters until the deadline.
@@ -113,12 +105,12 @@ impl Arbiter {
         let metadata: BTreeMap<String, String> = req.metadata.into_iter().collect();
         check_metadata(&metadata)?;
 
-        let waiting = self.queues.waiting(key.as_str());
+        let waiting = self.table.waiting(key.as_str());
         // Inputs that cost an etcd read are fetched only for a hook that asks.
         let hook = class.hook.as_ref();
         let holder = match hook.filter(|h| h.needs(HookInputKind::Holder)) {
             Some(_) => self
-                .store
+                .table
                 .holder(key.as_str())
                 .await?
                 .map(|h| HolderSummary {
@@ -133,7 +125,7 @@ impl Arbiter {
             Some(_) => {
                 let prefixes: Vec<&str> = policies.grants().prefixes(&caller.identity).collect();
                 Some(
-                    self.store
+                    self.table
                         .count_holds_of(&caller.identity, &class.name, &prefixes)
                         .await?,
                 )
@@ -152,7 +144,7 @@ impl Arbiter {
             hook,
             holder,
             hold_count,
-        }) {
+        }).await {
             HookDecision::Allow { annotations } => annotations,
             HookDecision::Deny {
                 code,
@@ -175,97 +167,38 @@ impl Arbiter {
             annotations,
         };
 
-        // Waiters already queued here go first: a newcomer never barges.
-        let next = if waiting > 0 {
-            match self.already_held(&grant_req).await? {
-                Some(grant) => self.reuse(grant).await?,
-                None => Next::Queue(None),
-            }
-        } else {
-            match self.store.try_grant(&grant_req).await? {
-                GrantOutcome::Granted(grant) => {
-                    self.queues.forget_claims_before(&grant.key, grant.revision);
-                    info!(identity = %caller.identity, key = %grant.key, class = %class.name, "granted");
-                    Next::Deliver(grant)
+        let wait = match wait {
+            WaitMode::WaitNone => None,
+            _ => Some(
+                deadline
+                    .map(|d| d.saturating_sub(DEADLINE_MARGIN.min(d / 20)))
+                    .unwrap_or(self.max_wait)
+                    .min(self.max_wait),
+            ),
+        };
+        let acquired = match self
+            .table
+            .acquire(grant_req, wait, class.max_waiters_per_key)
+            .await
+        {
+            Ok(acquired) => acquired,
+            Err(e) => {
+                match &e {
+                    ArbiterError::TooManyWaiters { .. } => {
+                        self.metrics.identity_bound_refused("waiters");
+                    }
+                    ArbiterError::WaitTimeout { .. } => scope.waited = true,
+                    _ => {}
                 }
-                GrantOutcome::Reused(grant) => self.reuse(grant).await?,
-                GrantOutcome::Held { watch_from } => Next::Queue(Some(watch_from)),
+                return Err(e);
             }
         };
-        let watch_from = match next {
-            Next::Deliver(grant) => {
-                return Ok(AcquireResponse {
-                    grant: Some(wire_grant(&grant)?),
-                });
-            }
-            Next::Queue(from) => from,
-        };
-        if wait == WaitMode::WaitNone {
-            return Err(ArbiterError::Held { key: grant_req.key });
-        }
-
-        let budget = deadline
-            .map(|d| d.saturating_sub(DEADLINE_MARGIN.min(d / 20)))
-            .unwrap_or(self.max_wait)
-            .min(self.max_wait);
-        let key_name = grant_req.key.clone();
-        let mut ticket = self
-            .queues
-            .enqueue(grant_req, watch_from, class.max_waiters_per_key)
-            .inspect_err(|e| {
-                if matches!(e, ArbiterError::TooManyWaiters { .. }) {
-                    self.metrics.identity_bound_refused("waiters");
-                }
-            })?;
-        debug!(identity = %caller.identity, key = %key_name, "queued");
-        scope.waited = true;
-        match tokio::time::timeout(budget, ticket.wait()).await {
-            Ok(reply) => {
-                let grant = reply?;
-                info!(identity = %caller.identity, key = %grant.key, class = %class.name, "granted after waiting");
-                Ok(AcquireResponse {
-                    grant: Some(wire_grant(&grant)?),
-                })
-            }
-            // Dropping the ticket leaves the queue (and releases a grant that
-            // raced with the timeout).
-            Err(_) => Err(ArbiterError::WaitTimeout { key: key_name }),
-        }
-    }
-
-    /// A session's existing grant goes to this call only once claimed and
-    /// re-read; otherwise the call queues, watching from after it.
-    async fn reuse(&self, grant: Grant) -> Result<Next, ArbiterError> {
-        Ok(match self.queues.claim_verified(&grant).await? {
-            Claim::Claimed => Next::Deliver(grant),
-            // being released as an orphan, or just gone: queue behind the
-            // others and watch for what comes next
-            Claim::Orphaned | Claim::Gone => Next::Queue(Some(grant.revision + 1)),
+        scope.waited = acquired.waited;
+        let grant = acquired.grant;
+        info!(identity = %caller.identity, key = %grant.key, class = %class.name, waited = acquired.waited, "granted");
+        Ok(AcquireResponse {
+            grant: Some(wire_grant(&grant)?),
         })
-    }
-
-    /// With waiters queued, a caller that already holds the key (a retry) or
-    /// holds it under another session (a leak) is answered without queueing.
-    async fn already_held(&self, req: &GrantRequest) -> Result<Option<Grant>, ArbiterError> {
-        let state = self.store.serving_epoch().await?;
-        let Some(holder) = self.store.holder(&req.key).await? else {
-            return Ok(None);
-        };
-        if holder.lease == req.session && holder.record.identity == req.identity {
-            return Ok(Some(Grant {
-                key: req.key.clone(),
-                session: req.session,
-                epoch: state.epoch(),
-                revision: holder.revision,
-            }));
-        }
-        if holder.record.identity == req.identity {
-            return Err(ArbiterError::Leak {
-                key: req.key.clone(),
-                holder_session: holder.record.session,
-            });
-        }
-        Ok(None)
     }
 }
 

@@ -16,13 +16,13 @@ impl Arbiter {
         let caller = self.caller(&request)?;
         self.require_operator(&caller)?;
         // A fresh read: it also re-checks the header against the epoch.
-        let state = self.store.load_epoch().await?;
-        let mark = self.store.high_water();
-        let seal_reason = self.store.guard().seal_reason();
+        let state = self.table.seal().load_epoch().await?;
+        let mark = self.table.seal().high_water();
+        let seal_reason = self.table.seal().guard().seal_reason();
         Ok(GetStatusResponse {
             epoch: state.epoch(),
             epoch_cluster_id: state.cluster_id,
-            current_cluster_id: self.store.current_cluster_id().await?,
+            current_cluster_id: self.table.current_cluster_id().await?,
             sealed: seal_reason.is_some(),
             seal_reason: seal_reason.unwrap_or_default(),
             revision_high_water_mark: mark.map_or(0, |m| m.revision),
@@ -47,7 +47,7 @@ impl Arbiter {
                     .into(),
             ));
         }
-        let (record, deleted) = self.store.advance_epoch(req.expected_epoch, reason).await?;
+        let (record, deleted) = self.table.seal().advance_epoch(req.expected_epoch, reason).await?;
         warn!(operator = %caller.identity, epoch = record.epoch, holds_deleted = deleted, reason, "epoch advanced");
         Ok(AdvanceEpochResponse {
             epoch: record.epoch,

@@ -16,7 +16,7 @@ impl Arbiter {
         let policies = self.policies.current();
         let key = self.authorised_key(&policies, &caller, &request.get_ref().key)?;
         let operator = policies.is_operator(&caller.identity);
-        let holder = self.store.holder(key.as_str()).await?.map(|h| {
+        let holder = self.table.holder(key.as_str()).await?.map(|h| {
             let shown = session_shown(&h.record.identity, &caller.identity, operator);
             let session_id = if shown { h.record.session } else { 0 };
             Holder {
@@ -31,7 +31,7 @@ impl Arbiter {
         Ok(InspectResponse {
             key: key.as_str().to_string(),
             holder,
-            waiters: u32::try_from(self.queues.waiting(key.as_str())).unwrap_or(u32::MAX),
+            waiters: u32::try_from(self.table.waiting(key.as_str())).unwrap_or(u32::MAX),
         })
     }
 }

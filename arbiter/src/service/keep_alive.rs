@@ -151,12 +151,11 @@ impl Arbiter {
         for _ in 0..2 {
             let asked = Instant::now();
             // The store notes etcd's answer in the memo.
-            let answer = self.store.renew(session).await?;
-            let renewed = answer.renewed;
+            let renewed = self.table.renew(session).await?;
             if renewed.ttl_seconds <= 0 {
                 return Ok(Renewal::Gone);
             }
-            self.metrics.renewal(if answer.sent_to_etcd {
+            self.metrics.renewal(if renewed.sent_to_store {
                 "renewed"
             } else {
                 "coalesced"

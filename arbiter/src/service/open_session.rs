@@ -29,7 +29,7 @@ impl Arbiter {
             )));
         }
         for &candidate in req.reuse_session_ids.iter().filter(|id| **id > 0) {
-            if let Some(record) = self.store.session(candidate).await?
+            if let Some(record) = self.table.session(candidate).await?
                 && record.identity == caller.identity
                 && record.ttl_seconds == ttl
             {
@@ -43,7 +43,7 @@ impl Arbiter {
         }
         let opened = {
             let _turn = self.bounds.open_turn(&caller.identity).await;
-            self.store
+            self.table
                 .open_session(&caller.identity, ttl, self.bounds.max_sessions)
                 .await
         };
@@ -68,7 +68,7 @@ impl Arbiter {
         identity: &str,
         session: i64,
     ) -> Result<crate::records::SessionRecord, ArbiterError> {
-        match self.store.session(session).await? {
+        match self.table.session(session).await? {
             Some(record) if record.identity == identity => Ok(record),
             _ => Err(ArbiterError::SessionExpired { session }),
         }

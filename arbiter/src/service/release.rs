@@ -2,14 +2,13 @@ use std::time::Duration;
 
 use latchkey_proto::lockv1::{ReleaseRequest, ReleaseResponse};
 use tonic::Request;
-use tracing::{debug, info};
+use tracing::info;
 
 use super::{Arbiter, session_id};
 use crate::error::ArbiterError;
 use crate::metrics::Scope;
-use crate::records::{HolderRecord, now_unix_ms};
-use crate::store::HandedOver;
-use crate::token;
+use crate::records::now_unix_ms;
+use crate::table::Released;
 
 impl Arbiter {
     /// Releases a hold of the caller's: its record must name the caller's
@@ -51,51 +50,14 @@ impl Arbiter {
         let policies = self.policies.current();
         let key = self.authorised_key_in(&policies, &caller, &req.key, scope)?;
         let session = session_id(req.session_id)?;
-        let (epoch, revision) = token::unpack(req.token);
-        let current = self.store.guard().state().map(|s| s.epoch());
-        if current != Some(epoch) || revision <= 0 {
-            return Err(ArbiterError::TokenMismatch {
-                key: key.as_str().to_string(),
-            });
-        }
-        let owned = self
-            .store
-            .owned_hold(key.as_str(), &caller.identity, session, revision)
+        let released = self
+            .table
+            .release(&caller.identity, key.as_str(), session, req.token)
             .await?;
-        if let Some(head) = self.queues.head(key.as_str()) {
-            match self.store.hand_over(&owned, &head.req).await {
-                Ok(Some(HandedOver { grant, previous })) => {
-                    info!(identity = %caller.identity, key = %key.as_str(), next = %head.req.identity, "released and handed over");
-                    self.queues.deliver(&head, Ok(grant));
-                    self.hooks.after_release(&caller.identity, key.as_str());
-                    return Ok(Released {
-                        handed_over: true,
-                        previous,
-                    });
-                }
-                Ok(None) => {}
-                Err(e) => debug!(error = %e, "hand-over failed; releasing plainly"),
-            }
-        }
-        let previous = self.store.release_owned(&owned).await?;
-        // the released grant and anything older
-        self.queues.forget_claims_before(key.as_str(), revision + 1);
-        self.queues.kick(key.as_str());
-        info!(identity = %caller.identity, key = %key.as_str(), "released");
-        self.hooks.after_release(&caller.identity, key.as_str());
-        Ok(Released {
-            handed_over: false,
-            previous,
-        })
+        info!(identity = %caller.identity, key = %key.as_str(), handed_over = released.handed_over, "released");
+        self.hooks.after_release(&caller.identity, key.as_str()).await;
+        Ok(released)
     }
-}
-
-/// How a release ended.
-struct Released {
-    /// The key went to the next waiter in the same transaction.
-    handed_over: bool,
-    /// The record of the hold that ended, when etcd returned it.
-    previous: Option<HolderRecord>,
 }
 
 /// How long a hold lasted, by wall clocks (the granting arbiter's and ours):

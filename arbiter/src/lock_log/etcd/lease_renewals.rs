@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use etcd_client::{Client, LeaseKeepAliveResponse, LeaseKeepAliveStream, LeaseKeeper};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::error::ArbiterError;
+use crate::lock_log::{Renewal, StoreError};
 
 /// Shared keep-alive streams per arbiter. etcd serves one stream's requests
 /// in order; a few lanes keep one slow answer from holding up everyone.
@@ -56,16 +56,10 @@ pub trait RenewalMemo: Send + Sync + 'static {
     fn note(&self, lease: i64, renewed: Renewed);
 }
 
-/// A lane's answer to one ask.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Answer {
-    pub renewed: Renewed,
-    /// This ask sent the renewal to etcd (others joined it or were answered
-    /// from the memo).
-    pub sent_to_etcd: bool,
-}
-
-type Reply = oneshot::Sender<Result<Answer, ArbiterError>>;
+/// A lane answers each ask with a [`Renewal`]: `sent_to_store` is set for
+/// the one ask that sent the renewal to etcd (others joined it or were
+/// answered from the memo).
+type Reply = oneshot::Sender<Result<Renewal, StoreError>>;
 
 struct Ask {
     lease: i64,
@@ -91,19 +85,19 @@ impl LeaseRenewals {
 
     /// Renews `lease` once, joins its renewal in flight, or answers with a
     /// recent one from the memo (then `sent` is that renewal's).
-    pub async fn renew(&self, lease: i64) -> Result<Answer, ArbiterError> {
+    pub async fn renew(&self, lease: i64) -> Result<Renewal, StoreError> {
         let index = usize::try_from(lease.unsigned_abs() % LANES as u64).unwrap_or(0);
         let lane = self
             .lanes
             .get(index)
-            .ok_or_else(|| ArbiterError::Internal("no lease renewal lane".into()))?;
+            .ok_or_else(|| StoreError::unavailable("no lease renewal lane"))?;
         let (reply, answer) = oneshot::channel();
         lane.send(Ask { lease, reply })
             .await
-            .map_err(|_| ArbiterError::store("lease renewals stopped"))?;
+            .map_err(|_| StoreError::unavailable("lease renewals stopped"))?;
         answer
             .await
-            .map_err(|_| ArbiterError::store("lease keep-alive stream closed"))?
+            .map_err(|_| StoreError::unavailable("lease keep-alive stream closed"))?
     }
 }
 
@@ -176,15 +170,16 @@ impl Lane {
 
     async fn ask(&mut self, ask: Ask) {
         if self.conn.is_none() && self.paused_until.is_some_and(|t| Instant::now() < t) {
-            let _ = ask.reply.send(Err(ArbiterError::store(
+            let _ = ask.reply.send(Err(StoreError::unavailable(
                 "cannot open a lease keep-alive stream to etcd",
             )));
             return;
         }
         if let Some(recent) = self.memo.recent(ask.lease) {
-            let _ = ask.reply.send(Ok(Answer {
-                renewed: recent,
-                sent_to_etcd: false,
+            let _ = ask.reply.send(Ok(Renewal {
+                ttl_seconds: recent.ttl_seconds,
+                sent: recent.sent,
+                sent_to_store: false,
             }));
             return;
         }
@@ -233,10 +228,11 @@ impl Lane {
                 }
                 Err(e) if gone(&e) => self.answered(lease, 0),
                 Err(e) => {
-                    let detail = match super::etcd_error(e) {
-                        ArbiterError::StoreUnavailable { detail } => detail,
-                        other => other.to_string(),
-                    };
+                    // Every waiter gets the whole story as text (a source
+                    // cannot be shared between them).
+                    let detail =
+                        super::unavailable("cannot open a lease keep-alive stream to etcd", e)
+                            .detail();
                     self.fail_all(&detail);
                     self.paused_until = Some(Instant::now() + REOPEN_PAUSE);
                     return;
@@ -273,9 +269,10 @@ impl Lane {
         };
         self.memo.note(lease, renewed);
         for (i, waiter) in p.waiters.into_iter().enumerate() {
-            let _ = waiter.send(Ok(Answer {
-                renewed,
-                sent_to_etcd: i == 0,
+            let _ = waiter.send(Ok(Renewal {
+                ttl_seconds,
+                sent: renewed.sent,
+                sent_to_store: i == 0,
             }));
         }
         self.shrink();
@@ -284,7 +281,7 @@ impl Lane {
     fn fail_all(&mut self, detail: &str) {
         for (_, p) in self.pending.drain() {
             for waiter in p.waiters {
-                let _ = waiter.send(Err(ArbiterError::store(detail)));
+                let _ = waiter.send(Err(StoreError::unavailable(detail)));
             }
         }
         self.waiting = 0;

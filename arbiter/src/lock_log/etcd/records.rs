@@ -1,0 +1,124 @@
+//! The epoch record and the seal: one read of both, the first-start
+//! create, the conditional seal and the operator's advance.
+
+use etcd_client::{Compare, CompareOp, DeleteOptions, Txn, TxnOp, TxnOpResponse};
+
+use super::{EtcdLog, answer, first_kv, unavailable};
+use crate::lock_log::{LogResult, Records};
+
+/// The epoch record and the seal in one transaction, so both are of the
+/// same revision.
+pub(super) async fn read(log: &EtcdLog) -> LogResult<Records> {
+    let txn = Txn::new().and_then([
+        TxnOp::get(log.layout.epoch(), None),
+        TxnOp::get(log.layout.seal(), None),
+    ]);
+    let resp = log
+        .client
+        .kv_client()
+        .txn(txn)
+        .await
+        .map_err(|e| unavailable("cannot read the epoch record", e))?;
+    let ops = resp.op_responses();
+    let records = Records {
+        epoch: ops.first().and_then(first_kv),
+        seal: ops.get(1).and_then(first_kv),
+    };
+    answer(resp.header(), records)
+}
+
+/// Puts the epoch record only if there is none: two arbiters starting at
+/// once both try, one wins and the other reads the winner's.
+pub(super) async fn create_epoch(log: &EtcdLog, record: Vec<u8>) -> LogResult<bool> {
+    let epoch_key = log.layout.epoch();
+    let txn = Txn::new()
+        .when([Compare::create_revision(
+            epoch_key.clone(),
+            CompareOp::Equal,
+            0,
+        )])
+        .and_then([TxnOp::put(epoch_key, record, None)]);
+    let resp = log
+        .client
+        .kv_client()
+        .txn(txn)
+        .await
+        .map_err(|e| unavailable("cannot create the epoch record", e))?;
+    answer(resp.header(), resp.succeeded())
+}
+
+/// "Absent" for `None`, "last modified at" for `Some`: a write that acts
+/// only on the record the caller read.
+fn unchanged(key: &str, at: Option<i64>) -> Compare {
+    match at {
+        Some(revision) => Compare::mod_revision(key, CompareOp::Equal, revision),
+        None => Compare::create_revision(key, CompareOp::Equal, 0),
+    }
+}
+
+/// Writes (or raises) the seal if neither the seal nor the epoch record
+/// changed since the caller read them: an advance in between must not be
+/// sealed by a seal meant for the epoch before it.
+pub(super) async fn put_seal(
+    log: &EtcdLog,
+    record: Vec<u8>,
+    seal_at: Option<i64>,
+    epoch_at: Option<i64>,
+) -> LogResult<bool> {
+    let seal = log.layout.seal();
+    let txn = Txn::new()
+        .when([
+            unchanged(&seal, seal_at),
+            unchanged(&log.layout.epoch(), epoch_at),
+        ])
+        .and_then([TxnOp::put(seal, record, None)]);
+    let resp = log
+        .client
+        .kv_client()
+        .txn(txn)
+        .await
+        .map_err(|e| unavailable("cannot write the seal record", e))?;
+    answer(resp.header(), resp.succeeded())
+}
+
+/// ADR-03's unseal in one transaction: if the epoch record is still
+/// `expected` and the seal unchanged (a seal raised meanwhile may carry a
+/// higher floor), writes the new epoch and deletes every hold, every
+/// durable waiter and the seal. The count is the holds deleted.
+pub(super) async fn advance(
+    log: &EtcdLog,
+    expected: Vec<u8>,
+    seal_at: Option<i64>,
+    record: Vec<u8>,
+) -> LogResult<Option<i64>> {
+    let epoch_key = log.layout.epoch();
+    let seal_key = log.layout.seal();
+    let txn = Txn::new()
+        .when([
+            Compare::value(epoch_key.clone(), CompareOp::Equal, expected),
+            unchanged(&seal_key, seal_at),
+        ])
+        .and_then([
+            TxnOp::put(epoch_key, record, None),
+            TxnOp::delete(
+                log.layout.holders(),
+                Some(DeleteOptions::new().with_prefix()),
+            ),
+            TxnOp::delete(
+                log.layout.durable_waiters(),
+                Some(DeleteOptions::new().with_prefix()),
+            ),
+            TxnOp::delete(seal_key, None),
+        ]);
+    let resp = log
+        .client
+        .kv_client()
+        .txn(txn)
+        .await
+        .map_err(|e| unavailable("cannot advance the epoch", e))?;
+    let deleted = resp.succeeded().then(|| match resp.op_responses().get(1) {
+        Some(TxnOpResponse::Delete(d)) => d.deleted(),
+        _ => 0,
+    });
+    answer(resp.header(), deleted)
+}

@@ -1,0 +1,128 @@
+//! Sessions: a lease with an id of the arbiter's drawing, its record and
+//! its entry in the identity's session count (both on the lease), the
+//! close, the revoke and the renewals.
+
+use etcd_client::{Compare, CompareOp, GetOptions, LeaseGrantOptions, PutOptions, Txn, TxnOp};
+
+use super::{EtcdLog, answer, kv, lease_exists, not_found, unavailable, unavailable_on};
+use crate::lock_log::{Kv, LogResult, StoreError};
+
+/// Grants lease `id`. etcd's "lease already exists" is
+/// [`StoreError::LeaseExists`], so the caller can draw another id; a lease
+/// under another id than asked for is an answer the protocol cannot use.
+pub(super) async fn grant_lease(log: &EtcdLog, id: i64, ttl_seconds: u32) -> LogResult<()> {
+    let lease = log
+        .client
+        .lease_client()
+        .grant(
+            i64::from(ttl_seconds),
+            Some(LeaseGrantOptions::new().with_id(id)),
+        )
+        .await
+        .map_err(|e| {
+            if lease_exists(&e) {
+                StoreError::LeaseExists { lease: id }
+            } else {
+                unavailable("cannot grant a session lease", e)
+            }
+        })?;
+    if lease.id() != id {
+        return Err(StoreError::Malformed(format!(
+            "etcd granted lease {:#x} when asked for {id:#x}",
+            lease.id()
+        )));
+    }
+    answer(lease.header(), ())
+}
+
+/// The session record and the identity's count entry, in one transaction,
+/// both on the session's lease (so both end with it).
+pub(super) async fn put_session(
+    log: &EtcdLog,
+    session: i64,
+    identity: &str,
+    record: Vec<u8>,
+) -> LogResult<()> {
+    let on_lease = || Some(PutOptions::new().with_lease(session));
+    let txn = Txn::new().and_then([
+        TxnOp::put(log.layout.session(session), record, on_lease()),
+        TxnOp::put(
+            log.layout.identity_session(identity, session),
+            "",
+            on_lease(),
+        ),
+    ]);
+    let resp = log
+        .client
+        .kv_client()
+        .txn(txn)
+        .await
+        .map_err(|e| unavailable_on("cannot write the session record", session, e))?;
+    answer(resp.header(), ())
+}
+
+/// `session`'s record (a linearizable read).
+pub(super) async fn session(log: &EtcdLog, session: i64) -> LogResult<Option<Kv>> {
+    let resp = log
+        .client
+        .kv_client()
+        .get(log.layout.session(session), None)
+        .await
+        .map_err(|e| unavailable("cannot read a session record", e))?;
+    answer(resp.header(), resp.kvs().first().map(kv))
+}
+
+/// How many sessions `identity` has open, over every arbiter: a count of
+/// its entries (count only).
+pub(super) async fn count_sessions_of(log: &EtcdLog, identity: &str) -> LogResult<u32> {
+    let resp = log
+        .client
+        .kv_client()
+        .get(
+            log.layout.identity_sessions(identity),
+            Some(GetOptions::new().with_prefix().with_count_only()),
+        )
+        .await
+        .map_err(|e| unavailable("cannot count an identity's sessions", e))?;
+    answer(
+        resp.header(),
+        u32::try_from(resp.count()).unwrap_or(u32::MAX),
+    )
+}
+
+/// Deletes the session record and its count entry if the record is still
+/// `record` on the session's lease, so from then on no grant, renewal or
+/// hand-over uses it. The holds go with the revoke that follows.
+pub(super) async fn delete_session(
+    log: &EtcdLog,
+    session: i64,
+    identity: &str,
+    record: Vec<u8>,
+) -> LogResult<bool> {
+    let session_key = log.layout.session(session);
+    let txn = Txn::new()
+        .when([
+            Compare::value(session_key.clone(), CompareOp::Equal, record),
+            Compare::lease(session_key.clone(), CompareOp::Equal, session),
+        ])
+        .and_then([
+            TxnOp::delete(session_key, None),
+            TxnOp::delete(log.layout.identity_session(identity, session), None),
+        ]);
+    let resp = log
+        .client
+        .kv_client()
+        .txn(txn)
+        .await
+        .map_err(|e| unavailable("cannot delete a session record", e))?;
+    answer(resp.header(), resp.succeeded())
+}
+
+/// Revokes `lease`; one etcd no longer has is already what was asked for.
+pub(super) async fn revoke(log: &EtcdLog, lease: i64) -> Result<(), StoreError> {
+    match log.client.lease_client().revoke(lease).await {
+        Ok(_) => Ok(()),
+        Err(e) if not_found(&e) => Ok(()),
+        Err(e) => Err(unavailable("cannot revoke a session lease", e)),
+    }
+}

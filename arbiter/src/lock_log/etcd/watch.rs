@@ -1,0 +1,84 @@
+//! A watch on one holder record, over an etcd watch stream. Only ever a
+//! hint to try a grant: the grant transaction decides.
+
+use async_trait::async_trait;
+use etcd_client::{EventType, WatchOptions, WatchStream};
+
+use super::{EtcdLog, unavailable};
+use crate::lock_log::{KeyWatch, StoreError, WatchSignal};
+
+/// Watches `key`'s holder record from `from_revision` (inclusive), so
+/// nothing between a failed grant and the watch is missed.
+pub(super) async fn watch(
+    log: &EtcdLog,
+    key: &str,
+    from_revision: i64,
+) -> Result<Box<dyn KeyWatch>, StoreError> {
+    let stream = log
+        .client
+        .watch_client()
+        .watch(
+            log.layout.holder(key),
+            Some(WatchOptions::new().with_start_revision(from_revision)),
+        )
+        .await
+        .map_err(|e| unavailable("cannot watch a holder record", e))?;
+    Ok(Box::new(EtcdKeyWatch { stream }))
+}
+
+/// The stream of one watch; dropping it ends the watch.
+struct EtcdKeyWatch {
+    stream: WatchStream,
+}
+
+#[async_trait]
+impl KeyWatch for EtcdKeyWatch {
+    async fn next(&mut self) -> WatchSignal {
+        loop {
+            match self.stream.message().await {
+                Ok(Some(resp)) => {
+                    let events = resp.events().iter().map(|e| e.event_type());
+                    if let Some(signal) = signal(resp.canceled(), events) {
+                        return signal;
+                    }
+                }
+                Ok(None) | Err(_) => return WatchSignal::Lost,
+            }
+        }
+    }
+}
+
+/// What one watch response means: `None` for one with nothing in it (the
+/// creation notice, a progress notify), to be skipped. A delete anywhere
+/// in the response frees the key, even if a put follows in the same
+/// response: an attempt costs little and finds out.
+fn signal(canceled: bool, events: impl Iterator<Item = EventType>) -> Option<WatchSignal> {
+    if canceled {
+        return Some(WatchSignal::Lost);
+    }
+    let mut any = false;
+    for event in events {
+        if event == EventType::Delete {
+            return Some(WatchSignal::Freed);
+        }
+        any = true;
+    }
+    any.then_some(WatchSignal::Changed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_watch_responses_as_the_store_did() {
+        use EventType::{Delete, Put};
+        assert_eq!(signal(true, [Delete].into_iter()), Some(WatchSignal::Lost));
+        assert_eq!(signal(false, [].into_iter()), None);
+        assert_eq!(signal(false, [Put].into_iter()), Some(WatchSignal::Changed));
+        assert_eq!(
+            signal(false, [Put, Delete].into_iter()),
+            Some(WatchSignal::Freed)
+        );
+    }
+}

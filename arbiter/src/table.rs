@@ -1,0 +1,882 @@
+//! The one owner of the grant protocol: queues, claims, hand-over, orphan
+//! releases and seal checks, over a [`LockLog`].
+//!
+//! The RPC handlers do identity, policy, hooks and metrics, then call
+//! [`LockTable::acquire`] or [`LockTable::release`]. Everything that decides
+//! who holds a key lives here:
+//!
+//! - A grant is one log transaction comparing key absence, the epoch
+//!   record's bytes, the seal's absence and the session record; its token is
+//!   `epoch × 2^48 + revision`, made durable in the high-water mark before it
+//!   is returned ([`seal::Seal`] checks every answer's header first).
+//! - A held key queues the caller FIFO ([`queues`]); one driver per contended
+//!   key attempts a grant for the head waiter whenever something suggests
+//!   the key may be free: a delete on the key's watch, a kick from a local
+//!   release or cancellation, or a poll. Every attempt is a full grant
+//!   transaction; a notification never grants.
+//! - A release with a local waiter hands the key over in one transaction.
+//! - Delivery is exactly-once per waiter; a grant whose caller went away is
+//!   released at once as an orphan — unless the same session's next call has
+//!   claimed it ([`queues::Reuse`]): a session's grant goes to its new call or
+//!   to the orphan release, never both.
+//!
+//! Background work (drivers, orphan releases, the claim sweeper) is tracked:
+//! [`LockTable::shutdown`] returns once it has all stopped.
+
+mod driver;
+mod queues;
+pub mod seal;
+mod sessions;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
+
+use crate::epoch::{EpochGuard, EpochState};
+use crate::error::ArbiterError;
+use crate::high_water::HighWater;
+use crate::lock_log::{GrantTxn, Granted, HandOverTxn, HeldAt, Kv, LockLog};
+use crate::records::{
+    HolderRecord, NotOwned, SessionRecord, check_owner, decode, encode, now_unix_ms,
+};
+use crate::token;
+use queues::{Book, Reply, Reuse, Slot, Waiter};
+pub use queues::Head;
+use seal::Seal;
+
+/// The default `--max-waiters-per-identity`: the edge's own per-identity
+/// bound, so a direct caller gets no more than one through the edge.
+pub const DEFAULT_MAX_WAITERS_PER_IDENTITY: u32 = 64;
+
+/// How old a claim gets before the sweeper asks the log whether its hold
+/// still exists, how often it looks, and how many it checks per round.
+const CLAIM_SWEEP_AGE: Duration = Duration::from_secs(30);
+const CLAIM_SWEEP_EVERY: Duration = Duration::from_secs(30);
+const CLAIM_SWEEP_BATCH: usize = 256;
+
+/// A committed grant. The token is derived, never stored separately.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub key: String,
+    pub session: i64,
+    pub epoch: u32,
+    pub revision: i64,
+}
+
+impl Grant {
+    pub fn token(&self) -> Option<u64> {
+        token::pack(self.epoch, self.revision)
+    }
+}
+
+/// Everything a grant transaction needs for one caller.
+#[derive(Debug, Clone)]
+pub struct GrantRequest {
+    pub key: String,
+    pub identity: String,
+    pub session: i64,
+    pub class: String,
+    pub ttl_seconds: u32,
+    pub annotations: BTreeMap<String, String>,
+}
+
+impl GrantRequest {
+    fn session_bytes(&self) -> Vec<u8> {
+        encode(&SessionRecord {
+            identity: self.identity.clone(),
+            ttl_seconds: self.ttl_seconds,
+        })
+    }
+
+    fn holder_bytes(&self) -> Vec<u8> {
+        encode(&HolderRecord {
+            identity: self.identity.clone(),
+            session: self.session,
+            class: self.class.clone(),
+            acquired_at_unix_ms: now_unix_ms(),
+            annotations: self.annotations.clone(),
+        })
+    }
+}
+
+/// Who holds a key now.
+#[derive(Debug, Clone)]
+pub struct HolderView {
+    pub record: HolderRecord,
+    pub revision: i64,
+    pub lease: i64,
+}
+
+/// How a release ended.
+#[derive(Debug)]
+pub struct Released {
+    /// The key went to the next waiter in the same transaction.
+    pub handed_over: bool,
+    /// The record of the hold that ended, when the log returned it.
+    pub previous: Option<HolderRecord>,
+}
+
+/// How an Acquire was answered.
+#[derive(Debug)]
+pub struct Acquired {
+    pub grant: Grant,
+    /// It queued before it was granted.
+    pub waited: bool,
+}
+
+/// Knobs of a table.
+#[derive(Debug, Clone)]
+pub struct TableOptions {
+    /// Poll period for waiters whose watch is lost (jittered ±50%).
+    pub poll: Duration,
+    /// Waiting calls one identity may have queued here, over all keys.
+    pub max_waiters_per_identity: u32,
+    /// Seeds the poll jitter (a simulation passes its own, for replay).
+    pub seed: u64,
+}
+
+impl Default for TableOptions {
+    fn default() -> Self {
+        Self {
+            poll: Duration::from_secs(1),
+            max_waiters_per_identity: DEFAULT_MAX_WAITERS_PER_IDENTITY,
+            seed: fastrand::u64(..),
+        }
+    }
+}
+
+/// One grant attempt, classified.
+#[derive(Debug)]
+enum Attempt {
+    Granted(Grant),
+    /// The key is already held by the requesting session: its existing grant
+    /// (a retry, or a new call of the same session). It must be claimed
+    /// before it reaches a caller.
+    Reused(Grant),
+    /// Held by another session; watch from `watch_from` so nothing between
+    /// the failed transaction and the watch is missed.
+    Held { watch_from: i64 },
+}
+
+/// Where a call goes after an attempt.
+enum Next {
+    /// Deliver (a fresh grant, or a session's existing grant this call now
+    /// holds a claim on).
+    Deliver(Grant),
+    /// Queue, watching the key from this revision when known.
+    Queue(Option<i64>),
+}
+
+/// What a claim found after re-reading the hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Claim {
+    /// Still held by the session, and now claimed: deliver it.
+    Claimed,
+    /// Being released as an orphan: wait for the delete.
+    Orphaned,
+    /// Gone since it was read: try again.
+    Gone,
+}
+
+pub struct LockTable {
+    log: Arc<dyn LockLog>,
+    seal: Seal,
+    book: Mutex<Book>,
+    reuse: Mutex<Reuse>,
+    next_id: AtomicU64,
+    options: TableOptions,
+    jitter: Mutex<fastrand::Rng>,
+    tasks: TaskTracker,
+    stop: CancellationToken,
+}
+
+impl LockTable {
+    pub fn new(
+        log: Arc<dyn LockLog>,
+        guard: Arc<EpochGuard>,
+        high_water: Arc<HighWater>,
+        options: TableOptions,
+    ) -> Arc<Self> {
+        let table = Arc::new(Self {
+            seal: Seal::new(log.clone(), guard, high_water),
+            log,
+            book: Mutex::new(Book::default()),
+            reuse: Mutex::new(Reuse::default()),
+            next_id: AtomicU64::new(1),
+            jitter: Mutex::new(fastrand::Rng::with_seed(options.seed)),
+            options,
+            tasks: TaskTracker::new(),
+            stop: CancellationToken::new(),
+        });
+        table.tasks.spawn(driver::sweep_claims(Arc::downgrade(&table), table.stop.clone()));
+        table
+    }
+
+    pub fn seal(&self) -> &Seal {
+        &self.seal
+    }
+
+    pub fn log(&self) -> &Arc<dyn LockLog> {
+        &self.log
+    }
+
+    /// Reads (creating on first start) the epoch record.
+    pub async fn start(&self) -> Result<EpochState, ArbiterError> {
+        self.seal.load_epoch().await
+    }
+
+    /// Stops every driver, orphan release and the sweeper, answers every
+    /// waiter UNAVAILABLE, and returns once they have all finished.
+    pub async fn shutdown(&self) {
+        self.stop.cancel();
+        let waiters = self.book.lock().map(|mut b| b.drain()).unwrap_or_default();
+        for w in waiters {
+            if let Some(tx) = w.slot.lock().ok().and_then(|mut s| s.take()) {
+                let _ = tx.send(Err(ArbiterError::store("the arbiter is shutting down")));
+            }
+        }
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+
+    pub fn waiting(&self, key: &str) -> usize {
+        self.book
+            .lock()
+            .map(|b| b.keys.get(key).map_or(0, |q| q.waiters.len()))
+            .unwrap_or(0)
+    }
+
+    /// (keys with a queue, waiters over all keys), for the metrics.
+    pub fn totals(&self) -> (usize, usize) {
+        self.book
+            .lock()
+            .map(|b| {
+                let queued = b.keys.values().filter(|q| !q.waiters.is_empty());
+                queued.fold((0, 0), |(keys, n), q| (keys + 1, n + q.waiters.len()))
+            })
+            .unwrap_or((0, 0))
+    }
+
+    /// Claims currently kept (for tests and the metrics).
+    pub fn claims(&self) -> usize {
+        self.reuse.lock().map(|r| r.claimed.len()).unwrap_or(0)
+    }
+
+    /// Grants `req` at once, or — with `wait` — queues it FIFO behind this
+    /// key's other waiters for at most `wait`. Without `wait` a held key is
+    /// `Held`. `max_waiters_per_key` is the class's queue bound.
+    pub async fn acquire(
+        self: &Arc<Self>,
+        req: GrantRequest,
+        wait: Option<Duration>,
+        max_waiters_per_key: u32,
+    ) -> Result<Acquired, ArbiterError> {
+        // Waiters already queued here go first: a newcomer never barges.
+        let next = if self.waiting(&req.key) > 0 {
+            match self.already_held(&req).await? {
+                Some(grant) => self.reuse(grant).await?,
+                None => Next::Queue(None),
+            }
+        } else {
+            self.next_after(self.attempt(&req).await?).await?
+        };
+        let watch_from = match next {
+            Next::Deliver(grant) => {
+                return Ok(Acquired {
+                    grant,
+                    waited: false,
+                });
+            }
+            Next::Queue(from) => from,
+        };
+        let Some(budget) = wait else {
+            return Err(ArbiterError::Held { key: req.key });
+        };
+        let key = req.key.clone();
+        let mut ticket = self.enqueue(req, watch_from, max_waiters_per_key)?;
+        match tokio::time::timeout(budget, ticket.wait()).await {
+            Ok(reply) => reply.map(|grant| Acquired {
+                grant,
+                waited: true,
+            }),
+            // Dropping the ticket leaves the queue (and releases a grant that
+            // raced with the timeout).
+            Err(_) => Err(ArbiterError::WaitTimeout { key }),
+        }
+    }
+
+    /// Releases a hold of `identity`'s: its record must name the identity and
+    /// `session`, on that session's lease, at the token's revision (checked
+    /// on a read, then compared again in the transaction that writes). With
+    /// a waiter queued here, the key is handed to it in the same transaction.
+    /// Another identity's hold is `NotHeld`, as if there were none.
+    pub async fn release(
+        self: &Arc<Self>,
+        identity: &str,
+        key: &str,
+        session: i64,
+        token: u64,
+    ) -> Result<Released, ArbiterError> {
+        let (epoch, revision) = token::unpack(token);
+        let current = self.seal.guard().state().map(|s| s.epoch());
+        if current != Some(epoch) || revision <= 0 {
+            return Err(ArbiterError::TokenMismatch {
+                key: key.to_string(),
+            });
+        }
+        let held = self.owned_hold(key, identity, session, revision).await?;
+        if let Some(head) = self.head(key) {
+            match self.hand_over(&held, &head.req).await {
+                Ok(Some((grant, previous))) => {
+                    self.forget_claims_before(key, grant.revision);
+                    self.deliver(&head, Ok(grant));
+                    return Ok(Released {
+                        handed_over: true,
+                        previous,
+                    });
+                }
+                Ok(None) => {}
+                Err(e) => debug!(error = %e, "hand-over failed; releasing plainly"),
+            }
+        }
+        let previous = self.release_owned(&held).await?;
+        // the released grant and anything older
+        self.forget_claims_before(key, revision + 1);
+        self.kick(key);
+        Ok(Released {
+            handed_over: false,
+            previous,
+        })
+    }
+
+    /// The hold on `key`, if any.
+    pub async fn holder(&self, key: &str) -> Result<Option<HolderView>, ArbiterError> {
+        let (kv, _) = self.seal.checked(self.log.holder(key)).await?;
+        Ok(kv.and_then(holder_view))
+    }
+
+    /// How many keys `identity` holds in `class`, over every arbiter: the
+    /// holds under each of `prefixes` (the identity's grants; it can hold
+    /// nothing elsewhere). Exact as of the reads, not part of any grant.
+    pub async fn count_holds_of(
+        &self,
+        identity: &str,
+        class: &str,
+        prefixes: &[&str],
+    ) -> Result<u32, ArbiterError> {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut count = 0u32;
+        for prefix in prefixes {
+            let (holds, _) = self.seal.checked(self.log.holders_under(prefix)).await?;
+            for (key, kv) in holds {
+                if !seen.insert(key) {
+                    continue;
+                }
+                if let Some(record) = decode::<HolderRecord>(&kv.value)
+                    && record.identity == identity
+                    && record.class == class
+                {
+                    count = count.saturating_add(1);
+                }
+            }
+        }
+        Ok(count)
+    }
+
+    // --- grant transactions ---
+
+    /// One grant attempt, retried a few times when a refusal came from a
+    /// change under it (epoch advanced, key freed between compare and read),
+    /// never answered with a guess.
+    async fn attempt(&self, req: &GrantRequest) -> Result<Attempt, ArbiterError> {
+        for _ in 0..4 {
+            if let Some(attempt) = self.grant_once(req).await? {
+                if let Attempt::Granted(grant) = &attempt {
+                    self.forget_claims_before(&grant.key, grant.revision);
+                }
+                return Ok(attempt);
+            }
+        }
+        Err(ArbiterError::store(
+            "the lock log kept changing under the grant transaction",
+        ))
+    }
+
+    async fn grant_once(&self, req: &GrantRequest) -> Result<Option<Attempt>, ArbiterError> {
+        let state = self.seal.serving_epoch().await?;
+        let session_record = req.session_bytes();
+        let (granted, header) = self
+            .seal
+            .checked(self.log.grant(GrantTxn {
+                key: &req.key,
+                session: req.session,
+                holder_record: req.holder_bytes(),
+                epoch: &state.bytes,
+                session_record: &session_record,
+            }))
+            .await?;
+        let (holder, epoch_now, sealed, session) = match granted {
+            Granted::Yes => {
+                self.seal.make_durable(&state, header.revision).await?;
+                return Ok(Some(Attempt::Granted(Grant {
+                    key: req.key.clone(),
+                    session: req.session,
+                    epoch: state.epoch(),
+                    revision: header.revision,
+                })));
+            }
+            Granted::No {
+                holder,
+                epoch,
+                sealed,
+                session,
+            } => (holder, epoch, sealed, session),
+        };
+        if sealed || epoch_now.as_deref() != Some(state.bytes.as_slice()) {
+            // The epoch moved or the log was sealed under us: re-read, and let
+            // the caller try again against the new state.
+            self.seal.load_epoch().await?;
+            self.seal.guard().serving()?;
+            return Ok(None);
+        }
+        match session.and_then(|bytes| decode::<SessionRecord>(&bytes)) {
+            Some(s) if s.identity == req.identity && s.ttl_seconds != req.ttl_seconds => {
+                return Err(ArbiterError::SessionClassMismatch {
+                    session: req.session,
+                    session_ttl: s.ttl_seconds,
+                    class: req.class.clone(),
+                    class_ttl: req.ttl_seconds,
+                });
+            }
+            Some(s) if s.identity == req.identity => {}
+            _ => {
+                return Err(ArbiterError::SessionExpired {
+                    session: req.session,
+                });
+            }
+        }
+        let Some(holder) = holder else {
+            // Everything matched by the time we read it: the key was freed in
+            // between. Another attempt decides.
+            return Ok(None);
+        };
+        match decode::<HolderRecord>(&holder.value) {
+            Some(h) if h.session == req.session => {
+                // Idempotent retry: the same grant, same token.
+                Ok(Some(Attempt::Reused(Grant {
+                    key: req.key.clone(),
+                    session: req.session,
+                    epoch: state.epoch(),
+                    revision: holder.mod_revision,
+                })))
+            }
+            Some(h) if h.identity == req.identity => Err(ArbiterError::Leak {
+                key: req.key.clone(),
+                holder_session: h.session,
+            }),
+            _ => Ok(Some(Attempt::Held {
+                watch_from: header.revision + 1,
+            })),
+        }
+    }
+
+    /// With waiters queued, a caller that already holds the key (a retry) or
+    /// holds it under another session (a leak) is answered without queueing.
+    async fn already_held(&self, req: &GrantRequest) -> Result<Option<Grant>, ArbiterError> {
+        let state = self.seal.serving_epoch().await?;
+        let Some(holder) = self.holder(&req.key).await? else {
+            return Ok(None);
+        };
+        if holder.lease == req.session && holder.record.identity == req.identity {
+            return Ok(Some(Grant {
+                key: req.key.clone(),
+                session: req.session,
+                epoch: state.epoch(),
+                revision: holder.revision,
+            }));
+        }
+        if holder.record.identity == req.identity {
+            return Err(ArbiterError::Leak {
+                key: req.key.clone(),
+                holder_session: holder.record.session,
+            });
+        }
+        Ok(None)
+    }
+
+    async fn next_after(&self, attempt: Attempt) -> Result<Next, ArbiterError> {
+        Ok(match attempt {
+            Attempt::Granted(grant) => Next::Deliver(grant),
+            Attempt::Reused(grant) => self.reuse(grant).await?,
+            Attempt::Held { watch_from } => Next::Queue(Some(watch_from)),
+        })
+    }
+
+    /// A session's existing grant goes to this call only once claimed and
+    /// re-read; otherwise the call queues, watching from after it.
+    async fn reuse(&self, grant: Grant) -> Result<Next, ArbiterError> {
+        Ok(match self.claim_verified(&grant).await? {
+            Claim::Claimed => Next::Deliver(grant),
+            // being released as an orphan, or just gone: queue behind the
+            // others and watch for what comes next
+            Claim::Orphaned | Claim::Gone => Next::Queue(Some(grant.revision + 1)),
+        })
+    }
+
+    /// Claims a session's existing grant (read from the log a moment ago)
+    /// for a new call of that session, then re-reads the hold: `Claimed`
+    /// only if it still exists after the claim, so no orphan release can
+    /// delete it any more.
+    async fn claim_verified(&self, grant: &Grant) -> Result<Claim, ArbiterError> {
+        let now = tokio::time::Instant::now();
+        let claimed = self
+            .reuse
+            .lock()
+            .map(|mut r| r.claim(grant, now))
+            .unwrap_or(false);
+        if !claimed {
+            return Ok(Claim::Orphaned);
+        }
+        match self.holds(&grant.key, grant.session, grant.revision).await {
+            Ok(true) => Ok(Claim::Claimed),
+            Ok(false) => {
+                self.unclaim(grant);
+                Ok(Claim::Gone)
+            }
+            Err(e) => {
+                self.unclaim(grant);
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether `session` holds `key` at exactly `revision` now.
+    async fn holds(&self, key: &str, session: i64, revision: i64) -> Result<bool, ArbiterError> {
+        let (kv, _) = self.seal.checked(self.log.holder(key)).await?;
+        Ok(kv.is_some_and(|kv| kv.mod_revision == revision && kv.lease == session))
+    }
+
+    /// The hold on `key` if it is `identity`'s through `session` at
+    /// `revision`; otherwise `NotHeld` — the same answer for another
+    /// identity's hold as for no hold, so session ids and tokens read from
+    /// somewhere are no oracle — or `TokenMismatch` for the caller's own hold
+    /// at another revision.
+    async fn owned_hold(
+        &self,
+        key: &str,
+        identity: &str,
+        session: i64,
+        revision: i64,
+    ) -> Result<HeldAt, ArbiterError> {
+        let (kv, _) = self.seal.checked(self.log.holder(key)).await?;
+        let record = kv.as_ref().and_then(|kv| decode::<HolderRecord>(&kv.value));
+        let checked = match &kv {
+            Some(kv) => check_owner(
+                record.as_ref(),
+                kv.lease,
+                kv.mod_revision,
+                identity,
+                session,
+                revision,
+            ),
+            None => Err(NotOwned::NotHeld),
+        };
+        match (checked, kv) {
+            (Ok(()), Some(kv)) => Ok(HeldAt {
+                key: key.to_string(),
+                session,
+                revision,
+                value: kv.value,
+            }),
+            (Err(NotOwned::TokenMismatch), _) => Err(ArbiterError::TokenMismatch {
+                key: key.to_string(),
+            }),
+            _ => Err(ArbiterError::NotHeld {
+                key: key.to_string(),
+                session,
+            }),
+        }
+    }
+
+    /// Hands `held` straight to `next` in one transaction. `None` if any
+    /// compare failed (the caller then does a plain release, which answers
+    /// why).
+    async fn hand_over(
+        &self,
+        held: &HeldAt,
+        next: &GrantRequest,
+    ) -> Result<Option<(Grant, Option<HolderRecord>)>, ArbiterError> {
+        let state = self.seal.serving_epoch().await?;
+        let next_session = next.session_bytes();
+        let (done, header) = self
+            .seal
+            .checked(self.log.hand_over(HandOverTxn {
+                from: held,
+                next_session: next.session,
+                holder_record: next.holder_bytes(),
+                epoch: &state.bytes,
+                next_session_record: &next_session,
+            }))
+            .await?;
+        let Some(previous) = done else {
+            return Ok(None);
+        };
+        self.seal.make_durable(&state, header.revision).await?;
+        Ok(Some((
+            Grant {
+                key: held.key.clone(),
+                session: next.session,
+                epoch: state.epoch(),
+                revision: header.revision,
+            },
+            previous.and_then(|bytes| decode(&bytes)),
+        )))
+    }
+
+    /// Deletes the caller's hold; returns its record (for the metrics).
+    /// `NotHeld` if it changed since it was found (expired, or released by
+    /// another call of the same caller).
+    async fn release_owned(&self, held: &HeldAt) -> Result<Option<HolderRecord>, ArbiterError> {
+        let (deleted, _) = self.seal.checked(self.log.release(held)).await?;
+        match deleted {
+            Some(bytes) => Ok(decode(&bytes)),
+            None => Err(ArbiterError::NotHeld {
+                key: held.key.clone(),
+                session: held.session,
+            }),
+        }
+    }
+
+    // --- queues and delivery ---
+
+    fn head(&self, key: &str) -> Option<Head> {
+        self.book.lock().ok()?.head(key)
+    }
+
+    /// Joins the tail of `req.key`'s queue, starting the key's driver if the
+    /// queue was empty. Refused when the key's queue holds `limit` waiters or
+    /// the caller's identity has its bound of waiters queued here.
+    fn enqueue(
+        self: &Arc<Self>,
+        req: GrantRequest,
+        watch_from: Option<i64>,
+        limit: u32,
+    ) -> Result<Ticket, ArbiterError> {
+        if self.stop.is_cancelled() {
+            return Err(ArbiterError::store("the arbiter is shutting down"));
+        }
+        let (tx, rx) = oneshot::channel();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let key = req.key.clone();
+        let mut book = self
+            .book
+            .lock()
+            .map_err(|_| ArbiterError::Internal("waiter queues poisoned".into()))?;
+        let max = self.options.max_waiters_per_identity;
+        if book.per_identity.get(&req.identity).copied().unwrap_or(0) >= max {
+            return Err(ArbiterError::TooManyWaiters { limit: max });
+        }
+        let queued = book.keys.get(&key).map(|q| q.waiters.len());
+        if queued.unwrap_or(0) >= limit as usize {
+            return Err(ArbiterError::QueueFull { key, limit });
+        }
+        let kick = book.join(Waiter {
+            id,
+            req,
+            slot: Arc::new(Mutex::new(Some(tx))),
+        });
+        drop(book);
+        if queued.is_none() {
+            self.tasks.spawn(driver::drive(
+                self.clone(),
+                key.clone(),
+                kick,
+                watch_from,
+                self.stop.clone(),
+            ));
+        }
+        Ok(Ticket {
+            table: self.clone(),
+            key,
+            id,
+            rx: Some(rx),
+        })
+    }
+
+    /// Wakes the key's driver (a local release, or a cancelled head).
+    fn kick(&self, key: &str) {
+        if let Ok(book) = self.book.lock()
+            && let Some(q) = book.keys.get(key)
+        {
+            q.kick.notify_one();
+        }
+    }
+
+    fn remove(&self, key: &str, id: u64) {
+        if let Ok(mut book) = self.book.lock() {
+            book.remove(key, id);
+        }
+    }
+
+    /// Removes the key's queue if it is empty; returns the head otherwise.
+    fn head_or_retire(&self, key: &str) -> Option<Head> {
+        let mut book = self.book.lock().ok()?;
+        match book.head(key) {
+            Some(head) => Some(head),
+            None => {
+                book.keys.remove(key);
+                None
+            }
+        }
+    }
+
+    /// Delivers to the waiter in `head` unless another path already did; a
+    /// grant its caller no longer takes is released as an orphan.
+    fn deliver(self: &Arc<Self>, head: &Head, reply: Reply) {
+        let Some(tx) = take(&head.slot) else {
+            return; // delivered already (e.g. by a hand-over): nothing to do
+        };
+        self.remove(&head.req.key, head.id);
+        if let Err(Ok(grant)) = tx.send(reply) {
+            self.release_orphan(grant);
+        }
+    }
+
+    /// Delivers a session's existing grant, claimed and re-checked, to its
+    /// waiting call.
+    fn deliver_claimed(self: &Arc<Self>, head: &Head, grant: Grant) {
+        let Some(tx) = take(&head.slot) else {
+            // delivered already by another path: this call's claim is moot
+            self.unclaim(&grant);
+            return;
+        };
+        self.remove(&head.req.key, head.id);
+        if let Err(Ok(grant)) = tx.send(Ok(grant)) {
+            // Its caller went away too: an orphan after all, unless another
+            // call of the session holds a claim on it.
+            self.unclaim(&grant);
+            self.release_orphan(grant);
+        }
+    }
+
+    fn unclaim(&self, grant: &Grant) {
+        if let Ok(mut reuse) = self.reuse.lock() {
+            reuse.unclaim(grant);
+        }
+    }
+
+    fn forget_claims_before(&self, key: &str, revision: i64) {
+        if let Ok(mut reuse) = self.reuse.lock() {
+            reuse.forget_before(key, revision);
+        }
+    }
+
+    /// A grant whose caller went away: release it now rather than leave a
+    /// hold on a session that may live for a long time — unless a new call
+    /// of the same session has claimed it meanwhile.
+    fn release_orphan(self: &Arc<Self>, grant: Grant) {
+        {
+            let Ok(mut reuse) = self.reuse.lock() else {
+                return;
+            };
+            if reuse.claimed(&grant) {
+                debug!(key = %grant.key, "an abandoned grant was claimed by its session's next call; keeping it");
+                return;
+            }
+            reuse.orphaned.insert(grant.key.clone(), grant.revision);
+        }
+        let table = self.clone();
+        self.tasks.spawn(async move {
+            debug!(key = %grant.key, "releasing a grant whose caller went away");
+            let released = table
+                .seal
+                .checked(table.log.release_orphan(&grant.key, grant.session, grant.revision))
+                .await;
+            match released {
+                Ok((true, _)) => {}
+                Ok((false, _)) => debug!(key = %grant.key, "the abandoned grant had ended already"),
+                Err(e) => {
+                    warn!(key = %grant.key, error = %e, "could not release an abandoned grant; it ends with its session");
+                }
+            }
+            if let Ok(mut reuse) = table.reuse.lock()
+                && reuse.orphaned.get(&grant.key) == Some(&grant.revision)
+            {
+                reuse.orphaned.remove(&grant.key);
+            }
+            table.kick(&grant.key);
+        });
+    }
+
+    /// A poll period with ±50% jitter, from the table's seeded generator.
+    fn jittered(&self, base: Duration) -> Duration {
+        let ms = u64::try_from(base.as_millis()).unwrap_or(1000).max(1);
+        let extra = self
+            .jitter
+            .lock()
+            .map(|mut r| r.u64(0..=ms))
+            .unwrap_or(ms / 2);
+        Duration::from_millis(ms / 2 + extra)
+    }
+}
+
+fn take(slot: &Slot) -> Option<oneshot::Sender<Reply>> {
+    slot.lock().ok().and_then(|mut s| s.take())
+}
+
+fn holder_view(kv: Kv) -> Option<HolderView> {
+    decode(&kv.value).map(|record| HolderView {
+        record,
+        revision: kv.mod_revision,
+        lease: kv.lease,
+    })
+}
+
+/// A queued Acquire. Dropping it (cancelled call, timeout) leaves the queue
+/// at once; a grant that raced with the drop is released.
+pub struct Ticket {
+    table: Arc<LockTable>,
+    key: String,
+    id: u64,
+    rx: Option<oneshot::Receiver<Reply>>,
+}
+
+impl Ticket {
+    pub async fn wait(&mut self) -> Reply {
+        match self.rx.as_mut() {
+            Some(rx) => {
+                let reply = rx.await.unwrap_or_else(|_| {
+                    Err(ArbiterError::store("the waiter was dropped (arbiter stopping)"))
+                });
+                self.rx = None;
+                reply
+            }
+            None => Err(ArbiterError::Internal("waited twice".into())),
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.table.remove(&self.key, self.id);
+        if let Some(mut rx) = self.rx.take() {
+            rx.close();
+            if let Ok(Ok(grant)) = rx.try_recv() {
+                self.table.release_orphan(grant);
+            }
+        }
+    }
+}
+
+impl LockTable {
+    /// The cluster id the log reports now (a count-only read).
+    pub async fn current_cluster_id(&self) -> Result<u64, ArbiterError> {
+        Ok(self.log.count_holds().await?.header.cluster_id)
+    }
+}

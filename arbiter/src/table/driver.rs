@@ -1,0 +1,140 @@
+//! The background work of a table: one driver per contended key, and the
+//! claim sweeper. Each ends when the table stops.
+
+use std::sync::{Arc, Weak};
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use super::{Attempt, Claim, LockTable, CLAIM_SWEEP_AGE, CLAIM_SWEEP_BATCH, CLAIM_SWEEP_EVERY};
+use crate::error::ArbiterError;
+use crate::lock_log::{KeyWatch, WatchSignal};
+
+/// Waits for a kick or one jittered poll period, whichever comes first.
+/// `biased`: the same inputs take the same branch (the simulation replays).
+async fn poll_later(table: &LockTable, kick: &Notify, stop: &CancellationToken) {
+    let pause = table.jittered(table.options.poll);
+    tokio::select! {
+        biased;
+        _ = stop.cancelled() => {}
+        _ = kick.notified() => {}
+        _ = tokio::time::sleep(pause) => {}
+    }
+}
+
+/// Attempts a grant for the head of `key`'s queue whenever something
+/// suggests the key may be free, until the queue is empty or the table
+/// stops. Every hint leads to a full grant transaction.
+pub(super) async fn drive(
+    table: Arc<LockTable>,
+    key: String,
+    kick: Arc<Notify>,
+    watch_from: Option<i64>,
+    stop: CancellationToken,
+) {
+    let mut watch: Option<Box<dyn KeyWatch>> = None;
+    let mut from = watch_from;
+    while let Some(head) = table.head_or_retire(&key) {
+        if stop.is_cancelled() {
+            return;
+        }
+        match table.attempt(&head.req).await {
+            Ok(Attempt::Granted(grant)) => {
+                table.deliver(&head, Ok(grant));
+                continue;
+            }
+            Ok(Attempt::Reused(grant)) => match table.claim_verified(&grant).await {
+                Ok(Claim::Claimed) => {
+                    table.deliver_claimed(&head, grant);
+                    continue;
+                }
+                // Deleted since the read: the next attempt sees what is there now.
+                Ok(Claim::Gone) => continue,
+                // Being released as an orphan: wait for its delete.
+                Ok(Claim::Orphaned) => {
+                    if from.is_none() {
+                        from = Some(grant.revision + 1);
+                    }
+                }
+                Err(e) => {
+                    debug!(key = %key, error = %e, "re-reading a reused grant failed; polling");
+                    watch = None;
+                    poll_later(&table, &kick, &stop).await;
+                    continue;
+                }
+            },
+            Ok(Attempt::Held { watch_from }) => {
+                if from.is_none() {
+                    from = Some(watch_from);
+                }
+            }
+            Err(e @ ArbiterError::StoreUnavailable { .. }) => {
+                debug!(key = %key, error = %e, "grant attempt failed; polling");
+                watch = None;
+                poll_later(&table, &kick, &stop).await;
+                continue;
+            }
+            Err(e) => {
+                table.deliver(&head, Err(e));
+                continue;
+            }
+        }
+        if watch.is_none()
+            && let Some(rev) = from.take()
+        {
+            watch = table.log.watch(&key, rev).await.ok();
+        }
+        // Wait for a hint.
+        match watch.as_mut() {
+            Some(w) => {
+                let pause = table.jittered(table.options.poll * 5);
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => return,
+                    _ = kick.notified() => {}
+                    signal = w.next() => {
+                        if signal == WatchSignal::Lost {
+                            debug!(key = %key, "watch lost; polling until re-watched");
+                            watch = None;
+                        }
+                    }
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+            None => poll_later(&table, &kick, &stop).await,
+        }
+    }
+}
+
+/// Drops claims whose hold has ended without passing through this table
+/// (expired, or released through another arbiter), so the claim map is
+/// bounded by the holds that exist.
+pub(super) async fn sweep_claims(table: Weak<LockTable>, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(CLAIM_SWEEP_EVERY) => {}
+        }
+        let Some(table) = table.upgrade() else {
+            return;
+        };
+        let before = tokio::time::Instant::now() - CLAIM_SWEEP_AGE;
+        let stale = table
+            .reuse
+            .lock()
+            .map(|r| r.stale(before, CLAIM_SWEEP_BATCH))
+            .unwrap_or_default();
+        for (key, claim) in stale {
+            if stop.is_cancelled() {
+                return;
+            }
+            if let Ok(false) = table.holds(&key, claim.session, claim.revision).await
+                && let Ok(mut reuse) = table.reuse.lock()
+            {
+                reuse.drop_claim(&key, claim.revision);
+            }
+        }
+    }
+}

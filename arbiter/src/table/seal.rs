@@ -1,0 +1,340 @@
+//! The seal protocol (ADR-03) over the lock log: every answer's header is
+//! checked (cluster id and revision against the epoch record, the
+//! high-water mark and what this arbiter has seen) before anything in it is
+//! used; a restore seals this arbiter and, through the seal record, every
+//! other; only an operator's epoch advance lifts it.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use tracing::{error, info, warn};
+
+use crate::epoch::{EpochGuard, EpochState};
+use crate::error::ArbiterError;
+use crate::high_water::{HighWater, Mark};
+use crate::lock_log::{Header, LockLog, LogResult};
+use crate::records::{EpochRecord, SealRecord, decode, encode, now_unix_ms};
+use crate::token;
+
+/// The arbiter's view of the epoch and its seal, and the checks every answer
+/// goes through.
+pub struct Seal {
+    log: Arc<dyn LockLog>,
+    guard: Arc<EpochGuard>,
+    high_water: Arc<HighWater>,
+    /// The highest revision any checked answer has shown in the serving
+    /// epoch (in memory only). The durable mark holds this arbiter's own
+    /// grants; this one also holds every other arbiter's grants it has seen,
+    /// so a restore to below them seals this arbiter too, even when its own
+    /// grants all lie below the restored revision.
+    seen: Mutex<Option<Mark>>,
+}
+
+impl Seal {
+    pub fn new(log: Arc<dyn LockLog>, guard: Arc<EpochGuard>, high_water: Arc<HighWater>) -> Self {
+        Self {
+            log,
+            guard,
+            high_water,
+            seen: Mutex::new(None),
+        }
+    }
+
+    pub fn guard(&self) -> &EpochGuard {
+        &self.guard
+    }
+
+    pub fn high_water(&self) -> Option<Mark> {
+        self.high_water.current()
+    }
+
+    /// Runs one request to the log and checks its header before its value is
+    /// used. The mark is read BEFORE the request is sent: every grant made
+    /// durable by then committed at or below any revision the log can report
+    /// for this request, while a mark read after the answer could mistake a
+    /// slow answer, overtaken by a later grant, for a restore.
+    pub async fn checked<T>(
+        &self,
+        request: impl Future<Output = LogResult<T>>,
+    ) -> Result<(T, Header), ArbiterError> {
+        let mark = self.mark_before_request();
+        let answer = request.await?;
+        self.observe(mark, answer.header.cluster_id, Some(answer.header.revision))
+            .await?;
+        self.saw(answer.header);
+        Ok((answer.value, answer.header))
+    }
+
+    /// On a fresh seal, records it in the log for every arbiter; while sealed,
+    /// nothing read or written under this header is used (a grant committed
+    /// in a restored log is never answered with its token).
+    pub(super) async fn observe(
+        &self,
+        mark: Option<Mark>,
+        cluster_id: u64,
+        revision: Option<i64>,
+    ) -> Result<(), ArbiterError> {
+        if let Some(reason) = self.guard.observe(cluster_id, revision, mark) {
+            self.publish_seal(&reason).await;
+        }
+        if self.guard.serving().is_err() {
+            // Sealed: an advance made through another arbiter may have lifted it.
+            self.load_epoch().await?;
+        }
+        self.guard.serving().map(|_| ())
+    }
+
+    /// What an answer to a request sent now must not go below: the durable
+    /// mark of this arbiter's grants, or the highest revision it has seen in
+    /// this epoch, whichever is further.
+    pub(super) fn mark_before_request(&self) -> Option<Mark> {
+        let durable = self.high_water.current();
+        let seen = self.seen.lock().ok().and_then(|s| *s);
+        match (durable, seen) {
+            (Some(d), Some(s)) if s.epoch == d.epoch && s.cluster_id == d.cluster_id => {
+                Some(if s.covers(&d) { s } else { d })
+            }
+            (Some(d), Some(s)) if s.epoch > d.epoch => Some(s),
+            (Some(d), _) => Some(d),
+            (None, s) => s,
+        }
+    }
+
+    /// Raises the seen mark after an answer passed the checks.
+    fn saw(&self, header: Header) {
+        let Some(state) = self.guard.state() else {
+            return;
+        };
+        if state.cluster_id != header.cluster_id || self.guard.serving().is_err() {
+            return;
+        }
+        let now = Mark {
+            epoch: state.epoch(),
+            cluster_id: header.cluster_id,
+            revision: header.revision,
+        };
+        if let Ok(mut seen) = self.seen.lock()
+            && seen.is_none_or(|s| !s.covers(&now))
+        {
+            *seen = Some(now);
+        }
+    }
+
+    /// One above every epoch this arbiter has granted in or served.
+    fn next_epoch_floor(&self) -> u32 {
+        let marked = self.high_water.current().map_or(0, |m| m.epoch);
+        let served = self.guard.state().map_or(0, |s| s.epoch());
+        marked.max(served).saturating_add(1)
+    }
+
+    /// Writes the seal record so every arbiter, even one with no memory of
+    /// the old log, refuses too. Not when the epoch record already shows an
+    /// epoch above everything this arbiter served or marked: then an advance
+    /// came after what this arbiter saw (it only noticed late), the anomaly
+    /// is behind the new epoch, and a seal written now would shut the
+    /// advanced log for good. The local seal then lifts on the next epoch
+    /// read.
+    async fn publish_seal(&self, reason: &str) {
+        error!(
+            reason,
+            "lock log sealed: refusing every grant until the epoch advances"
+        );
+        let floor = self.next_epoch_floor();
+        let record = encode(&SealRecord {
+            reason: reason.to_string(),
+            sealed_at_unix_ms: now_unix_ms(),
+            next_epoch_at_least: floor,
+        });
+        // Write the seal, or raise the floor of one another arbiter wrote.
+        for _ in 0..3 {
+            let records = match self.log.records().await {
+                Ok(answer) => answer.value,
+                Err(e) => {
+                    warn!(error = %e.detail(), "could not read the seal record; this arbiter stays sealed");
+                    return;
+                }
+            };
+            if let Some(kv) = &records.epoch
+                && let Some(epoch) = decode::<EpochRecord>(&kv.value)
+                && epoch.epoch >= floor
+            {
+                warn!(
+                    epoch = epoch.epoch,
+                    "the epoch advanced past what this arbiter saw; not sealing the new epoch"
+                );
+                return;
+            }
+            let existing = records.seal.as_ref().map(|kv| {
+                let theirs =
+                    decode::<SealRecord>(&kv.value).map_or(0, |s| s.next_epoch_at_least);
+                (kv.mod_revision, theirs)
+            });
+            if existing.is_some_and(|(_, theirs)| theirs >= floor) {
+                return;
+            }
+            let epoch_at = records.epoch.as_ref().map(|kv| kv.mod_revision);
+            match self
+                .log
+                .put_seal(record.clone(), existing.map(|(rev, _)| rev), epoch_at)
+                .await
+            {
+                Ok(answer) if answer.value => return,
+                Ok(_) => continue,
+                Err(e) => {
+                    warn!(error = %e.detail(), "could not write the seal record; this arbiter stays sealed");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Reads (creating on first start) the epoch record and installs it.
+    pub async fn load_epoch(&self) -> Result<EpochState, ArbiterError> {
+        for _ in 0..3 {
+            let mark = self.high_water.current();
+            let answer = self.log.records().await?;
+            let header = answer.header;
+            let records = answer.value;
+            let seal = records
+                .seal
+                .as_ref()
+                .and_then(|kv| decode::<SealRecord>(&kv.value));
+            let (record, bytes) = match records.epoch {
+                Some(kv) => {
+                    let record: EpochRecord = decode(&kv.value).ok_or_else(|| {
+                        ArbiterError::Internal("the epoch record in the lock log is not valid".into())
+                    })?;
+                    (record, kv.value)
+                }
+                None => {
+                    let record = EpochRecord {
+                        epoch: 1,
+                        cluster_id: header.cluster_id.to_string(),
+                        advanced_at_unix_ms: now_unix_ms(),
+                        reason: "first start".into(),
+                    };
+                    let bytes = encode(&record);
+                    if !self.log.create_epoch(bytes.clone()).await?.value {
+                        // Another arbiter created it first: read theirs.
+                        continue;
+                    }
+                    info!(cluster_id = header.cluster_id, "created epoch record: epoch 1");
+                    (record, bytes)
+                }
+            };
+            let state = EpochState {
+                cluster_id: record.cluster_id().unwrap_or(0),
+                record,
+                bytes,
+            };
+            if let Some(reason) = self.guard.install(
+                state.clone(),
+                header.cluster_id,
+                Some(header.revision),
+                mark,
+                seal.as_ref(),
+            ) && seal.is_none()
+            {
+                self.publish_seal(&reason).await;
+            }
+            return Ok(state);
+        }
+        Err(ArbiterError::store(
+            "the epoch record kept changing while it was being read",
+        ))
+    }
+
+    /// The epoch to grant in; while sealed, re-reads the record first so an
+    /// advance made through another arbiter is seen.
+    pub async fn serving_epoch(&self) -> Result<EpochState, ArbiterError> {
+        match self.guard.serving() {
+            Ok(s) => Ok(s),
+            Err(ArbiterError::Sealed { .. }) | Err(ArbiterError::StoreUnavailable { .. }) => {
+                self.load_epoch().await?;
+                self.guard.serving()
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Makes a grant's revision durable before its token is handed out.
+    pub async fn make_durable(&self, state: &EpochState, revision: i64) -> Result<(), ArbiterError> {
+        self.high_water
+            .record(Mark {
+                epoch: state.epoch(),
+                cluster_id: state.cluster_id,
+                revision,
+            })
+            .await
+            .map_err(|e| {
+                // The grant is committed but cannot be vouched for after a
+                // restore: refuse to hand out its token.
+                error!(error = %e, "high-water mark not durable; refusing the grant");
+                ArbiterError::Internal(
+                    "the arbiter could not make the grant durable in its state directory".into(),
+                )
+            })
+    }
+
+    /// ADR-03's unseal: compare epoch E, write the next epoch bound to the
+    /// current cluster id, delete every hold, every durable waiter and the
+    /// seal. Returns the new record and how many holds went.
+    pub async fn advance_epoch(
+        &self,
+        expected: u32,
+        reason: &str,
+    ) -> Result<(EpochRecord, i64), ArbiterError> {
+        let answer = self.log.records().await?;
+        let cluster_id = answer.header.cluster_id;
+        let records = answer.value;
+        let seal_floor = records
+            .seal
+            .as_ref()
+            .and_then(|kv| decode::<SealRecord>(&kv.value))
+            .map_or(0, |s| s.next_epoch_at_least);
+        let seal_at = records.seal.as_ref().map(|kv| kv.mod_revision);
+        let Some(existing) = records.epoch else {
+            return Err(ArbiterError::BadRequest(
+                "there is no epoch record yet; start an arbiter against this etcd first".into(),
+            ));
+        };
+        let record: EpochRecord = decode(&existing.value)
+            .ok_or_else(|| ArbiterError::Internal("the epoch record is not valid".into()))?;
+        if record.epoch != expected {
+            return Err(ArbiterError::BadRequest(format!(
+                "the epoch is {}, not {expected}; check `latchctl admin status` and pass the current epoch",
+                record.epoch
+            )));
+        }
+        // Above the log's record, above every epoch a sealing arbiter has used
+        // (the seal's floor) and above every epoch this arbiter has used:
+        // after a restore to before an earlier advance, record + 1 may be an
+        // epoch that already issued tokens.
+        let next = (record.epoch + 1)
+            .max(seal_floor)
+            .max(self.next_epoch_floor());
+        if next >= token::MAX_EPOCH {
+            return Err(ArbiterError::Internal(
+                "the epoch space is exhausted".into(),
+            ));
+        }
+        let new_record = EpochRecord {
+            epoch: next,
+            cluster_id: cluster_id.to_string(),
+            advanced_at_unix_ms: now_unix_ms(),
+            reason: reason.to_string(),
+        };
+        let advanced = self
+            .log
+            .advance(existing.value, seal_at, encode(&new_record))
+            .await?
+            .value;
+        let Some(deleted) = advanced else {
+            return Err(ArbiterError::BadRequest(
+                "the epoch record or the seal changed while advancing; read the status and try again".into(),
+            ));
+        };
+        self.load_epoch().await?;
+        Ok((new_record, deleted))
+    }
+}

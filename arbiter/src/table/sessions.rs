@@ -1,0 +1,124 @@
+//! Sessions: one lease per (identity, TTL) with every hold attached, its
+//! record, and its entry in the identity's session count.
+
+use crate::error::{ArbiterError, IdentityBound};
+use crate::lock_log::{Renewal, StoreError};
+use crate::records::{SessionRecord, decode, encode};
+
+use super::LockTable;
+
+/// How many fresh ids an OpenSession tries when the log says the lease exists.
+const LEASE_ID_ATTEMPTS: usize = 4;
+
+/// Session ids are lease ids the arbiter draws itself: positive, below 2^53
+/// (exact in a JSON number or a double), from the OS's CSPRNG, so knowing
+/// one session id tells nothing about another's.
+pub fn random_lease_id() -> Result<i64, ArbiterError> {
+    let mut bytes = [0u8; 8];
+    getrandom::getrandom(&mut bytes)
+        .map_err(|e| ArbiterError::Internal(format!("no randomness for a session id: {e}")))?;
+    let id = i64::from_le_bytes(bytes) & ((1i64 << 53) - 1);
+    // 0 means "let etcd choose" to LeaseGrant: draw again rather than allow it
+    Ok(if id == 0 { 1 } else { id })
+}
+
+impl LockTable {
+    /// How many sessions `identity` has open, over every arbiter.
+    pub async fn count_sessions_of(&self, identity: &str) -> Result<u32, ArbiterError> {
+        let (n, _) = self
+            .seal
+            .checked(self.log.count_sessions_of(identity))
+            .await?;
+        Ok(n)
+    }
+
+    /// Opens a session: a lease with an id of our own drawing, its record and
+    /// its entry in the identity's session count, both on the lease. Refused
+    /// when the identity already has `max_sessions` open (counted just
+    /// before; callers serialise the opens of one identity, so one arbiter
+    /// never overshoots).
+    pub async fn open_session(
+        &self,
+        identity: &str,
+        ttl_seconds: u32,
+        max_sessions: u32,
+    ) -> Result<i64, ArbiterError> {
+        if self.count_sessions_of(identity).await? >= max_sessions {
+            return Err(ArbiterError::IdentityLimit {
+                bound: IdentityBound::Sessions,
+                limit: max_sessions,
+            });
+        }
+        let mut attempt = 0;
+        let id = loop {
+            attempt += 1;
+            let id = random_lease_id()?;
+            let mark = self.seal.mark_before_request();
+            match self.log.grant_lease(id, ttl_seconds).await {
+                // A lease call's revision says nothing: only its cluster id
+                // is checked.
+                Ok(answer) => {
+                    self.seal
+                        .observe(mark, answer.header.cluster_id, None)
+                        .await?;
+                    break id;
+                }
+                Err(StoreError::LeaseExists { .. }) if attempt < LEASE_ID_ATTEMPTS => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let record = encode(&SessionRecord {
+            identity: identity.to_string(),
+            ttl_seconds,
+        });
+        self.seal
+            .checked(self.log.put_session(id, identity, record))
+            .await?;
+        Ok(id)
+    }
+
+    pub async fn session(&self, lease: i64) -> Result<Option<SessionRecord>, ArbiterError> {
+        let (kv, _) = self.seal.checked(self.log.session(lease)).await?;
+        Ok(kv.and_then(|kv| decode(&kv.value)))
+    }
+
+    /// Closes `identity`'s session: one transaction deletes its record (and
+    /// its entry in the identity's count) only if the record still names
+    /// `identity`, so from then on no grant, renewal or hand-over uses it;
+    /// then the lease is revoked, which ends every hold on it in one entry.
+    /// Someone else's session, or one that is gone, is `SessionExpired`
+    /// alike. If the revoke fails after the delete, the holds end with the
+    /// TTL (nobody can renew the session any more).
+    pub async fn close_session(&self, identity: &str, session: i64) -> Result<(), ArbiterError> {
+        let (kv, _) = self.seal.checked(self.log.session(session)).await?;
+        let Some(kv) = kv else {
+            return Err(ArbiterError::SessionExpired { session });
+        };
+        let owned = decode::<SessionRecord>(&kv.value).is_some_and(|r| r.identity == identity);
+        if !owned || kv.lease != session {
+            return Err(ArbiterError::SessionExpired { session });
+        }
+        let (deleted, _) = self
+            .seal
+            .checked(self.log.delete_session(session, identity, kv.value))
+            .await?;
+        if !deleted {
+            return Err(ArbiterError::SessionExpired { session });
+        }
+        Ok(self.log.revoke(session).await?)
+    }
+
+    /// Renews `lease` once; a TTL of 0 or less means the log no longer has it.
+    pub async fn renew(&self, lease: i64) -> Result<Renewal, ArbiterError> {
+        Ok(self.log.renew(lease).await?)
+    }
+}
+
+impl From<StoreError> for ArbiterError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::LeaseGone { lease } => ArbiterError::SessionExpired { session: lease },
+            other => ArbiterError::store(other.detail()),
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! The LockTable on the in-memory log, one scenario at a time, under paused
+//! time: what used to need a multi-process run on a real etcd.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use latchkey_arbiter::ArbiterError;
+use latchkey_arbiter::epoch::EpochGuard;
+use latchkey_arbiter::high_water::HighWater;
+use latchkey_arbiter::table::{GrantRequest, LockTable, TableOptions};
+use latchkey_sim::{ClusterId, MemLog};
+
+const TTL: u32 = 5;
+
+fn table(log: &MemLog, high_water: Option<latchkey_arbiter::high_water::Mark>) -> Arc<LockTable> {
+    LockTable::new(
+        Arc::new(log.clone()),
+        Arc::new(EpochGuard::default()),
+        Arc::new(HighWater::in_memory(high_water)),
+        TableOptions {
+            poll: Duration::from_millis(200),
+            max_waiters_per_identity: 8,
+            seed: 7,
+        },
+    )
+}
+
+fn req(identity: &str, session: i64, key: &str) -> GrantRequest {
+    GrantRequest {
+        key: key.into(),
+        identity: identity.into(),
+        session,
+        class: "demo".into(),
+        ttl_seconds: TTL,
+        annotations: Default::default(),
+    }
+}
+
+async fn session(t: &LockTable, identity: &str) -> Result<i64, ArbiterError> {
+    t.open_session(identity, TTL, 10).await
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_held_key_is_handed_over_in_arrival_order_with_rising_tokens() -> anyhow::Result<()> {
+    let log = MemLog::new(1);
+    let t = table(&log, None);
+    t.start().await?;
+    let (a, b, c) = (
+        session(&t, "a").await?,
+        session(&t, "b").await?,
+        session(&t, "c").await?,
+    );
+    let first = t.acquire(req("a", a, "k"), None, 8).await?.grant;
+    let busy = t.acquire(req("b", b, "k"), None, 8).await;
+    assert!(matches!(busy, Err(ArbiterError::Held { .. })), "{busy:?}");
+
+    let wait = Some(Duration::from_secs(30));
+    let tb = t.clone();
+    let b_waits = tokio::spawn(async move { tb.acquire(req("b", b, "k"), wait, 8).await });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let tc = t.clone();
+    let c_waits = tokio::spawn(async move { tc.acquire(req("c", c, "k"), wait, 8).await });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(t.waiting("k"), 2);
+
+    let token = first.token().unwrap_or(0);
+    let released = t.release("a", "k", a, token).await?;
+    assert!(released.handed_over, "b was queued: one transaction");
+    let second = b_waits.await??.grant;
+    assert_eq!(second.session, b);
+    assert!(second.token() > first.token());
+
+    t.release("b", "k", b, second.token().unwrap_or(0)).await?;
+    let third = c_waits.await??.grant;
+    assert_eq!(third.session, c);
+    assert!(third.token() > second.token());
+    t.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_abandoned_wait_leaves_no_hold_behind() -> anyhow::Result<()> {
+    let log = MemLog::new(2);
+    let t = table(&log, None);
+    t.start().await?;
+    let (a, b) = (session(&t, "a").await?, session(&t, "b").await?);
+    let first = t.acquire(req("a", a, "k"), None, 8).await?.grant;
+    let tb = t.clone();
+    let waiting = tokio::spawn(async move {
+        tb.acquire(req("b", b, "k"), Some(Duration::from_secs(30)), 8)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    waiting.abort();
+    let _ = waiting.await;
+    assert_eq!(t.waiting("k"), 0, "the cancelled call left the queue");
+    t.release("a", "k", a, first.token().unwrap_or(0)).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(t.holder("k").await?.is_none(), "nobody holds k");
+    t.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_is_granted_when_the_holders_session_expires() -> anyhow::Result<()> {
+    let log = MemLog::new(3);
+    let t = table(&log, None);
+    t.start().await?;
+    let (a, b) = (session(&t, "a").await?, session(&t, "b").await?);
+    let first = t.acquire(req("a", a, "k"), None, 8).await?.grant;
+    // b renews; a does not.
+    let tb = t.clone();
+    let renewer = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let _ = tb.renew(b).await;
+        }
+    });
+    let got = t
+        .acquire(req("b", b, "k"), Some(Duration::from_secs(60)), 8)
+        .await?;
+    assert!(got.waited);
+    assert!(got.grant.token() > first.token());
+    renewer.abort();
+    t.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restore_seals_until_the_advance_and_tokens_never_go_back() -> anyhow::Result<()> {
+    for cluster in [ClusterId::Same, ClusterId::New] {
+        let log = MemLog::new(4);
+        let t = table(&log, None);
+        t.start().await?;
+        let a = session(&t, "a").await?;
+        let snapshot = log.snapshot();
+        let mut highest = 0;
+        for _ in 0..5 {
+            let g = t.acquire(req("a", a, "k"), None, 8).await?.grant;
+            highest = highest.max(g.token().unwrap_or(0));
+            t.release("a", "k", a, g.token().unwrap_or(0)).await?;
+        }
+        log.restore(&snapshot, cluster);
+        let sealed = t.acquire(req("a", a, "k"), None, 8).await;
+        assert!(
+            matches!(sealed, Err(ArbiterError::Sealed { .. })),
+            "{cluster:?}: {sealed:?}"
+        );
+        // A second arbiter that never granted reads the seal record.
+        let other = table(&log, None);
+        other.start().await?;
+        assert!(other.seal().guard().seal_reason().is_some(), "{cluster:?}");
+
+        let epoch = t.seal().guard().state().map_or(0, |s| s.epoch());
+        t.seal().advance_epoch(epoch, "restored").await?;
+        let a = session(&t, "a").await?;
+        let g = t.acquire(req("a", a, "k"), None, 8).await?.grant;
+        assert!(g.token().unwrap_or(0) > highest, "{cluster:?}");
+        t.shutdown().await;
+        other.shutdown().await;
+    }
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_stops_every_driver_and_answers_every_waiter() -> anyhow::Result<()> {
+    let log = MemLog::new(5);
+    let t = table(&log, None);
+    t.start().await?;
+    let a = session(&t, "a").await?;
+    let b = session(&t, "b").await?;
+    t.acquire(req("a", a, "k"), None, 8).await?;
+    let tb = t.clone();
+    let waiting = tokio::spawn(async move {
+        tb.acquire(req("b", b, "k"), Some(Duration::from_secs(300)), 8)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    t.shutdown().await;
+    let answer = waiting.await?;
+    assert!(
+        matches!(answer, Err(ArbiterError::StoreUnavailable { .. })),
+        "{answer:?}"
+    );
+    Ok(())
+}
