@@ -211,7 +211,7 @@ pub trait LockLog: Send + Sync + 'static {
     ) -> LogResult<bool>;
     /// The operator's advance: if the epoch record's bytes are `expected` and
     /// the seal is at `seal_at`, puts `record`, deletes every hold, every
-    /// durable waiter and the seal, in one transaction. `Some(holds
+    /// claim, every durable waiter and the seal, in one transaction. `Some(holds
     /// deleted)`, or `None` when a compare failed.
     async fn advance(
         &self,
@@ -225,15 +225,23 @@ pub trait LockLog: Send + Sync + 'static {
     /// One grant transaction ([`GrantTxn`]). A put on a lease the store no
     /// longer has is [`StoreError::LeaseGone`].
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted>;
-    /// One hand-over transaction ([`HandOverTxn`]): the replaced record's
+    /// One hand-over transaction ([`HandOverTxn`]), which also deletes the
+    /// replaced hold's claims: the replaced record's
     /// bytes when it committed (`Some(None)` if the store did not return
     /// them), `None` when a compare failed.
     async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>>;
     /// Deletes `held` if it is still exactly that hold (bytes, lease,
-    /// revision): the deleted record's bytes, `None` when a compare failed.
+    /// revision), with the key's claims: the deleted record's bytes, `None`
+    /// when a compare failed.
     async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>>;
-    /// Deletes `key` if it is held on lease `session` at `revision` (the
-    /// orphan release); whether it did.
+    /// Claims `session`'s hold on `key` at `revision` for a call it is about
+    /// to reach as "already yours": puts the claim record on the session's
+    /// lease if the hold is still exactly that; whether it did. From then on
+    /// no orphan release deletes that hold, whichever arbiter runs it.
+    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool>;
+    /// Deletes `key` if it is held on lease `session` at `revision` and that
+    /// hold has no claim (the orphan release of a grant whose caller went
+    /// away); whether it did.
     async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool>;
     /// The hold on `key` (a linearizable read).
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>>;

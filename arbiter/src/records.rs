@@ -7,6 +7,10 @@
 //! - `{prefix}/si/{hex(identity)}/{lease}` — empty, on the session's lease: the
 //!   identity's open sessions, counted for `--max-sessions-per-identity`.
 //! - `{prefix}/l/{key}`   — [`HolderRecord`] on the holder's session lease.
+//! - `{prefix}/c/{key}//{revision}` — empty, on the holder's session lease: the
+//!   hold at that revision reached a call as "already yours", so no orphan
+//!   release may delete it (`//` cannot occur in a key, so no key's claims
+//!   are a prefix of another's).
 //! - `{prefix}/q/`        — reserved for durable waiters (deleted by an epoch advance).
 //!
 //! Records are JSON with a fixed field order, so the bytes the arbiter writes
@@ -112,6 +116,18 @@ impl Layout {
     pub fn holders(&self) -> String {
         format!("{}/l/", self.prefix)
     }
+    /// The claim on `key`'s hold at `revision` (see the module doc).
+    pub fn claim(&self, key: &str, revision: i64) -> String {
+        format!("{}{revision:016x}", self.claims_of(key))
+    }
+    /// Every claim on `key`'s holds: a prefix to delete with the hold.
+    pub fn claims_of(&self, key: &str) -> String {
+        format!("{}/c/{key}//", self.prefix)
+    }
+    /// Every claim.
+    pub fn claims(&self) -> String {
+        format!("{}/c/", self.prefix)
+    }
     pub fn durable_waiters(&self) -> String {
         format!("{}/q/", self.prefix)
     }
@@ -180,6 +196,9 @@ mod tests {
         let l = Layout::new("/latchkey/");
         assert_eq!(l.holder("a/b"), "/latchkey/l/a/b");
         assert_eq!(l.session(255), "/latchkey/s/00000000000000ff");
+        assert_eq!(l.claim("a/b", 16), "/latchkey/c/a/b//0000000000000010");
+        // key "a"'s claims are no prefix of key "a/b"'s
+        assert!(!l.claim("a/b", 16).starts_with(&l.claims_of("a")));
         assert_eq!(l.identity_sessions("s://a"), "/latchkey/si/733a2f2f61/");
         assert_eq!(
             l.identity_session("s://a", 1),

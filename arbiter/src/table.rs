@@ -15,12 +15,16 @@
 //!   release or cancellation, or a poll. Every attempt is a full grant
 //!   transaction; a notification never grants.
 //! - A release with a local waiter hands the key over in one transaction.
-//! - Delivery is exactly-once per waiter; a grant whose caller went away is
-//!   released at once as an orphan — unless the same session's next call has
-//!   claimed it ([`queues::Reuse`]): a session's grant goes to its new call or
-//!   to the orphan release, never both.
+//! - Delivery is exactly-once per waiter; a grant made for a caller that went
+//!   away is released at once as an orphan — unless a call of the same
+//!   session has claimed it: a session's grant goes to its new call or to the
+//!   orphan release, never both. The claim is a record in the log
+//!   ([`LockLog::claim`]) and the orphan release compares its absence, so
+//!   the log decides which came first, whichever arbiters ran them. (An
+//!   in-memory claim, as before, could not see a claim made through another
+//!   arbiter: the deterministic simulation found that double grant.)
 //!
-//! Background work (drivers, orphan releases, the claim sweeper) is tracked:
+//! Background work (drivers, orphan releases) is tracked:
 //! [`LockTable::shutdown`] returns once it has all stopped.
 
 mod driver;
@@ -46,19 +50,13 @@ use crate::records::{
     HolderRecord, NotOwned, SessionRecord, check_owner, decode, encode, now_unix_ms,
 };
 use crate::token;
-use queues::{Book, Reply, Reuse, Slot, Waiter};
-pub use queues::Head;
+use queues::{Book, Delivery, Reply, Slot, Waiter};
+use queues::Head;
 use seal::Seal;
 
 /// The default `--max-waiters-per-identity`: the edge's own per-identity
 /// bound, so a direct caller gets no more than one through the edge.
 pub const DEFAULT_MAX_WAITERS_PER_IDENTITY: u32 = 64;
-
-/// How old a claim gets before the sweeper asks the log whether its hold
-/// still exists, how often it looks, and how many it checks per round.
-const CLAIM_SWEEP_AGE: Duration = Duration::from_secs(30);
-const CLAIM_SWEEP_EVERY: Duration = Duration::from_secs(30);
-const CLAIM_SWEEP_BATCH: usize = 256;
 
 /// A committed grant. The token is derived, never stored separately.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -173,14 +171,13 @@ enum Next {
     Queue(Option<i64>),
 }
 
-/// What a claim found after re-reading the hold.
+/// What a claim found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Claim {
     /// Still held by the session, and now claimed: deliver it.
     Claimed,
-    /// Being released as an orphan: wait for the delete.
-    Orphaned,
-    /// Gone since it was read: try again.
+    /// Gone since it was read (released, expired, or released as an orphan
+    /// first): try again.
     Gone,
 }
 
@@ -188,7 +185,6 @@ pub struct LockTable {
     log: Arc<dyn LockLog>,
     seal: Seal,
     book: Mutex<Book>,
-    reuse: Mutex<Reuse>,
     next_id: AtomicU64,
     options: TableOptions,
     jitter: Mutex<fastrand::Rng>,
@@ -203,19 +199,16 @@ impl LockTable {
         high_water: Arc<HighWater>,
         options: TableOptions,
     ) -> Arc<Self> {
-        let table = Arc::new(Self {
+        Arc::new(Self {
             seal: Seal::new(log.clone(), guard, high_water),
             log,
             book: Mutex::new(Book::default()),
-            reuse: Mutex::new(Reuse::default()),
             next_id: AtomicU64::new(1),
             jitter: Mutex::new(fastrand::Rng::with_seed(options.seed)),
             options,
             tasks: TaskTracker::new(),
             stop: CancellationToken::new(),
-        });
-        table.tasks.spawn(driver::sweep_claims(Arc::downgrade(&table), table.stop.clone()));
-        table
+        })
     }
 
     pub fn seal(&self) -> &Seal {
@@ -263,11 +256,6 @@ impl LockTable {
             .unwrap_or((0, 0))
     }
 
-    /// Claims currently kept (for tests and the metrics).
-    pub fn claims(&self) -> usize {
-        self.reuse.lock().map(|r| r.claimed.len()).unwrap_or(0)
-    }
-
     /// Grants `req` at once, or — with `wait` — queues it FIFO behind this
     /// key's other waiters for at most `wait`. Without `wait` a held key is
     /// `Held`. `max_waiters_per_key` is the class's queue bound.
@@ -301,8 +289,8 @@ impl LockTable {
         let key = req.key.clone();
         let mut ticket = self.enqueue(req, watch_from, max_waiters_per_key)?;
         match tokio::time::timeout(budget, ticket.wait()).await {
-            Ok(reply) => reply.map(|grant| Acquired {
-                grant,
+            Ok(reply) => reply.map(|delivery| Acquired {
+                grant: delivery.grant,
                 waited: true,
             }),
             // Dropping the ticket leaves the queue (and releases a grant that
@@ -334,20 +322,25 @@ impl LockTable {
         if let Some(head) = self.head(key) {
             match self.hand_over(&held, &head.req).await {
                 Ok(Some((grant, previous))) => {
-                    self.forget_claims_before(key, grant.revision);
-                    self.deliver(&head, Ok(grant));
+                    self.deliver(&head, grant);
                     return Ok(Released {
                         handed_over: true,
                         previous,
                     });
                 }
-                Ok(None) => {}
-                Err(e) => debug!(error = %e, "hand-over failed; releasing plainly"),
+                // A compare failed, or the next waiter's session is gone:
+                // nothing was written, so a plain release answers why.
+                Ok(None) | Err(ArbiterError::SessionExpired { .. }) => {}
+                // Anything else may have committed (an answer lost after the
+                // commit): a plain release would then find the hold handed
+                // over and answer NOT_HELD for a release that happened. The
+                // outcome is unknown, and the caller hears exactly that. (The
+                // head waiter, if the hand-over did commit, gets the key from
+                // its driver, which finds its session already holding it.)
+                Err(e) => return Err(e),
             }
         }
         let previous = self.release_owned(&held).await?;
-        // the released grant and anything older
-        self.forget_claims_before(key, revision + 1);
         self.kick(key);
         Ok(Released {
             handed_over: false,
@@ -397,9 +390,6 @@ impl LockTable {
     async fn attempt(&self, req: &GrantRequest) -> Result<Attempt, ArbiterError> {
         for _ in 0..4 {
             if let Some(attempt) = self.grant_once(req).await? {
-                if let Attempt::Granted(grant) = &attempt {
-                    self.forget_claims_before(&grant.key, grant.revision);
-                }
                 return Ok(attempt);
             }
         }
@@ -523,43 +513,22 @@ impl LockTable {
     async fn reuse(&self, grant: Grant) -> Result<Next, ArbiterError> {
         Ok(match self.claim_verified(&grant).await? {
             Claim::Claimed => Next::Deliver(grant),
-            // being released as an orphan, or just gone: queue behind the
+            // gone (perhaps released as an orphan first): queue behind the
             // others and watch for what comes next
-            Claim::Orphaned | Claim::Gone => Next::Queue(Some(grant.revision + 1)),
+            Claim::Gone => Next::Queue(Some(grant.revision + 1)),
         })
     }
 
     /// Claims a session's existing grant (read from the log a moment ago)
-    /// for a new call of that session, then re-reads the hold: `Claimed`
-    /// only if it still exists after the claim, so no orphan release can
-    /// delete it any more.
+    /// for a new call of that session: one transaction that finds the hold
+    /// still there and records the claim, after which no orphan release
+    /// deletes it. `Gone` if it went in between.
     async fn claim_verified(&self, grant: &Grant) -> Result<Claim, ArbiterError> {
-        let now = tokio::time::Instant::now();
-        let claimed = self
-            .reuse
-            .lock()
-            .map(|mut r| r.claim(grant, now))
-            .unwrap_or(false);
-        if !claimed {
-            return Ok(Claim::Orphaned);
-        }
-        match self.holds(&grant.key, grant.session, grant.revision).await {
-            Ok(true) => Ok(Claim::Claimed),
-            Ok(false) => {
-                self.unclaim(grant);
-                Ok(Claim::Gone)
-            }
-            Err(e) => {
-                self.unclaim(grant);
-                Err(e)
-            }
-        }
-    }
-
-    /// Whether `session` holds `key` at exactly `revision` now.
-    async fn holds(&self, key: &str, session: i64, revision: i64) -> Result<bool, ArbiterError> {
-        let (kv, _) = self.seal.checked(self.log.holder(key)).await?;
-        Ok(kv.is_some_and(|kv| kv.mod_revision == revision && kv.lease == session))
+        let (claimed, _) = self
+            .seal
+            .checked(self.log.claim(&grant.key, grant.session, grant.revision))
+            .await?;
+        Ok(if claimed { Claim::Claimed } else { Claim::Gone })
     }
 
     /// The hold on `key` if it is `identity`'s through `session` at
@@ -736,61 +705,34 @@ impl LockTable {
         }
     }
 
-    /// Delivers to the waiter in `head` unless another path already did; a
-    /// grant its caller no longer takes is released as an orphan.
-    fn deliver(self: &Arc<Self>, head: &Head, reply: Reply) {
+    /// Delivers a grant made for the waiter in `head` unless another path
+    /// already answered it; a grant its caller no longer takes is released
+    /// as an orphan.
+    fn deliver(self: &Arc<Self>, head: &Head, grant: Grant) {
+        self.answer(head, Ok(Delivery { grant, fresh: true }));
+    }
+
+    /// Answers the waiter in `head` (a refusal, or its session's existing
+    /// grant, claimed for it) unless another path already did.
+    fn answer(self: &Arc<Self>, head: &Head, reply: Reply) {
         let Some(tx) = take(&head.slot) else {
-            return; // delivered already (e.g. by a hand-over): nothing to do
+            return; // answered already (e.g. by a hand-over): nothing to do
         };
         self.remove(&head.req.key, head.id);
-        if let Err(Ok(grant)) = tx.send(reply) {
-            self.release_orphan(grant);
-        }
-    }
-
-    /// Delivers a session's existing grant, claimed and re-checked, to its
-    /// waiting call.
-    fn deliver_claimed(self: &Arc<Self>, head: &Head, grant: Grant) {
-        let Some(tx) = take(&head.slot) else {
-            // delivered already by another path: this call's claim is moot
-            self.unclaim(&grant);
-            return;
-        };
-        self.remove(&head.req.key, head.id);
-        if let Err(Ok(grant)) = tx.send(Ok(grant)) {
-            // Its caller went away too: an orphan after all, unless another
-            // call of the session holds a claim on it.
-            self.unclaim(&grant);
-            self.release_orphan(grant);
-        }
-    }
-
-    fn unclaim(&self, grant: &Grant) {
-        if let Ok(mut reuse) = self.reuse.lock() {
-            reuse.unclaim(grant);
-        }
-    }
-
-    fn forget_claims_before(&self, key: &str, revision: i64) {
-        if let Ok(mut reuse) = self.reuse.lock() {
-            reuse.forget_before(key, revision);
-        }
-    }
-
-    /// A grant whose caller went away: release it now rather than leave a
-    /// hold on a session that may live for a long time — unless a new call
-    /// of the same session has claimed it meanwhile.
-    fn release_orphan(self: &Arc<Self>, grant: Grant) {
-        {
-            let Ok(mut reuse) = self.reuse.lock() else {
-                return;
-            };
-            if reuse.claimed(&grant) {
-                debug!(key = %grant.key, "an abandoned grant was claimed by its session's next call; keeping it");
-                return;
+        if let Err(Ok(delivery)) = tx.send(reply) {
+            // Its caller went away. A grant made for it goes; a claimed
+            // one was its session's before this call and stays.
+            if delivery.fresh {
+                self.release_orphan(delivery.grant);
             }
-            reuse.orphaned.insert(grant.key.clone(), grant.revision);
         }
+    }
+
+    /// A grant made for a caller that went away: release it now rather than
+    /// leave a hold on a session that may live for a long time — unless a
+    /// call of the same session has claimed it meanwhile, which the release
+    /// transaction compares.
+    fn release_orphan(self: &Arc<Self>, grant: Grant) {
         let table = self.clone();
         self.tasks.spawn(async move {
             debug!(key = %grant.key, "releasing a grant whose caller went away");
@@ -800,15 +742,12 @@ impl LockTable {
                 .await;
             match released {
                 Ok((true, _)) => {}
-                Ok((false, _)) => debug!(key = %grant.key, "the abandoned grant had ended already"),
+                Ok((false, _)) => {
+                    debug!(key = %grant.key, "the abandoned grant was claimed by its session, or had ended");
+                }
                 Err(e) => {
                     warn!(key = %grant.key, error = %e, "could not release an abandoned grant; it ends with its session");
                 }
-            }
-            if let Ok(mut reuse) = table.reuse.lock()
-                && reuse.orphaned.get(&grant.key) == Some(&grant.revision)
-            {
-                reuse.orphaned.remove(&grant.key);
             }
             table.kick(&grant.key);
         });
@@ -840,7 +779,7 @@ fn holder_view(kv: Kv) -> Option<HolderView> {
 
 /// A queued Acquire. Dropping it (cancelled call, timeout) leaves the queue
 /// at once; a grant that raced with the drop is released.
-pub struct Ticket {
+struct Ticket {
     table: Arc<LockTable>,
     key: String,
     id: u64,
@@ -848,7 +787,7 @@ pub struct Ticket {
 }
 
 impl Ticket {
-    pub async fn wait(&mut self) -> Reply {
+    async fn wait(&mut self) -> Reply {
         match self.rx.as_mut() {
             Some(rx) => {
                 let reply = rx.await.unwrap_or_else(|_| {
@@ -867,8 +806,10 @@ impl Drop for Ticket {
         self.table.remove(&self.key, self.id);
         if let Some(mut rx) = self.rx.take() {
             rx.close();
-            if let Ok(Ok(grant)) = rx.try_recv() {
-                self.table.release_orphan(grant);
+            if let Ok(Ok(delivery)) = rx.try_recv()
+                && delivery.fresh
+            {
+                self.table.release_orphan(delivery.grant);
             }
         }
     }

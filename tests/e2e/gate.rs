@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use latchkey_tests::faulty_log::TestFault;
 use latchkey_tests::gate::clock::SteppableClock;
 use latchkey_tests::gate::disk::StallableDir;
 use latchkey_tests::gate::record::mono_ns;
@@ -78,7 +79,7 @@ async fn gate_catches_an_arbiter_that_grants_on_watch_events() -> anyhow::Result
         keys: 1,
         arbiters: 2,
         faults: Vec::new(),
-        arbiter_test_fault: Some("grant-on-watch".into()),
+        arbiter_test_fault: TestFault::GrantOnWatch,
         ..GateConfig::short(seed, binaries(), out_dir())
     };
     let outcome = gate::run(config).await?;
@@ -100,6 +101,98 @@ async fn gate_catches_an_arbiter_that_grants_on_watch_events() -> anyhow::Result
     assert!(saved.join("report.txt").exists());
     std::fs::remove_dir_all(saved)?;
     Ok(())
+}
+
+/// The self-test's bug is the tests' own: `cargo build --workspace` (the
+/// build that once turned a `test-faults` feature on in the shipped arbiter)
+/// gives a `latchkey-arbiter` that refuses `--test-fault` as an unknown flag,
+/// while `arbiter-under-test` takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_arbiter_has_no_test_faults() -> anyhow::Result<()> {
+    let shipped = build_shipped_arbiter().await?;
+    let out = tokio::process::Command::new(&shipped)
+        .args(["--test-fault", "grant-on-watch"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{} took --test-fault: {stderr}",
+        shipped.display()
+    );
+    assert!(
+        stderr.contains("unexpected argument '--test-fault'"),
+        "{stderr}"
+    );
+
+    let out = tokio::process::Command::new(binaries().arbiter)
+        .args(["--test-fault", "grant-on-wach"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("unknown test fault"), "{stderr}");
+    Ok(())
+}
+
+/// Builds `latchkey-arbiter` as `cargo build --workspace` does (features
+/// unified over every workspace member, the tests crate included) in this
+/// test's profile, and returns the executable cargo reports.
+async fn build_shipped_arbiter() -> anyhow::Result<PathBuf> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = tokio::process::Command::new(cargo);
+    // Without what cargo set for this test process: build scripts that
+    // watch these (ring's does) would otherwise rebuild for every build in
+    // and out of this test.
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(set_by_cargo_for_a_crate) {
+            cmd.env_remove(name);
+        }
+    }
+    cmd.current_dir(workspace_root())
+        .args([
+            "build",
+            "--workspace",
+            "--bin",
+            "latchkey-arbiter",
+            "--message-format=json-render-diagnostics",
+        ])
+        .stdin(std::process::Stdio::null());
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    let out = cmd.output().await?;
+    anyhow::ensure!(
+        out.status.success(),
+        "cargo build --workspace --bin latchkey-arbiter failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let executable = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "latchkey-arbiter")
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from));
+    executable.ok_or_else(|| anyhow::anyhow!("cargo reported no latchkey-arbiter executable"))
+}
+
+/// The variables cargo sets for a crate it runs (a test, a build script),
+/// as opposed to ones that configure cargo (`CARGO_HOME`, `CARGO_TARGET_DIR`).
+fn set_by_cargo_for_a_crate(name: &str) -> bool {
+    const PREFIXES: [&str; 3] = ["CARGO_PKG_", "CARGO_BIN_", "CARGO_CFG_"];
+    const NAMES: [&str; 8] = [
+        "CARGO_MANIFEST_DIR",
+        "CARGO_MANIFEST_PATH",
+        "CARGO_MANIFEST_LINKS",
+        "CARGO_CRATE_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+        "CARGO_RUSTC_CURRENT_DIR",
+        "OUT_DIR",
+    ];
+    PREFIXES.iter().any(|p| name.starts_with(p)) || NAMES.contains(&name)
 }
 
 /// The clock-step fault's environment moves a running worker's wall clock

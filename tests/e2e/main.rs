@@ -15,6 +15,7 @@ mod hostile_arbiter;
 mod hostile_edge;
 mod hostile_identity;
 mod identity;
+mod log_contract;
 mod metrics;
 mod pause_test;
 mod policies;

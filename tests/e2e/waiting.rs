@@ -416,14 +416,16 @@ async fn a_hand_over_to_a_timed_out_waiter_is_not_released_under_its_sessions_ne
 
 /// The same race, with the orphan release finishing between the session's
 /// next call reading its existing grant and claiming it (the arbiter waits
-/// there on purpose: `slow-reuse`). The claim used to succeed and hand out a
-/// grant that was already deleted, so bob got a second grant (seen once in 8
-/// runs of the test above under load). A claim is now re-read in etcd.
+/// there on purpose: the tests' `slow-reuse` layer around its lock log holds
+/// back the grant answer that shows the session's own hold). The claim used
+/// to succeed and hand out a grant that was already deleted, so bob got a
+/// second grant (seen once in 8 runs of the test above under load). A claim
+/// is now re-read in etcd.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_grant_deleted_as_an_orphan_after_its_session_read_it_is_not_handed_out()
 -> anyhow::Result<()> {
     let s = stack_with(ArbiterOptions {
-        test_fault: latchkey_arbiter::test_fault::TestFault::SlowReuse,
+        test_fault: latchkey_tests::faulty_log::TestFault::SlowReuse,
         ..ArbiterOptions::default()
     })
     .await?;

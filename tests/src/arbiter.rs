@@ -21,6 +21,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 use crate::etcd::EtcdServer;
 use crate::eventually;
+use crate::faulty_log::{self, TestFault};
 
 pub const TRUST_DOMAIN: &str = "dev.latchkey";
 pub use latchkey_client::dev_certs::DEV_NAMES as NAMES;
@@ -81,8 +82,11 @@ pub struct ArbiterOptions {
     pub etcd_credentials: latchkey_arbiter::EtcdCredentials,
     /// Serve Prometheus metrics (`--metrics-listen`) on a free loopback port.
     pub metrics: bool,
-    /// A deliberate bug or timing widener (`--test-fault`); none by default.
-    pub test_fault: latchkey_arbiter::test_fault::TestFault,
+    /// A deliberate bug or timing widener ([`crate::faulty_log`]); none by
+    /// default. In process it is a layer around the lock log; a process gets
+    /// `--test-fault`, which only the tests' `arbiter-under-test` takes (the
+    /// shipped `latchkey-arbiter` has no faults and refuses the flag).
+    pub test_fault: TestFault,
 }
 
 impl Default for ArbiterOptions {
@@ -100,7 +104,7 @@ impl Default for ArbiterOptions {
             state_dir: None,
             etcd_credentials: latchkey_arbiter::EtcdCredentials::default(),
             metrics: false,
-            test_fault: latchkey_arbiter::test_fault::TestFault::None,
+            test_fault: TestFault::None,
         }
     }
 }
@@ -145,7 +149,7 @@ impl Arbiter {
         config.retry_poll = opts.retry_poll;
         config.max_wait = opts.max_wait;
         config.policy_poll = Duration::from_millis(200);
-        config.test_fault = opts.test_fault;
+        config.log_layer = faulty_log::layer(opts.test_fault);
         // A port that was free a moment ago: `run` binds the address itself.
         let metrics_addr = match opts.metrics {
             true => Some(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?),
@@ -296,8 +300,8 @@ pub async fn anonymous_channel(addr: SocketAddr) -> anyhow::Result<Channel> {
         .await?)
 }
 
-/// The arbiter as a real process (the binary built from this crate's
-/// `arbiter-under-test` target, identical to `latchkey-arbiter`).
+/// The arbiter as a real process (usually the binary built from this crate's
+/// `arbiter-under-test` target: `latchkey-arbiter` plus `--test-fault`).
 pub struct ArbiterProcess {
     child: Option<Child>,
     addr: SocketAddr,
@@ -396,8 +400,8 @@ impl ArbiterProcess {
         if let Some(m) = metrics_addr {
             cmd.arg("--metrics-listen").arg(m.to_string());
         }
-        if opts.test_fault != latchkey_arbiter::test_fault::TestFault::None {
-            cmd.arg("--test-fault").arg(opts.test_fault.name());
+        if opts.test_fault != TestFault::None {
+            cmd.arg(faulty_log::FLAG).arg(opts.test_fault.name());
         }
         cmd.args(extra_args);
         let child = cmd

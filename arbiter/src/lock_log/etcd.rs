@@ -207,6 +207,10 @@ impl LockLog for EtcdLog {
         holds::release(self, held).await
     }
 
+    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+        holds::claim(self, key, session, revision).await
+    }
+
     async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
         holds::release_orphan(self, key, session, revision).await
     }

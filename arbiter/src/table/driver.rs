@@ -1,13 +1,14 @@
-//! The background work of a table: one driver per contended key, and the
-//! claim sweeper. Each ends when the table stops.
+//! A table's background work: one driver per contended key. Each ends when
+//! its queue empties or the table stops.
 
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use super::{Attempt, Claim, LockTable, CLAIM_SWEEP_AGE, CLAIM_SWEEP_BATCH, CLAIM_SWEEP_EVERY};
+use super::queues::Delivery;
+use super::{Attempt, Claim, LockTable};
 use crate::error::ArbiterError;
 use crate::lock_log::{KeyWatch, WatchSignal};
 
@@ -41,22 +42,20 @@ pub(super) async fn drive(
         }
         match table.attempt(&head.req).await {
             Ok(Attempt::Granted(grant)) => {
-                table.deliver(&head, Ok(grant));
+                table.deliver(&head, grant);
                 continue;
             }
             Ok(Attempt::Reused(grant)) => match table.claim_verified(&grant).await {
                 Ok(Claim::Claimed) => {
-                    table.deliver_claimed(&head, grant);
+                    let delivery = Delivery {
+                        grant,
+                        fresh: false,
+                    };
+                    table.answer(&head, Ok(delivery));
                     continue;
                 }
-                // Deleted since the read: the next attempt sees what is there now.
+                // Gone since the read: the next attempt sees what is there now.
                 Ok(Claim::Gone) => continue,
-                // Being released as an orphan: wait for its delete.
-                Ok(Claim::Orphaned) => {
-                    if from.is_none() {
-                        from = Some(grant.revision + 1);
-                    }
-                }
                 Err(e) => {
                     debug!(key = %key, error = %e, "re-reading a reused grant failed; polling");
                     watch = None;
@@ -76,7 +75,7 @@ pub(super) async fn drive(
                 continue;
             }
             Err(e) => {
-                table.deliver(&head, Err(e));
+                table.answer(&head, Err(e));
                 continue;
             }
         }
@@ -103,38 +102,6 @@ pub(super) async fn drive(
                 }
             }
             None => poll_later(&table, &kick, &stop).await,
-        }
-    }
-}
-
-/// Drops claims whose hold has ended without passing through this table
-/// (expired, or released through another arbiter), so the claim map is
-/// bounded by the holds that exist.
-pub(super) async fn sweep_claims(table: Weak<LockTable>, stop: CancellationToken) {
-    loop {
-        tokio::select! {
-            biased;
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(CLAIM_SWEEP_EVERY) => {}
-        }
-        let Some(table) = table.upgrade() else {
-            return;
-        };
-        let before = tokio::time::Instant::now() - CLAIM_SWEEP_AGE;
-        let stale = table
-            .reuse
-            .lock()
-            .map(|r| r.stale(before, CLAIM_SWEEP_BATCH))
-            .unwrap_or_default();
-        for (key, claim) in stale {
-            if stop.is_cancelled() {
-                return;
-            }
-            if let Ok(false) = table.holds(&key, claim.session, claim.revision).await
-                && let Ok(mut reuse) = table.reuse.lock()
-            {
-                reuse.drop_claim(&key, claim.revision);
-            }
         }
     }
 }

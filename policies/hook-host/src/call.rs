@@ -2,15 +2,18 @@
 //!
 //! The engine uses the pooling allocator (instantiation reuses pre-reserved
 //! slots instead of mapping memory per call) and epoch interruption: a
-//! ticker thread advances the epoch every `tick`, and each store traps once
-//! the epoch passes its deadline. Memory and tables are capped per call by
-//! [`CallLimiter`], which also remembers that a growth was refused, so the
-//! trap that follows is reported as out-of-memory rather than a bare trap.
+//! ticker thread advances the epoch every `tick` while at least one store is
+//! alive ([`Ticker`]), and a store whose epoch deadline comes checks its own
+//! wall-clock deadline and traps once it has passed. Memory and tables are
+//! capped per call by [`CallLimiter`], which also remembers that a growth was
+//! refused, so the trap that follows is reported as out-of-memory rather than
+//! a bare trap.
 
 use std::fmt;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
 
 use latchkey_hook_abi::{
     EXPORT_ALLOC, EXPORT_MEMORY, HookResponse, IMPORT_LOG, IMPORT_MODULE, OutputLimits, Verdict,
@@ -20,7 +23,7 @@ use latchkey_policies::{MAX_HOOK_MEMORY_MIB, MAX_HOOK_TABLE_ELEMENTS};
 use tracing::{debug, error, info, warn};
 use wasmtime::{
     Caller, Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Memory, ModuleExport,
-    OptLevel, PoolingAllocationConfig, ResourceLimiter, Store, Trap,
+    OptLevel, PoolingAllocationConfig, ResourceLimiter, Store, Trap, UpdateDeadline,
 };
 
 /// Why a call produced no usable answer. Every kind denies the request.
@@ -38,6 +41,9 @@ pub enum FailureKind {
     Trap,
     /// The answer was too large, out of bounds, not JSON or broke the ABI.
     MalformedOutput,
+    /// The host itself failed around the call (the thread running it
+    /// panicked or was cancelled): the hook did not decide.
+    Internal,
 }
 
 impl FailureKind {
@@ -49,6 +55,7 @@ impl FailureKind {
             FailureKind::OutOfMemory => "out_of_memory",
             FailureKind::Trap => "trap",
             FailureKind::MalformedOutput => "malformed_output",
+            FailureKind::Internal => "internal",
         }
     }
 
@@ -61,6 +68,7 @@ impl FailureKind {
             FailureKind::OutOfMemory => "HOOK_OUT_OF_MEMORY",
             FailureKind::Trap => "HOOK_TRAPPED",
             FailureKind::MalformedOutput => "HOOK_BAD_OUTPUT",
+            FailureKind::Internal => "HOOK_INTERNAL_ERROR",
         }
     }
 }
@@ -103,6 +111,12 @@ pub(crate) struct CallState {
     limiter: CallLimiter,
     class: Arc<str>,
     log_budget: usize,
+    /// When the store was made: the deadline counts from here, so it covers
+    /// instantiation as well as the call.
+    started: Instant,
+    deadline: Duration,
+    /// Keeps the ticker running for as long as this store lives.
+    active: Active,
 }
 
 struct CallLimiter {
@@ -151,19 +165,88 @@ impl ResourceLimiter for CallLimiter {
 pub(crate) struct Runtime {
     pub engine: Engine,
     pub linker: Linker<CallState>,
-    pub tick: Duration,
-    stop: Arc<AtomicBool>,
+    ticker: Arc<Ticker>,
 }
 
 impl Drop for Runtime {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.ticker.stop.store(true, Ordering::SeqCst);
+        self.ticker.wake();
+    }
+}
+
+/// Coarsest tick: a bound on how late any deadline is enforced, whatever the
+/// classes ask for.
+pub(crate) const MAX_TICK: Duration = Duration::from_millis(100);
+
+/// The epoch ticker's shared state.
+///
+/// A tick is only a moment at which running stores look at the clock, so it
+/// need be no finer than the deadlines it enforces ([`Runtime::set_tick`]),
+/// and it is not needed at all while no store is alive: the thread parks when
+/// the last [`Active`] drops and the next one unparks it. A busy arbiter pays
+/// one atomic increment per call; an idle one, nothing.
+struct Ticker {
+    /// Stores alive now (instantiating, running, or being read out).
+    active: AtomicUsize,
+    tick_ns: AtomicU64,
+    stop: AtomicBool,
+    thread: OnceLock<Thread>,
+    /// Epoch increments so far: shows the ticker rests when nothing runs.
+    ticks: AtomicU64,
+}
+
+impl Ticker {
+    fn tick(&self) -> Duration {
+        Duration::from_nanos(self.tick_ns.load(Ordering::Relaxed).max(1))
+    }
+
+    fn wake(&self) {
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
+
+    /// Registers a live store; the first one wakes the ticker.
+    fn enter(self: &Arc<Self>) -> Active {
+        // SeqCst pairs with the ticker's load before it parks: either it sees
+        // this store, or this unpark comes after that load and wakes it.
+        if self.active.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.wake();
+        }
+        Active(self.clone())
+    }
+
+    fn run(&self, engine: &wasmtime::EngineWeak) {
+        while !self.stop.load(Ordering::SeqCst) {
+            if self.active.load(Ordering::SeqCst) == 0 {
+                // Spurious or stale wake-ups just go round the loop again.
+                std::thread::park();
+                continue;
+            }
+            std::thread::sleep(self.tick());
+            match engine.upgrade() {
+                Some(e) => e.increment_epoch(),
+                None => return,
+            }
+            self.ticks.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One live store's hold on the ticker.
+pub(crate) struct Active(Arc<Ticker>);
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 const MIB: usize = 1 << 20;
 
 impl Runtime {
+    /// `tick` is the starting tick; [`Runtime::set_tick`] changes it.
     pub fn new(tick: Duration, pool_slots: u32) -> Result<Self, wasmtime::Error> {
         let mut pool = PoolingAllocationConfig::default();
         pool.total_core_instances(pool_slots)
@@ -186,36 +269,61 @@ impl Runtime {
         let mut linker = Linker::new(&engine);
         linker.func_wrap(IMPORT_MODULE, IMPORT_LOG, guest_log)?;
 
-        let stop = Arc::new(AtomicBool::new(false));
-        let ticker_engine = engine.weak();
-        let ticker_stop = stop.clone();
-        std::thread::Builder::new()
+        let ticker = Arc::new(Ticker {
+            active: AtomicUsize::new(0),
+            tick_ns: AtomicU64::new(nanos(tick)),
+            stop: AtomicBool::new(false),
+            thread: OnceLock::new(),
+            ticks: AtomicU64::new(0),
+        });
+        let weak = engine.weak();
+        let shared = ticker.clone();
+        let handle = std::thread::Builder::new()
             .name("hook-epoch".into())
-            .spawn(move || {
-                while !ticker_stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(tick);
-                    match ticker_engine.upgrade() {
-                        Some(e) => e.increment_epoch(),
-                        None => return,
-                    }
-                }
-            })
+            .spawn(move || shared.run(&weak))
             .map_err(|e| wasmtime::Error::msg(format!("cannot start the epoch ticker: {e}")))?;
+        let _ = ticker.thread.set(handle.thread().clone());
         Ok(Self {
             engine,
             linker,
-            tick,
-            stop,
+            ticker,
         })
     }
 
-    /// Epoch ticks for `deadline`: the call traps between `deadline` and
-    /// `deadline + tick` after it starts.
-    fn ticks(&self, deadline: Duration) -> u64 {
-        let tick = self.tick.as_nanos().max(1);
-        let n = deadline.as_nanos().div_ceil(tick);
-        u64::try_from(n).unwrap_or(u64::MAX).saturating_add(1)
+    /// Sets the tick: a running store looks at its deadline once per tick,
+    /// so a call is stopped between its deadline and one tick later. Safe to
+    /// change while calls run: each store measures its own deadline in
+    /// wall-clock time, the tick only says how often it looks.
+    pub fn set_tick(&self, tick: Duration) {
+        self.ticker.tick_ns.store(nanos(tick), Ordering::Relaxed);
     }
+
+    pub fn tick(&self) -> Duration {
+        self.ticker.tick()
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1)
+}
+
+/// Epoch ticks until `remaining` has passed at `tick`, at least one: the
+/// first tick may come anywhere within a tick of the call's start, so the
+/// store wakes up to a tick early and looks again (see [`on_epoch`]).
+fn ticks(remaining: Duration, tick: Duration) -> u64 {
+    u64::try_from(remaining.as_nanos().div_ceil(tick.as_nanos().max(1)))
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+/// The store's epoch deadline came: stop the call if its wall-clock deadline
+/// has passed, else look again when it should have.
+fn on_epoch(state: &CallState) -> UpdateDeadline {
+    let elapsed = state.started.elapsed();
+    if elapsed >= state.deadline {
+        return UpdateDeadline::Interrupt;
+    }
+    UpdateDeadline::Continue(ticks(state.deadline - elapsed, state.active.0.tick()))
 }
 
 /// The exports a loaded module is called through, looked up once.
@@ -252,6 +360,7 @@ fn guest_log(mut caller: Caller<'_, CallState>, level: i32, ptr: u32, len: u32) 
 }
 
 pub(crate) fn trial_store(rt: &Runtime, class: &Arc<str>, limits: &CallLimits) -> Store<CallState> {
+    let active = rt.ticker.enter();
     let mut store = Store::new(
         &rt.engine,
         CallState {
@@ -262,11 +371,14 @@ pub(crate) fn trial_store(rt: &Runtime, class: &Arc<str>, limits: &CallLimits) -
             },
             class: class.clone(),
             log_budget: LOG_BUDGET_BYTES,
+            started: Instant::now(),
+            deadline: limits.deadline,
+            active,
         },
     );
     store.limiter(|s| &mut s.limiter);
-    store.set_epoch_deadline(rt.ticks(limits.deadline));
-    store.epoch_deadline_trap();
+    store.set_epoch_deadline(ticks(limits.deadline, rt.tick()));
+    store.epoch_deadline_callback(|ctx| Ok(on_epoch(ctx.data())));
     store
 }
 
@@ -443,4 +555,62 @@ pub(crate) fn after_release(
     input: &[u8],
 ) -> Result<(), HookFailure> {
     invoke(callee, export, input, false).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(deadline: Duration) -> CallLimits {
+        CallLimits {
+            deadline,
+            memory_bytes: MIB,
+            table_elements: 16,
+            max_output_bytes: 1024,
+        }
+    }
+
+    #[test]
+    fn the_ticker_runs_only_while_a_store_is_alive() {
+        let rt = Runtime::new(Duration::from_millis(1), 2).unwrap();
+        let ticks = || rt.ticker.ticks.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(ticks(), 0, "ticked with nothing running");
+
+        let class: Arc<str> = Arc::from("c");
+        let store = trial_store(&rt, &class, &limits(Duration::from_millis(10)));
+        assert_eq!(rt.ticker.active.load(Ordering::SeqCst), 1);
+        std::thread::sleep(Duration::from_millis(30));
+        let while_alive = ticks();
+        assert!(while_alive >= 5, "{while_alive} ticks in 30 ms at 1 ms");
+
+        drop(store);
+        assert_eq!(rt.ticker.active.load(Ordering::SeqCst), 0);
+        // One tick may still be under way when the store drops.
+        std::thread::sleep(Duration::from_millis(5));
+        let parked = ticks();
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(
+            ticks() <= parked + 1,
+            "{} ticks after the last store",
+            ticks() - parked
+        );
+    }
+
+    #[test]
+    fn the_deadline_is_wall_clock_whatever_the_tick() {
+        let tick = Duration::from_millis(2);
+        assert_eq!(ticks(Duration::from_millis(10), tick), 5);
+        assert_eq!(ticks(Duration::from_micros(1), tick), 1);
+        assert_eq!(ticks(Duration::ZERO, tick), 1);
+        let rt = Runtime::new(tick, 2).unwrap();
+        let class: Arc<str> = Arc::from("c");
+        let store = trial_store(&rt, &class, &limits(Duration::from_millis(50)));
+        // Early: look again later, however fine the tick has become.
+        assert!(matches!(on_epoch(store.data()), UpdateDeadline::Continue(n) if n >= 20));
+        rt.set_tick(Duration::from_micros(200));
+        assert!(matches!(on_epoch(store.data()), UpdateDeadline::Continue(n) if n >= 200));
+        let late = trial_store(&rt, &class, &limits(Duration::ZERO));
+        assert!(matches!(on_epoch(late.data()), UpdateDeadline::Interrupt));
+    }
 }

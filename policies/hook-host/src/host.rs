@@ -17,7 +17,7 @@ use wasmtime::{ExternType, InstancePre, Module, Store, ValType};
 
 use crate::cache::{self, Source};
 use crate::call::{
-    self, CallLimits, CallState, Callee, Exports, FailureKind, HookFailure, Runtime,
+    self, CallLimits, CallState, Callee, Exports, FailureKind, HookFailure, MAX_TICK, Runtime,
 };
 use crate::metrics::{Metrics, Recorded};
 
@@ -36,8 +36,11 @@ const MIB: usize = 1 << 20;
 pub struct HostSettings {
     /// Compiled modules are cached here (by content hash). `None`: no cache.
     pub cache_dir: Option<PathBuf>,
-    /// Epoch tick: deadlines are enforced to within one tick.
-    pub epoch_tick: Duration,
+    /// The finest epoch tick. The tick in force is a tenth of the smallest
+    /// deadline among the hooked classes (so a call is stopped at most 10%
+    /// late), never finer than this and never coarser than 100 ms; the
+    /// ticker only runs while a call is in flight.
+    pub min_epoch_tick: Duration,
     /// Instances that may run at once (pooling allocator slots).
     pub pool_slots: u32,
 }
@@ -46,7 +49,10 @@ impl Default for HostSettings {
     fn default() -> Self {
         Self {
             cache_dir: None,
-            epoch_tick: Duration::from_micros(200),
+            // The fixed tick this host used to run at all the time: a 1 ms
+            // deadline is then enforced to within 20%, and no class makes
+            // the ticker busier than it used to be.
+            min_epoch_tick: Duration::from_micros(200),
             pool_slots: 32,
         }
     }
@@ -132,7 +138,6 @@ pub struct HookHost {
     /// key -> class for holds whose class's module wants after-release calls.
     held: Mutex<HashMap<String, String>>,
     metrics: Metrics,
-    started: Instant,
 }
 
 /// A refusal as logged: the module file's (size, mtime) if readable, and the reason.
@@ -152,7 +157,6 @@ impl HookHost {
             reported: Mutex::new(HashMap::new()),
             held: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
-            started: Instant::now(),
         }
     }
 
@@ -160,7 +164,7 @@ impl HookHost {
     fn runtime(&self) -> Result<&Runtime, String> {
         self.runtime
             .get_or_init(|| {
-                Runtime::new(self.settings.epoch_tick, self.settings.pool_slots)
+                Runtime::new(self.settings.min_epoch_tick, self.settings.pool_slots)
                     .map_err(|e| format!("cannot start the Wasm engine: {e}"))
             })
             .as_ref()
@@ -185,9 +189,24 @@ impl HookHost {
             .map(|l| l.digest.clone())
     }
 
-    /// Nanoseconds since the host started: the monotonic clock hooks see.
-    pub fn monotonic_ns(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    /// The epoch tick the deadlines of `classes` need: a tenth of the
+    /// smallest, within [`HostSettings::min_epoch_tick`] and 100 ms.
+    fn tick_for<'a>(&self, classes: impl IntoIterator<Item = &'a ClassHook>) -> Duration {
+        let floor = self.settings.min_epoch_tick.min(MAX_TICK);
+        classes
+            .into_iter()
+            .map(|h| Duration::from_millis(u64::from(h.deadline_ms)) / 10)
+            .min()
+            .unwrap_or(MAX_TICK)
+            .clamp(floor, MAX_TICK)
+    }
+
+    /// The epoch tick in force, once the engine has started.
+    pub fn epoch_tick(&self) -> Option<Duration> {
+        match self.runtime.get() {
+            Some(Ok(rt)) => Some(rt.tick()),
+            _ => None,
+        }
     }
 
     /// Brings the loaded modules in line with `policies` (module paths
@@ -202,6 +221,13 @@ impl HookHost {
             .iter()
             .filter_map(|(name, c)| c.hook.as_ref().map(|h| (name, h)))
             .collect();
+        // Before loading: the trial calls run under the new deadlines too. A
+        // refused class's deadline counts as well; it only makes the tick finer.
+        if !wanted.is_empty()
+            && let Ok(rt) = self.runtime()
+        {
+            rt.set_tick(self.tick_for(wanted.iter().map(|(_, h)| *h)));
+        }
         for (class, spec) in &wanted {
             let path = resolve(base, &spec.module);
             match self.sync_class(class, spec, &path) {
@@ -386,7 +412,7 @@ impl HookHost {
             holder: None,
             waiters: 0,
             now_unix_ms: now_unix_ms(),
-            now_monotonic_ns: self.monotonic_ns(),
+            now_monotonic_ns: monotonic_ns(),
             hold_count: loaded
                 .spec
                 .needs(latchkey_policies::HookInputKind::HoldCount)
@@ -491,6 +517,26 @@ impl HookHost {
         }
     }
 
+    /// The denial for a call that never produced an outcome because the
+    /// host failed around it (the thread running [`HookHost::before_grant`]
+    /// panicked or was cancelled): fail closed like any other hook failure,
+    /// counted and logged the same way.
+    pub fn internal_failure(
+        &self,
+        class: &str,
+        started: Instant,
+        detail: impl Into<String>,
+    ) -> HookOutcome {
+        self.failed(
+            class,
+            started,
+            HookFailure {
+                kind: FailureKind::Internal,
+                detail: detail.into(),
+            },
+        )
+    }
+
     fn failed(&self, class: &str, started: Instant, f: HookFailure) -> HookOutcome {
         self.metrics
             .record(class, started.elapsed(), Recorded::Failed(f.kind));
@@ -515,38 +561,100 @@ impl HookHost {
     }
 
     /// Bookkeeping after a release: calls the class's after-release export
-    /// if its module has one. Failures are counted, never surfaced.
-    pub fn after_release(&self, identity: &str, key: &str, now_unix_ms: i64) {
-        let Some(class) = self.held.lock().ok().and_then(|mut h| h.remove(key)) else {
-            return;
-        };
-        let Some(loaded) = self
+    /// if its module has one. Failures are logged, never surfaced. Blocking
+    /// for up to the class's deadline: [`HookHost::release_call`] and
+    /// [`HookHost::run_release_call`] split it for callers that must not block.
+    pub fn after_release(
+        &self,
+        identity: &str,
+        key: &str,
+        now_unix_ms: i64,
+        now_monotonic_ns: u64,
+    ) {
+        if let Some(call) = self.release_call(identity, key, now_unix_ms, now_monotonic_ns) {
+            self.run_release_call(call);
+        }
+    }
+
+    /// The after-release call a release needs, if any: the key was granted
+    /// under a class whose module exports after-release. Cheap and
+    /// non-blocking (a map lookup and a small JSON encoding), and it forgets
+    /// the hold at once, in release order, whenever the call itself runs.
+    /// `now_monotonic_ns` must be on the same clock as the before-grant
+    /// requests' (the arbiter's, [`monotonic_ns`]).
+    pub fn release_call(
+        &self,
+        identity: &str,
+        key: &str,
+        now_unix_ms: i64,
+        now_monotonic_ns: u64,
+    ) -> Option<ReleaseCall> {
+        let class = self.held.lock().ok().and_then(|mut h| h.remove(key))?;
+        let loaded = self
             .classes
             .read()
             .ok()
-            .and_then(|c| c.get(&class).cloned())
-        else {
-            return;
-        };
-        let (Some(export), Ok(rt)) = (&loaded.exports.after_release, self.runtime()) else {
-            return;
-        };
+            .and_then(|c| c.get(&class).cloned())?;
+        loaded.exports.after_release.as_ref()?;
         let notice = ReleaseNotice {
             version: ABI_VERSION,
-            class: class.clone(),
+            class,
             identity: identity.to_string(),
             key: key.to_string(),
             now_unix_ms,
-            now_monotonic_ns: self.monotonic_ns(),
+            now_monotonic_ns,
             config: loaded.config.clone(),
         };
-        let Ok(input) = serde_json::to_vec(&notice) else {
+        let input = serde_json::to_vec(&notice).ok()?;
+        Some(ReleaseCall { loaded, input })
+    }
+
+    /// Runs an after-release call: blocking, for up to the class's deadline.
+    pub fn run_release_call(&self, call: ReleaseCall) {
+        let ReleaseCall { loaded, input } = call;
+        let (Some(export), Ok(rt)) = (&loaded.exports.after_release, self.runtime()) else {
             return;
         };
         if let Err(f) = call::after_release(&loaded.callee(rt), export, &input) {
-            warn!(class = %class, kind = %f.kind, detail = %f.detail, "after-release hook failed");
+            warn!(class = %loaded.class, kind = %f.kind, detail = %f.detail, "after-release hook failed");
         }
     }
+
+    /// Counts an after-release call its caller had no room to run.
+    pub fn release_call_dropped(&self, call: ReleaseCall) {
+        self.metrics.record_release_dropped(call.class());
+    }
+}
+
+/// One pending after-release call (see [`HookHost::release_call`]).
+pub struct ReleaseCall {
+    loaded: Arc<Loaded>,
+    input: Vec<u8>,
+}
+
+impl ReleaseCall {
+    pub fn class(&self) -> &str {
+        &self.loaded.class
+    }
+}
+
+impl std::fmt::Debug for ReleaseCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReleaseCall")
+            .field("class", &self.class())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Nanoseconds on this process's monotonic clock since it was first read:
+/// the one clock every hook request and release notice carries in
+/// `nowMonotonicNs` (the arbiter reads it for both hook entry points too),
+/// so an interval between a grant and its release is measured on one clock.
+/// Meaningless across processes.
+pub fn monotonic_ns() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    let start = START.get_or_init(Instant::now);
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 fn call_store(rt: &Runtime, class: &Arc<str>, limits: &CallLimits) -> Store<CallState> {

@@ -16,7 +16,7 @@
 //! export and checks the JSON answer. A trap, a timeout, running out of
 //! memory or a malformed answer becomes a denial (fail closed) that is
 //! counted in [`Metrics`]; nothing one class's hook does reaches another
-//! class. A hook can only refuse or annotate: the caller still has to pass
+//! class. Calls block for up to their deadline: run them off async workers. A hook can only refuse or annotate: the caller still has to pass
 //! every other check and win the grant transaction.
 
 pub mod cache;
@@ -25,5 +25,5 @@ mod host;
 mod metrics;
 
 pub use call::{FailureKind, HookFailure};
-pub use host::{HookHost, HookOutcome, HostSettings, Refusal};
+pub use host::{HookHost, HookOutcome, HostSettings, Refusal, ReleaseCall, monotonic_ns};
 pub use metrics::{ClassMetrics, Metrics};

@@ -24,6 +24,9 @@ pub struct ClassMetrics {
     /// Module loads refused for this class (unreadable, invalid, refusing its
     /// config): every refusal counts, though each is logged once per change.
     pub module_refusals: u64,
+    /// After-release calls not run because too many were already pending
+    /// (the arbiter bounds them rather than let them pile up).
+    pub after_release_dropped: u64,
     /// Latency of whole calls (instantiate, copy in, run, read out), in ns.
     /// `None` only if the histogram could not be made (it always can).
     pub latency_ns: Option<Histogram<u64>>,
@@ -37,6 +40,7 @@ impl ClassMetrics {
             denials: BTreeMap::new(),
             failures: BTreeMap::new(),
             module_refusals: 0,
+            after_release_dropped: 0,
             // 1 ns .. 60 s, two significant digits: a few KiB per class.
             latency_ns: Histogram::new_with_bounds(1, 60_000_000_000, 2).ok(),
         }
@@ -109,6 +113,21 @@ impl Metrics {
             None => {
                 let mut m = ClassMetrics::new();
                 m.module_refusals = 1;
+                classes.insert(class.to_string(), m);
+            }
+        }
+    }
+
+    /// Counts one after-release call for `class` dropped unrun.
+    pub(crate) fn record_release_dropped(&self, class: &str) {
+        let Ok(mut classes) = self.classes.lock() else {
+            return;
+        };
+        match classes.get_mut(class) {
+            Some(m) => m.after_release_dropped += 1,
+            None => {
+                let mut m = ClassMetrics::new();
+                m.after_release_dropped = 1;
                 classes.insert(class.to_string(), m);
             }
         }

@@ -177,6 +177,132 @@ fn an_infinite_loop_is_cut_off_at_the_deadline_and_other_classes_still_run() {
     assert_eq!(m.failures.get(&FailureKind::Timeout), Some(&1));
 }
 
+/// The tick is a tenth of the smallest deadline among the hooked classes,
+/// no finer than the host's floor (200 µs by default).
+#[test]
+fn the_epoch_tick_follows_the_smallest_deadline() {
+    let f = Fixture::new();
+    assert_eq!(f.host.epoch_tick(), None, "no engine before any hook");
+    f.write("ok.wasm", &abi_module(&allow_body()));
+    assert!(f.sync(&[("a", "ok.wasm", "")]).is_empty());
+    assert_eq!(f.host.epoch_tick(), Some(Duration::from_millis(1)));
+    assert!(
+        f.sync(&[("a", "ok.wasm", ""), ("b", "ok.wasm", "deadlineMs = 2")])
+            .is_empty()
+    );
+    assert_eq!(f.host.epoch_tick(), Some(Duration::from_micros(200)));
+    assert!(f.sync(&[("c", "ok.wasm", "deadlineMs = 50")]).is_empty());
+    assert_eq!(f.host.epoch_tick(), Some(Duration::from_millis(5)));
+}
+
+/// A call measures its own deadline in wall-clock time: a finer tick coming
+/// in while it runs (another class with a shorter deadline) does not cut it
+/// short, and a coarse tick still stops it within one tick of its deadline.
+#[test]
+fn a_tick_change_mid_call_keeps_the_deadline() {
+    let f = Fixture::new();
+    f.write("loop.wasm", &abi_module("(loop $l (br $l)) i64.const 0"));
+    f.write("ok.wasm", &abi_module(&allow_body()));
+    assert!(
+        f.sync(&[("slow", "loop.wasm", "deadlineMs = 40")])
+            .is_empty()
+    );
+    assert_eq!(f.host.epoch_tick(), Some(Duration::from_millis(4)));
+    std::thread::scope(|s| {
+        let call = s.spawn(|| {
+            let t = Instant::now();
+            (f.call("slow"), t.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(5));
+        let refused = f.sync(&[
+            ("slow", "loop.wasm", "deadlineMs = 40"),
+            ("fast", "ok.wasm", "deadlineMs = 2"),
+        ]);
+        assert!(refused.is_empty(), "{refused:?}");
+        assert_eq!(f.host.epoch_tick(), Some(Duration::from_micros(200)));
+        let (out, took) = call.join().unwrap();
+        assert_eq!(failure(&out), Some(FailureKind::Timeout), "{out:?}");
+        assert!(took >= Duration::from_millis(40), "cut short: {took:?}");
+        assert!(took < Duration::from_millis(200), "cut off late: {took:?}");
+    });
+}
+
+/// A module with an after-release export that loops: the release's call is
+/// built without running anything, once per granted key, and running it ends
+/// at the class's deadline.
+#[test]
+fn after_release_calls_are_built_cheaply_and_run_under_the_deadline() {
+    let escaped = ALLOW.replace('"', "\\\"");
+    let wat = format!(
+        r#"(module
+  (memory (export "memory") 1)
+  (data (i32.const 16) "{escaped}")
+  (func (export "latchkey_abi_version") (result i32) i32.const 1)
+  (func (export "latchkey_alloc") (param i32) (result i32) i32.const 4096)
+  (func (export "latchkey_free") (param i32 i32))
+  (func (export "latchkey_before_grant") (param i32 i32) (result i64) {})
+  (func (export "latchkey_after_release") (param i32 i32) (loop $l (br $l))))"#,
+        allow_body()
+    );
+    let f = Fixture::new();
+    f.write("rel.wasm", &wat::parse_str(wat).unwrap());
+    assert!(f.sync(&[("r", "rel.wasm", "deadlineMs = 5")]).is_empty());
+    let who = "spiffe://dev.latchkey/workload/alice";
+    assert!(
+        f.host.release_call(who, "demo/a", 1, 2).is_none(),
+        "not granted yet"
+    );
+    assert!(matches!(f.call("r"), HookOutcome::Allow { .. }));
+    let call = f.host.release_call(who, "demo/a", 1, 2).unwrap();
+    assert_eq!(call.class(), "r");
+    assert!(
+        f.host.release_call(who, "demo/a", 1, 2).is_none(),
+        "forgotten at release"
+    );
+    let t = Instant::now();
+    f.host.run_release_call(call);
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(5) && took < Duration::from_millis(100),
+        "{took:?}"
+    );
+
+    assert!(matches!(f.call("r"), HookOutcome::Allow { .. }));
+    let call = f.host.release_call(who, "demo/a", 1, 2).unwrap();
+    f.host.release_call_dropped(call);
+    assert_eq!(
+        f.host.metrics().class("r").unwrap().after_release_dropped,
+        1
+    );
+}
+
+#[test]
+fn an_internal_failure_denies_like_a_trap() {
+    let f = Fixture::new();
+    match f
+        .host
+        .internal_failure("c", Instant::now(), "the thread panicked")
+    {
+        HookOutcome::Deny {
+            code,
+            reason,
+            message,
+            failure,
+        } => {
+            assert_eq!(code, DenyCode::FailedPrecondition);
+            assert_eq!(reason, "HOOK_INTERNAL_ERROR");
+            assert_eq!(failure, Some(FailureKind::Internal));
+            assert!(
+                message.contains("\"c\"") && message.contains("panicked"),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let m = f.host.metrics().class("c").unwrap();
+    assert_eq!(m.failures.get(&FailureKind::Internal), Some(&1));
+}
+
 #[test]
 fn a_memory_bomb_hits_the_cap() {
     let f = Fixture::new();
@@ -310,7 +436,8 @@ fn a_refused_module_is_logged_once_per_change_and_counted_every_time() {
         assert_eq!(refusals_logged(), 2);
         // Loaded, then missing again: news again.
         f.write("gone.wasm", &abi_module(&allow_body()));
-        assert!(f.sync(&[("c", "gone.wasm", "")]).is_empty());
+        let r = f.sync(&[("c", "gone.wasm", "")]);
+        assert!(r.is_empty(), "{r:?}");
         std::fs::remove_file(f.dir.path().join("gone.wasm")).unwrap();
         f.sync(&[("c", "gone.wasm", "")]);
         f.sync(&[("c", "gone.wasm", "")]);

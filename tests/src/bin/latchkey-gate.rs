@@ -15,6 +15,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use latchkey_tests::faulty_log::TestFault;
 use latchkey_tests::gate::{self, Binaries, Fault, GateConfig};
 
 #[derive(Parser)]
@@ -48,9 +49,10 @@ struct Args {
     #[arg(long, default_value = "target/gate")]
     out: PathBuf,
     /// Run the arbiters with a deliberate bug (`grant-on-watch`): the
-    /// checker must then fail the run.
-    #[arg(long)]
-    arbiter_test_fault: Option<String>,
+    /// checker must then fail the run. The gate's arbiter-under-test has the
+    /// tests' faults; a shipped latchkey-arbiter has none.
+    #[arg(long, value_parser = TestFault::parse, default_value = "none")]
+    arbiter_test_fault: TestFault,
     /// Keep the history, report and logs under --out even when the run passes.
     #[arg(long)]
     keep: bool,

@@ -33,6 +33,7 @@ use tokio::sync::Mutex;
 
 use crate::arbiter::{ArbiterOptions, ArbiterProcess, certs, svid_flags};
 use crate::cluster::{ClusterOptions, EtcdCluster};
+use crate::faulty_log::TestFault;
 use crate::postgres::PostgresServer;
 use clock::SteppableClock;
 use disk::StallableDir;
@@ -80,8 +81,10 @@ pub struct GateConfig {
     pub unit_of_work: Duration,
     /// Longest time a worker waits for a held key.
     pub wait: Duration,
-    /// `--test-fault` for the arbiters (the checker's self-test).
-    pub arbiter_test_fault: Option<String>,
+    /// A deliberate bug for the arbiters (the checker's self-test:
+    /// [`TestFault::GrantOnWatch`]), passed as `--test-fault`: only
+    /// `arbiter-under-test` has the faults (see [`crate::faulty_log`]).
+    pub arbiter_test_fault: TestFault,
     /// Where a failing run's history and report are kept.
     pub out_dir: PathBuf,
     /// Keep the history, report and logs even when the run passes.
@@ -103,7 +106,7 @@ impl GateConfig {
             fault_gap: (Duration::from_millis(1500), Duration::from_millis(4000)),
             unit_of_work: Duration::from_millis(20),
             wait: Duration::from_millis(1000),
-            arbiter_test_fault: None,
+            arbiter_test_fault: TestFault::None,
             out_dir,
             keep: false,
             binaries,
@@ -206,7 +209,6 @@ pub(crate) struct Rig {
     pub arbiters: Mutex<Vec<Option<ArbiterProcess>>>,
     pub arbiter_addrs: Vec<std::net::SocketAddr>,
     pub arbiter_state: Vec<PathBuf>,
-    pub arbiter_args: Vec<String>,
     pub arbiter_opts: ArbiterOptions,
     /// With the slow-disk-arbiter fault: arbiter i's state dir is inside
     /// `arbiter_disks[i]` (declared after `arbiters`: unmounted after they stop).
@@ -231,7 +233,7 @@ impl Rig {
             Some(self.arbiter_addrs[i]),
             opts,
             "info,latchkey_arbiter=info",
-            &self.arbiter_args,
+            &[],
         )
         .await
     }
@@ -321,14 +323,10 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     write_policies(&policies, config.workers)?;
     issue_worker_svids(config.workers)?;
 
-    let mut arbiter_args = Vec::new();
-    if let Some(fault) = &config.arbiter_test_fault {
-        arbiter_args.push("--test-fault".to_owned());
-        arbiter_args.push(fault.clone());
-    }
     let arbiter_opts = ArbiterOptions {
         policies_dir: policies.clone(),
         retry_poll: Duration::from_millis(500),
+        test_fault: config.arbiter_test_fault,
         ..ArbiterOptions::default()
     };
     let mut addrs = Vec::new();
@@ -363,7 +361,6 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         arbiters: Mutex::new(Vec::new()),
         arbiter_addrs: addrs,
         arbiter_state: states,
-        arbiter_args,
         arbiter_opts,
         arbiter_disks,
         binaries: config.binaries.clone(),

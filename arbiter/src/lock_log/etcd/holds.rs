@@ -83,15 +83,21 @@ pub(super) async fn hand_over(
             txn.next_session_record,
         ),
     ]);
-    let etcd_txn = Txn::new().when(compares).and_then([TxnOp::put(
-        log.layout.holder(&txn.from.key),
-        txn.holder_record,
-        Some(
-            PutOptions::new()
-                .with_lease(txn.next_session)
-                .with_prev_key(),
+    let etcd_txn = Txn::new().when(compares).and_then([
+        TxnOp::put(
+            log.layout.holder(&txn.from.key),
+            txn.holder_record,
+            Some(
+                PutOptions::new()
+                    .with_lease(txn.next_session)
+                    .with_prev_key(),
+            ),
         ),
-    )]);
+        TxnOp::delete(
+            log.layout.claims_of(&txn.from.key),
+            Some(DeleteOptions::new().with_prefix()),
+        ),
+    ]);
     let resp =
         log.client.kv_client().txn(etcd_txn).await.map_err(|e| {
             unavailable_on("cannot run the hand-over transaction", txn.next_session, e)
@@ -108,10 +114,16 @@ pub(super) async fn hand_over(
 pub(super) async fn release(log: &EtcdLog, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
     let txn = Txn::new()
         .when(still_held(log, held))
-        .and_then([TxnOp::delete(
-            log.layout.holder(&held.key),
-            Some(DeleteOptions::new().with_prev_key()),
-        )]);
+        .and_then([
+            TxnOp::delete(
+                log.layout.holder(&held.key),
+                Some(DeleteOptions::new().with_prev_key()),
+            ),
+            TxnOp::delete(
+                log.layout.claims_of(&held.key),
+                Some(DeleteOptions::new().with_prefix()),
+            ),
+        ]);
     let resp = log
         .client
         .kv_client()
@@ -129,8 +141,37 @@ pub(super) async fn release(log: &EtcdLog, held: &HeldAt) -> LogResult<Option<Ve
     answer(resp.header(), released)
 }
 
+/// Claims the hold at `revision` for a call of `session`: the claim record,
+/// on the session's lease, if the hold is still exactly that.
+pub(super) async fn claim(
+    log: &EtcdLog,
+    key: &str,
+    session: i64,
+    revision: i64,
+) -> LogResult<bool> {
+    let holder_key = log.layout.holder(key);
+    let txn = Txn::new()
+        .when([
+            Compare::mod_revision(holder_key.clone(), CompareOp::Equal, revision),
+            Compare::lease(holder_key, CompareOp::Equal, session),
+        ])
+        .and_then([TxnOp::put(
+            log.layout.claim(key, revision),
+            "",
+            Some(PutOptions::new().with_lease(session)),
+        )]);
+    let resp = log
+        .client
+        .kv_client()
+        .txn(txn)
+        .await
+        .map_err(|e| unavailable_on("cannot claim a hold", session, e))?;
+    answer(resp.header(), resp.succeeded())
+}
+
 /// Deletes a grant whose caller went away, if `session` still holds `key`
-/// at `revision` (never on a caller's say-so, so no record compare).
+/// at `revision` and no call has claimed that hold (never on a caller's
+/// say-so, so no record compare).
 pub(super) async fn release_orphan(
     log: &EtcdLog,
     key: &str,
@@ -142,6 +183,7 @@ pub(super) async fn release_orphan(
         .when([
             Compare::mod_revision(holder_key.clone(), CompareOp::Equal, revision),
             Compare::lease(holder_key.clone(), CompareOp::Equal, session),
+            Compare::create_revision(log.layout.claim(key, revision), CompareOp::Equal, 0),
         ])
         .and_then([TxnOp::delete(holder_key, None)]);
     let resp = log

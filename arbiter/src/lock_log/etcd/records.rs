@@ -109,6 +109,10 @@ pub(super) async fn advance(
                 Some(DeleteOptions::new().with_prefix()),
             ),
             TxnOp::delete(seal_key, None),
+            TxnOp::delete(
+                log.layout.claims(),
+                Some(DeleteOptions::new().with_prefix()),
+            ),
         ]);
     let resp = log
         .client

@@ -1,0 +1,790 @@
+//! [`MemLog`]: an in-memory [`LockLog`] with etcd's semantics, for the
+//! deterministic simulation.
+//!
+//! What it keeps from etcd, because the grant protocol leans on it:
+//!
+//! - one revision counter for the whole store; each write transaction that
+//!   changes something commits at the next revision, reads and failed
+//!   transactions do not move it, and every answer's header carries the
+//!   revision and the cluster id;
+//! - per key `create_revision`, `mod_revision` and lease; compares fail as
+//!   etcd's do (a value compare on a missing key always fails, the others
+//!   compare a missing key as zeros); a put on a missing lease refuses the
+//!   whole transaction ([`StoreError::LeaseGone`]);
+//! - leases on tokio's clock: under paused time the simulation decides when
+//!   they expire. An expired lease is revoked at its deadline, its keys
+//!   deleted at one new revision, before anything else the store does
+//!   after that instant, and a watch blocked in [`KeyWatch::next`] wakes at
+//!   the deadline by itself (no background task);
+//! - watches from a revision: a per-key history replayed from there, then
+//!   live events; compaction drops history, and a watch from below it is
+//!   `Lost`.
+//!
+//! What it adds: faults drawn from a seed per call ([`FaultRates`]), and
+//! the operator-side events a simulation needs (compaction, snapshot and
+//! restore with the same or a new cluster id, broken watch streams).
+//!
+//! Nothing here reads the wall clock, spawns a task or iterates a hash
+//! map: on a current-thread runtime with paused time, a seed and a script
+//! of calls give the same answers every run.
+
+mod store;
+#[cfg(test)]
+mod tests;
+mod watch;
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use async_trait::async_trait;
+use latchkey_arbiter::lock_log::{
+    Answer, GrantTxn, Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LockLog, LogResult,
+    Records, Renewal, StoreError,
+};
+use tokio::time::{Duration, Instant};
+
+use crate::rng::Rng;
+pub use store::CompactError;
+use store::{Compare, Image, NoLease, Op, OpResult, Store};
+
+/// How often, in percent of calls, each fault strikes. Every call of the
+/// [`LockLog`] draws its fate once, whatever the rates, so changing one rate
+/// does not reshuffle the others' stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FaultRates {
+    /// The call fails before it reaches the store: nothing applied,
+    /// [`StoreError::Unavailable`].
+    pub fail_before_commit: u32,
+    /// The call is applied, then its answer is lost:
+    /// [`StoreError::Unavailable`] for a write that happened.
+    pub lose_response: u32,
+    /// The call waits a random time up to [`Self::max_delay`] (on tokio's
+    /// clock) before the store applies it, so calls overtake each other.
+    pub delay: u32,
+    pub max_delay: Duration,
+}
+
+impl FaultRates {
+    /// No faults.
+    pub const NONE: FaultRates = FaultRates {
+        fail_before_commit: 0,
+        lose_response: 0,
+        delay: 0,
+        max_delay: Duration::ZERO,
+    };
+}
+
+/// How many faults were injected so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FaultCounts {
+    pub calls: u64,
+    pub failed_before_commit: u64,
+    pub lost_responses: u64,
+    pub delayed: u64,
+}
+
+/// How a [`MemLog`] starts.
+#[derive(Debug, Clone)]
+pub struct MemLogConfig {
+    /// Seeds the fault stream and any new cluster id.
+    pub seed: u64,
+    /// The cluster id headers carry (`None`: drawn from the seed).
+    pub cluster_id: Option<u64>,
+    pub faults: FaultRates,
+    /// Keep at least this many revisions of watch history, compacting
+    /// older ones on its own (etcd's revision auto-compaction), so a long
+    /// simulation stays bounded. `None`: only [`MemLog::compact`] compacts.
+    pub history_revisions: Option<u64>,
+    /// etcd raises a shorter TTL to this (1.5 election timeouts: 2 s with
+    /// etcd's defaults), so a session's TTL behaves as on a real etcd.
+    pub min_ttl_seconds: u32,
+}
+
+impl Default for MemLogConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            cluster_id: None,
+            faults: FaultRates::NONE,
+            history_revisions: Some(10_000),
+            min_ttl_seconds: 2,
+        }
+    }
+}
+
+/// Which cluster id a restored store answers with (as an `etcdctl snapshot
+/// restore` with the same or a new `--initial-cluster-token`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClusterId {
+    Same,
+    New,
+}
+
+/// The store at one revision, to [`MemLog::restore`] later (an etcd
+/// snapshot: keys, history since the last compaction, leases).
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    image: Image,
+}
+
+impl Snapshot {
+    pub fn revision(&self) -> i64 {
+        self.image.revision
+    }
+}
+
+struct Inner {
+    store: Store,
+    cluster_id: u64,
+    faults: FaultRates,
+    /// Draws the faults: one draw set per call.
+    rng: Rng,
+    /// Draws new cluster ids, apart from the faults so a restore does not
+    /// shift the fault stream.
+    ids: Rng,
+    counts: FaultCounts,
+}
+
+impl Inner {
+    fn header(&self) -> Header {
+        Header {
+            cluster_id: self.cluster_id,
+            revision: self.store.revision(),
+        }
+    }
+
+    fn answer<T>(&self, value: T) -> LogResult<T> {
+        Ok(Answer {
+            header: self.header(),
+            value,
+        })
+    }
+}
+
+pub(crate) struct Shared {
+    inner: Mutex<Inner>,
+    /// Bumped whenever a watch may have something new (an event, an ended
+    /// stream, a lease deadline that moved).
+    changed: tokio::sync::watch::Sender<u64>,
+}
+
+impl Shared {
+    /// The state; a panic elsewhere while it was held leaves it usable (a
+    /// simulation reports the panic, not a poisoned lock).
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the state after applying every lease expiry due by now,
+    /// then wakes the watches if anything they wait for changed.
+    fn with<T>(&self, f: impl FnOnce(&mut Inner, Instant) -> T) -> T {
+        let mut inner = self.lock();
+        let now = Instant::now();
+        inner.store.expire_due(now);
+        let out = f(&mut inner, now);
+        if inner.store.take_dirty() {
+            self.changed.send_modify(|n| *n = n.wrapping_add(1));
+        }
+        out
+    }
+}
+
+/// One call's fate, drawn when it starts.
+struct Fate {
+    fail_before: bool,
+    lose_response: bool,
+    delay: Option<Duration>,
+}
+
+/// The in-memory lock log. A cheap handle: clones share one store.
+#[derive(Clone)]
+pub struct MemLog {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for MemLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.shared.lock();
+        f.debug_struct("MemLog")
+            .field("cluster_id", &inner.cluster_id)
+            .field("revision", &inner.store.revision())
+            .field("faults", &inner.faults)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemLog {
+    /// An empty store (revision 1, as a fresh etcd) with no faults.
+    pub fn new(seed: u64) -> Self {
+        Self::with_config(MemLogConfig {
+            seed,
+            ..MemLogConfig::default()
+        })
+    }
+
+    pub fn with_config(config: MemLogConfig) -> Self {
+        let mut ids = Rng::new(config.seed ^ 0x5EED_C1D5_0000_0001);
+        let cluster_id = config.cluster_id.unwrap_or_else(|| nonzero(ids.next_u64()));
+        let (changed, _) = tokio::sync::watch::channel(0);
+        Self {
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Inner {
+                    store: Store::new(config.history_revisions, config.min_ttl_seconds),
+                    cluster_id,
+                    faults: config.faults,
+                    rng: Rng::new(config.seed),
+                    ids,
+                    counts: FaultCounts::default(),
+                }),
+                changed,
+            }),
+        }
+    }
+
+    // --- fault knobs ---
+
+    pub fn set_faults(&self, faults: FaultRates) {
+        self.shared.lock().faults = faults;
+    }
+
+    pub fn faults(&self) -> FaultRates {
+        self.shared.lock().faults
+    }
+
+    pub fn fault_counts(&self) -> FaultCounts {
+        self.shared.lock().counts
+    }
+
+    // --- the operator's side ---
+
+    /// Compacts history below `revision` (etcd's `compact`): a watch from
+    /// below it is `Lost`; watches already following are not affected.
+    pub fn compact(&self, revision: i64) -> Result<(), CompactError> {
+        self.shared.with(|inner, _| inner.store.compact(revision))
+    }
+
+    /// Ends every open watch, as a broken watch stream or a restarted
+    /// member does: each reports what reached it, then `Lost`.
+    pub fn break_watches(&self) {
+        self.shared.with(|inner, _| inner.store.end_watches());
+    }
+
+    /// The store as it is now.
+    pub fn snapshot(&self) -> Snapshot {
+        self.shared.with(|inner, _| Snapshot {
+            image: inner.store.image(),
+        })
+    }
+
+    /// Goes back to `snapshot`: its keys and revision (revisions after it
+    /// will be reused, as after an etcd restore), its leases with their
+    /// TTL restarted, every open watch ending with `Lost`; with
+    /// [`ClusterId::New`] headers carry a new cluster id from now on.
+    pub fn restore(&self, snapshot: &Snapshot, cluster_id: ClusterId) {
+        self.shared.with(|inner, now| {
+            inner.store.restore(&snapshot.image, now);
+            if cluster_id == ClusterId::New {
+                let old = inner.cluster_id;
+                let mut new = nonzero(inner.ids.next_u64());
+                while new == old {
+                    new = nonzero(inner.ids.next_u64());
+                }
+                inner.cluster_id = new;
+            }
+        });
+    }
+
+    // --- inspection (no faults, no effect but due expiries) ---
+
+    pub fn revision(&self) -> i64 {
+        self.shared.with(|inner, _| inner.store.revision())
+    }
+
+    pub fn cluster_id(&self) -> u64 {
+        self.shared.lock().cluster_id
+    }
+
+    pub fn compaction_revision(&self) -> i64 {
+        self.shared.lock().store.compacted()
+    }
+
+    /// The leases the store has now, in id order.
+    pub fn lease_ids(&self) -> Vec<i64> {
+        self.shared.with(|inner, _| inner.store.lease_ids())
+    }
+
+    /// How long until `lease` expires, if the store still has it.
+    pub fn lease_remaining(&self, lease: i64) -> Option<Duration> {
+        self.shared.with(|inner, now| {
+            inner
+                .store
+                .lease(lease)
+                .map(|l| l.deadline.saturating_duration_since(now))
+        })
+    }
+
+    /// Watches not ended yet.
+    pub fn open_watches(&self) -> usize {
+        self.shared.lock().store.open_watches()
+    }
+
+    // --- calls ---
+
+    /// Draws this call's fate: always three draws, whatever the rates.
+    fn fate(&self) -> Fate {
+        let mut inner = self.shared.lock();
+        let roll = inner.rng.below(100);
+        let delay_roll = inner.rng.below(100);
+        let amount = inner.rng.next_u64();
+        let f = inner.faults;
+        let fail_before = roll < u64::from(f.fail_before_commit);
+        let lose_response = !fail_before
+            && roll < u64::from(f.fail_before_commit).saturating_add(u64::from(f.lose_response));
+        let max = u64::try_from(f.max_delay.as_micros()).unwrap_or(u64::MAX);
+        let delay = (delay_roll < u64::from(f.delay) && max > 0)
+            .then(|| Duration::from_micros(amount % max.saturating_add(1)));
+        inner.counts.calls += 1;
+        inner.counts.failed_before_commit += u64::from(fail_before);
+        inner.counts.lost_responses += u64::from(lose_response);
+        inner.counts.delayed += u64::from(delay.is_some());
+        Fate {
+            fail_before,
+            lose_response,
+            delay,
+        }
+    }
+
+    /// One call: its fate, its delay, then `f` on the store (after the
+    /// expiries due by then), then maybe a lost answer.
+    async fn call<T>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&mut Inner, Instant) -> Result<T, StoreError> + Send,
+    ) -> Result<T, StoreError> {
+        let fate = self.fate();
+        if let Some(delay) = fate.delay {
+            tokio::time::sleep(delay).await;
+        }
+        if fate.fail_before {
+            return Err(StoreError::unavailable(format!(
+                "{what}: the store did not answer (injected before commit)"
+            )));
+        }
+        let out = self.shared.with(f);
+        if fate.lose_response {
+            return Err(StoreError::unavailable(format!(
+                "{what}: the answer was lost (injected after commit)"
+            )));
+        }
+        out
+    }
+}
+
+fn nonzero(id: u64) -> u64 {
+    if id == 0 { 1 } else { id }
+}
+
+/// Where each record lives in the store (the same shape as the arbiter's
+/// etcd layout, without a prefix).
+mod keys {
+    pub const HOLDERS: &str = "l/";
+    pub const WAITERS: &str = "q/";
+    pub const CLAIMS: &str = "c/";
+
+    pub fn epoch() -> String {
+        "sys/epoch".into()
+    }
+    pub fn seal() -> String {
+        "sys/seal".into()
+    }
+    pub fn session(lease: i64) -> String {
+        format!("s/{lease:016x}")
+    }
+    /// Hex, so no identity's entries are a prefix of another's.
+    pub fn identity_sessions(identity: &str) -> String {
+        let hex: String = identity.bytes().map(|b| format!("{b:02x}")).collect();
+        format!("si/{hex}/")
+    }
+    pub fn identity_session(identity: &str, lease: i64) -> String {
+        format!("{}{lease:016x}", identity_sessions(identity))
+    }
+    pub fn holder(key: &str) -> String {
+        format!("{HOLDERS}{key}")
+    }
+    /// `//` cannot occur in a key: no key's claims are a prefix of another's.
+    pub fn claims_of(key: &str) -> String {
+        format!("{CLAIMS}{key}//")
+    }
+    pub fn claim(key: &str, revision: i64) -> String {
+        format!("{}{revision:016x}", claims_of(key))
+    }
+}
+
+fn lease_gone(NoLease(lease): NoLease) -> StoreError {
+    StoreError::LeaseGone { lease }
+}
+
+/// The compares that make a release or hand-over act only on `held`: the
+/// same record bytes, on the same lease, at the same revision.
+fn still_held(held: &HeldAt) -> [Compare; 3] {
+    let key = keys::holder(&held.key);
+    [
+        Compare::ModRevision(key.clone(), held.revision),
+        Compare::Lease(key.clone(), held.session),
+        Compare::Value(key, held.value.clone()),
+    ]
+}
+
+/// A compare on a record expected at `at` (`None`: absent).
+fn at_revision(key: String, at: Option<i64>) -> Compare {
+    match at {
+        Some(rev) => Compare::ModRevision(key, rev),
+        None => Compare::CreateRevision(key, 0),
+    }
+}
+
+fn value_of(store: &Store, key: &str) -> Option<Vec<u8>> {
+    store.get(key).map(|kv| kv.value.clone())
+}
+
+fn kv_of(store: &Store, key: &str) -> Option<Kv> {
+    store.get(key).map(|kv| kv.kv())
+}
+
+#[async_trait]
+impl LockLog for MemLog {
+    async fn records(&self) -> LogResult<Records> {
+        self.call("records", |inner, _| {
+            let records = Records {
+                epoch: kv_of(&inner.store, &keys::epoch()),
+                seal: kv_of(&inner.store, &keys::seal()),
+            };
+            inner.answer(records)
+        })
+        .await
+    }
+
+    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
+        self.call("create epoch", |inner, _| {
+            let created = inner
+                .store
+                .all(&[Compare::CreateRevision(keys::epoch(), 0)]);
+            if created {
+                commit(&mut inner.store, vec![put(keys::epoch(), record, 0)])?;
+            }
+            inner.answer(created)
+        })
+        .await
+    }
+
+    async fn put_seal(
+        &self,
+        record: Vec<u8>,
+        seal_at: Option<i64>,
+        epoch_at: Option<i64>,
+    ) -> LogResult<bool> {
+        self.call("put seal", |inner, _| {
+            let ok = inner.store.all(&[
+                at_revision(keys::seal(), seal_at),
+                at_revision(keys::epoch(), epoch_at),
+            ]);
+            if ok {
+                commit(&mut inner.store, vec![put(keys::seal(), record, 0)])?;
+            }
+            inner.answer(ok)
+        })
+        .await
+    }
+
+    async fn advance(
+        &self,
+        expected: Vec<u8>,
+        seal_at: Option<i64>,
+        record: Vec<u8>,
+    ) -> LogResult<Option<i64>> {
+        self.call("advance", |inner, _| {
+            let ok = inner.store.all(&[
+                Compare::Value(keys::epoch(), expected),
+                at_revision(keys::seal(), seal_at),
+            ]);
+            if !ok {
+                return inner.answer(None);
+            }
+            let results = commit(
+                &mut inner.store,
+                vec![
+                    put(keys::epoch(), record, 0),
+                    Op::DeletePrefix(keys::HOLDERS.into()),
+                    Op::DeletePrefix(keys::WAITERS.into()),
+                    Op::Delete(keys::seal()),
+                    Op::DeletePrefix(keys::CLAIMS.into()),
+                ],
+            )?;
+            let deleted = match results.get(1) {
+                Some(OpResult::Deleted(prev)) => i64::try_from(prev.len()).unwrap_or(i64::MAX),
+                _ => 0,
+            };
+            inner.answer(Some(deleted))
+        })
+        .await
+    }
+
+    async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
+        let holder = keys::holder(txn.key);
+        let session_key = keys::session(txn.session);
+        self.call("grant", |inner, _| {
+            let ok = inner.store.all(&[
+                Compare::CreateRevision(holder.clone(), 0),
+                Compare::Value(keys::epoch(), txn.epoch.to_vec()),
+                Compare::CreateRevision(keys::seal(), 0),
+                Compare::Value(session_key.clone(), txn.session_record.to_vec()),
+            ]);
+            if ok {
+                commit(
+                    &mut inner.store,
+                    vec![put(holder, txn.holder_record, txn.session)],
+                )?;
+                return inner.answer(Granted::Yes);
+            }
+            let store = &inner.store;
+            let failed = Granted::No {
+                holder: kv_of(store, &holder),
+                epoch: value_of(store, &keys::epoch()),
+                sealed: store.get(&keys::seal()).is_some(),
+                session: value_of(store, &session_key),
+            };
+            inner.answer(failed)
+        })
+        .await
+    }
+
+    async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
+        let mut compares = still_held(txn.from).to_vec();
+        compares.extend([
+            Compare::Value(keys::epoch(), txn.epoch.to_vec()),
+            Compare::CreateRevision(keys::seal(), 0),
+            Compare::Value(
+                keys::session(txn.next_session),
+                txn.next_session_record.to_vec(),
+            ),
+        ]);
+        let holder = keys::holder(&txn.from.key);
+        self.call("hand over", |inner, _| {
+            if !inner.store.all(&compares) {
+                return inner.answer(None);
+            }
+            let results = commit(
+                &mut inner.store,
+                vec![
+                    put(holder, txn.holder_record, txn.next_session),
+                    Op::DeletePrefix(keys::claims_of(&txn.from.key)),
+                ],
+            )?;
+            let previous = match results.first() {
+                Some(OpResult::Put(prev)) => prev.as_ref().map(|kv| kv.value.clone()),
+                _ => None,
+            };
+            inner.answer(Some(previous))
+        })
+        .await
+    }
+
+    async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
+        let compares = still_held(held);
+        let holder = keys::holder(&held.key);
+        self.call("release", |inner, _| {
+            if !inner.store.all(&compares) {
+                return inner.answer(None);
+            }
+            let results = commit(
+                &mut inner.store,
+                vec![
+                    Op::Delete(holder),
+                    Op::DeletePrefix(keys::claims_of(&held.key)),
+                ],
+            )?;
+            let previous = match results.first() {
+                Some(OpResult::Deleted(prev)) => prev.first().map(|(_, kv)| kv.value.clone()),
+                _ => None,
+            };
+            // the compares found the key, so the delete returned it
+            inner.answer(Some(previous.unwrap_or_default()))
+        })
+        .await
+    }
+
+    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+        let holder = keys::holder(key);
+        let claim = keys::claim(key, revision);
+        self.call("claim", |inner, _| {
+            let ok = inner.store.all(&[
+                Compare::ModRevision(holder.clone(), revision),
+                Compare::Lease(holder.clone(), session),
+            ]);
+            if ok {
+                commit(&mut inner.store, vec![put(claim, Vec::new(), session)])?;
+            }
+            inner.answer(ok)
+        })
+        .await
+    }
+
+    async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+        let holder = keys::holder(key);
+        let claim = keys::claim(key, revision);
+        self.call("release orphan", |inner, _| {
+            let ok = inner.store.all(&[
+                Compare::ModRevision(holder.clone(), revision),
+                Compare::Lease(holder.clone(), session),
+                Compare::CreateRevision(claim, 0),
+            ]);
+            if ok {
+                commit(&mut inner.store, vec![Op::Delete(holder)])?;
+            }
+            inner.answer(ok)
+        })
+        .await
+    }
+
+    async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
+        let holder = keys::holder(key);
+        self.call("holder", |inner, _| {
+            let kv = kv_of(&inner.store, &holder);
+            inner.answer(kv)
+        })
+        .await
+    }
+
+    async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>> {
+        let under = keys::holder(prefix);
+        self.call("holders under", |inner, _| {
+            let holds = inner
+                .store
+                .range(&under)
+                .map(|(k, kv)| {
+                    let key = k.strip_prefix(keys::HOLDERS).unwrap_or(k);
+                    (key.to_string(), kv.kv())
+                })
+                .collect();
+            inner.answer(holds)
+        })
+        .await
+    }
+
+    async fn count_holds(&self) -> LogResult<i64> {
+        self.call("count holds", |inner, _| {
+            let n = inner.store.count(keys::HOLDERS);
+            inner.answer(n)
+        })
+        .await
+    }
+
+    async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
+        let holder = keys::holder(key);
+        let rx = self.shared.changed.subscribe();
+        let id = self
+            .call("watch", |inner, _| {
+                Ok(inner.store.open_watch(&holder, from_revision))
+            })
+            .await?;
+        Ok(Box::new(watch::MemWatch::new(self.shared.clone(), id, rx)))
+    }
+
+    async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
+        self.call("grant lease", |inner, now| {
+            if id == 0 {
+                return Err(StoreError::Malformed(
+                    "lease id 0 asks the store to choose one; the log always names its own".into(),
+                ));
+            }
+            if !inner.store.grant_lease(id, ttl_seconds, now) {
+                return Err(StoreError::LeaseExists { lease: id });
+            }
+            inner.answer(())
+        })
+        .await
+    }
+
+    async fn put_session(&self, session: i64, identity: &str, record: Vec<u8>) -> LogResult<()> {
+        let ops = vec![
+            put(keys::session(session), record, session),
+            put(
+                keys::identity_session(identity, session),
+                Vec::new(),
+                session,
+            ),
+        ];
+        self.call("put session", |inner, _| {
+            commit(&mut inner.store, ops)?;
+            inner.answer(())
+        })
+        .await
+    }
+
+    async fn session(&self, session: i64) -> LogResult<Option<Kv>> {
+        let key = keys::session(session);
+        self.call("session", |inner, _| {
+            let kv = kv_of(&inner.store, &key);
+            inner.answer(kv)
+        })
+        .await
+    }
+
+    async fn count_sessions_of(&self, identity: &str) -> LogResult<u32> {
+        let prefix = keys::identity_sessions(identity);
+        self.call("count sessions", |inner, _| {
+            let n = u32::try_from(inner.store.count(&prefix)).unwrap_or(u32::MAX);
+            inner.answer(n)
+        })
+        .await
+    }
+
+    async fn delete_session(
+        &self,
+        session: i64,
+        identity: &str,
+        record: Vec<u8>,
+    ) -> LogResult<bool> {
+        let key = keys::session(session);
+        let entry = keys::identity_session(identity, session);
+        self.call("delete session", |inner, _| {
+            let ok = inner.store.all(&[
+                Compare::Value(key.clone(), record),
+                Compare::Lease(key.clone(), session),
+            ]);
+            if ok {
+                commit(&mut inner.store, vec![Op::Delete(key), Op::Delete(entry)])?;
+            }
+            inner.answer(ok)
+        })
+        .await
+    }
+
+    async fn revoke(&self, lease: i64) -> Result<(), StoreError> {
+        self.call("revoke", |inner, _| {
+            // a lease that is gone already is not an error
+            inner.store.revoke(lease);
+            Ok(())
+        })
+        .await
+    }
+
+    async fn renew(&self, lease: i64) -> Result<Renewal, StoreError> {
+        let sent = Instant::now();
+        let ttl_seconds = self
+            .call("renew", |inner, now| Ok(inner.store.renew(lease, now)))
+            .await?;
+        Ok(Renewal {
+            ttl_seconds,
+            sent: sent.into_std(),
+            sent_to_store: true,
+        })
+    }
+}
+
+fn put(key: String, value: Vec<u8>, lease: i64) -> Op {
+    Op::Put { key, value, lease }
+}
+
+fn commit(store: &mut Store, ops: Vec<Op>) -> Result<Vec<OpResult>, StoreError> {
+    store.commit(ops).map_err(lease_gone)
+}

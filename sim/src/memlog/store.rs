@@ -1,0 +1,543 @@
+//! The store under [`super::MemLog`]: keys with etcd's metadata, one
+//! revision counter, leases, per-key event history and watch queues. Pure
+//! state, no clock of its own and no `await`: the log passes `now` in, so
+//! every step is a plain function of the calls made and the time they were
+//! made at.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use latchkey_arbiter::lock_log::{Kv, WatchSignal};
+use tokio::time::{Duration, Instant};
+
+/// A stored key as etcd keeps it (the version counter is left out: no
+/// compare the protocol makes reads it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Stored {
+    pub value: Vec<u8>,
+    pub create_revision: i64,
+    pub mod_revision: i64,
+    pub lease: i64,
+}
+
+impl Stored {
+    pub fn kv(&self) -> Kv {
+        Kv {
+            value: self.value.clone(),
+            create_revision: self.create_revision,
+            mod_revision: self.mod_revision,
+            lease: self.lease,
+        }
+    }
+}
+
+/// One compare of a transaction, always `=` (the only operator the protocol
+/// uses).
+#[derive(Debug, Clone)]
+pub(crate) enum Compare {
+    CreateRevision(String, i64),
+    ModRevision(String, i64),
+    Lease(String, i64),
+    Value(String, Vec<u8>),
+}
+
+/// One write of a transaction.
+#[derive(Debug, Clone)]
+pub(crate) enum Op {
+    Put {
+        key: String,
+        value: Vec<u8>,
+        lease: i64,
+    },
+    Delete(String),
+    DeletePrefix(String),
+}
+
+/// What one write did: the previous key(s), as etcd's `prev_kv` returns them.
+#[derive(Debug, Clone)]
+pub(crate) enum OpResult {
+    Put(Option<Stored>),
+    Deleted(Vec<(String, Stored)>),
+}
+
+/// A put named a lease the store does not have (etcd: "lease not found",
+/// and the whole transaction is refused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct NoLease(pub i64);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EventKind {
+    Put,
+    Delete,
+}
+
+impl EventKind {
+    fn signal(self) -> WatchSignal {
+        match self {
+            EventKind::Put => WatchSignal::Changed,
+            EventKind::Delete => WatchSignal::Freed,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Lease {
+    /// The TTL as granted (after the floor), which a renewal restores.
+    pub ttl_seconds: i64,
+    pub deadline: Instant,
+    pub keys: BTreeSet<String>,
+}
+
+/// A watch's queue of responses, filled at commit time, as etcd pushes
+/// events to a synced watcher: a compaction after the push loses nothing.
+#[derive(Debug)]
+struct WatchSlot {
+    key: String,
+    /// Events below this revision are not the watch's.
+    from: i64,
+    pending: VecDeque<WatchSignal>,
+    /// The stream ended: after `pending`, every `next` is `Lost`.
+    ended: bool,
+}
+
+/// The store's content at one revision (see [`super::Snapshot`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Image {
+    pub revision: i64,
+    pub compacted: i64,
+    kvs: BTreeMap<String, Stored>,
+    history: BTreeMap<String, VecDeque<(i64, EventKind)>>,
+    /// Lease id → (granted TTL, keys); deadlines restart on restore.
+    leases: BTreeMap<i64, (i64, BTreeSet<String>)>,
+}
+
+/// Why a compaction was refused (etcd's two refusals).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum CompactError {
+    #[error("revision {requested} is compacted already (compaction at {compacted})")]
+    Compacted { requested: i64, compacted: i64 },
+    #[error("revision {requested} is in the future (current {current})")]
+    Future { requested: i64, current: i64 },
+}
+
+#[derive(Debug)]
+pub(crate) struct Store {
+    revision: i64,
+    /// Events below this revision are gone; a watch from below it is `Lost`.
+    compacted: i64,
+    kvs: BTreeMap<String, Stored>,
+    history: BTreeMap<String, VecDeque<(i64, EventKind)>>,
+    leases: BTreeMap<i64, Lease>,
+    watches: BTreeMap<u64, WatchSlot>,
+    next_watch: u64,
+    /// Keep at least this many revisions of history (etcd's revision
+    /// auto-compaction); `None`: never compact on its own.
+    retention: Option<i64>,
+    /// etcd raises shorter TTLs to its minimum (1.5 election timeouts,
+    /// 2 s with the defaults).
+    min_ttl_seconds: i64,
+    /// Something a watch may be waiting for changed since the last
+    /// [`Self::take_dirty`].
+    dirty: bool,
+}
+
+impl Store {
+    pub fn new(retention: Option<u64>, min_ttl_seconds: u32) -> Self {
+        Self {
+            // etcd starts at revision 1 (an empty store's header says 1).
+            revision: 1,
+            compacted: 0,
+            kvs: BTreeMap::new(),
+            history: BTreeMap::new(),
+            leases: BTreeMap::new(),
+            watches: BTreeMap::new(),
+            next_watch: 0,
+            retention: retention.map(|r| i64::try_from(r.max(1)).unwrap_or(i64::MAX)),
+            min_ttl_seconds: i64::from(min_ttl_seconds),
+            dirty: false,
+        }
+    }
+
+    pub fn revision(&self) -> i64 {
+        self.revision
+    }
+
+    pub fn compacted(&self) -> i64 {
+        self.compacted
+    }
+
+    /// Whether a watch may have something new to see; resets the flag.
+    pub fn take_dirty(&mut self) -> bool {
+        std::mem::take(&mut self.dirty)
+    }
+
+    // --- reads ---
+
+    pub fn get(&self, key: &str) -> Option<&Stored> {
+        self.kvs.get(key)
+    }
+
+    pub fn range<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = (&'a String, &'a Stored)> {
+        self.kvs
+            .range::<str, _>((
+                std::ops::Bound::Included(prefix),
+                std::ops::Bound::Unbounded,
+            ))
+            .take_while(move |(k, _)| k.starts_with(prefix))
+    }
+
+    pub fn count(&self, prefix: &str) -> i64 {
+        i64::try_from(self.range(prefix).count()).unwrap_or(i64::MAX)
+    }
+
+    /// etcd's compare: on a missing key a value compare always fails and
+    /// the others compare against zero.
+    pub fn holds(&self, compare: &Compare) -> bool {
+        let key = match compare {
+            Compare::CreateRevision(k, _)
+            | Compare::ModRevision(k, _)
+            | Compare::Lease(k, _)
+            | Compare::Value(k, _) => k,
+        };
+        let kv = self.kvs.get(key);
+        match compare {
+            Compare::CreateRevision(_, r) => kv.map_or(0, |kv| kv.create_revision) == *r,
+            Compare::ModRevision(_, r) => kv.map_or(0, |kv| kv.mod_revision) == *r,
+            Compare::Lease(_, l) => kv.map_or(0, |kv| kv.lease) == *l,
+            Compare::Value(_, v) => kv.is_some_and(|kv| kv.value == *v),
+        }
+    }
+
+    pub fn all(&self, compares: &[Compare]) -> bool {
+        compares.iter().all(|c| self.holds(c))
+    }
+
+    // --- writes ---
+
+    /// Applies `ops` as one transaction: every put's lease is checked first
+    /// (a missing one refuses the whole transaction, as etcd does); the
+    /// revision goes up by one only if something changed (a delete of
+    /// nothing is no write, as in etcd's mvcc).
+    pub fn commit(&mut self, ops: Vec<Op>) -> Result<Vec<OpResult>, NoLease> {
+        for op in &ops {
+            if let Op::Put { lease, .. } = op
+                && *lease != 0
+                && !self.leases.contains_key(lease)
+            {
+                return Err(NoLease(*lease));
+            }
+        }
+        let rev = self.revision + 1;
+        let mut events: Vec<(String, EventKind)> = Vec::new();
+        let mut results = Vec::with_capacity(ops.len());
+        for op in ops {
+            match op {
+                Op::Put { key, value, lease } => {
+                    let prev = self.put(rev, &key, value, lease);
+                    events.push((key, EventKind::Put));
+                    results.push(OpResult::Put(prev));
+                }
+                Op::Delete(key) => {
+                    let prev: Vec<(String, Stored)> = self
+                        .remove(&key)
+                        .map(|kv| (key.clone(), kv))
+                        .into_iter()
+                        .collect();
+                    if !prev.is_empty() {
+                        events.push((key, EventKind::Delete));
+                    }
+                    results.push(OpResult::Deleted(prev));
+                }
+                Op::DeletePrefix(prefix) => {
+                    let keys: Vec<String> = self.range(&prefix).map(|(k, _)| k.clone()).collect();
+                    let mut prev = Vec::with_capacity(keys.len());
+                    for key in keys {
+                        if let Some(kv) = self.remove(&key) {
+                            events.push((key.clone(), EventKind::Delete));
+                            prev.push((key, kv));
+                        }
+                    }
+                    results.push(OpResult::Deleted(prev));
+                }
+            }
+        }
+        if !events.is_empty() {
+            self.revision = rev;
+            self.record(rev, events);
+        }
+        Ok(results)
+    }
+
+    fn put(&mut self, rev: i64, key: &str, value: Vec<u8>, lease: i64) -> Option<Stored> {
+        let prev = self.kvs.get(key).cloned();
+        if let Some(old) = &prev
+            && old.lease != lease
+        {
+            self.detach(key, old.lease);
+        }
+        if lease != 0
+            && let Some(l) = self.leases.get_mut(&lease)
+        {
+            l.keys.insert(key.to_string());
+        }
+        self.kvs.insert(
+            key.to_string(),
+            Stored {
+                value,
+                create_revision: prev.as_ref().map_or(rev, |p| p.create_revision),
+                mod_revision: rev,
+                lease,
+            },
+        );
+        prev
+    }
+
+    fn remove(&mut self, key: &str) -> Option<Stored> {
+        let prev = self.kvs.remove(key)?;
+        self.detach(key, prev.lease);
+        Some(prev)
+    }
+
+    fn detach(&mut self, key: &str, lease: i64) {
+        if lease != 0
+            && let Some(l) = self.leases.get_mut(&lease)
+        {
+            l.keys.remove(key);
+        }
+    }
+
+    /// Keeps the events of revision `rev` and hands them to the watches.
+    fn record(&mut self, rev: i64, events: Vec<(String, EventKind)>) {
+        for (key, kind) in events {
+            for slot in self.watches.values_mut() {
+                if slot.key == key && !slot.ended && rev >= slot.from {
+                    slot.pending.push_back(kind.signal());
+                }
+            }
+            self.history.entry(key).or_default().push_back((rev, kind));
+        }
+        self.dirty = true;
+        if let Some(keep) = self.retention
+            && self.revision - self.compacted >= keep.saturating_mul(2)
+        {
+            self.drop_history_below(self.revision - keep);
+        }
+    }
+
+    // --- compaction ---
+
+    /// etcd's compaction at `rev`: history below it is gone, so a watch
+    /// from below it can only be `Lost`. Watches already following keep
+    /// what was pushed to them.
+    pub fn compact(&mut self, rev: i64) -> Result<(), CompactError> {
+        if rev <= self.compacted {
+            return Err(CompactError::Compacted {
+                requested: rev,
+                compacted: self.compacted,
+            });
+        }
+        if rev > self.revision {
+            return Err(CompactError::Future {
+                requested: rev,
+                current: self.revision,
+            });
+        }
+        self.drop_history_below(rev);
+        Ok(())
+    }
+
+    fn drop_history_below(&mut self, rev: i64) {
+        self.compacted = self.compacted.max(rev);
+        let floor = self.compacted;
+        self.history.retain(|_, events| {
+            while events.front().is_some_and(|(r, _)| *r < floor) {
+                events.pop_front();
+            }
+            !events.is_empty()
+        });
+    }
+
+    // --- leases ---
+
+    /// Grants `id` with `ttl_seconds` (raised to the floor); `false` if the
+    /// id is taken.
+    pub fn grant_lease(&mut self, id: i64, ttl_seconds: u32, now: Instant) -> bool {
+        if self.leases.contains_key(&id) {
+            return false;
+        }
+        let ttl = i64::from(ttl_seconds).max(self.min_ttl_seconds);
+        self.leases.insert(
+            id,
+            Lease {
+                ttl_seconds: ttl,
+                deadline: now + secs(ttl),
+                keys: BTreeSet::new(),
+            },
+        );
+        // a waiting watch may have to wake earlier now
+        self.dirty = true;
+        true
+    }
+
+    /// Restarts the lease's TTL: the granted TTL, or 0 if it is gone.
+    pub fn renew(&mut self, id: i64, now: Instant) -> i64 {
+        match self.leases.get_mut(&id) {
+            Some(l) => {
+                l.deadline = now + secs(l.ttl_seconds);
+                self.dirty = true;
+                l.ttl_seconds
+            }
+            None => 0,
+        }
+    }
+
+    /// Revokes `id`: every key on it goes in one revision (none if it had
+    /// no keys). Whether the lease existed.
+    pub fn revoke(&mut self, id: i64) -> bool {
+        let Some(lease) = self.leases.remove(&id) else {
+            return false;
+        };
+        self.dirty = true;
+        let ops = lease.keys.into_iter().map(Op::Delete).collect();
+        // deletes name no lease: cannot be refused
+        let _ = self.commit(ops);
+        true
+    }
+
+    /// Revokes every lease whose deadline is at or before `now`, earliest
+    /// first (ties by id), each at its own revision, as etcd's lessor
+    /// would have by now.
+    pub fn expire_due(&mut self, now: Instant) {
+        while let Some(id) = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .min_by_key(|(id, l)| (l.deadline, **id))
+            .map(|(id, _)| *id)
+        {
+            self.revoke(id);
+        }
+    }
+
+    pub fn earliest_deadline(&self) -> Option<Instant> {
+        self.leases.values().map(|l| l.deadline).min()
+    }
+
+    pub fn lease(&self, id: i64) -> Option<&Lease> {
+        self.leases.get(&id)
+    }
+
+    pub fn lease_ids(&self) -> Vec<i64> {
+        self.leases.keys().copied().collect()
+    }
+
+    // --- watches ---
+
+    /// A watch on `key` from `from` (`<= 0`: from the next revision). From
+    /// below the compaction it is born ended; otherwise the events it asked
+    /// for that happened already come first, in one response (etcd syncs
+    /// an unsynced watcher's backlog in one batch).
+    pub fn open_watch(&mut self, key: &str, from: i64) -> u64 {
+        let id = self.next_watch;
+        self.next_watch += 1;
+        let from = if from <= 0 { self.revision + 1 } else { from };
+        let mut slot = WatchSlot {
+            key: key.to_string(),
+            from,
+            pending: VecDeque::new(),
+            ended: false,
+        };
+        if from < self.compacted {
+            slot.ended = true;
+        } else if let Some(events) = self.history.get(key) {
+            let backlog: Vec<EventKind> = events
+                .iter()
+                .filter(|(r, _)| *r >= from)
+                .map(|(_, k)| *k)
+                .collect();
+            if !backlog.is_empty() {
+                let freed = backlog.contains(&EventKind::Delete);
+                slot.pending.push_back(if freed {
+                    WatchSignal::Freed
+                } else {
+                    WatchSignal::Changed
+                });
+            }
+        }
+        self.watches.insert(id, slot);
+        id
+    }
+
+    /// The watch's next response, if it has one now (`Lost` once ended or
+    /// if it is unknown).
+    pub fn poll_watch(&mut self, id: u64) -> Option<WatchSignal> {
+        let Some(slot) = self.watches.get_mut(&id) else {
+            return Some(WatchSignal::Lost);
+        };
+        if let Some(signal) = slot.pending.pop_front() {
+            return Some(signal);
+        }
+        slot.ended.then_some(WatchSignal::Lost)
+    }
+
+    pub fn close_watch(&mut self, id: u64) {
+        self.watches.remove(&id);
+    }
+
+    /// Ends every open watch (a broken stream, a restarted member): each
+    /// reports what was pushed to it, then `Lost`.
+    pub fn end_watches(&mut self) {
+        for slot in self.watches.values_mut() {
+            slot.ended = true;
+        }
+        self.dirty = true;
+    }
+
+    pub fn open_watches(&self) -> usize {
+        self.watches.values().filter(|s| !s.ended).count()
+    }
+
+    // --- snapshot and restore ---
+
+    pub fn image(&self) -> Image {
+        Image {
+            revision: self.revision,
+            compacted: self.compacted,
+            kvs: self.kvs.clone(),
+            history: self.history.clone(),
+            leases: self
+                .leases
+                .iter()
+                .map(|(id, l)| (*id, (l.ttl_seconds, l.keys.clone())))
+                .collect(),
+        }
+    }
+
+    /// Goes back to `image`: its keys, history and revision; its leases
+    /// with their TTL restarted from `now` (etcd's lessor after a restart,
+    /// without checkpoints); every open watch ends.
+    pub fn restore(&mut self, image: &Image, now: Instant) {
+        self.revision = image.revision;
+        self.compacted = image.compacted;
+        self.kvs = image.kvs.clone();
+        self.history = image.history.clone();
+        self.leases = image
+            .leases
+            .iter()
+            .map(|(id, (ttl, keys))| {
+                (
+                    *id,
+                    Lease {
+                        ttl_seconds: *ttl,
+                        deadline: now + secs(*ttl),
+                        keys: keys.clone(),
+                    },
+                )
+            })
+            .collect();
+        self.end_watches();
+    }
+}
+
+fn secs(ttl: i64) -> Duration {
+    Duration::from_secs(u64::try_from(ttl).unwrap_or(0))
+}

@@ -1,0 +1,320 @@
+//! [`IdLog`]: the simulation's [`LockLog`] layer that gives sessions
+//! deterministic lease ids.
+//!
+//! The arbiter draws each session id from the OS's CSPRNG
+//! (`latchkey_arbiter::table::sessions::random_lease_id`, on purpose: one
+//! session id must say nothing about another). The ids reach the store, and
+//! the store orders same-instant lease expiries by id (as etcd's lessor
+//! does by deadline, then id): under paused time many sessions share a
+//! deadline, so random ids would reorder expiry revisions and with them the
+//! tokens, and a seed would no longer replay byte for byte.
+//!
+//! So the simulation stands between the arbiters and the [`MemLog`]: the
+//! first time a lease id is granted it is given the next id of a counter,
+//! and every call translates the arbiter's id to the store's and every
+//! answer the store's back. The arbiters see only their own ids; the store
+//! sees only the counter's. Ids the layer never granted pass unchanged
+//! (the counter's ids start at 2^56, above every id the arbiter draws).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use async_trait::async_trait;
+use latchkey_arbiter::lock_log::{
+    GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, LogResult, Records, Renewal,
+    StoreError,
+};
+
+use super::ordered::Dispatch;
+use crate::memlog::MemLog;
+
+/// The first id the layer hands the store: above the arbiter's 53-bit ids.
+const FIRST_ID: i64 = 1 << 56;
+
+#[derive(Default)]
+struct Ids {
+    /// arbiter's id -> store's id
+    to_store: BTreeMap<i64, i64>,
+    /// store's id -> arbiter's id
+    to_arbiter: BTreeMap<i64, i64>,
+    next: i64,
+}
+
+/// A [`MemLog`] whose lease ids are drawn in call order (see the module
+/// docs).
+pub(crate) struct IdLog {
+    log: MemLog,
+    ids: Mutex<Ids>,
+    /// Every call, when tracing (`LATCHKEY_SIM_TRACE`): simulated time,
+    /// the store's revision as the call starts, the call.
+    trace: Option<Mutex<Vec<String>>>,
+    start: tokio::time::Instant,
+    watches: Arc<Dispatch>,
+}
+
+impl IdLog {
+    pub(crate) fn new(log: MemLog, watches: Arc<Dispatch>, trace: bool) -> Self {
+        Self {
+            log,
+            ids: Mutex::new(Ids {
+                next: FIRST_ID,
+                ..Ids::default()
+            }),
+            trace: trace.then(|| Mutex::new(Vec::new())),
+            start: tokio::time::Instant::now(),
+            watches,
+        }
+    }
+
+    fn ids(&self) -> std::sync::MutexGuard<'_, Ids> {
+        self.ids.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The store's id for a lease the arbiter names `id`, drawing one the
+    /// first time a lease is granted.
+    fn grant_id(&self, id: i64) -> i64 {
+        let mut ids = self.ids();
+        if let Some(&mapped) = ids.to_store.get(&id) {
+            return mapped;
+        }
+        let mapped = ids.next;
+        ids.next += 1;
+        ids.to_store.insert(id, mapped);
+        ids.to_arbiter.insert(mapped, id);
+        mapped
+    }
+
+    /// Notes a call in the trace (a closure: nothing is formatted when not
+    /// tracing).
+    fn t(&self, what: impl FnOnce() -> String) {
+        if let Some(trace) = &self.trace {
+            let at = tokio::time::Instant::now() - self.start;
+            let line = format!("{at:?} r{} {}", self.log.revision(), what());
+            trace
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(line);
+        }
+    }
+
+    /// The trace so far (empty when not tracing).
+    pub(crate) fn take_trace(&self) -> Vec<String> {
+        self.trace.as_ref().map_or_else(Vec::new, |t| {
+            std::mem::take(&mut *t.lock().unwrap_or_else(PoisonError::into_inner))
+        })
+    }
+
+    fn store_id(&self, id: i64) -> i64 {
+        self.ids().to_store.get(&id).copied().unwrap_or(id)
+    }
+
+    fn arbiter_id(&self, id: i64) -> i64 {
+        self.ids().to_arbiter.get(&id).copied().unwrap_or(id)
+    }
+
+    fn kv_back(&self, mut kv: Kv) -> Kv {
+        if kv.lease != 0 {
+            kv.lease = self.arbiter_id(kv.lease);
+        }
+        kv
+    }
+
+    fn error_back(&self, e: StoreError) -> StoreError {
+        match e {
+            StoreError::LeaseGone { lease } => StoreError::LeaseGone {
+                lease: self.arbiter_id(lease),
+            },
+            StoreError::LeaseExists { lease } => StoreError::LeaseExists {
+                lease: self.arbiter_id(lease),
+            },
+            other => other,
+        }
+    }
+
+    fn held(&self, held: &HeldAt) -> HeldAt {
+        HeldAt {
+            session: self.store_id(held.session),
+            ..held.clone()
+        }
+    }
+}
+
+#[async_trait]
+impl LockLog for IdLog {
+    async fn records(&self) -> LogResult<Records> {
+        self.t(|| "records".into());
+        self.log.records().await
+    }
+
+    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
+        self.t(|| "create_epoch".into());
+        self.log.create_epoch(record).await
+    }
+
+    async fn put_seal(
+        &self,
+        record: Vec<u8>,
+        seal_at: Option<i64>,
+        epoch_at: Option<i64>,
+    ) -> LogResult<bool> {
+        self.t(|| "put_seal".into());
+        self.log.put_seal(record, seal_at, epoch_at).await
+    }
+
+    async fn advance(
+        &self,
+        expected: Vec<u8>,
+        seal_at: Option<i64>,
+        record: Vec<u8>,
+    ) -> LogResult<Option<i64>> {
+        self.t(|| "advance".into());
+        self.log.advance(expected, seal_at, record).await
+    }
+
+    async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
+        self.t(|| format!("grant {} {}", txn.key, self.store_id(txn.session)));
+        let txn = GrantTxn {
+            session: self.store_id(txn.session),
+            ..txn
+        };
+        let answer = self.log.grant(txn).await.map_err(|e| self.error_back(e))?;
+        Ok(answer.map(|granted| match granted {
+            Granted::No {
+                holder,
+                epoch,
+                sealed,
+                session,
+            } => Granted::No {
+                holder: holder.map(|kv| self.kv_back(kv)),
+                epoch,
+                sealed,
+                session,
+            },
+            yes => yes,
+        }))
+    }
+
+    async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
+        self.t(|| "hand_over".into());
+        let from = self.held(txn.from);
+        let txn = HandOverTxn {
+            from: &from,
+            next_session: self.store_id(txn.next_session),
+            ..txn
+        };
+        self.log
+            .hand_over(txn)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
+        self.t(|| "release".into());
+        let held = self.held(held);
+        self.log
+            .release(&held)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+        self.t(|| format!("claim {key}"));
+        self.log
+            .claim(key, self.store_id(session), revision)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+        self.t(|| "release_orphan".into());
+        self.log
+            .release_orphan(key, self.store_id(session), revision)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
+        self.t(|| format!("holder {key}"));
+        let answer = self.log.holder(key).await?;
+        Ok(answer.map(|kv| kv.map(|kv| self.kv_back(kv))))
+    }
+
+    async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>> {
+        self.t(|| "holders_under".into());
+        let answer = self.log.holders_under(prefix).await?;
+        Ok(answer.map(|holds| {
+            holds
+                .into_iter()
+                .map(|(key, kv)| (key, self.kv_back(kv)))
+                .collect()
+        }))
+    }
+
+    async fn count_holds(&self) -> LogResult<i64> {
+        self.t(|| "count_holds".into());
+        self.log.count_holds().await
+    }
+
+    async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
+        self.t(|| format!("watch {key} {from_revision}"));
+        let watch = self.log.watch(key, from_revision).await?;
+        Ok(self.watches.wrap(watch))
+    }
+
+    async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
+        self.t(|| "grant_lease".into());
+        let mapped = self.grant_id(id);
+        self.log
+            .grant_lease(mapped, ttl_seconds)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn put_session(&self, session: i64, identity: &str, record: Vec<u8>) -> LogResult<()> {
+        self.t(|| "put_session".into());
+        self.log
+            .put_session(self.store_id(session), identity, record)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn session(&self, session: i64) -> LogResult<Option<Kv>> {
+        self.t(|| "session".into());
+        let answer = self.log.session(self.store_id(session)).await?;
+        Ok(answer.map(|kv| kv.map(|kv| self.kv_back(kv))))
+    }
+
+    async fn count_sessions_of(&self, identity: &str) -> LogResult<u32> {
+        self.t(|| "count_sessions_of".into());
+        self.log.count_sessions_of(identity).await
+    }
+
+    async fn delete_session(
+        &self,
+        session: i64,
+        identity: &str,
+        record: Vec<u8>,
+    ) -> LogResult<bool> {
+        self.t(|| "delete_session".into());
+        self.log
+            .delete_session(self.store_id(session), identity, record)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn revoke(&self, lease: i64) -> Result<(), StoreError> {
+        self.t(|| "revoke".into());
+        self.log
+            .revoke(self.store_id(lease))
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn renew(&self, lease: i64) -> Result<Renewal, StoreError> {
+        self.t(|| format!("renew {}", self.store_id(lease)));
+        self.log
+            .renew(self.store_id(lease))
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+}

@@ -1,0 +1,520 @@
+//! One simulated client: the gate worker's loop (tests/src/gate/worker.rs)
+//! against the arbiters' tables instead of the client library.
+//!
+//! A worker is a process in the checker's terms; each incarnation (`w3.2`)
+//! has one session, renewed by a task of its own. Any outcome the worker
+//! cannot know (an unknown acquire, a release that did not succeed) ends
+//! the incarnation after an `expire` marker at the session's fence
+//! deadline, and the next incarnation opens a new session: the checker's
+//! search relies on a process doing nothing after an unknown outcome.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use latchkey_arbiter::error::ArbiterError;
+use latchkey_arbiter::table::GrantRequest;
+use latchkey_checker::{Function, Outcome};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::world::{Arbiter, World, lock};
+use crate::rng::Rng;
+
+/// The session TTL every worker asks for.
+pub(crate) const TTL: Duration = Duration::from_secs(5);
+const TTL_SECONDS: u32 = 5;
+/// Sessions an identity may have open; dead incarnations' sessions linger
+/// until their TTL, so this is generous.
+const MAX_SESSIONS: u32 = 10_000;
+const MAX_WAITERS_PER_KEY: u32 = 16;
+const CLASS: &str = "sim";
+
+/// The reasons the arbiter gives before writing anything: the gate's list
+/// (`is_definite_refusal` in tests/src/gate/worker.rs). Everything else may
+/// hide a grant or a release.
+fn is_definite_refusal(e: &ArbiterError) -> bool {
+    matches!(
+        e,
+        ArbiterError::Held { .. }
+            | ArbiterError::Leak { .. }
+            | ArbiterError::WaitTimeout { .. }
+            | ArbiterError::Sealed { .. }
+            | ArbiterError::QueueFull { .. }
+            | ArbiterError::TooManyWaiters { .. }
+            | ArbiterError::NotHeld { .. }
+            | ArbiterError::TokenMismatch { .. }
+            | ArbiterError::SessionExpired { .. }
+    )
+}
+
+/// An error for the history's `detail`, without the session ids the
+/// arbiter draws at random (a seed must give the same bytes every run).
+fn describe(e: &ArbiterError) -> String {
+    match e {
+        ArbiterError::SessionExpired { .. } => "SESSION_EXPIRED".into(),
+        ArbiterError::NotHeld { key, .. } => format!("NOT_HELD {key}"),
+        ArbiterError::Leak { key, .. } => format!("LEAK {key}"),
+        ArbiterError::SessionClassMismatch { .. } => "SESSION_CLASS_MISMATCH".into(),
+        other => other.to_string(),
+    }
+}
+
+/// How a call through an arbiter ended.
+enum Call<T> {
+    Answered(Result<T, ArbiterError>),
+    /// The arbiter died with the call in flight.
+    Killed,
+    /// The client gave up on it (the acquire future was dropped).
+    Cancelled,
+}
+
+/// The session of one incarnation, shared with its renewal task.
+struct Session {
+    id: i64,
+    /// When the last successful renewal (or the lease grant) was sent: the
+    /// lease cannot end before this + TTL.
+    renewed: Instant,
+    /// The log said the lease is gone.
+    gone: bool,
+}
+
+impl Session {
+    /// The fence deadline: the earliest moment the lease, and every hold on
+    /// it, may end. Exact under paused time (the gate's client subtracts a
+    /// second of margin for real clocks).
+    fn deadline(&self) -> Instant {
+        self.renewed + TTL
+    }
+}
+
+/// One worker: incarnations until the run stops.
+pub(crate) async fn run(world: Arc<World>, index: usize, mut rng: Rng) {
+    let identity = format!("w{index}");
+    let mut incarnation = 0u32;
+    while !world.stopping() {
+        incarnation += 1;
+        let process = format!("w{index}.{incarnation}");
+        let renew_seed = rng.next_u64();
+        Incarnation {
+            world: world.clone(),
+            identity: identity.clone(),
+            process,
+            rng: &mut rng,
+        }
+        .run(renew_seed)
+        .await;
+    }
+}
+
+struct Incarnation<'a> {
+    world: Arc<World>,
+    identity: String,
+    process: String,
+    rng: &'a mut Rng,
+}
+
+/// Stops the renewal task when the incarnation ends, however it ends.
+struct Renewer(JoinHandle<()>);
+
+impl Drop for Renewer {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Incarnation<'_> {
+    async fn run(mut self, renew_seed: u64) {
+        let Some(session) = self.open_session().await else {
+            return;
+        };
+        let session = Arc::new(Mutex::new(session));
+        let mut renewer = Some(Renewer(tokio::spawn(renew(
+            self.world.clone(),
+            session.clone(),
+            Rng::new(renew_seed),
+        ))));
+        let id = lock(&session).id;
+        loop {
+            if self.world.stopping() {
+                return;
+            }
+            {
+                let s = lock(&session);
+                if s.gone || Instant::now() >= s.deadline() {
+                    // Fenced: nothing was asked on it since; a new
+                    // incarnation opens a new session.
+                    return;
+                }
+            }
+            if self.rng.chance(self.world.cfg.faults.close_session_percent) {
+                self.close(id).await;
+                return;
+            }
+            match self.cycle(id, &session, &mut renewer).await {
+                Next::Continue => {}
+                Next::End => return,
+            }
+        }
+    }
+
+    async fn open_session(&mut self) -> Option<Session> {
+        loop {
+            if self.world.stopping() {
+                return None;
+            }
+            let Some(arbiter) = self.world.any(self.rng) else {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            };
+            let sent = Instant::now();
+            let table = arbiter.table.clone();
+            let identity = self.identity.clone();
+            let opened = tokio::select! {
+                biased;
+                () = arbiter.killed.cancelled() => None,
+                r = table.open_session(&identity, TTL_SECONDS, MAX_SESSIONS) => r.ok(),
+            };
+            match opened {
+                Some(id) => {
+                    return Some(Session {
+                        id,
+                        renewed: sent,
+                        gone: false,
+                    });
+                }
+                // Nothing was asked on a session yet: nothing to record. A
+                // lease that was granted anyway expires on its own.
+                None => {
+                    let pause = 50 + self.rng.below(200);
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                }
+            }
+        }
+    }
+
+    async fn close(&mut self, id: i64) {
+        let Some(arbiter) = self.world.any(self.rng) else {
+            return;
+        };
+        let table = arbiter.table.clone();
+        tokio::select! {
+            biased;
+            () = arbiter.killed.cancelled() => {}
+            _ = table.close_session(&self.identity, id) => {}
+        }
+    }
+
+    fn stray(&mut self) -> bool {
+        self.rng.chance(self.world.cfg.faults.stray_percent)
+    }
+
+    /// One acquire, unit of work, write and release.
+    async fn cycle(
+        &mut self,
+        id: i64,
+        session: &Arc<Mutex<Session>>,
+        renewer: &mut Option<Renewer>,
+    ) -> Next {
+        let cfg = self.world.cfg.clone();
+        let key = format!("sim/k{}", self.rng.below(cfg.keys.max(1) as u64));
+        let stray = self.stray();
+        let Some(arbiter) = self.world.route(&key, stray, self.rng) else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Next::Continue;
+        };
+        let wait = if self.rng.chance(cfg.try_lock_percent) {
+            None
+        } else {
+            let ms = cfg.wait_ms.max(10);
+            Some(Duration::from_millis(
+                ms / 10 + self.rng.below(ms - ms / 10 + 1),
+            ))
+        };
+        let cancel_after = self.rng.chance(cfg.faults.cancel_percent).then(|| {
+            let budget = wait.map_or(20, |w| u64::try_from(w.as_millis()).unwrap_or(20));
+            Duration::from_millis(self.rng.below(budget.max(1) + 1))
+        });
+
+        let op = self.world.invoke(
+            &self.process,
+            Function::Acquire,
+            Some(&key),
+            None,
+            None,
+            Instant::now(),
+        );
+        let req = GrantRequest {
+            key: key.clone(),
+            identity: self.identity.clone(),
+            session: id,
+            class: CLASS.into(),
+            ttl_seconds: TTL_SECONDS,
+            annotations: BTreeMap::new(),
+        };
+        let answer = acquire(&arbiter, req, wait, cancel_after).await;
+        let token = match answer {
+            Call::Answered(Ok(acquired)) => match acquired.grant.token() {
+                Some(token) => {
+                    self.world
+                        .complete(op, Outcome::Ok, Some(token), None, None);
+                    token
+                }
+                None => {
+                    let detail = format!("granted at an unpackable token {:?}", acquired.grant);
+                    return self.unknown_acquire(op, &key, detail, session, renewer);
+                }
+            },
+            Call::Answered(Err(e)) if is_definite_refusal(&e) => {
+                self.world
+                    .complete(op, Outcome::Fail, None, None, Some(describe(&e)));
+                if matches!(e, ArbiterError::SessionExpired { .. }) {
+                    return Next::End;
+                }
+                if !matches!(
+                    e,
+                    ArbiterError::Held { .. } | ArbiterError::WaitTimeout { .. }
+                ) {
+                    // Sealed, or the session is gone: do not spin.
+                    let pause = 50 + self.rng.below(200);
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                } else if wait.is_none() {
+                    // A try-lock that found the key held backs off a little.
+                    let pause = self.rng.below(cfg.unit_ms.max(1));
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                }
+                return Next::Continue;
+            }
+            Call::Answered(Err(e)) => {
+                return self.unknown_acquire(op, &key, describe(&e), session, renewer);
+            }
+            Call::Killed => {
+                let detail = format!("arbiter-{} died with the call in flight", arbiter.index);
+                return self.unknown_acquire(op, &key, detail, session, renewer);
+            }
+            Call::Cancelled => {
+                let detail = "cancelled by the client".to_string();
+                return self.unknown_acquire(op, &key, detail, session, renewer);
+            }
+        };
+
+        // Held. A crash here: renewals stop, the hold ends with the lease.
+        if self.rng.chance(cfg.faults.crash_percent) {
+            *renewer = None;
+            let deadline = lock(session).deadline();
+            self.world.invoke(
+                &self.process,
+                Function::Expire,
+                Some(&key),
+                Some(token),
+                Some("crashed holding the key".into()),
+                deadline,
+            );
+            return Next::End;
+        }
+
+        let can_start = Instant::now() < lock(session).deadline();
+        let mut paused = false;
+        if can_start {
+            let longest = if self.rng.below(16) == 0 {
+                cfg.unit_ms * 10
+            } else {
+                cfg.unit_ms
+            };
+            tokio::time::sleep(Duration::from_millis(self.rng.below(longest + 1))).await;
+            if self.rng.chance(cfg.faults.pause_percent) {
+                // Frozen inside the unit of work past its lease (the gate's
+                // SIGSTOP): no renewals, then a write with a stale token.
+                *renewer = None;
+                paused = true;
+                let pause = TTL + Duration::from_millis(500 + self.rng.below(2500));
+                tokio::time::sleep(pause).await;
+            }
+            self.write(&key, token).await;
+        }
+        let think = self.rng.below(cfg.unit_ms / 3 + 1);
+        tokio::time::sleep(Duration::from_millis(think)).await;
+
+        let ended = self.release(&key, id, token, session).await;
+        if ended || paused {
+            *renewer = None;
+            return Next::End;
+        }
+        let think = self.rng.below(cfg.unit_ms / 3 + 1);
+        tokio::time::sleep(Duration::from_millis(think)).await;
+        Next::Continue
+    }
+
+    /// Records an unknown acquire and the expire that bounds whatever it may
+    /// have granted: at the session's fence deadline, read after the
+    /// renewals stopped, so nothing moves it afterwards.
+    fn unknown_acquire(
+        &mut self,
+        op: super::world::OpId,
+        key: &str,
+        detail: String,
+        session: &Arc<Mutex<Session>>,
+        renewer: &mut Option<Renewer>,
+    ) -> Next {
+        self.world
+            .complete(op, Outcome::Unknown, None, None, Some(detail));
+        *renewer = None;
+        let deadline = lock(session).deadline();
+        self.world.invoke(
+            &self.process,
+            Function::Expire,
+            Some(key),
+            None,
+            None,
+            deadline,
+        );
+        Next::End
+    }
+
+    /// A write through the fenced resource, taking a little time each way.
+    async fn write(&mut self, key: &str, token: u64) {
+        let op = self.world.invoke(
+            &self.process,
+            Function::Write,
+            Some(key),
+            Some(token),
+            None,
+            Instant::now(),
+        );
+        tokio::time::sleep(Duration::from_micros(self.rng.below(3000))).await;
+        let seq = lock(&self.world.resource).write(key, token);
+        tokio::time::sleep(Duration::from_micros(self.rng.below(3000))).await;
+        match seq {
+            Some(seq) => self.world.complete(op, Outcome::Ok, None, Some(seq), None),
+            None => self.world.complete(op, Outcome::Fail, None, None, None),
+        }
+    }
+
+    /// Releases the hold; whether the incarnation must end (the release did
+    /// not succeed, and an `expire` was recorded).
+    async fn release(
+        &mut self,
+        key: &str,
+        id: i64,
+        token: u64,
+        session: &Arc<Mutex<Session>>,
+    ) -> bool {
+        // The deadline as it stands before the call (the gate's worker reads
+        // `guard.fence_deadline()` there too).
+        let deadline = lock(session).deadline();
+        let stray = self.stray();
+        let arbiter = loop {
+            if let Some(a) = self.world.route(key, stray, self.rng) {
+                break a;
+            }
+            // No arbiter up: a client retries the connection before it sends.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let op = self.world.invoke(
+            &self.process,
+            Function::Release,
+            Some(key),
+            Some(token),
+            None,
+            Instant::now(),
+        );
+        let table = arbiter.table.clone();
+        let answer = tokio::select! {
+            biased;
+            () = arbiter.killed.cancelled() => Call::Killed,
+            r = table.release(&self.identity, key, id, token) => Call::Answered(r),
+        };
+        let (outcome, detail) = match answer {
+            Call::Answered(Ok(_)) => {
+                self.world.complete(op, Outcome::Ok, None, None, None);
+                return false;
+            }
+            Call::Answered(Err(e)) if is_definite_refusal(&e) => (Outcome::Fail, describe(&e)),
+            Call::Answered(Err(e)) => (Outcome::Unknown, describe(&e)),
+            Call::Killed | Call::Cancelled => (
+                Outcome::Unknown,
+                format!("arbiter-{} died with the call in flight", arbiter.index),
+            ),
+        };
+        self.world.complete(op, outcome, None, None, Some(detail));
+        // The hold may linger until the lease ends, no earlier than the
+        // fence deadline; a refused release says it is gone already.
+        let from = deadline.min(Instant::now());
+        self.world.invoke(
+            &self.process,
+            Function::Expire,
+            Some(key),
+            Some(token),
+            None,
+            from,
+        );
+        true
+    }
+}
+
+enum Next {
+    Continue,
+    End,
+}
+
+/// One Acquire through `arbiter`, cut off if the arbiter dies or, with
+/// `cancel_after`, when the client gives up (the future is dropped, as a
+/// cancelled RPC drops the handler's).
+async fn acquire(
+    arbiter: &Arbiter,
+    req: GrantRequest,
+    wait: Option<Duration>,
+    cancel_after: Option<Duration>,
+) -> Call<latchkey_arbiter::table::Acquired> {
+    let table = arbiter.table.clone();
+    let call = table.acquire(req, wait, MAX_WAITERS_PER_KEY);
+    let cancel = async {
+        match cancel_after {
+            Some(after) => tokio::time::sleep(after).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        () = arbiter.killed.cancelled() => Call::Killed,
+        r = call => Call::Answered(r),
+        () = cancel => Call::Cancelled,
+    }
+}
+
+/// Renews the session every third of its TTL (jittered) through any
+/// arbiter that is up, noting when each successful renewal was sent.
+async fn renew(world: Arc<World>, session: Arc<Mutex<Session>>, mut rng: Rng) {
+    let id = lock(&session).id;
+    let third = TTL.as_millis() as u64 / 3;
+    let mut pause = Duration::from_millis(third / 2 + rng.below(third));
+    loop {
+        tokio::time::sleep(pause).await;
+        pause = Duration::from_millis(third / 2 + rng.below(third));
+        let Some(arbiter) = world.any(&mut rng) else {
+            pause = Duration::from_millis(100);
+            continue;
+        };
+        let sent = Instant::now();
+        let table = arbiter.table.clone();
+        let answer = tokio::select! {
+            biased;
+            () = arbiter.killed.cancelled() => None,
+            r = table.renew(id) => Some(r),
+        };
+        match answer {
+            Some(Ok(r)) if r.ttl_seconds > 0 => {
+                let mut s = lock(&session);
+                if sent > s.renewed {
+                    s.renewed = sent;
+                }
+            }
+            Some(Ok(_)) | Some(Err(ArbiterError::SessionExpired { .. })) => {
+                lock(&session).gone = true;
+                return;
+            }
+            // Unknown: try again soon.
+            Some(Err(_)) | None => pause = Duration::from_millis(200 + rng.below(300)),
+        }
+    }
+}

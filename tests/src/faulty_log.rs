@@ -1,0 +1,658 @@
+//! Deliberately broken behaviours and timing wideners for the arbiter, as
+//! [`LogLayer`]s around its lock log. They live here, in the tests crate, and
+//! reach an arbiter only through the tests' own programs: an in-process
+//! [`crate::arbiter::Arbiter`] (its `Config::log_layer`) or the
+//! `arbiter-under-test` binary (`--test-fault <name>`). The arbiter crate has
+//! neither the faults nor a flag to choose one, so no build of
+//! `latchkey-arbiter` (with or without `--workspace`, debug or release) can
+//! run with one.
+//!
+//! - [`TestFault::GrantOnWatch`]: a bug the release gate's checker must catch
+//!   (ADR-23).
+//! - [`TestFault::SlowReuse`]: not a bug; makes a rare interleaving certain
+//!   in a regression test.
+
+use std::collections::BTreeSet;
+use std::ffi::OsString;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use latchkey_arbiter::LogLayer;
+use latchkey_arbiter::lock_log::{
+    GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, LogResult, Records, Renewal,
+    StoreError, WatchSignal,
+};
+use tracing::debug;
+
+/// The flag `arbiter-under-test` reads (also as `--test-fault=<name>`).
+pub const FLAG: &str = "--test-fault";
+
+/// Which deliberate bug or timing widener an arbiter under test runs with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TestFault {
+    /// The real arbiter: no layer.
+    #[default]
+    None,
+    /// A watch event on a key is taken as the grant instead of a hint to try
+    /// one: once a watch on a key has reported a release, an expiry or a
+    /// change of hands, the next grant transaction on that key first deletes
+    /// whatever hold is there (another session's), so the transaction's
+    /// "key absent" compare cannot stop it. With waiters on two arbiters this
+    /// hands out a second grant for a held key.
+    GrantOnWatch,
+    /// Not a bug: a grant transaction that finds the key already held by
+    /// the caller's own session (the protocol then claims that grant for the
+    /// session's new call) answers only after [`SLOW_REUSE`], so an orphan
+    /// release of that grant finishes between the read and the claim.
+    SlowReuse,
+}
+
+/// How long [`TestFault::SlowReuse`] holds back its answer.
+pub const SLOW_REUSE: Duration = Duration::from_millis(500);
+
+impl TestFault {
+    pub const ALL: [Self; 3] = [Self::None, Self::GrantOnWatch, Self::SlowReuse];
+
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "none" => Ok(Self::None),
+            "grant-on-watch" => Ok(Self::GrantOnWatch),
+            "slow-reuse" => Ok(Self::SlowReuse),
+            other => Err(format!(
+                "unknown test fault {other:?}: expected none, grant-on-watch or slow-reuse"
+            )),
+        }
+    }
+
+    /// The flag value [`TestFault::parse`] reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::GrantOnWatch => "grant-on-watch",
+            Self::SlowReuse => "slow-reuse",
+        }
+    }
+}
+
+impl std::fmt::Display for TestFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The layer that puts `fault` around an arbiter's lock log; none for
+/// [`TestFault::None`].
+pub fn layer(fault: TestFault) -> Option<LogLayer> {
+    if fault == TestFault::None {
+        return None;
+    }
+    Some(LogLayer {
+        name: format!("test fault {}", fault.name()),
+        wrap: Arc::new(move |inner| Arc::new(FaultyLog::new(inner, fault)) as Arc<dyn LockLog>),
+    })
+}
+
+/// Takes `--test-fault <name>` (or `--test-fault=<name>`) out of a command
+/// line (`argv[0]` first), for `arbiter-under-test`: the fault, and the
+/// arguments left for the arbiter's own parser. Nothing after `--` is looked
+/// at; the flag may be given once.
+pub fn split_test_fault_arg(argv: Vec<OsString>) -> Result<(TestFault, Vec<OsString>), String> {
+    let mut rest = Vec::with_capacity(argv.len());
+    let mut fault: Option<TestFault> = None;
+    let mut args = argv.into_iter();
+    if let Some(program) = args.next() {
+        rest.push(program);
+    }
+    while let Some(arg) = args.next() {
+        let text = arg.to_str();
+        let name = if text == Some("--") {
+            rest.push(arg);
+            rest.extend(args);
+            break;
+        } else if text == Some(FLAG) {
+            match args.next() {
+                Some(value) => value
+                    .into_string()
+                    .map_err(|v| format!("{FLAG}: not UTF-8: {v:?}"))?,
+                None => return Err(format!("{FLAG} needs a value")),
+            }
+        } else if let Some(value) = text.and_then(flag_value) {
+            value.to_owned()
+        } else {
+            rest.push(arg);
+            continue;
+        };
+        if fault.is_some() {
+            return Err(format!("{FLAG} given more than once"));
+        }
+        fault = Some(TestFault::parse(&name)?);
+    }
+    Ok((fault.unwrap_or_default(), rest))
+}
+
+/// `<name>` of `--test-fault=<name>`.
+fn flag_value(arg: &str) -> Option<&str> {
+    arg.strip_prefix(FLAG)?.strip_prefix('=')
+}
+
+/// A [`LockLog`] that passes every call to the real one, except where its
+/// [`TestFault`] changes it.
+pub struct FaultyLog {
+    inner: Arc<dyn LockLog>,
+    fault: TestFault,
+    /// [`TestFault::GrantOnWatch`]: keys whose watch reported `Freed` or
+    /// `Changed` since their last grant transaction.
+    signalled: Arc<Mutex<BTreeSet<String>>>,
+}
+
+impl FaultyLog {
+    pub fn new(inner: Arc<dyn LockLog>, fault: TestFault) -> Self {
+        Self {
+            inner,
+            fault,
+            signalled: Arc::default(),
+        }
+    }
+
+    /// Whether `key`'s watch signalled since the last call for `key`.
+    fn take_signal(&self, key: &str) -> bool {
+        self.signalled
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(key)
+    }
+
+    /// [`TestFault::GrantOnWatch`]: the grant transaction after a watch
+    /// event. The event is taken as the grant: whatever hold another session
+    /// has on the key is deleted first (as if released), then the real
+    /// transaction runs and finds the key free.
+    async fn grant_on_watch(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
+        let held = self.inner.holder(txn.key).await?;
+        if let Some(kv) = held.value
+            && kv.lease != txn.session
+        {
+            // Whether it deleted it or not (gone already, or changed again),
+            // the grant transaction decides now.
+            let deleted = self
+                .inner
+                .release_orphan(txn.key, kv.lease, kv.mod_revision)
+                .await?
+                .value;
+            debug!(
+                key = txn.key,
+                holder = kv.lease,
+                deleted,
+                "test fault grant-on-watch: a watch event, so the hold goes before the grant"
+            );
+        }
+        self.inner.grant(txn).await
+    }
+}
+
+/// Whether `holder` is `session`'s: the protocol then claims it for the
+/// session's new call.
+fn own_hold(holder: Option<&Kv>, session: i64) -> bool {
+    holder.is_some_and(|kv| kv.lease == session)
+}
+
+/// A key watch that notes its `Freed` and `Changed` signals for
+/// [`TestFault::GrantOnWatch`].
+struct NotingWatch {
+    inner: Box<dyn KeyWatch>,
+    key: String,
+    signalled: Arc<Mutex<BTreeSet<String>>>,
+}
+
+#[async_trait]
+impl KeyWatch for NotingWatch {
+    async fn next(&mut self) -> WatchSignal {
+        let signal = self.inner.next().await;
+        if matches!(signal, WatchSignal::Freed | WatchSignal::Changed) {
+            self.signalled
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(self.key.clone());
+        }
+        signal
+    }
+}
+
+#[async_trait]
+impl LockLog for FaultyLog {
+    async fn records(&self) -> LogResult<Records> {
+        self.inner.records().await
+    }
+
+    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
+        self.inner.create_epoch(record).await
+    }
+
+    async fn put_seal(
+        &self,
+        record: Vec<u8>,
+        seal_at: Option<i64>,
+        epoch_at: Option<i64>,
+    ) -> LogResult<bool> {
+        self.inner.put_seal(record, seal_at, epoch_at).await
+    }
+
+    async fn advance(
+        &self,
+        expected: Vec<u8>,
+        seal_at: Option<i64>,
+        record: Vec<u8>,
+    ) -> LogResult<Option<i64>> {
+        self.inner.advance(expected, seal_at, record).await
+    }
+
+    async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
+        match self.fault {
+            TestFault::GrantOnWatch if self.take_signal(txn.key) => self.grant_on_watch(txn).await,
+            TestFault::SlowReuse => {
+                let (session, txn_key) = (txn.session, txn.key);
+                let answer = self.inner.grant(txn).await?;
+                if let Granted::No { holder, .. } = &answer.value
+                    && own_hold(holder.as_ref(), session)
+                {
+                    debug!(
+                        key = txn_key,
+                        session, "test fault slow-reuse: holding back the session's own grant"
+                    );
+                    tokio::time::sleep(SLOW_REUSE).await;
+                }
+                Ok(answer)
+            }
+            TestFault::None | TestFault::GrantOnWatch => self.inner.grant(txn).await,
+        }
+    }
+
+    async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
+        self.inner.hand_over(txn).await
+    }
+
+    async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
+        self.inner.release(held).await
+    }
+
+    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+        self.inner.claim(key, session, revision).await
+    }
+
+    async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+        self.inner.release_orphan(key, session, revision).await
+    }
+
+    async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
+        self.inner.holder(key).await
+    }
+
+    async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>> {
+        self.inner.holders_under(prefix).await
+    }
+
+    async fn count_holds(&self) -> LogResult<i64> {
+        self.inner.count_holds().await
+    }
+
+    async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
+        let watch = self.inner.watch(key, from_revision).await?;
+        Ok(match self.fault {
+            TestFault::GrantOnWatch => Box::new(NotingWatch {
+                inner: watch,
+                key: key.to_owned(),
+                signalled: Arc::clone(&self.signalled),
+            }),
+            TestFault::None | TestFault::SlowReuse => watch,
+        })
+    }
+
+    async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
+        self.inner.grant_lease(id, ttl_seconds).await
+    }
+
+    async fn put_session(&self, session: i64, identity: &str, record: Vec<u8>) -> LogResult<()> {
+        self.inner.put_session(session, identity, record).await
+    }
+
+    async fn session(&self, session: i64) -> LogResult<Option<Kv>> {
+        self.inner.session(session).await
+    }
+
+    async fn count_sessions_of(&self, identity: &str) -> LogResult<u32> {
+        self.inner.count_sessions_of(identity).await
+    }
+
+    async fn delete_session(
+        &self,
+        session: i64,
+        identity: &str,
+        record: Vec<u8>,
+    ) -> LogResult<bool> {
+        self.inner.delete_session(session, identity, record).await
+    }
+
+    async fn revoke(&self, lease: i64) -> Result<(), StoreError> {
+        self.inner.revoke(lease).await
+    }
+
+    async fn renew(&self, lease: i64) -> Result<Renewal, StoreError> {
+        self.inner.renew(lease).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, VecDeque};
+
+    use latchkey_arbiter::lock_log::{Answer, Header};
+
+    use super::*;
+
+    fn os(args: &[&str]) -> Vec<OsString> {
+        args.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn names_parse_back() {
+        for fault in TestFault::ALL {
+            assert_eq!(TestFault::parse(fault.name()), Ok(fault));
+        }
+        let err = TestFault::parse("grant-on-wach").unwrap_err();
+        assert!(err.contains("grant-on-watch"), "{err}");
+        assert!(layer(TestFault::None).is_none());
+        assert!(layer(TestFault::GrantOnWatch).is_some());
+    }
+
+    #[test]
+    fn the_flag_is_taken_out_of_the_command_line_in_both_forms() {
+        let (fault, rest) = split_test_fault_arg(os(&[
+            "arbiter-under-test",
+            "--listen",
+            "127.0.0.1:1",
+            "--test-fault",
+            "grant-on-watch",
+            "--log-json",
+        ]))
+        .unwrap();
+        assert_eq!(fault, TestFault::GrantOnWatch);
+        assert_eq!(
+            rest,
+            os(&[
+                "arbiter-under-test",
+                "--listen",
+                "127.0.0.1:1",
+                "--log-json"
+            ])
+        );
+
+        let (fault, rest) =
+            split_test_fault_arg(os(&["a", "--test-fault=slow-reuse", "--x"])).unwrap();
+        assert_eq!(fault, TestFault::SlowReuse);
+        assert_eq!(rest, os(&["a", "--x"]));
+
+        let (fault, rest) = split_test_fault_arg(os(&["a", "--x", "1"])).unwrap();
+        assert_eq!(fault, TestFault::None);
+        assert_eq!(rest, os(&["a", "--x", "1"]));
+
+        // after `--` everything is the arbiter's; a look-alike flag too
+        let (fault, rest) =
+            split_test_fault_arg(os(&["a", "--", "--test-fault", "slow-reuse"])).unwrap();
+        assert_eq!(fault, TestFault::None);
+        assert_eq!(rest, os(&["a", "--", "--test-fault", "slow-reuse"]));
+        let (_, rest) = split_test_fault_arg(os(&["a", "--test-faults"])).unwrap();
+        assert_eq!(rest, os(&["a", "--test-faults"]));
+    }
+
+    #[test]
+    fn a_bad_flag_is_refused() {
+        for argv in [
+            &["a", "--test-fault"][..],
+            &["a", "--test-fault", "nope"],
+            &["a", "--test-fault=nope"],
+            &["a", "--test-fault=none", "--test-fault", "slow-reuse"],
+        ] {
+            assert!(split_test_fault_arg(os(argv)).is_err(), "{argv:?}");
+        }
+    }
+
+    /// Holds and scripted watch signals: just enough log for the layer.
+    #[derive(Default)]
+    struct FakeLog {
+        state: Mutex<FakeState>,
+    }
+
+    #[derive(Default)]
+    struct FakeState {
+        revision: i64,
+        holds: BTreeMap<String, Kv>,
+        signals: VecDeque<WatchSignal>,
+    }
+
+    impl FakeLog {
+        fn answer<T>(state: &FakeState, value: T) -> LogResult<T> {
+            Ok(Answer {
+                header: Header {
+                    cluster_id: 1,
+                    revision: state.revision,
+                },
+                value,
+            })
+        }
+
+        fn signal_next(&self, signal: WatchSignal) {
+            self.state.lock().unwrap().signals.push_back(signal);
+        }
+    }
+
+    struct FakeWatch(Option<WatchSignal>);
+
+    #[async_trait]
+    impl KeyWatch for FakeWatch {
+        async fn next(&mut self) -> WatchSignal {
+            self.0.take().unwrap_or(WatchSignal::Lost)
+        }
+    }
+
+    fn unused<T>() -> Result<T, StoreError> {
+        Err(StoreError::unavailable("not in this fake"))
+    }
+
+    #[async_trait]
+    impl LockLog for FakeLog {
+        async fn records(&self) -> LogResult<Records> {
+            unused()
+        }
+        async fn create_epoch(&self, _: Vec<u8>) -> LogResult<bool> {
+            unused()
+        }
+        async fn put_seal(&self, _: Vec<u8>, _: Option<i64>, _: Option<i64>) -> LogResult<bool> {
+            unused()
+        }
+        async fn advance(&self, _: Vec<u8>, _: Option<i64>, _: Vec<u8>) -> LogResult<Option<i64>> {
+            unused()
+        }
+        async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
+            let mut s = self.state.lock().unwrap();
+            if let Some(kv) = s.holds.get(txn.key) {
+                let holder = Some(kv.clone());
+                return Self::answer(
+                    &s,
+                    Granted::No {
+                        holder,
+                        epoch: Some(txn.epoch.to_vec()),
+                        sealed: false,
+                        session: Some(txn.session_record.to_vec()),
+                    },
+                );
+            }
+            s.revision += 1;
+            let kv = Kv {
+                value: txn.holder_record,
+                create_revision: s.revision,
+                mod_revision: s.revision,
+                lease: txn.session,
+            };
+            s.holds.insert(txn.key.to_owned(), kv);
+            Self::answer(&s, Granted::Yes)
+        }
+        async fn hand_over(&self, _: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
+            unused()
+        }
+        async fn release(&self, _: &HeldAt) -> LogResult<Option<Vec<u8>>> {
+            unused()
+        }
+        async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+            let s = self.state.lock().unwrap();
+            let matches = s
+                .holds
+                .get(key)
+                .is_some_and(|kv| kv.lease == session && kv.mod_revision == revision);
+            Self::answer(&s, matches)
+        }
+        async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+            let mut s = self.state.lock().unwrap();
+            let matches = s
+                .holds
+                .get(key)
+                .is_some_and(|kv| kv.lease == session && kv.mod_revision == revision);
+            if matches {
+                s.revision += 1;
+                s.holds.remove(key);
+            }
+            Self::answer(&s, matches)
+        }
+        async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
+            let s = self.state.lock().unwrap();
+            let kv = s.holds.get(key).cloned();
+            Self::answer(&s, kv)
+        }
+        async fn holders_under(&self, _: &str) -> LogResult<Vec<(String, Kv)>> {
+            unused()
+        }
+        async fn count_holds(&self) -> LogResult<i64> {
+            unused()
+        }
+        async fn watch(&self, _: &str, _: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
+            let signal = self.state.lock().unwrap().signals.pop_front();
+            Ok(Box::new(FakeWatch(signal)))
+        }
+        async fn grant_lease(&self, _: i64, _: u32) -> LogResult<()> {
+            unused()
+        }
+        async fn put_session(&self, _: i64, _: &str, _: Vec<u8>) -> LogResult<()> {
+            unused()
+        }
+        async fn session(&self, _: i64) -> LogResult<Option<Kv>> {
+            unused()
+        }
+        async fn count_sessions_of(&self, _: &str) -> LogResult<u32> {
+            unused()
+        }
+        async fn delete_session(&self, _: i64, _: &str, _: Vec<u8>) -> LogResult<bool> {
+            unused()
+        }
+        async fn revoke(&self, _: i64) -> Result<(), StoreError> {
+            unused()
+        }
+        async fn renew(&self, _: i64) -> Result<Renewal, StoreError> {
+            unused()
+        }
+    }
+
+    fn txn(key: &str, session: i64) -> GrantTxn<'_> {
+        GrantTxn {
+            key,
+            session,
+            holder_record: format!("holder {session}").into_bytes(),
+            epoch: b"epoch",
+            session_record: b"session",
+        }
+    }
+
+    fn wrapped(fault: TestFault) -> (Arc<FakeLog>, Arc<dyn LockLog>) {
+        let fake = Arc::new(FakeLog::default());
+        let layer = layer(fault).unwrap();
+        let log = (layer.wrap)(Arc::clone(&fake) as Arc<dyn LockLog>);
+        (fake, log)
+    }
+
+    async fn holder_lease(log: &Arc<dyn LockLog>, key: &str) -> Option<i64> {
+        log.holder(key).await.unwrap().value.map(|kv| kv.lease)
+    }
+
+    #[tokio::test]
+    async fn grant_on_watch_grants_a_held_key_after_a_watch_event_only() {
+        let (fake, log) = wrapped(TestFault::GrantOnWatch);
+        assert_eq!(log.grant(txn("k", 1)).await.unwrap().value, Granted::Yes);
+        // no watch event yet: the real transaction refuses session 2
+        let refused = log.grant(txn("k", 2)).await.unwrap().value;
+        assert!(matches!(refused, Granted::No { .. }), "{refused:?}");
+
+        // a Lost watch is not an event
+        fake.signal_next(WatchSignal::Lost);
+        let mut w = log.watch("k", 1).await.unwrap();
+        assert_eq!(w.next().await, WatchSignal::Lost);
+        assert!(matches!(
+            log.grant(txn("k", 2)).await.unwrap().value,
+            Granted::No { .. }
+        ));
+
+        // a Changed on another key does nothing for "k"
+        fake.signal_next(WatchSignal::Changed);
+        let mut other = log.watch("other", 1).await.unwrap();
+        assert_eq!(other.next().await, WatchSignal::Changed);
+        assert!(matches!(
+            log.grant(txn("k", 2)).await.unwrap().value,
+            Granted::No { .. }
+        ));
+
+        // a Changed on "k": session 1 still holds it, yet session 2 gets it
+        fake.signal_next(WatchSignal::Changed);
+        let mut w = log.watch("k", 1).await.unwrap();
+        assert_eq!(w.next().await, WatchSignal::Changed);
+        assert_eq!(log.grant(txn("k", 2)).await.unwrap().value, Granted::Yes);
+        assert_eq!(holder_lease(&log, "k").await, Some(2));
+
+        // once per event
+        assert!(matches!(
+            log.grant(txn("k", 3)).await.unwrap().value,
+            Granted::No { .. }
+        ));
+        assert_eq!(holder_lease(&log, "k").await, Some(2));
+
+        // an event followed by the holder's own call leaves its hold alone
+        fake.signal_next(WatchSignal::Freed);
+        let mut w = log.watch("k", 1).await.unwrap();
+        assert_eq!(w.next().await, WatchSignal::Freed);
+        let own = log.grant(txn("k", 2)).await.unwrap().value;
+        assert!(
+            matches!(&own, Granted::No { holder: Some(kv), .. } if kv.lease == 2),
+            "{own:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn slow_reuse_holds_back_only_a_sessions_own_grant() {
+        let (_fake, log) = wrapped(TestFault::SlowReuse);
+        let timed = |session: i64| {
+            let log = Arc::clone(&log);
+            async move {
+                let started = tokio::time::Instant::now();
+                let answer = log.grant(txn("k", session)).await.unwrap().value;
+                (answer, started.elapsed())
+            }
+        };
+        let (answer, took) = timed(1).await;
+        assert_eq!(answer, Granted::Yes);
+        assert!(took < SLOW_REUSE, "{took:?}");
+        // another session's refusal: at once
+        let (answer, took) = timed(2).await;
+        assert!(matches!(answer, Granted::No { .. }));
+        assert!(took < SLOW_REUSE, "{took:?}");
+        // the session's own grant: after SLOW_REUSE
+        let (answer, took) = timed(1).await;
+        assert!(matches!(answer, Granted::No { holder: Some(ref kv), .. } if kv.lease == 1));
+        assert!(took >= SLOW_REUSE, "{took:?}");
+    }
+}
