@@ -81,10 +81,11 @@ impl crate::lock_log::etcd::RenewalMemo for Bounds {
     fn recent(&self, lease: i64) -> Option<crate::lock_log::etcd::Renewed> {
         let memo = self.renewals.lock().ok()?;
         let r = memo.entries.get(&lease)?;
-        r.fresh(Instant::now()).then(|| crate::lock_log::etcd::Renewed {
-            ttl_seconds: i64::try_from(r.ttl.as_secs()).unwrap_or(i64::MAX),
-            sent: r.at,
-        })
+        r.fresh(Instant::now())
+            .then(|| crate::lock_log::etcd::Renewed {
+                ttl_seconds: i64::try_from(r.ttl.as_secs()).unwrap_or(i64::MAX),
+                sent: r.at,
+            })
     }
 
     fn note(&self, lease: i64, renewed: crate::lock_log::etcd::Renewed) {

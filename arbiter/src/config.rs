@@ -153,7 +153,9 @@ pub struct LogLayer {
 
 impl std::fmt::Debug for LogLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LogLayer").field("name", &self.name).finish()
+        f.debug_struct("LogLayer")
+            .field("name", &self.name)
+            .finish()
     }
 }
 

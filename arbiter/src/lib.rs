@@ -26,8 +26,8 @@ pub mod metrics;
 pub mod policy;
 pub mod records;
 mod service;
-pub mod token;
 pub mod table;
+pub mod token;
 pub mod wasm_hooks;
 
 use std::future::Future;
@@ -42,17 +42,19 @@ use tokio_util::task::TaskTracker;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tracing::{info, warn};
 
-pub use config::{Config, LogLayer, EtcdClientCert, EtcdConfigError, EtcdCredentials, EtcdUser, TlsFiles};
+pub use config::{
+    Config, EtcdClientCert, EtcdConfigError, EtcdCredentials, EtcdUser, LogLayer, TlsFiles,
+};
 pub use error::ArbiterError;
 pub use service::{AdminService, Arbiter, LockService};
 
 use crate::epoch::EpochGuard;
 use crate::high_water::HighWater;
 use crate::identity::IdentitySource;
-use crate::metrics::Metrics;
-use crate::policy::Policies;
 use crate::lock_log::LockLog;
 use crate::lock_log::etcd::{EtcdLog, EtcdLogin, EtcdTlsPem, StoreConfig};
+use crate::metrics::Metrics;
+use crate::policy::Policies;
 use crate::table::{LockTable, TableOptions};
 
 #[derive(Debug, thiserror::Error)]

@@ -266,8 +266,12 @@ pub trait LockLog: Send + Sync + 'static {
     async fn count_sessions_of(&self, identity: &str) -> LogResult<u32>;
     /// Deletes `session`'s record and its count entry if the record's bytes
     /// are `record` on the session's lease; whether it did.
-    async fn delete_session(&self, session: i64, identity: &str, record: Vec<u8>)
-    -> LogResult<bool>;
+    async fn delete_session(
+        &self,
+        session: i64,
+        identity: &str,
+        record: Vec<u8>,
+    ) -> LogResult<bool>;
     /// Revokes the lease: every key on it goes in one revision. A lease
     /// that is gone already is not an error.
     async fn revoke(&self, lease: i64) -> Result<(), StoreError>;

@@ -352,6 +352,13 @@ impl Collector for StateCollector {
                 .collect(),
         )?;
         family(
+            "hook_after_release_dropped",
+            "after_release hook calls dropped because too many were pending (the release itself went through), by class",
+            classes()
+                .map(|(c, m)| (vec![("class", c)], m.after_release_dropped))
+                .collect(),
+        )?;
+        family(
             "hook_failures",
             "Class hook calls that failed (and denied, fail closed), by class and kind",
             classes()

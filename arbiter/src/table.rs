@@ -50,8 +50,8 @@ use crate::records::{
     HolderRecord, NotOwned, SessionRecord, check_owner, decode, encode, now_unix_ms,
 };
 use crate::token;
-use queues::{Book, Delivery, Reply, Slot, Waiter};
 use queues::Head;
+use queues::{Book, Delivery, Reply, Slot, Waiter};
 use seal::Seal;
 
 /// The default `--max-waiters-per-identity`: the edge's own per-identity
@@ -159,7 +159,9 @@ enum Attempt {
     Reused(Grant),
     /// Held by another session; watch from `watch_from` so nothing between
     /// the failed transaction and the watch is missed.
-    Held { watch_from: i64 },
+    Held {
+        watch_from: i64,
+    },
 }
 
 /// Where a call goes after an attempt.
@@ -791,7 +793,9 @@ impl Ticket {
         match self.rx.as_mut() {
             Some(rx) => {
                 let reply = rx.await.unwrap_or_else(|_| {
-                    Err(ArbiterError::store("the waiter was dropped (arbiter stopping)"))
+                    Err(ArbiterError::store(
+                        "the waiter was dropped (arbiter stopping)",
+                    ))
                 });
                 self.rx = None;
                 reply

@@ -10,7 +10,12 @@
 //! from a task of its own, and loops: acquire a random key through the
 //! key's home arbiter (a stable hash, as the edge's ring hash routes;
 //! sometimes another), try-lock or waiting with a budget, sometimes
-//! cancelled (the acquire future dropped); hold it for a unit of work,
+//! cancelled (the acquire future dropped), some with a short budget that
+//! runs out about when the key is handed over; after a `WAIT_TIMEOUT` the
+//! client usually asks for the same key again on the same session, at once
+//! or a few milliseconds later, as a client's retry loop does (so a grant
+//! that committed for the call that timed out meets that session's next
+//! call); hold it for a unit of work,
 //! write through a fenced resource (accepts only a strictly higher token
 //! per key), release. Outcomes follow the gate exactly (`ok`, `fail` for the
 //! arbiter's definite refusals, `unknown` for everything else); after an
@@ -22,13 +27,20 @@
 //!
 //! **Nemesis.** One fault at a time, every 0.5–1.5 × [`FaultKnobs::fault_gap_ms`]:
 //! windows of log faults (calls failing before they commit, answers lost
-//! after a commit, delayed commits), arbiter restarts (calls in flight cut
-//! off, the table shut down, a new table on the same log after a moment,
-//! keeping its high-water mark), compaction and broken watch streams, and
-//! restore + advance: a snapshot taken earlier is restored with the same or
-//! a new cluster id, the arbiters seal, and the operator advances the epoch
-//! through one arbiter, retrying until it is done (recorded as the gate
-//! records it: a `fault` op around an `advance` op).
+//! after a commit, delayed commits), windows of a slow log (most calls
+//! delayed, none failing), arbiter restarts (calls in flight cut off, the
+//! table shut down, a new table on the same log after a moment, keeping
+//! its high-water mark), compaction and broken watch streams, and restore +
+//! advance: one of the last few snapshots (often one taken before an
+//! earlier restore and advance, or right after a restore) is restored with
+//! the same or a new cluster id, and as soon as one arbiter has sealed the
+//! operator advances the epoch through one arbiter, retrying until it is
+//! done (recorded as the gate records it: a `fault` op around an `advance`
+//! op). Now and then one arbiter is cut off from every caller before the
+//! restore, once it is quiet, and reconnected only after the advance: it
+//! notices the restore late, in the advanced epoch. A restore comes only
+//! while the service serves (an acquire succeeded within the last second,
+//! after the last advance).
 //!
 //! **Known limit (issue 15).** A restore with the same cluster id after
 //! EVERY arbiter has lost its state dir can re-issue tokens: nothing that
@@ -37,11 +49,15 @@
 //! ([`FaultKnobs::lose_state_percent`]) is a separate knob that the CI
 //! configuration only turns on in runs without restores.
 //!
-//! **Liveness.** After each advance grants must resume: if clients keep
-//! trying and no acquire succeeds within [`LIVENESS_WINDOW`] of simulated
-//! time (no restore comes in between: the nemesis waits that long), or no
-//! advance completes within two minutes of a restore, the run is
-//! [`SimRun::stuck`].
+//! **Liveness.** Grants must not stop: if clients keep trying and no
+//! acquire succeeds within [`LIVENESS_WINDOW`] of simulated time after the
+//! last grant or the last advance, whichever is later (no restore waiting
+//! for its advance), or no advance completes within two minutes of a
+//! restore, the run is [`SimRun::stuck`]. So an advance whose epoch never
+//! serves, and a seal written after an advance (an arbiter that noticed
+//! the restore late), both fail the run: no restore comes until the
+//! service serves again, and a run that has its operations goes on until
+//! an acquire succeeded within the last five seconds.
 //!
 //! **Determinism.** Everything runs on one current-thread runtime with
 //! paused time: no real time, no threads, every random choice from the
@@ -79,6 +95,8 @@ pub struct FaultKnobs {
     pub fault_gap_ms: u64,
     /// Windows of log faults.
     pub log_faults: bool,
+    /// Windows of a slow log: many calls delayed, none failing.
+    pub slow_log: bool,
     /// Highest percentage of calls failing before commit, and of answers
     /// lost after commit, in a window (delays up to three times this).
     pub log_fault_peak: u32,
@@ -91,6 +109,9 @@ pub struct FaultKnobs {
     pub compaction: bool,
     /// Restore snapshots (same or new cluster id) and advance the epoch.
     pub restores: bool,
+    /// Percent of restores during which one arbiter is cut off from every
+    /// caller (quiet before the restore, reconnected after the advance).
+    pub isolate_percent: u32,
     /// Percent of grants whose holder crashes (stops renewing, never
     /// releases).
     pub crash_percent: u32,
@@ -110,13 +131,15 @@ impl FaultKnobs {
     /// Every fault, state kept across restarts.
     pub fn all() -> Self {
         Self {
-            fault_gap_ms: 2500,
+            fault_gap_ms: 2000,
             log_faults: true,
+            slow_log: true,
             log_fault_peak: 10,
             arbiter_restarts: true,
             lose_state_percent: 0,
             compaction: true,
             restores: true,
+            isolate_percent: 40,
             crash_percent: 2,
             pause_percent: 2,
             cancel_percent: 4,
@@ -139,11 +162,13 @@ impl FaultKnobs {
         Self {
             fault_gap_ms: 2500,
             log_faults: false,
+            slow_log: false,
             log_fault_peak: 0,
             arbiter_restarts: false,
             lose_state_percent: 0,
             compaction: false,
             restores: false,
+            isolate_percent: 0,
             crash_percent: 0,
             pause_percent: 0,
             cancel_percent: 0,
@@ -169,8 +194,15 @@ pub struct SimConfig {
     /// Longest wait budget of a waiting acquire, in milliseconds (from a
     /// tenth of it).
     pub wait_ms: u64,
+    /// Percent of waiting acquires with a short budget (up to twice
+    /// `unit_ms`): they often run out as the key is handed to them.
+    pub short_wait_percent: u32,
     /// Percent of acquires that are try-locks.
     pub try_lock_percent: u32,
+    /// Percent of `WAIT_TIMEOUT`s (and of `HELD`s of such a retry) after
+    /// which the client asks for the same key again on the same session,
+    /// at once or after a few milliseconds (a client's retry loop).
+    pub retry_percent: u32,
     /// The tables' poll period (waiters whose watch is lost).
     pub poll: Duration,
     /// Give up (stuck) if `min_ops` is not reached by then, simulated.
@@ -189,7 +221,9 @@ impl SimConfig {
             arbiters: 2,
             unit_ms: 200,
             wait_ms: 1500,
+            short_wait_percent: 30,
             try_lock_percent: 25,
+            retry_percent: 70,
             poll: Duration::from_millis(500),
             max_sim_time: Duration::from_secs(3600),
             faults: FaultKnobs::all(),
@@ -375,7 +409,11 @@ async fn simulate(cfg: SimConfig) -> Outcome {
     let mut stuck = None;
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        if world.ops_recorded() >= cfg.min_ops {
+        // Enough operations, and the service serving now: a run does not
+        // end in an outage the watchdog has yet to judge.
+        if world.ops_recorded() >= cfg.min_ops
+            && lock(&world.liveness).serving(Instant::now(), SETTLED)
+        {
             break;
         }
         if let Some(why) = liveness(&world) {
@@ -441,33 +479,51 @@ async fn finish(mut h: JoinHandle<()>, until: Instant) -> bool {
     }
 }
 
-/// Whether grants failed to resume after the last advance, or the advance
-/// after a restore never came.
+/// A run ends once it has its operations and an acquire succeeded this
+/// recently (after the last advance, none pending).
+const SETTLED: Duration = Duration::from_secs(5);
+
+/// Whether the advance after a restore never came, or grants stopped: no
+/// acquire succeeded for [`LIVENESS_WINDOW`] after the last grant or the
+/// last advance, whichever is later, while clients kept trying and no
+/// restore was waiting for its advance. (After an advance this is the
+/// window grants must resume in; at any other time nothing in the
+/// simulation stops every grant for that long: faults come one at a time,
+/// a restart takes at most two seconds.)
 fn liveness(world: &World) -> Option<String> {
     let now = Instant::now();
     let live = lock(&world.liveness);
     if let Some(restored) = live.last_restore
         && live.last_advance.is_none_or(|a| a < restored)
-        && now >= restored + Duration::from_secs(120)
     {
-        return Some(format!(
-            "no epoch advance completed within 120 s of simulated time after the restore at {:.1} ms; {}",
-            world.ms(restored),
-            seals(world)
-        ));
-    }
-    let at = live.last_advance?;
-    if live.granted_since
-        || !live.tried_since
-        || live.last_restore.is_some_and(|r| r > at)
-        || now < at + LIVENESS_WINDOW
-    {
+        if now >= restored + Duration::from_secs(120) {
+            return Some(format!(
+                "no epoch advance completed within 120 s of simulated time after the restore at {:.1} ms; {}",
+                world.ms(restored),
+                seals(world)
+            ));
+        }
         return None;
     }
+    let since = live
+        .last_grant
+        .max(live.last_advance)
+        .unwrap_or(world.start);
+    if !live.tried_since || now < since + LIVENESS_WINDOW {
+        return None;
+    }
+    let after = match live.last_advance {
+        Some(at) if live.last_grant.is_none_or(|g| g < at) => {
+            format!("the epoch advance at {:.1} ms", world.ms(at))
+        }
+        _ => match live.last_grant {
+            Some(g) => format!("the last grant at {:.1} ms", world.ms(g)),
+            None => "the start".to_string(),
+        },
+    };
     Some(format!(
-        "no acquire succeeded within {} s of simulated time after the epoch advance at {:.1} ms, while clients kept trying; {}",
+        "no acquire succeeded within {} s of simulated time after {after}, while clients kept trying; {}",
         LIVENESS_WINDOW.as_secs(),
-        world.ms(at),
         seals(world)
     ))
 }
@@ -475,13 +531,14 @@ fn liveness(world: &World) -> Option<String> {
 /// Each arbiter's state, for a liveness report.
 fn seals(world: &World) -> String {
     (0..world.arbiters.len())
-        .map(|i| match world.arbiter(i) {
+        .map(|i| match world.table(i) {
             None => format!("arbiter-{i}: down"),
-            Some(a) => {
-                let epoch = a.table.seal().guard().state().map(|s| s.epoch());
-                match a.table.seal().guard().seal_reason() {
-                    Some(reason) => format!("arbiter-{i}: epoch {epoch:?}, sealed: {reason}"),
-                    None => format!("arbiter-{i}: epoch {epoch:?}, serving"),
+            Some((table, isolated)) => {
+                let epoch = table.seal().guard().state().map(|s| s.epoch());
+                let cut = if isolated { " (isolated)" } else { "" };
+                match table.seal().guard().seal_reason() {
+                    Some(reason) => format!("arbiter-{i}{cut}: epoch {epoch:?}, sealed: {reason}"),
+                    None => format!("arbiter-{i}{cut}: epoch {epoch:?}, serving"),
                 }
             }
         })

@@ -132,19 +132,23 @@ impl Arbiter {
             }
             None => None,
         };
-        let annotations = match self.hooks.before_grant(&HookInput {
-            identity: &caller.identity,
-            key: key.as_str(),
-            class: &class.name,
-            session,
-            metadata: &metadata,
-            waiters: waiting,
-            now_unix_ms: now_unix_ms(),
-            now_monotonic_ns: monotonic_ns(),
-            hook,
-            holder,
-            hold_count,
-        }).await {
+        let annotations = match self
+            .hooks
+            .before_grant(&HookInput {
+                identity: &caller.identity,
+                key: key.as_str(),
+                class: &class.name,
+                session,
+                metadata: &metadata,
+                waiters: waiting,
+                now_unix_ms: now_unix_ms(),
+                now_monotonic_ns: monotonic_ns(),
+                hook,
+                holder,
+                hold_count,
+            })
+            .await
+        {
             HookDecision::Allow { annotations } => annotations,
             HookDecision::Deny {
                 code,

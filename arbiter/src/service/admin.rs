@@ -47,7 +47,11 @@ impl Arbiter {
                     .into(),
             ));
         }
-        let (record, deleted) = self.table.seal().advance_epoch(req.expected_epoch, reason).await?;
+        let (record, deleted) = self
+            .table
+            .seal()
+            .advance_epoch(req.expected_epoch, reason)
+            .await?;
         warn!(operator = %caller.identity, epoch = record.epoch, holds_deleted = deleted, reason, "epoch advanced");
         Ok(AdvanceEpochResponse {
             epoch: record.epoch,

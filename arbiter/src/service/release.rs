@@ -55,7 +55,9 @@ impl Arbiter {
             .release(&caller.identity, key.as_str(), session, req.token)
             .await?;
         info!(identity = %caller.identity, key = %key.as_str(), handed_over = released.handed_over, "released");
-        self.hooks.after_release(&caller.identity, key.as_str()).await;
+        self.hooks
+            .after_release(&caller.identity, key.as_str())
+            .await;
         Ok(released)
     }
 }

@@ -165,8 +165,7 @@ impl Seal {
                 return;
             }
             let existing = records.seal.as_ref().map(|kv| {
-                let theirs =
-                    decode::<SealRecord>(&kv.value).map_or(0, |s| s.next_epoch_at_least);
+                let theirs = decode::<SealRecord>(&kv.value).map_or(0, |s| s.next_epoch_at_least);
                 (kv.mod_revision, theirs)
             });
             if existing.is_some_and(|(_, theirs)| theirs >= floor) {
@@ -202,7 +201,9 @@ impl Seal {
             let (record, bytes) = match records.epoch {
                 Some(kv) => {
                     let record: EpochRecord = decode(&kv.value).ok_or_else(|| {
-                        ArbiterError::Internal("the epoch record in the lock log is not valid".into())
+                        ArbiterError::Internal(
+                            "the epoch record in the lock log is not valid".into(),
+                        )
                     })?;
                     (record, kv.value)
                 }
@@ -218,7 +219,10 @@ impl Seal {
                         // Another arbiter created it first: read theirs.
                         continue;
                     }
-                    info!(cluster_id = header.cluster_id, "created epoch record: epoch 1");
+                    info!(
+                        cluster_id = header.cluster_id,
+                        "created epoch record: epoch 1"
+                    );
                     (record, bytes)
                 }
             };
@@ -258,7 +262,11 @@ impl Seal {
     }
 
     /// Makes a grant's revision durable before its token is handed out.
-    pub async fn make_durable(&self, state: &EpochState, revision: i64) -> Result<(), ArbiterError> {
+    pub async fn make_durable(
+        &self,
+        state: &EpochState,
+        revision: i64,
+    ) -> Result<(), ArbiterError> {
         self.high_water
             .record(Mark {
                 epoch: state.epoch(),

@@ -12,13 +12,24 @@ use super::world::{World, lock};
 use crate::memlog::{ClusterId, FaultRates, Snapshot};
 use crate::rng::Rng;
 
-/// After an advance, no restore for this long: the liveness watchdog's
-/// window must see the advanced epoch serve without a new seal in it.
+/// Grants must not stop for this long while clients try (no restore
+/// waiting for its advance): the liveness watchdog's window.
 pub const LIVENESS_WINDOW: Duration = Duration::from_secs(60);
+
+/// A restore only while the service serves: an acquire succeeded after the
+/// last advance and this recently. So a restore never lands in an outage
+/// the watchdog has yet to judge (an advance whose epoch never serves, a
+/// seal written after it), and never hides one.
+const SERVING_WITHIN: Duration = Duration::from_secs(1);
+
+/// Snapshots kept to restore from (the operator's backups): a restore may
+/// go back to one taken before an earlier restore and advance.
+const SNAPSHOTS_KEPT: usize = 6;
 
 #[derive(Debug, Clone, Copy)]
 enum Kind {
     LogFaults,
+    SlowLog,
     Restart,
     Compact,
     Snapshot,
@@ -30,6 +41,9 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
     let mut kinds: Vec<(Kind, u64)> = Vec::new();
     if knobs.log_faults {
         kinds.push((Kind::LogFaults, 30));
+    }
+    if knobs.slow_log {
+        kinds.push((Kind::SlowLog, 25));
     }
     if knobs.arbiter_restarts {
         kinds.push((Kind::Restart, 20));
@@ -45,13 +59,19 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
         return;
     }
     let total: u64 = kinds.iter().map(|(_, w)| w).sum();
-    let mut snapshot: Option<Snapshot> = None;
+    let mut snapshots: Vec<Snapshot> = Vec::new();
+    let keep = |snapshots: &mut Vec<Snapshot>, snap: Snapshot| {
+        if snapshots.len() >= SNAPSHOTS_KEPT {
+            snapshots.remove(0);
+        }
+        snapshots.push(snap);
+    };
     // Warm up before the first snapshot, so a restore goes back over grants.
     if !pause(&world, Duration::from_secs(2)).await {
         return;
     }
     if knobs.restores {
-        snapshot = Some(world.memlog.snapshot());
+        keep(&mut snapshots, world.memlog.snapshot());
     }
     loop {
         let gap = Duration::from_millis(knobs.fault_gap_ms / 2 + rng.below(knobs.fault_gap_ms + 1));
@@ -69,33 +89,38 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
         }
         match kind {
             Kind::LogFaults => log_faults(&world, &mut rng).await,
+            Kind::SlowLog => slow_log(&world, &mut rng).await,
             Kind::Restart => restart(&world, &mut rng).await,
             Kind::Compact => compact(&world, &mut rng),
-            Kind::Snapshot => snapshot = Some(world.memlog.snapshot()),
+            Kind::Snapshot => keep(&mut snapshots, world.memlog.snapshot()),
             Kind::Restore => {
-                let recent = lock(&world.liveness).last_advance.is_some_and(|at| {
-                    Instant::now() < at + LIVENESS_WINDOW + Duration::from_secs(5)
-                });
-                let usable = snapshot
-                    .as_ref()
-                    .filter(|s| s.revision() < world.memlog.revision())
-                    .cloned();
-                match usable {
-                    Some(snap) if !recent => {
-                        let cluster = if rng.chance(50) {
-                            ClusterId::Same
-                        } else {
-                            ClusterId::New
-                        };
-                        restore(&world, &mut rng, &snap, cluster).await;
-                        // Half the time the next restore goes back to the
-                        // same snapshot: a second restore of one snapshot
-                        // must not re-use an epoch either.
-                        if rng.chance(50) {
-                            snapshot = Some(world.memlog.snapshot());
-                        }
-                    }
-                    _ => snapshot = Some(world.memlog.snapshot()),
+                if !lock(&world.liveness).serving(Instant::now(), SERVING_WITHIN) {
+                    continue;
+                }
+                let revision = world.memlog.revision();
+                let usable: Vec<&Snapshot> = snapshots
+                    .iter()
+                    .filter(|s| s.revision() < revision)
+                    .collect();
+                // Half the time the newest backup, else any kept one: often
+                // one from before an earlier restore and advance (a second
+                // restore of one snapshot must not re-use an epoch either).
+                let pick = match usable.len() {
+                    0 => None,
+                    n if rng.chance(50) => usable.get(n - 1),
+                    n => usable.get(usize::try_from(rng.below(n as u64)).unwrap_or(0)),
+                };
+                let Some(snap) = pick.map(|s| (*s).clone()) else {
+                    keep(&mut snapshots, world.memlog.snapshot());
+                    continue;
+                };
+                let cluster = if rng.chance(50) {
+                    ClusterId::Same
+                } else {
+                    ClusterId::New
+                };
+                if let Some(taken) = restore(&world, &mut rng, &snap, cluster).await {
+                    keep(&mut snapshots, taken);
                 }
             }
         }
@@ -144,6 +169,32 @@ async fn log_faults(world: &World, rng: &mut Rng) {
             length.as_millis(),
             rates.fail_before_commit,
             rates.lose_response,
+            rates.delay,
+            rates.max_delay.as_millis()
+        ),
+    );
+    world.memlog.set_faults(rates);
+    tokio::time::sleep(length).await;
+    world.memlog.set_faults(FaultRates::NONE);
+    done(world, op);
+}
+
+/// A window of a slow log: many calls delayed (none failing, no answer
+/// lost), so commits land late and calls overtake each other while the
+/// clients' sessions live on.
+async fn slow_log(world: &World, rng: &mut Rng) {
+    let rates = FaultRates {
+        fail_before_commit: 0,
+        lose_response: 0,
+        delay: u32::try_from(30 + rng.below(61)).unwrap_or(30),
+        max_delay: Duration::from_millis(20 + rng.below(281)),
+    };
+    let length = Duration::from_millis(1000 + rng.below(4000));
+    let op = fault(
+        world,
+        format!(
+            "slow log for {} ms: {}% delayed up to {} ms",
+            length.as_millis(),
             rates.delay,
             rates.max_delay.as_millis()
         ),
@@ -204,21 +255,51 @@ fn compact(world: &World, rng: &mut Rng) {
 
 /// Restores the log from `snapshot`, waits for an arbiter to seal, then
 /// advances the epoch as an operator through one arbiter, retrying until
-/// it is done.
-async fn restore(world: &World, rng: &mut Rng, snapshot: &Snapshot, cluster: ClusterId) {
+/// it is done. Now and then ([`FaultKnobs::isolate_percent`]) one arbiter
+/// is cut off from every caller first, until it is quiet, and reconnected
+/// only after the advance: it notices the restore late, in the advanced
+/// epoch, and must not seal that. Half the time the operator backs the
+/// restored log up before advancing; that snapshot is returned.
+///
+/// [`FaultKnobs::isolate_percent`]: super::FaultKnobs::isolate_percent
+async fn restore(
+    world: &World,
+    rng: &mut Rng,
+    snapshot: &Snapshot,
+    cluster: ClusterId,
+) -> Option<Snapshot> {
+    let n = world.arbiters.len();
+    let isolated = (n >= 2 && rng.chance(world.cfg.faults.isolate_percent))
+        .then(|| usize::try_from(rng.below(n as u64)).unwrap_or(0));
+    let back_up = rng.chance(50);
     let op = fault(
         world,
         format!(
-            "restore snapshot at r{} ({}) + advance-epoch",
+            "restore snapshot at r{} ({}) + advance-epoch{}",
             snapshot.revision(),
             match cluster {
                 ClusterId::Same => "same cluster id",
                 ClusterId::New => "new cluster id",
+            },
+            match isolated {
+                Some(i) => format!(", arbiter-{i} isolated until after the advance"),
+                None => String::new(),
             }
         ),
     );
+    if let Some(i) = isolated {
+        world.set_isolated(i, true);
+        // Quiet: its waiters answered or timed out, its drivers retired.
+        let quiet_by = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < quiet_by && world.table(i).is_some_and(|(t, _)| t.totals() != (0, 0))
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     lock(&world.liveness).last_restore = Some(Instant::now());
     world.memlog.restore(snapshot, cluster);
+    let taken = back_up.then(|| world.memlog.snapshot());
 
     // The arbiters notice on their next answer (the clients keep calling);
     // the operator polls the status as the gate's nemesis does.
@@ -263,9 +344,15 @@ async fn restore(world: &World, rng: &mut Rng, snapshot: &Snapshot, cluster: Clu
         let mut live = lock(&world.liveness);
         live.last_advance = Some(Instant::now());
         live.tried_since = false;
-        live.granted_since = false;
+    }
+    if let Some(i) = isolated {
+        tokio::time::sleep(Duration::from_millis(rng.below(500))).await;
+        world.set_isolated(i, false);
+        // Long enough for its clients to reach it again.
+        tokio::time::sleep(Duration::from_secs(2)).await;
     }
     done(world, op);
+    taken
 }
 
 const REASON: &str = "simulation: restore from snapshot";

@@ -101,6 +101,7 @@ pub(crate) async fn run(world: Arc<World>, index: usize, mut rng: Rng) {
             identity: identity.clone(),
             process,
             rng: &mut rng,
+            retry: None,
         }
         .run(renew_seed)
         .await;
@@ -112,6 +113,10 @@ struct Incarnation<'a> {
     identity: String,
     process: String,
     rng: &'a mut Rng,
+    /// The key to ask for again, on the same session, in the next cycle:
+    /// the last acquire ran out of its wait budget (or, retrying, found it
+    /// held).
+    retry: Option<String>,
 }
 
 /// Stops the renewal task when the incarnation ends, however it ends.
@@ -217,14 +222,35 @@ impl Incarnation<'_> {
         renewer: &mut Option<Renewer>,
     ) -> Next {
         let cfg = self.world.cfg.clone();
-        let key = format!("sim/k{}", self.rng.below(cfg.keys.max(1) as u64));
+        let (key, retrying) = match self.retry.take() {
+            Some(key) => (key, true),
+            None => (
+                format!("sim/k{}", self.rng.below(cfg.keys.max(1) as u64)),
+                false,
+            ),
+        };
         let stray = self.stray();
         let Some(arbiter) = self.world.route(&key, stray, self.rng) else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             return Next::Continue;
         };
-        let wait = if self.rng.chance(cfg.try_lock_percent) {
+        // A short budget runs out about when the key is handed over.
+        let short = |rng: &mut Rng| {
+            Some(Duration::from_millis(
+                10 + rng.below(cfg.unit_ms.max(1) * 2),
+            ))
+        };
+        let wait = if retrying {
+            // A retry: a try-lock half the time, else a short wait.
+            if self.rng.chance(50) {
+                None
+            } else {
+                short(self.rng)
+            }
+        } else if self.rng.chance(cfg.try_lock_percent) {
             None
+        } else if self.rng.chance(cfg.short_wait_percent) {
+            short(self.rng)
         } else {
             let ms = cfg.wait_ms.max(10);
             Some(Duration::from_millis(
@@ -270,6 +296,18 @@ impl Incarnation<'_> {
                     .complete(op, Outcome::Fail, None, None, Some(describe(&e)));
                 if matches!(e, ArbiterError::SessionExpired { .. }) {
                     return Next::End;
+                }
+                let timed_out = matches!(e, ArbiterError::WaitTimeout { .. });
+                let held = matches!(e, ArbiterError::Held { .. });
+                if (timed_out || (held && retrying)) && self.rng.chance(cfg.retry_percent) {
+                    // Ask again for the same key on the same session: at
+                    // once, or after a few milliseconds.
+                    self.retry = Some(key);
+                    if self.rng.chance(50) {
+                        let pause = self.rng.below(20);
+                        tokio::time::sleep(Duration::from_millis(pause)).await;
+                    }
+                    return Next::Continue;
                 }
                 if !matches!(
                     e,

@@ -34,6 +34,10 @@ pub(crate) struct ArbiterSlot {
     pub(crate) killed: CancellationToken,
     pub(crate) high_water: Arc<HighWater>,
     pub(crate) restarts: u32,
+    /// Cut off from the clients and the operator (its connection to the log
+    /// intact): no call reaches it, so it learns of nothing until it is
+    /// reachable again.
+    pub(crate) isolated: bool,
 }
 
 /// A live arbiter a client may call.
@@ -66,14 +70,31 @@ impl Resource {
     }
 }
 
-/// What the liveness watchdog needs: when the last advance finished and
-/// whether an acquire was tried, and granted, since.
+/// What the liveness watchdog needs: when the last advance finished, when
+/// an acquire last succeeded, and whether one was tried since.
 #[derive(Default)]
 pub(crate) struct Liveness {
     pub(crate) last_advance: Option<Instant>,
+    /// An acquire was invoked since the later of the last grant and the
+    /// last advance.
     pub(crate) tried_since: bool,
-    pub(crate) granted_since: bool,
+    /// When an acquire last succeeded.
+    pub(crate) last_grant: Option<Instant>,
     pub(crate) last_restore: Option<Instant>,
+}
+
+impl Liveness {
+    /// A grant succeeded after the last advance (or there was none) and
+    /// within `within` of now: the service is serving.
+    pub(crate) fn serving(&self, now: Instant, within: Duration) -> bool {
+        let restore_pending = self
+            .last_restore
+            .is_some_and(|r| self.last_advance.is_none_or(|a| a < r));
+        !restore_pending
+            && self
+                .last_grant
+                .is_some_and(|g| self.last_advance.is_none_or(|a| g >= a) && now < g + within)
+    }
 }
 
 /// The history as it is recorded: operations in the order they were
@@ -121,6 +142,7 @@ impl World {
                     killed: CancellationToken::new(),
                     high_water: Arc::new(HighWater::in_memory(None)),
                     restarts: 0,
+                    isolated: false,
                 })
             })
             .collect();
@@ -210,7 +232,9 @@ impl World {
             return;
         };
         if o.f == Function::Acquire && outcome == Outcome::Ok {
-            lock(&self.liveness).granted_since = true;
+            let mut live = lock(&self.liveness);
+            live.last_grant = Some(Instant::now());
+            live.tried_since = false;
         }
         o.completion = Some(Completion {
             outcome,
@@ -223,9 +247,12 @@ impl World {
 
     // --- arbiters ---
 
-    /// Arbiter `i` if it is up.
+    /// Arbiter `i` if it is up and reachable (not isolated).
     pub(crate) fn arbiter(&self, i: usize) -> Option<Arbiter> {
         let slot = lock(self.arbiters.get(i)?);
+        if slot.isolated {
+            return None;
+        }
         slot.table.as_ref().map(|table| Arbiter {
             index: i,
             table: table.clone(),
@@ -233,6 +260,20 @@ impl World {
         })
     }
 
+    /// Arbiter `i`'s table if it is up, reachable or not (for reports).
+    pub(crate) fn table(&self, i: usize) -> Option<(Arc<LockTable>, bool)> {
+        let slot = lock(self.arbiters.get(i)?);
+        slot.table.clone().map(|t| (t, slot.isolated))
+    }
+
+    /// Cuts arbiter `i` off from every caller, or reconnects it.
+    pub(crate) fn set_isolated(&self, i: usize, isolated: bool) {
+        if let Some(slot) = self.arbiters.get(i) {
+            lock(slot).isolated = isolated;
+        }
+    }
+
+    /// Every arbiter that is up and reachable.
     pub(crate) fn up(&self) -> Vec<Arbiter> {
         (0..self.arbiters.len())
             .filter_map(|i| self.arbiter(i))

@@ -112,18 +112,16 @@ pub(super) async fn hand_over(
 /// Deletes the hold if it is still exactly `held`; the deleted record's
 /// bytes (empty if etcd did not return them).
 pub(super) async fn release(log: &EtcdLog, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
-    let txn = Txn::new()
-        .when(still_held(log, held))
-        .and_then([
-            TxnOp::delete(
-                log.layout.holder(&held.key),
-                Some(DeleteOptions::new().with_prev_key()),
-            ),
-            TxnOp::delete(
-                log.layout.claims_of(&held.key),
-                Some(DeleteOptions::new().with_prefix()),
-            ),
-        ]);
+    let txn = Txn::new().when(still_held(log, held)).and_then([
+        TxnOp::delete(
+            log.layout.holder(&held.key),
+            Some(DeleteOptions::new().with_prev_key()),
+        ),
+        TxnOp::delete(
+            log.layout.claims_of(&held.key),
+            Some(DeleteOptions::new().with_prefix()),
+        ),
+    ]);
     let resp = log
         .client
         .kv_client()
