@@ -42,6 +42,23 @@ struct Args {
     /// Key prefix in etcd.
     #[arg(long, default_value = "/latchkey")]
     prefix: String,
+    /// The coord etcd cluster's client URL(s), comma-separated: a cluster
+    /// separate from --etcd that witnesses this lock cluster's grants and
+    /// allocates its epochs, so a restore of the lock cluster seals even
+    /// arbiters with no state directory. Reached with the same --etcd-ca,
+    /// --etcd-cert/--etcd-key and --etcd-user/--etcd-password-file as --etcd.
+    /// Without it (one cluster for everything) the arbiter's --state-dir is
+    /// the only witness.
+    #[arg(long, value_name = "URLS", value_delimiter = ',')]
+    coord_etcd: Vec<String>,
+    /// Key prefix on the coord cluster (with --coord-etcd). Default: /latchkey-coord.
+    #[arg(long, value_name = "PREFIX", requires = "coord_etcd")]
+    coord_prefix: Option<String>,
+    /// This lock cluster's name on the coord cluster (with --coord-etcd):
+    /// the same for every arbiter of this lock cluster, different for every
+    /// other lock cluster. Default: default.
+    #[arg(long, value_name = "NAME", requires = "coord_etcd")]
+    lock_cluster_name: Option<String>,
     /// Directory with classes/*.toml and grants/*.toml.
     #[arg(long, default_value = "policies/dev")]
     policies: PathBuf,
@@ -157,6 +174,14 @@ pub async fn main_with(
     let mut config = Config::new(args.etcd, args.policies, args.state_dir);
     config.etcd_credentials = etcd_credentials;
     config.prefix = args.prefix;
+    config.coord_endpoints = args.coord_etcd;
+    if let Some(prefix) = args.coord_prefix {
+        config.coord_prefix = prefix;
+    }
+    if let Some(name) = args.lock_cluster_name {
+        config.lock_cluster_name = name;
+    }
+    config.check_coord()?;
     config.tls = tls;
     config.trust_domain = args.trust_domain;
     config.edge_identity = args.edge_identity;
@@ -284,6 +309,27 @@ mod tests {
     }
 
     #[test]
+    fn coord_flags_need_a_coord_cluster() {
+        for flag in ["--coord-prefix", "--lock-cluster-name"] {
+            let msg = match parse(&[flag, "x"]) {
+                Err(e) => e.to_string(),
+                Ok(args) => panic!("accepted {flag} without --coord-etcd: {args:?}"),
+            };
+            assert!(msg.contains("--coord-etcd"), "{msg}");
+        }
+        let args = parse(&[
+            "--coord-etcd",
+            "http://c1:2379,http://c2:2379",
+            "--lock-cluster-name",
+            "east",
+        ])
+        .unwrap();
+        assert_eq!(args.coord_etcd, ["http://c1:2379", "http://c2:2379"]);
+        assert_eq!(args.lock_cluster_name.as_deref(), Some("east"));
+        assert!(parse(&[]).unwrap().coord_etcd.is_empty());
+    }
+
+    #[test]
     fn help_lists_the_etcd_credential_flags() {
         let help = <Args as clap::CommandFactory>::command()
             .render_long_help()
@@ -294,6 +340,9 @@ mod tests {
             "--etcd-key",
             "--etcd-user",
             "--etcd-password-file",
+            "--coord-etcd",
+            "--coord-prefix",
+            "--lock-cluster-name",
         ] {
             assert!(help.contains(flag), "{flag} missing from --help");
         }
@@ -380,6 +429,22 @@ mod tests {
         let msg = start_error(config).await;
         assert!(
             msg.contains("empty") && msg.contains(&empty.display().to_string()),
+            "{msg}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_coord_cluster_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        // Nothing listens on ports 1 and 2.
+        let mut config = config_in(dir.path(), "http://127.0.0.1:1");
+        config.policies_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../policies/dev").into();
+        config.etcd_connect_timeout = Duration::from_millis(200);
+        config.etcd_request_timeout = Duration::from_millis(500);
+        config.coord_endpoints = vec!["http://127.0.0.1:2".into()];
+        let msg = start_error(config).await;
+        assert!(
+            msg.contains("cannot reach the coord etcd cluster at http://127.0.0.1:2"),
             "{msg}"
         );
     }

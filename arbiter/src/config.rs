@@ -141,6 +141,61 @@ impl EtcdCredentials {
     }
 }
 
+/// What is wrong with the coord cluster's flags, found before connecting.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CoordConfigError {
+    #[error("coord etcd (--coord-etcd): {0}")]
+    Endpoints(EtcdConfigError),
+    #[error(
+        "the coord cluster must not be the lock cluster: {endpoint} is in both --etcd and --coord-etcd (a restore of the lock cluster would roll back its own witness)"
+    )]
+    SameEndpoint { endpoint: String },
+    #[error(
+        "--lock-cluster-name must be 1 to 128 characters of A-Z a-z 0-9 . _ - (got {0:?}): it names this lock cluster's records on the coord cluster"
+    )]
+    BadClusterName(String),
+    #[error("--coord-prefix must start with '/' and name more than the root (got {0:?})")]
+    BadPrefix(String),
+}
+
+impl Config {
+    /// Checks the coord cluster's settings (nothing to check without one).
+    /// Its endpoints are reached with the lock cluster's credentials, so they
+    /// are held to the same rules.
+    pub fn check_coord(&self) -> Result<(), CoordConfigError> {
+        if self.coord_endpoints.is_empty() {
+            return Ok(());
+        }
+        self.etcd_credentials
+            .check(&self.coord_endpoints)
+            .map_err(CoordConfigError::Endpoints)?;
+        let normal = |e: &str| e.trim_end_matches('/').to_ascii_lowercase();
+        if let Some(endpoint) = self
+            .coord_endpoints
+            .iter()
+            .find(|c| self.etcd_endpoints.iter().any(|e| normal(e) == normal(c)))
+        {
+            return Err(CoordConfigError::SameEndpoint {
+                endpoint: endpoint.clone(),
+            });
+        }
+        let name = &self.lock_cluster_name;
+        if name.is_empty()
+            || name.len() > 128
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        {
+            return Err(CoordConfigError::BadClusterName(name.clone()));
+        }
+        if !self.coord_prefix.starts_with('/') || self.coord_prefix.trim_end_matches('/').is_empty()
+        {
+            return Err(CoordConfigError::BadPrefix(self.coord_prefix.clone()));
+        }
+        Ok(())
+    }
+}
+
 /// Wraps a lock log in another (see [`LogLayer`]).
 pub type WrapLog = dyn Fn(Arc<dyn LockLog>) -> Arc<dyn LockLog> + Send + Sync;
 
@@ -159,6 +214,11 @@ impl std::fmt::Debug for LogLayer {
     }
 }
 
+/// `--coord-prefix`'s default.
+pub const DEFAULT_COORD_PREFIX: &str = "/latchkey-coord";
+/// `--lock-cluster-name`'s default.
+pub const DEFAULT_LOCK_CLUSTER_NAME: &str = "default";
+
 #[derive(Clone)]
 pub struct Config {
     pub etcd_endpoints: Vec<String>,
@@ -166,6 +226,15 @@ pub struct Config {
     pub etcd_credentials: EtcdCredentials,
     /// Key prefix in etcd; several deployments may share one cluster.
     pub prefix: String,
+    /// The coord etcd cluster that witnesses this lock cluster (issue 15);
+    /// empty: one cluster for everything, and the arbiter's state directory
+    /// is the only witness. Reached with [`Config::etcd_credentials`].
+    pub coord_endpoints: Vec<String>,
+    /// Key prefix on the coord cluster.
+    pub coord_prefix: String,
+    /// This lock cluster's name on the coord cluster: every arbiter of one
+    /// lock cluster must use the same name, and no two lock clusters may.
+    pub lock_cluster_name: String,
     pub policies_dir: PathBuf,
     pub policy_poll: Duration,
     /// `None` only in insecure dev mode.
@@ -208,6 +277,9 @@ impl Config {
             etcd_endpoints,
             etcd_credentials: EtcdCredentials::default(),
             prefix: "/latchkey".into(),
+            coord_endpoints: Vec::new(),
+            coord_prefix: DEFAULT_COORD_PREFIX.into(),
+            lock_cluster_name: DEFAULT_LOCK_CLUSTER_NAME.into(),
             policies_dir,
             policy_poll: Duration::from_secs(2),
             tls: None,
@@ -306,6 +378,46 @@ mod tests {
             matches!(err, EtcdConfigError::PasswordOverHttp { .. }),
             "{err}"
         );
+    }
+
+    fn with_coord(coord: &[&str]) -> Config {
+        let mut config = Config::new(eps(&["http://lock:2379"]), "p".into(), "s".into());
+        config.coord_endpoints = eps(coord);
+        config
+    }
+
+    #[test]
+    fn the_coord_cluster_is_checked_only_when_there_is_one() {
+        assert_eq!(with_coord(&[]).check_coord(), Ok(()));
+        assert_eq!(with_coord(&["http://coord:2379"]).check_coord(), Ok(()));
+        let mut no_coord = with_coord(&[]);
+        no_coord.lock_cluster_name = String::new();
+        assert_eq!(no_coord.check_coord(), Ok(()));
+    }
+
+    #[test]
+    fn bad_coord_settings_are_refused() {
+        let err = with_coord(&["http://coord:2379", "http://LOCK:2379/"])
+            .check_coord()
+            .unwrap_err();
+        assert!(
+            matches!(err, CoordConfigError::SameEndpoint { .. }),
+            "{err}"
+        );
+        let err = with_coord(&["coord:2379"]).check_coord().unwrap_err();
+        assert!(err.to_string().contains("--coord-etcd"), "{err}");
+        for name in ["", "a/b", "has space", "x".repeat(129).as_str()] {
+            let mut config = with_coord(&["http://coord:2379"]);
+            config.lock_cluster_name = name.to_string();
+            let err = config.check_coord().unwrap_err();
+            assert!(matches!(err, CoordConfigError::BadClusterName(_)), "{err}");
+        }
+        for prefix in ["", "/", "coord"] {
+            let mut config = with_coord(&["http://coord:2379"]);
+            config.coord_prefix = prefix.to_string();
+            let err = config.check_coord().unwrap_err();
+            assert!(matches!(err, CoordConfigError::BadPrefix(_)), "{err}");
+        }
     }
 
     #[test]

@@ -68,7 +68,7 @@ pub fn evaluate(
     let mark = mark?;
     if mark.epoch > state.epoch() {
         return Some(format!(
-            "the epoch record says {} but this arbiter already granted in epoch {}: the lock log was restored from before an epoch advance",
+            "the epoch record says {} but a grant in epoch {} was already handed out (as this arbiter's state directory or the coord witness records): the lock log was restored from before an epoch advance",
             state.epoch(),
             mark.epoch
         ));
@@ -76,7 +76,7 @@ pub fn evaluate(
     if mark.epoch == state.epoch() {
         if mark.cluster_id != state.cluster_id {
             return Some(format!(
-                "epoch {} is bound to cluster {} here, but this arbiter granted in it on cluster {}: the lock log was replaced",
+                "epoch {} is bound to cluster {} here, but a grant in it was handed out on cluster {}: the lock log was replaced",
                 state.epoch(),
                 state.cluster_id,
                 mark.cluster_id
@@ -86,7 +86,7 @@ pub fn evaluate(
             && rev < mark.revision
         {
             return Some(format!(
-                "etcd revision {rev} is below revision {} that this arbiter already granted at in epoch {}: the lock log was restored from an earlier snapshot",
+                "etcd revision {rev} is below revision {} of epoch {} that a grant was already handed out at (or seen at): the lock log was restored from an earlier snapshot",
                 mark.revision,
                 state.epoch()
             ));
@@ -162,6 +162,25 @@ impl EpochGuard {
             }
             (None, _) => None,
         }
+    }
+
+    /// Seals for `reason` (found outside a header check); whether this call
+    /// sealed (false if sealed already or no epoch is installed).
+    pub fn seal_now(&self, reason: &str) -> bool {
+        let Ok(mut inner) = self.inner.write() else {
+            return false;
+        };
+        let Some(epoch) = inner.state.as_ref().map(EpochState::epoch) else {
+            return false;
+        };
+        if inner.seal.is_some() {
+            return false;
+        }
+        inner.seal = Some(Seal {
+            reason: reason.to_string(),
+            epoch,
+        });
+        true
     }
 
     /// Checks a response header against the installed epoch; seals on a

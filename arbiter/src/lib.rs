@@ -29,6 +29,7 @@ mod service;
 pub mod table;
 pub mod token;
 pub mod wasm_hooks;
+pub mod witness;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -43,7 +44,8 @@ use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tracing::{info, warn};
 
 pub use config::{
-    Config, EtcdClientCert, EtcdConfigError, EtcdCredentials, EtcdUser, LogLayer, TlsFiles,
+    Config, CoordConfigError, EtcdClientCert, EtcdConfigError, EtcdCredentials, EtcdUser, LogLayer,
+    TlsFiles,
 };
 pub use error::ArbiterError;
 pub use service::{AdminService, Arbiter, LockService};
@@ -56,6 +58,8 @@ use crate::lock_log::etcd::{EtcdLog, EtcdLogin, EtcdTlsPem, StoreConfig};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::table::{LockTable, TableOptions};
+use crate::witness::Witness;
+use crate::witness::etcd::EtcdWitness;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -67,6 +71,21 @@ pub enum RunError {
     Store(#[source] ArbiterError),
     #[error(transparent)]
     EtcdConfig(#[from] EtcdConfigError),
+    #[error(transparent)]
+    CoordConfig(#[from] CoordConfigError),
+    /// The first request to the coord cluster failed.
+    #[error("cannot reach the coord etcd cluster at {endpoints} ({access})")]
+    CoordUnreachable {
+        endpoints: String,
+        access: String,
+        #[source]
+        source: lock_log::StoreError,
+    },
+    /// --coord-etcd names the lock cluster itself (by other addresses).
+    #[error(
+        "the coord cluster (--coord-etcd) is the lock cluster (--etcd): both report cluster id {cluster_id:#018x}; a restore of the lock cluster would roll back its own witness, so give the coord cluster its own etcd"
+    )]
+    CoordIsLockCluster { cluster_id: u64 },
     /// The first requests to etcd failed: a wrong address, etcd down, or
     /// credentials etcd refuses.
     #[error("cannot reach etcd at {endpoints} ({access}){hint}")]
@@ -107,6 +126,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     // start before anything else is loaded.
     let credentials = &config.etcd_credentials;
     credentials.check(&config.etcd_endpoints)?;
+    config.check_coord()?;
     let (etcd_tls, etcd_login) = (etcd_tls(credentials)?, etcd_login(credentials)?);
     let policies =
         Arc::new(Policies::load(&config.policies_dir)?.with_hooks(config.hook_host.clone()));
@@ -119,6 +139,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     );
     let _ = tokio::task::spawn_blocking(move || host.sync(&set, &dir)).await;
     let high_water = Arc::new(HighWater::open(&config.state_dir)?);
+    let has_state = high_water.current().is_some();
     let guard = Arc::new(EpochGuard::default());
     let unreachable = |source| RunError::EtcdUnreachable {
         endpoints: config.etcd_endpoints.join(","),
@@ -133,28 +154,57 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         source,
     };
     let bounds = Arc::new(bounds::Bounds::new(config.max_sessions_per_identity));
-    let etcd = EtcdLog::connect(
-        &StoreConfig {
-            endpoints: config.etcd_endpoints.clone(),
-            prefix: config.prefix.clone(),
-            connect_timeout: config.etcd_connect_timeout,
-            request_timeout: config.etcd_request_timeout,
-            tls: etcd_tls,
-            login: etcd_login,
-        },
-        bounds.clone(),
-    )
-    .await
-    .map_err(|e| unreachable(e.into()))?;
+    let lock_store = StoreConfig {
+        endpoints: config.etcd_endpoints.clone(),
+        prefix: config.prefix.clone(),
+        connect_timeout: config.etcd_connect_timeout,
+        request_timeout: config.etcd_request_timeout,
+        tls: etcd_tls,
+        login: etcd_login,
+    };
+    let witness = coord_witness(config, &lock_store).await?;
+    let etcd = EtcdLog::connect(&lock_store, bounds.clone())
+        .await
+        .map_err(|e| unreachable(e.into()))?;
     let mut log: Arc<dyn LockLog> = Arc::new(etcd);
     if let Some(layer) = &config.log_layer {
         warn!(layer = %layer.name, "RUNNING WITH A LAYER AROUND THE LOCK LOG (a test build): this arbiter may be deliberately unsafe");
         log = (layer.wrap)(log);
     }
-    let table = LockTable::new(
+    match &witness {
+        Some(w) => info!(
+            witness = %w.describe(),
+            lock_cluster = %config.lock_cluster_name,
+            "the coord cluster witnesses this lock cluster's grants and allocates its epochs"
+        ),
+        None => {
+            info!(
+                state_dir = %config.state_dir.display(),
+                "one cluster, no coord cluster (--coord-etcd): this arbiter's state directory is the only witness of the tokens handed out"
+            );
+            // Read before the first start of an empty log could create the
+            // epoch record: a record found now was there before this start.
+            if !has_state
+                && log
+                    .records()
+                    .await
+                    .map_err(|e| unreachable(e.into()))?
+                    .value
+                    .epoch
+                    .is_some()
+            {
+                warn!(
+                    state_dir = %config.state_dir.display(),
+                    "starting with an empty state directory on a lock log that already has an epoch record, and with no coord cluster: nothing can tell whether the lock log was restored from a snapshot since tokens were handed out, and if it was, tokens may be issued again below earlier ones (issue 15); run with --coord-etcd, and keep --state-dir on durable disk"
+                );
+            }
+        }
+    }
+    let table = LockTable::witnessed(
         log,
         guard.clone(),
         high_water,
+        witness.clone().map(|w| w as Arc<dyn Witness>),
         TableOptions {
             poll: config.retry_poll,
             max_waiters_per_identity: config.max_waiters_per_identity,
@@ -164,6 +214,12 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     // The first request: the connection, TLS handshake and auth happen here.
     let state = table.start().await.map_err(unreachable)?;
     info!(access = %credentials.describe(), "connected to etcd");
+    if let Some(coord) = witness.as_ref().and_then(|w| w.coord_cluster_id()) {
+        let lock = table.current_cluster_id().await.map_err(unreachable)?;
+        if lock == coord {
+            return Err(RunError::CoordIsLockCluster { cluster_id: lock });
+        }
+    }
     match guard.seal_reason() {
         Some(reason) => warn!(epoch = state.epoch(), %reason, "starting SEALED"),
         None => info!(
@@ -201,6 +257,33 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         max_wait: config.max_wait,
         bounds,
     }))
+}
+
+/// The coord cluster's witness, when `--coord-etcd` names one: connected
+/// with the lock cluster's credentials and read once, so a wrong address or
+/// refused credentials fail the start with the coord cluster named.
+async fn coord_witness(
+    config: &Config,
+    lock_store: &StoreConfig,
+) -> Result<Option<Arc<EtcdWitness>>, RunError> {
+    if config.coord_endpoints.is_empty() {
+        return Ok(None);
+    }
+    let unreachable = |source| RunError::CoordUnreachable {
+        endpoints: config.coord_endpoints.join(","),
+        access: config.etcd_credentials.describe(),
+        source,
+    };
+    let store = StoreConfig {
+        endpoints: config.coord_endpoints.clone(),
+        prefix: config.coord_prefix.clone(),
+        ..lock_store.clone()
+    };
+    let witness = EtcdWitness::connect(&store, &config.lock_cluster_name)
+        .await
+        .map_err(unreachable)?;
+    witness.read().await.map_err(unreachable)?;
+    Ok(Some(Arc::new(witness)))
 }
 
 /// The HTTP/2 connection flow-control window. h2 closes a connection with

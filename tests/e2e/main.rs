@@ -22,3 +22,4 @@ mod policies;
 mod seal;
 mod support;
 mod waiting;
+mod witness;

@@ -87,6 +87,31 @@ pub struct ArbiterOptions {
     /// `--test-fault`, which only the tests' `arbiter-under-test` takes (the
     /// shipped `latchkey-arbiter` has no faults and refuses the flag).
     pub test_fault: TestFault,
+    /// A coord cluster that witnesses the lock cluster (`--coord-etcd`);
+    /// none by default: one cluster, the state dir the only witness.
+    pub coord: Option<Coord>,
+}
+
+/// A coord etcd cluster for the arbiter (issue 15), reached with the same
+/// credentials as its lock cluster.
+#[derive(Debug, Clone)]
+pub struct Coord {
+    pub endpoints: Vec<String>,
+    /// `--coord-prefix` (the arbiter's default when `None`).
+    pub prefix: Option<String>,
+    /// `--lock-cluster-name` (the arbiter's default when `None`).
+    pub lock_cluster_name: Option<String>,
+}
+
+impl Coord {
+    /// `etcd` as the coord cluster, with the arbiter's default prefix and name.
+    pub fn on(etcd: &EtcdServer) -> Self {
+        Self {
+            endpoints: vec![etcd.endpoint()],
+            prefix: None,
+            lock_cluster_name: None,
+        }
+    }
 }
 
 impl Default for ArbiterOptions {
@@ -105,6 +130,7 @@ impl Default for ArbiterOptions {
             etcd_credentials: latchkey_arbiter::EtcdCredentials::default(),
             metrics: false,
             test_fault: TestFault::None,
+            coord: None,
         }
     }
 }
@@ -150,6 +176,15 @@ impl Arbiter {
         config.max_wait = opts.max_wait;
         config.policy_poll = Duration::from_millis(200);
         config.log_layer = faulty_log::layer(opts.test_fault);
+        if let Some(coord) = &opts.coord {
+            config.coord_endpoints = coord.endpoints.clone();
+            if let Some(prefix) = &coord.prefix {
+                config.coord_prefix = prefix.clone();
+            }
+            if let Some(name) = &coord.lock_cluster_name {
+                config.lock_cluster_name = name.clone();
+            }
+        }
         // A port that was free a moment ago: `run` binds the address itself.
         let metrics_addr = match opts.metrics {
             true => Some(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?),
@@ -399,6 +434,15 @@ impl ArbiterProcess {
         };
         if let Some(m) = metrics_addr {
             cmd.arg("--metrics-listen").arg(m.to_string());
+        }
+        if let Some(coord) = &opts.coord {
+            cmd.arg("--coord-etcd").arg(coord.endpoints.join(","));
+            if let Some(prefix) = &coord.prefix {
+                cmd.arg("--coord-prefix").arg(prefix);
+            }
+            if let Some(name) = &coord.lock_cluster_name {
+                cmd.arg("--lock-cluster-name").arg(name);
+            }
         }
         if opts.test_fault != TestFault::None {
             cmd.arg(faulty_log::FLAG).arg(opts.test_fault.name());

@@ -388,7 +388,22 @@ impl EtcdServer {
 
     /// SIGSTOP: the process keeps its sockets but answers nothing.
     pub fn pause(&self) -> anyhow::Result<()> {
-        self.signal(Signal::SIGSTOP)
+        self.signal(Signal::SIGSTOP)?;
+        // kill(2) returns before the stop takes effect: on a loaded machine
+        // etcd's threads may still answer a request sent right after it. Wait
+        // until every thread is stopped, so "paused" means paused.
+        let child = self.child.as_ref().context("etcd is not running")?;
+        let tasks = format!("/proc/{}/task", child.id());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            if all_stopped(&tasks)? {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                anyhow::bail!("etcd did not stop within 5 s of SIGSTOP");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
     }
 
     /// SIGCONT after [`Self::pause`].
@@ -594,4 +609,24 @@ pub(crate) fn member_flags(m: &MemberFlags<'_>) -> Vec<std::ffi::OsString> {
     flag("--auto-compaction-mode", "revision".as_ref());
     flag("--auto-compaction-retention", "10000".as_ref());
     args
+}
+
+/// Whether every thread under `/proc/<pid>/task` is stopped (state `T` or
+/// `t` in its `stat`).
+fn all_stopped(tasks: &str) -> anyhow::Result<bool> {
+    for entry in std::fs::read_dir(tasks).with_context(|| format!("reading {tasks}"))? {
+        let stat = match std::fs::read_to_string(entry?.path().join("stat")) {
+            Ok(stat) => stat,
+            // a thread that exited meanwhile
+            Err(_) => continue,
+        };
+        // the state follows the command name in parentheses
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next());
+        if !matches!(state, Some('T' | 't')) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }

@@ -118,32 +118,7 @@ impl EtcdLog {
         config: &StoreConfig,
         memo: Arc<dyn RenewalMemo>,
     ) -> Result<Self, StoreError> {
-        // require_leader: a member cut off from the quorum fails fast instead
-        // of serving a stale view or hanging.
-        let mut options = ConnectOptions::new()
-            .with_require_leader(true)
-            .with_connect_timeout(config.connect_timeout)
-            .with_timeout(config.request_timeout)
-            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
-        if let Some(tls) = &config.tls {
-            // No domain_name: tonic verifies etcd's certificate against each
-            // endpoint's own host, so every member is checked by its name.
-            let mut tls_options = TlsOptions::new().ca_certificate(Certificate::from_pem(&tls.ca));
-            if let Some((cert, key)) = &tls.identity {
-                tls_options = tls_options.identity(Identity::from_pem(cert, key));
-            }
-            options = options.with_tls(tls_options);
-        }
-        if let Some(login) = &config.login {
-            // Tokens expire (etcd's --auth-token-ttl); refresh rather than fail.
-            options = options
-                .with_user(login.name.clone(), login.password.clone())
-                .with_auto_token_refresh(true);
-        }
-        // `options` holds the password in its Debug output: never log it.
-        let client = Client::connect(&config.endpoints, Some(options))
-            .await
-            .map_err(|e| unavailable("cannot connect to etcd", e))?;
+        let client = connect_client(config).await?;
         Ok(Self {
             renewals: Arc::new(LeaseRenewals::start(&client, memo)),
             client,
@@ -165,6 +140,38 @@ impl EtcdLog {
             .map_err(|e| unavailable("cannot read etcd's cluster id", e))?;
         Ok(header(resp.header())?.cluster_id)
     }
+}
+
+/// An etcd client for `config`: TLS, login, `require_leader` and timeouts.
+/// Shared with the coord cluster's witness ([`crate::witness::etcd`]), which
+/// must reach its cluster the same way the lock log reaches its own.
+pub(crate) async fn connect_client(config: &StoreConfig) -> Result<Client, StoreError> {
+    // require_leader: a member cut off from the quorum fails fast instead
+    // of serving a stale view or hanging.
+    let mut options = ConnectOptions::new()
+        .with_require_leader(true)
+        .with_connect_timeout(config.connect_timeout)
+        .with_timeout(config.request_timeout)
+        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
+    if let Some(tls) = &config.tls {
+        // No domain_name: tonic verifies etcd's certificate against each
+        // endpoint's own host, so every member is checked by its name.
+        let mut tls_options = TlsOptions::new().ca_certificate(Certificate::from_pem(&tls.ca));
+        if let Some((cert, key)) = &tls.identity {
+            tls_options = tls_options.identity(Identity::from_pem(cert, key));
+        }
+        options = options.with_tls(tls_options);
+    }
+    if let Some(login) = &config.login {
+        // Tokens expire (etcd's --auth-token-ttl); refresh rather than fail.
+        options = options
+            .with_user(login.name.clone(), login.password.clone())
+            .with_auto_token_refresh(true);
+    }
+    // `options` holds the password in its Debug output: never log it.
+    Client::connect(&config.endpoints, Some(options))
+        .await
+        .map_err(|e| unavailable("cannot connect to etcd", e))
 }
 
 #[async_trait]
@@ -267,7 +274,7 @@ impl LockLog for EtcdLog {
 
 /// The header every answer carries; etcd always sends one, so its absence
 /// means the answer cannot be checked and must not be used.
-fn header(h: Option<&ResponseHeader>) -> Result<Header, StoreError> {
+pub(crate) fn header(h: Option<&ResponseHeader>) -> Result<Header, StoreError> {
     h.map(|h| Header {
         cluster_id: h.cluster_id(),
         revision: h.revision(),
@@ -302,7 +309,7 @@ fn first_kv(resp: &TxnOpResponse) -> Option<Kv> {
 
 /// An etcd client error as the log's: the store did not answer, or
 /// answered with an error, while doing `context`.
-fn unavailable(context: &str, err: etcd_client::Error) -> StoreError {
+pub(crate) fn unavailable(context: &str, err: etcd_client::Error) -> StoreError {
     StoreError::Unavailable {
         context: context.to_string(),
         source: Some(Box::new(EtcdError(err))),

@@ -19,6 +19,11 @@ impl Arbiter {
         let state = self.table.seal().load_epoch().await?;
         let mark = self.table.seal().high_water();
         let seal_reason = self.table.seal().guard().seal_reason();
+        // Read by load_epoch just now.
+        let witnessed = self.table.seal().witnessed();
+        let witness = self.table.seal().witness().unwrap_or_else(|| {
+            "the arbiter's state directory only (one cluster, no --coord-etcd)".into()
+        });
         Ok(GetStatusResponse {
             epoch: state.epoch(),
             epoch_cluster_id: state.cluster_id,
@@ -28,6 +33,10 @@ impl Arbiter {
             revision_high_water_mark: mark.map_or(0, |m| m.revision),
             policy_error: self.policies.last_error().unwrap_or_default(),
             grants_version: self.policies.current().grants().version(),
+            witness,
+            witnessed_revision: witnessed.mark.map_or(0, |m| m.revision),
+            witnessed_mark_epoch: witnessed.mark.map_or(0, |m| m.epoch),
+            witnessed_epoch: witnessed.epoch,
         })
     }
 

@@ -15,6 +15,7 @@ use crate::high_water::{HighWater, Mark};
 use crate::lock_log::{Header, LockLog, LogResult};
 use crate::records::{EpochRecord, SealRecord, decode, encode, now_unix_ms};
 use crate::token;
+use crate::witness::{SharedWitness, Witness, Witnessed};
 
 /// The arbiter's view of the epoch and its seal, and the checks every answer
 /// goes through.
@@ -28,16 +29,94 @@ pub struct Seal {
     /// so a restore to below them seals this arbiter too, even when its own
     /// grants all lie below the restored revision.
     seen: Mutex<Option<Mark>>,
+    /// The coord cluster's memory of this lock log, when there is one.
+    witness: Option<SharedWitness>,
+    /// What the witness said last.
+    witnessed: Mutex<Witnessed>,
 }
 
 impl Seal {
-    pub fn new(log: Arc<dyn LockLog>, guard: Arc<EpochGuard>, high_water: Arc<HighWater>) -> Self {
+    pub fn new(
+        log: Arc<dyn LockLog>,
+        guard: Arc<EpochGuard>,
+        high_water: Arc<HighWater>,
+        witness: Option<Arc<dyn Witness>>,
+    ) -> Self {
         Self {
             log,
             guard,
             high_water,
             seen: Mutex::new(None),
+            witness: witness.map(SharedWitness::new),
+            witnessed: Mutex::new(Witnessed::default()),
         }
+    }
+
+    /// Where the witness lives (`None`: the state directory is the only one).
+    pub fn witness(&self) -> Option<String> {
+        self.witness.as_ref().map(|w| w.witness().describe())
+    }
+
+    /// What the witness said last.
+    pub fn witnessed(&self) -> Witnessed {
+        self.witnessed.lock().map(|w| *w).unwrap_or_default()
+    }
+
+    /// Reads the witness (a read sent after this call began) so the next
+    /// request's mark covers every token handed out before it. A no-op
+    /// without a witness.
+    pub async fn refresh_witness(&self) -> Result<(), ArbiterError> {
+        let Some(shared) = &self.witness else {
+            return Ok(());
+        };
+        let read = shared.read_fresh().await?;
+        if let Ok(mut witnessed) = self.witnessed.lock() {
+            if let Some(r) = read.mark
+                && witnessed.mark.is_none_or(|m| r.covers(&m))
+            {
+                witnessed.mark = Some(r);
+            }
+            witnessed.epoch = witnessed.epoch.max(read.epoch);
+        }
+        Ok(())
+    }
+
+    /// [`Self::checked`] for a write that hands out a token (a grant or a
+    /// hand-over): the witness is read first, and an answer that `committed`
+    /// must lie strictly above every grant vouched for before it was sent (a
+    /// committed write takes a new revision; one at or below the mark comes
+    /// from a restored log).
+    pub async fn checked_write<T>(
+        &self,
+        request: impl Future<Output = LogResult<T>>,
+        committed: impl Fn(&T) -> bool,
+    ) -> Result<(T, Header), ArbiterError> {
+        self.refresh_witness().await?;
+        let mark = self.mark_before_request();
+        let answer = request.await?;
+        let header = answer.header;
+        self.observe(mark, header.cluster_id, Some(header.revision))
+            .await?;
+        if committed(&answer.value)
+            && let (Some(mark), Some(state)) = (mark, self.guard.state())
+            && mark.epoch == state.epoch()
+            && mark.cluster_id == header.cluster_id
+            && header.revision <= mark.revision
+        {
+            let reason = format!(
+                "a grant committed at etcd revision {} but one at revision {} of epoch {} was already vouched for: the lock log was restored from an earlier snapshot",
+                header.revision, mark.revision, mark.epoch
+            );
+            if self.guard.seal_now(&reason) {
+                self.publish_seal(&reason).await;
+            }
+            return Err(ArbiterError::Sealed {
+                reason,
+                epoch: mark.epoch,
+            });
+        }
+        self.saw(header);
+        Ok((answer.value, header))
     }
 
     pub fn guard(&self) -> &EpochGuard {
@@ -90,14 +169,16 @@ impl Seal {
     pub(super) fn mark_before_request(&self) -> Option<Mark> {
         let durable = self.high_water.current();
         let seen = self.seen.lock().ok().and_then(|s| *s);
-        match (durable, seen) {
-            (Some(d), Some(s)) if s.epoch == d.epoch && s.cluster_id == d.cluster_id => {
-                Some(if s.covers(&d) { s } else { d })
-            }
-            (Some(d), Some(s)) if s.epoch > d.epoch => Some(s),
-            (Some(d), _) => Some(d),
-            (None, s) => s,
-        }
+        let witnessed = self.witnessed.lock().ok().and_then(|w| w.mark);
+        // The furthest of the three (a tie goes to the earlier one: this
+        // arbiter's own durable mark first).
+        [durable, seen, witnessed]
+            .into_iter()
+            .flatten()
+            .fold(None, |best: Option<Mark>, m| match best {
+                Some(b) if b.covers(&m) => Some(b),
+                _ => Some(m),
+            })
     }
 
     /// Raises the seen mark after an answer passed the checks.
@@ -124,7 +205,10 @@ impl Seal {
     fn next_epoch_floor(&self) -> u32 {
         let marked = self.high_water.current().map_or(0, |m| m.epoch);
         let served = self.guard.state().map_or(0, |s| s.epoch());
-        marked.max(served).saturating_add(1)
+        // and every epoch the witness has seen allocated or vouched for
+        let witnessed = self.witnessed();
+        let there = witnessed.mark.map_or(0, |m| m.epoch).max(witnessed.epoch);
+        marked.max(served).max(there).saturating_add(1)
     }
 
     /// Writes the seal record so every arbiter, even one with no memory of
@@ -188,9 +272,12 @@ impl Seal {
     }
 
     /// Reads (creating on first start) the epoch record and installs it.
+    /// The witness is read first: an arbiter with no memory of its own
+    /// learns there what was handed out before.
     pub async fn load_epoch(&self) -> Result<EpochState, ArbiterError> {
+        self.refresh_witness().await?;
         for _ in 0..3 {
-            let mark = self.high_water.current();
+            let mark = self.mark_before_request();
             let answer = self.log.records().await?;
             let header = answer.header;
             let records = answer.value;
@@ -261,27 +348,40 @@ impl Seal {
         }
     }
 
-    /// Makes a grant's revision durable before its token is handed out.
+    /// Makes a grant's revision durable before its token is handed out: in
+    /// the state directory and, when there is one, in the witness.
     pub async fn make_durable(
         &self,
         state: &EpochState,
         revision: i64,
     ) -> Result<(), ArbiterError> {
-        self.high_water
-            .record(Mark {
-                epoch: state.epoch(),
-                cluster_id: state.cluster_id,
-                revision,
-            })
-            .await
-            .map_err(|e| {
-                // The grant is committed but cannot be vouched for after a
-                // restore: refuse to hand out its token.
-                error!(error = %e, "high-water mark not durable; refusing the grant");
-                ArbiterError::Internal(
-                    "the arbiter could not make the grant durable in its state directory".into(),
-                )
-            })
+        let mark = Mark {
+            epoch: state.epoch(),
+            cluster_id: state.cluster_id,
+            revision,
+        };
+        let witnessed = async {
+            match &self.witness {
+                Some(shared) => shared.raise(mark).await.map_err(|e| {
+                    error!(error = %e.detail(), "the witness did not take the grant; refusing it");
+                    ArbiterError::store(format!(
+                        "the coord cluster could not witness the grant: {}",
+                        e.detail()
+                    ))
+                }),
+                None => Ok(()),
+            }
+        };
+        let (local, witnessed) = tokio::join!(self.high_water.record(mark), witnessed);
+        witnessed?;
+        local.map_err(|e| {
+            // The grant is committed but cannot be vouched for after a
+            // restore: refuse to hand out its token.
+            error!(error = %e, "high-water mark not durable; refusing the grant");
+            ArbiterError::Internal(
+                "the arbiter could not make the grant durable in its state directory".into(),
+            )
+        })
     }
 
     /// ADR-03's unseal: compare epoch E, write the next epoch bound to the
@@ -318,9 +418,14 @@ impl Seal {
         // (the seal's floor) and above every epoch this arbiter has used:
         // after a restore to before an earlier advance, record + 1 may be an
         // epoch that already issued tokens.
-        let next = (record.epoch + 1)
+        // ... and above every epoch the witness allocated.
+        self.refresh_witness().await?;
+        let mut next = (record.epoch + 1)
             .max(seal_floor)
             .max(self.next_epoch_floor());
+        if let Some(shared) = &self.witness {
+            next = shared.witness().allocate_epoch(next).await?;
+        }
         if next >= token::MAX_EPOCH {
             return Err(ArbiterError::Internal(
                 "the epoch space is exhausted".into(),

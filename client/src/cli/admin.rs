@@ -10,7 +10,7 @@ use super::{Failure, Output};
 
 #[derive(Debug, Subcommand)]
 pub enum AdminCommand {
-    /// The arbiter's epoch, cluster ids and seal state.
+    /// The arbiter's epoch, cluster ids, seal state and witness.
     Status,
     /// Unseal after a restore: epoch `expected` -> `expected + 1`, deleting every hold.
     AdvanceEpoch(AdvanceArgs),
@@ -38,12 +38,30 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
                     "sealed": s.sealed,
                     "seal_reason": s.seal_reason,
                     "revision_high_water_mark": s.revision_high_water_mark,
+                    "witness": s.witness,
+                    "witnessed_revision": s.witnessed_revision,
+                    "witnessed_mark_epoch": s.witnessed_mark_epoch,
+                    "witnessed_epoch": s.witnessed_epoch,
                 }));
             } else {
                 println!("epoch                {}", s.epoch);
                 println!("epoch cluster id     {:#018x}", s.epoch_cluster_id);
                 println!("current cluster id   {:#018x}", s.current_cluster_id);
                 println!("revision high-water  {}", s.revision_high_water_mark);
+                // An arbiter from before issue 15 sends no witness.
+                let witness = if s.witness.is_empty() {
+                    "unknown (the arbiter does not say)"
+                } else {
+                    s.witness.as_str()
+                };
+                println!("witness              {witness}");
+                if s.witnessed_revision != 0 || s.witnessed_epoch != 0 {
+                    println!(
+                        "witnessed grant      e{}:r{}",
+                        s.witnessed_mark_epoch, s.witnessed_revision
+                    );
+                    println!("witnessed epoch      {}", s.witnessed_epoch);
+                }
                 if s.sealed {
                     println!("sealed               YES: {}", s.seal_reason);
                 } else {

@@ -164,6 +164,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             etcd_credentials: Default::default(),
             metrics: false,
             test_fault: Default::default(),
+            coord: None,
         },
         "info",
     )

@@ -1,0 +1,263 @@
+//! The grant transactions of a table: one grant attempt, a session's
+//! existing grant claimed for its new call, ownership of a hold, hand-over
+//! and release. Each is one log request whose answer the seal checks first.
+
+use super::{Attempt, Claim, Grant, GrantRequest, LockTable, Next};
+use crate::error::ArbiterError;
+use crate::lock_log::{GrantTxn, Granted, HandOverTxn, HeldAt};
+use crate::records::{HolderRecord, NotOwned, SessionRecord, check_owner, decode};
+
+impl LockTable {
+    /// One grant attempt, retried a few times when a refusal came from a
+    /// change under it (epoch advanced, key freed between compare and read),
+    /// never answered with a guess.
+    pub(super) async fn attempt(&self, req: &GrantRequest) -> Result<Attempt, ArbiterError> {
+        for _ in 0..4 {
+            if let Some(attempt) = self.grant_once(req).await? {
+                return Ok(attempt);
+            }
+        }
+        Err(ArbiterError::store(
+            "the lock log kept changing under the grant transaction",
+        ))
+    }
+
+    pub(super) async fn grant_once(
+        &self,
+        req: &GrantRequest,
+    ) -> Result<Option<Attempt>, ArbiterError> {
+        let state = self.seal.serving_epoch().await?;
+        let session_record = req.session_bytes();
+        let (granted, header) = self
+            .seal
+            .checked_write(
+                self.log.grant(GrantTxn {
+                    key: &req.key,
+                    session: req.session,
+                    holder_record: req.holder_bytes(),
+                    epoch: &state.bytes,
+                    session_record: &session_record,
+                }),
+                |granted| *granted == Granted::Yes,
+            )
+            .await?;
+        let (holder, epoch_now, sealed, session) = match granted {
+            Granted::Yes => {
+                self.seal.make_durable(&state, header.revision).await?;
+                return Ok(Some(Attempt::Granted(Grant {
+                    key: req.key.clone(),
+                    session: req.session,
+                    epoch: state.epoch(),
+                    revision: header.revision,
+                })));
+            }
+            Granted::No {
+                holder,
+                epoch,
+                sealed,
+                session,
+            } => (holder, epoch, sealed, session),
+        };
+        if sealed || epoch_now.as_deref() != Some(state.bytes.as_slice()) {
+            // The epoch moved or the log was sealed under us: re-read, and let
+            // the caller try again against the new state.
+            self.seal.load_epoch().await?;
+            self.seal.guard().serving()?;
+            return Ok(None);
+        }
+        match session.and_then(|bytes| decode::<SessionRecord>(&bytes)) {
+            Some(s) if s.identity == req.identity && s.ttl_seconds != req.ttl_seconds => {
+                return Err(ArbiterError::SessionClassMismatch {
+                    session: req.session,
+                    session_ttl: s.ttl_seconds,
+                    class: req.class.clone(),
+                    class_ttl: req.ttl_seconds,
+                });
+            }
+            Some(s) if s.identity == req.identity => {}
+            _ => {
+                return Err(ArbiterError::SessionExpired {
+                    session: req.session,
+                });
+            }
+        }
+        let Some(holder) = holder else {
+            // Everything matched by the time we read it: the key was freed in
+            // between. Another attempt decides.
+            return Ok(None);
+        };
+        match decode::<HolderRecord>(&holder.value) {
+            Some(h) if h.session == req.session => {
+                // Idempotent retry: the same grant, same token.
+                Ok(Some(Attempt::Reused(Grant {
+                    key: req.key.clone(),
+                    session: req.session,
+                    epoch: state.epoch(),
+                    revision: holder.mod_revision,
+                })))
+            }
+            Some(h) if h.identity == req.identity => Err(ArbiterError::Leak {
+                key: req.key.clone(),
+                holder_session: h.session,
+            }),
+            _ => Ok(Some(Attempt::Held {
+                watch_from: header.revision + 1,
+            })),
+        }
+    }
+
+    /// With waiters queued, a caller that already holds the key (a retry) or
+    /// holds it under another session (a leak) is answered without queueing.
+    pub(super) async fn already_held(
+        &self,
+        req: &GrantRequest,
+    ) -> Result<Option<Grant>, ArbiterError> {
+        let state = self.seal.serving_epoch().await?;
+        let Some(holder) = self.holder(&req.key).await? else {
+            return Ok(None);
+        };
+        if holder.lease == req.session && holder.record.identity == req.identity {
+            return Ok(Some(Grant {
+                key: req.key.clone(),
+                session: req.session,
+                epoch: state.epoch(),
+                revision: holder.revision,
+            }));
+        }
+        if holder.record.identity == req.identity {
+            return Err(ArbiterError::Leak {
+                key: req.key.clone(),
+                holder_session: holder.record.session,
+            });
+        }
+        Ok(None)
+    }
+
+    pub(super) async fn next_after(&self, attempt: Attempt) -> Result<Next, ArbiterError> {
+        Ok(match attempt {
+            Attempt::Granted(grant) => Next::Deliver(grant),
+            Attempt::Reused(grant) => self.reuse(grant).await?,
+            Attempt::Held { watch_from } => Next::Queue(Some(watch_from)),
+        })
+    }
+
+    /// A session's existing grant goes to this call only once claimed and
+    /// re-read; otherwise the call queues, watching from after it.
+    pub(super) async fn reuse(&self, grant: Grant) -> Result<Next, ArbiterError> {
+        Ok(match self.claim_verified(&grant).await? {
+            Claim::Claimed => Next::Deliver(grant),
+            // gone (perhaps released as an orphan first): queue behind the
+            // others and watch for what comes next
+            Claim::Gone => Next::Queue(Some(grant.revision + 1)),
+        })
+    }
+
+    /// Claims a session's existing grant (read from the log a moment ago)
+    /// for a new call of that session: one transaction that finds the hold
+    /// still there and records the claim, after which no orphan release
+    /// deletes it. `Gone` if it went in between.
+    pub(super) async fn claim_verified(&self, grant: &Grant) -> Result<Claim, ArbiterError> {
+        let (claimed, _) = self
+            .seal
+            .checked(self.log.claim(&grant.key, grant.session, grant.revision))
+            .await?;
+        Ok(if claimed { Claim::Claimed } else { Claim::Gone })
+    }
+
+    /// The hold on `key` if it is `identity`'s through `session` at
+    /// `revision`; otherwise `NotHeld` — the same answer for another
+    /// identity's hold as for no hold, so session ids and tokens read from
+    /// somewhere are no oracle — or `TokenMismatch` for the caller's own hold
+    /// at another revision.
+    pub(super) async fn owned_hold(
+        &self,
+        key: &str,
+        identity: &str,
+        session: i64,
+        revision: i64,
+    ) -> Result<HeldAt, ArbiterError> {
+        let (kv, _) = self.seal.checked(self.log.holder(key)).await?;
+        let record = kv.as_ref().and_then(|kv| decode::<HolderRecord>(&kv.value));
+        let checked = match &kv {
+            Some(kv) => check_owner(
+                record.as_ref(),
+                kv.lease,
+                kv.mod_revision,
+                identity,
+                session,
+                revision,
+            ),
+            None => Err(NotOwned::NotHeld),
+        };
+        match (checked, kv) {
+            (Ok(()), Some(kv)) => Ok(HeldAt {
+                key: key.to_string(),
+                session,
+                revision,
+                value: kv.value,
+            }),
+            (Err(NotOwned::TokenMismatch), _) => Err(ArbiterError::TokenMismatch {
+                key: key.to_string(),
+            }),
+            _ => Err(ArbiterError::NotHeld {
+                key: key.to_string(),
+                session,
+            }),
+        }
+    }
+
+    /// Hands `held` straight to `next` in one transaction. `None` if any
+    /// compare failed (the caller then does a plain release, which answers
+    /// why).
+    pub(super) async fn hand_over(
+        &self,
+        held: &HeldAt,
+        next: &GrantRequest,
+    ) -> Result<Option<(Grant, Option<HolderRecord>)>, ArbiterError> {
+        let state = self.seal.serving_epoch().await?;
+        let next_session = next.session_bytes();
+        let (done, header) = self
+            .seal
+            .checked_write(
+                self.log.hand_over(HandOverTxn {
+                    from: held,
+                    next_session: next.session,
+                    holder_record: next.holder_bytes(),
+                    epoch: &state.bytes,
+                    next_session_record: &next_session,
+                }),
+                Option::is_some,
+            )
+            .await?;
+        let Some(previous) = done else {
+            return Ok(None);
+        };
+        self.seal.make_durable(&state, header.revision).await?;
+        Ok(Some((
+            Grant {
+                key: held.key.clone(),
+                session: next.session,
+                epoch: state.epoch(),
+                revision: header.revision,
+            },
+            previous.and_then(|bytes| decode(&bytes)),
+        )))
+    }
+
+    /// Deletes the caller's hold; returns its record (for the metrics).
+    /// `NotHeld` if it changed since it was found (expired, or released by
+    /// another call of the same caller).
+    pub(super) async fn release_owned(
+        &self,
+        held: &HeldAt,
+    ) -> Result<Option<HolderRecord>, ArbiterError> {
+        let (deleted, _) = self.seal.checked(self.log.release(held)).await?;
+        match deleted {
+            Some(bytes) => Ok(decode(&bytes)),
+            None => Err(ArbiterError::NotHeld {
+                key: held.key.clone(),
+                session: held.session,
+            }),
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! Witnesses: what a restore of the lock log cannot roll back (ADR-03, ADR-07).
+//!
+//! An arbiter's state directory remembers the grants *it* made; an arbiter
+//! run as a stateless Deployment remembers nothing, and no arbiter remembers
+//! another's grants it never saw. A restored lock log then looks clean to
+//! every arbiter that lacks the memory, and it would issue again tokens that
+//! were already handed out (issue 15). A witness keeps that memory outside
+//! the lock log, in the coord cluster:
+//!
+//! - the **mark**: the highest grant (epoch, cluster id, revision) any arbiter
+//!   has vouched for. Every token is covered by it before it is handed out,
+//!   and every grant transaction is sent only after the mark has been read, so
+//!   a grant that comes back below it (or at it) comes from a restored log;
+//! - the **epochs** allocated to the lock log: an advance takes its new epoch
+//!   from the witness, above every epoch allocated before, whatever the lock
+//!   log's own epoch record says after a restore.
+//!
+//! One cluster for everything (laptops, tests) has no witness: there the
+//! arbiter's state directory is the only one.
+
+pub mod etcd;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use async_trait::async_trait;
+use tokio::sync::Mutex as AsyncMutex;
+
+use crate::high_water::Mark;
+use crate::lock_log::StoreError;
+
+/// What a witness knows about one lock log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Witnessed {
+    /// The highest grant any arbiter has vouched for.
+    pub mark: Option<Mark>,
+    /// The highest epoch allocated to the lock log (0: none yet).
+    pub epoch: u32,
+}
+
+/// A store the lock log's restores cannot roll back.
+#[async_trait]
+pub trait Witness: Send + Sync + 'static {
+    /// What is witnessed now (a linearizable read).
+    async fn read(&self) -> Result<Witnessed, StoreError>;
+    /// Raises the mark to cover `mark`; never lowers it.
+    async fn raise(&self, mark: Mark) -> Result<(), StoreError>;
+    /// Allocates an epoch: at least `at_least`, above every epoch allocated
+    /// before, and records it.
+    async fn allocate_epoch(&self, at_least: u32) -> Result<u32, StoreError>;
+    /// Where the witness lives, for logs and `admin status`.
+    fn describe(&self) -> String;
+}
+
+/// Shares witness reads and raises between concurrent grants.
+///
+/// A read counts for a grant only if it was sent after the grant arrived
+/// (so it covers every token handed out before); one read serves every grant
+/// that arrived before it was sent. A raise covers every mark wanted before
+/// it was sent, so concurrent grants wait on one write.
+pub struct SharedWitness {
+    witness: Arc<dyn Witness>,
+    arrivals: AtomicU64,
+    /// (arrivals covered by the last completed read, what it read).
+    reads: AsyncMutex<(u64, Witnessed)>,
+    /// (highest mark wanted, highest mark known raised).
+    wanted: std::sync::Mutex<Option<Mark>>,
+    raised: AsyncMutex<Option<Mark>>,
+}
+
+impl SharedWitness {
+    pub fn new(witness: Arc<dyn Witness>) -> Self {
+        Self {
+            witness,
+            arrivals: AtomicU64::new(0),
+            reads: AsyncMutex::new((0, Witnessed::default())),
+            wanted: std::sync::Mutex::new(None),
+            raised: AsyncMutex::new(None),
+        }
+    }
+
+    pub fn witness(&self) -> &Arc<dyn Witness> {
+        &self.witness
+    }
+
+    /// What the witness knew at some moment after this call began.
+    pub async fn read_fresh(&self) -> Result<Witnessed, StoreError> {
+        let me = self.arrivals.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut reads = self.reads.lock().await;
+        if reads.0 >= me {
+            return Ok(reads.1);
+        }
+        // Everyone who arrived so far arrived before this read is sent.
+        let covers = self.arrivals.load(Ordering::SeqCst);
+        let witnessed = self.witness.read().await?;
+        *reads = (covers, witnessed);
+        Ok(witnessed)
+    }
+
+    /// Returns once the witness covers `mark`.
+    pub async fn raise(&self, mark: Mark) -> Result<(), StoreError> {
+        if let Ok(mut wanted) = self.wanted.lock()
+            && wanted.is_none_or(|w| !w.covers(&mark))
+        {
+            *wanted = Some(mark);
+        }
+        let mut raised = self.raised.lock().await;
+        if raised.is_some_and(|r| r.covers(&mark)) {
+            return Ok(());
+        }
+        let target = self
+            .wanted
+            .lock()
+            .ok()
+            .and_then(|w| *w)
+            .filter(|w| w.covers(&mark))
+            .unwrap_or(mark);
+        self.witness.raise(target).await?;
+        *raised = Some(target);
+        Ok(())
+    }
+}
