@@ -100,6 +100,17 @@ pub struct HeldAt {
     pub value: Vec<u8>,
 }
 
+/// How a claim ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claimed {
+    /// Claimed by this call: the claim record was written (a new revision).
+    Now,
+    /// Claimed before (a retry of a retry): nothing written.
+    Already,
+    /// The hold is not (or no longer) that one: nothing written.
+    Gone,
+}
+
 /// A hand-over: put `next`'s holder record on `next`'s lease over `from`
 /// (compared as in a release), if the epoch record's bytes are `epoch`,
 /// there is no seal and `next`'s session record is `next_session_record`.
@@ -236,9 +247,9 @@ pub trait LockLog: Send + Sync + 'static {
     async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>>;
     /// Claims `session`'s hold on `key` at `revision` for a call it is about
     /// to reach as "already yours": puts the claim record on the session's
-    /// lease if the hold is still exactly that; whether it did. From then on
-    /// no orphan release deletes that hold, whichever arbiter runs it.
-    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool>;
+    /// lease if the hold is still exactly that and has no claim yet. From
+    /// then on no orphan release deletes that hold, whichever arbiter runs it.
+    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed>;
     /// Deletes `key` if it is held on lease `session` at `revision` and that
     /// hold has no claim (the orphan release of a grant whose caller went
     /// away); whether it did.

@@ -37,8 +37,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    Answer, GrantTxn, Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LockLog, LogResult,
-    Records, Renewal, StoreError,
+    Answer, Claimed, GrantTxn, Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LockLog,
+    LogResult, Records, Renewal, StoreError,
 };
 use tokio::time::{Duration, Instant};
 
@@ -612,18 +612,26 @@ impl LockLog for MemLog {
         .await
     }
 
-    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
         let holder = keys::holder(key);
         let claim = keys::claim(key, revision);
         self.call("claim", |inner, _| {
-            let ok = inner.store.all(&[
+            let held = inner.store.all(&[
                 Compare::ModRevision(holder.clone(), revision),
                 Compare::Lease(holder.clone(), session),
             ]);
-            if ok {
-                commit(&mut inner.store, vec![put(claim, Vec::new(), session)])?;
-            }
-            inner.answer(ok)
+            let recorded = !inner
+                .store
+                .all(&[Compare::CreateRevision(claim.clone(), 0)]);
+            let claimed = match (held, recorded) {
+                (true, false) => {
+                    commit(&mut inner.store, vec![put(claim, Vec::new(), session)])?;
+                    Claimed::Now
+                }
+                (true, true) => Claimed::Already,
+                (false, _) => Claimed::Gone,
+            };
+            inner.answer(claimed)
         })
         .await
     }

@@ -81,7 +81,21 @@ async fn retry_from_the_same_session_gets_the_same_grant_and_another_session_is_
     let before = revision(&s.etcd).await?;
     let again = try_lock(&mut alice, "demo/r", "demo", s1).await?;
     assert_eq!(again, g1, "idempotent retry: same grant, same token");
-    assert_eq!(revision(&s.etcd).await?, before, "a retry writes nothing");
+    // The first retry records its claim on the grant (one write, so no
+    // orphan release on any arbiter can delete the grant it was just
+    // given: docs/grant-protocol.md); every further retry writes nothing.
+    assert_eq!(
+        revision(&s.etcd).await?,
+        before + 1,
+        "the first retry writes its claim and nothing else"
+    );
+    let third = try_lock(&mut alice, "demo/r", "demo", s1).await?;
+    assert_eq!(third, g1, "same grant, same token again");
+    assert_eq!(
+        revision(&s.etcd).await?,
+        before + 1,
+        "a retry of a claimed grant writes nothing"
+    );
     // the same identity under a second session (another process): LEAK, not HELD
     let mut alice2 = s.arbiter.lock("workload/alice").await?;
     let s2 = open(&mut alice2, "demo").await?;

@@ -20,8 +20,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use latchkey_arbiter::LogLayer;
 use latchkey_arbiter::lock_log::{
-    GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, LogResult, Records, Renewal,
-    StoreError, WatchSignal,
+    Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, LogResult, Records,
+    Renewal, StoreError, WatchSignal,
 };
 use tracing::debug;
 
@@ -275,7 +275,7 @@ impl LockLog for FaultyLog {
         self.inner.release(held).await
     }
 
-    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
         self.inner.claim(key, session, revision).await
     }
 
@@ -502,13 +502,20 @@ mod tests {
         async fn release(&self, _: &HeldAt) -> LogResult<Option<Vec<u8>>> {
             unused()
         }
-        async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+        async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
             let s = self.state.lock().unwrap();
             let matches = s
                 .holds
                 .get(key)
                 .is_some_and(|kv| kv.lease == session && kv.mod_revision == revision);
-            Self::answer(&s, matches)
+            Self::answer(
+                &s,
+                if matches {
+                    Claimed::Already
+                } else {
+                    Claimed::Gone
+                },
+            )
         }
         async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
             let mut s = self.state.lock().unwrap();

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use latchkey_arbiter::lock_log::{
-    GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, StoreError, WatchSignal,
+    Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, StoreError, WatchSignal,
 };
 
 /// A session TTL no case outlives.
@@ -59,6 +59,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(release_of_a_stale_hold);
     case!(hand_over_replaces_the_holder);
     case!(release_orphan_is_conditional);
+    case!(a_claim_stops_the_orphan_release);
     case!(holders_under_a_prefix_and_count);
     case!(sessions_and_their_count);
     case!(revoke_deletes_every_key_in_one_revision);
@@ -688,6 +689,60 @@ pub async fn release_orphan_is_conditional(log: &dyn LockLog) -> anyhow::Result<
     let again = log.release_orphan(key, id, held.revision).await?;
     ensure!(!again.value, "released twice");
     unchanged(log, answer.header.revision, "a second orphan release").await?;
+    revoke_all(log, &[id]).await
+}
+
+/// A claim writes once (and never again for the same hold), only on the
+/// hold as found; an orphan release of a claimed hold deletes nothing; a
+/// release deletes the hold's claims with it, so a new hold of the key starts
+/// unclaimed.
+pub async fn a_claim_stops_the_orphan_release(log: &dyn LockLog) -> anyhow::Result<()> {
+    let epoch = epoch(log).await?;
+    let (identity, id) = ("spiffe://contract/claim", lease(22, 0));
+    open(log, id, identity).await?;
+    let key = "contract/claim/k";
+    let held = take(log, key, id, identity, &epoch).await?;
+    for (session, rev) in [(id, held.revision - 1), (lease(22, 1), held.revision)] {
+        let answer = log.claim(key, session, rev).await?;
+        ensure!(
+            answer.value == Claimed::Gone,
+            "claimed {session:x} at {rev}: {:?}",
+            answer.value
+        );
+        unchanged(log, held.revision, "a claim of another hold").await?;
+    }
+    let claimed = log.claim(key, id, held.revision).await?;
+    ensure!(
+        claimed.value == Claimed::Now,
+        "first claim: {:?}",
+        claimed.value
+    );
+    let claimed_at = one_write(log, held.revision, "the first claim").await?;
+    let again = log.claim(key, id, held.revision).await?;
+    ensure!(
+        again.value == Claimed::Already,
+        "second claim: {:?}",
+        again.value
+    );
+    unchanged(log, claimed_at, "a second claim").await?;
+
+    let orphan = log.release_orphan(key, id, held.revision).await?;
+    ensure!(!orphan.value, "a claimed hold was released as an orphan");
+    unchanged(log, claimed_at, "an orphan release of a claimed hold").await?;
+    ensure!(
+        log.holder(key).await?.value.is_some(),
+        "the claimed hold went"
+    );
+
+    // released with its claims: the next hold of the key is unclaimed
+    let released = log.release(&held).await?;
+    ensure!(released.value.is_some(), "the release failed");
+    let next = take(log, key, id, identity, &epoch).await?;
+    let orphan = log.release_orphan(key, id, next.revision).await?;
+    ensure!(
+        orphan.value,
+        "an unclaimed hold was not released as an orphan"
+    );
     revoke_all(log, &[id]).await
 }
 

@@ -31,8 +31,8 @@ use etcd_client::{
 };
 
 use super::{
-    Answer, GrantTxn, Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LockLog, LogResult,
-    Records, Renewal, StoreError,
+    Answer, Claimed, GrantTxn, Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LockLog,
+    LogResult, Records, Renewal, StoreError,
 };
 use crate::records::Layout;
 use lease_renewals::LeaseRenewals;
@@ -214,7 +214,7 @@ impl LockLog for EtcdLog {
         holds::release(self, held).await
     }
 
-    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
         holds::claim(self, key, session, revision).await
     }
 

@@ -4,7 +4,7 @@
 
 use super::{Attempt, Claim, Grant, GrantRequest, LockTable, Next};
 use crate::error::ArbiterError;
-use crate::lock_log::{GrantTxn, Granted, HandOverTxn, HeldAt};
+use crate::lock_log::{Claimed, GrantTxn, Granted, HandOverTxn, HeldAt};
 use crate::records::{HolderRecord, NotOwned, SessionRecord, check_owner, decode};
 
 impl LockTable {
@@ -157,11 +157,20 @@ impl LockTable {
     /// still there and records the claim, after which no orphan release
     /// deletes it. `Gone` if it went in between.
     pub(super) async fn claim_verified(&self, grant: &Grant) -> Result<Claim, ArbiterError> {
+        // A write whose answer reaches a caller (the grant, as "already
+        // yours"): checked against the witness like a grant, so a hold a
+        // restore brought back is never handed out again.
         let (claimed, _) = self
             .seal
-            .checked(self.log.claim(&grant.key, grant.session, grant.revision))
+            .checked_write(
+                self.log.claim(&grant.key, grant.session, grant.revision),
+                |claimed| *claimed == Claimed::Now,
+            )
             .await?;
-        Ok(if claimed { Claim::Claimed } else { Claim::Gone })
+        Ok(match claimed {
+            Claimed::Now | Claimed::Already => Claim::Claimed,
+            Claimed::Gone => Claim::Gone,
+        })
     }
 
     /// The hold on `key` if it is `identity`'s through `session` at
@@ -251,7 +260,13 @@ impl LockTable {
         &self,
         held: &HeldAt,
     ) -> Result<Option<HolderRecord>, ArbiterError> {
-        let (deleted, _) = self.seal.checked(self.log.release(held)).await?;
+        // Checked against the witness like a grant: a release that deletes
+        // a hold a restore brought back must not answer "released" (the
+        // hold had ended in the timeline the caller lived in).
+        let (deleted, _) = self
+            .seal
+            .checked_write(self.log.release(held), Option::is_some)
+            .await?;
         match deleted {
             Some(bytes) => Ok(decode(&bytes)),
             None => Err(ArbiterError::NotHeld {

@@ -81,8 +81,9 @@ impl Seal {
         Ok(())
     }
 
-    /// [`Self::checked`] for a write that hands out a token (a grant or a
-    /// hand-over): the witness is read first, and an answer that `committed`
+    /// [`Self::checked`] for a write whose answer reaches a caller (a grant,
+    /// a hand-over, a claim, a release): the witness is read first, and an
+    /// answer that `committed`
     /// must lie strictly above every grant vouched for before it was sent (a
     /// committed write takes a new revision; one at or below the mark comes
     /// from a restored log).
@@ -201,14 +202,21 @@ impl Seal {
         }
     }
 
-    /// One above every epoch this arbiter has granted in or served.
+    /// One above every epoch this arbiter has granted in or served. (Not
+    /// the witness's epochs: the seal uses this floor to tell whether an
+    /// advance came after what this arbiter saw, and the witness already
+    /// knows the advance's own epoch.)
     fn next_epoch_floor(&self) -> u32 {
         let marked = self.high_water.current().map_or(0, |m| m.epoch);
         let served = self.guard.state().map_or(0, |s| s.epoch());
-        // and every epoch the witness has seen allocated or vouched for
+        marked.max(served).saturating_add(1)
+    }
+
+    /// One above every epoch the witness has seen allocated or vouched for.
+    fn witnessed_epoch_floor(&self) -> u32 {
         let witnessed = self.witnessed();
         let there = witnessed.mark.map_or(0, |m| m.epoch).max(witnessed.epoch);
-        marked.max(served).max(there).saturating_add(1)
+        there.saturating_add(1)
     }
 
     /// Writes the seal record so every arbiter, even one with no memory of
@@ -422,7 +430,8 @@ impl Seal {
         self.refresh_witness().await?;
         let mut next = (record.epoch + 1)
             .max(seal_floor)
-            .max(self.next_epoch_floor());
+            .max(self.next_epoch_floor())
+            .max(self.witnessed_epoch_floor());
         if let Some(shared) = &self.witness {
             next = shared.witness().allocate_epoch(next).await?;
         }

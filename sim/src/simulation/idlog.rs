@@ -20,13 +20,17 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use async_trait::async_trait;
+use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
-    GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, LogResult, Records, Renewal,
-    StoreError,
+    Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, LogResult, Records,
+    Renewal, StoreError,
 };
+
+use latchkey_arbiter::witness::{Witness, Witnessed};
 
 use super::ordered::Dispatch;
 use crate::memlog::MemLog;
+use crate::witness::MemWitness;
 
 /// The first id the layer hands the store: above the arbiter's 53-bit ids.
 const FIRST_ID: i64 = 1 << 56;
@@ -217,7 +221,7 @@ impl LockLog for IdLog {
             .map_err(|e| self.error_back(e))
     }
 
-    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
+    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
         self.t(|| format!("claim {key}"));
         self.log
             .claim(key, self.store_id(session), revision)
@@ -316,5 +320,59 @@ impl LockLog for IdLog {
             .renew(self.store_id(lease))
             .await
             .map_err(|e| self.error_back(e))
+    }
+}
+
+/// The witness as the tables see it: a [`MemWitness`] whose calls go into
+/// the same trace as the log's (`LATCHKEY_SIM_TRACE`), with their answers.
+pub(crate) struct TracedWitness {
+    witness: MemWitness,
+    log: Arc<IdLog>,
+}
+
+impl TracedWitness {
+    pub(crate) fn new(witness: MemWitness, log: Arc<IdLog>) -> Self {
+        Self { witness, log }
+    }
+}
+
+fn mark(m: Option<Mark>) -> String {
+    m.map_or_else(
+        || "none".into(),
+        |m| format!("e{}:r{} (cluster {})", m.epoch, m.revision, m.cluster_id),
+    )
+}
+
+#[async_trait]
+impl Witness for TracedWitness {
+    async fn read(&self) -> Result<Witnessed, StoreError> {
+        let out = self.witness.read().await;
+        self.log.t(|| match &out {
+            Ok(w) => format!("witness read: mark {}, epoch {}", mark(w.mark), w.epoch),
+            Err(e) => format!("witness read: {e}"),
+        });
+        out
+    }
+
+    async fn raise(&self, to: Mark) -> Result<(), StoreError> {
+        let out = self.witness.raise(to).await;
+        self.log.t(|| match &out {
+            Ok(()) => format!("witness raise {}", mark(Some(to))),
+            Err(e) => format!("witness raise {}: {e}", mark(Some(to))),
+        });
+        out
+    }
+
+    async fn allocate_epoch(&self, at_least: u32) -> Result<u32, StoreError> {
+        let out = self.witness.allocate_epoch(at_least).await;
+        self.log.t(|| match &out {
+            Ok(e) => format!("witness allocate_epoch {at_least}: {e}"),
+            Err(e) => format!("witness allocate_epoch {at_least}: {e}"),
+        });
+        out
+    }
+
+    fn describe(&self) -> String {
+        self.witness.describe()
     }
 }

@@ -6,7 +6,7 @@ use etcd_client::{
 };
 
 use super::{EtcdLog, answer, first_kv, kv, unavailable, unavailable_on};
-use crate::lock_log::{GrantTxn, Granted, HandOverTxn, HeldAt, Kv, LogResult, StoreError};
+use crate::lock_log::{Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, Kv, LogResult, StoreError};
 
 /// One grant: the holder record on the session's lease if the key is
 /// absent, the epoch record is the caller's, there is no seal and the
@@ -146,25 +146,43 @@ pub(super) async fn claim(
     key: &str,
     session: i64,
     revision: i64,
-) -> LogResult<bool> {
+) -> LogResult<Claimed> {
     let holder_key = log.layout.holder(key);
+    let claim_key = log.layout.claim(key, revision);
     let txn = Txn::new()
         .when([
             Compare::mod_revision(holder_key.clone(), CompareOp::Equal, revision),
-            Compare::lease(holder_key, CompareOp::Equal, session),
+            Compare::lease(holder_key.clone(), CompareOp::Equal, session),
+            Compare::create_revision(claim_key.clone(), CompareOp::Equal, 0),
         ])
         .and_then([TxnOp::put(
-            log.layout.claim(key, revision),
+            claim_key.clone(),
             "",
             Some(PutOptions::new().with_lease(session)),
-        )]);
+        )])
+        .or_else([TxnOp::get(holder_key, None), TxnOp::get(claim_key, None)]);
     let resp = log
         .client
         .kv_client()
         .txn(txn)
         .await
         .map_err(|e| unavailable_on("cannot claim a hold", session, e))?;
-    answer(resp.header(), resp.succeeded())
+    let claimed = if resp.succeeded() {
+        Claimed::Now
+    } else {
+        let ops = resp.op_responses();
+        let held = ops
+            .first()
+            .and_then(first_kv)
+            .is_some_and(|kv| kv.mod_revision == revision && kv.lease == session);
+        let recorded = ops.get(1).and_then(first_kv).is_some();
+        if held && recorded {
+            Claimed::Already
+        } else {
+            Claimed::Gone
+        }
+    };
+    answer(resp.header(), claimed)
 }
 
 /// Deletes a grant whose caller went away, if `session` still holds `key`
