@@ -82,6 +82,13 @@ struct Args {
     /// served, so no workload walks around the edge's admission bounds.
     #[arg(long)]
     allow_direct_workloads: bool,
+    /// One cluster only (no --coord-etcd) and an empty --state-dir on a lock
+    /// log that already has an epoch record: serve anyway. Without it such an
+    /// arbiter starts SEALED, because nothing can tell whether the lock log
+    /// was restored from a snapshot since tokens were handed out. Say it only
+    /// when you know it was not.
+    #[arg(long)]
+    trust_unwitnessed_log: bool,
     /// Directory for the revision high-water mark (keep it on durable disk).
     #[arg(long, default_value = ".latchkey-arbiter")]
     state_dir: PathBuf,
@@ -186,6 +193,7 @@ pub async fn main_with(
     config.trust_domain = args.trust_domain;
     config.edge_identity = args.edge_identity;
     config.allow_direct_workloads = args.allow_direct_workloads;
+    config.trust_unwitnessed_log = args.trust_unwitnessed_log;
     config.max_wait = Duration::from_secs(args.max_wait_seconds);
     config.max_sessions_per_identity = args.max_sessions_per_identity;
     config.max_waiters_per_identity = args.max_waiters_per_identity;

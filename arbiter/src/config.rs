@@ -247,6 +247,9 @@ pub struct Config {
     /// edge's admission bounds cannot be walked around); dev and tests may.
     /// Without an edge, direct calls are the only way in and always allowed.
     pub allow_direct_workloads: bool,
+    /// With one cluster, no state and an existing lock log: serve anyway
+    /// (`--trust-unwitnessed-log`); otherwise such an arbiter starts sealed.
+    pub trust_unwitnessed_log: bool,
     /// Where the revision high-water mark lives (outside etcd).
     pub state_dir: PathBuf,
     /// Longest an Acquire may wait, whatever its deadline.
@@ -286,6 +289,7 @@ impl Config {
             trust_domain: "dev.latchkey".into(),
             edge_identity: None,
             allow_direct_workloads: false,
+            trust_unwitnessed_log: false,
             state_dir: state_dir.clone(),
             max_wait: Duration::from_secs(300),
             max_sessions_per_identity: crate::bounds::DEFAULT_MAX_SESSIONS_PER_IDENTITY,

@@ -119,6 +119,9 @@ pub enum RunError {
     },
 }
 
+/// Why an arbiter with no memory and no witness refuses to grant.
+const UNWITNESSED: &str = "this arbiter has an empty state directory and no coord cluster, and the lock log already has an epoch record: nothing can tell whether it was restored from a snapshot since tokens were handed out, so it grants nothing. Run with --coord-etcd (a witness); or, if you know the lock log was not restored, restart with --trust-unwitnessed-log; or advance the epoch (latchctl admin advance-epoch) above every epoch ever used";
+
 /// Builds the arbiter's state: policies, high-water mark, etcd connection,
 /// and the epoch record (created on first start).
 pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
@@ -171,6 +174,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         warn!(layer = %layer.name, "RUNNING WITH A LAYER AROUND THE LOCK LOG (a test build): this arbiter may be deliberately unsafe");
         log = (layer.wrap)(log);
     }
+    let mut unwitnessed = false;
     match &witness {
         Some(w) => info!(
             witness = %w.describe(),
@@ -193,8 +197,10 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
                     .epoch
                     .is_some()
             {
+                unwitnessed = true;
                 warn!(
                     state_dir = %config.state_dir.display(),
+                    trusted = config.trust_unwitnessed_log,
                     "starting with an empty state directory on a lock log that already has an epoch record, and with no coord cluster: nothing can tell whether the lock log was restored from a snapshot since tokens were handed out, and if it was, tokens may be issued again below earlier ones (issue 15); run with --coord-etcd, and keep --state-dir on durable disk"
                 );
             }
@@ -219,6 +225,15 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         if lock == coord {
             return Err(RunError::CoordIsLockCluster { cluster_id: lock });
         }
+    }
+    if unwitnessed && !config.trust_unwitnessed_log {
+        // Sealed here only (no seal record: the other arbiters may well
+        // have the memory this one lacks). An operator's advance lifts it.
+        guard.seal_now(UNWITNESSED);
+    } else if guard.seal_reason().is_none() {
+        // Remember the log as it is now, so a restart with this state
+        // directory is not "empty" even if this arbiter never grants.
+        table.mark_start(&state).await.map_err(unreachable)?;
     }
     match guard.seal_reason() {
         Some(reason) => warn!(epoch = state.epoch(), %reason, "starting SEALED"),

@@ -592,6 +592,14 @@ impl Drop for Ticket {
 }
 
 impl LockTable {
+    /// Makes the log's current revision this arbiter's durable mark (and the
+    /// witness's), so a restart with the same state directory remembers the
+    /// log even if this arbiter never granted.
+    pub async fn mark_start(&self, state: &EpochState) -> Result<(), ArbiterError> {
+        let (_, header) = self.seal.checked(self.log.count_holds()).await?;
+        self.seal.make_durable(state, header.revision).await
+    }
+
     /// The cluster id the log reports now (a count-only read).
     pub async fn current_cluster_id(&self) -> Result<u64, ArbiterError> {
         Ok(self.log.count_holds().await?.header.cluster_id)

@@ -212,13 +212,14 @@ async fn a_restore_after_every_arbiter_lost_its_state_is_sealed_by_the_coord_wit
 
 /// One cluster for everything, no coord witness: the arbiter's state
 /// directory is the only witness, and an arbiter that lost it cannot tell a
-/// restore with the same member flags. It grants a token BELOW one already
-/// handed out. This is the documented single-cluster limit (issue 15) until
-/// the safe default (no grants from an empty state directory on a log that
-/// already has grants, without a witness or an operator's word) lands; that
-/// change must turn this test around.
+/// restore with the same member flags. So it does not grant (the safe
+/// default) until an operator says so: an epoch advance, or a restart with
+/// `--trust-unwitnessed-log` — and that flag is exactly as dangerous as its
+/// help says: after such a restore it grants a token below one already
+/// handed out.
 #[tokio::test(flavor = "multi_thread")]
-async fn without_a_witness_a_stateless_arbiter_cannot_tell_a_restore() -> anyhow::Result<()> {
+async fn without_a_witness_a_stateless_arbiter_refuses_until_an_operator_says_so()
+-> anyhow::Result<()> {
     latchkey_tests::init_tracing();
     let mut lock = EtcdServer::start().await?;
     let state = tempfile::tempdir()?;
@@ -238,23 +239,83 @@ async fn without_a_witness_a_stateless_arbiter_cannot_tell_a_restore() -> anyhow
         "{status:?}"
     );
     stop_and_forget(first).await?;
-
     restore_same_flags(&mut lock, snapshot.path()).await?;
-    let fresh = arbiter(&lock, None, &state_dir).await?;
-    let mut alice = fresh.lock("workload/alice").await?;
+
+    // The safe default: no memory, no witness, an existing lock log.
+    let cautious = Arbiter::start(
+        &lock,
+        ArbiterOptions {
+            state_dir: Some(state_dir.clone()),
+            trust_unwitnessed_log: false,
+            ..Default::default()
+        },
+    )
+    .await?;
+    expect_sealed(&cautious).await?;
+    let mut op = cautious.admin("latchkey/operator").await?;
+    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    assert!(status.sealed, "{status:?}");
+    assert!(
+        status.seal_reason.contains("--trust-unwitnessed-log"),
+        "the reason says what to do: {status:?}"
+    );
+    stop_and_forget(cautious).await?;
+
+    // The operator's word as a flag: it serves, and after this restore it
+    // hands out a token below one handed out before.
+    let trusting = arbiter(&lock, None, &state_dir).await?;
+    let mut alice = trusting.lock("workload/alice").await?;
     let session = open(&mut alice, "demo").await?;
     let g = try_lock(&mut alice, "demo/r0", "demo", session).await?;
     eprintln!(
-        "single cluster: e1:r{} handed out before the restore, e{}:r{} after it",
+        "single cluster, --trust-unwitnessed-log: e1:r{} handed out before the restore, e{}:r{} after it",
         before_restore & REVISION_BITS,
         g.epoch,
         g.token & REVISION_BITS
     );
     assert!(
         g.token < before_restore,
-        "the single-cluster limit changed: {:#x} is not below {before_restore:#x}; if the safe default landed, turn this test around",
+        "--trust-unwitnessed-log after a restore: {:#x} is not below {before_restore:#x}",
         g.token
     );
+    Ok(())
+}
+
+/// Without a witness, the operator's advance lifts the safe default's seal;
+/// the advanced epoch's tokens are above every token of the old epoch.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_safe_default_is_lifted_by_an_epoch_advance() -> anyhow::Result<()> {
+    latchkey_tests::init_tracing();
+    let lock = EtcdServer::start().await?;
+    let state = tempfile::tempdir()?;
+    let first = arbiter(&lock, None, &state.path().join("first")).await?;
+    let mut alice = first.lock("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    let before = churn(&mut alice, session, 5).await?;
+    stop_and_forget(first).await?;
+
+    let cautious = Arbiter::start(
+        &lock,
+        ArbiterOptions {
+            state_dir: Some(state.path().join("second")),
+            trust_unwitnessed_log: false,
+            ..Default::default()
+        },
+    )
+    .await?;
+    expect_sealed(&cautious).await?;
+    let mut op = cautious.admin("latchkey/operator").await?;
+    op.advance_epoch(AdvanceEpochRequest {
+        expected_epoch: 1,
+        reason: "the state directory was lost; no restore happened".into(),
+    })
+    .await?;
+    let mut alice = cautious.lock("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    let g = try_lock(&mut alice, "demo/after", "demo", session).await?;
+    assert_eq!(g.epoch, 2);
+    assert!(g.token > before);
+    release(&mut alice, &g).await?;
     Ok(())
 }
 

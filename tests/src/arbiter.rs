@@ -90,6 +90,10 @@ pub struct ArbiterOptions {
     /// A coord cluster that witnesses the lock cluster (`--coord-etcd`);
     /// none by default: one cluster, the state dir the only witness.
     pub coord: Option<Coord>,
+    /// `--trust-unwitnessed-log`: on by default, since most scenarios start
+    /// arbiters with fresh state dirs on an etcd another arbiter already
+    /// used; the tests of that safe default turn it off.
+    pub trust_unwitnessed_log: bool,
 }
 
 /// A coord etcd cluster for the arbiter (issue 15), reached with the same
@@ -131,6 +135,7 @@ impl Default for ArbiterOptions {
             metrics: false,
             test_fault: TestFault::None,
             coord: None,
+            trust_unwitnessed_log: true,
         }
     }
 }
@@ -176,6 +181,7 @@ impl Arbiter {
         config.max_wait = opts.max_wait;
         config.policy_poll = Duration::from_millis(200);
         config.log_layer = faulty_log::layer(opts.test_fault);
+        config.trust_unwitnessed_log = opts.trust_unwitnessed_log;
         if let Some(coord) = &opts.coord {
             config.coord_endpoints = coord.endpoints.clone();
             if let Some(prefix) = &coord.prefix {
@@ -434,6 +440,9 @@ impl ArbiterProcess {
         };
         if let Some(m) = metrics_addr {
             cmd.arg("--metrics-listen").arg(m.to_string());
+        }
+        if opts.trust_unwitnessed_log {
+            cmd.arg("--trust-unwitnessed-log");
         }
         if let Some(coord) = &opts.coord {
             cmd.arg("--coord-etcd").arg(coord.endpoints.join(","));

@@ -155,16 +155,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         &etcd,
         ArbiterOptions {
             policies_dir: arbiter_policies.path().to_path_buf(),
-            prefix: "/latchkey".into(),
-            edge_identity: None,
-            allow_direct_workloads: true,
-            retry_poll: Duration::from_millis(500),
-            max_wait: Duration::from_secs(60),
-            state_dir: None,
-            etcd_credentials: Default::default(),
-            metrics: false,
-            test_fault: Default::default(),
-            coord: None,
+            ..ArbiterOptions::default()
         },
         "info",
     )
