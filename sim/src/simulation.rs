@@ -42,12 +42,22 @@
 //! while the service serves (an acquire succeeded within the last second,
 //! after the last advance).
 //!
-//! **Known limit (issue 15).** A restore with the same cluster id after
-//! EVERY arbiter has lost its state dir can re-issue tokens: nothing that
-//! remembers the higher revisions is left. That is not fixed yet, so
-//! restarts keep the state dir by default, and losing it
-//! ([`FaultKnobs::lose_state_percent`]) is a separate knob that the CI
-//! configuration only turns on in runs without restores.
+//! **Witness (issue 15).** With one cluster the arbiters' state dirs are
+//! the only memory of the tokens handed out: a restore with the same
+//! cluster id after EVERY arbiter has lost its state dir can re-issue
+//! tokens, nothing that remembers the higher revisions being left. So
+//! without a witness, restarts keep the state dir by default and losing
+//! it ([`FaultKnobs::lose_state_percent`]) is only combined with restores
+//! to show that limit (the `unwitnessed-state-loss` preset fails).
+//! With [`SimConfig::witness`] every table is built with one shared
+//! [`MemWitness`](crate::witness::MemWitness) (the coord cluster): the
+//! mark is read before every grant and raised before every token is
+//! handed out, and epochs are allocated from it, so the `witnessed`
+//! presets lose state dirs at restarts, wipe every arbiter's state right
+//! after a restore ([`FaultKnobs::wipe_on_restore_percent`]), and bring
+//! an arbiter that was idle before the restore back right after it
+//! ([`FaultKnobs::idle_percent`]), and must stay safe. The log-fault and
+//! slow-log windows hit the witness too ([`FaultKnobs::witness_faults`]).
 //!
 //! **Liveness.** Grants must not stop: if clients keep trying and no
 //! acquire succeeds within [`LIVENESS_WINDOW`] of simulated time after the
@@ -79,12 +89,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_arbiter::lock_log::LockLog;
+use latchkey_arbiter::witness::{Witness, Witnessed};
 use latchkey_checker::{CheckOptions, History, Operation, Report};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::memlog::{FaultCounts, FaultRates, MemLog, MemLogConfig};
 use crate::rng::Rng;
+use crate::witness::{MemWitness, WitnessCalls};
 pub use nemesis::LIVENESS_WINDOW;
 use world::{World, lock};
 
@@ -103,7 +115,8 @@ pub struct FaultKnobs {
     /// Kill and restart arbiters.
     pub arbiter_restarts: bool,
     /// Percent of restarts that lose the state dir (the high-water mark).
-    /// Only without [`Self::restores`]: see the module docs (issue 15).
+    /// With [`Self::restores`] only safe with a witness: see the module
+    /// docs (issue 15).
     pub lose_state_percent: u32,
     /// Compact the log's history and break watch streams.
     pub compaction: bool,
@@ -112,6 +125,19 @@ pub struct FaultKnobs {
     /// Percent of restores during which one arbiter is cut off from every
     /// caller (quiet before the restore, reconnected after the advance).
     pub isolate_percent: u32,
+    /// Percent of the other restores during which one arbiter is idle (no
+    /// caller reaches it for a while before the restore) and is reconnected
+    /// right after the restore, before any arbiter sealed or the operator
+    /// advanced: the clients reach it first. Without a witness its memory
+    /// stops at what it saw before it went idle.
+    pub idle_percent: u32,
+    /// Percent of restores after which every arbiter restarts with its
+    /// state dir lost (issue 15's fault: "restore + every arbiter loses
+    /// its state"). Only safe with a witness.
+    pub wipe_on_restore_percent: u32,
+    /// The log-fault and slow-log windows hit the witness too (when there
+    /// is one), with the same rates.
+    pub witness_faults: bool,
     /// Percent of grants whose holder crashes (stops renewing, never
     /// releases).
     pub crash_percent: u32,
@@ -140,6 +166,9 @@ impl FaultKnobs {
             compaction: true,
             restores: true,
             isolate_percent: 40,
+            idle_percent: 0,
+            wipe_on_restore_percent: 0,
+            witness_faults: false,
             crash_percent: 2,
             pause_percent: 2,
             cancel_percent: 4,
@@ -157,6 +186,31 @@ impl FaultKnobs {
         }
     }
 
+    /// Every fault, and state dirs lost together with restores: half the
+    /// restarts lose their state dir, a third of the restores wipe every
+    /// arbiter's state right after them, a third bring back an arbiter
+    /// idle before them at once; the witness faults with the log. Safe
+    /// only with a witness (issue 15).
+    pub fn witnessed() -> Self {
+        Self {
+            lose_state_percent: 50,
+            idle_percent: 35,
+            wipe_on_restore_percent: 35,
+            witness_faults: true,
+            ..Self::all()
+        }
+    }
+
+    /// [`Self::witnessed`] with every restart losing its state dir, and
+    /// half the restores wiping every arbiter's state.
+    pub fn witnessed_state_loss() -> Self {
+        Self {
+            lose_state_percent: 100,
+            wipe_on_restore_percent: 50,
+            ..Self::witnessed()
+        }
+    }
+
     /// Nothing goes wrong.
     pub fn none() -> Self {
         Self {
@@ -169,6 +223,9 @@ impl FaultKnobs {
             compaction: false,
             restores: false,
             isolate_percent: 0,
+            idle_percent: 0,
+            wipe_on_restore_percent: 0,
+            witness_faults: false,
             crash_percent: 0,
             pause_percent: 0,
             cancel_percent: 0,
@@ -205,6 +262,11 @@ pub struct SimConfig {
     pub retry_percent: u32,
     /// The tables' poll period (waiters whose watch is lost).
     pub poll: Duration,
+    /// Build every table with one shared [`MemWitness`] (the coord
+    /// cluster, issue 15); without it the state dirs are the only witness.
+    ///
+    /// [`MemWitness`]: crate::witness::MemWitness
+    pub witness: bool,
     /// Give up (stuck) if `min_ops` is not reached by then, simulated.
     pub max_sim_time: Duration,
     pub faults: FaultKnobs,
@@ -225,6 +287,7 @@ impl SimConfig {
             try_lock_percent: 25,
             retry_percent: 70,
             poll: Duration::from_millis(500),
+            witness: false,
             max_sim_time: Duration::from_secs(3600),
             faults: FaultKnobs::all(),
         }
@@ -232,7 +295,16 @@ impl SimConfig {
 }
 
 /// The named shapes the CI test runs and `latchkey-sim --preset` takes.
-pub const PRESETS: &[&str] = &["default", "three-arbiters", "one-arbiter", "state-loss"];
+pub const PRESETS: &[&str] = &[
+    "default",
+    "three-arbiters",
+    "one-arbiter",
+    "state-loss",
+    "witnessed",
+    "witnessed-three-arbiters",
+    "witnessed-state-loss",
+    "unwitnessed-state-loss",
+];
 
 impl SimConfig {
     /// A named shape ([`PRESETS`]) with `seed`:
@@ -243,6 +315,17 @@ impl SimConfig {
     ///   restart takes the whole service down);
     /// - `state-loss`: restarts lose their state dir half the time, and
     ///   so no restores ([`FaultKnobs::state_loss`], issue 15).
+    /// - `witnessed`: `default` with a witness ([`SimConfig::witness`]),
+    ///   state dirs lost at restarts and right after restores, an arbiter
+    ///   idle before a restore serving right after it
+    ///   ([`FaultKnobs::witnessed`]); `witnessed-three-arbiters` the same
+    ///   with 3 arbiters;
+    /// - `witnessed-state-loss`: every restart loses its state dir, half
+    ///   the restores wipe every arbiter's
+    ///   ([`FaultKnobs::witnessed_state_loss`]);
+    /// - `unwitnessed-state-loss`: `witnessed-state-loss` without the
+    ///   witness: the single-cluster limit of issue 15, which re-issues
+    ///   tokens (it is expected to fail).
     pub fn preset(name: &str, seed: u64) -> Option<Self> {
         let base = Self::new(seed);
         Some(match name {
@@ -260,6 +343,28 @@ impl SimConfig {
             },
             "state-loss" => Self {
                 faults: FaultKnobs::state_loss(),
+                ..base
+            },
+            "witnessed" => Self {
+                witness: true,
+                faults: FaultKnobs::witnessed(),
+                ..base
+            },
+            "witnessed-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                witness: true,
+                faults: FaultKnobs::witnessed(),
+                ..base
+            },
+            "witnessed-state-loss" => Self {
+                witness: true,
+                faults: FaultKnobs::witnessed_state_loss(),
+                ..base
+            },
+            "unwitnessed-state-loss" => Self {
+                witness: false,
+                faults: FaultKnobs::witnessed_state_loss(),
                 ..base
             },
             _ => return None,
@@ -284,7 +389,17 @@ pub struct SimRun {
     /// Simulated time the run took.
     pub simulated: Duration,
     pub log_faults: FaultCounts,
+    /// What the witness was asked, when the run had one.
+    pub witness: Option<WitnessReport>,
     pub notes: Vec<String>,
+}
+
+/// The witness at the end of a run.
+#[derive(Debug, Clone, Copy)]
+pub struct WitnessReport {
+    pub witnessed: Witnessed,
+    pub calls: WitnessCalls,
+    pub faults: FaultCounts,
 }
 
 impl SimRun {
@@ -317,8 +432,18 @@ impl SimRun {
             .iter()
             .filter(|o| o.f == latchkey_checker::Function::Fault)
             .count();
+        let witness = self.witness.map_or_else(String::new, |w| {
+            format!(
+                " (witness: {} reads, {} raises, {} epochs allocated; {} failed before commit, {} answers lost)",
+                w.calls.reads,
+                w.calls.raises,
+                w.calls.allocations,
+                w.faults.failed_before_commit,
+                w.faults.lost_responses
+            )
+        });
         format!(
-            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed), {}",
+            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}, {}",
             self.seed,
             self.ops,
             self.simulated.as_secs_f64(),
@@ -338,7 +463,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         .enable_all()
         .start_paused(true)
         .build();
-    let (ops, stuck, simulated, log_faults, notes) = match runtime {
+    let (ops, stuck, simulated, log_faults, witness, notes) = match runtime {
         Ok(rt) => {
             let out = rt.block_on(simulate(cfg.clone()));
             drop(rt);
@@ -349,6 +474,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
             Some(format!("could not build the runtime: {e}")),
             Duration::ZERO,
             FaultCounts::default(),
+            None,
             Vec::new(),
         ),
     };
@@ -368,6 +494,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         invalid_history,
         simulated,
         log_faults,
+        witness,
         notes,
     }
 }
@@ -377,6 +504,7 @@ type Outcome = (
     Option<String>,
     Duration,
     FaultCounts,
+    Option<WitnessReport>,
     Vec<String>,
 );
 
@@ -394,7 +522,16 @@ async fn simulate(cfg: SimConfig) -> Outcome {
     let trace = std::env::var_os("LATCHKEY_SIM_TRACE");
     let idlog = Arc::new(idlog::IdLog::new(memlog.clone(), watches, trace.is_some()));
     let log: Arc<dyn LockLog> = idlog.clone();
-    let world = Arc::new(World::new(cfg.clone(), memlog, log));
+    // The coord cluster, when there is one: seeded from the run's seed, not
+    // from `rng`, so a run without it draws what it always drew.
+    let memwitness = cfg
+        .witness
+        .then(|| MemWitness::new(cfg.seed ^ 0xC00D_0000_0000_0015));
+    let witness: Option<Arc<dyn Witness>> = memwitness.clone().map(|w| {
+        let traced: Arc<dyn Witness> = Arc::new(idlog::TracedWitness::new(w, idlog.clone()));
+        traced
+    });
+    let world = Arc::new(World::new(cfg.clone(), memlog, log, memwitness, witness));
     for i in 0..world.arbiters.len() {
         world.start_arbiter(i, false, rng.next_u64()).await;
     }
@@ -457,11 +594,17 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         }
     }
     let notes = std::mem::take(&mut *lock(&world.notes));
+    let witness = world.memwitness.as_ref().map(|w| WitnessReport {
+        witnessed: w.witnessed(),
+        calls: w.calls(),
+        faults: w.fault_counts(),
+    });
     (
         world.take_ops(),
         stuck,
         simulated,
         world.memlog.fault_counts(),
+        witness,
         notes,
     )
 }

@@ -2,9 +2,12 @@
 //! to replay a seed the CI test printed or to explore new ones.
 //!
 //! ```text
-//! latchkey-sim --seed 42 [--preset default|three-arbiters|one-arbiter|state-loss]
+//! latchkey-sim --seed 42 [--preset default|three-arbiters|one-arbiter|state-loss|
+//!                        witnessed|witnessed-three-arbiters|witnessed-state-loss|
+//!                        unwitnessed-state-loss]
 //!              [--ops 10000] [--arbiters 2] [--clients 10] [--keys 8]
-//!              [--faults all|state-loss|none] [--history out.jsonl]
+//!              [--faults all|state-loss|witnessed|witnessed-state-loss|none]
+//!              [--witness on|off] [--history out.jsonl]
 //! ```
 //!
 //! Prints the run's summary, the simulated work per second of wall time,
@@ -21,7 +24,7 @@ use std::time::Instant;
 
 use latchkey_sim::simulation::{FaultKnobs, PRESETS, SimConfig, run};
 
-const USAGE: &str = "usage: latchkey-sim --seed N [--preset default|three-arbiters|one-arbiter|state-loss] [--ops M] [--arbiters A] [--clients C] [--keys K] [--faults all|state-loss|none] [--history out.jsonl]";
+const USAGE: &str = "usage: latchkey-sim --seed N [--preset default|three-arbiters|one-arbiter|state-loss|witnessed|witnessed-three-arbiters|witnessed-state-loss|unwitnessed-state-loss] [--ops M] [--arbiters A] [--clients C] [--keys K] [--faults all|state-loss|witnessed|witnessed-state-loss|none] [--witness on|off] [--history out.jsonl]";
 
 struct Args {
     cfg: SimConfig,
@@ -75,8 +78,17 @@ fn parse() -> Result<Args, String> {
                 cfg.faults = match value.as_str() {
                     "all" => FaultKnobs::all(),
                     "state-loss" => FaultKnobs::state_loss(),
+                    "witnessed" => FaultKnobs::witnessed(),
+                    "witnessed-state-loss" => FaultKnobs::witnessed_state_loss(),
                     "none" => FaultKnobs::none(),
                     other => return Err(format!("--faults {other}: not a fault set\n{USAGE}")),
+                }
+            }
+            "--witness" => {
+                cfg.witness = match value.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    other => return Err(format!("--witness {other}: on or off\n{USAGE}")),
                 }
             }
             "--history" => history = Some(PathBuf::from(value)),

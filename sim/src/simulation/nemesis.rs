@@ -151,6 +151,17 @@ fn done(world: &World, op: super::world::OpId) {
     world.complete(op, Outcome::Ok, None, None, None);
 }
 
+/// Sets the log's fault rates, and the witness's when it faults with the
+/// log ([`FaultKnobs::witness_faults`](super::FaultKnobs::witness_faults)).
+fn set_faults(world: &World, rates: FaultRates) {
+    world.memlog.set_faults(rates);
+    if world.cfg.faults.witness_faults
+        && let Some(witness) = &world.memwitness
+    {
+        witness.set_faults(rates);
+    }
+}
+
 /// A window of log faults: calls failing before they commit, answers lost
 /// after, commits delayed so calls overtake each other.
 async fn log_faults(world: &World, rng: &mut Rng) {
@@ -173,9 +184,9 @@ async fn log_faults(world: &World, rng: &mut Rng) {
             rates.max_delay.as_millis()
         ),
     );
-    world.memlog.set_faults(rates);
+    set_faults(world, rates);
     tokio::time::sleep(length).await;
-    world.memlog.set_faults(FaultRates::NONE);
+    set_faults(world, FaultRates::NONE);
     done(world, op);
 }
 
@@ -199,9 +210,9 @@ async fn slow_log(world: &World, rng: &mut Rng) {
             rates.max_delay.as_millis()
         ),
     );
-    world.memlog.set_faults(rates);
+    set_faults(world, rates);
     tokio::time::sleep(length).await;
-    world.memlog.set_faults(FaultRates::NONE);
+    set_faults(world, FaultRates::NONE);
     done(world, op);
 }
 
@@ -258,10 +269,18 @@ fn compact(world: &World, rng: &mut Rng) {
 /// it is done. Now and then ([`FaultKnobs::isolate_percent`]) one arbiter
 /// is cut off from every caller first, until it is quiet, and reconnected
 /// only after the advance: it notices the restore late, in the advanced
-/// epoch, and must not seal that. Half the time the operator backs the
-/// restored log up before advancing; that snapshot is returned.
+/// epoch, and must not seal that. Otherwise, now and then
+/// ([`FaultKnobs::idle_percent`]) one arbiter is cut off the same way but
+/// reconnected right after the restore, and the operator looks only a
+/// little later: the clients reach it before any arbiter sealed. And now
+/// and then ([`FaultKnobs::wipe_on_restore_percent`]) every arbiter
+/// restarts with its state dir lost right after the restore. Half the
+/// time the operator backs the restored log up before advancing; that
+/// snapshot is returned.
 ///
 /// [`FaultKnobs::isolate_percent`]: super::FaultKnobs::isolate_percent
+/// [`FaultKnobs::idle_percent`]: super::FaultKnobs::idle_percent
+/// [`FaultKnobs::wipe_on_restore_percent`]: super::FaultKnobs::wipe_on_restore_percent
 async fn restore(
     world: &World,
     rng: &mut Rng,
@@ -272,10 +291,17 @@ async fn restore(
     let isolated = (n >= 2 && rng.chance(world.cfg.faults.isolate_percent))
         .then(|| usize::try_from(rng.below(n as u64)).unwrap_or(0));
     let back_up = rng.chance(50);
+    // Drawn only when the knobs are on: the runs without them draw what
+    // they always drew.
+    let knobs = &world.cfg.faults;
+    let idle =
+        (knobs.idle_percent > 0 && n >= 2 && isolated.is_none() && rng.chance(knobs.idle_percent))
+            .then(|| usize::try_from(rng.below(n as u64)).unwrap_or(0));
+    let wipe = knobs.wipe_on_restore_percent > 0 && rng.chance(knobs.wipe_on_restore_percent);
     let op = fault(
         world,
         format!(
-            "restore snapshot at r{} ({}) + advance-epoch{}",
+            "restore snapshot at r{} ({}) + advance-epoch{}{}{}",
             snapshot.revision(),
             match cluster {
                 ClusterId::Same => "same cluster id",
@@ -284,10 +310,19 @@ async fn restore(
             match isolated {
                 Some(i) => format!(", arbiter-{i} isolated until after the advance"),
                 None => String::new(),
+            },
+            match idle {
+                Some(i) => format!(", arbiter-{i} idle before the restore, serving right after it"),
+                None => String::new(),
+            },
+            if wipe {
+                ", every arbiter restarted with its state dir lost right after the restore"
+            } else {
+                ""
             }
         ),
     );
-    if let Some(i) = isolated {
+    if let Some(i) = isolated.or(idle) {
         world.set_isolated(i, true);
         // Quiet: its waiters answered or timed out, its drivers retired.
         let quiet_by = Instant::now() + Duration::from_secs(5);
@@ -300,6 +335,23 @@ async fn restore(
     lock(&world.liveness).last_restore = Some(Instant::now());
     world.memlog.restore(snapshot, cluster);
     let taken = back_up.then(|| world.memlog.snapshot());
+    if let Some(i) = idle {
+        // Back at once; the operator looks a little later, so the clients'
+        // calls (the idle arbiter's among them) meet the restored log first.
+        world.set_isolated(i, false);
+        tokio::time::sleep(Duration::from_millis(rng.below(300))).await;
+    }
+    if wipe {
+        // Every arbiter down, then up again with an empty state dir: only
+        // a witness remembers the tokens handed out before the restore.
+        for i in 0..n {
+            world.kill_arbiter(i).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50 + rng.below(450))).await;
+        for i in 0..n {
+            world.start_arbiter(i, true, rng.next_u64()).await;
+        }
+    }
 
     // The arbiters notice on their next answer (the clients keep calling);
     // the operator polls the status as the gate's nemesis does.

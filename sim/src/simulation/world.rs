@@ -10,6 +10,7 @@ use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::high_water::{HighWater, Mark};
 use latchkey_arbiter::lock_log::LockLog;
 use latchkey_arbiter::table::{LockTable, TableOptions};
+use latchkey_arbiter::witness::Witness;
 use latchkey_checker::{Completion, Function, Operation, Outcome};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -17,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::SimConfig;
 use crate::memlog::MemLog;
 use crate::rng::Rng;
+use crate::witness::MemWitness;
 
 /// Locks a mutex; a panic elsewhere while it was held leaves the data usable
 /// (the simulation then reports that panic, not a poisoned lock).
@@ -120,6 +122,10 @@ pub(crate) struct World {
     pub(crate) cfg: SimConfig,
     pub(crate) memlog: MemLog,
     pub(crate) log: Arc<dyn LockLog>,
+    /// The coord cluster's witness, when the run has one: its handle for
+    /// the nemesis, and what every table is built with (one for all).
+    pub(crate) memwitness: Option<MemWitness>,
+    pub(crate) witness: Option<Arc<dyn Witness>>,
     pub(crate) arbiters: Vec<Mutex<ArbiterSlot>>,
     pub(crate) resource: Mutex<Resource>,
     pub(crate) recorder: Mutex<Recorder>,
@@ -133,7 +139,13 @@ pub(crate) struct World {
 }
 
 impl World {
-    pub(crate) fn new(cfg: SimConfig, memlog: MemLog, log: Arc<dyn LockLog>) -> Self {
+    pub(crate) fn new(
+        cfg: SimConfig,
+        memlog: MemLog,
+        log: Arc<dyn LockLog>,
+        memwitness: Option<MemWitness>,
+        witness: Option<Arc<dyn Witness>>,
+    ) -> Self {
         let start = Instant::now();
         let arbiters = (0..cfg.arbiters.max(1))
             .map(|_| {
@@ -150,6 +162,8 @@ impl World {
             cfg,
             memlog,
             log,
+            memwitness,
+            witness,
             arbiters,
             resource: Mutex::new(Resource::default()),
             recorder: Mutex::new(Recorder {
@@ -315,10 +329,11 @@ impl World {
             }
             slot.high_water.clone()
         };
-        let table = LockTable::new(
+        let table = LockTable::witnessed(
             self.log.clone(),
             Arc::new(EpochGuard::default()),
             high_water,
+            self.witness.clone(),
             TableOptions {
                 poll: self.cfg.poll,
                 max_waiters_per_identity: 64,
