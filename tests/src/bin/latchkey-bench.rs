@@ -82,6 +82,10 @@ struct Args {
     /// Also print every result as a JSON line.
     #[arg(long)]
     json: bool,
+    /// Run a coord etcd (a second etcd process) and witness the arbiter's
+    /// grants there (`--coord-etcd`): what the witness costs.
+    #[arg(long)]
+    witness: bool,
 }
 
 /// The resolved settings of one run.
@@ -156,10 +160,15 @@ async fn main() -> anyhow::Result<()> {
 
     let etcd = EtcdServer::start().await?;
     let etcd_version = etcd.client().await?.status().await?.version().to_owned();
+    let coord = match args.witness {
+        true => Some(EtcdServer::start().await?),
+        false => None,
+    };
     let arbiter = Arbiter::start(
         &etcd,
         ArbiterOptions {
             policies_dir: policies.path().to_path_buf(),
+            coord: coord.as_ref().map(latchkey_tests::arbiter::Coord::on),
             ..Default::default()
         },
     )
@@ -169,8 +178,13 @@ async fn main() -> anyhow::Result<()> {
 
     println!(
         "latchkey-bench {}: nproc {}, etcd {etcd_version} (one member, temp data dir), \
-         in-process arbiter over mTLS; clients, etcd and arbiter share the machine",
+         in-process arbiter over mTLS{}; clients, etcd and arbiter share the machine",
         env!("CARGO_PKG_VERSION"),
+        if coord.is_some() {
+            ", witnessed by a coord etcd (a second process)"
+        } else {
+            ""
+        },
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
     println!(

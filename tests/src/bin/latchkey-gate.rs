@@ -42,7 +42,10 @@ struct Args {
     /// times longer); default as CI's gate.
     #[arg(long, value_parser = humantime::parse_duration)]
     unit_of_work: Option<Duration>,
-    /// Fault kinds, comma-separated (default: all). `none` for no nemesis.
+    /// Fault kinds, comma-separated (default: all): kill-member,
+    /// pause-leader, partition, kill-arbiter, pause-holder, restore,
+    /// restore-forget, clock-step, slow-disk-member, slow-disk-arbiter.
+    /// `none` for no nemesis.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
     /// Where a failing run keeps its history and report.

@@ -2,8 +2,9 @@
 //! client operation recorded, the history judged by `latchkey_checker`.
 //!
 //! A run starts a 3-member etcd cluster (each member in its own network
-//! namespace, so partitions are real), a private PostgreSQL holding the
-//! reference fence, one or two arbiter processes and N worker processes
+//! namespace, so partitions are real), a single etcd as the coord cluster
+//! that witnesses it (`--coord-etcd`, issue 15), a private PostgreSQL holding
+//! the reference fence, one or two arbiter processes and N worker processes
 //! (`gate-worker`, the client library doing acquire → fenced write →
 //! release). The nemesis injects every fault kind in [`Fault::ALL`] at least
 //! once, then random ones until the duration is up. Afterwards the workers
@@ -31,8 +32,9 @@ use anyhow::{Context, bail};
 use latchkey_checker::{CheckOptions, History, Report};
 use tokio::sync::Mutex;
 
-use crate::arbiter::{ArbiterOptions, ArbiterProcess, certs, svid_flags};
+use crate::arbiter::{ArbiterOptions, ArbiterProcess, Coord, certs, svid_flags};
 use crate::cluster::{ClusterOptions, EtcdCluster};
+use crate::etcd::EtcdServer;
 use crate::faulty_log::TestFault;
 use crate::postgres::PostgresServer;
 use clock::SteppableClock;
@@ -210,6 +212,9 @@ pub(crate) struct Rig {
     pub arbiter_addrs: Vec<std::net::SocketAddr>,
     pub arbiter_state: Vec<PathBuf>,
     pub arbiter_opts: ArbiterOptions,
+    /// The coord cluster every arbiter is witnessed by (`arbiter_opts.coord`);
+    /// no fault touches it. Declared after `arbiters`: stopped after them.
+    pub _coord: EtcdServer,
     /// With the slow-disk-arbiter fault: arbiter i's state dir is inside
     /// `arbiter_disks[i]` (declared after `arbiters`: unmounted after they stop).
     pub arbiter_disks: Vec<StallableDir>,
@@ -312,6 +317,11 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         EtcdCluster::start(ClusterOptions::default()).await
     }
     .context("starting the 3-member etcd cluster")?;
+    // The witness outside the lock cluster: what lets an arbiter that lost
+    // its state dir tell that the lock cluster was restored (restore-forget).
+    let coord = EtcdServer::start()
+        .await
+        .context("starting the coord etcd")?;
     let postgres = PostgresServer::start()
         .await
         .context("starting PostgreSQL")?;
@@ -327,6 +337,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         policies_dir: policies.clone(),
         retry_poll: Duration::from_millis(500),
         test_fault: config.arbiter_test_fault,
+        coord: Some(Coord::on(&coord)),
         ..ArbiterOptions::default()
     };
     let mut addrs = Vec::new();
@@ -362,6 +373,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         arbiter_addrs: addrs,
         arbiter_state: states,
         arbiter_opts,
+        _coord: coord,
         arbiter_disks,
         binaries: config.binaries.clone(),
         workers: Mutex::new(Vec::new()),

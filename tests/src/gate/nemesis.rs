@@ -34,6 +34,12 @@ pub enum Fault {
     /// Restore the cluster from an earlier snapshot with the same member
     /// flags (same cluster id), then advance the epoch as an operator.
     Restore,
+    /// The same restore, but every arbiter also loses its state dir: each
+    /// is killed and its state dir deleted before the restore and started
+    /// again with an empty one after it, before the operator's advance (an
+    /// arbiter run as a stateless Deployment; issue 15). Only the coord
+    /// cluster's witness can then tell that the lock log went back.
+    RestoreForget,
     /// Step a holder's wall clock forward, then back behind the real time,
     /// then to the real time again (libfaketime; see [`super::clock`]).
     ClockStep,
@@ -45,13 +51,14 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 9] = [
+    pub const ALL: [Fault; 10] = [
         Fault::KillMember,
         Fault::PauseLeader,
         Fault::Partition,
         Fault::KillArbiter,
         Fault::PauseHolder,
         Fault::Restore,
+        Fault::RestoreForget,
         Fault::ClockStep,
         Fault::SlowDiskMember,
         Fault::SlowDiskArbiter,
@@ -65,6 +72,7 @@ impl Fault {
             Fault::KillArbiter => "kill-arbiter",
             Fault::PauseHolder => "pause-holder",
             Fault::Restore => "restore",
+            Fault::RestoreForget => "restore-forget",
             Fault::ClockStep => "clock-step",
             Fault::SlowDiskMember => "slow-disk-member",
             Fault::SlowDiskArbiter => "slow-disk-arbiter",
@@ -95,10 +103,10 @@ pub(crate) async fn run(
     let mut rec = Recorder::create(&history_dir.join("nemesis.jsonl"), "nemesis")?;
     let mut injected = Vec::new();
 
-    // Warm up, then keep a snapshot for the restore fault.
+    // Warm up, then keep a snapshot for the restore faults.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let snapshot = rig.dir.parent().unwrap_or(&rig.dir).join("snapshot.db");
-    if config.faults.contains(&Fault::Restore) {
+    if config.faults.contains(&Fault::Restore) || config.faults.contains(&Fault::RestoreForget) {
         rig.cluster
             .lock()
             .await
@@ -309,44 +317,110 @@ async fn inject(
             let what = "restore from snapshot + advance-epoch".to_owned();
             let op = begin(rec, &what)?;
             rig.cluster.lock().await.restore(snapshot).await?;
-            let operator = operator_client(rig).await?;
             // The arbiters notice the lower revision on their next etcd
             // response and seal; the operator then advances the epoch.
-            let status = eventually("an arbiter to seal", Duration::from_secs(20), || async {
-                let s = operator.admin_status().await?;
-                if s.sealed {
-                    Ok(s)
-                } else {
-                    anyhow::bail!("not sealed yet (epoch {})", s.epoch)
+            seal_then_advance(rig, rec, Duration::from_secs(20), false).await?;
+            end(rec, op)?;
+            Ok(Some(what))
+        }
+        Fault::RestoreForget => {
+            let mut what =
+                "restore-forget from snapshot + every arbiter's state dir wiped + advance-epoch"
+                    .to_owned();
+            let op = begin(rec, &what)?;
+            {
+                // Stopped before the restore, so none of them can notice it
+                // and leave a seal record in the restored log: after it,
+                // nothing in the lock cluster or in any arbiter remembers
+                // the tokens handed out since the snapshot.
+                let mut arbiters = rig.arbiters.lock().await;
+                for a in arbiters.iter_mut() {
+                    if let Some(mut a) = a.take() {
+                        a.kill();
+                    }
                 }
-            })
-            .await?;
-            let adv = rec.invoke("advance", Fields::default())?;
-            match advance(&operator, status.epoch).await {
-                Ok(detail) => rec.complete(
-                    adv,
-                    Outcome::Ok,
-                    Fields {
-                        detail: Some(detail),
-                        ..Fields::default()
-                    },
-                )?,
-                Err(e) => {
-                    rec.complete(
-                        adv,
-                        Outcome::Unknown,
-                        Fields {
-                            detail: Some(e.to_string()),
-                            ..Fields::default()
-                        },
-                    )?;
-                    return Err(e).context("advancing the epoch after the restore");
+                for state in &rig.arbiter_state {
+                    match std::fs::remove_dir_all(state) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => {
+                            return Err(e).with_context(|| format!("deleting {}", state.display()));
+                        }
+                    }
                 }
+                rig.cluster.lock().await.restore(snapshot).await?;
+                for (i, slot) in arbiters.iter_mut().enumerate() {
+                    *slot = Some(rig.start_arbiter(i).await?);
+                }
+            }
+            // With the coord cluster's witness a fresh arbiter starts sealed
+            // (the witness's mark is above the restored log). The operator
+            // advances after a restore whatever the arbiters say: if none
+            // sealed, the advance comes anyway after the wait, and the
+            // checker judges the grants made in between.
+            if !seal_then_advance(rig, rec, Duration::from_secs(10), true).await? {
+                what.push_str(" (no arbiter sealed within 10 s; advanced anyway)");
             }
             end(rec, op)?;
             Ok(Some(what))
         }
     }
+}
+
+/// Waits up to `wait` for an arbiter to report itself sealed, then advances
+/// the epoch as an operator (an `advance` operation in the history) from the
+/// epoch it reports. When none sealed: an error, or with `advance_unsealed`
+/// the advance from the current epoch. Whether an arbiter was sealed.
+async fn seal_then_advance(
+    rig: &Rig,
+    rec: &mut Recorder,
+    wait: Duration,
+    advance_unsealed: bool,
+) -> anyhow::Result<bool> {
+    let operator = operator_client(rig).await?;
+    let status = eventually("an arbiter to seal", wait, || async {
+        let s = operator.admin_status().await?;
+        if s.sealed {
+            Ok(s)
+        } else {
+            anyhow::bail!("not sealed yet (epoch {})", s.epoch)
+        }
+    })
+    .await;
+    let (sealed, epoch) = match status {
+        Ok(s) => (true, s.epoch),
+        Err(e) if !advance_unsealed => return Err(e),
+        Err(_) => {
+            let s = eventually("the arbiter's status", Duration::from_secs(20), || async {
+                Ok(operator.admin_status().await?)
+            })
+            .await?;
+            (false, s.epoch)
+        }
+    };
+    let adv = rec.invoke("advance", Fields::default())?;
+    match advance(&operator, epoch).await {
+        Ok(detail) => rec.complete(
+            adv,
+            Outcome::Ok,
+            Fields {
+                detail: Some(detail),
+                ..Fields::default()
+            },
+        )?,
+        Err(e) => {
+            rec.complete(
+                adv,
+                Outcome::Unknown,
+                Fields {
+                    detail: Some(e.to_string()),
+                    ..Fields::default()
+                },
+            )?;
+            return Err(e).context("advancing the epoch after the restore");
+        }
+    }
+    Ok(sealed)
 }
 
 /// The operator's epoch advance after a restore, retried while etcd is still
