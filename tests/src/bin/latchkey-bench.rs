@@ -180,12 +180,12 @@ async fn main() -> anyhow::Result<()> {
         "latchkey-bench {}: nproc {}, etcd {etcd_version} (one member, temp data dir), \
          in-process arbiter over mTLS{}; clients, etcd and arbiter share the machine",
         env!("CARGO_PKG_VERSION"),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
         if coord.is_some() {
             ", witnessed by a coord etcd (a second process)"
         } else {
             ""
         },
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
     println!(
         "uncontended: {} cycles, {} workers on distinct keys; hot key: {:.1} s per run",
