@@ -40,6 +40,21 @@ async fn session(t: &LockTable, identity: &str) -> Result<i64, ArbiterError> {
     t.open_session(identity, TTL, 10).await
 }
 
+/// Waits (on the paused clock) until `key` has `n` waiters queued; fails
+/// after a simulated second.
+async fn queued(t: &LockTable, key: &str, n: usize) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    while t.waiting(key) < n {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{key} has {} waiters, not {n}",
+            t.waiting(key)
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_held_key_is_handed_over_in_arrival_order_with_rising_tokens() -> anyhow::Result<()> {
     let log = MemLog::new(1);
@@ -57,10 +72,10 @@ async fn a_held_key_is_handed_over_in_arrival_order_with_rising_tokens() -> anyh
     let wait = Some(Duration::from_secs(30));
     let tb = t.clone();
     let b_waits = tokio::spawn(async move { tb.acquire(req("b", b, "k"), wait, 8).await });
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    queued(&t, "k", 1).await?;
     let tc = t.clone();
     let c_waits = tokio::spawn(async move { tc.acquire(req("c", c, "k"), wait, 8).await });
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    queued(&t, "k", 2).await?;
     assert_eq!(t.waiting("k"), 2);
 
     let token = first.token().unwrap_or(0);
@@ -90,13 +105,14 @@ async fn an_abandoned_wait_leaves_no_hold_behind() -> anyhow::Result<()> {
         tb.acquire(req("b", b, "k"), Some(Duration::from_secs(30)), 8)
             .await
     });
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    queued(&t, "k", 1).await?;
     waiting.abort();
     let _ = waiting.await;
     assert_eq!(t.waiting("k"), 0, "the cancelled call left the queue");
     t.release("a", "k", a, first.token().unwrap_or(0)).await?;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // the queue is empty, so the release handed nothing over
     assert!(t.holder("k").await?.is_none(), "nobody holds k");
+    assert_eq!(t.waiting("k"), 0);
     t.shutdown().await;
     Ok(())
 }
@@ -175,7 +191,7 @@ async fn shutdown_stops_every_driver_and_answers_every_waiter() -> anyhow::Resul
         tb.acquire(req("b", b, "k"), Some(Duration::from_secs(300)), 8)
             .await
     });
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    queued(&t, "k", 1).await?;
     t.shutdown().await;
     let answer = waiting.await?;
     assert!(

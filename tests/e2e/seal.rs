@@ -16,17 +16,6 @@ use tonic::Code;
 
 use crate::support::*;
 
-/// Grants `n` times on a few keys; returns the largest token.
-async fn churn(c: &mut Client, session: i64, n: usize) -> anyhow::Result<u64> {
-    let mut max = 0;
-    for i in 0..n {
-        let g = try_lock(c, &format!("demo/r{}", i % 3), "demo", session).await?;
-        max = max.max(g.token);
-        release(c, &g).await?;
-    }
-    Ok(max)
-}
-
 async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyhow::Result<()> {
     let mut s = stack().await?;
     let state_dir = s.arbiter.state_dir().to_path_buf();
@@ -154,13 +143,6 @@ async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyh
     let status = op.get_status(GetStatusRequest {}).await?.into_inner();
     assert!(!status.sealed, "{status:?}");
     Ok(())
-}
-
-fn status_of(e: anyhow::Error) -> tonic::Status {
-    match e.downcast::<tonic::Status>() {
-        Ok(s) => s,
-        Err(e) => tonic::Status::unknown(e.to_string()),
-    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

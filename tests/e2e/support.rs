@@ -128,3 +128,24 @@ pub fn expect_refusal<T: std::fmt::Debug>(
 pub async fn revision(etcd: &EtcdServer) -> anyhow::Result<i64> {
     etcd.revision().await
 }
+
+/// Grants and releases `n` times on a few keys of `demo`; returns the
+/// largest token handed out.
+pub async fn churn(c: &mut Client, session: i64, n: usize) -> anyhow::Result<u64> {
+    let mut max = 0;
+    for i in 0..n {
+        let g = try_lock(c, &format!("demo/r{}", i % 3), "demo", session).await?;
+        max = max.max(g.token);
+        release(c, &g).await?;
+    }
+    Ok(max)
+}
+
+/// The gRPC status inside an error from a call (UNKNOWN with the text if
+/// there is none).
+pub fn status_of(e: anyhow::Error) -> Status {
+    match e.downcast::<Status>() {
+        Ok(s) => s,
+        Err(e) => Status::unknown(e.to_string()),
+    }
+}

@@ -21,24 +21,6 @@ use crate::support::*;
 /// The revision part of a token (`epoch × 2^48 + revision`).
 const REVISION_BITS: u64 = (1 << 48) - 1;
 
-/// Grants `n` times on a few keys; returns the largest token.
-async fn churn(c: &mut Client, session: i64, n: usize) -> anyhow::Result<u64> {
-    let mut max = 0;
-    for i in 0..n {
-        let g = try_lock(c, &format!("demo/r{}", i % 3), "demo", session).await?;
-        max = max.max(g.token);
-        release(c, &g).await?;
-    }
-    Ok(max)
-}
-
-fn status_of(e: anyhow::Error) -> tonic::Status {
-    match e.downcast::<tonic::Status>() {
-        Ok(s) => s,
-        Err(e) => tonic::Status::unknown(e.to_string()),
-    }
-}
-
 /// An arbiter on `lock` with `state_dir`, witnessed by `coord` when given.
 async fn arbiter(
     lock: &EtcdServer,
