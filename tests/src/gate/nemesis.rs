@@ -282,17 +282,7 @@ async fn inject(
                 .disk(i)
                 .context("the gate started etcd without stallable disks")?;
             let what = format!("slow-disk-member {}", cluster.name(i));
-            let op = begin(rec, &what)?;
-            let total = Duration::from_millis(rng.u64(2000..4000));
-            let stalls = disk
-                .slow_for(
-                    total,
-                    (Duration::from_millis(100), Duration::from_millis(800)),
-                    rng,
-                )
-                .await?;
-            end(rec, op)?;
-            Ok(Some(format!("{what} ({stalls} stalls)")))
+            stall_disk(rec, &what, disk, rng).await.map(Some)
         }
         Fault::SlowDiskArbiter => {
             let i = rng.usize(..rig.arbiter_disks.len().max(1));
@@ -301,17 +291,7 @@ async fn inject(
                 .get(i)
                 .context("the gate started the arbiters without stallable disks")?;
             let what = format!("slow-disk-arbiter arbiter-{i}");
-            let op = begin(rec, &what)?;
-            let total = Duration::from_millis(rng.u64(2000..4000));
-            let stalls = disk
-                .slow_for(
-                    total,
-                    (Duration::from_millis(100), Duration::from_millis(800)),
-                    rng,
-                )
-                .await?;
-            end(rec, op)?;
-            Ok(Some(format!("{what} ({stalls} stalls)")))
+            stall_disk(rec, &what, disk, rng).await.map(Some)
         }
         Fault::Restore => {
             let what = "restore from snapshot + advance-epoch".to_owned();
@@ -479,6 +459,27 @@ async fn operator_client(rig: &Rig) -> anyhow::Result<Client> {
         },
     )
     .await
+}
+
+/// Stalls `disk` again and again for 2–4 s (stalls of 100–800 ms), recorded
+/// as the fault `what`; its description with the number of stalls.
+async fn stall_disk(
+    rec: &mut Recorder,
+    what: &str,
+    disk: &super::disk::StallableDir,
+    rng: &mut fastrand::Rng,
+) -> anyhow::Result<String> {
+    let op = begin(rec, what)?;
+    let total = Duration::from_millis(rng.u64(2000..4000));
+    let stalls = disk
+        .slow_for(
+            total,
+            (Duration::from_millis(100), Duration::from_millis(800)),
+            rng,
+        )
+        .await?;
+    end(rec, op)?;
+    Ok(format!("{what} ({stalls} stalls)"))
 }
 
 fn begin(rec: &mut Recorder, what: &str) -> anyhow::Result<u64> {
