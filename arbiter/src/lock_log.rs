@@ -61,6 +61,8 @@ pub struct Kv {
 pub struct Records {
     pub epoch: Option<Kv>,
     pub seal: Option<Kv>,
+    /// What the coord cluster was last seen to witness ([`crate::records::CoordSeenRecord`]).
+    pub coord_seen: Option<Kv>,
 }
 
 /// One grant transaction: put the holder record of `key` on `session`'s lease
@@ -220,6 +222,9 @@ pub trait LockLog: Send + Sync + 'static {
         seal_at: Option<i64>,
         epoch_at: Option<i64>,
     ) -> LogResult<bool>;
+    /// Puts the coord-seen record if it is at `at` (`None`: absent);
+    /// whether it did.
+    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool>;
     /// The operator's advance: if the epoch record's bytes are `expected` and
     /// the seal is at `seal_at`, puts `record`, deletes every hold, every
     /// claim, every durable waiter and the seal, in one transaction. `Some(holds

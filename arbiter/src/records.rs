@@ -3,6 +3,9 @@
 //!
 //! - `{prefix}/sys/epoch` — [`EpochRecord`]: the epoch and the cluster id it was minted for.
 //! - `{prefix}/sys/seal`  — present while the log is sealed (a restore was seen).
+//! - `{prefix}/sys/coord-seen` — [`CoordSeenRecord`]: what the coord cluster
+//!   was seen to witness for this lock log, so a restore of the coord
+//!   cluster is seen too (the lock log witnessing its witness).
 //! - `{prefix}/s/{lease}` — [`SessionRecord`] on the session's lease.
 //! - `{prefix}/si/{hex(identity)}/{lease}` — empty, on the session's lease: the
 //!   identity's open sessions, counted for `--max-sessions-per-identity`.
@@ -50,6 +53,26 @@ pub struct SealRecord {
     pub next_epoch_at_least: u32,
 }
 
+/// The lock log's memory of its witness: the coord cluster's records for
+/// this lock log as an arbiter read them, in one epoch of the lock log. The
+/// coord cluster's mark and epoch only ever go up; a coord cluster that shows
+/// less than this was restored from a snapshot, and a later restore of the
+/// lock log would go unnoticed by it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CoordSeenRecord {
+    /// The lock log's epoch this was recorded in (an advance starts over).
+    pub lock_epoch: u32,
+    /// The coord cluster's mark: epoch, revision and lock cluster id.
+    pub mark_epoch: u32,
+    pub mark_revision: i64,
+    /// Decimal string (JSON numbers lose u64 precision).
+    pub mark_cluster_id: String,
+    /// The coord cluster's highest allocated epoch.
+    pub epoch: u32,
+    pub seen_at_unix_ms: i64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SessionRecord {
@@ -93,6 +116,9 @@ impl Layout {
     }
     pub fn seal(&self) -> String {
         format!("{}/sys/seal", self.prefix)
+    }
+    pub fn coord_seen(&self) -> String {
+        format!("{}/sys/coord-seen", self.prefix)
     }
     pub fn session(&self, lease: i64) -> String {
         format!("{}/s/{lease:016x}", self.prefix)

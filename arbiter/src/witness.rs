@@ -38,6 +38,40 @@ pub struct Witnessed {
     pub epoch: u32,
 }
 
+impl Witnessed {
+    /// Whether this shows at least what `earlier` showed. A witness only
+    /// ever goes up; one that shows less than it did was restored.
+    pub fn covers(&self, earlier: &Witnessed) -> bool {
+        let marks = match (self.mark, earlier.mark) {
+            (_, None) => true,
+            (None, Some(_)) => false,
+            (Some(now), Some(then)) => now.covers(&then),
+        };
+        marks && self.epoch >= earlier.epoch
+    }
+
+    /// The higher of each part.
+    pub fn max(self, other: Witnessed) -> Witnessed {
+        let mark = match (self.mark, other.mark) {
+            (Some(a), Some(b)) => Some(if a.covers(&b) { a } else { b }),
+            (a, b) => a.or(b),
+        };
+        Witnessed {
+            mark,
+            epoch: self.epoch.max(other.epoch),
+        }
+    }
+}
+
+/// A fresh read, and whether it went below the read before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FreshRead {
+    pub now: Witnessed,
+    /// The earlier read (since [`SharedWitness::start_over`]) that this one
+    /// shows less than: the witness was restored between the two.
+    pub went_back_from: Option<Witnessed>,
+}
+
 /// A store the lock log's restores cannot roll back.
 #[async_trait]
 pub trait Witness: Send + Sync + 'static {
@@ -48,6 +82,10 @@ pub trait Witness: Send + Sync + 'static {
     /// Allocates an epoch: at least `at_least`, above every epoch allocated
     /// before, and records it.
     async fn allocate_epoch(&self, at_least: u32) -> Result<u32, StoreError>;
+    /// Records that `epoch` is in use (an epoch the lock log had before the
+    /// witness came, or that an earlier allocation lost): the allocated epoch
+    /// becomes at least `epoch`; never lowers it.
+    async fn note_epoch(&self, epoch: u32) -> Result<(), StoreError>;
     /// Where the witness lives, for logs and `admin status`.
     fn describe(&self) -> String;
 }
@@ -62,7 +100,10 @@ pub struct SharedWitness {
     witness: Arc<dyn Witness>,
     arrivals: AtomicU64,
     /// (arrivals covered by the last completed read, what it read).
-    reads: AsyncMutex<(u64, Witnessed)>,
+    reads: AsyncMutex<(u64, FreshRead)>,
+    /// The highest read since [`Self::start_over`]: every later read, sent
+    /// after it completed, must cover it.
+    baseline: std::sync::Mutex<Option<Witnessed>>,
     /// (highest mark wanted, highest mark known raised).
     wanted: std::sync::Mutex<Option<Mark>>,
     raised: AsyncMutex<Option<Mark>>,
@@ -73,7 +114,14 @@ impl SharedWitness {
         Self {
             witness,
             arrivals: AtomicU64::new(0),
-            reads: AsyncMutex::new((0, Witnessed::default())),
+            reads: AsyncMutex::new((
+                0,
+                FreshRead {
+                    now: Witnessed::default(),
+                    went_back_from: None,
+                },
+            )),
+            baseline: std::sync::Mutex::new(None),
             wanted: std::sync::Mutex::new(None),
             raised: AsyncMutex::new(None),
         }
@@ -83,8 +131,11 @@ impl SharedWitness {
         &self.witness
     }
 
-    /// What the witness knew at some moment after this call began.
-    pub async fn read_fresh(&self) -> Result<Witnessed, StoreError> {
+    /// What the witness knew at some moment after this call began, checked
+    /// against every read before it. Reads are sent one after another (the
+    /// lock is held across each), so each read is sent after the one before
+    /// completed and must show at least as much.
+    pub async fn read_fresh(&self) -> Result<FreshRead, StoreError> {
         let me = self.arrivals.fetch_add(1, Ordering::SeqCst) + 1;
         let mut reads = self.reads.lock().await;
         if reads.0 >= me {
@@ -92,9 +143,32 @@ impl SharedWitness {
         }
         // Everyone who arrived so far arrived before this read is sent.
         let covers = self.arrivals.load(Ordering::SeqCst);
-        let witnessed = self.witness.read().await?;
-        *reads = (covers, witnessed);
-        Ok(witnessed)
+        let now = self.witness.read().await?;
+        let went_back_from = match self.baseline.lock() {
+            Ok(mut baseline) => match *baseline {
+                Some(before) if !now.covers(&before) => Some(before),
+                _ => {
+                    *baseline = Some(baseline.map_or(now, |b| b.max(now)));
+                    None
+                }
+            },
+            Err(_) => None,
+        };
+        let read = FreshRead {
+            now,
+            went_back_from,
+        };
+        *reads = (covers, read);
+        Ok(read)
+    }
+
+    /// Forgets earlier reads: after an epoch advance (which may follow a
+    /// restore of the witness itself), the witness as it is now is the new
+    /// baseline.
+    pub fn start_over(&self) {
+        if let Ok(mut baseline) = self.baseline.lock() {
+            *baseline = None;
+        }
     }
 
     /// Returns once the witness covers `mark`.

@@ -396,6 +396,9 @@ mod keys {
     pub fn seal() -> String {
         "sys/seal".into()
     }
+    pub fn coord_seen() -> String {
+        "sys/coord-seen".into()
+    }
     pub fn session(lease: i64) -> String {
         format!("s/{lease:016x}")
     }
@@ -457,6 +460,7 @@ impl LockLog for MemLog {
             let records = Records {
                 epoch: kv_of(&inner.store, &keys::epoch()),
                 seal: kv_of(&inner.store, &keys::seal()),
+                coord_seen: kv_of(&inner.store, &keys::coord_seen()),
             };
             inner.answer(records)
         })
@@ -489,6 +493,17 @@ impl LockLog for MemLog {
             ]);
             if ok {
                 commit(&mut inner.store, vec![put(keys::seal(), record, 0)])?;
+            }
+            inner.answer(ok)
+        })
+        .await
+    }
+
+    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
+        self.call("put coord-seen", |inner, _| {
+            let ok = inner.store.all(&[at_revision(keys::coord_seen(), at)]);
+            if ok {
+                commit(&mut inner.store, vec![put(keys::coord_seen(), record, 0)])?;
             }
             inner.answer(ok)
         })

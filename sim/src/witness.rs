@@ -225,6 +225,14 @@ impl Witness for MemWitness {
         .await
     }
 
+    async fn note_epoch(&self, epoch: u32) -> Result<(), StoreError> {
+        self.call("note_epoch", |inner| {
+            inner.calls.allocations += 1;
+            inner.witnessed.epoch = inner.witnessed.epoch.max(epoch);
+        })
+        .await
+    }
+
     fn describe(&self) -> String {
         self.name.to_string()
     }

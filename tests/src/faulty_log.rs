@@ -237,6 +237,10 @@ impl LockLog for FaultyLog {
         self.inner.put_seal(record, seal_at, epoch_at).await
     }
 
+    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
+        self.inner.put_coord_seen(record, at).await
+    }
+
     async fn advance(
         &self,
         expected: Vec<u8>,
@@ -467,6 +471,9 @@ mod tests {
             unused()
         }
         async fn put_seal(&self, _: Vec<u8>, _: Option<i64>, _: Option<i64>) -> LogResult<bool> {
+            unused()
+        }
+        async fn put_coord_seen(&self, _: Vec<u8>, _: Option<i64>) -> LogResult<bool> {
             unused()
         }
         async fn advance(&self, _: Vec<u8>, _: Option<i64>, _: Vec<u8>) -> LogResult<Option<i64>> {

@@ -67,6 +67,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(watch_from_a_revision);
     case!(revisions_are_never_reused);
     case!(put_seal_is_conditional);
+    case!(put_coord_seen_is_conditional);
     case!(grant_while_sealed);
     case!(advance_deletes_holds_and_the_seal);
     case!(lease_expires_by_ttl, ttl);
@@ -1064,6 +1065,50 @@ pub async fn put_seal_is_conditional(log: &dyn LockLog) -> anyhow::Result<()> {
     let seal = log.records().await?.value.seal.context("no seal")?;
     ensure!(seal.value == b"seal 2" && seal.create_revision == first.header.revision);
     lift_seal(log, "put_seal_is_conditional").await?;
+    Ok(())
+}
+
+/// The coord-seen record is put only where the caller saw it, and read
+/// back with the epoch record and the seal.
+pub async fn put_coord_seen_is_conditional(log: &dyn LockLog) -> anyhow::Result<()> {
+    epoch(log).await?;
+    let found = log.records().await?.value.coord_seen;
+    let at = found.as_ref().map(|kv| kv.mod_revision);
+    let before = revision(log).await?;
+    let stale = match at {
+        Some(rev) => vec![
+            (None, "a record said absent"),
+            (Some(rev + 1000), "another revision"),
+        ],
+        None => vec![(Some(before), "a record that is not there")],
+    };
+    for (wrong, why) in stale {
+        let answer = log.put_coord_seen(b"seen 0".to_vec(), wrong).await?;
+        ensure!(!answer.value, "written despite {why}");
+        ensure!(answer.header.revision == before, "a refused put wrote");
+    }
+    let first = log.put_coord_seen(b"seen 1".to_vec(), at).await?;
+    ensure!(first.value, "the record was not put at {at:?}");
+    ensure!(first.header.revision == before + 1);
+    let kv = log
+        .records()
+        .await?
+        .value
+        .coord_seen
+        .context("no coord-seen record")?;
+    ensure!(
+        kv.value == b"seen 1" && kv.mod_revision == first.header.revision && kv.lease == 0,
+        "{kv:?}"
+    );
+    let again = log.put_coord_seen(b"seen 2".to_vec(), at).await?;
+    ensure!(
+        !again.value,
+        "a put at the old revision overwrote the new record"
+    );
+    let next = log
+        .put_coord_seen(b"seen 2".to_vec(), Some(kv.mod_revision))
+        .await?;
+    ensure!(next.value, "the record at its revision was not replaced");
     Ok(())
 }
 

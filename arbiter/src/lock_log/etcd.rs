@@ -193,6 +193,10 @@ impl LockLog for EtcdLog {
         records::put_seal(self, record, seal_at, epoch_at).await
     }
 
+    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
+        records::put_coord_seen(self, record, at).await
+    }
+
     async fn advance(
         &self,
         expected: Vec<u8>,

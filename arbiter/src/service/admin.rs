@@ -21,6 +21,7 @@ impl Arbiter {
         let seal_reason = self.table.seal().guard().seal_reason();
         // Read by load_epoch just now.
         let witnessed = self.table.seal().witnessed();
+        let coord_seen = self.table.seal().coord_seen().unwrap_or_default();
         let witness = self.table.seal().witness().unwrap_or_else(|| {
             "the arbiter's state directory only (one cluster, no --coord-etcd)".into()
         });
@@ -37,6 +38,9 @@ impl Arbiter {
             witnessed_revision: witnessed.mark.map_or(0, |m| m.revision),
             witnessed_mark_epoch: witnessed.mark.map_or(0, |m| m.epoch),
             witnessed_epoch: witnessed.epoch,
+            coord_seen_revision: coord_seen.mark.map_or(0, |m| m.revision),
+            coord_seen_mark_epoch: coord_seen.mark.map_or(0, |m| m.epoch),
+            coord_seen_epoch: coord_seen.epoch,
         })
     }
 

@@ -3,6 +3,12 @@
 //! high-water mark and what this arbiter has seen) before anything in it is
 //! used; a restore seals this arbiter and, through the seal record, every
 //! other; only an operator's epoch advance lifts it.
+//!
+//! With a coord cluster, the witness is checked in both directions: the
+//! coord cluster's mark must lie above every grant of the lock log (a restore
+//! of the lock log), and the coord cluster must show at least what the lock
+//! log recorded of it (`sys/coord-seen`) and what this arbiter read from it
+//! before (a restore of the coord cluster). Either seals.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -13,9 +19,50 @@ use crate::epoch::{EpochGuard, EpochState};
 use crate::error::ArbiterError;
 use crate::high_water::{HighWater, Mark};
 use crate::lock_log::{Header, LockLog, LogResult};
-use crate::records::{EpochRecord, SealRecord, decode, encode, now_unix_ms};
+use crate::records::{CoordSeenRecord, EpochRecord, SealRecord, decode, encode, now_unix_ms};
 use crate::token;
 use crate::witness::{SharedWitness, Witness, Witnessed};
+
+/// How often, at most, an arbiter writes what it read from the coord
+/// cluster into the lock log's coord-seen record while the witness moves.
+/// A restore of the coord cluster that loses less than this much is not
+/// seen by an arbiter started after it (one running across it still sees
+/// it); nothing it lost is then below the lock log's own grants, so only a
+/// restore of the lock log as well, before the next grant, could use it.
+pub const COORD_SEEN_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The lock log's record of its witness, as last read from the log.
+#[derive(Debug, Default)]
+struct CoordSeen {
+    /// The record's mod revision (`None`: absent), for a conditional write.
+    at: Option<i64>,
+    record: Option<CoordSeenRecord>,
+    /// When this arbiter last wrote it, and whether a write is under way.
+    written: Option<tokio::time::Instant>,
+    writing: bool,
+}
+
+impl CoordSeen {
+    /// What the record says the coord cluster showed in `lock_epoch`.
+    fn in_epoch(&self, lock_epoch: Option<u32>) -> Option<Witnessed> {
+        let record = self.record.as_ref()?;
+        if Some(record.lock_epoch) != lock_epoch {
+            return None;
+        }
+        Some(witnessed_of(record))
+    }
+}
+
+fn witnessed_of(record: &CoordSeenRecord) -> Witnessed {
+    Witnessed {
+        mark: (record.mark_revision > 0).then(|| Mark {
+            epoch: record.mark_epoch,
+            cluster_id: record.mark_cluster_id.parse().unwrap_or(0),
+            revision: record.mark_revision,
+        }),
+        epoch: record.epoch,
+    }
+}
 
 /// The arbiter's view of the epoch and its seal, and the checks every answer
 /// goes through.
@@ -33,6 +80,8 @@ pub struct Seal {
     witness: Option<SharedWitness>,
     /// What the witness said last.
     witnessed: Mutex<Witnessed>,
+    /// What the lock log recorded of the witness.
+    coord_seen: Mutex<CoordSeen>,
 }
 
 impl Seal {
@@ -49,6 +98,7 @@ impl Seal {
             seen: Mutex::new(None),
             witness: witness.map(SharedWitness::new),
             witnessed: Mutex::new(Witnessed::default()),
+            coord_seen: Mutex::new(CoordSeen::default()),
         }
     }
 
@@ -62,23 +112,149 @@ impl Seal {
         self.witnessed.lock().map(|w| *w).unwrap_or_default()
     }
 
+    /// What the lock log has recorded of the coord cluster in the serving
+    /// epoch (`None`: nothing yet, or no coord cluster).
+    pub fn coord_seen(&self) -> Option<Witnessed> {
+        let epoch = self.guard.state().map(|s| s.epoch());
+        self.coord_seen.lock().ok()?.in_epoch(epoch)
+    }
+
     /// Reads the witness (a read sent after this call began) so the next
-    /// request's mark covers every token handed out before it. A no-op
-    /// without a witness.
+    /// request's mark covers every token handed out before it, and checks
+    /// the witness itself: it must show at least what this arbiter read from
+    /// it before and what the lock log recorded of it. One that shows less
+    /// was restored from a snapshot: that seals (the returned error is a
+    /// store error only; the seal shows in the guard). A no-op without a
+    /// witness.
     pub async fn refresh_witness(&self) -> Result<(), ArbiterError> {
         let Some(shared) = &self.witness else {
             return Ok(());
         };
+        let lock_epoch = self.guard.state().map(|s| s.epoch());
+        // Read from the lock log before the witness read is sent: the
+        // witness must show at least this.
+        let recorded = self
+            .coord_seen
+            .lock()
+            .ok()
+            .and_then(|c| c.in_epoch(lock_epoch));
         let read = shared.read_fresh().await?;
-        if let Ok(mut witnessed) = self.witnessed.lock() {
-            if let Some(r) = read.mark
-                && witnessed.mark.is_none_or(|m| r.covers(&m))
-            {
-                witnessed.mark = Some(r);
+        let went_back = match (read.went_back_from, recorded) {
+            (Some(before), _) => Some((before, "an earlier read by this arbiter")),
+            (None, Some(recorded)) if !read.now.covers(&recorded) => {
+                Some((recorded, "the lock cluster's record of it (sys/coord-seen)"))
             }
-            witnessed.epoch = witnessed.epoch.max(read.epoch);
+            _ => None,
+        };
+        if let Some((before, source)) = went_back {
+            let reason = format!(
+                "the coord cluster ({}) shows less than it did: mark {} and epoch {} now, {source} showed mark {} and epoch {}; it was restored from an earlier snapshot, so a restore of the lock cluster could now go unnoticed (advance the epoch: `latchctl admin advance-epoch`)",
+                shared.witness().describe(),
+                show_mark(read.now.mark),
+                read.now.epoch,
+                show_mark(before.mark),
+                before.epoch,
+            );
+            if self.guard.seal_now(&reason) {
+                self.publish_seal(&reason).await;
+            }
+            return Ok(());
+        }
+        if let Ok(mut witnessed) = self.witnessed.lock() {
+            *witnessed = witnessed.max(read.now);
+        }
+        if let Some(lock_epoch) = lock_epoch {
+            self.record_coord_seen(lock_epoch, read.now).await;
         }
         Ok(())
+    }
+
+    /// Writes `read` (checked, from the coord cluster) into the lock log's
+    /// coord-seen record when the record lags behind: at once when there is
+    /// none for this epoch or the witness's epoch moved, else (the mark
+    /// moved) at most every [`COORD_SEEN_EVERY`]. One
+    /// write at a time; a failed write is tried again on a later read.
+    async fn record_coord_seen(&self, lock_epoch: u32, read: Witnessed) {
+        {
+            let Ok(mut seen) = self.coord_seen.lock() else {
+                return;
+            };
+            let due = match seen.in_epoch(Some(lock_epoch)) {
+                None => true,
+                Some(recorded) if recorded.covers(&read) => false,
+                // A new epoch on the witness is rare: record it at once.
+                Some(recorded) if recorded.epoch < read.epoch => true,
+                Some(_) => seen
+                    .written
+                    .is_none_or(|at| at.elapsed() >= COORD_SEEN_EVERY),
+            };
+            if !due || seen.writing {
+                return;
+            }
+            seen.writing = true;
+        }
+        let outcome = self.write_coord_seen(lock_epoch, read).await;
+        if let Ok(mut seen) = self.coord_seen.lock() {
+            seen.writing = false;
+            seen.written = Some(tokio::time::Instant::now());
+            if let Some((at, record)) = outcome {
+                seen.at = Some(at);
+                seen.record = Some(record);
+            }
+        }
+    }
+
+    /// The conditional write itself: the record becomes the higher of what
+    /// it held in this epoch and `read`. The record and its mod revision
+    /// when it was written or already covered `read`.
+    async fn write_coord_seen(
+        &self,
+        lock_epoch: u32,
+        read: Witnessed,
+    ) -> Option<(i64, CoordSeenRecord)> {
+        for _ in 0..3 {
+            let answer = match self.log.records().await {
+                Ok(answer) => answer,
+                Err(e) => {
+                    warn!(error = %e.detail(), "could not read the coord-seen record");
+                    return None;
+                }
+            };
+            let kv = answer.value.coord_seen;
+            let existing = kv
+                .as_ref()
+                .and_then(|kv| decode::<CoordSeenRecord>(&kv.value))
+                .filter(|r| r.lock_epoch == lock_epoch);
+            let merged = existing
+                .as_ref()
+                .map_or(read, |r| witnessed_of(r).max(read));
+            if let (Some(kv), Some(r)) = (&kv, &existing)
+                && witnessed_of(r).covers(&read)
+            {
+                return Some((kv.mod_revision, r.clone()));
+            }
+            let record = CoordSeenRecord {
+                lock_epoch,
+                mark_epoch: merged.mark.map_or(0, |m| m.epoch),
+                mark_revision: merged.mark.map_or(0, |m| m.revision),
+                mark_cluster_id: merged.mark.map_or(0, |m| m.cluster_id).to_string(),
+                epoch: merged.epoch,
+                seen_at_unix_ms: now_unix_ms(),
+            };
+            match self
+                .log
+                .put_coord_seen(encode(&record), kv.as_ref().map(|kv| kv.mod_revision))
+                .await
+            {
+                Ok(answer) if answer.value => return Some((answer.header.revision, record)),
+                Ok(_) => continue,
+                Err(e) => {
+                    warn!(error = %e.detail(), "could not write the coord-seen record");
+                    return None;
+                }
+            }
+        }
+        None
     }
 
     /// [`Self::checked`] for a write whose answer reaches a caller (a grant,
@@ -93,6 +269,10 @@ impl Seal {
         committed: impl Fn(&T) -> bool,
     ) -> Result<(T, Header), ArbiterError> {
         self.refresh_witness().await?;
+        if self.witness.is_some() {
+            // A restore of the coord cluster seen just now: send nothing.
+            self.guard.serving()?;
+        }
         let mark = self.mark_before_request();
         let answer = request.await?;
         let header = answer.header;
@@ -213,8 +393,16 @@ impl Seal {
     }
 
     /// One above every epoch the witness has seen allocated or vouched for.
+    /// (And above what the lock log recorded of the witness: after a restore
+    /// of the coord cluster, that may be more than it shows now.)
     fn witnessed_epoch_floor(&self) -> u32 {
-        let witnessed = self.witnessed();
+        let recorded = self
+            .coord_seen
+            .lock()
+            .ok()
+            .and_then(|c| c.record.as_ref().map(witnessed_of))
+            .unwrap_or_default();
+        let witnessed = self.witnessed().max(recorded);
         let there = witnessed.mark.map_or(0, |m| m.epoch).max(witnessed.epoch);
         there.saturating_add(1)
     }
@@ -293,7 +481,7 @@ impl Seal {
                 .seal
                 .as_ref()
                 .and_then(|kv| decode::<SealRecord>(&kv.value));
-            let (record, bytes) = match records.epoch {
+            let (record, bytes) = match records.epoch.clone() {
                 Some(kv) => {
                     let record: EpochRecord = decode(&kv.value).ok_or_else(|| {
                         ArbiterError::Internal(
@@ -326,6 +514,7 @@ impl Seal {
                 record,
                 bytes,
             };
+            let before = self.guard.state().map(|s| s.epoch());
             if let Some(reason) = self.guard.install(
                 state.clone(),
                 header.cluster_id,
@@ -335,6 +524,33 @@ impl Seal {
             ) && seal.is_none()
             {
                 self.publish_seal(&reason).await;
+            }
+            if let Some(shared) = &self.witness {
+                let installed = self.guard.state().map(|s| s.epoch());
+                if installed > before && before.is_some() {
+                    // An advance: the witness as it is now is the new
+                    // baseline (the advance may follow a restore of it).
+                    shared.start_over();
+                    if let Ok(mut witnessed) = self.witnessed.lock() {
+                        *witnessed = Witnessed::default();
+                    }
+                }
+                if let Ok(mut seen) = self.coord_seen.lock() {
+                    seen.at = records.coord_seen.as_ref().map(|kv| kv.mod_revision);
+                    seen.record = records
+                        .coord_seen
+                        .as_ref()
+                        .and_then(|kv| decode::<CoordSeenRecord>(&kv.value));
+                }
+                // Read after the record: the witness must show at least it.
+                self.refresh_witness().await?;
+                if self.guard.serving().is_ok() && self.witnessed().epoch < state.epoch() {
+                    // An epoch from before the witness came (the first
+                    // start's epoch 1), or one it lost: the next allocation
+                    // must be above it.
+                    shared.witness().note_epoch(state.epoch()).await?;
+                    self.refresh_witness().await?;
+                }
             }
             return Ok(state);
         }
@@ -459,4 +675,11 @@ impl Seal {
         self.load_epoch().await?;
         Ok((new_record, deleted))
     }
+}
+
+fn show_mark(mark: Option<Mark>) -> String {
+    mark.map_or_else(
+        || "none".into(),
+        |m| format!("e{}:r{}", m.epoch, m.revision),
+    )
 }

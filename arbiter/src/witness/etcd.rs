@@ -12,12 +12,12 @@
 //!   lower the mark, whichever arbiter's write lands last;
 //! - `{prefix}/witness/{name}/epoch`: the highest epoch allocated, `{epoch:08x}`.
 //!
-//! What this does NOT yet cover: a restore of the coord cluster itself with
-//! the same member flags (etcd keeps the cluster id then). The lock cluster
-//! is to witness the coord cluster for that (issue 15, next step). Until
-//! then the witness only notices a coord cluster whose id changes under a
-//! running arbiter (a replaced cluster, or one restored with new member
-//! flags), and refuses to answer from it: see [`EtcdWitness`].
+//! A restore of the coord cluster itself (with the same member flags etcd
+//! keeps its cluster id) is seen the other way round: the lock cluster
+//! records what it saw here (`sys/coord-seen`, see
+//! [`crate::table::seal`]), and these records must never show less. A coord
+//! cluster whose id changes under a running arbiter is refused outright:
+//! see [`EtcdWitness`].
 
 use std::sync::OnceLock;
 
@@ -135,6 +135,16 @@ impl EtcdWitness {
         ))
     }
 
+    /// The epoch record is still at `at` (`None`: absent).
+    fn epoch_unchanged(&self, at: Option<i64>) -> Compare {
+        match at {
+            Some(revision) => {
+                Compare::mod_revision(self.epoch_key.clone(), CompareOp::Equal, revision)
+            }
+            None => Compare::create_revision(self.epoch_key.clone(), CompareOp::Equal, 0),
+        }
+    }
+
     /// Creates the mark if there is none; whether this call did.
     async fn create_mark(&self, value: &str) -> Result<bool, StoreError> {
         let txn = Txn::new()
@@ -209,17 +219,9 @@ impl Witness for EtcdWitness {
                 .saturating_add(1)
                 .max(witnessed.mark.map_or(0, |m| m.epoch.saturating_add(1)))
                 .max(at_least);
-            let unchanged = match epoch_at {
-                Some(revision) => {
-                    Compare::mod_revision(self.epoch_key.clone(), CompareOp::Equal, revision)
-                }
-                None => Compare::create_revision(self.epoch_key.clone(), CompareOp::Equal, 0),
-            };
-            let txn = Txn::new().when([unchanged]).and_then([TxnOp::put(
-                self.epoch_key.clone(),
-                encode_epoch(next),
-                None,
-            )]);
+            let txn = Txn::new()
+                .when([self.epoch_unchanged(epoch_at)])
+                .and_then([TxnOp::put(self.epoch_key.clone(), encode_epoch(next), None)]);
             let resp = self
                 .client
                 .kv_client()
@@ -233,6 +235,37 @@ impl Witness for EtcdWitness {
         }
         Err(StoreError::unavailable(
             "the witness's epoch record on the coord cluster kept changing while an epoch was being allocated",
+        ))
+    }
+
+    /// Written only if the epoch record is still the one read, and only
+    /// when it is below `epoch`.
+    async fn note_epoch(&self, epoch: u32) -> Result<(), StoreError> {
+        for _ in 0..ATTEMPTS {
+            let (witnessed, epoch_at) = self.read_records().await?;
+            if witnessed.epoch >= epoch {
+                return Ok(());
+            }
+            let txn = Txn::new()
+                .when([self.epoch_unchanged(epoch_at)])
+                .and_then([TxnOp::put(
+                    self.epoch_key.clone(),
+                    encode_epoch(epoch),
+                    None,
+                )]);
+            let resp = self
+                .client
+                .kv_client()
+                .txn(txn)
+                .await
+                .map_err(|e| unavailable("cannot record the epoch on the coord cluster", e))?;
+            self.check(resp.header())?;
+            if resp.succeeded() {
+                return Ok(());
+            }
+        }
+        Err(StoreError::unavailable(
+            "the witness's epoch record on the coord cluster kept changing while an epoch was being recorded",
         ))
     }
 

@@ -42,6 +42,9 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
                     "witnessed_revision": s.witnessed_revision,
                     "witnessed_mark_epoch": s.witnessed_mark_epoch,
                     "witnessed_epoch": s.witnessed_epoch,
+                    "coord_seen_revision": s.coord_seen_revision,
+                    "coord_seen_mark_epoch": s.coord_seen_mark_epoch,
+                    "coord_seen_epoch": s.coord_seen_epoch,
                 }));
             } else {
                 println!("epoch                {}", s.epoch);
@@ -61,6 +64,14 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
                         s.witnessed_mark_epoch, s.witnessed_revision
                     );
                     println!("witnessed epoch      {}", s.witnessed_epoch);
+                }
+                // The other direction: the lock cluster's record of the
+                // coord cluster, which reveals a restore of the coord cluster.
+                if s.coord_seen_revision != 0 || s.coord_seen_epoch != 0 {
+                    println!(
+                        "coord cluster, as the lock cluster recorded it: grant e{}:r{}, epoch {}",
+                        s.coord_seen_mark_epoch, s.coord_seen_revision, s.coord_seen_epoch
+                    );
                 }
                 if s.sealed {
                     println!("sealed               YES: {}", s.seal_reason);

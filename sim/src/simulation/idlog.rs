@@ -165,6 +165,11 @@ impl LockLog for IdLog {
         self.log.put_seal(record, seal_at, epoch_at).await
     }
 
+    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
+        self.t(|| "put_coord_seen".into());
+        self.log.put_coord_seen(record, at).await
+    }
+
     async fn advance(
         &self,
         expected: Vec<u8>,
@@ -368,6 +373,15 @@ impl Witness for TracedWitness {
         self.log.t(|| match &out {
             Ok(e) => format!("witness allocate_epoch {at_least}: {e}"),
             Err(e) => format!("witness allocate_epoch {at_least}: {e}"),
+        });
+        out
+    }
+
+    async fn note_epoch(&self, epoch: u32) -> Result<(), StoreError> {
+        let out = self.witness.note_epoch(epoch).await;
+        self.log.t(|| match &out {
+            Ok(()) => format!("witness note_epoch {epoch}"),
+            Err(e) => format!("witness note_epoch {epoch}: {e}"),
         });
         out
     }

@@ -12,6 +12,7 @@ pub(super) async fn read(log: &EtcdLog) -> LogResult<Records> {
     let txn = Txn::new().and_then([
         TxnOp::get(log.layout.epoch(), None),
         TxnOp::get(log.layout.seal(), None),
+        TxnOp::get(log.layout.coord_seen(), None),
     ]);
     let resp = log
         .client
@@ -23,6 +24,7 @@ pub(super) async fn read(log: &EtcdLog) -> LogResult<Records> {
     let records = Records {
         epoch: ops.first().and_then(first_kv),
         seal: ops.get(1).and_then(first_kv),
+        coord_seen: ops.get(2).and_then(first_kv),
     };
     answer(resp.header(), records)
 }
@@ -78,6 +80,25 @@ pub(super) async fn put_seal(
         .txn(txn)
         .await
         .map_err(|e| unavailable("cannot write the seal record", e))?;
+    answer(resp.header(), resp.succeeded())
+}
+
+/// Writes the coord-seen record if it is still the one the caller read.
+pub(super) async fn put_coord_seen(
+    log: &EtcdLog,
+    record: Vec<u8>,
+    at: Option<i64>,
+) -> LogResult<bool> {
+    let key = log.layout.coord_seen();
+    let txn = Txn::new()
+        .when([unchanged(&key, at)])
+        .and_then([TxnOp::put(key, record, None)]);
+    let resp = log
+        .client
+        .kv_client()
+        .txn(txn)
+        .await
+        .map_err(|e| unavailable("cannot write the coord-seen record", e))?;
     answer(resp.header(), resp.succeeded())
 }
 
