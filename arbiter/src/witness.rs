@@ -101,9 +101,12 @@ pub struct SharedWitness {
     arrivals: AtomicU64,
     /// (arrivals covered by the last completed read, what it read).
     reads: AsyncMutex<(u64, FreshRead)>,
-    /// The highest read since [`Self::start_over`]: every later read, sent
-    /// after it completed, must cover it.
-    baseline: std::sync::Mutex<Option<Witnessed>>,
+    /// Reads sent so far (each is numbered when it is sent).
+    sent: AtomicU64,
+    /// (the first read number that counts, the highest read since then):
+    /// every later read, sent after it completed, must cover it. Reads sent
+    /// before [`Self::start_over`] neither count nor are checked.
+    baseline: std::sync::Mutex<(u64, Option<Witnessed>)>,
     /// (highest mark wanted, highest mark known raised).
     wanted: std::sync::Mutex<Option<Mark>>,
     raised: AsyncMutex<Option<Mark>>,
@@ -121,7 +124,8 @@ impl SharedWitness {
                     went_back_from: None,
                 },
             )),
-            baseline: std::sync::Mutex::new(None),
+            sent: AtomicU64::new(0),
+            baseline: std::sync::Mutex::new((1, None)),
             wanted: std::sync::Mutex::new(None),
             raised: AsyncMutex::new(None),
         }
@@ -143,16 +147,17 @@ impl SharedWitness {
         }
         // Everyone who arrived so far arrived before this read is sent.
         let covers = self.arrivals.load(Ordering::SeqCst);
+        let number = self.sent.fetch_add(1, Ordering::SeqCst) + 1;
         let now = self.witness.read().await?;
         let went_back_from = match self.baseline.lock() {
-            Ok(mut baseline) => match *baseline {
+            Ok(mut baseline) if number >= baseline.0 => match baseline.1 {
                 Some(before) if !now.covers(&before) => Some(before),
                 _ => {
-                    *baseline = Some(baseline.map_or(now, |b| b.max(now)));
+                    baseline.1 = Some(baseline.1.map_or(now, |b| b.max(now)));
                     None
                 }
             },
-            Err(_) => None,
+            _ => None,
         };
         let read = FreshRead {
             now,
@@ -167,7 +172,8 @@ impl SharedWitness {
     /// baseline.
     pub fn start_over(&self) {
         if let Ok(mut baseline) = self.baseline.lock() {
-            *baseline = None;
+            // Reads sent from now on.
+            *baseline = (self.sent.load(Ordering::SeqCst) + 1, None);
         }
     }
 
@@ -192,5 +198,100 @@ impl SharedWitness {
         self.witness.raise(target).await?;
         *raised = Some(target);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A witness whose records the test sets by hand (a restore is a set
+    /// to less).
+    #[derive(Default)]
+    struct Fixed(std::sync::Mutex<Witnessed>);
+
+    #[async_trait]
+    impl Witness for Fixed {
+        async fn read(&self) -> Result<Witnessed, StoreError> {
+            Ok(*self.0.lock().unwrap())
+        }
+        async fn raise(&self, _: Mark) -> Result<(), StoreError> {
+            Ok(())
+        }
+        async fn allocate_epoch(&self, at_least: u32) -> Result<u32, StoreError> {
+            Ok(at_least)
+        }
+        async fn note_epoch(&self, _: u32) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn describe(&self) -> String {
+            "fixed".into()
+        }
+    }
+
+    fn w(epoch: u32, revision: i64) -> Witnessed {
+        Witnessed {
+            mark: Some(Mark {
+                epoch,
+                cluster_id: 9,
+                revision,
+            }),
+            epoch,
+        }
+    }
+
+    #[test]
+    fn covers_needs_both_the_mark_and_the_epoch() {
+        assert!(w(1, 10).covers(&w(1, 10)));
+        assert!(w(1, 11).covers(&w(1, 10)));
+        assert!(w(2, 1).covers(&w(1, 10)));
+        assert!(!w(1, 9).covers(&w(1, 10)));
+        assert!(!Witnessed::default().covers(&w(1, 1)));
+        assert!(w(1, 1).covers(&Witnessed::default()));
+        let epoch_only = Witnessed {
+            mark: Some(Mark {
+                epoch: 1,
+                cluster_id: 9,
+                revision: 50,
+            }),
+            epoch: 3,
+        };
+        assert!(!w(2, 60).covers(&epoch_only), "epoch 2 < 3");
+        assert_eq!(
+            w(1, 60).max(epoch_only),
+            Witnessed {
+                epoch: 3,
+                ..w(1, 60)
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn a_read_below_an_earlier_one_went_back_until_started_over() {
+        let fixed = Arc::new(Fixed::default());
+        let shared = SharedWitness::new(fixed.clone());
+        *fixed.0.lock().unwrap() = w(1, 40);
+        assert_eq!(shared.read_fresh().await.unwrap().went_back_from, None);
+        *fixed.0.lock().unwrap() = w(1, 50);
+        assert_eq!(shared.read_fresh().await.unwrap().went_back_from, None);
+        // restored to an earlier snapshot
+        *fixed.0.lock().unwrap() = w(1, 45);
+        let read = shared.read_fresh().await.unwrap();
+        assert_eq!(read.went_back_from, Some(w(1, 50)));
+        assert_eq!(read.now, w(1, 45));
+        // it stays behind what was seen: every read says so
+        assert_eq!(
+            shared.read_fresh().await.unwrap().went_back_from,
+            Some(w(1, 50))
+        );
+        // the operator's advance: the witness as it is now is the baseline
+        shared.start_over();
+        *fixed.0.lock().unwrap() = w(2, 46);
+        assert_eq!(shared.read_fresh().await.unwrap().went_back_from, None);
+        *fixed.0.lock().unwrap() = w(2, 45);
+        assert_eq!(
+            shared.read_fresh().await.unwrap().went_back_from,
+            Some(w(2, 46))
+        );
     }
 }

@@ -155,7 +155,9 @@ impl Seal {
                 show_mark(before.mark),
                 before.epoch,
             );
-            if self.guard.seal_now(&reason) {
+            // Only for the epoch the check was for: an advance installed
+            // meanwhile (after a restore of the witness) starts over.
+            if self.guard.state().map(|s| s.epoch()) == lock_epoch && self.guard.seal_now(&reason) {
                 self.publish_seal(&reason).await;
             }
             return Ok(());
