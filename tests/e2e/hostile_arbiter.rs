@@ -158,6 +158,7 @@ async fn another_identity_cannot_renew_close_or_reuse_a_session() -> anyhow::Res
     for session in [sa, 0x7777_0001] {
         tx.send(KeepAliveRequest {
             session_id: session,
+            ..Default::default()
         })
         .await?;
         let reply = replies
@@ -169,7 +170,11 @@ async fn another_identity_cannot_renew_close_or_reuse_a_session() -> anyhow::Res
             (session, 0)
         );
     }
-    tx.send(KeepAliveRequest { session_id: sb }).await?;
+    tx.send(KeepAliveRequest {
+        session_id: sb,
+        ..Default::default()
+    })
+    .await?;
     let reply = replies
         .message()
         .await?
@@ -467,7 +472,14 @@ async fn a_renewal_flood_is_coalesced_not_sent_to_etcd() -> anyhow::Result<()> {
     const FLOOD: u32 = 20_000;
     let sender = tokio::spawn(async move {
         for _ in 0..FLOOD {
-            if tx.send(KeepAliveRequest { session_id: sm }).await.is_err() {
+            if tx
+                .send(KeepAliveRequest {
+                    session_id: sm,
+                    ..Default::default()
+                })
+                .await
+                .is_err()
+            {
                 break;
             }
         }
@@ -509,7 +521,11 @@ async fn a_renewal_flood_is_coalesced_not_sent_to_etcd() -> anyhow::Result<()> {
     let mut bob = s.arbiter.lock("workload/bob").await?;
     let sb = open(&mut bob, "demo").await?;
     let (tx, rx) = tokio::sync::mpsc::channel(1);
-    tx.send(KeepAliveRequest { session_id: sb }).await?;
+    tx.send(KeepAliveRequest {
+        session_id: sb,
+        ..Default::default()
+    })
+    .await?;
     let mut replies = bob
         .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await?
@@ -519,5 +535,95 @@ async fn a_renewal_flood_is_coalesced_not_sent_to_etcd() -> anyhow::Result<()> {
         .await?
         .ok_or_else(|| anyhow::anyhow!("stream ended"))?;
     assert_eq!(reply.session_id, sb);
+    Ok(())
+}
+
+/// The next KeepAlive answer, within 10 s.
+async fn next(
+    replies: &mut tonic::Streaming<latchkey_proto::lockv1::KeepAliveResponse>,
+) -> anyhow::Result<Result<Option<latchkey_proto::lockv1::KeepAliveResponse>, tonic::Status>> {
+    tokio::time::timeout(Duration::from_secs(10), replies.message())
+        .await
+        .map_err(|_| anyhow::anyhow!("no KeepAlive answer within 10 s"))
+}
+
+/// Issue 18: one KeepAlive message renews several of the caller's sessions,
+/// each answered on its own as if it had come alone. Another identity's
+/// session in the batch is answered as gone while the caller's own are
+/// renewed; a session named twice is answered once; a message naming more
+/// than 1,024 sessions is refused with INVALID_ARGUMENT.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_keepalive_message_renews_several_sessions_of_its_caller_only() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let sa = open(&mut alice, "demo").await?;
+    let sb1 = open(&mut bob, "demo").await?;
+    let sb2 = open(&mut bob, "demo").await?;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut replies = bob
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    tx.send(KeepAliveRequest {
+        session_id: 0,
+        session_ids: vec![sb1, sa, sb2, sb1],
+    })
+    .await?;
+    let mut answered = std::collections::BTreeMap::new();
+    for _ in 0..3 {
+        let reply = next(&mut replies)
+            .await??
+            .ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+        let before = answered.insert(reply.session_id, reply.remaining_ttl_seconds);
+        assert!(before.is_none(), "{} answered twice", reply.session_id);
+    }
+    assert_eq!(answered.get(&sa), Some(&0), "alice's session: {answered:?}");
+    for own in [sb1, sb2] {
+        assert!(
+            answered.get(&own).is_some_and(|ttl| *ttl > 0),
+            "bob's session {own} renewed: {answered:?}"
+        );
+    }
+    // The duplicate left no answer behind: the next one is for the next message.
+    tx.send(KeepAliveRequest {
+        session_id: sb2,
+        ..Default::default()
+    })
+    .await?;
+    let reply = next(&mut replies)
+        .await??
+        .ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+    assert_eq!(reply.session_id, sb2);
+    assert!(reply.remaining_ttl_seconds > 0, "{reply:?}");
+    // Too many in one message: refused, and the stream ends.
+    tx.send(KeepAliveRequest {
+        session_id: sb1,
+        session_ids: (0..1024).map(|i| 0x7000_0000 + i).collect(),
+    })
+    .await?;
+    match next(&mut replies).await? {
+        Err(status) => {
+            assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+            assert!(
+                status.message().contains("at most 1024 sessions"),
+                "{status:?}"
+            );
+        }
+        Ok(other) => anyhow::bail!("a 1,025-session message was served: {other:?}"),
+    }
+    // alice's session was not renewed by bob, and is still hers to renew
+    let mut own = alice
+        .keep_alive(futures::stream::iter([KeepAliveRequest {
+            session_ids: vec![sa],
+            ..Default::default()
+        }]))
+        .await?
+        .into_inner();
+    let reply = next(&mut own)
+        .await??
+        .ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+    assert_eq!(reply.session_id, sa);
+    assert!(reply.remaining_ttl_seconds > 0, "{reply:?}");
     Ok(())
 }

@@ -147,6 +147,7 @@ async fn reserved_headers_in_request_trailers_are_refused_for_every_method() -> 
             "KeepAlive",
             encode(&KeepAliveRequest {
                 session_id: alice_session,
+                ..Default::default()
             }),
             &alice_id,
         ),
@@ -676,7 +677,10 @@ async fn a_flood_of_idle_keepalive_streams_is_bounded_per_identity() -> anyhow::
     unlock(&mut bob, &g).await?;
     let mut bob_ka = bob.clone();
     let stream = bob_ka
-        .keep_alive(futures::stream::iter([KeepAliveRequest { session_id: sb }]))
+        .keep_alive(futures::stream::iter([KeepAliveRequest {
+            session_id: sb,
+            ..Default::default()
+        }]))
         .await?;
     drop(stream);
     eventually(

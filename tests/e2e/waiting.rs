@@ -177,7 +177,11 @@ async fn an_expired_session_releases_every_hold_in_one_entry_and_the_next_waiter
             .await?
             .into_inner();
         loop {
-            tx.send(KeepAliveRequest { session_id: sb }).await?;
+            tx.send(KeepAliveRequest {
+                session_id: sb,
+                ..Default::default()
+            })
+            .await?;
             replies.message().await?;
             tokio::time::sleep(Duration::from_millis(1500)).await;
         }
@@ -226,7 +230,11 @@ async fn keepalive_renews_the_session_and_reports_the_ttl() -> anyhow::Result<()
         .into_inner();
     let until = tokio::time::Instant::now() + Duration::from_secs(8);
     while tokio::time::Instant::now() < until {
-        tx.send(KeepAliveRequest { session_id: sa }).await?;
+        tx.send(KeepAliveRequest {
+            session_id: sa,
+            ..Default::default()
+        })
+        .await?;
         let r = replies
             .message()
             .await?
@@ -258,7 +266,11 @@ async fn keepalive_renews_the_session_and_reports_the_ttl() -> anyhow::Result<()
         .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await?
         .into_inner();
-    tx.send(KeepAliveRequest { session_id: sa }).await?;
+    tx.send(KeepAliveRequest {
+        session_id: sa,
+        ..Default::default()
+    })
+    .await?;
     let reply = replies
         .message()
         .await?
@@ -304,6 +316,7 @@ async fn a_lease_etcd_no_longer_has_is_session_expired_and_the_stream_goes_on() 
     for (session, alive) in [(sa, true), (gone, false), (sa, true)] {
         tx.send(KeepAliveRequest {
             session_id: session,
+            ..Default::default()
         })
         .await?;
         let r = replies

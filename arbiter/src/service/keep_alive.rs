@@ -17,6 +17,9 @@ use crate::error::ArbiterError;
 const MAX_IN_FLIGHT_PER_STREAM: usize = 1024;
 /// Answers waiting for the client to read them.
 const REPLY_QUEUE: usize = 256;
+/// Sessions one KeepAlive message may renew (`session_id` and
+/// `session_ids` together).
+pub const MAX_SESSIONS_PER_MESSAGE: usize = 1024;
 /// Sessions whose ownership one stream remembers having checked, at most
 /// (the per-identity session bound is usually far lower).
 const MAX_CHECKED_PER_STREAM: usize = 1 << 16;
@@ -30,7 +33,9 @@ enum Renewal {
 }
 
 impl Arbiter {
-    /// Renews sessions on request. Renewals on one stream are pipelined:
+    /// Renews sessions on request; one message may name up to
+    /// [`MAX_SESSIONS_PER_MESSAGE`] of them, each answered on its own.
+    /// Renewals on one stream are pipelined:
     /// each is answered when its own renewal is, in any order (answers carry
     /// the session id), over the store's shared etcd keep-alive streams.
     /// Each session's ownership is checked once per stream (someone else's
@@ -69,10 +74,19 @@ impl Arbiter {
                     else => Event::Idle,
                 };
                 match event {
-                    Event::Request(Some(Ok(req))) => {
-                        let known = checked.contains(&req.session_id);
-                        in_flight.push(self.renewal(identity, req.session_id, known));
-                    }
+                    Event::Request(Some(Ok(req))) => match sessions_named(&req) {
+                        Ok(sessions) => {
+                            for session in sessions {
+                                let known = checked.contains(&session);
+                                in_flight.push(self.renewal(identity, session, known));
+                            }
+                        }
+                        Err(e) => {
+                            self.metrics.renewal_refused(&e);
+                            let _ = tx.send(Err(Status::from(e))).await;
+                            return;
+                        }
+                    },
                     Event::Request(_) => reading = false,
                     Event::Idle => return,
                     Event::Done((session, outcome)) => {
@@ -169,6 +183,28 @@ impl Arbiter {
         }
         Err(ArbiterError::store("the lease renewal answered too late"))
     }
+}
+
+/// The distinct sessions one message names, in the order named: a
+/// message naming none, or more than [`MAX_SESSIONS_PER_MESSAGE`], is
+/// refused (and ends the stream: the client is broken, not unlucky).
+fn sessions_named(req: &KeepAliveRequest) -> Result<Vec<i64>, ArbiterError> {
+    let named = usize::from(req.session_id != 0) + req.session_ids.len();
+    if named > MAX_SESSIONS_PER_MESSAGE {
+        return Err(ArbiterError::BadRequest(format!(
+            "a KeepAlive message renews at most {MAX_SESSIONS_PER_MESSAGE} sessions; this one named {named}: split it over several messages"
+        )));
+    }
+    if named == 0 {
+        // As before: session 0 is answered as an invalid session id.
+        return Ok(vec![0]);
+    }
+    let mut seen = HashSet::with_capacity(named);
+    Ok(std::iter::once(req.session_id)
+        .filter(|&id| id != 0)
+        .chain(req.session_ids.iter().copied())
+        .filter(|id| seen.insert(*id))
+        .collect())
 }
 
 enum Event<R, D> {

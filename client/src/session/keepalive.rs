@@ -86,6 +86,7 @@ async fn renew(core: &SessionCore, rpc: &Rpc) -> FenceReason {
             next_send = sent_at + interval;
             let request = KeepAliveRequest {
                 session_id: core.id,
+                ..Default::default()
             };
             match timeout_at(sent_at + reply_timeout, requests.send(request)).await {
                 Ok(Ok(())) => {}

@@ -41,9 +41,13 @@ struct Args {
     /// Seconds each phase renews (after opening).
     #[arg(long, default_value_t = 90)]
     secs: u64,
-    /// Acquire + Release workers during the Latchkey phase.
+    /// Acquire + Release workers during the Latchkey phase (0: a
+    /// renewals-only phase, like for like with the baseline).
     #[arg(long, default_value_t = 4)]
     acquirers: usize,
+    /// Sessions renewed by one KeepAlive message (1..=1024).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    per_message: u16,
 }
 
 const PER_IDENTITY: usize = 1000;
@@ -197,11 +201,12 @@ async fn main() -> anyhow::Result<()> {
             .map_or(0.0, |(_, c, _)| *c / m.renewals.max(1) as f64)
     };
     println!(
-        "ratio Latchkey/baseline: etcd CPU per renewal {:.2}x; all processes' CPU per renewal {:.2}x (Latchkey's includes {} acquirers' grants)",
+        "ratio Latchkey/baseline: etcd CPU per renewal {:.2}x; all processes' CPU per renewal {:.2}x (Latchkey's includes {} acquirers' grants; {} sessions per KeepAlive message)",
         per(&lk, "etcd") / per(&base, "etcd").max(f64::MIN_POSITIVE),
         (lk.cpu_total() / lk.renewals.max(1) as f64)
             / (base.cpu_total() / base.renewals.max(1) as f64).max(f64::MIN_POSITIVE),
-        args.acquirers
+        args.acquirers,
+        args.per_message
     );
     let after = usage(arbiter_pid);
     println!(
@@ -373,6 +378,7 @@ async fn latchkey(
     let period = Duration::from_secs(20);
     let mut renewers = tokio::task::JoinSet::new();
     let mut all_ids = Vec::new();
+    let per_message = usize::from(args.per_message);
     for (mut client, ids) in per_identity {
         all_ids.extend(ids.iter().copied());
         let rounds = rounds.clone();
@@ -394,19 +400,27 @@ async fn latchkey(
                     }
                 })
             };
-            let gap = period / u32::try_from(ids.len().max(1))?;
+            let batches: Vec<Vec<i64>> = ids.chunks(per_message).map(<[i64]>::to_vec).collect();
+            let gap = period / u32::try_from(batches.len().max(1))?;
             let mut next = tokio::time::Instant::now() + gap.mul_f64(fastrand::f64() * 100.0);
             'outer: loop {
-                for id in &ids {
+                for batch in &batches {
                     if Instant::now() >= until {
                         break 'outer;
                     }
                     next += gap;
                     tokio::time::sleep_until(next).await;
                     if let Ok(mut s) = sent.lock() {
-                        s.insert(*id, Instant::now());
+                        let now = Instant::now();
+                        for id in batch {
+                            s.insert(*id, now);
+                        }
                     }
-                    tx.send(KeepAliveRequest { session_id: *id }).await?;
+                    tx.send(KeepAliveRequest {
+                        session_id: 0,
+                        session_ids: batch.clone(),
+                    })
+                    .await?;
                 }
             }
             tokio::time::sleep(Duration::from_secs(2)).await;

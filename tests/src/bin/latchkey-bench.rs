@@ -692,7 +692,10 @@ impl LatchkeySession {
             };
             loop {
                 tokio::time::sleep(every).await;
-                let sent = renew.unbounded_send(KeepAliveRequest { session_id: id });
+                let sent = renew.unbounded_send(KeepAliveRequest {
+                    session_id: id,
+                    ..Default::default()
+                });
                 if sent.is_err() || !matches!(replies.message().await, Ok(Some(_))) {
                     tracing::warn!(session = id, "session keepalive ended");
                     return;
