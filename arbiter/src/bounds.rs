@@ -1,6 +1,7 @@
 //! Per-identity bounds that hold for every caller, through the edge or
 //! direct: open sessions (counted in etcd, see [`crate::table::LockTable::open_session`];
-//! here only the turn-taking that keeps one arbiter from overshooting), and
+//! here the turn-taking and the opens in flight that keep one arbiter from
+//! overshooting), and
 //! the etcd work renewals cost (a memo of recent renewals, per session).
 //! Waiting Acquires are bounded in [`crate::waiters`].
 //!
@@ -22,14 +23,18 @@ pub const DEFAULT_MAX_SESSIONS_PER_IDENTITY: u32 = 1000;
 /// Sessions remembered as recently renewed; past this, renewals of other
 /// sessions go to etcd (the memo only saves work, it never decides).
 const MAX_REMEMBERED_RENEWALS: usize = 1 << 18;
-/// OpenSession turns: one identity's opens run one at a time (count, then
-/// create); different identities rarely share a stripe.
+/// OpenSession turns: one identity's opens are counted one at a time (count,
+/// then reserve); the creates then run side by side. Different identities
+/// rarely share a stripe.
 const OPEN_STRIPES: usize = 64;
 
 pub struct Bounds {
     pub max_sessions: u32,
     renewals: Mutex<RenewalMemo>,
     open_turns: [tokio::sync::Mutex<()>; OPEN_STRIPES],
+    /// Opens reserved and not yet finished, per identity (an entry leaves at
+    /// zero, so the map holds only identities opening right now).
+    opening: Mutex<HashMap<String, u32>>,
     /// Keyed with a per-process secret: nobody can aim at another's stripe.
     stripe_hasher: RandomState,
 }
@@ -40,6 +45,7 @@ impl Bounds {
             max_sessions,
             renewals: Mutex::new(RenewalMemo::default()),
             open_turns: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
+            opening: Mutex::new(HashMap::new()),
             stripe_hasher: RandomState::new(),
         }
     }
@@ -50,6 +56,24 @@ impl Bounds {
         // the remainder is below OPEN_STRIPES, so the index is in range
         let stripe = usize::try_from(hash % OPEN_STRIPES as u64).unwrap_or(0);
         self.open_turns[stripe].lock().await
+    }
+
+    /// Reserves one open for `identity` that already has `open` sessions in
+    /// the log, unless that and its opens in flight reach `max`. Call with
+    /// the identity's turn held, after counting; the reservation lasts until
+    /// its open has finished (created or failed), so an open is always
+    /// counted either in the log or here (or briefly both: never too few).
+    pub fn reserve_open(&self, identity: &str, open: u32, max: u32) -> Option<OpenReservation<'_>> {
+        let mut opening = self.opening.lock().ok()?;
+        let in_flight = opening.get(identity).copied().unwrap_or(0);
+        if open.saturating_add(in_flight) >= max {
+            return None;
+        }
+        *opening.entry(identity.to_string()).or_insert(0) += 1;
+        Some(OpenReservation {
+            bounds: self,
+            identity: identity.to_string(),
+        })
     }
 
     /// The TTL left (whole seconds, at least 1) when `session` was renewed in
@@ -69,6 +93,25 @@ impl Bounds {
     pub fn forget_renewal(&self, session: i64) {
         if let Ok(mut memo) = self.renewals.lock() {
             memo.entries.remove(&session);
+        }
+    }
+}
+
+/// One open in flight, counted against its identity's bound until dropped.
+pub struct OpenReservation<'a> {
+    bounds: &'a Bounds,
+    identity: String,
+}
+
+impl Drop for OpenReservation<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut opening) = self.bounds.opening.lock()
+            && let Some(n) = opening.get_mut(&self.identity)
+        {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                opening.remove(&self.identity);
+            }
         }
     }
 }
@@ -222,7 +265,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn one_identity_opens_one_session_at_a_time() {
+    async fn one_identity_counts_one_open_at_a_time() {
         let bounds = Bounds::new(1);
         let turn = bounds.open_turn("spiffe://td/a").await;
         let again =
@@ -231,5 +274,38 @@ mod tests {
         assert!(again.is_err(), "a second open waits for the first");
         drop(turn);
         let _turn = bounds.open_turn("spiffe://td/a").await;
+    }
+
+    #[test]
+    fn opens_in_flight_count_against_the_bound_until_they_finish() {
+        let bounds = Bounds::new(3);
+        let a = "spiffe://td/a";
+        let first = bounds
+            .reserve_open(a, 1, 3)
+            .expect("1 open + 0 in flight < 3");
+        assert!(
+            bounds.reserve_open(a, 2, 3).is_none(),
+            "2 open + 1 in flight"
+        );
+        let second = bounds
+            .reserve_open(a, 1, 3)
+            .expect("1 open + 1 in flight < 3");
+        assert!(
+            bounds.reserve_open(a, 1, 3).is_none(),
+            "1 open + 2 in flight"
+        );
+        assert!(
+            bounds.reserve_open("spiffe://td/b", 0, 3).is_some(),
+            "another identity has its own"
+        );
+        drop(first);
+        let _third = bounds.reserve_open(a, 1, 3).expect("one finished");
+        drop(second);
+        assert_eq!(bounds.opening.lock().unwrap().get(a), Some(&1));
+        drop(_third);
+        assert!(
+            bounds.opening.lock().unwrap().is_empty(),
+            "entries leave at zero"
+        );
     }
 }

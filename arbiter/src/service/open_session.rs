@@ -3,7 +3,7 @@ use tonic::Request;
 use tracing::info;
 
 use super::Arbiter;
-use crate::error::ArbiterError;
+use crate::error::{ArbiterError, IdentityBound};
 
 /// More than this many reuse candidates is a client bug, not a session cache.
 const MAX_REUSE_CANDIDATES: usize = 32;
@@ -41,12 +41,7 @@ impl Arbiter {
                 });
             }
         }
-        let opened = {
-            let _turn = self.bounds.open_turn(&caller.identity).await;
-            self.table
-                .open_session(&caller.identity, ttl, self.bounds.max_sessions)
-                .await
-        };
+        let opened = self.open_within_bound(&caller.identity, ttl).await;
         if let Err(e @ ArbiterError::IdentityLimit { bound, .. }) = &opened {
             self.metrics.identity_bound_refused(bound.kind());
             info!(identity = %caller.identity, error = %e, "session refused");
@@ -59,6 +54,26 @@ impl Arbiter {
             keepalive_interval_ms: interval,
             reused: false,
         })
+    }
+
+    /// Counts `identity`'s sessions and reserves one more under its turn, then
+    /// creates it outside the turn: one identity's opens run side by side,
+    /// and one arbiter never lets them overshoot the bound (an open in
+    /// flight counts until it has finished).
+    async fn open_within_bound(&self, identity: &str, ttl: u32) -> Result<i64, ArbiterError> {
+        let max = self.bounds.max_sessions;
+        let reservation = {
+            let _turn = self.bounds.open_turn(identity).await;
+            let open = self.table.count_sessions_of(identity).await?;
+            self.bounds.reserve_open(identity, open, max)
+        };
+        let Some(_reservation) = reservation else {
+            return Err(ArbiterError::IdentityLimit {
+                bound: IdentityBound::Sessions,
+                limit: max,
+            });
+        };
+        self.table.create_session(identity, ttl).await
     }
 
     /// The session if it belongs to the caller; otherwise SESSION_EXPIRED

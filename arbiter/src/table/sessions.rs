@@ -35,8 +35,9 @@ impl LockTable {
     /// Opens a session: a lease with an id of our own drawing, its record and
     /// its entry in the identity's session count, both on the lease. Refused
     /// when the identity already has `max_sessions` open (counted just
-    /// before; callers serialise the opens of one identity, so one arbiter
-    /// never overshoots).
+    /// before). Concurrent opens of one identity may overshoot: the service
+    /// counts under a turn and reserves ([`crate::bounds::Bounds::reserve_open`]),
+    /// then calls [`Self::create_session`].
     pub async fn open_session(
         &self,
         identity: &str,
@@ -49,6 +50,15 @@ impl LockTable {
                 limit: max_sessions,
             });
         }
+        self.create_session(identity, ttl_seconds).await
+    }
+
+    /// Creates a session (lease, record, count entry) without counting.
+    pub async fn create_session(
+        &self,
+        identity: &str,
+        ttl_seconds: u32,
+    ) -> Result<i64, ArbiterError> {
         let mut attempt = 0;
         let id = loop {
             attempt += 1;
