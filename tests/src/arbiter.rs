@@ -372,6 +372,29 @@ impl ArbiterProcess {
         rust_log: &str,
         extra_args: &[String],
     ) -> anyhow::Result<Self> {
+        Self::start_with_env(
+            binary,
+            etcd_endpoints,
+            listen,
+            opts,
+            rust_log,
+            extra_args,
+            &[],
+        )
+        .await
+    }
+
+    /// [`ArbiterProcess::start_with`] with extra environment variables (the
+    /// release gate's libfaketime preload for a steppable wall clock).
+    pub async fn start_with_env(
+        binary: &Path,
+        etcd_endpoints: &[String],
+        listen: Option<SocketAddr>,
+        opts: ArbiterOptions,
+        rust_log: &str,
+        extra_args: &[String],
+        env: &[(&str, String)],
+    ) -> anyhow::Result<Self> {
         let certs = certs()?;
         let dir = TempDir::new()?;
         let addr: SocketAddr = match listen {
@@ -457,6 +480,7 @@ impl ArbiterProcess {
             cmd.arg(faulty_log::FLAG).arg(opts.test_fault.name());
         }
         cmd.args(extra_args);
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         let child = cmd
             .spawn()
             .with_context(|| format!("spawn {}", binary.display()))?;

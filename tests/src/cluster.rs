@@ -1076,11 +1076,13 @@ fn remove_leftovers() -> anyhow::Result<Vec<String>> {
 /// Removes temp dirs of dead owners, SIGKILLing any etcd still running on them (a
 /// SIGKILLed test run never kills its members). Best effort; returns the removed dirs.
 fn remove_leftover_dirs() -> Vec<String> {
+    // First the slow-disk mounts a dead run left in them (or the removal
+    // would descend into a mount nobody serves).
+    let mut removed = crate::gate::disk::remove_stale_mounts();
     let tmp = std::env::temp_dir();
     let Ok(entries) = fs::read_dir(&tmp) else {
-        return Vec::new();
+        return removed;
     };
-    let mut removed = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some(pid) = name

@@ -9,11 +9,17 @@
 //!
 //! - [`TestFault::GrantOnWatch`]: a bug the release gate's checker must catch
 //!   (ADR-23).
+//! - [`TestFault::ForgetHidden`]: a bug the gate must catch through a hidden
+//!   grant its worker revealed (issue 14).
 //! - [`TestFault::SlowReuse`]: not a bug; makes a rare interleaving certain
 //!   in a regression test.
+//! - [`TestFault::LoseGrantAnswers`]: not a bug; makes hidden grants (a
+//!   grant committed, its answer lost) common, as the control for
+//!   `ForgetHidden`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -46,21 +52,47 @@ pub enum TestFault {
     /// session's new call) answers only after [`SLOW_REUSE`], so an orphan
     /// release of that grant finishes between the read and the claim.
     SlowReuse,
+    /// Not a bug: one committed grant transaction in [`LOSE_EVERY`] answers
+    /// as if etcd's answer had been lost (`STORE_UNAVAILABLE`, an unknown
+    /// outcome) although the hold is written, on the caller's session. The
+    /// real protocol keeps such a hidden grant until that session's lease
+    /// ends or the session asks again ("already yours"); the gate's worker
+    /// asks again on the same session and records what it learns.
+    LoseGrantAnswers,
+    /// The bug [`TestFault::LoseGrantAnswers`] is the control for: the same
+    /// lost answers, and the arbiter then treats a grant whose answer was
+    /// lost as not held. The next grant transaction on that key for another
+    /// session first deletes that hold (and its claims), while the hidden
+    /// grant's lease still lives, so the other session gets a second grant.
+    ForgetHidden,
 }
 
 /// How long [`TestFault::SlowReuse`] holds back its answer.
 pub const SLOW_REUSE: Duration = Duration::from_millis(500);
 
+/// [`TestFault::LoseGrantAnswers`] and [`TestFault::ForgetHidden`] lose the
+/// answer of one committed grant transaction in this many (per arbiter).
+pub const LOSE_EVERY: u64 = 4;
+
 impl TestFault {
-    pub const ALL: [Self; 3] = [Self::None, Self::GrantOnWatch, Self::SlowReuse];
+    pub const ALL: [Self; 5] = [
+        Self::None,
+        Self::GrantOnWatch,
+        Self::SlowReuse,
+        Self::LoseGrantAnswers,
+        Self::ForgetHidden,
+    ];
 
     pub fn parse(name: &str) -> Result<Self, String> {
         match name {
             "none" => Ok(Self::None),
             "grant-on-watch" => Ok(Self::GrantOnWatch),
             "slow-reuse" => Ok(Self::SlowReuse),
+            "lose-grant-answers" => Ok(Self::LoseGrantAnswers),
+            "forget-hidden" => Ok(Self::ForgetHidden),
             other => Err(format!(
-                "unknown test fault {other:?}: expected none, grant-on-watch or slow-reuse"
+                "unknown test fault {other:?}: expected none, grant-on-watch, slow-reuse, \
+                 lose-grant-answers or forget-hidden"
             )),
         }
     }
@@ -71,6 +103,8 @@ impl TestFault {
             Self::None => "none",
             Self::GrantOnWatch => "grant-on-watch",
             Self::SlowReuse => "slow-reuse",
+            Self::LoseGrantAnswers => "lose-grant-answers",
+            Self::ForgetHidden => "forget-hidden",
         }
     }
 }
@@ -144,6 +178,12 @@ pub struct FaultyLog {
     /// [`TestFault::GrantOnWatch`]: keys whose watch reported `Freed` or
     /// `Changed` since their last grant transaction.
     signalled: Arc<Mutex<BTreeSet<String>>>,
+    /// [`TestFault::LoseGrantAnswers`], [`TestFault::ForgetHidden`]: grant
+    /// transactions that committed.
+    committed: AtomicU64,
+    /// [`TestFault::ForgetHidden`]: per key, the hold whose answer was lost,
+    /// until another session's grant transaction on that key takes it away.
+    forgotten: Mutex<BTreeMap<String, HeldAt>>,
 }
 
 impl FaultyLog {
@@ -152,6 +192,8 @@ impl FaultyLog {
             inner,
             fault,
             signalled: Arc::default(),
+            committed: AtomicU64::new(0),
+            forgotten: Mutex::default(),
         }
     }
 
@@ -187,6 +229,71 @@ impl FaultyLog {
             );
         }
         self.inner.grant(txn).await
+    }
+
+    /// [`TestFault::LoseGrantAnswers`] and [`TestFault::ForgetHidden`]: the
+    /// real grant transaction, whose answer is lost once in [`LOSE_EVERY`]
+    /// commits. With `ForgetHidden`, another session's grant transaction on
+    /// a key whose hold's answer was lost first deletes that hold, as if it
+    /// had never been granted.
+    async fn grant_losing_answers(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
+        let (key, session) = (txn.key.to_owned(), txn.session);
+        if self.fault == TestFault::ForgetHidden {
+            let stale = {
+                let mut forgotten = self
+                    .forgotten
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                match forgotten.get(&key) {
+                    Some(held) if held.session != session => forgotten.remove(&key),
+                    _ => None,
+                }
+            };
+            if let Some(held) = stale {
+                // Deleted if it is still exactly that hold; either way the
+                // grant transaction decides now.
+                let deleted = self.inner.release(&held).await?.value.is_some();
+                debug!(
+                    key = %key,
+                    holder = held.session,
+                    session,
+                    deleted,
+                    "test fault forget-hidden: a grant whose answer was lost counts as not held"
+                );
+            }
+        }
+        let record = txn.holder_record.clone();
+        let answer = self.inner.grant(txn).await?;
+        if answer.value != Granted::Yes
+            || self.committed.fetch_add(1, Ordering::Relaxed) % LOSE_EVERY != LOSE_EVERY - 1
+        {
+            return Ok(answer);
+        }
+        if self.fault == TestFault::ForgetHidden {
+            self.forgotten
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(
+                    key.clone(),
+                    HeldAt {
+                        key: key.clone(),
+                        session,
+                        revision: answer.header.revision,
+                        value: record,
+                    },
+                );
+        }
+        debug!(
+            key = %key,
+            session,
+            revision = answer.header.revision,
+            "test fault {}: the grant committed; its answer is lost",
+            self.fault
+        );
+        Err(StoreError::unavailable(format!(
+            "test fault {}: the grant transaction's answer was lost",
+            self.fault
+        )))
     }
 }
 
@@ -267,6 +374,9 @@ impl LockLog for FaultyLog {
                 }
                 Ok(answer)
             }
+            TestFault::LoseGrantAnswers | TestFault::ForgetHidden => {
+                self.grant_losing_answers(txn).await
+            }
             TestFault::None | TestFault::GrantOnWatch => self.inner.grant(txn).await,
         }
     }
@@ -307,7 +417,10 @@ impl LockLog for FaultyLog {
                 key: key.to_owned(),
                 signalled: Arc::clone(&self.signalled),
             }),
-            TestFault::None | TestFault::SlowReuse => watch,
+            TestFault::None
+            | TestFault::SlowReuse
+            | TestFault::LoseGrantAnswers
+            | TestFault::ForgetHidden => watch,
         })
     }
 
@@ -506,8 +619,20 @@ mod tests {
         async fn hand_over(&self, _: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
             unused()
         }
-        async fn release(&self, _: &HeldAt) -> LogResult<Option<Vec<u8>>> {
-            unused()
+        async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
+            let mut s = self.state.lock().unwrap();
+            let matches = s.holds.get(&held.key).is_some_and(|kv| {
+                kv.lease == held.session
+                    && kv.mod_revision == held.revision
+                    && kv.value == held.value
+            });
+            let deleted = if matches {
+                s.revision += 1;
+                s.holds.remove(&held.key).map(|kv| kv.value)
+            } else {
+                None
+            };
+            Self::answer(&s, deleted)
         }
         async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
             let s = self.state.lock().unwrap();
@@ -644,6 +769,70 @@ mod tests {
             matches!(&own, Granted::No { holder: Some(kv), .. } if kv.lease == 2),
             "{own:?}"
         );
+    }
+
+    /// The grant answers of `fault`'s layer for sessions 1, 2, ...: lost
+    /// (`None`) or the answer.
+    async fn grants_on_keys(log: &Arc<dyn LockLog>, n: i64) -> Vec<Option<Granted>> {
+        let mut answers = Vec::new();
+        for session in 1..=n {
+            let key = format!("k{session}");
+            answers.push(log.grant(txn(&key, session)).await.ok().map(|a| a.value));
+        }
+        answers
+    }
+
+    #[tokio::test]
+    async fn lose_grant_answers_loses_every_fourth_commit_and_keeps_the_hold() {
+        let (_fake, log) = wrapped(TestFault::LoseGrantAnswers);
+        let answers = grants_on_keys(&log, 8).await;
+        let lost: Vec<usize> = (0..answers.len())
+            .filter(|&i| answers[i].is_none())
+            .collect();
+        assert_eq!(lost, vec![3, 7], "{answers:?}");
+        // The lost grant is written: its session finds it ("already yours")
+        // and another session is refused.
+        assert_eq!(holder_lease(&log, "k4").await, Some(4));
+        let own = log.grant(txn("k4", 4)).await.unwrap().value;
+        assert!(
+            matches!(&own, Granted::No { holder: Some(kv), .. } if kv.lease == 4),
+            "{own:?}"
+        );
+        let other = log.grant(txn("k4", 9)).await.unwrap().value;
+        assert!(matches!(other, Granted::No { .. }), "{other:?}");
+        assert_eq!(holder_lease(&log, "k4").await, Some(4));
+        // Refusals are not commits: they never lose an answer.
+        for _ in 0..8 {
+            let refused = log.grant(txn("k4", 9)).await.unwrap().value;
+            assert!(matches!(refused, Granted::No { .. }), "{refused:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn forget_hidden_grants_a_key_whose_grant_answer_was_lost_to_another_session() {
+        let (_fake, log) = wrapped(TestFault::ForgetHidden);
+        let answers = grants_on_keys(&log, 4).await;
+        assert!(answers[3].is_none(), "{answers:?}");
+        assert_eq!(holder_lease(&log, "k4").await, Some(4));
+        // Its own session still finds it ("already yours") and keeps it.
+        let own = log.grant(txn("k4", 4)).await.unwrap().value;
+        assert!(
+            matches!(&own, Granted::No { holder: Some(kv), .. } if kv.lease == 4),
+            "{own:?}"
+        );
+        assert_eq!(holder_lease(&log, "k4").await, Some(4));
+        // Another session: the hidden grant is deleted under it and the key
+        // granted again, while session 4's lease lives.
+        assert_eq!(log.grant(txn("k4", 9)).await.unwrap().value, Granted::Yes);
+        assert_eq!(holder_lease(&log, "k4").await, Some(9));
+        // Once: session 9's grant was answered, so it is not taken away.
+        let refused = log.grant(txn("k4", 10)).await.unwrap().value;
+        assert!(matches!(refused, Granted::No { .. }), "{refused:?}");
+        assert_eq!(holder_lease(&log, "k4").await, Some(9));
+        // A grant whose answer arrived is never forgotten (k1..k3).
+        let refused = log.grant(txn("k1", 10)).await.unwrap().value;
+        assert!(matches!(refused, Granted::No { .. }), "{refused:?}");
+        assert_eq!(holder_lease(&log, "k1").await, Some(1));
     }
 
     #[tokio::test]

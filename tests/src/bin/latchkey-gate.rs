@@ -44,15 +44,17 @@ struct Args {
     unit_of_work: Option<Duration>,
     /// Fault kinds, comma-separated (default: all): kill-member,
     /// pause-leader, partition, kill-arbiter, pause-holder, restore,
-    /// restore-forget, clock-step, slow-disk-member, slow-disk-arbiter.
+    /// restore-forget, clock-step, clock-step-arbiter, slow-disk-member,
+    /// slow-disk-arbiter.
     /// `none` for no nemesis.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
     /// Where a failing run keeps its history and report.
     #[arg(long, default_value = "target/gate")]
     out: PathBuf,
-    /// Run the arbiters with a deliberate bug (`grant-on-watch`): the
-    /// checker must then fail the run. The gate's arbiter-under-test has the
+    /// Run the arbiters with a deliberate bug (`grant-on-watch`,
+    /// `forget-hidden`): the checker must then fail the run
+    /// (`lose-grant-answers` is forget-hidden's control, not a bug). The gate's arbiter-under-test has the
     /// tests' faults; a shipped latchkey-arbiter has none.
     #[arg(long, value_parser = TestFault::parse, default_value = "none")]
     arbiter_test_fault: TestFault,

@@ -1,18 +1,21 @@
-//! Clock steps for the nemesis: a worker's wall clock stepped forward and
-//! back with libfaketime, through a control file it re-reads.
+//! Clock steps for the nemesis: a worker's or an arbiter's wall clock
+//! stepped forward and back with libfaketime, through a control file it
+//! re-reads.
 //!
-//! Every gate worker runs with `LD_PRELOAD=libfaketime.so.1` and
-//! `FAKETIME_TIMESTAMP_FILE` naming its own control file (one per worker
-//! slot, so later incarnations keep the stepped clock, as a process on that
-//! machine would). The file holds an offset in seconds (`+0`, `+3600`,
-//! `-900`); libfaketime re-reads it at most every second
-//! (`FAKETIME_CACHE_DURATION=1`).
+//! Every gate worker (with the clock-step fault) and every arbiter (with
+//! clock-step-arbiter) runs with `LD_PRELOAD=libfaketime.so.1` and
+//! `FAKETIME_TIMESTAMP_FILE` naming its own control file (one per worker or
+//! arbiter slot, so later incarnations and restarts keep the stepped clock,
+//! as a process on that machine would). The file holds an offset in
+//! seconds (`+0`, `+3600`, `-900`); libfaketime re-reads it at most every
+//! second (`FAKETIME_CACHE_DURATION=1`).
 //!
 //! Only `CLOCK_REALTIME` (`SystemTime`) moves: `FAKETIME_DONT_FAKE_MONOTONIC=1`.
 //! That is what steps on a real machine (NTP, an operator's `date -s`, a VM
 //! migration); Linux never steps `CLOCK_MONOTONIC`, and the client library
 //! times leases and the fence deadline on it (ADR-12) precisely so that a
-//! wall-clock step cannot stretch a hold. libfaketime can move tokio's and
+//! wall-clock step cannot stretch a hold; the arbiter likewise times
+//! sessions, waits and deadlines on it. libfaketime can move tokio's and
 //! std's `Instant` too (checked: without that flag `Instant::now()` in a
 //! worker jumps with the file), but a monotonic clock that runs backwards
 //! breaks an assumption of the promise rather than the implementation, and

@@ -222,6 +222,9 @@ pub(crate) struct Rig {
     workers: Mutex<Vec<Worker>>,
     /// With the clock-step fault: worker slot i's clock.
     pub clocks: Vec<SteppableClock>,
+    /// With the clock-step-arbiter fault: arbiter i's clock (kept across
+    /// its restarts, as a machine's clock would be).
+    pub arbiter_clocks: Vec<SteppableClock>,
     pub dir: PathBuf,
 }
 
@@ -232,13 +235,15 @@ impl Rig {
             state_dir: Some(self.arbiter_state[i].clone()),
             ..self.arbiter_opts.clone()
         };
-        ArbiterProcess::start_with(
+        let env = self.arbiter_clocks.get(i).map(SteppableClock::env);
+        ArbiterProcess::start_with_env(
             &self.binaries.arbiter,
             &endpoints,
             Some(self.arbiter_addrs[i]),
             opts,
             "info,latchkey_arbiter=info",
             &[],
+            env.as_deref().unwrap_or_default(),
         )
         .await
     }
@@ -367,6 +372,15 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
             )?);
         }
     }
+    let mut arbiter_clocks = Vec::new();
+    if config.faults.contains(&Fault::ClockStepArbiter) {
+        std::fs::create_dir_all(dir.path().join("clocks"))?;
+        for i in 0..config.arbiters {
+            arbiter_clocks.push(SteppableClock::new(
+                &dir.path().join(format!("clocks/arbiter-{i}")),
+            )?);
+        }
+    }
     let rig = Arc::new(Rig {
         cluster: Mutex::new(cluster),
         arbiters: Mutex::new(Vec::new()),
@@ -378,6 +392,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         binaries: config.binaries.clone(),
         workers: Mutex::new(Vec::new()),
         clocks: clocks.clone(),
+        arbiter_clocks,
         dir: history_dir.clone(),
     });
     for i in 0..config.arbiters {

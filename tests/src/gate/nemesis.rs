@@ -43,15 +43,19 @@ pub enum Fault {
     /// Step a holder's wall clock forward, then back behind the real time,
     /// then to the real time again (libfaketime; see [`super::clock`]).
     ClockStep,
-    /// Stall the disk under an etcd member's data dir (often the leader's)
-    /// again and again for a few seconds (see [`super::disk`]).
+    /// The same steps of an arbiter process's wall clock (it times leases
+    /// and waits on the monotonic clock, which does not step).
+    ClockStepArbiter,
+    /// Slow the fsyncs of the disk under an etcd member's data dir (often
+    /// the leader's) again and again for a few seconds; writes and reads go
+    /// on (see [`super::disk`]).
     SlowDiskMember,
-    /// Stall the disk under an arbiter's durable state dir likewise.
+    /// Slow the fsyncs under an arbiter's durable state dir likewise.
     SlowDiskArbiter,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 10] = [
+    pub const ALL: [Fault; 11] = [
         Fault::KillMember,
         Fault::PauseLeader,
         Fault::Partition,
@@ -60,6 +64,7 @@ impl Fault {
         Fault::Restore,
         Fault::RestoreForget,
         Fault::ClockStep,
+        Fault::ClockStepArbiter,
         Fault::SlowDiskMember,
         Fault::SlowDiskArbiter,
     ];
@@ -74,6 +79,7 @@ impl Fault {
             Fault::Restore => "restore",
             Fault::RestoreForget => "restore-forget",
             Fault::ClockStep => "clock-step",
+            Fault::ClockStepArbiter => "clock-step-arbiter",
             Fault::SlowDiskMember => "slow-disk-member",
             Fault::SlowDiskArbiter => "slow-disk-arbiter",
         }
@@ -261,13 +267,20 @@ async fn inject(
             let step = i64::try_from(rng.u64(60..7200))?;
             let what = format!("clock-step {name} +{step}s then -{step}s");
             let op = begin(rec, &what)?;
-            // libfaketime re-reads the file at most every second: hold each
-            // step for longer than that.
-            clock.set(step)?;
-            tokio::time::sleep(Duration::from_millis(rng.u64(1500..3000))).await;
-            clock.set(-step)?;
-            tokio::time::sleep(Duration::from_millis(rng.u64(1500..3000))).await;
-            clock.set(0)?;
+            step_clock(clock, step, rng).await?;
+            end(rec, op)?;
+            Ok(Some(what))
+        }
+        Fault::ClockStepArbiter => {
+            let i = rng.usize(..rig.arbiter_clocks.len().max(1));
+            let clock = rig
+                .arbiter_clocks
+                .get(i)
+                .context("the gate started the arbiters without steppable clocks")?;
+            let step = i64::try_from(rng.u64(60..7200))?;
+            let what = format!("clock-step-arbiter arbiter-{i} +{step}s then -{step}s");
+            let op = begin(rec, &what)?;
+            step_clock(clock, step, rng).await?;
             end(rec, op)?;
             Ok(Some(what))
         }
@@ -461,8 +474,25 @@ async fn operator_client(rig: &Rig) -> anyhow::Result<Client> {
     .await
 }
 
-/// Stalls `disk` again and again for 2–4 s (stalls of 100–800 ms), recorded
-/// as the fault `what`; its description with the number of stalls.
+/// Steps `clock` `step_s` seconds ahead of the real time, then as far
+/// behind it, then back to it. libfaketime re-reads the control file at most
+/// every second: each step is held for longer than that.
+async fn step_clock(
+    clock: &super::clock::SteppableClock,
+    step_s: i64,
+    rng: &mut fastrand::Rng,
+) -> anyhow::Result<()> {
+    clock.set(step_s)?;
+    tokio::time::sleep(Duration::from_millis(rng.u64(1500..3000))).await;
+    clock.set(-step_s)?;
+    tokio::time::sleep(Duration::from_millis(rng.u64(1500..3000))).await;
+    clock.set(0)?;
+    Ok(())
+}
+
+/// Slows `disk`'s fsyncs again and again for 2–4 s (each delayed 100–800
+/// ms; writes and reads are not), recorded as the fault `what`; its
+/// description with the number of fsyncs delayed.
 async fn stall_disk(
     rec: &mut Recorder,
     what: &str,
@@ -471,7 +501,7 @@ async fn stall_disk(
 ) -> anyhow::Result<String> {
     let op = begin(rec, what)?;
     let total = Duration::from_millis(rng.u64(2000..4000));
-    let stalls = disk
+    let delayed = disk
         .slow_for(
             total,
             (Duration::from_millis(100), Duration::from_millis(800)),
@@ -479,7 +509,7 @@ async fn stall_disk(
         )
         .await?;
     end(rec, op)?;
-    Ok(format!("{what} ({stalls} stalls)"))
+    Ok(format!("{what} ({delayed} fsyncs delayed 100-800 ms)"))
 }
 
 fn begin(rec: &mut Recorder, what: &str) -> anyhow::Result<u64> {

@@ -10,12 +10,20 @@
 //! incarnation, so no hidden hold outlives the dead process's lease. After
 //! such an outcome the worker records nothing but that `expire`: the
 //! checker's search relies on it and refuses a history that breaks it.
+//!
+//! An acquire whose answer was lost is first asked again on the same
+//! session ([`reveal`]), as part of the same operation: its completion is
+//! written only once that is over. A grant the lost answer hid is then
+//! answered as "already yours" with its real token, and the operation is
+//! recorded `ok` with that token; the worker keeps the grant (never
+//! releases it) and records its `expire` at the session's fence deadline,
+//! so the history shows the hidden grant for as long as it may live.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use latchkey_client::{Client, ClientConfig, Error, TlsFiles};
+use latchkey_client::{Client, ClientConfig, Error, LockGuard, Session, TlsFiles};
 use latchkey_fence_postgres::{WriteOutcome, guarded_write};
 use latchkey_proto::lockv1::Reason;
 
@@ -166,15 +174,55 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
                 continue;
             }
             Err(e) => {
-                rec.complete(op, Outcome::Unknown, detail(&e))?;
-                // If it was granted after all, the hold lives on this
-                // session until its lease runs out, which is no earlier than
-                // the session's fence deadline (last successful keepalive
-                // send + TTL - 1 s). Read it last and exit without another
-                // await: on this current-thread runtime no keepalive can
-                // move it after it is read.
+                // The answer is lost. Ask again on the same session before
+                // recording the outcome: a grant the lost answer hid comes
+                // back as "already yours", with its token.
+                let revealed = reveal(&client, &session, &key, &args, &e).await;
+                // Whatever was granted lives on this session until its
+                // lease runs out, which is no earlier than the session's
+                // fence deadline (last successful keepalive send + TTL -
+                // 1 s). From the completion on, no await: on this
+                // current-thread runtime no keepalive can move the deadline
+                // after it is read, last.
+                let token = match revealed {
+                    Revealed::Granted { guard, detail } => {
+                        let token = guard.token().get();
+                        rec.complete(
+                            op,
+                            Outcome::Ok,
+                            Fields {
+                                token: Some(token),
+                                detail: Some(detail),
+                                ..Fields::default()
+                            },
+                        )?;
+                        // Kept, not released: the grant lives until its
+                        // lease ends, and the expire below says from when.
+                        guard.detach();
+                        Some(token)
+                    }
+                    Revealed::Unknown { detail } => {
+                        rec.complete(
+                            op,
+                            Outcome::Unknown,
+                            Fields {
+                                detail: Some(detail),
+                                ..Fields::default()
+                            },
+                        )?;
+                        None
+                    }
+                };
                 let deadline = mono_of(session.fence_deadline().into_std());
-                rec.invoke_at("expire", key_field(&key), deadline)?;
+                rec.invoke_at(
+                    "expire",
+                    Fields {
+                        key: Some(key.clone()),
+                        token,
+                        ..Fields::default()
+                    },
+                    deadline,
+                )?;
                 return Ok(EXIT_TAINTED);
             }
         };
@@ -257,6 +305,72 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(EXIT_STOPPED)
+}
+
+/// What asking again on the same session showed.
+enum Revealed {
+    /// The session holds the key: the grant the lost answer hid ("already
+    /// yours", same token) or, if there was none, a fresh one. Either way a
+    /// grant with this token was made within the operation and is held at
+    /// its completion.
+    Granted { guard: LockGuard, detail: String },
+    /// Still unknown: the session does not hold the key now (another does,
+    /// or the arbiter is not answering), which does not say whether the lost
+    /// answer hid a grant (released since, or still to commit).
+    Unknown { detail: String },
+}
+
+/// How long [`reveal`] keeps asking while the arbiter does not answer.
+const REVEAL_FOR: Duration = Duration::from_secs(3);
+
+/// After an acquire of `key` on `session` whose answer was lost (`lost`):
+/// asks again on the same session, without waiting, until an answer says
+/// whether the session holds the key (a grant or a refusal), the session is
+/// fenced, or [`REVEAL_FOR`] has passed. The arbiter answers a session that
+/// already holds the key with that grant ("already yours"), and claims it
+/// for this call, so no orphan release can take it after.
+async fn reveal(
+    client: &Client,
+    session: &Session,
+    key: &str,
+    args: &WorkerArgs,
+    lost: &Error,
+) -> Revealed {
+    let until = tokio::time::Instant::now() + REVEAL_FOR;
+    let mut last = String::from("not asked again");
+    let mut asked = 0u32;
+    while !session.is_fenced() && tokio::time::Instant::now() < until {
+        asked += 1;
+        match client
+            .lock(key, &args.class)
+            .session(session)
+            .acquire(|_| {})
+            .await
+        {
+            Ok(guard) => {
+                return Revealed::Granted {
+                    guard,
+                    detail: format!(
+                        "revealed: the answer was lost ({lost}); asked again on the same \
+                         session ({asked}x), it holds the key"
+                    ),
+                };
+            }
+            Err(e) if is_definite_refusal(&e) || matches!(e, Error::Fenced { .. }) => {
+                last = e.to_string();
+                break;
+            }
+            Err(e) => {
+                last = e.to_string();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    Revealed::Unknown {
+        detail: format!(
+            "{lost}; asked again on the same session ({asked}x), it does not hold the key: {last}"
+        ),
+    }
 }
 
 fn key_field(key: &str) -> Fields {
