@@ -10,6 +10,7 @@ mod etcd_harness;
 mod etcd_tls;
 mod gate;
 mod grants;
+mod h2_limits;
 mod hooks;
 mod hostile_arbiter;
 mod hostile_edge;
