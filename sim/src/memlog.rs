@@ -130,6 +130,12 @@ impl Snapshot {
     pub fn revision(&self) -> i64 {
         self.image.revision
     }
+
+    /// The value of `key` (unprefixed, as the log stores it: `sys/epoch`,
+    /// `sys/coord-seen`, ...) in this snapshot, if it was there.
+    pub fn value(&self, key: &str) -> Option<&[u8]> {
+        self.image.get(key).map(|s| s.value.as_slice())
+    }
 }
 
 struct Inner {

@@ -59,6 +59,28 @@
 //! ([`FaultKnobs::idle_percent`]), and must stay safe. The log-fault and
 //! slow-log windows hit the witness too ([`FaultKnobs::witness_faults`]).
 //!
+//! **Restores of the coord cluster.** The lock log witnesses the coord
+//! cluster in turn (its `sys/coord-seen` record), so the witnessed presets
+//! restore the witness too ([`FaultKnobs::coord_restore_percent`]). Every
+//! backup the nemesis keeps is a pair: the lock log's snapshot and the
+//! witness's, taken at one instant. A restore of the coord cluster is
+//! either the witness alone, from a kept pair (the lock log untouched), or
+//! both, the lock log from one pair and the witness from another, taken at
+//! a different time; either with the isolated, idle and wiped arbiters a
+//! restore of the lock log has, and the same wait for a seal and advance
+//! (a restore of the witness that lost nothing the arbiters or the lock log
+//! knew of need not seal: the operator advances anyway after 20 s). The
+//! witness is only restored to a backup that shows less than it does now.
+//! Both are drawn only where the design guarantees the restore is noticed
+//! and the advance goes above every epoch used, judged from the two
+//! backups' contents: the witness's backup vouched for a grant the lock
+//! log's does not hold, or it is older by a vouched grant and below what
+//! the lock log's coord-seen record shows; and one of the two still knows
+//! the serving epoch. Both from one moment (a consistent past: only state
+//! dirs remember what came after) are undetectable by design and never
+//! drawn. Each restore's fault completes with the seal reasons the operator
+//! saw ([`SimRun::coord_restores`] counts those naming the coord cluster).
+//!
 //! **Liveness.** Grants must not stop: if clients keep trying and no
 //! acquire succeeds within [`LIVENESS_WINDOW`] of simulated time after the
 //! last grant or the last advance, whichever is later (no restore waiting
@@ -97,7 +119,7 @@ use tokio::time::Instant;
 use crate::memlog::{FaultCounts, FaultRates, MemLog, MemLogConfig};
 use crate::rng::Rng;
 use crate::witness::{MemWitness, WitnessCalls};
-pub use nemesis::LIVENESS_WINDOW;
+pub use nemesis::{COORD_RESTORE, LIVENESS_WINDOW};
 use world::{World, lock};
 
 /// What the nemesis and the clients may do wrong.
@@ -135,6 +157,19 @@ pub struct FaultKnobs {
     /// state dir lost (issue 15's fault: "restore + every arbiter loses
     /// its state"). Only safe with a witness.
     pub wipe_on_restore_percent: u32,
+    /// Percent of restores that restore the coord cluster (the witness),
+    /// when there is one: half of them the coord cluster alone (the lock
+    /// log untouched), half both, the lock log from one kept backup and
+    /// the coord cluster from another taken at a different time, drawn
+    /// only where the design guarantees the restore is noticed (see the
+    /// module docs). The isolated, idle and wiped arbiters come with them
+    /// as with any restore.
+    pub coord_restore_percent: u32,
+    /// Also draw restores of both whose two backups both predate the
+    /// serving epoch: with every state dir wiped nothing then knows that
+    /// epoch, and the advance re-uses it (unsafe by design: only to show
+    /// that limit; off in every preset).
+    pub coord_restore_before_serving_epoch: bool,
     /// The log-fault and slow-log windows hit the witness too (when there
     /// is one), with the same rates.
     pub witness_faults: bool,
@@ -168,6 +203,8 @@ impl FaultKnobs {
             isolate_percent: 40,
             idle_percent: 0,
             wipe_on_restore_percent: 0,
+            coord_restore_percent: 0,
+            coord_restore_before_serving_epoch: false,
             witness_faults: false,
             crash_percent: 2,
             pause_percent: 2,
@@ -189,13 +226,15 @@ impl FaultKnobs {
     /// Every fault, and state dirs lost together with restores: half the
     /// restarts lose their state dir, a third of the restores wipe every
     /// arbiter's state right after them, a third bring back an arbiter
-    /// idle before them at once; the witness faults with the log. Safe
-    /// only with a witness (issue 15).
+    /// idle before them at once; the witness faults with the log, and half
+    /// the restores restore the coord cluster (alone, or with the lock log
+    /// from another moment). Safe only with a witness (issue 15).
     pub fn witnessed() -> Self {
         Self {
             lose_state_percent: 50,
             idle_percent: 35,
             wipe_on_restore_percent: 35,
+            coord_restore_percent: 50,
             witness_faults: true,
             ..Self::all()
         }
@@ -225,6 +264,8 @@ impl FaultKnobs {
             isolate_percent: 0,
             idle_percent: 0,
             wipe_on_restore_percent: 0,
+            coord_restore_percent: 0,
+            coord_restore_before_serving_epoch: false,
             witness_faults: false,
             crash_percent: 0,
             pause_percent: 0,
@@ -317,15 +358,16 @@ impl SimConfig {
     ///   so no restores ([`FaultKnobs::state_loss`], issue 15).
     /// - `witnessed`: `default` with a witness ([`SimConfig::witness`]),
     ///   state dirs lost at restarts and right after restores, an arbiter
-    ///   idle before a restore serving right after it
-    ///   ([`FaultKnobs::witnessed`]); `witnessed-three-arbiters` the same
-    ///   with 3 arbiters;
+    ///   idle before a restore serving right after it, half the restores
+    ///   restoring the coord cluster, alone or with the lock log from
+    ///   another moment ([`FaultKnobs::witnessed`]);
+    ///   `witnessed-three-arbiters` the same with 3 arbiters;
     /// - `witnessed-state-loss`: every restart loses its state dir, half
-    ///   the restores wipe every arbiter's
+    ///   the restores wipe every arbiter's, half restore the coord cluster
     ///   ([`FaultKnobs::witnessed_state_loss`]);
     /// - `unwitnessed-state-loss`: `witnessed-state-loss` without the
-    ///   witness: the single-cluster limit of issue 15, which re-issues
-    ///   tokens (it is expected to fail).
+    ///   witness (and so no restore of one): the single-cluster limit of
+    ///   issue 15, which re-issues tokens (it is expected to fail).
     pub fn preset(name: &str, seed: u64) -> Option<Self> {
         let base = Self::new(seed);
         Some(match name {
@@ -394,6 +436,20 @@ pub struct SimRun {
     pub notes: Vec<String>,
 }
 
+/// The restores of the coord cluster in a run (faults whose description
+/// names [`COORD_RESTORE`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CoordRestores {
+    /// The coord cluster alone, the lock log untouched.
+    pub alone: usize,
+    /// Both, from backups taken at different times.
+    pub with_the_log: usize,
+    /// Of all of them, those an arbiter sealed on for the coord cluster's
+    /// sake (a seal reason naming the coord cluster: it showed less than
+    /// it did), as the operator saw it before advancing.
+    pub sealed_on_coord: usize,
+}
+
 /// The witness at the end of a run.
 #[derive(Debug, Clone, Copy)]
 pub struct WitnessReport {
@@ -424,6 +480,30 @@ impl SimRun {
         out
     }
 
+    /// The restores of the coord cluster, read from the history's faults
+    /// (each completes with the seal reasons the operator saw).
+    pub fn coord_restores(&self) -> CoordRestores {
+        let mut out = CoordRestores::default();
+        for o in self.history.ops() {
+            let Some(detail) = o.detail.as_deref() else {
+                continue;
+            };
+            if o.f != latchkey_checker::Function::Fault || !detail.contains(COORD_RESTORE) {
+                continue;
+            }
+            if detail.contains(nemesis::COORD_ALONE) {
+                out.alone += 1;
+            } else {
+                out.with_the_log += 1;
+            }
+            let sealed = o.completion.as_ref().and_then(|c| c.detail.as_deref());
+            if sealed.is_some_and(|s| s.starts_with("sealed:") && s.contains("coord cluster")) {
+                out.sealed_on_coord += 1;
+            }
+        }
+        out
+    }
+
     /// One line: seed, operations, simulated time, faults.
     pub fn summary(&self) -> String {
         let faults = self
@@ -433,13 +513,17 @@ impl SimRun {
             .filter(|o| o.f == latchkey_checker::Function::Fault)
             .count();
         let witness = self.witness.map_or_else(String::new, |w| {
+            let restores = self.coord_restores();
             format!(
-                " (witness: {} reads, {} raises, {} epochs allocated; {} failed before commit, {} answers lost)",
+                " (witness: {} reads, {} raises, {} epochs allocated; {} failed before commit, {} answers lost; restored {} times alone, {} with the log, {} sealed on it)",
                 w.calls.reads,
                 w.calls.raises,
                 w.calls.allocations,
                 w.faults.failed_before_commit,
-                w.faults.lost_responses
+                w.faults.lost_responses,
+                restores.alone,
+                restores.with_the_log,
+                restores.sealed_on_coord
             )
         });
         format!(

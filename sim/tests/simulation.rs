@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use latchkey_sim::simulation::{PRESETS, SimConfig, SimRun, run};
+use latchkey_sim::simulation::{CoordRestores, PRESETS, SimConfig, SimRun, run};
 
 /// (seed, preset, operations): seeds 1 to 80 over the presets without a
 /// witness in turn, then 81 to 98 over the witnessed ones, 5,000
@@ -186,9 +186,18 @@ fn ci_seeds_check_out() {
     let began = Instant::now();
     let mut total = 0;
     let mut failures = Vec::new();
+    let mut coord = CoordRestores::default();
+    let mut coord_seeds = Vec::new();
     for &(seed, preset, ops) in CI_RUNS {
         let (result, failure) = run_one(seed, preset, ops);
         total += result.ops;
+        let c = result.coord_restores();
+        coord.alone += c.alone;
+        coord.with_the_log += c.with_the_log;
+        coord.sealed_on_coord += c.sealed_on_coord;
+        if c.sealed_on_coord > 0 {
+            coord_seeds.push(seed);
+        }
         if let Some(f) = failure {
             failures.push(f);
         }
@@ -197,6 +206,10 @@ fn ci_seeds_check_out() {
         "simulation: {total} operations checked over {} seeds in {:.2} s of wall time",
         CI_RUNS.len(),
         began.elapsed().as_secs_f64()
+    );
+    println!(
+        "coord cluster restored {} times alone, {} times with the lock log; {} of them sealed on it (seeds {coord_seeds:?})",
+        coord.alone, coord.with_the_log, coord.sealed_on_coord
     );
     for f in &failures {
         println!("{f}");
@@ -210,6 +223,19 @@ fn ci_seeds_check_out() {
     assert!(
         total >= MIN_CI_OPS,
         "only {total} operations checked; CI promises at least {MIN_CI_OPS}"
+    );
+    // The control for the coord cluster's restores: they happened, and the
+    // arbiters noticed them as restores of the coord cluster (the seal
+    // reason names it), so the witnessed seeds above did meet them.
+    assert!(
+        coord.alone > 0 && coord.with_the_log > 0,
+        "the CI seeds restored the coord cluster {} times alone and {} times with the lock log: the simulation no longer reaches those restores",
+        coord.alone,
+        coord.with_the_log
+    );
+    assert!(
+        coord.sealed_on_coord > 0,
+        "no restore of the coord cluster in the CI seeds sealed an arbiter for the coord cluster's sake ({coord:?})"
     );
 }
 
@@ -353,4 +379,59 @@ fn without_a_witness_state_loss_and_restore_regress_tokens() {
         "issue 15 shown in {:.2} s of wall time: seed {seed} re-issues tokens without a witness, passes with one",
         began.elapsed().as_secs_f64()
     );
+}
+
+/// The limit of restoring both clusters (the coord cluster's witness of
+/// the lock log, and the lock log's of the coord cluster), shown: from two
+/// backups that both predate the serving epoch, every state dir wiped,
+/// nothing knows that epoch any more; the restore is noticed but the
+/// operator's advance re-uses it and re-issues its tokens. The presets
+/// never draw such a restore
+/// ([`FaultKnobs::coord_restore_before_serving_epoch`]); with it drawn, one
+/// of these seeds must FAIL with a token regression or a duplicate token,
+/// and the same seed without it must pass. If this test fails, either the
+/// simulation stopped reaching that restore (seeds found with the draw as
+/// it was when this was written) or the arbiter learned to remember the
+/// epoch elsewhere (then retire this test and the knob).
+///
+/// [`FaultKnobs::coord_restore_before_serving_epoch`]: latchkey_sim::simulation::FaultKnobs::coord_restore_before_serving_epoch
+#[test]
+fn restoring_both_from_before_the_serving_epoch_reissues_tokens() {
+    use latchkey_checker::ViolationKind;
+    const SEEDS: &[u64] = &[1010, 1030];
+    const PRESET: &str = "witnessed-state-loss";
+    const OPS: usize = 5000;
+    let unsafe_kinds = [
+        ViolationKind::TokenRegression,
+        ViolationKind::DuplicateToken,
+        ViolationKind::DoubleGrant,
+        ViolationKind::StaleWriteAccepted,
+    ];
+    let mut found = None;
+    for &seed in SEEDS {
+        let mut cfg = SimConfig::preset(PRESET, seed).expect("preset");
+        cfg.min_ops = OPS;
+        cfg.faults.coord_restore_before_serving_epoch = true;
+        let result = run(&cfg);
+        println!(
+            "{} [{PRESET}, both restored from before the serving epoch]",
+            result.summary()
+        );
+        if unsafe_kinds
+            .iter()
+            .any(|k| result.report.violations_of(*k).next().is_some())
+        {
+            found = Some(seed);
+            break;
+        }
+    }
+    let Some(seed) = found else {
+        panic!(
+            "no seed of {SEEDS:?} re-issued a token with both clusters restored from before the serving epoch"
+        );
+    };
+    let (_, failure) = run_one(seed, PRESET, OPS);
+    if let Some(f) = failure {
+        panic!("seed {seed} fails without that restore too:\n{f}");
+    }
 }

@@ -110,6 +110,13 @@ pub(crate) struct Image {
     leases: BTreeMap<i64, (i64, BTreeSet<String>)>,
 }
 
+impl Image {
+    /// A key as it was at this revision.
+    pub fn get(&self, key: &str) -> Option<&Stored> {
+        self.kvs.get(key)
+    }
+}
+
 /// Why a compaction was refused (etcd's two refusals).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum CompactError {

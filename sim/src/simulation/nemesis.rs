@@ -5,12 +5,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use latchkey_arbiter::high_water::Mark;
+use latchkey_arbiter::records::{CoordSeenRecord, EpochRecord, decode};
+use latchkey_arbiter::witness::Witnessed;
 use latchkey_checker::{Function, Outcome};
 use tokio::time::Instant;
 
 use super::world::{World, lock};
 use crate::memlog::{ClusterId, FaultRates, Snapshot};
 use crate::rng::Rng;
+use crate::witness::{MemWitness, WitnessSnapshot};
 
 /// Grants must not stop for this long while clients try (no restore
 /// waiting for its advance): the liveness watchdog's window.
@@ -25,6 +29,123 @@ const SERVING_WITHIN: Duration = Duration::from_secs(1);
 /// Snapshots kept to restore from (the operator's backups): a restore may
 /// go back to one taken before an earlier restore and advance.
 const SNAPSHOTS_KEPT: usize = 6;
+
+/// One of the operator's backups: the lock log's snapshot and, when there
+/// is a coord cluster, the coord cluster's, taken at one instant (a pair).
+#[derive(Debug, Clone)]
+struct Backup {
+    /// Counted in the order taken (`#n` in the fault descriptions).
+    n: u64,
+    log: Snapshot,
+    coord: Option<WitnessSnapshot>,
+}
+
+/// The backups kept to restore from, the oldest first.
+#[derive(Default)]
+struct Backups {
+    kept: Vec<Backup>,
+    taken: u64,
+}
+
+impl Backups {
+    /// Backs up the lock log and the coord cluster as they are now.
+    fn take(&mut self, world: &World) {
+        let (log, coord) = back_up_now(world);
+        self.keep(log, coord);
+    }
+
+    fn keep(&mut self, log: Snapshot, coord: Option<WitnessSnapshot>) {
+        if self.kept.len() >= SNAPSHOTS_KEPT {
+            self.kept.remove(0);
+        }
+        self.taken += 1;
+        self.kept.push(Backup {
+            n: self.taken,
+            log,
+            coord,
+        });
+    }
+}
+
+/// The lock log and the coord cluster as they are now: both read in one
+/// step (no await between), so the pair is of one moment.
+fn back_up_now(world: &World) -> (Snapshot, Option<WitnessSnapshot>) {
+    let log = world.memlog.snapshot();
+    let coord = world.memwitness.as_ref().map(MemWitness::snapshot);
+    (log, coord)
+}
+
+/// What a restore puts back.
+#[derive(Debug, Clone)]
+enum What {
+    /// The lock log from a backup, with the same or a new cluster id; the
+    /// coord cluster untouched.
+    Log { log: Backup, cluster: ClusterId },
+    /// The coord cluster from a backup; the lock log untouched.
+    Coord { coord: Backup },
+    /// The lock log from one backup and the coord cluster from another,
+    /// taken at a different time ([`detectable`]).
+    Both {
+        log: Backup,
+        cluster: ClusterId,
+        coord: Backup,
+    },
+}
+
+impl What {
+    /// The fault's description (a restore of the lock log alone reads as it
+    /// always did).
+    fn describe(&self) -> String {
+        let cluster = |c: &ClusterId| match c {
+            ClusterId::Same => "same cluster id",
+            ClusterId::New => "new cluster id",
+        };
+        match self {
+            What::Log { log, cluster: c } => {
+                format!(
+                    "restore snapshot at r{} ({})",
+                    log.log.revision(),
+                    cluster(c)
+                )
+            }
+            What::Coord { coord } => format!(
+                "restore {COORD_RESTORE} #{} ({}), {COORD_ALONE}",
+                coord.n,
+                show_witnessed(coord.coord.map(|c| c.witnessed).unwrap_or_default())
+            ),
+            What::Both {
+                log,
+                cluster: c,
+                coord,
+            } => format!(
+                "restore snapshot #{} at r{} ({}) and {COORD_RESTORE} #{} ({}), taken {}",
+                log.n,
+                log.log.revision(),
+                cluster(c),
+                coord.n,
+                show_witnessed(coord.coord.map(|c| c.witnessed).unwrap_or_default()),
+                if coord.n < log.n { "before" } else { "after" },
+            ),
+        }
+    }
+}
+
+/// Names a restore of the coord cluster in a fault's description.
+pub const COORD_RESTORE: &str = "coord cluster from snapshot";
+
+/// Ends the description of a restore of the coord cluster alone.
+pub(crate) const COORD_ALONE: &str = "the lock log untouched";
+
+fn show_witnessed(w: Witnessed) -> String {
+    format!(
+        "mark {}, epoch {}",
+        w.mark.map_or_else(
+            || "none".into(),
+            |m| format!("e{}:r{}", m.epoch, m.revision)
+        ),
+        w.epoch
+    )
+}
 
 #[derive(Debug, Clone, Copy)]
 enum Kind {
@@ -59,19 +180,13 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
         return;
     }
     let total: u64 = kinds.iter().map(|(_, w)| w).sum();
-    let mut snapshots: Vec<Snapshot> = Vec::new();
-    let keep = |snapshots: &mut Vec<Snapshot>, snap: Snapshot| {
-        if snapshots.len() >= SNAPSHOTS_KEPT {
-            snapshots.remove(0);
-        }
-        snapshots.push(snap);
-    };
+    let mut backups = Backups::default();
     // Warm up before the first snapshot, so a restore goes back over grants.
     if !pause(&world, Duration::from_secs(2)).await {
         return;
     }
     if knobs.restores {
-        keep(&mut snapshots, world.memlog.snapshot());
+        backups.take(&world);
     }
     loop {
         let gap = Duration::from_millis(knobs.fault_gap_ms / 2 + rng.below(knobs.fault_gap_ms + 1));
@@ -92,38 +207,210 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
             Kind::SlowLog => slow_log(&world, &mut rng).await,
             Kind::Restart => restart(&world, &mut rng).await,
             Kind::Compact => compact(&world, &mut rng),
-            Kind::Snapshot => keep(&mut snapshots, world.memlog.snapshot()),
+            Kind::Snapshot => backups.take(&world),
             Kind::Restore => {
                 if !lock(&world.liveness).serving(Instant::now(), SERVING_WITHIN) {
                     continue;
                 }
                 let revision = world.memlog.revision();
-                let usable: Vec<&Snapshot> = snapshots
-                    .iter()
-                    .filter(|s| s.revision() < revision)
-                    .collect();
-                // Half the time the newest backup, else any kept one: often
-                // one from before an earlier restore and advance (a second
-                // restore of one snapshot must not re-use an epoch either).
-                let pick = match usable.len() {
-                    0 => None,
-                    n if rng.chance(50) => usable.get(n - 1),
-                    n => usable.get(usize::try_from(rng.below(n as u64)).unwrap_or(0)),
-                };
-                let Some(snap) = pick.map(|s| (*s).clone()) else {
-                    keep(&mut snapshots, world.memlog.snapshot());
-                    continue;
-                };
-                let cluster = if rng.chance(50) {
-                    ClusterId::Same
+                // Drawn only with a coord cluster and the knob on: the runs
+                // without them draw what they always drew.
+                let coord = knobs.coord_restore_percent > 0
+                    && world.memwitness.is_some()
+                    && rng.chance(knobs.coord_restore_percent);
+                let what = if coord {
+                    coord_restore(&world, &mut rng, &backups.kept, revision)
                 } else {
-                    ClusterId::New
+                    None
                 };
-                if let Some(taken) = restore(&world, &mut rng, &snap, cluster).await {
-                    keep(&mut snapshots, taken);
+                let what = match what {
+                    Some(what) => what,
+                    None => {
+                        let usable: Vec<&Backup> = backups
+                            .kept
+                            .iter()
+                            .filter(|b| b.log.revision() < revision)
+                            .collect();
+                        // Half the time the newest backup, else any kept
+                        // one: often one from before an earlier restore and
+                        // advance (a second restore of one snapshot must not
+                        // re-use an epoch either).
+                        let Some(log) = newest_or_any(&mut rng, &usable).cloned() else {
+                            backups.take(&world);
+                            continue;
+                        };
+                        What::Log {
+                            log,
+                            cluster: draw_cluster(&mut rng),
+                        }
+                    }
+                };
+                if let Some((log, coord)) = restore(&world, &mut rng, &what).await {
+                    backups.keep(log, coord);
                 }
             }
         }
+    }
+}
+
+/// Half the time the newest of `usable`, else any.
+fn newest_or_any<'a>(rng: &mut Rng, usable: &[&'a Backup]) -> Option<&'a Backup> {
+    let pick = match usable.len() {
+        0 => None,
+        n if rng.chance(50) => usable.get(n - 1),
+        n => usable.get(usize::try_from(rng.below(n as u64)).unwrap_or(0)),
+    };
+    pick.copied()
+}
+
+fn draw_cluster(rng: &mut Rng) -> ClusterId {
+    if rng.chance(50) {
+        ClusterId::Same
+    } else {
+        ClusterId::New
+    }
+}
+
+/// A restore of the coord cluster
+/// ([`FaultKnobs::coord_restore_percent`](super::FaultKnobs::coord_restore_percent)):
+/// half the time the coord cluster alone from a kept backup, else the lock
+/// log from one backup and the coord cluster from another. Only a backup of
+/// the coord cluster that shows less than it does now (restoring one that
+/// shows as much changes nothing). `None` when no kept backup fits: then the
+/// lock log alone is restored.
+///
+/// Never both from one backup: the lock log and its witness restored to
+/// the same moment are a consistent past, and nothing in either shows what
+/// came after it; only the arbiters' state dirs (and memory) remember, so
+/// with every state dir wiped that restore is undetectable by design and
+/// re-issues tokens. It is therefore not drawn. Nor two backups that both
+/// predate the serving epoch ([`remembers`]).
+fn coord_restore(world: &World, rng: &mut Rng, backups: &[Backup], revision: i64) -> Option<What> {
+    let now = world.memwitness.as_ref()?.witnessed();
+    let loses = |b: &Backup| b.coord.is_some_and(|c| !c.witnessed.covers(&now));
+    if rng.chance(50) {
+        let usable: Vec<&Backup> = backups.iter().filter(|b| loses(b)).collect();
+        let coord = newest_or_any(rng, &usable)?.clone();
+        return Some(What::Coord { coord });
+    }
+    let serving = epoch_of(&world.memlog.snapshot())
+        .unwrap_or(0)
+        .max(now.epoch);
+    let unguarded = world.cfg.faults.coord_restore_before_serving_epoch;
+    let pairs: Vec<(&Backup, &Backup)> = backups
+        .iter()
+        .filter(|log| log.log.revision() < revision)
+        .flat_map(|log| {
+            backups
+                .iter()
+                .filter(move |coord| {
+                    coord.n != log.n
+                        && loses(coord)
+                        && detectable(log, coord)
+                        && (unguarded || remembers(log, coord, serving))
+                })
+                .map(move |coord| (log, coord))
+        })
+        .collect();
+    if pairs.is_empty() {
+        return None;
+    }
+    let (log, coord) = pairs[usize::try_from(rng.below(pairs.len() as u64)).unwrap_or(0)];
+    Some(What::Both {
+        log: log.clone(),
+        cluster: draw_cluster(rng),
+        coord: coord.clone(),
+    })
+}
+
+/// Whether restoring the lock log from `log` and the coord cluster from
+/// `coord`'s snapshot (taken at different times) is bound to be noticed,
+/// judged from the two backups' contents alone (every arbiter may lose its
+/// state dir with it, so nothing else may be relied on). The design
+/// guarantees it only when the two are apart by at least one vouched grant,
+/// and, when the coord cluster's snapshot is the older, only when the lock
+/// log's coord-seen record already covers more than it shows:
+///
+/// - the coord cluster's snapshot is the newer: its mark covers a grant the
+///   lock log's snapshot does not hold (a later epoch, or a higher revision
+///   in the log's epoch), so the restored log's first answer (or grant)
+///   lies at or below the witnessed mark;
+/// - it is the older: its mark is below the mark of `log`'s own coord
+///   snapshot (a grant vouched for in between), and the lock log's
+///   `sys/coord-seen` record of its epoch shows more than it (the record
+///   is written at most every second, so a snapshot taken within a second
+///   of the other may show no more).
+fn detectable(log: &Backup, coord: &Backup) -> bool {
+    let Some(witness) = coord.coord.map(|c| c.witnessed) else {
+        return false;
+    };
+    let Some(epoch) = epoch_of(&log.log) else {
+        return false;
+    };
+    let newer = witness
+        .mark
+        .is_some_and(|m| m.epoch > epoch || (m.epoch == epoch && m.revision > log.log.revision()));
+    let grant_between = match (log.coord.and_then(|c| c.witnessed.mark), witness.mark) {
+        (Some(then), Some(now)) => !now.covers(&then),
+        (Some(_), None) => true,
+        (None, _) => false,
+    };
+    let recorded = log
+        .log
+        .value("sys/coord-seen")
+        .and_then(decode::<CoordSeenRecord>)
+        .filter(|r| r.lock_epoch == epoch)
+        .map(|r| witnessed_of(&r));
+    let older = grant_between && recorded.is_some_and(|r| !witness.covers(&r));
+    newer || older
+}
+
+/// Whether the lock log's backup or the coord cluster's still knows the
+/// `serving` epoch (the highest handed out in so far): the operator's
+/// advance then goes above it. Two backups that both predate it leave
+/// nothing that knows it once every state dir is wiped (the lock log's
+/// epoch record, its coord-seen record and the coord cluster's allocation
+/// all from before it): the restore is noticed, but the advance re-uses
+/// the serving epoch and re-issues its tokens (seeds 1010 and 1030 of
+/// `witnessed-state-loss` did, before this check). Undetectable in effect
+/// by design, as restoring both from one moment is; not drawn.
+fn remembers(log: &Backup, coord: &Backup, serving: u32) -> bool {
+    let recorded = log
+        .log
+        .value("sys/coord-seen")
+        .and_then(decode::<CoordSeenRecord>)
+        .map(|r| witnessed_of(&r));
+    let known = [
+        epoch_of(&log.log),
+        recorded.map(|r| r.epoch),
+        recorded.and_then(|r| r.mark).map(|m| m.epoch),
+        coord.coord.map(|c| c.witnessed.epoch),
+        coord.coord.and_then(|c| c.witnessed.mark).map(|m| m.epoch),
+    ];
+    known
+        .into_iter()
+        .flatten()
+        .max()
+        .is_some_and(|e| e >= serving)
+}
+
+/// The epoch in a lock log snapshot's epoch record.
+fn epoch_of(log: &Snapshot) -> Option<u32> {
+    log.value("sys/epoch")
+        .and_then(decode::<EpochRecord>)
+        .map(|r| r.epoch)
+}
+
+/// What a coord-seen record says the coord cluster showed (as the arbiter
+/// reads it).
+fn witnessed_of(record: &CoordSeenRecord) -> Witnessed {
+    Witnessed {
+        mark: (record.mark_revision > 0).then(|| Mark {
+            epoch: record.mark_epoch,
+            cluster_id: record.mark_cluster_id.parse().unwrap_or(0),
+            revision: record.mark_revision,
+        }),
+        epoch: record.epoch,
     }
 }
 
@@ -264,19 +551,23 @@ fn compact(world: &World, rng: &mut Rng) {
     done(world, op);
 }
 
-/// Restores the log from `snapshot`, waits for an arbiter to seal, then
-/// advances the epoch as an operator through one arbiter, retrying until
-/// it is done. Now and then ([`FaultKnobs::isolate_percent`]) one arbiter
-/// is cut off from every caller first, until it is quiet, and reconnected
-/// only after the advance: it notices the restore late, in the advanced
-/// epoch, and must not seal that. Otherwise, now and then
+/// Restores the lock log, the coord cluster, or both ([`What`]), waits
+/// for an arbiter to seal, then advances the epoch as an operator through
+/// one arbiter, retrying until it is done (a restore of the coord cluster
+/// that lost nothing the arbiters had seen or the lock log had recorded of
+/// it may not seal: the operator advances anyway after 20 s, and a note
+/// says so). The fault completes with the seal reasons the operator saw.
+/// Now and then ([`FaultKnobs::isolate_percent`]) one arbiter is cut off
+/// from every caller first, until it is quiet, and reconnected only after
+/// the advance: it notices the restore late, in the advanced epoch, and
+/// must not seal that. Otherwise, now and then
 /// ([`FaultKnobs::idle_percent`]) one arbiter is cut off the same way but
 /// reconnected right after the restore, and the operator looks only a
 /// little later: the clients reach it before any arbiter sealed. And now
 /// and then ([`FaultKnobs::wipe_on_restore_percent`]) every arbiter
 /// restarts with its state dir lost right after the restore. Half the
-/// time the operator backs the restored log up before advancing; that
-/// snapshot is returned.
+/// time the operator backs the restored log (and coord cluster) up before
+/// advancing; that backup is returned.
 ///
 /// [`FaultKnobs::isolate_percent`]: super::FaultKnobs::isolate_percent
 /// [`FaultKnobs::idle_percent`]: super::FaultKnobs::idle_percent
@@ -284,9 +575,8 @@ fn compact(world: &World, rng: &mut Rng) {
 async fn restore(
     world: &World,
     rng: &mut Rng,
-    snapshot: &Snapshot,
-    cluster: ClusterId,
-) -> Option<Snapshot> {
+    what: &What,
+) -> Option<(Snapshot, Option<WitnessSnapshot>)> {
     let n = world.arbiters.len();
     let isolated = (n >= 2 && rng.chance(world.cfg.faults.isolate_percent))
         .then(|| usize::try_from(rng.below(n as u64)).unwrap_or(0));
@@ -301,12 +591,8 @@ async fn restore(
     let op = fault(
         world,
         format!(
-            "restore snapshot at r{} ({}) + advance-epoch{}{}{}",
-            snapshot.revision(),
-            match cluster {
-                ClusterId::Same => "same cluster id",
-                ClusterId::New => "new cluster id",
-            },
+            "{} + advance-epoch{}{}{}",
+            what.describe(),
             match isolated {
                 Some(i) => format!(", arbiter-{i} isolated until after the advance"),
                 None => String::new(),
@@ -333,8 +619,19 @@ async fn restore(
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     lock(&world.liveness).last_restore = Some(Instant::now());
-    world.memlog.restore(snapshot, cluster);
-    let taken = back_up.then(|| world.memlog.snapshot());
+    match what {
+        What::Log { log, cluster } => world.memlog.restore(&log.log, *cluster),
+        What::Coord { coord } => restore_coord(world, coord),
+        What::Both {
+            log,
+            cluster,
+            coord,
+        } => {
+            world.memlog.restore(&log.log, *cluster);
+            restore_coord(world, coord);
+        }
+    }
+    let taken = back_up.then(|| back_up_now(world));
     if let Some(i) = idle {
         // Back at once; the operator looks a little later, so the clients'
         // calls (the idle arbiter's among them) meet the restored log first.
@@ -356,20 +653,24 @@ async fn restore(
     // The arbiters notice on their next answer (the clients keep calling);
     // the operator polls the status as the gate's nemesis does.
     let noticed_by = Instant::now() + Duration::from_secs(20);
-    loop {
-        if world
+    let sealed = loop {
+        let reasons: Vec<String> = world
             .up()
             .iter()
-            .any(|a| a.table.seal().guard().seal_reason().is_some())
-        {
-            break;
+            .filter_map(|a| {
+                let reason = a.table.seal().guard().seal_reason()?;
+                Some(format!("arbiter-{}: {reason}", a.index))
+            })
+            .collect();
+        if !reasons.is_empty() {
+            break format!("sealed: {}", reasons.join("; "));
         }
         if Instant::now() >= noticed_by {
             world.note(format!(
                 "no arbiter sealed within 20 s of the restore at {:.1} ms; advancing anyway",
                 world.ms(Instant::now())
             ));
-            break;
+            break "no arbiter sealed within 20 s".to_string();
         }
         if let Some(a) = world.any(rng) {
             let table = a.table.clone();
@@ -380,7 +681,7 @@ async fn restore(
             }
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    };
 
     let adv = world.invoke(
         "nemesis",
@@ -403,8 +704,15 @@ async fn restore(
         // Long enough for its clients to reach it again.
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    done(world, op);
+    world.complete(op, Outcome::Ok, None, None, Some(sealed));
     taken
+}
+
+/// Restores the coord cluster from `coord`'s snapshot.
+fn restore_coord(world: &World, coord: &Backup) {
+    if let (Some(witness), Some(snapshot)) = (&world.memwitness, &coord.coord) {
+        witness.restore(snapshot);
+    }
 }
 
 const REASON: &str = "simulation: restore from snapshot";
