@@ -14,7 +14,8 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The default `--max-sessions-per-identity`.
@@ -32,9 +33,13 @@ pub struct Bounds {
     pub max_sessions: u32,
     renewals: Mutex<RenewalMemo>,
     open_turns: [tokio::sync::Mutex<()>; OPEN_STRIPES],
-    /// Opens reserved and not yet finished, per identity (an entry leaves at
-    /// zero, so the map holds only identities opening right now).
-    opening: Mutex<HashMap<String, u32>>,
+    /// Opens reserved and not yet finished, per identity: the revision each
+    /// one's count entry was written at (0: not yet). An identity leaves
+    /// when its last open finishes, so the map holds only identities
+    /// opening right now.
+    opening: Mutex<HashMap<String, Vec<Arc<AtomicI64>>>>,
+    /// Wakes an open that waits for opens in flight to finish.
+    open_progress: tokio::sync::Notify,
     /// Keyed with a per-process secret: nobody can aim at another's stripe.
     stripe_hasher: RandomState,
 }
@@ -46,6 +51,7 @@ impl Bounds {
             renewals: Mutex::new(RenewalMemo::default()),
             open_turns: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
             opening: Mutex::new(HashMap::new()),
+            open_progress: tokio::sync::Notify::new(),
             stripe_hasher: RandomState::new(),
         }
     }
@@ -58,22 +64,49 @@ impl Bounds {
         self.open_turns[stripe].lock().await
     }
 
-    /// Reserves one open for `identity` that already has `open` sessions in
-    /// the log, unless that and its opens in flight reach `max`. Call with
-    /// the identity's turn held, after counting; the reservation lasts until
-    /// its open has finished (created or failed), so an open is always
-    /// counted either in the log or here (or briefly both: never too few).
-    pub fn reserve_open(&self, identity: &str, open: u32, max: u32) -> Option<OpenReservation<'_>> {
+    /// Reserves one open for `identity`, which has `open` sessions in the
+    /// log as of revision `at`, unless those and its opens in flight reach
+    /// `max`. Call with the identity's turn held, after counting. An open in
+    /// flight counts until its count entry is known written at a revision
+    /// the count covers (then the count has it), so the bound holds; an open
+    /// whose entry is written but not yet known so may count twice, so a
+    /// `None` while `open < max` means "wait for [`Self::open_progress`] and
+    /// count again", never a refusal.
+    pub fn reserve_open(
+        &self,
+        identity: &str,
+        open: u32,
+        at: i64,
+        max: u32,
+    ) -> Option<OpenReservation<'_>> {
         let mut opening = self.opening.lock().ok()?;
-        let in_flight = opening.get(identity).copied().unwrap_or(0);
-        if open.saturating_add(in_flight) >= max {
+        let slots = opening.entry(identity.to_string()).or_default();
+        let in_flight = slots
+            .iter()
+            .filter(|s| {
+                let written = s.load(Ordering::SeqCst);
+                written == 0 || written > at
+            })
+            .count();
+        if u64::from(open) + in_flight as u64 >= u64::from(max) {
+            if slots.is_empty() {
+                opening.remove(identity);
+            }
             return None;
         }
-        *opening.entry(identity.to_string()).or_insert(0) += 1;
+        let slot = Arc::new(AtomicI64::new(0));
+        slots.push(slot.clone());
         Some(OpenReservation {
             bounds: self,
             identity: identity.to_string(),
+            slot,
         })
+    }
+
+    /// Resolves when an open in flight finishes or learns its revision.
+    /// Create it before counting, so no progress in between is missed.
+    pub fn open_progress(&self) -> tokio::sync::futures::Notified<'_> {
+        self.open_progress.notified()
     }
 
     /// The TTL left (whole seconds, at least 1) when `session` was renewed in
@@ -101,18 +134,28 @@ impl Bounds {
 pub struct OpenReservation<'a> {
     bounds: &'a Bounds,
     identity: String,
+    slot: Arc<AtomicI64>,
+}
+
+impl OpenReservation<'_> {
+    /// The open's count entry is in the log as of `revision`.
+    pub fn written_at(&self, revision: i64) {
+        self.slot.store(revision.max(1), Ordering::SeqCst);
+        self.bounds.open_progress.notify_waiters();
+    }
 }
 
 impl Drop for OpenReservation<'_> {
     fn drop(&mut self) {
         if let Ok(mut opening) = self.bounds.opening.lock()
-            && let Some(n) = opening.get_mut(&self.identity)
+            && let Some(slots) = opening.get_mut(&self.identity)
         {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
+            slots.retain(|s| !Arc::ptr_eq(s, &self.slot));
+            if slots.is_empty() {
                 opening.remove(&self.identity);
             }
         }
+        self.bounds.open_progress.notify_waiters();
     }
 }
 
@@ -277,32 +320,44 @@ mod tests {
     }
 
     #[test]
-    fn opens_in_flight_count_against_the_bound_until_they_finish() {
+    fn opens_in_flight_count_against_the_bound_once() {
         let bounds = Bounds::new(3);
         let a = "spiffe://td/a";
         let first = bounds
-            .reserve_open(a, 1, 3)
+            .reserve_open(a, 1, 10, 3)
             .expect("1 open + 0 in flight < 3");
         assert!(
-            bounds.reserve_open(a, 2, 3).is_none(),
+            bounds.reserve_open(a, 2, 10, 3).is_none(),
             "2 open + 1 in flight"
         );
         let second = bounds
-            .reserve_open(a, 1, 3)
+            .reserve_open(a, 1, 10, 3)
             .expect("1 open + 1 in flight < 3");
         assert!(
-            bounds.reserve_open(a, 1, 3).is_none(),
+            bounds.reserve_open(a, 1, 10, 3).is_none(),
             "1 open + 2 in flight"
         );
         assert!(
-            bounds.reserve_open("spiffe://td/b", 0, 3).is_some(),
+            bounds.reserve_open("spiffe://td/b", 0, 10, 3).is_some(),
             "another identity has its own"
         );
-        drop(first);
-        let _third = bounds.reserve_open(a, 1, 3).expect("one finished");
+        // the first is written at revision 12: a count of revision 11 does
+        // not have it (still in flight), one of revision 12 does (not twice)
+        first.written_at(12);
+        assert!(
+            bounds.reserve_open(a, 1, 11, 3).is_none(),
+            "1 + 2 in flight at r11"
+        );
+        assert!(
+            bounds.reserve_open(a, 2, 12, 3).is_none(),
+            "2 counted (the first among them) + 1 in flight"
+        );
         drop(second);
-        assert_eq!(bounds.opening.lock().unwrap().get(a), Some(&1));
-        drop(_third);
+        let _fourth = bounds
+            .reserve_open(a, 2, 12, 3)
+            .expect("2 counted + 0 in flight");
+        drop(first);
+        drop(_fourth);
         assert!(
             bounds.opening.lock().unwrap().is_empty(),
             "entries leave at zero"

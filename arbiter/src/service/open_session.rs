@@ -58,22 +58,35 @@ impl Arbiter {
 
     /// Counts `identity`'s sessions and reserves one more under its turn, then
     /// creates it outside the turn: one identity's opens run side by side,
-    /// and one arbiter never lets them overshoot the bound (an open in
-    /// flight counts until it has finished).
+    /// one arbiter never lets them overshoot the bound (an open in flight
+    /// counts until the count has it), and a refusal means the log itself
+    /// holds `max` sessions.
     async fn open_within_bound(&self, identity: &str, ttl: u32) -> Result<i64, ArbiterError> {
         let max = self.bounds.max_sessions;
         let reservation = {
             let _turn = self.bounds.open_turn(identity).await;
-            let open = self.table.count_sessions_of(identity).await?;
-            self.bounds.reserve_open(identity, open, max)
+            loop {
+                let progress = self.bounds.open_progress();
+                tokio::pin!(progress);
+                progress.as_mut().enable();
+                let (open, at) = self.table.count_sessions_of(identity).await?;
+                if open >= max {
+                    return Err(ArbiterError::IdentityLimit {
+                        bound: IdentityBound::Sessions,
+                        limit: max,
+                    });
+                }
+                match self.bounds.reserve_open(identity, open, at, max) {
+                    Some(reservation) => break reservation,
+                    // Under the bound only with opens in flight that the
+                    // count may already have: wait for one to finish.
+                    None => progress.await,
+                }
+            }
         };
-        let Some(_reservation) = reservation else {
-            return Err(ArbiterError::IdentityLimit {
-                bound: IdentityBound::Sessions,
-                limit: max,
-            });
-        };
-        self.table.create_session(identity, ttl).await
+        let (session, written_at) = self.table.create_session(identity, ttl).await?;
+        reservation.written_at(written_at);
+        Ok(session)
     }
 
     /// The session if it belongs to the caller; otherwise SESSION_EXPIRED

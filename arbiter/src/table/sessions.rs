@@ -23,13 +23,14 @@ pub fn random_lease_id() -> Result<i64, ArbiterError> {
 }
 
 impl LockTable {
-    /// How many sessions `identity` has open, over every arbiter.
-    pub async fn count_sessions_of(&self, identity: &str) -> Result<u32, ArbiterError> {
-        let (n, _) = self
+    /// How many sessions `identity` has open, over every arbiter, and the
+    /// log revision the count is of.
+    pub async fn count_sessions_of(&self, identity: &str) -> Result<(u32, i64), ArbiterError> {
+        let (n, header) = self
             .seal
             .checked(self.log.count_sessions_of(identity))
             .await?;
-        Ok(n)
+        Ok((n, header.revision))
     }
 
     /// Opens a session: a lease with an id of our own drawing, its record and
@@ -44,21 +45,22 @@ impl LockTable {
         ttl_seconds: u32,
         max_sessions: u32,
     ) -> Result<i64, ArbiterError> {
-        if self.count_sessions_of(identity).await? >= max_sessions {
+        if self.count_sessions_of(identity).await?.0 >= max_sessions {
             return Err(ArbiterError::IdentityLimit {
                 bound: IdentityBound::Sessions,
                 limit: max_sessions,
             });
         }
-        self.create_session(identity, ttl_seconds).await
+        Ok(self.create_session(identity, ttl_seconds).await?.0)
     }
 
-    /// Creates a session (lease, record, count entry) without counting.
+    /// Creates a session (lease, record, count entry) without counting: its
+    /// id and the log revision its count entry was written at.
     pub async fn create_session(
         &self,
         identity: &str,
         ttl_seconds: u32,
-    ) -> Result<i64, ArbiterError> {
+    ) -> Result<(i64, i64), ArbiterError> {
         let mut attempt = 0;
         let id = loop {
             attempt += 1;
@@ -81,10 +83,11 @@ impl LockTable {
             identity: identity.to_string(),
             ttl_seconds,
         });
-        self.seal
+        let ((), header) = self
+            .seal
             .checked(self.log.put_session(id, identity, record))
             .await?;
-        Ok(id)
+        Ok((id, header.revision))
     }
 
     pub async fn session(&self, lease: i64) -> Result<Option<SessionRecord>, ArbiterError> {
