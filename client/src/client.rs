@@ -238,12 +238,25 @@ impl Client {
         expected: u32,
         reason: &str,
     ) -> Result<AdvanceEpochResponse, Error> {
+        self.advance_epoch_at_least(expected, reason, 0).await
+    }
+
+    /// [`Self::advance_epoch`] to an epoch of at least `at_least`: after
+    /// restoring both clusters from backups older than the serving epoch,
+    /// pass one above the highest epoch your fenced resources have seen.
+    pub async fn advance_epoch_at_least(
+        &self,
+        expected: u32,
+        reason: &str,
+        at_least: u32,
+    ) -> Result<AdvanceEpochResponse, Error> {
         let rpc = &self.inner.rpc;
         Ok(rpc
             .admin()
             .advance_epoch(rpc.unary(AdvanceEpochRequest {
                 expected_epoch: expected,
                 reason: reason.to_owned(),
+                at_least_epoch: at_least,
             }))
             .await?
             .into_inner())

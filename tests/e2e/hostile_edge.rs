@@ -183,6 +183,7 @@ async fn reserved_headers_in_request_trailers_are_refused_for_every_method() -> 
             encode(&AdvanceEpochRequest {
                 expected_epoch: 999_999,
                 reason: "mallory".into(),
+                ..Default::default()
             }),
             &operator,
         ),

@@ -106,6 +106,7 @@ async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyh
             .advance_epoch(AdvanceEpochRequest {
                 expected_epoch: 1,
                 reason: "x".into(),
+                ..Default::default()
             })
             .await,
         Code::PermissionDenied,
@@ -115,6 +116,7 @@ async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyh
         op.advance_epoch(AdvanceEpochRequest {
             expected_epoch: 7,
             reason: "restore drill".into(),
+            ..Default::default()
         })
         .await,
         Code::InvalidArgument,
@@ -124,6 +126,7 @@ async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyh
         .advance_epoch(AdvanceEpochRequest {
             expected_epoch: 1,
             reason: "restore drill".into(),
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -168,6 +171,7 @@ async fn a_restore_to_before_an_epoch_advance_is_sealed_too() -> anyhow::Result<
     op.advance_epoch(AdvanceEpochRequest {
         expected_epoch: 1,
         reason: "rehome".into(),
+        ..Default::default()
     })
     .await?;
     let session = open(&mut alice, "demo").await?;
@@ -222,6 +226,7 @@ async fn a_second_restore_of_the_same_snapshot_never_reuses_an_epoch() -> anyhow
         .advance_epoch(AdvanceEpochRequest {
             expected_epoch: 1,
             reason: "first restore".into(),
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -239,6 +244,7 @@ async fn a_second_restore_of_the_same_snapshot_never_reuses_an_epoch() -> anyhow
         .advance_epoch(AdvanceEpochRequest {
             expected_epoch: 1,
             reason: "second restore".into(),
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -292,6 +298,7 @@ async fn an_arbiter_that_notices_a_restore_after_the_advance_does_not_seal_the_n
         .advance_epoch(AdvanceEpochRequest {
             expected_epoch: 1,
             reason: "restore drill".into(),
+            ..Default::default()
         })
         .await?
         .into_inner();

@@ -143,6 +143,7 @@ async fn advance_from_1(arbiter: &Arbiter, reason: &str) -> anyhow::Result<u32> 
         .advance_epoch(AdvanceEpochRequest {
             expected_epoch: 1,
             reason: reason.into(),
+            ..Default::default()
         })
         .await?
         .into_inner()
@@ -208,6 +209,7 @@ async fn a_restore_after_every_arbiter_lost_its_state_is_sealed_by_the_coord_wit
         .advance_epoch(AdvanceEpochRequest {
             expected_epoch: 1,
             reason: "restore drill, state lost".into(),
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -248,6 +250,7 @@ async fn a_restore_after_every_arbiter_lost_its_state_is_sealed_by_the_coord_wit
         .advance_epoch(AdvanceEpochRequest {
             expected_epoch: 1,
             reason: "second restore, state lost again".into(),
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -378,6 +381,7 @@ async fn the_safe_default_is_lifted_by_an_epoch_advance() -> anyhow::Result<()> 
     op.advance_epoch(AdvanceEpochRequest {
         expected_epoch: 1,
         reason: "the state directory was lost; no restore happened".into(),
+        ..Default::default()
     })
     .await?;
     let mut alice = cautious.lock("workload/alice").await?;
@@ -693,6 +697,94 @@ async fn a_coord_restore_that_lost_nothing_does_not_seal() -> anyhow::Result<()>
         before_snapshot & REVISION_BITS,
         seen.coord_seen_mark_epoch,
         seen.coord_seen_revision,
+        g.epoch,
+        g.token & REVISION_BITS
+    );
+    Ok(())
+}
+
+/// The documented limit, and the operator's way out of it: both clusters
+/// restored from backups taken at one moment, before an epoch advance, every
+/// arbiter's state lost. Nothing left remembers epoch 2 or its tokens, so
+/// nothing seals, and an advance by the arbiter's own knowledge would give
+/// epoch 2 again. The operator reads the highest token a fenced resource
+/// stored and advances with `at_least_epoch` above its epoch: every token
+/// after that is above every token handed out before. A floor beyond the
+/// epoch space is refused with INVALID_ARGUMENT.
+#[tokio::test(flavor = "multi_thread")]
+async fn after_both_clusters_lost_an_epoch_the_operators_floor_puts_tokens_above_it()
+-> anyhow::Result<()> {
+    latchkey_tests::init_tracing();
+    let mut lock = EtcdServer::start().await?;
+    let mut coord = EtcdServer::start().await?;
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().join("state");
+    let lock_snapshot = tempfile::NamedTempFile::new()?;
+    let coord_snapshot = tempfile::NamedTempFile::new()?;
+
+    let first = arbiter(&lock, Some(&coord), &state_dir).await?;
+    let mut alice = first.lock("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    churn(&mut alice, session, 3).await?;
+    // one backup job, both clusters at once
+    lock.snapshot_save(lock_snapshot.path()).await?;
+    coord.snapshot_save(coord_snapshot.path()).await?;
+    assert_eq!(advance_from_1(&first, "a drill after the backup").await?, 2);
+    let g = one_grant(&first).await?;
+    let mut alice = first.lock("workload/alice").await?;
+    let session = open(&mut alice, "demo").await?;
+    // what a fenced resource stored last: an epoch-2 token
+    let highest_fenced = churn(&mut alice, session, 5).await?.max(g.token);
+    assert_eq!(highest_fenced >> 48, 2);
+    stop_and_forget(first).await?;
+
+    restore_same_flags(&mut lock, lock_snapshot.path()).await?;
+    restore_same_flags(&mut coord, coord_snapshot.path()).await?;
+    let second = arbiter(&lock, Some(&coord), &state_dir).await?;
+    let before = status(&second).await?;
+    assert!(
+        !before.sealed && before.epoch == 1 && before.witnessed_epoch == 1,
+        "both backups from one moment: nothing remembers epoch 2: {before:?}"
+    );
+    let mut op = second.admin("latchkey/operator").await?;
+    let beyond = op
+        .advance_epoch(AdvanceEpochRequest {
+            expected_epoch: 1,
+            reason: "a floor beyond the epoch space".into(),
+            at_least_epoch: u32::MAX,
+        })
+        .await;
+    match beyond {
+        Err(s) => assert!(
+            s.code() == Code::InvalidArgument && s.message().contains("epoch space"),
+            "{s:?}"
+        ),
+        Ok(r) => anyhow::bail!("a floor beyond the epoch space was taken: {r:?}"),
+    }
+    assert_eq!(
+        status(&second).await?.epoch,
+        1,
+        "the refused advance wrote nothing"
+    );
+    let floor = u32::try_from(highest_fenced >> 48)? + 1;
+    let advanced = op
+        .advance_epoch(AdvanceEpochRequest {
+            expected_epoch: 1,
+            reason: "both clusters restored from one backup; floor from the fence".into(),
+            at_least_epoch: floor,
+        })
+        .await?
+        .into_inner();
+    assert_eq!(advanced.epoch, 3, "one above the fence's epoch 2");
+    let g = one_grant(&second).await?;
+    assert!(
+        g.token > highest_fenced,
+        "token {:#x} not above the fenced {highest_fenced:#x}",
+        g.token
+    );
+    eprintln!(
+        "witness e2e: both restored from one moment; fenced e2:r{}, after the operator's floor e{}:r{}",
+        highest_fenced & REVISION_BITS,
         g.epoch,
         g.token & REVISION_BITS
     );

@@ -63,7 +63,7 @@ impl Arbiter {
         let (record, deleted) = self
             .table
             .seal()
-            .advance_epoch(req.expected_epoch, reason)
+            .advance_epoch_at_least(req.expected_epoch, reason, req.at_least_epoch)
             .await?;
         warn!(operator = %caller.identity, epoch = record.epoch, holds_deleted = deleted, reason, "epoch advanced");
         Ok(AdvanceEpochResponse {

@@ -618,6 +618,23 @@ impl Seal {
         expected: u32,
         reason: &str,
     ) -> Result<(EpochRecord, i64), ArbiterError> {
+        self.advance_epoch_at_least(expected, reason, 0).await
+    }
+
+    /// [`Self::advance_epoch`] to an epoch of at least `at_least` (the
+    /// operator's floor, for what nothing here remembers).
+    pub async fn advance_epoch_at_least(
+        &self,
+        expected: u32,
+        reason: &str,
+        at_least: u32,
+    ) -> Result<(EpochRecord, i64), ArbiterError> {
+        if at_least >= token::MAX_EPOCH {
+            return Err(ArbiterError::BadRequest(format!(
+                "at_least_epoch {at_least} is beyond the epoch space (below {}); pass one above the highest epoch your fenced resources have seen (token >> 48)",
+                token::MAX_EPOCH
+            )));
+        }
         let answer = self.log.records().await?;
         let cluster_id = answer.header.cluster_id;
         let records = answer.value;
@@ -649,7 +666,8 @@ impl Seal {
         let mut next = (record.epoch + 1)
             .max(seal_floor)
             .max(self.next_epoch_floor())
-            .max(self.witnessed_epoch_floor());
+            .max(self.witnessed_epoch_floor())
+            .max(at_least);
         if let Some(shared) = &self.witness {
             next = shared.witness().allocate_epoch(next).await?;
         }

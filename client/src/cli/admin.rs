@@ -12,7 +12,7 @@ use super::{Failure, Output};
 pub enum AdminCommand {
     /// The arbiter's epoch, cluster ids, seal state and witness.
     Status,
-    /// Unseal after a restore: epoch `expected` -> `expected + 1`, deleting every hold.
+    /// Unseal after a restore: epoch `expected` -> above every epoch known, deleting every hold.
     AdvanceEpoch(AdvanceArgs),
 }
 
@@ -24,6 +24,12 @@ pub struct AdvanceArgs {
     /// Why; stored with the new epoch record.
     #[arg(long)]
     pub reason: String,
+    /// The new epoch is at least this. Only needed after restoring BOTH the
+    /// lock and the coord cluster from backups older than the serving epoch:
+    /// pass one above the highest epoch in any token your fenced resources
+    /// stored (token >> 48).
+    #[arg(long, default_value_t = 0)]
+    pub at_least: u32,
 }
 
 pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<ExitCode, Failure> {
@@ -81,7 +87,9 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
             }
         }
         AdminCommand::AdvanceEpoch(args) => {
-            let r = client.advance_epoch(args.expected, &args.reason).await?;
+            let r = client
+                .advance_epoch_at_least(args.expected, &args.reason, args.at_least)
+                .await?;
             if out.json {
                 out.line(json!({
                     "epoch": r.epoch,
