@@ -416,16 +416,17 @@ async fn one_identity_cannot_queue_more_waiting_acquires_than_its_bound() -> any
     for w in &waits {
         w.abort();
     }
+    // (both keys: until the last of them has left, alice is still at her bound)
     eventually("alice's waiters to leave", Duration::from_secs(10), || {
         let mut probe = probe.clone();
         async move {
-            let view = probe
-                .inspect(InspectRequest {
-                    key: keys[0].into(),
-                })
-                .await?
-                .into_inner();
-            anyhow::ensure!(view.waiters == 0, "{} queued", view.waiters);
+            for key in &keys[..2] {
+                let view = probe
+                    .inspect(InspectRequest { key: (*key).into() })
+                    .await?
+                    .into_inner();
+                anyhow::ensure!(view.waiters == 0, "{} queued on {key}", view.waiters);
+            }
             Ok(())
         }
     })
