@@ -445,6 +445,29 @@ async fn latchkey(
                 .await?
                 .into_inner()
                 .session_id;
+            // The acquirer's own session lives as long as the phase: renew it
+            // every 20 s (TTL/3) on its own stream.
+            let (renew_tx, renew_rx) = mpsc::channel(4);
+            let mut renewals = c
+                .keep_alive(tokio_stream::wrappers::ReceiverStream::new(renew_rx))
+                .await?
+                .into_inner();
+            let keeper = tokio::spawn(async move {
+                loop {
+                    let request = KeepAliveRequest {
+                        session_id: session,
+                        ..Default::default()
+                    };
+                    if renew_tx.send(request).await.is_err() {
+                        return;
+                    }
+                    match renewals.message().await {
+                        Ok(Some(r)) if r.remaining_ttl_seconds > 0 => {}
+                        _ => return,
+                    }
+                    tokio::time::sleep(Duration::from_secs(20)).await;
+                }
+            });
             let mut i = 0u64;
             while Instant::now() < until {
                 i += 1;
@@ -468,6 +491,7 @@ async fn latchkey(
                 })
                 .await?;
             }
+            keeper.abort();
             anyhow::Ok(())
         });
     }
