@@ -530,7 +530,7 @@ pub async fn run(
         .layer(identity::channel::IdentityChannelLayer)
         .add_service(LockServer::new(LockService::new(arbiter.clone())))
         .add_service(AdminServer::new(AdminService::new(arbiter.clone())))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(no_delay(TcpListenerStream::new(listener)), shutdown)
         .await;
     // Returns only once everything it started has stopped: the table's
     // drivers and orphan releases, the reloader, the metrics server.
@@ -539,4 +539,22 @@ pub async fn run(
     tasks.close();
     tasks.wait().await;
     result.map_err(RunError::from)
+}
+
+/// Every accepted connection with Nagle's algorithm off. tonic sets
+/// `TCP_NODELAY` only on connections it accepts itself; ours come from our
+/// own listener, so without this a small answer (a renewal, a grant) waits
+/// for the peer's ACK of the previous one whenever one is in flight.
+fn no_delay(
+    incoming: TcpListenerStream,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt as _;
+    incoming.map(|accepted| {
+        if let Ok(stream) = &accepted
+            && let Err(e) = stream.set_nodelay(true)
+        {
+            warn!(error = %e, "could not turn Nagle's algorithm off on a connection");
+        }
+        accepted
+    })
 }

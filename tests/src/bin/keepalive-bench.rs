@@ -342,6 +342,7 @@ async fn latchkey(
     // open every identity's sessions
     let mut per_identity = Vec::new();
     for i in 0..identities {
+        let opened_from = Instant::now();
         let ch = channel(arbiter.addr(), &format!("workload/bench-{i}")).await?;
         let client = latchkey_proto::lockv1::lock_client::LockClient::new(ch);
         let count = PER_IDENTITY.min(n - i * PER_IDENTITY);
@@ -365,7 +366,7 @@ async fn latchkey(
         while let Some(r) = tasks.join_next().await {
             ids.push(r??);
         }
-        per_identity.push((client, ids));
+        per_identity.push((client, ids, opened_from));
     }
     println!(
         "opened {n} sessions in {:.1} s ({:.0}/s)",
@@ -379,7 +380,7 @@ async fn latchkey(
     let mut renewers = tokio::task::JoinSet::new();
     let mut all_ids = Vec::new();
     let per_message = usize::from(args.per_message);
-    for (mut client, ids) in per_identity {
+    for (mut client, ids, opened_from) in per_identity {
         all_ids.extend(ids.iter().copied());
         let rounds = rounds.clone();
         renewers.spawn(async move {
@@ -402,13 +403,23 @@ async fn latchkey(
             };
             let batches: Vec<Vec<i64>> = ids.chunks(per_message).map(<[i64]>::to_vec).collect();
             let gap = period / u32::try_from(batches.len().max(1))?;
-            let mut next = tokio::time::Instant::now() + gap.mul_f64(fastrand::f64() * 100.0);
+            // The first round reaches every session within 2/3 of its TTL
+            // (period = TTL/3) of its open, however long opening the others
+            // took; then every session once a period.
+            let first_round = (opened_from + period * 2)
+                .saturating_duration_since(Instant::now())
+                .clamp(Duration::from_secs(1), period);
+            let first_gap = first_round / u32::try_from(batches.len().max(1))?;
+            let mut next = tokio::time::Instant::now();
+            let mut round = 0u64;
             'outer: loop {
+                round += 1;
+                let this_gap = if round == 1 { first_gap } else { gap };
                 for batch in &batches {
                     if Instant::now() >= until {
                         break 'outer;
                     }
-                    next += gap;
+                    next += this_gap;
                     tokio::time::sleep_until(next).await;
                     if let Ok(mut s) = sent.lock() {
                         let now = Instant::now();
