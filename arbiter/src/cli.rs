@@ -103,6 +103,11 @@ struct Args {
     /// keys (RESOURCE_EXHAUSTED / QUEUE_FULL beyond it).
     #[arg(long, default_value_t = crate::table::DEFAULT_MAX_WAITERS_PER_IDENTITY)]
     max_waiters_per_identity: u32,
+    /// Keys one identity may hold, over every arbiter (Acquire answers
+    /// RESOURCE_EXHAUSTED / IDENTITY_LIMIT beyond it): every hold is a key
+    /// in etcd, and etcd refuses every write once its quota is full.
+    #[arg(long, default_value_t = crate::hold_counts::DEFAULT_MAX_HOLDS_PER_IDENTITY)]
+    max_holds_per_identity: u32,
     /// Serve without TLS; callers name themselves in a header. Laptops only.
     #[arg(long)]
     insecure_dev: bool,
@@ -196,6 +201,7 @@ pub async fn main_with(
     config.trust_unwitnessed_log = args.trust_unwitnessed_log;
     config.max_wait = Duration::from_secs(args.max_wait_seconds);
     config.max_sessions_per_identity = args.max_sessions_per_identity;
+    config.max_holds_per_identity = args.max_holds_per_identity;
     config.max_waiters_per_identity = args.max_waiters_per_identity;
     config.metrics_listen = args.metrics_listen;
     config.log_layer = log_layer;

@@ -150,6 +150,8 @@ impl ArbiterError {
 pub enum IdentityBound {
     /// Open sessions (`--max-sessions-per-identity`).
     Sessions,
+    /// Keys held (`--max-holds-per-identity`).
+    Holds,
 }
 
 impl IdentityBound {
@@ -158,6 +160,9 @@ impl IdentityBound {
             Self::Sessions => format!(
                 "this identity has {limit} open sessions (the arbiter's --max-sessions-per-identity); reuse one session per lock class (OpenSession's reuse_session_ids) and close sessions you no longer need"
             ),
+            Self::Holds => format!(
+                "this identity holds {limit} keys (the arbiter's --max-holds-per-identity); release the keys you no longer need before taking more"
+            ),
         }
     }
 
@@ -165,6 +170,7 @@ impl IdentityBound {
     pub fn kind(self) -> &'static str {
         match self {
             Self::Sessions => "sessions",
+            Self::Holds => "holds",
         }
     }
 }

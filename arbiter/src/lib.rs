@@ -19,6 +19,7 @@ pub mod config;
 pub mod epoch;
 pub mod error;
 pub mod high_water;
+pub mod hold_counts;
 pub mod hook;
 pub mod identity;
 pub mod lock_log;
@@ -54,9 +55,10 @@ use crate::epoch::EpochGuard;
 use crate::high_water::HighWater;
 use crate::identity::IdentitySource;
 use crate::lock_log::LockLog;
-use crate::lock_log::etcd::{EtcdLog, EtcdLogin, EtcdTlsPem, StoreConfig};
+use crate::lock_log::etcd::{EtcdLog, EtcdLogin, EtcdTlsPem, StoreConfig, connect_client};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
+use crate::records::Layout;
 use crate::table::{LockTable, TableOptions};
 use crate::witness::Witness;
 use crate::witness::etcd::EtcdWitness;
@@ -243,6 +245,16 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             "lock log ready"
         ),
     }
+    // Its own connection: the watch of every holder record must not queue
+    // behind grants on the lock log's.
+    let holds = hold_counts::HoldCounts::new(config.max_holds_per_identity);
+    let hold_watch = {
+        let client = connect_client(&lock_store)
+            .await
+            .map_err(|e| unreachable(e.into()))?;
+        let follow = Arc::clone(&holds).follow(client, Layout::new(&config.prefix).holders());
+        hold_counts::AbortOnDrop(tokio::spawn(follow).abort_handle())
+    };
     let identity = match &config.tls {
         Some(_) => IdentitySource::Tls {
             trust_domain: config.trust_domain.clone(),
@@ -271,6 +283,8 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         )),
         max_wait: config.max_wait,
         bounds,
+        holds,
+        _hold_watch: hold_watch,
     }))
 }
 

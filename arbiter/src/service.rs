@@ -49,6 +49,10 @@ pub struct Arbiter {
     pub(crate) metrics: Arc<Metrics>,
     /// Per-identity bounds on sessions and renewals.
     pub(crate) bounds: Arc<crate::bounds::Bounds>,
+    /// Holds per identity, counted from the log (the bound on holds).
+    pub(crate) holds: Arc<crate::hold_counts::HoldCounts>,
+    /// Ends the holds' watch with the arbiter.
+    pub(crate) _hold_watch: crate::hold_counts::AbortOnDrop,
 }
 
 impl Arbiter {

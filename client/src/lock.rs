@@ -249,8 +249,10 @@ impl LockGuard {
         self.session.core.deadline()
     }
 
+    /// Whether this hold is lost: its session was fenced, or the arbiter
+    /// said the hold ended ([`FenceReason::HoldEnded`]).
     pub fn is_fenced(&self) -> bool {
-        self.session.core.fenced().is_some()
+        self.hold.has_ended() || self.session.core.fenced().is_some()
     }
 
     /// Counts this guard down; the last one sends Release.
@@ -258,6 +260,12 @@ impl LockGuard {
         self.armed = false;
         let core = &self.session.core;
         match core.release_one(&self.hold, self.guard_id) {
+            // The arbiter said the hold ended: nothing to release, and the
+            // caller hears that it was lost, as from a fenced session.
+            Decrement::NotHeld if self.hold.has_ended() => Err(Error::Fenced {
+                session_id: core.id,
+                reason: FenceReason::HoldEnded,
+            }),
             Decrement::Remaining(_) | Decrement::NotHeld => Ok(()),
             Decrement::Last => {
                 let _settle = SettleRelease {

@@ -36,6 +36,10 @@ pub enum FenceReason {
     Expired,
     /// [`Session::close`] was called while holds were attached.
     Closed,
+    /// The arbiter told us this hold ended (an operator's force-release,
+    /// the session's expiry or revocation, an epoch advance) before its
+    /// deadline: only this hold is fenced, the session goes on.
+    HoldEnded,
 }
 
 impl fmt::Display for FenceReason {
@@ -44,6 +48,9 @@ impl fmt::Display for FenceReason {
             FenceReason::DeadlineExceeded => "no keepalive succeeded before the fence deadline",
             FenceReason::Expired => "the arbiter expired the session",
             FenceReason::Closed => "the session was closed",
+            FenceReason::HoldEnded => {
+                "the arbiter reported that the hold ended (force-released, expired or an epoch advance)"
+            }
         })
     }
 }
@@ -61,7 +68,8 @@ pub(crate) struct SessionCore {
 struct CoreState {
     liveness: Liveness,
     holds: Holds,
-    on_fence: HashMap<u64, FenceCallback>,
+    /// Per guard: the key it holds and its callback.
+    on_fence: HashMap<u64, (String, FenceCallback)>,
     next_guard: u64,
 }
 
@@ -125,6 +133,9 @@ impl SessionCore {
                 return;
             }
             std::mem::take(&mut state.on_fence)
+                .into_values()
+                .map(|(_, callback)| callback)
+                .collect::<Vec<_>>()
         };
         tracing::warn!(
             session_id = self.id,
@@ -132,9 +143,44 @@ impl SessionCore {
             %reason,
             "session fenced"
         );
-        for callback in callbacks.into_values() {
+        for callback in callbacks {
             // One panicking callback must not keep the others from firing.
             if catch_unwind(AssertUnwindSafe(|| callback(reason))).is_err() {
+                tracing::error!(session_id = self.id, "an on_fence callback panicked");
+            }
+        }
+    }
+
+    /// The arbiter says the hold of `key` granted at `revision` ended. If
+    /// that is the hold we have (not one we are releasing, nor a later one
+    /// of the key), it is fenced: its guards' `on_fence` fire, once, and it
+    /// leaves the table so the key can be acquired again.
+    pub(crate) fn hold_ended(&self, key: &str, revision: i64) {
+        let callbacks = {
+            let mut state = self.state();
+            if !state.holds.ended(key, revision) {
+                return;
+            }
+            let guards: Vec<u64> = state
+                .on_fence
+                .iter()
+                .filter(|(_, (k, _))| k == key)
+                .map(|(id, _)| *id)
+                .collect();
+            guards
+                .into_iter()
+                .filter_map(|id| state.on_fence.remove(&id))
+                .map(|(_, callback)| callback)
+                .collect::<Vec<_>>()
+        };
+        tracing::warn!(
+            session_id = self.id,
+            %key,
+            guards = callbacks.len(),
+            "hold ended at the arbiter; fenced"
+        );
+        for callback in callbacks {
+            if catch_unwind(AssertUnwindSafe(|| callback(FenceReason::HoldEnded))).is_err() {
                 tracing::error!(session_id = self.id, "an on_fence callback panicked");
             }
         }
@@ -159,7 +205,7 @@ impl SessionCore {
         }
         let begin = state.holds.begin(key);
         let guard_id = match begin {
-            Begin::Reentered(_) => Some(state.register(on_fence)),
+            Begin::Reentered(_) => Some(state.register(key, on_fence)),
             Begin::Wait(_) | Begin::Outermost => None,
         };
         Ok((begin, guard_id))
@@ -172,8 +218,9 @@ impl SessionCore {
             state.holds.failed(&hold.key);
             return Err(self.dead_error(reason));
         }
+        let key = hold.key.clone();
         state.holds.granted(hold);
-        Ok(state.register(on_fence))
+        Ok(state.register(&key, on_fence))
     }
 
     pub(crate) fn acquire_failed(&self, key: &str) {
@@ -193,10 +240,11 @@ impl SessionCore {
 }
 
 impl CoreState {
-    fn register(&mut self, on_fence: &FenceCallback) -> u64 {
+    fn register(&mut self, key: &str, on_fence: &FenceCallback) -> u64 {
         let id = self.next_guard;
         self.next_guard += 1;
-        self.on_fence.insert(id, Arc::clone(on_fence));
+        self.on_fence
+            .insert(id, (key.to_owned(), Arc::clone(on_fence)));
         id
     }
 }

@@ -39,7 +39,7 @@ fn tls(name: &str) -> anyhow::Result<TlsFiles> {
 }
 
 /// The library, connected over mTLS under `name`'s SVID.
-async fn connect(addr: SocketAddr, name: &str) -> anyhow::Result<Client> {
+pub(crate) async fn connect(addr: SocketAddr, name: &str) -> anyhow::Result<Client> {
     let mut config = ClientConfig::tls(format!("https://{addr}"), tls(name)?);
     config.connect_timeout = Duration::from_secs(5);
     config.request_timeout = Duration::from_secs(5);
@@ -53,9 +53,9 @@ async fn lease_ids(etcd: &EtcdServer) -> anyhow::Result<BTreeSet<i64>> {
     Ok(leases.leases().iter().map(|l| l.id()).collect())
 }
 
-type Fired = Arc<Mutex<Vec<(Instant, FenceReason)>>>;
+pub(crate) type Fired = Arc<Mutex<Vec<(Instant, FenceReason)>>>;
 
-fn recorder(fired: &Fired) -> impl Fn(FenceReason) + Send + Sync + 'static {
+pub(crate) fn recorder(fired: &Fired) -> impl Fn(FenceReason) + Send + Sync + 'static {
     let fired = Arc::clone(fired);
     move |reason| {
         let now = Instant::now();
@@ -66,7 +66,7 @@ fn recorder(fired: &Fired) -> impl Fn(FenceReason) + Send + Sync + 'static {
     }
 }
 
-fn snapshot(fired: &Fired) -> Vec<(Instant, FenceReason)> {
+pub(crate) fn snapshot(fired: &Fired) -> Vec<(Instant, FenceReason)> {
     fired.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
@@ -402,7 +402,7 @@ async fn a_blocked_path_stops_new_work_then_fences_before_the_arbiter_hands_the_
 
 // --- latchctl ---------------------------------------------------------------
 
-fn latchctl(addr: SocketAddr, name: &str) -> anyhow::Result<Command> {
+pub(crate) fn latchctl(addr: SocketAddr, name: &str) -> anyhow::Result<Command> {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"));
     cmd.env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())

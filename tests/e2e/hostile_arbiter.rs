@@ -628,3 +628,114 @@ async fn one_keepalive_message_renews_several_sessions_of_its_caller_only() -> a
     assert!(reply.remaining_ttl_seconds > 0, "{reply:?}");
     Ok(())
 }
+
+/// Every hold is a key in etcd, and etcd refuses every write once its quota
+/// is full: one identity cannot take keys without bound. The bound counts
+/// holds in the log, so it holds across arbiters, and a hold that ends (a
+/// release, a closed or expired session) gives its place back.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_identity_cannot_hold_more_keys_than_its_bound() -> anyhow::Result<()> {
+    const MAX_HOLDS: u32 = 5;
+    let opts = || latchkey_tests::arbiter::ArbiterOptions {
+        max_holds_per_identity: Some(MAX_HOLDS),
+        ..Default::default()
+    };
+    let s = stack_with(opts()).await?;
+    let mallory = s.arbiter.lock("workload/mallory").await?;
+    let sm = open(&mut mallory.clone(), "demo").await?;
+    // twelve at once, on different keys: exactly the bound is granted
+    let calls: Vec<_> = (0..12)
+        .map(|i| {
+            let mut c = mallory.clone();
+            tokio::spawn(
+                async move { try_lock(&mut c, &format!("mallory/flood-{i}"), "demo", sm).await },
+            )
+        })
+        .collect();
+    let (mut granted, mut refused) = (Vec::new(), Vec::new());
+    for call in calls {
+        match call.await? {
+            Ok(g) => granted.push(g),
+            Err(status) => refused.push(status),
+        }
+    }
+    assert_eq!(granted.len(), MAX_HOLDS as usize, "refused: {refused:?}");
+    for status in refused {
+        let status = expect_refusal(
+            Err::<(), _>(status),
+            Code::ResourceExhausted,
+            "IDENTITY_LIMIT",
+        )?;
+        assert!(
+            status.message().contains("holds") && status.message().contains("release"),
+            "an actionable message: {}",
+            status.message()
+        );
+    }
+    // another identity is unaffected
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let sb = open(&mut bob, "demo").await?;
+    try_lock(&mut bob, "demo/bob-after-flood", "demo", sb).await?;
+
+    // a second arbiter on the same log counts the first one's grants
+    let second = latchkey_tests::arbiter::Arbiter::start(&s.etcd, opts()).await?;
+    let mut mallory2 = second.lock("workload/mallory").await?;
+    eventually(
+        "the second arbiter to count mallory's holds",
+        Duration::from_secs(10),
+        || {
+            let mut c = mallory2.clone();
+            async move {
+                expect_refusal(
+                    try_lock(&mut c, "mallory/flood-second", "demo", sm).await,
+                    Code::ResourceExhausted,
+                    "IDENTITY_LIMIT",
+                )
+            }
+        },
+    )
+    .await?;
+
+    // a release gives one place back, at either arbiter
+    release(&mut mallory.clone(), &granted[0]).await?;
+    eventually(
+        "a released hold to give its place back",
+        Duration::from_secs(10),
+        || {
+            let mut c = mallory2.clone();
+            async move { Ok(try_lock(&mut c, "mallory/after-release", "demo", sm).await?) }
+        },
+    )
+    .await?;
+    expect_refusal(
+        try_lock(&mut mallory2, "mallory/one-more", "demo", sm).await,
+        Code::ResourceExhausted,
+        "IDENTITY_LIMIT",
+    )?;
+
+    // closing the session ends every hold on it: the places come back
+    mallory
+        .clone()
+        .close_session(CloseSessionRequest { session_id: sm })
+        .await?;
+    let sm2 = open(&mut mallory.clone(), "demo").await?;
+    eventually(
+        "a closed session's holds to give their places back",
+        Duration::from_secs(10),
+        || {
+            let mut c = mallory.clone();
+            async move { Ok(try_lock(&mut c, "mallory/after-close-0", "demo", sm2).await?) }
+        },
+    )
+    .await?;
+    for i in 1..MAX_HOLDS {
+        try_lock(
+            &mut mallory.clone(),
+            &format!("mallory/after-close-{i}"),
+            "demo",
+            sm2,
+        )
+        .await?;
+    }
+    Ok(())
+}

@@ -16,6 +16,7 @@ mod hostile_arbiter;
 mod hostile_edge;
 mod hostile_identity;
 mod identity;
+mod lock_loss;
 mod log_contract;
 mod metrics;
 mod pause_test;

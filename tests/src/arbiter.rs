@@ -94,6 +94,8 @@ pub struct ArbiterOptions {
     /// arbiters with fresh state dirs on an etcd another arbiter already
     /// used; the tests of that safe default turn it off.
     pub trust_unwitnessed_log: bool,
+    /// `--max-holds-per-identity` (the arbiter's default when `None`).
+    pub max_holds_per_identity: Option<u32>,
 }
 
 /// A coord etcd cluster for the arbiter (issue 15), reached with the same
@@ -136,6 +138,7 @@ impl Default for ArbiterOptions {
             test_fault: TestFault::None,
             coord: None,
             trust_unwitnessed_log: true,
+            max_holds_per_identity: None,
         }
     }
 }
@@ -182,6 +185,9 @@ impl Arbiter {
         config.policy_poll = Duration::from_millis(200);
         config.log_layer = faulty_log::layer(opts.test_fault);
         config.trust_unwitnessed_log = opts.trust_unwitnessed_log;
+        if let Some(max) = opts.max_holds_per_identity {
+            config.max_holds_per_identity = max;
+        }
         if let Some(coord) = &opts.coord {
             config.coord_endpoints = coord.endpoints.clone();
             if let Some(prefix) = &coord.prefix {
@@ -466,6 +472,9 @@ impl ArbiterProcess {
         }
         if opts.trust_unwitnessed_log {
             cmd.arg("--trust-unwitnessed-log");
+        }
+        if let Some(max) = opts.max_holds_per_identity {
+            cmd.arg("--max-holds-per-identity").arg(max.to_string());
         }
         if let Some(coord) = &opts.coord {
             cmd.arg("--coord-etcd").arg(coord.endpoints.join(","));

@@ -26,6 +26,7 @@ pub mod faulty_log;
 pub mod gate;
 pub mod hooks;
 pub mod log_contract;
+pub mod manifests;
 pub mod postgres;
 pub mod proxy;
 pub mod raw_grpc;

@@ -104,6 +104,13 @@ impl Arbiter {
             .map_err(|_| ArbiterError::BadRequest(format!("unknown wait mode {}", req.wait)))?;
         let metadata: BTreeMap<String, String> = req.metadata.into_iter().collect();
         check_metadata(&metadata)?;
+        // Every hold is a key in etcd: bounded per identity before anything
+        // else is spent on the call (a hook, a queue place).
+        let admitted = self.holds.admit(&caller.identity).inspect_err(|e| {
+            if matches!(e, ArbiterError::IdentityLimit { .. }) {
+                self.metrics.identity_bound_refused("holds");
+            }
+        })?;
 
         let waiting = self.table.waiting(key.as_str());
         // Inputs that cost an etcd read are fetched only for a hook that asks.
@@ -199,6 +206,7 @@ impl Arbiter {
         };
         scope.waited = acquired.waited;
         let grant = acquired.grant;
+        admitted.granted(grant.revision);
         info!(identity = %caller.identity, key = %grant.key, class = %class.name, waited = acquired.waited, "granted");
         Ok(AcquireResponse {
             grant: Some(wire_grant(&grant)?),

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::stream::{FuturesUnordered, StreamExt as _};
-use latchkey_proto::lockv1::{KeepAliveRequest, KeepAliveResponse};
+use latchkey_proto::lockv1::{EndedHold, KeepAliveRequest, KeepAliveResponse};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status, Streaming};
 use tracing::debug;
@@ -23,6 +23,40 @@ pub const MAX_SESSIONS_PER_MESSAGE: usize = 1024;
 /// Sessions whose ownership one stream remembers having checked, at most
 /// (the per-identity session bound is usually far lower).
 const MAX_CHECKED_PER_STREAM: usize = 1 << 16;
+/// Ended-hold notices waiting to be pushed on one stream; past it they are
+/// dropped (the client's fence deadline still holds).
+const NOTICE_QUEUE: usize = 64;
+
+/// Stops a stream's hold notices when the stream ends, however it ends.
+struct Watched<'a> {
+    arbiter: &'a Arbiter,
+    stream: u64,
+    sessions: HashSet<i64>,
+}
+
+impl Watched<'_> {
+    fn add(&mut self, session: i64, notices: &crate::hold_counts::Notices) {
+        if self.sessions.insert(session) {
+            self.arbiter
+                .holds
+                .watch_session(session, self.stream, notices);
+        }
+    }
+
+    fn remove(&mut self, session: i64) {
+        if self.sessions.remove(&session) {
+            self.arbiter.holds.unwatch_session(session, self.stream);
+        }
+    }
+}
+
+impl Drop for Watched<'_> {
+    fn drop(&mut self) {
+        for session in self.sessions.drain() {
+            self.arbiter.holds.unwatch_session(session, self.stream);
+        }
+    }
+}
 
 /// What one renewal came to.
 enum Renewal {
@@ -46,6 +80,10 @@ impl Arbiter {
     /// answered from the arbiter's memo of renewals ([`crate::bounds`]):
     /// renewing faster costs etcd nothing, and no renewal is ever refused
     /// for its rate.
+    ///
+    /// A stream also hears, unasked, when a hold of a session it renews
+    /// ends (a notice: `ended_holds`, `remaining_ttl_seconds = -1`), so the
+    /// holder can fence that hold at once (issue 13).
     pub fn keep_alive(
         self: Arc<Self>,
         request: Request<Streaming<KeepAliveRequest>>,
@@ -66,14 +104,26 @@ impl Arbiter {
             let mut checked: HashSet<i64> = HashSet::new();
             let mut in_flight = FuturesUnordered::new();
             let mut reading = true;
+            let (notices, mut noticed) = tokio::sync::mpsc::channel(NOTICE_QUEUE);
+            let mut watched = Watched {
+                arbiter: &self,
+                stream: self.holds.stream_id(),
+                sessions: HashSet::new(),
+            };
             loop {
                 let room = reading && in_flight.len() < MAX_IN_FLIGHT_PER_STREAM;
                 let event = tokio::select! {
                     req = inbound.next(), if room => Event::Request(req),
                     Some(done) = in_flight.next() => Event::Done(done),
+                    Some(notice) = noticed.recv() => Event::Notice(notice),
                     else => Event::Idle,
                 };
                 match event {
+                    Event::Notice((session, hold)) => {
+                        if tx.send(Ok(notice(session, hold))).await.is_err() {
+                            return;
+                        }
+                    }
                     Event::Request(Some(Ok(req))) => match sessions_named(&req) {
                         Ok(sessions) => {
                             for session in sessions {
@@ -94,19 +144,23 @@ impl Arbiter {
                             Ok(Renewal::Alive(ttl)) => {
                                 if checked.len() < checked_cap {
                                     checked.insert(session);
+                                    watched.add(session, &notices);
                                 }
                                 Ok(KeepAliveResponse {
                                     session_id: session,
                                     remaining_ttl_seconds: ttl,
+                                    ended_holds: Vec::new(),
                                 })
                             }
                             Ok(Renewal::Gone) => {
                                 checked.remove(&session);
+                                watched.remove(session);
                                 self.metrics
                                     .renewal_refused(&ArbiterError::SessionExpired { session });
                                 Ok(KeepAliveResponse {
                                     session_id: session,
                                     remaining_ttl_seconds: 0,
+                                    ended_holds: Vec::new(),
                                 })
                             }
                             Err(e) => {
@@ -210,5 +264,15 @@ fn sessions_named(req: &KeepAliveRequest) -> Result<Vec<i64>, ArbiterError> {
 enum Event<R, D> {
     Request(Option<R>),
     Done(D),
+    Notice((i64, EndedHold)),
     Idle,
+}
+
+/// A pushed notice: `hold` of `session` ended.
+fn notice(session: i64, hold: EndedHold) -> KeepAliveResponse {
+    KeepAliveResponse {
+        session_id: session,
+        remaining_ttl_seconds: -1,
+        ended_holds: vec![hold],
+    }
 }

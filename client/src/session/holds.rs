@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use tokio::sync::Notify;
 use tokio::sync::futures::OwnedNotified;
@@ -22,6 +22,8 @@ pub(crate) struct Hold {
     pub(crate) revision: i64,
     /// Changed only under the session's state lock; read anywhere.
     count: AtomicU32,
+    /// The arbiter said this hold ended before it was released.
+    ended: AtomicBool,
 }
 
 impl Hold {
@@ -39,11 +41,17 @@ impl Hold {
             epoch,
             revision,
             count: AtomicU32::new(0),
+            ended: AtomicBool::new(false),
         }
     }
 
     pub(crate) fn count(&self) -> u32 {
         self.count.load(Ordering::Acquire)
+    }
+
+    /// Whether the arbiter said this hold ended (it was fenced for it).
+    pub(crate) fn has_ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
     }
 }
 
@@ -102,6 +110,20 @@ impl Holds {
         hold.count.store(1, Ordering::Release);
         let previous = self.keys.insert(hold.key.clone(), Entry::Held(hold));
         wake(previous);
+    }
+
+    /// The hold of `key` at `revision` ended at the arbiter: if it is the
+    /// key's current hold, it leaves (its guards count down to nothing and
+    /// send no Release). Whether it was.
+    pub(crate) fn ended(&mut self, key: &str, revision: i64) -> bool {
+        match self.keys.get(key) {
+            Some(Entry::Held(hold)) if hold.revision == revision => {
+                hold.ended.store(true, Ordering::Release);
+                self.keys.remove(key);
+                true
+            }
+            _ => false,
+        }
     }
 
     pub(crate) fn failed(&mut self, key: &str) {

@@ -1,15 +1,18 @@
 //! The keepalive task: one bidirectional KeepAlive stream per session, one
 //! request per interval, and a watchdog on the fence deadline that does not
-//! depend on the network answering at all.
+//! depend on the network answering at all. Between renewals it listens for
+//! the arbiter's notices of ended holds and fences each such hold at once.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use latchkey_proto::lockv1::{KeepAliveRequest, Reason};
+use latchkey_proto::lockv1::{KeepAliveRequest, KeepAliveResponse, Reason};
 use tokio::sync::mpsc;
+use tokio::time::error::Elapsed;
 use tokio::time::{Instant, sleep, sleep_until, timeout, timeout_at};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Status, Streaming};
 
 use super::{FenceReason, SessionCore};
 use crate::error::reason_of;
@@ -46,8 +49,12 @@ async fn renew(core: &SessionCore, rpc: &Rpc) -> FenceReason {
     // last success + 2/3 TTL, which for short TTLs is the deadline itself.
     let reply_timeout = interval / 2;
     let mut backoff = MIN_BACKOFF;
-    // OpenSession itself counted as a renewal.
-    let mut next_send = Instant::now() + interval;
+    // OpenSession itself counted as a renewal; but the first message on a
+    // stream goes at once all the same: the arbiter pushes notices of ended
+    // holds only on a stream that has renewed the session (so it knows the
+    // stream is the session owner's), and a hold taken right after opening
+    // must not wait a whole interval to be told it ended.
+    let mut next_send = Instant::now();
     loop {
         let (requests, outbox) = mpsc::channel(1);
         let opened = timeout(
@@ -79,7 +86,26 @@ async fn renew(core: &SessionCore, rpc: &Rpc) -> FenceReason {
         };
 
         loop {
-            sleep_until(next_send).await;
+            // Until the next renewal is due, only notices should come.
+            let between = tokio::select! {
+                () = sleep_until(next_send) => None,
+                reply = next_reply(core, &mut replies) => Some(reply),
+            };
+            match between {
+                None => {}
+                Some(Some(Err(status))) if reason_of(&status) == Reason::SessionExpired => {
+                    return FenceReason::Expired;
+                }
+                Some(other) => {
+                    tracing::debug!(
+                        session_id = core.id,
+                        ended = other.is_none(),
+                        "keepalive stream broke between renewals"
+                    );
+                    core.keepalive_failed();
+                    break;
+                }
+            }
             // The send time bounds the arbiter's renewal from below, which
             // is what makes the local deadline safe (ADR-12).
             let sent_at = Instant::now();
@@ -95,12 +121,12 @@ async fn renew(core: &SessionCore, rpc: &Rpc) -> FenceReason {
                     break;
                 }
             }
-            let reply = match timeout_at(sent_at + reply_timeout, replies.next()).await {
+            let reply = match reply_by(core, &mut replies, sent_at + reply_timeout).await {
                 Ok(reply) => reply,
                 Err(_) => {
                     core.keepalive_failed();
                     // A late reply still renewed the lease as of `sent_at`.
-                    match timeout_at(next_send, replies.next()).await {
+                    match reply_by(core, &mut replies, next_send).await {
                         Ok(reply) => reply,
                         Err(_) => break,
                     }
@@ -140,4 +166,33 @@ async fn renew(core: &SessionCore, rpc: &Rpc) -> FenceReason {
         backoff = (backoff * 2).min(MAX_BACKOFF);
         next_send = Instant::now();
     }
+}
+
+/// The next message that is not a notice of ended holds (those are acted
+/// on here, as they come); `None` when the stream ended.
+async fn next_reply(
+    core: &SessionCore,
+    replies: &mut Streaming<KeepAliveResponse>,
+) -> Option<Result<KeepAliveResponse, Status>> {
+    loop {
+        match replies.next().await {
+            Some(Ok(reply)) if !reply.ended_holds.is_empty() => {
+                if reply.session_id == core.id {
+                    for hold in &reply.ended_holds {
+                        core.hold_ended(&hold.key, hold.revision);
+                    }
+                }
+            }
+            other => return other,
+        }
+    }
+}
+
+/// [`next_reply`] by `deadline`.
+async fn reply_by(
+    core: &SessionCore,
+    replies: &mut Streaming<KeepAliveResponse>,
+    deadline: Instant,
+) -> Result<Option<Result<KeepAliveResponse, Status>>, Elapsed> {
+    timeout_at(deadline, next_reply(core, replies)).await
 }

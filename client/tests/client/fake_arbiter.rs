@@ -167,6 +167,7 @@ impl Lock for FakeArbiter {
                     Some(ttl) => Ok(KeepAliveResponse {
                         session_id: req.session_id,
                         remaining_ttl_seconds: i64::from(ttl),
+                        ended_holds: Vec::new(),
                     }),
                     None => Err(refusal(
                         Code::FailedPrecondition,

@@ -91,6 +91,13 @@ impl Rounds {
             lost: AtomicU64::new(0),
         }))
     }
+    /// Counts from now on only (what came before was the opening).
+    fn start_counting(&self) {
+        if let Ok(mut h) = self.latency.lock() {
+            h.reset();
+        }
+        self.renewals.store(0, Ordering::Relaxed);
+    }
     fn answered(&self, sent: Instant, ttl: i64) {
         self.renewals.fetch_add(1, Ordering::Relaxed);
         if ttl <= 0 {
@@ -339,10 +346,15 @@ async fn latchkey(
     let identities = n.div_ceil(PER_IDENTITY);
     let rounds = Rounds::new()?;
     let opening = Instant::now();
-    // open every identity's sessions
-    let mut per_identity = Vec::new();
+    let period = Duration::from_secs(20);
+    let per_message = usize::from(args.per_message);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Open every identity's sessions, one identity after another; each
+    // identity starts renewing its sessions as soon as they are open (as a
+    // real client does), so a slow opening never delays a first renewal.
+    let mut renewers = tokio::task::JoinSet::new();
+    let mut all_ids = Vec::new();
     for i in 0..identities {
-        let opened_from = Instant::now();
         let ch = channel(arbiter.addr(), &format!("workload/bench-{i}")).await?;
         let client = latchkey_proto::lockv1::lock_client::LockClient::new(ch);
         let count = PER_IDENTITY.min(n - i * PER_IDENTITY);
@@ -366,79 +378,29 @@ async fn latchkey(
         while let Some(r) = tasks.join_next().await {
             ids.push(r??);
         }
-        per_identity.push((client, ids, opened_from));
+        all_ids.extend(ids.iter().copied());
+        renewers.spawn(renew_identity(
+            client,
+            ids,
+            rounds.clone(),
+            period,
+            per_message,
+            stop_rx.clone(),
+        ));
     }
     println!(
-        "opened {n} sessions in {:.1} s ({:.0}/s)",
+        "opened {n} sessions in {:.1} s ({:.0}/s); renewals counted from here",
         opening.elapsed().as_secs_f64(),
         n as f64 / opening.elapsed().as_secs_f64()
     );
+    rounds.start_counting();
     let start: Vec<Usage> = pids.iter().map(|(_, p)| usage(*p)).collect();
     let began = Instant::now();
     let until = began + Duration::from_secs(args.secs);
-    let period = Duration::from_secs(20);
-    let mut renewers = tokio::task::JoinSet::new();
-    let mut all_ids = Vec::new();
-    let per_message = usize::from(args.per_message);
-    for (mut client, ids, opened_from) in per_identity {
-        all_ids.extend(ids.iter().copied());
-        let rounds = rounds.clone();
-        renewers.spawn(async move {
-            let (tx, rx) = mpsc::channel(4096);
-            let mut replies = client
-                .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
-                .await?
-                .into_inner();
-            let sent: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
-            let reader = {
-                let (rounds, sent) = (rounds.clone(), sent.clone());
-                tokio::spawn(async move {
-                    while let Ok(Some(r)) = replies.message().await {
-                        let at = sent.lock().ok().and_then(|mut s| s.remove(&r.session_id));
-                        if let Some(at) = at {
-                            rounds.answered(at, r.remaining_ttl_seconds);
-                        }
-                    }
-                })
-            };
-            let batches: Vec<Vec<i64>> = ids.chunks(per_message).map(<[i64]>::to_vec).collect();
-            let gap = period / u32::try_from(batches.len().max(1))?;
-            // The first round reaches every session within 2/3 of its TTL
-            // (period = TTL/3) of its open, however long opening the others
-            // took; then every session once a period.
-            let first_round = (opened_from + period * 2)
-                .saturating_duration_since(Instant::now())
-                .clamp(Duration::from_secs(1), period);
-            let first_gap = first_round / u32::try_from(batches.len().max(1))?;
-            let mut next = tokio::time::Instant::now();
-            let mut round = 0u64;
-            'outer: loop {
-                round += 1;
-                let this_gap = if round == 1 { first_gap } else { gap };
-                for batch in &batches {
-                    if Instant::now() >= until {
-                        break 'outer;
-                    }
-                    next += this_gap;
-                    tokio::time::sleep_until(next).await;
-                    if let Ok(mut s) = sent.lock() {
-                        let now = Instant::now();
-                        for id in batch {
-                            s.insert(*id, now);
-                        }
-                    }
-                    tx.send(KeepAliveRequest {
-                        session_id: 0,
-                        session_ids: batch.clone(),
-                    })
-                    .await?;
-                }
-            }
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            reader.abort();
-            anyhow::Ok(())
-        });
-    }
+    let stopper = tokio::spawn(async move {
+        tokio::time::sleep_until(until.into()).await;
+        let _ = stop_tx.send(true);
+    });
     // acquirers
     let grants = Arc::new(AtomicU64::new(0));
     let mut acquirers = tokio::task::JoinSet::new();
@@ -472,9 +434,14 @@ async fn latchkey(
                     if renew_tx.send(request).await.is_err() {
                         return;
                     }
-                    match renewals.message().await {
-                        Ok(Some(r)) if r.remaining_ttl_seconds > 0 => {}
-                        _ => return,
+                    // Notices of ended holds (each release is one) answer
+                    // no renewal: wait for the renewal's answer.
+                    loop {
+                        match renewals.message().await {
+                            Ok(Some(r)) if !r.ended_holds.is_empty() => {}
+                            Ok(Some(r)) if r.remaining_ttl_seconds > 0 => break,
+                            _ => return,
+                        }
                     }
                     tokio::time::sleep(Duration::from_secs(20)).await;
                 }
@@ -514,6 +481,7 @@ async fn latchkey(
     while let Some(r) = renewers.join_next().await {
         r??;
     }
+    stopper.abort();
     let took = began.elapsed().as_secs_f64();
     let cpu = cpu_since(pids, &start);
     // sessions whose record is gone from etcd were lost
@@ -546,4 +514,63 @@ async fn latchkey(
         }
     }
     Ok(m)
+}
+
+/// Renews one identity's sessions over one KeepAlive stream: every session
+/// once a `period`, `per_message` sessions per message, spread evenly, the
+/// first round starting at once; until `stop` turns true.
+async fn renew_identity(
+    mut client: latchkey_proto::lockv1::lock_client::LockClient<tonic::transport::Channel>,
+    ids: Vec<i64>,
+    rounds: Arc<Rounds>,
+    period: Duration,
+    per_message: usize,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let (tx, rx) = mpsc::channel(4096);
+    let mut replies = client
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let sent: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
+    let reader = {
+        let (rounds, sent) = (rounds.clone(), sent.clone());
+        tokio::spawn(async move {
+            while let Ok(Some(r)) = replies.message().await {
+                if !r.ended_holds.is_empty() {
+                    continue; // a notice, not a renewal's answer
+                }
+                let at = sent.lock().ok().and_then(|mut s| s.remove(&r.session_id));
+                if let Some(at) = at {
+                    rounds.answered(at, r.remaining_ttl_seconds);
+                }
+            }
+        })
+    };
+    let batches: Vec<Vec<i64>> = ids.chunks(per_message).map(<[i64]>::to_vec).collect();
+    let gap = period / u32::try_from(batches.len().max(1))?;
+    let mut next = tokio::time::Instant::now();
+    'outer: loop {
+        for batch in &batches {
+            next += gap;
+            tokio::select! {
+                () = tokio::time::sleep_until(next) => {}
+                _ = stop.wait_for(|s| *s) => break 'outer,
+            }
+            if let Ok(mut s) = sent.lock() {
+                let now = Instant::now();
+                for id in batch {
+                    s.insert(*id, now);
+                }
+            }
+            tx.send(KeepAliveRequest {
+                session_id: 0,
+                session_ids: batch.clone(),
+            })
+            .await?;
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    reader.abort();
+    Ok(())
 }

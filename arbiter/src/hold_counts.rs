@@ -1,0 +1,595 @@
+//! Holds per identity, over every arbiter: the bound on what a caller can
+//! make Latchkey keep open in etcd.
+//!
+//! Every hold is a key in the lock log. Without a bound one workload could
+//! take keys under its prefix grants until etcd's quota refuses every write
+//! in the cluster (NOSPACE), everyone's grants and renewals included. Holds
+//! are bounded per identity (`--max-holds-per-identity`), counted from the
+//! log itself: each arbiter reads every holder record once at start and
+//! then follows the holder key space with a watch (`prev_kv`, so a deleted
+//! hold still says whose it was), which counts holds granted by any arbiter
+//! and holds ended by release, hand-over, expiry or an operator alike.
+//!
+//! An Acquire is admitted while the identity's holds in the log, plus the
+//! Acquires this arbiter has admitted and not yet seen in the log, are below
+//! the bound. The bound can be passed by no more than what other arbiters
+//! admit for the same identity before their grants reach this arbiter's
+//! watch (milliseconds): Acquires in flight, themselves bounded per identity
+//! at the edge. The count never decides a grant; it only refuses early.
+//!
+//! The same watch tells holders at once when a hold ends by anything but
+//! their own release (issue 13): a KeepAlive stream that renews a session
+//! asks to hear of its holds' ends ([`HoldCounts::watch_session`]), and gets
+//! each as a notice it pushes to the client, who fences that hold without
+//! waiting for its deadline. Releases are told too (the log does not say
+//! why a hold ended); the client knows what it released and ignores those.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use etcd_client::{Client, EventType, GetOptions, KeyValue, WatchOptions};
+use latchkey_proto::lockv1::EndedHold;
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use crate::error::{ArbiterError, IdentityBound};
+use crate::records::{HolderRecord, decode};
+
+/// The default `--max-holds-per-identity`.
+pub const DEFAULT_MAX_HOLDS_PER_IDENTITY: u32 = 20_000;
+
+/// Holder records read per request when counting from scratch (each a
+/// few hundred bytes: well inside a gRPC message).
+const PAGE: i64 = 2_000;
+/// Pause before counting again after the watch broke.
+const RETRY: Duration = Duration::from_secs(1);
+
+pub struct HoldCounts {
+    max: u32,
+    state: Mutex<State>,
+    /// Per session, the KeepAlive streams (by id) that renew it here and
+    /// want to hear of its holds' ends.
+    watchers: Mutex<HashMap<i64, Vec<(u64, Notices)>>>,
+    next_stream: AtomicU64,
+}
+
+/// Where a KeepAlive stream hears of its sessions' ended holds: (session,
+/// hold). Bounded: a stream that does not keep up misses notices, and its
+/// client still fences at its deadline.
+pub type Notices = mpsc::Sender<(i64, EndedHold)>;
+
+#[derive(Default)]
+struct State {
+    /// Live holds in the log per identity; `None` until the first count is in.
+    /// Identities with no hold leave the map.
+    in_log: Option<HashMap<String, u32>>,
+    /// The log revision `in_log` reflects.
+    revision: i64,
+    /// Acquires admitted here, per identity: in flight (revision 0) or
+    /// granted at a revision the watch has not reached yet.
+    pending: HashMap<String, Vec<i64>>,
+}
+
+impl State {
+    fn held(&self, identity: &str) -> Option<u32> {
+        let in_log = self.in_log.as_ref()?;
+        let pending = self.pending.get(identity).map_or(0, Vec::len);
+        Some(
+            in_log
+                .get(identity)
+                .copied()
+                .unwrap_or(0)
+                .saturating_add(u32::try_from(pending).unwrap_or(u32::MAX)),
+        )
+    }
+
+    fn add(&mut self, identity: &str, delta: i32) {
+        let Some(in_log) = self.in_log.as_mut() else {
+            return;
+        };
+        let n = in_log.entry(identity.to_string()).or_insert(0);
+        *n = n.saturating_add_signed(delta);
+        if *n == 0 {
+            in_log.remove(identity);
+        }
+    }
+
+    /// The log is now known up to `revision`: grants at or below it are in
+    /// `in_log`, so they stop counting as pending.
+    fn reached(&mut self, revision: i64) {
+        self.revision = self.revision.max(revision);
+        let seen = self.revision;
+        self.pending.retain(|_, revs| {
+            revs.retain(|r| *r == 0 || *r > seen);
+            !revs.is_empty()
+        });
+    }
+}
+
+/// One admitted Acquire. Dropped without [`Admitted::granted`], it stops
+/// counting at once; granted, it counts until the watch shows the grant.
+pub struct Admitted {
+    counts: Arc<HoldCounts>,
+    identity: String,
+    revision: i64,
+}
+
+impl Admitted {
+    /// The Acquire was granted at `revision` (a grant of a hold the caller
+    /// already had included: the watch has seen that one already).
+    pub fn granted(mut self, revision: i64) {
+        self.revision = revision;
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut state = self.counts.lock();
+        let seen = state.revision;
+        let Some(revs) = state.pending.get_mut(&self.identity) else {
+            return;
+        };
+        if let Some(i) = revs.iter().position(|r| *r == 0) {
+            if self.revision > seen {
+                revs[i] = self.revision;
+            } else {
+                revs.swap_remove(i);
+            }
+        }
+        if revs.is_empty() {
+            state.pending.remove(&self.identity);
+        }
+    }
+}
+
+impl HoldCounts {
+    pub fn new(max: u32) -> Arc<Self> {
+        Arc::new(Self {
+            max,
+            state: Mutex::new(State::default()),
+            watchers: Mutex::new(HashMap::new()),
+            next_stream: AtomicU64::new(1),
+        })
+    }
+
+    /// An id for one KeepAlive stream's [`Self::watch_session`] calls.
+    pub fn stream_id(&self) -> u64 {
+        self.next_stream.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn watchers(&self) -> MutexGuard<'_, HashMap<i64, Vec<(u64, Notices)>>> {
+        self.watchers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Stream `stream` renews `session` (owned by its caller: checked before
+    /// this is called) and hears of the session's ended holds on `notices`.
+    pub fn watch_session(&self, session: i64, stream: u64, notices: &Notices) {
+        let mut watchers = self.watchers();
+        let streams = watchers.entry(session).or_default();
+        if !streams.iter().any(|(id, _)| *id == stream) {
+            streams.push((stream, notices.clone()));
+        }
+    }
+
+    /// Stream `stream` no longer renews `session` (gone, or the stream ended).
+    pub fn unwatch_session(&self, session: i64, stream: u64) {
+        let mut watchers = self.watchers();
+        if let Some(streams) = watchers.get_mut(&session) {
+            streams.retain(|(id, _)| *id != stream);
+            if streams.is_empty() {
+                watchers.remove(&session);
+            }
+        }
+    }
+
+    /// Tells the streams renewing each hold's session that it ended.
+    fn notify(&self, changes: &[Change]) {
+        let watchers = self.watchers();
+        if watchers.is_empty() {
+            return;
+        }
+        for ended in changes.iter().filter_map(|c| c.ended.as_ref()) {
+            for (_, notices) in watchers.get(&ended.session).into_iter().flatten() {
+                // Never wait on a slow client: its deadline still fences it.
+                let _ = notices.try_send((
+                    ended.session,
+                    EndedHold {
+                        key: ended.key.clone(),
+                        revision: ended.revision,
+                    },
+                ));
+            }
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state is plain counts, consistent after every statement: a
+        // panic elsewhere while holding the lock leaves nothing half-done.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Admits one Acquire of `identity`, or refuses it: `IdentityLimit` at
+    /// the bound, `StoreUnavailable` before the first count is in.
+    pub fn admit(self: &Arc<Self>, identity: &str) -> Result<Admitted, ArbiterError> {
+        let mut state = self.lock();
+        let Some(held) = state.held(identity) else {
+            return Err(ArbiterError::store(
+                "this arbiter is still counting the holds in the lock log (it just started or lost its watch); retry with backoff",
+            ));
+        };
+        if held >= self.max {
+            return Err(ArbiterError::IdentityLimit {
+                bound: IdentityBound::Holds,
+                limit: self.max,
+            });
+        }
+        state
+            .pending
+            .entry(identity.to_string())
+            .or_default()
+            .push(0);
+        Ok(Admitted {
+            counts: Arc::clone(self),
+            identity: identity.to_string(),
+            revision: 0,
+        })
+    }
+
+    /// Holds of `identity` as counted (log plus pending); `None` before the
+    /// first count.
+    pub fn held(&self, identity: &str) -> Option<u32> {
+        self.lock().held(identity)
+    }
+
+    /// Replaces the count with a fresh one read at `revision`.
+    fn install(&self, in_log: HashMap<String, u32>, revision: i64) {
+        let mut state = self.lock();
+        state.in_log = Some(in_log);
+        state.revision = 0;
+        state.reached(revision);
+    }
+
+    /// Applies one watch response's events, all at or below `revision`.
+    fn apply(&self, changes: &[Change], revision: i64) {
+        let mut state = self.lock();
+        for change in changes {
+            if let Some(before) = &change.before {
+                state.add(before, -1);
+            }
+            if let Some(after) = &change.after {
+                state.add(after, 1);
+            }
+        }
+        state.reached(revision);
+    }
+
+    /// Keeps the count: reads every holder record, then follows the watch;
+    /// counts again from scratch whenever the watch breaks. Runs until the
+    /// arbiter stops.
+    pub async fn follow(self: Arc<Self>, client: Client, holders_prefix: String) {
+        let mut first = true;
+        loop {
+            match self
+                .count_and_watch(&client, &holders_prefix, &mut first)
+                .await
+            {
+                Ok(()) => warn!("the watch on the holder records ended; counting holds again"),
+                Err(e) => warn!(error = %e, "cannot count the holds in the lock log; trying again"),
+            }
+            tokio::time::sleep(RETRY).await;
+        }
+    }
+
+    async fn count_and_watch(
+        &self,
+        client: &Client,
+        prefix: &str,
+        first: &mut bool,
+    ) -> Result<(), etcd_client::Error> {
+        let (counted, revision) = count(client, prefix).await?;
+        let (identities, holds) = (counted.len(), counted.values().sum::<u32>());
+        self.install(counted, revision);
+        if std::mem::take(first) {
+            info!(
+                holds,
+                identities,
+                max_per_identity = self.max,
+                "counted the holds in the lock log"
+            );
+        }
+        let mut stream = client
+            .watch_client()
+            .watch(
+                prefix,
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_prev_key()
+                        .with_start_revision(revision + 1),
+                ),
+            )
+            .await?;
+        while let Some(resp) = stream.message().await? {
+            if resp.canceled() || resp.compact_revision() > 0 {
+                // Events were lost (compaction): only a fresh count is exact.
+                return Ok(());
+            }
+            let mut changes = Vec::with_capacity(resp.events().len());
+            for event in resp.events() {
+                let Some(change) =
+                    Change::of(prefix, event.event_type(), event.kv(), event.prev_kv())
+                else {
+                    // A delete whose previous value etcd no longer had.
+                    return Ok(());
+                };
+                changes.push(change);
+            }
+            // How far the log is known: the last event's revision (a
+            // catching-up watch may send a later header with earlier
+            // events); the header's only for a progress notice.
+            let at = resp
+                .events()
+                .iter()
+                .filter_map(|e| e.kv().map(KeyValue::mod_revision))
+                .max()
+                .or_else(|| resp.header().map(|h| h.revision()))
+                .unwrap_or(0);
+            self.apply(&changes, at);
+            self.notify(&changes);
+        }
+        Ok(())
+    }
+}
+
+/// Stops a background task when dropped (the holds' watch ends with the
+/// arbiter that counts).
+pub struct AbortOnDrop(pub tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Whose hold a change of one holder record ended and whose it started.
+#[derive(Debug, PartialEq, Eq)]
+struct Change {
+    before: Option<String>,
+    after: Option<String>,
+    /// The hold the change ended, if one did.
+    ended: Option<Ended>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct Ended {
+    session: i64,
+    key: String,
+    revision: i64,
+}
+
+impl Change {
+    /// `None` when the change cannot be attributed (a delete without its
+    /// previous value): the caller counts again. `holders` is the prefix
+    /// of the holder records.
+    fn of(
+        holders: &str,
+        kind: EventType,
+        kv: Option<&KeyValue>,
+        prev: Option<&KeyValue>,
+    ) -> Option<Self> {
+        let owner = |kv: &KeyValue| decode::<HolderRecord>(kv.value()).map(|h| h.identity);
+        let before = prev.and_then(owner);
+        // Any change of a holder record ends the hold it replaces: a
+        // release, a hand-over (a put with the next holder) or an expiry.
+        let ended = prev.and_then(|p| {
+            Some(Ended {
+                session: p.lease(),
+                key: p.key_str().ok()?.strip_prefix(holders)?.to_string(),
+                revision: p.mod_revision(),
+            })
+        });
+        match kind {
+            EventType::Put => Some(Self {
+                before,
+                after: kv.and_then(owner),
+                ended,
+            }),
+            EventType::Delete => {
+                prev?;
+                Some(Self {
+                    before,
+                    after: None,
+                    ended,
+                })
+            }
+        }
+    }
+}
+
+/// Every holder record's identity, counted, with the revision of the read:
+/// one page after another, all at the first page's revision.
+async fn count(
+    client: &Client,
+    prefix: &str,
+) -> Result<(HashMap<String, u32>, i64), etcd_client::Error> {
+    let mut kv = client.kv_client();
+    let range_end = prefix_end(prefix);
+    let mut from = prefix.as_bytes().to_vec();
+    let mut revision = 0;
+    let mut counted = HashMap::new();
+    loop {
+        let mut options = GetOptions::new()
+            .with_range(range_end.clone())
+            .with_limit(PAGE);
+        if revision > 0 {
+            options = options.with_revision(revision);
+        }
+        let resp = kv.get(from.clone(), Some(options)).await?;
+        if revision == 0 {
+            revision = resp.header().map_or(0, |h| h.revision());
+        }
+        for kv in resp.kvs() {
+            if let Some(h) = decode::<HolderRecord>(kv.value()) {
+                *counted.entry(h.identity).or_insert(0u32) += 1;
+            }
+        }
+        match resp.kvs().last() {
+            Some(last) if resp.more() => {
+                from = last.key().to_vec();
+                from.push(0);
+            }
+            _ => return Ok((counted, revision)),
+        }
+    }
+}
+
+/// The end of the range of keys starting with `prefix` (etcd's convention).
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counted(pairs: &[(&str, u32)], revision: i64) -> Arc<HoldCounts> {
+        let c = HoldCounts::new(3);
+        c.install(
+            pairs.iter().map(|(i, n)| ((*i).to_string(), *n)).collect(),
+            revision,
+        );
+        c
+    }
+
+    fn change(before: Option<&str>, after: Option<&str>) -> Change {
+        Change {
+            before: before.map(str::to_string),
+            after: after.map(str::to_string),
+            ended: None,
+        }
+    }
+
+    #[test]
+    fn nothing_is_admitted_before_the_first_count() {
+        let c = HoldCounts::new(3);
+        assert!(matches!(
+            c.admit("a"),
+            Err(ArbiterError::StoreUnavailable { .. })
+        ));
+    }
+
+    #[test]
+    fn the_bound_counts_holds_in_the_log_and_acquires_in_flight() {
+        let c = counted(&[("a", 2)], 10);
+        let first = c.admit("a");
+        assert!(first.is_ok());
+        // 2 in the log + 1 in flight = 3: the next is refused
+        assert!(matches!(
+            c.admit("a"),
+            Err(ArbiterError::IdentityLimit {
+                bound: IdentityBound::Holds,
+                limit: 3
+            })
+        ));
+        // another identity is not affected
+        assert!(c.admit("b").is_ok());
+        // an Acquire that ends without a grant stops counting at once
+        drop(first);
+        assert_eq!(c.held("a"), Some(2));
+        assert!(c.admit("a").is_ok());
+    }
+
+    #[test]
+    fn a_grant_counts_until_the_watch_shows_it_then_once() {
+        let c = counted(&[], 10);
+        let admitted = c.admit("a").map_err(|e| e.to_string());
+        admitted.map(|a| a.granted(12)).ok();
+        assert_eq!(c.held("a"), Some(1));
+        // the watch shows revision 11 only: still pending
+        c.apply(&[], 11);
+        assert_eq!(c.held("a"), Some(1));
+        // the watch shows the grant at 12: counted in the log, not twice
+        c.apply(&[change(None, Some("a"))], 12);
+        assert_eq!(c.held("a"), Some(1));
+    }
+
+    #[test]
+    fn a_grant_the_watch_already_showed_is_not_pending() {
+        let c = counted(&[("a", 1)], 20);
+        c.admit("a").map(|a| a.granted(15)).ok();
+        assert_eq!(c.held("a"), Some(1));
+    }
+
+    #[test]
+    fn releases_hand_overs_and_expiries_move_the_count() {
+        let c = counted(&[("a", 2), ("b", 1)], 5);
+        // a hand-over from a to b
+        c.apply(&[change(Some("a"), Some("b"))], 6);
+        assert_eq!((c.held("a"), c.held("b")), (Some(1), Some(2)));
+        // an expiry ends b's two holds in one revision
+        c.apply(&[change(Some("b"), None), change(Some("b"), None)], 7);
+        assert_eq!(c.held("b"), Some(0));
+        // a rewrite of a's hold (same owner) changes nothing
+        c.apply(&[change(Some("a"), Some("a"))], 8);
+        assert_eq!(c.held("a"), Some(1));
+    }
+
+    #[test]
+    fn identities_without_holds_leave_the_map() {
+        let c = counted(&[("a", 1)], 5);
+        c.apply(&[change(Some("a"), None)], 6);
+        assert!(c.lock().in_log.as_ref().is_some_and(HashMap::is_empty));
+        assert!(c.lock().pending.is_empty());
+    }
+
+    #[test]
+    fn a_delete_without_its_previous_value_asks_for_a_recount() {
+        assert_eq!(Change::of("/l/", EventType::Delete, None, None), None);
+    }
+
+    #[tokio::test]
+    async fn a_stream_hears_of_its_sessions_ended_holds_only() {
+        let c = counted(&[], 1);
+        let (tx, mut rx) = mpsc::channel(8);
+        let stream = c.stream_id();
+        c.watch_session(7, stream, &tx);
+        c.watch_session(7, stream, &tx);
+        let ended = |session, key: &str| Change {
+            before: None,
+            after: None,
+            ended: Some(Ended {
+                session,
+                key: key.to_string(),
+                revision: 42,
+            }),
+        };
+        c.notify(&[ended(7, "a/b"), ended(8, "a/c")]);
+        let (session, hold) = rx.try_recv().map_err(|e| e.to_string()).unwrap_or_default();
+        assert_eq!((session, hold.key.as_str(), hold.revision), (7, "a/b", 42));
+        // once per stream, and nothing for another session
+        assert!(rx.try_recv().is_err());
+        c.unwatch_session(7, stream);
+        c.notify(&[ended(7, "a/b")]);
+        assert!(rx.try_recv().is_err());
+        assert!(c.watchers().is_empty());
+    }
+
+    #[test]
+    fn prefix_end_is_etcds() {
+        assert_eq!(prefix_end("/latchkey/l/"), b"/latchkey/l0".to_vec());
+        assert_eq!(prefix_end("a\u{7f}"), b"a\x80".to_vec());
+    }
+}
