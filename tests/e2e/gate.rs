@@ -673,7 +673,22 @@ async fn a_clock_step_moves_an_arbiters_wall_clock_only() -> anyhow::Result<()> 
             (r, t.elapsed())
         }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The step must come during his wait: once the arbiter has him queued.
+    latchkey_tests::eventually("bob to be queued", Duration::from_secs(10), || {
+        let mut alice = alice.clone();
+        async move {
+            let waiters = alice
+                .inspect(InspectRequest {
+                    key: "demo/clock-step-1".into(),
+                })
+                .await?
+                .into_inner()
+                .waiters;
+            anyhow::ensure!(waiters == 1, "{waiters} waiters");
+            Ok(())
+        }
+    })
+    .await?;
     clock.set(STEP_S)?;
     let ahead = latchkey_tests::eventually(
         "the arbiter's clock to step forward",
