@@ -8,7 +8,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
     }
+    // The descriptors of both packages, for the arbiter's server reflection
+    // (grpcurl and friends list and call its services without the protos).
+    let descriptors = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("latchkey.bin");
     tonic_prost_build::configure()
+        .file_descriptor_set_path(descriptors)
         .build_server(true)
         .build_client(true)
         .compile_protos(&protos, &["."])?;

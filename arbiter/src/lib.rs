@@ -18,6 +18,7 @@ pub mod cli;
 pub mod config;
 pub mod epoch;
 pub mod error;
+pub mod grpc_health;
 pub mod high_water;
 pub mod hold_counts;
 pub mod hook;
@@ -65,6 +66,10 @@ use crate::witness::etcd::EtcdWitness;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
+    /// The reflection service could not be built from the descriptors (a
+    /// build defect, never the operator's).
+    #[error("cannot build the gRPC reflection service: {0}")]
+    Reflection(String),
     #[error("policies: {0}")]
     Policies(#[from] latchkey_policies::PolicyError),
     #[error(transparent)]
@@ -512,6 +517,19 @@ pub async fn run(
         .clone()
         .spawn_reloader(config.policy_poll, stop.clone(), &tasks);
     spawn_hook_metrics_log(config.hook_host.clone(), stop.clone(), &tasks);
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    grpc_health::spawn(arbiter.clone(), health_reporter, stop.clone(), &tasks);
+    let reflection = |b: tonic_reflection::server::Builder<'static>| {
+        b.register_encoded_file_descriptor_set(latchkey_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())
+        .build_v1()
+        .map_err(|e| RunError::Reflection(e.to_string()))?;
+    // grpcurl before 1.9 speaks only v1alpha.
+    let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
+        .build_v1alpha()
+        .map_err(|e| RunError::Reflection(e.to_string()))?;
 
     let mut server = Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
@@ -544,6 +562,9 @@ pub async fn run(
         .layer(identity::channel::IdentityChannelLayer)
         .add_service(LockServer::new(LockService::new(arbiter.clone())))
         .add_service(AdminServer::new(AdminService::new(arbiter.clone())))
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .serve_with_incoming_shutdown(no_delay(TcpListenerStream::new(listener)), shutdown)
         .await;
     // Returns only once everything it started has stopped: the table's

@@ -5,6 +5,10 @@
 /// `google.rpc.ErrorInfo.domain` on every Latchkey refusal.
 pub const ERROR_DOMAIN: &str = "latchkey.dev";
 
+/// The encoded `FileDescriptorSet` of lock.v1 and admin.v1, which the
+/// arbiter serves over gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/latchkey.bin"));
+
 pub mod lock {
     pub mod v1 {
         tonic::include_proto!("latchkey.lock.v1");

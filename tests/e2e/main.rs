@@ -10,6 +10,7 @@ mod etcd_harness;
 mod etcd_tls;
 mod gate;
 mod grants;
+mod grpc_health;
 mod h2_limits;
 mod hooks;
 mod hostile_arbiter;

@@ -48,7 +48,16 @@ struct Args {
     /// Sessions renewed by one KeepAlive message (1..=1024).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
     per_message: u16,
+    /// Holds taken (by `workload/bench`, 1,000 per session, each session
+    /// renewed like the others) before the measured phase and kept through
+    /// it: issue 12's "40,000 sessions and 250,000 holds" is
+    /// `--sessions 40000 --holds 250000`.
+    #[arg(long, default_value_t = 0)]
+    holds: usize,
 }
+
+/// Holds per session in `--holds` (well under any per-session limit).
+const HOLDS_PER_SESSION: usize = 1000;
 
 const PER_IDENTITY: usize = 1000;
 
@@ -170,7 +179,12 @@ async fn main() -> anyhow::Result<()> {
     let etcd_pid = etcd.pid().context("etcd pid")?;
     let exe = std::env::current_exe()?;
     let binary = exe.parent().context("exe dir")?.join("arbiter-under-test");
-    let arbiter = ArbiterProcess::start(&binary, &etcd, ArbiterOptions::default(), "warn").await?;
+    let options = ArbiterOptions {
+        // `workload/bench` takes every hold of --holds, plus the acquirers'.
+        max_holds_per_identity: Some(u32::try_from(args.holds + 10_000)?),
+        ..ArbiterOptions::default()
+    };
+    let arbiter = ArbiterProcess::start(&binary, &etcd, options, "warn").await?;
     let arbiter_pid = arbiter.pid().context("arbiter pid")?;
     let me = std::process::id();
     let ttl = 60i64;
@@ -393,6 +407,20 @@ async fn latchkey(
         opening.elapsed().as_secs_f64(),
         n as f64 / opening.elapsed().as_secs_f64()
     );
+    let hold_sessions = if args.holds > 0 {
+        let (held, sessions) = take_holds(args, arbiter, &rounds, period, &stop_rx).await?;
+        renewers.spawn(renew_identity(
+            held,
+            sessions.clone(),
+            rounds.clone(),
+            period,
+            per_message,
+            stop_rx.clone(),
+        ));
+        sessions.len()
+    } else {
+        0
+    };
     rounds.start_counting();
     let start: Vec<Usage> = pids.iter().map(|(_, p)| usage(*p)).collect();
     let began = Instant::now();
@@ -484,6 +512,15 @@ async fn latchkey(
     stopper.abort();
     let took = began.elapsed().as_secs_f64();
     let cpu = cpu_since(pids, &start);
+    let leases = count_leases(etcd).await?;
+    let sessions = n + hold_sessions + args.acquirers;
+    println!(
+        "scale: {sessions} sessions ({n} renewing only, {hold_sessions} with {} holds kept, {} acquirers'), etcd leases {leases}, keepalive traffic expected {:.0}/s (sessions / {} s)",
+        args.holds,
+        args.acquirers,
+        sessions as f64 / period.as_secs_f64(),
+        period.as_secs()
+    );
     // sessions whose record is gone from etcd were lost
     let records = etcd
         .client()
@@ -573,4 +610,89 @@ async fn renew_identity(
     tokio::time::sleep(Duration::from_secs(2)).await;
     reader.abort();
     Ok(())
+}
+
+/// `--holds`: `workload/bench` opens one session per 1,000 holds and takes
+/// them all (64 Acquires in flight), printing how fast; the sessions are
+/// then renewed like every other (the caller spawns that).
+async fn take_holds(
+    args: &Args,
+    arbiter: &ArbiterProcess,
+    rounds: &Arc<Rounds>,
+    period: Duration,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<(
+    latchkey_proto::lockv1::lock_client::LockClient<tonic::transport::Channel>,
+    Vec<i64>,
+)> {
+    let ch = channel(arbiter.addr(), "workload/bench").await?;
+    let client = latchkey_proto::lockv1::lock_client::LockClient::new(ch);
+    let mut sessions = Vec::new();
+    for _ in 0..args.holds.div_ceil(HOLDS_PER_SESSION) {
+        sessions.push(
+            client
+                .clone()
+                .open_session(OpenSessionRequest {
+                    class: args.class.clone(),
+                    reuse_session_ids: vec![],
+                })
+                .await?
+                .into_inner()
+                .session_id,
+        );
+    }
+    // Renewed while the holds are taken (that can take longer than a TTL).
+    let (stop_early_tx, stop_early) = tokio::sync::watch::channel(false);
+    let early = tokio::spawn(renew_identity(
+        client.clone(),
+        sessions.clone(),
+        rounds.clone(),
+        period,
+        1,
+        stop_early,
+    ));
+    let started = Instant::now();
+    let sem = Arc::new(Semaphore::new(64));
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..args.holds {
+        let permit = sem.clone().acquire_owned().await?;
+        let mut c = client.clone();
+        let class = args.class.clone();
+        let session = sessions[i / HOLDS_PER_SESSION];
+        tasks.spawn(async move {
+            let _p = permit;
+            c.acquire(AcquireRequest {
+                key: format!(
+                    "bench/hold/{}/{}",
+                    i / HOLDS_PER_SESSION,
+                    i % HOLDS_PER_SESSION
+                ),
+                class,
+                session_id: session,
+                wait: WaitMode::WaitNone.into(),
+                metadata: Default::default(),
+            })
+            .await
+            .map(|_| ())
+        });
+        while let Some(done) = tasks.try_join_next() {
+            done??;
+        }
+        if *stop.borrow() {
+            anyhow::bail!("stopped while taking holds");
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    let took = started.elapsed().as_secs_f64();
+    println!(
+        "took {} holds on {} sessions in {took:.1} s ({:.0}/s)",
+        args.holds,
+        sessions.len(),
+        args.holds as f64 / took
+    );
+    let _ = stop_early_tx.send(true);
+    early.await??;
+    Ok((client, sessions))
 }
