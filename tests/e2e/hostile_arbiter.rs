@@ -647,9 +647,9 @@ async fn one_identity_cannot_hold_more_keys_than_its_bound() -> anyhow::Result<(
     let calls: Vec<_> = (0..12)
         .map(|i| {
             let mut c = mallory.clone();
-            tokio::spawn(
-                async move { try_lock(&mut c, &format!("mallory/flood-{i}"), "demo", sm).await },
-            )
+            tokio::spawn(async move {
+                try_lock(&mut c, &format!("mallory/flood-{i}"), "demo", sm).await
+            })
         })
         .collect();
     let (mut granted, mut refused) = (Vec::new(), Vec::new());

@@ -20,8 +20,7 @@ mod tests {
 
     fn read(path: &str) -> String {
         let full = repo().join(path);
-        std::fs::read_to_string(&full)
-            .unwrap_or_else(|e| panic!("reading {}: {e}", full.display()))
+        std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("reading {}: {e}", full.display()))
     }
 
     /// The value of `--flag=value` (or `--flag value`) in a list of arguments.
