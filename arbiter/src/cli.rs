@@ -118,6 +118,66 @@ struct Args {
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
+    /// The OIDC provider operators sign in with for force-release (ADR-20),
+    /// exactly as its ID tokens' `iss` says; https:// (http:// only on a
+    /// loopback address). Without it force-release is refused.
+    #[arg(long, value_name = "URL", requires = "oidc_audience")]
+    oidc_issuer: Option<String>,
+    /// The `aud` operators' ID tokens must carry (the client id they sign in with).
+    #[arg(long, value_name = "CLIENT_ID", requires = "oidc_issuer")]
+    oidc_audience: Option<String>,
+    /// The ID-token claim holding the operator's roles: a name or a dotted
+    /// path (Keycloak: realm_access.roles).
+    #[arg(long, value_name = "CLAIM", default_value = crate::oidc::DEFAULT_ROLE_CLAIM)]
+    oidc_role_claim: String,
+    /// The role that allows force-release.
+    #[arg(long, value_name = "ROLE", default_value = crate::oidc::DEFAULT_ROLE)]
+    oidc_role: String,
+    /// Require an `amr` claim naming a second factor (otp, hwk, mfa, ...).
+    #[arg(long, requires = "oidc_issuer")]
+    oidc_require_mfa: bool,
+    /// The etcd user force-release transactions run as: a role that may
+    /// only touch holds, claims and force records (docs/security.md).
+    #[arg(long, value_name = "NAME", requires_all = ["force_etcd_password_file", "oidc_issuer"])]
+    force_etcd_user: Option<String>,
+    /// File holding --force-etcd-user's password; read once at start.
+    #[arg(long, value_name = "PATH", requires = "force_etcd_user")]
+    force_etcd_password_file: Option<PathBuf>,
+    /// How long a force-release request waits for its approver, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 900)]
+    force_request_ttl_seconds: u64,
+}
+
+/// The force-release settings the flags name.
+fn force_release(args: &Args) -> anyhow::Result<crate::force_release::ForceReleaseConfig> {
+    let oidc = match (&args.oidc_issuer, &args.oidc_audience) {
+        (Some(issuer), Some(audience)) => {
+            let mut oidc = crate::oidc::OidcConfig::new(issuer.clone(), audience.clone());
+            oidc.role_claim = args.oidc_role_claim.clone();
+            oidc.role = args.oidc_role.clone();
+            oidc.require_mfa = args.oidc_require_mfa;
+            oidc.check().map_err(anyhow::Error::msg)?;
+            Some(oidc)
+        }
+        (None, None) => None,
+        _ => bail!("--oidc-issuer and --oidc-audience go together"),
+    };
+    let etcd_user = match (&args.force_etcd_user, &args.force_etcd_password_file) {
+        (Some(name), Some(password_file)) => Some(EtcdUser {
+            name: name.clone(),
+            password_file: password_file.clone(),
+        }),
+        (None, None) => None,
+        _ => bail!("--force-etcd-user and --force-etcd-password-file go together"),
+    };
+    if args.force_request_ttl_seconds == 0 {
+        bail!("--force-request-ttl-seconds must be at least 1");
+    }
+    Ok(crate::force_release::ForceReleaseConfig {
+        oidc,
+        etcd_user,
+        request_ttl: Duration::from_secs(args.force_request_ttl_seconds),
+    })
 }
 
 /// The etcd credentials the flags name, checked against the endpoints
@@ -162,6 +222,7 @@ pub async fn main_with(
 ) -> anyhow::Result<()> {
     let args = Args::parse_from(argv);
     let etcd_credentials = etcd_credentials(&args)?;
+    let force_release = force_release(&args)?;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     if args.log_json {
         tracing_subscriber::fmt()
@@ -205,6 +266,7 @@ pub async fn main_with(
     config.max_waiters_per_identity = args.max_waiters_per_identity;
     config.metrics_listen = args.metrics_listen;
     config.log_layer = log_layer;
+    config.force_release = force_release;
     let listener = TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -357,9 +419,55 @@ mod tests {
             "--coord-etcd",
             "--coord-prefix",
             "--lock-cluster-name",
+            "--oidc-issuer",
+            "--oidc-audience",
+            "--oidc-role-claim",
+            "--oidc-role",
+            "--oidc-require-mfa",
+            "--force-etcd-user",
+            "--force-etcd-password-file",
         ] {
             assert!(help.contains(flag), "{flag} missing from --help");
         }
+    }
+
+    #[test]
+    fn force_release_flags() {
+        let args = parse(&[]).unwrap();
+        let off = force_release(&args).unwrap();
+        assert!(off.oidc.is_none() && off.etcd_user.is_none());
+        assert_eq!(off.request_ttl, Duration::from_secs(900));
+        let args = parse(&[
+            "--oidc-issuer",
+            "https://sso.example.com/realms/ops",
+            "--oidc-audience",
+            "latchctl",
+            "--oidc-role-claim",
+            "realm_access.roles",
+            "--oidc-require-mfa",
+            "--force-etcd-user",
+            "latchkey-force",
+            "--force-etcd-password-file",
+            "pw",
+        ])
+        .unwrap();
+        let on = force_release(&args).unwrap();
+        let oidc = on.oidc.unwrap();
+        assert!(oidc.require_mfa);
+        assert_eq!(oidc.role_claim, "realm_access.roles");
+        assert_eq!(oidc.role, "lock-operator");
+        assert_eq!(on.etcd_user.map(|u| u.name), Some("latchkey-force".into()));
+        for bad in [
+            &["--oidc-issuer", "https://sso"][..],
+            &["--oidc-audience", "x"],
+            &["--oidc-require-mfa"],
+            &["--force-etcd-user", "u", "--force-etcd-password-file", "pw"],
+        ] {
+            assert!(parse(bad).is_err(), "accepted {bad:?}");
+        }
+        let args = parse(&["--oidc-issuer", "http://sso", "--oidc-audience", "x"]).unwrap();
+        let err = force_release(&args).unwrap_err().to_string();
+        assert!(err.contains("https://"), "{err}");
     }
 
     /// Starts far enough to read the credentials; returns the error.

@@ -274,6 +274,8 @@ pub struct Config {
     pub log_layer: Option<LogLayer>,
     /// Where to serve Prometheus metrics over plain HTTP (`GET /metrics`); none: not served.
     pub metrics_listen: Option<String>,
+    /// Two-person force-release (ADR-20): off unless an OIDC provider is set.
+    pub force_release: crate::force_release::ForceReleaseConfig,
 }
 
 impl Config {
@@ -307,6 +309,7 @@ impl Config {
             })),
             log_layer: None,
             metrics_listen: None,
+            force_release: crate::force_release::ForceReleaseConfig::default(),
         }
     }
 }

@@ -18,6 +18,7 @@ pub mod cli;
 pub mod config;
 pub mod epoch;
 pub mod error;
+pub mod force_release;
 pub mod grpc_health;
 pub mod high_water;
 pub mod hold_counts;
@@ -25,6 +26,7 @@ pub mod hook;
 pub mod identity;
 pub mod lock_log;
 pub mod metrics;
+pub mod oidc;
 pub mod policy;
 pub mod records;
 mod service;
@@ -116,6 +118,8 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
+    #[error("force-release: {0}")]
+    ForceRelease(String),
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
     #[error("cannot listen for metrics on {addr}: {source}")]
@@ -260,6 +264,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         let follow = Arc::clone(&holds).follow(client, Layout::new(&config.prefix).holders());
         hold_counts::AbortOnDrop(tokio::spawn(follow).abort_handle())
     };
+    let force = force_release(config, &lock_store).await?;
     let identity = match &config.tls {
         Some(_) => IdentitySource::Tls {
             trust_domain: config.trust_domain.clone(),
@@ -290,7 +295,65 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         bounds,
         holds,
         _hold_watch: hold_watch,
+        force,
     }))
+}
+
+/// The force-release path, when an OIDC provider is configured: its own
+/// etcd client, logged in as the restricted force-release user if one is
+/// given (the arbiter's own credentials otherwise, with a warning).
+async fn force_release(
+    config: &Config,
+    lock_store: &StoreConfig,
+) -> Result<Option<Arc<force_release::ForceRelease>>, RunError> {
+    let settings = &config.force_release;
+    let Some(oidc) = &settings.oidc else {
+        if settings.etcd_user.is_some() {
+            warn!("--force-etcd-user is set but force-release is off (no --oidc-issuer)");
+        }
+        info!("force-release is off (start with --oidc-issuer and --oidc-audience to turn it on)");
+        return Ok(None);
+    };
+    let verifier = oidc::OidcVerifier::new(oidc.clone()).map_err(RunError::ForceRelease)?;
+    let connect = |store: StoreConfig, who: String| async move {
+        connect_client(&store)
+            .await
+            .map_err(|e| RunError::EtcdUnreachable {
+                endpoints: store.endpoints.join(","),
+                access: who,
+                hint: "",
+                source: e.into(),
+            })
+    };
+    let main = connect(lock_store.clone(), config.etcd_credentials.describe()).await?;
+    let force = match &settings.etcd_user {
+        Some(user) => {
+            let credentials = EtcdCredentials {
+                user: Some(user.clone()),
+                ..config.etcd_credentials.clone()
+            };
+            credentials.check(&config.etcd_endpoints)?;
+            let store = StoreConfig {
+                login: etcd_login(&credentials)?,
+                ..lock_store.clone()
+            };
+            let client = connect(store, credentials.describe()).await?;
+            info!(user = %user.name, "force-release runs as its own etcd user");
+            client
+        }
+        None => {
+            warn!(
+                "force-release runs with the arbiter's own etcd credentials: pass --force-etcd-user and --force-etcd-password-file for a user whose role may only delete holds and write force records (docs/security.md)"
+            );
+            main.clone()
+        }
+    };
+    info!(issuer = %oidc.issuer, audience = %oidc.audience, require_mfa = oidc.require_mfa, "force-release is on: two operators signed in with OIDC");
+    Ok(Some(force_release::ForceRelease::new(
+        verifier,
+        force_release::etcd::ForceStore::new(main, force, &config.prefix),
+        settings.request_ttl,
+    )))
 }
 
 /// The coord cluster's witness, when `--coord-etcd` names one: connected

@@ -18,8 +18,10 @@ use futures::Stream;
 use latchkey_policies::{LockClass, LockKey, PolicySet};
 use latchkey_proto::adminv1::admin_server::Admin;
 use latchkey_proto::adminv1::{
-    AdvanceEpochRequest, AdvanceEpochResponse, EdgePolicy, GetEdgePolicyRequest, GetStatusRequest,
-    GetStatusResponse,
+    AdvanceEpochRequest, AdvanceEpochResponse, ApproveForceReleaseRequest,
+    ApproveForceReleaseResponse, EdgePolicy, ForceReleaseRequest, GetEdgePolicyRequest,
+    GetStatusRequest, GetStatusResponse, ListForceReleasesRequest, ListForceReleasesResponse,
+    RequestForceReleaseRequest,
 };
 use latchkey_proto::lockv1::lock_server::Lock;
 use latchkey_proto::lockv1::{
@@ -53,6 +55,8 @@ pub struct Arbiter {
     pub(crate) holds: Arc<crate::hold_counts::HoldCounts>,
     /// Ends the holds' watch with the arbiter.
     pub(crate) _hold_watch: crate::hold_counts::AbortOnDrop,
+    /// Two-person force-release; `None` without an OIDC provider.
+    pub(crate) force: Option<Arc<crate::force_release::ForceRelease>>,
 }
 
 impl Arbiter {
@@ -233,5 +237,32 @@ impl Admin for AdminService {
         request: Request<GetEdgePolicyRequest>,
     ) -> Result<Response<EdgePolicy>, Status> {
         Ok(Response::new(self.inner.get_edge_policy(request).await?))
+    }
+
+    async fn request_force_release(
+        &self,
+        request: Request<RequestForceReleaseRequest>,
+    ) -> Result<Response<ForceReleaseRequest>, Status> {
+        Ok(Response::new(
+            self.inner.request_force_release(request).await?,
+        ))
+    }
+
+    async fn approve_force_release(
+        &self,
+        request: Request<ApproveForceReleaseRequest>,
+    ) -> Result<Response<ApproveForceReleaseResponse>, Status> {
+        Ok(Response::new(
+            self.inner.approve_force_release(request).await?,
+        ))
+    }
+
+    async fn list_force_releases(
+        &self,
+        request: Request<ListForceReleasesRequest>,
+    ) -> Result<Response<ListForceReleasesResponse>, Status> {
+        Ok(Response::new(
+            self.inner.list_force_releases(request).await?,
+        ))
     }
 }

@@ -9,6 +9,7 @@
 
 mod acquire;
 mod admin;
+mod audit;
 mod certs;
 mod classes;
 mod duration;
@@ -82,6 +83,11 @@ enum Command {
     Hold(hold::HoldArgs),
     /// Show who holds a key.
     Inspect(inspect::InspectArgs),
+    /// A key's history from the audit store (grants, releases, expiries,
+    /// hand-overs, force-releases, epoch changes).
+    Audit(audit::AuditArgs),
+    /// Who holds a key, how many wait, and its last audit events.
+    Why(audit::WhyArgs),
     /// Lock class policy files.
     #[command(subcommand)]
     Classes(classes::ClassesCommand),
@@ -188,6 +194,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Release(args) => acquire::release(connect(&cli.global).await?, args, out).await,
         Command::Hold(args) => hold::hold(connect(&cli.global).await?, args, out).await,
         Command::Inspect(args) => inspect::inspect(connect(&cli.global).await?, args, out).await,
+        Command::Audit(args) => audit::audit(args, out).await,
+        Command::Why(args) => audit::why(connect(&cli.global).await?, args, out).await,
         Command::Admin(command) => admin::run(connect(&cli.global).await?, command, out).await,
         Command::PauseTest(args) => pause_test::run(&cli.global, args, out).await,
         Command::PauseTestHolder(args) => pause_test::holder(&cli.global, args).await,

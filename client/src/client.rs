@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use latchkey_proto::adminv1::{
-    AdvanceEpochRequest, AdvanceEpochResponse, GetStatusRequest, GetStatusResponse,
+    AdvanceEpochRequest, AdvanceEpochResponse, ApproveForceReleaseRequest,
+    ApproveForceReleaseResponse, ForceReleaseRequest, GetStatusRequest, GetStatusResponse,
+    ListForceReleasesRequest, ListForceReleasesResponse, RequestForceReleaseRequest,
 };
 use latchkey_proto::lockv1::{InspectRequest, OpenSessionRequest, ReleaseRequest};
 use tokio::time::Instant;
@@ -257,6 +259,62 @@ impl Client {
                 expected_epoch: expected,
                 reason: reason.to_owned(),
                 at_least_epoch: at_least,
+            }))
+            .await?
+            .into_inner())
+    }
+
+    /// Asks for a force-release of `key`'s current hold (ADR-20); a
+    /// different operator approves it. `id_token` is the requester's OIDC
+    /// ID token. Operator identities only.
+    pub async fn request_force_release(
+        &self,
+        key: &str,
+        reason: &str,
+        revoke_session: bool,
+        id_token: &str,
+    ) -> Result<ForceReleaseRequest, Error> {
+        let rpc = &self.inner.rpc;
+        Ok(rpc
+            .admin()
+            .request_force_release(rpc.unary(RequestForceReleaseRequest {
+                key: key.to_owned(),
+                reason: reason.to_owned(),
+                revoke_session,
+                id_token: id_token.to_owned(),
+            }))
+            .await?
+            .into_inner())
+    }
+
+    /// Approves (and so executes) force-release request `request_id`, as a
+    /// different operator than its requester.
+    pub async fn approve_force_release(
+        &self,
+        request_id: &str,
+        id_token: &str,
+    ) -> Result<ApproveForceReleaseResponse, Error> {
+        let rpc = &self.inner.rpc;
+        Ok(rpc
+            .admin()
+            .approve_force_release(rpc.unary(ApproveForceReleaseRequest {
+                request_id: request_id.to_owned(),
+                id_token: id_token.to_owned(),
+            }))
+            .await?
+            .into_inner())
+    }
+
+    /// Pending force-release requests and the force records of the last 24 h.
+    pub async fn list_force_releases(
+        &self,
+        id_token: &str,
+    ) -> Result<ListForceReleasesResponse, Error> {
+        let rpc = &self.inner.rpc;
+        Ok(rpc
+            .admin()
+            .list_force_releases(rpc.unary(ListForceReleasesRequest {
+                id_token: id_token.to_owned(),
             }))
             .await?
             .into_inner())

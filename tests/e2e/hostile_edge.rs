@@ -4,7 +4,7 @@
 //! Each scenario is the regression test of one finding: identity smuggled in
 //! request trailers, admin calls and unknown paths through the edge, admission
 //! slots aimed at another tenant's key, admission places kept by a stalled
-//! reader, and a flood of idle KeepAlive streams.
+//! reader, a flood of idle KeepAlive streams, and a client-sent `x-lock-key`.
 
 use std::convert::Infallible;
 use std::time::{Duration, Instant};
@@ -708,5 +708,52 @@ async fn a_flood_of_idle_keepalive_streams_is_bounded_per_identity() -> anyhow::
     let s = open(&mut mallory, "demo").await?;
     let g = lock(&mut mallory, "mallory/after-flood", "demo", s).await?;
     unlock(&mut mallory, &g).await?;
+    Ok(())
+}
+
+/// Issue 12: a client's `x-lock-key` decides nothing. The edge removes it from
+/// every call, keyed or not, and routes by the key it authorised from the body
+/// (filter state); a keyed call whose header names another key is refused
+/// before anything is forwarded. Mallory names alice's key `demo/x` (no grant
+/// of hers) in the header: beside her own key in the body it is a mismatch;
+/// beside `demo/x` in the body the call is judged by the body's key and
+/// refused; neither reaches the arbiter. Her own key in both is served (routed
+/// by the body's key), and so is a call without a key that carries the header.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_lock_key_header_never_authorises_or_routes() -> anyhow::Result<()> {
+    let e = edge(json!({})).await?;
+    let ch = channel(e.envoy.addr(), "workload/mallory").await?;
+    let inspect = format!("{LOCK}Inspect");
+    let body = |key: &str| encode(&InspectRequest { key: key.into() });
+    let upstream = e.envoy.upstream_requests().await?;
+    let header = [("x-lock-key", "demo/x")];
+    match call_with_trailers(ch.clone(), &inspect, body("mallory/x"), &header, &[]).await? {
+        Outcome::Status(3, m) if decoded(&m).contains("x-lock-key") => {}
+        other => anyhow::bail!("her key in the body, alice's in the header: {other:?}"),
+    }
+    match call_with_trailers(ch.clone(), &inspect, body("demo/x"), &header, &[]).await? {
+        Outcome::Status(7, _) => {}
+        other => anyhow::bail!("alice's key in body and header: {other:?}"),
+    }
+    assert_eq!(
+        e.envoy.upstream_requests().await?,
+        upstream,
+        "none forwarded"
+    );
+    assert!(e.denied("key_mismatch").await? >= 1);
+    assert!(e.denied("not_authorised").await? >= 1);
+    let own = [("x-lock-key", "mallory/x")];
+    match call_with_trailers(ch.clone(), &inspect, body("mallory/x"), &own, &[]).await? {
+        Outcome::Status(0, _) => {}
+        other => anyhow::bail!("her own key in body and header: {other:?}"),
+    }
+    let open = encode(&OpenSessionRequest {
+        class: "demo".into(),
+        reuse_session_ids: vec![],
+    });
+    match call_with_trailers(ch, &format!("{LOCK}OpenSession"), open, &header, &[]).await? {
+        Outcome::Status(0, _) => {}
+        other => anyhow::bail!("a call without a key, with the header: {other:?}"),
+    }
     Ok(())
 }

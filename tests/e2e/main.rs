@@ -3,11 +3,13 @@
 //! Scenarios start real processes (etcd, the arbiter, later Envoy) through the
 //! harnesses in `latchkey_tests`.
 
+mod audit;
 mod client;
 mod cluster;
 mod edge;
 mod etcd_harness;
 mod etcd_tls;
+mod force_release;
 mod gate;
 mod grants;
 mod grpc_health;

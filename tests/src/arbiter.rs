@@ -96,6 +96,9 @@ pub struct ArbiterOptions {
     pub trust_unwitnessed_log: bool,
     /// `--max-holds-per-identity` (the arbiter's default when `None`).
     pub max_holds_per_identity: Option<u32>,
+    /// Force-release (`--oidc-*`, `--force-etcd-*`); off by default. In
+    /// process only.
+    pub force_release: latchkey_arbiter::force_release::ForceReleaseConfig,
 }
 
 /// A coord etcd cluster for the arbiter (issue 15), reached with the same
@@ -139,6 +142,7 @@ impl Default for ArbiterOptions {
             coord: None,
             trust_unwitnessed_log: true,
             max_holds_per_identity: None,
+            force_release: Default::default(),
         }
     }
 }
@@ -188,6 +192,7 @@ impl Arbiter {
         if let Some(max) = opts.max_holds_per_identity {
             config.max_holds_per_identity = max;
         }
+        config.force_release = opts.force_release.clone();
         if let Some(coord) = &opts.coord {
             config.coord_endpoints = coord.endpoints.clone();
             if let Some(prefix) = &coord.prefix {
@@ -484,6 +489,22 @@ impl ArbiterProcess {
             if let Some(name) = &coord.lock_cluster_name {
                 cmd.arg("--lock-cluster-name").arg(name);
             }
+        }
+        if let Some(oidc) = &opts.force_release.oidc {
+            cmd.arg("--oidc-issuer").arg(&oidc.issuer);
+            cmd.arg("--oidc-audience").arg(&oidc.audience);
+            cmd.arg("--oidc-role-claim").arg(&oidc.role_claim);
+            cmd.arg("--oidc-role").arg(&oidc.role);
+            if oidc.require_mfa {
+                cmd.arg("--oidc-require-mfa");
+            }
+            cmd.arg("--force-request-ttl-seconds")
+                .arg(opts.force_release.request_ttl.as_secs().max(1).to_string());
+        }
+        if let Some(user) = &opts.force_release.etcd_user {
+            cmd.arg("--force-etcd-user").arg(&user.name);
+            cmd.arg("--force-etcd-password-file")
+                .arg(&user.password_file);
         }
         if opts.test_fault != TestFault::None {
             cmd.arg(faulty_log::FLAG).arg(opts.test_fault.name());

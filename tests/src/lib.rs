@@ -19,6 +19,7 @@ use tempfile::TempDir;
 use tokio::time::Instant;
 
 pub mod arbiter;
+pub mod clickhouse;
 pub mod cluster;
 pub mod envoy;
 pub mod etcd;
@@ -27,6 +28,7 @@ pub mod gate;
 pub mod hooks;
 pub mod log_contract;
 pub mod manifests;
+pub mod oidc;
 pub mod postgres;
 pub mod proxy;
 pub mod raw_grpc;

@@ -1,12 +1,19 @@
+use std::sync::Arc;
+
+use latchkey_policies::LockKey;
 use latchkey_proto::adminv1::{
-    AdvanceEpochRequest, AdvanceEpochResponse, EdgeClass, EdgeGrant, EdgePolicy,
-    GetEdgePolicyRequest, GetStatusRequest, GetStatusResponse,
+    AdvanceEpochRequest, AdvanceEpochResponse, ApproveForceReleaseRequest,
+    ApproveForceReleaseResponse, EdgeClass, EdgeGrant, EdgePolicy, ForceRecord,
+    ForceReleaseRequest, GetEdgePolicyRequest, GetStatusRequest, GetStatusResponse,
+    ListForceReleasesRequest, ListForceReleasesResponse, RequestForceReleaseRequest,
 };
-use tonic::Request;
-use tracing::warn;
+use tonic::{Request, Status};
+use tracing::{info, warn};
 
 use super::Arbiter;
 use crate::error::ArbiterError;
+use crate::force_release::{self, ForceError, ForceRelease, RequestRecord};
+use crate::oidc::SignedIn;
 
 impl Arbiter {
     pub async fn get_status(
@@ -109,5 +116,161 @@ impl Arbiter {
                 })
                 .collect(),
         })
+    }
+}
+
+/// Force-release (ADR-20). Every call needs both an operator SVID on the
+/// channel and a verified ID token with the lock-operator role; the
+/// handlers translate, [`ForceRelease`] decides. No token is ever logged.
+impl Arbiter {
+    /// The channel's operator identity and the signed-in person, or the refusal.
+    async fn force_caller<T>(
+        &self,
+        request: &Request<T>,
+        id_token: &str,
+    ) -> Result<(Arc<ForceRelease>, String, SignedIn), Status> {
+        let caller = self.caller(request)?;
+        self.require_operator(&caller)?;
+        let force = self.force.clone().ok_or(ForceError::Disabled)?;
+        let signed_in = match force.sign_in(id_token).await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(operator = %caller.identity, refusal = e.reason(), "force-release call refused: {e}");
+                return Err(e.into());
+            }
+        };
+        Ok((force, caller.identity, signed_in))
+    }
+
+    pub async fn request_force_release(
+        &self,
+        request: Request<RequestForceReleaseRequest>,
+    ) -> Result<ForceReleaseRequest, Status> {
+        let (force, operator, requester) = self
+            .force_caller(&request, &request.get_ref().id_token)
+            .await?;
+        let req = request.into_inner();
+        let key = LockKey::parse(&req.key).map_err(|e| ArbiterError::BadKey(e.to_string()))?;
+        let policies = self.policies.current();
+        let record = force
+            .request(
+                &requester,
+                &operator,
+                key.as_str(),
+                &req.reason,
+                req.revoke_session,
+                |class| policies.class(class).map(|c| c.enforcement),
+            )
+            .await?;
+        warn!(
+            operator = %operator,
+            subject = %requester.subject,
+            key = %record.key,
+            request_id = %record.id,
+            holder = %record.holder_identity,
+            class = %record.class,
+            enforcement = %record.enforcement,
+            revoke_session = record.revoke_session,
+            reason = %record.reason,
+            "force-release requested; a different operator must approve it"
+        );
+        Ok(request_view(&record))
+    }
+
+    pub async fn approve_force_release(
+        &self,
+        request: Request<ApproveForceReleaseRequest>,
+    ) -> Result<ApproveForceReleaseResponse, Status> {
+        let (force, operator, approver) = self
+            .force_caller(&request, &request.get_ref().id_token)
+            .await?;
+        let id = request.into_inner().request_id;
+        let approved = match force.approve(&approver, &operator, id.trim()).await {
+            Ok(a) => a,
+            Err(e) => {
+                warn!(operator = %operator, subject = %approver.subject, refusal = e.reason(), "force-release approval refused: {e}");
+                return Err(e.into());
+            }
+        };
+        let (session_revoked, session_revoke_error) = match &approved.session_revoked {
+            Some(Ok(())) => (true, String::new()),
+            Some(Err(e)) => {
+                warn!(session = approved.request.holder_session, error = %e, "force-release: the hold is released but the session could not be revoked");
+                (false, e.clone())
+            }
+            None => (false, String::new()),
+        };
+        warn!(
+            operator = %operator,
+            approver = %approver.subject,
+            requester = %approved.request.requester_subject,
+            key = %approved.request.key,
+            request_id = %approved.request.id,
+            holder = %approved.request.holder_identity,
+            enforcement = %approved.request.enforcement,
+            revision = approved.revision,
+            session_revoked,
+            "FORCE-RELEASED a hold"
+        );
+        Ok(ApproveForceReleaseResponse {
+            request: Some(request_view(&approved.request)),
+            approver: approved.record.approved_by.clone(),
+            approved_at_unix_ms: approved.record.approved_at_unix_ms,
+            revision: approved.revision,
+            session_revoked,
+            session_revoke_error,
+        })
+    }
+
+    pub async fn list_force_releases(
+        &self,
+        request: Request<ListForceReleasesRequest>,
+    ) -> Result<ListForceReleasesResponse, Status> {
+        let (force, operator, subject) = self
+            .force_caller(&request, &request.get_ref().id_token)
+            .await?;
+        let (pending, done) = force.list().await?;
+        info!(operator = %operator, subject = %subject.subject, pending = pending.len(), "force-release requests listed");
+        Ok(ListForceReleasesResponse {
+            pending: pending.iter().map(request_view).collect(),
+            done: done
+                .into_iter()
+                .map(|r| ForceRecord {
+                    id: r.request_id,
+                    key: r.key,
+                    holder_identity: r.holder_identity,
+                    holder_session: r.holder_session,
+                    hold_revision: r.hold_revision,
+                    class: r.class,
+                    enforcement: r.enforcement,
+                    reason: r.reason,
+                    requester: r.requested_by,
+                    approver: r.approved_by,
+                    requested_at_unix_ms: r.requested_at_unix_ms,
+                    approved_at_unix_ms: r.approved_at_unix_ms,
+                    revoke_session: r.revoke_session,
+                })
+                .collect(),
+        })
+    }
+}
+
+/// What an approver sees of a request, warning included.
+fn request_view(r: &RequestRecord) -> ForceReleaseRequest {
+    ForceReleaseRequest {
+        request_id: r.id.clone(),
+        key: r.key.clone(),
+        holder_identity: r.holder_identity.clone(),
+        holder_session: r.holder_session,
+        hold_revision: r.hold_revision,
+        class: r.class.clone(),
+        enforcement: r.enforcement.clone(),
+        warning: force_release::warning_for(&r.enforcement).to_string(),
+        reason: r.reason.clone(),
+        revoke_session: r.revoke_session,
+        requester: r.requester_subject.clone(),
+        requested_at_unix_ms: r.requested_at_unix_ms,
+        expires_at_unix_ms: r.expires_at_unix_ms,
+        requester_identity: r.requester_identity.clone(),
     }
 }

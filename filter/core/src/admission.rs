@@ -128,8 +128,28 @@ struct Slot {
     cas: Option<u32>,
 }
 
+/// `lk/adm/<table>/<index>`, built without the formatting machinery (it runs
+/// twice per stream, and `format!` is slow in Wasm).
 fn slot_name(table: Table, index: u32) -> String {
-    format!("lk/adm/{}/{index}", table.name())
+    let mut name = String::with_capacity(18);
+    name.push_str("lk/adm/");
+    name.push_str(table.name());
+    name.push('/');
+    let mut digits = [0u8; 10];
+    let mut n = index;
+    let mut len = 0;
+    for d in digits.iter_mut() {
+        *d = b'0' + (n % 10) as u8;
+        n /= 10;
+        len += 1;
+        if n == 0 {
+            break;
+        }
+    }
+    for d in digits.iter().take(len).rev() {
+        name.push(char::from(*d));
+    }
+    name
 }
 
 fn encode(count: u32, owner: u64) -> Vec<u8> {
@@ -474,6 +494,22 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    #[test]
+    fn slot_names_are_what_they_always_were() {
+        for (table, index) in [
+            (Table::Key, 0),
+            (Table::Identity, 7),
+            (Table::Stream, 4_095),
+            (Table::Key, 16_383),
+            (Table::Key, u32::MAX),
+        ] {
+            assert_eq!(
+                slot_name(table, index),
+                format!("lk/adm/{}/{index}", table.name())
+            );
+        }
+    }
+
     const ID: &str = "spiffe://dev.latchkey/workload/a";
 
     fn secret() -> AdmissionSecret {
@@ -666,6 +702,64 @@ mod tests {
         adm.close_stream(&store, &places[0]);
         assert_eq!(adm.streams(&store, ID), 2);
         assert!(adm.open_stream(&store, ID, 3).is_ok());
+    }
+
+    /// Admission is exact for streams whatever the workers' interleaving:
+    /// an open is refused exactly when the identity already has its bound
+    /// of streams open (on any worker), and the shared count is always the
+    /// number open. Each worker has its own `Admission` over the one shared
+    /// store, as each Envoy worker's VM does.
+    #[test]
+    fn stream_admission_is_exact_across_workers() {
+        let store = MemoryStore::default();
+        let workers: Vec<Admission> = (0..3).map(|_| adm(64, 64)).collect();
+        workers[0].create_slots(&store).unwrap();
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        };
+        for limit in [1u32, 2, 3, 16, 20] {
+            let mut open: Vec<(usize, Place)> = Vec::new();
+            let (mut refused, mut at_bound) = (0, 0);
+            for step in 0..4000 {
+                let w = next(workers.len());
+                // Lean towards opening, so the bound is reached often.
+                if open.is_empty() || next(5) < 3 {
+                    let full = open.len() as u32 >= limit;
+                    match workers[w].open_stream(&store, ID, limit) {
+                        Ok(p) => {
+                            assert!(
+                                !full,
+                                "limit {limit}, step {step}: admitted above the bound"
+                            );
+                            open.push((w, p));
+                        }
+                        Err(r) => {
+                            assert_eq!(r, Rejection::StreamsFull);
+                            assert!(
+                                full,
+                                "limit {limit}, step {step}: refused with {} of {limit} open",
+                                open.len()
+                            );
+                            refused += 1;
+                        }
+                    }
+                    at_bound += usize::from(full);
+                } else {
+                    let (_, p) = open.swap_remove(next(open.len()));
+                    workers[w].close_stream(&store, &p);
+                }
+                assert_eq!(workers[w].streams(&store, ID), open.len() as u32);
+            }
+            assert!(refused > 0 && at_bound > 0, "limit {limit} never reached");
+            for (w, p) in open.drain(..) {
+                workers[w].close_stream(&store, &p);
+            }
+            assert_eq!(workers[0].streams(&store, ID), 0);
+        }
     }
 
     #[test]

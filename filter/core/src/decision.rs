@@ -15,18 +15,30 @@ use crate::status::{DenyReason, Refusal};
 /// if present it must equal the request's key.
 pub const KEY_HEADER: &str = "x-lock-key";
 
-/// A keyed call the edge lets through.
+/// A keyed call the edge lets through. Borrows from the request body and
+/// the grant table (nothing is copied but the key).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Authorised {
+pub struct Authorised<'a> {
     pub key: LockKey,
     /// The class asked for (Acquire), empty otherwise.
-    pub class: String,
+    pub class: &'a str,
     /// Acquire that will wait: subject to admission.
     pub waits: bool,
-    /// `ns.<ns>.class.<class>` for stats.
-    pub scope: String,
+    /// The longest granted prefix that covers the key.
+    pub granted: &'a str,
+    /// The class as a stat label: the class if the table knows it,
+    /// `_unknown` for an Acquire of another class, `_none` otherwise.
+    pub class_label: &'a str,
     /// The class's waiter bound, from the table that authorised the call.
     pub max_waiters_per_key: u32,
+}
+
+impl Authorised<'_> {
+    /// `ns.<ns>.class.<class>` for stats (depends on `granted` and
+    /// `class_label` only, so it may be cached by them).
+    pub fn scope(&self) -> String {
+        metrics::scope(self.granted, self.class_label)
+    }
 }
 
 /// Whether a body of `body_size` bytes can already be refused as oversized
@@ -40,14 +52,14 @@ pub fn body_too_large(body_size: usize, max_message_bytes: usize) -> bool {
 /// (`POLICY_STALE`) the refusal is `UNAVAILABLE`, since the caller may hold a
 /// grant the edge has not received (issue 19). Malformed requests are refused
 /// the same way whatever the table.
-pub fn check_keyed(
-    table: Table<'_>,
+pub fn check_keyed<'a>(
+    table: Table<'a>,
     identity: &str,
     method: Method,
-    body: &[u8],
+    body: &'a [u8],
     header_key: Option<&str>,
     max_message_bytes: usize,
-) -> Result<Authorised, Refusal> {
+) -> Result<Authorised<'a>, Refusal> {
     let refuse = |why| Refusal::of(why);
     let request = unframe(body, max_message_bytes)
         .and_then(|message| decode(method, message))
@@ -56,7 +68,7 @@ pub fn check_keyed(
             RequestError::Oversized { .. } => refuse(DenyReason::Oversized),
             _ => refuse(DenyReason::BadRequest),
         })?;
-    let key = LockKey::parse(&request.key).map_err(|_| refuse(DenyReason::BadKey))?;
+    let key = LockKey::parse(request.key).map_err(|_| refuse(DenyReason::BadKey))?;
     // A client may send x-lock-key (Envoy without the filter hashes on it); if
     // it does, it must be exactly the key. Sent twice counts as a mismatch.
     if let Some(header) = header_key
@@ -77,20 +89,20 @@ pub fn check_keyed(
         })
     })?;
     let class = request.class.unwrap_or_default();
-    let class_label = if method == Method::Acquire && policy.knows_class(&class) {
-        class.as_str()
+    let class_label = if method == Method::Acquire && policy.knows_class(class) {
+        class
     } else if method == Method::Acquire {
         "_unknown"
     } else {
         "_none"
     };
-    let scope = metrics::scope(granted, class_label);
     Ok(Authorised {
-        max_waiters_per_key: policy.max_waiters_per_key(&class),
+        max_waiters_per_key: policy.max_waiters_per_key(class),
         key,
         class,
         waits: method == Method::Acquire && request.waits,
-        scope,
+        granted,
+        class_label,
     })
 }
 
@@ -136,18 +148,21 @@ mod tests {
 
     #[test]
     fn an_authorised_acquire_passes_with_its_scope() {
+        let (p, b) = (policy(), body("a/b/c"));
         let a = check_keyed(
-            Table::Fresh(&policy()),
+            Table::Fresh(&p),
             ALICE,
             Method::Acquire,
-            &body("a/b/c"),
+            &b,
             Some("a/b/c"),
             4096,
         )
         .unwrap();
         assert_eq!(a.key.as_str(), "a/b/c");
         assert!(a.waits);
-        assert_eq!(a.scope, "ns.a.class.demo");
+        assert_eq!(a.granted, "a/b");
+        assert_eq!(a.class, "demo");
+        assert_eq!(a.scope(), "ns.a.class.demo");
         // No header: fine (the filter sets the routing key itself).
         assert!(
             check_keyed(
@@ -277,16 +292,9 @@ mod tests {
                 Err((GrpcCode::Unavailable, DenyReason::PolicyNotReady))
             );
         }
-        let stale = check_keyed(
-            Table::Stale(&p),
-            ALICE,
-            Method::Acquire,
-            &body("a/b/c"),
-            None,
-            4096,
-        )
-        .unwrap();
-        assert_eq!(stale.scope, "ns.a.class.demo");
+        let b = body("a/b/c");
+        let stale = check_keyed(Table::Stale(&p), ALICE, Method::Acquire, &b, None, 4096).unwrap();
+        assert_eq!(stale.scope(), "ns.a.class.demo");
         assert_eq!(stale.max_waiters_per_key, 2);
         assert_eq!(
             code(check_keyed(

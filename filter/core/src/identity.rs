@@ -38,6 +38,20 @@ pub fn peer_identity(
     if mtls != Some(&[1u8][..]) {
         return Err(IdentityError::NotMtls);
     }
+    identity_from_san(uri_san, trust_domain)
+}
+
+/// The caller's SPIFFE ID from `connection.uri_san_peer_certificate` alone:
+/// what the filter reads on every request. Envoy derives that property from
+/// the peer certificate of the TLS connection, so a non-empty value already
+/// means a peer certificate was presented (all `connection.mtls` says) — and
+/// the listener only accepts connections whose certificate chains to the
+/// trust bundle with a `spiffe://<trust domain>/` URI SAN. The result depends
+/// on `uri_san` and `trust_domain` only, so it may be cached by them.
+pub fn identity_from_san(
+    uri_san: Option<&[u8]>,
+    trust_domain: &str,
+) -> Result<String, IdentityError> {
     let raw = uri_san
         .filter(|s| !s.is_empty())
         .ok_or(IdentityError::NoUriSan)?;
@@ -107,6 +121,23 @@ mod tests {
             peer_identity(Some(&[1]), Some(b"spiffe://other.td/workload/a"), TD),
             Err(IdentityError::WrongTrustDomain { .. })
         ));
+    }
+
+    #[test]
+    fn the_san_alone_gives_the_same_answers_less_the_mtls_byte() {
+        for san in [
+            &b"spiffe://dev.latchkey/workload/a"[..],
+            b"spiffe://dev.latchkey/a/../b",
+            b"spiffe://other.td/workload/a",
+            b"",
+            b"\xff",
+        ] {
+            assert_eq!(
+                identity_from_san(Some(san), TD),
+                peer_identity(Some(&[1]), Some(san), TD)
+            );
+        }
+        assert_eq!(identity_from_san(None, TD), Err(IdentityError::NoUriSan));
     }
 
     #[test]

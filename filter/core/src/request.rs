@@ -25,8 +25,9 @@ pub enum Method {
     /// OpenSession, KeepAlive, CloseSession: authenticated and rate limited,
     /// not key-checked; never buffered (KeepAlive is a stream).
     Session,
-    /// admin.v1 GetStatus and AdvanceEpoch: passed on naming the verified
-    /// caller; the arbiter checks the operator role itself.
+    /// admin.v1 GetStatus, AdvanceEpoch and the force-release calls: passed
+    /// on naming the verified caller; the arbiter checks the operator role
+    /// (and a force-release's ID token) itself.
     Admin,
 }
 
@@ -58,7 +59,15 @@ impl Call {
             };
         }
         match path.strip_prefix(ADMIN_SERVICE) {
-            Some("GetStatus" | "AdvanceEpoch") => Call::Forward(Method::Admin),
+            // The arbiter judges every admin call (operator SVID; for a
+            // force-release also the operator's OIDC ID token).
+            Some(
+                "GetStatus"
+                | "AdvanceEpoch"
+                | "RequestForceRelease"
+                | "ApproveForceRelease"
+                | "ListForceReleases",
+            ) => Call::Forward(Method::Admin),
             Some("GetEdgePolicy") => Call::EdgePolicy,
             _ => Call::Unknown,
         }
@@ -123,13 +132,14 @@ pub fn unframe(body: &[u8], max: usize) -> Result<&[u8], RequestError> {
     Ok(message)
 }
 
-/// The fields of a keyed request the edge decides on.
+/// The fields of a keyed request the edge decides on, borrowed from the
+/// message (no copy: the decision runs on every keyed call).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct KeyedRequest {
+pub struct KeyedRequest<'a> {
     /// Raw; validated as a `LockKey` by the caller.
-    pub key: String,
+    pub key: &'a str,
     /// Acquire only.
-    pub class: Option<String>,
+    pub class: Option<&'a str>,
     /// Acquire with any wait mode other than WAIT_NONE.
     pub waits: bool,
 }
@@ -137,15 +147,15 @@ pub struct KeyedRequest {
 /// Decodes the key (field 1 of Acquire, Release and Inspect), and for Acquire
 /// the class (2) and wait mode (4). Other fields are checked for wire type only
 /// where the arbiter would reject them, and otherwise skipped.
-pub fn decode(method: Method, message: &[u8]) -> Result<KeyedRequest, RequestError> {
+pub fn decode(method: Method, message: &[u8]) -> Result<KeyedRequest<'_>, RequestError> {
     let mut out = KeyedRequest::default();
     let mut reader = Reader::new(message);
     while let Some((field, value)) = reader.next_field()? {
         match (method, field) {
             (Method::Acquire | Method::Release | Method::Inspect, 1) => {
-                out.key = value.string(field)?.to_owned();
+                out.key = value.string(field)?;
             }
-            (Method::Acquire, 2) => out.class = Some(value.string(field)?.to_owned()),
+            (Method::Acquire, 2) => out.class = Some(value.string(field)?),
             (Method::Acquire, 3) => {
                 value.varint(field)?;
             }
@@ -163,7 +173,7 @@ pub fn decode(method: Method, message: &[u8]) -> Result<KeyedRequest, RequestErr
         }
     }
     if method == Method::Acquire && out.class.is_none() {
-        out.class = Some(String::new());
+        out.class = Some("");
     }
     Ok(out)
 }
@@ -203,7 +213,13 @@ mod tests {
                 Call::Forward(Method::Session)
             );
         }
-        for m in ["GetStatus", "AdvanceEpoch"] {
+        for m in [
+            "GetStatus",
+            "AdvanceEpoch",
+            "RequestForceRelease",
+            "ApproveForceRelease",
+            "ListForceReleases",
+        ] {
             assert_eq!(
                 post(&format!("/latchkey.admin.v1.Admin/{m}")),
                 Call::Forward(Method::Admin)
@@ -242,7 +258,7 @@ mod tests {
         let msg = unframe(&body, 4096).unwrap();
         let req = decode(Method::Acquire, msg).unwrap();
         assert_eq!(req.key, "a/b");
-        assert_eq!(req.class.as_deref(), Some("demo"));
+        assert_eq!(req.class, Some("demo"));
         assert!(req.waits);
     }
 
@@ -250,7 +266,8 @@ mod tests {
     fn the_last_key_wins_like_prost() {
         let mut w = Writer::new();
         w.string(1, "mine/x").string(1, "theirs/y");
-        let req = decode(Method::Release, &w.finish()).unwrap();
+        let message = w.finish();
+        let req = decode(Method::Release, &message).unwrap();
         assert_eq!(req.key, "theirs/y");
     }
 
@@ -328,7 +345,7 @@ mod tests {
             let body = frame(&acquire(&key, &class, wait));
             let req = decode(Method::Acquire, unframe(&body, 4096).unwrap()).unwrap();
             prop_assert_eq!(req.key, key);
-            prop_assert_eq!(req.class, Some(class));
+            prop_assert_eq!(req.class, Some(class.as_str()));
             prop_assert_eq!(req.waits, wait != 0);
         }
 
@@ -362,9 +379,10 @@ mod tests {
                 wait,
                 metadata: meta.into_iter().collect(),
             };
-            let ours = decode(Method::Acquire, &req.encode_to_vec()).unwrap();
+            let message = req.encode_to_vec();
+            let ours = decode(Method::Acquire, &message).unwrap();
             prop_assert_eq!(ours.key, key);
-            prop_assert_eq!(ours.class, Some(class));
+            prop_assert_eq!(ours.class, Some(class.as_str()));
             prop_assert_eq!(ours.waits, wait != 0);
         }
     }

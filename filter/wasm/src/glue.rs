@@ -1,10 +1,13 @@
 //! The proxy-wasm contexts.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
+use crate::profile::{Profile, Section};
 use latchkey_filter_core::admission::{
     Admission, Place, SharedStore, StoreError, Ticket, shared_secret,
 };
@@ -12,7 +15,7 @@ use latchkey_filter_core::config::FilterConfig;
 use latchkey_filter_core::decision::{self, KEY_HEADER};
 use latchkey_filter_core::grant_table::{GrantTable, LastGood, Origin, SaveError, Saved};
 use latchkey_filter_core::headers::{check_request_headers, check_trailers};
-use latchkey_filter_core::identity::{IDENTITY_HEADER, peer_identity};
+use latchkey_filter_core::identity::{IDENTITY_HEADER, identity_from_san};
 use latchkey_filter_core::keyed_hash::AdmissionSecret;
 use latchkey_filter_core::metrics;
 use latchkey_filter_core::policy::{EDGE_POLICY_METHOD, EDGE_POLICY_SERVICE, EdgePolicy};
@@ -47,11 +50,48 @@ impl SharedStore for HostStore {
     }
 }
 
+/// FNV-1a for the VM's own maps (metric names, SAN strings, stat scopes):
+/// far cheaper than SipHash in Wasm, and every key comes from a bounded set
+/// (stat names, certificates the listener accepted, the grant table), so
+/// hash flooding is not a concern; each map is capped anyway.
+#[derive(Default)]
+struct Fnv(u64);
+
+impl Hasher for Fnv {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut h = if self.0 == 0 {
+            0xcbf2_9ce4_8422_2325
+        } else {
+            self.0
+        };
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        self.0 = h;
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type FnvMap<K, V> = HashMap<K, V, BuildHasherDefault<Fnv>>;
+
+fn fnv(parts: &[&[u8]]) -> u64 {
+    let mut h = Fnv::default();
+    for p in parts {
+        h.write(p);
+        h.write(&[0]);
+    }
+    h.finish()
+}
+
 /// Metric ids by name, defined on first use. Names come from bounded sets
 /// (see `metrics`), and the map is capped anyway.
 #[derive(Default)]
 struct Metrics {
-    ids: HashMap<String, u32>,
+    ids: FnvMap<String, u32>,
 }
 
 const MAX_METRICS: usize = 4096;
@@ -111,6 +151,91 @@ struct Active {
 struct State {
     active: Option<Rc<Active>>,
     metrics: Metrics,
+    /// Peer URI SAN (the exact bytes of the property Envoy gives for this
+    /// request's connection) -> the SPIFFE ID it validated to in
+    /// `identities_domain`: the SAN is read on every request, the parse need
+    /// not be (`identity_from_san` depends on the SAN and the trust domain
+    /// only, so an entry can only ever answer for a certificate with the
+    /// same SAN). Only valid SANs are kept; at most `MAX_CACHED`.
+    identities: FnvMap<Box<[u8]>, Rc<str>>,
+    /// The trust domain the cached identities were validated in; a stream
+    /// of another configuration empties the cache first.
+    identities_domain: String,
+    /// `(method, granted prefix, class label)` -> the stat scope and the id
+    /// of its `allowed` counter (the same for every table: a scope depends
+    /// on the granted prefix and class label only).
+    scopes: FnvMap<u64, ScopeEntry>,
+}
+
+/// Bound on each per-VM cache; a full cache is emptied and refilled.
+const MAX_CACHED: usize = 4096;
+
+struct ScopeEntry {
+    method: Method,
+    granted: Box<str>,
+    class_label: Box<str>,
+    scope: Rc<str>,
+    allowed: Option<u32>,
+}
+
+impl State {
+    /// The caller's SPIFFE ID for a peer URI SAN (cached), or the refusal.
+    fn identity(&mut self, san: &[u8], trust_domain: &str) -> Option<Rc<str>> {
+        if self.identities_domain != trust_domain {
+            self.identities.clear();
+            trust_domain.clone_into(&mut self.identities_domain);
+        }
+        if let Some(id) = self.identities.get(san) {
+            return Some(id.clone());
+        }
+        let id: Rc<str> = identity_from_san(Some(san), trust_domain).ok()?.into();
+        if self.identities.len() >= MAX_CACHED {
+            self.identities.clear();
+        }
+        self.identities.insert(san.into(), id.clone());
+        Some(id)
+    }
+
+    /// The stat scope of an authorised call and the id of its `allowed`
+    /// counter (cached: formatting and looking up stat names is slow in Wasm).
+    fn scope(
+        &mut self,
+        method: Method,
+        authorised: &decision::Authorised<'_>,
+    ) -> (Rc<str>, Option<u32>) {
+        let key = fnv(&[
+            method.label().as_bytes(),
+            authorised.granted.as_bytes(),
+            authorised.class_label.as_bytes(),
+        ]);
+        if let Some(e) = self.scopes.get(&key)
+            && e.method == method
+            && *e.granted == *authorised.granted
+            && *e.class_label == *authorised.class_label
+        {
+            return (e.scope.clone(), e.allowed);
+        }
+        let scope: Rc<str> = authorised.scope().into();
+        let allowed = self.metrics.id(
+            MetricType::Counter,
+            &metrics::allowed(method.label(), &scope),
+        );
+        if self.scopes.len() >= MAX_CACHED {
+            self.scopes.clear();
+        }
+        // A colliding entry is simply replaced.
+        self.scopes.insert(
+            key,
+            ScopeEntry {
+                method,
+                granted: authorised.granted.into(),
+                class_label: authorised.class_label.into(),
+                scope: scope.clone(),
+                allowed,
+            },
+        );
+        (scope, allowed)
+    }
 }
 
 type SharedState = Rc<RefCell<State>>;
@@ -394,6 +519,7 @@ impl RootContext for EdgeRoot {
         for r in DenyReason::ALL {
             st.metrics.add(&metrics::denied(r), 0);
         }
+        st.identities.clear();
         st.active = Some(Rc::new(Active {
             config,
             table,
@@ -452,12 +578,13 @@ impl RootContext for EdgeRoot {
             state: self.state.clone(),
             active: self.state.borrow().active.clone(),
             method: Method::Session,
-            identity: String::new(),
+            identity: Rc::from(""),
             key_header: None,
             decided: false,
             held: None,
             stream: None,
             started: None,
+            prof: Profile::default(),
         }))
     }
 
@@ -471,16 +598,18 @@ struct EdgeStream {
     /// The configuration and grant table this stream started with.
     active: Option<Rc<Active>>,
     method: Method,
-    identity: String,
+    identity: Rc<str>,
     /// The client's `x-lock-key`, if it sent one (must equal the body's key).
     key_header: Option<String>,
     decided: bool,
     /// A waiter's admission places and the stat scope of its waiters gauge:
     /// given back when the arbiter answers or the stream ends.
-    held: Option<(Ticket, String)>,
+    held: Option<(Ticket, Rc<str>)>,
     /// The identity's open-stream place: given back when the stream ends.
     stream: Option<Place>,
     started: Option<SystemTime>,
+    /// Section times (empty unless built with the `profile` feature).
+    prof: Profile,
 }
 
 /// A stand-in secret when none is configured: wasm32-unknown-unknown has no
@@ -559,6 +688,7 @@ impl EdgeStream {
     /// Decides a keyed call on its whole body.
     fn decide(&mut self, body_size: usize) -> Action {
         self.decided = true;
+        self.prof.lap(Section::WaitBody);
         let Some(active) = self.active.clone() else {
             return self.refuse(Refusal::of(DenyReason::PolicyNotReady));
         };
@@ -566,7 +696,7 @@ impl EdgeStream {
             .ok()
             .flatten()
             .unwrap_or_default();
-        let header_key = self.key_header.clone();
+        self.prof.lap(Section::BodyGet);
         let now = self
             .started
             .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
@@ -577,15 +707,17 @@ impl EdgeStream {
             &self.identity,
             self.method,
             &body,
-            header_key.as_deref(),
+            self.key_header.as_deref(),
             active.config.max_message_bytes,
         ) {
             Ok(a) => a,
             Err(refusal) => return self.refuse(refusal),
         };
-        // Routing affinity follows the authorised key: the ring hash reads it
-        // from filter state set here (request headers can no longer be changed
-        // in the body phase); a client's x-lock-key, if sent, had to equal it.
+        self.prof.lap(Section::Check);
+        // Routing affinity follows the authorised key, from the body: the
+        // ring hash reads filter state, set here (request headers can no
+        // longer be changed in the body phase). The client's x-lock-key was
+        // removed in the header phase, whatever it said.
         if let Err(e) = set_route_key(authorised.key.as_str()) {
             log(
                 LogLevel::Error,
@@ -593,6 +725,8 @@ impl EdgeStream {
             );
             return self.refuse(Refusal::of(DenyReason::NoRouteKey));
         }
+        self.prof.lap(Section::RouteKey);
+        let (scope, allowed) = self.state.borrow_mut().scope(self.method, &authorised);
         if authorised.waits {
             match active.admission.admit(
                 &HostStore,
@@ -603,13 +737,12 @@ impl EdgeStream {
             ) {
                 Ok(ticket) => {
                     let mut st = self.state.borrow_mut();
-                    st.metrics
-                        .gauge_add(&metrics::waiters(&authorised.scope), 1);
+                    st.metrics.gauge_add(&metrics::waiters(&scope), 1);
                     if ticket.overflowed() {
                         st.metrics.add(metrics::ADMISSION_OVERFLOW, 1);
                     }
                     drop(st);
-                    self.held = Some((ticket, authorised.scope.clone()));
+                    self.held = Some((ticket, scope));
                 }
                 Err(rejection) => {
                     let refusal = decision::admission_refusal(rejection);
@@ -622,20 +755,24 @@ impl EdgeStream {
                     self.state
                         .borrow_mut()
                         .metrics
-                        .add(&metrics::admission_rejected(which, &authorised.scope), 1);
+                        .add(&metrics::admission_rejected(which, &scope), 1);
                     return self.refuse(refusal);
                 }
             }
+            self.prof.lap(Section::Admit);
         }
-        let mut st = self.state.borrow_mut();
-        st.metrics
-            .add(&metrics::allowed(self.method.label(), &authorised.scope), 1);
+        if let Some(id) = allowed {
+            let _ = hostcalls::increment_metric(id, 1);
+        }
         if let (Some(start), Ok(now)) = (self.started, hostcalls::get_current_time())
             && let Ok(spent) = now.duration_since(start)
         {
-            st.metrics
+            self.state
+                .borrow_mut()
+                .metrics
                 .histogram(metrics::DECISION_US, spent.as_micros() as u64);
         }
+        self.prof.lap(Section::BodyStats);
         Action::Continue
     }
 
@@ -652,6 +789,8 @@ impl EdgeStream {
 
     /// Gives every place back (once): the stream is over.
     fn release(&mut self) {
+        let holding = self.held.is_some() || self.stream.is_some();
+        self.prof.start();
         self.release_waiter();
         if let (Some(place), Some(active)) = (self.stream.take(), self.active.as_ref()) {
             active.admission.close_stream(&HostStore, &place);
@@ -660,6 +799,14 @@ impl EdgeStream {
                 .metrics
                 .gauge_add(metrics::STREAMS_OPEN, -1);
         }
+        if holding {
+            self.prof.lap(Section::Release);
+        }
+        let state = &self.state;
+        self.prof.flush(
+            |name, ns| state.borrow_mut().metrics.histogram(name, ns),
+            |name, delta| state.borrow_mut().metrics.add(name, delta),
+        );
     }
 }
 
@@ -668,40 +815,47 @@ impl Context for EdgeStream {}
 impl HttpContext for EdgeStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.started = hostcalls::get_current_time().ok();
+        self.prof.start();
         let Some(active) = self.active.clone() else {
             return self.refuse(Refusal::of(DenyReason::PolicyNotReady));
         };
-        let mtls = hostcalls::get_property(vec!["connection", "mtls"])
-            .ok()
-            .flatten();
+        // The peer certificate's URI SAN alone: Envoy has it only when the
+        // client presented a certificate, which the listener verified against
+        // the trust bundle (see `identity_from_san`). One property read per
+        // request; the SPIFFE parse is cached per SAN.
         let san = hostcalls::get_property(vec!["connection", "uri_san_peer_certificate"])
             .ok()
-            .flatten();
-        self.identity =
-            match peer_identity(mtls.as_deref(), san.as_deref(), &active.config.trust_domain) {
-                Ok(id) => id,
-                Err(_) => return self.refuse(Refusal::of(DenyReason::Unauthenticated)),
-            };
+            .flatten()
+            .unwrap_or_default();
+        let identity = self
+            .state
+            .borrow_mut()
+            .identity(&san, &active.config.trust_domain);
+        self.identity = match identity {
+            Some(id) => id,
+            None => return self.refuse(Refusal::of(DenyReason::Unauthenticated)),
+        };
+        self.prof.lap(Section::Identity);
         // Request headers are readable only in this phase: refuse any
         // x-latchkey-* the client sent (the edge names the caller, nobody
         // else), and keep what the body decision needs.
         // Bytes, not `get_map`: that unwraps UTF-8, and a header value need
         // not be UTF-8 (a panic would take the VM down).
-        let headers: Vec<(String, String)> = hostcalls::get_map_bytes(MapType::HttpRequestHeaders)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+        // Values are borrowed, and copied (lossily) only if not UTF-8.
+        let raw = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
+        let headers: Vec<(&str, Cow<'_, str>)> = raw
+            .iter()
+            .map(|(k, v)| (k.as_str(), String::from_utf8_lossy(v)))
             .collect();
-        let checked =
-            match check_request_headers(headers.iter().map(|(k, v)| (k.as_str(), v.as_str()))) {
-                Ok(checked) => checked,
-                Err(refusal) => return self.refuse(refusal),
-            };
+        let checked = match check_request_headers(headers.iter().map(|(k, v)| (*k, v.as_ref()))) {
+            Ok(checked) => checked,
+            Err(refusal) => return self.refuse(refusal),
+        };
         let pseudo = |name: &str| {
             headers
                 .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.as_str())
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.as_ref())
                 .unwrap_or_default()
         };
         self.method = match Call::of(pseudo(":method"), pseudo(":path")) {
@@ -709,18 +863,28 @@ impl HttpContext for EdgeStream {
             Call::EdgePolicy => return self.refuse(Refusal::of(DenyReason::EdgePolicyForbidden)),
             Call::Unknown => return self.refuse(Refusal::of(DenyReason::UnknownMethod)),
         };
-        // The client's x-lock-key is checked against the body later and not
-        // forwarded (routing uses the authorised key instead).
+        // The client's x-lock-key is never forwarded, on any call: routing
+        // uses the key the filter authorised from the body (filter state),
+        // and a keyed call's header must equal that key (checked on the
+        // body, before anything is forwarded: the buffer filter holds the
+        // headers until then).
         if checked.key_repeated {
             return self.refuse(Refusal::of(DenyReason::KeyMismatch));
         }
-        if checked.key.is_some() {
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, None);
+        self.prof.lap(Section::HeaderMap);
+        if checked.key.is_some()
+            && hostcalls::set_map_value(MapType::HttpRequestHeaders, KEY_HEADER, None).is_err()
+        {
+            return self.refuse(Refusal::of(DenyReason::NoRouteKey));
         }
         self.key_header = checked.key;
         // Every forwarded call names its verified caller, admin calls included.
-        self.set_header(IDENTITY_HEADER, &self.identity.clone());
-        // Every stream counts against its identity's bound until it ends.
+        let identity = self.identity.clone();
+        self.set_header(IDENTITY_HEADER, &identity);
+        self.prof.lap(Section::HeaderSet);
+        // Every stream counts against its identity's bound until it ends:
+        // exactly, in shared data (a place kept back by one worker would
+        // refuse the identity below its bound on another).
         match active.admission.open_stream(
             &HostStore,
             &self.identity,
@@ -728,6 +892,7 @@ impl HttpContext for EdgeStream {
         ) {
             Ok(place) => {
                 self.stream = Some(place);
+                self.prof.lap(Section::StreamPlace);
                 self.state
                     .borrow_mut()
                     .metrics
@@ -741,8 +906,10 @@ impl HttpContext for EdgeStream {
                 .metrics
                 .add(&metrics::allowed(self.method.label(), "ns._.class._"), 1);
             self.decided = true;
+            self.prof.lap(Section::HeaderStats);
             return Action::Continue;
         }
+        self.prof.lap(Section::HeaderStats);
         if end_of_stream {
             return self.refuse(Refusal::of(DenyReason::BadRequest));
         }
@@ -796,7 +963,9 @@ impl HttpContext for EdgeStream {
         // The arbiter has answered: the wait is over, whether or not the
         // client ever reads the answer (a zero receive window must not keep
         // the place).
+        self.prof.start();
         self.release_waiter();
+        self.prof.lap(Section::ResponseHeaders);
         Action::Continue
     }
 

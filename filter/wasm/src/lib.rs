@@ -2,15 +2,18 @@
 //! `latchkey-filter-core`. Everything that decides lives in the core crate;
 //! this crate only moves bytes between Envoy and it.
 //!
-//! Per request: `on_http_request_headers` authenticates the TLS peer, refuses
+//! Per request: `on_http_request_headers` authenticates the TLS peer (its
+//! certificate's URI SAN; the SPIFFE parse is cached per SAN), refuses
 //! any client-sent `x-latchkey-*` header, answers GetEdgePolicy and unknown
 //! methods itself, sets `x-latchkey-identity` to the verified SPIFFE ID, takes
-//! a place under the identity's stream bound and, for Acquire/Release/Inspect,
-//! lets the headers on to Envoy's buffer filter (next in the chain, which holds
-//! them from the router until the body has passed here);
-//! `on_http_request_body` buffers the (bounded) body, decides, sets the routing
-//! key for Envoy's ring hash, takes an admission place for a waiting Acquire,
-//! and continues or answers with a gRPC refusal; `on_http_request_trailers`
+//! a place under the identity's stream bound, removes any client
+//! `x-lock-key` and, for Acquire/Release/Inspect, lets the headers on to
+//! Envoy's buffer filter (next in the chain, which holds them from the router
+//! until the body has passed here); `on_http_request_body` buffers the
+//! (bounded) body, decides, sets the routing key for Envoy's ring hash
+//! (filter state, from the body's key), takes an admission place for a
+//! waiting Acquire, and continues or answers with a gRPC refusal;
+//! `on_http_request_trailers`
 //! refuses reserved names in trailers (for every method: the local reply
 //! resets a call already passed on); `on_http_response_headers` gives the
 //! waiter's place back (the wait is over once the arbiter answers); `on_log`
@@ -20,6 +23,10 @@
 //! with the table the previous one had, not an empty one), and refreshes the
 //! table from the arbiter on a timer, writing each good answer back to shared
 //! data and keeping the last good table on failure.
+//!
+//! Every host call costs microseconds in Envoy's V8, and the request path
+//! makes as few as it can: docs/edge-filter-profile.md has the profile (the
+//! `profile` feature times each section inside Envoy).
 //!
 //! Host calls go through `proxy_wasm::hostcalls` (which return `Result`) rather
 //! than the trait helpers (which unwrap), and clippy denies unwrap/expect/panic:
@@ -37,5 +44,6 @@
 )]
 
 mod glue;
+mod profile;
 
 pub use glue::HostStore;

@@ -104,6 +104,8 @@ struct Loaded {
     exports: Exports,
     limits: CallLimits,
     config: serde_json::Value,
+    /// `config` as JSON, encoded once at load and spliced into every request.
+    config_json: Vec<u8>,
     class: Arc<str>,
 }
 
@@ -348,6 +350,8 @@ impl HookHost {
         };
         let config = serde_json::to_value(&spec.config)
             .map_err(|e| format!("the hook config cannot be passed as JSON: {e}"))?;
+        let config_json = serde_json::to_vec(&config)
+            .map_err(|e| format!("the hook config cannot be passed as JSON: {e}"))?;
         // Same bytes, new limits or config: reuse the compiled module.
         let (module, source) = match current {
             Some(cur) if cur.digest == digest => (cur.pre.module().clone(), Source::Cache),
@@ -370,10 +374,13 @@ impl HookHost {
         let instance = pre
             .instantiate(&mut store)
             .map_err(|e| format!("cannot be instantiated within its limits: {e:#}"))?;
-        let version = instance
-            .get_typed_func::<(), i32>(&mut store, EXPORT_ABI_VERSION)
-            .and_then(|f| f.call(&mut store, ()))
-            .map_err(|e| format!("{EXPORT_ABI_VERSION} failed: {e:#}"))?;
+        let version = call::block_on(async {
+            instance
+                .get_typed_func::<(), i32>(&mut store, EXPORT_ABI_VERSION)?
+                .call_async(&mut store, ())
+                .await
+        })
+        .map_err(|e| format!("{EXPORT_ABI_VERSION} failed: {e:#}"))?;
         if u32::try_from(version).ok() != Some(ABI_VERSION) {
             return Err(format!(
                 "speaks hook ABI version {version}; this arbiter speaks version {ABI_VERSION}"
@@ -389,6 +396,7 @@ impl HookHost {
             exports,
             limits,
             config,
+            config_json,
             class,
         };
         self.check_config(rt, &loaded)?;
@@ -422,7 +430,7 @@ impl HookHost {
         let Ok(input) = serde_json::to_vec(&request) else {
             return Ok(());
         };
-        match call::before_grant(&loaded.callee(rt), &input) {
+        match call::block_on(call::before_grant(&loaded.callee(rt), &input)) {
             Ok(Verdict::Deny {
                 reason, message, ..
             }) if reason == MISCONFIGURED => Err(format!(
@@ -436,10 +444,19 @@ impl HookHost {
         }
     }
 
-    /// Runs the class's hook for one Acquire. `spec` is the class's hook in
-    /// the policy set the request was checked against; the loaded module
-    /// (and its config) is the last one that loaded for the class.
-    pub fn before_grant(&self, mut request: HookRequest) -> HookOutcome {
+    /// [`HookHost::before_grant_async`] run to completion on this thread,
+    /// for callers that are not async (or must not give their thread back).
+    pub fn before_grant(&self, request: HookRequest) -> HookOutcome {
+        call::block_on(self.before_grant_async(request))
+    }
+
+    /// Runs the class's hook for one Acquire: the loaded module (and its
+    /// config) is the last one that loaded for the class. Await it on an
+    /// async worker: a call gives the thread back at every epoch tick it
+    /// runs past (a tenth of the smallest hooked deadline, at least 200 us),
+    /// so a slow hook delays the worker's other tasks by at most a tick at
+    /// a time, and a fast one (microseconds) never leaves the worker.
+    pub async fn before_grant_async(&self, mut request: HookRequest) -> HookOutcome {
         let started = Instant::now();
         let class = request.class.clone();
         let loaded = self
@@ -476,8 +493,7 @@ impl HookHost {
                 );
             }
         };
-        request.config = loaded.config.clone();
-        let input = match serde_json::to_vec(&request) {
+        let input = match encode_request(&mut request, &loaded.config, &loaded.config_json) {
             Ok(i) => i,
             Err(e) => {
                 return self.failed(
@@ -490,7 +506,7 @@ impl HookHost {
                 );
             }
         };
-        match call::before_grant(&loaded.callee(rt), &input) {
+        match call::before_grant(&loaded.callee(rt), &input).await {
             Ok(Verdict::Allow { annotations }) => {
                 self.metrics
                     .record(&class, started.elapsed(), Recorded::Allowed);
@@ -615,7 +631,7 @@ impl HookHost {
         let (Some(export), Ok(rt)) = (&loaded.exports.after_release, self.runtime()) else {
             return;
         };
-        if let Err(f) = call::after_release(&loaded.callee(rt), export, &input) {
+        if let Err(f) = call::block_on(call::after_release(&loaded.callee(rt), export, &input)) {
             warn!(class = %loaded.class, kind = %f.kind, detail = %f.detail, "after-release hook failed");
         }
     }
@@ -655,6 +671,30 @@ pub fn monotonic_ns() -> u64 {
     static START: OnceLock<Instant> = OnceLock::new();
     let start = START.get_or_init(Instant::now);
     u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// `request` as JSON with `config` as the class's: the config's encoding,
+/// made once at load, is spliced in rather than cloned and encoded again on
+/// every call. serde writes a struct's fields in declaration order and
+/// `config` is the last, so the request encoded with a null config ends in
+/// `"config":null}`; if it ever does not, the config is encoded in place.
+fn encode_request(
+    request: &mut HookRequest,
+    config: &serde_json::Value,
+    config_json: &[u8],
+) -> serde_json::Result<Vec<u8>> {
+    const TAIL: &[u8] = b"\"config\":null}";
+    request.config = serde_json::Value::Null;
+    let mut out = Vec::with_capacity(384 + config_json.len());
+    serde_json::to_writer(&mut out, &*request)?;
+    if out.ends_with(TAIL) {
+        out.truncate(out.len() - b"null}".len());
+        out.extend_from_slice(config_json);
+        out.push(b'}');
+        return Ok(out);
+    }
+    request.config = config.clone();
+    serde_json::to_vec(&*request)
 }
 
 fn call_store(rt: &Runtime, class: &Arc<str>, limits: &CallLimits) -> Store<CallState> {
@@ -747,4 +787,35 @@ fn check_abi(module: &Module, limits: &CallLimits) -> Result<Exports, String> {
         before_grant: index(EXPORT_BEFORE_GRANT)?,
         after_release: after,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_spliced_request_is_the_request_with_the_config() {
+        let config = serde_json::json!({"windows": [{"start": "02:00", "end": "04:00"}], "n": 1});
+        let config_json = serde_json::to_vec(&config).unwrap();
+        let mut request = HookRequest {
+            version: ABI_VERSION,
+            class: "c".into(),
+            identity: "spiffe://td/w".into(),
+            key: "k\"}".into(),
+            session: -3,
+            metadata: BTreeMap::from([("ticket".into(), "CHG-1}".into())]),
+            holder: None,
+            waiters: 2,
+            now_unix_ms: 5,
+            now_monotonic_ns: 6,
+            hold_count: Some(1),
+            config: serde_json::Value::Null,
+        };
+        let bytes = encode_request(&mut request, &config, &config_json).unwrap();
+        let mut expected = request.clone();
+        expected.config = config.clone();
+        assert_eq!(bytes, serde_json::to_vec(&expected).unwrap());
+        let back: HookRequest = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(back, expected);
+    }
 }

@@ -16,8 +16,15 @@
 //! export and checks the JSON answer. A trap, a timeout, running out of
 //! memory or a malformed answer becomes a denial (fail closed) that is
 //! counted in [`Metrics`]; nothing one class's hook does reaches another
-//! class. Calls block for up to their deadline: run them off async workers. A hook can only refuse or annotate: the caller still has to pass
-//! every other check and win the grant transaction.
+//! class. [`HookHost::before_grant_async`] is awaited on an async worker: the
+//! guest runs on a fiber and gives the thread back at every epoch tick it
+//! runs past, so a slow hook holds a worker for at most a tick at a time;
+//! [`HookHost::before_grant`] runs the same call to completion on the
+//! calling thread. A hook can only refuse or annotate: the caller still has
+//! to pass every other check and win the grant transaction.
+//!
+//! What a call costs, and why, is in policies/HOOKS.md ("What a call
+//! costs"); `examples/call-profile.rs` takes one apart phase by phase.
 
 pub mod cache;
 mod call;
@@ -26,4 +33,7 @@ mod metrics;
 
 pub use call::{FailureKind, HookFailure};
 pub use host::{HookHost, HookOutcome, HostSettings, Refusal, ReleaseCall, monotonic_ns};
+/// The ABI types the host's API speaks ([`HookHost::before_grant`] takes a
+/// [`abi::HookRequest`]).
+pub use latchkey_hook_abi as abi;
 pub use metrics::{ClassMetrics, Metrics};

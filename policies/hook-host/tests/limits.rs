@@ -3,6 +3,10 @@
 //! `scripts/build-wasm` has built them (target/wasm/).
 
 use std::path::{Path, PathBuf};
+use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use latchkey_hook_abi::{ABI_VERSION, DenyCode, HookRequest};
@@ -56,9 +60,16 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Self {
+        Self::with_slots(HostSettings::default().pool_slots)
+    }
+
+    /// A host whose pool has `slots` instance slots (with 1, every call
+    /// reuses the slot the previous one ran in).
+    fn with_slots(slots: u32) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let host = HookHost::new(HostSettings {
             cache_dir: Some(dir.path().join("cache")),
+            pool_slots: slots,
             ..Default::default()
         });
         Self { dir, host }
@@ -136,6 +147,126 @@ fn a_well_formed_module_allows_and_annotates() {
     }
     let m = f.host.metrics().class("ok").unwrap();
     assert_eq!((m.invocations, m.allowed), (1, 1));
+}
+
+/// Every call starts from the module's initial memory, however the slot is
+/// reset (with PAGEMAP_SCAN, written pages stay mapped and are copied back;
+/// past the part kept resident they are given back): a call that finds
+/// anything a previous call wrote traps. The pool has one slot, so every
+/// call runs in the slot the previous call scribbled over.
+#[test]
+fn nothing_one_call_writes_is_seen_by_the_next() {
+    let f = Fixture::with_slots(1);
+    let escaped = ALLOW.replace('"', "\\\"");
+    let wat = format!(
+        r#"(module
+  (memory (export "memory") 1)
+  (global $next (mut i32) (i32.const 4096))
+  (data (i32.const 16) "{escaped}")
+  (data (i32.const 200) "\01")
+  (func (export "latchkey_abi_version") (result i32) i32.const 1)
+  (func (export "latchkey_alloc") (param $n i32) (result i32) (local $p i32)
+    global.get $next local.set $p
+    global.get $next local.get $n i32.add global.set $next
+    local.get $p)
+  (func (export "latchkey_free") (param i32 i32))
+  (func (export "latchkey_before_grant") (param i32 i32) (result i64)
+    ;; As the module starts: an untouched zero page, the data byte, the
+    ;; memory size, the allocator's global, and this call's own input.
+    (if (i32.load8_u (i32.const 8192)) (then unreachable))
+    (if (i32.ne (i32.load8_u (i32.const 200)) (i32.const 1)) (then unreachable))
+    (if (i32.ne (memory.size) (i32.const 1)) (then unreachable))
+    (if (i32.ne (local.get 0) (i32.const 4096)) (then unreachable))
+    (if (i32.ne (i32.load8_u (local.get 0)) (i32.const 123)) (then unreachable))
+    ;; Scribble over all of it, and over a grown page.
+    (i32.store8 (i32.const 8192) (i32.const 7))
+    (i32.store8 (i32.const 200) (i32.const 9))
+    (i32.store8 (i32.const 4096) (i32.const 0))
+    (global.set $next (i32.const 9000))
+    (drop (memory.grow (i32.const 1)))
+    (if (i32.load8_u (i32.const 70000)) (then unreachable))
+    (i32.store8 (i32.const 70000) (i32.const 5))
+    ;; And past the first MiB (more than a slot keeps resident): page 39.
+    (drop (memory.grow (i32.const 38)))
+    (if (i32.load8_u (i32.const 2600000)) (then unreachable))
+    (i32.store8 (i32.const 2600000) (i32.const 3))
+    {}))"#,
+        allow_body()
+    );
+    f.write("scribble.wasm", &wat::parse_str(wat).unwrap());
+    assert!(f.sync(&[("s", "scribble.wasm", "")]).is_empty());
+    for i in 0..50 {
+        let t = Instant::now();
+        match f.call("s") {
+            HookOutcome::Allow { .. } => {}
+            other => panic!("call {i} after {:?}: {other:?}", t.elapsed()),
+        }
+    }
+}
+
+/// Counts wake-ups of a hand-polled call.
+#[derive(Default)]
+struct Wakes(AtomicBool);
+
+impl Wake for Wakes {
+    fn wake(self: Arc<Self>) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A call awaited on an async worker gives the thread back at every epoch
+/// tick it runs past (a slow hook holds a worker for a tick at a time, never
+/// for its whole deadline), wakes itself so an executor polls it again, and
+/// still ends at its deadline; a call dropped part-way (the Acquire went
+/// away) leaves its pool slot free for the next.
+#[test]
+fn a_slow_call_gives_its_thread_back_at_every_tick_and_a_dropped_one_frees_its_slot() {
+    let f = Fixture::with_slots(1);
+    f.write("loop.wasm", &abi_module("(loop $l (br $l)) i64.const 0"));
+    f.write("ok.wasm", &abi_module(&allow_body()));
+    assert!(
+        f.sync(&[
+            ("slow", "loop.wasm", "deadlineMs = 50"),
+            ("ok", "ok.wasm", "")
+        ])
+        .is_empty()
+    );
+    let wakes = Arc::new(Wakes::default());
+    let waker = Waker::from(wakes.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut call = pin!(
+        f.host
+            .before_grant_async(request("slow", Default::default()))
+    );
+    let mut yields = 0u32;
+    let out = loop {
+        match call.as_mut().poll(&mut cx) {
+            Poll::Ready(out) => break out,
+            Poll::Pending => {
+                yields += 1;
+                assert!(
+                    wakes.0.swap(false, Ordering::SeqCst),
+                    "pending without a wake-up: an executor would never poll it again"
+                );
+            }
+        }
+    };
+    assert_eq!(failure(&out), Some(FailureKind::Timeout), "{out:?}");
+    assert!(yields >= 1, "the call held its thread until its deadline");
+    // Dropped after it yielded once: the pool's one slot is free again.
+    let mut dropped = false;
+    for _ in 0..10 {
+        let mut call = pin!(
+            f.host
+                .before_grant_async(request("slow", Default::default()))
+        );
+        if call.as_mut().poll(&mut cx).is_pending() {
+            dropped = true;
+            break;
+        }
+    }
+    assert!(dropped, "no call yielded before its deadline");
+    assert!(matches!(f.call("ok"), HookOutcome::Allow { .. }));
 }
 
 #[test]

@@ -40,6 +40,7 @@ pub use latchkey_hook_abi::{
     ABI_VERSION, DenyCode, HolderSummary, HookRequest, HookResponse, ReleaseNotice,
 };
 
+pub mod heap;
 pub mod log;
 
 #[doc(hidden)]

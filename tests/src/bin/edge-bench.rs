@@ -11,9 +11,23 @@
 //! `TMPDIR=/dev/shm cargo run --release -p latchkey-tests --bin edge-bench`
 //! (needs `scripts/build-wasm latchkey-filter` first; a tmpfs TMPDIR puts etcd's
 //! data dir in memory so its fsync does not dominate every figure).
+//!
+//! Callers send `x-lock-key` (what Envoy without the filter hashes on; the
+//! filter checks it against the body's key, removes it and routes by filter
+//! state either way); with `--omit-key-header` they do not (the baseline then
+//! picks its one arbiter unhashed).
+//! `--ops inspect` or `--ops pair` measures one table only. Where the filter's
+//! time goes: docs/edge-filter-profile.md.
+//!
+//! Besides latency, each Envoy's CPU time per call (all its threads, from
+//! `/proc/<pid>/task/*/schedstat`, over the measured loop) is printed: on a
+//! shared 2-core machine it is a steadier measure of what the filter costs
+//! than a difference of two latency medians.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -44,6 +58,20 @@ struct Args {
     /// Concurrent callers in the throughput phase (the latency phase uses 1).
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
+    /// Callers send no `x-lock-key` header.
+    #[arg(long)]
+    omit_key_header: bool,
+    /// Which tables: `both`, `pair` (Acquire+Release) or `inspect`.
+    #[arg(long, default_value = "both")]
+    ops: String,
+    /// Grant-table sizes to run the filter with.
+    #[arg(long, value_delimiter = ',', default_values_t = [10usize, 100_000])]
+    prefixes: Vec<usize>,
+    /// Another filter build to measure in the same run (repeatable), e.g. the
+    /// previous version: one more Envoy per build and table size, named after
+    /// the file.
+    #[arg(long)]
+    also_wasm: Vec<std::path::PathBuf>,
 }
 
 /// What one iteration does.
@@ -59,11 +87,42 @@ struct Run {
     p50_us: u64,
     p99_us: u64,
     ops: f64,
+    /// Envoy CPU (all threads) per call, when Envoy's process was found.
+    cpu_us: Option<f64>,
 }
 
-fn keyed<T>(message: T, key: &str) -> anyhow::Result<tonic::Request<T>> {
+/// The pid of the Envoy whose admin socket is `admin`: the process whose
+/// command line names the config file in the same run directory.
+fn envoy_pid(admin: &Path) -> Option<u32> {
+    let config = admin.parent()?.join("envoy.yaml");
+    let config = config.to_str()?;
+    std::fs::read_dir("/proc").ok()?.find_map(|e| {
+        let e = e.ok()?;
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        cmdline
+            .split(|b| *b == 0)
+            .any(|arg| arg == config.as_bytes())
+            .then_some(pid)
+    })
+}
+
+/// CPU time of every thread of `pid` so far, in ns (`schedstat`'s first field).
+fn cpu_ns(pid: Option<u32>) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", pid?)).ok()?;
+    let mut total = 0u64;
+    for t in tasks.flatten() {
+        let stat = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total)
+}
+
+fn keyed<T>(message: T, key: &str, header: bool) -> anyhow::Result<tonic::Request<T>> {
     let mut req = tonic::Request::new(message);
-    req.metadata_mut().insert("x-lock-key", key.parse()?);
+    if header {
+        req.metadata_mut().insert("x-lock-key", key.parse()?);
+    }
     Ok(req)
 }
 
@@ -73,14 +132,18 @@ async fn measure(
     callers: usize,
     seconds: u64,
     tag: &str,
+    header: bool,
+    pid: Option<u32>,
 ) -> anyhow::Result<Sample> {
     let hist = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(
         1, 60_000_000, 3,
     )?));
-    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let calls = Arc::new(AtomicU64::new(0));
+    // Connections and sessions first, then the clock (and the CPU count) starts.
+    let ready = Arc::new(tokio::sync::Barrier::new(callers + 1));
     let mut tasks = Vec::new();
     for w in 0..callers {
-        let hist = hist.clone();
+        let (hist, calls, ready) = (hist.clone(), calls.clone(), ready.clone());
         let tag = tag.to_owned();
         tasks.push(tokio::spawn(async move {
             let mut c = LockClient::new(channel(addr, "workload/bench").await?);
@@ -92,6 +155,8 @@ async fn measure(
                 .await?
                 .into_inner()
                 .session_id;
+            ready.wait().await;
+            let deadline = Instant::now() + Duration::from_secs(seconds);
             let mut local = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
             let mut i = 0u64;
             // Warm the connection and the path.
@@ -105,7 +170,7 @@ async fn measure(
                 i += 1;
                 let start = Instant::now();
                 if op == Op::Inspect {
-                    c.inspect(keyed(InspectRequest { key: key.clone() }, &key)?)
+                    c.inspect(keyed(InspectRequest { key: key.clone() }, &key, header)?)
                         .await?;
                 } else {
                     let acquire = AcquireRequest {
@@ -116,7 +181,7 @@ async fn measure(
                         metadata: Default::default(),
                     };
                     let grant = c
-                        .acquire(keyed(acquire, &key)?)
+                        .acquire(keyed(acquire, &key, header)?)
                         .await?
                         .into_inner()
                         .grant
@@ -126,23 +191,32 @@ async fn measure(
                         session_id: session,
                         token: grant.token,
                     };
-                    c.release(keyed(release, &key)?).await?;
+                    c.release(keyed(release, &key, header)?).await?;
                 }
                 if now >= warm_until {
                     local.record(start.elapsed().as_micros() as u64)?;
                 }
             }
+            let per_iteration = if op == Op::Pair { 2 } else { 1 };
+            calls.fetch_add(i * per_iteration, Ordering::Relaxed);
             hist.lock().await.add(&local)?;
             anyhow::Ok(())
         }));
     }
+    ready.wait().await;
+    let cpu_before = cpu_ns(pid);
     for t in tasks {
         t.await??;
     }
+    let cpu = cpu_before
+        .zip(cpu_ns(pid))
+        .map(|(a, b)| b.saturating_sub(a));
     let h = hist.lock().await.clone();
     Ok(Sample {
         hist: h,
         seconds: seconds as f64 - 0.3,
+        calls: calls.load(Ordering::Relaxed),
+        cpu_ns: cpu,
     })
 }
 
@@ -151,12 +225,19 @@ async fn measure(
 struct Sample {
     hist: Histogram<u64>,
     seconds: f64,
+    /// Every call made in the measured loop (warm-up included), counting
+    /// Acquire and Release as two.
+    calls: u64,
+    /// Envoy's CPU over the same loop.
+    cpu_ns: Option<u64>,
 }
 
 impl Sample {
     fn merge(&mut self, other: &Sample) -> anyhow::Result<()> {
         self.hist.add(&other.hist)?;
         self.seconds += other.seconds;
+        self.calls += other.calls;
+        self.cpu_ns = self.cpu_ns.zip(other.cpu_ns).map(|(a, b)| a + b);
         Ok(())
     }
 
@@ -165,11 +246,14 @@ impl Sample {
             p50_us: self.hist.value_at_quantile(0.5),
             p99_us: self.hist.value_at_quantile(0.99),
             ops: self.hist.len() as f64 / self.seconds.max(0.001),
+            cpu_us: self
+                .cpu_ns
+                .map(|ns| ns as f64 / 1000.0 / self.calls.max(1) as f64),
         }
     }
 }
 
-fn report(results: &[(String, Run, Run)]) {
+fn report(results: &[(String, Run, Run)], callers: usize) {
     let [direct, plain, ..] = results else {
         return;
     };
@@ -182,15 +266,29 @@ fn report(results: &[(String, Run, Run)]) {
             one.p50_us as i64 - direct.1.p50_us as i64,
         );
     }
+    let cpu = |filter: Option<f64>, plain: Option<f64>| match filter.zip(plain) {
+        Some((f, p)) => format!("{:+.1}", f - p),
+        None => "?".into(),
+    };
     for (name, one, many) in &results[2..] {
         println!(
-            "  filter cost, {name}: p50 {:+} us (x{:.2}), p99 x{:.2}, throughput x{:.2} vs Envoy without the filter",
+            "  filter cost, {name}: p50 {:+} us (x{:.2}), p99 x{:.2}, throughput x{:.2}; \
+             Envoy CPU per call {} us (1 caller), {} us ({} callers) vs Envoy without the filter",
             one.p50_us as i64 - plain.1.p50_us as i64,
             one.p50_us as f64 / plain.1.p50_us.max(1) as f64,
             one.p99_us as f64 / plain.1.p99_us.max(1) as f64,
             many.ops / plain.2.ops.max(1.0),
+            cpu(one.cpu_us, plain.1.cpu_us),
+            cpu(many.cpu_us, plain.2.cpu_us),
+            callers,
         );
     }
+}
+
+fn cpu_column(run: &Run) -> String {
+    run.cpu_us
+        .map(|us| format!("{us:.1}"))
+        .unwrap_or_else(|| "-".into())
 }
 
 #[tokio::main]
@@ -209,9 +307,18 @@ async fn main() -> anyhow::Result<()> {
     let base = dev_filter_config(json!({"refresh": null}))?;
     let mut paths: Vec<(String, SocketAddr, Option<Envoy>)> =
         vec![("direct to the arbiter".into(), arbiter.addr(), None)];
+    // (Envoy's own CPU is read from /proc; the direct path has none.)
     let plain = Envoy::start(EnvoyOptions::without_filter(arbiter.addr())).await?;
     paths.push(("Envoy, no filter".into(), plain.addr(), Some(plain)));
-    for prefixes in [10usize, 100_000] {
+    let builds = std::iter::once(("filter".to_string(), wasm.clone())).chain(
+        args.also_wasm.iter().map(|p| {
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            (name.unwrap_or_else(|| p.display().to_string()), p.clone())
+        }),
+    );
+    for ((build, wasm), prefixes) in
+        builds.flat_map(|b| args.prefixes.iter().map(move |n| (b.clone(), *n)))
+    {
         let config = config_with_extra_grants(base.clone(), prefixes);
         let mut opts = EnvoyOptions::with_filter(arbiter.addr(), json!({}))?;
         opts.filter = Some((wasm.clone(), config));
@@ -223,38 +330,74 @@ async fn main() -> anyhow::Result<()> {
             .counter("wasmcustom.latchkey_edge.grant_table_size")
             .await?;
         eprintln!(
-            "filter with {size} prefixes ready in {:.1}s",
+            "{build} with {size} prefixes ready in {:.1}s",
             started.elapsed().as_secs_f64()
         );
         paths.push((
-            format!("Envoy + filter, {prefixes} prefixes"),
+            format!("Envoy + {build}, {prefixes} prefixes"),
             envoy.addr(),
             Some(envoy),
         ));
     }
+    let header = !args.omit_key_header;
+    let pids: Vec<Option<u32>> = paths
+        .iter()
+        .map(|(_, _, envoy)| envoy.as_ref().and_then(|e| envoy_pid(e.admin_socket())))
+        .collect();
     for (op, what) in [
         (Op::Pair, "Acquire+Release pairs"),
         (Op::Inspect, "Inspect calls"),
     ] {
+        let wanted = match args.ops.as_str() {
+            "pair" => op == Op::Pair,
+            "inspect" => op == Op::Inspect,
+            _ => true,
+        };
+        if !wanted {
+            continue;
+        }
         println!(
             "\nedge-bench: {what}; {} rounds x {}s per cell, paths interleaved in each round;\n\
-             latency at 1 caller, throughput at {} callers",
-            args.rounds, args.seconds, args.concurrency
+             latency at 1 caller, throughput at {} callers; x-lock-key {}",
+            args.rounds,
+            args.seconds,
+            args.concurrency,
+            if header { "sent" } else { "omitted" }
         );
         println!(
-            "{:<34} {:>9} {:>9} {:>11} {:>9} {:>9} {:>11}",
-            "path", "p50 us", "p99 us", "ops/s (1)", "p50 us", "p99 us", "ops/s (N)"
+            "{:<34} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>11} {:>9}",
+            "path",
+            "p50 us",
+            "p99 us",
+            "ops/s (1)",
+            "cpu/call",
+            "p50 us",
+            "p99 us",
+            "ops/s (N)",
+            "cpu/call"
         );
         let mut cells: Vec<Option<(Sample, Sample)>> = vec![None; paths.len()];
         for round in 0..args.rounds {
             for (i, (_, addr, _)) in paths.iter().enumerate() {
-                let one = measure(*addr, op, 1, args.seconds, &format!("l{round}-{i}")).await?;
+                let pid = pids.get(i).copied().flatten();
+                let one = measure(
+                    *addr,
+                    op,
+                    1,
+                    args.seconds,
+                    &format!("l{round}-{i}"),
+                    header,
+                    pid,
+                )
+                .await?;
                 let many = measure(
                     *addr,
                     op,
                     args.concurrency,
                     args.seconds,
                     &format!("t{round}-{i}"),
+                    header,
+                    pid,
                 )
                 .await?;
                 match &mut cells[i] {
@@ -271,14 +414,65 @@ async fn main() -> anyhow::Result<()> {
             let (one, many) = cell.context("no samples")?;
             let (one, many) = (one.run(), many.run());
             println!(
-                "{:<34} {:>9} {:>9} {:>11.0} {:>9} {:>9} {:>11.0}",
-                name, one.p50_us, one.p99_us, one.ops, many.p50_us, many.p99_us, many.ops
+                "{:<34} {:>9} {:>9} {:>11.0} {:>9} {:>9} {:>9} {:>11.0} {:>9}",
+                name,
+                one.p50_us,
+                one.p99_us,
+                one.ops,
+                cpu_column(&one),
+                many.p50_us,
+                many.p99_us,
+                many.ops,
+                cpu_column(&many)
             );
             results.push((name.clone(), one, many));
         }
-        report(&results);
+        report(&results, args.concurrency);
+    }
+    for (name, _, envoy) in &paths {
+        if let Some(envoy) = envoy {
+            print_profile(name, envoy).await?;
+        }
     }
     drop(paths);
     arbiter.stop().await?;
+    Ok(())
+}
+
+/// A build with the filter's `profile` feature records each section of the
+/// request path (filter/wasm/src/profile.rs): prints the mean per stream
+/// over the whole run, and the sum of the filter's own sections (all but
+/// the wait for the body and the clock's own cost).
+async fn print_profile(name: &str, envoy: &Envoy) -> anyhow::Result<()> {
+    const PREFIX: &str = "wasmcustom.latchkey_edge.profile.";
+    let stats = envoy.stats().await?;
+    let mut own = 0.0;
+    let mut row = Vec::new();
+    for (key, sum) in &stats {
+        let Some(section) = key
+            .strip_prefix(PREFIX)
+            .and_then(|k| k.strip_suffix("_sum_ns"))
+        else {
+            continue;
+        };
+        let calls = stats
+            .get(&format!("{PREFIX}{section}_calls"))
+            .copied()
+            .unwrap_or(0);
+        if calls == 0 {
+            continue;
+        }
+        let mean_us = *sum as f64 / calls as f64 / 1000.0;
+        if section != "wait_body" && section != "clock" {
+            own += mean_us;
+        }
+        row.push(format!("{section} {mean_us:.1} ({calls})"));
+    }
+    if !row.is_empty() {
+        println!(
+            "\nprofile, {name}: the filter's own code {own:.1} us per stream (mean; sections, us (streams)): {}",
+            row.join(", ")
+        );
+    }
     Ok(())
 }

@@ -8,6 +8,10 @@
 //! pattern = "^CHG-[0-9]{4,10}$"   # required; a regex (regex-lite syntax)
 //! metadataKey = "ticket"          # optional
 //! ```
+//!
+//! Patterns of the shape tickets use are matched without compiling a regex
+//! ([`pattern`]): the hook runs in a fresh instance on every call, so it
+//! would compile the regex on every Acquire.
 
 #![cfg_attr(
     test,
@@ -21,6 +25,8 @@
 
 use latchkey_hook_sdk::{DenyCode, HookRequest, HookResponse};
 use serde::Deserialize;
+
+pub mod pattern;
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -39,7 +45,7 @@ pub fn before_grant(req: &HookRequest) -> HookResponse {
         Ok(c) => c,
         Err(e) => return misconfigured(format!("the class's hook config is invalid: {e}")),
     };
-    let pattern = match regex_lite::Regex::new(&config.pattern) {
+    let pattern = match pattern::Pattern::new(&config.pattern) {
         Ok(p) => p,
         Err(e) => {
             return misconfigured(format!("pattern {:?} is not a regex: {e}", config.pattern));

@@ -1,0 +1,488 @@
+//! Two-person force-release (ADR-20): an operator requests, a different
+//! operator approves, and one etcd transaction ends the hold.
+//!
+//! A request flows: the admin handler checks the channel identity (an
+//! operator SVID) → [`ForceRelease`] verifies the caller's OIDC ID token
+//! ([`crate::oidc`]) → the hold is read and a request record is written
+//! under `{prefix}/sys/force-req/<id>` on a lease of its own (default 15
+//! min: an unapproved request expires with it), only if the hold is still
+//! the one read. An approval verifies its own token, refuses the requester's
+//! `sub`, then runs ONE transaction ([`etcd::ForceStore::execute`]): compare
+//! the holder record's lease and mod revision with the request's and the
+//! request's own revision; delete the hold and its claims, put the force
+//! record under `{prefix}/sys/force/<id>` on a 24 h lease, delete the
+//! request. The holder's KeepAlive stream hears that its hold ended from the
+//! holds' watch (`hold_counts`), like any other end of a hold.
+//!
+//! That transaction runs through its own etcd client, logged in as a user
+//! whose role may touch only the keys it needs (docs/security.md); revoking
+//! the holder's session (asked for with the request) needs write access to
+//! every key on the session's lease, so it uses the arbiter's own client,
+//! after the transaction. Nothing is written on any refusal, and no token
+//! (fencing or ID) ever reaches a record, a log line or an error.
+
+pub mod etcd;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use latchkey_policies::Enforcement;
+use latchkey_proto::ERROR_DOMAIN;
+use serde::{Deserialize, Serialize};
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::config::EtcdUser;
+use crate::oidc::{OidcConfig, OidcError, OidcVerifier, SignedIn};
+
+/// How long a request waits for its approver by default.
+pub const DEFAULT_REQUEST_TTL: Duration = Duration::from_secs(15 * 60);
+/// How long a force record stays in etcd (the audit tailer copies it first).
+pub const FORCE_RECORD_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// What an approver of an advisory class's force-release is told.
+pub const ADVISORY_WARNING: &str = "this class is ADVISORY: nothing fences its resource, so the current holder may still be writing when the next holder starts. Two writers may follow this release. Stop the holder first if you can.";
+
+/// Force-release settings (none of it: force-release refused).
+#[derive(Debug, Clone)]
+pub struct ForceReleaseConfig {
+    /// The provider operators sign in with; `None`: force-release is off.
+    pub oidc: Option<OidcConfig>,
+    /// The restricted etcd user the transaction runs as; `None`: the
+    /// arbiter's own credentials (logged as a warning at start).
+    pub etcd_user: Option<EtcdUser>,
+    /// How long a request waits for its approval.
+    pub request_ttl: Duration,
+}
+
+impl Default for ForceReleaseConfig {
+    fn default() -> Self {
+        Self {
+            oidc: None,
+            etcd_user: None,
+            request_ttl: DEFAULT_REQUEST_TTL,
+        }
+    }
+}
+
+/// A pending request, as stored (JSON, camelCase, fixed field order).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestRecord {
+    pub id: String,
+    pub key: String,
+    pub holder_identity: String,
+    pub holder_session: i64,
+    /// The lease the holder record was on and its mod revision: the
+    /// approval's transaction compares both.
+    pub hold_lease: i64,
+    pub hold_revision: i64,
+    pub class: String,
+    pub enforcement: String,
+    pub reason: String,
+    pub revoke_session: bool,
+    pub requester_subject: String,
+    pub requester_identity: String,
+    pub requested_at_unix_ms: i64,
+    pub expires_at_unix_ms: i64,
+}
+
+/// A force-release that happened, as stored under `{prefix}/sys/force/<id>`
+/// for the audit tailer (the first fields are the ones it requires).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ForceRecord {
+    pub key: String,
+    pub hold_revision: i64,
+    pub request_id: String,
+    /// OIDC subjects of the requester and the approver.
+    pub requested_by: String,
+    pub approved_by: String,
+    pub reason: String,
+    pub enforcement: String,
+    pub holder_identity: String,
+    pub holder_session: i64,
+    pub class: String,
+    pub revoke_session: bool,
+    pub requested_at_unix_ms: i64,
+    pub approved_at_unix_ms: i64,
+    /// The approval goes on to revoke the holder's session (right after the
+    /// transaction, with the arbiter's own credentials).
+    pub revoked_session: bool,
+    pub issuer: String,
+    /// The operators' channel identities (SVIDs).
+    pub requester_identity: String,
+    pub approver_identity: String,
+}
+
+/// Why a force-release call is refused. Messages say what to do next.
+#[derive(Debug, thiserror::Error)]
+pub enum ForceError {
+    #[error(
+        "force-release is off on this arbiter: start it with --oidc-issuer and --oidc-audience (operators sign in with OIDC), and preferably --force-etcd-user/--force-etcd-password-file (docs/security.md)"
+    )]
+    Disabled,
+    #[error("{0}")]
+    Token(OidcError),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("key {key:?} is not held: there is nothing to release")]
+    NotHeld { key: String },
+    #[error(
+        "no pending force-release request {id:?}: it never existed, was approved already, or expired unapproved (requests last {ttl_minutes} min); request again"
+    )]
+    UnknownRequest { id: String, ttl_minutes: u64 },
+    #[error(
+        "{subject:?} requested this force-release and cannot approve it too: a different operator must approve (two-person rule)"
+    )]
+    SameApprover { subject: String },
+    #[error(
+        "the hold on {key:?} changed since the request ({now}): nothing was released. Look again (latchctl inspect) and request again if it is still stuck"
+    )]
+    HoldChanged { key: String, now: String },
+    #[error("the lock log (etcd) is unavailable: {0}; retry")]
+    Store(String),
+    #[error(
+        "etcd refused the force-release transaction ({0}): the force-release user's role lacks a permission docs/security.md lists"
+    )]
+    StorePermission(String),
+}
+
+impl ForceError {
+    pub fn code(&self) -> Code {
+        match self {
+            Self::Disabled | Self::NotHeld { .. } | Self::HoldChanged { .. } => {
+                Code::FailedPrecondition
+            }
+            Self::Token(e) if e.is_permission() => Code::PermissionDenied,
+            Self::Token(OidcError::Provider(_)) => Code::Unavailable,
+            Self::Token(_) => Code::Unauthenticated,
+            Self::BadRequest(_) => Code::InvalidArgument,
+            Self::UnknownRequest { .. } => Code::NotFound,
+            Self::SameApprover { .. } => Code::PermissionDenied,
+            Self::Store(_) => Code::Unavailable,
+            Self::StorePermission(_) => Code::Internal,
+        }
+    }
+
+    /// `google.rpc.ErrorInfo.reason`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Disabled => "FORCE_RELEASE_DISABLED",
+            Self::Token(e) if e.is_permission() => "OPERATOR_ROLE_MISSING",
+            Self::Token(OidcError::Provider(_)) => "OIDC_PROVIDER_UNAVAILABLE",
+            Self::Token(_) => "ID_TOKEN_INVALID",
+            Self::BadRequest(_) => "BAD_REQUEST",
+            Self::NotHeld { .. } => "NOT_HELD",
+            Self::UnknownRequest { .. } => "FORCE_REQUEST_NOT_FOUND",
+            Self::SameApprover { .. } => "SAME_APPROVER",
+            Self::HoldChanged { .. } => "HOLD_CHANGED",
+            Self::Store(_) => "STORE_UNAVAILABLE",
+            Self::StorePermission(_) => "STORE_PERMISSION",
+        }
+    }
+}
+
+impl From<ForceError> for Status {
+    fn from(err: ForceError) -> Status {
+        let mut details = ErrorDetails::new();
+        details.set_error_info(
+            err.reason(),
+            ERROR_DOMAIN,
+            std::collections::HashMap::<String, String>::new(),
+        );
+        Status::with_error_details(err.code(), err.to_string(), details)
+    }
+}
+
+/// What an approval did.
+#[derive(Debug, Clone)]
+pub struct Approved {
+    pub request: RequestRecord,
+    pub record: ForceRecord,
+    pub revision: i64,
+    /// `Some(Ok)`: revoked; `Some(Err)`: asked for and failed; `None`: not asked.
+    pub session_revoked: Option<Result<(), String>>,
+}
+
+/// The force-release path: token checks, then the store.
+pub struct ForceRelease {
+    verifier: OidcVerifier,
+    store: etcd::ForceStore,
+    request_ttl: Duration,
+}
+
+impl std::fmt::Debug for ForceRelease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForceRelease")
+            .field("verifier", &self.verifier)
+            .field("request_ttl", &self.request_ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `fenced`, `advisory`, or `unknown` for a class no longer in the policies.
+pub fn enforcement_name(enforcement: Option<Enforcement>) -> &'static str {
+    match enforcement {
+        Some(Enforcement::Fenced) => "fenced",
+        Some(Enforcement::Advisory) => "advisory",
+        None => "unknown",
+    }
+}
+
+/// The plain warning an approver must see, if any.
+pub fn warning_for(enforcement: &str) -> &'static str {
+    match enforcement {
+        "fenced" => "",
+        "advisory" => ADVISORY_WARNING,
+        _ => {
+            "this hold's class is no longer in the policies, so nothing says its resource is fenced: treat it as advisory. Two writers may follow this release."
+        }
+    }
+}
+
+impl ForceRelease {
+    pub fn new(
+        verifier: OidcVerifier,
+        store: etcd::ForceStore,
+        request_ttl: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            verifier,
+            store,
+            request_ttl,
+        })
+    }
+
+    /// The signed-in operator behind `id_token`.
+    pub async fn sign_in(&self, id_token: &str) -> Result<SignedIn, ForceError> {
+        self.verifier
+            .verify(id_token)
+            .await
+            .map_err(ForceError::Token)
+    }
+
+    /// Writes a request for the hold `key` has now. `enforcement` names the
+    /// class's enforcement (looked up by the caller in the policies in force).
+    pub async fn request(
+        &self,
+        requester: &SignedIn,
+        requester_identity: &str,
+        key: &str,
+        reason: &str,
+        revoke_session: bool,
+        enforcement: impl Fn(&str) -> Option<Enforcement>,
+    ) -> Result<RequestRecord, ForceError> {
+        let reason = reason.trim();
+        if reason.is_empty() || reason.len() > 512 {
+            return Err(ForceError::BadRequest(
+                "a force-release needs a reason (1..=512 bytes): it is shown to the approver and kept in the audit trail".into(),
+            ));
+        }
+        let hold = self
+            .store
+            .hold(key)
+            .await?
+            .ok_or_else(|| ForceError::NotHeld { key: key.into() })?;
+        let now = crate::records::now_unix_ms();
+        let ttl_ms = i64::try_from(self.request_ttl.as_millis()).unwrap_or(i64::MAX);
+        let record = RequestRecord {
+            id: new_id()?,
+            key: key.to_string(),
+            holder_identity: hold.record.identity.clone(),
+            holder_session: hold.record.session,
+            hold_lease: hold.lease,
+            hold_revision: hold.mod_revision,
+            class: hold.record.class.clone(),
+            enforcement: enforcement_name(enforcement(&hold.record.class)).into(),
+            reason: reason.to_string(),
+            revoke_session,
+            requester_subject: requester.subject.clone(),
+            requester_identity: requester_identity.to_string(),
+            requested_at_unix_ms: now,
+            expires_at_unix_ms: now.saturating_add(ttl_ms),
+        };
+        self.store.put_request(&record, self.request_ttl).await?;
+        Ok(record)
+    }
+
+    /// Approves request `id` as `approver` and runs it.
+    pub async fn approve(
+        &self,
+        approver: &SignedIn,
+        approver_identity: &str,
+        id: &str,
+    ) -> Result<Approved, ForceError> {
+        let unknown = || ForceError::UnknownRequest {
+            id: crate::service::truncate(id, 64),
+            ttl_minutes: self.request_ttl.as_secs() / 60,
+        };
+        if !valid_id(id) {
+            return Err(unknown());
+        }
+        let (request, request_revision) = self.store.request(id).await?.ok_or_else(unknown)?;
+        if request.requester_subject == approver.subject {
+            return Err(ForceError::SameApprover {
+                subject: approver.subject.clone(),
+            });
+        }
+        let record = ForceRecord {
+            key: request.key.clone(),
+            hold_revision: request.hold_revision,
+            request_id: request.id.clone(),
+            requested_by: request.requester_subject.clone(),
+            approved_by: approver.subject.clone(),
+            reason: request.reason.clone(),
+            enforcement: request.enforcement.clone(),
+            holder_identity: request.holder_identity.clone(),
+            holder_session: request.holder_session,
+            class: request.class.clone(),
+            revoke_session: request.revoke_session,
+            requested_at_unix_ms: request.requested_at_unix_ms,
+            approved_at_unix_ms: crate::records::now_unix_ms(),
+            revoked_session: request.revoke_session,
+            issuer: approver.issuer.clone(),
+            requester_identity: request.requester_identity.clone(),
+            approver_identity: approver_identity.to_string(),
+        };
+        let revision = self
+            .store
+            .execute(&request, request_revision, &record)
+            .await
+            .map_err(|e| match e {
+                etcd::ExecuteError::RequestGone => unknown(),
+                etcd::ExecuteError::Force(e) => e,
+            })?;
+        let session_revoked = match request.revoke_session {
+            true => Some(self.store.revoke_session(request.holder_session).await),
+            false => None,
+        };
+        Ok(Approved {
+            request,
+            record,
+            revision,
+            session_revoked,
+        })
+    }
+
+    /// Pending requests and the force records still in etcd.
+    pub async fn list(&self) -> Result<(Vec<RequestRecord>, Vec<ForceRecord>), ForceError> {
+        self.store.list().await
+    }
+}
+
+/// 128 random bits, hex: request ids are not guessable (the token checks
+/// stand anyway; this keeps ids from being an oracle of activity).
+fn new_id() -> Result<String, ForceError> {
+    let mut bytes = [0u8; 16];
+    getrandom::getrandom(&mut bytes)
+        .map_err(|e| ForceError::Store(format!("no randomness for a request id: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn valid_id(id: &str) -> bool {
+    id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_random_hex_and_checked() {
+        let (a, b) = (new_id().unwrap(), new_id().unwrap());
+        assert_ne!(a, b);
+        assert!(valid_id(&a) && valid_id(&b));
+        assert!(!valid_id("../l/x"));
+        assert!(!valid_id(""));
+    }
+
+    #[test]
+    fn advisory_and_unknown_classes_warn_of_two_writers() {
+        assert_eq!(warning_for("fenced"), "");
+        assert!(warning_for("advisory").contains("Two writers may follow"));
+        assert!(warning_for("unknown").contains("Two writers may follow"));
+    }
+
+    #[test]
+    fn refusals_have_the_right_codes() {
+        let codes = [
+            (ForceError::Disabled, Code::FailedPrecondition),
+            (ForceError::Token(OidcError::Expired), Code::Unauthenticated),
+            (
+                ForceError::Token(OidcError::NoRole {
+                    claim: "roles".into(),
+                    role: "r".into(),
+                }),
+                Code::PermissionDenied,
+            ),
+            (ForceError::Token(OidcError::NoMfa), Code::PermissionDenied),
+            (
+                ForceError::SameApprover {
+                    subject: "a".into(),
+                },
+                Code::PermissionDenied,
+            ),
+            (
+                ForceError::UnknownRequest {
+                    id: "x".into(),
+                    ttl_minutes: 15,
+                },
+                Code::NotFound,
+            ),
+            (
+                ForceError::HoldChanged {
+                    key: "k".into(),
+                    now: "not held".into(),
+                },
+                Code::FailedPrecondition,
+            ),
+        ];
+        for (err, code) in codes {
+            assert_eq!(Status::from(err).code(), code);
+        }
+        let msg = ForceError::Disabled.to_string();
+        assert!(msg.contains("--oidc-issuer"), "{msg}");
+    }
+
+    #[test]
+    fn the_force_record_carries_what_the_audit_tailer_reads() {
+        let record = ForceRecord {
+            key: "ledger/inv-1".into(),
+            hold_revision: 42,
+            request_id: "r".into(),
+            requested_by: "alice".into(),
+            approved_by: "bob".into(),
+            reason: "stuck".into(),
+            enforcement: "fenced".into(),
+            holder_identity: "spiffe://d/w".into(),
+            holder_session: 7,
+            class: "c".into(),
+            revoke_session: false,
+            requested_at_unix_ms: 1,
+            approved_at_unix_ms: 2,
+            revoked_session: false,
+            issuer: "https://sso".into(),
+            requester_identity: "spiffe://d/op".into(),
+            approver_identity: "spiffe://d/op2".into(),
+        };
+        let json: serde_json::Value =
+            serde_json::from_slice(&crate::records::encode(&record)).unwrap();
+        for field in [
+            "key",
+            "holdRevision",
+            "requestId",
+            "requestedBy",
+            "approvedBy",
+            "reason",
+            "enforcement",
+            "holderIdentity",
+            "holderSession",
+            "class",
+            "requestedAtUnixMs",
+            "approvedAtUnixMs",
+            "revokedSession",
+        ] {
+            assert!(json.get(field).is_some(), "{field} missing: {json}");
+        }
+    }
+}

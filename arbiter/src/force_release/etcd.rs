@@ -1,0 +1,305 @@
+//! The force-release path's etcd requests (it names `etcd_client`, like the
+//! lock log and the holds' watch): reads of a hold, the request records and
+//! the one transaction that executes an approval.
+//!
+//! Two clients: `force`, logged in as the restricted force-release user
+//! when one is configured (every request here but the session revocation),
+//! and `main`, the arbiter's own, for `LeaseRevoke` (etcd lets a user revoke
+//! a lease only with write permission on every key attached to it).
+
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
+};
+use tracing::warn;
+
+use super::{ForceError, ForceRecord, RequestRecord};
+use crate::records::{HolderRecord, Layout, decode, encode};
+
+/// A holder record as read: what it says, its lease, its mod revision.
+#[derive(Debug, Clone)]
+pub struct Hold {
+    pub record: HolderRecord,
+    pub lease: i64,
+    pub mod_revision: i64,
+}
+
+/// Why an execution did not happen.
+#[derive(Debug)]
+pub enum ExecuteError {
+    /// The request record is gone (approved by someone else, or expired).
+    RequestGone,
+    Force(ForceError),
+}
+
+impl From<ForceError> for ExecuteError {
+    fn from(e: ForceError) -> Self {
+        Self::Force(e)
+    }
+}
+
+#[derive(Clone)]
+pub struct ForceStore {
+    main: Client,
+    force: Client,
+    prefix: String,
+    layout: Layout,
+}
+
+impl std::fmt::Debug for ForceStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForceStore")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+fn store_error(context: &str, e: etcd_client::Error) -> ForceError {
+    if let etcd_client::Error::GRpcStatus(s) = &e
+        && s.code() == tonic::Code::PermissionDenied
+    {
+        return ForceError::StorePermission(format!("{context}: {}", s.message()));
+    }
+    ForceError::Store(format!("{context}: {e}"))
+}
+
+fn ttl_seconds(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX)
+}
+
+impl ForceStore {
+    pub fn new(main: Client, force: Client, prefix: &str) -> Self {
+        Self {
+            main,
+            force,
+            prefix: prefix.trim_end_matches('/').to_string(),
+            layout: Layout::new(prefix),
+        }
+    }
+
+    /// `{prefix}/sys/force-req/`: pending requests.
+    pub fn requests_dir(&self) -> String {
+        format!("{}/sys/force-req/", self.prefix)
+    }
+
+    /// `{prefix}/sys/force/`: force records.
+    pub fn records_dir(&self) -> String {
+        format!("{}/sys/force/", self.prefix)
+    }
+
+    /// The hold on `key` now, if any.
+    pub async fn hold(&self, key: &str) -> Result<Option<Hold>, ForceError> {
+        let resp = self
+            .force
+            .kv_client()
+            .get(self.layout.holder(key), None)
+            .await
+            .map_err(|e| store_error("reading the hold", e))?;
+        Ok(resp.kvs().first().map(|kv| Hold {
+            // A record nobody can read is still a hold to release.
+            record: decode(kv.value()).unwrap_or_else(|| HolderRecord {
+                identity: "(unreadable holder record)".into(),
+                session: kv.lease(),
+                class: String::new(),
+                acquired_at_unix_ms: 0,
+                annotations: Default::default(),
+            }),
+            lease: kv.lease(),
+            mod_revision: kv.mod_revision(),
+        }))
+    }
+
+    /// Puts `request` on a lease of `ttl`, only if the hold is still the one
+    /// the request names.
+    pub async fn put_request(
+        &self,
+        request: &RequestRecord,
+        ttl: Duration,
+    ) -> Result<(), ForceError> {
+        let lease = self
+            .force
+            .lease_client()
+            .grant(ttl_seconds(ttl), None)
+            .await
+            .map_err(|e| store_error("granting the request's lease", e))?
+            .id();
+        let holder = self.layout.holder(&request.key);
+        let txn = Txn::new()
+            .when(self.same_hold(&holder, request))
+            .and_then(vec![TxnOp::put(
+                format!("{}{}", self.requests_dir(), request.id),
+                encode(request),
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else(vec![TxnOp::get(holder.as_str(), None)]);
+        let resp = self.force.kv_client().txn(txn).await;
+        let resp = match resp {
+            Ok(r) => r,
+            Err(e) => {
+                self.drop_lease(lease).await;
+                return Err(store_error("writing the request", e));
+            }
+        };
+        if resp.succeeded() {
+            return Ok(());
+        }
+        self.drop_lease(lease).await;
+        Err(ForceError::HoldChanged {
+            key: request.key.clone(),
+            now: describe_now(&resp.op_responses()),
+        })
+    }
+
+    /// The request `id` and its record's mod revision, if it is pending.
+    pub async fn request(&self, id: &str) -> Result<Option<(RequestRecord, i64)>, ForceError> {
+        let resp = self
+            .force
+            .kv_client()
+            .get(format!("{}{id}", self.requests_dir()), None)
+            .await
+            .map_err(|e| store_error("reading the request", e))?;
+        Ok(resp
+            .kvs()
+            .first()
+            .and_then(|kv| decode(kv.value()).map(|r| (r, kv.mod_revision()))))
+    }
+
+    /// The one transaction of an approval; its revision.
+    pub async fn execute(
+        &self,
+        request: &RequestRecord,
+        request_revision: i64,
+        record: &ForceRecord,
+    ) -> Result<i64, ExecuteError> {
+        let lease = self
+            .force
+            .lease_client()
+            .grant(ttl_seconds(super::FORCE_RECORD_TTL), None)
+            .await
+            .map_err(|e| store_error("granting the force record's lease", e))?
+            .id();
+        let holder = self.layout.holder(&request.key);
+        let request_key = format!("{}{}", self.requests_dir(), request.id);
+        let mut when = self.same_hold(&holder, request);
+        when.push(Compare::mod_revision(
+            request_key.as_str(),
+            CompareOp::Equal,
+            request_revision,
+        ));
+        let txn = Txn::new()
+            .when(when)
+            .and_then(vec![
+                TxnOp::delete(holder.as_str(), None),
+                TxnOp::delete(
+                    self.layout.claims_of(&request.key),
+                    Some(DeleteOptions::new().with_prefix()),
+                ),
+                TxnOp::put(
+                    format!("{}{}", self.records_dir(), request.id),
+                    encode(record),
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                TxnOp::delete(request_key.as_str(), None),
+            ])
+            .or_else(vec![
+                TxnOp::get(holder.as_str(), None),
+                TxnOp::get(
+                    request_key.as_str(),
+                    Some(GetOptions::new().with_count_only()),
+                ),
+            ]);
+        let resp = match self.force.kv_client().txn(txn).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.drop_lease(lease).await;
+                return Err(store_error("the force-release transaction", e).into());
+            }
+        };
+        if resp.succeeded() {
+            return Ok(resp.header().map_or(0, |h| h.revision()));
+        }
+        self.drop_lease(lease).await;
+        let answers = resp.op_responses();
+        let request_there = matches!(answers.get(1), Some(TxnOpResponse::Get(g)) if g.count() > 0);
+        if !request_there {
+            return Err(ExecuteError::RequestGone);
+        }
+        Err(ForceError::HoldChanged {
+            key: request.key.clone(),
+            now: describe_now(&answers),
+        }
+        .into())
+    }
+
+    /// Revokes the holder's session with the arbiter's own client.
+    pub async fn revoke_session(&self, session: i64) -> Result<(), String> {
+        match self.main.lease_client().revoke(session).await {
+            Ok(_) => Ok(()),
+            Err(etcd_client::Error::GRpcStatus(s)) if s.message().contains("not found") => {
+                Err("the session had already ended".into())
+            }
+            Err(e) => Err(format!("etcd: {e}")),
+        }
+    }
+
+    /// Pending requests and force records.
+    pub async fn list(&self) -> Result<(Vec<RequestRecord>, Vec<ForceRecord>), ForceError> {
+        let mut kv = self.force.kv_client();
+        let requests = kv
+            .get(self.requests_dir(), Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(|e| store_error("listing requests", e))?;
+        let records = kv
+            .get(self.records_dir(), Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(|e| store_error("listing force records", e))?;
+        Ok((
+            requests
+                .kvs()
+                .iter()
+                .filter_map(|kv| decode(kv.value()))
+                .collect(),
+            records
+                .kvs()
+                .iter()
+                .filter_map(|kv| decode(kv.value()))
+                .collect(),
+        ))
+    }
+
+    /// The hold is the request's: same lease, same mod revision (a hold
+    /// re-granted since, even to the same session, has another revision).
+    fn same_hold(&self, holder: &str, request: &RequestRecord) -> Vec<Compare> {
+        vec![
+            Compare::mod_revision(holder, CompareOp::Equal, request.hold_revision),
+            Compare::lease(holder, CompareOp::Equal, request.hold_lease),
+        ]
+    }
+
+    /// Best effort: a lease granted for a write that did not happen.
+    async fn drop_lease(&self, lease: i64) {
+        if let Err(e) = self.force.lease_client().revoke(lease).await {
+            warn!(lease, error = %e, "could not revoke an unused force-release lease (it expires by itself)");
+        }
+    }
+}
+
+/// The hold now, from a failed transaction's first `get`, for the refusal.
+fn describe_now(answers: &[TxnOpResponse]) -> String {
+    let Some(TxnOpResponse::Get(get)) = answers.first() else {
+        return "its state is unknown".into();
+    };
+    match get.kvs().first() {
+        None => "it is not held any more".into(),
+        Some(kv) => match decode::<HolderRecord>(kv.value()) {
+            Some(r) => format!(
+                "now held by {} through session {:#x}, granted at revision {}",
+                r.identity,
+                kv.lease(),
+                kv.mod_revision()
+            ),
+            None => format!("now held at revision {}", kv.mod_revision()),
+        },
+    }
+}

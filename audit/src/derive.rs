@@ -1,0 +1,321 @@
+//! From the changes of one revision to audit events.
+//!
+//! The tailer keeps a [`LogState`]: the holds and open sessions under the
+//! prefix, and the epoch, as of the last revision it applied (loaded from a
+//! read of the whole prefix at its checkpoint, then kept by the watch). A
+//! revision's changes are read together, because the cause of a deletion is
+//! in what else that revision did (the arbiter's transactions, see
+//! `arbiter/src/lock_log/etcd/*.rs`):
+//!
+//! | the revision                                             | event |
+//! |----------------------------------------------------------|-------|
+//! | puts `l/K` where there was no hold                       | grant |
+//! | puts `l/K` over another hold                             | hand-over |
+//! | deletes `l/K` and puts `sys/force/K//…`                  | force-release |
+//! | puts `sys/epoch` over an epoch and deletes `l/…`         | epoch-advance, per hold and on `/sys/epoch` |
+//! | deletes `l/K` and the record `s/L` of its lease          | expiry, `expired-or-revoked` |
+//! | deletes `l/K`, its session's record still there          | release, `released` |
+//! | deletes `l/K`, its session's record deleted before       | release, `session-closed` |
+//!
+//! A lease that lapses and a lease revoked by hand delete the same keys in
+//! one revision: etcd records no cause, so the event says both. CloseSession
+//! is told apart because it deletes the session's record first, in a
+//! revision of its own, then revokes the lease.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::records::{EpochRecord, HolderRecord, SealRecord, decode};
+
+use crate::event::{EPOCH_KEY, Ended, Event, Kind, SEAL_KEY};
+use crate::force::{self, ForceRecord};
+
+/// A put or a delete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Put,
+    Delete,
+}
+
+/// One key's change in a revision; `key` is relative to the prefix
+/// (`l/ledger/inv-1`, `s/00000000000000ff`, `sys/epoch`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub op: Op,
+    pub key: String,
+    pub value: Vec<u8>,
+    /// The put's lease (0 for a delete: etcd does not say).
+    pub lease: i64,
+}
+
+/// A hold as the tailer knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Hold {
+    identity: String,
+    session: i64,
+    lease: i64,
+    class: String,
+    /// Its grant's revision (the put's).
+    revision: i64,
+    /// The granting arbiter's clock: the only wall-clock time the log has.
+    acquired_at_unix_ms: i64,
+}
+
+impl Hold {
+    fn from_put(value: &[u8], lease: i64, revision: i64) -> Self {
+        let record = decode::<HolderRecord>(value);
+        Self {
+            identity: record
+                .as_ref()
+                .map(|r| r.identity.clone())
+                .unwrap_or_default(),
+            session: record.as_ref().map_or(lease, |r| r.session),
+            class: record.as_ref().map(|r| r.class.clone()).unwrap_or_default(),
+            acquired_at_unix_ms: record.map_or(0, |r| r.acquired_at_unix_ms),
+            lease,
+            revision,
+        }
+    }
+}
+
+/// What one key of the prefix is to the audit.
+enum Role<'a> {
+    Hold(&'a str),
+    Session(i64),
+    Epoch,
+    Seal,
+    Force,
+    Other,
+}
+
+fn role(key: &str) -> Role<'_> {
+    if let Some(lock_key) = key.strip_prefix("l/") {
+        return Role::Hold(lock_key);
+    }
+    if let Some(hex) = key.strip_prefix("s/") {
+        // Leases are positive i64s written as 16 hex digits.
+        return match u64::from_str_radix(hex, 16) {
+            Ok(lease) => Role::Session(lease as i64),
+            Err(_) => Role::Other,
+        };
+    }
+    match key {
+        "sys/epoch" => Role::Epoch,
+        "sys/seal" => Role::Seal,
+        k if k.starts_with(force::FORCE_DIR) => Role::Force,
+        _ => Role::Other,
+    }
+}
+
+/// Holds, open sessions and the epoch as of one revision.
+#[derive(Debug, Default, Clone)]
+pub struct LogState {
+    holds: HashMap<String, Hold>,
+    sessions: HashSet<i64>,
+    /// `None` before the first epoch record.
+    epoch: Option<u32>,
+}
+
+impl LogState {
+    /// The state a read of the prefix at one revision shows: `(key relative
+    /// to the prefix, value, lease, mod_revision)` per key.
+    pub fn load<'a>(kvs: impl IntoIterator<Item = (&'a str, &'a [u8], i64, i64)>) -> Self {
+        let mut state = Self::default();
+        for (key, value, lease, mod_revision) in kvs {
+            match role(key) {
+                Role::Hold(lock_key) => {
+                    state.holds.insert(
+                        lock_key.to_string(),
+                        Hold::from_put(value, lease, mod_revision),
+                    );
+                }
+                Role::Session(lease) => {
+                    state.sessions.insert(lease);
+                }
+                Role::Epoch => state.epoch = decode::<EpochRecord>(value).map(|r| r.epoch),
+                Role::Seal | Role::Force | Role::Other => {}
+            }
+        }
+        state
+    }
+
+    pub fn epoch(&self) -> u32 {
+        self.epoch.unwrap_or(0)
+    }
+
+    pub fn holds(&self) -> usize {
+        self.holds.len()
+    }
+
+    /// Applies one revision's changes and returns its events.
+    pub fn apply(&mut self, revision: i64, changes: &[Change]) -> Vec<Event> {
+        let mut deleted_holds = Vec::new();
+        let mut put_holds = Vec::new();
+        let mut sessions_deleted = HashSet::new();
+        let mut sessions_put = Vec::new();
+        let mut epoch_put = None;
+        let mut seal_put = None;
+        let mut forces: Vec<ForceRecord> = Vec::new();
+        for change in changes {
+            match (role(&change.key), change.op) {
+                (Role::Hold(key), Op::Delete) => deleted_holds.push(key.to_string()),
+                (Role::Hold(key), Op::Put) => put_holds.push((
+                    key.to_string(),
+                    Hold::from_put(&change.value, change.lease, revision),
+                )),
+                (Role::Session(lease), Op::Delete) => {
+                    sessions_deleted.insert(lease);
+                }
+                (Role::Session(lease), Op::Put) => sessions_put.push(lease),
+                (Role::Epoch, Op::Put) => epoch_put = Some(decode::<EpochRecord>(&change.value)),
+                (Role::Seal, Op::Put) => seal_put = Some(decode::<SealRecord>(&change.value)),
+                (Role::Force, Op::Put) => forces.push(force_record(change)),
+                _ => {}
+            }
+        }
+        let advance = epoch_put.is_some() && self.epoch.is_some();
+        let before = self.epoch();
+        let mut events = Vec::new();
+
+        for key in deleted_holds {
+            let prev = self.holds.remove(&key);
+            let force = forces
+                .iter()
+                .position(|f| f.key == key)
+                .map(|i| forces.swap_remove(i));
+            let (kind, ended) = match (&force, &prev) {
+                (Some(_), _) => (Kind::ForceRelease, Ended::ForceReleased),
+                (None, _) if advance => (Kind::EpochAdvance, Ended::EpochAdvance),
+                (None, None) => (Kind::Release, Ended::Unknown),
+                (None, Some(h)) if sessions_deleted.contains(&h.lease) => {
+                    (Kind::Expiry, Ended::ExpiredOrRevoked)
+                }
+                (None, Some(h)) if self.sessions.contains(&h.lease) => {
+                    (Kind::Release, Ended::Released)
+                }
+                (None, Some(_)) => (Kind::Release, Ended::SessionClosed),
+            };
+            let mut event = Event::new(revision, key, kind, before);
+            event.ended = ended;
+            if let Some(h) = &prev {
+                holder_into(&mut event, h);
+            }
+            if let Some(f) = &force {
+                force_into(&mut event, f, prev.is_some());
+            }
+            events.push(event);
+        }
+        // A force record whose hold was not deleted with it (written by
+        // hand, or the hold was gone): still the operators' act, recorded.
+        for f in forces {
+            let mut event = Event::new(revision, f.key.clone(), Kind::ForceRelease, before);
+            event.ended = Ended::ForceReleased;
+            force_into(&mut event, &f, false);
+            events.push(event);
+        }
+
+        let after = epoch_put
+            .as_ref()
+            .map_or(before, |r| r.as_ref().map_or(before, |r| r.epoch));
+        for (key, hold) in put_holds {
+            let prev = self.holds.insert(key.clone(), hold.clone());
+            let mut event = Event::new(revision, key, Kind::Grant, after);
+            holder_into(&mut event, &hold);
+            event.detail = serde_json::json!({ "acquiredAtUnixMs": hold.acquired_at_unix_ms });
+            if let Some(p) = prev {
+                event.kind = Kind::HandOver;
+                event.hold_revision = p.revision;
+                event.prev_identity = p.identity;
+                event.prev_session = p.session;
+            }
+            events.push(event);
+        }
+
+        for lease in sessions_deleted {
+            self.sessions.remove(&lease);
+        }
+        self.sessions.extend(sessions_put);
+
+        if let Some(record) = epoch_put {
+            let kind = if advance {
+                Kind::EpochAdvance
+            } else {
+                Kind::EpochCreate
+            };
+            let mut event = Event::new(revision, EPOCH_KEY, kind, after);
+            event.detail = match &record {
+                Some(r) => serde_json::json!({
+                    "previousEpoch": self.epoch,
+                    "reason": r.reason,
+                    "clusterId": r.cluster_id,
+                }),
+                None => serde_json::json!({ "undecodable": true }),
+            };
+            if let Some(r) = record {
+                self.epoch = Some(r.epoch);
+            }
+            events.push(event);
+        }
+        if let Some(record) = seal_put {
+            let mut event = Event::new(revision, SEAL_KEY, Kind::EpochSeal, self.epoch());
+            event.detail = match record {
+                Some(r) => serde_json::json!({
+                    "reason": r.reason,
+                    "nextEpochAtLeast": r.next_epoch_at_least,
+                }),
+                None => serde_json::json!({ "undecodable": true }),
+            };
+            events.push(event);
+        }
+        events
+    }
+}
+
+fn holder_into(event: &mut Event, hold: &Hold) {
+    event.identity = hold.identity.clone();
+    event.session = hold.session;
+    event.class = hold.class.clone();
+    event.hold_revision = hold.revision;
+}
+
+/// The operators' record on `event`; where the tailer did not know the hold
+/// (`known` false), the holder the operators were shown.
+fn force_into(event: &mut Event, record: &ForceRecord, known: bool) {
+    if !known {
+        event.identity = record.holder_identity.clone();
+        event.session = record.holder_session;
+        event.class = record.class.clone();
+        event.hold_revision = record.hold_revision;
+    }
+    let mut detail = record.detail();
+    if let Some(map) = detail.as_object_mut() {
+        map.insert("holdDeleted".into(), known.into());
+    }
+    event.detail = detail;
+}
+
+/// The record a force put carries; one that does not decode still names
+/// its hold in its key.
+fn force_record(change: &Change) -> ForceRecord {
+    if let Ok(record) = serde_json::from_slice::<ForceRecord>(&change.value) {
+        return record;
+    }
+    let (key, hold_revision) = force::parse_key(&change.key).unwrap_or((&change.key, 0));
+    ForceRecord {
+        key: key.to_string(),
+        hold_revision,
+        request_id: String::new(),
+        requested_by: String::new(),
+        approved_by: String::new(),
+        reason: "(undecodable force record)".into(),
+        enforcement: String::new(),
+        holder_identity: String::new(),
+        holder_session: 0,
+        class: String::new(),
+        revoke_session: false,
+        requested_at_unix_ms: 0,
+        approved_at_unix_ms: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests;

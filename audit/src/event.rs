@@ -1,0 +1,384 @@
+//! The audit event: one change to who holds a key, or to the epoch, as the
+//! lock log committed it, keyed by (cluster id, revision, key).
+//!
+//! Several events can share a revision (a lease expiry ends every hold on
+//! it; an epoch advance drops every hold; a batched commit grants several
+//! keys), never a key: one revision changes a key at most once. Events that
+//! are not about a lock key use keys no lock key can have (lock keys never
+//! start with `/`): [`EPOCH_KEY`], [`SEAL_KEY`], [`GAP_KEY`].
+//!
+//! No token is stored: a grant's token is `epoch * 2^48 + revision`, both of
+//! which the event carries because the store needs them anyway (the revision
+//! is part of the key, the epoch says which history the revision belongs to).
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// The key of an epoch record's events (create, advance).
+pub const EPOCH_KEY: &str = "/sys/epoch";
+/// The key of a seal's event.
+pub const SEAL_KEY: &str = "/sys/seal";
+/// The key of a gap's event (at the gap's first revision).
+pub const GAP_KEY: &str = "/gap";
+
+/// What happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    /// A hold was written where there was none.
+    Grant,
+    /// A hold was written over another session's hold (the release that
+    /// handed it straight to the next waiter).
+    HandOver,
+    /// A hold was deleted by its holder ([`Ended::Released`]) or with its
+    /// closed session ([`Ended::SessionClosed`]).
+    Release,
+    /// A hold ended with its session's lease ([`Ended::ExpiredOrRevoked`]).
+    Expiry,
+    /// An operator deleted a hold (ADR-20): the deletion came with a
+    /// `sys/force` record in the same revision.
+    ForceRelease,
+    /// The first epoch record.
+    EpochCreate,
+    /// The epoch moved on; one event on [`EPOCH_KEY`] and one per hold it
+    /// dropped ([`Ended::EpochAdvance`]).
+    EpochAdvance,
+    /// An arbiter sealed the log (a restore was seen).
+    EpochSeal,
+    /// Revisions the tailer could not read (etcd compacted them first).
+    Gap,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 9] = [
+        Kind::Grant,
+        Kind::HandOver,
+        Kind::Release,
+        Kind::Expiry,
+        Kind::ForceRelease,
+        Kind::EpochCreate,
+        Kind::EpochAdvance,
+        Kind::EpochSeal,
+        Kind::Gap,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Grant => "grant",
+            Kind::HandOver => "hand-over",
+            Kind::Release => "release",
+            Kind::Expiry => "expiry",
+            Kind::ForceRelease => "force-release",
+            Kind::EpochCreate => "epoch-create",
+            Kind::EpochAdvance => "epoch-advance",
+            Kind::EpochSeal => "epoch-seal",
+            Kind::Gap => "gap",
+        }
+    }
+}
+
+/// Why a hold ended, as far as the log can tell: where two causes write
+/// the same revision, the value names both rather than guessing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Ended {
+    /// The event ends no hold (a grant, an epoch or gap event).
+    #[default]
+    No,
+    /// Deleted while its session lived: the holder's release, or the
+    /// arbiter's release of a grant whose caller went away.
+    Released,
+    /// Deleted after its session's record was: CloseSession deletes the
+    /// record, then revokes the lease (or, if the revoke failed, the lease
+    /// lapses); both end every hold left on it.
+    SessionClosed,
+    /// Deleted with its session's record in one revision: the lease lapsed
+    /// (no renewal for a TTL) or someone revoked it outside CloseSession;
+    /// etcd writes the same revision for both.
+    ExpiredOrRevoked,
+    /// Deleted by an operator's force-release.
+    ForceReleased,
+    /// Dropped by an epoch advance.
+    EpochAdvance,
+    /// Handed over to another session.
+    HandedOver,
+    /// The tailer did not know the hold (it started after it, or after a gap).
+    Unknown,
+}
+
+impl Ended {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ended::No => "",
+            Ended::Released => "released",
+            Ended::SessionClosed => "session-closed",
+            Ended::ExpiredOrRevoked => "expired-or-revoked",
+            Ended::ForceReleased => "force-released",
+            Ended::EpochAdvance => "epoch-advance",
+            Ended::HandedOver => "handed-over",
+            Ended::Unknown => "unknown",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown event {what} {value:?}")]
+pub struct UnknownName {
+    what: &'static str,
+    value: String,
+}
+
+impl FromStr for Kind {
+    type Err = UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Kind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| UnknownName {
+                what: "kind",
+                value: s.into(),
+            })
+    }
+}
+
+impl FromStr for Ended {
+    type Err = UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [
+            Ended::No,
+            Ended::Released,
+            Ended::SessionClosed,
+            Ended::ExpiredOrRevoked,
+            Ended::ForceReleased,
+            Ended::EpochAdvance,
+            Ended::HandedOver,
+            Ended::Unknown,
+        ]
+        .into_iter()
+        .find(|e| e.as_str() == s)
+        .ok_or_else(|| UnknownName {
+            what: "ending",
+            value: s.into(),
+        })
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Display for Ended {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One event, as derived from one revision of the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub revision: i64,
+    /// The lock key, or one of the `/…` keys above.
+    pub key: String,
+    pub kind: Kind,
+    pub ended: Ended,
+    /// The epoch in force at this revision (0 before the first record).
+    pub epoch: u32,
+    /// The holder: the new one for a grant or hand-over, the one whose hold
+    /// ended otherwise. Empty when not about a hold or not known.
+    pub identity: String,
+    /// The holder's session (its etcd lease).
+    pub session: i64,
+    pub class: String,
+    /// The revision of the hold this event is about: the grant's own
+    /// revision for a grant, the ended (or handed-over) hold's grant
+    /// revision otherwise. Links an end to its grant.
+    pub hold_revision: i64,
+    /// A hand-over's previous holder.
+    pub prev_identity: String,
+    pub prev_session: i64,
+    /// Kind-specific facts as a JSON object: reasons, the force-release's
+    /// operators, a gap's last revision.
+    pub detail: serde_json::Value,
+}
+
+impl Event {
+    /// An event with only its position and kind filled in.
+    pub fn new(revision: i64, key: impl Into<String>, kind: Kind, epoch: u32) -> Self {
+        Self {
+            revision,
+            key: key.into(),
+            kind,
+            ended: Ended::No,
+            epoch,
+            identity: String::new(),
+            session: 0,
+            class: String::new(),
+            hold_revision: 0,
+            prev_identity: String::new(),
+            prev_session: 0,
+            detail: serde_json::Value::Object(Default::default()),
+        }
+    }
+
+    /// The gap event: revisions `from..=to` were compacted before the
+    /// tailer read them.
+    pub fn gap(from: i64, to: i64, epoch: u32) -> Self {
+        let mut event = Event::new(from, GAP_KEY, Kind::Gap, epoch);
+        event.detail = serde_json::json!({ "toRevision": to, "cause": "compacted" });
+        event
+    }
+
+    /// The detail as JSON text (what the stores keep).
+    pub fn detail_text(&self) -> String {
+        self.detail.to_string()
+    }
+}
+
+/// An event as a store returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredEvent {
+    pub cluster_id: u64,
+    pub event: Event,
+    /// When the tailer first wrote it (the log keeps no commit time; the
+    /// tailer's lag bounds the difference).
+    pub observed_at_unix_ms: i64,
+}
+
+/// A row as both stores' JSON speaks it (ClickHouse's JSONEachRow).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Row {
+    #[serde(deserialize_with = "number_or_string")]
+    pub cluster_id: u64,
+    #[serde(deserialize_with = "number_or_string")]
+    pub revision: i64,
+    pub key: String,
+    pub kind: String,
+    pub ended: String,
+    #[serde(deserialize_with = "number_or_string")]
+    pub epoch: u32,
+    pub identity: String,
+    #[serde(deserialize_with = "number_or_string")]
+    pub session: i64,
+    pub class: String,
+    #[serde(deserialize_with = "number_or_string")]
+    pub hold_revision: i64,
+    pub prev_identity: String,
+    #[serde(deserialize_with = "number_or_string")]
+    pub prev_session: i64,
+    pub detail: String,
+    #[serde(deserialize_with = "number_or_string")]
+    pub observed_at_unix_ms: i64,
+}
+
+impl Row {
+    pub fn new(cluster_id: u64, e: &Event, observed_at_unix_ms: i64) -> Self {
+        Self {
+            cluster_id,
+            revision: e.revision,
+            key: e.key.clone(),
+            kind: e.kind.as_str().into(),
+            ended: e.ended.as_str().into(),
+            epoch: e.epoch,
+            identity: e.identity.clone(),
+            session: e.session,
+            class: e.class.clone(),
+            hold_revision: e.hold_revision,
+            prev_identity: e.prev_identity.clone(),
+            prev_session: e.prev_session,
+            detail: e.detail_text(),
+            observed_at_unix_ms,
+        }
+    }
+
+    pub fn into_stored(self) -> Result<StoredEvent, UnknownName> {
+        Ok(StoredEvent {
+            cluster_id: self.cluster_id,
+            observed_at_unix_ms: self.observed_at_unix_ms,
+            event: Event {
+                revision: self.revision,
+                key: self.key,
+                kind: self.kind.parse()?,
+                ended: self.ended.parse()?,
+                epoch: self.epoch,
+                identity: self.identity,
+                session: self.session,
+                class: self.class,
+                hold_revision: self.hold_revision,
+                prev_identity: self.prev_identity,
+                prev_session: self.prev_session,
+                detail: serde_json::from_str(&self.detail)
+                    .unwrap_or(serde_json::Value::String(self.detail)),
+            },
+        })
+    }
+}
+
+/// ClickHouse quotes 64-bit integers in JSON output; accept both forms.
+fn number_or_string<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: FromStr + TryFrom<i128>,
+{
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        Unsigned(u64),
+        Signed(i64),
+        Text(String),
+    }
+    let bad = || serde::de::Error::custom("an integer out of range");
+    match Either::deserialize(d)? {
+        Either::Unsigned(n) => T::try_from(i128::from(n)).map_err(|_| bad()),
+        Either::Signed(n) => T::try_from(i128::from(n)).map_err(|_| bad()),
+        Either::Text(s) => s.parse().map_err(|_| bad()),
+    }
+}
+
+pub fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for kind in Kind::ALL {
+            assert_eq!(kind.as_str().parse::<Kind>(), Ok(kind));
+        }
+        assert_eq!(
+            "expired-or-revoked".parse::<Ended>(),
+            Ok(Ended::ExpiredOrRevoked)
+        );
+        assert!("expired".parse::<Ended>().is_err());
+    }
+
+    #[test]
+    fn rows_read_quoted_and_plain_integers() {
+        let quoted = r#"{"cluster_id":"18446744073709551615","revision":"7","key":"a","kind":"grant","ended":"","epoch":1,"identity":"i","session":"5","class":"c","hold_revision":"7","prev_identity":"","prev_session":0,"detail":"{}","observed_at_unix_ms":"9"}"#;
+        let row: Row = serde_json::from_str(quoted).unwrap();
+        assert_eq!(row.cluster_id, u64::MAX);
+        let stored = row.into_stored().unwrap();
+        assert_eq!(stored.event.kind, Kind::Grant);
+        assert_eq!(stored.event.revision, 7);
+        assert_eq!(stored.observed_at_unix_ms, 9);
+    }
+
+    #[test]
+    fn a_row_is_the_event() {
+        let mut e = Event::new(12, "ledger/inv-1", Kind::Expiry, 3);
+        e.ended = Ended::ExpiredOrRevoked;
+        e.identity = "spiffe://td/w".into();
+        e.session = 0x1234;
+        e.hold_revision = 10;
+        let json = serde_json::to_string(&Row::new(42, &e, 1000)).unwrap();
+        let back: Row = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.into_stored().unwrap().event, e);
+    }
+}

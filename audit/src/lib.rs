@@ -1,0 +1,35 @@
+//! `latchkey-audit`: the audit trail of ADR-21, tailed from the lock log.
+//!
+//! The arbiter is the only writer of the lock log, and it writes no audit
+//! events (a dual write loses events on a crash, and expiries are
+//! committed by etcd itself, where no application code sees them). The
+//! tailer, one per etcd cluster, watches the whole prefix from its
+//! checkpoint instead, and turns each revision into events:
+//!
+//! ```text
+//! etcd watch ─▶ tailer::etcd (changes grouped by revision)
+//!            ─▶ derive::LogState::apply (holds, sessions, epoch → events)
+//!            ─▶ store::AuditStore::write (ON CONFLICT DO NOTHING / ReplacingMergeTree)
+//!            ─▶ checkpoint every few seconds, after the events it covers
+//! ```
+//!
+//! Without the `tailer` feature the crate is the event model and the
+//! stores, which `latchctl audit` and `latchctl why` read.
+
+pub mod event;
+pub mod force;
+pub mod store;
+
+#[cfg(feature = "tailer")]
+pub mod cli;
+#[cfg(feature = "tailer")]
+pub mod derive;
+#[cfg(feature = "tailer")]
+pub mod metrics;
+#[cfg(feature = "tailer")]
+pub mod records;
+#[cfg(feature = "tailer")]
+pub mod tailer;
+
+pub use event::{Ended, Event, Kind, StoredEvent};
+pub use store::{AuditStore, HistoryQuery, StoreError};

@@ -1,0 +1,736 @@
+//! Two-person force-release (ADR-20) against a real etcd, the in-process
+//! arbiter and a real OIDC provider (`oidc-provider-mock`): operator A
+//! requests, operator B approves, the hold is gone, a force record lives on
+//! a 24 h lease and the holder is fenced by the arbiter's push. Every
+//! refusal (same approver, bad tokens, no role, no MFA, a hold that changed)
+//! answers its own gRPC code and writes nothing. And with etcd's auth on,
+//! the force-release user's role can do exactly its job and cannot write a
+//! grant.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use etcd_client::{Compare, CompareOp, ConnectOptions, PutOptions, TlsOptions, Txn, TxnOp};
+use latchkey_arbiter::force_release::ForceReleaseConfig;
+use latchkey_arbiter::oidc::OidcConfig;
+use latchkey_arbiter::{EtcdClientCert, EtcdCredentials, EtcdUser};
+use latchkey_client::FenceReason;
+use latchkey_proto::adminv1::admin_client::AdminClient;
+use latchkey_proto::adminv1::{
+    ApproveForceReleaseRequest, ApproveForceReleaseResponse, ForceReleaseRequest,
+    ListForceReleasesRequest, RequestForceReleaseRequest,
+};
+use latchkey_tests::arbiter::ArbiterOptions;
+use latchkey_tests::etcd::{EtcdOptions, EtcdServer, EtcdTls};
+use latchkey_tests::eventually;
+use latchkey_tests::oidc::OidcProvider;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use crate::client::{Fired, connect, latchctl, recorder, snapshot};
+use crate::support::{Stack, stack_with};
+
+const AUDIENCE: &str = "latchctl";
+const OPERATOR: &str = "latchkey/operator";
+/// Fenced, TTL 15 s.
+const FENCED: &str = "demo";
+/// Advisory, TTL 60 s: a fence well inside the poll below can only come
+/// from the arbiter's push.
+const ADVISORY: &str = "batch-report";
+const PUSHED: Duration = Duration::from_secs(10);
+
+struct World {
+    s: Stack,
+    oidc: OidcProvider,
+}
+
+fn config(oidc: &OidcProvider, require_mfa: bool) -> ForceReleaseConfig {
+    let mut c = OidcConfig::new(oidc.issuer().into(), AUDIENCE.into());
+    c.require_mfa = require_mfa;
+    // Expiry tests wait for exp itself, not exp plus skew.
+    c.leeway = Duration::ZERO;
+    ForceReleaseConfig {
+        oidc: Some(c),
+        ..ForceReleaseConfig::default()
+    }
+}
+
+/// Operators alice-op and bob-op (role, MFA), carol (MFA, no role), dave-op
+/// (role, password only).
+async fn provider(token_max_age: Option<Duration>) -> anyhow::Result<OidcProvider> {
+    let oidc = OidcProvider::start_with(token_max_age).await?;
+    let op = serde_json::json!({"roles": ["lock-operator"], "amr": ["pwd", "otp"]});
+    oidc.set_user("alice-op", op.clone()).await?;
+    oidc.set_user("bob-op", op).await?;
+    oidc.set_user(
+        "carol",
+        serde_json::json!({"roles": ["viewer"], "amr": ["pwd", "otp"]}),
+    )
+    .await?;
+    oidc.set_user(
+        "dave-op",
+        serde_json::json!({"roles": ["lock-operator"], "amr": ["pwd"]}),
+    )
+    .await?;
+    Ok(oidc)
+}
+
+async fn world(require_mfa: bool) -> anyhow::Result<World> {
+    let oidc = provider(None).await?;
+    let s = stack_with(ArbiterOptions {
+        force_release: config(&oidc, require_mfa),
+        ..ArbiterOptions::default()
+    })
+    .await?;
+    Ok(World { s, oidc })
+}
+
+impl World {
+    async fn admin(&self) -> anyhow::Result<AdminClient<Channel>> {
+        self.s.arbiter.admin(OPERATOR).await
+    }
+
+    async fn token(&self, sub: &str) -> anyhow::Result<String> {
+        self.oidc.id_token(sub, AUDIENCE).await
+    }
+
+    async fn request(&self, key: &str, token: &str) -> Result<ForceReleaseRequest, Status> {
+        let mut admin = self
+            .admin()
+            .await
+            .map_err(|e| Status::unknown(e.to_string()))?;
+        Ok(admin
+            .request_force_release(RequestForceReleaseRequest {
+                key: key.into(),
+                reason: "stuck since the 03:12 deploy".into(),
+                revoke_session: false,
+                id_token: token.into(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    async fn approve(&self, id: &str, token: &str) -> Result<ApproveForceReleaseResponse, Status> {
+        let mut admin = self
+            .admin()
+            .await
+            .map_err(|e| Status::unknown(e.to_string()))?;
+        Ok(admin
+            .approve_force_release(ApproveForceReleaseRequest {
+                request_id: id.into(),
+                id_token: token.into(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// The etcd revision now: a refusal must not move it.
+    async fn revision(&self) -> anyhow::Result<i64> {
+        self.s.etcd.revision().await
+    }
+
+    async fn held(&self, key: &str) -> anyhow::Result<bool> {
+        let got = self
+            .s
+            .etcd
+            .client()
+            .await?
+            .get(format!("/latchkey/l/{key}"), None)
+            .await?;
+        Ok(!got.kvs().is_empty())
+    }
+}
+
+fn expect_code<T: std::fmt::Debug>(r: Result<T, Status>, code: Code) -> anyhow::Result<Status> {
+    match r {
+        Ok(v) => anyhow::bail!("expected {code:?}, got OK {v:?}"),
+        Err(s) if s.code() == code => Ok(s),
+        Err(s) => anyhow::bail!("expected {code:?}, got {:?}: {}", s.code(), s.message()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_operators_force_release_a_hold_and_the_holder_is_fenced_at_once() -> anyhow::Result<()>
+{
+    let w = world(true).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let fired: Fired = Arc::default();
+    let guard = alice
+        .lock("demo/fr-1", FENCED)
+        .acquire(recorder(&fired))
+        .await?;
+
+    let (a, b) = (w.token("alice-op").await?, w.token("bob-op").await?);
+    let req = w.request("demo/fr-1", &a).await?;
+    assert_eq!(
+        req.holder_identity,
+        latchkey_tests::arbiter::spiffe("workload/alice")
+    );
+    assert_eq!(req.holder_session, guard.session_id());
+    assert_eq!(req.hold_revision, guard.revision());
+    assert_eq!(
+        (req.class.as_str(), req.enforcement.as_str()),
+        (FENCED, "fenced")
+    );
+    assert!(req.warning.is_empty(), "no warning on a fenced class");
+    assert_eq!(req.requester, "alice-op");
+    assert!(
+        w.held("demo/fr-1").await?,
+        "a request alone releases nothing"
+    );
+
+    // the approver sees the request before approving
+    let listed = w
+        .admin()
+        .await?
+        .list_force_releases(ListForceReleasesRequest {
+            id_token: b.clone(),
+        })
+        .await?
+        .into_inner();
+    assert!(
+        listed
+            .pending
+            .iter()
+            .any(|p| p.request_id == req.request_id)
+    );
+
+    let done = w.approve(&req.request_id, &b).await?;
+    assert_eq!(done.approver, "bob-op");
+    assert!(!w.held("demo/fr-1").await?, "the hold is gone");
+    eventually(
+        "alice to hear her hold was force-released",
+        PUSHED,
+        || async {
+            anyhow::ensure!(
+                snapshot(&fired)
+                    .iter()
+                    .any(|(_, r)| *r == FenceReason::HoldEnded),
+                "not fenced yet"
+            );
+            Ok(())
+        },
+    )
+    .await?;
+    assert!(guard.is_fenced());
+
+    // the force record: JSON for the audit tailer, on a 24 h lease
+    let mut etcd = w.s.etcd.client().await?;
+    let got = etcd
+        .get(format!("/latchkey/sys/force/{}", req.request_id), None)
+        .await?;
+    let kv = got.kvs().first().context("no force record")?;
+    let record: serde_json::Value = serde_json::from_slice(kv.value())?;
+    assert_eq!(record["key"], "demo/fr-1");
+    assert_eq!(record["requestedBy"], "alice-op");
+    assert_eq!(record["approvedBy"], "bob-op");
+    assert_eq!(record["holdRevision"], guard.revision());
+    assert_eq!(record["enforcement"], "fenced");
+    assert_eq!(record["revokedSession"], false);
+    assert_eq!(kv.mod_revision(), done.revision, "one transaction");
+    let ttl = etcd
+        .lease_client()
+        .time_to_live(kv.lease(), None)
+        .await?
+        .ttl();
+    assert!(
+        (86_000..=86_400).contains(&ttl),
+        "the record's lease TTL is {ttl} s"
+    );
+    let text = String::from_utf8_lossy(kv.value()).into_owned();
+    assert!(
+        !text.contains(&a) && !text.contains(&b),
+        "no ID token in the record"
+    );
+    let pending = etcd
+        .get(format!("/latchkey/sys/force-req/{}", req.request_id), None)
+        .await?;
+    assert!(
+        pending.kvs().is_empty(),
+        "the request is gone with the hold"
+    );
+
+    // approving again: the request is gone
+    expect_code(w.approve(&req.request_id, &b).await, Code::NotFound)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn revoke_session_ends_every_hold_of_the_holders_session() -> anyhow::Result<()> {
+    let w = world(false).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let fired: Fired = Arc::default();
+    let one = alice
+        .lock("demo/fr-rv1", FENCED)
+        .acquire(recorder(&fired))
+        .await?;
+    let two = alice
+        .lock("demo/fr-rv2", FENCED)
+        .acquire(recorder(&fired))
+        .await?;
+    assert_eq!(one.session_id(), two.session_id());
+    let mut admin = w.admin().await?;
+    let req = admin
+        .request_force_release(RequestForceReleaseRequest {
+            key: "demo/fr-rv1".into(),
+            reason: "the whole worker is wedged".into(),
+            revoke_session: true,
+            id_token: w.token("alice-op").await?,
+        })
+        .await?
+        .into_inner();
+    assert!(req.revoke_session);
+    let done = w
+        .approve(&req.request_id, &w.token("bob-op").await?)
+        .await?;
+    assert!(done.session_revoked, "{}", done.session_revoke_error);
+    assert!(!w.held("demo/fr-rv1").await? && !w.held("demo/fr-rv2").await?);
+    eventually("both holds to be fenced", PUSHED, || async {
+        anyhow::ensure!(snapshot(&fired).len() == 2, "fired: {:?}", snapshot(&fired));
+        Ok(())
+    })
+    .await?;
+    assert!(one.is_fenced() && two.is_fenced());
+    let record =
+        w.s.etcd
+            .client()
+            .await?
+            .get(format!("/latchkey/sys/force/{}", req.request_id), None)
+            .await?;
+    let kv = record.kvs().first().context("no force record")?;
+    let record: serde_json::Value = serde_json::from_slice(kv.value())?;
+    assert_eq!(record["revokedSession"], true);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_requester_cannot_approve_and_bad_tokens_write_nothing() -> anyhow::Result<()> {
+    let w = world(false).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let _guard = alice.lock("demo/fr-2", FENCED).acquire(|_| {}).await?;
+    let a = w.token("alice-op").await?;
+    let req = w.request("demo/fr-2", &a).await?;
+
+    let before = w.revision().await?;
+    let s = expect_code(w.approve(&req.request_id, &a).await, Code::PermissionDenied)?;
+    assert!(
+        s.message().contains("different operator"),
+        "{}",
+        s.message()
+    );
+
+    let wrong_audience = w.oidc.id_token("bob-op", "some-other-app").await?;
+    let no_role = w.token("carol").await?;
+    let refusals = [
+        ("garbage".to_string(), Code::Unauthenticated, "well-formed"),
+        (String::new(), Code::Unauthenticated, "no ID token"),
+        (wrong_audience, Code::Unauthenticated, "another client"),
+        (no_role, Code::PermissionDenied, "lock-operator"),
+    ];
+    for (token, code, says) in &refusals {
+        for result in [
+            w.approve(&req.request_id, token).await.map(|_| ()),
+            w.request("demo/fr-2", token).await.map(|_| ()),
+        ] {
+            let s = expect_code(result, *code)?;
+            assert!(s.message().contains(says), "{}", s.message());
+            if !token.is_empty() {
+                assert!(!s.message().contains(token.as_str()), "a token in an error");
+            }
+        }
+    }
+    // unknown request ids
+    let b = w.token("bob-op").await?;
+    expect_code(
+        w.approve("0123456789abcdef0123456789abcdef", &b).await,
+        Code::NotFound,
+    )?;
+    expect_code(w.approve("../l/demo/fr-2", &b).await, Code::NotFound)?;
+    assert_eq!(w.revision().await?, before, "no refusal wrote anything");
+    assert!(w.held("demo/fr-2").await?);
+
+    // a workload's SVID never gets this far, whatever its token
+    let mut workload = w.s.arbiter.admin("workload/bob").await?;
+    let r = workload
+        .approve_force_release(ApproveForceReleaseRequest {
+            request_id: req.request_id.clone(),
+            id_token: b.clone(),
+        })
+        .await;
+    expect_code(r, Code::PermissionDenied)?;
+    w.approve(&req.request_id, &b).await?;
+    assert!(!w.held("demo/fr-2").await?);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_expired_token_is_refused() -> anyhow::Result<()> {
+    let oidc = provider(Some(Duration::from_secs(1))).await?;
+    let s = stack_with(ArbiterOptions {
+        force_release: config(&oidc, false),
+        ..ArbiterOptions::default()
+    })
+    .await?;
+    let w = World { s, oidc };
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let _guard = alice.lock("demo/fr-3", FENCED).acquire(|_| {}).await?;
+    let a = w.token("alice-op").await?;
+    // Wait with a call that writes nothing (the listing) for the token to
+    // expire (1 s, no skew allowed)...
+    eventually("the token to expire", Duration::from_secs(20), || async {
+        let r = w
+            .admin()
+            .await?
+            .list_force_releases(ListForceReleasesRequest {
+                id_token: a.clone(),
+            })
+            .await;
+        anyhow::ensure!(
+            matches!(&r, Err(s) if s.code() == Code::Unauthenticated),
+            "still accepted: {r:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    // ...then a request with it is refused and writes nothing.
+    let before = w.revision().await?;
+    let s = expect_code(w.request("demo/fr-3", &a).await, Code::Unauthenticated)?;
+    assert!(s.message().contains("expired"), "{}", s.message());
+    assert_eq!(w.revision().await?, before);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mfa_is_required_when_configured() -> anyhow::Result<()> {
+    let w = world(true).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let _guard = alice.lock("demo/fr-4", FENCED).acquire(|_| {}).await?;
+    let before = w.revision().await?;
+    let password_only = w.token("dave-op").await?;
+    let s = expect_code(
+        w.request("demo/fr-4", &password_only).await,
+        Code::PermissionDenied,
+    )?;
+    assert!(s.message().contains("multi-factor"), "{}", s.message());
+    assert_eq!(w.revision().await?, before);
+    // without the MFA requirement the same token is fine
+    let relaxed = world(false).await?;
+    let bob = connect(relaxed.s.arbiter.addr(), "workload/bob").await?;
+    let _g = bob.lock("demo/fr-4", FENCED).acquire(|_| {}).await?;
+    relaxed
+        .request("demo/fr-4", &relaxed.token("dave-op").await?)
+        .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_advisory_class_warns_of_two_writers() -> anyhow::Result<()> {
+    let w = world(false).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let _guard = alice.lock("demo/fr-5", ADVISORY).acquire(|_| {}).await?;
+    let req = w.request("demo/fr-5", &w.token("alice-op").await?).await?;
+    assert_eq!(req.enforcement, "advisory");
+    assert!(
+        req.warning.contains("Two writers may follow"),
+        "{}",
+        req.warning
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hold_that_changed_since_the_request_is_not_released() -> anyhow::Result<()> {
+    let w = world(false).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let first = alice.lock("demo/fr-6", FENCED).acquire(|_| {}).await?;
+    let req = w.request("demo/fr-6", &w.token("alice-op").await?).await?;
+    first.release().await?;
+    let second = alice.lock("demo/fr-6", FENCED).acquire(|_| {}).await?;
+    assert!(second.revision() > req.hold_revision);
+    let before = w.revision().await?;
+    let s = expect_code(
+        w.approve(&req.request_id, &w.token("bob-op").await?).await,
+        Code::FailedPrecondition,
+    )?;
+    assert!(
+        s.message().contains("changed since the request"),
+        "{}",
+        s.message()
+    );
+    assert_eq!(w.revision().await?, before, "nothing written");
+    assert!(w.held("demo/fr-6").await? && !second.is_fenced());
+    // a key nobody holds cannot be requested
+    second.release().await?;
+    expect_code(
+        w.request("demo/fr-6", &w.token("alice-op").await?).await,
+        Code::FailedPrecondition,
+    )?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_an_oidc_issuer_force_release_is_refused() -> anyhow::Result<()> {
+    let s = stack_with(ArbiterOptions::default()).await?;
+    let mut admin = s.arbiter.admin(OPERATOR).await?;
+    let r = admin
+        .request_force_release(RequestForceReleaseRequest {
+            key: "demo/fr-7".into(),
+            reason: "x".into(),
+            revoke_session: false,
+            id_token: "anything".into(),
+        })
+        .await;
+    let s = expect_code(r, Code::FailedPrecondition)?;
+    assert!(s.message().contains("--oidc-issuer"), "{}", s.message());
+    Ok(())
+}
+
+async fn run_latchctl(cmd: &mut tokio::process::Command) -> anyhow::Result<std::process::Output> {
+    tokio::time::timeout(Duration::from_secs(30), cmd.output())
+        .await
+        .context("latchctl did not finish in 30 s")?
+        .context("latchctl did not run")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn latchctl_requests_and_approves_with_tokens_from_the_environment_and_a_file()
+-> anyhow::Result<()> {
+    let w = world(false).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let _fenced = alice.lock("demo/fr-cli", FENCED).acquire(|_| {}).await?;
+    let _advisory = alice
+        .lock("demo/fr-cli-adv", ADVISORY)
+        .acquire(|_| {})
+        .await?;
+    let (a, b) = (w.token("alice-op").await?, w.token("bob-op").await?);
+    let dir = tempfile::tempdir()?;
+    let b_file = dir.path().join("id-token");
+    std::fs::write(&b_file, format!("{b}\n"))?;
+    let addr = w.s.arbiter.addr();
+
+    let mut ids = Vec::new();
+    for key in ["demo/fr-cli", "demo/fr-cli-adv"] {
+        let out = run_latchctl(
+            latchctl(addr, OPERATOR)?
+                .env("LATCHKEY_ID_TOKEN", &a)
+                .args(["--json", "admin", "force-release", "request", key])
+                .args(["--reason", "wedged in the e2e"]),
+        )
+        .await?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        anyhow::ensure!(out.status.success(), "request failed: {out:?}");
+        let line: serde_json::Value = serde_json::from_str(stdout.trim())?;
+        ids.push(
+            line["request_id"]
+                .as_str()
+                .context("no request id")?
+                .to_string(),
+        );
+    }
+    let approve = |id: &str| -> anyhow::Result<tokio::process::Command> {
+        let mut cmd = latchctl(addr, OPERATOR)?;
+        cmd.args(["admin", "force-release", "approve", id, "--id-token-file"])
+            .arg(&b_file);
+        Ok(cmd)
+    };
+    let out = run_latchctl(&mut approve(&ids[0])?).await?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    anyhow::ensure!(out.status.success(), "approve failed: {out:?}");
+    assert!(
+        stdout.contains("FENCED") && stdout.contains("force-released"),
+        "{stdout}"
+    );
+    assert!(!w.held("demo/fr-cli").await?);
+
+    // advisory: shown, and not approved without --accept-two-writers
+    let out = run_latchctl(&mut approve(&ids[1])?).await?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "approved an advisory release unasked"
+    );
+    assert!(stderr.contains("Two writers may follow"), "{stderr}");
+    assert!(w.held("demo/fr-cli-adv").await?);
+    let out = run_latchctl(approve(&ids[1])?.arg("--accept-two-writers")).await?;
+    anyhow::ensure!(out.status.success(), "approve failed: {out:?}");
+    assert!(!w.held("demo/fr-cli-adv").await?);
+
+    // no token: a usage error that says where the token comes from
+    let out =
+        run_latchctl(latchctl(addr, OPERATOR)?.args(["admin", "force-release", "list"])).await?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("LATCHKEY_ID_TOKEN"), "{stderr}");
+    for output in [&stdout, &stderr] {
+        assert!(
+            !output.contains(&a) && !output.contains(&b),
+            "a token was printed"
+        );
+    }
+    Ok(())
+}
+
+const FORCE_USER: &str = "latchkey-force";
+const FORCE_PASSWORD: &str = "force-password-never-logged";
+const ARBITER_USER: &str = "latchkey-arbiter";
+const ARBITER_PASSWORD: &str = "arbiter-password-never-logged";
+
+/// The force-release role, exactly as docs/security.md lists it.
+async fn add_force_user(etcd: &EtcdServer) -> anyhow::Result<()> {
+    use etcd_client::{Permission, PermissionType};
+    let mut c = etcd.client().await?;
+    c.role_add("latchkey-force").await?;
+    for (kind, prefix) in [
+        (PermissionType::Readwrite, "/latchkey/l/"),
+        (PermissionType::Write, "/latchkey/c/"),
+        (PermissionType::Readwrite, "/latchkey/sys/force/"),
+        (PermissionType::Readwrite, "/latchkey/sys/force-req/"),
+    ] {
+        c.role_grant_permission(
+            "latchkey-force",
+            Permission::new(kind, prefix).with_prefix(),
+        )
+        .await?;
+    }
+    c.user_add(FORCE_USER, FORCE_PASSWORD, None).await?;
+    c.user_grant_role(FORCE_USER, "latchkey-force").await?;
+    Ok(())
+}
+
+/// A client logged in as the force-release user, over etcd's mutual TLS.
+async fn force_client(etcd: &EtcdServer) -> anyhow::Result<etcd_client::Client> {
+    let tls = etcd.tls().context("etcd without TLS")?;
+    let cert = tls.arbiter_cert()?;
+    let options = ConnectOptions::new()
+        .with_user(FORCE_USER, FORCE_PASSWORD)
+        .with_tls(
+            TlsOptions::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(
+                    &tls.ca,
+                )?))
+                .identity(tonic::transport::Identity::from_pem(
+                    std::fs::read(&cert.cert)?,
+                    std::fs::read(&cert.key)?,
+                )),
+        );
+    Ok(etcd_client::Client::connect([etcd.endpoint()], Some(options)).await?)
+}
+
+fn permission_denied<T>(r: Result<T, etcd_client::Error>) -> bool {
+    matches!(r, Err(etcd_client::Error::GRpcStatus(s)) if s.code() == Code::PermissionDenied)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_force_release_role_deletes_holds_and_cannot_write_a_grant() -> anyhow::Result<()> {
+    latchkey_tests::init_tracing();
+    let mut etcd = EtcdServer::start_with(EtcdOptions {
+        tls: Some(EtcdTls::mutual()?),
+    })
+    .await?;
+    etcd.enable_auth("root-password").await?;
+    etcd.add_user(ARBITER_USER, ARBITER_PASSWORD, "/latchkey")
+        .await?;
+    add_force_user(&etcd).await?;
+    let dir = tempfile::tempdir()?;
+    let (arbiter_pw, force_pw) = (dir.path().join("arbiter-pw"), dir.path().join("force-pw"));
+    std::fs::write(&arbiter_pw, format!("{ARBITER_PASSWORD}\n"))?;
+    std::fs::write(&force_pw, format!("{FORCE_PASSWORD}\n"))?;
+    let tls = etcd.tls().context("etcd without TLS")?;
+    let cert = tls.arbiter_cert()?;
+    let oidc = provider(None).await?;
+    let mut force = config(&oidc, false);
+    force.etcd_user = Some(EtcdUser {
+        name: FORCE_USER.into(),
+        password_file: force_pw,
+    });
+    let arbiter = latchkey_tests::arbiter::Arbiter::start(
+        &etcd,
+        ArbiterOptions {
+            etcd_credentials: EtcdCredentials {
+                ca: Some(tls.ca.clone()),
+                client_cert: Some(EtcdClientCert {
+                    cert: cert.cert.clone(),
+                    key: cert.key.clone(),
+                }),
+                user: Some(EtcdUser {
+                    name: ARBITER_USER.into(),
+                    password_file: arbiter_pw,
+                }),
+            },
+            force_release: force,
+            ..ArbiterOptions::default()
+        },
+    )
+    .await?;
+    let w = World {
+        s: Stack { etcd, arbiter },
+        oidc,
+    };
+
+    // the whole path runs as the force-release user
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let fired: Fired = Arc::default();
+    let guard = alice
+        .lock("demo/fr-auth", FENCED)
+        .acquire(recorder(&fired))
+        .await?;
+    let req = w
+        .request("demo/fr-auth", &w.token("alice-op").await?)
+        .await?;
+    w.approve(&req.request_id, &w.token("bob-op").await?)
+        .await?;
+    assert!(!w.held("demo/fr-auth").await?);
+    eventually("the holder to be fenced", PUSHED, || async {
+        anyhow::ensure!(!snapshot(&fired).is_empty(), "not yet");
+        Ok(())
+    })
+    .await?;
+    assert!(guard.is_fenced());
+
+    // the role itself, against etcd: it may delete a hold and put a force record...
+    let held = alice.lock("demo/fr-role", FENCED).acquire(|_| {}).await?;
+    let session = held.session_id();
+    let mut f = force_client(&w.s.etcd).await?;
+    f.put("/latchkey/sys/force/probe", "{}", None).await?;
+    f.delete("/latchkey/l/demo/fr-role", None).await?;
+    assert!(!w.held("demo/fr-role").await?);
+    // ...and cannot write a grant: a holder record on a session's lease
+    // (etcd refuses a put on a lease that carries keys the user may not
+    // write: the session record), alone or as the arbiter's grant
+    // transaction (which also reads the epoch and session records).
+    let on_lease = Some(PutOptions::new().with_lease(session));
+    assert!(permission_denied(
+        f.put("/latchkey/l/demo/forged", "{}", on_lease.clone())
+            .await
+    ));
+    let grant = Txn::new()
+        .when(vec![
+            Compare::version("/latchkey/l/demo/forged", CompareOp::Equal, 0),
+            Compare::version(format!("/latchkey/s/{session:016x}"), CompareOp::Greater, 0),
+            Compare::version("/latchkey/sys/epoch", CompareOp::Greater, 0),
+        ])
+        .and_then(vec![TxnOp::put("/latchkey/l/demo/forged", "{}", on_lease)]);
+    assert!(permission_denied(f.txn(grant).await));
+    // nor touch sessions, the epoch or the seal
+    assert!(permission_denied(
+        f.put(format!("/latchkey/s/{session:016x}"), "x", None)
+            .await
+    ));
+    assert!(permission_denied(
+        f.put("/latchkey/sys/epoch", "x", None).await
+    ));
+    assert!(permission_denied(
+        f.put("/latchkey/sys/seal", "x", None).await
+    ));
+    assert!(permission_denied(f.lease_client().revoke(session).await));
+    assert!(!w.held("demo/forged").await?);
+    // The limit, stated so it stays true: etcd has no delete-only
+    // permission, so the write a delete needs also lets this user put a
+    // record with no lease under l/. Nobody gets a token from it (tokens
+    // come from the arbiter's grant answers), and it blocks the key until
+    // force-released again (docs/security.md).
+    f.put("/latchkey/l/demo/leaseless", "{}", None).await?;
+    f.delete("/latchkey/l/demo/leaseless", None).await?;
+    Ok(())
+}
