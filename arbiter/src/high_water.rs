@@ -8,10 +8,13 @@
 //! same epoch has gone back in time, and the arbiter seals.
 //!
 //! Writes are group-committed: concurrent grants wait on one file write +
-//! fsync that covers all of them.
+//! fsync that covers all of them (a batch's grants share one revision, so
+//! a batch costs one write; [`HighWater::writes`] counts them).
 
-use std::io::Write;
+mod slots;
+
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
@@ -71,36 +74,62 @@ pub enum HighWaterError {
 }
 
 pub struct HighWater {
-    /// `None`: kept in memory only (the deterministic simulation, where a
-    /// "state directory" is whatever the simulation hands the next arbiter).
+    /// The slots file; `None`: kept in memory only (the deterministic
+    /// simulation, where a "state directory" is whatever the simulation
+    /// hands the next arbiter).
     path: Option<PathBuf>,
     /// Highest mark asked for so far (in memory).
     wanted: Mutex<Option<Mark>>,
-    /// Highest mark known to be on disk. Its async lock is the writer's
-    /// turn: whoever holds it is the only one touching the temp file, and a
-    /// write runs in a task that owns the guard (see [`Self::record`]).
-    durable: Arc<tokio::sync::Mutex<Option<Mark>>>,
+    /// Highest mark known to be on disk, and the slots file. Its async lock
+    /// is the writer's turn: whoever holds it is the only one writing the
+    /// file, and a write runs in a task that owns the guard (see
+    /// [`Self::record`]).
+    durable: Arc<tokio::sync::Mutex<Disk>>,
     durable_view: Arc<Mutex<Option<Mark>>>,
+    /// Marks written (to disk, or to memory for an in-memory mark).
+    writes: Arc<AtomicU64>,
+}
+
+/// The writer's side: the mark on disk and the open slots file (opened at
+/// the first write, reading where the slots stand; put back after each
+/// write that succeeded).
+struct Disk {
+    mark: Option<Mark>,
+    writer: Option<slots::Writer>,
 }
 
 impl HighWater {
+    /// The single-record file earlier versions wrote (replaced on every
+    /// write): still read at start, never written.
     pub const FILE: &'static str = "high-water-mark.json";
+    /// The file the mark is written to.
+    pub const SLOTS_FILE: &'static str = slots::FILE;
 
     pub fn open(state_dir: &Path) -> Result<Self, HighWaterError> {
         std::fs::create_dir_all(state_dir).map_err(|source| HighWaterError::CreateDir {
             path: state_dir.to_path_buf(),
             source,
         })?;
-        let path = state_dir.join(Self::FILE);
-        let mark = match std::fs::read(&path) {
+        let legacy = state_dir.join(Self::FILE);
+        let legacy = match std::fs::read(&legacy) {
             Ok(bytes) => Some(serde_json::from_slice::<Mark>(&bytes).map_err(|e| {
                 HighWaterError::Corrupt {
-                    path: path.clone(),
+                    path: legacy.clone(),
                     detail: e.to_string(),
                 }
             })?),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(source) => return Err(HighWaterError::Read { path, source }),
+            Err(source) => {
+                return Err(HighWaterError::Read {
+                    path: legacy,
+                    source,
+                });
+            }
+        };
+        let path = state_dir.join(Self::SLOTS_FILE);
+        let mark = match (legacy, slots::read(&path)?.mark) {
+            (Some(a), Some(b)) if a.covers(&b) => Some(a),
+            (a, b) => b.or(a),
         };
         Ok(Self::with(Some(path), mark))
     }
@@ -116,9 +145,16 @@ impl HighWater {
         Self {
             path,
             wanted: Mutex::new(mark),
-            durable: Arc::new(tokio::sync::Mutex::new(mark)),
+            durable: Arc::new(tokio::sync::Mutex::new(Disk { mark, writer: None })),
             durable_view: Arc::new(Mutex::new(mark)),
+            writes: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// How many marks were written so far (each a slot write and its
+    /// `fdatasync`, for a mark on disk).
+    pub fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
     }
 
     /// The mark on disk.
@@ -128,11 +164,12 @@ impl HighWater {
 
     /// Returns once a mark at least as high as `mark` is on disk.
     ///
-    /// Cancel-safe: the write itself (file, fsync, rename, and noting the new
-    /// durable mark) runs in a task that owns the writer's turn, so a caller
-    /// dropped mid-write (a client that went away) neither leaves the turn to
-    /// a second writer of the same temp file nor loses the mark it wrote;
-    /// the next caller waits for that write and finds its mark covered.
+    /// Cancel-safe: the write itself (the slot, its sync, and noting the
+    /// new durable mark) runs in a task that owns the writer's turn, so a
+    /// caller dropped mid-write (a client that went away) neither leaves
+    /// the turn to a second writer of the same file nor loses the mark it
+    /// wrote; the next caller waits for that write and finds its mark
+    /// covered.
     pub async fn record(&self, mark: Mark) -> Result<(), HighWaterError> {
         if let Ok(mut wanted) = self.wanted.lock() {
             match *wanted {
@@ -141,7 +178,7 @@ impl HighWater {
             }
         }
         let mut durable = Arc::clone(&self.durable).lock_owned().await;
-        if durable.is_some_and(|d| d.covers(&mark)) {
+        if durable.mark.is_some_and(|d| d.covers(&mark)) {
             return Ok(());
         }
         let target = self
@@ -150,29 +187,37 @@ impl HighWater {
             .map(|w| w.unwrap_or(mark))
             .unwrap_or(mark);
         let view = Arc::clone(&self.durable_view);
+        self.writes.fetch_add(1, Ordering::Relaxed);
         let Some(path) = self.path.clone() else {
-            *durable = Some(target);
+            durable.mark = Some(target);
             if let Ok(mut view) = view.lock() {
                 *view = Some(target);
             }
             return Ok(());
         };
-        let bytes = serde_json::to_vec(&target).map_err(|e| HighWaterError::Write {
-            path: path.clone(),
-            source: std::io::Error::other(e),
-        })?;
         let joined_path = path.clone();
-        // Holds the turn until the file is durable and noted, whether or not
-        // anyone still awaits it.
+        // Holds the turn until the slot is durable and noted, whether or
+        // not anyone still awaits it.
         let write = tokio::spawn(async move {
+            let writer = durable.writer.take();
             let blocking_path = path.clone();
-            tokio::task::spawn_blocking(move || write_durably(&blocking_path, &bytes))
-                .await
-                .map_err(|e| HighWaterError::Write {
-                    path,
-                    source: std::io::Error::other(e),
-                })??;
-            *durable = Some(target);
+            let written = tokio::task::spawn_blocking(move || {
+                let mut writer = match writer {
+                    Some(w) => w,
+                    None => slots::Writer::open(&blocking_path)?,
+                };
+                writer.write(&blocking_path, target)?;
+                Ok::<_, HighWaterError>(writer)
+            })
+            .await
+            .map_err(|e| HighWaterError::Write {
+                path,
+                source: std::io::Error::other(e),
+            })??;
+            // A failed write drops the file: the next reads the slots and
+            // opens it afresh, so a sequence number never goes back.
+            durable.writer = Some(written);
+            durable.mark = Some(target);
             if let Ok(mut view) = view.lock() {
                 *view = Some(target);
             }
@@ -183,24 +228,6 @@ impl HighWater {
             source: std::io::Error::other(e),
         })?
     }
-}
-
-fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), HighWaterError> {
-    let err = |source| HighWaterError::Write {
-        path: path.to_path_buf(),
-        source,
-    };
-    let tmp = path.with_extension("json.tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(err)?;
-    f.write_all(bytes).map_err(err)?;
-    f.sync_all().map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(err)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -273,6 +300,32 @@ mod tests {
             on_disk.is_some_and(|c| c.covers(&m(revision))),
             "{on_disk:?}"
         );
+        Ok(())
+    }
+
+    /// A state dir an earlier version wrote (one JSON record) keeps its
+    /// mark as the floor; new marks go to the slots, and a reopen sees the
+    /// higher of the two.
+    #[tokio::test]
+    async fn an_earlier_versions_mark_is_kept() -> Result<(), HighWaterError> {
+        let dir = tempfile::tempdir().map_err(|source| HighWaterError::Read {
+            path: PathBuf::new(),
+            source,
+        })?;
+        let m = |revision| Mark {
+            epoch: 1,
+            cluster_id: 7,
+            revision,
+        };
+        let legacy = serde_json::to_vec(&m(40)).unwrap_or_default();
+        let _ = std::fs::write(dir.path().join(HighWater::FILE), legacy);
+        let hw = HighWater::open(dir.path())?;
+        assert_eq!(hw.current(), Some(m(40)));
+        hw.record(m(30)).await?;
+        assert_eq!(hw.writes(), 0, "covered by the old mark: nothing written");
+        hw.record(m(50)).await?;
+        drop(hw);
+        assert_eq!(HighWater::open(dir.path())?.current(), Some(m(50)));
         Ok(())
     }
 

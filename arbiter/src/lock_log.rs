@@ -125,6 +125,65 @@ pub struct HandOverTxn<'a> {
     pub next_session_record: &'a [u8],
 }
 
+/// A release that checks ownership in its own transaction: deletes the hold
+/// on `key`, with its claims, if it is on lease `session` at `revision` and
+/// its record begins with `owner` (the record's identity and session as the
+/// table encodes them; records have a fixed field order, so this is the
+/// record's own say of whose hold it is). No read before it: the compares
+/// are the check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseTxn {
+    pub key: String,
+    pub session: i64,
+    pub revision: i64,
+    pub owner: Vec<u8>,
+}
+
+/// How a [`ReleaseTxn`] ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReleasedIf {
+    /// Deleted: the record it had.
+    Yes(Vec<u8>),
+    /// A compare failed; the hold as the failure branch read it, in the
+    /// same transaction, so the caller learns why.
+    No { holder: Option<Kv> },
+}
+
+/// One member of a batch ([`LockLog::batch`]).
+#[derive(Debug, Clone)]
+pub enum BatchOp<'a> {
+    Grant(GrantTxn<'a>),
+    Release(&'a ReleaseTxn),
+}
+
+impl BatchOp<'_> {
+    /// The lock key the member acts on: no two members of a batch share one.
+    pub fn key(&self) -> &str {
+        match self {
+            BatchOp::Grant(txn) => txn.key,
+            BatchOp::Release(txn) => &txn.key,
+        }
+    }
+}
+
+/// How one member of a batch ended: what its own transaction would have
+/// answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchOutcome {
+    Grant(Granted),
+    Release(ReleasedIf),
+}
+
+impl BatchOutcome {
+    /// The member wrote (at the batch's revision).
+    pub fn committed(&self) -> bool {
+        matches!(
+            self,
+            BatchOutcome::Grant(Granted::Yes) | BatchOutcome::Release(ReleasedIf::Yes(_))
+        )
+    }
+}
+
 /// What a key watch reported.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WatchSignal {
@@ -174,6 +233,10 @@ pub enum StoreError {
     /// The store answered something the protocol cannot read.
     #[error("{0}")]
     Malformed(String),
+    /// The store refused the request before applying any of it (a batch
+    /// etcd will not take as one transaction): nothing was written.
+    #[error("{context}")]
+    Refused { context: String },
 }
 
 impl StoreError {
@@ -250,6 +313,63 @@ pub trait LockLog: Send + Sync + 'static {
     /// revision), with the key's claims: the deleted record's bytes, `None`
     /// when a compare failed.
     async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>>;
+    /// One [`ReleaseTxn`]. The default reads the hold, checks it, then
+    /// releases exactly what it read (two requests; the answer carries the
+    /// header of the last): a log that can compare a record's beginning does
+    /// it in one transaction.
+    async fn release_if_owned(&self, txn: &ReleaseTxn) -> LogResult<ReleasedIf> {
+        let read = self.holder(&txn.key).await?;
+        let owned = read.value.as_ref().is_some_and(|kv| {
+            kv.lease == txn.session
+                && kv.mod_revision == txn.revision
+                && kv.value.starts_with(&txn.owner)
+        });
+        let Some(kv) = read.value.clone().filter(|_| owned) else {
+            return Ok(read.map(|holder| ReleasedIf::No { holder }));
+        };
+        let held = HeldAt {
+            key: txn.key.clone(),
+            session: txn.session,
+            revision: txn.revision,
+            value: kv.value,
+        };
+        let released = self.release(&held).await?;
+        Ok(Answer {
+            header: released.header,
+            value: match released.value {
+                Some(bytes) => ReleasedIf::Yes(bytes),
+                // changed since the read: report it as it was read
+                None => ReleasedIf::No { holder: read.value },
+            },
+        })
+    }
+
+    /// The most members [`Self::batch`] takes; 1 (the default): this log
+    /// does not batch, and every batch is one of its single transactions.
+    fn batch_limit(&self) -> usize {
+        1
+    }
+    /// Grants and releases on distinct keys in ONE transaction, each member
+    /// a nested transaction with its own compares: every member that
+    /// commits does so at the answer's revision, each outcome is what its
+    /// own transaction would have answered, in order. More than
+    /// [`Self::batch_limit`] members, or two on one key, are
+    /// [`StoreError::Refused`] (nothing written); so is a put on a lease the
+    /// store no longer has (it refuses the whole transaction, and cannot
+    /// say whose lease it was). The default runs a batch of one as that
+    /// member's own transaction.
+    async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
+        let mut ops = ops.into_iter();
+        match (ops.next(), ops.next()) {
+            (Some(op), None) => Ok(alone(self, op).await?.map(|outcome| vec![outcome])),
+            (None, _) => Err(StoreError::Refused {
+                context: "an empty batch".into(),
+            }),
+            (Some(_), Some(_)) => Err(StoreError::Refused {
+                context: "this log runs one transaction at a time".into(),
+            }),
+        }
+    }
     /// Claims `session`'s hold on `key` at `revision` for a call it is about
     /// to reach as "already yours": puts the claim record on the session's
     /// lease if the hold is still exactly that and has no claim yet. From
@@ -293,4 +413,15 @@ pub trait LockLog: Send + Sync + 'static {
     async fn revoke(&self, lease: i64) -> Result<(), StoreError>;
     /// Renews the lease once.
     async fn renew(&self, lease: i64) -> Result<Renewal, StoreError>;
+}
+
+/// One batch member as its own transaction ([`LockLog::grant`] or
+/// [`LockLog::release_if_owned`]): what a batch of one is, with the single
+/// transaction's own errors (a grant on a lease gone is
+/// [`StoreError::LeaseGone`], not a refused batch).
+pub async fn alone<L: LockLog + ?Sized>(log: &L, op: BatchOp<'_>) -> LogResult<BatchOutcome> {
+    Ok(match op {
+        BatchOp::Grant(txn) => log.grant(txn).await?.map(BatchOutcome::Grant),
+        BatchOp::Release(txn) => log.release_if_owned(txn).await?.map(BatchOutcome::Release),
+    })
 }

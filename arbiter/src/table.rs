@@ -27,6 +27,7 @@
 //! Background work (drivers, orphan releases) is tracked:
 //! [`LockTable::shutdown`] returns once it has all stopped.
 
+mod batch;
 mod driver;
 mod grants;
 mod queues;
@@ -50,6 +51,8 @@ use crate::lock_log::{Kv, LockLog};
 use crate::records::{HolderRecord, SessionRecord, decode, encode, now_unix_ms};
 use crate::token;
 use crate::witness::Witness;
+use batch::Batches;
+pub use batch::{BatchStats, DEFAULT_BATCH_LIMIT, DEFAULT_BATCHES_IN_FLIGHT};
 use queues::Head;
 use queues::{Book, Delivery, Reply, Slot, Waiter};
 use seal::Seal;
@@ -137,6 +140,12 @@ pub struct TableOptions {
     pub max_waiters_per_identity: u32,
     /// Seeds the poll jitter (a simulation passes its own, for replay).
     pub seed: u64,
+    /// Most grants and releases sent to the log as one transaction (the
+    /// log may allow fewer; 1: no batching).
+    pub batch_limit: usize,
+    /// Batches in flight at once; members arriving meanwhile wait for the
+    /// next.
+    pub batches_in_flight: usize,
 }
 
 impl Default for TableOptions {
@@ -145,6 +154,8 @@ impl Default for TableOptions {
             poll: Duration::from_secs(1),
             max_waiters_per_identity: DEFAULT_MAX_WAITERS_PER_IDENTITY,
             seed: fastrand::u64(..),
+            batch_limit: DEFAULT_BATCH_LIMIT,
+            batches_in_flight: DEFAULT_BATCHES_IN_FLIGHT,
         }
     }
 }
@@ -187,6 +198,7 @@ pub struct LockTable {
     log: Arc<dyn LockLog>,
     seal: Seal,
     book: Mutex<Book>,
+    batches: Batches,
     next_id: AtomicU64,
     options: TableOptions,
     jitter: Mutex<fastrand::Rng>,
@@ -217,6 +229,7 @@ impl LockTable {
             seal: Seal::new(log.clone(), guard, high_water, witness),
             log,
             book: Mutex::new(Book::default()),
+            batches: Batches::default(),
             next_id: AtomicU64::new(1),
             jitter: Mutex::new(fastrand::Rng::with_seed(options.seed)),
             options,
@@ -314,9 +327,10 @@ impl LockTable {
     }
 
     /// Releases a hold of `identity`'s: its record must name the identity and
-    /// `session`, on that session's lease, at the token's revision (checked
-    /// on a read, then compared again in the transaction that writes). With
-    /// a waiter queued here, the key is handed to it in the same transaction.
+    /// `session`, on that session's lease, at the token's revision. Without a
+    /// waiter queued here that is one transaction whose compares are the
+    /// check (batched with others); with one, the hold is read and checked,
+    /// and handed to the waiter in one transaction that compares it again.
     /// Another identity's hold is `NotHeld`, as if there were none.
     pub async fn release(
         self: &Arc<Self>,
@@ -331,6 +345,14 @@ impl LockTable {
             return Err(ArbiterError::TokenMismatch {
                 key: key.to_string(),
             });
+        }
+        if self.head(key).is_none()
+            && let Some(released) = self
+                .release_checked(identity, key, session, revision)
+                .await?
+        {
+            self.kick(key);
+            return Ok(released);
         }
         let held = self.owned_hold(key, identity, session, revision).await?;
         if let Some(head) = self.head(key) {

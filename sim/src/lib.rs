@@ -14,7 +14,7 @@ pub mod simulation;
 pub mod witness;
 
 pub use memlog::{
-    ClusterId, CompactError, FaultCounts, FaultRates, MemLog, MemLogConfig, Snapshot,
+    BatchCounts, ClusterId, CompactError, FaultCounts, FaultRates, MemLog, MemLogConfig, Snapshot,
 };
 pub use rng::Rng;
 pub use witness::{MemWitness, WitnessCalls, WitnessSnapshot};

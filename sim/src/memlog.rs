@@ -28,6 +28,9 @@
 //! map: on a current-thread runtime with paused time, a seed and a script
 //! of calls give the same answers every run.
 
+mod batch;
+mod call;
+mod keys;
 mod store;
 #[cfg(test)]
 mod tests;
@@ -37,12 +40,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    Answer, Claimed, GrantTxn, Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LockLog,
-    LogResult, Records, Renewal, StoreError,
+    Answer, BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverTxn, Header, HeldAt,
+    KeyWatch, Kv, LockLog, LogResult, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
 };
 use tokio::time::{Duration, Instant};
 
 use crate::rng::Rng;
+pub use batch::BatchCounts;
 pub use store::CompactError;
 use store::{Compare, Image, NoLease, Op, OpResult, Store};
 
@@ -97,6 +101,10 @@ pub struct MemLogConfig {
     /// etcd raises a shorter TTL to this (1.5 election timeouts: 2 s with
     /// etcd's defaults), so a session's TTL behaves as on a real etcd.
     pub min_ttl_seconds: u32,
+    /// Every call takes half of this to all of it (on tokio's clock) before
+    /// the store applies it: the round trip to etcd, during which calls
+    /// that arrive meet a batch in flight. Drawn apart from the faults.
+    pub latency: Duration,
 }
 
 impl Default for MemLogConfig {
@@ -107,6 +115,7 @@ impl Default for MemLogConfig {
             faults: FaultRates::NONE,
             history_revisions: Some(10_000),
             min_ttl_seconds: 2,
+            latency: Duration::ZERO,
         }
     }
 }
@@ -148,6 +157,12 @@ struct Inner {
     /// shift the fault stream.
     ids: Rng,
     counts: FaultCounts,
+    latency: Duration,
+    /// Draws each call's latency, apart from the faults.
+    latency_rng: Rng,
+    batches: BatchCounts,
+    /// Batches of more than one member on their way to the store.
+    batches_in_flight: usize,
 }
 
 impl Inner {
@@ -194,13 +209,6 @@ impl Shared {
     }
 }
 
-/// One call's fate, drawn when it starts.
-struct Fate {
-    fail_before: bool,
-    lose_response: bool,
-    delay: Option<Duration>,
-}
-
 /// The in-memory lock log. A cheap handle: clones share one store.
 #[derive(Clone)]
 pub struct MemLog {
@@ -240,6 +248,10 @@ impl MemLog {
                     rng: Rng::new(config.seed),
                     ids,
                     counts: FaultCounts::default(),
+                    latency: config.latency,
+                    latency_rng: Rng::new(config.seed ^ 0x1A7E_0C70_0000_0001),
+                    batches: BatchCounts::default(),
+                    batches_in_flight: 0,
                 }),
                 changed,
             }),
@@ -258,6 +270,16 @@ impl MemLog {
 
     pub fn fault_counts(&self) -> FaultCounts {
         self.shared.lock().counts
+    }
+
+    /// Batches of more than one member on their way to the store now.
+    pub fn batches_in_flight(&self) -> usize {
+        self.shared.lock().batches_in_flight
+    }
+
+    /// What happened to the batches of more than one member so far.
+    pub fn batch_counts(&self) -> BatchCounts {
+        self.shared.lock().batches
     }
 
     // --- the operator's side ---
@@ -287,6 +309,7 @@ impl MemLog {
     /// [`ClusterId::New`] headers carry a new cluster id from now on.
     pub fn restore(&self, snapshot: &Snapshot, cluster_id: ClusterId) {
         self.shared.with(|inner, now| {
+            inner.batches.restored_under += u64::from(inner.batches_in_flight > 0);
             inner.store.restore(&snapshot.image, now);
             if cluster_id == ClusterId::New {
                 let old = inner.cluster_id;
@@ -332,100 +355,10 @@ impl MemLog {
     pub fn open_watches(&self) -> usize {
         self.shared.lock().store.open_watches()
     }
-
-    // --- calls ---
-
-    /// Draws this call's fate: always three draws, whatever the rates.
-    fn fate(&self) -> Fate {
-        let mut inner = self.shared.lock();
-        let roll = inner.rng.below(100);
-        let delay_roll = inner.rng.below(100);
-        let amount = inner.rng.next_u64();
-        let f = inner.faults;
-        let fail_before = roll < u64::from(f.fail_before_commit);
-        let lose_response = !fail_before
-            && roll < u64::from(f.fail_before_commit).saturating_add(u64::from(f.lose_response));
-        let max = u64::try_from(f.max_delay.as_micros()).unwrap_or(u64::MAX);
-        let delay = (delay_roll < u64::from(f.delay) && max > 0)
-            .then(|| Duration::from_micros(amount % max.saturating_add(1)));
-        inner.counts.calls += 1;
-        inner.counts.failed_before_commit += u64::from(fail_before);
-        inner.counts.lost_responses += u64::from(lose_response);
-        inner.counts.delayed += u64::from(delay.is_some());
-        Fate {
-            fail_before,
-            lose_response,
-            delay,
-        }
-    }
-
-    /// One call: its fate, its delay, then `f` on the store (after the
-    /// expiries due by then), then maybe a lost answer.
-    async fn call<T>(
-        &self,
-        what: &str,
-        f: impl FnOnce(&mut Inner, Instant) -> Result<T, StoreError> + Send,
-    ) -> Result<T, StoreError> {
-        let fate = self.fate();
-        if let Some(delay) = fate.delay {
-            tokio::time::sleep(delay).await;
-        }
-        if fate.fail_before {
-            return Err(StoreError::unavailable(format!(
-                "{what}: the store did not answer (injected before commit)"
-            )));
-        }
-        let out = self.shared.with(f);
-        if fate.lose_response {
-            return Err(StoreError::unavailable(format!(
-                "{what}: the answer was lost (injected after commit)"
-            )));
-        }
-        out
-    }
 }
 
 fn nonzero(id: u64) -> u64 {
     if id == 0 { 1 } else { id }
-}
-
-/// Where each record lives in the store (the same shape as the arbiter's
-/// etcd layout, without a prefix).
-mod keys {
-    pub const HOLDERS: &str = "l/";
-    pub const WAITERS: &str = "q/";
-    pub const CLAIMS: &str = "c/";
-
-    pub fn epoch() -> String {
-        "sys/epoch".into()
-    }
-    pub fn seal() -> String {
-        "sys/seal".into()
-    }
-    pub fn coord_seen() -> String {
-        "sys/coord-seen".into()
-    }
-    pub fn session(lease: i64) -> String {
-        format!("s/{lease:016x}")
-    }
-    /// Hex, so no identity's entries are a prefix of another's.
-    pub fn identity_sessions(identity: &str) -> String {
-        let hex: String = identity.bytes().map(|b| format!("{b:02x}")).collect();
-        format!("si/{hex}/")
-    }
-    pub fn identity_session(identity: &str, lease: i64) -> String {
-        format!("{}{lease:016x}", identity_sessions(identity))
-    }
-    pub fn holder(key: &str) -> String {
-        format!("{HOLDERS}{key}")
-    }
-    /// `//` cannot occur in a key: no key's claims are a prefix of another's.
-    pub fn claims_of(key: &str) -> String {
-        format!("{CLAIMS}{key}//")
-    }
-    pub fn claim(key: &str, revision: i64) -> String {
-        format!("{}{revision:016x}", claims_of(key))
-    }
 }
 
 fn lease_gone(NoLease(lease): NoLease) -> StoreError {
@@ -449,10 +382,6 @@ fn at_revision(key: String, at: Option<i64>) -> Compare {
         Some(rev) => Compare::ModRevision(key, rev),
         None => Compare::CreateRevision(key, 0),
     }
-}
-
-fn value_of(store: &Store, key: &str) -> Option<Vec<u8>> {
-    store.get(key).map(|kv| kv.value.clone())
 }
 
 fn kv_of(store: &Store, key: &str) -> Option<Kv> {
@@ -550,30 +479,47 @@ impl LockLog for MemLog {
     }
 
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
-        let holder = keys::holder(txn.key);
-        let session_key = keys::session(txn.session);
+        let planned = batch::plan_grant(&txn);
         self.call("grant", |inner, _| {
-            let ok = inner.store.all(&[
-                Compare::CreateRevision(holder.clone(), 0),
-                Compare::Value(keys::epoch(), txn.epoch.to_vec()),
-                Compare::CreateRevision(keys::seal(), 0),
-                Compare::Value(session_key.clone(), txn.session_record.to_vec()),
-            ]);
-            if ok {
-                commit(
-                    &mut inner.store,
-                    vec![put(holder, txn.holder_record, txn.session)],
-                )?;
-                return inner.answer(Granted::Yes);
+            let outcome = batch::apply(&mut inner.store, vec![planned]).map_err(lease_gone)?;
+            match outcome.into_iter().next() {
+                Some(BatchOutcome::Grant(granted)) => inner.answer(granted),
+                _ => Err(StoreError::Malformed("a grant without its outcome".into())),
             }
-            let store = &inner.store;
-            let failed = Granted::No {
-                holder: kv_of(store, &holder),
-                epoch: value_of(store, &keys::epoch()),
-                sealed: store.get(&keys::seal()).is_some(),
-                session: value_of(store, &session_key),
-            };
-            inner.answer(failed)
+        })
+        .await
+    }
+
+    async fn release_if_owned(&self, txn: &ReleaseTxn) -> LogResult<ReleasedIf> {
+        let planned = batch::plan_release(txn)?;
+        self.call("release if owned", |inner, _| {
+            let outcome = batch::apply(&mut inner.store, vec![planned]).map_err(lease_gone)?;
+            match outcome.into_iter().next() {
+                Some(BatchOutcome::Release(released)) => inner.answer(released),
+                _ => Err(StoreError::Malformed(
+                    "a release without its outcome".into(),
+                )),
+            }
+        })
+        .await
+    }
+
+    fn batch_limit(&self) -> usize {
+        batch::BATCH_LIMIT
+    }
+
+    async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
+        // refused before it is sent, as the etcd log does: no call
+        batch::check(&ops)?;
+        let planned = ops.iter().map(batch::plan).collect::<Result<Vec<_>, _>>()?;
+        self.batch_call(planned.len(), |inner, _| {
+            let outcomes = batch::apply(&mut inner.store, planned).map_err(|NoLease(lease)| {
+                StoreError::Refused {
+                    context: format!("a batch put on lease {lease:#x}, which is gone"),
+                }
+            })?;
+            inner.batches.note(&outcomes);
+            inner.answer(outcomes)
         })
         .await
     }

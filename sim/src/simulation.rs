@@ -81,6 +81,16 @@
 //! drawn. Each restore's fault completes with the seal reasons the operator
 //! saw ([`SimRun::coord_restores`] counts those naming the coord cluster).
 //!
+//! **Batches.** Every log call takes a round trip of 1–2 ms
+//! ([`SimConfig::log_latency`]), so grants and releases that arrive while
+//! a batch is in flight go together as the next one (group commit,
+//! `latchkey_arbiter::table`): the log-fault windows lose whole batches'
+//! answers, a try-lock on a held key shares a batch with grants that
+//! commit, and half the restores wait a moment for a batch of several
+//! members on its way to the log and land under it. [`SimRun::batches`]
+//! and [`SimRun::log_batches`] count them; the CI test checks that its
+//! seeds meet each.
+//!
 //! **Liveness.** Grants must not stop: if clients keep trying and no
 //! acquire succeeds within [`LIVENESS_WINDOW`] of simulated time after the
 //! last grant or the last advance, whichever is later (no restore waiting
@@ -111,12 +121,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_arbiter::lock_log::LockLog;
+use latchkey_arbiter::table::BatchStats;
 use latchkey_arbiter::witness::{Witness, Witnessed};
 use latchkey_checker::{CheckOptions, History, Operation, Report};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::memlog::{FaultCounts, FaultRates, MemLog, MemLogConfig};
+use crate::memlog::{BatchCounts, FaultCounts, FaultRates, MemLog, MemLogConfig};
 use crate::rng::Rng;
 use crate::witness::{MemWitness, WitnessCalls};
 pub use nemesis::{COORD_RESTORE, LIVENESS_WINDOW};
@@ -310,6 +321,11 @@ pub struct SimConfig {
     pub witness: bool,
     /// Give up (stuck) if `min_ops` is not reached by then, simulated.
     pub max_sim_time: Duration,
+    /// Each log call takes half of this to all of it: the round trip in
+    /// which later grants and releases queue for the next batch.
+    pub log_latency: Duration,
+    /// The tables' batch limit (1: no batching).
+    pub batch_limit: usize,
     pub faults: FaultKnobs,
 }
 
@@ -330,6 +346,8 @@ impl SimConfig {
             poll: Duration::from_millis(500),
             witness: false,
             max_sim_time: Duration::from_secs(3600),
+            log_latency: Duration::from_millis(2),
+            batch_limit: latchkey_arbiter::table::DEFAULT_BATCH_LIMIT,
             faults: FaultKnobs::all(),
         }
     }
@@ -433,6 +451,10 @@ pub struct SimRun {
     pub log_faults: FaultCounts,
     /// What the witness was asked, when the run had one.
     pub witness: Option<WitnessReport>,
+    /// The tables' batches, added up over every arbiter incarnation.
+    pub batches: BatchStats,
+    /// What befell the batches of more than one member in the log.
+    pub log_batches: BatchCounts,
     pub notes: Vec<String>,
 }
 
@@ -526,8 +548,9 @@ impl SimRun {
                 restores.sealed_on_coord
             )
         });
+        let (b, lb) = (self.batches, self.log_batches);
         format!(
-            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}, {}",
+            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one), {}",
             self.seed,
             self.ops,
             self.simulated.as_secs_f64(),
@@ -536,6 +559,15 @@ impl SimRun {
             self.log_faults.failed_before_commit,
             self.log_faults.lost_responses,
             self.log_faults.delayed,
+            b.batches,
+            b.members,
+            b.shared,
+            b.largest,
+            b.split,
+            lb.some_failed,
+            lb.mixed,
+            lb.lost,
+            lb.restored_under,
             if self.ok() { "PASS" } else { "FAIL" }
         )
     }
@@ -547,7 +579,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         .enable_all()
         .start_paused(true)
         .build();
-    let (ops, stuck, simulated, log_faults, witness, notes) = match runtime {
+    let (ops, stuck, simulated, log_faults, witness, notes, batches) = match runtime {
         Ok(rt) => {
             let out = rt.block_on(simulate(cfg.clone()));
             drop(rt);
@@ -560,6 +592,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
             FaultCounts::default(),
             None,
             Vec::new(),
+            (BatchStats::default(), BatchCounts::default()),
         ),
     };
     let built = History::from_ops(ops);
@@ -580,6 +613,8 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         log_faults,
         witness,
         notes,
+        batches: batches.0,
+        log_batches: batches.1,
     }
 }
 
@@ -590,6 +625,7 @@ type Outcome = (
     FaultCounts,
     Option<WitnessReport>,
     Vec<String>,
+    (BatchStats, BatchCounts),
 );
 
 async fn simulate(cfg: SimConfig) -> Outcome {
@@ -600,6 +636,7 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         faults: FaultRates::NONE,
         history_revisions: Some(10_000),
         min_ttl_seconds: 2,
+        latency: cfg.log_latency,
     });
     let watches = Arc::new(ordered::Dispatch::default());
     tokio::spawn(watches.clone().run());
@@ -690,6 +727,7 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         world.memlog.fault_counts(),
         witness,
         notes,
+        (*lock(&world.batches), world.memlog.batch_counts()),
     )
 }
 

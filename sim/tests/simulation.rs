@@ -13,6 +13,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use latchkey_sim::BatchCounts;
 use latchkey_sim::simulation::{CoordRestores, PRESETS, SimConfig, SimRun, run};
 
 /// (seed, preset, operations): seeds 1 to 80 over the presets without a
@@ -188,9 +189,20 @@ fn ci_seeds_check_out() {
     let mut failures = Vec::new();
     let mut coord = CoordRestores::default();
     let mut coord_seeds = Vec::new();
+    let (mut shared, mut largest) = (0, 0);
+    let mut log_batches = BatchCounts::default();
     for &(seed, preset, ops) in CI_RUNS {
         let (result, failure) = run_one(seed, preset, ops);
         total += result.ops;
+        shared += result.batches.shared;
+        largest = largest.max(result.batches.largest);
+        let b = result.log_batches;
+        log_batches.batches += b.batches;
+        log_batches.some_failed += b.some_failed;
+        log_batches.mixed += b.mixed;
+        log_batches.lost += b.lost;
+        log_batches.failed_before += b.failed_before;
+        log_batches.restored_under += b.restored_under;
         let c = result.coord_restores();
         coord.alone += c.alone;
         coord.with_the_log += c.with_the_log;
@@ -210,6 +222,9 @@ fn ci_seeds_check_out() {
     println!(
         "coord cluster restored {} times alone, {} times with the lock log; {} of them sealed on it (seeds {coord_seeds:?})",
         coord.alone, coord.with_the_log, coord.sealed_on_coord
+    );
+    println!(
+        "batches of more than one member: {shared} (largest {largest}); in the log {log_batches:?}"
     );
     for f in &failures {
         println!("{f}");
@@ -236,6 +251,18 @@ fn ci_seeds_check_out() {
     assert!(
         coord.sealed_on_coord > 0,
         "no restore of the coord cluster in the CI seeds sealed an arbiter for the coord cluster's sake ({coord:?})"
+    );
+    // The control for group commit: the tables did send grants and releases
+    // together, and the log met such batches with compares failing beside
+    // members that wrote, with their answers lost, and with a restore while
+    // one was on its way.
+    assert!(
+        shared > 0 && log_batches.batches > 0,
+        "no batch of more than one member in the CI seeds: the simulation no longer batches"
+    );
+    assert!(
+        log_batches.mixed > 0 && log_batches.lost > 0 && log_batches.restored_under > 0,
+        "the CI seeds' batches never met a mixed outcome, a lost answer or a restore: {log_batches:?}"
     );
 }
 

@@ -21,6 +21,7 @@ fn table(log: &MemLog, high_water: Option<latchkey_arbiter::high_water::Mark>) -
             poll: Duration::from_millis(200),
             max_waiters_per_identity: 8,
             seed: 7,
+            ..TableOptions::default()
         },
     )
 }

@@ -13,9 +13,15 @@
 //! ids and revokes its leases at the end; the epoch record and the seal
 //! are the log's own, so the cases that seal also advance to lift it.
 
+mod batch;
+
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
+use batch::{
+    a_batch_answers_each_member, a_batch_commits_at_one_revision,
+    a_batch_on_one_key_twice_is_refused, release_if_owned_compares_the_owner,
+};
 use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, StoreError, WatchSignal,
 };
@@ -60,6 +66,10 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(hand_over_replaces_the_holder);
     case!(release_orphan_is_conditional);
     case!(a_claim_stops_the_orphan_release);
+    case!(release_if_owned_compares_the_owner);
+    case!(a_batch_commits_at_one_revision);
+    case!(a_batch_answers_each_member);
+    case!(a_batch_on_one_key_twice_is_refused);
     case!(holders_under_a_prefix_and_count);
     case!(sessions_and_their_count);
     case!(revoke_deletes_every_key_in_one_revision);

@@ -31,8 +31,8 @@ use etcd_client::{
 };
 
 use super::{
-    Answer, Claimed, GrantTxn, Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LockLog,
-    LogResult, Records, Renewal, StoreError,
+    Answer, BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverTxn, Header, HeldAt,
+    KeyWatch, Kv, LockLog, LogResult, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
 };
 use crate::records::Layout;
 use lease_renewals::LeaseRenewals;
@@ -216,6 +216,18 @@ impl LockLog for EtcdLog {
 
     async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
         holds::release(self, held).await
+    }
+
+    async fn release_if_owned(&self, txn: &ReleaseTxn) -> LogResult<ReleasedIf> {
+        holds::release_if_owned(self, txn).await
+    }
+
+    fn batch_limit(&self) -> usize {
+        holds::BATCH_LIMIT
+    }
+
+    async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
+        holds::batch(self, ops).await
     }
 
     async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {

@@ -2,16 +2,25 @@
 //! existing grant claimed for its new call, ownership of a hold, hand-over
 //! and release. Each is one log request whose answer the seal checks first.
 
-use super::{Attempt, Claim, Grant, GrantRequest, LockTable, Next};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::batch::{GrantMember, Member};
+use super::{Attempt, Claim, Grant, GrantRequest, LockTable, Next, Released};
 use crate::error::ArbiterError;
-use crate::lock_log::{Claimed, GrantTxn, Granted, HandOverTxn, HeldAt};
-use crate::records::{HolderRecord, NotOwned, SessionRecord, check_owner, decode};
+use crate::lock_log::{
+    BatchOutcome, Claimed, Granted, HandOverTxn, HeldAt, ReleaseTxn, ReleasedIf,
+};
+use crate::records::{HolderRecord, NotOwned, SessionRecord, check_owner, decode, encode};
 
 impl LockTable {
     /// One grant attempt, retried a few times when a refusal came from a
     /// change under it (epoch advanced, key freed between compare and read),
     /// never answered with a guess.
-    pub(super) async fn attempt(&self, req: &GrantRequest) -> Result<Attempt, ArbiterError> {
+    pub(super) async fn attempt(
+        self: &Arc<Self>,
+        req: &GrantRequest,
+    ) -> Result<Attempt, ArbiterError> {
         for _ in 0..4 {
             if let Some(attempt) = self.grant_once(req).await? {
                 return Ok(attempt);
@@ -23,24 +32,26 @@ impl LockTable {
     }
 
     pub(super) async fn grant_once(
-        &self,
+        self: &Arc<Self>,
         req: &GrantRequest,
     ) -> Result<Option<Attempt>, ArbiterError> {
         let state = self.seal.serving_epoch().await?;
-        let session_record = req.session_bytes();
-        let (granted, header) = self
-            .seal
-            .checked_write(
-                self.log.grant(GrantTxn {
-                    key: &req.key,
-                    session: req.session,
-                    holder_record: req.holder_bytes(),
-                    epoch: &state.bytes,
-                    session_record: &session_record,
-                }),
-                |granted| *granted == Granted::Yes,
-            )
-            .await?;
+        let member = Member::Grant(GrantMember {
+            key: req.key.clone(),
+            session: req.session,
+            holder_record: req.holder_bytes(),
+            epoch_bytes: state.bytes.clone(),
+            epoch: state.epoch(),
+            session_record: req.session_bytes(),
+        });
+        let (granted, header) = match self.commit(member).await? {
+            (BatchOutcome::Grant(granted), header) => (granted, header),
+            (BatchOutcome::Release(_), _) => {
+                return Err(ArbiterError::Internal(
+                    "the lock log answered a grant as a release".into(),
+                ));
+            }
+        };
         let (holder, epoch_now, sealed, session) = match granted {
             Granted::Yes => {
                 self.seal.make_durable(&state, header.revision).await?;
@@ -215,6 +226,66 @@ impl LockTable {
         }
     }
 
+    /// Releases the caller's hold in one transaction whose compares are
+    /// [`Self::owned_hold`]'s checks: on the session's lease, at the token's
+    /// revision, its record naming the identity and the session (its first
+    /// bytes, [`owner_prefix`]). A refusal answers exactly as
+    /// [`Self::owned_hold`] would for the hold the failure branch read.
+    /// `None`: a record that names the caller in bytes other than the ones
+    /// this arbiter writes; the read-then-compare path decides then.
+    pub(super) async fn release_checked(
+        self: &Arc<Self>,
+        identity: &str,
+        key: &str,
+        session: i64,
+        revision: i64,
+    ) -> Result<Option<Released>, ArbiterError> {
+        let Some(owner) = owner_prefix(identity, session) else {
+            return Ok(None);
+        };
+        let member = Member::Release(ReleaseTxn {
+            key: key.to_string(),
+            session,
+            revision,
+            owner,
+        });
+        let holder = match self.commit(member).await? {
+            (BatchOutcome::Release(ReleasedIf::Yes(bytes)), _) => {
+                return Ok(Some(Released {
+                    handed_over: false,
+                    previous: decode(&bytes),
+                }));
+            }
+            (BatchOutcome::Release(ReleasedIf::No { holder }), _) => holder,
+            (BatchOutcome::Grant(_), _) => {
+                return Err(ArbiterError::Internal(
+                    "the lock log answered a release as a grant".into(),
+                ));
+            }
+        };
+        let checked = match &holder {
+            Some(kv) => check_owner(
+                decode::<HolderRecord>(&kv.value).as_ref(),
+                kv.lease,
+                kv.mod_revision,
+                identity,
+                session,
+                revision,
+            ),
+            None => Err(NotOwned::NotHeld),
+        };
+        match checked {
+            Ok(()) => Ok(None),
+            Err(NotOwned::TokenMismatch) => Err(ArbiterError::TokenMismatch {
+                key: key.to_string(),
+            }),
+            Err(NotOwned::NotHeld) => Err(ArbiterError::NotHeld {
+                key: key.to_string(),
+                session,
+            }),
+        }
+    }
+
     /// Hands `held` straight to `next` in one transaction. `None` if any
     /// compare failed (the caller then does a plain release, which answers
     /// why).
@@ -274,5 +345,73 @@ impl LockTable {
                 session: held.session,
             }),
         }
+    }
+}
+
+/// The first bytes of every holder record of `identity`'s hold through
+/// `session`, as this arbiter encodes records (a fixed field order, identity
+/// then session): `{"identity":"…","session":…,`. The trailing comma ends
+/// the session's digits, the closing quote the identity, so no other
+/// identity or session shares them. `None` if the encoding ever stops
+/// looking like that (the release then reads and checks first).
+pub(super) fn owner_prefix(identity: &str, session: i64) -> Option<Vec<u8>> {
+    const REST: &[u8] = br#""class":"","acquiredAtUnixMs":0,"annotations":{}}"#;
+    let record = encode(&HolderRecord {
+        identity: identity.to_string(),
+        session,
+        class: String::new(),
+        acquired_at_unix_ms: 0,
+        annotations: BTreeMap::new(),
+    });
+    let owner = record.strip_suffix(REST)?;
+    owner.ends_with(b",").then(|| owner.to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(identity: &str, session: i64, class: &str) -> Vec<u8> {
+        let mut annotations = BTreeMap::new();
+        annotations.insert("ticket".to_string(), "CHG-1".to_string());
+        encode(&HolderRecord {
+            identity: identity.to_string(),
+            session,
+            class: class.to_string(),
+            acquired_at_unix_ms: 1_700_000_000_000,
+            annotations,
+        })
+    }
+
+    #[test]
+    fn the_owner_prefix_begins_exactly_the_owners_records() {
+        let owner = owner_prefix("spiffe://td/alice", 12).unwrap_or_default();
+        assert!(!owner.is_empty());
+        assert!(record("spiffe://td/alice", 12, "demo").starts_with(&owner));
+        assert!(record("spiffe://td/alice", 12, "").starts_with(&owner));
+        for (identity, session) in [
+            ("spiffe://td/alice2", 12),
+            ("spiffe://td/alic", 12),
+            ("spiffe://td/bob", 12),
+            ("spiffe://td/alice", 1),
+            ("spiffe://td/alice", 123),
+            ("spiffe://td/alice", -12),
+        ] {
+            assert!(
+                !record(identity, session, "demo").starts_with(&owner),
+                "{identity} {session}"
+            );
+        }
+    }
+
+    #[test]
+    fn identities_that_need_escaping_keep_their_prefix_apart() {
+        // A quote in an identity is escaped, so it cannot close the string
+        // early and make one identity's records begin with another's prefix.
+        let sly = r#"a","session":12,"#;
+        let owner = owner_prefix("a", 12).unwrap_or_default();
+        assert!(!record(sly, 99, "demo").starts_with(&owner));
+        let own = owner_prefix(sly, 99).unwrap_or_default();
+        assert!(record(sly, 99, "demo").starts_with(&own));
     }
 }

@@ -30,14 +30,16 @@ impl Stored {
     }
 }
 
-/// One compare of a transaction, always `=` (the only operator the protocol
-/// uses).
+/// One compare of a transaction: `=`, and `>` / `<` on values (byte-wise,
+/// as etcd orders them: the owner check of a release).
 #[derive(Debug, Clone)]
 pub(crate) enum Compare {
     CreateRevision(String, i64),
     ModRevision(String, i64),
     Lease(String, i64),
     Value(String, Vec<u8>),
+    ValueGreater(String, Vec<u8>),
+    ValueLess(String, Vec<u8>),
 }
 
 /// One write of a transaction.
@@ -196,14 +198,16 @@ impl Store {
         i64::try_from(self.range(prefix).count()).unwrap_or(i64::MAX)
     }
 
-    /// etcd's compare: on a missing key a value compare always fails and
-    /// the others compare against zero.
+    /// etcd's compare: on a missing key a value compare (of any operator)
+    /// always fails and the others compare against zero.
     pub fn holds(&self, compare: &Compare) -> bool {
         let key = match compare {
             Compare::CreateRevision(k, _)
             | Compare::ModRevision(k, _)
             | Compare::Lease(k, _)
-            | Compare::Value(k, _) => k,
+            | Compare::Value(k, _)
+            | Compare::ValueGreater(k, _)
+            | Compare::ValueLess(k, _) => k,
         };
         let kv = self.kvs.get(key);
         match compare {
@@ -211,6 +215,8 @@ impl Store {
             Compare::ModRevision(_, r) => kv.map_or(0, |kv| kv.mod_revision) == *r,
             Compare::Lease(_, l) => kv.map_or(0, |kv| kv.lease) == *l,
             Compare::Value(_, v) => kv.is_some_and(|kv| kv.value == *v),
+            Compare::ValueGreater(_, v) => kv.is_some_and(|kv| kv.value > *v),
+            Compare::ValueLess(_, v) => kv.is_some_and(|kv| kv.value < *v),
         }
     }
 

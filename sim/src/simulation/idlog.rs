@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
-    Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, LogResult, Records,
-    Renewal, StoreError,
+    BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
+    LogResult, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -135,6 +135,41 @@ impl IdLog {
         }
     }
 
+    fn granted_back(&self, granted: Granted) -> Granted {
+        match granted {
+            Granted::No {
+                holder,
+                epoch,
+                sealed,
+                session,
+            } => Granted::No {
+                holder: holder.map(|kv| self.kv_back(kv)),
+                epoch,
+                sealed,
+                session,
+            },
+            yes => yes,
+        }
+    }
+
+    fn released_back(&self, released: ReleasedIf) -> ReleasedIf {
+        match released {
+            ReleasedIf::No { holder } => ReleasedIf::No {
+                holder: holder.map(|kv| self.kv_back(kv)),
+            },
+            yes => yes,
+        }
+    }
+
+    /// The store's view of a release: its lease id (the record bytes, and so
+    /// the owner prefix, hold the arbiter's ids, as the holder records do).
+    fn release_txn(&self, txn: &ReleaseTxn) -> ReleaseTxn {
+        ReleaseTxn {
+            session: self.store_id(txn.session),
+            ..txn.clone()
+        }
+    }
+
     fn held(&self, held: &HeldAt) -> HeldAt {
         HeldAt {
             session: self.store_id(held.session),
@@ -187,20 +222,7 @@ impl LockLog for IdLog {
             ..txn
         };
         let answer = self.log.grant(txn).await.map_err(|e| self.error_back(e))?;
-        Ok(answer.map(|granted| match granted {
-            Granted::No {
-                holder,
-                epoch,
-                sealed,
-                session,
-            } => Granted::No {
-                holder: holder.map(|kv| self.kv_back(kv)),
-                epoch,
-                sealed,
-                session,
-            },
-            yes => yes,
-        }))
+        Ok(answer.map(|granted| self.granted_back(granted)))
     }
 
     async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
@@ -224,6 +246,59 @@ impl LockLog for IdLog {
             .release(&held)
             .await
             .map_err(|e| self.error_back(e))
+    }
+
+    async fn release_if_owned(&self, txn: &ReleaseTxn) -> LogResult<ReleasedIf> {
+        self.t(|| format!("release_if_owned {}", txn.key));
+        let txn = self.release_txn(txn);
+        let answer = self
+            .log
+            .release_if_owned(&txn)
+            .await
+            .map_err(|e| self.error_back(e))?;
+        Ok(answer.map(|released| self.released_back(released)))
+    }
+
+    fn batch_limit(&self) -> usize {
+        self.log.batch_limit()
+    }
+
+    async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
+        self.t(|| {
+            let keys: Vec<&str> = ops.iter().map(BatchOp::key).collect();
+            format!("batch {}", keys.join(" "))
+        });
+        let releases: Vec<Option<ReleaseTxn>> = ops
+            .iter()
+            .map(|op| match op {
+                BatchOp::Release(txn) => Some(self.release_txn(txn)),
+                BatchOp::Grant(_) => None,
+            })
+            .collect();
+        let ops = ops
+            .into_iter()
+            .zip(&releases)
+            .map(|(op, release)| match (op, release) {
+                (BatchOp::Grant(txn), _) => BatchOp::Grant(GrantTxn {
+                    session: self.store_id(txn.session),
+                    ..txn
+                }),
+                (BatchOp::Release(txn), None) => BatchOp::Release(txn),
+                (BatchOp::Release(_), Some(mapped)) => BatchOp::Release(mapped),
+            })
+            .collect();
+        let answer = self.log.batch(ops).await.map_err(|e| self.error_back(e))?;
+        Ok(answer.map(|outcomes| {
+            outcomes
+                .into_iter()
+                .map(|outcome| match outcome {
+                    BatchOutcome::Grant(granted) => BatchOutcome::Grant(self.granted_back(granted)),
+                    BatchOutcome::Release(released) => {
+                        BatchOutcome::Release(self.released_back(released))
+                    }
+                })
+                .collect()
+        }))
     }
 
     async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {

@@ -618,6 +618,15 @@ async fn restore(
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // Half the time the restore waits (a little) for a batch of several
+    // grants and releases on its way to the log, and lands under it: the
+    // batch then commits in the restored log, or its answer is lost.
+    if rng.chance(50) {
+        let by = Instant::now() + Duration::from_millis(300);
+        while Instant::now() < by && world.memlog.batches_in_flight() == 0 {
+            tokio::time::sleep(Duration::from_micros(250)).await;
+        }
+    }
     lock(&world.liveness).last_restore = Some(Instant::now());
     match what {
         What::Log { log, cluster } => world.memlog.restore(&log.log, *cluster),

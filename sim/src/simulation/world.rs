@@ -9,7 +9,7 @@ use latchkey_arbiter::epoch::EpochGuard;
 use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::high_water::{HighWater, Mark};
 use latchkey_arbiter::lock_log::LockLog;
-use latchkey_arbiter::table::{LockTable, TableOptions};
+use latchkey_arbiter::table::{BatchStats, LockTable, TableOptions};
 use latchkey_arbiter::witness::Witness;
 use latchkey_checker::{Completion, Function, Operation, Outcome};
 use tokio::time::Instant;
@@ -136,6 +136,8 @@ pub(crate) struct World {
     pub(crate) start: Instant,
     /// Notes for the run's summary (seals not seen, retries).
     pub(crate) notes: Mutex<Vec<String>>,
+    /// The batches of every table that has stopped, added up.
+    pub(crate) batches: Mutex<BatchStats>,
 }
 
 impl World {
@@ -175,6 +177,7 @@ impl World {
             stop: CancellationToken::new(),
             start,
             notes: Mutex::new(Vec::new()),
+            batches: Mutex::new(BatchStats::default()),
         }
     }
 
@@ -338,6 +341,8 @@ impl World {
                 poll: self.cfg.poll,
                 max_waiters_per_identity: 64,
                 seed,
+                batch_limit: self.cfg.batch_limit,
+                batches_in_flight: latchkey_arbiter::table::DEFAULT_BATCHES_IN_FLIGHT,
             },
         );
         // An arbiter that cannot read the epoch record does not serve: it
@@ -378,6 +383,13 @@ impl World {
         tokio::time::sleep(Duration::from_millis(1)).await;
         if let Some(table) = table {
             table.shutdown().await;
+            let done = table.batch_stats();
+            let mut all = lock(&self.batches);
+            all.batches += done.batches;
+            all.members += done.members;
+            all.shared += done.shared;
+            all.largest = all.largest.max(done.largest);
+            all.split += done.split;
         }
     }
 

@@ -5,7 +5,8 @@
 //! the machine with the clients, so every number is relative: each result is printed
 //! beside a baseline measured minutes earlier on the same etcd, as a ratio.
 //!
-//! Uncontended (`--concurrency` workers, each on its own key, `--ops` timed cycles in all):
+//! Uncontended (`--concurrency` workers, each on its own key, `--ops` timed cycles in all;
+//! once per count of the list, 8 and 16 by default):
 //! 1. **raw etcd** — a put-if-absent `Txn` (create_revision == 0, put with a lease) then a
 //!    delete. Two raft writes: the physical floor of any grant + release on etcd. This
 //!    is the baseline of the next two.
@@ -67,9 +68,13 @@ struct Args {
     /// Timed cycles per uncontended scenario, all workers together [default: 2000; 200 with --quick].
     #[arg(long)]
     ops: Option<usize>,
-    /// Workers in the uncontended scenarios, each on its own key.
-    #[arg(long, default_value_t = 8)]
-    concurrency: usize,
+    /// Workers in the uncontended scenarios, each on its own key: a list
+    /// runs each scenario once per count (`8,16`).
+    #[arg(long, alias = "workers", value_delimiter = ',', default_values_t = [8, 16])]
+    concurrency: Vec<usize>,
+    /// Only the uncontended scenarios (no hot key).
+    #[arg(long)]
+    uncontended_only: bool,
     /// Waiters on the hot key in the large contended variant (each its own identity).
     #[arg(long, default_value_t = 8)]
     waiters: usize,
@@ -89,9 +94,13 @@ struct Args {
 }
 
 /// The resolved settings of one run.
+#[derive(Clone)]
 struct Plan {
     ops: usize,
+    /// Workers of the uncontended scenario being run.
     concurrency: usize,
+    /// Every worker count to run the uncontended scenarios with.
+    counts: Vec<usize>,
     waiters: usize,
     hot: Duration,
     /// Untimed cycles per worker before the clock starts (connections, caches).
@@ -102,7 +111,8 @@ impl Plan {
     fn from_args(args: &Args) -> anyhow::Result<Self> {
         let plan = Self {
             ops: args.ops.unwrap_or(if args.quick { 200 } else { 2000 }),
-            concurrency: args.concurrency,
+            concurrency: args.concurrency.iter().copied().max().unwrap_or(0),
+            counts: args.concurrency.clone(),
             waiters: args.waiters,
             hot: Duration::try_from_secs_f64(args.hot_secs.unwrap_or(if args.quick {
                 2.0
@@ -112,10 +122,13 @@ impl Plan {
             .context("--hot-secs")?,
             warmup: if args.quick { 3 } else { 20 },
         };
-        ensure!(plan.concurrency >= 1, "--concurrency must be at least 1");
+        ensure!(
+            !plan.counts.is_empty() && plan.counts.iter().all(|&c| c >= 1),
+            "--concurrency must be at least 1"
+        );
         ensure!(
             plan.ops >= plan.concurrency,
-            "--ops must be at least --concurrency"
+            "--ops must be at least every --concurrency"
         );
         ensure!(plan.waiters >= 2, "--waiters must be at least 2 to contend");
         ensure!(!plan.hot.is_zero(), "--hot-secs must be positive");
@@ -188,46 +201,59 @@ async fn main() -> anyhow::Result<()> {
         },
     );
     println!(
-        "uncontended: {} cycles, {} workers on distinct keys; hot key: {:.1} s per run",
+        "uncontended: {} cycles, {:?} workers on distinct keys; hot key: {:.1} s per run",
         plan.ops,
-        plan.concurrency,
+        plan.counts,
         plan.hot.as_secs_f64()
     );
 
-    let c = plan.concurrency;
     let mut table = Table::default();
-
-    eprintln!("running: raw etcd txn + delete");
-    let raw = uncontended(&plan, |w| RawEtcd::connect(endpoint.clone(), w)).await?;
-    eprintln!("running: etcd Lock + Unlock");
-    let etcd_lock = uncontended(&plan, |w| {
-        EtcdLock::connect(endpoint.clone(), format!("bench-etcd/lock-{w}"))
-    })
-    .await?;
-    eprintln!("running: latchkey Acquire + Release");
-    let latchkey = uncontended(&plan, |w| {
-        Latchkey::connect(addr, "workload/bench".to_owned(), format!("bench/k-{w}"))
-    })
-    .await?;
-    table.row(
-        format!("raw etcd: txn put-if-absent + delete (C={c})"),
-        &raw,
-        &raw.latency,
-        None,
-    );
-    let vs_raw = Some(("raw etcd", &raw, &raw.latency));
-    table.row(
-        format!("etcd Lock + Unlock (C={c})"),
-        &etcd_lock,
-        &etcd_lock.latency,
-        vs_raw,
-    );
-    table.row(
-        format!("latchkey Acquire(try) + Release (C={c})"),
-        &latchkey,
-        &latchkey.latency,
-        vs_raw,
-    );
+    for &c in &plan.counts {
+        let plan = Plan {
+            concurrency: c,
+            counts: vec![c],
+            ..plan.clone()
+        };
+        eprintln!("running: raw etcd txn + delete, C={c}");
+        let raw = uncontended(&plan, |w| RawEtcd::connect(endpoint.clone(), w)).await?;
+        eprintln!("running: etcd Lock + Unlock, C={c}");
+        let etcd_lock = uncontended(&plan, |w| {
+            EtcdLock::connect(endpoint.clone(), format!("bench-etcd/lock-{w}"))
+        })
+        .await?;
+        eprintln!("running: latchkey Acquire + Release, C={c}");
+        let latchkey = uncontended(&plan, |w| {
+            Latchkey::connect(addr, "workload/bench".to_owned(), format!("bench/k-{w}"))
+        })
+        .await?;
+        table.row(
+            format!("raw etcd: txn put-if-absent + delete (C={c})"),
+            &raw,
+            &raw.latency,
+            None,
+        );
+        let raw_label = format!("raw etcd C={c}");
+        let vs_raw = Some((raw_label.as_str(), &raw, &raw.latency));
+        table.row(
+            format!("etcd Lock + Unlock (C={c})"),
+            &etcd_lock,
+            &etcd_lock.latency,
+            vs_raw,
+        );
+        table.row(
+            format!("latchkey Acquire(try) + Release (C={c})"),
+            &latchkey,
+            &latchkey.latency,
+            vs_raw,
+        );
+    }
+    if args.uncontended_only {
+        println!();
+        table.print(args.json)?;
+        arbiter.stop().await?;
+        drop(etcd);
+        return Ok(());
+    }
 
     let demo_waiters: Vec<String> = DEMO_WAITERS.iter().map(|s| (*s).to_owned()).collect();
     for (waiters, key) in [(&demo_waiters, "demo/hot"), (&bench_waiters, "bench/hot")] {

@@ -5,19 +5,36 @@ use etcd_client::{
     Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
 
-use super::{EtcdLog, answer, first_kv, kv, unavailable, unavailable_on};
-use crate::lock_log::{Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, Kv, LogResult, StoreError};
+use super::{EtcdLog, answer, first_kv, kv, lease_not_found, unavailable, unavailable_on};
+use crate::lock_log::{
+    BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, Kv, LogResult,
+    ReleaseTxn, ReleasedIf, StoreError,
+};
 
 /// One grant: the holder record on the session's lease if the key is
 /// absent, the epoch record is the caller's, there is no seal and the
 /// session record is the caller's. On a compare failure the same
 /// transaction reads all four, so the caller learns why at that revision.
 pub(super) async fn grant(log: &EtcdLog, txn: GrantTxn<'_>) -> LogResult<Granted> {
+    let session = txn.session;
+    let resp = log
+        .client
+        .kv_client()
+        .txn(grant_txn(log, txn))
+        .await
+        .map_err(|e| unavailable_on("cannot run the grant transaction", session, e))?;
+    answer(
+        resp.header(),
+        granted(resp.succeeded(), resp.op_responses()),
+    )
+}
+
+fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
     let holder_key = log.layout.holder(txn.key);
     let session_key = log.layout.session(txn.session);
     let epoch_key = log.layout.epoch();
     let seal_key = log.layout.seal();
-    let etcd_txn = Txn::new()
+    Txn::new()
         .when([
             Compare::create_revision(holder_key.clone(), CompareOp::Equal, 0),
             Compare::value(epoch_key.clone(), CompareOp::Equal, txn.epoch),
@@ -34,24 +51,168 @@ pub(super) async fn grant(log: &EtcdLog, txn: GrantTxn<'_>) -> LogResult<Granted
             TxnOp::get(epoch_key, None),
             TxnOp::get(seal_key, None),
             TxnOp::get(session_key, None),
-        ]);
-    let resp = log
-        .client
-        .kv_client()
-        .txn(etcd_txn)
-        .await
-        .map_err(|e| unavailable_on("cannot run the grant transaction", txn.session, e))?;
-    if resp.succeeded() {
-        return answer(resp.header(), Granted::Yes);
+        ])
+}
+
+/// A grant transaction's outcome from its branch and its responses.
+fn granted(succeeded: bool, ops: Vec<TxnOpResponse>) -> Granted {
+    if succeeded {
+        return Granted::Yes;
     }
-    let ops = resp.op_responses();
-    let granted = Granted::No {
+    Granted::No {
         holder: ops.first().and_then(first_kv),
         epoch: ops.get(1).and_then(first_kv).map(|kv| kv.value),
         sealed: ops.get(2).and_then(first_kv).is_some(),
         session: ops.get(3).and_then(first_kv).map(|kv| kv.value),
-    };
-    answer(resp.header(), granted)
+    }
+}
+
+/// A release whose compares are the ownership check: the hold on the
+/// session's lease at the token's revision, its record beginning with the
+/// owner's bytes. etcd compares whole values only, but byte-wise and in
+/// order, so "begins with `owner`" is `owner < value < owner⁺` (`owner⁺`:
+/// its last byte plus one; a value equal to `owner` alone is no record and
+/// fails too). On a failure the same transaction reads the hold.
+fn release_txn(log: &EtcdLog, txn: &ReleaseTxn) -> Result<Txn, StoreError> {
+    let holder_key = log.layout.holder(&txn.key);
+    let above = owner_bound(&txn.owner).ok_or_else(|| StoreError::Refused {
+        context: "an owner prefix that ends in 0xff, or is empty, cannot be compared".into(),
+    })?;
+    Ok(Txn::new()
+        .when([
+            Compare::mod_revision(holder_key.clone(), CompareOp::Equal, txn.revision),
+            Compare::lease(holder_key.clone(), CompareOp::Equal, txn.session),
+            Compare::value(holder_key.clone(), CompareOp::Greater, txn.owner.clone()),
+            Compare::value(holder_key.clone(), CompareOp::Less, above),
+        ])
+        .and_then([
+            TxnOp::delete(
+                holder_key.clone(),
+                Some(DeleteOptions::new().with_prev_key()),
+            ),
+            TxnOp::delete(
+                log.layout.claims_of(&txn.key),
+                Some(DeleteOptions::new().with_prefix()),
+            ),
+        ])
+        .or_else([TxnOp::get(holder_key, None)]))
+}
+
+/// The least byte string above every string that begins with `owner`.
+fn owner_bound(owner: &[u8]) -> Option<Vec<u8>> {
+    let (last, rest) = owner.split_last()?;
+    let mut above = rest.to_vec();
+    above.push(last.checked_add(1)?);
+    Some(above)
+}
+
+fn released_if(succeeded: bool, ops: Vec<TxnOpResponse>) -> ReleasedIf {
+    if !succeeded {
+        return ReleasedIf::No {
+            holder: ops.first().and_then(first_kv),
+        };
+    }
+    ReleasedIf::Yes(match ops.first() {
+        Some(TxnOpResponse::Delete(d)) => d
+            .prev_kvs()
+            .first()
+            .map(|kv| kv.value().to_vec())
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    })
+}
+
+pub(super) async fn release_if_owned(log: &EtcdLog, txn: &ReleaseTxn) -> LogResult<ReleasedIf> {
+    let resp = log
+        .client
+        .kv_client()
+        .txn(release_txn(log, txn)?)
+        .await
+        .map_err(|e| unavailable("cannot run the release transaction", e))?;
+    answer(
+        resp.header(),
+        released_if(resp.succeeded(), resp.op_responses()),
+    )
+}
+
+/// How many members one batch transaction may have: well inside etcd's
+/// `--max-txn-ops` (128 by default, counted per level of nesting).
+pub(super) const BATCH_LIMIT: usize = 64;
+
+/// Members as nested transactions of one transaction without compares, so
+/// etcd runs every member's own compares and branch and commits all their
+/// writes at one revision. etcd refuses (InvalidArgument) a transaction
+/// that puts a key twice or puts one another member deletes; the table never
+/// batches two members on one key, and the check here keeps such a batch
+/// from leaving the arbiter.
+pub(super) async fn batch(log: &EtcdLog, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
+    if ops.is_empty() || ops.len() > BATCH_LIMIT {
+        return Err(StoreError::Refused {
+            context: format!("a batch of {} members", ops.len()),
+        });
+    }
+    let mut keys = std::collections::BTreeSet::new();
+    if !ops.iter().all(|op| keys.insert(op.key())) {
+        return Err(StoreError::Refused {
+            context: "two members of a batch on one key".into(),
+        });
+    }
+    let kinds: Vec<bool> = ops
+        .iter()
+        .map(|op| matches!(op, BatchOp::Grant(_)))
+        .collect();
+    let mut nested = Vec::with_capacity(ops.len());
+    for op in ops {
+        nested.push(TxnOp::txn(match op {
+            BatchOp::Grant(txn) => grant_txn(log, txn),
+            BatchOp::Release(txn) => release_txn(log, txn)?,
+        }));
+    }
+    let resp = log
+        .client
+        .kv_client()
+        .txn(Txn::new().and_then(nested))
+        .await
+        .map_err(|e| refused_or_unavailable("cannot run the batch transaction", e))?;
+    let mut outcomes = Vec::with_capacity(kinds.len());
+    for (grant, op) in kinds.iter().zip(resp.op_responses()) {
+        let TxnOpResponse::Txn(member) = op else {
+            return Err(StoreError::Malformed(
+                "etcd answered a nested transaction with something else".into(),
+            ));
+        };
+        let (succeeded, ops) = (member.succeeded(), member.op_responses());
+        outcomes.push(match grant {
+            true => BatchOutcome::Grant(granted(succeeded, ops)),
+            false => BatchOutcome::Release(released_if(succeeded, ops)),
+        });
+    }
+    if outcomes.len() != kinds.len() || !resp.succeeded() {
+        return Err(StoreError::Malformed(format!(
+            "etcd answered {} of a batch's {} members",
+            outcomes.len(),
+            kinds.len()
+        )));
+    }
+    answer(resp.header(), outcomes)
+}
+
+/// A batch etcd refused before applying it (a put on a lease it no longer
+/// has, a duplicate key, too many operations: FailedPrecondition, NotFound
+/// or InvalidArgument) is [`StoreError::Refused`]: nothing was written, and
+/// the table runs its members one by one. Anything else leaves the outcome
+/// unknown.
+fn refused_or_unavailable(context: &str, err: etcd_client::Error) -> StoreError {
+    match &err {
+        etcd_client::Error::GRpcStatus(s)
+            if lease_not_found(&err) || s.code() == tonic::Code::InvalidArgument =>
+        {
+            StoreError::Refused {
+                context: format!("{context}: {}", s.message()),
+            }
+        }
+        _ => unavailable(context, err),
+    }
 }
 
 /// Compares that make a write act only on the hold `held` found: the same

@@ -1,0 +1,371 @@
+//! Group commit: grants and releases on distinct keys that arrive together
+//! go to the log as one batch — one transaction, one revision, one
+//! high-water write for all its grants.
+//!
+//! A member goes out at once while fewer than `batches_in_flight` batches
+//! are in flight (two by default); members that arrive meanwhile wait and
+//! go together as the next batch, at most the log's (and the table's) batch
+//! limit, never two on one key, nor on a key in flight (the later waits for
+//! a batch after). Each member keeps its own compares and
+//! gets what its own transaction would have answered; the batch's header
+//! goes through the seal's checks once, as a single transaction's does
+//! (`checked_write`: a witness read sent after every member arrived, then
+//! the header against the marks). A lost answer is every member's unknown
+//! outcome; a batch the log refused before writing anything runs again one
+//! member at a time, so each hears its own reason.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tokio::sync::oneshot;
+use tracing::debug;
+
+use super::{Grant, LockTable};
+use crate::error::ArbiterError;
+use crate::lock_log::{
+    self, BatchOp, BatchOutcome, GrantTxn, Granted, Header, ReleaseTxn, StoreError,
+};
+
+/// The default cap on a batch's members (the log may allow fewer).
+pub const DEFAULT_BATCH_LIMIT: usize = 64;
+/// The default number of batches one table keeps in flight at once (a
+/// member waits only while two are: with one, every member waited for the
+/// batch before it to land, measured 0.6x the throughput of two here).
+pub const DEFAULT_BATCHES_IN_FLIGHT: usize = 2;
+/// Members waiting for a batch, per batch in flight and member of a batch:
+/// beyond this, a caller is refused rather than queued without bound.
+const WAITING_PER_SLOT: usize = 16;
+
+/// A grant transaction's parts, owned: the member outlives its caller's
+/// borrow while it waits for a batch.
+#[derive(Debug, Clone)]
+pub(super) struct GrantMember {
+    pub key: String,
+    pub session: i64,
+    pub holder_record: Vec<u8>,
+    pub epoch_bytes: Vec<u8>,
+    pub epoch: u32,
+    pub session_record: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum Member {
+    Grant(GrantMember),
+    Release(ReleaseTxn),
+}
+
+impl Member {
+    fn key(&self) -> &str {
+        match self {
+            Member::Grant(g) => &g.key,
+            Member::Release(r) => &r.key,
+        }
+    }
+
+    fn op(&self) -> BatchOp<'_> {
+        match self {
+            Member::Grant(g) => BatchOp::Grant(GrantTxn {
+                key: &g.key,
+                session: g.session,
+                holder_record: g.holder_record.clone(),
+                epoch: &g.epoch_bytes,
+                session_record: &g.session_record,
+            }),
+            Member::Release(r) => BatchOp::Release(r),
+        }
+    }
+}
+
+/// What a member hears: its outcome and the batch's (checked) header.
+pub(super) type MemberAnswer = Result<(BatchOutcome, Header), ArbiterError>;
+
+struct Pending {
+    member: Member,
+    reply: oneshot::Sender<MemberAnswer>,
+}
+
+/// How the batches went so far (for tests and the simulation's report).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Batches sent (a refused batch counts once, its re-runs apart).
+    pub batches: u64,
+    pub members: u64,
+    /// Batches of more than one member.
+    pub shared: u64,
+    pub largest: usize,
+    /// Batches the log refused, whose members then ran one by one.
+    pub split: u64,
+}
+
+#[derive(Default)]
+pub(super) struct Batches {
+    queue: std::sync::Mutex<Queue>,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiting: VecDeque<Pending>,
+    /// Keys of the members in flight: a later member on one of them waits.
+    in_flight: BTreeSet<String>,
+    /// Committer tasks running, each sending one batch at a time.
+    committers: usize,
+    stats: BatchStats,
+}
+
+impl Batches {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub(super) fn stats(&self) -> BatchStats {
+        self.lock().stats
+    }
+
+    /// Queues `pending`; whether a committer must be started for it.
+    fn push(&self, pending: Pending, in_flight: usize, bound: usize) -> Result<bool, Pending> {
+        let mut q = self.lock();
+        if q.waiting.len() >= bound {
+            return Err(pending);
+        }
+        q.waiting.push_back(pending);
+        let start = q.committers < in_flight;
+        if start {
+            q.committers += 1;
+        }
+        Ok(start)
+    }
+
+    /// The next batch, in arrival order: members whose caller is still
+    /// there, on keys neither in flight nor already in this batch. `None`
+    /// (and the committer ends) when nothing can go.
+    fn next(&self, limit: usize) -> Option<Vec<Pending>> {
+        let mut q = self.lock();
+        let mut batch: Vec<Pending> = Vec::new();
+        let mut keys = BTreeSet::new();
+        let mut rest = VecDeque::with_capacity(q.waiting.len());
+        while let Some(p) = q.waiting.pop_front() {
+            if p.reply.is_closed() {
+                continue; // its caller went away before it was sent
+            }
+            let key = p.member.key();
+            if batch.len() < limit && !q.in_flight.contains(key) && !keys.contains(key) {
+                keys.insert(key.to_string());
+                batch.push(p);
+            } else {
+                rest.push_back(p);
+            }
+        }
+        q.waiting = rest;
+        if batch.is_empty() {
+            q.committers = q.committers.saturating_sub(1);
+            return None;
+        }
+        q.in_flight.extend(keys);
+        let stats = &mut q.stats;
+        stats.batches += 1;
+        stats.members += batch.len() as u64;
+        stats.shared += u64::from(batch.len() > 1);
+        stats.largest = stats.largest.max(batch.len());
+        Some(batch)
+    }
+
+    fn landed(&self, batch: &[Pending]) {
+        let mut q = self.lock();
+        for p in batch {
+            q.in_flight.remove(p.member.key());
+        }
+    }
+
+    fn note_split(&self) {
+        self.lock().stats.split += 1;
+    }
+
+    /// Every waiting member, taken out (the table is stopping).
+    fn drain(&self) -> Vec<Pending> {
+        self.lock().waiting.drain(..).collect()
+    }
+}
+
+impl LockTable {
+    /// How the batches went so far.
+    pub fn batch_stats(&self) -> BatchStats {
+        self.batches.stats()
+    }
+
+    /// Sends `member` with the next batch; its outcome once that batch's
+    /// header passed the seal's checks. Dropping the future leaves the
+    /// member to its batch: a grant made for it is then released as an
+    /// orphan.
+    pub(super) async fn commit(self: &Arc<Self>, member: Member) -> MemberAnswer {
+        if self.stop.is_cancelled() {
+            return Err(ArbiterError::store("the arbiter is shutting down"));
+        }
+        let in_flight = self.options.batches_in_flight.max(1);
+        let bound = in_flight * self.batch_limit() * WAITING_PER_SLOT;
+        let (reply, rx) = oneshot::channel();
+        match self
+            .batches
+            .push(Pending { member, reply }, in_flight, bound)
+        {
+            Ok(true) => {
+                self.tasks.spawn(self.clone().commit_batches());
+            }
+            Ok(false) => {}
+            Err(_) => {
+                return Err(ArbiterError::store(
+                    "too many grants and releases are waiting for the lock log",
+                ));
+            }
+        }
+        rx.await.unwrap_or_else(|_| {
+            Err(ArbiterError::store(
+                "the batch was dropped with the arbiter; its outcome is unknown",
+            ))
+        })
+    }
+
+    fn batch_limit(&self) -> usize {
+        self.options.batch_limit.min(self.log.batch_limit()).max(1)
+    }
+
+    /// One committer: sends batches one after another while members wait.
+    async fn commit_batches(self: Arc<Self>) {
+        let limit = self.batch_limit();
+        loop {
+            if self.stop.is_cancelled() {
+                for p in self.batches.drain() {
+                    let _ = p
+                        .reply
+                        .send(Err(ArbiterError::store("the arbiter is shutting down")));
+                }
+            }
+            let Some(batch) = self.batches.next(limit) else {
+                return;
+            };
+            let answers = tokio::select! {
+                biased;
+                () = self.stop.cancelled() => batch
+                    .iter()
+                    .map(|_| Err(ArbiterError::store(
+                        "the arbiter stopped with the batch in flight; its outcome is unknown",
+                    )))
+                    .collect(),
+                answers = self.send(&batch) => answers,
+            };
+            self.batches.landed(&batch);
+            self.answer_members(batch, answers);
+        }
+    }
+
+    /// The batch's answers, one per member in order.
+    async fn send(&self, batch: &[Pending]) -> Vec<MemberAnswer> {
+        let members: Vec<&Member> = batch.iter().map(|p| &p.member).collect();
+        match self.send_members(&members).await {
+            Ok(answers) => answers,
+            Err((_, true)) if members.len() > 1 => {
+                // Nothing was written: each member alone, so each hears its
+                // own answer (a session gone, say, refuses its whole batch).
+                debug!(
+                    members = members.len(),
+                    "the log refused a batch; running its members one by one"
+                );
+                self.batches.note_split();
+                let mut answers = Vec::with_capacity(members.len());
+                for member in members {
+                    answers.push(match self.send_members(&[member]).await {
+                        Ok(mut one) => one.pop().unwrap_or_else(|| {
+                            Err(ArbiterError::Internal(
+                                "a batch of one without an answer".into(),
+                            ))
+                        }),
+                        Err((e, _)) => Err(e),
+                    });
+                }
+                answers
+            }
+            Err((e, _)) => members.iter().map(|_| Err(each_member(&e))).collect(),
+        }
+    }
+
+    /// One request for `members`, checked as a write: answers in order, or
+    /// the error every member gets and whether the log refused the batch
+    /// before writing anything.
+    async fn send_members(
+        &self,
+        members: &[&Member],
+    ) -> Result<Vec<MemberAnswer>, (ArbiterError, bool)> {
+        let refused = AtomicBool::new(false);
+        let ops: Vec<BatchOp<'_>> = members.iter().map(|m| m.op()).collect();
+        let request = async {
+            // A lone member is its own plain transaction, with its own
+            // errors (a session gone is that session's, not a refusal).
+            let answer = match <[BatchOp<'_>; 1]>::try_from(ops) {
+                Ok([op]) => lock_log::alone(self.log.as_ref(), op)
+                    .await
+                    .map(|a| a.map(|outcome| vec![outcome])),
+                Err(ops) => self.log.batch(ops).await,
+            };
+            if let Err(StoreError::Refused { context }) = &answer {
+                debug!(context, "batch refused");
+                refused.store(true, Ordering::Relaxed);
+            }
+            answer
+        };
+        let checked = self
+            .seal
+            .checked_write(request, |outcomes: &Vec<BatchOutcome>| {
+                outcomes.iter().any(BatchOutcome::committed)
+            })
+            .await;
+        let (outcomes, header) = checked.map_err(|e| (e, refused.load(Ordering::Relaxed)))?;
+        if outcomes.len() != members.len() {
+            let e = ArbiterError::store(format!(
+                "the lock log answered {} of a batch's {} members",
+                outcomes.len(),
+                members.len()
+            ));
+            return Err((e, false));
+        }
+        Ok(outcomes.into_iter().map(|o| Ok((o, header))).collect())
+    }
+
+    /// Hands each member its answer. A grant made for a caller that went
+    /// away meanwhile is released as an orphan, as a waiter's would be.
+    fn answer_members(self: &Arc<Self>, batch: Vec<Pending>, answers: Vec<MemberAnswer>) {
+        for (p, answer) in batch.into_iter().zip(answers) {
+            let Err(Ok((BatchOutcome::Grant(Granted::Yes), header))) = p.reply.send(answer) else {
+                continue;
+            };
+            if let Member::Grant(g) = p.member {
+                self.release_orphan(Grant {
+                    key: g.key,
+                    session: g.session,
+                    epoch: g.epoch,
+                    revision: header.revision,
+                });
+            }
+        }
+    }
+}
+
+/// The batch's error as each member hears it: the same kind (an unknown
+/// outcome stays unknown, a seal stays a seal).
+fn each_member(e: &ArbiterError) -> ArbiterError {
+    match e {
+        ArbiterError::Sealed { reason, epoch } => ArbiterError::Sealed {
+            reason: reason.clone(),
+            epoch: *epoch,
+        },
+        ArbiterError::SessionExpired { session } => {
+            ArbiterError::SessionExpired { session: *session }
+        }
+        ArbiterError::Internal(detail) => ArbiterError::Internal(detail.clone()),
+        ArbiterError::StoreUnavailable { detail } => ArbiterError::StoreUnavailable {
+            detail: detail.clone(),
+        },
+        other => ArbiterError::store(other.to_string()),
+    }
+}

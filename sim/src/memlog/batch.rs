@@ -1,0 +1,195 @@
+//! The grant transaction, the release that compares its owner, and the
+//! batch of both, as etcd 3.4 runs them (measured in the contract suite):
+//! a batch is one transaction without compares whose operations are
+//! nested transactions. etcd decides every nested transaction's branch on
+//! the store as it was before the batch, then applies the branches taken,
+//! all writes at one revision; a put on a lease it no longer has refuses
+//! the whole transaction before anything is written.
+
+use latchkey_arbiter::lock_log::{
+    BatchOp, BatchOutcome, GrantTxn, Granted, Kv, ReleaseTxn, ReleasedIf, StoreError,
+};
+
+use super::keys;
+use super::store::{Compare, NoLease, Op, OpResult, Store};
+
+/// What happened to the batches of more than one member (the simulation
+/// checks that its runs meet each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BatchCounts {
+    /// Sent to the store.
+    pub batches: u64,
+    /// Applied with at least one member's compares failing.
+    pub some_failed: u64,
+    /// Applied with some members writing and some not.
+    pub mixed: u64,
+    /// Applied, and the answer lost.
+    pub lost: u64,
+    /// Failed before the store applied them.
+    pub failed_before: u64,
+    /// Restores of the store while at least one was on its way to it.
+    pub restored_under: u64,
+}
+
+impl BatchCounts {
+    pub(crate) fn note(&mut self, outcomes: &[BatchOutcome]) {
+        if outcomes.len() < 2 {
+            return;
+        }
+        let wrote = outcomes.iter().filter(|o| o.committed()).count();
+        self.some_failed += u64::from(wrote < outcomes.len());
+        self.mixed += u64::from(wrote > 0 && wrote < outcomes.len());
+    }
+}
+
+/// The most members a batch takes (as the etcd log's limit).
+pub(crate) const BATCH_LIMIT: usize = 64;
+
+/// One member, planned: its compares, the writes of its success branch,
+/// and how to read its answer.
+pub(crate) struct Planned {
+    compares: Vec<Compare>,
+    writes: Vec<Op>,
+    kind: Kind,
+}
+
+enum Kind {
+    Grant { holder: String, session: String },
+    Release { holder: String },
+}
+
+pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
+    let holder = keys::holder(txn.key);
+    let session = keys::session(txn.session);
+    Planned {
+        compares: vec![
+            Compare::CreateRevision(holder.clone(), 0),
+            Compare::Value(keys::epoch(), txn.epoch.to_vec()),
+            Compare::CreateRevision(keys::seal(), 0),
+            Compare::Value(session.clone(), txn.session_record.to_vec()),
+        ],
+        writes: vec![Op::Put {
+            key: holder.clone(),
+            value: txn.holder_record.clone(),
+            lease: txn.session,
+        }],
+        kind: Kind::Grant { holder, session },
+    }
+}
+
+/// etcd compares whole values, byte-wise: "begins with `owner`" is
+/// `owner < value < owner⁺`, which is what the etcd log sends.
+pub(crate) fn plan_release(txn: &ReleaseTxn) -> Result<Planned, StoreError> {
+    let holder = keys::holder(&txn.key);
+    let above = owner_bound(&txn.owner).ok_or_else(|| StoreError::Refused {
+        context: "an owner prefix that ends in 0xff, or is empty, cannot be compared".into(),
+    })?;
+    Ok(Planned {
+        compares: vec![
+            Compare::ModRevision(holder.clone(), txn.revision),
+            Compare::Lease(holder.clone(), txn.session),
+            Compare::ValueGreater(holder.clone(), txn.owner.clone()),
+            Compare::ValueLess(holder.clone(), above),
+        ],
+        writes: vec![
+            Op::Delete(holder.clone()),
+            Op::DeletePrefix(keys::claims_of(&txn.key)),
+        ],
+        kind: Kind::Release { holder },
+    })
+}
+
+pub(crate) fn plan(op: &BatchOp<'_>) -> Result<Planned, StoreError> {
+    match op {
+        BatchOp::Grant(txn) => Ok(plan_grant(txn)),
+        BatchOp::Release(txn) => plan_release(txn),
+    }
+}
+
+fn owner_bound(owner: &[u8]) -> Option<Vec<u8>> {
+    let (last, rest) = owner.split_last()?;
+    let mut above = rest.to_vec();
+    above.push(last.checked_add(1)?);
+    Some(above)
+}
+
+/// What the etcd log refuses before sending: too many members, none, or
+/// two on one lock key.
+pub(crate) fn check(ops: &[BatchOp<'_>]) -> Result<(), StoreError> {
+    if ops.is_empty() || ops.len() > BATCH_LIMIT {
+        return Err(StoreError::Refused {
+            context: format!("a batch of {} members", ops.len()),
+        });
+    }
+    let mut keys = std::collections::BTreeSet::new();
+    if !ops.iter().all(|op| keys.insert(op.key())) {
+        return Err(StoreError::Refused {
+            context: "two members of a batch on one key".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Runs `members` as one transaction: every branch decided on the store
+/// before it, the taken branches' writes at one revision; a failed member
+/// reads what its own transaction's failure branch reads.
+pub(crate) fn apply(
+    store: &mut Store,
+    members: Vec<Planned>,
+) -> Result<Vec<BatchOutcome>, NoLease> {
+    let passed: Vec<bool> = members.iter().map(|m| store.all(&m.compares)).collect();
+    // Failure branches only read keys no member writes (every member has
+    // its own lock key; the epoch, seal and session records are nobody's
+    // write here), so reading them first is reading them in order.
+    let failed: Vec<Option<BatchOutcome>> = members
+        .iter()
+        .zip(&passed)
+        .map(|(m, ok)| (!ok).then(|| failure(store, &m.kind)))
+        .collect();
+    let mut writes = Vec::new();
+    let mut spans = Vec::with_capacity(members.len());
+    for (m, ok) in members.iter().zip(&passed) {
+        let at = writes.len();
+        if *ok {
+            writes.extend(m.writes.iter().cloned());
+        }
+        spans.push(at);
+    }
+    let results = store.commit(writes)?;
+    Ok(members
+        .iter()
+        .zip(failed)
+        .zip(spans)
+        .map(|((m, failed), at)| match failed {
+            Some(outcome) => outcome,
+            None => success(&m.kind, results.get(at)),
+        })
+        .collect())
+}
+
+fn failure(store: &Store, kind: &Kind) -> BatchOutcome {
+    let kv = |key: &str| store.get(key).map(|s| s.kv());
+    match kind {
+        Kind::Grant { holder, session } => BatchOutcome::Grant(Granted::No {
+            holder: kv(holder),
+            epoch: kv(&keys::epoch()).map(|k: Kv| k.value),
+            sealed: store.get(&keys::seal()).is_some(),
+            session: kv(session).map(|k| k.value),
+        }),
+        Kind::Release { holder } => BatchOutcome::Release(ReleasedIf::No { holder: kv(holder) }),
+    }
+}
+
+fn success(kind: &Kind, first: Option<&OpResult>) -> BatchOutcome {
+    match kind {
+        Kind::Grant { .. } => BatchOutcome::Grant(Granted::Yes),
+        Kind::Release { .. } => {
+            // the compares found the key, so the delete returned it
+            let previous = match first {
+                Some(OpResult::Deleted(prev)) => prev.first().map(|(_, kv)| kv.value.clone()),
+                _ => None,
+            };
+            BatchOutcome::Release(ReleasedIf::Yes(previous.unwrap_or_default()))
+        }
+    }
+}
