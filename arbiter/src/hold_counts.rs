@@ -43,6 +43,10 @@ pub const DEFAULT_MAX_HOLDS_PER_IDENTITY: u32 = 20_000;
 /// Holder records read per request when counting from scratch (each a
 /// few hundred bytes: well inside a gRPC message).
 const PAGE: i64 = 2_000;
+/// Ended holds kept for sessions no stream watches yet, at most, and for
+/// how long (a client's first renewal follows its OpenSession at once).
+const MAX_UNCLAIMED: usize = 4096;
+const UNCLAIMED_FOR: Duration = Duration::from_secs(30);
 /// Pause before counting again after the watch broke.
 const RETRY: Duration = Duration::from_secs(1);
 
@@ -52,6 +56,11 @@ pub struct HoldCounts {
     /// Per session, the KeepAlive streams (by id) that renew it here and
     /// want to hear of its holds' ends.
     watchers: Mutex<HashMap<i64, Vec<(u64, Notices)>>>,
+    /// Ended holds of sessions no stream here watched yet, newest last: a
+    /// stream that starts watching a session soon after (a hold taken and
+    /// ended right after the session opened, before its first renewal)
+    /// still hears of them. Bounded in count and age.
+    unclaimed: Mutex<std::collections::VecDeque<(std::time::Instant, i64, EndedHold)>>,
     next_stream: AtomicU64,
 }
 
@@ -150,6 +159,7 @@ impl HoldCounts {
             max,
             state: Mutex::new(State::default()),
             watchers: Mutex::new(HashMap::new()),
+            unclaimed: Mutex::new(std::collections::VecDeque::new()),
             next_stream: AtomicU64::new(1),
         })
     }
@@ -170,9 +180,31 @@ impl HoldCounts {
     pub fn watch_session(&self, session: i64, stream: u64, notices: &Notices) {
         let mut watchers = self.watchers();
         let streams = watchers.entry(session).or_default();
-        if !streams.iter().any(|(id, _)| *id == stream) {
-            streams.push((stream, notices.clone()));
+        if streams.iter().any(|(id, _)| *id == stream) {
+            return;
         }
+        streams.push((stream, notices.clone()));
+        // Holds of the session that ended before any stream watched it.
+        let mut unclaimed = self.unclaimed();
+        let now = std::time::Instant::now();
+        unclaimed.retain(|(at, s, hold)| {
+            if now.duration_since(*at) > UNCLAIMED_FOR {
+                return false;
+            }
+            if *s != session {
+                return true;
+            }
+            let _ = notices.try_send((session, hold.clone()));
+            false
+        });
+    }
+
+    fn unclaimed(
+        &self,
+    ) -> MutexGuard<'_, std::collections::VecDeque<(std::time::Instant, i64, EndedHold)>> {
+        self.unclaimed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Stream `stream` no longer renews `session` (gone, or the stream ended).
@@ -189,19 +221,25 @@ impl HoldCounts {
     /// Tells the streams renewing each hold's session that it ended.
     fn notify(&self, changes: &[Change]) {
         let watchers = self.watchers();
-        if watchers.is_empty() {
-            return;
-        }
         for ended in changes.iter().filter_map(|c| c.ended.as_ref()) {
-            for (_, notices) in watchers.get(&ended.session).into_iter().flatten() {
-                // Never wait on a slow client: its deadline still fences it.
-                let _ = notices.try_send((
-                    ended.session,
-                    EndedHold {
-                        key: ended.key.clone(),
-                        revision: ended.revision,
-                    },
-                ));
+            let hold = EndedHold {
+                key: ended.key.clone(),
+                revision: ended.revision,
+            };
+            match watchers.get(&ended.session) {
+                Some(streams) => {
+                    for (_, notices) in streams {
+                        // Never wait on a slow client: its deadline still fences it.
+                        let _ = notices.try_send((ended.session, hold.clone()));
+                    }
+                }
+                None => {
+                    let mut unclaimed = self.unclaimed();
+                    if unclaimed.len() >= MAX_UNCLAIMED {
+                        unclaimed.pop_front();
+                    }
+                    unclaimed.push_back((std::time::Instant::now(), ended.session, hold));
+                }
             }
         }
     }
@@ -585,6 +623,17 @@ mod tests {
         c.notify(&[ended(7, "a/b")]);
         assert!(rx.try_recv().is_err());
         assert!(c.watchers().is_empty());
+        // ...but a stream that starts watching session 7 soon after hears it
+        // (and only session 7's)
+        let (tx2, mut rx2) = mpsc::channel(8);
+        c.watch_session(7, c.stream_id(), &tx2);
+        let (session, hold) = rx2
+            .try_recv()
+            .map_err(|e| e.to_string())
+            .unwrap_or_default();
+        assert_eq!((session, hold.key.as_str()), (7, "a/b"));
+        assert!(rx2.try_recv().is_err());
+        assert_eq!(c.unclaimed().len(), 1, "session 8's stays");
     }
 
     #[test]
