@@ -385,16 +385,6 @@ impl HoldCounts {
     }
 }
 
-/// Stops a background task when dropped (the holds' watch ends with the
-/// arbiter that counts).
-pub struct AbortOnDrop(pub tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// Whose hold a change of one holder record ended and whose it started.
 #[derive(Debug, PartialEq, Eq)]
 struct Change {

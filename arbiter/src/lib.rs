@@ -262,7 +262,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             .await
             .map_err(|e| unreachable(e.into()))?;
         let follow = Arc::clone(&holds).follow(client, Layout::new(&config.prefix).holders());
-        hold_counts::AbortOnDrop(tokio::spawn(follow).abort_handle())
+        tokio_util::task::AbortOnDrop::new(tokio::spawn(follow).abort_handle())
     };
     let force = force_release(config, &lock_store).await?;
     let identity = match &config.tls {

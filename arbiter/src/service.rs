@@ -54,7 +54,7 @@ pub struct Arbiter {
     /// Holds per identity, counted from the log (the bound on holds).
     pub(crate) holds: Arc<crate::hold_counts::HoldCounts>,
     /// Ends the holds' watch with the arbiter.
-    pub(crate) _hold_watch: crate::hold_counts::AbortOnDrop,
+    pub(crate) _hold_watch: tokio_util::task::AbortOnDrop,
     /// Two-person force-release; `None` without an OIDC provider.
     pub(crate) force: Option<Arc<crate::force_release::ForceRelease>>,
 }

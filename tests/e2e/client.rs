@@ -414,6 +414,58 @@ pub(crate) fn latchctl(addr: SocketAddr, name: &str) -> anyhow::Result<Command> 
     Ok(cmd)
 }
 
+/// A `latchctl hold` whose command (`sleep`) is running.
+pub(crate) struct HeldByLatchctl {
+    pub child: tokio::process::Child,
+    /// The command's pid.
+    pub pid: i32,
+    /// latchctl's stderr, in a file: `sleep` inherits latchctl's stdio, and
+    /// a file can be read whether or not latchctl has exited.
+    pub stderr_path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// `latchctl hold KEY --class CLASS -- sleep SECS` as `name` against
+/// `addr`, once its command runs: the command runs only once latchctl has
+/// the grant in hand (the key shows as held at the arbiter earlier, while
+/// the reply is in flight).
+pub(crate) async fn latchctl_hold(
+    addr: SocketAddr,
+    name: &str,
+    key: &str,
+    class: &str,
+    secs: u32,
+) -> anyhow::Result<HeldByLatchctl> {
+    let dir = tempfile::tempdir()?;
+    let stderr_path = dir.path().join("stderr");
+    let pid_path = dir.path().join("pid");
+    let child = latchctl(addr, name)?
+        .args(["hold", key, "--class", class, "--", "sh", "-c"])
+        .arg(format!(
+            "echo $$ > {}; exec sleep {secs}",
+            pid_path.display()
+        ))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&stderr_path)?)
+        .spawn()
+        .context("spawn latchctl")?;
+    let pid = eventually(
+        "latchctl to start its command",
+        Duration::from_secs(10),
+        || {
+            let pid_path = pid_path.clone();
+            async move { Ok(std::fs::read_to_string(&pid_path)?.trim().parse::<i32>()?) }
+        },
+    )
+    .await?;
+    Ok(HeldByLatchctl {
+        child,
+        pid,
+        stderr_path,
+        _dir: dir,
+    })
+}
+
 async fn run(cmd: &mut Command) -> anyhow::Result<Output> {
     timeout(Duration::from_secs(30), cmd.output())
         .await
@@ -580,34 +632,9 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
     let s = stack().await?;
     let proxy = Proxy::start(s.arbiter.addr()).await?;
     let bob = connect(s.arbiter.addr(), "workload/bob").await?;
-    // stderr to a file: `sleep` inherits latchctl's stdio, and a file can
-    // be read whether or not latchctl has exited.
-    let dir = tempfile::tempdir()?;
-    let stderr_path = dir.path().join("stderr");
-    let pid_path = dir.path().join("pid");
-    let mut child = latchctl(proxy.addr(), "workload/alice")?
-        .args(["hold", KEY, "--class", "short", "--", "sh", "-c"])
-        .arg(format!("echo $$ > {}; exec sleep 60", pid_path.display()))
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&stderr_path)?)
-        .spawn()
-        .context("spawn latchctl")?;
-    let stderr = || std::fs::read_to_string(&stderr_path).unwrap_or_default();
-
-    // The command runs only once latchctl has the grant in hand (the key
-    // shows as held at the arbiter earlier, while the reply is in flight).
-    let pid = eventually(
-        "latchctl to start its command",
-        Duration::from_secs(10),
-        || {
-            let pid_path = pid_path.clone();
-            async move {
-                let text = std::fs::read_to_string(&pid_path)?;
-                Ok(text.trim().parse::<i32>()?)
-            }
-        },
-    )
-    .await?;
+    let held = latchctl_hold(proxy.addr(), "workload/alice", KEY, "short", 60).await?;
+    let (mut child, pid) = (held.child, held.pid);
+    let stderr = || std::fs::read_to_string(&held.stderr_path).unwrap_or_default();
     let holder = bob.inspect(KEY).await?.holder.context("held by latchctl")?;
     assert_eq!(holder.identity, spiffe("workload/alice"));
     // Inspect gives no token: alice's hold's revision, from etcd itself

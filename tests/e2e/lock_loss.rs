@@ -5,16 +5,14 @@
 //! class is `batch-report` (TTL 60 s), so a fence well inside the polls'
 //! deadlines below can only have come from the arbiter's notice.
 
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use latchkey_client::{Error, FenceReason};
 use latchkey_tests::eventually;
 use tokio::time::timeout;
 
-use crate::client::{Fired, connect, latchctl, recorder, snapshot};
+use crate::client::{Fired, connect, latchctl_hold, recorder, snapshot};
 use crate::support::stack;
 
 const CLASS: &str = "batch-report";
@@ -144,26 +142,9 @@ async fn an_epoch_advance_fences_every_holder_at_once() -> anyhow::Result<()> {
 async fn latchctl_hold_stops_its_command_when_its_hold_is_removed() -> anyhow::Result<()> {
     const KEY: &str = "demo/ll-cli";
     let s = stack().await?;
-    let dir = tempfile::tempdir()?;
-    let stderr_path = dir.path().join("stderr");
-    let pid_path = dir.path().join("pid");
-    let mut child = latchctl(s.arbiter.addr(), "workload/alice")?
-        .args(["hold", KEY, "--class", CLASS, "--", "sh", "-c"])
-        .arg(format!("echo $$ > {}; exec sleep 120", pid_path.display()))
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&stderr_path)?)
-        .spawn()
-        .context("spawn latchctl")?;
-    let stderr = || std::fs::read_to_string(&stderr_path).unwrap_or_default();
-    let pid = eventually(
-        "latchctl to start its command",
-        Duration::from_secs(10),
-        || {
-            let pid_path = pid_path.clone();
-            async move { Ok(std::fs::read_to_string(&pid_path)?.trim().parse::<i32>()?) }
-        },
-    )
-    .await?;
+    let held = latchctl_hold(s.arbiter.addr(), "workload/alice", KEY, CLASS, 120).await?;
+    let (mut child, pid) = (held.child, held.pid);
+    let stderr = || std::fs::read_to_string(&held.stderr_path).unwrap_or_default();
     s.etcd
         .client()
         .await?
