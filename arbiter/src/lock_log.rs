@@ -118,11 +118,34 @@ pub enum Claimed {
 /// there is no seal and `next`'s session record is `next_session_record`.
 #[derive(Debug, Clone)]
 pub struct HandOverTxn<'a> {
-    pub from: &'a HeldAt,
+    pub from: HandOverFrom<'a>,
     pub next_session: i64,
     pub holder_record: Vec<u8>,
     pub epoch: &'a [u8],
     pub next_session_record: &'a [u8],
+}
+
+/// The hold a hand-over replaces, and how it is compared.
+#[derive(Debug, Clone, Copy)]
+pub enum HandOverFrom<'a> {
+    /// Exactly this record, found and checked before (bytes, lease,
+    /// revision), as [`LockLog::release`] compares it.
+    Exact(&'a HeldAt),
+    /// The caller's hold as [`LockLog::release_if_owned`] compares it: on
+    /// the session's lease at the token's revision, its record beginning
+    /// with the owner's bytes. No read before it; a failed compare does not
+    /// say which (the table then reads the hold and answers why).
+    Owned(&'a ReleaseTxn),
+}
+
+impl HandOverFrom<'_> {
+    /// The key handed over.
+    pub fn key(&self) -> &str {
+        match self {
+            Self::Exact(held) => &held.key,
+            Self::Owned(txn) => &txn.key,
+        }
+    }
 }
 
 /// A release that checks ownership in its own transaction: deletes the hold

@@ -47,7 +47,7 @@ use tracing::{debug, warn};
 use crate::epoch::{EpochGuard, EpochState};
 use crate::error::ArbiterError;
 use crate::high_water::HighWater;
-use crate::lock_log::{Kv, LockLog};
+use crate::lock_log::{HandOverFrom, Kv, LockLog, ReleaseTxn};
 use crate::records::{HolderRecord, SessionRecord, decode, encode, now_unix_ms};
 use crate::token;
 use crate::witness::Witness;
@@ -346,17 +346,47 @@ impl LockTable {
                 key: key.to_string(),
             });
         }
-        if self.head(key).is_none()
-            && let Some(released) = self
-                .release_checked(identity, key, session, revision)
-                .await?
-        {
-            self.kick(key);
-            return Ok(released);
+        match self.head(key) {
+            None => {
+                if let Some(released) = self
+                    .release_checked(identity, key, session, revision)
+                    .await?
+                {
+                    self.kick(key);
+                    return Ok(released);
+                }
+            }
+            // The hot key's path: hand over without reading the hold first,
+            // its ownership compared in the hand-over transaction itself. A
+            // failed compare wrote nothing; the read-then-compare path below
+            // then answers why (or hands over if only the record's bytes
+            // were unexpected).
+            Some(head) => {
+                if let Some(owner) = grants::owner_prefix(identity, session) {
+                    let owned = ReleaseTxn {
+                        key: key.to_string(),
+                        session,
+                        revision,
+                        owner,
+                    };
+                    match self.hand_over(HandOverFrom::Owned(&owned), &head.req).await {
+                        Ok(Some((grant, previous))) => {
+                            self.deliver(&head, grant);
+                            return Ok(Released {
+                                handed_over: true,
+                                previous,
+                            });
+                        }
+                        Ok(None) | Err(ArbiterError::SessionExpired { .. }) => {}
+                        // May have committed: as below, the outcome is unknown.
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
         }
         let held = self.owned_hold(key, identity, session, revision).await?;
         if let Some(head) = self.head(key) {
-            match self.hand_over(&held, &head.req).await {
+            match self.hand_over(HandOverFrom::Exact(&held), &head.req).await {
                 Ok(Some((grant, previous))) => {
                     self.deliver(&head, grant);
                     return Ok(Released {

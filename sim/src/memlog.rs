@@ -40,8 +40,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    Answer, BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverTxn, Header, HeldAt,
-    KeyWatch, Kv, LockLog, LogResult, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
+    Answer, BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, Header,
+    HeldAt, KeyWatch, Kv, LockLog, LogResult, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
 };
 use tokio::time::{Duration, Instant};
 
@@ -525,7 +525,10 @@ impl LockLog for MemLog {
     }
 
     async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
-        let mut compares = still_held(txn.from).to_vec();
+        let mut compares = match txn.from {
+            HandOverFrom::Exact(held) => still_held(held).to_vec(),
+            HandOverFrom::Owned(owned) => batch::plan_release(owned)?.compares,
+        };
         compares.extend([
             Compare::Value(keys::epoch(), txn.epoch.to_vec()),
             Compare::CreateRevision(keys::seal(), 0),
@@ -534,7 +537,8 @@ impl LockLog for MemLog {
                 txn.next_session_record.to_vec(),
             ),
         ]);
-        let holder = keys::holder(&txn.from.key);
+        let key = txn.from.key().to_string();
+        let holder = keys::holder(&key);
         self.call("hand over", |inner, _| {
             if !inner.store.all(&compares) {
                 return inner.answer(None);
@@ -543,7 +547,7 @@ impl LockLog for MemLog {
                 &mut inner.store,
                 vec![
                     put(holder, txn.holder_record, txn.next_session),
-                    Op::DeletePrefix(keys::claims_of(&txn.from.key)),
+                    Op::DeletePrefix(keys::claims_of(&key)),
                 ],
             )?;
             let previous = match results.first() {

@@ -20,10 +20,12 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use batch::{
     a_batch_answers_each_member, a_batch_commits_at_one_revision,
-    a_batch_on_one_key_twice_is_refused, release_if_owned_compares_the_owner,
+    a_batch_on_one_key_twice_is_refused, hand_over_if_owned_compares_the_owner,
+    release_if_owned_compares_the_owner,
 };
 use latchkey_arbiter::lock_log::{
-    Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, StoreError, WatchSignal,
+    Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
+    StoreError, WatchSignal,
 };
 
 /// A session TTL no case outlives.
@@ -67,6 +69,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(release_orphan_is_conditional);
     case!(a_claim_stops_the_orphan_release);
     case!(release_if_owned_compares_the_owner);
+    case!(hand_over_if_owned_compares_the_owner);
     case!(a_batch_commits_at_one_revision);
     case!(a_batch_answers_each_member);
     case!(a_batch_on_one_key_twice_is_refused);
@@ -603,7 +606,7 @@ pub async fn hand_over_replaces_the_holder(log: &dyn LockLog) -> anyhow::Result<
     // the next session's record is not what the hand-over says
     let refused = log
         .hand_over(HandOverTxn {
-            from: &held,
+            from: HandOverFrom::Exact(&held),
             next_session: ib,
             holder_record: holder_record(key, ib),
             epoch: &epoch,
@@ -616,7 +619,7 @@ pub async fn hand_over_replaces_the_holder(log: &dyn LockLog) -> anyhow::Result<
     let next = holder_record(key, ib);
     let handed = log
         .hand_over(HandOverTxn {
-            from: &held,
+            from: HandOverFrom::Exact(&held),
             next_session: ib,
             holder_record: next.clone(),
             epoch: &epoch,
@@ -647,7 +650,7 @@ pub async fn hand_over_replaces_the_holder(log: &dyn LockLog) -> anyhow::Result<
     // the replaced hold no longer hands over or releases
     let stale = log
         .hand_over(HandOverTxn {
-            from: &held,
+            from: HandOverFrom::Exact(&held),
             next_session: ic,
             holder_record: holder_record(key, ic),
             epoch: &epoch,
@@ -669,7 +672,7 @@ pub async fn hand_over_replaces_the_holder(log: &dyn LockLog) -> anyhow::Result<
     };
     let onto_gone = log
         .hand_over(HandOverTxn {
-            from: &b_holds,
+            from: HandOverFrom::Exact(&b_holds),
             next_session: ic,
             holder_record: holder_record(key, ic),
             epoch: &epoch,
@@ -988,7 +991,7 @@ pub async fn revisions_are_never_reused(log: &dyn LockLog) -> anyhow::Result<()>
     let next_value = holder_record(key, next);
     let handed = log
         .hand_over(HandOverTxn {
-            from: &held,
+            from: HandOverFrom::Exact(&held),
             next_session: next,
             holder_record: next_value.clone(),
             epoch: &epoch,

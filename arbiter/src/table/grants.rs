@@ -9,7 +9,7 @@ use super::batch::{GrantMember, Member};
 use super::{Attempt, Claim, Grant, GrantRequest, LockTable, Next, Released};
 use crate::error::ArbiterError;
 use crate::lock_log::{
-    BatchOutcome, Claimed, Granted, HandOverTxn, HeldAt, ReleaseTxn, ReleasedIf,
+    BatchOutcome, Claimed, Granted, HandOverFrom, HandOverTxn, HeldAt, ReleaseTxn, ReleasedIf,
 };
 use crate::records::{HolderRecord, NotOwned, SessionRecord, check_owner, decode, encode};
 
@@ -291,7 +291,7 @@ impl LockTable {
     /// why).
     pub(super) async fn hand_over(
         &self,
-        held: &HeldAt,
+        from: HandOverFrom<'_>,
         next: &GrantRequest,
     ) -> Result<Option<(Grant, Option<HolderRecord>)>, ArbiterError> {
         let state = self.seal.serving_epoch().await?;
@@ -300,7 +300,7 @@ impl LockTable {
             .seal
             .checked_write(
                 self.log.hand_over(HandOverTxn {
-                    from: held,
+                    from,
                     next_session: next.session,
                     holder_record: next.holder_bytes(),
                     epoch: &state.bytes,
@@ -315,7 +315,7 @@ impl LockTable {
         self.seal.make_durable(&state, header.revision).await?;
         Ok(Some((
             Grant {
-                key: held.key.clone(),
+                key: from.key().to_string(),
                 session: next.session,
                 epoch: state.epoch(),
                 revision: header.revision,

@@ -48,7 +48,7 @@ pub(crate) const BATCH_LIMIT: usize = 64;
 /// One member, planned: its compares, the writes of its success branch,
 /// and how to read its answer.
 pub(crate) struct Planned {
-    compares: Vec<Compare>,
+    pub(super) compares: Vec<Compare>,
     writes: Vec<Op>,
     kind: Kind,
 }

@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
-    BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
-    LogResult, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
+    BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch,
+    Kv, LockLog, LogResult, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -227,9 +227,19 @@ impl LockLog for IdLog {
 
     async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
         self.t(|| "hand_over".into());
-        let from = self.held(txn.from);
+        let (held, owned);
+        let from = match txn.from {
+            HandOverFrom::Exact(h) => {
+                held = self.held(h);
+                HandOverFrom::Exact(&held)
+            }
+            HandOverFrom::Owned(o) => {
+                owned = self.release_txn(o);
+                HandOverFrom::Owned(&owned)
+            }
+        };
         let txn = HandOverTxn {
-            from: &from,
+            from,
             next_session: self.store_id(txn.next_session),
             ..txn
         };

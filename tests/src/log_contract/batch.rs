@@ -6,8 +6,8 @@
 
 use anyhow::{Context, ensure};
 use latchkey_arbiter::lock_log::{
-    BatchOp, BatchOutcome, GrantTxn, Granted, HeldAt, Kv, LockLog, ReleaseTxn, ReleasedIf,
-    StoreError,
+    BatchOp, BatchOutcome, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, Kv, LockLog,
+    ReleaseTxn, ReleasedIf, StoreError,
 };
 
 use super::{epoch, holder_record, lease, one_write, open, revision, revoke_all, take, unchanged};
@@ -108,6 +108,90 @@ pub async fn release_if_owned_compares_the_owner(log: &dyn LockLog) -> anyhow::R
     ensure!(again.value == ReleasedIf::No { holder: None });
     unchanged(log, at, "a second release").await?;
     revoke_all(log, &[id, other]).await
+}
+
+/// A hand-over that compares its owner as [`release_if_owned_compares_the_owner`]
+/// does, with no read before it: refused (nothing written) for the wrong
+/// revision, lease or first bytes; with the right ones the next session's
+/// record replaces the hold at a new revision and the replaced bytes return.
+pub async fn hand_over_if_owned_compares_the_owner(log: &dyn LockLog) -> anyhow::Result<()> {
+    let epoch = epoch(log).await?;
+    let (a, b) = (
+        "spiffe://contract/hand-over-owned/a",
+        "spiffe://contract/hand-over-owned/b",
+    );
+    let (ia, ib, other) = (lease(27, 0), lease(27, 1), lease(27, 2));
+    open(log, ia, a).await?;
+    let rb = open(log, ib, b).await?;
+    open(log, other, a).await?;
+    let key = "contract/hand-over-owned/k";
+    let held = take(log, key, ia, a, &epoch).await?;
+    let right = ReleaseTxn {
+        key: key.to_string(),
+        session: ia,
+        revision: held.revision,
+        owner: owner(key, ia),
+    };
+    let wrong = [
+        ReleaseTxn {
+            revision: held.revision - 1,
+            ..right.clone()
+        },
+        ReleaseTxn {
+            session: other,
+            ..right.clone()
+        },
+        ReleaseTxn {
+            owner: format!("{key} held by x").into_bytes(),
+            ..right.clone()
+        },
+        ReleaseTxn {
+            owner: held.value.clone(),
+            ..right.clone()
+        },
+    ];
+    let next = holder_record(key, ib);
+    let hand_over = |from: &ReleaseTxn| {
+        let from = from.clone();
+        let (next, rb, epoch) = (next.clone(), rb.clone(), epoch.clone());
+        async move {
+            log.hand_over(HandOverTxn {
+                from: HandOverFrom::Owned(&from),
+                next_session: ib,
+                holder_record: next,
+                epoch: &epoch,
+                next_session_record: &rb,
+            })
+            .await
+        }
+    };
+    for txn in &wrong {
+        let answer = hand_over(txn).await?;
+        ensure!(answer.value.is_none(), "handed over with {txn:?}");
+        ensure!(answer.header.revision == held.revision);
+    }
+    unchanged(log, held.revision, "refused hand-overs").await?;
+    let handed = hand_over(&right).await?;
+    ensure!(
+        handed.value == Some(Some(held.value.clone())),
+        "{:?}",
+        handed.value
+    );
+    let at = one_write(log, held.revision, "the hand-over").await?;
+    ensure!(handed.header.revision == at);
+    let kv = log
+        .holder(key)
+        .await?
+        .value
+        .context("no holder after the hand-over")?;
+    ensure!(
+        kv.lease == ib && kv.mod_revision == at && kv.value == next,
+        "{kv:?}"
+    );
+    // the replaced hold's owner no longer hands over
+    ensure!(hand_over(&right).await?.value.is_none());
+    unchanged(log, at, "a second hand-over").await?;
+    revoke_all(log, &[ia, ib, other]).await
 }
 
 /// Grants and releases on distinct keys in one batch: every member that

@@ -7,8 +7,8 @@ use etcd_client::{
 
 use super::{EtcdLog, answer, first_kv, kv, lease_not_found, unavailable, unavailable_on};
 use crate::lock_log::{
-    BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, Kv, LogResult,
-    ReleaseTxn, ReleasedIf, StoreError,
+    BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, Kv,
+    LogResult, ReleaseTxn, ReleasedIf, StoreError,
 };
 
 /// One grant: the holder record on the session's lease if the key is
@@ -75,16 +75,8 @@ fn granted(succeeded: bool, ops: Vec<TxnOpResponse>) -> Granted {
 /// fails too). On a failure the same transaction reads the hold.
 fn release_txn(log: &EtcdLog, txn: &ReleaseTxn) -> Result<Txn, StoreError> {
     let holder_key = log.layout.holder(&txn.key);
-    let above = owner_bound(&txn.owner).ok_or_else(|| StoreError::Refused {
-        context: "an owner prefix that ends in 0xff, or is empty, cannot be compared".into(),
-    })?;
     Ok(Txn::new()
-        .when([
-            Compare::mod_revision(holder_key.clone(), CompareOp::Equal, txn.revision),
-            Compare::lease(holder_key.clone(), CompareOp::Equal, txn.session),
-            Compare::value(holder_key.clone(), CompareOp::Greater, txn.owner.clone()),
-            Compare::value(holder_key.clone(), CompareOp::Less, above),
-        ])
+        .when(owned_by(log, txn)?)
         .and_then([
             TxnOp::delete(
                 holder_key.clone(),
@@ -96,6 +88,21 @@ fn release_txn(log: &EtcdLog, txn: &ReleaseTxn) -> Result<Txn, StoreError> {
             ),
         ])
         .or_else([TxnOp::get(holder_key, None)]))
+}
+
+/// [`release_txn`]'s compares: the hold on `txn.key` is on the session's
+/// lease at the token's revision and its record begins with `txn.owner`.
+fn owned_by(log: &EtcdLog, txn: &ReleaseTxn) -> Result<[Compare; 4], StoreError> {
+    let holder_key = log.layout.holder(&txn.key);
+    let above = owner_bound(&txn.owner).ok_or_else(|| StoreError::Refused {
+        context: "an owner prefix that ends in 0xff, or is empty, cannot be compared".into(),
+    })?;
+    Ok([
+        Compare::mod_revision(holder_key.clone(), CompareOp::Equal, txn.revision),
+        Compare::lease(holder_key.clone(), CompareOp::Equal, txn.session),
+        Compare::value(holder_key.clone(), CompareOp::Greater, txn.owner.clone()),
+        Compare::value(holder_key, CompareOp::Less, above),
+    ])
 }
 
 /// The least byte string above every string that begins with `owner`.
@@ -234,7 +241,10 @@ pub(super) async fn hand_over(
     log: &EtcdLog,
     txn: HandOverTxn<'_>,
 ) -> LogResult<Option<Option<Vec<u8>>>> {
-    let mut compares = still_held(log, txn.from).to_vec();
+    let mut compares = match txn.from {
+        HandOverFrom::Exact(held) => still_held(log, held).to_vec(),
+        HandOverFrom::Owned(owned) => owned_by(log, owned)?.to_vec(),
+    };
     compares.extend([
         Compare::value(log.layout.epoch(), CompareOp::Equal, txn.epoch),
         Compare::create_revision(log.layout.seal(), CompareOp::Equal, 0),
@@ -246,7 +256,7 @@ pub(super) async fn hand_over(
     ]);
     let etcd_txn = Txn::new().when(compares).and_then([
         TxnOp::put(
-            log.layout.holder(&txn.from.key),
+            log.layout.holder(txn.from.key()),
             txn.holder_record,
             Some(
                 PutOptions::new()
@@ -255,7 +265,7 @@ pub(super) async fn hand_over(
             ),
         ),
         TxnOp::delete(
-            log.layout.claims_of(&txn.from.key),
+            log.layout.claims_of(txn.from.key()),
             Some(DeleteOptions::new().with_prefix()),
         ),
     ]);
