@@ -19,6 +19,11 @@
 //! `--ops inspect` or `--ops pair` measures one table only. Where the filter's
 //! time goes: docs/edge-filter-profile.md.
 //!
+//! The Acquire+Release table also runs etcd's own `Lock` + `Unlock` against the
+//! same etcd, interleaved in the same rounds, and prints each path's
+//! throughput at N callers as a ratio of it: what a team that switches from
+//! etcd's lock to Latchkey through its sidecar gets.
+//!
 //! Besides latency, each Envoy's CPU time per call (all its threads, from
 //! `/proc/<pid>/task/*/schedstat`, over the measured loop) is printed: on a
 //! shared 2-core machine it is a steadier measure of what the filter costs
@@ -32,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
+use etcd_client::{Client as EtcdClient, LockOptions};
 use hdrhistogram::Histogram;
 use latchkey_proto::lockv1::lock_client::LockClient;
 use latchkey_proto::lockv1::{
@@ -220,6 +226,69 @@ async fn measure(
     })
 }
 
+/// etcd's own Lock + Unlock, each caller with its own client, lease and lock
+/// name: the baseline a Latchkey pair through the edge is compared with.
+async fn measure_etcd_lock(
+    endpoint: &str,
+    callers: usize,
+    seconds: u64,
+    tag: &str,
+) -> anyhow::Result<Sample> {
+    let hist = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(
+        1, 60_000_000, 3,
+    )?));
+    let calls = Arc::new(AtomicU64::new(0));
+    let ready = Arc::new(tokio::sync::Barrier::new(callers + 1));
+    let mut tasks = Vec::new();
+    for w in 0..callers {
+        let (hist, calls, ready) = (hist.clone(), calls.clone(), ready.clone());
+        let (endpoint, name) = (endpoint.to_owned(), format!("edge-bench/etcd/{tag}/{w}"));
+        tasks.push(tokio::spawn(async move {
+            let mut client = EtcdClient::connect([endpoint], None).await?;
+            let lease = client.lease_grant(60, None).await?.id();
+            ready.wait().await;
+            let deadline = Instant::now() + Duration::from_secs(seconds);
+            let warm_until = Instant::now() + Duration::from_millis(300);
+            let mut local = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+            let mut i = 0u64;
+            loop {
+                let now = Instant::now();
+                if now >= deadline {
+                    break;
+                }
+                i += 1;
+                let start = Instant::now();
+                let locked = client
+                    .lock(name.as_str(), Some(LockOptions::new().with_lease(lease)))
+                    .await
+                    .context("etcd lock")?;
+                client
+                    .unlock(locked.key().to_vec())
+                    .await
+                    .context("etcd unlock")?;
+                if now >= warm_until {
+                    local.record(start.elapsed().as_micros() as u64)?;
+                }
+            }
+            client.lease_revoke(lease).await?;
+            calls.fetch_add(i * 2, Ordering::Relaxed);
+            hist.lock().await.add(&local)?;
+            anyhow::Ok(())
+        }));
+    }
+    ready.wait().await;
+    for t in tasks {
+        t.await??;
+    }
+    let h = hist.lock().await.clone();
+    Ok(Sample {
+        hist: h,
+        seconds: seconds as f64 - 0.3,
+        calls: calls.load(Ordering::Relaxed),
+        cpu_ns: None,
+    })
+}
+
 /// Measurements of one (path, callers) cell, merged over the rounds.
 #[derive(Clone)]
 struct Sample {
@@ -295,6 +364,7 @@ fn cpu_column(run: &Run) -> String {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let etcd = EtcdServer::start().await?;
+    let endpoint = etcd.endpoint();
     let arbiter = Arbiter::start(
         &etcd,
         ArbiterOptions {
@@ -377,7 +447,26 @@ async fn main() -> anyhow::Result<()> {
             "cpu/call"
         );
         let mut cells: Vec<Option<(Sample, Sample)>> = vec![None; paths.len()];
+        let mut etcd_lock: Option<(Sample, Sample)> = None;
         for round in 0..args.rounds {
+            if op == Op::Pair {
+                let one =
+                    measure_etcd_lock(&endpoint, 1, args.seconds, &format!("l{round}")).await?;
+                let many = measure_etcd_lock(
+                    &endpoint,
+                    args.concurrency,
+                    args.seconds,
+                    &format!("t{round}"),
+                )
+                .await?;
+                match &mut etcd_lock {
+                    Some((a, b)) => {
+                        a.merge(&one)?;
+                        b.merge(&many)?;
+                    }
+                    slot @ None => *slot = Some((one, many)),
+                }
+            }
             for (i, (_, addr, _)) in paths.iter().enumerate() {
                 let pid = pids.get(i).copied().flatten();
                 let one = measure(
@@ -426,6 +515,29 @@ async fn main() -> anyhow::Result<()> {
                 cpu_column(&many)
             );
             results.push((name.clone(), one, many));
+        }
+        if let Some((one, many)) = etcd_lock {
+            let (one, many) = (one.run(), many.run());
+            println!(
+                "{:<34} {:>9} {:>9} {:>11.0} {:>9} {:>9} {:>9} {:>11.0} {:>9}",
+                "etcd Lock + Unlock (baseline)",
+                one.p50_us,
+                one.p99_us,
+                one.ops,
+                "-",
+                many.p50_us,
+                many.p99_us,
+                many.ops,
+                "-"
+            );
+            for (name, _, path_many) in &results {
+                println!(
+                    "  {name}: throughput x{:.2}, p50 x{:.2} vs etcd Lock + Unlock at {} callers",
+                    path_many.ops / many.ops.max(1.0),
+                    path_many.p50_us as f64 / many.p50_us.max(1) as f64,
+                    args.concurrency,
+                );
+            }
         }
         report(&results, args.concurrency);
     }
