@@ -14,9 +14,11 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 /// The default `--max-sessions-per-identity`.
 pub const DEFAULT_MAX_SESSIONS_PER_IDENTITY: u32 = 1000;
@@ -79,7 +81,7 @@ impl Bounds {
         at: i64,
         max: u32,
     ) -> Option<OpenReservation<'_>> {
-        let mut opening = self.opening.lock().ok()?;
+        let mut opening = self.opening.lock();
         let slots = opening.entry(identity.to_string()).or_default();
         let in_flight = slots
             .iter()
@@ -112,21 +114,19 @@ impl Bounds {
     /// The TTL left (whole seconds, at least 1) when `session` was renewed in
     /// etcd within the last quarter of its TTL; `None`: renew it in etcd.
     pub fn recent_renewal(&self, session: i64) -> Option<i64> {
-        self.renewals.lock().ok()?.recent(session, Instant::now())
+        self.renewals.lock().recent(session, Instant::now())
     }
 
     /// Notes an etcd renewal of `session` sent at `sent` that answered `ttl_seconds`.
     pub fn renewed(&self, session: i64, sent: Instant, ttl_seconds: i64) {
-        if let Ok(mut memo) = self.renewals.lock() {
-            memo.note(session, sent, ttl_seconds, Instant::now());
-        }
+        self.renewals
+            .lock()
+            .note(session, sent, ttl_seconds, Instant::now());
     }
 
     /// Forgets `session` (closed): its next renewal goes to etcd.
     pub fn forget_renewal(&self, session: i64) {
-        if let Ok(mut memo) = self.renewals.lock() {
-            memo.entries.remove(&session);
-        }
+        self.renewals.lock().entries.remove(&session);
     }
 }
 
@@ -147,14 +147,14 @@ impl OpenReservation<'_> {
 
 impl Drop for OpenReservation<'_> {
     fn drop(&mut self) {
-        if let Ok(mut opening) = self.bounds.opening.lock()
-            && let Some(slots) = opening.get_mut(&self.identity)
-        {
+        let mut opening = self.bounds.opening.lock();
+        if let Some(slots) = opening.get_mut(&self.identity) {
             slots.retain(|s| !Arc::ptr_eq(s, &self.slot));
             if slots.is_empty() {
                 opening.remove(&self.identity);
             }
         }
+        drop(opening);
         self.bounds.open_progress.notify_waiters();
     }
 }
@@ -165,7 +165,7 @@ const PRUNE_EVERY: Duration = Duration::from_secs(10);
 
 impl crate::lock_log::etcd::RenewalMemo for Bounds {
     fn recent(&self, lease: i64) -> Option<crate::lock_log::etcd::Renewed> {
-        let memo = self.renewals.lock().ok()?;
+        let memo = self.renewals.lock();
         let r = memo.entries.get(&lease)?;
         r.fresh(Instant::now())
             .then(|| crate::lock_log::etcd::Renewed {
@@ -358,9 +358,6 @@ mod tests {
             .expect("2 counted + 0 in flight");
         drop(first);
         drop(_fourth);
-        assert!(
-            bounds.opening.lock().unwrap().is_empty(),
-            "entries leave at zero"
-        );
+        assert!(bounds.opening.lock().is_empty(), "entries leave at zero");
     }
 }

@@ -108,6 +108,11 @@ struct Args {
     /// in etcd, and etcd refuses every write once its quota is full.
     #[arg(long, default_value_t = crate::hold_counts::DEFAULT_MAX_HOLDS_PER_IDENTITY)]
     max_holds_per_identity: u32,
+    /// Bound on the quorum-loss spool (ADR-04): the unprotected grants open
+    /// classes get from memory while etcd has no quorum, plus spools not yet
+    /// collected by the audit tailer. Beyond it such grants are refused.
+    #[arg(long, default_value_t = crate::quorum_loss::DEFAULT_SPOOL_LIMIT_BYTES)]
+    quorum_loss_spool_bytes: u64,
     /// Serve without TLS; callers name themselves in a header. Laptops only.
     #[arg(long)]
     insecure_dev: bool,
@@ -136,6 +141,10 @@ struct Args {
     /// Require an `amr` claim naming a second factor (otp, hwk, mfa, ...).
     #[arg(long, requires = "oidc_issuer")]
     oidc_require_mfa: bool,
+    /// Clock skew allowed on the ID token's exp, nbf and iat, in seconds
+    /// (0 to 300).
+    #[arg(long, value_name = "SECONDS", default_value_t = crate::oidc::DEFAULT_LEEWAY.as_secs())]
+    oidc_leeway_seconds: u64,
     /// The etcd user force-release transactions run as: a role that may
     /// only touch holds, claims and force records (docs/security.md).
     #[arg(long, value_name = "NAME", requires_all = ["force_etcd_password_file", "oidc_issuer"])]
@@ -156,12 +165,20 @@ fn force_release(args: &Args) -> anyhow::Result<crate::force_release::ForceRelea
             oidc.role_claim = args.oidc_role_claim.clone();
             oidc.role = args.oidc_role.clone();
             oidc.require_mfa = args.oidc_require_mfa;
+            oidc.leeway = Duration::from_secs(args.oidc_leeway_seconds);
             oidc.check().map_err(anyhow::Error::msg)?;
             Some(oidc)
         }
         (None, None) => None,
         _ => bail!("--oidc-issuer and --oidc-audience go together"),
     };
+    if args.oidc_leeway_seconds > crate::oidc::MAX_LEEWAY.as_secs() {
+        bail!(
+            "--oidc-leeway-seconds {} is too large: at most {} (the clock skew allowed on an ID token's expiry; a larger one keeps expired tokens good)",
+            args.oidc_leeway_seconds,
+            crate::oidc::MAX_LEEWAY.as_secs()
+        );
+    }
     let etcd_user = match (&args.force_etcd_user, &args.force_etcd_password_file) {
         (Some(name), Some(password_file)) => Some(EtcdUser {
             name: name.clone(),
@@ -264,6 +281,7 @@ pub async fn main_with(
     config.max_sessions_per_identity = args.max_sessions_per_identity;
     config.max_holds_per_identity = args.max_holds_per_identity;
     config.max_waiters_per_identity = args.max_waiters_per_identity;
+    config.quorum_loss.spool_limit_bytes = args.quorum_loss_spool_bytes;
     config.metrics_listen = args.metrics_listen;
     config.log_layer = log_layer;
     config.force_release = force_release;
@@ -424,6 +442,7 @@ mod tests {
             "--oidc-role-claim",
             "--oidc-role",
             "--oidc-require-mfa",
+            "--oidc-leeway-seconds",
             "--force-etcd-user",
             "--force-etcd-password-file",
         ] {
@@ -468,6 +487,35 @@ mod tests {
         let args = parse(&["--oidc-issuer", "http://sso", "--oidc-audience", "x"]).unwrap();
         let err = force_release(&args).unwrap_err().to_string();
         assert!(err.contains("https://"), "{err}");
+    }
+
+    #[test]
+    fn oidc_leeway_flag() {
+        let on = ["--oidc-issuer", "https://sso", "--oidc-audience", "x"];
+        let leeway = |extra: &[&str]| {
+            let args = parse(&[&on[..], extra].concat())?;
+            force_release(&args).map(|c| c.oidc.map(|o| o.leeway))
+        };
+        let default = leeway(&[]).unwrap();
+        assert_eq!(default, Some(crate::oidc::DEFAULT_LEEWAY));
+        assert_eq!(default, Some(Duration::from_secs(30)));
+        for (flag, want) in [("0", 0), ("5", 5), ("300", 300)] {
+            let got = leeway(&["--oidc-leeway-seconds", flag]).unwrap();
+            assert_eq!(got, Some(Duration::from_secs(want)), "{flag}");
+        }
+        let err = leeway(&["--oidc-leeway-seconds", "301"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--oidc-leeway-seconds 301 is too large: at most 300"),
+            "{err}"
+        );
+        for bad in ["-1", "30s", "", "1e3"] {
+            assert!(
+                parse(&[&on[..], &["--oidc-leeway-seconds", bad]].concat()).is_err(),
+                "accepted --oidc-leeway-seconds {bad:?}"
+            );
+        }
     }
 
     /// Starts far enough to read the credentials; returns the error.

@@ -276,6 +276,8 @@ pub struct Config {
     pub metrics_listen: Option<String>,
     /// Two-person force-release (ADR-20): off unless an OIDC provider is set.
     pub force_release: crate::force_release::ForceReleaseConfig,
+    /// ADR-04: how quorum loss is decided, and the open classes' spool bound.
+    pub quorum_loss: crate::quorum_loss::QuorumLossConfig,
 }
 
 impl Config {
@@ -310,6 +312,7 @@ impl Config {
             log_layer: None,
             metrics_listen: None,
             force_release: crate::force_release::ForceReleaseConfig::default(),
+            quorum_loss: crate::quorum_loss::QuorumLossConfig::default(),
         }
     }
 }

@@ -9,7 +9,7 @@
 //! cluster id) lifts it. Nothing else does, not even revisions that later grow
 //! past the mark again.
 
-use std::sync::RwLock;
+use parking_lot::RwLock;
 
 use crate::error::ArbiterError;
 use crate::high_water::Mark;
@@ -98,10 +98,7 @@ pub fn evaluate(
 impl EpochGuard {
     /// The epoch to grant in, or SEALED.
     pub fn serving(&self) -> Result<EpochState, ArbiterError> {
-        let inner = self
-            .inner
-            .read()
-            .map_err(|_| ArbiterError::Internal("epoch guard poisoned".into()))?;
+        let inner = self.inner.read();
         match (&inner.seal, &inner.state) {
             (Some(seal), _) => Err(ArbiterError::Sealed {
                 reason: seal.reason.clone(),
@@ -115,14 +112,11 @@ impl EpochGuard {
     }
 
     pub fn state(&self) -> Option<EpochState> {
-        self.inner.read().ok().and_then(|i| i.state.clone())
+        self.inner.read().state.clone()
     }
 
     pub fn seal_reason(&self) -> Option<String> {
-        self.inner
-            .read()
-            .ok()
-            .and_then(|i| i.seal.as_ref().map(|s| s.reason.clone()))
+        self.inner.read().seal.as_ref().map(|s| s.reason.clone())
     }
 
     /// Installs a freshly read epoch record. A seal is lifted only by a larger
@@ -142,9 +136,7 @@ impl EpochGuard {
             mark,
             seal_record,
         );
-        let Ok(mut inner) = self.inner.write() else {
-            return None;
-        };
+        let mut inner = self.inner.write();
         let epoch = state.epoch();
         inner.state = Some(state);
         match (verdict, inner.seal.clone()) {
@@ -167,9 +159,7 @@ impl EpochGuard {
     /// Seals for `reason` (found outside a header check); whether this call
     /// sealed (false if sealed already or no epoch is installed).
     pub fn seal_now(&self, reason: &str) -> bool {
-        let Ok(mut inner) = self.inner.write() else {
-            return false;
-        };
+        let mut inner = self.inner.write();
         let Some(epoch) = inner.state.as_ref().map(EpochState::epoch) else {
             return false;
         };
@@ -193,7 +183,7 @@ impl EpochGuard {
     ) -> Option<String> {
         let state = self.state()?;
         let reason = evaluate(&state, header_cluster_id, header_revision, mark, None)?;
-        let mut inner = self.inner.write().ok()?;
+        let mut inner = self.inner.write();
         if inner.seal.is_some() {
             return None;
         }

@@ -18,7 +18,10 @@
 //! whose role may touch only the keys it needs (docs/security.md); revoking
 //! the holder's session (asked for with the request) needs write access to
 //! every key on the session's lease, so it uses the arbiter's own client,
-//! after the transaction. Nothing is written on any refusal, and no token
+//! after the transaction: one transaction deletes the session's record (no
+//! grant on it from then on) and writes a `sys/revoked/<lease>` marker,
+//! then `LeaseRevoke` ends its holds, which the audit tailer records as
+//! `force-revoked` ([`RevokeRecord`]). Nothing is written on any refusal, and no token
 //! (fencing or ID) ever reaches a record, a log line or an error.
 
 pub mod etcd;
@@ -112,6 +115,25 @@ pub struct ForceRecord {
     /// The operators' channel identities (SVIDs).
     pub requester_identity: String,
     pub approver_identity: String,
+}
+
+/// A session an operator's force-release revoked, as stored under
+/// `{prefix}/sys/revoked/<lease, 16 hex digits>` on a 24 h lease, written in
+/// the transaction that deletes the session's record, before the lease is
+/// revoked: the audit tailer reads the revoke's deletions against it as
+/// `force-revoked` rather than an expiry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RevokeRecord {
+    pub session: i64,
+    /// The key whose force-release asked for the revocation.
+    pub key: String,
+    pub request_id: String,
+    pub requested_by: String,
+    pub approved_by: String,
+    pub reason: String,
+    pub holder_identity: String,
+    pub revoked_at_unix_ms: i64,
 }
 
 /// Why a force-release call is refused. Messages say what to do next.
@@ -353,7 +375,23 @@ impl ForceRelease {
                 etcd::ExecuteError::Force(e) => e,
             })?;
         let session_revoked = match request.revoke_session {
-            true => Some(self.store.revoke_session(request.holder_session).await),
+            true => {
+                let marker = RevokeRecord {
+                    session: request.holder_session,
+                    key: request.key.clone(),
+                    request_id: request.id.clone(),
+                    requested_by: request.requester_subject.clone(),
+                    approved_by: approver.subject.clone(),
+                    reason: request.reason.clone(),
+                    holder_identity: request.holder_identity.clone(),
+                    revoked_at_unix_ms: crate::records::now_unix_ms(),
+                };
+                Some(
+                    self.store
+                        .revoke_session(request.holder_session, &request.holder_identity, &marker)
+                        .await,
+                )
+            }
             false => None,
         };
         Ok(Approved {

@@ -14,9 +14,10 @@
 mod slots;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -159,7 +160,7 @@ impl HighWater {
 
     /// The mark on disk.
     pub fn current(&self) -> Option<Mark> {
-        self.durable_view.lock().map(|g| *g).unwrap_or(None)
+        *self.durable_view.lock()
     }
 
     /// Returns once a mark at least as high as `mark` is on disk.
@@ -171,7 +172,8 @@ impl HighWater {
     /// wrote; the next caller waits for that write and finds its mark
     /// covered.
     pub async fn record(&self, mark: Mark) -> Result<(), HighWaterError> {
-        if let Ok(mut wanted) = self.wanted.lock() {
+        {
+            let mut wanted = self.wanted.lock();
             match *wanted {
                 Some(w) if w.covers(&mark) => {}
                 _ => *wanted = Some(mark),
@@ -181,18 +183,12 @@ impl HighWater {
         if durable.mark.is_some_and(|d| d.covers(&mark)) {
             return Ok(());
         }
-        let target = self
-            .wanted
-            .lock()
-            .map(|w| w.unwrap_or(mark))
-            .unwrap_or(mark);
+        let target = self.wanted.lock().unwrap_or(mark);
         let view = Arc::clone(&self.durable_view);
         self.writes.fetch_add(1, Ordering::Relaxed);
         let Some(path) = self.path.clone() else {
             durable.mark = Some(target);
-            if let Ok(mut view) = view.lock() {
-                *view = Some(target);
-            }
+            *view.lock() = Some(target);
             return Ok(());
         };
         let joined_path = path.clone();
@@ -218,9 +214,7 @@ impl HighWater {
             // opens it afresh, so a sequence number never goes back.
             durable.writer = Some(written);
             durable.mark = Some(target);
-            if let Ok(mut view) = view.lock() {
-                *view = Some(target);
-            }
+            *view.lock() = Some(target);
             Ok(())
         });
         write.await.map_err(|e| HighWaterError::Write {

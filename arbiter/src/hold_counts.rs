@@ -25,8 +25,10 @@
 //! why a hold ended); the client knows what it released and ignores those.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+
+use parking_lot::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use etcd_client::{Client, EventType, GetOptions, KeyValue, WatchOptions};
@@ -170,9 +172,7 @@ impl HoldCounts {
     }
 
     fn watchers(&self) -> MutexGuard<'_, HashMap<i64, Vec<(u64, Notices)>>> {
-        self.watchers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.watchers.lock()
     }
 
     /// Stream `stream` renews `session` (owned by its caller: checked before
@@ -202,9 +202,7 @@ impl HoldCounts {
     fn unclaimed(
         &self,
     ) -> MutexGuard<'_, std::collections::VecDeque<(std::time::Instant, i64, EndedHold)>> {
-        self.unclaimed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.unclaimed.lock()
     }
 
     /// Stream `stream` no longer renews `session` (gone, or the stream ended).
@@ -247,9 +245,7 @@ impl HoldCounts {
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state is plain counts, consistent after every statement: a
         // panic elsewhere while holding the lock leaves nothing half-done.
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.state.lock()
     }
 
     /// Admits one Acquire of `identity`, or refuses it: `IdentityLimit` at

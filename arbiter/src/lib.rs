@@ -28,9 +28,11 @@ pub mod lock_log;
 pub mod metrics;
 pub mod oidc;
 pub mod policy;
+pub mod quorum_loss;
 pub mod records;
 mod service;
 pub mod table;
+pub mod tls_reload;
 pub mod token;
 pub mod wasm_hooks;
 pub mod witness;
@@ -44,7 +46,7 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tonic::transport::Server;
 use tracing::{info, warn};
 
 pub use config::{
@@ -73,7 +75,7 @@ pub enum RunError {
     #[error("cannot build the gRPC reflection service: {0}")]
     Reflection(String),
     #[error("policies: {0}")]
-    Policies(#[from] latchkey_policies::PolicyError),
+    Policies(#[from] policy::LoadError),
     #[error(transparent)]
     HighWater(#[from] high_water::HighWaterError),
     #[error("etcd: {0}")]
@@ -118,8 +120,12 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
+    #[error("TLS: {0}")]
+    Tls(tls_reload::TlsLoadError),
     #[error("force-release: {0}")]
     ForceRelease(String),
+    #[error("quorum-loss spool: {0}")]
+    QuorumLossSpool(String),
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
     #[error("cannot listen for metrics on {addr}: {source}")]
@@ -265,6 +271,18 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         tokio_util::task::AbortOnDrop::new(tokio::spawn(follow).abort_handle())
     };
     let force = force_release(config, &lock_store).await?;
+    // ADR-04: the probe that decides quorum loss, and the open classes' spool.
+    let quorum = Arc::new(
+        quorum_loss::QuorumLoss::new(
+            config.quorum_loss.clone(),
+            &config.state_dir,
+            config.max_holds_per_identity,
+            config.max_waiters_per_identity,
+        )
+        .map_err(|e| RunError::QuorumLossSpool(e.to_string()))?,
+    );
+    quorum.set_cluster_id(state.cluster_id);
+    let quorum_probe = quorum.spawn_probe(table.log().clone());
     let identity = match &config.tls {
         Some(_) => IdentitySource::Tls {
             trust_domain: config.trust_domain.clone(),
@@ -296,6 +314,8 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         holds,
         _hold_watch: hold_watch,
         force,
+        quorum,
+        _quorum_probe: quorum_probe,
     }))
 }
 
@@ -594,7 +614,7 @@ pub async fn run(
         .build_v1alpha()
         .map_err(|e| RunError::Reflection(e.to_string()))?;
 
-    let mut server = Server::builder()
+    let server = Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(5)))
         // HTTP/2 limits, on purpose: see HTTP2_CONNECTION_WINDOW and docs/sessions.md.
@@ -602,34 +622,45 @@ pub async fn run(
         .initial_stream_window_size(HTTP2_STREAM_WINDOW)
         .http2_adaptive_window(Some(false))
         .max_concurrent_streams(HTTP2_MAX_CONCURRENT_STREAMS);
-    match &config.tls {
-        Some(tls) => {
-            let identity = Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
-            let ca = Certificate::from_pem(read(&tls.client_ca)?);
-            // Client certificates are required: no SVID, no handshake.
-            server =
-                server.tls_config(ServerTlsConfig::new().identity(identity).client_ca_root(ca))?;
+    // Client certificates are required: no SVID, no handshake. The files
+    // are reloaded when SPIRE rotates them (tls_reload.rs).
+    let tls = match &config.tls {
+        Some(files) => Some(Arc::new(
+            tls_reload::ReloadingTls::load(files.clone()).map_err(RunError::Tls)?,
+        )),
+        None => {
+            warn!(
+                "INSECURE DEV MODE: no TLS, callers name themselves in a header; never run this way outside a laptop"
+            );
+            None
         }
-        None => warn!(
-            "INSECURE DEV MODE: no TLS, callers name themselves in a header; never run this way outside a laptop"
-        ),
-    }
+    };
     let addr = listener.local_addr().ok();
     info!(
         ?addr,
         tls = config.tls.is_some(),
         "arbiter serving lock.v1 and admin.v1"
     );
-    let result = server
+    let router = server
         // Forwarded identities count only from the initial headers.
         .layer(identity::channel::IdentityChannelLayer)
         .add_service(LockServer::new(LockService::new(arbiter.clone())))
         .add_service(AdminServer::new(AdminService::new(arbiter.clone())))
         .add_service(health)
         .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .serve_with_incoming_shutdown(no_delay(TcpListenerStream::new(listener)), shutdown)
-        .await;
+        .add_service(reflection_v1alpha);
+    let result = match tls {
+        Some(tls) => {
+            router
+                .serve_with_incoming_shutdown(tls.incoming(listener, stop.clone()), shutdown)
+                .await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(no_delay(TcpListenerStream::new(listener)), shutdown)
+                .await
+        }
+    };
     // Returns only once everything it started has stopped: the table's
     // drivers and orphan releases, the reloader, the metrics server.
     stop.cancel();

@@ -26,8 +26,11 @@ pub const REFETCH_COOLDOWN: Duration = Duration::from_secs(10);
 pub const DEFAULT_ROLE_CLAIM: &str = "roles";
 /// `--oidc-role`'s default.
 pub const DEFAULT_ROLE: &str = "lock-operator";
-/// Clock skew allowed on `exp`, `nbf` and `iat`.
+/// Clock skew allowed on `exp`, `nbf` and `iat` (`--oidc-leeway-seconds`).
 pub const DEFAULT_LEEWAY: Duration = Duration::from_secs(30);
+/// The largest `--oidc-leeway-seconds`: skew beyond minutes is a broken
+/// clock, and the leeway keeps an expired token good for that long.
+pub const MAX_LEEWAY: Duration = Duration::from_secs(300);
 
 /// `amr` values (RFC 8176) that name a second factor or a factor stronger
 /// than a password: one of them satisfies `--oidc-require-mfa`.

@@ -1,15 +1,61 @@
 //! The lock classes and prefix grants in force, reloaded when their files
 //! change. A bad change is refused whole: the last good set stays in force
 //! and the reason is logged (and reported by the admin status).
+//!
+//! The directory holds either the reviewed policy files (a `classes/`
+//! subdirectory) or, as Argo CD delivers them (ADR-24), LockClass and
+//! LockGrant manifests (`*.yaml`, e.g. a mounted ConfigMap), checked by the
+//! same loader rules (`latchkey-crds`). Which one is decided at every load.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
+use latchkey_crds::CrdError;
 use latchkey_hook_host::HookHost;
-use latchkey_policies::{Date, PolicyError, PolicySet, fingerprint};
+use latchkey_policies::{CLASSES_DIR, Date, PolicyError, PolicySet, fingerprint};
+use parking_lot::{Mutex, RwLock};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
+
+/// Why a policy directory did not load.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Files(#[from] PolicyError),
+    #[error("{dir} (LockClass/LockGrant manifests): {source}")]
+    Manifests {
+        dir: String,
+        #[source]
+        source: Box<CrdError>,
+    },
+}
+
+/// A policy directory (with `classes/`) or a directory of manifests.
+fn is_manifest_dir(dir: &Path) -> bool {
+    !dir.join(CLASSES_DIR).is_dir()
+}
+
+fn load_set(dir: &Path) -> Result<PolicySet, LoadError> {
+    if is_manifest_dir(dir) {
+        latchkey_crds::load_manifest_dir(dir, std::time::SystemTime::now()).map_err(|source| {
+            LoadError::Manifests {
+                dir: dir.display().to_string(),
+                source: Box::new(source),
+            }
+        })
+    } else {
+        Ok(PolicySet::load_dir(dir, Date::today_utc())?)
+    }
+}
+
+fn fingerprint_of(dir: &Path) -> Option<u64> {
+    if is_manifest_dir(dir) {
+        latchkey_crds::manifest_fingerprint(dir).ok()
+    } else {
+        fingerprint(dir).ok()
+    }
+}
 
 pub struct Policies {
     dir: PathBuf,
@@ -21,10 +67,10 @@ pub struct Policies {
 }
 
 impl Policies {
-    pub fn load(dir: &Path) -> Result<Self, PolicyError> {
+    pub fn load(dir: &Path) -> Result<Self, LoadError> {
         // Fingerprint first: an edit made during the load is then seen as a change.
-        let print = fingerprint(dir).unwrap_or(0);
-        let set = PolicySet::load_dir(dir, Date::today_utc())?;
+        let print = fingerprint_of(dir).unwrap_or(0);
+        let set = load_set(dir)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             current: RwLock::new(Arc::new(set)),
@@ -51,31 +97,26 @@ impl Policies {
     }
 
     pub fn current(&self) -> Arc<PolicySet> {
-        match self.current.read() {
-            Ok(g) => g.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
+        self.current.read().clone()
     }
 
     pub fn last_error(&self) -> Option<String> {
-        self.last_error.read().ok().and_then(|e| e.clone())
+        self.last_error.read().clone()
     }
 
     /// Reloads if the files changed. Returns true when a new set took effect.
     pub fn reload_if_changed(&self) -> bool {
-        let Ok(print) = fingerprint(&self.dir) else {
+        let Some(print) = fingerprint_of(&self.dir) else {
             return false;
         };
         {
-            let Ok(mut last) = self.fingerprint.lock() else {
-                return false;
-            };
+            let mut last = self.fingerprint.lock();
             if *last == print {
                 return false;
             }
             *last = print;
         }
-        match PolicySet::load_dir(&self.dir, Date::today_utc()) {
+        match load_set(&self.dir) {
             Ok(set) => {
                 // The new set's hooks are compiled before it takes effect.
                 if let Some(host) = &self.hooks {
@@ -86,19 +127,13 @@ impl Policies {
                     classes = set.classes().len(),
                     "policies reloaded"
                 );
-                if let Ok(mut cur) = self.current.write() {
-                    *cur = Arc::new(set);
-                }
-                if let Ok(mut e) = self.last_error.write() {
-                    *e = None;
-                }
+                *self.current.write() = Arc::new(set);
+                *self.last_error.write() = None;
                 true
             }
             Err(e) => {
                 warn!(dir = %self.dir.display(), error = %e, "policy change refused; keeping the last good policies");
-                if let Ok(mut le) = self.last_error.write() {
-                    *le = Some(e.to_string());
-                }
+                *self.last_error.write() = Some(e.to_string());
                 false
             }
         }

@@ -57,6 +57,10 @@ pub struct Arbiter {
     pub(crate) _hold_watch: tokio_util::task::AbortOnDrop,
     /// Two-person force-release; `None` without an OIDC provider.
     pub(crate) force: Option<Arc<crate::force_release::ForceRelease>>,
+    /// ADR-04: quorum-loss verdict, open classes' memory grants and spool.
+    pub(crate) quorum: Arc<crate::quorum_loss::QuorumLoss>,
+    /// Ends the quorum probe with the arbiter.
+    pub(crate) _quorum_probe: tokio_util::task::AbortOnDrop,
 }
 
 impl Arbiter {

@@ -35,8 +35,10 @@ pub mod seal;
 mod sessions;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -255,9 +257,9 @@ impl LockTable {
     /// waiter UNAVAILABLE, and returns once they have all finished.
     pub async fn shutdown(&self) {
         self.stop.cancel();
-        let waiters = self.book.lock().map(|mut b| b.drain()).unwrap_or_default();
+        let waiters = self.book.lock().drain();
         for w in waiters {
-            if let Some(tx) = w.slot.lock().ok().and_then(|mut s| s.take()) {
+            if let Some(tx) = w.slot.lock().take() {
                 let _ = tx.send(Err(ArbiterError::store("the arbiter is shutting down")));
             }
         }
@@ -268,19 +270,16 @@ impl LockTable {
     pub fn waiting(&self, key: &str) -> usize {
         self.book
             .lock()
-            .map(|b| b.keys.get(key).map_or(0, |q| q.waiters.len()))
-            .unwrap_or(0)
+            .keys
+            .get(key)
+            .map_or(0, |q| q.waiters.len())
     }
 
     /// (keys with a queue, waiters over all keys), for the metrics.
     pub fn totals(&self) -> (usize, usize) {
-        self.book
-            .lock()
-            .map(|b| {
-                let queued = b.keys.values().filter(|q| !q.waiters.is_empty());
-                queued.fold((0, 0), |(keys, n), q| (keys + 1, n + q.waiters.len()))
-            })
-            .unwrap_or((0, 0))
+        let book = self.book.lock();
+        let queued = book.keys.values().filter(|q| !q.waiters.is_empty());
+        queued.fold((0, 0), |(keys, n), q| (keys + 1, n + q.waiters.len()))
     }
 
     /// Grants `req` at once, or — with `wait` — queues it FIFO behind this
@@ -451,7 +450,7 @@ impl LockTable {
     // --- queues and delivery ---
 
     fn head(&self, key: &str) -> Option<Head> {
-        self.book.lock().ok()?.head(key)
+        self.book.lock().head(key)
     }
 
     /// Joins the tail of `req.key`'s queue, starting the key's driver if the
@@ -469,10 +468,7 @@ impl LockTable {
         let (tx, rx) = oneshot::channel();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let key = req.key.clone();
-        let mut book = self
-            .book
-            .lock()
-            .map_err(|_| ArbiterError::Internal("waiter queues poisoned".into()))?;
+        let mut book = self.book.lock();
         let max = self.options.max_waiters_per_identity;
         if book.per_identity.get(&req.identity).copied().unwrap_or(0) >= max {
             return Err(ArbiterError::TooManyWaiters { limit: max });
@@ -506,22 +502,18 @@ impl LockTable {
 
     /// Wakes the key's driver (a local release, or a cancelled head).
     fn kick(&self, key: &str) {
-        if let Ok(book) = self.book.lock()
-            && let Some(q) = book.keys.get(key)
-        {
+        if let Some(q) = self.book.lock().keys.get(key) {
             q.kick.notify_one();
         }
     }
 
     fn remove(&self, key: &str, id: u64) {
-        if let Ok(mut book) = self.book.lock() {
-            book.remove(key, id);
-        }
+        self.book.lock().remove(key, id);
     }
 
     /// Removes the key's queue if it is empty; returns the head otherwise.
     fn head_or_retire(&self, key: &str) -> Option<Head> {
-        let mut book = self.book.lock().ok()?;
+        let mut book = self.book.lock();
         match book.head(key) {
             Some(head) => Some(head),
             None => {
@@ -582,17 +574,13 @@ impl LockTable {
     /// A poll period with ±50% jitter, from the table's seeded generator.
     fn jittered(&self, base: Duration) -> Duration {
         let ms = u64::try_from(base.as_millis()).unwrap_or(1000).max(1);
-        let extra = self
-            .jitter
-            .lock()
-            .map(|mut r| r.u64(0..=ms))
-            .unwrap_or(ms / 2);
+        let extra = self.jitter.lock().u64(0..=ms);
         Duration::from_millis(ms / 2 + extra)
     }
 }
 
 fn take(slot: &Slot) -> Option<oneshot::Sender<Reply>> {
-    slot.lock().ok().and_then(|mut s| s.take())
+    slot.lock().take()
 }
 
 fn holder_view(kv: Kv) -> Option<HolderView> {

@@ -113,7 +113,8 @@ impl WasmHooks {
         });
     }
 
-    /// Logs every class's hook metrics (there is no metrics endpoint yet).
+    /// Logs every class's hook metrics once a minute: the counters are on
+    /// `/metrics` too, the latency percentiles only here.
     pub fn log_metrics(host: &HookHost) {
         for (class, m) in host.metrics().snapshot() {
             info!(

@@ -106,9 +106,9 @@ pub struct SharedWitness {
     /// (the first read number that counts, the highest read since then):
     /// every later read, sent after it completed, must cover it. Reads sent
     /// before [`Self::start_over`] neither count nor are checked.
-    baseline: std::sync::Mutex<(u64, Option<Witnessed>)>,
+    baseline: parking_lot::Mutex<(u64, Option<Witnessed>)>,
     /// (highest mark wanted, highest mark known raised).
-    wanted: std::sync::Mutex<Option<Mark>>,
+    wanted: parking_lot::Mutex<Option<Mark>>,
     raised: AsyncMutex<Option<Mark>>,
 }
 
@@ -125,8 +125,8 @@ impl SharedWitness {
                 },
             )),
             sent: AtomicU64::new(0),
-            baseline: std::sync::Mutex::new((1, None)),
-            wanted: std::sync::Mutex::new(None),
+            baseline: parking_lot::Mutex::new((1, None)),
+            wanted: parking_lot::Mutex::new(None),
             raised: AsyncMutex::new(None),
         }
     }
@@ -149,15 +149,16 @@ impl SharedWitness {
         let covers = self.arrivals.load(Ordering::SeqCst);
         let number = self.sent.fetch_add(1, Ordering::SeqCst) + 1;
         let now = self.witness.read().await?;
-        let went_back_from = match self.baseline.lock() {
-            Ok(mut baseline) if number >= baseline.0 => match baseline.1 {
+        let went_back_from = {
+            let mut baseline = self.baseline.lock();
+            match baseline.1 {
+                _ if number < baseline.0 => None,
                 Some(before) if !now.covers(&before) => Some(before),
                 _ => {
                     baseline.1 = Some(baseline.1.map_or(now, |b| b.max(now)));
                     None
                 }
-            },
-            _ => None,
+            }
         };
         let read = FreshRead {
             now,
@@ -171,28 +172,23 @@ impl SharedWitness {
     /// restore of the witness itself), the witness as it is now is the new
     /// baseline.
     pub fn start_over(&self) {
-        if let Ok(mut baseline) = self.baseline.lock() {
-            // Reads sent from now on.
-            *baseline = (self.sent.load(Ordering::SeqCst) + 1, None);
-        }
+        // Reads sent from now on.
+        *self.baseline.lock() = (self.sent.load(Ordering::SeqCst) + 1, None);
     }
 
     /// Returns once the witness covers `mark`.
     pub async fn raise(&self, mark: Mark) -> Result<(), StoreError> {
-        if let Ok(mut wanted) = self.wanted.lock()
-            && wanted.is_none_or(|w| !w.covers(&mark))
         {
-            *wanted = Some(mark);
+            let mut wanted = self.wanted.lock();
+            if wanted.is_none_or(|w| !w.covers(&mark)) {
+                *wanted = Some(mark);
+            }
         }
         let mut raised = self.raised.lock().await;
         if raised.is_some_and(|r| r.covers(&mark)) {
             return Ok(());
         }
-        let target = self
-            .wanted
-            .lock()
-            .ok()
-            .and_then(|w| *w)
+        let target = (*self.wanted.lock())
             .filter(|w| w.covers(&mark))
             .unwrap_or(mark);
         self.witness.raise(target).await?;
@@ -208,12 +204,12 @@ mod tests {
     /// A witness whose records the test sets by hand (a restore is a set
     /// to less).
     #[derive(Default)]
-    struct Fixed(std::sync::Mutex<Witnessed>);
+    struct Fixed(parking_lot::Mutex<Witnessed>);
 
     #[async_trait]
     impl Witness for Fixed {
         async fn read(&self) -> Result<Witnessed, StoreError> {
-            Ok(*self.0.lock().unwrap())
+            Ok(*self.0.lock())
         }
         async fn raise(&self, _: Mark) -> Result<(), StoreError> {
             Ok(())
@@ -270,12 +266,12 @@ mod tests {
     async fn a_read_below_an_earlier_one_went_back_until_started_over() {
         let fixed = Arc::new(Fixed::default());
         let shared = SharedWitness::new(fixed.clone());
-        *fixed.0.lock().unwrap() = w(1, 40);
+        *fixed.0.lock() = w(1, 40);
         assert_eq!(shared.read_fresh().await.unwrap().went_back_from, None);
-        *fixed.0.lock().unwrap() = w(1, 50);
+        *fixed.0.lock() = w(1, 50);
         assert_eq!(shared.read_fresh().await.unwrap().went_back_from, None);
         // restored to an earlier snapshot
-        *fixed.0.lock().unwrap() = w(1, 45);
+        *fixed.0.lock() = w(1, 45);
         let read = shared.read_fresh().await.unwrap();
         assert_eq!(read.went_back_from, Some(w(1, 50)));
         assert_eq!(read.now, w(1, 45));
@@ -286,9 +282,9 @@ mod tests {
         );
         // the operator's advance: the witness as it is now is the baseline
         shared.start_over();
-        *fixed.0.lock().unwrap() = w(2, 46);
+        *fixed.0.lock() = w(2, 46);
         assert_eq!(shared.read_fresh().await.unwrap().went_back_from, None);
-        *fixed.0.lock().unwrap() = w(2, 45);
+        *fixed.0.lock() = w(2, 45);
         assert_eq!(
             shared.read_fresh().await.unwrap().went_back_from,
             Some(w(2, 46))

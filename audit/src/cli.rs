@@ -60,6 +60,11 @@ struct Args {
     /// etcd's compaction window in revisions (revision mode), if it uses one.
     #[arg(long, value_name = "REVISIONS")]
     compaction_window_revisions: Option<i64>,
+    /// An arbiter's `<state-dir>/quorum-loss/ready` (repeatable): its spools
+    /// of unprotected grants made during quorum loss (ADR-04) are copied
+    /// into the store, marked unprotected, and moved to `../shipped`.
+    #[arg(long, value_name = "DIR")]
+    quorum_loss_spool_dir: Vec<PathBuf>,
 }
 
 fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
@@ -129,6 +134,14 @@ pub async fn main_with(argv: Vec<OsString>) -> anyhow::Result<()> {
         wait_for_signal().await;
         let _ = stop_tx.send(true);
     });
+    if !args.quorum_loss_spool_dir.is_empty() {
+        tokio::spawn(crate::spool::run(
+            args.quorum_loss_spool_dir.clone(),
+            store.clone(),
+            Duration::from_secs(5),
+            stop.clone(),
+        ));
+    }
     tailer::run(config, store, metrics, stop).await;
     Ok(())
 }

@@ -14,20 +14,24 @@
 //! | deletes `l/K` and puts `sys/force/K//…`                  | force-release |
 //! | puts `sys/epoch` over an epoch and deletes `l/…`         | epoch-advance, per hold and on `/sys/epoch` |
 //! | deletes `l/K` and the record `s/L` of its lease          | expiry, `expired-or-revoked` |
+//! | deletes `l/K` of a lease with a `sys/revoked/L` marker   | release, `force-revoked` |
 //! | deletes `l/K`, its session's record still there          | release, `released` |
 //! | deletes `l/K`, its session's record deleted before       | release, `session-closed` |
 //!
 //! A lease that lapses and a lease revoked by hand delete the same keys in
 //! one revision: etcd records no cause, so the event says both. CloseSession
 //! is told apart because it deletes the session's record first, in a
-//! revision of its own, then revokes the lease.
+//! revision of its own, then revokes the lease. A force-release that
+//! revokes the holder's session does the same and also puts a
+//! `sys/revoked/L` marker with the record's deletion, so its holds end as
+//! `force-revoked`.
 
 use std::collections::{HashMap, HashSet};
 
 use crate::records::{EpochRecord, HolderRecord, SealRecord, decode};
 
 use crate::event::{EPOCH_KEY, Ended, Event, Kind, SEAL_KEY};
-use crate::force::{self, ForceRecord};
+use crate::force::{self, ForceRecord, RevokeRecord};
 
 /// A put or a delete.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +88,7 @@ enum Role<'a> {
     Epoch,
     Seal,
     Force,
+    Revoked(i64),
     Other,
 }
 
@@ -101,6 +106,10 @@ fn role(key: &str) -> Role<'_> {
     match key {
         "sys/epoch" => Role::Epoch,
         "sys/seal" => Role::Seal,
+        k if k.starts_with(force::REVOKED_DIR) => match force::parse_revoked_key(k) {
+            Some(lease) => Role::Revoked(lease),
+            None => Role::Other,
+        },
         k if k.starts_with(force::FORCE_DIR) => Role::Force,
         _ => Role::Other,
     }
@@ -111,6 +120,9 @@ fn role(key: &str) -> Role<'_> {
 pub struct LogState {
     holds: HashMap<String, Hold>,
     sessions: HashSet<i64>,
+    /// Leases an operator's force-release revoked (their `sys/revoked/`
+    /// markers, 24 h), with what their holds' events keep of the marker.
+    revoked: HashMap<i64, serde_json::Value>,
     /// `None` before the first epoch record.
     epoch: Option<u32>,
 }
@@ -132,6 +144,12 @@ impl LogState {
                     state.sessions.insert(lease);
                 }
                 Role::Epoch => state.epoch = decode::<EpochRecord>(value).map(|r| r.epoch),
+                Role::Revoked(lease) => {
+                    let record = decode::<RevokeRecord>(value);
+                    state
+                        .revoked
+                        .insert(lease, RevokeRecord::detail(record.as_ref()));
+                }
                 Role::Seal | Role::Force | Role::Other => {}
             }
         }
@@ -155,6 +173,7 @@ impl LogState {
         let mut epoch_put = None;
         let mut seal_put = None;
         let mut forces: Vec<ForceRecord> = Vec::new();
+        let mut revoked_deleted = Vec::new();
         for change in changes {
             match (role(&change.key), change.op) {
                 (Role::Hold(key), Op::Delete) => deleted_holds.push(key.to_string()),
@@ -169,6 +188,12 @@ impl LogState {
                 (Role::Epoch, Op::Put) => epoch_put = Some(decode::<EpochRecord>(&change.value)),
                 (Role::Seal, Op::Put) => seal_put = Some(decode::<SealRecord>(&change.value)),
                 (Role::Force, Op::Put) => forces.push(force_record(change)),
+                (Role::Revoked(lease), Op::Put) => {
+                    let record = decode::<RevokeRecord>(&change.value);
+                    self.revoked
+                        .insert(lease, RevokeRecord::detail(record.as_ref()));
+                }
+                (Role::Revoked(lease), Op::Delete) => revoked_deleted.push(lease),
                 _ => {}
             }
         }
@@ -186,6 +211,9 @@ impl LogState {
                 (Some(_), _) => (Kind::ForceRelease, Ended::ForceReleased),
                 (None, _) if advance => (Kind::EpochAdvance, Ended::EpochAdvance),
                 (None, None) => (Kind::Release, Ended::Unknown),
+                (None, Some(h)) if self.revoked.contains_key(&h.lease) => {
+                    (Kind::Release, Ended::ForceRevoked)
+                }
                 (None, Some(h)) if sessions_deleted.contains(&h.lease) => {
                     (Kind::Expiry, Ended::ExpiredOrRevoked)
                 }
@@ -201,6 +229,10 @@ impl LogState {
             }
             if let Some(f) = &force {
                 force_into(&mut event, f, prev.is_some());
+            } else if ended == Ended::ForceRevoked
+                && let Some(detail) = prev.as_ref().and_then(|h| self.revoked.get(&h.lease))
+            {
+                event.detail = detail.clone();
             }
             events.push(event);
         }
@@ -232,6 +264,9 @@ impl LogState {
 
         for lease in sessions_deleted {
             self.sessions.remove(&lease);
+        }
+        for lease in revoked_deleted {
+            self.revoked.remove(&lease);
         }
         self.sessions.extend(sessions_put);
 

@@ -31,8 +31,9 @@ pub enum Kind {
     /// A hold was written over another session's hold (the release that
     /// handed it straight to the next waiter).
     HandOver,
-    /// A hold was deleted by its holder ([`Ended::Released`]) or with its
-    /// closed session ([`Ended::SessionClosed`]).
+    /// A hold was deleted by its holder ([`Ended::Released`]), with its
+    /// closed session ([`Ended::SessionClosed`]) or with a session an
+    /// operator's force-release revoked ([`Ended::ForceRevoked`]).
     Release,
     /// A hold ended with its session's lease ([`Ended::ExpiredOrRevoked`]).
     Expiry,
@@ -98,6 +99,10 @@ pub enum Ended {
     ExpiredOrRevoked,
     /// Deleted by an operator's force-release.
     ForceReleased,
+    /// Deleted with a session an operator's force-release revoked: the
+    /// arbiter deleted the session's record and wrote a `sys/revoked/`
+    /// marker in one revision, then revoked the lease.
+    ForceRevoked,
     /// Dropped by an epoch advance.
     EpochAdvance,
     /// Handed over to another session.
@@ -114,6 +119,7 @@ impl Ended {
             Ended::SessionClosed => "session-closed",
             Ended::ExpiredOrRevoked => "expired-or-revoked",
             Ended::ForceReleased => "force-released",
+            Ended::ForceRevoked => "force-revoked",
             Ended::EpochAdvance => "epoch-advance",
             Ended::HandedOver => "handed-over",
             Ended::Unknown => "unknown",
@@ -150,6 +156,7 @@ impl FromStr for Ended {
             Ended::SessionClosed,
             Ended::ExpiredOrRevoked,
             Ended::ForceReleased,
+            Ended::ForceRevoked,
             Ended::EpochAdvance,
             Ended::HandedOver,
             Ended::Unknown,
@@ -356,6 +363,7 @@ mod tests {
             "expired-or-revoked".parse::<Ended>(),
             Ok(Ended::ExpiredOrRevoked)
         );
+        assert_eq!("force-revoked".parse::<Ended>(), Ok(Ended::ForceRevoked));
         assert!("expired".parse::<Ended>().is_err());
     }
 

@@ -16,10 +16,14 @@
 //! in the same revision and writes one force-release event, copying the
 //! operators and the reason, before the record's lease ends.
 //!
-//! With "revoke the session too", the same transaction should also delete
-//! the session's record (`{prefix}/s/{lease}` and its count entry), as
-//! CloseSession does, and revoke the lease afterwards: then the revoke's
-//! deletions read as a closed session's, not as an expiry.
+//! With "revoke the session too" the arbiter then, with its own credentials
+//! (the force-release role may not touch sessions), runs one transaction
+//! that deletes the session's record (`{prefix}/s/{lease}` and its count
+//! entry), so nothing more is granted on it, and puts a [`RevokeRecord`]
+//! under `{prefix}/sys/revoked/{lease:016x}` on a 24-hour lease; then it
+//! revokes the lease. The tailer reads the revoke's deletions against the
+//! marker: `force-revoked`, not `expired-or-revoked` (a lapse and a revoke
+//! delete the same keys; only the marker tells them apart).
 
 use serde::{Deserialize, Serialize};
 
@@ -85,6 +89,57 @@ impl ForceRecord {
     }
 }
 
+/// Where the revoked-session markers live under the prefix.
+pub const REVOKED_DIR: &str = "sys/revoked/";
+
+/// A session an operator's force-release revoked (the arbiter's
+/// `force_release::RevokeRecord`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RevokeRecord {
+    #[serde(default)]
+    pub session: i64,
+    #[serde(default)]
+    pub key: String,
+    #[serde(default)]
+    pub request_id: String,
+    #[serde(default)]
+    pub requested_by: String,
+    #[serde(default)]
+    pub approved_by: String,
+    #[serde(default)]
+    pub reason: String,
+    #[serde(default)]
+    pub revoked_at_unix_ms: i64,
+}
+
+impl RevokeRecord {
+    /// What an event of a hold it ended keeps of it; an undecodable marker
+    /// still says the session was revoked by an operator.
+    pub fn detail(record: Option<&Self>) -> serde_json::Value {
+        match record {
+            Some(r) => serde_json::json!({
+                "revokedWith": r.key,
+                "requestId": r.request_id,
+                "requestedBy": r.requested_by,
+                "approvedBy": r.approved_by,
+                "reason": r.reason,
+                "revokedAtUnixMs": r.revoked_at_unix_ms,
+            }),
+            None => serde_json::json!({ "reason": "(undecodable revocation record)" }),
+        }
+    }
+}
+
+/// The lease a revoked-session marker's key (relative to the prefix) names.
+pub fn parse_revoked_key(relative: &str) -> Option<i64> {
+    let hex = relative.strip_prefix(REVOKED_DIR)?;
+    if hex.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(hex, 16).ok().map(|l| l as i64)
+}
+
 /// The lock key and hold revision a force record's key (relative to the
 /// prefix) names, if it is one.
 pub fn parse_key(relative: &str) -> Option<(&str, i64)> {
@@ -123,6 +178,14 @@ mod tests {
         assert_eq!(parse_key(&r.relative_key()), Some(("ledger/inv-1", 42)));
         assert_eq!(parse_key("sys/force/x"), None);
         assert_eq!(parse_key("sys/epoch"), None);
+    }
+
+    #[test]
+    fn a_revoked_marker_names_its_lease() {
+        assert_eq!(parse_revoked_key("sys/revoked/00000000000000ff"), Some(255));
+        assert_eq!(parse_revoked_key("sys/revoked/ff"), None);
+        assert_eq!(parse_revoked_key("sys/revoked/zz00000000000000"), None);
+        assert_eq!(parse_revoked_key("sys/force/00000000000000ff"), None);
     }
 
     #[test]

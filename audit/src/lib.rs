@@ -18,6 +18,7 @@
 
 pub mod event;
 pub mod force;
+pub mod spool;
 pub mod store;
 
 #[cfg(feature = "tailer")]

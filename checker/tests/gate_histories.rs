@@ -1,5 +1,8 @@
 //! Real histories recorded by the release gate, kept as regression inputs.
 
+// A test binary: a failed unwrap or a panic is how it reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;

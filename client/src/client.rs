@@ -2,7 +2,7 @@
 //! and the calls that need no session.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_proto::adminv1::{
@@ -11,6 +11,7 @@ use latchkey_proto::adminv1::{
     ListForceReleasesRequest, ListForceReleasesResponse, RequestForceReleaseRequest,
 };
 use latchkey_proto::lockv1::{InspectRequest, OpenSessionRequest, ReleaseRequest};
+use parking_lot::{Mutex, MutexGuard};
 use tokio::time::Instant;
 
 use crate::config::ClientConfig;
@@ -22,6 +23,22 @@ use crate::token::FencingToken;
 
 /// A connection to the arbiter under one identity. Cheap to clone; clones
 /// share the channel and the sessions.
+///
+/// ```no_run
+/// use latchkey_client::{Client, ClientConfig};
+///
+/// # async fn run() -> Result<(), latchkey_client::Error> {
+/// // A dev arbiter (started with --insecure-dev); see ClientConfig::tls for mTLS.
+/// let client = Client::connect(ClientConfig::insecure_dev(
+///     "http://127.0.0.1:7000",
+///     "spiffe://dev.latchkey/workload/alice",
+/// ))
+/// .await?;
+/// let worker = client.clone(); // same channel, same sessions
+/// # let _ = worker;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<ClientInner>,
@@ -42,9 +59,11 @@ struct Sessions {
     by_class: HashMap<String, i64>,
 }
 
-/// Who holds a key, as the arbiter that answered sees it.
+/// Who holds a key, as the arbiter that answered sees it; see
+/// [`Client::inspect`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Inspection {
+    /// The key asked about.
     pub key: String,
     /// `None` when the key is free.
     pub holder: Option<Holder>,
@@ -52,6 +71,7 @@ pub struct Inspection {
     pub waiters: u32,
 }
 
+/// The current holder of a key, in an [`Inspection`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
     /// The holder's SPIFFE ID.
@@ -60,13 +80,35 @@ pub struct Holder {
     /// to operators; 0 for everyone else. (Inspect never returns the
     /// token: a token is a capability, and the holder has it from its grant.)
     pub session_id: i64,
+    /// The lock class the key was acquired under.
     pub class: String,
+    /// When the hold was granted (the arbiter's clock, Unix milliseconds).
     pub acquired_at_unix_ms: i64,
+    /// What the class's hooks attached to the grant (a change ticket, say).
     pub annotations: BTreeMap<String, String>,
 }
 
 impl Client {
     /// Connects (eagerly, so a wrong endpoint or certificate shows here).
+    ///
+    /// ```no_run
+    /// use latchkey_client::{Client, ClientConfig, TlsFiles};
+    ///
+    /// # async fn run() -> Result<(), latchkey_client::Error> {
+    /// let mut config = ClientConfig::tls(
+    ///     "https://latchkey.example:7443",
+    ///     TlsFiles {
+    ///         ca: "/run/spiffe/bundle.pem".into(),
+    ///         cert: "/run/spiffe/svid.pem".into(),
+    ///         key: "/run/spiffe/svid.key".into(),
+    ///     },
+    /// );
+    /// config.tls_domain = Some("latchkey.example".into());
+    /// let client = Client::connect(config).await?;
+    /// # let _ = client;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn connect(config: ClientConfig) -> Result<Self, Error> {
         let rpc = Rpc::connect(&config).await?;
         Ok(Self {
@@ -79,14 +121,27 @@ impl Client {
     }
 
     fn sessions(&self) -> MutexGuard<'_, Sessions> {
-        self.inner
-            .sessions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.inner.sessions.lock()
     }
 
     /// A session with `class`'s TTL: one this client already has if the
     /// arbiter finds one that fits, else a new lease whose keepalive starts now.
+    ///
+    /// [`Client::lock`] does this by itself; open one explicitly to attach
+    /// holds to it with [`LockBuilder::session`] and end them all with
+    /// [`Session::close`].
+    ///
+    /// ```no_run
+    /// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+    /// let session = client.open_session("jobs").await?;
+    /// let a = client.lock("jobs/a", "jobs").session(&session).acquire(|_| {}).await?;
+    /// let b = client.lock("jobs/b", "jobs").session(&session).acquire(|_| {}).await?;
+    /// a.detach();
+    /// b.detach();
+    /// session.close().await?; // releases both at the arbiter
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn open_session(&self, class: &str) -> Result<Session, Error> {
         let _opening = self.inner.opening.lock().await;
         let reuse_session_ids = {
@@ -167,6 +222,15 @@ impl Client {
     }
 
     /// A session of this client by id, if it is still open.
+    ///
+    /// ```no_run
+    /// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+    /// let guard = client.lock("jobs/a", "jobs").acquire(|_| {}).await?;
+    /// let session = client.session(guard.session_id()).expect("open while the guard lives");
+    /// assert!(!session.is_fenced());
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn session(&self, session_id: i64) -> Option<Session> {
         self.sessions()
             .by_id
@@ -175,12 +239,38 @@ impl Client {
             .map(|inner| Session::new(Arc::clone(inner), true))
     }
 
-    /// Starts a lock request; see [`LockBuilder`].
+    /// Starts a lock request on `key` under the lock class `class` (which
+    /// sets its TTL, who may take it and its hooks); see [`LockBuilder`].
+    ///
+    /// ```no_run
+    /// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+    /// use latchkey_client::Reason;
+    ///
+    /// // Without .wait(..) a held key is refused at once.
+    /// match client.lock("reports/daily", "jobs").acquire(|_| {}).await {
+    ///     Ok(guard) => guard.release().await?,
+    ///     Err(err) if err.reason() == Reason::Held => println!("someone else runs it"),
+    ///     Err(err) => return Err(err),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn lock(&self, key: impl Into<String>, class: impl Into<String>) -> LockBuilder {
         LockBuilder::new(self.clone(), key.into(), class.into())
     }
 
-    /// Who holds `key`.
+    /// Who holds `key`. Never returns a token.
+    ///
+    /// ```no_run
+    /// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+    /// let view = client.inspect("jobs/nightly").await?;
+    /// match view.holder {
+    ///     Some(holder) => println!("held by {} ({} waiting)", holder.identity, view.waiters),
+    ///     None => println!("free"),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn inspect(&self, key: &str) -> Result<Inspection, Error> {
         let rpc = &self.inner.rpc;
         let reply = rpc
@@ -205,7 +295,20 @@ impl Client {
 
     /// Releases a hold by its grant, bypassing the re-entrancy count: for a
     /// hold this process did not acquire (`latchctl release` after
-    /// `acquire --detach`). Prefer [`crate::LockGuard::release`].
+    /// `acquire --detach`). Prefer [`LockGuard::release`](crate::LockGuard::release).
+    ///
+    /// ```no_run
+    /// use latchkey_client::FencingToken;
+    ///
+    /// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+    /// // The session id and token as another process printed them.
+    /// let (session_id, token): (i64, u64) = (7_587_862_381, 281_474_976_710_699);
+    /// client
+    ///     .release_grant("jobs/nightly", session_id, FencingToken::new(token))
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn release_grant(
         &self,
         key: &str,
@@ -224,6 +327,16 @@ impl Client {
     }
 
     /// The arbiter's epoch and seal state. Operator identities only.
+    ///
+    /// ```no_run
+    /// # async fn run(operator: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+    /// let status = operator.admin_status().await?;
+    /// if status.sealed {
+    ///     println!("sealed at epoch {}: see the operations guide", status.epoch);
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn admin_status(&self) -> Result<GetStatusResponse, Error> {
         let rpc = &self.inner.rpc;
         Ok(rpc
@@ -235,6 +348,17 @@ impl Client {
 
     /// Unseals after a restore by moving the epoch from `expected` to
     /// `expected + 1`; deletes every hold. Operator identities only.
+    ///
+    /// ```no_run
+    /// # async fn run(operator: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+    /// let status = operator.admin_status().await?;
+    /// let advanced = operator
+    ///     .advance_epoch(status.epoch, "restored from snapshot")
+    ///     .await?;
+    /// # let _ = advanced;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn advance_epoch(
         &self,
         expected: u32,
@@ -267,6 +391,16 @@ impl Client {
     /// Asks for a force-release of `key`'s current hold (ADR-20); a
     /// different operator approves it. `id_token` is the requester's OIDC
     /// ID token. Operator identities only.
+    ///
+    /// ```no_run
+    /// # async fn run(operator: latchkey_client::Client, id_token: String) -> Result<(), latchkey_client::Error> {
+    /// let request = operator
+    ///     .request_force_release("jobs/nightly", "wedged holder", false, &id_token)
+    ///     .await?;
+    /// println!("ask a second operator to approve {}", request.request_id);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn request_force_release(
         &self,
         key: &str,

@@ -12,6 +12,26 @@ use crate::session::FenceReason;
 ///
 /// No variant carries a fencing token: tokens are capabilities and errors end
 /// up in logs.
+///
+/// ```no_run
+/// use std::time::Duration;
+///
+/// use latchkey_client::{Client, Error, Reason};
+///
+/// # async fn run(client: Client) -> Result<(), Error> {
+/// loop {
+///     match client.lock("jobs/a", "jobs").acquire(|_| {}).await {
+///         Ok(guard) => break guard.release().await,
+///         Err(err) if err.reason() == Reason::Held => break Ok(()), // someone else has it
+///         Err(err) if err.is_transient() => {
+///             eprintln!("{err}; {}", err.retry_hint().unwrap_or("retrying"));
+///             tokio::time::sleep(Duration::from_secs(2)).await;
+///         }
+///         Err(err) => break Err(err), // e.g. PERMISSION_DENIED: NOT_AUTHORISED
+///     }
+/// }
+/// # }
+/// ```
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The arbiter (or Envoy in front of it) answered with a non-OK status.
@@ -19,8 +39,11 @@ pub enum Error {
     /// `latchkey.dev` domain, `Unspecified` when there is none.
     #[error("{}: {}: {message}", code_name(*code), shown_reason(*reason, wire_reason))]
     Refused {
+        /// The gRPC status code.
         code: Code,
+        /// Why, when the refusal says (see [`Error::reason`]).
         reason: Reason,
+        /// The status message: what to do about it.
         message: String,
         /// The `ErrorInfo` reason as sent (empty without one). The edge
         /// filter has reasons of its own that `Reason` does not name, e.g.
@@ -30,21 +53,28 @@ pub enum Error {
     /// The channel to `endpoint` could not be set up or connected.
     #[error("connecting to {endpoint}")]
     Transport {
+        /// [`ClientConfig::endpoint`](crate::ClientConfig::endpoint).
         endpoint: String,
+        /// What tonic reported.
         #[source]
         source: tonic::transport::Error,
     },
     /// The client configuration cannot work.
     #[error("invalid configuration: {field}: {problem}")]
     Config {
+        /// The [`ClientConfig`](crate::ClientConfig) field at fault.
         field: &'static str,
+        /// What is wrong with it.
         problem: String,
     },
     /// A TLS file could not be read.
     #[error("reading {what} {}", path.display())]
     ReadFile {
+        /// Which file: "CA bundle", "SVID certificate" or "SVID key".
         what: &'static str,
+        /// Where it was looked for.
         path: PathBuf,
+        /// Why it could not be read.
         #[source]
         source: std::io::Error,
     },
@@ -52,13 +82,17 @@ pub enum Error {
     /// closed), so every hold on it is lost.
     #[error("session {session_id} is fenced: {reason}")]
     Fenced {
+        /// The dead session.
         session_id: i64,
+        /// Why it died.
         reason: FenceReason,
     },
     /// The arbiter answered OK with a reply this client cannot use.
     #[error("malformed reply to {rpc}: {problem}")]
     Protocol {
+        /// The call whose reply was malformed.
         rpc: &'static str,
+        /// What was wrong with it.
         problem: &'static str,
     },
 }
@@ -166,14 +200,14 @@ fn shown_reason(reason: Reason, wire_reason: &str) -> &str {
 }
 
 /// The reason as it appears on the wire: `HELD`, not `REASON_HELD`.
-pub fn reason_name(reason: Reason) -> &'static str {
+pub(crate) fn reason_name(reason: Reason) -> &'static str {
     let name = reason.as_str_name();
     name.strip_prefix("REASON_").unwrap_or(name)
 }
 
 /// The canonical gRPC name of a code (`FAILED_PRECONDITION`), as the proto
 /// comments and `docs/errors.md` spell it.
-pub fn code_name(code: Code) -> &'static str {
+pub(crate) fn code_name(code: Code) -> &'static str {
     match code {
         Code::Ok => "OK",
         Code::Cancelled => "CANCELLED",

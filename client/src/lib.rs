@@ -1,35 +1,93 @@
 //! The Latchkey client library: what a workload links to take locks.
 //!
-//! A lock flows through it like this. [`Client::connect`] opens one gRPC
-//! channel to the arbiter's Envoy under the workload's SPIFFE identity (its
-//! X.509 SVID over mTLS, or a header in the insecure dev mode).
-//! [`Client::lock`]`(key, class).acquire(on_fence)` first finds the session
-//! for the class's TTL (ADR-10: one arbiter lease per TTL per client, opened
-//! on first use with the ids of this client's live sessions offered for
-//! reuse), then consults the session's re-entrancy table (ADR-13): a key
-//! already held on the session just gets another [`LockGuard`] of the same
-//! hold; otherwise Acquire is sent and the grant, with its
-//! [`FencingToken`], becomes the hold. Meanwhile the session's keepalive task
-//! renews the lease over one bidirectional stream and keeps ADR-12's two
-//! stages: after the first failed keepalive `can_start()` is false, and when
-//! the send time of the last successful renewal plus the TTL minus one second
-//! passes, every hold's `on_fence` fires once. Releasing (or dropping) the
-//! last guard of a hold sends Release. Tokens never appear in `Debug`,
-//! `Display`, errors or logs.
+//! It speaks `latchkey.lock.v1` (and the operator calls of `admin.v1`) to the
+//! arbiter through its Envoy, under the workload's SPIFFE identity, and keeps
+//! the fencing semantics on this side of the wire: a grant comes with a
+//! [`FencingToken`] to present at the resource, and a hold this process can
+//! no longer vouch for is *fenced* before anyone else can be granted the key.
+//! The CLI, `latchctl`, is a separate crate built on this one.
 //!
-//! [`cli`] is latchctl, the shell's way into the same calls; the binaries
-//! are thin wrappers around [`cli::main`].
+//! # Quick start
+//!
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! use latchkey_client::{Client, ClientConfig, TlsFiles};
+//!
+//! # async fn run() -> Result<(), latchkey_client::Error> {
+//! // The workload's X.509 SVID is its identity at the arbiter.
+//! let client = Client::connect(ClientConfig::tls(
+//!     "https://latchkey.example:7443",
+//!     TlsFiles {
+//!         ca: "/run/spiffe/bundle.pem".into(),
+//!         cert: "/run/spiffe/svid.pem".into(),
+//!         key: "/run/spiffe/svid.key".into(),
+//!     },
+//! ))
+//! .await?;
+//!
+//! // Take `jobs/nightly` under the `jobs` class, queueing up to 30 s.
+//! let guard = client
+//!     .lock("jobs/nightly", "jobs")
+//!     .wait(Duration::from_secs(30))
+//!     .acquire(|reason| eprintln!("lock lost: {reason}; stop writing"))
+//!     .await?;
+//!
+//! // Hand the token to the resource with every write it must fence.
+//! let token: u64 = guard.token().get();
+//! # let _ = token;
+//! while guard.can_start() {
+//!     // ... one unit of work, its writes conditional on `token` ...
+//! #   break;
+//! }
+//! guard.release().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # How a lock flows through the library
+//!
+//! [`Client::connect`] opens one gRPC channel to the arbiter's Envoy under
+//! the workload's SPIFFE identity (its X.509 SVID over mTLS, or a header in
+//! the insecure dev mode). [`Client::lock`]`(key, class)` starts a
+//! [`LockBuilder`]; its [`acquire`](LockBuilder::acquire)`(on_fence)` first
+//! finds the [`Session`] for the class's TTL (one arbiter lease per TTL per
+//! client, opened on first use with the ids of this client's live sessions
+//! offered for reuse), then consults the session's re-entrancy table: a key
+//! already held on the session just gets another [`LockGuard`] of the same
+//! hold; otherwise Acquire is sent and the grant, with its [`FencingToken`],
+//! becomes the hold.
+//!
+//! Meanwhile the session's keepalive task renews the lease over one
+//! bidirectional stream and keeps two stages: after the first failed
+//! keepalive [`LockGuard::can_start`] is false (finish, do not start new
+//! work), and when the send time of the last successful renewal plus the TTL
+//! minus one second passes, every hold's `on_fence` fires once with a
+//! [`FenceReason`]. Releasing (or dropping) the last guard of a hold sends
+//! Release.
+//!
+//! Errors are one type, [`Error`]: a refusal carries the gRPC code and a
+//! [`Reason`], and [`Error::is_transient`] says whether retrying as is can
+//! help. Tokens never appear in `Debug`, `Display`, errors or logs.
+//!
+//! # Entry points
+//!
+//! | to | call |
+//! |---|---|
+//! | connect | [`Client::connect`] with [`ClientConfig::tls`] (or [`ClientConfig::insecure_dev`]) |
+//! | take a key | [`Client::lock`] → [`LockBuilder::acquire`] → [`LockGuard`] |
+//! | give it back | [`LockGuard::release`] (or drop the guard), [`LockGuard::detach`] to keep it |
+//! | check before work | [`LockGuard::can_start`], [`LockGuard::fence_deadline`] |
+//! | group holds on one lease | [`Client::open_session`], [`LockBuilder::session`], [`Session::close`] |
+//! | see who holds a key | [`Client::inspect`] |
+//! | release a grant by its token | [`Client::release_grant`] |
+//! | operator calls | [`Client::admin_status`], [`Client::advance_epoch`], [`Client::request_force_release`] |
 
-#![cfg_attr(
-    not(test),
-    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
-)]
+#![warn(missing_docs)]
 
-pub mod cli;
 mod client;
-pub mod config;
-pub mod dev_certs;
-pub mod error;
+mod config;
+mod error;
 mod lock;
 mod rpc;
 mod session;
@@ -38,6 +96,8 @@ mod token;
 pub use client::{Client, Holder, Inspection};
 pub use config::{ClientConfig, TlsFiles};
 pub use error::{EDGE_POLICY_NOT_READY, EDGE_POLICY_STALE, Error};
+/// Why the arbiter refused a call: the `google.rpc.ErrorInfo` reason of a
+/// refusal in the `latchkey.dev` domain (see [`Error::reason`]).
 pub use latchkey_proto::lockv1::Reason;
 pub use lock::{LockBuilder, LockGuard};
 pub use rpc::DEV_IDENTITY_HEADER;

@@ -13,7 +13,23 @@ use crate::error::Error;
 use crate::session::{Begin, Decrement, FenceCallback, FenceReason, Hold, Session, SessionInner};
 use crate::token::FencingToken;
 
-/// Built by [`Client::lock`]; [`LockBuilder::acquire`] sends it.
+/// A lock request, built by [`Client::lock`]; [`LockBuilder::acquire`]
+/// sends it.
+///
+/// ```no_run
+/// use std::time::Duration;
+///
+/// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+/// let guard = client
+///     .lock("deploy/payments", "ticketed")
+///     .metadata("ticket", "CHG-12345") // read by the class's hooks
+///     .wait(Duration::from_secs(60))
+///     .acquire(|reason| eprintln!("lost deploy/payments: {reason}"))
+///     .await?;
+/// # let _ = guard;
+/// # Ok(())
+/// # }
+/// ```
 #[must_use = "a lock is only requested by .acquire(on_fence)"]
 pub struct LockBuilder {
     client: Client,
@@ -60,6 +76,26 @@ impl LockBuilder {
     /// this guard exists (the session's deadline passed or it expired); by
     /// then other holders may already have the key, so stop touching the
     /// resource. It runs on the keepalive task: keep it short.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicBool, Ordering};
+    ///
+    /// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+    /// let lost = Arc::new(AtomicBool::new(false));
+    /// let flag = Arc::clone(&lost);
+    /// let guard = client
+    ///     .lock("jobs/nightly", "jobs")
+    ///     .acquire(move |_| flag.store(true, Ordering::SeqCst))
+    ///     .await?;
+    /// while !lost.load(Ordering::SeqCst) && guard.can_start() {
+    ///     // ... one unit of work ...
+    /// #   break;
+    /// }
+    /// guard.release().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn acquire<F>(self, on_fence: F) -> Result<LockGuard, Error>
     where
         F: Fn(FenceReason) + Send + Sync + 'static,
@@ -188,6 +224,19 @@ impl Drop for PendingAcquire<'_> {
 ///
 /// Dropping a guard counts it down like [`LockGuard::release`]; the final
 /// Release is then sent from a task if a Tokio runtime is running.
+///
+/// ```no_run
+/// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+/// let outer = client.lock("jobs/a", "jobs").acquire(|_| {}).await?;
+/// // Re-entrant: the same hold, no second Acquire at the arbiter.
+/// let inner = client.lock("jobs/a", "jobs").acquire(|_| {}).await?;
+/// assert_eq!(inner.token(), outer.token());
+/// assert_eq!(outer.hold_count(), 2);
+/// inner.release().await?; // counts down
+/// outer.release().await?; // sends Release
+/// # Ok(())
+/// # }
+/// ```
 #[must_use = "dropping the guard releases the lock"]
 pub struct LockGuard {
     hold: Arc<Hold>,
@@ -207,22 +256,34 @@ impl LockGuard {
     }
 
     /// The fencing token to present at the resource.
+    ///
+    /// ```no_run
+    /// # async fn run(guard: latchkey_client::LockGuard) {
+    /// // e.g. `UPDATE ... WHERE $token >= high_water` at the resource.
+    /// let token: u64 = guard.token().get();
+    /// # let _ = token;
+    /// # }
+    /// ```
     pub fn token(&self) -> FencingToken {
         self.hold.token
     }
 
+    /// The arbiter's epoch at the grant (the token's high 16 bits).
     pub fn epoch(&self) -> u32 {
         self.hold.epoch
     }
 
+    /// The store revision of the grant.
     pub fn revision(&self) -> i64 {
         self.hold.revision
     }
 
+    /// The key held.
     pub fn key(&self) -> &str {
         &self.hold.key
     }
 
+    /// The session the hold is attached to.
     pub fn session_id(&self) -> i64 {
         self.hold.session_id
     }
@@ -255,7 +316,8 @@ impl LockGuard {
         self.hold.has_ended() || self.session.core.fenced().is_some()
     }
 
-    /// Counts this guard down; the last one sends Release.
+    /// Counts this guard down; the last one sends Release. Fails with
+    /// [`Error::Fenced`] if the hold was already lost.
     pub async fn release(mut self) -> Result<(), Error> {
         self.armed = false;
         let core = &self.session.core;
@@ -285,6 +347,16 @@ impl LockGuard {
 
     /// Forgets this guard without sending Release: the hold stays until
     /// the session ends (its TTL, once this process stops renewing).
+    ///
+    /// ```no_run
+    /// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+    /// let guard = client.lock("jobs/a", "jobs").acquire(|_| {}).await?;
+    /// // Another process releases it later with Client::release_grant.
+    /// println!("session {} token {}", guard.session_id(), guard.token().get());
+    /// guard.detach();
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn detach(mut self) {
         self.armed = false;
         if self.session.core.release_one(&self.hold, self.guard_id) == Decrement::Last {

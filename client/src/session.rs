@@ -11,10 +11,11 @@ mod liveness;
 use std::collections::HashMap;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_proto::lockv1::CloseSessionRequest;
+use parking_lot::{Mutex, MutexGuard};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
@@ -88,10 +89,9 @@ impl SessionCore {
         }
     }
 
-    /// Callbacks run outside this lock, so a poisoned lock means a panic in
-    /// our own short critical sections; the state is still consistent.
+    /// Callbacks run outside this lock (parking_lot: no poisoning).
     fn state(&self) -> MutexGuard<'_, CoreState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.lock()
     }
 
     pub(crate) fn can_start(&self) -> bool {
@@ -282,7 +282,9 @@ impl Drop for SessionInner {
     }
 }
 
-/// A handle on one session. Cheap to clone; every clone is the same lease.
+/// A handle on one session: an arbiter lease with one TTL, renewed by this
+/// client while it is open, that holds are attached to. Cheap to clone;
+/// every clone is the same lease. See [`Client::open_session`](crate::Client::open_session).
 #[derive(Clone)]
 pub struct Session {
     pub(crate) inner: Arc<SessionInner>,
@@ -299,10 +301,12 @@ impl Session {
         self.inner.core.id
     }
 
+    /// The lease's TTL (the class's).
     pub fn ttl(&self) -> Duration {
         self.inner.core.ttl
     }
 
+    /// How often the keepalive task renews the lease.
     pub fn keepalive_interval(&self) -> Duration {
         self.inner.core.keepalive_interval
     }
@@ -329,10 +333,12 @@ impl Session {
         self.inner.core.deadline()
     }
 
+    /// Whether the session is dead: every hold on it is lost.
     pub fn is_fenced(&self) -> bool {
         self.inner.core.fenced().is_some()
     }
 
+    /// Why the session is dead, `None` while it lives.
     pub fn fence_reason(&self) -> Option<FenceReason> {
         self.inner.core.fenced()
     }

@@ -7,10 +7,21 @@ use std::fmt;
 /// A token is a capability at the resource, so `Debug` and `Display` print
 /// `FencingToken(<redacted>)`; call [`FencingToken::get`] at the one place
 /// that hands it to the resource (a conditional write, a header).
+///
+/// ```
+/// use latchkey_client::FencingToken;
+///
+/// let token = FencingToken::new((1 << 48) + 42);
+/// assert_eq!(format!("{token:?}"), "FencingToken(<redacted>)");
+/// assert_eq!(token.get() >> 48, 1); // the epoch
+/// assert!(FencingToken::new((2 << 48) + 1) > token); // a later epoch wins
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(u64);
 
 impl FencingToken {
+    /// A token as the arbiter sent it (e.g. read back from `latchctl`'s
+    /// output to release a detached grant).
     pub const fn new(value: u64) -> Self {
         Self(value)
     }

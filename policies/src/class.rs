@@ -481,17 +481,18 @@ pub fn review(class: &LockClass, expected_sessions: u64) -> ReviewReport {
 
 /// One line per class, e.g.
 ///
-/// `demo: coord, fenced, ttl 15s: 200.0 keepalives/s for 1000 sessions (one per session every 5000 ms); a dead holder blocks its key for up to 15 s; a holder that cannot renew fences 14.0 s after its last keepalive send`
+/// `demo: coord, fenced, closed on quorum loss, ttl 15s: 200.0 keepalives/s for 1000 sessions (one per session every 5000 ms); a dead holder blocks its key for up to 15 s; a holder that cannot renew fences 14.0 s after its last keepalive send`
 impl fmt::Display for ReviewReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{}: {}, {}, ttl {}s: {:.1} keepalives/s for {} sessions (one per session every {} ms); \
-             a dead holder blocks its key for up to {} s; a holder that cannot renew fences {:.1} s \
-             after its last keepalive send",
+            "{}: {}, {}, {} on quorum loss, ttl {}s: {:.1} keepalives/s for {} sessions (one per \
+             session every {} ms); a dead holder blocks its key for up to {} s; a holder that cannot \
+             renew fences {:.1} s after its last keepalive send",
             key::excerpt(&self.class),
             self.tier,
             self.enforcement,
+            self.on_quorum_loss,
             self.ttl_seconds,
             self.keepalives_per_second,
             self.expected_sessions,
@@ -500,7 +501,10 @@ impl fmt::Display for ReviewReport {
             self.fence_deadline_ms as f64 / 1000.0,
         )?;
         if self.on_quorum_loss == OnQuorumLoss::Open {
-            f.write_str("; grants continue UNPROTECTED (token 0) during quorum loss")?;
+            f.write_str(
+                "; during quorum loss grants continue UNPROTECTED from one arbiter's memory \
+                 (token 0, spooled for the audit trail)",
+            )?;
         }
         if let Some((owner, expires)) = &self.waiver {
             write!(
@@ -821,9 +825,9 @@ mod tests {
         assert_eq!(report.fence_deadline_ms, 14_000);
         assert_eq!(
             report.to_string(),
-            "demo: coord, fenced, ttl 15s: 200.0 keepalives/s for 1000 sessions (one per session \
-             every 5000 ms); a dead holder blocks its key for up to 15 s; a holder that cannot \
-             renew fences 14.0 s after its last keepalive send"
+            "demo: coord, fenced, closed on quorum loss, ttl 15s: 200.0 keepalives/s for 1000 \
+             sessions (one per session every 5000 ms); a dead holder blocks its key for up to 15 s; \
+             a holder that cannot renew fences 14.0 s after its last keepalive send"
         );
         let short = review(
             &LockClass {
@@ -843,5 +847,43 @@ mod tests {
             "{line}"
         );
         assert!(!line.contains('\n'));
+    }
+
+    /// ADR-04: a class that does not say is closed (the safe posture, and
+    /// every policy file written before the field existed keeps loading);
+    /// open must be written down, is refused on a fenced class with a
+    /// message naming the fix, and shows in the review line.
+    #[test]
+    fn quorum_loss_posture_defaults_closed_and_open_is_reviewed() {
+        assert_eq!(fenced().on_quorum_loss, OnQuorumLoss::Closed);
+        let open = parse(
+            "name = \"warm\"\ntier = \"entity\"\nenforcement = \"advisory\"\nttlSeconds = 60\n\
+             onQuorumLoss = \"open\"\nriskOwner = \"team@example.com\"\nwaiverExpires = \"2027-06-30\"",
+        );
+        assert_eq!(open.on_quorum_loss, OnQuorumLoss::Open);
+        open.validate(today()).unwrap();
+        let line = review(&open, 10).to_string();
+        assert!(line.contains("advisory, open on quorum loss"), "{line}");
+        assert!(line.contains("UNPROTECTED"), "{line}");
+        let closed = review(&advisory(), 10).to_string();
+        assert!(closed.contains("closed on quorum loss"), "{closed}");
+        assert!(!closed.contains("UNPROTECTED"), "{closed}");
+
+        let fenced_open = parse(
+            "name = \"ledger\"\ntier = \"entity\"\nenforcement = \"fenced\"\nonQuorumLoss = \"open\"",
+        );
+        let msg = fenced_open.validate(today()).unwrap_err().to_string();
+        assert!(
+            msg.starts_with(
+                "lock class \"ledger\": onQuorumLoss = \"open\" is not allowed for a fenced class"
+            ) && msg.ends_with("use onQuorumLoss = \"closed\""),
+            "{msg}"
+        );
+        let err = toml::from_str::<LockClass>(
+            "name = \"x\"\ntier = \"coord\"\nenforcement = \"fenced\"\nonQuorumLoss = \"ajar\"",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("unknown variant `ajar`"), "{err}");
     }
 }

@@ -1,5 +1,6 @@
 //! A calendar date, just enough for waiver expiry: parse `YYYY-MM-DD`,
-//! compare, and find today's date in UTC without a date-time dependency.
+//! compare, and find today's date in UTC. The calendar itself is the `time`
+//! crate's; this type keeps policy files' format and messages.
 
 use std::fmt;
 use std::str::FromStr;
@@ -9,16 +10,14 @@ use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use thiserror::Error;
 
+/// The Julian day number of 1970-01-01.
+const UNIX_EPOCH_JULIAN_DAY: i64 = 2_440_588;
+
 /// A proleptic Gregorian date between 0001-01-01 and 9999-12-31.
 ///
 /// Ordering is chronological.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Date {
-    // Field order gives the derived `Ord` its chronological meaning.
-    year: u16,
-    month: u8,
-    day: u8,
-}
+pub struct Date(time::Date);
 
 /// Why a string or triple is not a date.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -46,13 +45,12 @@ impl Date {
         if !(1..=9999).contains(&year) {
             return Err(out_of_range("the year must be between 0001 and 9999"));
         }
-        if !(1..=12).contains(&month) {
+        let Ok(calendar_month) = time::Month::try_from(month) else {
             return Err(out_of_range("the month must be between 01 and 12"));
-        }
-        if day < 1 || day > days_in_month(year, month) {
-            return Err(out_of_range("that month has fewer days"));
-        }
-        Ok(Date { year, month, day })
+        };
+        time::Date::from_calendar_date(i32::from(year), calendar_month, day)
+            .map(Date)
+            .map_err(|_| out_of_range("that month has fewer days"))
     }
 
     /// Parses exactly `YYYY-MM-DD`.
@@ -104,84 +102,59 @@ impl Date {
     }
 
     /// The date `days` days after 1970-01-01, clamped to 0001-01-01..=9999-12-31.
-    ///
-    /// Howard Hinnant's `civil_from_days`.
     pub fn from_unix_days(days: i64) -> Date {
-        const MIN: Date = Date {
-            year: 1,
-            month: 1,
-            day: 1,
-        };
-        const MAX: Date = Date {
-            year: 9999,
-            month: 12,
-            day: 31,
-        };
-        // Bounds keep the arithmetic below far from overflow.
-        if days < MIN.unix_days() {
+        const MIN: Date = Date(calendar(1, time::Month::January, 1));
+        const MAX: Date = Date(calendar(9999, time::Month::December, 31));
+        let julian = days.saturating_add(UNIX_EPOCH_JULIAN_DAY);
+        if julian <= i64::from(MIN.0.to_julian_day()) {
             return MIN;
         }
-        if days > MAX.unix_days() {
+        if julian >= i64::from(MAX.0.to_julian_day()) {
             return MAX;
         }
-        let z = days + 719_468;
-        let era = z.div_euclid(146_097);
-        let doe = z.rem_euclid(146_097); // [0, 146096]
-        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // [0, 399]
-        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // [0, 365]
-        let mp = (5 * doy + 2) / 153; // [0, 11]
-        let day = doy - (153 * mp + 2) / 5 + 1; // [1, 31]
-        let month = if mp < 10 { mp + 3 } else { mp - 9 }; // [1, 12]
-        let year = yoe + era * 400 + i64::from(month <= 2);
-        Date {
-            year: year as u16,
-            month: month as u8,
-            day: day as u8,
-        }
+        // In range, so the Julian day fits an i32 and is a valid date.
+        i32::try_from(julian)
+            .ok()
+            .and_then(|j| time::Date::from_julian_day(j).ok())
+            .map_or(MAX, Date)
     }
 
-    /// Days since 1970-01-01 (negative before). Hinnant's `days_from_civil`.
+    /// Days since 1970-01-01 (negative before).
     pub const fn unix_days(&self) -> i64 {
-        let m = self.month as i64;
-        let d = self.day as i64;
-        let y = self.year as i64 - if m <= 2 { 1 } else { 0 };
-        let era = y.div_euclid(400);
-        let yoe = y.rem_euclid(400);
-        let mp = if m > 2 { m - 3 } else { m + 9 };
-        let doy = (153 * mp + 2) / 5 + d - 1;
-        let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-        era * 146_097 + doe - 719_468
+        self.0.to_julian_day() as i64 - UNIX_EPOCH_JULIAN_DAY
     }
 
     pub fn year(&self) -> u16 {
-        self.year
+        // 1..=9999 by construction.
+        self.0.year() as u16
     }
 
     pub fn month(&self) -> u8 {
-        self.month
+        u8::from(self.0.month())
     }
 
     pub fn day(&self) -> u8 {
-        self.day
+        self.0.day()
     }
 }
 
-fn is_leap(year: u16) -> bool {
-    (year.is_multiple_of(4) && !year.is_multiple_of(100)) || year.is_multiple_of(400)
-}
-
-fn days_in_month(year: u16, month: u8) -> u8 {
-    match month {
-        2 if is_leap(year) => 29,
-        2 => 28,
-        4 | 6 | 9 | 11 => 30,
-        _ => 31,
+/// A date known to exist, in a const.
+const fn calendar(year: i32, month: time::Month, day: u8) -> time::Date {
+    match time::Date::from_calendar_date(year, month, day) {
+        Ok(date) => date,
+        Err(_) => time::Date::MIN,
     }
 }
 
 impl fmt::Display for Date {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:04}-{:02}-{:02}", self.year, self.month, self.day)
+        write!(
+            f,
+            "{:04}-{:02}-{:02}",
+            self.year(),
+            self.month(),
+            self.day()
+        )
     }
 }
 

@@ -1,23 +1,22 @@
-//! FNV-1a, 64-bit: a tiny, stable content hash for version numbers and
-//! change detection. Not collision-resistant against an adversary, which is
-//! fine: the inputs are reviewed files, and the hashes only say "changed".
+//! FNV-1a, 64-bit (the `fnv` crate): a tiny, stable content hash for
+//! version numbers and change detection. Not collision-resistant against an
+//! adversary, which is fine: the inputs are reviewed files, and the hashes
+//! only say "changed".
 
-const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
-const PRIME: u64 = 0x0000_0100_0000_01b3;
+use std::hash::Hasher;
 
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Fnv1a(u64);
+use fnv::FnvHasher;
+
+#[derive(Default)]
+pub(crate) struct Fnv1a(FnvHasher);
 
 impl Fnv1a {
     pub(crate) fn new() -> Fnv1a {
-        Fnv1a(OFFSET_BASIS)
+        Fnv1a::default()
     }
 
     pub(crate) fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 ^= u64::from(b);
-            self.0 = self.0.wrapping_mul(PRIME);
-        }
+        self.0.write(bytes);
     }
 
     /// Writes a length-prefixed field, so ("ab", "c") and ("a", "bc") differ.
@@ -26,12 +25,13 @@ impl Fnv1a {
         self.write(bytes);
     }
 
+    /// Little-endian on every target (std's `Hasher::write_u64` is native).
     pub(crate) fn write_u64(&mut self, n: u64) {
         self.write(&n.to_le_bytes());
     }
 
     pub(crate) fn finish(&self) -> u64 {
-        self.0
+        self.0.finish()
     }
 }
 

@@ -20,18 +20,10 @@
 //! VM. [`PolicySet::from_files`] serves callers that get the file texts some
 //! other way.
 
-#![cfg_attr(
-    not(test),
-    deny(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::unreachable,
-        clippy::todo,
-        clippy::unimplemented,
-        clippy::indexing_slicing
-    )
-)]
+// On the Wasm path a panic takes the VM down; the workspace lints
+// (Cargo.toml) deny unwrap/expect/panic, this crate indexing and
+// `unreachable!` too.
+#![deny(clippy::indexing_slicing, clippy::unreachable)]
 
 mod class;
 mod date;

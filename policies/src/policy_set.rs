@@ -505,6 +505,33 @@ identity = "spiffe://td/latchkey/operator"
         dir
     }
 
+    /// ADR-04 at load: a fenced class may not stay open on quorum loss; the
+    /// refusal names the file and the fix, and the set is refused whole.
+    #[test]
+    fn the_loader_refuses_open_on_quorum_loss_for_a_fenced_class() {
+        let fenced_open = "[[class]]\nname = \"demo\"\ntier = \"coord\"\nenforcement = \"fenced\"\n\
+            onQuorumLoss = \"open\"\n[class.pauseTest]\nresource = \"postgresql:t.rows\"\n\
+            result = \"pause-tests/demo.json\"\n";
+        let err = load_err(&[("classes/a.toml", fenced_open)]);
+        assert!(err.contains("a.toml"), "{err}");
+        assert!(
+            err.contains("onQuorumLoss = \"open\" is not allowed for a fenced class")
+                && err.contains("use onQuorumLoss = \"closed\""),
+            "{err}"
+        );
+        // Open on an advisory class loads; a class that does not say is closed.
+        let advisory_open = "[[class]]\nname = \"warm\"\ntier = \"entity\"\nenforcement = \"advisory\"\n\
+            ttlSeconds = 60\nonQuorumLoss = \"open\"\nriskOwner = \"t@example.com\"\n\
+            waiverExpires = \"2099-12-31\"\n[[class]]\nname = \"plain\"\ntier = \"entity\"\n\
+            enforcement = \"advisory\"\nttlSeconds = 60\nriskOwner = \"t@example.com\"\n\
+            waiverExpires = \"2099-12-31\"\n";
+        let dir = policy_dir(&[("classes/a.toml", advisory_open)]);
+        let set = PolicySet::load_dir_at(dir.path(), now()).unwrap_or_else(|e| panic!("{e}"));
+        let posture = |name: &str| set.class(name).map(|c| c.on_quorum_loss);
+        assert_eq!(posture("warm"), Some(crate::OnQuorumLoss::Open));
+        assert_eq!(posture("plain"), Some(crate::OnQuorumLoss::Closed));
+    }
+
     #[test]
     fn loads_the_dev_policies() {
         let dir = dev_copy_with_fixtures();

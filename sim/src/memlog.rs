@@ -36,7 +36,9 @@ mod store;
 mod tests;
 mod watch;
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
@@ -189,10 +191,10 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// The state; a panic elsewhere while it was held leaves it usable (a
-    /// simulation reports the panic, not a poisoned lock).
+    /// The state (parking_lot: a panic elsewhere while it was held leaves
+    /// it usable, and the simulation reports that panic).
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+        self.inner.lock()
     }
 
     /// Runs `f` on the state after applying every lease expiry due by now,

@@ -17,7 +17,9 @@
 //!
 //! Nothing here reads the wall clock, spawns a task or iterates a hash map.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
@@ -100,7 +102,7 @@ impl MemWitness {
 
     /// A state; a panic elsewhere while it was held leaves it usable.
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+        self.inner.lock()
     }
 
     // --- fault knobs ---

@@ -4,6 +4,9 @@
 //! each caller hears what its own transaction would have said, and a lost
 //! answer is every member's unknown outcome.
 
+// A test binary: a failed unwrap or a panic is how it reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -10,6 +10,9 @@
 //! `LATCHKEY_SIM_SEED=<seed>[:<preset>]` (and optionally
 //! `LATCHKEY_SIM_OPS=<n>`) runs one more seed: `seed_from_env`.
 
+// A test binary: a failed unwrap or a panic is how it reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::path::PathBuf;
 use std::time::Instant;
 

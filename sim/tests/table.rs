@@ -1,6 +1,9 @@
 //! The LockTable on the in-memory log, one scenario at a time, under paused
 //! time: what used to need a multi-process run on a real etcd.
 
+// A test binary: a failed unwrap or a panic is how it reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::sync::Arc;
 use std::time::Duration;
 

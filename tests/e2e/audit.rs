@@ -407,7 +407,7 @@ async fn expiries_closed_sessions_and_force_releases_are_recorded() -> anyhow::R
     }
 
     // latchctl audit: the key's history, oldest first.
-    let out = crate::client::latchctl(s.arbiter.addr(), "workload/alice")?
+    let out = crate::latchctl::latchctl(s.arbiter.addr(), "workload/alice")?
         .args(["--json", "audit", "demo/audit-forced", "--since", "1h"])
         .args(["--store", &pg.url()])
         .output()
@@ -432,7 +432,7 @@ async fn expiries_closed_sessions_and_force_releases_are_recorded() -> anyhow::R
     // the last events.
     let held = try_lock(&mut alice, "demo/audit-why", CLASS, session).await?;
     let shown = eventually("latchctl why to show the grant", WAIT, || async {
-        let out = crate::client::latchctl(s.arbiter.addr(), "workload/alice")?
+        let out = crate::latchctl::latchctl(s.arbiter.addr(), "workload/alice")?
             .args(["why", "demo/audit-why", "--store", &pg.url()])
             .output()
             .await?;
@@ -454,6 +454,126 @@ async fn expiries_closed_sessions_and_force_releases_are_recorded() -> anyhow::R
     ensure!(
         !shown.contains(&held.token.to_string()),
         "a token in latchctl why"
+    );
+    Ok(())
+}
+
+/// A force-release that revokes the holder's session, made through the
+/// arbiter's Admin API with real operators' ID tokens: the released key is
+/// a force-release, the session's other hold ends `force-revoked` (not the
+/// `expired-or-revoked` a lapse or a hand-made revoke reads as, shown on
+/// bob's session), and `latchctl audit` says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_force_release_that_revokes_the_session_reads_as_a_revocation() -> anyhow::Result<()> {
+    use latchkey_proto::adminv1::{ApproveForceReleaseRequest, RequestForceReleaseRequest};
+    use latchkey_tests::arbiter::ArbiterOptions;
+
+    let oidc = crate::force_release::provider(None).await?;
+    let s = stack_with(ArbiterOptions {
+        force_release: crate::force_release::config(&oidc, false),
+        ..ArbiterOptions::default()
+    })
+    .await?;
+    let pg = PostgresServer::start().await?;
+    let cluster = s.etcd.cluster_id().await?;
+    let store = latchkey_audit::store::open(&pg.url()).await?;
+    let tailer = Tailer::start(&s.etcd, &pg.url(), &["--checkpoint-every", "1s"])?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+
+    let session = open(&mut alice, CLASS).await?;
+    let forced = try_lock(&mut alice, "demo/audit-rv-forced", CLASS, session).await?;
+    let other = try_lock(&mut alice, "demo/audit-rv-other", CLASS, session).await?;
+    // bob's session revoked by hand: etcd cannot tell that from a lapse
+    let bobs = open(&mut bob, CLASS).await?;
+    let by_hand = try_lock(&mut bob, "demo/audit-rv-hand", CLASS, bobs).await?;
+    s.etcd.client().await?.lease_revoke(bobs).await?;
+
+    let mut admin = s.arbiter.admin("latchkey/operator").await?;
+    let req = admin
+        .request_force_release(RequestForceReleaseRequest {
+            key: forced.key.clone(),
+            reason: "the whole worker is wedged".into(),
+            revoke_session: true,
+            id_token: oidc.id_token("alice-op", "latchctl").await?,
+        })
+        .await?
+        .into_inner();
+    let done = admin
+        .approve_force_release(ApproveForceReleaseRequest {
+            request_id: req.request_id.clone(),
+            id_token: oidc.id_token("bob-op", "latchctl").await?,
+        })
+        .await?
+        .into_inner();
+    ensure!(done.session_revoked, "{}", done.session_revoke_error);
+    // the marker outlives the session, on a lease of its own
+    let marker = s
+        .etcd
+        .client()
+        .await?
+        .get(format!("/latchkey/sys/revoked/{session:016x}"), None)
+        .await?;
+    let kv = marker.kvs().first().context("no sys/revoked marker")?;
+    ensure!(kv.lease() != 0 && kv.lease() != session, "{kv:?}");
+    let marker: serde_json::Value = serde_json::from_slice(kv.value())?;
+    ensure!(marker["requestId"] == req.request_id.as_str(), "{marker}");
+    // no grant on the revoked session
+    ensure!(
+        try_lock(&mut alice, "demo/audit-rv-after", CLASS, session)
+            .await
+            .is_err(),
+        "granted on a revoked session"
+    );
+
+    let events = store_shows(
+        store.as_ref(),
+        cluster,
+        &tailer,
+        "the force-release, the revocation and the hand-made revoke",
+        |events| {
+            let ended = |key: &str| {
+                events
+                    .iter()
+                    .find(|e| e.event.key == key && e.event.ended != Ended::No)
+            };
+            let (Some(f), Some(o), Some(h)) =
+                (ended(&forced.key), ended(&other.key), ended(&by_hand.key))
+            else {
+                bail!("not all ended yet: {events:?}")
+            };
+            ensure!(f.event.kind == Kind::ForceRelease, "{f:?}");
+            ensure!(
+                (o.event.kind, o.event.ended) == (Kind::Release, Ended::ForceRevoked),
+                "{o:?}"
+            );
+            ensure!(o.event.hold_revision == other.revision, "{o:?}");
+            ensure!(o.event.detail["approvedBy"] == "bob-op", "{o:?}");
+            ensure!(o.event.detail["requestedBy"] == "alice-op", "{o:?}");
+            ensure!(
+                o.event.detail["revokedWith"] == forced.key.as_str(),
+                "{o:?}"
+            );
+            ensure!(
+                (h.event.kind, h.event.ended) == (Kind::Expiry, Ended::ExpiredOrRevoked),
+                "{h:?}"
+            );
+            Ok(())
+        },
+    )
+    .await?;
+    ensure_unique(&events)?;
+
+    let out = crate::latchctl::latchctl(s.arbiter.addr(), "workload/alice")?
+        .args(["audit", "demo/audit-rv-other", "--since", "1h"])
+        .args(["--store", &pg.url()])
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(out.status.success(), "{stdout}{out:?}");
+    ensure!(
+        stdout.contains("its session was revoked by an operator's force-release"),
+        "{stdout}"
     );
     Ok(())
 }

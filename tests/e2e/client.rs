@@ -1,32 +1,31 @@
-//! The client library and latchctl against the real arbiter on real etcd,
-//! over mTLS with the dev SVIDs: re-entrancy that costs the log nothing
-//! (ADR-13), one session per TTL (ADR-10), contention, ADR-12's two stages
-//! on a blocked network path (and that the arbiter hands the key on only
-//! after the holder has fenced), and the CLI end to end.
+//! The client library against the real arbiter on real etcd, over mTLS
+//! with the dev SVIDs: re-entrancy that costs the log nothing (ADR-13), one
+//! session per TTL (ADR-10), contention, and ADR-12's two stages on a
+//! blocked network path (and that the arbiter hands the key on only after
+//! the holder has fenced). latchctl end to end is in `latchctl.rs`.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::process::{Output, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use anyhow::{Context, bail, ensure};
 use latchkey_client::{Client, ClientConfig, Error, FenceReason, Reason, TlsFiles};
-use latchkey_policies::{Date, PolicySet};
-use latchkey_tests::arbiter::{certs, spiffe, svid_flags};
+use latchkey_tests::arbiter::{certs, spiffe};
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::eventually;
 use latchkey_tests::proxy::Proxy;
-use tokio::process::Command;
 use tokio::time::{Instant, sleep, timeout};
 use tonic::Code;
 
 use crate::support::stack;
 
 /// `short` in policies/dev: the minimum TTL, so expiry happens in seconds.
-const SHORT_TTL: Duration = Duration::from_secs(5);
+pub(crate) const SHORT_TTL: Duration = Duration::from_secs(5);
 /// ADR-12's margin between the local deadline and the arbiter's expiry.
-const FENCE_MARGIN: Duration = Duration::from_secs(1);
+pub(crate) const FENCE_MARGIN: Duration = Duration::from_secs(1);
 
 fn tls(name: &str) -> anyhow::Result<TlsFiles> {
     let certs = certs()?;
@@ -59,15 +58,12 @@ pub(crate) fn recorder(fired: &Fired) -> impl Fn(FenceReason) + Send + Sync + 's
     let fired = Arc::clone(fired);
     move |reason| {
         let now = Instant::now();
-        fired
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((now, reason));
+        fired.lock().push((now, reason));
     }
 }
 
 pub(crate) fn snapshot(fired: &Fired) -> Vec<(Instant, FenceReason)> {
-    fired.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    fired.lock().clone()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -397,309 +393,5 @@ async fn a_blocked_path_stops_new_work_then_fences_before_the_arbiter_hands_the_
     );
     assert!(again.can_start());
     again.release().await?;
-    Ok(())
-}
-
-// --- latchctl ---------------------------------------------------------------
-
-pub(crate) fn latchctl(addr: SocketAddr, name: &str) -> anyhow::Result<Command> {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"));
-    cmd.env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .arg("--endpoint")
-        .arg(format!("https://{addr}"))
-        .args(svid_flags(name)?)
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
-    Ok(cmd)
-}
-
-/// A `latchctl hold` whose command (`sleep`) is running.
-pub(crate) struct HeldByLatchctl {
-    pub child: tokio::process::Child,
-    /// The command's pid.
-    pub pid: i32,
-    /// latchctl's stderr, in a file: `sleep` inherits latchctl's stdio, and
-    /// a file can be read whether or not latchctl has exited.
-    pub stderr_path: std::path::PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-/// `latchctl hold KEY --class CLASS -- sleep SECS` as `name` against
-/// `addr`, once its command runs: the command runs only once latchctl has
-/// the grant in hand (the key shows as held at the arbiter earlier, while
-/// the reply is in flight).
-pub(crate) async fn latchctl_hold(
-    addr: SocketAddr,
-    name: &str,
-    key: &str,
-    class: &str,
-    secs: u32,
-) -> anyhow::Result<HeldByLatchctl> {
-    let dir = tempfile::tempdir()?;
-    let stderr_path = dir.path().join("stderr");
-    let pid_path = dir.path().join("pid");
-    let child = latchctl(addr, name)?
-        .args(["hold", key, "--class", class, "--", "sh", "-c"])
-        .arg(format!(
-            "echo $$ > {}; exec sleep {secs}",
-            pid_path.display()
-        ))
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&stderr_path)?)
-        .spawn()
-        .context("spawn latchctl")?;
-    let pid = eventually(
-        "latchctl to start its command",
-        Duration::from_secs(10),
-        || {
-            let pid_path = pid_path.clone();
-            async move { Ok(std::fs::read_to_string(&pid_path)?.trim().parse::<i32>()?) }
-        },
-    )
-    .await?;
-    Ok(HeldByLatchctl {
-        child,
-        pid,
-        stderr_path,
-        _dir: dir,
-    })
-}
-
-async fn run(cmd: &mut Command) -> anyhow::Result<Output> {
-    timeout(Duration::from_secs(30), cmd.output())
-        .await
-        .context("latchctl did not finish in 30 s")?
-        .context("latchctl did not run")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn json(out: &Output) -> anyhow::Result<serde_json::Value> {
-    serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("--json output: {}", text(&out.stdout)))
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn latchctl_holds_acquires_inspects_and_releases_on_the_real_arbiter() -> anyhow::Result<()> {
-    let s = stack().await?;
-    let addr = s.arbiter.addr();
-    let alice = connect(addr, "workload/alice").await?;
-    let dir = tempfile::tempdir()?;
-
-    // hold: the command runs with the token and the key is free afterwards.
-    let file = dir.path().join("token");
-    let out = run(latchctl(addr, "workload/alice")?.args([
-        "hold",
-        "demo/cli",
-        "--class",
-        "demo",
-        "--",
-        "sh",
-        "-c",
-        &format!("echo $LATCHKEY_TOKEN > {}", file.display()),
-    ]))
-    .await?;
-    ensure!(out.status.success(), "hold: {}", text(&out.stderr));
-    let token: u64 = std::fs::read_to_string(&file)?
-        .trim()
-        .parse()
-        .context("LATCHKEY_TOKEN is a number")?;
-    assert_eq!(token >> 48, 1, "epoch 1 in the token's high bits");
-    assert!(
-        !text(&out.stderr).contains(&token.to_string()),
-        "hold must not print the token"
-    );
-    let view = alice.inspect("demo/cli").await?;
-    assert!(view.holder.is_none(), "free after hold: {view:?}");
-
-    // acquire --detach, inspect, release by session and token.
-    let out = run(latchctl(addr, "workload/alice")?.args([
-        "acquire",
-        "demo/cli2",
-        "--class",
-        "demo",
-        "--detach",
-        "--json",
-    ]))
-    .await?;
-    ensure!(out.status.success(), "acquire: {}", text(&out.stderr));
-    let grant = json(&out)?;
-    assert_eq!(grant["key"], "demo/cli2");
-    let token = grant["token"].as_u64().context("token")?;
-    let session = grant["session_id"].as_i64().context("session_id")?;
-    assert!(token > 0);
-
-    let out =
-        run(latchctl(addr, "workload/alice")?.args(["inspect", "demo/cli2", "--json"])).await?;
-    ensure!(out.status.success(), "inspect: {}", text(&out.stderr));
-    let view = json(&out)?;
-    assert_eq!(view["holder"]["identity"], spiffe("workload/alice"));
-    assert_eq!(view["holder"]["session_id"].as_i64(), Some(session));
-    assert!(
-        view["holder"]["token"].is_null(),
-        "inspect never shows a token"
-    );
-
-    let out = run(latchctl(addr, "workload/alice")?.args([
-        "release",
-        "demo/cli2",
-        "--session",
-        &session.to_string(),
-        "--token",
-        &token.to_string(),
-    ]))
-    .await?;
-    ensure!(out.status.success(), "release: {}", text(&out.stderr));
-    let view = alice.inspect("demo/cli2").await?;
-    assert!(view.holder.is_none(), "free after release: {view:?}");
-
-    // mallory: refused with the code and reason on stderr, exit 1.
-    let out = run(latchctl(addr, "workload/mallory")?.args([
-        "acquire",
-        "demo/cli3",
-        "--class",
-        "demo",
-        "--detach",
-    ]))
-    .await?;
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("PERMISSION_DENIED") && stderr.contains("NOT_AUTHORISED"),
-        "{stderr}"
-    );
-    assert!(
-        out.stdout.is_empty(),
-        "no grant printed: {}",
-        text(&out.stdout)
-    );
-
-    // admin status as the operator.
-    let out = run(latchctl(addr, "latchkey/operator")?.args(["admin", "status", "--json"])).await?;
-    ensure!(out.status.success(), "admin status: {}", text(&out.stderr));
-    let status = json(&out)?;
-    assert_eq!(status["epoch"].as_u64(), Some(1), "{status}");
-    assert_eq!(status["sealed"], false, "{status}");
-    let out = run(latchctl(addr, "latchkey/operator")?.args(["admin", "status"])).await?;
-    ensure!(out.status.success(), "admin status: {}", text(&out.stderr));
-    let human = text(&out.stdout);
-    assert!(
-        human
-            .lines()
-            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["epoch", "1"]),
-        "{human}"
-    );
-    Ok(())
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn latchctl_classes_check_prints_one_review_line_per_class() -> anyhow::Result<()> {
-    let policies = latchkey_tests::dev_policies()?;
-    let expected = PolicySet::load_dir(policies, Date::today_utc())?;
-    // No endpoint or certificates needed: this never dials.
-    let out = run(Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"))
-        .env_clear()
-        .args(["classes", "check"])
-        .arg(policies)
-        .kill_on_drop(true))
-    .await?;
-    ensure!(out.status.success(), "classes check: {}", text(&out.stderr));
-    let stdout = text(&out.stdout);
-    let lines: Vec<&str> = stdout.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), expected.classes().len(), "{stdout}");
-    for name in expected.classes().keys() {
-        assert_eq!(
-            lines.iter().filter(|l| mentions(l, name)).count(),
-            1,
-            "one line for class {name}: {stdout}"
-        );
-    }
-    Ok(())
-}
-
-/// Whether `line` names `class` as a whole word (`demo` is not in `demos`).
-fn mentions(line: &str, class: &str) -> bool {
-    line.split(|c: char| !(c.is_alphanumeric() || c == '-' || c == '_'))
-        .any(|word| word == class)
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::Result<()> {
-    const KEY: &str = "demo/cli-lost";
-    let s = stack().await?;
-    let proxy = Proxy::start(s.arbiter.addr()).await?;
-    let bob = connect(s.arbiter.addr(), "workload/bob").await?;
-    let held = latchctl_hold(proxy.addr(), "workload/alice", KEY, "short", 60).await?;
-    let (mut child, pid) = (held.child, held.pid);
-    let stderr = || std::fs::read_to_string(&held.stderr_path).unwrap_or_default();
-    let holder = bob.inspect(KEY).await?.holder.context("held by latchctl")?;
-    assert_eq!(holder.identity, spiffe("workload/alice"));
-    // Inspect gives no token: alice's hold's revision, from etcd itself
-    let held_at = s
-        .etcd
-        .client()
-        .await?
-        .get(format!("/latchkey/l/{KEY}"), None)
-        .await?
-        .kvs()
-        .first()
-        .map(|kv| kv.mod_revision())
-        .context("alice's holder record")?;
-
-    proxy.block();
-    let blocked_at = Instant::now();
-    let waiter = bob.clone();
-    let bob_waiting = tokio::spawn(async move {
-        let guard = waiter
-            .lock(KEY, "short")
-            .wait(Duration::from_secs(20))
-            .acquire(|_| {})
-            .await;
-        (Instant::now(), guard)
-    });
-    let status = match timeout(SHORT_TTL + Duration::from_secs(3), child.wait()).await {
-        Ok(status) => status?,
-        Err(_) => {
-            let _ = child.start_kill();
-            bail!(
-                "latchctl kept running {:?} after its session was lost; stderr:\n{}",
-                blocked_at.elapsed(),
-                stderr()
-            );
-        }
-    };
-    let exited_after = blocked_at.elapsed();
-    let stderr = stderr();
-    eprintln!("latchctl hold exited {exited_after:?} after the block: {stderr}");
-    assert_eq!(status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains(&format!("lock on {KEY} lost")), "{stderr}");
-    assert!(
-        exited_after <= SHORT_TTL - FENCE_MARGIN + Duration::from_secs(1),
-        "latchctl should stop the command at its fence deadline, took {exited_after:?}"
-    );
-    let sleep_pid = nix::unistd::Pid::from_raw(pid);
-    assert_eq!(
-        nix::sys::signal::kill(sleep_pid, None),
-        Err(nix::errno::Errno::ESRCH),
-        "the command must be stopped, not orphaned"
-    );
-
-    // The arbiter lets the key go once the lease runs out, and not before
-    // latchctl has stopped the command.
-    let exited_at = blocked_at + exited_after;
-    let (granted_at, granted) = timeout(Duration::from_secs(20), bob_waiting)
-        .await
-        .context("bob was never granted")??;
-    let granted = granted?;
-    ensure!(
-        exited_at < granted_at,
-        "bob was granted {:?} before latchctl stopped its command",
-        exited_at - granted_at
-    );
-    assert!(granted.token().get() > (1u64 << 48) + u64::try_from(held_at)?);
-    granted.release().await?;
     Ok(())
 }

@@ -28,7 +28,8 @@ use latchkey_tests::oidc::OidcProvider;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
-use crate::client::{Fired, connect, latchctl, recorder, snapshot};
+use crate::client::{Fired, connect, recorder, snapshot};
+use crate::latchctl::latchctl;
 use crate::support::{Stack, stack_with};
 
 const AUDIENCE: &str = "latchctl";
@@ -45,7 +46,7 @@ struct World {
     oidc: OidcProvider,
 }
 
-fn config(oidc: &OidcProvider, require_mfa: bool) -> ForceReleaseConfig {
+pub(crate) fn config(oidc: &OidcProvider, require_mfa: bool) -> ForceReleaseConfig {
     let mut c = OidcConfig::new(oidc.issuer().into(), AUDIENCE.into());
     c.require_mfa = require_mfa;
     // Expiry tests wait for exp itself, not exp plus skew.
@@ -58,7 +59,7 @@ fn config(oidc: &OidcProvider, require_mfa: bool) -> ForceReleaseConfig {
 
 /// Operators alice-op and bob-op (role, MFA), carol (MFA, no role), dave-op
 /// (role, password only).
-async fn provider(token_max_age: Option<Duration>) -> anyhow::Result<OidcProvider> {
+pub(crate) async fn provider(token_max_age: Option<Duration>) -> anyhow::Result<OidcProvider> {
     let oidc = OidcProvider::start_with(token_max_age).await?;
     let op = serde_json::json!({"roles": ["lock-operator"], "amr": ["pwd", "otp"]});
     oidc.set_user("alice-op", op.clone()).await?;
@@ -732,5 +733,221 @@ async fn the_force_release_role_deletes_holds_and_cannot_write_a_grant() -> anyh
     // force-released again (docs/security.md).
     f.put("/latchkey/l/demo/leaseless", "{}", None).await?;
     f.delete("/latchkey/l/demo/leaseless", None).await?;
+    Ok(())
+}
+
+/// The arbiter as a process, started with the force-release flags as
+/// deployed (etcd over mutual TLS with auth on, the restricted force-release
+/// user, MFA required, `--oidc-leeway-seconds 0`), and a force-release end
+/// to end with latchctl: a `latchctl hold` has its command stopped, the
+/// holder's session is revoked, and no token reaches the arbiter's debug log.
+/// The leeway flag is in force: with 0, a token just past its `exp` is
+/// refused (the 30 s default would still take it).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_arbiter_process_runs_a_force_release_from_latchctl() -> anyhow::Result<()> {
+    use crate::latchctl::latchctl_hold;
+    use latchkey_tests::arbiter::ArbiterProcess;
+
+    latchkey_tests::init_tracing();
+    let mut etcd = EtcdServer::start_with(EtcdOptions {
+        tls: Some(EtcdTls::mutual()?),
+    })
+    .await?;
+    etcd.enable_auth("root-password").await?;
+    etcd.add_user(ARBITER_USER, ARBITER_PASSWORD, "/latchkey")
+        .await?;
+    add_force_user(&etcd).await?;
+    let dir = tempfile::tempdir()?;
+    let (arbiter_pw, force_pw) = (dir.path().join("arbiter-pw"), dir.path().join("force-pw"));
+    std::fs::write(&arbiter_pw, format!("{ARBITER_PASSWORD}\n"))?;
+    std::fs::write(&force_pw, format!("{FORCE_PASSWORD}\n"))?;
+    let tls = etcd.tls().context("etcd without TLS")?;
+    let cert = tls.arbiter_cert()?;
+    // Tokens that expire 5 s after they are issued.
+    let oidc = provider(Some(Duration::from_secs(5))).await?;
+    let mut force = config(&oidc, true);
+    force.etcd_user = Some(EtcdUser {
+        name: FORCE_USER.into(),
+        password_file: force_pw,
+    });
+    let binary = std::path::PathBuf::from(env!("CARGO_BIN_EXE_arbiter-under-test"));
+    let arbiter = ArbiterProcess::start_with(
+        &binary,
+        &[etcd.endpoint()],
+        None,
+        ArbiterOptions {
+            etcd_credentials: EtcdCredentials {
+                ca: Some(tls.ca.clone()),
+                client_cert: Some(EtcdClientCert {
+                    cert: cert.cert.clone(),
+                    key: cert.key.clone(),
+                }),
+                user: Some(EtcdUser {
+                    name: ARBITER_USER.into(),
+                    password_file: arbiter_pw,
+                }),
+            },
+            force_release: force,
+            ..ArbiterOptions::default()
+        },
+        "debug",
+        &["--oidc-leeway-seconds".into(), "0".into()],
+    )
+    .await?;
+    let addr = arbiter.addr();
+    let mut held = latchctl_hold(addr, "workload/alice", "demo/fr-proc", FENCED, 600).await?;
+    let mut tokens = Vec::new();
+
+    // operator A requests, the token from the environment
+    let a = oidc.id_token("alice-op", AUDIENCE).await?;
+    tokens.push(a.clone());
+    let out = run_latchctl(
+        latchctl(addr, OPERATOR)?
+            .env("LATCHKEY_ID_TOKEN", &a)
+            .args([
+                "--json",
+                "admin",
+                "force-release",
+                "request",
+                "demo/fr-proc",
+            ])
+            .args(["--reason", "wedged in the process e2e", "--revoke-session"]),
+    )
+    .await?;
+    anyhow::ensure!(out.status.success(), "request failed: {out:?}");
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let id = line["request_id"]
+        .as_str()
+        .context("no request id")?
+        .to_string();
+    assert_eq!(line["enforcement"], "fenced", "{line}");
+    assert_eq!(
+        line["holder_identity"],
+        spiffe_of("workload/alice"),
+        "{line}"
+    );
+
+    // operator B lists and approves, the token from a file
+    let b_file = dir.path().join("id-token");
+    let b = oidc.id_token("bob-op", AUDIENCE).await?;
+    std::fs::write(&b_file, format!("{b}\n"))?;
+    tokens.push(b);
+    let out = run_latchctl(
+        latchctl(addr, OPERATOR)?
+            .args(["admin", "force-release", "list", "--id-token-file"])
+            .arg(&b_file),
+    )
+    .await?;
+    let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+    anyhow::ensure!(out.status.success(), "list failed: {out:?}");
+    assert!(
+        listed.contains(&id) && listed.contains("demo (FENCED)"),
+        "{listed}"
+    );
+    assert!(
+        listed.contains("revokes the holder's whole session"),
+        "{listed}"
+    );
+    let b = oidc.id_token("bob-op", AUDIENCE).await?;
+    std::fs::write(&b_file, format!("{b}\n"))?;
+    tokens.push(b);
+    let out = run_latchctl(
+        latchctl(addr, OPERATOR)?
+            .args(["admin", "force-release", "approve", &id, "--id-token-file"])
+            .arg(&b_file),
+    )
+    .await?;
+    let approved = String::from_utf8_lossy(&out.stdout).into_owned();
+    anyhow::ensure!(out.status.success(), "approve failed: {out:?}");
+    assert!(
+        approved.contains("force-released at revision"),
+        "{approved}"
+    );
+    assert!(
+        approved.contains("the holder's session was revoked"),
+        "{approved}"
+    );
+
+    // the holder's latchctl stops its command and fails
+    let status = tokio::time::timeout(PUSHED, held.child.wait())
+        .await
+        .context("latchctl hold still runs after the force-release")??;
+    assert!(!status.success(), "{status:?}");
+    let stderr = std::fs::read_to_string(&held.stderr_path)?;
+    assert!(stderr.contains("lost"), "{stderr}");
+    let alive = nix::sys::signal::kill(nix::unistd::Pid::from_raw(held.pid), None).is_ok();
+    assert!(!alive, "the held command still runs");
+    let etcd_now = etcd.client().await?;
+    let mut kv = etcd_now.kv_client();
+    assert_eq!(kv.get("/latchkey/l/demo/fr-proc", None).await?.count(), 0);
+    let marker = kv
+        .get(
+            "/latchkey/sys/revoked/",
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await?;
+    assert_eq!(marker.count(), 1, "one revoked-session marker");
+
+    // --oidc-leeway-seconds 0: a token past its exp is refused at once
+    let late = oidc.id_token("alice-op", AUDIENCE).await?;
+    tokens.push(late.clone());
+    tokio::time::sleep(Duration::from_millis(6500)).await;
+    let out = run_latchctl(
+        latchctl(addr, OPERATOR)?
+            .env("LATCHKEY_ID_TOKEN", &late)
+            .args(["admin", "force-release", "list"]),
+    )
+    .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "an expired token was taken");
+    assert!(stderr.contains("expired"), "{stderr}");
+
+    let log = arbiter.log()?;
+    for t in &tokens {
+        assert!(
+            !log.contains(t.as_str()),
+            "an ID token in the arbiter's log"
+        );
+    }
+    for output in [&listed, &approved, &stderr] {
+        assert!(
+            tokens.iter().all(|t| !output.contains(t.as_str())),
+            "a token was printed"
+        );
+    }
+    Ok(())
+}
+
+fn spiffe_of(name: &str) -> String {
+    latchkey_tests::arbiter::spiffe(name)
+}
+
+/// A bad `--oidc-leeway-seconds` stops the arbiter before it serves,
+/// naming the flag.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_oidc_leeway_fails_the_start_with_a_clear_error() -> anyhow::Result<()> {
+    let binary = env!("CARGO_BIN_EXE_arbiter-under-test");
+    for (value, want) in [
+        ("301", "--oidc-leeway-seconds 301 is too large: at most 300"),
+        ("soon", "--oidc-leeway-seconds"),
+        ("-5", "--oidc-leeway-seconds"),
+    ] {
+        let mut cmd = tokio::process::Command::new(binary);
+        cmd.args(["--insecure-dev", "--listen", "127.0.0.1:0"])
+            .args(["--etcd", "http://127.0.0.1:9"])
+            .args([
+                "--oidc-issuer",
+                "http://127.0.0.1:9",
+                "--oidc-audience",
+                AUDIENCE,
+            ])
+            .arg(format!("--oidc-leeway-seconds={value}"))
+            .env("NO_COLOR", "1")
+            .kill_on_drop(true);
+        let out = run_latchctl(&mut cmd).await?;
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "started with {value:?}: {stderr}");
+        assert!(stderr.contains(want), "{value:?}: {stderr}");
+    }
     Ok(())
 }

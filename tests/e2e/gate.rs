@@ -51,6 +51,12 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
         outcome.recovered_after.is_some(),
         "the history is safe but the service did not recover after the faults (seed {seed}):\n{outcome}"
     );
+    // ADR-04: every unprotected grant (token 0) the open class's workers got
+    // during the quorum loss is in an arbiter's spool.
+    assert!(
+        outcome.unspooled.is_empty(),
+        "an unprotected grant is in no quorum-loss spool (seed {seed}):\n{outcome}"
+    );
     for fault in Fault::ALL {
         assert!(
             // By the first word: "restore-forget ..." is not a "restore".

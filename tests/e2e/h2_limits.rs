@@ -21,10 +21,12 @@
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use anyhow::{Context, bail, ensure};
 use bytes::{BufMut, Bytes, BytesMut};
@@ -155,7 +157,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Tap<T> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.io).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = polled {
-            let mut seen = this.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let mut seen = this.seen.lock();
             seen.read(&buf.filled()[before..]);
         }
         polled
@@ -164,19 +166,13 @@ impl<T: AsyncRead + Unpin> AsyncRead for Tap<T> {
 
 impl<T: AsyncWrite + Unpin> Tap<T> {
     fn dropping(&self) -> bool {
-        self.seen
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .peer_closed
+        self.seen.lock().peer_closed
     }
 
     fn gone<R>(&self, polled: Poll<io::Result<R>>, instead: R) -> Poll<io::Result<R>> {
         match polled {
             Poll::Ready(Err(e)) if peer_gone(&e) => {
-                self.seen
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .peer_closed = true;
+                self.seen.lock().peer_closed = true;
                 Poll::Ready(Ok(instead))
             }
             other => other,
@@ -227,10 +223,7 @@ struct Raw {
 
 /// Every GOAWAY the arbiter sent so far: (error code, debug data).
 fn goaways(seen: &Mutex<Seen>) -> Vec<(u32, String)> {
-    seen.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .goaways
-        .clone()
+    seen.lock().goaways.clone()
 }
 
 /// An mTLS HTTP/2 connection to `addr` with `name`'s dev SVID.

@@ -361,12 +361,10 @@ async fn only_known_methods_are_forwarded_and_the_grant_table_stays_at_the_edge(
 
 /// FNV-1a mod `slots`: the old, public slot placement.
 fn fnv_slot(key: &str, slots: u64) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.as_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h % slots
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    h.write(key.as_bytes());
+    h.finish() % slots
 }
 
 /// Finding 3: mallory parks waiters on keys chosen to cover the admission

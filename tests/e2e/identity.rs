@@ -335,3 +335,122 @@ async fn insecure_dev_mode_takes_the_caller_from_its_header() -> anyhow::Result<
     server.await??;
     Ok(())
 }
+
+/// An mTLS channel to `addr` with `td`'s CA as the only root and `name`'s
+/// SVID of `td` as the client certificate.
+async fn channel_in(
+    addr: std::net::SocketAddr,
+    td: &latchctl::dev_certs::DevTrustDomain,
+    name: &str,
+) -> anyhow::Result<tonic::transport::Channel> {
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+    let svid = td.svid(name);
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(td.ca())?))
+        .identity(Identity::from_pem(
+            std::fs::read(&svid.cert)?,
+            std::fs::read(&svid.key)?,
+        ))
+        .domain_name("localhost");
+    Ok(Channel::from_shared(format!("https://{addr}"))?
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await?)
+}
+
+/// Whether `name` of `td` gets an answer from the arbiter at `addr` over a
+/// fresh connection (any answer but a transport failure).
+async fn served(
+    addr: std::net::SocketAddr,
+    td: &latchctl::dev_certs::DevTrustDomain,
+    name: &str,
+) -> bool {
+    let Ok(ch) = channel_in(addr, td, name).await else {
+        return false;
+    };
+    LockClient::new(ch)
+        .inspect(InspectRequest {
+            key: "demo/rotated".into(),
+        })
+        .await
+        .is_ok()
+}
+
+/// SPIRE rotates the arbiter's SVID and trust bundle on disk: new
+/// connections are served with the files as they are now (old ones keep
+/// theirs), and a half-written rotation is skipped, not served.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_arbiter_reloads_its_certificate_and_client_ca_when_they_rotate() -> anyhow::Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let names = latchkey_tests::arbiter::NAMES;
+    // The harness waits for the arbiter with its own dev trust domain's
+    // certificates: that is the one served first.
+    let old = latchkey_tests::arbiter::certs()?;
+    let new = latchctl::dev_certs::generate(&dir.path().join("new"), "dev.latchkey", names)?;
+    let served_dir = dir.path().join("served");
+    std::fs::create_dir_all(&served_dir)?;
+    let files = latchkey_arbiter::TlsFiles {
+        cert: served_dir.join("svid.pem"),
+        key: served_dir.join("svid_key.pem"),
+        client_ca: served_dir.join("bundle.pem"),
+    };
+    let install = |td: &latchctl::dev_certs::DevTrustDomain| -> anyhow::Result<()> {
+        let svid = td.svid("latchkey/arbiter");
+        // Written aside and renamed in, as spiffe-helper does.
+        for (from, to) in [
+            (svid.cert, &files.cert),
+            (svid.key, &files.key),
+            (td.ca(), &files.client_ca),
+        ] {
+            let tmp = to.with_extension("tmp");
+            std::fs::copy(from, &tmp)?;
+            std::fs::rename(&tmp, to)?;
+        }
+        Ok(())
+    };
+    install(old)?;
+    let etcd = EtcdServer::start().await?;
+    let arbiter = latchkey_tests::arbiter::Arbiter::start(
+        &etcd,
+        ArbiterOptions {
+            tls: Some(files.clone()),
+            ..ArbiterOptions::default()
+        },
+    )
+    .await?;
+    let addr = arbiter.addr();
+    anyhow::ensure!(served(addr, old, "workload/alice").await);
+    anyhow::ensure!(!served(addr, &new, "workload/alice").await);
+    // A connection opened before the rotation keeps working after it.
+    let before = LockClient::new(channel_in(addr, old, "workload/alice").await?);
+
+    install(&new)?;
+    let rotated = tokio::time::Instant::now();
+    while !served(addr, &new, "workload/alice").await {
+        anyhow::ensure!(
+            rotated.elapsed() < latchkey_arbiter::tls_reload::RECHECK * 4,
+            "the rotated certificate and bundle were not picked up"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    anyhow::ensure!(
+        !served(addr, old, "workload/alice").await,
+        "a client of the old trust bundle is still served after the rotation"
+    );
+    let mut before = before;
+    before
+        .inspect(InspectRequest {
+            key: "demo/rotated".into(),
+        })
+        .await?;
+
+    // A rotation caught half-written: the key does not match the
+    // certificate. The arbiter keeps serving the last good files.
+    std::fs::copy(old.svid("latchkey/arbiter").cert, &files.cert)?;
+    tokio::time::sleep(latchkey_arbiter::tls_reload::RECHECK + Duration::from_secs(1)).await;
+    anyhow::ensure!(served(addr, &new, "workload/alice").await);
+    anyhow::ensure!(served(addr, &new, "workload/alice").await);
+    arbiter.stop().await
+}

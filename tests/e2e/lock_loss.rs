@@ -12,7 +12,8 @@ use latchkey_client::{Error, FenceReason};
 use latchkey_tests::eventually;
 use tokio::time::timeout;
 
-use crate::client::{Fired, connect, latchctl_hold, recorder, snapshot};
+use crate::client::{Fired, connect, recorder, snapshot};
+use crate::latchctl::latchctl_hold;
 use crate::support::stack;
 
 const CLASS: &str = "batch-report";

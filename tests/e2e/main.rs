@@ -1,11 +1,13 @@
 //! The end-to-end test binary: one `mod` per scenario file, linked once.
 //!
-//! Scenarios start real processes (etcd, the arbiter, later Envoy) through the
-//! harnesses in `latchkey_tests`.
+//! Scenarios start real processes (etcd, the arbiter, Envoy, PostgreSQL,
+//! ClickHouse, an OIDC provider) through the harnesses in `latchkey_tests`.
 
 mod audit;
+mod classes_crd;
 mod client;
 mod cluster;
+mod deploy;
 mod edge;
 mod etcd_harness;
 mod etcd_tls;
@@ -14,16 +16,20 @@ mod gate;
 mod grants;
 mod grpc_health;
 mod h2_limits;
+mod health_check;
 mod hooks;
 mod hostile_arbiter;
 mod hostile_edge;
 mod hostile_identity;
 mod identity;
+mod latchctl;
 mod lock_loss;
 mod log_contract;
 mod metrics;
 mod pause_test;
 mod policies;
+mod python_client;
+mod quorum_loss;
 mod seal;
 mod support;
 mod waiting;

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use latchkey_client::dev_certs::{self, DevTrustDomain};
+use latchctl::dev_certs::{self, DevTrustDomain};
 use latchkey_proto::adminv1::admin_client::AdminClient;
 use latchkey_proto::lockv1::InspectRequest;
 use latchkey_proto::lockv1::lock_client::LockClient;
@@ -24,7 +24,7 @@ use crate::eventually;
 use crate::faulty_log::{self, TestFault};
 
 pub const TRUST_DOMAIN: &str = "dev.latchkey";
-pub use latchkey_client::dev_certs::DEV_NAMES as NAMES;
+pub use latchctl::dev_certs::DEV_NAMES as NAMES;
 
 /// The dev trust domain for this test process (generated once).
 pub fn certs() -> anyhow::Result<&'static DevTrustDomain> {
@@ -99,6 +99,9 @@ pub struct ArbiterOptions {
     /// Force-release (`--oidc-*`, `--force-etcd-*`); off by default. In
     /// process only.
     pub force_release: latchkey_arbiter::force_release::ForceReleaseConfig,
+    /// The arbiter's own certificate, key and client CA files; the dev
+    /// trust domain's `latchkey/arbiter` SVID when `None`. In process only.
+    pub tls: Option<latchkey_arbiter::TlsFiles>,
 }
 
 /// A coord etcd cluster for the arbiter (issue 15), reached with the same
@@ -124,6 +127,8 @@ impl Coord {
 }
 
 impl Default for ArbiterOptions {
+    // A harness default: without policies/dev the checkout is broken.
+    #[allow(clippy::panic)]
     fn default() -> Self {
         Self {
             // policies/dev, with fixture pause-test results (ADR-17).
@@ -143,6 +148,7 @@ impl Default for ArbiterOptions {
             trust_unwitnessed_log: true,
             max_holds_per_identity: None,
             force_release: Default::default(),
+            tls: None,
         }
     }
 }
@@ -159,6 +165,11 @@ pub struct Arbiter {
 
 impl Arbiter {
     pub async fn start(etcd: &EtcdServer, opts: ArbiterOptions) -> anyhow::Result<Self> {
+        Self::start_on(vec![etcd.endpoint()], opts).await
+    }
+
+    /// [`Arbiter::start`] on any etcd endpoints (a cluster's members).
+    pub async fn start_on(endpoints: Vec<String>, opts: ArbiterOptions) -> anyhow::Result<Self> {
         let certs = certs()?;
         let (state_tmp, state_dir) = match &opts.state_dir {
             Some(d) => (None, d.clone()),
@@ -169,18 +180,15 @@ impl Arbiter {
             }
         };
         let svid = certs.svid("latchkey/arbiter");
-        let mut config = latchkey_arbiter::Config::new(
-            vec![etcd.endpoint()],
-            opts.policies_dir.clone(),
-            state_dir.clone(),
-        );
+        let mut config =
+            latchkey_arbiter::Config::new(endpoints, opts.policies_dir.clone(), state_dir.clone());
         config.prefix = opts.prefix.clone();
         config.etcd_credentials = opts.etcd_credentials.clone();
-        config.tls = Some(latchkey_arbiter::TlsFiles {
+        config.tls = Some(opts.tls.clone().unwrap_or(latchkey_arbiter::TlsFiles {
             cert: svid.cert,
             key: svid.key,
             client_ca: certs.ca(),
-        });
+        }));
         config.trust_domain = TRUST_DOMAIN.into();
         config.edge_identity = opts.edge_identity.clone();
         config.allow_direct_workloads = opts.allow_direct_workloads;

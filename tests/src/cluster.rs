@@ -16,6 +16,7 @@
 //! under a host-wide lock (an abstract unix socket, released by the kernel even when its
 //! holder crashes) among those no root-namespace address uses.
 
+use parking_lot::Mutex;
 use std::fmt::Write as _;
 use std::fs::{self, OpenOptions};
 use std::net::TcpListener;
@@ -23,7 +24,6 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -712,10 +712,8 @@ impl Member {
         format!("http://{}:{}", self.host, self.peer_port)
     }
 
-    fn child(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
-        self.child
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn child(&self) -> parking_lot::MutexGuard<'_, Option<Child>> {
+        self.child.lock()
     }
 
     fn pid(&self) -> Option<u32> {
@@ -802,10 +800,7 @@ impl Member {
     }
 
     fn kill(&mut self) -> anyhow::Result<()> {
-        let slot = self
-            .child
-            .get_mut()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let slot = self.child.get_mut();
         if let Some(mut child) = slot.take() {
             // A stopped process still dies on SIGKILL.
             child

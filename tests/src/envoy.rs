@@ -240,12 +240,10 @@ fn write_atomically(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
 
 /// FNV-1a of the module bytes: the content address in the shipped file name.
 fn content_hash(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    h.write(bytes);
+    h.finish()
 }
 
 impl Envoy {

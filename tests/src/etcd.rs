@@ -22,7 +22,7 @@ use anyhow::{Context, bail};
 use etcd_client::{
     Certificate, Client, ConnectOptions, Identity, Permission, PermissionType, TlsOptions,
 };
-use latchkey_client::dev_certs::{self, DevTrustDomain, SvidFiles};
+use latchctl::dev_certs::{self, DevTrustDomain, SvidFiles};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tempfile::TempDir;

@@ -19,9 +19,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use async_trait::async_trait;
 use latchkey_arbiter::LogLayer;
@@ -199,10 +201,7 @@ impl FaultyLog {
 
     /// Whether `key`'s watch signalled since the last call for `key`.
     fn take_signal(&self, key: &str) -> bool {
-        self.signalled
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(key)
+        self.signalled.lock().remove(key)
     }
 
     /// [`TestFault::GrantOnWatch`]: the grant transaction after a watch
@@ -240,10 +239,7 @@ impl FaultyLog {
         let (key, session) = (txn.key.to_owned(), txn.session);
         if self.fault == TestFault::ForgetHidden {
             let stale = {
-                let mut forgotten = self
-                    .forgotten
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner);
+                let mut forgotten = self.forgotten.lock();
                 match forgotten.get(&key) {
                     Some(held) if held.session != session => forgotten.remove(&key),
                     _ => None,
@@ -270,18 +266,15 @@ impl FaultyLog {
             return Ok(answer);
         }
         if self.fault == TestFault::ForgetHidden {
-            self.forgotten
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(
-                    key.clone(),
-                    HeldAt {
-                        key: key.clone(),
-                        session,
-                        revision: answer.header.revision,
-                        value: record,
-                    },
-                );
+            self.forgotten.lock().insert(
+                key.clone(),
+                HeldAt {
+                    key: key.clone(),
+                    session,
+                    revision: answer.header.revision,
+                    value: record,
+                },
+            );
         }
         debug!(
             key = %key,
@@ -316,10 +309,7 @@ impl KeyWatch for NotingWatch {
     async fn next(&mut self) -> WatchSignal {
         let signal = self.inner.next().await;
         if matches!(signal, WatchSignal::Freed | WatchSignal::Changed) {
-            self.signalled
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(self.key.clone());
+            self.signalled.lock().insert(self.key.clone());
         }
         signal
     }
@@ -558,7 +548,7 @@ mod tests {
         }
 
         fn signal_next(&self, signal: WatchSignal) {
-            self.state.lock().unwrap().signals.push_back(signal);
+            self.state.lock().signals.push_back(signal);
         }
     }
 
@@ -593,7 +583,7 @@ mod tests {
             unused()
         }
         async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
-            let mut s = self.state.lock().unwrap();
+            let mut s = self.state.lock();
             if let Some(kv) = s.holds.get(txn.key) {
                 let holder = Some(kv.clone());
                 return Self::answer(
@@ -620,7 +610,7 @@ mod tests {
             unused()
         }
         async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
-            let mut s = self.state.lock().unwrap();
+            let mut s = self.state.lock();
             let matches = s.holds.get(&held.key).is_some_and(|kv| {
                 kv.lease == held.session
                     && kv.mod_revision == held.revision
@@ -635,7 +625,7 @@ mod tests {
             Self::answer(&s, deleted)
         }
         async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
-            let s = self.state.lock().unwrap();
+            let s = self.state.lock();
             let matches = s
                 .holds
                 .get(key)
@@ -650,7 +640,7 @@ mod tests {
             )
         }
         async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
-            let mut s = self.state.lock().unwrap();
+            let mut s = self.state.lock();
             let matches = s
                 .holds
                 .get(key)
@@ -662,7 +652,7 @@ mod tests {
             Self::answer(&s, matches)
         }
         async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
-            let s = self.state.lock().unwrap();
+            let s = self.state.lock();
             let kv = s.holds.get(key).cloned();
             Self::answer(&s, kv)
         }
@@ -673,7 +663,7 @@ mod tests {
             unused()
         }
         async fn watch(&self, _: &str, _: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
-            let signal = self.state.lock().unwrap().signals.pop_front();
+            let signal = self.state.lock().signals.pop_front();
             Ok(Box::new(FakeWatch(signal)))
         }
         async fn grant_lease(&self, _: i64, _: u32) -> LogResult<()> {

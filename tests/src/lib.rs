@@ -1,8 +1,9 @@
 //! Harnesses for Latchkey's end-to-end tests and benchmarks.
 //!
 //! Scenarios (the `e2e` test binary) start real parts through these harnesses: an
-//! [`etcd::EtcdServer`] on free loopback ports with a temp data dir, then (later) an
-//! arbiter and Envoy pointed at it. Every harness owns its processes and kills them on
+//! [`etcd::EtcdServer`] on free loopback ports with a temp data dir, an arbiter
+//! (in-process or as a process) and Envoy pointed at it, PostgreSQL, ClickHouse and
+//! an OIDC provider. Every harness owns its processes and kills them on
 //! drop, and every wait is a poll with a deadline ([`eventually`]), never a fixed sleep.
 
 use std::future::Future;
@@ -19,8 +20,10 @@ use tempfile::TempDir;
 use tokio::time::Instant;
 
 pub mod arbiter;
+pub mod buf;
 pub mod clickhouse;
 pub mod cluster;
+pub mod deploy;
 pub mod envoy;
 pub mod etcd;
 pub mod faulty_log;

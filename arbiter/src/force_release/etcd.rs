@@ -14,7 +14,7 @@ use etcd_client::{
 };
 use tracing::warn;
 
-use super::{ForceError, ForceRecord, RequestRecord};
+use super::{ForceError, ForceRecord, RequestRecord, RevokeRecord};
 use crate::records::{HolderRecord, Layout, decode, encode};
 
 /// A holder record as read: what it says, its lease, its mod revision.
@@ -232,14 +232,77 @@ impl ForceStore {
         .into())
     }
 
-    /// Revokes the holder's session with the arbiter's own client.
-    pub async fn revoke_session(&self, session: i64) -> Result<(), String> {
+    /// `{prefix}/sys/revoked/`: sessions an operator's force-release revoked.
+    pub fn revoked_dir(&self) -> String {
+        format!("{}/sys/revoked/", self.prefix)
+    }
+
+    /// Revokes the holder's session with the arbiter's own client, so that
+    /// the audit trail can tell it from an expiry: first ONE transaction
+    /// that deletes the session's record (and its count entry), as
+    /// CloseSession does, so no grant can be made on it from here on (every
+    /// grant compares that record), and puts `sys/revoked/<lease>` on a 24 h
+    /// lease of its own; then `LeaseRevoke`, whose deletions the tailer reads
+    /// against that marker as `force-revoked`. A session whose record is
+    /// already gone (closed, expired, or revoked meanwhile) gets no marker;
+    /// the revoke still runs.
+    pub async fn revoke_session(
+        &self,
+        session: i64,
+        holder_identity: &str,
+        marker: &RevokeRecord,
+    ) -> Result<(), String> {
+        let marker_lease = self
+            .main
+            .lease_client()
+            .grant(ttl_seconds(super::FORCE_RECORD_TTL), None)
+            .await
+            .map_err(|e| format!("etcd: granting the revocation record's lease: {e}"))?
+            .id();
+        let session_key = self.layout.session(session);
+        let txn = Txn::new()
+            .when(vec![Compare::lease(
+                session_key.as_str(),
+                CompareOp::Equal,
+                session,
+            )])
+            .and_then(vec![
+                TxnOp::delete(session_key.as_str(), None),
+                TxnOp::delete(self.layout.identity_session(holder_identity, session), None),
+                TxnOp::put(
+                    format!("{}{session:016x}", self.revoked_dir()),
+                    encode(marker),
+                    Some(PutOptions::new().with_lease(marker_lease)),
+                ),
+            ]);
+        let marked = match self.main.kv_client().txn(txn).await {
+            Ok(r) => r.succeeded(),
+            Err(e) => {
+                self.drop_main_lease(marker_lease).await;
+                return Err(format!("etcd: ending the session's record: {e}"));
+            }
+        };
+        if !marked {
+            self.drop_main_lease(marker_lease).await;
+        }
         match self.main.lease_client().revoke(session).await {
-            Ok(_) => Ok(()),
+            Ok(_) if marked => Ok(()),
+            Ok(_) => Err(
+                "the session's record was already gone (closed or expiring); its lease is revoked"
+                    .into(),
+            ),
             Err(etcd_client::Error::GRpcStatus(s)) if s.message().contains("not found") => {
                 Err("the session had already ended".into())
             }
-            Err(e) => Err(format!("etcd: {e}")),
+            Err(e) => Err(format!(
+                "etcd: {e} (the session's record is deleted, so it grants nothing more; its holds end when its lease lapses)"
+            )),
+        }
+    }
+
+    async fn drop_main_lease(&self, lease: i64) {
+        if let Err(e) = self.main.lease_client().revoke(lease).await {
+            warn!(lease, error = %e, "could not revoke an unused revocation-record lease (it expires by itself)");
         }
     }
 

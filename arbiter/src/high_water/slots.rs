@@ -38,9 +38,10 @@ pub struct Read {
 
 /// FNV-1a over the record: enough to tell a whole slot from a torn one.
 fn checksum(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    h.write(bytes);
+    h.finish()
 }
 
 fn encode(seq: u64, mark: Mark) -> Result<Vec<u8>, serde_json::Error> {

@@ -11,7 +11,7 @@ use crate::hook::{HolderSummary, HookDecision, HookInput, monotonic_ns};
 use crate::metrics::Scope;
 use crate::records::now_unix_ms;
 use crate::table::{Grant, GrantRequest};
-use latchkey_policies::HookInputKind;
+use latchkey_policies::{HookInputKind, OnQuorumLoss};
 
 pub const MAX_METADATA_ENTRIES: usize = 16;
 pub const MAX_METADATA_KEY_BYTES: usize = 64;
@@ -70,7 +70,21 @@ pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
         epoch: grant.epoch,
         revision: grant.revision,
         session_id: grant.session,
+        unprotected: false,
     })
+}
+
+/// A grant from the arbiter's memory during quorum loss (ADR-04): token 0,
+/// no epoch or revision, marked unprotected.
+fn wire_memory_grant(grant: &crate::quorum_loss::MemoryGrant) -> WireGrant {
+    WireGrant {
+        key: grant.key.clone(),
+        token: 0,
+        epoch: 0,
+        revision: 0,
+        session_id: grant.session,
+        unprotected: true,
+    }
 }
 
 impl Arbiter {
@@ -104,13 +118,24 @@ impl Arbiter {
             .map_err(|_| ArbiterError::BadRequest(format!("unknown wait mode {}", req.wait)))?;
         let metadata: BTreeMap<String, String> = req.metadata.into_iter().collect();
         check_metadata(&metadata)?;
+        // ADR-04: while the lock cluster has no quorum a closed class is
+        // refused here, nothing sent to etcd; an open one is granted from
+        // memory below (bounded there, not by the log's hold counts).
+        let open = class.on_quorum_loss == OnQuorumLoss::Open;
+        let lost = self.quorum.is_lost();
+        if lost && !open {
+            return Err(self.quorum.closed_refusal(&class.name));
+        }
         // Every hold is a key in etcd: bounded per identity before anything
         // else is spent on the call (a hook, a queue place).
-        let admitted = self.holds.admit(&caller.identity).inspect_err(|e| {
-            if matches!(e, ArbiterError::IdentityLimit { .. }) {
-                self.metrics.identity_bound_refused("holds");
-            }
-        })?;
+        let admitted = match lost {
+            true => None,
+            false => Some(self.holds.admit(&caller.identity).inspect_err(|e| {
+                if matches!(e, ArbiterError::IdentityLimit { .. }) {
+                    self.metrics.identity_bound_refused("holds");
+                }
+            })?),
+        };
 
         let waiting = self.table.waiting(key.as_str());
         // Inputs that cost an etcd read are fetched only for a hook that asks.
@@ -187,12 +212,36 @@ impl Arbiter {
                     .min(self.max_wait),
             ),
         };
+        if lost {
+            let memory = self.quorum.acquire(&grant_req, wait).await?;
+            return Ok(AcquireResponse {
+                grant: Some(wire_memory_grant(&memory)),
+            });
+        }
+        // A memory grant from the loss keeps its key until it ends.
+        self.quorum.before_log_grant(&grant_req, wait).await?;
+        let fallback = open.then(|| grant_req.clone());
         let acquired = match self
             .table
             .acquire(grant_req, wait, class.max_waiters_per_key)
             .await
         {
             Ok(acquired) => acquired,
+            Err(e @ ArbiterError::StoreUnavailable { .. }) if self.quorum.is_lost() => {
+                // The loss was noticed while this call was at etcd.
+                return match fallback {
+                    Some(grant_req) => {
+                        let memory = self.quorum.acquire(&grant_req, wait).await?;
+                        Ok(AcquireResponse {
+                            grant: Some(wire_memory_grant(&memory)),
+                        })
+                    }
+                    None => {
+                        tracing::debug!(error = %e, "refused: quorum lost");
+                        Err(self.quorum.closed_refusal(&class.name))
+                    }
+                };
+            }
             Err(e) => {
                 match &e {
                     ArbiterError::TooManyWaiters { .. } => {
@@ -206,7 +255,10 @@ impl Arbiter {
         };
         scope.waited = acquired.waited;
         let grant = acquired.grant;
-        admitted.granted(grant.revision);
+        if let Some(admitted) = admitted {
+            admitted.granted(grant.revision);
+        }
+        self.quorum.granted_in_log(&grant.key, grant.session);
         info!(identity = %caller.identity, key = %grant.key, class = %class.name, waited = acquired.waited, "granted");
         Ok(AcquireResponse {
             grant: Some(wire_grant(&grant)?),

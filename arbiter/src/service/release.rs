@@ -50,6 +50,18 @@ impl Arbiter {
         let policies = self.policies.current();
         let key = self.authorised_key_in(&policies, &caller, &req.key, scope)?;
         let session = session_id(req.session_id)?;
+        // ADR-04: a grant from memory during quorum loss ends here (token 0).
+        if let Some(released) = self
+            .quorum
+            .release(&caller.identity, key.as_str(), session, req.token)
+            .await
+        {
+            released?;
+            return Ok(Released {
+                handed_over: false,
+                previous: None,
+            });
+        }
         let released = self
             .table
             .release(&caller.identity, key.as_str(), session, req.token)

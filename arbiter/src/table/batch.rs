@@ -100,7 +100,7 @@ pub struct BatchStats {
 
 #[derive(Default)]
 pub(super) struct Batches {
-    queue: std::sync::Mutex<Queue>,
+    queue: parking_lot::Mutex<Queue>,
 }
 
 #[derive(Default)]
@@ -114,10 +114,8 @@ struct Queue {
 }
 
 impl Batches {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
-        self.queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Queue> {
+        self.queue.lock()
     }
 
     pub(super) fn stats(&self) -> BatchStats {

@@ -2,7 +2,9 @@
 //! under one lock; no I/O here.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use tokio::sync::{Notify, oneshot};
 

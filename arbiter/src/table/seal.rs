@@ -11,7 +11,9 @@
 //! before (a restore of the coord cluster). Either seals.
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use tracing::{error, info, warn};
 
@@ -73,14 +75,14 @@ impl Seal {
 
     /// What the witness said last.
     pub fn witnessed(&self) -> Witnessed {
-        self.witnessed.lock().map(|w| *w).unwrap_or_default()
+        *self.witnessed.lock()
     }
 
     /// What the lock log has recorded of the coord cluster in the serving
     /// epoch (`None`: nothing yet, or no coord cluster).
     pub fn coord_seen(&self) -> Option<Witnessed> {
         let epoch = self.guard.state().map(|s| s.epoch());
-        self.coord_seen.lock().ok()?.in_epoch(epoch)
+        self.coord_seen.lock().in_epoch(epoch)
     }
 
     /// Reads the witness (a read sent after this call began) so the next
@@ -97,11 +99,7 @@ impl Seal {
         let lock_epoch = self.guard.state().map(|s| s.epoch());
         // Read from the lock log before the witness read is sent: the
         // witness must show at least this.
-        let recorded = self
-            .coord_seen
-            .lock()
-            .ok()
-            .and_then(|c| c.in_epoch(lock_epoch));
+        let recorded = self.coord_seen.lock().in_epoch(lock_epoch);
         let read = shared.read_fresh().await?;
         let went_back = match (read.went_back_from, recorded) {
             (Some(before), _) => Some((before, "an earlier read by this arbiter")),
@@ -126,7 +124,8 @@ impl Seal {
             }
             return Ok(());
         }
-        if let Ok(mut witnessed) = self.witnessed.lock() {
+        {
+            let mut witnessed = self.witnessed.lock();
             *witnessed = witnessed.max(read.now);
         }
         if let Some(lock_epoch) = lock_epoch {
@@ -227,8 +226,8 @@ impl Seal {
     /// this epoch, whichever is further.
     pub(super) fn mark_before_request(&self) -> Option<Mark> {
         let durable = self.high_water.current();
-        let seen = self.seen.lock().ok().and_then(|s| *s);
-        let witnessed = self.witnessed.lock().ok().and_then(|w| w.mark);
+        let seen = *self.seen.lock();
+        let witnessed = self.witnessed.lock().mark;
         // The furthest of the three (a tie goes to the earlier one: this
         // arbiter's own durable mark first).
         [durable, seen, witnessed]
@@ -253,9 +252,8 @@ impl Seal {
             cluster_id: header.cluster_id,
             revision: header.revision,
         };
-        if let Ok(mut seen) = self.seen.lock()
-            && seen.is_none_or(|s| !s.covers(&now))
-        {
+        let mut seen = self.seen.lock();
+        if seen.is_none_or(|s| !s.covers(&now)) {
             *seen = Some(now);
         }
     }
@@ -277,8 +275,9 @@ impl Seal {
         let recorded = self
             .coord_seen
             .lock()
-            .ok()
-            .and_then(|c| c.record.as_ref().map(witnessed_of))
+            .record
+            .as_ref()
+            .map(witnessed_of)
             .unwrap_or_default();
         let witnessed = self.witnessed().max(recorded);
         let there = witnessed.mark.map_or(0, |m| m.epoch).max(witnessed.epoch);
@@ -409,11 +408,10 @@ impl Seal {
                     // An advance: the witness as it is now is the new
                     // baseline (the advance may follow a restore of it).
                     shared.start_over();
-                    if let Ok(mut witnessed) = self.witnessed.lock() {
-                        *witnessed = Witnessed::default();
-                    }
+                    *self.witnessed.lock() = Witnessed::default();
                 }
-                if let Ok(mut seen) = self.coord_seen.lock() {
+                {
+                    let mut seen = self.coord_seen.lock();
                     seen.at = records.coord_seen.as_ref().map(|kv| kv.mod_revision);
                     seen.record = records
                         .coord_seen

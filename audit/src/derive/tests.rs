@@ -152,6 +152,62 @@ fn close_session_deletes_the_record_first_so_its_holds_end_as_closed() {
 }
 
 #[test]
+fn a_force_revoked_session_ends_its_holds_as_force_revoked() {
+    let mut state = started();
+    state.apply(10, &[put("l/a", holder(ALICE, 7), 7)]);
+    state.apply(11, &[put("l/b", holder(ALICE, 7), 7)]);
+    state.apply(12, &[put("l/c", holder(BOB, 8), 8)]);
+    // the force-release of a (its own event), then the arbiter's marker
+    // transaction and the revoke
+    let marker = json!({
+        "session": 7, "key": "a", "requestId": "r1", "requestedBy": "ana",
+        "approvedBy": "ben", "reason": "wedged", "holderIdentity": ALICE,
+        "revokedAtUnixMs": 5,
+    });
+    let marked = state.apply(
+        13,
+        &[
+            del(&session_key(7)),
+            del("si/00/0000000000000007"),
+            put(
+                "sys/revoked/0000000000000007",
+                marker.to_string().into_bytes(),
+                99,
+            ),
+        ],
+    );
+    assert!(marked.is_empty(), "{marked:?}");
+    // a tailer restarted between the marker and the revoke knows it too
+    let mut reloaded = LogState::load([
+        ("l/b", holder(ALICE, 7).as_slice(), 7, 11),
+        ("s/0000000000000008", b"{}".as_slice(), 8, 3),
+        (
+            "sys/revoked/0000000000000007",
+            marker.to_string().as_bytes(),
+            99,
+            13,
+        ),
+    ]);
+    for state in [&mut state, &mut reloaded] {
+        let mut s = state.clone();
+        let revoked = s.apply(14, &[del("l/b")]);
+        assert_eq!(kinds(&revoked), [("b", Kind::Release, Ended::ForceRevoked)]);
+        assert_eq!(revoked[0].identity, ALICE);
+        assert_eq!(revoked[0].detail["approvedBy"], "ben");
+        assert_eq!(revoked[0].detail["revokedWith"], "a");
+    }
+    // bob's session was not revoked: his lease lapsing is still an expiry
+    let lapsed = state.apply(15, &[del("l/c"), del(&session_key(8))]);
+    assert_eq!(
+        kinds(&lapsed),
+        [("c", Kind::Expiry, Ended::ExpiredOrRevoked)]
+    );
+    // and the marker's own lease ending forgets it
+    state.apply(16, &[del("sys/revoked/0000000000000007")]);
+    assert!(state.revoked.is_empty());
+}
+
+#[test]
 fn a_hand_over_names_both_holders() {
     let mut state = started();
     state.apply(10, &[put("l/k", holder(ALICE, 7), 7)]);

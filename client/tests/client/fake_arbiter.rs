@@ -221,6 +221,7 @@ impl Lock for FakeArbiter {
                 epoch: EPOCH,
                 revision,
                 session_id: req.session_id,
+                ..Grant::default()
             }),
         }))
     }

@@ -24,11 +24,6 @@
 //! or a log line, and PostgreSQL's error text is scrubbed of the token before
 //! it is kept (a constraint violation's DETAIL can echo the parameters).
 
-#![cfg_attr(
-    not(test),
-    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
-)]
-
 use std::fmt;
 
 use tokio_postgres::Client;

@@ -2,6 +2,12 @@
 //!
 //! Unknown fields are refused, so a typo in a limit name fails `on_configure`
 //! (Envoy then keeps the previous filter) instead of silently using a default.
+//!
+//! Field names are camelCase (`trustDomain`, `refresh.periodMs`), as in every
+//! file a Latchkey user writes (policy files, hook configs). The snake_case
+//! names of earlier releases (`trust_domain`) are still accepted, reported by
+//! [`FilterConfig::parse_reporting_deprecated`] so the filter can log them once;
+//! one field given in both spellings is refused.
 
 use serde::Deserialize;
 use thiserror::Error;
@@ -15,14 +21,14 @@ use crate::policy::{EdgePolicy, PolicyBuildError};
 pub const MAX_SLOTS: u32 = 1 << 20;
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GrantConfig {
     pub identity: String,
     pub prefixes: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ClassConfig {
     pub name: String,
     pub max_waiters_per_key: u32,
@@ -30,7 +36,7 @@ pub struct ClassConfig {
 
 /// Where and how often to refresh the grant table from the arbiter.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RefreshConfig {
     /// The Envoy cluster of the arbiter.
     pub cluster: String,
@@ -88,7 +94,7 @@ fn default_max_streams_per_identity() -> u32 {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FilterConfig {
     pub trust_domain: String,
     /// Reported as the `filter_version` gauge: which rollout is serving.
@@ -138,7 +144,11 @@ pub struct FilterConfig {
 pub enum ConfigError {
     #[error("plugin configuration is not valid JSON for this filter: {0}")]
     Json(#[from] serde_json::Error),
-    #[error("trust_domain {0:?} is not a SPIFFE trust domain")]
+    #[error(
+        "{old:?} and {new:?} are one field; keep only {new:?} (the snake_case names are deprecated)"
+    )]
+    BothSpellings { old: String, new: String },
+    #[error("trustDomain {0:?} is not a SPIFFE trust domain")]
     TrustDomain(String),
     #[error("{field} must be between {min} and {max}")]
     Range {
@@ -153,7 +163,19 @@ pub enum ConfigError {
 impl FilterConfig {
     /// Parses and validates; also compiles the initial grant table.
     pub fn parse(json: &[u8]) -> Result<(FilterConfig, EdgePolicy), ConfigError> {
-        let config: FilterConfig = serde_json::from_slice(json)?;
+        Self::parse_reporting_deprecated(json).map(|(config, policy, _)| (config, policy))
+    }
+
+    /// [`FilterConfig::parse`], also returning the deprecated snake_case
+    /// field names the JSON used (as written, e.g. `refresh.period_ms`), for
+    /// the caller to log.
+    pub fn parse_reporting_deprecated(
+        json: &[u8],
+    ) -> Result<(FilterConfig, EdgePolicy, Vec<String>), ConfigError> {
+        let mut value: serde_json::Value = serde_json::from_slice(json)?;
+        let mut deprecated = Vec::new();
+        camel_case_keys(&mut value, "", &mut deprecated)?;
+        let config: FilterConfig = serde_json::from_value(value)?;
         if !valid_trust_domain(&config.trust_domain) {
             return Err(ConfigError::TrustDomain(config.trust_domain));
         }
@@ -171,35 +193,35 @@ impl FilterConfig {
             latchkey_policies::MAX_WAITERS_PER_KEY_LIMIT.into(),
         )?;
         range(
-            "max_waiters_per_identity",
+            "maxWaitersPerIdentity",
             config.max_waiters_per_identity.into(),
             1,
             1 << 20,
         )?;
         range(
-            "max_message_bytes",
+            "maxMessageBytes",
             config.max_message_bytes as u64,
             64,
             4 << 20,
         )?;
-        range("key_slots", config.key_slots.into(), 1, MAX_SLOTS.into())?;
+        range("keySlots", config.key_slots.into(), 1, MAX_SLOTS.into())?;
         range(
-            "identity_slots",
+            "identitySlots",
             config.identity_slots.into(),
             1,
             MAX_SLOTS.into(),
         )?;
         range(
-            "max_streams_per_identity",
+            "maxStreamsPerIdentity",
             config.max_streams_per_identity.into(),
             1,
             1 << 20,
         )?;
         if let Some(r) = &config.refresh {
-            range("refresh.period_ms", r.period_ms, 100, 3_600_000)?;
-            range("refresh.timeout_ms", r.timeout_ms, 10, 60_000)?;
+            range("refresh.periodMs", r.period_ms, 100, 3_600_000)?;
+            range("refresh.timeoutMs", r.timeout_ms, 10, 60_000)?;
             if let Some(stale) = r.stale_after_ms {
-                range("refresh.stale_after_ms", stale, r.period_ms, 86_400_000)?;
+                range("refresh.staleAfterMs", stale, r.period_ms, 86_400_000)?;
             }
             if r.cluster.is_empty() {
                 return Err(ConfigError::Range {
@@ -210,8 +232,68 @@ impl FilterConfig {
             }
         }
         let policy = EdgePolicy::from_config(&config)?;
-        Ok((config, policy))
+        Ok((config, policy, deprecated))
     }
+}
+
+/// Renames the snake_case keys of the config's objects (the top level,
+/// `refresh`, and the items of `grants` and `classes`) to camelCase,
+/// recording each as `path.name`. Values are left alone.
+fn camel_case_keys(
+    value: &mut serde_json::Value,
+    path: &str,
+    deprecated: &mut Vec<String>,
+) -> Result<(), ConfigError> {
+    use serde_json::Value;
+    let Value::Object(map) = value else {
+        return Ok(());
+    };
+    let old_keys: Vec<String> = map.keys().filter(|k| k.contains('_')).cloned().collect();
+    for old in old_keys {
+        let new = snake_to_camel(&old);
+        let shown = if path.is_empty() {
+            old.clone()
+        } else {
+            format!("{path}.{old}")
+        };
+        if map.contains_key(&new) {
+            return Err(ConfigError::BothSpellings { old: shown, new });
+        }
+        if let Some(v) = map.remove(&old) {
+            map.insert(new, v);
+            deprecated.push(shown);
+        }
+    }
+    if path.is_empty() {
+        if let Some(refresh) = map.get_mut("refresh") {
+            camel_case_keys(refresh, "refresh", deprecated)?;
+        }
+        for list in ["grants", "classes"] {
+            if let Some(Value::Array(items)) = map.get_mut(list) {
+                for item in items {
+                    camel_case_keys(item, list, deprecated)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `max_waiters_per_key` → `maxWaitersPerKey`.
+fn snake_to_camel(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    let mut upper = false;
+    for c in name.chars() {
+        if c == '_' {
+            upper = true;
+        } else if upper {
+            out.extend(c.to_uppercase());
+            upper = false;
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -310,5 +392,64 @@ mod tests {
         ] {
             assert!(FilterConfig::parse(bad).is_err(), "{}", String::from_utf8_lossy(bad));
         }
+    }
+
+    /// Issue 17: camelCase like every other file a user writes; the old
+    /// snake_case names still work, reported for a deprecation message.
+    #[test]
+    fn camel_case_names_and_the_deprecated_snake_case_ones_parse_alike() {
+        let camel = br#"{
+            "trustDomain": "dev.latchkey",
+            "filterVersion": 7,
+            "grants": [{"identity": "spiffe://dev.latchkey/workload/a", "prefixes": ["a/b"]}],
+            "classes": [{"name": "demo", "maxWaitersPerKey": 2}],
+            "defaultMaxWaitersPerKey": 4,
+            "maxWaitersPerIdentity": 3,
+            "maxMessageBytes": 1024,
+            "keySlots": 64,
+            "identitySlots": 16,
+            "maxStreamsPerIdentity": 9,
+            "admissionSecret": "00112233445566778899aabbccddeeff",
+            "refresh": {"cluster": "arbiter", "periodMs": 1000, "timeoutMs": 500, "staleAfterMs": 4000}
+        }"#;
+        let snake = br#"{
+            "trust_domain": "dev.latchkey",
+            "filter_version": 7,
+            "grants": [{"identity": "spiffe://dev.latchkey/workload/a", "prefixes": ["a/b"]}],
+            "classes": [{"name": "demo", "max_waiters_per_key": 2}],
+            "default_max_waiters_per_key": 4,
+            "max_waiters_per_identity": 3,
+            "max_message_bytes": 1024,
+            "key_slots": 64,
+            "identity_slots": 16,
+            "max_streams_per_identity": 9,
+            "admission_secret": "00112233445566778899aabbccddeeff",
+            "refresh": {"cluster": "arbiter", "period_ms": 1000, "timeout_ms": 500, "stale_after_ms": 4000}
+        }"#;
+        let (from_camel, _, none) = FilterConfig::parse_reporting_deprecated(camel).unwrap();
+        assert!(none.is_empty(), "{none:?}");
+        let (from_snake, _, old) = FilterConfig::parse_reporting_deprecated(snake).unwrap();
+        assert_eq!(from_camel, from_snake);
+        assert_eq!(old.len(), 13, "{old:?}");
+        for name in [
+            "trust_domain",
+            "classes.max_waiters_per_key",
+            "refresh.stale_after_ms",
+        ] {
+            assert!(old.iter().any(|o| o == name), "{name} in {old:?}");
+        }
+        // Mixed is fine too; one field twice is not.
+        let mixed = br#"{"trustDomain":"dev.latchkey","key_slots":8}"#;
+        let (c, _, old) = FilterConfig::parse_reporting_deprecated(mixed).unwrap();
+        assert_eq!((c.key_slots, old), (8, vec!["key_slots".to_string()]));
+        let both = br#"{"trustDomain":"dev.latchkey","refresh":{"cluster":"a","periodMs":1000,"period_ms":1000}}"#;
+        let e = FilterConfig::parse(both).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("\"refresh.period_ms\" and \"periodMs\""),
+            "{e}"
+        );
+        // A misspelling is still refused in either style.
+        assert!(FilterConfig::parse(br#"{"trustDomain":"dev.latchkey","keySlot":8}"#).is_err());
     }
 }

@@ -23,18 +23,10 @@
 //! data, so a filter swap never decides with an empty table — and its
 //! freshness are [`grant_table`].
 
-#![cfg_attr(
-    not(test),
-    deny(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::unreachable,
-        clippy::todo,
-        clippy::unimplemented,
-        clippy::indexing_slicing
-    )
-)]
+// On the Wasm path a panic takes the VM down; the workspace lints
+// (Cargo.toml) deny unwrap/expect/panic, this crate indexing and
+// `unreachable!` too.
+#![deny(clippy::indexing_slicing, clippy::unreachable)]
 
 pub mod admission;
 pub mod config;

@@ -7,6 +7,9 @@
 //! The figures in Envoy are larger (V8 runs the same code, and each host call
 //! crosses into Envoy and copies), see docs/edge-filter-profile.md.
 
+// A test binary: a failed unwrap or a panic is how it reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::hint::black_box;
 use std::time::Instant;
 

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::Hasher;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
@@ -54,32 +54,10 @@ impl SharedStore for HostStore {
 /// far cheaper than SipHash in Wasm, and every key comes from a bounded set
 /// (stat names, certificates the listener accepted, the grant table), so
 /// hash flooding is not a concern; each map is capped anyway.
-#[derive(Default)]
-struct Fnv(u64);
-
-impl Hasher for Fnv {
-    fn write(&mut self, bytes: &[u8]) {
-        let mut h = if self.0 == 0 {
-            0xcbf2_9ce4_8422_2325
-        } else {
-            self.0
-        };
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        self.0 = h;
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-type FnvMap<K, V> = HashMap<K, V, BuildHasherDefault<Fnv>>;
+type FnvMap<K, V> = HashMap<K, V, fnv::FnvBuildHasher>;
 
 fn fnv(parts: &[&[u8]]) -> u64 {
-    let mut h = Fnv::default();
+    let mut h = fnv::FnvHasher::default();
     for p in parts {
         h.write(p);
         h.write(&[0]);
@@ -440,8 +418,20 @@ impl RootContext for EdgeRoot {
             .ok()
             .flatten()
             .unwrap_or_default();
-        let (config, policy) = match FilterConfig::parse(&raw) {
-            Ok(parsed) => parsed,
+        let (config, policy) = match FilterConfig::parse_reporting_deprecated(&raw) {
+            Ok((config, policy, deprecated)) => {
+                if !deprecated.is_empty() {
+                    log(
+                        LogLevel::Warn,
+                        &format!(
+                            "latchkey edge: deprecated snake_case configuration names {}: \
+                             write them in camelCase (e.g. trustDomain, refresh.periodMs)",
+                            deprecated.join(", ")
+                        ),
+                    );
+                }
+                (config, policy)
+            }
             Err(e) => {
                 log(
                     LogLevel::Error,

@@ -33,15 +33,10 @@
 //! a panic would take the VM down. Header maps are read as bytes for the same
 //! reason (`get_map` unwraps UTF-8).
 
-#![deny(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::unreachable,
-    clippy::todo,
-    clippy::unimplemented,
-    clippy::indexing_slicing
-)]
+// On the Wasm path a panic takes the VM down; the workspace lints
+// (Cargo.toml) deny unwrap/expect/panic, this crate indexing and
+// `unreachable!` too.
+#![deny(clippy::indexing_slicing, clippy::unreachable)]
 
 mod glue;
 mod profile;

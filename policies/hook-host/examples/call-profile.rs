@@ -11,6 +11,9 @@
 //! apart on an engine configured like the host's (store, instantiate, input
 //! in, the guest's run, answer out, drop), p50 per phase.
 
+// A test binary: a failed unwrap or a panic is how it reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

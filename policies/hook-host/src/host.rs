@@ -4,7 +4,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Mutex, RwLock};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use latchkey_hook_abi::{
@@ -179,16 +181,12 @@ impl HookHost {
 
     /// Modules refused at their last load, by class.
     pub fn refusals(&self) -> BTreeMap<String, Refusal> {
-        self.refusals.read().map(|r| r.clone()).unwrap_or_default()
+        self.refusals.read().clone()
     }
 
     /// The content hash of the module serving `class`.
     pub fn loaded_digest(&self, class: &str) -> Option<String> {
-        self.classes
-            .read()
-            .ok()?
-            .get(class)
-            .map(|l| l.digest.clone())
+        self.classes.read().get(class).map(|l| l.digest.clone())
     }
 
     /// The epoch tick the deadlines of `classes` need: a tenth of the
@@ -245,41 +243,35 @@ impl HookHost {
                     if self.is_news(class, &r.module, &r.reason) {
                         warn!(class = %r.class, module = %r.module.display(), reason = %r.reason, previous_kept = kept, "hook module refused (logged again only when the file or the reason changes)");
                     }
-                    if let Ok(mut all) = self.refusals.write() {
-                        all.insert(r.class.clone(), r.clone());
-                    }
+                    self.refusals.write().insert(r.class.clone(), r.clone());
                     refused.push(r);
                 }
             }
         }
         // Classes that no longer have a hook (or no longer exist).
-        if let Ok(mut reported) = self.reported.lock() {
-            // A class that loaded (or lost its hook) starts afresh: its next
-            // refusal is news again.
-            reported.retain(|name, _| {
-                refused.iter().any(|r| &r.class == name) || self.is_still_failed(name)
-            });
-        }
-        if let Ok(mut classes) = self.classes.write() {
-            classes.retain(|name, _| wanted.iter().any(|(c, _)| *c == name));
-        }
-        if let Ok(mut all) = self.refusals.write() {
-            all.retain(|name, _| wanted.iter().any(|(c, _)| *c == name));
-        }
+        // A class that loaded (or lost its hook) starts afresh: its next
+        // refusal is news again.
+        self.reported.lock().retain(|name, _| {
+            refused.iter().any(|r| &r.class == name) || self.is_still_failed(name)
+        });
+        self.classes
+            .write()
+            .retain(|name, _| wanted.iter().any(|(c, _)| *c == name));
+        self.refusals
+            .write()
+            .retain(|name, _| wanted.iter().any(|(c, _)| *c == name));
         refused
     }
 
     fn is_still_failed(&self, class: &str) -> bool {
-        self.failed.lock().is_ok_and(|f| f.contains_key(class))
+        self.failed.lock().contains_key(class)
     }
 
     /// True when this refusal differs from the last one logged for `class`
     /// (another module file state or another reason); remembers it.
     fn is_news(&self, class: &str, path: &Path, reason: &str) -> bool {
         let state = (stamp(path).ok(), reason.to_string());
-        let Ok(mut reported) = self.reported.lock() else {
-            return true;
-        };
+        let mut reported = self.reported.lock();
         if reported.get(class) == Some(&state) {
             return false;
         }
@@ -289,7 +281,7 @@ impl HookHost {
 
     fn sync_class(&self, class: &str, spec: &ClassHook, path: &Path) -> Result<(), String> {
         let stamp = stamp(path).map_err(|e| format!("cannot read the module: {e}"))?;
-        let current = self.classes.read().ok().and_then(|c| c.get(class).cloned());
+        let current = self.classes.read().get(class).cloned();
         if let Some(cur) = &current
             && cur.spec == *spec
             && cur.path == path
@@ -301,9 +293,7 @@ impl HookHost {
             spec: spec.clone(),
             stamp,
         };
-        if let Ok(failed) = self.failed.lock()
-            && failed.get(class) == Some(&attempt)
-        {
+        if self.failed.lock().get(class) == Some(&attempt) {
             // Already refused, unchanged since: keep the refusal, say nothing.
             return Ok(());
         }
@@ -311,21 +301,15 @@ impl HookHost {
         match result {
             Ok(loaded) => {
                 info!(class, module = %path.display(), digest = %loaded.digest, "hook loaded");
-                if let Ok(mut classes) = self.classes.write() {
-                    classes.insert(class.to_string(), Arc::new(loaded));
-                }
-                if let Ok(mut r) = self.refusals.write() {
-                    r.remove(class);
-                }
-                if let Ok(mut f) = self.failed.lock() {
-                    f.remove(class);
-                }
+                self.classes
+                    .write()
+                    .insert(class.to_string(), Arc::new(loaded));
+                self.refusals.write().remove(class);
+                self.failed.lock().remove(class);
                 Ok(())
             }
             Err(reason) => {
-                if let Ok(mut f) = self.failed.lock() {
-                    f.insert(class.to_string(), attempt);
-                }
+                self.failed.lock().insert(class.to_string(), attempt);
                 Err(reason)
             }
         }
@@ -459,17 +443,13 @@ impl HookHost {
     pub async fn before_grant_async(&self, mut request: HookRequest) -> HookOutcome {
         let started = Instant::now();
         let class = request.class.clone();
-        let loaded = self
-            .classes
-            .read()
-            .ok()
-            .and_then(|c| c.get(&class).cloned());
+        let loaded = self.classes.read().get(&class).cloned();
         let Some(loaded) = loaded else {
             let why = self
                 .refusals
                 .read()
-                .ok()
-                .and_then(|r| r.get(&class).map(|r| r.reason.clone()))
+                .get(&class)
+                .map(|r| r.reason.clone())
                 .unwrap_or_else(|| "it has not been loaded yet".into());
             return self.failed(
                 &class,
@@ -569,9 +549,8 @@ impl HookHost {
     }
 
     fn track(&self, key: &str, class: &str) {
-        if let Ok(mut held) = self.held.lock()
-            && (held.len() < MAX_TRACKED_HOLDS || held.contains_key(key))
-        {
+        let mut held = self.held.lock();
+        if held.len() < MAX_TRACKED_HOLDS || held.contains_key(key) {
             held.insert(key.to_string(), class.to_string());
         }
     }
@@ -605,12 +584,8 @@ impl HookHost {
         now_unix_ms: i64,
         now_monotonic_ns: u64,
     ) -> Option<ReleaseCall> {
-        let class = self.held.lock().ok().and_then(|mut h| h.remove(key))?;
-        let loaded = self
-            .classes
-            .read()
-            .ok()
-            .and_then(|c| c.get(&class).cloned())?;
+        let class = self.held.lock().remove(key)?;
+        let loaded = self.classes.read().get(&class).cloned()?;
         loaded.exports.after_release.as_ref()?;
         let notice = ReleaseNotice {
             version: ABI_VERSION,

@@ -4,8 +4,8 @@
 //! logged by the arbiter. Labels are class names, reasons and failure kinds
 //! only (ADR-22): never a key or an identity.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
@@ -77,9 +77,7 @@ pub(crate) enum Recorded<'a> {
 
 impl Metrics {
     pub(crate) fn record(&self, class: &str, took: Duration, what: Recorded<'_>) {
-        let Ok(mut classes) = self.classes.lock() else {
-            return;
-        };
+        let mut classes = self.classes.lock();
         let m = match classes.get_mut(class) {
             Some(m) => m,
             None => classes
@@ -105,9 +103,7 @@ impl Metrics {
 
     /// Counts one refused module load for `class`.
     pub(crate) fn record_refusal(&self, class: &str) {
-        let Ok(mut classes) = self.classes.lock() else {
-            return;
-        };
+        let mut classes = self.classes.lock();
         match classes.get_mut(class) {
             Some(m) => m.module_refusals += 1,
             None => {
@@ -120,9 +116,7 @@ impl Metrics {
 
     /// Counts one after-release call for `class` dropped unrun.
     pub(crate) fn record_release_dropped(&self, class: &str) {
-        let Ok(mut classes) = self.classes.lock() else {
-            return;
-        };
+        let mut classes = self.classes.lock();
         match classes.get_mut(class) {
             Some(m) => m.after_release_dropped += 1,
             None => {
@@ -135,14 +129,15 @@ impl Metrics {
 
     /// Every class's numbers now.
     pub fn snapshot(&self) -> BTreeMap<String, ClassMetrics> {
-        match self.classes.lock() {
-            Ok(c) => c.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            Err(_) => BTreeMap::new(),
-        }
+        let classes = self.classes.lock();
+        classes
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
     }
 
     pub fn class(&self, class: &str) -> Option<ClassMetrics> {
-        self.classes.lock().ok()?.get(class).cloned()
+        self.classes.lock().get(class).cloned()
     }
 }
 

@@ -2,6 +2,9 @@
 //! load refusal, and against the real example guests when
 //! `scripts/build-wasm` has built them (target/wasm/).
 
+// A test binary: a failed unwrap or a panic is how it reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::path::{Path, PathBuf};
 use std::pin::pin;
 use std::sync::Arc;

@@ -17,7 +17,9 @@
 //! (the counter's ids start at 2^56, above every id the arbiter draws).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
@@ -70,8 +72,8 @@ impl IdLog {
         }
     }
 
-    fn ids(&self) -> std::sync::MutexGuard<'_, Ids> {
-        self.ids.lock().unwrap_or_else(PoisonError::into_inner)
+    fn ids(&self) -> parking_lot::MutexGuard<'_, Ids> {
+        self.ids.lock()
     }
 
     /// The store's id for a lease the arbiter names `id`, drawing one the
@@ -94,18 +96,15 @@ impl IdLog {
         if let Some(trace) = &self.trace {
             let at = tokio::time::Instant::now() - self.start;
             let line = format!("{at:?} r{} {}", self.log.revision(), what());
-            trace
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push(line);
+            trace.lock().push(line);
         }
     }
 
     /// The trace so far (empty when not tracing).
     pub(crate) fn take_trace(&self) -> Vec<String> {
-        self.trace.as_ref().map_or_else(Vec::new, |t| {
-            std::mem::take(&mut *t.lock().unwrap_or_else(PoisonError::into_inner))
-        })
+        self.trace
+            .as_ref()
+            .map_or_else(Vec::new, |t| std::mem::take(&mut *t.lock()))
     }
 
     fn store_id(&self, id: i64) -> i64 {

@@ -18,8 +18,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
+
+use parking_lot::Mutex;
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{KeyWatch, WatchSignal};

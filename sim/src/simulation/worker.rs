@@ -9,8 +9,10 @@
 //! search relies on a process doing nothing after an unknown outcome.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::table::GrantRequest;

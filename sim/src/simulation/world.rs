@@ -2,8 +2,10 @@
 //! down), the fenced resource, and the history being recorded.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use latchkey_arbiter::epoch::EpochGuard;
 use latchkey_arbiter::error::ArbiterError;
@@ -20,10 +22,10 @@ use crate::memlog::MemLog;
 use crate::rng::Rng;
 use crate::witness::MemWitness;
 
-/// Locks a mutex; a panic elsewhere while it was held leaves the data usable
-/// (the simulation then reports that panic, not a poisoned lock).
+/// Locks a mutex (parking_lot: a panic elsewhere while it was held leaves
+/// the data usable, and the simulation reports that panic).
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
+    m.lock()
 }
 
 /// One arbiter process: its table while it runs, and its state directory
@@ -403,7 +405,8 @@ impl World {
 
 /// FNV-1a: a stable hash (std's hashers are seeded per process).
 fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    h.write(s.as_bytes());
+    h.finish()
 }

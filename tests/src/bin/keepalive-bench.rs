@@ -14,9 +14,11 @@
 //! Nothing here is asserted on time.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use anyhow::{Context, anyhow};
 use clap::Parser;
@@ -102,9 +104,7 @@ impl Rounds {
     }
     /// Counts from now on only (what came before was the opening).
     fn start_counting(&self) {
-        if let Ok(mut h) = self.latency.lock() {
-            h.reset();
-        }
+        self.latency.lock().reset();
         self.renewals.store(0, Ordering::Relaxed);
     }
     fn answered(&self, sent: Instant, ttl: i64) {
@@ -112,9 +112,10 @@ impl Rounds {
         if ttl <= 0 {
             self.lost.fetch_add(1, Ordering::Relaxed);
         }
-        if let Ok(mut h) = self.latency.lock() {
-            let _ = h.record(u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX));
-        }
+        let _ = self
+            .latency
+            .lock()
+            .record(u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX));
     }
 }
 
@@ -169,7 +170,7 @@ async fn main() -> anyhow::Result<()> {
         .collect();
     let certs = latchkey_tests::arbiter::certs()?;
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    latchkey_client::dev_certs::generate(
+    latchctl::dev_certs::generate(
         certs.dir.as_path(),
         latchkey_tests::arbiter::TRUST_DOMAIN,
         &refs,
@@ -266,7 +267,7 @@ async fn baseline(
         let (rounds, sent) = (rounds.clone(), sent.clone());
         tokio::spawn(async move {
             while let Ok(Some(r)) = stream.message().await {
-                let at = sent.lock().ok().and_then(|mut s| s.remove(&r.id()));
+                let at = sent.lock().remove(&r.id());
                 if let Some(at) = at {
                     rounds.answered(at, r.ttl());
                 }
@@ -285,9 +286,7 @@ async fn baseline(
             }
             next += gap;
             tokio::time::sleep_until(next).await;
-            if let Ok(mut s) = sent.lock() {
-                s.insert(*id, Instant::now());
-            }
+            sent.lock().insert(*id, Instant::now());
             keeper.id = *id;
             keeper.keep_alive().await?;
         }
@@ -325,7 +324,7 @@ fn finish(
     grants: u64,
     missing: usize,
 ) -> anyhow::Result<Measured> {
-    let h = rounds.latency.lock().map_err(|_| anyhow!("poisoned"))?;
+    let h = rounds.latency.lock();
     Ok(Measured {
         name,
         secs,
@@ -577,7 +576,7 @@ async fn renew_identity(
                 if !r.ended_holds.is_empty() {
                     continue; // a notice, not a renewal's answer
                 }
-                let at = sent.lock().ok().and_then(|mut s| s.remove(&r.session_id));
+                let at = sent.lock().remove(&r.session_id);
                 if let Some(at) = at {
                     rounds.answered(at, r.remaining_ttl_seconds);
                 }
@@ -594,7 +593,8 @@ async fn renew_identity(
                 () = tokio::time::sleep_until(next) => {}
                 _ = stop.wait_for(|s| *s) => break 'outer,
             }
-            if let Ok(mut s) = sent.lock() {
+            {
+                let mut s = sent.lock();
                 let now = Instant::now();
                 for id in batch {
                     s.insert(*id, now);

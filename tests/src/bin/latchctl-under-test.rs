@@ -3,5 +3,5 @@
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    latchkey_client::cli::main().await
+    latchctl::cli::main().await
 }

@@ -41,7 +41,7 @@ use anyhow::{Context, anyhow, bail, ensure};
 use clap::Parser;
 use etcd_client::{Client as EtcdClient, Compare, CompareOp, LockOptions, PutOptions, Txn, TxnOp};
 use hdrhistogram::Histogram;
-use latchkey_client::dev_certs;
+use latchctl::dev_certs;
 use latchkey_proto::lockv1::lock_client::LockClient;
 use latchkey_proto::lockv1::{
     AcquireRequest, Grant, KeepAliveRequest, OpenSessionRequest, ReleaseRequest, WaitMode,

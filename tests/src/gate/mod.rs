@@ -18,6 +18,7 @@
 pub mod clock;
 pub mod disk;
 pub mod nemesis;
+pub mod quorum_loss;
 pub mod record;
 pub mod worker;
 
@@ -136,6 +137,11 @@ pub struct GateOutcome {
     /// Where the history, report and logs were kept: always on a failure,
     /// on a pass only with [`GateConfig::keep`].
     pub saved: Option<PathBuf>,
+    /// With the quorum-loss fault: the open class's unprotected grants
+    /// (token 0) the workers were given, and those no spool has (ADR-04:
+    /// must be none).
+    pub unprotected_grants: usize,
+    pub unspooled: Vec<String>,
 }
 
 impl fmt::Display for GateOutcome {
@@ -181,6 +187,17 @@ impl fmt::Display for GateOutcome {
             "longest stretch without a grant: {:.1} s",
             self.longest_without_grant.as_secs_f64()
         )?;
+        if self.unprotected_grants > 0 || !self.unspooled.is_empty() {
+            writeln!(
+                f,
+                "quorum loss: {} unprotected grants (token 0) of the open class, {} not in a spool",
+                self.unprotected_grants,
+                self.unspooled.len()
+            )?;
+            for line in self.unspooled.iter().take(20) {
+                writeln!(f, "  [unspooled] {line}")?;
+            }
+        }
         write!(f, "{}", self.report)?;
         if let Some(dir) = &self.saved {
             writeln!(f, "history and report saved in {}", dir.display())?;
@@ -403,6 +420,17 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     let keys: Vec<String> = (0..config.keys)
         .map(|k| format!("bench/gate/k{k}"))
         .collect();
+    // With the quorum-loss fault a quarter of the workers use the open
+    // class on keys of their own, their histories apart (quorum_loss.rs).
+    let open_from = match config.faults.contains(&Fault::QuorumLoss) && config.workers >= 2 {
+        true => config.workers - (config.workers / 4).max(1),
+        false => config.workers,
+    };
+    let open_keys: Vec<String> = (0..(config.keys / 4).max(2))
+        .map(|k| format!("bench/gate/open/k{k}"))
+        .collect();
+    let open_history_dir = history_dir.join("open");
+    std::fs::create_dir_all(&open_history_dir)?;
     let mut rng = fastrand::Rng::with_seed(config.seed);
     {
         let mut workers = rig.workers.lock().await;
@@ -419,6 +447,9 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     let spawn = WorkerSpawn {
         binary: config.binaries.worker.clone(),
         keys: keys.join(","),
+        open_keys: open_keys.join(","),
+        open_from,
+        open_history_dir: open_history_dir.clone(),
         postgres: postgres.url(),
         history_dir: history_dir.clone(),
         stop_file: stop_file.clone(),
@@ -428,6 +459,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         unit_ms: u64::try_from(config.unit_of_work.as_millis())?,
         wait_ms: u64::try_from(config.wait.as_millis())?,
     };
+    let spool_collector = quorum_loss::spawn_collector(Arc::clone(&rig));
     let workload_started = tokio::time::Instant::now();
     let mut restarts = 0usize;
     {
@@ -519,10 +551,18 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     let history = History::from_jsonl(std::io::BufReader::new(std::fs::File::open(&merged)?))
         .with_context(|| format!("parsing {}", merged.display()))?;
     let longest_without_grant = longest_without_grant(&history);
+    drop(spool_collector);
+    quorum_loss::collect_all(&rig, false)?;
+    let unprotected = quorum_loss::unprotected_grants(&open_history_dir, |process| {
+        let index = process.strip_prefix('w')?.split('.').next()?.parse().ok()?;
+        Some(crate::arbiter::spiffe(&worker_identity(index)))
+    })?;
+    let spooled = quorum_loss::spooled_grants(&history_dir, &rig.arbiter_state)?;
+    let unspooled = quorum_loss::unspooled(&unprotected, &spooled);
     let checking = std::time::Instant::now();
     let report = latchkey_checker::check(&history, &CheckOptions::default());
     let check_time = checking.elapsed();
-    let saved = if report.ok() && !config.keep {
+    let saved = if report.ok() && unspooled.is_empty() && !config.keep {
         None
     } else {
         let keep = config
@@ -556,6 +596,8 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         recovered_after,
         longest_without_grant,
         saved,
+        unprotected_grants: unprotected.len(),
+        unspooled,
     })
 }
 
@@ -563,6 +605,10 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
 struct WorkerSpawn {
     binary: PathBuf,
     keys: String,
+    /// Workers from this index on use the open class (quorum-loss fault).
+    open_keys: String,
+    open_from: usize,
+    open_history_dir: PathBuf,
     postgres: String,
     history_dir: PathBuf,
     stop_file: PathBuf,
@@ -580,6 +626,15 @@ impl WorkerSpawn {
             .create(true)
             .append(true)
             .open(self.log_dir.join(format!("worker-{}.log", w.index)))?;
+        let open = w.index >= self.open_from;
+        let (keys, class, history) = match open {
+            true => (
+                &self.open_keys,
+                quorum_loss::OPEN_CLASS,
+                &self.open_history_dir,
+            ),
+            false => (&self.keys, CLASS, &self.history_dir),
+        };
         let mut command = Command::new(&self.binary);
         if let Some(clock) = self.clocks.get(w.index) {
             command.envs(clock.env());
@@ -589,13 +644,13 @@ impl WorkerSpawn {
             .arg(format!("https://{}", self.addrs[w.arbiter]))
             .args(svid_flags(&worker_identity(w.index))?)
             .arg("--keys")
-            .arg(&self.keys)
+            .arg(keys)
             .arg("--class")
-            .arg(CLASS)
+            .arg(class)
             .arg("--postgres")
             .arg(&self.postgres)
             .arg("--history")
-            .arg(self.history_dir.join(format!("{name}.jsonl")))
+            .arg(history.join(format!("{name}.jsonl")))
             .arg("--process")
             .arg(&name)
             .arg("--seed")
@@ -741,7 +796,7 @@ fn worker_identity(index: usize) -> String {
 fn issue_worker_svids(workers: usize) -> anyhow::Result<()> {
     let names: Vec<String> = (0..workers).map(worker_identity).collect();
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    latchkey_client::dev_certs::generate(&certs()?.dir, crate::arbiter::TRUST_DOMAIN, &names)?;
+    latchctl::dev_certs::generate(&certs()?.dir, crate::arbiter::TRUST_DOMAIN, &names)?;
     Ok(())
 }
 
@@ -771,6 +826,10 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
         crate::arbiter::spiffe("latchkey/operator")
     ));
     std::fs::write(dir.join("grants/gate.toml"), grants)?;
+    std::fs::write(
+        dir.join("classes/gate-open.toml"),
+        quorum_loss::open_class_toml(),
+    )?;
     // The fixture only lets the arbiter load the class: the gate's own
     // fence check is the evidence here.
     crate::write_pause_test_fixtures(dir)?;

@@ -52,10 +52,14 @@ pub enum Fault {
     SlowDiskMember,
     /// Slow the fsyncs under an arbiter's durable state dir likewise.
     SlowDiskArbiter,
+    /// Kill two of the three etcd members (no quorum) for 5-8 s, then
+    /// restart both: closed classes refuse, the open class grants token 0
+    /// from memory into the spool (ADR-04; see [`super::quorum_loss`]).
+    QuorumLoss,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 11] = [
+    pub const ALL: [Fault; 12] = [
         Fault::KillMember,
         Fault::PauseLeader,
         Fault::Partition,
@@ -67,6 +71,7 @@ impl Fault {
         Fault::ClockStepArbiter,
         Fault::SlowDiskMember,
         Fault::SlowDiskArbiter,
+        Fault::QuorumLoss,
     ];
 
     pub fn name(self) -> &'static str {
@@ -82,6 +87,7 @@ impl Fault {
             Fault::ClockStepArbiter => "clock-step-arbiter",
             Fault::SlowDiskMember => "slow-disk-member",
             Fault::SlowDiskArbiter => "slow-disk-arbiter",
+            Fault::QuorumLoss => "quorum-loss",
         }
     }
 
@@ -187,6 +193,27 @@ async fn inject(
             tokio::time::sleep(Duration::from_millis(rng.u64(500..2500))).await;
             cluster.restart(i).await?;
             end(rec, op)?;
+            Ok(Some(what))
+        }
+        Fault::QuorumLoss => {
+            let mut cluster = rig.cluster.lock().await;
+            let n = cluster.members();
+            anyhow::ensure!(n >= 2, "quorum loss needs two members to kill");
+            let a = rng.usize(..n);
+            let b = (a + 1 + rng.usize(..n - 1)) % n;
+            let what = format!("quorum-loss {} {}", cluster.name(a), cluster.name(b));
+            let op = begin(rec, &what)?;
+            cluster.kill(a)?;
+            cluster.kill(b)?;
+            tokio::time::sleep(Duration::from_millis(rng.u64(5000..8000))).await;
+            cluster.restart(a).await?;
+            cluster.restart(b).await?;
+            drop(cluster);
+            end(rec, op)?;
+            // As the audit tailer would: take the spools the arbiters ship
+            // on recovery before another fault can wipe a state dir.
+            let collected = super::quorum_loss::collect_after_recovery(rig).await?;
+            tracing::info!(collected, "quorum-loss spools collected");
             Ok(Some(what))
         }
         Fault::PauseLeader => {
@@ -332,6 +359,9 @@ async fn inject(
                         a.kill();
                     }
                 }
+                // The spools are not part of the state this fault takes
+                // away: the audit tailer has them (ADR-04).
+                super::quorum_loss::collect_all(rig, true)?;
                 for state in &rig.arbiter_state {
                     match std::fs::remove_dir_all(state) {
                         Ok(()) => {}

@@ -11,6 +11,7 @@ use nix::time::{ClockId, clock_gettime};
 use serde_json::{Map, Value, json};
 
 /// Nanoseconds on the machine-wide monotonic clock.
+#[allow(clippy::expect_used)] // CLOCK_MONOTONIC cannot fail on Linux
 pub fn mono_ns() -> u64 {
     let ts = clock_gettime(ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC is always there");
     u64::try_from(ts.tv_sec()).unwrap_or(0) * 1_000_000_000

@@ -58,9 +58,7 @@ impl Seal {
     /// write at a time; a failed write is tried again on a later read.
     pub(super) async fn record_coord_seen(&self, lock_epoch: u32, read: Witnessed) {
         {
-            let Ok(mut seen) = self.coord_seen.lock() else {
-                return;
-            };
+            let mut seen = self.coord_seen.lock();
             let due = match seen.in_epoch(Some(lock_epoch)) {
                 None => true,
                 Some(recorded) if recorded.covers(&read) => false,
@@ -76,7 +74,8 @@ impl Seal {
             seen.writing = true;
         }
         let outcome = self.write_coord_seen(lock_epoch, read).await;
-        if let Ok(mut seen) = self.coord_seen.lock() {
+        {
+            let mut seen = self.coord_seen.lock();
             seen.writing = false;
             seen.written = Some(tokio::time::Instant::now());
             if let Some((at, record)) = outcome {

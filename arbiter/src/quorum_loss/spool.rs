@@ -1,0 +1,375 @@
+//! The quorum-loss spool (ADR-04): every grant an open class gets from the
+//! arbiter's memory while etcd has no quorum, appended as one JSON line and
+//! `fdatasync`ed before the caller hears of it, so no unprotected grant is
+//! ever handed out that the audit trail cannot list afterwards.
+//!
+//! Layout under the state directory:
+//!
+//! ```text
+//! quorum-loss/spool.jsonl           the open spool (appended during a loss)
+//! quorum-loss/ready/<ms>-<n>.jsonl  closed spools, waiting for the audit tailer
+//! ```
+//!
+//! On recovery the open spool is renamed into `ready/` (and the directories
+//! synced); the audit tailer (`latchkey-audit --quorum-loss-spool-dir`)
+//! copies each ready file into the audit store, marked unprotected, and
+//! moves it out of `ready/`. The spool is bounded: the open spool and every
+//! ready file together stay under `limit_bytes`, and a grant that would go
+//! over is refused (the caller hears UNAVAILABLE), never answered unspooled.
+//!
+//! A crash can leave a torn last line; readers skip a last line without its
+//! newline (it was never synced, so it was never answered).
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+/// The open spool's file name.
+pub const SPOOL_FILE: &str = "spool.jsonl";
+/// Where closed spools wait for the audit tailer.
+pub const READY_DIR: &str = "ready";
+
+/// What a spool line records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SpoolKind {
+    /// A grant from memory (token 0).
+    Grant,
+    /// The holder released it.
+    Release,
+}
+
+/// One line of the spool. Never a real token: memory grants have token 0.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SpoolRecord {
+    /// Unique per arbiter: `unix_ms << 12 | seq & 0xfff` of the grant; a
+    /// release carries its grant's id.
+    pub id: i64,
+    pub kind: SpoolKind,
+    pub key: String,
+    pub identity: String,
+    pub session: i64,
+    pub class: String,
+    pub ttl_seconds: u32,
+    pub at_unix_ms: i64,
+    /// Always 0: an unprotected grant has no fencing token.
+    pub token: u64,
+    /// Always true: nothing but this arbiter's memory kept it exclusive.
+    pub unprotected: bool,
+    /// The arbiter that granted it (its state directory's name for it).
+    pub arbiter: String,
+    /// The lock cluster whose quorum was lost (etcd's cluster id).
+    pub cluster_id: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpoolError {
+    #[error(
+        "the quorum-loss spool is full ({used} of {limit} bytes in {dir}): no more unprotected grants until quorum returns and the audit tailer collects it"
+    )]
+    Full { used: u64, limit: u64, dir: PathBuf },
+    #[error("cannot write the quorum-loss spool {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The spool of one arbiter. Its methods block (they write and sync files):
+/// call them from `spawn_blocking`.
+#[derive(Debug)]
+pub struct Spool {
+    dir: PathBuf,
+    limit_bytes: u64,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// Open lazily: an arbiter that never loses quorum writes nothing.
+    file: Option<File>,
+    /// Bytes in the open spool.
+    open_bytes: u64,
+    /// Bytes in `ready/` when last counted.
+    ready_bytes: u64,
+    /// Spools closed by this process (names them uniquely).
+    closed: u64,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SpoolError + '_ {
+    move |source| SpoolError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl Spool {
+    /// Opens (creating) `state_dir/quorum-loss`, and returns the records of
+    /// an open spool left by an earlier run (a loss that outlived it).
+    pub fn open(
+        state_dir: &Path,
+        limit_bytes: u64,
+    ) -> Result<(Self, Vec<SpoolRecord>), SpoolError> {
+        let dir = state_dir.join("quorum-loss");
+        let ready = dir.join(READY_DIR);
+        fs::create_dir_all(&ready).map_err(io_err(&ready))?;
+        let path = dir.join(SPOOL_FILE);
+        let records = match read(&path) {
+            Ok(records) => records,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+            Err(source) => return Err(SpoolError::Io { path, source }),
+        };
+        let open_bytes = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let spool = Self {
+            dir,
+            limit_bytes,
+            inner: Mutex::new(Inner {
+                file: None,
+                open_bytes,
+                ready_bytes: 0,
+                closed: 0,
+            }),
+        };
+        let ready_bytes = spool.count_ready();
+        spool.lock().ready_bytes = ready_bytes;
+        Ok((spool, records))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The open spool's path.
+    pub fn path(&self) -> PathBuf {
+        self.dir.join(SPOOL_FILE)
+    }
+
+    /// Where closed spools wait for the audit tailer.
+    pub fn ready_dir(&self) -> PathBuf {
+        self.dir.join(READY_DIR)
+    }
+
+    fn count_ready(&self) -> u64 {
+        fs::read_dir(self.ready_dir())
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter_map(|e| e.metadata().ok())
+                    .filter(|m| m.is_file())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
+    /// Appends one record and syncs it to disk before returning: the
+    /// caller answers only after this returns `Ok`. Refuses, writing
+    /// nothing, when the record would take the spool over its bound.
+    pub fn append(&self, record: &SpoolRecord) -> Result<(), SpoolError> {
+        let mut line = serde_json::to_vec(record).map_err(|e| SpoolError::Io {
+            path: self.path(),
+            source: io::Error::other(e),
+        })?;
+        line.push(b'\n');
+        let path = self.path();
+        let mut inner = self.lock();
+        let mut used = inner.open_bytes + inner.ready_bytes;
+        if used + line.len() as u64 > self.limit_bytes {
+            // The tailer may have collected ready files since: count again.
+            inner.ready_bytes = self.count_ready();
+            used = inner.open_bytes + inner.ready_bytes;
+            if used + line.len() as u64 > self.limit_bytes {
+                return Err(SpoolError::Full {
+                    used,
+                    limit: self.limit_bytes,
+                    dir: self.dir.clone(),
+                });
+            }
+        }
+        if inner.file.is_none() {
+            let file = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .map_err(io_err(&path))?;
+            // A new file's directory entry must survive a crash too.
+            sync_dir(&self.dir).map_err(io_err(&self.dir))?;
+            inner.file = Some(file);
+        }
+        let Some(file) = inner.file.as_mut() else {
+            return Err(SpoolError::Io {
+                path,
+                source: io::Error::other("spool file not open"),
+            });
+        };
+        let written = file.write_all(&line).and_then(|()| file.sync_data());
+        if let Err(source) = written {
+            // Whatever reached the file is torn or unsynced: start a fresh
+            // handle next time, and count the bytes as used.
+            inner.file = None;
+            inner.open_bytes = fs::metadata(&path).map(|m| m.len()).unwrap_or(u64::MAX / 2);
+            return Err(SpoolError::Io { path, source });
+        }
+        inner.open_bytes += line.len() as u64;
+        Ok(())
+    }
+
+    /// Closes the open spool into `ready/` for the audit tailer, if it has
+    /// anything; returns the ready file's path.
+    pub fn ship(&self) -> Result<Option<PathBuf>, SpoolError> {
+        let path = self.path();
+        let mut inner = self.lock();
+        let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        if len == 0 {
+            return Ok(None);
+        }
+        if let Some(file) = inner.file.take() {
+            file.sync_all().map_err(io_err(&path))?;
+        }
+        inner.closed += 1;
+        let name = format!(
+            "{}-{}-{}.jsonl",
+            crate::records::now_unix_ms(),
+            std::process::id(),
+            inner.closed
+        );
+        let target = self.ready_dir().join(name);
+        fs::rename(&path, &target).map_err(io_err(&target))?;
+        sync_dir(&self.ready_dir()).map_err(io_err(&self.ready_dir()))?;
+        sync_dir(&self.dir).map_err(io_err(&self.dir))?;
+        inner.open_bytes = 0;
+        inner.ready_bytes = self.count_ready();
+        Ok(Some(target))
+    }
+
+    /// Bytes the open spool holds.
+    pub fn open_bytes(&self) -> u64 {
+        self.lock().open_bytes
+    }
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Every whole record of a spool file, in order. A last line without its
+/// newline is a torn write (never synced, never answered) and is skipped;
+/// a malformed whole line is an error.
+pub fn read(path: &Path) -> io::Result<Vec<SpoolRecord>> {
+    let bytes = fs::read(path)?;
+    let mut records = Vec::new();
+    for line in bytes.split_inclusive(|&b| b == b'\n') {
+        let Some(line) = line.strip_suffix(b"\n") else {
+            // Torn tail.
+            break;
+        };
+        if line.is_empty() {
+            continue;
+        }
+        let record = serde_json::from_slice(line).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{}: a spool line is not a record: {e}", path.display()),
+            )
+        })?;
+        records.push(record);
+    }
+    Ok(records)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: i64, key: &str) -> SpoolRecord {
+        SpoolRecord {
+            id,
+            kind: SpoolKind::Grant,
+            key: key.into(),
+            identity: "spiffe://dev.latchkey/w/a".into(),
+            session: 7,
+            class: "batch".into(),
+            ttl_seconds: 30,
+            at_unix_ms: 1_700_000_000_000,
+            token: 0,
+            unprotected: true,
+            arbiter: "a1".into(),
+            cluster_id: 9,
+        }
+    }
+
+    #[test]
+    fn append_is_on_disk_before_it_returns_and_replays() {
+        let dir = tempfile::tempdir().unwrap();
+        let (spool, old) = Spool::open(dir.path(), 1 << 20).unwrap();
+        assert!(old.is_empty());
+        spool.append(&record(1, "a/b")).unwrap();
+        spool.append(&record(2, "a/c")).unwrap();
+        // What a fresh reader (another process after a crash) sees at once.
+        let seen = read(&spool.path()).unwrap();
+        assert_eq!(seen, vec![record(1, "a/b"), record(2, "a/c")]);
+        drop(spool);
+        // An arbiter restarting during the loss replays the open spool.
+        let (spool, old) = Spool::open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(old.len(), 2);
+        spool.append(&record(3, "a/d")).unwrap();
+        assert_eq!(read(&spool.path()).unwrap().len(), 3);
+    }
+
+    #[test]
+    fn a_torn_last_line_is_skipped_a_bad_whole_line_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.jsonl");
+        let mut good = serde_json::to_vec(&record(1, "a/b")).unwrap();
+        good.push(b'\n');
+        let mut bytes = good.clone();
+        bytes.extend_from_slice(b"{\"id\":2,\"ki");
+        fs::write(&path, &bytes).unwrap();
+        assert_eq!(read(&path).unwrap(), vec![record(1, "a/b")]);
+        bytes.extend_from_slice(b"\n");
+        fs::write(&path, &bytes).unwrap();
+        assert_eq!(read(&path).unwrap_err().kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn bounded_refuses_when_full_and_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let line = serde_json::to_vec(&record(1, "a/b")).unwrap().len() as u64 + 1;
+        let (spool, _) = Spool::open(dir.path(), line * 2).unwrap();
+        spool.append(&record(1, "a/b")).unwrap();
+        spool.append(&record(2, "a/b")).unwrap();
+        let err = spool.append(&record(3, "a/b")).unwrap_err();
+        assert!(matches!(err, SpoolError::Full { .. }), "{err}");
+        assert!(err.to_string().contains("spool is full"), "{err}");
+        assert_eq!(read(&spool.path()).unwrap().len(), 2);
+        // Shipping does not free the bound: the ready file still counts
+        // until the audit tailer collects it.
+        let shipped = spool.ship().unwrap().unwrap();
+        assert!(spool.append(&record(3, "a/b")).is_err());
+        fs::remove_file(&shipped).unwrap();
+        spool.append(&record(3, "a/b")).unwrap();
+    }
+
+    #[test]
+    fn ship_moves_the_open_spool_to_ready_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let (spool, _) = Spool::open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(spool.ship().unwrap(), None);
+        spool.append(&record(1, "a/b")).unwrap();
+        let shipped = spool.ship().unwrap().unwrap();
+        assert!(shipped.starts_with(spool.ready_dir()));
+        assert_eq!(read(&shipped).unwrap(), vec![record(1, "a/b")]);
+        assert!(!spool.path().exists());
+        assert_eq!(spool.ship().unwrap(), None);
+        // The next loss starts a new spool.
+        spool.append(&record(2, "a/c")).unwrap();
+        assert_eq!(read(&spool.path()).unwrap(), vec![record(2, "a/c")]);
+        let again = spool.ship().unwrap().unwrap();
+        assert_ne!(again, shipped);
+    }
+}

@@ -1,0 +1,76 @@
+"""Latchkey's Python client: take locks from the arbiter through its Envoy.
+
+A lock flows through it like this. :class:`Client` opens one gRPC channel to
+the arbiter's Envoy under the workload's SPIFFE identity (its X.509 SVID over
+mTLS; never a header). ``client.acquire(key, class)`` (or ``with
+client.lock(key):``) first finds the session for the class's TTL (ADR-10: one
+arbiter lease per TTL per client), then consults the session's re-entrancy
+table (ADR-13): a key already held on the session just gets another
+:class:`LockGuard` of the same hold; otherwise Acquire is sent and the grant,
+with its :class:`FencingToken`, becomes the hold. Meanwhile the session's
+keepalive thread renews the lease over one bidirectional stream and keeps
+ADR-12's two stages: after the first failed keepalive ``can_start()`` is false,
+and when the send time of the last successful renewal plus the TTL minus one
+second passes, every hold's ``on_fence`` fires once. A notice from the arbiter
+that a hold ended fences that hold at once. Releasing the last guard of a hold
+sends Release. Tokens never appear in ``repr``, ``str``, exceptions or logs.
+"""
+
+from ._client import Client, Holder, Inspection, LockGuard
+from ._errors import (
+    Aborted,
+    ConfigError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    FenceReason,
+    Fenced,
+    Held,
+    InvalidArgument,
+    LatchkeyError,
+    Leak,
+    NotHeld,
+    PermissionDenied,
+    ProtocolError,
+    Refused,
+    ResourceExhausted,
+    Sealed,
+    SessionExpired,
+    Unauthenticated,
+    Unavailable,
+    WaitTimeout,
+)
+from ._liveness import FENCE_MARGIN
+from ._session import Session
+from ._token import FencingToken
+
+__all__ = [
+    "Aborted",
+    "Client",
+    "ConfigError",
+    "DeadlineExceeded",
+    "FENCE_MARGIN",
+    "FailedPrecondition",
+    "FenceReason",
+    "Fenced",
+    "FencingToken",
+    "Held",
+    "Holder",
+    "Inspection",
+    "InvalidArgument",
+    "LatchkeyError",
+    "Leak",
+    "LockGuard",
+    "NotHeld",
+    "PermissionDenied",
+    "ProtocolError",
+    "Refused",
+    "ResourceExhausted",
+    "Sealed",
+    "Session",
+    "SessionExpired",
+    "Unauthenticated",
+    "Unavailable",
+    "WaitTimeout",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,481 @@
+"""The client handle (the mTLS channel and the sessions it keeps, one per TTL)
+and the guard that is a hold."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional
+
+import grpc
+
+from ._errors import (
+    ConfigError,
+    DeadlineExceeded,
+    FenceReason,
+    Fenced,
+    LatchkeyError,
+    ProtocolError,
+    Refused,
+    Unavailable,
+    from_rpc_error,
+)
+from ._holds import LAST, NOT_HELD, OUTERMOST, REENTERED, Hold
+from ._liveness import keepalive_interval
+from ._session import FenceCallback, Session
+from ._token import FencingToken
+from .lock.v1 import lock_pb2, lock_pb2_grpc
+
+log = logging.getLogger("latchkey")
+
+_now = time.monotonic
+
+
+def _ignore(_reason: FenceReason) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a key. Inspect never returns a token: the holder has it from its grant."""
+
+    identity: str
+    #: The holder's session, shown only to the holder's own identity and to operators; 0 otherwise.
+    session_id: int
+    lock_class: str
+    acquired_at_unix_ms: int
+    annotations: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Inspection:
+    key: str
+    #: None when the key is free.
+    holder: Optional[Holder]
+    #: Waiters queued on the arbiter that answered.
+    waiters: int
+
+
+def _read(what: str, path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as error:
+        raise ConfigError(f"reading {what} {path}: {error.strerror or error}") from None
+
+
+def _target(endpoint: str) -> str:
+    if endpoint.startswith("http://"):
+        raise ConfigError("endpoint: Latchkey is reached over mTLS only: use host:port or https://host:port")
+    target = endpoint[len("https://"):] if endpoint.startswith("https://") else endpoint
+    if not target or "/" in target.rstrip("/"):
+        raise ConfigError(f"endpoint: {endpoint!r} is not host:port")
+    return target.rstrip("/")
+
+
+class Client:
+    """A connection to the arbiter's Envoy under this workload's SPIFFE identity.
+
+    The identity is the X.509 SVID presented over mTLS (``cert`` and ``key``,
+    checked against the trust bundle ``ca``) and nothing else: the client sends
+    no identity header. Thread-safe; use one per process and close it (or use
+    it as a context manager) to end its sessions.
+    """
+
+    DEFAULT_CONNECT_TIMEOUT = 5.0
+    DEFAULT_REQUEST_TIMEOUT = 10.0
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        ca: str,
+        cert: str,
+        key: str,
+        server_name: str = "localhost",
+        default_class: Optional[str] = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    ) -> None:
+        target = _target(endpoint)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read("CA bundle", ca),
+            private_key=_read("SVID key", key),
+            certificate_chain=_read("SVID certificate", cert),
+        )
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        self._endpoint = endpoint
+        self._default_class = default_class
+        self._request_timeout = request_timeout
+        self._channel = grpc.secure_channel(target, credentials, options=options)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise Unavailable(
+                grpc.StatusCode.UNAVAILABLE, "", f"could not connect to {endpoint} within {connect_timeout:g} s (mTLS)"
+            ) from None
+        self._stub = lock_pb2_grpc.LockStub(self._channel)
+        self._lock = threading.Lock()
+        # One OpenSession at a time, so two first acquires of a class cannot
+        # open two leases for one TTL.
+        self._opening = threading.Lock()
+        self._sessions: Dict[int, Session] = {}
+        self._by_class: Dict[str, int] = {}
+        self._closed = False
+
+    # -- sessions -----------------------------------------------------------
+
+    def open_session(self, lock_class: Optional[str] = None) -> Session:
+        """A session with the class's TTL: one this client already has if the
+        arbiter finds one that fits, else a new lease whose keepalive starts now."""
+        lock_class = self._class(lock_class)
+        with self._opening:
+            with self._lock:
+                self._prune()
+                reuse = sorted(self._sessions)
+            opened_at = _now()
+            reply = self._call(
+                self._stub.OpenSession,
+                lock_pb2.OpenSessionRequest(reuse_session_ids=reuse, **{"class": lock_class}),
+            )
+            if reply.ttl_seconds == 0:
+                raise ProtocolError("malformed reply to OpenSession: zero TTL")
+            with self._lock:
+                session = self._sessions.get(reply.session_id)
+                if session is None or session.is_fenced:
+                    session = Session(
+                        self._stub,
+                        reply.session_id,
+                        float(reply.ttl_seconds),
+                        keepalive_interval(reply.ttl_seconds, reply.keepalive_interval_ms),
+                        opened_at,
+                        reply.reused,
+                        self._request_timeout,
+                    )
+                    self._sessions[reply.session_id] = session
+                    log.debug("session %d opened (ttl %d s)", reply.session_id, reply.ttl_seconds)
+                self._by_class[lock_class] = reply.session_id
+                return session
+
+    def _session_for_class(self, lock_class: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(self._by_class.get(lock_class, 0))
+            if session is not None and not session.is_fenced:
+                return session
+        return self.open_session(lock_class)
+
+    def _forget_class(self, lock_class: str, session_id: int) -> None:
+        with self._lock:
+            if self._by_class.get(lock_class) == session_id:
+                del self._by_class[lock_class]
+
+    def _prune(self) -> None:
+        for sid in [sid for sid, s in self._sessions.items() if s.is_fenced]:
+            del self._sessions[sid]
+        self._by_class = {c: sid for c, sid in self._by_class.items() if sid in self._sessions}
+
+    def _class(self, lock_class: Optional[str]) -> str:
+        chosen = lock_class or self._default_class
+        if not chosen:
+            raise ConfigError("no lock class: pass lock_class or set Client(default_class=...)")
+        return chosen
+
+    # -- locks --------------------------------------------------------------
+
+    def acquire(
+        self,
+        key: str,
+        lock_class: Optional[str] = None,
+        *,
+        wait: Optional[float] = None,
+        on_fence: Optional[FenceCallback] = None,
+        metadata: Optional[Mapping[str, str]] = None,
+        session: Optional[Session] = None,
+    ) -> "LockGuard":
+        """Acquires `key` under `lock_class` (the client's default class if omitted).
+
+        ``wait=None`` is a try-lock: a held key raises :class:`Held` at once.
+        ``wait=seconds`` queues at the arbiter (FIFO per key) until granted or
+        until that deadline (:class:`WaitTimeout` / :class:`DeadlineExceeded`).
+        A key this session already holds returns another guard of the same hold
+        at once, without a call (ADR-13).
+
+        ``on_fence(reason)`` is called once if the hold is lost while this guard
+        exists: by then another holder may have the key, so stop touching the
+        resource. It runs on a background thread: keep it short.
+        """
+        if self._closed:
+            raise ConfigError("the client is closed")
+        lock_class = self._class(lock_class)
+        callback = on_fence or _ignore
+        deadline = None if wait is None else _now() + wait
+        explicit = session is not None
+        current = session if session is not None else self._session_for_class(lock_class)
+        retried = False
+        while True:
+            try:
+                return self._acquire_on(current, key, lock_class, deadline, callback, metadata)
+            except Refused as error:
+                stale = error.reason in ("SESSION_EXPIRED", "SESSION_CLASS_MISMATCH")
+                if explicit or retried or not stale:
+                    raise
+                # The class's session went away or its TTL changed since we
+                # cached it: open (or be handed) the right one, once.
+                if error.reason == "SESSION_EXPIRED":
+                    current._fence(FenceReason.EXPIRED)
+                self._forget_class(lock_class, current.id)
+                current = self._session_for_class(lock_class)
+                retried = True
+
+    def lock(
+        self,
+        key: str,
+        lock_class: Optional[str] = None,
+        *,
+        timeout: float = 30.0,
+        on_fence: Optional[FenceCallback] = None,
+        metadata: Optional[Mapping[str, str]] = None,
+    ) -> "_LockContext":
+        """``with client.lock("demo/x") as guard:`` — a blocking acquire that
+        waits up to `timeout` seconds for the key, released when the block ends."""
+        return _LockContext(self, key, lock_class, timeout, on_fence, metadata)
+
+    def _acquire_on(self, session, key, lock_class, deadline, on_fence, metadata) -> "LockGuard":
+        while True:
+            kind, value, guard_id = session._begin_acquire(key, on_fence)
+            if kind == REENTERED:
+                return LockGuard(value, session, guard_id, self)
+            if kind == OUTERMOST:
+                break
+            # Another thread's outermost acquire or final release of the key
+            # on this session is in flight: wait for it to settle.
+            limit = (deadline - _now()) if deadline is not None else self._request_timeout
+            if limit <= 0 or not value.wait(limit):
+                raise DeadlineExceeded(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "", f"another acquire or release of {key} on this session is still in flight"
+                )
+        settled = False
+        try:
+            request = lock_pb2.AcquireRequest(
+                key=key,
+                session_id=session.id,
+                wait=lock_pb2.WAIT_UNTIL_DEADLINE if deadline is not None else lock_pb2.WAIT_NONE,
+                metadata=dict(metadata or {}),
+                **{"class": lock_class},
+            )
+            timeout = max(0.001, deadline - _now()) if deadline is not None else None
+            grant = self._call(self._stub.Acquire, request, timeout=timeout).grant
+            if not grant.key:
+                raise ProtocolError("malformed reply to Acquire: OK without a grant")
+            if grant.session_id != session.id or grant.key != key:
+                raise ProtocolError("malformed reply to Acquire: grant for another session or key")
+            hold = Hold(key, grant.session_id, FencingToken(grant.token), grant.epoch, grant.revision)
+            # Absent from stubs generated before the field existed.
+            hold.unprotected = bool(getattr(grant, "unprotected", False))
+            settled = True
+            guard_id = session._granted(hold, on_fence)
+        finally:
+            if not settled:
+                session._acquire_failed(key)
+        log.debug("acquired %s (session %d, epoch %d)", key, session.id, hold.epoch)
+        return LockGuard(hold, session, guard_id, self)
+
+    def inspect(self, key: str) -> Inspection:
+        """Who holds `key` (only for callers with a grant on its prefix)."""
+        reply = self._call(self._stub.Inspect, lock_pb2.InspectRequest(key=key))
+        holder = None
+        if reply.HasField("holder"):
+            h = reply.holder
+            holder = Holder(h.identity, h.session_id, getattr(h, "class"), h.acquired_at_unix_ms, dict(h.annotations))
+        return Inspection(reply.key, holder, reply.waiters)
+
+    def _call(self, method, request, timeout: Optional[float] = None):
+        try:
+            return method(request, timeout=timeout if timeout is not None else self._request_timeout)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    def _release(self, hold: Hold) -> None:
+        self._call(self._stub.Release, lock_pb2.ReleaseRequest(key=hold.key, session_id=hold.session_id, token=hold.token.value))
+        log.debug("released %s (session %d)", hold.key, hold.session_id)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes every session (the arbiter releases their holds; attached
+        guards get ``on_fence(CLOSED)``), stops their threads and the channel."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+            self._by_class.clear()
+        for session in sessions:
+            try:
+                session.close()
+            except LatchkeyError as error:
+                log.debug("closing session %d: %s", session.id, error)
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        with self._lock:
+            ids = sorted(self._sessions)
+        return f"Client(endpoint={self._endpoint!r}, sessions={ids})"
+
+
+class LockGuard:
+    """A hold on a key. Nested acquires of the same key on the same session
+    return more guards of the same hold; the arbiter hears only of the first
+    acquire and the last release. Release it with :meth:`release` or by using
+    it as a context manager."""
+
+    __slots__ = ("_hold", "_session", "_guard_id", "_client", "_armed")
+
+    def __init__(self, hold: Hold, session: Session, guard_id: int, client: Client) -> None:
+        self._hold = hold
+        self._session = session
+        self._guard_id = guard_id
+        self._client = client
+        self._armed = True
+
+    @property
+    def token(self) -> FencingToken:
+        """The fencing token to present at the resource (``int(guard.token)``)."""
+        return self._hold.token
+
+    @property
+    def key(self) -> str:
+        return self._hold.key
+
+    @property
+    def epoch(self) -> int:
+        return self._hold.epoch
+
+    @property
+    def revision(self) -> int:
+        return self._hold.revision
+
+    @property
+    def session_id(self) -> int:
+        return self._hold.session_id
+
+    @property
+    def session(self) -> Session:
+        return self._session
+
+    @property
+    def unprotected(self) -> bool:
+        """True for a grant made while the lock cluster had no quorum (a class
+        with ``onQuorumLoss = "open"``): its token is 0 and fences nothing."""
+        return self._hold.unprotected
+
+    @property
+    def hold_count(self) -> int:
+        """How many guards share this hold."""
+        return self._hold.count
+
+    def can_start(self) -> bool:
+        """Whether to start a new unit of work under this lock (ADR-12 stage one)."""
+        return not self._hold.ended and self._session.can_start()
+
+    def remaining_ttl(self) -> float:
+        """Seconds before the hold is fenced unless a keepalive succeeds."""
+        return self._session.remaining_ttl()
+
+    @property
+    def fence_deadline(self) -> float:
+        """When ``on_fence`` fires unless a keepalive succeeds first
+        (``time.monotonic()`` clock): the send time of the last successful
+        renewal + TTL - 1 s. Moves forward with every renewal."""
+        return self._session.fence_deadline
+
+    @property
+    def is_fenced(self) -> bool:
+        """Whether this hold is lost: its session was fenced, or the arbiter said the hold ended."""
+        return self._hold.ended or self._session.is_fenced
+
+    def release(self) -> None:
+        """Counts this guard down; the last one sends Release. Raises
+        :class:`Fenced` if the hold was already lost."""
+        if not self._armed:
+            return
+        self._armed = False
+        session = self._session
+        outcome = session._release_one(self._hold, self._guard_id)
+        if outcome == NOT_HELD:
+            if self._hold.ended:
+                raise Fenced(session.id, FenceReason.HOLD_ENDED)
+            reason = session.fence_reason
+            if reason is not None:
+                raise Fenced(session.id, reason)
+            return
+        if outcome != LAST:
+            return
+        try:
+            reason = session.fence_reason
+            if reason is not None:
+                raise Fenced(session.id, reason)
+            self._client._release(self._hold)
+        finally:
+            session._released(self._hold.key)
+
+    def detach(self) -> None:
+        """Forgets this guard without sending Release: the hold stays until the
+        session ends."""
+        if not self._armed:
+            return
+        self._armed = False
+        if self._session._release_one(self._hold, self._guard_id) == LAST:
+            self._session._released(self._hold.key)
+
+    def __enter__(self) -> "LockGuard":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.release()
+        except LatchkeyError as error:
+            if exc is None:
+                raise
+            log.warning("releasing %s after an exception in its block: %s", self._hold.key, error)
+
+    def __repr__(self) -> str:
+        # Not the revision: with the epoch it spells the token.
+        return (
+            f"LockGuard(key={self._hold.key!r}, token={self._hold.token!r}, epoch={self._hold.epoch}, "
+            f"session_id={self._hold.session_id}, hold_count={self._hold.count}, fenced={self.is_fenced})"
+        )
+
+    __str__ = __repr__
+
+
+class _LockContext:
+    """What :meth:`Client.lock` returns: acquires on enter, releases on exit."""
+
+    def __init__(self, client, key, lock_class, timeout, on_fence, metadata) -> None:
+        self._client = client
+        self._args = (key, lock_class)
+        self._kwargs = {"wait": timeout, "on_fence": on_fence, "metadata": metadata}
+        self._guard: Optional[LockGuard] = None
+
+    def __enter__(self) -> LockGuard:
+        self._guard = self._client.acquire(*self._args, **self._kwargs)
+        return self._guard
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.__exit__(exc_type, exc, tb)
+
+    def __repr__(self) -> str:
+        return f"LockContext(key={self._args[0]!r})"

@@ -1,0 +1,343 @@
+//! The LockClass and LockGrant custom resources (ADR-24): the same fields as
+//! a `[[class]]` table and a `[[grant]]`/`[[operator]]` table in the policy
+//! files, with an OpenAPI schema and CEL rules (`x-kubernetes-validations`)
+//! that mirror the loader's rules, so the API server refuses at `kubectl
+//! apply` / Argo CD sync time most of what `PolicySet::load_dir` would refuse.
+//!
+//! What CEL cannot see is left to the loader (and `latchctl classes check`):
+//! whether the named pause-test result exists and passed, whether a waiver
+//! has expired (CEL has no clock here), and whether two namespaces define the
+//! same class name. Those are the rules where the two can differ; every other
+//! rule is tested to agree on the same cases (tests/cel_agrees.rs).
+
+use std::collections::BTreeMap;
+
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+use serde::{Deserialize, Serialize};
+
+/// API group of both kinds.
+pub const GROUP: &str = "latchkey.dev";
+/// The only version served and stored.
+pub const VERSION: &str = "v1alpha1";
+/// `apiVersion` of both kinds.
+pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
+
+/// A lock class; `metadata.name` is the class name.
+///
+/// Field names and meanings are those of `[[class]]` in policies/README.md.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[kube(
+    group = "latchkey.dev",
+    version = "v1alpha1",
+    kind = "LockClass",
+    derive = "PartialEq",
+    namespaced,
+    shortname = "lc",
+    category = "latchkey",
+    doc = "A Latchkey lock class (ADR-24): enforcement, TTL, tier and posture, reviewed by the resource owner.",
+    printcolumn = r#"{"name":"Tier","type":"string","jsonPath":".spec.tier"}"#,
+    printcolumn = r#"{"name":"Enforcement","type":"string","jsonPath":".spec.enforcement"}"#,
+    printcolumn = r#"{"name":"TTL","type":"integer","jsonPath":".spec.ttlSeconds"}"#,
+    printcolumn = r#"{"name":"Risk owner","type":"string","jsonPath":".spec.riskOwner"}"#,
+    printcolumn = r#"{"name":"Waiver expires","type":"string","jsonPath":".spec.waiverExpires"}"#,
+    validation = Rule::new("self.metadata.name.size() <= 63")
+        .message("class names are at most 63 bytes: metadata.name is the class name"),
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(
+    validation = Rule::new("self.enforcement != 'advisory' || self.ttlSeconds >= 30").message(
+        "ttlSeconds is below the advisory floor of 30: a false expiry on an unfenced resource \
+         can cause a duplicate write; raise ttlSeconds or fence the resource"
+    ),
+    validation = Rule::new(
+        "self.enforcement != 'advisory' || (has(self.riskOwner) && has(self.waiverExpires))"
+    )
+    .message(
+        "advisory classes need riskOwner (who accepts the risk of an unfenced lock, e.g. \
+         \"team-reporting@example.com\") and waiverExpires (\"YYYY-MM-DD\")"
+    ),
+    validation = Rule::new(
+        "self.enforcement != 'fenced' || (!has(self.riskOwner) && !has(self.waiverExpires))"
+    )
+    .message(
+        "fenced classes take no riskOwner or waiverExpires: a waiver is only for advisory \
+         classes; remove them or set enforcement: advisory"
+    ),
+    validation = Rule::new("self.enforcement != 'fenced' || has(self.pauseTest)").message(
+        "enforcement: fenced needs a passing pause test: run `latchctl pause-test` against the \
+         real resource and add pauseTest with its resource and result, or declare the class \
+         advisory with riskOwner and waiverExpires"
+    ),
+    validation = Rule::new("self.enforcement != 'fenced' || self.onQuorumLoss != 'open'").message(
+        "onQuorumLoss: open is not allowed for a fenced class: fenced classes claim mutual \
+         exclusion, which an ungoverned grant breaks; use onQuorumLoss: closed"
+    ),
+    validation = Rule::new("self.fairness != 'durable'").message(
+        "durable fairness is not implemented in this release; use fairness: memory"
+    ),
+)]
+pub struct LockClassSpec {
+    pub tier: Tier,
+    pub enforcement: Enforcement,
+    #[serde(default = "default_ttl_seconds")]
+    #[schemars(range(min = 5, max = 300))]
+    #[x_kube(validation = Rule::new("self >= 5 && self <= 300").message(
+        "ttlSeconds is outside the platform range 5..=300: choose a value in range (the default is 15)"
+    ))]
+    pub ttl_seconds: u32,
+    #[serde(default)]
+    pub on_quorum_loss: OnQuorumLoss,
+    #[serde(default)]
+    pub fairness: Fairness,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
+    #[x_kube(validation = Rule::new(PRINTABLE_NOT_BLANK).message(
+        "riskOwner must name a person or team in printable text, e.g. \"team-reporting@example.com\""
+    ))]
+    pub risk_owner: Option<String>,
+    /// The last day (UTC) the waiver holds, `YYYY-MM-DD`. Whether it has
+    /// passed is checked by the loader: CEL has no clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$"), length(max = 10))]
+    #[x_kube(validation = Rule::new(
+        "self.matches('^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])$')"
+    ).message("waiverExpires must be a date, \"YYYY-MM-DD\""))]
+    pub waiver_expires: Option<String>,
+    #[serde(default = "default_max_waiters_per_key")]
+    #[schemars(range(min = 1, max = 10_000))]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 10000")
+        .message("maxWaitersPerKey is outside 1..=10000"))]
+    pub max_waiters_per_key: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub description: Option<String>,
+    /// A Wasm hook run before every grant of the class (policies/HOOKS.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hook: Option<HookSpec>,
+    /// Where the class's pause-test result is (ADR-17): required for a
+    /// fenced class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_test: Option<PauseTestSpec>,
+}
+
+/// CEL: at least one visible character, and no control, format (invisible)
+/// or line/paragraph separator characters, as the loader's printable rule.
+const PRINTABLE_NOT_BLANK: &str = "self.matches('[^\\\\p{Z}\\\\p{Cc}]') && !self.matches('[\\\\p{Cc}\\\\p{Cf}\\\\p{Zl}\\\\p{Zp}]')";
+
+/// `hook` of a LockClass: `[class.hook]` of a class file.
+#[derive(KubeSchema, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HookSpec {
+    /// Path of the `.wasm` file, relative to the policy directory.
+    #[schemars(length(max = 1024))]
+    #[x_kube(validation = Rule::new("self.matches('[^\\\\p{Z}\\\\p{Cc}]') && !self.matches('\\\\p{Cc}')")
+        .message("hook.module must name a .wasm file (a path relative to the policy directory)"))]
+    pub module: String,
+    #[serde(default)]
+    pub inputs: Vec<HookInput>,
+    #[serde(default = "default_hook_deadline_ms")]
+    #[schemars(range(min = 1, max = 50))]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 50")
+        .message("hook.deadlineMs is outside the platform range 1..=50"))]
+    pub deadline_ms: u32,
+    #[serde(default = "default_hook_memory_mib")]
+    #[schemars(range(min = 1, max = 64))]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 64")
+        .message("hook.memoryMib is outside the platform range 1..=64"))]
+    pub memory_mib: u32,
+    #[serde(default = "default_hook_table_elements")]
+    #[schemars(range(min = 1, max = 100_000))]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 100000")
+        .message("hook.tableElements is outside the platform range 1..=100000"))]
+    pub table_elements: u32,
+    #[serde(default = "default_hook_max_output_bytes")]
+    #[schemars(range(min = 1, max = 65_536))]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 65536")
+        .message("hook.maxOutputBytes is outside the platform range 1..=65536"))]
+    pub max_output_bytes: u32,
+    /// Passed to the hook with every call, as JSON; any object.
+    #[serde(default)]
+    #[schemars(schema_with = "any_object")]
+    pub config: BTreeMap<String, serde_json::Value>,
+}
+
+/// `pauseTest` of a LockClass: `[class.pauseTest]` of a class file.
+#[derive(KubeSchema, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PauseTestSpec {
+    /// The guarded resource, e.g. `postgresql:ledger.postings`.
+    #[schemars(length(max = 1024))]
+    #[x_kube(validation = Rule::new(PRINTABLE_NOT_BLANK).message(
+        "pauseTest.resource must name the guarded resource in printable text, e.g. \
+         \"postgresql:ledger.postings\""
+    ))]
+    pub resource: String,
+    /// Path of the result JSON, relative to the policy directory.
+    #[schemars(length(max = 1024))]
+    #[x_kube(validation = Rule::new(
+        "self.endsWith('.json') && !self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)') && \
+         self.matches('[^\\\\p{Z}\\\\p{Cc}]') && !self.matches('[\\\\p{Cc}\\\\p{Cf}\\\\p{Zl}\\\\p{Zp}]')"
+    ).message(
+        "pauseTest.result must be a .json path inside the policy directory, relative to it, e.g. \
+         \"pause-tests/payments-ledger.json\""
+    ))]
+    pub result: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
+    pub schema_version: Option<String>,
+}
+
+/// A grant of key prefixes to one SPIFFE identity, and/or the operator role.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[kube(
+    group = "latchkey.dev",
+    version = "v1alpha1",
+    kind = "LockGrant",
+    derive = "PartialEq",
+    namespaced,
+    shortname = "lg",
+    category = "latchkey",
+    doc = "A Latchkey prefix grant (ADR-19, ADR-24): which key prefixes one SPIFFE identity may lock, and whether it has the operator role.",
+    printcolumn = r#"{"name":"Identity","type":"string","jsonPath":".spec.identity"}"#,
+    printcolumn = r#"{"name":"Operator","type":"boolean","jsonPath":".spec.operator"}"#
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(validation = Rule::new("self.operator || self.prefixes.size() > 0").message(
+    "a grant lists no prefixes: give at least one, e.g. prefixes: [payments], or set operator: true"
+))]
+pub struct LockGrantSpec {
+    /// A SPIFFE ID, e.g. `spiffe://example.org/workload/payments`.
+    #[schemars(length(max = 2048))]
+    #[x_kube(validation = Rule::new(
+        "self.matches('^[Ss][Pp][Ii][Ff][Ff][Ee]://[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$') && !self.matches('/\\\\.\\\\.?(/|$)')"
+    ).message(
+        "identity is not a SPIFFE ID: identities look like \"spiffe://trust-domain/workload/name\""
+    ))]
+    pub identity: String,
+    /// Key prefixes, matched on whole segments: `payments` grants
+    /// `payments/invoice/42`, not `paymentsx`. One trailing `/` is allowed.
+    #[serde(default)]
+    #[schemars(length(max = 256), inner(length(max = 513)))]
+    #[x_kube(validation = Rule::new(
+        "self.all(p, p.size() <= 513 && p.matches('^[^/]+(/[^/]+)*/?$') && \
+         !p.matches('(^|/)\\\\.\\\\.?(/|$)') && !p.matches('[\\\\p{Cc}\\\\p{Cf}\\\\p{Zl}\\\\p{Zp}]'))"
+    ).message(
+        "a prefix is not a lock key: keys are '/'-separated printable names like \
+         \"payments/invoice\", without empty, '.' or '..' segments, at most 512 bytes"
+    ))]
+    pub prefixes: Vec<String>,
+    /// The operator role for the admin API (force-release and the like).
+    #[serde(default)]
+    pub operator: bool,
+}
+
+/// Which etcd cluster tier serves the class (ADR-07).
+#[derive(JsonSchema, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    Coord,
+    Entity,
+}
+
+/// Whether the guarded resource checks the fencing token (ADR-01).
+#[derive(JsonSchema, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Enforcement {
+    Fenced,
+    Advisory,
+}
+
+/// What the arbiter does without an etcd quorum (ADR-04).
+#[derive(JsonSchema, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnQuorumLoss {
+    #[default]
+    Closed,
+    Open,
+}
+
+/// How waiters are queued (ADR-14); `durable` is reserved and refused.
+#[derive(JsonSchema, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Fairness {
+    #[default]
+    Memory,
+    Durable,
+}
+
+/// Optional hook inputs, each an etcd read on the request path.
+#[derive(JsonSchema, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum HookInput {
+    Holder,
+    HoldCount,
+}
+
+fn default_ttl_seconds() -> u32 {
+    latchkey_policies::DEFAULT_TTL_SECONDS
+}
+fn default_max_waiters_per_key() -> u32 {
+    latchkey_policies::DEFAULT_MAX_WAITERS_PER_KEY
+}
+fn default_hook_deadline_ms() -> u32 {
+    latchkey_policies::DEFAULT_HOOK_DEADLINE_MS
+}
+fn default_hook_memory_mib() -> u32 {
+    latchkey_policies::DEFAULT_HOOK_MEMORY_MIB
+}
+fn default_hook_table_elements() -> u32 {
+    latchkey_policies::DEFAULT_HOOK_TABLE_ELEMENTS
+}
+fn default_hook_max_output_bytes() -> u32 {
+    latchkey_policies::DEFAULT_HOOK_MAX_OUTPUT_BYTES
+}
+
+/// A structural-schema object that keeps whatever it is given.
+fn any_object(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": true
+    })
+}
+
+/// The committed CRD files, by file name under deploy/crds/, as YAML.
+pub fn crd_files() -> Vec<(&'static str, String)> {
+    let header = "# Generated by `cargo run -p latchkey-crds --bin latchkey-crd-gen`; do not edit.\n\
+                  # Source: crds/src/resources.rs. Docs: deploy/crds/README.md.\n";
+    let render = |crd| {
+        let mut value = serde_json::to_value(crd).unwrap_or_default();
+        tidy(&mut value);
+        // Rendering plain JSON data as YAML cannot fail.
+        format!(
+            "{header}{}",
+            serde_norway::to_string(&value).unwrap_or_default()
+        )
+    };
+    vec![
+        ("lockclass.yaml", render(LockClass::crd())),
+        ("lockgrant.yaml", render(LockGrant::crd())),
+    ]
+}
+
+/// Drops what the API server would not use: `nullable` (an absent optional
+/// field and a null one then mean the same, both pruned before CEL runs),
+/// schemars' Rust integer formats, and the Rust type name as `title`.
+fn tidy(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            map.remove("nullable");
+            map.remove("title");
+            if map
+                .get("format")
+                .and_then(|f| f.as_str())
+                .is_some_and(|f| f.starts_with("uint") || f.starts_with("int"))
+            {
+                map.remove("format");
+            }
+            map.values_mut().for_each(tidy);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(tidy),
+        _ => {}
+    }
+}

@@ -1,0 +1,299 @@
+//! latchctl's command line: take, hold and inspect Latchkey locks from a
+//! shell, check lock classes, make dev certificates, and run the operator
+//! calls. It lives in the library so that the `latchctl` binary and the e2e
+//! tests' copy of it (`latchctl-under-test`) are the same code.
+//!
+//! Errors print as `latchctl: <gRPC code>: <REASON>: <message>` on stderr
+//! with exit code 1, followed by a line saying to retry when the refusal is
+//! temporary (e.g. the edge's `POLICY_NOT_READY`); usage errors exit 2.
+
+mod acquire;
+mod admin;
+mod audit;
+mod certs;
+mod classes;
+mod duration;
+mod hold;
+mod inspect;
+mod pause_test;
+
+use std::fmt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use latchkey_client::{Client, ClientConfig, TlsFiles};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "latchctl",
+    version,
+    about = "Latchkey distributed locks from the command line"
+)]
+struct Cli {
+    #[command(flatten)]
+    global: Global,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Args)]
+struct Global {
+    /// The arbiter (its Envoy).
+    #[arg(
+        long,
+        global = true,
+        env = "LATCHKEY_ENDPOINT",
+        default_value = "https://127.0.0.1:7443"
+    )]
+    endpoint: String,
+    /// Trust bundle (PEM).
+    #[arg(long, global = true, env = "LATCHKEY_CA")]
+    ca: Option<PathBuf>,
+    /// This workload's X.509 SVID (PEM chain).
+    #[arg(long, global = true, env = "LATCHKEY_CERT")]
+    cert: Option<PathBuf>,
+    /// The SVID's private key (PEM).
+    #[arg(long = "key", id = "tls_key", global = true, env = "LATCHKEY_KEY")]
+    key: Option<PathBuf>,
+    /// Name to check the server certificate against (default: localhost).
+    #[arg(long, global = true, env = "LATCHKEY_TLS_DOMAIN")]
+    tls_domain: Option<String>,
+    /// Dev mode: plain HTTP/2 (an http:// endpoint) and this SPIFFE ID in a
+    /// header. Only an arbiter started with --insecure-dev honours it.
+    #[arg(
+        long,
+        global = true,
+        env = "LATCHKEY_INSECURE_DEV_IDENTITY",
+        value_name = "SPIFFE_ID"
+    )]
+    insecure_dev_identity: Option<String>,
+    /// Machine-readable output (one JSON object per line).
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Acquire a key and keep it until Ctrl-C or end of input (or --detach).
+    Acquire(acquire::AcquireArgs),
+    /// Release a grant by its session and token (e.g. after acquire --detach).
+    Release(acquire::ReleaseArgs),
+    /// Run a command while holding a key; it gets LATCHKEY_TOKEN in its env.
+    Hold(hold::HoldArgs),
+    /// Show who holds a key.
+    Inspect(inspect::InspectArgs),
+    /// A key's history from the audit store (grants, releases, expiries,
+    /// hand-overs, force-releases, epoch changes).
+    Audit(audit::AuditArgs),
+    /// Who holds a key, how many wait, and its last audit events.
+    Why(audit::WhyArgs),
+    /// Lock class policy files.
+    #[command(subcommand)]
+    Classes(classes::ClassesCommand),
+    /// Write a dev CA and SVIDs for a trust domain.
+    DevCerts(certs::DevCertsArgs),
+    /// Operator calls.
+    #[command(subcommand)]
+    Admin(admin::AdminCommand),
+    /// Prove a resource is fenced: freeze a holder past its TTL, let a second
+    /// holder write, resume the first and check its write is rejected.
+    PauseTest(pause_test::PauseTestArgs),
+    /// pause-test's first holder (run by pause-test itself).
+    #[command(hide = true)]
+    PauseTestHolder(pause_test::HolderArgs),
+}
+
+/// Why latchctl stops with a non-zero status.
+pub(crate) enum Failure {
+    /// Exit 2.
+    Usage(String),
+    /// A Latchkey call failed; refusals print as `CODE: REASON: message`.
+    Lock(latchkey_client::Error),
+    /// Printed as is.
+    Plain(String),
+    Other(anyhow::Error),
+}
+
+impl From<latchkey_client::Error> for Failure {
+    fn from(err: latchkey_client::Error) -> Self {
+        Failure::Lock(err)
+    }
+}
+
+impl From<anyhow::Error> for Failure {
+    fn from(err: anyhow::Error) -> Self {
+        Failure::Other(err)
+    }
+}
+
+/// Human or JSON output; JSON goes one object per line.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Output {
+    pub json: bool,
+}
+
+impl Output {
+    pub fn line(&self, value: serde_json::Value) {
+        println!("{value}");
+    }
+
+    /// A status message on stderr (stdout may belong to someone else).
+    pub fn note(&self, value: serde_json::Value, human: fmt::Arguments<'_>) {
+        if self.json {
+            eprintln!("{value}");
+        } else {
+            eprintln!("{human}");
+        }
+    }
+}
+
+pub(crate) fn parse_meta(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{text:?} is not K=V")),
+    }
+}
+
+async fn connect(global: &Global) -> Result<Client, Failure> {
+    let mut config = match (
+        &global.insecure_dev_identity,
+        &global.ca,
+        &global.cert,
+        &global.key,
+    ) {
+        (Some(identity), _, _, _) => ClientConfig::insecure_dev(&global.endpoint, identity),
+        (None, Some(ca), Some(cert), Some(key)) => ClientConfig::tls(
+            &global.endpoint,
+            TlsFiles {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            },
+        ),
+        (None, ..) => {
+            return Err(Failure::Usage(
+                "mTLS needs --ca, --cert and --key (or LATCHKEY_CA, LATCHKEY_CERT, LATCHKEY_KEY); \
+                 for a dev arbiter use --insecure-dev-identity SPIFFE_ID with an http:// endpoint"
+                    .into(),
+            ));
+        }
+    };
+    config.tls_domain = global.tls_domain.clone();
+    Ok(Client::connect(config).await?)
+}
+
+async fn run(cli: Cli) -> Result<ExitCode, Failure> {
+    let out = Output {
+        json: cli.global.json,
+    };
+    match cli.command {
+        Command::Classes(command) => classes::run(command, out),
+        Command::DevCerts(args) => certs::run(args, out),
+        Command::Acquire(args) => acquire::acquire(connect(&cli.global).await?, args, out).await,
+        Command::Release(args) => acquire::release(connect(&cli.global).await?, args, out).await,
+        Command::Hold(args) => hold::hold(connect(&cli.global).await?, args, out).await,
+        Command::Inspect(args) => inspect::inspect(connect(&cli.global).await?, args, out).await,
+        Command::Audit(args) => audit::audit(args, out).await,
+        Command::Why(args) => audit::why(connect(&cli.global).await?, args, out).await,
+        Command::Admin(command) => admin::run(connect(&cli.global).await?, command, out).await,
+        Command::PauseTest(args) => pause_test::run(&cli.global, args, out).await,
+        Command::PauseTestHolder(args) => pause_test::holder(&cli.global, args).await,
+    }
+}
+
+/// `a: b: c` down the source chain.
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// latchctl with the process's arguments: parses them (exiting 2 on a usage
+/// error, as clap does), runs the command and returns its exit code. Needs a
+/// Tokio runtime.
+pub async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // A host process may already have a subscriber; then that one stays.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .try_init();
+    match run(cli).await {
+        Ok(code) => code,
+        Err(Failure::Usage(message)) => {
+            eprintln!("latchctl: {message}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Lock(err)) => {
+            eprintln!("latchctl: {}", chain(&err));
+            if let Some(hint) = err.retry_hint() {
+                eprintln!("latchctl: {hint}");
+            }
+            ExitCode::FAILURE
+        }
+        Err(Failure::Plain(message)) => {
+            eprintln!("latchctl: {message}");
+            ExitCode::FAILURE
+        }
+        Err(Failure::Other(err)) => {
+            eprintln!("latchctl: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_is_well_formed() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn hold_takes_the_command_after_the_separator() {
+        let cli = Cli::try_parse_from([
+            "latchctl",
+            "hold",
+            "jobs/a",
+            "--class",
+            "jobs",
+            "--wait",
+            "30s",
+            "--",
+            "sh",
+            "-c",
+            "echo $LATCHKEY_TOKEN",
+        ]);
+        let Ok(Cli {
+            command: Command::Hold(args),
+            ..
+        }) = cli
+        else {
+            panic!("hold did not parse");
+        };
+        assert_eq!(args.command, ["sh", "-c", "echo $LATCHKEY_TOKEN"]);
+        assert_eq!(args.wait, Some(std::time::Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn meta_is_k_equals_v() {
+        assert_eq!(
+            parse_meta("ticket=CHG-1=x"),
+            Ok(("ticket".into(), "CHG-1=x".into()))
+        );
+        assert!(parse_meta("=x").is_err());
+        assert!(parse_meta("novalue").is_err());
+    }
+}

@@ -1,0 +1,154 @@
+//! `latchctl acquire` and `latchctl release`.
+
+use std::io::Read;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+use latchkey_client::{Client, FenceReason, FencingToken, LockGuard, Session};
+use serde_json::json;
+use tokio::sync::{mpsc, oneshot};
+
+use super::{Failure, Output, duration, parse_meta};
+
+#[derive(Debug, Args)]
+pub struct AcquireArgs {
+    /// The lock key, e.g. `payments/ledger/42`.
+    pub key: String,
+    /// The lock class (fixes the TTL and the rules).
+    #[arg(long)]
+    pub class: String,
+    /// Queue for up to this long instead of failing at once when held.
+    #[arg(long, value_parser = duration::parse, value_name = "DURATION")]
+    pub wait: Option<Duration>,
+    /// Exit right after the grant; the hold then ends with the session's TTL.
+    #[arg(long)]
+    pub detach: bool,
+    /// Metadata for the class's hooks.
+    #[arg(long = "meta", value_name = "K=V", value_parser = parse_meta)]
+    pub meta: Vec<(String, String)>,
+}
+
+#[derive(Debug, Args)]
+pub struct ReleaseArgs {
+    pub key: String,
+    /// The session the grant was made on.
+    #[arg(long)]
+    pub session: i64,
+    /// The grant's fencing token.
+    #[arg(long)]
+    pub token: u64,
+}
+
+/// Opens a session for the class and acquires on it; fences arrive on the
+/// returned channel.
+pub async fn grant(
+    client: &Client,
+    key: &str,
+    class: &str,
+    wait: Option<Duration>,
+    meta: &[(String, String)],
+) -> Result<(Session, LockGuard, mpsc::UnboundedReceiver<FenceReason>), Failure> {
+    let session = client.open_session(class).await?;
+    let (fenced, on_fence) = mpsc::unbounded_channel();
+    let mut lock = client.lock(key, class).session(&session);
+    if let Some(wait) = wait {
+        lock = lock.wait(wait);
+    }
+    for (k, v) in meta {
+        lock = lock.metadata(k.clone(), v.clone());
+    }
+    let guard = lock
+        .acquire(move |reason| {
+            let _ = fenced.send(reason);
+        })
+        .await?;
+    Ok((session, guard, on_fence))
+}
+
+pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<ExitCode, Failure> {
+    let (session, guard, mut fenced) =
+        grant(&client, &args.key, &args.class, args.wait, &args.meta).await?;
+    let ttl = session.ttl().as_secs();
+    if out.json {
+        out.line(json!({
+            "key": guard.key(),
+            "token": guard.token().get(),
+            "epoch": guard.epoch(),
+            "revision": guard.revision(),
+            "session_id": guard.session_id(),
+            "ttl_seconds": ttl,
+            "detached": args.detach,
+        }));
+    } else {
+        println!("acquired {}", guard.key());
+        println!("  token     {}", guard.token().get());
+        println!("  epoch     {}", guard.epoch());
+        println!("  revision  {}", guard.revision());
+        println!("  session   {} (ttl {ttl}s)", guard.session_id());
+    }
+
+    if args.detach {
+        let session_id = guard.session_id();
+        guard.detach();
+        if !out.json {
+            println!(
+                "detached: the hold ends when session {session_id} expires, about {ttl}s after this \
+                 process exits (or: latchctl release {} --session {session_id} --token <token>)",
+                args.key
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+
+    if !out.json {
+        println!("holding; Ctrl-C or end of input releases");
+    }
+    let stdin_closed = stdin_eof();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = stdin_closed => {}
+        reason = fenced.recv() => {
+            let reason = reason.map_or_else(|| "unknown".to_owned(), |r| r.to_string());
+            return Err(Failure::Other(anyhow::anyhow!("lock on {} lost: {reason}", args.key)));
+        }
+    }
+    let key = guard.key().to_owned();
+    guard.release().await?;
+    session.close().await?;
+    if out.json {
+        out.line(json!({ "key": key, "released": true }));
+    } else {
+        println!("released {key}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Resolves when stdin reaches end of input. A plain thread, not Tokio's
+/// blocking pool, so a pending read never holds up the exit.
+pub fn stdin_eof() -> oneshot::Receiver<()> {
+    let (tx, rx) = oneshot::channel();
+    std::thread::spawn(move || {
+        let mut sink = [0u8; 1024];
+        let mut stdin = std::io::stdin().lock();
+        while let Ok(n) = stdin.read(&mut sink) {
+            if n == 0 {
+                break;
+            }
+        }
+        let _ = tx.send(());
+    });
+    rx
+}
+
+pub async fn release(client: Client, args: ReleaseArgs, out: Output) -> Result<ExitCode, Failure> {
+    client
+        .release_grant(&args.key, args.session, FencingToken::new(args.token))
+        .await?;
+    if out.json {
+        out.line(json!({ "key": args.key, "released": true }));
+    } else {
+        println!("released {}", args.key);
+    }
+    Ok(ExitCode::SUCCESS)
+}

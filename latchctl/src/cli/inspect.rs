@@ -1,0 +1,86 @@
+//! `latchctl inspect`: who holds a key. The arbiter answers only callers
+//! with a grant on the key's prefix, and never with a token; the holder's
+//! session id only to the holder's own identity and to operators.
+
+use std::process::ExitCode;
+
+use clap::Args;
+use latchkey_client::Client;
+use serde_json::json;
+
+use super::{Failure, Output};
+
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    pub key: String,
+}
+
+pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<ExitCode, Failure> {
+    let view = client.inspect(&args.key).await?;
+    if out.json {
+        out.line(json!({
+            "key": view.key,
+            "waiters": view.waiters,
+            "holder": view.holder.as_ref().map(|h| json!({
+                "identity": h.identity,
+                "session_id": (h.session_id != 0).then_some(h.session_id),
+                "class": h.class,
+                "acquired_at_unix_ms": h.acquired_at_unix_ms,
+                "annotations": h.annotations,
+            })),
+        }));
+        return Ok(ExitCode::SUCCESS);
+    }
+    match &view.holder {
+        None => println!("{} is free ({} waiting)", view.key, view.waiters),
+        Some(h) => {
+            println!("key       {}", view.key);
+            println!("holder    {}", h.identity);
+            if h.session_id != 0 {
+                println!("session   {}", h.session_id);
+            }
+            println!("class     {}", h.class);
+            println!("acquired  {}", utc(h.acquired_at_unix_ms));
+            println!("waiters   {}", view.waiters);
+            for (k, v) in &h.annotations {
+                println!("  {k} = {v}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// RFC 3339 in UTC, without a date-time crate (civil-from-days).
+pub fn utc(unix_ms: i64) -> String {
+    let secs = unix_ms.div_euclid(1000);
+    let ms = unix_ms.rem_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let day_secs = secs.rem_euclid(86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
+        day_secs / 3600,
+        day_secs % 3600 / 60,
+        day_secs % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::utc;
+
+    #[test]
+    fn formats_utc() {
+        assert_eq!(utc(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(utc(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(utc(1_735_689_599_999), "2024-12-31T23:59:59.999Z");
+    }
+}
