@@ -63,7 +63,7 @@ pub fn dev_filter_config(overrides: Value) -> anyhow::Result<Value> {
     let classes: Vec<Value> = set
         .classes()
         .values()
-        .map(|c| json!({"name": c.name, "max_waiters_per_key": c.max_waiters_per_key}))
+        .map(|c| json!({"name": c.name, "maxWaitersPerKey": c.max_waiters_per_key}))
         .collect();
     let mut config = arbiter_only_filter_config(json!({"grants": grants, "classes": classes}))?;
     merge(&mut config, overrides);
@@ -75,21 +75,53 @@ pub fn dev_filter_config(overrides: Value) -> anyhow::Result<Value> {
 /// arbiter's `GetEdgePolicy` (over `arbiter_policy`); the overrides merged on top.
 pub fn arbiter_only_filter_config(overrides: Value) -> anyhow::Result<Value> {
     let mut config = json!({
-        "trust_domain": TRUST_DOMAIN,
-        "filter_version": 1,
-        "admission_secret": admission_secret()?,
-        "refresh": {"cluster": "arbiter_policy", "period_ms": 2000, "timeout_ms": 1000},
+        "trustDomain": TRUST_DOMAIN,
+        "filterVersion": 1,
+        "admissionSecret": admission_secret()?,
+        "refresh": {"cluster": "arbiter_policy", "periodMs": 2000, "timeoutMs": 1000},
     });
     merge(&mut config, overrides);
     Ok(config)
 }
 
-/// Sets each top-level field of `overrides` (an object) on `config`.
-fn merge(config: &mut Value, overrides: Value) {
+/// Sets each top-level field of `overrides` (an object) on `config`. The
+/// overrides' field names may be written in the deprecated snake_case: they
+/// are renamed to the filter's camelCase (at every depth) first, so an
+/// override replaces the field it names instead of adding a second spelling
+/// of it, which the filter refuses.
+fn merge(config: &mut Value, mut overrides: Value) {
+    camel_case(&mut overrides);
     if let (Some(base), Value::Object(extra)) = (config.as_object_mut(), overrides) {
         for (k, v) in extra {
             base.insert(k, v);
         }
+    }
+}
+
+/// Renames snake_case object keys to camelCase, recursively.
+fn camel_case(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            let fields = std::mem::take(map);
+            for (k, mut v) in fields {
+                camel_case(&mut v);
+                let mut out = String::with_capacity(k.len());
+                let mut upper = false;
+                for c in k.chars() {
+                    if c == '_' {
+                        upper = true;
+                    } else if upper {
+                        out.extend(c.to_uppercase());
+                        upper = false;
+                    } else {
+                        out.push(c);
+                    }
+                }
+                map.insert(out, v);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(camel_case),
+        _ => {}
     }
 }
 
