@@ -155,6 +155,19 @@ struct Args {
     /// How long a force-release request waits for its approver, in seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = 900)]
     force_request_ttl_seconds: u64,
+    /// Export traces (acquire, release, hand-over, hook calls, etcd
+    /// transactions) over OTLP/gRPC to this collector, e.g.
+    /// http://127.0.0.1:4317. Off by default: nothing is exported without it.
+    #[arg(long, value_name = "URL")]
+    otlp_endpoint: Option<String>,
+    /// The fraction of traces sampled that no caller's traceparent decides.
+    #[arg(
+        long,
+        value_name = "RATIO",
+        default_value_t = 1.0,
+        requires = "otlp_endpoint"
+    )]
+    otlp_sample_ratio: f64,
 }
 
 /// The force-release settings the flags name.
@@ -241,14 +254,48 @@ pub async fn main_with(
     let etcd_credentials = etcd_credentials(&args)?;
     let force_release = force_release(&args)?;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    if args.log_json {
-        tracing_subscriber::fmt()
-            .json()
-            .with_env_filter(filter)
-            .init();
-    } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
-    }
+    let otlp = args
+        .otlp_endpoint
+        .clone()
+        .map(|endpoint| crate::telemetry::OtlpConfig {
+            endpoint,
+            sample_ratio: args.otlp_sample_ratio,
+        });
+    let traces = match &otlp {
+        // Without an endpoint, the log subscriber alone: the spans'
+        // callsites are never enabled (telemetry.rs).
+        None => {
+            if args.log_json {
+                tracing_subscriber::fmt()
+                    .json()
+                    .with_env_filter(filter)
+                    .init();
+            } else {
+                tracing_subscriber::fmt().with_env_filter(filter).init();
+            }
+            None
+        }
+        Some(otlp) => {
+            use tracing_subscriber::Layer as _;
+            use tracing_subscriber::layer::SubscriberExt as _;
+            use tracing_subscriber::util::SubscriberInitExt as _;
+            let (traces, tracer) = crate::telemetry::Tracing::start(otlp)?;
+            let logs = if args.log_json {
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .with_filter(filter)
+                    .boxed()
+            } else {
+                tracing_subscriber::fmt::layer().with_filter(filter).boxed()
+            };
+            tracing_subscriber::registry()
+                .with(logs)
+                .with(crate::telemetry::layer(tracer))
+                .init();
+            tracing::info!(endpoint = %otlp.endpoint, ratio = otlp.sample_ratio, "exporting traces over OTLP");
+            Some(traces)
+        }
+    };
     let tls = match (args.tls_cert, args.tls_key, args.tls_ca, args.insecure_dev) {
         (Some(cert), Some(key), Some(client_ca), false) => Some(TlsFiles {
             cert,
@@ -296,7 +343,11 @@ pub async fn main_with(
             _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {}
         }
     };
-    crate::run(listener, config, shutdown).await?;
+    let served = crate::run(listener, config, shutdown).await;
+    if let Some(traces) = traces {
+        traces.shutdown().await;
+    }
+    served?;
     Ok(())
 }
 

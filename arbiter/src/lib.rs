@@ -32,6 +32,7 @@ pub mod quorum_loss;
 pub mod records;
 mod service;
 pub mod table;
+pub mod telemetry;
 pub mod tls_reload;
 pub mod token;
 pub mod wasm_hooks;

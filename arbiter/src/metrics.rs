@@ -58,6 +58,15 @@ impl Scope {
         self.class = Some(metric_label(class));
     }
 
+    /// The namespace and class labels so far (`_` for one not known), for
+    /// the trace spans' attributes (telemetry.rs): the same bounded values.
+    pub fn labels(&self) -> (&str, &str) {
+        (
+            self.namespace.as_deref().unwrap_or(UNKNOWN),
+            self.class.as_deref().unwrap_or(UNKNOWN),
+        )
+    }
+
     fn namespace_label(&self) -> String {
         self.namespace.clone().unwrap_or_else(|| UNKNOWN.into())
     }

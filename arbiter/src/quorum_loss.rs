@@ -31,10 +31,11 @@ pub mod spool;
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::{info, warn};
@@ -116,10 +117,6 @@ pub struct QuorumLoss {
     max_waiters_per_identity: u32,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// One waiting memory Acquire of an identity; counted down on drop.
 struct Waiting<'a> {
     owner: &'a QuorumLoss,
@@ -128,7 +125,7 @@ struct Waiting<'a> {
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        let mut waiting = lock(&self.owner.waiting);
+        let mut waiting = self.owner.waiting.lock();
         if let Some(n) = waiting.get_mut(&self.identity) {
             *n -= 1;
             if *n == 0 {
@@ -183,7 +180,7 @@ impl QuorumLoss {
     fn replay(&self, records: Vec<SpoolRecord>) {
         let now_ms = now_unix_ms();
         let now = Instant::now();
-        let mut holds = lock(&self.holds);
+        let mut holds = self.holds.lock();
         for r in records {
             match r.kind {
                 SpoolKind::Grant => {
@@ -226,13 +223,13 @@ impl QuorumLoss {
 
     /// The lock cluster has no quorum, as far as the probe knows.
     pub fn is_lost(&self) -> bool {
-        lock(&self.probe).lost_since.is_some()
+        self.probe.lock().lost_since.is_some()
     }
 
     /// The refusal of a closed class during a loss.
     pub fn closed_refusal(&self, class: &str) -> ArbiterError {
         let (since, error) = {
-            let probe = lock(&self.probe);
+            let probe = self.probe.lock();
             (
                 probe.lost_since.map(|t| t.elapsed().as_secs()).unwrap_or(0),
                 probe.last_error.clone(),
@@ -279,7 +276,7 @@ impl QuorumLoss {
         match outcome {
             Ok(()) => {
                 let was = {
-                    let mut probe = lock(&self.probe);
+                    let mut probe = self.probe.lock();
                     probe.failures = 0;
                     probe.lost_since.take()
                 };
@@ -294,7 +291,7 @@ impl QuorumLoss {
                 }
             }
             Err(error) => {
-                let mut probe = lock(&self.probe);
+                let mut probe = self.probe.lock();
                 probe.failures = probe.failures.saturating_add(1);
                 probe.last_error = error;
                 if probe.lost_since.is_none() && probe.failures >= self.config.failures_to_lose {
@@ -324,7 +321,7 @@ impl QuorumLoss {
     }
 
     fn enter_wait(&self, identity: &str) -> Result<Waiting<'_>, ArbiterError> {
-        let mut waiting = lock(&self.waiting);
+        let mut waiting = self.waiting.lock();
         let n = waiting.entry(identity.to_string()).or_insert(0);
         if *n >= self.max_waiters_per_identity {
             return Err(ArbiterError::TooManyWaiters {
@@ -340,7 +337,7 @@ impl QuorumLoss {
 
     fn attempt(&self, req: &GrantRequest) -> Result<Attempt, ArbiterError> {
         let now = Instant::now();
-        let mut holds = lock(&self.holds);
+        let mut holds = self.holds.lock();
         if let Some(h) = holds.get(&req.key)
             && h.expires <= now
             && !h.pending
@@ -448,7 +445,7 @@ impl QuorumLoss {
             .await
             .map_err(|e| ArbiterError::Internal(format!("the spool task failed: {e}")))
             .and_then(|r| r.map_err(ArbiterError::store));
-        let mut holds = lock(&self.holds);
+        let mut holds = self.holds.lock();
         let ours = holds.get_mut(&record.key).filter(|h| h.id == record.id);
         match (written, ours) {
             (Ok(()), Some(hold)) => {
@@ -484,7 +481,7 @@ impl QuorumLoss {
             return None;
         }
         let hold = {
-            let mut holds = lock(&self.holds);
+            let mut holds = self.holds.lock();
             let mine = holds.get(key).is_some_and(|h| {
                 h.identity == identity
                     && h.session == session
@@ -536,7 +533,7 @@ impl QuorumLoss {
             let freed = self.freed.notified();
             let expires = {
                 let now = Instant::now();
-                let mut holds = lock(&self.holds);
+                let mut holds = self.holds.lock();
                 match holds.get(&req.key) {
                     None => return Ok(()),
                     Some(h) if h.expires <= now && !h.pending => {
@@ -565,7 +562,7 @@ impl QuorumLoss {
 
     /// The session now holds `key` in etcd: its memory grant (if any) ends.
     pub fn granted_in_log(&self, key: &str, session: i64) {
-        let mut holds = lock(&self.holds);
+        let mut holds = self.holds.lock();
         if holds.get(key).is_some_and(|h| h.session == session) {
             holds.remove(key);
         }
@@ -574,7 +571,8 @@ impl QuorumLoss {
     /// Live memory grants (tests, status).
     pub fn memory_holds(&self) -> usize {
         let now = Instant::now();
-        lock(&self.holds)
+        self.holds
+            .lock()
             .values()
             .filter(|h| h.expires > now)
             .count()

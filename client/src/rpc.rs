@@ -109,7 +109,79 @@ impl Rpc {
                 .metadata_mut()
                 .insert(MetadataKey::from_static(DEV_IDENTITY_HEADER), id.clone());
         }
+        #[cfg(feature = "otel")]
+        trace_context::inject(request.metadata_mut());
         request
+    }
+}
+
+/// W3C trace context (`traceparent`, `tracestate`) from the caller's current
+/// OpenTelemetry context, written by hand so the library needs only the API
+/// crate (no SDK propagator). Nothing is written without a valid span.
+#[cfg(feature = "otel")]
+pub(crate) mod trace_context {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tonic::metadata::{AsciiMetadataValue, MetadataMap};
+
+    pub(crate) fn inject(metadata: &mut MetadataMap) {
+        let cx = opentelemetry::Context::current();
+        let span = cx.span();
+        let sc = span.span_context();
+        if !sc.is_valid() {
+            return;
+        }
+        let traceparent = format!(
+            "00-{}-{}-{:02x}",
+            sc.trace_id(),
+            sc.span_id(),
+            sc.trace_flags().to_u8()
+        );
+        if let Ok(v) = AsciiMetadataValue::try_from(traceparent) {
+            metadata.insert("traceparent", v);
+        }
+        let state = sc.trace_state().header();
+        if !state.is_empty()
+            && let Ok(v) = AsciiMetadataValue::try_from(state)
+        {
+            metadata.insert("tracestate", v);
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use opentelemetry::trace::{
+            SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
+        };
+
+        use super::*;
+
+        #[test]
+        fn the_current_span_context_goes_out_as_traceparent() {
+            let mut none = MetadataMap::new();
+            inject(&mut none);
+            assert!(none.get("traceparent").is_none(), "no span, no header");
+
+            let sc = SpanContext::new(
+                TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap_or(TraceId::INVALID),
+                SpanId::from_hex("00f067aa0ba902b7").unwrap_or(SpanId::INVALID),
+                TraceFlags::SAMPLED,
+                true,
+                TraceState::from_key_value([("vendor", "v1")]).unwrap_or_default(),
+            );
+            let _attached = opentelemetry::Context::new()
+                .with_remote_span_context(sc)
+                .attach();
+            let mut metadata = MetadataMap::new();
+            inject(&mut metadata);
+            assert_eq!(
+                metadata.get("traceparent").and_then(|v| v.to_str().ok()),
+                Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+            );
+            assert_eq!(
+                metadata.get("tracestate").and_then(|v| v.to_str().ok()),
+                Some("vendor=v1")
+            );
+        }
     }
 }
 

@@ -752,7 +752,7 @@ async fn swaps_under_load_deny_nobody(update: Update) -> anyhow::Result<()> {
     let wasm = std::fs::read(filter_wasm()?)?;
     let dir = tempfile::tempdir()?;
     let phase = Arc::new(AtomicU64::new(0));
-    let phases = Arc::new(std::sync::Mutex::new(vec![
+    let phases = Arc::new(parking_lot::Mutex::new(vec![
         Phase::default();
         SWAPS as usize + 1
     ]));
@@ -793,7 +793,7 @@ async fn swaps_under_load_deny_nobody(update: Update) -> anyhow::Result<()> {
                     Err(s) => Err(s),
                 };
                 let at = phase.load(Ordering::Relaxed) as usize;
-                let mut p = phases.lock().map_err(|e| anyhow::anyhow!("{e}"))?;
+                let mut p = phases.lock();
                 let Some(p) = p.get_mut(at) else { continue };
                 match outcome {
                     Ok(n) => {
@@ -862,7 +862,7 @@ async fn swaps_under_load_deny_nobody(update: Update) -> anyhow::Result<()> {
     for w in workers {
         w.await??;
     }
-    let phases = phases.lock().map_err(|e| anyhow::anyhow!("{e}"))?.clone();
+    let phases = phases.lock().clone();
     let report: Vec<String> = phases
         .iter()
         .enumerate()

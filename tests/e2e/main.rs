@@ -26,6 +26,7 @@ mod latchctl;
 mod lock_loss;
 mod log_contract;
 mod metrics;
+mod otel;
 mod pause_test;
 mod policies;
 mod python_client;

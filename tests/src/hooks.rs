@@ -5,12 +5,13 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use latchkey_hook_host::HookHost;
 use latchkey_proto::lockv1::lock_client::LockClient;
+use parking_lot::Mutex;
 use tempfile::TempDir;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -41,9 +42,7 @@ pub fn hook_wasm(name: &str) -> anyhow::Result<PathBuf> {
     if path.is_file() {
         return Ok(path);
     }
-    let mut built = BUILT
-        .lock()
-        .map_err(|_| anyhow::anyhow!("build lock poisoned"))?;
+    let mut built = BUILT.lock();
     if !*built {
         let status = std::process::Command::new(workspace_root().join("scripts/build-wasm"))
             .args(GUEST_PACKAGES)

@@ -174,9 +174,10 @@ pub fn reserved_in_trailers(name: &str) -> Status {
 #[cfg(test)]
 mod tests {
     use std::convert::Infallible;
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
 
     use http_body_util::{BodyExt, StreamBody};
+    use parking_lot::Mutex;
 
     use super::*;
 
@@ -231,7 +232,7 @@ mod tests {
         let inner = {
             let seen = seen.clone();
             tower_service_fn(move |req: http::Request<Body>| {
-                *seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(req);
+                *seen.lock() = Some(req);
             })
         };
         let mut svc = IdentityChannelLayer.layer(inner);
@@ -248,11 +249,7 @@ mod tests {
             .body(body)
             .unwrap_or_else(|_| unreachable!());
         let _ = svc.call(req).await;
-        let req = seen
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .unwrap_or_else(|| unreachable!());
+        let req = seen.lock().take().unwrap_or_else(|| unreachable!());
         assert!(!req.headers().contains_key("x-latchkey-identity"));
         assert_eq!(
             req.extensions()

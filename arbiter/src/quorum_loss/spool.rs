@@ -20,10 +20,10 @@
 //! A crash can leave a torn last line; readers skip a last line without its
 //! newline (it was never synced, so it was never answered).
 
+use parking_lot::{Mutex, MutexGuard};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
@@ -140,8 +140,8 @@ impl Spool {
         Ok((spool, records))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock()
     }
 
     /// The open spool's path.

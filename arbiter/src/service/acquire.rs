@@ -3,7 +3,8 @@ use std::time::{Duration, Instant};
 
 use latchkey_proto::lockv1::{AcquireRequest, AcquireResponse, Grant as WireGrant, WaitMode};
 use tonic::Request;
-use tracing::info;
+use tracing::field::Empty;
+use tracing::{Instrument as _, info};
 
 use super::{Arbiter, session_id, truncate};
 use crate::error::ArbiterError;
@@ -96,7 +97,27 @@ impl Arbiter {
     ) -> Result<AcquireResponse, ArbiterError> {
         let started = Instant::now();
         let mut scope = Scope::default();
-        let result = self.acquire_in(request, &mut scope).await;
+        // ADR-22: namespace and class only (telemetry.rs).
+        let span = tracing::trace_span!(
+            target: crate::telemetry::TARGET,
+            "lock.acquire",
+            namespace = Empty,
+            class = Empty,
+            waited = Empty,
+            granted = Empty,
+        );
+        crate::telemetry::adopt_parent(&span, request.metadata());
+        let result = self
+            .acquire_in(request, &mut scope)
+            .instrument(span.clone())
+            .await;
+        if !span.is_disabled() {
+            let (namespace, class) = scope.labels();
+            span.record("namespace", namespace);
+            span.record("class", class);
+            span.record("waited", scope.waited);
+            span.record("granted", result.is_ok());
+        }
         self.metrics.acquire(&scope, &result, started.elapsed());
         result
     }
@@ -179,6 +200,11 @@ impl Arbiter {
                 holder,
                 hold_count,
             })
+            .instrument(tracing::trace_span!(
+                target: crate::telemetry::TARGET,
+                "hook.before_grant",
+                class = %scope.labels().1,
+            ))
             .await
         {
             HookDecision::Allow { annotations } => annotations,

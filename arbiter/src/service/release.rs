@@ -2,7 +2,8 @@ use std::time::Duration;
 
 use latchkey_proto::lockv1::{ReleaseRequest, ReleaseResponse};
 use tonic::Request;
-use tracing::info;
+use tracing::field::Empty;
+use tracing::{Instrument as _, info};
 
 use super::{Arbiter, session_id};
 use crate::error::ArbiterError;
@@ -22,7 +23,20 @@ impl Arbiter {
         request: Request<ReleaseRequest>,
     ) -> Result<ReleaseResponse, ArbiterError> {
         let mut scope = Scope::default();
-        let result = self.release_in(request, &mut scope).await;
+        // ADR-22: namespace and class only (telemetry.rs).
+        let span = tracing::trace_span!(
+            target: crate::telemetry::TARGET,
+            "lock.release",
+            namespace = Empty,
+            class = Empty,
+            handed_over = Empty,
+            released = Empty,
+        );
+        crate::telemetry::adopt_parent(&span, request.metadata());
+        let result = self
+            .release_in(request, &mut scope)
+            .instrument(span.clone())
+            .await;
         let (handed_over, held_for) = match &result {
             Ok(released) => {
                 let previous = released.previous.as_ref();
@@ -36,6 +50,13 @@ impl Arbiter {
             }
             Err(_) => (false, None),
         };
+        if !span.is_disabled() {
+            let (namespace, class) = scope.labels();
+            span.record("namespace", namespace);
+            span.record("class", class);
+            span.record("handed_over", handed_over);
+            span.record("released", result.is_ok());
+        }
         self.metrics.release(&scope, &result, handed_over, held_for);
         result.map(|_| ReleaseResponse {})
     }
@@ -69,6 +90,10 @@ impl Arbiter {
         info!(identity = %caller.identity, key = %key.as_str(), handed_over = released.handed_over, "released");
         self.hooks
             .after_release(&caller.identity, key.as_str())
+            .instrument(tracing::trace_span!(
+                target: crate::telemetry::TARGET,
+                "hook.after_release"
+            ))
             .await;
         Ok(released)
     }

@@ -63,6 +63,14 @@ impl Member {
         }
     }
 
+    /// The transaction's kind, as a trace span names it (telemetry.rs).
+    fn kind(&self) -> &'static str {
+        match self {
+            Member::Grant(_) => "grant",
+            Member::Release(_) => "release",
+        }
+    }
+
     fn op(&self) -> BatchOp<'_> {
         match self {
             Member::Grant(g) => BatchOp::Grant(GrantTxn {
@@ -197,6 +205,13 @@ impl LockTable {
     /// header passed the seal's checks. Dropping the future leaves the
     /// member to its batch: a grant made for it is then released as an
     /// orphan.
+    #[tracing::instrument(
+        name = "etcd.txn",
+        target = "latchkey_otel",
+        level = "trace",
+        skip_all,
+        fields(txn = member.kind())
+    )]
     pub(super) async fn commit(self: &Arc<Self>, member: Member) -> MemberAnswer {
         if self.stop.is_cancelled() {
             return Err(ArbiterError::store("the arbiter is shutting down"));
@@ -291,6 +306,13 @@ impl LockTable {
     /// One request for `members`, checked as a write: answers in order, or
     /// the error every member gets and whether the log refused the batch
     /// before writing anything.
+    #[tracing::instrument(
+        name = "etcd.batch",
+        target = "latchkey_otel",
+        level = "trace",
+        skip_all,
+        fields(members = members.len())
+    )]
     async fn send_members(
         &self,
         members: &[&Member],

@@ -5,6 +5,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use tracing::Instrument as _;
+
 use super::batch::{GrantMember, Member};
 use super::{Attempt, Claim, Grant, GrantRequest, LockTable, Next, Released};
 use crate::error::ArbiterError;
@@ -289,6 +291,12 @@ impl LockTable {
     /// Hands `held` straight to `next` in one transaction. `None` if any
     /// compare failed (the caller then does a plain release, which answers
     /// why).
+    #[tracing::instrument(
+        name = "lock.hand_over",
+        target = "latchkey_otel",
+        level = "trace",
+        skip_all
+    )]
     pub(super) async fn hand_over(
         &self,
         from: HandOverFrom<'_>,
@@ -308,6 +316,11 @@ impl LockTable {
                 }),
                 Option::is_some,
             )
+            .instrument(tracing::trace_span!(
+                target: crate::telemetry::TARGET,
+                "etcd.txn",
+                txn = "hand_over"
+            ))
             .await?;
         let Some(previous) = done else {
             return Ok(None);
@@ -337,6 +350,11 @@ impl LockTable {
         let (deleted, _) = self
             .seal
             .checked_write(self.log.release(held), Option::is_some)
+            .instrument(tracing::trace_span!(
+                target: crate::telemetry::TARGET,
+                "etcd.txn",
+                txn = "release"
+            ))
             .await?;
         match deleted {
             Some(bytes) => Ok(decode(&bytes)),

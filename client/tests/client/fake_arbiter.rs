@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 
 use futures::Stream;
 use latchkey_proto::lockv1::lock_server::{Lock, LockServer};
@@ -15,6 +15,7 @@ use latchkey_proto::lockv1::{
     InspectRequest, InspectResponse, KeepAliveRequest, KeepAliveResponse, OpenSessionRequest,
     OpenSessionResponse, ReleaseRequest, ReleaseResponse,
 };
+use parking_lot::{Mutex, MutexGuard};
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -98,8 +99,8 @@ impl FakeArbiter {
         state.holds.retain(|_, (s, _)| *s != session_id);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock()
     }
 
     pub fn count(counter: &AtomicU32) -> u32 {

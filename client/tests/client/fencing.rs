@@ -1,10 +1,11 @@
 //! ADR-12 end to end: a blocked network path first stops new work, then
 //! fences every hold at last-successful-send + TTL − 1 s, once each.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_client::{Error, FenceReason};
+use parking_lot::Mutex;
 use tokio::time::{Instant, sleep};
 
 use crate::fake_arbiter::FakeArbiter;
@@ -17,15 +18,12 @@ fn recorder(fired: &Fired, label: &'static str) -> impl Fn(FenceReason) + Send +
     let fired = Arc::clone(fired);
     move |reason| {
         let now = Instant::now();
-        fired
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((now, reason, label));
+        fired.lock().push((now, reason, label));
     }
 }
 
 fn snapshot(fired: &Fired) -> Vec<(Instant, FenceReason, &'static str)> {
-    fired.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    fired.lock().clone()
 }
 
 #[tokio::test]

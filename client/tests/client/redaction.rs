@@ -2,10 +2,11 @@
 //! logs (ADR-22).
 
 use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_client::{Error, FenceReason};
+use parking_lot::Mutex;
 
 use crate::fake_arbiter::{EPOCH, FakeArbiter};
 use crate::{assert_eventually, dev_client};
@@ -15,10 +16,7 @@ struct Captured(Arc<Mutex<Vec<u8>>>);
 
 impl Write for Captured {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend_from_slice(buf);
+        self.0.lock().extend_from_slice(buf);
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -121,8 +119,7 @@ async fn the_token_shows_in_no_debug_display_error_or_log() {
         within = Duration::from_secs(2),
         "drop did not release"
     );
-    let logs =
-        String::from_utf8_lossy(&logs.0.lock().unwrap_or_else(|p| p.into_inner())).to_string();
+    let logs = String::from_utf8_lossy(&logs.0.lock()).to_string();
     assert!(
         logs.contains("acquired"),
         "the capture saw the library's logs"

@@ -530,12 +530,13 @@ fn a_module_that_rejects_its_config_is_refused_and_the_previous_pair_stays() {
 
 #[test]
 fn a_refused_module_is_logged_once_per_change_and_counted_every_time() {
-    use std::sync::{Arc, Mutex};
+    use parking_lot::Mutex;
+    use std::sync::Arc;
     #[derive(Clone, Default)]
     struct Captured(Arc<Mutex<Vec<u8>>>);
     impl std::io::Write for Captured {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
+            self.0.lock().extend_from_slice(buf);
             Ok(buf.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
@@ -551,7 +552,7 @@ fn a_refused_module_is_logged_once_per_change_and_counted_every_time() {
         .with_ansi(false)
         .finish();
     let refusals_logged = || {
-        String::from_utf8_lossy(&log.0.lock().unwrap())
+        String::from_utf8_lossy(&log.0.lock())
             .matches("hook module refused")
             .count()
     };

@@ -30,8 +30,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirEntryExt, FileExt, FileTypeExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
@@ -44,6 +44,7 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
     WriteFlags,
 };
+use parking_lot::Mutex;
 
 /// The prefix of every mount's source (`/proc/self/mountinfo`).
 const SOURCE_PREFIX: &str = "latchkey-fsync-delay";
@@ -297,7 +298,7 @@ fn attr(ino: u64, s: &FileStat) -> FileAttr {
 
 impl PassthroughFs {
     fn parent_fd(&self, parent: INodeNo) -> Result<Arc<OwnedFd>, Errno> {
-        self.state.lock().map_err(|_| Errno::EIO)?.fd(parent)
+        self.state.lock().fd(parent)
     }
 
     /// Looks `name` up in `parent` and counts the lookup.
@@ -311,16 +312,12 @@ impl PassthroughFs {
         )
         .map_err(errno)?;
         let stat = fstat(&fd).map_err(errno)?;
-        let ino = self
-            .state
-            .lock()
-            .map_err(|_| Errno::EIO)?
-            .remember(fd, &stat);
+        let ino = self.state.lock().remember(fd, &stat);
         Ok(attr(ino, &stat))
     }
 
     fn do_getattr(&self, ino: INodeNo) -> Result<FileAttr, Errno> {
-        let fd = self.state.lock().map_err(|_| Errno::EIO)?.fd(ino)?;
+        let fd = self.state.lock().fd(ino)?;
         let stat = fstat(fd.as_fd()).map_err(errno)?;
         Ok(attr(ino.0, &stat))
     }
@@ -366,9 +363,7 @@ impl PassthroughFs {
             return;
         };
         // Counts read under the lock, so a later file never has smaller ones.
-        let Ok(_serial) = self.stats_lock.lock() else {
-            return;
-        };
+        let _serial = self.stats_lock.lock();
         let text = format!(
             "delayed {}\nsynced {}\n",
             self.stats.delayed.load(Ordering::Relaxed),
@@ -391,9 +386,7 @@ impl Filesystem for PassthroughFs {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        let Ok(mut state) = self.state.lock() else {
-            return;
-        };
+        let mut state = self.state.lock();
         let gone = match state.nodes.get_mut(&ino.0) {
             Some(node) => {
                 node.lookups = node.lookups.saturating_sub(nlookup);
@@ -436,7 +429,7 @@ impl Filesystem for PassthroughFs {
     ) {
         let result = (|| -> Result<FileAttr, Errno> {
             let (fd, open) = {
-                let state = self.state.lock().map_err(|_| Errno::EIO)?;
+                let state = self.state.lock();
                 (state.fd(ino)?, fh.and_then(|fh| state.file(fh).ok()))
             };
             let path = proc_path(&fd);
@@ -480,12 +473,8 @@ impl Filesystem for PassthroughFs {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        let result = self
-            .state
-            .lock()
-            .map_err(|_| Errno::EIO)
-            .and_then(|s| s.fd(ino))
-            .and_then(|fd| readlinkat(fd.as_fd(), "").map_err(errno));
+        let fd = self.state.lock().fd(ino);
+        let result = fd.and_then(|fd| readlinkat(fd.as_fd(), "").map_err(errno));
         match result {
             Ok(target) => reply.data(target.as_bytes()),
             Err(e) => reply.error(e),
@@ -561,7 +550,7 @@ impl Filesystem for PassthroughFs {
     ) {
         let result = (|| -> Result<(), Errno> {
             let (from, to) = {
-                let state = self.state.lock().map_err(|_| Errno::EIO)?;
+                let state = self.state.lock();
                 (state.fd(parent)?, state.fd(newparent)?)
             };
             renameat2(
@@ -589,7 +578,7 @@ impl Filesystem for PassthroughFs {
     ) {
         let result = (|| -> Result<FileAttr, Errno> {
             let (fd, dir) = {
-                let state = self.state.lock().map_err(|_| Errno::EIO)?;
+                let state = self.state.lock();
                 (state.fd(ino)?, state.fd(newparent)?)
             };
             // The O_PATH descriptor itself, through its /proc link.
@@ -611,13 +600,9 @@ impl Filesystem for PassthroughFs {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let result = (|| -> Result<u64, Errno> {
-            let fd = self.state.lock().map_err(|_| Errno::EIO)?.fd(ino)?;
+            let fd = self.state.lock().fd(ino)?;
             let file = open_backing(&fd, flags.0)?;
-            Ok(self
-                .state
-                .lock()
-                .map_err(|_| Errno::EIO)?
-                .add_handle(Handle::File(Arc::new(file))))
+            Ok(self.state.lock().add_handle(Handle::File(Arc::new(file))))
         })();
         match result {
             Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
@@ -637,7 +622,7 @@ impl Filesystem for PassthroughFs {
         reply: ReplyData,
     ) {
         let result = (|| -> Result<Vec<u8>, Errno> {
-            let file = self.state.lock().map_err(|_| Errno::EIO)?.file(fh)?;
+            let file = self.state.lock().file(fh)?;
             let mut buf = vec![0u8; size as usize];
             let mut filled = 0;
             while filled < buf.len() {
@@ -670,7 +655,7 @@ impl Filesystem for PassthroughFs {
         reply: ReplyWrite,
     ) {
         let result = (|| -> Result<u32, Errno> {
-            let file = self.state.lock().map_err(|_| Errno::EIO)?.file(fh)?;
+            let file = self.state.lock().file(fh)?;
             file.write_all_at(data, offset)?;
             u32::try_from(data.len()).map_err(|_| Errno::EINVAL)
         })();
@@ -703,9 +688,7 @@ impl Filesystem for PassthroughFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        if let Ok(mut state) = self.state.lock() {
-            state.handles.remove(&fh.0);
-        }
+        self.state.lock().handles.remove(&fh.0);
         reply.ok();
     }
 
@@ -717,12 +700,9 @@ impl Filesystem for PassthroughFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self
-            .state
-            .lock()
-            .map_err(|_| Errno::EIO)
-            .and_then(|s| s.file(fh))
-        {
+        // Bound first, so the state lock is released before the barrier.
+        let file = self.state.lock().file(fh);
+        match file {
             Ok(file) => self.barrier(file, datasync, reply),
             Err(e) => reply.error(e),
         }
@@ -730,7 +710,7 @@ impl Filesystem for PassthroughFs {
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let result = (|| -> Result<u64, Errno> {
-            let fd = self.state.lock().map_err(|_| Errno::EIO)?.fd(ino)?;
+            let fd = self.state.lock().fd(ino)?;
             let dir = open_backing(&fd, fuse_nix::libc::O_RDONLY | fuse_nix::libc::O_DIRECTORY)?;
             // A snapshot, so offsets stay meaningful across readdir calls.
             let mut entries = vec![
@@ -757,14 +737,10 @@ impl Filesystem for PassthroughFs {
                 };
                 entries.push((entry.ino(), kind, entry.file_name()));
             }
-            Ok(self
-                .state
-                .lock()
-                .map_err(|_| Errno::EIO)?
-                .add_handle(Handle::Dir {
-                    entries: Arc::new(entries),
-                    dir: Arc::new(dir),
-                }))
+            Ok(self.state.lock().add_handle(Handle::Dir {
+                entries: Arc::new(entries),
+                dir: Arc::new(dir),
+            }))
         })();
         match result {
             Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
@@ -780,12 +756,13 @@ impl Filesystem for PassthroughFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let entries = match self.state.lock().map(|s| match s.handles.get(&fh.0) {
+        let entries = match self.state.lock().handles.get(&fh.0) {
             Some(Handle::Dir { entries, .. }) => Some(Arc::clone(entries)),
             _ => None,
-        }) {
-            Ok(Some(e)) => e,
-            _ => {
+        };
+        let entries = match entries {
+            Some(e) => e,
+            None => {
                 reply.error(Errno::EBADF);
                 return;
             }
@@ -808,9 +785,7 @@ impl Filesystem for PassthroughFs {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        if let Ok(mut state) = self.state.lock() {
-            state.handles.remove(&fh.0);
-        }
+        self.state.lock().handles.remove(&fh.0);
         reply.ok();
     }
 
@@ -822,24 +797,17 @@ impl Filesystem for PassthroughFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self
-            .state
-            .lock()
-            .map_err(|_| Errno::EIO)
-            .and_then(|s| s.file(fh))
-        {
+        // Bound first, so the state lock is released before the barrier.
+        let dir = self.state.lock().file(fh);
+        match dir {
             Ok(dir) => self.barrier(dir, datasync, reply),
             Err(e) => reply.error(e),
         }
     }
 
     fn statfs(&self, _req: &Request, ino: INodeNo, reply: ReplyStatfs) {
-        let result = self
-            .state
-            .lock()
-            .map_err(|_| Errno::EIO)
-            .and_then(|s| s.fd(ino))
-            .and_then(|fd| fuse_nix::sys::statvfs::fstatvfs(fd.as_fd()).map_err(errno));
+        let fd = self.state.lock().fd(ino);
+        let result = fd.and_then(|fd| fuse_nix::sys::statvfs::fstatvfs(fd.as_fd()).map_err(errno));
         match result {
             Ok(s) => reply.statfs(
                 s.blocks(),
@@ -856,18 +824,14 @@ impl Filesystem for PassthroughFs {
     }
 
     fn access(&self, _req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        let result = self
-            .state
-            .lock()
-            .map_err(|_| Errno::EIO)
-            .and_then(|s| s.fd(ino))
-            .and_then(|fd| {
-                fuse_nix::unistd::access(
-                    &proc_path(&fd),
-                    fuse_nix::unistd::AccessFlags::from_bits_truncate(mask.bits()),
-                )
-                .map_err(errno)
-            });
+        let fd = self.state.lock().fd(ino);
+        let result = fd.and_then(|fd| {
+            fuse_nix::unistd::access(
+                &proc_path(&fd),
+                fuse_nix::unistd::AccessFlags::from_bits_truncate(mask.bits()),
+            )
+            .map_err(errno)
+        });
         match result {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -897,7 +861,6 @@ impl Filesystem for PassthroughFs {
             let fh = self
                 .state
                 .lock()
-                .map_err(|_| Errno::EIO)?
                 .add_handle(Handle::File(Arc::new(File::from(fd))));
             Ok((attr, fh))
         })();
@@ -920,7 +883,7 @@ impl Filesystem for PassthroughFs {
         reply: ReplyEmpty,
     ) {
         let result = (|| -> Result<(), Errno> {
-            let file = self.state.lock().map_err(|_| Errno::EIO)?.file(fh)?;
+            let file = self.state.lock().file(fh)?;
             fuse_nix::fcntl::fallocate(
                 file.as_fd(),
                 FallocateFlags::from_bits_truncate(mode),

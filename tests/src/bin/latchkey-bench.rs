@@ -33,8 +33,8 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail, ensure};
@@ -49,6 +49,7 @@ use latchkey_proto::lockv1::{
 use latchkey_tests::arbiter::{self, Arbiter, ArbiterOptions};
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::workspace_root;
+use parking_lot::Mutex;
 use tempfile::TempDir;
 use tokio::sync::Barrier;
 use tokio::task::{JoinHandle, JoinSet};
@@ -608,15 +609,15 @@ where
                     "two waiters hold the hot key at once"
                 );
                 latency.saturating_record(micros(granted - sent));
-                if let Some(released) = locked(&hot.released_at)?.take() {
+                if let Some(released) = hot.released_at.lock().take() {
                     gap.saturating_record(micros(granted.saturating_duration_since(released)));
                 }
                 if let Some(token) = token {
-                    locked(&hot.tokens)?.push(token);
+                    hot.tokens.lock().push(token);
                 }
                 // Cleared before Release is sent: the next grant can only follow it.
                 hot.held.store(false, Ordering::SeqCst);
-                *locked(&hot.released_at)? = Some(Instant::now());
+                *hot.released_at.lock() = Some(Instant::now());
                 lock.release().await?;
             }
             anyhow::Ok((latency, gap))
@@ -631,7 +632,7 @@ where
         gap.add(g)?;
     }
     let elapsed = start.elapsed();
-    let tokens = std::mem::take(&mut *locked(&hot.tokens)?);
+    let tokens = std::mem::take(&mut *hot.tokens.lock());
     Ok(HotRun {
         run: Run { elapsed, latency },
         gap,
@@ -787,11 +788,6 @@ fn histogram() -> anyhow::Result<Histogram<u64>> {
 
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
-}
-
-fn locked<T>(m: &Mutex<T>) -> anyhow::Result<MutexGuard<'_, T>> {
-    m.lock()
-        .map_err(|_| anyhow!("a waiter panicked holding shared state"))
 }
 
 struct Row {
