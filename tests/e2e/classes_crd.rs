@@ -259,7 +259,24 @@ async fn the_arbiter_serves_a_directory_of_manifests_and_reloads_it() -> anyhow:
         "{granted}---\napiVersion: latchkey.dev/v1alpha1\nkind: LockClass\nmetadata:\n  name: too-short\n  namespace: latchkey\nspec:\n  ttlSeconds: 1\n  enforcement: advisory\n  riskOwner: team-a\n  waiverExpires: \"2099-01-01\"\n"
     );
     std::fs::write(&file, broken)?;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Wait until the arbiter has read the change and refused it (its admin
+    // status reports why), then check nothing moved.
+    let mut operator = s.arbiter.admin("latchkey/operator").await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = operator
+            .get_status(latchkey_proto::adminv1::GetStatusRequest {})
+            .await?
+            .into_inner();
+        if !status.policy_error.is_empty() {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the broken change was not refused"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let still = try_lock(&mut mallory, "demo/crd/2", "demo", hers).await?;
     release(&mut mallory, &still).await?;
     let unknown = open(&mut alice, "too-short").await.err();
