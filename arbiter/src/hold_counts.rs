@@ -64,6 +64,8 @@ pub struct HoldCounts {
     /// still hears of them. Bounded in count and age.
     unclaimed: Mutex<std::collections::VecDeque<(std::time::Instant, i64, EndedHold)>>,
     next_stream: AtomicU64,
+    /// Wakes Acquires that arrived before the first count was in.
+    counted: tokio::sync::Notify,
 }
 
 /// Where a KeepAlive stream hears of its sessions' ended holds: (session,
@@ -78,15 +80,33 @@ struct State {
     in_log: Option<HashMap<String, u32>>,
     /// The log revision `in_log` reflects.
     revision: i64,
-    /// Acquires admitted here, per identity: in flight (revision 0) or
-    /// granted at a revision the watch has not reached yet.
-    pending: HashMap<String, Vec<i64>>,
+    /// Acquires admitted here, per identity, that count beside `in_log`.
+    pending: HashMap<String, Vec<Pending>>,
+    /// Ids for [`Pending`] entries.
+    next_id: u64,
+}
+
+/// One Acquire admitted here and not (yet) in `in_log`.
+struct Pending {
+    id: u64,
+    key: String,
+    /// 0 while in flight; then the grant's revision, until the watch
+    /// reaches it.
+    revision: i64,
+    /// The watch showed a new hold of this key for this identity while the
+    /// call was in flight: the grant reached the log (and `in_log`) before
+    /// its answer reached the call. It no longer counts, or it would count
+    /// twice.
+    in_log: bool,
 }
 
 impl State {
     fn held(&self, identity: &str) -> Option<u32> {
         let in_log = self.in_log.as_ref()?;
-        let pending = self.pending.get(identity).map_or(0, Vec::len);
+        let pending = self
+            .pending
+            .get(identity)
+            .map_or(0, |p| p.iter().filter(|p| !p.in_log).count());
         Some(
             in_log
                 .get(identity)
@@ -107,14 +127,26 @@ impl State {
         }
     }
 
+    /// The watch shows a new hold of `key` for `identity`: an Acquire of
+    /// that key in flight here is the one that got it (matched by key, so a
+    /// grant by another arbiter never cancels an unrelated call here).
+    fn seen_grant(&mut self, identity: &str, key: &str) {
+        if let Some(p) = self.pending.get_mut(identity).and_then(|p| {
+            p.iter_mut()
+                .find(|p| p.revision == 0 && !p.in_log && p.key == key)
+        }) {
+            p.in_log = true;
+        }
+    }
+
     /// The log is now known up to `revision`: grants at or below it are in
     /// `in_log`, so they stop counting as pending.
     fn reached(&mut self, revision: i64) {
         self.revision = self.revision.max(revision);
         let seen = self.revision;
-        self.pending.retain(|_, revs| {
-            revs.retain(|r| *r == 0 || *r > seen);
-            !revs.is_empty()
+        self.pending.retain(|_, p| {
+            p.retain(|p| p.revision == 0 || p.revision > seen);
+            !p.is_empty()
         });
     }
 }
@@ -124,6 +156,7 @@ impl State {
 pub struct Admitted {
     counts: Arc<HoldCounts>,
     identity: String,
+    id: u64,
     revision: i64,
 }
 
@@ -139,17 +172,17 @@ impl Drop for Admitted {
     fn drop(&mut self) {
         let mut state = self.counts.lock();
         let seen = state.revision;
-        let Some(revs) = state.pending.get_mut(&self.identity) else {
+        let Some(pending) = state.pending.get_mut(&self.identity) else {
             return;
         };
-        if let Some(i) = revs.iter().position(|r| *r == 0) {
-            if self.revision > seen {
-                revs[i] = self.revision;
+        if let Some(i) = pending.iter().position(|p| p.id == self.id) {
+            if self.revision > seen && !pending[i].in_log {
+                pending[i].revision = self.revision;
             } else {
-                revs.swap_remove(i);
+                pending.swap_remove(i);
             }
         }
-        if revs.is_empty() {
+        if pending.is_empty() {
             state.pending.remove(&self.identity);
         }
     }
@@ -163,6 +196,7 @@ impl HoldCounts {
             watchers: Mutex::new(HashMap::new()),
             unclaimed: Mutex::new(std::collections::VecDeque::new()),
             next_stream: AtomicU64::new(1),
+            counted: tokio::sync::Notify::new(),
         })
     }
 
@@ -248,13 +282,37 @@ impl HoldCounts {
         self.state.lock()
     }
 
-    /// Admits one Acquire of `identity`, or refuses it: `IdentityLimit` at
-    /// the bound, `StoreUnavailable` before the first count is in.
-    pub fn admit(self: &Arc<Self>, identity: &str) -> Result<Admitted, ArbiterError> {
+    /// [`Self::admit`], but an Acquire that arrives before the first count
+    /// is in (an arbiter that just started) waits for it, at most `wait`,
+    /// instead of being refused at once.
+    pub async fn admit_within(
+        self: &Arc<Self>,
+        identity: &str,
+        key: &str,
+        wait: Duration,
+    ) -> Result<Admitted, ArbiterError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Registered before the check, so a count installed in between
+            // still wakes this call.
+            let counted = self.counted.notified();
+            if self.lock().in_log.is_some() {
+                return self.admit(identity, key);
+            }
+            if tokio::time::timeout_at(deadline, counted).await.is_err() {
+                return self.admit(identity, key);
+            }
+        }
+    }
+
+    /// Admits one Acquire of `key` by `identity`, or refuses it:
+    /// `IdentityLimit` at the bound, `StoreUnavailable` before the first
+    /// count is in.
+    pub fn admit(self: &Arc<Self>, identity: &str, key: &str) -> Result<Admitted, ArbiterError> {
         let mut state = self.lock();
         let Some(held) = state.held(identity) else {
             return Err(ArbiterError::store(
-                "this arbiter is still counting the holds in the lock log (it just started or lost its watch); retry with backoff",
+                "this arbiter is still counting the holds in the lock log (it just started and etcd has not answered yet)",
             ));
         };
         if held >= self.max {
@@ -263,14 +321,22 @@ impl HoldCounts {
                 limit: self.max,
             });
         }
+        state.next_id += 1;
+        let id = state.next_id;
         state
             .pending
             .entry(identity.to_string())
             .or_default()
-            .push(0);
+            .push(Pending {
+                id,
+                key: key.to_string(),
+                revision: 0,
+                in_log: false,
+            });
         Ok(Admitted {
             counts: Arc::clone(self),
             identity: identity.to_string(),
+            id,
             revision: 0,
         })
     }
@@ -283,10 +349,13 @@ impl HoldCounts {
 
     /// Replaces the count with a fresh one read at `revision`.
     fn install(&self, in_log: HashMap<String, u32>, revision: i64) {
-        let mut state = self.lock();
-        state.in_log = Some(in_log);
-        state.revision = 0;
-        state.reached(revision);
+        {
+            let mut state = self.lock();
+            state.in_log = Some(in_log);
+            state.revision = 0;
+            state.reached(revision);
+        }
+        self.counted.notify_waiters();
     }
 
     /// Applies one watch response's events, all at or below `revision`.
@@ -298,6 +367,9 @@ impl HoldCounts {
             }
             if let Some(after) = &change.after {
                 state.add(after, 1);
+                if change.before.as_ref() != Some(after) {
+                    state.seen_grant(after, &change.key);
+                }
             }
         }
         state.reached(revision);
@@ -384,6 +456,8 @@ impl HoldCounts {
 /// Whose hold a change of one holder record ended and whose it started.
 #[derive(Debug, PartialEq, Eq)]
 struct Change {
+    /// The lock key (the holder record's key without the prefix).
+    key: String,
     before: Option<String>,
     after: Option<String>,
     /// The hold the change ended, if one did.
@@ -409,6 +483,10 @@ impl Change {
     ) -> Option<Self> {
         let owner = |kv: &KeyValue| decode::<HolderRecord>(kv.value()).map(|h| h.identity);
         let before = prev.and_then(owner);
+        let key = kv
+            .or(prev)
+            .and_then(|kv| kv.key_str().ok()?.strip_prefix(holders).map(str::to_string))
+            .unwrap_or_default();
         // Any change of a holder record ends the hold it replaces: a
         // release, a hand-over (a put with the next holder) or an expiry.
         let ended = prev.and_then(|p| {
@@ -420,6 +498,7 @@ impl Change {
         });
         match kind {
             EventType::Put => Some(Self {
+                key,
                 before,
                 after: kv.and_then(owner),
                 ended,
@@ -427,6 +506,7 @@ impl Change {
             EventType::Delete => {
                 prev?;
                 Some(Self {
+                    key,
                     before,
                     after: None,
                     ended,
@@ -500,6 +580,7 @@ mod tests {
 
     fn change(before: Option<&str>, after: Option<&str>) -> Change {
         Change {
+            key: "k".into(),
             before: before.map(str::to_string),
             after: after.map(str::to_string),
             ended: None,
@@ -510,36 +591,64 @@ mod tests {
     fn nothing_is_admitted_before_the_first_count() {
         let c = HoldCounts::new(3);
         assert!(matches!(
-            c.admit("a"),
+            c.admit("a", "k"),
             Err(ArbiterError::StoreUnavailable { .. })
         ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_acquire_before_the_first_count_waits_for_it_within_its_bound() {
+        let c = HoldCounts::new(3);
+        // no count within the wait: refused, saying why
+        let refused = c.admit_within("a", "k", Duration::from_secs(2)).await;
+        assert!(matches!(
+            refused,
+            Err(ArbiterError::StoreUnavailable { .. })
+        ));
+        // a count that arrives during the wait admits it
+        let waiting = {
+            let c = Arc::clone(&c);
+            tokio::spawn(async move {
+                c.admit_within("a", "k", Duration::from_secs(5))
+                    .await
+                    .is_ok()
+            })
+        };
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        c.install(HashMap::new(), 3);
+        assert!(waiting.await.unwrap_or(false));
+        assert_eq!(
+            c.held("a"),
+            Some(0),
+            "the admitted call ended without a grant"
+        );
     }
 
     #[test]
     fn the_bound_counts_holds_in_the_log_and_acquires_in_flight() {
         let c = counted(&[("a", 2)], 10);
-        let first = c.admit("a");
+        let first = c.admit("a", "k");
         assert!(first.is_ok());
         // 2 in the log + 1 in flight = 3: the next is refused
         assert!(matches!(
-            c.admit("a"),
+            c.admit("a", "k"),
             Err(ArbiterError::IdentityLimit {
                 bound: IdentityBound::Holds,
                 limit: 3
             })
         ));
         // another identity is not affected
-        assert!(c.admit("b").is_ok());
+        assert!(c.admit("b", "k").is_ok());
         // an Acquire that ends without a grant stops counting at once
         drop(first);
         assert_eq!(c.held("a"), Some(2));
-        assert!(c.admit("a").is_ok());
+        assert!(c.admit("a", "k").is_ok());
     }
 
     #[test]
     fn a_grant_counts_until_the_watch_shows_it_then_once() {
         let c = counted(&[], 10);
-        let admitted = c.admit("a").map_err(|e| e.to_string());
+        let admitted = c.admit("a", "k").map_err(|e| e.to_string());
         admitted.map(|a| a.granted(12)).ok();
         assert_eq!(c.held("a"), Some(1));
         // the watch shows revision 11 only: still pending
@@ -551,9 +660,32 @@ mod tests {
     }
 
     #[test]
+    fn a_grant_the_watch_shows_before_its_answer_counts_once() {
+        let c = counted(&[], 10);
+        let one = c.admit("a", "k1").map_err(|e| e.to_string());
+        let two = c.admit("a", "k2").map_err(|e| e.to_string());
+        assert_eq!(c.held("a"), Some(2));
+        // k1's grant reaches the watch while its call is still in flight
+        let mut granted = change(None, Some("a"));
+        granted.key = "k1".into();
+        c.apply(&[granted], 11);
+        assert_eq!(c.held("a"), Some(2), "k1 once (in the log), k2 in flight");
+        // then its answer arrives: still once
+        one.map(|a| a.granted(11)).ok();
+        assert_eq!(c.held("a"), Some(2));
+        // a grant of another key of a's (another arbiter's) matches nothing here
+        let mut elsewhere = change(None, Some("a"));
+        elsewhere.key = "k9".into();
+        c.apply(&[elsewhere], 12);
+        assert_eq!(c.held("a"), Some(3));
+        drop(two);
+        assert_eq!(c.held("a"), Some(2));
+    }
+
+    #[test]
     fn a_grant_the_watch_already_showed_is_not_pending() {
         let c = counted(&[("a", 1)], 20);
-        c.admit("a").map(|a| a.granted(15)).ok();
+        c.admit("a", "k").map(|a| a.granted(15)).ok();
         assert_eq!(c.held("a"), Some(1));
     }
 
@@ -592,6 +724,7 @@ mod tests {
         c.watch_session(7, stream, &tx);
         c.watch_session(7, stream, &tx);
         let ended = |session, key: &str| Change {
+            key: key.to_string(),
             before: None,
             after: None,
             ended: Some(Ended {

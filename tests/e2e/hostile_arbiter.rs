@@ -659,7 +659,11 @@ async fn one_identity_cannot_hold_more_keys_than_its_bound() -> anyhow::Result<(
             Err(status) => refused.push(status),
         }
     }
-    assert_eq!(granted.len(), MAX_HOLDS as usize, "refused: {refused:?}");
+    let why: Vec<String> = refused
+        .iter()
+        .map(|s| format!("{:?}: {}", s.code(), s.message()))
+        .collect();
+    assert_eq!(granted.len(), MAX_HOLDS as usize, "refused: {why:#?}");
     for status in refused {
         let status = expect_refusal(
             Err::<(), _>(status),

@@ -10,6 +10,7 @@ mod cluster;
 mod deploy;
 mod edge;
 mod etcd_harness;
+mod etcd_members;
 mod etcd_tls;
 mod force_release;
 mod gate;

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use std::sync::OnceLock;
 
-use anyhow::{Context, bail};
+use anyhow::{Context, bail, ensure};
 use etcd_client::{
     Certificate, Client, ConnectOptions, Identity, Permission, PermissionType, TlsOptions,
 };
@@ -488,12 +488,14 @@ impl EtcdServer {
 
     async fn wait_ready(&mut self) -> anyhow::Result<()> {
         let endpoint = self.endpoint();
+        let peer_url = self.peer_url();
         let connect_options = self.connect_options()?;
         let child = self.child.as_mut().context("etcd is not running")?;
         let exited = eventually("etcd to answer status", READY_TIMEOUT, || {
             // Checked first so a crashed etcd fails now, not at the deadline.
             let exited = child.try_wait().ok().flatten();
             let endpoint = endpoint.clone();
+            let peer_url = peer_url.clone();
             let options = connect_options.clone();
             async move {
                 if exited.is_some() {
@@ -502,10 +504,21 @@ impl EtcdServer {
                 let options = options
                     .with_connect_timeout(Duration::from_millis(500))
                     .with_timeout(Duration::from_secs(1));
-                Client::connect([endpoint], Some(options))
-                    .await?
-                    .status()
-                    .await?;
+                let mut client = Client::connect([endpoint.clone()], Some(options)).await?;
+                let status = client.status().await?;
+                // Another test's etcd may hold this port (it was free when
+                // picked; ours then failed to bind it): only our member
+                // counts, known by its peer URL.
+                let answering = status.header().map(|h| h.member_id());
+                let members = client.member_list().await?;
+                let ours = members
+                    .members()
+                    .iter()
+                    .any(|m| Some(m.id()) == answering && m.peer_urls().contains(&peer_url));
+                ensure!(
+                    ours,
+                    "another etcd answers at {endpoint}, not ours (peer {peer_url})"
+                );
                 Ok(None)
             }
         })

@@ -15,6 +15,7 @@
 //! - [`lease_renewals`]: every session's renewals over a few shared
 //!   keep-alive streams.
 
+mod failover;
 mod holds;
 mod lease_renewals;
 mod records;
@@ -169,7 +170,9 @@ pub(crate) async fn connect_client(config: &StoreConfig) -> Result<Client, Store
             .with_auto_token_refresh(true);
     }
     // `options` holds the password in its Debug output: never log it.
-    Client::connect(&config.endpoints, Some(options))
+    // Balanced over the members, a call that could not connect to one
+    // (down, restarting) goes to another (see `failover`).
+    Client::connect_with_balanced_channel(&config.endpoints, Some(options), failover::Failover)
         .await
         .map_err(|e| unavailable("cannot connect to etcd", e))
 }

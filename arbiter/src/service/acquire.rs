@@ -22,6 +22,11 @@ pub const MAX_METADATA_VALUE_BYTES: usize = 256;
 /// from us rather than a bare DEADLINE_EXCEEDED from its own stack.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
 
+/// How long an Acquire that reaches an arbiter still counting the holds in
+/// the lock log (it just started) waits for the count before it is refused
+/// with UNAVAILABLE: the count is one range read, normally milliseconds.
+const FIRST_COUNT_WAIT: Duration = Duration::from_secs(5);
+
 /// The call's deadline from the `grpc-timeout` header ("<digits><unit>").
 pub fn grpc_timeout<T>(request: &Request<T>) -> Option<Duration> {
     let raw = request.metadata().get("grpc-timeout")?.to_str().ok()?;
@@ -151,11 +156,22 @@ impl Arbiter {
         // else is spent on the call (a hook, a queue place).
         let admitted = match lost {
             true => None,
-            false => Some(self.holds.admit(&caller.identity).inspect_err(|e| {
-                if matches!(e, ArbiterError::IdentityLimit { .. }) {
-                    self.metrics.identity_bound_refused("holds");
-                }
-            })?),
+            false => Some(
+                self.holds
+                    .admit_within(
+                        &caller.identity,
+                        key.as_str(),
+                        deadline.map_or(FIRST_COUNT_WAIT, |d| {
+                            FIRST_COUNT_WAIT.min(d.saturating_sub(DEADLINE_MARGIN))
+                        }),
+                    )
+                    .await
+                    .inspect_err(|e| {
+                        if matches!(e, ArbiterError::IdentityLimit { .. }) {
+                            self.metrics.identity_bound_refused("holds");
+                        }
+                    })?,
+            ),
         };
 
         let waiting = self.table.waiting(key.as_str());
