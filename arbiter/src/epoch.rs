@@ -86,8 +86,7 @@ pub fn evaluate(
             && rev < mark.revision
         {
             return Some(format!(
-                "etcd revision {rev} is below revision {} of epoch {} that a grant was already handed out at (or seen at): the lock log was restored from an earlier snapshot",
-                mark.revision,
+                "etcd revision {rev} is below the revision of a grant already handed out (or seen) in epoch {}: the lock log was restored from an earlier snapshot",
                 state.epoch()
             ));
         }

@@ -152,6 +152,9 @@ pub enum IdentityBound {
     Sessions,
     /// Keys held (`--max-holds-per-identity`).
     Holds,
+    /// Bytes of the quorum-loss spool (a share of
+    /// `--quorum-loss-spool-bytes`), so one identity cannot fill it for all.
+    Spool,
 }
 
 impl IdentityBound {
@@ -163,6 +166,9 @@ impl IdentityBound {
             Self::Holds => format!(
                 "this identity holds {limit} keys (the arbiter's --max-holds-per-identity); release the keys you no longer need before taking more"
             ),
+            Self::Spool => format!(
+                "this identity has used its share ({limit} bytes) of the quorum-loss spool that records unprotected grants while the lock cluster has no quorum; no more unprotected grants for it until quorum returns"
+            ),
         }
     }
 
@@ -171,6 +177,7 @@ impl IdentityBound {
         match self {
             Self::Sessions => "sessions",
             Self::Holds => "holds",
+            Self::Spool => "spool",
         }
     }
 }

@@ -136,6 +136,10 @@ pub struct RevokeRecord {
     pub revoked_at_unix_ms: i64,
 }
 
+/// Pending (unapproved, unexpired) force-release requests one operator may
+/// have at once.
+pub const MAX_PENDING_PER_OPERATOR: usize = 16;
+
 /// Why a force-release call is refused. Messages say what to do next.
 #[derive(Debug, thiserror::Error)]
 pub enum ForceError {
@@ -161,6 +165,14 @@ pub enum ForceError {
         "the hold on {key:?} changed since the request ({now}): nothing was released. Look again (latchctl inspect) and request again if it is still stuck"
     )]
     HoldChanged { key: String, now: String },
+    #[error(
+        "the hold on {key:?} already has a pending force-release request {id:?}: approve that one (latchctl admin force-release list) instead of requesting again"
+    )]
+    AlreadyRequested { key: String, id: String },
+    #[error(
+        "{subject:?} has {limit} force-release requests pending: wait for approvals, or for requests to expire, before requesting more"
+    )]
+    TooManyPending { subject: String, limit: usize },
     #[error("the lock log (etcd) is unavailable: {0}; retry")]
     Store(String),
     #[error(
@@ -181,6 +193,8 @@ impl ForceError {
             Self::BadRequest(_) => Code::InvalidArgument,
             Self::UnknownRequest { .. } => Code::NotFound,
             Self::SameApprover { .. } => Code::PermissionDenied,
+            Self::AlreadyRequested { .. } => Code::AlreadyExists,
+            Self::TooManyPending { .. } => Code::ResourceExhausted,
             Self::Store(_) => Code::Unavailable,
             Self::StorePermission(_) => Code::Internal,
         }
@@ -198,6 +212,8 @@ impl ForceError {
             Self::UnknownRequest { .. } => "FORCE_REQUEST_NOT_FOUND",
             Self::SameApprover { .. } => "SAME_APPROVER",
             Self::HoldChanged { .. } => "HOLD_CHANGED",
+            Self::AlreadyRequested { .. } => "FORCE_REQUEST_PENDING",
+            Self::TooManyPending { .. } => "TOO_MANY_FORCE_REQUESTS",
             Self::Store(_) => "STORE_UNAVAILABLE",
             Self::StorePermission(_) => "STORE_PERMISSION",
         }
@@ -306,6 +322,28 @@ impl ForceRelease {
             .await?
             .ok_or_else(|| ForceError::NotHeld { key: key.into() })?;
         let now = crate::records::now_unix_ms();
+        // Bounded: one pending request per hold, and a few per operator
+        // (each is an etcd key on its own lease until it expires).
+        let pending = self.store.pending_requests().await?;
+        let live = pending.iter().filter(|r| r.expires_at_unix_ms > now);
+        let mut mine = 0;
+        for r in live {
+            if r.key == key && r.hold_revision == hold.mod_revision {
+                return Err(ForceError::AlreadyRequested {
+                    key: key.to_string(),
+                    id: r.id.clone(),
+                });
+            }
+            if r.requester_subject == requester.subject {
+                mine += 1;
+            }
+        }
+        if mine >= MAX_PENDING_PER_OPERATOR {
+            return Err(ForceError::TooManyPending {
+                subject: requester.subject.clone(),
+                limit: MAX_PENDING_PER_OPERATOR,
+            });
+        }
         let ttl_ms = i64::try_from(self.request_ttl.as_millis()).unwrap_or(i64::MAX);
         let record = RequestRecord {
             id: new_id()?,

@@ -66,6 +66,10 @@ pub struct HoldCounts {
     next_stream: AtomicU64,
     /// Wakes Acquires that arrived before the first count was in.
     counted: tokio::sync::Notify,
+    /// Every held key in the log and its holder's session (lease), as far
+    /// as the watch has seen: what an open class's memory grant must not
+    /// take during a quorum loss.
+    keys: Mutex<HashMap<String, i64>>,
 }
 
 /// Where a KeepAlive stream hears of its sessions' ended holds: (session,
@@ -197,6 +201,7 @@ impl HoldCounts {
             unclaimed: Mutex::new(std::collections::VecDeque::new()),
             next_stream: AtomicU64::new(1),
             counted: tokio::sync::Notify::new(),
+            keys: Mutex::new(HashMap::new()),
         })
     }
 
@@ -347,8 +352,15 @@ impl HoldCounts {
         self.lock().held(identity)
     }
 
+    /// Whether `key` is held in the log by a session other than `session`
+    /// (as last seen by the watch; `false` before the first count).
+    pub fn held_by_other(&self, key: &str, session: i64) -> bool {
+        self.keys.lock().get(key).is_some_and(|s| *s != session)
+    }
+
     /// Replaces the count with a fresh one read at `revision`.
-    fn install(&self, in_log: HashMap<String, u32>, revision: i64) {
+    fn install(&self, in_log: HashMap<String, u32>, keys: HashMap<String, i64>, revision: i64) {
+        *self.keys.lock() = keys;
         {
             let mut state = self.lock();
             state.in_log = Some(in_log);
@@ -360,6 +372,15 @@ impl HoldCounts {
 
     /// Applies one watch response's events, all at or below `revision`.
     fn apply(&self, changes: &[Change], revision: i64) {
+        {
+            let mut keys = self.keys.lock();
+            for change in changes {
+                match (&change.after, change.session) {
+                    (Some(_), session) => keys.insert(change.key.clone(), session),
+                    (None, _) => keys.remove(&change.key),
+                };
+            }
+        }
         let mut state = self.lock();
         for change in changes {
             if let Some(before) = &change.before {
@@ -398,9 +419,9 @@ impl HoldCounts {
         prefix: &str,
         first: &mut bool,
     ) -> Result<(), etcd_client::Error> {
-        let (counted, revision) = count(client, prefix).await?;
+        let (counted, keys, revision) = count(client, prefix).await?;
         let (identities, holds) = (counted.len(), counted.values().sum::<u32>());
-        self.install(counted, revision);
+        self.install(counted, keys, revision);
         if std::mem::take(first) {
             info!(
                 holds,
@@ -458,6 +479,8 @@ impl HoldCounts {
 struct Change {
     /// The lock key (the holder record's key without the prefix).
     key: String,
+    /// The new holder's session (lease), for a put.
+    session: i64,
     before: Option<String>,
     after: Option<String>,
     /// The hold the change ended, if one did.
@@ -499,6 +522,7 @@ impl Change {
         match kind {
             EventType::Put => Some(Self {
                 key,
+                session: kv.map_or(0, KeyValue::lease),
                 before,
                 after: kv.and_then(owner),
                 ended,
@@ -507,6 +531,7 @@ impl Change {
                 prev?;
                 Some(Self {
                     key,
+                    session: 0,
                     before,
                     after: None,
                     ended,
@@ -521,12 +546,13 @@ impl Change {
 async fn count(
     client: &Client,
     prefix: &str,
-) -> Result<(HashMap<String, u32>, i64), etcd_client::Error> {
+) -> Result<(HashMap<String, u32>, HashMap<String, i64>, i64), etcd_client::Error> {
     let mut kv = client.kv_client();
     let range_end = prefix_end(prefix);
     let mut from = prefix.as_bytes().to_vec();
     let mut revision = 0;
     let mut counted = HashMap::new();
+    let mut keys = HashMap::new();
     loop {
         let mut options = GetOptions::new()
             .with_range(range_end.clone())
@@ -541,6 +567,9 @@ async fn count(
         for kv in resp.kvs() {
             if let Some(h) = decode::<HolderRecord>(kv.value()) {
                 *counted.entry(h.identity).or_insert(0u32) += 1;
+                if let Some(key) = kv.key_str().ok().and_then(|k| k.strip_prefix(prefix)) {
+                    keys.insert(key.to_string(), kv.lease());
+                }
             }
         }
         match resp.kvs().last() {
@@ -548,7 +577,7 @@ async fn count(
                 from = last.key().to_vec();
                 from.push(0);
             }
-            _ => return Ok((counted, revision)),
+            _ => return Ok((counted, keys, revision)),
         }
     }
 }
@@ -573,6 +602,7 @@ mod tests {
         let c = HoldCounts::new(3);
         c.install(
             pairs.iter().map(|(i, n)| ((*i).to_string(), *n)).collect(),
+            HashMap::new(),
             revision,
         );
         c
@@ -581,6 +611,7 @@ mod tests {
     fn change(before: Option<&str>, after: Option<&str>) -> Change {
         Change {
             key: "k".into(),
+            session: 1,
             before: before.map(str::to_string),
             after: after.map(str::to_string),
             ended: None,
@@ -615,7 +646,7 @@ mod tests {
             })
         };
         tokio::time::sleep(Duration::from_secs(1)).await;
-        c.install(HashMap::new(), 3);
+        c.install(HashMap::new(), HashMap::new(), 3);
         assert!(waiting.await.unwrap_or(false));
         assert_eq!(
             c.held("a"),
@@ -725,6 +756,7 @@ mod tests {
         c.watch_session(7, stream, &tx);
         let ended = |session, key: &str| Change {
             key: key.to_string(),
+            session: 0,
             before: None,
             after: None,
             ended: Some(Ended {

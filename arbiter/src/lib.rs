@@ -283,6 +283,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         .map_err(|e| RunError::QuorumLossSpool(e.to_string()))?,
     );
     quorum.set_cluster_id(state.cluster_id);
+    table.set_gate(quorum.clone());
     let quorum_probe = quorum.spawn_probe(table.log().clone());
     let identity = match &config.tls {
         Some(_) => IdentitySource::Tls {

@@ -117,6 +117,25 @@ pub struct QuorumLoss {
     max_waiters_per_identity: u32,
 }
 
+/// Whether a key is held in the lock log by a session other than the given
+/// one, as far as this arbiter has seen (its hold-count watch).
+pub type EtcdHeld<'a> = dyn Fn(&str, i64) -> bool + Send + Sync + 'a;
+
+/// How often a memory Acquire of a key held in etcd looks again.
+const HELD_IN_LOG_RECHECK: Duration = Duration::from_millis(250);
+
+/// A live memory grant keeps its key from every other session's etcd
+/// grant, queued waiters' hand-overs included.
+impl crate::table::KeyGate for QuorumLoss {
+    fn blocked(&self, req: &GrantRequest) -> bool {
+        let now = Instant::now();
+        self.holds.lock().get(&req.key).is_some_and(|h| {
+            (h.pending || h.expires > now)
+                && !(h.identity == req.identity && h.session == req.session)
+        })
+    }
+}
+
 /// One waiting memory Acquire of an identity; counted down on drop.
 struct Waiting<'a> {
     owner: &'a QuorumLoss,
@@ -335,7 +354,11 @@ impl QuorumLoss {
         })
     }
 
-    fn attempt(&self, req: &GrantRequest) -> Result<Attempt, ArbiterError> {
+    fn attempt(
+        &self,
+        req: &GrantRequest,
+        held_in_log: &EtcdHeld<'_>,
+    ) -> Result<Attempt, ArbiterError> {
         let now = Instant::now();
         let mut holds = self.holds.lock();
         if let Some(h) = holds.get(&req.key)
@@ -355,6 +378,12 @@ impl QuorumLoss {
                 });
             }
             return Ok(Attempt::Held(h.expires));
+        }
+        // Held in etcd by another session when the quorum was lost: that
+        // holder cannot renew, but its hold is not over either. Not taken
+        // from memory; looked at again shortly (or when the loss ends).
+        if held_in_log(&req.key, req.session) {
+            return Ok(Attempt::Held(now + HELD_IN_LOG_RECHECK));
         }
         let mine = holds
             .values()
@@ -404,6 +433,7 @@ impl QuorumLoss {
         &self,
         req: &GrantRequest,
         wait: Option<Duration>,
+        held_in_log: &EtcdHeld<'_>,
     ) -> Result<MemoryGrant, ArbiterError> {
         let deadline = wait.map(|w| Instant::now() + w);
         let _waiting = match wait {
@@ -412,7 +442,7 @@ impl QuorumLoss {
         };
         loop {
             let freed = self.freed.notified();
-            match self.attempt(req)? {
+            match self.attempt(req, held_in_log)? {
                 Attempt::Yours => {
                     return Ok(MemoryGrant {
                         key: req.key.clone(),
@@ -431,6 +461,11 @@ impl QuorumLoss {
                             key: req.key.clone(),
                         });
                     }
+                    if !self.is_lost() {
+                        return Err(ArbiterError::store(
+                            "the lock cluster has quorum again while this call waited for an unprotected grant; retry, and it goes through etcd",
+                        ));
+                    }
                     // A release wakes us; an expiry is its own deadline.
                     let _ = tokio::time::timeout_at(expires.min(deadline), freed).await;
                 }
@@ -444,7 +479,15 @@ impl QuorumLoss {
         let written = tokio::task::spawn_blocking(move || spool.append(&line))
             .await
             .map_err(|e| ArbiterError::Internal(format!("the spool task failed: {e}")))
-            .and_then(|r| r.map_err(ArbiterError::store));
+            .and_then(|r| {
+                r.map_err(|e| match e {
+                    SpoolError::Share { share, .. } => ArbiterError::IdentityLimit {
+                        bound: IdentityBound::Spool,
+                        limit: u32::try_from(share).unwrap_or(u32::MAX),
+                    },
+                    e => ArbiterError::store(e),
+                })
+            });
         let mut holds = self.holds.lock();
         let ours = holds.get_mut(&record.key).filter(|h| h.id == record.id);
         match (written, ours) {
@@ -480,34 +523,32 @@ impl QuorumLoss {
         if token != 0 {
             return None;
         }
-        let hold = {
-            let mut holds = self.holds.lock();
-            let mine = holds.get(key).is_some_and(|h| {
+        // The hold stays until its release line is written: the next
+        // grant of the key is spooled after it, never before.
+        let record = {
+            let holds = self.holds.lock();
+            let hold = holds.get(key).filter(|h| {
                 h.identity == identity
                     && h.session == session
                     && !h.pending
                     && h.expires > Instant::now()
-            });
-            if !mine {
-                return None;
+            })?;
+            SpoolRecord {
+                id: hold.id,
+                kind: SpoolKind::Release,
+                key: key.to_string(),
+                identity: hold.identity.clone(),
+                session: hold.session,
+                class: hold.class.clone(),
+                ttl_seconds: hold.ttl_seconds,
+                at_unix_ms: now_unix_ms(),
+                token: 0,
+                unprotected: true,
+                arbiter: self.arbiter.clone(),
+                cluster_id: self.cluster_id.load(Ordering::Relaxed),
             }
-            holds.remove(key)?
         };
-        self.freed.notify_waiters();
-        let record = SpoolRecord {
-            id: hold.id,
-            kind: SpoolKind::Release,
-            key: key.to_string(),
-            identity: hold.identity,
-            session: hold.session,
-            class: hold.class,
-            ttl_seconds: hold.ttl_seconds,
-            at_unix_ms: now_unix_ms(),
-            token: 0,
-            unprotected: true,
-            arbiter: self.arbiter.clone(),
-            cluster_id: self.cluster_id.load(Ordering::Relaxed),
-        };
+        let id = record.id;
         let spool = Arc::clone(&self.spool);
         // The release is recorded when the spool has room; the grant line
         // (already synced) is what the audit trail must not miss.
@@ -516,6 +557,13 @@ impl QuorumLoss {
             Ok(Err(e)) => warn!(error = %e, "a memory grant's release is not in the spool"),
             Err(e) => warn!(error = %e, "the spool task failed"),
         }
+        {
+            let mut holds = self.holds.lock();
+            if holds.get(key).is_some_and(|h| h.id == id) {
+                holds.remove(key);
+            }
+        }
+        self.freed.notify_waiters();
         info!(identity = %identity, key = %key, "released an unprotected memory grant");
         Some(Ok(()))
     }
@@ -582,6 +630,11 @@ impl QuorumLoss {
     async fn observe_for_test(&self, outcome: Result<(), String>) {
         self.observe(outcome).await;
     }
+
+    #[cfg(test)]
+    fn lose_for_test(&self) {
+        self.probe.lock().lost_since = Some(Instant::now());
+    }
 }
 
 #[cfg(test)]
@@ -589,6 +642,9 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+
+    /// Nothing held in the lock log.
+    static FREE: fn(&str, i64) -> bool = |_, _| false;
 
     fn req(key: &str, identity: &str, session: i64) -> GrantRequest {
         GrantRequest {
@@ -602,22 +658,29 @@ mod tests {
     }
 
     fn posture(dir: &Path, limit: u64) -> QuorumLoss {
-        QuorumLoss::new(
+        posture_with(dir, limit, 2)
+    }
+
+    /// A posture whose cluster is lost, `max_holds` per identity.
+    fn posture_with(dir: &Path, limit: u64, max_holds: u32) -> QuorumLoss {
+        let q = QuorumLoss::new(
             QuorumLossConfig {
                 spool_limit_bytes: limit,
                 ..QuorumLossConfig::default()
             },
             dir,
-            2,
+            max_holds,
             1,
         )
-        .unwrap()
+        .unwrap();
+        q.lose_for_test();
+        q
     }
 
     #[tokio::test]
     async fn lost_after_failures_in_a_row_healthy_after_one_answer() {
         let dir = tempfile::tempdir().unwrap();
-        let q = posture(dir.path(), 1 << 20);
+        let q = QuorumLoss::new(QuorumLossConfig::default(), dir.path(), 2, 1).unwrap();
         assert!(!q.is_lost());
         q.observe_for_test(Err("no leader".into())).await;
         q.observe_for_test(Err("no leader".into())).await;
@@ -642,7 +705,7 @@ mod tests {
     async fn a_memory_grant_is_spooled_before_it_is_answered_and_exclusive() {
         let dir = tempfile::tempdir().unwrap();
         let q = posture(dir.path(), 1 << 20);
-        q.acquire(&req("k/1", "a", 1), None).await.unwrap();
+        q.acquire(&req("k/1", "a", 1), None, &FREE).await.unwrap();
         // On disk (synced) by the time the caller hears of it.
         let lines = spool::read(&q.spool_path()).unwrap();
         assert_eq!(lines.len(), 1);
@@ -650,18 +713,18 @@ mod tests {
         assert_eq!(lines[0].kind, SpoolKind::Grant);
         // Exclusive in memory; the same session hears "already yours".
         assert!(matches!(
-            q.acquire(&req("k/1", "b", 2), None).await,
+            q.acquire(&req("k/1", "b", 2), None, &FREE).await,
             Err(ArbiterError::Held { .. })
         ));
         assert!(matches!(
-            q.acquire(&req("k/1", "a", 3), None).await,
+            q.acquire(&req("k/1", "a", 3), None, &FREE).await,
             Err(ArbiterError::Leak { .. })
         ));
-        q.acquire(&req("k/1", "a", 1), None).await.unwrap();
+        q.acquire(&req("k/1", "a", 1), None, &FREE).await.unwrap();
         assert_eq!(spool::read(&q.spool_path()).unwrap().len(), 1);
         // A waiter gets it on release; the release is spooled too.
         let b = req("k/1", "b", 2);
-        let waiter = q.acquire(&b, Some(Duration::from_secs(5)));
+        let waiter = q.acquire(&b, Some(Duration::from_secs(5)), &FREE);
         let release = async {
             tokio::time::sleep(Duration::from_millis(50)).await;
             q.release("a", "k/1", 1, 0).await
@@ -686,31 +749,128 @@ mod tests {
     async fn bounded_per_identity_and_by_the_spool() {
         let dir = tempfile::tempdir().unwrap();
         let q = posture(dir.path(), 1 << 20);
-        q.acquire(&req("k/1", "a", 1), None).await.unwrap();
-        q.acquire(&req("k/2", "a", 1), None).await.unwrap();
+        q.acquire(&req("k/1", "a", 1), None, &FREE).await.unwrap();
+        q.acquire(&req("k/2", "a", 1), None, &FREE).await.unwrap();
         assert!(matches!(
-            q.acquire(&req("k/3", "a", 1), None).await,
+            q.acquire(&req("k/3", "a", 1), None, &FREE).await,
             Err(ArbiterError::IdentityLimit { .. })
         ));
         // One waiter per identity here.
         let b1 = req("k/1", "b", 2);
-        let first = q.acquire(&b1, Some(Duration::from_millis(300)));
+        let first = q.acquire(&b1, Some(Duration::from_millis(300)), &FREE);
         let second = async {
             tokio::time::sleep(Duration::from_millis(20)).await;
-            q.acquire(&req("k/2", "b", 2), Some(Duration::from_millis(300)))
+            q.acquire(&req("k/2", "b", 2), Some(Duration::from_millis(300)), &FREE)
                 .await
         };
         let (first, second) = tokio::join!(first, second);
         assert!(matches!(first, Err(ArbiterError::WaitTimeout { .. })));
         assert!(matches!(second, Err(ArbiterError::TooManyWaiters { .. })));
 
-        // A full spool refuses and keeps nothing.
+        // A full spool refuses and keeps nothing (here: files the audit
+        // tailer has not collected fill it).
         let small = tempfile::tempdir().unwrap();
-        let q = posture(small.path(), 10);
-        let err = q.acquire(&req("k/1", "a", 1), None).await.unwrap_err();
+        let ready = small.path().join("quorum-loss").join("ready");
+        std::fs::create_dir_all(&ready).unwrap();
+        std::fs::write(ready.join("1-1-1.jsonl"), vec![b'x'; 64 << 10]).unwrap();
+        let q = posture(small.path(), 64 << 10);
+        let err = q
+            .acquire(&req("k/1", "a", 1), None, &FREE)
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("spool is full"), "{err}");
         assert_eq!(err.code(), tonic::Code::Unavailable);
         assert_eq!(q.memory_holds(), 0);
+    }
+
+    #[tokio::test]
+    async fn one_identity_cannot_use_up_the_spool_for_the_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = posture_with(dir.path(), 64 << 10, 10_000);
+        let mut granted = 0;
+        let refused = loop {
+            match q
+                .acquire(&req(&format!("a/{granted}"), "a", 1), None, &FREE)
+                .await
+            {
+                Ok(_) => granted += 1,
+                Err(e) => break e,
+            }
+        };
+        assert!(granted > 0, "{refused}");
+        assert!(
+            matches!(
+                refused,
+                ArbiterError::IdentityLimit {
+                    bound: IdentityBound::Spool,
+                    ..
+                }
+            ),
+            "{refused}"
+        );
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+        assert!(refused.to_string().contains("share"), "{refused}");
+        // Another identity still gets its unprotected grants.
+        q.acquire(&req("b/0", "b", 2), None, &FREE).await.unwrap();
+        // Every grant taken keeps room for its release line.
+        for i in 0..granted {
+            let released = q.release("a", &format!("a/{i}"), 1, 0).await;
+            assert!(matches!(released, Some(Ok(()))), "{released:?}");
+        }
+        let lines = spool::read(&q.spool_path()).unwrap();
+        assert_eq!(lines.len(), 2 * granted + 1);
+    }
+
+    #[tokio::test]
+    async fn a_key_held_in_etcd_by_another_session_is_not_granted_from_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = posture(dir.path(), 1 << 20);
+        let held_by_7 = |key: &str, session: i64| key == "k/1" && session != 7;
+        let refused = q.acquire(&req("k/1", "a", 1), None, &held_by_7).await;
+        assert!(
+            matches!(refused, Err(ArbiterError::Held { .. })),
+            "{refused:?}"
+        );
+        // waiting: until the deadline, or the loss ends
+        let refused = q
+            .acquire(
+                &req("k/1", "a", 1),
+                Some(Duration::from_millis(600)),
+                &held_by_7,
+            )
+            .await;
+        assert!(
+            matches!(refused, Err(ArbiterError::WaitTimeout { .. })),
+            "{refused:?}"
+        );
+        // the holder's own session, and other keys, are served
+        q.acquire(&req("k/1", "h", 7), None, &held_by_7)
+            .await
+            .unwrap();
+        q.acquire(&req("k/2", "a", 1), None, &held_by_7)
+            .await
+            .unwrap();
+        assert_eq!(q.memory_holds(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_live_memory_grant_gates_the_table_for_every_other_session() {
+        use crate::table::KeyGate as _;
+        let dir = tempfile::tempdir().unwrap();
+        let q = posture(dir.path(), 1 << 20);
+        q.acquire(&req("k/1", "a", 1), None, &FREE).await.unwrap();
+        assert!(q.blocked(&req("k/1", "b", 2)), "another identity");
+        assert!(
+            q.blocked(&req("k/1", "a", 3)),
+            "another session of the holder"
+        );
+        assert!(
+            !q.blocked(&req("k/1", "a", 1)),
+            "the memory grant's own session"
+        );
+        assert!(!q.blocked(&req("k/2", "b", 2)), "another key");
+        q.release("a", "k/1", 1, 0).await.unwrap().unwrap();
+        assert!(!q.blocked(&req("k/1", "b", 2)), "ended");
     }
 
     #[tokio::test]
@@ -718,17 +878,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let q = posture(dir.path(), 1 << 20);
-            q.acquire(&req("k/1", "a", 1), None).await.unwrap();
-            q.acquire(&req("k/2", "a", 1), None).await.unwrap();
+            q.acquire(&req("k/1", "a", 1), None, &FREE).await.unwrap();
+            q.acquire(&req("k/2", "a", 1), None, &FREE).await.unwrap();
             q.release("a", "k/2", 1, 0).await.unwrap().unwrap();
         }
         let q = posture(dir.path(), 1 << 20);
         assert_eq!(q.memory_holds(), 1);
         assert!(matches!(
-            q.acquire(&req("k/1", "b", 2), None).await,
+            q.acquire(&req("k/1", "b", 2), None, &FREE).await,
             Err(ArbiterError::Held { .. })
         ));
-        q.acquire(&req("k/2", "b", 2), None).await.unwrap();
+        q.acquire(&req("k/2", "b", 2), None, &FREE).await.unwrap();
         // Quorum back: the spool goes to ready/, whole.
         q.observe_for_test(Ok(())).await;
         assert!(!q.spool_path().exists());

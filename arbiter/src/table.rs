@@ -196,8 +196,18 @@ enum Claim {
     Gone,
 }
 
+/// Keys the table must not grant to a request's session for now, whatever
+/// the log says: a live memory grant made during a quorum loss
+/// ([`crate::quorum_loss`]) keeps its key from every other session, and the
+/// log knows nothing of it. Checked before every attempt and hand-over.
+pub trait KeyGate: Send + Sync {
+    /// Whether `req.key` is kept from `req.session` now.
+    fn blocked(&self, req: &GrantRequest) -> bool;
+}
+
 pub struct LockTable {
     log: Arc<dyn LockLog>,
+    gate: parking_lot::RwLock<Option<Arc<dyn KeyGate>>>,
     seal: Seal,
     book: Mutex<Book>,
     batches: Batches,
@@ -230,6 +240,7 @@ impl LockTable {
         Arc::new(Self {
             seal: Seal::new(log.clone(), guard, high_water, witness),
             log,
+            gate: parking_lot::RwLock::new(None),
             book: Mutex::new(Book::default()),
             batches: Batches::default(),
             next_id: AtomicU64::new(1),
@@ -242,6 +253,22 @@ impl LockTable {
 
     pub fn seal(&self) -> &Seal {
         &self.seal
+    }
+
+    /// Installs the [`KeyGate`] consulted before every grant.
+    pub fn set_gate(&self, gate: Arc<dyn KeyGate>) {
+        *self.gate.write() = Some(gate);
+    }
+
+    /// Whether the gate keeps `req.key` from `req.session` now.
+    fn gated(&self, req: &GrantRequest) -> bool {
+        self.gate.read().as_ref().is_some_and(|g| g.blocked(req))
+    }
+
+    /// The head of `key`'s queue, unless the gate keeps the key from it (it
+    /// then stays queued; its driver polls).
+    fn ungated_head(&self, key: &str) -> Option<Head> {
+        self.head(key).filter(|h| !self.gated(&h.req))
     }
 
     pub fn log(&self) -> &Arc<dyn LockLog> {
@@ -297,6 +324,8 @@ impl LockTable {
                 Some(grant) => self.reuse(grant).await?,
                 None => Next::Queue(None),
             }
+        } else if self.gated(&req) {
+            Next::Queue(None)
         } else {
             self.next_after(self.attempt(&req).await?).await?
         };
@@ -345,7 +374,7 @@ impl LockTable {
                 key: key.to_string(),
             });
         }
-        match self.head(key) {
+        match self.ungated_head(key) {
             None => {
                 if let Some(released) = self
                     .release_checked(identity, key, session, revision)
@@ -384,7 +413,7 @@ impl LockTable {
             }
         }
         let held = self.owned_hold(key, identity, session, revision).await?;
-        if let Some(head) = self.head(key) {
+        if let Some(head) = self.ungated_head(key) {
             match self.hand_over(HandOverFrom::Exact(&held), &head.req).await {
                 Ok(Some((grant, previous))) => {
                     self.deliver(&head, grant);

@@ -10,9 +10,11 @@
 //! three) rebuilds the configuration, and one that does not parse or does
 //! not match its key is logged and skipped: the arbiter keeps serving the
 //! last good one. Handshakes run concurrently, each within
-//! [`HANDSHAKE_TIMEOUT`], at most [`MAX_HANDSHAKES`] at once (a peer that
-//! opens connections and never finishes a handshake holds a place only
-//! that long); the accept loop never waits for one.
+//! [`HANDSHAKE_TIMEOUT`], at most [`MAX_HANDSHAKES`] at once and at most
+//! [`MAX_HANDSHAKES_PER_PEER`] from one peer address (a peer that opens
+//! connections and never finishes a handshake holds a place only that
+//! long, and cannot take every place alone: its extra connections are
+//! closed at once); the accept loop never waits for one.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -39,6 +41,47 @@ pub const RECHECK: Duration = Duration::from_secs(5);
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Handshakes in progress at once; more connections wait to be accepted.
 pub const MAX_HANDSHAKES: usize = 1024;
+/// Handshakes in progress at once from one IP address; more are closed.
+/// The arbiter's callers are a few Envoy replicas and operators, each
+/// opening a handful of connections.
+pub const MAX_HANDSHAKES_PER_PEER: usize = 64;
+
+/// Handshakes in progress per peer IP address.
+#[derive(Default)]
+struct PerPeer(Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+/// One handshake's place in [`PerPeer`]; given back on drop.
+struct PeerPlace {
+    peers: Arc<PerPeer>,
+    ip: std::net::IpAddr,
+}
+
+impl PerPeer {
+    fn enter(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<PeerPlace> {
+        let mut map = self.0.lock();
+        let n = map.entry(ip).or_insert(0);
+        if *n >= MAX_HANDSHAKES_PER_PEER {
+            return None;
+        }
+        *n += 1;
+        Some(PeerPlace {
+            peers: Arc::clone(self),
+            ip,
+        })
+    }
+}
+
+impl Drop for PeerPlace {
+    fn drop(&mut self) {
+        let mut map = self.peers.0.lock();
+        if let Some(n) = map.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.ip);
+            }
+        }
+    }
+}
 
 /// Why a configuration could not be built from the files.
 #[derive(Debug, thiserror::Error)]
@@ -136,6 +179,7 @@ impl ReloadingTls {
     ) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
         let (tx, rx) = mpsc::channel(64);
         let places = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        let peers = Arc::new(PerPeer::default());
         tokio::spawn(async move {
             loop {
                 let Ok(place) = Arc::clone(&places).acquire_owned().await else {
@@ -155,6 +199,10 @@ impl ReloadingTls {
                         continue;
                     }
                 };
+                let Some(peer_place) = peers.enter(peer.ip()) else {
+                    debug!(%peer, "too many TLS handshakes in progress from this address: closed");
+                    continue;
+                };
                 if let Err(e) = tcp.set_nodelay(true) {
                     warn!(error = %e, "could not turn Nagle's algorithm off on a connection");
                 }
@@ -162,6 +210,7 @@ impl ReloadingTls {
                 let tx = tx.clone();
                 tokio::spawn(async move {
                     let _place = place;
+                    let _peer_place = peer_place;
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                         Ok(Ok(tls)) => {
                             let _ = tx.send(Ok(tls)).await;

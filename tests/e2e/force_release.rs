@@ -459,6 +459,22 @@ async fn a_hold_that_changed_since_the_request_is_not_released() -> anyhow::Resu
         "{}",
         s.message()
     );
+    // The new hold's revision is its holder's token (with the epoch): never
+    // in an error.
+    let numbers: Vec<&str> = s
+        .message()
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|n| !n.is_empty())
+        .collect();
+    let (revision, token) = (
+        second.revision().to_string(),
+        second.token().get().to_string(),
+    );
+    assert!(
+        !numbers.contains(&revision.as_str()) && !numbers.contains(&token.as_str()),
+        "{}",
+        s.message()
+    );
     assert_eq!(w.revision().await?, before, "nothing written");
     assert!(w.held("demo/fr-6").await? && !second.is_fenced());
     // a key nobody holds cannot be requested
@@ -467,6 +483,58 @@ async fn a_hold_that_changed_since_the_request_is_not_released() -> anyhow::Resu
         w.request("demo/fr-6", &w.token("alice-op").await?).await,
         Code::FailedPrecondition,
     )?;
+    Ok(())
+}
+
+/// Pending requests are bounded: one per hold (a second operator approves
+/// the first instead of filing another), and a few per operator, each an
+/// etcd key on its own lease until approved or expired.
+#[tokio::test(flavor = "multi_thread")]
+async fn pending_requests_are_bounded_per_hold_and_per_operator() -> anyhow::Result<()> {
+    use latchkey_arbiter::force_release::MAX_PENDING_PER_OPERATOR;
+    let w = world(false).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let token = w.token("alice-op").await?;
+    let mut holds = Vec::new();
+    for i in 0..=MAX_PENDING_PER_OPERATOR {
+        holds.push(
+            alice
+                .lock(format!("demo/fr-bound-{i}"), FENCED)
+                .acquire(|_| {})
+                .await?,
+        );
+    }
+    let first = w.request("demo/fr-bound-0", &token).await?;
+    let before = w.revision().await?;
+    let again = expect_code(
+        w.request("demo/fr-bound-0", &w.token("bob-op").await?)
+            .await,
+        Code::AlreadyExists,
+    )?;
+    assert!(
+        again.message().contains(&first.request_id) && again.message().contains("approve"),
+        "{}",
+        again.message()
+    );
+    assert_eq!(w.revision().await?, before, "nothing written");
+    for i in 1..MAX_PENDING_PER_OPERATOR {
+        w.request(&format!("demo/fr-bound-{i}"), &token).await?;
+    }
+    let before = w.revision().await?;
+    let over = expect_code(
+        w.request(&format!("demo/fr-bound-{MAX_PENDING_PER_OPERATOR}"), &token)
+            .await,
+        Code::ResourceExhausted,
+    )?;
+    assert!(over.message().contains("pending"), "{}", over.message());
+    assert_eq!(w.revision().await?, before, "nothing written");
+    // another operator still can
+    w.request(
+        &format!("demo/fr-bound-{MAX_PENDING_PER_OPERATOR}"),
+        &w.token("bob-op").await?,
+    )
+    .await?;
+    drop(holds);
     Ok(())
 }
 

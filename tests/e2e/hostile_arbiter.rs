@@ -743,3 +743,51 @@ async fn one_identity_cannot_hold_more_keys_than_its_bound() -> anyhow::Result<(
     }
     Ok(())
 }
+
+/// A peer that opens TLS connections and never finishes a handshake holds
+/// at most `MAX_HANDSHAKES_PER_PEER` of the arbiter's handshake places: its
+/// further connections are closed at once, and callers from other
+/// addresses are served meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_address_cannot_hold_every_handshake_place() -> anyhow::Result<()> {
+    use latchkey_arbiter::tls_reload::MAX_HANDSHAKES_PER_PEER;
+    use tokio::io::AsyncReadExt as _;
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+    let s = stack().await?;
+    let addr = s.arbiter.addr();
+    // Idle connections from 127.0.0.1: each holds a place until the
+    // handshake timeout.
+    let mut idle = Vec::new();
+    for _ in 0..MAX_HANDSHAKES_PER_PEER {
+        idle.push(tokio::net::TcpStream::connect(addr).await?);
+    }
+    // One more from the same address is closed at once.
+    let mut extra = tokio::net::TcpStream::connect(addr).await?;
+    let mut buf = [0u8; 1];
+    let closed = tokio::time::timeout(Duration::from_secs(3), extra.read(&mut buf)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "the connection over the bound was not closed: {closed:?}"
+    );
+    // A caller from another address is served, within a second or two.
+    let certs = latchkey_tests::arbiter::certs()?;
+    let svid = certs.svid("workload/alice");
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(certs.ca())?))
+        .identity(Identity::from_pem(
+            std::fs::read(&svid.cert)?,
+            std::fs::read(&svid.key)?,
+        ))
+        .domain_name("localhost");
+    let channel = Channel::from_shared(format!("https://{addr}"))?
+        .local_address(Some("127.0.0.2".parse()?))
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await?;
+    let mut alice = latchkey_proto::lockv1::lock_client::LockClient::new(channel);
+    open(&mut alice, "demo").await?;
+    drop(idle);
+    Ok(())
+}

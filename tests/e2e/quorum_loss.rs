@@ -80,6 +80,22 @@ async fn two_of_three_down_closed_refuses_open_grants_unprotected_and_spools() -
     let before = try_lock(&mut alice, "demo/quorum/before", "demo", alice_closed).await?;
     ensure!(before.token > 0 && !before.unprotected, "{before:?}");
     release(&mut alice, &before).await?;
+    // An open-class key held in etcd when the quorum goes: its holder
+    // cannot renew, but nobody else gets it from memory meanwhile.
+    let held_in_etcd = eventually("an etcd grant of the open class", CONVERGE, || {
+        let mut alice = alice.clone();
+        async move {
+            Ok(try_lock(
+                &mut alice,
+                "shared/quorum/etcd",
+                "spare-capacity",
+                alice_open,
+            )
+            .await?)
+        }
+    })
+    .await?;
+    ensure!(held_in_etcd.token > 0, "{held_in_etcd:?}");
 
     // Two of three members down: no majority.
     let leader = cluster.leader().await?;
@@ -129,6 +145,9 @@ async fn two_of_three_down_closed_refuses_open_grants_unprotected_and_spools() -
     );
     // Still exclusive within this arbiter's memory.
     let r = try_lock(&mut bob, "shared/quorum/a", "spare-capacity", bob_open).await;
+    expect_refusal(r, Code::Aborted, "HELD")?;
+    // A key held in etcd before the loss is not granted from memory.
+    let r = try_lock(&mut bob, "shared/quorum/etcd", "spare-capacity", bob_open).await;
     expect_refusal(r, Code::Aborted, "HELD")?;
     // A second open grant, released during the loss: both in the spool.
     let other = try_lock(&mut bob, "shared/quorum/b", "spare-capacity", bob_open).await?;

@@ -307,6 +307,21 @@ impl ForceStore {
     }
 
     /// Pending requests and force records.
+    /// Every request record (pending until approved or expired).
+    pub async fn pending_requests(&self) -> Result<Vec<RequestRecord>, ForceError> {
+        let resp = self
+            .force
+            .kv_client()
+            .get(self.requests_dir(), Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(|e| store_error("listing requests", e))?;
+        Ok(resp
+            .kvs()
+            .iter()
+            .filter_map(|kv| decode(kv.value()))
+            .collect())
+    }
+
     pub async fn list(&self) -> Result<(Vec<RequestRecord>, Vec<ForceRecord>), ForceError> {
         let mut kv = self.force.kv_client();
         let requests = kv
@@ -356,13 +371,14 @@ fn describe_now(answers: &[TxnOpResponse]) -> String {
     match get.kvs().first() {
         None => "it is not held any more".into(),
         Some(kv) => match decode::<HolderRecord>(kv.value()) {
+            // Never the hold's revision: with the epoch it is the holder's
+            // fencing token.
             Some(r) => format!(
-                "now held by {} through session {:#x}, granted at revision {}",
+                "now held by {} through session {:#x} (a newer grant than the request named)",
                 r.identity,
                 kv.lease(),
-                kv.mod_revision()
             ),
-            None => format!("now held at revision {}", kv.mod_revision()),
+            None => "now held by a newer grant than the request named".into(),
         },
     }
 }

@@ -72,6 +72,12 @@ pub enum SpoolError {
         "the quorum-loss spool is full ({used} of {limit} bytes in {dir}): no more unprotected grants until quorum returns and the audit tailer collects it"
     )]
     Full { used: u64, limit: u64, dir: PathBuf },
+    #[error("{identity} has used its share of the quorum-loss spool ({used} of {share} bytes)")]
+    Share {
+        identity: String,
+        used: u64,
+        share: u64,
+    },
     #[error("cannot write the quorum-loss spool {path}: {source}")]
     Io {
         path: PathBuf,
@@ -99,7 +105,16 @@ struct Inner {
     ready_bytes: u64,
     /// Spools closed by this process (names them uniquely).
     closed: u64,
+    /// Bytes each identity's grants took in the open spool (twice the grant
+    /// line: room for its release is kept).
+    per_identity: std::collections::HashMap<String, u64>,
+    /// Room kept in the bound for the release lines of grants written.
+    reserved: u64,
 }
+
+/// One identity may take at most this fraction of the spool's bound: one
+/// workload cannot use up everyone's unprotected grants.
+pub const SHARE_DIVISOR: u64 = 8;
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SpoolError + '_ {
     move |source| SpoolError::Io {
@@ -133,6 +148,8 @@ impl Spool {
                 open_bytes,
                 ready_bytes: 0,
                 closed: 0,
+                per_identity: std::collections::HashMap::new(),
+                reserved: 0,
             }),
         };
         let ready_bytes = spool.count_ready();
@@ -178,12 +195,39 @@ impl Spool {
         line.push(b'\n');
         let path = self.path();
         let mut inner = self.lock();
-        let mut used = inner.open_bytes + inner.ready_bytes;
-        if used + line.len() as u64 > self.limit_bytes {
+        // A grant keeps room for its release line, in the bound and in its
+        // identity's share.
+        let len = line.len() as u64;
+        let need = match record.kind {
+            SpoolKind::Grant => 2 * len,
+            SpoolKind::Release => len,
+        };
+        if record.kind == SpoolKind::Grant {
+            let share = self.share();
+            let used = inner
+                .per_identity
+                .get(&record.identity)
+                .copied()
+                .unwrap_or(0);
+            if used + need > share {
+                return Err(SpoolError::Share {
+                    identity: record.identity.clone(),
+                    used,
+                    share,
+                });
+            }
+        }
+        // A release takes the room its grant kept.
+        let kept = match record.kind {
+            SpoolKind::Release => inner.reserved.min(len),
+            SpoolKind::Grant => 0,
+        };
+        let mut used = inner.open_bytes + inner.ready_bytes + inner.reserved - kept;
+        if used + need > self.limit_bytes {
             // The tailer may have collected ready files since: count again.
             inner.ready_bytes = self.count_ready();
-            used = inner.open_bytes + inner.ready_bytes;
-            if used + line.len() as u64 > self.limit_bytes {
+            used = inner.open_bytes + inner.ready_bytes + inner.reserved - kept;
+            if used + need > self.limit_bytes {
                 return Err(SpoolError::Full {
                     used,
                     limit: self.limit_bytes,
@@ -215,8 +259,23 @@ impl Spool {
             inner.open_bytes = fs::metadata(&path).map(|m| m.len()).unwrap_or(u64::MAX / 2);
             return Err(SpoolError::Io { path, source });
         }
-        inner.open_bytes += line.len() as u64;
+        inner.open_bytes += len;
+        match record.kind {
+            SpoolKind::Grant => {
+                inner.reserved += len;
+                *inner
+                    .per_identity
+                    .entry(record.identity.clone())
+                    .or_insert(0) += need;
+            }
+            SpoolKind::Release => inner.reserved -= kept,
+        }
         Ok(())
+    }
+
+    /// The bytes one identity's grants may take in the open spool.
+    pub fn share(&self) -> u64 {
+        self.limit_bytes / SHARE_DIVISOR
     }
 
     /// Closes the open spool into `ready/` for the audit tailer, if it has
@@ -243,6 +302,8 @@ impl Spool {
         sync_dir(&self.ready_dir()).map_err(io_err(&self.ready_dir()))?;
         sync_dir(&self.dir).map_err(io_err(&self.dir))?;
         inner.open_bytes = 0;
+        inner.per_identity.clear();
+        inner.reserved = 0;
         inner.ready_bytes = self.count_ready();
         Ok(Some(target))
     }
@@ -339,20 +400,53 @@ mod tests {
     #[test]
     fn bounded_refuses_when_full_and_writes_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let line = serde_json::to_vec(&record(1, "a/b")).unwrap().len() as u64 + 1;
-        let (spool, _) = Spool::open(dir.path(), line * 2).unwrap();
-        spool.append(&record(1, "a/b")).unwrap();
-        spool.append(&record(2, "a/b")).unwrap();
-        let err = spool.append(&record(3, "a/b")).unwrap_err();
+        // Eight identities' grants, each with room kept for its release,
+        // fill the bound exactly (and each identity's share).
+        let of = |i: i64| SpoolRecord {
+            identity: format!("spiffe://dev.latchkey/w/{i:02}"),
+            ..record(1, "a/b")
+        };
+        let line = serde_json::to_vec(&of(1)).unwrap().len() as u64 + 1;
+        let (spool, _) = Spool::open(dir.path(), line * 2 * SHARE_DIVISOR).unwrap();
+        for i in 1..=8 {
+            spool.append(&of(i)).unwrap();
+        }
+        let err = spool.append(&of(9)).unwrap_err();
         assert!(matches!(err, SpoolError::Full { .. }), "{err}");
         assert!(err.to_string().contains("spool is full"), "{err}");
-        assert_eq!(read(&spool.path()).unwrap().len(), 2);
-        // Shipping does not free the bound: the ready file still counts
-        // until the audit tailer collects it.
+        assert_eq!(read(&spool.path()).unwrap().len(), 8);
+        // Shipping frees only the room kept for releases: the ready file
+        // (8 lines) counts until the audit tailer collects it.
         let shipped = spool.ship().unwrap().unwrap();
-        assert!(spool.append(&record(3, "a/b")).is_err());
+        for i in 9..=12 {
+            spool.append(&of(i)).unwrap();
+        }
+        assert!(spool.append(&of(13)).is_err());
         fs::remove_file(&shipped).unwrap();
-        spool.append(&record(3, "a/b")).unwrap();
+        spool.append(&of(13)).unwrap();
+    }
+
+    #[test]
+    fn one_identity_gets_its_share_and_its_releases_always_fit() {
+        let dir = tempfile::tempdir().unwrap();
+        let line = serde_json::to_vec(&record(1, "a/b")).unwrap().len() as u64 + 1;
+        // A share of two grants (with their releases).
+        let (spool, _) = Spool::open(dir.path(), line * 4 * SHARE_DIVISOR).unwrap();
+        spool.append(&record(1, "a/b")).unwrap();
+        spool.append(&record(2, "a/c")).unwrap();
+        let err = spool.append(&record(3, "a/d")).unwrap_err();
+        assert!(matches!(err, SpoolError::Share { .. }), "{err}");
+        for id in [1, 2] {
+            let release = SpoolRecord {
+                kind: SpoolKind::Release,
+                ..record(id, "a/b")
+            };
+            spool.append(&release).unwrap();
+        }
+        assert_eq!(read(&spool.path()).unwrap().len(), 4);
+        // A new loss (after shipping) starts a new share.
+        spool.ship().unwrap();
+        spool.append(&record(3, "a/d")).unwrap();
     }
 
     #[test]

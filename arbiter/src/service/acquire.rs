@@ -255,7 +255,12 @@ impl Arbiter {
             ),
         };
         if lost {
-            let memory = self.quorum.acquire(&grant_req, wait).await?;
+            let memory = self
+                .quorum
+                .acquire(&grant_req, wait, &|key, session| {
+                    self.holds.held_by_other(key, session)
+                })
+                .await?;
             return Ok(AcquireResponse {
                 grant: Some(wire_memory_grant(&memory)),
             });
@@ -273,7 +278,12 @@ impl Arbiter {
                 // The loss was noticed while this call was at etcd.
                 return match fallback {
                     Some(grant_req) => {
-                        let memory = self.quorum.acquire(&grant_req, wait).await?;
+                        let memory = self
+                            .quorum
+                            .acquire(&grant_req, wait, &|key, session| {
+                                self.holds.held_by_other(key, session)
+                            })
+                            .await?;
                         Ok(AcquireResponse {
                             grant: Some(wire_memory_grant(&memory)),
                         })

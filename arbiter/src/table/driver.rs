@@ -40,6 +40,12 @@ pub(super) async fn drive(
         if stop.is_cancelled() {
             return;
         }
+        if table.gated(&head.req) {
+            // Kept from this session for now (a memory grant of a quorum
+            // loss): its end wakes nobody here, so poll.
+            poll_later(&table, &kick, &stop).await;
+            continue;
+        }
         match table.attempt(&head.req).await {
             Ok(Attempt::Granted(grant)) => {
                 table.deliver(&head, grant);

@@ -162,8 +162,8 @@ impl Seal {
             && header.revision <= mark.revision
         {
             let reason = format!(
-                "a grant committed at etcd revision {} but one at revision {} of epoch {} was already vouched for: the lock log was restored from an earlier snapshot",
-                header.revision, mark.revision, mark.epoch
+                "a grant committed at etcd revision {}, not above a grant of epoch {} already vouched for: the lock log was restored from an earlier snapshot",
+                header.revision, mark.epoch
             );
             if self.guard.seal_now(&reason) {
                 self.publish_seal(&reason).await;
