@@ -145,6 +145,11 @@ struct Args {
     /// (0 to 300).
     #[arg(long, value_name = "SECONDS", default_value_t = crate::oidc::DEFAULT_LEEWAY.as_secs())]
     oidc_leeway_seconds: u64,
+    /// The oldest ID token (by its iat) accepted to request or approve a
+    /// force-release, in seconds (60 to 86400): operators sign in shortly
+    /// before they act.
+    #[arg(long, value_name = "SECONDS", default_value_t = crate::oidc::DEFAULT_MAX_TOKEN_AGE.as_secs())]
+    oidc_max_token_age_seconds: u64,
     /// The etcd user force-release transactions run as: a role that may
     /// only touch holds, claims and force records (docs/security.md).
     #[arg(long, value_name = "NAME", requires_all = ["force_etcd_password_file", "oidc_issuer"])]
@@ -179,6 +184,13 @@ fn force_release(args: &Args) -> anyhow::Result<crate::force_release::ForceRelea
             oidc.role = args.oidc_role.clone();
             oidc.require_mfa = args.oidc_require_mfa;
             oidc.leeway = Duration::from_secs(args.oidc_leeway_seconds);
+            if !(60..=86_400).contains(&args.oidc_max_token_age_seconds) {
+                bail!(
+                    "--oidc-max-token-age-seconds {} is out of range: 60 to 86400 (how long after sign-in an operator's ID token may be used)",
+                    args.oidc_max_token_age_seconds
+                );
+            }
+            oidc.max_age = Duration::from_secs(args.oidc_max_token_age_seconds);
             oidc.check().map_err(anyhow::Error::msg)?;
             Some(oidc)
         }

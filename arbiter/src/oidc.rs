@@ -32,6 +32,12 @@ pub const DEFAULT_LEEWAY: Duration = Duration::from_secs(30);
 /// clock, and the leeway keeps an expired token good for that long.
 pub const MAX_LEEWAY: Duration = Duration::from_secs(300);
 
+/// How old an ID token may be (`iat`) to request or approve, by default
+/// (`--oidc-max-token-age-seconds`): a token copied from a screen, a log or
+/// a shell history serves its finder only that long after the sign-in,
+/// however long the provider made it live.
+pub const DEFAULT_MAX_TOKEN_AGE: Duration = Duration::from_secs(15 * 60);
+
 /// `amr` values (RFC 8176) that name a second factor or a factor stronger
 /// than a password: one of them satisfies `--oidc-require-mfa`.
 pub const MFA_METHODS: &[&str] = &[
@@ -66,6 +72,8 @@ pub struct OidcConfig {
     /// Require an `amr` value from [`MFA_METHODS`].
     pub require_mfa: bool,
     pub leeway: Duration,
+    /// The oldest `iat` accepted (plus the leeway).
+    pub max_age: Duration,
 }
 
 impl OidcConfig {
@@ -77,6 +85,7 @@ impl OidcConfig {
             role: DEFAULT_ROLE.into(),
             require_mfa: false,
             leeway: DEFAULT_LEEWAY,
+            max_age: DEFAULT_MAX_TOKEN_AGE,
         }
     }
 
@@ -132,6 +141,10 @@ pub enum OidcError {
     WrongAudience { expected: String },
     #[error("the ID token is not valid: {0}; sign in again")]
     Invalid(String),
+    #[error(
+        "the ID token was issued {age_minutes} min ago, and this arbiter accepts tokens at most {max_minutes} min old (--oidc-max-token-age-seconds); sign in again"
+    )]
+    TooOld { age_minutes: u64, max_minutes: u64 },
     #[error(
         "the signed-in user lacks the {role:?} role (claim {claim:?}); ask your identity administrators to grant it"
     )]
@@ -278,6 +291,27 @@ impl OidcVerifier {
             .and_then(|s| s.as_str())
             .filter(|s| !s.is_empty())
             .ok_or_else(|| OidcError::Invalid("no \"sub\" claim".into()))?;
+        // OIDC Core requires `iat` in an ID token.
+        let issued = claims
+            .get("iat")
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| OidcError::Invalid("no \"iat\" (issued at) claim".into()))?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let leeway = self.config.leeway.as_secs();
+        if issued > now.saturating_add(leeway) {
+            return Err(OidcError::Invalid(
+                "it was issued in the future (check the provider's and this host's clocks)".into(),
+            ));
+        }
+        let age = now.saturating_sub(issued);
+        if age > self.config.max_age.as_secs().saturating_add(leeway) {
+            return Err(OidcError::TooOld {
+                age_minutes: age / 60,
+                max_minutes: self.config.max_age.as_secs() / 60,
+            });
+        }
         if !has_role(claims, &self.config.role_claim, &self.config.role) {
             return Err(OidcError::NoRole {
                 claim: self.config.role_claim.clone(),
@@ -456,6 +490,46 @@ mod tests {
             .check()
             .unwrap_err();
         assert!(err.contains("--oidc-audience"), "{err}");
+    }
+
+    #[test]
+    fn a_token_is_accepted_only_shortly_after_its_sign_in() {
+        let v =
+            OidcVerifier::new(OidcConfig::new("http://127.0.0.1:1".into(), "a".into())).unwrap();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let claims = |iat: Option<u64>| {
+            let mut c = json!({"sub": "alice", "roles": ["lock-operator"]});
+            if let Some(iat) = iat {
+                c["iat"] = json!(iat);
+            }
+            c
+        };
+        assert!(v.judge(&claims(Some(now - 60))).is_ok());
+        // at the bound, with the leeway
+        assert!(v.judge(&claims(Some(now - 15 * 60 - 20))).is_ok());
+        let old = v.judge(&claims(Some(now - 3600))).unwrap_err();
+        assert!(
+            matches!(
+                old,
+                OidcError::TooOld {
+                    max_minutes: 15,
+                    ..
+                }
+            ),
+            "{old:?}"
+        );
+        assert!(old.to_string().contains("sign in again"), "{old}");
+        assert!(matches!(
+            v.judge(&claims(None)),
+            Err(OidcError::Invalid(m)) if m.contains("iat")
+        ));
+        assert!(matches!(
+            v.judge(&claims(Some(now + 600))),
+            Err(OidcError::Invalid(m)) if m.contains("future")
+        ));
     }
 
     #[tokio::test]
