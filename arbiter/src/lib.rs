@@ -302,6 +302,10 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             },
             guard,
             config.hook_host.clone(),
+            {
+                let quorum = quorum.clone();
+                Arc::new(move || quorum.snapshot())
+            },
         )),
         table,
         policies,

@@ -30,6 +30,9 @@ use crate::error::{ArbiterError, reason_name};
 /// Reports (keys with a queue, waiters over all keys).
 pub type WaiterTotals = Arc<dyn Fn() -> (usize, usize) + Send + Sync>;
 
+/// Reports the quorum-loss posture ([`crate::quorum_loss::QuorumLoss::snapshot`]).
+pub type QuorumStatus = Arc<dyn Fn() -> crate::quorum_loss::QuorumSnapshot + Send + Sync>;
+
 /// Every label name any arbiter metric may carry.
 pub const ALLOWED_LABELS: &[&str] = &["namespace", "class", "outcome", "kind"];
 
@@ -125,7 +128,12 @@ impl fmt::Debug for Metrics {
 
 impl Metrics {
     /// `waiters` reports (keys with a queue, waiters over all keys) at scrape time.
-    pub fn new(waiters: WaiterTotals, guard: Arc<EpochGuard>, hooks: Arc<HookHost>) -> Self {
+    pub fn new(
+        waiters: WaiterTotals,
+        guard: Arc<EpochGuard>,
+        hooks: Arc<HookHost>,
+        quorum: QuorumStatus,
+    ) -> Self {
         let mut registry = Registry::with_prefix("latchkey_arbiter");
         let acquires = Family::<CallLabels, Counter>::default();
         registry.register(
@@ -179,6 +187,7 @@ impl Metrics {
             waiters,
             guard,
             hooks,
+            quorum,
         }));
         Self {
             registry,
@@ -289,6 +298,7 @@ struct StateCollector {
     waiters: WaiterTotals,
     guard: Arc<EpochGuard>,
     hooks: Arc<HookHost>,
+    quorum: QuorumStatus,
 }
 
 impl fmt::Debug for StateCollector {
@@ -329,6 +339,34 @@ impl Collector for StateCollector {
             "The epoch this arbiter serves (0 before the first etcd read)",
             self.guard.state().map_or(0, |s| i64::from(s.epoch())),
         )?;
+        let quorum = (self.quorum)();
+        gauge(
+            &mut encoder,
+            "quorum_lost",
+            "1 while the lock cluster has no etcd majority as this arbiter's probe sees it: closed classes refuse, open classes grant unprotected from memory (ADR-04)",
+            i64::from(quorum.lost),
+        )?;
+        gauge(
+            &mut encoder,
+            "unprotected_memory_grants",
+            "Live unprotected grants from this arbiter's memory (token 0), made during a quorum loss",
+            i64::try_from(quorum.memory_grants).unwrap_or(i64::MAX),
+        )?;
+        gauge(
+            &mut encoder,
+            "quorum_loss_spool_bytes",
+            "Bytes of unprotected grants spooled and not yet collected by the audit tailer (bounded by --quorum-loss-spool-bytes)",
+            i64::try_from(quorum.spool_bytes).unwrap_or(i64::MAX),
+        )?;
+        {
+            let c = ConstCounter::new(quorum.unprotected_grants_total);
+            c.encode(encoder.encode_descriptor(
+                "unprotected_grants",
+                "Unprotected grants made from memory during quorum losses since the start",
+                None,
+                c.metric_type(),
+            )?)?;
+        }
 
         let snapshot = self.hooks.metrics().snapshot();
         let classes = || snapshot.iter().map(|(c, m)| (metric_label(c), m));
@@ -398,6 +436,7 @@ mod tests {
             Arc::new(move || waiters),
             Arc::new(EpochGuard::default()),
             Arc::new(HookHost::new(HostSettings::default())),
+            Arc::new(crate::quorum_loss::QuorumSnapshot::default),
         )
     }
 
@@ -464,6 +503,10 @@ mod tests {
             "latchkey_arbiter_contended_keys 2",
             "latchkey_arbiter_sealed 0",
             "latchkey_arbiter_epoch 0",
+            "latchkey_arbiter_quorum_lost 0",
+            "latchkey_arbiter_unprotected_memory_grants 0",
+            "latchkey_arbiter_quorum_loss_spool_bytes 0",
+            "latchkey_arbiter_unprotected_grants_total 0",
         ] {
             assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
         }

@@ -115,6 +115,28 @@ pub struct QuorumLoss {
     seq: AtomicU64,
     max_holds_per_identity: u32,
     max_waiters_per_identity: u32,
+    /// Unprotected grants made from memory since the start.
+    granted_total: AtomicU64,
+}
+
+/// The posture now, for `admin status` and the metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QuorumSnapshot {
+    /// The lock cluster has no quorum, as far as the probe knows.
+    pub lost: bool,
+    /// For how long (0 when not lost).
+    pub lost_for_ms: u64,
+    /// The last probe failure (empty when the last probe answered).
+    pub last_error: String,
+    /// Live unprotected memory grants.
+    pub memory_grants: u64,
+    /// Unprotected grants made since the arbiter started.
+    pub unprotected_grants_total: u64,
+    /// Bytes in the open spool and in spools the audit tailer has not
+    /// collected yet.
+    pub spool_bytes: u64,
+    /// The spool's bound (`--quorum-loss-spool-bytes`).
+    pub spool_limit_bytes: u64,
 }
 
 /// Whether a key is held in the lock log by a session other than the given
@@ -191,6 +213,7 @@ impl QuorumLoss {
             seq: AtomicU64::new(0),
             max_holds_per_identity,
             max_waiters_per_identity,
+            granted_total: AtomicU64::new(0),
         };
         this.replay(replay);
         Ok(this)
@@ -238,6 +261,27 @@ impl QuorumLoss {
     /// The lock cluster's id (from the arbiter's first read), for the spool.
     pub fn set_cluster_id(&self, cluster_id: u64) {
         self.cluster_id.store(cluster_id, Ordering::Relaxed);
+    }
+
+    /// The posture now (status, metrics).
+    pub fn snapshot(&self) -> QuorumSnapshot {
+        let (lost_for, last_error) = {
+            let probe = self.probe.lock();
+            let error = match probe.failures {
+                0 => String::new(),
+                _ => probe.last_error.clone(),
+            };
+            (probe.lost_since.map(|t| t.elapsed()), error)
+        };
+        QuorumSnapshot {
+            lost: lost_for.is_some(),
+            lost_for_ms: lost_for.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            last_error,
+            memory_grants: self.memory_holds() as u64,
+            unprotected_grants_total: self.granted_total.load(Ordering::Relaxed),
+            spool_bytes: self.spool.used_bytes(),
+            spool_limit_bytes: self.config.spool_limit_bytes,
+        }
     }
 
     /// The lock cluster has no quorum, as far as the probe knows.
@@ -493,6 +537,7 @@ impl QuorumLoss {
         match (written, ours) {
             (Ok(()), Some(hold)) => {
                 hold.pending = false;
+                self.granted_total.fetch_add(1, Ordering::Relaxed);
                 info!(identity = %record.identity, key = %record.key, class = %record.class, "granted UNPROTECTED from memory during quorum loss (token 0, spooled)");
                 Ok(MemoryGrant {
                     key: record.key,
@@ -616,7 +661,7 @@ impl QuorumLoss {
         }
     }
 
-    /// Live memory grants (tests, status).
+    /// Live memory grants (status, metrics).
     pub fn memory_holds(&self) -> usize {
         let now = Instant::now();
         self.holds

@@ -10,9 +10,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
+use latchkey_proto::adminv1::GetStatusRequest;
 use latchkey_proto::lockv1::InspectRequest;
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
 use latchkey_tests::cluster::{ClusterOptions, EtcdCluster};
+use latchkey_tests::envoy::admin_get;
 use latchkey_tests::postgres::PostgresServer;
 use latchkey_tests::{copy_dev_policies, eventually, init_tracing};
 use tonic::Code;
@@ -67,6 +69,7 @@ async fn two_of_three_down_closed_refuses_open_grants_unprotected_and_spools() -
         ArbiterOptions {
             policies_dir: policies.path().to_path_buf(),
             state_dir: Some(state.path().to_path_buf()),
+            metrics: true,
             ..ArbiterOptions::default()
         },
     )
@@ -155,6 +158,31 @@ async fn two_of_three_down_closed_refuses_open_grants_unprotected_and_spools() -
     let kinds: Vec<String> = spool_lines(&spool)?.into_iter().map(|l| l.kind).collect();
     assert_eq!(kinds, ["grant", "grant", "release"]);
 
+    // Operators see the loss: admin status answers without etcd, and the
+    // metrics say it too.
+    let status = arbiter
+        .admin("latchkey/operator")
+        .await?
+        .get_status(GetStatusRequest {})
+        .await?
+        .into_inner();
+    assert!(
+        status.quorum_lost && status.quorum_lost_for_ms > 0,
+        "{status:?}"
+    );
+    assert!(!status.quorum_last_error.is_empty(), "{status:?}");
+    assert_eq!(status.unprotected_memory_grants, 1, "{status:?}");
+    assert!(status.quorum_loss_spool_bytes > 0, "{status:?}");
+    let metrics_addr = arbiter.metrics_addr().context("metrics")?;
+    let text = admin_get(metrics_addr, "/metrics").await?;
+    for line in [
+        "latchkey_arbiter_quorum_lost 1",
+        "latchkey_arbiter_unprotected_memory_grants 1",
+        "latchkey_arbiter_unprotected_grants_total 2",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+    }
+
     // Quorum back.
     cluster.restart(leader).await?;
     cluster.restart((leader + 1) % 3).await?;
@@ -193,6 +221,11 @@ async fn two_of_three_down_closed_refuses_open_grants_unprotected_and_spools() -
         "{after:?}"
     );
     assert!(!holder_of(&mut alice, "demo/quorum/during").await?);
+    let text = admin_get(metrics_addr, "/metrics").await?;
+    assert!(
+        text.lines().any(|l| l == "latchkey_arbiter_quorum_lost 0"),
+        "{text}"
+    );
 
     // The live memory grant keeps its key from an etcd grant to another
     // session until it ends (here: released with token 0).

@@ -215,6 +215,7 @@ pub fn arbiter_metric_names() -> anyhow::Result<BTreeSet<String>> {
         Arc::new(latchkey_hook_host::HookHost::new(
             latchkey_hook_host::HostSettings::default(),
         )),
+        Arc::new(latchkey_arbiter::quorum_loss::QuorumSnapshot::default),
     );
     // A family shows in the exposition only once it has a sample: give each one.
     use latchkey_arbiter::error::ArbiterError;

@@ -308,6 +308,12 @@ impl Spool {
         Ok(Some(target))
     }
 
+    /// Bytes of the open spool and of the ready files as last counted.
+    pub fn used_bytes(&self) -> u64 {
+        let inner = self.lock();
+        inner.open_bytes + inner.ready_bytes
+    }
+
     /// Bytes the open spool holds.
     pub fn open_bytes(&self) -> u64 {
         self.lock().open_bytes

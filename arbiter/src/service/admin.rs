@@ -23,7 +23,14 @@ impl Arbiter {
         let caller = self.caller(&request)?;
         self.require_operator(&caller)?;
         // A fresh read: it also re-checks the header against the epoch.
-        let state = self.table.seal().load_epoch().await?;
+        // During a quorum loss etcd cannot answer: the status still does,
+        // from what the arbiter last read.
+        let quorum = self.quorum.snapshot();
+        let state = match self.table.seal().load_epoch().await {
+            Ok(state) => state,
+            Err(e) if quorum.lost => self.table.seal().guard().state().ok_or(e)?,
+            Err(e) => return Err(e),
+        };
         let mark = self.table.seal().high_water();
         let seal_reason = self.table.seal().guard().seal_reason();
         // Read by load_epoch just now.
@@ -32,10 +39,15 @@ impl Arbiter {
         let witness = self.table.seal().witness().unwrap_or_else(|| {
             "the arbiter's state directory only (one cluster, no --coord-etcd)".into()
         });
+        let current_cluster_id = match self.table.current_cluster_id().await {
+            Ok(id) => id,
+            Err(_) if quorum.lost => 0,
+            Err(e) => return Err(e),
+        };
         Ok(GetStatusResponse {
             epoch: state.epoch(),
             epoch_cluster_id: state.cluster_id,
-            current_cluster_id: self.table.current_cluster_id().await?,
+            current_cluster_id,
             sealed: seal_reason.is_some(),
             seal_reason: seal_reason.unwrap_or_default(),
             revision_high_water_mark: mark.map_or(0, |m| m.revision),
@@ -48,6 +60,12 @@ impl Arbiter {
             coord_seen_revision: coord_seen.mark.map_or(0, |m| m.revision),
             coord_seen_mark_epoch: coord_seen.mark.map_or(0, |m| m.epoch),
             coord_seen_epoch: coord_seen.epoch,
+            quorum_lost: quorum.lost,
+            quorum_lost_for_ms: quorum.lost_for_ms,
+            quorum_last_error: quorum.last_error,
+            unprotected_memory_grants: u32::try_from(quorum.memory_grants).unwrap_or(u32::MAX),
+            quorum_loss_spool_bytes: quorum.spool_bytes,
+            quorum_loss_spool_limit_bytes: quorum.spool_limit_bytes,
         })
     }
 

@@ -285,6 +285,12 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
                     "coord_seen_revision": s.coord_seen_revision,
                     "coord_seen_mark_epoch": s.coord_seen_mark_epoch,
                     "coord_seen_epoch": s.coord_seen_epoch,
+                    "quorum_lost": s.quorum_lost,
+                    "quorum_lost_for_ms": s.quorum_lost_for_ms,
+                    "quorum_last_error": s.quorum_last_error,
+                    "unprotected_memory_grants": s.unprotected_memory_grants,
+                    "quorum_loss_spool_bytes": s.quorum_loss_spool_bytes,
+                    "quorum_loss_spool_limit_bytes": s.quorum_loss_spool_limit_bytes,
                 }));
             } else {
                 println!("epoch                {}", s.epoch);
@@ -317,6 +323,23 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
                     println!("sealed               YES: {}", s.seal_reason);
                 } else {
                     println!("sealed               no");
+                }
+                if s.quorum_lost {
+                    println!(
+                        "quorum               LOST for {} s ({}): closed classes refuse, open classes grant unprotected",
+                        s.quorum_lost_for_ms / 1000,
+                        s.quorum_last_error
+                    );
+                } else {
+                    println!("quorum               yes");
+                }
+                if s.unprotected_memory_grants > 0 || s.quorum_loss_spool_bytes > 0 {
+                    println!(
+                        "unprotected grants   {} live; spool {} of {} bytes (for the audit tailer)",
+                        s.unprotected_memory_grants,
+                        s.quorum_loss_spool_bytes,
+                        s.quorum_loss_spool_limit_bytes
+                    );
                 }
             }
         }
