@@ -31,6 +31,7 @@ pub mod policy;
 pub mod quorum_loss;
 pub mod records;
 mod service;
+pub mod shards;
 pub mod table;
 pub mod telemetry;
 pub mod tls_reload;

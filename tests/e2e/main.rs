@@ -33,6 +33,7 @@ mod policies;
 mod python_client;
 mod quorum_loss;
 mod seal;
+mod shards;
 mod support;
 mod waiting;
 mod witness;

@@ -32,6 +32,9 @@ pub const CONFIG_CHECK_IDENTITY: &str = "spiffe://latchkey.invalid/config-check"
 pub const CONFIG_CHECK_KEY: &str = "latchkey-config-check";
 
 const MIB: usize = 1 << 20;
+/// The least time a module's load-time trial call (its ABI version) gets,
+/// whatever the class's per-call deadline.
+const TRIAL_DEADLINE: Duration = Duration::from_secs(1);
 
 /// How the host runs.
 #[derive(Debug, Clone)]
@@ -353,8 +356,16 @@ impl HookHost {
             .instantiate_pre(&module)
             .map_err(|e| format!("imports something other than latchkey.log: {e:#}"))?;
         let class: Arc<str> = Arc::from(class);
-        // One trial call of the version export, under the class's limits.
-        let mut store: Store<CallState> = call_store(rt, &class, &limits);
+        // One trial call of the version export, under the class's memory
+        // limits and at least a second: it checks what the module is, not
+        // how fast it is, and a busy host that delays a trivial call past a
+        // 5 ms deadline must not refuse the module (the refusal would stand
+        // until the file changed, and the class would deny every Acquire).
+        let trial = CallLimits {
+            deadline: limits.deadline.max(TRIAL_DEADLINE),
+            ..limits
+        };
+        let mut store: Store<CallState> = call_store(rt, &class, &trial);
         let instance = pre
             .instantiate(&mut store)
             .map_err(|e| format!("cannot be instantiated within its limits: {e:#}"))?;

@@ -775,3 +775,37 @@ fn the_misbehaving_guest_is_contained() {
     assert_eq!(failure(&f.call("panic")), Some(FailureKind::Trap));
     assert!(matches!(f.call("fine"), HookOutcome::Allow { .. }));
 }
+
+/// The load-time trial call (the ABI version) checks what a module is, not
+/// how fast it is: a host busy enough to delay it past the class's 5 ms
+/// deadline must not refuse the module (the refusal would stand until the
+/// file changed, and the class would deny every Acquire). Here the version
+/// export itself spins for tens of milliseconds; calls still get 5 ms.
+#[test]
+fn a_slow_version_trial_does_not_refuse_the_module_but_calls_keep_their_deadline() {
+    let escaped = ALLOW.replace('"', "\\\"");
+    let wat = format!(
+        r#"(module
+  (memory (export "memory") 1)
+  (data (i32.const 16) "{escaped}")
+  (func (export "latchkey_abi_version") (result i32) (local $i i32)
+    (loop $l (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $l (i32.lt_u (local.get $i) (i32.const 30000000))))
+    i32.const 1)
+  (func (export "latchkey_alloc") (param i32) (result i32) i32.const 4096)
+  (func (export "latchkey_free") (param i32 i32))
+  (func (export "latchkey_before_grant") (param i32 i32) (result i64) (loop $l (br $l)) {}))"#,
+        allow_body()
+    );
+    let f = Fixture::new();
+    f.write("slow.wasm", &wat::parse_str(wat).unwrap());
+    let refused = f.sync(&[("s", "slow.wasm", "deadlineMs = 5")]);
+    assert!(refused.is_empty(), "{refused:?}");
+    let t = Instant::now();
+    assert!(matches!(f.call("s"), HookOutcome::Deny { .. }));
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+}

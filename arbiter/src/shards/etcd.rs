@@ -1,0 +1,205 @@
+//! The shard map on the coord cluster: one JSON document at
+//! `{coord prefix}/sys/shards`, changed only by a compare-and-swap on its
+//! mod revision (so two operators' changes never both land), and followed
+//! by every arbiter with a watch.
+
+use etcd_client::{Client, Compare, CompareOp, EventType, Txn, TxnOp, WatchOptions};
+use tokio::sync::watch;
+use tracing::warn;
+
+use super::{MapError, ShardMap};
+use crate::lock_log::StoreError;
+use crate::lock_log::etcd::{StoreConfig, connect_client, unavailable};
+
+/// Why a change of the map was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("{0}")]
+    Invalid(#[from] MapError),
+    #[error(
+        "the shard map changed since it was read (now version {current}): read it again and retry"
+    )]
+    Raced { current: u64 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The shard map's home on the coord cluster.
+pub struct ShardMapStore {
+    client: Client,
+    key: String,
+}
+
+impl ShardMapStore {
+    /// Connects to the coord cluster as `config` says.
+    pub async fn connect(config: &StoreConfig) -> Result<Self, StoreError> {
+        Ok(Self::new(connect_client(config).await?, &config.prefix))
+    }
+
+    pub fn new(client: Client, coord_prefix: &str) -> Self {
+        Self {
+            client,
+            key: format!("{}/sys/shards", coord_prefix.trim_end_matches('/')),
+        }
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The map and its mod revision; `None` before the first publish.
+    pub async fn load(&self) -> Result<Option<(ShardMap, i64)>, StoreError> {
+        let resp = self
+            .client
+            .kv_client()
+            .get(self.key.as_str(), None)
+            .await
+            .map_err(|e| unavailable("cannot read the shard map", e))?;
+        match resp.kvs().first() {
+            None => Ok(None),
+            Some(kv) => {
+                let map = parse(kv.value())?;
+                Ok(Some((map, kv.mod_revision())))
+            }
+        }
+    }
+
+    /// Publishes `next` as the change that follows the map read at
+    /// `read_at` (`None`: there was none, and `next` is version 1).
+    /// Refused without writing if the map changed since, or if `next` does
+    /// not follow the map as it is.
+    pub async fn publish(
+        &self,
+        current: Option<&ShardMap>,
+        read_at: Option<i64>,
+        next: &ShardMap,
+    ) -> Result<(), PublishError> {
+        match current {
+            Some(map) => map.check_next(next)?,
+            None if next.version != 1 => {
+                return Err(MapError::Version {
+                    current: 0,
+                    next: next.version,
+                }
+                .into());
+            }
+            None => next.check()?,
+        }
+        let body = serde_json::to_vec(next).map_err(|e| StoreError::Unavailable {
+            context: format!("cannot encode the shard map: {e}"),
+            source: None,
+        })?;
+        let compare = match read_at {
+            Some(rev) => Compare::mod_revision(self.key.as_str(), CompareOp::Equal, rev),
+            None => Compare::create_revision(self.key.as_str(), CompareOp::Equal, 0),
+        };
+        let txn = Txn::new()
+            .when([compare])
+            .and_then([TxnOp::put(self.key.as_str(), body, None)])
+            .or_else([TxnOp::get(self.key.as_str(), None)]);
+        let resp = self
+            .client
+            .kv_client()
+            .txn(txn)
+            .await
+            .map_err(|e| unavailable("cannot write the shard map", e))?;
+        if resp.succeeded() {
+            return Ok(());
+        }
+        let current = resp
+            .op_responses()
+            .into_iter()
+            .find_map(|op| match op {
+                etcd_client::TxnOpResponse::Get(get) => {
+                    get.kvs().first().map(|kv| kv.value().to_vec())
+                }
+                _ => None,
+            })
+            .and_then(|v| parse(&v).ok())
+            .map_or(0, |m| m.version);
+        Err(PublishError::Raced { current })
+    }
+
+    /// Follows the map: `tx` gets every version as it lands (and the map
+    /// as it is at the start). Runs until `tx` has no receivers.
+    pub async fn follow(&self, tx: watch::Sender<Option<ShardMap>>) {
+        loop {
+            if let Err(e) = self.follow_once(&tx).await {
+                warn!(error = %e, "lost the shard map's watch; reading it again");
+            }
+            if tx.is_closed() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+    }
+
+    async fn follow_once(&self, tx: &watch::Sender<Option<ShardMap>>) -> Result<(), StoreError> {
+        let resp = self
+            .client
+            .kv_client()
+            .get(self.key.as_str(), None)
+            .await
+            .map_err(|e| unavailable("cannot read the shard map", e))?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        let first = resp.kvs().first().map(|kv| parse(kv.value())).transpose()?;
+        newer(tx, first);
+        let mut stream = self
+            .client
+            .watch_client()
+            .watch(
+                self.key.as_str(),
+                Some(WatchOptions::new().with_start_revision(revision + 1)),
+            )
+            .await
+            .map_err(|e| unavailable("cannot watch the shard map", e))?;
+        while let Some(resp) = stream
+            .message()
+            .await
+            .map_err(|e| unavailable("the shard map's watch failed", e))?
+        {
+            if tx.is_closed() {
+                return Ok(());
+            }
+            for event in resp.events() {
+                match (event.event_type(), event.kv()) {
+                    (EventType::Put, Some(kv)) => match parse(kv.value()) {
+                        Ok(map) => newer(tx, Some(map)),
+                        Err(e) => {
+                            warn!(error = %e, "a shard map that does not parse was written; keeping the last good one")
+                        }
+                    },
+                    _ => warn!("the shard map was deleted; keeping the last good one"),
+                }
+            }
+            if resp.canceled() {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sends `map` if it is newer than what `tx` holds: versions only go up.
+fn newer(tx: &watch::Sender<Option<ShardMap>>, map: Option<ShardMap>) {
+    let Some(map) = map else { return };
+    tx.send_if_modified(|held| match held {
+        Some(h) if h.version >= map.version => false,
+        _ => {
+            *held = Some(map);
+            true
+        }
+    });
+}
+
+fn parse(bytes: &[u8]) -> Result<ShardMap, StoreError> {
+    let map: ShardMap = serde_json::from_slice(bytes).map_err(|e| StoreError::Unavailable {
+        context: format!("the stored shard map does not parse: {e}"),
+        source: None,
+    })?;
+    map.check().map_err(|e| StoreError::Unavailable {
+        context: format!("the stored shard map is not valid: {e}"),
+        source: None,
+    })?;
+    Ok(map)
+}
