@@ -48,6 +48,7 @@ const PAGE: i64 = 2_000;
 /// Ended holds kept for sessions no stream watches yet, at most, and for
 /// how long (a client's first renewal follows its OpenSession at once).
 const MAX_UNCLAIMED: usize = 4096;
+const MAX_UNCLAIMED_PER_IDENTITY: usize = 256;
 const UNCLAIMED_FOR: Duration = Duration::from_secs(30);
 /// Pause before counting again after the watch broke.
 const RETRY: Duration = Duration::from_secs(1);
@@ -62,7 +63,7 @@ pub struct HoldCounts {
     /// stream that starts watching a session soon after (a hold taken and
     /// ended right after the session opened, before its first renewal)
     /// still hears of them. Bounded in count and age.
-    unclaimed: Mutex<std::collections::VecDeque<(std::time::Instant, i64, EndedHold)>>,
+    unclaimed: Mutex<Unclaimed>,
     next_stream: AtomicU64,
     /// Wakes Acquires that arrived before the first count was in.
     counted: tokio::sync::Notify,
@@ -70,6 +71,74 @@ pub struct HoldCounts {
     /// as the watch has seen: what an open class's memory grant must not
     /// take during a quorum loss.
     keys: Mutex<HashMap<String, i64>>,
+}
+
+/// Ended holds of sessions no stream here watches yet, oldest first:
+/// at most [`MAX_UNCLAIMED`] in all and [`MAX_UNCLAIMED_PER_IDENTITY`] of
+/// one identity's, so one workload churning its own holds cannot push
+/// everyone else's notices out (they would then fence at their deadline).
+#[derive(Default)]
+struct Unclaimed {
+    entries: std::collections::VecDeque<(std::time::Instant, i64, String, EndedHold)>,
+    per_identity: HashMap<String, usize>,
+}
+
+impl Unclaimed {
+    fn push(&mut self, identity: &str, session: i64, hold: EndedHold) {
+        let mine = self.per_identity.get(identity).copied().unwrap_or(0);
+        let evict = if mine >= MAX_UNCLAIMED_PER_IDENTITY {
+            Some(identity.to_string())
+        } else if self.entries.len() >= MAX_UNCLAIMED {
+            // The identity with the most entries gives its oldest up.
+            self.per_identity
+                .iter()
+                .max_by_key(|(_, n)| **n)
+                .map(|(i, _)| i.clone())
+        } else {
+            None
+        };
+        if let Some(victim) = evict
+            && let Some(at) = self.entries.iter().position(|e| e.2 == victim)
+        {
+            self.entries.remove(at);
+            self.count(&victim, -1);
+        }
+        self.entries.push_back((
+            std::time::Instant::now(),
+            session,
+            identity.to_string(),
+            hold,
+        ));
+        self.count(identity, 1);
+    }
+
+    fn count(&mut self, identity: &str, delta: isize) {
+        let n = self.per_identity.entry(identity.to_string()).or_insert(0);
+        *n = n.saturating_add_signed(delta);
+        if *n == 0 {
+            self.per_identity.remove(identity);
+        }
+    }
+
+    /// Keeps the entries `keep` says yes to.
+    fn retain(&mut self, mut keep: impl FnMut(std::time::Instant, i64, &EndedHold) -> bool) {
+        let mut dropped = Vec::new();
+        self.entries.retain(|(at, session, identity, hold)| {
+            let kept = keep(*at, *session, hold);
+            if !kept {
+                dropped.push(identity.clone());
+            }
+            kept
+        });
+        for identity in dropped {
+            self.count(&identity, -1);
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
 }
 
 /// Where a KeepAlive stream hears of its sessions' ended holds: (session,
@@ -198,7 +267,7 @@ impl HoldCounts {
             max,
             state: Mutex::new(State::default()),
             watchers: Mutex::new(HashMap::new()),
-            unclaimed: Mutex::new(std::collections::VecDeque::new()),
+            unclaimed: Mutex::new(Unclaimed::default()),
             next_stream: AtomicU64::new(1),
             counted: tokio::sync::Notify::new(),
             keys: Mutex::new(HashMap::new()),
@@ -226,11 +295,11 @@ impl HoldCounts {
         // Holds of the session that ended before any stream watched it.
         let mut unclaimed = self.unclaimed();
         let now = std::time::Instant::now();
-        unclaimed.retain(|(at, s, hold)| {
-            if now.duration_since(*at) > UNCLAIMED_FOR {
+        unclaimed.retain(|at, s, hold| {
+            if now.duration_since(at) > UNCLAIMED_FOR {
                 return false;
             }
-            if *s != session {
+            if s != session {
                 return true;
             }
             let _ = notices.try_send((session, hold.clone()));
@@ -238,9 +307,7 @@ impl HoldCounts {
         });
     }
 
-    fn unclaimed(
-        &self,
-    ) -> MutexGuard<'_, std::collections::VecDeque<(std::time::Instant, i64, EndedHold)>> {
+    fn unclaimed(&self) -> MutexGuard<'_, Unclaimed> {
         self.unclaimed.lock()
     }
 
@@ -258,7 +325,10 @@ impl HoldCounts {
     /// Tells the streams renewing each hold's session that it ended.
     fn notify(&self, changes: &[Change]) {
         let watchers = self.watchers();
-        for ended in changes.iter().filter_map(|c| c.ended.as_ref()) {
+        for (ended, owner) in changes
+            .iter()
+            .filter_map(|c| c.ended.as_ref().map(|e| (e, c.before.as_deref())))
+        {
             let hold = EndedHold {
                 key: ended.key.clone(),
                 revision: ended.revision,
@@ -271,11 +341,8 @@ impl HoldCounts {
                     }
                 }
                 None => {
-                    let mut unclaimed = self.unclaimed();
-                    if unclaimed.len() >= MAX_UNCLAIMED {
-                        unclaimed.pop_front();
-                    }
-                    unclaimed.push_back((std::time::Instant::now(), ended.session, hold));
+                    self.unclaimed()
+                        .push(owner.unwrap_or_default(), ended.session, hold);
                 }
             }
         }
@@ -785,6 +852,44 @@ mod tests {
         assert_eq!((session, hold.key.as_str()), (7, "a/b"));
         assert!(rx2.try_recv().is_err());
         assert_eq!(c.unclaimed().len(), 1, "session 8's stays");
+    }
+
+    #[test]
+    fn one_identity_cannot_push_the_others_notices_out() {
+        let mut u = Unclaimed::default();
+        let hold = |i: i64| EndedHold {
+            key: format!("k/{i}"),
+            revision: i,
+        };
+        u.push("victim", 1, hold(0));
+        for i in 0..(MAX_UNCLAIMED as i64 * 2) {
+            u.push("churner", 2, hold(i));
+        }
+        assert_eq!(
+            u.per_identity.get("churner"),
+            Some(&MAX_UNCLAIMED_PER_IDENTITY)
+        );
+        assert_eq!(u.len(), MAX_UNCLAIMED_PER_IDENTITY + 1);
+        assert!(
+            u.entries.iter().any(|e| e.2 == "victim"),
+            "the victim's notice stays"
+        );
+        // the churner keeps its newest
+        assert_eq!(
+            u.entries.back().map(|e| e.3.revision),
+            Some(MAX_UNCLAIMED as i64 * 2 - 1)
+        );
+        // many identities: the global bound holds, the biggest gives way
+        for n in 0..40 {
+            for i in 0..200 {
+                u.push(&format!("id-{n}"), 3, hold(i));
+            }
+        }
+        assert!(u.len() <= MAX_UNCLAIMED);
+        assert!(u.entries.iter().any(|e| e.2 == "victim"));
+        u.retain(|_, session, _| session != 1);
+        assert!(!u.per_identity.contains_key("victim"));
+        assert_eq!(u.per_identity.values().sum::<usize>(), u.len());
     }
 
     #[test]
