@@ -461,9 +461,10 @@ async fn a_hold_that_changed_since_the_request_is_not_released() -> anyhow::Resu
     );
     // The new hold's revision is its holder's token (with the epoch): never
     // in an error.
+    // Whole words only: the session id's hex (0x…) is one word.
     let numbers: Vec<&str> = s
         .message()
-        .split(|c: char| !c.is_ascii_digit())
+        .split(|c: char| !c.is_ascii_alphanumeric())
         .filter(|n| !n.is_empty())
         .collect();
     let (revision, token) = (
