@@ -893,6 +893,31 @@ mod tests {
     }
 
     #[test]
+    fn held_keys_follow_the_log_for_the_quorum_loss_check() {
+        let c = HoldCounts::new(3);
+        assert!(!c.held_by_other("k1", 7), "nothing before the first count");
+        c.install(
+            HashMap::from([("a".to_string(), 1)]),
+            HashMap::from([("k1".to_string(), 7)]),
+            10,
+        );
+        assert!(c.held_by_other("k1", 8));
+        assert!(!c.held_by_other("k1", 7), "the holder's own session");
+        // a hand-over to session 9, a new hold of k2, then k1 released
+        let mut handed = change(Some("a"), Some("b"));
+        (handed.key, handed.session) = ("k1".into(), 9);
+        let mut granted = change(None, Some("a"));
+        (granted.key, granted.session) = ("k2".into(), 7);
+        c.apply(&[handed, granted], 11);
+        assert!(c.held_by_other("k1", 7) && !c.held_by_other("k1", 9));
+        assert!(c.held_by_other("k2", 9));
+        let mut released = change(Some("b"), None);
+        released.key = "k1".into();
+        c.apply(&[released], 12);
+        assert!(!c.held_by_other("k1", 7));
+    }
+
+    #[test]
     fn prefix_end_is_etcds() {
         assert_eq!(prefix_end("/latchkey/l/"), b"/latchkey/l0".to_vec());
         assert_eq!(prefix_end("a\u{7f}"), b"a\x80".to_vec());
