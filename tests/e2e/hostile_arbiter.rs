@@ -752,7 +752,6 @@ async fn one_identity_cannot_hold_more_keys_than_its_bound() -> anyhow::Result<(
 async fn one_address_cannot_hold_every_handshake_place() -> anyhow::Result<()> {
     use latchkey_arbiter::tls_reload::MAX_HANDSHAKES_PER_PEER;
     use tokio::io::AsyncReadExt as _;
-    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
     let s = stack().await?;
     let addr = s.arbiter.addr();
     // Idle connections from 127.0.0.1: each holds a place until the
@@ -770,24 +769,13 @@ async fn one_address_cannot_hold_every_handshake_place() -> anyhow::Result<()> {
         "the connection over the bound was not closed: {closed:?}"
     );
     // A caller from another address is served, within a second or two.
-    let certs = latchkey_tests::arbiter::certs()?;
-    let svid = certs.svid("workload/alice");
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(std::fs::read(certs.ca())?))
-        .identity(Identity::from_pem(
-            std::fs::read(&svid.cert)?,
-            std::fs::read(&svid.key)?,
-        ))
-        .domain_name("localhost");
-    let channel = Channel::from_shared(format!("https://{addr}"))?
-        .local_address(Some("127.0.0.2".parse()?))
-        .tls_config(tls)?
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(2))
-        .connect()
-        .await?;
+    let channel = tokio::time::timeout(
+        Duration::from_secs(2),
+        latchkey_tests::arbiter::channel_from(addr, "workload/alice", Some("127.0.0.2".parse()?)),
+    )
+    .await??;
     let mut alice = latchkey_proto::lockv1::lock_client::LockClient::new(channel);
-    open(&mut alice, "demo").await?;
+    tokio::time::timeout(Duration::from_secs(2), open(&mut alice, "demo")).await??;
     drop(idle);
     Ok(())
 }

@@ -330,6 +330,16 @@ async fn answers(addr: SocketAddr) -> anyhow::Result<()> {
 
 /// An mTLS channel to `addr` carrying `name`'s dev SVID.
 pub async fn channel(addr: SocketAddr, name: &str) -> anyhow::Result<Channel> {
+    channel_from(addr, name, None).await
+}
+
+/// [`channel`], its connection made from the local address `from` (any
+/// loopback address works on Linux: a second client address for tests).
+pub async fn channel_from(
+    addr: SocketAddr,
+    name: &str,
+    from: Option<std::net::IpAddr>,
+) -> anyhow::Result<Channel> {
     let certs = certs()?;
     let svid = certs.svid(name);
     let tls = ClientTlsConfig::new()
@@ -340,6 +350,7 @@ pub async fn channel(addr: SocketAddr, name: &str) -> anyhow::Result<Channel> {
         ))
         .domain_name("localhost");
     let channel = Channel::from_shared(format!("https://{addr}"))?
+        .local_address(from)
         .tls_config(tls)?
         .connect_timeout(Duration::from_secs(5))
         .connect()

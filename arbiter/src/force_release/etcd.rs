@@ -323,21 +323,15 @@ impl ForceStore {
     }
 
     pub async fn list(&self) -> Result<(Vec<RequestRecord>, Vec<ForceRecord>), ForceError> {
-        let mut kv = self.force.kv_client();
-        let requests = kv
-            .get(self.requests_dir(), Some(GetOptions::new().with_prefix()))
-            .await
-            .map_err(|e| store_error("listing requests", e))?;
-        let records = kv
+        let requests = self.pending_requests().await?;
+        let records = self
+            .force
+            .kv_client()
             .get(self.records_dir(), Some(GetOptions::new().with_prefix()))
             .await
             .map_err(|e| store_error("listing force records", e))?;
         Ok((
-            requests
-                .kvs()
-                .iter()
-                .filter_map(|kv| decode(kv.value()))
-                .collect(),
+            requests,
             records
                 .kvs()
                 .iter()
