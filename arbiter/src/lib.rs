@@ -648,6 +648,15 @@ pub async fn run(
         tls = config.tls.is_some(),
         "arbiter serving lock.v1 and admin.v1"
     );
+    // Waiting calls end as the stop begins, or the server's drain would
+    // wait out their budgets.
+    let shutdown = {
+        let table = arbiter.table.clone();
+        async move {
+            shutdown.await;
+            table.end_waits();
+        }
+    };
     let router = server
         // Forwarded identities count only from the initial headers.
         .layer(identity::channel::IdentityChannelLayer)

@@ -67,7 +67,8 @@ pub struct Records {
 
 /// One grant transaction: put the holder record of `key` on `session`'s lease
 /// if the key is absent, the epoch record's bytes are `epoch`, there is no
-/// seal and `session`'s record is `session_record`.
+/// seal, `session`'s record is `session_record` and the key's durable queue
+/// agrees (`queue`).
 #[derive(Debug, Clone)]
 pub struct GrantTxn<'a> {
     pub key: &'a str,
@@ -75,6 +76,30 @@ pub struct GrantTxn<'a> {
     pub holder_record: Vec<u8>,
     pub epoch: &'a [u8],
     pub session_record: &'a [u8],
+    pub queue: QueueTurn,
+}
+
+/// A durable waiter's record as [`LockLog::enqueue`] left it: its place
+/// (create revision) and its last write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Queued {
+    pub created: i64,
+    pub modified: i64,
+}
+
+/// A grant's place in its key's durable queue (ADR-14: waiter records
+/// `q/<key>//<session>` on the waiters' session leases, first come first
+/// served by create revision).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueueTurn {
+    /// No durable waiter is queued on the key. Every grant but a durable
+    /// waiter's own, and every hand-over, defers to a non-empty queue, so a
+    /// try-lock or an in-memory waiter never overtakes a durable one.
+    #[default]
+    Empty,
+    /// The session's own waiter record, created at `created`, is there and
+    /// no record of the key is older; the grant deletes it.
+    Mine { created: i64 },
 }
 
 /// How a grant transaction ended.
@@ -89,6 +114,8 @@ pub enum Granted {
         epoch: Option<Vec<u8>>,
         sealed: bool,
         session: Option<Vec<u8>>,
+        /// The key's oldest durable waiter record, if any.
+        queue_head: Option<Kv>,
     },
 }
 
@@ -410,6 +437,31 @@ pub trait LockLog: Send + Sync + 'static {
     async fn count_holds(&self) -> LogResult<i64>;
     /// Watches `key` from `from_revision` (inclusive).
     async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError>;
+
+    // --- durable waiters (ADR-14) ---
+
+    /// Puts `session`'s waiter record for `key` on the session's lease. A
+    /// put over the session's existing record keeps its create revision, so
+    /// a retry of the same session keeps its place (and its new record says
+    /// how long it waits now). [`StoreError::LeaseGone`] if the session's
+    /// lease is gone.
+    async fn enqueue(&self, key: &str, session: i64, record: Vec<u8>) -> LogResult<Queued>;
+    /// Deletes `session`'s waiter record for `key` if it was last written
+    /// at `modified`; whether it did.
+    async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool>;
+    /// Watches `key`'s durable queue from `from_revision` (inclusive): any
+    /// change is a hint. A log without it answers an error and its waiters
+    /// poll.
+    async fn watch_queue(
+        &self,
+        key: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn KeyWatch>, StoreError> {
+        let _ = (key, from_revision);
+        Err(StoreError::Malformed(
+            "this log does not watch durable queues".into(),
+        ))
+    }
 
     // --- sessions ---
 

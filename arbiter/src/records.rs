@@ -14,7 +14,9 @@
 //!   hold at that revision reached a call as "already yours", so no orphan
 //!   release may delete it (`//` cannot occur in a key, so no key's claims
 //!   are a prefix of another's).
-//! - `{prefix}/q/`        — reserved for durable waiters (deleted by an epoch advance).
+//! - `{prefix}/q/{key}//{lease}` — [`WaiterRecord`] on the waiter's session
+//!   lease: a durable waiter (ADR-14, `fairness = "durable"`), first served
+//!   by create revision (deleted by an epoch advance).
 //!
 //! Records are JSON with a fixed field order, so the bytes the arbiter writes
 //! are the bytes it can compare in a transaction.
@@ -91,6 +93,20 @@ pub struct HolderRecord {
     pub annotations: BTreeMap<String, String>,
 }
 
+/// A durable waiter: who waits, and how long its call waits. A record
+/// whose call ended without removing it (its arbiter died) would hold up
+/// the queue while its session lives; a waiter behind it that has seen the
+/// same record (the same last write) for longer than `wait_ms` and a grace
+/// period, on its own monotonic clock, removes it. No wall clocks compared.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WaiterRecord {
+    pub identity: String,
+    pub session: i64,
+    pub class: String,
+    pub wait_ms: u64,
+}
+
 /// Serialises a record; these types cannot fail to serialise.
 pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
     serde_json::to_vec(record).unwrap_or_default()
@@ -153,6 +169,14 @@ impl Layout {
     /// Every claim.
     pub fn claims(&self) -> String {
         format!("{}/c/", self.prefix)
+    }
+    /// `key`'s durable queue: a prefix (`//` cannot occur in a key).
+    pub fn queue_of(&self, key: &str) -> String {
+        format!("{}/q/{key}//", self.prefix)
+    }
+    /// `session`'s waiter record on `key`.
+    pub fn waiter(&self, key: &str, session: i64) -> String {
+        format!("{}{session:016x}", self.queue_of(key))
     }
     pub fn durable_waiters(&self) -> String {
         format!("{}/q/", self.prefix)

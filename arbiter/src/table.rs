@@ -29,6 +29,7 @@
 
 mod batch;
 mod driver;
+pub mod durable;
 mod grants;
 mod queues;
 pub mod seal;
@@ -175,6 +176,15 @@ enum Attempt {
     Held {
         watch_from: i64,
     },
+    /// Free, but a durable waiter was queued first: `head`, the oldest
+    /// waiter record. Watch as for `Held`.
+    Behind {
+        watch_from: i64,
+        head: Option<Kv>,
+    },
+    /// A durable waiter's own record is gone (its caller's session ended,
+    /// or another arbiter took it for stale): it must queue again.
+    Unqueued,
 }
 
 /// Where a call goes after an attempt.
@@ -216,6 +226,10 @@ pub struct LockTable {
     jitter: Mutex<fastrand::Rng>,
     tasks: TaskTracker,
     stop: CancellationToken,
+    /// Cancelled when the arbiter starts stopping: waiting calls end at
+    /// once (UNAVAILABLE, retry) so the server can drain its calls.
+    waits_end: CancellationToken,
+    durable: durable::DurableCounters,
 }
 
 impl LockTable {
@@ -248,6 +262,8 @@ impl LockTable {
             options,
             tasks: TaskTracker::new(),
             stop: CancellationToken::new(),
+            waits_end: CancellationToken::new(),
+            durable: Default::default(),
         })
     }
 
@@ -284,14 +300,23 @@ impl LockTable {
     /// waiter UNAVAILABLE, and returns once they have all finished.
     pub async fn shutdown(&self) {
         self.stop.cancel();
+        self.end_waits();
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+
+    /// Answers every waiting call UNAVAILABLE now and refuses new ones (the
+    /// arbiter is stopping), so a graceful stop does not wait out their
+    /// budgets. Durable waiters keep their records: a retry on the same
+    /// session keeps its place.
+    pub fn end_waits(&self) {
+        self.waits_end.cancel();
         let waiters = self.book.lock().drain();
         for w in waiters {
             if let Some(tx) = w.slot.lock().take() {
                 let _ = tx.send(Err(ArbiterError::store("the arbiter is shutting down")));
             }
         }
-        self.tasks.close();
-        self.tasks.wait().await;
     }
 
     pub fn waiting(&self, key: &str) -> usize {
@@ -491,7 +516,7 @@ impl LockTable {
         watch_from: Option<i64>,
         limit: u32,
     ) -> Result<Ticket, ArbiterError> {
-        if self.stop.is_cancelled() {
+        if self.stop.is_cancelled() || self.waits_end.is_cancelled() {
             return Err(ArbiterError::store("the arbiter is shutting down"));
         }
         let (tx, rx) = oneshot::channel();

@@ -73,9 +73,6 @@ pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
         "onQuorumLoss: open is not allowed for a fenced class: fenced classes claim mutual \
          exclusion, which an ungoverned grant breaks; use onQuorumLoss: closed"
     ),
-    validation = Rule::new("self.fairness != 'durable'").message(
-        "durable fairness is not implemented in this release; use fairness: memory"
-    ),
 )]
 pub struct LockClassSpec {
     pub tier: Tier,
@@ -257,7 +254,9 @@ pub enum OnQuorumLoss {
     Open,
 }
 
-/// How waiters are queued (ADR-14); `durable` is reserved and refused.
+/// How waiters are queued (ADR-14): `memory` (FIFO in one arbiter's
+/// memory) or `durable` (waiter records in etcd, FIFO across arbiters and
+/// restarts, two more consensus writes per waiting call).
 #[derive(JsonSchema, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Fairness {

@@ -183,9 +183,6 @@ pub enum ClassError {
     )]
     OpenOnQuorumLossFenced,
 
-    #[error("durable fairness is not implemented in this release; use fairness = \"memory\"")]
-    DurableFairnessNotImplemented,
-
     #[error(
         "advisory classes need riskOwner (who accepts the risk of an unfenced lock, e.g. \
          \"team-reporting@example.com\") and waiverExpires (\"YYYY-MM-DD\"); missing: {missing}"
@@ -292,9 +289,6 @@ impl LockClass {
             return Err(ClassError::MaxWaitersOutOfRange {
                 value: self.max_waiters_per_key,
             });
-        }
-        if self.fairness == Fairness::Durable {
-            return Err(ClassError::DurableFairnessNotImplemented);
         }
         if let Some(hook) = &self.hook {
             hook.check()?;
@@ -437,6 +431,7 @@ pub struct ReviewReport {
     pub tier: Tier,
     pub enforcement: Enforcement,
     pub on_quorum_loss: OnQuorumLoss,
+    pub fairness: Fairness,
     pub ttl_seconds: u32,
     pub expected_sessions: u64,
     /// Each session sends one keepalive this often.
@@ -466,6 +461,7 @@ pub fn review(class: &LockClass, expected_sessions: u64) -> ReviewReport {
         tier: class.tier,
         enforcement: class.enforcement,
         on_quorum_loss: class.on_quorum_loss,
+        fairness: class.fairness,
         ttl_seconds: ttl,
         expected_sessions,
         keepalive_interval_ms: class.keepalive_interval_ms(),
@@ -500,6 +496,12 @@ impl fmt::Display for ReviewReport {
             self.liveness_bound_seconds,
             self.fence_deadline_ms as f64 / 1000.0,
         )?;
+        if self.fairness == Fairness::Durable {
+            f.write_str(
+                "; durable waiters: 2 more consensus writes per waiting call (its queue record \
+                 and its removal), order kept across arbiter restarts",
+            )?;
+        }
         if self.on_quorum_loss == OnQuorumLoss::Open {
             f.write_str(
                 "; during quorum loss grants continue UNPROTECTED from one arbiter's memory \
@@ -624,17 +626,19 @@ mod tests {
     }
 
     #[test]
-    fn durable_fairness_is_parsed_then_refused_honestly() {
+    fn durable_fairness_is_accepted_and_its_cost_is_printed_for_review() {
         let c = parse(
             "name = \"d\"\ntier = \"entity\"\nenforcement = \"fenced\"\nfairness = \"durable\"",
         );
         assert_eq!(c.fairness, Fairness::Durable);
-        let msg = c.validate(today()).unwrap_err().to_string();
-        assert_eq!(
-            msg,
-            "lock class \"d\": durable fairness is not implemented in this release; \
-             use fairness = \"memory\""
+        c.validate(today()).unwrap();
+        let line = review(&c, 10).to_string();
+        assert!(
+            line.contains("durable waiters: 2 more consensus writes per waiting call"),
+            "{line}"
         );
+        let memory = parse("name = \"m\"\ntier = \"entity\"\nenforcement = \"fenced\"");
+        assert!(!review(&memory, 10).to_string().contains("durable"));
     }
 
     #[test]

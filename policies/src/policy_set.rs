@@ -728,12 +728,13 @@ identity = "spiffe://td/latchkey/operator"
     fn class_rule_errors_name_file_and_class() {
         let err = load_err(&[(
             "classes/pay.toml",
-            "[[class]]\nname = \"ledger\"\ntier = \"entity\"\nenforcement = \"fenced\"\nfairness = \"durable\"\n",
+            "[[class]]\nname = \"ledger\"\ntier = \"entity\"\nenforcement = \"fenced\"\nonQuorumLoss = \"open\"\n",
         )]);
         assert!(
             err.ends_with(
-                "pay.toml: lock class \"ledger\": durable fairness is not implemented in this \
-                 release; use fairness = \"memory\""
+                "pay.toml: lock class \"ledger\": onQuorumLoss = \"open\" is not allowed for a \
+                 fenced class: fenced classes claim mutual exclusion, which an ungoverned grant \
+                 breaks; use onQuorumLoss = \"closed\""
             ),
             "{err}"
         );

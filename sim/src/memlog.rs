@@ -43,7 +43,8 @@ use parking_lot::{Mutex, MutexGuard};
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
     Answer, BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, Header,
-    HeldAt, KeyWatch, Kv, LockLog, LogResult, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
+    HeldAt, KeyWatch, Kv, LockLog, LogResult, Queued, Records, ReleaseTxn, ReleasedIf, Renewal,
+    StoreError,
 };
 use tokio::time::{Duration, Instant};
 
@@ -526,6 +527,34 @@ impl LockLog for MemLog {
         .await
     }
 
+    async fn enqueue(&self, key: &str, session: i64, record: Vec<u8>) -> LogResult<Queued> {
+        let waiter = keys::waiter(key, session);
+        self.call("enqueue", |inner, _| {
+            commit(&mut inner.store, vec![put(waiter.clone(), record, session)])?;
+            let queued = inner.store.get(&waiter).map(|kv| Queued {
+                created: kv.create_revision,
+                modified: kv.mod_revision,
+            });
+            let queued = queued.ok_or_else(|| StoreError::Malformed("a put not stored".into()))?;
+            inner.answer(queued)
+        })
+        .await
+    }
+
+    async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
+        let waiter = keys::waiter(key, session);
+        self.call("dequeue", |inner, _| {
+            let ok = inner
+                .store
+                .all(&[Compare::ModRevision(waiter.clone(), modified)]);
+            if ok {
+                commit(&mut inner.store, vec![Op::Delete(waiter)])?;
+            }
+            inner.answer(ok)
+        })
+        .await
+    }
+
     async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
         let mut compares = match txn.from {
             HandOverFrom::Exact(held) => still_held(held).to_vec(),
@@ -538,6 +567,7 @@ impl LockLog for MemLog {
                 keys::session(txn.next_session),
                 txn.next_session_record.to_vec(),
             ),
+            Compare::NoneUnder(keys::queue_of(txn.from.key())),
         ]);
         let key = txn.from.key().to_string();
         let holder = keys::holder(&key);

@@ -122,6 +122,7 @@ use std::time::Duration;
 
 use latchkey_arbiter::lock_log::LockLog;
 use latchkey_arbiter::table::BatchStats;
+use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_arbiter::witness::{Witness, Witnessed};
 use latchkey_checker::{CheckOptions, History, Operation, Report};
 use tokio::task::JoinHandle;
@@ -326,6 +327,9 @@ pub struct SimConfig {
     pub log_latency: Duration,
     /// The tables' batch limit (1: no batching).
     pub batch_limit: usize,
+    /// Keys `sim/k0` up to this one (exclusive) are of a durable class
+    /// (ADR-14): their waiters queue in the log, not in a table.
+    pub durable_keys: usize,
     pub faults: FaultKnobs,
 }
 
@@ -348,6 +352,7 @@ impl SimConfig {
             max_sim_time: Duration::from_secs(3600),
             log_latency: Duration::from_millis(2),
             batch_limit: latchkey_arbiter::table::DEFAULT_BATCH_LIMIT,
+            durable_keys: 0,
             faults: FaultKnobs::all(),
         }
     }
@@ -363,6 +368,8 @@ pub const PRESETS: &[&str] = &[
     "witnessed-three-arbiters",
     "witnessed-state-loss",
     "unwitnessed-state-loss",
+    "durable",
+    "durable-three-arbiters",
 ];
 
 impl SimConfig {
@@ -386,6 +393,9 @@ impl SimConfig {
     /// - `unwitnessed-state-loss`: `witnessed-state-loss` without the
     ///   witness (and so no restore of one): the single-cluster limit of
     ///   issue 15, which re-issues tokens (it is expected to fail).
+    /// - `durable`, `durable-three-arbiters`: `default` (and with 3
+    ///   arbiters) with half the keys of a durable class
+    ///   ([`SimConfig::durable_keys`]).
     pub fn preset(name: &str, seed: u64) -> Option<Self> {
         let base = Self::new(seed);
         Some(match name {
@@ -393,6 +403,16 @@ impl SimConfig {
             "three-arbiters" => Self {
                 arbiters: 3,
                 clients: 12,
+                ..base
+            },
+            "durable" => Self {
+                durable_keys: base.keys / 2,
+                ..base
+            },
+            "durable-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                durable_keys: base.keys / 2,
                 ..base
             },
             "one-arbiter" => Self {
@@ -455,6 +475,8 @@ pub struct SimRun {
     pub batches: BatchStats,
     /// What befell the batches of more than one member in the log.
     pub log_batches: BatchCounts,
+    /// The durable waiters, added up over every arbiter incarnation.
+    pub durable: DurableStats,
     pub notes: Vec<String>,
 }
 
@@ -550,7 +572,7 @@ impl SimRun {
         });
         let (b, lb) = (self.batches, self.log_batches);
         format!(
-            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one), {}",
+            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}, {}",
             self.seed,
             self.ops,
             self.simulated.as_secs_f64(),
@@ -568,6 +590,17 @@ impl SimRun {
             lb.mixed,
             lb.lost,
             lb.restored_under,
+            if self.durable.queued > 0 {
+                format!(
+                    "; durable waiters: {} queued, {} served at their turn, {} queued again, {} stale removed",
+                    self.durable.queued,
+                    self.durable.served,
+                    self.durable.requeued,
+                    self.durable.stale_removed
+                )
+            } else {
+                String::new()
+            },
             if self.ok() { "PASS" } else { "FAIL" }
         )
     }
@@ -592,7 +625,11 @@ pub fn run(cfg: &SimConfig) -> SimRun {
             FaultCounts::default(),
             None,
             Vec::new(),
-            (BatchStats::default(), BatchCounts::default()),
+            (
+                BatchStats::default(),
+                BatchCounts::default(),
+                DurableStats::default(),
+            ),
         ),
     };
     let built = History::from_ops(ops);
@@ -615,6 +652,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         notes,
         batches: batches.0,
         log_batches: batches.1,
+        durable: batches.2,
     }
 }
 
@@ -625,7 +663,7 @@ type Outcome = (
     FaultCounts,
     Option<WitnessReport>,
     Vec<String>,
-    (BatchStats, BatchCounts),
+    (BatchStats, BatchCounts, DurableStats),
 );
 
 async fn simulate(cfg: SimConfig) -> Outcome {
@@ -727,7 +765,11 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         world.memlog.fault_counts(),
         witness,
         notes,
-        (*lock(&world.batches), world.memlog.batch_counts()),
+        (
+            *lock(&world.batches),
+            world.memlog.batch_counts(),
+            *lock(&world.durable),
+        ),
     )
 }
 

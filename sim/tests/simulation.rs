@@ -16,6 +16,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_sim::BatchCounts;
 use latchkey_sim::simulation::{CoordRestores, PRESETS, SimConfig, SimRun, run};
 
@@ -144,6 +145,16 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     (96, "witnessed", 5000),
     (97, "witnessed-three-arbiters", 5000),
     (98, "witnessed-state-loss", 5000),
+    // Half the keys of a durable class (ADR-14): waiters queued in the log,
+    // served by create revision, through every fault above.
+    (99, "durable", 5000),
+    (100, "durable-three-arbiters", 5000),
+    (101, "durable", 5000),
+    (102, "durable-three-arbiters", 5000),
+    (103, "durable", 5000),
+    (104, "durable-three-arbiters", 5000),
+    (105, "durable", 5000),
+    (106, "durable-three-arbiters", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;
@@ -194,9 +205,12 @@ fn ci_seeds_check_out() {
     let mut coord_seeds = Vec::new();
     let (mut shared, mut largest) = (0, 0);
     let mut log_batches = BatchCounts::default();
+    let mut durable = DurableStats::default();
     for &(seed, preset, ops) in CI_RUNS {
         let (result, failure) = run_one(seed, preset, ops);
         total += result.ops;
+        durable.queued += result.durable.queued;
+        durable.served += result.durable.served;
         shared += result.batches.shared;
         largest = largest.max(result.batches.largest);
         let b = result.log_batches;
@@ -266,6 +280,13 @@ fn ci_seeds_check_out() {
     assert!(
         log_batches.mixed > 0 && log_batches.lost > 0 && log_batches.restored_under > 0,
         "the CI seeds' batches never met a mixed outcome, a lost answer or a restore: {log_batches:?}"
+    );
+    // The control for durable waiters: waiters did queue in the log and
+    // were granted at their turn.
+    println!("durable waiters: {durable:?}");
+    assert!(
+        durable.queued > 0 && durable.served > 0,
+        "no durable waiter queued and was served in the CI seeds: {durable:?}"
     );
 }
 

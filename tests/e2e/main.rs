@@ -8,6 +8,7 @@ mod classes_crd;
 mod client;
 mod cluster;
 mod deploy;
+mod durable_waiters;
 mod edge;
 mod etcd_harness;
 mod etcd_members;

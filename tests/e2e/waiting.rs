@@ -506,3 +506,28 @@ async fn hand_over_to_a_timed_out_waiter(s: Stack) -> anyhow::Result<()> {
     release(&mut alice, &grant).await?;
     Ok(())
 }
+
+/// A graceful stop answers waiting calls at once (UNAVAILABLE: retry
+/// elsewhere) instead of draining until their budgets run out; the
+/// harness gives the stop 10 s, the waiter asked for 60.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_graceful_stop_ends_waiting_calls_at_once() -> anyhow::Result<()> {
+    let Stack { etcd: _etcd, arbiter } = stack().await?;
+    let mut alice = arbiter.lock("workload/alice").await?;
+    let mut bob = arbiter.lock("workload/bob").await?;
+    let (sa, sb) = (
+        open(&mut alice, "demo").await?,
+        open(&mut bob, "demo").await?,
+    );
+    let _held = try_lock(&mut alice, "demo/stop", "demo", sa).await?;
+    let mut b = bob.clone();
+    let bob_wait = tokio::spawn(async move {
+        wait_lock(&mut b, "demo/stop", "demo", sb, Duration::from_secs(60)).await
+    });
+    until_waiters(&alice, "demo/stop", 1).await?;
+    arbiter.stop().await?;
+    let answer = bob_wait.await?;
+    let status = answer.expect_err("the waiting call cannot be granted by a stopped arbiter");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    Ok(())
+}

@@ -28,8 +28,8 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::LogLayer;
 use latchkey_arbiter::lock_log::{
-    Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, LogResult, Records,
-    Renewal, StoreError, WatchSignal,
+    Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, LogResult, Queued,
+    Records, Renewal, StoreError, WatchSignal,
 };
 use tracing::debug;
 
@@ -399,6 +399,22 @@ impl LockLog for FaultyLog {
         self.inner.count_holds().await
     }
 
+    async fn enqueue(&self, key: &str, session: i64, record: Vec<u8>) -> LogResult<Queued> {
+        self.inner.enqueue(key, session, record).await
+    }
+
+    async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
+        self.inner.dequeue(key, session, modified).await
+    }
+
+    async fn watch_queue(
+        &self,
+        key: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn KeyWatch>, StoreError> {
+        self.inner.watch_queue(key, from_revision).await
+    }
+
     async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
         let watch = self.inner.watch(key, from_revision).await?;
         Ok(match self.fault {
@@ -593,6 +609,7 @@ mod tests {
                         epoch: Some(txn.epoch.to_vec()),
                         sealed: false,
                         session: Some(txn.session_record.to_vec()),
+                        queue_head: None,
                     },
                 );
             }
@@ -662,6 +679,12 @@ mod tests {
         async fn count_holds(&self) -> LogResult<i64> {
             unused()
         }
+        async fn enqueue(&self, _: &str, _: i64, _: Vec<u8>) -> LogResult<Queued> {
+            unused()
+        }
+        async fn dequeue(&self, _: &str, _: i64, _: i64) -> LogResult<bool> {
+            unused()
+        }
         async fn watch(&self, _: &str, _: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
             let signal = self.state.lock().signals.pop_front();
             Ok(Box::new(FakeWatch(signal)))
@@ -696,6 +719,7 @@ mod tests {
             holder_record: format!("holder {session}").into_bytes(),
             epoch: b"epoch",
             session_record: b"session",
+            queue: Default::default(),
         }
     }
 

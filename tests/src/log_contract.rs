@@ -14,6 +14,7 @@
 //! are the log's own, so the cases that seal also advance to lift it.
 
 mod batch;
+mod queue;
 
 use std::time::Duration;
 
@@ -26,6 +27,10 @@ use batch::{
 use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
     StoreError, WatchSignal,
+};
+use queue::{
+    a_durable_queue_stops_hand_overs_and_ends_with_its_session,
+    durable_waiters_go_in_create_revision_order,
 };
 
 /// A session TTL no case outlives.
@@ -73,6 +78,8 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(a_batch_commits_at_one_revision);
     case!(a_batch_answers_each_member);
     case!(a_batch_on_one_key_twice_is_refused);
+    case!(durable_waiters_go_in_create_revision_order);
+    case!(a_durable_queue_stops_hand_overs_and_ends_with_its_session);
     case!(holders_under_a_prefix_and_count);
     case!(sessions_and_their_count);
     case!(revoke_deletes_every_key_in_one_revision);
@@ -159,6 +166,7 @@ async fn take(
             holder_record: value.clone(),
             epoch,
             session_record: &session_record(identity),
+            queue: Default::default(),
         })
         .await?;
     ensure!(
@@ -340,6 +348,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
             holder_record: holder_record(key, ib),
             epoch: &epoch,
             session_record: &rb,
+            queue: Default::default(),
         })
         .await?;
     ensure!(
@@ -356,6 +365,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
         epoch: Some(epoch.clone()),
         sealed: false,
         session: Some(rb),
+        queue_head: None,
     };
     ensure!(answer.value == expected, "{:?}", answer.value);
     // the holder's own session again: refused the same way
@@ -366,6 +376,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
             holder_record: holder_record(key, ia),
             epoch: &epoch,
             session_record: &session_record(a),
+            queue: Default::default(),
         })
         .await?;
     ensure!(matches!(
@@ -394,6 +405,7 @@ pub async fn grant_with_the_wrong_epoch(log: &dyn LockLog) -> anyhow::Result<()>
             holder_record: holder_record(key, id),
             epoch: b"not the epoch record",
             session_record: &record,
+            queue: Default::default(),
         })
         .await?;
     ensure!(
@@ -403,6 +415,7 @@ pub async fn grant_with_the_wrong_epoch(log: &dyn LockLog) -> anyhow::Result<()>
                 epoch: Some(epoch),
                 sealed: false,
                 session: Some(record),
+                queue_head: None,
             },
         "{:?}",
         answer.value
@@ -430,6 +443,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
             holder_record: holder_record(key, with_record),
             epoch: &epoch,
             session_record: &session_record("spiffe://contract/someone-else"),
+            queue: Default::default(),
         })
         .await?;
     ensure!(
@@ -439,6 +453,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
                 epoch: Some(epoch.clone()),
                 sealed: false,
                 session: Some(record.clone()),
+                queue_head: None,
             },
         "wrong record: {:?}",
         wrong.value
@@ -450,6 +465,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
             holder_record: holder_record(key, bare),
             epoch: &epoch,
             session_record: &record,
+            queue: Default::default(),
         })
         .await?;
     ensure!(
@@ -459,6 +475,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
                 epoch: Some(epoch),
                 sealed: false,
                 session: None,
+                queue_head: None,
             },
         "no record: {:?}",
         missing.value
@@ -484,6 +501,7 @@ pub async fn grant_on_a_revoked_lease(log: &dyn LockLog) -> anyhow::Result<()> {
             holder_record: holder_record(key, id),
             epoch: &epoch,
             session_record: &record,
+            queue: Default::default(),
         })
         .await?;
     ensure!(
@@ -493,6 +511,7 @@ pub async fn grant_on_a_revoked_lease(log: &dyn LockLog) -> anyhow::Result<()> {
                 epoch: Some(epoch),
                 sealed: false,
                 session: None,
+                queue_head: None,
             },
         "{:?}",
         answer.value
@@ -1151,6 +1170,7 @@ pub async fn grant_while_sealed(log: &dyn LockLog) -> anyhow::Result<()> {
             holder_record: holder_record(key, id),
             epoch: &epoch_bytes,
             session_record: &record,
+            queue: Default::default(),
         })
         .await?;
     ensure!(
@@ -1160,6 +1180,7 @@ pub async fn grant_while_sealed(log: &dyn LockLog) -> anyhow::Result<()> {
                 epoch: Some(epoch_bytes),
                 sealed: true,
                 session: Some(record),
+                queue_head: None,
             },
         "{:?}",
         answer.value

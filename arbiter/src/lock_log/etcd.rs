@@ -18,6 +18,7 @@
 mod failover;
 mod holds;
 mod lease_renewals;
+mod queue;
 mod records;
 mod sessions;
 mod watch;
@@ -33,7 +34,7 @@ use etcd_client::{
 
 use super::{
     Answer, BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverTxn, Header, HeldAt,
-    KeyWatch, Kv, LockLog, LogResult, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
+    KeyWatch, Kv, LockLog, LogResult, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
 };
 use crate::records::Layout;
 use lease_renewals::LeaseRenewals;
@@ -255,6 +256,22 @@ impl LockLog for EtcdLog {
 
     async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
         watch::watch(self, key, from_revision).await
+    }
+
+    async fn enqueue(&self, key: &str, session: i64, record: Vec<u8>) -> LogResult<Queued> {
+        queue::enqueue(self, key, session, record).await
+    }
+
+    async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
+        queue::dequeue(self, key, session, modified).await
+    }
+
+    async fn watch_queue(
+        &self,
+        key: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn KeyWatch>, StoreError> {
+        watch::watch_queue(self, key, from_revision).await
     }
 
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {

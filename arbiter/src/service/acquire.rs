@@ -268,11 +268,16 @@ impl Arbiter {
         // A memory grant from the loss keeps its key until it ends.
         self.quorum.before_log_grant(&grant_req, wait).await?;
         let fallback = open.then(|| grant_req.clone());
-        let acquired = match self
-            .table
-            .acquire(grant_req, wait, class.max_waiters_per_key)
-            .await
-        {
+        let acquired = if class.fairness == latchkey_policies::Fairness::Durable {
+            self.table
+                .acquire_durable(grant_req, wait, class.max_waiters_per_key)
+                .await
+        } else {
+            self.table
+                .acquire(grant_req, wait, class.max_waiters_per_key)
+                .await
+        };
+        let acquired = match acquired {
             Ok(acquired) => acquired,
             Err(e @ ArbiterError::StoreUnavailable { .. }) if self.quorum.is_lost() => {
                 // The loss was noticed while this call was at etcd.

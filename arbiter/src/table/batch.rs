@@ -24,7 +24,7 @@ use tracing::debug;
 use super::{Grant, LockTable};
 use crate::error::ArbiterError;
 use crate::lock_log::{
-    self, BatchOp, BatchOutcome, GrantTxn, Granted, Header, ReleaseTxn, StoreError,
+    self, BatchOp, BatchOutcome, GrantTxn, Granted, Header, QueueTurn, ReleaseTxn, StoreError,
 };
 
 /// The default cap on a batch's members (the log may allow fewer).
@@ -47,6 +47,7 @@ pub(super) struct GrantMember {
     pub epoch_bytes: Vec<u8>,
     pub epoch: u32,
     pub session_record: Vec<u8>,
+    pub queue: QueueTurn,
 }
 
 #[derive(Debug, Clone)]
@@ -79,6 +80,7 @@ impl Member {
                 holder_record: g.holder_record.clone(),
                 epoch: &g.epoch_bytes,
                 session_record: &g.session_record,
+                queue: g.queue,
             }),
             Member::Release(r) => BatchOp::Release(r),
         }
@@ -130,18 +132,19 @@ impl Batches {
         self.lock().stats
     }
 
-    /// Queues `pending`; whether a committer must be started for it.
-    fn push(&self, pending: Pending, in_flight: usize, bound: usize) -> Result<bool, Pending> {
+    /// Queues `pending`; whether a committer must be started for it, or
+    /// `None` (and the member dropped) if `bound` members wait already.
+    fn push(&self, pending: Pending, in_flight: usize, bound: usize) -> Option<bool> {
         let mut q = self.lock();
         if q.waiting.len() >= bound {
-            return Err(pending);
+            return None;
         }
         q.waiting.push_back(pending);
         let start = q.committers < in_flight;
         if start {
             q.committers += 1;
         }
-        Ok(start)
+        Some(start)
     }
 
     /// The next batch, in arrival order: members whose caller is still
@@ -223,11 +226,11 @@ impl LockTable {
             .batches
             .push(Pending { member, reply }, in_flight, bound)
         {
-            Ok(true) => {
+            Some(true) => {
                 self.tasks.spawn(self.clone().commit_batches());
             }
-            Ok(false) => {}
-            Err(_) => {
+            Some(false) => {}
+            None => {
                 return Err(ArbiterError::store(
                     "too many grants and releases are waiting for the lock log",
                 ));

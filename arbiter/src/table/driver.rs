@@ -74,6 +74,14 @@ pub(super) async fn drive(
                     from = Some(watch_from);
                 }
             }
+            Ok(Attempt::Behind { .. } | Attempt::Unqueued) => {
+                // Durable waiters first (a key whose callers mix classes):
+                // their comings and goings do not touch the holder record
+                // this driver watches, so poll.
+                watch = None;
+                poll_later(&table, &kick, &stop).await;
+                continue;
+            }
             Err(e @ ArbiterError::StoreUnavailable { .. }) => {
                 debug!(key = %key, error = %e, "grant attempt failed; polling");
                 watch = None;

@@ -11,7 +11,8 @@ use super::batch::{GrantMember, Member};
 use super::{Attempt, Claim, Grant, GrantRequest, LockTable, Next, Released};
 use crate::error::ArbiterError;
 use crate::lock_log::{
-    BatchOutcome, Claimed, Granted, HandOverFrom, HandOverTxn, HeldAt, ReleaseTxn, ReleasedIf,
+    BatchOutcome, Claimed, Granted, HandOverFrom, HandOverTxn, HeldAt, QueueTurn, ReleaseTxn,
+    ReleasedIf,
 };
 use crate::records::{HolderRecord, NotOwned, SessionRecord, check_owner, decode, encode};
 
@@ -23,8 +24,17 @@ impl LockTable {
         self: &Arc<Self>,
         req: &GrantRequest,
     ) -> Result<Attempt, ArbiterError> {
+        self.attempt_in(req, QueueTurn::Empty).await
+    }
+
+    /// [`Self::attempt`] at a place in the key's durable queue.
+    pub(super) async fn attempt_in(
+        self: &Arc<Self>,
+        req: &GrantRequest,
+        turn: QueueTurn,
+    ) -> Result<Attempt, ArbiterError> {
         for _ in 0..4 {
-            if let Some(attempt) = self.grant_once(req).await? {
+            if let Some(attempt) = self.grant_once(req, turn).await? {
                 return Ok(attempt);
             }
         }
@@ -36,6 +46,7 @@ impl LockTable {
     pub(super) async fn grant_once(
         self: &Arc<Self>,
         req: &GrantRequest,
+        turn: QueueTurn,
     ) -> Result<Option<Attempt>, ArbiterError> {
         let state = self.seal.serving_epoch().await?;
         let member = Member::Grant(GrantMember {
@@ -45,6 +56,7 @@ impl LockTable {
             epoch_bytes: state.bytes.clone(),
             epoch: state.epoch(),
             session_record: req.session_bytes(),
+            queue: turn,
         });
         let (granted, header) = match self.commit(member).await? {
             (BatchOutcome::Grant(granted), header) => (granted, header),
@@ -54,7 +66,7 @@ impl LockTable {
                 ));
             }
         };
-        let (holder, epoch_now, sealed, session) = match granted {
+        let (holder, epoch_now, sealed, session, queue_head) = match granted {
             Granted::Yes => {
                 self.seal.make_durable(&state, header.revision).await?;
                 return Ok(Some(Attempt::Granted(Grant {
@@ -69,7 +81,8 @@ impl LockTable {
                 epoch,
                 sealed,
                 session,
-            } => (holder, epoch, sealed, session),
+                queue_head,
+            } => (holder, epoch, sealed, session, queue_head),
         };
         if sealed || epoch_now.as_deref() != Some(state.bytes.as_slice()) {
             // The epoch moved or the log was sealed under us: re-read, and let
@@ -95,9 +108,27 @@ impl LockTable {
             }
         }
         let Some(holder) = holder else {
-            // Everything matched by the time we read it: the key was freed in
-            // between. Another attempt decides.
-            return Ok(None);
+            // Free: the durable queue refused it, or (everything matching
+            // by the time it was read) the key was freed in between and
+            // another attempt decides.
+            return Ok(match (turn, queue_head) {
+                (QueueTurn::Empty, Some(head)) => Some(Attempt::Behind {
+                    watch_from: header.revision + 1,
+                    head: Some(head),
+                }),
+                (QueueTurn::Mine { created }, Some(head)) if head.create_revision < created => {
+                    Some(Attempt::Behind {
+                        watch_from: header.revision + 1,
+                        head: Some(head),
+                    })
+                }
+                (QueueTurn::Mine { created }, ref head)
+                    if head.as_ref().is_none_or(|h| h.create_revision > created) =>
+                {
+                    Some(Attempt::Unqueued)
+                }
+                _ => None,
+            });
         };
         match decode::<HolderRecord>(&holder.value) {
             Some(h) if h.session == req.session => {
@@ -150,7 +181,14 @@ impl LockTable {
         Ok(match attempt {
             Attempt::Granted(grant) => Next::Deliver(grant),
             Attempt::Reused(grant) => self.reuse(grant).await?,
-            Attempt::Held { watch_from } => Next::Queue(Some(watch_from)),
+            Attempt::Held { watch_from } | Attempt::Behind { watch_from, .. } => {
+                Next::Queue(Some(watch_from))
+            }
+            Attempt::Unqueued => {
+                return Err(ArbiterError::Internal(
+                    "a grant outside the durable queue was answered as a durable waiter's".into(),
+                ));
+            }
         })
     }
 

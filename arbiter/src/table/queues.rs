@@ -48,7 +48,10 @@ pub(super) struct Head {
 #[derive(Default)]
 pub(super) struct Book {
     pub(super) keys: HashMap<String, KeyQueue>,
+    /// Waiting calls per identity: in-memory and durable ones together.
     pub(super) per_identity: HashMap<String, u32>,
+    /// Durable waiters this table serves, per key.
+    pub(super) durable: HashMap<String, u32>,
 }
 
 impl Book {
@@ -81,6 +84,43 @@ impl Book {
             });
         queue.waiters.push_back(w);
         queue.kick.clone()
+    }
+
+    /// Counts a durable waiter of `identity` on `key`, within the bounds
+    /// (the identity's waiting calls here; the key's waiters here).
+    pub(super) fn join_durable(
+        &mut self,
+        identity: &str,
+        key: &str,
+        max_per_identity: u32,
+        max_per_key: u32,
+    ) -> Result<(), ArbiterError> {
+        if self.per_identity.get(identity).copied().unwrap_or(0) >= max_per_identity {
+            return Err(ArbiterError::TooManyWaiters {
+                limit: max_per_identity,
+            });
+        }
+        let on_key = self.durable.get(key).copied().unwrap_or(0)
+            + self.keys.get(key).map_or(0, |q| q.waiters.len() as u32);
+        if on_key >= max_per_key {
+            return Err(ArbiterError::QueueFull {
+                key: key.to_string(),
+                limit: max_per_key,
+            });
+        }
+        *self.per_identity.entry(identity.to_string()).or_insert(0) += 1;
+        *self.durable.entry(key.to_string()).or_insert(0) += 1;
+        Ok(())
+    }
+
+    pub(super) fn leave_durable(&mut self, identity: &str, key: &str) {
+        self.leave(identity);
+        if let Some(n) = self.durable.get_mut(key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.durable.remove(key);
+            }
+        }
     }
 
     fn leave(&mut self, identity: &str) {

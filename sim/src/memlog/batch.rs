@@ -7,7 +7,7 @@
 //! the whole transaction before anything is written.
 
 use latchkey_arbiter::lock_log::{
-    BatchOp, BatchOutcome, GrantTxn, Granted, Kv, ReleaseTxn, ReleasedIf, StoreError,
+    BatchOp, BatchOutcome, GrantTxn, Granted, Kv, QueueTurn, ReleaseTxn, ReleasedIf, StoreError,
 };
 
 use super::keys;
@@ -54,26 +54,50 @@ pub(crate) struct Planned {
 }
 
 enum Kind {
-    Grant { holder: String, session: String },
-    Release { holder: String },
+    Grant {
+        holder: String,
+        session: String,
+        queue: String,
+    },
+    Release {
+        holder: String,
+    },
 }
 
 pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
     let holder = keys::holder(txn.key);
     let session = keys::session(txn.session);
+    let queue = keys::queue_of(txn.key);
+    let mut compares = vec![
+        Compare::CreateRevision(holder.clone(), 0),
+        Compare::Value(keys::epoch(), txn.epoch.to_vec()),
+        Compare::CreateRevision(keys::seal(), 0),
+        Compare::Value(session.clone(), txn.session_record.to_vec()),
+    ];
+    let mut writes = vec![Op::Put {
+        key: holder.clone(),
+        value: txn.holder_record.clone(),
+        lease: txn.session,
+    }];
+    match txn.queue {
+        QueueTurn::Empty => compares.push(Compare::NoneUnder(queue.clone())),
+        QueueTurn::Mine { created } => {
+            let mine = keys::waiter(txn.key, txn.session);
+            compares.extend([
+                Compare::AllCreatedAfter(queue.clone(), created - 1),
+                Compare::CreateRevision(mine.clone(), created),
+            ]);
+            writes.push(Op::Delete(mine));
+        }
+    }
     Planned {
-        compares: vec![
-            Compare::CreateRevision(holder.clone(), 0),
-            Compare::Value(keys::epoch(), txn.epoch.to_vec()),
-            Compare::CreateRevision(keys::seal(), 0),
-            Compare::Value(session.clone(), txn.session_record.to_vec()),
-        ],
-        writes: vec![Op::Put {
-            key: holder.clone(),
-            value: txn.holder_record.clone(),
-            lease: txn.session,
-        }],
-        kind: Kind::Grant { holder, session },
+        compares,
+        writes,
+        kind: Kind::Grant {
+            holder,
+            session,
+            queue,
+        },
     }
 }
 
@@ -170,11 +194,16 @@ pub(crate) fn apply(
 fn failure(store: &Store, kind: &Kind) -> BatchOutcome {
     let kv = |key: &str| store.get(key).map(|s| s.kv());
     match kind {
-        Kind::Grant { holder, session } => BatchOutcome::Grant(Granted::No {
+        Kind::Grant {
+            holder,
+            session,
+            queue,
+        } => BatchOutcome::Grant(Granted::No {
             holder: kv(holder),
             epoch: kv(&keys::epoch()).map(|k: Kv| k.value),
             sealed: store.get(&keys::seal()).is_some(),
             session: kv(session).map(|k| k.value),
+            queue_head: store.oldest_under(queue),
         }),
         Kind::Release { holder } => BatchOutcome::Release(ReleasedIf::No { holder: kv(holder) }),
     }

@@ -35,3 +35,10 @@ pub fn claims_of(key: &str) -> String {
 pub fn claim(key: &str, revision: i64) -> String {
     format!("{}{revision:016x}", claims_of(key))
 }
+/// `key`'s durable queue (`//` cannot occur in a key).
+pub fn queue_of(key: &str) -> String {
+    format!("{WAITERS}{key}//")
+}
+pub fn waiter(key: &str, session: i64) -> String {
+    format!("{}{session:016x}", queue_of(key))
+}

@@ -40,6 +40,12 @@ pub(crate) enum Compare {
     Value(String, Vec<u8>),
     ValueGreater(String, Vec<u8>),
     ValueLess(String, Vec<u8>),
+    /// No key under the prefix (etcd: a version compare of 0 over a range).
+    NoneUnder(String),
+    /// Every key under the prefix created after the revision (etcd: a
+    /// create-revision `>` compare over a range; an empty range compares
+    /// as one missing key, created at 0).
+    AllCreatedAfter(String, i64),
 }
 
 /// One write of a transaction.
@@ -194,6 +200,14 @@ impl Store {
             .take_while(move |(k, _)| k.starts_with(prefix))
     }
 
+    /// The key under `prefix` created first (etcd: a range sorted by
+    /// create revision, limit 1).
+    pub fn oldest_under(&self, prefix: &str) -> Option<Kv> {
+        self.range(prefix)
+            .min_by_key(|(_, kv)| kv.create_revision)
+            .map(|(_, kv)| kv.kv())
+    }
+
     pub fn count(&self, prefix: &str) -> i64 {
         i64::try_from(self.range(prefix).count()).unwrap_or(i64::MAX)
     }
@@ -201,6 +215,17 @@ impl Store {
     /// etcd's compare: on a missing key a value compare (of any operator)
     /// always fails and the others compare against zero.
     pub fn holds(&self, compare: &Compare) -> bool {
+        match compare {
+            Compare::NoneUnder(prefix) => return self.range(prefix).next().is_none(),
+            Compare::AllCreatedAfter(prefix, r) => {
+                let mut keys = self.range(prefix).peekable();
+                if keys.peek().is_none() {
+                    return 0 > *r;
+                }
+                return keys.all(|(_, kv)| kv.create_revision > *r);
+            }
+            _ => {}
+        }
         let key = match compare {
             Compare::CreateRevision(k, _)
             | Compare::ModRevision(k, _)
@@ -208,6 +233,7 @@ impl Store {
             | Compare::Value(k, _)
             | Compare::ValueGreater(k, _)
             | Compare::ValueLess(k, _) => k,
+            Compare::NoneUnder(_) | Compare::AllCreatedAfter(..) => return false,
         };
         let kv = self.kvs.get(key);
         match compare {
@@ -217,6 +243,7 @@ impl Store {
             Compare::Value(_, v) => kv.is_some_and(|kv| kv.value == *v),
             Compare::ValueGreater(_, v) => kv.is_some_and(|kv| kv.value > *v),
             Compare::ValueLess(_, v) => kv.is_some_and(|kv| kv.value < *v),
+            Compare::NoneUnder(_) | Compare::AllCreatedAfter(..) => false,
         }
     }
 

@@ -29,6 +29,7 @@ async fn grant(log: &MemLog, key: &str, lease: i64, identity: &str) -> LogResult
         holder_record: format!("{key} held by {lease}").into_bytes(),
         epoch: EPOCH,
         session_record: &rec,
+        queue: Default::default(),
     })
     .await
 }

@@ -25,7 +25,7 @@ use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
     BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch,
-    Kv, LockLog, LogResult, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
+    Kv, LockLog, LogResult, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -141,11 +141,13 @@ impl IdLog {
                 epoch,
                 sealed,
                 session,
+                queue_head,
             } => Granted::No {
                 holder: holder.map(|kv| self.kv_back(kv)),
                 epoch,
                 sealed,
                 session,
+                queue_head: queue_head.map(|kv| self.kv_back(kv)),
             },
             yes => yes,
         }
@@ -270,6 +272,22 @@ impl LockLog for IdLog {
 
     fn batch_limit(&self) -> usize {
         self.log.batch_limit()
+    }
+
+    async fn enqueue(&self, key: &str, session: i64, record: Vec<u8>) -> LogResult<Queued> {
+        self.t(|| format!("enqueue {key} {}", self.store_id(session)));
+        self.log
+            .enqueue(key, self.store_id(session), record)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
+        self.t(|| format!("dequeue {key} {}", self.store_id(session)));
+        self.log
+            .dequeue(key, self.store_id(session), modified)
+            .await
+            .map_err(|e| self.error_back(e))
     }
 
     async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {

@@ -280,7 +280,11 @@ impl Incarnation<'_> {
             ttl_seconds: TTL_SECONDS,
             annotations: BTreeMap::new(),
         };
-        let answer = acquire(&arbiter, req, wait, cancel_after).await;
+        let durable = key
+            .strip_prefix("sim/k")
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|n| n < cfg.durable_keys);
+        let answer = acquire(&arbiter, req, wait, cancel_after, durable).await;
         let token = match answer {
             Call::Answered(Ok(acquired)) => match acquired.grant.token() {
                 Some(token) => {
@@ -505,9 +509,16 @@ async fn acquire(
     req: GrantRequest,
     wait: Option<Duration>,
     cancel_after: Option<Duration>,
+    durable: bool,
 ) -> Call<latchkey_arbiter::table::Acquired> {
     let table = arbiter.table.clone();
-    let call = table.acquire(req, wait, MAX_WAITERS_PER_KEY);
+    let call = async {
+        if durable {
+            table.acquire_durable(req, wait, MAX_WAITERS_PER_KEY).await
+        } else {
+            table.acquire(req, wait, MAX_WAITERS_PER_KEY).await
+        }
+    };
     let cancel = async {
         match cancel_after {
             Some(after) => tokio::time::sleep(after).await,

@@ -11,6 +11,7 @@ use latchkey_arbiter::epoch::EpochGuard;
 use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::high_water::{HighWater, Mark};
 use latchkey_arbiter::lock_log::LockLog;
+use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_arbiter::table::{BatchStats, LockTable, TableOptions};
 use latchkey_arbiter::witness::Witness;
 use latchkey_checker::{Completion, Function, Operation, Outcome};
@@ -140,6 +141,8 @@ pub(crate) struct World {
     pub(crate) notes: Mutex<Vec<String>>,
     /// The batches of every table that has stopped, added up.
     pub(crate) batches: Mutex<BatchStats>,
+    /// The durable waiters of every table that has stopped, added up.
+    pub(crate) durable: Mutex<DurableStats>,
 }
 
 impl World {
@@ -180,6 +183,7 @@ impl World {
             start,
             notes: Mutex::new(Vec::new()),
             batches: Mutex::new(BatchStats::default()),
+            durable: Mutex::new(DurableStats::default()),
         }
     }
 
@@ -392,6 +396,12 @@ impl World {
             all.shared += done.shared;
             all.largest = all.largest.max(done.largest);
             all.split += done.split;
+            let d = table.durable_stats();
+            let mut all = lock(&self.durable);
+            all.queued += d.queued;
+            all.served += d.served;
+            all.requeued += d.requeued;
+            all.stale_removed += d.stale_removed;
         }
     }
 

@@ -28,6 +28,7 @@ fn grant<'a>(key: &'a str, session: i64, epoch: &'a [u8], record: &'a [u8]) -> B
         holder_record: holder_record(key, session),
         epoch,
         session_record: record,
+        queue: Default::default(),
     })
 }
 
@@ -300,6 +301,7 @@ pub async fn a_batch_answers_each_member(log: &dyn LockLog) -> anyhow::Result<()
             epoch: Some(epoch.clone()),
             sealed: false,
             session: Some(records[1].clone()),
+            queue_head: None,
         }),
         BatchOutcome::Grant(Granted::Yes),
         BatchOutcome::Release(ReleasedIf::No {
@@ -310,6 +312,7 @@ pub async fn a_batch_answers_each_member(log: &dyn LockLog) -> anyhow::Result<()
             epoch: Some(epoch.clone()),
             sealed: false,
             session: Some(records[2].clone()),
+            queue_head: None,
         }),
     ];
     ensure!(answer.value == expected, "{:?}", answer.value);

@@ -2,13 +2,14 @@
 //! the reads of who holds what.
 
 use etcd_client::{
-    Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
+    Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+    TxnOpResponse,
 };
 
 use super::{EtcdLog, answer, first_kv, kv, lease_not_found, unavailable, unavailable_on};
 use crate::lock_log::{
     BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, Kv,
-    LogResult, ReleaseTxn, ReleasedIf, StoreError,
+    LogResult, QueueTurn, ReleaseTxn, ReleasedIf, StoreError,
 };
 
 /// One grant: the holder record on the session's lease if the key is
@@ -34,24 +35,54 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
     let session_key = log.layout.session(txn.session);
     let epoch_key = log.layout.epoch();
     let seal_key = log.layout.seal();
-    Txn::new()
-        .when([
-            Compare::create_revision(holder_key.clone(), CompareOp::Equal, 0),
-            Compare::value(epoch_key.clone(), CompareOp::Equal, txn.epoch),
-            Compare::create_revision(seal_key.clone(), CompareOp::Equal, 0),
-            Compare::value(session_key.clone(), CompareOp::Equal, txn.session_record),
-        ])
-        .and_then([TxnOp::put(
-            holder_key.clone(),
-            txn.holder_record,
-            Some(PutOptions::new().with_lease(txn.session)),
-        )])
-        .or_else([
-            TxnOp::get(holder_key, None),
-            TxnOp::get(epoch_key, None),
-            TxnOp::get(seal_key, None),
-            TxnOp::get(session_key, None),
-        ])
+    let queue = log.layout.queue_of(txn.key);
+    let mut compares = vec![
+        Compare::create_revision(holder_key.clone(), CompareOp::Equal, 0),
+        Compare::value(epoch_key.clone(), CompareOp::Equal, txn.epoch),
+        Compare::create_revision(seal_key.clone(), CompareOp::Equal, 0),
+        Compare::value(session_key.clone(), CompareOp::Equal, txn.session_record),
+    ];
+    let mut writes = vec![TxnOp::put(
+        holder_key.clone(),
+        txn.holder_record,
+        Some(PutOptions::new().with_lease(txn.session)),
+    )];
+    match txn.queue {
+        QueueTurn::Empty => compares.push(queue_empty(log, txn.key)),
+        QueueTurn::Mine { created } => {
+            // No record older than the session's own, and the session's
+            // own still the one it queued (a compare on a range holds for
+            // every key in it).
+            let mine = log.layout.waiter(txn.key, txn.session);
+            compares.extend([
+                Compare::create_revision(queue.clone(), CompareOp::Greater, created - 1)
+                    .with_prefix(),
+                Compare::create_revision(mine.clone(), CompareOp::Equal, created),
+            ]);
+            writes.push(TxnOp::delete(mine, None));
+        }
+    }
+    Txn::new().when(compares).and_then(writes).or_else([
+        TxnOp::get(holder_key, None),
+        TxnOp::get(epoch_key, None),
+        TxnOp::get(seal_key, None),
+        TxnOp::get(session_key, None),
+        TxnOp::get(
+            queue,
+            Some(
+                GetOptions::new()
+                    .with_prefix()
+                    .with_sort(SortTarget::Create, SortOrder::Ascend)
+                    .with_limit(1),
+            ),
+        ),
+    ])
+}
+
+/// Holds while `key` has no durable waiter: etcd compares an empty range
+/// as one missing key (version 0), and any record has version 1 or more.
+pub(super) fn queue_empty(log: &EtcdLog, key: &str) -> Compare {
+    Compare::version(log.layout.queue_of(key), CompareOp::Equal, 0).with_prefix()
 }
 
 /// A grant transaction's outcome from its branch and its responses.
@@ -64,6 +95,7 @@ fn granted(succeeded: bool, ops: Vec<TxnOpResponse>) -> Granted {
         epoch: ops.get(1).and_then(first_kv).map(|kv| kv.value),
         sealed: ops.get(2).and_then(first_kv).is_some(),
         session: ops.get(3).and_then(first_kv).map(|kv| kv.value),
+        queue_head: ops.get(4).and_then(first_kv),
     }
 }
 
@@ -253,6 +285,8 @@ pub(super) async fn hand_over(
             CompareOp::Equal,
             txn.next_session_record,
         ),
+        // An in-memory waiter never overtakes a durable one.
+        queue_empty(log, txn.from.key()),
     ]);
     let etcd_txn = Txn::new().when(compares).and_then([
         TxnOp::put(

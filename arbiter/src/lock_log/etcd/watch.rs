@@ -26,6 +26,29 @@ pub(super) async fn watch(
     Ok(Box::new(EtcdKeyWatch { stream }))
 }
 
+/// Watches `key`'s durable queue (every waiter record) from
+/// `from_revision` (inclusive): a waiter leaving may make another first.
+pub(super) async fn watch_queue(
+    log: &EtcdLog,
+    key: &str,
+    from_revision: i64,
+) -> Result<Box<dyn KeyWatch>, StoreError> {
+    let stream = log
+        .client
+        .watch_client()
+        .watch(
+            log.layout.queue_of(key),
+            Some(
+                WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(from_revision),
+            ),
+        )
+        .await
+        .map_err(|e| unavailable("cannot watch a durable queue", e))?;
+    Ok(Box::new(EtcdKeyWatch { stream }))
+}
+
 /// The stream of one watch; dropping it ends the watch.
 struct EtcdKeyWatch {
     stream: WatchStream,

@@ -1,0 +1,366 @@
+//! Durable waiters (ADR-14, a class with `fairness = "durable"`): the queue
+//! lives in the lock log, not in this arbiter's memory. A waiting call puts
+//! its session's waiter record `q/<key>//<session>` on the session's lease
+//! and is granted only when its record is the oldest (by create revision)
+//! and the key is free — one grant transaction that compares both and
+//! deletes the record. Every other grant and hand-over compares the queue
+//! empty. So the order survives an arbiter restart (the client's retry on
+//! the same session finds its record and keeps its place) and holds across
+//! arbiters (any arbiter can serve any waiter; the log orders them).
+//!
+//! The grant transaction is the one every grant uses, with more compares:
+//! a queue can only refuse grants, never make one (safety does not depend
+//! on it). Watches of the holder record and of the queue are hints; a
+//! waiter also polls.
+//!
+//! A record whose call ended without removing it (its arbiter died) would
+//! hold up the queue while its session lives. It says how long its call
+//! waits; a waiter that has seen the same record at the head (the same last
+//! write) for longer than that and [`STALE_AFTER`], on its own monotonic
+//! clock, removes it (compared by that last write, so a retry that renewed
+//! the record keeps it). No two arbiters' clocks are compared.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tracing::debug;
+
+use super::{Acquired, Attempt, Grant, GrantRequest, LockTable, Next};
+use crate::error::ArbiterError;
+use crate::lock_log::{KeyWatch, Kv, QueueTurn, Queued, StoreError, WatchSignal};
+use crate::records::{WaiterRecord, decode, encode};
+
+/// How long beyond its call's budget a waiter record at the head may stay
+/// unchanged before the waiter behind it removes it: time for a caller
+/// whose arbiter died to ask again on the same session and keep its place.
+pub const STALE_AFTER: Duration = Duration::from_secs(5);
+
+/// What the durable waiters of a table did (for tests and the simulation).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DurableStats {
+    /// Waiter records written (a first enqueue, a retry's, a requeue).
+    pub queued: u64,
+    /// Grants to a waiter at its turn in the queue.
+    pub served: u64,
+    /// Waiters whose record was gone and who queued again.
+    pub requeued: u64,
+    /// Stale records of others removed.
+    pub stale_removed: u64,
+}
+
+#[derive(Default)]
+pub(super) struct DurableCounters {
+    queued: AtomicU64,
+    served: AtomicU64,
+    requeued: AtomicU64,
+    stale_removed: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl LockTable {
+    /// What the durable waiters did so far.
+    pub fn durable_stats(&self) -> DurableStats {
+        let c = &self.durable;
+        DurableStats {
+            queued: c.queued.load(Ordering::Relaxed),
+            served: c.served.load(Ordering::Relaxed),
+            requeued: c.requeued.load(Ordering::Relaxed),
+            stale_removed: c.stale_removed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// [`LockTable::acquire`] for a durable class: a try-lock is any grant
+    /// (refused `Held` while a durable waiter is queued); a waiting call
+    /// queues in the log for at most `wait`.
+    pub async fn acquire_durable(
+        self: &Arc<Self>,
+        req: GrantRequest,
+        wait: Option<Duration>,
+        max_waiters_per_key: u32,
+    ) -> Result<Acquired, ArbiterError> {
+        if !self.gated(&req) {
+            let first = self.attempt(&req).await?;
+            if matches!(first, Attempt::Granted(_) | Attempt::Reused(_))
+                && let Next::Deliver(grant) = self.next_after(first).await?
+            {
+                return Ok(Acquired {
+                    grant,
+                    waited: false,
+                });
+            }
+        }
+        let Some(budget) = wait else {
+            return Err(ArbiterError::Held { key: req.key });
+        };
+        if self.stop.is_cancelled() || self.waits_end.is_cancelled() {
+            return Err(ArbiterError::store("the arbiter is shutting down"));
+        }
+        self.book.lock().join_durable(
+            &req.identity,
+            &req.key,
+            self.options.max_waiters_per_identity,
+            max_waiters_per_key,
+        )?;
+        let counted = Counted {
+            table: self.clone(),
+            identity: req.identity.clone(),
+            key: req.key.clone(),
+        };
+        // The wait runs in its own task: a grant that commits as the
+        // caller gives up is released as an orphan there, never left.
+        let (tx, rx) = oneshot::channel();
+        let key = req.key.clone();
+        let wait_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX);
+        self.tasks
+            .spawn(self.clone().wait_durable(req, wait_ms, tx, counted));
+        match tokio::time::timeout(budget, rx).await {
+            Ok(Ok(answer)) => answer.map(|grant| Acquired {
+                grant,
+                waited: true,
+            }),
+            Ok(Err(_)) => Err(ArbiterError::store(
+                "the arbiter stopped while the call waited",
+            )),
+            Err(_) => Err(ArbiterError::WaitTimeout { key }),
+        }
+    }
+
+    /// Queues `req` in the log and attempts whenever a hint says it may be
+    /// its turn, until granted, refused, or its caller is gone.
+    async fn wait_durable(
+        self: Arc<Self>,
+        req: GrantRequest,
+        wait_ms: u64,
+        mut tx: oneshot::Sender<Result<Grant, ArbiterError>>,
+        counted: Counted,
+    ) {
+        let answer = self.serve_durable(&req, wait_ms, &mut tx).await;
+        drop(counted);
+        if let Err(Ok(grant)) = tx.send(answer) {
+            // Its caller went away after the grant committed.
+            self.release_orphan(grant);
+        }
+    }
+
+    async fn serve_durable(
+        self: &Arc<Self>,
+        req: &GrantRequest,
+        wait_ms: u64,
+        tx: &mut oneshot::Sender<Result<Grant, ArbiterError>>,
+    ) -> Result<Grant, ArbiterError> {
+        let record = encode(&WaiterRecord {
+            identity: req.identity.clone(),
+            session: req.session,
+            class: req.class.clone(),
+            wait_ms,
+        });
+        let mut seen: Option<Seen> = None;
+        let mut queued = self.queue_in_log(req, &record).await?;
+        let mut place = Place {
+            table: self.clone(),
+            key: req.key.clone(),
+            session: req.session,
+            modified: Some(queued.modified),
+        };
+        let mut hold_watch: Option<Box<dyn KeyWatch>> = None;
+        let mut queue_watch: Option<Box<dyn KeyWatch>> = None;
+        loop {
+            if self.waits_end.is_cancelled() {
+                // The record stays: the caller's retry (through another
+                // arbiter, or this one restarted) finds its place.
+                place.modified = None;
+                return Err(ArbiterError::store(
+                    "the arbiter is shutting down; retry on the same session to keep the place",
+                ));
+            }
+            if tx.is_closed() {
+                return Err(ArbiterError::store("the call ended while it waited"));
+            }
+            let attempt = if self.gated(req) {
+                Ok(Attempt::Held {
+                    watch_from: queued.modified + 1,
+                })
+            } else {
+                self.attempt_in(
+                    req,
+                    QueueTurn::Mine {
+                        created: queued.created,
+                    },
+                )
+                .await
+            };
+            let from = match attempt {
+                Ok(Attempt::Granted(grant)) => {
+                    place.modified = None; // the grant deleted the record
+                    bump(&self.durable.served);
+                    return Ok(grant);
+                }
+                Ok(Attempt::Reused(grant)) => match self.reuse(grant).await? {
+                    // Its session holds the key already (a retry): the
+                    // record goes with `place`.
+                    Next::Deliver(grant) => return Ok(grant),
+                    Next::Queue(from) => from,
+                },
+                Ok(Attempt::Held { watch_from }) => Some(watch_from),
+                Ok(Attempt::Behind { watch_from, head }) => {
+                    if let Some(head) = head {
+                        self.remove_if_stale(&req.key, req.session, head, &mut seen)
+                            .await;
+                    }
+                    Some(watch_from)
+                }
+                Ok(Attempt::Unqueued) => {
+                    debug!(key = %req.key, "a durable waiter's record was gone; queueing again");
+                    bump(&self.durable.requeued);
+                    queued = self.queue_in_log(req, &record).await?;
+                    place.modified = Some(queued.modified);
+                    hold_watch = None;
+                    queue_watch = None;
+                    continue;
+                }
+                Err(e @ ArbiterError::StoreUnavailable { .. }) => {
+                    debug!(key = %req.key, error = %e, "durable waiter's attempt failed; polling");
+                    hold_watch = None;
+                    queue_watch = None;
+                    None
+                }
+                Err(e) => return Err(e),
+            };
+            if let Some(rev) = from {
+                if hold_watch.is_none() {
+                    hold_watch = self.log.watch(&req.key, rev).await.ok();
+                }
+                if queue_watch.is_none() {
+                    queue_watch = self.log.watch_queue(&req.key, rev).await.ok();
+                }
+            }
+            let pause = self.jittered(self.options.poll);
+            tokio::select! {
+                biased;
+                () = self.waits_end.cancelled() => {}
+                () = tx.closed() => {}
+                signal = next(&mut hold_watch) => if signal == WatchSignal::Lost { hold_watch = None },
+                signal = next(&mut queue_watch) => if signal == WatchSignal::Lost { queue_watch = None },
+                () = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+
+    /// Puts (or renews) the session's waiter record; a session gone is
+    /// `SessionExpired`.
+    async fn queue_in_log(
+        &self,
+        req: &GrantRequest,
+        record: &[u8],
+    ) -> Result<Queued, ArbiterError> {
+        let (queued, _) = self
+            .seal
+            .checked(self.log.enqueue(&req.key, req.session, record.to_vec()))
+            .await?;
+        bump(&self.durable.queued);
+        Ok(queued)
+    }
+
+    /// Removes the waiter record `head` (another session's) once this
+    /// waiter has seen it unchanged at the head for longer than its call's
+    /// budget and [`STALE_AFTER`].
+    async fn remove_if_stale(&self, key: &str, session: i64, head: Kv, seen: &mut Option<Seen>) {
+        let Some(record) = decode::<WaiterRecord>(&head.value) else {
+            return;
+        };
+        if record.session == session {
+            return;
+        }
+        let since = match seen {
+            Some(s) if s.session == record.session && s.modified == head.mod_revision => s.since,
+            _ => {
+                *seen = Some(Seen {
+                    session: record.session,
+                    modified: head.mod_revision,
+                    since: Instant::now(),
+                });
+                return;
+            }
+        };
+        let budget = Duration::from_millis(record.wait_ms).saturating_add(STALE_AFTER);
+        if since.elapsed() < budget {
+            return;
+        }
+        debug!(key, "removing a durable waiter whose call ended long ago");
+        if let Ok(answer) = self
+            .log
+            .dequeue(key, record.session, head.mod_revision)
+            .await
+            && answer.value
+        {
+            bump(&self.durable.stale_removed);
+        }
+        *seen = None;
+    }
+}
+
+/// The head record a waiter has seen, and since when (its monotonic clock).
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    session: i64,
+    modified: i64,
+    since: Instant,
+}
+
+/// The next hint of a watch, or never without one.
+async fn next(watch: &mut Option<Box<dyn KeyWatch>>) -> WatchSignal {
+    match watch.as_mut() {
+        Some(w) => w.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A durable waiter counted against its identity's and key's bounds here.
+struct Counted {
+    table: Arc<LockTable>,
+    identity: String,
+    key: String,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.table
+            .book
+            .lock()
+            .leave_durable(&self.identity, &self.key);
+    }
+}
+
+/// The session's waiter record while it may still be there: removed when
+/// the call ends without the grant that deletes it (not when the arbiter
+/// stops: the record keeps the caller's place for its retry).
+struct Place {
+    table: Arc<LockTable>,
+    key: String,
+    session: i64,
+    modified: Option<i64>,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let Some(modified) = self.modified.take() else {
+            return;
+        };
+        let (table, key, session) = (self.table.clone(), self.key.clone(), self.session);
+        self.table.tasks.spawn(async move {
+            match table.log.dequeue(&key, session, modified).await {
+                Ok(_) => table.kick(&key),
+                Err(StoreError::LeaseGone { .. }) => {}
+                Err(e) => {
+                    debug!(key = %key, error = %e, "could not remove a durable waiter; it ends with its session or is removed as stale");
+                }
+            }
+        });
+    }
+}
