@@ -440,12 +440,19 @@ pub trait LockLog: Send + Sync + 'static {
 
     // --- durable waiters (ADR-14) ---
 
-    /// Puts `session`'s waiter record for `key` on the session's lease. A
-    /// put over the session's existing record keeps its create revision, so
-    /// a retry of the same session keeps its place (and its new record says
-    /// how long it waits now). [`StoreError::LeaseGone`] if the session's
-    /// lease is gone.
-    async fn enqueue(&self, key: &str, session: i64, record: Vec<u8>) -> LogResult<Queued>;
+    /// Puts `session`'s waiter record for `key` on the session's lease if
+    /// the session's record is `session_record` (the caller's own session,
+    /// as a grant compares it); `None` if it is not. A put over the
+    /// session's existing record keeps its create revision, so a retry of
+    /// the same session keeps its place (and its new record says how long
+    /// it waits now). [`StoreError::LeaseGone`] if the lease is gone.
+    async fn enqueue(
+        &self,
+        key: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>>;
     /// Deletes `session`'s waiter record for `key` if it was last written
     /// at `modified`; whether it did.
     async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool>;

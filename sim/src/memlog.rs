@@ -527,16 +527,26 @@ impl LockLog for MemLog {
         .await
     }
 
-    async fn enqueue(&self, key: &str, session: i64, record: Vec<u8>) -> LogResult<Queued> {
+    async fn enqueue(
+        &self,
+        key: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
         let waiter = keys::waiter(key, session);
+        let own = Compare::Value(keys::session(session), session_record.to_vec());
         self.call("enqueue", |inner, _| {
+            if !inner.store.all(&[own]) {
+                return inner.answer(None);
+            }
             commit(&mut inner.store, vec![put(waiter.clone(), record, session)])?;
             let queued = inner.store.get(&waiter).map(|kv| Queued {
                 created: kv.create_revision,
                 modified: kv.mod_revision,
             });
             let queued = queued.ok_or_else(|| StoreError::Malformed("a put not stored".into()))?;
-            inner.answer(queued)
+            inner.answer(Some(queued))
         })
         .await
     }

@@ -278,3 +278,29 @@ async fn a_stale_durable_waiter_is_removed_by_the_one_behind_it() -> anyhow::Res
     rig.until_queue(key, &[]).await?;
     Ok(())
 }
+
+/// Another identity's session cannot queue: refused, and no waiter record
+/// is written on the session's lease (the enqueue compares the session's
+/// record, as a grant does).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_durable_waiter_cannot_queue_on_another_identitys_session() -> anyhow::Result<()> {
+    let rig = rig().await?;
+    let one = rig.arbiter().await?;
+    let mut alice = one.lock("workload/alice").await?;
+    let mut bob = one.lock("workload/bob").await?;
+    let key = "demo/fair/foreign";
+    let sa = open(&mut alice, CLASS).await?;
+    let sb = open(&mut bob, CLASS).await?;
+    let held = try_lock(&mut bob, key, CLASS, sb).await?;
+    let before = rig.etcd.revision().await?;
+    let refused = wait_lock(&mut bob, key, CLASS, sa, Duration::from_secs(3)).await;
+    let status = refused.expect_err("bob queued on alice's session");
+    assert_ne!(status.code(), Code::Ok);
+    assert!(
+        rig.queue(key).await?.is_empty(),
+        "a record on alice's lease"
+    );
+    assert_eq!(rig.etcd.revision().await?, before, "the refusal wrote");
+    release(&mut bob, &held).await?;
+    Ok(())
+}

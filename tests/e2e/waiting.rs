@@ -512,7 +512,10 @@ async fn hand_over_to_a_timed_out_waiter(s: Stack) -> anyhow::Result<()> {
 /// harness gives the stop 10 s, the waiter asked for 60.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_graceful_stop_ends_waiting_calls_at_once() -> anyhow::Result<()> {
-    let Stack { etcd: _etcd, arbiter } = stack().await?;
+    let Stack {
+        etcd: _etcd,
+        arbiter,
+    } = stack().await?;
     let mut alice = arbiter.lock("workload/alice").await?;
     let mut bob = arbiter.lock("workload/bob").await?;
     let (sa, sb) = (

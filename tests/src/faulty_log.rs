@@ -399,8 +399,16 @@ impl LockLog for FaultyLog {
         self.inner.count_holds().await
     }
 
-    async fn enqueue(&self, key: &str, session: i64, record: Vec<u8>) -> LogResult<Queued> {
-        self.inner.enqueue(key, session, record).await
+    async fn enqueue(
+        &self,
+        key: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        self.inner
+            .enqueue(key, session, session_record, record)
+            .await
     }
 
     async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
@@ -679,7 +687,13 @@ mod tests {
         async fn count_holds(&self) -> LogResult<i64> {
             unused()
         }
-        async fn enqueue(&self, _: &str, _: i64, _: Vec<u8>) -> LogResult<Queued> {
+        async fn enqueue(
+            &self,
+            _: &str,
+            _: i64,
+            _: &[u8],
+            _: Vec<u8>,
+        ) -> LogResult<Option<Queued>> {
             unused()
         }
         async fn dequeue(&self, _: &str, _: i64, _: i64) -> LogResult<bool> {

@@ -258,8 +258,14 @@ impl LockLog for EtcdLog {
         watch::watch(self, key, from_revision).await
     }
 
-    async fn enqueue(&self, key: &str, session: i64, record: Vec<u8>) -> LogResult<Queued> {
-        queue::enqueue(self, key, session, record).await
+    async fn enqueue(
+        &self,
+        key: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        queue::enqueue(self, key, session, session_record, record).await
     }
 
     async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {

@@ -252,8 +252,9 @@ impl LockTable {
         }
     }
 
-    /// Puts (or renews) the session's waiter record; a session gone is
-    /// `SessionExpired`.
+    /// Puts (or renews) the session's waiter record, if the session is the
+    /// caller's (compared in the same transaction, as a grant compares it);
+    /// another identity's session, or one gone, is `SessionExpired`.
     async fn queue_in_log(
         &self,
         req: &GrantRequest,
@@ -261,8 +262,14 @@ impl LockTable {
     ) -> Result<Queued, ArbiterError> {
         let (queued, _) = self
             .seal
-            .checked(self.log.enqueue(&req.key, req.session, record.to_vec()))
+            .checked(
+                self.log
+                    .enqueue(&req.key, req.session, &req.session_bytes(), record.to_vec()),
+            )
             .await?;
+        let queued = queued.ok_or(ArbiterError::SessionExpired {
+            session: req.session,
+        })?;
         bump(&self.durable.queued);
         Ok(queued)
     }

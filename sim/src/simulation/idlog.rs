@@ -274,10 +274,16 @@ impl LockLog for IdLog {
         self.log.batch_limit()
     }
 
-    async fn enqueue(&self, key: &str, session: i64, record: Vec<u8>) -> LogResult<Queued> {
+    async fn enqueue(
+        &self,
+        key: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
         self.t(|| format!("enqueue {key} {}", self.store_id(session)));
         self.log
-            .enqueue(key, self.store_id(session), record)
+            .enqueue(key, self.store_id(session), session_record, record)
             .await
             .map_err(|e| self.error_back(e))
     }

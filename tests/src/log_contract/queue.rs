@@ -4,7 +4,7 @@
 
 use anyhow::{Context, ensure};
 use latchkey_arbiter::lock_log::{
-    GrantTxn, Granted, HandOverFrom, HandOverTxn, LockLog, QueueTurn, StoreError,
+    GrantTxn, Granted, HandOverFrom, HandOverTxn, LockLog, QueueTurn, Queued, StoreError,
 };
 
 use super::{epoch, holder_record, lease, one_write, open, revision, revoke_all, take, unchanged};
@@ -28,6 +28,20 @@ async fn grant(
         })
         .await?;
     Ok((answer.value, answer.header.revision))
+}
+
+/// Queues `session` (whose record is `own`) on `key`; refused is an error.
+async fn enqueue(
+    log: &dyn LockLog,
+    key: &str,
+    session: i64,
+    own: &[u8],
+    payload: &str,
+) -> anyhow::Result<Queued> {
+    log.enqueue(key, session, own, payload.as_bytes().to_vec())
+        .await?
+        .value
+        .with_context(|| format!("the enqueue of {session:x} on {key} was refused"))
 }
 
 fn head_of(granted: &Granted) -> Option<i64> {
@@ -54,18 +68,23 @@ pub async fn durable_waiters_go_in_create_revision_order(log: &dyn LockLog) -> a
     let rc = open(log, ic, c).await?;
     let key = "contract/queue/k";
 
+    // Only the session's own record queues it: another's is refused, and
+    // nothing is written.
     let before = revision(log).await?;
-    let qa = log.enqueue(key, ia, b"a waits".to_vec()).await?;
-    ensure!(qa.value.created == qa.value.modified && qa.value.created == before + 1);
-    let qb = log.enqueue(key, ib, b"b waits".to_vec()).await?;
-    ensure!(qb.value.created == qa.value.created + 1, "{:?}", qb.value);
+    let forged = log.enqueue(key, ia, &rc, b"c as a".to_vec()).await?;
+    ensure!(forged.value.is_none(), "{:?}", forged.value);
+    unchanged(log, before, "an enqueue on another's session").await?;
+    let qa = enqueue(log, key, ia, &ra, "a waits").await?;
+    ensure!(qa.created == qa.modified && qa.created == before + 1);
+    let qb = enqueue(log, key, ib, &rb, "b waits").await?;
+    ensure!(qb.created == qa.created + 1, "{qb:?}");
 
     // a grant outside the queue, and b out of turn: refused, a's record read
     let before = revision(log).await?;
     let (outside, _) = grant(log, key, ic, &epoch, &rc, QueueTurn::Empty).await?;
     ensure!(
         matches!(&outside, Granted::No { holder: None, .. })
-            && head_of(&outside) == Some(qa.value.created),
+            && head_of(&outside) == Some(qa.created),
         "{outside:?}"
     );
     let (early, _) = grant(
@@ -75,19 +94,18 @@ pub async fn durable_waiters_go_in_create_revision_order(log: &dyn LockLog) -> a
         &epoch,
         &rb,
         QueueTurn::Mine {
-            created: qb.value.created,
+            created: qb.created,
         },
     )
     .await?;
-    ensure!(head_of(&early) == Some(qa.value.created), "{early:?}");
+    ensure!(head_of(&early) == Some(qa.created), "{early:?}");
     unchanged(log, before, "grants out of turn").await?;
 
     // b asks again: same place, a new write
-    let again = log.enqueue(key, ib, b"b waits longer".to_vec()).await?;
+    let again = enqueue(log, key, ib, &rb, "b waits longer").await?;
     ensure!(
-        again.value.created == qb.value.created && again.value.modified == before + 1,
-        "{:?}",
-        again.value
+        again.created == qb.created && again.modified == before + 1,
+        "{again:?}"
     );
 
     // a's turn: granted, its record gone in the same revision
@@ -98,12 +116,12 @@ pub async fn durable_waiters_go_in_create_revision_order(log: &dyn LockLog) -> a
         &epoch,
         &ra,
         QueueTurn::Mine {
-            created: qa.value.created,
+            created: qa.created,
         },
     )
     .await?;
     ensure!(granted == Granted::Yes, "{granted:?}");
-    one_write(log, again.value.modified, "a's grant").await?;
+    one_write(log, again.modified, "a's grant").await?;
     let holder = log.holder(key).await?.value.context("a holds")?;
     ensure!(holder.lease == ia && holder.mod_revision == at);
 
@@ -115,22 +133,22 @@ pub async fn durable_waiters_go_in_create_revision_order(log: &dyn LockLog) -> a
         &epoch,
         &rb,
         QueueTurn::Mine {
-            created: qb.value.created,
+            created: qb.created,
         },
     )
     .await?;
     ensure!(
         matches!(&held, Granted::No { holder: Some(h), .. } if h.lease == ia)
-            && head_of(&held) == Some(qb.value.created),
+            && head_of(&held) == Some(qb.created),
         "{held:?}"
     );
 
     // a dequeue compares the last write: b's first write is stale
     let before = revision(log).await?;
-    let stale = log.dequeue(key, ib, qb.value.modified).await?;
+    let stale = log.dequeue(key, ib, qb.modified).await?;
     ensure!(!stale.value, "a dequeue of an overwritten record");
     unchanged(log, before, "a refused dequeue").await?;
-    let gone = log.dequeue(key, ib, again.value.modified).await?;
+    let gone = log.dequeue(key, ib, again.modified).await?;
     ensure!(gone.value);
     one_write(log, before, "b's dequeue").await?;
 
@@ -142,7 +160,7 @@ pub async fn durable_waiters_go_in_create_revision_order(log: &dyn LockLog) -> a
         &epoch,
         &rb,
         QueueTurn::Mine {
-            created: qb.value.created,
+            created: qb.created,
         },
     )
     .await?;
@@ -155,7 +173,7 @@ pub async fn durable_waiters_go_in_create_revision_order(log: &dyn LockLog) -> a
 
 /// A non-empty queue stops a hand-over; a waiter record lives on its
 /// session's lease (revoking it empties the queue); an enqueue on a lease
-/// that is gone is `LeaseGone` and writes nothing.
+/// that is gone is refused and writes nothing.
 pub async fn a_durable_queue_stops_hand_overs_and_ends_with_its_session(
     log: &dyn LockLog,
 ) -> anyhow::Result<()> {
@@ -168,10 +186,10 @@ pub async fn a_durable_queue_stops_hand_overs_and_ends_with_its_session(
     let (ia, ib, ic) = (lease(61, 0), lease(61, 1), lease(61, 2));
     open(log, ia, a).await?;
     let rb = open(log, ib, b).await?;
-    open(log, ic, c).await?;
+    let rc = open(log, ic, c).await?;
     let key = "contract/queue-hand/k";
     let held = take(log, key, ia, a, &epoch).await?;
-    let queued = log.enqueue(key, ic, b"c waits".to_vec()).await?;
+    let queued = enqueue(log, key, ic, &rc, "c waits").await?;
 
     let refused = log
         .hand_over(HandOverTxn {
@@ -183,12 +201,7 @@ pub async fn a_durable_queue_stops_hand_overs_and_ends_with_its_session(
         })
         .await?;
     ensure!(refused.value.is_none(), "{:?}", refused.value);
-    unchanged(
-        log,
-        queued.value.modified,
-        "a hand-over past a durable waiter",
-    )
-    .await?;
+    unchanged(log, queued.modified, "a hand-over past a durable waiter").await?;
 
     // c's session ends: its record goes with the lease
     log.revoke(ic).await?;
@@ -204,10 +217,13 @@ pub async fn a_durable_queue_stops_hand_overs_and_ends_with_its_session(
     ensure!(handed.value.is_some(), "{:?}", handed.value);
 
     let before = revision(log).await?;
-    match log.enqueue(key, ic, b"c again".to_vec()).await {
-        Err(StoreError::LeaseGone { lease }) => ensure!(lease == ic),
-        other => anyhow::bail!("an enqueue on a revoked lease: {other:?}"),
-    }
+    // revoked: the session record went with the lease
+    let gone = log.enqueue(key, ic, &rc, b"c again".to_vec()).await;
+    ensure!(
+        matches!(&gone, Ok(a) if a.value.is_none())
+            || matches!(&gone, Err(StoreError::LeaseGone { lease }) if *lease == ic),
+        "an enqueue on a revoked lease: {gone:?}"
+    );
     unchanged(log, before, "an enqueue on a revoked lease").await?;
     revoke_all(log, &[ia, ib]).await
 }

@@ -2,35 +2,55 @@
 //! session's lease, ordered by create revision. The grant transaction
 //! compares the queue (holds.rs); these are the records' own writes.
 
-use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
 
 use super::{EtcdLog, answer, unavailable, unavailable_on};
 use crate::lock_log::{LogResult, Queued, StoreError};
 
-/// Puts the waiter record on the session's lease; over an existing one
-/// etcd keeps its create revision (the waiter's place).
+/// Puts the waiter record on the session's lease if the session record is
+/// the caller's; over an existing one etcd keeps its create revision (the
+/// waiter's place).
 pub(super) async fn enqueue(
     log: &EtcdLog,
     key: &str,
     session: i64,
+    session_record: &[u8],
     record: Vec<u8>,
-) -> LogResult<Queued> {
-    let resp = log
-        .client
-        .kv_client()
-        .put(
+) -> LogResult<Option<Queued>> {
+    let txn = Txn::new()
+        .when([Compare::value(
+            log.layout.session(session),
+            CompareOp::Equal,
+            session_record,
+        )])
+        .and_then([TxnOp::put(
             log.layout.waiter(key, session),
             record,
             Some(PutOptions::new().with_lease(session).with_prev_key()),
-        )
+        )]);
+    let resp = log
+        .client
+        .kv_client()
+        .txn(txn)
         .await
         .map_err(|e| unavailable_on("cannot queue a durable waiter", session, e))?;
     let modified = resp
         .header()
         .map(|h| h.revision())
-        .ok_or_else(|| StoreError::Malformed("etcd answered a put without a header".into()))?;
-    let created = resp.prev_key().map_or(modified, |kv| kv.create_revision());
-    answer(resp.header(), Queued { created, modified })
+        .ok_or_else(|| StoreError::Malformed("etcd answered a txn without a header".into()))?;
+    let queued = match (resp.succeeded(), resp.op_responses().first()) {
+        (false, _) => None,
+        (true, Some(TxnOpResponse::Put(put))) => Some(Queued {
+            created: put.prev_key().map_or(modified, |kv| kv.create_revision()),
+            modified,
+        }),
+        (true, _) => {
+            return Err(StoreError::Malformed(
+                "etcd answered a queued waiter without its put".into(),
+            ));
+        }
+    };
+    answer(resp.header(), queued)
 }
 
 /// Deletes `session`'s waiter record on `key` if it was last written at
