@@ -453,6 +453,8 @@ pub trait LockLog: Send + Sync + 'static {
         session_record: &[u8],
         record: Vec<u8>,
     ) -> LogResult<Option<Queued>>;
+    /// How many durable waiter records `key` has.
+    async fn count_queued(&self, key: &str) -> LogResult<i64>;
     /// Deletes `session`'s waiter record for `key` if it was last written
     /// at `modified`; whether it did.
     async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool>;

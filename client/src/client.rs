@@ -69,6 +69,9 @@ pub struct Inspection {
     pub holder: Option<Holder>,
     /// Waiters queued on the arbiter that answered.
     pub waiters: u32,
+    /// Waiters queued in the lock log (durable classes): the same from
+    /// every arbiter.
+    pub durable_waiters: u32,
 }
 
 /// The current holder of a key, in an [`Inspection`].
@@ -283,6 +286,7 @@ impl Client {
         Ok(Inspection {
             key: reply.key,
             waiters: reply.waiters,
+            durable_waiters: reply.durable_waiters,
             holder: reply.holder.map(|h| Holder {
                 identity: h.identity,
                 session_id: h.session_id,

@@ -551,6 +551,15 @@ impl LockLog for MemLog {
         .await
     }
 
+    async fn count_queued(&self, key: &str) -> LogResult<i64> {
+        let queue = keys::queue_of(key);
+        self.call("count queued", |inner, _| {
+            let n = inner.store.count(&queue);
+            inner.answer(n)
+        })
+        .await
+    }
+
     async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
         let waiter = keys::waiter(key, session);
         self.call("dequeue", |inner, _| {

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::ensure;
 use etcd_client::{GetOptions, PutOptions};
+use latchkey_proto::lockv1::InspectRequest;
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::{copy_dev_policies, eventually, init_tracing};
@@ -128,6 +129,15 @@ async fn durable_waiters_are_served_in_order_across_arbiters() -> anyhow::Result
     rig.until_queue(key, &[sb]).await?;
     let demo_wait = waiting(&demo, key, sd, Duration::from_secs(30));
     rig.until_queue(key, &[sb, sd]).await?;
+    // Inspect counts them from the log, the same through either arbiter.
+    for c in [&alice, &bob] {
+        let seen = c
+            .clone()
+            .inspect(InspectRequest { key: key.into() })
+            .await?
+            .into_inner();
+        assert_eq!((seen.waiters, seen.durable_waiters), (0, 2), "{seen:?}");
+    }
 
     release(&mut alice, &first).await?;
     let second = bob_wait.await??;

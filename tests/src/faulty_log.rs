@@ -415,6 +415,10 @@ impl LockLog for FaultyLog {
         self.inner.dequeue(key, session, modified).await
     }
 
+    async fn count_queued(&self, key: &str) -> LogResult<i64> {
+        self.inner.count_queued(key).await
+    }
+
     async fn watch_queue(
         &self,
         key: &str,
@@ -697,6 +701,9 @@ mod tests {
             unused()
         }
         async fn dequeue(&self, _: &str, _: i64, _: i64) -> LogResult<bool> {
+            unused()
+        }
+        async fn count_queued(&self, _: &str) -> LogResult<i64> {
             unused()
         }
         async fn watch(&self, _: &str, _: i64) -> Result<Box<dyn KeyWatch>, StoreError> {

@@ -272,6 +272,10 @@ impl LockLog for EtcdLog {
         queue::dequeue(self, key, session, modified).await
     }
 
+    async fn count_queued(&self, key: &str) -> LogResult<i64> {
+        queue::count_queued(self, key).await
+    }
+
     async fn watch_queue(
         &self,
         key: &str,

@@ -32,6 +32,7 @@ impl Arbiter {
             key: key.as_str().to_string(),
             holder,
             waiters: u32::try_from(self.table.waiting(key.as_str())).unwrap_or(u32::MAX),
+            durable_waiters: self.table.durable_waiting(key.as_str()).await?,
         })
     }
 }

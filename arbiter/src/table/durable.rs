@@ -75,6 +75,12 @@ impl LockTable {
         }
     }
 
+    /// How many durable waiters `key` has in the log (any arbiter's).
+    pub async fn durable_waiting(&self, key: &str) -> Result<u32, ArbiterError> {
+        let (n, _) = self.seal.checked(self.log.count_queued(key)).await?;
+        Ok(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
     /// [`LockTable::acquire`] for a durable class: a try-lock is any grant
     /// (refused `Held` while a durable waiter is queued); a waiting call
     /// queues in the log for at most `wait`.

@@ -267,6 +267,7 @@ impl Lock for FakeArbiter {
             key,
             holder,
             waiters: 0,
+            durable_waiters: 0,
         }))
     }
 }

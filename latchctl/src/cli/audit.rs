@@ -109,6 +109,7 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
         out.line(json!({
             "key": view.key,
             "waiters": view.waiters,
+            "durable_waiters": view.durable_waiters,
             "holder": view.holder.as_ref().map(|h| json!({
                 "identity": h.identity,
                 "session_id": (h.session_id != 0).then_some(h.session_id),
@@ -136,6 +137,12 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
         }
     }
     println!("{} waiting (on the arbiter that answered)", view.waiters);
+    if view.durable_waiters > 0 {
+        println!(
+            "{} waiting in the lock log (durable: served in order by every arbiter)",
+            view.durable_waiters
+        );
+    }
     match events {
         None => println!("last events: no audit store given (--store or LATCHKEY_AUDIT_STORE)"),
         Some(events) if events.is_empty() => println!("last events: none recorded"),

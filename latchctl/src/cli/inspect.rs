@@ -21,6 +21,7 @@ pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<E
         out.line(json!({
             "key": view.key,
             "waiters": view.waiters,
+            "durable_waiters": view.durable_waiters,
             "holder": view.holder.as_ref().map(|h| json!({
                 "identity": h.identity,
                 "session_id": (h.session_id != 0).then_some(h.session_id),
@@ -32,7 +33,10 @@ pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<E
         return Ok(ExitCode::SUCCESS);
     }
     match &view.holder {
-        None => println!("{} is free ({} waiting)", view.key, view.waiters),
+        None => println!(
+            "{} is free ({} waiting here, {} durably)",
+            view.key, view.waiters, view.durable_waiters
+        ),
         Some(h) => {
             println!("key       {}", view.key);
             println!("holder    {}", h.identity);
@@ -42,6 +46,12 @@ pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<E
             println!("class     {}", h.class);
             println!("acquired  {}", utc(h.acquired_at_unix_ms));
             println!("waiters   {}", view.waiters);
+            if view.durable_waiters > 0 {
+                println!(
+                    "durable   {} (queued in the lock log)",
+                    view.durable_waiters
+                );
+            }
             for (k, v) in &h.annotations {
                 println!("  {k} = {v}");
             }

@@ -288,6 +288,11 @@ impl LockLog for IdLog {
             .map_err(|e| self.error_back(e))
     }
 
+    async fn count_queued(&self, key: &str) -> LogResult<i64> {
+        self.t(|| format!("count_queued {key}"));
+        self.log.count_queued(key).await
+    }
+
     async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
         self.t(|| format!("dequeue {key} {}", self.store_id(session)));
         self.log

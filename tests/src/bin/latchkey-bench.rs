@@ -24,6 +24,8 @@
 //!    `workload/bench-<i>` on `bench/hot` (granted by a private copy of the dev policies).
 //! 5. **etcd Lock hot key** — the same loop with etcd's Lock API, one client and lease
 //!    per waiter: the baseline of 4.
+//! 6. With `--durable`, the large hot-key scenario again with a durable class (ADR-14:
+//!    waiters queued in etcd, `bench/hot-durable`): what the durable queue costs.
 //!
 //! Correctness is checked while measuring, and a failure exits non-zero: in the
 //! uncontended run each worker's tokens must increase; in the contended runs no two
@@ -57,6 +59,8 @@ use tonic::transport::Channel;
 
 /// The dev lock class every Latchkey scenario uses (TTL 15 s); etcd leases get the same TTL.
 const CLASS: &str = "demo";
+/// The same with durable waiters (ADR-14), in the bench's copy of the policies.
+const DURABLE_CLASS: &str = "bench-durable";
 const LEASE_TTL_SECS: i64 = 15;
 /// How long a contended waiter may queue before the run is declared stuck.
 const WAIT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -92,6 +96,10 @@ struct Args {
     /// grants there (`--coord-etcd`): what the witness costs.
     #[arg(long)]
     witness: bool,
+    /// Also run the large hot-key scenario with a durable class (ADR-14:
+    /// the queue in etcd, two more writes per waiting call).
+    #[arg(long)]
+    durable: bool,
 }
 
 /// The resolved settings of one run.
@@ -224,7 +232,12 @@ async fn main() -> anyhow::Result<()> {
         .await?;
         eprintln!("running: latchkey Acquire + Release, C={c}");
         let latchkey = uncontended(&plan, |w| {
-            Latchkey::connect(addr, "workload/bench".to_owned(), format!("bench/k-{w}"))
+            Latchkey::connect(
+                addr,
+                "workload/bench".to_owned(),
+                format!("bench/k-{w}"),
+                CLASS,
+            )
         })
         .await?;
         table.row(
@@ -257,16 +270,29 @@ async fn main() -> anyhow::Result<()> {
     }
 
     let demo_waiters: Vec<String> = DEMO_WAITERS.iter().map(|s| (*s).to_owned()).collect();
-    for (waiters, key) in [(&demo_waiters, "demo/hot"), (&bench_waiters, "bench/hot")] {
+    let hot_keys = [
+        (&demo_waiters, "demo/hot", CLASS, ""),
+        (&bench_waiters, "bench/hot", CLASS, ""),
+        (
+            &bench_waiters,
+            "bench/hot-durable",
+            DURABLE_CLASS,
+            " durable",
+        ),
+    ];
+    for (waiters, key, class, durable) in hot_keys {
         let m = waiters.len();
+        if !durable.is_empty() && !args.durable {
+            continue;
+        }
         eprintln!("running: hot key, etcd Lock, M={m}");
         let etcd_hot = contended(&plan, waiters, |_| {
             EtcdLock::connect(endpoint.clone(), format!("bench-etcd/hot-{m}"))
         })
         .await?;
-        eprintln!("running: hot key, latchkey, M={m}");
+        eprintln!("running: hot key, latchkey{durable}, M={m}");
         let hot = contended(&plan, waiters, |name| {
-            Latchkey::connect(addr, name.to_owned(), key.to_owned())
+            Latchkey::connect(addr, name.to_owned(), key.to_owned(), class)
         })
         .await?;
 
@@ -284,13 +310,13 @@ async fn main() -> anyhow::Result<()> {
             None,
         );
         table.row(
-            format!("hot key M={m}, latchkey: acquire wait"),
+            format!("hot key M={m}, latchkey{durable}: acquire wait"),
             &hot.run,
             &hot.run.latency,
             Some((&etcd_wait, &etcd_hot.run, &etcd_hot.run.latency)),
         );
         table.row(
-            format!("hot key M={m}, latchkey: release→next grant"),
+            format!("hot key M={m}, latchkey{durable}: release→next grant"),
             &hot.run,
             &hot.gap,
             Some((&etcd_gap, &etcd_hot.run, &etcd_hot.gap)),
@@ -459,6 +485,7 @@ impl Cycle for EtcdLock {
 struct Latchkey {
     client: LockClient<Channel>,
     key: String,
+    class: &'static str,
     session: LatchkeySession,
     last_token: u64,
     /// The grant held now (contended loop).
@@ -466,12 +493,18 @@ struct Latchkey {
 }
 
 impl Latchkey {
-    async fn connect(addr: SocketAddr, identity: String, key: String) -> anyhow::Result<Self> {
+    async fn connect(
+        addr: SocketAddr,
+        identity: String,
+        key: String,
+        class: &'static str,
+    ) -> anyhow::Result<Self> {
         let mut client = LockClient::new(arbiter::channel(addr, &identity).await?);
-        let session = LatchkeySession::open(&mut client).await?;
+        let session = LatchkeySession::open(&mut client, class).await?;
         Ok(Self {
             client,
             key,
+            class,
             session,
             last_token: 0,
             held: None,
@@ -481,7 +514,7 @@ impl Latchkey {
     async fn acquire_grant(&mut self, wait: WaitMode) -> anyhow::Result<Grant> {
         let mut request = tonic::Request::new(AcquireRequest {
             key: self.key.clone(),
-            class: CLASS.into(),
+            class: self.class.into(),
             session_id: self.session.id,
             wait: wait.into(),
             metadata: Default::default(),
@@ -696,10 +729,10 @@ struct LatchkeySession {
 }
 
 impl LatchkeySession {
-    async fn open(client: &mut LockClient<Channel>) -> anyhow::Result<Self> {
+    async fn open(client: &mut LockClient<Channel>, class: &str) -> anyhow::Result<Self> {
         let opened = client
             .open_session(OpenSessionRequest {
-                class: CLASS.into(),
+                class: class.into(),
                 reuse_session_ids: vec![],
             })
             .await
@@ -749,6 +782,14 @@ fn policies_with_waiters(names: &[String]) -> anyhow::Result<TempDir> {
     for sub in ["classes", "grants"] {
         copy_toml_files(&dev.join(sub), &dir.path().join(sub))?;
     }
+    // The demo class with durable waiters (a fixture pause test, as the others).
+    let durable = format!(
+        "[[class]]\nname = \"{DURABLE_CLASS}\"\ndescription = \"latchkey-bench: demo with durable waiters\"\n\
+         tier = \"coord\"\nenforcement = \"fenced\"\nttlSeconds = 15\nfairness = \"durable\"\n\
+         [class.pauseTest]\nresource = \"postgresql:dev.latchkey_fenced_rows\"\nresult = \"pause-tests/bench-durable.json\"\n"
+    );
+    let path = dir.path().join("classes/zz-bench-durable.toml");
+    std::fs::write(&path, durable).with_context(|| format!("writing {}", path.display()))?;
     latchkey_tests::write_pause_test_fixtures(dir.path())?;
     let grants: String = names
         .iter()

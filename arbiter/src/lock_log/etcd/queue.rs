@@ -2,7 +2,7 @@
 //! session's lease, ordered by create revision. The grant transaction
 //! compares the queue (holds.rs); these are the records' own writes.
 
-use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
 
 use super::{EtcdLog, answer, unavailable, unavailable_on};
 use crate::lock_log::{LogResult, Queued, StoreError};
@@ -51,6 +51,20 @@ pub(super) async fn enqueue(
         }
     };
     answer(resp.header(), queued)
+}
+
+/// How many waiter records `key` has (a count-only read).
+pub(super) async fn count_queued(log: &EtcdLog, key: &str) -> LogResult<i64> {
+    let resp = log
+        .client
+        .kv_client()
+        .get(
+            log.layout.queue_of(key),
+            Some(GetOptions::new().with_prefix().with_count_only()),
+        )
+        .await
+        .map_err(|e| unavailable("cannot count durable waiters", e))?;
+    answer(resp.header(), resp.count())
 }
 
 /// Deletes `session`'s waiter record on `key` if it was last written at

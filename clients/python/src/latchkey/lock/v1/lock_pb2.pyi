@@ -203,11 +203,13 @@ class Holder(_message.Message):
     def __init__(self, identity: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., acquired_at_unix_ms: _Optional[int] = ..., annotations: _Optional[_Mapping[str, str]] = ..., **kwargs) -> None: ...
 
 class InspectResponse(_message.Message):
-    __slots__ = ("key", "holder", "waiters")
+    __slots__ = ("key", "holder", "waiters", "durable_waiters")
     KEY_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     WAITERS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_WAITERS_FIELD_NUMBER: _ClassVar[int]
     key: str
     holder: Holder
     waiters: int
-    def __init__(self, key: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[int] = ...) -> None: ...
+    durable_waiters: int
+    def __init__(self, key: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[int] = ..., durable_waiters: _Optional[int] = ...) -> None: ...
