@@ -57,6 +57,18 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
         outcome.unspooled.is_empty(),
         "an unprotected grant is in no quorum-loss spool (seed {seed}):\n{outcome}"
     );
+    // Durable waiters (ADR-14) met every fault too: their keys were
+    // judged with the rest, and each was granted again after the faults.
+    let durable: Vec<_> = outcome
+        .report
+        .keys
+        .iter()
+        .filter(|k| k.key.starts_with("bench/gate/durable/"))
+        .collect();
+    assert!(
+        !durable.is_empty() && durable.iter().all(|k| k.ops > 0),
+        "the durable class's keys were not exercised: {durable:?}"
+    );
     for fault in Fault::ALL {
         assert!(
             // By the first word: "restore-forget ..." is not a "restore".

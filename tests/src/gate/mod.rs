@@ -45,6 +45,9 @@ pub use nemesis::Fault;
 
 /// The lock class every worker uses; TTL 5 s so lease expiry is quick.
 pub const CLASS: &str = "gate";
+/// The same class with durable waiters (ADR-14): some workers use it on
+/// keys of their own, judged with the rest.
+pub const DURABLE_CLASS: &str = "gate-durable";
 pub const TTL: Duration = Duration::from_secs(5);
 /// The resource the gate's class is fenced by: the reference fence's table.
 const GATE_RESOURCE: &str = "postgresql:gate.latchkey_fenced_rows";
@@ -429,6 +432,20 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     let open_keys: Vec<String> = (0..(config.keys / 4).max(2))
         .map(|k| format!("bench/gate/open/k{k}"))
         .collect();
+    // A quarter of the others use the durable class on keys of their own,
+    // in the same history: every fault meets durable waiters too.
+    let durable_workers = match open_from {
+        0..=2 => 0,
+        n => (n / 4).max(1),
+    };
+    let durable_from = open_from - durable_workers;
+    let durable_keys: Vec<String> = (0..(config.keys / 4).max(2))
+        .map(|k| format!("bench/gate/durable/k{k}"))
+        .collect();
+    let judged_keys: Vec<String> = match durable_workers {
+        0 => keys.clone(),
+        _ => keys.iter().chain(&durable_keys).cloned().collect(),
+    };
     let open_history_dir = history_dir.join("open");
     std::fs::create_dir_all(&open_history_dir)?;
     let mut rng = fastrand::Rng::with_seed(config.seed);
@@ -449,6 +466,8 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         keys: keys.join(","),
         open_keys: open_keys.join(","),
         open_from,
+        durable_keys: durable_keys.join(","),
+        durable_from,
         open_history_dir: open_history_dir.clone(),
         postgres: postgres.url(),
         history_dir: history_dir.clone(),
@@ -514,7 +533,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     // The nemesis, then the stop.
     let faults = nemesis::run(&rig, &config, &mut rng, &history_dir).await;
     let recovered_after = if faults.is_ok() {
-        wait_for_recovery(&history_dir, &keys).await
+        wait_for_recovery(&history_dir, &judged_keys).await
     } else {
         None
     };
@@ -608,6 +627,9 @@ struct WorkerSpawn {
     /// Workers from this index on use the open class (quorum-loss fault).
     open_keys: String,
     open_from: usize,
+    /// Workers from this index up to `open_from` use the durable class.
+    durable_keys: String,
+    durable_from: usize,
     open_history_dir: PathBuf,
     postgres: String,
     history_dir: PathBuf,
@@ -626,14 +648,16 @@ impl WorkerSpawn {
             .create(true)
             .append(true)
             .open(self.log_dir.join(format!("worker-{}.log", w.index)))?;
-        let open = w.index >= self.open_from;
-        let (keys, class, history) = match open {
-            true => (
+        let (keys, class, history) = if w.index >= self.open_from {
+            (
                 &self.open_keys,
                 quorum_loss::OPEN_CLASS,
                 &self.open_history_dir,
-            ),
-            false => (&self.keys, CLASS, &self.history_dir),
+            )
+        } else if w.index >= self.durable_from {
+            (&self.durable_keys, DURABLE_CLASS, &self.history_dir)
+        } else {
+            (&self.keys, CLASS, &self.history_dir)
         };
         let mut command = Command::new(&self.binary);
         if let Some(clock) = self.clocks.get(w.index) {
@@ -829,6 +853,15 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
     std::fs::write(
         dir.join("classes/gate-open.toml"),
         quorum_loss::open_class_toml(),
+    )?;
+    std::fs::write(
+        dir.join("classes/gate-durable.toml"),
+        format!(
+            "[[class]]\nname = \"{DURABLE_CLASS}\"\ndescription = \"Release gate workload, durable waiters\"\n\
+             tier = \"coord\"\nenforcement = \"fenced\"\nttlSeconds = {}\nfairness = \"durable\"\n\
+             [class.pauseTest]\nresource = \"{GATE_RESOURCE}\"\nresult = \"pause-tests/{DURABLE_CLASS}.json\"\n",
+            TTL.as_secs()
+        ),
     )?;
     // The fixture only lets the arbiter load the class: the gate's own
     // fence check is the evidence here.
