@@ -16,7 +16,13 @@ impl Arbiter {
         let policies = self.policies.current();
         let key = self.authorised_key(&policies, &caller, &request.get_ref().key)?;
         let operator = policies.is_operator(&caller.identity);
-        let holder = self.table.holder(key.as_str()).await?.map(|h| {
+        // Two reads side by side: the holder, and the durable queue's length.
+        let (holder, durable_waiters) = tokio::join!(
+            self.table.holder(key.as_str()),
+            self.table.durable_waiting(key.as_str())
+        );
+        let durable_waiters = durable_waiters?;
+        let holder = holder?.map(|h| {
             let shown = session_shown(&h.record.identity, &caller.identity, operator);
             let session_id = if shown { h.record.session } else { 0 };
             Holder {
@@ -32,7 +38,7 @@ impl Arbiter {
             key: key.as_str().to_string(),
             holder,
             waiters: u32::try_from(self.table.waiting(key.as_str())).unwrap_or(u32::MAX),
-            durable_waiters: self.table.durable_waiting(key.as_str()).await?,
+            durable_waiters,
         })
     }
 }
