@@ -455,6 +455,8 @@ pub trait LockLog: Send + Sync + 'static {
     ) -> LogResult<Option<Queued>>;
     /// How many durable waiter records `key` has.
     async fn count_queued(&self, key: &str) -> LogResult<i64>;
+    /// `key`'s oldest durable waiter record (a linearizable read).
+    async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>>;
     /// Deletes `session`'s waiter record for `key` if it was last written
     /// at `modified`; whether it did.
     async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool>;

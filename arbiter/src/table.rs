@@ -176,11 +176,9 @@ enum Attempt {
     Held {
         watch_from: i64,
     },
-    /// Free, but a durable waiter was queued first: `head`, the oldest
-    /// waiter record. Watch as for `Held`.
+    /// Free, but a durable waiter was queued first. Watch as for `Held`.
     Behind {
         watch_from: i64,
-        head: Option<Kv>,
     },
     /// A durable waiter's own record is gone (its caller's session ended,
     /// or another arbiter took it for stale): it must queue again.
@@ -230,6 +228,8 @@ pub struct LockTable {
     /// once (UNAVAILABLE, retry) so the server can drain its calls.
     waits_end: CancellationToken,
     durable: durable::DurableCounters,
+    /// Durable queue heads seen, per key, for the stale-record rule.
+    stale_heads: Mutex<std::collections::HashMap<String, durable::Seen>>,
 }
 
 impl LockTable {
@@ -264,6 +264,7 @@ impl LockTable {
             stop: CancellationToken::new(),
             waits_end: CancellationToken::new(),
             durable: Default::default(),
+            stale_heads: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -523,12 +524,18 @@ impl LockTable {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let key = req.key.clone();
         let mut book = self.book.lock();
+        if self.waits_end.is_cancelled() {
+            // Checked under the book's lock: `end_waits` drains after it
+            // cancels, so no waiter joins after the drain.
+            return Err(ArbiterError::store("the arbiter is shutting down"));
+        }
         let max = self.options.max_waiters_per_identity;
         if book.per_identity.get(&req.identity).copied().unwrap_or(0) >= max {
             return Err(ArbiterError::TooManyWaiters { limit: max });
         }
         let queued = book.keys.get(&key).map(|q| q.waiters.len());
-        if queued.unwrap_or(0) >= limit as usize {
+        let durable = book.durable.get(&key).copied().unwrap_or(0) as usize;
+        if queued.unwrap_or(0) + durable >= limit as usize {
             return Err(ArbiterError::QueueFull { key, limit });
         }
         let kick = book.join(Waiter {

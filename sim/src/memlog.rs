@@ -551,6 +551,15 @@ impl LockLog for MemLog {
         .await
     }
 
+    async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>> {
+        let queue = keys::queue_of(key);
+        self.call("queue head", |inner, _| {
+            let head = inner.store.oldest_under(&queue);
+            inner.answer(head)
+        })
+        .await
+    }
+
     async fn count_queued(&self, key: &str) -> LogResult<i64> {
         let queue = keys::queue_of(key);
         self.call("count queued", |inner, _| {

@@ -239,12 +239,12 @@ async fn a_durable_waiter_that_gives_up_leaves_the_queue() -> anyhow::Result<()>
 }
 
 /// A record left by a call that ended long ago (its arbiter died; its
-/// session lives on) is removed by the waiter behind it once it has seen
-/// the record unchanged for longer than the record's budget and the grace
-/// period (its own clock); then that waiter is granted. A record whose
-/// budget has not run out is never removed.
+/// session lives on) is removed once the arbiter has seen it unchanged for
+/// longer than the record's budget and the grace period (its own clock,
+/// across calls); a record whose budget has not run out is never removed.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_stale_durable_waiter_is_removed_by_the_one_behind_it() -> anyhow::Result<()> {
+async fn a_stale_durable_waiter_record_is_removed_after_its_budget_and_the_grace()
+-> anyhow::Result<()> {
     let rig = rig().await?;
     let one = rig.arbiter().await?;
     let mut demo = one.lock("workload/demo").await?;
@@ -274,16 +274,36 @@ async fn a_stale_durable_waiter_is_removed_by_the_one_behind_it() -> anyhow::Res
     expect_refusal(behind, Code::DeadlineExceeded, "WAIT_TIMEOUT")?;
     assert_eq!(rig.queue(key).await?, vec![lease]);
 
-    // Its call waited no time at all: removed once demo has seen it for
-    // the grace period, and demo is granted.
+    // Its call waited 3 s. The arbiter's clock for it runs across calls:
+    // try-locks, each refused while the record is there, until the
+    // arbiter has seen it unchanged for 3 s + the grace period; then it is
+    // removed and the next try-lock is granted. Never earlier: the clock
+    // starts no sooner than the first try-lock below.
     etcd.put(
         leftover,
-        record(0),
+        record(3_000),
         Some(PutOptions::new().with_lease(lease)),
     )
     .await?;
     let grace = latchkey_arbiter::table::durable::STALE_AFTER;
-    let got = wait_lock(&mut demo, key, CLASS, sd, grace + Duration::from_secs(10)).await?;
+    let started = std::time::Instant::now();
+    let got = loop {
+        match try_lock(&mut demo, key, CLASS, sd).await {
+            Ok(grant) => break grant,
+            Err(status) if status.code() == Code::Aborted => {}
+            Err(status) => return Err(status.into()),
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(3) + grace + Duration::from_secs(20),
+            "the stale record was never removed"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(
+        started.elapsed() >= Duration::from_secs(3) + grace,
+        "removed after {:?}, before its budget and the grace period",
+        started.elapsed()
+    );
     assert_eq!(got.session_id, sd);
     rig.until_queue(key, &[]).await?;
     Ok(())

@@ -419,6 +419,10 @@ impl LockLog for FaultyLog {
         self.inner.count_queued(key).await
     }
 
+    async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>> {
+        self.inner.queue_head(key).await
+    }
+
     async fn watch_queue(
         &self,
         key: &str,
@@ -704,6 +708,9 @@ mod tests {
             unused()
         }
         async fn count_queued(&self, _: &str) -> LogResult<i64> {
+            unused()
+        }
+        async fn queue_head(&self, _: &str) -> LogResult<Option<Kv>> {
             unused()
         }
         async fn watch(&self, _: &str, _: i64) -> Result<Box<dyn KeyWatch>, StoreError> {

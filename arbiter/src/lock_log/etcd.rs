@@ -276,6 +276,10 @@ impl LockLog for EtcdLog {
         queue::count_queued(self, key).await
     }
 
+    async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>> {
+        queue::queue_head(self, key).await
+    }
+
     async fn watch_queue(
         &self,
         key: &str,

@@ -13,12 +13,22 @@
 //! on it). Watches of the holder record and of the queue are hints; a
 //! waiter also polls.
 //!
-//! A record whose call ended without removing it (its arbiter died) would
-//! hold up the queue while its session lives. It says how long its call
-//! waits; a waiter that has seen the same record at the head (the same last
-//! write) for longer than that and [`STALE_AFTER`], on its own monotonic
-//! clock, removes it (compared by that last write, so a retry that renewed
-//! the record keeps it). No two arbiters' clocks are compared.
+//! A waiter that is not first does not send grant transactions on every
+//! hint: it reads the queue's head (a read, no consensus write) and tries
+//! only once nothing older is left, and it ignores the holder record's
+//! changes meanwhile. A release thus costs one grant attempt, not one per
+//! waiter.
+//!
+//! A record whose call ended without removing it (its arbiter died, or
+//! stopped and the caller never came back) would hold up the queue while
+//! its session lives. It says how long its call waits; an arbiter that has
+//! seen the same record at the head (the same last write) for longer than
+//! that and [`STALE_AFTER`], on its own monotonic clock and across all its
+//! calls on the key (try-locks included), removes it — compared by that
+//! last write, so a retry that renewed the record keeps it. No two
+//! arbiters' clocks are compared, and a live call's record is never
+//! removed: it was written after its call began, first seen after that,
+//! and its call ends within its budget.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -118,15 +128,20 @@ impl LockTable {
             identity: req.identity.clone(),
             key: req.key.clone(),
         };
-        // The wait runs in its own task: a grant that commits as the
-        // caller gives up is released as an orphan there, never left.
+        // The wait runs in its own task; a grant that commits as the
+        // caller gives up is released as an orphan, by the task or by the
+        // ticket's drop, never left.
         let (tx, rx) = oneshot::channel();
         let key = req.key.clone();
         let wait_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX);
         self.tasks
             .spawn(self.clone().wait_durable(req, wait_ms, tx, counted));
-        match tokio::time::timeout(budget, rx).await {
-            Ok(Ok(answer)) => answer.map(|grant| Acquired {
+        let mut ticket = DurableTicket {
+            table: self.clone(),
+            rx,
+        };
+        match tokio::time::timeout(budget, &mut ticket.rx).await {
+            Ok(Ok(answer)) => answer.map(|(grant, _)| Acquired {
                 grant,
                 waited: true,
             }),
@@ -143,13 +158,14 @@ impl LockTable {
         self: Arc<Self>,
         req: GrantRequest,
         wait_ms: u64,
-        mut tx: oneshot::Sender<Result<Grant, ArbiterError>>,
+        mut tx: oneshot::Sender<DurableReply>,
         counted: Counted,
     ) {
         let answer = self.serve_durable(&req, wait_ms, &mut tx).await;
         drop(counted);
-        if let Err(Ok(grant)) = tx.send(answer) {
-            // Its caller went away after the grant committed.
+        if let Err(Ok((grant, true))) = tx.send(answer) {
+            // Its caller went away after the grant committed for it (a
+            // session's existing hold, claimed, stays its session's).
             self.release_orphan(grant);
         }
     }
@@ -158,15 +174,14 @@ impl LockTable {
         self: &Arc<Self>,
         req: &GrantRequest,
         wait_ms: u64,
-        tx: &mut oneshot::Sender<Result<Grant, ArbiterError>>,
-    ) -> Result<Grant, ArbiterError> {
+        tx: &mut oneshot::Sender<DurableReply>,
+    ) -> Result<(Grant, bool), ArbiterError> {
         let record = encode(&WaiterRecord {
             identity: req.identity.clone(),
             session: req.session,
             class: req.class.clone(),
             wait_ms,
         });
-        let mut seen: Option<Seen> = None;
         let mut queued = self.queue_in_log(req, &record).await?;
         let mut place = Place {
             table: self.clone(),
@@ -176,6 +191,8 @@ impl LockTable {
         };
         let mut hold_watch: Option<Box<dyn KeyWatch>> = None;
         let mut queue_watch: Option<Box<dyn KeyWatch>> = None;
+        // Someone older was ahead at the last look: read before trying.
+        let mut behind = false;
         loop {
             if self.waits_end.is_cancelled() {
                 // The record stays: the caller's retry (through another
@@ -192,6 +209,8 @@ impl LockTable {
                 Ok(Attempt::Held {
                     watch_from: queued.modified + 1,
                 })
+            } else if behind && let Some(at) = self.older_head(req, queued.created).await {
+                Ok(Attempt::Behind { watch_from: at + 1 })
             } else {
                 self.attempt_in(
                     req,
@@ -201,24 +220,22 @@ impl LockTable {
                 )
                 .await
             };
+            behind = false;
             let from = match attempt {
                 Ok(Attempt::Granted(grant)) => {
                     place.modified = None; // the grant deleted the record
                     bump(&self.durable.served);
-                    return Ok(grant);
+                    return Ok((grant, true));
                 }
                 Ok(Attempt::Reused(grant)) => match self.reuse(grant).await? {
                     // Its session holds the key already (a retry): the
                     // record goes with `place`.
-                    Next::Deliver(grant) => return Ok(grant),
+                    Next::Deliver(grant) => return Ok((grant, false)),
                     Next::Queue(from) => from,
                 },
                 Ok(Attempt::Held { watch_from }) => Some(watch_from),
-                Ok(Attempt::Behind { watch_from, head }) => {
-                    if let Some(head) = head {
-                        self.remove_if_stale(&req.key, req.session, head, &mut seen)
-                            .await;
-                    }
+                Ok(Attempt::Behind { watch_from, .. }) => {
+                    behind = true;
                     Some(watch_from)
                 }
                 Ok(Attempt::Unqueued) => {
@@ -251,7 +268,9 @@ impl LockTable {
                 biased;
                 () = self.waits_end.cancelled() => {}
                 () = tx.closed() => {}
-                signal = next(&mut hold_watch) => if signal == WatchSignal::Lost { hold_watch = None },
+                // Behind someone: the holder's changes are not this
+                // waiter's business, the queue's are.
+                signal = next(&mut hold_watch), if !behind => if signal == WatchSignal::Lost { hold_watch = None },
                 signal = next(&mut queue_watch) => if signal == WatchSignal::Lost { queue_watch = None },
                 () = tokio::time::sleep(pause) => {}
             }
@@ -280,25 +299,58 @@ impl LockTable {
         Ok(queued)
     }
 
-    /// Removes the waiter record `head` (another session's) once this
-    /// waiter has seen it unchanged at the head for longer than its call's
-    /// budget and [`STALE_AFTER`].
-    async fn remove_if_stale(&self, key: &str, session: i64, head: Kv, seen: &mut Option<Seen>) {
+    /// The revision the queue was read at if its head is older than
+    /// `created` (someone is still ahead); `None` to try a grant (the read
+    /// failed, or nothing older is left).
+    async fn older_head(&self, req: &GrantRequest, created: i64) -> Option<i64> {
+        let (head, header) = self
+            .seal
+            .checked(self.log.queue_head(&req.key))
+            .await
+            .ok()?;
+        let head = head.filter(|h| h.create_revision < created)?;
+        self.note_head(&req.key, req.session, &head).await;
+        Some(header.revision)
+    }
+
+    /// Notes `head`, the oldest waiter record of `key` as a call of
+    /// `session` found it, and removes it once this arbiter has seen it
+    /// unchanged for longer than its call's budget and [`STALE_AFTER`].
+    pub(super) async fn note_head(&self, key: &str, session: i64, head: &Kv) {
         let Some(record) = decode::<WaiterRecord>(&head.value) else {
             return;
         };
         if record.session == session {
             return;
         }
-        let since = match seen {
-            Some(s) if s.session == record.session && s.modified == head.mod_revision => s.since,
-            _ => {
-                *seen = Some(Seen {
-                    session: record.session,
-                    modified: head.mod_revision,
-                    since: Instant::now(),
-                });
-                return;
+        let since = {
+            let mut heads = self.stale_heads.lock();
+            match heads.get(key) {
+                Some(s) if s.session == record.session && s.modified == head.mod_revision => {
+                    s.since
+                }
+                _ => {
+                    if heads.len() >= STALE_HEADS_KEPT && !heads.contains_key(key) {
+                        // Bounded: forget the longest-watched (its clock
+                        // starts again if it is seen again).
+                        let oldest = heads
+                            .iter()
+                            .min_by_key(|(_, s)| s.since)
+                            .map(|(k, _)| k.clone());
+                        if let Some(oldest) = oldest {
+                            heads.remove(&oldest);
+                        }
+                    }
+                    heads.insert(
+                        key.to_string(),
+                        Seen {
+                            session: record.session,
+                            modified: head.mod_revision,
+                            since: Instant::now(),
+                        },
+                    );
+                    return;
+                }
             }
         };
         let budget = Duration::from_millis(record.wait_ms).saturating_add(STALE_AFTER);
@@ -314,13 +366,42 @@ impl LockTable {
         {
             bump(&self.durable.stale_removed);
         }
-        *seen = None;
+        let mut heads = self.stale_heads.lock();
+        if heads
+            .get(key)
+            .is_some_and(|s| s.session == record.session && s.modified == head.mod_revision)
+        {
+            heads.remove(key);
+        }
     }
 }
 
-/// The head record a waiter has seen, and since when (its monotonic clock).
+/// How many keys' queue heads a table keeps watching for staleness.
+const STALE_HEADS_KEPT: usize = 4096;
+
+/// What a durable waiter's task answers: the grant, and whether it was made
+/// for this call (a fresh grant) or is its session's existing hold.
+type DurableReply = Result<(Grant, bool), ArbiterError>;
+
+/// The caller's side of a durable wait: dropped (the call gave up or went
+/// away), a fresh grant that arrived meanwhile is released as an orphan.
+struct DurableTicket {
+    table: Arc<LockTable>,
+    rx: oneshot::Receiver<DurableReply>,
+}
+
+impl Drop for DurableTicket {
+    fn drop(&mut self) {
+        self.rx.close();
+        if let Ok(Ok((grant, true))) = self.rx.try_recv() {
+            self.table.release_orphan(grant);
+        }
+    }
+}
+
+/// The head record an arbiter has seen, and since when (its monotonic clock).
 #[derive(Debug, Clone, Copy)]
-struct Seen {
+pub(super) struct Seen {
     session: i64,
     modified: i64,
     since: Instant,

@@ -112,14 +112,16 @@ impl LockTable {
             // by the time it was read) the key was freed in between and
             // another attempt decides.
             return Ok(match (turn, queue_head) {
-                (QueueTurn::Empty, Some(head)) => Some(Attempt::Behind {
-                    watch_from: header.revision + 1,
-                    head: Some(head),
-                }),
-                (QueueTurn::Mine { created }, Some(head)) if head.create_revision < created => {
+                (QueueTurn::Empty, Some(head)) => {
+                    self.note_head(&req.key, req.session, &head).await;
                     Some(Attempt::Behind {
                         watch_from: header.revision + 1,
-                        head: Some(head),
+                    })
+                }
+                (QueueTurn::Mine { created }, Some(head)) if head.create_revision < created => {
+                    self.note_head(&req.key, req.session, &head).await;
+                    Some(Attempt::Behind {
+                        watch_from: header.revision + 1,
                     })
                 }
                 (QueueTurn::Mine { created }, ref head)

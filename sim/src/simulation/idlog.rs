@@ -288,6 +288,12 @@ impl LockLog for IdLog {
             .map_err(|e| self.error_back(e))
     }
 
+    async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>> {
+        self.t(|| format!("queue_head {key}"));
+        let answer = self.log.queue_head(key).await?;
+        Ok(answer.map(|head| head.map(|kv| self.kv_back(kv))))
+    }
+
     async fn count_queued(&self, key: &str) -> LogResult<i64> {
         self.t(|| format!("count_queued {key}"));
         self.log.count_queued(key).await

@@ -2,10 +2,12 @@
 //! session's lease, ordered by create revision. The grant transaction
 //! compares the queue (holds.rs); these are the records' own writes.
 
-use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{
+    Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
+};
 
-use super::{EtcdLog, answer, unavailable, unavailable_on};
-use crate::lock_log::{LogResult, Queued, StoreError};
+use super::{EtcdLog, answer, kv, unavailable, unavailable_on};
+use crate::lock_log::{Kv, LogResult, Queued, StoreError};
 
 /// Puts the waiter record on the session's lease if the session record is
 /// the caller's; over an existing one etcd keeps its create revision (the
@@ -65,6 +67,26 @@ pub(super) async fn count_queued(log: &EtcdLog, key: &str) -> LogResult<i64> {
         .await
         .map_err(|e| unavailable("cannot count durable waiters", e))?;
     answer(resp.header(), resp.count())
+}
+
+/// `key`'s oldest waiter record.
+pub(super) async fn queue_head(log: &EtcdLog, key: &str) -> LogResult<Option<Kv>> {
+    let resp = log
+        .client
+        .kv_client()
+        .get(
+            log.layout.queue_of(key),
+            Some(
+                GetOptions::new()
+                    .with_prefix()
+                    .with_sort(SortTarget::Create, SortOrder::Ascend)
+                    .with_limit(1),
+            ),
+        )
+        .await
+        .map_err(|e| unavailable("cannot read a durable queue", e))?;
+    let head = resp.kvs().first().map(kv);
+    answer(resp.header(), head)
 }
 
 /// Deletes `session`'s waiter record on `key` if it was last written at
