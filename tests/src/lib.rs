@@ -33,6 +33,7 @@ pub mod log_contract;
 pub mod manifests;
 pub mod oidc;
 pub mod postgres;
+pub mod procstat;
 pub mod proxy;
 pub mod raw_grpc;
 

@@ -29,6 +29,7 @@ use latchkey_proto::lockv1::{
 };
 use latchkey_tests::arbiter::{ArbiterOptions, ArbiterProcess, channel};
 use latchkey_tests::etcd::EtcdServer;
+use latchkey_tests::procstat::{Usage, ticks_to_secs, usage};
 use tokio::sync::{Semaphore, mpsc};
 
 #[derive(Parser, Debug)]
@@ -62,30 +63,6 @@ struct Args {
 const HOLDS_PER_SESSION: usize = 1000;
 
 const PER_IDENTITY: usize = 1000;
-
-#[derive(Clone, Copy, Default)]
-struct Usage {
-    cpu_ticks: u64,
-    rss_kib: u64,
-}
-
-fn usage(pid: u32) -> Usage {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // fields after the ")" of the command name: utime and stime are 12th and 13th there
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss_kib = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
-    Usage {
-        cpu_ticks: tick(11) + tick(12),
-        rss_kib,
-    }
-}
 
 /// Renewal statistics of one phase.
 struct Rounds {
@@ -155,10 +132,6 @@ impl Measured {
     fn cpu_total(&self) -> f64 {
         self.cpu.iter().map(|(_, c, _)| c).sum()
     }
-}
-
-fn ticks_to_secs(t: u64) -> f64 {
-    t as f64 / 100.0
 }
 
 #[tokio::main]
