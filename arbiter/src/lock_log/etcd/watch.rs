@@ -1,5 +1,6 @@
-//! A watch on one holder record, over an etcd watch stream. Only ever a
-//! hint to try a grant: the grant transaction decides.
+//! A watch on one holder record, or on a key's durable queue, over an etcd
+//! watch stream. Only ever a hint to try a grant: the grant transaction
+//! decides.
 
 use async_trait::async_trait;
 use etcd_client::{EventType, WatchOptions, WatchStream};
@@ -14,16 +15,14 @@ pub(super) async fn watch(
     key: &str,
     from_revision: i64,
 ) -> Result<Box<dyn KeyWatch>, StoreError> {
-    let stream = log
-        .client
-        .watch_client()
-        .watch(
-            log.layout.holder(key),
-            Some(WatchOptions::new().with_start_revision(from_revision)),
-        )
-        .await
-        .map_err(|e| unavailable("cannot watch a holder record", e))?;
-    Ok(Box::new(EtcdKeyWatch { stream }))
+    open(
+        log,
+        log.layout.holder(key),
+        WatchOptions::new(),
+        from_revision,
+    )
+    .await
+    .map_err(|e| unavailable("cannot watch a holder record", e))
 }
 
 /// Watches `key`'s durable queue (every waiter record) from
@@ -33,19 +32,23 @@ pub(super) async fn watch_queue(
     key: &str,
     from_revision: i64,
 ) -> Result<Box<dyn KeyWatch>, StoreError> {
+    let prefix = WatchOptions::new().with_prefix();
+    open(log, log.layout.queue_of(key), prefix, from_revision)
+        .await
+        .map_err(|e| unavailable("cannot watch a durable queue", e))
+}
+
+async fn open(
+    log: &EtcdLog,
+    key: String,
+    options: WatchOptions,
+    from_revision: i64,
+) -> Result<Box<dyn KeyWatch>, etcd_client::Error> {
     let stream = log
         .client
         .watch_client()
-        .watch(
-            log.layout.queue_of(key),
-            Some(
-                WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(from_revision),
-            ),
-        )
-        .await
-        .map_err(|e| unavailable("cannot watch a durable queue", e))?;
+        .watch(key, Some(options.with_start_revision(from_revision)))
+        .await?;
     Ok(Box::new(EtcdKeyWatch { stream }))
 }
 
