@@ -59,6 +59,11 @@ struct Args {
     /// other lock cluster. Default: default.
     #[arg(long, value_name = "NAME", requires = "coord_etcd")]
     lock_cluster_name: Option<String>,
+    /// Two tiers (ADR-07): the locks of coord-tier classes (keys in the
+    /// namespaces coord classes name) live on the coord cluster, every other
+    /// lock on --etcd. Without it both tiers' locks live on --etcd.
+    #[arg(long, requires = "coord_etcd")]
+    split_tiers: bool,
     /// Directory with classes/*.toml and grants/*.toml.
     #[arg(long, default_value = "policies/dev")]
     policies: PathBuf,
@@ -330,6 +335,7 @@ pub async fn main_with(
     if let Some(name) = args.lock_cluster_name {
         config.lock_cluster_name = name;
     }
+    config.split_tiers = args.split_tiers;
     config.check_coord()?;
     config.tls = tls;
     config.trust_domain = args.trust_domain;

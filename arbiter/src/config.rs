@@ -156,6 +156,14 @@ pub enum CoordConfigError {
     BadClusterName(String),
     #[error("--coord-prefix must start with '/' and name more than the root (got {0:?})")]
     BadPrefix(String),
+    #[error(
+        "--split-tiers puts the coord tier's locks on the coord cluster: pass --coord-etcd too"
+    )]
+    SplitWithoutCoord,
+    #[error(
+        "--lock-cluster-name coord-tier is reserved with --split-tiers: the entity cluster witnesses the coord tier under that name; choose another name"
+    )]
+    ReservedClusterName,
 }
 
 impl Config {
@@ -164,7 +172,10 @@ impl Config {
     /// are held to the same rules.
     pub fn check_coord(&self) -> Result<(), CoordConfigError> {
         if self.coord_endpoints.is_empty() {
-            return Ok(());
+            return match self.split_tiers {
+                true => Err(CoordConfigError::SplitWithoutCoord),
+                false => Ok(()),
+            };
         }
         self.etcd_credentials
             .check(&self.coord_endpoints)
@@ -187,6 +198,9 @@ impl Config {
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
         {
             return Err(CoordConfigError::BadClusterName(name.clone()));
+        }
+        if self.split_tiers && name == crate::COORD_TIER_WITNESS_NAME {
+            return Err(CoordConfigError::ReservedClusterName);
         }
         if !self.coord_prefix.starts_with('/') || self.coord_prefix.trim_end_matches('/').is_empty()
         {
@@ -235,6 +249,10 @@ pub struct Config {
     /// This lock cluster's name on the coord cluster: every arbiter of one
     /// lock cluster must use the same name, and no two lock clusters may.
     pub lock_cluster_name: String,
+    /// ADR-07's two tiers: coord-tier keys on the coord cluster, entity-tier
+    /// keys on `etcd_endpoints` (needs `coord_endpoints`). Off: both tiers'
+    /// keys on `etcd_endpoints`, the one-cluster configuration.
+    pub split_tiers: bool,
     pub policies_dir: PathBuf,
     pub policy_poll: Duration,
     /// `None` only in insecure dev mode.
@@ -289,6 +307,7 @@ impl Config {
             coord_endpoints: Vec::new(),
             coord_prefix: DEFAULT_COORD_PREFIX.into(),
             lock_cluster_name: DEFAULT_LOCK_CLUSTER_NAME.into(),
+            split_tiers: false,
             policies_dir,
             policy_poll: Duration::from_secs(2),
             tls: None,

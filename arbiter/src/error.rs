@@ -44,6 +44,13 @@ pub enum ArbiterError {
         class: String,
         class_ttl: u32,
     },
+    /// With the tiers split: the class is of the other tier than the key.
+    #[error("{0}")]
+    WrongTier(String),
+    /// With the tiers split: the session lives on the other tier's cluster
+    /// (answered like a session of another TTL: open one for this class).
+    #[error("{0}")]
+    SessionWrongTier(String),
     #[error("key {key:?} is held by another session")]
     Held { key: String },
     #[error(
@@ -93,7 +100,10 @@ impl ArbiterError {
             Self::BadRequest(_) | Self::Internal(_) => Reason::BadRequest,
             Self::UnknownClass { .. } => Reason::UnknownClass,
             Self::SessionExpired { .. } => Reason::SessionExpired,
-            Self::SessionClassMismatch { .. } => Reason::SessionClassMismatch,
+            Self::SessionClassMismatch { .. } | Self::SessionWrongTier(_) => {
+                Reason::SessionClassMismatch
+            }
+            Self::WrongTier(_) => Reason::WrongTier,
             Self::Held { .. } => Reason::Held,
             Self::Leak { .. } => Reason::Leak,
             Self::WaitTimeout { .. } => Reason::WaitTimeout,
@@ -116,7 +126,9 @@ impl ArbiterError {
             Self::BadKey(_)
             | Self::BadRequest(_)
             | Self::UnknownClass { .. }
-            | Self::SessionClassMismatch { .. } => Code::InvalidArgument,
+            | Self::SessionClassMismatch { .. }
+            | Self::SessionWrongTier(_)
+            | Self::WrongTier(_) => Code::InvalidArgument,
             Self::Held { .. } => Code::Aborted,
             Self::WaitTimeout { .. } => Code::DeadlineExceeded,
             Self::QueueFull { .. } | Self::TooManyWaiters { .. } | Self::IdentityLimit { .. } => {

@@ -54,7 +54,11 @@ pub(crate) fn spawn(
             .await;
         let mut tick = tokio::time::interval(EVERY);
         loop {
-            let reason = arbiter.table.seal().guard().seal_reason();
+            // Sealed if any tier's cluster is: its locks cannot be served.
+            let reason = arbiter
+                .tiers
+                .all()
+                .find_map(|c| c.table.seal().guard().seal_reason());
             reporter
                 .set_service_status(LOCK_SERVICE, lock_status(reason.as_deref()))
                 .await;

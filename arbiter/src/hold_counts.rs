@@ -213,16 +213,28 @@ impl HoldCounts {
         key: &str,
         wait: Duration,
     ) -> Result<Admitted, ArbiterError> {
+        self.admit_within_beside(identity, key, 0, wait).await
+    }
+
+    /// [`Self::admit_within`], counting `beside` more holds of `identity`
+    /// (its holds on the other tier's cluster: the bound is over both).
+    pub async fn admit_within_beside(
+        self: &Arc<Self>,
+        identity: &str,
+        key: &str,
+        beside: u32,
+        wait: Duration,
+    ) -> Result<Admitted, ArbiterError> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             // Registered before the check, so a count installed in between
             // still wakes this call.
             let counted = self.counted.notified();
             if self.lock().in_log.is_some() {
-                return self.admit(identity, key);
+                return self.admit_beside(identity, key, beside);
             }
             if tokio::time::timeout_at(deadline, counted).await.is_err() {
-                return self.admit(identity, key);
+                return self.admit_beside(identity, key, beside);
             }
         }
     }
@@ -231,13 +243,23 @@ impl HoldCounts {
     /// `IdentityLimit` at the bound, `StoreUnavailable` before the first
     /// count is in.
     pub fn admit(self: &Arc<Self>, identity: &str, key: &str) -> Result<Admitted, ArbiterError> {
+        self.admit_beside(identity, key, 0)
+    }
+
+    /// [`Self::admit`] with `beside` holds of `identity` counted elsewhere.
+    pub fn admit_beside(
+        self: &Arc<Self>,
+        identity: &str,
+        key: &str,
+        beside: u32,
+    ) -> Result<Admitted, ArbiterError> {
         let mut state = self.lock();
         let Some(held) = state.held(identity) else {
             return Err(ArbiterError::store(
                 "this arbiter is still counting the holds in the lock log (it just started and etcd has not answered yet)",
             ));
         };
-        if held >= self.max {
+        if held.saturating_add(beside) >= self.max {
             return Err(ArbiterError::IdentityLimit {
                 bound: IdentityBound::Holds,
                 limit: self.max,

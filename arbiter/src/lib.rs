@@ -34,6 +34,7 @@ mod service;
 pub mod shards;
 pub mod table;
 pub mod telemetry;
+pub mod tiers;
 pub mod tls_reload;
 pub mod token;
 pub mod wasm_hooks;
@@ -141,8 +142,8 @@ pub enum RunError {
 /// Why an arbiter with no memory and no witness refuses to grant.
 const UNWITNESSED: &str = "this arbiter has an empty state directory and no coord cluster, and the lock log already has an epoch record: nothing can tell whether it was restored from a snapshot since tokens were handed out, so it grants nothing. Run with --coord-etcd (a witness); or, if you know the lock log was not restored, restart with --trust-unwitnessed-log; or advance the epoch (latchctl admin advance-epoch) above every epoch ever used";
 
-/// Builds the arbiter's state: policies, high-water mark, etcd connection,
-/// and the epoch record (created on first start).
+/// Builds the arbiter's state: policies, then each tier's cluster (etcd
+/// connection, high-water mark, epoch record created on first start).
 pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     // etcd's endpoints and credentials first: a bad flag or file fails the
     // start before anything else is loaded.
@@ -160,21 +161,6 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         config.policies_dir.clone(),
     );
     let _ = tokio::task::spawn_blocking(move || host.sync(&set, &dir)).await;
-    let high_water = Arc::new(HighWater::open(&config.state_dir)?);
-    let has_state = high_water.current().is_some();
-    let guard = Arc::new(EpochGuard::default());
-    let unreachable = |source| RunError::EtcdUnreachable {
-        endpoints: config.etcd_endpoints.join(","),
-        access: credentials.describe(),
-        // etcd with --client-cert-auth drops a TLS client without a
-        // certificate with no more than a broken pipe.
-        hint: if credentials.ca.is_some() && credentials.client_cert.is_none() {
-            "; if etcd runs with --client-cert-auth, pass --etcd-cert and --etcd-key"
-        } else {
-            ""
-        },
-        source,
-    };
     let bounds = Arc::new(bounds::Bounds::new(config.max_sessions_per_identity));
     let lock_store = StoreConfig {
         endpoints: config.etcd_endpoints.clone(),
@@ -185,24 +171,177 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         login: etcd_login,
     };
     let witness = coord_witness(config, &lock_store).await?;
-    let etcd = EtcdLog::connect(&lock_store, bounds.clone())
+    let entity = build_cluster(
+        config,
+        ClusterSpec {
+            tier: latchkey_policies::Tier::Entity,
+            store: lock_store.clone(),
+            witness,
+            state_dir: config.state_dir.clone(),
+            layer: config.log_layer.as_ref(),
+            session_tag: 0,
+        },
+        &bounds,
+    )
+    .await?;
+    // ADR-07: the coord tier's locks on the coord cluster. Its grants are
+    // witnessed, and its epochs allocated, by the entity cluster: the two
+    // clusters witness each other, so a restore of either one alone is seen.
+    let coord = match config.split_tiers {
+        false => None,
+        true => {
+            let store = StoreConfig {
+                endpoints: config.coord_endpoints.clone(),
+                ..lock_store.clone()
+            };
+            let witness = tier_witness(config, &lock_store).await?;
+            Some(
+                build_cluster(
+                    config,
+                    ClusterSpec {
+                        tier: latchkey_policies::Tier::Coord,
+                        store,
+                        witness: Some(witness),
+                        state_dir: config.state_dir.join("coord-tier"),
+                        layer: None,
+                        session_tag: tiers::COORD_SESSION_BIT,
+                    },
+                    &bounds,
+                )
+                .await?,
+            )
+        }
+    };
+    if coord.is_some() {
+        info!(
+            coord = %config.coord_endpoints.join(","),
+            entity = %config.etcd_endpoints.join(","),
+            "two tiers (ADR-07): coord-tier keys on the coord cluster, every other key on the entity cluster"
+        );
+    }
+    // Every arbiter with a coord cluster routes by the namespaces' bindings
+    // there, split or not (tiers/bindings.rs).
+    let bindings = match config.coord_endpoints.is_empty() {
+        true => None,
+        false => {
+            let store = StoreConfig {
+                endpoints: config.coord_endpoints.clone(),
+                prefix: config.coord_prefix.clone(),
+                ..lock_store.clone()
+            };
+            let unreachable = |source| RunError::CoordUnreachable {
+                endpoints: config.coord_endpoints.join(","),
+                access: config.etcd_credentials.describe(),
+                source,
+            };
+            let bindings = tiers::bindings::Bindings::new(
+                connect_client(&store).await.map_err(unreachable)?,
+                &config.coord_prefix,
+            );
+            let n = bindings.load().await.map_err(unreachable)?;
+            info!(
+                namespaces = n,
+                "namespace tier bindings read from the coord cluster"
+            );
+            Some(bindings)
+        }
+    };
+    let tiers = tiers::Tiers::new(Arc::new(entity), coord.map(Arc::new), bindings);
+    let identity = match &config.tls {
+        Some(_) => IdentitySource::Tls {
+            trust_domain: config.trust_domain.clone(),
+            edge_identity: config.edge_identity.clone(),
+        },
+        None => IdentitySource::InsecureDev {
+            trust_domain: config.trust_domain.clone(),
+        },
+    };
+    let metrics = {
+        let tables: Vec<_> = tiers.all().map(|c| c.table.clone()).collect();
+        let quorum = tiers.entity().quorum.clone();
+        Metrics::new(
+            Arc::new(move || {
+                tables
+                    .iter()
+                    .map(|t| t.totals())
+                    .fold((0, 0), |(k, n), (k2, n2)| (k + k2, n + n2))
+            }),
+            tiers.entity().table.seal().guard_shared(),
+            config.hook_host.clone(),
+            Arc::new(move || quorum.snapshot()),
+        )
+    };
+    Ok(Arc::new(Arbiter {
+        metrics: Arc::new(metrics),
+        tiers,
+        policies,
+        identity,
+        direct_workloads: config.edge_identity.is_none() || config.allow_direct_workloads,
+        hooks: Arc::new(wasm_hooks::WasmHooks::new(
+            config.hook_host.clone(),
+            config.hooks.clone(),
+        )),
+        max_wait: config.max_wait,
+        bounds,
+    }))
+}
+
+/// One tier's cluster, as [`build_cluster`] starts it.
+struct ClusterSpec<'c> {
+    tier: latchkey_policies::Tier,
+    store: StoreConfig,
+    /// The other cluster that witnesses this one's grants; `None`: the
+    /// state directory is the only witness.
+    witness: Option<Arc<EtcdWitness>>,
+    /// Its high-water mark and quorum-loss spool.
+    state_dir: std::path::PathBuf,
+    layer: Option<&'c LogLayer>,
+    session_tag: i64,
+}
+
+/// Connects to one cluster and readies its table: the epoch record, the
+/// seal, the hold count, the quorum probe and force-release.
+async fn build_cluster(
+    config: &Config,
+    spec: ClusterSpec<'_>,
+    bounds: &Arc<bounds::Bounds>,
+) -> Result<tiers::Cluster, RunError> {
+    let credentials = &config.etcd_credentials;
+    let tier = tiers::tier_name(spec.tier);
+    let high_water = Arc::new(HighWater::open(&spec.state_dir)?);
+    let has_state = high_water.current().is_some();
+    let guard = Arc::new(EpochGuard::default());
+    let unreachable = |source| RunError::EtcdUnreachable {
+        endpoints: spec.store.endpoints.join(","),
+        access: credentials.describe(),
+        // etcd with --client-cert-auth drops a TLS client without a
+        // certificate with no more than a broken pipe.
+        hint: if credentials.ca.is_some() && credentials.client_cert.is_none() {
+            "; if etcd runs with --client-cert-auth, pass --etcd-cert and --etcd-key"
+        } else {
+            ""
+        },
+        source,
+    };
+    let etcd = EtcdLog::connect(&spec.store, bounds.clone())
         .await
         .map_err(|e| unreachable(e.into()))?;
     let mut log: Arc<dyn LockLog> = Arc::new(etcd);
-    if let Some(layer) = &config.log_layer {
+    if let Some(layer) = spec.layer {
         warn!(layer = %layer.name, "RUNNING WITH A LAYER AROUND THE LOCK LOG (a test build): this arbiter may be deliberately unsafe");
         log = (layer.wrap)(log);
     }
     let mut unwitnessed = false;
-    match &witness {
+    match &spec.witness {
         Some(w) => info!(
+            tier,
             witness = %w.describe(),
-            lock_cluster = %config.lock_cluster_name,
-            "the coord cluster witnesses this lock cluster's grants and allocates its epochs"
+            "another cluster witnesses this cluster's grants and allocates its epochs"
         ),
         None => {
             info!(
-                state_dir = %config.state_dir.display(),
+                tier,
+                state_dir = %spec.state_dir.display(),
                 "one cluster, no coord cluster (--coord-etcd): this arbiter's state directory is the only witness of the tokens handed out"
             );
             // Read before the first start of an empty log could create the
@@ -218,7 +357,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             {
                 unwitnessed = true;
                 warn!(
-                    state_dir = %config.state_dir.display(),
+                    state_dir = %spec.state_dir.display(),
                     trusted = config.trust_unwitnessed_log,
                     "starting with an empty state directory on a lock log that already has an epoch record, and with no coord cluster: nothing can tell whether the lock log was restored from a snapshot since tokens were handed out, and if it was, tokens may be issued again below earlier ones (issue 15); run with --coord-etcd, and keep --state-dir on durable disk"
                 );
@@ -229,17 +368,18 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         log,
         guard.clone(),
         high_water,
-        witness.clone().map(|w| w as Arc<dyn Witness>),
+        spec.witness.clone().map(|w| w as Arc<dyn Witness>),
         TableOptions {
             poll: config.retry_poll,
             max_waiters_per_identity: config.max_waiters_per_identity,
+            session_tag: spec.session_tag,
             ..TableOptions::default()
         },
     );
     // The first request: the connection, TLS handshake and auth happen here.
     let state = table.start().await.map_err(unreachable)?;
-    info!(access = %credentials.describe(), "connected to etcd");
-    if let Some(coord) = witness.as_ref().and_then(|w| w.coord_cluster_id()) {
+    info!(tier, access = %credentials.describe(), "connected to etcd");
+    if let Some(coord) = spec.witness.as_ref().and_then(|w| w.coord_cluster_id()) {
         let lock = table.current_cluster_id().await.map_err(unreachable)?;
         if lock == coord {
             return Err(RunError::CoordIsLockCluster { cluster_id: lock });
@@ -255,8 +395,9 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         table.mark_start(&state).await.map_err(unreachable)?;
     }
     match guard.seal_reason() {
-        Some(reason) => warn!(epoch = state.epoch(), %reason, "starting SEALED"),
+        Some(reason) => warn!(tier, epoch = state.epoch(), %reason, "starting SEALED"),
         None => info!(
+            tier,
             epoch = state.epoch(),
             cluster_id = state.cluster_id,
             "lock log ready"
@@ -266,18 +407,18 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     // behind grants on the lock log's.
     let holds = hold_counts::HoldCounts::new(config.max_holds_per_identity);
     let hold_watch = {
-        let client = connect_client(&lock_store)
+        let client = connect_client(&spec.store)
             .await
             .map_err(|e| unreachable(e.into()))?;
         let follow = Arc::clone(&holds).follow(client, Layout::new(&config.prefix).holders());
         tokio_util::task::AbortOnDrop::new(tokio::spawn(follow).abort_handle())
     };
-    let force = force_release(config, &lock_store).await?;
+    let force = force_release(config, &spec.store).await?;
     // ADR-04: the probe that decides quorum loss, and the open classes' spool.
     let quorum = Arc::new(
         quorum_loss::QuorumLoss::new(
             config.quorum_loss.clone(),
-            &config.state_dir,
+            &spec.state_dir,
             config.max_holds_per_identity,
             config.max_waiters_per_identity,
         )
@@ -286,44 +427,15 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     quorum.set_cluster_id(state.cluster_id);
     table.set_gate(quorum.clone());
     let quorum_probe = quorum.spawn_probe(table.log().clone());
-    let identity = match &config.tls {
-        Some(_) => IdentitySource::Tls {
-            trust_domain: config.trust_domain.clone(),
-            edge_identity: config.edge_identity.clone(),
-        },
-        None => IdentitySource::InsecureDev {
-            trust_domain: config.trust_domain.clone(),
-        },
-    };
-    Ok(Arc::new(Arbiter {
-        metrics: Arc::new(Metrics::new(
-            {
-                let table = table.clone();
-                Arc::new(move || table.totals())
-            },
-            guard,
-            config.hook_host.clone(),
-            {
-                let quorum = quorum.clone();
-                Arc::new(move || quorum.snapshot())
-            },
-        )),
+    Ok(tiers::Cluster {
+        tier: spec.tier,
         table,
-        policies,
-        identity,
-        direct_workloads: config.edge_identity.is_none() || config.allow_direct_workloads,
-        hooks: Arc::new(wasm_hooks::WasmHooks::new(
-            config.hook_host.clone(),
-            config.hooks.clone(),
-        )),
-        max_wait: config.max_wait,
-        bounds,
         holds,
-        _hold_watch: hold_watch,
-        force,
         quorum,
+        force,
+        _hold_watch: hold_watch,
         _quorum_probe: quorum_probe,
-    }))
+    })
 }
 
 /// The force-release path, when an OIDC provider is configured: its own
@@ -409,6 +521,31 @@ async fn coord_witness(
     witness.read().await.map_err(unreachable)?;
     Ok(Some(Arc::new(witness)))
 }
+
+/// The coord tier's witness when the tiers are split: the entity (lock)
+/// cluster, under the coord prefix, with the coord tier's own name.
+async fn tier_witness(
+    config: &Config,
+    lock_store: &StoreConfig,
+) -> Result<Arc<EtcdWitness>, RunError> {
+    let unreachable = |source| RunError::CoordUnreachable {
+        endpoints: config.etcd_endpoints.join(","),
+        access: config.etcd_credentials.describe(),
+        source,
+    };
+    let store = StoreConfig {
+        prefix: config.coord_prefix.clone(),
+        ..lock_store.clone()
+    };
+    let witness = EtcdWitness::connect(&store, COORD_TIER_WITNESS_NAME)
+        .await
+        .map_err(unreachable)?;
+    witness.read().await.map_err(unreachable)?;
+    Ok(Arc::new(witness))
+}
+
+/// The coord tier's name in the witness records the entity cluster keeps.
+pub const COORD_TIER_WITNESS_NAME: &str = "coord-tier";
 
 /// The HTTP/2 connection flow-control window. h2 closes a connection with
 /// GOAWAY `ENHANCE_YOUR_CALM` ("too_many_data_frames") when the framing
@@ -651,10 +788,12 @@ pub async fn run(
     // Waiting calls end as the stop begins, or the server's drain would
     // wait out their budgets.
     let shutdown = {
-        let table = arbiter.table.clone();
+        let tables: Vec<_> = arbiter.tiers.all().map(|c| c.table.clone()).collect();
         async move {
             shutdown.await;
-            table.end_waits();
+            for table in &tables {
+                table.end_waits();
+            }
         }
     };
     let router = server
@@ -680,7 +819,9 @@ pub async fn run(
     // Returns only once everything it started has stopped: the table's
     // drivers and orphan releases, the reloader, the metrics server.
     stop.cancel();
-    arbiter.table.shutdown().await;
+    for cluster in arbiter.tiers.all() {
+        cluster.table.shutdown().await;
+    }
     tasks.close();
     tasks.wait().await;
     result.map_err(RunError::from)

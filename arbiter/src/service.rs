@@ -36,12 +36,12 @@ use crate::hook::ClassHooks;
 use crate::identity::{Caller, IdentitySource};
 use crate::metrics::{Metrics, Scope};
 use crate::policy::Policies;
-use crate::table::LockTable;
 
 /// Everything a request handler needs.
 pub struct Arbiter {
-    /// The grant protocol: queues, claims, hand-over, seal.
-    pub(crate) table: Arc<LockTable>,
+    /// The tiers' clusters (ADR-07), each with its grant protocol table,
+    /// hold count, quorum verdict and force-release store.
+    pub(crate) tiers: crate::tiers::Tiers,
     pub(crate) policies: Arc<Policies>,
     pub(crate) identity: IdentitySource,
     /// Workloads may call directly (no edge configured, or allowed for dev).
@@ -51,16 +51,6 @@ pub struct Arbiter {
     pub(crate) metrics: Arc<Metrics>,
     /// Per-identity bounds on sessions and renewals.
     pub(crate) bounds: Arc<crate::bounds::Bounds>,
-    /// Holds per identity, counted from the log (the bound on holds).
-    pub(crate) holds: Arc<crate::hold_counts::HoldCounts>,
-    /// Ends the holds' watch with the arbiter.
-    pub(crate) _hold_watch: tokio_util::task::AbortOnDrop,
-    /// Two-person force-release; `None` without an OIDC provider.
-    pub(crate) force: Option<Arc<crate::force_release::ForceRelease>>,
-    /// ADR-04: quorum-loss verdict, open classes' memory grants and spool.
-    pub(crate) quorum: Arc<crate::quorum_loss::QuorumLoss>,
-    /// Ends the quorum probe with the arbiter.
-    pub(crate) _quorum_probe: tokio_util::task::AbortOnDrop,
 }
 
 impl Arbiter {

@@ -33,7 +33,7 @@ pub mod durable;
 mod grants;
 mod queues;
 pub mod seal;
-mod sessions;
+pub mod sessions;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -149,6 +149,10 @@ pub struct TableOptions {
     /// Batches in flight at once; members arriving meanwhile wait for the
     /// next.
     pub batches_in_flight: usize,
+    /// OR'ed into every session id this table draws (0, or
+    /// [`sessions::COORD_SESSION_BIT`] for the coord tier's table when the
+    /// tiers are split).
+    pub session_tag: i64,
 }
 
 impl Default for TableOptions {
@@ -159,6 +163,7 @@ impl Default for TableOptions {
             seed: fastrand::u64(..),
             batch_limit: DEFAULT_BATCH_LIMIT,
             batches_in_flight: DEFAULT_BATCHES_IN_FLIGHT,
+            session_tag: 0,
         }
     }
 }
@@ -472,6 +477,12 @@ impl LockTable {
     pub async fn holder(&self, key: &str) -> Result<Option<HolderView>, ArbiterError> {
         let (kv, _) = self.seal.checked(self.log.holder(key)).await?;
         Ok(kv.and_then(holder_view))
+    }
+
+    /// Whether any key under `prefix` (whole segments: pass `ns/`) is held.
+    pub async fn holds_any_under(&self, prefix: &str) -> Result<bool, ArbiterError> {
+        let (holds, _) = self.seal.checked(self.log.holders_under(prefix)).await?;
+        Ok(!holds.is_empty())
     }
 
     /// How many keys `identity` holds in `class`, over every arbiter: the

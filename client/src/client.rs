@@ -342,10 +342,18 @@ impl Client {
     /// # }
     /// ```
     pub async fn admin_status(&self) -> Result<GetStatusResponse, Error> {
+        self.admin_status_of("").await
+    }
+
+    /// [`Self::admin_status`] of one tier's cluster (ADR-07): `"entity"`
+    /// (or `""`), or `"coord"` on an arbiter with the tiers split.
+    pub async fn admin_status_of(&self, tier: &str) -> Result<GetStatusResponse, Error> {
         let rpc = &self.inner.rpc;
         Ok(rpc
             .admin()
-            .get_status(rpc.unary(GetStatusRequest {}))
+            .get_status(rpc.unary(GetStatusRequest {
+                tier: tier.to_owned(),
+            }))
             .await?
             .into_inner())
     }
@@ -380,6 +388,18 @@ impl Client {
         reason: &str,
         at_least: u32,
     ) -> Result<AdvanceEpochResponse, Error> {
+        self.advance_epoch_in("", expected, reason, at_least).await
+    }
+
+    /// [`Self::advance_epoch_at_least`] of one tier's cluster (ADR-07):
+    /// `"entity"` (or `""`), or `"coord"` on an arbiter with the tiers split.
+    pub async fn advance_epoch_in(
+        &self,
+        tier: &str,
+        expected: u32,
+        reason: &str,
+        at_least: u32,
+    ) -> Result<AdvanceEpochResponse, Error> {
         let rpc = &self.inner.rpc;
         Ok(rpc
             .admin()
@@ -387,6 +407,7 @@ impl Client {
                 expected_epoch: expected,
                 reason: reason.to_owned(),
                 at_least_epoch: at_least,
+                tier: tier.to_owned(),
             }))
             .await?
             .into_inner())

@@ -32,6 +32,9 @@ pub struct ManifestFile<'a> {
 }
 
 /// One object from a manifest, with where it came from.
+// A few objects per policy load, moved into a Vec once: boxing the larger
+// variant would only add an allocation and a deref to every match.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Resource {
     Class(LockClass),

@@ -73,9 +73,31 @@ pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
         "onQuorumLoss: open is not allowed for a fenced class: fenced classes claim mutual \
          exclusion, which an ungoverned grant breaks; use onQuorumLoss: closed"
     ),
+    validation = Rule::new(
+        "self.tier == 'coord' || !has(self.namespaces) || size(self.namespaces) == 0"
+    )
+    .message(
+        "namespaces is only for coord-tier classes: an entity-tier class serves every \
+         namespace no coord-tier class names; remove namespaces or set tier: coord"
+    ),
 )]
 pub struct LockClassSpec {
     pub tier: Tier,
+    /// Coord tier only: the key namespaces (first key segments) the coord
+    /// tier serves (ADR-07). Keys in them are coord-tier keys, every other
+    /// key an entity-tier key. Each is listed once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(max = 512)))]
+    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    #[x_kube(validation = Rule::new(
+        "self.all(n, n.size() <= 512 && n.matches('^[^/]+$') && n != '.' && n != '..' && \
+         !n.matches('[\\\\p{Cc}\\\\p{Cf}\\\\p{Zl}\\\\p{Zp}]'))"
+    ).message(
+        "a namespace is not one key segment: a namespace is the first segment of a key, \
+         printable, without '/', not '.' or '..', at most 512 bytes, e.g. \"leader\" for \
+         \"leader/scheduler\""
+    ))]
+    pub namespaces: Vec<String>,
     pub enforcement: Enforcement,
     #[serde(default = "default_ttl_seconds")]
     #[schemars(range(min = 5, max = 300))]

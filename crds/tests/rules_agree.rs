@@ -280,6 +280,55 @@ fn class_cases() -> Vec<Case> {
             spec: fenced(json!({"pauseTest": null})),
             cel: Cel::Agrees,
         },
+        // ADR-07: only a coord-tier class names the key namespaces it serves.
+        ok(
+            "coord class with namespaces",
+            fenced(json!({"namespaces": ["leader", "sched"]})),
+        ),
+        ok(
+            "coord class with an empty namespaces list",
+            fenced(json!({"namespaces": []})),
+        ),
+        ok(
+            "entity class with namespaces",
+            advisory(json!({"namespaces": ["batch"]})),
+        ),
+        ok(
+            "entity class with an empty namespaces list",
+            advisory(json!({"namespaces": []})),
+        ),
+        ok(
+            "coord class, a namespace with a '/'",
+            fenced(json!({"namespaces": ["leader/x"]})),
+        ),
+        ok(
+            "coord class, an empty namespace",
+            fenced(json!({"namespaces": ["leader", ""]})),
+        ),
+        ok(
+            "coord class, a '..' namespace",
+            fenced(json!({"namespaces": [".."]})),
+        ),
+        ok(
+            "coord class, a namespace with a zero-width space",
+            fenced(json!({"namespaces": ["lead\u{200b}er"]})),
+        ),
+        ok(
+            "coord class, a unicode namespace",
+            fenced(json!({"namespaces": ["zürich", "a.b"]})),
+        ),
+        ok(
+            "coord class, a namespace listed twice",
+            fenced(json!({"namespaces": ["leader", "sched", "leader"]})),
+        ),
+        ok(
+            "coord class, 64 namespaces",
+            fenced(json!({"namespaces": (0..64).map(|i| format!("ns{i}")).collect::<Vec<_>>()})),
+        ),
+        ok(
+            "coord class, 65 namespaces",
+            fenced(json!({"namespaces": (0..65).map(|i| format!("ns{i}")).collect::<Vec<_>>()})),
+        ),
         Case {
             what: "dotted name",
             name: "payments-ledger.v2",
@@ -570,8 +619,8 @@ fn to_cel(value: &J) -> cel::Value {
 }
 
 /// The schema's structural checks (required, enum, minimum, maximum,
-/// maxLength, maxItems) and every CEL rule, at every node; the messages of
-/// whatever fails.
+/// maxLength, maxItems, `x-kubernetes-list-type: set`) and every CEL rule,
+/// at every node; the messages of whatever fails.
 fn schema_errors(schema: &J, value: &J, at: &str, errors: &mut Vec<String>) {
     if let Some(required) = schema.get("required").and_then(J::as_array) {
         for key in required {
@@ -604,6 +653,15 @@ fn schema_errors(schema: &J, value: &J, at: &str, errors: &mut Vec<String>) {
         && list.len() as u64 > max.as_u64().unwrap()
     {
         errors.push(format!("{at}: too many items"));
+    }
+    if schema.get("x-kubernetes-list-type").and_then(J::as_str) == Some("set")
+        && let Some(list) = value.as_array()
+        && list
+            .iter()
+            .enumerate()
+            .any(|(i, item)| list[..i].contains(item))
+    {
+        errors.push(format!("{at}: duplicate items in a set"));
     }
     for rule in schema
         .get("x-kubernetes-validations")

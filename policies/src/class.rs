@@ -12,7 +12,7 @@ use thiserror::Error;
 use crate::date::Date;
 use crate::error::PolicyError;
 use crate::hook::ClassHook;
-use crate::key;
+use crate::key::{self, KeyError, LockKey};
 use crate::pause_test::{self, ClassPauseTest, PauseTestError};
 
 /// Platform TTL range in seconds (ADR-11).
@@ -29,6 +29,9 @@ pub const MAX_WAITERS_PER_KEY_LIMIT: u32 = 10_000;
 /// Class names are metrics labels and CRD names; keep them short.
 pub const MAX_CLASS_NAME_BYTES: usize = 63;
 
+/// How many key namespaces one coord-tier class may list.
+pub const MAX_CLASS_NAMESPACES: usize = 64;
+
 /// The client fences this long before the TTL measured from the last
 /// keepalive's send time (ADR-12).
 pub const FENCE_MARGIN_MS: u64 = 1_000;
@@ -42,6 +45,11 @@ pub const FENCE_MARGIN_MS: u64 = 1_000;
 pub struct LockClass {
     pub name: String,
     pub tier: Tier,
+    /// Coord tier only: the key namespaces (first key segments) the coord
+    /// tier serves (ADR-07). Keys in them are coord-tier keys, every other
+    /// key is an entity-tier key, so no key can be held on both clusters.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<String>,
     pub enforcement: Enforcement,
     #[serde(default = "default_ttl_seconds")]
     pub ttl_seconds: u32,
@@ -212,6 +220,42 @@ pub enum ClassError {
     )]
     MaxWaitersOutOfRange { value: u32 },
 
+    #[error(
+        "namespaces is only for coord-tier classes: an entity-tier class serves every \
+         namespace no coord-tier class names; remove namespaces or set tier = \"coord\""
+    )]
+    NamespacesOnEntity,
+
+    #[error(
+        "namespaces lists {count} entries, over the limit of {max}: group the class's keys \
+         under fewer namespaces",
+        max = MAX_CLASS_NAMESPACES
+    )]
+    TooManyNamespaces { count: usize },
+
+    #[error(
+        "namespaces has an entry that is not a key namespace: {source}; a namespace is the \
+         first segment of a key, e.g. \"leader\" for \"leader/scheduler\""
+    )]
+    NamespaceNotAKey { source: KeyError },
+
+    #[error(
+        "namespaces entry \"{namespace}\" has a '/': a namespace is one key segment, the \
+         first of a key; list \"{first}\" instead"
+    )]
+    NamespaceNotOneSegment {
+        /// The entry, cut and escaped like an echoed key.
+        namespace: String,
+        /// Its first segment, cut and escaped likewise.
+        first: String,
+    },
+
+    #[error("namespaces lists \"{namespace}\" twice: list each namespace once")]
+    DuplicateNamespace {
+        /// The entry, cut and escaped like an echoed key.
+        namespace: String,
+    },
+
     #[error("hook.module must name a .wasm file (a path relative to the policy directory)")]
     HookModule,
 
@@ -290,6 +334,7 @@ impl LockClass {
                 value: self.max_waiters_per_key,
             });
         }
+        self.check_namespaces()?;
         if let Some(hook) = &self.hook {
             hook.check()?;
         }
@@ -343,6 +388,40 @@ impl LockClass {
                         today,
                     });
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// ADR-07: only a coord-tier class lists namespaces, each one key
+    /// segment, at most [`MAX_CLASS_NAMESPACES`], none twice. A coord class
+    /// with none is allowed: once tiers are split it serves no keys.
+    fn check_namespaces(&self) -> Result<(), ClassError> {
+        if self.namespaces.is_empty() {
+            return Ok(());
+        }
+        if self.tier != Tier::Coord {
+            return Err(ClassError::NamespacesOnEntity);
+        }
+        if self.namespaces.len() > MAX_CLASS_NAMESPACES {
+            return Err(ClassError::TooManyNamespaces {
+                count: self.namespaces.len(),
+            });
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for namespace in &self.namespaces {
+            let parsed = LockKey::parse(namespace)
+                .map_err(|source| ClassError::NamespaceNotAKey { source })?;
+            if parsed.namespace() != namespace {
+                return Err(ClassError::NamespaceNotOneSegment {
+                    namespace: key::excerpt(namespace),
+                    first: key::excerpt(parsed.namespace()),
+                });
+            }
+            if !seen.insert(namespace.as_str()) {
+                return Err(ClassError::DuplicateNamespace {
+                    namespace: key::excerpt(namespace),
+                });
             }
         }
         Ok(())
@@ -429,6 +508,8 @@ fn validate_name(name: &str) -> Result<(), NameError> {
 pub struct ReviewReport {
     pub class: String,
     pub tier: Tier,
+    /// For a coord-tier class: the key namespaces it serves (ADR-07).
+    pub namespaces: Vec<String>,
     pub enforcement: Enforcement,
     pub on_quorum_loss: OnQuorumLoss,
     pub fairness: Fairness,
@@ -459,6 +540,7 @@ pub fn review(class: &LockClass, expected_sessions: u64) -> ReviewReport {
     ReviewReport {
         class: class.name.clone(),
         tier: class.tier,
+        namespaces: class.namespaces.clone(),
         enforcement: class.enforcement,
         on_quorum_loss: class.on_quorum_loss,
         fairness: class.fairness,
@@ -477,16 +559,32 @@ pub fn review(class: &LockClass, expected_sessions: u64) -> ReviewReport {
 
 /// One line per class, e.g.
 ///
-/// `demo: coord, fenced, closed on quorum loss, ttl 15s: 200.0 keepalives/s for 1000 sessions (one per session every 5000 ms); a dead holder blocks its key for up to 15 s; a holder that cannot renew fences 14.0 s after its last keepalive send`
+/// `leader: coord (namespaces leader, sched), fenced, closed on quorum loss, ttl 15s: 200.0 keepalives/s for 1000 sessions (one per session every 5000 ms); a dead holder blocks its key for up to 15 s; a holder that cannot renew fences 14.0 s after its last keepalive send`
+///
+/// A coord-tier class shows the key namespaces it serves (ADR-07), or that
+/// it serves none.
 impl fmt::Display for ReviewReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", key::excerpt(&self.class), self.tier)?;
+        if self.tier == Tier::Coord {
+            if self.namespaces.is_empty() {
+                f.write_str(" (no namespaces: with split tiers it serves no keys)")?;
+            } else {
+                f.write_str(" (namespaces ")?;
+                for (i, namespace) in self.namespaces.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(", ")?;
+                    }
+                    f.write_str(&key::excerpt(namespace))?;
+                }
+                f.write_str(")")?;
+            }
+        }
         write!(
             f,
-            "{}: {}, {}, {} on quorum loss, ttl {}s: {:.1} keepalives/s for {} sessions (one per \
+            ", {}, {} on quorum loss, ttl {}s: {:.1} keepalives/s for {} sessions (one per \
              session every {} ms); a dead holder blocks its key for up to {} s; a holder that cannot \
              renew fences {:.1} s after its last keepalive send",
-            key::excerpt(&self.class),
-            self.tier,
             self.enforcement,
             self.on_quorum_loss,
             self.ttl_seconds,
@@ -829,7 +927,8 @@ mod tests {
         assert_eq!(report.fence_deadline_ms, 14_000);
         assert_eq!(
             report.to_string(),
-            "demo: coord, fenced, closed on quorum loss, ttl 15s: 200.0 keepalives/s for 1000 \
+            "demo: coord (no namespaces: with split tiers it serves no keys), fenced, closed on \
+             quorum loss, ttl 15s: 200.0 keepalives/s for 1000 \
              sessions (one per session every 5000 ms); a dead holder blocks its key for up to 15 s; \
              a holder that cannot renew fences 14.0 s after its last keepalive send"
         );
@@ -851,6 +950,152 @@ mod tests {
             "{line}"
         );
         assert!(!line.contains('\n'));
+    }
+
+    fn with_namespaces(class: LockClass, namespaces: &[&str]) -> LockClass {
+        LockClass {
+            namespaces: namespaces.iter().map(|n| n.to_string()).collect(),
+            ..class
+        }
+    }
+
+    /// ADR-07: only a coord-tier class lists namespaces, and the loader says
+    /// how to fix a class that breaks a rule.
+    #[test]
+    fn namespaces_are_for_coord_classes_only() {
+        let c = parse(
+            "name = \"leader\"\ntier = \"coord\"\nnamespaces = [\"leader\", \"sched\"]\n\
+             enforcement = \"fenced\"",
+        );
+        assert_eq!(c.namespaces, ["leader", "sched"]);
+        c.validate(today()).unwrap();
+        // A coord class with none is allowed (it serves no keys once split).
+        fenced().validate(today()).unwrap();
+        assert!(fenced().namespaces.is_empty());
+
+        let entity = with_namespaces(advisory(), &["batch"]);
+        assert_eq!(rule(&entity), ClassError::NamespacesOnEntity);
+        assert_eq!(
+            entity.validate(today()).unwrap_err().to_string(),
+            "lock class \"batch\": namespaces is only for coord-tier classes: an entity-tier \
+             class serves every namespace no coord-tier class names; remove namespaces or set \
+             tier = \"coord\""
+        );
+        // An empty list on an entity class is the same as none.
+        with_namespaces(advisory(), &[]).validate(today()).unwrap();
+    }
+
+    #[test]
+    fn namespaces_are_single_key_segments() {
+        for bad in ["", ".", "..", "a\tb", "a\u{200b}", &"n".repeat(513)] {
+            let c = with_namespaces(fenced(), &["ok", bad]);
+            assert!(
+                matches!(rule(&c), ClassError::NamespaceNotAKey { .. }),
+                "{bad:?}: {:?}",
+                rule(&c)
+            );
+        }
+        let msg = with_namespaces(fenced(), &["a\tb"])
+            .validate(today())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.starts_with("lock class \"demo\": namespaces has an entry that is not a key namespace: lock key contains the invisible or control character U+0009")
+                && msg.ends_with("a namespace is the first segment of a key, e.g. \"leader\" for \"leader/scheduler\""),
+            "{msg}"
+        );
+        assert!(!msg.contains('\t'), "{msg}");
+
+        for (bad, first) in [("leader/x", "leader"), ("a/b/c", "a")] {
+            let c = with_namespaces(fenced(), &[bad]);
+            assert_eq!(
+                rule(&c),
+                ClassError::NamespaceNotOneSegment {
+                    namespace: bad.into(),
+                    first: first.into()
+                }
+            );
+        }
+        assert_eq!(
+            rule(&with_namespaces(fenced(), &["leader/x"])).to_string(),
+            "namespaces entry \"leader/x\" has a '/': a namespace is one key segment, the first \
+             of a key; list \"leader\" instead"
+        );
+        // A slash-bearing entry that is not even a key is refused as a key.
+        assert!(matches!(
+            rule(&with_namespaces(fenced(), &["a//b"])),
+            ClassError::NamespaceNotAKey { .. }
+        ));
+        // Whatever a key segment may hold is fine: spaces, dots, non-ASCII.
+        with_namespaces(
+            fenced(),
+            &["zürich", "a.b", "nightly report", &"n".repeat(512)],
+        )
+        .validate(today())
+        .unwrap();
+    }
+
+    #[test]
+    fn namespaces_are_bounded_and_listed_once() {
+        let names: Vec<String> = (0..=MAX_CLASS_NAMESPACES)
+            .map(|i| format!("ns{i}"))
+            .collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        with_namespaces(fenced(), &refs[..MAX_CLASS_NAMESPACES])
+            .validate(today())
+            .unwrap();
+        let c = with_namespaces(fenced(), &refs);
+        assert_eq!(rule(&c), ClassError::TooManyNamespaces { count: 65 });
+        assert_eq!(
+            rule(&c).to_string(),
+            "namespaces lists 65 entries, over the limit of 64: group the class's keys under \
+             fewer namespaces"
+        );
+
+        let c = with_namespaces(fenced(), &["leader", "sched", "leader"]);
+        assert_eq!(
+            rule(&c),
+            ClassError::DuplicateNamespace {
+                namespace: "leader".into()
+            }
+        );
+        assert_eq!(
+            rule(&c).to_string(),
+            "namespaces lists \"leader\" twice: list each namespace once"
+        );
+    }
+
+    #[test]
+    fn namespaces_serialize_only_when_listed() {
+        let json = serde_json::to_value(fenced()).unwrap();
+        assert!(json.get("namespaces").is_none(), "{json}");
+        let json = serde_json::to_value(with_namespaces(fenced(), &["leader"])).unwrap();
+        assert_eq!(json["namespaces"], serde_json::json!(["leader"]));
+    }
+
+    #[test]
+    fn review_shows_the_namespaces_of_a_coord_class() {
+        let line = review(&with_namespaces(fenced(), &["leader", "sched"]), 1000).to_string();
+        assert!(
+            line.starts_with(
+                "demo: coord (namespaces leader, sched), fenced, closed on quorum loss, ttl 15s:"
+            ),
+            "{line}"
+        );
+        let line = review(&fenced(), 1000).to_string();
+        assert!(
+            line.starts_with(
+                "demo: coord (no namespaces: with split tiers it serves no keys), fenced, closed \
+                 on quorum loss,"
+            ),
+            "{line}"
+        );
+        // Entity lines are unchanged.
+        let line = review(&advisory(), 10).to_string();
+        assert!(
+            line.starts_with("batch: entity, advisory, closed on quorum loss, ttl 60s:"),
+            "{line}"
+        );
     }
 
     /// ADR-04: a class that does not say is closed (the safe posture, and

@@ -7,7 +7,8 @@
 //! caller's SPIFFE ID and key go to [`PrefixGrants::authorise`] (one radix
 //! trie lookup, longest prefix on whole path segments), and the requested
 //! class name is resolved with [`PolicySet::class`] to get its TTL, tier and
-//! enforcement. The [`PolicySet`] itself is built once per policy change by
+//! enforcement. Which tier serves the key is decided by the key, not the
+//! class: [`PolicySet::tier_of_key`] (ADR-07). The [`PolicySet`] itself is built once per policy change by
 //! [`PolicySet::load_dir`] from the Git-reviewed `classes/` and `grants/`
 //! TOML files (ADR-24), and refused whole if any file breaks a rule, so the
 //! caller keeps serving the last good set. A fenced class is refused unless
@@ -38,9 +39,9 @@ mod telemetry;
 
 pub use class::{
     ADVISORY_MIN_TTL_SECONDS, ClassError, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TTL_SECONDS,
-    Enforcement, FENCE_MARGIN_MS, Fairness, LockClass, MAX_CLASS_NAME_BYTES, MAX_TTL_SECONDS,
-    MAX_WAITERS_PER_KEY_LIMIT, MIN_TTL_SECONDS, NameError, OnQuorumLoss, ReviewReport, Tier,
-    review,
+    Enforcement, FENCE_MARGIN_MS, Fairness, LockClass, MAX_CLASS_NAME_BYTES, MAX_CLASS_NAMESPACES,
+    MAX_TTL_SECONDS, MAX_WAITERS_PER_KEY_LIMIT, MIN_TTL_SECONDS, NameError, OnQuorumLoss,
+    ReviewReport, Tier, review,
 };
 pub use date::{Date, DateError};
 pub use error::PolicyError;

@@ -16,7 +16,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Deserialize;
 
-use crate::class::{self, LockClass, ReviewReport};
+use crate::class::{self, LockClass, ReviewReport, Tier};
 use crate::date::Date;
 use crate::error::PolicyError;
 use crate::fnv::Fnv1a;
@@ -29,12 +29,16 @@ pub const CLASSES_DIR: &str = "classes";
 pub const GRANTS_DIR: &str = "grants";
 
 /// A validated, complete policy: classes by name, the compiled grant table,
-/// and the identities with the operator role.
+/// the identities with the operator role, and the key namespaces the coord
+/// tier serves.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicySet {
     classes: BTreeMap<String, LockClass>,
     grants: PrefixGrants,
     operators: BTreeSet<String>,
+    /// The union of every coord-tier class's `namespaces` (ADR-07). Two
+    /// coord classes may list the same one: both are on the coord cluster.
+    coord_namespaces: BTreeSet<String>,
 }
 
 /// One policy file's text and the path to name in errors. Lets callers that
@@ -122,6 +126,7 @@ impl PolicySet {
             grants = set.grants.len(),
             grants_version = set.grants.version(),
             operators = set.operators.len(),
+            coord_namespaces = set.coord_namespaces.len(),
             "loaded policy directory"
         );
         Ok(set)
@@ -198,6 +203,14 @@ impl PolicySet {
             }
         }
 
+        // Validation keeps namespaces to coord-tier classes; the filter is
+        // there so this union never depends on it.
+        let coord_namespaces = classes
+            .values()
+            .filter(|(class, _)| class.tier == Tier::Coord)
+            .flat_map(|(class, _)| class.namespaces.iter().cloned())
+            .collect();
+
         Ok(PolicySet {
             classes: classes
                 .into_iter()
@@ -205,6 +218,7 @@ impl PolicySet {
                 .collect(),
             grants: grants.build(),
             operators,
+            coord_namespaces,
         })
     }
 
@@ -224,6 +238,24 @@ impl PolicySet {
     /// Shorthand for [`PrefixGrants::authorise`].
     pub fn authorise(&self, identity: &str, key: &LockKey) -> Option<&str> {
         self.grants.authorise(identity, key)
+    }
+
+    /// Which tier serves `key` (ADR-07): [`Tier::Coord`] when its namespace
+    /// (first segment) is listed by a coord-tier class, [`Tier::Entity`]
+    /// otherwise. The key decides, not the class: a caller picks the class
+    /// per call, and the same key on both clusters would be a double grant.
+    pub fn tier_of_key(&self, key: &LockKey) -> Tier {
+        if self.coord_namespaces.contains(key.namespace()) {
+            Tier::Coord
+        } else {
+            Tier::Entity
+        }
+    }
+
+    /// The key namespaces the coord tier serves: the union of every
+    /// coord-tier class's `namespaces`, sorted, each once.
+    pub fn coord_namespaces(&self) -> impl Iterator<Item = &str> {
+        self.coord_namespaces.iter().map(String::as_str)
     }
 
     /// Whether `identity` (canonical SPIFFE ID text) has the operator role
@@ -580,6 +612,20 @@ identity = "spiffe://td/latchkey/operator"
         assert!(set.is_operator("spiffe://dev.latchkey/latchkey/operator"));
         assert!(!set.is_operator(&id("alice")));
 
+        // ADR-07: `leader` is the one dev class that names namespaces.
+        let leader = set.class("leader").unwrap();
+        assert_eq!(
+            (leader.tier, leader.enforcement, leader.ttl_seconds),
+            (Tier::Coord, Enforcement::Advisory, 30)
+        );
+        assert_eq!(set.coord_namespaces().collect::<Vec<_>>(), ["leader"]);
+        assert_eq!(set.tier_of_key(&key("leader/sched")), Tier::Coord);
+        assert_eq!(set.tier_of_key(&key("demo/x")), Tier::Entity);
+        assert_eq!(
+            set.authorise(&id("demo"), &key("leader/sched")),
+            Some("leader")
+        );
+
         assert_eq!(set.review(100).len(), set.classes().len());
         fingerprint(dir).unwrap();
     }
@@ -642,6 +688,101 @@ identity = "spiffe://td/latchkey/operator"
             ["demo", "more", "shared"]
         );
         assert_eq!(set.operators().len(), 1);
+    }
+
+    /// Two coord classes (a.toml) and an entity class (b.toml).
+    const TIER_CLASSES: [(&str, &str); 2] = [
+        (
+            "classes/a.toml",
+            "[[class]]\nname = \"leader\"\ntier = \"coord\"\nnamespaces = [\"leader\", \"sched\"]\n\
+             enforcement = \"advisory\"\nttlSeconds = 30\nriskOwner = \"t@example.com\"\n\
+             waiverExpires = \"2099-12-31\"\n\
+             [[class]]\nname = \"election\"\ntier = \"coord\"\nnamespaces = [\"sched\", \"config\"]\n\
+             enforcement = \"advisory\"\nttlSeconds = 30\nriskOwner = \"t@example.com\"\n\
+             waiverExpires = \"2099-12-31\"\n",
+        ),
+        (
+            "classes/b.toml",
+            "[[class]]\nname = \"rows\"\ntier = \"entity\"\nenforcement = \"advisory\"\n\
+             ttlSeconds = 30\nriskOwner = \"t@example.com\"\nwaiverExpires = \"2099-12-31\"\n",
+        ),
+    ];
+
+    /// ADR-07: the key's namespace decides its tier, through the union of
+    /// every coord class's namespaces; a namespace two coord classes list
+    /// is allowed (both are on the coord cluster).
+    #[test]
+    fn the_coord_namespaces_are_the_union_of_the_coord_classes() {
+        let dir = policy_dir(&TIER_CLASSES);
+        let loaded = PolicySet::load_dir_at(dir.path(), now()).unwrap_or_else(|e| panic!("{e}"));
+        let files: Vec<PolicyFile<'_>> = TIER_CLASSES
+            .iter()
+            .map(|(path, text)| PolicyFile {
+                path: Path::new(path),
+                text,
+            })
+            .collect();
+        let built = PolicySet::from_files(&files, &[], today()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(loaded, built);
+        for set in [&loaded, &built] {
+            assert_eq!(
+                set.coord_namespaces().collect::<Vec<_>>(),
+                ["config", "leader", "sched"]
+            );
+            let tier = |k: &str| set.tier_of_key(&LockKey::parse(k).unwrap());
+            assert_eq!(tier("leader"), Tier::Coord);
+            assert_eq!(tier("leader/scheduler/primary"), Tier::Coord);
+            assert_eq!(tier("sched/x"), Tier::Coord);
+            assert_eq!(tier("config/a/b"), Tier::Coord);
+            // Whole segments only, and only the first one.
+            assert_eq!(tier("leaders/x"), Tier::Entity);
+            assert_eq!(tier("lead"), Tier::Entity);
+            assert_eq!(tier("rows/leader"), Tier::Entity);
+            assert_eq!(tier("payments/invoice/42"), Tier::Entity);
+        }
+
+        // Without any coord namespaces every key is an entity-tier key,
+        // even under a coord class (`demo` lists none).
+        let dir = policy_dir(&[("classes/a.toml", DEMO_CLASS)]);
+        let set = PolicySet::load_dir_at(dir.path(), now()).unwrap();
+        assert_eq!(set.coord_namespaces().count(), 0);
+        assert_eq!(
+            set.tier_of_key(&LockKey::parse("demo/x").unwrap()),
+            Tier::Entity
+        );
+    }
+
+    #[test]
+    fn the_loader_refuses_namespaces_on_an_entity_class() {
+        let entity = "[[class]]\nname = \"rows\"\ntier = \"entity\"\nnamespaces = [\"rows\"]\n\
+            enforcement = \"advisory\"\nttlSeconds = 30\nriskOwner = \"t@example.com\"\n\
+            waiverExpires = \"2099-12-31\"\n";
+        let err = load_err(&[("classes/a.toml", entity)]);
+        assert!(
+            err.ends_with(
+                "a.toml: lock class \"rows\": namespaces is only for coord-tier classes: an \
+                 entity-tier class serves every namespace no coord-tier class names; remove \
+                 namespaces or set tier = \"coord\""
+            ),
+            "{err}"
+        );
+        let err = PolicySet::from_files(
+            &[PolicyFile {
+                path: Path::new("classes/a.toml"),
+                text: &entity
+                    .replace("tier = \"entity\"", "tier = \"coord\"")
+                    .replace("[\"rows\"]", "[\"rows\", \"rows\"]"),
+            }],
+            &[],
+            today(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            err,
+            "classes/a.toml: lock class \"rows\": namespaces lists \"rows\" twice: list each \
+             namespace once"
+        );
     }
 
     #[test]

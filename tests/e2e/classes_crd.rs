@@ -265,7 +265,7 @@ async fn the_arbiter_serves_a_directory_of_manifests_and_reloads_it() -> anyhow:
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let status = operator
-            .get_status(latchkey_proto::adminv1::GetStatusRequest {})
+            .get_status(latchkey_proto::adminv1::GetStatusRequest::default())
             .await?
             .into_inner();
         if !status.policy_error.is_empty() {

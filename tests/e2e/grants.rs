@@ -432,7 +432,7 @@ async fn concurrent_grants_never_seal_the_lock_log() -> anyhow::Result<()> {
     }
     let mut op = s.arbiter.admin("latchkey/operator").await?;
     let status = op
-        .get_status(latchkey_proto::adminv1::GetStatusRequest {})
+        .get_status(latchkey_proto::adminv1::GetStatusRequest::default())
         .await?
         .into_inner();
     assert!(!status.sealed, "sealed under load: {}", status.seal_reason);

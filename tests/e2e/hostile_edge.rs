@@ -177,7 +177,7 @@ async fn reserved_headers_in_request_trailers_are_refused_for_every_method() -> 
             encode(&InspectRequest { key: key.into() }),
             &alice_id,
         ),
-        ("GetStatus", encode(&GetStatusRequest {}), &operator),
+        ("GetStatus", encode(&GetStatusRequest::default()), &operator),
         (
             "AdvanceEpoch",
             encode(&AdvanceEpochRequest {
@@ -263,7 +263,10 @@ async fn a_client_sent_reserved_header_is_refused_on_every_method() -> anyhow::R
                 key: "mallory/x".into(),
             }),
         ),
-        (format!("{ADMIN}GetStatus"), encode(&GetStatusRequest {})),
+        (
+            format!("{ADMIN}GetStatus"),
+            encode(&GetStatusRequest::default()),
+        ),
     ] {
         for header in [
             ("x-latchkey-identity", spiffe("latchkey/operator")),
@@ -333,7 +336,7 @@ async fn only_known_methods_are_forwarded_and_the_grant_table_stays_at_the_edge(
         "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
         "/",
     ] {
-        match call(mallory.clone(), path, encode(&GetStatusRequest {})).await? {
+        match call(mallory.clone(), path, encode(&GetStatusRequest::default())).await? {
             Outcome::Status(12, _) => {}
             other => anyhow::bail!("{path}: {other:?}"),
         }
@@ -347,11 +350,11 @@ async fn only_known_methods_are_forwarded_and_the_grant_table_stays_at_the_edge(
     assert!(e.denied("unknown_method").await? >= 11);
     // Admin calls the edge forwards name the verified caller.
     let status = AdminClient::new(operator)
-        .get_status(GetStatusRequest {})
+        .get_status(GetStatusRequest::default())
         .await;
     assert!(status.is_ok(), "the operator through the edge: {status:?}");
     let s = AdminClient::new(mallory)
-        .get_status(GetStatusRequest {})
+        .get_status(GetStatusRequest::default())
         .await
         .err()
         .ok_or_else(|| anyhow::anyhow!("mallory read the status through the edge"))?;

@@ -59,7 +59,7 @@ async fn an_identity_in_request_trailers_names_nobody() -> anyhow::Result<()> {
     let reply: raw_grpc::RawReply<GetStatusResponse> = raw_grpc::unary(
         edge.clone(),
         GET_STATUS,
-        &GetStatusRequest {},
+        &GetStatusRequest::default(),
         &[(IDENTITY, &mallory)],
         &[(IDENTITY, &operator)],
     )
@@ -85,7 +85,7 @@ async fn an_identity_in_request_trailers_names_nobody() -> anyhow::Result<()> {
     let reply: raw_grpc::RawReply<GetStatusResponse> = raw_grpc::unary(
         m.clone(),
         GET_STATUS,
-        &GetStatusRequest {},
+        &GetStatusRequest::default(),
         &[],
         &[(IDENTITY, &operator)],
     )
@@ -179,7 +179,7 @@ async fn the_grant_table_is_not_served_to_a_caller_the_edge_forwards() -> anyhow
     let mut for_alice =
         AdminClient::with_interceptor(edge.clone(), Names(spiffe("workload/alice")));
     expect_refusal(
-        for_alice.get_status(GetStatusRequest {}).await,
+        for_alice.get_status(GetStatusRequest::default()).await,
         Code::PermissionDenied,
         "NOT_AUTHORISED",
     )?;
@@ -188,7 +188,7 @@ async fn the_grant_table_is_not_served_to_a_caller_the_edge_forwards() -> anyhow
     for_operator
         .get_edge_policy(GetEdgePolicyRequest {})
         .await?;
-    for_operator.get_status(GetStatusRequest {}).await?;
+    for_operator.get_status(GetStatusRequest::default()).await?;
     Ok(())
 }
 
@@ -200,14 +200,14 @@ async fn the_edge_cannot_name_itself_or_two_callers() -> anyhow::Result<()> {
     let edge = channel(s.arbiter.addr(), "latchkey/edge").await?;
     let mut as_edge = AdminClient::with_interceptor(edge.clone(), Names(spiffe("latchkey/edge")));
     expect_refusal(
-        as_edge.get_status(GetStatusRequest {}).await,
+        as_edge.get_status(GetStatusRequest::default()).await,
         Code::Unauthenticated,
         "UNAUTHENTICATED",
     )?;
     let reply: raw_grpc::RawReply<GetStatusResponse> = raw_grpc::unary(
         edge,
         GET_STATUS,
-        &GetStatusRequest {},
+        &GetStatusRequest::default(),
         &[
             (IDENTITY, &spiffe("workload/mallory")),
             (IDENTITY, &spiffe("latchkey/operator")),
@@ -257,7 +257,7 @@ async fn in_production_workloads_come_through_the_edge() -> anyhow::Result<()> {
     s.arbiter
         .admin("latchkey/operator")
         .await?
-        .get_status(GetStatusRequest {})
+        .get_status(GetStatusRequest::default())
         .await?;
     // and alice through the edge is served
     let edge = channel(s.arbiter.addr(), "latchkey/edge").await?;

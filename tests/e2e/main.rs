@@ -36,5 +36,6 @@ mod quorum_loss;
 mod seal;
 mod shards;
 mod support;
+mod tiers;
 mod waiting;
 mod witness;

@@ -84,7 +84,10 @@ async fn policy_files_reload_and_a_bad_change_keeps_the_last_good_set() -> anyho
         || {
             let mut op = op.clone();
             async move {
-                let st = op.get_status(GetStatusRequest {}).await?.into_inner();
+                let st = op
+                    .get_status(GetStatusRequest::default())
+                    .await?
+                    .into_inner();
                 anyhow::ensure!(!st.policy_error.is_empty(), "no policy error yet");
                 Ok(st.policy_error)
             }
@@ -92,7 +95,7 @@ async fn policy_files_reload_and_a_bad_change_keeps_the_last_good_set() -> anyho
     )
     .await?;
     assert!(why.contains("reports"), "the reason names the file: {why}");
-    let _ = op.get_status(GetStatusRequest {}).await?;
+    let _ = op.get_status(GetStatusRequest::default()).await?;
     let again = open_class(&mut alice, "reports").await?;
     assert!(again > 0);
     let g = try_lock(&mut alice, "reports/daily", "demo", sa).await?;

@@ -163,7 +163,7 @@ async fn two_of_three_down_closed_refuses_open_grants_unprotected_and_spools() -
     let status = arbiter
         .admin("latchkey/operator")
         .await?
-        .get_status(GetStatusRequest {})
+        .get_status(GetStatusRequest::default())
         .await?
         .into_inner();
     assert!(

@@ -97,7 +97,10 @@ async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyh
 
     // status shows it; only an operator may advance
     let mut op = arbiter.admin("latchkey/operator").await?;
-    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    let status = op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner();
     assert!(status.sealed, "{status:?}");
     assert_eq!(status.epoch, 1);
     let mut not_op = arbiter.admin("workload/alice").await?;
@@ -143,7 +146,10 @@ async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyh
         assert!(g.token > before_restore, "token regression after restore");
         release(&mut c, &g).await?;
     }
-    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    let status = op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner();
     assert!(!status.sealed, "{status:?}");
     Ok(())
 }
@@ -238,7 +244,10 @@ async fn a_second_restore_of_the_same_snapshot_never_reuses_an_epoch() -> anyhow
     // second restore of the same snapshot: etcd says epoch 1 again
     s.etcd.restore(snapshot.path(), RestoreFlags::Same).await?;
     wait_sealed(&alice).await?;
-    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    let status = op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner();
     assert_eq!(status.epoch, 1, "the restored record: {status:?}");
     let second = op
         .advance_epoch(AdvanceEpochRequest {
@@ -322,7 +331,10 @@ async fn an_arbiter_that_notices_a_restore_after_the_advance_does_not_seal_the_n
         }
     })
     .await?;
-    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    let status = op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner();
     assert!(!status.sealed, "{status:?}");
     Ok(())
 }

@@ -84,7 +84,10 @@ async fn restore_same_flags(etcd: &mut EtcdServer, snapshot: &Path) -> anyhow::R
 /// `admin status` of `arbiter`.
 async fn status(arbiter: &Arbiter) -> anyhow::Result<GetStatusResponse> {
     let mut op = arbiter.admin("latchkey/operator").await?;
-    Ok(op.get_status(GetStatusRequest {}).await?.into_inner())
+    Ok(op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner())
 }
 
 /// Polls until the lock cluster's coord-seen record covers the grant of
@@ -102,7 +105,10 @@ async fn wait_coord_seen(arbiter: &Arbiter, token: u64) -> anyhow::Result<GetSta
         || {
             let mut op = op.clone();
             async move {
-                let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+                let status = op
+                    .get_status(GetStatusRequest::default())
+                    .await?
+                    .into_inner();
                 anyhow::ensure!(
                     (status.coord_seen_mark_epoch, status.coord_seen_revision) >= (epoch, revision),
                     "coord-seen e{}:r{} (epoch {})",
@@ -184,7 +190,10 @@ async fn a_restore_after_every_arbiter_lost_its_state_is_sealed_by_the_coord_wit
     let before_restore = churn(&mut alice, session, 20).await?;
     assert_eq!(before_restore >> 48, 1);
     let mut op = first.admin("latchkey/operator").await?;
-    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    let status = op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner();
     assert!(status.witness.contains("coord etcd"), "{status:?}");
     assert_eq!(
         (status.witnessed_mark_epoch, status.witnessed_revision),
@@ -198,7 +207,10 @@ async fn a_restore_after_every_arbiter_lost_its_state_is_sealed_by_the_coord_wit
     let second = arbiter(&lock, Some(&coord), &state_dir).await?;
     expect_sealed(&second).await?;
     let mut op = second.admin("latchkey/operator").await?;
-    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    let status = op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner();
     assert!(status.sealed, "{status:?}");
     assert_eq!(status.epoch, 1, "the restored epoch record: {status:?}");
     assert_eq!(
@@ -242,7 +254,10 @@ async fn a_restore_after_every_arbiter_lost_its_state_is_sealed_by_the_coord_wit
     let third = arbiter(&lock, Some(&coord), &state_dir).await?;
     expect_sealed(&third).await?;
     let mut op = third.admin("latchkey/operator").await?;
-    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    let status = op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner();
     assert!(status.sealed, "{status:?}");
     assert_eq!(status.epoch, 1, "the restored epoch record: {status:?}");
     assert_eq!(status.witnessed_epoch, 2, "{status:?}");
@@ -306,7 +321,10 @@ async fn without_a_witness_a_stateless_arbiter_refuses_until_an_operator_says_so
     lock.snapshot_save(snapshot.path()).await?;
     let before_restore = churn(&mut alice, session, 20).await?;
     let mut op = first.admin("latchkey/operator").await?;
-    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    let status = op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner();
     assert!(
         status.witness.contains("state directory only"),
         "{status:?}"
@@ -326,7 +344,10 @@ async fn without_a_witness_a_stateless_arbiter_refuses_until_an_operator_says_so
     .await?;
     expect_sealed(&cautious).await?;
     let mut op = cautious.admin("latchkey/operator").await?;
-    let status = op.get_status(GetStatusRequest {}).await?.into_inner();
+    let status = op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner();
     assert!(status.sealed, "{status:?}");
     assert!(
         status.seal_reason.contains("--trust-unwitnessed-log"),
@@ -406,6 +427,7 @@ async fn the_lock_cluster_cannot_witness_itself() -> anyhow::Result<()> {
                 endpoints: vec![format!("http://localhost:{}", lock.client_port())],
                 prefix: None,
                 lock_cluster_name: None,
+                split_tiers: false,
             }),
             ..Default::default()
         },
@@ -752,6 +774,7 @@ async fn after_both_clusters_lost_an_epoch_the_operators_floor_puts_tokens_above
             expected_epoch: 1,
             reason: "a floor beyond the epoch space".into(),
             at_least_epoch: u32::MAX,
+            ..Default::default()
         })
         .await;
     match beyond {
@@ -772,6 +795,7 @@ async fn after_both_clusters_lost_an_epoch_the_operators_floor_puts_tokens_above
             expected_epoch: 1,
             reason: "both clusters restored from one backup; floor from the fence".into(),
             at_least_epoch: floor,
+            ..Default::default()
         })
         .await?
         .into_inner();

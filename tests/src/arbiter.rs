@@ -96,6 +96,8 @@ pub struct ArbiterOptions {
     pub trust_unwitnessed_log: bool,
     /// `--max-holds-per-identity` (the arbiter's default when `None`).
     pub max_holds_per_identity: Option<u32>,
+    /// `--max-sessions-per-identity` (the arbiter's default when `None`).
+    pub max_sessions_per_identity: Option<u32>,
     /// Force-release (`--oidc-*`, `--force-etcd-*`); off by default. In
     /// process only.
     pub force_release: latchkey_arbiter::force_release::ForceReleaseConfig,
@@ -113,6 +115,8 @@ pub struct Coord {
     pub prefix: Option<String>,
     /// `--lock-cluster-name` (the arbiter's default when `None`).
     pub lock_cluster_name: Option<String>,
+    /// `--split-tiers`: coord-tier keys on this cluster (ADR-07).
+    pub split_tiers: bool,
 }
 
 impl Coord {
@@ -122,6 +126,16 @@ impl Coord {
             endpoints: vec![etcd.endpoint()],
             prefix: None,
             lock_cluster_name: None,
+            split_tiers: false,
+        }
+    }
+
+    /// `etcd` as the coord cluster serving the coord tier's keys too
+    /// (`--split-tiers`).
+    pub fn split(etcd: &EtcdServer) -> Self {
+        Self {
+            split_tiers: true,
+            ..Self::on(etcd)
         }
     }
 }
@@ -147,6 +161,7 @@ impl Default for ArbiterOptions {
             coord: None,
             trust_unwitnessed_log: true,
             max_holds_per_identity: None,
+            max_sessions_per_identity: None,
             force_release: Default::default(),
             tls: None,
         }
@@ -200,6 +215,9 @@ impl Arbiter {
         if let Some(max) = opts.max_holds_per_identity {
             config.max_holds_per_identity = max;
         }
+        if let Some(max) = opts.max_sessions_per_identity {
+            config.max_sessions_per_identity = max;
+        }
         config.force_release = opts.force_release.clone();
         if let Some(coord) = &opts.coord {
             config.coord_endpoints = coord.endpoints.clone();
@@ -209,6 +227,7 @@ impl Arbiter {
             if let Some(name) = &coord.lock_cluster_name {
                 config.lock_cluster_name = name.clone();
             }
+            config.split_tiers = coord.split_tiers;
         }
         // A port that was free a moment ago: `run` binds the address itself.
         let metrics_addr = match opts.metrics {
@@ -500,6 +519,9 @@ impl ArbiterProcess {
         if let Some(max) = opts.max_holds_per_identity {
             cmd.arg("--max-holds-per-identity").arg(max.to_string());
         }
+        if let Some(max) = opts.max_sessions_per_identity {
+            cmd.arg("--max-sessions-per-identity").arg(max.to_string());
+        }
         if let Some(coord) = &opts.coord {
             cmd.arg("--coord-etcd").arg(coord.endpoints.join(","));
             if let Some(prefix) = &coord.prefix {
@@ -507,6 +529,9 @@ impl ArbiterProcess {
             }
             if let Some(name) = &coord.lock_cluster_name {
                 cmd.arg("--lock-cluster-name").arg(name);
+            }
+            if coord.split_tiers {
+                cmd.arg("--split-tiers");
             }
         }
         if let Some(oidc) = &opts.force_release.oidc {

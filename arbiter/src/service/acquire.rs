@@ -94,6 +94,16 @@ fn wire_memory_grant(grant: &crate::quorum_loss::MemoryGrant) -> WireGrant {
 }
 
 impl Arbiter {
+    /// Holds of `identity` counted on the other clusters than `cluster`:
+    /// the per-identity bound on holds is over every cluster.
+    pub(crate) fn holds_elsewhere(&self, cluster: &crate::tiers::Cluster, identity: &str) -> u32 {
+        self.tiers
+            .all()
+            .filter(|c| !std::ptr::eq(c.as_ref(), cluster))
+            .map(|c| c.holds.held(identity).unwrap_or(0))
+            .sum()
+    }
+
     /// Validate, authorise, ask the class hook, then grant (one transaction)
     /// or queue FIFO behind this key's other waiters until the deadline.
     pub async fn acquire(
@@ -144,23 +154,31 @@ impl Arbiter {
             .map_err(|_| ArbiterError::BadRequest(format!("unknown wait mode {}", req.wait)))?;
         let metadata: BTreeMap<String, String> = req.metadata.into_iter().collect();
         check_metadata(&metadata)?;
+        // ADR-07: the key's tier decides the cluster; a class or a session
+        // of the other tier is refused.
+        let cluster = self
+            .tiers
+            .for_acquire(&policies, &key, class, session)
+            .await?;
         // ADR-04: while the lock cluster has no quorum a closed class is
         // refused here, nothing sent to etcd; an open one is granted from
         // memory below (bounded there, not by the log's hold counts).
         let open = class.on_quorum_loss == OnQuorumLoss::Open;
-        let lost = self.quorum.is_lost();
+        let lost = cluster.quorum.is_lost();
         if lost && !open {
-            return Err(self.quorum.closed_refusal(&class.name));
+            return Err(cluster.quorum.closed_refusal(&class.name));
         }
         // Every hold is a key in etcd: bounded per identity before anything
         // else is spent on the call (a hook, a queue place).
         let admitted = match lost {
             true => None,
             false => Some(
-                self.holds
-                    .admit_within(
+                cluster
+                    .holds
+                    .admit_within_beside(
                         &caller.identity,
                         key.as_str(),
+                        self.holds_elsewhere(cluster, &caller.identity),
                         deadline.map_or(FIRST_COUNT_WAIT, |d| {
                             FIRST_COUNT_WAIT.min(d.saturating_sub(DEADLINE_MARGIN))
                         }),
@@ -174,11 +192,11 @@ impl Arbiter {
             ),
         };
 
-        let waiting = self.table.waiting(key.as_str());
+        let waiting = cluster.table.waiting(key.as_str());
         // Inputs that cost an etcd read are fetched only for a hook that asks.
         let hook = class.hook.as_ref();
         let holder = match hook.filter(|h| h.needs(HookInputKind::Holder)) {
-            Some(_) => self
+            Some(_) => cluster
                 .table
                 .holder(key.as_str())
                 .await?
@@ -194,7 +212,8 @@ impl Arbiter {
             Some(_) => {
                 let prefixes: Vec<&str> = policies.grants().prefixes(&caller.identity).collect();
                 Some(
-                    self.table
+                    cluster
+                        .table
                         .count_holds_of(&caller.identity, &class.name, &prefixes)
                         .await?,
                 )
@@ -255,10 +274,10 @@ impl Arbiter {
             ),
         };
         if lost {
-            let memory = self
+            let memory = cluster
                 .quorum
                 .acquire(&grant_req, wait, &|key, session| {
-                    self.holds.held_by_other(key, session)
+                    cluster.holds.held_by_other(key, session)
                 })
                 .await?;
             return Ok(AcquireResponse {
@@ -266,27 +285,29 @@ impl Arbiter {
             });
         }
         // A memory grant from the loss keeps its key until it ends.
-        self.quorum.before_log_grant(&grant_req, wait).await?;
+        cluster.quorum.before_log_grant(&grant_req, wait).await?;
         let fallback = open.then(|| grant_req.clone());
         let acquired = if class.fairness == latchkey_policies::Fairness::Durable {
-            self.table
+            cluster
+                .table
                 .acquire_durable(grant_req, wait, class.max_waiters_per_key)
                 .await
         } else {
-            self.table
+            cluster
+                .table
                 .acquire(grant_req, wait, class.max_waiters_per_key)
                 .await
         };
         let acquired = match acquired {
             Ok(acquired) => acquired,
-            Err(e @ ArbiterError::StoreUnavailable { .. }) if self.quorum.is_lost() => {
+            Err(e @ ArbiterError::StoreUnavailable { .. }) if cluster.quorum.is_lost() => {
                 // The loss was noticed while this call was at etcd.
                 return match fallback {
                     Some(grant_req) => {
-                        let memory = self
+                        let memory = cluster
                             .quorum
                             .acquire(&grant_req, wait, &|key, session| {
-                                self.holds.held_by_other(key, session)
+                                cluster.holds.held_by_other(key, session)
                             })
                             .await?;
                         Ok(AcquireResponse {
@@ -295,7 +316,7 @@ impl Arbiter {
                     }
                     None => {
                         tracing::debug!(error = %e, "refused: quorum lost");
-                        Err(self.quorum.closed_refusal(&class.name))
+                        Err(cluster.quorum.closed_refusal(&class.name))
                     }
                 };
             }
@@ -315,7 +336,7 @@ impl Arbiter {
         if let Some(admitted) = admitted {
             admitted.granted(grant.revision);
         }
-        self.quorum.granted_in_log(&grant.key, grant.session);
+        cluster.quorum.granted_in_log(&grant.key, grant.session);
         info!(identity = %caller.identity, key = %grant.key, class = %class.name, waited = acquired.waited, "granted");
         Ok(AcquireResponse {
             grant: Some(wire_grant(&grant)?),

@@ -22,24 +22,26 @@ impl Arbiter {
     ) -> Result<GetStatusResponse, ArbiterError> {
         let caller = self.caller(&request)?;
         self.require_operator(&caller)?;
+        let cluster = self.tier_named(&request.get_ref().tier)?;
+        let table = &cluster.table;
         // A fresh read: it also re-checks the header against the epoch.
         // During a quorum loss etcd cannot answer: the status still does,
         // from what the arbiter last read.
-        let quorum = self.quorum.snapshot();
-        let state = match self.table.seal().load_epoch().await {
+        let quorum = cluster.quorum.snapshot();
+        let state = match table.seal().load_epoch().await {
             Ok(state) => state,
-            Err(e) if quorum.lost => self.table.seal().guard().state().ok_or(e)?,
+            Err(e) if quorum.lost => table.seal().guard().state().ok_or(e)?,
             Err(e) => return Err(e),
         };
-        let mark = self.table.seal().high_water();
-        let seal_reason = self.table.seal().guard().seal_reason();
+        let mark = table.seal().high_water();
+        let seal_reason = table.seal().guard().seal_reason();
         // Read by load_epoch just now.
-        let witnessed = self.table.seal().witnessed();
-        let coord_seen = self.table.seal().coord_seen().unwrap_or_default();
-        let witness = self.table.seal().witness().unwrap_or_else(|| {
+        let witnessed = table.seal().witnessed();
+        let coord_seen = table.seal().coord_seen().unwrap_or_default();
+        let witness = table.seal().witness().unwrap_or_else(|| {
             "the arbiter's state directory only (one cluster, no --coord-etcd)".into()
         });
-        let current_cluster_id = match self.table.current_cluster_id().await {
+        let current_cluster_id = match table.current_cluster_id().await {
             Ok(id) => id,
             Err(_) if quorum.lost => 0,
             Err(e) => return Err(e),
@@ -66,6 +68,8 @@ impl Arbiter {
             unprotected_memory_grants: u32::try_from(quorum.memory_grants).unwrap_or(u32::MAX),
             quorum_loss_spool_bytes: quorum.spool_bytes,
             quorum_loss_spool_limit_bytes: quorum.spool_limit_bytes,
+            tier: cluster.name().to_string(),
+            tiers_split: self.tiers.split(),
         })
     }
 
@@ -85,17 +89,36 @@ impl Arbiter {
                     .into(),
             ));
         }
-        let (record, deleted) = self
+        let cluster = self.tier_named(&req.tier)?;
+        let (record, deleted) = cluster
             .table
             .seal()
             .advance_epoch_at_least(req.expected_epoch, reason, req.at_least_epoch)
             .await?;
-        warn!(operator = %caller.identity, epoch = record.epoch, holds_deleted = deleted, reason, "epoch advanced");
+        warn!(operator = %caller.identity, tier = cluster.name(), epoch = record.epoch, holds_deleted = deleted, reason, "epoch advanced");
         Ok(AdvanceEpochResponse {
             epoch: record.epoch,
             cluster_id: record.cluster_id().unwrap_or(0),
             holds_deleted: deleted,
         })
+    }
+}
+
+impl Arbiter {
+    /// The cluster an admin call names by tier ("" is the entity cluster).
+    fn tier_named(&self, tier: &str) -> Result<&Arc<crate::tiers::Cluster>, ArbiterError> {
+        match tier.trim() {
+            "" | "entity" => Ok(self.tiers.entity()),
+            "coord" => self.tiers.coord().ok_or_else(|| {
+                ArbiterError::BadRequest(
+                    "the tiers are not split on this arbiter (no --split-tiers): the coord tier's keys live on the entity cluster; leave --tier out".into(),
+                )
+            }),
+            other => Err(ArbiterError::BadRequest(format!(
+                "unknown tier {:?}: the tiers are \"entity\" and \"coord\"",
+                super::truncate(other, 32)
+            ))),
+        }
     }
 }
 
@@ -149,7 +172,14 @@ impl Arbiter {
     ) -> Result<(Arc<ForceRelease>, String, SignedIn), Status> {
         let caller = self.caller(request)?;
         self.require_operator(&caller)?;
-        let force = self.force.clone().ok_or(ForceError::Disabled)?;
+        // Signs in with the entity cluster's (every cluster's verifier is
+        // configured alike).
+        let force = self
+            .tiers
+            .entity()
+            .force
+            .clone()
+            .ok_or(ForceError::Disabled)?;
         let signed_in = match force.sign_in(id_token).await {
             Ok(s) => s,
             Err(e) => {
@@ -164,12 +194,20 @@ impl Arbiter {
         &self,
         request: Request<RequestForceReleaseRequest>,
     ) -> Result<ForceReleaseRequest, Status> {
-        let (force, operator, requester) = self
+        let (_, operator, requester) = self
             .force_caller(&request, &request.get_ref().id_token)
             .await?;
         let req = request.into_inner();
         let key = LockKey::parse(&req.key).map_err(|e| ArbiterError::BadKey(e.to_string()))?;
         let policies = self.policies.current();
+        // The request lives with the hold, on the key's cluster (ADR-07).
+        let force = self
+            .tiers
+            .for_key(&key)
+            .await?
+            .force
+            .clone()
+            .ok_or(ForceError::Disabled)?;
         let record = force
             .request(
                 &requester,
@@ -199,11 +237,19 @@ impl Arbiter {
         &self,
         request: Request<ApproveForceReleaseRequest>,
     ) -> Result<ApproveForceReleaseResponse, Status> {
-        let (force, operator, approver) = self
+        let (_, operator, approver) = self
             .force_caller(&request, &request.get_ref().id_token)
             .await?;
         let id = request.into_inner().request_id;
-        let approved = match force.approve(&approver, &operator, id.trim()).await {
+        // The request is on its key's cluster: ask each until one has it.
+        let mut outcome = Err(ForceError::Disabled);
+        for force in self.tiers.all().filter_map(|c| c.force.clone()) {
+            outcome = force.approve(&approver, &operator, id.trim()).await;
+            if !matches!(outcome, Err(ForceError::UnknownRequest { .. })) {
+                break;
+            }
+        }
+        let approved = match outcome {
             Ok(a) => a,
             Err(e) => {
                 warn!(operator = %operator, subject = %approver.subject, refusal = e.reason(), "force-release approval refused: {e}");
@@ -244,10 +290,15 @@ impl Arbiter {
         &self,
         request: Request<ListForceReleasesRequest>,
     ) -> Result<ListForceReleasesResponse, Status> {
-        let (force, operator, subject) = self
+        let (_, operator, subject) = self
             .force_caller(&request, &request.get_ref().id_token)
             .await?;
-        let (pending, done) = force.list().await?;
+        let (mut pending, mut done) = (Vec::new(), Vec::new());
+        for force in self.tiers.all().filter_map(|c| c.force.clone()) {
+            let (p, d) = force.list().await?;
+            pending.extend(p);
+            done.extend(d);
+        }
         info!(operator = %operator, subject = %subject.subject, pending = pending.len(), "force-release requests listed");
         Ok(ListForceReleasesResponse {
             pending: pending.iter().map(request_view).collect(),

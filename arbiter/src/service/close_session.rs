@@ -15,7 +15,11 @@ impl Arbiter {
     ) -> Result<CloseSessionResponse, ArbiterError> {
         let caller = self.caller(&request)?;
         let session = session_id(request.get_ref().session_id)?;
-        self.table.close_session(&caller.identity, session).await?;
+        self.tiers
+            .for_session(session)
+            .table
+            .close_session(&caller.identity, session)
+            .await?;
         // The next renewal of a closed session must reach etcd (and fail).
         self.bounds.forget_renewal(session);
         info!(identity = %caller.identity, session, "session closed");

@@ -16,10 +16,11 @@ impl Arbiter {
         let policies = self.policies.current();
         let key = self.authorised_key(&policies, &caller, &request.get_ref().key)?;
         let operator = policies.is_operator(&caller.identity);
+        let table = &self.tiers.for_key(&key).await?.table;
         // Two reads side by side: the holder, and the durable queue's length.
         let (holder, durable_waiters) = tokio::join!(
-            self.table.holder(key.as_str()),
-            self.table.durable_waiting(key.as_str())
+            table.holder(key.as_str()),
+            table.durable_waiting(key.as_str())
         );
         let durable_waiters = durable_waiters?;
         let holder = holder?.map(|h| {
@@ -37,7 +38,7 @@ impl Arbiter {
         Ok(InspectResponse {
             key: key.as_str().to_string(),
             holder,
-            waiters: u32::try_from(self.table.waiting(key.as_str())).unwrap_or(u32::MAX),
+            waiters: u32::try_from(table.waiting(key.as_str())).unwrap_or(u32::MAX),
             durable_waiters,
         })
     }

@@ -37,15 +37,21 @@ struct Watched<'a> {
 impl Watched<'_> {
     fn add(&mut self, session: i64, notices: &crate::hold_counts::Notices) {
         if self.sessions.insert(session) {
-            self.arbiter
-                .holds
-                .watch_session(session, self.stream, notices);
+            self.arbiter.tiers.for_session(session).holds.watch_session(
+                session,
+                self.stream,
+                notices,
+            );
         }
     }
 
     fn remove(&mut self, session: i64) {
         if self.sessions.remove(&session) {
-            self.arbiter.holds.unwatch_session(session, self.stream);
+            self.arbiter
+                .tiers
+                .for_session(session)
+                .holds
+                .unwatch_session(session, self.stream);
         }
     }
 }
@@ -53,7 +59,11 @@ impl Watched<'_> {
 impl Drop for Watched<'_> {
     fn drop(&mut self) {
         for session in self.sessions.drain() {
-            self.arbiter.holds.unwatch_session(session, self.stream);
+            self.arbiter
+                .tiers
+                .for_session(session)
+                .holds
+                .unwatch_session(session, self.stream);
         }
     }
 }
@@ -107,7 +117,9 @@ impl Arbiter {
             let (notices, mut noticed) = tokio::sync::mpsc::channel(NOTICE_QUEUE);
             let mut watched = Watched {
                 arbiter: &self,
-                stream: self.holds.stream_id(),
+                // One counter for every stream, whichever cluster its
+                // sessions are on.
+                stream: self.tiers.entity().holds.stream_id(),
                 sessions: HashSet::new(),
             };
             loop {
@@ -219,7 +231,7 @@ impl Arbiter {
         for _ in 0..2 {
             let asked = Instant::now();
             // The store notes etcd's answer in the memo.
-            let renewed = self.table.renew(session).await?;
+            let renewed = self.tiers.for_session(session).table.renew(session).await?;
             if renewed.ttl_seconds <= 0 {
                 return Ok(Renewal::Gone);
             }

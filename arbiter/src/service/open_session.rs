@@ -22,14 +22,21 @@ impl Arbiter {
         let policies = self.policies.current();
         let class = self.class(&policies, &req.class)?;
         let ttl = class.ttl_seconds;
+        // ADR-07: a session is a lease on its class's tier's cluster.
+        let cluster = self.tiers.for_tier(class.tier);
         let interval = u32::try_from(class.keepalive_interval_ms()).unwrap_or(u32::MAX);
         if req.reuse_session_ids.len() > MAX_REUSE_CANDIDATES {
             return Err(ArbiterError::BadRequest(format!(
                 "at most {MAX_REUSE_CANDIDATES} reuse_session_ids are accepted"
             )));
         }
-        for &candidate in req.reuse_session_ids.iter().filter(|id| **id > 0) {
-            if let Some(record) = self.table.session(candidate).await?
+        let on_tier = |id: i64| self.tiers.for_session(id).tier == cluster.tier;
+        for &candidate in req
+            .reuse_session_ids
+            .iter()
+            .filter(|id| **id > 0 && on_tier(**id))
+        {
+            if let Some(record) = cluster.table.session(candidate).await?
                 && record.identity == caller.identity
                 && record.ttl_seconds == ttl
             {
@@ -41,7 +48,7 @@ impl Arbiter {
                 });
             }
         }
-        let opened = self.open_within_bound(&caller.identity, ttl).await;
+        let opened = self.open_within_bound(cluster, &caller.identity, ttl).await;
         if let Err(e @ ArbiterError::IdentityLimit { bound, .. }) = &opened {
             self.metrics.identity_bound_refused(bound.kind());
             info!(identity = %caller.identity, error = %e, "session refused");
@@ -61,7 +68,12 @@ impl Arbiter {
     /// one arbiter never lets them overshoot the bound (an open in flight
     /// counts until the count has it), and a refusal means the log itself
     /// holds `max` sessions.
-    async fn open_within_bound(&self, identity: &str, ttl: u32) -> Result<i64, ArbiterError> {
+    async fn open_within_bound(
+        &self,
+        cluster: &crate::tiers::Cluster,
+        identity: &str,
+        ttl: u32,
+    ) -> Result<i64, ArbiterError> {
         let max = self.bounds.max_sessions;
         let reservation = {
             let _turn = self.bounds.open_turn(identity).await;
@@ -69,7 +81,12 @@ impl Arbiter {
                 let progress = self.bounds.open_progress();
                 tokio::pin!(progress);
                 progress.as_mut().enable();
-                let (open, at) = self.table.count_sessions_of(identity).await?;
+                let (here, at) = cluster.table.count_sessions_of(identity).await?;
+                // The bound is over both tiers' sessions.
+                let mut open = here;
+                for other in self.tiers.all().filter(|c| c.tier != cluster.tier) {
+                    open = open.saturating_add(other.table.count_sessions_of(identity).await?.0);
+                }
                 if open >= max {
                     return Err(ArbiterError::IdentityLimit {
                         bound: IdentityBound::Sessions,
@@ -84,7 +101,7 @@ impl Arbiter {
                 }
             }
         };
-        let (session, written_at) = self.table.create_session(identity, ttl).await?;
+        let (session, written_at) = cluster.table.create_session(identity, ttl).await?;
         reservation.written_at(written_at);
         Ok(session)
     }
@@ -96,7 +113,13 @@ impl Arbiter {
         identity: &str,
         session: i64,
     ) -> Result<crate::records::SessionRecord, ArbiterError> {
-        match self.table.session(session).await? {
+        match self
+            .tiers
+            .for_session(session)
+            .table
+            .session(session)
+            .await?
+        {
             Some(record) if record.identity == identity => Ok(record),
             _ => Err(ArbiterError::SessionExpired { session }),
         }

@@ -71,8 +71,10 @@ impl Arbiter {
         let policies = self.policies.current();
         let key = self.authorised_key_in(&policies, &caller, &req.key, scope)?;
         let session = session_id(req.session_id)?;
+        // The key's cluster (ADR-07): a hold is only ever there.
+        let cluster = self.tiers.for_key(&key).await?;
         // ADR-04: a grant from memory during quorum loss ends here (token 0).
-        if let Some(released) = self
+        if let Some(released) = cluster
             .quorum
             .release(&caller.identity, key.as_str(), session, req.token)
             .await
@@ -83,7 +85,7 @@ impl Arbiter {
                 previous: None,
             });
         }
-        let released = self
+        let released = cluster
             .table
             .release(&caller.identity, key.as_str(), session, req.token)
             .await?;

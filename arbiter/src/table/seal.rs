@@ -181,6 +181,11 @@ impl Seal {
         &self.guard
     }
 
+    /// The guard, shared (for the metrics).
+    pub fn guard_shared(&self) -> Arc<EpochGuard> {
+        self.guard.clone()
+    }
+
     pub fn high_water(&self) -> Option<Mark> {
         self.high_water.current()
     }

@@ -10,14 +10,20 @@ use super::LockTable;
 /// How many fresh ids an OpenSession tries when the log says the lease exists.
 const LEASE_ID_ATTEMPTS: usize = 4;
 
-/// Session ids are lease ids the arbiter draws itself: positive, below 2^53
-/// (exact in a JSON number or a double), from the OS's CSPRNG, so knowing
-/// one session id tells nothing about another's.
+/// Set in the id of every session of the coord tier's table when the tiers
+/// are split (ADR-07): a session-scoped call (KeepAlive, CloseSession) finds
+/// its cluster from the id alone. Bit 52, so ids stay below 2^53.
+pub const COORD_SESSION_BIT: i64 = 1 << 52;
+
+/// Session ids are lease ids the arbiter draws itself: positive, below 2^52
+/// before a table's tag (below 2^53 after: exact in a JSON number or a
+/// double), from the OS's CSPRNG, so knowing one session id tells nothing
+/// about another's.
 pub fn random_lease_id() -> Result<i64, ArbiterError> {
     let mut bytes = [0u8; 8];
     getrandom::getrandom(&mut bytes)
         .map_err(|e| ArbiterError::Internal(format!("no randomness for a session id: {e}")))?;
-    let id = i64::from_le_bytes(bytes) & ((1i64 << 53) - 1);
+    let id = i64::from_le_bytes(bytes) & (COORD_SESSION_BIT - 1);
     // 0 means "let etcd choose" to LeaseGrant: draw again rather than allow it
     Ok(if id == 0 { 1 } else { id })
 }
@@ -64,7 +70,7 @@ impl LockTable {
         let mut attempt = 0;
         let id = loop {
             attempt += 1;
-            let id = random_lease_id()?;
+            let id = random_lease_id()? | self.options.session_tag;
             let mark = self.seal.mark_before_request();
             match self.log.grant_lease(id, ttl_seconds).await {
                 // A lease call's revision says nothing: only its cluster id

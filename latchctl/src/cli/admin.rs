@@ -12,7 +12,7 @@ use super::{Failure, Output};
 #[derive(Debug, Subcommand)]
 pub enum AdminCommand {
     /// The arbiter's epoch, cluster ids, seal state and witness.
-    Status,
+    Status(StatusArgs),
     /// Unseal after a restore: epoch `expected` -> above every epoch known, deleting every hold.
     AdvanceEpoch(AdvanceArgs),
     /// Two-person force-release of a stuck hold (ADR-20): one operator
@@ -250,7 +250,19 @@ async fn force_release(
 }
 
 #[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Which tier's cluster (ADR-07): entity (the default) or coord, when
+    /// the arbiter runs with --split-tiers.
+    #[arg(long, value_name = "TIER")]
+    pub tier: Option<String>,
+}
+
+#[derive(Debug, Args)]
 pub struct AdvanceArgs {
+    /// Which tier's cluster to advance: entity (the default) or coord, when
+    /// the arbiter runs with --split-tiers.
+    #[arg(long, value_name = "TIER")]
+    pub tier: Option<String>,
     /// The epoch the arbiter is at now (see `admin status`).
     #[arg(long)]
     pub expected: u32,
@@ -268,10 +280,14 @@ pub struct AdvanceArgs {
 pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<ExitCode, Failure> {
     match command {
         AdminCommand::ForceRelease(command) => return force_release(client, command, out).await,
-        AdminCommand::Status => {
-            let s = client.admin_status().await?;
+        AdminCommand::Status(args) => {
+            let s = client
+                .admin_status_of(args.tier.as_deref().unwrap_or(""))
+                .await?;
             if out.json {
                 out.line(json!({
+                    "tier": s.tier,
+                    "tiers_split": s.tiers_split,
                     "epoch": s.epoch,
                     "epoch_cluster_id": s.epoch_cluster_id,
                     "current_cluster_id": s.current_cluster_id,
@@ -293,6 +309,9 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
                     "quorum_loss_spool_limit_bytes": s.quorum_loss_spool_limit_bytes,
                 }));
             } else {
+                if s.tiers_split {
+                    println!("tier                 {} (tiers split)", s.tier);
+                }
                 println!("epoch                {}", s.epoch);
                 println!("epoch cluster id     {:#018x}", s.epoch_cluster_id);
                 println!("current cluster id   {:#018x}", s.current_cluster_id);
@@ -344,8 +363,9 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
             }
         }
         AdminCommand::AdvanceEpoch(args) => {
+            let tier = args.tier.as_deref().unwrap_or("");
             let r = client
-                .advance_epoch_at_least(args.expected, &args.reason, args.at_least)
+                .advance_epoch_in(tier, args.expected, &args.reason, args.at_least)
                 .await?;
             if out.json {
                 out.line(json!({

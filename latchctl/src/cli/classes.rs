@@ -101,6 +101,7 @@ fn check(args: CheckArgs, out: Output) -> Result<ExitCode, Failure> {
             "classes": reports.iter().map(|r| json!({
                 "class": r.class,
                 "tier": r.tier.to_string(),
+                "namespaces": r.namespaces,
                 "enforcement": r.enforcement.to_string(),
                 "on_quorum_loss": r.on_quorum_loss.to_string(),
                 "ttl_seconds": r.ttl_seconds,

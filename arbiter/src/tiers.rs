@@ -1,0 +1,260 @@
+//! Two cluster tiers (ADR-07): coord and entity, each its own etcd cluster
+//! with its own [`LockTable`] (log, seal, high-water mark, witness), hold
+//! count, quorum probe and force-release store.
+//!
+//! **A key's tier is the key's, not the caller's.** A caller names a class on
+//! every Acquire, so routing by the class alone would let one key be held on
+//! both clusters at once (a double grant no transaction can see). The
+//! policies decide instead: keys in a namespace some coord-tier class names
+//! (`namespaces = [...]`) are coord keys, every other key is an entity key
+//! ([`latchkey_policies::PolicySet::tier_of_key`]). With the tiers split, an
+//! Acquire whose class is of the other tier is refused, and so is a session
+//! of the other tier.
+//!
+//! **A session lives in one cluster** (it is a lease). OpenSession opens it
+//! on its class's tier; the coord table tags its session ids with
+//! [`COORD_SESSION_BIT`], so a session-scoped call finds its cluster from
+//! the id alone.
+//!
+//! With the tiers not split (no `--split-tiers`) there is one cluster: every
+//! key, class and session is served by the entity cluster, as before.
+//!
+//! **The policies propose, the binding decides**: arbiters reload policies
+//! at different moments, so a namespace's cluster is recorded once on the
+//! coord cluster ([`bindings`]) and every arbiter routes by that record.
+
+pub mod bindings;
+
+use std::sync::Arc;
+
+use latchkey_policies::{LockClass, LockKey, PolicySet, Tier};
+use tokio_util::task::AbortOnDrop;
+
+use crate::error::ArbiterError;
+use crate::force_release::ForceRelease;
+use crate::hold_counts::HoldCounts;
+use crate::quorum_loss::QuorumLoss;
+use crate::table::LockTable;
+pub use crate::table::sessions::COORD_SESSION_BIT;
+
+/// One lock cluster and everything the arbiter keeps for it.
+pub struct Cluster {
+    /// Which tier it serves (with the tiers not split, the entity cluster
+    /// serves both).
+    pub tier: Tier,
+    pub(crate) table: Arc<LockTable>,
+    /// Holds per identity, counted from this cluster's log.
+    pub(crate) holds: Arc<HoldCounts>,
+    /// ADR-04: this cluster's quorum verdict, open classes' memory grants and spool.
+    pub(crate) quorum: Arc<QuorumLoss>,
+    /// Two-person force-release of this cluster's holds; `None` without OIDC.
+    pub(crate) force: Option<Arc<ForceRelease>>,
+    pub(crate) _hold_watch: AbortOnDrop,
+    pub(crate) _quorum_probe: AbortOnDrop,
+}
+
+impl Cluster {
+    pub fn table(&self) -> &Arc<LockTable> {
+        &self.table
+    }
+
+    /// The tier's name, for errors and logs.
+    pub fn name(&self) -> &'static str {
+        tier_name(self.tier)
+    }
+}
+
+pub fn tier_name(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Coord => "coord",
+        Tier::Entity => "entity",
+    }
+}
+
+/// The clusters of this arbiter: the entity cluster always, the coord
+/// cluster when the tiers are split; the namespace bindings whenever there
+/// is a coord cluster.
+pub struct Tiers {
+    entity: Arc<Cluster>,
+    coord: Option<Arc<Cluster>>,
+    bindings: Option<bindings::Bindings>,
+}
+
+impl Tiers {
+    pub fn new(
+        entity: Arc<Cluster>,
+        coord: Option<Arc<Cluster>>,
+        bindings: Option<bindings::Bindings>,
+    ) -> Self {
+        Self {
+            entity,
+            coord,
+            bindings,
+        }
+    }
+
+    /// Whether coord-tier keys live on a cluster of their own.
+    pub fn split(&self) -> bool {
+        self.coord.is_some()
+    }
+
+    pub fn entity(&self) -> &Arc<Cluster> {
+        &self.entity
+    }
+
+    pub fn coord(&self) -> Option<&Arc<Cluster>> {
+        self.coord.as_ref()
+    }
+
+    /// Every cluster, the entity cluster first.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Cluster>> {
+        std::iter::once(&self.entity).chain(self.coord.iter())
+    }
+
+    /// The cluster serving `tier`.
+    pub fn for_tier(&self, tier: Tier) -> &Arc<Cluster> {
+        match (tier, &self.coord) {
+            (Tier::Coord, Some(coord)) => coord,
+            _ => &self.entity,
+        }
+    }
+
+    /// The cluster a session lives in, from its id.
+    pub fn for_session(&self, session: i64) -> &Arc<Cluster> {
+        match &self.coord {
+            Some(coord) if session & COORD_SESSION_BIT != 0 => coord,
+            _ => &self.entity,
+        }
+    }
+
+    /// The tier this arbiter would serve `key` on, by its policies alone.
+    fn proposed(&self, policies: &PolicySet, key: &LockKey) -> Tier {
+        match self.split() {
+            true => policies.tier_of_key(key),
+            false => Tier::Entity,
+        }
+    }
+
+    /// The cluster holding `key`'s holds (Release, Inspect, force-release):
+    /// by the namespace's binding; an unbound namespace has no holds but
+    /// those from before bindings existed, on the entity cluster.
+    pub async fn for_key(&self, key: &LockKey) -> Result<&Arc<Cluster>, ArbiterError> {
+        let Some(bindings) = &self.bindings else {
+            return Ok(&self.entity);
+        };
+        let bound = bindings
+            .bound(key.namespace())
+            .await
+            .map_err(|e| ArbiterError::store(format!("the coord cluster: {}", e.detail())))?;
+        match bound {
+            Some(Tier::Coord) => self.coord.as_ref().ok_or_else(|| not_split(key)),
+            _ => Ok(&self.entity),
+        }
+    }
+
+    /// The cluster serving an Acquire of `key` with `class` on `session`:
+    /// the namespace's bound tier (binding it to the tier this arbiter's
+    /// policies propose, if nobody has yet). Refused when the binding and
+    /// the policies disagree, or — with the tiers split — when the class or
+    /// the session belongs to the other tier.
+    pub async fn for_acquire(
+        &self,
+        policies: &PolicySet,
+        key: &LockKey,
+        class: &LockClass,
+        session: i64,
+    ) -> Result<&Arc<Cluster>, ArbiterError> {
+        let proposed = self.proposed(policies, key);
+        if self.split() && class.tier != proposed {
+            return Err(ArbiterError::WrongTier(wrong_class_tier(
+                key.as_str(),
+                key.namespace(),
+                &class.name,
+                class.tier,
+                proposed,
+            )));
+        }
+        let tier = match &self.bindings {
+            None => proposed,
+            Some(bindings) => self.bind(bindings, key, proposed).await?,
+        };
+        if tier != proposed {
+            return Err(ArbiterError::WrongTier(format!(
+                "namespace {:?} is bound to the {} tier (recorded on the coord cluster when it was first served), but {}: moving a namespace between tiers needs its holds drained first and is not supported yet; keep the namespace on its tier (docs/tiers-and-shards.md)",
+                key.namespace(),
+                tier_name(tier),
+                match (self.split(), proposed) {
+                    (false, _) => "this arbiter runs without --split-tiers, so it serves every key on the entity cluster".to_string(),
+                    (true, Tier::Coord) => "the policies now name it in a coord-tier class".to_string(),
+                    (true, Tier::Entity) => "no coord-tier class names it any more".to_string(),
+                }
+            )));
+        }
+        let cluster = self.for_tier(tier);
+        if self.for_session(session).tier != cluster.tier {
+            return Err(ArbiterError::SessionWrongTier(format!(
+                "session {session:#x} was opened for a {}-tier class, and key {:?} lives on the {} tier: open a session for class {:?} and acquire with it",
+                tier_name(self.for_session(session).tier),
+                key.as_str(),
+                tier_name(tier),
+                class.name
+            )));
+        }
+        Ok(cluster)
+    }
+
+    /// The namespace's binding, written as `proposed` if there is none. A
+    /// namespace is bound to the coord tier only while the entity cluster
+    /// holds nothing in it.
+    async fn bind(
+        &self,
+        bindings: &bindings::Bindings,
+        key: &LockKey,
+        proposed: Tier,
+    ) -> Result<Tier, ArbiterError> {
+        let namespace = key.namespace();
+        let store = |e: crate::lock_log::StoreError| {
+            ArbiterError::store(format!("the coord cluster: {}", e.detail()))
+        };
+        if let Some(tier) = bindings.bound(namespace).await.map_err(store)? {
+            return Ok(tier);
+        }
+        if proposed == Tier::Coord {
+            let table = &self.entity.table;
+            if table.holds_any_under(&format!("{namespace}/")).await?
+                || table.holder(namespace).await?.is_some()
+            {
+                return Err(ArbiterError::WrongTier(format!(
+                    "namespace {namespace:?} still has holds on the entity cluster (from before the tiers were split): it moves to the coord tier once they end (released or expired); retry then"
+                )));
+            }
+        }
+        bindings.bind(namespace, proposed).await.map_err(store)
+    }
+}
+
+fn not_split(key: &LockKey) -> ArbiterError {
+    ArbiterError::WrongTier(format!(
+        "namespace {:?} is bound to the coord tier, and this arbiter runs without --split-tiers: its keys are served by arbiters with --split-tiers",
+        key.namespace()
+    ))
+}
+
+fn wrong_class_tier(
+    key: &str,
+    namespace: &str,
+    class: &str,
+    class_tier: Tier,
+    key_tier: Tier,
+) -> String {
+    let why = match key_tier {
+        Tier::Coord => format!("namespace {namespace:?} is named by a coord-tier class"),
+        Tier::Entity => format!("no coord-tier class names namespace {namespace:?}"),
+    };
+    format!(
+        "class {class:?} is a {}-tier class, but key {key:?} lives on the {} tier ({why}): acquire it with a {}-tier class, or ask the policy owners to move the namespace (a coord class's namespaces)",
+        tier_name(class_tier),
+        tier_name(key_tier),
+        tier_name(key_tier),
+    )
+}
