@@ -64,6 +64,18 @@ struct Args {
     /// lock on --etcd. Without it both tiers' locks live on --etcd.
     #[arg(long, requires = "coord_etcd")]
     split_tiers: bool,
+    /// With --split-tiers: the etcd cluster(s) that witness the coord
+    /// tier's grants and allocate its epochs (comma-separated URLs). Default:
+    /// the --etcd cluster, which then must answer for the coord tier to
+    /// grant; a witness of its own keeps leader election up through an
+    /// entity-cluster outage (docs/tiers-and-shards.md).
+    #[arg(
+        long,
+        value_name = "URLS",
+        value_delimiter = ',',
+        requires = "split_tiers"
+    )]
+    coord_tier_witness_etcd: Vec<String>,
     /// Directory with classes/*.toml and grants/*.toml.
     #[arg(long, default_value = "policies/dev")]
     policies: PathBuf,
@@ -336,6 +348,7 @@ pub async fn main_with(
         config.lock_cluster_name = name;
     }
     config.split_tiers = args.split_tiers;
+    config.coord_tier_witness_endpoints = args.coord_tier_witness_etcd;
     config.check_coord()?;
     config.tls = tls;
     config.trust_domain = args.trust_domain;

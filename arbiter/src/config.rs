@@ -164,6 +164,10 @@ pub enum CoordConfigError {
         "--lock-cluster-name coord-tier is reserved with --split-tiers: the entity cluster witnesses the coord tier under that name; choose another name"
     )]
     ReservedClusterName,
+    #[error(
+        "--coord-tier-witness-etcd witnesses the coord tier's own cluster: it needs --split-tiers"
+    )]
+    WitnessWithoutSplit,
 }
 
 impl Config {
@@ -201,6 +205,23 @@ impl Config {
         }
         if self.split_tiers && name == crate::COORD_TIER_WITNESS_NAME {
             return Err(CoordConfigError::ReservedClusterName);
+        }
+        if !self.coord_tier_witness_endpoints.is_empty() {
+            if !self.split_tiers {
+                return Err(CoordConfigError::WitnessWithoutSplit);
+            }
+            self.etcd_credentials
+                .check(&self.coord_tier_witness_endpoints)
+                .map_err(CoordConfigError::Endpoints)?;
+            if let Some(endpoint) = self
+                .coord_tier_witness_endpoints
+                .iter()
+                .find(|w| self.coord_endpoints.iter().any(|c| normal(c) == normal(w)))
+            {
+                return Err(CoordConfigError::SameEndpoint {
+                    endpoint: endpoint.clone(),
+                });
+            }
         }
         if !self.coord_prefix.starts_with('/') || self.coord_prefix.trim_end_matches('/').is_empty()
         {
@@ -253,6 +274,10 @@ pub struct Config {
     /// keys on `etcd_endpoints` (needs `coord_endpoints`). Off: both tiers'
     /// keys on `etcd_endpoints`, the one-cluster configuration.
     pub split_tiers: bool,
+    /// With `split_tiers`: the etcd cluster that witnesses the coord tier's
+    /// grants; empty: the entity cluster (`etcd_endpoints`), which then
+    /// must answer for the coord tier to grant.
+    pub coord_tier_witness_endpoints: Vec<String>,
     pub policies_dir: PathBuf,
     pub policy_poll: Duration,
     /// `None` only in insecure dev mode.
@@ -308,6 +333,7 @@ impl Config {
             coord_prefix: DEFAULT_COORD_PREFIX.into(),
             lock_cluster_name: DEFAULT_LOCK_CLUSTER_NAME.into(),
             split_tiers: false,
+            coord_tier_witness_endpoints: Vec::new(),
             policies_dir,
             policy_poll: Duration::from_secs(2),
             tls: None,

@@ -47,6 +47,13 @@ pub enum ArbiterError {
     /// With the tiers split: the class is of the other tier than the key.
     #[error("{0}")]
     WrongTier(String),
+    /// The namespace is bound to the other tier than the policies say, or
+    /// the coord tier is not ready for it (an operator must act).
+    #[error("{0}")]
+    TierBound(String),
+    /// The namespace cannot be served on its tier just now; retry.
+    #[error("{0}")]
+    TierMoving(String),
     /// With the tiers split: the session lives on the other tier's cluster
     /// (answered like a session of another TTL: open one for this class).
     #[error("{0}")]
@@ -103,7 +110,8 @@ impl ArbiterError {
             Self::SessionClassMismatch { .. } | Self::SessionWrongTier(_) => {
                 Reason::SessionClassMismatch
             }
-            Self::WrongTier(_) => Reason::WrongTier,
+            Self::WrongTier(_) | Self::TierBound(_) => Reason::WrongTier,
+            Self::TierMoving(_) => Reason::TierMoving,
             Self::Held { .. } => Reason::Held,
             Self::Leak { .. } => Reason::Leak,
             Self::WaitTimeout { .. } => Reason::WaitTimeout,
@@ -138,7 +146,9 @@ impl ArbiterError {
             | Self::SessionExpired { .. }
             | Self::NotHeld { .. }
             | Self::TokenMismatch { .. }
-            | Self::Sealed { .. } => Code::FailedPrecondition,
+            | Self::Sealed { .. }
+            | Self::TierBound(_) => Code::FailedPrecondition,
+            Self::TierMoving(_) => Code::Unavailable,
             Self::HookDenied { code, .. } => *code,
             Self::StoreUnavailable { .. } => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
@@ -147,7 +157,10 @@ impl ArbiterError {
 
     /// Worth retrying the same request later without any change.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::StoreUnavailable { .. } | Self::Held { .. })
+        matches!(
+            self,
+            Self::StoreUnavailable { .. } | Self::Held { .. } | Self::TierMoving(_)
+        )
     }
 
     pub fn store(detail: impl std::fmt::Display) -> Self {

@@ -234,9 +234,15 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
                 access: config.etcd_credentials.describe(),
                 source,
             };
+            let entity_client = connect_client(&lock_store)
+                .await
+                .map_err(|e| RunError::Store(e.into()))?;
             let bindings = tiers::bindings::Bindings::new(
                 connect_client(&store).await.map_err(unreachable)?,
                 &config.coord_prefix,
+                &config.lock_cluster_name,
+                entity_client,
+                &config.prefix,
             );
             let n = bindings.load().await.map_err(unreachable)?;
             info!(
@@ -522,18 +528,24 @@ async fn coord_witness(
     Ok(Some(Arc::new(witness)))
 }
 
-/// The coord tier's witness when the tiers are split: the entity (lock)
-/// cluster, under the coord prefix, with the coord tier's own name.
+/// The coord tier's witness when the tiers are split: the
+/// `--coord-tier-witness-etcd` cluster, or else the entity (lock) cluster,
+/// under the coord prefix, with the coord tier's own name.
 async fn tier_witness(
     config: &Config,
     lock_store: &StoreConfig,
 ) -> Result<Arc<EtcdWitness>, RunError> {
+    let endpoints = match config.coord_tier_witness_endpoints.is_empty() {
+        true => config.etcd_endpoints.clone(),
+        false => config.coord_tier_witness_endpoints.clone(),
+    };
     let unreachable = |source| RunError::CoordUnreachable {
-        endpoints: config.etcd_endpoints.join(","),
+        endpoints: endpoints.join(","),
         access: config.etcd_credentials.describe(),
         source,
     };
     let store = StoreConfig {
+        endpoints: endpoints.clone(),
         prefix: config.coord_prefix.clone(),
         ..lock_store.clone()
     };
@@ -544,7 +556,7 @@ async fn tier_witness(
     Ok(Arc::new(witness))
 }
 
-/// The coord tier's name in the witness records the entity cluster keeps.
+/// The coord tier's name in the witness records of its witness cluster.
 pub const COORD_TIER_WITNESS_NAME: &str = "coord-tier";
 
 /// The HTTP/2 connection flow-control window. h2 closes a connection with

@@ -142,11 +142,11 @@ impl Tiers {
         let Some(bindings) = &self.bindings else {
             return Ok(&self.entity);
         };
-        let bound = bindings
+        match bindings
             .bound(key.namespace())
             .await
-            .map_err(|e| ArbiterError::store(format!("the coord cluster: {}", e.detail())))?;
-        match bound {
+            .map_err(bindings_error)?
+        {
             Some(Tier::Coord) => self.coord.as_ref().ok_or_else(|| not_split(key)),
             _ => Ok(&self.entity),
         }
@@ -155,8 +155,11 @@ impl Tiers {
     /// The cluster serving an Acquire of `key` with `class` on `session`:
     /// the namespace's bound tier (binding it to the tier this arbiter's
     /// policies propose, if nobody has yet). Refused when the binding and
-    /// the policies disagree, or — with the tiers split — when the class or
-    /// the session belongs to the other tier.
+    /// the policies disagree, or — with the tiers split — when the class
+    /// belongs to the other tier, or the session is an entity session and
+    /// the key a coord key. (A session of the other cluster is refused by
+    /// the grant transaction itself, which compares the session record on
+    /// the key's cluster.)
     pub async fn for_acquire(
         &self,
         policies: &PolicySet,
@@ -165,38 +168,36 @@ impl Tiers {
         session: i64,
     ) -> Result<&Arc<Cluster>, ArbiterError> {
         let proposed = self.proposed(policies, key);
-        if self.split() && class.tier != proposed {
-            return Err(ArbiterError::WrongTier(wrong_class_tier(
-                key.as_str(),
-                key.namespace(),
-                &class.name,
-                class.tier,
-                proposed,
-            )));
-        }
         let tier = match &self.bindings {
             None => proposed,
             Some(bindings) => self.bind(bindings, key, proposed).await?,
         };
         if tier != proposed {
-            return Err(ArbiterError::WrongTier(format!(
-                "namespace {:?} is bound to the {} tier (recorded on the coord cluster when it was first served), but {}: moving a namespace between tiers needs its holds drained first and is not supported yet; keep the namespace on its tier (docs/tiers-and-shards.md)",
+            let namespace = key.namespace();
+            return Err(match (self.split(), proposed) {
+                (false, _) => not_split(key),
+                (true, Tier::Coord) => ArbiterError::TierBound(format!(
+                    "namespace {namespace:?} is bound to the entity tier (recorded when it was first served), but the policies now name it in a coord-tier class: moving a namespace between tiers is not supported yet; use a namespace not served before for the coord tier (docs/tiers-and-shards.md)"
+                )),
+                (true, Tier::Entity) => ArbiterError::TierBound(format!(
+                    "namespace {namespace:?} is bound to the coord tier (recorded when it was first served), but no coord-tier class names it any more: moving a namespace between tiers is not supported yet; name it in a coord-tier class again (docs/tiers-and-shards.md)"
+                )),
+            });
+        }
+        if self.split() && class.tier != tier {
+            return Err(ArbiterError::WrongTier(wrong_class_tier(
+                key.as_str(),
                 key.namespace(),
-                tier_name(tier),
-                match (self.split(), proposed) {
-                    (false, _) => "this arbiter runs without --split-tiers, so it serves every key on the entity cluster".to_string(),
-                    (true, Tier::Coord) => "the policies now name it in a coord-tier class".to_string(),
-                    (true, Tier::Entity) => "no coord-tier class names it any more".to_string(),
-                }
+                &class.name,
+                class.tier,
+                tier,
             )));
         }
         let cluster = self.for_tier(tier);
-        if self.for_session(session).tier != cluster.tier {
+        if self.split() && tier == Tier::Coord && session & COORD_SESSION_BIT == 0 {
             return Err(ArbiterError::SessionWrongTier(format!(
-                "session {session:#x} was opened for a {}-tier class, and key {:?} lives on the {} tier: open a session for class {:?} and acquire with it",
-                tier_name(self.for_session(session).tier),
+                "session {session:#x} was opened for an entity-tier class, and key {:?} lives on the coord tier: open a session for class {:?} and acquire with it",
                 key.as_str(),
-                tier_name(tier),
                 class.name
             )));
         }
@@ -205,7 +206,9 @@ impl Tiers {
 
     /// The namespace's binding, written as `proposed` if there is none. A
     /// namespace is bound to the coord tier only while the entity cluster
-    /// holds nothing in it.
+    /// holds nothing in it, and with the coord tier's epoch above the
+    /// entity tier's, so a key that had holds on the entity cluster before
+    /// never gets a smaller token on the coord cluster.
     async fn bind(
         &self,
         bindings: &bindings::Bindings,
@@ -213,29 +216,98 @@ impl Tiers {
         proposed: Tier,
     ) -> Result<Tier, ArbiterError> {
         let namespace = key.namespace();
-        let store = |e: crate::lock_log::StoreError| {
-            ArbiterError::store(format!("the coord cluster: {}", e.detail()))
-        };
-        if let Some(tier) = bindings.bound(namespace).await.map_err(store)? {
+        if let Some(tier) = bindings.bound(namespace).await.map_err(bindings_error)? {
             return Ok(tier);
         }
-        if proposed == Tier::Coord {
+        if let (Tier::Coord, Some(coord)) = (proposed, &self.coord) {
             let table = &self.entity.table;
             if table.holds_any_under(&format!("{namespace}/")).await?
                 || table.holder(namespace).await?.is_some()
             {
-                return Err(ArbiterError::WrongTier(format!(
-                    "namespace {namespace:?} still has holds on the entity cluster (from before the tiers were split): it moves to the coord tier once they end (released or expired); retry then"
+                return Err(ArbiterError::TierMoving(format!(
+                    "namespace {namespace:?} is moving to the coord tier and is not served until the entity cluster's earlier holds in it end (released or expired); retry later"
                 )));
             }
+            self.raise_coord_epoch(coord, namespace).await?;
         }
-        bindings.bind(namespace, proposed).await.map_err(store)
+        bindings
+            .bind(namespace, proposed)
+            .await
+            .map_err(bindings_error)
+    }
+
+    /// Makes the coord tier's epoch greater than the entity tier's: every
+    /// coord token is then above every entity token (epoch × 2^48
+    /// dominates any revision). An advance ends every coord hold, so it is
+    /// made only while the coord cluster holds nothing; otherwise an
+    /// operator must.
+    async fn raise_coord_epoch(
+        &self,
+        coord: &Cluster,
+        namespace: &str,
+    ) -> Result<(), ArbiterError> {
+        for _ in 0..3 {
+            let entity = self.entity.table.seal().load_epoch().await?.epoch();
+            let now = coord.table.seal().load_epoch().await?.epoch();
+            if now > entity {
+                return Ok(());
+            }
+            // A sealed tier is unsealed by an operator only.
+            coord.table.seal().guard().serving()?;
+            if coord.table.holds_any_under("").await? {
+                return Err(ArbiterError::TierBound(format!(
+                    "namespace {namespace:?} would move to the coord tier, whose epoch ({now}) is not above the entity tier's ({entity}), so its tokens could be below ones handed out on the entity cluster; an operator must run `latchctl admin advance-epoch --tier coord --expected {now} --at-least {} --reason ...` (it ends every coord-tier hold)",
+                    entity + 1
+                )));
+            }
+            let reason = format!(
+                "the coord tier's epoch raised above the entity tier's ({entity}) before namespace {namespace:?} is served there"
+            );
+            match coord
+                .table
+                .seal()
+                .advance_epoch_at_least(now, &reason, entity + 1)
+                .await
+            {
+                Ok((record, _)) => {
+                    tracing::warn!(
+                        epoch = record.epoch,
+                        namespace,
+                        "coord tier's epoch raised above the entity tier's"
+                    );
+                }
+                // Another arbiter advanced it first: read again.
+                Err(ArbiterError::BadRequest(_) | ArbiterError::Sealed { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Err(ArbiterError::TierMoving(format!(
+            "namespace {namespace:?}: the coord tier's epoch kept changing while it was raised; retry"
+        )))
+    }
+
+    /// The cluster a session lives in: its id's tier, or the entity cluster
+    /// for a session from before the tiers were split whose id happens to
+    /// carry the coord bit (ids were drawn below 2^53 then).
+    pub async fn session_cluster(&self, session: i64) -> Result<&Arc<Cluster>, ArbiterError> {
+        let tagged = self.for_session(session);
+        if tagged.tier == Tier::Coord && tagged.table.session(session).await?.is_none() {
+            return Ok(&self.entity);
+        }
+        Ok(tagged)
+    }
+}
+
+fn bindings_error(e: crate::lock_log::StoreError) -> ArbiterError {
+    match e {
+        crate::lock_log::StoreError::Malformed(what) => ArbiterError::Internal(what),
+        other => ArbiterError::store(format!("the tier bindings: {}", other.detail())),
     }
 }
 
 fn not_split(key: &LockKey) -> ArbiterError {
-    ArbiterError::WrongTier(format!(
-        "namespace {:?} is bound to the coord tier, and this arbiter runs without --split-tiers: its keys are served by arbiters with --split-tiers",
+    ArbiterError::TierMoving(format!(
+        "namespace {:?} is bound to the coord tier, and this arbiter runs without --split-tiers (a rollout in progress?): its keys are served by arbiters with --split-tiers; retry",
         key.namespace()
     ))
 }

@@ -29,6 +29,13 @@ async fn held_at(etcd: &EtcdServer, key: &str) -> anyhow::Result<Option<i64>> {
     Ok(resp.kvs().first().map(|kv| kv.mod_revision()))
 }
 
+/// The value of `key` on `etcd`.
+async fn value_at(etcd: &EtcdServer, key: &str) -> anyhow::Result<Option<Vec<u8>>> {
+    let mut kv = etcd.client().await?.kv_client();
+    let got = kv.get(key, None).await?;
+    Ok(got.kvs().first().map(|kv| kv.value().to_vec()))
+}
+
 /// Every key under the arbiter's prefix on `etcd`.
 async fn keys_on(etcd: &EtcdServer) -> anyhow::Result<Vec<String>> {
     let mut kv = etcd.client().await?.kv_client();
@@ -339,24 +346,51 @@ async fn a_namespace_stays_on_the_tier_that_first_served_it() -> anyhow::Result<
     let s_old = open(&mut c_old, COORD_CLASS).await?;
     let legacy = try_lock(&mut c_old, "leader/legacy", COORD_CLASS, s_old).await?;
 
-    // The split arbiter will not take `leader` to the coord cluster under it.
+    // The split arbiter will not take `leader` to the coord cluster under
+    // it: UNAVAILABLE, retry (it says nothing about whose holds).
     let split = split_arbiter(&lock, &coord).await?;
     let mut c = split.lock("workload/demo").await?;
     let s = open(&mut c, COORD_CLASS).await?;
     let refused = expect_refusal(
-        try_lock(&mut c, "leader/new", COORD_CLASS, s).await,
-        Code::InvalidArgument,
-        "WRONG_TIER",
+        try_lock(&mut c, "leader/legacy", COORD_CLASS, s).await,
+        Code::Unavailable,
+        "TIER_MOVING",
     )?;
     assert!(
-        refused.message().contains("still has holds"),
+        refused.message().contains("retry later"),
+        "{}",
+        refused.message()
+    );
+    assert!(
+        !refused.message().contains("workload/"),
         "{}",
         refused.message()
     );
     release(&mut c_old, &legacy).await?;
     old.stop().await?;
+    // The same key on the coord cluster now: its token is above the one
+    // the entity cluster gave it (the coord tier's epoch was raised above
+    // the entity tier's before the namespace was bound to it).
+    let g = try_lock(&mut c, "leader/legacy", COORD_CLASS, s).await?;
+    assert_eq!(held_at(&coord, "leader/legacy").await?, Some(g.revision));
+    assert!(
+        g.token > legacy.token,
+        "the moved key's token went back: {:#x} after {:#x}",
+        g.token,
+        legacy.token
+    );
+    release(&mut c, &g).await?;
     let g = try_lock(&mut c, "leader/new", COORD_CLASS, s).await?;
     assert_eq!(held_at(&coord, "leader/new").await?, Some(g.revision));
+    // The binding is on both clusters.
+    assert_eq!(
+        value_at(&coord, "/latchkey-coord/sys/tiers/default/leader").await?,
+        Some(b"coord".to_vec())
+    );
+    assert_eq!(
+        value_at(&lock, "/latchkey/sys/tiers/leader").await?,
+        Some(b"coord".to_vec())
+    );
 
     // An arbiter without --split-tiers beside it (a rollout) refuses the
     // coord-bound namespace instead of granting it on the lock cluster...
@@ -372,31 +406,39 @@ async fn a_namespace_stays_on_the_tier_that_first_served_it() -> anyhow::Result<
     let s1 = open(&mut c1, COORD_CLASS).await?;
     let refused = expect_refusal(
         try_lock(&mut c1, "leader/new", COORD_CLASS, s1).await,
-        Code::InvalidArgument,
-        "WRONG_TIER",
+        Code::Unavailable,
+        "TIER_MOVING",
     )?;
     assert!(
         refused.message().contains("bound to the coord tier"),
         "{}",
         refused.message()
     );
-    // ... and binds what it serves first to the entity tier, which the
-    // split arbiter then keeps there even though its policies would not.
+    // ... and binds what it serves first to the entity tier.
     let sb = open(&mut c1, ENTITY_CLASS).await?;
     let b = try_lock(&mut c1, "payments/tiers", ENTITY_CLASS, sb).await?;
     release(&mut c1, &b).await?;
     assert_eq!(held_at(&lock, "leader/new").await?, None);
     let mut kv = coord.client().await?.kv_client();
-    let bound = kv.get("/latchkey-coord/sys/tiers/leader", None).await?;
+    let bound = kv
+        .get("/latchkey-coord/sys/tiers/default/leader", None)
+        .await?;
     assert_eq!(
         bound.kvs().first().map(|kv| kv.value().to_vec()),
         Some(b"coord".to_vec())
     );
-    let bound = kv.get("/latchkey-coord/sys/tiers/payments", None).await?;
+    let bound = kv
+        .get("/latchkey-coord/sys/tiers/default/payments", None)
+        .await?;
     assert_eq!(
         bound.kvs().first().map(|kv| kv.value().to_vec()),
         Some(b"entity".to_vec())
     );
+    // The split arbiter serves `payments` on the entity cluster, as bound.
+    let se = open(&mut c, ENTITY_CLASS).await?;
+    let p = try_lock(&mut c, "payments/tiers", ENTITY_CLASS, se).await?;
+    assert_eq!(held_at(&lock, "payments/tiers").await?, Some(p.revision));
+    release(&mut c, &p).await?;
     single.stop().await?;
     split.stop().await
 }
@@ -551,4 +593,173 @@ async fn a_restored_coord_cluster_never_reissues_a_coord_tier_token() -> anyhow:
         advanced.epoch
     );
     second.stop().await
+}
+
+/// An advisory entity-tier class that stays open on quorum loss.
+const OPEN_CLASS: &str = r#"
+[[class]]
+name = "spare-capacity"
+description = "Warms caches; two holders only waste work."
+tier = "entity"
+enforcement = "advisory"
+ttlSeconds = 30
+onQuorumLoss = "open"
+riskOwner = "team-platform@example.com"
+waiverExpires = "2099-12-31"
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn leader_election_survives_the_entity_clusters_quorum_loss() -> anyhow::Result<()> {
+    // ADR-07's point: with 2 of the entity cluster's 3 members down, the
+    // coord tier keeps granting fenced tokens (its cluster and its witness
+    // are elsewhere), the entity tier's closed class refuses with
+    // UNAVAILABLE and its open class grants unprotected from memory.
+    use latchkey_tests::cluster::{ClusterOptions, EtcdCluster};
+    latchkey_tests::init_tracing();
+    let mut entity = EtcdCluster::start(ClusterOptions::default()).await?;
+    let coord = EtcdServer::start().await?;
+    let witness = EtcdServer::start().await?;
+    let policies = tempfile::tempdir()?;
+    latchkey_tests::copy_dev_policies(policies.path())?;
+    std::fs::write(policies.path().join("classes/quorum-loss.toml"), OPEN_CLASS)?;
+    let arbiter = Arbiter::start_on(
+        entity.endpoints(),
+        ArbiterOptions {
+            policies_dir: policies.path().to_path_buf(),
+            coord: Some(Coord {
+                coord_tier_witness: vec![witness.endpoint()],
+                ..Coord::split(&coord)
+            }),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let mut c = arbiter.lock("workload/demo").await?;
+    let coord_session = open(&mut c, COORD_CLASS).await?;
+    let closed_session = open(&mut c, ENTITY_CLASS).await?;
+    let open_session = open(&mut c, "spare-capacity").await?;
+    let before = try_lock(&mut c, "leader/q", COORD_CLASS, coord_session).await?;
+    release(&mut c, &before).await?;
+    let entity_before = try_lock(&mut c, "demo/q/closed", ENTITY_CLASS, closed_session).await?;
+    release(&mut c, &entity_before).await?;
+
+    let leader = entity.leader().await?;
+    entity.kill(leader)?;
+    entity.kill((leader + 1) % 3)?;
+    let converge = Duration::from_secs(30);
+    latchkey_tests::eventually(
+        "the entity tier to refuse its closed class",
+        converge,
+        || {
+            let mut c = c.clone();
+            async move {
+                let r = try_lock(&mut c, "demo/q/closed", ENTITY_CLASS, closed_session).await;
+                let status = expect_refusal(r, Code::Unavailable, "STORE_UNAVAILABLE")?;
+                anyhow::ensure!(
+                    status.message().contains("lost quorum"),
+                    "{}",
+                    status.message()
+                );
+                Ok(())
+            }
+        },
+    )
+    .await?;
+    // The coord tier grants fenced tokens throughout, above the earlier one.
+    let mut last = before.token;
+    for i in 0..5 {
+        let g = try_lock(&mut c, &format!("leader/q{i}"), COORD_CLASS, coord_session).await?;
+        assert!(!g.unprotected && g.token > last, "{g:?} after {last:#x}");
+        last = g.token;
+        release(&mut c, &g).await?;
+    }
+    // The entity tier's open class: token 0, unprotected.
+    let memory = try_lock(&mut c, "demo/q/open", "spare-capacity", open_session).await?;
+    assert!(memory.unprotected && memory.token == 0, "{memory:?}");
+    release(&mut c, &memory).await?;
+    let mut op = arbiter.admin("latchkey/operator").await?;
+    let coord_status = op
+        .get_status(GetStatusRequest {
+            tier: "coord".into(),
+        })
+        .await?
+        .into_inner();
+    assert!(
+        !coord_status.quorum_lost && !coord_status.sealed,
+        "{coord_status:?}"
+    );
+    let entity_status = op
+        .get_status(GetStatusRequest::default())
+        .await?
+        .into_inner();
+    assert!(entity_status.quorum_lost, "{entity_status:?}");
+
+    entity.restart(leader).await?;
+    entity.restart((leader + 1) % 3).await?;
+    entity.wait_healthy(converge).await?;
+    arbiter.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_from_before_the_split_with_the_coord_bit_still_works() -> anyhow::Result<()> {
+    // Session ids were drawn below 2^53 before the tiers existed, so about
+    // half of them carry bit 52, which now means "coord tier". Such a
+    // session lives on the entity cluster: it must still acquire, renew and
+    // close there.
+    latchkey_tests::init_tracing();
+    let lock = EtcdServer::start().await?;
+    let coord = EtcdServer::start().await?;
+    let arbiter = split_arbiter(&lock, &coord).await?;
+    let mut c = arbiter.lock("workload/demo").await?;
+    let ttl = c
+        .open_session(OpenSessionRequest {
+            class: ENTITY_CLASS.into(),
+            reuse_session_ids: vec![],
+        })
+        .await?
+        .into_inner()
+        .ttl_seconds;
+    // What the old arbiter wrote: a lease with its own id, and the record.
+    let legacy: i64 = (1 << 52) | 0x5eed;
+    let mut etcd = lock.client().await?;
+    etcd.lease_grant(
+        i64::from(ttl),
+        Some(etcd_client::LeaseGrantOptions::new().with_id(legacy)),
+    )
+    .await?;
+    let record =
+        format!(r#"{{"identity":"spiffe://dev.latchkey/workload/demo","ttlSeconds":{ttl}}}"#);
+    etcd.put(
+        format!("/latchkey/s/{legacy:016x}"),
+        record,
+        Some(etcd_client::PutOptions::new().with_lease(legacy)),
+    )
+    .await?;
+
+    let g = try_lock(&mut c, "demo/tiers/legacy", ENTITY_CLASS, legacy).await?;
+    assert_eq!(held_at(&lock, "demo/tiers/legacy").await?, Some(g.revision));
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(KeepAliveRequest {
+        session_id: legacy,
+        session_ids: vec![],
+    })
+    .await?;
+    let mut stream = c
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let resp = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await??
+        .ok_or_else(|| anyhow::anyhow!("the keepalive stream ended"))?;
+    assert!(resp.remaining_ttl_seconds > 0, "{resp:?}");
+    drop(tx);
+    c.close_session(CloseSessionRequest { session_id: legacy })
+        .await?;
+    latchkey_tests::eventually(
+        "the legacy session's hold to end",
+        Duration::from_secs(10),
+        || async { Ok(held_at(&lock, "demo/tiers/legacy").await?.is_none()) },
+    )
+    .await?;
+    arbiter.stop().await
 }

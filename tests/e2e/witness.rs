@@ -428,6 +428,7 @@ async fn the_lock_cluster_cannot_witness_itself() -> anyhow::Result<()> {
                 prefix: None,
                 lock_cluster_name: None,
                 split_tiers: false,
+                coord_tier_witness: Vec::new(),
             }),
             ..Default::default()
         },

@@ -117,6 +117,8 @@ pub struct Coord {
     pub lock_cluster_name: Option<String>,
     /// `--split-tiers`: coord-tier keys on this cluster (ADR-07).
     pub split_tiers: bool,
+    /// `--coord-tier-witness-etcd` (with `split_tiers`); empty: the lock cluster.
+    pub coord_tier_witness: Vec<String>,
 }
 
 impl Coord {
@@ -127,6 +129,7 @@ impl Coord {
             prefix: None,
             lock_cluster_name: None,
             split_tiers: false,
+            coord_tier_witness: Vec::new(),
         }
     }
 
@@ -228,6 +231,7 @@ impl Arbiter {
                 config.lock_cluster_name = name.clone();
             }
             config.split_tiers = coord.split_tiers;
+            config.coord_tier_witness_endpoints = coord.coord_tier_witness.clone();
         }
         // A port that was free a moment ago: `run` binds the address itself.
         let metrics_addr = match opts.metrics {
@@ -532,6 +536,10 @@ impl ArbiterProcess {
             }
             if coord.split_tiers {
                 cmd.arg("--split-tiers");
+            }
+            if !coord.coord_tier_witness.is_empty() {
+                cmd.arg("--coord-tier-witness-etcd")
+                    .arg(coord.coord_tier_witness.join(","));
             }
         }
         if let Some(oidc) = &opts.force_release.oidc {

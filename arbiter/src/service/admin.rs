@@ -242,13 +242,22 @@ impl Arbiter {
             .await?;
         let id = request.into_inner().request_id;
         // The request is on its key's cluster: ask each until one has it.
-        let mut outcome = Err(ForceError::Disabled);
+        // A cluster that cannot answer does not stop the one that has it.
+        let (mut found, mut unknown, mut store) = (None, None, None);
         for force in self.tiers.all().filter_map(|c| c.force.clone()) {
-            outcome = force.approve(&approver, &operator, id.trim()).await;
-            if !matches!(outcome, Err(ForceError::UnknownRequest { .. })) {
-                break;
+            match force.approve(&approver, &operator, id.trim()).await {
+                Err(e @ ForceError::UnknownRequest { .. }) => unknown = Some(e),
+                Err(e @ ForceError::Store(_)) => store = store.or(Some(e)),
+                other => {
+                    found = Some(other);
+                    break;
+                }
             }
         }
+        let outcome = match found {
+            Some(outcome) => outcome,
+            None => Err(store.or(unknown).unwrap_or(ForceError::Disabled)),
+        };
         let approved = match outcome {
             Ok(a) => a,
             Err(e) => {

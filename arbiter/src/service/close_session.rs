@@ -16,7 +16,8 @@ impl Arbiter {
         let caller = self.caller(&request)?;
         let session = session_id(request.get_ref().session_id)?;
         self.tiers
-            .for_session(session)
+            .session_cluster(session)
+            .await?
             .table
             .close_session(&caller.identity, session)
             .await?;

@@ -37,21 +37,19 @@ struct Watched<'a> {
 impl Watched<'_> {
     fn add(&mut self, session: i64, notices: &crate::hold_counts::Notices) {
         if self.sessions.insert(session) {
-            self.arbiter.tiers.for_session(session).holds.watch_session(
-                session,
-                self.stream,
-                notices,
-            );
+            // Every cluster's: a session from before the tiers were split
+            // may carry the coord bit and hold on the entity cluster.
+            for cluster in self.arbiter.tiers.all() {
+                cluster.holds.watch_session(session, self.stream, notices);
+            }
         }
     }
 
     fn remove(&mut self, session: i64) {
         if self.sessions.remove(&session) {
-            self.arbiter
-                .tiers
-                .for_session(session)
-                .holds
-                .unwatch_session(session, self.stream);
+            for cluster in self.arbiter.tiers.all() {
+                cluster.holds.unwatch_session(session, self.stream);
+            }
         }
     }
 }
@@ -59,11 +57,9 @@ impl Watched<'_> {
 impl Drop for Watched<'_> {
     fn drop(&mut self) {
         for session in self.sessions.drain() {
-            self.arbiter
-                .tiers
-                .for_session(session)
-                .holds
-                .unwatch_session(session, self.stream);
+            for cluster in self.arbiter.tiers.all() {
+                cluster.holds.unwatch_session(session, self.stream);
+            }
         }
     }
 }
@@ -231,7 +227,14 @@ impl Arbiter {
         for _ in 0..2 {
             let asked = Instant::now();
             // The store notes etcd's answer in the memo.
-            let renewed = self.tiers.for_session(session).table.renew(session).await?;
+            let mut renewed = self.tiers.for_session(session).table.renew(session).await?;
+            if renewed.ttl_seconds <= 0
+                && self.tiers.for_session(session).tier != self.tiers.entity().tier
+            {
+                // A session from before the split whose id carries the
+                // coord bit lives on the entity cluster.
+                renewed = self.tiers.entity().table.renew(session).await?;
+            }
             if renewed.ttl_seconds <= 0 {
                 return Ok(Renewal::Gone);
             }

@@ -85,7 +85,15 @@ impl Arbiter {
                 // The bound is over both tiers' sessions.
                 let mut open = here;
                 for other in self.tiers.all().filter(|c| c.tier != cluster.tier) {
-                    open = open.saturating_add(other.table.count_sessions_of(identity).await?.0);
+                    // The other cluster down must not stop this tier: its
+                    // count is then left out (the bound at most doubles
+                    // for the outage).
+                    match other.table.count_sessions_of(identity).await {
+                        Ok((n, _)) => open = open.saturating_add(n),
+                        Err(e) => {
+                            tracing::warn!(error = %e, tier = other.name(), "the other tier's sessions could not be counted; bounding by this tier's alone")
+                        }
+                    }
                 }
                 if open >= max {
                     return Err(ArbiterError::IdentityLimit {
@@ -115,7 +123,8 @@ impl Arbiter {
     ) -> Result<crate::records::SessionRecord, ArbiterError> {
         match self
             .tiers
-            .for_session(session)
+            .session_cluster(session)
+            .await?
             .table
             .session(session)
             .await?

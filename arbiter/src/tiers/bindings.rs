@@ -1,6 +1,7 @@
-//! Which tier's cluster serves a namespace, recorded once on the coord
-//! cluster and never changed by an arbiter: `{coord prefix}/sys/tiers/<ns>`
-//! holds `"coord"` or `"entity"`.
+//! Which tier's cluster serves a namespace, recorded once and never changed
+//! by an arbiter: `{coord prefix}/sys/tiers/{lock cluster name}/<ns>` on the
+//! coord cluster and `{prefix}/sys/tiers/<ns>` on the entity cluster hold
+//! `"coord"` or `"entity"`.
 //!
 //! Why a record and not only the policies: arbiters reload their policies
 //! at different moments, restart one by one, and may run with and without
@@ -22,7 +23,10 @@
 //!
 //! Bindings are immutable, so each arbiter caches them forever; the set is
 //! bounded by the policies (a namespace is the first segment of a granted
-//! prefix: no caller can make up new ones).
+//! prefix: no caller can make up new ones). Each binding is kept on both
+//! clusters (the coord cluster's copy per lock cluster name, the entity
+//! cluster's under its prefix): a restore of one cluster loses no binding,
+//! and a binding found on one only is written back to the other.
 
 use std::collections::HashMap;
 
@@ -35,13 +39,6 @@ use crate::lock_log::etcd::unavailable;
 
 use super::tier_name;
 
-/// The namespace bindings on the coord cluster, cached.
-pub struct Bindings {
-    client: Client,
-    prefix: String,
-    cache: RwLock<HashMap<String, Tier>>,
-}
-
 fn parse(bytes: &[u8]) -> Option<Tier> {
     match bytes {
         b"coord" => Some(Tier::Coord),
@@ -50,87 +47,164 @@ fn parse(bytes: &[u8]) -> Option<Tier> {
     }
 }
 
+/// One copy of the bindings: a cluster and the prefix its records are under.
+struct Copy {
+    client: Client,
+    prefix: String,
+    what: &'static str,
+}
+
+impl Copy {
+    fn key(&self, namespace: &str) -> String {
+        format!("{}{namespace}", self.prefix)
+    }
+
+    async fn get(&self, namespace: &str) -> Result<Option<Tier>, StoreError> {
+        let key = self.key(namespace);
+        let resp = self
+            .client
+            .kv_client()
+            .get(key.as_str(), None)
+            .await
+            .map_err(|e| {
+                unavailable(&format!("cannot read the tier binding on {}", self.what), e)
+            })?;
+        match resp.kvs().first() {
+            None => Ok(None),
+            Some(kv) => parse(kv.value()).map(Some).ok_or_else(|| malformed(&key)),
+        }
+    }
+
+    /// Writes `tier` unless a binding is there; the binding either way.
+    async fn create(&self, namespace: &str, tier: Tier) -> Result<Tier, StoreError> {
+        let key = self.key(namespace);
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key.as_str(), tier_name(tier), None)])
+            .or_else([TxnOp::get(key.as_str(), None)]);
+        let resp = self.client.kv_client().txn(txn).await.map_err(|e| {
+            unavailable(
+                &format!("cannot write the tier binding on {}", self.what),
+                e,
+            )
+        })?;
+        if resp.succeeded() {
+            return Ok(tier);
+        }
+        resp.op_responses()
+            .into_iter()
+            .find_map(|op| match op {
+                TxnOpResponse::Get(get) => get.kvs().first().and_then(|kv| parse(kv.value())),
+                _ => None,
+            })
+            .ok_or_else(|| malformed(&key))
+    }
+}
+
+fn malformed(key: &str) -> StoreError {
+    StoreError::Malformed(format!(
+        "the tier binding {key} is neither \"coord\" nor \"entity\""
+    ))
+}
+
+/// The namespace bindings, kept on two clusters (the coord cluster and the
+/// entity cluster) so that a restore of either one alone loses none, and
+/// cached.
+pub struct Bindings {
+    coord: Copy,
+    entity: Copy,
+    cache: RwLock<HashMap<String, Tier>>,
+}
+
 impl Bindings {
-    /// Bindings under `{coord_prefix}/sys/tiers/` on the coord cluster.
-    pub fn new(client: Client, coord_prefix: &str) -> Self {
+    /// Bindings under `{coord_prefix}/sys/tiers/{lock_cluster_name}/` on
+    /// the coord cluster and `{prefix}/sys/tiers/` on the entity cluster.
+    pub fn new(
+        coord: Client,
+        coord_prefix: &str,
+        lock_cluster_name: &str,
+        entity: Client,
+        prefix: &str,
+    ) -> Self {
         Self {
-            client,
-            prefix: format!("{}/sys/tiers/", coord_prefix.trim_end_matches('/')),
+            coord: Copy {
+                client: coord,
+                prefix: format!(
+                    "{}/sys/tiers/{lock_cluster_name}/",
+                    coord_prefix.trim_end_matches('/')
+                ),
+                what: "the coord cluster",
+            },
+            entity: Copy {
+                client: entity,
+                prefix: format!("{}/sys/tiers/", prefix.trim_end_matches('/')),
+                what: "the entity cluster",
+            },
             cache: RwLock::new(HashMap::new()),
         }
     }
 
-    /// Reads every binding into the cache (at start).
+    /// Reads the coord cluster's bindings into the cache (at start).
     pub async fn load(&self) -> Result<usize, StoreError> {
         let resp = self
+            .coord
             .client
             .kv_client()
-            .get(self.prefix.as_str(), Some(GetOptions::new().with_prefix()))
+            .get(
+                self.coord.prefix.as_str(),
+                Some(GetOptions::new().with_prefix()),
+            )
             .await
             .map_err(|e| unavailable("cannot read the tier bindings", e))?;
         let mut cache = self.cache.write();
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key());
-            if let (Some(ns), Some(tier)) = (key.strip_prefix(&self.prefix), parse(kv.value())) {
+            if let (Some(ns), Some(tier)) =
+                (key.strip_prefix(&self.coord.prefix), parse(kv.value()))
+            {
                 cache.insert(ns.to_string(), tier);
             }
         }
         Ok(cache.len())
     }
 
-    /// The tier `namespace` is bound to, from the cache or the coord
-    /// cluster; `None`: not bound (nobody has served it since bindings exist).
+    /// The tier `namespace` is bound to, from the cache or the clusters
+    /// (a copy one cluster lost in a restore is written back from the
+    /// other); `None`: not bound.
     pub async fn bound(&self, namespace: &str) -> Result<Option<Tier>, StoreError> {
         if let Some(tier) = self.cache.read().get(namespace) {
             return Ok(Some(*tier));
         }
-        let resp = self
-            .client
-            .kv_client()
-            .get(self.key(namespace), None)
-            .await
-            .map_err(|e| unavailable("cannot read the tier binding", e))?;
-        let tier = resp.kvs().first().and_then(|kv| parse(kv.value()));
-        if let Some(tier) = tier {
-            self.cache.write().insert(namespace.to_string(), tier);
-        }
-        Ok(tier)
+        let (coord, entity) = tokio::join!(self.coord.get(namespace), self.entity.get(namespace));
+        let tier = match (coord?, entity?) {
+            (None, None) => return Ok(None),
+            (Some(c), Some(e)) if c != e => return Err(disagree(namespace, c, e)),
+            (Some(t), Some(_)) => t,
+            (Some(t), None) => self.entity.create(namespace, t).await?,
+            (None, Some(t)) => self.coord.create(namespace, t).await?,
+        };
+        self.cache.write().insert(namespace.to_string(), tier);
+        Ok(Some(tier))
     }
 
     /// Binds `namespace` to `wanted` unless it is bound already; the tier
-    /// it is bound to either way.
+    /// it is bound to either way. The entity cluster's copy is written
+    /// first: of two racing arbiters, the one whose write lands there wins.
     pub async fn bind(&self, namespace: &str, wanted: Tier) -> Result<Tier, StoreError> {
-        let key = self.key(namespace);
-        let txn = Txn::new()
-            .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key.as_str(), tier_name(wanted), None)])
-            .or_else([TxnOp::get(key.as_str(), None)]);
-        let resp = self
-            .client
-            .kv_client()
-            .txn(txn)
-            .await
-            .map_err(|e| unavailable("cannot write the tier binding", e))?;
-        let tier = if resp.succeeded() {
-            wanted
-        } else {
-            resp.op_responses()
-                .into_iter()
-                .find_map(|op| match op {
-                    TxnOpResponse::Get(get) => get.kvs().first().and_then(|kv| parse(kv.value())),
-                    _ => None,
-                })
-                .ok_or_else(|| {
-                    StoreError::Malformed(format!(
-                        "the tier binding {key} is neither \"coord\" nor \"entity\""
-                    ))
-                })?
-        };
+        let tier = self.entity.create(namespace, wanted).await?;
+        let coord = self.coord.create(namespace, tier).await?;
+        if coord != tier {
+            return Err(disagree(namespace, coord, tier));
+        }
         self.cache.write().insert(namespace.to_string(), tier);
         Ok(tier)
     }
+}
 
-    fn key(&self, namespace: &str) -> String {
-        format!("{}{namespace}", self.prefix)
-    }
+fn disagree(namespace: &str, coord: Tier, entity: Tier) -> StoreError {
+    StoreError::Malformed(format!(
+        "the tier bindings of namespace {namespace:?} disagree (coord cluster: {}, entity cluster: {}): both clusters restored from different moments? An operator must delete the wrong one",
+        tier_name(coord),
+        tier_name(entity)
+    ))
 }

@@ -38,6 +38,7 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_RESERVED_HEADER: _ClassVar[Reason]
     REASON_TOO_MANY_STREAMS: _ClassVar[Reason]
     REASON_WRONG_TIER: _ClassVar[Reason]
+    REASON_TIER_MOVING: _ClassVar[Reason]
 WAIT_NONE: WaitMode
 WAIT_UNTIL_DEADLINE: WaitMode
 REASON_UNSPECIFIED: Reason
@@ -64,6 +65,7 @@ REASON_EDGE_BUSY: Reason
 REASON_RESERVED_HEADER: Reason
 REASON_TOO_MANY_STREAMS: Reason
 REASON_WRONG_TIER: Reason
+REASON_TIER_MOVING: Reason
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("reuse_session_ids",)
