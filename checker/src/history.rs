@@ -568,6 +568,11 @@ impl HistoryBuilder {
         self.invoke("nemesis", Function::Advance, None, None)
     }
 
+    /// An advance of the cluster holding the keys under `prefix` only.
+    pub fn advance_under(&mut self, prefix: &str) -> OpRef {
+        self.invoke("nemesis", Function::Advance, Some(prefix), None)
+    }
+
     pub fn fault(&mut self, detail: &str) -> OpRef {
         let op = self.invoke("nemesis", Function::Fault, None, None);
         if let Some(o) = self.ops.get_mut(op.0) {

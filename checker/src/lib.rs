@@ -84,6 +84,14 @@ impl Default for CheckOptions {
     }
 }
 
+/// Whether an advance whose `key` field is `scope` ends the holds on `key`:
+/// an advance without a key ends every hold; one with a key (a prefix, such
+/// as `bench/`) only the holds on keys under it — an epoch advance of one
+/// cluster leaves another cluster's holds alone (ADR-07's tiers).
+pub fn advance_applies(scope: Option<&str>, key: &str) -> bool {
+    scope.is_none_or(|prefix| key.starts_with(prefix))
+}
+
 /// Checks a whole history. Keys are searched in parallel.
 pub fn check(history: &History, opts: &CheckOptions) -> Report {
     let ops = history.ops();
@@ -135,11 +143,16 @@ pub fn check(history: &History, opts: &CheckOptions) -> Report {
     let empty = Partition::default();
     for (&key, result) in keys.iter().zip(results) {
         let partition = partitions.get(key).unwrap_or(&empty);
+        let applying: Vec<usize> = advances
+            .iter()
+            .copied()
+            .filter(|&i| advance_applies(ops[i].key.as_deref(), key))
+            .collect();
         let direct = KeyOps {
             key,
             ops,
             mine: mine.get(key).cloned().unwrap_or_default(),
-            advances: &advances,
+            advances: &applying,
             start,
             cap: opts.max_violations_per_kind.max(1),
         }
@@ -600,6 +613,35 @@ mod tests {
         assert_eq!(r.keys_checked, 2);
         assert_eq!(r.fault_count, 1);
         assert_eq!(r.faults[0].name, "restore etcd from snapshot");
+    }
+
+    #[test]
+    fn an_advance_of_one_cluster_leaves_the_other_clusters_holds() {
+        // The entity cluster's advance (scope "bench/") ends the hold on a
+        // bench key, not on a coord-tier key: a release of the coord key
+        // after it is fine, a second grant of it is a double grant.
+        let coord = "leader/x";
+        let mut b = History::builder();
+        b.acquired("w1", K, token(1, 5));
+        b.acquired("w2", coord, token(2, 7));
+        let adv = b.advance_under("bench/");
+        b.ok(adv);
+        b.acquired("w3", K, token(2, 9));
+        b.released("w2", coord, token(2, 7));
+        let r = run(&b.build());
+        assert!(r.ok(), "{r}");
+
+        let mut b = History::builder();
+        b.acquired("w2", coord, token(2, 7));
+        let adv = b.advance_under("bench/");
+        b.ok(adv);
+        b.acquired("w4", coord, token(2, 8));
+        let r = run(&b.build());
+        assert!(!r.ok(), "{r}");
+        assert!(
+            r.violations_of(ViolationKind::DoubleGrant).next().is_some(),
+            "{r}"
+        );
     }
 
     #[test]

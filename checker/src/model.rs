@@ -190,7 +190,7 @@ pub(crate) fn partitions(history: &History) -> BTreeMap<String, Partition> {
         process_ids.push(id);
     }
     let mut by_key: BTreeMap<String, Vec<ModelOp>> = BTreeMap::new();
-    let mut advances: Vec<ModelOp> = Vec::new();
+    let mut advances: Vec<(ModelOp, Option<&str>)> = Vec::new();
     for (index, o) in history.ops().iter().enumerate() {
         let process = process_ids.get(index).copied().unwrap_or(u32::MAX);
         let outcome = o.outcome();
@@ -227,7 +227,7 @@ pub(crate) fn partitions(history: &History) -> BTreeMap<String, Partition> {
             ret,
         };
         if o.f == Function::Advance {
-            advances.push(op);
+            advances.push((op, o.key.as_deref()));
         } else if let Some(key) = &o.key {
             by_key.entry(key.clone()).or_default().push(op);
         }
@@ -235,7 +235,12 @@ pub(crate) fn partitions(history: &History) -> BTreeMap<String, Partition> {
     by_key
         .into_iter()
         .map(|(key, mut ops)| {
-            ops.extend(advances.iter().copied());
+            ops.extend(
+                advances
+                    .iter()
+                    .filter(|(_, scope)| crate::advance_applies(*scope, &key))
+                    .map(|(op, _)| *op),
+            );
             ops.sort_by_key(|o| (o.call, o.index));
             (key, Partition { ops })
         })

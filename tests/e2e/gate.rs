@@ -69,6 +69,18 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
         !durable.is_empty() && durable.iter().all(|k| k.ops > 0),
         "the durable class's keys were not exercised: {durable:?}"
     );
+    // The coord tier (ADR-07, the tiers split) met every fault too: its
+    // keys, on the coord cluster, were judged with the rest.
+    let coord: Vec<_> = outcome
+        .report
+        .keys
+        .iter()
+        .filter(|k| k.key.starts_with(&format!("{}/", gate::COORD_NAMESPACE)))
+        .collect();
+    assert!(
+        !coord.is_empty() && coord.iter().all(|k| k.ops > 0),
+        "the coord tier's keys were not exercised: {coord:?}"
+    );
     for fault in Fault::ALL {
         assert!(
             // By the first word: "restore-forget ..." is not a "restore".

@@ -48,6 +48,12 @@ pub const CLASS: &str = "gate";
 /// The same class with durable waiters (ADR-14): some workers use it on
 /// keys of their own, judged with the rest.
 pub const DURABLE_CLASS: &str = "gate-durable";
+/// A coord-tier class (ADR-07): the arbiters run with the tiers split, and
+/// some workers lock keys of the namespace it names on the coord cluster,
+/// judged with the rest, through every fault.
+pub const COORD_CLASS: &str = "gate-leader";
+/// The namespace the coord class serves.
+pub const COORD_NAMESPACE: &str = "gateleader";
 pub const TTL: Duration = Duration::from_secs(5);
 /// The resource the gate's class is fenced by: the reference fence's table.
 const GATE_RESOURCE: &str = "postgresql:gate.latchkey_fenced_rows";
@@ -233,8 +239,12 @@ pub(crate) struct Rig {
     pub arbiter_state: Vec<PathBuf>,
     pub arbiter_opts: ArbiterOptions,
     /// The coord cluster every arbiter is witnessed by (`arbiter_opts.coord`);
-    /// no fault touches it. Declared after `arbiters`: stopped after them.
+    /// no fault touches it; with the tiers split it also holds the coord
+    /// tier's locks. Declared after `arbiters`: stopped after them.
     pub _coord: EtcdServer,
+    /// The coord tier's witness (`--coord-tier-witness-etcd`); no fault
+    /// touches it either.
+    pub _coord_tier_witness: EtcdServer,
     /// With the slow-disk-arbiter fault: arbiter i's state dir is inside
     /// `arbiter_disks[i]` (declared after `arbiters`: unmounted after they stop).
     pub arbiter_disks: Vec<StallableDir>,
@@ -347,6 +357,9 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     let coord = EtcdServer::start()
         .await
         .context("starting the coord etcd")?;
+    let coord_tier_witness = EtcdServer::start()
+        .await
+        .context("starting the coord tier's witness etcd")?;
     let postgres = PostgresServer::start()
         .await
         .context("starting PostgreSQL")?;
@@ -362,7 +375,10 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         policies_dir: policies.clone(),
         retry_poll: Duration::from_millis(500),
         test_fault: config.arbiter_test_fault,
-        coord: Some(Coord::on(&coord)),
+        coord: Some(Coord {
+            coord_tier_witness: vec![coord_tier_witness.endpoint()],
+            ..Coord::split(&coord)
+        }),
         ..ArbiterOptions::default()
     };
     let mut addrs = Vec::new();
@@ -408,6 +424,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         arbiter_state: states,
         arbiter_opts,
         _coord: coord,
+        _coord_tier_witness: coord_tier_witness,
         arbiter_disks,
         binaries: config.binaries.clone(),
         workers: Mutex::new(Vec::new()),
@@ -439,13 +456,25 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         n => (n / 4).max(1),
     };
     let durable_from = open_from - durable_workers;
+    // A quarter of the rest lock coord-tier keys on the coord cluster.
+    let coord_workers = match durable_from {
+        0..=3 => 0,
+        n => (n / 4).max(1),
+    };
+    let coord_from = durable_from - coord_workers;
+    let coord_keys: Vec<String> = (0..(config.keys / 4).max(2))
+        .map(|k| format!("{COORD_NAMESPACE}/gate/k{k}"))
+        .collect();
     let durable_keys: Vec<String> = (0..(config.keys / 4).max(2))
         .map(|k| format!("bench/gate/durable/k{k}"))
         .collect();
-    let judged_keys: Vec<String> = match durable_workers {
-        0 => keys.clone(),
-        _ => keys.iter().chain(&durable_keys).cloned().collect(),
-    };
+    let mut judged_keys: Vec<String> = keys.clone();
+    if durable_workers > 0 {
+        judged_keys.extend(durable_keys.iter().cloned());
+    }
+    if coord_workers > 0 {
+        judged_keys.extend(coord_keys.iter().cloned());
+    }
     let open_history_dir = history_dir.join("open");
     std::fs::create_dir_all(&open_history_dir)?;
     let mut rng = fastrand::Rng::with_seed(config.seed);
@@ -468,6 +497,8 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         open_from,
         durable_keys: durable_keys.join(","),
         durable_from,
+        coord_keys: coord_keys.join(","),
+        coord_from,
         open_history_dir: open_history_dir.clone(),
         postgres: postgres.url(),
         history_dir: history_dir.clone(),
@@ -630,6 +661,9 @@ struct WorkerSpawn {
     /// Workers from this index up to `open_from` use the durable class.
     durable_keys: String,
     durable_from: usize,
+    /// Workers from this index up to `durable_from` use the coord class.
+    coord_keys: String,
+    coord_from: usize,
     open_history_dir: PathBuf,
     postgres: String,
     history_dir: PathBuf,
@@ -656,6 +690,8 @@ impl WorkerSpawn {
             )
         } else if w.index >= self.durable_from {
             (&self.durable_keys, DURABLE_CLASS, &self.history_dir)
+        } else if w.index >= self.coord_from {
+            (&self.coord_keys, COORD_CLASS, &self.history_dir)
         } else {
             (&self.keys, CLASS, &self.history_dir)
         };
@@ -832,7 +868,7 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
     std::fs::write(
         dir.join("classes/gate.toml"),
         format!(
-            "[[class]]\nname = \"{CLASS}\"\ndescription = \"Release gate workload\"\ntier = \"coord\"\n\
+            "[[class]]\nname = \"{CLASS}\"\ndescription = \"Release gate workload\"\ntier = \"entity\"\n\
              enforcement = \"fenced\"\nttlSeconds = {}\n\
              [class.pauseTest]\nresource = \"{GATE_RESOURCE}\"\nresult = \"pause-tests/{CLASS}.json\"\n",
             TTL.as_secs()
@@ -841,7 +877,7 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
     let mut grants = String::new();
     for i in 0..workers {
         grants.push_str(&format!(
-            "[[grant]]\nidentity = \"{}\"\nprefixes = [\"bench/gate\"]\n\n",
+            "[[grant]]\nidentity = \"{}\"\nprefixes = [\"bench/gate\", \"{COORD_NAMESPACE}\"]\n\n",
             crate::arbiter::spiffe(&worker_identity(i))
         ));
     }
@@ -858,8 +894,17 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
         dir.join("classes/gate-durable.toml"),
         format!(
             "[[class]]\nname = \"{DURABLE_CLASS}\"\ndescription = \"Release gate workload, durable waiters\"\n\
-             tier = \"coord\"\nenforcement = \"fenced\"\nttlSeconds = {}\nfairness = \"durable\"\n\
+             tier = \"entity\"\nenforcement = \"fenced\"\nttlSeconds = {}\nfairness = \"durable\"\n\
              [class.pauseTest]\nresource = \"{GATE_RESOURCE}\"\nresult = \"pause-tests/{DURABLE_CLASS}.json\"\n",
+            TTL.as_secs()
+        ),
+    )?;
+    std::fs::write(
+        dir.join("classes/gate-leader.toml"),
+        format!(
+            "[[class]]\nname = \"{COORD_CLASS}\"\ndescription = \"Release gate workload on the coord tier\"\n\
+             tier = \"coord\"\nnamespaces = [\"{COORD_NAMESPACE}\"]\nenforcement = \"fenced\"\nttlSeconds = {}\n\
+             [class.pauseTest]\nresource = \"{GATE_RESOURCE}\"\nresult = \"pause-tests/{COORD_CLASS}.json\"\n",
             TTL.as_secs()
         ),
     )?;

@@ -421,7 +421,15 @@ async fn seal_then_advance(
             (false, s.epoch)
         }
     };
-    let adv = rec.invoke("advance", Fields::default())?;
+    // The lock (entity) cluster's advance: it ends the holds of the keys
+    // on it (`bench/...`), not the coord tier's (ADR-07).
+    let adv = rec.invoke(
+        "advance",
+        Fields {
+            key: Some("bench/".into()),
+            ..Fields::default()
+        },
+    )?;
     match advance(&operator, epoch).await {
         Ok(detail) => rec.complete(
             adv,
