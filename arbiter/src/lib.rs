@@ -277,6 +277,13 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             Arc::new(move || quorum.snapshot()),
         )
     };
+    if let Some(coord) = tiers.coord() {
+        let quorum = coord.quorum.clone();
+        metrics.set_coord_tier(
+            coord.table.seal().guard_shared(),
+            Arc::new(move || quorum.snapshot()),
+        );
+    }
     Ok(Arc::new(Arbiter {
         metrics: Arc::new(metrics),
         tiers,

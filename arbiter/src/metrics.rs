@@ -113,11 +113,24 @@ pub struct Metrics {
     renewals_refused: Family<OutcomeLabels, Counter>,
     renewals: Family<OutcomeLabels, Counter>,
     identity_bounds: Family<KindLabels, Counter>,
+    /// The coord tier's seal and quorum, with the tiers split.
+    coord_tier: CoordTier,
 }
+
+/// Set once, when the arbiter has a coord tier of its own.
+type CoordTier = Arc<std::sync::OnceLock<(Arc<EpochGuard>, QuorumStatus)>>;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabels {
     kind: String,
+}
+
+impl Metrics {
+    /// Adds the coord tier's gauges (`coord_tier_sealed`, `_epoch`,
+    /// `_quorum_lost`); the others are the entity cluster's.
+    pub fn set_coord_tier(&self, guard: Arc<EpochGuard>, quorum: QuorumStatus) {
+        let _ = self.coord_tier.set((guard, quorum));
+    }
 }
 
 impl fmt::Debug for Metrics {
@@ -183,11 +196,13 @@ impl Metrics {
             "Calls refused because their identity reached a per-identity bound, by kind: sessions or waiters",
             identity_bounds.clone(),
         );
+        let coord_tier = CoordTier::default();
         registry.register_collector(Box::new(StateCollector {
             waiters,
             guard,
             hooks,
             quorum,
+            coord_tier: coord_tier.clone(),
         }));
         Self {
             registry,
@@ -198,6 +213,7 @@ impl Metrics {
             renewals_refused,
             renewals,
             identity_bounds,
+            coord_tier,
         }
     }
 
@@ -299,6 +315,7 @@ struct StateCollector {
     guard: Arc<EpochGuard>,
     hooks: Arc<HookHost>,
     quorum: QuorumStatus,
+    coord_tier: CoordTier,
 }
 
 impl fmt::Debug for StateCollector {
@@ -358,6 +375,26 @@ impl Collector for StateCollector {
             "Bytes of unprotected grants spooled and not yet collected by the audit tailer (bounded by --quorum-loss-spool-bytes)",
             i64::try_from(quorum.spool_bytes).unwrap_or(i64::MAX),
         )?;
+        if let Some((guard, quorum)) = self.coord_tier.get() {
+            gauge(
+                &mut encoder,
+                "coord_tier_sealed",
+                "1 while the coord tier (its own cluster, --split-tiers) refuses every grant",
+                i64::from(guard.seal_reason().is_some()),
+            )?;
+            gauge(
+                &mut encoder,
+                "coord_tier_epoch",
+                "The epoch the coord tier serves",
+                guard.state().map_or(0, |s| i64::from(s.epoch())),
+            )?;
+            gauge(
+                &mut encoder,
+                "coord_tier_quorum_lost",
+                "1 while the coord tier's cluster has no etcd majority as this arbiter's probe sees it",
+                i64::from(quorum().lost),
+            )?;
+        }
         {
             let c = ConstCounter::new(quorum.unprotected_grants_total);
             c.encode(encoder.encode_descriptor(

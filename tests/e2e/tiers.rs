@@ -630,6 +630,7 @@ async fn leader_election_survives_the_entity_clusters_quorum_loss() -> anyhow::R
                 coord_tier_witness: vec![witness.endpoint()],
                 ..Coord::split(&coord)
             }),
+            metrics: true,
             ..Default::default()
         },
     )
@@ -693,6 +694,18 @@ async fn leader_election_survives_the_entity_clusters_quorum_loss() -> anyhow::R
         .await?
         .into_inner();
     assert!(entity_status.quorum_lost, "{entity_status:?}");
+    // The metrics say it per tier.
+    let metrics_addr = arbiter
+        .metrics_addr()
+        .ok_or_else(|| anyhow::anyhow!("no metrics address"))?;
+    let text = latchkey_tests::envoy::admin_get(metrics_addr, "/metrics").await?;
+    for line in [
+        "latchkey_arbiter_quorum_lost 1",
+        "latchkey_arbiter_coord_tier_quorum_lost 0",
+        "latchkey_arbiter_coord_tier_sealed 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+    }
 
     entity.restart(leader).await?;
     entity.restart((leader + 1) % 3).await?;
