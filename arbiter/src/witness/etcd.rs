@@ -108,7 +108,7 @@ impl EtcdWitness {
         ]);
         let resp =
             self.client.kv_client().txn(txn).await.map_err(|e| {
-                unavailable("cannot read the witness records on the coord cluster", e)
+                unavailable("cannot read the witness records on the witness cluster", e)
             })?;
         self.check(resp.header())?;
         let ops = resp.op_responses();
@@ -156,7 +156,7 @@ impl EtcdWitness {
             .and_then([TxnOp::put(self.mark_key.clone(), value, None)]);
         let resp =
             self.client.kv_client().txn(txn).await.map_err(|e| {
-                unavailable("cannot create the witness mark on the coord cluster", e)
+                unavailable("cannot create the witness mark on the witness cluster", e)
             })?;
         self.check(resp.header())?;
         Ok(resp.succeeded())
@@ -185,7 +185,7 @@ impl Witness for EtcdWitness {
                 .and_then([TxnOp::put(self.mark_key.clone(), new.clone(), None)])
                 .or_else([TxnOp::get(self.mark_key.clone(), None)]);
             let resp = self.client.kv_client().txn(txn).await.map_err(|e| {
-                unavailable("cannot raise the witness mark on the coord cluster", e)
+                unavailable("cannot raise the witness mark on the witness cluster", e)
             })?;
             self.check(resp.header())?;
             if resp.succeeded() {
@@ -227,7 +227,7 @@ impl Witness for EtcdWitness {
                 .kv_client()
                 .txn(txn)
                 .await
-                .map_err(|e| unavailable("cannot allocate an epoch on the coord cluster", e))?;
+                .map_err(|e| unavailable("cannot allocate an epoch on the witness cluster", e))?;
             self.check(resp.header())?;
             if resp.succeeded() {
                 return Ok(next);
@@ -258,7 +258,7 @@ impl Witness for EtcdWitness {
                 .kv_client()
                 .txn(txn)
                 .await
-                .map_err(|e| unavailable("cannot record the epoch on the coord cluster", e))?;
+                .map_err(|e| unavailable("cannot record the epoch on the witness cluster", e))?;
             self.check(resp.header())?;
             if resp.succeeded() {
                 return Ok(());
