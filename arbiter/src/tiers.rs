@@ -168,6 +168,17 @@ impl Tiers {
         session: i64,
     ) -> Result<&Arc<Cluster>, ArbiterError> {
         let proposed = self.proposed(policies, key);
+        // A class of the other tier is bad input: refused before anything
+        // (a binding) is written.
+        if self.split() && class.tier != proposed {
+            return Err(ArbiterError::WrongTier(wrong_class_tier(
+                key.as_str(),
+                key.namespace(),
+                &class.name,
+                class.tier,
+                proposed,
+            )));
+        }
         let tier = match &self.bindings {
             None => proposed,
             Some(bindings) => self.bind(bindings, key, proposed).await?,
@@ -183,15 +194,6 @@ impl Tiers {
                     "namespace {namespace:?} is bound to the coord tier (recorded when it was first served), but no coord-tier class names it any more: moving a namespace between tiers is not supported yet; name it in a coord-tier class again (docs/tiers-and-shards.md)"
                 )),
             });
-        }
-        if self.split() && class.tier != tier {
-            return Err(ArbiterError::WrongTier(wrong_class_tier(
-                key.as_str(),
-                key.namespace(),
-                &class.name,
-                class.tier,
-                tier,
-            )));
         }
         let cluster = self.for_tier(tier);
         if self.split() && tier == Tier::Coord && session & COORD_SESSION_BIT == 0 {

@@ -126,6 +126,12 @@ async fn each_key_lives_on_its_tiers_cluster_and_the_other_tier_is_refused() -> 
         "{}",
         refused.message()
     );
+    // A wrong-tier class on a namespace nobody has served yet binds nothing.
+    expect_refusal(
+        try_lock(&mut c, "payments/tiers/x", COORD_CLASS, coord_session).await,
+        Code::InvalidArgument,
+        "WRONG_TIER",
+    )?;
     assert_eq!(lock.revision().await?, lock_before);
     assert_eq!(coord.revision().await?, coord_before);
 

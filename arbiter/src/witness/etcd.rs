@@ -106,10 +106,9 @@ impl EtcdWitness {
             TxnOp::get(self.mark_key.clone(), None),
             TxnOp::get(self.epoch_key.clone(), None),
         ]);
-        let resp =
-            self.client.kv_client().txn(txn).await.map_err(|e| {
-                unavailable("cannot read the witness records on the witness cluster", e)
-            })?;
+        let resp = self.client.kv_client().txn(txn).await.map_err(|e| {
+            unavailable("cannot read the witness records on the witness cluster", e)
+        })?;
         self.check(resp.header())?;
         let ops = resp.op_responses();
         let mark = match ops.first().and_then(first_kv) {
@@ -222,12 +221,10 @@ impl Witness for EtcdWitness {
             let txn = Txn::new()
                 .when([self.epoch_unchanged(epoch_at)])
                 .and_then([TxnOp::put(self.epoch_key.clone(), encode_epoch(next), None)]);
-            let resp = self
-                .client
-                .kv_client()
-                .txn(txn)
-                .await
-                .map_err(|e| unavailable("cannot allocate an epoch on the witness cluster", e))?;
+            let resp =
+                self.client.kv_client().txn(txn).await.map_err(|e| {
+                    unavailable("cannot allocate an epoch on the witness cluster", e)
+                })?;
             self.check(resp.header())?;
             if resp.succeeded() {
                 return Ok(next);
@@ -253,12 +250,10 @@ impl Witness for EtcdWitness {
                     encode_epoch(epoch),
                     None,
                 )]);
-            let resp = self
-                .client
-                .kv_client()
-                .txn(txn)
-                .await
-                .map_err(|e| unavailable("cannot record the epoch on the witness cluster", e))?;
+            let resp =
+                self.client.kv_client().txn(txn).await.map_err(|e| {
+                    unavailable("cannot record the epoch on the witness cluster", e)
+                })?;
             self.check(resp.header())?;
             if resp.succeeded() {
                 return Ok(());
