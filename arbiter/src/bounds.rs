@@ -31,6 +31,11 @@ const MAX_REMEMBERED_RENEWALS: usize = 1 << 18;
 /// rarely share a stripe.
 const OPEN_STRIPES: usize = 64;
 
+/// One open in flight: the cluster it goes to (an index into the counts
+/// of [`Bounds::reserve_open_over`]) and the revision its count entry was
+/// written at (0: not yet).
+type OpenSlot = (usize, Arc<AtomicI64>);
+
 pub struct Bounds {
     pub max_sessions: u32,
     renewals: Mutex<RenewalMemo>,
@@ -39,7 +44,7 @@ pub struct Bounds {
     /// one's count entry was written at (0: not yet). An identity leaves
     /// when its last open finishes, so the map holds only identities
     /// opening right now.
-    opening: Mutex<HashMap<String, Vec<Arc<AtomicI64>>>>,
+    opening: Mutex<HashMap<String, Vec<OpenSlot>>>,
     /// Wakes an open that waits for opens in flight to finish.
     open_progress: tokio::sync::Notify,
     /// Keyed with a per-process secret: nobody can aim at another's stripe.
@@ -81,23 +86,41 @@ impl Bounds {
         at: i64,
         max: u32,
     ) -> Option<OpenReservation<'_>> {
+        self.reserve_open_over(identity, 0, &[(open, at)], max)
+    }
+
+    /// [`Self::reserve_open`] over several clusters (the tiers): `counts[i]`
+    /// is the identity's sessions on cluster `i` as of that cluster's
+    /// revision, and the open goes to cluster `on`. An open in flight is
+    /// compared with its own cluster's revision only (revisions of two
+    /// clusters say nothing of each other); a cluster that could not be
+    /// counted passes `(0, 0)`, so its opens in flight all count.
+    pub fn reserve_open_over(
+        &self,
+        identity: &str,
+        on: usize,
+        counts: &[(u32, i64)],
+        max: u32,
+    ) -> Option<OpenReservation<'_>> {
         let mut opening = self.opening.lock();
         let slots = opening.entry(identity.to_string()).or_default();
         let in_flight = slots
             .iter()
-            .filter(|s| {
+            .filter(|(cluster, s)| {
                 let written = s.load(Ordering::SeqCst);
+                let at = counts.get(*cluster).map_or(0, |c| c.1);
                 written == 0 || written > at
             })
             .count();
-        if u64::from(open) + in_flight as u64 >= u64::from(max) {
+        let open: u64 = counts.iter().map(|c| u64::from(c.0)).sum();
+        if open + in_flight as u64 >= u64::from(max) {
             if slots.is_empty() {
                 opening.remove(identity);
             }
             return None;
         }
         let slot = Arc::new(AtomicI64::new(0));
-        slots.push(slot.clone());
+        slots.push((on, slot.clone()));
         Some(OpenReservation {
             bounds: self,
             identity: identity.to_string(),
@@ -149,7 +172,7 @@ impl Drop for OpenReservation<'_> {
     fn drop(&mut self) {
         let mut opening = self.bounds.opening.lock();
         if let Some(slots) = opening.get_mut(&self.identity) {
-            slots.retain(|s| !Arc::ptr_eq(s, &self.slot));
+            slots.retain(|(_, s)| !Arc::ptr_eq(s, &self.slot));
             if slots.is_empty() {
                 opening.remove(&self.identity);
             }
@@ -359,5 +382,39 @@ mod tests {
         drop(first);
         drop(_fourth);
         assert!(bounds.opening.lock().is_empty(), "entries leave at zero");
+    }
+
+    #[test]
+    fn an_open_in_flight_is_compared_with_its_own_clusters_revision() {
+        // Two tiers, bound 2. An open on cluster 1 written at its revision
+        // 50 is not in cluster 0's count, however high cluster 0's revision:
+        // it stays in flight until cluster 1's count (at 20 here) has it.
+        let bounds = Bounds::new(2);
+        let a = "spiffe://td/a";
+        let coord = bounds
+            .reserve_open_over(a, 1, &[(0, 10), (0, 10)], 2)
+            .expect("nothing open");
+        coord.written_at(50);
+        let _entity = bounds
+            .reserve_open_over(a, 0, &[(0, 5000), (0, 20)], 2)
+            .expect("one in flight on cluster 1");
+        assert!(
+            bounds
+                .reserve_open_over(a, 0, &[(0, 5000), (0, 20)], 2)
+                .is_none(),
+            "two in flight: cluster 1's is not in its count at r20"
+        );
+        // Counted on cluster 1 (at r50): one open, one in flight.
+        assert!(
+            bounds
+                .reserve_open_over(a, 0, &[(0, 5000), (1, 50)], 2)
+                .is_none()
+        );
+        // A cluster that could not be counted: its opens all count.
+        assert!(
+            bounds
+                .reserve_open_over(a, 0, &[(0, 5000), (0, 0)], 2)
+                .is_none()
+        );
     }
 }

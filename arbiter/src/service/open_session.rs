@@ -81,27 +81,32 @@ impl Arbiter {
                 let progress = self.bounds.open_progress();
                 tokio::pin!(progress);
                 progress.as_mut().enable();
-                let (here, at) = cluster.table.count_sessions_of(identity).await?;
-                // The bound is over both tiers' sessions.
-                let mut open = here;
-                for other in self.tiers.all().filter(|c| c.tier != cluster.tier) {
-                    // The other cluster down must not stop this tier: its
-                    // count is then left out (the bound at most doubles
-                    // for the outage).
-                    match other.table.count_sessions_of(identity).await {
-                        Ok((n, _)) => open = open.saturating_add(n),
-                        Err(e) => {
-                            tracing::warn!(error = %e, tier = other.name(), "the other tier's sessions could not be counted; bounding by this tier's alone")
-                        }
+                // The bound is over both tiers' sessions: each cluster
+                // counted at its own revision. The other cluster down must
+                // not stop this tier: it then counts as (0, 0), so only its
+                // opens in flight here count (the bound at most doubles for
+                // the outage).
+                let mut counts = Vec::new();
+                let mut on = 0;
+                for (i, c) in self.tiers.all().enumerate() {
+                    if c.tier == cluster.tier {
+                        on = i;
+                        counts.push(c.table.count_sessions_of(identity).await?);
+                    } else {
+                        counts.push(c.table.count_sessions_of(identity).await.unwrap_or_else(|e| {
+                            tracing::warn!(error = %e, tier = c.name(), "the other tier's sessions could not be counted; bounding by this tier's alone");
+                            (0, 0)
+                        }));
                     }
                 }
+                let open: u32 = counts.iter().map(|c| c.0).fold(0, u32::saturating_add);
                 if open >= max {
                     return Err(ArbiterError::IdentityLimit {
                         bound: IdentityBound::Sessions,
                         limit: max,
                     });
                 }
-                match self.bounds.reserve_open(identity, open, at, max) {
+                match self.bounds.reserve_open_over(identity, on, &counts, max) {
                     Some(reservation) => break reservation,
                     // Under the bound only with opens in flight that the
                     // count may already have: wait for one to finish.
