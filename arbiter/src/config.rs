@@ -165,6 +165,10 @@ pub enum CoordConfigError {
     )]
     ReservedClusterName,
     #[error(
+        "the coord tier's witness must not be the coord cluster: {endpoint} is in both --coord-tier-witness-etcd and --coord-etcd (a restore of the coord cluster would roll back its own witness)"
+    )]
+    WitnessIsCoord { endpoint: String },
+    #[error(
         "--coord-tier-witness-etcd witnesses the coord tier's own cluster: it needs --split-tiers"
     )]
     WitnessWithoutSplit,
@@ -184,12 +188,7 @@ impl Config {
         self.etcd_credentials
             .check(&self.coord_endpoints)
             .map_err(CoordConfigError::Endpoints)?;
-        let normal = |e: &str| e.trim_end_matches('/').to_ascii_lowercase();
-        if let Some(endpoint) = self
-            .coord_endpoints
-            .iter()
-            .find(|c| self.etcd_endpoints.iter().any(|e| normal(e) == normal(c)))
-        {
+        if let Some(endpoint) = shared_endpoint(&self.coord_endpoints, &self.etcd_endpoints) {
             return Err(CoordConfigError::SameEndpoint {
                 endpoint: endpoint.clone(),
             });
@@ -213,12 +212,10 @@ impl Config {
             self.etcd_credentials
                 .check(&self.coord_tier_witness_endpoints)
                 .map_err(CoordConfigError::Endpoints)?;
-            if let Some(endpoint) = self
-                .coord_tier_witness_endpoints
-                .iter()
-                .find(|w| self.coord_endpoints.iter().any(|c| normal(c) == normal(w)))
+            if let Some(endpoint) =
+                shared_endpoint(&self.coord_tier_witness_endpoints, &self.coord_endpoints)
             {
-                return Err(CoordConfigError::SameEndpoint {
+                return Err(CoordConfigError::WitnessIsCoord {
                     endpoint: endpoint.clone(),
                 });
             }
@@ -229,6 +226,13 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// The first of `a` that is also in `b` (URLs compared without a trailing
+/// `/` and case).
+fn shared_endpoint<'a>(a: &'a [String], b: &[String]) -> Option<&'a String> {
+    let normal = |e: &str| e.trim_end_matches('/').to_ascii_lowercase();
+    a.iter().find(|x| b.iter().any(|y| normal(x) == normal(y)))
 }
 
 /// Wraps a lock log in another (see [`LogLayer`]).
@@ -476,6 +480,28 @@ mod tests {
             let err = config.check_coord().unwrap_err();
             assert!(matches!(err, CoordConfigError::BadPrefix(_)), "{err}");
         }
+    }
+
+    #[test]
+    fn the_coord_tiers_witness_is_its_own_cluster_and_needs_split_tiers() {
+        let mut config = with_coord(&["http://coord:2379"]);
+        config.coord_tier_witness_endpoints = eps(&["http://witness:2379"]);
+        assert_eq!(
+            config.check_coord(),
+            Err(CoordConfigError::WitnessWithoutSplit)
+        );
+        config.split_tiers = true;
+        assert_eq!(config.check_coord(), Ok(()));
+        config.coord_tier_witness_endpoints = eps(&["http://COORD:2379/"]);
+        let err = config.check_coord().unwrap_err();
+        assert!(
+            matches!(err, CoordConfigError::WitnessIsCoord { .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("--coord-tier-witness-etcd"),
+            "{err}"
+        );
     }
 
     #[test]
