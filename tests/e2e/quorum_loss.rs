@@ -22,7 +22,7 @@ use tonic::Code;
 use crate::support::{Client, expect_refusal, open, refusal, release, try_lock};
 
 /// An advisory efficiency class that stays open on quorum loss.
-const OPEN_CLASS: &str = r#"
+pub(crate) const OPEN_CLASS: &str = r#"
 [[class]]
 name = "spare-capacity"
 description = "Warms caches; two holders only waste work."

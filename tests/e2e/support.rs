@@ -132,9 +132,20 @@ pub async fn revision(etcd: &EtcdServer) -> anyhow::Result<i64> {
 /// Grants and releases `n` times on a few keys of `demo`; returns the
 /// largest token handed out.
 pub async fn churn(c: &mut Client, session: i64, n: usize) -> anyhow::Result<u64> {
+    churn_in(c, "demo", "demo", session, n).await
+}
+
+/// [`churn`] on `{namespace}/r0..r2` with `class`.
+pub async fn churn_in(
+    c: &mut Client,
+    namespace: &str,
+    class: &str,
+    session: i64,
+    n: usize,
+) -> anyhow::Result<u64> {
     let mut max = 0;
     for i in 0..n {
-        let g = try_lock(c, &format!("demo/r{}", i % 3), "demo", session).await?;
+        let g = try_lock(c, &format!("{namespace}/r{}", i % 3), class, session).await?;
         max = max.max(g.token);
         release(c, &g).await?;
     }

@@ -12,7 +12,9 @@
 use std::time::Duration;
 
 use latchkey_proto::adminv1::{AdvanceEpochRequest, GetStatusRequest};
-use latchkey_proto::lockv1::{CloseSessionRequest, KeepAliveRequest, OpenSessionRequest};
+use latchkey_proto::lockv1::{
+    CloseSessionRequest, KeepAliveRequest, KeepAliveResponse, OpenSessionRequest,
+};
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions, Coord};
 use latchkey_tests::etcd::EtcdServer;
 use tonic::Code;
@@ -27,6 +29,30 @@ async fn held_at(etcd: &EtcdServer, key: &str) -> anyhow::Result<Option<i64>> {
     let mut kv = etcd.client().await?.kv_client();
     let resp = kv.get(format!("/latchkey/l/{key}"), None).await?;
     Ok(resp.kvs().first().map(|kv| kv.mod_revision()))
+}
+
+/// Renews `sessions` with one KeepAlive message on a fresh stream: one
+/// answer per session, in the order they come.
+async fn renew_once(c: &mut Client, sessions: &[i64]) -> anyhow::Result<Vec<KeepAliveResponse>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(KeepAliveRequest {
+        session_id: sessions[0],
+        session_ids: sessions[1..].to_vec(),
+    })
+    .await?;
+    let mut stream = c
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let mut answers = Vec::new();
+    while answers.len() < sessions.len() {
+        answers.push(
+            tokio::time::timeout(Duration::from_secs(10), stream.message())
+                .await??
+                .ok_or_else(|| anyhow::anyhow!("the keepalive stream ended"))?,
+        );
+    }
+    Ok(answers)
 }
 
 /// The value of `key` on `etcd`.
@@ -147,21 +173,8 @@ async fn each_key_lives_on_its_tiers_cluster_and_the_other_tier_is_refused() -> 
     assert_eq!(reused.session_id, coord_session);
 
     // KeepAlive renews both sessions in one message, each on its cluster.
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
-    tx.send(KeepAliveRequest {
-        session_id: coord_session,
-        session_ids: vec![entity_session],
-    })
-    .await?;
-    let mut stream = c
-        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await?
-        .into_inner();
     let mut renewed = Vec::new();
-    while renewed.len() < 2 {
-        let resp = tokio::time::timeout(Duration::from_secs(10), stream.message())
-            .await??
-            .ok_or_else(|| anyhow::anyhow!("the keepalive stream ended"))?;
+    for resp in renew_once(&mut c, &[coord_session, entity_session]).await? {
         assert!(resp.remaining_ttl_seconds > 0, "{resp:?}");
         renewed.push(resp.session_id);
     }
@@ -169,7 +182,6 @@ async fn each_key_lives_on_its_tiers_cluster_and_the_other_tier_is_refused() -> 
     let mut both = vec![coord_session, entity_session];
     both.sort_unstable();
     assert_eq!(renewed, both);
-    drop(tx);
 
     // Release and close find the coord cluster too.
     release(&mut c, &leader).await?;
@@ -510,37 +522,14 @@ async fn per_identity_bounds_and_ownership_hold_across_both_tiers() -> anyhow::R
         Code::FailedPrecondition,
         "SESSION_EXPIRED",
     )?;
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
-    tx.send(KeepAliveRequest {
-        session_id: coord_session,
-        session_ids: vec![],
-    })
-    .await?;
-    let mut stream = alice
-        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await?
-        .into_inner();
-    let resp = tokio::time::timeout(Duration::from_secs(10), stream.message())
-        .await??
-        .ok_or_else(|| anyhow::anyhow!("the keepalive stream ended"))?;
-    assert_eq!(resp.remaining_ttl_seconds, 0, "{resp:?}");
-    drop(tx);
+    for resp in renew_once(&mut alice, &[coord_session]).await? {
+        assert_eq!(resp.remaining_ttl_seconds, 0, "{resp:?}");
+    }
     // ... and demo's hold and session are still there.
     assert_eq!(held_at(&coord, "leader/bound").await?, Some(a.revision));
     release(&mut c, &a).await?;
     release(&mut c, &b).await?;
     arbiter.stop().await
-}
-
-/// Grants and releases `n` times on `leader/r*`; the largest token.
-async fn churn_coord(c: &mut Client, session: i64, n: usize) -> anyhow::Result<u64> {
-    let mut max = 0;
-    for i in 0..n {
-        let g = try_lock(c, &format!("leader/r{}", i % 3), COORD_CLASS, session).await?;
-        max = max.max(g.token);
-        release(c, &g).await?;
-    }
-    Ok(max)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -556,10 +545,10 @@ async fn a_restored_coord_cluster_never_reissues_a_coord_tier_token() -> anyhow:
     let first = split_arbiter(&lock, &coord).await?;
     let mut c = first.lock("workload/demo").await?;
     let session = open(&mut c, COORD_CLASS).await?;
-    churn_coord(&mut c, session, 3).await?;
+    churn_in(&mut c, "leader", COORD_CLASS, session, 3).await?;
     let snapshot = tempfile::NamedTempFile::new()?;
     coord.snapshot_save(snapshot.path()).await?;
-    let before_restore = churn_coord(&mut c, session, 20).await?;
+    let before_restore = churn_in(&mut c, "leader", COORD_CLASS, session, 20).await?;
     first.stop().await?; // its temporary state dir goes with it
 
     let cluster_id = coord.cluster_id().await?;
@@ -592,7 +581,7 @@ async fn a_restored_coord_cluster_never_reissues_a_coord_tier_token() -> anyhow:
         .await?
         .into_inner();
     let session = open(&mut c, COORD_CLASS).await?;
-    let after = churn_coord(&mut c, session, 3).await?;
+    let after = churn_in(&mut c, "leader", COORD_CLASS, session, 3).await?;
     assert!(
         after > before_restore,
         "a coord-tier token went back: {after:#x} after {before_restore:#x} (epoch {})",
@@ -600,19 +589,6 @@ async fn a_restored_coord_cluster_never_reissues_a_coord_tier_token() -> anyhow:
     );
     second.stop().await
 }
-
-/// An advisory entity-tier class that stays open on quorum loss.
-const OPEN_CLASS: &str = r#"
-[[class]]
-name = "spare-capacity"
-description = "Warms caches; two holders only waste work."
-tier = "entity"
-enforcement = "advisory"
-ttlSeconds = 30
-onQuorumLoss = "open"
-riskOwner = "team-platform@example.com"
-waiverExpires = "2099-12-31"
-"#;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn leader_election_survives_the_entity_clusters_quorum_loss() -> anyhow::Result<()> {
@@ -627,7 +603,10 @@ async fn leader_election_survives_the_entity_clusters_quorum_loss() -> anyhow::R
     let witness = EtcdServer::start().await?;
     let policies = tempfile::tempdir()?;
     latchkey_tests::copy_dev_policies(policies.path())?;
-    std::fs::write(policies.path().join("classes/quorum-loss.toml"), OPEN_CLASS)?;
+    std::fs::write(
+        policies.path().join("classes/quorum-loss.toml"),
+        crate::quorum_loss::OPEN_CLASS,
+    )?;
     let arbiter = Arbiter::start_on(
         entity.endpoints(),
         ArbiterOptions {
@@ -757,21 +736,9 @@ async fn a_session_from_before_the_split_with_the_coord_bit_still_works() -> any
 
     let g = try_lock(&mut c, "demo/tiers/legacy", ENTITY_CLASS, legacy).await?;
     assert_eq!(held_at(&lock, "demo/tiers/legacy").await?, Some(g.revision));
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
-    tx.send(KeepAliveRequest {
-        session_id: legacy,
-        session_ids: vec![],
-    })
-    .await?;
-    let mut stream = c
-        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await?
-        .into_inner();
-    let resp = tokio::time::timeout(Duration::from_secs(10), stream.message())
-        .await??
-        .ok_or_else(|| anyhow::anyhow!("the keepalive stream ended"))?;
-    assert!(resp.remaining_ttl_seconds > 0, "{resp:?}");
-    drop(tx);
+    for resp in renew_once(&mut c, &[legacy]).await? {
+        assert!(resp.remaining_ttl_seconds > 0, "{resp:?}");
+    }
     c.close_session(CloseSessionRequest { session_id: legacy })
         .await?;
     latchkey_tests::eventually(
