@@ -9,6 +9,7 @@ mod inspect;
 mod keep_alive;
 mod open_session;
 mod release;
+mod shards;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,6 +23,9 @@ use latchkey_proto::adminv1::{
     ApproveForceReleaseResponse, EdgePolicy, ForceReleaseRequest, GetEdgePolicyRequest,
     GetStatusRequest, GetStatusResponse, ListForceReleasesRequest, ListForceReleasesResponse,
     RequestForceReleaseRequest,
+};
+use latchkey_proto::adminv1::{
+    ChangeShardsRequest, GetShardsRequest, ShardStatus, StepShardMoveRequest,
 };
 use latchkey_proto::lockv1::lock_server::Lock;
 use latchkey_proto::lockv1::{
@@ -258,5 +262,26 @@ impl Admin for AdminService {
         Ok(Response::new(
             self.inner.list_force_releases(request).await?,
         ))
+    }
+
+    async fn get_shards(
+        &self,
+        request: Request<GetShardsRequest>,
+    ) -> Result<Response<ShardStatus>, Status> {
+        Ok(Response::new(self.inner.get_shards(request).await?))
+    }
+
+    async fn change_shards(
+        &self,
+        request: Request<ChangeShardsRequest>,
+    ) -> Result<Response<ShardStatus>, Status> {
+        Ok(Response::new(self.inner.change_shards(request).await?))
+    }
+
+    async fn step_shard_move(
+        &self,
+        request: Request<StepShardMoveRequest>,
+    ) -> Result<Response<ShardStatus>, Status> {
+        Ok(Response::new(self.inner.step_shard_move(request).await?))
     }
 }

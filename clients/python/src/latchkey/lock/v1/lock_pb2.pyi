@@ -39,6 +39,8 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_TOO_MANY_STREAMS: _ClassVar[Reason]
     REASON_WRONG_TIER: _ClassVar[Reason]
     REASON_TIER_MOVING: _ClassVar[Reason]
+    REASON_RANGE_MOVING: _ClassVar[Reason]
+    REASON_SHARD_MAP_CHANGED: _ClassVar[Reason]
 WAIT_NONE: WaitMode
 WAIT_UNTIL_DEADLINE: WaitMode
 REASON_UNSPECIFIED: Reason
@@ -66,6 +68,8 @@ REASON_RESERVED_HEADER: Reason
 REASON_TOO_MANY_STREAMS: Reason
 REASON_WRONG_TIER: Reason
 REASON_TIER_MOVING: Reason
+REASON_RANGE_MOVING: Reason
+REASON_SHARD_MAP_CHANGED: Reason
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("reuse_session_ids",)
