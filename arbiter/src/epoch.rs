@@ -21,6 +21,13 @@ pub struct EpochState {
     /// The exact bytes of the record in etcd: every grant compares them.
     pub bytes: Vec<u8>,
     pub cluster_id: u64,
+    /// The shard-map fence's mod revision, read with the record (0: no
+    /// fence): every grant and hand-over compares it, so a fence raised
+    /// since fails them and the records are read again.
+    pub fence_at: i64,
+    /// The shard map version the cluster is fenced at (0: no fence). An
+    /// arbiter routing by an older map does not grant here.
+    pub fence_version: u64,
 }
 
 impl EpochState {
@@ -208,6 +215,8 @@ mod tests {
             },
             bytes: vec![],
             cluster_id,
+            fence_at: 0,
+            fence_version: 0,
         }
     }
 

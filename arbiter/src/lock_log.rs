@@ -63,18 +63,25 @@ pub struct Records {
     pub seal: Option<Kv>,
     /// What the coord cluster was last seen to witness ([`crate::records::CoordSeenRecord`]).
     pub coord_seen: Option<Kv>,
+    /// The shard-map fence ([`crate::records::encode_map_fence`]); absent
+    /// on a cluster never sharded (version 0).
+    pub map_fence: Option<Kv>,
 }
 
 /// One grant transaction: put the holder record of `key` on `session`'s lease
 /// if the key is absent, the epoch record's bytes are `epoch`, there is no
-/// seal, `session`'s record is `session_record` and the key's durable queue
-/// agrees (`queue`).
+/// seal, the shard-map fence is at `fence_at`, `session`'s record is
+/// `session_record` and the key's durable queue agrees (`queue`).
 #[derive(Debug, Clone)]
 pub struct GrantTxn<'a> {
     pub key: &'a str,
     pub session: i64,
     pub holder_record: Vec<u8>,
     pub epoch: &'a [u8],
+    /// The shard-map fence's mod revision as the grantor last read it (0:
+    /// absent; a missing key compares as mod revision 0). A fence raised
+    /// since fails the grant.
+    pub fence_at: i64,
     pub session_record: &'a [u8],
     pub queue: QueueTurn,
 }
@@ -116,6 +123,8 @@ pub enum Granted {
         session: Option<Vec<u8>>,
         /// The key's oldest durable waiter record, if any.
         queue_head: Option<Kv>,
+        /// The shard-map fence's mod revision (0: absent).
+        fence_at: i64,
     },
 }
 
@@ -142,13 +151,15 @@ pub enum Claimed {
 
 /// A hand-over: put `next`'s holder record on `next`'s lease over `from`
 /// (compared as in a release), if the epoch record's bytes are `epoch`,
-/// there is no seal and `next`'s session record is `next_session_record`.
+/// there is no seal, the shard-map fence is at `fence_at` (as in a grant)
+/// and `next`'s session record is `next_session_record`.
 #[derive(Debug, Clone)]
 pub struct HandOverTxn<'a> {
     pub from: HandOverFrom<'a>,
     pub next_session: i64,
     pub holder_record: Vec<u8>,
     pub epoch: &'a [u8],
+    pub fence_at: i64,
     pub next_session_record: &'a [u8],
 }
 
@@ -323,7 +334,8 @@ pub type LogResult<T> = Result<Answer<T>, StoreError>;
 pub trait LockLog: Send + Sync + 'static {
     // --- epoch and seal records ---
 
-    /// The epoch record and the seal, in one read.
+    /// The epoch record, the seal, the coord-seen record and the
+    /// shard-map fence, in one read.
     async fn records(&self) -> LogResult<Records>;
     /// Creates the epoch record if there is none; whether this call did.
     async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool>;
@@ -340,7 +352,8 @@ pub trait LockLog: Send + Sync + 'static {
     async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool>;
     /// The operator's advance: if the epoch record's bytes are `expected` and
     /// the seal is at `seal_at`, puts `record`, deletes every hold, every
-    /// claim, every durable waiter and the seal, in one transaction. `Some(holds
+    /// claim, every durable waiter and the seal, in one transaction (the
+    /// shard-map fence is neither compared nor changed). `Some(holds
     /// deleted)`, or `None` when a compare failed.
     async fn advance(
         &self,
@@ -348,6 +361,12 @@ pub trait LockLog: Send + Sync + 'static {
         seal_at: Option<i64>,
         record: Vec<u8>,
     ) -> LogResult<Option<i64>>;
+    /// Raises the shard-map fence to `version` if it is absent or below it
+    /// (never lowers it); whether this call wrote. A compare-and-put on the
+    /// record as read, retried a few times when another raise came between.
+    async fn raise_map_fence(&self, version: u64) -> LogResult<bool>;
+    /// The shard-map fence record (a linearizable read).
+    async fn map_fence(&self) -> LogResult<Option<Kv>>;
 
     // --- holds ---
 

@@ -6,6 +6,11 @@
 //! - `{prefix}/sys/coord-seen` — [`CoordSeenRecord`]: what the coord cluster
 //!   was seen to witness for this lock log, so a restore of the coord
 //!   cluster is seen too (the lock log witnessing its witness).
+//! - `{prefix}/sys/shardmap` — the shard-map fence ([`encode_map_fence`]):
+//!   the shard map version this cluster was last fenced at, as 20 ASCII
+//!   digits. Every grant compares its mod revision, so an arbiter routing by
+//!   an older map cannot grant once a move has raised it. Absent: version 0
+//!   (a cluster never sharded).
 //! - `{prefix}/s/{lease}` — [`SessionRecord`] on the session's lease.
 //! - `{prefix}/si/{hex(identity)}/{lease}` — empty, on the session's lease: the
 //!   identity's open sessions, counted for `--max-sessions-per-identity`.
@@ -116,6 +121,25 @@ pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Option<T> {
     serde_json::from_slice(bytes).ok()
 }
 
+/// The digits of a shard-map fence record: every version in one width, so
+/// the record reads the same to a person, `etcdctl` and a byte compare.
+const MAP_FENCE_DIGITS: usize = 20;
+
+/// The shard-map fence record's bytes for `version`: ASCII decimal,
+/// zero-padded to 20 digits (u64's widest).
+pub fn encode_map_fence(version: u64) -> Vec<u8> {
+    format!("{version:020}").into_bytes()
+}
+
+/// The version in a shard-map fence record; `None` for anything but
+/// exactly 20 ASCII digits that fit a u64 (a record no arbiter wrote).
+pub fn decode_map_fence(bytes: &[u8]) -> Option<u64> {
+    if bytes.len() != MAP_FENCE_DIGITS || !bytes.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(bytes).ok()?.parse().ok()
+}
+
 #[derive(Debug, Clone)]
 pub struct Layout {
     prefix: String,
@@ -135,6 +159,10 @@ impl Layout {
     }
     pub fn coord_seen(&self) -> String {
         format!("{}/sys/coord-seen", self.prefix)
+    }
+    /// The shard-map fence (see the module doc).
+    pub fn map_fence(&self) -> String {
+        format!("{}/sys/shardmap", self.prefix)
     }
     pub fn session(&self, lease: i64) -> String {
         format!("{}/s/{lease:016x}", self.prefix)
@@ -242,9 +270,31 @@ mod tests {
     }
 
     #[test]
+    fn map_fence_records_are_twenty_digits() {
+        assert_eq!(encode_map_fence(3), b"00000000000000000003");
+        assert_eq!(encode_map_fence(u64::MAX), b"18446744073709551615");
+        for version in [0, 3, 1 << 40, u64::MAX] {
+            assert_eq!(decode_map_fence(&encode_map_fence(version)), Some(version));
+        }
+        for bad in [
+            &b"3"[..],
+            b"",
+            b"0000000000000000000x",
+            b" 0000000000000000003",
+            b"+0000000000000000003",
+            b"000000000000000000003",
+            // 20 digits above u64::MAX
+            b"99999999999999999999",
+        ] {
+            assert_eq!(decode_map_fence(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn layout() {
         let l = Layout::new("/latchkey/");
         assert_eq!(l.holder("a/b"), "/latchkey/l/a/b");
+        assert_eq!(l.map_fence(), "/latchkey/sys/shardmap");
         assert_eq!(l.session(255), "/latchkey/s/00000000000000ff");
         assert_eq!(l.claim("a/b", 16), "/latchkey/c/a/b//0000000000000010");
         // key "a"'s claims are no prefix of key "a/b"'s

@@ -6,7 +6,8 @@
 //! who holds a key lives here:
 //!
 //! - A grant is one log transaction comparing key absence, the epoch
-//!   record's bytes, the seal's absence and the session record; its token is
+//!   record's bytes, the seal's absence, the shard-map fence's revision
+//!   (`sys/shardmap`, ADR-09) and the session record; its token is
 //!   `epoch × 2^48 + revision`, made durable in the high-water mark before it
 //!   is returned ([`seal::Seal`] checks every answer's header first).
 //! - A held key queues the caller FIFO ([`queues`]); one driver per contended

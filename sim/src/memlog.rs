@@ -46,6 +46,7 @@ use latchkey_arbiter::lock_log::{
     HeldAt, KeyWatch, Kv, LockLog, LogResult, Queued, Records, ReleaseTxn, ReleasedIf, Renewal,
     StoreError,
 };
+use latchkey_arbiter::records::{decode_map_fence, encode_map_fence};
 use tokio::time::{Duration, Instant};
 
 use crate::rng::Rng;
@@ -399,6 +400,7 @@ impl LockLog for MemLog {
                 epoch: kv_of(&inner.store, &keys::epoch()),
                 seal: kv_of(&inner.store, &keys::seal()),
                 coord_seen: kv_of(&inner.store, &keys::coord_seen()),
+                map_fence: kv_of(&inner.store, &keys::map_fence()),
             };
             inner.answer(records)
         })
@@ -477,6 +479,36 @@ impl LockLog for MemLog {
                 _ => 0,
             };
             inner.answer(Some(deleted))
+        })
+        .await
+    }
+
+    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
+        // One call is one step of the store: the read and the
+        // compare-and-put the etcd log makes cannot be raced here.
+        self.call("raise map fence", |inner, _| {
+            let key = keys::map_fence();
+            if let Some(found) = inner.store.get(&key) {
+                let current = decode_map_fence(&found.value).ok_or_else(|| {
+                    StoreError::Malformed("the shard-map fence is not a 20-digit version".into())
+                })?;
+                if current >= version {
+                    return inner.answer(false);
+                }
+            }
+            commit(
+                &mut inner.store,
+                vec![put(key, encode_map_fence(version), 0)],
+            )?;
+            inner.answer(true)
+        })
+        .await
+    }
+
+    async fn map_fence(&self) -> LogResult<Option<Kv>> {
+        self.call("map fence", |inner, _| {
+            let kv = kv_of(&inner.store, &keys::map_fence());
+            inner.answer(kv)
         })
         .await
     }
@@ -591,6 +623,7 @@ impl LockLog for MemLog {
         compares.extend([
             Compare::Value(keys::epoch(), txn.epoch.to_vec()),
             Compare::CreateRevision(keys::seal(), 0),
+            Compare::ModRevision(keys::map_fence(), txn.fence_at),
             Compare::Value(
                 keys::session(txn.next_session),
                 txn.next_session_record.to_vec(),

@@ -347,6 +347,14 @@ impl LockLog for FaultyLog {
         self.inner.advance(expected, seal_at, record).await
     }
 
+    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
+        self.inner.raise_map_fence(version).await
+    }
+
+    async fn map_fence(&self) -> LogResult<Option<Kv>> {
+        self.inner.map_fence().await
+    }
+
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
         match self.fault {
             TestFault::GrantOnWatch if self.take_signal(txn.key) => self.grant_on_watch(txn).await,
@@ -614,6 +622,12 @@ mod tests {
         async fn advance(&self, _: Vec<u8>, _: Option<i64>, _: Vec<u8>) -> LogResult<Option<i64>> {
             unused()
         }
+        async fn raise_map_fence(&self, _: u64) -> LogResult<bool> {
+            unused()
+        }
+        async fn map_fence(&self) -> LogResult<Option<Kv>> {
+            unused()
+        }
         async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
             let mut s = self.state.lock();
             if let Some(kv) = s.holds.get(txn.key) {
@@ -626,6 +640,7 @@ mod tests {
                         sealed: false,
                         session: Some(txn.session_record.to_vec()),
                         queue_head: None,
+                        fence_at: 0,
                     },
                 );
             }
@@ -746,6 +761,7 @@ mod tests {
             session,
             holder_record: format!("holder {session}").into_bytes(),
             epoch: b"epoch",
+            fence_at: 0,
             session_record: b"session",
             queue: Default::default(),
         }

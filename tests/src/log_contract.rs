@@ -14,6 +14,7 @@
 //! are the log's own, so the cases that seal also advance to lift it.
 
 mod batch;
+mod fence;
 mod queue;
 
 use std::time::Duration;
@@ -23,6 +24,10 @@ use batch::{
     a_batch_answers_each_member, a_batch_commits_at_one_revision,
     a_batch_on_one_key_twice_is_refused, hand_over_if_owned_compares_the_owner,
     release_if_owned_compares_the_owner,
+};
+use fence::{
+    a_batch_member_with_a_stale_fence_is_refused, a_grant_compares_the_map_fence,
+    a_hand_over_compares_the_map_fence, raising_the_map_fence_never_lowers_it,
 };
 use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
@@ -49,8 +54,9 @@ pub enum TtlClock {
 }
 
 /// Runs every case, in an order that keeps the shared records sane (the
-/// epoch record first; cases that seal lift the seal again), and reports
-/// every failing case, not just the first.
+/// epoch record first; cases that seal lift the seal again; the shard-map
+/// fence cases last, as a raised fence stays and the other cases' grants
+/// name none), and reports every failing case, not just the first.
 pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow::Result<()> {
     let log = log.as_ref();
     let mut failed = Vec::new();
@@ -91,6 +97,10 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(grant_while_sealed);
     case!(advance_deletes_holds_and_the_seal);
     case!(lease_expires_by_ttl, ttl);
+    case!(a_grant_compares_the_map_fence);
+    case!(raising_the_map_fence_never_lowers_it);
+    case!(a_batch_member_with_a_stale_fence_is_refused);
+    case!(a_hand_over_compares_the_map_fence);
     if failed.is_empty() {
         Ok(())
     } else {
@@ -165,6 +175,7 @@ async fn take(
             session: id,
             holder_record: value.clone(),
             epoch,
+            fence_at: 0,
             session_record: &session_record(identity),
             queue: Default::default(),
         })
@@ -347,6 +358,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
             session: ib,
             holder_record: holder_record(key, ib),
             epoch: &epoch,
+            fence_at: 0,
             session_record: &rb,
             queue: Default::default(),
         })
@@ -366,6 +378,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
         sealed: false,
         session: Some(rb),
         queue_head: None,
+        fence_at: 0,
     };
     ensure!(answer.value == expected, "{:?}", answer.value);
     // the holder's own session again: refused the same way
@@ -375,6 +388,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
             session: ia,
             holder_record: holder_record(key, ia),
             epoch: &epoch,
+            fence_at: 0,
             session_record: &session_record(a),
             queue: Default::default(),
         })
@@ -404,6 +418,7 @@ pub async fn grant_with_the_wrong_epoch(log: &dyn LockLog) -> anyhow::Result<()>
             session: id,
             holder_record: holder_record(key, id),
             epoch: b"not the epoch record",
+            fence_at: 0,
             session_record: &record,
             queue: Default::default(),
         })
@@ -416,6 +431,7 @@ pub async fn grant_with_the_wrong_epoch(log: &dyn LockLog) -> anyhow::Result<()>
                 sealed: false,
                 session: Some(record),
                 queue_head: None,
+                fence_at: 0,
             },
         "{:?}",
         answer.value
@@ -442,6 +458,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
             session: with_record,
             holder_record: holder_record(key, with_record),
             epoch: &epoch,
+            fence_at: 0,
             session_record: &session_record("spiffe://contract/someone-else"),
             queue: Default::default(),
         })
@@ -454,6 +471,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
                 sealed: false,
                 session: Some(record.clone()),
                 queue_head: None,
+                fence_at: 0,
             },
         "wrong record: {:?}",
         wrong.value
@@ -464,6 +482,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
             session: bare,
             holder_record: holder_record(key, bare),
             epoch: &epoch,
+            fence_at: 0,
             session_record: &record,
             queue: Default::default(),
         })
@@ -476,6 +495,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
                 sealed: false,
                 session: None,
                 queue_head: None,
+                fence_at: 0,
             },
         "no record: {:?}",
         missing.value
@@ -500,6 +520,7 @@ pub async fn grant_on_a_revoked_lease(log: &dyn LockLog) -> anyhow::Result<()> {
             session: id,
             holder_record: holder_record(key, id),
             epoch: &epoch,
+            fence_at: 0,
             session_record: &record,
             queue: Default::default(),
         })
@@ -512,6 +533,7 @@ pub async fn grant_on_a_revoked_lease(log: &dyn LockLog) -> anyhow::Result<()> {
                 sealed: false,
                 session: None,
                 queue_head: None,
+                fence_at: 0,
             },
         "{:?}",
         answer.value
@@ -629,6 +651,7 @@ pub async fn hand_over_replaces_the_holder(log: &dyn LockLog) -> anyhow::Result<
             next_session: ib,
             holder_record: holder_record(key, ib),
             epoch: &epoch,
+            fence_at: 0,
             next_session_record: &rc,
         })
         .await?;
@@ -642,6 +665,7 @@ pub async fn hand_over_replaces_the_holder(log: &dyn LockLog) -> anyhow::Result<
             next_session: ib,
             holder_record: next.clone(),
             epoch: &epoch,
+            fence_at: 0,
             next_session_record: &rb,
         })
         .await?;
@@ -673,6 +697,7 @@ pub async fn hand_over_replaces_the_holder(log: &dyn LockLog) -> anyhow::Result<
             next_session: ic,
             holder_record: holder_record(key, ic),
             epoch: &epoch,
+            fence_at: 0,
             next_session_record: &rc,
         })
         .await?;
@@ -695,6 +720,7 @@ pub async fn hand_over_replaces_the_holder(log: &dyn LockLog) -> anyhow::Result<
             next_session: ic,
             holder_record: holder_record(key, ic),
             epoch: &epoch,
+            fence_at: 0,
             next_session_record: &rc,
         })
         .await?;
@@ -1014,6 +1040,7 @@ pub async fn revisions_are_never_reused(log: &dyn LockLog) -> anyhow::Result<()>
             next_session: next,
             holder_record: next_value.clone(),
             epoch: &epoch,
+            fence_at: 0,
             next_session_record: &record,
         })
         .await?;
@@ -1169,6 +1196,7 @@ pub async fn grant_while_sealed(log: &dyn LockLog) -> anyhow::Result<()> {
             session: id,
             holder_record: holder_record(key, id),
             epoch: &epoch_bytes,
+            fence_at: 0,
             session_record: &record,
             queue: Default::default(),
         })
@@ -1181,6 +1209,7 @@ pub async fn grant_while_sealed(log: &dyn LockLog) -> anyhow::Result<()> {
                 sealed: true,
                 session: Some(record),
                 queue_head: None,
+                fence_at: 0,
             },
         "{:?}",
         answer.value

@@ -8,7 +8,8 @@
 //! etcd answered, header included; judging the header (epoch guard,
 //! high-water mark, seal) is the table's job, so none of it is here.
 //!
-//! - [`records`]: the epoch and seal records (read, create, seal, advance).
+//! - [`records`]: the epoch and seal records (read, create, seal, advance)
+//!   and the shard-map fence.
 //! - [`holds`]: grants, hand-overs, releases and reads of holder records.
 //! - [`sessions`]: leases, session records, revocation and renewal.
 //! - [`watch`]: a key watch over an etcd watch stream.
@@ -208,6 +209,14 @@ impl LockLog for EtcdLog {
         record: Vec<u8>,
     ) -> LogResult<Option<i64>> {
         records::advance(self, expected, seal_at, record).await
+    }
+
+    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
+        records::raise_map_fence(self, version).await
+    }
+
+    async fn map_fence(&self) -> LogResult<Option<Kv>> {
+        records::map_fence(self).await
     }
 
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {

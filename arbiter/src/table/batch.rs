@@ -46,6 +46,8 @@ pub(super) struct GrantMember {
     pub holder_record: Vec<u8>,
     pub epoch_bytes: Vec<u8>,
     pub epoch: u32,
+    /// The shard-map fence's mod revision the grant compares.
+    pub fence_at: i64,
     pub session_record: Vec<u8>,
     pub queue: QueueTurn,
 }
@@ -79,6 +81,7 @@ impl Member {
                 session: g.session,
                 holder_record: g.holder_record.clone(),
                 epoch: &g.epoch_bytes,
+                fence_at: g.fence_at,
                 session_record: &g.session_record,
                 queue: g.queue,
             }),

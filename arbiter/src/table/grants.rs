@@ -18,7 +18,8 @@ use crate::records::{HolderRecord, NotOwned, SessionRecord, check_owner, decode,
 
 impl LockTable {
     /// One grant attempt, retried a few times when a refusal came from a
-    /// change under it (epoch advanced, key freed between compare and read),
+    /// change under it (epoch advanced, shard-map fence raised, key freed
+    /// between compare and read),
     /// never answered with a guess.
     pub(super) async fn attempt(
         self: &Arc<Self>,
@@ -55,6 +56,7 @@ impl LockTable {
             holder_record: req.holder_bytes(),
             epoch_bytes: state.bytes.clone(),
             epoch: state.epoch(),
+            fence_at: state.fence_at,
             session_record: req.session_bytes(),
             queue: turn,
         });
@@ -66,7 +68,7 @@ impl LockTable {
                 ));
             }
         };
-        let (holder, epoch_now, sealed, session, queue_head) = match granted {
+        let (holder, epoch_now, sealed, session, queue_head, fence_at) = match granted {
             Granted::Yes => {
                 self.seal.make_durable(&state, header.revision).await?;
                 return Ok(Some(Attempt::Granted(Grant {
@@ -82,11 +84,16 @@ impl LockTable {
                 sealed,
                 session,
                 queue_head,
-            } => (holder, epoch, sealed, session, queue_head),
+                fence_at,
+            } => (holder, epoch, sealed, session, queue_head, fence_at),
         };
-        if sealed || epoch_now.as_deref() != Some(state.bytes.as_slice()) {
-            // The epoch moved or the log was sealed under us: re-read, and let
-            // the caller try again against the new state.
+        if sealed
+            || epoch_now.as_deref() != Some(state.bytes.as_slice())
+            || fence_at != state.fence_at
+        {
+            // The epoch moved, the log was sealed or a shard move raised the
+            // fence under us: re-read, and let the caller try again against
+            // the new state.
             self.seal.load_epoch().await?;
             self.seal.guard().serving()?;
             return Ok(None);
@@ -352,6 +359,7 @@ impl LockTable {
                     next_session: next.session,
                     holder_record: next.holder_bytes(),
                     epoch: &state.bytes,
+                    fence_at: state.fence_at,
                     next_session_record: &next_session,
                 }),
                 Option::is_some,

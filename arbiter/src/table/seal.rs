@@ -21,7 +21,9 @@ use crate::epoch::{EpochGuard, EpochState};
 use crate::error::ArbiterError;
 use crate::high_water::{HighWater, Mark};
 use crate::lock_log::{Header, LockLog, LogResult};
-use crate::records::{CoordSeenRecord, EpochRecord, SealRecord, decode, encode, now_unix_ms};
+use crate::records::{
+    CoordSeenRecord, EpochRecord, SealRecord, decode, decode_map_fence, encode, now_unix_ms,
+};
 use crate::token;
 use crate::witness::{SharedWitness, Witness, Witnessed};
 
@@ -391,10 +393,23 @@ impl Seal {
                     (record, bytes)
                 }
             };
+            let (fence_at, fence_version) = match &records.map_fence {
+                None => (0, 0),
+                Some(kv) => {
+                    let version = decode_map_fence(&kv.value).ok_or_else(|| {
+                        ArbiterError::Internal(
+                            "the shard-map fence in the lock log is not valid".into(),
+                        )
+                    })?;
+                    (kv.mod_revision, version)
+                }
+            };
             let state = EpochState {
                 cluster_id: record.cluster_id().unwrap_or(0),
                 record,
                 bytes,
+                fence_at,
+                fence_version,
             };
             let before = self.guard.state().map(|s| s.epoch());
             if let Some(reason) = self.guard.install(

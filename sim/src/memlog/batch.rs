@@ -72,6 +72,8 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
         Compare::CreateRevision(holder.clone(), 0),
         Compare::Value(keys::epoch(), txn.epoch.to_vec()),
         Compare::CreateRevision(keys::seal(), 0),
+        // a missing fence compares as mod revision 0, as in etcd
+        Compare::ModRevision(keys::map_fence(), txn.fence_at),
         Compare::Value(session.clone(), txn.session_record.to_vec()),
     ];
     let mut writes = vec![Op::Put {
@@ -163,8 +165,8 @@ pub(crate) fn apply(
 ) -> Result<Vec<BatchOutcome>, NoLease> {
     let passed: Vec<bool> = members.iter().map(|m| store.all(&m.compares)).collect();
     // Failure branches only read keys no member writes (every member has
-    // its own lock key; the epoch, seal and session records are nobody's
-    // write here), so reading them first is reading them in order.
+    // its own lock key; the epoch, seal, fence and session records are
+    // nobody's write here), so reading them first is reading them in order.
     let failed: Vec<Option<BatchOutcome>> = members
         .iter()
         .zip(&passed)
@@ -204,6 +206,7 @@ fn failure(store: &Store, kind: &Kind) -> BatchOutcome {
             sealed: store.get(&keys::seal()).is_some(),
             session: kv(session).map(|k| k.value),
             queue_head: store.oldest_under(queue),
+            fence_at: store.get(&keys::map_fence()).map_or(0, |s| s.mod_revision),
         }),
         Kind::Release { holder } => BatchOutcome::Release(ReleasedIf::No { holder: kv(holder) }),
     }

@@ -14,6 +14,9 @@ pub fn seal() -> String {
 pub fn coord_seen() -> String {
     "sys/coord-seen".into()
 }
+pub fn map_fence() -> String {
+    "sys/shardmap".into()
+}
 pub fn session(lease: i64) -> String {
     format!("s/{lease:016x}")
 }

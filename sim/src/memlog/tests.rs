@@ -28,6 +28,7 @@ async fn grant(log: &MemLog, key: &str, lease: i64, identity: &str) -> LogResult
         session: lease,
         holder_record: format!("{key} held by {lease}").into_bytes(),
         epoch: EPOCH,
+        fence_at: 0,
         session_record: &rec,
         queue: Default::default(),
     })

@@ -142,12 +142,14 @@ impl IdLog {
                 sealed,
                 session,
                 queue_head,
+                fence_at,
             } => Granted::No {
                 holder: holder.map(|kv| self.kv_back(kv)),
                 epoch,
                 sealed,
                 session,
                 queue_head: queue_head.map(|kv| self.kv_back(kv)),
+                fence_at,
             },
             yes => yes,
         }
@@ -214,6 +216,16 @@ impl LockLog for IdLog {
     ) -> LogResult<Option<i64>> {
         self.t(|| "advance".into());
         self.log.advance(expected, seal_at, record).await
+    }
+
+    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
+        self.t(|| format!("raise_map_fence {version}"));
+        self.log.raise_map_fence(version).await
+    }
+
+    async fn map_fence(&self) -> LogResult<Option<Kv>> {
+        self.t(|| "map_fence".into());
+        self.log.map_fence().await
     }
 
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {

@@ -27,6 +27,7 @@ fn grant<'a>(key: &'a str, session: i64, epoch: &'a [u8], record: &'a [u8]) -> B
         session,
         holder_record: holder_record(key, session),
         epoch,
+        fence_at: 0,
         session_record: record,
         queue: Default::default(),
     })
@@ -161,6 +162,7 @@ pub async fn hand_over_if_owned_compares_the_owner(log: &dyn LockLog) -> anyhow:
                 next_session: ib,
                 holder_record: next,
                 epoch: &epoch,
+                fence_at: 0,
                 next_session_record: &rb,
             })
             .await
@@ -302,6 +304,7 @@ pub async fn a_batch_answers_each_member(log: &dyn LockLog) -> anyhow::Result<()
             sealed: false,
             session: Some(records[1].clone()),
             queue_head: None,
+            fence_at: 0,
         }),
         BatchOutcome::Grant(Granted::Yes),
         BatchOutcome::Release(ReleasedIf::No {
@@ -313,6 +316,7 @@ pub async fn a_batch_answers_each_member(log: &dyn LockLog) -> anyhow::Result<()
             sealed: false,
             session: Some(records[2].clone()),
             queue_head: None,
+            fence_at: 0,
         }),
     ];
     ensure!(answer.value == expected, "{:?}", answer.value);

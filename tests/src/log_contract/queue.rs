@@ -23,6 +23,7 @@ async fn grant(
             session,
             holder_record: holder_record(key, session),
             epoch,
+            fence_at: 0,
             session_record: record,
             queue,
         })
@@ -197,6 +198,7 @@ pub async fn a_durable_queue_stops_hand_overs_and_ends_with_its_session(
             next_session: ib,
             holder_record: holder_record(key, ib),
             epoch: &epoch,
+            fence_at: 0,
             next_session_record: &rb,
         })
         .await?;
@@ -211,6 +213,7 @@ pub async fn a_durable_queue_stops_hand_overs_and_ends_with_its_session(
             next_session: ib,
             holder_record: holder_record(key, ib),
             epoch: &epoch,
+            fence_at: 0,
             next_session_record: &rb,
         })
         .await?;

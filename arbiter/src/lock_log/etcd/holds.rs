@@ -13,9 +13,10 @@ use crate::lock_log::{
 };
 
 /// One grant: the holder record on the session's lease if the key is
-/// absent, the epoch record is the caller's, there is no seal and the
-/// session record is the caller's. On a compare failure the same
-/// transaction reads all four, so the caller learns why at that revision.
+/// absent, the epoch record is the caller's, there is no seal, the
+/// shard-map fence is where the caller last read it and the session record
+/// is the caller's. On a compare failure the same transaction reads them
+/// all, so the caller learns why at that revision.
 pub(super) async fn grant(log: &EtcdLog, txn: GrantTxn<'_>) -> LogResult<Granted> {
     let session = txn.session;
     let resp = log
@@ -35,11 +36,13 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
     let session_key = log.layout.session(txn.session);
     let epoch_key = log.layout.epoch();
     let seal_key = log.layout.seal();
+    let fence_key = log.layout.map_fence();
     let queue = log.layout.queue_of(txn.key);
     let mut compares = vec![
         Compare::create_revision(holder_key.clone(), CompareOp::Equal, 0),
         Compare::value(epoch_key.clone(), CompareOp::Equal, txn.epoch),
         Compare::create_revision(seal_key.clone(), CompareOp::Equal, 0),
+        fence_unchanged(log, txn.fence_at),
         Compare::value(session_key.clone(), CompareOp::Equal, txn.session_record),
     ];
     let mut writes = vec![TxnOp::put(
@@ -76,7 +79,15 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
                     .with_limit(1),
             ),
         ),
+        TxnOp::get(fence_key, None),
     ])
+}
+
+/// Holds while the shard-map fence is where the grantor last read it:
+/// etcd compares a missing key's mod revision as 0, so `fence_at` 0 holds
+/// exactly while there is no fence (measured in the contract suite).
+fn fence_unchanged(log: &EtcdLog, fence_at: i64) -> Compare {
+    Compare::mod_revision(log.layout.map_fence(), CompareOp::Equal, fence_at)
 }
 
 /// Holds while `key` has no durable waiter: etcd compares an empty range
@@ -96,6 +107,10 @@ fn granted(succeeded: bool, ops: Vec<TxnOpResponse>) -> Granted {
         sealed: ops.get(2).and_then(first_kv).is_some(),
         session: ops.get(3).and_then(first_kv).map(|kv| kv.value),
         queue_head: ops.get(4).and_then(first_kv),
+        fence_at: ops
+            .get(5)
+            .and_then(first_kv)
+            .map_or(0, |kv| kv.mod_revision),
     }
 }
 
@@ -267,8 +282,9 @@ fn still_held(log: &EtcdLog, held: &HeldAt) -> [Compare; 3] {
 }
 
 /// Hands the hold straight to the next session in one transaction: the
-/// release's compares, plus the grant's (epoch, no seal, the next
-/// session's record). The put returns the record it replaced.
+/// release's compares, plus the grant's (epoch, no seal, the shard-map
+/// fence, the next session's record). The put returns the record it
+/// replaced.
 pub(super) async fn hand_over(
     log: &EtcdLog,
     txn: HandOverTxn<'_>,
@@ -280,6 +296,7 @@ pub(super) async fn hand_over(
     compares.extend([
         Compare::value(log.layout.epoch(), CompareOp::Equal, txn.epoch),
         Compare::create_revision(log.layout.seal(), CompareOp::Equal, 0),
+        fence_unchanged(log, txn.fence_at),
         Compare::value(
             log.layout.session(txn.next_session),
             CompareOp::Equal,

@@ -1,18 +1,21 @@
 //! The epoch record and the seal: one read of both, the first-start
-//! create, the conditional seal and the operator's advance.
+//! create, the conditional seal and the operator's advance; and the
+//! shard-map fence (read with them, raised on its own).
 
 use etcd_client::{Compare, CompareOp, DeleteOptions, Txn, TxnOp, TxnOpResponse};
 
-use super::{EtcdLog, answer, first_kv, unavailable};
-use crate::lock_log::{LogResult, Records};
+use super::{EtcdLog, answer, first_kv, kv, unavailable};
+use crate::lock_log::{Kv, LogResult, Records, StoreError};
+use crate::records::{decode_map_fence, encode_map_fence};
 
-/// The epoch record and the seal in one transaction, so both are of the
-/// same revision.
+/// The epoch record, the seal, the coord-seen record and the shard-map
+/// fence in one transaction, so all are of the same revision.
 pub(super) async fn read(log: &EtcdLog) -> LogResult<Records> {
     let txn = Txn::new().and_then([
         TxnOp::get(log.layout.epoch(), None),
         TxnOp::get(log.layout.seal(), None),
         TxnOp::get(log.layout.coord_seen(), None),
+        TxnOp::get(log.layout.map_fence(), None),
     ]);
     let resp = log
         .client
@@ -25,6 +28,7 @@ pub(super) async fn read(log: &EtcdLog) -> LogResult<Records> {
         epoch: ops.first().and_then(first_kv),
         seal: ops.get(1).and_then(first_kv),
         coord_seen: ops.get(2).and_then(first_kv),
+        map_fence: ops.get(3).and_then(first_kv),
     };
     answer(resp.header(), records)
 }
@@ -146,4 +150,62 @@ pub(super) async fn advance(
         _ => 0,
     });
     answer(resp.header(), deleted)
+}
+
+/// How many times a raise of the shard-map fence reads and compares again
+/// when another raise came between its read and its write.
+const RAISE_ATTEMPTS: usize = 5;
+
+/// The shard-map fence record.
+pub(super) async fn map_fence(log: &EtcdLog) -> LogResult<Option<Kv>> {
+    let resp = log
+        .client
+        .kv_client()
+        .get(log.layout.map_fence(), None)
+        .await
+        .map_err(|e| unavailable("cannot read the shard-map fence", e))?;
+    answer(resp.header(), resp.kvs().first().map(kv))
+}
+
+/// Raises the shard-map fence to `version` unless it is there already or
+/// higher: a compare-and-put on the record as read (created only if still
+/// absent, version 0; replaced only if unchanged since the read), read
+/// again when another raise won the race.
+pub(super) async fn raise_map_fence(log: &EtcdLog, version: u64) -> LogResult<bool> {
+    let key = log.layout.map_fence();
+    for _ in 0..RAISE_ATTEMPTS {
+        let read = map_fence(log).await?;
+        let compare = match &read.value {
+            None => Compare::version(key.clone(), CompareOp::Equal, 0),
+            Some(found) => {
+                let at = decode_map_fence(&found.value).ok_or_else(|| {
+                    StoreError::Malformed(format!(
+                        "the shard-map fence {key} is not a 20-digit version: {:?}",
+                        String::from_utf8_lossy(&found.value)
+                    ))
+                })?;
+                if at >= version {
+                    return Ok(read.map(|_| false));
+                }
+                Compare::mod_revision(key.clone(), CompareOp::Equal, found.mod_revision)
+            }
+        };
+        let txn = Txn::new().when([compare]).and_then([TxnOp::put(
+            key.clone(),
+            encode_map_fence(version),
+            None,
+        )]);
+        let resp = log
+            .client
+            .kv_client()
+            .txn(txn)
+            .await
+            .map_err(|e| unavailable("cannot raise the shard-map fence", e))?;
+        if resp.succeeded() {
+            return answer(resp.header(), true);
+        }
+    }
+    Err(StoreError::unavailable(
+        "the shard-map fence kept changing while it was being raised",
+    ))
 }
