@@ -90,6 +90,13 @@ pub enum ArbiterError {
         reason_code: String,
         message: String,
     },
+    /// The lock cluster was fenced (ADR-09: a key range moved) at a shard
+    /// map newer than the one this arbiter routes by: it grants nothing
+    /// there until it has loaded that map.
+    #[error(
+        "this lock cluster is fenced at shard map version {cluster}, and this arbiter routes by version {arbiter}: it is reloading the map; retry (an arbiter that does not follow the shard map cannot serve a sharded lock cluster)"
+    )]
+    ShardMapAhead { cluster: u64, arbiter: u64 },
     #[error("the lock log (etcd) is unavailable: {detail}; retry with backoff")]
     StoreUnavailable { detail: String },
     #[error("internal error: {0}")]
@@ -121,6 +128,7 @@ impl ArbiterError {
             Self::TokenMismatch { .. } => Reason::TokenMismatch,
             Self::Sealed { .. } => Reason::Sealed,
             Self::HookDenied { .. } => Reason::HookDenied,
+            Self::ShardMapAhead { .. } => Reason::ShardMapChanged,
             Self::StoreUnavailable { .. } => Reason::StoreUnavailable,
         }
     }
@@ -148,7 +156,7 @@ impl ArbiterError {
             | Self::TokenMismatch { .. }
             | Self::Sealed { .. }
             | Self::TierBound(_) => Code::FailedPrecondition,
-            Self::TierMoving(_) => Code::Unavailable,
+            Self::TierMoving(_) | Self::ShardMapAhead { .. } => Code::Unavailable,
             Self::HookDenied { code, .. } => *code,
             Self::StoreUnavailable { .. } => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
@@ -159,7 +167,10 @@ impl ArbiterError {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            Self::StoreUnavailable { .. } | Self::Held { .. } | Self::TierMoving(_)
+            Self::StoreUnavailable { .. }
+                | Self::Held { .. }
+                | Self::TierMoving(_)
+                | Self::ShardMapAhead { .. }
         )
     }
 
@@ -237,6 +248,27 @@ mod tests {
         let info = details.error_info();
         assert_eq!(info.map(|i| i.reason.as_str()), Some("HELD"));
         assert_eq!(info.map(|i| i.domain.as_str()), Some(ERROR_DOMAIN));
+    }
+
+    #[test]
+    fn a_shard_map_ahead_is_unavailable_and_retried() {
+        let err = ArbiterError::ShardMapAhead {
+            cluster: 3,
+            arbiter: 2,
+        };
+        assert!(err.is_transient());
+        let status: Status = err.into();
+        assert_eq!(status.code(), Code::Unavailable);
+        let details = status.get_error_details();
+        let info = details.error_info();
+        assert_eq!(info.map(|i| i.reason.as_str()), Some("SHARD_MAP_CHANGED"));
+        assert!(
+            status
+                .message()
+                .starts_with("this lock cluster is fenced at shard map version 3, and this arbiter routes by version 2"),
+            "{}",
+            status.message()
+        );
     }
 
     #[test]

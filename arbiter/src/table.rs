@@ -154,6 +154,32 @@ pub struct TableOptions {
     /// [`sessions::COORD_SESSION_BIT`] for the coord tier's table when the
     /// tiers are split).
     pub session_tag: i64,
+    /// The shard map version this arbiter routes by (0: it follows no map),
+    /// shared with whatever follows the map. The table grants nothing on a
+    /// cluster fenced at a newer version ([`ArbiterError::ShardMapAhead`]).
+    pub map_version: MapVersion,
+}
+
+/// The shard map version an arbiter routes by (ADR-09), shared between the
+/// task that follows the map and the tables that check it before every
+/// grant. Cheap to clone: clones share one value. The default is 0, the
+/// version of a cluster never sharded.
+#[derive(Debug, Clone, Default)]
+pub struct MapVersion(Arc<AtomicU64>);
+
+impl MapVersion {
+    pub fn new(version: u64) -> Self {
+        Self(Arc::new(AtomicU64::new(version)))
+    }
+
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Routes by `version` from now on: the next grant checks it.
+    pub fn set(&self, version: u64) {
+        self.0.store(version, Ordering::Release);
+    }
 }
 
 impl Default for TableOptions {
@@ -165,6 +191,7 @@ impl Default for TableOptions {
             batch_limit: DEFAULT_BATCH_LIMIT,
             batches_in_flight: DEFAULT_BATCHES_IN_FLIGHT,
             session_tag: 0,
+            map_version: MapVersion::default(),
         }
     }
 }
@@ -258,7 +285,13 @@ impl LockTable {
         options: TableOptions,
     ) -> Arc<Self> {
         Arc::new(Self {
-            seal: Seal::new(log.clone(), guard, high_water, witness),
+            seal: Seal::new(
+                log.clone(),
+                guard,
+                high_water,
+                witness,
+                options.map_version.clone(),
+            ),
             log,
             gate: parking_lot::RwLock::new(None),
             book: Mutex::new(Book::default()),
@@ -437,7 +470,9 @@ impl LockTable {
                                 previous,
                             });
                         }
-                        Ok(None) | Err(ArbiterError::SessionExpired { .. }) => {}
+                        Ok(None)
+                        | Err(ArbiterError::SessionExpired { .. })
+                        | Err(ArbiterError::ShardMapAhead { .. }) => {}
                         // May have committed: as below, the outcome is unknown.
                         Err(e) => return Err(e),
                     }
@@ -454,9 +489,14 @@ impl LockTable {
                         previous,
                     });
                 }
-                // A compare failed, or the next waiter's session is gone:
-                // nothing was written, so a plain release answers why.
-                Ok(None) | Err(ArbiterError::SessionExpired { .. }) => {}
+                // A compare failed, the next waiter's session is gone, or
+                // this arbiter may not grant on the fenced cluster (refused
+                // before anything was sent): nothing was written, so a plain
+                // release answers why. (Releasing is always safe; a fence
+                // only stops grants.)
+                Ok(None)
+                | Err(ArbiterError::SessionExpired { .. })
+                | Err(ArbiterError::ShardMapAhead { .. }) => {}
                 // Anything else may have committed (an answer lost after the
                 // commit): a plain release would then find the hold handed
                 // over and answer NOT_HELD for a release that happened. The
@@ -716,5 +756,24 @@ impl LockTable {
     /// The cluster id the log reports now (a count-only read).
     pub async fn current_cluster_id(&self) -> Result<u64, ArbiterError> {
         Ok(self.log.count_holds().await?.header.cluster_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clones_of_a_map_version_share_it() {
+        let version = MapVersion::default();
+        assert_eq!(version.get(), 0, "a cluster never sharded is at 0");
+        let options = TableOptions {
+            map_version: version.clone(),
+            ..TableOptions::default()
+        };
+        version.set(4);
+        assert_eq!(options.map_version.get(), 4);
+        assert_eq!(options.clone().map_version.get(), 4);
+        assert_eq!(MapVersion::new(7).get(), 7);
     }
 }

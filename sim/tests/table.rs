@@ -10,12 +10,22 @@ use std::time::Duration;
 use latchkey_arbiter::ArbiterError;
 use latchkey_arbiter::epoch::EpochGuard;
 use latchkey_arbiter::high_water::HighWater;
-use latchkey_arbiter::table::{GrantRequest, LockTable, TableOptions};
+use latchkey_arbiter::lock_log::LockLog;
+use latchkey_arbiter::table::{GrantRequest, LockTable, MapVersion, TableOptions};
 use latchkey_sim::{ClusterId, MemLog};
 
 const TTL: u32 = 5;
 
 fn table(log: &MemLog, high_water: Option<latchkey_arbiter::high_water::Mark>) -> Arc<LockTable> {
+    routing_by(log, high_water, MapVersion::default())
+}
+
+/// A table whose arbiter routes by the shard map `map_version` says.
+fn routing_by(
+    log: &MemLog,
+    high_water: Option<latchkey_arbiter::high_water::Mark>,
+    map_version: MapVersion,
+) -> Arc<LockTable> {
     LockTable::new(
         Arc::new(log.clone()),
         Arc::new(EpochGuard::default()),
@@ -24,6 +34,7 @@ fn table(log: &MemLog, high_water: Option<latchkey_arbiter::high_water::Mark>) -
             poll: Duration::from_millis(200),
             max_waiters_per_identity: 8,
             seed: 7,
+            map_version,
             ..TableOptions::default()
         },
     )
@@ -202,5 +213,147 @@ async fn shutdown_stops_every_driver_and_answers_every_waiter() -> anyhow::Resul
         matches!(answer, Err(ArbiterError::StoreUnavailable { .. })),
         "{answer:?}"
     );
+    Ok(())
+}
+
+/// The table's view of the shard-map fence: (mod revision, version).
+fn fence_seen(t: &LockTable) -> Option<(i64, u64)> {
+    t.seal()
+        .guard()
+        .state()
+        .map(|s| (s.fence_at, s.fence_version))
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_arbiter_behind_the_fence_grants_once_its_map_catches_up() -> anyhow::Result<()> {
+    let log = MemLog::new(6);
+    assert!(log.raise_map_fence(3).await?.value);
+    let version = MapVersion::new(2);
+    let t = routing_by(&log, None, version.clone());
+    t.start().await?;
+    let a = session(&t, "a").await?;
+    let before = log.revision();
+    let refused = t.acquire(req("a", a, "k"), None, 8).await;
+    assert!(
+        matches!(
+            refused,
+            Err(ArbiterError::ShardMapAhead {
+                cluster: 3,
+                arbiter: 2
+            })
+        ),
+        "{refused:?}"
+    );
+    // a waiting acquire is refused at once too, and nothing was written
+    let waiting = t
+        .acquire(req("a", a, "k"), Some(Duration::from_secs(5)), 8)
+        .await;
+    assert!(
+        matches!(waiting, Err(ArbiterError::ShardMapAhead { .. })),
+        "{waiting:?}"
+    );
+    assert_eq!(log.revision(), before);
+    assert!(t.holder("k").await?.is_none());
+
+    // the map it routes by catches up: the next grant goes through, on
+    // the records already read
+    version.set(3);
+    let granted = t.acquire(req("a", a, "k"), None, 8).await?.grant;
+    assert_eq!(granted.revision, before + 1);
+    t.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fence_raised_under_a_table_is_read_again_before_it_grants() -> anyhow::Result<()> {
+    let log = MemLog::new(7);
+    assert!(log.raise_map_fence(1).await?.value);
+    let t = routing_by(&log, None, MapVersion::new(2));
+    t.start().await?;
+    let first_fence = fence_seen(&t).map(|(at, _)| at);
+    let a = session(&t, "a").await?;
+    t.acquire(req("a", a, "k1"), None, 8).await?;
+
+    // a move fences the cluster at version 2, which this arbiter knows: its
+    // grant fails the compare, re-reads the records and goes through
+    let raised = log.raise_map_fence(2).await?.header.revision;
+    let granted = t.acquire(req("a", a, "k2"), None, 8).await?.grant;
+    assert_eq!(granted.revision, raised + 1);
+    assert_eq!(fence_seen(&t), Some((raised, 2)));
+    assert_ne!(first_fence, Some(raised));
+
+    // and at version 3, which it does not: the re-read refuses
+    log.raise_map_fence(3).await?;
+    let refused = t.acquire(req("a", a, "k3"), None, 8).await;
+    assert!(
+        matches!(
+            refused,
+            Err(ArbiterError::ShardMapAhead {
+                cluster: 3,
+                arbiter: 2
+            })
+        ),
+        "{refused:?}"
+    );
+    t.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hand_over_over_a_stale_fence_ends_in_a_fresh_grant() -> anyhow::Result<()> {
+    let log = MemLog::new(8);
+    let t = routing_by(&log, None, MapVersion::new(2));
+    t.start().await?;
+    let (a, b) = (session(&t, "a").await?, session(&t, "b").await?);
+    let first = t.acquire(req("a", a, "k"), None, 8).await?.grant;
+    let tb = t.clone();
+    let b_waits = tokio::spawn(async move {
+        tb.acquire(req("b", b, "k"), Some(Duration::from_secs(30)), 8)
+            .await
+    });
+    queued(&t, "k", 1).await?;
+    let raised = log.raise_map_fence(2).await?.header.revision;
+
+    // the hand-over compares the fence the table read before the raise:
+    // refused, so the release is a plain one, and the waiter's own grant
+    // reads the records again and goes through
+    let released = t.release("a", "k", a, first.token().unwrap_or(0)).await?;
+    assert!(!released.handed_over, "the stale hand-over committed");
+    let second = b_waits.await??.grant;
+    assert_eq!(second.session, b);
+    assert!(second.revision > raised);
+    assert_eq!(fence_seen(&t), Some((raised, 2)));
+    t.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_release_on_a_cluster_fenced_ahead_still_releases() -> anyhow::Result<()> {
+    let log = MemLog::new(9);
+    let t = routing_by(&log, None, MapVersion::new(2));
+    t.start().await?;
+    let (a, b) = (session(&t, "a").await?, session(&t, "b").await?);
+    let first = t.acquire(req("a", a, "k"), None, 8).await?.grant;
+    let tb = t.clone();
+    let b_waits = tokio::spawn(async move {
+        tb.acquire(req("b", b, "k"), Some(Duration::from_secs(30)), 8)
+            .await
+    });
+    queued(&t, "k", 1).await?;
+    log.raise_map_fence(3).await?;
+    t.seal().load_epoch().await?;
+    assert_eq!(fence_seen(&t).map(|(_, v)| v), Some(3));
+
+    // no hand-over (this arbiter may not grant here), but the release goes
+    // through; the waiter hears why it is not granted
+    let released = t.release("a", "k", a, first.token().unwrap_or(0)).await?;
+    assert!(!released.handed_over);
+    assert!(log.holder("k").await?.value.is_none());
+    let refused = b_waits.await?;
+    assert!(
+        matches!(refused, Err(ArbiterError::ShardMapAhead { .. })),
+        "{refused:?}"
+    );
+    t.shutdown().await;
     Ok(())
 }

@@ -95,7 +95,7 @@ impl LockTable {
             // fence under us: re-read, and let the caller try again against
             // the new state.
             self.seal.load_epoch().await?;
-            self.seal.guard().serving()?;
+            self.seal.serving()?;
             return Ok(None);
         }
         match session.and_then(|bytes| decode::<SessionRecord>(&bytes)) {

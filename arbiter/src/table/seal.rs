@@ -24,6 +24,7 @@ use crate::lock_log::{Header, LockLog, LogResult};
 use crate::records::{
     CoordSeenRecord, EpochRecord, SealRecord, decode, decode_map_fence, encode, now_unix_ms,
 };
+use crate::table::MapVersion;
 use crate::token;
 use crate::witness::{SharedWitness, Witness, Witnessed};
 
@@ -50,6 +51,9 @@ pub struct Seal {
     witnessed: Mutex<Witnessed>,
     /// What the lock log recorded of the witness.
     coord_seen: Mutex<CoordSeen>,
+    /// The shard map version this arbiter routes by, checked against the
+    /// cluster's fence whenever it is about to grant.
+    map_version: MapVersion,
 }
 
 impl Seal {
@@ -58,6 +62,7 @@ impl Seal {
         guard: Arc<EpochGuard>,
         high_water: Arc<HighWater>,
         witness: Option<Arc<dyn Witness>>,
+        map_version: MapVersion,
     ) -> Self {
         Self {
             log,
@@ -67,6 +72,7 @@ impl Seal {
             witness: witness.map(SharedWitness::new),
             witnessed: Mutex::new(Witnessed::default()),
             coord_seen: Mutex::new(CoordSeen::default()),
+            map_version,
         }
     }
 
@@ -456,16 +462,37 @@ impl Seal {
     }
 
     /// The epoch to grant in; while sealed, re-reads the record first so an
-    /// advance made through another arbiter is seen.
+    /// advance made through another arbiter is seen. Every grant and
+    /// hand-over starts here, so each passes [`Self::serving`].
     pub async fn serving_epoch(&self) -> Result<EpochState, ArbiterError> {
         match self.guard.serving() {
-            Ok(s) => Ok(s),
+            Ok(_) => {}
             Err(ArbiterError::Sealed { .. }) | Err(ArbiterError::StoreUnavailable { .. }) => {
                 self.load_epoch().await?;
-                self.guard.serving()
             }
-            Err(e) => Err(e),
+            Err(e) => return Err(e),
         }
+        self.serving()
+    }
+
+    /// The epoch to grant in, if this arbiter may grant on this cluster now:
+    /// not sealed, and routing by a shard map at least as new as the one
+    /// the cluster is fenced at (ADR-09: a move fences the cluster before
+    /// the range changes hands, so an arbiter on the older map must not
+    /// grant there). The arbiter's version is read at each call: a map it
+    /// has loaded since the records were read counts at once, with no
+    /// re-read; the records' fence is as of the last read, which a grant
+    /// compares in its own transaction.
+    pub fn serving(&self) -> Result<EpochState, ArbiterError> {
+        let state = self.guard.serving()?;
+        let arbiter = self.map_version.get();
+        if state.fence_version > arbiter {
+            return Err(ArbiterError::ShardMapAhead {
+                cluster: state.fence_version,
+                arbiter,
+            });
+        }
+        Ok(state)
     }
 
     /// Makes a grant's revision durable before its token is handed out: in

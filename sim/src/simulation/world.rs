@@ -350,6 +350,7 @@ impl World {
                 batch_limit: self.cfg.batch_limit,
                 batches_in_flight: latchkey_arbiter::table::DEFAULT_BATCHES_IN_FLIGHT,
                 session_tag: 0,
+                map_version: Default::default(),
             },
         );
         // An arbiter that cannot read the epoch record does not serve: it
