@@ -336,6 +336,12 @@ impl MemLog {
         self.shared.lock().cluster_id
     }
 
+    /// `key` as the store has it now (unprefixed, as the log stores it:
+    /// `sys/epoch`, `sys/shardmap`, ...).
+    pub fn stored(&self, key: &str) -> Option<Kv> {
+        self.shared.with(|inner, _| kv_of(&inner.store, key))
+    }
+
     pub fn compaction_revision(&self) -> i64 {
         self.shared.lock().store.compacted()
     }

@@ -81,6 +81,15 @@
 //! drawn. Each restore's fault completes with the seal reasons the operator
 //! saw ([`SimRun::coord_restores`] counts those naming the coord cluster).
 //!
+//! **Shard-map fences (ADR-09).** With [`FaultKnobs::map_fences`] the
+//! nemesis also plays a shard move's fence: it picks some arbiters to stay
+//! on the old shard map, moves the others to a new version, raises the lock
+//! log's fence (`sys/shardmap`) to it, and after one to four seconds lets
+//! the ones behind load the map too. No grant through an arbiter behind the
+//! fence may commit after the raise did ([`SimRun::fences`], judged here:
+//! the checker knows nothing of maps); the others go on granting, and the
+//! ones behind grant again once caught up.
+//!
 //! **Batches.** Every log call takes a round trip of 1–2 ms
 //! ([`SimConfig::log_latency`]), so grants and releases that arrive while
 //! a batch is in flight go together as the next one (group commit,
@@ -111,6 +120,7 @@
 //! `LATCHKEY_SIM_TRACE=<file>` writes every log call of a run (simulated
 //! time, revision, call) for debugging a seed.
 
+mod fences;
 mod idlog;
 mod nemesis;
 mod ordered;
@@ -131,6 +141,7 @@ use tokio::time::Instant;
 use crate::memlog::{BatchCounts, FaultCounts, FaultRates, MemLog, MemLogConfig};
 use crate::rng::Rng;
 use crate::witness::{MemWitness, WitnessCalls};
+pub use fences::FenceReport;
 pub use nemesis::{COORD_RESTORE, LIVENESS_WINDOW};
 use world::{World, lock};
 
@@ -198,6 +209,14 @@ pub struct FaultKnobs {
     /// Percent of cycles after which an incarnation closes its session and
     /// ends.
     pub close_session_percent: u32,
+    /// Raise the lock log's shard-map fence above the map some arbiters
+    /// route by, for a while (see the module docs).
+    pub map_fences: bool,
+    /// The arbiters picked to stay behind a fence load its map at once
+    /// anyway, while the run is judged as if they had not: their grants
+    /// must show as violations (only to show the fence's check has teeth;
+    /// off in every preset).
+    pub map_fences_unenforced: bool,
 }
 
 impl FaultKnobs {
@@ -223,6 +242,16 @@ impl FaultKnobs {
             cancel_percent: 4,
             stray_percent: 15,
             close_session_percent: 1,
+            map_fences: false,
+            map_fences_unenforced: false,
+        }
+    }
+
+    /// Every fault, and shard-map fences raised above some arbiters' map.
+    pub fn fenced() -> Self {
+        Self {
+            map_fences: true,
+            ..Self::all()
         }
     }
 
@@ -284,6 +313,8 @@ impl FaultKnobs {
             cancel_percent: 0,
             stray_percent: 0,
             close_session_percent: 0,
+            map_fences: false,
+            map_fences_unenforced: false,
         }
     }
 }
@@ -370,6 +401,8 @@ pub const PRESETS: &[&str] = &[
     "unwitnessed-state-loss",
     "durable",
     "durable-three-arbiters",
+    "fenced",
+    "fenced-three-arbiters",
 ];
 
 impl SimConfig {
@@ -396,6 +429,8 @@ impl SimConfig {
     /// - `durable`, `durable-three-arbiters`: `default` (and with 3
     ///   arbiters) with half the keys of a durable class
     ///   ([`SimConfig::durable_keys`]).
+    /// - `fenced`, `fenced-three-arbiters`: `default` (and with 3
+    ///   arbiters) with shard-map fences ([`FaultKnobs::fenced`]).
     pub fn preset(name: &str, seed: u64) -> Option<Self> {
         let base = Self::new(seed);
         Some(match name {
@@ -413,6 +448,16 @@ impl SimConfig {
                 arbiters: 3,
                 clients: 12,
                 durable_keys: base.keys / 2,
+                ..base
+            },
+            "fenced" => Self {
+                faults: FaultKnobs::fenced(),
+                ..base
+            },
+            "fenced-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                faults: FaultKnobs::fenced(),
                 ..base
             },
             "one-arbiter" => Self {
@@ -477,6 +522,8 @@ pub struct SimRun {
     pub log_batches: BatchCounts,
     /// The durable waiters, added up over every arbiter incarnation.
     pub durable: DurableStats,
+    /// The shard-map fences raised and what they stopped.
+    pub fences: FenceReport,
     pub notes: Vec<String>,
 }
 
@@ -503,9 +550,13 @@ pub struct WitnessReport {
 }
 
 impl SimRun {
-    /// Safe, live, and a history the checker accepts.
+    /// Safe, live, a history the checker accepts, and no grant past a
+    /// shard-map fence.
     pub fn ok(&self) -> bool {
-        self.report.ok() && self.stuck.is_none() && self.invalid_history.is_none()
+        self.report.ok()
+            && self.stuck.is_none()
+            && self.invalid_history.is_none()
+            && self.fences.violations.is_empty()
     }
 
     /// What went wrong, for people: the violations (the checker's report),
@@ -520,6 +571,9 @@ impl SimRun {
         }
         if !self.report.ok() {
             out.push_str(&self.report.to_string());
+        }
+        for v in &self.fences.violations {
+            out.push_str(&format!("past the shard-map fence: {v}\n"));
         }
         out
     }
@@ -572,7 +626,7 @@ impl SimRun {
         });
         let (b, lb) = (self.batches, self.log_batches);
         format!(
-            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}, {}",
+            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}, {}",
             self.seed,
             self.ops,
             self.simulated.as_secs_f64(),
@@ -601,6 +655,14 @@ impl SimRun {
             } else {
                 String::new()
             },
+            if self.fences.raised > 0 {
+                format!(
+                    "; shard-map fences: {} raised, {} acquires refused behind them, {} followed by grants of the arbiters caught up",
+                    self.fences.raised, self.fences.refused, self.fences.granted_again
+                )
+            } else {
+                String::new()
+            },
             if self.ok() { "PASS" } else { "FAIL" }
         )
     }
@@ -612,7 +674,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         .enable_all()
         .start_paused(true)
         .build();
-    let (ops, stuck, simulated, log_faults, witness, notes, batches) = match runtime {
+    let (ops, stuck, simulated, log_faults, witness, notes, batches, fences) = match runtime {
         Ok(rt) => {
             let out = rt.block_on(simulate(cfg.clone()));
             drop(rt);
@@ -630,6 +692,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
                 BatchCounts::default(),
                 DurableStats::default(),
             ),
+            FenceReport::default(),
         ),
     };
     let built = History::from_ops(ops);
@@ -653,6 +716,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         batches: batches.0,
         log_batches: batches.1,
         durable: batches.2,
+        fences,
     }
 }
 
@@ -664,6 +728,7 @@ type Outcome = (
     Option<WitnessReport>,
     Vec<String>,
     (BatchStats, BatchCounts, DurableStats),
+    FenceReport,
 );
 
 async fn simulate(cfg: SimConfig) -> Outcome {
@@ -770,6 +835,7 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             world.memlog.batch_counts(),
             *lock(&world.durable),
         ),
+        lock(&world.fences).report(),
     )
 }
 

@@ -4,9 +4,10 @@
 //! ```text
 //! latchkey-sim --seed 42 [--preset default|three-arbiters|one-arbiter|state-loss|
 //!                        witnessed|witnessed-three-arbiters|witnessed-state-loss|
-//!                        unwitnessed-state-loss]
+//!                        unwitnessed-state-loss|durable|durable-three-arbiters|
+//!                        fenced|fenced-three-arbiters]
 //!              [--ops 10000] [--arbiters 2] [--clients 10] [--keys 8]
-//!              [--faults all|state-loss|witnessed|witnessed-state-loss|none]
+//!              [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|none]
 //!              [--witness on|off] [--history out.jsonl]
 //! ```
 //!
@@ -24,7 +25,7 @@ use std::time::Instant;
 
 use latchkey_sim::simulation::{FaultKnobs, PRESETS, SimConfig, run};
 
-const USAGE: &str = "usage: latchkey-sim --seed N [--preset default|three-arbiters|one-arbiter|state-loss|witnessed|witnessed-three-arbiters|witnessed-state-loss|unwitnessed-state-loss] [--ops M] [--arbiters A] [--clients C] [--keys K] [--faults all|state-loss|witnessed|witnessed-state-loss|none] [--witness on|off] [--history out.jsonl]";
+const USAGE: &str = "usage: latchkey-sim --seed N [--preset default|three-arbiters|one-arbiter|state-loss|witnessed|witnessed-three-arbiters|witnessed-state-loss|unwitnessed-state-loss|durable|durable-three-arbiters|fenced|fenced-three-arbiters] [--ops M] [--arbiters A] [--clients C] [--keys K] [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|none] [--witness on|off] [--history out.jsonl]";
 
 struct Args {
     cfg: SimConfig,
@@ -80,6 +81,7 @@ fn parse() -> Result<Args, String> {
                     "state-loss" => FaultKnobs::state_loss(),
                     "witnessed" => FaultKnobs::witnessed(),
                     "witnessed-state-loss" => FaultKnobs::witnessed_state_loss(),
+                    "fenced" => FaultKnobs::fenced(),
                     "none" => FaultKnobs::none(),
                     other => return Err(format!("--faults {other}: not a fault set\n{USAGE}")),
                 }

@@ -11,6 +11,7 @@ use latchkey_arbiter::witness::Witnessed;
 use latchkey_checker::{Function, Outcome};
 use tokio::time::Instant;
 
+use super::fences::Window;
 use super::world::{World, lock};
 use crate::memlog::{ClusterId, FaultRates, Snapshot};
 use crate::rng::Rng;
@@ -155,6 +156,7 @@ enum Kind {
     Compact,
     Snapshot,
     Restore,
+    MapFence,
 }
 
 pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
@@ -175,6 +177,9 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
     if knobs.restores {
         kinds.push((Kind::Snapshot, 10));
         kinds.push((Kind::Restore, 12));
+    }
+    if knobs.map_fences {
+        kinds.push((Kind::MapFence, 15));
     }
     if kinds.is_empty() {
         return;
@@ -208,6 +213,7 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
             Kind::Restart => restart(&world, &mut rng).await,
             Kind::Compact => compact(&world, &mut rng),
             Kind::Snapshot => backups.take(&world),
+            Kind::MapFence => map_fence(&world, &mut rng).await,
             Kind::Restore => {
                 if !lock(&world.liveness).serving(Instant::now(), SERVING_WITHIN) {
                     continue;
@@ -526,6 +532,87 @@ async fn restart(world: &World, rng: &mut Rng) {
     world.kill_arbiter(i).await;
     tokio::time::sleep(down).await;
     world.start_arbiter(i, lose, rng.next_u64()).await;
+    done(world, op);
+}
+
+/// A shard move's fence (ADR-09): some arbiters stay on the old shard map
+/// (at least one, and never all of two or more), the others load the new
+/// version, the lock log's fence is raised to it, and after one to four
+/// seconds the ones behind load it too. From the raise's commit until then
+/// no grant through them may commit (judged at the end,
+/// [`super::fences`]); the others go on granting. With
+/// [`FaultKnobs::map_fences_unenforced`] the ones behind load the map at
+/// once, as a control: the judge must then find their grants.
+///
+/// [`FaultKnobs::map_fences_unenforced`]: super::FaultKnobs::map_fences_unenforced
+async fn map_fence(world: &World, rng: &mut Rng) {
+    let n = world.arbiters.len();
+    let mut behind: Vec<usize> = (0..n).filter(|_| rng.chance(50)).collect();
+    if behind.is_empty() {
+        behind.push(usize::try_from(rng.below(n as u64)).unwrap_or(0));
+    } else if n >= 2 && behind.len() == n {
+        behind.remove(usize::try_from(rng.below(n as u64)).unwrap_or(0));
+    }
+    let length = Duration::from_millis(1000 + rng.below(3000));
+    let version = {
+        let mut fences = lock(&world.fences);
+        fences.version += 1;
+        fences.version
+    };
+    let names: Vec<String> = behind.iter().map(|i| format!("arbiter-{i}")).collect();
+    let op = fault(
+        world,
+        format!(
+            "shard-map fence raised to version {version}, {} still on version {} for {} ms",
+            names.join(" and "),
+            version - 1,
+            length.as_millis()
+        ),
+    );
+    let unenforced = world.cfg.faults.map_fences_unenforced;
+    for i in 0..n {
+        if unenforced || !behind.contains(&i) {
+            world.set_map_version(i, version);
+        }
+    }
+    // The mover's raise, retried until it has landed (an answer lost after
+    // the commit is retried too, and then writes nothing).
+    while world.log.raise_map_fence(version).await.is_err() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let raised = world
+        .memlog
+        .stored("sys/shardmap")
+        .map(|kv| kv.mod_revision);
+    let epoch = world
+        .memlog
+        .stored("sys/epoch")
+        .and_then(|kv| decode::<EpochRecord>(&kv.value))
+        .map(|r| r.epoch);
+    let (Some(raised), Some(epoch)) = (raised, epoch) else {
+        world.note(format!(
+            "the fence raised to version {version} or the epoch record is not in the log"
+        ));
+        done(world, op);
+        return;
+    };
+    lock(&world.fences).windows.push(Window {
+        version,
+        epoch,
+        raised,
+        behind: behind.clone(),
+        caught_up: None,
+    });
+    tokio::time::sleep(length).await;
+    // The revision before the ones behind load the map: every grant they
+    // make from here on commits above it.
+    let caught_up = world.memlog.revision();
+    for &i in &behind {
+        world.set_map_version(i, version);
+    }
+    if let Some(w) = lock(&world.fences).windows.last_mut() {
+        w.caught_up = Some(caught_up);
+    }
     done(world, op);
 }
 

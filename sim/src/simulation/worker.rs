@@ -33,8 +33,9 @@ const MAX_WAITERS_PER_KEY: u32 = 16;
 const CLASS: &str = "sim";
 
 /// The reasons the arbiter gives before writing anything: the gate's list
-/// (`is_definite_refusal` in tests/src/gate/worker.rs). Everything else may
-/// hide a grant or a release.
+/// (`is_definite_refusal` in tests/src/gate/worker.rs), and a shard-map
+/// fence ahead of the arbiter's map (refused by the serving check, as a
+/// seal is). Everything else may hide a grant or a release.
 fn is_definite_refusal(e: &ArbiterError) -> bool {
     matches!(
         e,
@@ -42,6 +43,7 @@ fn is_definite_refusal(e: &ArbiterError) -> bool {
             | ArbiterError::Leak { .. }
             | ArbiterError::WaitTimeout { .. }
             | ArbiterError::Sealed { .. }
+            | ArbiterError::ShardMapAhead { .. }
             | ArbiterError::QueueFull { .. }
             | ArbiterError::TooManyWaiters { .. }
             | ArbiterError::NotHeld { .. }
@@ -288,6 +290,7 @@ impl Incarnation<'_> {
         let token = match answer {
             Call::Answered(Ok(acquired)) => match acquired.grant.token() {
                 Some(token) => {
+                    lock(&self.world.fences).granted(arbiter.index, &acquired.grant);
                     self.world
                         .complete(op, Outcome::Ok, Some(token), None, None);
                     token
@@ -300,6 +303,9 @@ impl Incarnation<'_> {
             Call::Answered(Err(e)) if is_definite_refusal(&e) => {
                 self.world
                     .complete(op, Outcome::Fail, None, None, Some(describe(&e)));
+                if matches!(e, ArbiterError::ShardMapAhead { .. }) {
+                    lock(&self.world.fences).refused += 1;
+                }
                 if matches!(e, ArbiterError::SessionExpired { .. }) {
                     return Next::End;
                 }
@@ -319,7 +325,8 @@ impl Incarnation<'_> {
                     e,
                     ArbiterError::Held { .. } | ArbiterError::WaitTimeout { .. }
                 ) {
-                    // Sealed, or the session is gone: do not spin.
+                    // Sealed, behind the shard map, or the session is gone:
+                    // do not spin.
                     let pause = 50 + self.rng.below(200);
                     tokio::time::sleep(Duration::from_millis(pause)).await;
                 } else if wait.is_none() {

@@ -12,13 +12,14 @@ use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::high_water::{HighWater, Mark};
 use latchkey_arbiter::lock_log::LockLog;
 use latchkey_arbiter::table::durable::DurableStats;
-use latchkey_arbiter::table::{BatchStats, LockTable, TableOptions};
+use latchkey_arbiter::table::{BatchStats, LockTable, MapVersion, TableOptions};
 use latchkey_arbiter::witness::Witness;
 use latchkey_checker::{Completion, Function, Operation, Outcome};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::SimConfig;
+use super::fences::Fences;
 use crate::memlog::MemLog;
 use crate::rng::Rng;
 use crate::witness::MemWitness;
@@ -43,6 +44,9 @@ pub(crate) struct ArbiterSlot {
     /// intact): no call reaches it, so it learns of nothing until it is
     /// reachable again.
     pub(crate) isolated: bool,
+    /// The shard map version it routes by: what it has loaded of the map,
+    /// kept across restarts (every incarnation's table shares it).
+    pub(crate) map_version: MapVersion,
 }
 
 /// A live arbiter a client may call.
@@ -143,6 +147,8 @@ pub(crate) struct World {
     pub(crate) batches: Mutex<BatchStats>,
     /// The durable waiters of every table that has stopped, added up.
     pub(crate) durable: Mutex<DurableStats>,
+    /// The shard-map fences raised, and every grant to judge against them.
+    pub(crate) fences: Mutex<Fences>,
 }
 
 impl World {
@@ -162,6 +168,7 @@ impl World {
                     high_water: Arc::new(HighWater::in_memory(None)),
                     restarts: 0,
                     isolated: false,
+                    map_version: MapVersion::default(),
                 })
             })
             .collect();
@@ -184,6 +191,7 @@ impl World {
             notes: Mutex::new(Vec::new()),
             batches: Mutex::new(BatchStats::default()),
             durable: Mutex::new(DurableStats::default()),
+            fences: Mutex::new(Fences::default()),
         }
     }
 
@@ -289,6 +297,13 @@ impl World {
         slot.table.clone().map(|t| (t, slot.isolated))
     }
 
+    /// Makes arbiter `i` route by shard map `version` from now on.
+    pub(crate) fn set_map_version(&self, i: usize, version: u64) {
+        if let Some(slot) = self.arbiters.get(i) {
+            lock(slot).map_version.set(version);
+        }
+    }
+
     /// Cuts arbiter `i` off from every caller, or reconnects it.
     pub(crate) fn set_isolated(&self, i: usize, isolated: bool) {
         if let Some(slot) = self.arbiters.get(i) {
@@ -328,7 +343,7 @@ impl World {
         let Some(slot) = self.arbiters.get(i) else {
             return;
         };
-        let high_water = {
+        let (high_water, map_version) = {
             let mut slot = lock(slot);
             if lose_state {
                 slot.high_water = Arc::new(HighWater::in_memory(None));
@@ -336,7 +351,7 @@ impl World {
                 let mark: Option<Mark> = slot.high_water.current();
                 slot.high_water = Arc::new(HighWater::in_memory(mark));
             }
-            slot.high_water.clone()
+            (slot.high_water.clone(), slot.map_version.clone())
         };
         let table = LockTable::witnessed(
             self.log.clone(),
@@ -350,7 +365,7 @@ impl World {
                 batch_limit: self.cfg.batch_limit,
                 batches_in_flight: latchkey_arbiter::table::DEFAULT_BATCHES_IN_FLIGHT,
                 session_tag: 0,
-                map_version: Default::default(),
+                map_version,
             },
         );
         // An arbiter that cannot read the epoch record does not serve: it
