@@ -54,6 +54,9 @@ pub enum ArbiterError {
     /// The namespace cannot be served on its tier just now; retry.
     #[error("{0}")]
     TierMoving(String),
+    /// The key's range is moving between entity shards (ADR-09); retry.
+    #[error("{0}")]
+    RangeMoving(String),
     /// With the tiers split: the session lives on the other tier's cluster
     /// (answered like a session of another TTL: open one for this class).
     #[error("{0}")]
@@ -119,6 +122,7 @@ impl ArbiterError {
             }
             Self::WrongTier(_) | Self::TierBound(_) => Reason::WrongTier,
             Self::TierMoving(_) => Reason::TierMoving,
+            Self::RangeMoving(_) => Reason::RangeMoving,
             Self::Held { .. } => Reason::Held,
             Self::Leak { .. } => Reason::Leak,
             Self::WaitTimeout { .. } => Reason::WaitTimeout,
@@ -156,7 +160,9 @@ impl ArbiterError {
             | Self::TokenMismatch { .. }
             | Self::Sealed { .. }
             | Self::TierBound(_) => Code::FailedPrecondition,
-            Self::TierMoving(_) | Self::ShardMapAhead { .. } => Code::Unavailable,
+            Self::TierMoving(_) | Self::RangeMoving(_) | Self::ShardMapAhead { .. } => {
+                Code::Unavailable
+            }
             Self::HookDenied { code, .. } => *code,
             Self::StoreUnavailable { .. } => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
@@ -170,6 +176,7 @@ impl ArbiterError {
             Self::StoreUnavailable { .. }
                 | Self::Held { .. }
                 | Self::TierMoving(_)
+                | Self::RangeMoving(_)
                 | Self::ShardMapAhead { .. }
         )
     }

@@ -58,6 +58,7 @@ pub(crate) fn spawn(
             let reason = arbiter
                 .tiers
                 .all()
+                .into_iter()
                 .find_map(|c| c.table.seal().guard().seal_reason());
             reporter
                 .set_service_status(LOCK_SERVICE, lock_status(reason.as_deref()))

@@ -283,7 +283,12 @@ pub async fn run(
     // Waiting calls end as the stop begins, or the server's drain would
     // wait out their budgets.
     let shutdown = {
-        let tables: Vec<_> = arbiter.tiers.all().map(|c| c.table.clone()).collect();
+        let tables: Vec<_> = arbiter
+            .tiers
+            .all()
+            .into_iter()
+            .map(|c| c.table.clone())
+            .collect();
         async move {
             shutdown.await;
             for table in &tables {

@@ -699,6 +699,7 @@ mod tests {
             class: "batch".into(),
             ttl_seconds: 30,
             annotations: BTreeMap::new(),
+            routed_by: None,
         }
     }
 

@@ -9,6 +9,7 @@ mod inspect;
 mod keep_alive;
 mod open_session;
 mod release;
+mod shadow;
 mod shards;
 
 use std::pin::Pin;

@@ -22,6 +22,7 @@
 //! not this module): [`ShardMap::moves_to`] lists what changes home.
 
 pub mod etcd;
+pub mod routing;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -55,6 +56,24 @@ pub struct ShardMap {
     /// Namespaces pinned to a shard by name.
     #[serde(default)]
     pub overrides: BTreeMap<String, String>,
+    /// A move under way: the map it leads to. A range whose home differs
+    /// there is *moving*: it takes no new grants until the move ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moving: Option<Move>,
+}
+
+/// A change of the map under way (ADR-09): published as version v+1 with
+/// the current homes still in force, finished as version v+2 with the
+/// `shards` and `overrides` here.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Move {
+    pub shards: Vec<Shard>,
+    #[serde(default)]
+    pub overrides: BTreeMap<String, String>,
+    /// The operator's reason, as given.
+    pub reason: String,
+    pub started_at_unix_ms: i64,
 }
 
 /// Why a shard map is refused.
@@ -76,6 +95,10 @@ pub enum MapError {
         "version {next} does not follow {current}: a change takes the next version (read the map again and retry)"
     )]
     Version { current: u64, next: u64 },
+    #[error("the move under way would drop shard {0:?}: removing a shard is not supported")]
+    DropsShard(String),
+    #[error("the move under way changes shard {0:?}'s endpoints: a shard keeps its endpoints")]
+    ChangesShard(String),
 }
 
 /// The range of `key` (its homing unit): the namespace and the first path
@@ -154,7 +177,52 @@ impl ShardMap {
                 });
             }
         }
+        if let Some(target) = self.target() {
+            target.check()?;
+            for s in &self.shards {
+                match target.shards.iter().find(|t| t.name == s.name) {
+                    None => return Err(MapError::DropsShard(s.name.clone())),
+                    Some(t) if t.endpoints != s.endpoints => {
+                        return Err(MapError::ChangesShard(s.name.clone()));
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// The map a move under way leads to (the next version, with no move).
+    pub fn target(&self) -> Option<ShardMap> {
+        self.moving.as_ref().map(|m| ShardMap {
+            version: self.version + 1,
+            shards: m.shards.clone(),
+            overrides: m.overrides.clone(),
+            moving: None,
+        })
+    }
+
+    /// Whether `key`'s range is moving to another shard (it takes no new
+    /// grants until the move ends).
+    pub fn is_moving(&self, key: &str) -> bool {
+        let range = range_of(key);
+        self.target()
+            .is_some_and(|t| t.home_of_range(range).name != self.home_of_range(range).name)
+    }
+
+    /// Every shard the map names, the move's new ones included.
+    pub fn all_shards(&self) -> impl Iterator<Item = &Shard> {
+        let new = self.moving.iter().flat_map(move |m| {
+            m.shards
+                .iter()
+                .filter(move |s| !self.shards.iter().any(|c| c.name == s.name))
+        });
+        self.shards.iter().chain(new)
+    }
+
+    /// A shard of the map (or of its move) by name.
+    pub fn shard(&self, name: &str) -> Option<&Shard> {
+        self.all_shards().find(|s| s.name == name)
     }
 
     /// Checks `next` as the change that follows this map.
@@ -227,6 +295,7 @@ mod tests {
             version,
             shards: names.iter().map(|n| shard(n)).collect(),
             overrides: BTreeMap::new(),
+            moving: None,
         }
     }
 
@@ -336,5 +405,73 @@ mod tests {
         assert_eq!(parsed.shards[0].weight, 1);
         let unknown = r#"{"version":1,"shards":[],"shardz":[]}"#;
         assert!(serde_json::from_str::<ShardMap>(unknown).is_err());
+    }
+
+    fn moving(from: &ShardMap, to: &ShardMap) -> ShardMap {
+        ShardMap {
+            version: from.version + 1,
+            moving: Some(Move {
+                shards: to.shards.clone(),
+                overrides: to.overrides.clone(),
+                reason: "grow".into(),
+                started_at_unix_ms: 1,
+            }),
+            ..from.clone()
+        }
+    }
+
+    #[test]
+    fn a_move_routes_by_the_old_homes_and_marks_what_changes() {
+        let three = map(1, &["a", "b", "c"]);
+        let four = map(0, &["a", "b", "c", "d"]);
+        let during = moving(&three, &four);
+        during.check().unwrap();
+        let target = during.target().unwrap();
+        assert_eq!(target.version, 3);
+        assert!(target.moving.is_none());
+        assert_eq!(
+            during
+                .all_shards()
+                .map(|s| s.name.as_str())
+                .collect::<Vec<_>>(),
+            ["a", "b", "c", "d"]
+        );
+        for key in keys().iter().take(5_000) {
+            // Homes are the old ones until the move ends.
+            assert_eq!(during.home(key), three.home(key));
+            let changes = three.home(key).name != target.home(key).name;
+            assert_eq!(during.is_moving(key), changes, "{key}");
+            if changes {
+                assert_eq!(target.home(key).name, "d");
+            }
+        }
+        // The move round-trips through the stored form.
+        let json = serde_json::to_string(&during).unwrap();
+        assert!(
+            json.contains("\"moving\"") && json.contains("startedAtUnixMs"),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<ShardMap>(&json).unwrap(), during);
+        // A map with no move stores no `moving` field.
+        assert!(!serde_json::to_string(&three).unwrap().contains("moving"));
+    }
+
+    #[test]
+    fn a_move_keeps_every_shard_and_its_endpoints() {
+        let three = map(1, &["a", "b", "c"]);
+        let dropped = moving(&three, &map(0, &["a", "b"]));
+        assert_eq!(dropped.check(), Err(MapError::DropsShard("c".into())));
+        let mut readdressed = map(0, &["a", "b", "c"]);
+        readdressed.shards[1].endpoints = vec!["https://elsewhere:2379".into()];
+        assert_eq!(
+            moving(&three, &readdressed).check(),
+            Err(MapError::ChangesShard("b".into()))
+        );
+        let mut bad_pin = map(0, &["a", "b", "c"]);
+        bad_pin.overrides.insert("payments".into(), "z".into());
+        assert!(matches!(
+            moving(&three, &bad_pin).check(),
+            Err(MapError::UnknownOverride { .. })
+        ));
     }
 }

@@ -18,7 +18,10 @@ use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::records::Layout;
 use crate::service::Arbiter;
-use crate::table::{LockTable, TableOptions};
+use crate::shards::Shard;
+use crate::shards::etcd::ShardMapStore;
+use crate::shards::routing;
+use crate::table::{LockTable, MapVersion, TableOptions};
 use crate::witness::Witness;
 use crate::witness::etcd::EtcdWitness;
 use crate::{RunError, bounds, force_release, hold_counts, oidc, quorum_loss, tiers, wasm_hooks};
@@ -55,6 +58,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         login: etcd_login,
     };
     let witness = coord_witness(config, &lock_store).await?;
+    let map_version = MapVersion::default();
     let entity = build_cluster(
         config,
         ClusterSpec {
@@ -64,6 +68,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             state_dir: config.state_dir.clone(),
             layer: config.log_layer.as_ref(),
             session_tag: 0,
+            map_version: map_version.clone(),
         },
         &bounds,
     )
@@ -89,6 +94,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
                         state_dir: config.state_dir.join("coord-tier"),
                         layer: None,
                         session_tag: tiers::COORD_SESSION_BIT,
+                        map_version: MapVersion::default(),
                     },
                     &bounds,
                 )
@@ -136,7 +142,51 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             Some(bindings)
         }
     };
-    let tiers = tiers::Tiers::new(Arc::new(entity), coord.map(Arc::new), bindings);
+    let entity = Arc::new(entity);
+    let mut tiers = tiers::Tiers::new(entity.clone(), coord.map(Arc::new), bindings);
+    // ADR-09: with a coord cluster, entity keys are routed by the shard map
+    // there (none yet: every key on the lock cluster, as before).
+    if !config.coord_endpoints.is_empty() {
+        let store = StoreConfig {
+            endpoints: config.coord_endpoints.clone(),
+            prefix: config.coord_prefix.clone(),
+            ..lock_store.clone()
+        };
+        let client = connect_client(&store)
+            .await
+            .map_err(|source| RunError::CoordUnreachable {
+                endpoints: config.coord_endpoints.join(","),
+                access: config.etcd_credentials.describe(),
+                source,
+            })?;
+        let connect: Arc<dyn routing::Connect> = Arc::new(ShardConnector {
+            config: config.clone(),
+            lock_store: lock_store.clone(),
+            bounds: bounds.clone(),
+            map_version: map_version.clone(),
+        });
+        let routing = Arc::new(routing::ShardRouting::new(
+            &config.lock_cluster_name,
+            config.etcd_endpoints.clone(),
+            entity,
+            ShardMapStore::new(client, &config.coord_prefix),
+            connect,
+            map_version,
+        ));
+        routing
+            .load()
+            .await
+            .map_err(|e| RunError::Store(e.into()))?;
+        if let Some(map) = routing.map() {
+            info!(
+                version = map.version,
+                shards = map.shards.len(),
+                "entity keys routed by the shard map on the coord cluster"
+            );
+        }
+        let follow = routing.follow();
+        tiers = tiers.with_shards(routing, follow);
+    }
     let identity = match &config.tls {
         Some(_) => IdentitySource::Tls {
             trust_domain: config.trust_domain.clone(),
@@ -147,7 +197,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         },
     };
     let metrics = {
-        let tables: Vec<_> = tiers.all().map(|c| c.table.clone()).collect();
+        let tables: Vec<_> = tiers.all().into_iter().map(|c| c.table.clone()).collect();
         let quorum = tiers.entity().quorum.clone();
         Metrics::new(
             Arc::new(move || {
@@ -194,6 +244,9 @@ struct ClusterSpec<'c> {
     state_dir: std::path::PathBuf,
     layer: Option<&'c LogLayer>,
     session_tag: i64,
+    /// The shard map version this arbiter routes by (entity shards share
+    /// the routing's; the coord tier is never fenced).
+    map_version: MapVersion,
 }
 
 /// Connects to one cluster and readies its table: the epoch record, the
@@ -270,6 +323,7 @@ async fn build_cluster(
             poll: config.retry_poll,
             max_waiters_per_identity: config.max_waiters_per_identity,
             session_tag: spec.session_tag,
+            map_version: spec.map_version.clone(),
             ..TableOptions::default()
         },
     );
@@ -402,6 +456,17 @@ async fn coord_witness(
     if config.coord_endpoints.is_empty() {
         return Ok(None);
     }
+    witness_named(config, lock_store, &config.lock_cluster_name)
+        .await
+        .map(Some)
+}
+
+/// The coord cluster's witness of the lock cluster called `name`.
+async fn witness_named(
+    config: &Config,
+    lock_store: &StoreConfig,
+    name: &str,
+) -> Result<Arc<EtcdWitness>, RunError> {
     let unreachable = |source| RunError::CoordUnreachable {
         endpoints: config.coord_endpoints.join(","),
         access: config.etcd_credentials.describe(),
@@ -412,11 +477,57 @@ async fn coord_witness(
         prefix: config.coord_prefix.clone(),
         ..lock_store.clone()
     };
-    let witness = EtcdWitness::connect(&store, &config.lock_cluster_name)
+    let witness = EtcdWitness::connect(&store, name)
         .await
         .map_err(unreachable)?;
     witness.read().await.map_err(unreachable)?;
-    Ok(Some(Arc::new(witness)))
+    Ok(Arc::new(witness))
+}
+
+/// Connects the entity tier's other shards as the shard map names them:
+/// the lock cluster's credentials, a witness of their own on the coord
+/// cluster (by shard name: each shard's epochs come from there), and a
+/// state directory of their own under `<state-dir>/shards/`.
+struct ShardConnector {
+    config: Config,
+    lock_store: StoreConfig,
+    bounds: Arc<bounds::Bounds>,
+    map_version: MapVersion,
+}
+
+impl routing::Connect for ShardConnector {
+    fn connect(
+        &self,
+        shard: Shard,
+    ) -> futures::future::BoxFuture<'static, Result<Arc<tiers::Cluster>, String>> {
+        let (config, lock_store, bounds, map_version) = (
+            self.config.clone(),
+            self.lock_store.clone(),
+            self.bounds.clone(),
+            self.map_version.clone(),
+        );
+        Box::pin(async move {
+            let witness = witness_named(&config, &lock_store, &shard.name)
+                .await
+                .map_err(|e| e.to_string())?;
+            let spec = ClusterSpec {
+                tier: latchkey_policies::Tier::Entity,
+                store: StoreConfig {
+                    endpoints: shard.endpoints.clone(),
+                    ..lock_store.clone()
+                },
+                witness: Some(witness),
+                state_dir: config.state_dir.join("shards").join(&shard.name),
+                layer: None,
+                session_tag: 0,
+                map_version,
+            };
+            build_cluster(&config, spec, &bounds)
+                .await
+                .map(Arc::new)
+                .map_err(|e| e.to_string())
+        })
+    }
 }
 
 /// The coord tier's witness when the tiers are split: the

@@ -89,6 +89,12 @@ pub struct GrantRequest {
     pub class: String,
     pub ttl_seconds: u32,
     pub annotations: BTreeMap<String, String>,
+    /// The shard map version the request was routed by (ADR-09): a cluster
+    /// fenced at a newer one refuses it, whatever map this arbiter has
+    /// adopted since (a move fences the old home before the range changes
+    /// hands). `None`: not routed by a map (the coord tier; the table's
+    /// own [`MapVersion`] alone decides).
+    pub routed_by: Option<u64>,
 }
 
 impl GrantRequest {

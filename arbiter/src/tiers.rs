@@ -34,6 +34,7 @@ use crate::error::ArbiterError;
 use crate::force_release::ForceRelease;
 use crate::hold_counts::HoldCounts;
 use crate::quorum_loss::QuorumLoss;
+use crate::shards::routing::ShardRouting;
 use crate::table::LockTable;
 pub use crate::table::sessions::COORD_SESSION_BIT;
 
@@ -78,6 +79,16 @@ pub struct Tiers {
     entity: Arc<Cluster>,
     coord: Option<Arc<Cluster>>,
     bindings: Option<bindings::Bindings>,
+    /// The entity tier's shards, with a coord cluster (ADR-09).
+    shards: Option<Arc<ShardRouting>>,
+    _follow: Option<AbortOnDrop>,
+}
+
+/// Where an Acquire is served, and by which shard map version it was
+/// routed (0: the coord tier, or no map).
+pub struct AcquireRoute {
+    pub cluster: Arc<Cluster>,
+    pub map_version: u64,
 }
 
 impl Tiers {
@@ -90,7 +101,36 @@ impl Tiers {
             entity,
             coord,
             bindings,
+            shards: None,
+            _follow: None,
         }
+    }
+
+    /// Routes entity keys by the shard map `shards` follows.
+    pub fn with_shards(mut self, shards: Arc<ShardRouting>, follow: AbortOnDrop) -> Self {
+        self.shards = Some(shards);
+        self._follow = Some(follow);
+        self
+    }
+
+    pub fn shards(&self) -> Option<&Arc<ShardRouting>> {
+        self.shards.as_ref()
+    }
+
+    /// The entity tier's clusters: the home cluster, then every other
+    /// connected shard.
+    pub fn entity_clusters(&self) -> Vec<Arc<Cluster>> {
+        let mut all = vec![self.entity.clone()];
+        if let Some(shards) = &self.shards {
+            all.extend(shards.others());
+        }
+        all
+    }
+
+    /// The clusters sessions are opened on: the entity (home) cluster and
+    /// the coord cluster when split. Other shards hold only shadows.
+    pub fn session_clusters(&self) -> impl Iterator<Item = &Arc<Cluster>> {
+        std::iter::once(&self.entity).chain(self.coord.iter())
     }
 
     /// Whether coord-tier keys live on a cluster of their own.
@@ -106,9 +146,14 @@ impl Tiers {
         self.coord.as_ref()
     }
 
-    /// Every cluster, the entity cluster first.
-    pub fn all(&self) -> impl Iterator<Item = &Arc<Cluster>> {
-        std::iter::once(&self.entity).chain(self.coord.iter())
+    /// Every cluster: the entity cluster first, the coord cluster, then
+    /// the other connected shards.
+    pub fn all(&self) -> Vec<Arc<Cluster>> {
+        let mut all: Vec<_> = self.session_clusters().cloned().collect();
+        if let Some(shards) = &self.shards {
+            all.extend(shards.others());
+        }
+        all
     }
 
     /// The cluster serving `tier`.
@@ -138,17 +183,20 @@ impl Tiers {
     /// The cluster holding `key`'s holds (Release, Inspect, force-release):
     /// by the namespace's binding; an unbound namespace has no holds but
     /// those from before bindings existed, on the entity cluster.
-    pub async fn for_key(&self, key: &LockKey) -> Result<&Arc<Cluster>, ArbiterError> {
+    pub async fn for_key(&self, key: &LockKey) -> Result<Arc<Cluster>, ArbiterError> {
         let Some(bindings) = &self.bindings else {
-            return Ok(&self.entity);
+            return Ok(self.entity.clone());
         };
         match bindings
             .bound(key.namespace())
             .await
             .map_err(bindings_error)?
         {
-            Some(Tier::Coord) => self.coord.as_ref().ok_or_else(|| not_split(key)),
-            _ => Ok(&self.entity),
+            Some(Tier::Coord) => self.coord.clone().ok_or_else(|| not_split(key)),
+            _ => match &self.shards {
+                Some(shards) => Ok(shards.holding(key.as_str())?.cluster),
+                None => Ok(self.entity.clone()),
+            },
         }
     }
 
@@ -166,7 +214,7 @@ impl Tiers {
         key: &LockKey,
         class: &LockClass,
         session: i64,
-    ) -> Result<&Arc<Cluster>, ArbiterError> {
+    ) -> Result<AcquireRoute, ArbiterError> {
         let proposed = self.proposed(policies, key);
         // A class of the other tier is bad input: refused before anything
         // (a binding) is written.
@@ -195,7 +243,6 @@ impl Tiers {
                 )),
             });
         }
-        let cluster = self.for_tier(tier);
         if self.split() && tier == Tier::Coord && session & COORD_SESSION_BIT == 0 {
             return Err(ArbiterError::SessionWrongTier(format!(
                 "session {session:#x} was opened for an entity-tier class, and key {:?} lives on the coord tier: open a session for class {:?} and acquire with it",
@@ -203,7 +250,19 @@ impl Tiers {
                 class.name
             )));
         }
-        Ok(cluster)
+        Ok(match (tier, &self.shards) {
+            (Tier::Entity, Some(shards)) => {
+                let route = shards.granting(key.as_str())?;
+                AcquireRoute {
+                    cluster: route.cluster,
+                    map_version: route.version,
+                }
+            }
+            _ => AcquireRoute {
+                cluster: self.for_tier(tier).clone(),
+                map_version: 0,
+            },
+        })
     }
 
     /// The namespace's binding, written as `proposed` if there is none. A
@@ -222,13 +281,15 @@ impl Tiers {
             return Ok(tier);
         }
         if let (Tier::Coord, Some(coord)) = (proposed, &self.coord) {
-            let table = &self.entity.table;
-            if table.holds_any_under(&format!("{namespace}/")).await?
-                || table.holder(namespace).await?.is_some()
-            {
-                return Err(ArbiterError::TierMoving(format!(
-                    "namespace {namespace:?} is moving to the coord tier and is not served until the entity cluster's earlier holds in it end (released or expired); retry later"
-                )));
+            for entity in self.entity_clusters() {
+                let table = &entity.table;
+                if table.holds_any_under(&format!("{namespace}/")).await?
+                    || table.holder(namespace).await?.is_some()
+                {
+                    return Err(ArbiterError::TierMoving(format!(
+                        "namespace {namespace:?} is moving to the coord tier and is not served until the entity tier's earlier holds in it end (released or expired); retry later"
+                    )));
+                }
             }
             self.raise_coord_epoch(coord, namespace).await?;
         }
@@ -249,7 +310,10 @@ impl Tiers {
         namespace: &str,
     ) -> Result<(), ArbiterError> {
         for _ in 0..3 {
-            let entity = self.entity.table.seal().load_epoch().await?.epoch();
+            let mut entity = 0;
+            for cluster in self.entity_clusters() {
+                entity = entity.max(cluster.table.seal().load_epoch().await?.epoch());
+            }
             let now = coord.table.seal().load_epoch().await?.epoch();
             if now > entity {
                 return Ok(());

@@ -10,6 +10,9 @@ use latchkey_proto::adminv1::{
     ApproveForceReleaseResponse, ForceReleaseRequest, GetStatusRequest, GetStatusResponse,
     ListForceReleasesRequest, ListForceReleasesResponse, RequestForceReleaseRequest,
 };
+use latchkey_proto::adminv1::{
+    ChangeShardsRequest, GetShardsRequest, ShardStatus, StepShardMoveRequest,
+};
 use latchkey_proto::lockv1::{InspectRequest, OpenSessionRequest, ReleaseRequest};
 use parking_lot::{Mutex, MutexGuard};
 use tokio::time::Instant;
@@ -389,6 +392,40 @@ impl Client {
         at_least: u32,
     ) -> Result<AdvanceEpochResponse, Error> {
         self.advance_epoch_in("", expected, reason, at_least).await
+    }
+
+    /// The entity shards (ADR-09): the shard map, each shard's epoch, map
+    /// fence and holds, and the move under way. Operator identities only.
+    pub async fn shards(&self) -> Result<ShardStatus, Error> {
+        let rpc = &self.inner.rpc;
+        Ok(rpc
+            .admin()
+            .get_shards(rpc.unary(GetShardsRequest {}))
+            .await?
+            .into_inner())
+    }
+
+    /// Starts a change of the shard map (add a shard, pin a namespace): the
+    /// moving ranges take no new grants until [`Self::step_shard_move`]
+    /// finishes it. Operator identities only.
+    pub async fn change_shards(&self, change: ChangeShardsRequest) -> Result<ShardStatus, Error> {
+        let rpc = &self.inner.rpc;
+        Ok(rpc
+            .admin()
+            .change_shards(rpc.unary(change))
+            .await?
+            .into_inner())
+    }
+
+    /// Steps the move under way as far as it can go now; call it until the
+    /// answer has no `move`. Operator identities only.
+    pub async fn step_shard_move(&self, allow_ending_holds: bool) -> Result<ShardStatus, Error> {
+        let rpc = &self.inner.rpc;
+        Ok(rpc
+            .admin()
+            .step_shard_move(rpc.unary(StepShardMoveRequest { allow_ending_holds }))
+            .await?
+            .into_inner())
     }
 
     /// [`Self::advance_epoch_at_least`] of one tier's cluster (ADR-07):

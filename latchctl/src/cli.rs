@@ -16,6 +16,7 @@ mod duration;
 mod hold;
 mod inspect;
 mod pause_test;
+mod shards;
 
 use std::fmt;
 use std::path::PathBuf;

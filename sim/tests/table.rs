@@ -48,6 +48,7 @@ fn req(identity: &str, session: i64, key: &str) -> GrantRequest {
         class: "demo".into(),
         ttl_seconds: TTL,
         annotations: Default::default(),
+        routed_by: None,
     }
 }
 

@@ -34,6 +34,7 @@ mod policies;
 mod python_client;
 mod quorum_loss;
 mod seal;
+mod shard_moves;
 mod shards;
 mod support;
 mod tiers;

@@ -22,6 +22,7 @@ fn map(version: u64, names: &[&str]) -> ShardMap {
             })
             .collect(),
         overrides: Default::default(),
+        moving: None,
     }
 }
 

@@ -99,6 +99,7 @@ impl Arbiter {
     pub(crate) fn holds_elsewhere(&self, cluster: &crate::tiers::Cluster, identity: &str) -> u32 {
         self.tiers
             .all()
+            .into_iter()
             .filter(|c| !std::ptr::eq(c.as_ref(), cluster))
             .map(|c| c.holds.held(identity).unwrap_or(0))
             .sum()
@@ -156,10 +157,19 @@ impl Arbiter {
         check_metadata(&metadata)?;
         // ADR-07: the key's tier decides the cluster; a class or a session
         // of the other tier is refused.
-        let cluster = self
+        let route = self
             .tiers
             .for_acquire(&policies, &key, class, session)
             .await?;
+        let cluster = &route.cluster;
+        // ADR-09: a key homed on another shard than the sessions' cluster
+        // is held on the session's shadow there.
+        if !std::ptr::eq(cluster.as_ref(), self.tiers.entity().as_ref())
+            && cluster.tier == latchkey_policies::Tier::Entity
+        {
+            self.ensure_shadow(cluster, &caller.identity, session)
+                .await?;
+        }
         // ADR-04: while the lock cluster has no quorum a closed class is
         // refused here, nothing sent to etcd; an open one is granted from
         // memory below (bounded there, not by the log's hold counts).
@@ -262,6 +272,7 @@ impl Arbiter {
             class: class.name.clone(),
             ttl_seconds: class.ttl_seconds,
             annotations,
+            routed_by: Some(route.map_version),
         };
 
         let wait = match wait {

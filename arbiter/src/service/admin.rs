@@ -244,7 +244,7 @@ impl Arbiter {
         // The request is on its key's cluster: ask each until one has it.
         // A cluster that cannot answer does not stop the one that has it.
         let (mut found, mut unknown, mut store) = (None, None, None);
-        for force in self.tiers.all().filter_map(|c| c.force.clone()) {
+        for force in self.tiers.all().into_iter().filter_map(|c| c.force.clone()) {
             match force.approve(&approver, &operator, id.trim()).await {
                 Err(e @ ForceError::UnknownRequest { .. }) => unknown = Some(e),
                 Err(e @ ForceError::Store(_)) => store = store.or(Some(e)),
@@ -303,7 +303,7 @@ impl Arbiter {
             .force_caller(&request, &request.get_ref().id_token)
             .await?;
         let (mut pending, mut done) = (Vec::new(), Vec::new());
-        for force in self.tiers.all().filter_map(|c| c.force.clone()) {
+        for force in self.tiers.all().into_iter().filter_map(|c| c.force.clone()) {
             let (p, d) = force.list().await?;
             pending.extend(p);
             done.extend(d);

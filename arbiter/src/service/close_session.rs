@@ -15,14 +15,16 @@ impl Arbiter {
     ) -> Result<CloseSessionResponse, ArbiterError> {
         let caller = self.caller(&request)?;
         let session = session_id(request.get_ref().session_id)?;
-        self.tiers
-            .session_cluster(session)
-            .await?
+        let cluster = self.tiers.session_cluster(session).await?;
+        cluster
             .table
             .close_session(&caller.identity, session)
             .await?;
         // The next renewal of a closed session must reach etcd (and fail).
         self.bounds.forget_renewal(session);
+        if std::ptr::eq(cluster.as_ref(), self.tiers.entity().as_ref()) {
+            self.end_shadows(session).await;
+        }
         info!(identity = %caller.identity, session, "session closed");
         Ok(CloseSessionResponse {})
     }

@@ -216,6 +216,16 @@ impl Arbiter {
                 Err(e) => return Err(e),
             }
         }
+        // With other shards, every renewal renews the session's shadows
+        // too, and the memo (the home cluster's renewals only) cannot answer.
+        if self.has_shadows()
+            && std::ptr::eq(
+                self.tiers.session_cluster(session).await?.as_ref(),
+                self.tiers.entity().as_ref(),
+            )
+        {
+            return self.renew_with_shadows(session).await;
+        }
         // Ownership is settled above; only then may the memo answer.
         if let Some(ttl) = self.bounds.recent_renewal(session) {
             self.metrics.renewal("coalesced");
@@ -251,6 +261,30 @@ impl Arbiter {
             }
         }
         Err(ArbiterError::store("the lease renewal answered too late"))
+    }
+
+    /// Renews an entity session and its shadows on the other shards: alive
+    /// for the shortest TTL left among them, each renewal sent after this
+    /// call began; gone (its shadows revoked) when the session is.
+    async fn renew_with_shadows(&self, session: i64) -> Result<Renewal, ArbiterError> {
+        let asked = Instant::now();
+        let home = &self.tiers.entity().table;
+        let mut renewed = home.renew(session).await?;
+        if renewed.ttl_seconds > 0 && renewed.sent < asked {
+            renewed = home.renew(session).await?;
+        }
+        if renewed.ttl_seconds <= 0 {
+            self.end_shadows(session).await;
+            return Ok(Renewal::Gone);
+        }
+        if renewed.sent < asked {
+            return Err(ArbiterError::store("the lease renewal answered too late"));
+        }
+        let shadows = self.renew_shadows(session, asked).await?;
+        self.metrics.renewal("renewed");
+        Ok(Renewal::Alive(shadows.map_or(renewed.ttl_seconds, |s| {
+            s.min(renewed.ttl_seconds)
+        })))
     }
 }
 

@@ -88,7 +88,7 @@ impl Arbiter {
                 // the outage).
                 let mut counts = Vec::new();
                 let mut on = 0;
-                for (i, c) in self.tiers.all().enumerate() {
+                for (i, c) in self.tiers.session_clusters().enumerate() {
                     if c.tier == cluster.tier {
                         on = i;
                         counts.push(c.table.count_sessions_of(identity).await?);

@@ -9,6 +9,7 @@ use tracing::Instrument as _;
 
 use super::batch::{GrantMember, Member};
 use super::{Attempt, Claim, Grant, GrantRequest, LockTable, Next, Released};
+use crate::epoch::EpochState;
 use crate::error::ArbiterError;
 use crate::lock_log::{
     BatchOutcome, Claimed, Granted, HandOverFrom, HandOverTxn, HeldAt, QueueTurn, ReleaseTxn,
@@ -50,6 +51,7 @@ impl LockTable {
         turn: QueueTurn,
     ) -> Result<Option<Attempt>, ArbiterError> {
         let state = self.seal.serving_epoch().await?;
+        routed_in_time(&state, req)?;
         let member = Member::Grant(GrantMember {
             key: req.key.clone(),
             session: req.session,
@@ -350,6 +352,12 @@ impl LockTable {
         next: &GrantRequest,
     ) -> Result<Option<(Grant, Option<HolderRecord>)>, ArbiterError> {
         let state = self.seal.serving_epoch().await?;
+        // A waiter routed by an older map than the cluster's fence gets
+        // nothing here: the plain release follows, and its own attempt
+        // answers it why.
+        if routed_in_time(&state, next).is_err() {
+            return Ok(None);
+        }
         let next_session = next.session_bytes();
         let (done, header) = self
             .seal
@@ -420,6 +428,18 @@ impl LockTable {
 /// the session's digits, the closing quote the identity, so no other
 /// identity or session shares them. `None` if the encoding ever stops
 /// looking like that (the release then reads and checks first).
+/// Refuses a request routed by an older shard map than the one the
+/// cluster is fenced at (as last read; the grant compares the fence again).
+fn routed_in_time(state: &EpochState, req: &GrantRequest) -> Result<(), ArbiterError> {
+    match req.routed_by {
+        Some(routed) if state.fence_version > routed => Err(ArbiterError::ShardMapAhead {
+            cluster: state.fence_version,
+            arbiter: routed,
+        }),
+        _ => Ok(()),
+    }
+}
+
 pub(super) fn owner_prefix(identity: &str, session: i64) -> Option<Vec<u8>> {
     const REST: &[u8] = br#""class":"","acquiredAtUnixMs":0,"annotations":{}}"#;
     let record = encode(&HolderRecord {

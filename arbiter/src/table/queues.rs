@@ -171,6 +171,7 @@ mod tests {
                 class: "demo".into(),
                 ttl_seconds: 15,
                 annotations: Default::default(),
+                routed_by: None,
             },
             slot: Arc::new(Mutex::new(None)),
         }

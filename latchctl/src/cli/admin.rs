@@ -21,6 +21,10 @@ pub enum AdminCommand {
     /// the command line.
     #[command(subcommand)]
     ForceRelease(ForceReleaseCommand),
+    /// The entity tier's shards (ADR-09): status, add a shard, pin a
+    /// namespace to a shard, step a move.
+    #[command(subcommand)]
+    Shards(super::shards::ShardsCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -362,6 +366,7 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
                 }
             }
         }
+        AdminCommand::Shards(command) => super::shards::run(client, command, &out).await?,
         AdminCommand::AdvanceEpoch(args) => {
             let tier = args.tier.as_deref().unwrap_or("");
             let r = client

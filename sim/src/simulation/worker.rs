@@ -281,6 +281,7 @@ impl Incarnation<'_> {
             class: CLASS.into(),
             ttl_seconds: TTL_SECONDS,
             annotations: BTreeMap::new(),
+            routed_by: None,
         };
         let durable = key
             .strip_prefix("sim/k")

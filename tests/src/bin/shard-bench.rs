@@ -127,6 +127,7 @@ async fn run(args: &Args, n: usize) -> anyhow::Result<Measured> {
             })
             .collect(),
         overrides: BTreeMap::new(),
+        moving: None,
     };
     map.check().context("the bench's shard map")?;
     let shard_index: BTreeMap<String, usize> = map
