@@ -26,7 +26,8 @@ use latchkey_proto::adminv1::{
     RequestForceReleaseRequest,
 };
 use latchkey_proto::adminv1::{
-    ChangeShardsRequest, GetShardsRequest, ShardStatus, StepShardMoveRequest,
+    ChangeShardsRequest, ChangeShardsResponse, GetShardsRequest, GetShardsResponse,
+    StepShardMoveRequest, StepShardMoveResponse,
 };
 use latchkey_proto::lockv1::lock_server::Lock;
 use latchkey_proto::lockv1::{
@@ -268,21 +269,27 @@ impl Admin for AdminService {
     async fn get_shards(
         &self,
         request: Request<GetShardsRequest>,
-    ) -> Result<Response<ShardStatus>, Status> {
-        Ok(Response::new(self.inner.get_shards(request).await?))
+    ) -> Result<Response<GetShardsResponse>, Status> {
+        Ok(Response::new(GetShardsResponse {
+            status: Some(self.inner.get_shards(request).await?),
+        }))
     }
 
     async fn change_shards(
         &self,
         request: Request<ChangeShardsRequest>,
-    ) -> Result<Response<ShardStatus>, Status> {
-        Ok(Response::new(self.inner.change_shards(request).await?))
+    ) -> Result<Response<ChangeShardsResponse>, Status> {
+        Ok(Response::new(ChangeShardsResponse {
+            status: Some(self.inner.change_shards(request).await?),
+        }))
     }
 
     async fn step_shard_move(
         &self,
         request: Request<StepShardMoveRequest>,
-    ) -> Result<Response<ShardStatus>, Status> {
-        Ok(Response::new(self.inner.step_shard_move(request).await?))
+    ) -> Result<Response<StepShardMoveResponse>, Status> {
+        Ok(Response::new(StepShardMoveResponse {
+            status: Some(self.inner.step_shard_move(request).await?),
+        }))
     }
 }

@@ -402,7 +402,9 @@ impl Client {
             .admin()
             .get_shards(rpc.unary(GetShardsRequest {}))
             .await?
-            .into_inner())
+            .into_inner()
+            .status
+            .unwrap_or_default())
     }
 
     /// Starts a change of the shard map (add a shard, pin a namespace): the
@@ -414,7 +416,9 @@ impl Client {
             .admin()
             .change_shards(rpc.unary(change))
             .await?
-            .into_inner())
+            .into_inner()
+            .status
+            .unwrap_or_default())
     }
 
     /// Steps the move under way as far as it can go now; call it until the
@@ -425,7 +429,9 @@ impl Client {
             .admin()
             .step_shard_move(rpc.unary(StepShardMoveRequest { allow_ending_holds }))
             .await?
-            .into_inner())
+            .into_inner()
+            .status
+            .unwrap_or_default())
     }
 
     /// [`Self::advance_epoch_at_least`] of one tier's cluster (ADR-07):

@@ -87,7 +87,12 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
     let mut op = arbiter.admin("latchkey/operator").await?;
 
     // Before any map: one shard, the lock cluster, named by the arbiter.
-    let before: ShardStatus = op.get_shards(GetShardsRequest {}).await?.into_inner();
+    let before: ShardStatus = op
+        .get_shards(GetShardsRequest {})
+        .await?
+        .into_inner()
+        .status
+        .unwrap_or_default();
     assert_eq!(before.version, 0);
     assert_eq!(before.shards.len(), 1);
     assert_eq!(before.shards[0].name, "default");
@@ -159,7 +164,9 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
             reason: "grow the entity tier".into(),
         })
         .await?
-        .into_inner();
+        .into_inner()
+        .status
+        .unwrap_or_default();
     let moving_map = stored_map(&coord).await?;
     assert_eq!(moving_map.version, 1);
     let moving: Vec<usize> = (0..RANGES)
@@ -172,7 +179,10 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
         fraction * 100.0
     );
     assert!(!moving.is_empty() && moving.len() < RANGES, "{moving:?}");
-    let m = started.r#move.clone().expect("the move waits for the holds");
+    let m = started
+        .r#move
+        .clone()
+        .expect("the move waits for the holds");
     assert_eq!(m.phase, "draining");
     assert!(m.detail.contains("waiting for"), "{}", m.detail);
     assert_eq!(
@@ -221,7 +231,9 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
             allow_ending_holds: false,
         })
         .await?
-        .into_inner();
+        .into_inner()
+        .status
+        .unwrap_or_default();
     assert!(stepped.r#move.is_some(), "{stepped:?}");
     assert_eq!(stepped.version, 1);
 
@@ -233,7 +245,9 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
             allow_ending_holds: false,
         })
         .await?
-        .into_inner();
+        .into_inner()
+        .status
+        .unwrap_or_default();
     assert!(done.r#move.is_none(), "{done:?}");
     assert_eq!(done.version, 2);
     let epochs: BTreeMap<_, _> = done
@@ -254,7 +268,7 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
                 .get_shards(GetShardsRequest {})
                 .await?
                 .into_inner();
-            Ok(status.version == 2)
+            Ok(status.status.is_some_and(|s| s.version == 2))
         },
     )
     .await?;
@@ -309,7 +323,9 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
             reason: "tenant demo on its own cluster".into(),
         })
         .await?
-        .into_inner();
+        .into_inner()
+        .status
+        .unwrap_or_default();
     assert!(pinned.r#move.is_none(), "{pinned:?}");
     assert_eq!(pinned.version, 4);
     let session = open(&mut c, CLASS).await?;
@@ -322,7 +338,7 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
                 .get_shards(GetShardsRequest {})
                 .await?
                 .into_inner();
-            Ok(status.version == 4)
+            Ok(status.status.is_some_and(|s| s.version == 4))
         },
     )
     .await?;
