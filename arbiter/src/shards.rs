@@ -97,7 +97,9 @@ pub enum MapError {
     Version { current: u64, next: u64 },
     #[error("the move under way would drop shard {0:?}: removing a shard is not supported")]
     DropsShard(String),
-    #[error("the move under way changes shard {0:?}'s endpoints: a shard keeps its endpoints")]
+    #[error(
+        "the move under way changes shard {0:?}'s endpoints or weight: a shard keeps both (a weight change would move ranges between old shards)"
+    )]
     ChangesShard(String),
 }
 
@@ -182,7 +184,7 @@ impl ShardMap {
             for s in &self.shards {
                 match target.shards.iter().find(|t| t.name == s.name) {
                     None => return Err(MapError::DropsShard(s.name.clone())),
-                    Some(t) if t.endpoints != s.endpoints => {
+                    Some(t) if t.endpoints != s.endpoints || t.weight != s.weight => {
                         return Err(MapError::ChangesShard(s.name.clone()));
                     }
                     Some(_) => {}

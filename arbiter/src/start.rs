@@ -13,7 +13,9 @@ use crate::epoch::EpochGuard;
 use crate::high_water::HighWater;
 use crate::identity::IdentitySource;
 use crate::lock_log::LockLog;
-use crate::lock_log::etcd::{EtcdLog, EtcdLogin, EtcdTlsPem, StoreConfig, connect_client};
+use crate::lock_log::etcd::{
+    EtcdLog, EtcdLogin, EtcdTlsPem, NoMemo, RenewalMemo, StoreConfig, connect_client,
+};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::records::Layout;
@@ -69,8 +71,8 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             layer: config.log_layer.as_ref(),
             session_tag: 0,
             map_version: map_version.clone(),
+            memo: bounds.clone(),
         },
-        &bounds,
     )
     .await?;
     // ADR-07: the coord tier's locks on the coord cluster. Its grants are
@@ -95,8 +97,8 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
                         layer: None,
                         session_tag: tiers::COORD_SESSION_BIT,
                         map_version: MapVersion::default(),
+                        memo: bounds.clone(),
                     },
-                    &bounds,
                 )
                 .await?,
             )
@@ -162,7 +164,6 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         let connect: Arc<dyn routing::Connect> = Arc::new(ShardConnector {
             config: config.clone(),
             lock_store: lock_store.clone(),
-            bounds: bounds.clone(),
             map_version: map_version.clone(),
         });
         let routing = Arc::new(routing::ShardRouting::new(
@@ -247,15 +248,14 @@ struct ClusterSpec<'c> {
     /// The shard map version this arbiter routes by (entity shards share
     /// the routing's; the coord tier is never fenced).
     map_version: MapVersion,
+    /// The renewal memo its lease renewals consult: the arbiter's, except
+    /// on other shards (their leases are shadows with the sessions' ids).
+    memo: Arc<dyn RenewalMemo>,
 }
 
 /// Connects to one cluster and readies its table: the epoch record, the
 /// seal, the hold count, the quorum probe and force-release.
-async fn build_cluster(
-    config: &Config,
-    spec: ClusterSpec<'_>,
-    bounds: &Arc<bounds::Bounds>,
-) -> Result<tiers::Cluster, RunError> {
+async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::Cluster, RunError> {
     let credentials = &config.etcd_credentials;
     let tier = tiers::tier_name(spec.tier);
     let high_water = Arc::new(HighWater::open(&spec.state_dir)?);
@@ -273,7 +273,7 @@ async fn build_cluster(
         },
         source,
     };
-    let etcd = EtcdLog::connect(&spec.store, bounds.clone())
+    let etcd = EtcdLog::connect(&spec.store, spec.memo.clone())
         .await
         .map_err(|e| unreachable(e.into()))?;
     let mut log: Arc<dyn LockLog> = Arc::new(etcd);
@@ -491,7 +491,6 @@ async fn witness_named(
 struct ShardConnector {
     config: Config,
     lock_store: StoreConfig,
-    bounds: Arc<bounds::Bounds>,
     map_version: MapVersion,
 }
 
@@ -500,10 +499,9 @@ impl routing::Connect for ShardConnector {
         &self,
         shard: Shard,
     ) -> futures::future::BoxFuture<'static, Result<Arc<tiers::Cluster>, String>> {
-        let (config, lock_store, bounds, map_version) = (
+        let (config, lock_store, map_version) = (
             self.config.clone(),
             self.lock_store.clone(),
-            self.bounds.clone(),
             self.map_version.clone(),
         );
         Box::pin(async move {
@@ -521,8 +519,9 @@ impl routing::Connect for ShardConnector {
                 layer: None,
                 session_tag: 0,
                 map_version,
+                memo: Arc::new(NoMemo),
             };
-            build_cluster(&config, spec, &bounds)
+            build_cluster(&config, spec)
                 .await
                 .map(Arc::new)
                 .map_err(|e| e.to_string())

@@ -85,10 +85,10 @@ pub struct Tiers {
 }
 
 /// Where an Acquire is served, and by which shard map version it was
-/// routed (0: the coord tier, or no map).
+/// routed (`None`: the coord tier, which is not sharded).
 pub struct AcquireRoute {
     pub cluster: Arc<Cluster>,
-    pub map_version: u64,
+    pub map_version: Option<u64>,
 }
 
 impl Tiers {
@@ -255,12 +255,15 @@ impl Tiers {
                 let route = shards.granting(key.as_str())?;
                 AcquireRoute {
                     cluster: route.cluster,
-                    map_version: route.version,
+                    map_version: Some(route.version),
                 }
             }
             _ => AcquireRoute {
                 cluster: self.for_tier(tier).clone(),
-                map_version: 0,
+                map_version: match tier {
+                    Tier::Coord => None,
+                    Tier::Entity => Some(0),
+                },
             },
         })
     }

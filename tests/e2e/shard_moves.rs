@@ -43,6 +43,12 @@ async fn stored_map(coord: &EtcdServer) -> anyhow::Result<ShardMap> {
         .0)
 }
 
+/// Seconds left on lease `id` on `etcd` (-1: no such lease).
+async fn lease_ttl(etcd: &EtcdServer, id: i64) -> anyhow::Result<i64> {
+    let mut leases = etcd.client().await?.lease_client();
+    Ok(leases.time_to_live(id, None).await?.ttl())
+}
+
 fn key(i: usize) -> String {
     format!("demo/r{i}/k")
 }
@@ -292,7 +298,19 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
 
     // One session holds on both shards: a renewal renews its shadow too,
     // and closing it ends the holds on both.
+    // The shadow's lease is renewed on the new shard itself (not answered
+    // for by the renewal of the session's lease on the lock cluster, which
+    // has the same id), and renewals close together are answered too.
+    let before = lease_ttl(&added, session).await?;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(renew(&mut c, session).await? > 0);
+    assert!(renew(&mut c, session).await? > 0);
+    let after = lease_ttl(&added, session).await?;
+    assert!(
+        after > before - 2,
+        "the shadow's lease was not renewed: {before} s left before, {after} s after"
+    );
+    assert!(lease_ttl(&home, session).await? > 0);
     c.close_session(CloseSessionRequest {
         session_id: session,
     })
@@ -321,6 +339,22 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
                 shard: "default".into(),
             })),
             reason: "tenant demo on its own cluster".into(),
+        })
+        .await?
+        .into_inner()
+        .status
+        .unwrap_or_default();
+    // The lock cluster's epoch must go above the new shard's first, which
+    // ends every hold on it: only with the operator's say.
+    let m = pinned
+        .r#move
+        .clone()
+        .expect("the pin waits for the operator");
+    assert!(m.detail.contains("--allow-ending-holds"), "{}", m.detail);
+    assert_eq!(pinned.version, 3);
+    let pinned = op
+        .step_shard_move(StepShardMoveRequest {
+            allow_ending_holds: true,
         })
         .await?
         .into_inner()

@@ -39,7 +39,7 @@ use super::{
 };
 use crate::records::Layout;
 use lease_renewals::LeaseRenewals;
-pub use lease_renewals::{RenewalMemo, Renewed};
+pub use lease_renewals::{NoMemo, RenewalMemo, Renewed};
 
 /// Where etcd is and how to reach it.
 #[derive(Debug, Clone)]

@@ -272,7 +272,7 @@ impl Arbiter {
             class: class.name.clone(),
             ttl_seconds: class.ttl_seconds,
             annotations,
-            routed_by: Some(route.map_version),
+            routed_by: route.map_version,
         };
 
         let wait = match wait {

@@ -264,27 +264,32 @@ impl Arbiter {
     }
 
     /// Renews an entity session and its shadows on the other shards: alive
-    /// for the shortest TTL left among them, each renewal sent after this
-    /// call began; gone (its shadows revoked) when the session is.
+    /// for the shortest time left among them, each counted from its own
+    /// renewal's send (the home lane's memo may answer for the home lease;
+    /// the other shards' lanes have none); gone, with its shadows revoked,
+    /// when the session is.
     async fn renew_with_shadows(&self, session: i64) -> Result<Renewal, ArbiterError> {
-        let asked = Instant::now();
         let home = &self.tiers.entity().table;
-        let mut renewed = home.renew(session).await?;
-        if renewed.ttl_seconds > 0 && renewed.sent < asked {
-            renewed = home.renew(session).await?;
+        for _ in 0..2 {
+            let renewed = home.renew(session).await?;
+            if renewed.ttl_seconds <= 0 {
+                self.end_shadows(session).await;
+                return Ok(Renewal::Gone);
+            }
+            let mut left = super::shadow::time_left(&renewed);
+            if let Some(shadows) = self.renew_shadows(session).await? {
+                left = left.min(shadows);
+            }
+            self.metrics.renewal(if renewed.sent_to_store {
+                "renewed"
+            } else {
+                "coalesced"
+            });
+            if left >= 1 {
+                return Ok(Renewal::Alive(left));
+            }
         }
-        if renewed.ttl_seconds <= 0 {
-            self.end_shadows(session).await;
-            return Ok(Renewal::Gone);
-        }
-        if renewed.sent < asked {
-            return Err(ArbiterError::store("the lease renewal answered too late"));
-        }
-        let shadows = self.renew_shadows(session, asked).await?;
-        self.metrics.renewal("renewed");
-        Ok(Renewal::Alive(shadows.map_or(renewed.ttl_seconds, |s| {
-            s.min(renewed.ttl_seconds)
-        })))
+        Err(ArbiterError::store("the lease renewal answered too late"))
     }
 }
 

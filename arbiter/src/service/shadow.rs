@@ -21,8 +21,6 @@
 //!   session's owner. Shadows do not count against the identity's session
 //!   bound (only the home and coord clusters' sessions are counted).
 
-use std::time::Instant;
-
 use super::Arbiter;
 use crate::error::ArbiterError;
 use crate::lock_log::{Renewal, StoreError};
@@ -58,34 +56,26 @@ impl Arbiter {
         Ok(())
     }
 
-    /// Renews `session`'s shadows on every other shard, each renewal sent
-    /// no earlier than `asked`; the shortest TTL left among them (`None`:
-    /// no shadow anywhere).
-    pub(crate) async fn renew_shadows(
-        &self,
-        session: i64,
-        asked: Instant,
-    ) -> Result<Option<i64>, ArbiterError> {
+    /// Renews `session`'s shadows on every other shard the map names: the
+    /// shortest time left among them, counted from each renewal's send
+    /// (`None`: no shadow anywhere). A shard of the map this arbiter is not
+    /// connected to, or cannot renew on, fails the renewal: a shadow there
+    /// would expire unseen.
+    pub(crate) async fn renew_shadows(&self, session: i64) -> Result<Option<i64>, ArbiterError> {
         let Some(shards) = self.tiers.shards() else {
             return Ok(None);
         };
         let mut shortest: Option<i64> = None;
-        for cluster in shards.others() {
-            let mut renewed = None;
-            for _ in 0..2 {
-                let r: Renewal = cluster.table.renew(session).await?;
-                if r.ttl_seconds <= 0 || r.sent >= asked {
-                    renewed = Some(r);
-                    break;
-                }
-            }
-            let Some(r) = renewed else {
-                return Err(ArbiterError::store(
-                    "a shadow's lease renewal on another shard answered too late",
-                ));
-            };
+        for name in shards.other_names() {
+            let cluster = shards.cluster(&name).ok_or_else(|| {
+                ArbiterError::store(format!(
+                    "shard {name:?} of the shard map is not connected to this arbiter, so the session's shadow there cannot be renewed"
+                ))
+            })?;
+            let r = cluster.table.renew(session).await?;
             if r.ttl_seconds > 0 {
-                shortest = Some(shortest.map_or(r.ttl_seconds, |s| s.min(r.ttl_seconds)));
+                let left = time_left(&r);
+                shortest = Some(shortest.map_or(left, |s| s.min(left)));
             }
         }
         Ok(shortest)
@@ -104,8 +94,18 @@ impl Arbiter {
         }
     }
 
-    /// Whether sessions may have shadows (another shard is connected).
+    /// Whether sessions may have shadows (the map names other shards).
     pub(crate) fn has_shadows(&self) -> bool {
-        self.tiers.shards().is_some_and(|s| !s.others().is_empty())
+        self.tiers
+            .shards()
+            .is_some_and(|s| !s.other_names().is_empty())
     }
+}
+
+/// Whole seconds of a renewal's TTL left now, counted from when it was
+/// sent (the lease's expiry is no later than send + TTL).
+pub(crate) fn time_left(r: &Renewal) -> i64 {
+    let spent = i64::try_from(r.sent.elapsed().as_secs()).unwrap_or(i64::MAX);
+    // Rounded down, then one second off for the part-second spent.
+    r.ttl_seconds.saturating_sub(spent).saturating_sub(1)
 }

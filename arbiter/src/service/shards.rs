@@ -93,6 +93,7 @@ impl Arbiter {
             )));
         }
         let (mut shards, mut overrides) = (current.shards.clone(), current.overrides.clone());
+        let mut added = None;
         match change {
             Change::Add(add) => {
                 let shard = Shard {
@@ -100,6 +101,7 @@ impl Arbiter {
                     endpoints: add.endpoints.iter().map(|e| e.trim().to_string()).collect(),
                     weight: if add.weight == 0 { 1 } else { add.weight },
                 };
+                check_endpoints(&shard.endpoints)?;
                 if current.shards.iter().any(|s| s.name == shard.name) {
                     return Err(ArbiterError::BadRequest(format!(
                         "the shard map already has a shard named {:?}",
@@ -119,21 +121,19 @@ impl Arbiter {
                 shards.push(shard.clone());
                 check_alone(&shards, &overrides)?;
                 // Reach it before any map names it, and make sure it is not
-                // one of the shards already there under another address.
+                // one of the shards already there, nor the coord cluster,
+                // under another address.
                 let cluster = routing.connect_now(&shard).await.map_err(|e| {
                     ArbiterError::store(format!("cannot reach the new shard {:?}: {e}", shard.name))
                 })?;
-                let id = cluster.table.current_cluster_id().await?;
-                for s in &current.shards {
-                    if let Some(c) = routing.cluster(&s.name)
-                        && c.table.current_cluster_id().await? == id
-                    {
-                        return Err(ArbiterError::BadRequest(format!(
-                            "the new shard {:?} is the same etcd cluster (id {id:#x}) as shard {:?}",
-                            shard.name, s.name
-                        )));
-                    }
+                let distinct = self
+                    .distinct_cluster(routing, &current, &shard.name, &cluster)
+                    .await;
+                if distinct.is_err() {
+                    routing.forget(&shard.name);
                 }
+                distinct?;
+                added = Some(shard.name.clone());
             }
             Change::Pin(pin) => {
                 let namespace = pin.namespace.trim();
@@ -167,6 +167,9 @@ impl Arbiter {
             .store()
             .publish(loaded.as_ref().map(|(m, _)| m), read_at, &next)
             .await;
+        if let (Err(_), Some(name)) = (&published, &added) {
+            routing.forget(name);
+        }
         publish_result(published)?;
         warn!(operator = %caller.identity, version = next.version, reason, "shard move started: the moving ranges take no new grants until it ends");
         self.step(routing, &next, false).await
@@ -184,6 +187,38 @@ impl Arbiter {
             return Ok(status(routing, None, "").await);
         };
         self.step(routing, &map, allow).await
+    }
+
+    /// Refuses a new shard that is one of the map's shards, or the coord
+    /// cluster, under another address (compared by etcd cluster id).
+    async fn distinct_cluster(
+        &self,
+        routing: &ShardRouting,
+        current: &ShardMap,
+        name: &str,
+        cluster: &Cluster,
+    ) -> Result<(), ArbiterError> {
+        let id = cluster.table.current_cluster_id().await?;
+        if routing.store().cluster_id().await? == id {
+            return Err(ArbiterError::BadRequest(format!(
+                "the new shard {name:?} is the coord cluster (id {id:#x}): shards are etcd clusters of their own"
+            )));
+        }
+        for s in &current.shards {
+            let Some(c) = routing.cluster(&s.name) else {
+                return Err(ArbiterError::store(format!(
+                    "shard {:?} is not connected to this arbiter, so the new shard cannot be told apart from it; retry when it is",
+                    s.name
+                )));
+            };
+            if c.table.current_cluster_id().await? == id {
+                return Err(ArbiterError::BadRequest(format!(
+                    "the new shard {name:?} is the same etcd cluster (id {id:#x}) as shard {:?}",
+                    s.name
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn routing(&self) -> Result<&Arc<ShardRouting>, ArbiterError> {
@@ -239,14 +274,31 @@ impl Arbiter {
                 return Ok(status(routing, Some(map), &detail).await);
             }
         }
-        // Step 4: every destination's epoch above every source's.
-        let mut floor = 0;
-        for (_, cluster) in &sources {
-            floor = floor.max(cluster.table.seal().load_epoch().await?.epoch());
+        // Step 4: every destination's epoch above every other source's. A
+        // sealed source's epoch says nothing of the tokens it issued before
+        // its restore: it is advanced first.
+        let mut epochs = Vec::new();
+        for (name, cluster) in &sources {
+            let epoch = cluster.table.seal().load_epoch().await?.epoch();
+            cluster.table.seal().guard().serving().map_err(|_| {
+                ArbiterError::BadRequest(format!(
+                    "shard {name:?} is sealed: advance its epoch (latchctl admin advance-epoch) before the move can go on"
+                ))
+            })?;
+            epochs.push((name.clone(), epoch));
         }
         for name in destinations(map, &target) {
+            let floor = epochs
+                .iter()
+                .filter(|(n, _)| *n != name)
+                .map(|(_, e)| *e)
+                .max()
+                .unwrap_or(0);
+            let new = !map.shards.iter().any(|s| s.name == name);
             let cluster = connected(routing, &name)?;
-            if let Some(detail) = raise_above(&cluster, &name, floor, allow_ending_holds).await? {
+            if let Some(detail) =
+                raise_above(&cluster, &name, floor, new || allow_ending_holds).await?
+            {
                 return Ok(status(routing, Some(map), &detail).await);
             }
         }
@@ -278,6 +330,33 @@ impl Arbiter {
         }
         Ok(status(routing, Some(&target), "").await)
     }
+}
+
+/// Endpoints an operator typed: 1 to 8 http(s) URLs of a sensible length.
+fn check_endpoints(endpoints: &[String]) -> Result<(), ArbiterError> {
+    if endpoints.is_empty() || endpoints.len() > 8 {
+        return Err(ArbiterError::BadRequest(
+            "a shard needs 1 to 8 etcd client URLs".into(),
+        ));
+    }
+    for e in endpoints {
+        let url = e
+            .strip_prefix("https://")
+            .or_else(|| e.strip_prefix("http://"));
+        let ok = url.is_some_and(|rest| {
+            !rest.is_empty()
+                && e.len() <= 256
+                && rest
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-._:[]/".contains(c))
+        });
+        if !ok {
+            return Err(ArbiterError::BadRequest(format!(
+                "{e:?} is not an etcd client URL (http:// or https://, host and port)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn check_alone(
@@ -330,12 +409,15 @@ fn destinations(map: &ShardMap, target: &ShardMap) -> BTreeSet<String> {
 }
 
 /// Makes `cluster`'s epoch greater than `floor`. `Some(why not)` when that
-/// needs ending its holds and the operator has not allowed it.
+/// needs an advance and the operator has not allowed it: an advance ends
+/// every hold on the shard, and a shard that serves ranges may take a hold
+/// between any check and the advance, so only a shard new in this move
+/// (which homes no range yet) is advanced without the operator's say.
 async fn raise_above(
     cluster: &Cluster,
     name: &str,
     floor: u32,
-    allow_ending_holds: bool,
+    allowed: bool,
 ) -> Result<Option<String>, ArbiterError> {
     let seal = cluster.table.seal();
     for _ in 0..3 {
@@ -344,9 +426,9 @@ async fn raise_above(
             return Ok(None);
         }
         seal.guard().serving()?;
-        if !allow_ending_holds && cluster.table.holds_any_under("").await? {
+        if !allowed {
             return Ok(Some(format!(
-                "shard {name:?}'s epoch ({now}) must be raised above its sources' ({floor}), which ends every hold on it: step again with --allow-ending-holds, or when it holds nothing"
+                "shard {name:?}'s epoch ({now}) must be raised above the other shards' ({floor}) before it takes the moving ranges, and that ends every hold on it: step again with --allow-ending-holds"
             )));
         }
         let reason =

@@ -47,6 +47,20 @@ impl ShardMapStore {
         &self.key
     }
 
+    /// The coord cluster's id (a count-only read of the map's key).
+    pub async fn cluster_id(&self) -> Result<u64, StoreError> {
+        let resp = self
+            .client
+            .kv_client()
+            .get(
+                self.key.as_str(),
+                Some(etcd_client::GetOptions::new().with_count_only()),
+            )
+            .await
+            .map_err(|e| unavailable("cannot read the coord cluster's id", e))?;
+        Ok(resp.header().map_or(0, |h| h.cluster_id()))
+    }
+
     /// The map and its mod revision; `None` before the first publish.
     pub async fn load(&self) -> Result<Option<(ShardMap, i64)>, StoreError> {
         let resp = self

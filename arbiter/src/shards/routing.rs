@@ -52,6 +52,8 @@ struct Routed {
     map: Option<Arc<ShardMap>>,
     /// Connected shards other than the home cluster.
     clusters: BTreeMap<String, Arc<Cluster>>,
+    /// The endpoints each was connected at: a name is one cluster.
+    endpoints: BTreeMap<String, Vec<String>>,
 }
 
 /// The entity tier's shards as this arbiter sees them.
@@ -114,17 +116,41 @@ impl ShardRouting {
     /// Connects `shard` now (an operator adding it: a cluster that cannot
     /// be reached is refused before any map names it).
     pub async fn connect_now(&self, shard: &Shard) -> Result<Arc<Cluster>, String> {
-        if let Some(cluster) = self.cluster(&shard.name) {
-            return Ok(cluster);
+        if shard.name == self.home_name {
+            return Err(format!("{:?} is the lock cluster's name", shard.name));
+        }
+        {
+            let routed = self.routed.read();
+            if let Some(cluster) = routed.clusters.get(&shard.name) {
+                return match routed.endpoints.get(&shard.name) == Some(&shard.endpoints) {
+                    true => Ok(cluster.clone()),
+                    false => Err(format!(
+                        "a shard named {:?} is connected here at other endpoints",
+                        shard.name
+                    )),
+                };
+            }
         }
         let cluster = self.connect.connect(shard.clone()).await?;
-        Ok(self
-            .routed
-            .write()
+        let mut routed = self.routed.write();
+        routed
+            .endpoints
+            .insert(shard.name.clone(), shard.endpoints.clone());
+        Ok(routed
             .clusters
             .entry(shard.name.clone())
             .or_insert(cluster)
             .clone())
+    }
+
+    /// Drops a connection the map does not name (a refused addition).
+    pub fn forget(&self, name: &str) {
+        let mut routed = self.routed.write();
+        let named = routed.map.as_ref().is_some_and(|m| m.shard(name).is_some());
+        if !named {
+            routed.clusters.remove(name);
+            routed.endpoints.remove(name);
+        }
     }
 
     /// The map routed by (`None`: none published yet).
@@ -148,6 +174,19 @@ impl ShardRouting {
     /// The connected shards other than the home cluster.
     pub fn others(&self) -> Vec<Arc<Cluster>> {
         self.routed.read().clusters.values().cloned().collect()
+    }
+
+    /// The names of every shard the map names (its move's new ones
+    /// included) other than the home cluster, connected or not.
+    pub fn other_names(&self) -> Vec<String> {
+        let routed = self.routed.read();
+        let mut names: std::collections::BTreeSet<String> =
+            routed.clusters.keys().cloned().collect();
+        if let Some(map) = &routed.map {
+            names.extend(map.all_shards().map(|s| s.name.clone()));
+        }
+        names.remove(&self.home_name);
+        names.into_iter().collect()
     }
 
     /// A shard's cluster by name, if connected.
@@ -211,7 +250,24 @@ impl ShardRouting {
     async fn adopt(&self, map: ShardMap, connect: &dyn Connect) -> bool {
         let mut complete = true;
         let missing: Vec<Shard> = {
-            let routed = self.routed.read();
+            let mut routed = self.routed.write();
+            // A name connected at other endpoints than the map says is not
+            // that shard: dropped, and connected again as the map says.
+            let stale: Vec<String> = map
+                .all_shards()
+                .filter(|s| {
+                    routed
+                        .endpoints
+                        .get(&s.name)
+                        .is_some_and(|e| *e != s.endpoints)
+                })
+                .map(|s| s.name.clone())
+                .collect();
+            for name in stale {
+                warn!(shard = %name, "connected at other endpoints than the shard map says; reconnecting");
+                routed.clusters.remove(&name);
+                routed.endpoints.remove(&name);
+            }
             map.all_shards()
                 .filter(|s| s.name != self.home_name && !routed.clusters.contains_key(&s.name))
                 .cloned()
@@ -219,11 +275,11 @@ impl ShardRouting {
         };
         let mut connected = Vec::new();
         for shard in missing {
-            let name = shard.name.clone();
+            let (name, endpoints) = (shard.name.clone(), shard.endpoints.clone());
             match connect.connect(shard).await {
                 Ok(cluster) => {
                     info!(shard = %name, "connected to an entity shard");
-                    connected.push((name, cluster));
+                    connected.push((name, endpoints, cluster));
                 }
                 Err(e) => {
                     complete = false;
@@ -234,7 +290,10 @@ impl ShardRouting {
         let version = map.version;
         {
             let mut routed = self.routed.write();
-            routed.clusters.extend(connected);
+            for (name, endpoints, cluster) in connected {
+                routed.endpoints.insert(name.clone(), endpoints);
+                routed.clusters.insert(name, cluster);
+            }
             if routed.map.as_ref().is_none_or(|m| m.version <= version) {
                 routed.map = Some(Arc::new(map));
                 self.tables_version.set(version);

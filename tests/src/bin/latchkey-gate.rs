@@ -45,7 +45,7 @@ struct Args {
     /// Fault kinds, comma-separated (default: all): kill-member,
     /// pause-leader, partition, kill-arbiter, pause-holder, restore,
     /// restore-forget, clock-step, clock-step-arbiter, slow-disk-member,
-    /// slow-disk-arbiter.
+    /// slow-disk-arbiter, quorum-loss, shard-move.
     /// `none` for no nemesis.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,

@@ -20,6 +20,7 @@ pub mod disk;
 pub mod nemesis;
 pub mod quorum_loss;
 pub mod record;
+pub mod shards;
 pub mod worker;
 
 use std::collections::BTreeMap;
@@ -245,6 +246,9 @@ pub(crate) struct Rig {
     /// The coord tier's witness (`--coord-tier-witness-etcd`); no fault
     /// touches it either.
     pub _coord_tier_witness: EtcdServer,
+    /// With the shard-move fault: the entity tier's second shard (a single
+    /// etcd; no other fault touches it).
+    pub _shard_b: Option<EtcdServer>,
     /// With the slow-disk-arbiter fault: arbiter i's state dir is inside
     /// `arbiter_disks[i]` (declared after `arbiters`: unmounted after they stop).
     pub arbiter_disks: Vec<StallableDir>,
@@ -360,6 +364,14 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     let coord_tier_witness = EtcdServer::start()
         .await
         .context("starting the coord tier's witness etcd")?;
+    let shard_b = match config.faults.contains(&Fault::ShardMove) {
+        true => Some(
+            EtcdServer::start()
+                .await
+                .context("starting the second shard's etcd")?,
+        ),
+        false => None,
+    };
     let postgres = PostgresServer::start()
         .await
         .context("starting PostgreSQL")?;
@@ -425,6 +437,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         arbiter_opts,
         _coord: coord,
         _coord_tier_witness: coord_tier_witness,
+        _shard_b: shard_b,
         arbiter_disks,
         binaries: config.binaries.clone(),
         workers: Mutex::new(Vec::new()),

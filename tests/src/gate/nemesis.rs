@@ -56,10 +56,14 @@ pub enum Fault {
     /// restart both: closed classes refuse, the open class grants token 0
     /// from memory into the spool (ADR-04; see [`super::quorum_loss`]).
     QuorumLoss,
+    /// Move the gate's keys to a second entity shard under load and back
+    /// (ADR-09): each move drains the range, raises the destination's epoch
+    /// and flips the shard map (see [`super::shards`]).
+    ShardMove,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 12] = [
+    pub const ALL: [Fault; 13] = [
         Fault::KillMember,
         Fault::PauseLeader,
         Fault::Partition,
@@ -72,6 +76,7 @@ impl Fault {
         Fault::SlowDiskMember,
         Fault::SlowDiskArbiter,
         Fault::QuorumLoss,
+        Fault::ShardMove,
     ];
 
     pub fn name(self) -> &'static str {
@@ -88,6 +93,7 @@ impl Fault {
             Fault::SlowDiskMember => "slow-disk-member",
             Fault::SlowDiskArbiter => "slow-disk-arbiter",
             Fault::QuorumLoss => "quorum-loss",
+            Fault::ShardMove => "shard-move",
         }
     }
 
@@ -215,6 +221,19 @@ async fn inject(
             let collected = super::quorum_loss::collect_after_recovery(rig).await?;
             tracing::info!(collected, "quorum-loss spools collected");
             Ok(Some(what))
+        }
+        Fault::ShardMove => {
+            let shard_b = rig
+                ._shard_b
+                .as_ref()
+                .context("the gate started no second shard")?
+                .endpoint();
+            let op = begin(rec, "shard-move")?;
+            let operator = operator_client(rig).await?;
+            let dwell = Duration::from_millis(rng.u64(1000..3000));
+            let what = super::shards::there_and_back(&operator, shard_b, dwell).await?;
+            end(rec, op)?;
+            Ok(Some(format!("shard-move {what}")))
         }
         Fault::PauseLeader => {
             let cluster = rig.cluster.lock().await;

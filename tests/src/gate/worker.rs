@@ -90,6 +90,10 @@ fn is_definite_refusal(err: &Error) -> bool {
             | Reason::NotHeld
             | Reason::TokenMismatch
             | Reason::SessionExpired
+            // ADR-09: refused before the grant transaction, or by its
+            // compare of the shard-map fence: nothing written.
+            | Reason::RangeMoving
+            | Reason::ShardMapChanged
     )
 }
 

@@ -56,6 +56,20 @@ pub trait RenewalMemo: Send + Sync + 'static {
     fn note(&self, lease: i64, renewed: Renewed);
 }
 
+/// A memo that remembers nothing: every ask reaches etcd (or joins a
+/// renewal in flight). For the entity tier's other shards, whose leases are
+/// session shadows with the session's own id: an answer for the session's
+/// lease on another cluster must never answer for them.
+pub struct NoMemo;
+
+impl RenewalMemo for NoMemo {
+    fn recent(&self, _: i64) -> Option<Renewed> {
+        None
+    }
+
+    fn note(&self, _: i64, _: Renewed) {}
+}
+
 /// A lane answers each ask with a [`Renewal`]: `sent_to_store` is set for
 /// the one ask that sent the renewal to etcd (others joined it or were
 /// answered from the memo).
