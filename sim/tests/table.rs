@@ -266,17 +266,40 @@ async fn an_arbiter_behind_the_fence_grants_once_its_map_catches_up() -> anyhow:
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_table_raises_a_fence_below_its_map_when_it_reads_it() -> anyhow::Result<()> {
+    // a restore rolled the fence back below the map this arbiter routes by:
+    // reading the records raises it again, fencing older arbiters out
+    let log = MemLog::new(9);
+    assert!(log.raise_map_fence(1).await?.value);
+    let t = routing_by(&log, None, MapVersion::new(3));
+    t.start().await?;
+    let fence = log.map_fence().await?.value.map(|kv| kv.value);
+    assert_eq!(fence, Some(latchkey_arbiter::records::encode_map_fence(3)));
+    // and an arbiter routing by no map raises nothing
+    let log = MemLog::new(10);
+    let t0 = routing_by(&log, None, MapVersion::new(0));
+    t0.start().await?;
+    assert!(log.map_fence().await?.value.is_none());
+    t.shutdown().await;
+    t0.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_fence_raised_under_a_table_is_read_again_before_it_grants() -> anyhow::Result<()> {
     let log = MemLog::new(7);
     assert!(log.raise_map_fence(1).await?.value);
-    let t = routing_by(&log, None, MapVersion::new(2));
+    let version = MapVersion::new(1);
+    let t = routing_by(&log, None, version.clone());
     t.start().await?;
     let first_fence = fence_seen(&t).map(|(at, _)| at);
     let a = session(&t, "a").await?;
     t.acquire(req("a", a, "k1"), None, 8).await?;
 
-    // a move fences the cluster at version 2, which this arbiter knows: its
-    // grant fails the compare, re-reads the records and goes through
+    // a move fences the cluster at version 2, which this arbiter has
+    // adopted: its grant fails the compare, re-reads the records and goes
+    // through
+    version.set(2);
     let raised = log.raise_map_fence(2).await?.header.revision;
     let granted = t.acquire(req("a", a, "k2"), None, 8).await?.grant;
     assert_eq!(granted.revision, raised + 1);
@@ -303,7 +326,8 @@ async fn a_fence_raised_under_a_table_is_read_again_before_it_grants() -> anyhow
 #[tokio::test(start_paused = true)]
 async fn a_hand_over_over_a_stale_fence_ends_in_a_fresh_grant() -> anyhow::Result<()> {
     let log = MemLog::new(8);
-    let t = routing_by(&log, None, MapVersion::new(2));
+    let version = MapVersion::new(0);
+    let t = routing_by(&log, None, version.clone());
     t.start().await?;
     let (a, b) = (session(&t, "a").await?, session(&t, "b").await?);
     let first = t.acquire(req("a", a, "k"), None, 8).await?.grant;
@@ -313,6 +337,8 @@ async fn a_hand_over_over_a_stale_fence_ends_in_a_fresh_grant() -> anyhow::Resul
             .await
     });
     queued(&t, "k", 1).await?;
+    // the arbiter adopts map 2 and a move fences the cluster at it
+    version.set(2);
     let raised = log.raise_map_fence(2).await?.header.revision;
 
     // the hand-over compares the fence the table read before the raise:

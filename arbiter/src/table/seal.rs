@@ -454,6 +454,16 @@ impl Seal {
                     self.refresh_witness().await?;
                 }
             }
+            // ADR-09: a fence below the map this arbiter routes by (rolled
+            // back by a restore, or a shard fenced before the last move) is
+            // raised to it, so an arbiter still on an older map stays fenced
+            // out. Fences only go up, and only keep older maps out.
+            let routed = self.map_version.get();
+            if routed > state.fence_version
+                && let Err(e) = self.log.raise_map_fence(routed).await
+            {
+                tracing::warn!(error = %e, routed, "could not raise the shard-map fence to the map this arbiter routes by");
+            }
             return Ok(state);
         }
         Err(ArbiterError::store(

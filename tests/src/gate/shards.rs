@@ -44,12 +44,12 @@ pub async fn there_and_back(
         .await
         .context("adding the second shard")?;
     }
-    // Shard B's epoch went above the lock cluster's when it was added, so
-    // the way there needs no advance. The way back raises the lock
-    // cluster's epoch above B's, which ends every hold on it: it holds none
-    // of the gate's then (they are all on B, drained from the lock cluster
-    // before), and nothing else lives there.
-    let there = pin(operator, SHARD_B, false)
+    // Each way raises the destination's epoch above the source's when it is
+    // not already (restores advance the lock cluster's meanwhile), which
+    // ends every hold on the destination: it holds none of the gate's then
+    // (they all live on the source, and nothing else lives on either), so
+    // the gate allows it, as an operator who checked would.
+    let there = pin(operator, SHARD_B, true)
         .await
         .context("moving bench/ to shard B")?;
     tokio::time::sleep(dwell).await;
