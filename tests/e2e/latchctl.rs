@@ -318,3 +318,100 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
     granted.release().await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn latchctl_admin_shards_adds_a_shard_and_reports_the_map() -> anyhow::Result<()> {
+    latchkey_tests::init_tracing();
+    let coord = latchkey_tests::etcd::EtcdServer::start().await?;
+    let added = latchkey_tests::etcd::EtcdServer::start().await?;
+    let s = crate::support::stack_with(latchkey_tests::arbiter::ArbiterOptions {
+        coord: Some(latchkey_tests::arbiter::Coord::on(&coord)),
+        ..Default::default()
+    })
+    .await?;
+    let addr = s.arbiter.addr();
+
+    // Before any map: the lock cluster alone.
+    let out = run(latchctl(addr, "latchkey/operator")?.args(["admin", "shards", "status"])).await?;
+    ensure!(out.status.success(), "shards status: {}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("none yet"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    // A workload identity may not change the map; bad input is refused
+    // with a message and exit status, and writes nothing.
+    let before = coord.revision().await?;
+    let out = run(latchctl(addr, "workload/demo")?.args([
+        "admin",
+        "shards",
+        "add",
+        "b",
+        "--endpoints",
+        &added.endpoint(),
+        "--reason",
+        "grow",
+    ]))
+    .await?;
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("PERMISSION_DENIED"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run(latchctl(addr, "latchkey/operator")?.args([
+        "admin",
+        "shards",
+        "add",
+        "b",
+        "--endpoints",
+        "etcd.example:2379",
+        "--reason",
+        "grow",
+    ]))
+    .await?;
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("INVALID_ARGUMENT") && stderr.contains("not an etcd client URL"),
+        "{stderr}"
+    );
+    assert_eq!(coord.revision().await?, before);
+
+    // The operator adds a shard; nothing is held, so the move finishes.
+    let out = run(latchctl(addr, "latchkey/operator")?.args([
+        "admin",
+        "shards",
+        "add",
+        "entity-b",
+        "--endpoints",
+        &added.endpoint(),
+        "--reason",
+        "grow the entity tier",
+    ]))
+    .await?;
+    ensure!(out.status.success(), "shards add: {}", text(&out.stderr));
+    let out =
+        run(latchctl(addr, "latchkey/operator")?.args(["--json", "admin", "shards", "status"]))
+            .await?;
+    ensure!(out.status.success(), "shards status: {}", text(&out.stderr));
+    let status = json(&out)?;
+    assert_eq!(status["version"].as_u64(), Some(2), "{status}");
+    assert!(status["move"].is_null(), "{status}");
+    let shards = status["shards"].as_array().cloned().unwrap_or_default();
+    let names: Vec<_> = shards.iter().filter_map(|s| s["name"].as_str()).collect();
+    assert_eq!(names, ["default", "entity-b"], "{status}");
+    // The new shard's epoch is above the lock cluster's, both fenced at 2.
+    assert!(
+        shards[1]["epoch"].as_u64() > shards[0]["epoch"].as_u64(),
+        "{status}"
+    );
+    assert!(
+        shards
+            .iter()
+            .all(|s| s["fence_version"].as_u64() == Some(2)),
+        "{status}"
+    );
+    Ok(())
+}
