@@ -14,7 +14,7 @@ use latchkey_arbiter::shards::ShardMap;
 use latchkey_arbiter::shards::etcd::ShardMapStore;
 use latchkey_proto::adminv1::change_shards_request::Change;
 use latchkey_proto::adminv1::{
-    AddShard, ChangeShardsRequest, GetShardsRequest, PinNamespace, ShardStatus,
+    AddShard, CancelMove, ChangeShardsRequest, GetShardsRequest, PinNamespace, ShardStatus,
     StepShardMoveRequest,
 };
 use latchkey_proto::lockv1::{CloseSessionRequest, KeepAliveRequest};
@@ -352,16 +352,32 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
         .expect("the pin waits for the operator");
     assert!(m.detail.contains("--allow-ending-holds"), "{}", m.detail);
     assert_eq!(pinned.version, 3);
-    let pinned = op
-        .step_shard_move(StepShardMoveRequest {
-            allow_ending_holds: true,
+    let pin = || ChangeShardsRequest {
+        change: Some(Change::Pin(PinNamespace {
+            namespace: "demo".into(),
+            shard: "default".into(),
+        })),
+        reason: "tenant demo on its own cluster".into(),
+    };
+
+    // The operator cancels instead: nothing moves, the moving ranges are
+    // served again where they were, and another change may start.
+    let refused = op
+        .change_shards(pin())
+        .await
+        .expect_err("a second change while one is under way is refused");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    let cancelled = op
+        .change_shards(ChangeShardsRequest {
+            change: Some(Change::Cancel(CancelMove {})),
+            reason: "not now".into(),
         })
         .await?
         .into_inner()
         .status
         .unwrap_or_default();
-    assert!(pinned.r#move.is_none(), "{pinned:?}");
-    assert_eq!(pinned.version, 4);
+    assert!(cancelled.r#move.is_none(), "{cancelled:?}");
+    assert_eq!(cancelled.version, 4);
     let session = open(&mut c, CLASS).await?;
     latchkey_tests::eventually(
         "the arbiter to route by version 4",
@@ -373,6 +389,41 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
                 .await?
                 .into_inner();
             Ok(status.status.is_some_and(|s| s.version == 4))
+        },
+    )
+    .await?;
+    let g = try_lock(&mut c, &key(moving[0]), CLASS, session).await?;
+    assert_eq!(held_at(&added, &key(moving[0])).await?, Some(g.revision));
+    release(&mut c, &g).await?;
+
+    // Pinned again, with the operator's say this time.
+    let started = op
+        .change_shards(pin())
+        .await?
+        .into_inner()
+        .status
+        .unwrap_or_default();
+    assert_eq!(started.version, 5);
+    let pinned = op
+        .step_shard_move(StepShardMoveRequest {
+            allow_ending_holds: true,
+        })
+        .await?
+        .into_inner()
+        .status
+        .unwrap_or_default();
+    assert!(pinned.r#move.is_none(), "{pinned:?}");
+    assert_eq!(pinned.version, 6);
+    latchkey_tests::eventually(
+        "the arbiter to route by version 6",
+        Duration::from_secs(10),
+        || async {
+            let status = op
+                .clone()
+                .get_shards(GetShardsRequest {})
+                .await?
+                .into_inner();
+            Ok(status.status.is_some_and(|s| s.version == 6))
         },
     )
     .await?;

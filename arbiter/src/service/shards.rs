@@ -86,9 +86,31 @@ impl Arbiter {
                 None,
             ),
         };
+        if let Change::Cancel(_) = change {
+            let Some(m) = &current.moving else {
+                return Err(ArbiterError::BadRequest(
+                    "no move is under way to cancel".into(),
+                ));
+            };
+            // The next version with the current homes: no range changes
+            // home, and no destination has served a moving range yet.
+            let next = ShardMap {
+                version: current.version + 1,
+                moving: None,
+                ..current.clone()
+            };
+            publish_result(
+                routing
+                    .store()
+                    .publish(Some(&current), read_at, &next)
+                    .await,
+            )?;
+            warn!(operator = %caller.identity, version = next.version, reason, moved = %m.reason, "shard move cancelled");
+            return Ok(status(routing, Some(&next), "").await);
+        }
         if let Some(m) = &current.moving {
             return Err(ArbiterError::BadRequest(format!(
-                "a move is already under way (shard map version {}, reason {:?}): finish it first (`latchctl admin shards step`), then change the map again",
+                "a move is already under way (shard map version {}, reason {:?}): finish it (`latchctl admin shards step`) or cancel it (`latchctl admin shards cancel`), then change the map again",
                 current.version, m.reason
             )));
         }
@@ -135,6 +157,7 @@ impl Arbiter {
                 distinct?;
                 added = Some(shard.name.clone());
             }
+            Change::Cancel(_) => unreachable!("answered above"),
             Change::Pin(pin) => {
                 let namespace = pin.namespace.trim();
                 let valid = LockKey::parse(namespace).is_ok_and(|k| k.namespace() == namespace);

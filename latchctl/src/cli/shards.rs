@@ -6,7 +6,7 @@ use clap::{Args, Subcommand};
 use latchkey_client::Client;
 use latchkey_proto::adminv1::change_shards_request::Change;
 use latchkey_proto::adminv1::{
-    AddShard, ChangeShardsRequest, PinNamespace, ShardInfo, ShardStatus,
+    AddShard, CancelMove, ChangeShardsRequest, PinNamespace, ShardInfo, ShardStatus,
 };
 use serde_json::json;
 
@@ -26,6 +26,15 @@ pub enum ShardsCommand {
     Move(MoveArgs),
     /// Step the move under way as far as it can go now.
     Step(StepArgs),
+    /// Cancel the move under way: every range stays where it is (safe
+    /// until the move finishes).
+    Cancel(CancelArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    #[arg(long)]
+    pub reason: String,
 }
 
 #[derive(Debug, Args)]
@@ -100,6 +109,14 @@ pub async fn run(client: Client, command: ShardsCommand, out: &Output) -> Result
             };
             let started = client.change_shards(change).await?;
             finish(&client, started, false, args.wait.wait, out).await?
+        }
+        ShardsCommand::Cancel(args) => {
+            client
+                .change_shards(ChangeShardsRequest {
+                    change: Some(Change::Cancel(CancelMove {})),
+                    reason: args.reason,
+                })
+                .await?
         }
         ShardsCommand::Step(args) => {
             let stepped = client.step_shard_move(args.allow_ending_holds).await?;
