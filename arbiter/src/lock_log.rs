@@ -452,6 +452,20 @@ pub trait LockLog: Send + Sync + 'static {
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>>;
     /// Every hold whose key starts with `prefix`, in key order.
     async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>>;
+    /// Up to `limit` held lock keys after `after` (all from the first with
+    /// `None`), in key order, keys only: a scan of every hold in pages of
+    /// bounded size. The default reads every hold (in-memory logs).
+    async fn held_keys_page(&self, after: Option<&str>, limit: usize) -> LogResult<Vec<String>> {
+        let all = self.holders_under("").await?;
+        Ok(all.map(|holds| {
+            holds
+                .into_iter()
+                .map(|(k, _)| k)
+                .filter(|k| after.is_none_or(|a| k.as_str() > a))
+                .take(limit)
+                .collect()
+        }))
+    }
     /// How many keys are held.
     async fn count_holds(&self) -> LogResult<i64>;
     /// Watches `key` from `from_revision` (inclusive).

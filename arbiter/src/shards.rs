@@ -142,6 +142,31 @@ fn score(shard: &Shard, range: &str) -> f64 {
     f64::from(shard.weight) / -u.ln()
 }
 
+/// The home of `range` among `shards` with `overrides` (a map that passed
+/// [`ShardMap::check`]: at least one shard).
+fn home_among<'s>(
+    shards: &'s [Shard],
+    overrides: &BTreeMap<String, String>,
+    range: &str,
+) -> &'s Shard {
+    if let Some(pinned) = overrides.get(namespace_of(range))
+        && let Some(shard) = shards.iter().find(|s| &s.name == pinned)
+    {
+        return shard;
+    }
+    let mut best = &shards[0];
+    let mut best_score = f64::MIN;
+    for shard in shards {
+        let s = score(shard, range);
+        // Ties (practically never) go to the smaller name: stable.
+        if s > best_score || (s == best_score && shard.name < best.name) {
+            best = shard;
+            best_score = s;
+        }
+    }
+    best
+}
+
 impl ShardMap {
     /// Checks a map on its own.
     pub fn check(&self) -> Result<(), MapError> {
@@ -208,8 +233,9 @@ impl ShardMap {
     /// grants until the move ends).
     pub fn is_moving(&self, key: &str) -> bool {
         let range = range_of(key);
-        self.target()
-            .is_some_and(|t| t.home_of_range(range).name != self.home_of_range(range).name)
+        self.moving.as_ref().is_some_and(|m| {
+            home_among(&m.shards, &m.overrides, range).name != self.home_of_range(range).name
+        })
     }
 
     /// Every shard the map names, the move's new ones included.
@@ -245,22 +271,7 @@ impl ShardMap {
 
     /// The home shard of a range.
     pub fn home_of_range(&self, range: &str) -> &Shard {
-        if let Some(pinned) = self.overrides.get(namespace_of(range))
-            && let Some(shard) = self.shards.iter().find(|s| &s.name == pinned)
-        {
-            return shard;
-        }
-        let mut best = &self.shards[0];
-        let mut best_score = f64::MIN;
-        for shard in &self.shards {
-            let s = score(shard, range);
-            // Ties (practically never) go to the smaller name: stable.
-            if s > best_score || (s == best_score && shard.name < best.name) {
-                best = shard;
-                best_score = s;
-            }
-        }
-        best
+        home_among(&self.shards, &self.overrides, range)
     }
 
     /// The ranges among `ranges` whose home differs in `next`, with their

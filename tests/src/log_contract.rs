@@ -87,6 +87,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(durable_waiters_go_in_create_revision_order);
     case!(a_durable_queue_stops_hand_overs_and_ends_with_its_session);
     case!(holders_under_a_prefix_and_count);
+    case!(held_keys_come_in_bounded_pages);
     case!(sessions_and_their_count);
     case!(revoke_deletes_every_key_in_one_revision);
     case!(renewals);
@@ -801,6 +802,52 @@ pub async fn a_claim_stops_the_orphan_release(log: &dyn LockLog) -> anyhow::Resu
     ensure!(
         orphan.value,
         "an unclaimed hold was not released as an orphan"
+    );
+    revoke_all(log, &[id]).await
+}
+
+/// Held keys come in key order, a page at a time, keys only: the pages
+/// of a scan neither overlap nor skip a key.
+pub async fn held_keys_come_in_bounded_pages(log: &dyn LockLog) -> anyhow::Result<()> {
+    let epoch = epoch(log).await?;
+    let (identity, id) = ("spiffe://contract/pages", lease(13, 0));
+    open(log, id, identity).await?;
+    let mine = [
+        "contract/pages/a",
+        "contract/pages/b/1",
+        "contract/pages/b/2",
+        "contract/pages/c",
+        "contract/pages/d",
+    ];
+    for key in mine {
+        take(log, key, id, identity, &epoch).await?;
+    }
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = log.held_keys_page(after.as_deref(), 2).await?.value;
+        ensure!(page.len() <= 2, "{page:?}");
+        if let (Some(a), Some(first)) = (&after, page.first()) {
+            ensure!(first > a, "page starts at {first:?}, not after {a:?}");
+        }
+        let Some(last) = page.last().cloned() else {
+            break;
+        };
+        seen.extend(page);
+        after = Some(last);
+    }
+    let ours: Vec<&str> = seen
+        .iter()
+        .map(String::as_str)
+        .filter(|k| k.starts_with("contract/pages/"))
+        .collect();
+    ensure!(ours == mine, "{ours:?}");
+    let mut sorted = seen.clone();
+    sorted.sort();
+    sorted.dedup();
+    ensure!(
+        sorted == seen,
+        "pages overlap or come out of order: {seen:?}"
     );
     revoke_all(log, &[id]).await
 }

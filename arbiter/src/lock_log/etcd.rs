@@ -259,6 +259,10 @@ impl LockLog for EtcdLog {
         holds::holders_under(self, prefix).await
     }
 
+    async fn held_keys_page(&self, after: Option<&str>, limit: usize) -> LogResult<Vec<String>> {
+        holds::held_keys_page(self, after, limit).await
+    }
+
     async fn count_holds(&self) -> LogResult<i64> {
         holds::count_holds(self).await
     }

@@ -279,20 +279,10 @@ impl Arbiter {
         }
         // Step 3: nothing held in a moving range on its old shard.
         for (name, cluster) in &sources {
-            let (holds, _) = cluster
-                .table
-                .seal()
-                .checked(cluster.table.log().holders_under(""))
-                .await?;
-            let moving: Vec<&String> = holds
-                .iter()
-                .map(|(k, _)| k)
-                .filter(|k| map.is_moving(k))
-                .collect();
-            if let Some(first) = moving.first() {
+            let (count, first) = moving_holds(cluster, map).await?;
+            if let Some(first) = first {
                 let detail = format!(
-                    "waiting for {} hold(s) in moving ranges on shard {name:?} to end (released or expired), e.g. key {first:?}; step again",
-                    moving.len()
+                    "waiting for {count} hold(s) in moving ranges on shard {name:?} to end (released, or their sessions ended), e.g. key {first:?}; step again, or cancel the move"
                 );
                 return Ok(status(routing, Some(map), &detail).await);
             }
@@ -475,6 +465,41 @@ async fn raise_above(
     )))
 }
 
+/// Keys read per page when scanning a shard's holds.
+const SCAN_PAGE: usize = 1_000;
+
+/// How many of `cluster`'s holds are in ranges `map` is moving, and the
+/// first of them: a keys-only scan in pages, so a shard with any number of
+/// holds can be scanned.
+async fn moving_holds(
+    cluster: &Cluster,
+    map: &ShardMap,
+) -> Result<(i64, Option<String>), ArbiterError> {
+    let (mut count, mut first) = (0, None);
+    let mut after: Option<String> = None;
+    loop {
+        let (page, _) = cluster
+            .table
+            .seal()
+            .checked(
+                cluster
+                    .table
+                    .log()
+                    .held_keys_page(after.as_deref(), SCAN_PAGE),
+            )
+            .await?;
+        let Some(last) = page.last().cloned() else {
+            break;
+        };
+        for key in page.into_iter().filter(|k| map.is_moving(k)) {
+            count += 1;
+            first.get_or_insert(key);
+        }
+        after = Some(last);
+    }
+    Ok((count, first))
+}
+
 /// The shard map and each shard as this arbiter reads them now.
 async fn status(routing: &ShardRouting, map: Option<&ShardMap>, detail: &str) -> ShardStatus {
     let Some(map) = map else {
@@ -528,17 +553,19 @@ async fn info(routing: &ShardRouting, shard: &Shard, map: Option<&ShardMap>) -> 
     let table = &cluster.table;
     let read = async {
         let state = table.seal().load_epoch().await?;
-        let (holds, _) = table.seal().checked(table.log().holders_under("")).await?;
-        Ok::<_, ArbiterError>((state, holds))
+        let (holds, _) = table.seal().checked(table.log().count_holds()).await?;
+        let moving = match map {
+            Some(m) if m.moving.is_some() => moving_holds(&cluster, m).await?.0,
+            _ => 0,
+        };
+        Ok::<_, ArbiterError>((state, holds, moving))
     };
     match read.await {
-        Ok((state, holds)) => {
+        Ok((state, holds, moving)) => {
             out.epoch = state.epoch();
             out.fence_version = state.fence_version;
-            out.holds = holds.len() as i64;
-            out.moving_holds = map.map_or(0, |m| {
-                holds.iter().filter(|(k, _)| m.is_moving(k)).count() as i64
-            });
+            out.holds = holds;
+            out.moving_holds = moving;
         }
         Err(e) => out.error = e.to_string(),
     }

@@ -464,6 +464,48 @@ pub(super) async fn holders_under(log: &EtcdLog, prefix: &str) -> LogResult<Vec<
     answer(resp.header(), held)
 }
 
+/// Up to `limit` held lock keys after `after`, keys only, in key order.
+pub(super) async fn held_keys_page(
+    log: &EtcdLog,
+    after: Option<&str>,
+    limit: usize,
+) -> LogResult<Vec<String>> {
+    let holders = log.layout.holders();
+    // From just past `after` (or the first holder) to the prefix's end.
+    let from = match after {
+        Some(key) => {
+            let mut k = log.layout.holder(key).into_bytes();
+            k.push(0);
+            k
+        }
+        None => holders.clone().into_bytes(),
+    };
+    let mut end = holders.clone().into_bytes();
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    let resp = log
+        .client
+        .kv_client()
+        .get(
+            from,
+            Some(
+                GetOptions::new()
+                    .with_range(end)
+                    .with_keys_only()
+                    .with_limit(i64::try_from(limit).unwrap_or(i64::MAX)),
+            ),
+        )
+        .await
+        .map_err(|e| unavailable("cannot read the held keys", e))?;
+    let keys = resp
+        .kvs()
+        .iter()
+        .map(|found| strip_holders(&holders, found.key()))
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    answer(resp.header(), keys)
+}
+
 /// The lock key of a holder record's etcd `key`, found under `holders`
 /// (the layout's holder prefix).
 fn strip_holders(holders: &str, key: &[u8]) -> Result<String, StoreError> {
