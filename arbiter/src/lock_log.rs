@@ -517,6 +517,22 @@ pub trait LockLog: Send + Sync + 'static {
     async fn put_session(&self, session: i64, identity: &str, record: Vec<u8>) -> LogResult<()>;
     /// `session`'s record.
     async fn session(&self, session: i64) -> LogResult<Option<Kv>>;
+    /// Marks that `session` has a shadow on entity shard `shard` (ADR-09):
+    /// a key on the session's lease, so the mark ends with the session.
+    /// Logs that never serve shards need not keep marks.
+    async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()> {
+        let _ = (session, shard);
+        Err(StoreError::unavailable(
+            "this lock log keeps no shadow marks",
+        ))
+    }
+    /// The shards `session` has marked shadows on, in name order.
+    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
+        let _ = session;
+        Err(StoreError::unavailable(
+            "this lock log keeps no shadow marks",
+        ))
+    }
     /// How many sessions `identity` has open.
     async fn count_sessions_of(&self, identity: &str) -> LogResult<u32>;
     /// Deletes `session`'s record and its count entry if the record's bytes

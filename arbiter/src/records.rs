@@ -167,6 +167,16 @@ impl Layout {
     pub fn session(&self, lease: i64) -> String {
         format!("{}/s/{lease:016x}", self.prefix)
     }
+    /// The session's shadow on entity shard `shard` (ADR-09), on the
+    /// session's lease on the lock cluster: which shards its renewals must
+    /// renew.
+    pub fn shadow_mark(&self, session: i64, shard: &str) -> String {
+        format!("{}{shard}", self.shadow_marks(session))
+    }
+    /// Every shadow mark of `session`.
+    pub fn shadow_marks(&self, session: i64) -> String {
+        format!("{}/sh/{session:016x}/", self.prefix)
+    }
     /// One open session of `identity` (hex, so no identity is a prefix of
     /// another's entries).
     pub fn identity_session(&self, identity: &str, lease: i64) -> String {

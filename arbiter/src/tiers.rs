@@ -89,6 +89,9 @@ pub struct Tiers {
 pub struct AcquireRoute {
     pub cluster: Arc<Cluster>,
     pub map_version: Option<u64>,
+    /// The entity shard's name when it is not the lock cluster (the key is
+    /// held on a shadow of the session there).
+    pub other_shard: Option<String>,
 }
 
 impl Tiers {
@@ -253,9 +256,11 @@ impl Tiers {
         Ok(match (tier, &self.shards) {
             (Tier::Entity, Some(shards)) => {
                 let route = shards.granting(key.as_str())?;
+                let other = route.shard != shards.home_name();
                 AcquireRoute {
                     cluster: route.cluster,
                     map_version: Some(route.version),
+                    other_shard: other.then_some(route.shard),
                 }
             }
             _ => AcquireRoute {
@@ -264,6 +269,7 @@ impl Tiers {
                     Tier::Coord => None,
                     Tier::Entity => Some(0),
                 },
+                other_shard: None,
             },
         })
     }

@@ -230,6 +230,15 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
         Code::Unavailable,
         "SHARD_MAP_CHANGED",
     )?;
+    // Nor does it answer renewals any more: sessions may have shadows on
+    // shards it does not know.
+    let renewal = renew(&mut b, blind_session).await;
+    assert!(
+        renewal
+            .as_ref()
+            .is_err_and(|e| format!("{e:?}").contains("shard map")),
+        "{renewal:?}"
+    );
 
     // A step does not finish while the kept hold lasts.
     let stepped = op
@@ -298,6 +307,15 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
 
     // One session holds on both shards: a renewal renews its shadow too,
     // and closing it ends the holds on both.
+    // The session marks its shadow on the lock cluster, on its lease.
+    let mark = format!("/latchkey/sh/{session:016x}/entity-b");
+    let mut kv = home.client().await?.kv_client();
+    let marked = kv.get(mark.as_str(), None).await?;
+    assert_eq!(
+        marked.kvs().first().map(|kv| kv.lease()),
+        Some(session),
+        "{mark}"
+    );
     // The shadow's lease is renewed on the new shard itself (not answered
     // for by the renewal of the session's lease on the lock cluster, which
     // has the same id), and renewals close together are answered too.

@@ -263,6 +263,14 @@ impl LockLog for EtcdLog {
         holds::held_keys_page(self, after, limit).await
     }
 
+    async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()> {
+        sessions::mark_shadow(self, session, shard).await
+    }
+
+    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
+        sessions::shadow_marks(self, session).await
+    }
+
     async fn count_holds(&self) -> LogResult<i64> {
         holds::count_holds(self).await
     }

@@ -162,14 +162,6 @@ impl Arbiter {
             .for_acquire(&policies, &key, class, session)
             .await?;
         let cluster = &route.cluster;
-        // ADR-09: a key homed on another shard than the sessions' cluster
-        // is held on the session's shadow there.
-        if !std::ptr::eq(cluster.as_ref(), self.tiers.entity().as_ref())
-            && cluster.tier == latchkey_policies::Tier::Entity
-        {
-            self.ensure_shadow(cluster, &caller.identity, session)
-                .await?;
-        }
         // ADR-04: while the lock cluster has no quorum a closed class is
         // refused here, nothing sent to etcd; an open one is granted from
         // memory below (bounded there, not by the log's hold counts).
@@ -294,6 +286,13 @@ impl Arbiter {
             return Ok(AcquireResponse {
                 grant: Some(wire_memory_grant(&memory)),
             });
+        }
+        // ADR-09: a key homed on another shard than the sessions' cluster
+        // is held on the session's shadow there, made now that every check
+        // has passed (a refused Acquire writes no shadow).
+        if let Some(shard) = &route.other_shard {
+            self.ensure_shadow(cluster, shard, &caller.identity, session)
+                .await?;
         }
         // A memory grant from the loss keeps its key until it ends.
         cluster.quorum.before_log_grant(&grant_req, wait).await?;

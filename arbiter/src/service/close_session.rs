@@ -16,14 +16,20 @@ impl Arbiter {
         let caller = self.caller(&request)?;
         let session = session_id(request.get_ref().session_id)?;
         let cluster = self.tiers.session_cluster(session).await?;
+        let home = std::ptr::eq(cluster.as_ref(), self.tiers.entity().as_ref());
+        // Read before the close: the marks end with the session's lease.
+        let marked = match home && self.has_shadows() {
+            true => self.shadow_marks(session).await.ok(),
+            false => Some(Vec::new()),
+        };
         cluster
             .table
             .close_session(&caller.identity, session)
             .await?;
         // The next renewal of a closed session must reach etcd (and fail).
         self.bounds.forget_renewal(session);
-        if std::ptr::eq(cluster.as_ref(), self.tiers.entity().as_ref()) {
-            self.end_shadows(session).await;
+        if home {
+            self.end_shadows(session, marked).await;
         }
         info!(identity = %caller.identity, session, "session closed");
         Ok(CloseSessionResponse {})

@@ -218,13 +218,16 @@ impl Arbiter {
         }
         // With other shards, every renewal renews the session's shadows
         // too, and the memo (the home cluster's renewals only) cannot answer.
-        if self.has_shadows()
-            && std::ptr::eq(
-                self.tiers.session_cluster(session).await?.as_ref(),
-                self.tiers.entity().as_ref(),
-            )
-        {
-            return self.renew_with_shadows(session).await;
+        // An arbiter behind the lock cluster's map fence may not know the
+        // shards a session has shadows on: it does not answer.
+        if std::ptr::eq(
+            self.tiers.session_cluster(session).await?.as_ref(),
+            self.tiers.entity().as_ref(),
+        ) {
+            self.renewal_fenced()?;
+            if self.has_shadows() {
+                return self.renew_with_shadows(session).await;
+            }
         }
         // Ownership is settled above; only then may the memo answer.
         if let Some(ttl) = self.bounds.recent_renewal(session) {
@@ -273,7 +276,8 @@ impl Arbiter {
         for _ in 0..2 {
             let renewed = home.renew(session).await?;
             if renewed.ttl_seconds <= 0 {
-                self.end_shadows(session).await;
+                // Its marks went with its lease: every connected shard.
+                self.end_shadows(session, None).await;
                 return Ok(Renewal::Gone);
             }
             let mut left = super::shadow::time_left(&renewed);

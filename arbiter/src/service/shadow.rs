@@ -32,6 +32,7 @@ impl Arbiter {
     pub(crate) async fn ensure_shadow(
         &self,
         cluster: &Cluster,
+        shard: &str,
         identity: &str,
         session: i64,
     ) -> Result<(), ArbiterError> {
@@ -48,6 +49,15 @@ impl Arbiter {
             .filter(|r| r.identity == identity)
             .ok_or(ArbiterError::SessionExpired { session })?;
         let value = kv.map(|kv| kv.value).unwrap_or_default();
+        // The mark first, on the session's lease: a renewal that begins
+        // once the shadow exists reads it, and renews the shadow.
+        match home.log().mark_shadow(session, shard).await {
+            Ok(_) => {}
+            Err(StoreError::LeaseGone { .. }) => {
+                return Err(ArbiterError::SessionExpired { session });
+            }
+            Err(e) => return Err(e.into()),
+        }
         match table.log().grant_lease(session, record.ttl_seconds).await {
             Ok(_) | Err(StoreError::LeaseExists { .. }) => {}
             Err(e) => return Err(e.into()),
@@ -56,23 +66,30 @@ impl Arbiter {
         Ok(())
     }
 
-    /// Renews `session`'s shadows on every other shard the map names: the
-    /// shortest time left among them, counted from each renewal's send
-    /// (`None`: no shadow anywhere). A shard of the map this arbiter is not
-    /// connected to, or cannot renew on, fails the renewal: a shadow there
-    /// would expire unseen.
+    /// Renews `session`'s shadows on the shards it has marked: the shortest
+    /// time left among them, counted from each renewal's send (`None`: no
+    /// shadow anywhere). A marked shard this arbiter is not connected to, or
+    /// cannot renew on, fails the renewal: a shadow there would expire
+    /// unseen. Other shards, down or not, do not matter to this session.
     pub(crate) async fn renew_shadows(&self, session: i64) -> Result<Option<i64>, ArbiterError> {
         let Some(shards) = self.tiers.shards() else {
             return Ok(None);
         };
         let mut shortest: Option<i64> = None;
-        for name in shards.other_names() {
+        let asked = std::time::Instant::now();
+        for name in self.shadow_marks(session).await? {
             let cluster = shards.cluster(&name).ok_or_else(|| {
                 ArbiterError::store(format!(
-                    "shard {name:?} of the shard map is not connected to this arbiter, so the session's shadow there cannot be renewed"
+                    "shard {name:?}, where the session has a shadow, is not connected to this arbiter, so the shadow cannot be renewed"
                 ))
             })?;
-            let r = cluster.table.renew(session).await?;
+            let mut r = cluster.table.renew(session).await?;
+            if r.ttl_seconds <= 0 && r.sent < asked {
+                // "No lease" from a renewal sent before this call (joined
+                // in flight) may predate the shadow: ask afresh.
+                r = cluster.table.renew(session).await?;
+            }
+            // No lease: not made yet (the mark comes first), or gone.
             if r.ttl_seconds > 0 {
                 let left = time_left(&r);
                 shortest = Some(shortest.map_or(left, |s| s.min(left)));
@@ -81,24 +98,53 @@ impl Arbiter {
         Ok(shortest)
     }
 
-    /// Revokes `session`'s shadows (best effort: one that stays expires
-    /// with its TTL, no longer renewed).
-    pub(crate) async fn end_shadows(&self, session: i64) {
+    /// The shards `session` has shadows on, as its marks on the lock
+    /// cluster say (a linearizable read).
+    pub(crate) async fn shadow_marks(&self, session: i64) -> Result<Vec<String>, ArbiterError> {
+        let home = &self.tiers.entity().table;
+        let (marks, _) = home
+            .seal()
+            .checked(home.log().shadow_marks(session))
+            .await?;
+        Ok(marks)
+    }
+
+    /// Revokes `session`'s shadows on `marked` shards, or on every other
+    /// connected shard when the marks could not be read (best effort: one
+    /// that stays expires with its TTL, no longer renewed).
+    pub(crate) async fn end_shadows(&self, session: i64, marked: Option<Vec<String>>) {
         let Some(shards) = self.tiers.shards() else {
             return;
         };
-        for cluster in shards.others() {
+        let clusters = match marked {
+            Some(names) => names.iter().filter_map(|n| shards.cluster(n)).collect(),
+            None => shards.others(),
+        };
+        for cluster in clusters {
             if let Err(e) = cluster.table.log().revoke(session).await {
                 tracing::warn!(error = %e, "could not revoke a session's shadow on another shard; it expires with its TTL");
             }
         }
     }
 
-    /// Whether sessions may have shadows (the map names other shards).
+    /// Whether sessions may have shadows: a shard map exists (before the
+    /// first change of the map there is no other shard to hold one).
     pub(crate) fn has_shadows(&self) -> bool {
-        self.tiers
-            .shards()
-            .is_some_and(|s| !s.other_names().is_empty())
+        self.tiers.shards().is_some_and(|s| s.map().is_some())
+    }
+
+    /// Refuses a renewal this arbiter cannot answer for: the lock cluster is
+    /// fenced at a newer shard map than it routes by (as last read), so
+    /// sessions may have shadows on shards it does not know.
+    pub(crate) fn renewal_fenced(&self) -> Result<(), ArbiterError> {
+        let routed = self.tiers.shards().map_or(0, |s| s.version());
+        match self.tiers.entity().table.seal().guard().state() {
+            Some(state) if state.fence_version > routed => Err(ArbiterError::ShardMapAhead {
+                cluster: state.fence_version,
+                arbiter: routed,
+            }),
+            _ => Ok(()),
+        }
     }
 }
 

@@ -301,6 +301,12 @@ impl Arbiter {
             epochs.push((name.clone(), epoch));
         }
         for name in destinations(map, &target) {
+            // An advance ends holds: only for the move still under way (a
+            // cancel, or another arbiter's step 5, may have come since).
+            let still = routing.store().load().await?.map(|(m, _)| m);
+            if still.as_ref() != Some(map) {
+                return Ok(status(routing, still.as_ref(), "").await);
+            }
             let floor = epochs
                 .iter()
                 .filter(|(n, _)| *n != name)

@@ -133,14 +133,22 @@ impl ShardRouting {
         }
         let cluster = self.connect.connect(shard.clone()).await?;
         let mut routed = self.routed.write();
+        // Another call may have connected the name meanwhile: one cluster
+        // per name, and only at the endpoints it was connected at.
+        if let Some(existing) = routed.clusters.get(&shard.name) {
+            return match routed.endpoints.get(&shard.name) == Some(&shard.endpoints) {
+                true => Ok(existing.clone()),
+                false => Err(format!(
+                    "a shard named {:?} was connected here at other endpoints meanwhile",
+                    shard.name
+                )),
+            };
+        }
         routed
             .endpoints
             .insert(shard.name.clone(), shard.endpoints.clone());
-        Ok(routed
-            .clusters
-            .entry(shard.name.clone())
-            .or_insert(cluster)
-            .clone())
+        routed.clusters.insert(shard.name.clone(), cluster.clone());
+        Ok(cluster)
     }
 
     /// Drops a connection the map does not name (a refused addition).
@@ -265,6 +273,19 @@ impl ShardRouting {
                 .collect();
             for name in stale {
                 warn!(shard = %name, "connected at other endpoints than the shard map says; reconnecting");
+                routed.clusters.remove(&name);
+                routed.endpoints.remove(&name);
+            }
+            // A connection the map no longer names (a cancelled addition,
+            // which never homed a range) is dropped.
+            let unnamed: Vec<String> = routed
+                .clusters
+                .keys()
+                .filter(|n| map.shard(n).is_none())
+                .cloned()
+                .collect();
+            for name in unnamed {
+                info!(shard = %name, "no longer in the shard map; disconnecting");
                 routed.clusters.remove(&name);
                 routed.endpoints.remove(&name);
             }

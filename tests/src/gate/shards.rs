@@ -84,7 +84,15 @@ async fn run(
     allow_ending_holds: bool,
 ) -> anyhow::Result<ShardStatus> {
     let until = Instant::now() + MOVE_WITHIN;
-    let mut status = retried(|| operator.change_shards(change.clone())).await?;
+    // A retry of a change whose publish landed (and whose first step then
+    // failed) finds the move under way: step it.
+    let mut status = match retried(|| operator.change_shards(change.clone())).await {
+        Ok(status) => status,
+        Err(e) if e.to_string().contains("already under way") => {
+            retried(|| operator.step_shard_move(allow_ending_holds)).await?
+        }
+        Err(e) => return Err(e),
+    };
     while let Some(m) = &status.r#move {
         if Instant::now() >= until {
             bail!(

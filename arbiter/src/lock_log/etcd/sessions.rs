@@ -126,3 +126,47 @@ pub(super) async fn revoke(log: &EtcdLog, lease: i64) -> Result<(), StoreError> 
         Err(e) => Err(unavailable("cannot revoke a session lease", e)),
     }
 }
+
+/// Marks `session`'s shadow on `shard`, on the session's lease. A session
+/// gone already answers [`StoreError::LeaseGone`].
+pub(super) async fn mark_shadow(log: &EtcdLog, session: i64, shard: &str) -> LogResult<()> {
+    let resp = log
+        .client
+        .kv_client()
+        .put(
+            log.layout.shadow_mark(session, shard),
+            "",
+            Some(PutOptions::new().with_lease(session)),
+        )
+        .await
+        .map_err(|e| {
+            if not_found(&e) {
+                StoreError::LeaseGone { lease: session }
+            } else {
+                unavailable("cannot mark a session's shadow", e)
+            }
+        })?;
+    answer(resp.header(), ())
+}
+
+/// The shards `session` has marked shadows on (keys only).
+pub(super) async fn shadow_marks(log: &EtcdLog, session: i64) -> LogResult<Vec<String>> {
+    let prefix = log.layout.shadow_marks(session);
+    let resp = log
+        .client
+        .kv_client()
+        .get(
+            prefix.as_str(),
+            Some(GetOptions::new().with_prefix().with_keys_only()),
+        )
+        .await
+        .map_err(|e| unavailable("cannot read a session's shadow marks", e))?;
+    let shards = resp
+        .kvs()
+        .iter()
+        .filter_map(|kv| std::str::from_utf8(kv.key()).ok())
+        .filter_map(|k| k.strip_prefix(prefix.as_str()))
+        .map(str::to_string)
+        .collect();
+    answer(resp.header(), shards)
+}
