@@ -450,6 +450,27 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
         assert_eq!(held_at(&home, &key(i)).await?, Some(g.revision));
         assert!(g.token > old[&i]);
     }
+
+    // A shard fenced at a version the map has not reached (the coord
+    // cluster's map went back, as a restore would): no change publishes a
+    // second map under a version the shards have seen.
+    let mut kv = home.client().await?.kv_client();
+    kv.put("/latchkey/sys/shardmap", format!("{:020}", 100), None)
+        .await?;
+    let coord_before = coord.revision().await?;
+    let refused = op
+        .change_shards(ChangeShardsRequest {
+            change: Some(Change::Pin(PinNamespace {
+                namespace: "demo".into(),
+                shard: "entity-b".into(),
+            })),
+            reason: "after a restore".into(),
+        })
+        .await
+        .expect_err("a map version the shards have seen is not published again");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().contains("restored"), "{}", refused.message());
+    assert_eq!(coord.revision().await?, coord_before);
     blind.stop().await?;
     arbiter.stop().await
 }

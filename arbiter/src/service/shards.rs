@@ -99,6 +99,7 @@ impl Arbiter {
                 moving: None,
                 ..current.clone()
             };
+            not_behind(routing, &current, next.version).await?;
             publish_result(
                 routing
                     .store()
@@ -186,6 +187,11 @@ impl Arbiter {
                 started_at_unix_ms: now_unix_ms(),
             }),
         };
+        let behind = not_behind(routing, &current, next.version).await;
+        if let (Err(_), Some(name)) = (&behind, &added) {
+            routing.forget(name);
+        }
+        behind?;
         let published = routing
             .store()
             .publish(loaded.as_ref().map(|(m, _)| m), read_at, &next)
@@ -330,6 +336,7 @@ impl Arbiter {
         if now.version != map.version {
             return Ok(status(routing, Some(&now), "").await);
         }
+        not_behind(routing, &now, target.version).await?;
         publish_result(
             routing
                 .store()
@@ -390,6 +397,38 @@ fn check_alone(
     }
     .check()
     .map_err(|e| ArbiterError::BadRequest(e.to_string()))
+}
+
+/// Refuses to publish map `version` when a shard of `map` is already
+/// fenced at it or above: a map of that version was published before, and
+/// the coord cluster's copy went back (a restore). Publishing another map
+/// under the same version would let arbiters follow two different maps
+/// that pass the same fences.
+async fn not_behind(
+    routing: &ShardRouting,
+    map: &ShardMap,
+    version: u64,
+) -> Result<(), ArbiterError> {
+    for shard in map.all_shards() {
+        let Some(cluster) = routing.cluster(&shard.name) else {
+            continue;
+        };
+        let (fence, _) = cluster
+            .table
+            .seal()
+            .checked(cluster.table.log().map_fence())
+            .await?;
+        let fenced = fence
+            .and_then(|kv| crate::records::decode_map_fence(&kv.value))
+            .unwrap_or(0);
+        if fenced >= version {
+            return Err(ArbiterError::BadRequest(format!(
+                "shard {:?} is fenced at shard map version {fenced}, at or above the version this change would publish ({version}): the coord cluster's shard map is older than one the shards have seen (was it restored?); publish a map above version {fenced} by hand before changing it (docs/tiers-and-shards.md)",
+                shard.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn publish_result(result: Result<(), PublishError>) -> Result<(), ArbiterError> {
