@@ -469,7 +469,11 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
         .await
         .expect_err("a map version the shards have seen is not published again");
     assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
-    assert!(refused.message().contains("restored"), "{}", refused.message());
+    assert!(
+        refused.message().contains("restored"),
+        "{}",
+        refused.message()
+    );
     assert_eq!(coord.revision().await?, coord_before);
     blind.stop().await?;
     arbiter.stop().await
