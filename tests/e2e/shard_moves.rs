@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use latchkey_arbiter::shards::ShardMap;
 use latchkey_arbiter::shards::etcd::ShardMapStore;
+use latchkey_proto::adminv1::admin_client::AdminClient;
 use latchkey_proto::adminv1::change_shards_request::Change;
 use latchkey_proto::adminv1::{
     AddShard, CancelMove, ChangeShardsRequest, GetShardsRequest, PinNamespace, ShardStatus,
@@ -21,6 +22,7 @@ use latchkey_proto::lockv1::{CloseSessionRequest, KeepAliveRequest};
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions, Coord};
 use latchkey_tests::etcd::EtcdServer;
 use tonic::Code;
+use tonic::transport::Channel;
 
 use crate::support::*;
 
@@ -47,6 +49,25 @@ async fn stored_map(coord: &EtcdServer) -> anyhow::Result<ShardMap> {
 async fn lease_ttl(etcd: &EtcdServer, id: i64) -> anyhow::Result<i64> {
     let mut leases = etcd.client().await?.lease_client();
     Ok(leases.time_to_live(id, None).await?.ttl())
+}
+
+/// Waits until the arbiter behind `op` routes by shard map `version`.
+async fn routing_by(op: &AdminClient<Channel>, version: u64) -> anyhow::Result<()> {
+    latchkey_tests::eventually(
+        &format!("the arbiter to route by version {version}"),
+        Duration::from_secs(10),
+        || async {
+            let status = op
+                .clone()
+                .get_shards(GetShardsRequest {})
+                .await?
+                .into_inner();
+            let routed = status.status.is_some_and(|s| s.version == version);
+            anyhow::ensure!(routed, "not yet at version {version}");
+            Ok(())
+        },
+    )
+    .await
 }
 
 fn key(i: usize) -> String {
@@ -274,19 +295,7 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
 
     // Every moved key is granted on the new shard, with a token above every
     // token its old home issued; every other key stays where it was.
-    latchkey_tests::eventually(
-        "the arbiter to route by version 2",
-        Duration::from_secs(10),
-        || async {
-            let status = op
-                .clone()
-                .get_shards(GetShardsRequest {})
-                .await?
-                .into_inner();
-            Ok(status.status.is_some_and(|s| s.version == 2))
-        },
-    )
-    .await?;
+    routing_by(&op, 2).await?;
     for i in 0..RANGES {
         let g = try_lock(&mut c, &key(i), CLASS, session).await?;
         assert!(
@@ -341,10 +350,10 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
                 if held_at(&home, &key(i)).await?.is_some()
                     || held_at(&added, &key(i)).await?.is_some()
                 {
-                    return Ok(false);
+                    anyhow::bail!("{} is still held", key(i));
                 }
             }
-            Ok(true)
+            Ok(())
         },
     )
     .await?;
@@ -397,19 +406,7 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
     assert!(cancelled.r#move.is_none(), "{cancelled:?}");
     assert_eq!(cancelled.version, 4);
     let session = open(&mut c, CLASS).await?;
-    latchkey_tests::eventually(
-        "the arbiter to route by version 4",
-        Duration::from_secs(10),
-        || async {
-            let status = op
-                .clone()
-                .get_shards(GetShardsRequest {})
-                .await?
-                .into_inner();
-            Ok(status.status.is_some_and(|s| s.version == 4))
-        },
-    )
-    .await?;
+    routing_by(&op, 4).await?;
     let g = try_lock(&mut c, &key(moving[0]), CLASS, session).await?;
     assert_eq!(held_at(&added, &key(moving[0])).await?, Some(g.revision));
     release(&mut c, &g).await?;
@@ -432,19 +429,7 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
         .unwrap_or_default();
     assert!(pinned.r#move.is_none(), "{pinned:?}");
     assert_eq!(pinned.version, 6);
-    latchkey_tests::eventually(
-        "the arbiter to route by version 6",
-        Duration::from_secs(10),
-        || async {
-            let status = op
-                .clone()
-                .get_shards(GetShardsRequest {})
-                .await?
-                .into_inner();
-            Ok(status.status.is_some_and(|s| s.version == 6))
-        },
-    )
-    .await?;
+    routing_by(&op, 6).await?;
     for &i in &moving {
         let g = try_lock(&mut c, &key(i), CLASS, session).await?;
         assert_eq!(held_at(&home, &key(i)).await?, Some(g.revision));

@@ -195,7 +195,13 @@ async fn each_key_lives_on_its_tiers_cluster_and_the_other_tier_is_refused() -> 
     latchkey_tests::eventually(
         "the coord hold to end with its session",
         Duration::from_secs(10),
-        || async { Ok(held_at(&coord, "leader/scheduler").await?.is_none()) },
+        || async {
+            anyhow::ensure!(
+                held_at(&coord, "leader/scheduler").await?.is_none(),
+                "still held"
+            );
+            Ok(())
+        },
     )
     .await?;
     // The entity hold is untouched by the coord session's close.
@@ -744,7 +750,13 @@ async fn a_session_from_before_the_split_with_the_coord_bit_still_works() -> any
     latchkey_tests::eventually(
         "the legacy session's hold to end",
         Duration::from_secs(10),
-        || async { Ok(held_at(&lock, "demo/tiers/legacy").await?.is_none()) },
+        || async {
+            anyhow::ensure!(
+                held_at(&lock, "demo/tiers/legacy").await?.is_none(),
+                "still held"
+            );
+            Ok(())
+        },
     )
     .await?;
     arbiter.stop().await
