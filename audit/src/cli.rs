@@ -12,6 +12,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::metrics::{self, AlarmAt, Metrics};
+use crate::pseudonym::AuditKey;
 use crate::store;
 use crate::tailer::{self, EtcdConnection, TailerConfig};
 
@@ -43,10 +44,23 @@ struct Args {
     /// The arbiter's key prefix in etcd.
     #[arg(long, default_value = "/latchkey")]
     prefix: String,
-    /// The store: postgresql://… or clickhouse://host:8123/database. From
-    /// the environment, so a password stays off the command line.
+    /// The store: postgresql://… or clickhouse://WRITER@host:8123/database.
+    /// From the environment or with --store-password-file: a password in a
+    /// URL on the command line is refused (`ps` shows it to every user).
     #[arg(long, env = "LATCHKEY_AUDIT_STORE", hide_env_values = true)]
     store: String,
+    /// The store user's password, read from this file (trailing newline
+    /// dropped). The user writes; readers (`latchctl audit`) get another,
+    /// read-only one.
+    #[arg(long, value_name = "PATH", env = "LATCHKEY_AUDIT_STORE_PASSWORD_FILE")]
+    store_password_file: Option<PathBuf>,
+    /// The audit key (at least 32 bytes, e.g. `openssl rand -hex 32`): the
+    /// store keeps ids keyed by it instead of the lock log's revisions,
+    /// which rebuild fencing tokens. Keep it for the store's whole life
+    /// (a store written under another key is refused); only the tailer
+    /// reads it.
+    #[arg(long, value_name = "PATH", env = "LATCHKEY_AUDIT_KEY_FILE")]
+    audit_key_file: PathBuf,
     /// Serve Prometheus metrics here (plain HTTP, GET /metrics).
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
@@ -71,6 +85,29 @@ fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
     std::fs::read(path).with_context(|| format!("reading {}", path.display()))
 }
 
+/// A password file's text without its trailing newline.
+pub fn read_password(path: &Path) -> anyhow::Result<String> {
+    let text =
+        String::from_utf8(read(path)?).with_context(|| format!("{}: not UTF-8", path.display()))?;
+    Ok(text.strip_suffix('\n').unwrap_or(&text).to_string())
+}
+
+/// Refuses a store URL whose password is in `argv` (visible in `ps`).
+pub fn refuse_password_in_argv(url: &str, argv: &[OsString]) -> anyhow::Result<()> {
+    if let Some(password) = store::url_password(url)
+        && argv.iter().any(|a| {
+            let a = a.to_string_lossy();
+            a.contains("://") && a.contains(password)
+        })
+    {
+        bail!(
+            "the store URL on the command line has a password, which `ps` shows to every user: \
+             pass the URL in LATCHKEY_AUDIT_STORE, or the password in --store-password-file"
+        );
+    }
+    Ok(())
+}
+
 fn connection(args: &Args) -> anyhow::Result<EtcdConnection> {
     let https = args.etcd.iter().all(|e| e.starts_with("https://"));
     let http = args.etcd.iter().all(|e| e.starts_with("http://"));
@@ -85,11 +122,7 @@ fn connection(args: &Args) -> anyhow::Result<EtcdConnection> {
         _ => None,
     };
     let login = match (&args.etcd_user, &args.etcd_password_file) {
-        (Some(user), Some(file)) => {
-            let text = String::from_utf8(read(file)?).context("the etcd password file")?;
-            let password = text.strip_suffix('\n').unwrap_or(&text).to_string();
-            Some((user.clone(), password))
-        }
+        (Some(user), Some(file)) => Some((user.clone(), read_password(file)?)),
         _ => None,
     };
     Ok(EtcdConnection {
@@ -104,7 +137,8 @@ fn connection(args: &Args) -> anyhow::Result<EtcdConnection> {
 
 /// Parses `argv`, connects the store and tails until SIGINT or SIGTERM.
 pub async fn main_with(argv: Vec<OsString>) -> anyhow::Result<()> {
-    let args = Args::try_parse_from(argv).unwrap_or_else(|e| e.exit());
+    let args = Args::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+    refuse_password_in_argv(&args.store, &argv)?;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).try_init();
@@ -116,12 +150,23 @@ pub async fn main_with(argv: Vec<OsString>) -> anyhow::Result<()> {
         window: Some(args.compaction_window),
         window_revisions: args.compaction_window_revisions,
     };
+    let options = store::StoreOptions {
+        password: args
+            .store_password_file
+            .as_deref()
+            .map(read_password)
+            .transpose()?,
+        audit_key: Some(AuditKey::read(&args.audit_key_file)?),
+    };
     let store: Arc<dyn store::AuditStore> = Arc::from(
-        store::open(&args.store)
+        store::open_with(&args.store, options)
             .await
             .with_context(|| format!("opening the store {}", store::redact(&args.store)))?,
     );
-    store.migrate().await.context("creating the audit tables")?;
+    store
+        .migrate()
+        .await
+        .context("creating (or moving over) the audit tables")?;
     let metrics = Arc::new(Metrics::new());
     let (stop_tx, stop) = watch::channel(false);
     if let Some(addr) = &args.metrics_listen {
@@ -194,4 +239,30 @@ fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>, mut stop: watch::
             warn!(error = %e, "the metrics server stopped");
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(args: &[&str]) -> Vec<OsString> {
+        args.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn a_password_in_a_store_url_on_the_command_line_is_refused() {
+        let url = "clickhouse://w:s3cret-pw@h:8123/db";
+        let err = refuse_password_in_argv(url, &argv(&["latchkey-audit", "--store", url]));
+        let err = err.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("ps") && !err.contains("s3cret"), "{err}");
+        let joined = format!("--store={url}");
+        assert!(refuse_password_in_argv(url, &argv(&["latchkey-audit", &joined])).is_err());
+        // From the environment: the command line does not show it.
+        assert!(
+            refuse_password_in_argv(url, &argv(&["latchkey-audit", "--prefix", "/s3cret-pw"]))
+                .is_ok()
+        );
+        let user_only = "clickhouse://w@h:8123/db";
+        assert!(refuse_password_in_argv(user_only, &argv(&["x", "--store", user_only])).is_ok());
+    }
 }

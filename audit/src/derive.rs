@@ -30,7 +30,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::records::{EpochRecord, HolderRecord, SealRecord, decode};
 
-use crate::event::{EPOCH_KEY, Ended, Event, Kind, SEAL_KEY};
+use crate::event::{EPOCH_KEY, Ended, Event, Kind, SEAL_KEY, without_numbers};
 use crate::force::{self, ForceRecord, RevokeRecord};
 
 /// A put or a delete.
@@ -293,8 +293,9 @@ impl LogState {
         if let Some(record) = seal_put {
             let mut event = Event::new(revision, SEAL_KEY, Kind::EpochSeal, self.epoch());
             event.detail = match record {
+                // The reason names revisions (each a token's low half).
                 Some(r) => serde_json::json!({
-                    "reason": r.reason,
+                    "reason": without_numbers(&r.reason),
                     "nextEpochAtLeast": r.next_epoch_at_least,
                 }),
                 None => serde_json::json!({ "undecodable": true }),

@@ -1,5 +1,5 @@
 //! The audit event: one change to who holds a key, or to the epoch, as the
-//! lock log committed it, keyed by (cluster id, revision, key).
+//! lock log committed it, at (cluster id, revision, key).
 //!
 //! Several events can share a revision (a lease expiry ends every hold on
 //! it; an epoch advance drops every hold; a batched commit grants several
@@ -7,14 +7,19 @@
 //! are not about a lock key use keys no lock key can have (lock keys never
 //! start with `/`): [`EPOCH_KEY`], [`SEAL_KEY`], [`GAP_KEY`].
 //!
-//! No token is stored: a grant's token is `epoch * 2^48 + revision`, both of
-//! which the event carries because the store needs them anyway (the revision
-//! is part of the key, the epoch says which history the revision belongs to).
+//! Two shapes: [`Event`] is what the tailer derives, with the log's
+//! revisions, and lives only in its memory; [`RecordedEvent`] is what the
+//! store keeps and readers get. A grant's token is `epoch * 2^48 +
+//! revision` and the epoch is guessable, so a stored revision would be a
+//! stored token: the store keeps keyed ids instead ([`crate::pseudonym`]),
+//! and orders events by `position`, the time the tailer first wrote them.
 
 use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
+
+use crate::pseudonym::{self, AuditKey, NeedsKey};
 
 /// The key of an epoch record's events (create, advance).
 pub const EPOCH_KEY: &str = "/sys/epoch";
@@ -230,11 +235,28 @@ impl Event {
     }
 
     /// The gap event: revisions `from..=to` were compacted before the
-    /// tailer read them.
+    /// tailer read them. The detail says how many, not which: the bounds
+    /// are revisions, and a revision may be a live grant's.
     pub fn gap(from: i64, to: i64, epoch: u32) -> Self {
         let mut event = Event::new(from, GAP_KEY, Kind::Gap, epoch);
-        event.detail = serde_json::json!({ "toRevision": to, "cause": "compacted" });
+        let revisions = to.saturating_sub(from).saturating_add(1);
+        event.detail = serde_json::json!({ "revisions": revisions, "cause": "compacted" });
         event
+    }
+
+    /// (hold id, previous hold id) as the store keeps them: the hold this
+    /// event starts or ends, and for a hand-over the one it ended.
+    fn hold_ids(
+        &self,
+        audit_key: Option<&AuditKey>,
+        cluster_id: u64,
+    ) -> Result<(String, String), NeedsKey> {
+        let id = |revision| pseudonym::hold_id(audit_key, cluster_id, revision, &self.key);
+        Ok(match self.kind {
+            Kind::Grant => (id(self.revision)?, String::new()),
+            Kind::HandOver => (id(self.revision)?, id(self.hold_revision)?),
+            _ => (id(self.hold_revision)?, String::new()),
+        })
     }
 
     /// The detail as JSON text (what the stores keep).
@@ -243,11 +265,39 @@ impl Event {
     }
 }
 
+/// An event as the store keeps it: no revision, ids instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedEvent {
+    /// Keyed by the lock key and the revision: the same on every replay,
+    /// so a copy is ignored; says nothing of the revision.
+    pub event_id: String,
+    pub key: String,
+    pub kind: Kind,
+    pub ended: Ended,
+    pub epoch: u32,
+    pub identity: String,
+    pub session: i64,
+    pub class: String,
+    /// The hold this event is about: the new hold of a grant or hand-over,
+    /// the ended one otherwise; a grant and its end share it. Empty when
+    /// not about a hold, or the tailer never saw the hold granted.
+    pub hold_id: String,
+    /// A hand-over's previous hold (the one it ended).
+    pub prev_hold_id: String,
+    pub prev_identity: String,
+    pub prev_session: i64,
+    pub detail: serde_json::Value,
+}
+
 /// An event as a store returns it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredEvent {
     pub cluster_id: u64,
-    pub event: Event,
+    pub event: RecordedEvent,
+    /// The order events were first written in (microseconds since the
+    /// epoch, strictly rising per writer): the log's order, since the
+    /// tailer writes revisions in order.
+    pub position: i64,
     /// When the tailer first wrote it (the log keeps no commit time; the
     /// tailer's lag bounds the difference).
     pub observed_at_unix_ms: i64,
@@ -258,8 +308,9 @@ pub struct StoredEvent {
 pub(crate) struct Row {
     #[serde(deserialize_with = "number_or_string")]
     pub cluster_id: u64,
+    pub event_id: String,
     #[serde(deserialize_with = "number_or_string")]
-    pub revision: i64,
+    pub position: i64,
     pub key: String,
     pub kind: String,
     pub ended: String,
@@ -269,8 +320,8 @@ pub(crate) struct Row {
     #[serde(deserialize_with = "number_or_string")]
     pub session: i64,
     pub class: String,
-    #[serde(deserialize_with = "number_or_string")]
-    pub hold_revision: i64,
+    pub hold_id: String,
+    pub prev_hold_id: String,
     pub prev_identity: String,
     #[serde(deserialize_with = "number_or_string")]
     pub prev_session: i64,
@@ -280,10 +331,20 @@ pub(crate) struct Row {
 }
 
 impl Row {
-    pub fn new(cluster_id: u64, e: &Event, observed_at_unix_ms: i64) -> Self {
-        Self {
+    /// The row of `e`, first written at `position`: ids keyed by
+    /// `audit_key` (needed for every event with a real revision).
+    pub fn new(
+        cluster_id: u64,
+        e: &Event,
+        audit_key: Option<&AuditKey>,
+        position: i64,
+        observed_at_unix_ms: i64,
+    ) -> Result<Self, NeedsKey> {
+        let (hold_id, prev_hold_id) = e.hold_ids(audit_key, cluster_id)?;
+        Ok(Self {
             cluster_id,
-            revision: e.revision,
+            event_id: pseudonym::event_id(audit_key, cluster_id, e.revision, &e.key)?,
+            position,
             key: e.key.clone(),
             kind: e.kind.as_str().into(),
             ended: e.ended.as_str().into(),
@@ -291,20 +352,22 @@ impl Row {
             identity: e.identity.clone(),
             session: e.session,
             class: e.class.clone(),
-            hold_revision: e.hold_revision,
+            hold_id,
+            prev_hold_id,
             prev_identity: e.prev_identity.clone(),
             prev_session: e.prev_session,
             detail: e.detail_text(),
             observed_at_unix_ms,
-        }
+        })
     }
 
     pub fn into_stored(self) -> Result<StoredEvent, UnknownName> {
         Ok(StoredEvent {
             cluster_id: self.cluster_id,
+            position: self.position,
             observed_at_unix_ms: self.observed_at_unix_ms,
-            event: Event {
-                revision: self.revision,
+            event: RecordedEvent {
+                event_id: self.event_id,
                 key: self.key,
                 kind: self.kind.parse()?,
                 ended: self.ended.parse()?,
@@ -312,7 +375,8 @@ impl Row {
                 identity: self.identity,
                 session: self.session,
                 class: self.class,
-                hold_revision: self.hold_revision,
+                hold_id: self.hold_id,
+                prev_hold_id: self.prev_hold_id,
                 prev_identity: self.prev_identity,
                 prev_session: self.prev_session,
                 detail: serde_json::from_str(&self.detail)
@@ -323,7 +387,7 @@ impl Row {
 }
 
 /// ClickHouse quotes 64-bit integers in JSON output; accept both forms.
-fn number_or_string<'de, D, T>(d: D) -> Result<T, D::Error>
+pub(crate) fn number_or_string<'de, D, T>(d: D) -> Result<T, D::Error>
 where
     D: serde::Deserializer<'de>,
     T: FromStr + TryFrom<i128>,
@@ -341,6 +405,27 @@ where
         Either::Signed(n) => T::try_from(i128::from(n)).map_err(|_| bad()),
         Either::Text(s) => s.parse().map_err(|_| bad()),
     }
+}
+
+/// Strips every digit from a text the arbiter wrote for machines and
+/// people (a seal's reason names revisions and high-water marks, each a
+/// token's low half): the store keeps the words; the numbers are in
+/// `latchctl admin status`.
+pub fn without_numbers(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut in_number = false;
+    for c in text.chars() {
+        if c.is_ascii_digit() {
+            if !in_number {
+                out.push('N');
+            }
+            in_number = true;
+        } else {
+            in_number = false;
+            out.push(c);
+        }
+    }
+    out
 }
 
 pub fn now_unix_ms() -> i64 {
@@ -367,26 +452,74 @@ mod tests {
         assert!("expired".parse::<Ended>().is_err());
     }
 
+    fn key() -> AuditKey {
+        AuditKey::from_bytes(&[3u8; 32]).unwrap()
+    }
+
     #[test]
     fn rows_read_quoted_and_plain_integers() {
-        let quoted = r#"{"cluster_id":"18446744073709551615","revision":"7","key":"a","kind":"grant","ended":"","epoch":1,"identity":"i","session":"5","class":"c","hold_revision":"7","prev_identity":"","prev_session":0,"detail":"{}","observed_at_unix_ms":"9"}"#;
+        let quoted = r#"{"cluster_id":"18446744073709551615","event_id":"e","position":"7","key":"a","kind":"grant","ended":"","epoch":1,"identity":"i","session":"5","class":"c","hold_id":"h","prev_hold_id":"","prev_identity":"","prev_session":0,"detail":"{}","observed_at_unix_ms":"9"}"#;
         let row: Row = serde_json::from_str(quoted).unwrap();
         assert_eq!(row.cluster_id, u64::MAX);
         let stored = row.into_stored().unwrap();
         assert_eq!(stored.event.kind, Kind::Grant);
-        assert_eq!(stored.event.revision, 7);
+        assert_eq!(stored.position, 7);
         assert_eq!(stored.observed_at_unix_ms, 9);
     }
 
     #[test]
-    fn a_row_is_the_event() {
-        let mut e = Event::new(12, "ledger/inv-1", Kind::Expiry, 3);
+    fn a_row_keeps_ids_and_no_revision() {
+        let k = key();
+        let mut grant = Event::new(40, "ledger/inv-1", Kind::Grant, 3);
+        grant.hold_revision = 40;
+        let mut e = Event::new(42, "ledger/inv-1", Kind::Expiry, 3);
         e.ended = Ended::ExpiredOrRevoked;
         e.identity = "spiffe://td/w".into();
         e.session = 0x1234;
-        e.hold_revision = 10;
-        let json = serde_json::to_string(&Row::new(42, &e, 1000)).unwrap();
+        e.hold_revision = 40;
+        let grant_row = Row::new(9, &grant, Some(&k), 1, 1000).unwrap();
+        let row = Row::new(9, &e, Some(&k), 2, 1000).unwrap();
+        assert_eq!(
+            row.hold_id, grant_row.hold_id,
+            "a hold's end names its grant"
+        );
+        assert_ne!(row.event_id, grant_row.event_id);
+        let json = serde_json::to_string(&row).unwrap();
+        assert!(!json.contains("40") && !json.contains("42"), "{json}");
         let back: Row = serde_json::from_str(&json).unwrap();
-        assert_eq!(back.into_stored().unwrap().event, e);
+        let stored = back.into_stored().unwrap();
+        assert_eq!(stored.event.kind, Kind::Expiry);
+        assert_eq!(stored.event.identity, "spiffe://td/w");
+        assert_eq!(stored.position, 2);
+        assert!(Row::new(9, &e, None, 2, 1000).is_err(), "no key, no row");
+    }
+
+    #[test]
+    fn a_hand_over_names_both_holds() {
+        let k = key();
+        let mut h = Event::new(50, "k", Kind::HandOver, 1);
+        h.hold_revision = 40;
+        let row = Row::new(9, &h, Some(&k), 1, 0).unwrap();
+        assert_eq!(
+            row.hold_id,
+            pseudonym::hold_id(Some(&k), 9, 50, "k").unwrap()
+        );
+        assert_eq!(
+            row.prev_hold_id,
+            pseudonym::hold_id(Some(&k), 9, 40, "k").unwrap()
+        );
+    }
+
+    #[test]
+    fn gaps_count_revisions_and_reasons_lose_numbers() {
+        let gap = Event::gap(5, 9, 1);
+        assert_eq!(
+            gap.detail,
+            serde_json::json!({"revisions": 5, "cause": "compacted"})
+        );
+        assert_eq!(
+            without_numbers("etcd revision 1234 is below a grant of epoch 2"),
+            "etcd revision N is below a grant of epoch N"
+        );
     }
 }

@@ -9,15 +9,21 @@
 //! ```text
 //! etcd watch ─▶ tailer::etcd (changes grouped by revision)
 //!            ─▶ derive::LogState::apply (holds, sessions, epoch → events)
-//!            ─▶ store::AuditStore::write (ON CONFLICT DO NOTHING / ReplacingMergeTree)
-//!            ─▶ checkpoint every few seconds, after the events it covers
+//!            ─▶ store::AuditStore::write (ON CONFLICT DO NOTHING / ReplacingMergeTree),
+//!               revisions replaced by ids keyed by the audit key (pseudonym)
+//!            ─▶ checkpoint every few seconds, after the events it covers, sealed
 //! ```
+//!
+//! A revision is a fencing token's low half, so none reaches the store, the
+//! tailer's log or its metrics: the store is read by more people than hold
+//! tokens, and keeps what it has for years.
 //!
 //! Without the `tailer` feature the crate is the event model and the
 //! stores, which `latchctl audit` and `latchctl why` read.
 
 pub mod event;
 pub mod force;
+pub mod pseudonym;
 pub mod spool;
 pub mod store;
 
@@ -32,5 +38,6 @@ pub mod records;
 #[cfg(feature = "tailer")]
 pub mod tailer;
 
-pub use event::{Ended, Event, Kind, StoredEvent};
-pub use store::{AuditStore, HistoryQuery, StoreError};
+pub use event::{Ended, Event, Kind, RecordedEvent, StoredEvent};
+pub use pseudonym::AuditKey;
+pub use store::{AuditStore, HistoryQuery, StoreError, StoreOptions};

@@ -1,9 +1,12 @@
 //! The tailer's Prometheus metrics, served on `--metrics-listen` as the
 //! arbiter serves its own (OpenMetrics text on `GET /metrics`). The only
 //! label is `kind`, one of the event kinds: never a key, an identity or a
-//! revision of a grant (ADR-22).
+//! revision of a grant (ADR-22). No value is a revision either: etcd's
+//! head, the written revision and the checkpoint are each, at times, a
+//! live grant's revision (its token's low half), so only their difference,
+//! the lag, is exported.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -31,9 +34,9 @@ pub struct Metrics {
     pub gaps: Counter,
     pub store_errors: Counter,
     pub etcd_errors: Counter,
-    pub head_revision: Gauge,
-    pub written_revision: Gauge,
-    pub checkpoint_revision: Gauge,
+    /// The last revision whose events are all written: for the lag only,
+    /// never exported.
+    written_revision: AtomicI64,
     pub lag_revisions: Gauge,
     pub lag_seconds: Gauge<f64, AtomicU64>,
     pub lag_alarm: Gauge,
@@ -87,24 +90,6 @@ impl Metrics {
             "Failed etcd reads or watches (each retried from the checkpoint)",
             etcd_errors.clone(),
         );
-        let head_revision = Gauge::default();
-        registry.register(
-            "head_revision",
-            "etcd's current revision, as last polled",
-            head_revision.clone(),
-        );
-        let written_revision = Gauge::default();
-        registry.register(
-            "written_revision",
-            "The last revision whose events are all written",
-            written_revision.clone(),
-        );
-        let checkpoint_revision = Gauge::default();
-        registry.register(
-            "checkpoint_revision",
-            "The last checkpoint written to the store (a restart resumes after it)",
-            checkpoint_revision.clone(),
-        );
         let lag_revisions = Gauge::default();
         registry.register(
             "lag_revisions",
@@ -135,14 +120,20 @@ impl Metrics {
             gaps,
             store_errors,
             etcd_errors,
-            head_revision,
-            written_revision,
-            checkpoint_revision,
+            written_revision: AtomicI64::new(0),
             lag_revisions,
             lag_seconds,
             lag_alarm,
             restore_detected,
         }
+    }
+
+    pub fn set_written_revision(&self, revision: i64) {
+        self.written_revision.store(revision, Ordering::SeqCst);
+    }
+
+    pub fn written_revision(&self) -> i64 {
+        self.written_revision.load(Ordering::SeqCst)
     }
 
     pub fn written(&self, kind: Kind) {
@@ -203,6 +194,9 @@ mod tests {
         );
         assert!(text.contains("kind=\"force-release\""), "{text}");
         assert!(text.contains("latchkey_audit_lag_alarm 0"), "{text}");
+        m.set_written_revision(123_456);
+        let text = m.text().unwrap();
+        assert!(!text.contains("123456"), "a revision exported: {text}");
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             if let Some(labels) = line.split_once('{').map(|(_, r)| r) {
                 for pair in labels.trim_end_matches(|c| c != '}').split(',') {

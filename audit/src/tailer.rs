@@ -8,6 +8,10 @@
 //! events (the stores ignore copies) and never skips one. Where etcd has
 //! compacted past the checkpoint, the attempt writes a gap event for the
 //! revisions it can no longer read and goes on from the compact revision.
+//!
+//! Nothing here logs a revision or exports one as a metric (a revision
+//! with the epoch is a fencing token): the lag is a difference, the
+//! written revision is kept for it unexported.
 
 mod etcd;
 mod lag;
@@ -73,24 +77,20 @@ pub enum TailError {
     NoHeader,
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error(
-        "etcd compacted past revision {written} (to {compact_revision}) while the tailer watched"
-    )]
-    Compacted { written: i64, compact_revision: i64 },
+    // No revision in a message: they are logged, and a revision is a
+    // token's low half.
+    #[error("etcd compacted revisions the tailer had not written while it watched")]
+    Compacted,
     #[error("the watch ended")]
     WatchEnded,
     #[error("etcd cancelled the watch: {0}")]
     WatchCancelled(String),
     #[error(
-        "etcd cluster {cluster_id:#x} is at revision {head}, below the checkpoint {checkpoint}: \
+        "etcd cluster {cluster_id:#x} is {behind} revisions below the checkpoint: \
          the lock log was restored from a snapshot, and its new revisions would reuse audited \
          ones; nothing is written until an operator decides (see audit/README.md)"
     )]
-    Restored {
-        cluster_id: u64,
-        head: i64,
-        checkpoint: i64,
-    },
+    Restored { cluster_id: u64, behind: i64 },
     #[error("etcd's cluster id changed from {was:#x} to {now:#x}")]
     ClusterChanged { was: u64, now: u64 },
 }
@@ -133,7 +133,7 @@ async fn tail_until_stopped(
         let delay = match attempt.run(stop).await {
             Ok(()) => return,
             // Straight on: the next attempt records the gap.
-            Err(e @ TailError::Compacted { .. }) => {
+            Err(e @ TailError::Compacted) => {
                 warn!(error = %e, "resuming from the checkpoint");
                 Duration::ZERO
             }
@@ -184,14 +184,17 @@ async fn watch_lag(
         }
         let Some(c) = client.as_mut() else { continue };
         match etcd::head(c, &prefix, config.etcd.request_timeout).await {
-            Ok((_, head)) => {
-                metrics.head_revision.set(head);
-                lag.observe(head, Instant::now());
-            }
+            Ok((_, head)) => lag.observe(head, Instant::now()),
             // Reconnect next time; the lag keeps growing meanwhile.
             Err(_) => client = None,
         }
-        let (revisions, behind) = lag.behind(metrics.written_revision.get(), Instant::now());
+        // Until an attempt has started there is nothing to measure from (and
+        // "behind 0" would publish etcd's head: maybe a live grant's revision).
+        let written = metrics.written_revision();
+        if written <= 0 {
+            continue;
+        }
+        let (revisions, behind) = lag.behind(written, Instant::now());
         metrics.lag_revisions.set(revisions);
         metrics.lag_seconds.set(behind.as_secs_f64());
         metrics
@@ -229,12 +232,10 @@ impl Attempt<'_> {
         if head < checkpoint {
             return Err(TailError::Restored {
                 cluster_id,
-                head,
-                checkpoint,
+                behind: checkpoint - head,
             });
         }
         self.metrics.restore_detected.set(0);
-        self.metrics.checkpoint_revision.set(checkpoint);
 
         // The state at the checkpoint, or past a gap.
         let mut from = checkpoint;
@@ -256,8 +257,7 @@ impl Attempt<'_> {
         if let Some(gap_from) = gap_from {
             warn!(
                 cluster_id,
-                from = gap_from,
-                to = from,
+                revisions = from - gap_from + 1,
                 "etcd compacted revisions the tailer had not read: recording a gap"
             );
             let gap = Event::gap(gap_from, from, state.epoch());
@@ -267,14 +267,9 @@ impl Attempt<'_> {
             self.metrics.written(gap.kind);
             self.metrics.gaps.inc();
             self.store.put_checkpoint(cluster_id, from).await?;
-            self.metrics.checkpoint_revision.set(from);
         }
-        info!(
-            cluster_id,
-            from,
-            holds = state.holds(),
-            "tailing the lock log"
-        );
+        self.metrics.set_written_revision(from);
+        info!(cluster_id, holds = state.holds(), "tailing the lock log");
 
         let mut stream = etcd::watch(&mut client, self.prefix, from + 1).await?;
         let mut p = Progress {
@@ -298,10 +293,7 @@ impl Attempt<'_> {
                         self.checkpoint(&mut p).await?;
                         return Err(match resp.compact_revision() {
                             0 => TailError::WatchCancelled(resp.cancel_reason().to_string()),
-                            compact_revision => TailError::Compacted {
-                                written: p.written,
-                                compact_revision,
-                            },
+                            _ => TailError::Compacted,
                         });
                     }
                     for (revision, changes) in etcd::revisions(self.prefix, resp.events()) {
@@ -320,13 +312,13 @@ impl Attempt<'_> {
                         return Err(TailError::ClusterChanged { was: cluster_id, now: now_cluster });
                     }
                     if head < p.written {
-                        return Err(TailError::Restored { cluster_id, head, checkpoint: p.written });
+                        return Err(TailError::Restored { cluster_id, behind: p.written - head });
                     }
                 }
                 _ = stop.wait_for(|s| *s) => {
                     self.flush(&mut p).await?;
                     self.checkpoint(&mut p).await?;
-                    info!(cluster_id, revision = p.written, "the tailer stopped");
+                    info!(cluster_id, "the tailer stopped");
                     return Ok(());
                 }
             }
@@ -344,7 +336,7 @@ impl Attempt<'_> {
             }
         }
         p.written = p.derived;
-        self.metrics.written_revision.set(p.written);
+        self.metrics.set_written_revision(p.written);
         Ok(())
     }
 
@@ -353,7 +345,6 @@ impl Attempt<'_> {
         if p.written > p.checkpointed {
             self.store.put_checkpoint(p.cluster_id, p.written).await?;
             p.checkpointed = p.written;
-            self.metrics.checkpoint_revision.set(p.written);
         }
         Ok(())
     }

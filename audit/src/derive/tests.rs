@@ -248,7 +248,7 @@ fn an_advance_drops_every_hold_and_moves_the_epoch() {
     let mut state = started();
     state.apply(10, &[put("l/a", holder(ALICE, 7), 7)]);
     let seal = json!({
-        "reason": "restore seen",
+        "reason": "etcd revision 10 is below a grant of epoch 1",
         "sealedAtUnixMs": 1,
         "nextEpochAtLeast": 3,
     })
@@ -256,7 +256,11 @@ fn an_advance_drops_every_hold_and_moves_the_epoch() {
     .into_bytes();
     let sealed = state.apply(11, &[put("sys/seal", seal, 0)]);
     assert_eq!(kinds(&sealed), [(SEAL_KEY, Kind::EpochSeal, Ended::No)]);
-    assert_eq!(sealed[0].detail["reason"], "restore seen");
+    // The seal's reason names revisions (tokens' low halves): kept without numbers.
+    assert_eq!(
+        sealed[0].detail["reason"],
+        "etcd revision N is below a grant of epoch N"
+    );
     let events = state.apply(
         12,
         &[

@@ -2,18 +2,22 @@
 //! store (ADR-21), and who holds it now with its last events.
 //!
 //! The history comes from the store the audit tailer writes, read with the
-//! store's own credentials (`--store` or `LATCHKEY_AUDIT_STORE`): whoever
-//! can read the store sees every holder and session in it, so give its
-//! read credential to operators only. The current holder comes from the
-//! arbiter's Inspect, with Inspect's rules: callers with a grant on the
-//! key's prefix see the holder, only the holder and operators its session.
+//! store's read-only user (`--store` or `LATCHKEY_AUDIT_STORE`, the password
+//! in `--store-password-file`): whoever can read the store sees every
+//! holder and session in it, so give that credential to operators only.
+//! The store keeps no revision (a revision with the epoch is a fencing
+//! token): a hold is named by its id, which its grant and its end share.
+//! The current holder comes from the arbiter's Inspect, with Inspect's
+//! rules: callers with a grant on the key's prefix see the holder, only
+//! the holder and operators its session.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
 use latchkey_audit::event::now_unix_ms;
-use latchkey_audit::{AuditStore, Ended, HistoryQuery, Kind, StoredEvent};
+use latchkey_audit::{AuditStore, Ended, HistoryQuery, Kind, StoreOptions, StoredEvent};
 use serde_json::json;
 
 use super::inspect::utc;
@@ -29,9 +33,13 @@ pub struct AuditArgs {
     /// At most this many events (the newest).
     #[arg(long, default_value_t = 100)]
     pub limit: u32,
-    /// The audit store: postgresql://… or clickhouse://host:8123/database.
+    /// The audit store: postgresql://… or clickhouse://READER@host:8123/database.
     #[arg(long, env = "LATCHKEY_AUDIT_STORE", hide_env_values = true)]
     pub store: String,
+    /// The store user's password, from this file (a password in a URL on
+    /// the command line is refused: `ps` shows it).
+    #[arg(long, value_name = "PATH", env = "LATCHKEY_AUDIT_STORE_PASSWORD_FILE")]
+    pub store_password_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -43,6 +51,9 @@ pub struct WhyArgs {
     /// The audit store (without one, only the arbiter's answer is shown).
     #[arg(long, env = "LATCHKEY_AUDIT_STORE", hide_env_values = true)]
     pub store: Option<String>,
+    /// The store user's password, from this file.
+    #[arg(long, value_name = "PATH", env = "LATCHKEY_AUDIT_STORE_PASSWORD_FILE")]
+    pub store_password_file: Option<PathBuf>,
 }
 
 /// `7d`, `1h`, `30m`: `duration::parse`, which takes days too.
@@ -50,13 +61,47 @@ fn parse_since(text: &str) -> Result<Duration, String> {
     super::duration::parse(text)
 }
 
-async fn open_store(url: &str) -> Result<Box<dyn AuditStore>, Failure> {
-    latchkey_audit::store::open(url).await.map_err(|e| {
-        Failure::Plain(format!(
-            "cannot open the audit store {}: {e}",
-            latchkey_audit::store::redact(url)
-        ))
-    })
+/// Opens the store to read: no audit key (readers never need it).
+async fn open_store(
+    url: &str,
+    password_file: Option<&std::path::Path>,
+) -> Result<Box<dyn AuditStore>, Failure> {
+    if let Some(password) = latchkey_audit::store::url_password(url)
+        && std::env::args_os().any(|a| {
+            let a = a.to_string_lossy();
+            a.contains("://") && a.contains(password)
+        })
+    {
+        return Err(Failure::Plain(
+            "the store URL on the command line has a password, which `ps` shows to every user: \
+             pass the URL in LATCHKEY_AUDIT_STORE, or the password in --store-password-file"
+                .into(),
+        ));
+    }
+    let password = match password_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                Failure::Plain(format!(
+                    "cannot read the store password {}: {e}",
+                    path.display()
+                ))
+            })?;
+            Some(text.strip_suffix('\n').unwrap_or(&text).to_string())
+        }
+        None => None,
+    };
+    let options = StoreOptions {
+        password,
+        audit_key: None,
+    };
+    latchkey_audit::store::open_with(url, options)
+        .await
+        .map_err(|e| {
+            Failure::Plain(format!(
+                "cannot open the audit store {}: {e}",
+                latchkey_audit::store::redact(url)
+            ))
+        })
 }
 
 async fn history(
@@ -80,7 +125,7 @@ async fn history(
 }
 
 pub async fn audit(args: AuditArgs, out: Output) -> Result<ExitCode, Failure> {
-    let store = open_store(&args.store).await?;
+    let store = open_store(&args.store, args.store_password_file.as_deref()).await?;
     let events = history(store.as_ref(), &args.key, args.since, args.limit).await?;
     if out.json {
         for e in &events {
@@ -100,7 +145,7 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
     let view = client.inspect(&args.key).await?;
     let events = match &args.store {
         Some(url) => {
-            let store = open_store(url).await?;
+            let store = open_store(url, args.store_password_file.as_deref()).await?;
             Some(history(store.as_ref(), &args.key, None, args.last).await?)
         }
         None => None,
@@ -156,48 +201,50 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
     Ok(ExitCode::SUCCESS)
 }
 
-/// One event as a line: when the tailer saw it, where it is in the log,
-/// what happened and to whom. Never a token: epoch and revision are the
-/// log's position, not something to present to a resource.
+/// One event as a line: when the tailer saw it, what happened and to
+/// whom, and which hold (its id: a grant and its end share it). Never a
+/// token, nor a revision (with the epoch, it is one): the store has none.
 fn describe(stored: &StoredEvent) -> String {
     let e = &stored.event;
     let at = utc(stored.observed_at_unix_ms);
-    let head = format!(
-        "{at}  r{:<8} e{:<3} {:<13}",
-        e.revision,
-        e.epoch,
-        e.kind.as_str()
-    );
+    let head = format!("{at}  e{:<3} {:<13}", e.epoch, e.kind.as_str());
     let detail = |name: &str| e.detail[name].as_str().unwrap_or("").to_string();
     let who = if e.identity.is_empty() {
         "(holder unknown)".to_string()
     } else {
         format!("{} session {:#x}", e.identity, e.session)
     };
+    let hold = |id: &str| {
+        if id.is_empty() {
+            "hold (not seen granted)".to_string()
+        } else {
+            format!("hold {id}")
+        }
+    };
     match e.kind {
-        Kind::Grant => format!("{head} {who} class {}", e.class),
+        Kind::Grant => format!("{head} {who} class {}, {}", e.class, hold(&e.hold_id)),
         Kind::HandOver => format!(
-            "{head} {who} from {} session {:#x} (held since r{})",
-            e.prev_identity, e.prev_session, e.hold_revision
+            "{head} {who} class {}, {}, handed over from {} session {:#x} ({} ended)",
+            e.class,
+            hold(&e.hold_id),
+            e.prev_identity,
+            e.prev_session,
+            hold(&e.prev_hold_id)
         ),
         Kind::Release | Kind::Expiry | Kind::EpochAdvance if !e.key.starts_with('/') => {
-            format!(
-                "{head} {who} held since r{}: {}",
-                e.hold_revision,
-                ended(e.ended)
-            )
+            format!("{head} {who} {}: {}", hold(&e.hold_id), ended(e.ended))
         }
         Kind::ForceRelease => format!(
-            "{head} {who} held since r{}: by {}, approved by {} ({}): {}",
-            e.hold_revision,
+            "{head} {who} {}: by {}, approved by {} ({}): {}",
+            hold(&e.hold_id),
             detail("requestedBy"),
             detail("approvedBy"),
             detail("enforcement"),
             detail("reason")
         ),
         Kind::Gap => format!(
-            "{head} revisions r{}..=r{} were compacted before the tailer read them",
-            e.revision, e.detail["toRevision"]
+            "{head} {} revisions were compacted before the tailer read them",
+            e.detail["revisions"]
         ),
         _ => format!("{head} {}", detail("reason")),
     }
@@ -221,7 +268,8 @@ fn event_json(stored: &StoredEvent) -> serde_json::Value {
     let e = &stored.event;
     json!({
         "cluster_id": stored.cluster_id.to_string(),
-        "revision": e.revision,
+        "event_id": e.event_id,
+        "position": stored.position,
         "key": e.key,
         "kind": e.kind.as_str(),
         "ended": e.ended.as_str(),
@@ -229,7 +277,8 @@ fn event_json(stored: &StoredEvent) -> serde_json::Value {
         "identity": e.identity,
         "session": e.session,
         "class": e.class,
-        "hold_revision": e.hold_revision,
+        "hold_id": e.hold_id,
+        "prev_hold_id": e.prev_hold_id,
         "prev_identity": e.prev_identity,
         "prev_session": e.prev_session,
         "detail": e.detail,
@@ -240,13 +289,28 @@ fn event_json(stored: &StoredEvent) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use latchkey_audit::Event;
+    use latchkey_audit::RecordedEvent;
 
-    fn stored(event: Event) -> StoredEvent {
+    fn stored(kind: Kind, ended: Ended) -> StoredEvent {
         StoredEvent {
             cluster_id: 1,
-            event,
+            position: 0,
             observed_at_unix_ms: 0,
+            event: RecordedEvent {
+                event_id: "0f".repeat(16),
+                key: "ledger/inv-1".into(),
+                kind,
+                ended,
+                epoch: 3,
+                identity: "spiffe://td/w".into(),
+                session: 255,
+                class: "c".into(),
+                hold_id: "9a3c5e7f00112233".into(),
+                prev_hold_id: String::new(),
+                prev_identity: String::new(),
+                prev_session: 0,
+                detail: json!({}),
+            },
         }
     }
 
@@ -258,20 +322,19 @@ mod tests {
     }
 
     #[test]
-    fn lines_say_what_happened_and_never_a_token() {
-        let mut e = Event::new(42, "ledger/inv-1", Kind::Expiry, 3);
-        e.ended = Ended::ExpiredOrRevoked;
-        e.identity = "spiffe://td/w".into();
-        e.session = 255;
-        e.hold_revision = 40;
-        let line = describe(&stored(e));
+    fn lines_say_what_happened_and_name_the_hold() {
+        let line = describe(&stored(Kind::Expiry, Ended::ExpiredOrRevoked));
         assert!(line.contains("expiry"), "{line}");
         assert!(line.contains("spiffe://td/w session 0xff"), "{line}");
-        assert!(line.contains("held since r40"), "{line}");
+        assert!(line.contains("hold 9a3c5e7f00112233"), "{line}");
         assert!(line.contains("expired (or was revoked by hand)"), "{line}");
-        let token = (3u64 << 48) + 40;
-        assert!(!line.contains(&token.to_string()), "{line}");
-        let gap = describe(&stored(Event::gap(5, 9, 1)));
-        assert!(gap.contains("r5..=r9"), "{gap}");
+        let mut gap = stored(Kind::Gap, Ended::No);
+        gap.event.key = "/gap".into();
+        gap.event.detail = json!({"revisions": 5});
+        let gap = describe(&gap);
+        assert!(gap.contains("5 revisions were compacted"), "{gap}");
+        let json = event_json(&stored(Kind::Grant, Ended::No));
+        assert!(json.get("revision").is_none() && json.get("hold_revision").is_none());
+        assert_eq!(json["hold_id"], "9a3c5e7f00112233");
     }
 }
