@@ -125,6 +125,18 @@ struct Args {
     /// in etcd, and etcd refuses every write once its quota is full.
     #[arg(long, default_value_t = crate::hold_counts::DEFAULT_MAX_HOLDS_PER_IDENTITY)]
     max_holds_per_identity: u32,
+    /// grpc.health.v1 Watch and server-reflection streams one identity (its
+    /// certificate's SPIFFE ID) may have open at this arbiter
+    /// (RESOURCE_EXHAUSTED / TOO_MANY_STREAMS beyond it). Health/Check is
+    /// not counted.
+    #[arg(long, default_value_t = crate::grpc_health::DEFAULT_MAX_PROBE_STREAMS_PER_IDENTITY,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    max_probe_streams_per_identity: u32,
+    /// grpc.health.v1 Watch and server-reflection streams open at this
+    /// arbiter for all callers together.
+    #[arg(long, default_value_t = crate::grpc_health::DEFAULT_MAX_PROBE_STREAMS,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    max_probe_streams: u32,
     /// Bound on the quorum-loss spool (ADR-04): the unprotected grants open
     /// classes get from memory while etcd has no quorum, plus spools not yet
     /// collected by the audit tailer. Beyond it such grants are refused.
@@ -358,6 +370,10 @@ pub async fn main_with(
     config.max_wait = Duration::from_secs(args.max_wait_seconds);
     config.max_sessions_per_identity = args.max_sessions_per_identity;
     config.max_holds_per_identity = args.max_holds_per_identity;
+    config.probe_streams = crate::grpc_health::ProbeStreamLimits {
+        per_identity: args.max_probe_streams_per_identity,
+        total: args.max_probe_streams,
+    };
     config.max_waiters_per_identity = args.max_waiters_per_identity;
     config.quorum_loss.spool_limit_bytes = args.quorum_loss_spool_bytes;
     config.metrics_listen = args.metrics_listen;

@@ -307,6 +307,8 @@ pub struct Config {
     pub max_waiters_per_identity: u32,
     /// Keys one identity may hold, over every arbiter (counted from the log).
     pub max_holds_per_identity: u32,
+    /// Open health `Watch` and reflection streams, per identity and in all.
+    pub probe_streams: crate::grpc_health::ProbeStreamLimits,
     /// Poll period for waiters whose watch is lost (jittered ±50%).
     pub retry_poll: Duration,
     pub etcd_connect_timeout: Duration,
@@ -350,6 +352,7 @@ impl Config {
             max_sessions_per_identity: crate::bounds::DEFAULT_MAX_SESSIONS_PER_IDENTITY,
             max_waiters_per_identity: crate::table::DEFAULT_MAX_WAITERS_PER_IDENTITY,
             max_holds_per_identity: crate::hold_counts::DEFAULT_MAX_HOLDS_PER_IDENTITY,
+            probe_streams: crate::grpc_health::ProbeStreamLimits::default(),
             retry_poll: Duration::from_secs(1),
             etcd_connect_timeout: Duration::from_secs(5),
             etcd_request_timeout: Duration::from_secs(10),

@@ -72,6 +72,10 @@ pub enum ArbiterError {
     #[error("too many waiters queued for key {key:?} (limit {limit} for its class); retry later")]
     QueueFull { key: String, limit: u32 },
     #[error(
+        "this identity already has {share} Acquire calls waiting for key {key:?} at this arbiter: its share of the key's {limit} waiter places (half its class's maxWaitersPerKey, rounded up; the rest are kept for other callers); retry later, or try-lock with WAIT_NONE"
+    )]
+    QueueShareFull { key: String, share: u32, limit: u32 },
+    #[error(
         "this identity already has {limit} Acquire calls waiting at this arbiter (its --max-waiters-per-identity); let some finish or cancel them, or try-lock with WAIT_NONE"
     )]
     TooManyWaiters { limit: u32 },
@@ -126,7 +130,9 @@ impl ArbiterError {
             Self::Held { .. } => Reason::Held,
             Self::Leak { .. } => Reason::Leak,
             Self::WaitTimeout { .. } => Reason::WaitTimeout,
-            Self::QueueFull { .. } | Self::TooManyWaiters { .. } => Reason::QueueFull,
+            Self::QueueFull { .. } | Self::QueueShareFull { .. } | Self::TooManyWaiters { .. } => {
+                Reason::QueueFull
+            }
             Self::IdentityLimit { .. } => Reason::IdentityLimit,
             Self::NotHeld { .. } => Reason::NotHeld,
             Self::TokenMismatch { .. } => Reason::TokenMismatch,
@@ -151,9 +157,10 @@ impl ArbiterError {
             | Self::WrongTier(_) => Code::InvalidArgument,
             Self::Held { .. } => Code::Aborted,
             Self::WaitTimeout { .. } => Code::DeadlineExceeded,
-            Self::QueueFull { .. } | Self::TooManyWaiters { .. } | Self::IdentityLimit { .. } => {
-                Code::ResourceExhausted
-            }
+            Self::QueueFull { .. }
+            | Self::QueueShareFull { .. }
+            | Self::TooManyWaiters { .. }
+            | Self::IdentityLimit { .. } => Code::ResourceExhausted,
             Self::Leak { .. }
             | Self::SessionExpired { .. }
             | Self::NotHeld { .. }

@@ -240,6 +240,7 @@ pub async fn run(
         .spawn_reloader(config.policy_poll, stop.clone(), &tasks);
     spawn_hook_metrics_log(config.hook_host.clone(), stop.clone(), &tasks);
     let (health_reporter, health) = tonic_health::server::health_reporter();
+    let probes = grpc_health::Probes::new(config.probe_streams, arbiter.identity.clone());
     grpc_health::spawn(arbiter.clone(), health_reporter, stop.clone(), &tasks);
     let reflection = |b: tonic_reflection::server::Builder<'static>| {
         b.register_encoded_file_descriptor_set(latchkey_proto::FILE_DESCRIPTOR_SET)
@@ -301,9 +302,10 @@ pub async fn run(
         .layer(identity::channel::IdentityChannelLayer)
         .add_service(LockServer::new(LockService::new(arbiter.clone())))
         .add_service(AdminServer::new(AdminService::new(arbiter.clone())))
-        .add_service(health)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha);
+        // Health Watch and reflection streams, bounded per identity and in all.
+        .add_service(probes.health(health))
+        .add_service(probes.reflection(reflection_v1))
+        .add_service(probes.reflection(reflection_v1alpha));
     let result = match tls {
         Some(tls) => {
             router

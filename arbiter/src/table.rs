@@ -567,8 +567,9 @@ impl LockTable {
     }
 
     /// Joins the tail of `req.key`'s queue, starting the key's driver if the
-    /// queue was empty. Refused when the key's queue holds `limit` waiters or
-    /// the caller's identity has its bound of waiters queued here.
+    /// queue was empty. Refused when the key's queue holds `limit` waiters,
+    /// the caller's identity has its share of them, or its bound of waiters
+    /// queued here (`Book::admit`).
     fn enqueue(
         self: &Arc<Self>,
         req: GrantRequest,
@@ -587,15 +588,13 @@ impl LockTable {
             // cancels, so no waiter joins after the drain.
             return Err(ArbiterError::store("the arbiter is shutting down"));
         }
-        let max = self.options.max_waiters_per_identity;
-        if book.per_identity.get(&req.identity).copied().unwrap_or(0) >= max {
-            return Err(ArbiterError::TooManyWaiters { limit: max });
-        }
+        book.admit(
+            &req.identity,
+            &key,
+            self.options.max_waiters_per_identity,
+            limit,
+        )?;
         let queued = book.keys.get(&key).map(|q| q.waiters.len());
-        let durable = book.durable.get(&key).copied().unwrap_or(0) as usize;
-        if queued.unwrap_or(0) + durable >= limit as usize {
-            return Err(ArbiterError::QueueFull { key, limit });
-        }
         let kick = book.join(Waiter {
             id,
             req,

@@ -416,46 +416,54 @@ async fn a_grant_on_a_b_does_not_open_a_bc() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The edge's waiter bounds: a key's (the class's `maxWaitersPerKey`, 3
+/// here), one identity's share of a key (half of it, rounded up: 2) and an
+/// identity's in all (3); refused at the edge, never forwarded, and every
+/// place comes back when its stream is reset.
 #[tokio::test(flavor = "multi_thread")]
 async fn waiter_bounds_per_key_and_per_identity_hold_and_slots_come_back_after_resets()
 -> anyhow::Result<()> {
     let e = edge(json!({
         "refresh": null,
-        "classes": [{"name": "demo", "max_waiters_per_key": 2}],
+        "classes": [{"name": "demo", "max_waiters_per_key": 3}],
         "max_waiters_per_identity": 3,
     }))
     .await?;
-    let mut bob = e.client("workload/bob").await?;
-    let sb = open(&mut bob, "demo").await?;
-    let held_q = lock(&mut bob, "shared/q", "demo", sb).await?;
-    let held_r = lock(&mut bob, "shared/r", "demo", sb).await?;
+    let mut demo = e.client("workload/demo").await?;
+    let sd = open(&mut demo, "demo").await?;
+    let held_q = lock(&mut demo, "demo/q", "demo", sd).await?;
+    let held_r = lock(&mut demo, "demo/r", "demo", sd).await?;
     let alice = e.client("workload/alice").await?;
+    let bob = e.client("workload/bob").await?;
     let mut waiters = Vec::new();
-    let wait_on = |key: &'static str| {
-        let mut c = alice.clone();
+    let wait_on = |c: &Client, key: &'static str| {
+        let mut c = c.clone();
         async move {
             let s = open(&mut c, "demo").await?;
             let r = lock_wait(&mut c, key, "demo", s, Duration::from_secs(50)).await;
             anyhow::Ok(r)
         }
     };
-    // Two waiters on shared/q: the key's bound.
+    let waiting = "wasmcustom.latchkey_edge.waiters.ns.demo.class.demo";
+    let waiting_are = |n: u64| {
+        let e = &e;
+        move || async move {
+            let got = e.envoy.counter(waiting).await?;
+            anyhow::ensure!(got == n, "{got} of {n}");
+            Ok(())
+        }
+    };
+    // Two of alice's waiters on demo/q: her share of the key.
     for _ in 0..2 {
-        waiters.push(tokio::spawn(wait_on("shared/q")));
+        waiters.push(tokio::spawn(wait_on(&alice, "demo/q")));
     }
-    let waiting = "wasmcustom.latchkey_edge.waiters.ns.shared.class.demo";
-    eventually("two waiters", Duration::from_secs(10), || async {
-        let n = e.envoy.counter(waiting).await?;
-        anyhow::ensure!(n == 2, "{n}");
-        Ok(())
-    })
-    .await?;
+    eventually("two waiters", Duration::from_secs(10), waiting_are(2)).await?;
     let mut a = alice.clone();
     let sa = open(&mut a, "demo").await?;
     let upstream = e.envoy.upstream_requests().await?;
     let started = std::time::Instant::now();
     let s = expect_refusal(
-        lock_wait(&mut a, "shared/q", "demo", sa, Duration::from_secs(30)).await,
+        lock_wait(&mut a, "demo/q", "demo", sa, Duration::from_secs(30)).await,
         Code::ResourceExhausted,
         "QUEUE_FULL",
     )?;
@@ -463,29 +471,41 @@ async fn waiter_bounds_per_key_and_per_identity_hold_and_slots_come_back_after_r
         started.elapsed() < Duration::from_secs(5),
         "refused at once"
     );
+    assert!(s.message().contains("share"), "{}", s.message());
+    assert_eq!(
+        e.envoy.upstream_requests().await?,
+        upstream,
+        "never forwarded"
+    );
+    // Bob takes the key's third place; his second finds the key full.
+    waiters.push(tokio::spawn(wait_on(&bob, "demo/q")));
+    eventually("three waiters", Duration::from_secs(10), waiting_are(3)).await?;
+    let mut b = bob.clone();
+    let sb = open(&mut b, "demo").await?;
+    let upstream = e.envoy.upstream_requests().await?;
+    let s = expect_refusal(
+        lock_wait(&mut b, "demo/q", "demo", sb, Duration::from_secs(30)).await,
+        Code::ResourceExhausted,
+        "QUEUE_FULL",
+    )?;
     assert!(s.message().contains("key"), "{}", s.message());
     assert_eq!(
         e.envoy.upstream_requests().await?,
         upstream,
         "never forwarded"
     );
-    // A third waiter on another key: alice's identity bound (3).
-    waiters.push(tokio::spawn(wait_on("shared/r")));
-    eventually("three waiters", Duration::from_secs(10), || async {
-        let n = e.envoy.counter(waiting).await?;
-        anyhow::ensure!(n == 3, "{n}");
-        Ok(())
-    })
-    .await?;
+    // A third waiter of alice's on another key: her identity bound (3).
+    waiters.push(tokio::spawn(wait_on(&alice, "demo/r")));
+    eventually("four waiters", Duration::from_secs(10), waiting_are(4)).await?;
     let s = expect_refusal(
-        lock_wait(&mut a, "shared/s", "demo", sa, Duration::from_secs(30)).await,
+        lock_wait(&mut a, "demo/s", "demo", sa, Duration::from_secs(30)).await,
         Code::ResourceExhausted,
         "QUEUE_FULL",
     )?;
     assert!(s.message().contains("caller"), "{}", s.message());
     // A try-lock is not a waiter: not bounded.
     expect_refusal(
-        lock(&mut a, "shared/q", "demo", sa).await,
+        lock(&mut a, "demo/q", "demo", sa).await,
         Code::Aborted,
         "HELD",
     )?;
@@ -496,36 +516,28 @@ async fn waiter_bounds_per_key_and_per_identity_hold_and_slots_come_back_after_r
     eventually(
         "the waiters gauge back to 0",
         Duration::from_secs(10),
-        || async {
-            let n = e.envoy.counter(waiting).await?;
-            anyhow::ensure!(n == 0, "{n}");
-            Ok(())
-        },
+        waiting_are(0),
     )
     .await?;
-    // And a new waiter is admitted and granted once bob lets go.
-    let mut c = alice.clone();
-    let next = tokio::spawn(async move {
-        let s = open(&mut c, "demo").await?;
-        anyhow::Ok(lock_wait(&mut c, "shared/q", "demo", s, Duration::from_secs(20)).await)
-    });
-    eventually("one waiter", Duration::from_secs(10), || async {
-        let n = e.envoy.counter(waiting).await?;
-        anyhow::ensure!(n == 1, "{n}");
-        Ok(())
-    })
-    .await?;
-    unlock(&mut bob, &held_q).await?;
+    // And a new waiter is admitted and granted once demo lets go.
+    let next = tokio::spawn(wait_on(&alice, "demo/q"));
+    eventually("one waiter", Duration::from_secs(10), waiting_are(1)).await?;
+    unlock(&mut demo, &held_q).await?;
     let g = next.await???;
-    assert_eq!(g.key, "shared/q");
-    unlock(&mut bob, &held_r).await?;
-    assert!(e.denied("queue_full_key").await? >= 1);
-    assert!(e.denied("queue_full_identity").await? >= 1);
+    assert_eq!(g.key, "demo/q");
+    unlock(&mut demo, &held_r).await?;
+    for reason in [
+        "queue_full_key",
+        "queue_full_key_share",
+        "queue_full_identity",
+    ] {
+        assert!(e.denied(reason).await? >= 1, "{reason}");
+    }
     let rejected = e
         .envoy
         .sum("wasmcustom.latchkey_edge.admission_rejected")
         .await?;
-    assert!(rejected >= 2);
+    assert!(rejected >= 3);
     Ok(())
 }
 

@@ -21,6 +21,7 @@ mod h2_limits;
 mod health_check;
 mod hooks;
 mod hostile_arbiter;
+mod hostile_bounds;
 mod hostile_edge;
 mod hostile_identity;
 mod identity;

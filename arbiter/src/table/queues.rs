@@ -43,13 +43,27 @@ pub(super) struct Head {
     pub(super) slot: Slot,
 }
 
+/// The waiting places one identity may take on one key whose class allows
+/// `max_waiters_per_key`: half of them, rounded up. So one identity never
+/// fills a key another identity waits for (whenever the class allows two or
+/// more waiters, the other half stays open to everyone else), and a key one
+/// identity alone contends for still queues half the class's bound. The
+/// edge filter applies the same rule (`filter/core/src/admission.rs`,
+/// `identity_share`).
+pub const fn identity_share(max_waiters_per_key: u32) -> u32 {
+    max_waiters_per_key.div_ceil(2)
+}
+
 /// The queues of every key, and how many waiters each identity has in them
-/// (an entry only while it has one, so the map is bounded by the waiters).
+/// (an entry only while it has one, so the maps are bounded by the waiters).
 #[derive(Default)]
 pub(super) struct Book {
     pub(super) keys: HashMap<String, KeyQueue>,
     /// Waiting calls per identity: in-memory and durable ones together.
     pub(super) per_identity: HashMap<String, u32>,
+    /// Waiting calls per key and identity, in-memory and durable together:
+    /// held against the identity's share of the key.
+    per_key_identity: HashMap<String, HashMap<String, u32>>,
     /// Durable waiters this table serves, per key.
     pub(super) durable: HashMap<String, u32>,
 }
@@ -68,13 +82,68 @@ impl Book {
             q.kick.notify_one();
         }
         if let Some(w) = q.waiters.remove(at) {
-            self.leave(&w.req.identity);
+            self.leave(&w.req.identity, key);
         }
         was_head
     }
 
+    /// Whether `identity` may queue one more waiting call on `key`: within
+    /// its bound of waiting calls here, its share of the key
+    /// ([`identity_share`]), and the key's bound (in-memory and durable
+    /// waiters here). Checked in that order, so a caller at its share hears
+    /// about its share, not about the key, and counts nothing on a refusal.
+    pub(super) fn admit(
+        &self,
+        identity: &str,
+        key: &str,
+        max_per_identity: u32,
+        max_per_key: u32,
+    ) -> Result<(), ArbiterError> {
+        if self.per_identity.get(identity).copied().unwrap_or(0) >= max_per_identity {
+            return Err(ArbiterError::TooManyWaiters {
+                limit: max_per_identity,
+            });
+        }
+        let share = identity_share(max_per_key);
+        if self.on_key_of(identity, key) >= share {
+            return Err(ArbiterError::QueueShareFull {
+                key: key.to_string(),
+                share,
+                limit: max_per_key,
+            });
+        }
+        let on_key = self.durable.get(key).copied().unwrap_or(0)
+            + self.keys.get(key).map_or(0, |q| q.waiters.len() as u32);
+        if on_key >= max_per_key {
+            return Err(ArbiterError::QueueFull {
+                key: key.to_string(),
+                limit: max_per_key,
+            });
+        }
+        Ok(())
+    }
+
+    /// `identity`'s waiting calls on `key` here.
+    pub(super) fn on_key_of(&self, identity: &str, key: &str) -> u32 {
+        self.per_key_identity
+            .get(key)
+            .and_then(|ids| ids.get(identity))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn count_in(&mut self, identity: &str, key: &str) {
+        *self.per_identity.entry(identity.to_string()).or_insert(0) += 1;
+        *self
+            .per_key_identity
+            .entry(key.to_string())
+            .or_default()
+            .entry(identity.to_string())
+            .or_insert(0) += 1;
+    }
+
     pub(super) fn join(&mut self, w: Waiter) -> Arc<Notify> {
-        *self.per_identity.entry(w.req.identity.clone()).or_insert(0) += 1;
+        self.count_in(&w.req.identity, &w.req.key);
         let queue = self
             .keys
             .entry(w.req.key.clone())
@@ -87,7 +156,7 @@ impl Book {
     }
 
     /// Counts a durable waiter of `identity` on `key`, within the bounds
-    /// (the identity's waiting calls here; the key's waiters here).
+    /// ([`Book::admit`]).
     pub(super) fn join_durable(
         &mut self,
         identity: &str,
@@ -95,26 +164,14 @@ impl Book {
         max_per_identity: u32,
         max_per_key: u32,
     ) -> Result<(), ArbiterError> {
-        if self.per_identity.get(identity).copied().unwrap_or(0) >= max_per_identity {
-            return Err(ArbiterError::TooManyWaiters {
-                limit: max_per_identity,
-            });
-        }
-        let on_key = self.durable.get(key).copied().unwrap_or(0)
-            + self.keys.get(key).map_or(0, |q| q.waiters.len() as u32);
-        if on_key >= max_per_key {
-            return Err(ArbiterError::QueueFull {
-                key: key.to_string(),
-                limit: max_per_key,
-            });
-        }
-        *self.per_identity.entry(identity.to_string()).or_insert(0) += 1;
+        self.admit(identity, key, max_per_identity, max_per_key)?;
+        self.count_in(identity, key);
         *self.durable.entry(key.to_string()).or_insert(0) += 1;
         Ok(())
     }
 
     pub(super) fn leave_durable(&mut self, identity: &str, key: &str) {
-        self.leave(identity);
+        self.leave(identity, key);
         if let Some(n) = self.durable.get_mut(key) {
             *n = n.saturating_sub(1);
             if *n == 0 {
@@ -123,11 +180,22 @@ impl Book {
         }
     }
 
-    fn leave(&mut self, identity: &str) {
+    fn leave(&mut self, identity: &str, key: &str) {
         if let Some(n) = self.per_identity.get_mut(identity) {
             *n = n.saturating_sub(1);
             if *n == 0 {
                 self.per_identity.remove(identity);
+            }
+        }
+        if let Some(ids) = self.per_key_identity.get_mut(key) {
+            if let Some(n) = ids.get_mut(identity) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    ids.remove(identity);
+                }
+            }
+            if ids.is_empty() {
+                self.per_key_identity.remove(key);
             }
         }
     }
@@ -144,6 +212,7 @@ impl Book {
     /// Every waiter, taken out in arrival order (the table is stopping).
     pub(super) fn drain(&mut self) -> Vec<Waiter> {
         self.per_identity.clear();
+        self.per_key_identity.clear();
         let mut all: Vec<Waiter> = self
             .keys
             .drain()
@@ -192,5 +261,94 @@ mod tests {
         assert!(book.remove("k2", 2));
         assert!(book.remove("k1", 3));
         assert!(book.per_identity.is_empty(), "no entry without a waiter");
+    }
+
+    #[test]
+    fn an_identitys_share_is_half_the_keys_places_rounded_up() {
+        assert_eq!(
+            [1, 2, 3, 4, 64, 10_000].map(identity_share),
+            [1, 1, 2, 2, 32, 5_000]
+        );
+        for max in 2..=10_000 {
+            assert!(identity_share(max) >= 1 && identity_share(max) < max);
+        }
+    }
+
+    fn refusal(r: Result<(), ArbiterError>) -> Option<String> {
+        r.err().map(|e| format!("{:?}", e.reason()))
+    }
+
+    /// Issue 31, finding 5: bob cannot fill a shared key's queue (memory and
+    /// durable waiters together); demo still gets a place, and the key's
+    /// own bound still holds for everyone.
+    #[test]
+    fn one_identity_takes_at_most_its_share_of_a_key() {
+        let mut book = Book::default();
+        book.join(waiter(1, "bob", "k"));
+        book.join_durable("bob", "k", 64, 4).unwrap();
+        let share = book.admit("bob", "k", 64, 4);
+        assert!(
+            matches!(
+                share,
+                Err(ArbiterError::QueueShareFull {
+                    share: 2,
+                    limit: 4,
+                    ..
+                })
+            ),
+            "{share:?}"
+        );
+        let message = share.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            message.contains("share") && message.contains("retry"),
+            "{message}"
+        );
+        assert!(matches!(
+            book.join_durable("bob", "k", 64, 4),
+            Err(ArbiterError::QueueShareFull { .. })
+        ));
+        // A refusal counts nothing; bob queues on other keys.
+        assert_eq!(book.per_identity.get("bob"), Some(&2));
+        assert!(book.admit("bob", "other", 64, 4).is_ok());
+        // demo takes the other half ...
+        book.admit("demo", "k", 64, 4).unwrap();
+        book.join(waiter(2, "demo", "k"));
+        book.join_durable("demo", "k", 64, 4).unwrap();
+        // ... and then the key is full for a third identity, while bob
+        // hears about his share first.
+        assert!(matches!(
+            book.admit("alice", "k", 64, 4),
+            Err(ArbiterError::QueueFull { limit: 4, .. })
+        ));
+        assert!(matches!(
+            book.admit("bob", "k", 64, 4),
+            Err(ArbiterError::QueueShareFull { .. })
+        ));
+        assert_eq!(
+            refusal(book.admit("alice", "k", 64, 4)),
+            Some("QueueFull".into())
+        );
+        // bob's places come back as his waiters leave.
+        assert!(book.remove("k", 1));
+        book.leave_durable("bob", "k");
+        assert_eq!(book.on_key_of("bob", "k"), 0);
+        assert!(book.admit("bob", "k", 64, 6).is_ok());
+        assert!(book.remove("k", 2));
+        book.leave_durable("demo", "k");
+        assert!(
+            book.per_key_identity.is_empty(),
+            "no entry without a waiter"
+        );
+        assert!(book.per_identity.is_empty());
+    }
+
+    #[test]
+    fn the_identity_bound_comes_before_the_share() {
+        let mut book = Book::default();
+        book.join(waiter(1, "bob", "a"));
+        assert!(matches!(
+            book.admit("bob", "b", 1, 64),
+            Err(ArbiterError::TooManyWaiters { limit: 1 })
+        ));
     }
 }

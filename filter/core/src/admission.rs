@@ -1,5 +1,6 @@
 //! Admission at the edge, counted across every Envoy worker: bounds on
-//! concurrent *waiting* Acquire calls per key (the class's limit) and per
+//! concurrent *waiting* Acquire calls per key (the class's limit), per
+//! identity on one key (its share of the key, [`identity_share`]) and per
 //! identity, and on every identity's concurrent streams (KeepAlive included).
 //!
 //! Workers run separate Wasm VMs; what they share is the host's shared-data map
@@ -40,6 +41,18 @@ const MAX_RETRIES: usize = 64;
 /// Where the secret lives when the configuration does not give one.
 pub const SECRET_ENTRY: &str = "lk/adm/secret";
 
+/// The waiting places one identity may take on one key whose class allows
+/// `max_waiters_per_key`: half of them, rounded up. So one identity never
+/// fills a key another identity waits for (whenever the class allows two or
+/// more waiters, the other half stays open to everyone else), and a key one
+/// identity alone contends for still queues half the class's bound. The
+/// arbiter applies the same rule to its own queues
+/// (`arbiter/src/table/queues.rs`), so a caller that bypasses the edge gets
+/// no more.
+pub const fn identity_share(max_waiters_per_key: u32) -> u32 {
+    max_waiters_per_key.div_ceil(2)
+}
+
 /// The host's shared data (proxy-wasm `get_shared_data`/`set_shared_data`).
 pub trait SharedStore {
     /// The value and its CAS token; `(None, _)` if never set.
@@ -60,6 +73,8 @@ pub enum StoreError {
 pub enum Rejection {
     #[error("the key has its maximum of waiters")]
     KeyFull,
+    #[error("the identity has its share of the key's waiters")]
+    KeyShareFull,
     #[error("the identity has its maximum of waiters")]
     IdentityFull,
     #[error("no free slot for the identity in the waiter table")]
@@ -76,6 +91,8 @@ pub enum Rejection {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Table {
     Key,
+    /// One identity's waiters on one key (its share of the key).
+    Pair,
     Identity,
     Stream,
 }
@@ -84,6 +101,7 @@ impl Table {
     fn name(self) -> &'static str {
         match self {
             Table::Key => "k",
+            Table::Pair => "p",
             Table::Identity => "i",
             Table::Stream => "s",
         }
@@ -103,13 +121,16 @@ pub struct Place {
 pub struct Ticket {
     /// `None`: the key's window was full of other keys (overflow).
     key: Option<Place>,
+    /// `None`: the (identity, key) window was full of other pairs (overflow).
+    pair: Option<Place>,
     identity: Place,
 }
 
 impl Ticket {
-    /// Admitted without a key place (the key's window was full of others).
+    /// Admitted without a key or a share place (the window was full of
+    /// others; the arbiter's own bounds still hold).
     pub fn overflowed(&self) -> bool {
-        self.key.is_none()
+        self.key.is_none() || self.pair.is_none()
     }
 }
 
@@ -184,6 +205,16 @@ fn read_slot(store: &dyn SharedStore, name: &str) -> Result<Slot, Rejection> {
     Ok(slot)
 }
 
+/// The owner name of `identity`'s waiters on `key` in the pair table. NUL
+/// separates them: neither a SPIFFE ID nor a key can contain one.
+fn pair_owner(identity: &str, key: &str) -> String {
+    let mut owner = String::with_capacity(identity.len() + 1 + key.len());
+    owner.push_str(identity);
+    owner.push('\0');
+    owner.push_str(key);
+    owner
+}
+
 /// Why a table refused a place.
 enum Refused {
     AtLimit,
@@ -202,7 +233,8 @@ impl Admission {
 
     fn slots(&self, table: Table) -> u32 {
         match table {
-            Table::Key => self.key_slots,
+            // A pair with waiters has a key with waiters: as many at most.
+            Table::Key | Table::Pair => self.key_slots,
             Table::Identity | Table::Stream => self.identity_slots,
         }
     }
@@ -223,7 +255,9 @@ impl Admission {
         (0..PROBES.min(n)).map(move |i| (start + i) % n)
     }
 
-    /// Takes one place for a waiting Acquire, or says which bound refused it.
+    /// Takes one place for a waiting Acquire, or says which bound refused it:
+    /// the identity's bound, then its share of the key
+    /// ([`identity_share`] of `key_limit`), then the key's bound.
     pub fn admit(
         &self,
         store: &dyn SharedStore,
@@ -232,25 +266,47 @@ impl Admission {
         identity: &str,
         identity_limit: u32,
     ) -> Result<Ticket, Rejection> {
-        let identity = self
+        let identity_place = self
             .take(store, Table::Identity, identity, identity_limit)
             .map_err(|r| match r {
                 Refused::AtLimit => Rejection::IdentityFull,
                 Refused::WindowFull => Rejection::TableFull,
                 Refused::Store => Rejection::Store,
             })?;
+        let pair = match self.take(
+            store,
+            Table::Pair,
+            &pair_owner(identity, key),
+            identity_share(key_limit),
+        ) {
+            Ok(place) => Some(place),
+            // Other pairs fill this one's window: never a reason to refuse it.
+            Err(Refused::WindowFull) => None,
+            Err(r) => {
+                self.give_back(store, &identity_place);
+                return Err(match r {
+                    Refused::AtLimit => Rejection::KeyShareFull,
+                    _ => Rejection::Store,
+                });
+            }
+        };
         match self.take(store, Table::Key, key, key_limit) {
             Ok(place) => Ok(Ticket {
                 key: Some(place),
-                identity,
+                pair,
+                identity: identity_place,
             }),
             // Other keys fill this key's window: never a reason to refuse it.
             Err(Refused::WindowFull) => Ok(Ticket {
                 key: None,
-                identity,
+                pair,
+                identity: identity_place,
             }),
             Err(r) => {
-                self.give_back(store, &identity);
+                if let Some(pair) = &pair {
+                    self.give_back(store, pair);
+                }
+                self.give_back(store, &identity_place);
                 Err(match r {
                     Refused::AtLimit => Rejection::KeyFull,
                     _ => Rejection::Store,
@@ -263,6 +319,9 @@ impl Admission {
     pub fn release(&self, store: &dyn SharedStore, ticket: &Ticket) {
         if let Some(key) = &ticket.key {
             self.give_back(store, key);
+        }
+        if let Some(pair) = &ticket.pair {
+            self.give_back(store, pair);
         }
         self.give_back(store, &ticket.identity);
     }
@@ -292,7 +351,7 @@ impl Admission {
     /// slots already exist and every claim is a real compare-and-swap.
     /// Idempotent: an existing entry is never written.
     pub fn create_slots(&self, store: &dyn SharedStore) -> Result<(), StoreError> {
-        for table in [Table::Key, Table::Identity, Table::Stream] {
+        for table in [Table::Key, Table::Pair, Table::Identity, Table::Stream] {
             for i in 0..self.slots(table) {
                 let name = slot_name(table, i);
                 if store.get(&name)?.1.is_none() {
@@ -306,6 +365,11 @@ impl Admission {
     /// The current count of waiters on `key` (tests and diagnostics).
     pub fn count(&self, store: &dyn SharedStore, key: &str) -> u32 {
         self.count_in(store, Table::Key, key)
+    }
+
+    /// The current count of `identity`'s waiters on `key` (tests and diagnostics).
+    pub fn count_of(&self, store: &dyn SharedStore, key: &str, identity: &str) -> u32 {
+        self.count_in(store, Table::Pair, &pair_owner(identity, key))
     }
 
     /// The current count of `identity`'s open streams (tests and diagnostics).
@@ -524,17 +588,22 @@ mod tests {
     fn the_key_bound_holds_and_slots_come_back() {
         let store = MemoryStore::default();
         let adm = adm(64, 16);
+        let b = "spiffe://dev.latchkey/workload/b";
+        let c = "spiffe://dev.latchkey/workload/c";
         let t1 = adm.admit(&store, "a/k", 2, ID, 10).unwrap();
-        let t2 = adm.admit(&store, "a/k", 2, ID, 10).unwrap();
-        assert_eq!(adm.admit(&store, "a/k", 2, ID, 10), Err(Rejection::KeyFull));
+        let t2 = adm.admit(&store, "a/k", 2, b, 10).unwrap();
+        assert_eq!(adm.admit(&store, "a/k", 2, c, 10), Err(Rejection::KeyFull));
         // Another key is unaffected.
         let t3 = adm.admit(&store, "a/other", 2, ID, 10).unwrap();
         adm.release(&store, &t1);
-        let t4 = adm.admit(&store, "a/k", 2, ID, 10).unwrap();
+        let t4 = adm.admit(&store, "a/k", 2, c, 10).unwrap();
         for t in [t2, t3, t4] {
             adm.release(&store, &t);
         }
         assert_eq!(adm.count(&store, "a/k"), 0);
+        for id in [ID, b, c] {
+            assert_eq!(adm.count_of(&store, "a/k", id), 0);
+        }
     }
 
     #[test]
@@ -549,11 +618,15 @@ mod tests {
         );
         // A refused key does not leak an identity place.
         let other = "spiffe://dev.latchkey/workload/b";
-        let _k = adm.admit(&store, "b/1", 1, other, 5).unwrap();
-        assert_eq!(
-            adm.admit(&store, "b/1", 1, other, 5),
-            Err(Rejection::KeyFull)
-        );
+        let third = "spiffe://dev.latchkey/workload/c";
+        let _k = adm.admit(&store, "b/1", 1, third, 5).unwrap();
+        for _ in 0..10 {
+            assert_eq!(
+                adm.admit(&store, "b/1", 1, other, 1),
+                Err(Rejection::KeyFull)
+            );
+        }
+        assert!(adm.admit(&store, "b/2", 1, other, 1).is_ok());
         adm.release(&store, &t1);
         assert!(adm.admit(&store, "a/3", 5, ID, 2).is_ok());
     }
@@ -574,7 +647,8 @@ mod tests {
             let t = adm.admit(&store, &format!("k/{i}"), 1, ID, 100).unwrap();
             adm.release(&store, &t);
         }
-        assert!(store.entries() <= 8 + 4);
+        // Key and pair tables (8 each), the identity table (4).
+        assert!(store.entries() <= 8 + 8 + 4, "{}", store.entries());
     }
 
     /// Keys whose home slot (under `secret`) is `want`.
@@ -620,7 +694,7 @@ mod tests {
         let t1 = adm.admit(&store, victim, 1, alice, 10).unwrap();
         assert!(!t1.overflowed());
         assert_eq!(
-            adm.admit(&store, victim, 1, alice, 10),
+            adm.admit(&store, victim, 1, "spiffe://dev.latchkey/workload/bob", 10),
             Err(Rejection::KeyFull)
         );
     }
@@ -635,17 +709,18 @@ mod tests {
             .iter()
             .map(|k| adm.admit(&store, k, 1, ID, 100).unwrap())
             .collect();
+        let other = "spiffe://dev.latchkey/workload/b";
         for k in &keys {
             assert_eq!(adm.count(&store, k), 1);
-            assert_eq!(adm.admit(&store, k, 1, ID, 100), Err(Rejection::KeyFull));
+            assert_eq!(adm.admit(&store, k, 1, other, 100), Err(Rejection::KeyFull));
         }
         // A freed slot in the middle of the run: the keys behind it are still
         // found (lookups pass freed slots), and no key gets a second slot.
         adm.release(&store, &tickets[1]);
         for k in keys.iter().skip(2) {
-            assert_eq!(adm.admit(&store, k, 1, ID, 100), Err(Rejection::KeyFull));
+            assert_eq!(adm.admit(&store, k, 1, other, 100), Err(Rejection::KeyFull));
         }
-        assert!(adm.admit(&store, &keys[1], 1, ID, 100).is_ok());
+        assert!(adm.admit(&store, &keys[1], 1, other, 100).is_ok());
     }
 
     #[test]
@@ -793,12 +868,13 @@ mod tests {
         let limit = 3;
         let peak = Arc::new(std::sync::atomic::AtomicU32::new(0));
         let threads: Vec<_> = (0..4)
-            .map(|_| {
+            .map(|n| {
                 let store = store.clone();
                 let peak = peak.clone();
                 std::thread::spawn(move || {
+                    let id = format!("{ID}/{n}");
                     for _ in 0..300 {
-                        if let Ok(t) = adm.admit(&*store, "hot/key", limit, ID, 1000) {
+                        if let Ok(t) = adm.admit(&*store, "hot/key", limit, &id, 1000) {
                             let now = adm.count(&*store, "hot/key");
                             peak.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
                             adm.release(&*store, &t);
@@ -818,5 +894,120 @@ mod tests {
         assert!(peak.load(std::sync::atomic::Ordering::SeqCst) <= limit);
         assert_eq!(adm.count(&*store, "hot/key"), 0);
         assert_eq!(adm.streams(&*store, ID), 0);
+    }
+    #[test]
+    fn an_identitys_share_is_half_the_keys_places_rounded_up() {
+        assert_eq!(
+            [1, 2, 3, 4, 64, 10_000].map(identity_share),
+            [1, 1, 2, 2, 32, 5_000]
+        );
+        // Whenever a key has two places or more, a full share leaves one.
+        for max in 2..=10_000 {
+            assert!(identity_share(max) >= 1 && identity_share(max) < max);
+        }
+    }
+
+    /// Issue 31, finding 5: bob cannot fill a shared key's queue; demo still
+    /// gets a place on it, and the key's own bound still holds for everyone.
+    #[test]
+    fn one_identity_takes_at_most_its_share_of_a_key() {
+        let store = MemoryStore::default();
+        let adm = adm(64, 16);
+        let bob = "spiffe://dev.latchkey/workload/bob";
+        let demo = "spiffe://dev.latchkey/workload/demo";
+        let alice = "spiffe://dev.latchkey/workload/alice";
+        let key = "demo/report";
+        let mut bobs: Vec<_> = (0..2)
+            .map(|_| adm.admit(&store, key, 4, bob, 100).unwrap())
+            .collect();
+        for _ in 0..10 {
+            assert_eq!(
+                adm.admit(&store, key, 4, bob, 100),
+                Err(Rejection::KeyShareFull)
+            );
+        }
+        assert_eq!(adm.count_of(&store, key, bob), 2);
+        assert_eq!(adm.count(&store, key), 2);
+        // A refused share leaks no identity place: bob still waits elsewhere
+        // up to his identity bound.
+        let elsewhere = adm.admit(&store, "demo/other", 4, bob, 3).unwrap();
+        assert_eq!(
+            adm.admit(&store, "demo/third", 4, bob, 3),
+            Err(Rejection::IdentityFull)
+        );
+        adm.release(&store, &elsewhere);
+        // demo gets the rest of the key ...
+        let demos: Vec<_> = (0..2)
+            .map(|_| adm.admit(&store, key, 4, demo, 100).unwrap())
+            .collect();
+        // ... and then the key is full for a third identity with no waiter
+        // on it, while bob hears about his share first.
+        assert_eq!(
+            adm.admit(&store, key, 4, alice, 100),
+            Err(Rejection::KeyFull)
+        );
+        assert_eq!(
+            adm.admit(&store, key, 4, bob, 100),
+            Err(Rejection::KeyShareFull)
+        );
+        assert_eq!(adm.count(&store, key), 4);
+        // A place bob gives back is his to take again.
+        adm.release(&store, &bobs.remove(0));
+        bobs.push(adm.admit(&store, key, 4, bob, 100).unwrap());
+        for t in bobs.iter().chain(&demos) {
+            adm.release(&store, t);
+        }
+        assert_eq!(adm.count(&store, key), 0);
+        assert_eq!(adm.count_of(&store, key, bob), 0);
+        assert_eq!(adm.count_of(&store, key, demo), 0);
+    }
+
+    #[test]
+    fn a_share_window_crowded_by_other_pairs_never_refuses() {
+        // 16 pair slots, all taken by other identities' waiters on one key:
+        // a new identity on it is let through without a share place, and the
+        // key's bound still counts it.
+        let store = MemoryStore::default();
+        let adm = adm(PROBES, 64);
+        let ids: Vec<String> = (0..PROBES).map(|i| format!("{ID}/{i}")).collect();
+        let held: Vec<_> = ids
+            .iter()
+            .map(|id| adm.admit(&store, "k", 100, id, 10).unwrap())
+            .collect();
+        assert!(held.iter().all(|t| !t.overflowed()));
+        let t = adm.admit(&store, "k", 100, "spiffe://td/late", 10).unwrap();
+        assert!(t.overflowed());
+        assert_eq!(adm.count(&store, "k"), PROBES + 1);
+        adm.release(&store, &t);
+        assert_eq!(adm.count(&store, "k"), PROBES);
+    }
+
+    #[test]
+    fn concurrent_workers_never_exceed_the_share() {
+        let store = Arc::new(MemoryStore::default());
+        let adm = adm(64, 64);
+        let limit = 6;
+        let peak = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let store = store.clone();
+                let peak = peak.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..300 {
+                        if let Ok(t) = adm.admit(&*store, "hot/key", limit, ID, 1000) {
+                            let now = adm.count_of(&*store, "hot/key", ID);
+                            peak.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+                            adm.release(&*store, &t);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(peak.load(std::sync::atomic::Ordering::SeqCst) <= identity_share(limit));
+        assert_eq!(adm.count(&*store, "hot/key"), 0);
+        assert_eq!(adm.count_of(&*store, "hot/key", ID), 0);
     }
 }

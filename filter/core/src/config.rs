@@ -116,7 +116,9 @@ pub struct FilterConfig {
     /// The largest request message the edge decodes.
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: usize,
-    /// Distinct keys that can have waiters at once (across all workers).
+    /// Distinct keys that can have waiters at once (across all workers);
+    /// also, in a table of their own, distinct (identity, key) pairs (each
+    /// identity's share of a key, `admission::identity_share`).
     #[serde(default = "default_key_slots")]
     pub key_slots: u32,
     /// Distinct identities that can have waiters (and, separately, open

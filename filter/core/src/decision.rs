@@ -109,6 +109,7 @@ pub fn check_keyed<'a>(
 pub fn admission_refusal(r: Rejection) -> Refusal {
     Refusal::of(match r {
         Rejection::KeyFull => DenyReason::QueueFullKey,
+        Rejection::KeyShareFull => DenyReason::QueueFullKeyShare,
         Rejection::IdentityFull => DenyReason::QueueFullIdentity,
         Rejection::TableFull => DenyReason::AdmissionTableFull,
         Rejection::StreamsFull => DenyReason::TooManyStreams,
@@ -338,6 +339,22 @@ mod tests {
             )),
             Err((GrpcCode::InvalidArgument, DenyReason::BadKey))
         );
+    }
+
+    /// Over its share of a key, a caller hears a retryable refusal that
+    /// names the bound, distinct from the key being full.
+    #[test]
+    fn a_share_refusal_is_retryable_and_names_the_bound() {
+        let share = admission_refusal(Rejection::KeyShareFull);
+        assert_eq!(
+            (share.code, share.reason),
+            (GrpcCode::ResourceExhausted, "QUEUE_FULL")
+        );
+        for word in ["share", "maxWaitersPerKey", "retry"] {
+            assert!(share.message.contains(word), "{word}: {}", share.message);
+        }
+        assert_ne!(share, admission_refusal(Rejection::KeyFull));
+        assert_eq!(share.why.label(), "queue_full_key_share");
     }
 
     #[test]

@@ -14,9 +14,10 @@
 //! [`grant_table::Table`]: without a table, or for a key a stale table does
 //! not cover, the answer is a retryable `UNAVAILABLE`, never
 //! `PERMISSION_DENIED`); a waiting Acquire
-//! then takes a place under the per-key and per-identity bounds in host shared
-//! data, placed by a keyed hash ([`keyed_hash`]) and given back when the
-//! arbiter answers or the stream ends. Request trailers carrying a reserved
+//! then takes a place under the per-identity, per-identity-on-the-key (its
+//! share of the key) and per-key bounds in host shared data, placed by a
+//! keyed hash ([`keyed_hash`]) and given back when the arbiter answers or the
+//! stream ends. Request trailers carrying a reserved
 //! name are refused on every method. Refusals are [`status::Refusal`]s; stat
 //! names are in [`metrics`]. The configuration is [`config::FilterConfig`].
 //! The table a VM starts with — the last good one an earlier VM kept in shared

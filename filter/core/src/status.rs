@@ -29,6 +29,7 @@ pub enum DenyReason {
     Oversized,
     Compressed,
     QueueFullKey,
+    QueueFullKeyShare,
     QueueFullIdentity,
     AdmissionTableFull,
     PolicyNotReady,
@@ -55,6 +56,7 @@ impl DenyReason {
             Self::Oversized => "oversized",
             Self::Compressed => "compressed",
             Self::QueueFullKey => "queue_full_key",
+            Self::QueueFullKeyShare => "queue_full_key_share",
             Self::QueueFullIdentity => "queue_full_identity",
             Self::AdmissionTableFull => "admission_table_full",
             Self::PolicyNotReady => "policy_not_ready",
@@ -70,7 +72,7 @@ impl DenyReason {
         }
     }
 
-    pub const ALL: [DenyReason; 20] = [
+    pub const ALL: [DenyReason; 21] = [
         Self::Unauthenticated,
         Self::NotAuthorised,
         Self::BadKey,
@@ -79,6 +81,7 @@ impl DenyReason {
         Self::Oversized,
         Self::Compressed,
         Self::QueueFullKey,
+        Self::QueueFullKeyShare,
         Self::QueueFullIdentity,
         Self::AdmissionTableFull,
         Self::PolicyNotReady,
@@ -150,6 +153,11 @@ impl Refusal {
                 ResourceExhausted,
                 "QUEUE_FULL",
                 "too many callers are already waiting for this key; retry later",
+            ),
+            DenyReason::QueueFullKeyShare => (
+                ResourceExhausted,
+                "QUEUE_FULL",
+                "this caller already has its share of this key's waiting places (half the class's maxWaitersPerKey, rounded up; the rest are kept for other callers); retry later",
             ),
             DenyReason::QueueFullIdentity => (
                 ResourceExhausted,

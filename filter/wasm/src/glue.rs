@@ -738,6 +738,7 @@ impl EdgeStream {
                     let refusal = decision::admission_refusal(rejection);
                     let which = match refusal.why {
                         DenyReason::QueueFullKey => "key",
+                        DenyReason::QueueFullKeyShare => "key_share",
                         DenyReason::QueueFullIdentity => "identity",
                         DenyReason::AdmissionUnavailable => "store",
                         _ => "table",
