@@ -32,9 +32,33 @@ const MAX_REMEMBERED_RENEWALS: usize = 1 << 18;
 const OPEN_STRIPES: usize = 64;
 
 /// One open in flight: the cluster it goes to (an index into the counts
-/// of [`Bounds::reserve_open_over`]) and the revision its count entry was
-/// written at (0: not yet).
-type OpenSlot = (usize, Arc<AtomicI64>);
+/// of [`Bounds::reserve_open_over`]), the revision its count entry was
+/// written at (0: not yet, or unknown), and whether it has finished (kept
+/// only while a count that may have missed it is in progress).
+struct OpenSlot {
+    cluster: usize,
+    written: Arc<AtomicI64>,
+    done: bool,
+}
+
+/// One identity's opens in flight.
+#[derive(Default)]
+struct Opening {
+    slots: Vec<OpenSlot>,
+    /// A count of the identity's sessions is in progress ([`CountWindow`]).
+    /// Its read may have been served before an open that finishes now wrote
+    /// its entry, so such an open stays (done) and counts as in flight for
+    /// that count unless the count's revision shows it; it leaves when the
+    /// count is over. (Dropping it at once let a burst pass the bound by
+    /// one: issue 31, finding 9.)
+    counting: bool,
+}
+
+impl Opening {
+    fn idle(&self) -> bool {
+        self.slots.is_empty() && !self.counting
+    }
+}
 
 pub struct Bounds {
     pub max_sessions: u32,
@@ -44,7 +68,7 @@ pub struct Bounds {
     /// one's count entry was written at (0: not yet). An identity leaves
     /// when its last open finishes, so the map holds only identities
     /// opening right now.
-    opening: Mutex<HashMap<String, Vec<OpenSlot>>>,
+    opening: Mutex<HashMap<String, Opening>>,
     /// Wakes an open that waits for opens in flight to finish.
     open_progress: tokio::sync::Notify,
     /// Keyed with a per-process secret: nobody can aim at another's stripe.
@@ -69,6 +93,22 @@ impl Bounds {
         // the remainder is below OPEN_STRIPES, so the index is in range
         let stripe = usize::try_from(hash % OPEN_STRIPES as u64).unwrap_or(0);
         self.open_turns[stripe].lock().await
+    }
+
+    /// Opens the window of one count of `identity`'s sessions: call it with
+    /// the identity's turn held, before the count's read is sent, and keep
+    /// it until [`Self::reserve_open_over`] has answered. Opens that finish
+    /// while it is open stay counted (unless the count's revision covers
+    /// their write); opens that finished before it are in the count.
+    pub fn counting(&self, identity: &str) -> CountWindow<'_> {
+        let mut opening = self.opening.lock();
+        let entry = opening.entry(identity.to_string()).or_default();
+        entry.slots.retain(|s| !s.done);
+        entry.counting = true;
+        CountWindow {
+            bounds: self,
+            identity: identity.to_string(),
+        }
     }
 
     /// Reserves one open for `identity`, which has `open` sessions in the
@@ -103,24 +143,29 @@ impl Bounds {
         max: u32,
     ) -> Option<OpenReservation<'_>> {
         let mut opening = self.opening.lock();
-        let slots = opening.entry(identity.to_string()).or_default();
-        let in_flight = slots
+        let entry = opening.entry(identity.to_string()).or_default();
+        let in_flight = entry
+            .slots
             .iter()
-            .filter(|(cluster, s)| {
-                let written = s.load(Ordering::SeqCst);
-                let at = counts.get(*cluster).map_or(0, |c| c.1);
+            .filter(|s| {
+                let written = s.written.load(Ordering::SeqCst);
+                let at = counts.get(s.cluster).map_or(0, |c| c.1);
                 written == 0 || written > at
             })
             .count();
         let open: u64 = counts.iter().map(|c| u64::from(c.0)).sum();
         if open + in_flight as u64 >= u64::from(max) {
-            if slots.is_empty() {
+            if entry.idle() {
                 opening.remove(identity);
             }
             return None;
         }
         let slot = Arc::new(AtomicI64::new(0));
-        slots.push((on, slot.clone()));
+        entry.slots.push(OpenSlot {
+            cluster: on,
+            written: slot.clone(),
+            done: false,
+        });
         Some(OpenReservation {
             bounds: self,
             identity: identity.to_string(),
@@ -171,14 +216,43 @@ impl OpenReservation<'_> {
 impl Drop for OpenReservation<'_> {
     fn drop(&mut self) {
         let mut opening = self.bounds.opening.lock();
-        if let Some(slots) = opening.get_mut(&self.identity) {
-            slots.retain(|(_, s)| !Arc::ptr_eq(s, &self.slot));
-            if slots.is_empty() {
+        if let Some(entry) = opening.get_mut(&self.identity) {
+            if entry.counting {
+                // A count in progress may have been read before this open
+                // wrote: it stays counted for that count ([`Opening`]).
+                for s in &mut entry.slots {
+                    if Arc::ptr_eq(&s.written, &self.slot) {
+                        s.done = true;
+                    }
+                }
+            } else {
+                entry.slots.retain(|s| !Arc::ptr_eq(&s.written, &self.slot));
+            }
+            if entry.idle() {
                 opening.remove(&self.identity);
             }
         }
         drop(opening);
         self.bounds.open_progress.notify_waiters();
+    }
+}
+
+/// One count of an identity's sessions in progress ([`Bounds::counting`]).
+pub struct CountWindow<'a> {
+    bounds: &'a Bounds,
+    identity: String,
+}
+
+impl Drop for CountWindow<'_> {
+    fn drop(&mut self) {
+        let mut opening = self.bounds.opening.lock();
+        if let Some(entry) = opening.get_mut(&self.identity) {
+            entry.counting = false;
+            entry.slots.retain(|s| !s.done);
+            if entry.idle() {
+                opening.remove(&self.identity);
+            }
+        }
     }
 }
 
@@ -381,6 +455,38 @@ mod tests {
             .expect("2 counted + 0 in flight");
         drop(first);
         drop(_fourth);
+        assert!(bounds.opening.lock().is_empty(), "entries leave at zero");
+    }
+
+    #[test]
+    fn an_open_that_finishes_during_a_count_stays_counted_for_it() {
+        // Bound 2, one session open. A reserves and writes at r100 while
+        // B's count is in flight; B's read was served at r99, before A's
+        // write. A finishes (dropped) before B reserves: without the window
+        // B saw 1 open + 0 in flight and passed the bound by one.
+        let bounds = Bounds::new(2);
+        let a = "spiffe://td/a";
+        let first = bounds.reserve_open(a, 1, 98, 2).expect("1 open");
+        let window = bounds.counting(a);
+        first.written_at(100);
+        drop(first);
+        assert!(
+            bounds.reserve_open(a, 1, 99, 2).is_none(),
+            "A is not in a count of r99: still in flight for it"
+        );
+        drop(window);
+        // A count that starts after A finished has it.
+        let window = bounds.counting(a);
+        assert!(bounds.reserve_open(a, 2, 101, 2).is_none(), "2 open");
+        drop(window);
+        // A count whose revision covers A's write does not count it twice.
+        let first = bounds.reserve_open(a, 0, 90, 2).expect("0 open");
+        let window = bounds.counting(a);
+        first.written_at(100);
+        drop(first);
+        let third = bounds.reserve_open(a, 1, 100, 2).expect("A in the count");
+        drop(third);
+        drop(window);
         assert!(bounds.opening.lock().is_empty(), "entries leave at zero");
     }
 

@@ -337,6 +337,14 @@ pub async fn main_with(
             Some(traces)
         }
     };
+    if let Some(oidc) = &force_release.oidc
+        && oidc.issuer.starts_with("http://")
+    {
+        tracing::warn!(
+            issuer = %oidc.issuer,
+            "force-release signs operators in with a provider on this host over plain http: for dev and tests only (whoever controls that provider can sign in as both operators)"
+        );
+    }
     let tls = match (args.tls_cert, args.tls_key, args.tls_ca, args.insecure_dev) {
         (Some(cert), Some(key), Some(client_ca), false) => Some(TlsFiles {
             cert,

@@ -64,9 +64,14 @@ pub enum ArbiterError {
     #[error("key {key:?} is held by another session")]
     Held { key: String },
     #[error(
-        "key {key:?} is already held by this identity under another session ({holder_session:#x}): a leaked lock, not contention; release it from that session or let it expire"
+        "key {key:?} is already held by this client instance ({instance:?}) under session {holder_session:#x}, and this call asks under session {session:#x}: a leaked lock, not contention; release it from that session or let it expire (replicas that share an identity must name different instances, which the client libraries do by default)"
     )]
-    Leak { key: String, holder_session: i64 },
+    Leak {
+        key: String,
+        holder_session: i64,
+        session: i64,
+        instance: String,
+    },
     #[error("timed out waiting for key {key:?}: still held when the call's deadline came")]
     WaitTimeout { key: String },
     #[error("too many waiters queued for key {key:?} (limit {limit} for its class); retry later")]

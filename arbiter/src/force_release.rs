@@ -87,6 +87,13 @@ pub struct RequestRecord {
     pub requester_identity: String,
     pub requested_at_unix_ms: i64,
     pub expires_at_unix_ms: i64,
+    /// Which of its requester's [`MAX_PENDING_PER_OPERATOR`] places the
+    /// request takes (`{prefix}/sys/force-req/place/op/...`, see
+    /// [`etcd::ForceStore::put_request`]); `None` for a request written
+    /// before places existed, whose approval then deletes no place (it
+    /// could be another request's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub place: Option<u32>,
 }
 
 /// A force-release that happened, as stored under `{prefix}/sys/force/<id>`
@@ -310,40 +317,28 @@ impl ForceRelease {
         revoke_session: bool,
         enforcement: impl Fn(&str) -> Option<Enforcement>,
     ) -> Result<RequestRecord, ForceError> {
-        let reason = reason.trim();
-        if reason.is_empty() || reason.len() > 512 {
-            return Err(ForceError::BadRequest(
-                "a force-release needs a reason (1..=512 bytes): it is shown to the approver and kept in the audit trail".into(),
-            ));
-        }
+        // Shown to the approver and kept in the audit trail: one line of
+        // printable text (latchkey_proto::text says why).
+        let reason = latchkey_proto::text::checked(reason, "a force-release reason", 512)
+            .map_err(ForceError::BadRequest)?;
         let hold = self
             .store
             .hold(key)
             .await?
             .ok_or_else(|| ForceError::NotHeld { key: key.into() })?;
         let now = crate::records::now_unix_ms();
-        // Bounded: one pending request per hold, and a few per operator
-        // (each is an etcd key on its own lease until it expires).
-        let pending = self.store.pending_requests().await?;
-        let live = pending.iter().filter(|r| r.expires_at_unix_ms > now);
-        let mut mine = 0;
-        for r in live {
-            if r.key == key && r.hold_revision == hold.mod_revision {
-                return Err(ForceError::AlreadyRequested {
-                    key: key.to_string(),
-                    id: r.id.clone(),
-                });
-            }
-            if r.requester_subject == requester.subject {
-                mine += 1;
-            }
-        }
-        if mine >= MAX_PENDING_PER_OPERATOR {
+        // Bounded: one pending request per hold, and a few per operator.
+        // Both bounds are places in etcd that the request's own put takes
+        // in the same transaction (ForceStore::put_request), so requests
+        // racing on any number of arbiters cannot pass them; this read
+        // only picks which free place to try first.
+        let taken = self.store.taken_places(&requester.subject).await?;
+        let Some(place) = (0..MAX_PENDING_PER_OPERATOR as u32).find(|p| !taken.contains(p)) else {
             return Err(ForceError::TooManyPending {
                 subject: requester.subject.clone(),
                 limit: MAX_PENDING_PER_OPERATOR,
             });
-        }
+        };
         let ttl_ms = i64::try_from(self.request_ttl.as_millis()).unwrap_or(i64::MAX);
         let record = RequestRecord {
             id: new_id()?,
@@ -360,9 +355,9 @@ impl ForceRelease {
             requester_identity: requester_identity.to_string(),
             requested_at_unix_ms: now,
             expires_at_unix_ms: now.saturating_add(ttl_ms),
+            place: Some(place),
         };
-        self.store.put_request(&record, self.request_ttl).await?;
-        Ok(record)
+        self.store.put_request(record, self.request_ttl).await
     }
 
     /// Approves request `id` as `approver` and runs it.

@@ -443,7 +443,9 @@ impl Change {
         kv: Option<&KeyValue>,
         prev: Option<&KeyValue>,
     ) -> Option<Self> {
-        let owner = |kv: &KeyValue| decode::<HolderRecord>(kv.value()).map(|h| h.identity);
+        // Counted per grant subject (a pattern for per-pod identities).
+        let owner =
+            |kv: &KeyValue| decode::<HolderRecord>(kv.value()).map(|h| h.bounded_as().to_string());
         let before = prev.and_then(owner);
         let key = kv
             .or(prev)
@@ -505,7 +507,7 @@ async fn count(
         }
         for kv in resp.kvs() {
             if let Some(h) = decode::<HolderRecord>(kv.value()) {
-                *counted.entry(h.identity).or_insert(0u32) += 1;
+                *counted.entry(h.bounded_as().to_string()).or_insert(0u32) += 1;
                 if let Some(key) = kv.key_str().ok().and_then(|k| k.strip_prefix(prefix)) {
                     keys.insert(key.to_string(), kv.lease());
                 }

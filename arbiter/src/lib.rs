@@ -101,7 +101,7 @@ pub enum RunError {
         /// What to check, when the credentials suggest it.
         hint: &'static str,
         #[source]
-        source: ArbiterError,
+        source: Box<ArbiterError>,
     },
     #[error("{path}: {what}")]
     BadFile {

@@ -512,8 +512,10 @@ pub trait LockLog: Send + Sync + 'static {
     /// Grants lease `id` with `ttl_seconds`; [`StoreError::LeaseExists`] if
     /// the id is taken.
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()>;
-    /// Puts `session`'s record and its entry in `identity`'s session count,
-    /// both on the session's lease ([`StoreError::LeaseGone`] if it expired).
+    /// Puts `session`'s record and its entry in the session count of grant
+    /// subject `identity` (the caller's own identity, or the pattern it falls
+    /// under), both on the session's lease ([`StoreError::LeaseGone`] if it
+    /// expired).
     async fn put_session(&self, session: i64, identity: &str, record: Vec<u8>) -> LogResult<()>;
     /// `session`'s record.
     async fn session(&self, session: i64) -> LogResult<Option<Kv>>;
@@ -533,7 +535,8 @@ pub trait LockLog: Send + Sync + 'static {
             "this lock log keeps no shadow marks",
         ))
     }
-    /// How many sessions `identity` has open.
+    /// How many sessions are counted against grant subject `identity` (the
+    /// `counted_as` of [`Self::put_session`]).
     async fn count_sessions_of(&self, identity: &str) -> LogResult<u32>;
     /// Deletes `session`'s record and its count entry if the record's bytes
     /// are `record` on the session's lease; whether it did.

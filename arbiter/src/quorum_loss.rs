@@ -83,6 +83,10 @@ pub struct MemoryGrant {
 #[derive(Debug)]
 struct MemoryHold {
     identity: String,
+    /// The client instance it was granted to (LEAK against contention).
+    instance: String,
+    /// The grant subject it counts against ([`GrantRequest::bounded_as`]).
+    bounded_as: String,
     session: i64,
     class: String,
     ttl_seconds: u32,
@@ -232,7 +236,11 @@ impl QuorumLoss {
                         holds.insert(
                             r.key.clone(),
                             MemoryHold {
+                                bounded_as: r.identity.clone(),
                                 identity: r.identity,
+                                // The spool does not keep it: a leak of a
+                                // restored hold is answered as contention.
+                                instance: String::new(),
                                 session: r.session,
                                 class: r.class,
                                 ttl_seconds: r.ttl_seconds,
@@ -415,10 +423,12 @@ impl QuorumLoss {
             if h.identity == req.identity && h.session == req.session && !h.pending {
                 return Ok(Attempt::Yours);
             }
-            if h.identity == req.identity && h.session != req.session {
+            if crate::table::is_leak(&h.identity, &h.instance, h.session, req) {
                 return Err(ArbiterError::Leak {
                     key: req.key.clone(),
                     holder_session: h.session,
+                    session: req.session,
+                    instance: req.instance.clone(),
                 });
             }
             return Ok(Attempt::Held(h.expires));
@@ -431,7 +441,7 @@ impl QuorumLoss {
         }
         let mine = holds
             .values()
-            .filter(|h| h.identity == req.identity && h.expires > now)
+            .filter(|h| h.bounded_as == req.bounded_as() && h.expires > now)
             .count();
         if mine >= self.max_holds_per_identity as usize {
             return Err(ArbiterError::IdentityLimit {
@@ -446,6 +456,8 @@ impl QuorumLoss {
             req.key.clone(),
             MemoryHold {
                 identity: req.identity.clone(),
+                instance: req.instance.clone(),
+                bounded_as: req.bounded_as().to_string(),
                 session: req.session,
                 class: req.class.clone(),
                 ttl_seconds: req.ttl_seconds,
@@ -481,7 +493,7 @@ impl QuorumLoss {
     ) -> Result<MemoryGrant, ArbiterError> {
         let deadline = wait.map(|w| Instant::now() + w);
         let _waiting = match wait {
-            Some(_) => Some(self.enter_wait(&req.identity)?),
+            Some(_) => Some(self.enter_wait(req.bounded_as())?),
             None => None,
         };
         loop {
@@ -700,6 +712,8 @@ mod tests {
             ttl_seconds: 30,
             annotations: BTreeMap::new(),
             routed_by: None,
+            instance: format!("{identity}-process"),
+            bound: String::new(),
         }
     }
 
@@ -765,6 +779,13 @@ mod tests {
         assert!(matches!(
             q.acquire(&req("k/1", "a", 3), None, &FREE).await,
             Err(ArbiterError::Leak { .. })
+        ));
+        // Another instance of the same identity (a replica): contention.
+        let mut replica = req("k/1", "a", 4);
+        replica.instance = "a-replica".into();
+        assert!(matches!(
+            q.acquire(&replica, None, &FREE).await,
+            Err(ArbiterError::Held { .. })
         ));
         q.acquire(&req("k/1", "a", 1), None, &FREE).await.unwrap();
         assert_eq!(spool::read(&q.spool_path()).unwrap().len(), 1);

@@ -96,6 +96,30 @@ pub struct HolderRecord {
     pub acquired_at_unix_ms: i64,
     #[serde(default)]
     pub annotations: BTreeMap<String, String>,
+    /// The client instance the hold was granted to, as the client named
+    /// itself (`AcquireRequest.instance`): only for telling a leak (the same
+    /// instance under another session) from contention between replicas
+    /// that share an identity. Last, and absent when empty, so the owner
+    /// prefix of a record is what it always was.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub instance: String,
+    /// The grant subject the holder was bounded as when that is not its own
+    /// identity: the pattern (`spiffe://td/ns/x/sa/y/*`) a per-pod identity
+    /// falls under. Holds are counted per subject (`--max-holds-per-identity`
+    /// is per subject), so 500 pods under one pattern share one bound.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub bound: String,
+}
+
+impl HolderRecord {
+    /// Whom the hold counts against: the subject it was granted under.
+    pub fn bounded_as(&self) -> &str {
+        if self.bound.is_empty() {
+            &self.identity
+        } else {
+            &self.bound
+        }
+    }
 }
 
 /// A durable waiter: who waits, and how long its call waits. A record
@@ -182,7 +206,9 @@ impl Layout {
     pub fn identity_session(&self, identity: &str, lease: i64) -> String {
         format!("{}{lease:016x}", self.identity_sessions(identity))
     }
-    /// Every open session of `identity`: a prefix to count.
+    /// Every open session counted against `identity`, a grant subject (an
+    /// identity, or a pattern `spiffe://td/a/*`: `*` is in no ID, so a
+    /// pattern's entries are its own): a prefix to count.
     pub fn identity_sessions(&self, identity: &str) -> String {
         let mut hex = String::with_capacity(identity.len() * 2);
         for b in identity.bytes() {
@@ -323,6 +349,8 @@ mod tests {
 
     fn hold(identity: &str, session: i64) -> HolderRecord {
         HolderRecord {
+            instance: String::new(),
+            bound: String::new(),
             identity: identity.into(),
             session,
             class: "demo".into(),

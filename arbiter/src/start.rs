@@ -261,7 +261,7 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
     let high_water = Arc::new(HighWater::open(&spec.state_dir)?);
     let has_state = high_water.current().is_some();
     let guard = Arc::new(EpochGuard::default());
-    let unreachable = |source| RunError::EtcdUnreachable {
+    let unreachable = |source: crate::ArbiterError| RunError::EtcdUnreachable {
         endpoints: spec.store.endpoints.join(","),
         access: credentials.describe(),
         // etcd with --client-cert-auth drops a TLS client without a
@@ -271,7 +271,7 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
         } else {
             ""
         },
-        source,
+        source: Box::new(source),
     };
     let etcd = EtcdLog::connect(&spec.store, spec.memo.clone())
         .await
@@ -412,7 +412,7 @@ async fn force_release(
                 endpoints: store.endpoints.join(","),
                 access: who,
                 hint: "",
-                source: e.into(),
+                source: Box::new(e.into()),
             })
     };
     let main = connect(lock_store.clone(), config.etcd_credentials.describe()).await?;

@@ -89,6 +89,13 @@ pub struct GrantRequest {
     pub class: String,
     pub ttl_seconds: u32,
     pub annotations: BTreeMap<String, String>,
+    /// The grant subject the caller is bounded as, when it is not the
+    /// caller's own identity (a pattern its per-pod identity falls under);
+    /// empty otherwise. Kept in the holder record, so holds count per subject.
+    pub bound: String,
+    /// The client instance asking, as it names itself (empty: unnamed).
+    /// Decides LEAK against contention only ([`is_leak`]), never who may hold.
+    pub instance: String,
     /// The shard map version the request was routed by (ADR-09): a cluster
     /// fenced at a newer one refuses it, whatever map this arbiter has
     /// adopted since (a move fences the old home before the range changes
@@ -98,6 +105,15 @@ pub struct GrantRequest {
 }
 
 impl GrantRequest {
+    /// Whom the request counts against: its grant subject.
+    pub fn bounded_as(&self) -> &str {
+        if self.bound.is_empty() {
+            &self.identity
+        } else {
+            &self.bound
+        }
+    }
+
     fn session_bytes(&self) -> Vec<u8> {
         encode(&SessionRecord {
             identity: self.identity.clone(),
@@ -112,8 +128,29 @@ impl GrantRequest {
             class: self.class.clone(),
             acquired_at_unix_ms: now_unix_ms(),
             annotations: self.annotations.clone(),
+            instance: self.instance.clone(),
+            bound: self.bound.clone(),
         })
     }
+}
+
+/// Whether a hold of `holder_identity`, granted to `holder_instance` under
+/// `holder_session`, makes `req` a leak (issue 30): the same identity AND
+/// the same named client instance under another session, i.e. the process
+/// that holds the key asks for it again under a new session. Replicas of
+/// one workload share a SPIFFE ID and differ in instance: for them it is
+/// contention. An unnamed instance (an older client) is never a leak, so
+/// no deployment of replicas is refused because its clients are old.
+pub fn is_leak(
+    holder_identity: &str,
+    holder_instance: &str,
+    holder_session: i64,
+    req: &GrantRequest,
+) -> bool {
+    holder_identity == req.identity
+        && holder_session != req.session
+        && !req.instance.is_empty()
+        && holder_instance == req.instance
 }
 
 /// Who holds a key now.
@@ -441,9 +478,19 @@ impl LockTable {
         let (epoch, revision) = token::unpack(token);
         let current = self.seal.guard().state().map(|s| s.epoch());
         if current != Some(epoch) || revision <= 0 {
-            return Err(ArbiterError::TokenMismatch {
-                key: key.to_string(),
-            });
+            // A token no hold of this epoch can have. The answer is the one
+            // any wrong token gets: TOKEN_MISMATCH only for the caller's own
+            // hold, NOT_HELD for anyone else's or none (no revision
+            // matches -1), so the reason never tells whether someone else
+            // holds the key.
+            return match self.owned_hold(key, identity, session, -1).await {
+                Ok(_) | Err(ArbiterError::TokenMismatch { .. }) => {
+                    Err(ArbiterError::TokenMismatch {
+                        key: key.to_string(),
+                    })
+                }
+                Err(e) => Err(e),
+            };
         }
         match self.ungated_head(key) {
             None => {
@@ -532,9 +579,11 @@ impl LockTable {
         Ok(!holds.is_empty())
     }
 
-    /// How many keys `identity` holds in `class`, over every arbiter: the
-    /// holds under each of `prefixes` (the identity's grants; it can hold
-    /// nothing elsewhere). Exact as of the reads, not part of any grant.
+    /// How many keys grant subject `identity` holds in `class`, over every
+    /// arbiter: the holds under each of `prefixes` (the subject's grants; it
+    /// can hold nothing elsewhere) whose record counts against it (a
+    /// pattern's holds are every per-pod identity's under it: issue 30).
+    /// Exact as of the reads, not part of any grant.
     pub async fn count_holds_of(
         &self,
         identity: &str,
@@ -550,7 +599,7 @@ impl LockTable {
                     continue;
                 }
                 if let Some(record) = decode::<HolderRecord>(&kv.value)
-                    && record.identity == identity
+                    && record.bounded_as() == identity
                     && record.class == class
                 {
                     count = count.saturating_add(1);
@@ -588,8 +637,10 @@ impl LockTable {
             // cancels, so no waiter joins after the drain.
             return Err(ArbiterError::store("the arbiter is shutting down"));
         }
+        // Counted per grant subject (issue 30): per-pod identities under
+        // one pattern share one set of waiter places.
         book.admit(
-            &req.identity,
+            req.bounded_as(),
             &key,
             self.options.max_waiters_per_identity,
             limit,

@@ -42,6 +42,73 @@ pub struct ClientConfig {
     /// Deadline of unary calls other than a waiting acquire, whose deadline is
     /// its wait.
     pub request_timeout: Duration,
+    /// How this client instance names itself on every Acquire
+    /// (`AcquireRequest.instance`; [`default_instance`] unless set). The
+    /// arbiter answers LEAK only when the key is held by the same identity
+    /// AND the same instance under another session: a hold this process
+    /// forgot. Replicas of one workload share a SPIFFE ID and name different
+    /// instances, so they contend (wait, or HELD) like any two callers. It
+    /// is a diagnostic the client asserts about itself, never an identity:
+    /// it grants nothing and bounds nothing. Empty: never a LEAK.
+    pub instance: String,
+}
+
+/// The instance name a client takes unless told otherwise: `LATCHKEY_INSTANCE`
+/// if set, else `<pod or host name>:<process id>:<random>` (`POD_NAME` as the
+/// Downward API sets it, else `HOSTNAME`, else the kernel's host name; the
+/// random part drawn once per process), so each process is its own instance:
+/// two containers of one pod that are both pid 1, or host-network pods that
+/// share a node's name, differ too. At most 128 bytes of printable text.
+pub fn default_instance() -> String {
+    let explicit = std::env::var("LATCHKEY_INSTANCE").ok();
+    let name = explicit.unwrap_or_else(|| {
+        let host = ["POD_NAME", "HOSTNAME"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok().filter(|h| !h.trim().is_empty()))
+            .or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_string())
+                    .filter(|h| !h.is_empty())
+            })
+            .unwrap_or_else(|| "host".into());
+        format!(
+            "{}:{}:{:08x}",
+            host.trim(),
+            std::process::id(),
+            process_nonce()
+        )
+    });
+    clean_instance(&name)
+}
+
+/// 32 random bits, the same for the whole process (std's hasher keys are
+/// drawn from the OS's randomness).
+fn process_nonce() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    static NONCE: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *NONCE.get_or_init(|| {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        (hasher.finish() & 0xffff_ffff) as u32
+    })
+}
+
+/// `name` as the arbiter accepts it: printable characters only, trimmed, at
+/// most 128 bytes (cut on a character boundary).
+pub(crate) fn clean_instance(name: &str) -> String {
+    let mut out = String::new();
+    for c in name
+        .trim()
+        .chars()
+        .filter(|c| latchkey_proto::text::printable(*c))
+    {
+        if out.len() + c.len_utf8() > 128 {
+            break;
+        }
+        out.push(c);
+    }
+    out.trim().to_string()
 }
 
 /// PEM files: the trust bundle and this workload's X.509 SVID. The SVID is
@@ -71,6 +138,7 @@ impl ClientConfig {
             dev_identity: None,
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
             request_timeout: Self::DEFAULT_REQUEST_TIMEOUT,
+            instance: default_instance(),
         }
     }
 
@@ -92,6 +160,34 @@ impl ClientConfig {
             dev_identity: Some(dev_identity.into()),
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
             request_timeout: Self::DEFAULT_REQUEST_TIMEOUT,
+            instance: default_instance(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_instance_names_this_process() {
+        let instance = default_instance();
+        if std::env::var("LATCHKEY_INSTANCE").is_err() {
+            assert!(
+                instance.contains(&format!(":{}:", std::process::id())),
+                "{instance}"
+            );
+            assert_eq!(instance, default_instance(), "one per process");
+        }
+        assert!(!instance.is_empty() && instance.len() <= 128);
+    }
+
+    #[test]
+    fn instance_names_are_cleaned_to_what_the_arbiter_accepts() {
+        assert_eq!(clean_instance("  pod-1:42 \n"), "pod-1:42");
+        assert_eq!(clean_instance("a\u{1b}[2Jb"), "a[2Jb");
+        let long = "é".repeat(100);
+        let cut = clean_instance(&long);
+        assert!(cut.len() <= 128 && cut.chars().all(|c| c == 'é'), "{cut}");
     }
 }

@@ -94,7 +94,7 @@ mod session;
 mod token;
 
 pub use client::{Client, Holder, Inspection};
-pub use config::{ClientConfig, TlsFiles};
+pub use config::{ClientConfig, TlsFiles, default_instance};
 pub use error::{EDGE_POLICY_NOT_READY, EDGE_POLICY_STALE, Error};
 /// Why the arbiter refused a call: the `google.rpc.ErrorInfo` reason of a
 /// refusal in the `latchkey.dev` domain (see [`Error::reason`]).

@@ -163,6 +163,7 @@ impl LockBuilder {
                 None => WaitMode::WaitNone,
             } as i32,
             metadata: self.metadata.clone(),
+            instance: rpc.instance.clone(),
         });
         if let Some(wait) = self.wait {
             request.set_timeout(wait);

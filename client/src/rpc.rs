@@ -19,6 +19,8 @@ pub(crate) struct Rpc {
     channel: Channel,
     dev_identity: Option<AsciiMetadataValue>,
     request_timeout: Duration,
+    /// [`ClientConfig::instance`], sent on every Acquire.
+    pub(crate) instance: String,
 }
 
 impl Rpc {
@@ -83,6 +85,8 @@ impl Rpc {
             channel,
             dev_identity,
             request_timeout: config.request_timeout,
+            // A caller may have set anything in the public field.
+            instance: crate::config::clean_instance(&config.instance),
         })
     }
 

@@ -225,13 +225,18 @@ pub struct PauseTestSpec {
 #[x_kube(validation = Rule::new("self.operator || self.prefixes.size() > 0").message(
     "a grant lists no prefixes: give at least one, e.g. prefixes: [payments], or set operator: true"
 ))]
+#[x_kube(validation = Rule::new("!(self.operator && self.identity.endsWith('/*'))").message(
+    "the operator role goes to one identity, never to a pattern: name the operator's SPIFFE ID"
+))]
 pub struct LockGrantSpec {
-    /// A SPIFFE ID, e.g. `spiffe://example.org/workload/payments`.
+    /// A SPIFFE ID, e.g. `spiffe://example.org/workload/payments`, or a
+    /// pattern over the path, e.g. `spiffe://example.org/ns/payments/sa/ledger/*`
+    /// (every ID with at least one more segment below it: per-pod IDs).
     #[schemars(length(max = 2048))]
     #[x_kube(validation = Rule::new(
-        "self.matches('^[Ss][Pp][Ii][Ff][Ff][Ee]://[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$') && !self.matches('/\\\\.\\\\.?(/|$)')"
+        "self.matches('^[Ss][Pp][Ii][Ff][Ff][Ee]://[A-Za-z0-9._-]+((/[A-Za-z0-9._-]+)*|(/[A-Za-z0-9._-]+)+/\\\\*)$') && !self.matches('/\\\\.\\\\.?(/|$)')"
     ).message(
-        "identity is not a SPIFFE ID: identities look like \"spiffe://trust-domain/workload/name\""
+        "identity is not a SPIFFE ID or a pattern: identities look like \"spiffe://trust-domain/workload/name\", patterns like \"spiffe://trust-domain/ns/payments/sa/ledger/*\""
     ))]
     pub identity: String,
     /// Key prefixes, matched on whole segments: `payments` grants

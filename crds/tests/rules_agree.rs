@@ -390,6 +390,21 @@ fn grant_cases() -> Vec<GrantCase> {
         g("unicode prefix", "spiffe://td/a", vec!["zürich/ledger"]),
         g("empty prefix", "spiffe://td/a", vec![""]),
         g("just a slash", "spiffe://td/a", vec!["/"]),
+        g(
+            "per-pod pattern",
+            "spiffe://td/ns/payments/sa/ledger/*",
+            vec!["payments"],
+        ),
+        g("trust-domain pattern", "spiffe://td/*", vec!["p"]),
+        g("star inside a segment", "spiffe://td/a*", vec!["p"]),
+        g("star in the middle", "spiffe://td/a/*/b", vec!["p"]),
+        g("double star", "spiffe://td/a/**", vec!["p"]),
+        g(
+            "pattern after an empty segment",
+            "spiffe://td/a//*",
+            vec!["p"],
+        ),
+        g("dot-dot pattern", "spiffe://td/a/../*", vec!["p"]),
     ]
 }
 
@@ -788,7 +803,34 @@ fn the_crd_rules_agree_with_the_loader_on_every_grant_case() {
         );
         seen.extend(errors);
     }
+    // The operator role given to a pattern (refused by the loader too:
+    // the_operator_role_is_refused_to_a_pattern_by_both).
+    let spec = json!({"identity": "spiffe://td/latchkey/ops/*", "operator": true});
+    seen.extend(api_server(&schema, &manifest("LockGrant", "ops", &spec)));
     assert_every_rule_fired(&schema, &seen);
+}
+
+#[test]
+fn the_operator_role_is_refused_to_a_pattern_by_both() {
+    let schema = crd_schema("lockgrant.yaml");
+    let spec = json!({"identity": "spiffe://td/latchkey/ops/*", "operator": true});
+    let errors = api_server(&schema, &manifest("LockGrant", "ops", &spec));
+    assert!(
+        errors.iter().any(|e| e.contains("never to a pattern")),
+        "{errors:?}"
+    );
+    let dir = policy_dir(GOOD_CLASS, "", "base");
+    let base = toml::from_str::<toml::Table>(GOOD_CLASS).unwrap();
+    let mut base_spec = serde_json::to_value(&base["class"][0]).unwrap();
+    base_spec.as_object_mut().unwrap().remove("name");
+    let text = yaml(&[
+        manifest("LockClass", "base", &base_spec),
+        manifest("LockGrant", "ops", &spec),
+    ]);
+    assert!(
+        manifests(dir.path(), &text).is_err(),
+        "the loader refuses it too"
+    );
 }
 
 #[test]

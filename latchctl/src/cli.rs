@@ -24,6 +24,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use latchkey_client::{Client, ClientConfig, TlsFiles};
+use latchkey_proto::text::Shown;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -234,15 +235,17 @@ pub async fn main() -> ExitCode {
             eprintln!("latchctl: {message}");
             ExitCode::from(2)
         }
+        // A server's message may quote what someone else wrote: shown with
+        // control and format characters escaped (latchkey_proto::text).
         Err(Failure::Lock(err)) => {
-            eprintln!("latchctl: {}", chain(&err));
+            eprintln!("latchctl: {}", Shown(&chain(&err)));
             if let Some(hint) = err.retry_hint() {
                 eprintln!("latchctl: {hint}");
             }
             ExitCode::FAILURE
         }
         Err(Failure::Plain(message)) => {
-            eprintln!("latchctl: {message}");
+            eprintln!("latchctl: {}", Shown(&message));
             ExitCode::FAILURE
         }
         Err(Failure::Other(err)) => {

@@ -106,6 +106,11 @@ pub const DEV_NAMES: &[&str] = &[
     "workload/bob",
     "workload/mallory",
     "workload/bench",
+    // Per-pod identities (issue 30): three pods of one Deployment whose
+    // ClusterSPIFFEID template names the pod, granted by one pattern.
+    "ns/payments/sa/ledger/ledger-7d9f-a",
+    "ns/payments/sa/ledger/ledger-7d9f-b",
+    "ns/payments/sa/ledger/ledger-7d9f-c",
 ];
 
 /// `spiffe://{trust_domain}/{name}`.

@@ -73,6 +73,14 @@ pub enum PolicyError {
         source: spiffe::SpiffeIdError,
     },
 
+    #[error(
+        "grant subject {subject} covers a whole trust domain: a pattern needs at least one path segment before \"/*\", e.g. \"spiffe://td/ns/payments/sa/ledger/*\""
+    )]
+    PatternTooWide {
+        /// The subject as written, cut and escaped like an echoed key.
+        subject: String,
+    },
+
     #[error("grant for {identity} has an invalid prefix: {source}")]
     InvalidPrefix {
         identity: String,

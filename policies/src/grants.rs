@@ -10,6 +10,19 @@
 //!   (`spiffe://td/x` never matches `spiffe://td/xy`);
 //! - the trailing `/` means prefix `a/b` (stored `a/b/`) is an ancestor of
 //!   `a/b/` and `a/b/c/` but not of `a/bc/`: prefixes match on whole segments.
+//!
+//! A grant's subject is a SPIFFE ID, or a pattern over the path (issue 30):
+//! `spiffe://td/ns/payments/sa/ledger/*` is every ID with at least one more
+//! segment below `/ns/payments/sa/ledger/` (per-pod IDs such as
+//! `.../ledger/ledger-7d9f-x2x`), so a Deployment whose pods each have their
+//! own SVID is granted without listing pods. A caller's subject is its own ID
+//! when that has grants of its own, else the longest pattern it falls under
+//! ([`PrefixGrants::subject`]); the per-identity bounds count per subject,
+//! so 500 pods under one pattern share one set of bounds. Patterns are kept
+//! in a second trie keyed by `"{base}/"`: the longest stored ancestor of the
+//! caller's ID is its pattern, and the trailing `/` makes it match on whole
+//! segments (`.../ledger/*` never covers `.../ledger-v2/x`, nor `.../ledger`
+//! itself).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -25,8 +38,10 @@ use crate::key::{self, LockKey};
 /// The compiled grant table. Cheap to query, rebuilt whole on every change.
 #[derive(Clone, Default)]
 pub struct PrefixGrants {
-    /// `"{identity}\0{prefix}/"` -> `prefix`.
+    /// `"{subject}\0{prefix}/"` -> `prefix`.
     trie: Trie<String, Box<str>>,
+    /// `"{base}/"` -> the pattern `"{base}/*"`, for every pattern subject.
+    patterns: Trie<String, Box<str>>,
     /// The same content, sorted, for listing and hashing.
     entries: BTreeMap<String, BTreeSet<String>>,
     len: usize,
@@ -67,19 +82,34 @@ impl PrefixGrants {
     /// writes it (lowercase trust domain); an SVID parsed by the `spiffe`
     /// crate already is. Anything else matches nothing.
     pub fn authorise(&self, identity: &str, key: &LockKey) -> Option<&str> {
-        // A NUL in the identity could forge the separator; SPIFFE IDs never
-        // contain one, so such a caller is simply not granted anything.
-        if identity.as_bytes().contains(&0) {
-            return None;
-        }
-        let mut probe = String::with_capacity(identity.len() + key.len() + 2);
-        probe.push_str(identity);
+        let subject = self.subject(identity)?;
+        let mut probe = String::with_capacity(subject.len() + key.len() + 2);
+        probe.push_str(subject);
         probe.push('\0');
         probe.push_str(key.as_str());
         probe.push('/');
         self.trie
             .get_ancestor_value(probe.as_str())
             .map(|prefix| &**prefix)
+    }
+
+    /// The grant subject `identity` is authorised and bounded as: the
+    /// identity itself when it has grants of its own, else the longest
+    /// pattern (`spiffe://td/a/b/*`) it falls under; `None` when neither.
+    /// `identity` must be canonical (see [`Self::authorise`]).
+    pub fn subject<'a>(&'a self, identity: &'a str) -> Option<&'a str> {
+        // A NUL in the identity could forge the separator; SPIFFE IDs never
+        // contain one, so such a caller is simply not granted anything. A
+        // `*` is no SPIFFE ID character: nobody is a pattern.
+        if identity.as_bytes().contains(&0) || identity.ends_with('*') {
+            return None;
+        }
+        if let Some((own, _)) = self.entries.get_key_value(identity) {
+            return Some(own.as_str());
+        }
+        self.patterns
+            .get_ancestor_value(identity)
+            .map(|pattern| &**pattern)
     }
 
     /// Whether `identity` may lock `key`.
@@ -109,10 +139,14 @@ impl PrefixGrants {
         self.entries.keys().map(String::as_str)
     }
 
-    /// The prefixes granted to `identity`, sorted; empty if none.
+    /// The prefixes granted to `identity` (through its subject), sorted;
+    /// empty if none.
     pub fn prefixes(&self, identity: &str) -> impl Iterator<Item = &str> {
+        // A subject as written (a pattern included), else the one an
+        // identity falls under.
         self.entries
             .get(identity)
+            .or_else(|| self.subject(identity).and_then(|s| self.entries.get(s)))
             .into_iter()
             .flat_map(|prefixes| prefixes.iter().map(String::as_str))
     }
@@ -149,7 +183,7 @@ impl PrefixGrantsBuilder {
         P: IntoIterator,
         P::Item: AsRef<str>,
     {
-        let identity = canonical_identity(identity)?;
+        let identity = canonical_subject(identity)?;
         let mut checked = BTreeSet::new();
         for prefix in prefixes {
             let prefix = prefix.as_ref();
@@ -170,9 +204,13 @@ impl PrefixGrantsBuilder {
     /// Compiles the trie.
     pub fn build(self) -> PrefixGrants {
         let mut trie = Trie::new();
+        let mut patterns = Trie::new();
         let mut hash = Fnv1a::new();
         let mut len = 0;
         for (identity, prefixes) in &self.entries {
+            if let Some(base) = identity.strip_suffix('*') {
+                patterns.insert(base.to_string(), Box::from(identity.as_str()));
+            }
             for prefix in prefixes {
                 trie.insert(format!("{identity}\0{prefix}/"), Box::from(prefix.as_str()));
                 hash.write_field(identity.as_bytes());
@@ -182,11 +220,28 @@ impl PrefixGrantsBuilder {
         }
         PrefixGrants {
             trie,
+            patterns,
             entries: self.entries,
             len,
             version: hash.finish(),
         }
     }
+}
+
+/// Validates a grant subject and returns its canonical text: a SPIFFE ID, or
+/// a pattern `spiffe://td/<at least one segment>/*` (every ID below that
+/// path). `spiffe://td/*` is refused: a whole trust domain is no workload.
+pub(crate) fn canonical_subject(subject: &str) -> Result<String, PolicyError> {
+    let Some(base) = subject.strip_suffix("/*") else {
+        return canonical_identity(subject);
+    };
+    let base = canonical_identity(base)?;
+    if SpiffeId::from_str(&base).is_ok_and(|id| id.path().is_empty()) {
+        return Err(PolicyError::PatternTooWide {
+            subject: key::excerpt(subject),
+        });
+    }
+    Ok(format!("{base}/*"))
 }
 
 /// Validates a SPIFFE ID and returns its canonical text.
@@ -244,6 +299,73 @@ mod tests {
             grants.authorise(ALICE, &key("shared/cronx")),
             Some("shared")
         );
+    }
+
+    #[test]
+    fn a_pattern_grants_every_id_below_its_path_on_whole_segments() {
+        const LEDGER: &str = "spiffe://td/ns/pay/sa/ledger/*";
+        let grants = PrefixGrants::from_entries([
+            (LEDGER, vec!["payments"]),
+            ("spiffe://td/ns/pay/sa/ledger/canary/*", vec!["canary"]),
+            (ALICE, vec!["a"]),
+        ])
+        .unwrap();
+        let pod = "spiffe://td/ns/pay/sa/ledger/ledger-7d9f-x2x";
+        assert_eq!(grants.subject(pod), Some(LEDGER));
+        assert_eq!(grants.authorise(pod, &key("payments/x")), Some("payments"));
+        assert_eq!(grants.prefixes(pod).collect::<Vec<_>>(), ["payments"]);
+        assert_eq!(
+            grants.subject("spiffe://td/ns/pay/sa/ledger/a/b"),
+            Some(LEDGER),
+            "deeper IDs are below the path too"
+        );
+        // the longest pattern wins, and grants only its own prefixes
+        let canary = "spiffe://td/ns/pay/sa/ledger/canary/pod-1";
+        assert_eq!(
+            grants.subject(canary),
+            Some("spiffe://td/ns/pay/sa/ledger/canary/*")
+        );
+        assert_eq!(grants.authorise(canary, &key("payments/x")), None);
+        for outside in [
+            "spiffe://td/ns/pay/sa/ledger",
+            "spiffe://td/ns/pay/sa/ledger-v2/x",
+            "spiffe://td/ns/pay/sa/ledgerx",
+            "spiffe://other/ns/pay/sa/ledger/pod",
+            "spiffe://td/ns/pay/sa/ledger/*",
+            "spiffe://td/ns/pay/sa/ledger/\0",
+        ] {
+            assert_eq!(grants.subject(outside), None, "{outside}");
+            assert_eq!(grants.authorise(outside, &key("payments/x")), None);
+        }
+        // an ID with grants of its own is its own subject
+        assert_eq!(grants.subject(ALICE), Some(ALICE));
+        assert_eq!(grants.authorise(ALICE, &key("payments/x")), None);
+    }
+
+    #[test]
+    fn a_pattern_needs_a_path_and_a_canonical_base() {
+        for too_wide in ["spiffe://td/*", "spiffe://TD/*"] {
+            assert!(
+                matches!(
+                    PrefixGrants::from_entries([(too_wide, vec!["a"])]),
+                    Err(PolicyError::PatternTooWide { .. })
+                ),
+                "{too_wide}"
+            );
+        }
+        for bad in [
+            "spiffe://td/a*",
+            "spiffe://td/a/*/b",
+            "spiffe://td/a/**",
+            "spiffe://td/a//*",
+        ] {
+            assert!(
+                PrefixGrants::from_entries([(bad, vec!["a"])]).is_err(),
+                "{bad}"
+            );
+        }
+        let grants = PrefixGrants::from_entries([("spiffe://TD/a/*", vec!["a"])]).unwrap();
+        assert_eq!(grants.subject("spiffe://td/a/x"), Some("spiffe://td/a/*"));
     }
 
     #[test]

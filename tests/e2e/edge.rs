@@ -121,6 +121,7 @@ pub(crate) fn acquire_request(
         session_id: session,
         wait: wait.into(),
         metadata: Default::default(),
+        instance: crate::support::TEST_INSTANCE.into(),
     }
 }
 

@@ -1020,3 +1020,233 @@ async fn a_bad_oidc_leeway_fails_the_start_with_a_clear_error() -> anyhow::Resul
     }
     Ok(())
 }
+
+/// Issue 31, finding 1: a reason is shown to the second operator before they
+/// approve, and kept in the log and the audit store. One that carries
+/// control, line-break, bidirectional or zero-width characters could redraw
+/// the key and holder lines the approver reads or forge log lines: it is
+/// refused with INVALID_ARGUMENT and nothing is written. The same for an
+/// epoch advance's reason.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reason_that_could_redraw_the_approvers_terminal_is_refused() -> anyhow::Result<()> {
+    let w = world(false).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let _held = alice.lock("demo/fr-ansi", FENCED).acquire(|_| {}).await?;
+    let token = w.token("alice-op").await?;
+    let mut admin = w.admin().await?;
+    for reason in [
+        "stuck\u{1b}[1A\u{1b}[2K\rkey          demo/harmless\n\u{1b}[8m",
+        "stuck\nrequest      0000",
+        "stuck\rkey          demo/harmless",
+        "a \u{202E}desrever\u{202C} reason",
+        "zero\u{200B}width",
+        "c1 \u{9b}2J",
+    ] {
+        let before = w.revision().await?;
+        let refused = expect_code(
+            admin
+                .request_force_release(RequestForceReleaseRequest {
+                    key: "demo/fr-ansi".into(),
+                    reason: reason.into(),
+                    revoke_session: false,
+                    id_token: token.clone(),
+                })
+                .await
+                .map(|r| r.into_inner()),
+            Code::InvalidArgument,
+        )?;
+        assert!(
+            refused.message().contains("printable") && refused.message().contains("U+"),
+            "{}",
+            refused.message()
+        );
+        assert!(
+            !refused.message().contains('\u{1b}'),
+            "the refusal echoes the escape: {:?}",
+            refused.message()
+        );
+        assert_eq!(
+            w.revision().await?,
+            before,
+            "nothing written for {reason:?}"
+        );
+    }
+    let listed = admin
+        .list_force_releases(ListForceReleasesRequest {
+            id_token: token.clone(),
+        })
+        .await?
+        .into_inner();
+    assert!(listed.pending.is_empty(), "{listed:?}");
+    // An ordinary reason, non-ASCII included, still works.
+    let ok = w.request("demo/fr-ansi", &token).await?;
+    assert_eq!(ok.reason, "stuck since the 03:12 deploy");
+
+    let before = w.revision().await?;
+    let advance = admin
+        .advance_epoch(latchkey_proto::adminv1::AdvanceEpochRequest {
+            expected_epoch: 1,
+            reason: "drill\n2026-12-03T00:00:00Z WARN sealed by nobody".into(),
+            ..Default::default()
+        })
+        .await;
+    expect_code(advance.map(|r| r.into_inner()), Code::InvalidArgument)?;
+    assert_eq!(w.revision().await?, before, "no epoch advanced");
+    Ok(())
+}
+
+/// Issue 31, finding 1, the reader's side: a request record written before
+/// the arbiter checked reasons (or by anything with the force user's
+/// password) reaches `latchctl admin force-release list` and `approve` with
+/// its control characters escaped, never raw.
+#[tokio::test(flavor = "multi_thread")]
+async fn latchctl_shows_a_stored_reason_with_its_control_characters_escaped() -> anyhow::Result<()>
+{
+    let w = world(false).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let _held = alice.lock("demo/fr-raw", FENCED).acquire(|_| {}).await?;
+    let etcd = w.s.etcd.client().await?;
+    let hold = etcd.clone().get("/latchkey/l/demo/fr-raw", None).await?;
+    let hold = hold.kvs().first().context("no hold")?;
+    let id = "0123456789abcdef0123456789abcdef";
+    let now = latchkey_arbiter::records::now_unix_ms();
+    let raw = latchkey_arbiter::force_release::RequestRecord {
+        id: id.into(),
+        key: "demo/fr-raw".into(),
+        holder_identity: spiffe_of("workload/alice"),
+        holder_session: hold.lease(),
+        hold_lease: hold.lease(),
+        hold_revision: hold.mod_revision(),
+        class: FENCED.into(),
+        enforcement: "advisory".into(),
+        reason: "stuck\u{1b}[1A\u{1b}[2K\rkey          demo/harmless\n\u{1b}[8m".into(),
+        revoke_session: false,
+        requester_subject: "alice-op".into(),
+        requester_identity: spiffe_of(OPERATOR),
+        requested_at_unix_ms: now,
+        expires_at_unix_ms: now + 600_000,
+        place: None,
+    };
+    etcd.clone()
+        .put(
+            format!("/latchkey/sys/force-req/{id}"),
+            serde_json::to_vec(&raw)?,
+            None,
+        )
+        .await?;
+    let token = w.token("bob-op").await?;
+    let addr = w.s.arbiter.addr();
+    for args in [
+        vec!["admin", "force-release", "list"],
+        vec!["admin", "force-release", "approve", id],
+    ] {
+        let out = run_latchctl(
+            latchctl(addr, OPERATOR)?
+                .env("LATCHKEY_ID_TOKEN", &token)
+                .args(&args),
+        )
+        .await?;
+        for (name, bytes) in [("stdout", &out.stdout), ("stderr", &out.stderr)] {
+            let text = String::from_utf8_lossy(bytes);
+            assert!(
+                !bytes.iter().any(|b| *b == 0x1b || *b == b'\r'),
+                "{args:?}: raw control characters on {name}: {text:?}"
+            );
+            assert!(
+                !text.contains("\nkey          demo/harmless"),
+                "{args:?}: a forged line on {name}: {text}"
+            );
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains("stuck\\u{1b}[1A") && stdout.contains("key          demo/fr-raw"),
+            "{args:?}: {stdout}"
+        );
+    }
+    Ok(())
+}
+
+/// Issue 31, finding 2: the pending bounds were checked by a read and then
+/// written, so a burst passed them (40 at once from one operator: 40
+/// pending, bound 16; 12 operators on one hold: 12 pending, bound 1). Each
+/// bound is now a place the request's own transaction takes: bursts cannot
+/// pass either, and the refused write nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_requests_cannot_pass_the_pending_bounds() -> anyhow::Result<()> {
+    use latchkey_arbiter::force_release::MAX_PENDING_PER_OPERATOR;
+    const BURST: usize = 40;
+    const OPERATORS: usize = 12;
+    let w = world(false).await?;
+    let alice = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let mut holds = Vec::new();
+    for i in 0..BURST {
+        holds.push(
+            alice
+                .lock(format!("demo/fr-burst-{i}"), FENCED)
+                .acquire(|_| {})
+                .await?,
+        );
+    }
+    let w = Arc::new(w);
+    // One operator, 40 holds at once.
+    let token = w.token("alice-op").await?;
+    let answers = futures::future::join_all((0..BURST).map(|i| {
+        let (w, token) = (w.clone(), token.clone());
+        async move { w.request(&format!("demo/fr-burst-{i}"), &token).await }
+    }))
+    .await;
+    let granted = answers.iter().filter(|a| a.is_ok()).count();
+    for a in &answers {
+        if let Err(s) = a {
+            assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+        }
+    }
+    assert_eq!(granted, MAX_PENDING_PER_OPERATOR, "{answers:?}");
+    let mut admin = w.admin().await?;
+    let pending = admin
+        .list_force_releases(ListForceReleasesRequest {
+            id_token: token.clone(),
+        })
+        .await?
+        .into_inner()
+        .pending;
+    assert_eq!(pending.len(), MAX_PENDING_PER_OPERATOR);
+
+    // Twelve operators, one hold (one alice-op has not asked for).
+    let op = serde_json::json!({"roles": ["lock-operator"], "amr": ["pwd", "otp"]});
+    let mut tokens = Vec::new();
+    for i in 0..OPERATORS {
+        let sub = format!("burst-op-{i}");
+        w.oidc.set_user(&sub, op.clone()).await?;
+        tokens.push(w.token(&sub).await?);
+    }
+    let unasked = (0..BURST)
+        .map(|i| format!("demo/fr-burst-{i}"))
+        .find(|k| !pending.iter().any(|p| &p.key == k))
+        .context("every hold has a request")?;
+    let answers = futures::future::join_all(tokens.iter().map(|token| {
+        let (w, token, key) = (w.clone(), token.clone(), unasked.clone());
+        async move { w.request(&key, &token).await }
+    }))
+    .await;
+    let granted: Vec<_> = answers.iter().filter_map(|a| a.as_ref().ok()).collect();
+    assert_eq!(granted.len(), 1, "{answers:?}");
+    for a in &answers {
+        if let Err(s) = a {
+            assert_eq!(s.code(), Code::AlreadyExists, "{s:?}");
+            assert!(s.message().contains(&granted[0].request_id), "{s:?}");
+        }
+    }
+
+    // Approving one frees its requester's place: alice-op may ask again.
+    let first = &pending[0];
+    w.approve(&first.request_id, &w.token("bob-op").await?)
+        .await?;
+    let again = (0..BURST)
+        .map(|i| format!("demo/fr-burst-{i}"))
+        .find(|k| k != &unasked && !pending.iter().any(|p| &p.key == k))
+        .context("no hold left unasked")?;
+    w.request(&again, &token).await?;
+    drop(holds);
+    Ok(())
+}

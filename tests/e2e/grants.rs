@@ -96,21 +96,62 @@ async fn retry_from_the_same_session_gets_the_same_grant_and_another_session_is_
         before + 1,
         "a retry of a claimed grant writes nothing"
     );
-    // the same identity under a second session (another process): LEAK, not HELD
+    // the same identity AND the same client instance under a second session
+    // (the process forgot its hold): LEAK, not HELD, naming both sessions
     let mut alice2 = s.arbiter.lock("workload/alice").await?;
     let s2 = open(&mut alice2, "demo").await?;
     assert_ne!(s1, s2);
-    expect_refusal(
+    let leak = expect_refusal(
         try_lock(&mut alice2, "demo/r", "demo", s2).await,
         Code::FailedPrecondition,
         "LEAK",
     )?;
+    assert!(
+        leak.message().contains(&format!("{s1:#x}"))
+            && leak.message().contains(&format!("{s2:#x}"))
+            && leak.message().contains(TEST_INSTANCE),
+        "{}",
+        leak.message()
+    );
     // a waiting acquire from the leaking session is refused at once too
     expect_refusal(
         wait_lock(&mut alice2, "demo/r", "demo", s2, Duration::from_secs(5)).await,
         Code::FailedPrecondition,
         "LEAK",
     )?;
+    // issue 30: another instance of the same identity (a replica of the
+    // same Deployment, same SVID) contends like anyone: HELD on a try-lock,
+    // and a waiting acquire waits and is granted when the holder releases
+    expect_refusal(
+        acquire_as(&mut alice2, "demo/r", "demo", s2, "replica-2:1", None).await,
+        Code::Aborted,
+        "HELD",
+    )?;
+    let mut replica = alice2.clone();
+    let waiting = tokio::spawn(async move {
+        acquire_as(
+            &mut replica,
+            "demo/r",
+            "demo",
+            s2,
+            "replica-2:1",
+            Some(Duration::from_secs(10)),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "the replica waits");
+    release(&mut alice, &g1).await?;
+    let g2 = waiting.await??;
+    assert_eq!(g2.session_id, s2);
+    assert!(g2.token > g1.token, "tokens rise across replicas");
+    // and an unnamed instance (an older client) is never refused as a leak
+    expect_refusal(
+        acquire_as(&mut alice, "demo/r", "demo", s1, "", None).await,
+        Code::Aborted,
+        "HELD",
+    )?;
+    release(&mut alice2, &g2).await?;
     Ok(())
 }
 
@@ -221,6 +262,7 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
         session_id: session,
         wait: WaitMode::WaitNone.into(),
         metadata: Default::default(),
+        instance: String::new(),
     };
     req.metadata.insert("ticket".into(), "x".repeat(300));
     expect_refusal(

@@ -44,6 +44,7 @@ async fn acquire(
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect::<HashMap<_, _>>(),
+            instance: String::new(),
         })
         .await?;
     resp.into_inner()

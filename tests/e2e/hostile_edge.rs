@@ -758,3 +758,45 @@ async fn a_client_lock_key_header_never_authorises_or_routes() -> anyhow::Result
     }
     Ok(())
 }
+
+/// Issue 30: per-pod identities under one pattern grant are one grant
+/// subject at the edge too: their idle streams share one
+/// `max_streams_per_identity`, so more pods do not buy more streams.
+#[tokio::test(flavor = "multi_thread")]
+async fn pods_under_one_pattern_share_one_stream_bound() -> anyhow::Result<()> {
+    const BOUND: usize = 6;
+    let e = edge(json!({"max_streams_per_identity": BOUND})).await?;
+    let held: std::sync::Arc<Held> = Default::default();
+    let stop = CancellationToken::new();
+    let mut refusals = Vec::new();
+    // Three pods, four streams each: twelve asked, six fit.
+    for pod in [
+        "ns/payments/sa/ledger/ledger-7d9f-a",
+        "ns/payments/sa/ledger/ledger-7d9f-b",
+        "ns/payments/sa/ledger/ledger-7d9f-c",
+    ] {
+        let ch = channel(e.envoy.addr(), pod).await?;
+        for _ in 0..4 {
+            if let Some(r) = idle_keepalive(ch.clone(), &held, stop.clone()).await? {
+                refusals.push(r);
+            }
+        }
+    }
+    let accepted = held.lock().await.len();
+    anyhow::ensure!(
+        accepted == BOUND
+            && refusals.len() == 12 - BOUND
+            && refusals
+                .iter()
+                .all(|(code, m)| *code == 8 && m.contains("streams")),
+        "the pods hold {accepted} streams (bound {BOUND} for their pattern): {refusals:?}"
+    );
+    // Another identity is unaffected.
+    let ch = channel(e.envoy.addr(), "workload/alice").await?;
+    anyhow::ensure!(
+        idle_keepalive(ch, &held, stop.clone()).await?.is_none(),
+        "alice was refused a stream"
+    );
+    stop.cancel();
+    Ok(())
+}

@@ -86,6 +86,7 @@ async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_refused() -> a
             session_id: session,
             wait: 0,
             metadata: Default::default(),
+            instance: String::new(),
         })
         .await?
         .into_inner()
@@ -317,6 +318,7 @@ async fn insecure_dev_mode_takes_the_caller_from_its_header() -> anyhow::Result<
             session_id: open.session_id,
             wait: 0,
             metadata: Default::default(),
+            instance: String::new(),
         })
         .await?
         .into_inner();

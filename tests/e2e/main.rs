@@ -34,6 +34,7 @@ mod pause_test;
 mod policies;
 mod python_client;
 mod quorum_loss;
+mod replicas;
 mod seal;
 mod shard_moves;
 mod shards;

@@ -251,6 +251,7 @@ async fn otlp_spans_follow_the_callers_trace_and_never_name_a_key_token_or_ident
             session_id: sa,
             wait: WaitMode::WaitNone.into(),
             metadata: Default::default(),
+            instance: String::new(),
         }))
         .await?
         .into_inner()
@@ -263,6 +264,7 @@ async fn otlp_spans_follow_the_callers_trace_and_never_name_a_key_token_or_ident
         session_id: sb,
         wait: WaitMode::WaitUntilDeadline.into(),
         metadata: Default::default(),
+        instance: String::new(),
     });
     wait.set_timeout(Duration::from_secs(20));
     let waiting = tokio::spawn(async move { bob_waits.acquire(wait).await });
@@ -460,6 +462,7 @@ async fn otlp_spans_through_envoy_keep_the_callers_trace() -> anyhow::Result<()>
         session_id: session,
         wait: WaitMode::WaitNone.into(),
         metadata: Default::default(),
+        instance: String::new(),
     });
     acquire.metadata_mut().insert("x-lock-key", key.parse()?);
     let grant = alice

@@ -67,7 +67,16 @@ pub enum TestFault {
     /// session first deletes that hold (and its claims), while the hidden
     /// grant's lease still lives, so the other session gets a second grant.
     ForgetHidden,
+    /// Not a bug: a count of an identity's sessions answers only after
+    /// [`SLOW_COUNT`], once etcd has answered it, as a count over many keys
+    /// under load does (issue 31 saw such counts take over 100 ms at etcd).
+    /// Opens reserved before the count finish while it is in flight: the
+    /// arbiter must still count them (issue 31, finding 9).
+    SlowCounts,
 }
+
+/// How long [`TestFault::SlowCounts`] holds back a count's answer.
+pub const SLOW_COUNT: Duration = Duration::from_millis(150);
 
 /// How long [`TestFault::SlowReuse`] holds back its answer.
 pub const SLOW_REUSE: Duration = Duration::from_millis(500);
@@ -77,12 +86,13 @@ pub const SLOW_REUSE: Duration = Duration::from_millis(500);
 pub const LOSE_EVERY: u64 = 4;
 
 impl TestFault {
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::None,
         Self::GrantOnWatch,
         Self::SlowReuse,
         Self::LoseGrantAnswers,
         Self::ForgetHidden,
+        Self::SlowCounts,
     ];
 
     pub fn parse(name: &str) -> Result<Self, String> {
@@ -92,9 +102,10 @@ impl TestFault {
             "slow-reuse" => Ok(Self::SlowReuse),
             "lose-grant-answers" => Ok(Self::LoseGrantAnswers),
             "forget-hidden" => Ok(Self::ForgetHidden),
+            "slow-counts" => Ok(Self::SlowCounts),
             other => Err(format!(
                 "unknown test fault {other:?}: expected none, grant-on-watch, slow-reuse, \
-                 lose-grant-answers or forget-hidden"
+                 lose-grant-answers, forget-hidden or slow-counts"
             )),
         }
     }
@@ -107,6 +118,7 @@ impl TestFault {
             Self::SlowReuse => "slow-reuse",
             Self::LoseGrantAnswers => "lose-grant-answers",
             Self::ForgetHidden => "forget-hidden",
+            Self::SlowCounts => "slow-counts",
         }
     }
 }
@@ -375,7 +387,9 @@ impl LockLog for FaultyLog {
             TestFault::LoseGrantAnswers | TestFault::ForgetHidden => {
                 self.grant_losing_answers(txn).await
             }
-            TestFault::None | TestFault::GrantOnWatch => self.inner.grant(txn).await,
+            TestFault::None | TestFault::GrantOnWatch | TestFault::SlowCounts => {
+                self.inner.grant(txn).await
+            }
         }
     }
 
@@ -450,7 +464,8 @@ impl LockLog for FaultyLog {
             TestFault::None
             | TestFault::SlowReuse
             | TestFault::LoseGrantAnswers
-            | TestFault::ForgetHidden => watch,
+            | TestFault::ForgetHidden
+            | TestFault::SlowCounts => watch,
         })
     }
 
@@ -467,7 +482,11 @@ impl LockLog for FaultyLog {
     }
 
     async fn count_sessions_of(&self, identity: &str) -> LogResult<u32> {
-        self.inner.count_sessions_of(identity).await
+        let answer = self.inner.count_sessions_of(identity).await;
+        if self.fault == TestFault::SlowCounts {
+            tokio::time::sleep(SLOW_COUNT).await;
+        }
+        answer
     }
 
     async fn delete_session(

@@ -104,19 +104,75 @@ impl ForceStore {
                 class: String::new(),
                 acquired_at_unix_ms: 0,
                 annotations: Default::default(),
+                instance: String::new(),
+                bound: String::new(),
             }),
             lease: kv.lease(),
             mod_revision: kv.mod_revision(),
         }))
     }
 
+    /// `{prefix}/sys/force-req/place/hold/<hold revision>/<key>`: the one
+    /// pending request a hold may have. Its value is the request's id.
+    fn hold_place(&self, key: &str, hold_revision: i64) -> String {
+        format!("{}place/hold/{hold_revision}/{key}", self.requests_dir())
+    }
+
+    /// `{prefix}/sys/force-req/place/op/<subject, hex>/`: the places of one
+    /// operator's pending requests, `0..MAX_PENDING_PER_OPERATOR`.
+    fn operator_places(&self, subject: &str) -> String {
+        let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
+        format!("{}place/op/{hex}/", self.requests_dir())
+    }
+
+    fn operator_place(&self, subject: &str, place: u32) -> String {
+        format!("{}{place}", self.operator_places(subject))
+    }
+
+    /// The places `request` took (none for one written before places
+    /// existed: deleting place 0 then could free another request's).
+    fn places_of(&self, request: &RequestRecord) -> Vec<String> {
+        match request.place {
+            Some(place) => vec![
+                self.hold_place(&request.key, request.hold_revision),
+                self.operator_place(&request.requester_subject, place),
+            ],
+            None => Vec::new(),
+        }
+    }
+
+    /// The places `subject`'s pending requests take now.
+    pub async fn taken_places(&self, subject: &str) -> Result<Vec<u32>, ForceError> {
+        let dir = self.operator_places(subject);
+        let resp = self
+            .force
+            .kv_client()
+            .get(
+                dir.as_str(),
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            )
+            .await
+            .map_err(|e| store_error("reading the operator's pending requests", e))?;
+        Ok(resp
+            .kvs()
+            .iter()
+            .filter_map(|kv| kv.key_str().ok()?.strip_prefix(dir.as_str())?.parse().ok())
+            .collect())
+    }
+
     /// Puts `request` on a lease of `ttl`, only if the hold is still the one
-    /// the request names.
+    /// the request names, in ONE transaction with the two places that bound
+    /// pending requests: the hold's (one per hold) and one of the
+    /// requester's (at most [`super::MAX_PENDING_PER_OPERATOR`]), each
+    /// created only if absent, all on the request's lease (they end with it,
+    /// and an approval deletes them with it). Requests racing on any number
+    /// of arbiters cannot pass either bound: a place is taken by exactly one
+    /// put. A place taken meanwhile moves the request to another free one.
     pub async fn put_request(
         &self,
-        request: &RequestRecord,
+        mut request: RequestRecord,
         ttl: Duration,
-    ) -> Result<(), ForceError> {
+    ) -> Result<RequestRecord, ForceError> {
         let lease = self
             .force
             .lease_client()
@@ -124,31 +180,93 @@ impl ForceStore {
             .await
             .map_err(|e| store_error("granting the request's lease", e))?
             .id();
-        let holder = self.layout.holder(&request.key);
-        let txn = Txn::new()
-            .when(self.same_hold(&holder, request))
-            .and_then(vec![TxnOp::put(
-                format!("{}{}", self.requests_dir(), request.id),
-                encode(request),
-                Some(PutOptions::new().with_lease(lease)),
-            )])
-            .or_else(vec![TxnOp::get(holder.as_str(), None)]);
-        let resp = self.force.kv_client().txn(txn).await;
-        let resp = match resp {
-            Ok(r) => r,
-            Err(e) => {
-                self.drop_lease(lease).await;
-                return Err(store_error("writing the request", e));
-            }
-        };
-        if resp.succeeded() {
-            return Ok(());
+        let outcome = self.put_request_on(&mut request, lease).await;
+        if outcome.is_err() {
+            self.drop_lease(lease).await;
         }
-        self.drop_lease(lease).await;
-        Err(ForceError::HoldChanged {
-            key: request.key.clone(),
-            now: describe_now(&resp.op_responses()),
-        })
+        outcome.map(|()| request)
+    }
+
+    async fn put_request_on(
+        &self,
+        request: &mut RequestRecord,
+        lease: i64,
+    ) -> Result<(), ForceError> {
+        let holder = self.layout.holder(&request.key);
+        let hold_place = self.hold_place(&request.key, request.hold_revision);
+        let on_lease = || Some(PutOptions::new().with_lease(lease));
+        // Each retry follows a place another request took meanwhile: more
+        // than the places there are means the store keeps changing under us.
+        for _ in 0..=super::MAX_PENDING_PER_OPERATOR {
+            let place = self.operator_place(
+                &request.requester_subject,
+                request.place.unwrap_or_default(),
+            );
+            let mut when = self.same_hold(&holder, request);
+            when.push(Compare::version(hold_place.as_str(), CompareOp::Equal, 0));
+            when.push(Compare::version(place.as_str(), CompareOp::Equal, 0));
+            let txn = Txn::new()
+                .when(when)
+                .and_then(vec![
+                    TxnOp::put(
+                        format!("{}{}", self.requests_dir(), request.id),
+                        encode(&*request),
+                        on_lease(),
+                    ),
+                    TxnOp::put(hold_place.as_str(), request.id.as_str(), on_lease()),
+                    TxnOp::put(place.as_str(), request.id.as_str(), on_lease()),
+                ])
+                .or_else(vec![
+                    TxnOp::get(holder.as_str(), None),
+                    TxnOp::get(hold_place.as_str(), None),
+                    TxnOp::get(place.as_str(), Some(GetOptions::new().with_count_only())),
+                ]);
+            let resp = self
+                .force
+                .kv_client()
+                .txn(txn)
+                .await
+                .map_err(|e| store_error("writing the request", e))?;
+            if resp.succeeded() {
+                return Ok(());
+            }
+            let answers = resp.op_responses();
+            let same_hold = match answers.first() {
+                Some(TxnOpResponse::Get(g)) => g.kvs().first().is_some_and(|kv| {
+                    kv.mod_revision() == request.hold_revision && kv.lease() == request.hold_lease
+                }),
+                _ => false,
+            };
+            if !same_hold {
+                return Err(ForceError::HoldChanged {
+                    key: request.key.clone(),
+                    now: describe_now(&answers),
+                });
+            }
+            if let Some(TxnOpResponse::Get(g)) = answers.get(1)
+                && let Some(kv) = g.kvs().first()
+            {
+                return Err(ForceError::AlreadyRequested {
+                    key: request.key.clone(),
+                    id: crate::service::truncate(&String::from_utf8_lossy(kv.value()), 64),
+                });
+            }
+            // Our place was taken by a request racing with this one.
+            let taken = self.taken_places(&request.requester_subject).await?;
+            match (0..super::MAX_PENDING_PER_OPERATOR as u32).find(|p| !taken.contains(p)) {
+                Some(free) => request.place = Some(free),
+                None => {
+                    return Err(ForceError::TooManyPending {
+                        subject: request.requester_subject.clone(),
+                        limit: super::MAX_PENDING_PER_OPERATOR,
+                    });
+                }
+            }
+        }
+        Err(ForceError::Store(
+            "the requester's pending requests kept changing while this one was written; try again"
+                .into(),
+        ))
     }
 
     /// The request `id` and its record's mod revision, if it is pending.
@@ -189,19 +307,28 @@ impl ForceStore {
         ));
         let txn = Txn::new()
             .when(when)
-            .and_then(vec![
-                TxnOp::delete(holder.as_str(), None),
-                TxnOp::delete(
-                    self.layout.claims_of(&request.key),
-                    Some(DeleteOptions::new().with_prefix()),
-                ),
-                TxnOp::put(
-                    format!("{}{}", self.records_dir(), request.id),
-                    encode(record),
-                    Some(PutOptions::new().with_lease(lease)),
-                ),
-                TxnOp::delete(request_key.as_str(), None),
-            ])
+            .and_then(
+                vec![
+                    TxnOp::delete(holder.as_str(), None),
+                    TxnOp::delete(
+                        self.layout.claims_of(&request.key),
+                        Some(DeleteOptions::new().with_prefix()),
+                    ),
+                    TxnOp::put(
+                        format!("{}{}", self.records_dir(), request.id),
+                        encode(record),
+                        Some(PutOptions::new().with_lease(lease)),
+                    ),
+                    TxnOp::delete(request_key.as_str(), None),
+                ]
+                .into_iter()
+                .chain(
+                    self.places_of(request)
+                        .into_iter()
+                        .map(|p| TxnOp::delete(p, None)),
+                )
+                .collect::<Vec<_>>(),
+            )
             .or_else(vec![
                 TxnOp::get(holder.as_str(), None),
                 TxnOp::get(

@@ -50,13 +50,16 @@ fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), ArbiterErro
         )));
     }
     for (k, v) in metadata {
-        if k.is_empty() || k.len() > MAX_METADATA_KEY_BYTES || k.chars().any(char::is_control) {
+        // Printable as for any text another person reads (a hook may copy
+        // metadata into an annotation that `latchctl inspect` shows).
+        let unprintable = |s: &str| !s.chars().all(latchkey_proto::text::printable);
+        if k.is_empty() || k.len() > MAX_METADATA_KEY_BYTES || unprintable(k) {
             return Err(ArbiterError::BadRequest(format!(
                 "metadata key {:?} must be 1..={MAX_METADATA_KEY_BYTES} bytes of printable text",
                 truncate(k, 32)
             )));
         }
-        if v.len() > MAX_METADATA_VALUE_BYTES || v.chars().any(char::is_control) {
+        if v.len() > MAX_METADATA_VALUE_BYTES || unprintable(v) {
             return Err(ArbiterError::BadRequest(format!(
                 "metadata value for {:?} must be at most {MAX_METADATA_VALUE_BYTES} bytes of printable text",
                 truncate(k, 32)
@@ -64,6 +67,23 @@ fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), ArbiterErro
         }
     }
     Ok(())
+}
+
+/// Longest client instance name (`AcquireRequest.instance`): a pod name as
+/// Kubernetes makes them for Deployments (a DNS label, 63 bytes) and a
+/// process id, with room to spare.
+pub const MAX_INSTANCE_BYTES: usize = 128;
+
+/// The client instance a call names, checked: empty, or one line of at most
+/// [`MAX_INSTANCE_BYTES`] printable bytes (it is stored in the holder record
+/// and shown by `why`, the console and the audit trail).
+fn checked_instance(instance: &str) -> Result<String, ArbiterError> {
+    if instance.is_empty() {
+        return Ok(String::new());
+    }
+    latchkey_proto::text::checked(instance, "the client instance", MAX_INSTANCE_BYTES)
+        .map(str::to_string)
+        .map_err(ArbiterError::BadRequest)
 }
 
 pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
@@ -148,6 +168,13 @@ impl Arbiter {
         let req = request.into_inner();
         let policies = self.policies.current();
         let key = self.authorised_key_in(&policies, &caller, &req.key, scope)?;
+        // The grant subject the caller is bounded as: itself, or the
+        // pattern its per-pod identity falls under (issue 30).
+        let subject = policies
+            .grants()
+            .subject(&caller.identity)
+            .unwrap_or(&caller.identity)
+            .to_string();
         let class = self.class(&policies, &req.class)?;
         scope.class(&class.name);
         let session = session_id(req.session_id)?;
@@ -155,6 +182,7 @@ impl Arbiter {
             .map_err(|_| ArbiterError::BadRequest(format!("unknown wait mode {}", req.wait)))?;
         let metadata: BTreeMap<String, String> = req.metadata.into_iter().collect();
         check_metadata(&metadata)?;
+        let instance = checked_instance(&req.instance)?;
         // ADR-07: the key's tier decides the cluster; a class or a session
         // of the other tier is refused.
         let route = self
@@ -178,9 +206,9 @@ impl Arbiter {
                 cluster
                     .holds
                     .admit_within_beside(
-                        &caller.identity,
+                        &subject,
                         key.as_str(),
-                        self.holds_elsewhere(cluster, &caller.identity),
+                        self.holds_elsewhere(cluster, &subject),
                         deadline.map_or(FIRST_COUNT_WAIT, |d| {
                             FIRST_COUNT_WAIT.min(d.saturating_sub(DEADLINE_MARGIN))
                         }),
@@ -216,7 +244,7 @@ impl Arbiter {
                 Some(
                     cluster
                         .table
-                        .count_holds_of(&caller.identity, &class.name, &prefixes)
+                        .count_holds_of(&subject, &class.name, &prefixes)
                         .await?,
                 )
             }
@@ -264,6 +292,11 @@ impl Arbiter {
             class: class.name.clone(),
             ttl_seconds: class.ttl_seconds,
             annotations,
+            instance,
+            bound: match subject == caller.identity {
+                true => String::new(),
+                false => subject,
+            },
             routed_by: route.map_version,
         };
 

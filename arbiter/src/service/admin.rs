@@ -82,13 +82,10 @@ impl Arbiter {
         let caller = self.caller(&request)?;
         self.require_operator(&caller)?;
         let req = request.into_inner();
-        let reason = req.reason.trim();
-        if reason.is_empty() || reason.len() > 512 {
-            return Err(ArbiterError::BadRequest(
-                "an epoch advance needs a reason (1..=512 bytes): it is stored with the new epoch"
-                    .into(),
-            ));
-        }
+        // Stored with the new epoch and shown by status: one line of
+        // printable text (latchkey_proto::text says why).
+        let reason = latchkey_proto::text::checked(&req.reason, "an epoch advance's reason", 512)
+            .map_err(ArbiterError::BadRequest)?;
         let cluster = self.tier_named(&req.tier)?;
         let (record, deleted) = cluster
             .table
@@ -220,14 +217,14 @@ impl Arbiter {
             .await?;
         warn!(
             operator = %operator,
-            subject = %requester.subject,
+            subject = ?requester.subject,
             key = %record.key,
             request_id = %record.id,
             holder = %record.holder_identity,
             class = %record.class,
             enforcement = %record.enforcement,
             revoke_session = record.revoke_session,
-            reason = %record.reason,
+            reason = ?record.reason,
             "force-release requested; a different operator must approve it"
         );
         Ok(request_view(&record))
@@ -261,7 +258,7 @@ impl Arbiter {
         let approved = match outcome {
             Ok(a) => a,
             Err(e) => {
-                warn!(operator = %operator, subject = %approver.subject, refusal = e.reason(), "force-release approval refused: {e}");
+                warn!(operator = %operator, subject = ?approver.subject, refusal = e.reason(), "force-release approval refused: {e}");
                 return Err(e.into());
             }
         };
@@ -275,8 +272,8 @@ impl Arbiter {
         };
         warn!(
             operator = %operator,
-            approver = %approver.subject,
-            requester = %approved.request.requester_subject,
+            approver = ?approver.subject,
+            requester = ?approved.request.requester_subject,
             key = %approved.request.key,
             request_id = %approved.request.id,
             holder = %approved.request.holder_identity,
@@ -308,7 +305,7 @@ impl Arbiter {
             pending.extend(p);
             done.extend(d);
         }
-        info!(operator = %operator, subject = %subject.subject, pending = pending.len(), "force-release requests listed");
+        info!(operator = %operator, subject = ?subject.subject, pending = pending.len(), "force-release requests listed");
         Ok(ListForceReleasesResponse {
             pending: pending.iter().map(request_view).collect(),
             done: done

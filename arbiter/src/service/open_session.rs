@@ -48,7 +48,19 @@ impl Arbiter {
                 });
             }
         }
-        let opened = self.open_within_bound(cluster, &caller.identity, ttl).await;
+        // Bounded per grant subject: per-pod identities under one pattern
+        // share one bound (issue 30).
+        // An identity with no grant can lock nothing: it gets no lease
+        // either (with per-pod SVIDs every ungranted pod would otherwise
+        // have its own session bound).
+        let subject = policies
+            .grants()
+            .subject(&caller.identity)
+            .ok_or(ArbiterError::NotAuthorised)?
+            .to_string();
+        let opened = self
+            .open_within_bound(cluster, &subject, &caller.identity, ttl)
+            .await;
         if let Err(e @ ArbiterError::IdentityLimit { bound, .. }) = &opened {
             self.metrics.identity_bound_refused(bound.kind());
             info!(identity = %caller.identity, error = %e, "session refused");
@@ -63,24 +75,29 @@ impl Arbiter {
         })
     }
 
-    /// Counts `identity`'s sessions and reserves one more under its turn, then
-    /// creates it outside the turn: one identity's opens run side by side,
+    /// Counts the sessions of `identity`'s grant subject `subject` (itself,
+    /// or the pattern it falls under) and reserves one more under the
+    /// subject's turn, then creates it outside the turn: opens run side by side,
     /// one arbiter never lets them overshoot the bound (an open in flight
     /// counts until the count has it), and a refusal means the log itself
     /// holds `max` sessions.
     async fn open_within_bound(
         &self,
         cluster: &crate::tiers::Cluster,
+        subject: &str,
         identity: &str,
         ttl: u32,
     ) -> Result<i64, ArbiterError> {
         let max = self.bounds.max_sessions;
         let reservation = {
-            let _turn = self.bounds.open_turn(identity).await;
+            let _turn = self.bounds.open_turn(subject).await;
             loop {
                 let progress = self.bounds.open_progress();
                 tokio::pin!(progress);
                 progress.as_mut().enable();
+                // Before the count's read is sent: opens that finish while
+                // it is read stay counted for it (Bounds::counting).
+                let window = self.bounds.counting(subject);
                 // The bound is over both tiers' sessions: each cluster
                 // counted at its own revision. The other cluster down must
                 // not stop this tier: it then counts as (0, 0), so only its
@@ -91,9 +108,9 @@ impl Arbiter {
                 for (i, c) in self.tiers.session_clusters().enumerate() {
                     if c.tier == cluster.tier {
                         on = i;
-                        counts.push(c.table.count_sessions_of(identity).await?);
+                        counts.push(c.table.count_sessions_of(subject).await?);
                     } else {
-                        counts.push(c.table.count_sessions_of(identity).await.unwrap_or_else(|e| {
+                        counts.push(c.table.count_sessions_of(subject).await.unwrap_or_else(|e| {
                             tracing::warn!(error = %e, tier = c.name(), "the other tier's sessions could not be counted; bounding by this tier's alone");
                             (0, 0)
                         }));
@@ -106,7 +123,9 @@ impl Arbiter {
                         limit: max,
                     });
                 }
-                match self.bounds.reserve_open_over(identity, on, &counts, max) {
+                let reserved = self.bounds.reserve_open_over(subject, on, &counts, max);
+                drop(window);
+                match reserved {
                     Some(reservation) => break reservation,
                     // Under the bound only with opens in flight that the
                     // count may already have: wait for one to finish.
@@ -114,7 +133,7 @@ impl Arbiter {
                 }
             }
         };
-        let (session, written_at) = cluster.table.create_session(identity, ttl).await?;
+        let (session, written_at) = cluster.table.create_session(identity, subject, ttl).await?;
         reservation.written_at(written_at);
         Ok(session)
     }

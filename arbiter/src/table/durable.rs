@@ -118,14 +118,14 @@ impl LockTable {
             return Err(ArbiterError::store("the arbiter is shutting down"));
         }
         self.book.lock().join_durable(
-            &req.identity,
+            req.bounded_as(),
             &req.key,
             self.options.max_waiters_per_identity,
             max_waiters_per_key,
         )?;
         let counted = Counted {
             table: self.clone(),
-            identity: req.identity.clone(),
+            identity: req.bounded_as().to_string(),
             key: req.key.clone(),
         };
         // The wait runs in its own task; a grant that commits as the

@@ -151,10 +151,14 @@ impl LockTable {
                     revision: holder.mod_revision,
                 })))
             }
-            Some(h) if h.identity == req.identity => Err(ArbiterError::Leak {
-                key: req.key.clone(),
-                holder_session: h.session,
-            }),
+            Some(h) if super::is_leak(&h.identity, &h.instance, h.session, req) => {
+                Err(ArbiterError::Leak {
+                    key: req.key.clone(),
+                    holder_session: h.session,
+                    session: req.session,
+                    instance: req.instance.clone(),
+                })
+            }
             _ => Ok(Some(Attempt::Held {
                 watch_from: header.revision + 1,
             })),
@@ -179,10 +183,17 @@ impl LockTable {
                 revision: holder.revision,
             }));
         }
-        if holder.record.identity == req.identity {
+        if super::is_leak(
+            &holder.record.identity,
+            &holder.record.instance,
+            holder.record.session,
+            req,
+        ) {
             return Err(ArbiterError::Leak {
                 key: req.key.clone(),
                 holder_session: holder.record.session,
+                session: req.session,
+                instance: req.instance.clone(),
             });
         }
         Ok(None)
@@ -448,6 +459,8 @@ pub(super) fn owner_prefix(identity: &str, session: i64) -> Option<Vec<u8>> {
         class: String::new(),
         acquired_at_unix_ms: 0,
         annotations: BTreeMap::new(),
+        instance: String::new(),
+        bound: String::new(),
     });
     let owner = record.strip_suffix(REST)?;
     owner.ends_with(b",").then(|| owner.to_vec())
@@ -466,6 +479,8 @@ mod tests {
             class: class.to_string(),
             acquired_at_unix_ms: 1_700_000_000_000,
             annotations,
+            instance: "pod-7:12".into(),
+            bound: "spiffe://td/ns/a/*".into(),
         })
     }
 

@@ -82,7 +82,7 @@ impl Book {
             q.kick.notify_one();
         }
         if let Some(w) = q.waiters.remove(at) {
-            self.leave(&w.req.identity, key);
+            self.leave(w.req.bounded_as(), key);
         }
         was_head
     }
@@ -143,7 +143,7 @@ impl Book {
     }
 
     pub(super) fn join(&mut self, w: Waiter) -> Arc<Notify> {
-        self.count_in(&w.req.identity, &w.req.key);
+        self.count_in(w.req.bounded_as(), &w.req.key);
         let queue = self
             .keys
             .entry(w.req.key.clone())
@@ -241,6 +241,8 @@ mod tests {
                 ttl_seconds: 15,
                 annotations: Default::default(),
                 routed_by: None,
+                instance: String::new(),
+                bound: String::new(),
             },
             slot: Arc::new(Mutex::new(None)),
         }

@@ -57,14 +57,20 @@ impl LockTable {
                 limit: max_sessions,
             });
         }
-        Ok(self.create_session(identity, ttl_seconds).await?.0)
+        Ok(self
+            .create_session(identity, identity, ttl_seconds)
+            .await?
+            .0)
     }
 
     /// Creates a session (lease, record, count entry) without counting: its
-    /// id and the log revision its count entry was written at.
+    /// id and the log revision its count entry was written at. The entry is
+    /// counted against grant subject `counted_as` (`identity`, or the pattern
+    /// it falls under: issue 30).
     pub async fn create_session(
         &self,
         identity: &str,
+        counted_as: &str,
         ttl_seconds: u32,
     ) -> Result<(i64, i64), ArbiterError> {
         let mut attempt = 0;
@@ -91,7 +97,7 @@ impl LockTable {
         });
         let ((), header) = self
             .seal
-            .checked(self.log.put_session(id, identity, record))
+            .checked(self.log.put_session(id, counted_as, record))
             .await?;
         Ok((id, header.revision))
     }
@@ -102,7 +108,8 @@ impl LockTable {
     }
 
     /// Closes `identity`'s session: one transaction deletes its record (and
-    /// its entry in the identity's count) only if the record still names
+    /// its entry in the identity's count; a pattern subject's entry goes
+    /// with the lease) only if the record still names
     /// `identity`, so from then on no grant, renewal or hand-over uses it;
     /// then the lease is revoked, which ends every hold on it in one entry.
     /// Someone else's session, or one that is gone, is `SessionExpired`

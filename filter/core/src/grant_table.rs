@@ -163,6 +163,17 @@ pub enum Table<'a> {
     Stale(&'a EdgePolicy),
 }
 
+impl Table<'_> {
+    /// The grant subject `identity` is bounded as ([`EdgePolicy::bound_subject`]);
+    /// the identity itself before a table is in.
+    pub fn bound_subject(&self, identity: &str) -> String {
+        match self {
+            Table::Fresh(p) | Table::Stale(p) => p.bound_subject(identity).to_string(),
+            Table::NotReady => identity.to_string(),
+        }
+    }
+}
+
 /// A VM's grant table with its origin and the time the arbiter last confirmed it.
 #[derive(Debug)]
 pub struct GrantTable {

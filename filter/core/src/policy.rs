@@ -141,6 +141,13 @@ impl EdgePolicy {
         self.grants.authorise(identity, key)
     }
 
+    /// The grant subject `identity` is bounded as (issue 30): itself, or the
+    /// pattern (`spiffe://td/ns/x/sa/y/*`) its per-pod identity falls under,
+    /// exactly as the arbiter decides it; `identity` when it has no grant.
+    pub fn bound_subject<'a>(&'a self, identity: &'a str) -> &'a str {
+        self.grants.subject(identity).unwrap_or(identity)
+    }
+
     pub fn max_waiters_per_key(&self, class: &str) -> u32 {
         self.classes
             .get(class)

@@ -378,6 +378,7 @@ mod tests {
                 session_id: session,
                 wait,
                 metadata: meta.into_iter().collect(),
+                instance: String::new(),
             };
             let message = req.encode_to_vec();
             let ours = decode(Method::Acquire, &message).unwrap();

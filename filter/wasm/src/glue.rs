@@ -569,6 +569,7 @@ impl RootContext for EdgeRoot {
             active: self.state.borrow().active.clone(),
             method: Method::Session,
             identity: Rc::from(""),
+            bound: Rc::from(""),
             key_header: None,
             decided: false,
             held: None,
@@ -589,6 +590,10 @@ struct EdgeStream {
     active: Option<Rc<Active>>,
     method: Method,
     identity: Rc<str>,
+    /// The grant subject the identity's streams and waiters count against:
+    /// itself, or the pattern its per-pod identity falls under (issue 30),
+    /// as the arbiter counts them.
+    bound: Rc<str>,
     /// The client's `x-lock-key`, if it sent one (must equal the body's key).
     key_header: Option<String>,
     decided: bool,
@@ -722,7 +727,7 @@ impl EdgeStream {
                 &HostStore,
                 authorised.key.as_str(),
                 authorised.max_waiters_per_key,
-                &self.identity,
+                &self.bound,
                 active.config.max_waiters_per_identity,
             ) {
                 Ok(ticket) => {
@@ -826,6 +831,11 @@ impl HttpContext for EdgeStream {
             Some(id) => id,
             None => return self.refuse(Refusal::of(DenyReason::Unauthenticated)),
         };
+        self.bound = active
+            .table
+            .view(now_ms())
+            .bound_subject(&self.identity)
+            .into();
         self.prof.lap(Section::Identity);
         // Request headers are readable only in this phase: refuse any
         // x-latchkey-* the client sent (the edge names the caller, nobody
@@ -878,7 +888,7 @@ impl HttpContext for EdgeStream {
         // refuse the identity below its bound on another).
         match active.admission.open_stream(
             &HostStore,
-            &self.identity,
+            &self.bound,
             active.config.max_streams_per_identity,
         ) {
             Ok(place) => {

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use latchkey_client::Client;
 use latchkey_proto::adminv1::ForceReleaseRequest;
+use latchkey_proto::text::Shown;
 use serde_json::json;
 
 use super::{Failure, Output};
@@ -112,24 +113,33 @@ fn request_json(r: &ForceReleaseRequest) -> serde_json::Value {
 }
 
 fn print_request(r: &ForceReleaseRequest) {
-    println!("request      {}", r.request_id);
-    println!("key          {}", r.key);
+    println!("request      {}", Shown(&r.request_id));
+    // Everything here but the numbers came from someone else: shown with
+    // control and format characters escaped, so no field can redraw the
+    // lines the approver reads (latchkey_proto::text).
+    println!("key          {}", Shown(&r.key));
     println!(
         "holder       {} (session {:#x}, granted at revision {})",
-        r.holder_identity, r.holder_session, r.hold_revision
+        Shown(&r.holder_identity),
+        r.holder_session,
+        r.hold_revision
     );
     println!(
         "class        {} ({})",
-        r.class,
-        r.enforcement.to_uppercase()
+        Shown(&r.class),
+        Shown(&r.enforcement.to_uppercase())
     );
-    println!("reason       {}", r.reason);
-    println!("requested by {} via {}", r.requester, r.requester_identity);
+    println!("reason       {}", Shown(&r.reason));
+    println!(
+        "requested by {} via {}",
+        Shown(&r.requester),
+        Shown(&r.requester_identity)
+    );
     if r.revoke_session {
         println!("also         revokes the holder's whole session");
     }
     if !r.warning.is_empty() {
-        println!("WARNING      {}", r.warning);
+        println!("WARNING      {}", Shown(&r.warning));
     }
 }
 
@@ -175,7 +185,7 @@ async fn force_release(
             if pending.enforcement != "fenced" && !args.accept_two_writers {
                 return Err(Failure::Plain(format!(
                     "not approved: {} Pass --accept-two-writers to approve anyway.",
-                    pending.warning
+                    Shown(&pending.warning)
                 )));
             }
             let r = client.approve_force_release(args.id.trim(), &token).await?;
@@ -191,14 +201,15 @@ async fn force_release(
             } else {
                 println!(
                     "force-released at revision {} (approved by {})",
-                    r.revision, r.approver
+                    r.revision,
+                    Shown(&r.approver)
                 );
                 if r.session_revoked {
                     println!("the holder's session was revoked");
                 } else if !r.session_revoke_error.is_empty() {
                     println!(
                         "the holder's session was NOT revoked: {}",
-                        r.session_revoke_error
+                        Shown(&r.session_revoke_error)
                     );
                 }
             }
@@ -238,13 +249,13 @@ async fn force_release(
                 for d in &r.done {
                     println!(
                         "done {} {} held by {} ({}): requested by {}, approved by {}: {}",
-                        d.id,
-                        d.key,
-                        d.holder_identity,
-                        d.enforcement,
-                        d.requester,
-                        d.approver,
-                        d.reason
+                        Shown(&d.id),
+                        Shown(&d.key),
+                        Shown(&d.holder_identity),
+                        Shown(&d.enforcement),
+                        Shown(&d.requester),
+                        Shown(&d.approver),
+                        Shown(&d.reason)
                     );
                 }
             }
@@ -343,7 +354,7 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
                     );
                 }
                 if s.sealed {
-                    println!("sealed               YES: {}", s.seal_reason);
+                    println!("sealed               YES: {}", Shown(&s.seal_reason));
                 } else {
                     println!("sealed               no");
                 }
@@ -351,7 +362,7 @@ pub async fn run(client: Client, command: AdminCommand, out: Output) -> Result<E
                     println!(
                         "quorum               LOST for {} s ({}): closed classes refuse, open classes grant unprotected",
                         s.quorum_lost_for_ms / 1000,
-                        s.quorum_last_error
+                        Shown(&s.quorum_last_error)
                     );
                 } else {
                     println!("quorum               yes");

@@ -18,6 +18,7 @@ use std::time::Duration;
 use clap::Args;
 use latchkey_audit::event::now_unix_ms;
 use latchkey_audit::{AuditStore, Ended, HistoryQuery, Kind, StoreOptions, StoredEvent};
+use latchkey_proto::text::Shown;
 use serde_json::json;
 
 use super::inspect::utc;
@@ -135,7 +136,7 @@ pub async fn audit(args: AuditArgs, out: Output) -> Result<ExitCode, Failure> {
         println!("no events for {} in the audit store", args.key);
     } else {
         for e in &events {
-            println!("{}", describe(e));
+            println!("{}", Shown(&describe(e)));
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -166,7 +167,7 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
         return Ok(ExitCode::SUCCESS);
     }
     match &view.holder {
-        None => println!("{} is free", view.key),
+        None => println!("{} is free", Shown(&view.key)),
         Some(h) => {
             let session = match h.session_id {
                 0 => String::new(),
@@ -174,9 +175,9 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
             };
             println!(
                 "{} is held by {}{session}, class {}, since {}",
-                view.key,
-                h.identity,
-                h.class,
+                Shown(&view.key),
+                Shown(&h.identity),
+                Shown(&h.class),
                 utc(h.acquired_at_unix_ms)
             );
         }
@@ -194,7 +195,7 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
         Some(events) => {
             println!("last events:");
             for e in &events {
-                println!("  {}", describe(e));
+                println!("  {}", Shown(&describe(e)));
             }
         }
     }

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use latchkey_client::Client;
+use latchkey_proto::text::Shown;
 use serde_json::json;
 
 use super::{Failure, Output};
@@ -35,15 +36,19 @@ pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<E
     match &view.holder {
         None => println!(
             "{} is free ({} waiting here, {} durably)",
-            view.key, view.waiters, view.durable_waiters
+            Shown(&view.key),
+            view.waiters,
+            view.durable_waiters
         ),
         Some(h) => {
-            println!("key       {}", view.key);
-            println!("holder    {}", h.identity);
+            // Shown: a key, an identity, a class and annotations are
+            // other people's text (latchkey_proto::text).
+            println!("key       {}", Shown(&view.key));
+            println!("holder    {}", Shown(&h.identity));
             if h.session_id != 0 {
                 println!("session   {}", h.session_id);
             }
-            println!("class     {}", h.class);
+            println!("class     {}", Shown(&h.class));
             println!("acquired  {}", utc(h.acquired_at_unix_ms));
             println!("waiters   {}", view.waiters);
             if view.durable_waiters > 0 {
@@ -53,7 +58,7 @@ pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<E
                 );
             }
             for (k, v) in &h.annotations {
-                println!("  {k} = {v}");
+                println!("  {} = {}", Shown(k), Shown(v));
             }
         }
     }

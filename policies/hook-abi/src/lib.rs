@@ -67,8 +67,9 @@ pub struct HookRequest {
     /// The arbiter's monotonic clock in nanoseconds since it started: only
     /// for intervals measured on one arbiter.
     pub now_monotonic_ns: u64,
-    /// Locks this identity holds in this class now, across every arbiter;
-    /// present only when the hook lists `"holdCount"` in `inputs`.
+    /// Locks this identity's grant subject holds in this class now, across
+    /// every arbiter (for per-pod identities under a pattern grant, every
+    /// pod's); present only when the hook lists `"holdCount"` in `inputs`.
     #[serde(default)]
     pub hold_count: Option<u32>,
     /// The class's `[class.hook.config]` table, as JSON.

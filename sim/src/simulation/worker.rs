@@ -282,6 +282,8 @@ impl Incarnation<'_> {
             ttl_seconds: TTL_SECONDS,
             annotations: BTreeMap::new(),
             routed_by: None,
+            instance: String::new(),
+            bound: String::new(),
         };
         let durable = key
             .strip_prefix("sim/k")

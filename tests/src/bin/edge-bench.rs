@@ -185,6 +185,7 @@ async fn measure(
                         session_id: session,
                         wait: WaitMode::WaitNone.into(),
                         metadata: Default::default(),
+                        instance: String::new(),
                     };
                     let grant = c
                         .acquire(keyed(acquire, &key, header)?)

@@ -398,6 +398,7 @@ async fn run_class(
                         session_id: session,
                         wait: WaitMode::WaitNone.into(),
                         metadata: metadata.clone(),
+                        instance: String::new(),
                     })
                     .await?
                     .into_inner()

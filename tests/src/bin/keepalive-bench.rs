@@ -456,6 +456,7 @@ async fn latchkey(
                         session_id: session,
                         wait: WaitMode::WaitNone.into(),
                         metadata: Default::default(),
+                        instance: String::new(),
                     })
                     .await?
                     .into_inner()
@@ -644,6 +645,7 @@ async fn take_holds(
                 session_id: session,
                 wait: WaitMode::WaitNone.into(),
                 metadata: Default::default(),
+                instance: String::new(),
             })
             .await
             .map(|_| ())

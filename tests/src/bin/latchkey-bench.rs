@@ -518,6 +518,7 @@ impl Latchkey {
             session_id: self.session.id,
             wait: wait.into(),
             metadata: Default::default(),
+            instance: String::new(),
         });
         if wait == WaitMode::WaitUntilDeadline {
             request.set_timeout(WAIT_TIMEOUT);

@@ -265,6 +265,7 @@ impl Worker {
                 session_id: *session,
                 wait: WaitMode::WaitNone.into(),
                 metadata: Default::default(),
+                instance: String::new(),
             })
             .await
             .with_context(|| format!("acquire {key}"))?

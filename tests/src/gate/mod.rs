@@ -858,16 +858,33 @@ fn merge_histories(dir: &Path, out: &Path) -> anyhow::Result<usize> {
     Ok(lines.len())
 }
 
-/// Worker `index`'s SPIFFE name. Every worker has its own identity: the
-/// arbiter refuses a second hold of a key by the same identity under another
-/// session as a leak, so workers sharing one identity would not contend.
+/// Workers that run as replicas of one workload: the first
+/// `REPLICA_GROUPS * REPLICAS` workers share an identity in groups of
+/// `REPLICAS` (separate processes, one SVID, as the pods of one Deployment
+/// do, issue 30); each names itself as its own client instance, so they
+/// contend like any workers and the checker judges them alike.
+const REPLICA_GROUPS: usize = 2;
+const REPLICAS: usize = 3;
+
+/// Worker `index`'s SPIFFE name: a replica group's shared one, or its own.
 fn worker_identity(index: usize) -> String {
-    format!("workload/gate-{index}")
+    if index < REPLICA_GROUPS * REPLICAS {
+        format!("workload/gate-replicas-{}", index / REPLICAS)
+    } else {
+        format!("workload/gate-{index}")
+    }
+}
+
+/// The distinct identities of `workers` workers, in worker order.
+fn worker_identities(workers: usize) -> Vec<String> {
+    let mut names: Vec<String> = (0..workers).map(worker_identity).collect();
+    names.dedup();
+    names
 }
 
 /// Issues the workers' SVIDs from the test trust domain's CA.
 fn issue_worker_svids(workers: usize) -> anyhow::Result<()> {
-    let names: Vec<String> = (0..workers).map(worker_identity).collect();
+    let names = worker_identities(workers);
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
     latchctl::dev_certs::generate(&certs()?.dir, crate::arbiter::TRUST_DOMAIN, &names)?;
     Ok(())
@@ -888,10 +905,10 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
         ),
     )?;
     let mut grants = String::new();
-    for i in 0..workers {
+    for name in worker_identities(workers) {
         grants.push_str(&format!(
             "[[grant]]\nidentity = \"{}\"\nprefixes = [\"bench/gate\", \"{COORD_NAMESPACE}\"]\n\n",
-            crate::arbiter::spiffe(&worker_identity(i))
+            crate::arbiter::spiffe(&name)
         ));
     }
     grants.push_str(&format!(

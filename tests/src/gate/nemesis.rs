@@ -4,7 +4,7 @@
 //! and the epoch advance after a restore as an `advance` operation, which the
 //! checker's model uses (it drops every hold).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 use std::time::Duration;
 
@@ -133,45 +133,48 @@ pub(crate) async fn run(
             .context("snapshot for the restore fault")?;
     }
 
-    // Every kind at least once, in a seeded order, then random kinds. A
-    // fault that found nothing to act on (no worker inside a hold) stays
-    // owed and is tried again after one random fault, past the duration if
-    // need be (a few times at most).
+    // Scheduled by fault, not by the clock: every kind at least once, in a
+    // seeded order, whatever the machine's speed (on a slow machine the
+    // owed kinds run past the duration; random kinds fill only the time
+    // left after them). A fault that found nothing to act on (no worker
+    // inside a hold) goes to the back of the owed queue and is tried again
+    // after the others, up to MAX_TRIES times in all before the run fails
+    // saying so (then the workers, not the clock, are the problem).
+    const MAX_TRIES: u32 = 12;
     let mut owed = config.faults.clone();
     rng.shuffle(&mut owed);
     let mut owed: VecDeque<Fault> = owed.into();
-    let mut retry_after_random = false;
-    let mut overtime = 0;
-    while !config.faults.is_empty() && (Instant::now() < end || (!owed.is_empty() && overtime < 5))
-    {
-        if Instant::now() >= end {
-            overtime += 1;
-        }
+    let mut tries: BTreeMap<&'static str, u32> = BTreeMap::new();
+    while !owed.is_empty() || (!config.faults.is_empty() && Instant::now() < end) {
         let gap = rng.u64(
             u64::try_from(config.fault_gap.0.as_millis())?
                 ..=u64::try_from(config.fault_gap.1.as_millis())?,
         );
         tokio::time::sleep(Duration::from_millis(gap)).await;
-        let fault = match owed.front() {
-            Some(f) if !retry_after_random => *f,
-            _ => config.faults[rng.usize(..config.faults.len())],
+        let (fault, was_owed) = match owed.pop_front() {
+            Some(f) => (f, true),
+            None => (config.faults[rng.usize(..config.faults.len())], false),
         };
         let injected_now = inject(rig, fault, rng, &mut rec, &snapshot)
             .await
             .with_context(|| format!("injecting {}", fault.name()))?;
         match injected_now {
             Some(description) => {
-                if let Some(i) = owed.iter().position(|f| *f == fault) {
-                    owed.remove(i);
-                }
-                retry_after_random = false;
                 tracing::info!(fault = %description, "nemesis");
                 injected.push(description);
             }
-            None => {
+            None if was_owed => {
+                let tried = tries.entry(fault.name()).or_insert(0);
+                *tried += 1;
+                anyhow::ensure!(
+                    *tried < MAX_TRIES,
+                    "fault {} found nothing to act on {MAX_TRIES} times (no worker inside a hold?)",
+                    fault.name()
+                );
                 tracing::info!(fault = fault.name(), "nemesis: nothing to act on; later");
-                retry_after_random = true;
+                owed.push_back(fault);
             }
+            None => tracing::info!(fault = fault.name(), "nemesis: nothing to act on"),
         }
     }
     if config.faults.is_empty() {

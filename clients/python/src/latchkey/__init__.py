@@ -16,7 +16,7 @@ that a hold ended fences that hold at once. Releasing the last guard of a hold
 sends Release. Tokens never appear in ``repr``, ``str``, exceptions or logs.
 """
 
-from ._client import Client, Holder, Inspection, LockGuard
+from ._client import Client, Holder, Inspection, LockGuard, default_instance
 from ._errors import (
     Aborted,
     ConfigError,
@@ -46,6 +46,7 @@ from ._token import FencingToken
 __all__ = [
     "Aborted",
     "Client",
+    "default_instance",
     "ConfigError",
     "DeadlineExceeded",
     "FENCE_MARGIN",

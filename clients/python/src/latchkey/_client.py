@@ -4,6 +4,8 @@ and the guard that is a hold."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -98,8 +100,15 @@ class Client:
         default_class: Optional[str] = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        instance: Optional[str] = None,
     ) -> None:
         target = _target(endpoint)
+        # How this client names itself on every Acquire: the arbiter answers
+        # LEAK only for a key held by the same identity AND the same instance
+        # under another session (a hold this process forgot); replicas that
+        # share one SPIFFE ID name different instances and simply contend.
+        # A diagnostic the client asserts about itself, never an identity.
+        self._instance = _clean_instance(instance if instance is not None else default_instance())
         credentials = grpc.ssl_channel_credentials(
             root_certificates=_read("CA bundle", ca),
             private_key=_read("SVID key", key),
@@ -264,6 +273,7 @@ class Client:
                 session_id=session.id,
                 wait=lock_pb2.WAIT_UNTIL_DEADLINE if deadline is not None else lock_pb2.WAIT_NONE,
                 metadata=dict(metadata or {}),
+                instance=self._instance,
                 **{"class": lock_class},
             )
             timeout = max(0.001, deadline - _now()) if deadline is not None else None
@@ -479,3 +489,40 @@ class _LockContext:
 
     def __repr__(self) -> str:
         return f"LockContext(key={self._args[0]!r})"
+
+
+_NONCE: Dict[int, str] = {}
+
+
+def default_instance() -> str:
+    """The instance name a client takes unless told otherwise:
+    ``LATCHKEY_INSTANCE`` if set, else ``<pod or host name>:<pid>:<random>``
+    (``POD_NAME`` as the Downward API sets it, else ``HOSTNAME``, else the
+    kernel's host name; the random part drawn once per process, again in a
+    forked child), so each process is its own instance: two containers of one
+    pod that are both pid 1, or host-network pods on one node, differ too."""
+    explicit = os.environ.get("LATCHKEY_INSTANCE")
+    if explicit is not None:
+        return _clean_instance(explicit)
+    host = (os.environ.get("POD_NAME") or "").strip() or (os.environ.get("HOSTNAME") or "").strip()
+    if not host:
+        host = socket.gethostname().strip() or "host"
+    pid = os.getpid()
+    nonce = _NONCE.setdefault(pid, os.urandom(4).hex())
+    return _clean_instance(f"{host}:{pid}:{nonce}")
+
+
+def _clean_instance(name: str) -> str:
+    """`name` as the arbiter accepts it: printable, one line, at most 128 bytes."""
+    out = []
+    size = 0
+    for c in name.strip():
+        # not printable: controls, format (bidi, zero-width) and separators
+        if not c.isprintable():
+            continue
+        n = len(c.encode("utf-8"))
+        if size + n > 128:
+            break
+        out.append(c)
+        size += n
+    return "".join(out).strip()

@@ -122,7 +122,10 @@ class WaitTimeout(DeadlineExceeded):
 
 
 class Leak(FailedPrecondition):
-    """LEAK: the same identity holds the key under another session."""
+    """LEAK: this client instance (the same identity and instance name) holds
+    the key under another session: a hold the process forgot. Replicas that
+    share an identity under different instance names wait for each other
+    instead."""
 
 
 class Sealed(FailedPrecondition):

@@ -127,7 +127,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("key", "session_id", "wait", "metadata")
+    __slots__ = ("key", "session_id", "wait", "metadata", "instance")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,11 +140,13 @@ class AcquireRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     key: str
     session_id: int
     wait: WaitMode
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., wait: _Optional[_Union[WaitMode, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., **kwargs) -> None: ...
+    instance: str
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., wait: _Optional[_Union[WaitMode, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., instance: _Optional[str] = ..., **kwargs) -> None: ...
 
 class Grant(_message.Message):
     __slots__ = ("key", "token", "epoch", "revision", "session_id", "unprotected")
