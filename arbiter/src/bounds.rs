@@ -3,7 +3,9 @@
 //! here the turn-taking and the opens in flight that keep one arbiter from
 //! overshooting), and
 //! the etcd work renewals cost (a memo of recent renewals, per session).
-//! Waiting Acquires are bounded in [`crate::waiters`].
+//! Waiting Acquires are bounded in [`crate::waiters`]. What one identity's
+//! KeepAlive streams may make the arbiter do (ownership lookups, renewals
+//! answered) is paced in [`renewal_budget`].
 //!
 //! Renewals are bounded by coalescing, never by refusal: a refused renewal
 //! would cost a client that renews on time its session and every hold on it.
@@ -19,6 +21,10 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+
+pub mod renewal_budget;
+
+pub use renewal_budget::RenewalBudgets;
 
 /// The default `--max-sessions-per-identity`.
 pub const DEFAULT_MAX_SESSIONS_PER_IDENTITY: u32 = 1000;
@@ -62,6 +68,8 @@ impl Opening {
 
 pub struct Bounds {
     pub max_sessions: u32,
+    /// KeepAlive streams' ownership lookups and renewals, per identity.
+    pub renewal_budgets: RenewalBudgets,
     renewals: Mutex<RenewalMemo>,
     open_turns: [tokio::sync::Mutex<()>; OPEN_STRIPES],
     /// Opens reserved and not yet finished, per identity: the revision each
@@ -79,6 +87,7 @@ impl Bounds {
     pub fn new(max_sessions: u32) -> Self {
         Self {
             max_sessions,
+            renewal_budgets: RenewalBudgets::new(max_sessions),
             renewals: Mutex::new(RenewalMemo::default()),
             open_turns: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
             opening: Mutex::new(HashMap::new()),

@@ -113,6 +113,8 @@ pub struct Metrics {
     renewals_refused: Family<OutcomeLabels, Counter>,
     renewals: Family<OutcomeLabels, Counter>,
     identity_bounds: Family<KindLabels, Counter>,
+    ownership_lookups: Counter,
+    keepalive_paced: Family<KindLabels, Counter>,
     /// The coord tier's seal and quorum, with the tiers split.
     coord_tier: CoordTier,
 }
@@ -196,6 +198,18 @@ impl Metrics {
             "Calls refused because their identity reached a per-identity bound, by kind: sessions or waiters",
             identity_bounds.clone(),
         );
+        let ownership_lookups = Counter::default();
+        registry.register(
+            "session_ownership_lookups",
+            "KeepAlive ownership lookups sent to etcd (a read of a session's record, for a session named on a stream for the first time, whoever's it turns out to be); paced per identity",
+            ownership_lookups.clone(),
+        );
+        let keepalive_paced = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "keepalive_paced",
+            "Times a KeepAlive stream stopped being read because its identity had spent its budget, by kind: ownership_lookups or renewals (nothing is refused; HTTP/2 flow control slows the sender)",
+            keepalive_paced.clone(),
+        );
         let coord_tier = CoordTier::default();
         registry.register_collector(Box::new(StateCollector {
             waiters,
@@ -213,8 +227,25 @@ impl Metrics {
             renewals_refused,
             renewals,
             identity_bounds,
+            ownership_lookups,
+            keepalive_paced,
             coord_tier,
         }
+    }
+
+    /// Records one KeepAlive ownership lookup, as it is sent to etcd.
+    pub fn ownership_lookup(&self) {
+        self.ownership_lookups.inc();
+    }
+
+    /// Records a KeepAlive stream that stopped being read for its
+    /// identity's budget (`kind`: ownership_lookups or renewals).
+    pub fn keepalive_paced(&self, kind: &'static str) {
+        self.keepalive_paced
+            .get_or_create(&KindLabels {
+                kind: kind.to_string(),
+            })
+            .inc();
     }
 
     /// Records a call refused by a per-identity bound (`kind`: sessions or
@@ -575,6 +606,26 @@ mod tests {
         assert!(!names.is_empty(), "no labels parsed from:\n{text}");
         assert!(names.is_subset(&allowed), "labels {names:?} in:\n{text}");
         assert!(!text.contains("\"k\""), "{text}");
+        Ok(())
+    }
+
+    #[test]
+    fn keepalive_lookups_and_pacing_are_counted_with_bounded_labels() -> Result<(), fmt::Error> {
+        let m = metrics((0, 0));
+        m.ownership_lookup();
+        m.ownership_lookup();
+        m.keepalive_paced("ownership_lookups");
+        m.keepalive_paced("renewals");
+        let text = m.encode()?;
+        for line in [
+            "latchkey_arbiter_session_ownership_lookups_total 2",
+            r#"latchkey_arbiter_keepalive_paced_total{kind="ownership_lookups"} 1"#,
+            r#"latchkey_arbiter_keepalive_paced_total{kind="renewals"} 1"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+        }
+        let allowed: BTreeSet<String> = ALLOWED_LABELS.iter().map(|s| s.to_string()).collect();
+        assert!(label_names(&text).is_subset(&allowed), "{text}");
         Ok(())
     }
 

@@ -24,6 +24,7 @@ mod hostile_arbiter;
 mod hostile_bounds;
 mod hostile_edge;
 mod hostile_identity;
+mod hostile_keepalive;
 mod identity;
 mod latchctl;
 mod lock_loss;

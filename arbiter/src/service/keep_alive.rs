@@ -1,4 +1,4 @@
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -66,10 +66,23 @@ impl Drop for Watched<'_> {
 
 /// What one renewal came to.
 enum Renewal {
-    /// Renewed (or answered from the memo) with this many seconds left.
-    Alive(i64),
+    /// Renewed (or answered from the memo) with this many seconds left; the
+    /// session lives where `Home` says.
+    Alive(i64, Home),
     /// Gone, or not the caller's: the same answer either way.
     Gone,
+}
+
+/// Where a session the caller owns lives, as far as its renewals care:
+/// learnt by its ownership lookup and remembered by the stream, so a
+/// renewal of a checked session reads nothing from etcd.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Home {
+    /// The entity (home) cluster: renewals there check the shard-map fence
+    /// and renew the session's shadows.
+    Entity,
+    /// The coord cluster (`--split-tiers`).
+    Coord,
 }
 
 impl Arbiter {
@@ -87,6 +100,14 @@ impl Arbiter {
     /// renewing faster costs etcd nothing, and no renewal is ever refused
     /// for its rate.
     ///
+    /// What a stream makes the arbiter do is paced per identity (all of its
+    /// streams on this arbiter together, [`crate::bounds::renewal_budget`]):
+    /// the ownership lookups (an etcd read each, whatever the id names) and
+    /// the renewals answered. Past either budget the stream is simply not
+    /// read until the budget is back (the sessions of the message read wait
+    /// for their lookups meanwhile); nothing is refused for its rate, and
+    /// another identity's streams never wait for it (issue 31).
+    ///
     /// A stream also hears, unasked, when a hold of a session it renews
     /// ends (a notice: `ended_holds`, `remaining_ttl_seconds = -1`), so the
     /// holder can fence that hold at once (issue 13).
@@ -99,15 +120,25 @@ impl Arbiter {
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<KeepAliveResponse, Status>>(REPLY_QUEUE);
         tokio::spawn(async move {
             let identity = caller.identity.as_str();
+            let budget = self.bounds.renewal_budgets.for_stream(identity);
             let checked_cap = MAX_CHECKED_PER_STREAM.min(
                 usize::try_from(self.bounds.max_sessions)
                     .unwrap_or(usize::MAX)
                     .saturating_mul(2)
                     .max(1024),
             );
-            // The caller's sessions checked on this stream; a session that
-            // turns out gone leaves, and the set goes with the stream.
-            let mut checked: HashSet<i64> = HashSet::new();
+            // The caller's sessions checked on this stream, and where each
+            // lives; a session that turns out gone leaves, and the map goes
+            // with the stream.
+            let mut checked: HashMap<i64, Home> = HashMap::new();
+            // Sessions named but not checked yet, waiting for the identity's
+            // lookup budget (at most one message's: the stream is not read
+            // while any wait).
+            let mut unchecked: VecDeque<i64> = VecDeque::new();
+            // Not before this: the next lookup (the budget is spent) ...
+            let mut lookups_after: Option<Instant> = None;
+            // ... and reading the next message (renewals' pace).
+            let mut read_after: Option<Instant> = None;
             let mut in_flight = FuturesUnordered::new();
             let mut reading = true;
             let (notices, mut noticed) = tokio::sync::mpsc::channel(NOTICE_QUEUE);
@@ -119,11 +150,43 @@ impl Arbiter {
                 sessions: HashSet::new(),
             };
             loop {
-                let room = reading && in_flight.len() < MAX_IN_FLIGHT_PER_STREAM;
+                // The lookups the identity's budget lets in now.
+                let was_waiting = lookups_after.take().is_some();
+                while let Some(&session) = unchecked.front() {
+                    if in_flight.len() >= MAX_IN_FLIGHT_PER_STREAM {
+                        break;
+                    }
+                    match budget.take_lookup(self.lookup_reads(session), Instant::now()) {
+                        Ok(()) => {
+                            unchecked.pop_front();
+                            in_flight.push(self.renewal(identity, session, None));
+                        }
+                        Err(at) => {
+                            if !was_waiting {
+                                self.metrics.keepalive_paced("ownership_lookups");
+                            }
+                            lookups_after = Some(at);
+                            break;
+                        }
+                    }
+                }
+                let now = Instant::now();
+                read_after = read_after.filter(|at| *at > now);
+                let room = reading
+                    && unchecked.is_empty()
+                    && read_after.is_none()
+                    && in_flight.len() < MAX_IN_FLIGHT_PER_STREAM;
+                let wake = match (lookups_after, read_after) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
                 let event = tokio::select! {
                     req = inbound.next(), if room => Event::Request(req),
                     Some(done) = in_flight.next() => Event::Done(done),
                     Some(notice) = noticed.recv() => Event::Notice(notice),
+                    () = tokio::time::sleep_until(wake.unwrap_or(now).into()), if wake.is_some() => Event::Budget,
+                    // The client went away: no lookups for it any more.
+                    () = tx.closed() => return,
                     else => Event::Idle,
                 };
                 match event {
@@ -134,9 +197,22 @@ impl Arbiter {
                     }
                     Event::Request(Some(Ok(req))) => match sessions_named(&req) {
                         Ok(sessions) => {
+                            read_after = budget.charge_renewals(sessions.len(), Instant::now());
+                            if read_after.is_some() {
+                                self.metrics.keepalive_paced("renewals");
+                            }
                             for session in sessions {
-                                let known = checked.contains(&session);
-                                in_flight.push(self.renewal(identity, session, known));
+                                match checked.get(&session) {
+                                    Some(&home) => {
+                                        in_flight.push(self.renewal(identity, session, Some(home)))
+                                    }
+                                    // A malformed id ends the stream; it
+                                    // costs no lookup.
+                                    None if session <= 0 => {
+                                        in_flight.push(self.renewal(identity, session, None))
+                                    }
+                                    None => unchecked.push_back(session),
+                                }
                             }
                         }
                         Err(e) => {
@@ -146,12 +222,13 @@ impl Arbiter {
                         }
                     },
                     Event::Request(_) => reading = false,
+                    Event::Budget => {}
                     Event::Idle => return,
                     Event::Done((session, outcome)) => {
                         let reply = match outcome {
-                            Ok(Renewal::Alive(ttl)) => {
-                                if checked.len() < checked_cap {
-                                    checked.insert(session);
+                            Ok(Renewal::Alive(ttl, home)) => {
+                                if checked.len() < checked_cap || checked.contains_key(&session) {
+                                    checked.insert(session, home);
                                     watched.add(session, &notices);
                                 }
                                 Ok(KeepAliveResponse {
@@ -183,7 +260,7 @@ impl Arbiter {
                         }
                     }
                 }
-                if !reading && in_flight.is_empty() {
+                if !reading && in_flight.is_empty() && unchecked.is_empty() {
                     return;
                 }
             }
@@ -192,38 +269,72 @@ impl Arbiter {
     }
 
     /// One renewal of `raw` for `identity`; `checked`: its ownership was
-    /// already checked on this stream.
+    /// already checked on this stream, and it lives there.
     async fn renewal(
         &self,
         identity: &str,
         raw: i64,
-        checked: bool,
+        checked: Option<Home>,
     ) -> (i64, Result<Renewal, ArbiterError>) {
         (raw, self.renew_session(identity, raw, checked).await)
+    }
+
+    /// The etcd reads one ownership lookup of `session` may take: two for
+    /// an id with the coord bit under `--split-tiers` (a session from before
+    /// the split lives on the entity cluster), one otherwise.
+    fn lookup_reads(&self, session: i64) -> u32 {
+        match Arc::ptr_eq(self.tiers.for_session(session), self.tiers.entity()) {
+            true => 1,
+            false => 2,
+        }
+    }
+
+    /// Where the caller's `session` lives; `None` when it is gone or
+    /// someone else's (the same answer). One etcd read; for an id with the
+    /// coord bit under `--split-tiers`, the coord cluster's record, or when
+    /// it has none the entity cluster's (a session from before the split):
+    /// where [`super::Arbiter::owned_session`] finds it, without reading a
+    /// record found on the coord cluster twice.
+    async fn owner_home(&self, identity: &str, session: i64) -> Result<Option<Home>, ArbiterError> {
+        // Counted as sent: a lookup dropped with its stream still read etcd.
+        self.metrics.ownership_lookup();
+        let entity = self.tiers.entity();
+        let tagged = self.tiers.for_session(session);
+        let home = if Arc::ptr_eq(tagged, entity) {
+            match self.owned_session(identity, session).await {
+                Ok(_) => Some(Home::Entity),
+                Err(ArbiterError::SessionExpired { .. }) => None,
+                Err(e) => return Err(e),
+            }
+        } else {
+            let (home, record) = match tagged.table.session(session).await? {
+                Some(record) => (Home::Coord, Some(record)),
+                None => (Home::Entity, entity.table.session(session).await?),
+            };
+            record.filter(|r| r.identity == identity).map(|_| home)
+        };
+        Ok(home)
     }
 
     async fn renew_session(
         &self,
         identity: &str,
         raw: i64,
-        checked: bool,
+        checked: Option<Home>,
     ) -> Result<Renewal, ArbiterError> {
         let session = session_id(raw)?;
-        if !checked {
-            match self.owned_session(identity, session).await {
-                Ok(_) => {}
-                Err(ArbiterError::SessionExpired { .. }) => return Ok(Renewal::Gone),
-                Err(e) => return Err(e),
-            }
-        }
+        let home = match checked {
+            Some(home) => home,
+            None => match self.owner_home(identity, session).await? {
+                Some(home) => home,
+                None => return Ok(Renewal::Gone),
+            },
+        };
         // With other shards, every renewal renews the session's shadows
         // too, and the memo (the home cluster's renewals only) cannot answer.
         // An arbiter behind the lock cluster's map fence may not know the
         // shards a session has shadows on: it does not answer.
-        if std::ptr::eq(
-            self.tiers.session_cluster(session).await?.as_ref(),
-            self.tiers.entity().as_ref(),
-        ) {
+        if home == Home::Entity {
             self.renewal_fenced()?;
             if self.has_shadows() {
                 return self.renew_with_shadows(session).await;
@@ -232,7 +343,7 @@ impl Arbiter {
         // Ownership is settled above; only then may the memo answer.
         if let Some(ttl) = self.bounds.recent_renewal(session) {
             self.metrics.renewal("coalesced");
-            return Ok(Renewal::Alive(ttl));
+            return Ok(Renewal::Alive(ttl, home));
         }
         // At most twice: a renewal already in flight (or just answered) when
         // this one was asked answers for it too, counted from when it was
@@ -257,10 +368,10 @@ impl Arbiter {
                 "coalesced"
             });
             if renewed.sent >= asked {
-                return Ok(Renewal::Alive(renewed.ttl_seconds));
+                return Ok(Renewal::Alive(renewed.ttl_seconds, home));
             }
             if let Some(ttl) = self.bounds.recent_renewal(session) {
-                return Ok(Renewal::Alive(ttl));
+                return Ok(Renewal::Alive(ttl, home));
             }
         }
         Err(ArbiterError::store("the lease renewal answered too late"))
@@ -290,7 +401,7 @@ impl Arbiter {
                 "coalesced"
             });
             if left >= 1 {
-                return Ok(Renewal::Alive(left));
+                return Ok(Renewal::Alive(left, Home::Entity));
             }
         }
         Err(ArbiterError::store("the lease renewal answered too late"))
@@ -311,6 +422,11 @@ fn sessions_named(req: &KeepAliveRequest) -> Result<Vec<i64>, ArbiterError> {
         // As before: session 0 is answered as an invalid session id.
         return Ok(vec![0]);
     }
+    if named == 1 {
+        return Ok(vec![
+            req.session_ids.first().copied().unwrap_or(req.session_id),
+        ]);
+    }
     let mut seen = HashSet::with_capacity(named);
     Ok(std::iter::once(req.session_id)
         .filter(|&id| id != 0)
@@ -323,6 +439,8 @@ enum Event<R, D> {
     Request(Option<R>),
     Done(D),
     Notice((i64, EndedHold)),
+    /// The identity's budget may let more in.
+    Budget,
     Idle,
 }
 
