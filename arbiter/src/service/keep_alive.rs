@@ -120,7 +120,16 @@ impl Arbiter {
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<KeepAliveResponse, Status>>(REPLY_QUEUE);
         tokio::spawn(async move {
             let identity = caller.identity.as_str();
-            let budget = self.bounds.renewal_budgets.for_stream(identity);
+            // Shared by the grant subject's streams (issue 30): per-pod
+            // identities under one pattern have one budget.
+            let subject = self
+                .policies
+                .current()
+                .grants()
+                .subject(identity)
+                .unwrap_or(identity)
+                .to_string();
+            let budget = self.bounds.renewal_budgets.for_stream(&subject);
             let checked_cap = MAX_CHECKED_PER_STREAM.min(
                 usize::try_from(self.bounds.max_sessions)
                     .unwrap_or(usize::MAX)
