@@ -139,7 +139,22 @@ async fn retry_from_the_same_session_gets_the_same_grant_and_another_session_is_
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Queued, not answered: the arbiter counts it as a waiter.
+    latchkey_tests::eventually("the replica queued", Duration::from_secs(5), || {
+        let mut alice = alice.clone();
+        async move {
+            let waiters = alice
+                .inspect(InspectRequest {
+                    key: "demo/r".into(),
+                })
+                .await?
+                .into_inner()
+                .waiters;
+            anyhow::ensure!(waiters == 1, "{waiters} waiting");
+            Ok(())
+        }
+    })
+    .await?;
     assert!(!waiting.is_finished(), "the replica waits");
     release(&mut alice, &g1).await?;
     let g2 = waiting.await??;
