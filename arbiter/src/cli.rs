@@ -137,6 +137,29 @@ struct Args {
     #[arg(long, default_value_t = crate::grpc_health::DEFAULT_MAX_PROBE_STREAMS,
           value_parser = clap::value_parser!(u32).range(1..))]
     max_probe_streams: u32,
+    /// Serve new work (OpenSession, Acquire) without the overload
+    /// protection: never limited, queued or refused for load. For
+    /// measuring the protection (the overload benchmark); never in
+    /// production, where it lets a flood of new work expire established
+    /// sessions.
+    #[arg(long)]
+    no_overload_protection: bool,
+    /// A renewal served later than this (its KeepAlive message read to
+    /// etcd's answer) is late; while renewals are late, new work gives way
+    /// (the limit on new work in flight falls, and new work that finds it
+    /// full is refused UNAVAILABLE / OVERLOADED).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    renewal_latency_target_ms: u64,
+    /// Most new work (OpenSession, Acquire before it waits) this arbiter
+    /// runs at once; the limit moves between --min-new-work-in-flight and
+    /// this with how late renewals are.
+    #[arg(long, default_value_t = crate::overload::DEFAULT_MAX_IN_FLIGHT,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    max_new_work_in_flight: u32,
+    /// The least the new-work limit falls to.
+    #[arg(long, default_value_t = crate::overload::DEFAULT_MIN_IN_FLIGHT,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    min_new_work_in_flight: u32,
     /// Bound on the quorum-loss spool (ADR-04): the unprotected grants open
     /// classes get from memory while etcd has no quorum, plus spools not yet
     /// collected by the audit tailer. Beyond it such grants are refused.
@@ -384,6 +407,13 @@ pub async fn main_with(
     };
     config.max_waiters_per_identity = args.max_waiters_per_identity;
     config.quorum_loss.spool_limit_bytes = args.quorum_loss_spool_bytes;
+    config.overload = crate::overload::OverloadConfig {
+        enabled: !args.no_overload_protection,
+        renewal_target: Duration::from_millis(args.renewal_latency_target_ms),
+        max_in_flight: args.max_new_work_in_flight,
+        min_in_flight: args.min_new_work_in_flight.min(args.max_new_work_in_flight),
+        ..crate::overload::OverloadConfig::default()
+    };
     config.metrics_listen = args.metrics_listen;
     config.log_layer = log_layer;
     config.force_release = force_release;

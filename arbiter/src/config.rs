@@ -327,6 +327,8 @@ pub struct Config {
     pub force_release: crate::force_release::ForceReleaseConfig,
     /// ADR-04: how quorum loss is decided, and the open classes' spool bound.
     pub quorum_loss: crate::quorum_loss::QuorumLossConfig,
+    /// New work's admission under overload (renewals first).
+    pub overload: crate::overload::OverloadConfig,
 }
 
 impl Config {
@@ -365,6 +367,7 @@ impl Config {
             metrics_listen: None,
             force_release: crate::force_release::ForceReleaseConfig::default(),
             quorum_loss: crate::quorum_loss::QuorumLossConfig::default(),
+            overload: crate::overload::OverloadConfig::default(),
         }
     }
 }

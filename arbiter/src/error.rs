@@ -111,6 +111,18 @@ pub enum ArbiterError {
     ShardMapAhead { cluster: u64, arbiter: u64 },
     #[error("the lock log (etcd) is unavailable: {detail}; retry with backoff")]
     StoreUnavailable { detail: String },
+    /// New work refused so that established sessions keep renewing
+    /// ([`crate::overload`]).
+    #[error(
+        "this arbiter is overloaded{}: new {work} calls are refused so that established sessions keep renewing; retry with backoff (at least {} ms)",
+        if *renewals_late { " (renewals are running late)" } else { "" },
+        retry_after.as_millis()
+    )]
+    Overloaded {
+        work: &'static str,
+        retry_after: std::time::Duration,
+        renewals_late: bool,
+    },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -145,6 +157,7 @@ impl ArbiterError {
             Self::HookDenied { .. } => Reason::HookDenied,
             Self::ShardMapAhead { .. } => Reason::ShardMapChanged,
             Self::StoreUnavailable { .. } => Reason::StoreUnavailable,
+            Self::Overloaded { .. } => Reason::Overloaded,
         }
     }
 
@@ -176,7 +189,7 @@ impl ArbiterError {
                 Code::Unavailable
             }
             Self::HookDenied { code, .. } => *code,
-            Self::StoreUnavailable { .. } => Code::Unavailable,
+            Self::StoreUnavailable { .. } | Self::Overloaded { .. } => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
         }
     }
@@ -186,6 +199,7 @@ impl ArbiterError {
         matches!(
             self,
             Self::StoreUnavailable { .. }
+                | Self::Overloaded { .. }
                 | Self::Held { .. }
                 | Self::TierMoving(_)
                 | Self::RangeMoving(_)
@@ -250,8 +264,19 @@ impl From<ArbiterError> for Status {
         if let ArbiterError::HookDenied { reason_code, .. } = &err {
             metadata.insert("hookReason".to_string(), reason_code.clone());
         }
+        if let ArbiterError::Overloaded { retry_after, .. } = &err {
+            // google.rpc.RetryInfo, and gRPC's own pushback header, which
+            // clients with a retry policy honour.
+            details.set_retry_info(Some(*retry_after));
+        }
         details.set_error_info(reason_name(err.reason()), ERROR_DOMAIN, metadata);
-        Status::with_error_details(err.code(), err.to_string(), details)
+        let mut status = Status::with_error_details(err.code(), err.to_string(), details);
+        if let ArbiterError::Overloaded { retry_after, .. } = &err
+            && let Ok(ms) = retry_after.as_millis().to_string().parse()
+        {
+            status.metadata_mut().insert("grpc-retry-pushback-ms", ms);
+        }
+        status
     }
 }
 

@@ -27,6 +27,7 @@ pub mod identity;
 pub mod lock_log;
 pub mod metrics;
 pub mod oidc;
+pub mod overload;
 pub mod policy;
 pub mod quorum_loss;
 pub mod records;

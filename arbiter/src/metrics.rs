@@ -115,8 +115,19 @@ pub struct Metrics {
     identity_bounds: Family<KindLabels, Counter>,
     ownership_lookups: Counter,
     keepalive_paced: Family<KindLabels, Counter>,
+    overload_refusals: Family<OverloadLabels, Counter>,
     /// The coord tier's seal and quorum, with the tiers split.
     coord_tier: CoordTier,
+    /// New work's admission, for its gauges (set once the arbiter is built).
+    admission: AdmissionGauges,
+}
+
+type AdmissionGauges = Arc<std::sync::OnceLock<Arc<crate::overload::Admission>>>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OverloadLabels {
+    work: String,
+    why: String,
 }
 
 /// Set once, when the arbiter has a coord tier of its own.
@@ -132,6 +143,22 @@ impl Metrics {
     /// `_quorum_lost`); the others are the entity cluster's.
     pub fn set_coord_tier(&self, guard: Arc<EpochGuard>, quorum: QuorumStatus) {
         let _ = self.coord_tier.set((guard, quorum));
+    }
+
+    /// Adds the new-work admission's gauges (`new_work_limit`,
+    /// `new_work_in_flight`, `new_work_queued`, `renewals_late`).
+    pub fn set_admission(&self, admission: Arc<crate::overload::Admission>) {
+        let _ = self.admission.set(admission);
+    }
+
+    /// Records new work refused for load ([`crate::overload`]).
+    pub fn overload_refused(&self, work: crate::overload::Work, why: crate::overload::Refusal) {
+        self.overload_refusals
+            .get_or_create(&OverloadLabels {
+                work: work.name().to_string(),
+                why: why.name().to_string(),
+            })
+            .inc();
     }
 }
 
@@ -210,13 +237,21 @@ impl Metrics {
             "Times a KeepAlive stream stopped being read because its identity had spent its budget, by kind: ownership_lookups or renewals (nothing is refused; HTTP/2 flow control slows the sender)",
             keepalive_paced.clone(),
         );
+        let overload_refusals = Family::<OverloadLabels, Counter>::default();
+        registry.register(
+            "overload_refusals",
+            "New work (OpenSession, Acquire) refused UNAVAILABLE / OVERLOADED so that established sessions keep renewing, by work and why: renewals_late, queue_full, or waited (its longest, or to its deadline)",
+            overload_refusals.clone(),
+        );
         let coord_tier = CoordTier::default();
+        let admission = AdmissionGauges::default();
         registry.register_collector(Box::new(StateCollector {
             waiters,
             guard,
             hooks,
             quorum,
             coord_tier: coord_tier.clone(),
+            admission: admission.clone(),
         }));
         Self {
             registry,
@@ -229,7 +264,9 @@ impl Metrics {
             identity_bounds,
             ownership_lookups,
             keepalive_paced,
+            overload_refusals,
             coord_tier,
+            admission,
         }
     }
 
@@ -347,6 +384,7 @@ struct StateCollector {
     hooks: Arc<HookHost>,
     quorum: QuorumStatus,
     coord_tier: CoordTier,
+    admission: AdmissionGauges,
 }
 
 impl fmt::Debug for StateCollector {
@@ -362,6 +400,35 @@ fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, v: i64) -> fmt
 
 impl Collector for StateCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        if let Some(admission) = self.admission.get()
+            && admission.enabled()
+        {
+            let g = admission.gauges();
+            gauge(
+                &mut encoder,
+                "new_work_limit",
+                "New work (OpenSession, Acquire) this arbiter runs at once now: it falls while renewals run late and rises while they are on time",
+                i64::from(g.limit),
+            )?;
+            gauge(
+                &mut encoder,
+                "new_work_in_flight",
+                "New work running now (under new_work_limit)",
+                i64::from(g.in_flight),
+            )?;
+            gauge(
+                &mut encoder,
+                "new_work_queued",
+                "New work waiting for a place under new_work_limit",
+                i64::from(g.queued),
+            )?;
+            gauge(
+                &mut encoder,
+                "renewals_late",
+                "1 while the last window's renewals ran later than --renewal-latency-target-ms: new work that finds the limit full is refused at once",
+                i64::from(g.shedding),
+            )?;
+        }
         let (keys, waiters) = (self.waiters)();
         gauge(
             &mut encoder,

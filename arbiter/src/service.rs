@@ -41,6 +41,7 @@ use crate::error::ArbiterError;
 use crate::hook::ClassHooks;
 use crate::identity::{Caller, IdentitySource};
 use crate::metrics::{Metrics, Scope};
+use crate::overload::{self, Work};
 use crate::policy::Policies;
 
 /// Everything a request handler needs.
@@ -57,6 +58,8 @@ pub struct Arbiter {
     pub(crate) metrics: Arc<Metrics>,
     /// Per-identity bounds on sessions and renewals.
     pub(crate) bounds: Arc<crate::bounds::Bounds>,
+    /// New work's admission under overload: renewals first.
+    pub(crate) admission: Arc<crate::overload::Admission>,
 }
 
 impl Arbiter {
@@ -117,6 +120,28 @@ impl Arbiter {
             })
     }
 
+    /// A place for one call of new work ([`crate::overload`]), after the
+    /// caller is known (its grant subject has a bounded share of the
+    /// queue; a call refused for who it is costs no place).
+    pub(crate) async fn admit<T>(
+        &self,
+        request: &Request<T>,
+        work: Work,
+    ) -> Result<overload::Permit, ArbiterError> {
+        if !self.admission.enabled() {
+            return self.admission.admit(work, "", None).await;
+        }
+        let caller = self.caller(request)?;
+        let policies = self.policies.current();
+        let subject = policies
+            .grants()
+            .subject(&caller.identity)
+            .unwrap_or(&caller.identity);
+        self.admission
+            .admit(work, subject, acquire::grpc_timeout(request))
+            .await
+    }
+
     pub(crate) fn require_operator(&self, caller: &Caller) -> Result<(), ArbiterError> {
         if self.policies.current().is_operator(&caller.identity) {
             Ok(())
@@ -164,7 +189,9 @@ impl Lock for LockService {
         &self,
         request: Request<OpenSessionRequest>,
     ) -> Result<Response<OpenSessionResponse>, Status> {
-        Ok(Response::new(self.inner.open_session(request).await?))
+        let permit = self.inner.admit(&request, Work::Open).await?;
+        let opened = overload::holding(permit, self.inner.open_session(request)).await?;
+        Ok(Response::new(opened))
     }
 
     type KeepAliveStream = KeepAliveStream;
@@ -187,7 +214,10 @@ impl Lock for LockService {
         &self,
         request: Request<AcquireRequest>,
     ) -> Result<Response<AcquireResponse>, Status> {
-        Ok(Response::new(self.inner.acquire(request).await?))
+        // The place is given back when the call starts waiting for its key.
+        let permit = self.inner.admit(&request, Work::Acquire).await?;
+        let acquired = overload::holding(permit, self.inner.acquire(request)).await?;
+        Ok(Response::new(acquired))
     }
 
     async fn release(

@@ -219,8 +219,18 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             Arc::new(move || quorum.snapshot()),
         );
     }
+    let metrics = Arc::new(metrics);
+    let admission = {
+        let metrics = Arc::clone(&metrics);
+        crate::overload::Admission::with_refusals(
+            config.overload.clone(),
+            Box::new(move |work, why| metrics.overload_refused(work, why)),
+        )
+    };
+    metrics.set_admission(Arc::clone(&admission));
     Ok(Arc::new(Arbiter {
-        metrics: Arc::new(metrics),
+        metrics,
+        admission,
         tiers,
         policies,
         identity,

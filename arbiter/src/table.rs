@@ -451,6 +451,8 @@ impl LockTable {
         };
         let key = req.key.clone();
         let mut ticket = self.enqueue(req, watch_from, max_waiters_per_key)?;
+        // Waiting is not new work: the call's admission place goes back.
+        crate::overload::parked();
         match tokio::time::timeout(budget, ticket.wait()).await {
             Ok(reply) => reply.map(|delivery| Acquired {
                 grant: delivery.grant,

@@ -140,6 +140,11 @@ impl Error {
                 _ => {}
             }
         }
+        if self.reason() == Reason::Overloaded {
+            return Some(
+                "the arbiter is overloaded and serves established sessions' renewals first; retry with backoff (your held locks are not affected)",
+            );
+        }
         self.is_transient()
             .then_some("temporary: retry in a few seconds")
     }

@@ -39,7 +39,7 @@ const LOOKUPS_PER_SECOND: f64 = LOOKUP_BURST / 10.0;
 const RENEWALS_PER_SECOND: f64 = 1024.0;
 
 /// Every sample of a Prometheus text exposition: `name{labels}` -> value.
-async fn scrape(addr: SocketAddr) -> anyhow::Result<BTreeMap<String, f64>> {
+pub(crate) async fn scrape(addr: SocketAddr) -> anyhow::Result<BTreeMap<String, f64>> {
     let text = admin_get(addr, "/metrics").await?;
     Ok(text
         .lines()
@@ -52,7 +52,7 @@ async fn scrape(addr: SocketAddr) -> anyhow::Result<BTreeMap<String, f64>> {
 }
 
 /// The sum of the samples whose name and labels contain every one of `parts`.
-fn total(samples: &BTreeMap<String, f64>, parts: &[&str]) -> u64 {
+pub(crate) fn total(samples: &BTreeMap<String, f64>, parts: &[&str]) -> u64 {
     let sum: f64 = samples
         .iter()
         .filter(|(name, _)| parts.iter().all(|p| name.contains(p)))

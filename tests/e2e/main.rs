@@ -31,6 +31,7 @@ mod lock_loss;
 mod log_contract;
 mod metrics;
 mod otel;
+mod overload;
 mod pause_test;
 mod policies;
 mod python_client;

@@ -104,6 +104,10 @@ pub struct ArbiterOptions {
     /// The arbiter's own certificate, key and client CA files; the dev
     /// trust domain's `latchkey/arbiter` SVID when `None`. In process only.
     pub tls: Option<latchkey_arbiter::TlsFiles>,
+    /// New work's admission under overload; the arbiter's default when
+    /// `None`. A process gets `--no-overload-protection` (when off),
+    /// `--renewal-latency-target-ms` and `--{max,min}-new-work-in-flight`.
+    pub overload: Option<latchkey_arbiter::overload::OverloadConfig>,
 }
 
 /// A coord etcd cluster for the arbiter (issue 15), reached with the same
@@ -167,6 +171,7 @@ impl Default for ArbiterOptions {
             max_sessions_per_identity: None,
             force_release: Default::default(),
             tls: None,
+            overload: None,
         }
     }
 }
@@ -222,6 +227,9 @@ impl Arbiter {
             config.max_sessions_per_identity = max;
         }
         config.force_release = opts.force_release.clone();
+        if let Some(overload) = &opts.overload {
+            config.overload = overload.clone();
+        }
         if let Some(coord) = &opts.coord {
             config.coord_endpoints = coord.endpoints.clone();
             if let Some(prefix) = &coord.prefix {
@@ -525,6 +533,17 @@ impl ArbiterProcess {
         }
         if let Some(max) = opts.max_sessions_per_identity {
             cmd.arg("--max-sessions-per-identity").arg(max.to_string());
+        }
+        if let Some(o) = &opts.overload {
+            if !o.enabled {
+                cmd.arg("--no-overload-protection");
+            }
+            cmd.arg("--renewal-latency-target-ms")
+                .arg(o.renewal_target.as_millis().max(1).to_string())
+                .arg("--max-new-work-in-flight")
+                .arg(o.max_in_flight.to_string())
+                .arg("--min-new-work-in-flight")
+                .arg(o.min_in_flight.to_string());
         }
         if let Some(coord) = &opts.coord {
             cmd.arg("--coord-etcd").arg(coord.endpoints.join(","));

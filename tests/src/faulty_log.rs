@@ -73,7 +73,18 @@ pub enum TestFault {
     /// Opens reserved before the count finish while it is in flight: the
     /// arbiter must still count them (issue 31, finding 9).
     SlowCounts,
+    /// Not a bug: every lease renewal answers only after [`SLOW_RENEWAL`],
+    /// once etcd has answered it, as renewals do when etcd or the arbiter
+    /// is overloaded (the lease is renewed; the answer is late). The
+    /// arbiter must then give established sessions' renewals way: refuse
+    /// new work it cannot start at once (issue 31, overload).
+    SlowRenewals,
 }
+
+/// How long [`TestFault::SlowRenewals`] holds back a renewal's answer:
+/// later than the arbiter's default renewal latency target (1 s), well
+/// inside the shortest dev class's TTL (5 s).
+pub const SLOW_RENEWAL: Duration = Duration::from_millis(1500);
 
 /// How long [`TestFault::SlowCounts`] holds back a count's answer.
 pub const SLOW_COUNT: Duration = Duration::from_millis(150);
@@ -86,13 +97,14 @@ pub const SLOW_REUSE: Duration = Duration::from_millis(500);
 pub const LOSE_EVERY: u64 = 4;
 
 impl TestFault {
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::None,
         Self::GrantOnWatch,
         Self::SlowReuse,
         Self::LoseGrantAnswers,
         Self::ForgetHidden,
         Self::SlowCounts,
+        Self::SlowRenewals,
     ];
 
     pub fn parse(name: &str) -> Result<Self, String> {
@@ -103,9 +115,10 @@ impl TestFault {
             "lose-grant-answers" => Ok(Self::LoseGrantAnswers),
             "forget-hidden" => Ok(Self::ForgetHidden),
             "slow-counts" => Ok(Self::SlowCounts),
+            "slow-renewals" => Ok(Self::SlowRenewals),
             other => Err(format!(
                 "unknown test fault {other:?}: expected none, grant-on-watch, slow-reuse, \
-                 lose-grant-answers, forget-hidden or slow-counts"
+                 lose-grant-answers, forget-hidden, slow-counts or slow-renewals"
             )),
         }
     }
@@ -119,6 +132,7 @@ impl TestFault {
             Self::LoseGrantAnswers => "lose-grant-answers",
             Self::ForgetHidden => "forget-hidden",
             Self::SlowCounts => "slow-counts",
+            Self::SlowRenewals => "slow-renewals",
         }
     }
 }
@@ -387,9 +401,10 @@ impl LockLog for FaultyLog {
             TestFault::LoseGrantAnswers | TestFault::ForgetHidden => {
                 self.grant_losing_answers(txn).await
             }
-            TestFault::None | TestFault::GrantOnWatch | TestFault::SlowCounts => {
-                self.inner.grant(txn).await
-            }
+            TestFault::None
+            | TestFault::GrantOnWatch
+            | TestFault::SlowCounts
+            | TestFault::SlowRenewals => self.inner.grant(txn).await,
         }
     }
 
@@ -465,7 +480,8 @@ impl LockLog for FaultyLog {
             | TestFault::SlowReuse
             | TestFault::LoseGrantAnswers
             | TestFault::ForgetHidden
-            | TestFault::SlowCounts => watch,
+            | TestFault::SlowCounts
+            | TestFault::SlowRenewals => watch,
         })
     }
 
@@ -503,7 +519,11 @@ impl LockLog for FaultyLog {
     }
 
     async fn renew(&self, lease: i64) -> Result<Renewal, StoreError> {
-        self.inner.renew(lease).await
+        let answer = self.inner.renew(lease).await;
+        if self.fault == TestFault::SlowRenewals {
+            tokio::time::sleep(SLOW_RENEWAL).await;
+        }
+        answer
     }
 }
 

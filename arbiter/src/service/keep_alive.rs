@@ -332,6 +332,9 @@ impl Arbiter {
         checked: Option<Home>,
     ) -> Result<Renewal, ArbiterError> {
         let session = session_id(raw)?;
+        // Renewals that reach the store are timed from here for the
+        // overload signal ([`crate::overload`]); a lookup is part of it.
+        let started = Instant::now();
         let home = match checked {
             Some(home) => home,
             None => match self.owner_home(identity, session).await? {
@@ -346,7 +349,11 @@ impl Arbiter {
         if home == Home::Entity {
             self.renewal_fenced()?;
             if self.has_shadows() {
-                return self.renew_with_shadows(session).await;
+                let renewal = self.renew_with_shadows(session).await;
+                if let Ok(Renewal::Alive(..)) = renewal {
+                    self.admission.renewal_served(started.elapsed());
+                }
+                return renewal;
             }
         }
         // Ownership is settled above; only then may the memo answer.
@@ -377,9 +384,11 @@ impl Arbiter {
                 "coalesced"
             });
             if renewed.sent >= asked {
+                self.admission.renewal_served(started.elapsed());
                 return Ok(Renewal::Alive(renewed.ttl_seconds, home));
             }
             if let Some(ttl) = self.bounds.recent_renewal(session) {
+                self.admission.renewal_served(started.elapsed());
                 return Ok(Renewal::Alive(ttl, home));
             }
         }

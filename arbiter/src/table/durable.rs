@@ -140,6 +140,9 @@ impl LockTable {
             table: self.clone(),
             rx,
         };
+        // Waiting is not new work: the call's admission place goes back
+        // (the waiter's record is bounded by the waiter bounds above).
+        crate::overload::parked();
         match tokio::time::timeout(budget, &mut ticket.rx).await {
             Ok(Ok(answer)) => answer.map(|(grant, _)| Acquired {
                 grant,

@@ -94,6 +94,8 @@ fn is_definite_refusal(err: &Error) -> bool {
             // compare of the shard-map fence: nothing written.
             | Reason::RangeMoving
             | Reason::ShardMapChanged
+            // Refused by the overload admission, before any work.
+            | Reason::Overloaded
     )
 }
 

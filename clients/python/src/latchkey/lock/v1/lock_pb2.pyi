@@ -41,6 +41,7 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_TIER_MOVING: _ClassVar[Reason]
     REASON_RANGE_MOVING: _ClassVar[Reason]
     REASON_SHARD_MAP_CHANGED: _ClassVar[Reason]
+    REASON_OVERLOADED: _ClassVar[Reason]
 WAIT_NONE: WaitMode
 WAIT_UNTIL_DEADLINE: WaitMode
 REASON_UNSPECIFIED: Reason
@@ -70,6 +71,7 @@ REASON_WRONG_TIER: Reason
 REASON_TIER_MOVING: Reason
 REASON_RANGE_MOVING: Reason
 REASON_SHARD_MAP_CHANGED: Reason
+REASON_OVERLOADED: Reason
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("reuse_session_ids",)

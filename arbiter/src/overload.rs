@@ -1,0 +1,617 @@
+//! Overload protection: established sessions' renewals are served ahead of
+//! new work (issue 31).
+//!
+//! A lock service that degrades by letting holders' sessions expire is at
+//! its worst: every hold on an expired session is lost, and the holders did
+//! nothing wrong. So the arbiter has two admissions:
+//!
+//! - **Renewals** (KeepAlive) are never refused for load and never wait
+//!   here; they are paced per identity only ([`crate::bounds::renewal_budget`]).
+//!   Releases and closes are not gated either: they end work.
+//! - **New work** (OpenSession, Acquire's first attempt) runs under a
+//!   concurrency limit. Past it a call waits in a bounded FIFO (each grant
+//!   subject a bounded share of it) for at most its deadline or
+//!   [`OverloadConfig::max_queue_wait`]; past that it is refused
+//!   `UNAVAILABLE` / `OVERLOADED`, which the clients retry with backoff.
+//!
+//! The limit adapts to how late renewals are (additive increase,
+//! multiplicative decrease, as TCP and Netflix's concurrency-limits do): the
+//! arbiter times every renewal it serves from the moment its message is read
+//! to etcd's answer, over windows of [`WINDOW`]. A window in which renewals
+//! were later than [`OverloadConfig::renewal_target`] cuts the limit by a
+//! quarter, refuses the queued new work at once, and for [`SHED_HOLD`]
+//! after it refuses new work that finds the limit full instead of queueing
+//! it; outside that, a window in which new work found the limit full raises
+//! it by about 5%. Renewals are the signal because they are what must not fail:
+//! whether etcd's apply queue, its disk or the arbiter's own CPU is what
+//! falls behind, renewals see it before sessions expire (a renewal late by
+//! the target still leaves the lease most of its TTL).
+//!
+//! An Acquire that queues behind a held key gives its place back when it
+//! starts waiting ([`parked`]): waiting costs etcd nothing, and a thousand
+//! waiters must not keep new work out.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
+
+use crate::error::ArbiterError;
+
+/// How often the limit moves (at most once per window).
+pub const WINDOW: Duration = Duration::from_millis(100);
+/// How long new work keeps giving way after a window of late renewals.
+/// Renewals reach etcd in bursts (most are answered from the memo), so a
+/// window without any says nothing; shedding lasts until this has passed
+/// without another late window.
+pub const SHED_HOLD: Duration = Duration::from_secs(1);
+
+/// The default renewal latency target (`--renewal-latency-target-ms`).
+pub const DEFAULT_RENEWAL_TARGET: Duration = Duration::from_millis(1000);
+/// The default ceiling on new work in flight (`--max-new-work-in-flight`).
+pub const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
+/// The limit never goes below this: some new work always runs.
+pub const DEFAULT_MIN_IN_FLIGHT: u32 = 8;
+/// New-work calls queued at most (each grant subject at most an eighth).
+pub const DEFAULT_MAX_QUEUED: u32 = 4096;
+/// Longest a new-work call waits for a place (less if its deadline is sooner).
+pub const DEFAULT_MAX_QUEUE_WAIT: Duration = Duration::from_secs(5);
+/// What a refused call is told to wait before retrying, at least.
+const RETRY_AFTER: Duration = Duration::from_millis(200);
+/// Answer a queued call a little before its deadline, so it hears
+/// OVERLOADED from us rather than a bare DEADLINE_EXCEEDED.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
+
+#[derive(Debug, Clone)]
+pub struct OverloadConfig {
+    /// Off: new work is never limited nor refused for load (the
+    /// benchmark's "protection off" run; `--no-overload-protection`).
+    pub enabled: bool,
+    /// A renewal served later than this (message read to etcd's answer)
+    /// is late: new work gives way.
+    pub renewal_target: Duration,
+    pub max_in_flight: u32,
+    pub min_in_flight: u32,
+    pub max_queued: u32,
+    pub max_queue_wait: Duration,
+}
+
+impl Default for OverloadConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            renewal_target: DEFAULT_RENEWAL_TARGET,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            min_in_flight: DEFAULT_MIN_IN_FLIGHT,
+            max_queued: DEFAULT_MAX_QUEUED,
+            max_queue_wait: DEFAULT_MAX_QUEUE_WAIT,
+        }
+    }
+}
+
+/// What kind of new work a call is (for the metrics and the refusal).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Work {
+    Open,
+    Acquire,
+}
+
+impl Work {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Open => "open_session",
+            Self::Acquire => "acquire",
+        }
+    }
+}
+
+/// Why a call was refused (the metric's label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Renewals were late: new work that found the limit full was refused.
+    RenewalsLate,
+    /// The queue (or the subject's share of it) was full.
+    QueueFull,
+    /// It waited its longest (or to its deadline) without a place.
+    Waited,
+}
+
+impl Refusal {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::RenewalsLate => "renewals_late",
+            Self::QueueFull => "queue_full",
+            Self::Waited => "waited",
+        }
+    }
+}
+
+/// A snapshot for the metrics and `GetStatus`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gauges {
+    pub limit: u32,
+    pub in_flight: u32,
+    pub queued: u32,
+    pub shedding: bool,
+}
+
+/// The new-work admission of one arbiter.
+pub struct Admission {
+    config: OverloadConfig,
+    state: Mutex<State>,
+    refused: Box<dyn Fn(Work, Refusal) + Send + Sync>,
+}
+
+/// One renewal window's observations.
+#[derive(Debug)]
+struct Window {
+    started: Instant,
+    renewals: u32,
+    late: u32,
+    /// New work found the limit full at least once.
+    saturated: bool,
+}
+
+impl Window {
+    fn new(now: Instant) -> Self {
+        Self {
+            started: now,
+            renewals: 0,
+            late: 0,
+            saturated: false,
+        }
+    }
+}
+
+struct Queued {
+    id: u64,
+    subject: String,
+    /// `true`: admitted (in flight already counts it); `false`: refused.
+    tx: oneshot::Sender<bool>,
+}
+
+struct State {
+    limit: f64,
+    in_flight: u32,
+    queue: VecDeque<Queued>,
+    /// Queued calls per grant subject (subjects with none leave).
+    queued_by: HashMap<String, u32>,
+    next_id: u64,
+    window: Window,
+    /// Until when new work gives way (the last late window plus [`SHED_HOLD`]).
+    shed_until: Option<Instant>,
+}
+
+impl State {
+    fn limit(&self) -> u32 {
+        // The limit is kept within [min, max] u32 values.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let l = self.limit as u32;
+        l
+    }
+
+    fn shedding(&self, now: Instant) -> bool {
+        self.shed_until.is_some_and(|until| now < until)
+    }
+
+    fn unqueue(&mut self, subject: &str) {
+        if let Some(n) = self.queued_by.get_mut(subject) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.queued_by.remove(subject);
+            }
+        }
+    }
+
+    /// Lets queued calls in while there is room.
+    fn pump(&mut self) {
+        while self.in_flight < self.limit() {
+            let Some(q) = self.queue.pop_front() else {
+                break;
+            };
+            self.unqueue(&q.subject);
+            self.in_flight += 1;
+            if q.tx.send(true).is_err() {
+                // The caller went away while queued.
+                self.in_flight -= 1;
+            }
+        }
+    }
+
+    /// Refuses every queued call (renewals are late).
+    fn shed(&mut self) {
+        for q in self.queue.drain(..) {
+            let _ = q.tx.send(false);
+        }
+        self.queued_by.clear();
+    }
+}
+
+impl Admission {
+    pub fn new(config: OverloadConfig) -> Arc<Self> {
+        Self::with_refusals(config, Box::new(|_, _| {}))
+    }
+
+    /// `refused` is told of every refusal (the metrics).
+    pub fn with_refusals(
+        config: OverloadConfig,
+        refused: Box<dyn Fn(Work, Refusal) + Send + Sync>,
+    ) -> Arc<Self> {
+        let min = config.min_in_flight.max(1);
+        let max = config.max_in_flight.max(min);
+        let config = OverloadConfig {
+            min_in_flight: min,
+            max_in_flight: max,
+            ..config
+        };
+        Arc::new(Self {
+            state: Mutex::new(State {
+                limit: f64::from(max),
+                in_flight: 0,
+                queue: VecDeque::new(),
+                queued_by: HashMap::new(),
+                next_id: 0,
+                window: Window::new(Instant::now()),
+                shed_until: None,
+            }),
+            config,
+            refused,
+        })
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.config.enabled
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        let s = self.state.lock();
+        Gauges {
+            limit: s.limit(),
+            in_flight: s.in_flight,
+            queued: u32::try_from(s.queue.len()).unwrap_or(u32::MAX),
+            shedding: s.shedding(Instant::now()),
+        }
+    }
+
+    /// A renewal was served in `took` (its message read to its answer).
+    pub fn renewal_served(&self, took: Duration) {
+        if !self.config.enabled {
+            return;
+        }
+        let mut s = self.state.lock();
+        self.roll(&mut s, Instant::now());
+        s.window.renewals = s.window.renewals.saturating_add(1);
+        if took > self.config.renewal_target {
+            s.window.late = s.window.late.saturating_add(1);
+        }
+    }
+
+    /// Closes the window if it is over and moves the limit (down after a
+    /// window of late renewals, up after one whose new work found the
+    /// limit full while renewals were on time).
+    fn roll(&self, s: &mut State, now: Instant) {
+        if now.duration_since(s.window.started) < WINDOW {
+            return;
+        }
+        let w = std::mem::replace(&mut s.window, Window::new(now));
+        let (min, max) = (
+            f64::from(self.config.min_in_flight),
+            f64::from(self.config.max_in_flight),
+        );
+        // One late renewal in a hundred (at least one) is late enough: a
+        // lease renewed late once is still alive, but the next one may not be.
+        let late = w.late > 0 && w.late.saturating_mul(100) >= w.renewals.max(1);
+        if late {
+            s.limit = (s.limit * 0.75).max(min);
+            s.shed_until = Some(now + SHED_HOLD);
+            // Each refused call counts its own refusal.
+            s.shed();
+        } else if !s.shedding(now) && w.saturated {
+            s.limit = (s.limit + (s.limit * 0.05).max(1.0)).min(max);
+            s.pump();
+        }
+    }
+
+    /// A place for one call of new work by `subject` (a grant subject),
+    /// held until the permit is dropped (or [`parked`]). `deadline` is the
+    /// call's own, if it has one.
+    pub async fn admit(
+        self: &Arc<Self>,
+        work: Work,
+        subject: &str,
+        deadline: Option<Duration>,
+    ) -> Result<Permit, ArbiterError> {
+        if !self.config.enabled {
+            return Ok(Permit { admission: None });
+        }
+        let (id, rx) = {
+            let mut s = self.state.lock();
+            self.roll(&mut s, Instant::now());
+            if s.in_flight < s.limit() && s.queue.is_empty() {
+                s.in_flight += 1;
+                return Ok(self.permit());
+            }
+            s.window.saturated = true;
+            let share = (self.config.max_queued / 8).max(1);
+            let refusal = if s.shedding(Instant::now()) {
+                Some(Refusal::RenewalsLate)
+            } else if u32::try_from(s.queue.len()).unwrap_or(u32::MAX) >= self.config.max_queued
+                || s.queued_by.get(subject).copied().unwrap_or(0) >= share
+            {
+                Some(Refusal::QueueFull)
+            } else {
+                None
+            };
+            if let Some(refusal) = refusal {
+                drop(s);
+                return Err(self.refuse(work, refusal));
+            }
+            let id = s.next_id;
+            s.next_id += 1;
+            let (tx, rx) = oneshot::channel();
+            s.queue.push_back(Queued {
+                id,
+                subject: subject.to_string(),
+                tx,
+            });
+            *s.queued_by.entry(subject.to_string()).or_insert(0) += 1;
+            (id, rx)
+        };
+        let wait = deadline
+            .map(|d| d.saturating_sub(DEADLINE_MARGIN))
+            .unwrap_or(self.config.max_queue_wait)
+            .min(self.config.max_queue_wait);
+        let mut rx = rx;
+        let refusal = match tokio::time::timeout(wait, &mut rx).await {
+            Ok(Ok(true)) => return Ok(self.permit()),
+            Ok(Ok(false) | Err(_)) => Refusal::RenewalsLate,
+            Err(_) => {
+                let mut s = self.state.lock();
+                if let Some(at) = s.queue.iter().position(|q| q.id == id) {
+                    if let Some(q) = s.queue.remove(at) {
+                        s.unqueue(&q.subject);
+                    }
+                    Refusal::Waited
+                } else {
+                    // Answered between the timeout and the lock.
+                    drop(s);
+                    match rx.try_recv() {
+                        Ok(true) => return Ok(self.permit()),
+                        _ => Refusal::RenewalsLate,
+                    }
+                }
+            }
+        };
+        Err(self.refuse(work, refusal))
+    }
+
+    fn permit(self: &Arc<Self>) -> Permit {
+        Permit {
+            admission: Some(Arc::clone(self)),
+        }
+    }
+
+    fn refuse(&self, work: Work, refusal: Refusal) -> ArbiterError {
+        (self.refused)(work, refusal);
+        ArbiterError::Overloaded {
+            work: work.name(),
+            retry_after: RETRY_AFTER,
+            renewals_late: refusal == Refusal::RenewalsLate,
+        }
+    }
+
+    fn release(&self) {
+        let mut s = self.state.lock();
+        s.in_flight = s.in_flight.saturating_sub(1);
+        self.roll(&mut s, Instant::now());
+        s.pump();
+    }
+}
+
+/// A place in the new-work limit; given back when dropped.
+pub struct Permit {
+    admission: Option<Arc<Admission>>,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if let Some(a) = self.admission.take() {
+            a.release();
+        }
+    }
+}
+
+tokio::task_local! {
+    static HELD: std::cell::RefCell<Option<Permit>>;
+}
+
+/// Runs `call` holding `permit`, which [`parked`] gives back early.
+pub async fn holding<F: Future>(permit: Permit, call: F) -> F::Output {
+    HELD.scope(std::cell::RefCell::new(Some(permit)), call)
+        .await
+}
+
+/// The call stops being new work (an Acquire that starts waiting for its
+/// key): gives its place back. Nothing outside [`holding`].
+pub fn parked() {
+    let _ = HELD.try_with(|held| held.borrow_mut().take());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(max: u32) -> OverloadConfig {
+        OverloadConfig {
+            enabled: true,
+            renewal_target: Duration::from_millis(100),
+            max_in_flight: max,
+            min_in_flight: 1,
+            max_queued: 16,
+            max_queue_wait: Duration::from_secs(5),
+        }
+    }
+
+    /// Lets spawned calls run until `cond` holds (no clock involved).
+    async fn until(cond: impl Fn() -> bool) {
+        for _ in 0..10_000 {
+            if cond() {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("the condition never held");
+    }
+
+    fn is_overloaded(r: &Result<Permit, ArbiterError>) -> bool {
+        matches!(r, Err(ArbiterError::Overloaded { .. }))
+    }
+
+    #[tokio::test]
+    async fn new_work_runs_under_the_limit_and_queues_past_it() {
+        let a = Admission::new(config(2));
+        let p1 = a.admit(Work::Open, "s", None).await;
+        let p2 = a.admit(Work::Open, "s", None).await;
+        assert!(p1.is_ok() && p2.is_ok());
+        let a2 = Arc::clone(&a);
+        let third = tokio::spawn(async move { a2.admit(Work::Acquire, "t", None).await.is_ok() });
+        until(|| a.gauges().queued == 1).await;
+        drop(p1);
+        assert!(third.await.unwrap_or(false));
+        assert_eq!(
+            a.gauges().in_flight,
+            1,
+            "the third call's permit was dropped"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queued_call_is_refused_when_its_wait_is_over() {
+        let a = Admission::new(config(1));
+        let _p = a.admit(Work::Open, "s", None).await;
+        let r = a
+            .admit(Work::Open, "s", Some(Duration::from_millis(300)))
+            .await;
+        assert!(is_overloaded(&r));
+        assert_eq!(a.gauges().queued, 0);
+    }
+
+    #[tokio::test]
+    async fn one_subject_gets_an_eighth_of_the_queue() {
+        let a = Admission::new(config(1));
+        let _p = a.admit(Work::Open, "s", None).await;
+        // max_queued 16: two places per subject.
+        let mut waiting = Vec::new();
+        for _ in 0..2 {
+            let a2 = Arc::clone(&a);
+            waiting.push(tokio::spawn(async move {
+                a2.admit(Work::Open, "hog", None).await.is_ok()
+            }));
+        }
+        until(|| a.gauges().queued == 2).await;
+        assert!(is_overloaded(&a.admit(Work::Open, "hog", None).await));
+        let a2 = Arc::clone(&a);
+        let other = tokio::spawn(async move { a2.admit(Work::Open, "other", None).await.is_ok() });
+        until(|| a.gauges().queued == 3).await;
+        drop(_p);
+        for w in waiting {
+            // Each lets the next in as it ends (its permit is dropped at once).
+            assert!(w.await.unwrap_or(false));
+        }
+        assert!(other.await.unwrap_or(false));
+    }
+
+    #[tokio::test]
+    async fn late_renewals_shrink_the_limit_and_refuse_the_queue() {
+        let a = Admission::new(config(8));
+        let permits: Vec<_> =
+            futures::future::join_all((0..8).map(|_| a.admit(Work::Open, "s", None)))
+                .await
+                .into_iter()
+                .collect::<Result<_, _>>()
+                .unwrap_or_default();
+        assert_eq!(permits.len(), 8);
+        let a2 = Arc::clone(&a);
+        let queued = tokio::spawn(async move { a2.admit(Work::Acquire, "s", None).await });
+        until(|| a.gauges().queued == 1).await;
+        {
+            let mut s = a.state.lock();
+            s.window.renewals = 10;
+            s.window.late = 1;
+            let past = s
+                .window
+                .started
+                .checked_sub(WINDOW)
+                .unwrap_or(s.window.started);
+            s.window.started = past;
+        }
+        a.renewal_served(Duration::ZERO);
+        let g = a.gauges();
+        assert!(g.shedding);
+        assert_eq!(g.limit, 6);
+        assert!(matches!(
+            queued.await.ok(),
+            Some(Err(ArbiterError::Overloaded {
+                renewals_late: true,
+                ..
+            }))
+        ));
+        // While shedding, new work that finds the limit full is refused at once.
+        assert!(is_overloaded(&a.admit(Work::Open, "s", None).await));
+        // The places given back are not handed out past the new limit.
+        drop(permits);
+        assert_eq!(a.gauges().in_flight, 0);
+    }
+
+    #[tokio::test]
+    async fn renewals_on_time_lift_the_limit_while_work_waits() {
+        let a = Admission::new(config(100));
+        {
+            let mut s = a.state.lock();
+            s.limit = 10.0;
+            s.window.saturated = true;
+            s.window.renewals = 50;
+            let past = s
+                .window
+                .started
+                .checked_sub(WINDOW)
+                .unwrap_or(s.window.started);
+            s.window.started = past;
+        }
+        a.renewal_served(Duration::ZERO);
+        assert_eq!(a.gauges().limit, 11);
+        assert!(!a.gauges().shedding);
+    }
+
+    #[tokio::test]
+    async fn off_admits_everything() {
+        let a = Admission::new(OverloadConfig {
+            enabled: false,
+            ..config(1)
+        });
+        let p: Vec<_> =
+            futures::future::join_all((0..100).map(|_| a.admit(Work::Open, "s", None))).await;
+        assert!(p.iter().all(Result::is_ok));
+        assert_eq!(a.gauges().in_flight, 0);
+    }
+
+    #[tokio::test]
+    async fn parking_gives_the_place_back() {
+        let a = Admission::new(config(1));
+        let permit = a.admit(Work::Acquire, "s", None).await;
+        let Ok(permit) = permit else {
+            panic!("the first call is admitted");
+        };
+        let a2 = Arc::clone(&a);
+        holding(permit, async move {
+            assert_eq!(a2.gauges().in_flight, 1);
+            parked();
+            assert_eq!(a2.gauges().in_flight, 0);
+        })
+        .await;
+        parked(); // outside a call: nothing
+    }
+}
