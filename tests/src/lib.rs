@@ -173,6 +173,27 @@ pub fn copy_dev_policies(to: &Path) -> anyhow::Result<()> {
     write_pause_test_fixtures(to)
 }
 
+/// A copy of the dev policies that also grants `prefix` to each of `names`
+/// (the benches' own identities, `workload/bench-<i>`: an identity with no
+/// grant cannot open a session).
+pub fn dev_policies_granting(names: &[String], prefix: &str) -> anyhow::Result<TempDir> {
+    let dir = tempfile::Builder::new()
+        .prefix("latchkey-bench-policies-")
+        .tempdir()?;
+    copy_dev_policies(dir.path())?;
+    let grants: String = names
+        .iter()
+        .map(|name| {
+            format!(
+                "[[grant]]\nidentity = \"{}\"\nprefixes = [\"{prefix}\"]\n\n",
+                arbiter::spiffe(name)
+            )
+        })
+        .collect();
+    std::fs::write(dir.path().join("grants/zz-bench.toml"), grants)?;
+    Ok(dir)
+}
+
 /// One read-only [`copy_dev_policies`] for this test process: the default policy
 /// directory of the harnesses. Tests that change policies make their own copy.
 pub fn dev_policies() -> anyhow::Result<&'static Path> {

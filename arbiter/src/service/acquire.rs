@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 use latchkey_proto::lockv1::{AcquireRequest, AcquireResponse, Grant as WireGrant, WaitMode};
 use tonic::Request;
 use tracing::field::Empty;
-use tracing::{Instrument as _, info};
+use tracing::{Instrument as _, debug};
 
 use super::{Arbiter, session_id, truncate};
 use crate::error::ArbiterError;
@@ -380,7 +380,9 @@ impl Arbiter {
             admitted.granted(grant.revision);
         }
         cluster.quorum.granted_in_log(&grant.key, grant.session);
-        info!(identity = %caller.identity, key = %grant.key, class = %class.name, waited = acquired.waited, "granted");
+        // Per call: DEBUG (issue 31: INFO is for what an operator acts on;
+        // the metrics count grants).
+        debug!(identity = %caller.identity, key = %grant.key, class = %class.name, waited = acquired.waited, "granted");
         Ok(AcquireResponse {
             grant: Some(wire_grant(&grant)?),
         })

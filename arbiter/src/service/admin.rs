@@ -8,7 +8,7 @@ use latchkey_proto::adminv1::{
     ListForceReleasesRequest, ListForceReleasesResponse, RequestForceReleaseRequest,
 };
 use tonic::{Request, Status};
-use tracing::{info, warn};
+use tracing::{debug, warn};
 
 use super::Arbiter;
 use crate::error::ArbiterError;
@@ -305,7 +305,7 @@ impl Arbiter {
             pending.extend(p);
             done.extend(d);
         }
-        info!(operator = %operator, subject = ?subject.subject, pending = pending.len(), "force-release requests listed");
+        debug!(operator = %operator, subject = ?subject.subject, pending = pending.len(), "force-release requests listed");
         Ok(ListForceReleasesResponse {
             pending: pending.iter().map(request_view).collect(),
             done: done

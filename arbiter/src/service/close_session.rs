@@ -1,6 +1,6 @@
 use latchkey_proto::lockv1::{CloseSessionRequest, CloseSessionResponse};
 use tonic::Request;
-use tracing::info;
+use tracing::debug;
 
 use super::{Arbiter, session_id};
 use crate::error::ArbiterError;
@@ -31,7 +31,7 @@ impl Arbiter {
         if home {
             self.end_shadows(session, marked).await;
         }
-        info!(identity = %caller.identity, session, "session closed");
+        debug!(identity = %caller.identity, session, "session closed");
         Ok(CloseSessionResponse {})
     }
 }

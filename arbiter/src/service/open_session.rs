@@ -1,6 +1,6 @@
 use latchkey_proto::lockv1::{OpenSessionRequest, OpenSessionResponse};
 use tonic::Request;
-use tracing::info;
+use tracing::debug;
 
 use super::Arbiter;
 use crate::error::{ArbiterError, IdentityBound};
@@ -63,10 +63,10 @@ impl Arbiter {
             .await;
         if let Err(e @ ArbiterError::IdentityLimit { bound, .. }) = &opened {
             self.metrics.identity_bound_refused(bound.kind());
-            info!(identity = %caller.identity, error = %e, "session refused");
+            debug!(identity = %caller.identity, error = %e, "session refused");
         }
         let session_id = opened?;
-        info!(identity = %caller.identity, session = session_id, ttl, "session opened");
+        debug!(identity = %caller.identity, session = session_id, ttl, "session opened");
         Ok(OpenSessionResponse {
             session_id,
             ttl_seconds: ttl,

@@ -3,7 +3,7 @@ use std::time::Duration;
 use latchkey_proto::lockv1::{ReleaseRequest, ReleaseResponse};
 use tonic::Request;
 use tracing::field::Empty;
-use tracing::{Instrument as _, info};
+use tracing::{Instrument as _, debug};
 
 use super::{Arbiter, session_id};
 use crate::error::ArbiterError;
@@ -89,7 +89,7 @@ impl Arbiter {
             .table
             .release(&caller.identity, key.as_str(), session, req.token)
             .await?;
-        info!(identity = %caller.identity, key = %key.as_str(), handed_over = released.handed_over, "released");
+        debug!(identity = %caller.identity, key = %key.as_str(), handed_over = released.handed_over, "released");
         self.hooks
             .after_release(&caller.identity, key.as_str())
             .instrument(tracing::trace_span!(

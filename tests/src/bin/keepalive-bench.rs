@@ -141,6 +141,8 @@ async fn main() -> anyhow::Result<()> {
     let names: Vec<String> = (0..args.sessions.div_ceil(PER_IDENTITY))
         .map(|i| format!("workload/bench-{i}"))
         .collect();
+    // Declared before the arbiters that poll it.
+    let policies = latchkey_tests::dev_policies_granting(&names, "bench")?;
     let certs = latchkey_tests::arbiter::certs()?;
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     latchctl::dev_certs::generate(
@@ -156,6 +158,7 @@ async fn main() -> anyhow::Result<()> {
     let options = ArbiterOptions {
         // `workload/bench` takes every hold of --holds, plus the acquirers'.
         max_holds_per_identity: Some(u32::try_from(args.holds + 10_000)?),
+        policies_dir: policies.path().to_path_buf(),
         ..ArbiterOptions::default()
     };
     let arbiter = ArbiterProcess::start(&binary, &etcd, options, "warn").await?;
