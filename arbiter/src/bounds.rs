@@ -1,8 +1,8 @@
 //! Per-identity bounds that hold for every caller, through the edge or
-//! direct: open sessions (counted in etcd, see [`crate::table::LockTable::open_session`];
-//! here the turn-taking and the opens in flight that keep one arbiter from
-//! overshooting), and
-//! the etcd work renewals cost (a memo of recent renewals, per session).
+//! direct: open sessions (counted from etcd by a watch, see
+//! [`crate::session_counts`]; here only the lock that admits one open at a
+//! time over both tiers), and the etcd work renewals cost (a memo of recent
+//! renewals, per session).
 //! Waiting Acquires are bounded in [`crate::waiters`]. What one identity's
 //! KeepAlive streams may make the arbiter do (ownership lookups, renewals
 //! answered) is paced in [`renewal_budget`].
@@ -15,9 +15,6 @@
 //! renewals per session per TTL, and the sessions are bounded per identity.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -32,55 +29,14 @@ pub const DEFAULT_MAX_SESSIONS_PER_IDENTITY: u32 = 1000;
 /// Sessions remembered as recently renewed; past this, renewals of other
 /// sessions go to etcd (the memo only saves work, it never decides).
 const MAX_REMEMBERED_RENEWALS: usize = 1 << 18;
-/// OpenSession turns: one identity's opens are counted one at a time (count,
-/// then reserve); the creates then run side by side. Different identities
-/// rarely share a stripe.
-const OPEN_STRIPES: usize = 64;
-
-/// One open in flight: the cluster it goes to (an index into the counts
-/// of [`Bounds::reserve_open_over`]), the revision its count entry was
-/// written at (0: not yet, or unknown), and whether it has finished (kept
-/// only while a count that may have missed it is in progress).
-struct OpenSlot {
-    cluster: usize,
-    written: Arc<AtomicI64>,
-    done: bool,
-}
-
-/// One identity's opens in flight.
-#[derive(Default)]
-struct Opening {
-    slots: Vec<OpenSlot>,
-    /// A count of the identity's sessions is in progress ([`CountWindow`]).
-    /// Its read may have been served before an open that finishes now wrote
-    /// its entry, so such an open stays (done) and counts as in flight for
-    /// that count unless the count's revision shows it; it leaves when the
-    /// count is over. (Dropping it at once let a burst pass the bound by
-    /// one: issue 31, finding 9.)
-    counting: bool,
-}
-
-impl Opening {
-    fn idle(&self) -> bool {
-        self.slots.is_empty() && !self.counting
-    }
-}
 
 pub struct Bounds {
     pub max_sessions: u32,
     /// KeepAlive streams' ownership lookups and renewals, per identity.
     pub renewal_budgets: RenewalBudgets,
     renewals: Mutex<RenewalMemo>,
-    open_turns: [tokio::sync::Mutex<()>; OPEN_STRIPES],
-    /// Opens reserved and not yet finished, per identity: the revision each
-    /// one's count entry was written at (0: not yet). An identity leaves
-    /// when its last open finishes, so the map holds only identities
-    /// opening right now.
-    opening: Mutex<HashMap<String, Opening>>,
-    /// Wakes an open that waits for opens in flight to finish.
-    open_progress: tokio::sync::Notify,
-    /// Keyed with a per-process secret: nobody can aim at another's stripe.
-    stripe_hasher: RandomState,
+    /// Held while one open is admitted ([`Self::admitting_open`]).
+    open_admission: Mutex<()>,
 }
 
 impl Bounds {
@@ -89,103 +45,17 @@ impl Bounds {
             max_sessions,
             renewal_budgets: RenewalBudgets::new(max_sessions),
             renewals: Mutex::new(RenewalMemo::default()),
-            open_turns: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
-            opening: Mutex::new(HashMap::new()),
-            open_progress: tokio::sync::Notify::new(),
-            stripe_hasher: RandomState::new(),
+            open_admission: Mutex::new(()),
         }
     }
 
-    /// Waits for `identity`'s turn to open a session (count, then create).
-    pub async fn open_turn(&self, identity: &str) -> tokio::sync::MutexGuard<'_, ()> {
-        let hash = self.stripe_hasher.hash_one(identity);
-        // the remainder is below OPEN_STRIPES, so the index is in range
-        let stripe = usize::try_from(hash % OPEN_STRIPES as u64).unwrap_or(0);
-        self.open_turns[stripe].lock().await
-    }
-
-    /// Opens the window of one count of `identity`'s sessions: call it with
-    /// the identity's turn held, before the count's read is sent, and keep
-    /// it until [`Self::reserve_open_over`] has answered. Opens that finish
-    /// while it is open stay counted (unless the count's revision covers
-    /// their write); opens that finished before it are in the count.
-    pub fn counting(&self, identity: &str) -> CountWindow<'_> {
-        let mut opening = self.opening.lock();
-        let entry = opening.entry(identity.to_string()).or_default();
-        entry.slots.retain(|s| !s.done);
-        entry.counting = true;
-        CountWindow {
-            bounds: self,
-            identity: identity.to_string(),
-        }
-    }
-
-    /// Reserves one open for `identity`, which has `open` sessions in the
-    /// log as of revision `at`, unless those and its opens in flight reach
-    /// `max`. Call with the identity's turn held, after counting. An open in
-    /// flight counts until its count entry is known written at a revision
-    /// the count covers (then the count has it), so the bound holds; an open
-    /// whose entry is written but not yet known so may count twice, so a
-    /// `None` while `open < max` means "wait for [`Self::open_progress`] and
-    /// count again", never a refusal.
-    pub fn reserve_open(
-        &self,
-        identity: &str,
-        open: u32,
-        at: i64,
-        max: u32,
-    ) -> Option<OpenReservation<'_>> {
-        self.reserve_open_over(identity, 0, &[(open, at)], max)
-    }
-
-    /// [`Self::reserve_open`] over several clusters (the tiers): `counts[i]`
-    /// is the identity's sessions on cluster `i` as of that cluster's
-    /// revision, and the open goes to cluster `on`. An open in flight is
-    /// compared with its own cluster's revision only (revisions of two
-    /// clusters say nothing of each other); a cluster that could not be
-    /// counted passes `(0, 0)`, so its opens in flight all count.
-    pub fn reserve_open_over(
-        &self,
-        identity: &str,
-        on: usize,
-        counts: &[(u32, i64)],
-        max: u32,
-    ) -> Option<OpenReservation<'_>> {
-        let mut opening = self.opening.lock();
-        let entry = opening.entry(identity.to_string()).or_default();
-        let in_flight = entry
-            .slots
-            .iter()
-            .filter(|s| {
-                let written = s.written.load(Ordering::SeqCst);
-                let at = counts.get(s.cluster).map_or(0, |c| c.1);
-                written == 0 || written > at
-            })
-            .count();
-        let open: u64 = counts.iter().map(|c| u64::from(c.0)).sum();
-        if open + in_flight as u64 >= u64::from(max) {
-            if entry.idle() {
-                opening.remove(identity);
-            }
-            return None;
-        }
-        let slot = Arc::new(AtomicI64::new(0));
-        entry.slots.push(OpenSlot {
-            cluster: on,
-            written: slot.clone(),
-            done: false,
-        });
-        Some(OpenReservation {
-            bounds: self,
-            identity: identity.to_string(),
-            slot,
-        })
-    }
-
-    /// Resolves when an open in flight finishes or learns its revision.
-    /// Create it before counting, so no progress in between is missed.
-    pub fn open_progress(&self) -> tokio::sync::futures::Notified<'_> {
-        self.open_progress.notified()
+    /// One open's admission at a time: the session bound is over both
+    /// tiers, each tier's count behind its own lock, so reading the other
+    /// tier's count and admitting on this one must not interleave with
+    /// another open doing the same the other way round. Held for a few
+    /// lookups in memory, never across an await.
+    pub fn admitting_open(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.open_admission.lock()
     }
 
     /// The TTL left (whole seconds, at least 1) when `session` was renewed in
@@ -204,64 +74,6 @@ impl Bounds {
     /// Forgets `session` (closed): its next renewal goes to etcd.
     pub fn forget_renewal(&self, session: i64) {
         self.renewals.lock().entries.remove(&session);
-    }
-}
-
-/// One open in flight, counted against its identity's bound until dropped.
-pub struct OpenReservation<'a> {
-    bounds: &'a Bounds,
-    identity: String,
-    slot: Arc<AtomicI64>,
-}
-
-impl OpenReservation<'_> {
-    /// The open's count entry is in the log as of `revision`.
-    pub fn written_at(&self, revision: i64) {
-        self.slot.store(revision.max(1), Ordering::SeqCst);
-        self.bounds.open_progress.notify_waiters();
-    }
-}
-
-impl Drop for OpenReservation<'_> {
-    fn drop(&mut self) {
-        let mut opening = self.bounds.opening.lock();
-        if let Some(entry) = opening.get_mut(&self.identity) {
-            if entry.counting {
-                // A count in progress may have been read before this open
-                // wrote: it stays counted for that count ([`Opening`]).
-                for s in &mut entry.slots {
-                    if Arc::ptr_eq(&s.written, &self.slot) {
-                        s.done = true;
-                    }
-                }
-            } else {
-                entry.slots.retain(|s| !Arc::ptr_eq(&s.written, &self.slot));
-            }
-            if entry.idle() {
-                opening.remove(&self.identity);
-            }
-        }
-        drop(opening);
-        self.bounds.open_progress.notify_waiters();
-    }
-}
-
-/// One count of an identity's sessions in progress ([`Bounds::counting`]).
-pub struct CountWindow<'a> {
-    bounds: &'a Bounds,
-    identity: String,
-}
-
-impl Drop for CountWindow<'_> {
-    fn drop(&mut self) {
-        let mut opening = self.bounds.opening.lock();
-        if let Some(entry) = opening.get_mut(&self.identity) {
-            entry.counting = false;
-            entry.slots.retain(|s| !s.done);
-            if entry.idle() {
-                opening.remove(&self.identity);
-            }
-        }
     }
 }
 
@@ -411,125 +223,5 @@ mod tests {
         m.note(-1, later, 60, later);
         assert_eq!(m.entries.len(), 1);
         assert!(m.entries.capacity() < peak / 4, "{}", m.entries.capacity());
-    }
-
-    #[tokio::test]
-    async fn one_identity_counts_one_open_at_a_time() {
-        let bounds = Bounds::new(1);
-        let turn = bounds.open_turn("spiffe://td/a").await;
-        let again =
-            tokio::time::timeout(Duration::from_millis(50), bounds.open_turn("spiffe://td/a"))
-                .await;
-        assert!(again.is_err(), "a second open waits for the first");
-        drop(turn);
-        let _turn = bounds.open_turn("spiffe://td/a").await;
-    }
-
-    #[test]
-    fn opens_in_flight_count_against_the_bound_once() {
-        let bounds = Bounds::new(3);
-        let a = "spiffe://td/a";
-        let first = bounds
-            .reserve_open(a, 1, 10, 3)
-            .expect("1 open + 0 in flight < 3");
-        assert!(
-            bounds.reserve_open(a, 2, 10, 3).is_none(),
-            "2 open + 1 in flight"
-        );
-        let second = bounds
-            .reserve_open(a, 1, 10, 3)
-            .expect("1 open + 1 in flight < 3");
-        assert!(
-            bounds.reserve_open(a, 1, 10, 3).is_none(),
-            "1 open + 2 in flight"
-        );
-        assert!(
-            bounds.reserve_open("spiffe://td/b", 0, 10, 3).is_some(),
-            "another identity has its own"
-        );
-        // the first is written at revision 12: a count of revision 11 does
-        // not have it (still in flight), one of revision 12 does (not twice)
-        first.written_at(12);
-        assert!(
-            bounds.reserve_open(a, 1, 11, 3).is_none(),
-            "1 + 2 in flight at r11"
-        );
-        assert!(
-            bounds.reserve_open(a, 2, 12, 3).is_none(),
-            "2 counted (the first among them) + 1 in flight"
-        );
-        drop(second);
-        let _fourth = bounds
-            .reserve_open(a, 2, 12, 3)
-            .expect("2 counted + 0 in flight");
-        drop(first);
-        drop(_fourth);
-        assert!(bounds.opening.lock().is_empty(), "entries leave at zero");
-    }
-
-    #[test]
-    fn an_open_that_finishes_during_a_count_stays_counted_for_it() {
-        // Bound 2, one session open. A reserves and writes at r100 while
-        // B's count is in flight; B's read was served at r99, before A's
-        // write. A finishes (dropped) before B reserves: without the window
-        // B saw 1 open + 0 in flight and passed the bound by one.
-        let bounds = Bounds::new(2);
-        let a = "spiffe://td/a";
-        let first = bounds.reserve_open(a, 1, 98, 2).expect("1 open");
-        let window = bounds.counting(a);
-        first.written_at(100);
-        drop(first);
-        assert!(
-            bounds.reserve_open(a, 1, 99, 2).is_none(),
-            "A is not in a count of r99: still in flight for it"
-        );
-        drop(window);
-        // A count that starts after A finished has it.
-        let window = bounds.counting(a);
-        assert!(bounds.reserve_open(a, 2, 101, 2).is_none(), "2 open");
-        drop(window);
-        // A count whose revision covers A's write does not count it twice.
-        let first = bounds.reserve_open(a, 0, 90, 2).expect("0 open");
-        let window = bounds.counting(a);
-        first.written_at(100);
-        drop(first);
-        let third = bounds.reserve_open(a, 1, 100, 2).expect("A in the count");
-        drop(third);
-        drop(window);
-        assert!(bounds.opening.lock().is_empty(), "entries leave at zero");
-    }
-
-    #[test]
-    fn an_open_in_flight_is_compared_with_its_own_clusters_revision() {
-        // Two tiers, bound 2. An open on cluster 1 written at its revision
-        // 50 is not in cluster 0's count, however high cluster 0's revision:
-        // it stays in flight until cluster 1's count (at 20 here) has it.
-        let bounds = Bounds::new(2);
-        let a = "spiffe://td/a";
-        let coord = bounds
-            .reserve_open_over(a, 1, &[(0, 10), (0, 10)], 2)
-            .expect("nothing open");
-        coord.written_at(50);
-        let _entity = bounds
-            .reserve_open_over(a, 0, &[(0, 5000), (0, 20)], 2)
-            .expect("one in flight on cluster 1");
-        assert!(
-            bounds
-                .reserve_open_over(a, 0, &[(0, 5000), (0, 20)], 2)
-                .is_none(),
-            "two in flight: cluster 1's is not in its count at r20"
-        );
-        // Counted on cluster 1 (at r50): one open, one in flight.
-        assert!(
-            bounds
-                .reserve_open_over(a, 0, &[(0, 5000), (1, 50)], 2)
-                .is_none()
-        );
-        // A cluster that could not be counted: its opens all count.
-        assert!(
-            bounds
-                .reserve_open_over(a, 0, &[(0, 5000), (0, 0)], 2)
-                .is_none()
-        );
     }
 }

@@ -8,7 +8,9 @@
 //! log itself: each arbiter reads every holder record once at start and
 //! then follows the holder key space with a watch (`prev_kv`, so a deleted
 //! hold still says whose it was), which counts holds granted by any arbiter
-//! and holds ended by release, hand-over, expiry or an operator alike.
+//! and holds ended by release, hand-over, expiry or an operator alike. The
+//! counting is shared with the session bound ([`crate::subject_counts`],
+//! followed by [`crate::lock_log::etcd::follow`]).
 //!
 //! An Acquire is admitted while the identity's holds in the log, plus the
 //! Acquires this arbiter has admitted and not yet seen in the log, are below
@@ -27,32 +29,27 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-
-use parking_lot::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use etcd_client::{Client, EventType, GetOptions, KeyValue, WatchOptions};
-use tracing::{info, warn};
+use parking_lot::Mutex;
+use tracing::info;
 
 use crate::error::{ArbiterError, IdentityBound};
+use crate::lock_log::Kv;
+use crate::lock_log::etcd::follow::{Event, Followed};
 use crate::records::{HolderRecord, decode};
+use crate::subject_counts::{self, SubjectCounts};
 
 mod notices;
 pub use notices::Notices;
 use notices::Unclaimed;
+pub use subject_counts::Admitted;
 
 /// The default `--max-holds-per-identity`.
 pub const DEFAULT_MAX_HOLDS_PER_IDENTITY: u32 = 20_000;
 
-/// Holder records read per request when counting from scratch (each a
-/// few hundred bytes: well inside a gRPC message).
-const PAGE: i64 = 2_000;
-/// Pause before counting again after the watch broke.
-const RETRY: Duration = Duration::from_secs(1);
-
 pub struct HoldCounts {
-    max: u32,
-    state: Mutex<State>,
+    counts: Arc<SubjectCounts>,
     /// Per session, the KeepAlive streams (by id) that renew it here and
     /// want to hear of its holds' ends.
     watchers: Mutex<HashMap<i64, Vec<(u64, Notices)>>>,
@@ -62,153 +59,28 @@ pub struct HoldCounts {
     /// still hears of them. Bounded in count and age.
     unclaimed: Mutex<Unclaimed>,
     next_stream: AtomicU64,
-    /// Wakes Acquires that arrived before the first count was in.
-    counted: tokio::sync::Notify,
     /// Every held key in the log and its holder's session (lease), as far
     /// as the watch has seen: what an open class's memory grant must not
     /// take during a quorum loss.
     keys: Mutex<HashMap<String, i64>>,
 }
 
-#[derive(Default)]
-struct State {
-    /// Live holds in the log per identity; `None` until the first count is in.
-    /// Identities with no hold leave the map.
-    in_log: Option<HashMap<String, u32>>,
-    /// The log revision `in_log` reflects.
-    revision: i64,
-    /// Acquires admitted here, per identity, that count beside `in_log`.
-    pending: HashMap<String, Vec<Pending>>,
-    /// Ids for [`Pending`] entries.
-    next_id: u64,
-}
-
-/// One Acquire admitted here and not (yet) in `in_log`.
-struct Pending {
-    id: u64,
-    key: String,
-    /// 0 while in flight; then the grant's revision, until the watch
-    /// reaches it.
-    revision: i64,
-    /// The watch showed a new hold of this key for this identity while the
-    /// call was in flight: the grant reached the log (and `in_log`) before
-    /// its answer reached the call. It no longer counts, or it would count
-    /// twice.
-    in_log: bool,
-}
-
-impl State {
-    fn held(&self, identity: &str) -> Option<u32> {
-        let in_log = self.in_log.as_ref()?;
-        let pending = self
-            .pending
-            .get(identity)
-            .map_or(0, |p| p.iter().filter(|p| !p.in_log).count());
-        Some(
-            in_log
-                .get(identity)
-                .copied()
-                .unwrap_or(0)
-                .saturating_add(u32::try_from(pending).unwrap_or(u32::MAX)),
-        )
-    }
-
-    fn add(&mut self, identity: &str, delta: i32) {
-        let Some(in_log) = self.in_log.as_mut() else {
-            return;
-        };
-        let n = in_log.entry(identity.to_string()).or_insert(0);
-        *n = n.saturating_add_signed(delta);
-        if *n == 0 {
-            in_log.remove(identity);
-        }
-    }
-
-    /// The watch shows a new hold of `key` for `identity`: an Acquire of
-    /// that key in flight here is the one that got it (matched by key, so a
-    /// grant by another arbiter never cancels an unrelated call here).
-    fn seen_grant(&mut self, identity: &str, key: &str) {
-        if let Some(p) = self.pending.get_mut(identity).and_then(|p| {
-            p.iter_mut()
-                .find(|p| p.revision == 0 && !p.in_log && p.key == key)
-        }) {
-            p.in_log = true;
-        }
-    }
-
-    /// The log is now known up to `revision`: grants at or below it are in
-    /// `in_log`, so they stop counting as pending.
-    fn reached(&mut self, revision: i64) {
-        self.revision = self.revision.max(revision);
-        let seen = self.revision;
-        self.pending.retain(|_, p| {
-            p.retain(|p| p.revision == 0 || p.revision > seen);
-            !p.is_empty()
-        });
-    }
-}
-
-/// One admitted Acquire. Dropped without [`Admitted::granted`], it stops
-/// counting at once; granted, it counts until the watch shows the grant.
-pub struct Admitted {
-    counts: Arc<HoldCounts>,
-    identity: String,
-    id: u64,
-    revision: i64,
-}
-
-impl Admitted {
-    /// The Acquire was granted at `revision` (a grant of a hold the caller
-    /// already had included: the watch has seen that one already).
-    pub fn granted(mut self, revision: i64) {
-        self.revision = revision;
-    }
-}
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        let mut state = self.counts.lock();
-        let seen = state.revision;
-        let Some(pending) = state.pending.get_mut(&self.identity) else {
-            return;
-        };
-        if let Some(i) = pending.iter().position(|p| p.id == self.id) {
-            if self.revision > seen && !pending[i].in_log {
-                pending[i].revision = self.revision;
-            } else {
-                pending.swap_remove(i);
-            }
-        }
-        if pending.is_empty() {
-            state.pending.remove(&self.identity);
-        }
-    }
-}
-
 impl HoldCounts {
     pub fn new(max: u32) -> Arc<Self> {
         Arc::new(Self {
-            max,
-            state: Mutex::new(State::default()),
+            counts: SubjectCounts::new(max, IdentityBound::Holds, "holds"),
             watchers: Mutex::new(HashMap::new()),
             unclaimed: Mutex::new(Unclaimed::default()),
             next_stream: AtomicU64::new(1),
-            counted: tokio::sync::Notify::new(),
             keys: Mutex::new(HashMap::new()),
         })
-    }
-
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // The state is plain counts, consistent after every statement: a
-        // panic elsewhere while holding the lock leaves nothing half-done.
-        self.state.lock()
     }
 
     /// [`Self::admit`], but an Acquire that arrives before the first count
     /// is in (an arbiter that just started) waits for it, at most `wait`,
     /// instead of being refused at once.
     pub async fn admit_within(
-        self: &Arc<Self>,
+        &self,
         identity: &str,
         key: &str,
         wait: Duration,
@@ -219,76 +91,28 @@ impl HoldCounts {
     /// [`Self::admit_within`], counting `beside` more holds of `identity`
     /// (its holds on the other tier's cluster: the bound is over both).
     pub async fn admit_within_beside(
-        self: &Arc<Self>,
+        &self,
         identity: &str,
         key: &str,
         beside: u32,
         wait: Duration,
     ) -> Result<Admitted, ArbiterError> {
-        let deadline = tokio::time::Instant::now() + wait;
-        loop {
-            // Registered before the check, so a count installed in between
-            // still wakes this call.
-            let counted = self.counted.notified();
-            if self.lock().in_log.is_some() {
-                return self.admit_beside(identity, key, beside);
-            }
-            if tokio::time::timeout_at(deadline, counted).await.is_err() {
-                return self.admit_beside(identity, key, beside);
-            }
-        }
+        self.counts.counted_within(wait).await?;
+        self.counts.admit_beside(identity, key, beside)
     }
 
     /// Admits one Acquire of `key` by `identity`, or refuses it:
     /// `IdentityLimit` at the bound, `StoreUnavailable` before the first
-    /// count is in.
-    pub fn admit(self: &Arc<Self>, identity: &str, key: &str) -> Result<Admitted, ArbiterError> {
-        self.admit_beside(identity, key, 0)
-    }
-
-    /// [`Self::admit`] with `beside` holds of `identity` counted elsewhere.
-    pub fn admit_beside(
-        self: &Arc<Self>,
-        identity: &str,
-        key: &str,
-        beside: u32,
-    ) -> Result<Admitted, ArbiterError> {
-        let mut state = self.lock();
-        let Some(held) = state.held(identity) else {
-            return Err(ArbiterError::store(
-                "this arbiter is still counting the holds in the lock log (it just started and etcd has not answered yet)",
-            ));
-        };
-        if held.saturating_add(beside) >= self.max {
-            return Err(ArbiterError::IdentityLimit {
-                bound: IdentityBound::Holds,
-                limit: self.max,
-            });
-        }
-        state.next_id += 1;
-        let id = state.next_id;
-        state
-            .pending
-            .entry(identity.to_string())
-            .or_default()
-            .push(Pending {
-                id,
-                key: key.to_string(),
-                revision: 0,
-                in_log: false,
-            });
-        Ok(Admitted {
-            counts: Arc::clone(self),
-            identity: identity.to_string(),
-            id,
-            revision: 0,
-        })
+    /// count is in. Dropped without [`Admitted::written`] (the grant's
+    /// revision), it stops counting at once.
+    pub fn admit(&self, identity: &str, key: &str) -> Result<Admitted, ArbiterError> {
+        self.counts.admit_beside(identity, key, 0)
     }
 
     /// Holds of `identity` as counted (log plus pending); `None` before the
     /// first count.
     pub fn held(&self, identity: &str) -> Option<u32> {
-        self.lock().held(identity)
+        self.counts.held(identity)
     }
 
     /// Whether `key` is held in the log by a session other than `session`
@@ -300,128 +124,76 @@ impl HoldCounts {
     /// Replaces the count with a fresh one read at `revision`.
     fn install(&self, in_log: HashMap<String, u32>, keys: HashMap<String, i64>, revision: i64) {
         *self.keys.lock() = keys;
-        {
-            let mut state = self.lock();
-            state.in_log = Some(in_log);
-            state.revision = 0;
-            state.reached(revision);
-        }
-        self.counted.notify_waiters();
+        self.counts.install(in_log, revision);
     }
 
-    /// Applies one watch response's events, all at or below `revision`.
+    /// Applies one watch response's changes, all at or below `revision`.
     fn apply(&self, changes: &[Change], revision: i64) {
         {
             let mut keys = self.keys.lock();
             for change in changes {
-                match (&change.after, change.session) {
-                    (Some(_), session) => keys.insert(change.key.clone(), session),
-                    (None, _) => keys.remove(&change.key),
+                match (&change.counted.after, change.session) {
+                    (Some(_), session) => keys.insert(change.counted.key.clone(), session),
+                    (None, _) => keys.remove(&change.counted.key),
                 };
             }
         }
-        let mut state = self.lock();
-        for change in changes {
-            if let Some(before) = &change.before {
-                state.add(before, -1);
-            }
-            if let Some(after) = &change.after {
-                state.add(after, 1);
-                if change.before.as_ref() != Some(after) {
-                    state.seen_grant(after, &change.key);
-                }
-            }
-        }
-        state.reached(revision);
+        let counted: Vec<_> = changes.iter().map(|c| c.counted.clone()).collect();
+        self.counts.apply(&counted, revision);
     }
+}
 
-    /// Keeps the count: reads every holder record, then follows the watch;
-    /// counts again from scratch whenever the watch breaks. Runs until the
-    /// arbiter stops.
-    pub async fn follow(self: Arc<Self>, client: Client, holders_prefix: String) {
-        let mut first = true;
-        loop {
-            match self
-                .count_and_watch(&client, &holders_prefix, &mut first)
-                .await
-            {
-                Ok(()) => warn!("the watch on the holder records ended; counting holds again"),
-                Err(e) => warn!(error = %e, "cannot count the holds in the lock log; trying again"),
-            }
-            tokio::time::sleep(RETRY).await;
+/// Read from scratch: holds per subject, and each held key's session.
+#[derive(Default)]
+pub struct Reading {
+    counted: HashMap<String, u32>,
+    keys: HashMap<String, i64>,
+}
+
+impl Followed for HoldCounts {
+    type Reading = Reading;
+    const WHAT: &'static str = "holds";
+    // A deleted holder record says whose hold it was only in its value.
+    const PREV_KV: bool = true;
+
+    fn read(reading: &mut Reading, key: &str, kv: &Kv) {
+        if let Some(h) = decode::<HolderRecord>(&kv.value) {
+            *reading
+                .counted
+                .entry(h.bounded_as().to_string())
+                .or_insert(0) += 1;
+            reading.keys.insert(key.to_string(), kv.lease);
         }
     }
 
-    async fn count_and_watch(
-        &self,
-        client: &Client,
-        prefix: &str,
-        first: &mut bool,
-    ) -> Result<(), etcd_client::Error> {
-        let (counted, keys, revision) = count(client, prefix).await?;
-        let (identities, holds) = (counted.len(), counted.values().sum::<u32>());
-        self.install(counted, keys, revision);
-        if std::mem::take(first) {
-            info!(
-                holds,
-                identities,
-                max_per_identity = self.max,
-                "counted the holds in the lock log"
-            );
+    fn install(&self, reading: Reading, revision: i64) {
+        let first = !self.counts.is_counted();
+        let (identities, holds) = (reading.counted.len(), reading.counted.values().sum::<u32>());
+        self.install(reading.counted, reading.keys, revision);
+        if first {
+            info!(holds, identities, "counted the holds in the lock log");
         }
-        let mut stream = client
-            .watch_client()
-            .watch(
-                prefix,
-                Some(
-                    WatchOptions::new()
-                        .with_prefix()
-                        .with_prev_key()
-                        .with_start_revision(revision + 1),
-                ),
-            )
-            .await?;
-        while let Some(resp) = stream.message().await? {
-            if resp.canceled() || resp.compact_revision() > 0 {
-                // Events were lost (compaction): only a fresh count is exact.
-                return Ok(());
-            }
-            let mut changes = Vec::with_capacity(resp.events().len());
-            for event in resp.events() {
-                let Some(change) =
-                    Change::of(prefix, event.event_type(), event.kv(), event.prev_kv())
-                else {
-                    // A delete whose previous value etcd no longer had.
-                    return Ok(());
-                };
-                changes.push(change);
-            }
-            // How far the log is known: the last event's revision (a
-            // catching-up watch may send a later header with earlier
-            // events); the header's only for a progress notice.
-            let at = resp
-                .events()
-                .iter()
-                .filter_map(|e| e.kv().map(KeyValue::mod_revision))
-                .max()
-                .or_else(|| resp.header().map(|h| h.revision()))
-                .unwrap_or(0);
-            self.apply(&changes, at);
-            self.notify(&changes);
-        }
-        Ok(())
+    }
+
+    fn apply(&self, events: &[Event], revision: i64) -> bool {
+        let Some(changes) = events.iter().map(Change::of).collect::<Option<Vec<_>>>() else {
+            // A delete whose previous value etcd no longer had.
+            return false;
+        };
+        self.apply(&changes, revision);
+        self.notify(&changes);
+        true
     }
 }
 
 /// Whose hold a change of one holder record ended and whose it started.
 #[derive(Debug, PartialEq, Eq)]
 struct Change {
-    /// The lock key (the holder record's key without the prefix).
-    key: String,
+    /// The lock key (the holder record's key without the prefix) and whose
+    /// hold it was and is.
+    counted: subject_counts::Change,
     /// The new holder's session (lease), for a put.
     session: i64,
-    before: Option<String>,
-    after: Option<String>,
     /// The hold the change ended, if one did.
     ended: Option<Ended>,
 }
@@ -435,104 +207,30 @@ struct Ended {
 
 impl Change {
     /// `None` when the change cannot be attributed (a delete without its
-    /// previous value): the caller counts again. `holders` is the prefix
-    /// of the holder records.
-    fn of(
-        holders: &str,
-        kind: EventType,
-        kv: Option<&KeyValue>,
-        prev: Option<&KeyValue>,
-    ) -> Option<Self> {
+    /// previous value): the caller counts again.
+    fn of(event: &Event) -> Option<Self> {
         // Counted per grant subject (a pattern for per-pod identities).
-        let owner =
-            |kv: &KeyValue| decode::<HolderRecord>(kv.value()).map(|h| h.bounded_as().to_string());
-        let before = prev.and_then(owner);
-        let key = kv
-            .or(prev)
-            .and_then(|kv| kv.key_str().ok()?.strip_prefix(holders).map(str::to_string))
-            .unwrap_or_default();
+        let owner = |kv: &Kv| decode::<HolderRecord>(&kv.value).map(|h| h.bounded_as().to_string());
+        if event.put.is_none() {
+            event.prev.as_ref()?;
+        }
         // Any change of a holder record ends the hold it replaces: a
         // release, a hand-over (a put with the next holder) or an expiry.
-        let ended = prev.and_then(|p| {
-            Some(Ended {
-                session: p.lease(),
-                key: p.key_str().ok()?.strip_prefix(holders)?.to_string(),
-                revision: p.mod_revision(),
-            })
+        let ended = event.prev.as_ref().map(|p| Ended {
+            session: p.lease,
+            key: event.key.clone(),
+            revision: p.mod_revision,
         });
-        match kind {
-            EventType::Put => Some(Self {
-                key,
-                session: kv.map_or(0, KeyValue::lease),
-                before,
-                after: kv.and_then(owner),
-                ended,
-            }),
-            EventType::Delete => {
-                prev?;
-                Some(Self {
-                    key,
-                    session: 0,
-                    before,
-                    after: None,
-                    ended,
-                })
-            }
-        }
+        Some(Self {
+            counted: subject_counts::Change {
+                key: event.key.clone(),
+                before: event.prev.as_ref().and_then(owner),
+                after: event.put.as_ref().and_then(owner),
+            },
+            session: event.put.as_ref().map_or(0, |kv| kv.lease),
+            ended,
+        })
     }
-}
-
-/// Every holder record's identity, counted, with the revision of the read:
-/// one page after another, all at the first page's revision.
-async fn count(
-    client: &Client,
-    prefix: &str,
-) -> Result<(HashMap<String, u32>, HashMap<String, i64>, i64), etcd_client::Error> {
-    let mut kv = client.kv_client();
-    let range_end = prefix_end(prefix);
-    let mut from = prefix.as_bytes().to_vec();
-    let mut revision = 0;
-    let mut counted = HashMap::new();
-    let mut keys = HashMap::new();
-    loop {
-        let mut options = GetOptions::new()
-            .with_range(range_end.clone())
-            .with_limit(PAGE);
-        if revision > 0 {
-            options = options.with_revision(revision);
-        }
-        let resp = kv.get(from.clone(), Some(options)).await?;
-        if revision == 0 {
-            revision = resp.header().map_or(0, |h| h.revision());
-        }
-        for kv in resp.kvs() {
-            if let Some(h) = decode::<HolderRecord>(kv.value()) {
-                *counted.entry(h.bounded_as().to_string()).or_insert(0u32) += 1;
-                if let Some(key) = kv.key_str().ok().and_then(|k| k.strip_prefix(prefix)) {
-                    keys.insert(key.to_string(), kv.lease());
-                }
-            }
-        }
-        match resp.kvs().last() {
-            Some(last) if resp.more() => {
-                from = last.key().to_vec();
-                from.push(0);
-            }
-            _ => return Ok((counted, keys, revision)),
-        }
-    }
-}
-
-/// The end of the range of keys starting with `prefix` (etcd's convention).
-fn prefix_end(prefix: &str) -> Vec<u8> {
-    let mut end = prefix.as_bytes().to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    vec![0]
 }
 
 #[cfg(test)]
@@ -551,12 +249,20 @@ mod tests {
 
     fn change(before: Option<&str>, after: Option<&str>) -> Change {
         Change {
-            key: "k".into(),
+            counted: subject_counts::Change {
+                key: "k".into(),
+                before: before.map(str::to_string),
+                after: after.map(str::to_string),
+            },
             session: 1,
-            before: before.map(str::to_string),
-            after: after.map(str::to_string),
             ended: None,
         }
+    }
+
+    fn keyed(mut change: Change, key: &str, session: i64) -> Change {
+        change.counted.key = key.into();
+        change.session = session;
+        change
     }
 
     #[test]
@@ -621,7 +327,7 @@ mod tests {
     fn a_grant_counts_until_the_watch_shows_it_then_once() {
         let c = counted(&[], 10);
         let admitted = c.admit("a", "k").map_err(|e| e.to_string());
-        admitted.map(|a| a.granted(12)).ok();
+        admitted.map(|a| a.written(12)).ok();
         assert_eq!(c.held("a"), Some(1));
         // the watch shows revision 11 only: still pending
         c.apply(&[], 11);
@@ -638,17 +344,13 @@ mod tests {
         let two = c.admit("a", "k2").map_err(|e| e.to_string());
         assert_eq!(c.held("a"), Some(2));
         // k1's grant reaches the watch while its call is still in flight
-        let mut granted = change(None, Some("a"));
-        granted.key = "k1".into();
-        c.apply(&[granted], 11);
+        c.apply(&[keyed(change(None, Some("a")), "k1", 1)], 11);
         assert_eq!(c.held("a"), Some(2), "k1 once (in the log), k2 in flight");
         // then its answer arrives: still once
-        one.map(|a| a.granted(11)).ok();
+        one.map(|a| a.written(11)).ok();
         assert_eq!(c.held("a"), Some(2));
         // a grant of another key of a's (another arbiter's) matches nothing here
-        let mut elsewhere = change(None, Some("a"));
-        elsewhere.key = "k9".into();
-        c.apply(&[elsewhere], 12);
+        c.apply(&[keyed(change(None, Some("a")), "k9", 1)], 12);
         assert_eq!(c.held("a"), Some(3));
         drop(two);
         assert_eq!(c.held("a"), Some(2));
@@ -657,7 +359,7 @@ mod tests {
     #[test]
     fn a_grant_the_watch_already_showed_is_not_pending() {
         let c = counted(&[("a", 1)], 20);
-        c.admit("a", "k").map(|a| a.granted(15)).ok();
+        c.admit("a", "k").map(|a| a.written(15)).ok();
         assert_eq!(c.held("a"), Some(1));
     }
 
@@ -679,13 +381,55 @@ mod tests {
     fn identities_without_holds_leave_the_map() {
         let c = counted(&[("a", 1)], 5);
         c.apply(&[change(Some("a"), None)], 6);
-        assert!(c.lock().in_log.as_ref().is_some_and(HashMap::is_empty));
-        assert!(c.lock().pending.is_empty());
+        assert_eq!(c.counts.subjects_in_log(), Some(0));
+        assert_eq!(c.counts.pending_subjects(), 0);
     }
 
     #[test]
     fn a_delete_without_its_previous_value_asks_for_a_recount() {
-        assert_eq!(Change::of("/l/", EventType::Delete, None, None), None);
+        let delete = Event {
+            key: "k".into(),
+            put: None,
+            prev: None,
+        };
+        assert_eq!(Change::of(&delete), None);
+        let c = counted(&[("a", 1)], 5);
+        assert!(!Followed::apply(c.as_ref(), &[delete], 6));
+        assert_eq!(c.held("a"), Some(1), "nothing applied");
+    }
+
+    #[test]
+    fn a_holder_record_says_whose_hold_it_is() {
+        let record = |identity: &str, bound: &str, session: i64, revision: i64| Kv {
+            value: crate::records::encode(&HolderRecord {
+                identity: identity.into(),
+                session,
+                class: "demo".into(),
+                acquired_at_unix_ms: 1,
+                annotations: Default::default(),
+                instance: String::new(),
+                bound: bound.into(),
+            }),
+            create_revision: revision,
+            mod_revision: revision,
+            lease: session,
+        };
+        let mut reading = Reading::default();
+        HoldCounts::read(&mut reading, "k1", &record("p1", "pods/*", 7, 3));
+        HoldCounts::read(&mut reading, "k2", &record("b", "", 8, 4));
+        let c = HoldCounts::new(3);
+        Followed::install(c.as_ref(), reading, 4);
+        assert_eq!((c.held("pods/*"), c.held("b")), (Some(1), Some(1)));
+        assert!(c.held_by_other("k1", 8));
+        // a hand-over of k1 from the pod to b
+        let handed = Event {
+            key: "k1".into(),
+            put: Some(record("b", "", 8, 5)),
+            prev: Some(record("p1", "pods/*", 7, 3)),
+        };
+        assert!(Followed::apply(c.as_ref(), &[handed], 5));
+        assert_eq!((c.held("pods/*"), c.held("b")), (Some(0), Some(2)));
+        assert!(!c.held_by_other("k1", 8));
     }
 
     #[test]
@@ -700,22 +444,13 @@ mod tests {
         assert!(c.held_by_other("k1", 8));
         assert!(!c.held_by_other("k1", 7), "the holder's own session");
         // a hand-over to session 9, a new hold of k2, then k1 released
-        let mut handed = change(Some("a"), Some("b"));
-        (handed.key, handed.session) = ("k1".into(), 9);
-        let mut granted = change(None, Some("a"));
-        (granted.key, granted.session) = ("k2".into(), 7);
+        let handed = keyed(change(Some("a"), Some("b")), "k1", 9);
+        let granted = keyed(change(None, Some("a")), "k2", 7);
         c.apply(&[handed, granted], 11);
         assert!(c.held_by_other("k1", 7) && !c.held_by_other("k1", 9));
         assert!(c.held_by_other("k2", 9));
-        let mut released = change(Some("b"), None);
-        released.key = "k1".into();
+        let released = keyed(change(Some("b"), None), "k1", 0);
         c.apply(&[released], 12);
         assert!(!c.held_by_other("k1", 7));
-    }
-
-    #[test]
-    fn prefix_end_is_etcds() {
-        assert_eq!(prefix_end("/latchkey/l/"), b"/latchkey/l0".to_vec());
-        assert_eq!(prefix_end("a\u{7f}"), b"a\x80".to_vec());
     }
 }

@@ -538,12 +538,14 @@ pub trait LockLog: Send + Sync + 'static {
     /// How many sessions are counted against grant subject `identity` (the
     /// `counted_as` of [`Self::put_session`]).
     async fn count_sessions_of(&self, identity: &str) -> LogResult<u32>;
-    /// Deletes `session`'s record and its count entry if the record's bytes
-    /// are `record` on the session's lease; whether it did.
+    /// Deletes `session`'s record and its count entry under grant subject
+    /// `counted_as` (the `identity` it was put with, [`Self::put_session`])
+    /// if the record's bytes are `record` on the session's lease; whether it
+    /// did.
     async fn delete_session(
         &self,
         session: i64,
-        identity: &str,
+        counted_as: &str,
         record: Vec<u8>,
     ) -> LogResult<bool>;
     /// Revokes the lease: every key on it goes in one revision. A lease

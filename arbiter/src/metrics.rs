@@ -33,6 +33,10 @@ pub type WaiterTotals = Arc<dyn Fn() -> (usize, usize) + Send + Sync>;
 /// Reports the quorum-loss posture ([`crate::quorum_loss::QuorumLoss::snapshot`]).
 pub type QuorumStatus = Arc<dyn Fn() -> crate::quorum_loss::QuorumSnapshot + Send + Sync>;
 
+/// Reports the open sessions as this arbiter counts them, all subjects and
+/// tiers; `None` while a session cluster has no count.
+pub type SessionTotals = Arc<dyn Fn() -> Option<u64> + Send + Sync>;
+
 /// Every label name any arbiter metric may carry.
 pub const ALLOWED_LABELS: &[&str] = &["namespace", "class", "outcome", "kind"];
 
@@ -114,12 +118,14 @@ pub struct Metrics {
     renewals: Family<OutcomeLabels, Counter>,
     identity_bounds: Family<KindLabels, Counter>,
     ownership_lookups: Counter,
+    session_count_missing: Counter,
     keepalive_paced: Family<KindLabels, Counter>,
     overload_refusals: Family<OverloadLabels, Counter>,
     /// The coord tier's seal and quorum, with the tiers split.
     coord_tier: CoordTier,
     /// New work's admission, for its gauges (set once the arbiter is built).
     admission: AdmissionGauges,
+    sessions: Arc<std::sync::OnceLock<SessionTotals>>,
 }
 
 type AdmissionGauges = Arc<std::sync::OnceLock<Arc<crate::overload::Admission>>>;
@@ -159,6 +165,11 @@ impl Metrics {
                 why: why.name().to_string(),
             })
             .inc();
+    }
+
+    /// Adds the session count's gauges (`open_sessions`, `session_count_ready`).
+    pub fn set_session_totals(&self, totals: SessionTotals) {
+        let _ = self.sessions.set(totals);
     }
 }
 
@@ -231,6 +242,12 @@ impl Metrics {
             "KeepAlive ownership lookups sent to etcd (a read of a session's record, for a session named on a stream for the first time, whoever's it turns out to be); paced per identity",
             ownership_lookups.clone(),
         );
+        let session_count_missing = Counter::default();
+        registry.register(
+            "session_opens_uncounted",
+            "OpenSession calls refused UNAVAILABLE because this arbiter had no count of the open sessions within the call's wait (it had just started, or its watch on the session index was being set up again)",
+            session_count_missing.clone(),
+        );
         let keepalive_paced = Family::<KindLabels, Counter>::default();
         registry.register(
             "keepalive_paced",
@@ -245,6 +262,7 @@ impl Metrics {
         );
         let coord_tier = CoordTier::default();
         let admission = AdmissionGauges::default();
+        let sessions = Arc::new(std::sync::OnceLock::new());
         registry.register_collector(Box::new(StateCollector {
             waiters,
             guard,
@@ -252,6 +270,7 @@ impl Metrics {
             quorum,
             coord_tier: coord_tier.clone(),
             admission: admission.clone(),
+            sessions: sessions.clone(),
         }));
         Self {
             registry,
@@ -263,16 +282,23 @@ impl Metrics {
             renewals,
             identity_bounds,
             ownership_lookups,
+            session_count_missing,
             keepalive_paced,
             overload_refusals,
             coord_tier,
             admission,
+            sessions,
         }
     }
 
     /// Records one KeepAlive ownership lookup, as it is sent to etcd.
     pub fn ownership_lookup(&self) {
         self.ownership_lookups.inc();
+    }
+
+    /// Records an OpenSession refused for want of a session count.
+    pub fn session_count_missing(&self) {
+        self.session_count_missing.inc();
     }
 
     /// Records a KeepAlive stream that stopped being read for its
@@ -385,6 +411,7 @@ struct StateCollector {
     quorum: QuorumStatus,
     coord_tier: CoordTier,
     admission: AdmissionGauges,
+    sessions: Arc<std::sync::OnceLock<SessionTotals>>,
 }
 
 impl fmt::Debug for StateCollector {
@@ -491,6 +518,21 @@ impl Collector for StateCollector {
                 "coord_tier_quorum_lost",
                 "1 while the coord tier's cluster has no etcd majority as this arbiter's probe sees it",
                 i64::from(quorum().lost),
+            )?;
+        }
+        if let Some(sessions) = self.sessions.get() {
+            let counted = sessions();
+            gauge(
+                &mut encoder,
+                "session_count_ready",
+                "1 while this arbiter counts the open sessions from etcd (read at start, then followed by a watch); 0 before the first count and while the watch is set up again, when OpenSession waits and then refuses UNAVAILABLE",
+                i64::from(counted.is_some()),
+            )?;
+            gauge(
+                &mut encoder,
+                "open_sessions",
+                "Open sessions in etcd as this arbiter's watch counts them, every identity and tier (0 while the count is not ready)",
+                counted.map_or(0, |n| i64::try_from(n).unwrap_or(i64::MAX)),
             )?;
         }
         {

@@ -214,7 +214,12 @@ impl Layout {
         for b in identity.bytes() {
             hex.push_str(&format!("{b:02x}"));
         }
-        format!("{}/si/{hex}/", self.prefix)
+        format!("{}{hex}/", self.session_index())
+    }
+    /// Every subject's session entries: the prefix the session counts
+    /// follow ([`crate::session_counts`]).
+    pub fn session_index(&self) -> String {
+        format!("{}/si/", self.prefix)
     }
     pub fn holder(&self, key: &str) -> String {
         format!("{}/l/{key}", self.prefix)
@@ -245,6 +250,22 @@ impl Layout {
     pub fn durable_waiters(&self) -> String {
         format!("{}/q/", self.prefix)
     }
+}
+
+/// The grant subject and session (lease) of a session entry, from its key
+/// below [`Layout::session_index`] (`{hex(subject)}/{lease:016x}`); `None`
+/// for a key no arbiter wrote.
+pub fn session_entry(key: &str) -> Option<(String, i64)> {
+    let (hex, lease) = key.split_once('/')?;
+    if hex.len() % 2 != 0 || lease.len() != 16 {
+        return None;
+    }
+    let bytes = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect::<Option<Vec<u8>>>()?;
+    let lease = i64::from_str_radix(lease, 16).ok()?;
+    Some((String::from_utf8(bytes).ok()?, lease))
 }
 
 /// Why a hold is not the caller's to release or hand over.
@@ -340,6 +361,22 @@ mod tests {
             l.identity_session("s://a", 1),
             "/latchkey/si/733a2f2f61/0000000000000001"
         );
+        // an entry's key names its subject and session again
+        let entry = l.identity_session("spiffe://td/a/*", 0x1f);
+        let below = entry.strip_prefix(&l.session_index()).unwrap_or_default();
+        assert_eq!(
+            session_entry(below),
+            Some(("spiffe://td/a/*".to_string(), 0x1f))
+        );
+        for bad in [
+            "",
+            "zz/0000000000000001",
+            "733/0000000000000001",
+            "73/1",
+            "73",
+        ] {
+            assert_eq!(session_entry(bad), None, "{bad:?}");
+        }
         // "spiffe://td/a" is a string prefix of "spiffe://td/a/b"; their entries are not
         assert!(
             !l.identity_session("spiffe://td/a/b", 1)

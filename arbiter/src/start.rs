@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use tokio_util::task::AbortOnDrop;
 use tracing::{info, warn};
 
 use crate::config::{Config, EtcdCredentials, LogLayer};
@@ -13,6 +14,7 @@ use crate::epoch::EpochGuard;
 use crate::high_water::HighWater;
 use crate::identity::IdentitySource;
 use crate::lock_log::LockLog;
+use crate::lock_log::etcd::follow::follow;
 use crate::lock_log::etcd::{
     EtcdLog, EtcdLogin, EtcdTlsPem, NoMemo, RenewalMemo, StoreConfig, connect_client,
 };
@@ -26,7 +28,10 @@ use crate::shards::routing;
 use crate::table::{LockTable, MapVersion, TableOptions};
 use crate::witness::Witness;
 use crate::witness::etcd::EtcdWitness;
-use crate::{RunError, bounds, force_release, hold_counts, oidc, quorum_loss, tiers, wasm_hooks};
+use crate::{
+    RunError, bounds, force_release, hold_counts, oidc, quorum_loss, session_counts, tiers,
+    wasm_hooks,
+};
 
 /// Why an arbiter with no memory and no witness refuses to grant.
 const UNWITNESSED: &str = "this arbiter has an empty state directory and no coord cluster, and the lock log already has an epoch record: nothing can tell whether it was restored from a snapshot since tokens were handed out, so it grants nothing. Run with --coord-etcd (a witness); or, if you know the lock log was not restored, restart with --trust-unwitnessed-log; or advance the epoch (latchctl admin advance-epoch) above every epoch ever used";
@@ -72,6 +77,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             session_tag: 0,
             map_version: map_version.clone(),
             memo: bounds.clone(),
+            opens_sessions: true,
         },
     )
     .await?;
@@ -98,6 +104,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
                         session_tag: tiers::COORD_SESSION_BIT,
                         map_version: MapVersion::default(),
                         memo: bounds.clone(),
+                        opens_sessions: true,
                     },
                 )
                 .await?,
@@ -212,6 +219,13 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             Arc::new(move || quorum.snapshot()),
         )
     };
+    {
+        let counts: Vec<_> = tiers
+            .session_clusters()
+            .map(|c| c.sessions.clone())
+            .collect();
+        metrics.set_session_totals(Arc::new(move || counts.iter().map(|c| c.total()).sum()));
+    }
     if let Some(coord) = tiers.coord() {
         let quorum = coord.quorum.clone();
         metrics.set_coord_tier(
@@ -261,6 +275,9 @@ struct ClusterSpec<'c> {
     /// The renewal memo its lease renewals consult: the arbiter's, except
     /// on other shards (their leases are shadows with the sessions' ids).
     memo: Arc<dyn RenewalMemo>,
+    /// Sessions are opened on it (the entity cluster, the coord cluster):
+    /// its session index is counted.
+    opens_sessions: bool,
 }
 
 /// Connects to one cluster and readies its table: the epoch record, the
@@ -364,15 +381,24 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
             "lock log ready"
         ),
     }
-    // Its own connection: the watch of every holder record must not queue
-    // behind grants on the lock log's.
+    // Its own connection: the watches of every holder record and session
+    // entry must not queue behind grants on the lock log's.
     let holds = hold_counts::HoldCounts::new(config.max_holds_per_identity);
-    let hold_watch = {
+    let sessions = session_counts::SessionCounts::new(config.max_sessions_per_identity);
+    let (hold_watch, session_watch) = {
         let client = connect_client(&spec.store)
             .await
             .map_err(|e| unreachable(e.into()))?;
-        let follow = Arc::clone(&holds).follow(client, Layout::new(&config.prefix).holders());
-        tokio_util::task::AbortOnDrop::new(tokio::spawn(follow).abort_handle())
+        let layout = Layout::new(&config.prefix);
+        let session_watch = spec.opens_sessions.then(|| {
+            let task = follow(sessions.clone(), client.clone(), layout.session_index());
+            AbortOnDrop::new(tokio::spawn(task).abort_handle())
+        });
+        let task = follow(holds.clone(), client, layout.holders());
+        (
+            AbortOnDrop::new(tokio::spawn(task).abort_handle()),
+            session_watch,
+        )
     };
     let force = force_release(config, &spec.store).await?;
     // ADR-04: the probe that decides quorum loss, and the open classes' spool.
@@ -392,9 +418,11 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
         tier: spec.tier,
         table,
         holds,
+        sessions,
         quorum,
         force,
         _hold_watch: hold_watch,
+        _session_watch: session_watch,
         _quorum_probe: quorum_probe,
     })
 }
@@ -530,6 +558,8 @@ impl routing::Connect for ShardConnector {
                 session_tag: 0,
                 map_version,
                 memo: Arc::new(NoMemo),
+                // Other shards hold only shadows of sessions.
+                opens_sessions: false,
             };
             build_cluster(&config, spec)
                 .await

@@ -34,6 +34,7 @@ use crate::error::ArbiterError;
 use crate::force_release::ForceRelease;
 use crate::hold_counts::HoldCounts;
 use crate::quorum_loss::QuorumLoss;
+use crate::session_counts::SessionCounts;
 use crate::shards::routing::ShardRouting;
 use crate::table::LockTable;
 pub use crate::table::sessions::COORD_SESSION_BIT;
@@ -46,11 +47,16 @@ pub struct Cluster {
     pub(crate) table: Arc<LockTable>,
     /// Holds per identity, counted from this cluster's log.
     pub(crate) holds: Arc<HoldCounts>,
+    /// Open sessions per subject, counted from this cluster's session
+    /// index; followed only on the clusters sessions are opened on
+    /// ([`Tiers::session_clusters`]).
+    pub(crate) sessions: Arc<SessionCounts>,
     /// ADR-04: this cluster's quorum verdict, open classes' memory grants and spool.
     pub(crate) quorum: Arc<QuorumLoss>,
     /// Two-person force-release of this cluster's holds; `None` without OIDC.
     pub(crate) force: Option<Arc<ForceRelease>>,
     pub(crate) _hold_watch: AbortOnDrop,
+    pub(crate) _session_watch: Option<AbortOnDrop>,
     pub(crate) _quorum_probe: AbortOnDrop,
 }
 

@@ -859,9 +859,12 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
 /// Issue 31, finding 9: 1,050 concurrent opens by one identity gave 1,001
 /// sessions under a bound of 1,000. An open that finished while another
 /// open's count was in flight left the opens in flight before that count
-/// had it. Counts here answer 150 ms after etcd did (`SlowCounts`, as a
-/// count over many keys under load does), so opens finish during every
-/// count; bursts far above a small bound, round after round, never pass it:
+/// had it. Opens are now counted from memory, from their admission until
+/// the watch shows their entry; here each open hears of its write 150 ms
+/// after etcd made it (`SlowSessionWrites`), so the watch shows every entry
+/// while its open is in flight, the moment an open could count twice or not
+/// at all. Bursts far above a small bound, round after round, never pass it
+/// and always reach it (the closes between the rounds count off at once):
 /// the sessions in etcd are counted, not the answers.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_of_opens_never_passes_the_session_bound() -> anyhow::Result<()> {
@@ -869,7 +872,7 @@ async fn a_burst_of_opens_never_passes_the_session_bound() -> anyhow::Result<()>
     const BURST: usize = 30;
     let s = stack_with(latchkey_tests::arbiter::ArbiterOptions {
         max_sessions_per_identity: Some(BOUND),
-        test_fault: latchkey_tests::faulty_log::TestFault::SlowCounts,
+        test_fault: latchkey_tests::faulty_log::TestFault::SlowSessionWrites,
         ..Default::default()
     })
     .await?;

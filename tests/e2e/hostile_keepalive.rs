@@ -7,8 +7,7 @@
 //! own Range counter, the arbiter's lookup counter, answers received), not
 //! by timing.
 
-use std::collections::{BTreeMap, HashSet};
-use std::net::SocketAddr;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -16,7 +15,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use latchkey_proto::lockv1::KeepAliveRequest;
 use latchkey_tests::arbiter::ArbiterOptions;
-use latchkey_tests::envoy::admin_get;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -37,41 +35,6 @@ const LOOKUPS_PER_SECOND: f64 = LOOKUP_BURST / 10.0;
 /// Renewals answered per identity per second with `MAX_SESSIONS`: four per
 /// session, at least 1,024 (a burst of one second's worth).
 const RENEWALS_PER_SECOND: f64 = 1024.0;
-
-/// Every sample of a Prometheus text exposition: `name{labels}` -> value.
-pub(crate) async fn scrape(addr: SocketAddr) -> anyhow::Result<BTreeMap<String, f64>> {
-    let text = admin_get(addr, "/metrics").await?;
-    Ok(text
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            Some((name.to_string(), value.parse().ok()?))
-        })
-        .collect())
-}
-
-/// The sum of the samples whose name and labels contain every one of `parts`.
-pub(crate) fn total(samples: &BTreeMap<String, f64>, parts: &[&str]) -> u64 {
-    let sum: f64 = samples
-        .iter()
-        .filter(|(name, _)| parts.iter().all(|p| name.contains(p)))
-        .map(|(_, v)| *v)
-        .sum();
-    sum as u64
-}
-
-/// Range calls etcd has served (every code): each ownership lookup is one.
-async fn etcd_ranges(s: &Stack) -> anyhow::Result<u64> {
-    let addr: SocketAddr = format!("127.0.0.1:{}", s.etcd.client_port()).parse()?;
-    let samples = scrape(addr).await?;
-    let n = total(
-        &samples,
-        &["grpc_server_handled_total{", "grpc_method=\"Range\""],
-    );
-    anyhow::ensure!(n > 0, "no Range counter in etcd's /metrics");
-    Ok(n)
-}
 
 /// The arbiter's ownership lookups so far (counted as sent to etcd).
 async fn lookups(s: &Stack) -> anyhow::Result<u64> {

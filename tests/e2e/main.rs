@@ -38,6 +38,7 @@ mod python_client;
 mod quorum_loss;
 mod replicas;
 mod seal;
+mod session_counts;
 mod shard_moves;
 mod shards;
 mod support;

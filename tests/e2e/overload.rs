@@ -23,7 +23,6 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 use tonic_types::StatusExt;
 
-use crate::hostile_keepalive::{scrape, total};
 use crate::support::*;
 
 /// The arbiter's least new work in flight in these tests.

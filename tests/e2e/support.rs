@@ -1,11 +1,14 @@
 //! Small helpers shared by the scenarios: a stack (real etcd + in-process
 //! arbiter), lock.v1 calls with short names, and refusal inspection.
 
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use latchkey_proto::lockv1::lock_client::LockClient;
 use latchkey_proto::lockv1::{AcquireRequest, Grant, OpenSessionRequest, ReleaseRequest, WaitMode};
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
+use latchkey_tests::envoy::admin_get;
 use latchkey_tests::etcd::EtcdServer;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
@@ -173,4 +176,40 @@ pub fn status_of(e: anyhow::Error) -> Status {
         Ok(s) => s,
         Err(e) => Status::unknown(e.to_string()),
     }
+}
+
+/// Every sample of a Prometheus text exposition: `name{labels}` -> value.
+pub async fn scrape(addr: SocketAddr) -> anyhow::Result<BTreeMap<String, f64>> {
+    let text = admin_get(addr, "/metrics").await?;
+    Ok(text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            Some((name.to_string(), value.parse().ok()?))
+        })
+        .collect())
+}
+
+/// The sum of the samples whose name and labels contain every one of `parts`.
+pub fn total(samples: &BTreeMap<String, f64>, parts: &[&str]) -> u64 {
+    let sum: f64 = samples
+        .iter()
+        .filter(|(name, _)| parts.iter().all(|p| name.contains(p)))
+        .map(|(_, v)| *v)
+        .sum();
+    sum as u64
+}
+
+/// Range calls etcd has served (every code): a KeepAlive ownership lookup is
+/// one, and so was an OpenSession's count of its identity's sessions.
+pub async fn etcd_ranges(s: &Stack) -> anyhow::Result<u64> {
+    let addr: SocketAddr = format!("127.0.0.1:{}", s.etcd.client_port()).parse()?;
+    let samples = scrape(addr).await?;
+    let n = total(
+        &samples,
+        &["grpc_server_handled_total{", "grpc_method=\"Range\""],
+    );
+    anyhow::ensure!(n > 0, "no Range counter in etcd's /metrics");
+    Ok(n)
 }

@@ -13,6 +13,8 @@
 //!   grant its worker revealed (issue 14).
 //! - [`TestFault::SlowReuse`]: not a bug; makes a rare interleaving certain
 //!   in a regression test.
+//! - [`TestFault::SlowSessionWrites`]: not a bug; likewise, for the session
+//!   counts (the watch shows an open's entry before the open hears it).
 //! - [`TestFault::LoseGrantAnswers`]: not a bug; makes hidden grants (a
 //!   grant committed, its answer lost) common, as the control for
 //!   `ForgetHidden`.
@@ -67,12 +69,12 @@ pub enum TestFault {
     /// session first deletes that hold (and its claims), while the hidden
     /// grant's lease still lives, so the other session gets a second grant.
     ForgetHidden,
-    /// Not a bug: a count of an identity's sessions answers only after
-    /// [`SLOW_COUNT`], once etcd has answered it, as a count over many keys
-    /// under load does (issue 31 saw such counts take over 100 ms at etcd).
-    /// Opens reserved before the count finish while it is in flight: the
-    /// arbiter must still count them (issue 31, finding 9).
-    SlowCounts,
+    /// Not a bug: a session's record and count entry are written, and the
+    /// answer comes [`SLOW_SESSION_WRITE`] later, as under load: the
+    /// arbiter's watch shows the entry while the open is still in flight,
+    /// and the open must count once, neither twice (refusing opens under
+    /// the bound) nor not at all (passing it: issue 31, finding 9).
+    SlowSessionWrites,
     /// Not a bug: every lease renewal answers only after [`SLOW_RENEWAL`],
     /// once etcd has answered it, as renewals do when etcd or the arbiter
     /// is overloaded (the lease is renewed; the answer is late). The
@@ -86,8 +88,8 @@ pub enum TestFault {
 /// inside the shortest dev class's TTL (5 s).
 pub const SLOW_RENEWAL: Duration = Duration::from_millis(1500);
 
-/// How long [`TestFault::SlowCounts`] holds back a count's answer.
-pub const SLOW_COUNT: Duration = Duration::from_millis(150);
+/// How long [`TestFault::SlowSessionWrites`] holds back a session write's answer.
+pub const SLOW_SESSION_WRITE: Duration = Duration::from_millis(150);
 
 /// How long [`TestFault::SlowReuse`] holds back its answer.
 pub const SLOW_REUSE: Duration = Duration::from_millis(500);
@@ -103,7 +105,7 @@ impl TestFault {
         Self::SlowReuse,
         Self::LoseGrantAnswers,
         Self::ForgetHidden,
-        Self::SlowCounts,
+        Self::SlowSessionWrites,
         Self::SlowRenewals,
     ];
 
@@ -114,11 +116,11 @@ impl TestFault {
             "slow-reuse" => Ok(Self::SlowReuse),
             "lose-grant-answers" => Ok(Self::LoseGrantAnswers),
             "forget-hidden" => Ok(Self::ForgetHidden),
-            "slow-counts" => Ok(Self::SlowCounts),
+            "slow-session-writes" => Ok(Self::SlowSessionWrites),
             "slow-renewals" => Ok(Self::SlowRenewals),
             other => Err(format!(
                 "unknown test fault {other:?}: expected none, grant-on-watch, slow-reuse, \
-                 lose-grant-answers, forget-hidden, slow-counts or slow-renewals"
+                 lose-grant-answers, forget-hidden, slow-session-writes or slow-renewals"
             )),
         }
     }
@@ -131,7 +133,7 @@ impl TestFault {
             Self::SlowReuse => "slow-reuse",
             Self::LoseGrantAnswers => "lose-grant-answers",
             Self::ForgetHidden => "forget-hidden",
-            Self::SlowCounts => "slow-counts",
+            Self::SlowSessionWrites => "slow-session-writes",
             Self::SlowRenewals => "slow-renewals",
         }
     }
@@ -403,7 +405,7 @@ impl LockLog for FaultyLog {
             }
             TestFault::None
             | TestFault::GrantOnWatch
-            | TestFault::SlowCounts
+            | TestFault::SlowSessionWrites
             | TestFault::SlowRenewals => self.inner.grant(txn).await,
         }
     }
@@ -480,7 +482,7 @@ impl LockLog for FaultyLog {
             | TestFault::SlowReuse
             | TestFault::LoseGrantAnswers
             | TestFault::ForgetHidden
-            | TestFault::SlowCounts
+            | TestFault::SlowSessionWrites
             | TestFault::SlowRenewals => watch,
         })
     }
@@ -490,7 +492,11 @@ impl LockLog for FaultyLog {
     }
 
     async fn put_session(&self, session: i64, identity: &str, record: Vec<u8>) -> LogResult<()> {
-        self.inner.put_session(session, identity, record).await
+        let answer = self.inner.put_session(session, identity, record).await;
+        if self.fault == TestFault::SlowSessionWrites {
+            tokio::time::sleep(SLOW_SESSION_WRITE).await;
+        }
+        answer
     }
 
     async fn session(&self, session: i64) -> LogResult<Option<Kv>> {
@@ -498,11 +504,7 @@ impl LockLog for FaultyLog {
     }
 
     async fn count_sessions_of(&self, identity: &str) -> LogResult<u32> {
-        let answer = self.inner.count_sessions_of(identity).await;
-        if self.fault == TestFault::SlowCounts {
-            tokio::time::sleep(SLOW_COUNT).await;
-        }
-        answer
+        self.inner.count_sessions_of(identity).await
     }
 
     async fn delete_session(

@@ -147,7 +147,7 @@ impl HoldCounts {
         let watchers = self.watchers();
         for (ended, owner) in changes
             .iter()
-            .filter_map(|c| c.ended.as_ref().map(|e| (e, c.before.as_deref())))
+            .filter_map(|c| c.ended.as_ref().map(|e| (e, c.counted.before.as_deref())))
         {
             let hold = EndedHold {
                 key: ended.key.clone(),
@@ -183,10 +183,12 @@ mod tests {
         c.watch_session(7, stream, &tx);
         c.watch_session(7, stream, &tx);
         let ended = |session, key: &str| Change {
-            key: key.to_string(),
+            counted: crate::subject_counts::Change {
+                key: key.to_string(),
+                before: None,
+                after: None,
+            },
             session: 0,
-            before: None,
-            after: None,
             ended: Some(Ended {
                 session,
                 key: key.to_string(),

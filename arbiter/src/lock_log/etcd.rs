@@ -13,10 +13,13 @@
 //! - [`holds`]: grants, hand-overs, releases and reads of holder records.
 //! - [`sessions`]: leases, session records, revocation and renewal.
 //! - [`watch`]: a key watch over an etcd watch stream.
+//! - [`follow`]: every key under a prefix, read once and then watched, for
+//!   the per-subject counts of holds and sessions.
 //! - [`lease_renewals`]: every session's renewals over a few shared
 //!   keep-alive streams.
 
 mod failover;
+pub mod follow;
 mod holds;
 mod lease_renewals;
 mod queue;
@@ -328,10 +331,10 @@ impl LockLog for EtcdLog {
     async fn delete_session(
         &self,
         session: i64,
-        identity: &str,
+        counted_as: &str,
         record: Vec<u8>,
     ) -> LogResult<bool> {
-        sessions::delete_session(self, session, identity, record).await
+        sessions::delete_session(self, session, counted_as, record).await
     }
 
     async fn revoke(&self, lease: i64) -> Result<(), StoreError> {

@@ -22,10 +22,19 @@ pub const MAX_METADATA_VALUE_BYTES: usize = 256;
 /// from us rather than a bare DEADLINE_EXCEEDED from its own stack.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
 
-/// How long an Acquire that reaches an arbiter still counting the holds in
-/// the lock log (it just started) waits for the count before it is refused
-/// with UNAVAILABLE: the count is one range read, normally milliseconds.
+/// How long an Acquire (an OpenSession) that reaches an arbiter still
+/// counting the holds (the sessions) in the lock log waits for the count
+/// before it is refused with UNAVAILABLE: the count is a paginated range
+/// read, normally milliseconds.
 const FIRST_COUNT_WAIT: Duration = Duration::from_secs(5);
+
+/// How long `request` may wait for a count to be in: [`FIRST_COUNT_WAIT`],
+/// or less to answer within the caller's deadline.
+pub(super) fn count_wait<T>(request: &Request<T>) -> Duration {
+    grpc_timeout(request).map_or(FIRST_COUNT_WAIT, |d| {
+        FIRST_COUNT_WAIT.min(d.saturating_sub(DEADLINE_MARGIN))
+    })
+}
 
 /// The call's deadline from the `grpc-timeout` header ("<digits><unit>").
 pub fn grpc_timeout<T>(request: &Request<T>) -> Option<Duration> {
@@ -165,6 +174,7 @@ impl Arbiter {
     ) -> Result<AcquireResponse, ArbiterError> {
         let caller = self.caller(&request)?;
         let deadline = grpc_timeout(&request);
+        let count_wait = count_wait(&request);
         let req = request.into_inner();
         let policies = self.policies.current();
         let key = self.authorised_key_in(&policies, &caller, &req.key, scope)?;
@@ -209,9 +219,7 @@ impl Arbiter {
                         &subject,
                         key.as_str(),
                         self.holds_elsewhere(cluster, &subject),
-                        deadline.map_or(FIRST_COUNT_WAIT, |d| {
-                            FIRST_COUNT_WAIT.min(d.saturating_sub(DEADLINE_MARGIN))
-                        }),
+                        count_wait,
                     )
                     .await
                     .inspect_err(|e| {
@@ -377,7 +385,7 @@ impl Arbiter {
         scope.waited = acquired.waited;
         let grant = acquired.grant;
         if let Some(admitted) = admitted {
-            admitted.granted(grant.revision);
+            admitted.written(grant.revision);
         }
         cluster.quorum.granted_in_log(&grant.key, grant.session);
         // Per call: DEBUG (issue 31: INFO is for what an operator acts on;

@@ -22,10 +22,30 @@ impl Arbiter {
             true => self.shadow_marks(session).await.ok(),
             false => Some(Vec::new()),
         };
-        cluster
+        // The entry to delete is under the subject the session was opened
+        // as: known from the session counts (the watch saw it, or it was
+        // opened here); else the subject the grants give now. An entry missed
+        // that way still goes with the lease's revoke.
+        let counted_as = cluster.sessions.subject_of(session);
+        let subject = match &counted_as {
+            Some(subject) => subject.clone(),
+            None => self
+                .policies
+                .current()
+                .grants()
+                .subject(&caller.identity)
+                .unwrap_or(&caller.identity)
+                .to_string(),
+        };
+        let deleted_at = cluster
             .table
-            .close_session(&caller.identity, session)
+            .close_session(&caller.identity, &subject, session)
             .await?;
+        // Counted off now, not when the watch shows it: a close and an open
+        // at the bound follow each other without a refusal in between.
+        if let Some(subject) = counted_as {
+            cluster.sessions.closed_here(&subject, session, deleted_at);
+        }
         // The next renewal of a closed session must reach etcd (and fail).
         self.bounds.forget_renewal(session);
         if home {

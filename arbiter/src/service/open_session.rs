@@ -3,7 +3,7 @@ use tonic::Request;
 use tracing::debug;
 
 use super::Arbiter;
-use crate::error::{ArbiterError, IdentityBound};
+use crate::error::ArbiterError;
 
 /// More than this many reuse candidates is a client bug, not a session cache.
 const MAX_REUSE_CANDIDATES: usize = 32;
@@ -18,6 +18,7 @@ impl Arbiter {
         request: Request<OpenSessionRequest>,
     ) -> Result<OpenSessionResponse, ArbiterError> {
         let caller = self.caller(&request)?;
+        let wait = super::acquire::count_wait(&request);
         let req = request.into_inner();
         let policies = self.policies.current();
         let class = self.class(&policies, &req.class)?;
@@ -59,7 +60,7 @@ impl Arbiter {
             .ok_or(ArbiterError::NotAuthorised)?
             .to_string();
         let opened = self
-            .open_within_bound(cluster, &subject, &caller.identity, ttl)
+            .open_within_bound(cluster, &subject, &caller.identity, ttl, wait)
             .await;
         if let Err(e @ ArbiterError::IdentityLimit { bound, .. }) = &opened {
             self.metrics.identity_bound_refused(bound.kind());
@@ -75,67 +76,59 @@ impl Arbiter {
         })
     }
 
-    /// Counts the sessions of `identity`'s grant subject `subject` (itself,
-    /// or the pattern it falls under) and reserves one more under the
-    /// subject's turn, then creates it outside the turn: opens run side by side,
-    /// one arbiter never lets them overshoot the bound (an open in flight
-    /// counts until the count has it), and a refusal means the log itself
-    /// holds `max` sessions.
+    /// Admits the open against the sessions of `identity`'s grant subject
+    /// `subject` (itself, or the pattern it falls under) as this arbiter
+    /// counts them, from memory ([`crate::session_counts`]: no etcd read,
+    /// whatever the subject has), then creates it. The open counts from its
+    /// admission until the count has its entry, so opens here never pass the
+    /// bound, bursts included; other arbiters' opens count once this
+    /// arbiter's watch has them. An arbiter with no count yet (just started,
+    /// or its watch is being set up again) waits `wait` for it, then
+    /// refuses UNAVAILABLE: never an admission without a count.
     async fn open_within_bound(
         &self,
         cluster: &crate::tiers::Cluster,
         subject: &str,
         identity: &str,
         ttl: u32,
+        wait: std::time::Duration,
     ) -> Result<i64, ArbiterError> {
-        let max = self.bounds.max_sessions;
-        let reservation = {
-            let _turn = self.bounds.open_turn(subject).await;
-            loop {
-                let progress = self.bounds.open_progress();
-                tokio::pin!(progress);
-                progress.as_mut().enable();
-                // Before the count's read is sent: opens that finish while
-                // it is read stay counted for it (Bounds::counting).
-                let window = self.bounds.counting(subject);
-                // The bound is over both tiers' sessions: each cluster
-                // counted at its own revision. The other cluster down must
-                // not stop this tier: it then counts as (0, 0), so only its
-                // opens in flight here count (the bound at most doubles for
-                // the outage).
-                let mut counts = Vec::new();
-                let mut on = 0;
-                for (i, c) in self.tiers.session_clusters().enumerate() {
-                    if c.tier == cluster.tier {
-                        on = i;
-                        counts.push(c.table.count_sessions_of(subject).await?);
-                    } else {
-                        counts.push(c.table.count_sessions_of(subject).await.unwrap_or_else(|e| {
-                            tracing::warn!(error = %e, tier = c.name(), "the other tier's sessions could not be counted; bounding by this tier's alone");
-                            (0, 0)
-                        }));
-                    }
-                }
-                let open: u32 = counts.iter().map(|c| c.0).fold(0, u32::saturating_add);
-                if open >= max {
-                    return Err(ArbiterError::IdentityLimit {
-                        bound: IdentityBound::Sessions,
-                        limit: max,
-                    });
-                }
-                let reserved = self.bounds.reserve_open_over(subject, on, &counts, max);
-                drop(window);
-                match reserved {
-                    Some(reservation) => break reservation,
-                    // Under the bound only with opens in flight that the
-                    // count may already have: wait for one to finish.
-                    None => progress.await,
-                }
-            }
+        cluster
+            .sessions
+            .counted_within(wait)
+            .await
+            .inspect_err(|_| self.metrics.session_count_missing())?;
+        let opening = {
+            // The bound is over both tiers' sessions, each tier's counted
+            // under its own lock: one admission at a time, so two opens on
+            // different tiers cannot both take the last place.
+            let _one = self.bounds.admitting_open();
+            // The other tier's count not in (its cluster down, or just
+            // started) must not stop this tier: then only the opens in
+            // flight here on it count (the bound at most doubles for the
+            // outage).
+            let beside = self
+                .tiers
+                .session_clusters()
+                .filter(|c| !std::ptr::eq(c.as_ref(), cluster))
+                .map(|c| c.sessions.held_or_in_flight(subject))
+                .fold(0, u32::saturating_add);
+            cluster.sessions.admit_beside(subject, beside)?
         };
-        let (session, written_at) = cluster.table.create_session(identity, subject, ttl).await?;
-        reservation.written_at(written_at);
-        Ok(session)
+        let created = cluster
+            .table
+            .create_session(identity, subject, ttl, |session| opening.writing(session))
+            .await;
+        match created {
+            Ok((session, written_at)) => {
+                opening.written(written_at);
+                Ok(session)
+            }
+            Err(e) => {
+                opening.unknown(std::time::Duration::from_secs(u64::from(ttl)));
+                Err(e)
+            }
+        }
     }
 
     /// The session if it belongs to the caller; otherwise SESSION_EXPIRED

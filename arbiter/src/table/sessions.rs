@@ -43,8 +43,8 @@ impl LockTable {
     /// its entry in the identity's session count, both on the lease. Refused
     /// when the identity already has `max_sessions` open (counted just
     /// before). Concurrent opens of one identity may overshoot: the service
-    /// counts under a turn and reserves ([`crate::bounds::Bounds::reserve_open`]),
-    /// then calls [`Self::create_session`].
+    /// bounds opens by the session counts the watch keeps instead
+    /// ([`crate::session_counts`]) and calls [`Self::create_session`].
     pub async fn open_session(
         &self,
         identity: &str,
@@ -58,7 +58,7 @@ impl LockTable {
             });
         }
         Ok(self
-            .create_session(identity, identity, ttl_seconds)
+            .create_session(identity, identity, ttl_seconds, |_| {})
             .await?
             .0)
     }
@@ -66,12 +66,15 @@ impl LockTable {
     /// Creates a session (lease, record, count entry) without counting: its
     /// id and the log revision its count entry was written at. The entry is
     /// counted against grant subject `counted_as` (`identity`, or the pattern
-    /// it falls under: issue 30).
+    /// it falls under: issue 30). `writing` hears the session's id once its
+    /// lease is granted, before the entry is written (a watch on the entries
+    /// may show the entry before this call answers).
     pub async fn create_session(
         &self,
         identity: &str,
         counted_as: &str,
         ttl_seconds: u32,
+        writing: impl FnOnce(i64),
     ) -> Result<(i64, i64), ArbiterError> {
         let mut attempt = 0;
         let id = loop {
@@ -95,6 +98,7 @@ impl LockTable {
             identity: identity.to_string(),
             ttl_seconds,
         });
+        writing(id);
         let ((), header) = self
             .seal
             .checked(self.log.put_session(id, counted_as, record))
@@ -107,15 +111,22 @@ impl LockTable {
         Ok(kv.and_then(|kv| decode(&kv.value)))
     }
 
-    /// Closes `identity`'s session: one transaction deletes its record (and
-    /// its entry in the identity's count; a pattern subject's entry goes
-    /// with the lease) only if the record still names
-    /// `identity`, so from then on no grant, renewal or hand-over uses it;
-    /// then the lease is revoked, which ends every hold on it in one entry.
+    /// Closes `identity`'s session: one transaction deletes its record and
+    /// its entry in the count of grant subject `counted_as` (the subject it
+    /// was opened under, which the record does not say) only if the record
+    /// still names `identity`, so from then on no grant, renewal or
+    /// hand-over uses it; then the lease is revoked, which ends every hold
+    /// on it in one entry (and the entry, had `counted_as` missed it).
     /// Someone else's session, or one that is gone, is `SessionExpired`
     /// alike. If the revoke fails after the delete, the holds end with the
-    /// TTL (nobody can renew the session any more).
-    pub async fn close_session(&self, identity: &str, session: i64) -> Result<(), ArbiterError> {
+    /// TTL (nobody can renew the session any more). Answers the revision of
+    /// the delete.
+    pub async fn close_session(
+        &self,
+        identity: &str,
+        counted_as: &str,
+        session: i64,
+    ) -> Result<i64, ArbiterError> {
         let (kv, _) = self.seal.checked(self.log.session(session)).await?;
         let Some(kv) = kv else {
             return Err(ArbiterError::SessionExpired { session });
@@ -124,14 +135,15 @@ impl LockTable {
         if !owned || kv.lease != session {
             return Err(ArbiterError::SessionExpired { session });
         }
-        let (deleted, _) = self
+        let (deleted, header) = self
             .seal
-            .checked(self.log.delete_session(session, identity, kv.value))
+            .checked(self.log.delete_session(session, counted_as, kv.value))
             .await?;
         if !deleted {
             return Err(ArbiterError::SessionExpired { session });
         }
-        Ok(self.log.revoke(session).await?)
+        self.log.revoke(session).await?;
+        Ok(header.revision)
     }
 
     /// Renews `lease` once; a TTL of 0 or less means the log no longer has it.

@@ -210,7 +210,7 @@ impl Incarnation<'_> {
         tokio::select! {
             biased;
             () = arbiter.killed.cancelled() => {}
-            _ = table.close_session(&self.identity, id) => {}
+            _ = table.close_session(&self.identity, &self.identity, id) => {}
         }
     }
 

@@ -42,7 +42,9 @@ use tonic::transport::Channel;
 use tonic_types::StatusExt;
 
 #[derive(Parser, Debug)]
-#[command(about = "Renewals of established sessions under a flood of new work, protection off vs on")]
+#[command(
+    about = "Renewals of established sessions under a flood of new work, protection off vs on"
+)]
 struct Args {
     /// Established sessions renewed throughout.
     #[arg(long, default_value_t = 5000)]
@@ -84,7 +86,10 @@ impl Renewals {
     fn unanswered(&self, ids: &[i64]) -> usize {
         let sent = self.sent.lock();
         ids.iter()
-            .filter(|id| sent.get(id).is_some_and(|at| at.elapsed() > Duration::from_secs(2)))
+            .filter(|id| {
+                sent.get(id)
+                    .is_some_and(|at| at.elapsed() > Duration::from_secs(2))
+            })
             .count()
     }
 }
@@ -191,11 +196,7 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn phase(
-    args: &Args,
-    policies: &std::path::Path,
-    protected: bool,
-) -> anyhow::Result<Phase> {
+async fn phase(args: &Args, policies: &std::path::Path, protected: bool) -> anyhow::Result<Phase> {
     let name = if protected { "protected" } else { "off" };
     let etcd = EtcdServer::start().await?;
     let exe = std::env::current_exe()?;
@@ -241,7 +242,14 @@ async fn phase(
             ids.push(r.session_id);
         }
         established.extend(ids.iter().copied());
-        renewers.spawn(renew(c, ids, interval, late, renewals.clone(), stop_rx.clone()));
+        renewers.spawn(renew(
+            c,
+            ids,
+            interval,
+            late,
+            renewals.clone(),
+            stop_rx.clone(),
+        ));
     }
     // Let the renewals settle, then count from a clean slate.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -281,7 +289,11 @@ async fn phase(
     let mut lost = renewals.lost.lock().clone();
     let etcd_client = etcd.client().await?;
     for id in &established {
-        let left = etcd_client.lease_client().time_to_live(*id, None).await?.ttl();
+        let left = etcd_client
+            .lease_client()
+            .time_to_live(*id, None)
+            .await?
+            .ttl();
         if left <= 0 {
             lost.insert(*id);
         }
@@ -292,16 +304,12 @@ async fn phase(
     // What the arbiter gives back once the flood's sessions are closed.
     tokio::time::sleep(Duration::from_secs(10)).await;
     let rss_after = usage(pid).rss_kib;
-    let (p99_ms, max_ms) = renewals
-        .latency
-        .lock()
-        .as_ref()
-        .map_or((0.0, 0.0), |h| {
-            (
-                h.value_at_quantile(0.99) as f64 / 1000.0,
-                h.max() as f64 / 1000.0,
-            )
-        });
+    let (p99_ms, max_ms) = renewals.latency.lock().as_ref().map_or((0.0, 0.0), |h| {
+        (
+            h.value_at_quantile(0.99) as f64 / 1000.0,
+            h.max() as f64 / 1000.0,
+        )
+    });
     let measured = Phase {
         name,
         secs,

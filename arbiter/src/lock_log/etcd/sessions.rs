@@ -73,7 +73,10 @@ pub(super) async fn session(log: &EtcdLog, session: i64) -> LogResult<Option<Kv>
 }
 
 /// How many sessions `identity` has open, over every arbiter: a count of
-/// its entries (count only).
+/// its entries (count only). A walk over all of them in etcd: the arbiter
+/// bounds opens by the counts its watch keeps instead
+/// ([`crate::session_counts`]); this serves the simulation's table and the
+/// log contract.
 pub(super) async fn count_sessions_of(log: &EtcdLog, identity: &str) -> LogResult<u32> {
     let resp = log
         .client
@@ -90,13 +93,14 @@ pub(super) async fn count_sessions_of(log: &EtcdLog, identity: &str) -> LogResul
     )
 }
 
-/// Deletes the session record and its count entry if the record is still
+/// Deletes the session record and its count entry (under grant subject
+/// `counted_as`, as [`put_session`] wrote it) if the record is still
 /// `record` on the session's lease, so from then on no grant, renewal or
 /// hand-over uses it. The holds go with the revoke that follows.
 pub(super) async fn delete_session(
     log: &EtcdLog,
     session: i64,
-    identity: &str,
+    counted_as: &str,
     record: Vec<u8>,
 ) -> LogResult<bool> {
     let session_key = log.layout.session(session);
@@ -107,7 +111,7 @@ pub(super) async fn delete_session(
         ])
         .and_then([
             TxnOp::delete(session_key, None),
-            TxnOp::delete(log.layout.identity_session(identity, session), None),
+            TxnOp::delete(log.layout.identity_session(counted_as, session), None),
         ]);
     let resp = log
         .client
