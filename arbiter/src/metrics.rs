@@ -132,8 +132,10 @@ type AdmissionGauges = Arc<std::sync::OnceLock<Arc<crate::overload::Admission>>>
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OverloadLabels {
-    work: String,
-    why: String,
+    /// The work refused: open_session or acquire.
+    kind: String,
+    /// Why: renewals_late, queue_full or waited.
+    outcome: String,
 }
 
 /// Set once, when the arbiter has a coord tier of its own.
@@ -161,8 +163,8 @@ impl Metrics {
     pub fn overload_refused(&self, work: crate::overload::Work, why: crate::overload::Refusal) {
         self.overload_refusals
             .get_or_create(&OverloadLabels {
-                work: work.name().to_string(),
-                why: why.name().to_string(),
+                kind: work.name().to_string(),
+                outcome: why.name().to_string(),
             })
             .inc();
     }
@@ -257,7 +259,7 @@ impl Metrics {
         let overload_refusals = Family::<OverloadLabels, Counter>::default();
         registry.register(
             "overload_refusals",
-            "New work (OpenSession, Acquire) refused UNAVAILABLE / OVERLOADED so that established sessions keep renewing, by work and why: renewals_late, queue_full, or waited (its longest, or to its deadline)",
+            "New work refused UNAVAILABLE / OVERLOADED so that established sessions keep renewing, by kind (open_session, acquire) and outcome (renewals_late; queue_full; waited: its longest, or to its deadline)",
             overload_refusals.clone(),
         );
         let coord_tier = CoordTier::default();
@@ -704,6 +706,10 @@ mod tests {
         );
         m.release(&s, &Ok(()), false, Some(Duration::from_millis(40)));
         m.renewal_refused(&ArbiterError::SessionExpired { session: 1 });
+        m.overload_refused(
+            crate::overload::Work::Acquire,
+            crate::overload::Refusal::RenewalsLate,
+        );
         let text = m.encode()?;
         let names = label_names(&text);
         // `le` is the histogram's bucket bound, part of every histogram.

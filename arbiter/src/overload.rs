@@ -59,8 +59,14 @@ pub const DEFAULT_MIN_IN_FLIGHT: u32 = 8;
 pub const DEFAULT_MAX_QUEUED: u32 = 4096;
 /// Longest a new-work call waits for a place (less if its deadline is sooner).
 pub const DEFAULT_MAX_QUEUE_WAIT: Duration = Duration::from_secs(5);
-/// What a refused call is told to wait before retrying, at least.
-const RETRY_AFTER: Duration = Duration::from_millis(200);
+/// What a refused call is told to wait before retrying, at least; doubled
+/// for each further late window of one shedding episode, up to
+/// [`MAX_RETRY_AFTER`]. A refusal is cheap but not free, and a flood whose
+/// callers come back at once refuses itself into the arbiter's CPU (and
+/// renewals with it): the overload-bench measured a fixed 200 ms pushback
+/// costing every established session, where an escalating one kept them.
+const RETRY_AFTER: Duration = Duration::from_millis(250);
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(8);
 /// Answer a queued call a little before its deadline, so it hears
 /// OVERLOADED from us rather than a bare DEADLINE_EXCEEDED.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
@@ -183,6 +189,8 @@ struct State {
     window: Window,
     /// Until when new work gives way (the last late window plus [`SHED_HOLD`]).
     shed_until: Option<Instant>,
+    /// Late windows in the current shedding episode (0: not shedding).
+    late_windows: u32,
 }
 
 impl State {
@@ -195,6 +203,16 @@ impl State {
 
     fn shedding(&self, now: Instant) -> bool {
         self.shed_until.is_some_and(|until| now < until)
+    }
+
+    /// What a call refused now is told to wait at least.
+    fn pushback(&self, now: Instant) -> Duration {
+        match self.shedding(now) {
+            false => RETRY_AFTER,
+            true => RETRY_AFTER
+                .saturating_mul(1 << self.late_windows.saturating_sub(1).min(5))
+                .min(MAX_RETRY_AFTER),
+        }
     }
 
     fn unqueue(&mut self, subject: &str) {
@@ -256,6 +274,7 @@ impl Admission {
                 next_id: 0,
                 window: Window::new(Instant::now()),
                 shed_until: None,
+                late_windows: 0,
             }),
             config,
             refused,
@@ -306,6 +325,10 @@ impl Admission {
         let late = w.late > 0 && w.late.saturating_mul(100) >= w.renewals.max(1);
         if late {
             s.limit = (s.limit * 0.75).max(min);
+            if !s.shedding(now) {
+                s.late_windows = 0;
+            }
+            s.late_windows = s.late_windows.saturating_add(1);
             s.shed_until = Some(now + SHED_HOLD);
             // Each refused call counts its own refusal.
             s.shed();
@@ -346,8 +369,9 @@ impl Admission {
                 None
             };
             if let Some(refusal) = refusal {
+                let pushback = s.pushback(Instant::now());
                 drop(s);
-                return Err(self.refuse(work, refusal));
+                return Err(self.refuse(work, refusal, pushback));
             }
             let id = s.next_id;
             s.next_id += 1;
@@ -365,7 +389,7 @@ impl Admission {
             .unwrap_or(self.config.max_queue_wait)
             .min(self.config.max_queue_wait);
         let mut rx = rx;
-        let refusal = match tokio::time::timeout(wait, &mut rx).await {
+        let refusal: Refusal = match tokio::time::timeout(wait, &mut rx).await {
             Ok(Ok(true)) => return Ok(self.permit()),
             Ok(Ok(false) | Err(_)) => Refusal::RenewalsLate,
             Err(_) => {
@@ -385,7 +409,8 @@ impl Admission {
                 }
             }
         };
-        Err(self.refuse(work, refusal))
+        let pushback = self.state.lock().pushback(Instant::now());
+        Err(self.refuse(work, refusal, pushback))
     }
 
     fn permit(self: &Arc<Self>) -> Permit {
@@ -394,11 +419,11 @@ impl Admission {
         }
     }
 
-    fn refuse(&self, work: Work, refusal: Refusal) -> ArbiterError {
+    fn refuse(&self, work: Work, refusal: Refusal, retry_after: Duration) -> ArbiterError {
         (self.refused)(work, refusal);
         ArbiterError::Overloaded {
             work: work.name(),
-            retry_after: RETRY_AFTER,
+            retry_after,
             renewals_late: refusal == Refusal::RenewalsLate,
         }
     }
@@ -564,6 +589,29 @@ mod tests {
         // The places given back are not handed out past the new limit.
         drop(permits);
         assert_eq!(a.gauges().in_flight, 0);
+    }
+
+    #[tokio::test]
+    async fn the_pushback_grows_while_renewals_stay_late() {
+        let a = Admission::new(config(1));
+        let _p = a.admit(Work::Open, "s", None).await;
+        let mut told = Vec::new();
+        for _ in 0..8 {
+            {
+                let mut s = a.state.lock();
+                s.window.renewals = 10;
+                s.window.late = 5;
+                let past = s.window.started.checked_sub(WINDOW).unwrap_or(s.window.started);
+                s.window.started = past;
+            }
+            a.renewal_served(Duration::ZERO);
+            match a.admit(Work::Open, "s", None).await {
+                Err(ArbiterError::Overloaded { retry_after, .. }) => told.push(retry_after),
+                _ => panic!("refused while renewals are late"),
+            }
+        }
+        let ms: Vec<u128> = told.iter().map(Duration::as_millis).collect();
+        assert_eq!(ms, [250, 500, 1000, 2000, 4000, 8000, 8000, 8000]);
     }
 
     #[tokio::test]

@@ -236,11 +236,12 @@ impl QuorumLoss {
                         holds.insert(
                             r.key.clone(),
                             MemoryHold {
-                                bounded_as: r.identity.clone(),
+                                bounded_as: r.bounded_as().to_string(),
                                 identity: r.identity,
-                                // The spool does not keep it: a leak of a
-                                // restored hold is answered as contention.
-                                instance: String::new(),
+                                // Empty in spools from before it was kept:
+                                // a leak of such a hold is answered as
+                                // contention.
+                                instance: r.instance,
                                 session: r.session,
                                 class: r.class,
                                 ttl_seconds: r.ttl_seconds,
@@ -471,6 +472,8 @@ impl QuorumLoss {
             kind: SpoolKind::Grant,
             key: req.key.clone(),
             identity: req.identity.clone(),
+            bound: req.bound.clone(),
+            instance: req.instance.clone(),
             session: req.session,
             class: req.class.clone(),
             ttl_seconds: req.ttl_seconds,
@@ -595,6 +598,11 @@ impl QuorumLoss {
                 kind: SpoolKind::Release,
                 key: key.to_string(),
                 identity: hold.identity.clone(),
+                bound: match hold.bounded_as == hold.identity {
+                    true => String::new(),
+                    false => hold.bounded_as.clone(),
+                },
+                instance: hold.instance.clone(),
                 session: hold.session,
                 class: hold.class.clone(),
                 ttl_seconds: hold.ttl_seconds,
@@ -886,6 +894,42 @@ mod tests {
         }
         let lines = spool::read(&q.spool_path()).unwrap();
         assert_eq!(lines.len(), 2 * granted + 1);
+    }
+
+    /// Per-pod identities under one pattern grant share its spool share
+    /// (issue 30), and a restart restores each hold against the pattern
+    /// and with its instance.
+    #[tokio::test]
+    async fn pods_under_one_pattern_share_one_spool_share() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = posture_with(dir.path(), 64 << 10, 10_000);
+        let pod = |i: usize| {
+            let mut r = req(&format!("a/{i}"), &format!("pods/p{i}"), 1);
+            r.bound = "pods/*".into();
+            r
+        };
+        let mut granted = 0;
+        let refused = loop {
+            match q.acquire(&pod(granted), None, &FREE).await {
+                Ok(_) => granted += 1,
+                Err(e) => break e,
+            }
+        };
+        assert!(
+            matches!(
+                refused,
+                ArbiterError::IdentityLimit {
+                    bound: IdentityBound::Spool,
+                    ..
+                }
+            ),
+            "every pod its own share would have filled the spool: {refused}"
+        );
+        // Another subject still gets its unprotected grants.
+        q.acquire(&req("b/0", "b", 2), None, &FREE).await.unwrap();
+        let lines = spool::read(&q.spool_path()).unwrap();
+        assert!(lines.iter().all(|l| l.identity == "b" || l.bounded_as() == "pods/*"));
+        assert!(lines.iter().any(|l| l.instance == "pods/p0-process"));
     }
 
     #[tokio::test]

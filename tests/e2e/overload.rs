@@ -221,7 +221,7 @@ async fn new_work_gives_way_while_renewals_run_late() -> anyhow::Result<()> {
             &s,
             &[
                 "latchkey_arbiter_overload_refusals_total",
-                "work=\"open_session\""
+                "kind=\"open_session\""
             ]
         )
         .await?

@@ -52,6 +52,16 @@ pub struct SpoolRecord {
     pub kind: SpoolKind,
     pub key: String,
     pub identity: String,
+    /// The grant subject the grant counts against, when it is not
+    /// `identity` itself (a pattern grant's per-pod identity, issue 30):
+    /// the spool share and, after a restart, the restored hold's bounds
+    /// are the subject's. Absent in spools written before it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub bound: String,
+    /// The client instance it was granted to (a restored hold then tells a
+    /// LEAK from a replica's contention as before the restart).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub instance: String,
     pub session: i64,
     pub class: String,
     pub ttl_seconds: u32,
@@ -64,6 +74,16 @@ pub struct SpoolRecord {
     pub arbiter: String,
     /// The lock cluster whose quorum was lost (etcd's cluster id).
     pub cluster_id: u64,
+}
+
+impl SpoolRecord {
+    /// The grant subject the record counts against.
+    pub fn bounded_as(&self) -> &str {
+        match self.bound.is_empty() {
+            true => &self.identity,
+            false => &self.bound,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -206,12 +226,12 @@ impl Spool {
             let share = self.share();
             let used = inner
                 .per_identity
-                .get(&record.identity)
+                .get(record.bounded_as())
                 .copied()
                 .unwrap_or(0);
             if used + need > share {
                 return Err(SpoolError::Share {
-                    identity: record.identity.clone(),
+                    identity: record.bounded_as().to_string(),
                     used,
                     share,
                 });
@@ -265,7 +285,7 @@ impl Spool {
                 inner.reserved += len;
                 *inner
                     .per_identity
-                    .entry(record.identity.clone())
+                    .entry(record.bounded_as().to_string())
                     .or_insert(0) += need;
             }
             SpoolKind::Release => inner.reserved -= kept,
@@ -359,6 +379,8 @@ mod tests {
             kind: SpoolKind::Grant,
             key: key.into(),
             identity: "spiffe://dev.latchkey/w/a".into(),
+            bound: String::new(),
+            instance: String::new(),
             session: 7,
             class: "batch".into(),
             ttl_seconds: 30,

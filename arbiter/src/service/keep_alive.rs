@@ -94,7 +94,8 @@ impl Arbiter {
     /// Each session's ownership is checked once per stream (someone else's
     /// session is answered as one that is gone). A session that is gone is
     /// answered with `remaining_ttl_seconds = 0` and the stream goes on for
-    /// the others; only a store failure or a malformed request ends it.
+    /// the others; a renewal that fails at the store is not answered (the
+    /// client's next one retries); only a malformed request ends it.
     /// A session renewed in etcd within the last quarter of its TTL is
     /// answered from the arbiter's memo of renewals ([`crate::bounds`]):
     /// renewing faster costs etcd nothing, and no renewal is ever refused
@@ -256,6 +257,18 @@ impl Arbiter {
                                     remaining_ttl_seconds: 0,
                                     ended_holds: Vec::new(),
                                 })
+                            }
+                            // A renewal that failed at the store is not
+                            // answered: the client's next one retries, and
+                            // its fence deadline runs from the last answer.
+                            // Ending the stream would cost every other
+                            // session on it a reconnection and an ownership
+                            // lookup, just when the store is struggling
+                            // (issue 31, overload).
+                            Err(e) if e.is_transient() => {
+                                debug!(identity, error = %e, "renewal failed at the store; not answered");
+                                self.metrics.renewal_refused(&e);
+                                continue;
                             }
                             Err(e) => {
                                 debug!(identity, error = %e, "keepalive stream ended");

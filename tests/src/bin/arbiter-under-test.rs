@@ -9,6 +9,10 @@ use std::process::ExitCode;
 
 use latchkey_tests::faulty_log;
 
+/// The shipped binary's allocator, so memory is measured as it ships.
+#[global_allocator]
+static ALLOCATOR: latchkey_arbiter::Allocator = latchkey_arbiter::Allocator;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<ExitCode> {
     let (fault, argv) = match faulty_log::split_test_fault_arg(std::env::args_os().collect()) {

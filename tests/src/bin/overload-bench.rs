@@ -7,8 +7,12 @@
 //!   stream per identity (1,000 sessions each), and
 //! - `--flooders` workers that OpenSession, Acquire, Release and
 //!   CloseSession as fast as they are answered, more than this machine can
-//!   serve. A worker refused `OVERLOADED` waits the pushback it is told (a
-//!   well-behaved client), any other refusal 50 ms.
+//!   serve. A worker refused `OVERLOADED` backs off as a well-behaved client
+//!   does (the pushback it is told or twice its last wait, with jitter),
+//!   any other refusal 50 ms.
+//!
+//! The established sessions' client runs on a runtime and an OS thread of its
+//! own, as if it were another process: the flood's tasks cannot delay it.
 //!
 //! The first phase runs with `--no-overload-protection` (the baseline), the
 //! second with the protection as shipped. Printed per phase: renewals asked
@@ -75,6 +79,8 @@ struct Renewals {
     sent: Arc<Mutex<HashMap<i64, Instant>>>,
     asked: AtomicU64,
     alive: AtomicU64,
+    /// KeepAlive streams the arbiter ended (opened again by the renewer).
+    stream_ends: AtomicU64,
     late: AtomicU64,
     /// Sessions answered with no TTL left (each counted once).
     lost: Mutex<std::collections::HashSet<i64>>,
@@ -100,6 +106,7 @@ struct Flood {
     grants: AtomicU64,
     overloaded: AtomicU64,
     other_refusals: AtomicU64,
+    other_reasons: Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 struct Phase {
@@ -113,10 +120,12 @@ struct Phase {
     lost: usize,
     /// Asks unanswered for over 2 s, 5 s past the flood.
     unanswered: usize,
+    stream_ends: u64,
     opens: u64,
     grants: u64,
     overloaded: u64,
     other_refusals: u64,
+    other_reasons: std::collections::BTreeMap<String, u64>,
     rss_before: u64,
     rss_peak: u64,
     rss_after: u64,
@@ -125,7 +134,7 @@ struct Phase {
 impl Phase {
     fn print(&self) {
         println!(
-            "{:<10} renewals needed {:>7}  answered alive {:>7} ({:>5.1} %)  late {:>6}  latency p99 {:>7.0} ms  max {:>7.0} ms  sessions lost {:>5}  unanswered {:>5}",
+            "{:<10} renewals needed {:>7}  answered alive {:>7} ({:>5.1} %)  late {:>6}  latency p99 {:>7.0} ms  max {:>7.0} ms  sessions lost {:>5}  unanswered {:>5}  streams ended {}",
             self.name,
             self.asked,
             self.alive,
@@ -134,15 +143,17 @@ impl Phase {
             self.p99_ms,
             self.max_ms,
             self.lost,
-            self.unanswered
+            self.unanswered,
+            self.stream_ends
         );
         println!(
-            "{:<10} flood: opens/s {:>6.0}  grants/s {:>6.0}  refused OVERLOADED {:>7}  other refusals {:>6}  arbiter RSS {} -> peak {} -> after {} MiB",
+            "{:<10} flood: opens/s {:>6.0}  grants/s {:>6.0}  refused OVERLOADED {:>7}  other refusals {:>6} {:?}  arbiter RSS {} -> peak {} -> after {} MiB",
             "",
             self.opens as f64 / self.secs,
             self.grants as f64 / self.secs,
             self.overloaded,
             self.other_refusals,
+            self.other_reasons,
             self.rss_before / 1024,
             self.rss_peak / 1024,
             self.rss_after / 1024
@@ -215,42 +226,48 @@ async fn phase(args: &Args, policies: &std::path::Path, protected: bool) -> anyh
     let pid = arbiter.pid().context("arbiter pid")?;
 
     // The established sessions, each identity renewing its own as soon as
-    // they are open.
+    // they are open: on a runtime (and an OS thread) of their own, as if in
+    // other processes, so the flood's tasks in this one cannot delay them.
     let renewals = Arc::new(Renewals {
         latency: Mutex::new(Some(Histogram::new_with_bounds(1, 600_000_000, 3)?)),
         ..Default::default()
     });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut renewers = tokio::task::JoinSet::new();
-    let mut established = Vec::new();
+    let renewer_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
     let late = Duration::from_millis(args.late_ms);
-    for i in 0..args.sessions.div_ceil(PER_IDENTITY) {
-        let ch = channel(arbiter.addr(), &format!("workload/bench-{i}")).await?;
-        let mut c = LockClient::new(ch);
-        let count = PER_IDENTITY.min(args.sessions - i * PER_IDENTITY);
-        let mut ids = Vec::with_capacity(count);
-        let mut interval = Duration::from_secs(1);
-        for _ in 0..count {
-            let r = c
-                .open_session(OpenSessionRequest {
-                    class: args.class.clone(),
-                    reuse_session_ids: vec![],
-                })
-                .await?
-                .into_inner();
-            interval = Duration::from_millis(u64::from(r.keepalive_interval_ms));
-            ids.push(r.session_id);
-        }
-        established.extend(ids.iter().copied());
-        renewers.spawn(renew(
-            c,
-            ids,
-            interval,
-            late,
-            renewals.clone(),
-            stop_rx.clone(),
-        ));
-    }
+    let established: Vec<i64> = {
+        let (addr, sessions, class) = (arbiter.addr(), args.sessions, args.class.clone());
+        let (renewals, stop_rx) = (renewals.clone(), stop_rx.clone());
+        renewer_rt
+            .spawn(async move {
+                let mut established = Vec::new();
+                for i in 0..sessions.div_ceil(PER_IDENTITY) {
+                    let ch = channel(addr, &format!("workload/bench-{i}")).await?;
+                    let mut c = LockClient::new(ch);
+                    let count = PER_IDENTITY.min(sessions - i * PER_IDENTITY);
+                    let mut ids = Vec::with_capacity(count);
+                    let mut interval = Duration::from_secs(1);
+                    for _ in 0..count {
+                        let r = c
+                            .open_session(OpenSessionRequest {
+                                class: class.clone(),
+                                reuse_session_ids: vec![],
+                            })
+                            .await?
+                            .into_inner();
+                        interval = Duration::from_millis(u64::from(r.keepalive_interval_ms));
+                        ids.push(r.session_id);
+                    }
+                    established.extend(ids.iter().copied());
+                    tokio::spawn(renew(c, ids, interval, late, renewals.clone(), stop_rx.clone()));
+                }
+                anyhow::Ok(established)
+            })
+            .await??
+    };
     // Let the renewals settle, then count from a clean slate.
     tokio::time::sleep(Duration::from_secs(3)).await;
     renewals.asked.store(0, Ordering::Relaxed);
@@ -299,8 +316,9 @@ async fn phase(args: &Args, policies: &std::path::Path, protected: bool) -> anyh
         }
     }
     let unanswered = renewals.unanswered(&established);
+    let stream_ends = renewals.stream_ends.load(Ordering::Relaxed);
     let _ = stop_tx.send(true);
-    while renewers.join_next().await.is_some() {}
+    renewer_rt.shutdown_background();
     // What the arbiter gives back once the flood's sessions are closed.
     tokio::time::sleep(Duration::from_secs(10)).await;
     let rss_after = usage(pid).rss_kib;
@@ -320,10 +338,12 @@ async fn phase(args: &Args, policies: &std::path::Path, protected: bool) -> anyh
         max_ms,
         lost: lost.len(),
         unanswered,
+        stream_ends,
         opens: flood.opens.load(Ordering::Relaxed),
         grants: flood.grants.load(Ordering::Relaxed),
         overloaded: flood.overloaded.load(Ordering::Relaxed),
         other_refusals: flood.other_refusals.load(Ordering::Relaxed),
+        other_reasons: flood.other_reasons.lock().clone(),
         rss_before,
         rss_peak,
         rss_after,
@@ -334,7 +354,10 @@ async fn phase(args: &Args, policies: &std::path::Path, protected: bool) -> anyh
 }
 
 /// Renews `ids` every `interval` over one KeepAlive stream, in messages of
-/// 250 ids, and matches answers to asks by session id.
+/// 250 ids, and matches answers to asks by session id. A stream that ends
+/// (the arbiter ends one on a store failure) is opened again at once, as
+/// the client library does; its unanswered asks are dropped (counted in
+/// `stream_ends`) and asked again on the new stream.
 async fn renew(
     mut c: LockClient<Channel>,
     ids: Vec<i64>,
@@ -343,36 +366,26 @@ async fn renew(
     renewals: Arc<Renewals>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let (tx, rx) = mpsc::channel(64);
-    let mut replies = c.keep_alive(ReceiverStream::new(rx)).await?.into_inner();
     let sent = renewals.sent.clone();
-    let reader = {
-        let (sent, renewals) = (sent.clone(), renewals.clone());
-        tokio::spawn(async move {
-            while let Ok(Some(r)) = replies.message().await {
-                if r.remaining_ttl_seconds == -1 {
-                    continue; // a notice, not an answer
-                }
-                let Some(at) = sent.lock().remove(&r.session_id) else {
-                    continue;
-                };
-                let took = at.elapsed();
-                if r.remaining_ttl_seconds > 0 {
-                    renewals.alive.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    renewals.lost.lock().insert(r.session_id);
-                }
-                if took > late {
-                    renewals.late.fetch_add(1, Ordering::Relaxed);
-                }
-                if let Some(h) = renewals.latency.lock().as_mut() {
-                    let _ = h.record(u64::try_from(took.as_micros()).unwrap_or(u64::MAX));
-                }
-            }
-        })
-    };
+    let (mut tx, mut reader) = renewal_stream(&mut c, late, &renewals).await?;
     let mut next = tokio::time::Instant::now();
     loop {
+        if reader.is_finished() {
+            renewals.stream_ends.fetch_add(1, Ordering::Relaxed);
+            {
+                let mut s = sent.lock();
+                for id in &ids {
+                    s.remove(id);
+                }
+            }
+            match renewal_stream(&mut c, late, &renewals).await {
+                Ok(stream) => (tx, reader) = stream,
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            }
+        }
         {
             // A renewal is needed each interval; one still unanswered from
             // the last round is not asked again (its answer counts once,
@@ -392,8 +405,7 @@ async fn renew(
                 session_ids: chunk.to_vec(),
             };
             if tx.send(msg).await.is_err() {
-                reader.abort();
-                return Ok(());
+                break; // the stream ended: opened again above
             }
         }
         next += interval;
@@ -407,6 +419,46 @@ async fn renew(
     Ok(())
 }
 
+type RenewalStream = (
+    mpsc::Sender<KeepAliveRequest>,
+    tokio::task::JoinHandle<()>,
+);
+
+async fn renewal_stream(
+    c: &mut LockClient<Channel>,
+    late: Duration,
+    renewals: &Arc<Renewals>,
+) -> anyhow::Result<RenewalStream> {
+    let (tx, rx) = mpsc::channel(64);
+    let mut replies = c.keep_alive(ReceiverStream::new(rx)).await?.into_inner();
+    let reader = {
+        let renewals = renewals.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(r)) = replies.message().await {
+                if r.remaining_ttl_seconds == -1 {
+                    continue; // a notice, not an answer
+                }
+                let Some(at) = renewals.sent.lock().remove(&r.session_id) else {
+                    continue;
+                };
+                let took = at.elapsed();
+                if r.remaining_ttl_seconds > 0 {
+                    renewals.alive.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    renewals.lost.lock().insert(r.session_id);
+                }
+                if took > late {
+                    renewals.late.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some(h) = renewals.latency.lock().as_mut() {
+                    let _ = h.record(u64::try_from(took.as_micros()).unwrap_or(u64::MAX));
+                }
+            }
+        })
+    };
+    Ok((tx, reader))
+}
+
 /// Open, acquire, release, close, as fast as answered, until `until`.
 async fn flood_worker(
     mut c: LockClient<Channel>,
@@ -416,6 +468,7 @@ async fn flood_worker(
     flood: Arc<Flood>,
 ) {
     let mut n = 0u64;
+    let mut backoff = Duration::ZERO;
     while Instant::now() < until {
         n += 1;
         let opened = c
@@ -430,7 +483,7 @@ async fn flood_worker(
                 r.into_inner().session_id
             }
             Err(s) => {
-                refused(&s, &flood).await;
+                refused(&s, &flood, &mut backoff).await;
                 continue;
             }
         };
@@ -447,6 +500,7 @@ async fn flood_worker(
             .await;
         match acquired {
             Ok(r) => {
+                backoff = Duration::ZERO;
                 flood.grants.fetch_add(1, Ordering::Relaxed);
                 if let Some(g) = r.into_inner().grant {
                     let _ = c
@@ -458,7 +512,7 @@ async fn flood_worker(
                         .await;
                 }
             }
-            Err(s) => refused(&s, &flood).await,
+            Err(s) => refused(&s, &flood, &mut backoff).await,
         }
         let _ = c
             .close_session(CloseSessionRequest {
@@ -468,23 +522,29 @@ async fn flood_worker(
     }
 }
 
-/// Counts a refusal and waits as a well-behaved client does: the pushback
-/// an OVERLOADED refusal names, 50 ms after any other.
-async fn refused(s: &tonic::Status, flood: &Flood) {
-    let overloaded = s
+/// Counts a refusal and waits as a well-behaved client does: after an
+/// OVERLOADED refusal, the pushback it names or twice its last wait,
+/// whichever is longer (capped at 8 s), with full jitter; 50 ms after any
+/// other refusal.
+async fn refused(s: &tonic::Status, flood: &Flood, backoff: &mut Duration) {
+    let reason = s
         .get_error_details()
         .error_info()
-        .is_some_and(|i| i.reason == "OVERLOADED");
-    let pause = if overloaded {
+        .map(|i| i.reason.clone())
+        .unwrap_or_else(|| format!("{:?}", s.code()));
+    let pause = if reason == "OVERLOADED" {
         flood.overloaded.fetch_add(1, Ordering::Relaxed);
-        s.get_error_details()
+        let told = s
+            .get_error_details()
             .retry_info()
             .and_then(|r| r.retry_delay)
-            .unwrap_or(Duration::from_millis(200))
+            .unwrap_or(Duration::from_millis(250));
+        *backoff = told.max(*backoff * 2).min(Duration::from_secs(8));
+        backoff.mul_f64(0.5 + fastrand::f64())
     } else {
         flood.other_refusals.fetch_add(1, Ordering::Relaxed);
+        *flood.other_reasons.lock().entry(reason).or_insert(0) += 1;
         Duration::from_millis(50)
     };
-    // jittered, so refused workers do not come back in one wave
-    tokio::time::sleep(pause.mul_f64(1.0 + fastrand::f64())).await;
+    tokio::time::sleep(pause).await;
 }
