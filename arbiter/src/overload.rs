@@ -662,4 +662,89 @@ mod tests {
         .await;
         parked(); // outside a call: nothing
     }
+
+    // --- review (hostile): demonstrations, expected to FAIL on the code under review ---
+
+    /// A queued call is let in (`pump` sends `true` and counts it in flight)
+    /// and its caller's future is dropped before it reads the answer (the
+    /// client reset the stream, or its connection closed, between the
+    /// server's last poll of the call and that answer). Nobody gives the
+    /// place back: `in_flight` stays up forever and the limit shrinks by one.
+    #[tokio::test]
+    async fn review_a_call_cancelled_after_it_was_let_in_leaks_its_place() {
+        let a = Admission::new(config(1));
+        let Ok(first) = a.admit(Work::Open, "s", None).await else {
+            panic!("the first call is admitted");
+        };
+        let mut queued = Box::pin(a.admit(Work::Open, "attacker", None));
+        assert!(futures::poll!(&mut queued).is_pending(), "queued");
+        assert_eq!(a.gauges().queued, 1);
+        drop(first); // pump: the queued call is let in (in_flight 1 again)
+        drop(queued); // ... and cancelled before it was polled again
+        assert_eq!(
+            a.gauges().in_flight,
+            0,
+            "no call is running, yet a place is taken for good"
+        );
+    }
+
+    /// A queued call that is cancelled stays in the queue and in its
+    /// subject's share until a place frees: the queue fills with calls
+    /// nobody waits for, and other subjects are refused QUEUE_FULL.
+    #[tokio::test]
+    async fn review_cancelled_queued_calls_keep_their_places() {
+        let a = Admission::new(config(1)); // max_queued 16: 2 per subject
+        let Ok(_running) = a.admit(Work::Open, "s", None).await else {
+            panic!("admitted");
+        };
+        for subject in 0..8 {
+            for _ in 0..2 {
+                let name = format!("pod-{subject}");
+                let mut f = Box::pin(a.admit(Work::Open, &name, None));
+                assert!(futures::poll!(&mut f).is_pending());
+                drop(f); // the attacker resets the stream at once
+            }
+        }
+        assert_eq!(
+            a.gauges().queued,
+            16,
+            "16 places held by calls that are gone"
+        );
+        // The running call ends a moment later; a victim that comes now
+        // should wait for it and be let in, but the queue is "full".
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            drop(_running);
+        });
+        let victim = a.admit(Work::Open, "spiffe://td/victim", None).await;
+        assert!(
+            !is_overloaded(&victim),
+            "the victim was refused QUEUE_FULL by calls nobody waits for"
+        );
+    }
+
+    /// The in-flight limit has no per-subject share: one subject that
+    /// holds every place (calls that wait before they park: quorum-loss
+    /// memory waits, before_log_grant, count waits, slow hooks) leaves
+    /// another subject's call to wait its whole budget and be refused.
+    #[tokio::test(start_paused = true)]
+    async fn review_one_subject_can_hold_every_in_flight_place() {
+        let a = Admission::new(config(4));
+        let mut hog = Vec::new();
+        for _ in 0..4 {
+            hog.push(a.admit(Work::Acquire, "spiffe://td/ns/x/*", None).await);
+        }
+        assert!(hog.iter().all(Result::is_ok));
+        let victim = a
+            .admit(
+                Work::Open,
+                "spiffe://td/victim",
+                Some(Duration::from_secs(2)),
+            )
+            .await;
+        assert!(
+            !is_overloaded(&victim),
+            "the victim was refused because one subject held every place"
+        );
+    }
 }

@@ -391,4 +391,52 @@ mod tests {
         assert!(waiting.await.unwrap());
         assert!(c.admit_beside("a", 0).is_ok());
     }
+
+    // --- review (hostile): demonstrations, expected to FAIL on the code under review ---
+
+    /// The OpenSession future is dropped while its put is at etcd (the
+    /// client resets the stream, or its grpc-timeout fires, after
+    /// `writing`): the `Opening` is dropped neither written nor unknown, so
+    /// it stops counting at once although the entry may be committed. Until
+    /// the watch shows it, further opens are admitted past the bound.
+    #[test]
+    fn review_an_open_cancelled_during_its_write_stops_counting_at_once() {
+        let c = counted(&[("a", 1), ("a", 2)], 10); // bound 3: one place left
+        let cancelled = c.admit_beside("a", 0).unwrap();
+        cancelled.writing(7); // lease granted, put sent ...
+        drop(cancelled); // ... and the call's future dropped
+        let next = c.admit_beside("a", 0).unwrap(); // admitted: 2 counted
+        next.writing(8);
+        next.written(12);
+        // the cancelled open's put committed at 11; the watch catches up
+        apply(&c, &[event("a", 7, true, 11), event("a", 8, true, 12)], 12);
+        assert!(
+            c.held("a").unwrap() <= 3,
+            "{} sessions open under a bound of 3",
+            c.held("a").unwrap()
+        );
+    }
+
+    /// etcd's first answer on a new watch (the `created` response) carries
+    /// no events and the store's *current* revision in its header, while the
+    /// events from `start_revision` on are still to come (etcd syncs an
+    /// unsynced watcher every 100 ms). follow.rs takes that header revision
+    /// as "the log is known up to here" and applies `(&[], header)`, so an
+    /// open written here between the read and the watch's start stops
+    /// counting before the watch has shown it.
+    #[test]
+    fn review_the_watchs_created_header_drops_opens_not_yet_shown() {
+        let c = counted(&[("a", 1)], 10); // read at 10; bound 3
+        let o = c.admit_beside("a", 0).unwrap();
+        o.writing(7);
+        o.written(11); // committed at 11, after the read
+        // the watch from 11 is created; etcd answers created=true, no
+        // events, header revision 11 (its current revision)
+        apply(&c, &[], 11);
+        assert_eq!(
+            c.held("a"),
+            Some(2),
+            "session 7 is open but not counted until its event arrives"
+        );
+    }
 }

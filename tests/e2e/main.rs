@@ -37,6 +37,7 @@ mod policies;
 mod python_client;
 mod quorum_loss;
 mod replicas;
+mod review;
 mod seal;
 mod session_counts;
 mod shard_moves;
