@@ -37,6 +37,8 @@ pub struct Bounds {
     renewals: Mutex<RenewalMemo>,
     /// Held while one open is admitted ([`Self::admitting_open`]).
     open_admission: Mutex<()>,
+    /// Told how long each renewal took at the lanes (the overload signal).
+    admission: std::sync::OnceLock<std::sync::Arc<crate::overload::Admission>>,
 }
 
 impl Bounds {
@@ -46,7 +48,13 @@ impl Bounds {
             renewal_budgets: RenewalBudgets::new(max_sessions),
             renewals: Mutex::new(RenewalMemo::default()),
             open_admission: Mutex::new(()),
+            admission: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Tells `admission` how long renewals take at the lanes from now on.
+    pub fn report_renewals_to(&self, admission: std::sync::Arc<crate::overload::Admission>) {
+        let _ = self.admission.set(admission);
     }
 
     /// One open's admission at a time: the session bound is over both
@@ -94,6 +102,12 @@ impl crate::lock_log::etcd::RenewalMemo for Bounds {
 
     fn note(&self, lease: i64, renewed: crate::lock_log::etcd::Renewed) {
         self.renewed(lease, renewed.sent, renewed.ttl_seconds);
+    }
+
+    fn round_trip(&self, took: Duration) {
+        if let Some(admission) = self.admission.get() {
+            admission.renewal_served(took);
+        }
     }
 }
 

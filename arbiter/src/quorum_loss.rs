@@ -669,6 +669,8 @@ impl QuorumLoss {
                     key: req.key.clone(),
                 });
             }
+            // Waiting is not new work: the call's admission place goes back.
+            crate::overload::parked();
             let _ = tokio::time::timeout_at(expires.min(deadline), freed).await;
         }
     }
@@ -928,7 +930,11 @@ mod tests {
         // Another subject still gets its unprotected grants.
         q.acquire(&req("b/0", "b", 2), None, &FREE).await.unwrap();
         let lines = spool::read(&q.spool_path()).unwrap();
-        assert!(lines.iter().all(|l| l.identity == "b" || l.bounded_as() == "pods/*"));
+        assert!(
+            lines
+                .iter()
+                .all(|l| l.identity == "b" || l.bounded_as() == "pods/*")
+        );
         assert!(lines.iter().any(|l| l.instance == "pods/p0-process"));
     }
 

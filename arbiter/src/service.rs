@@ -121,8 +121,9 @@ impl Arbiter {
     }
 
     /// A place for one call of new work ([`crate::overload`]), after the
-    /// caller is known (its grant subject has a bounded share of the
-    /// queue; a call refused for who it is costs no place).
+    /// caller is known and has a grant subject (which has a bounded share
+    /// of the queue, and of the places while others wait): a call refused
+    /// for who it is costs no place.
     pub(crate) async fn admit<T>(
         &self,
         request: &Request<T>,
@@ -133,10 +134,13 @@ impl Arbiter {
         }
         let caller = self.caller(request)?;
         let policies = self.policies.current();
+        // An identity with no grant can neither open a session nor lock a
+        // key: refused before it takes a place (else every ungranted pod
+        // would have a queue share of its own).
         let subject = policies
             .grants()
             .subject(&caller.identity)
-            .unwrap_or(&caller.identity);
+            .ok_or(ArbiterError::NotAuthorised)?;
         self.admission
             .admit(work, subject, acquire::grpc_timeout(request))
             .await

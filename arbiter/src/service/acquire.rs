@@ -318,6 +318,8 @@ impl Arbiter {
             ),
         };
         if lost {
+            // A memory grant costs etcd nothing (and may wait): no place.
+            crate::overload::parked();
             let memory = cluster
                 .quorum
                 .acquire(&grant_req, wait, &|key, session| {
@@ -355,6 +357,7 @@ impl Arbiter {
                 // The loss was noticed while this call was at etcd.
                 return match fallback {
                     Some(grant_req) => {
+                        crate::overload::parked();
                         let memory = cluster
                             .quorum
                             .acquire(&grant_req, wait, &|key, session| {

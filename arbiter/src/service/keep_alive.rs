@@ -345,9 +345,6 @@ impl Arbiter {
         checked: Option<Home>,
     ) -> Result<Renewal, ArbiterError> {
         let session = session_id(raw)?;
-        // Renewals that reach the store are timed from here for the
-        // overload signal ([`crate::overload`]); a lookup is part of it.
-        let started = Instant::now();
         let home = match checked {
             Some(home) => home,
             None => match self.owner_home(identity, session).await? {
@@ -362,11 +359,7 @@ impl Arbiter {
         if home == Home::Entity {
             self.renewal_fenced()?;
             if self.has_shadows() {
-                let renewal = self.renew_with_shadows(session).await;
-                if let Ok(Renewal::Alive(..)) = renewal {
-                    self.admission.renewal_served(started.elapsed());
-                }
-                return renewal;
+                return self.renew_with_shadows(session).await;
             }
         }
         // Ownership is settled above; only then may the memo answer.
@@ -397,11 +390,9 @@ impl Arbiter {
                 "coalesced"
             });
             if renewed.sent >= asked {
-                self.admission.renewal_served(started.elapsed());
                 return Ok(Renewal::Alive(renewed.ttl_seconds, home));
             }
             if let Some(ttl) = self.bounds.recent_renewal(session) {
-                self.admission.renewal_served(started.elapsed());
                 return Ok(Renewal::Alive(ttl, home));
             }
         }

@@ -98,7 +98,7 @@ impl Arbiter {
             .counted_within(wait)
             .await
             .inspect_err(|_| self.metrics.session_count_missing())?;
-        let opening = {
+        let mut opening = {
             // The bound is over both tiers' sessions, each tier's counted
             // under its own lock: one admission at a time, so two opens on
             // different tiers cannot both take the last place.
@@ -117,7 +117,9 @@ impl Arbiter {
         };
         let created = cluster
             .table
-            .create_session(identity, subject, ttl, |session| opening.writing(session))
+            .create_session(identity, subject, ttl, |session| {
+                opening.writing(session, std::time::Duration::from_secs(u64::from(ttl)));
+            })
             .await;
         match created {
             Ok((session, written_at)) => {

@@ -262,7 +262,14 @@ async fn phase(args: &Args, policies: &std::path::Path, protected: bool) -> anyh
                         ids.push(r.session_id);
                     }
                     established.extend(ids.iter().copied());
-                    tokio::spawn(renew(c, ids, interval, late, renewals.clone(), stop_rx.clone()));
+                    tokio::spawn(renew(
+                        c,
+                        ids,
+                        interval,
+                        late,
+                        renewals.clone(),
+                        stop_rx.clone(),
+                    ));
                 }
                 anyhow::Ok(established)
             })
@@ -419,10 +426,7 @@ async fn renew(
     Ok(())
 }
 
-type RenewalStream = (
-    mpsc::Sender<KeepAliveRequest>,
-    tokio::task::JoinHandle<()>,
-);
+type RenewalStream = (mpsc::Sender<KeepAliveRequest>, tokio::task::JoinHandle<()>);
 
 async fn renewal_stream(
     c: &mut LockClient<Channel>,

@@ -54,6 +54,10 @@ pub trait RenewalMemo: Send + Sync + 'static {
     fn recent(&self, lease: i64) -> Option<Renewed>;
     /// etcd answered a renewal of `lease`.
     fn note(&self, lease: i64, renewed: Renewed);
+    /// A renewal was answered alive `took` after it was first asked of the
+    /// lane (the lane's queue and etcd's round trip: what overload slows,
+    /// and nothing a caller's own stream does; [`crate::overload`]).
+    fn round_trip(&self, _took: Duration) {}
 }
 
 /// A memo that remembers nothing: every ask reaches etcd (or joins a
@@ -78,6 +82,7 @@ type Reply = oneshot::Sender<Result<Renewal, StoreError>>;
 struct Ask {
     lease: i64,
     reply: Reply,
+    asked: Instant,
 }
 
 /// The lanes. Their tasks end when this is dropped (the queues close).
@@ -106,9 +111,13 @@ impl LeaseRenewals {
             .get(index)
             .ok_or_else(|| StoreError::unavailable("no lease renewal lane"))?;
         let (reply, answer) = oneshot::channel();
-        lane.send(Ask { lease, reply })
-            .await
-            .map_err(|_| StoreError::unavailable("lease renewals stopped"))?;
+        lane.send(Ask {
+            lease,
+            reply,
+            asked: Instant::now(),
+        })
+        .await
+        .map_err(|_| StoreError::unavailable("lease renewals stopped"))?;
         answer
             .await
             .map_err(|_| StoreError::unavailable("lease keep-alive stream closed"))?
@@ -117,6 +126,8 @@ impl LeaseRenewals {
 
 struct Pending {
     sent: Instant,
+    /// When its first ask was made (for the overload signal).
+    asked: Instant,
     waiters: Vec<Reply>,
 }
 
@@ -135,7 +146,15 @@ struct Lane {
 enum Event {
     Ask(Option<Ask>),
     Answer(Result<Option<LeaseKeepAliveResponse>, etcd_client::Error>),
+    /// Time to say how long the oldest renewal in flight has waited.
+    Tick,
 }
+
+/// How often a lane with renewals in flight reports the oldest one's wait
+/// (the overload signal must see a stalled etcd, which answers nothing).
+const STALL_TICK: Duration = Duration::from_millis(100);
+/// A renewal in flight this long is reported as it waits.
+const STALL_REPORT: Duration = Duration::from_millis(500);
 
 async fn next_answer(
     conn: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
@@ -163,13 +182,24 @@ impl Lane {
     }
 
     async fn run(mut self, mut asks: mpsc::Receiver<Ask>) {
+        let mut tick = tokio::time::interval(STALL_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             let room = self.waiting < MAX_WAITING;
             let event = tokio::select! {
                 ask = asks.recv(), if room => Event::Ask(ask),
                 answer = next_answer(&mut self.conn), if self.conn.is_some() => Event::Answer(answer),
+                _ = tick.tick(), if !self.pending.is_empty() => Event::Tick,
             };
             match event {
+                Event::Tick => {
+                    if let Some(oldest) = self.pending.values().map(|p| p.asked).min() {
+                        let waited = oldest.elapsed();
+                        if waited >= STALL_REPORT {
+                            self.memo.round_trip(waited);
+                        }
+                    }
+                }
                 Event::Ask(None) => return,
                 Event::Ask(Some(ask)) => self.ask(ask).await,
                 Event::Answer(Ok(Some(resp))) => self.answered(resp.id(), resp.ttl()),
@@ -206,6 +236,7 @@ impl Lane {
             ask.lease,
             Pending {
                 sent: Instant::now(),
+                asked: ask.asked,
                 waiters: vec![ask.reply],
             },
         );
@@ -282,6 +313,9 @@ impl Lane {
             sent: p.sent,
         };
         self.memo.note(lease, renewed);
+        if ttl_seconds > 0 {
+            self.memo.round_trip(p.asked.elapsed());
+        }
         for (i, waiter) in p.waiters.into_iter().enumerate() {
             let _ = waiter.send(Ok(Renewal {
                 ttl_seconds,
