@@ -416,3 +416,106 @@ async fn through_the_edge_a_flood_of_unknown_ids_slows_only_its_sender() -> anyh
     assert!(seen.rounds >= 5, "{} rounds", seen.rounds);
     Ok(())
 }
+
+/// Through the edge, floods that stress HTTP/2 itself, from one identity
+/// (issue 31, a hostile review): tiny renewals (one session per message, each
+/// its own small DATA frame) that the arbiter reads only at the identity's
+/// pace, and streams opened and dropped at once (the rapid-reset pattern).
+/// Every tenant's streams share the edge's connections to the arbiter, so a
+/// protocol-level defence that closed such a connection would end another
+/// tenant's KeepAlive stream. Measured here: with one connection to the
+/// arbiter shared by every tenant, alice's stream was reset (INTERNAL_ERROR
+/// from the edge); with a pool per downstream connection (envoy/edge.yaml),
+/// Envoy's own flood protection ends the flooder's downstream connection
+/// ("error reading a body from connection" on the flooder's side) and
+/// alice's one long stream goes on.
+#[tokio::test(flavor = "multi_thread")]
+async fn through_the_edge_http2_floods_end_no_other_tenants_stream() -> anyhow::Result<()> {
+    const FLOOD: Duration = Duration::from_secs(10);
+    const STREAMS: usize = 8;
+    const RESETTERS: usize = 16;
+    let edge = crate::edge::edge_with(
+        ArbiterOptions {
+            max_sessions_per_identity: Some(MAX_SESSIONS),
+            ..ArbiterOptions::default()
+        },
+        serde_json::json!({}),
+    )
+    .await?;
+    let mut alice = edge.client("workload/alice").await?;
+    let mut victim = Vec::new();
+    for _ in 0..VICTIM_SESSIONS {
+        victim.push(open(&mut alice, "short").await?);
+    }
+    let mut mallory = edge.client("workload/mallory").await?;
+    let own = open(&mut mallory, "short").await?;
+
+    let started = Instant::now();
+    let stop = started + FLOOD;
+    // alice's one stream lives through the whole flood (no reconnection)
+    let victim_task = tokio::spawn(renew_as_victim(
+        alice.clone(),
+        victim.clone(),
+        stop + FLOOD,
+        stop,
+    ));
+    let floods: Vec<_> = (0..STREAMS)
+        .map(|_| {
+            let tiny = move || KeepAliveRequest {
+                session_id: own,
+                session_ids: Vec::new(),
+            };
+            tokio::spawn(flood(mallory.clone(), tiny, stop))
+        })
+        .collect();
+    let resets: Vec<_> = (0..RESETTERS)
+        .map(|_| {
+            let mut c = mallory.clone();
+            tokio::spawn(async move {
+                let mut opened = 0u64;
+                while Instant::now() < stop {
+                    let (tx, rx) = mpsc::channel(1);
+                    let _ = tx.try_send(KeepAliveRequest {
+                        session_id: own,
+                        session_ids: Vec::new(),
+                    });
+                    // the call starts, and is dropped before any answer
+                    let call = c.keep_alive(ReceiverStream::new(rx));
+                    let _ = tokio::time::timeout(Duration::from_millis(1), call).await;
+                    opened += 1;
+                    if opened % 64 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                opened
+            })
+        })
+        .collect();
+    let mut flooded = Vec::new();
+    for f in floods {
+        flooded.push(f.await?);
+    }
+    let mut reset = 0;
+    for r in resets {
+        reset += r.await?;
+    }
+    let seen = victim_task.await?;
+    eprintln!(
+        "through the edge, {:.1?}: mallory's {STREAMS} streams of tiny renewals: {:?}; {reset} streams opened and dropped; alice: {:?}",
+        started.elapsed(),
+        flooded
+            .iter()
+            .map(|f| f
+                .as_ref()
+                .map(|f| (f.sent, f.answers, f.ended.clone()))
+                .map_err(|e| format!("{e:#}")))
+            .collect::<Vec<_>>(),
+        seen.as_ref()
+            .map(|s| (s.rounds, s.slowest, s.lost))
+            .map_err(|e| format!("{e:#}"))
+    );
+    let seen = seen?;
+    assert_eq!(seen.lost, 0, "alice lost sessions during the flood");
+    assert!(seen.rounds >= 5, "{} rounds", seen.rounds);
+    Ok(())
+}

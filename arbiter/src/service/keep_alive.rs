@@ -264,8 +264,15 @@ impl Arbiter {
                             // Ending the stream would cost every other
                             // session on it a reconnection and an ownership
                             // lookup, just when the store is struggling
-                            // (issue 31, overload).
-                            Err(e) if e.is_transient() => {
+                            // (issue 31, overload). Only the store's
+                            // struggling is waited out this way: a renewal
+                            // this arbiter cannot serve at all (a shard map
+                            // it does not follow) ends the stream, so the
+                            // client goes to one that can.
+                            Err(
+                                e @ (ArbiterError::StoreUnavailable { .. }
+                                | ArbiterError::Overloaded { .. }),
+                            ) => {
                                 debug!(identity, error = %e, "renewal failed at the store; not answered");
                                 self.metrics.renewal_refused(&e);
                                 continue;
