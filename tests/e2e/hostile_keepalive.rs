@@ -483,7 +483,7 @@ async fn through_the_edge_http2_floods_end_no_other_tenants_stream() -> anyhow::
                     let call = c.keep_alive(ReceiverStream::new(rx));
                     let _ = tokio::time::timeout(Duration::from_millis(1), call).await;
                     opened += 1;
-                    if opened % 64 == 0 {
+                    if opened.is_multiple_of(64) {
                         tokio::task::yield_now().await;
                     }
                 }
