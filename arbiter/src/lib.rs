@@ -35,6 +35,7 @@ pub mod lock_log;
 pub mod metrics;
 pub mod oidc;
 pub mod overload;
+pub mod owner;
 pub mod policy;
 pub mod quorum_loss;
 pub mod records;

@@ -418,6 +418,7 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
     let quorum_probe = quorum.spawn_probe(table.log().clone());
     Ok(tiers::Cluster {
         tier: spec.tier,
+        owner: crate::owner::KeyOwner::new(table.clone(), holds.clone(), quorum.clone()),
         table,
         holds,
         sessions,

@@ -44,6 +44,9 @@ pub struct Cluster {
     /// Which tier it serves (with the tiers not split, the entity cluster
     /// serves both).
     pub tier: Tier,
+    /// Decides every grant, memory grant and release of this cluster's
+    /// keys (issue 32): the handlers ask it, never the parts below.
+    pub(crate) owner: crate::owner::KeyOwner,
     pub(crate) table: Arc<LockTable>,
     /// Holds per identity, counted from this cluster's log.
     pub(crate) holds: Arc<HoldCounts>,

@@ -450,6 +450,8 @@ async fn through_the_edge_http2_floods_end_no_other_tenants_stream() -> anyhow::
     let mut mallory = edge.client("workload/mallory").await?;
     let own = open(&mut mallory, "short").await?;
 
+    let allocated = || edge.envoy.counter("server.memory_allocated");
+    let before = allocated().await?;
     let started = Instant::now();
     let stop = started + FLOOD;
     // alice's one stream lives through the whole flood (no reconnection)
@@ -491,6 +493,13 @@ async fn through_the_edge_http2_floods_end_no_other_tenants_stream() -> anyhow::
             })
         })
         .collect();
+    // What the flood makes the edge buffer: its HTTP/2 windows bound it
+    // (Envoy's default of 256 MiB per stream let 8 such streams take ~80 MB).
+    let mut peak = before;
+    while Instant::now() < stop {
+        peak = peak.max(allocated().await?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let mut flooded = Vec::new();
     for f in floods {
         flooded.push(f.await?);
@@ -501,7 +510,7 @@ async fn through_the_edge_http2_floods_end_no_other_tenants_stream() -> anyhow::
     }
     let seen = victim_task.await?;
     eprintln!(
-        "through the edge, {:.1?}: mallory's {STREAMS} streams of tiny renewals: {:?}; {reset} streams opened and dropped; alice: {:?}",
+        "through the edge, {:.1?}: mallory's {STREAMS} streams of tiny renewals: {:?}; {reset} streams opened and dropped; alice: {:?}; Envoy's heap {} KiB, at most {} KiB during the flood",
         started.elapsed(),
         flooded
             .iter()
@@ -512,10 +521,18 @@ async fn through_the_edge_http2_floods_end_no_other_tenants_stream() -> anyhow::
             .collect::<Vec<_>>(),
         seen.as_ref()
             .map(|s| (s.rounds, s.slowest, s.lost))
-            .map_err(|e| format!("{e:#}"))
+            .map_err(|e| format!("{e:#}")),
+        before / 1024,
+        peak / 1024,
     );
     let seen = seen?;
     assert_eq!(seen.lost, 0, "alice lost sessions during the flood");
     assert!(seen.rounds >= 5, "{} rounds", seen.rounds);
+    let grown = peak.saturating_sub(before);
+    assert!(
+        grown < 32 << 20,
+        "the flood made the edge hold {} MiB more",
+        grown >> 20
+    );
     Ok(())
 }

@@ -11,6 +11,7 @@ use crate::error::ArbiterError;
 use crate::hook::{HolderSummary, HookDecision, HookInput, monotonic_ns};
 use crate::metrics::Scope;
 use crate::records::now_unix_ms;
+use crate::owner::{Granted, Terms};
 use crate::table::{Grant, GrantRequest};
 use latchkey_policies::{HookInputKind, OnQuorumLoss};
 
@@ -111,7 +112,7 @@ pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
 
 /// A grant from the arbiter's memory during quorum loss (ADR-04): token 0,
 /// no epoch or revision, marked unprotected.
-fn wire_memory_grant(grant: &crate::quorum_loss::MemoryGrant) -> WireGrant {
+fn wire_memory_grant(grant: &crate::owner::MemoryGrant) -> WireGrant {
     WireGrant {
         key: grant.key.clone(),
         token: 0,
@@ -200,42 +201,36 @@ impl Arbiter {
             .for_acquire(&policies, &key, class, session)
             .await?;
         let cluster = &route.cluster;
-        // ADR-04: while the lock cluster has no quorum a closed class is
-        // refused here, nothing sent to etcd; an open one is granted from
-        // memory below (bounded there, not by the log's hold counts).
-        let open = class.on_quorum_loss == OnQuorumLoss::Open;
-        let lost = cluster.quorum.is_lost();
-        if lost && !open {
-            return Err(cluster.quorum.closed_refusal(&class.name));
-        }
-        // Every hold is a key in etcd: bounded per identity before anything
-        // else is spent on the call (a hook, a queue place).
-        let admitted = match lost {
-            true => None,
-            false => Some(
-                cluster
-                    .holds
-                    .admit_within_beside(
-                        &subject,
-                        key.as_str(),
-                        self.holds_elsewhere(cluster, &subject),
-                        count_wait,
-                    )
-                    .await
-                    .inspect_err(|e| {
-                        if matches!(e, ArbiterError::IdentityLimit { .. }) {
-                            self.metrics.identity_bound_refused("holds");
-                        }
-                    })?,
-            ),
+        let terms = Terms {
+            class: &class.name,
+            open_on_loss: class.on_quorum_loss == OnQuorumLoss::Open,
+            durable: class.fairness == latchkey_policies::Fairness::Durable,
+            max_waiters_per_key: class.max_waiters_per_key,
         };
+        // Bounded before anything else is spent on the call (a hook, a
+        // queue place); refused if the class cannot be served now.
+        let admission = cluster
+            .owner
+            .admit(
+                &subject,
+                key.as_str(),
+                self.holds_elsewhere(cluster, &subject),
+                count_wait,
+                &terms,
+            )
+            .await
+            .inspect_err(|e| {
+                if matches!(e, ArbiterError::IdentityLimit { .. }) {
+                    self.metrics.identity_bound_refused("holds");
+                }
+            })?;
 
-        let waiting = cluster.table.waiting(key.as_str());
+        let waiting = cluster.owner.waiting(key.as_str());
         // Inputs that cost an etcd read are fetched only for a hook that asks.
         let hook = class.hook.as_ref();
         let holder = match hook.filter(|h| h.needs(HookInputKind::Holder)) {
             Some(_) => cluster
-                .table
+                .owner
                 .holder(key.as_str())
                 .await?
                 .map(|h| HolderSummary {
@@ -251,7 +246,7 @@ impl Arbiter {
                 let prefixes: Vec<&str> = policies.grants().prefixes(&caller.identity).collect();
                 Some(
                     cluster
-                        .table
+                        .owner
                         .count_holds_of(&subject, &class.name, &prefixes)
                         .await?,
                 )
@@ -317,83 +312,41 @@ impl Arbiter {
                     .min(self.max_wait),
             ),
         };
-        if lost {
-            // A memory grant costs etcd nothing (and may wait): no place.
-            crate::overload::parked();
-            let memory = cluster
-                .quorum
-                .acquire(&grant_req, wait, &|key, session| {
-                    cluster.holds.held_by_other(key, session)
-                })
-                .await?;
-            return Ok(AcquireResponse {
-                grant: Some(wire_memory_grant(&memory)),
-            });
-        }
-        // ADR-09: a key homed on another shard than the sessions' cluster
-        // is held on the session's shadow there, made now that every check
-        // has passed (a refused Acquire writes no shadow).
-        if let Some(shard) = &route.other_shard {
-            self.ensure_shadow(cluster, shard, &caller.identity, session)
-                .await?;
-        }
-        // A memory grant from the loss keeps its key until it ends.
-        cluster.quorum.before_log_grant(&grant_req, wait).await?;
-        let fallback = open.then(|| grant_req.clone());
-        let acquired = if class.fairness == latchkey_policies::Fairness::Durable {
-            cluster
-                .table
-                .acquire_durable(grant_req, wait, class.max_waiters_per_key)
-                .await
-        } else {
-            cluster
-                .table
-                .acquire(grant_req, wait, class.max_waiters_per_key)
-                .await
-        };
-        let acquired = match acquired {
-            Ok(acquired) => acquired,
-            Err(e @ ArbiterError::StoreUnavailable { .. }) if cluster.quorum.is_lost() => {
-                // The loss was noticed while this call was at etcd.
-                return match fallback {
-                    Some(grant_req) => {
-                        crate::overload::parked();
-                        let memory = cluster
-                            .quorum
-                            .acquire(&grant_req, wait, &|key, session| {
-                                cluster.holds.held_by_other(key, session)
-                            })
-                            .await?;
-                        Ok(AcquireResponse {
-                            grant: Some(wire_memory_grant(&memory)),
-                        })
-                    }
-                    None => {
-                        tracing::debug!(error = %e, "refused: quorum lost");
-                        Err(cluster.quorum.closed_refusal(&class.name))
-                    }
-                };
-            }
-            Err(e) => {
-                match &e {
-                    ArbiterError::TooManyWaiters { .. } => {
-                        self.metrics.identity_bound_refused("waiters");
-                    }
-                    ArbiterError::WaitTimeout { .. } => scope.waited = true,
-                    _ => {}
+        // ADR-09: a key homed on another shard than the session's cluster
+        // is held on the session's shadow there, made once every check has
+        // passed (a refused Acquire writes no shadow; a memory grant none).
+        let shadow = async {
+            match &route.other_shard {
+                Some(shard) => {
+                    self.ensure_shadow(cluster, shard, &caller.identity, session)
+                        .await
                 }
-                return Err(e);
+                None => Ok(()),
             }
         };
-        scope.waited = acquired.waited;
-        let grant = acquired.grant;
-        if let Some(admitted) = admitted {
-            admitted.written(grant.revision);
-        }
-        cluster.quorum.granted_in_log(&grant.key, grant.session);
+        let granted = cluster
+            .owner
+            .acquire(admission, grant_req, wait, &terms, shadow)
+            .await
+            .inspect_err(|e| match e {
+                ArbiterError::TooManyWaiters { .. } => {
+                    self.metrics.identity_bound_refused("waiters");
+                }
+                ArbiterError::WaitTimeout { .. } => scope.waited = true,
+                _ => {}
+            })?;
+        let (grant, waited) = match granted {
+            Granted::Memory(memory) => {
+                return Ok(AcquireResponse {
+                    grant: Some(wire_memory_grant(&memory)),
+                });
+            }
+            Granted::Log { grant, waited } => (grant, waited),
+        };
+        scope.waited = waited;
         // Per call: DEBUG (issue 31: INFO is for what an operator acts on;
         // the metrics count grants).
-        debug!(identity = %caller.identity, key = %grant.key, class = %class.name, waited = acquired.waited, "granted");
+        debug!(identity = %caller.identity, key = %grant.key, class = %class.name, waited, "granted");
         Ok(AcquireResponse {
             grant: Some(wire_grant(&grant)?),
         })

@@ -73,22 +73,14 @@ impl Arbiter {
         let session = session_id(req.session_id)?;
         // The key's cluster (ADR-07): a hold is only ever there.
         let cluster = self.tiers.for_key(&key).await?;
-        // ADR-04: a grant from memory during quorum loss ends here (token 0).
-        if let Some(released) = cluster
-            .quorum
-            .release(&caller.identity, key.as_str(), session, req.token)
-            .await
-        {
-            released?;
-            return Ok(Released {
-                handed_over: false,
-                previous: None,
-            });
-        }
-        let released = cluster
-            .table
+        let ended = cluster
+            .owner
             .release(&caller.identity, key.as_str(), session, req.token)
             .await?;
+        let released = ended.released;
+        if ended.from_memory {
+            return Ok(released);
+        }
         debug!(identity = %caller.identity, key = %key.as_str(), handed_over = released.handed_over, "released");
         self.hooks
             .after_release(&caller.identity, key.as_str())

@@ -1,0 +1,235 @@
+//! The one owner of every key's fate on one lock cluster (issue 32).
+//!
+//! Whether an Acquire is let in, whether it is granted through the lock log
+//! or from memory while the cluster has no quorum (ADR-04), when a grant
+//! from memory keeps a key from the log, and how a Release ends a hold (a
+//! memory grant, or the log's hold with its hand-over to the next waiter):
+//! all of it is decided here, by one [`KeyOwner`] per cluster, over the
+//! cluster's [`LockTable`] (the log's grant protocol), its [`HoldCounts`]
+//! (the per-subject bound on holds) and its [`QuorumLoss`] (the verdict,
+//! the memory grants and their spool).
+//!
+//! The handlers in `service/` do identity, policy, hooks and metrics, and
+//! ask the owner; none of them names quorum loss. `docs/grant-protocol.md`
+//! ("The owner") says what it decides and in which order.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::debug;
+
+use crate::error::ArbiterError;
+use crate::hold_counts::HoldCounts;
+pub use crate::quorum_loss::MemoryGrant;
+use crate::quorum_loss::QuorumLoss;
+use crate::subject_counts::Admitted;
+use crate::table::{Grant, GrantRequest, HolderView, LockTable, Released};
+
+/// The owner of the keys of one lock cluster.
+pub struct KeyOwner {
+    table: Arc<LockTable>,
+    holds: Arc<HoldCounts>,
+    quorum: Arc<QuorumLoss>,
+}
+
+/// What a key's class asks of its grants.
+#[derive(Debug, Clone, Copy)]
+pub struct Terms<'a> {
+    /// The class's name, for refusals.
+    pub class: &'a str,
+    /// `on_quorum_loss: open`: granted from memory, unprotected (token 0),
+    /// while the cluster has no quorum. A closed class is refused then.
+    pub open_on_loss: bool,
+    /// `fairness: durable`: waiters queue in the log, not in memory.
+    pub durable: bool,
+    /// Waiters one key may have.
+    pub max_waiters_per_key: u32,
+}
+
+/// An Acquire the owner let in, not yet granted. Dropped, it gives back
+/// its place in the subject's hold count.
+pub struct Admission {
+    /// `None`: the cluster had no quorum when it was let in, and the grant
+    /// comes from memory (no hold is written to the log).
+    holds: Option<Admitted>,
+}
+
+/// How an Acquire was granted.
+#[derive(Debug)]
+pub enum Granted {
+    /// Through the lock log: a fencing token.
+    Log {
+        grant: Grant,
+        /// It queued before it was granted.
+        waited: bool,
+    },
+    /// From memory during quorum loss: unprotected, token 0 (ADR-04).
+    Memory(MemoryGrant),
+}
+
+/// How a Release ended a hold.
+#[derive(Debug)]
+pub struct Ended {
+    pub released: Released,
+    /// It was a grant from memory during quorum loss (nothing in the log).
+    pub from_memory: bool,
+}
+
+impl KeyOwner {
+    pub fn new(table: Arc<LockTable>, holds: Arc<HoldCounts>, quorum: Arc<QuorumLoss>) -> Self {
+        Self {
+            table,
+            holds,
+            quorum,
+        }
+    }
+
+    /// Lets an Acquire of `key` by `subject` in, or refuses it, before
+    /// anything else is spent on it (a hook, a queue place). Without quorum:
+    /// a closed class is refused (nothing sent to etcd), an open one is let
+    /// in to a memory grant (bounded by the spool, not the log's counts).
+    /// With quorum: the subject's bound on holds, counting `beside` more
+    /// holds counted on other clusters, waiting up to `count_wait` for the
+    /// first count.
+    pub async fn admit(
+        &self,
+        subject: &str,
+        key: &str,
+        beside: u32,
+        count_wait: Duration,
+        terms: &Terms<'_>,
+    ) -> Result<Admission, ArbiterError> {
+        if self.quorum.is_lost() {
+            if !terms.open_on_loss {
+                return Err(self.quorum.closed_refusal(terms.class));
+            }
+            return Ok(Admission { holds: None });
+        }
+        let holds = self
+            .holds
+            .admit_within_beside(subject, key, beside, count_wait)
+            .await?;
+        Ok(Admission { holds: Some(holds) })
+    }
+
+    /// Grants `req`, let in by `admission`: at once, or after waiting up to
+    /// `wait` in the key's queue. Through the log, `before_log` runs first
+    /// (the session's shadow on the key's shard: written only once every
+    /// check has passed); a live memory grant of the key by another session
+    /// keeps it until it ends. If the cluster loses its quorum while the
+    /// call is at etcd, an open class is granted from memory and a closed
+    /// one refused.
+    pub async fn acquire(
+        &self,
+        admission: Admission,
+        req: GrantRequest,
+        wait: Option<Duration>,
+        terms: &Terms<'_>,
+        before_log: impl Future<Output = Result<(), ArbiterError>>,
+    ) -> Result<Granted, ArbiterError> {
+        let Some(admitted) = admission.holds else {
+            return self.from_memory(&req, wait).await.map(Granted::Memory);
+        };
+        before_log.await?;
+        // A memory grant from the loss keeps its key until it ends.
+        self.quorum.before_log_grant(&req, wait).await?;
+        let fallback = terms.open_on_loss.then(|| req.clone());
+        let acquired = if terms.durable {
+            self.table
+                .acquire_durable(req, wait, terms.max_waiters_per_key)
+                .await
+        } else {
+            self.table
+                .acquire(req, wait, terms.max_waiters_per_key)
+                .await
+        };
+        let acquired = match acquired {
+            Ok(acquired) => acquired,
+            Err(e @ ArbiterError::StoreUnavailable { .. }) if self.quorum.is_lost() => {
+                // The loss was noticed while this call was at etcd.
+                return match fallback {
+                    Some(req) => self.from_memory(&req, wait).await.map(Granted::Memory),
+                    None => {
+                        debug!(error = %e, "refused: quorum lost");
+                        Err(self.quorum.closed_refusal(terms.class))
+                    }
+                };
+            }
+            Err(e) => return Err(e),
+        };
+        admitted.written(acquired.grant.revision);
+        // The session now holds the key in the log: its memory grant (if
+        // any) ends.
+        self.quorum
+            .granted_in_log(&acquired.grant.key, acquired.grant.session);
+        Ok(Granted::Log {
+            grant: acquired.grant,
+            waited: acquired.waited,
+        })
+    }
+
+    /// A grant from memory (the cluster has no quorum, the class is open):
+    /// never of a key the log shows held by another session.
+    async fn from_memory(
+        &self,
+        req: &GrantRequest,
+        wait: Option<Duration>,
+    ) -> Result<MemoryGrant, ArbiterError> {
+        // A memory grant costs etcd nothing (and may wait): no place.
+        crate::overload::parked();
+        self.quorum
+            .acquire(req, wait, &|key, session| {
+                self.holds.held_by_other(key, session)
+            })
+            .await
+    }
+
+    /// Ends the caller's hold of `key`: its grant from memory during a
+    /// quorum loss (token 0), else its hold in the log (handed over to the
+    /// key's next waiter in the same transaction).
+    pub async fn release(
+        &self,
+        identity: &str,
+        key: &str,
+        session: i64,
+        token: u64,
+    ) -> Result<Ended, ArbiterError> {
+        if let Some(released) = self.quorum.release(identity, key, session, token).await {
+            released?;
+            return Ok(Ended {
+                released: Released {
+                    handed_over: false,
+                    previous: None,
+                },
+                from_memory: true,
+            });
+        }
+        let released = self.table.release(identity, key, session, token).await?;
+        Ok(Ended {
+            released,
+            from_memory: false,
+        })
+    }
+
+    /// Calls waiting for `key` here (a hook's input).
+    pub fn waiting(&self, key: &str) -> usize {
+        self.table.waiting(key)
+    }
+
+    /// The key's holder in the log (a hook's input; an etcd read).
+    pub async fn holder(&self, key: &str) -> Result<Option<HolderView>, ArbiterError> {
+        self.table.holder(key).await
+    }
+
+    /// Holds of `subject` in `class` under `prefixes` (a hook's input; etcd
+    /// reads).
+    pub async fn count_holds_of(
+        &self,
+        subject: &str,
+        class: &str,
+        prefixes: &[&str],
+    ) -> Result<u32, ArbiterError> {
+        self.table.count_holds_of(subject, class, prefixes).await
+    }
+}
