@@ -129,7 +129,10 @@ impl KeyOwner {
         before_log: impl Future<Output = Result<(), ArbiterError>>,
     ) -> Result<Granted, ArbiterError> {
         let Some(admitted) = admission.holds else {
-            return self.from_memory(&req, wait).await.map(Granted::Memory);
+            return self
+                .grant_from_memory(&req, wait)
+                .await
+                .map(Granted::Memory);
         };
         before_log.await?;
         // A memory grant from the loss keeps its key until it ends.
@@ -149,7 +152,10 @@ impl KeyOwner {
             Err(e @ ArbiterError::StoreUnavailable { .. }) if self.quorum.is_lost() => {
                 // The loss was noticed while this call was at etcd.
                 return match fallback {
-                    Some(req) => self.from_memory(&req, wait).await.map(Granted::Memory),
+                    Some(req) => self
+                        .grant_from_memory(&req, wait)
+                        .await
+                        .map(Granted::Memory),
                     None => {
                         debug!(error = %e, "refused: quorum lost");
                         Err(self.quorum.closed_refusal(terms.class))
@@ -171,7 +177,7 @@ impl KeyOwner {
 
     /// A grant from memory (the cluster has no quorum, the class is open):
     /// never of a key the log shows held by another session.
-    async fn from_memory(
+    async fn grant_from_memory(
         &self,
         req: &GrantRequest,
         wait: Option<Duration>,

@@ -493,8 +493,10 @@ async fn through_the_edge_http2_floods_end_no_other_tenants_stream() -> anyhow::
             })
         })
         .collect();
-    // What the flood makes the edge buffer: its HTTP/2 windows bound it
-    // (Envoy's default of 256 MiB per stream let 8 such streams take ~80 MB).
+    // What the flood makes the edge hold. Measured: ~3-4 MiB more, with the
+    // edge's 64 KiB stream windows and with Envoy's 256 MiB defaults alike
+    // (a review saw ~80 MB for 8 stalled streams with the defaults; this
+    // flood, which reads its answers, does not reproduce that).
     let mut peak = before;
     while Instant::now() < stop {
         peak = peak.max(allocated().await?);

@@ -10,8 +10,8 @@ use super::{Arbiter, session_id, truncate};
 use crate::error::ArbiterError;
 use crate::hook::{HolderSummary, HookDecision, HookInput, monotonic_ns};
 use crate::metrics::Scope;
-use crate::records::now_unix_ms;
 use crate::owner::{Granted, Terms};
+use crate::records::now_unix_ms;
 use crate::table::{Grant, GrantRequest};
 use latchkey_policies::{HookInputKind, OnQuorumLoss};
 
