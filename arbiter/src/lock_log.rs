@@ -327,49 +327,20 @@ impl StoreError {
 
 pub type LogResult<T> = Result<Answer<T>, StoreError>;
 
-/// The log under the grant protocol. Every method is one request to the
-/// store (one transaction, read or lease call), so an answer's header is the
-/// header of everything in it.
+/// The log under the grant protocol: the core ([`HoldLog`], the holds) and
+/// the capabilities the arbiter needs beside it ([`EpochLog`], the epoch,
+/// seal and shard-map fence records; [`DurableQueueLog`], ADR-14's waiters;
+/// [`SessionLog`], sessions as leases). Every method is one request to the
+/// store (one transaction, read or lease call), so an answer's header is
+/// the header of everything in it. Any type with all four is a `LockLog`.
+pub trait LockLog: HoldLog + EpochLog + DurableQueueLog + SessionLog {}
+
+impl<T: HoldLog + EpochLog + DurableQueueLog + SessionLog> LockLog for T {}
+
+/// The core of the log: holds, their claims, batches and watches — what
+/// the grant protocol (`LockTable`) itself runs on.
 #[async_trait]
-pub trait LockLog: Send + Sync + 'static {
-    // --- epoch and seal records ---
-
-    /// The epoch record, the seal, the coord-seen record and the
-    /// shard-map fence, in one read.
-    async fn records(&self) -> LogResult<Records>;
-    /// Creates the epoch record if there is none; whether this call did.
-    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool>;
-    /// Puts the seal record if the seal is at `seal_at` (`None`: absent) and
-    /// the epoch record at `epoch_at` (`None`: absent); whether it did.
-    async fn put_seal(
-        &self,
-        record: Vec<u8>,
-        seal_at: Option<i64>,
-        epoch_at: Option<i64>,
-    ) -> LogResult<bool>;
-    /// Puts the coord-seen record if it is at `at` (`None`: absent);
-    /// whether it did.
-    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool>;
-    /// The operator's advance: if the epoch record's bytes are `expected` and
-    /// the seal is at `seal_at`, puts `record`, deletes every hold, every
-    /// claim, every durable waiter and the seal, in one transaction (the
-    /// shard-map fence is neither compared nor changed). `Some(holds
-    /// deleted)`, or `None` when a compare failed.
-    async fn advance(
-        &self,
-        expected: Vec<u8>,
-        seal_at: Option<i64>,
-        record: Vec<u8>,
-    ) -> LogResult<Option<i64>>;
-    /// Raises the shard-map fence to `version` if it is absent or below it
-    /// (never lowers it); whether this call wrote. A compare-and-put on the
-    /// record as read, retried a few times when another raise came between.
-    async fn raise_map_fence(&self, version: u64) -> LogResult<bool>;
-    /// The shard-map fence record (a linearizable read).
-    async fn map_fence(&self) -> LogResult<Option<Kv>>;
-
-    // --- holds ---
-
+pub trait HoldLog: Send + Sync + 'static {
     /// One grant transaction ([`GrantTxn`]). A put on a lease the store no
     /// longer has is [`StoreError::LeaseGone`].
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted>;
@@ -470,9 +441,51 @@ pub trait LockLog: Send + Sync + 'static {
     async fn count_holds(&self) -> LogResult<i64>;
     /// Watches `key` from `from_revision` (inclusive).
     async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError>;
+}
 
-    // --- durable waiters (ADR-14) ---
+/// The epoch record, the seal, the coord-seen record and the shard-map
+/// fence: what the seal (`table/seal.rs`) and the operator's advance run on.
+#[async_trait]
+pub trait EpochLog: Send + Sync + 'static {
+    /// The epoch record, the seal, the coord-seen record and the
+    /// shard-map fence, in one read.
+    async fn records(&self) -> LogResult<Records>;
+    /// Creates the epoch record if there is none; whether this call did.
+    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool>;
+    /// Puts the seal record if the seal is at `seal_at` (`None`: absent) and
+    /// the epoch record at `epoch_at` (`None`: absent); whether it did.
+    async fn put_seal(
+        &self,
+        record: Vec<u8>,
+        seal_at: Option<i64>,
+        epoch_at: Option<i64>,
+    ) -> LogResult<bool>;
+    /// Puts the coord-seen record if it is at `at` (`None`: absent);
+    /// whether it did.
+    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool>;
+    /// The operator's advance: if the epoch record's bytes are `expected` and
+    /// the seal is at `seal_at`, puts `record`, deletes every hold, every
+    /// claim, every durable waiter and the seal, in one transaction (the
+    /// shard-map fence is neither compared nor changed). `Some(holds
+    /// deleted)`, or `None` when a compare failed.
+    async fn advance(
+        &self,
+        expected: Vec<u8>,
+        seal_at: Option<i64>,
+        record: Vec<u8>,
+    ) -> LogResult<Option<i64>>;
+    /// Raises the shard-map fence to `version` if it is absent or below it
+    /// (never lowers it); whether this call wrote. A compare-and-put on the
+    /// record as read, retried a few times when another raise came between.
+    async fn raise_map_fence(&self, version: u64) -> LogResult<bool>;
+    /// The shard-map fence record (a linearizable read).
+    async fn map_fence(&self) -> LogResult<Option<Kv>>;
+}
 
+/// Durable waiters (ADR-14, `fairness = "durable"`): a key's queue kept in
+/// the log, so a waiter keeps its place when its arbiter stops.
+#[async_trait]
+pub trait DurableQueueLog: Send + Sync + 'static {
     /// Puts `session`'s waiter record for `key` on the session's lease if
     /// the session's record is `session_record` (the caller's own session,
     /// as a grant compares it); `None` if it is not. A put over the
@@ -506,9 +519,11 @@ pub trait LockLog: Send + Sync + 'static {
             "this log does not watch durable queues".into(),
         ))
     }
+}
 
-    // --- sessions ---
-
+/// Sessions: leases, their records and the per-subject count entries.
+#[async_trait]
+pub trait SessionLog: Send + Sync + 'static {
     /// Grants lease `id` with `ttl_seconds`; [`StoreError::LeaseExists`] if
     /// the id is taken.
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()>;
@@ -555,11 +570,11 @@ pub trait LockLog: Send + Sync + 'static {
     async fn renew(&self, lease: i64) -> Result<Renewal, StoreError>;
 }
 
-/// One batch member as its own transaction ([`LockLog::grant`] or
-/// [`LockLog::release_if_owned`]): what a batch of one is, with the single
+/// One batch member as its own transaction ([`HoldLog::grant`] or
+/// [`HoldLog::release_if_owned`]): what a batch of one is, with the single
 /// transaction's own errors (a grant on a lease gone is
 /// [`StoreError::LeaseGone`], not a refused batch).
-pub async fn alone<L: LockLog + ?Sized>(log: &L, op: BatchOp<'_>) -> LogResult<BatchOutcome> {
+pub async fn alone<L: HoldLog + ?Sized>(log: &L, op: BatchOp<'_>) -> LogResult<BatchOutcome> {
     Ok(match op {
         BatchOp::Grant(txn) => log.grant(txn).await?.map(BatchOutcome::Grant),
         BatchOp::Release(txn) => log.release_if_owned(txn).await?.map(BatchOutcome::Release),

@@ -42,9 +42,9 @@ use parking_lot::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    Answer, BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, Header,
-    HeldAt, KeyWatch, Kv, LockLog, LogResult, Queued, Records, ReleaseTxn, ReleasedIf, Renewal,
-    StoreError,
+    Answer, BatchOp, BatchOutcome, Claimed, DurableQueueLog, EpochLog, GrantTxn, Granted,
+    HandOverFrom, HandOverTxn, Header, HeldAt, HoldLog, KeyWatch, Kv, LogResult, Queued, Records,
+    ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
 };
 use latchkey_arbiter::records::{decode_map_fence, encode_map_fence};
 use tokio::time::{Duration, Instant};
@@ -399,126 +399,7 @@ fn kv_of(store: &Store, key: &str) -> Option<Kv> {
 }
 
 #[async_trait]
-impl LockLog for MemLog {
-    async fn records(&self) -> LogResult<Records> {
-        self.call("records", |inner, _| {
-            let records = Records {
-                epoch: kv_of(&inner.store, &keys::epoch()),
-                seal: kv_of(&inner.store, &keys::seal()),
-                coord_seen: kv_of(&inner.store, &keys::coord_seen()),
-                map_fence: kv_of(&inner.store, &keys::map_fence()),
-            };
-            inner.answer(records)
-        })
-        .await
-    }
-
-    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
-        self.call("create epoch", |inner, _| {
-            let created = inner
-                .store
-                .all(&[Compare::CreateRevision(keys::epoch(), 0)]);
-            if created {
-                commit(&mut inner.store, vec![put(keys::epoch(), record, 0)])?;
-            }
-            inner.answer(created)
-        })
-        .await
-    }
-
-    async fn put_seal(
-        &self,
-        record: Vec<u8>,
-        seal_at: Option<i64>,
-        epoch_at: Option<i64>,
-    ) -> LogResult<bool> {
-        self.call("put seal", |inner, _| {
-            let ok = inner.store.all(&[
-                at_revision(keys::seal(), seal_at),
-                at_revision(keys::epoch(), epoch_at),
-            ]);
-            if ok {
-                commit(&mut inner.store, vec![put(keys::seal(), record, 0)])?;
-            }
-            inner.answer(ok)
-        })
-        .await
-    }
-
-    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
-        self.call("put coord-seen", |inner, _| {
-            let ok = inner.store.all(&[at_revision(keys::coord_seen(), at)]);
-            if ok {
-                commit(&mut inner.store, vec![put(keys::coord_seen(), record, 0)])?;
-            }
-            inner.answer(ok)
-        })
-        .await
-    }
-
-    async fn advance(
-        &self,
-        expected: Vec<u8>,
-        seal_at: Option<i64>,
-        record: Vec<u8>,
-    ) -> LogResult<Option<i64>> {
-        self.call("advance", |inner, _| {
-            let ok = inner.store.all(&[
-                Compare::Value(keys::epoch(), expected),
-                at_revision(keys::seal(), seal_at),
-            ]);
-            if !ok {
-                return inner.answer(None);
-            }
-            let results = commit(
-                &mut inner.store,
-                vec![
-                    put(keys::epoch(), record, 0),
-                    Op::DeletePrefix(keys::HOLDERS.into()),
-                    Op::DeletePrefix(keys::WAITERS.into()),
-                    Op::Delete(keys::seal()),
-                    Op::DeletePrefix(keys::CLAIMS.into()),
-                ],
-            )?;
-            let deleted = match results.get(1) {
-                Some(OpResult::Deleted(prev)) => i64::try_from(prev.len()).unwrap_or(i64::MAX),
-                _ => 0,
-            };
-            inner.answer(Some(deleted))
-        })
-        .await
-    }
-
-    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
-        // One call is one step of the store: the read and the
-        // compare-and-put the etcd log makes cannot be raced here.
-        self.call("raise map fence", |inner, _| {
-            let key = keys::map_fence();
-            if let Some(found) = inner.store.get(&key) {
-                let current = decode_map_fence(&found.value).ok_or_else(|| {
-                    StoreError::Malformed("the shard-map fence is not a 20-digit version".into())
-                })?;
-                if current >= version {
-                    return inner.answer(false);
-                }
-            }
-            commit(
-                &mut inner.store,
-                vec![put(key, encode_map_fence(version), 0)],
-            )?;
-            inner.answer(true)
-        })
-        .await
-    }
-
-    async fn map_fence(&self) -> LogResult<Option<Kv>> {
-        self.call("map fence", |inner, _| {
-            let kv = kv_of(&inner.store, &keys::map_fence());
-            inner.answer(kv)
-        })
-        .await
-    }
-
+impl HoldLog for MemLog {
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
         let planned = batch::plan_grant(&txn);
         self.call("grant", |inner, _| {
@@ -561,62 +442,6 @@ impl LockLog for MemLog {
             })?;
             inner.batches.note(&outcomes);
             inner.answer(outcomes)
-        })
-        .await
-    }
-
-    async fn enqueue(
-        &self,
-        key: &str,
-        session: i64,
-        session_record: &[u8],
-        record: Vec<u8>,
-    ) -> LogResult<Option<Queued>> {
-        let waiter = keys::waiter(key, session);
-        let own = Compare::Value(keys::session(session), session_record.to_vec());
-        self.call("enqueue", |inner, _| {
-            if !inner.store.all(&[own]) {
-                return inner.answer(None);
-            }
-            commit(&mut inner.store, vec![put(waiter.clone(), record, session)])?;
-            let queued = inner.store.get(&waiter).map(|kv| Queued {
-                created: kv.create_revision,
-                modified: kv.mod_revision,
-            });
-            let queued = queued.ok_or_else(|| StoreError::Malformed("a put not stored".into()))?;
-            inner.answer(Some(queued))
-        })
-        .await
-    }
-
-    async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>> {
-        let queue = keys::queue_of(key);
-        self.call("queue head", |inner, _| {
-            let head = inner.store.oldest_under(&queue);
-            inner.answer(head)
-        })
-        .await
-    }
-
-    async fn count_queued(&self, key: &str) -> LogResult<i64> {
-        let queue = keys::queue_of(key);
-        self.call("count queued", |inner, _| {
-            let n = inner.store.count(&queue);
-            inner.answer(n)
-        })
-        .await
-    }
-
-    async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
-        let waiter = keys::waiter(key, session);
-        self.call("dequeue", |inner, _| {
-            let ok = inner
-                .store
-                .all(&[Compare::ModRevision(waiter.clone(), modified)]);
-            if ok {
-                commit(&mut inner.store, vec![Op::Delete(waiter)])?;
-            }
-            inner.answer(ok)
         })
         .await
     }
@@ -766,7 +591,191 @@ impl LockLog for MemLog {
             .await?;
         Ok(Box::new(watch::MemWatch::new(self.shared.clone(), id, rx)))
     }
+}
 
+#[async_trait]
+impl EpochLog for MemLog {
+    async fn records(&self) -> LogResult<Records> {
+        self.call("records", |inner, _| {
+            let records = Records {
+                epoch: kv_of(&inner.store, &keys::epoch()),
+                seal: kv_of(&inner.store, &keys::seal()),
+                coord_seen: kv_of(&inner.store, &keys::coord_seen()),
+                map_fence: kv_of(&inner.store, &keys::map_fence()),
+            };
+            inner.answer(records)
+        })
+        .await
+    }
+
+    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
+        self.call("create epoch", |inner, _| {
+            let created = inner
+                .store
+                .all(&[Compare::CreateRevision(keys::epoch(), 0)]);
+            if created {
+                commit(&mut inner.store, vec![put(keys::epoch(), record, 0)])?;
+            }
+            inner.answer(created)
+        })
+        .await
+    }
+
+    async fn put_seal(
+        &self,
+        record: Vec<u8>,
+        seal_at: Option<i64>,
+        epoch_at: Option<i64>,
+    ) -> LogResult<bool> {
+        self.call("put seal", |inner, _| {
+            let ok = inner.store.all(&[
+                at_revision(keys::seal(), seal_at),
+                at_revision(keys::epoch(), epoch_at),
+            ]);
+            if ok {
+                commit(&mut inner.store, vec![put(keys::seal(), record, 0)])?;
+            }
+            inner.answer(ok)
+        })
+        .await
+    }
+
+    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
+        self.call("put coord-seen", |inner, _| {
+            let ok = inner.store.all(&[at_revision(keys::coord_seen(), at)]);
+            if ok {
+                commit(&mut inner.store, vec![put(keys::coord_seen(), record, 0)])?;
+            }
+            inner.answer(ok)
+        })
+        .await
+    }
+
+    async fn advance(
+        &self,
+        expected: Vec<u8>,
+        seal_at: Option<i64>,
+        record: Vec<u8>,
+    ) -> LogResult<Option<i64>> {
+        self.call("advance", |inner, _| {
+            let ok = inner.store.all(&[
+                Compare::Value(keys::epoch(), expected),
+                at_revision(keys::seal(), seal_at),
+            ]);
+            if !ok {
+                return inner.answer(None);
+            }
+            let results = commit(
+                &mut inner.store,
+                vec![
+                    put(keys::epoch(), record, 0),
+                    Op::DeletePrefix(keys::HOLDERS.into()),
+                    Op::DeletePrefix(keys::WAITERS.into()),
+                    Op::Delete(keys::seal()),
+                    Op::DeletePrefix(keys::CLAIMS.into()),
+                ],
+            )?;
+            let deleted = match results.get(1) {
+                Some(OpResult::Deleted(prev)) => i64::try_from(prev.len()).unwrap_or(i64::MAX),
+                _ => 0,
+            };
+            inner.answer(Some(deleted))
+        })
+        .await
+    }
+
+    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
+        // One call is one step of the store: the read and the
+        // compare-and-put the etcd log makes cannot be raced here.
+        self.call("raise map fence", |inner, _| {
+            let key = keys::map_fence();
+            if let Some(found) = inner.store.get(&key) {
+                let current = decode_map_fence(&found.value).ok_or_else(|| {
+                    StoreError::Malformed("the shard-map fence is not a 20-digit version".into())
+                })?;
+                if current >= version {
+                    return inner.answer(false);
+                }
+            }
+            commit(
+                &mut inner.store,
+                vec![put(key, encode_map_fence(version), 0)],
+            )?;
+            inner.answer(true)
+        })
+        .await
+    }
+
+    async fn map_fence(&self) -> LogResult<Option<Kv>> {
+        self.call("map fence", |inner, _| {
+            let kv = kv_of(&inner.store, &keys::map_fence());
+            inner.answer(kv)
+        })
+        .await
+    }
+}
+
+#[async_trait]
+impl DurableQueueLog for MemLog {
+    async fn enqueue(
+        &self,
+        key: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        let waiter = keys::waiter(key, session);
+        let own = Compare::Value(keys::session(session), session_record.to_vec());
+        self.call("enqueue", |inner, _| {
+            if !inner.store.all(&[own]) {
+                return inner.answer(None);
+            }
+            commit(&mut inner.store, vec![put(waiter.clone(), record, session)])?;
+            let queued = inner.store.get(&waiter).map(|kv| Queued {
+                created: kv.create_revision,
+                modified: kv.mod_revision,
+            });
+            let queued = queued.ok_or_else(|| StoreError::Malformed("a put not stored".into()))?;
+            inner.answer(Some(queued))
+        })
+        .await
+    }
+
+    async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>> {
+        let queue = keys::queue_of(key);
+        self.call("queue head", |inner, _| {
+            let head = inner.store.oldest_under(&queue);
+            inner.answer(head)
+        })
+        .await
+    }
+
+    async fn count_queued(&self, key: &str) -> LogResult<i64> {
+        let queue = keys::queue_of(key);
+        self.call("count queued", |inner, _| {
+            let n = inner.store.count(&queue);
+            inner.answer(n)
+        })
+        .await
+    }
+
+    async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
+        let waiter = keys::waiter(key, session);
+        self.call("dequeue", |inner, _| {
+            let ok = inner
+                .store
+                .all(&[Compare::ModRevision(waiter.clone(), modified)]);
+            if ok {
+                commit(&mut inner.store, vec![Op::Delete(waiter)])?;
+            }
+            inner.answer(ok)
+        })
+        .await
+    }
+}
+
+#[async_trait]
+impl SessionLog for MemLog {
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
         self.call("grant lease", |inner, now| {
             if id == 0 {

@@ -4,13 +4,13 @@
 // A test binary: a failed unwrap or a panic is how it reports a failure.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use latchkey_arbiter::lock_log::{EpochLog, HoldLog};
 use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_arbiter::ArbiterError;
 use latchkey_arbiter::epoch::EpochGuard;
 use latchkey_arbiter::high_water::HighWater;
-use latchkey_arbiter::lock_log::LockLog;
 use latchkey_arbiter::table::{GrantRequest, LockTable, MapVersion, TableOptions};
 use latchkey_sim::{ClusterId, MemLog};
 

@@ -30,8 +30,8 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::LogLayer;
 use latchkey_arbiter::lock_log::{
-    Claimed, GrantTxn, Granted, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog, LogResult, Queued,
-    Records, Renewal, StoreError, WatchSignal,
+    Claimed, DurableQueueLog, EpochLog, GrantTxn, Granted, HandOverTxn, HeldAt, HoldLog, KeyWatch,
+    Kv, LockLog, LogResult, Queued, Records, Renewal, SessionLog, StoreError, WatchSignal,
 };
 use tracing::debug;
 
@@ -330,45 +330,7 @@ impl KeyWatch for NotingWatch {
 }
 
 #[async_trait]
-impl LockLog for FaultyLog {
-    async fn records(&self) -> LogResult<Records> {
-        self.inner.records().await
-    }
-
-    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
-        self.inner.create_epoch(record).await
-    }
-
-    async fn put_seal(
-        &self,
-        record: Vec<u8>,
-        seal_at: Option<i64>,
-        epoch_at: Option<i64>,
-    ) -> LogResult<bool> {
-        self.inner.put_seal(record, seal_at, epoch_at).await
-    }
-
-    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
-        self.inner.put_coord_seen(record, at).await
-    }
-
-    async fn advance(
-        &self,
-        expected: Vec<u8>,
-        seal_at: Option<i64>,
-        record: Vec<u8>,
-    ) -> LogResult<Option<i64>> {
-        self.inner.advance(expected, seal_at, record).await
-    }
-
-    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
-        self.inner.raise_map_fence(version).await
-    }
-
-    async fn map_fence(&self) -> LogResult<Option<Kv>> {
-        self.inner.map_fence().await
-    }
-
+impl HoldLog for FaultyLog {
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
         match self.fault {
             TestFault::GrantOnWatch if self.take_signal(txn.key) => self.grant_on_watch(txn).await,
@@ -423,6 +385,66 @@ impl LockLog for FaultyLog {
         self.inner.count_holds().await
     }
 
+    async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
+        let watch = self.inner.watch(key, from_revision).await?;
+        Ok(match self.fault {
+            TestFault::GrantOnWatch => Box::new(NotingWatch {
+                inner: watch,
+                key: key.to_owned(),
+                signalled: Arc::clone(&self.signalled),
+            }),
+            TestFault::None
+            | TestFault::SlowReuse
+            | TestFault::LoseGrantAnswers
+            | TestFault::ForgetHidden
+            | TestFault::SlowSessionWrites => watch,
+        })
+    }
+}
+
+#[async_trait]
+impl EpochLog for FaultyLog {
+    async fn records(&self) -> LogResult<Records> {
+        self.inner.records().await
+    }
+
+    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
+        self.inner.create_epoch(record).await
+    }
+
+    async fn put_seal(
+        &self,
+        record: Vec<u8>,
+        seal_at: Option<i64>,
+        epoch_at: Option<i64>,
+    ) -> LogResult<bool> {
+        self.inner.put_seal(record, seal_at, epoch_at).await
+    }
+
+    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
+        self.inner.put_coord_seen(record, at).await
+    }
+
+    async fn advance(
+        &self,
+        expected: Vec<u8>,
+        seal_at: Option<i64>,
+        record: Vec<u8>,
+    ) -> LogResult<Option<i64>> {
+        self.inner.advance(expected, seal_at, record).await
+    }
+
+    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
+        self.inner.raise_map_fence(version).await
+    }
+
+    async fn map_fence(&self) -> LogResult<Option<Kv>> {
+        self.inner.map_fence().await
+    }
+}
+
+#[async_trait]
+impl DurableQueueLog for FaultyLog {
     async fn enqueue(
         &self,
         key: &str,
@@ -454,23 +476,10 @@ impl LockLog for FaultyLog {
     ) -> Result<Box<dyn KeyWatch>, StoreError> {
         self.inner.watch_queue(key, from_revision).await
     }
+}
 
-    async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
-        let watch = self.inner.watch(key, from_revision).await?;
-        Ok(match self.fault {
-            TestFault::GrantOnWatch => Box::new(NotingWatch {
-                inner: watch,
-                key: key.to_owned(),
-                signalled: Arc::clone(&self.signalled),
-            }),
-            TestFault::None
-            | TestFault::SlowReuse
-            | TestFault::LoseGrantAnswers
-            | TestFault::ForgetHidden
-            | TestFault::SlowSessionWrites => watch,
-        })
-    }
-
+#[async_trait]
+impl SessionLog for FaultyLog {
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
         self.inner.grant_lease(id, ttl_seconds).await
     }
@@ -627,28 +636,7 @@ mod tests {
     }
 
     #[async_trait]
-    impl LockLog for FakeLog {
-        async fn records(&self) -> LogResult<Records> {
-            unused()
-        }
-        async fn create_epoch(&self, _: Vec<u8>) -> LogResult<bool> {
-            unused()
-        }
-        async fn put_seal(&self, _: Vec<u8>, _: Option<i64>, _: Option<i64>) -> LogResult<bool> {
-            unused()
-        }
-        async fn put_coord_seen(&self, _: Vec<u8>, _: Option<i64>) -> LogResult<bool> {
-            unused()
-        }
-        async fn advance(&self, _: Vec<u8>, _: Option<i64>, _: Vec<u8>) -> LogResult<Option<i64>> {
-            unused()
-        }
-        async fn raise_map_fence(&self, _: u64) -> LogResult<bool> {
-            unused()
-        }
-        async fn map_fence(&self) -> LogResult<Option<Kv>> {
-            unused()
-        }
+    impl HoldLog for FakeLog {
         async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
             let mut s = self.state.lock();
             if let Some(kv) = s.holds.get(txn.key) {
@@ -675,9 +663,11 @@ mod tests {
             s.holds.insert(txn.key.to_owned(), kv);
             Self::answer(&s, Granted::Yes)
         }
+
         async fn hand_over(&self, _: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
             unused()
         }
+
         async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
             let mut s = self.state.lock();
             let matches = s.holds.get(&held.key).is_some_and(|kv| {
@@ -693,6 +683,7 @@ mod tests {
             };
             Self::answer(&s, deleted)
         }
+
         async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
             let s = self.state.lock();
             let matches = s
@@ -708,6 +699,7 @@ mod tests {
                 },
             )
         }
+
         async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
             let mut s = self.state.lock();
             let matches = s
@@ -720,17 +712,60 @@ mod tests {
             }
             Self::answer(&s, matches)
         }
+
         async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
             let s = self.state.lock();
             let kv = s.holds.get(key).cloned();
             Self::answer(&s, kv)
         }
+
         async fn holders_under(&self, _: &str) -> LogResult<Vec<(String, Kv)>> {
             unused()
         }
+
         async fn count_holds(&self) -> LogResult<i64> {
             unused()
         }
+
+        async fn watch(&self, _: &str, _: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
+            let signal = self.state.lock().signals.pop_front();
+            Ok(Box::new(FakeWatch(signal)))
+        }
+    }
+
+    #[async_trait]
+    impl EpochLog for FakeLog {
+        async fn records(&self) -> LogResult<Records> {
+            unused()
+        }
+
+        async fn create_epoch(&self, _: Vec<u8>) -> LogResult<bool> {
+            unused()
+        }
+
+        async fn put_seal(&self, _: Vec<u8>, _: Option<i64>, _: Option<i64>) -> LogResult<bool> {
+            unused()
+        }
+
+        async fn put_coord_seen(&self, _: Vec<u8>, _: Option<i64>) -> LogResult<bool> {
+            unused()
+        }
+
+        async fn advance(&self, _: Vec<u8>, _: Option<i64>, _: Vec<u8>) -> LogResult<Option<i64>> {
+            unused()
+        }
+
+        async fn raise_map_fence(&self, _: u64) -> LogResult<bool> {
+            unused()
+        }
+
+        async fn map_fence(&self) -> LogResult<Option<Kv>> {
+            unused()
+        }
+    }
+
+    #[async_trait]
+    impl DurableQueueLog for FakeLog {
         async fn enqueue(
             &self,
             _: &str,
@@ -740,37 +775,46 @@ mod tests {
         ) -> LogResult<Option<Queued>> {
             unused()
         }
+
         async fn dequeue(&self, _: &str, _: i64, _: i64) -> LogResult<bool> {
             unused()
         }
+
         async fn count_queued(&self, _: &str) -> LogResult<i64> {
             unused()
         }
+
         async fn queue_head(&self, _: &str) -> LogResult<Option<Kv>> {
             unused()
         }
-        async fn watch(&self, _: &str, _: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
-            let signal = self.state.lock().signals.pop_front();
-            Ok(Box::new(FakeWatch(signal)))
-        }
+    }
+
+    #[async_trait]
+    impl SessionLog for FakeLog {
         async fn grant_lease(&self, _: i64, _: u32) -> LogResult<()> {
             unused()
         }
+
         async fn put_session(&self, _: i64, _: &str, _: Vec<u8>) -> LogResult<()> {
             unused()
         }
+
         async fn session(&self, _: i64) -> LogResult<Option<Kv>> {
             unused()
         }
+
         async fn count_sessions_of(&self, _: &str) -> LogResult<u32> {
             unused()
         }
+
         async fn delete_session(&self, _: i64, _: &str, _: Vec<u8>) -> LogResult<bool> {
             unused()
         }
+
         async fn revoke(&self, _: i64) -> Result<(), StoreError> {
             unused()
         }
+
         async fn renew(&self, _: i64) -> Result<Renewal, StoreError> {
             unused()
         }

@@ -27,6 +27,10 @@ mod records;
 mod sessions;
 mod watch;
 
+use crate::lock_log::DurableQueueLog;
+use crate::lock_log::EpochLog;
+use crate::lock_log::HoldLog;
+use crate::lock_log::SessionLog;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,7 +42,7 @@ use etcd_client::{
 
 use super::{
     Answer, BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverTxn, Header, HeldAt,
-    KeyWatch, Kv, LockLog, LogResult, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
+    KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
 };
 use crate::records::Layout;
 use lease_renewals::LeaseRenewals;
@@ -183,45 +187,7 @@ pub(crate) async fn connect_client(config: &StoreConfig) -> Result<Client, Store
 }
 
 #[async_trait]
-impl LockLog for EtcdLog {
-    async fn records(&self) -> LogResult<Records> {
-        records::read(self).await
-    }
-
-    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
-        records::create_epoch(self, record).await
-    }
-
-    async fn put_seal(
-        &self,
-        record: Vec<u8>,
-        seal_at: Option<i64>,
-        epoch_at: Option<i64>,
-    ) -> LogResult<bool> {
-        records::put_seal(self, record, seal_at, epoch_at).await
-    }
-
-    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
-        records::put_coord_seen(self, record, at).await
-    }
-
-    async fn advance(
-        &self,
-        expected: Vec<u8>,
-        seal_at: Option<i64>,
-        record: Vec<u8>,
-    ) -> LogResult<Option<i64>> {
-        records::advance(self, expected, seal_at, record).await
-    }
-
-    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
-        records::raise_map_fence(self, version).await
-    }
-
-    async fn map_fence(&self) -> LogResult<Option<Kv>> {
-        records::map_fence(self).await
-    }
-
+impl HoldLog for EtcdLog {
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
         holds::grant(self, txn).await
     }
@@ -266,14 +232,6 @@ impl LockLog for EtcdLog {
         holds::held_keys_page(self, after, limit).await
     }
 
-    async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()> {
-        sessions::mark_shadow(self, session, shard).await
-    }
-
-    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
-        sessions::shadow_marks(self, session).await
-    }
-
     async fn count_holds(&self) -> LogResult<i64> {
         holds::count_holds(self).await
     }
@@ -281,7 +239,51 @@ impl LockLog for EtcdLog {
     async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
         watch::watch(self, key, from_revision).await
     }
+}
 
+#[async_trait]
+impl EpochLog for EtcdLog {
+    async fn records(&self) -> LogResult<Records> {
+        records::read(self).await
+    }
+
+    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
+        records::create_epoch(self, record).await
+    }
+
+    async fn put_seal(
+        &self,
+        record: Vec<u8>,
+        seal_at: Option<i64>,
+        epoch_at: Option<i64>,
+    ) -> LogResult<bool> {
+        records::put_seal(self, record, seal_at, epoch_at).await
+    }
+
+    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
+        records::put_coord_seen(self, record, at).await
+    }
+
+    async fn advance(
+        &self,
+        expected: Vec<u8>,
+        seal_at: Option<i64>,
+        record: Vec<u8>,
+    ) -> LogResult<Option<i64>> {
+        records::advance(self, expected, seal_at, record).await
+    }
+
+    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
+        records::raise_map_fence(self, version).await
+    }
+
+    async fn map_fence(&self) -> LogResult<Option<Kv>> {
+        records::map_fence(self).await
+    }
+}
+
+#[async_trait]
+impl DurableQueueLog for EtcdLog {
     async fn enqueue(
         &self,
         key: &str,
@@ -310,6 +312,17 @@ impl LockLog for EtcdLog {
         from_revision: i64,
     ) -> Result<Box<dyn KeyWatch>, StoreError> {
         watch::watch_queue(self, key, from_revision).await
+    }
+}
+
+#[async_trait]
+impl SessionLog for EtcdLog {
+    async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()> {
+        sessions::mark_shadow(self, session, shard).await
+    }
+
+    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
+        sessions::shadow_marks(self, session).await
     }
 
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {

@@ -24,8 +24,9 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
-    BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch,
-    Kv, LockLog, LogResult, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
+    BatchOp, BatchOutcome, Claimed, DurableQueueLog, EpochLog, GrantTxn, Granted, HandOverFrom,
+    HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn, ReleasedIf,
+    Renewal, SessionLog, StoreError,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -182,52 +183,7 @@ impl IdLog {
 }
 
 #[async_trait]
-impl LockLog for IdLog {
-    async fn records(&self) -> LogResult<Records> {
-        self.t(|| "records".into());
-        self.log.records().await
-    }
-
-    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
-        self.t(|| "create_epoch".into());
-        self.log.create_epoch(record).await
-    }
-
-    async fn put_seal(
-        &self,
-        record: Vec<u8>,
-        seal_at: Option<i64>,
-        epoch_at: Option<i64>,
-    ) -> LogResult<bool> {
-        self.t(|| "put_seal".into());
-        self.log.put_seal(record, seal_at, epoch_at).await
-    }
-
-    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
-        self.t(|| "put_coord_seen".into());
-        self.log.put_coord_seen(record, at).await
-    }
-
-    async fn advance(
-        &self,
-        expected: Vec<u8>,
-        seal_at: Option<i64>,
-        record: Vec<u8>,
-    ) -> LogResult<Option<i64>> {
-        self.t(|| "advance".into());
-        self.log.advance(expected, seal_at, record).await
-    }
-
-    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
-        self.t(|| format!("raise_map_fence {version}"));
-        self.log.raise_map_fence(version).await
-    }
-
-    async fn map_fence(&self) -> LogResult<Option<Kv>> {
-        self.t(|| "map_fence".into());
-        self.log.map_fence().await
-    }
-
+impl HoldLog for IdLog {
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
         self.t(|| format!("grant {} {}", txn.key, self.store_id(txn.session)));
         let txn = GrantTxn {
@@ -284,39 +240,6 @@ impl LockLog for IdLog {
 
     fn batch_limit(&self) -> usize {
         self.log.batch_limit()
-    }
-
-    async fn enqueue(
-        &self,
-        key: &str,
-        session: i64,
-        session_record: &[u8],
-        record: Vec<u8>,
-    ) -> LogResult<Option<Queued>> {
-        self.t(|| format!("enqueue {key} {}", self.store_id(session)));
-        self.log
-            .enqueue(key, self.store_id(session), session_record, record)
-            .await
-            .map_err(|e| self.error_back(e))
-    }
-
-    async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>> {
-        self.t(|| format!("queue_head {key}"));
-        let answer = self.log.queue_head(key).await?;
-        Ok(answer.map(|head| head.map(|kv| self.kv_back(kv))))
-    }
-
-    async fn count_queued(&self, key: &str) -> LogResult<i64> {
-        self.t(|| format!("count_queued {key}"));
-        self.log.count_queued(key).await
-    }
-
-    async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
-        self.t(|| format!("dequeue {key} {}", self.store_id(session)));
-        self.log
-            .dequeue(key, self.store_id(session), modified)
-            .await
-            .map_err(|e| self.error_back(e))
     }
 
     async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
@@ -400,7 +323,94 @@ impl LockLog for IdLog {
         let watch = self.log.watch(key, from_revision).await?;
         Ok(self.watches.wrap(watch))
     }
+}
 
+#[async_trait]
+impl EpochLog for IdLog {
+    async fn records(&self) -> LogResult<Records> {
+        self.t(|| "records".into());
+        self.log.records().await
+    }
+
+    async fn create_epoch(&self, record: Vec<u8>) -> LogResult<bool> {
+        self.t(|| "create_epoch".into());
+        self.log.create_epoch(record).await
+    }
+
+    async fn put_seal(
+        &self,
+        record: Vec<u8>,
+        seal_at: Option<i64>,
+        epoch_at: Option<i64>,
+    ) -> LogResult<bool> {
+        self.t(|| "put_seal".into());
+        self.log.put_seal(record, seal_at, epoch_at).await
+    }
+
+    async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
+        self.t(|| "put_coord_seen".into());
+        self.log.put_coord_seen(record, at).await
+    }
+
+    async fn advance(
+        &self,
+        expected: Vec<u8>,
+        seal_at: Option<i64>,
+        record: Vec<u8>,
+    ) -> LogResult<Option<i64>> {
+        self.t(|| "advance".into());
+        self.log.advance(expected, seal_at, record).await
+    }
+
+    async fn raise_map_fence(&self, version: u64) -> LogResult<bool> {
+        self.t(|| format!("raise_map_fence {version}"));
+        self.log.raise_map_fence(version).await
+    }
+
+    async fn map_fence(&self) -> LogResult<Option<Kv>> {
+        self.t(|| "map_fence".into());
+        self.log.map_fence().await
+    }
+}
+
+#[async_trait]
+impl DurableQueueLog for IdLog {
+    async fn enqueue(
+        &self,
+        key: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        self.t(|| format!("enqueue {key} {}", self.store_id(session)));
+        self.log
+            .enqueue(key, self.store_id(session), session_record, record)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>> {
+        self.t(|| format!("queue_head {key}"));
+        let answer = self.log.queue_head(key).await?;
+        Ok(answer.map(|head| head.map(|kv| self.kv_back(kv))))
+    }
+
+    async fn count_queued(&self, key: &str) -> LogResult<i64> {
+        self.t(|| format!("count_queued {key}"));
+        self.log.count_queued(key).await
+    }
+
+    async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
+        self.t(|| format!("dequeue {key} {}", self.store_id(session)));
+        self.log
+            .dequeue(key, self.store_id(session), modified)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+}
+
+#[async_trait]
+impl SessionLog for IdLog {
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
         self.t(|| "grant_lease".into());
         let mapped = self.grant_id(id);
