@@ -38,7 +38,22 @@
 // `unreachable!` too.
 #![deny(clippy::indexing_slicing, clippy::unreachable)]
 
-mod glue;
+mod configure;
+mod host_store;
 mod profile;
+mod refresh;
+mod request_body;
+mod request_headers;
+mod root;
+mod stream;
+mod stream_end;
+mod vm;
 
-pub use glue::HostStore;
+pub use host_store::HostStore;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Warn);
+    proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(root::EdgeRoot::default())
+    });
+}}
