@@ -1,26 +1,21 @@
-//! The root context: one per VM (per worker, and again on every ECDS update).
-//! Configuration is in `configure`, the grant table refresh (ticks and the
-//! arbiter's answers) in `refresh`.
+//! The root context: each proxy-wasm callback forwarded to
+//! [`latchkey_filter_core::edge::Root`] with the host.
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 
-use std::rc::Rc;
-
-use crate::profile::Profile;
+use crate::host::HostCalls;
 use crate::stream::EdgeStream;
-use crate::vm::SharedState;
-use latchkey_filter_core::request::Method;
 
 #[derive(Default)]
 pub(crate) struct EdgeRoot {
-    pub(crate) state: SharedState,
-    pub(crate) refresh_in_flight: Option<u32>,
+    core: latchkey_filter_core::edge::Root,
 }
 
 impl Context for EdgeRoot {
     fn on_grpc_call_response(&mut self, token_id: u32, status_code: u32, response_size: usize) {
-        self.refresh_answered(token_id, status_code, response_size);
+        self.core
+            .on_grpc_call_response(&HostCalls, token_id, status_code, response_size);
     }
 }
 
@@ -30,27 +25,15 @@ impl RootContext for EdgeRoot {
     }
 
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        self.configure()
+        self.core.on_configure(&HostCalls)
     }
 
     fn on_tick(&mut self) {
-        self.tick();
+        self.core.on_tick(&HostCalls);
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(EdgeStream {
-            state: self.state.clone(),
-            active: self.state.borrow().active.clone(),
-            method: Method::Session,
-            identity: Rc::from(""),
-            bound: Rc::from(""),
-            key_header: None,
-            decided: false,
-            held: None,
-            stream: None,
-            started: None,
-            prof: Profile::default(),
-        }))
+        Some(Box::new(EdgeStream::new(self.core.new_stream())))
     }
 
     fn get_type(&self) -> Option<ContextType> {
