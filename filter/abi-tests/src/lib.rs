@@ -84,6 +84,21 @@ fn compiled() -> Result<&'static (Engine, Module)> {
         .map_err(|e| Error::msg(e.clone()))
 }
 
+/// The built module's imports, as `module::name`.
+pub fn module_imports() -> Result<Vec<String>> {
+    let (_, module) = compiled()?;
+    Ok(module
+        .imports()
+        .map(|i| format!("{}::{}", i.module(), i.name()))
+        .collect())
+}
+
+/// The built module's exports.
+pub fn module_exports() -> Result<Vec<String>> {
+    let (_, module) = compiled()?;
+    Ok(module.exports().map(|e| e.name().to_owned()).collect())
+}
+
 /// What a callback returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {

@@ -4,7 +4,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use latchkey_filter_abi_tests::{Action, FilterVm, LocalReply, LogLevel, SharedDataHandle};
+use latchkey_filter_abi_tests::host::SERVED;
+use latchkey_filter_abi_tests::{
+    Action, FilterVm, LocalReply, LogLevel, SharedDataHandle, module_exports, module_imports,
+};
 use latchkey_proto::adminv1::{EdgeClass, EdgeGrant, EdgePolicy};
 use latchkey_proto::lockv1::{AcquireRequest, InspectRequest};
 use prost::Message;
@@ -562,8 +565,37 @@ fn a_stale_table_tells_uncovered_keys_to_retry() {
 
 #[test]
 fn the_module_is_a_proxy_wasm_0_2_1_filter() {
-    // Instantiating checks every import the host serves against the
-    // module's signature; the rest trap if called (none is, above).
+    let imports = module_imports().unwrap();
+    // The Rust SDK declares every host call of the ABI; all come from `env`.
+    assert!(
+        imports.iter().all(|i| i.starts_with("env::proxy_")),
+        "{imports:?}"
+    );
+    // What this host serves is what the module imports (the rest trap if
+    // called: none is, in the scenarios above).
+    for served in SERVED {
+        assert!(imports.contains(&format!("env::{served}")), "{served}");
+    }
+    let exports = module_exports().unwrap();
+    for needed in [
+        "memory",
+        "malloc",
+        "_initialize",
+        "proxy_abi_version_0_2_1",
+        "proxy_on_context_create",
+        "proxy_on_configure",
+        "proxy_on_request_headers",
+        "proxy_on_request_body",
+        "proxy_on_request_trailers",
+        "proxy_on_response_headers",
+        "proxy_on_log",
+        "proxy_on_tick",
+        "proxy_on_grpc_receive",
+        "proxy_on_grpc_close",
+    ] {
+        assert!(exports.iter().any(|e| e == needed), "{needed}: {exports:?}");
+    }
+    // Instantiating checks each served import's signature.
     let vm = FilterVm::new().unwrap();
     assert!(vm.host().logs.is_empty());
 }
