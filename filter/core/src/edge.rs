@@ -29,9 +29,7 @@ mod stream;
 mod stream_end;
 mod vm;
 
-pub use metric_ids::MetricIds;
 pub use refresh::{FIRST_REFRESH_MS, NOT_READY_REFRESH_MS};
 pub use request_body::{ROUTE_KEY_STATE, SET_FILTER_STATE, route_key_arguments};
 pub use root::Root;
 pub use stream::Stream;
-pub use vm::{Active, SharedVm, Vm};

@@ -20,8 +20,9 @@ impl Root {
         Stream::new(self.vm.clone(), active)
     }
 
-    /// The VM's state (tests and diagnostics).
-    pub fn vm(&self) -> &SharedVm {
+    /// The VM's state (tests).
+    #[cfg(test)]
+    pub(crate) fn vm(&self) -> &SharedVm {
         &self.vm
     }
 }
