@@ -265,11 +265,21 @@ pub fn stats_tag_segments(bootstrap: &str) -> Vec<String> {
 /// The edge's exported names on Envoy's `/stats/prometheus`: every stat name
 /// in filter/core/src/metrics.rs (`latchkey_edge.<stat>...` literals and
 /// `{PREFIX}.<stat>...` formats) up to its first tagged segment, dots as
-/// underscores (Envoy strips `wasmcustom.`); histograms (the names the filter
-/// records with `.histogram(`) as `_bucket`/`_sum`/`_count`.
+/// underscores (Envoy strips `wasmcustom.`); histograms (the names the
+/// filter's callbacks, filter/core/src/edge/, record with `.histogram(`) as
+/// `_bucket`/`_sum`/`_count`.
 pub fn edge_metric_names() -> anyhow::Result<BTreeSet<String>> {
     let source = std::fs::read_to_string(repo().join("filter/core/src/metrics.rs"))?;
-    let glue = std::fs::read_to_string(repo().join("filter/wasm/src/glue.rs"))?;
+    let mut files = std::fs::read_dir(repo().join("filter/core/src/edge"))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<Vec<_>, _>>()?;
+    files.sort();
+    let mut callbacks = String::new();
+    for file in files {
+        callbacks.push_str(&std::fs::read_to_string(file)?);
+    }
+    // Whitespace removed: rustfmt breaks a long call over lines.
+    let callbacks: String = callbacks.chars().filter(|c| !c.is_whitespace()).collect();
     let bootstrap = std::fs::read_to_string(repo().join("envoy/edge.yaml"))?;
     let tags = stats_tag_segments(&bootstrap);
     ensure!(tags.len() >= 4, "stats_tags not found in envoy/edge.yaml");
@@ -293,7 +303,7 @@ pub fn edge_metric_names() -> anyhow::Result<BTreeSet<String>> {
     let mut names = BTreeSet::new();
     for (konst, stat) in &consts {
         let name = base(stat);
-        if glue.contains(&format!(".histogram(metrics::{konst}")) {
+        if callbacks.contains(&format!(".histogram(host,metrics::{konst},")) {
             for suffix in ["_bucket", "_sum", "_count"] {
                 names.insert(format!("{name}{suffix}"));
             }

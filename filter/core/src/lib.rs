@@ -1,5 +1,9 @@
 //! The logic of Latchkey's Envoy edge filter, kept free of `proxy_wasm` so it is
-//! tested natively (the `latchkey-filter` crate is the thin glue).
+//! tested natively (the `latchkey-filter` crate is the thin glue). The
+//! proxy-wasm callbacks themselves are [`edge`] (root context: configuration
+//! and the grant-table refresh; a stream: headers, body and trailers, its
+//! end), which talk to Envoy only through the [`host::Host`] trait: the glue
+//! implements it over the host calls, the unit tests over a scripted fake.
 //!
 //! A request flows through it like this: the caller's SPIFFE ID comes from the
 //! TLS peer ([`identity::peer_identity`]); any client-sent `x-latchkey-*`
@@ -32,8 +36,10 @@
 pub mod admission;
 pub mod config;
 pub mod decision;
+pub mod edge;
 pub mod grant_table;
 pub mod headers;
+pub mod host;
 pub mod identity;
 pub mod keyed_hash;
 pub mod metrics;

@@ -1,8 +1,12 @@
 //! Latchkey's Envoy edge filter: the thin proxy-wasm 0.2.5 glue over
-//! `latchkey-filter-core`. Everything that decides lives in the core crate;
-//! this crate only moves bytes between Envoy and it.
+//! `latchkey-filter-core`. Everything that decides lives in the core crate
+//! (`latchkey_filter_core::edge`, which talks to Envoy only through its
+//! `Host` trait); this crate implements that trait over
+//! `proxy_wasm::hostcalls` ([`HostCalls`]) and forwards each proxy-wasm
+//! callback of the root context (`root`) and of a stream (`stream`) to the
+//! core's method of the same name.
 //!
-//! Per request: `on_http_request_headers` authenticates the TLS peer (its
+//! Per request (the core's `edge` module has the detail): `on_http_request_headers` authenticates the TLS peer (its
 //! certificate's URI SAN; the SPIFFE parse is cached per SAN), refuses
 //! any client-sent `x-latchkey-*` header, answers GetEdgePolicy and unknown
 //! methods itself, sets `x-latchkey-identity` to the verified SPIFFE ID, takes
@@ -38,7 +42,15 @@
 // `unreachable!` too.
 #![deny(clippy::indexing_slicing, clippy::unreachable)]
 
-mod glue;
-mod profile;
+mod host;
+mod root;
+mod stream;
 
-pub use glue::HostStore;
+pub use host::HostCalls;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Warn);
+    proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(root::EdgeRoot::default())
+    });
+}}

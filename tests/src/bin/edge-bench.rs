@@ -553,7 +553,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// A build with the filter's `profile` feature records each section of the
-/// request path (filter/wasm/src/profile.rs): prints the mean per stream
+/// request path (filter/core/src/edge/profile.rs): prints the mean per stream
 /// over the whole run, and the sum of the filter's own sections (all but
 /// the wait for the body and the clock's own cost).
 async fn print_profile(name: &str, envoy: &Envoy) -> anyhow::Result<()> {

@@ -8,9 +8,9 @@
 //! and `..._calls` (mean = sum / calls). See docs/edge-filter-profile.md.
 //!
 //! Without the feature every method is empty and the type has no fields.
+//! (`latchkey-filter`'s `profile` feature turns on this crate's.)
 
-#[cfg(feature = "profile")]
-use proxy_wasm::hostcalls;
+use crate::host::Host;
 
 /// A timed section of the request path.
 #[derive(Debug, Clone, Copy)]
@@ -100,10 +100,8 @@ pub struct Profile {
 }
 
 #[cfg(feature = "profile")]
-fn now_ns() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+fn now_ns(host: &impl Host) -> u64 {
+    host.now()
         .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
         .unwrap_or(0)
 }
@@ -111,19 +109,21 @@ fn now_ns() -> u64 {
 impl Profile {
     /// Starts timing from now.
     #[inline]
-    pub fn start(&mut self) {
+    pub fn start(&mut self, host: &impl Host) {
         #[cfg(feature = "profile")]
         {
-            self.last = now_ns();
+            self.last = now_ns(host);
         }
+        #[cfg(not(feature = "profile"))]
+        let _ = host;
     }
 
     /// Charges the time since the last mark to `section`.
     #[inline]
-    pub fn lap(&mut self, section: Section) {
+    pub fn lap(&mut self, host: &impl Host, section: Section) {
         #[cfg(feature = "profile")]
         {
-            let now = now_ns();
+            let now = now_ns(host);
             let i = section as usize;
             if let (Some(ns), Some(calls)) = (self.ns.get_mut(i), self.calls.get_mut(i)) {
                 *ns += now.saturating_sub(self.last);
@@ -132,17 +132,22 @@ impl Profile {
             self.last = now;
         }
         #[cfg(not(feature = "profile"))]
-        let _ = section;
+        let _ = (host, section);
     }
 
     /// Records this stream's times, once: `record(name, ns)` into a
     /// histogram, `add(name, delta)` to a counter.
-    pub fn flush(&mut self, record: impl FnMut(&str, u64), add: impl FnMut(&str, i64)) {
+    pub fn flush(
+        &mut self,
+        host: &impl Host,
+        record: impl FnMut(&str, u64),
+        add: impl FnMut(&str, i64),
+    ) {
         #[cfg(feature = "profile")]
         {
             let (mut record, mut add) = (record, add);
-            self.start();
-            self.lap(Section::Clock);
+            self.start(host);
+            self.lap(host, Section::Clock);
             for s in Section::ALL {
                 let i = s as usize;
                 let (ns, calls) = (
@@ -164,6 +169,6 @@ impl Profile {
             *self = Profile::default();
         }
         #[cfg(not(feature = "profile"))]
-        let _ = (record, add);
+        let _ = (host, record, add);
     }
 }
