@@ -159,6 +159,16 @@ pub const HTTP2_CONNECTION_WINDOW: u32 = 8 * 1024 * 1024;
 pub const HTTP2_STREAM_WINDOW: u32 = 64 * 1024;
 /// Concurrent streams per connection (the edge bounds them per identity).
 pub const HTTP2_MAX_CONCURRENT_STREAMS: u32 = 1024;
+/// Streams the client may reset before the arbiter has accepted them,
+/// before h2 closes the connection (its rapid-reset defence; hyper's
+/// default is 20). Every tenant's streams share the edge's connections to
+/// the arbiter, so at 20 one identity opening and dropping calls at once
+/// got a shared connection closed and other tenants' KeepAlive streams
+/// reset with it (issue 31, `hostile_keepalive`). Such a stream costs the
+/// arbiter no work (it was never accepted) and the edge ends the flooder's
+/// own connection (Envoy's premature-reset check); this is what bounds the
+/// reset streams queued on one connection.
+pub const HTTP2_MAX_PENDING_ACCEPT_RESETS: usize = 1024;
 
 /// Serves `GET /metrics` (Prometheus text) until `stop`.
 fn spawn_metrics_server(
@@ -272,7 +282,8 @@ pub async fn run(
         .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
         .initial_stream_window_size(HTTP2_STREAM_WINDOW)
         .http2_adaptive_window(Some(false))
-        .max_concurrent_streams(HTTP2_MAX_CONCURRENT_STREAMS);
+        .max_concurrent_streams(HTTP2_MAX_CONCURRENT_STREAMS)
+        .http2_max_pending_accept_reset_streams(Some(HTTP2_MAX_PENDING_ACCEPT_RESETS));
     // Client certificates are required: no SVID, no handshake. The files
     // are reloaded when SPIRE rotates them (tls_reload.rs).
     let tls = match &config.tls {

@@ -423,11 +423,12 @@ async fn through_the_edge_a_flood_of_unknown_ids_slows_only_its_sender() -> anyh
 /// pace, and streams opened and dropped at once (the rapid-reset pattern).
 /// Every tenant's streams share the edge's connections to the arbiter, so a
 /// protocol-level defence that closed such a connection would end another
-/// tenant's KeepAlive stream. Measured here: with one connection to the
-/// arbiter shared by every tenant, alice's stream was reset (INTERNAL_ERROR
-/// from the edge); with a pool per downstream connection (envoy/edge.yaml),
-/// Envoy's own flood protection ends the flooder's downstream connection
-/// ("error reading a body from connection" on the flooder's side) and
+/// tenant's KeepAlive stream. Measured here: with hyper's default of 20
+/// streams reset before they are accepted, alice's stream was reset
+/// (INTERNAL_ERROR from the edge: the arbiter closed the shared
+/// connection); with the arbiter's `HTTP2_MAX_PENDING_ACCEPT_RESETS`,
+/// Envoy's own premature-reset check ends the flooder's downstream
+/// connection ("error reading a body from connection" on its side) and
 /// alice's one long stream goes on.
 #[tokio::test(flavor = "multi_thread")]
 async fn through_the_edge_http2_floods_end_no_other_tenants_stream() -> anyhow::Result<()> {

@@ -238,6 +238,20 @@ pub fn arbiter_metric_names() -> anyhow::Result<BTreeSet<String>> {
         metrics.renewal_refused(e);
     }
     metrics.identity_bound_refused("sessions");
+    metrics.keepalive_paced("renewals");
+    metrics.overload_refused(
+        latchkey_arbiter::overload::Work::Open,
+        latchkey_arbiter::overload::Refusal::QueueFull,
+    );
+    // The families added at start by the parts that have them.
+    metrics.set_coord_tier(
+        Arc::new(latchkey_arbiter::epoch::EpochGuard::default()),
+        Arc::new(latchkey_arbiter::quorum_loss::QuorumSnapshot::default),
+    );
+    metrics.set_admission(latchkey_arbiter::overload::Admission::new(
+        latchkey_arbiter::overload::OverloadConfig::default(),
+    ));
+    metrics.set_session_totals(Arc::new(|| Some(0)));
     Ok(exposition_names(&metrics.encode()?))
 }
 

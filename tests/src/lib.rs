@@ -24,6 +24,7 @@ pub mod buf;
 pub mod clickhouse;
 pub mod cluster;
 pub mod deploy;
+pub mod docs_tables;
 pub mod envoy;
 pub mod etcd;
 pub mod faulty_log;

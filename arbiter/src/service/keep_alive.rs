@@ -241,22 +241,22 @@ impl Arbiter {
                                     checked.insert(session, home);
                                     watched.add(session, &notices);
                                 }
-                                Ok(KeepAliveResponse {
+                                Some(Ok(KeepAliveResponse {
                                     session_id: session,
                                     remaining_ttl_seconds: ttl,
                                     ended_holds: Vec::new(),
-                                })
+                                }))
                             }
                             Ok(Renewal::Gone) => {
                                 checked.remove(&session);
                                 watched.remove(session);
                                 self.metrics
                                     .renewal_refused(&ArbiterError::SessionExpired { session });
-                                Ok(KeepAliveResponse {
+                                Some(Ok(KeepAliveResponse {
                                     session_id: session,
                                     remaining_ttl_seconds: 0,
                                     ended_holds: Vec::new(),
-                                })
+                                }))
                             }
                             // A renewal that failed at the store is not
                             // answered: the client's next one retries, and
@@ -275,17 +275,22 @@ impl Arbiter {
                             ) => {
                                 debug!(identity, error = %e, "renewal failed at the store; not answered");
                                 self.metrics.renewal_refused(&e);
-                                continue;
+                                // (and on to the end-of-stream check below:
+                                // a half-closed stream whose last renewal
+                                // failed ends now, not at an idle timeout)
+                                None
                             }
                             Err(e) => {
                                 debug!(identity, error = %e, "keepalive stream ended");
                                 self.metrics.renewal_refused(&e);
-                                Err(Status::from(e))
+                                Some(Err(Status::from(e)))
                             }
                         };
-                        let end = reply.is_err();
-                        if tx.send(reply).await.is_err() || end {
-                            return;
+                        if let Some(reply) = reply {
+                            let end = reply.is_err();
+                            if tx.send(reply).await.is_err() || end {
+                                return;
+                            }
                         }
                     }
                 }
