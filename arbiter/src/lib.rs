@@ -38,7 +38,9 @@ pub mod overload;
 pub mod owner;
 pub mod policy;
 pub mod quorum_loss;
-pub mod records;
+/// The lock log's key layout and records (the `latchkey-records` crate,
+/// shared with the audit tailer, the simulation and the tests).
+pub use latchkey_records as records;
 mod service;
 pub mod session_counts;
 pub mod shards;
@@ -48,7 +50,7 @@ pub mod table;
 pub mod telemetry;
 pub mod tiers;
 pub mod tls_reload;
-pub mod token;
+pub use latchkey_records::token;
 pub mod wasm_hooks;
 pub mod witness;
 

@@ -29,6 +29,7 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::records::{EpochRecord, HolderRecord, SealRecord, decode};
+use latchkey_records::keys;
 
 use crate::event::{EPOCH_KEY, Ended, Event, Kind, SEAL_KEY, without_numbers};
 use crate::force::{self, ForceRecord, RevokeRecord};
@@ -93,10 +94,10 @@ enum Role<'a> {
 }
 
 fn role(key: &str) -> Role<'_> {
-    if let Some(lock_key) = key.strip_prefix("l/") {
+    if let Some(lock_key) = key.strip_prefix(keys::HOLDERS) {
         return Role::Hold(lock_key);
     }
-    if let Some(hex) = key.strip_prefix("s/") {
+    if let Some(hex) = key.strip_prefix(keys::SESSIONS) {
         // Leases are positive i64s written as 16 hex digits.
         return match u64::from_str_radix(hex, 16) {
             Ok(lease) => Role::Session(lease as i64),
@@ -104,8 +105,8 @@ fn role(key: &str) -> Role<'_> {
         };
     }
     match key {
-        "sys/epoch" => Role::Epoch,
-        "sys/seal" => Role::Seal,
+        keys::EPOCH => Role::Epoch,
+        keys::SEAL => Role::Seal,
         k if k.starts_with(force::REVOKED_DIR) => match force::parse_revoked_key(k) {
             Some(lease) => Role::Revoked(lease),
             None => Role::Other,

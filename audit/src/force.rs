@@ -28,7 +28,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Where force records live under the prefix.
-pub const FORCE_DIR: &str = "sys/force/";
+pub const FORCE_DIR: &str = latchkey_records::keys::FORCE;
 
 /// What the operators decided. Field order is fixed (the helper writing it
 /// and tests compare bytes); unknown fields are kept out by nothing: the
@@ -90,7 +90,7 @@ impl ForceRecord {
 }
 
 /// Where the revoked-session markers live under the prefix.
-pub const REVOKED_DIR: &str = "sys/revoked/";
+pub const REVOKED_DIR: &str = latchkey_records::keys::REVOKED;
 
 /// A session an operator's force-release revoked (the arbiter's
 /// `force_release::RevokeRecord`).

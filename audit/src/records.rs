@@ -1,5 +1,6 @@
 //! The arbiter's records, as far as the audit reads them (the writer's
-//! types are `latchkey_arbiter::records`; these read the same JSON, and
+//! types are `latchkey_records`, whose key layout and `decode` the tailer
+//! uses as they are; these types read the same JSON, and
 //! tolerate fields they do not know, so an arbiter that adds a field does
 //! not stop the tailer). The e2e tests run the real arbiter against them.
 
@@ -39,6 +40,4 @@ pub struct SealRecord {
     pub next_epoch_at_least: u32,
 }
 
-pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Option<T> {
-    serde_json::from_slice(bytes).ok()
-}
+pub use latchkey_records::decode;

@@ -11,8 +11,9 @@ use std::io::{self, BufRead, Write};
 
 use serde::{Deserialize, Serialize};
 
-/// Bits of a fencing token that hold the etcd revision (ADR-02).
-pub const REVISION_BITS: u32 = 48;
+/// Bits of a fencing token that hold the etcd revision (ADR-02): the
+/// layout's one definition, `latchkey_records::token`.
+pub use latchkey_records::token::REVISION_BITS;
 const REVISION_MASK: u64 = (1 << REVISION_BITS) - 1;
 
 /// Packs a fencing token: `epoch × 2^48 + revision`.

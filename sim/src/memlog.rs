@@ -46,7 +46,7 @@ use latchkey_arbiter::lock_log::{
     HandOverFrom, HandOverTxn, Header, HeldAt, HoldLog, KeyWatch, Kv, LogResult, Queued, Records,
     ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
 };
-use latchkey_arbiter::records::{decode_map_fence, encode_map_fence};
+use latchkey_records::{decode_map_fence, encode_map_fence};
 use tokio::time::{Duration, Instant};
 
 use crate::rng::Rng;

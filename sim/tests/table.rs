@@ -276,7 +276,7 @@ async fn a_table_raises_a_fence_below_its_map_when_it_reads_it() -> anyhow::Resu
     let t = routing_by(&log, None, MapVersion::new(3));
     t.start().await?;
     let fence = log.map_fence().await?.value.map(|kv| kv.value);
-    assert_eq!(fence, Some(latchkey_arbiter::records::encode_map_fence(3)));
+    assert_eq!(fence, Some(latchkey_records::encode_map_fence(3)));
     // and an arbiter routing by no map raises nothing
     let log = MemLog::new(10);
     let t0 = routing_by(&log, None, MapVersion::new(0));

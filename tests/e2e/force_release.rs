@@ -1109,7 +1109,7 @@ async fn latchctl_shows_a_stored_reason_with_its_control_characters_escaped() ->
     let hold = etcd.clone().get("/latchkey/l/demo/fr-raw", None).await?;
     let hold = hold.kvs().first().context("no hold")?;
     let id = "0123456789abcdef0123456789abcdef";
-    let now = latchkey_arbiter::records::now_unix_ms();
+    let now = latchkey_records::now_unix_ms();
     let raw = latchkey_arbiter::force_release::RequestRecord {
         id: id.into(),
         key: "demo/fr-raw".into(),

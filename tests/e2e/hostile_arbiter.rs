@@ -877,7 +877,7 @@ async fn a_burst_of_opens_never_passes_the_session_bound() -> anyhow::Result<()>
     })
     .await?;
     let mallory = s.arbiter.lock("workload/mallory").await?;
-    let layout = latchkey_arbiter::records::Layout::new("/latchkey");
+    let layout = latchkey_records::Layout::new("/latchkey");
     let counted = layout.identity_sessions(&latchkey_tests::arbiter::spiffe("workload/mallory"));
     let mut etcd = s.etcd.client().await?;
     for round in 0..2 {

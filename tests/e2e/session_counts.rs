@@ -18,7 +18,7 @@ const MALLORY: &str = "workload/mallory";
 
 /// mallory's sessions in etcd: her entries in the session index.
 async fn entries_in_etcd(s: &Stack, subject: &str) -> anyhow::Result<i64> {
-    let layout = latchkey_arbiter::records::Layout::new("/latchkey");
+    let layout = latchkey_records::Layout::new("/latchkey");
     let mut etcd = s.etcd.client().await?;
     Ok(etcd
         .get(
@@ -219,7 +219,7 @@ async fn a_close_deletes_the_entry_its_open_wrote_and_frees_its_place_at_once() 
     at_the_bound(open_class(&mut b, "demo").await)?;
     assert_eq!(entries_in_etcd(&s, &pattern).await?, 1);
 
-    let layout = latchkey_arbiter::records::Layout::new("/latchkey");
+    let layout = latchkey_records::Layout::new("/latchkey");
     let record = layout.session(session);
     let entry = layout.identity_session(&pattern, session);
     let mut etcd = s.etcd.client().await?;

@@ -80,12 +80,12 @@ impl ForceStore {
 
     /// `{prefix}/sys/force-req/`: pending requests.
     pub fn requests_dir(&self) -> String {
-        format!("{}/sys/force-req/", self.prefix)
+        format!("{}/{}", self.prefix, crate::records::keys::FORCE_REQUESTS)
     }
 
     /// `{prefix}/sys/force/`: force records.
     pub fn records_dir(&self) -> String {
-        format!("{}/sys/force/", self.prefix)
+        format!("{}/{}", self.prefix, crate::records::keys::FORCE)
     }
 
     /// The hold on `key` now, if any.
@@ -361,7 +361,7 @@ impl ForceStore {
 
     /// `{prefix}/sys/revoked/`: sessions an operator's force-release revoked.
     pub fn revoked_dir(&self) -> String {
-        format!("{}/sys/revoked/", self.prefix)
+        format!("{}/{}", self.prefix, crate::records::keys::REVOKED)
     }
 
     /// Revokes the holder's session with the arbiter's own client, so that

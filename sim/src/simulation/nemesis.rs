@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_arbiter::high_water::Mark;
-use latchkey_arbiter::records::{CoordSeenRecord, EpochRecord, decode};
 use latchkey_arbiter::witness::Witnessed;
 use latchkey_checker::{Function, Outcome};
+use latchkey_records::{CoordSeenRecord, EpochRecord, decode};
 use tokio::time::Instant;
 
 use super::fences::Window;

@@ -11,7 +11,7 @@ use latchkey_arbiter::lock_log::{
     BatchOp, BatchOutcome, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, LockLog,
     ReleaseTxn, ReleasedIf,
 };
-use latchkey_arbiter::records::{decode_map_fence, encode_map_fence};
+use latchkey_records::{decode_map_fence, encode_map_fence};
 
 use super::{epoch, holder_record, lease, one_write, open, revision, revoke_all, unchanged};
 

@@ -1,5 +1,7 @@
-//! The values the arbiter stores in etcd, and the key layout under the
-//! configured prefix:
+//! The values the arbiter stores in etcd, the key layout under the
+//! configured prefix, and the fencing token's layout ([`token`]): one
+//! definition for the arbiter, the audit tailer, the simulation and the
+//! tests (issue 32). The key layout:
 //!
 //! - `{prefix}/sys/epoch` — [`EpochRecord`]: the epoch and the cluster id it was minted for.
 //! - `{prefix}/sys/seal`  — present while the log is sealed (a restore was seen).
@@ -25,6 +27,8 @@
 //!
 //! Records are JSON with a fixed field order, so the bytes the arbiter writes
 //! are the bytes it can compare in a transaction.
+
+pub mod token;
 
 use std::collections::BTreeMap;
 
@@ -164,6 +168,33 @@ pub fn decode_map_fence(bytes: &[u8]) -> Option<u64> {
     std::str::from_utf8(bytes).ok()?.parse().ok()
 }
 
+/// The layout's names below the prefix (see the module doc): what a reader
+/// of the log that strips the prefix (the audit tailer) matches against.
+pub mod keys {
+    pub const EPOCH: &str = "sys/epoch";
+    pub const SEAL: &str = "sys/seal";
+    pub const COORD_SEEN: &str = "sys/coord-seen";
+    pub const MAP_FENCE: &str = "sys/shardmap";
+    /// Force-release records (`sys/force/<request id>`).
+    pub const FORCE: &str = "sys/force/";
+    /// Force-release requests (`sys/force-req/<request id>`).
+    pub const FORCE_REQUESTS: &str = "sys/force-req/";
+    /// Sessions an operator's force-release revoked (`sys/revoked/<lease>`).
+    pub const REVOKED: &str = "sys/revoked/";
+    /// Session records (`s/<lease:016x>`).
+    pub const SESSIONS: &str = "s/";
+    /// Session count entries (`si/<hex(subject)>/<lease:016x>`).
+    pub const SESSION_INDEX: &str = "si/";
+    /// Shadow marks (`sh/<session:016x>/<shard>`).
+    pub const SHADOW_MARKS: &str = "sh/";
+    /// Holds (`l/<key>`).
+    pub const HOLDERS: &str = "l/";
+    /// Claims (`c/<key>//<revision:016x>`).
+    pub const CLAIMS: &str = "c/";
+    /// Durable waiters (`q/<key>//<lease:016x>`).
+    pub const QUEUES: &str = "q/";
+}
+
 #[derive(Debug, Clone)]
 pub struct Layout {
     prefix: String,
@@ -176,20 +207,20 @@ impl Layout {
         }
     }
     pub fn epoch(&self) -> String {
-        format!("{}/sys/epoch", self.prefix)
+        format!("{}/{}", self.prefix, keys::EPOCH)
     }
     pub fn seal(&self) -> String {
-        format!("{}/sys/seal", self.prefix)
+        format!("{}/{}", self.prefix, keys::SEAL)
     }
     pub fn coord_seen(&self) -> String {
-        format!("{}/sys/coord-seen", self.prefix)
+        format!("{}/{}", self.prefix, keys::COORD_SEEN)
     }
     /// The shard-map fence (see the module doc).
     pub fn map_fence(&self) -> String {
-        format!("{}/sys/shardmap", self.prefix)
+        format!("{}/{}", self.prefix, keys::MAP_FENCE)
     }
     pub fn session(&self, lease: i64) -> String {
-        format!("{}/s/{lease:016x}", self.prefix)
+        format!("{}/{}{lease:016x}", self.prefix, keys::SESSIONS)
     }
     /// The session's shadow on entity shard `shard` (ADR-09), on the
     /// session's lease on the lock cluster: which shards its renewals must
@@ -199,7 +230,7 @@ impl Layout {
     }
     /// Every shadow mark of `session`.
     pub fn shadow_marks(&self, session: i64) -> String {
-        format!("{}/sh/{session:016x}/", self.prefix)
+        format!("{}/{}{session:016x}/", self.prefix, keys::SHADOW_MARKS)
     }
     /// One open session of `identity` (hex, so no identity is a prefix of
     /// another's entries).
@@ -217,15 +248,15 @@ impl Layout {
         format!("{}{hex}/", self.session_index())
     }
     /// Every subject's session entries: the prefix the session counts
-    /// follow ([`crate::session_counts`]).
+    /// follow (the arbiter's `session_counts`).
     pub fn session_index(&self) -> String {
-        format!("{}/si/", self.prefix)
+        format!("{}/{}", self.prefix, keys::SESSION_INDEX)
     }
     pub fn holder(&self, key: &str) -> String {
-        format!("{}/l/{key}", self.prefix)
+        format!("{}/{}{key}", self.prefix, keys::HOLDERS)
     }
     pub fn holders(&self) -> String {
-        format!("{}/l/", self.prefix)
+        format!("{}/{}", self.prefix, keys::HOLDERS)
     }
     /// The claim on `key`'s hold at `revision` (see the module doc).
     pub fn claim(&self, key: &str, revision: i64) -> String {
@@ -233,22 +264,22 @@ impl Layout {
     }
     /// Every claim on `key`'s holds: a prefix to delete with the hold.
     pub fn claims_of(&self, key: &str) -> String {
-        format!("{}/c/{key}//", self.prefix)
+        format!("{}/{}{key}//", self.prefix, keys::CLAIMS)
     }
     /// Every claim.
     pub fn claims(&self) -> String {
-        format!("{}/c/", self.prefix)
+        format!("{}/{}", self.prefix, keys::CLAIMS)
     }
     /// `key`'s durable queue: a prefix (`//` cannot occur in a key).
     pub fn queue_of(&self, key: &str) -> String {
-        format!("{}/q/{key}//", self.prefix)
+        format!("{}/{}{key}//", self.prefix, keys::QUEUES)
     }
     /// `session`'s waiter record on `key`.
     pub fn waiter(&self, key: &str, session: i64) -> String {
         format!("{}{session:016x}", self.queue_of(key))
     }
     pub fn durable_waiters(&self) -> String {
-        format!("{}/q/", self.prefix)
+        format!("{}/{}", self.prefix, keys::QUEUES)
     }
 }
 
