@@ -111,9 +111,9 @@ impl EpochGuard {
                 epoch: seal.epoch,
             }),
             (None, Some(state)) => Ok(state.clone()),
-            (None, None) => Err(ArbiterError::StoreUnavailable {
-                detail: "the epoch record has not been read yet".into(),
-            }),
+            (None, None) => Err(ArbiterError::store(
+                "the epoch record has not been read yet",
+            )),
         }
     }
 

@@ -9,6 +9,10 @@ use latchkey_proto::lockv1::Reason;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+/// The cause under a [`ArbiterError::StoreUnavailable`], shared: one
+/// failed batch answers every member with it.
+pub type StoreCause = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+
 /// The one message for every authorisation refusal, whether or not the key
 /// exists or is held (ADR-19: no existence leak through errors).
 pub const NOT_AUTHORISED_MESSAGE: &str = "this identity has no prefix grant covering the key; ask the key's owners to add one in policies/";
@@ -110,7 +114,14 @@ pub enum ArbiterError {
     )]
     ShardMapAhead { cluster: u64, arbiter: u64 },
     #[error("the lock log (etcd) is unavailable: {detail}; retry with backoff")]
-    StoreUnavailable { detail: String },
+    StoreUnavailable {
+        detail: String,
+        /// What failed underneath, when it was an error of its own (the
+        /// store's answer, a spool write): kept for the logs up to where the
+        /// error becomes a status. `detail` already says it in words.
+        #[source]
+        source: Option<StoreCause>,
+    },
     /// New work refused so that established sessions keep renewing
     /// ([`crate::overload`]).
     #[error(
@@ -210,6 +221,18 @@ impl ArbiterError {
     pub fn store(detail: impl std::fmt::Display) -> Self {
         Self::StoreUnavailable {
             detail: detail.to_string(),
+            source: None,
+        }
+    }
+
+    /// [`Self::store`] caused by `source`, which stays its error source.
+    pub fn store_caused(
+        detail: impl std::fmt::Display,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::StoreUnavailable {
+            detail: detail.to_string(),
+            source: Some(std::sync::Arc::new(source)),
         }
     }
 }

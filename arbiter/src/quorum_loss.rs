@@ -544,7 +544,7 @@ impl QuorumLoss {
                         bound: IdentityBound::Spool,
                         limit: u32::try_from(share).unwrap_or(u32::MAX),
                     },
-                    e => ArbiterError::store(e),
+                    e => ArbiterError::store_caused(e.to_string(), e),
                 })
             });
         let mut holds = self.holds.lock();

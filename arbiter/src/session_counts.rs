@@ -392,7 +392,7 @@ mod tests {
     async fn an_open_before_the_first_count_waits_for_it_within_its_bound() {
         let c = SessionCounts::new(3);
         match c.counted_within(Duration::from_secs(2)).await {
-            Err(ArbiterError::StoreUnavailable { detail }) => {
+            Err(ArbiterError::StoreUnavailable { detail, .. }) => {
                 assert!(
                     detail.contains("open sessions") && detail.contains("retry"),
                     "{detail}"

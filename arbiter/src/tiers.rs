@@ -385,7 +385,9 @@ impl Tiers {
 fn bindings_error(e: crate::lock_log::StoreError) -> ArbiterError {
     match e {
         crate::lock_log::StoreError::Malformed(what) => ArbiterError::Internal(what),
-        other => ArbiterError::store(format!("the tier bindings: {}", other.detail())),
+        other => {
+            ArbiterError::store_caused(format!("the tier bindings: {}", other.detail()), other)
+        }
     }
 }
 

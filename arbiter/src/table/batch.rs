@@ -389,8 +389,9 @@ fn each_member(e: &ArbiterError) -> ArbiterError {
             ArbiterError::SessionExpired { session: *session }
         }
         ArbiterError::Internal(detail) => ArbiterError::Internal(detail.clone()),
-        ArbiterError::StoreUnavailable { detail } => ArbiterError::StoreUnavailable {
+        ArbiterError::StoreUnavailable { detail, source } => ArbiterError::StoreUnavailable {
             detail: detail.clone(),
+            source: source.clone(),
         },
         other => ArbiterError::store(other.to_string()),
     }

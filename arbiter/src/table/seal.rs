@@ -521,10 +521,13 @@ impl Seal {
             match &self.witness {
                 Some(shared) => shared.raise(mark).await.map_err(|e| {
                     error!(error = %e.detail(), "the witness did not take the grant; refusing it");
-                    ArbiterError::store(format!(
-                        "the coord cluster could not witness the grant: {}",
-                        e.detail()
-                    ))
+                    ArbiterError::store_caused(
+                        format!(
+                            "the coord cluster could not witness the grant: {}",
+                            e.detail()
+                        ),
+                        e,
+                    )
                 }),
                 None => Ok(()),
             }

@@ -156,7 +156,33 @@ impl From<StoreError> for ArbiterError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::LeaseGone { lease } => ArbiterError::SessionExpired { session: lease },
-            other => ArbiterError::store(other.detail()),
+            other => ArbiterError::store_caused(other.detail(), other),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 32: an unavailable store keeps what failed underneath as the
+    /// error's source, down to the transport's own error.
+    #[test]
+    fn a_store_error_keeps_its_source_chain() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let store = StoreError::Unavailable {
+            context: "the grant transaction".into(),
+            source: Some(Box::new(io)),
+        };
+        let err = ArbiterError::from(store);
+        let mut chain = Vec::new();
+        let mut next = std::error::Error::source(&err);
+        while let Some(e) = next {
+            chain.push(e.to_string());
+            next = e.source();
+        }
+        assert_eq!(chain, ["the grant transaction", "reset by peer"]);
+        // The message a person reads is what it was.
+        assert!(err.to_string().contains("the grant transaction"), "{err}");
     }
 }
