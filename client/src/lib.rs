@@ -103,3 +103,9 @@ pub use lock::{LockBuilder, LockGuard};
 pub use rpc::DEV_IDENTITY_HEADER;
 pub use session::{FenceReason, Session};
 pub use token::FencingToken;
+
+/// The README's client example, compiled by `cargo test --doc` so it stays
+/// true to this crate's API.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeExample;
