@@ -428,12 +428,7 @@ pub fn without_numbers(text: &str) -> String {
     out
 }
 
-pub fn now_unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
-}
+pub use latchkey_records::now_unix_ms;
 
 #[cfg(test)]
 mod tests {

@@ -345,14 +345,9 @@ async fn a_flood_of_tiny_renewals_is_paced_per_identity_never_refused() -> anyho
     Ok(())
 }
 
-/// Through the edge, every tenant's streams share Envoy's connections to the
-/// arbiter: the streams the arbiter stops reading for their identity's
-/// lookup budget must cost their sender alone, never the connection's other
-/// streams (the victim's renewals go on, none is reset).
-#[tokio::test(flavor = "multi_thread")]
-async fn through_the_edge_a_flood_of_unknown_ids_slows_only_its_sender() -> anyhow::Result<()> {
-    const FLOOD: Duration = Duration::from_secs(10);
-    const STREAMS: usize = 8;
+/// The edge's stack with the session bound, and alice (the victim) with
+/// her sessions open through it.
+async fn edge_with_victim() -> anyhow::Result<(crate::edge::Edge, Client, Vec<i64>)> {
     let edge = crate::edge::edge_with(
         ArbiterOptions {
             max_sessions_per_identity: Some(MAX_SESSIONS),
@@ -366,6 +361,18 @@ async fn through_the_edge_a_flood_of_unknown_ids_slows_only_its_sender() -> anyh
     for _ in 0..VICTIM_SESSIONS {
         victim.push(open(&mut alice, "short").await?);
     }
+    Ok((edge, alice, victim))
+}
+
+/// Through the edge, every tenant's streams share Envoy's connections to the
+/// arbiter: the streams the arbiter stops reading for their identity's
+/// lookup budget must cost their sender alone, never the connection's other
+/// streams (the victim's renewals go on, none is reset).
+#[tokio::test(flavor = "multi_thread")]
+async fn through_the_edge_a_flood_of_unknown_ids_slows_only_its_sender() -> anyhow::Result<()> {
+    const FLOOD: Duration = Duration::from_secs(10);
+    const STREAMS: usize = 8;
+    let (edge, alice, victim) = edge_with_victim().await?;
     let mallory = edge.client("workload/mallory").await?;
 
     let started = Instant::now();
@@ -435,19 +442,7 @@ async fn through_the_edge_http2_floods_end_no_other_tenants_stream() -> anyhow::
     const FLOOD: Duration = Duration::from_secs(10);
     const STREAMS: usize = 8;
     const RESETTERS: usize = 16;
-    let edge = crate::edge::edge_with(
-        ArbiterOptions {
-            max_sessions_per_identity: Some(MAX_SESSIONS),
-            ..ArbiterOptions::default()
-        },
-        serde_json::json!({}),
-    )
-    .await?;
-    let mut alice = edge.client("workload/alice").await?;
-    let mut victim = Vec::new();
-    for _ in 0..VICTIM_SESSIONS {
-        victim.push(open(&mut alice, "short").await?);
-    }
+    let (edge, alice, victim) = edge_with_victim().await?;
     let mut mallory = edge.client("workload/mallory").await?;
     let own = open(&mut mallory, "short").await?;
 
