@@ -7,11 +7,12 @@
 //! under `{prefix}/sys/force-req/<id>` on a lease of its own (default 15
 //! min: an unapproved request expires with it), only if the hold is still
 //! the one read. An approval verifies its own token, refuses the requester's
-//! `sub`, then runs ONE transaction ([`etcd::ForceStore::execute`]): compare
-//! the holder record's lease and mod revision with the request's and the
-//! request's own revision; delete the hold and its claims, put the force
-//! record under `{prefix}/sys/force/<id>` on a 24 h lease, delete the
-//! request. The holder's KeepAlive stream hears that its hold ended from the
+//! `sub`, then asks the key's owner ([`KeyOwner::force_end`], the lock log's
+//! `force_end`) for ONE transaction: compare the holder record's lease and
+//! mod revision with the request's and the request's own revision; delete
+//! the hold and its claims, put the force record under
+//! `{prefix}/sys/force/<id>` on a 24 h lease, delete the request. The owner
+//! wakes the key's waiters on this arbiter. The holder's KeepAlive stream hears that its hold ended from the
 //! holds' watch (`hold_counts`), like any other end of a hold.
 //!
 //! That transaction runs through its own etcd client, logged in as a user
@@ -36,6 +37,10 @@ use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::config::EtcdUser;
+use crate::error::ArbiterError;
+use crate::lock_log::StoreError;
+use crate::owner::{ForceEndTxn, ForceEnded, ForceRecords, KeyOwner};
+use crate::records::encode;
 use crate::oidc::{OidcConfig, OidcError, OidcVerifier, SignedIn};
 
 /// How long a request waits for its approver by default.
@@ -360,9 +365,11 @@ impl ForceRelease {
         self.store.put_request(record, self.request_ttl).await
     }
 
-    /// Approves request `id` as `approver` and runs it.
+    /// Approves request `id` as `approver` and has `owner` (the key's
+    /// cluster's) end the hold.
     pub async fn approve(
         &self,
+        owner: &KeyOwner,
         approver: &SignedIn,
         approver_identity: &str,
         id: &str,
@@ -399,14 +406,33 @@ impl ForceRelease {
             requester_identity: request.requester_identity.clone(),
             approver_identity: approver_identity.to_string(),
         };
-        let revision = self
-            .store
-            .execute(&request, request_revision, &record)
+        let records = ForceRecords {
+            unchanged: vec![(etcd::ForceStore::request_name(&request.id), request_revision)],
+            put: vec![(etcd::ForceStore::record_name(&request.id), encode(&record))],
+            ttl_seconds: u32::try_from(FORCE_RECORD_TTL.as_secs()).unwrap_or(u32::MAX),
+            delete: std::iter::once(etcd::ForceStore::request_name(&request.id))
+                .chain(etcd::ForceStore::place_names_of(&request))
+                .collect(),
+        };
+        let (ended, revision) = owner
+            .force_end(ForceEndTxn {
+                key: &request.key,
+                lease: request.hold_lease,
+                revision: request.hold_revision,
+                records: &records,
+            })
             .await
-            .map_err(|e| match e {
-                etcd::ExecuteError::RequestGone => unknown(),
-                etcd::ExecuteError::Force(e) => e,
-            })?;
+            .map_err(force_error)?;
+        match ended {
+            ForceEnded::Ended => {}
+            ForceEnded::RecordsChanged => return Err(unknown()),
+            ForceEnded::HoldChanged { now } => {
+                return Err(ForceError::HoldChanged {
+                    key: request.key.clone(),
+                    now: etcd::describe_now(now.as_ref()),
+                });
+            }
+        }
         let session_revoked = match request.revoke_session {
             true => {
                 let marker = RevokeRecord {
@@ -438,6 +464,23 @@ impl ForceRelease {
     /// Pending requests and the force records still in etcd.
     pub async fn list(&self) -> Result<(Vec<RequestRecord>, Vec<ForceRecord>), ForceError> {
         self.store.list().await
+    }
+}
+
+/// The owner's error as the force-release path says it: etcd refusing the
+/// force-release user a permission is its own reason (the role is
+/// incomplete); anything else is the store being unavailable.
+fn force_error(e: ArbiterError) -> ForceError {
+    let mut cause = std::error::Error::source(&e);
+    while let Some(c) = cause {
+        if let Some(StoreError::Denied { context, .. }) = c.downcast_ref::<StoreError>() {
+            return ForceError::StorePermission(context.clone());
+        }
+        cause = c.source();
+    }
+    match e {
+        ArbiterError::StoreUnavailable { detail, .. } => ForceError::Store(detail),
+        other => ForceError::Store(other.to_string()),
     }
 }
 

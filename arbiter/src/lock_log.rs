@@ -210,6 +210,50 @@ pub enum ReleasedIf {
     No { holder: Option<Kv> },
 }
 
+/// A forced end of one hold, approved by two operators (force-release,
+/// ADR-19): the hold on `key` is deleted with its claims only if it is
+/// still the one the request named — on lease `lease` at mod revision
+/// `revision` (a hold granted again since, even to the same session, has
+/// another revision, so a hand-over is never ended by a request made for
+/// the hold before it) — and only if the approval's own records agree, all
+/// in one transaction. Nothing about the epoch, a seal or the shard-map
+/// fence is compared: ending a hold hands nothing out.
+#[derive(Debug, Clone, Copy)]
+pub struct ForceEndTxn<'a> {
+    pub key: &'a str,
+    pub lease: i64,
+    pub revision: i64,
+    pub records: &'a ForceRecords,
+}
+
+/// The approval's own records, written in the same transaction as a
+/// [`ForceEndTxn`]. Names are below the log's prefix, as
+/// `latchkey_records::keys` spells them (`sys/force/<id>`, …).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ForceRecords {
+    /// Records that must still be at these mod revisions (the pending
+    /// request: approved or expired meanwhile, nothing happens).
+    pub unchanged: Vec<(String, i64)>,
+    /// Records put, together on one new lease of `ttl_seconds` (the force
+    /// record, kept for the audit trail a while).
+    pub put: Vec<(String, Vec<u8>)>,
+    pub ttl_seconds: u32,
+    /// Records deleted (the request and the places it took).
+    pub delete: Vec<String>,
+}
+
+/// How a [`ForceEndTxn`] ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ForceEnded {
+    /// The hold and its claims are deleted, the records written.
+    Ended,
+    /// Nothing written: the hold is not the one named. `now` is the hold
+    /// as the failed transaction read it (`None`: not held).
+    HoldChanged { now: Option<Kv> },
+    /// Nothing written: a record in [`ForceRecords::unchanged`] moved.
+    RecordsChanged,
+}
+
 /// One member of a batch ([`LockLog::batch`]).
 #[derive(Debug, Clone)]
 pub enum BatchOp<'a> {
@@ -294,6 +338,15 @@ pub enum StoreError {
     /// The store answered something the protocol cannot read.
     #[error("{0}")]
     Malformed(String),
+    /// The store refused the credentials the request ran with (a role
+    /// without the permission, e.g. the force-release user's): nothing was
+    /// written.
+    #[error("{context}")]
+    Denied {
+        context: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
     /// The store refused the request before applying any of it (a batch
     /// etcd will not take as one transaction): nothing was written.
     #[error("{context}")]
@@ -410,6 +463,10 @@ pub trait HoldLog: Send + Sync + 'static {
             }),
         }
     }
+    /// Ends the hold a force-release names ([`ForceEndTxn`]): one
+    /// transaction, run with the force-release path's own credentials where
+    /// the log has them (etcd: the restricted force-release user).
+    async fn force_end(&self, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded>;
     /// Claims `session`'s hold on `key` at `revision` for a call it is about
     /// to reach as "already yours": puts the claim record on the session's
     /// lease if the hold is still exactly that and has no claim yet. From

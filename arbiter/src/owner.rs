@@ -3,8 +3,9 @@
 //! Whether an Acquire is let in, whether it is granted through the lock log
 //! or from memory while the cluster has no quorum (ADR-04), when a grant
 //! from memory keeps a key from the log, and how a Release ends a hold (a
-//! memory grant, or the log's hold with its hand-over to the next waiter):
-//! all of it is decided here, by one [`KeyOwner`] per cluster, over the
+//! memory grant, or the log's hold with its hand-over to the next waiter),
+//! and when a two-person force-release ends a hold whoever holds it: all
+//! of it is decided here, by one [`KeyOwner`] per cluster, over the
 //! cluster's [`LockTable`] (the log's grant protocol), its [`HoldCounts`]
 //! (the per-subject bound on holds) and its [`QuorumLoss`] (the verdict,
 //! the memory grants and their spool).
@@ -21,6 +22,7 @@ use tracing::debug;
 
 use crate::error::ArbiterError;
 use crate::hold_counts::HoldCounts;
+pub use crate::lock_log::{ForceEndTxn, ForceEnded, ForceRecords};
 pub use crate::quorum_loss::MemoryGrant;
 use crate::quorum_loss::QuorumLoss;
 use crate::subject_counts::Admitted;
@@ -216,6 +218,22 @@ impl KeyOwner {
             released,
             from_memory: false,
         })
+    }
+
+    /// Ends the hold a two-person force-release names, whoever holds it, if
+    /// it is still exactly that hold (the request's lease and revision) and
+    /// the approval's records are as read ([`ForceEndTxn`]): one
+    /// transaction of the log, with the force-release path's credentials.
+    /// A hold granted since, even a hand-over to the next waiter a moment
+    /// ago, is left alone (`HoldChanged`). The outcome, with the revision
+    /// it was decided at. A grant from memory during a quorum loss is not in
+    /// the log and cannot be forced: it ends when its session does, or when
+    /// the loss does.
+    pub async fn force_end(
+        &self,
+        txn: ForceEndTxn<'_>,
+    ) -> Result<(ForceEnded, i64), ArbiterError> {
+        self.table.force_end(txn).await
     }
 
     /// Calls waiting for `key` here (a hook's input).

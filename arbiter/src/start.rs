@@ -16,7 +16,7 @@ use crate::identity::IdentitySource;
 use crate::lock_log::LockLog;
 use crate::lock_log::etcd::follow::follow;
 use crate::lock_log::etcd::{
-    EtcdLog, EtcdLogin, EtcdTlsPem, NoMemo, RenewalMemo, StoreConfig, connect_client,
+    EtcdClient, EtcdLog, EtcdLogin, EtcdTlsPem, NoMemo, RenewalMemo, StoreConfig, connect_client,
 };
 use crate::metrics::Metrics;
 use crate::policy::Policies;
@@ -302,9 +302,18 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
         },
         source: Box::new(source),
     };
-    let etcd = EtcdLog::connect(&spec.store, spec.memo.clone())
+    // Force-release's hold ends are the log's (its owner runs them), on
+    // the force-release user's client.
+    let (force, force_client) = match force_release(config, &spec.store).await? {
+        Some((force, client)) => (Some(force), Some(client)),
+        None => (None, None),
+    };
+    let mut etcd = EtcdLog::connect(&spec.store, spec.memo.clone())
         .await
         .map_err(|e| unreachable(e.into()))?;
+    if let Some(client) = force_client {
+        etcd = etcd.with_force_client(client);
+    }
     let mut log: Arc<dyn LockLog> = Arc::new(etcd);
     if let Some(layer) = spec.layer {
         warn!(layer = %layer.name, "RUNNING WITH A LAYER AROUND THE LOCK LOG (a test build): this arbiter may be deliberately unsafe");
@@ -402,7 +411,6 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
             session_watch,
         )
     };
-    let force = force_release(config, &spec.store).await?;
     // ADR-04: the probe that decides quorum loss, and the open classes' spool.
     let quorum = Arc::new(
         quorum_loss::QuorumLoss::new(
@@ -430,13 +438,14 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
     })
 }
 
-/// The force-release path, when an OIDC provider is configured: its own
-/// etcd client, logged in as the restricted force-release user if one is
-/// given (the arbiter's own credentials otherwise, with a warning).
+/// The force-release path, when an OIDC provider is configured, and its own
+/// etcd client (for the lock log's forced ends), logged in as the
+/// restricted force-release user if one is given (the arbiter's own
+/// credentials otherwise, with a warning).
 async fn force_release(
     config: &Config,
     lock_store: &StoreConfig,
-) -> Result<Option<Arc<force_release::ForceRelease>>, RunError> {
+) -> Result<Option<(Arc<force_release::ForceRelease>, EtcdClient)>, RunError> {
     let settings = &config.force_release;
     let Some(oidc) = &settings.oidc else {
         if settings.etcd_user.is_some() {
@@ -480,10 +489,13 @@ async fn force_release(
         }
     };
     info!(issuer = %oidc.issuer, audience = %oidc.audience, require_mfa = oidc.require_mfa, "force-release is on: two operators signed in with OIDC");
-    Ok(Some(force_release::ForceRelease::new(
-        verifier,
-        force_release::etcd::ForceStore::new(main, force, &config.prefix),
-        settings.request_ttl,
+    Ok(Some((
+        force_release::ForceRelease::new(
+            verifier,
+            force_release::etcd::ForceStore::new(main, force.clone(), &config.prefix),
+            settings.request_ttl,
+        ),
+        force,
     )))
 }
 

@@ -51,7 +51,7 @@ use tracing::{debug, warn};
 use crate::epoch::{EpochGuard, EpochState};
 use crate::error::ArbiterError;
 use crate::high_water::HighWater;
-use crate::lock_log::{HandOverFrom, Kv, LockLog, ReleaseTxn};
+use crate::lock_log::{ForceEndTxn, ForceEnded, HandOverFrom, Kv, LockLog, ReleaseTxn};
 use crate::records::{HolderRecord, SessionRecord, decode, encode, now_unix_ms};
 use crate::token;
 use crate::witness::Witness;
@@ -567,6 +567,23 @@ impl LockTable {
             handed_over: false,
             previous,
         })
+    }
+
+    /// Ends the hold a force-release names, whoever holds it, if it is
+    /// still that hold ([`ForceEndTxn`]); the key's waiters here are woken
+    /// (others' arbiters see the delete in their watch). The header is
+    /// judged, but a sealed log still answers: ending a hold hands nothing
+    /// out.
+    /// Returns the outcome with the revision it was read or written at.
+    pub async fn force_end(
+        &self,
+        txn: ForceEndTxn<'_>,
+    ) -> Result<(ForceEnded, i64), ArbiterError> {
+        let (ended, header) = self.seal.judged(self.log.force_end(txn)).await?;
+        if ended == ForceEnded::Ended {
+            self.kick(txn.key);
+        }
+        Ok((ended, header.revision))
     }
 
     /// The hold on `key`, if any.

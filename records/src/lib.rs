@@ -206,6 +206,11 @@ impl Layout {
             prefix: prefix.trim_end_matches('/').to_string(),
         }
     }
+    /// A record below the prefix by its name there (`keys::*` spell them:
+    /// `sys/force/<id>`, ...).
+    pub fn under(&self, name: &str) -> String {
+        format!("{}/{name}", self.prefix)
+    }
     pub fn epoch(&self) -> String {
         format!("{}/{}", self.prefix, keys::EPOCH)
     }

@@ -42,7 +42,8 @@ use parking_lot::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    Answer, BatchOp, BatchOutcome, Claimed, DurableQueueLog, EpochLog, GrantTxn, Granted,
+    Answer, BatchOp, BatchOutcome, Claimed, DurableQueueLog, EpochLog, ForceEndTxn, ForceEnded,
+    GrantTxn, Granted,
     HandOverFrom, HandOverTxn, Header, HeldAt, HoldLog, KeyWatch, Kv, LogResult, Queued, Records,
     ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
 };
@@ -367,6 +368,9 @@ impl MemLog {
     }
 }
 
+/// The high bits of the leases a forced end puts its records on.
+const FORCE_LEASES: i64 = 0x3f << 56;
+
 fn nonzero(id: u64) -> u64 {
     if id == 0 { 1 } else { id }
 }
@@ -544,6 +548,48 @@ impl HoldLog for MemLog {
                 commit(&mut inner.store, vec![Op::Delete(holder)])?;
             }
             inner.answer(ok)
+        })
+        .await
+    }
+
+    async fn force_end(&self, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
+        let holder = keys::holder(txn.key);
+        let records = txn.records.clone();
+        let (key, lease, revision) = (txn.key.to_string(), txn.lease, txn.revision);
+        self.call("force end", move |inner, now| {
+            let held = inner.store.all(&[
+                Compare::ModRevision(holder.clone(), revision),
+                Compare::Lease(holder.clone(), lease),
+            ]);
+            let records_moved = !records
+                .unchanged
+                .iter()
+                .all(|(name, rev)| inner.store.get(name).is_some_and(|kv| kv.mod_revision == *rev));
+            if records_moved {
+                return inner.answer(ForceEnded::RecordsChanged);
+            }
+            if !held {
+                let now = kv_of(&inner.store, &holder);
+                return inner.answer(ForceEnded::HoldChanged { now });
+            }
+            let mut ops = vec![Op::Delete(holder), Op::DeletePrefix(keys::claims_of(&key))];
+            if !records.put.is_empty() {
+                // A lease of its own, as etcd grants one (ids far above
+                // any session's, one per revision, so never taken).
+                let record_lease = FORCE_LEASES | (inner.store.revision() + 1);
+                inner
+                    .store
+                    .grant_lease(record_lease, records.ttl_seconds, now);
+                ops.extend(
+                    records
+                        .put
+                        .iter()
+                        .map(|(name, value)| put(name.clone(), value.clone(), record_lease)),
+                );
+            }
+            ops.extend(records.delete.iter().map(|name| Op::Delete(name.clone())));
+            commit(&mut inner.store, ops)?;
+            inner.answer(ForceEnded::Ended)
         })
         .await
     }

@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::LogLayer;
 use latchkey_arbiter::lock_log::{
-    Claimed, DurableQueueLog, EpochLog, GrantTxn, Granted, HandOverTxn, HeldAt, HoldLog, KeyWatch,
+    Claimed, DurableQueueLog, ForceEndTxn, ForceEnded, EpochLog, GrantTxn, Granted, HandOverTxn, HeldAt, HoldLog, KeyWatch,
     Kv, LockLog, LogResult, Queued, Records, Renewal, SessionLog, StoreError, WatchSignal,
 };
 use tracing::debug;
@@ -373,6 +373,10 @@ impl HoldLog for FaultyLog {
         self.inner.release_orphan(key, session, revision).await
     }
 
+    async fn force_end(&self, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
+        self.inner.force_end(txn).await
+    }
+
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
         self.inner.holder(key).await
     }
@@ -665,6 +669,10 @@ mod tests {
         }
 
         async fn hand_over(&self, _: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
+            unused()
+        }
+
+        async fn force_end(&self, _: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
             unused()
         }
 

@@ -15,6 +15,7 @@
 
 mod batch;
 mod fence;
+mod force;
 mod queue;
 
 use std::time::Duration;
@@ -33,6 +34,7 @@ use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
     StoreError, WatchSignal,
 };
+use force::a_forced_end_ends_only_the_named_hold;
 use queue::{
     a_durable_queue_stops_hand_overs_and_ends_with_its_session,
     durable_waiters_go_in_create_revision_order,
@@ -77,6 +79,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(release_of_the_hold_found);
     case!(release_of_a_stale_hold);
     case!(hand_over_replaces_the_holder);
+    case!(a_forced_end_ends_only_the_named_hold);
     case!(release_orphan_is_conditional);
     case!(a_claim_stops_the_orphan_release);
     case!(release_if_owned_compares_the_owner);

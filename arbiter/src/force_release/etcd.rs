@@ -1,6 +1,8 @@
 //! The force-release path's etcd requests (it names `etcd_client`, like the
-//! lock log and the holds' watch): reads of a hold, the request records and
-//! the one transaction that executes an approval.
+//! lock log and the holds' watch): reads of a hold, the request records,
+//! their listing and the holder's session revocation. The transaction that
+//! ends the hold is the lock log's (`HoldLog::force_end`), run by the key's
+//! owner.
 //!
 //! Two clients: `force`, logged in as the restricted force-release user
 //! when one is configured (every request here but the session revocation),
@@ -9,13 +11,12 @@
 
 use std::time::Duration;
 
-use etcd_client::{
-    Client, Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
-};
+use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
 use tracing::warn;
 
 use super::{ForceError, ForceRecord, RequestRecord, RevokeRecord};
-use crate::records::{HolderRecord, Layout, decode, encode};
+use crate::lock_log::Kv;
+use crate::records::{HolderRecord, Layout, decode, encode, keys};
 
 /// A holder record as read: what it says, its lease, its mod revision.
 #[derive(Debug, Clone)]
@@ -23,20 +24,6 @@ pub struct Hold {
     pub record: HolderRecord,
     pub lease: i64,
     pub mod_revision: i64,
-}
-
-/// Why an execution did not happen.
-#[derive(Debug)]
-pub enum ExecuteError {
-    /// The request record is gone (approved by someone else, or expired).
-    RequestGone,
-    Force(ForceError),
-}
-
-impl From<ForceError> for ExecuteError {
-    fn from(e: ForceError) -> Self {
-        Self::Force(e)
-    }
 }
 
 #[derive(Clone)]
@@ -112,30 +99,52 @@ impl ForceStore {
         }))
     }
 
-    /// `{prefix}/sys/force-req/place/hold/<hold revision>/<key>`: the one
-    /// pending request a hold may have. Its value is the request's id.
-    fn hold_place(&self, key: &str, hold_revision: i64) -> String {
-        format!("{}place/hold/{hold_revision}/{key}", self.requests_dir())
+    /// `sys/force-req/<id>` (below the prefix): a pending request.
+    pub fn request_name(id: &str) -> String {
+        format!("{}{id}", keys::FORCE_REQUESTS)
     }
 
-    /// `{prefix}/sys/force-req/place/op/<subject, hex>/`: the places of one
+    /// `sys/force/<id>` (below the prefix): the record of an approval.
+    pub fn record_name(id: &str) -> String {
+        format!("{}{id}", keys::FORCE)
+    }
+
+    /// `sys/force-req/place/hold/<hold revision>/<key>`: the one pending
+    /// request a hold may have. Its value is the request's id.
+    fn hold_place_name(key: &str, hold_revision: i64) -> String {
+        format!("{}place/hold/{hold_revision}/{key}", keys::FORCE_REQUESTS)
+    }
+
+    fn hold_place(&self, key: &str, hold_revision: i64) -> String {
+        self.layout.under(&Self::hold_place_name(key, hold_revision))
+    }
+
+    /// `sys/force-req/place/op/<subject, hex>/`: the places of one
     /// operator's pending requests, `0..MAX_PENDING_PER_OPERATOR`.
-    fn operator_places(&self, subject: &str) -> String {
+    fn operator_places_name(subject: &str) -> String {
         let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
-        format!("{}place/op/{hex}/", self.requests_dir())
+        format!("{}place/op/{hex}/", keys::FORCE_REQUESTS)
+    }
+
+    fn operator_places(&self, subject: &str) -> String {
+        self.layout.under(&Self::operator_places_name(subject))
     }
 
     fn operator_place(&self, subject: &str, place: u32) -> String {
         format!("{}{place}", self.operator_places(subject))
     }
 
-    /// The places `request` took (none for one written before places
-    /// existed: deleting place 0 then could free another request's).
-    fn places_of(&self, request: &RequestRecord) -> Vec<String> {
+    /// The places `request` took, by name below the prefix (none for one
+    /// written before places existed: deleting place 0 then could free
+    /// another request's).
+    pub fn place_names_of(request: &RequestRecord) -> Vec<String> {
         match request.place {
             Some(place) => vec![
-                self.hold_place(&request.key, request.hold_revision),
-                self.operator_place(&request.requester_subject, place),
+                Self::hold_place_name(&request.key, request.hold_revision),
+                format!(
+                    "{}{place}",
+                    Self::operator_places_name(&request.requester_subject)
+                ),
             ],
             None => Vec::new(),
         }
@@ -240,7 +249,7 @@ impl ForceStore {
             if !same_hold {
                 return Err(ForceError::HoldChanged {
                     key: request.key.clone(),
-                    now: describe_now(&answers),
+                    now: describe_now(hold_of(&answers).as_ref()),
                 });
             }
             if let Some(TxnOpResponse::Get(g)) = answers.get(1)
@@ -281,82 +290,6 @@ impl ForceStore {
             .kvs()
             .first()
             .and_then(|kv| decode(kv.value()).map(|r| (r, kv.mod_revision()))))
-    }
-
-    /// The one transaction of an approval; its revision.
-    pub async fn execute(
-        &self,
-        request: &RequestRecord,
-        request_revision: i64,
-        record: &ForceRecord,
-    ) -> Result<i64, ExecuteError> {
-        let lease = self
-            .force
-            .lease_client()
-            .grant(ttl_seconds(super::FORCE_RECORD_TTL), None)
-            .await
-            .map_err(|e| store_error("granting the force record's lease", e))?
-            .id();
-        let holder = self.layout.holder(&request.key);
-        let request_key = format!("{}{}", self.requests_dir(), request.id);
-        let mut when = self.same_hold(&holder, request);
-        when.push(Compare::mod_revision(
-            request_key.as_str(),
-            CompareOp::Equal,
-            request_revision,
-        ));
-        let txn = Txn::new()
-            .when(when)
-            .and_then(
-                vec![
-                    TxnOp::delete(holder.as_str(), None),
-                    TxnOp::delete(
-                        self.layout.claims_of(&request.key),
-                        Some(DeleteOptions::new().with_prefix()),
-                    ),
-                    TxnOp::put(
-                        format!("{}{}", self.records_dir(), request.id),
-                        encode(record),
-                        Some(PutOptions::new().with_lease(lease)),
-                    ),
-                    TxnOp::delete(request_key.as_str(), None),
-                ]
-                .into_iter()
-                .chain(
-                    self.places_of(request)
-                        .into_iter()
-                        .map(|p| TxnOp::delete(p, None)),
-                )
-                .collect::<Vec<_>>(),
-            )
-            .or_else(vec![
-                TxnOp::get(holder.as_str(), None),
-                TxnOp::get(
-                    request_key.as_str(),
-                    Some(GetOptions::new().with_count_only()),
-                ),
-            ]);
-        let resp = match self.force.kv_client().txn(txn).await {
-            Ok(r) => r,
-            Err(e) => {
-                self.drop_lease(lease).await;
-                return Err(store_error("the force-release transaction", e).into());
-            }
-        };
-        if resp.succeeded() {
-            return Ok(resp.header().map_or(0, |h| h.revision()));
-        }
-        self.drop_lease(lease).await;
-        let answers = resp.op_responses();
-        let request_there = matches!(answers.get(1), Some(TxnOpResponse::Get(g)) if g.count() > 0);
-        if !request_there {
-            return Err(ExecuteError::RequestGone);
-        }
-        Err(ForceError::HoldChanged {
-            key: request.key.clone(),
-            now: describe_now(&answers),
-        }
-        .into())
     }
 
     /// `{prefix}/sys/revoked/`: sessions an operator's force-release revoked.
@@ -484,20 +417,29 @@ impl ForceStore {
     }
 }
 
-/// The hold now, from a failed transaction's first `get`, for the refusal.
-fn describe_now(answers: &[TxnOpResponse]) -> String {
-    let Some(TxnOpResponse::Get(get)) = answers.first() else {
-        return "its state is unknown".into();
-    };
-    match get.kvs().first() {
+/// The hold a failed transaction's first `get` read.
+fn hold_of(answers: &[TxnOpResponse]) -> Option<Kv> {
+    match answers.first() {
+        Some(TxnOpResponse::Get(get)) => get.kvs().first().map(|kv| Kv {
+            value: kv.value().to_vec(),
+            create_revision: kv.create_revision(),
+            mod_revision: kv.mod_revision(),
+            lease: kv.lease(),
+        }),
+        _ => None,
+    }
+}
+
+/// The hold now, as a failed transaction read it, for the refusal.
+pub fn describe_now(now: Option<&Kv>) -> String {
+    match now {
         None => "it is not held any more".into(),
-        Some(kv) => match decode::<HolderRecord>(kv.value()) {
+        Some(kv) => match decode::<HolderRecord>(&kv.value) {
             // Never the hold's revision: with the epoch it is the holder's
             // fencing token.
             Some(r) => format!(
                 "now held by {} through session {:#x} (a newer grant than the request named)",
-                r.identity,
-                kv.lease(),
+                r.identity, kv.lease,
             ),
             None => "now held by a newer grant than the request named".into(),
         },

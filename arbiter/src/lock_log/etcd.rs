@@ -20,6 +20,7 @@
 
 mod failover;
 pub mod follow;
+mod force;
 mod holds;
 mod lease_renewals;
 mod queue;
@@ -41,12 +42,14 @@ use etcd_client::{
 };
 
 use super::{
-    Answer, BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverTxn, Header, HeldAt,
+    Answer, BatchOp, BatchOutcome, Claimed, ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverTxn, Header, HeldAt,
     KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
 };
 use crate::records::Layout;
 use lease_renewals::LeaseRenewals;
 pub use lease_renewals::{NoMemo, RenewalMemo, Renewed};
+/// The etcd client handle [`connect_client`] returns.
+pub use etcd_client::Client as EtcdClient;
 
 /// Where etcd is and how to reach it.
 #[derive(Debug, Clone)]
@@ -108,6 +111,10 @@ impl std::fmt::Debug for EtcdLogin {
 #[derive(Clone)]
 pub struct EtcdLog {
     client: Client,
+    /// The force-release path's client: logged in as the restricted
+    /// force-release user when one is configured ([`Self::with_force_client`]),
+    /// else the log's own.
+    force: Client,
     layout: Layout,
     /// Every session's renewals, over a few shared keep-alive streams.
     renewals: Arc<LeaseRenewals>,
@@ -131,9 +138,17 @@ impl EtcdLog {
         let client = connect_client(config).await?;
         Ok(Self {
             renewals: Arc::new(LeaseRenewals::start(&client, memo)),
+            force: client.clone(),
             client,
             layout: Layout::new(&config.prefix),
         })
+    }
+
+    /// Runs [`HoldLog::force_end`] with `client` (logged in as the
+    /// restricted force-release user) instead of the log's own.
+    pub fn with_force_client(mut self, client: Client) -> Self {
+        self.force = client;
+        self
     }
 
     /// The cluster id etcd reports now (a count-only read of the epoch key,
@@ -234,6 +249,10 @@ impl HoldLog for EtcdLog {
 
     async fn count_holds(&self) -> LogResult<i64> {
         holds::count_holds(self).await
+    }
+
+    async fn force_end(&self, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
+        force::force_end(self, txn).await
     }
 
     async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {

@@ -241,8 +241,14 @@ impl Arbiter {
         // The request is on its key's cluster: ask each until one has it.
         // A cluster that cannot answer does not stop the one that has it.
         let (mut found, mut unknown, mut store) = (None, None, None);
-        for force in self.tiers.all().into_iter().filter_map(|c| c.force.clone()) {
-            match force.approve(&approver, &operator, id.trim()).await {
+        for cluster in self.tiers.all() {
+            let Some(force) = &cluster.force else {
+                continue;
+            };
+            match force
+                .approve(&cluster.owner, &approver, &operator, id.trim())
+                .await
+            {
                 Err(e @ ForceError::UnknownRequest { .. }) => unknown = Some(e),
                 Err(e @ ForceError::Store(_)) => store = store.or(Some(e)),
                 other => {

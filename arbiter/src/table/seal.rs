@@ -215,6 +215,27 @@ impl Seal {
         Ok((answer.value, answer.header))
     }
 
+    /// [`Self::checked`] for a write that hands nothing out (a forced end of
+    /// a hold): its header is judged the same way, so a restore it shows
+    /// seals the cluster, but its answer is used while sealed too. Ending a
+    /// hold is safe whatever the log's state; refusing to say that it
+    /// happened would only hide a write that did.
+    pub async fn judged<T>(
+        &self,
+        request: impl Future<Output = LogResult<T>>,
+    ) -> Result<(T, Header), ArbiterError> {
+        let mark = self.mark_before_request();
+        let answer = request.await?;
+        let header = answer.header;
+        if let Some(reason) = self.guard.observe(header.cluster_id, Some(header.revision), mark) {
+            self.publish_seal(&reason).await;
+        }
+        if self.guard.serving().is_ok() {
+            self.saw(header);
+        }
+        Ok((answer.value, header))
+    }
+
     /// On a fresh seal, records it in the log for every arbiter; while sealed,
     /// nothing read or written under this header is used (a grant committed
     /// in a restored log is never answered with its token).

@@ -24,7 +24,8 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
-    BatchOp, BatchOutcome, Claimed, DurableQueueLog, EpochLog, GrantTxn, Granted, HandOverFrom,
+    BatchOp, BatchOutcome, Claimed, DurableQueueLog, EpochLog, ForceEndTxn, ForceEnded, GrantTxn,
+    Granted, HandOverFrom,
     HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn, ReleasedIf,
     Renewal, SessionLog, StoreError,
 };
@@ -294,6 +295,25 @@ impl HoldLog for IdLog {
             .release_orphan(key, self.store_id(session), revision)
             .await
             .map_err(|e| self.error_back(e))
+    }
+
+    async fn force_end(&self, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
+        self.t(|| format!("force_end {}", txn.key));
+        let txn = ForceEndTxn {
+            lease: self.store_id(txn.lease),
+            ..txn
+        };
+        let answer = self
+            .log
+            .force_end(txn)
+            .await
+            .map_err(|e| self.error_back(e))?;
+        Ok(answer.map(|ended| match ended {
+            ForceEnded::HoldChanged { now } => ForceEnded::HoldChanged {
+                now: now.map(|kv| self.kv_back(kv)),
+            },
+            other => other,
+        }))
     }
 
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {

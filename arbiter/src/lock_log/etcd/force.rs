@@ -1,0 +1,112 @@
+//! The forced end of a hold (two-person force-release): one transaction on
+//! the force-release path's own client, logged in as the restricted
+//! force-release user when one is configured.
+
+use etcd_client::{Compare, CompareOp, DeleteOptions, PutOptions, Txn, TxnOp};
+use tracing::warn;
+
+use super::{EtcdLog, EtcdError, answer, first_kv};
+use crate::lock_log::{ForceEndTxn, ForceEnded, LogResult, StoreError};
+
+/// Deletes the named hold with its claims, writes the approval's records,
+/// all in one transaction if the hold and the records are as named. On a
+/// compare failure the same transaction reads the hold and the records, so
+/// the caller learns which moved.
+pub(super) async fn force_end(log: &EtcdLog, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
+    let client = &log.force;
+    let records = txn.records;
+    let lease = match records.put.is_empty() {
+        true => None,
+        false => Some(
+            client
+                .lease_client()
+                .grant(i64::from(records.ttl_seconds.max(1)), None)
+                .await
+                .map_err(|e| refused("cannot grant the force record's lease", e))?
+                .id(),
+        ),
+    };
+    let holder = log.layout.holder(txn.key);
+    let mut when = vec![
+        Compare::mod_revision(holder.as_str(), CompareOp::Equal, txn.revision),
+        Compare::lease(holder.as_str(), CompareOp::Equal, txn.lease),
+    ];
+    let mut otherwise = vec![TxnOp::get(holder.as_str(), None)];
+    for (name, revision) in &records.unchanged {
+        let key = log.layout.under(name);
+        when.push(Compare::mod_revision(
+            key.as_str(),
+            CompareOp::Equal,
+            *revision,
+        ));
+        otherwise.push(TxnOp::get(key, None));
+    }
+    let mut then = vec![
+        TxnOp::delete(holder.as_str(), None),
+        TxnOp::delete(
+            log.layout.claims_of(txn.key),
+            Some(DeleteOptions::new().with_prefix()),
+        ),
+    ];
+    for (name, value) in &records.put {
+        let options = lease.map(|l| PutOptions::new().with_lease(l));
+        then.push(TxnOp::put(log.layout.under(name), value.clone(), options));
+    }
+    for name in &records.delete {
+        then.push(TxnOp::delete(log.layout.under(name), None));
+    }
+    let resp = match client
+        .kv_client()
+        .txn(Txn::new().when(when).and_then(then).or_else(otherwise))
+        .await
+    {
+        Ok(resp) => resp,
+        Err(e) => {
+            drop_lease(log, lease).await;
+            return Err(refused("cannot run the force-release transaction", e));
+        }
+    };
+    if resp.succeeded() {
+        return answer(resp.header(), ForceEnded::Ended);
+    }
+    drop_lease(log, lease).await;
+    let answers = resp.op_responses();
+    let records_moved = records
+        .unchanged
+        .iter()
+        .zip(answers.iter().skip(1))
+        .any(|((_, revision), got)| {
+            first_kv(got).is_none_or(|kv| kv.mod_revision != *revision)
+        });
+    let ended = match records_moved {
+        true => ForceEnded::RecordsChanged,
+        false => ForceEnded::HoldChanged {
+            now: answers.first().and_then(first_kv),
+        },
+    };
+    answer(resp.header(), ended)
+}
+
+/// etcd's PermissionDenied is [`StoreError::Denied`] (the force-release
+/// user's role lacks a permission: nothing was written); anything else is
+/// unavailable, its outcome unknown.
+fn refused(context: &str, err: etcd_client::Error) -> StoreError {
+    if let etcd_client::Error::GRpcStatus(s) = &err
+        && s.code() == tonic::Code::PermissionDenied
+    {
+        return StoreError::Denied {
+            context: format!("{context}: {}", s.message()),
+            source: Some(Box::new(EtcdError(err))),
+        };
+    }
+    super::unavailable(context, err)
+}
+
+/// Best effort: a lease granted for a write that did not happen.
+async fn drop_lease(log: &EtcdLog, lease: Option<i64>) {
+    if let Some(lease) = lease
+        && let Err(e) = log.force.lease_client().revoke(lease).await
+    {
+        warn!(lease, error = %e, "could not revoke an unused force-release lease (it expires by itself)");
+    }
+}
