@@ -39,9 +39,9 @@ use tonic_types::{ErrorDetails, StatusExt};
 use crate::config::EtcdUser;
 use crate::error::ArbiterError;
 use crate::lock_log::StoreError;
+use crate::oidc::{OidcConfig, OidcError, OidcVerifier, SignedIn};
 use crate::owner::{ForceEndTxn, ForceEnded, ForceRecords, KeyOwner};
 use crate::records::encode;
-use crate::oidc::{OidcConfig, OidcError, OidcVerifier, SignedIn};
 
 /// How long a request waits for its approver by default.
 pub const DEFAULT_REQUEST_TTL: Duration = Duration::from_secs(15 * 60);
@@ -407,7 +407,10 @@ impl ForceRelease {
             approver_identity: approver_identity.to_string(),
         };
         let records = ForceRecords {
-            unchanged: vec![(etcd::ForceStore::request_name(&request.id), request_revision)],
+            unchanged: vec![(
+                etcd::ForceStore::request_name(&request.id),
+                request_revision,
+            )],
             put: vec![(etcd::ForceStore::record_name(&request.id), encode(&record))],
             ttl_seconds: u32::try_from(FORCE_RECORD_TTL.as_secs()).unwrap_or(u32::MAX),
             delete: std::iter::once(etcd::ForceStore::request_name(&request.id))

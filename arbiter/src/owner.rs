@@ -229,10 +229,7 @@ impl KeyOwner {
     /// it was decided at. A grant from memory during a quorum loss is not in
     /// the log and cannot be forced: it ends when its session does, or when
     /// the loss does.
-    pub async fn force_end(
-        &self,
-        txn: ForceEndTxn<'_>,
-    ) -> Result<(ForceEnded, i64), ArbiterError> {
+    pub async fn force_end(&self, txn: ForceEndTxn<'_>) -> Result<(ForceEnded, i64), ArbiterError> {
         self.table.force_end(txn).await
     }
 

@@ -575,10 +575,7 @@ impl LockTable {
     /// judged, but a sealed log still answers: ending a hold hands nothing
     /// out.
     /// Returns the outcome with the revision it was read or written at.
-    pub async fn force_end(
-        &self,
-        txn: ForceEndTxn<'_>,
-    ) -> Result<(ForceEnded, i64), ArbiterError> {
+    pub async fn force_end(&self, txn: ForceEndTxn<'_>) -> Result<(ForceEnded, i64), ArbiterError> {
         let (ended, header) = self.seal.judged(self.log.force_end(txn)).await?;
         if ended == ForceEnded::Ended {
             self.kick(txn.key);

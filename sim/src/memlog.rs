@@ -43,9 +43,8 @@ use parking_lot::{Mutex, MutexGuard};
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
     Answer, BatchOp, BatchOutcome, Claimed, DurableQueueLog, EpochLog, ForceEndTxn, ForceEnded,
-    GrantTxn, Granted,
-    HandOverFrom, HandOverTxn, Header, HeldAt, HoldLog, KeyWatch, Kv, LogResult, Queued, Records,
-    ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
+    GrantTxn, Granted, HandOverFrom, HandOverTxn, Header, HeldAt, HoldLog, KeyWatch, Kv, LogResult,
+    Queued, Records, ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
 };
 use latchkey_records::{decode_map_fence, encode_map_fence};
 use tokio::time::{Duration, Instant};
@@ -561,10 +560,12 @@ impl HoldLog for MemLog {
                 Compare::ModRevision(holder.clone(), revision),
                 Compare::Lease(holder.clone(), lease),
             ]);
-            let records_moved = !records
-                .unchanged
-                .iter()
-                .all(|(name, rev)| inner.store.get(name).is_some_and(|kv| kv.mod_revision == *rev));
+            let records_moved = !records.unchanged.iter().all(|(name, rev)| {
+                inner
+                    .store
+                    .get(name)
+                    .is_some_and(|kv| kv.mod_revision == *rev)
+            });
             if records_moved {
                 return inner.answer(ForceEnded::RecordsChanged);
             }

@@ -90,6 +90,14 @@
 //! the checker knows nothing of maps); the others go on granting, and the
 //! ones behind grant again once caught up.
 //!
+//! **Force-releases (issue 32).** With [`FaultKnobs::force_releases`]
+//! "operators" beside the nemesis read a key's hold every 0.1–0.5 s and end
+//! it a moment later through an arbiter's table (`force_end`, naming the
+//! lease and revision read), recorded as an `expire` of that grant for the
+//! process it was granted to ([`SimRun::forced`]). A hold released, handed
+//! over or granted again in between must be left alone, or its holder and
+//! the next client hold the key together and the checker says so.
+//!
 //! **Batches.** Every log call takes a round trip of 1–2 ms
 //! ([`SimConfig::log_latency`]), so grants and releases that arrive while
 //! a batch is in flight go together as the next one (group commit,
@@ -217,6 +225,14 @@ pub struct FaultKnobs {
     /// must show as violations (only to show the fence's check has teeth;
     /// off in every preset).
     pub map_fences_unenforced: bool,
+    /// Two-person force-releases of holds the clients have (see the module
+    /// docs).
+    pub force_releases: bool,
+    /// The forced end names the hold as it is right before the end, not
+    /// the one approved: the bug a request's lease and revision guard
+    /// against. Its runs must show violations (only to show that the
+    /// simulation notices; off in every preset).
+    pub force_releases_reread: bool,
 }
 
 impl FaultKnobs {
@@ -244,6 +260,8 @@ impl FaultKnobs {
             close_session_percent: 1,
             map_fences: false,
             map_fences_unenforced: false,
+            force_releases: false,
+            force_releases_reread: false,
         }
     }
 
@@ -251,6 +269,14 @@ impl FaultKnobs {
     pub fn fenced() -> Self {
         Self {
             map_fences: true,
+            ..Self::all()
+        }
+    }
+
+    /// Every fault, and two-person force-releases of the clients' holds.
+    pub fn forced() -> Self {
+        Self {
+            force_releases: true,
             ..Self::all()
         }
     }
@@ -315,6 +341,8 @@ impl FaultKnobs {
             close_session_percent: 0,
             map_fences: false,
             map_fences_unenforced: false,
+            force_releases: false,
+            force_releases_reread: false,
         }
     }
 }
@@ -403,6 +431,8 @@ pub const PRESETS: &[&str] = &[
     "durable-three-arbiters",
     "fenced",
     "fenced-three-arbiters",
+    "forced",
+    "forced-three-arbiters",
 ];
 
 impl SimConfig {
@@ -431,6 +461,8 @@ impl SimConfig {
     ///   ([`SimConfig::durable_keys`]).
     /// - `fenced`, `fenced-three-arbiters`: `default` (and with 3
     ///   arbiters) with shard-map fences ([`FaultKnobs::fenced`]).
+    /// - `forced`, `forced-three-arbiters`: `default` (and with 3
+    ///   arbiters) with two-person force-releases ([`FaultKnobs::forced`]).
     pub fn preset(name: &str, seed: u64) -> Option<Self> {
         let base = Self::new(seed);
         Some(match name {
@@ -458,6 +490,16 @@ impl SimConfig {
                 arbiters: 3,
                 clients: 12,
                 faults: FaultKnobs::fenced(),
+                ..base
+            },
+            "forced" => Self {
+                faults: FaultKnobs::forced(),
+                ..base
+            },
+            "forced-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                faults: FaultKnobs::forced(),
                 ..base
             },
             "one-arbiter" => Self {
@@ -524,7 +566,19 @@ pub struct SimRun {
     pub durable: DurableStats,
     /// The shard-map fences raised and what they stopped.
     pub fences: FenceReport,
+    /// The forced ends of holds and how they ended.
+    pub forced: ForcedEnds,
     pub notes: Vec<String>,
+}
+
+/// Two-person force-releases in a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ForcedEnds {
+    /// Ended the hold they named.
+    pub ended: u64,
+    /// Found the hold changed since it was read (released, handed over,
+    /// granted again): nothing ended.
+    pub changed: u64,
 }
 
 /// The restores of the coord cluster in a run (faults whose description
@@ -626,7 +680,7 @@ impl SimRun {
         });
         let (b, lb) = (self.batches, self.log_batches);
         format!(
-            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}, {}",
+            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}{}, {}",
             self.seed,
             self.ops,
             self.simulated.as_secs_f64(),
@@ -663,6 +717,14 @@ impl SimRun {
             } else {
                 String::new()
             },
+            if self.forced.ended + self.forced.changed > 0 {
+                format!(
+                    "; force-releases: {} ended their hold, {} found it changed",
+                    self.forced.ended, self.forced.changed
+                )
+            } else {
+                String::new()
+            },
             if self.ok() { "PASS" } else { "FAIL" }
         )
     }
@@ -691,6 +753,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
                 BatchStats::default(),
                 BatchCounts::default(),
                 DurableStats::default(),
+                ForcedEnds::default(),
             ),
             FenceReport::default(),
         ),
@@ -716,6 +779,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         batches: batches.0,
         log_batches: batches.1,
         durable: batches.2,
+        forced: batches.3,
         fences,
     }
 }
@@ -727,7 +791,7 @@ type Outcome = (
     FaultCounts,
     Option<WitnessReport>,
     Vec<String>,
-    (BatchStats, BatchCounts, DurableStats),
+    (BatchStats, BatchCounts, DurableStats, ForcedEnds),
     FenceReport,
 );
 
@@ -766,6 +830,11 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         })
         .collect();
     let nemesis = tokio::spawn(nemesis::run(world.clone(), Rng::new(rng.next_u64())));
+    // Drawn only when on: the runs without them draw what they always drew.
+    let operators = cfg
+        .faults
+        .force_releases
+        .then(|| tokio::spawn(nemesis::operators(world.clone(), Rng::new(rng.next_u64()))));
 
     let mut stuck = None;
     loop {
@@ -806,6 +875,9 @@ async fn simulate(cfg: SimConfig) -> Outcome {
                 .into(),
         );
     }
+    if let Some(operators) = operators {
+        finish(operators, drain_until).await;
+    }
     let simulated = Instant::now() - world.start;
     world.stop_arbiters().await;
     if let Some(path) = trace {
@@ -834,6 +906,7 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             *lock(&world.batches),
             world.memlog.batch_counts(),
             *lock(&world.durable),
+            *lock(&world.forced),
         ),
         lock(&world.fences).report(),
     )

@@ -18,12 +18,14 @@ use std::time::Instant;
 
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_sim::BatchCounts;
-use latchkey_sim::simulation::{CoordRestores, FenceReport, PRESETS, SimConfig, SimRun, run};
+use latchkey_sim::simulation::{
+    CoordRestores, FenceReport, ForcedEnds, PRESETS, SimConfig, SimRun, run,
+};
 
 /// (seed, preset, operations): seeds 1 to 80 over the presets without a
 /// witness in turn, then 81 to 98 over the witnessed ones, 99 to 106 over
-/// the durable ones and 107 to 110 over the fenced ones, 5,000 operations
-/// each, ~550,000 in all (CI promises at least
+/// the durable ones, 107 to 110 over the fenced ones and 111 to 114 over
+/// the forced ones, 5,000 operations each, ~570,000 in all (CI promises at least
 /// [`MIN_CI_OPS`]); the state-loss runs without a witness have no
 /// restores (issue 15: see
 /// [`without_a_witness_state_loss_and_restore_regress_tokens`]). The
@@ -43,7 +45,9 @@ use latchkey_sim::simulation::{CoordRestores, FenceReport, PRESETS, SimConfig, S
 ///
 /// and so does the hand-over whose answer was lost releasing plainly
 /// (found by the simulation itself): 9 runs, seeds 6, 14, 27, 41, 51, 59,
-/// 61, 62, 73.
+/// 61, 62, 73; and a forced end that, finding the hold changed, retries on
+/// the hold as it is now (`LockTable::force_end`, issue 32): all 4 forced
+/// runs, seeds 111 to 114 (4 to 7 violations each).
 const CI_RUNS: &[(u64, &str, usize)] = &[
     (1, "default", 5000),
     (2, "three-arbiters", 5000),
@@ -162,6 +166,13 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     (108, "fenced-three-arbiters", 5000),
     (109, "fenced", 5000),
     (110, "fenced-three-arbiters", 5000),
+    // Two-person force-releases of the clients' holds, read a moment
+    // before they are ended: a hold released, handed over or granted again
+    // since must never be ended.
+    (111, "forced", 5000),
+    (112, "forced-three-arbiters", 5000),
+    (113, "forced", 5000),
+    (114, "forced-three-arbiters", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;
@@ -214,8 +225,11 @@ fn ci_seeds_check_out() {
     let mut log_batches = BatchCounts::default();
     let mut durable = DurableStats::default();
     let mut fences = FenceReport::default();
+    let mut forced = ForcedEnds::default();
     for &(seed, preset, ops) in CI_RUNS {
         let (result, failure) = run_one(seed, preset, ops);
+        forced.ended += result.forced.ended;
+        forced.changed += result.forced.changed;
         total += result.ops;
         durable.queued += result.durable.queued;
         durable.served += result.durable.served;
@@ -305,6 +319,13 @@ fn ci_seeds_check_out() {
     assert!(
         fences.raised > 0 && fences.refused > 0 && fences.granted_again > 0,
         "the CI seeds' fences were not raised, refused nothing, or the arbiters behind them never granted again: {fences:?}"
+    );
+    // The control for force-releases: they ended holds, and some found the
+    // hold changed since it was read (the race their compares decide).
+    println!("force-releases: {forced:?}");
+    assert!(
+        forced.ended > 0 && forced.changed > 0,
+        "the CI seeds' force-releases never ended a hold or never met one changed: {forced:?}"
     );
 }
 
@@ -533,5 +554,35 @@ fn grants_past_a_fence_the_arbiters_ignore_are_found() {
     let (_, failure) = run_one(SEED, PRESET, OPS);
     if let Some(f) = failure {
         panic!("seed {SEED} fails with the fences enforced too:\n{f}");
+    }
+}
+
+/// The simulation's force-releases have teeth: with
+/// [`FaultKnobs::force_releases_reread`] the forced end names whatever
+/// holds the key right before it (the approval read another hold: the bug a
+/// request's lease and revision guard against), so a hold handed over or
+/// granted again in between is deleted under its holder, and the checker
+/// finds the key granted to two clients at once. The same seed with the
+/// forced ends as built passes.
+///
+/// [`FaultKnobs::force_releases_reread`]: latchkey_sim::simulation::FaultKnobs::force_releases_reread
+#[test]
+fn a_forced_end_of_a_hold_granted_since_is_found() {
+    const SEED: u64 = 111;
+    const PRESET: &str = "forced";
+    const OPS: usize = 5000;
+    let mut cfg = SimConfig::preset(PRESET, SEED).expect("preset");
+    cfg.min_ops = OPS;
+    cfg.faults.force_releases_reread = true;
+    let result = run(&cfg);
+    println!("{} [{PRESET}, forced ends re-read]", result.summary());
+    assert!(
+        !result.report.ok(),
+        "no violation found with forced ends of the hold as it is now ({:?})",
+        result.forced
+    );
+    let (_, failure) = run_one(SEED, PRESET, OPS);
+    if let Some(f) = failure {
+        panic!("seed {SEED} fails with the forced ends as built too:\n{f}");
     }
 }

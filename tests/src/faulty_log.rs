@@ -30,8 +30,9 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::LogLayer;
 use latchkey_arbiter::lock_log::{
-    Claimed, DurableQueueLog, ForceEndTxn, ForceEnded, EpochLog, GrantTxn, Granted, HandOverTxn, HeldAt, HoldLog, KeyWatch,
-    Kv, LockLog, LogResult, Queued, Records, Renewal, SessionLog, StoreError, WatchSignal,
+    Claimed, DurableQueueLog, EpochLog, ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverTxn,
+    HeldAt, HoldLog, KeyWatch, Kv, LockLog, LogResult, Queued, Records, Renewal, SessionLog,
+    StoreError, WatchSignal,
 };
 use tracing::debug;
 

@@ -30,11 +30,11 @@ use fence::{
     a_batch_member_with_a_stale_fence_is_refused, a_grant_compares_the_map_fence,
     a_hand_over_compares_the_map_fence, raising_the_map_fence_never_lowers_it,
 };
+use force::a_forced_end_ends_only_the_named_hold;
 use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
     StoreError, WatchSignal,
 };
-use force::a_forced_end_ends_only_the_named_hold;
 use queue::{
     a_durable_queue_stops_hand_overs_and_ends_with_its_session,
     durable_waiters_go_in_create_revision_order,

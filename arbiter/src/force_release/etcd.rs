@@ -116,7 +116,8 @@ impl ForceStore {
     }
 
     fn hold_place(&self, key: &str, hold_revision: i64) -> String {
-        self.layout.under(&Self::hold_place_name(key, hold_revision))
+        self.layout
+            .under(&Self::hold_place_name(key, hold_revision))
     }
 
     /// `sys/force-req/place/op/<subject, hex>/`: the places of one

@@ -42,14 +42,15 @@ use etcd_client::{
 };
 
 use super::{
-    Answer, BatchOp, BatchOutcome, Claimed, ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverTxn, Header, HeldAt,
-    KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, StoreError,
+    Answer, BatchOp, BatchOutcome, Claimed, ForceEndTxn, ForceEnded, GrantTxn, Granted,
+    HandOverTxn, Header, HeldAt, KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn, ReleasedIf,
+    Renewal, StoreError,
 };
 use crate::records::Layout;
-use lease_renewals::LeaseRenewals;
-pub use lease_renewals::{NoMemo, RenewalMemo, Renewed};
 /// The etcd client handle [`connect_client`] returns.
 pub use etcd_client::Client as EtcdClient;
+use lease_renewals::LeaseRenewals;
+pub use lease_renewals::{NoMemo, RenewalMemo, Renewed};
 
 /// Where etcd is and how to reach it.
 #[derive(Debug, Clone)]

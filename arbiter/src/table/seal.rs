@@ -227,7 +227,10 @@ impl Seal {
         let mark = self.mark_before_request();
         let answer = request.await?;
         let header = answer.header;
-        if let Some(reason) = self.guard.observe(header.cluster_id, Some(header.revision), mark) {
+        if let Some(reason) = self
+            .guard
+            .observe(header.cluster_id, Some(header.revision), mark)
+        {
             self.publish_seal(&reason).await;
         }
         if self.guard.serving().is_ok() {

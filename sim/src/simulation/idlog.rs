@@ -25,9 +25,8 @@ use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
     BatchOp, BatchOutcome, Claimed, DurableQueueLog, EpochLog, ForceEndTxn, ForceEnded, GrantTxn,
-    Granted, HandOverFrom,
-    HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn, ReleasedIf,
-    Renewal, SessionLog, StoreError,
+    Granted, HandOverFrom, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LogResult, Queued, Records,
+    ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_arbiter::high_water::Mark;
+use latchkey_arbiter::lock_log::{ForceEndTxn, ForceEnded, ForceRecords};
 use latchkey_arbiter::witness::Witnessed;
 use latchkey_checker::{Function, Outcome};
 use latchkey_records::{CoordSeenRecord, EpochRecord, decode};
@@ -618,6 +619,107 @@ async fn map_fence(world: &World, rng: &mut Rng) {
 
 /// Compacts the log's history (a watch from below it is lost), and now and
 /// then breaks every watch stream.
+/// Two operators' force-releases, every 0.1–0.5 s beside the nemesis's
+/// faults: each hold is read through an arbiter (its lease and revision: what the
+/// request names), then, a moment later (the key may have been released,
+/// handed over or granted again meanwhile), ended through an arbiter's
+/// owner of the key. A forced end is recorded as an `expire` of the hold it
+/// named, for the process the hold was granted to: `ok` when it ended that
+/// hold, `fail` when the hold had changed (nothing ended), `unknown` when
+/// the log did not answer. Only holds whose grant was answered with a
+/// token are named (the history knows whose they are).
+///
+/// [`FaultKnobs::force_releases_reread`](super::FaultKnobs::force_releases_reread)
+/// names the hold as it is right before the end instead, while the history
+/// records the one approved: a forced end of whatever holds the key now,
+/// the bug the request's lease and revision guard against.
+pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
+    let world = world.as_ref();
+    let rng = &mut rng;
+    // Warm up, as the nemesis does.
+    if !pause(world, Duration::from_secs(2)).await {
+        return;
+    }
+    loop {
+        if !pause(world, Duration::from_millis(100 + rng.below(400))).await {
+            return;
+        }
+        let Some(arbiter) = world.any(rng) else {
+            return;
+        };
+        let key = format!("sim/k{}", rng.below(world.cfg.keys.max(1) as u64));
+        let Some(epoch) = arbiter.table.seal().guard().state().map(|s| s.epoch()) else {
+            continue;
+        };
+        let read = tokio::select! {
+            biased;
+            () = arbiter.killed.cancelled() => None,
+            r = world.log.holder(&key) => r.ok().and_then(|a| a.value),
+        };
+        let Some(hold) = read else {
+            continue;
+        };
+        let Some(token) = latchkey_arbiter::token::pack(epoch, hold.mod_revision) else {
+            continue;
+        };
+        let Some(process) = lock(&world.granted_to).get(&(key.clone(), token)).cloned() else {
+            continue;
+        };
+        let op = world.invoke(
+            &process,
+            Function::Expire,
+            Some(&key),
+            Some(token),
+            Some("force-release".into()),
+            Instant::now(),
+        );
+        // The second operator approves a moment after the request.
+        if !pause(world, Duration::from_millis(rng.below(60))).await {
+            world.complete(op, Outcome::Unknown, None, None, None);
+            return;
+        }
+        let Some(ender) = world.any(rng) else {
+            world.complete(op, Outcome::Unknown, None, None, None);
+            return;
+        };
+        let (mut lease, mut revision) = (hold.lease, hold.mod_revision);
+        if world.cfg.faults.force_releases_reread
+            && let Ok(answer) = world.log.holder(&key).await
+            && let Some(now) = answer.value
+        {
+            (lease, revision) = (now.lease, now.mod_revision);
+        }
+        let records = ForceRecords {
+            unchanged: Vec::new(),
+            put: vec![(format!("sys/force/sim-{token}"), b"forced".to_vec())],
+            ttl_seconds: 60,
+            delete: Vec::new(),
+        };
+        let ended = tokio::select! {
+            biased;
+            () = ender.killed.cancelled() => None,
+            r = ender.table.force_end(ForceEndTxn {
+                key: &key,
+                lease,
+                revision,
+                records: &records,
+            }) => Some(r),
+        };
+        let (outcome, detail) = match ended {
+            Some(Ok((ForceEnded::Ended, _))) => (Outcome::Ok, "ended"),
+            Some(Ok((ForceEnded::HoldChanged { .. }, _))) => (Outcome::Fail, "hold changed"),
+            Some(Ok((ForceEnded::RecordsChanged, _))) => (Outcome::Fail, "records changed"),
+            Some(Err(_)) | None => (Outcome::Unknown, "no answer"),
+        };
+        world.complete(op, outcome, None, None, Some(detail.into()));
+        if outcome == Outcome::Ok {
+            lock(&world.forced).ended += 1;
+        } else if outcome == Outcome::Fail {
+            lock(&world.forced).changed += 1;
+        }
+    }
+}
+
 fn compact(world: &World, rng: &mut Rng) {
     let revision = world.memlog.revision();
     let below = (revision - i64::try_from(rng.below(40)).unwrap_or(0)).max(1);

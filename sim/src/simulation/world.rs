@@ -149,6 +149,10 @@ pub(crate) struct World {
     pub(crate) durable: Mutex<DurableStats>,
     /// The shard-map fences raised, and every grant to judge against them.
     pub(crate) fences: Mutex<Fences>,
+    /// Whose each grant answered with a token is, by (key, token): the
+    /// process a forced end of that hold is recorded for.
+    pub(crate) granted_to: Mutex<BTreeMap<(String, u64), String>>,
+    pub(crate) forced: Mutex<super::ForcedEnds>,
 }
 
 impl World {
@@ -192,6 +196,8 @@ impl World {
             batches: Mutex::new(BatchStats::default()),
             durable: Mutex::new(DurableStats::default()),
             fences: Mutex::new(Fences::default()),
+            granted_to: Mutex::new(BTreeMap::new()),
+            forced: Mutex::new(super::ForcedEnds::default()),
         }
     }
 
@@ -266,6 +272,9 @@ impl World {
             let mut live = lock(&self.liveness);
             live.last_grant = Some(Instant::now());
             live.tried_since = false;
+            if let (Some(key), Some(token)) = (&o.key, token) {
+                lock(&self.granted_to).insert((key.clone(), token), o.process.clone());
+            }
         }
         o.completion = Some(Completion {
             outcome,

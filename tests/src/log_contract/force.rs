@@ -32,10 +32,7 @@ async fn force_end(
 /// nothing.
 pub async fn a_forced_end_ends_only_the_named_hold(log: &dyn LockLog) -> anyhow::Result<()> {
     let epoch = epoch(log).await?;
-    let (a, b) = (
-        "spiffe://contract/force/a",
-        "spiffe://contract/force/b",
-    );
+    let (a, b) = ("spiffe://contract/force/a", "spiffe://contract/force/b");
     let (ia, ib) = (lease(73, 0), lease(73, 1));
     open(log, ia, a).await?;
     let rb = open(log, ib, b).await?;

@@ -5,7 +5,7 @@
 use etcd_client::{Compare, CompareOp, DeleteOptions, PutOptions, Txn, TxnOp};
 use tracing::warn;
 
-use super::{EtcdLog, EtcdError, answer, first_kv};
+use super::{EtcdError, EtcdLog, answer, first_kv};
 use crate::lock_log::{ForceEndTxn, ForceEnded, LogResult, StoreError};
 
 /// Deletes the named hold with its claims, writes the approval's records,
@@ -75,9 +75,7 @@ pub(super) async fn force_end(log: &EtcdLog, txn: ForceEndTxn<'_>) -> LogResult<
         .unchanged
         .iter()
         .zip(answers.iter().skip(1))
-        .any(|((_, revision), got)| {
-            first_kv(got).is_none_or(|kv| kv.mod_revision != *revision)
-        });
+        .any(|((_, revision), got)| first_kv(got).is_none_or(|kv| kv.mod_revision != *revision));
     let ended = match records_moved {
         true => ForceEnded::RecordsChanged,
         false => ForceEnded::HoldChanged {
