@@ -474,15 +474,21 @@ impl ForceRelease {
 /// force-release user a permission is its own reason (the role is
 /// incomplete); anything else is the store being unavailable.
 fn force_error(e: ArbiterError) -> ForceError {
-    let mut cause = std::error::Error::source(&e);
-    while let Some(c) = cause {
-        if let Some(StoreError::Denied { context, .. }) = c.downcast_ref::<StoreError>() {
-            return ForceError::StorePermission(context.clone());
-        }
-        cause = c.source();
-    }
     match e {
-        ArbiterError::StoreUnavailable { detail, .. } => ForceError::Store(detail),
+        ArbiterError::StoreUnavailable { detail, source } => {
+            // The cause as it was stored (an `Arc`'s own place in a source
+            // chain hides its type from a downcast: look inside it).
+            let mut cause = source
+                .as_deref()
+                .map(|c| c as &(dyn std::error::Error + 'static));
+            while let Some(c) = cause {
+                if let Some(StoreError::Denied { context, .. }) = c.downcast_ref::<StoreError>() {
+                    return ForceError::StorePermission(context.clone());
+                }
+                cause = c.source();
+            }
+            ForceError::Store(detail)
+        }
         other => ForceError::Store(other.to_string()),
     }
 }
@@ -503,6 +509,23 @@ fn valid_id(id: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A permission etcd refused the force-release user is its own reason,
+    /// through the conversions on its way up (review of issue 32); an
+    /// outage stays one.
+    #[test]
+    fn a_denied_forced_end_is_a_permission_refusal() {
+        let denied = StoreError::Denied {
+            context: "cannot run the force-release transaction: permission denied".into(),
+            source: None,
+        };
+        let e = force_error(ArbiterError::from(denied));
+        assert_eq!(e.reason(), "STORE_PERMISSION", "{e}");
+        assert!(e.to_string().contains("permission denied"), "{e}");
+        let down = StoreError::unavailable("cannot run the force-release transaction");
+        let e = force_error(ArbiterError::from(down));
+        assert_eq!(e.reason(), "STORE_UNAVAILABLE", "{e}");
+    }
 
     #[test]
     fn ids_are_random_hex_and_checked() {

@@ -617,17 +617,16 @@ async fn map_fence(world: &World, rng: &mut Rng) {
     done(world, op);
 }
 
-/// Compacts the log's history (a watch from below it is lost), and now and
-/// then breaks every watch stream.
 /// Two operators' force-releases, every 0.1–0.5 s beside the nemesis's
-/// faults: each hold is read through an arbiter (its lease and revision: what the
-/// request names), then, a moment later (the key may have been released,
-/// handed over or granted again meanwhile), ended through an arbiter's
-/// owner of the key. A forced end is recorded as an `expire` of the hold it
+/// faults: each hold is read through the log (its lease and revision: what
+/// the request names), then, a moment later (the key may have been
+/// released, handed over or granted again meanwhile), ended through an
+/// arbiter's table. A forced end is recorded as an `expire` of the hold it
 /// named, for the process the hold was granted to: `ok` when it ended that
 /// hold, `fail` when the hold had changed (nothing ended), `unknown` when
 /// the log did not answer. Only holds whose grant was answered with a
-/// token are named (the history knows whose they are).
+/// token, on the session it was granted to, are named (the history knows
+/// whose they are).
 ///
 /// [`FaultKnobs::force_releases_reread`](super::FaultKnobs::force_releases_reread)
 /// names the hold as it is right before the end instead, while the history
@@ -662,9 +661,13 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
         let Some(token) = latchkey_arbiter::token::pack(epoch, hold.mod_revision) else {
             continue;
         };
-        let Some(process) = lock(&world.granted_to).get(&(key.clone(), token)).cloned() else {
+        let Some((process, session)) = lock(&world.granted_to).get(&(key.clone(), token)).cloned()
+        else {
             continue;
         };
+        if session != hold.lease {
+            continue;
+        }
         let op = world.invoke(
             &process,
             Function::Expire,
@@ -720,6 +723,8 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
     }
 }
 
+/// Compacts the log's history (a watch from below it is lost), and now and
+/// then breaks every watch stream.
 fn compact(world: &World, rng: &mut Rng) {
     let revision = world.memlog.revision();
     let below = (revision - i64::try_from(rng.below(40)).unwrap_or(0)).max(1);

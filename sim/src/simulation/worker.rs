@@ -294,6 +294,12 @@ impl Incarnation<'_> {
             Call::Answered(Ok(acquired)) => match acquired.grant.token() {
                 Some(token) => {
                     lock(&self.world.fences).granted(arbiter.index, &acquired.grant);
+                    if self.world.cfg.faults.force_releases {
+                        lock(&self.world.granted_to).insert(
+                            (key.clone(), token),
+                            (self.process.clone(), acquired.grant.session),
+                        );
+                    }
                     self.world
                         .complete(op, Outcome::Ok, Some(token), None, None);
                     token

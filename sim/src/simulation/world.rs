@@ -150,8 +150,10 @@ pub(crate) struct World {
     /// The shard-map fences raised, and every grant to judge against them.
     pub(crate) fences: Mutex<Fences>,
     /// Whose each grant answered with a token is, by (key, token): the
-    /// process a forced end of that hold is recorded for.
-    pub(crate) granted_to: Mutex<BTreeMap<(String, u64), String>>,
+    /// process a forced end of that hold is recorded for, and the session
+    /// it holds on (a hold read later must be on it too: a restore can
+    /// reuse a revision, and a stale arbiter an epoch).
+    pub(crate) granted_to: Mutex<BTreeMap<(String, u64), (String, i64)>>,
     pub(crate) forced: Mutex<super::ForcedEnds>,
 }
 
@@ -272,9 +274,6 @@ impl World {
             let mut live = lock(&self.liveness);
             live.last_grant = Some(Instant::now());
             live.tried_since = false;
-            if let (Some(key), Some(token)) = (&o.key, token) {
-                lock(&self.granted_to).insert((key.clone(), token), o.process.clone());
-            }
         }
         o.completion = Some(Completion {
             outcome,

@@ -61,10 +61,10 @@ pub(super) async fn force_end(log: &EtcdLog, txn: ForceEndTxn<'_>) -> LogResult<
         .await
     {
         Ok(resp) => resp,
-        Err(e) => {
-            drop_lease(log, lease).await;
-            return Err(refused("cannot run the force-release transaction", e));
-        }
+        // The outcome is unknown: the transaction may have committed, and
+        // revoking the lease would delete the force record of a hold that
+        // did end. Unused, the lease expires with its TTL.
+        Err(e) => return Err(refused("cannot run the force-release transaction", e)),
     };
     if resp.succeeded() {
         return answer(resp.header(), ForceEnded::Ended);
