@@ -65,7 +65,13 @@ pub enum HighWaterError {
     #[error(
         "the high-water mark {path} is corrupt ({detail}); refusing to start because a restored lock log could go unnoticed — restore the file or, if this arbiter never granted, delete it"
     )]
-    Corrupt { path: PathBuf, detail: String },
+    Corrupt {
+        path: PathBuf,
+        detail: String,
+        /// The decoder's error, when the file does not parse.
+        #[source]
+        source: Option<serde_json::Error>,
+    },
     #[error("cannot write the high-water mark {path}: {source}")]
     Write {
         path: PathBuf,
@@ -117,6 +123,7 @@ impl HighWater {
                 HighWaterError::Corrupt {
                     path: legacy.clone(),
                     detail: e.to_string(),
+                    source: Some(e),
                 }
             })?),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -327,9 +334,16 @@ mod tests {
     fn corrupt_file_refuses_to_open() {
         let Ok(dir) = tempfile::tempdir() else { return };
         let _ = std::fs::write(dir.path().join(HighWater::FILE), b"{not json");
-        assert!(matches!(
-            HighWater::open(dir.path()),
-            Err(HighWaterError::Corrupt { .. })
-        ));
+        let err = HighWater::open(dir.path()).err();
+        assert!(
+            matches!(err, Some(HighWaterError::Corrupt { .. })),
+            "{err:?}"
+        );
+        // Issue 32: the decoder's error stays the source.
+        let source = err
+            .as_ref()
+            .and_then(|e| std::error::Error::source(e))
+            .and_then(|s| s.downcast_ref::<serde_json::Error>());
+        assert!(source.is_some(), "{err:?}");
     }
 }

@@ -80,7 +80,7 @@ pub enum RunError {
     /// The reflection service could not be built from the descriptors (a
     /// build defect, never the operator's).
     #[error("cannot build the gRPC reflection service: {0}")]
-    Reflection(String),
+    Reflection(#[source] tonic_reflection::server::Error),
     #[error("policies: {0}")]
     Policies(#[from] policy::LoadError),
     #[error(transparent)]
@@ -128,11 +128,14 @@ pub enum RunError {
         source: std::io::Error,
     },
     #[error("TLS: {0}")]
-    Tls(tls_reload::TlsLoadError),
+    Tls(#[source] tls_reload::TlsLoadError),
     #[error("force-release: {0}")]
     ForceRelease(String),
+    /// The OIDC provider's HTTP client could not be built.
+    #[error("force-release: cannot build the OIDC HTTP client: {0}")]
+    OidcClient(#[source] reqwest::Error),
     #[error("quorum-loss spool: {0}")]
-    QuorumLossSpool(String),
+    QuorumLossSpool(#[source] quorum_loss::spool::SpoolError),
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
     #[error("cannot listen for metrics on {addr}: {source}")]
@@ -271,11 +274,11 @@ pub async fn run(
     };
     let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())
         .build_v1()
-        .map_err(|e| RunError::Reflection(e.to_string()))?;
+        .map_err(RunError::Reflection)?;
     // grpcurl before 1.9 speaks only v1alpha.
     let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
         .build_v1alpha()
-        .map_err(|e| RunError::Reflection(e.to_string()))?;
+        .map_err(RunError::Reflection)?;
 
     let server = Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))

@@ -12,6 +12,7 @@
 //!
 //! No error, log line or `Debug` output ever contains a token.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use jsonwebtoken::jwk::{AlgorithmParameters, Jwk, JwkSet};
@@ -154,7 +155,54 @@ pub enum OidcError {
     )]
     NoMfa,
     #[error("cannot reach the OIDC provider: {0}; retry, or check --oidc-issuer")]
-    Provider(String),
+    Provider(#[source] ProviderError),
+}
+
+/// What went wrong asking the OIDC provider: the request and what failed,
+/// in words, and the HTTP client's own error when it was one, whose source
+/// chain says why (DNS, TLS, a refused connection) in the logs.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{detail}")]
+pub struct ProviderError {
+    detail: String,
+    #[source]
+    source: Option<Arc<reqwest::Error>>,
+}
+
+impl ProviderError {
+    fn new(detail: impl Into<String>) -> Self {
+        Self {
+            detail: detail.into(),
+            source: None,
+        }
+    }
+
+    fn caused(detail: impl Into<String>, source: reqwest::Error) -> Self {
+        Self {
+            detail: detail.into(),
+            source: Some(Arc::new(source)),
+        }
+    }
+}
+
+/// Equal when they say the same thing (the HTTP client's error has no
+/// equality of its own).
+impl PartialEq for ProviderError {
+    fn eq(&self, other: &Self) -> bool {
+        self.detail == other.detail
+    }
+}
+
+impl Eq for ProviderError {}
+
+/// Why an [`OidcVerifier`] could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// The settings (the operator's flags) cannot work.
+    #[error("{0}")]
+    Config(String),
+    #[error("cannot build the OIDC HTTP client: {0}")]
+    HttpClient(#[source] reqwest::Error),
 }
 
 impl OidcError {
@@ -199,13 +247,13 @@ struct Discovery {
 }
 
 impl OidcVerifier {
-    pub fn new(config: OidcConfig) -> Result<Self, String> {
-        config.check()?;
+    pub fn new(config: OidcConfig) -> Result<Self, SetupError> {
+        config.check().map_err(SetupError::Config)?;
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(5))
             .redirect(reqwest::redirect::Policy::none())
             .build()
-            .map_err(|e| format!("cannot build the OIDC HTTP client: {e}"))?;
+            .map_err(SetupError::HttpClient)?;
         Ok(Self {
             config,
             http,
@@ -366,10 +414,10 @@ impl OidcVerifier {
                 );
                 let found: Discovery = self.get_json(&url).await?;
                 if found.issuer != self.config.issuer {
-                    return Err(OidcError::Provider(format!(
+                    return Err(OidcError::Provider(ProviderError::new(format!(
                         "the discovery document at {url} names issuer {:?}, not {:?}",
                         found.issuer, self.config.issuer
-                    )));
+                    ))));
                 }
                 cache.jwks_uri = Some(found.jwks_uri.clone());
                 found.jwks_uri
@@ -383,19 +431,24 @@ impl OidcVerifier {
 
     async fn get_json<T: for<'de> Deserialize<'de>>(&self, url: &str) -> Result<T, OidcError> {
         let response = self.http.get(url).send().await.map_err(|e| {
-            warn!(url, error = %e, "the OIDC provider did not answer");
-            OidcError::Provider(format!("GET {url}: {e}"))
+            // As an error: reqwest's message leaves out why (DNS, TLS, refused).
+            warn!(
+                url,
+                error = &e as &dyn std::error::Error,
+                "the OIDC provider did not answer"
+            );
+            OidcError::Provider(ProviderError::caused(format!("GET {url}: {e}"), e))
         })?;
         if !response.status().is_success() {
-            return Err(OidcError::Provider(format!(
+            return Err(OidcError::Provider(ProviderError::new(format!(
                 "GET {url}: HTTP {}",
                 response.status()
-            )));
+            ))));
         }
-        response
-            .json()
-            .await
-            .map_err(|e| OidcError::Provider(format!("GET {url}: not the expected JSON ({e})")))
+        response.json().await.map_err(|e| {
+            let detail = format!("GET {url}: not the expected JSON ({e})");
+            OidcError::Provider(ProviderError::caused(detail, e))
+        })
     }
 }
 
@@ -546,5 +599,44 @@ mod tests {
         let hs = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiJ4In0.c2ln";
         let err = v.verify(hs).await.unwrap_err();
         assert!(err.to_string().contains("HS256"), "{err}");
+    }
+
+    /// Issue 32: a provider that cannot be reached keeps the HTTP client's
+    /// error as the source, under the message operators already read.
+    #[tokio::test]
+    async fn an_unreachable_provider_keeps_the_http_clients_error() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let issuer = format!("http://{}", listener.local_addr().unwrap());
+        drop(listener);
+        let v = OidcVerifier::new(OidcConfig::new(issuer.clone(), "a".into())).unwrap();
+        // {"alg":"RS256","kid":"k"} . {"sub":"x"} . sig: fetches the keys.
+        let rs = "eyJhbGciOiJSUzI1NiIsImtpZCI6ImsifQ.eyJzdWIiOiJ4In0.c2ln";
+        let err = v.verify(rs).await.unwrap_err();
+        assert!(matches!(err, OidcError::Provider(_)), "{err:?}");
+        let message = err.to_string();
+        assert!(
+            message.starts_with(&format!(
+                "cannot reach the OIDC provider: GET {issuer}/.well-known/openid-configuration: "
+            )),
+            "{message}"
+        );
+        let mut chain = Vec::new();
+        let mut next = std::error::Error::source(&err);
+        while let Some(e) = next {
+            chain.push(e);
+            next = e.source();
+        }
+        assert!(
+            chain
+                .iter()
+                .any(|e| e.downcast_ref::<Arc<reqwest::Error>>().is_some()),
+            "{err:?}"
+        );
+        assert!(
+            chain
+                .iter()
+                .any(|e| e.downcast_ref::<std::io::Error>().is_some()),
+            "the refused connection is at the bottom: {err:?}"
+        );
     }
 }

@@ -419,7 +419,7 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
             config.max_holds_per_identity,
             config.max_waiters_per_identity,
         )
-        .map_err(|e| RunError::QuorumLossSpool(e.to_string()))?,
+        .map_err(RunError::QuorumLossSpool)?,
     );
     quorum.set_cluster_id(state.cluster_id);
     table.set_gate(quorum.clone());
@@ -454,7 +454,10 @@ async fn force_release(
         info!("force-release is off (start with --oidc-issuer and --oidc-audience to turn it on)");
         return Ok(None);
     };
-    let verifier = oidc::OidcVerifier::new(oidc.clone()).map_err(RunError::ForceRelease)?;
+    let verifier = oidc::OidcVerifier::new(oidc.clone()).map_err(|e| match e {
+        oidc::SetupError::Config(message) => RunError::ForceRelease(message),
+        oidc::SetupError::HttpClient(source) => RunError::OidcClient(source),
+    })?;
     let connect = |store: StoreConfig, who: String| async move {
         connect_client(&store)
             .await
@@ -551,16 +554,14 @@ impl routing::Connect for ShardConnector {
     fn connect(
         &self,
         shard: Shard,
-    ) -> futures::future::BoxFuture<'static, Result<Arc<tiers::Cluster>, String>> {
+    ) -> futures::future::BoxFuture<'static, Result<Arc<tiers::Cluster>, Box<RunError>>> {
         let (config, lock_store, map_version) = (
             self.config.clone(),
             self.lock_store.clone(),
             self.map_version.clone(),
         );
         Box::pin(async move {
-            let witness = witness_named(&config, &lock_store, &shard.name)
-                .await
-                .map_err(|e| e.to_string())?;
+            let witness = witness_named(&config, &lock_store, &shard.name).await?;
             let spec = ClusterSpec {
                 tier: latchkey_policies::Tier::Entity,
                 store: StoreConfig {
@@ -576,10 +577,7 @@ impl routing::Connect for ShardConnector {
                 // Other shards hold only shadows of sessions.
                 opens_sessions: false,
             };
-            build_cluster(&config, spec)
-                .await
-                .map(Arc::new)
-                .map_err(|e| e.to_string())
+            Ok(Arc::new(build_cluster(&config, spec).await?))
         })
     }
 }

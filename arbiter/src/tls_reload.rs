@@ -93,8 +93,26 @@ pub enum TlsLoadError {
     },
     #[error("{path} holds no {what}")]
     Missing { path: PathBuf, what: &'static str },
-    #[error("{0}")]
-    Rustls(String),
+    /// rustls refused the files' contents; `detail` names the files.
+    #[error("{detail}")]
+    Rustls {
+        detail: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl TlsLoadError {
+    /// rustls's refusal `source`, with `context` (the files) before it.
+    fn rustls(
+        context: impl std::fmt::Display,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::Rustls {
+            detail: format!("{context}: {source}"),
+            source: Box::new(source),
+        }
+    }
 }
 
 /// What the files looked like when last loaded.
@@ -157,7 +175,7 @@ impl ReloadingTls {
                         info!("TLS certificate, key or client CA changed on disk: reloaded");
                     }
                     Err(e) => warn!(
-                        error = %e,
+                        error = &e as &dyn std::error::Error,
                         "TLS files changed on disk but do not load; still serving the previous ones"
                     ),
                 }
@@ -262,24 +280,65 @@ fn server_config(files: &TlsFiles) -> Result<ServerConfig, TlsLoadError> {
     for ca in certs(&files.client_ca, "CA certificate")? {
         roots
             .add(ca)
-            .map_err(|e| TlsLoadError::Rustls(format!("{}: {e}", files.client_ca.display())))?;
+            .map_err(|e| TlsLoadError::rustls(files.client_ca.display(), e))?;
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
         .build()
-        .map_err(|e| TlsLoadError::Rustls(format!("client CA: {e}")))?;
+        .map_err(|e| TlsLoadError::rustls("client CA", e))?;
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
-        .map_err(|e| TlsLoadError::Rustls(e.to_string()))?
+        .map_err(|e| TlsLoadError::Rustls {
+            detail: e.to_string(),
+            source: Box::new(e),
+        })?
         .with_client_cert_verifier(verifier)
         .with_single_cert(chain, key)
         .map_err(|e| {
-            TlsLoadError::Rustls(format!(
-                "{} and {}: {e}",
-                files.cert.display(),
-                files.key.display()
-            ))
+            let files = format!("{} and {}", files.cert.display(), files.key.display());
+            TlsLoadError::rustls(files, e)
         })?;
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 32: a CA file rustls refuses keeps rustls's error as the
+    /// source; the message names the file as before.
+    #[test]
+    fn a_refused_ca_keeps_rustls_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["localhost".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let files = TlsFiles {
+            cert: dir.path().join("cert.pem"),
+            key: dir.path().join("key.pem"),
+            client_ca: dir.path().join("ca.pem"),
+        };
+        std::fs::write(&files.cert, cert.pem()).unwrap();
+        std::fs::write(&files.key, key.serialize_pem()).unwrap();
+        // A PEM block whose contents are no certificate.
+        std::fs::write(
+            &files.client_ca,
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let err = match ReloadingTls::load(files.clone()) {
+            Ok(_) => panic!("a CA that is no certificate loaded"),
+            Err(e) => e,
+        };
+        let source = std::error::Error::source(&err)
+            .and_then(|s| s.downcast_ref::<rustls::Error>())
+            .unwrap_or_else(|| panic!("no rustls source: {err:?}"));
+        assert_eq!(
+            err.to_string(),
+            format!("{}: {source}", files.client_ca.display())
+        );
+    }
 }

@@ -60,14 +60,25 @@ pub fn read(path: &Path) -> io::Result<Vec<SpoolLine>> {
         if line.is_empty() {
             continue;
         }
-        lines.push(serde_json::from_slice(line).map_err(|e| {
+        lines.push(serde_json::from_slice(line).map_err(|source| {
             io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("{}: not a spool line: {e}", path.display()),
+                NotASpoolLine {
+                    path: path.to_path_buf(),
+                    source,
+                },
             )
         })?);
     }
     Ok(lines)
+}
+
+/// A spool line that does not decode; the decoder's error stays the source.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: not a spool line: {source}", path.display())]
+struct NotASpoolLine {
+    path: PathBuf,
+    source: serde_json::Error,
 }
 
 /// The audit events of a spool's lines: (cluster id, event) each.
@@ -226,5 +237,25 @@ mod tests {
             dir.join("shipped").join("1-1-1.jsonl")
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Issue 32: a line that does not decode keeps the decoder's error as
+    /// the source, under the message that names the file.
+    #[test]
+    fn a_bad_line_keeps_the_decoders_error() {
+        let dir = std::env::temp_dir().join(format!("latchkey-spool-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("1-1-1.jsonl");
+        std::fs::write(&file, format!("{GRANT}\nnot json\n")).unwrap();
+        let err = read(&file).unwrap_err();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        let source = std::error::Error::source(&err)
+            .and_then(|s| s.downcast_ref::<serde_json::Error>())
+            .unwrap_or_else(|| panic!("no serde_json source: {err:?}"));
+        assert_eq!(
+            err.to_string(),
+            format!("{}: not a spool line: {source}", file.display())
+        );
     }
 }

@@ -45,9 +45,18 @@ pub enum StoreError {
     ClickHouse {
         context: &'static str,
         detail: String,
+        /// The connection's own error, when one failed (`detail` says it
+        /// in words; this keeps its chain for the logs).
+        #[source]
+        source: Option<std::io::Error>,
     },
-    #[error("the store returned a row this version cannot read: {0}")]
-    Malformed(String),
+    #[error("the store returned a row this version cannot read: {detail}")]
+    Malformed {
+        detail: String,
+        /// The decoder's error, when one refused the row.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
     #[error(transparent)]
     NeedsKey(#[from] NeedsKey),
     #[error(
@@ -62,6 +71,25 @@ pub enum StoreError {
     MigrationNeedsKey,
     #[error("a password is given both in the store URL and in a password file")]
     PasswordTwice,
+}
+
+impl StoreError {
+    /// [`StoreError::Malformed`] with nothing underneath.
+    pub(crate) fn malformed(detail: impl Into<String>) -> Self {
+        Self::Malformed {
+            detail: detail.into(),
+            source: None,
+        }
+    }
+
+    /// [`StoreError::Malformed`] because a decoder refused: its message is
+    /// the detail, and it stays the source.
+    pub(crate) fn malformed_by(source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::Malformed {
+            detail: source.to_string(),
+            source: Some(Box::new(source)),
+        }
+    }
 }
 
 /// How a store is opened: a reader needs only its credentials; the tailer

@@ -184,7 +184,10 @@ pub enum ParseError {
     Malformed {
         line: usize,
         column: usize,
+        /// serde_json's message without its position within the line.
         message: String,
+        #[source]
+        source: serde_json::Error,
     },
     #[error("line {line}: complete for {process}#{op} without its invoke")]
     CompleteWithoutInvoke {
@@ -290,7 +293,7 @@ impl History {
             if text.trim().is_empty() {
                 continue;
             }
-            let event: Event = serde_json::from_str(&text).map_err(|e| malformed(line_no, &e))?;
+            let event: Event = serde_json::from_str(&text).map_err(|e| malformed(line_no, e))?;
             match event {
                 Event::Invoke {
                     process,
@@ -480,7 +483,7 @@ fn check_discipline(ops: &[Operation], lines: &[usize]) -> Result<(), ParseError
     Ok(())
 }
 
-fn malformed(line: usize, e: &serde_json::Error) -> ParseError {
+fn malformed(line: usize, e: serde_json::Error) -> ParseError {
     // serde_json appends " at line 1 column N" (the line within this one
     // JSON text); the line that matters is the file's, reported separately.
     let mut message = e.to_string();
@@ -491,6 +494,7 @@ fn malformed(line: usize, e: &serde_json::Error) -> ParseError {
         line,
         column: e.column(),
         message,
+        source: e,
     }
 }
 
@@ -707,6 +711,17 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.starts_with("line 2"), "{msg}");
         assert!(msg.contains("teleport"), "{msg}");
+    }
+
+    /// Issue 32: the parser's own error stays the source.
+    #[test]
+    fn a_malformed_line_keeps_the_parsers_error() {
+        let err = parse(r#"{"type":"invoke","#).unwrap_err();
+        let source = std::error::Error::source(&err)
+            .and_then(|s| s.downcast_ref::<serde_json::Error>())
+            .unwrap_or_else(|| panic!("no serde_json source: {err:?}"));
+        assert!(source.is_eof(), "{source}");
+        assert!(err.to_string().starts_with("line 1, column "), "{err}");
     }
 
     #[test]

@@ -49,6 +49,12 @@ pub enum Error {
         /// filter has reasons of its own that `Reason` does not name, e.g.
         /// `POLICY_NOT_READY` and `POLICY_STALE` (both retryable).
         wire_reason: String,
+        /// What failed underneath, when the status was made on this side
+        /// of the network (tonic's own transport or decoding errors, e.g.
+        /// a refused connection or a TLS certificate it does not trust);
+        /// `None` for an answer from the arbiter or the edge.
+        #[source]
+        source: Option<StatusSource>,
     },
     /// The channel to `endpoint` could not be set up or connected.
     #[error("connecting to {endpoint}")]
@@ -165,7 +171,51 @@ impl From<tonic::Status> for Error {
             reason: reason_of(&status),
             message: status.message().to_owned(),
             wire_reason: wire_reason_of(&status),
+            source: StatusSource::of(status),
         }
+    }
+}
+
+/// The error under a status tonic made itself (see [`Error::Refused`]).
+///
+/// Shows only that error and its chain: the status's message is already
+/// the refusal's, and its metadata is not for logs.
+pub struct StatusSource(Box<tonic::Status>);
+
+impl StatusSource {
+    /// tonic lends a status's source and never hands it over, so the
+    /// status is kept, and only when it has one.
+    fn of(status: tonic::Status) -> Option<Self> {
+        std::error::Error::source(&status)?;
+        Some(Self(Box::new(status)))
+    }
+
+    fn inner(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&*self.0)
+    }
+}
+
+impl std::fmt::Display for StatusSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.inner() {
+            Some(e) => std::fmt::Display::fmt(e, f),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for StatusSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.inner() {
+            Some(e) => std::fmt::Debug::fmt(e, f),
+            None => f.write_str("None"),
+        }
+    }
+}
+
+impl std::error::Error for StatusSource {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.inner()?.source()
     }
 }
 
@@ -312,6 +362,26 @@ mod tests {
             foreign.retry_hint(),
             Some("temporary: retry in a few seconds")
         );
+    }
+
+    /// Issue 32: a status tonic made from an error of its own keeps that
+    /// error as the source; an answer from the server has none. The
+    /// message is the status's either way.
+    #[test]
+    fn a_local_status_keeps_its_source() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let err = Error::from(tonic::Status::from_error(Box::new(io)));
+        assert_eq!(err.to_string(), "UNKNOWN: UNSPECIFIED: refused");
+        let mut chain = Vec::new();
+        let mut next = std::error::Error::source(&err);
+        while let Some(e) = next {
+            chain.push(e.to_string());
+            next = e.source();
+        }
+        assert_eq!(chain, ["refused"]);
+
+        let answered = Error::from(refusal(Code::Aborted, "HELD", "latchkey.dev"));
+        assert!(std::error::Error::source(&answered).is_none());
     }
 
     #[test]

@@ -95,7 +95,7 @@ mod token;
 
 pub use client::{Client, Holder, Inspection};
 pub use config::{ClientConfig, TlsFiles, default_instance};
-pub use error::{EDGE_POLICY_NOT_READY, EDGE_POLICY_STALE, Error};
+pub use error::{EDGE_POLICY_NOT_READY, EDGE_POLICY_STALE, Error, StatusSource};
 /// Why the arbiter refused a call: the `google.rpc.ErrorInfo` reason of a
 /// refusal in the `latchkey.dev` domain (see [`Error::reason`]).
 pub use latchkey_proto::lockv1::Reason;

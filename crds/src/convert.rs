@@ -60,6 +60,15 @@ pub enum CrdError {
     #[error("{at}: {message}")]
     Manifest { at: String, message: String },
 
+    /// Converting between two of our own plain-data types failed (a bug):
+    /// the serializer's error stays the source.
+    #[error("{at}: internal conversion error: {source}")]
+    Internal {
+        at: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
     #[error(
         "{at}: {kind} \"{name}\" is also defined at {first}: an object is defined once per namespace"
     )]
@@ -644,10 +653,10 @@ struct OperatorOut {
 
 /// A conversion step between two of our own plain-data types failed: a bug,
 /// reported rather than panicked on.
-fn internal(what: &str, e: impl std::fmt::Display) -> CrdError {
-    CrdError::Manifest {
+fn internal(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> CrdError {
+    CrdError::Internal {
         at: what.to_owned(),
-        message: format!("internal conversion error: {e}"),
+        source: Box::new(e),
     }
 }
 
@@ -721,6 +730,22 @@ fn find_datetime(value: &serde_json::Value) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 32: a conversion of our own data that fails keeps the
+    /// serializer's error as the source, under the message it had.
+    #[test]
+    fn an_internal_conversion_error_keeps_its_source() {
+        let e = serde_json::from_str::<u8>("x").unwrap_err();
+        let text = e.to_string();
+        let err = internal("f.yaml, document 1", e);
+        assert_eq!(
+            err.to_string(),
+            format!("f.yaml, document 1: internal conversion error: {text}")
+        );
+        let source =
+            std::error::Error::source(&err).and_then(|s| s.downcast_ref::<serde_json::Error>());
+        assert!(source.is_some(), "{err:?}");
+    }
 
     const CLASS: &str = "apiVersion: latchkey.dev/v1alpha1\nkind: LockClass\nmetadata:\n  \
         name: demo\n  namespace: team-a\nspec:\n  tier: coord\n  enforcement: advisory\n  \

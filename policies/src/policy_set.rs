@@ -365,8 +365,23 @@ fn named_results(contents: &[u8]) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// `e` with the path it is about in its message; `e` stays its source.
 fn with_path(e: io::Error, path: &Path) -> io::Error {
-    io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+    let kind = e.kind();
+    io::Error::new(
+        kind,
+        AtPath {
+            path: path.to_path_buf(),
+            source: e,
+        },
+    )
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {source}", path.display())]
+struct AtPath {
+    path: PathBuf,
+    source: io::Error,
 }
 
 /// The `*.toml` regular files directly in `dir`, sorted, skipping dotfiles.
@@ -1269,5 +1284,8 @@ identity = "spiffe://td/latchkey/operator"
         let err = fingerprint(&dir.path().join("nope")).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::NotFound);
         assert!(err.to_string().contains("nope"), "{err}");
+        // Issue 32: the error from the filesystem stays the source.
+        let source = std::error::Error::source(&err).and_then(|s| s.downcast_ref::<io::Error>());
+        assert_eq!(source.map(io::Error::kind), Some(io::ErrorKind::NotFound));
     }
 }

@@ -93,6 +93,7 @@ pub fn read(path: &Path) -> Result<Read, HighWaterError> {
         None => Err(HighWaterError::Corrupt {
             path: path.to_path_buf(),
             detail: "neither slot holds a whole mark".into(),
+            source: None,
         }),
     }
 }

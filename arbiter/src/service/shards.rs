@@ -35,7 +35,7 @@ use super::Arbiter;
 use crate::error::ArbiterError;
 use crate::records::now_unix_ms;
 use crate::shards::etcd::PublishError;
-use crate::shards::routing::ShardRouting;
+use crate::shards::routing::{ConnectError, ShardRouting};
 use crate::shards::{Move, Shard, ShardMap};
 use crate::tiers::Cluster;
 
@@ -147,7 +147,11 @@ impl Arbiter {
                 // one of the shards already there, nor the coord cluster,
                 // under another address.
                 let cluster = routing.connect_now(&shard).await.map_err(|e| {
-                    ArbiterError::store(format!("cannot reach the new shard {:?}: {e}", shard.name))
+                    let detail = format!("cannot reach the new shard {:?}: {e}", shard.name);
+                    match e {
+                        ConnectError::Refused(_) => ArbiterError::store(detail),
+                        unreachable => ArbiterError::store_caused(detail, unreachable),
+                    }
                 })?;
                 let distinct = self
                     .distinct_cluster(routing, &current, &shard.name, &cluster)

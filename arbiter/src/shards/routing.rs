@@ -27,6 +27,7 @@ use tracing::{info, warn};
 
 use super::etcd::ShardMapStore;
 use super::{Shard, ShardMap, range_of};
+use crate::RunError;
 use crate::error::ArbiterError;
 use crate::table::MapVersion;
 use crate::tiers::Cluster;
@@ -34,7 +35,19 @@ use crate::tiers::Cluster;
 /// Connects to a shard's cluster (the arbiter's etcd credentials, its own
 /// witness on the coord cluster, a state directory of its own).
 pub trait Connect: Send + Sync + 'static {
-    fn connect(&self, shard: Shard) -> BoxFuture<'static, Result<Arc<Cluster>, String>>;
+    fn connect(&self, shard: Shard) -> BoxFuture<'static, Result<Arc<Cluster>, Box<RunError>>>;
+}
+
+/// Why [`ShardRouting::connect_now`] did not connect a shard.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The name is taken here (the lock cluster's, or another shard's at
+    /// other endpoints).
+    #[error("{0}")]
+    Refused(String),
+    /// The cluster could not be reached or set up; its error, chain and all.
+    #[error(transparent)]
+    Unreachable(Box<RunError>),
 }
 
 /// Where an entity key is served, and by which map version.
@@ -115,33 +128,40 @@ impl ShardRouting {
 
     /// Connects `shard` now (an operator adding it: a cluster that cannot
     /// be reached is refused before any map names it).
-    pub async fn connect_now(&self, shard: &Shard) -> Result<Arc<Cluster>, String> {
+    pub async fn connect_now(&self, shard: &Shard) -> Result<Arc<Cluster>, ConnectError> {
         if shard.name == self.home_name {
-            return Err(format!("{:?} is the lock cluster's name", shard.name));
+            return Err(ConnectError::Refused(format!(
+                "{:?} is the lock cluster's name",
+                shard.name
+            )));
         }
         {
             let routed = self.routed.read();
             if let Some(cluster) = routed.clusters.get(&shard.name) {
                 return match routed.endpoints.get(&shard.name) == Some(&shard.endpoints) {
                     true => Ok(cluster.clone()),
-                    false => Err(format!(
+                    false => Err(ConnectError::Refused(format!(
                         "a shard named {:?} is connected here at other endpoints",
                         shard.name
-                    )),
+                    ))),
                 };
             }
         }
-        let cluster = self.connect.connect(shard.clone()).await?;
+        let cluster = self
+            .connect
+            .connect(shard.clone())
+            .await
+            .map_err(ConnectError::Unreachable)?;
         let mut routed = self.routed.write();
         // Another call may have connected the name meanwhile: one cluster
         // per name, and only at the endpoints it was connected at.
         if let Some(existing) = routed.clusters.get(&shard.name) {
             return match routed.endpoints.get(&shard.name) == Some(&shard.endpoints) {
                 true => Ok(existing.clone()),
-                false => Err(format!(
+                false => Err(ConnectError::Refused(format!(
                     "a shard named {:?} was connected here at other endpoints meanwhile",
                     shard.name
-                )),
+                ))),
             };
         }
         routed
@@ -304,7 +324,10 @@ impl ShardRouting {
                 }
                 Err(e) => {
                     complete = false;
-                    warn!(shard = %name, error = %e, "cannot connect to an entity shard; its keys are unavailable until it can be");
+                    // As an error, so the log shows its sources: the
+                    // message of an unreachable etcd does not say why.
+                    let error: &dyn std::error::Error = &*e;
+                    warn!(shard = %name, error, "cannot connect to an entity shard; its keys are unavailable until it can be");
                 }
             }
         }

@@ -95,11 +95,20 @@ impl ClickHouseStore {
         query: &str,
         body: &str,
     ) -> Result<String, StoreError> {
-        let fail = |detail: String| StoreError::ClickHouse { context, detail };
+        let fail = |detail: String| StoreError::ClickHouse {
+            context,
+            detail,
+            source: None,
+        };
+        let failed_io = |detail: String, source: std::io::Error| StoreError::ClickHouse {
+            context,
+            detail,
+            source: Some(source),
+        };
         let exchange = async {
             let mut stream = TcpStream::connect(&self.addr)
                 .await
-                .map_err(|e| fail(format!("connecting to {}: {e}", self.addr)))?;
+                .map_err(|e| failed_io(format!("connecting to {}: {e}", self.addr), e))?;
             let mut head = format!(
                 // Every statement names its database: `?database=` would
                 // refuse the one that creates it.
@@ -116,16 +125,16 @@ impl ClickHouseStore {
             stream
                 .write_all(head.as_bytes())
                 .await
-                .map_err(|e| fail(e.to_string()))?;
+                .map_err(|e| failed_io(e.to_string(), e))?;
             stream
                 .write_all(body.as_bytes())
                 .await
-                .map_err(|e| fail(e.to_string()))?;
+                .map_err(|e| failed_io(e.to_string(), e))?;
             let mut response = Vec::new();
             stream
                 .read_to_end(&mut response)
                 .await
-                .map_err(|e| fail(e.to_string()))?;
+                .map_err(|e| failed_io(e.to_string(), e))?;
             Ok::<_, StoreError>(response)
         };
         let response = tokio::time::timeout(REQUEST_TIMEOUT, exchange)
@@ -154,8 +163,10 @@ impl ClickHouseStore {
         text.lines()
             .filter(|l| !l.trim().is_empty())
             .map(|line| {
-                serde_json::from_str(line)
-                    .map_err(|e| StoreError::Malformed(format!("{e}: {line}")))
+                serde_json::from_str(line).map_err(|e| StoreError::Malformed {
+                    detail: format!("{e}: {line}"),
+                    source: Some(Box::new(e)),
+                })
             })
             .collect()
     }
@@ -168,10 +179,7 @@ impl ClickHouseStore {
         self.rows::<Row>(context, sql)
             .await?
             .into_iter()
-            .map(|r| {
-                r.into_stored()
-                    .map_err(|e| StoreError::Malformed(e.to_string()))
-            })
+            .map(|r| r.into_stored().map_err(StoreError::malformed_by))
             .collect()
     }
 
@@ -422,8 +430,7 @@ impl V1Tables for ClickHouseStore {
     async fn insert_rows(&self, rows: &[Row]) -> Result<(), StoreError> {
         let mut body = String::new();
         for row in rows {
-            let mut value =
-                serde_json::to_value(row).map_err(|e| StoreError::Malformed(e.to_string()))?;
+            let mut value = serde_json::to_value(row).map_err(StoreError::malformed_by)?;
             if let Some(map) = value.as_object_mut() {
                 // The first copy has the highest: ReplacingMergeTree keeps it.
                 let first_copy = u64::try_from(i64::MAX - row.position.max(0)).unwrap_or(0);
@@ -592,6 +599,39 @@ mod tests {
         assert_eq!(percent_encode("SELECT 1"), "SELECT%201");
         assert_eq!(base64(b"user:pass"), "dXNlcjpwYXNz");
         assert_eq!(base64(b"ab"), "YWI=");
+    }
+
+    /// Issue 32: a connection that fails keeps the socket's error as the
+    /// source; the message is what it was.
+    #[tokio::test]
+    async fn a_failed_connection_keeps_its_io_error() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let store = new(&format!("{addr}/audit")).unwrap();
+        let err = store.request("a test", "SELECT 1", "").await.unwrap_err();
+        let source = std::error::Error::source(&err)
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .unwrap_or_else(|| panic!("no io source: {err:?}"));
+        assert_eq!(source.kind(), std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(
+            err.to_string(),
+            format!("ClickHouse: a test: connecting to {addr}: {source}")
+        );
+    }
+
+    #[test]
+    fn a_row_that_does_not_decode_keeps_the_decoders_error() {
+        let e = serde_json::from_str::<Row>("{").unwrap_err();
+        let err = StoreError::malformed_by(e);
+        let source = std::error::Error::source(&err).map(ToString::to_string);
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "the store returned a row this version cannot read: {}",
+                source.unwrap_or_default()
+            )
+        );
     }
 
     #[test]

@@ -54,8 +54,7 @@ impl V1Row {
     /// The event it recorded, with what schema 2 no longer keeps in the
     /// detail taken out (a gap's last revision, the numbers of a seal's reason).
     fn into_event(self) -> Result<Event, StoreError> {
-        let malformed = |e: crate::event::UnknownName| StoreError::Malformed(e.to_string());
-        let kind: Kind = self.kind.parse().map_err(malformed)?;
+        let kind: Kind = self.kind.parse().map_err(StoreError::malformed_by)?;
         let mut detail: serde_json::Value =
             serde_json::from_str(&self.detail).unwrap_or(serde_json::Value::String(self.detail));
         if let Some(map) = detail.as_object_mut() {
@@ -71,7 +70,10 @@ impl V1Row {
             }
         }
         let mut event = Event::new(self.revision, self.key, kind, self.epoch);
-        event.ended = self.ended.parse::<Ended>().map_err(malformed)?;
+        event.ended = self
+            .ended
+            .parse::<Ended>()
+            .map_err(StoreError::malformed_by)?;
         event.identity = self.identity;
         event.session = self.session;
         event.class = self.class;

@@ -115,9 +115,7 @@ impl PostgresStore {
             )
             .await
             .map_err(pg("reading the key check"))?;
-        let recorded: String = row
-            .try_get(0)
-            .map_err(|e| StoreError::Malformed(e.to_string()))?;
+        let recorded: String = row.try_get(0).map_err(StoreError::malformed_by)?;
         if recorded == check {
             Ok(())
         } else {
@@ -131,8 +129,7 @@ impl PostgresStore {
             .query_one("SELECT to_regclass($1) IS NOT NULL", &[&name])
             .await
             .map_err(pg("looking for a table"))?;
-        row.try_get(0)
-            .map_err(|e| StoreError::Malformed(e.to_string()))
+        row.try_get(0).map_err(StoreError::malformed_by)
     }
 }
 
@@ -140,25 +137,21 @@ fn pg(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> StoreError
     move |source| StoreError::Postgres { context, source }
 }
 
-fn malformed(e: tokio_postgres::Error) -> StoreError {
-    StoreError::Malformed(e.to_string())
-}
-
 fn row_of(r: &tokio_postgres::Row) -> Result<StoredEvent, StoreError> {
-    let get_i64 = |i: usize| r.try_get::<_, i64>(i).map_err(malformed);
-    let get_text = |i: usize| r.try_get::<_, String>(i).map_err(malformed);
+    let get_i64 = |i: usize| r.try_get::<_, i64>(i).map_err(StoreError::malformed_by);
+    let get_text = |i: usize| r.try_get::<_, String>(i).map_err(StoreError::malformed_by);
     let cluster: String = get_text(0)?;
     let row = Row {
         cluster_id: cluster
             .parse()
-            .map_err(|_| StoreError::Malformed(format!("cluster id {cluster:?}")))?,
+            .map_err(|_| StoreError::malformed(format!("cluster id {cluster:?}")))?,
         event_id: get_text(1)?,
         position: get_i64(2)?,
         key: get_text(3)?,
         kind: get_text(4)?,
         ended: get_text(5)?,
         epoch: u32::try_from(get_i64(6)?)
-            .map_err(|_| StoreError::Malformed("epoch out of range".into()))?,
+            .map_err(|_| StoreError::malformed("epoch out of range"))?,
         identity: get_text(7)?,
         session: get_i64(8)?,
         class: get_text(9)?,
@@ -169,24 +162,23 @@ fn row_of(r: &tokio_postgres::Row) -> Result<StoredEvent, StoreError> {
         detail: get_text(14)?,
         observed_at_unix_ms: get_i64(15)?,
     };
-    row.into_stored()
-        .map_err(|e| StoreError::Malformed(e.to_string()))
+    row.into_stored().map_err(StoreError::malformed_by)
 }
 
 fn v1_row_of(r: &tokio_postgres::Row) -> Result<V1Row, StoreError> {
-    let get_i64 = |i: usize| r.try_get::<_, i64>(i).map_err(malformed);
-    let get_text = |i: usize| r.try_get::<_, String>(i).map_err(malformed);
+    let get_i64 = |i: usize| r.try_get::<_, i64>(i).map_err(StoreError::malformed_by);
+    let get_text = |i: usize| r.try_get::<_, String>(i).map_err(StoreError::malformed_by);
     let cluster: String = get_text(0)?;
     Ok(V1Row {
         cluster_id: cluster
             .parse()
-            .map_err(|_| StoreError::Malformed(format!("cluster id {cluster:?}")))?,
+            .map_err(|_| StoreError::malformed(format!("cluster id {cluster:?}")))?,
         revision: get_i64(1)?,
         key: get_text(2)?,
         kind: get_text(3)?,
         ended: get_text(4)?,
         epoch: u32::try_from(get_i64(5)?)
-            .map_err(|_| StoreError::Malformed("epoch out of range".into()))?,
+            .map_err(|_| StoreError::malformed("epoch out of range"))?,
         identity: get_text(6)?,
         session: get_i64(7)?,
         class: get_text(8)?,
@@ -218,7 +210,8 @@ impl AuditStore for PostgresStore {
             )
             .await
             .map_err(pg("reading the last position"))?;
-        self.positions.at_least(row.try_get(0).map_err(malformed)?);
+        self.positions
+            .at_least(row.try_get(0).map_err(StoreError::malformed_by)?);
         super::migrate_v1(self, self.audit_key.as_ref()).await?;
         self.client
             .execute(
@@ -242,8 +235,8 @@ impl AuditStore for PostgresStore {
             .await
             .map_err(pg("reading the checkpoint"))?;
         let Some(row) = row else { return Ok(None) };
-        let position: i64 = row.try_get(0).map_err(malformed)?;
-        let sealed: String = row.try_get(1).map_err(malformed)?;
+        let position: i64 = row.try_get(0).map_err(StoreError::malformed_by)?;
+        let sealed: String = row.try_get(1).map_err(StoreError::malformed_by)?;
         audit_key
             .open_checkpoint(cluster_id, position, &sealed)
             .map(Some)
@@ -333,9 +326,9 @@ impl V1Tables for PostgresStore {
             .map_err(pg("listing schema 1's clusters"))?;
         rows.iter()
             .map(|r| {
-                let text: String = r.try_get(0).map_err(malformed)?;
+                let text: String = r.try_get(0).map_err(StoreError::malformed_by)?;
                 text.parse()
-                    .map_err(|_| StoreError::Malformed(format!("cluster id {text:?}")))
+                    .map_err(|_| StoreError::malformed(format!("cluster id {text:?}")))
             })
             .collect()
     }
@@ -378,11 +371,11 @@ impl V1Tables for PostgresStore {
             .map_err(pg("reading schema 1's checkpoints"))?;
         let mut out = Vec::with_capacity(rows.len());
         for r in &rows {
-            let cluster: String = r.try_get(0).map_err(malformed)?;
+            let cluster: String = r.try_get(0).map_err(StoreError::malformed_by)?;
             let cluster = cluster
                 .parse()
-                .map_err(|_| StoreError::Malformed(format!("cluster id {cluster:?}")))?;
-            out.push((cluster, r.try_get(1).map_err(malformed)?));
+                .map_err(|_| StoreError::malformed(format!("cluster id {cluster:?}")))?;
+            out.push((cluster, r.try_get(1).map_err(StoreError::malformed_by)?));
         }
         Ok(Some(out))
     }

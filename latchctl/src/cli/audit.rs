@@ -99,8 +99,9 @@ async fn open_store(
         .await
         .map_err(|e| {
             Failure::Plain(format!(
-                "cannot open the audit store {}: {e}",
-                latchkey_audit::store::redact(url)
+                "cannot open the audit store {}: {}",
+                latchkey_audit::store::redact(url),
+                super::chain(&e)
             ))
         })
 }
@@ -122,7 +123,7 @@ async fn history(
     store
         .history(&query)
         .await
-        .map_err(|e| Failure::Plain(format!("cannot read the audit store: {e}")))
+        .map_err(|e| Failure::Plain(format!("cannot read the audit store: {}", super::chain(&e))))
 }
 
 pub async fn audit(args: AuditArgs, out: Output) -> Result<ExitCode, Failure> {

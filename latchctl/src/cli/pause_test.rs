@@ -42,7 +42,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 use latchkey_client::{Client, FencingToken};
 
 use super::acquire::grant;
-use super::{Failure, Global, Output, connect, duration, parse_meta};
+use super::{Failure, Global, Output, chain, connect, duration, parse_meta};
 
 /// How far past the TTL the holder stays frozen: the lease must be gone
 /// (etcd expires leases on its own clock, a little late) before we acquire.
@@ -222,7 +222,7 @@ impl Statement {
 async fn connect_postgres(conninfo: &str) -> anyhow::Result<tokio_postgres::Client> {
     let (client, connection) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot connect to PostgreSQL: {e}"))?;
+        .map_err(|e| anyhow::Error::new(e).context("cannot connect to PostgreSQL"))?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "PostgreSQL connection ended");
@@ -324,7 +324,8 @@ struct CannotRun(String);
 
 impl<E: std::fmt::Display> From<E> for CannotRun {
     fn from(err: E) -> Self {
-        CannotRun(err.to_string())
+        // `{:#}`: an anyhow error with its causes, as `Failure::Other` prints.
+        CannotRun(format!("{err:#}"))
     }
 }
 
@@ -403,7 +404,9 @@ async fn kit(
 
     let client = match connect(global).await {
         Ok(client) => client,
-        Err(Failure::Lock(e)) => return Err(cannot_run!("cannot reach the arbiter: {e}")),
+        Err(Failure::Lock(e)) => {
+            return Err(cannot_run!("cannot reach the arbiter: {}", chain(&e)));
+        }
         Err(Failure::Usage(m) | Failure::Plain(m)) => return Err(CannotRun(m)),
         Err(Failure::Other(e)) => return Err(cannot_run!("{e:#}")),
     };
@@ -461,7 +464,7 @@ async fn kit(
     let session = client
         .open_session(&args.class)
         .await
-        .map_err(|e| cannot_run!("second holder: {e}"))?;
+        .map_err(|e| cannot_run!("second holder: {}", chain(&e)))?;
     let mut lock = client
         .lock(args.key.clone(), args.class.clone())
         .session(&session)
@@ -469,10 +472,13 @@ async fn kit(
     for (k, v) in &args.metadata {
         lock = lock.metadata(k.clone(), v.clone());
     }
-    let second = lock
-        .acquire(|_| {})
-        .await
-        .map_err(|e| cannot_run!("second holder could not acquire {}: {e}", args.key))?;
+    let second = lock.acquire(|_| {}).await.map_err(|e| {
+        cannot_run!(
+            "second holder could not acquire {}: {}",
+            args.key,
+            chain(&e)
+        )
+    })?;
     let second_token_greater = second.token() > first_token;
     let second_write = statement
         .write(&pg, &row, second.token(), &second_payload)
@@ -630,7 +636,7 @@ async fn holder_holds(client: &Client, key: &str, session_id: i64) -> Result<(),
     let view = client
         .inspect(key)
         .await
-        .map_err(|e| cannot_run!("inspecting {key}: {e}"))?;
+        .map_err(|e| cannot_run!("inspecting {key}: {}", chain(&e)))?;
     match view.holder {
         Some(h) if h.session_id == session_id => Ok(()),
         Some(h) => Err(cannot_run!(
@@ -828,6 +834,25 @@ fn connection_args(global: &Global) -> Vec<std::ffi::OsString> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 32: the driver says only "error connecting to server"; why
+    /// (here a refused connection) is in its source, and the kit prints it.
+    #[tokio::test]
+    async fn a_postgres_that_cannot_be_reached_says_why() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        let err = match connect_postgres(&format!("host=127.0.0.1 port={port} user=x")).await {
+            Ok(_) => panic!("connected to a closed port"),
+            Err(e) => e,
+        };
+        let CannotRun(why) = CannotRun::from(err);
+        assert!(
+            why.starts_with("cannot connect to PostgreSQL: error connecting to server: "),
+            "{why}"
+        );
+        assert!(why.contains("refused"), "{why}");
+    }
 
     fn passing() -> PauseTestEvidence {
         PauseTestEvidence {
