@@ -159,7 +159,8 @@ pub enum ForceError {
         "force-release is off on this arbiter: start it with --oidc-issuer and --oidc-audience (operators sign in with OIDC), and preferably --force-etcd-user/--force-etcd-password-file (docs/security.md)"
     )]
     Disabled,
-    #[error("{0}")]
+    // Its message, and its causes (the provider's error) as its own.
+    #[error(transparent)]
     Token(OidcError),
     #[error("{0}")]
     BadRequest(String),
