@@ -718,7 +718,7 @@ mod tests {
         assert!(msg.contains("cannot reach etcd"), "{msg}");
         assert!(msg.contains("user \"latchkey\""), "{msg}");
 
-        let login = crate::lock_log::etcd::EtcdLogin::new("latchkey".into(), SECRET.into());
+        let login = latchkey_etcd::Login::new("latchkey", SECRET);
         assert!(!format!("{login:?}").contains(SECRET));
 
         let empty = dir.path().join("empty-password");

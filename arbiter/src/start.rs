@@ -15,9 +15,7 @@ use crate::high_water::HighWater;
 use crate::identity::IdentitySource;
 use crate::lock_log::LockLog;
 use crate::lock_log::etcd::follow::follow;
-use crate::lock_log::etcd::{
-    EtcdClient, EtcdLog, EtcdLogin, EtcdTlsPem, NoMemo, RenewalMemo, StoreConfig, connect_client,
-};
+use crate::lock_log::etcd::{EtcdClient, EtcdLog, NoMemo, RenewalMemo, StoreConfig, connect_client};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::records::Layout;
@@ -657,7 +655,7 @@ enum PemKind {
 }
 
 /// etcd's TLS material, read once at start.
-fn etcd_tls(credentials: &EtcdCredentials) -> Result<Option<EtcdTlsPem>, RunError> {
+fn etcd_tls(credentials: &EtcdCredentials) -> Result<Option<latchkey_etcd::TlsPem>, RunError> {
     let Some(ca) = &credentials.ca else {
         return Ok(None);
     };
@@ -668,7 +666,7 @@ fn etcd_tls(credentials: &EtcdCredentials) -> Result<Option<EtcdTlsPem>, RunErro
         )),
         None => None,
     };
-    Ok(Some(EtcdTlsPem {
+    Ok(Some(latchkey_etcd::TlsPem {
         ca: read_pem(ca, PemKind::Certificate)?,
         identity,
     }))
@@ -676,7 +674,7 @@ fn etcd_tls(credentials: &EtcdCredentials) -> Result<Option<EtcdTlsPem>, RunErro
 
 /// The etcd user's password, read once at start: the file's content without
 /// its trailing newline. No error ever quotes the content.
-fn etcd_login(credentials: &EtcdCredentials) -> Result<Option<EtcdLogin>, RunError> {
+fn etcd_login(credentials: &EtcdCredentials) -> Result<Option<latchkey_etcd::Login>, RunError> {
     let Some(user) = &credentials.user else {
         return Ok(None);
     };
@@ -695,7 +693,7 @@ fn etcd_login(credentials: &EtcdCredentials) -> Result<Option<EtcdLogin>, RunErr
             what: "the etcd password file is empty",
         });
     }
-    Ok(Some(EtcdLogin::new(
+    Ok(Some(latchkey_etcd::Login::new(
         user.name.clone(),
         password.to_string(),
     )))

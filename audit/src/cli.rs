@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use latchkey_etcd::{Connection, Login, TlsPem};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -14,7 +15,7 @@ use tracing::{info, warn};
 use crate::metrics::{self, AlarmAt, Metrics};
 use crate::pseudonym::AuditKey;
 use crate::store;
-use crate::tailer::{self, EtcdConnection, TailerConfig};
+use crate::tailer::{self, TailerConfig};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -108,7 +109,7 @@ pub fn refuse_password_in_argv(url: &str, argv: &[OsString]) -> anyhow::Result<(
     Ok(())
 }
 
-fn connection(args: &Args) -> anyhow::Result<EtcdConnection> {
+fn connection(args: &Args) -> anyhow::Result<Connection> {
     let https = args.etcd.iter().all(|e| e.starts_with("https://"));
     let http = args.etcd.iter().all(|e| e.starts_with("http://"));
     if !https && !http {
@@ -122,16 +123,21 @@ fn connection(args: &Args) -> anyhow::Result<EtcdConnection> {
         _ => None,
     };
     let login = match (&args.etcd_user, &args.etcd_password_file) {
-        (Some(user), Some(file)) => Some((user.clone(), read_password(file)?)),
+        (Some(user), Some(file)) => Some(Login::new(user.clone(), read_password(file)?)),
         _ => None,
     };
-    Ok(EtcdConnection {
-        endpoints: args.etcd.clone(),
-        ca: args.etcd_ca.as_deref().map(read).transpose()?,
-        identity,
+    // A client certificate is presented only over TLS, which --etcd-ca turns on.
+    let tls = match &args.etcd_ca {
+        Some(ca) => Some(TlsPem {
+            ca: read(ca)?,
+            identity,
+        }),
+        None => None,
+    };
+    Ok(Connection {
+        tls,
         login,
-        connect_timeout: Duration::from_secs(5),
-        request_timeout: Duration::from_secs(10),
+        ..Connection::service(args.etcd.clone(), Duration::from_secs(5))
     })
 }
 

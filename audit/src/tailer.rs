@@ -19,11 +19,11 @@ mod lag;
 use std::sync::Arc;
 use std::time::Duration;
 
+use latchkey_etcd::Connection;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 use tracing::{info, warn};
 
-pub use self::etcd::EtcdConnection;
 use self::etcd::LoadError;
 use self::lag::Lag;
 use crate::event::Event;
@@ -32,7 +32,11 @@ use crate::store::{AuditStore, StoreError};
 
 #[derive(Debug, Clone)]
 pub struct TailerConfig {
-    pub etcd: EtcdConnection,
+    /// How to reach etcd (no request timeout: it would end the watch).
+    pub etcd: Connection,
+    /// How long one of the tailer's own reads (the revision, the compact
+    /// revision) may take.
+    pub request_timeout: Duration,
     /// The arbiter's key prefix (`/latchkey`).
     pub prefix: String,
     /// How often the checkpoint is written.
@@ -49,9 +53,10 @@ pub struct TailerConfig {
 }
 
 impl TailerConfig {
-    pub fn new(etcd: EtcdConnection) -> Self {
+    pub fn new(etcd: Connection) -> Self {
         Self {
             etcd,
+            request_timeout: Duration::from_secs(10),
             prefix: "/latchkey".into(),
             checkpoint_every: Duration::from_secs(5),
             flush_every: Duration::from_millis(200),
@@ -69,7 +74,7 @@ pub enum TailError {
     Etcd {
         context: &'static str,
         #[source]
-        source: etcd_client::Error,
+        source: latchkey_etcd::Error,
     },
     #[error("etcd: {0}: no answer in time")]
     Timeout(&'static str),
@@ -182,8 +187,8 @@ async fn watch_lag(
         if client.is_none() {
             client = etcd::connect(&config.etcd).await.ok();
         }
-        let Some(c) = client.as_mut() else { continue };
-        match etcd::head(c, &prefix, config.etcd.request_timeout).await {
+        let Some(c) = client.as_ref() else { continue };
+        match etcd::head(c, &prefix, config.request_timeout).await {
             Ok((_, head)) => lag.observe(head, Instant::now()),
             // Reconnect next time; the lag keeps growing meanwhile.
             Err(_) => client = None,
@@ -225,9 +230,9 @@ struct Progress {
 
 impl Attempt<'_> {
     async fn run(&self, stop: &mut watch::Receiver<bool>) -> Result<(), TailError> {
-        let timeout = self.config.etcd.request_timeout;
-        let mut client = etcd::connect(&self.config.etcd).await?;
-        let (cluster_id, head) = etcd::head(&mut client, self.prefix, timeout).await?;
+        let timeout = self.config.request_timeout;
+        let client = etcd::connect(&self.config.etcd).await?;
+        let (cluster_id, head) = etcd::head(&client, self.prefix, timeout).await?;
         let checkpoint = self.store.checkpoint(cluster_id).await?.unwrap_or(0);
         if head < checkpoint {
             return Err(TailError::Restored {
@@ -241,11 +246,10 @@ impl Attempt<'_> {
         let mut from = checkpoint;
         let mut gap_from = None;
         let mut state = loop {
-            match etcd::load(&mut client, self.prefix, from).await {
+            match etcd::load(&client, self.prefix, from).await {
                 Ok(state) => break state,
                 Err(LoadError::Compacted) => {
-                    let to =
-                        etcd::compact_revision(&mut client, self.prefix, from, timeout).await?;
+                    let to = etcd::compact_revision(&client, self.prefix, from, timeout).await?;
                     if to > from {
                         gap_from.get_or_insert(from + 1);
                         from = to;
@@ -271,7 +275,7 @@ impl Attempt<'_> {
         self.metrics.set_written_revision(from);
         info!(cluster_id, holds = state.holds(), "tailing the lock log");
 
-        let mut stream = etcd::watch(&mut client, self.prefix, from + 1).await?;
+        let mut stream = etcd::watch(&client, self.prefix, from + 1).await?;
         let mut p = Progress {
             cluster_id,
             buffer: Vec::new(),
@@ -307,7 +311,7 @@ impl Attempt<'_> {
                 _ = flush_tick.tick() => self.flush(&mut p).await?,
                 _ = checkpoint_tick.tick() => self.checkpoint(&mut p).await?,
                 _ = head_tick.tick() => {
-                    let (now_cluster, head) = etcd::head(&mut client, self.prefix, timeout).await?;
+                    let (now_cluster, head) = etcd::head(&client, self.prefix, timeout).await?;
                     if now_cluster != cluster_id {
                         return Err(TailError::ClusterChanged { was: cluster_id, now: now_cluster });
                     }

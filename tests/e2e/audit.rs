@@ -17,10 +17,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use etcd_client::{Compare, CompareOp, DeleteOptions, PutOptions, Txn, TxnOp};
 use latchkey_audit::force::ForceRecord;
 use latchkey_audit::store::StoreOptions;
 use latchkey_audit::{AuditKey, AuditStore, Ended, Event, Kind, StoredEvent};
+use latchkey_etcd::kv::{DeleteOptions, PutOptions};
+use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp};
+use latchkey_etcd::{Connection, Login, TlsPem};
 use latchkey_proto::lockv1::{CloseSessionRequest, InspectRequest};
 use latchkey_tests::clickhouse::ClickHouseServer;
 use latchkey_tests::etcd::EtcdServer;
@@ -767,7 +769,7 @@ async fn a_read_only_etcd_role_is_all_the_tailer_needs() -> anyhow::Result<()> {
     root.role_add("latchkey-audit-ro").await?;
     root.role_grant_permission(
         "latchkey-audit-ro",
-        etcd_client::Permission::read("/latchkey/").with_prefix(),
+        latchkey_etcd::auth::Permission::read("/latchkey/").with_prefix(),
     )
     .await?;
     root.user_add("latchkey-audit", "audit-password", None)
@@ -842,17 +844,15 @@ async fn a_read_only_etcd_role_is_all_the_tailer_needs() -> anyhow::Result<()> {
     );
 
     // The tailer's credential reads, and cannot write a grant.
-    let options = etcd_client::ConnectOptions::new()
-        .with_user("latchkey-audit", "audit-password")
-        .with_tls(
-            etcd_client::TlsOptions::new()
-                .ca_certificate(etcd_client::Certificate::from_pem(std::fs::read(&tls.ca)?))
-                .identity(etcd_client::Identity::from_pem(
-                    std::fs::read(&cert.cert)?,
-                    std::fs::read(&cert.key)?,
-                )),
-        );
-    let mut reader = etcd_client::Client::connect([etcd.endpoint()], Some(options)).await?;
+    let connection = Connection {
+        tls: Some(TlsPem {
+            ca: std::fs::read(&tls.ca)?,
+            identity: Some((std::fs::read(&cert.cert)?, std::fs::read(&cert.key)?)),
+        }),
+        login: Some(Login::new("latchkey-audit", "audit-password")),
+        ..Connection::new([etcd.endpoint()])
+    };
+    let mut reader = latchkey_etcd::connect(&connection).await?;
     let held = reader.get("/latchkey/l/demo/audit-ro", None).await?;
     ensure!(held.kvs().len() == 1, "the reader reads the hold");
     let write = reader.put("/latchkey/l/demo/forged", "{}", None).await;

@@ -7,7 +7,8 @@ use std::process::Output;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use etcd_client::{Client, GetOptions};
+use latchkey_etcd::Client;
+use latchkey_etcd::kv::{GetOptions, get_one};
 use latchkey_tests::cluster::{ClusterOptions, EtcdCluster, remove_leftover_networks};
 use latchkey_tests::{eventually, init_tracing};
 
@@ -59,11 +60,11 @@ async fn put(client: &Client, key: &str, value: &str) -> anyhow::Result<i64> {
 
 /// A linearizable get: `(value, revision)`.
 async fn get(client: &mut Client, key: &str) -> anyhow::Result<(Option<String>, i64)> {
-    let resp = tokio::time::timeout(REQUEST_TIMEOUT, client.get(key, None))
+    let read = tokio::time::timeout(REQUEST_TIMEOUT, get_one(client, key))
         .await
         .context("get timed out")??;
-    let revision = resp.header().context("get without header")?.revision();
-    let value = match resp.kvs().first() {
+    let revision = read.header.context("get without header")?.revision();
+    let value = match read.value {
         Some(kv) => Some(kv.value_str()?.to_owned()),
         None => None,
     };

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use anyhow::ensure;
-use etcd_client::{GetOptions, PutOptions};
+use latchkey_etcd::kv::{GetOptions, PutOptions, SortOrder, SortTarget};
 use latchkey_proto::lockv1::InspectRequest;
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
 use latchkey_tests::etcd::EtcdServer;
@@ -76,10 +76,11 @@ impl Rig {
         let resp = etcd
             .get(
                 format!("{PREFIX}/q/{key}//"),
-                Some(GetOptions::new().with_prefix().with_sort(
-                    etcd_client::SortTarget::Create,
-                    etcd_client::SortOrder::Ascend,
-                )),
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_sort(SortTarget::Create, SortOrder::Ascend),
+                ),
             )
             .await?;
         Ok(resp.kvs().iter().map(|kv| kv.lease()).collect())

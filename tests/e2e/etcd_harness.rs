@@ -4,14 +4,15 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use etcd_client::Client;
+use latchkey_etcd::Client;
+use latchkey_etcd::kv::get_one;
 use latchkey_tests::etcd::{EtcdServer, RestoreFlags};
 use latchkey_tests::{eventually, init_tracing};
 
 async fn get(client: &mut Client, key: &str) -> anyhow::Result<(Option<String>, i64)> {
-    let resp = client.get(key, None).await.context("get")?;
-    let revision = resp.header().context("get without header")?.revision();
-    let value = match resp.kvs().first() {
+    let read = get_one(client, key).await.context("get")?;
+    let revision = read.header.context("get without header")?.revision();
+    let value = match read.value {
         Some(kv) => Some(kv.value_str()?.to_owned()),
         None => None,
     };

@@ -11,11 +11,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use etcd_client::{Compare, CompareOp, ConnectOptions, PutOptions, TlsOptions, Txn, TxnOp};
 use latchkey_arbiter::force_release::ForceReleaseConfig;
 use latchkey_arbiter::oidc::OidcConfig;
 use latchkey_arbiter::{EtcdClientCert, EtcdCredentials, EtcdUser};
 use latchkey_client::FenceReason;
+use latchkey_etcd::kv::{GetOptions, PutOptions};
+use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp};
+use latchkey_etcd::{Connection, ErrorKind, Login, TlsPem};
 use latchkey_proto::adminv1::admin_client::AdminClient;
 use latchkey_proto::adminv1::{
     ApproveForceReleaseRequest, ApproveForceReleaseResponse, ForceReleaseRequest,
@@ -648,7 +650,7 @@ const ARBITER_PASSWORD: &str = "arbiter-password-never-logged";
 
 /// The force-release role, exactly as docs/security.md lists it.
 async fn add_force_user(etcd: &EtcdServer) -> anyhow::Result<()> {
-    use etcd_client::{Permission, PermissionType};
+    use latchkey_etcd::auth::{Permission, PermissionType};
     let mut c = etcd.client().await?;
     c.role_add("latchkey-force").await?;
     for (kind, prefix) in [
@@ -669,26 +671,22 @@ async fn add_force_user(etcd: &EtcdServer) -> anyhow::Result<()> {
 }
 
 /// A client logged in as the force-release user, over etcd's mutual TLS.
-async fn force_client(etcd: &EtcdServer) -> anyhow::Result<etcd_client::Client> {
+async fn force_client(etcd: &EtcdServer) -> anyhow::Result<latchkey_etcd::Client> {
     let tls = etcd.tls().context("etcd without TLS")?;
     let cert = tls.arbiter_cert()?;
-    let options = ConnectOptions::new()
-        .with_user(FORCE_USER, FORCE_PASSWORD)
-        .with_tls(
-            TlsOptions::new()
-                .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(
-                    &tls.ca,
-                )?))
-                .identity(tonic::transport::Identity::from_pem(
-                    std::fs::read(&cert.cert)?,
-                    std::fs::read(&cert.key)?,
-                )),
-        );
-    Ok(etcd_client::Client::connect([etcd.endpoint()], Some(options)).await?)
+    let connection = Connection {
+        tls: Some(TlsPem {
+            ca: std::fs::read(&tls.ca)?,
+            identity: Some((std::fs::read(&cert.cert)?, std::fs::read(&cert.key)?)),
+        }),
+        login: Some(Login::new(FORCE_USER, FORCE_PASSWORD)),
+        ..Connection::new([etcd.endpoint()])
+    };
+    Ok(latchkey_etcd::connect(&connection).await?)
 }
 
-fn permission_denied<T>(r: Result<T, etcd_client::Error>) -> bool {
-    matches!(r, Err(etcd_client::Error::GRpcStatus(s)) if s.code() == Code::PermissionDenied)
+fn permission_denied<T, E: Into<latchkey_etcd::Error>>(r: Result<T, E>) -> bool {
+    r.is_err_and(|e| e.into().kind() == ErrorKind::PermissionDenied)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -952,7 +950,7 @@ async fn the_arbiter_process_runs_a_force_release_from_latchctl() -> anyhow::Res
     let marker = kv
         .get(
             "/latchkey/sys/revoked/",
-            Some(etcd_client::GetOptions::new().with_prefix()),
+            Some(GetOptions::new().with_prefix()),
         )
         .await?;
     assert_eq!(marker.count(), 1, "one revoked-session marker");

@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use etcd_client::GetOptions;
 use latchkey_proto::lockv1::{
     AcquireRequest, InspectRequest, OpenSessionRequest, ReleaseRequest, WaitMode,
 };
@@ -320,14 +319,9 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
         Code::FailedPrecondition,
         "NOT_HELD",
     )?;
-    let mut etcd = s.etcd.client().await?;
-    let held = etcd
-        .get(
-            "/latchkey/l/",
-            Some(GetOptions::new().with_prefix().with_count_only()),
-        )
-        .await?;
-    assert_eq!(held.count(), 0);
+    let etcd = s.etcd.client().await?;
+    let held = latchkey_etcd::kv::count_prefix(&etcd, "/latchkey/l/").await?;
+    assert_eq!(held.value, 0);
     Ok(())
 }
 

@@ -879,7 +879,7 @@ async fn a_burst_of_opens_never_passes_the_session_bound() -> anyhow::Result<()>
     let mallory = s.arbiter.lock("workload/mallory").await?;
     let layout = latchkey_records::Layout::new("/latchkey");
     let counted = layout.identity_sessions(&latchkey_tests::arbiter::spiffe("workload/mallory"));
-    let mut etcd = s.etcd.client().await?;
+    let etcd = s.etcd.client().await?;
     for round in 0..2 {
         let calls: Vec<_> = (0..BURST)
             .map(|_| {
@@ -900,17 +900,9 @@ async fn a_burst_of_opens_never_passes_the_session_bound() -> anyhow::Result<()>
                 }
             }
         }
-        let in_etcd = etcd
-            .get(
-                counted.as_str(),
-                Some(
-                    etcd_client::GetOptions::new()
-                        .with_prefix()
-                        .with_count_only(),
-                ),
-            )
+        let in_etcd = latchkey_etcd::kv::count_prefix(&etcd, counted.as_str())
             .await?
-            .count();
+            .value;
         assert_eq!(
             (opened.len(), in_etcd),
             (BOUND as usize, i64::from(BOUND)),

@@ -190,10 +190,8 @@ async fn a_new_watchs_first_answer_claims_no_revision_it_has_not_shown() -> anyh
     for i in 0..50 {
         c.put(format!("/p/k{i}"), "1", None).await?;
     }
-    let options = etcd_client::WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(read_at + 1);
-    let mut stream = c.watch_client().watch("/p/", Some(options)).await?;
+    let options = latchkey_etcd::watch::WatchOptions::new().with_prefix();
+    let mut stream = latchkey_etcd::watch::watch_from(&c, "/p/", read_at + 1, options).await?;
     let first = stream.message().await?.context("no answer")?;
     let claimed = first.header().map_or(0, |h| h.revision());
     eprintln!(

@@ -49,18 +49,9 @@ fn options(renewal_target: Duration) -> ArbiterOptions {
 
 /// Session records in etcd now.
 async fn session_records(s: &Stack) -> anyhow::Result<u64> {
-    let mut etcd = s.etcd.client().await?;
-    let r = etcd
-        .get(
-            "/latchkey/s/",
-            Some(
-                etcd_client::GetOptions::new()
-                    .with_prefix()
-                    .with_count_only(),
-            ),
-        )
-        .await?;
-    Ok(u64::try_from(r.count())?)
+    let etcd = s.etcd.client().await?;
+    let r = latchkey_etcd::kv::count_prefix(&etcd, "/latchkey/s/").await?;
+    Ok(u64::try_from(r.value)?)
 }
 
 /// Acquire calls queued for their keys at the arbiter now.

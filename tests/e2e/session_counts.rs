@@ -7,6 +7,8 @@
 use std::time::Duration;
 
 use anyhow::Context;
+use latchkey_etcd::kv::count_prefix;
+use latchkey_etcd::watch::{EventType, WatchOptions, watch_from};
 use latchkey_proto::lockv1::CloseSessionRequest;
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions, spiffe};
 use latchkey_tests::eventually;
@@ -19,18 +21,10 @@ const MALLORY: &str = "workload/mallory";
 /// mallory's sessions in etcd: her entries in the session index.
 async fn entries_in_etcd(s: &Stack, subject: &str) -> anyhow::Result<i64> {
     let layout = latchkey_records::Layout::new("/latchkey");
-    let mut etcd = s.etcd.client().await?;
-    Ok(etcd
-        .get(
-            layout.identity_sessions(subject),
-            Some(
-                etcd_client::GetOptions::new()
-                    .with_prefix()
-                    .with_count_only(),
-            ),
-        )
+    let etcd = s.etcd.client().await?;
+    Ok(count_prefix(&etcd, layout.identity_sessions(subject))
         .await?
-        .count())
+        .value)
 }
 
 /// The open sessions `arbiter` counts (its `open_sessions` gauge), once its
@@ -222,18 +216,10 @@ async fn a_close_deletes_the_entry_its_open_wrote_and_frees_its_place_at_once() 
     let layout = latchkey_records::Layout::new("/latchkey");
     let record = layout.session(session);
     let entry = layout.identity_session(&pattern, session);
-    let mut etcd = s.etcd.client().await?;
+    let etcd = s.etcd.client().await?;
     let from = s.etcd.revision().await? + 1;
-    let mut events = etcd
-        .watch(
-            "/latchkey/",
-            Some(
-                etcd_client::WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(from),
-            ),
-        )
-        .await?;
+    let mut events =
+        watch_from(&etcd, "/latchkey/", from, WatchOptions::new().with_prefix()).await?;
     a.close_session(CloseSessionRequest {
         session_id: session,
     })
@@ -249,7 +235,7 @@ async fn a_close_deletes_the_entry_its_open_wrote_and_frees_its_place_at_once() 
             .context("the watch ended")?;
         for e in resp.events() {
             let Some(kv) = e.kv() else { continue };
-            if e.event_type() != etcd_client::EventType::Delete {
+            if e.event_type() != EventType::Delete {
                 continue;
             }
             if kv.key_str()? == record {

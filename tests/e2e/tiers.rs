@@ -69,7 +69,7 @@ async fn keys_on(etcd: &EtcdServer) -> anyhow::Result<Vec<String>> {
         .get(
             "/latchkey/",
             Some(
-                etcd_client::GetOptions::new()
+                latchkey_etcd::kv::GetOptions::new()
                     .with_prefix()
                     .with_keys_only(),
             ),
@@ -728,7 +728,7 @@ async fn a_session_from_before_the_split_with_the_coord_bit_still_works() -> any
     let mut etcd = lock.client().await?;
     etcd.lease_grant(
         i64::from(ttl),
-        Some(etcd_client::LeaseGrantOptions::new().with_id(legacy)),
+        Some(latchkey_etcd::lease::LeaseGrantOptions::new().with_id(legacy)),
     )
     .await?;
     let record =
@@ -736,7 +736,7 @@ async fn a_session_from_before_the_split_with_the_coord_bit_still_works() -> any
     etcd.put(
         format!("/latchkey/s/{legacy:016x}"),
         record,
-        Some(etcd_client::PutOptions::new().with_lease(legacy)),
+        Some(latchkey_etcd::kv::PutOptions::new().with_lease(legacy)),
     )
     .await?;
 

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use etcd_client::{EventType, WatchOptions};
+use latchkey_etcd::watch::{EventType, WatchOptions, watch_from};
 use latchkey_proto::lockv1::{InspectRequest, KeepAliveRequest};
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
 use latchkey_tests::eventually;
@@ -157,17 +157,9 @@ async fn an_expired_session_releases_every_hold_in_one_entry_and_the_next_waiter
     let sb = open(&mut bob, "short").await?;
     let g1 = try_lock(&mut alice, "demo/e1", "short", sa).await?;
     let g2 = try_lock(&mut alice, "demo/e2", "short", sa).await?;
-    let mut etcd = s.etcd.client().await?;
-    let mut watch = etcd
-        .watch(
-            "/latchkey/l/",
-            Some(
-                WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(g2.revision + 1),
-            ),
-        )
-        .await?;
+    let etcd = s.etcd.client().await?;
+    let options = WatchOptions::new().with_prefix();
+    let mut watch = watch_from(&etcd, "/latchkey/l/", g2.revision + 1, options).await?;
     let mut b = bob.clone();
     // bob keeps his own session alive while he waits
     let keep = tokio::spawn(async move {

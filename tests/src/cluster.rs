@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use etcd_client::{Client, ConnectOptions};
+use latchkey_etcd::{Client, Connection, KeepAlive};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tempfile::TempDir;
@@ -287,7 +287,7 @@ impl EtcdCluster {
     /// member can hang: wrap them in a timeout when that matters.
     pub async fn client(&self) -> anyhow::Result<Client> {
         let endpoints = self.endpoints();
-        Client::connect(&endpoints, Some(client_options()))
+        latchkey_etcd::connect(&client_connection(endpoints.clone()))
             .await
             .with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
     }
@@ -295,7 +295,7 @@ impl EtcdCluster {
     /// A client of member `i` alone (e.g. for serializable reads of its local state).
     pub async fn member_client(&self, i: usize) -> anyhow::Result<Client> {
         let endpoint = self.endpoint(i)?;
-        Client::connect([&endpoint], Some(client_options()))
+        latchkey_etcd::connect(&client_connection(vec![endpoint.clone()]))
             .await
             .with_context(|| format!("connecting to etcd at {endpoint}"))
     }
@@ -630,11 +630,16 @@ fn member_name(i: usize) -> String {
     format!("etcd-{i}")
 }
 
-fn client_options() -> ConnectOptions {
-    ConnectOptions::new()
-        .with_connect_timeout(CLIENT_CONNECT_TIMEOUT)
-        .with_keep_alive(CLIENT_KEEP_ALIVE, CLIENT_KEEP_ALIVE)
-        .with_keep_alive_while_idle(true)
+fn client_connection(endpoints: Vec<String>) -> Connection {
+    Connection {
+        connect_timeout: Some(CLIENT_CONNECT_TIMEOUT),
+        keep_alive: Some(KeepAlive {
+            interval: CLIENT_KEEP_ALIVE,
+            timeout: CLIENT_KEEP_ALIVE,
+            while_idle: true,
+        }),
+        ..Connection::new(endpoints)
+    }
 }
 
 /// What one member's status says.
@@ -647,14 +652,14 @@ struct Probe {
 }
 
 async fn probe(endpoint: String) -> anyhow::Result<Probe> {
-    let options = ConnectOptions::new()
-        .with_connect_timeout(PROBE_CONNECT_TIMEOUT)
-        .with_timeout(PROBE_TIMEOUT);
+    let connection = Connection {
+        connect_timeout: Some(PROBE_CONNECT_TIMEOUT),
+        request_timeout: Some(PROBE_TIMEOUT),
+        ..Connection::new([endpoint.as_str()])
+    };
     let status = tokio::time::timeout(PROBE_TIMEOUT * 2, async {
-        Client::connect([&endpoint], Some(options))
-            .await?
-            .status()
-            .await
+        let mut client = latchkey_etcd::connect(&connection).await?;
+        Ok::<_, latchkey_etcd::Error>(client.status().await?)
     })
     .await
     .with_context(|| format!("status of {endpoint} timed out"))?

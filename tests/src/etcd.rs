@@ -19,10 +19,9 @@ use std::time::Duration;
 use std::sync::OnceLock;
 
 use anyhow::{Context, bail, ensure};
-use etcd_client::{
-    Certificate, Client, ConnectOptions, Identity, Permission, PermissionType, TlsOptions,
-};
 use latchctl::dev_certs::{self, DevTrustDomain, SvidFiles};
+use latchkey_etcd::auth::{Permission, PermissionType};
+use latchkey_etcd::{Client, Connection, Login, TlsPem};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tempfile::TempDir;
@@ -198,23 +197,19 @@ impl EtcdServer {
 
     /// How the harness's own clients connect: TLS with its client certificate,
     /// and the root user once auth is enabled.
-    fn connect_options(&self) -> anyhow::Result<ConnectOptions> {
-        let mut options = ConnectOptions::new();
+    fn connection(&self) -> anyhow::Result<Connection> {
+        let mut connection = Connection::new([self.endpoint()]);
         if let Some(tls) = &self.tls {
             let read = |p: &Path| fs::read(p).with_context(|| format!("reading {}", p.display()));
-            options = options.with_tls(
-                TlsOptions::new()
-                    .ca_certificate(Certificate::from_pem(read(&tls.ca)?))
-                    .identity(Identity::from_pem(
-                        read(&tls.harness.cert)?,
-                        read(&tls.harness.key)?,
-                    )),
-            );
+            connection.tls = Some(TlsPem {
+                ca: read(&tls.ca)?,
+                identity: Some((read(&tls.harness.cert)?, read(&tls.harness.key)?)),
+            });
         }
         if let Some((user, password)) = &self.login {
-            options = options.with_user(user.clone(), password.clone());
+            connection.login = Some(Login::new(user.clone(), password.clone()));
         }
-        Ok(options)
+        Ok(connection)
     }
 
     /// `etcdctl` flags for TLS and the root user.
@@ -302,10 +297,11 @@ impl EtcdServer {
     /// A fresh client. Connecting fails fast while etcd is down; requests to a paused
     /// etcd hang, so wrap them in a timeout when that matters.
     pub async fn client(&self) -> anyhow::Result<Client> {
-        let options = self
-            .connect_options()?
-            .with_connect_timeout(Duration::from_secs(2));
-        Client::connect([self.endpoint()], Some(options))
+        let connection = Connection {
+            connect_timeout: Some(Duration::from_secs(2)),
+            ..self.connection()?
+        };
+        latchkey_etcd::connect(&connection)
             .await
             .with_context(|| format!("connecting to etcd at {}", self.endpoint()))
     }
@@ -489,22 +485,23 @@ impl EtcdServer {
     async fn wait_ready(&mut self) -> anyhow::Result<()> {
         let endpoint = self.endpoint();
         let peer_url = self.peer_url();
-        let connect_options = self.connect_options()?;
+        let connection = Connection {
+            connect_timeout: Some(Duration::from_millis(500)),
+            request_timeout: Some(Duration::from_secs(1)),
+            ..self.connection()?
+        };
         let child = self.child.as_mut().context("etcd is not running")?;
         let exited = eventually("etcd to answer status", READY_TIMEOUT, || {
             // Checked first so a crashed etcd fails now, not at the deadline.
             let exited = child.try_wait().ok().flatten();
             let endpoint = endpoint.clone();
             let peer_url = peer_url.clone();
-            let options = connect_options.clone();
+            let connection = connection.clone();
             async move {
                 if exited.is_some() {
                     return Ok(exited);
                 }
-                let options = options
-                    .with_connect_timeout(Duration::from_millis(500))
-                    .with_timeout(Duration::from_secs(1));
-                let mut client = Client::connect([endpoint.clone()], Some(options)).await?;
+                let mut client = latchkey_etcd::connect(&connection).await?;
                 let status = client.status().await?;
                 // Another test's etcd may hold this port (it was free when
                 // picked; ours then failed to bind it): only our member

@@ -1,5 +1,5 @@
-//! The force-release path's etcd requests (it names `etcd_client`, like the
-//! lock log and the holds' watch): reads of a hold, the request records,
+//! The force-release path's etcd requests (through [`latchkey_etcd`], like
+//! the lock log and the holds' watch): reads of a hold, the request records,
 //! their listing and the holder's session revocation. The transaction that
 //! ends the hold is the lock log's (`HoldLog::force_end`), run by the key's
 //! owner.
@@ -11,7 +11,9 @@
 
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
+use latchkey_etcd::kv::{GetOptions, PutOptions};
+use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
+use latchkey_etcd::{Client, ErrorKind};
 use tracing::warn;
 
 use super::{ForceError, ForceRecord, RequestRecord, RevokeRecord};
@@ -42,11 +44,11 @@ impl std::fmt::Debug for ForceStore {
     }
 }
 
-fn store_error(context: &str, e: etcd_client::Error) -> ForceError {
-    if let etcd_client::Error::GRpcStatus(s) = &e
-        && s.code() == tonic::Code::PermissionDenied
-    {
-        return ForceError::StorePermission(format!("{context}: {}", s.message()));
+fn store_error(context: &str, e: impl Into<latchkey_etcd::Error>) -> ForceError {
+    let e = e.into();
+    if e.kind() == ErrorKind::PermissionDenied {
+        let message = e.grpc_message().unwrap_or_default();
+        return ForceError::StorePermission(format!("{context}: {message}"));
     }
     ForceError::Store(format!("{context}: {e}"))
 }
@@ -346,13 +348,14 @@ impl ForceStore {
         if !marked {
             self.drop_main_lease(marker_lease).await;
         }
-        match self.main.lease_client().revoke(session).await {
+        let revoked = self.main.lease_client().revoke(session).await;
+        match revoked.map_err(latchkey_etcd::Error::from) {
             Ok(_) if marked => Ok(()),
             Ok(_) => Err(
                 "the session's record was already gone (closed or expiring); its lease is revoked"
                     .into(),
             ),
-            Err(etcd_client::Error::GRpcStatus(s)) if s.message().contains("not found") => {
+            Err(e) if e.grpc_message().is_some_and(|m| m.contains("not found")) => {
                 Err("the session had already ended".into())
             }
             Err(e) => Err(format!(

@@ -1,6 +1,6 @@
-//! The lock log on etcd: every etcd call the grant protocol makes, and
-//! (with the old `store` module, until it goes) the only module that names
-//! `etcd_client`.
+//! The lock log on etcd: every etcd request the grant protocol makes,
+//! through the workspace's etcd toolkit ([`latchkey_etcd`], the one crate
+//! that depends on etcd-client).
 //!
 //! Each method is one etcd request (a transaction, a read or a lease call)
 //! ported from the store's transactions: the same compares, the same
@@ -18,7 +18,6 @@
 //! - [`lease_renewals`]: every session's renewals over a few shared
 //!   keep-alive streams.
 
-mod failover;
 pub mod follow;
 mod force;
 mod holds;
@@ -36,10 +35,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{
-    Certificate, Client, ConnectOptions, GetOptions, Identity, KeyValue, ResponseHeader,
-    TlsOptions, TxnOpResponse,
-};
+use latchkey_etcd::txn::TxnOpResponse;
+use latchkey_etcd::{Client, Connection, ErrorKind, KeyValue, Login, ResponseHeader, TlsPem};
 
 use super::{
     Answer, BatchOp, BatchOutcome, Claimed, ForceEndTxn, ForceEnded, GrantTxn, Granted,
@@ -48,7 +45,7 @@ use super::{
 };
 use crate::records::Layout;
 /// The etcd client handle [`connect_client`] returns.
-pub use etcd_client::Client as EtcdClient;
+pub use latchkey_etcd::Client as EtcdClient;
 use lease_renewals::LeaseRenewals;
 pub use lease_renewals::{NoMemo, RenewalMemo, Renewed};
 
@@ -60,50 +57,23 @@ pub struct StoreConfig {
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
     /// TLS for `https://` endpoints (`None` for `http://`).
-    pub tls: Option<EtcdTlsPem>,
+    pub tls: Option<TlsPem>,
     /// etcd username/password auth.
-    pub login: Option<EtcdLogin>,
+    pub login: Option<Login>,
 }
 
-/// etcd TLS material, already read from disk (PEM).
-#[derive(Clone)]
-pub struct EtcdTlsPem {
-    /// Trust bundle for etcd's server certificate.
-    pub ca: Vec<u8>,
-    /// The arbiter's client certificate chain and key.
-    pub identity: Option<(Vec<u8>, Vec<u8>)>,
-}
-
-/// Sizes and presence only: the key must never reach a log.
-impl std::fmt::Debug for EtcdTlsPem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdTlsPem")
-            .field("ca_bytes", &self.ca.len())
-            .field("client_certificate", &self.identity.is_some())
-            .finish()
-    }
-}
-
-/// An etcd user and its password. `Debug` never shows the password, and
-/// there is no `Display`.
-#[derive(Clone)]
-pub struct EtcdLogin {
-    pub name: String,
-    password: String,
-}
-
-impl EtcdLogin {
-    pub fn new(name: String, password: String) -> Self {
-        Self { name, password }
-    }
-}
-
-impl std::fmt::Debug for EtcdLogin {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdLogin")
-            .field("name", &self.name)
-            .field("password", &"<redacted>")
-            .finish()
+impl StoreConfig {
+    /// How the arbiter reaches this cluster: as every service does
+    /// ([`Connection::service`]), with a deadline on every call and a call
+    /// that could not connect to one member sent to another.
+    pub fn connection(&self) -> Connection {
+        Connection {
+            tls: self.tls.clone(),
+            login: self.login.clone(),
+            request_timeout: Some(self.request_timeout),
+            failover: true,
+            ..Connection::service(self.endpoints.clone(), self.connect_timeout)
+        }
     }
 }
 
@@ -155,49 +125,18 @@ impl EtcdLog {
     /// The cluster id etcd reports now (a count-only read of the epoch key,
     /// so nothing is transferred but the header).
     pub async fn current_cluster_id(&self) -> Result<u64, StoreError> {
-        let resp = self
-            .client
-            .kv_client()
-            .get(
-                self.layout.epoch(),
-                Some(GetOptions::new().with_count_only()),
-            )
+        let head = latchkey_etcd::kv::head(&self.client, self.layout.epoch())
             .await
             .map_err(|e| unavailable("cannot read etcd's cluster id", e))?;
-        Ok(header(resp.header())?.cluster_id)
+        Ok(header(head.as_ref())?.cluster_id)
     }
 }
 
-/// An etcd client for `config`: TLS, login, `require_leader` and timeouts.
-/// Shared with the coord cluster's witness ([`crate::witness::etcd`]), which
-/// must reach its cluster the same way the lock log reaches its own.
+/// An etcd client for `config` ([`StoreConfig::connection`]). Shared with
+/// the coord cluster's witness ([`crate::witness::etcd`]), which must reach
+/// its cluster the same way the lock log reaches its own.
 pub(crate) async fn connect_client(config: &StoreConfig) -> Result<Client, StoreError> {
-    // require_leader: a member cut off from the quorum fails fast instead
-    // of serving a stale view or hanging.
-    let mut options = ConnectOptions::new()
-        .with_require_leader(true)
-        .with_connect_timeout(config.connect_timeout)
-        .with_timeout(config.request_timeout)
-        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
-    if let Some(tls) = &config.tls {
-        // No domain_name: tonic verifies etcd's certificate against each
-        // endpoint's own host, so every member is checked by its name.
-        let mut tls_options = TlsOptions::new().ca_certificate(Certificate::from_pem(&tls.ca));
-        if let Some((cert, key)) = &tls.identity {
-            tls_options = tls_options.identity(Identity::from_pem(cert, key));
-        }
-        options = options.with_tls(tls_options);
-    }
-    if let Some(login) = &config.login {
-        // Tokens expire (etcd's --auth-token-ttl); refresh rather than fail.
-        options = options
-            .with_user(login.name.clone(), login.password.clone())
-            .with_auto_token_refresh(true);
-    }
-    // `options` holds the password in its Debug output: never log it.
-    // Balanced over the members, a call that could not connect to one
-    // (down, restarting) goes to another (see `failover`).
-    Client::connect_with_balanced_channel(&config.endpoints, Some(options), failover::Failover)
+    latchkey_etcd::connect(&config.connection())
         .await
         .map_err(|e| unavailable("cannot connect to etcd", e))
 }
@@ -408,73 +347,27 @@ fn kv(kv: &KeyValue) -> Kv {
 
 /// The first key a transaction's get operation found.
 fn first_kv(resp: &TxnOpResponse) -> Option<Kv> {
-    match resp {
-        TxnOpResponse::Get(g) => g.kvs().first().map(kv),
-        _ => None,
-    }
+    latchkey_etcd::txn::first_kv(resp).map(kv)
 }
 
-/// An etcd client error as the log's: the store did not answer, or
-/// answered with an error, while doing `context`.
-pub(crate) fn unavailable(context: &str, err: etcd_client::Error) -> StoreError {
+/// An etcd error as the log's: the store did not answer, or answered with
+/// an error, while doing `context`. The error stays the source (its cause
+/// chain is what [`StoreError::detail`] walks).
+pub(crate) fn unavailable(context: &str, err: impl Into<latchkey_etcd::Error>) -> StoreError {
     StoreError::Unavailable {
         context: context.to_string(),
-        source: Some(Box::new(EtcdError(err))),
+        source: Some(Box::new(err.into())),
     }
 }
 
 /// [`unavailable`] for a request that puts on `lease`: etcd's "lease not
 /// found" there means the session expired, never an outage to retry.
-fn unavailable_on(context: &str, lease: i64, err: etcd_client::Error) -> StoreError {
-    if lease_not_found(&err) {
+fn unavailable_on(context: &str, lease: i64, err: impl Into<latchkey_etcd::Error>) -> StoreError {
+    let err = err.into();
+    if err.kind() == ErrorKind::LeaseNotFound {
         StoreError::LeaseGone { lease }
     } else {
         unavailable(context, err)
-    }
-}
-
-/// etcd refused a put on a lease it no longer has.
-fn lease_not_found(err: &etcd_client::Error) -> bool {
-    matches!(err, etcd_client::Error::GRpcStatus(s)
-        if s.code() == tonic::Code::NotFound && s.message().contains("lease not found"))
-}
-
-/// etcd refused a LeaseGrant because the id is taken.
-fn lease_exists(err: &etcd_client::Error) -> bool {
-    matches!(err, etcd_client::Error::GRpcStatus(s)
-        if s.code() == tonic::Code::FailedPrecondition && s.message().contains("lease already exists"))
-}
-
-/// Any NotFound status (a revoke of a lease that is gone already).
-fn not_found(err: &etcd_client::Error) -> bool {
-    matches!(err, etcd_client::Error::GRpcStatus(s) if s.code() == tonic::Code::NotFound)
-}
-
-/// An etcd client error that exposes its cause. `etcd_client::Error` has
-/// no `source()`, yet tonic keeps the interesting part of a connection
-/// failure (refused, TLS alert, unknown issuer) in the transport error's
-/// or the status's source chain, which [`StoreError::detail`] walks.
-#[derive(Debug)]
-struct EtcdError(etcd_client::Error);
-
-impl std::fmt::Display for EtcdError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for EtcdError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        use etcd_client::Error as E;
-        match &self.0 {
-            E::TransportError(e) => Some(e),
-            E::GRpcStatus(e) => Some(e),
-            E::IoError(e) => Some(e),
-            E::InvalidUri(e) => Some(e),
-            E::Utf8Error(e) => Some(e),
-            E::InvalidMetadataValue(e) => Some(e),
-            _ => None,
-        }
     }
 }
 
@@ -482,8 +375,8 @@ impl std::error::Error for EtcdError {
 mod tests {
     use super::*;
 
-    fn status(code: tonic::Code, message: &str) -> etcd_client::Error {
-        etcd_client::Error::GRpcStatus(tonic::Status::new(code, message))
+    fn status(code: tonic::Code, message: &str) -> latchkey_etcd::Error {
+        latchkey_etcd::Error::from(tonic::Status::new(code, message))
     }
 
     #[test]
@@ -513,27 +406,10 @@ mod tests {
     }
 
     #[test]
-    fn classifies_lease_grant_and_revoke_errors() {
-        assert!(lease_exists(&status(
-            tonic::Code::FailedPrecondition,
-            "etcdserver: lease already exists"
-        )));
-        assert!(!lease_exists(&status(
-            tonic::Code::FailedPrecondition,
-            "etcdserver: something else"
-        )));
-        assert!(not_found(&status(
-            tonic::Code::NotFound,
-            "etcdserver: requested lease not found"
-        )));
-        assert!(!not_found(&status(tonic::Code::Unavailable, "no leader")));
-    }
-
-    #[test]
     fn the_source_chain_goes_past_the_etcd_error() {
         use std::error::Error as _;
         let cause = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
-        let err = unavailable("cannot connect to etcd", etcd_client::Error::IoError(cause));
+        let err = unavailable("cannot connect to etcd", latchkey_etcd::Error::from(cause));
         let etcd = err.source();
         assert!(etcd.is_some_and(|e| e.to_string() == "io error: refused"));
         let io = etcd.and_then(|e| e.source());
@@ -547,18 +423,5 @@ mod tests {
     #[test]
     fn a_missing_header_is_malformed() {
         assert!(matches!(header(None), Err(StoreError::Malformed(_))));
-    }
-
-    #[test]
-    fn debug_never_shows_secrets() {
-        let login = EtcdLogin::new("arbiter".into(), "hunter2".into());
-        let tls = EtcdTlsPem {
-            ca: b"ca".to_vec(),
-            identity: Some((b"cert".to_vec(), b"PRIVATE KEY".to_vec())),
-        };
-        let shown = format!("{login:?} {tls:?}");
-        assert!(shown.contains("arbiter"), "{shown}");
-        assert!(!shown.contains("hunter2"), "{shown}");
-        assert!(!shown.contains("PRIVATE"), "{shown}");
     }
 }

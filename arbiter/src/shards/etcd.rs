@@ -3,7 +3,10 @@
 //! mod revision (so two operators' changes never both land), and followed
 //! by every arbiter with a watch.
 
-use etcd_client::{Client, Compare, CompareOp, EventType, Txn, TxnOp, WatchOptions};
+use latchkey_etcd::Client;
+use latchkey_etcd::kv::{get_one, head};
+use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp};
+use latchkey_etcd::watch::{EventType, WatchOptions, watch_from};
 use tokio::sync::watch;
 use tracing::warn;
 
@@ -49,27 +52,18 @@ impl ShardMapStore {
 
     /// The coord cluster's id (a count-only read of the map's key).
     pub async fn cluster_id(&self) -> Result<u64, StoreError> {
-        let resp = self
-            .client
-            .kv_client()
-            .get(
-                self.key.as_str(),
-                Some(etcd_client::GetOptions::new().with_count_only()),
-            )
+        let header = head(&self.client, self.key.as_str())
             .await
             .map_err(|e| unavailable("cannot read the coord cluster's id", e))?;
-        Ok(resp.header().map_or(0, |h| h.cluster_id()))
+        Ok(header.map_or(0, |h| h.cluster_id()))
     }
 
     /// The map and its mod revision; `None` before the first publish.
     pub async fn load(&self) -> Result<Option<(ShardMap, i64)>, StoreError> {
-        let resp = self
-            .client
-            .kv_client()
-            .get(self.key.as_str(), None)
+        let read = get_one(&self.client, self.key.as_str())
             .await
             .map_err(|e| unavailable("cannot read the shard map", e))?;
-        match resp.kvs().first() {
+        match read.value {
             None => Ok(None),
             Some(kv) => {
                 let map = parse(kv.value())?;
@@ -111,10 +105,7 @@ impl ShardMapStore {
             .when([compare])
             .and_then([TxnOp::put(self.key.as_str(), body, None)])
             .or_else([TxnOp::get(self.key.as_str(), None)]);
-        let resp = self
-            .client
-            .kv_client()
-            .txn(txn)
+        let resp = txn::run(&self.client, txn)
             .await
             .map_err(|e| unavailable("cannot write the shard map", e))?;
         if resp.succeeded() {
@@ -122,13 +113,8 @@ impl ShardMapStore {
         }
         let current = resp
             .op_responses()
-            .into_iter()
-            .find_map(|op| match op {
-                etcd_client::TxnOpResponse::Get(get) => {
-                    get.kvs().first().map(|kv| kv.value().to_vec())
-                }
-                _ => None,
-            })
+            .iter()
+            .find_map(|op| txn::first_kv(op).map(|kv| kv.value().to_vec()))
             .and_then(|v| parse(&v).ok())
             .map_or(0, |m| m.version);
         Err(PublishError::Raced { current })
@@ -149,22 +135,14 @@ impl ShardMapStore {
     }
 
     async fn follow_once(&self, tx: &watch::Sender<Option<ShardMap>>) -> Result<(), StoreError> {
-        let resp = self
-            .client
-            .kv_client()
-            .get(self.key.as_str(), None)
+        let read = get_one(&self.client, self.key.as_str())
             .await
             .map_err(|e| unavailable("cannot read the shard map", e))?;
-        let revision = resp.header().map_or(0, |h| h.revision());
-        let first = resp.kvs().first().map(|kv| parse(kv.value())).transpose()?;
+        let revision = read.header.map_or(0, |h| h.revision());
+        let first = read.value.map(|kv| parse(kv.value())).transpose()?;
         newer(tx, first);
-        let mut stream = self
-            .client
-            .watch_client()
-            .watch(
-                self.key.as_str(),
-                Some(WatchOptions::new().with_start_revision(revision + 1)),
-            )
+        let options = WatchOptions::new();
+        let mut stream = watch_from(&self.client, self.key.as_str(), revision + 1, options)
             .await
             .map_err(|e| unavailable("cannot watch the shard map", e))?;
         while let Some(resp) = stream

@@ -30,7 +30,9 @@
 
 use std::collections::HashMap;
 
-use etcd_client::{Client, Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
+use latchkey_etcd::Client;
+use latchkey_etcd::kv::{GetOptions, get_one};
+use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp};
 use latchkey_policies::Tier;
 use parking_lot::RwLock;
 
@@ -61,15 +63,10 @@ impl Copy {
 
     async fn get(&self, namespace: &str) -> Result<Option<Tier>, StoreError> {
         let key = self.key(namespace);
-        let resp = self
-            .client
-            .kv_client()
-            .get(key.as_str(), None)
-            .await
-            .map_err(|e| {
-                unavailable(&format!("cannot read the tier binding on {}", self.what), e)
-            })?;
-        match resp.kvs().first() {
+        let read = get_one(&self.client, key.as_str()).await.map_err(|e| {
+            unavailable(&format!("cannot read the tier binding on {}", self.what), e)
+        })?;
+        match read.value {
             None => Ok(None),
             Some(kv) => parse(kv.value()).map(Some).ok_or_else(|| malformed(&key)),
         }
@@ -82,7 +79,7 @@ impl Copy {
             .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key.as_str(), tier_name(tier), None)])
             .or_else([TxnOp::get(key.as_str(), None)]);
-        let resp = self.client.kv_client().txn(txn).await.map_err(|e| {
+        let resp = txn::run(&self.client, txn).await.map_err(|e| {
             unavailable(
                 &format!("cannot write the tier binding on {}", self.what),
                 e,
@@ -92,11 +89,8 @@ impl Copy {
             return Ok(tier);
         }
         resp.op_responses()
-            .into_iter()
-            .find_map(|op| match op {
-                TxnOpResponse::Get(get) => get.kvs().first().and_then(|kv| parse(kv.value())),
-                _ => None,
-            })
+            .iter()
+            .find_map(|op| txn::first_kv(op).and_then(|kv| parse(kv.value())))
             .ok_or_else(|| malformed(&key))
     }
 }

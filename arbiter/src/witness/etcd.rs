@@ -22,7 +22,8 @@
 use std::sync::OnceLock;
 
 use async_trait::async_trait;
-use etcd_client::{Client, Compare, CompareOp, ResponseHeader, Txn, TxnOp, TxnOpResponse};
+use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
+use latchkey_etcd::{Client, ResponseHeader};
 
 use super::{Witness, Witnessed};
 use crate::high_water::Mark;
@@ -106,7 +107,7 @@ impl EtcdWitness {
             TxnOp::get(self.mark_key.clone(), None),
             TxnOp::get(self.epoch_key.clone(), None),
         ]);
-        let resp = self.client.kv_client().txn(txn).await.map_err(|e| {
+        let resp = txn::run(&self.client, txn).await.map_err(|e| {
             unavailable("cannot read the witness records on the witness cluster", e)
         })?;
         self.check(resp.header())?;
@@ -153,10 +154,9 @@ impl EtcdWitness {
                 0,
             )])
             .and_then([TxnOp::put(self.mark_key.clone(), value, None)]);
-        let resp =
-            self.client.kv_client().txn(txn).await.map_err(|e| {
-                unavailable("cannot create the witness mark on the witness cluster", e)
-            })?;
+        let resp = txn::run(&self.client, txn)
+            .await
+            .map_err(|e| unavailable("cannot create the witness mark on the witness cluster", e))?;
         self.check(resp.header())?;
         Ok(resp.succeeded())
     }
@@ -183,7 +183,7 @@ impl Witness for EtcdWitness {
                 )])
                 .and_then([TxnOp::put(self.mark_key.clone(), new.clone(), None)])
                 .or_else([TxnOp::get(self.mark_key.clone(), None)]);
-            let resp = self.client.kv_client().txn(txn).await.map_err(|e| {
+            let resp = txn::run(&self.client, txn).await.map_err(|e| {
                 unavailable("cannot raise the witness mark on the witness cluster", e)
             })?;
             self.check(resp.header())?;
@@ -221,10 +221,9 @@ impl Witness for EtcdWitness {
             let txn = Txn::new()
                 .when([self.epoch_unchanged(epoch_at)])
                 .and_then([TxnOp::put(self.epoch_key.clone(), encode_epoch(next), None)]);
-            let resp =
-                self.client.kv_client().txn(txn).await.map_err(|e| {
-                    unavailable("cannot allocate an epoch on the witness cluster", e)
-                })?;
+            let resp = txn::run(&self.client, txn)
+                .await
+                .map_err(|e| unavailable("cannot allocate an epoch on the witness cluster", e))?;
             self.check(resp.header())?;
             if resp.succeeded() {
                 return Ok(next);
@@ -250,10 +249,9 @@ impl Witness for EtcdWitness {
                     encode_epoch(epoch),
                     None,
                 )]);
-            let resp =
-                self.client.kv_client().txn(txn).await.map_err(|e| {
-                    unavailable("cannot record the epoch on the witness cluster", e)
-                })?;
+            let resp = txn::run(&self.client, txn)
+                .await
+                .map_err(|e| unavailable("cannot record the epoch on the witness cluster", e))?;
             self.check(resp.header())?;
             if resp.succeeded() {
                 return Ok(());
@@ -278,13 +276,7 @@ impl Witness for EtcdWitness {
 
 /// The value and mod revision of the first key a get operation found.
 fn first_kv(resp: &TxnOpResponse) -> Option<(Vec<u8>, i64)> {
-    match resp {
-        TxnOpResponse::Get(g) => g
-            .kvs()
-            .first()
-            .map(|kv| (kv.value().to_vec(), kv.mod_revision())),
-        _ => None,
-    }
+    txn::first_kv(resp).map(|kv| (kv.value().to_vec(), kv.mod_revision()))
 }
 
 /// `{epoch:08x}:{revision:016x}:{cluster_id:016x}`: byte order is (epoch,

@@ -37,8 +37,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use etcd_client::{Client as EtcdClient, LockOptions};
 use hdrhistogram::Histogram;
+use latchkey_etcd::Connection;
+use latchkey_etcd::lock::LockOptions;
 use latchkey_proto::lockv1::lock_client::LockClient;
 use latchkey_proto::lockv1::{
     AcquireRequest, InspectRequest, OpenSessionRequest, ReleaseRequest, WaitMode,
@@ -245,7 +246,7 @@ async fn measure_etcd_lock(
         let (hist, calls, ready) = (hist.clone(), calls.clone(), ready.clone());
         let (endpoint, name) = (endpoint.to_owned(), format!("edge-bench/etcd/{tag}/{w}"));
         tasks.push(tokio::spawn(async move {
-            let mut client = EtcdClient::connect([endpoint], None).await?;
+            let mut client = latchkey_etcd::connect(&Connection::new([endpoint])).await?;
             let lease = client.lease_grant(60, None).await?.id();
             ready.wait().await;
             let deadline = Instant::now() + Duration::from_secs(seconds);

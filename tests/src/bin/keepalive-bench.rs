@@ -22,7 +22,6 @@ use parking_lot::Mutex;
 
 use anyhow::{Context, anyhow};
 use clap::Parser;
-use etcd_client::GetOptions;
 use hdrhistogram::Histogram;
 use latchkey_proto::lockv1::{
     AcquireRequest, KeepAliveRequest, OpenSessionRequest, ReleaseRequest, WaitMode,
@@ -498,15 +497,9 @@ async fn latchkey(
         period.as_secs()
     );
     // sessions whose record is gone from etcd were lost
-    let records = etcd
-        .client()
+    let records = latchkey_etcd::kv::count_prefix(&etcd.client().await?, "/latchkey/s/")
         .await?
-        .get(
-            "/latchkey/s/",
-            Some(GetOptions::new().with_prefix().with_count_only()),
-        )
-        .await?
-        .count();
+        .value;
     let missing = n.saturating_sub(usize::try_from(records)?);
     let m = finish(
         "Latchkey",

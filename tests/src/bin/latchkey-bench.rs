@@ -41,9 +41,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail, ensure};
 use clap::Parser;
-use etcd_client::{Client as EtcdClient, Compare, CompareOp, LockOptions, PutOptions, Txn, TxnOp};
 use hdrhistogram::Histogram;
 use latchctl::dev_certs;
+use latchkey_etcd::kv::PutOptions;
+use latchkey_etcd::lock::LockOptions;
+use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp};
+use latchkey_etcd::{Client as EtcdClient, Connection};
 use latchkey_proto::lockv1::lock_client::LockClient;
 use latchkey_proto::lockv1::{
     AcquireRequest, Grant, KeepAliveRequest, OpenSessionRequest, ReleaseRequest, WaitMode,
@@ -396,7 +399,7 @@ struct RawEtcd {
 
 impl RawEtcd {
     async fn connect(endpoint: String, worker: usize) -> anyhow::Result<Self> {
-        let mut client = EtcdClient::connect([endpoint], None).await?;
+        let mut client = latchkey_etcd::connect(&Connection::new([endpoint])).await?;
         let lease = EtcdLease::grant(&mut client).await?;
         Ok(Self {
             client,
@@ -440,7 +443,7 @@ struct EtcdLock {
 
 impl EtcdLock {
     async fn connect(endpoint: String, name: String) -> anyhow::Result<Self> {
-        let mut client = EtcdClient::connect([endpoint], None).await?;
+        let mut client = latchkey_etcd::connect(&Connection::new([endpoint])).await?;
         let lease = EtcdLease::grant(&mut client).await?;
         Ok(Self {
             client,

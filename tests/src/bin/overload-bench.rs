@@ -311,13 +311,9 @@ async fn phase(args: &Args, policies: &std::path::Path, protected: bool) -> anyh
     // Lost: answered with no TTL left, or gone from etcd now (while its
     // renewals still run).
     let mut lost = renewals.lost.lock().clone();
-    let etcd_client = etcd.client().await?;
+    let store = etcd.client().await?;
     for id in &established {
-        let left = etcd_client
-            .lease_client()
-            .time_to_live(*id, None)
-            .await?
-            .ttl();
+        let left = store.lease_client().time_to_live(*id, None).await?.ttl();
         if left <= 0 {
             lost.insert(*id);
         }

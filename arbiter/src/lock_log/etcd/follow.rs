@@ -9,7 +9,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, EventType, GetOptions, KeyValue, WatchOptions};
+use latchkey_etcd::scan::scan_prefix;
+use latchkey_etcd::watch::{EventType, WatchOptions, WatchResponse, watch_from};
+use latchkey_etcd::{Client, KeyValue};
 use tracing::warn;
 
 use super::kv;
@@ -75,16 +77,14 @@ async fn read_and_watch<F: Followed>(
     followed: &F,
     client: &Client,
     prefix: &str,
-) -> Result<(), etcd_client::Error> {
+) -> Result<(), latchkey_etcd::Error> {
     let (reading, revision) = read_all::<F>(client, prefix).await?;
     followed.install(reading, revision);
-    let mut options = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(revision + 1);
+    let mut options = WatchOptions::new().with_prefix();
     if F::PREV_KV {
         options = options.with_prev_key();
     }
-    let mut stream = client.watch_client().watch(prefix, Some(options)).await?;
+    let mut stream = watch_from(client, prefix, revision + 1, options).await?;
     while let Some(resp) = stream.message().await? {
         if resp.canceled() || resp.compact_revision() > 0 {
             // Events were lost (compaction): only a fresh read is exact.
@@ -124,7 +124,7 @@ async fn read_and_watch<F: Followed>(
 /// while the events from the start revision on are still to come (taken as
 /// known, it let opens and grants made here since the read stop counting
 /// before the watch showed them: found by a hostile review, issue 31).
-pub fn known_through(resp: &etcd_client::WatchResponse) -> Option<i64> {
+pub fn known_through(resp: &WatchResponse) -> Option<i64> {
     let last = resp
         .events()
         .iter()
@@ -142,57 +142,13 @@ pub fn known_through(resp: &etcd_client::WatchResponse) -> Option<i64> {
 async fn read_all<F: Followed>(
     client: &Client,
     prefix: &str,
-) -> Result<(F::Reading, i64), etcd_client::Error> {
-    let mut kv_client = client.kv_client();
-    let range_end = prefix_end(prefix);
-    let mut from = prefix.as_bytes().to_vec();
-    let mut revision = 0;
+) -> Result<(F::Reading, i64), latchkey_etcd::Error> {
     let mut reading = F::Reading::default();
-    loop {
-        let mut options = GetOptions::new()
-            .with_range(range_end.clone())
-            .with_limit(PAGE);
-        if revision > 0 {
-            options = options.with_revision(revision);
+    let revision = scan_prefix(client, prefix, PAGE, None, |entry| {
+        if let Some(key) = entry.key_str().ok().and_then(|k| k.strip_prefix(prefix)) {
+            F::read(&mut reading, key, &kv(entry));
         }
-        let resp = kv_client.get(from.clone(), Some(options)).await?;
-        if revision == 0 {
-            revision = resp.header().map_or(0, |h| h.revision());
-        }
-        for entry in resp.kvs() {
-            if let Some(key) = entry.key_str().ok().and_then(|k| k.strip_prefix(prefix)) {
-                F::read(&mut reading, key, &kv(entry));
-            }
-        }
-        match resp.kvs().last() {
-            Some(last) if resp.more() => {
-                from = last.key().to_vec();
-                from.push(0);
-            }
-            _ => return Ok((reading, revision)),
-        }
-    }
-}
-
-/// The end of the range of keys starting with `prefix` (etcd's convention).
-fn prefix_end(prefix: &str) -> Vec<u8> {
-    let mut end = prefix.as_bytes().to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    vec![0]
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prefix_end_is_etcds() {
-        assert_eq!(prefix_end("/latchkey/l/"), b"/latchkey/l0".to_vec());
-        assert_eq!(prefix_end("a\u{7f}"), b"a\x80".to_vec());
-    }
+    })
+    .await?;
+    Ok((reading, revision))
 }

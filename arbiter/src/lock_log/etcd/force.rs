@@ -2,10 +2,12 @@
 //! the force-release path's own client, logged in as the restricted
 //! force-release user when one is configured.
 
-use etcd_client::{Compare, CompareOp, DeleteOptions, PutOptions, Txn, TxnOp};
+use latchkey_etcd::ErrorKind;
+use latchkey_etcd::kv::{DeleteOptions, PutOptions};
+use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp};
 use tracing::warn;
 
-use super::{EtcdError, EtcdLog, answer, first_kv};
+use super::{EtcdLog, answer, first_kv};
 use crate::lock_log::{ForceEndTxn, ForceEnded, LogResult, StoreError};
 
 /// Deletes the named hold with its claims, writes the approval's records,
@@ -88,13 +90,12 @@ pub(super) async fn force_end(log: &EtcdLog, txn: ForceEndTxn<'_>) -> LogResult<
 /// etcd's PermissionDenied is [`StoreError::Denied`] (the force-release
 /// user's role lacks a permission: nothing was written); anything else is
 /// unavailable, its outcome unknown.
-fn refused(context: &str, err: etcd_client::Error) -> StoreError {
-    if let etcd_client::Error::GRpcStatus(s) = &err
-        && s.code() == tonic::Code::PermissionDenied
-    {
+fn refused(context: &str, err: impl Into<latchkey_etcd::Error>) -> StoreError {
+    let err = err.into();
+    if err.kind() == ErrorKind::PermissionDenied {
         return StoreError::Denied {
-            context: format!("{context}: {}", s.message()),
-            source: Some(Box::new(EtcdError(err))),
+            context: format!("{context}: {}", err.grpc_message().unwrap_or_default()),
+            source: Some(Box::new(err)),
         };
     }
     super::unavailable(context, err)

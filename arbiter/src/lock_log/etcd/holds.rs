@@ -1,12 +1,11 @@
 //! Holder records: the grant and hand-over transactions, the releases, and
 //! the reads of who holds what.
 
-use etcd_client::{
-    Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
-    TxnOpResponse,
-};
+use latchkey_etcd::ErrorKind;
+use latchkey_etcd::kv::{DeleteOptions, GetOptions, PutOptions, SortOrder, SortTarget};
+use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 
-use super::{EtcdLog, answer, first_kv, kv, lease_not_found, unavailable, unavailable_on};
+use super::{EtcdLog, answer, first_kv, kv, unavailable, unavailable_on};
 use crate::lock_log::{
     BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, Kv,
     LogResult, QueueTurn, ReleaseTxn, ReleasedIf, StoreError,
@@ -256,13 +255,12 @@ pub(super) async fn batch(log: &EtcdLog, ops: Vec<BatchOp<'_>>) -> LogResult<Vec
 /// or InvalidArgument) is [`StoreError::Refused`]: nothing was written, and
 /// the table runs its members one by one. Anything else leaves the outcome
 /// unknown.
-fn refused_or_unavailable(context: &str, err: etcd_client::Error) -> StoreError {
-    match &err {
-        etcd_client::Error::GRpcStatus(s)
-            if lease_not_found(&err) || s.code() == tonic::Code::InvalidArgument =>
-        {
+fn refused_or_unavailable(context: &str, err: impl Into<latchkey_etcd::Error>) -> StoreError {
+    let err = err.into();
+    match (err.kind(), err.grpc_message()) {
+        (ErrorKind::LeaseNotFound | ErrorKind::InvalidArgument, Some(message)) => {
             StoreError::Refused {
-                context: format!("{context}: {}", s.message()),
+                context: format!("{context}: {message}"),
             }
         }
         _ => unavailable(context, err),

@@ -9,7 +9,7 @@
 //! same lane and has at most one renewal in flight there: a second ask for it
 //! joins the one in flight (whose answer counts from when *it* was sent).
 //!
-//! etcd_client opens a keep-alive stream only with a live lease; a lane opens
+//! etcd-client opens a keep-alive stream only with a live lease; a lane opens
 //! its stream with any lease it has to renew (one etcd no longer has is
 //! answered as gone, TTL 0) and then sets the keeper's id per renewal.
 
@@ -17,7 +17,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, LeaseKeepAliveResponse, LeaseKeepAliveStream, LeaseKeeper};
+use latchkey_etcd::lease::{LeaseKeepAliveResponse, LeaseKeepAliveStream, LeaseKeeper};
+use latchkey_etcd::{Client, ErrorKind};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::lock_log::{Renewal, StoreError};
@@ -145,7 +146,7 @@ struct Lane {
 
 enum Event {
     Ask(Option<Ask>),
-    Answer(Result<Option<LeaseKeepAliveResponse>, etcd_client::Error>),
+    Answer(Result<Option<LeaseKeepAliveResponse>, latchkey_etcd::Error>),
     /// Time to say how long the oldest renewal in flight has waited.
     Tick,
 }
@@ -158,15 +159,16 @@ const STALL_REPORT: Duration = Duration::from_millis(500);
 
 async fn next_answer(
     conn: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
-) -> Result<Option<LeaseKeepAliveResponse>, etcd_client::Error> {
+) -> Result<Option<LeaseKeepAliveResponse>, latchkey_etcd::Error> {
     match conn {
-        Some((_, stream)) => stream.message().await,
+        Some((_, stream)) => Ok(stream.message().await?),
         None => std::future::pending().await,
     }
 }
 
-fn gone(err: &etcd_client::Error) -> bool {
-    matches!(err, etcd_client::Error::LeaseKeepAliveError(m) if m.contains("lease not found"))
+/// The stream could not open because etcd no longer has the lease.
+fn gone(err: &latchkey_etcd::Error) -> bool {
+    err.kind() == ErrorKind::LeaseNotFound
 }
 
 impl Lane {
@@ -266,7 +268,8 @@ impl Lane {
             let Some(&lease) = self.pending.keys().next() else {
                 return;
             };
-            match self.client.lease_client().keep_alive(lease).await {
+            let opened = self.client.lease_client().keep_alive(lease).await;
+            match opened.map_err(latchkey_etcd::Error::from) {
                 Ok(conn) => {
                     self.conn = Some(conn);
                     break;

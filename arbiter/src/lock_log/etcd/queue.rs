@@ -2,9 +2,8 @@
 //! session's lease, ordered by create revision. The grant transaction
 //! compares the queue (holds.rs); these are the records' own writes.
 
-use etcd_client::{
-    Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
-};
+use latchkey_etcd::kv::{GetOptions, PutOptions, SortOrder, SortTarget, count_prefix};
+use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 
 use super::{EtcdLog, answer, kv, unavailable, unavailable_on};
 use crate::lock_log::{Kv, LogResult, Queued, StoreError};
@@ -30,15 +29,10 @@ pub(super) async fn enqueue(
             record,
             Some(PutOptions::new().with_lease(session).with_prev_key()),
         )]);
-    let resp = log
-        .client
-        .kv_client()
-        .txn(txn)
+    let resp = txn::run(&log.client, txn)
         .await
         .map_err(|e| unavailable_on("cannot queue a durable waiter", session, e))?;
-    let modified = resp
-        .header()
-        .map(|h| h.revision())
+    let modified = txn::revision(&resp)
         .ok_or_else(|| StoreError::Malformed("etcd answered a txn without a header".into()))?;
     let queued = match (resp.succeeded(), resp.op_responses().first()) {
         (false, _) => None,
@@ -57,16 +51,10 @@ pub(super) async fn enqueue(
 
 /// How many waiter records `key` has (a count-only read).
 pub(super) async fn count_queued(log: &EtcdLog, key: &str) -> LogResult<i64> {
-    let resp = log
-        .client
-        .kv_client()
-        .get(
-            log.layout.queue_of(key),
-            Some(GetOptions::new().with_prefix().with_count_only()),
-        )
+    let count = count_prefix(&log.client, log.layout.queue_of(key))
         .await
         .map_err(|e| unavailable("cannot count durable waiters", e))?;
-    answer(resp.header(), resp.count())
+    answer(count.header.as_ref(), count.value)
 }
 
 /// `key`'s oldest waiter record.
@@ -105,10 +93,7 @@ pub(super) async fn dequeue(
             modified,
         )])
         .and_then([TxnOp::delete(waiter, None)]);
-    let resp = log
-        .client
-        .kv_client()
-        .txn(txn)
+    let resp = txn::run(&log.client, txn)
         .await
         .map_err(|e| unavailable("cannot remove a durable waiter", e))?;
     answer(resp.header(), resp.succeeded())

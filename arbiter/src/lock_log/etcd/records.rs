@@ -2,7 +2,8 @@
 //! create, the conditional seal and the operator's advance; and the
 //! shard-map fence (read with them, raised on its own).
 
-use etcd_client::{Compare, CompareOp, DeleteOptions, Txn, TxnOp, TxnOpResponse};
+use latchkey_etcd::kv::{DeleteOptions, get_one};
+use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 
 use super::{EtcdLog, answer, first_kv, kv, unavailable};
 use crate::lock_log::{Kv, LogResult, Records, StoreError};
@@ -17,10 +18,7 @@ pub(super) async fn read(log: &EtcdLog) -> LogResult<Records> {
         TxnOp::get(log.layout.coord_seen(), None),
         TxnOp::get(log.layout.map_fence(), None),
     ]);
-    let resp = log
-        .client
-        .kv_client()
-        .txn(txn)
+    let resp = txn::run(&log.client, txn)
         .await
         .map_err(|e| unavailable("cannot read the epoch record", e))?;
     let ops = resp.op_responses();
@@ -44,10 +42,7 @@ pub(super) async fn create_epoch(log: &EtcdLog, record: Vec<u8>) -> LogResult<bo
             0,
         )])
         .and_then([TxnOp::put(epoch_key, record, None)]);
-    let resp = log
-        .client
-        .kv_client()
-        .txn(txn)
+    let resp = txn::run(&log.client, txn)
         .await
         .map_err(|e| unavailable("cannot create the epoch record", e))?;
     answer(resp.header(), resp.succeeded())
@@ -78,10 +73,7 @@ pub(super) async fn put_seal(
             unchanged(&log.layout.epoch(), epoch_at),
         ])
         .and_then([TxnOp::put(seal, record, None)]);
-    let resp = log
-        .client
-        .kv_client()
-        .txn(txn)
+    let resp = txn::run(&log.client, txn)
         .await
         .map_err(|e| unavailable("cannot write the seal record", e))?;
     answer(resp.header(), resp.succeeded())
@@ -97,10 +89,7 @@ pub(super) async fn put_coord_seen(
     let txn = Txn::new()
         .when([unchanged(&key, at)])
         .and_then([TxnOp::put(key, record, None)]);
-    let resp = log
-        .client
-        .kv_client()
-        .txn(txn)
+    let resp = txn::run(&log.client, txn)
         .await
         .map_err(|e| unavailable("cannot write the coord-seen record", e))?;
     answer(resp.header(), resp.succeeded())
@@ -139,10 +128,7 @@ pub(super) async fn advance(
                 Some(DeleteOptions::new().with_prefix()),
             ),
         ]);
-    let resp = log
-        .client
-        .kv_client()
-        .txn(txn)
+    let resp = txn::run(&log.client, txn)
         .await
         .map_err(|e| unavailable("cannot advance the epoch", e))?;
     let deleted = resp.succeeded().then(|| match resp.op_responses().get(1) {
@@ -158,13 +144,10 @@ const RAISE_ATTEMPTS: usize = 5;
 
 /// The shard-map fence record.
 pub(super) async fn map_fence(log: &EtcdLog) -> LogResult<Option<Kv>> {
-    let resp = log
-        .client
-        .kv_client()
-        .get(log.layout.map_fence(), None)
+    let read = get_one(&log.client, log.layout.map_fence())
         .await
         .map_err(|e| unavailable("cannot read the shard-map fence", e))?;
-    answer(resp.header(), resp.kvs().first().map(kv))
+    answer(read.header.as_ref(), read.value.as_ref().map(kv))
 }
 
 /// Raises the shard-map fence to `version` unless it is there already or
@@ -195,10 +178,7 @@ pub(super) async fn raise_map_fence(log: &EtcdLog, version: u64) -> LogResult<bo
             encode_map_fence(version),
             None,
         )]);
-        let resp = log
-            .client
-            .kv_client()
-            .txn(txn)
+        let resp = txn::run(&log.client, txn)
             .await
             .map_err(|e| unavailable("cannot raise the shard-map fence", e))?;
         if resp.succeeded() {

@@ -2,9 +2,12 @@
 //! its entry in the identity's session count (both on the lease), the
 //! close, the revoke and the renewals.
 
-use etcd_client::{Compare, CompareOp, GetOptions, LeaseGrantOptions, PutOptions, Txn, TxnOp};
+use latchkey_etcd::ErrorKind;
+use latchkey_etcd::kv::{GetOptions, PutOptions, count_prefix, get_one};
+use latchkey_etcd::lease::LeaseGrantOptions;
+use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp};
 
-use super::{EtcdLog, answer, kv, lease_exists, not_found, unavailable, unavailable_on};
+use super::{EtcdLog, answer, kv, unavailable, unavailable_on};
 use crate::lock_log::{Kv, LogResult, StoreError};
 
 /// Grants lease `id`. etcd's "lease already exists" is
@@ -20,7 +23,8 @@ pub(super) async fn grant_lease(log: &EtcdLog, id: i64, ttl_seconds: u32) -> Log
         )
         .await
         .map_err(|e| {
-            if lease_exists(&e) {
+            let e = latchkey_etcd::Error::from(e);
+            if e.kind() == ErrorKind::LeaseExists {
                 StoreError::LeaseExists { lease: id }
             } else {
                 unavailable("cannot grant a session lease", e)
@@ -52,10 +56,7 @@ pub(super) async fn put_session(
             on_lease(),
         ),
     ]);
-    let resp = log
-        .client
-        .kv_client()
-        .txn(txn)
+    let resp = txn::run(&log.client, txn)
         .await
         .map_err(|e| unavailable_on("cannot write the session record", session, e))?;
     answer(resp.header(), ())
@@ -63,13 +64,10 @@ pub(super) async fn put_session(
 
 /// `session`'s record (a linearizable read).
 pub(super) async fn session(log: &EtcdLog, session: i64) -> LogResult<Option<Kv>> {
-    let resp = log
-        .client
-        .kv_client()
-        .get(log.layout.session(session), None)
+    let read = get_one(&log.client, log.layout.session(session))
         .await
         .map_err(|e| unavailable("cannot read a session record", e))?;
-    answer(resp.header(), resp.kvs().first().map(kv))
+    answer(read.header.as_ref(), read.value.as_ref().map(kv))
 }
 
 /// How many sessions `identity` has open, over every arbiter: a count of
@@ -78,18 +76,12 @@ pub(super) async fn session(log: &EtcdLog, session: i64) -> LogResult<Option<Kv>
 /// ([`crate::session_counts`]); this serves the simulation's table and the
 /// log contract.
 pub(super) async fn count_sessions_of(log: &EtcdLog, identity: &str) -> LogResult<u32> {
-    let resp = log
-        .client
-        .kv_client()
-        .get(
-            log.layout.identity_sessions(identity),
-            Some(GetOptions::new().with_prefix().with_count_only()),
-        )
+    let count = count_prefix(&log.client, log.layout.identity_sessions(identity))
         .await
         .map_err(|e| unavailable("cannot count an identity's sessions", e))?;
     answer(
-        resp.header(),
-        u32::try_from(resp.count()).unwrap_or(u32::MAX),
+        count.header.as_ref(),
+        u32::try_from(count.value).unwrap_or(u32::MAX),
     )
 }
 
@@ -113,10 +105,7 @@ pub(super) async fn delete_session(
             TxnOp::delete(session_key, None),
             TxnOp::delete(log.layout.identity_session(counted_as, session), None),
         ]);
-    let resp = log
-        .client
-        .kv_client()
-        .txn(txn)
+    let resp = txn::run(&log.client, txn)
         .await
         .map_err(|e| unavailable("cannot delete a session record", e))?;
     answer(resp.header(), resp.succeeded())
@@ -124,7 +113,8 @@ pub(super) async fn delete_session(
 
 /// Revokes `lease`; one etcd no longer has is already what was asked for.
 pub(super) async fn revoke(log: &EtcdLog, lease: i64) -> Result<(), StoreError> {
-    match log.client.lease_client().revoke(lease).await {
+    let revoked = log.client.lease_client().revoke(lease).await;
+    match revoked.map_err(latchkey_etcd::Error::from) {
         Ok(_) => Ok(()),
         Err(e) if not_found(&e) => Ok(()),
         Err(e) => Err(unavailable("cannot revoke a session lease", e)),
@@ -144,6 +134,7 @@ pub(super) async fn mark_shadow(log: &EtcdLog, session: i64, shard: &str) -> Log
         )
         .await
         .map_err(|e| {
+            let e = latchkey_etcd::Error::from(e);
             if not_found(&e) {
                 StoreError::LeaseGone { lease: session }
             } else {
@@ -173,4 +164,10 @@ pub(super) async fn shadow_marks(log: &EtcdLog, session: i64) -> LogResult<Vec<S
         .map(str::to_string)
         .collect();
     answer(resp.header(), shards)
+}
+
+/// Any NotFound answer: to a revoke, the lease is gone already; to a put on
+/// a lease, the session expired.
+fn not_found(err: &latchkey_etcd::Error) -> bool {
+    matches!(err.kind(), ErrorKind::LeaseNotFound | ErrorKind::NotFound)
 }

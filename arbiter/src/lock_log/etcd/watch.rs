@@ -3,7 +3,7 @@
 //! decides.
 
 use async_trait::async_trait;
-use etcd_client::{EventType, WatchOptions, WatchStream};
+use latchkey_etcd::watch::{EventType, WatchOptions, WatchStream, watch_from};
 
 use super::{EtcdLog, unavailable};
 use crate::lock_log::{KeyWatch, StoreError, WatchSignal};
@@ -43,12 +43,8 @@ async fn open(
     key: String,
     options: WatchOptions,
     from_revision: i64,
-) -> Result<Box<dyn KeyWatch>, etcd_client::Error> {
-    let stream = log
-        .client
-        .watch_client()
-        .watch(key, Some(options.with_start_revision(from_revision)))
-        .await?;
+) -> Result<Box<dyn KeyWatch>, latchkey_etcd::Error> {
+    let stream = watch_from(&log.client, key, from_revision, options).await?;
     Ok(Box::new(EtcdKeyWatch { stream }))
 }
 

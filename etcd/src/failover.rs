@@ -15,6 +15,9 @@
 //! as it is: a call that may have reached etcd is never sent twice (a grant
 //! whose answer was lost is the LockTable's to resolve, not a retry's).
 //! The streams (Watch, LeaseKeepAlive) are opened again by their owners.
+//!
+//! [`crate::connect`] builds its client on it for a [`crate::Connection`]
+//! with `failover` set (the arbiter's).
 
 use std::future::Future;
 use std::pin::Pin;
