@@ -10,7 +10,7 @@
 //! hold still says whose it was), which counts holds granted by any arbiter
 //! and holds ended by release, hand-over, expiry or an operator alike. The
 //! counting is shared with the session bound ([`crate::subject_counts`],
-//! followed by [`crate::lock_log::etcd::follow`]).
+//! followed by [`crate::follow`]).
 //!
 //! An Acquire is admitted while the identity's holds in the log, plus the
 //! Acquires this arbiter has admitted and not yet seen in the log, are below
@@ -35,8 +35,8 @@ use parking_lot::Mutex;
 use tracing::info;
 
 use crate::error::{ArbiterError, IdentityBound};
+use crate::follow::{Event, Followed};
 use crate::lock_log::Kv;
-use crate::lock_log::etcd::follow::{Event, Followed};
 use crate::records::{HolderRecord, decode};
 use crate::subject_counts::{self, SubjectCounts};
 

@@ -25,6 +25,7 @@ pub mod cli;
 pub mod config;
 pub mod epoch;
 pub mod error;
+pub mod follow;
 pub mod force_release;
 pub mod grpc_health;
 pub mod high_water;

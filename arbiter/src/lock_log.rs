@@ -383,12 +383,13 @@ pub type LogResult<T> = Result<Answer<T>, StoreError>;
 /// The log under the grant protocol: the core ([`HoldLog`], the holds) and
 /// the capabilities the arbiter needs beside it ([`EpochLog`], the epoch,
 /// seal and shard-map fence records; [`DurableQueueLog`], ADR-14's waiters;
-/// [`SessionLog`], sessions as leases). Every method is one request to the
+/// [`SessionLog`], sessions as leases; [`FollowLog`], every hold and
+/// session entry read and then watched, for the per-subject counts). Every method is one request to the
 /// store (one transaction, read or lease call), so an answer's header is
 /// the header of everything in it. Any type with all four is a `LockLog`.
-pub trait LockLog: HoldLog + EpochLog + DurableQueueLog + SessionLog {}
+pub trait LockLog: HoldLog + EpochLog + DurableQueueLog + SessionLog + FollowLog {}
 
-impl<T: HoldLog + EpochLog + DurableQueueLog + SessionLog> LockLog for T {}
+impl<T: HoldLog + EpochLog + DurableQueueLog + SessionLog + FollowLog> LockLog for T {}
 
 /// The core of the log: holds, their claims, batches and watches — what
 /// the grant protocol (`LockTable`) itself runs on.
@@ -636,4 +637,63 @@ pub async fn alone<L: HoldLog + ?Sized>(log: &L, op: BatchOp<'_>) -> LogResult<B
         BatchOp::Grant(txn) => log.grant(txn).await?.map(BatchOutcome::Grant),
         BatchOp::Release(txn) => log.release_if_owned(txn).await?.map(BatchOutcome::Release),
     })
+}
+
+/// The key spaces a follower counts ([`FollowLog`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counted {
+    /// Every holder record (`l/`): the hold counts, and the ends of holds
+    /// pushed to their sessions' KeepAlive streams.
+    Holds,
+    /// Every subject's session entries (`si/`): the session counts.
+    SessionIndex,
+}
+
+/// One change of a followed key, as the log reported it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FollowEvent {
+    /// The key below the followed prefix (a lock key for [`Counted::Holds`]).
+    pub key: String,
+    /// The value put; `None` for a delete (an expiry's included).
+    pub put: Option<Kv>,
+    /// The value before the change, when the follower asked for it and the
+    /// log still had it.
+    pub prev: Option<Kv>,
+}
+
+/// One answer of a [`PrefixWatch`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FollowSignal {
+    /// Changes, every one at or below `through`: how far the log is known
+    /// once they are applied.
+    Events {
+        events: Vec<FollowEvent>,
+        through: i64,
+    },
+    /// The watch ended or missed events (compaction): only a fresh read is
+    /// exact now.
+    Lost,
+}
+
+/// The changes under a followed prefix, from the revision after a read.
+#[async_trait]
+pub trait PrefixWatch: Send {
+    async fn next(&mut self) -> FollowSignal;
+}
+
+/// Every key of a counted key space read once, then watched: what the hold
+/// and session counts follow (`crate::follow`).
+#[async_trait]
+pub trait FollowLog: Send + Sync + 'static {
+    /// Reads every key of `counted` at one revision (in pages, where the
+    /// store needs them), handing each to `each` with its key below the
+    /// prefix, then watches the key space from the next revision on
+    /// (`prev_kv`: deletes carry the value they deleted). The revision read
+    /// at, and the watch.
+    async fn follow(
+        &self,
+        counted: Counted,
+        prev_kv: bool,
+        each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
+    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError>;
 }

@@ -34,8 +34,8 @@ use parking_lot::Mutex;
 use tracing::info;
 
 use crate::error::{ArbiterError, IdentityBound};
+use crate::follow::{Event, Followed};
 use crate::lock_log::Kv;
-use crate::lock_log::etcd::follow::{Event, Followed};
 use crate::records::session_entry;
 use crate::subject_counts::{Admitted, Change, SubjectCounts};
 

@@ -11,14 +11,17 @@ use tracing::{info, warn};
 
 use crate::config::{Config, EtcdCredentials, LogLayer};
 use crate::epoch::EpochGuard;
+use crate::follow::follow;
 use crate::high_water::HighWater;
 use crate::identity::IdentitySource;
 use crate::lock_log::LockLog;
-use crate::lock_log::etcd::follow::follow;
-use crate::lock_log::etcd::{EtcdClient, EtcdLog, NoMemo, RenewalMemo, StoreConfig, connect_client};
+use crate::lock_log::etcd::follow::EtcdFollower;
+use crate::lock_log::etcd::{
+    EtcdClient, EtcdLog, NoMemo, RenewalMemo, StoreConfig, connect_client,
+};
+use crate::lock_log::{Counted, FollowLog};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
-use crate::records::Layout;
 use crate::service::Arbiter;
 use crate::shards::Shard;
 use crate::shards::etcd::ShardMapStore;
@@ -398,12 +401,12 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
         let client = connect_client(&spec.store)
             .await
             .map_err(|e| unreachable(e.into()))?;
-        let layout = Layout::new(&config.prefix);
+        let follower: Arc<dyn FollowLog> = Arc::new(EtcdFollower::new(client, &config.prefix));
         let session_watch = spec.opens_sessions.then(|| {
-            let task = follow(sessions.clone(), client.clone(), layout.session_index());
+            let task = follow(sessions.clone(), follower.clone(), Counted::SessionIndex);
             AbortOnDrop::new(tokio::spawn(task).abort_handle())
         });
-        let task = follow(holds.clone(), client, layout.holders());
+        let task = follow(holds.clone(), follower, Counted::Holds);
         (
             AbortOnDrop::new(tokio::spawn(task).abort_handle()),
             session_watch,

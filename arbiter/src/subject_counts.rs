@@ -4,7 +4,7 @@
 //! ([`crate::session_counts`]).
 //!
 //! The count comes from the log itself, read once and then followed by a
-//! watch ([`crate::lock_log::etcd::follow`]), so it counts what every
+//! watch ([`crate::follow`]), so it counts what every
 //! arbiter wrote and everything that ended, expiries included. Beside it
 //! are this arbiter's own writes the watch has not shown yet: an entry
 //! admitted here counts from its admission until the watch shows it (by its

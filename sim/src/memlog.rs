@@ -42,9 +42,10 @@ use parking_lot::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    Answer, BatchOp, BatchOutcome, Claimed, DurableQueueLog, EpochLog, ForceEndTxn, ForceEnded,
-    GrantTxn, Granted, HandOverFrom, HandOverTxn, Header, HeldAt, HoldLog, KeyWatch, Kv, LogResult,
-    Queued, Records, ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
+    Answer, BatchOp, BatchOutcome, Claimed, Counted, DurableQueueLog, EpochLog, FollowLog,
+    ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverFrom, HandOverTxn, Header, HeldAt, HoldLog,
+    KeyWatch, Kv, LogResult, PrefixWatch, Queued, Records, ReleaseTxn, ReleasedIf, Renewal,
+    SessionLog, StoreError,
 };
 use latchkey_records::{decode_map_fence, encode_map_fence};
 use tokio::time::{Duration, Instant};
@@ -637,6 +638,36 @@ impl HoldLog for MemLog {
             })
             .await?;
         Ok(Box::new(watch::MemWatch::new(self.shared.clone(), id, rx)))
+    }
+}
+
+#[async_trait]
+impl FollowLog for MemLog {
+    async fn follow(
+        &self,
+        counted: Counted,
+        _prev_kv: bool,
+        each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
+    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+        // Deletes always carry their value here (etcd's prev_kv, asked
+        // for or not: a follower that did not ask ignores it).
+        let prefix = match counted {
+            Counted::Holds => keys::HOLDERS.to_string(),
+            Counted::SessionIndex => keys::SESSION_INDEX.to_string(),
+        };
+        // The call's fate first (a failure, a delay); then the read and
+        // the watch together, so a lost answer cannot leave a watch open
+        // that nobody reads.
+        self.call("follow", |_, _| Ok(())).await?;
+        let rx = self.shared.changed.subscribe();
+        let (read, revision, id) = self.shared.with(|inner, _| inner.store.follow(&prefix));
+        for (key, kv) in &read {
+            each(key, kv);
+        }
+        Ok((
+            revision,
+            Box::new(watch::MemPrefixWatch::new(self.shared.clone(), id, rx)),
+        ))
     }
 }
 

@@ -30,9 +30,9 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::LogLayer;
 use latchkey_arbiter::lock_log::{
-    Claimed, DurableQueueLog, EpochLog, ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverTxn,
-    HeldAt, HoldLog, KeyWatch, Kv, LockLog, LogResult, Queued, Records, Renewal, SessionLog,
-    StoreError, WatchSignal,
+    Claimed, Counted, DurableQueueLog, EpochLog, FollowLog, ForceEndTxn, ForceEnded, GrantTxn,
+    Granted, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LockLog, LogResult, PrefixWatch, Queued,
+    Records, Renewal, SessionLog, StoreError, WatchSignal,
 };
 use tracing::debug;
 
@@ -327,6 +327,18 @@ impl KeyWatch for NotingWatch {
             self.signalled.lock().insert(self.key.clone());
         }
         signal
+    }
+}
+
+#[async_trait]
+impl FollowLog for FaultyLog {
+    async fn follow(
+        &self,
+        counted: Counted,
+        prev_kv: bool,
+        each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
+    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+        self.inner.follow(counted, prev_kv, each).await
     }
 }
 
@@ -638,6 +650,18 @@ mod tests {
 
     fn unused<T>() -> Result<T, StoreError> {
         Err(StoreError::unavailable("not in this fake"))
+    }
+
+    #[async_trait]
+    impl FollowLog for FakeLog {
+        async fn follow(
+            &self,
+            _: Counted,
+            _: bool,
+            _: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
+        ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+            unused()
+        }
     }
 
     #[async_trait]

@@ -15,6 +15,7 @@
 
 mod batch;
 mod fence;
+mod follow;
 mod force;
 mod queue;
 
@@ -30,6 +31,7 @@ use fence::{
     a_batch_member_with_a_stale_fence_is_refused, a_grant_compares_the_map_fence,
     a_hand_over_compares_the_map_fence, raising_the_map_fence_never_lowers_it,
 };
+use follow::a_follow_reads_then_reports_every_change;
 use force::a_forced_end_ends_only_the_named_hold;
 use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
@@ -43,7 +45,7 @@ use queue::{
 /// A session TTL no case outlives.
 const TTL: u32 = 60;
 /// The longest a watch may take to report an event that happened.
-const WATCH_WAIT: Duration = Duration::from_secs(10);
+pub(crate) const WATCH_WAIT: Duration = Duration::from_secs(10);
 
 /// How the suite may wait for a lease's TTL to run out.
 #[derive(Debug, Clone, Copy)]
@@ -95,6 +97,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(revoke_deletes_every_key_in_one_revision);
     case!(renewals);
     case!(watch_from_a_revision);
+    case!(a_follow_reads_then_reports_every_change);
     case!(revisions_are_never_reused);
     case!(put_seal_is_conditional);
     case!(put_coord_seen_is_conditional);

@@ -4,6 +4,7 @@
 pub const HOLDERS: &str = "l/";
 pub const WAITERS: &str = "q/";
 pub const CLAIMS: &str = "c/";
+pub const SESSION_INDEX: &str = "si/";
 
 pub fn epoch() -> String {
     "sys/epoch".into()
@@ -23,7 +24,7 @@ pub fn session(lease: i64) -> String {
 /// Hex, so no identity's entries are a prefix of another's.
 pub fn identity_sessions(identity: &str) -> String {
     let hex: String = identity.bytes().map(|b| format!("{b:02x}")).collect();
-    format!("si/{hex}/")
+    format!("{SESSION_INDEX}{hex}/")
 }
 pub fn identity_session(identity: &str, lease: i64) -> String {
     format!("{}{lease:016x}", identity_sessions(identity))

@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use latchkey_arbiter::lock_log::{Kv, WatchSignal};
+use latchkey_arbiter::lock_log::{FollowEvent, FollowSignal, Kv, WatchSignal};
 use tokio::time::{Duration, Instant};
 
 /// A stored key as etcd keeps it (the version counter is left out: no
@@ -107,6 +107,16 @@ struct WatchSlot {
     ended: bool,
 }
 
+/// A live watch of every key under a prefix, with values: the followers'
+/// watch (hold and session counts). Filled at commit time, from the
+/// revision after the read it was opened with.
+#[derive(Debug)]
+struct PrefixSlot {
+    prefix: String,
+    pending: VecDeque<FollowSignal>,
+    ended: bool,
+}
+
 /// The store's content at one revision (see [`super::Snapshot`]).
 #[derive(Debug, Clone)]
 pub(crate) struct Image {
@@ -143,6 +153,7 @@ pub(crate) struct Store {
     history: BTreeMap<String, VecDeque<(i64, EventKind)>>,
     leases: BTreeMap<i64, Lease>,
     watches: BTreeMap<u64, WatchSlot>,
+    prefix_watches: BTreeMap<u64, PrefixSlot>,
     next_watch: u64,
     /// Keep at least this many revisions of history (etcd's revision
     /// auto-compaction); `None`: never compact on its own.
@@ -165,6 +176,7 @@ impl Store {
             history: BTreeMap::new(),
             leases: BTreeMap::new(),
             watches: BTreeMap::new(),
+            prefix_watches: BTreeMap::new(),
             next_watch: 0,
             retention: retention.map(|r| i64::try_from(r.max(1)).unwrap_or(i64::MAX)),
             min_ttl_seconds: i64::from(min_ttl_seconds),
@@ -268,11 +280,15 @@ impl Store {
         }
         let rev = self.revision + 1;
         let mut events: Vec<(String, EventKind)> = Vec::new();
+        // (key, put, prev) of each change, for the prefix watches.
+        let mut changes: Vec<(String, Option<Kv>, Option<Kv>)> = Vec::new();
         let mut results = Vec::with_capacity(ops.len());
         for op in ops {
             match op {
                 Op::Put { key, value, lease } => {
                     let prev = self.put(rev, &key, value, lease);
+                    let put = self.kvs.get(&key).map(Stored::kv);
+                    changes.push((key.clone(), put, prev.as_ref().map(Stored::kv)));
                     events.push((key, EventKind::Put));
                     results.push(OpResult::Put(prev));
                 }
@@ -282,7 +298,8 @@ impl Store {
                         .map(|kv| (key.clone(), kv))
                         .into_iter()
                         .collect();
-                    if !prev.is_empty() {
+                    if let Some((_, kv)) = prev.first() {
+                        changes.push((key.clone(), None, Some(kv.kv())));
                         events.push((key, EventKind::Delete));
                     }
                     results.push(OpResult::Deleted(prev));
@@ -292,6 +309,7 @@ impl Store {
                     let mut prev = Vec::with_capacity(keys.len());
                     for key in keys {
                         if let Some(kv) = self.remove(&key) {
+                            changes.push((key.clone(), None, Some(kv.kv())));
                             events.push((key.clone(), EventKind::Delete));
                             prev.push((key, kv));
                         }
@@ -303,6 +321,7 @@ impl Store {
         if !events.is_empty() {
             self.revision = rev;
             self.record(rev, events);
+            self.push_to_prefix_watches(rev, &changes);
         }
         Ok(results)
     }
@@ -361,6 +380,69 @@ impl Store {
         {
             self.drop_history_below(self.revision - keep);
         }
+    }
+
+    /// Hands one revision's changes to every prefix watch they concern,
+    /// as one response.
+    fn push_to_prefix_watches(&mut self, rev: i64, changes: &[(String, Option<Kv>, Option<Kv>)]) {
+        for slot in self.prefix_watches.values_mut() {
+            if slot.ended {
+                continue;
+            }
+            let events: Vec<FollowEvent> = changes
+                .iter()
+                .filter_map(|(key, put, prev)| {
+                    Some(FollowEvent {
+                        key: key.strip_prefix(slot.prefix.as_str())?.to_string(),
+                        put: put.clone(),
+                        prev: prev.clone(),
+                    })
+                })
+                .collect();
+            if !events.is_empty() {
+                slot.pending.push_back(FollowSignal::Events {
+                    events,
+                    through: rev,
+                });
+            }
+        }
+    }
+
+    /// Every key under `prefix` now, and a watch of the prefix from the
+    /// next revision on (one call: nothing falls between the read and the
+    /// watch). Keys come without the prefix.
+    pub fn follow(&mut self, prefix: &str) -> (Vec<(String, Kv)>, i64, u64) {
+        let read = self
+            .range(prefix)
+            .map(|(k, kv)| (k.strip_prefix(prefix).unwrap_or(k).to_string(), kv.kv()))
+            .collect();
+        let id = self.next_watch;
+        self.next_watch += 1;
+        self.prefix_watches.insert(
+            id,
+            PrefixSlot {
+                prefix: prefix.to_string(),
+                pending: VecDeque::new(),
+                ended: false,
+            },
+        );
+        (read, self.revision, id)
+    }
+
+    /// The prefix watch's next response, if it has one now (`Lost` once
+    /// ended, or if it is unknown).
+    pub fn poll_prefix_watch(&mut self, id: u64) -> Option<FollowSignal> {
+        let Some(slot) = self.prefix_watches.get_mut(&id) else {
+            return Some(FollowSignal::Lost);
+        };
+        if let Some(signal) = slot.pending.pop_front() {
+            return Some(signal);
+        }
+        slot.ended.then_some(FollowSignal::Lost)
+    }
+
+    pub fn close_prefix_watch(&mut self, id: u64) {
+        self.prefix_watches.remove(&id);
     }
 
     // --- compaction ---
@@ -527,6 +609,9 @@ impl Store {
     /// reports what was pushed to it, then `Lost`.
     pub fn end_watches(&mut self) {
         for slot in self.watches.values_mut() {
+            slot.ended = true;
+        }
+        for slot in self.prefix_watches.values_mut() {
             slot.ended = true;
         }
         self.dirty = true;

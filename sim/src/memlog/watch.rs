@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use latchkey_arbiter::lock_log::{KeyWatch, WatchSignal};
+use latchkey_arbiter::lock_log::{FollowSignal, KeyWatch, PrefixWatch, WatchSignal};
 
 use super::Shared;
 
@@ -68,5 +68,63 @@ impl Drop for MemWatch {
     fn drop(&mut self) {
         let id = self.id;
         self.shared.lock().store.close_watch(id);
+    }
+}
+
+/// A prefix watch on the [`super::MemLog`] (the followers'): one response
+/// per `next`, woken like [`MemWatch`], lease expiries applied while it
+/// waits.
+pub(crate) struct MemPrefixWatch {
+    shared: Arc<Shared>,
+    id: u64,
+    changed: tokio::sync::watch::Receiver<u64>,
+}
+
+impl MemPrefixWatch {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        id: u64,
+        changed: tokio::sync::watch::Receiver<u64>,
+    ) -> Self {
+        Self {
+            shared,
+            id,
+            changed,
+        }
+    }
+}
+
+#[async_trait]
+impl PrefixWatch for MemPrefixWatch {
+    async fn next(&mut self) -> FollowSignal {
+        loop {
+            let id = self.id;
+            let changed = &mut self.changed;
+            let deadline = match self.shared.with(|inner, _| {
+                let polled = inner.store.poll_prefix_watch(id);
+                changed.borrow_and_update();
+                polled.ok_or(inner.store.earliest_deadline())
+            }) {
+                Ok(signal) => return signal,
+                Err(deadline) => deadline,
+            };
+            let woke = match deadline {
+                Some(deadline) => tokio::select! {
+                    woke = self.changed.changed() => woke,
+                    () = tokio::time::sleep_until(deadline) => Ok(()),
+                },
+                None => self.changed.changed().await,
+            };
+            if woke.is_err() {
+                return FollowSignal::Lost;
+            }
+        }
+    }
+}
+
+impl Drop for MemPrefixWatch {
+    fn drop(&mut self) {
+        let id = self.id;
+        self.shared.lock().store.close_prefix_watch(id);
     }
 }

@@ -24,9 +24,10 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
-    BatchOp, BatchOutcome, Claimed, DurableQueueLog, EpochLog, ForceEndTxn, ForceEnded, GrantTxn,
-    Granted, HandOverFrom, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LogResult, Queued, Records,
-    ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
+    BatchOp, BatchOutcome, Claimed, Counted, DurableQueueLog, EpochLog, FollowEvent, FollowLog,
+    FollowSignal, ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt,
+    HoldLog, KeyWatch, Kv, LogResult, PrefixWatch, Queued, Records, ReleaseTxn, ReleasedIf,
+    Renewal, SessionLog, StoreError,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -51,7 +52,7 @@ struct Ids {
 /// docs).
 pub(crate) struct IdLog {
     log: MemLog,
-    ids: Mutex<Ids>,
+    ids: Arc<Mutex<Ids>>,
     /// Every call, when tracing (`LATCHKEY_SIM_TRACE`): simulated time,
     /// the store's revision as the call starts, the call.
     trace: Option<Mutex<Vec<String>>>,
@@ -63,10 +64,10 @@ impl IdLog {
     pub(crate) fn new(log: MemLog, watches: Arc<Dispatch>, trace: bool) -> Self {
         Self {
             log,
-            ids: Mutex::new(Ids {
+            ids: Arc::new(Mutex::new(Ids {
                 next: FIRST_ID,
                 ..Ids::default()
-            }),
+            })),
             trace: trace.then(|| Mutex::new(Vec::new())),
             start: tokio::time::Instant::now(),
             watches,
@@ -116,11 +117,8 @@ impl IdLog {
         self.ids().to_arbiter.get(&id).copied().unwrap_or(id)
     }
 
-    fn kv_back(&self, mut kv: Kv) -> Kv {
-        if kv.lease != 0 {
-            kv.lease = self.arbiter_id(kv.lease);
-        }
-        kv
+    fn kv_back(&self, kv: Kv) -> Kv {
+        kv_back(&self.ids, kv)
     }
 
     fn error_back(&self, e: StoreError) -> StoreError {
@@ -178,6 +176,75 @@ impl IdLog {
         HeldAt {
             session: self.store_id(held.session),
             ..held.clone()
+        }
+    }
+}
+
+#[async_trait]
+impl FollowLog for IdLog {
+    async fn follow(
+        &self,
+        counted: Counted,
+        prev_kv: bool,
+        each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
+    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+        self.t(|| format!("follow {counted:?}"));
+        let mut read = Vec::new();
+        let (revision, watch) = self
+            .log
+            .follow(counted, prev_kv, &mut |key, kv| {
+                read.push((key.to_string(), kv.clone()));
+            })
+            .await
+            .map_err(|e| self.error_back(e))?;
+        for (key, kv) in read {
+            each(&key, &self.kv_back(kv));
+        }
+        Ok((
+            revision,
+            Box::new(IdPrefixWatch {
+                ids: self.ids.clone(),
+                watch,
+            }),
+        ))
+    }
+}
+
+/// `kv` with its lease as the arbiter names it.
+fn kv_back(ids: &Mutex<Ids>, mut kv: Kv) -> Kv {
+    if kv.lease != 0 {
+        kv.lease = ids
+            .lock()
+            .to_arbiter
+            .get(&kv.lease)
+            .copied()
+            .unwrap_or(kv.lease);
+    }
+    kv
+}
+
+/// A prefix watch whose leases read as the arbiter's ids.
+struct IdPrefixWatch {
+    ids: Arc<Mutex<Ids>>,
+    watch: Box<dyn PrefixWatch>,
+}
+
+#[async_trait]
+impl PrefixWatch for IdPrefixWatch {
+    async fn next(&mut self) -> FollowSignal {
+        match self.watch.next().await {
+            FollowSignal::Events { events, through } => FollowSignal::Events {
+                events: events
+                    .into_iter()
+                    .map(|e| FollowEvent {
+                        put: e.put.map(|kv| kv_back(&self.ids, kv)),
+                        prev: e.prev.map(|kv| kv_back(&self.ids, kv)),
+                        ..e
+                    })
+                    .collect(),
+                through,
+            },
+            FollowSignal::Lost => FollowSignal::Lost,
         }
     }
 }

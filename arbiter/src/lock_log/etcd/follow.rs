@@ -1,120 +1,139 @@
-//! Following every key under a prefix: one read of them all (paginated, at
-//! one revision), then a watch from the next revision on; read again from
-//! scratch whenever the watch breaks or its events were compacted away,
-//! since only a fresh read is exact then. What the keys mean is the
-//! follower's ([`Followed`]): the hold counts read holder records
-//! ([`crate::hold_counts`]), the session counts the session index
-//! ([`crate::session_counts`]). Neither names etcd.
+//! The etcd side of following a counted key space ([`FollowLog`]): every
+//! key under the prefix in pages at one revision, then a prefix watch from
+//! the next revision on. What the keys mean is the follower's
+//! (`crate::follow`).
 
-use std::sync::Arc;
-use std::time::Duration;
-
+use async_trait::async_trait;
 use latchkey_etcd::scan::scan_prefix;
-use latchkey_etcd::watch::{EventType, WatchOptions, WatchResponse, watch_from};
+use latchkey_etcd::watch::{EventType, WatchOptions, WatchResponse, WatchStream, watch_from};
 use latchkey_etcd::{Client, KeyValue};
-use tracing::warn;
 
-use super::kv;
-use crate::lock_log::Kv;
+use super::{EtcdLog, kv, unavailable};
+use crate::lock_log::{Counted, FollowEvent, FollowLog, FollowSignal, Kv, PrefixWatch, StoreError};
+use crate::records::Layout;
 
 /// Keys read per request when reading from scratch (a holder record is a
 /// few hundred bytes, a session entry none: well inside a gRPC message).
 const PAGE: i64 = 2_000;
-/// Pause before reading again after the watch broke (a watch that keeps
-/// being refused must not become a loop of full reads).
-const RETRY: Duration = Duration::from_secs(1);
 
-/// One change of a followed key, as the watch reported it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Event {
-    /// The key without the prefix.
-    pub key: String,
-    /// The value put; `None` for a delete (an expiry's included).
-    pub put: Option<Kv>,
-    /// The value before the change, when the follower asks for it
-    /// ([`Followed::PREV_KV`]) and etcd still had it.
-    pub prev: Option<Kv>,
+/// A follower's own connection to etcd: the watches of every holder record
+/// and session entry must not queue behind grants on the lock log's.
+#[derive(Clone)]
+pub struct EtcdFollower {
+    client: Client,
+    layout: Layout,
 }
 
-/// What a prefix's keys mean to the one following them.
-pub trait Followed: Send + Sync + 'static {
-    /// What a read from scratch builds, key by key, before it is installed.
-    type Reading: Default + Send;
-    /// What is followed, for logs ("holds", "sessions").
-    const WHAT: &'static str;
-    /// Whether a delete must carry the deleted value (etcd's `prev_kv`):
-    /// only when the value, not the key, says whose the key was.
-    const PREV_KV: bool;
-
-    /// Adds one key read from scratch (`key` without the prefix).
-    fn read(reading: &mut Self::Reading, key: &str, kv: &Kv);
-    /// Replaces what was followed with a fresh read at `revision`.
-    fn install(&self, reading: Self::Reading, revision: i64);
-    /// One watch response's events, all at or below `revision`. `false`:
-    /// an event it cannot attribute (applied none of them); read again.
-    fn apply(&self, events: &[Event], revision: i64) -> bool;
-    /// The watch broke: what was followed may fall behind the log until the
-    /// next [`Self::install`].
-    fn lost(&self) {}
-}
-
-/// Keeps `followed` up to date with every key under `prefix`. Runs until
-/// the arbiter stops (the task is aborted).
-pub async fn follow<F: Followed>(followed: Arc<F>, client: Client, prefix: String) {
-    loop {
-        match read_and_watch(followed.as_ref(), &client, &prefix).await {
-            Ok(()) => warn!(what = F::WHAT, "the watch ended; reading everything again"),
-            Err(e) => {
-                warn!(what = F::WHAT, error = %e, "cannot read or watch the counted keys; trying again");
-            }
+impl EtcdFollower {
+    pub fn new(client: Client, prefix: &str) -> Self {
+        Self {
+            client,
+            layout: Layout::new(prefix),
         }
-        followed.lost();
-        tokio::time::sleep(RETRY).await;
     }
 }
 
-async fn read_and_watch<F: Followed>(
-    followed: &F,
+#[async_trait]
+impl FollowLog for EtcdFollower {
+    async fn follow(
+        &self,
+        counted: Counted,
+        prev_kv: bool,
+        each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
+    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+        follow_on(&self.client, &self.layout, counted, prev_kv, each).await
+    }
+}
+
+#[async_trait]
+impl FollowLog for EtcdLog {
+    async fn follow(
+        &self,
+        counted: Counted,
+        prev_kv: bool,
+        each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
+    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+        follow_on(&self.client, &self.layout, counted, prev_kv, each).await
+    }
+}
+
+fn prefix_of(layout: &Layout, counted: Counted) -> String {
+    match counted {
+        Counted::Holds => layout.holders(),
+        Counted::SessionIndex => layout.session_index(),
+    }
+}
+
+async fn follow_on(
     client: &Client,
-    prefix: &str,
-) -> Result<(), latchkey_etcd::Error> {
-    let (reading, revision) = read_all::<F>(client, prefix).await?;
-    followed.install(reading, revision);
+    layout: &Layout,
+    counted: Counted,
+    prev_kv: bool,
+    each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
+) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+    let prefix = prefix_of(layout, counted);
+    let revision = scan_prefix(client, &prefix, PAGE, None, |entry| {
+        if let Some(key) = entry
+            .key_str()
+            .ok()
+            .and_then(|k| k.strip_prefix(prefix.as_str()))
+        {
+            each(key, &kv(entry));
+        }
+    })
+    .await
+    .map_err(|e| unavailable("cannot read the counted keys", e))?;
     let mut options = WatchOptions::new().with_prefix();
-    if F::PREV_KV {
+    if prev_kv {
         options = options.with_prev_key();
     }
-    let mut stream = watch_from(client, prefix, revision + 1, options).await?;
-    while let Some(resp) = stream.message().await? {
-        if resp.canceled() || resp.compact_revision() > 0 {
-            // Events were lost (compaction): only a fresh read is exact.
-            return Ok(());
-        }
-        // etcd's first answer says nothing about how far the log is known.
-        let Some(at) = known_through(&resp) else {
-            continue;
-        };
-        let events: Vec<Event> = resp
-            .events()
-            .iter()
-            .map(|e| Event {
-                key: e
-                    .kv()
-                    .and_then(|kv| kv.key_str().ok()?.strip_prefix(prefix))
-                    .unwrap_or_default()
-                    .to_string(),
-                put: match e.event_type() {
-                    EventType::Put => e.kv().map(kv),
-                    EventType::Delete => None,
-                },
-                prev: e.prev_kv().map(kv),
-            })
-            .collect();
-        if !followed.apply(&events, at) {
-            return Ok(());
+    let stream = watch_from(client, prefix.as_str(), revision + 1, options)
+        .await
+        .map_err(|e| unavailable("cannot watch the counted keys", e))?;
+    Ok((revision, Box::new(EtcdPrefixWatch { stream, prefix })))
+}
+
+struct EtcdPrefixWatch {
+    stream: WatchStream,
+    prefix: String,
+}
+
+#[async_trait]
+impl PrefixWatch for EtcdPrefixWatch {
+    async fn next(&mut self) -> FollowSignal {
+        loop {
+            let resp = match self.stream.message().await {
+                Ok(Some(resp)) => resp,
+                Ok(None) | Err(_) => return FollowSignal::Lost,
+            };
+            if resp.canceled() || resp.compact_revision() > 0 {
+                // Events were lost (compaction): only a fresh read is exact.
+                return FollowSignal::Lost;
+            }
+            // etcd's first answer says nothing about how far the log is known.
+            let Some(through) = known_through(&resp) else {
+                continue;
+            };
+            let prefix = self.prefix.as_str();
+            let events = resp
+                .events()
+                .iter()
+                .map(|e| FollowEvent {
+                    key: e
+                        .kv()
+                        .and_then(|kv| kv.key_str().ok()?.strip_prefix(prefix))
+                        .unwrap_or_default()
+                        .to_string(),
+                    put: match e.event_type() {
+                        EventType::Put => e.kv().map(kv),
+                        EventType::Delete => None,
+                    },
+                    prev: e.prev_kv().map(kv),
+                })
+                .collect();
+            return FollowSignal::Events { events, through };
         }
     }
-    Ok(())
 }
 
 /// How far the log is known once `resp` is applied: its last event's
@@ -135,20 +154,4 @@ pub fn known_through(resp: &WatchResponse) -> Option<i64> {
         (None, true) => None,
         (None, false) => Some(resp.header().map_or(0, |h| h.revision())),
     }
-}
-
-/// Every key under `prefix`, one page after another, all at the first
-/// page's revision; with that revision.
-async fn read_all<F: Followed>(
-    client: &Client,
-    prefix: &str,
-) -> Result<(F::Reading, i64), latchkey_etcd::Error> {
-    let mut reading = F::Reading::default();
-    let revision = scan_prefix(client, prefix, PAGE, None, |entry| {
-        if let Some(key) = entry.key_str().ok().and_then(|k| k.strip_prefix(prefix)) {
-            F::read(&mut reading, key, &kv(entry));
-        }
-    })
-    .await?;
-    Ok((reading, revision))
 }
