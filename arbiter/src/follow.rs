@@ -65,12 +65,15 @@ async fn read_and_watch<F: Followed>(
     counted: Counted,
 ) -> Result<(), StoreError> {
     let mut reading = F::Reading::default();
-    let (revision, mut watch) = log
+    let (revision, watch) = log
         .follow(counted, F::PREV_KV, &mut |key, kv| {
             F::read(&mut reading, key, kv);
         })
         .await?;
+    // Installed before the watch's outcome is known: a watch that keeps
+    // failing still leaves a count at most a retry old.
     followed.install(reading, revision);
+    let mut watch = watch?;
     loop {
         match watch.next().await {
             FollowSignal::Events { events, through } => {

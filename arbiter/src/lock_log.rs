@@ -384,9 +384,10 @@ pub type LogResult<T> = Result<Answer<T>, StoreError>;
 /// the capabilities the arbiter needs beside it ([`EpochLog`], the epoch,
 /// seal and shard-map fence records; [`DurableQueueLog`], ADR-14's waiters;
 /// [`SessionLog`], sessions as leases; [`FollowLog`], every hold and
-/// session entry read and then watched, for the per-subject counts). Every method is one request to the
-/// store (one transaction, read or lease call), so an answer's header is
-/// the header of everything in it. Any type with all four is a `LockLog`.
+/// session entry read and then watched, for the per-subject counts). Every
+/// method but `follow` is one request to the store (one transaction, read
+/// or lease call), so an answer's header is the header of everything in
+/// it. Any type with all five is a `LockLog`.
 pub trait LockLog: HoldLog + EpochLog + DurableQueueLog + SessionLog + FollowLog {}
 
 impl<T: HoldLog + EpochLog + DurableQueueLog + SessionLog + FollowLog> LockLog for T {}
@@ -690,10 +691,14 @@ pub trait FollowLog: Send + Sync + 'static {
     /// prefix, then watches the key space from the next revision on
     /// (`prev_kv`: deletes carry the value they deleted). The revision read
     /// at, and the watch.
+    ///
+    /// The read's revision comes back even when the watch could not be
+    /// opened, so the follower installs what it read either way (a watch
+    /// that keeps failing must not keep an old count in force).
     async fn follow(
         &self,
         counted: Counted,
         prev_kv: bool,
         each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
-    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError>;
+    ) -> Result<(i64, Result<Box<dyn PrefixWatch>, StoreError>), StoreError>;
 }

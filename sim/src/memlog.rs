@@ -30,6 +30,7 @@
 
 mod batch;
 mod call;
+mod holds;
 mod keys;
 mod store;
 #[cfg(test)]
@@ -42,10 +43,8 @@ use parking_lot::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    Answer, BatchOp, BatchOutcome, Claimed, Counted, DurableQueueLog, EpochLog, FollowLog,
-    ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverFrom, HandOverTxn, Header, HeldAt, HoldLog,
-    KeyWatch, Kv, LogResult, PrefixWatch, Queued, Records, ReleaseTxn, ReleasedIf, Renewal,
-    SessionLog, StoreError,
+    Answer, Counted, DurableQueueLog, EpochLog, FollowLog, Header, Kv, LogResult, PrefixWatch,
+    Queued, Records, Renewal, SessionLog, StoreError,
 };
 use latchkey_records::{decode_map_fence, encode_map_fence};
 use tokio::time::{Duration, Instant};
@@ -368,26 +367,12 @@ impl MemLog {
     }
 }
 
-/// The high bits of the leases a forced end puts its records on.
-const FORCE_LEASES: i64 = 0x3f << 56;
-
 fn nonzero(id: u64) -> u64 {
     if id == 0 { 1 } else { id }
 }
 
 fn lease_gone(NoLease(lease): NoLease) -> StoreError {
     StoreError::LeaseGone { lease }
-}
-
-/// The compares that make a release or hand-over act only on `held`: the
-/// same record bytes, on the same lease, at the same revision.
-fn still_held(held: &HeldAt) -> [Compare; 3] {
-    let key = keys::holder(&held.key);
-    [
-        Compare::ModRevision(key.clone(), held.revision),
-        Compare::Lease(key.clone(), held.session),
-        Compare::Value(key, held.value.clone()),
-    ]
 }
 
 /// A compare on a record expected at `at` (`None`: absent).
@@ -403,252 +388,13 @@ fn kv_of(store: &Store, key: &str) -> Option<Kv> {
 }
 
 #[async_trait]
-impl HoldLog for MemLog {
-    async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
-        let planned = batch::plan_grant(&txn);
-        self.call("grant", |inner, _| {
-            let outcome = batch::apply(&mut inner.store, vec![planned]).map_err(lease_gone)?;
-            match outcome.into_iter().next() {
-                Some(BatchOutcome::Grant(granted)) => inner.answer(granted),
-                _ => Err(StoreError::Malformed("a grant without its outcome".into())),
-            }
-        })
-        .await
-    }
-
-    async fn release_if_owned(&self, txn: &ReleaseTxn) -> LogResult<ReleasedIf> {
-        let planned = batch::plan_release(txn)?;
-        self.call("release if owned", |inner, _| {
-            let outcome = batch::apply(&mut inner.store, vec![planned]).map_err(lease_gone)?;
-            match outcome.into_iter().next() {
-                Some(BatchOutcome::Release(released)) => inner.answer(released),
-                _ => Err(StoreError::Malformed(
-                    "a release without its outcome".into(),
-                )),
-            }
-        })
-        .await
-    }
-
-    fn batch_limit(&self) -> usize {
-        batch::BATCH_LIMIT
-    }
-
-    async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
-        // refused before it is sent, as the etcd log does: no call
-        batch::check(&ops)?;
-        let planned = ops.iter().map(batch::plan).collect::<Result<Vec<_>, _>>()?;
-        self.batch_call(planned.len(), |inner, _| {
-            let outcomes = batch::apply(&mut inner.store, planned).map_err(|NoLease(lease)| {
-                StoreError::Refused {
-                    context: format!("a batch put on lease {lease:#x}, which is gone"),
-                }
-            })?;
-            inner.batches.note(&outcomes);
-            inner.answer(outcomes)
-        })
-        .await
-    }
-
-    async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
-        let mut compares = match txn.from {
-            HandOverFrom::Exact(held) => still_held(held).to_vec(),
-            HandOverFrom::Owned(owned) => batch::plan_release(owned)?.compares,
-        };
-        compares.extend([
-            Compare::Value(keys::epoch(), txn.epoch.to_vec()),
-            Compare::CreateRevision(keys::seal(), 0),
-            Compare::ModRevision(keys::map_fence(), txn.fence_at),
-            Compare::Value(
-                keys::session(txn.next_session),
-                txn.next_session_record.to_vec(),
-            ),
-            Compare::NoneUnder(keys::queue_of(txn.from.key())),
-        ]);
-        let key = txn.from.key().to_string();
-        let holder = keys::holder(&key);
-        self.call("hand over", |inner, _| {
-            if !inner.store.all(&compares) {
-                return inner.answer(None);
-            }
-            let results = commit(
-                &mut inner.store,
-                vec![
-                    put(holder, txn.holder_record, txn.next_session),
-                    Op::DeletePrefix(keys::claims_of(&key)),
-                ],
-            )?;
-            let previous = match results.first() {
-                Some(OpResult::Put(prev)) => prev.as_ref().map(|kv| kv.value.clone()),
-                _ => None,
-            };
-            inner.answer(Some(previous))
-        })
-        .await
-    }
-
-    async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
-        let compares = still_held(held);
-        let holder = keys::holder(&held.key);
-        self.call("release", |inner, _| {
-            if !inner.store.all(&compares) {
-                return inner.answer(None);
-            }
-            let results = commit(
-                &mut inner.store,
-                vec![
-                    Op::Delete(holder),
-                    Op::DeletePrefix(keys::claims_of(&held.key)),
-                ],
-            )?;
-            let previous = match results.first() {
-                Some(OpResult::Deleted(prev)) => prev.first().map(|(_, kv)| kv.value.clone()),
-                _ => None,
-            };
-            // the compares found the key, so the delete returned it
-            inner.answer(Some(previous.unwrap_or_default()))
-        })
-        .await
-    }
-
-    async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
-        let holder = keys::holder(key);
-        let claim = keys::claim(key, revision);
-        self.call("claim", |inner, _| {
-            let held = inner.store.all(&[
-                Compare::ModRevision(holder.clone(), revision),
-                Compare::Lease(holder.clone(), session),
-            ]);
-            let recorded = !inner
-                .store
-                .all(&[Compare::CreateRevision(claim.clone(), 0)]);
-            let claimed = match (held, recorded) {
-                (true, false) => {
-                    commit(&mut inner.store, vec![put(claim, Vec::new(), session)])?;
-                    Claimed::Now
-                }
-                (true, true) => Claimed::Already,
-                (false, _) => Claimed::Gone,
-            };
-            inner.answer(claimed)
-        })
-        .await
-    }
-
-    async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
-        let holder = keys::holder(key);
-        let claim = keys::claim(key, revision);
-        self.call("release orphan", |inner, _| {
-            let ok = inner.store.all(&[
-                Compare::ModRevision(holder.clone(), revision),
-                Compare::Lease(holder.clone(), session),
-                Compare::CreateRevision(claim, 0),
-            ]);
-            if ok {
-                commit(&mut inner.store, vec![Op::Delete(holder)])?;
-            }
-            inner.answer(ok)
-        })
-        .await
-    }
-
-    async fn force_end(&self, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
-        let holder = keys::holder(txn.key);
-        let records = txn.records.clone();
-        let (key, lease, revision) = (txn.key.to_string(), txn.lease, txn.revision);
-        self.call("force end", move |inner, now| {
-            let held = inner.store.all(&[
-                Compare::ModRevision(holder.clone(), revision),
-                Compare::Lease(holder.clone(), lease),
-            ]);
-            let records_moved = !records.unchanged.iter().all(|(name, rev)| {
-                inner
-                    .store
-                    .get(name)
-                    .is_some_and(|kv| kv.mod_revision == *rev)
-            });
-            if records_moved {
-                return inner.answer(ForceEnded::RecordsChanged);
-            }
-            if !held {
-                let now = kv_of(&inner.store, &holder);
-                return inner.answer(ForceEnded::HoldChanged { now });
-            }
-            let mut ops = vec![Op::Delete(holder), Op::DeletePrefix(keys::claims_of(&key))];
-            if !records.put.is_empty() {
-                // A lease of its own, as etcd grants one (ids far above
-                // any session's, one per revision, so never taken).
-                let record_lease = FORCE_LEASES | (inner.store.revision() + 1);
-                inner
-                    .store
-                    .grant_lease(record_lease, records.ttl_seconds, now);
-                ops.extend(
-                    records
-                        .put
-                        .iter()
-                        .map(|(name, value)| put(name.clone(), value.clone(), record_lease)),
-                );
-            }
-            ops.extend(records.delete.iter().map(|name| Op::Delete(name.clone())));
-            commit(&mut inner.store, ops)?;
-            inner.answer(ForceEnded::Ended)
-        })
-        .await
-    }
-
-    async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
-        let holder = keys::holder(key);
-        self.call("holder", |inner, _| {
-            let kv = kv_of(&inner.store, &holder);
-            inner.answer(kv)
-        })
-        .await
-    }
-
-    async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>> {
-        let under = keys::holder(prefix);
-        self.call("holders under", |inner, _| {
-            let holds = inner
-                .store
-                .range(&under)
-                .map(|(k, kv)| {
-                    let key = k.strip_prefix(keys::HOLDERS).unwrap_or(k);
-                    (key.to_string(), kv.kv())
-                })
-                .collect();
-            inner.answer(holds)
-        })
-        .await
-    }
-
-    async fn count_holds(&self) -> LogResult<i64> {
-        self.call("count holds", |inner, _| {
-            let n = inner.store.count(keys::HOLDERS);
-            inner.answer(n)
-        })
-        .await
-    }
-
-    async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
-        let holder = keys::holder(key);
-        let rx = self.shared.changed.subscribe();
-        let id = self
-            .call("watch", |inner, _| {
-                Ok(inner.store.open_watch(&holder, from_revision))
-            })
-            .await?;
-        Ok(Box::new(watch::MemWatch::new(self.shared.clone(), id, rx)))
-    }
-}
-
-#[async_trait]
 impl FollowLog for MemLog {
     async fn follow(
         &self,
         counted: Counted,
         _prev_kv: bool,
         each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
-    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+    ) -> Result<(i64, Result<Box<dyn PrefixWatch>, StoreError>), StoreError> {
         // Deletes always carry their value here (etcd's prev_kv, asked
         // for or not: a follower that did not ask ignores it).
         let prefix = match counted {
@@ -664,10 +410,9 @@ impl FollowLog for MemLog {
         for (key, kv) in &read {
             each(key, kv);
         }
-        Ok((
-            revision,
-            Box::new(watch::MemPrefixWatch::new(self.shared.clone(), id, rx)),
-        ))
+        let watch: Box<dyn PrefixWatch> =
+            Box::new(watch::MemPrefixWatch::new(self.shared.clone(), id, rx));
+        Ok((revision, Ok(watch)))
     }
 }
 

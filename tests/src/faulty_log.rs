@@ -337,7 +337,7 @@ impl FollowLog for FaultyLog {
         counted: Counted,
         prev_kv: bool,
         each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
-    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+    ) -> Result<(i64, Result<Box<dyn PrefixWatch>, StoreError>), StoreError> {
         self.inner.follow(counted, prev_kv, each).await
     }
 }
@@ -659,7 +659,7 @@ mod tests {
             _: Counted,
             _: bool,
             _: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
-        ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+        ) -> Result<(i64, Result<Box<dyn PrefixWatch>, StoreError>), StoreError> {
             unused()
         }
     }

@@ -617,8 +617,10 @@ impl Store {
         self.dirty = true;
     }
 
+    /// Key watches and prefix watches not ended yet.
     pub fn open_watches(&self) -> usize {
         self.watches.values().filter(|s| !s.ended).count()
+            + self.prefix_watches.values().filter(|s| !s.ended).count()
     }
 
     // --- snapshot and restore ---

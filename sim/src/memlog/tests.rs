@@ -4,7 +4,7 @@
 //! real etcd.)
 
 use super::*;
-use latchkey_arbiter::lock_log::WatchSignal;
+use latchkey_arbiter::lock_log::{GrantTxn, Granted, HeldAt, HoldLog, WatchSignal};
 
 const EPOCH: &[u8] = b"epoch-1";
 const TTL: u32 = 10;

@@ -187,7 +187,7 @@ impl FollowLog for IdLog {
         counted: Counted,
         prev_kv: bool,
         each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
-    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+    ) -> Result<(i64, Result<Box<dyn PrefixWatch>, StoreError>), StoreError> {
         self.t(|| format!("follow {counted:?}"));
         let mut read = Vec::new();
         let (revision, watch) = self
@@ -200,13 +200,10 @@ impl FollowLog for IdLog {
         for (key, kv) in read {
             each(&key, &self.kv_back(kv));
         }
-        Ok((
-            revision,
-            Box::new(IdPrefixWatch {
-                ids: self.ids.clone(),
-                watch,
-            }),
-        ))
+        let ids = self.ids.clone();
+        let watch =
+            watch.map(|watch| Box::new(IdPrefixWatch { ids, watch }) as Box<dyn PrefixWatch>);
+        Ok((revision, watch))
     }
 }
 

@@ -24,11 +24,12 @@ pub async fn a_follow_reads_then_reports_every_change(log: &dyn LockLog) -> anyh
     let held_a = take(log, a, id, identity, &epoch).await?;
     let before = revision(log).await?;
     let mut read: Vec<(String, Kv)> = Vec::new();
-    let (at, mut watch) = log
+    let (at, watch) = log
         .follow(Counted::Holds, true, &mut |key, kv| {
             read.push((key.to_string(), kv.clone()));
         })
         .await?;
+    let mut watch = watch?;
     ensure!(at == before, "read at {at}, the log was at {before}");
     let mine: Vec<_> = read
         .iter()

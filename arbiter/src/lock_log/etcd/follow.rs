@@ -7,6 +7,7 @@ use async_trait::async_trait;
 use latchkey_etcd::scan::scan_prefix;
 use latchkey_etcd::watch::{EventType, WatchOptions, WatchResponse, WatchStream, watch_from};
 use latchkey_etcd::{Client, KeyValue};
+use tracing::warn;
 
 use super::{EtcdLog, kv, unavailable};
 use crate::lock_log::{Counted, FollowEvent, FollowLog, FollowSignal, Kv, PrefixWatch, StoreError};
@@ -40,11 +41,14 @@ impl FollowLog for EtcdFollower {
         counted: Counted,
         prev_kv: bool,
         each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
-    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+    ) -> Result<(i64, Result<Box<dyn PrefixWatch>, StoreError>), StoreError> {
         follow_on(&self.client, &self.layout, counted, prev_kv, each).await
     }
 }
 
+/// On the lock log's own connection: a `LockLog` can follow, but the
+/// arbiter's counts follow through an [`EtcdFollower`] of their own, so
+/// their watches never queue behind grants.
 #[async_trait]
 impl FollowLog for EtcdLog {
     async fn follow(
@@ -52,7 +56,7 @@ impl FollowLog for EtcdLog {
         counted: Counted,
         prev_kv: bool,
         each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
-    ) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+    ) -> Result<(i64, Result<Box<dyn PrefixWatch>, StoreError>), StoreError> {
         follow_on(&self.client, &self.layout, counted, prev_kv, each).await
     }
 }
@@ -70,7 +74,7 @@ async fn follow_on(
     counted: Counted,
     prev_kv: bool,
     each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
-) -> Result<(i64, Box<dyn PrefixWatch>), StoreError> {
+) -> Result<(i64, Result<Box<dyn PrefixWatch>, StoreError>), StoreError> {
     let prefix = prefix_of(layout, counted);
     let revision = scan_prefix(client, &prefix, PAGE, None, |entry| {
         if let Some(key) = entry
@@ -87,10 +91,11 @@ async fn follow_on(
     if prev_kv {
         options = options.with_prev_key();
     }
-    let stream = watch_from(client, prefix.as_str(), revision + 1, options)
+    let watch = watch_from(client, prefix.as_str(), revision + 1, options)
         .await
-        .map_err(|e| unavailable("cannot watch the counted keys", e))?;
-    Ok((revision, Box::new(EtcdPrefixWatch { stream, prefix })))
+        .map(|stream| Box::new(EtcdPrefixWatch { stream, prefix }) as Box<dyn PrefixWatch>)
+        .map_err(|e| unavailable("cannot watch the counted keys", e));
+    Ok((revision, watch))
 }
 
 struct EtcdPrefixWatch {
@@ -104,7 +109,11 @@ impl PrefixWatch for EtcdPrefixWatch {
         loop {
             let resp = match self.stream.message().await {
                 Ok(Some(resp)) => resp,
-                Ok(None) | Err(_) => return FollowSignal::Lost,
+                Ok(None) => return FollowSignal::Lost,
+                Err(e) => {
+                    warn!(error = %e, "the watch of the counted keys failed");
+                    return FollowSignal::Lost;
+                }
             };
             if resp.canceled() || resp.compact_revision() > 0 {
                 // Events were lost (compaction): only a fresh read is exact.

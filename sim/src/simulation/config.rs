@@ -1,0 +1,391 @@
+//! The shape of a run: [`SimConfig`] (seed, arbiters, clients, keys,
+//! operations), the faults it may meet ([`FaultKnobs`]) and the named
+//! presets the CI seeds run.
+
+use std::time::Duration;
+
+/// What the nemesis and the clients may do wrong.
+#[derive(Debug, Clone)]
+pub struct FaultKnobs {
+    /// Mean milliseconds between two faults (each gap is 0.5–1.5 × this).
+    pub fault_gap_ms: u64,
+    /// Windows of log faults.
+    pub log_faults: bool,
+    /// Windows of a slow log: many calls delayed, none failing.
+    pub slow_log: bool,
+    /// Highest percentage of calls failing before commit, and of answers
+    /// lost after commit, in a window (delays up to three times this).
+    pub log_fault_peak: u32,
+    /// Kill and restart arbiters.
+    pub arbiter_restarts: bool,
+    /// Percent of restarts that lose the state dir (the high-water mark).
+    /// With [`Self::restores`] only safe with a witness: see the module
+    /// docs (issue 15).
+    pub lose_state_percent: u32,
+    /// Compact the log's history and break watch streams.
+    pub compaction: bool,
+    /// Restore snapshots (same or new cluster id) and advance the epoch.
+    pub restores: bool,
+    /// Percent of restores during which one arbiter is cut off from every
+    /// caller (quiet before the restore, reconnected after the advance).
+    pub isolate_percent: u32,
+    /// Percent of the other restores during which one arbiter is idle (no
+    /// caller reaches it for a while before the restore) and is reconnected
+    /// right after the restore, before any arbiter sealed or the operator
+    /// advanced: the clients reach it first. Without a witness its memory
+    /// stops at what it saw before it went idle.
+    pub idle_percent: u32,
+    /// Percent of restores after which every arbiter restarts with its
+    /// state dir lost (issue 15's fault: "restore + every arbiter loses
+    /// its state"). Only safe with a witness.
+    pub wipe_on_restore_percent: u32,
+    /// Percent of restores that restore the coord cluster (the witness),
+    /// when there is one: half of them the coord cluster alone (the lock
+    /// log untouched), half both, the lock log from one kept backup and
+    /// the coord cluster from another taken at a different time, drawn
+    /// only where the design guarantees the restore is noticed (see the
+    /// module docs). The isolated, idle and wiped arbiters come with them
+    /// as with any restore.
+    pub coord_restore_percent: u32,
+    /// Also draw restores of both whose two backups both predate the
+    /// serving epoch: with every state dir wiped nothing then knows that
+    /// epoch, and the advance re-uses it (unsafe by design: only to show
+    /// that limit; off in every preset).
+    pub coord_restore_before_serving_epoch: bool,
+    /// The log-fault and slow-log windows hit the witness too (when there
+    /// is one), with the same rates.
+    pub witness_faults: bool,
+    /// Percent of grants whose holder crashes (stops renewing, never
+    /// releases).
+    pub crash_percent: u32,
+    /// Percent of units of work in which the holder freezes past its TTL
+    /// and then writes with its (stale) token.
+    pub pause_percent: u32,
+    /// Percent of acquires the client cancels after a random time.
+    pub cancel_percent: u32,
+    /// Percent of calls routed to a random arbiter instead of the key's home.
+    pub stray_percent: u32,
+    /// Percent of cycles after which an incarnation closes its session and
+    /// ends.
+    pub close_session_percent: u32,
+    /// Raise the lock log's shard-map fence above the map some arbiters
+    /// route by, for a while (see the module docs).
+    pub map_fences: bool,
+    /// The arbiters picked to stay behind a fence load its map at once
+    /// anyway, while the run is judged as if they had not: their grants
+    /// must show as violations (only to show the fence's check has teeth;
+    /// off in every preset).
+    pub map_fences_unenforced: bool,
+    /// Two-person force-releases of holds the clients have (see the module
+    /// docs).
+    pub force_releases: bool,
+    /// The forced end names the hold as it is right before the end, not
+    /// the one approved: the bug a request's lease and revision guard
+    /// against. Its runs must show violations (only to show that the
+    /// simulation notices; off in every preset).
+    pub force_releases_reread: bool,
+}
+
+impl FaultKnobs {
+    /// Every fault, state kept across restarts.
+    pub fn all() -> Self {
+        Self {
+            fault_gap_ms: 2000,
+            log_faults: true,
+            slow_log: true,
+            log_fault_peak: 10,
+            arbiter_restarts: true,
+            lose_state_percent: 0,
+            compaction: true,
+            restores: true,
+            isolate_percent: 40,
+            idle_percent: 0,
+            wipe_on_restore_percent: 0,
+            coord_restore_percent: 0,
+            coord_restore_before_serving_epoch: false,
+            witness_faults: false,
+            crash_percent: 2,
+            pause_percent: 2,
+            cancel_percent: 4,
+            stray_percent: 15,
+            close_session_percent: 1,
+            map_fences: false,
+            map_fences_unenforced: false,
+            force_releases: false,
+            force_releases_reread: false,
+        }
+    }
+
+    /// Every fault, and shard-map fences raised above some arbiters' map.
+    pub fn fenced() -> Self {
+        Self {
+            map_fences: true,
+            ..Self::all()
+        }
+    }
+
+    /// Every fault, and two-person force-releases of the clients' holds.
+    pub fn forced() -> Self {
+        Self {
+            force_releases: true,
+            ..Self::all()
+        }
+    }
+
+    /// Every fault but restores, and half the restarts lose their state dir.
+    pub fn state_loss() -> Self {
+        Self {
+            restores: false,
+            lose_state_percent: 50,
+            ..Self::all()
+        }
+    }
+
+    /// Every fault, and state dirs lost together with restores: half the
+    /// restarts lose their state dir, a third of the restores wipe every
+    /// arbiter's state right after them, a third bring back an arbiter
+    /// idle before them at once; the witness faults with the log, and half
+    /// the restores restore the coord cluster (alone, or with the lock log
+    /// from another moment). Safe only with a witness (issue 15).
+    pub fn witnessed() -> Self {
+        Self {
+            lose_state_percent: 50,
+            idle_percent: 35,
+            wipe_on_restore_percent: 35,
+            coord_restore_percent: 50,
+            witness_faults: true,
+            ..Self::all()
+        }
+    }
+
+    /// [`Self::witnessed`] with every restart losing its state dir, and
+    /// half the restores wiping every arbiter's state.
+    pub fn witnessed_state_loss() -> Self {
+        Self {
+            lose_state_percent: 100,
+            wipe_on_restore_percent: 50,
+            ..Self::witnessed()
+        }
+    }
+
+    /// Nothing goes wrong.
+    pub fn none() -> Self {
+        Self {
+            fault_gap_ms: 2500,
+            log_faults: false,
+            slow_log: false,
+            log_fault_peak: 0,
+            arbiter_restarts: false,
+            lose_state_percent: 0,
+            compaction: false,
+            restores: false,
+            isolate_percent: 0,
+            idle_percent: 0,
+            wipe_on_restore_percent: 0,
+            coord_restore_percent: 0,
+            coord_restore_before_serving_epoch: false,
+            witness_faults: false,
+            crash_percent: 0,
+            pause_percent: 0,
+            cancel_percent: 0,
+            stray_percent: 0,
+            close_session_percent: 0,
+            map_fences: false,
+            map_fences_unenforced: false,
+            force_releases: false,
+            force_releases_reread: false,
+        }
+    }
+}
+
+/// One simulation run: a seed and the shape of the world.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub seed: u64,
+    /// Stop once the history holds this many operations (workers finish
+    /// their cycle, the nemesis its fault).
+    pub min_ops: usize,
+    pub keys: usize,
+    pub clients: usize,
+    pub arbiters: usize,
+    /// Longest unit of work inside a hold, in milliseconds (one in 16 is
+    /// ten times longer).
+    pub unit_ms: u64,
+    /// Longest wait budget of a waiting acquire, in milliseconds (from a
+    /// tenth of it).
+    pub wait_ms: u64,
+    /// Percent of waiting acquires with a short budget (up to twice
+    /// `unit_ms`): they often run out as the key is handed to them.
+    pub short_wait_percent: u32,
+    /// Percent of acquires that are try-locks.
+    pub try_lock_percent: u32,
+    /// Percent of `WAIT_TIMEOUT`s (and of `HELD`s of such a retry) after
+    /// which the client asks for the same key again on the same session,
+    /// at once or after a few milliseconds (a client's retry loop).
+    pub retry_percent: u32,
+    /// The tables' poll period (waiters whose watch is lost).
+    pub poll: Duration,
+    /// Build every table with one shared [`MemWitness`] (the coord
+    /// cluster, issue 15); without it the state dirs are the only witness.
+    ///
+    /// [`MemWitness`]: crate::witness::MemWitness
+    pub witness: bool,
+    /// Give up (stuck) if `min_ops` is not reached by then, simulated.
+    pub max_sim_time: Duration,
+    /// Each log call takes half of this to all of it: the round trip in
+    /// which later grants and releases queue for the next batch.
+    pub log_latency: Duration,
+    /// The tables' batch limit (1: no batching).
+    pub batch_limit: usize,
+    /// Keys `sim/k0` up to this one (exclusive) are of a durable class
+    /// (ADR-14): their waiters queue in the log, not in a table.
+    pub durable_keys: usize,
+    pub faults: FaultKnobs,
+}
+
+impl SimConfig {
+    /// The CI shape: 8 keys, 10 clients, 2 arbiters, every fault.
+    pub fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            min_ops: 2500,
+            keys: 8,
+            clients: 10,
+            arbiters: 2,
+            unit_ms: 200,
+            wait_ms: 1500,
+            short_wait_percent: 30,
+            try_lock_percent: 25,
+            retry_percent: 70,
+            poll: Duration::from_millis(500),
+            witness: false,
+            max_sim_time: Duration::from_secs(3600),
+            log_latency: Duration::from_millis(2),
+            batch_limit: latchkey_arbiter::table::DEFAULT_BATCH_LIMIT,
+            durable_keys: 0,
+            faults: FaultKnobs::all(),
+        }
+    }
+}
+
+/// The named shapes the CI test runs and `latchkey-sim --preset` takes.
+pub const PRESETS: &[&str] = &[
+    "default",
+    "three-arbiters",
+    "one-arbiter",
+    "state-loss",
+    "witnessed",
+    "witnessed-three-arbiters",
+    "witnessed-state-loss",
+    "unwitnessed-state-loss",
+    "durable",
+    "durable-three-arbiters",
+    "fenced",
+    "fenced-three-arbiters",
+    "forced",
+    "forced-three-arbiters",
+];
+
+impl SimConfig {
+    /// A named shape ([`PRESETS`]) with `seed`:
+    ///
+    /// - `default`: [`SimConfig::new`] (2 arbiters, every fault);
+    /// - `three-arbiters`, `one-arbiter`: the same with 3 arbiters (more
+    ///   routing and more arbiters to notice a restore), or 1 (every
+    ///   restart takes the whole service down);
+    /// - `state-loss`: restarts lose their state dir half the time, and
+    ///   so no restores ([`FaultKnobs::state_loss`], issue 15).
+    /// - `witnessed`: `default` with a witness ([`SimConfig::witness`]),
+    ///   state dirs lost at restarts and right after restores, an arbiter
+    ///   idle before a restore serving right after it, half the restores
+    ///   restoring the coord cluster, alone or with the lock log from
+    ///   another moment ([`FaultKnobs::witnessed`]);
+    ///   `witnessed-three-arbiters` the same with 3 arbiters;
+    /// - `witnessed-state-loss`: every restart loses its state dir, half
+    ///   the restores wipe every arbiter's, half restore the coord cluster
+    ///   ([`FaultKnobs::witnessed_state_loss`]);
+    /// - `unwitnessed-state-loss`: `witnessed-state-loss` without the
+    ///   witness (and so no restore of one): the single-cluster limit of
+    ///   issue 15, which re-issues tokens (it is expected to fail).
+    /// - `durable`, `durable-three-arbiters`: `default` (and with 3
+    ///   arbiters) with half the keys of a durable class
+    ///   ([`SimConfig::durable_keys`]).
+    /// - `fenced`, `fenced-three-arbiters`: `default` (and with 3
+    ///   arbiters) with shard-map fences ([`FaultKnobs::fenced`]).
+    /// - `forced`, `forced-three-arbiters`: `default` (and with 3
+    ///   arbiters) with two-person force-releases ([`FaultKnobs::forced`]).
+    pub fn preset(name: &str, seed: u64) -> Option<Self> {
+        let base = Self::new(seed);
+        Some(match name {
+            "default" => base,
+            "three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                ..base
+            },
+            "durable" => Self {
+                durable_keys: base.keys / 2,
+                ..base
+            },
+            "durable-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                durable_keys: base.keys / 2,
+                ..base
+            },
+            "fenced" => Self {
+                faults: FaultKnobs::fenced(),
+                ..base
+            },
+            "fenced-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                faults: FaultKnobs::fenced(),
+                ..base
+            },
+            "forced" => Self {
+                faults: FaultKnobs::forced(),
+                ..base
+            },
+            "forced-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                faults: FaultKnobs::forced(),
+                ..base
+            },
+            "one-arbiter" => Self {
+                arbiters: 1,
+                clients: 8,
+                keys: 6,
+                ..base
+            },
+            "state-loss" => Self {
+                faults: FaultKnobs::state_loss(),
+                ..base
+            },
+            "witnessed" => Self {
+                witness: true,
+                faults: FaultKnobs::witnessed(),
+                ..base
+            },
+            "witnessed-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                witness: true,
+                faults: FaultKnobs::witnessed(),
+                ..base
+            },
+            "witnessed-state-loss" => Self {
+                witness: true,
+                faults: FaultKnobs::witnessed_state_loss(),
+                ..base
+            },
+            "unwitnessed-state-loss" => Self {
+                witness: false,
+                faults: FaultKnobs::witnessed_state_loss(),
+                ..base
+            },
+            _ => return None,
+        })
+    }
+}
