@@ -3,7 +3,7 @@
 //! [`crate::session_counts`]; here only the lock that admits one open at a
 //! time over both tiers), and the etcd work renewals cost (a memo of recent
 //! renewals, per session).
-//! Waiting Acquires are bounded in [`crate::waiters`]. What one identity's
+//! Waiting Acquires are bounded in [`crate::table`]. What one identity's
 //! KeepAlive streams may make the arbiter do (ownership lookups, renewals
 //! answered) is paced in [`renewal_budget`].
 //!

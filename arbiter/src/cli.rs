@@ -310,6 +310,8 @@ pub async fn main() -> anyhow::Result<()> {
 /// [`main`] with the given arguments and a [`LogLayer`] around the lock log
 /// (for a program that embeds the arbiter, such as the release gate's
 /// arbiter-under-test with its deliberate bugs).
+///
+/// [`LogLayer`]: crate::LogLayer
 pub async fn main_with(
     argv: Vec<std::ffi::OsString>,
     log_layer: Option<crate::config::LogLayer>,

@@ -5,11 +5,11 @@
 //! (the peer SVID, or the edge proxy's header when the peer is the edge) →
 //! `service/` validates the key and class and checks the caller's prefix
 //! grants ([`policy`], reloaded from `policies/`) → the class [`hook`] may
-//! refuse → [`store`] runs ONE grant transaction comparing key absence, the
+//! refuse → [`table`] runs ONE grant transaction comparing key absence, the
 //! epoch record, the seal and the session record → the fencing [`token`] is
 //! `epoch × 2^48 + revision` of that transaction, made durable in the
 //! [`high_water`] mark before it is returned. A held key queues the caller in
-//! [`waiters`] (FIFO per key), whose driver retries on watch events, local
+//! the [`table`] (FIFO per key), whose driver retries on watch events, local
 //! releases and polls. [`epoch`] seals the arbiter when the lock log is not
 //! the one the epoch was minted for.
 

@@ -86,8 +86,8 @@ pub struct GrantTxn<'a> {
     pub queue: QueueTurn,
 }
 
-/// A durable waiter's record as [`LockLog::enqueue`] left it: its place
-/// (create revision) and its last write.
+/// A durable waiter's record as [`DurableQueueLog::enqueue`] left it: its
+/// place (create revision) and its last write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Queued {
     pub created: i64,
@@ -167,9 +167,9 @@ pub struct HandOverTxn<'a> {
 #[derive(Debug, Clone, Copy)]
 pub enum HandOverFrom<'a> {
     /// Exactly this record, found and checked before (bytes, lease,
-    /// revision), as [`LockLog::release`] compares it.
+    /// revision), as [`HoldLog::release`] compares it.
     Exact(&'a HeldAt),
-    /// The caller's hold as [`LockLog::release_if_owned`] compares it: on
+    /// The caller's hold as [`HoldLog::release_if_owned`] compares it: on
     /// the session's lease at the token's revision, its record beginning
     /// with the owner's bytes. No read before it; a failed compare does not
     /// say which (the table then reads the hold and answers why).
@@ -254,7 +254,7 @@ pub enum ForceEnded {
     RecordsChanged,
 }
 
-/// One member of a batch ([`LockLog::batch`]).
+/// One member of a batch ([`HoldLog::batch`]).
 #[derive(Debug, Clone)]
 pub enum BatchOp<'a> {
     Grant(GrantTxn<'a>),

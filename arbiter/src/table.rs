@@ -10,7 +10,7 @@
 //!   (`sys/shardmap`, ADR-09) and the session record; its token is
 //!   `epoch × 2^48 + revision`, made durable in the high-water mark before it
 //!   is returned ([`seal::Seal`] checks every answer's header first).
-//! - A held key queues the caller FIFO ([`queues`]); one driver per contended
+//! - A held key queues the caller FIFO (`queues`); one driver per contended
 //!   key attempts a grant for the head waiter whenever something suggests
 //!   the key may be free: a delete on the key's watch, a kick from a local
 //!   release or cancellation, or a poll. Every attempt is a full grant
@@ -27,6 +27,8 @@
 //!
 //! Background work (drivers, orphan releases) is tracked:
 //! [`LockTable::shutdown`] returns once it has all stopped.
+//!
+//! [`LockLog::claim`]: crate::lock_log::HoldLog::claim
 
 mod batch;
 mod driver;

@@ -14,7 +14,7 @@
 //! Schema 2 (`latchkey_audit_events_v2`, `latchkey_audit_checkpoints_v2`,
 //! `latchkey_audit_meta`) keeps no revision. A store with the first
 //! schema's tables (raw revisions: tokens) is moved over by the first
-//! `migrate` with the key, which then drops them ([`migrate_v1`]).
+//! `migrate` with the key, which then drops them (`migrate_v1`).
 
 mod clickhouse;
 mod migrate_v1;

@@ -20,7 +20,7 @@
 //! refuses a history in which a process goes on.
 //!
 //! **Algorithm.** Per key, a Wing–Gong / Lowe depth-first search as in
-//! Porcupine and Knossos ([`search`](crate::search)): repeatedly pick a
+//! Porcupine and Knossos (`search`): repeatedly pick a
 //! minimal call (one whose invoke is not after any pending return), apply
 //! it to the model, and backtrack when a return is reached before its
 //! operation was linearized; `(linearized set, state)` pairs already seen
@@ -29,7 +29,7 @@
 //! key whose search exceeds [`CheckOptions::max_states_per_key`] is
 //! *inconclusive*: never a pass.
 //!
-//! **Direct checks** ([`checks`](crate::checks)) run beside the search:
+//! **Direct checks** (`checks`) run beside the search:
 //! distinct and increasing grant tokens, a double-grant check naming both
 //! grants, and fenced writes held to the reference fence's `fence < token`:
 //! accepted tokens strictly increase in commit order (`seq`) and in real

@@ -27,6 +27,8 @@
 //! Nothing here reads the wall clock, spawns a task or iterates a hash
 //! map: on a current-thread runtime with paused time, a seed and a script
 //! of calls give the same answers every run.
+//!
+//! [`LockLog`]: latchkey_arbiter::lock_log::LockLog
 
 mod batch;
 mod call;
@@ -57,6 +59,8 @@ use store::{Compare, Image, NoLease, Op, OpResult, Store};
 /// How often, in percent of calls, each fault strikes. Every call of the
 /// [`LockLog`] draws its fate once, whatever the rates, so changing one rate
 /// does not reshuffle the others' stream.
+///
+/// [`LockLog`]: latchkey_arbiter::lock_log::LockLog
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FaultRates {
     /// The call fails before it reaches the store: nothing applied,

@@ -50,7 +50,7 @@
 //! it ([`FaultKnobs::lose_state_percent`]) is only combined with restores
 //! to show that limit (the `unwitnessed-state-loss` preset fails).
 //! With [`SimConfig::witness`] every table is built with one shared
-//! [`MemWitness`](crate::witness::MemWitness) (the coord cluster): the
+//! [`MemWitness`] (the coord cluster): the
 //! mark is read before every grant and raised before every token is
 //! handed out, and epochs are allocated from it, so the `witnessed`
 //! presets lose state dirs at restarts, wipe every arbiter's state right
@@ -123,8 +123,8 @@
 //! seed (the tables' poll jitter included), every `select!` biased, no
 //! hash-map order in a decision, and the arbiter's randomly drawn session
 //! ids mapped to counted ones before they reach the store
-//! ([`idlog`]), and the log's watch wake-ups put in a fixed order
-//! ([`ordered`]). The same seed gives the same history, byte for byte.
+//! (`idlog`), and the log's watch wake-ups put in a fixed order
+//! (`ordered`). The same seed gives the same history, byte for byte.
 //! `LATCHKEY_SIM_TRACE=<file>` writes every log call of a run (simulated
 //! time, revision, call) for debugging a seed.
 

@@ -207,7 +207,7 @@ fn run_one(seed: u64, preset: &str, ops: usize) -> (SimRun, Option<String>) {
         "seed {seed} (preset {preset}, {ops} ops) FAILED\n{}\n{saved}\n\
          replay: LATCHKEY_SIM_SEED={seed}:{preset} LATCHKEY_SIM_OPS={ops} cargo test -p latchkey-sim --test simulation seed_from_env -- --nocapture\n\
          replay: cargo run -p latchkey-sim --bin latchkey-sim -- --seed {seed} --preset {preset} --ops {ops} --history history.jsonl\n\
-         re-check: cargo run -p latchkey-tests --bin latchkey-gate -- --check {}\n",
+         re-check: cargo run -p latchkey-gate --bin latchkey-gate -- --check {}\n",
         result.failure(),
         path.display()
     );

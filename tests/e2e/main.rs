@@ -14,7 +14,6 @@ mod etcd_harness;
 mod etcd_members;
 mod etcd_tls;
 mod force_release;
-mod gate;
 mod grants;
 mod grpc_health;
 mod h2_limits;

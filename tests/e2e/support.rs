@@ -1,20 +1,18 @@
 //! Small helpers shared by the scenarios: a stack (real etcd + in-process
-//! arbiter), lock.v1 calls with short names, and refusal inspection.
+//! arbiter), lock.v1 calls with short names (`latchkey_tests::lock_calls`,
+//! shared with the gate's tests), and refusal inspection.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::time::Duration;
 
-use latchkey_proto::lockv1::lock_client::LockClient;
-use latchkey_proto::lockv1::{AcquireRequest, Grant, OpenSessionRequest, ReleaseRequest, WaitMode};
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
 use latchkey_tests::envoy::admin_get;
 use latchkey_tests::etcd::EtcdServer;
-use tonic::transport::Channel;
+pub use latchkey_tests::lock_calls::{
+    Client, TEST_INSTANCE, acquire_as, open, open_class, release, try_lock, wait_lock,
+};
 use tonic::{Code, Status};
 use tonic_types::StatusExt;
-
-pub type Client = LockClient<Channel>;
 
 pub struct Stack {
     pub etcd: EtcdServer,
@@ -30,86 +28,6 @@ pub async fn stack_with(opts: ArbiterOptions) -> anyhow::Result<Stack> {
     let etcd = EtcdServer::start().await?;
     let arbiter = Arbiter::start(&etcd, opts).await?;
     Ok(Stack { etcd, arbiter })
-}
-
-/// Opens a session for `class`; the refusal as a `Status` for tests that check it.
-pub async fn open_class(c: &mut Client, class: &str) -> Result<i64, Status> {
-    Ok(c.open_session(OpenSessionRequest {
-        class: class.into(),
-        reuse_session_ids: vec![],
-    })
-    .await?
-    .into_inner()
-    .session_id)
-}
-
-pub async fn open(c: &mut Client, class: &str) -> anyhow::Result<i64> {
-    Ok(open_class(c, class).await?)
-}
-
-/// The client instance the raw calls below name (`AcquireRequest.instance`):
-/// one for the whole test process, as the client libraries name one per
-/// process, so the same identity under another session is a LEAK here as it
-/// is for one process that forgot a hold. Replica tests name their own.
-pub const TEST_INSTANCE: &str = "e2e-test-process";
-
-pub async fn try_lock(
-    c: &mut Client,
-    key: &str,
-    class: &str,
-    session: i64,
-) -> Result<Grant, Status> {
-    acquire_as(c, key, class, session, TEST_INSTANCE, None).await
-}
-
-pub async fn wait_lock(
-    c: &mut Client,
-    key: &str,
-    class: &str,
-    session: i64,
-    timeout: Duration,
-) -> Result<Grant, Status> {
-    acquire_as(c, key, class, session, TEST_INSTANCE, Some(timeout)).await
-}
-
-/// An Acquire naming client instance `instance`; `wait`: how long a held key
-/// is waited for (none: a try-lock).
-pub async fn acquire_as(
-    c: &mut Client,
-    key: &str,
-    class: &str,
-    session: i64,
-    instance: &str,
-    wait: Option<Duration>,
-) -> Result<Grant, Status> {
-    let mut req = tonic::Request::new(AcquireRequest {
-        key: key.into(),
-        class: class.into(),
-        session_id: session,
-        wait: match wait {
-            Some(_) => WaitMode::WaitUntilDeadline.into(),
-            None => WaitMode::WaitNone.into(),
-        },
-        metadata: Default::default(),
-        instance: instance.into(),
-    });
-    if let Some(timeout) = wait {
-        req.set_timeout(timeout);
-    }
-    let resp = c.acquire(req).await?;
-    resp.into_inner()
-        .grant
-        .ok_or_else(|| Status::internal("no grant in an OK response"))
-}
-
-pub async fn release(c: &mut Client, g: &Grant) -> Result<(), Status> {
-    c.release(ReleaseRequest {
-        key: g.key.clone(),
-        session_id: g.session_id,
-        token: g.token,
-    })
-    .await?;
-    Ok(())
 }
 
 /// (code, ErrorInfo.reason) of a refusal.

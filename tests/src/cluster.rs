@@ -33,9 +33,9 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tempfile::TempDir;
 
+use crate::disk::StallableDir;
 use crate::etcd::{MemberFlags, log_tail, member_flags, path_str, run_etcdctl};
 use crate::eventually;
-use crate::gate::disk::StallableDir;
 
 const ETCD_BIN: &str = "etcd";
 /// Short raft timings keep elections (and so the fault tests) around a second.
@@ -1078,7 +1078,7 @@ fn remove_leftovers() -> anyhow::Result<Vec<String>> {
 fn remove_leftover_dirs() -> Vec<String> {
     // First the slow-disk mounts a dead run left in them (or the removal
     // would descend into a mount nobody serves).
-    let mut removed = crate::gate::disk::remove_stale_mounts();
+    let mut removed = crate::disk::remove_stale_mounts();
     let tmp = std::env::temp_dir();
     let Ok(entries) = fs::read_dir(&tmp) else {
         return removed;

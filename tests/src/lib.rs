@@ -1,4 +1,5 @@
-//! Harnesses for Latchkey's end-to-end tests and benchmarks.
+//! Harnesses for Latchkey's end-to-end tests, benchmarks and release gate
+//! (crate `latchkey-gate`, which depends on this one).
 //!
 //! Scenarios (the `e2e` test binary) start real parts through these harnesses: an
 //! [`etcd::EtcdServer`] on free loopback ports with a temp data dir, an arbiter
@@ -24,12 +25,13 @@ pub mod buf;
 pub mod clickhouse;
 pub mod cluster;
 pub mod deploy;
+pub mod disk;
 pub mod docs_tables;
 pub mod envoy;
 pub mod etcd;
 pub mod faulty_log;
-pub mod gate;
 pub mod hooks;
+pub mod lock_calls;
 pub mod log_contract;
 pub mod manifests;
 pub mod oidc;
@@ -37,6 +39,7 @@ pub mod postgres;
 pub mod procstat;
 pub mod proxy;
 pub mod raw_grpc;
+pub mod workspace_bins;
 
 /// How often [`eventually`] re-checks its condition.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);

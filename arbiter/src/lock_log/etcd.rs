@@ -8,14 +8,14 @@
 //! etcd answered, header included; judging the header (epoch guard,
 //! high-water mark, seal) is the table's job, so none of it is here.
 //!
-//! - [`records`]: the epoch and seal records (read, create, seal, advance)
+//! - `records`: the epoch and seal records (read, create, seal, advance)
 //!   and the shard-map fence.
-//! - [`holds`]: grants, hand-overs, releases and reads of holder records.
-//! - [`sessions`]: leases, session records, revocation and renewal.
-//! - [`watch`]: a key watch over an etcd watch stream.
+//! - `holds`: grants, hand-overs, releases and reads of holder records.
+//! - `sessions`: leases, session records, revocation and renewal.
+//! - `watch`: a key watch over an etcd watch stream.
 //! - [`follow`]: every key under a prefix, read once and then watched, for
 //!   the per-subject counts of holds and sessions.
-//! - [`lease_renewals`]: every session's renewals over a few shared
+//! - `lease_renewals`: every session's renewals over a few shared
 //!   keep-alive streams.
 
 pub mod follow;
@@ -79,6 +79,8 @@ impl StoreConfig {
 
 /// The etcd [`LockLog`]. Cheap to clone: the client is a handle over shared
 /// channels and the renewal lanes are shared.
+///
+/// [`LockLog`]: super::LockLog
 #[derive(Clone)]
 pub struct EtcdLog {
     client: Client,

@@ -87,7 +87,7 @@ enum Home {
 
 impl Arbiter {
     /// Renews sessions on request; one message may name up to
-    /// [`MAX_SESSIONS_PER_MESSAGE`] of them, each answered on its own.
+    /// `MAX_SESSIONS_PER_MESSAGE` of them, each answered on its own.
     /// Renewals on one stream are pipelined:
     /// each is answered when its own renewal is, in any order (answers carry
     /// the session id), over the store's shared etcd keep-alive streams.

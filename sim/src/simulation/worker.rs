@@ -1,4 +1,4 @@
-//! One simulated client: the gate worker's loop (tests/src/gate/worker.rs)
+//! One simulated client: the gate worker's loop (gate/src/worker.rs)
 //! against the arbiters' tables instead of the client library.
 //!
 //! A worker is a process in the checker's terms; each incarnation (`w3.2`)
@@ -33,7 +33,7 @@ const MAX_WAITERS_PER_KEY: u32 = 16;
 const CLASS: &str = "sim";
 
 /// The reasons the arbiter gives before writing anything: the gate's list
-/// (`is_definite_refusal` in tests/src/gate/worker.rs), and a shard-map
+/// (`is_definite_refusal` in gate/src/worker.rs), and a shard-map
 /// fence ahead of the arbiter's map (refused by the serving check, as a
 /// seal is). Everything else may hide a grant or a release.
 fn is_definite_refusal(e: &ArbiterError) -> bool {

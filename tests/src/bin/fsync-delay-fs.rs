@@ -3,7 +3,7 @@
 //! the fsync of a directory. Lookups, reads, writes, renames and everything
 //! else go straight through, so a process on the mount sees a disk whose
 //! flushes are slow while its writes are not (the release gate's slow-disk
-//! faults, ADR-23; see `latchkey_tests::gate::disk`).
+//! faults, ADR-23; see `latchkey_tests::disk`).
 //!
 //! The delay, in milliseconds, is read from `--delay-file` at every barrier
 //! (missing or unparsable: no delay), so the nemesis changes it by replacing

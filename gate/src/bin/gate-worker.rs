@@ -1,15 +1,15 @@
-//! One release-gate workload process (see `latchkey_tests::gate::worker`).
+//! One release-gate workload process (see `latchkey_gate::worker`).
 //! Started by the gate, never by hand.
 //!
 //! `gate-worker clock-probe` prints this process's clocks every 200 ms for
 //! 4 s, as JSON lines (wall clock in Unix nanoseconds, tokio's
-//! `Instant::now()` on the shared monotonic clock): the e2e tests run it
+//! `Instant::now()` on the shared monotonic clock): the gate's tests run it
 //! under the clock-step fault's libfaketime environment and step its
 //! control file meanwhile, to see which clocks a step moves and that a
 //! running process follows the file.
 
 use clap::Parser;
-use latchkey_tests::gate::worker::{self, WorkerArgs};
+use latchkey_gate::worker::{self, WorkerArgs};
 
 #[derive(Parser)]
 #[command(about = "Latchkey release gate: one workload process")]
@@ -44,7 +44,7 @@ async fn clock_probe() {
         let wall = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        let instant = latchkey_tests::gate::record::mono_of(tokio::time::Instant::now().into_std());
+        let instant = latchkey_gate::record::mono_of(tokio::time::Instant::now().into_std());
         println!("{{\"wall_ns\":{wall},\"instant_mono_ns\":{instant}}}");
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }

@@ -16,8 +16,8 @@ use tokio::time::Instant;
 
 use super::record::{Fields, Outcome, Recorder};
 use super::{GateConfig, Rig, TTL};
-use crate::arbiter::certs;
-use crate::eventually;
+use latchkey_tests::arbiter::certs;
+use latchkey_tests::eventually;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
@@ -48,7 +48,7 @@ pub enum Fault {
     ClockStepArbiter,
     /// Slow the fsyncs of the disk under an etcd member's data dir (often
     /// the leader's) again and again for a few seconds; writes and reads go
-    /// on (see [`super::disk`]).
+    /// on (see [`latchkey_tests::disk`]).
     SlowDiskMember,
     /// Slow the fsyncs under an arbiter's durable state dir likewise.
     SlowDiskArbiter,
@@ -556,7 +556,7 @@ async fn step_clock(
 async fn stall_disk(
     rec: &mut Recorder,
     what: &str,
-    disk: &super::disk::StallableDir,
+    disk: &latchkey_tests::disk::StallableDir,
     rng: &mut fastrand::Rng,
 ) -> anyhow::Result<String> {
     let op = begin(rec, what)?;

@@ -189,7 +189,8 @@ fn write_atomically(path: &Path, text: &str) -> anyhow::Result<()> {
 
 /// The daemon: `LATCHKEY_FSYNC_DELAY_FS`, else beside the running
 /// executable (`latchkey-gate`), else one level up (an integration test runs
-/// from `target/<profile>/deps`; cargo builds the package's binaries first).
+/// from `target/<profile>/deps`; cargo builds this package's binaries before
+/// its tests, and the gate's tests build it with [`crate::workspace_bins`]).
 pub fn daemon_binary() -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os("LATCHKEY_FSYNC_DELAY_FS") {
         return Ok(PathBuf::from(p));

@@ -12,11 +12,12 @@
 //! linearizability against a lock model per key, token order, and that the
 //! fence never accepted a stale write.
 //!
-//! `latchkey-gate` (src/bin) runs it from the command line for long soaks;
-//! the e2e suite runs a short gate and the broken-arbiter self-test.
+//! It runs on `latchkey_tests`' harnesses (the etcd cluster, arbiter
+//! processes, PostgreSQL, the slow-disk mounts, the dev CA). `latchkey-gate`
+//! (src/bin) runs it from the command line for long soaks; this crate's
+//! tests (tests/gate.rs) run a short gate and the broken-arbiter self-tests.
 
 pub mod clock;
-pub mod disk;
 pub mod nemesis;
 pub mod quorum_loss;
 pub mod record;
@@ -34,13 +35,13 @@ use anyhow::{Context, bail};
 use latchkey_checker::{CheckOptions, History, Report};
 use tokio::sync::Mutex;
 
-use crate::arbiter::{ArbiterOptions, ArbiterProcess, Coord, certs, svid_flags};
-use crate::cluster::{ClusterOptions, EtcdCluster};
-use crate::etcd::EtcdServer;
-use crate::faulty_log::TestFault;
-use crate::postgres::PostgresServer;
 use clock::SteppableClock;
-use disk::StallableDir;
+use latchkey_tests::arbiter::{ArbiterOptions, ArbiterProcess, Coord, certs, svid_flags};
+use latchkey_tests::cluster::{ClusterOptions, EtcdCluster};
+use latchkey_tests::disk::StallableDir;
+use latchkey_tests::etcd::EtcdServer;
+use latchkey_tests::faulty_log::TestFault;
+use latchkey_tests::postgres::PostgresServer;
 
 pub use nemesis::Fault;
 
@@ -96,7 +97,7 @@ pub struct GateConfig {
     pub wait: Duration,
     /// A deliberate bug for the arbiters (the checker's self-test:
     /// [`TestFault::GrantOnWatch`]), passed as `--test-fault`: only
-    /// `arbiter-under-test` has the faults (see [`crate::faulty_log`]).
+    /// `arbiter-under-test` has the faults (see [`latchkey_tests::faulty_log`]).
     pub arbiter_test_fault: TestFault,
     /// Where a failing run's history and report are kept.
     pub out_dir: PathBuf,
@@ -618,7 +619,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     quorum_loss::collect_all(&rig, false)?;
     let unprotected = quorum_loss::unprotected_grants(&open_history_dir, |process| {
         let index = process.strip_prefix('w')?.split('.').next()?.parse().ok()?;
-        Some(crate::arbiter::spiffe(&worker_identity(index)))
+        Some(latchkey_tests::arbiter::spiffe(&worker_identity(index)))
     })?;
     let spooled = quorum_loss::spooled_grants(&history_dir, &rig.arbiter_state)?;
     let unspooled = quorum_loss::unspooled(&unprotected, &spooled);
@@ -886,7 +887,7 @@ fn worker_identities(workers: usize) -> Vec<String> {
 fn issue_worker_svids(workers: usize) -> anyhow::Result<()> {
     let names = worker_identities(workers);
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    latchctl::dev_certs::generate(&certs()?.dir, crate::arbiter::TRUST_DOMAIN, &names)?;
+    latchctl::dev_certs::generate(&certs()?.dir, latchkey_tests::arbiter::TRUST_DOMAIN, &names)?;
     Ok(())
 }
 
@@ -908,12 +909,12 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
     for name in worker_identities(workers) {
         grants.push_str(&format!(
             "[[grant]]\nidentity = \"{}\"\nprefixes = [\"bench/gate\", \"{COORD_NAMESPACE}\"]\n\n",
-            crate::arbiter::spiffe(&name)
+            latchkey_tests::arbiter::spiffe(&name)
         ));
     }
     grants.push_str(&format!(
         "[[operator]]\nidentity = \"{}\"\n",
-        crate::arbiter::spiffe("latchkey/operator")
+        latchkey_tests::arbiter::spiffe("latchkey/operator")
     ));
     std::fs::write(dir.join("grants/gate.toml"), grants)?;
     std::fs::write(
@@ -940,6 +941,6 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
     )?;
     // The fixture only lets the arbiter load the class: the gate's own
     // fence check is the evidence here.
-    crate::write_pause_test_fixtures(dir)?;
+    latchkey_tests::write_pause_test_fixtures(dir)?;
     Ok(())
 }

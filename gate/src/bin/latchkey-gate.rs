@@ -2,7 +2,7 @@
 //! soak with a seed and a duration.
 //!
 //! ```text
-//! cargo build -p latchkey-tests --bins
+//! cargo build -p latchkey-gate -p latchkey-tests --bins
 //! target/debug/latchkey-gate --duration 30m --seed 42
 //! ```
 //! Exit code 0 when the history checks out and every key was granted again
@@ -15,8 +15,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use latchkey_gate::{self as gate, Binaries, Fault, GateConfig};
 use latchkey_tests::faulty_log::TestFault;
-use latchkey_tests::gate::{self, Binaries, Fault, GateConfig};
 
 #[derive(Parser)]
 #[command(

@@ -9,20 +9,55 @@
 //! disk) checked on their own.
 
 use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::time::Duration;
 
+use latchkey_gate::clock::SteppableClock;
+use latchkey_gate::record::mono_ns;
+use latchkey_gate::{self as gate, Binaries, Fault, GateConfig};
+use latchkey_tests::disk::StallableDir;
 use latchkey_tests::faulty_log::TestFault;
-use latchkey_tests::gate::clock::SteppableClock;
-use latchkey_tests::gate::disk::StallableDir;
-use latchkey_tests::gate::record::mono_ns;
-use latchkey_tests::gate::{self, Binaries, Fault, GateConfig};
-use latchkey_tests::workspace_root;
+use latchkey_tests::{workspace_bins, workspace_root};
 
-fn binaries() -> Binaries {
-    Binaries {
-        arbiter: PathBuf::from(env!("CARGO_BIN_EXE_arbiter-under-test")),
-        worker: PathBuf::from(env!("CARGO_BIN_EXE_gate-worker")),
+/// This package's worker (cargo built it for these tests).
+const WORKER: &str = env!("CARGO_BIN_EXE_gate-worker");
+
+/// The gate's binaries. `arbiter-under-test` and the slow-disk faults'
+/// `fsync-delay-fs` are `latchkey-tests`' binaries: built here the way
+/// `cargo nextest run --workspace` built them (after it, nothing is compiled
+/// again), once per test process.
+fn binaries() -> anyhow::Result<Binaries> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let arbiter = BUILT.get_or_init(|| {
+        build_harness_binaries().map_err(|e| format!("building the gate's binaries: {e:#}"))
+    });
+    match arbiter {
+        Ok(arbiter) => Ok(Binaries {
+            arbiter: arbiter.clone(),
+            worker: PathBuf::from(WORKER),
+        }),
+        Err(e) => anyhow::bail!("{e}"),
     }
+}
+
+/// Builds `arbiter-under-test` and `fsync-delay-fs`; the arbiter's path.
+fn build_harness_binaries() -> anyhow::Result<PathBuf> {
+    let daemon = latchkey_tests::disk::DAEMON;
+    let built =
+        workspace_bins::build_as_tested(env!("CARGO_CRATE_NAME"), &["arbiter-under-test", daemon])?;
+    let [arbiter, built_daemon] = &built[..] else {
+        anyhow::bail!("cargo reported {built:?}");
+    };
+    // The slow-disk harness finds the daemon itself: beside this test's
+    // directory, unless LATCHKEY_FSYNC_DELAY_FS names another.
+    let found = latchkey_tests::disk::daemon_binary()?;
+    anyhow::ensure!(
+        found == *built_daemon || std::env::var_os("LATCHKEY_FSYNC_DELAY_FS").is_some(),
+        "cargo built {} but the slow-disk harness would run {}",
+        built_daemon.display(),
+        found.display()
+    );
+    Ok(arbiter.clone())
 }
 
 fn seed() -> u64 {
@@ -41,7 +76,7 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
     latchkey_tests::init_tracing();
     let seed = seed();
     println!("gate seed {seed} (LATCHKEY_GATE_SEED={seed} to re-run)");
-    let outcome = gate::run(GateConfig::short(seed, binaries(), out_dir())).await?;
+    let outcome = gate::run(GateConfig::short(seed, binaries()?, out_dir())).await?;
     println!("{outcome}");
     assert!(
         outcome.report.ok(),
@@ -117,7 +152,7 @@ async fn gate_catches_an_arbiter_that_grants_on_watch_events() -> anyhow::Result
         arbiters: 2,
         faults: Vec::new(),
         arbiter_test_fault: TestFault::GrantOnWatch,
-        ..GateConfig::short(seed, binaries(), out_dir())
+        ..GateConfig::short(seed, binaries()?, out_dir())
     };
     let outcome = gate::run(config).await?;
     println!("{outcome}");
@@ -142,16 +177,16 @@ async fn gate_catches_an_arbiter_that_grants_on_watch_events() -> anyhow::Result
 
 /// The gate for a single fault of the arbiter's lock log and no nemesis:
 /// two arbiters, six workers contending on two keys.
-fn lock_log_fault_config(fault: TestFault, seed: u64) -> GateConfig {
-    GateConfig {
+fn lock_log_fault_config(fault: TestFault, seed: u64) -> anyhow::Result<GateConfig> {
+    Ok(GateConfig {
         duration: Duration::from_secs(30),
         workers: 6,
         keys: 2,
         arbiters: 2,
         faults: Vec::new(),
         arbiter_test_fault: fault,
-        ..GateConfig::short(seed, binaries(), out_dir())
-    }
+        ..GateConfig::short(seed, binaries()?, out_dir())
+    })
 }
 
 /// Acquires recorded `ok` after their answer was lost and the worker asked
@@ -190,7 +225,7 @@ async fn gate_catches_an_arbiter_that_forgets_a_grant_whose_answer_was_lost() ->
     latchkey_tests::init_tracing();
     let seed = seed();
     println!("gate seed {seed}");
-    let outcome = gate::run(lock_log_fault_config(TestFault::ForgetHidden, seed)).await?;
+    let outcome = gate::run(lock_log_fault_config(TestFault::ForgetHidden, seed)?).await?;
     println!("{outcome}");
     assert!(
         !outcome.report.ok(),
@@ -232,7 +267,7 @@ async fn gate_passes_revealed_grants_of_lost_answers_with_the_real_protocol() ->
     println!("gate seed {seed}");
     let config = GateConfig {
         keep: true,
-        ..lock_log_fault_config(TestFault::LoseGrantAnswers, seed)
+        ..lock_log_fault_config(TestFault::LoseGrantAnswers, seed)?
     };
     let outcome = gate::run(config).await?;
     println!("{outcome}");
@@ -259,7 +294,12 @@ async fn gate_passes_revealed_grants_of_lost_answers_with_the_real_protocol() ->
 /// while `arbiter-under-test` takes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_arbiter_has_no_test_faults() -> anyhow::Result<()> {
-    let shipped = build_shipped_arbiter().await?;
+    let shipped = tokio::task::spawn_blocking(|| {
+        workspace_bins::build_as_shipped(&["latchkey-arbiter"])?
+            .pop()
+            .ok_or_else(|| anyhow::anyhow!("cargo reported no latchkey-arbiter"))
+    })
+    .await??;
     let out = tokio::process::Command::new(&shipped)
         .args(["--test-fault", "grant-on-watch"])
         .stdin(std::process::Stdio::null())
@@ -277,7 +317,7 @@ async fn the_shipped_arbiter_has_no_test_faults() -> anyhow::Result<()> {
         "{stderr}"
     );
 
-    let out = tokio::process::Command::new(binaries().arbiter)
+    let out = tokio::process::Command::new(binaries()?.arbiter)
         .args(["--test-fault", "grant-on-wach"])
         .stdin(std::process::Stdio::null())
         .output()
@@ -286,63 +326,6 @@ async fn the_shipped_arbiter_has_no_test_faults() -> anyhow::Result<()> {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("unknown test fault"), "{stderr}");
     Ok(())
-}
-
-/// Builds `latchkey-arbiter` as `cargo build --workspace` does (features
-/// unified over every workspace member, the tests crate included) in this
-/// test's profile, and returns the executable cargo reports.
-async fn build_shipped_arbiter() -> anyhow::Result<PathBuf> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = tokio::process::Command::new(cargo);
-    // Without what cargo set for this test process: build scripts that
-    // watch these (ring's does) would otherwise rebuild for every build in
-    // and out of this test.
-    for (name, _) in std::env::vars_os() {
-        if name.to_str().is_some_and(set_by_cargo_for_a_crate) {
-            cmd.env_remove(name);
-        }
-    }
-    cmd.current_dir(workspace_root())
-        .args([
-            "build",
-            "--workspace",
-            "--bin",
-            "latchkey-arbiter",
-            "--message-format=json-render-diagnostics",
-        ])
-        .stdin(std::process::Stdio::null());
-    if !cfg!(debug_assertions) {
-        cmd.arg("--release");
-    }
-    let out = cmd.output().await?;
-    anyhow::ensure!(
-        out.status.success(),
-        "cargo build --workspace --bin latchkey-arbiter failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let executable = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "latchkey-arbiter")
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from));
-    executable.ok_or_else(|| anyhow::anyhow!("cargo reported no latchkey-arbiter executable"))
-}
-
-/// The variables cargo sets for a crate it runs (a test, a build script),
-/// as opposed to ones that configure cargo (`CARGO_HOME`, `CARGO_TARGET_DIR`).
-fn set_by_cargo_for_a_crate(name: &str) -> bool {
-    const PREFIXES: [&str; 3] = ["CARGO_PKG_", "CARGO_BIN_", "CARGO_CFG_"];
-    const NAMES: [&str; 8] = [
-        "CARGO_MANIFEST_DIR",
-        "CARGO_MANIFEST_PATH",
-        "CARGO_MANIFEST_LINKS",
-        "CARGO_CRATE_NAME",
-        "CARGO_PRIMARY_PACKAGE",
-        "CARGO_TARGET_TMPDIR",
-        "CARGO_RUSTC_CURRENT_DIR",
-        "OUT_DIR",
-    ];
-    PREFIXES.iter().any(|p| name.starts_with(p)) || NAMES.contains(&name)
 }
 
 /// The clock-step fault's environment moves a running worker's wall clock
@@ -354,7 +337,7 @@ async fn a_clock_step_moves_a_running_workers_wall_clock_only() -> anyhow::Resul
     let dir = tempfile::tempdir()?;
     let clock = SteppableClock::new(&dir.path().join("clock"))?;
     let started = mono_ns();
-    let mut probe = tokio::process::Command::new(binaries().worker)
+    let mut probe = tokio::process::Command::new(WORKER)
         .arg("clock-probe")
         .envs(clock.env())
         .stdout(std::process::Stdio::piped())
@@ -426,6 +409,7 @@ async fn a_slow_disk_delays_fsync_but_not_writes() -> anyhow::Result<()> {
     use std::time::Instant;
     const DELAY: Duration = Duration::from_millis(400);
     const RECORD: &[u8] = &[b'r'; 4096];
+    binaries()?; // builds fsync-delay-fs, which the mount runs
     let dir = tempfile::tempdir()?;
     let disk = StallableDir::mount(&dir.path().join("backing"), &dir.path().join("mnt"))?;
     let mnt = disk.path().to_path_buf();
@@ -545,9 +529,10 @@ async fn a_slow_disk_delays_fsync_but_not_writes() -> anyhow::Result<()> {
 /// and leaves a live mount alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_disk_mount_goes_away_with_its_owner() -> anyhow::Result<()> {
-    use latchkey_tests::gate::disk::{daemon_binary, is_mounted, remove_stale_mounts};
+    use latchkey_tests::disk::{daemon_binary, is_mounted, remove_stale_mounts};
     use nix::sys::signal::{Signal, kill};
     use nix::unistd::Pid;
+    binaries()?; // builds fsync-delay-fs
     let dir = tempfile::tempdir()?;
     let daemon = daemon_binary()?;
     // An owner other than this test process: a shell that starts the daemon
@@ -652,7 +637,7 @@ async fn a_clock_step_moves_an_arbiters_wall_clock_only() -> anyhow::Result<()> 
     let clock = SteppableClock::new(&dir.path().join("clock"))?;
     let etcd = EtcdServer::start().await?;
     let arbiter = ArbiterProcess::start_with_env(
-        &binaries().arbiter,
+        &binaries()?.arbiter,
         &[etcd.endpoint()],
         None,
         ArbiterOptions::default(),
@@ -663,8 +648,8 @@ async fn a_clock_step_moves_an_arbiters_wall_clock_only() -> anyhow::Result<()> 
     .await?;
     let mut alice = LockClient::new(channel(arbiter.addr(), "workload/alice").await?);
     let mut bob = LockClient::new(channel(arbiter.addr(), "workload/bob").await?);
-    let alice_session = crate::support::open(&mut alice, "demo").await?;
-    let bob_session = crate::support::open(&mut bob, "demo").await?;
+    let alice_session = latchkey_tests::lock_calls::open(&mut alice, "demo").await?;
+    let bob_session = latchkey_tests::lock_calls::open(&mut bob, "demo").await?;
     // The arbiter's wall clock against ours, in seconds, from the grant time
     // it records for a fresh key (ours read right after the answer).
     let mut n = 0;
@@ -673,7 +658,7 @@ async fn a_clock_step_moves_an_arbiters_wall_clock_only() -> anyhow::Result<()> 
         let key = format!("demo/clock-step-{n}");
         let mut alice = alice.clone();
         async move {
-            crate::support::try_lock(&mut alice, &key, "demo", alice_session).await?;
+            latchkey_tests::lock_calls::try_lock(&mut alice, &key, "demo", alice_session).await?;
             let holder = alice
                 .inspect(InspectRequest { key: key.clone() })
                 .await?
@@ -697,9 +682,14 @@ async fn a_clock_step_moves_an_arbiters_wall_clock_only() -> anyhow::Result<()> 
         let mut bob = bob.clone();
         async move {
             let t = std::time::Instant::now();
-            let r =
-                crate::support::wait_lock(&mut bob, "demo/clock-step-1", "demo", bob_session, WAIT)
-                    .await;
+            let r = latchkey_tests::lock_calls::wait_lock(
+                &mut bob,
+                "demo/clock-step-1",
+                "demo",
+                bob_session,
+                WAIT,
+            )
+            .await;
             (r, t.elapsed())
         }
     });

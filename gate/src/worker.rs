@@ -12,7 +12,7 @@
 //! checker's search relies on it and refuses a history that breaks it.
 //!
 //! An acquire whose answer was lost is first asked again on the same
-//! session ([`reveal`]), as part of the same operation: its completion is
+//! session (`reveal`), as part of the same operation: its completion is
 //! written only once that is over. A grant the lost answer hid is then
 //! answered as "already yours" with its real token, and the operation is
 //! recorded `ok` with that token; the worker keeps the grant (never
