@@ -44,7 +44,7 @@ use super::{
     Renewal, StoreError,
 };
 use crate::records::Layout;
-/// The etcd client handle [`connect_client`] returns.
+/// The etcd client handle the log and its followers connect with.
 pub use latchkey_etcd::Client as EtcdClient;
 use lease_renewals::LeaseRenewals;
 pub use lease_renewals::{NoMemo, RenewalMemo, Renewed};
