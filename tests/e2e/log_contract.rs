@@ -53,3 +53,62 @@ async fn etcd_log_keeps_the_log_contract() -> anyhow::Result<()> {
     )
     .await
 }
+
+/// A session holding thousands of keys ends in one revision whose watch
+/// response carries every deleted record (`prev_kv`): far more than
+/// gRPC's default 4 MiB a message. The holds' follower must get it as
+/// events, not lose its watch (which dropped the lock-loss notices of
+/// every hold that ended until it had read everything again). Found by the
+/// review of the follow's move to the log (issue 32).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_ending_thousands_of_holds_reaches_the_follower_whole() -> anyhow::Result<()> {
+    use latchkey_arbiter::lock_log::etcd::follow::EtcdFollower;
+    use latchkey_arbiter::lock_log::{Counted, FollowLog, FollowSignal};
+    use latchkey_etcd::kv::PutOptions;
+    use latchkey_etcd::txn::{Txn, TxnOp};
+
+    init_tracing();
+    let etcd = EtcdServer::start().await?;
+    let client = etcd.client().await?;
+    let prefix = "big-revoke";
+    const HOLDS: usize = 20_000;
+    let lease = client.lease_client().grant(600, None).await?.id();
+    // A holder record's size: identity, session, class, annotations.
+    let record = vec![b'x'; 400];
+    let mut kv = client.kv_client();
+    for chunk in (0..HOLDS).collect::<Vec<_>>().chunks(100) {
+        let ops: Vec<TxnOp> = chunk
+            .iter()
+            .map(|i| {
+                TxnOp::put(
+                    format!("{prefix}/l/ns/key-{i:06}"),
+                    record.clone(),
+                    Some(PutOptions::new().with_lease(lease)),
+                )
+            })
+            .collect();
+        kv.txn(Txn::new().and_then(ops)).await?;
+    }
+    let follower = EtcdFollower::new(client.clone(), prefix);
+    let mut read = 0usize;
+    let (_, watch) = follower
+        .follow(Counted::Holds, true, &mut |_, _| read += 1)
+        .await?;
+    let mut watch = watch?;
+    assert_eq!(read, HOLDS);
+    client.lease_client().revoke(lease).await?;
+    let mut deleted = 0usize;
+    while deleted < HOLDS {
+        match tokio::time::timeout(Duration::from_secs(30), watch.next()).await? {
+            FollowSignal::Events { events, .. } => {
+                assert!(events.iter().all(|e| e.put.is_none() && e.prev.is_some()));
+                deleted += events.len();
+            }
+            FollowSignal::Lost => {
+                anyhow::bail!("the watch was lost after {deleted} of {HOLDS} deletes")
+            }
+        }
+    }
+    assert_eq!(deleted, HOLDS);
+    Ok(())
+}
