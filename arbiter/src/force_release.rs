@@ -186,8 +186,13 @@ pub enum ForceError {
         "{subject:?} has {limit} force-release requests pending: wait for approvals, or for requests to expire, before requesting more"
     )]
     TooManyPending { subject: String, limit: usize },
-    #[error("the lock log (etcd) is unavailable: {0}; retry")]
-    Store(String),
+    #[error("the lock log (etcd) is unavailable: {detail}; retry")]
+    Store {
+        detail: String,
+        /// What failed underneath (the store's error), for logs.
+        #[source]
+        source: Option<crate::error::StoreCause>,
+    },
     #[error(
         "etcd refused the force-release transaction ({0}): the force-release user's role lacks a permission docs/security.md lists"
     )]
@@ -195,6 +200,14 @@ pub enum ForceError {
 }
 
 impl ForceError {
+    /// The store is unavailable, with nothing underneath to keep.
+    pub fn store(detail: impl Into<String>) -> Self {
+        Self::Store {
+            detail: detail.into(),
+            source: None,
+        }
+    }
+
     pub fn code(&self) -> Code {
         match self {
             Self::Disabled | Self::NotHeld { .. } | Self::HoldChanged { .. } => {
@@ -208,7 +221,7 @@ impl ForceError {
             Self::SameApprover { .. } => Code::PermissionDenied,
             Self::AlreadyRequested { .. } => Code::AlreadyExists,
             Self::TooManyPending { .. } => Code::ResourceExhausted,
-            Self::Store(_) => Code::Unavailable,
+            Self::Store { .. } => Code::Unavailable,
             Self::StorePermission(_) => Code::Internal,
         }
     }
@@ -227,7 +240,7 @@ impl ForceError {
             Self::HoldChanged { .. } => "HOLD_CHANGED",
             Self::AlreadyRequested { .. } => "FORCE_REQUEST_PENDING",
             Self::TooManyPending { .. } => "TOO_MANY_FORCE_REQUESTS",
-            Self::Store(_) => "STORE_UNAVAILABLE",
+            Self::Store { .. } => "STORE_UNAVAILABLE",
             Self::StorePermission(_) => "STORE_PERMISSION",
         }
     }
@@ -488,9 +501,9 @@ fn force_error(e: ArbiterError) -> ForceError {
                 }
                 cause = c.source();
             }
-            ForceError::Store(detail)
+            ForceError::Store { detail, source }
         }
-        other => ForceError::Store(other.to_string()),
+        other => ForceError::store(other.to_string()),
     }
 }
 
@@ -499,7 +512,8 @@ fn force_error(e: ArbiterError) -> ForceError {
 fn new_id() -> Result<String, ForceError> {
     let mut bytes = [0u8; 16];
     getrandom::getrandom(&mut bytes)
-        .map_err(|e| ForceError::Store(format!("no randomness for a request id: {e}")))?;
+        // getrandom's error (no_std) is not a std error: its text is all.
+        .map_err(|e| ForceError::store(format!("no randomness for a request id: {e}")))?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
@@ -526,6 +540,8 @@ mod tests {
         let down = StoreError::unavailable("cannot run the force-release transaction");
         let e = force_error(ArbiterError::from(down));
         assert_eq!(e.reason(), "STORE_UNAVAILABLE", "{e}");
+        // The store's error stays underneath, for the logs.
+        assert!(std::error::Error::source(&e).is_some(), "{e:?}");
     }
 
     #[test]

@@ -50,7 +50,10 @@ fn store_error(context: &str, e: impl Into<latchkey_etcd::Error>) -> ForceError 
         let message = e.grpc_message().unwrap_or_default();
         return ForceError::StorePermission(format!("{context}: {message}"));
     }
-    ForceError::Store(format!("{context}: {e}"))
+    ForceError::Store {
+        detail: format!("{context}: {e}"),
+        source: Some(std::sync::Arc::new(e)),
+    }
 }
 
 fn ttl_seconds(ttl: Duration) -> i64 {
@@ -275,9 +278,8 @@ impl ForceStore {
                 }
             }
         }
-        Err(ForceError::Store(
-            "the requester's pending requests kept changing while this one was written; try again"
-                .into(),
+        Err(ForceError::store(
+            "the requester's pending requests kept changing while this one was written; try again",
         ))
     }
 

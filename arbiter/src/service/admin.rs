@@ -250,7 +250,7 @@ impl Arbiter {
                 .await
             {
                 Err(e @ ForceError::UnknownRequest { .. }) => unknown = Some(e),
-                Err(e @ ForceError::Store(_)) => store = store.or(Some(e)),
+                Err(e @ ForceError::Store { .. }) => store = store.or(Some(e)),
                 other => {
                     found = Some(other);
                     break;
