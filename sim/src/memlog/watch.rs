@@ -33,34 +33,51 @@ impl MemWatch {
     }
 }
 
+/// The next response `poll` finds, waiting for the store to change (or
+/// for the earliest lease deadline, applying the expiries due) until there
+/// is one; `lost` once the store is gone. Checked and marked seen under the
+/// store's lock, and every change is announced under it too: no wake-up is
+/// missed.
+async fn next_response<T>(
+    shared: &Shared,
+    changed: &mut tokio::sync::watch::Receiver<u64>,
+    mut poll: impl FnMut(&mut super::Inner) -> Option<T>,
+    lost: T,
+) -> T {
+    loop {
+        let deadline = match shared.with(|inner, _| {
+            let polled = poll(inner);
+            changed.borrow_and_update();
+            polled.ok_or(inner.store.earliest_deadline())
+        }) {
+            Ok(response) => return response,
+            Err(deadline) => deadline,
+        };
+        let woke = match deadline {
+            Some(deadline) => tokio::select! {
+                woke = changed.changed() => woke,
+                () = tokio::time::sleep_until(deadline) => Ok(()),
+            },
+            None => changed.changed().await,
+        };
+        if woke.is_err() {
+            // the store is gone
+            return lost;
+        }
+    }
+}
+
 #[async_trait]
 impl KeyWatch for MemWatch {
     async fn next(&mut self) -> WatchSignal {
-        loop {
-            let id = self.id;
-            let changed = &mut self.changed;
-            // Checked and marked seen under the store's lock, and every
-            // change is announced under it too: no wake-up is missed.
-            let deadline = match self.shared.with(|inner, _| {
-                let polled = inner.store.poll_watch(id);
-                changed.borrow_and_update();
-                polled.ok_or(inner.store.earliest_deadline())
-            }) {
-                Ok(signal) => return signal,
-                Err(deadline) => deadline,
-            };
-            let woke = match deadline {
-                Some(deadline) => tokio::select! {
-                    woke = self.changed.changed() => woke,
-                    () = tokio::time::sleep_until(deadline) => Ok(()),
-                },
-                None => self.changed.changed().await,
-            };
-            if woke.is_err() {
-                // the store is gone
-                return WatchSignal::Lost;
-            }
-        }
+        let id = self.id;
+        next_response(
+            &self.shared,
+            &mut self.changed,
+            |inner| inner.store.poll_watch(id),
+            WatchSignal::Lost,
+        )
+        .await
     }
 }
 
@@ -97,28 +114,14 @@ impl MemPrefixWatch {
 #[async_trait]
 impl PrefixWatch for MemPrefixWatch {
     async fn next(&mut self) -> FollowSignal {
-        loop {
-            let id = self.id;
-            let changed = &mut self.changed;
-            let deadline = match self.shared.with(|inner, _| {
-                let polled = inner.store.poll_prefix_watch(id);
-                changed.borrow_and_update();
-                polled.ok_or(inner.store.earliest_deadline())
-            }) {
-                Ok(signal) => return signal,
-                Err(deadline) => deadline,
-            };
-            let woke = match deadline {
-                Some(deadline) => tokio::select! {
-                    woke = self.changed.changed() => woke,
-                    () = tokio::time::sleep_until(deadline) => Ok(()),
-                },
-                None => self.changed.changed().await,
-            };
-            if woke.is_err() {
-                return FollowSignal::Lost;
-            }
-        }
+        let id = self.id;
+        next_response(
+            &self.shared,
+            &mut self.changed,
+            |inner| inner.store.poll_prefix_watch(id),
+            FollowSignal::Lost,
+        )
+        .await
     }
 }
 
