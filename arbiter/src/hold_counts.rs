@@ -28,7 +28,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -63,6 +63,8 @@ pub struct HoldCounts {
     /// as the watch has seen: what an open class's memory grant must not
     /// take during a quorum loss.
     keys: Mutex<HashMap<String, i64>>,
+    /// `keys` follows the log: read, and the watch since unbroken.
+    following: AtomicBool,
 }
 
 impl HoldCounts {
@@ -73,6 +75,7 @@ impl HoldCounts {
             unclaimed: Mutex::new(Unclaimed::default()),
             next_stream: AtomicU64::new(1),
             keys: Mutex::new(HashMap::new()),
+            following: AtomicBool::new(false),
         })
     }
 
@@ -115,15 +118,24 @@ impl HoldCounts {
         self.counts.held(identity)
     }
 
-    /// Whether `key` is held in the log by a session other than `session`
-    /// (as last seen by the watch; `false` before the first count).
+    /// Whether `key` may be held in the log by a session other than
+    /// `session`: as last seen by the watch, and `true` for every key while
+    /// the count does not follow the log (before the first read, and from a
+    /// broken watch until the next read), when a hold granted meanwhile
+    /// would go unseen. (What a grant from memory during a quorum loss must
+    /// not take: the simulation's quorum losses found such a grant of a key
+    /// held since before the loss.)
     pub fn held_by_other(&self, key: &str, session: i64) -> bool {
+        if !self.following.load(Ordering::Acquire) {
+            return true;
+        }
         self.keys.lock().get(key).is_some_and(|s| *s != session)
     }
 
     /// Replaces the count with a fresh one read at `revision`.
     fn install(&self, in_log: HashMap<String, u32>, keys: HashMap<String, i64>, revision: i64) {
         *self.keys.lock() = keys;
+        self.following.store(true, Ordering::Release);
         self.counts.install(in_log, revision);
     }
 
@@ -183,6 +195,10 @@ impl Followed for HoldCounts {
         self.apply(&changes, revision);
         self.notify(&changes);
         true
+    }
+
+    fn lost(&self) {
+        self.following.store(false, Ordering::Release);
     }
 }
 
@@ -435,7 +451,10 @@ mod tests {
     #[test]
     fn held_keys_follow_the_log_for_the_quorum_loss_check() {
         let c = HoldCounts::new(3);
-        assert!(!c.held_by_other("k1", 7), "nothing before the first count");
+        assert!(
+            c.held_by_other("k1", 7),
+            "before the first count every key may be held"
+        );
         c.install(
             HashMap::from([("a".to_string(), 1)]),
             HashMap::from([("k1".to_string(), 7)]),
@@ -451,6 +470,12 @@ mod tests {
         assert!(c.held_by_other("k2", 9));
         let released = keyed(change(Some("b"), None), "k1", 0);
         c.apply(&[released], 12);
+        assert!(!c.held_by_other("k1", 7));
+        // The watch broke: a hold granted now would go unseen until the
+        // next read, so every key may be held again.
+        Followed::lost(c.as_ref());
+        assert!(c.held_by_other("k1", 7) && c.held_by_other("k3", 7));
+        c.install(HashMap::new(), HashMap::new(), 13);
         assert!(!c.held_by_other("k1", 7));
     }
 }

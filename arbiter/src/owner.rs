@@ -188,7 +188,7 @@ impl KeyOwner {
         crate::overload::parked();
         self.quorum
             .acquire(req, wait, &|key, session| {
-                self.holds.held_by_other(key, session)
+                self.holds.held_by_other(key, session) || self.table.writing(key)
             })
             .await
     }

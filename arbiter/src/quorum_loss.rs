@@ -77,6 +77,37 @@ impl Default for QuorumLossConfig {
     }
 }
 
+/// How the posture meets the world outside the runtime: the wall clock
+/// (spool records, and a replayed grant's time left) and the spool's
+/// blocking file I/O. The defaults are the arbiter's; the simulation
+/// (`sim/`) gives its paused clock and runs the I/O inline, so a seed's
+/// task order does not depend on a thread pool.
+#[derive(Clone)]
+pub struct Seams {
+    /// Milliseconds since the Unix epoch.
+    pub wall_ms: Arc<dyn Fn() -> i64 + Send + Sync>,
+    /// Run the spool's file I/O on the calling task instead of
+    /// `spawn_blocking`.
+    pub inline_io: bool,
+}
+
+impl Default for Seams {
+    fn default() -> Self {
+        Self {
+            wall_ms: Arc::new(now_unix_ms),
+            inline_io: false,
+        }
+    }
+}
+
+impl std::fmt::Debug for Seams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Seams")
+            .field("inline_io", &self.inline_io)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A grant from memory: token 0, unprotected.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryGrant {
@@ -125,6 +156,7 @@ pub struct QuorumLoss {
     max_waiters_per_identity: u32,
     /// Unprotected grants made from memory since the start.
     granted_total: AtomicU64,
+    seams: Seams,
 }
 
 /// The posture now, for `admin status` and the metrics.
@@ -157,6 +189,23 @@ impl QuorumLoss {
         max_holds_per_identity: u32,
         max_waiters_per_identity: u32,
     ) -> Result<Self, SpoolError> {
+        Self::with_seams(
+            config,
+            state_dir,
+            max_holds_per_identity,
+            max_waiters_per_identity,
+            Seams::default(),
+        )
+    }
+
+    /// [`Self::new`] with its clock and I/O given ([`Seams`]).
+    pub fn with_seams(
+        config: QuorumLossConfig,
+        state_dir: &Path,
+        max_holds_per_identity: u32,
+        max_waiters_per_identity: u32,
+        seams: Seams,
+    ) -> Result<Self, SpoolError> {
         let (spool, replay) = Spool::open(state_dir, config.spool_limit_bytes)?;
         let arbiter = state_dir
             .canonicalize()
@@ -176,13 +225,14 @@ impl QuorumLoss {
             max_holds_per_identity,
             max_waiters_per_identity,
             granted_total: AtomicU64::new(0),
+            seams,
         };
         this.replay(replay);
         Ok(this)
     }
 
     fn replay(&self, records: Vec<SpoolRecord>) {
-        let now_ms = now_unix_ms();
+        let now_ms = self.wall_ms();
         let now = Instant::now();
         let mut holds = self.holds.lock();
         for r in records {
@@ -223,6 +273,24 @@ impl QuorumLoss {
                 "holding unprotected memory grants replayed from the quorum-loss spool"
             );
         }
+    }
+
+    fn wall_ms(&self) -> i64 {
+        (self.seams.wall_ms)()
+    }
+
+    /// Runs `f` on the spool: on the blocking pool, or inline ([`Seams`]).
+    async fn on_spool<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Spool) -> T + Send + 'static,
+    ) -> Result<T, ArbiterError> {
+        if self.seams.inline_io {
+            return Ok(f(&self.spool));
+        }
+        let spool = Arc::clone(&self.spool);
+        tokio::task::spawn_blocking(move || f(&spool))
+            .await
+            .map_err(|e| ArbiterError::Internal(format!("the spool task failed: {e}")))
     }
 
     /// The lock cluster's id (from the arbiter's first read), for the spool.

@@ -261,6 +261,10 @@ enum Attempt {
     /// A durable waiter's own record is gone (its caller's session ended,
     /// or another arbiter took it for stale): it must queue again.
     Unqueued,
+    /// The gate kept the key from this session as the grant was about to
+    /// go to the log (a memory grant made a moment before): nothing was
+    /// sent. Queue and poll, as for a gated key.
+    Gated,
 }
 
 /// Where a call goes after an attempt.
@@ -308,6 +312,29 @@ pub struct LockTable {
     durable: durable::DurableCounters,
     /// Durable queue heads seen, per key, for the stale-record rule.
     stale_heads: Mutex<std::collections::HashMap<String, durable::Seen>>,
+    /// Grants and hand-overs of each key on their way to the log, from
+    /// just before their gate check until their answer: a memory grant of
+    /// the key waits for them ([`LockTable::writing`]).
+    writes: Mutex<std::collections::HashMap<String, u32>>,
+}
+
+/// A grant or hand-over of one key on its way to the log; counted down on
+/// drop.
+pub(crate) struct Writing<'t> {
+    table: &'t LockTable,
+    key: String,
+}
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        let mut writes = self.table.writes.lock();
+        if let Some(n) = writes.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                writes.remove(&self.key);
+            }
+        }
+    }
 }
 
 impl LockTable {
@@ -349,6 +376,7 @@ impl LockTable {
             waits_end: CancellationToken::new(),
             durable: Default::default(),
             stale_heads: Mutex::new(std::collections::HashMap::new()),
+            writes: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -364,6 +392,25 @@ impl LockTable {
     /// Whether the gate keeps `req.key` from `req.session` now.
     fn gated(&self, req: &GrantRequest) -> bool {
         self.gate.read().as_ref().is_some_and(|g| g.blocked(req))
+    }
+
+    /// Whether a grant or hand-over of `key` is on its way to the log from
+    /// this table: its outcome is not known yet, so a memory grant of the
+    /// key must wait (the log may be about to hold it for another session).
+    /// A memory grant is recorded (and gates the key) before it asks this,
+    /// and a grant registers here before it checks the gate, so of two
+    /// that meet, at least one sees the other.
+    pub fn writing(&self, key: &str) -> bool {
+        self.writes.lock().contains_key(key)
+    }
+
+    /// Registers a grant or hand-over of `key` on its way to the log.
+    pub(crate) fn write_on(&self, key: &str) -> Writing<'_> {
+        *self.writes.lock().entry(key.to_string()).or_insert(0) += 1;
+        Writing {
+            table: self,
+            key: key.to_string(),
+        }
     }
 
     /// The head of `key`'s queue, unless the gate keeps the key from it (it

@@ -304,6 +304,25 @@ impl MemLog {
         self.shared.with(|inner, _| inner.store.end_watches());
     }
 
+    /// The members lose their majority (issue 32's quorum-loss windows):
+    /// every call fails with "no leader" without reaching the store, no
+    /// lease expires, and watches see nothing (nothing commits), until
+    /// [`Self::regain_quorum`].
+    pub fn lose_quorum(&self) {
+        self.shared.with(|inner, _| inner.store.lose_quorum());
+    }
+
+    /// A majority again: every lease gets its whole TTL from now, as a new
+    /// etcd leader's lessor gives it.
+    pub fn regain_quorum(&self) {
+        self.shared.with(|inner, now| inner.store.regain_quorum(now));
+    }
+
+    /// Whether the members have no majority now.
+    pub fn quorum_lost(&self) -> bool {
+        self.shared.lock().store.quorum_lost()
+    }
+
     /// The store as it is now.
     pub fn snapshot(&self) -> Snapshot {
         self.shared.with(|inner, _| Snapshot {
@@ -331,6 +350,11 @@ impl MemLog {
     }
 
     // --- inspection (no faults, no effect but due expiries) ---
+
+    /// The holder record of lock key `key` as stored now, if it is held.
+    pub fn holder_now(&self, key: &str) -> Option<Kv> {
+        self.stored(&keys::holder(key))
+    }
 
     pub fn revision(&self) -> i64 {
         self.shared.with(|inner, _| inner.store.revision())

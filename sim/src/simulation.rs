@@ -131,6 +131,7 @@
 mod config;
 mod fences;
 mod idlog;
+mod memory;
 mod nemesis;
 mod ordered;
 mod worker;
@@ -139,7 +140,6 @@ mod world;
 use std::sync::Arc;
 use std::time::Duration;
 
-use latchkey_arbiter::lock_log::LockLog;
 use latchkey_arbiter::table::BatchStats;
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -152,6 +152,7 @@ use crate::rng::Rng;
 use crate::witness::{MemWitness, WitnessCalls};
 pub use config::{FaultKnobs, PRESETS, SimConfig};
 pub use fences::FenceReport;
+pub use memory::MemoryReport;
 pub use nemesis::{COORD_RESTORE, LIVENESS_WINDOW};
 use world::{World, lock};
 
@@ -184,6 +185,8 @@ pub struct SimRun {
     pub fences: FenceReport,
     /// The forced ends of holds and how they ended.
     pub forced: ForcedEnds,
+    /// The grants from memory during quorum losses, and what they broke.
+    pub memory: MemoryReport,
     pub notes: Vec<String>,
 }
 
@@ -227,6 +230,7 @@ impl SimRun {
             && self.stuck.is_none()
             && self.invalid_history.is_none()
             && self.fences.violations.is_empty()
+            && self.memory.violations.is_empty()
     }
 
     /// What went wrong, for people: the violations (the checker's report),
@@ -244,6 +248,9 @@ impl SimRun {
         }
         for v in &self.fences.violations {
             out.push_str(&format!("past the shard-map fence: {v}\n"));
+        }
+        for v in &self.memory.violations {
+            out.push_str(&format!("grant from memory: {v}\n"));
         }
         out
     }
@@ -296,7 +303,7 @@ impl SimRun {
         });
         let (b, lb) = (self.batches, self.log_batches);
         format!(
-            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}{}, {}",
+            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}{}{}, {}",
             self.seed,
             self.ops,
             self.simulated.as_secs_f64(),
@@ -341,6 +348,14 @@ impl SimRun {
             } else {
                 String::new()
             },
+            if self.memory.losses > 0 {
+                format!(
+                    "; quorum lost {} times: {} grants from memory, {} grants in the log kept waiting by one",
+                    self.memory.losses, self.memory.granted, self.memory.kept_from_log
+                )
+            } else {
+                String::new()
+            },
             if self.ok() { "PASS" } else { "FAIL" }
         )
     }
@@ -370,6 +385,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
                 BatchCounts::default(),
                 DurableStats::default(),
                 ForcedEnds::default(),
+                MemoryReport::default(),
             ),
             FenceReport::default(),
         ),
@@ -396,6 +412,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         log_batches: batches.1,
         durable: batches.2,
         forced: batches.3,
+        memory: batches.4,
         fences,
     }
 }
@@ -407,7 +424,13 @@ type Outcome = (
     FaultCounts,
     Option<WitnessReport>,
     Vec<String>,
-    (BatchStats, BatchCounts, DurableStats, ForcedEnds),
+    (
+        BatchStats,
+        BatchCounts,
+        DurableStats,
+        ForcedEnds,
+        MemoryReport,
+    ),
     FenceReport,
 );
 
@@ -425,7 +448,6 @@ async fn simulate(cfg: SimConfig) -> Outcome {
     tokio::spawn(watches.clone().run());
     let trace = std::env::var_os("LATCHKEY_SIM_TRACE");
     let idlog = Arc::new(idlog::IdLog::new(memlog.clone(), watches, trace.is_some()));
-    let log: Arc<dyn LockLog> = idlog.clone();
     // The coord cluster, when there is one: seeded from the run's seed, not
     // from `rng`, so a run without it draws what it always drew.
     let memwitness = cfg
@@ -435,7 +457,13 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         let traced: Arc<dyn Witness> = Arc::new(idlog::TracedWitness::new(w, idlog.clone()));
         traced
     });
-    let world = Arc::new(World::new(cfg.clone(), memlog, log, memwitness, witness));
+    let world = Arc::new(World::new(
+        cfg.clone(),
+        memlog,
+        idlog.clone(),
+        memwitness,
+        witness,
+    ));
     for i in 0..world.arbiters.len() {
         world.start_arbiter(i, false, rng.next_u64()).await;
     }
@@ -505,6 +533,8 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             ));
         }
     }
+    // The state dirs (quorum-loss spools) go with the run.
+    let _ = std::fs::remove_dir_all(&world.scratch);
     let notes = std::mem::take(&mut *lock(&world.notes));
     let witness = world.memwitness.as_ref().map(|w| WitnessReport {
         witnessed: w.witnessed(),
@@ -523,6 +553,7 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             world.memlog.batch_counts(),
             *lock(&world.durable),
             *lock(&world.forced),
+            lock(&world.memory).report(),
         ),
         lock(&world.fences).report(),
     )

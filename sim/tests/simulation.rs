@@ -19,7 +19,7 @@ use std::time::Instant;
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_sim::BatchCounts;
 use latchkey_sim::simulation::{
-    CoordRestores, FenceReport, ForcedEnds, PRESETS, SimConfig, SimRun, run,
+    CoordRestores, FenceReport, ForcedEnds, MemoryReport, PRESETS, SimConfig, SimRun, run,
 };
 
 /// (seed, preset, operations): seeds 1 to 80 over the presets without a
@@ -173,6 +173,13 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     (112, "forced-three-arbiters", 5000),
     (113, "forced", 5000),
     (114, "forced-three-arbiters", 5000),
+    // The whole arbiter (issue 32): clients ask the keys' owner, admitted by
+    // hold counts that follow the log, and the log loses its majority now
+    // and then: open keys are granted from memory meanwhile, and judged.
+    (115, "quorum-loss", 5000),
+    (116, "quorum-loss-three-arbiters", 5000),
+    (117, "quorum-loss", 5000),
+    (118, "quorum-loss-three-arbiters", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;
@@ -226,8 +233,12 @@ fn ci_seeds_check_out() {
     let mut durable = DurableStats::default();
     let mut fences = FenceReport::default();
     let mut forced = ForcedEnds::default();
+    let mut memory = MemoryReport::default();
     for &(seed, preset, ops) in CI_RUNS {
         let (result, failure) = run_one(seed, preset, ops);
+        memory.losses += result.memory.losses;
+        memory.granted += result.memory.granted;
+        memory.kept_from_log += result.memory.kept_from_log;
         forced.ended += result.forced.ended;
         forced.changed += result.forced.changed;
         total += result.ops;
@@ -326,6 +337,14 @@ fn ci_seeds_check_out() {
     assert!(
         forced.ended > 0 && forced.changed > 0,
         "the CI seeds' force-releases never ended a hold or never met one changed: {forced:?}"
+    );
+    // The control for quorum losses: the log lost its majority, open keys
+    // were granted from memory, and a live memory grant kept its key from
+    // a grant in the log on its arbiter.
+    println!("quorum losses: {memory:?}");
+    assert!(
+        memory.losses > 0 && memory.granted > 0 && memory.kept_from_log > 0,
+        "the CI seeds' quorum losses granted nothing from memory, or no memory grant kept its key from the log: {memory:?}"
     );
 }
 
@@ -584,5 +603,33 @@ fn a_forced_end_of_a_hold_granted_since_is_found() {
     let (_, failure) = run_one(SEED, PRESET, OPS);
     if let Some(f) = failure {
         panic!("seed {SEED} fails with the forced ends as built too:\n{f}");
+    }
+}
+
+/// The quorum-loss judge has teeth: with
+/// [`FaultKnobs::blind_hold_follower`] the arbiters' hold counts see no hold
+/// in the log, so a grant from memory during a quorum loss takes keys the
+/// log holds for other sessions, and the judge finds it. The same seed with
+/// the hold counts as built passes.
+///
+/// [`FaultKnobs::blind_hold_follower`]: latchkey_sim::simulation::FaultKnobs::blind_hold_follower
+#[test]
+fn a_memory_grant_of_a_key_held_in_the_log_is_found() {
+    const SEED: u64 = 115;
+    const PRESET: &str = "quorum-loss";
+    const OPS: usize = 5000;
+    let mut cfg = SimConfig::preset(PRESET, SEED).expect("preset");
+    cfg.min_ops = OPS;
+    cfg.faults.blind_hold_follower = true;
+    let result = run(&cfg);
+    println!("{} [{PRESET}, blind hold counts]", result.summary());
+    assert!(
+        !result.memory.violations.is_empty(),
+        "no memory grant of a key held in the log found with blind hold counts ({:?})",
+        result.memory
+    );
+    let (_, failure) = run_one(SEED, PRESET, OPS);
+    if let Some(f) = failure {
+        panic!("seed {SEED} fails with the hold counts as built too:\n{f}");
     }
 }

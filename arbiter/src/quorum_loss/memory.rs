@@ -2,7 +2,6 @@
 //! on this arbiter, bounded per identity, spooled before they are
 //! answered, and a live one keeps its key from the log's grants.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -12,11 +11,11 @@ use tracing::{info, warn};
 use super::spool::{SpoolError, SpoolKind, SpoolRecord};
 use super::{MemoryGrant, MemoryHold, QuorumLoss};
 use crate::error::{ArbiterError, IdentityBound};
-use crate::records::now_unix_ms;
 use crate::table::GrantRequest;
 
-/// Whether a key is held in the lock log by a session other than the given
-/// one, as far as this arbiter has seen (its hold-count watch).
+/// Whether a key may be held in the lock log by a session other than the
+/// given one, as far as this arbiter knows: its hold-count watch shows it
+/// held, or a grant of it from this arbiter is on its way to the log.
 pub type EtcdHeld<'a> = dyn Fn(&str, i64) -> bool + Send + Sync + 'a;
 
 /// How often a memory Acquire of a key held in etcd looks again.
@@ -104,12 +103,6 @@ impl QuorumLoss {
             }
             return Ok(Attempt::Held(h.expires));
         }
-        // Held in etcd by another session when the quorum was lost: that
-        // holder cannot renew, but its hold is not over either. Not taken
-        // from memory; looked at again shortly (or when the loss ends).
-        if held_in_log(&req.key, req.session) {
-            return Ok(Attempt::Held(now + HELD_IN_LOG_RECHECK));
-        }
         let mine = holds
             .values()
             .filter(|h| h.bounded_as == req.bounded_as() && h.expires > now)
@@ -120,7 +113,7 @@ impl QuorumLoss {
                 limit: self.max_holds_per_identity,
             });
         }
-        let at = now_unix_ms();
+        let at = self.wall_ms();
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let id = (at << 12) | i64::try_from(seq & 0xfff).unwrap_or(0);
         holds.insert(
@@ -137,6 +130,16 @@ impl QuorumLoss {
                 pending: true,
             },
         );
+        // Held in etcd by another session when the quorum was lost (that
+        // holder cannot renew, but its hold is not over either), or a grant
+        // of the key from this arbiter on its way to the log: not taken from
+        // memory; looked at again shortly (or when the loss ends). Asked
+        // with the pending hold in place, which keeps the key from the
+        // table's grants from now on (see `LockTable::writing`).
+        if held_in_log(&req.key, req.session) {
+            holds.remove(&req.key);
+            return Ok(Attempt::Held(now + HELD_IN_LOG_RECHECK));
+        }
         Ok(Attempt::Spool(SpoolRecord {
             id,
             kind: SpoolKind::Grant,
@@ -171,6 +174,13 @@ impl QuorumLoss {
         };
         loop {
             let freed = self.freed.notified();
+            if !self.is_lost() {
+                // The probe heard from a majority since: the log decides
+                // again (a grant of the key may be on its way there).
+                return Err(ArbiterError::store(
+                    "the lock cluster has quorum again; retry, and the grant goes through etcd",
+                ));
+            }
             match self.attempt(req, held_in_log)? {
                 Attempt::Yours => {
                     return Ok(MemoryGrant {
@@ -190,11 +200,6 @@ impl QuorumLoss {
                             key: req.key.clone(),
                         });
                     }
-                    if !self.is_lost() {
-                        return Err(ArbiterError::store(
-                            "the lock cluster has quorum again while this call waited for an unprotected grant; retry, and it goes through etcd",
-                        ));
-                    }
                     // A release wakes us; an expiry is its own deadline.
                     let _ = tokio::time::timeout_at(expires.min(deadline), freed).await;
                 }
@@ -203,11 +208,10 @@ impl QuorumLoss {
     }
 
     async fn spool_grant(&self, record: SpoolRecord) -> Result<MemoryGrant, ArbiterError> {
-        let spool = Arc::clone(&self.spool);
         let line = record.clone();
-        let written = tokio::task::spawn_blocking(move || spool.append(&line))
+        let written = self
+            .on_spool(move |spool| spool.append(&line))
             .await
-            .map_err(|e| ArbiterError::Internal(format!("the spool task failed: {e}")))
             .and_then(|r| {
                 r.map_err(|e| match e {
                     SpoolError::Share { share, .. } => ArbiterError::IdentityLimit {
@@ -276,7 +280,7 @@ impl QuorumLoss {
                 session: hold.session,
                 class: hold.class.clone(),
                 ttl_seconds: hold.ttl_seconds,
-                at_unix_ms: now_unix_ms(),
+                at_unix_ms: self.wall_ms(),
                 token: 0,
                 unprotected: true,
                 arbiter: self.arbiter.clone(),
@@ -284,10 +288,9 @@ impl QuorumLoss {
             }
         };
         let id = record.id;
-        let spool = Arc::clone(&self.spool);
         // The release is recorded when the spool has room; the grant line
         // (already synced) is what the audit trail must not miss.
-        match tokio::task::spawn_blocking(move || spool.append(&record)).await {
+        match self.on_spool(move |spool| spool.append(&record)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => warn!(error = %e, "a memory grant's release is not in the spool"),
             Err(e) => warn!(error = %e, "the spool task failed"),

@@ -68,8 +68,7 @@ impl QuorumLoss {
 
     /// Closes the open spool into `ready/` (for the audit tailer).
     async fn ship(&self) {
-        let spool = Arc::clone(&self.spool);
-        match tokio::task::spawn_blocking(move || spool.ship()).await {
+        match self.on_spool(|spool| spool.ship()).await {
             Ok(Ok(Some(path))) => info!(
                 path = %path.display(),
                 "shipped the quorum-loss spool (unprotected grants) for the audit tailer"

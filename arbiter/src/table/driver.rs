@@ -74,7 +74,7 @@ pub(super) async fn drive(
                     from = Some(watch_from);
                 }
             }
-            Ok(Attempt::Behind { .. } | Attempt::Unqueued) => {
+            Ok(Attempt::Behind { .. } | Attempt::Unqueued | Attempt::Gated) => {
                 // Durable waiters first (a key whose callers mix classes):
                 // their comings and goings do not touch the holder record
                 // this driver watches, so poll.

@@ -237,6 +237,9 @@ impl LockTable {
                     Next::Queue(from) => from,
                 },
                 Ok(Attempt::Held { watch_from }) => Some(watch_from),
+                // Kept from it by a memory grant made a moment ago: as the
+                // gated wait above.
+                Ok(Attempt::Gated) => Some(queued.modified + 1),
                 Ok(Attempt::Behind { watch_from, .. }) => {
                     behind = true;
                     Some(watch_from)

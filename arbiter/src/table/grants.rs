@@ -50,6 +50,11 @@ impl LockTable {
         req: &GrantRequest,
         turn: QueueTurn,
     ) -> Result<Option<Attempt>, ArbiterError> {
+        // Registered before the gate is looked at (see `writing`).
+        let _writing = self.write_on(&req.key);
+        if self.gated(req) {
+            return Ok(Some(Attempt::Gated));
+        }
         let state = self.seal.serving_epoch().await?;
         routed_in_time(&state, req)?;
         let member = Member::Grant(GrantMember {
@@ -206,6 +211,7 @@ impl LockTable {
             Attempt::Held { watch_from } | Attempt::Behind { watch_from, .. } => {
                 Next::Queue(Some(watch_from))
             }
+            Attempt::Gated => Next::Queue(None),
             Attempt::Unqueued => {
                 return Err(ArbiterError::Internal(
                     "a grant outside the durable queue was answered as a durable waiter's".into(),
@@ -362,6 +368,12 @@ impl LockTable {
         from: HandOverFrom<'_>,
         next: &GrantRequest,
     ) -> Result<Option<(Grant, Option<HolderRecord>)>, ArbiterError> {
+        // Registered before the gate is looked at (see `writing`); kept from
+        // the next waiter now, the plain release follows.
+        let _writing = self.write_on(&next.key);
+        if self.gated(next) {
+            return Ok(None);
+        }
         let state = self.seal.serving_epoch().await?;
         // A waiter routed by an older map than the cluster's fence gets
         // nothing here: the plain release follows, and its own attempt

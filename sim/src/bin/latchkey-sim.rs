@@ -5,9 +5,11 @@
 //! latchkey-sim --seed 42 [--preset default|three-arbiters|one-arbiter|state-loss|
 //!                        witnessed|witnessed-three-arbiters|witnessed-state-loss|
 //!                        unwitnessed-state-loss|durable|durable-three-arbiters|
-//!                        fenced|fenced-three-arbiters]
+//!                        fenced|fenced-three-arbiters|forced|forced-three-arbiters|
+//!                        quorum-loss|quorum-loss-three-arbiters]
 //!              [--ops 10000] [--arbiters 2] [--clients 10] [--keys 8]
-//!              [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|none]
+//!              [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|
+//!                        quorum-loss|none]
 //!              [--witness on|off] [--history out.jsonl]
 //! ```
 //!
@@ -25,7 +27,7 @@ use std::time::Instant;
 
 use latchkey_sim::simulation::{FaultKnobs, PRESETS, SimConfig, run};
 
-const USAGE: &str = "usage: latchkey-sim --seed N [--preset default|three-arbiters|one-arbiter|state-loss|witnessed|witnessed-three-arbiters|witnessed-state-loss|unwitnessed-state-loss|durable|durable-three-arbiters|fenced|fenced-three-arbiters] [--ops M] [--arbiters A] [--clients C] [--keys K] [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|none] [--witness on|off] [--history out.jsonl]";
+const USAGE: &str = "usage: latchkey-sim --seed N [--preset default|three-arbiters|one-arbiter|state-loss|witnessed|witnessed-three-arbiters|witnessed-state-loss|unwitnessed-state-loss|durable|durable-three-arbiters|fenced|fenced-three-arbiters|forced|forced-three-arbiters|quorum-loss|quorum-loss-three-arbiters] [--ops M] [--arbiters A] [--clients C] [--keys K] [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|quorum-loss|none] [--witness on|off] [--history out.jsonl]";
 
 struct Args {
     cfg: SimConfig,
@@ -82,6 +84,8 @@ fn parse() -> Result<Args, String> {
                     "witnessed" => FaultKnobs::witnessed(),
                     "witnessed-state-loss" => FaultKnobs::witnessed_state_loss(),
                     "fenced" => FaultKnobs::fenced(),
+                    "forced" => FaultKnobs::forced(),
+                    "quorum-loss" => FaultKnobs::quorum_loss(),
                     "none" => FaultKnobs::none(),
                     other => return Err(format!("--faults {other}: not a fault set\n{USAGE}")),
                 }

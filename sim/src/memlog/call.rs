@@ -109,7 +109,14 @@ impl MemLog {
             ));
             return (fate, Err(e));
         }
-        let out = self.shared.with(f);
+        let out = self.shared.with(|inner, now| {
+            if inner.store.quorum_lost() {
+                return Err(StoreError::unavailable(format!(
+                    "{what}: etcdserver: no leader (the members have no majority)"
+                )));
+            }
+            f(inner, now)
+        });
         if fate.lose_response {
             let e = StoreError::unavailable(format!(
                 "{what}: the answer was lost (injected after commit)"

@@ -164,6 +164,9 @@ pub(crate) struct Store {
     /// Something a watch may be waiting for changed since the last
     /// [`Self::take_dirty`].
     dirty: bool,
+    /// No majority: nothing commits and no lease expires (etcd's lessor
+    /// runs on the leader only) until [`Self::regain_quorum`].
+    quorum_lost: bool,
 }
 
 impl Store {
@@ -181,7 +184,32 @@ impl Store {
             retention: retention.map(|r| i64::try_from(r.max(1)).unwrap_or(i64::MAX)),
             min_ttl_seconds: i64::from(min_ttl_seconds),
             dirty: false,
+            quorum_lost: false,
         }
+    }
+
+    pub fn quorum_lost(&self) -> bool {
+        self.quorum_lost
+    }
+
+    /// The members lose their majority: from now on nothing commits and no
+    /// lease expires.
+    pub fn lose_quorum(&mut self) {
+        self.quorum_lost = true;
+    }
+
+    /// A majority again: a new leader's lessor gives every lease its whole
+    /// TTL from now (etcd's `Promote`), so no holder loses a lease to the
+    /// time nobody could renew it.
+    pub fn regain_quorum(&mut self, now: Instant) {
+        if !std::mem::take(&mut self.quorum_lost) {
+            return;
+        }
+        for lease in self.leases.values_mut() {
+            let whole = now + Duration::from_secs(u64::try_from(lease.ttl_seconds).unwrap_or(0));
+            lease.deadline = lease.deadline.max(whole);
+        }
+        self.dirty = true;
     }
 
     pub fn revision(&self) -> i64 {
@@ -529,6 +557,9 @@ impl Store {
     /// first (ties by id), each at its own revision, as etcd's lessor
     /// would have by now.
     pub fn expire_due(&mut self, now: Instant) {
+        if self.quorum_lost {
+            return;
+        }
         while let Some(id) = self
             .leases
             .iter()
@@ -541,6 +572,9 @@ impl Store {
     }
 
     pub fn earliest_deadline(&self) -> Option<Instant> {
+        if self.quorum_lost {
+            return None;
+        }
         self.leases.values().map(|l| l.deadline).min()
     }
 

@@ -84,6 +84,17 @@ pub struct FaultKnobs {
     /// against. Its runs must show violations (only to show that the
     /// simulation notices; off in every preset).
     pub force_releases_reread: bool,
+    /// Windows in which the lock log loses its majority (every call fails,
+    /// no lease expires; on return every lease gets its whole TTL), now and
+    /// then with the watch streams broken right before or an arbiter
+    /// restarted in it. Open keys are granted from memory meanwhile
+    /// ([`SimConfig::open_keys`]; needs [`SimConfig::whole_arbiter`]).
+    pub quorum_losses: bool,
+    /// The hold counts see no hold in the log, so a grant from memory takes
+    /// keys the log holds for other sessions: the bug the count guards
+    /// against. Its runs must show violations (only to show that the
+    /// simulation notices; off in every preset).
+    pub blind_hold_follower: bool,
 }
 
 impl FaultKnobs {
@@ -113,6 +124,8 @@ impl FaultKnobs {
             map_fences_unenforced: false,
             force_releases: false,
             force_releases_reread: false,
+            quorum_losses: false,
+            blind_hold_follower: false,
         }
     }
 
@@ -127,6 +140,15 @@ impl FaultKnobs {
     /// Every fault, and two-person force-releases of the clients' holds.
     pub fn forced() -> Self {
         Self {
+            force_releases: true,
+            ..Self::all()
+        }
+    }
+
+    /// Every fault, force-releases, and quorum losses (the whole arbiter).
+    pub fn quorum_loss() -> Self {
+        Self {
+            quorum_losses: true,
             force_releases: true,
             ..Self::all()
         }
@@ -194,6 +216,8 @@ impl FaultKnobs {
             map_fences_unenforced: false,
             force_releases: false,
             force_releases_reread: false,
+            quorum_losses: false,
+            blind_hold_follower: false,
         }
     }
 }
@@ -240,6 +264,16 @@ pub struct SimConfig {
     /// Keys `sim/k0` up to this one (exclusive) are of a durable class
     /// (ADR-14): their waiters queue in the log, not in a table.
     pub durable_keys: usize,
+    /// The last this many keys are of a class open on quorum loss (ADR-04):
+    /// granted from this arbiter's memory, token 0, while the log has no
+    /// majority. Only with [`Self::whole_arbiter`].
+    pub open_keys: usize,
+    /// Run the whole arbiter around each table, as `start.rs` builds it:
+    /// clients ask the key's owner (`latchkey_arbiter::owner::KeyOwner`),
+    /// which admits by the hold count (following the log) and grants
+    /// through the log or, during a quorum loss, from memory (the
+    /// quorum-loss posture with its probe and spool). Off: the table alone.
+    pub whole_arbiter: bool,
     pub faults: FaultKnobs,
 }
 
@@ -263,6 +297,8 @@ impl SimConfig {
             log_latency: Duration::from_millis(2),
             batch_limit: latchkey_arbiter::table::DEFAULT_BATCH_LIMIT,
             durable_keys: 0,
+            open_keys: 0,
+            whole_arbiter: false,
             faults: FaultKnobs::all(),
         }
     }
@@ -284,6 +320,8 @@ pub const PRESETS: &[&str] = &[
     "fenced-three-arbiters",
     "forced",
     "forced-three-arbiters",
+    "quorum-loss",
+    "quorum-loss-three-arbiters",
 ];
 
 impl SimConfig {
@@ -314,6 +352,10 @@ impl SimConfig {
     ///   arbiters) with shard-map fences ([`FaultKnobs::fenced`]).
     /// - `forced`, `forced-three-arbiters`: `default` (and with 3
     ///   arbiters) with two-person force-releases ([`FaultKnobs::forced`]).
+    /// - `quorum-loss`, `quorum-loss-three-arbiters`: the whole arbiter
+    ///   ([`SimConfig::whole_arbiter`]), half the keys open on quorum loss,
+    ///   two durable, every fault, force-releases and quorum losses
+    ///   ([`FaultKnobs::quorum_loss`]).
     pub fn preset(name: &str, seed: u64) -> Option<Self> {
         let base = Self::new(seed);
         Some(match name {
@@ -345,6 +387,22 @@ impl SimConfig {
             },
             "forced" => Self {
                 faults: FaultKnobs::forced(),
+                ..base
+            },
+            "quorum-loss" => Self {
+                whole_arbiter: true,
+                open_keys: 4,
+                durable_keys: 2,
+                faults: FaultKnobs::quorum_loss(),
+                ..base
+            },
+            "quorum-loss-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                whole_arbiter: true,
+                open_keys: 4,
+                durable_keys: 2,
+                faults: FaultKnobs::quorum_loss(),
                 ..base
             },
             "forced-three-arbiters" => Self {

@@ -113,6 +113,12 @@ impl IdLog {
         self.ids().to_store.get(&id).copied().unwrap_or(id)
     }
 
+    /// The session (the arbiters' id) holding `key` in the store now, read
+    /// past every fault.
+    pub(crate) fn holder_now(&self, key: &str) -> Option<i64> {
+        self.log.holder_now(key).map(|kv| self.arbiter_id(kv.lease))
+    }
+
     fn arbiter_id(&self, id: i64) -> i64 {
         self.ids().to_arbiter.get(&id).copied().unwrap_or(id)
     }

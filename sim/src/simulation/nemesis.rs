@@ -158,6 +158,7 @@ enum Kind {
     Snapshot,
     Restore,
     MapFence,
+    QuorumLoss,
 }
 
 pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
@@ -181,6 +182,9 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
     }
     if knobs.map_fences {
         kinds.push((Kind::MapFence, 15));
+    }
+    if knobs.quorum_losses {
+        kinds.push((Kind::QuorumLoss, 40));
     }
     if kinds.is_empty() {
         return;
@@ -215,6 +219,7 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
             Kind::Compact => compact(&world, &mut rng),
             Kind::Snapshot => backups.take(&world),
             Kind::MapFence => map_fence(&world, &mut rng).await,
+            Kind::QuorumLoss => quorum_loss(&world, &mut rng).await,
             Kind::Restore => {
                 if !lock(&world.liveness).serving(Instant::now(), SERVING_WITHIN) {
                     continue;
@@ -510,6 +515,59 @@ async fn slow_log(world: &World, rng: &mut Rng) {
     done(world, op);
 }
 
+/// The lock log loses its majority for 2–8 s: every call fails, no lease
+/// expires, and once it is back every lease has its whole TTL again. The
+/// arbiters' probes call it lost after three failures, and grant the open
+/// keys from memory meanwhile. A third of the time the watch streams break
+/// up to 1.5 s before (the hold counts read again after a second), and a
+/// third of the time an arbiter dies in it and cannot start again until
+/// the log answers (its spool replayed, or lost with its state dir).
+async fn quorum_loss(world: &World, rng: &mut Rng) {
+    let length = Duration::from_millis(2000 + rng.below(6000));
+    let broken = rng.chance(33);
+    let restart = rng.chance(33).then(|| {
+        let i = usize::try_from(rng.below(world.arbiters.len() as u64)).unwrap_or(0);
+        (i, rng.chance(world.cfg.faults.lose_state_percent.max(30)))
+    });
+    let op = fault(
+        world,
+        format!(
+            "quorum lost for {} ms{}{}",
+            length.as_millis(),
+            if broken { ", watch streams broken first" } else { "" },
+            match restart {
+                Some((i, true)) => format!(", arbiter-{i} restarted in it (state dir lost)"),
+                Some((i, false)) => format!(", arbiter-{i} restarted in it (state dir kept)"),
+                None => String::new(),
+            }
+        ),
+    );
+    if broken {
+        // The hold counts read again after a second: some losses begin
+        // before they have, some after.
+        world.memlog.break_watches();
+        tokio::time::sleep(Duration::from_millis(rng.below(1500))).await;
+    }
+    let holders = world.holders_now();
+    world.memlog.lose_quorum();
+    lock(&world.memory).lost_quorum(holders);
+    match restart {
+        Some((i, lose)) => {
+            let before = length / 2;
+            tokio::time::sleep(before).await;
+            world.kill_arbiter(i).await;
+            tokio::time::sleep(length - before).await;
+            world.memlog.regain_quorum();
+            world.start_arbiter(i, lose, rng.next_u64()).await;
+        }
+        None => {
+            tokio::time::sleep(length).await;
+            world.memlog.regain_quorum();
+        }
+    }
+    done(world, op);
+}
+
 /// Kills an arbiter and starts it again on the same log after a moment,
 /// keeping its state directory (its high-water mark) unless the run loses
 /// state.
@@ -698,15 +756,24 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
             ttl_seconds: 60,
             delete: Vec::new(),
         };
+        let txn = ForceEndTxn {
+            key: &key,
+            lease,
+            revision,
+            records: &records,
+        };
+        // Through the key's owner, as the approval does, when the run has
+        // the whole arbiter.
+        let end = async {
+            match &ender.owner {
+                Some(owner) => owner.force_end(txn).await,
+                None => ender.table.force_end(txn).await,
+            }
+        };
         let ended = tokio::select! {
             biased;
             () = ender.killed.cancelled() => None,
-            r = ender.table.force_end(ForceEndTxn {
-                key: &key,
-                lease,
-                revision,
-                records: &records,
-            }) => Some(r),
+            r = end => Some(r),
         };
         let (outcome, detail) = match ended {
             Some(Ok((ForceEnded::Ended, _))) => (Outcome::Ok, "ended"),

@@ -15,7 +15,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use latchkey_arbiter::error::ArbiterError;
-use latchkey_arbiter::table::GrantRequest;
+use latchkey_arbiter::owner::{Granted, Terms};
+use latchkey_arbiter::table::{Grant, GrantRequest};
 use latchkey_checker::{Function, Outcome};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -31,6 +32,13 @@ const TTL_SECONDS: u32 = 5;
 const MAX_SESSIONS: u32 = 10_000;
 const MAX_WAITERS_PER_KEY: u32 = 16;
 const CLASS: &str = "sim";
+/// The class of the open keys ([`SimConfig::open_keys`]): granted from
+/// memory while the log has no quorum.
+///
+/// [`SimConfig::open_keys`]: super::SimConfig::open_keys
+const OPEN_CLASS: &str = "sim-open";
+/// How long an Acquire waits for an arbiter's first hold count.
+const COUNT_WAIT: Duration = Duration::from_secs(2);
 
 /// The reasons the arbiter gives before writing anything: the gate's list
 /// (`is_definite_refusal` in gate/src/worker.rs), and a shard-map
@@ -266,50 +274,79 @@ impl Incarnation<'_> {
             Duration::from_millis(self.rng.below(budget.max(1) + 1))
         });
 
+        let invoked = Instant::now();
         let op = self.world.invoke(
             &self.process,
             Function::Acquire,
             Some(&key),
             None,
             None,
-            Instant::now(),
+            invoked,
         );
+        let number = key
+            .strip_prefix("sim/k")
+            .and_then(|n| n.parse::<usize>().ok());
+        let durable = number.is_some_and(|n| n < cfg.durable_keys);
+        let open = number.is_some_and(|n| n + cfg.open_keys >= cfg.keys);
         let req = GrantRequest {
             key: key.clone(),
             identity: self.identity.clone(),
             session: id,
-            class: CLASS.into(),
+            class: if open { OPEN_CLASS } else { CLASS }.into(),
             ttl_seconds: TTL_SECONDS,
             annotations: BTreeMap::new(),
             routed_by: None,
             instance: String::new(),
             bound: String::new(),
         };
-        let durable = key
-            .strip_prefix("sim/k")
-            .and_then(|n| n.parse::<usize>().ok())
-            .is_some_and(|n| n < cfg.durable_keys);
-        let answer = acquire(&arbiter, req, wait, cancel_after, durable).await;
+        let answer = acquire(&arbiter, req, wait, cancel_after, durable, open).await;
         let token = match answer {
-            Call::Answered(Ok(acquired)) => match acquired.grant.token() {
+            Call::Answered(Ok(Got::Log(grant))) => match grant.token() {
                 Some(token) => {
-                    lock(&self.world.fences).granted(arbiter.index, &acquired.grant);
+                    lock(&self.world.fences).granted(arbiter.index, &grant);
                     if self.world.cfg.faults.force_releases {
                         lock(&self.world.granted_to).insert(
                             (key.clone(), token),
-                            (self.process.clone(), acquired.grant.session),
+                            (self.process.clone(), grant.session),
                         );
+                    }
+                    if arbiter.owner.is_some() {
+                        let ms = self.world.ms(Instant::now());
+                        lock(&self.world.memory)
+                            .log_granted(arbiter.index, &key, id, &self.process, invoked, ms);
                     }
                     self.world
                         .complete(op, Outcome::Ok, Some(token), None, None);
                     token
                 }
                 None => {
-                    let detail = format!("granted at an unpackable token {:?}", acquired.grant);
+                    let detail = format!("granted at an unpackable token {grant:?}");
                     return self.unknown_acquire(op, &key, detail, session, renewer);
                 }
             },
+            Call::Answered(Ok(Got::Memory)) => {
+                // Unprotected: no fenced grant, so the checker sees a
+                // refusal; the memory ledger judges it.
+                self.world.complete(
+                    op,
+                    Outcome::Fail,
+                    None,
+                    None,
+                    Some("UNPROTECTED memory grant (token 0)".into()),
+                );
+                self.hold_from_memory(&arbiter, &key, id, invoked).await;
+                return Next::Continue;
+            }
             Call::Answered(Err(e)) if is_definite_refusal(&e) => {
+                if arbiter.owner.is_some()
+                    && matches!(
+                        e,
+                        ArbiterError::Held { .. } | ArbiterError::WaitTimeout { .. }
+                    )
+                    && !self.world.memlog.quorum_lost()
+                {
+                    lock(&self.world.memory).log_refused(arbiter.index, &key, id);
+                }
                 self.world
                     .complete(op, Outcome::Fail, None, None, Some(describe(&e)));
                 if matches!(e, ArbiterError::ShardMapAhead { .. }) {
@@ -405,6 +442,44 @@ impl Incarnation<'_> {
         Next::Continue
     }
 
+    /// Holds a grant from memory for a unit of work (no fenced write: token
+    /// 0 fences nothing), then releases it through the arbiter that granted
+    /// it (the edge routes a key to its arbiter), or any, if that one died.
+    async fn hold_from_memory(&mut self, granter: &Arbiter, key: &str, id: i64, invoked: Instant) {
+        let held = {
+            let in_log = self.world.held_in_log(key);
+            let ms = self.world.ms(Instant::now());
+            lock(&self.world.memory).granted(
+                granter.index,
+                key,
+                id,
+                &self.process,
+                invoked,
+                TTL,
+                in_log,
+                ms,
+            )
+        };
+        let unit = self.rng.below(self.world.cfg.unit_ms + 1);
+        tokio::time::sleep(Duration::from_millis(unit)).await;
+        let arbiter = match self.world.arbiter(granter.index) {
+            Some(a) => a,
+            None => match self.world.route(key, true, self.rng) {
+                Some(a) => a,
+                None => return,
+            },
+        };
+        lock(&self.world.memory).releasing(held, Instant::now());
+        let Some(owner) = arbiter.owner.clone() else {
+            return;
+        };
+        tokio::select! {
+            biased;
+            () = arbiter.killed.cancelled() => {}
+            _ = owner.release(&self.identity, key, id, 0) => {}
+        }
+    }
+
     /// Records an unknown acquire and the expire that bounds whatever it may
     /// have granted: at the session's fence deadline, read after the
     /// renewals stopped, so nothing moves it afterwards.
@@ -479,10 +554,23 @@ impl Incarnation<'_> {
             Instant::now(),
         );
         let table = arbiter.table.clone();
+        let owner = arbiter.owner.clone();
+        let call = async {
+            match owner {
+                Some(owner) => owner
+                    .release(&self.identity, key, id, token)
+                    .await
+                    .map(|_| ()),
+                None => table
+                    .release(&self.identity, key, id, token)
+                    .await
+                    .map(|_| ()),
+            }
+        };
         let answer = tokio::select! {
             biased;
             () = arbiter.killed.cancelled() => Call::Killed,
-            r = table.release(&self.identity, key, id, token) => Call::Answered(r),
+            r = call => Call::Answered(r),
         };
         let (outcome, detail) = match answer {
             Call::Answered(Ok(_)) => {
@@ -512,6 +600,14 @@ impl Incarnation<'_> {
     }
 }
 
+/// How an acquire was granted.
+enum Got {
+    /// Through the log, with a fencing token.
+    Log(Grant),
+    /// From memory during a quorum loss: token 0, unprotected.
+    Memory,
+}
+
 enum Next {
     Continue,
     End,
@@ -526,13 +622,39 @@ async fn acquire(
     wait: Option<Duration>,
     cancel_after: Option<Duration>,
     durable: bool,
-) -> Call<latchkey_arbiter::table::Acquired> {
+    open: bool,
+) -> Call<Got> {
     let table = arbiter.table.clone();
+    let owner = arbiter.owner.clone();
     let call = async {
-        if durable {
-            table.acquire_durable(req, wait, MAX_WAITERS_PER_KEY).await
-        } else {
-            table.acquire(req, wait, MAX_WAITERS_PER_KEY).await
+        let Some(owner) = owner else {
+            // The table alone (the presets from before the whole arbiter).
+            let acquired = if durable {
+                table.acquire_durable(req, wait, MAX_WAITERS_PER_KEY).await
+            } else {
+                table.acquire(req, wait, MAX_WAITERS_PER_KEY).await
+            };
+            return acquired.map(|a| Got::Log(a.grant));
+        };
+        // As the Acquire handler asks the owner: let in (the hold count, or
+        // the quorum-loss posture), then granted through the log or from
+        // memory.
+        let class = req.class.clone();
+        let terms = Terms {
+            class: &class,
+            open_on_loss: open,
+            durable,
+            max_waiters_per_key: MAX_WAITERS_PER_KEY,
+        };
+        let admission = owner
+            .admit(&req.identity, &req.key, 0, COUNT_WAIT, &terms)
+            .await?;
+        match owner
+            .acquire(admission, req, wait, &terms, async { Ok(()) })
+            .await?
+        {
+            Granted::Log { grant, .. } => Ok(Got::Log(grant)),
+            Granted::Memory(_) => Ok(Got::Memory),
         }
     };
     let cancel = async {

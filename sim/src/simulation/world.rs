@@ -2,6 +2,7 @@
 //! down), the fenced resource, and the history being recorded.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,16 +11,24 @@ use parking_lot::{Mutex, MutexGuard};
 use latchkey_arbiter::epoch::EpochGuard;
 use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::high_water::{HighWater, Mark};
-use latchkey_arbiter::lock_log::LockLog;
+use latchkey_arbiter::hold_counts::{DEFAULT_MAX_HOLDS_PER_IDENTITY, HoldCounts};
+use latchkey_arbiter::lock_log::{
+    Counted, FollowLog, FollowSignal, Kv, LockLog, PrefixWatch, StoreError,
+};
+use latchkey_arbiter::owner::KeyOwner;
+use latchkey_arbiter::quorum_loss::{QuorumLoss, QuorumLossConfig, Seams};
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_arbiter::table::{BatchStats, LockTable, MapVersion, TableOptions};
 use latchkey_arbiter::witness::Witness;
 use latchkey_checker::{Completion, Function, Operation, Outcome};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDrop;
 
 use super::SimConfig;
 use super::fences::Fences;
+use super::idlog::IdLog;
+use super::memory::MemoryGrants;
 use crate::memlog::MemLog;
 use crate::rng::Rng;
 use crate::witness::MemWitness;
@@ -35,6 +44,17 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// throws it away.
 pub(crate) struct ArbiterSlot {
     pub(crate) table: Option<Arc<LockTable>>,
+    /// The whole arbiter's owner of its keys ([`SimConfig::whole_arbiter`]):
+    /// the table with its hold count and quorum-loss posture.
+    pub(crate) owner: Option<Arc<KeyOwner>>,
+    /// The hold count's follower and the quorum probe of this incarnation:
+    /// they stop when it is killed.
+    pub(crate) tasks: Vec<AbortOnDrop>,
+    /// Its state directory's quorum-loss spool (the high-water mark is kept
+    /// in memory beside it): under the run's scratch directory, replaced by
+    /// a fresh one when the state is lost.
+    pub(crate) state_dir: PathBuf,
+    state_dirs: u32,
     /// Cancelled when this incarnation is killed: every call in flight
     /// through it ends at once, as a connection to a dead process does.
     pub(crate) killed: CancellationToken,
@@ -54,6 +74,7 @@ pub(crate) struct ArbiterSlot {
 pub(crate) struct Arbiter {
     pub(crate) index: usize,
     pub(crate) table: Arc<LockTable>,
+    pub(crate) owner: Option<Arc<KeyOwner>>,
     pub(crate) killed: CancellationToken,
 }
 
@@ -155,21 +176,38 @@ pub(crate) struct World {
     /// reuse a revision, and a stale arbiter an epoch).
     pub(crate) granted_to: Mutex<BTreeMap<(String, u64), (String, i64)>>,
     pub(crate) forced: Mutex<super::ForcedEnds>,
+    /// The log as the hold counts follow it (the same [`IdLog`]).
+    pub(crate) follow_log: Arc<dyn FollowLog>,
+    /// Which session holds a key in the log now, read past every fault
+    /// (the judge's ground truth), in the arbiters' session ids.
+    pub(crate) idlog: Arc<IdLog>,
+    /// The grants from memory during quorum losses, judged apart from the
+    /// checker's history ([`MemoryGrants`]).
+    pub(crate) memory: Mutex<MemoryGrants>,
+    /// Where the arbiters' state directories are (removed at the end).
+    pub(crate) scratch: PathBuf,
 }
 
 impl World {
     pub(crate) fn new(
         cfg: SimConfig,
         memlog: MemLog,
-        log: Arc<dyn LockLog>,
+        idlog: Arc<IdLog>,
         memwitness: Option<MemWitness>,
         witness: Option<Arc<dyn Witness>>,
     ) -> Self {
         let start = Instant::now();
+        let scratch = scratch_dir(cfg.seed);
+        let log: Arc<dyn LockLog> = idlog.clone();
+        let follow_log: Arc<dyn FollowLog> = idlog.clone();
         let arbiters = (0..cfg.arbiters.max(1))
-            .map(|_| {
+            .map(|i| {
                 Mutex::new(ArbiterSlot {
                     table: None,
+                    owner: None,
+                    tasks: Vec::new(),
+                    state_dir: scratch.join(format!("arbiter-{i}.0")),
+                    state_dirs: 0,
                     killed: CancellationToken::new(),
                     high_water: Arc::new(HighWater::in_memory(None)),
                     restarts: 0,
@@ -200,6 +238,10 @@ impl World {
             fences: Mutex::new(Fences::default()),
             granted_to: Mutex::new(BTreeMap::new()),
             forced: Mutex::new(super::ForcedEnds::default()),
+            follow_log,
+            idlog,
+            memory: Mutex::new(MemoryGrants::default()),
+            scratch,
         }
     }
 
@@ -295,6 +337,7 @@ impl World {
         slot.table.as_ref().map(|table| Arbiter {
             index: i,
             table: table.clone(),
+            owner: slot.owner.clone(),
             killed: slot.killed.clone(),
         })
     }
@@ -351,15 +394,23 @@ impl World {
         let Some(slot) = self.arbiters.get(i) else {
             return;
         };
-        let (high_water, map_version) = {
+        let (high_water, map_version, state_dir) = {
             let mut slot = lock(slot);
             if lose_state {
                 slot.high_water = Arc::new(HighWater::in_memory(None));
+                slot.state_dirs += 1;
+                slot.state_dir = self.scratch.join(format!("arbiter-{i}.{}", slot.state_dirs));
+                // Its memory grants are gone with the spool.
+                lock(&self.memory).forget(i, Instant::now());
             } else {
                 let mark: Option<Mark> = slot.high_water.current();
                 slot.high_water = Arc::new(HighWater::in_memory(mark));
             }
-            (slot.high_water.clone(), slot.map_version.clone())
+            (
+                slot.high_water.clone(),
+                slot.map_version.clone(),
+                slot.state_dir.clone(),
+            )
         };
         let table = LockTable::witnessed(
             self.log.clone(),
@@ -390,9 +441,87 @@ impl World {
                 }
             }
         }
+        let (owner, tasks) = match self.cfg.whole_arbiter {
+            true => match self.whole(i, &table, &state_dir) {
+                Some((owner, tasks)) => (Some(owner), tasks),
+                None => (None, Vec::new()),
+            },
+            false => (None, Vec::new()),
+        };
         let mut slot = lock(slot);
         slot.table = Some(table);
+        slot.owner = owner;
+        slot.tasks = tasks;
         slot.killed = CancellationToken::new();
+    }
+
+    /// The rest of the arbiter around a started table, as `start.rs`
+    /// builds it: the hold count following the log, the quorum-loss
+    /// posture (its spool in the state dir, replayed), its probe, and the
+    /// owner over the three.
+    fn whole(
+        &self,
+        i: usize,
+        table: &Arc<LockTable>,
+        state_dir: &std::path::Path,
+    ) -> Option<(Arc<KeyOwner>, Vec<AbortOnDrop>)> {
+        let holds = HoldCounts::new(DEFAULT_MAX_HOLDS_PER_IDENTITY);
+        let follow_log: Arc<dyn FollowLog> = if self.cfg.faults.blind_hold_follower {
+            Arc::new(BlindFollower(self.follow_log.clone()))
+        } else {
+            self.follow_log.clone()
+        };
+        let counts = tokio::spawn(latchkey_arbiter::follow::follow(
+            holds.clone(),
+            follow_log,
+            Counted::Holds,
+        ));
+        let start = self.start;
+        let seams = Seams {
+            // The paused clock, as wall time from a fixed moment.
+            wall_ms: Arc::new(move || {
+                SIM_EPOCH_MS
+                    + i64::try_from(Instant::now().saturating_duration_since(start).as_millis())
+                        .unwrap_or(i64::MAX / 2)
+            }),
+            inline_io: true,
+        };
+        let quorum = match QuorumLoss::with_seams(
+            QuorumLossConfig::default(),
+            state_dir,
+            DEFAULT_MAX_HOLDS_PER_IDENTITY,
+            MAX_MEMORY_WAITERS,
+            seams,
+        ) {
+            Ok(q) => Arc::new(q),
+            Err(e) => {
+                self.note(format!("arbiter-{i}: cannot open its spool: {e}"));
+                return None;
+            }
+        };
+        table.set_gate(quorum.clone());
+        let probe = quorum.spawn_probe(self.log.clone());
+        let owner = Arc::new(KeyOwner::new(table.clone(), holds, quorum));
+        Some((
+            owner,
+            vec![AbortOnDrop::new(counts.abort_handle()), probe],
+        ))
+    }
+
+    /// Every key's holder in the log now (the arbiters' session ids).
+    pub(crate) fn holders_now(&self) -> BTreeMap<String, i64> {
+        (0..self.cfg.keys)
+            .filter_map(|n| {
+                let key = format!("sim/k{n}");
+                self.held_in_log(&key).map(|s| (key, s))
+            })
+            .collect()
+    }
+
+    /// Which session (the arbiters' id) holds `key` in the log now, read
+    /// past every fault: the judge's ground truth.
+    pub(crate) fn held_in_log(&self, key: &str) -> Option<i64> {
+        self.idlog.holder_now(key)
     }
 
     /// Kills arbiter `i`: every call in flight through it ends (its clients
@@ -405,6 +534,8 @@ impl World {
         let (table, killed) = {
             let mut slot = lock(slot);
             slot.restarts += 1;
+            slot.owner = None;
+            slot.tasks.clear();
             (slot.table.take(), slot.killed.clone())
         };
         killed.cancel();
@@ -434,6 +565,59 @@ impl World {
     pub(crate) async fn stop_arbiters(&self) {
         for i in 0..self.arbiters.len() {
             self.kill_arbiter(i).await;
+        }
+    }
+}
+
+/// The wall clock's reading at a run's start, as the spools see it.
+const SIM_EPOCH_MS: i64 = 1_700_000_000_000;
+
+/// Waiters for memory grants one identity may have on one arbiter.
+const MAX_MEMORY_WAITERS: u32 = 64;
+
+/// A run's scratch directory (the arbiters' state dirs): unique per seed
+/// and process, removed when the run ends.
+fn scratch_dir(seed: u64) -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static RUNS: AtomicU64 = AtomicU64::new(0);
+    std::env::temp_dir().join(format!(
+        "latchkey-sim-{}-{seed}-{}",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// The bug [`FaultKnobs::blind_hold_follower`] puts in: a hold count that
+/// never sees a hold, so every key looks free in etcd to a memory grant.
+///
+/// [`FaultKnobs::blind_hold_follower`]: super::FaultKnobs::blind_hold_follower
+struct BlindFollower(Arc<dyn FollowLog>);
+
+#[async_trait::async_trait]
+impl FollowLog for BlindFollower {
+    async fn follow(
+        &self,
+        counted: Counted,
+        prev_kv: bool,
+        _each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
+    ) -> Result<(i64, Result<Box<dyn PrefixWatch>, StoreError>), StoreError> {
+        let (revision, watch) = self.0.follow(counted, prev_kv, &mut |_, _| {}).await?;
+        let watch = watch.map(|w| Box::new(BlindWatch(w)) as Box<dyn PrefixWatch>);
+        Ok((revision, watch))
+    }
+}
+
+struct BlindWatch(Box<dyn PrefixWatch>);
+
+#[async_trait::async_trait]
+impl PrefixWatch for BlindWatch {
+    async fn next(&mut self) -> FollowSignal {
+        match self.0.next().await {
+            FollowSignal::Events { through, .. } => FollowSignal::Events {
+                events: Vec::new(),
+                through,
+            },
+            FollowSignal::Lost => FollowSignal::Lost,
         }
     }
 }
