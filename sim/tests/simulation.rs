@@ -180,6 +180,10 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     (116, "quorum-loss-three-arbiters", 5000),
     (117, "quorum-loss", 5000),
     (118, "quorum-loss-three-arbiters", 5000),
+    (1, "quorum-loss", 5000),
+    (2, "quorum-loss-three-arbiters", 5000),
+    (8, "quorum-loss-three-arbiters", 5000),
+    (11, "quorum-loss", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;
