@@ -37,6 +37,7 @@ pub mod metrics;
 pub mod oidc;
 pub mod overload;
 pub mod owner;
+pub mod assemble;
 pub mod policy;
 pub mod quorum_loss;
 /// The lock log's key layout and records (the `latchkey-records` crate,

@@ -433,9 +433,10 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
         sessions,
         quorum,
         force,
-        _hold_watch: hold_watch,
-        _session_watch: session_watch,
-        _quorum_probe: quorum_probe,
+        _tasks: [Some(hold_watch), session_watch, Some(quorum_probe)]
+            .into_iter()
+            .flatten()
+            .collect(),
     })
 }
 

@@ -58,9 +58,8 @@ pub struct Cluster {
     pub(crate) quorum: Arc<QuorumLoss>,
     /// Two-person force-release of this cluster's holds; `None` without OIDC.
     pub(crate) force: Option<Arc<ForceRelease>>,
-    pub(crate) _hold_watch: AbortOnDrop,
-    pub(crate) _session_watch: Option<AbortOnDrop>,
-    pub(crate) _quorum_probe: AbortOnDrop,
+    /// Its followers (holds, sessions) and quorum probe: they stop with it.
+    pub(crate) _tasks: Vec<AbortOnDrop>,
 }
 
 impl Cluster {

@@ -134,6 +134,7 @@ mod idlog;
 mod memory;
 mod nemesis;
 mod ordered;
+mod policies;
 mod worker;
 mod world;
 

@@ -274,6 +274,8 @@ pub struct SimConfig {
     /// through the log or, during a quorum loss, from memory (the
     /// quorum-loss posture with its probe and spool). Off: the table alone.
     pub whole_arbiter: bool,
+    /// The sessions' TTL (the classes' `ttlSeconds` with the whole arbiter).
+    pub ttl_seconds: u32,
     pub faults: FaultKnobs,
 }
 
@@ -299,10 +301,15 @@ impl SimConfig {
             durable_keys: 0,
             open_keys: 0,
             whole_arbiter: false,
+            ttl_seconds: 5,
             faults: FaultKnobs::all(),
         }
     }
 }
+
+/// The TTL of the whole-arbiter presets: an open class is advisory, and an
+/// advisory class's TTL is at least 30 s (a session serves one TTL).
+const OPEN_TTL_SECONDS: u32 = 30;
 
 /// The named shapes the CI test runs and `latchkey-sim --preset` takes.
 pub const PRESETS: &[&str] = &[
@@ -391,6 +398,7 @@ impl SimConfig {
             },
             "quorum-loss" => Self {
                 whole_arbiter: true,
+                ttl_seconds: OPEN_TTL_SECONDS,
                 open_keys: 4,
                 durable_keys: 2,
                 faults: FaultKnobs::quorum_loss(),
@@ -400,6 +408,7 @@ impl SimConfig {
                 arbiters: 3,
                 clients: 12,
                 whole_arbiter: true,
+                ttl_seconds: OPEN_TTL_SECONDS,
                 open_keys: 4,
                 durable_keys: 2,
                 faults: FaultKnobs::quorum_loss(),

@@ -766,7 +766,7 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
         // the whole arbiter.
         let end = async {
             match &ender.owner {
-                Some(owner) => owner.force_end(txn).await,
+                Some(owner) => owner.owner().force_end(txn).await,
                 None => ender.table.force_end(txn).await,
             }
         };

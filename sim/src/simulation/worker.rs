@@ -15,8 +15,13 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use latchkey_arbiter::error::ArbiterError;
-use latchkey_arbiter::owner::{Granted, Terms};
+use latchkey_arbiter::identity::channel::{ForwardedIdentity, Named};
 use latchkey_arbiter::table::{Grant, GrantRequest};
+use latchkey_proto::lockv1::{
+    AcquireRequest, CloseSessionRequest, OpenSessionRequest, ReleaseRequest, WaitMode,
+};
+use tonic::Request;
+use tonic::metadata::MetadataValue;
 use latchkey_checker::{Function, Outcome};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -24,21 +29,12 @@ use tokio::time::Instant;
 use super::world::{Arbiter, World, lock};
 use crate::rng::Rng;
 
-/// The session TTL every worker asks for.
-pub(crate) const TTL: Duration = Duration::from_secs(5);
-const TTL_SECONDS: u32 = 5;
 /// Sessions an identity may have open; dead incarnations' sessions linger
 /// until their TTL, so this is generous.
 const MAX_SESSIONS: u32 = 10_000;
 const MAX_WAITERS_PER_KEY: u32 = 16;
-const CLASS: &str = "sim";
-/// The class of the open keys ([`SimConfig::open_keys`]): granted from
-/// memory while the log has no quorum.
-///
-/// [`SimConfig::open_keys`]: super::SimConfig::open_keys
-const OPEN_CLASS: &str = "sim-open";
-/// How long an Acquire waits for an arbiter's first hold count.
-const COUNT_WAIT: Duration = Duration::from_secs(2);
+use super::policies::{CLASS, DURABLE_CLASS, OPEN_CLASS};
+
 
 /// The reasons the arbiter gives before writing anything: the gate's list
 /// (`is_definite_refusal` in gate/src/worker.rs), and a shard-map
@@ -89,6 +85,7 @@ struct Session {
     renewed: Instant,
     /// The log said the lease is gone.
     gone: bool,
+    ttl: Duration,
 }
 
 impl Session {
@@ -96,13 +93,16 @@ impl Session {
     /// it, may end. Exact under paused time (the gate's client subtracts a
     /// second of margin for real clocks).
     fn deadline(&self) -> Instant {
-        self.renewed + TTL
+        self.renewed + self.ttl
     }
 }
 
 /// One worker: incarnations until the run stops.
 pub(crate) async fn run(world: Arc<World>, index: usize, mut rng: Rng) {
-    let identity = format!("w{index}");
+    let identity = match world.cfg.whole_arbiter {
+        true => super::policies::identity(index),
+        false => format!("w{index}"),
+    };
     let mut incarnation = 0u32;
     while !world.stopping() {
         incarnation += 1;
@@ -187,10 +187,32 @@ impl Incarnation<'_> {
             let sent = Instant::now();
             let table = arbiter.table.clone();
             let identity = self.identity.clone();
+            let ttl_seconds = self.world.cfg.ttl_seconds;
+            let call = async {
+                match &arbiter.service {
+                    // The OpenSession handler, for the class's TTL.
+                    Some(service) => service
+                        .open_session(request(
+                            &identity,
+                            None,
+                            OpenSessionRequest {
+                                class: CLASS.into(),
+                                reuse_session_ids: Vec::new(),
+                            },
+                        ))
+                        .await
+                        .map(|r| r.session_id),
+                    None => {
+                        table
+                            .open_session(&identity, ttl_seconds, MAX_SESSIONS)
+                            .await
+                    }
+                }
+            };
             let opened = tokio::select! {
                 biased;
                 () = arbiter.killed.cancelled() => None,
-                r = table.open_session(&identity, TTL_SECONDS, MAX_SESSIONS) => r.ok(),
+                r = call => r.ok(),
             };
             match opened {
                 Some(id) => {
@@ -198,6 +220,7 @@ impl Incarnation<'_> {
                         id,
                         renewed: sent,
                         gone: false,
+                        ttl: Duration::from_secs(u64::from(ttl_seconds)),
                     });
                 }
                 // Nothing was asked on a session yet: nothing to record. A
@@ -215,10 +238,28 @@ impl Incarnation<'_> {
             return;
         };
         let table = arbiter.table.clone();
+        let call = async {
+            match &arbiter.service {
+                Some(service) => {
+                    let _ = service
+                        .close_session(request(
+                            &self.identity,
+                            None,
+                            CloseSessionRequest { session_id: id },
+                        ))
+                        .await;
+                }
+                None => {
+                    let _ = table
+                        .close_session(&self.identity, &self.identity, id)
+                        .await;
+                }
+            }
+        };
         tokio::select! {
             biased;
             () = arbiter.killed.cancelled() => {}
-            _ = table.close_session(&self.identity, &self.identity, id) => {}
+            () = call => {}
         }
     }
 
@@ -292,8 +333,13 @@ impl Incarnation<'_> {
             key: key.clone(),
             identity: self.identity.clone(),
             session: id,
-            class: if open { OPEN_CLASS } else { CLASS }.into(),
-            ttl_seconds: TTL_SECONDS,
+            class: match (open, durable) {
+                (true, _) => OPEN_CLASS,
+                (false, true) => DURABLE_CLASS,
+                (false, false) => CLASS,
+            }
+            .into(),
+            ttl_seconds: cfg.ttl_seconds,
             annotations: BTreeMap::new(),
             routed_by: None,
             instance: String::new(),
@@ -424,7 +470,7 @@ impl Incarnation<'_> {
                 // SIGSTOP): no renewals, then a write with a stale token.
                 *renewer = None;
                 paused = true;
-                let pause = TTL + Duration::from_millis(500 + self.rng.below(2500));
+                let pause = lock(session).ttl + Duration::from_millis(500 + self.rng.below(2500));
                 tokio::time::sleep(pause).await;
             }
             self.write(&key, token).await;
@@ -455,7 +501,7 @@ impl Incarnation<'_> {
                 id,
                 &self.process,
                 invoked,
-                TTL,
+                Duration::from_secs(u64::from(self.world.cfg.ttl_seconds)),
                 in_log,
                 ms,
             )
@@ -470,13 +516,22 @@ impl Incarnation<'_> {
             },
         };
         lock(&self.world.memory).releasing(held, Instant::now());
-        let Some(owner) = arbiter.owner.clone() else {
+        let Some(service) = arbiter.service.clone() else {
             return;
         };
+        let released = service.release(request(
+            &self.identity,
+            None,
+            ReleaseRequest {
+                key: key.to_string(),
+                session_id: id,
+                token: 0,
+            },
+        ));
         tokio::select! {
             biased;
             () = arbiter.killed.cancelled() => {}
-            _ = owner.release(&self.identity, key, id, 0) => {}
+            _ = released => {}
         }
     }
 
@@ -554,11 +609,20 @@ impl Incarnation<'_> {
             Instant::now(),
         );
         let table = arbiter.table.clone();
-        let owner = arbiter.owner.clone();
+        let service = arbiter.service.clone();
         let call = async {
-            match owner {
-                Some(owner) => owner
-                    .release(&self.identity, key, id, token)
+            match service {
+                // The Release handler.
+                Some(service) => service
+                    .release(request(
+                        &self.identity,
+                        None,
+                        ReleaseRequest {
+                            key: key.to_string(),
+                            session_id: id,
+                            token,
+                        },
+                    ))
                     .await
                     .map(|_| ()),
                 None => table
@@ -600,6 +664,23 @@ impl Incarnation<'_> {
     }
 }
 
+/// A call in the insecure dev mode: the caller's SPIFFE ID in the dev
+/// header of its initial headers (as the identity channel's layer hands it
+/// to the handlers), and the call's deadline.
+fn request<T>(identity: &str, deadline: Option<Duration>, message: T) -> Request<T> {
+    let mut request = Request::new(message);
+    request.extensions_mut().insert(ForwardedIdentity {
+        edge: Named::Absent,
+        dev: Named::One(identity.to_string()),
+    });
+    if let Some(d) = deadline
+        && let Ok(v) = MetadataValue::try_from(format!("{}m", d.as_millis().max(1)))
+    {
+        request.metadata_mut().insert("grpc-timeout", v);
+    }
+    request
+}
+
 /// How an acquire was granted.
 enum Got {
     /// Through the log, with a fencing token.
@@ -625,9 +706,9 @@ async fn acquire(
     open: bool,
 ) -> Call<Got> {
     let table = arbiter.table.clone();
-    let owner = arbiter.owner.clone();
+    let service = arbiter.service.clone();
     let call = async {
-        let Some(owner) = owner else {
+        let Some(service) = service else {
             // The table alone (the presets from before the whole arbiter).
             let acquired = if durable {
                 table.acquire_durable(req, wait, MAX_WAITERS_PER_KEY).await
@@ -636,26 +717,35 @@ async fn acquire(
             };
             return acquired.map(|a| Got::Log(a.grant));
         };
-        // As the Acquire handler asks the owner: let in (the hold count, or
-        // the quorum-loss posture), then granted through the log or from
-        // memory.
-        let class = req.class.clone();
-        let terms = Terms {
-            class: &class,
-            open_on_loss: open,
-            durable,
-            max_waiters_per_key: MAX_WAITERS_PER_KEY,
+        // The Acquire handler: identity, policy, then the key's owner (the
+        // hold count or the quorum-loss posture lets it in; granted through
+        // the log or from memory). A wait is the call's deadline.
+        let _ = (open, durable);
+        let acquire = AcquireRequest {
+            key: req.key.clone(),
+            class: req.class.clone(),
+            session_id: req.session,
+            wait: match wait {
+                Some(_) => WaitMode::WaitUntilDeadline,
+                None => WaitMode::WaitNone,
+            } as i32,
+            ..AcquireRequest::default()
         };
-        let admission = owner
-            .admit(&req.identity, &req.key, 0, COUNT_WAIT, &terms)
+        let answer = service
+            .acquire(request(&req.identity, wait, acquire))
             .await?;
-        match owner
-            .acquire(admission, req, wait, &terms, async { Ok(()) })
-            .await?
-        {
-            Granted::Log { grant, .. } => Ok(Got::Log(grant)),
-            Granted::Memory(_) => Ok(Got::Memory),
+        let grant = answer
+            .grant
+            .ok_or_else(|| ArbiterError::Internal("an Acquire answered without a grant".into()))?;
+        if grant.unprotected {
+            return Ok(Got::Memory);
         }
+        Ok(Got::Log(Grant {
+            key: grant.key,
+            session: grant.session_id,
+            epoch: grant.epoch,
+            revision: grant.revision,
+        }))
     };
     let cancel = async {
         match cancel_after {
@@ -675,7 +765,7 @@ async fn acquire(
 /// arbiter that is up, noting when each successful renewal was sent.
 async fn renew(world: Arc<World>, session: Arc<Mutex<Session>>, mut rng: Rng) {
     let id = lock(&session).id;
-    let third = TTL.as_millis() as u64 / 3;
+    let third = lock(&session).ttl.as_millis() as u64 / 3;
     let mut pause = Duration::from_millis(third / 2 + rng.below(third));
     loop {
         tokio::time::sleep(pause).await;

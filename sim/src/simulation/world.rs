@@ -15,7 +15,11 @@ use latchkey_arbiter::hold_counts::{DEFAULT_MAX_HOLDS_PER_IDENTITY, HoldCounts};
 use latchkey_arbiter::lock_log::{
     Counted, FollowLog, FollowSignal, Kv, LockLog, PrefixWatch, StoreError,
 };
-use latchkey_arbiter::owner::KeyOwner;
+use latchkey_arbiter::Arbiter as Service;
+use latchkey_arbiter::assemble::{self, ArbiterParts, ClusterParts, OwnerHandle};
+use latchkey_arbiter::policy::Policies;
+use latchkey_arbiter::session_counts::SessionCounts;
+use latchkey_hook_host::HookHost;
 use latchkey_arbiter::quorum_loss::{QuorumLoss, QuorumLossConfig, Seams};
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_arbiter::table::{BatchStats, LockTable, MapVersion, TableOptions};
@@ -44,12 +48,9 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// throws it away.
 pub(crate) struct ArbiterSlot {
     pub(crate) table: Option<Arc<LockTable>>,
-    /// The whole arbiter's owner of its keys ([`SimConfig::whole_arbiter`]):
-    /// the table with its hold count and quorum-loss posture.
-    pub(crate) owner: Option<Arc<KeyOwner>>,
-    /// The hold count's follower and the quorum probe of this incarnation:
-    /// they stop when it is killed.
-    pub(crate) tasks: Vec<AbortOnDrop>,
+    /// The whole arbiter around the table ([`SimConfig::whole_arbiter`]):
+    /// its handlers, and the owner of its keys.
+    pub(crate) service: Option<(Arc<Service>, Arc<OwnerHandle>)>,
     /// Its state directory's quorum-loss spool (the high-water mark is kept
     /// in memory beside it): under the run's scratch directory, replaced by
     /// a fresh one when the state is lost.
@@ -74,7 +75,9 @@ pub(crate) struct ArbiterSlot {
 pub(crate) struct Arbiter {
     pub(crate) index: usize,
     pub(crate) table: Arc<LockTable>,
-    pub(crate) owner: Option<Arc<KeyOwner>>,
+    /// The whole arbiter's handlers ([`SimConfig::whole_arbiter`]).
+    pub(crate) service: Option<Arc<Service>>,
+    pub(crate) owner: Option<Arc<OwnerHandle>>,
     pub(crate) killed: CancellationToken,
 }
 
@@ -186,6 +189,9 @@ pub(crate) struct World {
     pub(crate) memory: Mutex<MemoryGrants>,
     /// Where the arbiters' state directories are (removed at the end).
     pub(crate) scratch: PathBuf,
+    /// The policy files the whole arbiter's handlers read.
+    pub(crate) policies: Option<Arc<Policies>>,
+    pub(crate) hook_host: Arc<HookHost>,
 }
 
 impl World {
@@ -200,12 +206,28 @@ impl World {
         let scratch = scratch_dir(cfg.seed);
         let log: Arc<dyn LockLog> = idlog.clone();
         let follow_log: Arc<dyn FollowLog> = idlog.clone();
+        let mut notes = Vec::new();
+        let policies = match cfg.whole_arbiter {
+            true => {
+                let dir = scratch.join("policies");
+                let loaded = super::policies::write(&dir, cfg.ttl_seconds)
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| Policies::load(&dir).map_err(|e| e.to_string()));
+                match loaded {
+                    Ok(p) => Some(Arc::new(p)),
+                    Err(e) => {
+                        notes.push(format!("cannot load the policy files: {e}"));
+                        None
+                    }
+                }
+            }
+            false => None,
+        };
         let arbiters = (0..cfg.arbiters.max(1))
             .map(|i| {
                 Mutex::new(ArbiterSlot {
                     table: None,
-                    owner: None,
-                    tasks: Vec::new(),
+                    service: None,
                     state_dir: scratch.join(format!("arbiter-{i}.0")),
                     state_dirs: 0,
                     killed: CancellationToken::new(),
@@ -232,7 +254,7 @@ impl World {
             liveness: Mutex::new(Liveness::default()),
             stop: CancellationToken::new(),
             start,
-            notes: Mutex::new(Vec::new()),
+            notes: Mutex::new(notes),
             batches: Mutex::new(BatchStats::default()),
             durable: Mutex::new(DurableStats::default()),
             fences: Mutex::new(Fences::default()),
@@ -241,7 +263,9 @@ impl World {
             follow_log,
             idlog,
             memory: Mutex::new(MemoryGrants::default()),
+            policies,
             scratch,
+            hook_host: assemble::idle_hook_host(),
         }
     }
 
@@ -337,7 +361,8 @@ impl World {
         slot.table.as_ref().map(|table| Arbiter {
             index: i,
             table: table.clone(),
-            owner: slot.owner.clone(),
+            service: slot.service.as_ref().map(|(s, _)| s.clone()),
+            owner: slot.service.as_ref().map(|(_, o)| o.clone()),
             killed: slot.killed.clone(),
         })
     }
@@ -441,30 +466,37 @@ impl World {
                 }
             }
         }
-        let (owner, tasks) = match self.cfg.whole_arbiter {
-            true => match self.whole(i, &table, &state_dir) {
-                Some((owner, tasks)) => (Some(owner), tasks),
-                None => (None, Vec::new()),
-            },
-            false => (None, Vec::new()),
+        let service = match self.cfg.whole_arbiter {
+            true => self.whole(i, &table, &state_dir),
+            false => None,
         };
         let mut slot = lock(slot);
         slot.table = Some(table);
-        slot.owner = owner;
-        slot.tasks = tasks;
+        slot.service = service;
         slot.killed = CancellationToken::new();
     }
 
     /// The rest of the arbiter around a started table, as `start.rs`
-    /// builds it: the hold count following the log, the quorum-loss
-    /// posture (its spool in the state dir, replayed), its probe, and the
-    /// owner over the three.
+    /// builds it: the hold and session counts following the log, the
+    /// quorum-loss posture (its spool in the state dir, replayed) and its
+    /// probe, assembled with the policy files into the arbiter whose
+    /// handlers the clients call.
     fn whole(
         &self,
         i: usize,
         table: &Arc<LockTable>,
         state_dir: &std::path::Path,
-    ) -> Option<(Arc<KeyOwner>, Vec<AbortOnDrop>)> {
+    ) -> Option<(Arc<Service>, Arc<OwnerHandle>)> {
+        let Some(policies) = self.policies.clone() else {
+            self.note(format!("arbiter-{i}: no policies"));
+            return None;
+        };
+        let sessions = SessionCounts::new(MAX_SESSIONS_PER_IDENTITY);
+        let session_counts = tokio::spawn(latchkey_arbiter::follow::follow(
+            sessions.clone(),
+            self.follow_log.clone(),
+            Counted::SessionIndex,
+        ));
         let holds = HoldCounts::new(DEFAULT_MAX_HOLDS_PER_IDENTITY);
         let follow_log: Arc<dyn FollowLog> = if self.cfg.faults.blind_hold_follower {
             Arc::new(BlindFollower(self.follow_log.clone()))
@@ -501,11 +533,25 @@ impl World {
         };
         table.set_gate(quorum.clone());
         let probe = quorum.spawn_probe(self.log.clone());
-        let owner = Arc::new(KeyOwner::new(table.clone(), holds, quorum));
-        Some((
-            owner,
-            vec![AbortOnDrop::new(counts.abort_handle()), probe],
-        ))
+        let (service, owner) = assemble::arbiter(ArbiterParts {
+            cluster: ClusterParts {
+                table: table.clone(),
+                holds,
+                sessions,
+                quorum,
+                tasks: vec![
+                    AbortOnDrop::new(counts.abort_handle()),
+                    AbortOnDrop::new(session_counts.abort_handle()),
+                    probe,
+                ],
+            },
+            policies,
+            trust_domain: super::policies::TRUST_DOMAIN.into(),
+            max_wait: Duration::from_secs(300),
+            max_sessions: MAX_SESSIONS_PER_IDENTITY,
+            hook_host: self.hook_host.clone(),
+        });
+        Some((service, owner))
     }
 
     /// Every key's holder in the log now (the arbiters' session ids).
@@ -534,8 +580,7 @@ impl World {
         let (table, killed) = {
             let mut slot = lock(slot);
             slot.restarts += 1;
-            slot.owner = None;
-            slot.tasks.clear();
+            slot.service = None;
             (slot.table.take(), slot.killed.clone())
         };
         killed.cancel();
@@ -571,6 +616,10 @@ impl World {
 
 /// The wall clock's reading at a run's start, as the spools see it.
 const SIM_EPOCH_MS: i64 = 1_700_000_000_000;
+
+/// Open sessions per grant subject (every worker is one subject; dead
+/// incarnations' sessions linger until their TTL).
+const MAX_SESSIONS_PER_IDENTITY: u32 = 10_000;
 
 /// Waiters for memory grants one identity may have on one arbiter.
 const MAX_MEMORY_WAITERS: u32 = 64;

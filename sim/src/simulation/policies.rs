@@ -1,0 +1,94 @@
+//! The policy files the whole arbiter's handlers read in a run
+//! ([`SimConfig::whole_arbiter`]): reviewed files as an operator writes
+//! them, in the run's scratch directory.
+//!
+//! Three classes of the TTL the workers renew by, all on the entity tier:
+//! `sim` (fenced: its pause test is the simulation's own fenced resource,
+//! which accepts only a token above the key's mark), `sim-durable` (fenced,
+//! waiters queued in the log) and `sim-open` (advisory, open on quorum
+//! loss); one grant of the `sim` namespace to every worker's identity
+//! (`spiffe://sim.test/w/<n>`, a per-pod pattern, so the workers share
+//! one grant subject).
+//!
+//! [`SimConfig::whole_arbiter`]: super::SimConfig::whole_arbiter
+
+use std::path::Path;
+use std::time::SystemTime;
+
+/// The trust domain of the workers' identities.
+pub(crate) const TRUST_DOMAIN: &str = "sim.test";
+pub(crate) const CLASS: &str = "sim";
+pub(crate) const DURABLE_CLASS: &str = "sim-durable";
+pub(crate) const OPEN_CLASS: &str = "sim-open";
+
+/// A worker's SPIFFE ID.
+pub(crate) fn identity(worker: usize) -> String {
+    format!("spiffe://{TRUST_DOMAIN}/w/{worker}")
+}
+
+/// Writes `dir/classes`, `dir/grants` and `dir/pause-tests`.
+pub(crate) fn write(dir: &Path, ttl_seconds: u32) -> std::io::Result<()> {
+    for sub in ["classes", "grants", "pause-tests"] {
+        std::fs::create_dir_all(dir.join(sub))?;
+    }
+    let (today, next_year) = dates(SystemTime::now());
+    let fenced = |name: &str, fairness: &str| {
+        format!(
+            "[[class]]\nname = \"{name}\"\ndescription = \"The simulation's fenced keys.\"\ntier = \"entity\"\nenforcement = \"fenced\"\nttlSeconds = {ttl_seconds}\nfairness = \"{fairness}\"\nmaxWaitersPerKey = 16\n[class.pauseTest]\nresource = \"sim:memory\"\nresult = \"pause-tests/{name}.json\"\n\n"
+        )
+    };
+    let classes = format!(
+        "{}{}[[class]]\nname = \"{OPEN_CLASS}\"\ndescription = \"The simulation's open keys: granted from memory on quorum loss.\"\ntier = \"entity\"\nenforcement = \"advisory\"\nttlSeconds = 30\nonQuorumLoss = \"open\"\nmaxWaitersPerKey = 16\nriskOwner = \"sim@example.com\"\nwaiverExpires = \"{next_year}\"\n",
+        fenced(CLASS, "memory"),
+        fenced(DURABLE_CLASS, "durable"),
+    );
+    std::fs::write(dir.join("classes/sim.toml"), classes)?;
+    std::fs::write(
+        dir.join("grants/sim.toml"),
+        format!("[[grant]]\nidentity = \"spiffe://{TRUST_DOMAIN}/w/*\"\nprefixes = [\"sim\"]\n"),
+    )?;
+    for name in [CLASS, DURABLE_CLASS] {
+        let result = format!(
+            "{{\"version\":1,\"class\":\"{name}\",\"resource\":\"sim:memory\",\"startedAt\":\"{today}T00:00:00Z\",\"finishedAt\":\"{today}T00:00:01Z\",\"outcome\":\"pass\",\"kit\":\"latchkey-sim\",\"evidence\":{{\"ttlSeconds\":{ttl_seconds},\"pausedForMs\":{},\"firstWrite\":\"accepted\",\"secondHolderWrite\":\"accepted\",\"secondTokenGreater\":true,\"staleWriteAfterResume\":\"rejected\",\"finalRowFrom\":\"second-holder\"}},\"failure\":null}}\n",
+            u64::from(ttl_seconds) * 1000 + 500
+        );
+        std::fs::write(dir.join(format!("pause-tests/{name}.json")), result)?;
+    }
+    Ok(())
+}
+
+/// Today and a year from now (UTC, `YYYY-MM-DD`).
+fn dates(now: SystemTime) -> (String, String) {
+    let days = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86_400);
+    let (y, m, d) = civil(i64::try_from(days).unwrap_or(0));
+    (format!("{y:04}-{m:02}-{d:02}"), format!("{:04}-{m:02}-01", y + 1))
+}
+
+/// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian
+/// calendar (Howard Hinnant's `civil_from_days`).
+fn civil(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = u32::try_from(doy - (153 * mp + 2) / 5 + 1).unwrap_or(1);
+    let m = u32::try_from(if mp < 10 { mp + 3 } else { mp - 9 }).unwrap_or(1);
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil(0), (1970, 1, 1));
+        assert_eq!(civil(20_789), (2026, 12, 1));
+        assert_eq!(civil(11_016), (2000, 2, 29));
+    }
+}
