@@ -122,6 +122,11 @@ pub enum ArbiterError {
         #[source]
         source: Option<StoreCause>,
     },
+    /// A closed class refused while the lock cluster has no quorum
+    /// (ADR-04), before anything was sent to etcd: nothing was written.
+    /// The same status and reason as [`Self::StoreUnavailable`].
+    #[error("the lock log (etcd) is unavailable: {detail}; retry with backoff")]
+    ClosedOnQuorumLoss { detail: String },
     /// New work refused so that established sessions keep renewing
     /// ([`crate::overload`]).
     #[error(
@@ -167,7 +172,9 @@ impl ArbiterError {
             Self::Sealed { .. } => Reason::Sealed,
             Self::HookDenied { .. } => Reason::HookDenied,
             Self::ShardMapAhead { .. } => Reason::ShardMapChanged,
-            Self::StoreUnavailable { .. } => Reason::StoreUnavailable,
+            Self::StoreUnavailable { .. } | Self::ClosedOnQuorumLoss { .. } => {
+                Reason::StoreUnavailable
+            }
             Self::Overloaded { .. } => Reason::Overloaded,
         }
     }
@@ -200,7 +207,9 @@ impl ArbiterError {
                 Code::Unavailable
             }
             Self::HookDenied { code, .. } => *code,
-            Self::StoreUnavailable { .. } | Self::Overloaded { .. } => Code::Unavailable,
+            Self::StoreUnavailable { .. }
+            | Self::ClosedOnQuorumLoss { .. }
+            | Self::Overloaded { .. } => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
         }
     }
@@ -210,6 +219,7 @@ impl ArbiterError {
         matches!(
             self,
             Self::StoreUnavailable { .. }
+                | Self::ClosedOnQuorumLoss { .. }
                 | Self::Overloaded { .. }
                 | Self::Held { .. }
                 | Self::TierMoving(_)

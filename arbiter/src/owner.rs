@@ -160,7 +160,13 @@ impl KeyOwner {
                         .map(Granted::Memory),
                     None => {
                         debug!(error = %e, "refused: quorum lost");
-                        Err(self.quorum.closed_refusal(terms.class))
+                        // The call was at etcd: its outcome is not known,
+                        // so not the refusal of a call that sent nothing.
+                        let detail = match self.quorum.closed_refusal(terms.class) {
+                            ArbiterError::ClosedOnQuorumLoss { detail } => detail,
+                            other => other.to_string(),
+                        };
+                        Err(ArbiterError::store(detail))
                     }
                 };
             }

@@ -399,7 +399,8 @@ impl SimConfig {
             "quorum-loss" => Self {
                 whole_arbiter: true,
                 ttl_seconds: OPEN_TTL_SECONDS,
-                open_keys: 4,
+                keys: 12,
+                open_keys: 8,
                 durable_keys: 2,
                 faults: FaultKnobs::quorum_loss(),
                 ..base
@@ -409,7 +410,8 @@ impl SimConfig {
                 clients: 12,
                 whole_arbiter: true,
                 ttl_seconds: OPEN_TTL_SECONDS,
-                open_keys: 4,
+                keys: 12,
+                open_keys: 8,
                 durable_keys: 2,
                 faults: FaultKnobs::quorum_loss(),
                 ..base

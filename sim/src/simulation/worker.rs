@@ -53,6 +53,7 @@ fn is_definite_refusal(e: &ArbiterError) -> bool {
             | ArbiterError::NotHeld { .. }
             | ArbiterError::TokenMismatch { .. }
             | ArbiterError::SessionExpired { .. }
+            | ArbiterError::ClosedOnQuorumLoss { .. }
     )
 }
 
