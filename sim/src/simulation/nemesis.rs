@@ -518,13 +518,13 @@ async fn slow_log(world: &World, rng: &mut Rng) {
 /// The lock log loses its majority for 2–8 s: every call fails, no lease
 /// expires, and once it is back every lease has its whole TTL again. The
 /// arbiters' probes call it lost after three failures, and grant the open
-/// keys from memory meanwhile. A third of the time the watch streams break
-/// up to 1.5 s before (the hold counts read again after a second), and a
+/// keys from memory meanwhile. Half the time the watch streams break up to
+/// 1.2 s before (the hold counts read again after a second), and a
 /// third of the time an arbiter dies in it and cannot start again until
 /// the log answers (its spool replayed, or lost with its state dir).
 async fn quorum_loss(world: &World, rng: &mut Rng) {
     let length = Duration::from_millis(2000 + rng.below(6000));
-    let broken = rng.chance(33);
+    let broken = rng.chance(50);
     let restart = rng.chance(33).then(|| {
         let i = usize::try_from(rng.below(world.arbiters.len() as u64)).unwrap_or(0);
         (i, rng.chance(world.cfg.faults.lose_state_percent.max(30)))
@@ -543,10 +543,10 @@ async fn quorum_loss(world: &World, rng: &mut Rng) {
         ),
     );
     if broken {
-        // The hold counts read again after a second: some losses begin
-        // before they have, some after.
+        // The hold counts read again after a second: most losses begin
+        // before they have.
         world.memlog.break_watches();
-        tokio::time::sleep(Duration::from_millis(rng.below(1500))).await;
+        tokio::time::sleep(Duration::from_millis(rng.below(1200))).await;
     }
     let holders = world.holders_now();
     world.memlog.lose_quorum();
