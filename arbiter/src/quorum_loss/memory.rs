@@ -207,7 +207,7 @@ impl QuorumLoss {
         let line = record.clone();
         let written = tokio::task::spawn_blocking(move || spool.append(&line))
             .await
-            .map_err(|e| ArbiterError::Internal(format!("the spool task failed: {e}")))
+            .map_err(|e| ArbiterError::internal(format!("the spool task failed: {e}")))
             .and_then(|r| {
                 r.map_err(|e| match e {
                     SpoolError::Share { share, .. } => ArbiterError::IdentityLimit {
@@ -229,8 +229,8 @@ impl QuorumLoss {
                     session: record.session,
                 })
             }
-            (Ok(()), None) => Err(ArbiterError::Internal(
-                "the memory grant vanished while it was spooled".into(),
+            (Ok(()), None) => Err(ArbiterError::internal(
+                "the memory grant vanished while it was spooled",
             )),
             (Err(e), _) => {
                 holds.remove(&record.key);
