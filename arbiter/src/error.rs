@@ -9,8 +9,9 @@ use latchkey_proto::lockv1::Reason;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
-/// The cause under a [`ArbiterError::StoreUnavailable`], shared: one
-/// failed batch answers every member with it.
+/// The cause under a [`ArbiterError::StoreUnavailable`] or an
+/// [`ArbiterError::Internal`], shared: one failed batch answers every member
+/// with it.
 pub type StoreCause = std::sync::Arc<dyn std::error::Error + Send + Sync>;
 
 /// The one message for every authorisation refusal, whether or not the key
@@ -139,8 +140,16 @@ pub enum ArbiterError {
         retry_after: std::time::Duration,
         renewals_late: bool,
     },
-    #[error("internal error: {0}")]
-    Internal(String),
+    #[error("internal error: {detail}")]
+    Internal {
+        detail: String,
+        /// What failed underneath, when it was an error of its own (a state
+        /// directory write, a record that does not parse): kept for the logs
+        /// up to where the error becomes a status. `detail` already says it
+        /// in words.
+        #[source]
+        source: Option<StoreCause>,
+    },
 }
 
 impl ArbiterError {
@@ -151,7 +160,7 @@ impl ArbiterError {
                 Reason::NotAuthorised
             }
             Self::BadKey(_) => Reason::BadKey,
-            Self::BadRequest(_) | Self::Internal(_) => Reason::BadRequest,
+            Self::BadRequest(_) | Self::Internal { .. } => Reason::BadRequest,
             Self::UnknownClass { .. } => Reason::UnknownClass,
             Self::SessionExpired { .. } => Reason::SessionExpired,
             Self::SessionClassMismatch { .. } | Self::SessionWrongTier(_) => {
@@ -210,7 +219,7 @@ impl ArbiterError {
             Self::StoreUnavailable { .. }
             | Self::ClosedOnQuorumLoss { .. }
             | Self::Overloaded { .. } => Code::Unavailable,
-            Self::Internal(_) => Code::Internal,
+            Self::Internal { .. } => Code::Internal,
         }
     }
 
@@ -241,6 +250,25 @@ impl ArbiterError {
         source: impl std::error::Error + Send + Sync + 'static,
     ) -> Self {
         Self::StoreUnavailable {
+            detail: detail.to_string(),
+            source: Some(std::sync::Arc::new(source)),
+        }
+    }
+
+    /// A failure of the arbiter itself, with nothing underneath to keep.
+    pub fn internal(detail: impl std::fmt::Display) -> Self {
+        Self::Internal {
+            detail: detail.to_string(),
+            source: None,
+        }
+    }
+
+    /// [`Self::internal`] caused by `source`, which stays its error source.
+    pub fn internal_caused(
+        detail: impl std::fmt::Display,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::Internal {
             detail: detail.to_string(),
             source: Some(std::sync::Arc::new(source)),
         }

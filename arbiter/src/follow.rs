@@ -34,7 +34,9 @@ pub trait Followed: Send + Sync + 'static {
 
     /// Adds one key read from scratch (`key` without the prefix).
     fn read(reading: &mut Self::Reading, key: &str, kv: &Kv);
-    /// Replaces what was followed with a fresh read at `revision`.
+    /// Replaces what was followed with a fresh read at `revision`. After a
+    /// lost watch, what was followed and the reading does not show changed
+    /// unseen: a follower that tells of changes tells of these here.
     fn install(&self, reading: Self::Reading, revision: i64);
     /// One watch response's events, all at or below `revision`. `false`:
     /// an event it cannot attribute (applied none of them); read again.

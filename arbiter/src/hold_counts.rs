@@ -25,8 +25,11 @@
 //! each as a notice it pushes to the client, who fences that hold without
 //! waiting for its deadline. Releases are told too (the log does not say
 //! why a hold ended); the client knows what it released and ignores those.
+//! Holds that end while the watch is down are told when the log is read
+//! again: every hold the last view showed that the fresh read does not (the
+//! key gone, or held again since) ended unseen.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -59,12 +62,26 @@ pub struct HoldCounts {
     /// still hears of them. Bounded in count and age.
     unclaimed: Mutex<Unclaimed>,
     next_stream: AtomicU64,
-    /// Every held key in the log and its holder's session (lease), as far
-    /// as the watch has seen: what an open class's memory grant must not
-    /// take during a quorum loss.
-    keys: Mutex<HashMap<String, i64>>,
+    /// Every held key in the log and its hold, as far as the watch has
+    /// seen: what an open class's memory grant must not take during a
+    /// quorum loss, and what a read from scratch is compared with to tell
+    /// of the holds that ended while the watch was down.
+    keys: Mutex<HashMap<String, Hold>>,
     /// `keys` follows the log: read, and the watch since unbroken.
     following: AtomicBool,
+}
+
+/// One hold in the log, as the follower last saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Hold {
+    /// The holder's session (lease).
+    session: i64,
+    /// Its holder record's mod revision: the revision it was granted at,
+    /// which tells it from a later hold of the key (by any session).
+    revision: i64,
+    /// The subject it is counted under (whose share of the unclaimed notices
+    /// its end takes).
+    owner: Arc<str>,
 }
 
 impl HoldCounts {
@@ -129,14 +146,25 @@ impl HoldCounts {
         if !self.following.load(Ordering::Acquire) {
             return true;
         }
-        self.keys.lock().get(key).is_some_and(|s| *s != session)
+        self.keys
+            .lock()
+            .get(key)
+            .is_some_and(|h| h.session != session)
     }
 
-    /// Replaces the count with a fresh one read at `revision`.
-    fn install(&self, in_log: HashMap<String, u32>, keys: HashMap<String, i64>, revision: i64) {
-        *self.keys.lock() = keys;
+    /// Replaces the count with a fresh one read at `revision`, and tells of
+    /// every hold that ended unseen since the last view (the watch was
+    /// lost): as the watch would have told of its delete.
+    fn install(&self, in_log: HashMap<String, u32>, keys: HashMap<String, Hold>, revision: i64) {
+        let ended = {
+            let mut held = self.keys.lock();
+            let ended = ended_unseen(&held, &keys);
+            *held = keys;
+            ended
+        };
         self.following.store(true, Ordering::Release);
         self.counts.install(in_log, revision);
+        self.notify(&ended);
     }
 
     /// Applies one watch response's changes, all at or below `revision`.
@@ -144,9 +172,16 @@ impl HoldCounts {
         {
             let mut keys = self.keys.lock();
             for change in changes {
-                match (&change.counted.after, change.session) {
-                    (Some(_), session) => keys.insert(change.counted.key.clone(), session),
-                    (None, _) => keys.remove(&change.counted.key),
+                match &change.counted.after {
+                    Some(owner) => keys.insert(
+                        change.counted.key.clone(),
+                        Hold {
+                            session: change.session,
+                            revision: change.revision,
+                            owner: owner.as_str().into(),
+                        },
+                    ),
+                    None => keys.remove(&change.counted.key),
                 };
             }
         }
@@ -155,11 +190,46 @@ impl HoldCounts {
     }
 }
 
-/// Read from scratch: holds per subject, and each held key's session.
+/// The holds `before` showed that `now` (a read from scratch) does not:
+/// the key is gone, or held again since (a later hold, by whatever
+/// session). Each ended as a delete or a put seen on the watch would have
+/// said; in key order.
+fn ended_unseen(before: &HashMap<String, Hold>, now: &HashMap<String, Hold>) -> Vec<Ended> {
+    let mut ended: Vec<Ended> = before
+        .iter()
+        .filter(|(key, hold)| {
+            now.get(*key)
+                .is_none_or(|n| (n.session, n.revision) != (hold.session, hold.revision))
+        })
+        .map(|(key, hold)| Ended {
+            session: hold.session,
+            key: key.clone(),
+            revision: hold.revision,
+            owner: hold.owner.to_string(),
+        })
+        .collect();
+    ended.sort_unstable_by(|a, b| a.key.cmp(&b.key));
+    ended
+}
+
+/// Read from scratch: holds per subject, and each held key's hold.
 #[derive(Default)]
 pub struct Reading {
     counted: HashMap<String, u32>,
-    keys: HashMap<String, i64>,
+    keys: HashMap<String, Hold>,
+    /// Each subject once, shared by its holds.
+    owners: HashSet<Arc<str>>,
+}
+
+impl Reading {
+    fn owner(&mut self, subject: &str) -> Arc<str> {
+        if let Some(owner) = self.owners.get(subject) {
+            return Arc::clone(owner);
+        }
+        let owner: Arc<str> = subject.into();
+        self.owners.insert(Arc::clone(&owner));
+        owner
+    }
 }
 
 impl Followed for HoldCounts {
@@ -174,7 +244,15 @@ impl Followed for HoldCounts {
                 .counted
                 .entry(h.bounded_as().to_string())
                 .or_insert(0) += 1;
-            reading.keys.insert(key.to_string(), kv.lease);
+            let owner = reading.owner(h.bounded_as());
+            reading.keys.insert(
+                key.to_string(),
+                Hold {
+                    session: kv.lease,
+                    revision: kv.mod_revision,
+                    owner,
+                },
+            );
         }
     }
 
@@ -193,7 +271,7 @@ impl Followed for HoldCounts {
             return false;
         };
         self.apply(&changes, revision);
-        self.notify(&changes);
+        self.notify(changes.iter().filter_map(|c| c.ended.as_ref()));
         true
     }
 
@@ -210,15 +288,20 @@ struct Change {
     counted: subject_counts::Change,
     /// The new holder's session (lease), for a put.
     session: i64,
+    /// The new hold's revision (its holder record's mod revision), for a put.
+    revision: i64,
     /// The hold the change ended, if one did.
     ended: Option<Ended>,
 }
 
-#[derive(Debug, PartialEq, Eq)]
+/// A hold that ended, as its session's streams hear of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Ended {
     session: i64,
     key: String,
     revision: i64,
+    /// The subject it was counted under (empty: not known).
+    owner: String,
 }
 
 impl Change {
@@ -232,18 +315,21 @@ impl Change {
         }
         // Any change of a holder record ends the hold it replaces: a
         // release, a hand-over (a put with the next holder) or an expiry.
+        let before = event.prev.as_ref().and_then(owner);
         let ended = event.prev.as_ref().map(|p| Ended {
             session: p.lease,
             key: event.key.clone(),
             revision: p.mod_revision,
+            owner: before.clone().unwrap_or_default(),
         });
         Some(Self {
             counted: subject_counts::Change {
                 key: event.key.clone(),
-                before: event.prev.as_ref().and_then(owner),
+                before,
                 after: event.put.as_ref().and_then(owner),
             },
             session: event.put.as_ref().map_or(0, |kv| kv.lease),
+            revision: event.put.as_ref().map_or(0, |kv| kv.mod_revision),
             ended,
         })
     }
@@ -252,6 +338,7 @@ impl Change {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use latchkey_proto::lockv1::EndedHold;
 
     pub(super) fn counted(pairs: &[(&str, u32)], revision: i64) -> Arc<HoldCounts> {
         let c = HoldCounts::new(3);
@@ -271,7 +358,16 @@ mod tests {
                 after: after.map(str::to_string),
             },
             session: 1,
+            revision: 1,
             ended: None,
+        }
+    }
+
+    fn hold(session: i64, revision: i64, owner: &str) -> Hold {
+        Hold {
+            session,
+            revision,
+            owner: owner.into(),
         }
     }
 
@@ -457,7 +553,7 @@ mod tests {
         );
         c.install(
             HashMap::from([("a".to_string(), 1)]),
-            HashMap::from([("k1".to_string(), 7)]),
+            HashMap::from([("k1".to_string(), hold(7, 10, "a"))]),
             10,
         );
         assert!(c.held_by_other("k1", 8));
@@ -477,5 +573,187 @@ mod tests {
         assert!(c.held_by_other("k1", 7) && c.held_by_other("k3", 7));
         c.install(HashMap::new(), HashMap::new(), 13);
         assert!(!c.held_by_other("k1", 7));
+    }
+
+    /// A holder record as the log stores it.
+    fn record(identity: &str, session: i64, revision: i64) -> Kv {
+        Kv {
+            value: crate::records::encode(&HolderRecord {
+                identity: identity.into(),
+                session,
+                class: "demo".into(),
+                acquired_at_unix_ms: 1,
+                annotations: Default::default(),
+                instance: String::new(),
+                bound: String::new(),
+            }),
+            create_revision: revision,
+            mod_revision: revision,
+            lease: session,
+        }
+    }
+
+    fn reading(holds: &[(&str, &str, i64, i64)]) -> Reading {
+        let mut reading = Reading::default();
+        for (key, identity, session, revision) in holds {
+            HoldCounts::read(&mut reading, key, &record(identity, *session, *revision));
+        }
+        reading
+    }
+
+    fn notices(rx: &mut tokio::sync::mpsc::Receiver<(i64, EndedHold)>) -> Vec<(i64, String, i64)> {
+        std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|(session, hold)| (session, hold.key, hold.revision))
+            .collect()
+    }
+
+    #[test]
+    fn a_read_from_scratch_tells_of_the_holds_that_ended_unseen() {
+        let c = HoldCounts::new(3);
+        let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+        c.watch_session(7, c.stream_id(), &tx);
+        c.watch_session(8, c.stream_id(), &tx);
+        // The first read tells of nothing: nothing was known before it.
+        Followed::install(
+            c.as_ref(),
+            reading(&[
+                ("k1", "a", 7, 3),
+                ("k2", "b", 8, 4),
+                ("k3", "a", 7, 5),
+                ("k4", "a", 7, 6),
+                ("k5", "c", 9, 6),
+            ]),
+            6,
+        );
+        assert_eq!(notices(&mut rx), vec![]);
+        // The watch is lost; meanwhile k1 is released, k2 handed to session
+        // 9, k4 released and taken again by its own session, k5 (session 9,
+        // which no stream here renews) expires. k3 stays as it was.
+        Followed::install(
+            c.as_ref(),
+            reading(&[("k2", "c", 9, 8), ("k3", "a", 7, 5), ("k4", "a", 7, 9)]),
+            10,
+        );
+        assert_eq!(
+            notices(&mut rx),
+            vec![
+                (7, "k1".to_string(), 3),
+                (8, "k2".to_string(), 4),
+                (7, "k4".to_string(), 6),
+            ],
+            "each ended hold at the revision it was granted at, as a delete on the watch would tell"
+        );
+        // k5's end waits for a stream that renews session 9.
+        let (tx9, mut rx9) = tokio::sync::mpsc::channel(16);
+        c.watch_session(9, c.stream_id(), &tx9);
+        assert_eq!(notices(&mut rx9), vec![(9, "k5".to_string(), 6)]);
+        // The view is the new read: counts and keys alike.
+        assert_eq!(
+            (c.held("a"), c.held("b"), c.held("c")),
+            (Some(2), Some(0), Some(1))
+        );
+        assert!(c.held_by_other("k2", 8) && !c.held_by_other("k2", 9));
+        assert!(!c.held_by_other("k1", 8));
+    }
+
+    /// The follow loop over a scripted log: each follow hands out the next
+    /// read and a watch that gives its signals, then waits for good.
+    struct ScriptedLog {
+        rounds: Mutex<std::collections::VecDeque<Round>>,
+    }
+
+    struct Round {
+        read: Vec<(&'static str, Kv)>,
+        revision: i64,
+        signals: Vec<crate::lock_log::FollowSignal>,
+    }
+
+    struct ScriptedWatch(std::collections::VecDeque<crate::lock_log::FollowSignal>);
+
+    #[async_trait::async_trait]
+    impl crate::lock_log::PrefixWatch for ScriptedWatch {
+        async fn next(&mut self) -> crate::lock_log::FollowSignal {
+            match self.0.pop_front() {
+                Some(signal) => signal,
+                None => std::future::pending().await,
+            }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl crate::lock_log::FollowLog for ScriptedLog {
+        async fn follow(
+            &self,
+            counted: crate::lock_log::Counted,
+            prev_kv: bool,
+            each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
+        ) -> Result<
+            (
+                i64,
+                Result<Box<dyn crate::lock_log::PrefixWatch>, crate::lock_log::StoreError>,
+            ),
+            crate::lock_log::StoreError,
+        > {
+            assert_eq!(counted, crate::lock_log::Counted::Holds);
+            assert!(prev_kv, "a delete must say whose hold it was");
+            let Some(round) = self.rounds.lock().pop_front() else {
+                return std::future::pending().await;
+            };
+            for (key, kv) in &round.read {
+                each(key, kv);
+            }
+            let watch: Box<dyn crate::lock_log::PrefixWatch> =
+                Box::new(ScriptedWatch(round.signals.into()));
+            Ok((round.revision, Ok(watch)))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hold_deleted_while_the_watch_was_lost_is_told_after_the_read_again() {
+        use crate::lock_log::FollowSignal;
+        let c = HoldCounts::new(3);
+        let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+        c.watch_session(7, c.stream_id(), &tx);
+        let log = ScriptedLog {
+            rounds: Mutex::new(
+                [
+                    // k1 held at 3; the watch shows k2 granted at 4, then
+                    // breaks. k1 is released at 5, unseen.
+                    Round {
+                        read: vec![("k1", record("a", 7, 3))],
+                        revision: 3,
+                        signals: vec![
+                            FollowSignal::Events {
+                                events: vec![Event {
+                                    key: "k2".into(),
+                                    put: Some(record("a", 7, 4)),
+                                    prev: None,
+                                }],
+                                through: 4,
+                            },
+                            FollowSignal::Lost,
+                        ],
+                    },
+                    // The read again, at 5: only k2.
+                    Round {
+                        read: vec![("k2", record("a", 7, 4))],
+                        revision: 5,
+                        signals: vec![],
+                    },
+                ]
+                .into(),
+            ),
+        };
+        let follower = tokio::spawn(crate::follow::follow(
+            Arc::clone(&c),
+            Arc::new(log),
+            crate::lock_log::Counted::Holds,
+        ));
+        let told = tokio::time::timeout(Duration::from_secs(30), rx.recv()).await;
+        follower.abort();
+        let (session, hold) = told.expect("told within the retry").expect("a notice");
+        assert_eq!((session, hold.key.as_str(), hold.revision), (7, "k1", 3));
+        assert_eq!(notices(&mut rx), vec![], "k2 lives on: nothing told of it");
+        assert_eq!(c.held("a"), Some(1));
     }
 }

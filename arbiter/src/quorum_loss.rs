@@ -290,7 +290,7 @@ impl QuorumLoss {
         let spool = Arc::clone(&self.spool);
         tokio::task::spawn_blocking(move || f(&spool))
             .await
-            .map_err(|e| ArbiterError::Internal(format!("the spool task failed: {e}")))
+            .map_err(|e| ArbiterError::internal_caused(format!("the spool task failed: {e}"), e))
     }
 
     /// The lock cluster's id (from the arbiter's first read), for the spool.

@@ -846,7 +846,7 @@ impl Ticket {
                 self.rx = None;
                 reply
             }
-            None => Err(ArbiterError::Internal("waited twice".into())),
+            None => Err(ArbiterError::internal("waited twice")),
         }
     }
 }

@@ -383,7 +383,7 @@ impl Tiers {
 
 fn bindings_error(e: crate::lock_log::StoreError) -> ArbiterError {
     match e {
-        crate::lock_log::StoreError::Malformed(what) => ArbiterError::Internal(what),
+        crate::lock_log::StoreError::Malformed(what) => ArbiterError::internal(what),
         other => {
             ArbiterError::store_caused(format!("the tier bindings: {}", other.detail()), other)
         }

@@ -146,7 +146,13 @@ pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
 }
 
 pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Option<T> {
-    serde_json::from_slice(bytes).ok()
+    try_decode(bytes).ok()
+}
+
+/// [`decode`], saying why the bytes are not a record (for a record that
+/// must parse, such as the epoch record: the reason goes to the logs).
+pub fn try_decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, serde_json::Error> {
+    serde_json::from_slice(bytes)
 }
 
 /// The digits of a shard-map fence record: every version in one width, so

@@ -78,7 +78,7 @@ async fn acquire_all(
         out[i] = Some(r);
     }
     out.into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(ArbiterError::Internal("a call panicked".into()))))
+        .map(|r| r.unwrap_or_else(|| Err(ArbiterError::internal("a call panicked"))))
         .collect()
 }
 

@@ -12,7 +12,7 @@ use latchkey_proto::lockv1::EndedHold;
 use parking_lot::MutexGuard;
 use tokio::sync::mpsc;
 
-use super::{Change, HoldCounts};
+use super::{Ended, HoldCounts};
 
 /// Ended holds kept for sessions no stream watches yet, at most, and for
 /// how long (a client's first renewal follows its OpenSession at once).
@@ -143,12 +143,9 @@ impl HoldCounts {
     }
 
     /// Tells the streams renewing each hold's session that it ended.
-    pub(super) fn notify(&self, changes: &[Change]) {
+    pub(super) fn notify<'a>(&self, ended: impl IntoIterator<Item = &'a Ended>) {
         let watchers = self.watchers();
-        for (ended, owner) in changes
-            .iter()
-            .filter_map(|c| c.ended.as_ref().map(|e| (e, c.counted.before.as_deref())))
-        {
+        for ended in ended {
             let hold = EndedHold {
                 key: ended.key.clone(),
                 revision: ended.revision,
@@ -161,8 +158,7 @@ impl HoldCounts {
                     }
                 }
                 None => {
-                    self.unclaimed()
-                        .push(owner.unwrap_or_default(), ended.session, hold);
+                    self.unclaimed().push(&ended.owner, ended.session, hold);
                 }
             }
         }
@@ -182,18 +178,11 @@ mod tests {
         let stream = c.stream_id();
         c.watch_session(7, stream, &tx);
         c.watch_session(7, stream, &tx);
-        let ended = |session, key: &str| Change {
-            counted: crate::subject_counts::Change {
-                key: key.to_string(),
-                before: None,
-                after: None,
-            },
-            session: 0,
-            ended: Some(Ended {
-                session,
-                key: key.to_string(),
-                revision: 42,
-            }),
+        let ended = |session, key: &str| Ended {
+            session,
+            key: key.to_string(),
+            revision: 42,
+            owner: String::new(),
         };
         c.notify(&[ended(7, "a/b"), ended(8, "a/c")]);
         let (session, hold) = rx.try_recv().map_err(|e| e.to_string()).unwrap_or_default();

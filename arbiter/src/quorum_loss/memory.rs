@@ -233,8 +233,8 @@ impl QuorumLoss {
                     session: record.session,
                 })
             }
-            (Ok(()), None) => Err(ArbiterError::Internal(
-                "the memory grant vanished while it was spooled".into(),
+            (Ok(()), None) => Err(ArbiterError::internal(
+                "the memory grant vanished while it was spooled",
             )),
             (Err(e), _) => {
                 holds.remove(&record.key);

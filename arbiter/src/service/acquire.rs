@@ -98,7 +98,7 @@ fn checked_instance(instance: &str) -> Result<String, ArbiterError> {
 
 pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
     let token = grant.token().ok_or_else(|| {
-        ArbiterError::Internal("the epoch or revision is outside the token range".into())
+        ArbiterError::internal("the epoch or revision is outside the token range")
     })?;
     Ok(WireGrant {
         key: grant.key.clone(),

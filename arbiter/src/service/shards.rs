@@ -336,7 +336,7 @@ impl Arbiter {
             .store()
             .load()
             .await?
-            .ok_or_else(|| ArbiterError::Internal("the shard map disappeared".into()))?;
+            .ok_or_else(|| ArbiterError::internal("the shard map disappeared"))?;
         if now.version != map.version {
             return Ok(status(routing, Some(&now), "").await);
         }

@@ -296,9 +296,7 @@ impl LockTable {
                 for member in members {
                     answers.push(match self.send_members(&[member]).await {
                         Ok(mut one) => one.pop().unwrap_or_else(|| {
-                            Err(ArbiterError::Internal(
-                                "a batch of one without an answer".into(),
-                            ))
+                            Err(ArbiterError::internal("a batch of one without an answer"))
                         }),
                         Err((e, _)) => Err(e),
                     });
@@ -388,7 +386,10 @@ fn each_member(e: &ArbiterError) -> ArbiterError {
         ArbiterError::SessionExpired { session } => {
             ArbiterError::SessionExpired { session: *session }
         }
-        ArbiterError::Internal(detail) => ArbiterError::Internal(detail.clone()),
+        ArbiterError::Internal { detail, source } => ArbiterError::Internal {
+            detail: detail.clone(),
+            source: source.clone(),
+        },
         ArbiterError::StoreUnavailable { detail, source } => ArbiterError::StoreUnavailable {
             detail: detail.clone(),
             source: source.clone(),

@@ -70,8 +70,8 @@ impl LockTable {
         let (granted, header) = match self.commit(member).await? {
             (BatchOutcome::Grant(granted), header) => (granted, header),
             (BatchOutcome::Release(_), _) => {
-                return Err(ArbiterError::Internal(
-                    "the lock log answered a grant as a release".into(),
+                return Err(ArbiterError::internal(
+                    "the lock log answered a grant as a release",
                 ));
             }
         };
@@ -213,8 +213,8 @@ impl LockTable {
             }
             Attempt::Gated => Next::Queue(None),
             Attempt::Unqueued => {
-                return Err(ArbiterError::Internal(
-                    "a grant outside the durable queue was answered as a durable waiter's".into(),
+                return Err(ArbiterError::internal(
+                    "a grant outside the durable queue was answered as a durable waiter's",
                 ));
             }
         })
@@ -326,8 +326,8 @@ impl LockTable {
             }
             (BatchOutcome::Release(ReleasedIf::No { holder }), _) => holder,
             (BatchOutcome::Grant(_), _) => {
-                return Err(ArbiterError::Internal(
-                    "the lock log answered a release as a grant".into(),
+                return Err(ArbiterError::internal(
+                    "the lock log answered a release as a grant",
                 ));
             }
         };

@@ -23,6 +23,7 @@ use crate::high_water::{HighWater, Mark};
 use crate::lock_log::{Header, LockLog, LogResult};
 use crate::records::{
     CoordSeenRecord, EpochRecord, SealRecord, decode, decode_map_fence, encode, now_unix_ms,
+    try_decode,
 };
 use crate::table::MapVersion;
 use crate::token;
@@ -397,9 +398,10 @@ impl Seal {
                 .and_then(|kv| decode::<SealRecord>(&kv.value));
             let (record, bytes) = match records.epoch.clone() {
                 Some(kv) => {
-                    let record: EpochRecord = decode(&kv.value).ok_or_else(|| {
-                        ArbiterError::Internal(
-                            "the epoch record in the lock log is not valid".into(),
+                    let record: EpochRecord = try_decode(&kv.value).map_err(|e| {
+                        ArbiterError::internal_caused(
+                            "the epoch record in the lock log is not valid",
+                            e,
                         )
                     })?;
                     (record, kv.value)
@@ -426,10 +428,9 @@ impl Seal {
             let (fence_at, fence_version) = match &records.map_fence {
                 None => (0, 0),
                 Some(kv) => {
+                    // Not JSON: nothing underneath to keep.
                     let version = decode_map_fence(&kv.value).ok_or_else(|| {
-                        ArbiterError::Internal(
-                            "the shard-map fence in the lock log is not valid".into(),
-                        )
+                        ArbiterError::internal("the shard-map fence in the lock log is not valid")
                     })?;
                     (kv.mod_revision, version)
                 }
@@ -556,16 +557,9 @@ impl Seal {
                 None => Ok(()),
             }
         };
-        let (local, witnessed) = tokio::join!(self.high_water.record(mark), witnessed);
+        let (local, witnessed) = tokio::join!(durable_locally(&self.high_water, mark), witnessed);
         witnessed?;
-        local.map_err(|e| {
-            // The grant is committed but cannot be vouched for after a
-            // restore: refuse to hand out its token.
-            error!(error = %e, "high-water mark not durable; refusing the grant");
-            ArbiterError::Internal(
-                "the arbiter could not make the grant durable in its state directory".into(),
-            )
-        })
+        local
     }
 
     /// ADR-03's unseal: compare epoch E, write the next epoch bound to the
@@ -607,8 +601,8 @@ impl Seal {
                 "there is no epoch record yet; start an arbiter against this etcd first".into(),
             ));
         };
-        let record: EpochRecord = decode(&existing.value)
-            .ok_or_else(|| ArbiterError::Internal("the epoch record is not valid".into()))?;
+        let record: EpochRecord = try_decode(&existing.value)
+            .map_err(|e| ArbiterError::internal_caused("the epoch record is not valid", e))?;
         if record.epoch != expected {
             return Err(ArbiterError::BadRequest(format!(
                 "the epoch is {}, not {expected}; check `latchctl admin status` and pass the current epoch",
@@ -630,9 +624,7 @@ impl Seal {
             next = shared.witness().allocate_epoch(next).await?;
         }
         if next >= token::MAX_EPOCH {
-            return Err(ArbiterError::Internal(
-                "the epoch space is exhausted".into(),
-            ));
+            return Err(ArbiterError::internal("the epoch space is exhausted"));
         }
         let new_record = EpochRecord {
             epoch: next,
@@ -655,9 +647,78 @@ impl Seal {
     }
 }
 
+/// Records `mark` in the state directory. A grant whose mark is not on disk
+/// is committed but cannot be vouched for after a restore: refused, its
+/// token never handed out (the write's error stays the refusal's source).
+async fn durable_locally(high_water: &HighWater, mark: Mark) -> Result<(), ArbiterError> {
+    high_water.record(mark).await.map_err(|e| {
+        error!(error = %e, "high-water mark not durable; refusing the grant");
+        ArbiterError::internal_caused(
+            "the arbiter could not make the grant durable in its state directory",
+            e,
+        )
+    })
+}
+
 fn show_mark(mark: Option<Mark>) -> String {
     mark.map_or_else(
         || "none".into(),
         |m| format!("e{}:r{}", m.epoch, m.revision),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::high_water::HighWaterError;
+    use std::error::Error as _;
+
+    /// A grant refused because its mark could not be written keeps the
+    /// write's error under it (for the logs); its status says what it said.
+    #[tokio::test]
+    async fn a_mark_not_written_keeps_its_cause_under_the_refusal() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let state = dir.path().join("state");
+        let high_water = HighWater::open(&state).expect("the state directory");
+        // The state directory goes away: the slots file cannot be created.
+        std::fs::remove_dir_all(&state).expect("remove the state directory");
+        let mark = Mark {
+            epoch: 1,
+            cluster_id: 7,
+            revision: 10,
+        };
+        let err = durable_locally(&high_water, mark)
+            .await
+            .expect_err("no state directory to write to");
+
+        // The write's error, as it was stored (an `Arc`'s own place in the
+        // source chain hides its type from a downcast: look inside it)...
+        let ArbiterError::Internal {
+            source: Some(cause),
+            ..
+        } = &err
+        else {
+            panic!("not an internal error with a cause: {err:?}");
+        };
+        let write = cause
+            .downcast_ref::<HighWaterError>()
+            .unwrap_or_else(|| panic!("no high-water error under {err:?}"));
+        assert!(matches!(write, HighWaterError::Write { .. }), "{write:?}");
+        // ...and the chain as a log walks it: the write, then the I/O error.
+        let first = err.source().expect("a source");
+        assert_eq!(first.to_string(), write.to_string());
+        let io = first
+            .source()
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .unwrap_or_else(|| panic!("no I/O error under {write:?}"));
+        assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
+
+        // The status is what it was: Internal, the same words, no path.
+        let status = tonic::Status::from(err);
+        assert_eq!(status.code(), tonic::Code::Internal);
+        assert_eq!(
+            status.message(),
+            "internal error: the arbiter could not make the grant durable in its state directory"
+        );
+    }
 }

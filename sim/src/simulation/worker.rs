@@ -737,7 +737,7 @@ async fn acquire(
             .await?;
         let grant = answer
             .grant
-            .ok_or_else(|| ArbiterError::Internal("an Acquire answered without a grant".into()))?;
+            .ok_or_else(|| ArbiterError::internal("an Acquire answered without a grant"))?;
         if grant.unprotected {
             return Ok(Got::Memory);
         }
