@@ -31,10 +31,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use tokio::time::Instant;
 use tracing::info;
 
 use crate::error::{ArbiterError, IdentityBound};
@@ -67,8 +68,8 @@ pub struct HoldCounts {
     /// quorum loss, and what a read from scratch is compared with to tell
     /// of the holds that ended while the watch was down.
     keys: Mutex<HashMap<String, Hold>>,
-    /// `keys` follows the log: read, and the watch since unbroken.
-    following: AtomicBool,
+    /// How far `keys` follows the log ([`View`]).
+    view: Mutex<View>,
 }
 
 /// One hold in the log, as the follower last saw it.
@@ -92,7 +93,7 @@ impl HoldCounts {
             unclaimed: Mutex::new(Unclaimed::default()),
             next_stream: AtomicU64::new(1),
             keys: Mutex::new(HashMap::new()),
-            following: AtomicBool::new(false),
+            view: Mutex::new(View::Unread),
         })
     }
 
@@ -129,6 +130,11 @@ impl HoldCounts {
         self.counts.admit_beside(identity, key, 0)
     }
 
+    /// The log revision the held keys reflect; `None` before the first read.
+    pub fn seen_through(&self) -> Option<i64> {
+        self.counts.revision()
+    }
+
     /// Holds of `identity` as counted (log plus pending); `None` before the
     /// first count.
     pub fn held(&self, identity: &str) -> Option<u32> {
@@ -136,15 +142,24 @@ impl HoldCounts {
     }
 
     /// Whether `key` may be held in the log by a session other than
-    /// `session`: as last seen by the watch, and `true` for every key while
-    /// the count does not follow the log (before the first read, and from a
-    /// broken watch until the next read), when a hold granted meanwhile
-    /// would go unseen. (What a grant from memory during a quorum loss must
-    /// not take: the simulation's quorum losses found such a grant of a key
-    /// held since before the loss.)
-    pub fn held_by_other(&self, key: &str, session: i64) -> bool {
-        if !self.following.load(Ordering::Acquire) {
-            return true;
+    /// `session`, as last seen by the watch: what a grant from memory during
+    /// a quorum loss must not take. `true` for every key before the first
+    /// read, and while the watch is broken if it broke before
+    /// `log_answered` (the last time the lock cluster answered this
+    /// arbiter's probe): the cluster went on committing after the break,
+    /// and a hold granted then would be unseen. A watch that broke after
+    /// that (with the loss, as it does when the members go) still shows
+    /// what the cluster held, but for holds granted between the last answer
+    /// and the loss's start after the watch broke (at most one probe
+    /// interval).
+    pub fn held_by_other(&self, key: &str, session: i64, log_answered: Option<Instant>) -> bool {
+        match *self.view.lock() {
+            View::Following => {}
+            View::Unread => return true,
+            View::Broken(at) if log_answered.is_some_and(|answered| at < answered) => {
+                return true;
+            }
+            View::Broken(_) => {}
         }
         self.keys
             .lock()
@@ -162,7 +177,7 @@ impl HoldCounts {
             *held = keys;
             ended
         };
-        self.following.store(true, Ordering::Release);
+        *self.view.lock() = View::Following;
         self.counts.install(in_log, revision);
         self.notify(&ended);
     }
@@ -210,6 +225,17 @@ fn ended_unseen(before: &HashMap<String, Hold>, now: &HashMap<String, Hold>) -> 
         .collect();
     ended.sort_unstable_by(|a, b| a.key.cmp(&b.key));
     ended
+}
+
+/// How far the held keys follow the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum View {
+    /// Never read.
+    Unread,
+    /// Read, and the watch unbroken since.
+    Following,
+    /// The watch broke then, and has not been read again since.
+    Broken(Instant),
 }
 
 /// Read from scratch: holds per subject, and each held key's hold.
@@ -276,7 +302,10 @@ impl Followed for HoldCounts {
     }
 
     fn lost(&self) {
-        self.following.store(false, Ordering::Release);
+        let mut view = self.view.lock();
+        if *view == View::Following {
+            *view = View::Broken(Instant::now());
+        }
     }
 }
 
@@ -532,7 +561,7 @@ mod tests {
         let c = HoldCounts::new(3);
         Followed::install(c.as_ref(), reading, 4);
         assert_eq!((c.held("pods/*"), c.held("b")), (Some(1), Some(1)));
-        assert!(c.held_by_other("k1", 8));
+        assert!(c.held_by_other("k1", 8, None));
         // a hand-over of k1 from the pod to b
         let handed = Event {
             key: "k1".into(),
@@ -541,14 +570,14 @@ mod tests {
         };
         assert!(Followed::apply(c.as_ref(), &[handed], 5));
         assert_eq!((c.held("pods/*"), c.held("b")), (Some(0), Some(2)));
-        assert!(!c.held_by_other("k1", 8));
+        assert!(!c.held_by_other("k1", 8, None));
     }
 
     #[test]
     fn held_keys_follow_the_log_for_the_quorum_loss_check() {
         let c = HoldCounts::new(3);
         assert!(
-            c.held_by_other("k1", 7),
+            c.held_by_other("k1", 7, None),
             "before the first count every key may be held"
         );
         c.install(
@@ -556,23 +585,30 @@ mod tests {
             HashMap::from([("k1".to_string(), hold(7, 10, "a"))]),
             10,
         );
-        assert!(c.held_by_other("k1", 8));
-        assert!(!c.held_by_other("k1", 7), "the holder's own session");
+        assert!(c.held_by_other("k1", 8, None));
+        assert!(!c.held_by_other("k1", 7, None), "the holder's own session");
         // a hand-over to session 9, a new hold of k2, then k1 released
         let handed = keyed(change(Some("a"), Some("b")), "k1", 9);
         let granted = keyed(change(None, Some("a")), "k2", 7);
         c.apply(&[handed, granted], 11);
-        assert!(c.held_by_other("k1", 7) && !c.held_by_other("k1", 9));
-        assert!(c.held_by_other("k2", 9));
+        assert!(c.held_by_other("k1", 7, None) && !c.held_by_other("k1", 9, None));
+        assert!(c.held_by_other("k2", 9, None));
         let released = keyed(change(Some("b"), None), "k1", 0);
         c.apply(&[released], 12);
-        assert!(!c.held_by_other("k1", 7));
+        assert!(!c.held_by_other("k1", 7, None));
         // The watch broke: a hold granted now would go unseen until the
         // next read, so every key may be held again.
+        // The watch broke. If the lock cluster answered after that, it may
+        // have committed holds the count did not see: every key may be
+        // held. If it has not (the watch broke with the loss), what the
+        // count saw stands.
+        let before = Instant::now();
         Followed::lost(c.as_ref());
-        assert!(c.held_by_other("k1", 7) && c.held_by_other("k3", 7));
+        let after = before + std::time::Duration::from_secs(1);
+        assert!(c.held_by_other("k1", 7, Some(after)) && c.held_by_other("k3", 7, Some(after)));
+        assert!(!c.held_by_other("k1", 7, Some(before)) && !c.held_by_other("k3", 7, None));
         c.install(HashMap::new(), HashMap::new(), 13);
-        assert!(!c.held_by_other("k1", 7));
+        assert!(!c.held_by_other("k1", 7, Some(after)));
     }
 
     /// A holder record as the log stores it.
@@ -652,8 +688,8 @@ mod tests {
             (c.held("a"), c.held("b"), c.held("c")),
             (Some(2), Some(0), Some(1))
         );
-        assert!(c.held_by_other("k2", 8) && !c.held_by_other("k2", 9));
-        assert!(!c.held_by_other("k1", 8));
+        assert!(c.held_by_other("k2", 8, None) && !c.held_by_other("k2", 9, None));
+        assert!(!c.held_by_other("k1", 8, None));
     }
 
     /// The follow loop over a scripted log: each follow hands out the next

@@ -152,12 +152,23 @@ impl KeyOwner {
         let acquired = match acquired {
             Ok(acquired) => acquired,
             Err(e @ ArbiterError::StoreUnavailable { .. }) if self.quorum.is_lost() => {
-                // The loss was noticed while this call was at etcd.
+                // The loss was noticed while this call was at etcd, whose
+                // outcome is not known: a refusal from memory is no
+                // answer that nothing was written.
                 return match fallback {
                     Some(req) => self
                         .grant_from_memory(&req, wait)
                         .await
-                        .map(Granted::Memory),
+                        .map(Granted::Memory)
+                        .map_err(|refused| {
+                            let detail = match &e {
+                                ArbiterError::StoreUnavailable { detail, .. } => detail.as_str(),
+                                _ => "no answer",
+                            };
+                            ArbiterError::store(format!(
+                                "{detail}; then, with the quorum lost, not granted from memory either: {refused}"
+                            ))
+                        }),
                     None => {
                         debug!(error = %e, "refused: quorum lost");
                         // The call was at etcd: its outcome is not known,
@@ -194,7 +205,15 @@ impl KeyOwner {
         crate::overload::parked();
         self.quorum
             .acquire(req, wait, &|key, session| {
-                self.holds.held_by_other(key, session) || self.table.writing(key)
+                self.holds
+                    .held_by_other(key, session, self.quorum.log_answered())
+                    || self.table.writing(key)
+                    // The hold count has not seen this arbiter's own last
+                    // grant yet.
+                    || self
+                        .holds
+                        .seen_through()
+                        .is_none_or(|seen| seen < self.table.granted_through())
             })
             .await
     }

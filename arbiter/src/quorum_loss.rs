@@ -136,6 +136,8 @@ struct ProbeState {
     failures: u32,
     lost_since: Option<Instant>,
     last_error: String,
+    /// When a probe was last answered.
+    answered: Option<Instant>,
 }
 
 /// The posture's state: the probe's verdict, the memory grants, the spool.
@@ -317,6 +319,11 @@ impl QuorumLoss {
             spool_bytes: self.spool.used_bytes(),
             spool_limit_bytes: self.config.spool_limit_bytes,
         }
+    }
+
+    /// When the lock cluster last answered the probe.
+    pub fn log_answered(&self) -> Option<Instant> {
+        self.probe.lock().answered
     }
 
     /// The lock cluster has no quorum, as far as the probe knows.

@@ -364,6 +364,12 @@ impl SubjectCounts {
         Some(state.in_log.as_ref()?.values().map(|n| u64::from(*n)).sum())
     }
 
+    /// The log revision the count reflects; `None` before the first count.
+    pub fn revision(&self) -> Option<i64> {
+        let state = self.lock();
+        state.in_log.as_ref().map(|_| state.revision)
+    }
+
     /// Whether a count is in.
     pub fn is_counted(&self) -> bool {
         self.lock().in_log.is_some()

@@ -316,6 +316,8 @@ pub struct LockTable {
     /// just before their gate check until their answer: a memory grant of
     /// the key waits for them ([`LockTable::writing`]).
     writes: Mutex<std::collections::HashMap<String, u32>>,
+    /// The highest revision a grant or hand-over of this table committed at.
+    granted_through: std::sync::atomic::AtomicI64,
 }
 
 /// A grant or hand-over of one key on its way to the log; counted down on
@@ -377,6 +379,7 @@ impl LockTable {
             durable: Default::default(),
             stale_heads: Mutex::new(std::collections::HashMap::new()),
             writes: Mutex::new(std::collections::HashMap::new()),
+            granted_through: std::sync::atomic::AtomicI64::new(0),
         })
     }
 
@@ -402,6 +405,20 @@ impl LockTable {
     /// that meet, at least one sees the other.
     pub fn writing(&self, key: &str) -> bool {
         self.writes.lock().contains_key(key)
+    }
+
+    /// The highest revision a grant or hand-over of this table committed
+    /// at: a hold count that has not seen the log up to it may miss a hold
+    /// this arbiter granted (a watch on a member cut off from the majority
+    /// stops before the majority's last commits).
+    pub fn granted_through(&self) -> i64 {
+        self.granted_through
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub(crate) fn granted_at(&self, revision: i64) {
+        self.granted_through
+            .fetch_max(revision, std::sync::atomic::Ordering::AcqRel);
     }
 
     /// Registers a grant or hand-over of `key` on its way to the log.

@@ -38,6 +38,7 @@ impl QuorumLoss {
                 let was = {
                     let mut probe = self.probe.lock();
                     probe.failures = 0;
+                    probe.answered = Some(Instant::now());
                     probe.lost_since.take()
                 };
                 if let Some(since) = was {

@@ -77,6 +77,7 @@ impl LockTable {
         };
         let (holder, epoch_now, sealed, session, queue_head, fence_at) = match granted {
             Granted::Yes => {
+                self.granted_at(header.revision);
                 self.seal.make_durable(&state, header.revision).await?;
                 return Ok(Some(Attempt::Granted(Grant {
                     key: req.key.clone(),
@@ -404,6 +405,7 @@ impl LockTable {
         let Some(previous) = done else {
             return Ok(None);
         };
+        self.granted_at(header.revision);
         self.seal.make_durable(&state, header.revision).await?;
         Ok(Some((
             Grant {

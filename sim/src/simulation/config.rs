@@ -145,7 +145,8 @@ impl FaultKnobs {
         }
     }
 
-    /// Every fault, force-releases, and quorum losses (the whole arbiter).
+    /// Every fault, shard-map fences, force-releases, and quorum losses
+    /// (the whole arbiter).
     pub fn quorum_loss() -> Self {
         Self {
             quorum_losses: true,
@@ -361,8 +362,8 @@ impl SimConfig {
     ///   arbiters) with two-person force-releases ([`FaultKnobs::forced`]).
     /// - `quorum-loss`, `quorum-loss-three-arbiters`: the whole arbiter
     ///   ([`SimConfig::whole_arbiter`]), half the keys open on quorum loss,
-    ///   two durable, every fault, force-releases and quorum losses
-    ///   ([`FaultKnobs::quorum_loss`]).
+    ///   two durable, every fault, shard-map fences, force-releases and
+    ///   quorum losses ([`FaultKnobs::quorum_loss`]).
     pub fn preset(name: &str, seed: u64) -> Option<Self> {
         let base = Self::new(seed);
         Some(match name {

@@ -7,9 +7,11 @@
 //!
 //! 1. no grant from memory of a key the log holds for another session, and
 //!    held for it when the loss began (nothing commits while the log has
-//!    no majority, so every arbiter's hold count could have seen it: the
-//!    watch streams break up to 1.5 s before some losses, so the count
-//!    must know when it is not following);
+//!    no majority, so every arbiter's hold count could have seen it); when
+//!    the watch streams broke shortly before the loss, held for it since
+//!    before the break (a hold granted after the break is unseen until the
+//!    count reads again, and the arbiter refuses every memory grant only if
+//!    the log answered its probe after the break);
 //! 2. no two live grants from memory of one key on one arbiter to two
 //!    sessions;
 //! 3. while a grant from memory is live, no grant of its key in the log

@@ -2,7 +2,8 @@
 //! ([`SimConfig::whole_arbiter`]): reviewed files as an operator writes
 //! them, in the run's scratch directory.
 //!
-//! Three classes of the TTL the workers renew by, all on the entity tier:
+//! Three classes of the TTL the workers renew by (30 s or more: the open
+//! class is advisory), all on the entity tier:
 //! `sim` (fenced: its pause test is the simulation's own fenced resource,
 //! which accepts only a token above the key's mark), `sim-durable` (fenced,
 //! waiters queued in the log) and `sim-open` (advisory, open on quorum
@@ -38,7 +39,7 @@ pub(crate) fn write(dir: &Path, ttl_seconds: u32) -> std::io::Result<()> {
         )
     };
     let classes = format!(
-        "{}{}[[class]]\nname = \"{OPEN_CLASS}\"\ndescription = \"The simulation's open keys: granted from memory on quorum loss.\"\ntier = \"entity\"\nenforcement = \"advisory\"\nttlSeconds = 30\nonQuorumLoss = \"open\"\nmaxWaitersPerKey = 16\nriskOwner = \"sim@example.com\"\nwaiverExpires = \"{next_year}\"\n",
+        "{}{}[[class]]\nname = \"{OPEN_CLASS}\"\ndescription = \"The simulation's open keys: granted from memory on quorum loss.\"\ntier = \"entity\"\nenforcement = \"advisory\"\nttlSeconds = {ttl_seconds}\nonQuorumLoss = \"open\"\nmaxWaitersPerKey = 16\nriskOwner = \"sim@example.com\"\nwaiverExpires = \"{next_year}\"\n",
         fenced(CLASS, "memory"),
         fenced(DURABLE_CLASS, "durable"),
     );

@@ -531,7 +531,6 @@ impl World {
                 return None;
             }
         };
-        table.set_gate(quorum.clone());
         let probe = quorum.spawn_probe(self.log.clone());
         let (service, owner) = assemble::arbiter(ArbiterParts {
             cluster: ClusterParts {
