@@ -21,6 +21,7 @@ pub mod bounds;
 /// per-thread arenas kept an arbiter at its peak RSS (issue 31: 38 -> 130 MiB
 /// under load, never given back).
 pub use mimalloc::MiMalloc as Allocator;
+pub mod assemble;
 pub mod cli;
 pub mod config;
 pub mod epoch;
@@ -37,7 +38,6 @@ pub mod metrics;
 pub mod oidc;
 pub mod overload;
 pub mod owner;
-pub mod assemble;
 pub mod policy;
 pub mod quorum_loss;
 /// The lock log's key layout and records (the `latchkey-records` crate,

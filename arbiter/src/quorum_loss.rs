@@ -340,9 +340,11 @@ impl QuorumLoss {
                 probe.last_error.clone(),
             )
         };
-        ArbiterError::ClosedOnQuorumLoss { detail: format!(
-            "the lock cluster has lost quorum (no etcd majority has answered for {since} s; last: {error}); class {class:?} is closed on quorum loss (onQuorumLoss = \"closed\"), so it grants nothing until quorum returns: retry later; operators: bring the etcd members back (docs/operations.md, quorum loss)"
-        ) }
+        ArbiterError::ClosedOnQuorumLoss {
+            detail: format!(
+                "the lock cluster has lost quorum (no etcd majority has answered for {since} s; last: {error}); class {class:?} is closed on quorum loss (onQuorumLoss = \"closed\"), so it grants nothing until quorum returns: retry later; operators: bring the etcd members back (docs/operations.md, quorum loss)"
+            ),
+        }
     }
 
     /// Where closed spools wait for the audit tailer.

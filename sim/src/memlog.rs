@@ -315,7 +315,8 @@ impl MemLog {
     /// A majority again: every lease gets its whole TTL from now, as a new
     /// etcd leader's lessor gives it.
     pub fn regain_quorum(&self) {
-        self.shared.with(|inner, now| inner.store.regain_quorum(now));
+        self.shared
+            .with(|inner, now| inner.store.regain_quorum(now));
     }
 
     /// Whether the members have no majority now.

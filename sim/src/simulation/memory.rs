@@ -94,9 +94,8 @@ impl MemoryGrants {
         // came back, through an arbiter whose probe saw it first, may meet
         // a memory grant of an arbiter whose probe has not yet: ADR-04 keeps
         // memory grants exclusive on their arbiter only.)
-        if in_log.is_some_and(|holder| {
-            holder != session && self.at_loss.get(key) == Some(&holder)
-        }) {
+        if in_log.is_some_and(|holder| holder != session && self.at_loss.get(key) == Some(&holder))
+        {
             self.report.violations.push(format!(
                 "at {ms:.0} ms arbiter-{arbiter} granted {key} from memory to {process} while the lock log holds it for another session"
             ));

@@ -534,7 +534,11 @@ async fn quorum_loss(world: &World, rng: &mut Rng) {
         format!(
             "quorum lost for {} ms{}{}",
             length.as_millis(),
-            if broken { ", watch streams broken first" } else { "" },
+            if broken {
+                ", watch streams broken first"
+            } else {
+                ""
+            },
             match restart {
                 Some((i, true)) => format!(", arbiter-{i} restarted in it (state dir lost)"),
                 Some((i, false)) => format!(", arbiter-{i} restarted in it (state dir kept)"),

@@ -64,7 +64,10 @@ fn dates(now: SystemTime) -> (String, String) {
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() / 86_400);
     let (y, m, d) = civil(i64::try_from(days).unwrap_or(0));
-    (format!("{y:04}-{m:02}-{d:02}"), format!("{:04}-{m:02}-01", y + 1))
+    (
+        format!("{y:04}-{m:02}-{d:02}"),
+        format!("{:04}-{m:02}-01", y + 1),
+    )
 }
 
 /// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian

@@ -17,14 +17,14 @@ use parking_lot::Mutex;
 use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::identity::channel::{ForwardedIdentity, Named};
 use latchkey_arbiter::table::{Grant, GrantRequest};
+use latchkey_checker::{Function, Outcome};
 use latchkey_proto::lockv1::{
     AcquireRequest, CloseSessionRequest, OpenSessionRequest, ReleaseRequest, WaitMode,
 };
-use tonic::Request;
-use tonic::metadata::MetadataValue;
-use latchkey_checker::{Function, Outcome};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tonic::Request;
+use tonic::metadata::MetadataValue;
 
 use super::world::{Arbiter, World, lock};
 use crate::rng::Rng;
@@ -34,7 +34,6 @@ use crate::rng::Rng;
 const MAX_SESSIONS: u32 = 10_000;
 const MAX_WAITERS_PER_KEY: u32 = 16;
 use super::policies::{CLASS, DURABLE_CLASS, OPEN_CLASS};
-
 
 /// The reasons the arbiter gives before writing anything: the gate's list
 /// (`is_definite_refusal` in gate/src/worker.rs), and a shard-map
@@ -352,15 +351,19 @@ impl Incarnation<'_> {
                 Some(token) => {
                     lock(&self.world.fences).granted(arbiter.index, &grant);
                     if self.world.cfg.faults.force_releases {
-                        lock(&self.world.granted_to).insert(
-                            (key.clone(), token),
-                            (self.process.clone(), grant.session),
-                        );
+                        lock(&self.world.granted_to)
+                            .insert((key.clone(), token), (self.process.clone(), grant.session));
                     }
                     if arbiter.owner.is_some() {
                         let ms = self.world.ms(Instant::now());
-                        lock(&self.world.memory)
-                            .log_granted(arbiter.index, &key, id, &self.process, invoked, ms);
+                        lock(&self.world.memory).log_granted(
+                            arbiter.index,
+                            &key,
+                            id,
+                            &self.process,
+                            invoked,
+                            ms,
+                        );
                     }
                     self.world
                         .complete(op, Outcome::Ok, Some(token), None, None);

@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard};
 
+use latchkey_arbiter::Arbiter as Service;
+use latchkey_arbiter::assemble::{self, ArbiterParts, ClusterParts, OwnerHandle};
 use latchkey_arbiter::epoch::EpochGuard;
 use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::high_water::{HighWater, Mark};
@@ -15,16 +17,14 @@ use latchkey_arbiter::hold_counts::{DEFAULT_MAX_HOLDS_PER_IDENTITY, HoldCounts};
 use latchkey_arbiter::lock_log::{
     Counted, FollowLog, FollowSignal, Kv, LockLog, PrefixWatch, StoreError,
 };
-use latchkey_arbiter::Arbiter as Service;
-use latchkey_arbiter::assemble::{self, ArbiterParts, ClusterParts, OwnerHandle};
 use latchkey_arbiter::policy::Policies;
-use latchkey_arbiter::session_counts::SessionCounts;
-use latchkey_hook_host::HookHost;
 use latchkey_arbiter::quorum_loss::{QuorumLoss, QuorumLossConfig, Seams};
+use latchkey_arbiter::session_counts::SessionCounts;
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_arbiter::table::{BatchStats, LockTable, MapVersion, TableOptions};
 use latchkey_arbiter::witness::Witness;
 use latchkey_checker::{Completion, Function, Operation, Outcome};
+use latchkey_hook_host::HookHost;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDrop;
@@ -424,7 +424,9 @@ impl World {
             if lose_state {
                 slot.high_water = Arc::new(HighWater::in_memory(None));
                 slot.state_dirs += 1;
-                slot.state_dir = self.scratch.join(format!("arbiter-{i}.{}", slot.state_dirs));
+                slot.state_dir = self
+                    .scratch
+                    .join(format!("arbiter-{i}.{}", slot.state_dirs));
                 // Its memory grants are gone with the spool.
                 lock(&self.memory).forget(i, Instant::now());
             } else {
