@@ -133,6 +133,7 @@ mod fences;
 mod idlog;
 mod memory;
 mod nemesis;
+mod operators;
 mod ordered;
 mod policies;
 mod worker;
@@ -476,10 +477,12 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         .collect();
     let nemesis = tokio::spawn(nemesis::run(world.clone(), Rng::new(rng.next_u64())));
     // Drawn only when on: the runs without them draw what they always drew.
-    let operators = cfg
-        .faults
-        .force_releases
-        .then(|| tokio::spawn(nemesis::operators(world.clone(), Rng::new(rng.next_u64()))));
+    let operators = cfg.faults.force_releases.then(|| {
+        tokio::spawn(operators::operators(
+            world.clone(),
+            Rng::new(rng.next_u64()),
+        ))
+    });
 
     let mut stuck = None;
     loop {

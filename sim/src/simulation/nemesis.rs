@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use latchkey_arbiter::high_water::Mark;
-use latchkey_arbiter::lock_log::{ForceEndTxn, ForceEnded, ForceRecords};
 use latchkey_arbiter::witness::Witnessed;
 use latchkey_checker::{Function, Outcome};
 use latchkey_records::{CoordSeenRecord, EpochRecord, decode};
@@ -219,7 +218,7 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
             Kind::Compact => compact(&world, &mut rng),
             Kind::Snapshot => backups.take(&world),
             Kind::MapFence => map_fence(&world, &mut rng).await,
-            Kind::QuorumLoss => quorum_loss(&world, &mut rng).await,
+            Kind::QuorumLoss => super::operators::quorum_loss(&world, &mut rng).await,
             Kind::Restore => {
                 if !lock(&world.liveness).serving(Instant::now(), SERVING_WITHIN) {
                     continue;
@@ -427,7 +426,7 @@ fn witnessed_of(record: &CoordSeenRecord) -> Witnessed {
 }
 
 /// Sleeps unless the run stops first; whether to go on.
-async fn pause(world: &World, d: Duration) -> bool {
+pub(super) async fn pause(world: &World, d: Duration) -> bool {
     tokio::select! {
         biased;
         () = world.stop.cancelled() => false,
@@ -435,7 +434,7 @@ async fn pause(world: &World, d: Duration) -> bool {
     }
 }
 
-fn fault(world: &World, detail: String) -> super::world::OpId {
+pub(super) fn fault(world: &World, detail: String) -> super::world::OpId {
     world.invoke(
         "nemesis",
         Function::Fault,
@@ -446,7 +445,7 @@ fn fault(world: &World, detail: String) -> super::world::OpId {
     )
 }
 
-fn done(world: &World, op: super::world::OpId) {
+pub(super) fn done(world: &World, op: super::world::OpId) {
     world.complete(op, Outcome::Ok, None, None, None);
 }
 
@@ -512,71 +511,6 @@ async fn slow_log(world: &World, rng: &mut Rng) {
     set_faults(world, rates);
     tokio::time::sleep(length).await;
     set_faults(world, FaultRates::NONE);
-    done(world, op);
-}
-
-/// The lock log loses its majority for 2–8 s: every call fails, no lease
-/// expires, and once it is back every lease has its whole TTL again. The
-/// arbiters' probes call it lost after three failures, and grant the open
-/// keys from memory meanwhile. Half the time the watch streams break up to
-/// 1.2 s before (the hold counts read again after a second), and a
-/// third of the time an arbiter dies in it and cannot start again until
-/// the log answers (its spool replayed, or lost with its state dir).
-async fn quorum_loss(world: &World, rng: &mut Rng) {
-    let length = Duration::from_millis(2000 + rng.below(6000));
-    let broken = rng.chance(50);
-    let restart = rng.chance(33).then(|| {
-        let i = usize::try_from(rng.below(world.arbiters.len() as u64)).unwrap_or(0);
-        (i, rng.chance(world.cfg.faults.lose_state_percent.max(30)))
-    });
-    let op = fault(
-        world,
-        format!(
-            "quorum lost for {} ms{}{}",
-            length.as_millis(),
-            if broken {
-                ", watch streams broken first"
-            } else {
-                ""
-            },
-            match restart {
-                Some((i, true)) => format!(", arbiter-{i} restarted in it (state dir lost)"),
-                Some((i, false)) => format!(", arbiter-{i} restarted in it (state dir kept)"),
-                None => String::new(),
-            }
-        ),
-    );
-    // What every arbiter's hold count must have seen: the holds as the loss
-    // begins; with the watches broken first, those of them already held
-    // at the break (ADR-04's residue: a hold granted after the break, with
-    // no probe answered since, may be unseen).
-    let seen = broken.then(|| world.holders_now());
-    if broken {
-        // The hold counts read again after a second: most losses begin
-        // before they have.
-        world.memlog.break_watches();
-        tokio::time::sleep(Duration::from_millis(rng.below(1200))).await;
-    }
-    let mut holders = world.holders_now();
-    if let Some(seen) = seen {
-        holders.retain(|key, session| seen.get(key) == Some(session));
-    }
-    world.memlog.lose_quorum();
-    lock(&world.memory).lost_quorum(holders);
-    match restart {
-        Some((i, lose)) => {
-            let before = length / 2;
-            tokio::time::sleep(before).await;
-            world.kill_arbiter(i).await;
-            tokio::time::sleep(length - before).await;
-            world.memlog.regain_quorum();
-            world.start_arbiter(i, lose, rng.next_u64()).await;
-        }
-        None => {
-            tokio::time::sleep(length).await;
-            world.memlog.regain_quorum();
-        }
-    }
     done(world, op);
 }
 
@@ -685,121 +619,6 @@ async fn map_fence(world: &World, rng: &mut Rng) {
         w.caught_up = Some(caught_up);
     }
     done(world, op);
-}
-
-/// Two operators' force-releases, every 0.1–0.5 s beside the nemesis's
-/// faults: each hold is read through the log (its lease and revision: what
-/// the request names), then, a moment later (the key may have been
-/// released, handed over or granted again meanwhile), ended through an
-/// arbiter's table. A forced end is recorded as an `expire` of the hold it
-/// named, for the process the hold was granted to: `ok` when it ended that
-/// hold, `fail` when the hold had changed (nothing ended), `unknown` when
-/// the log did not answer. Only holds whose grant was answered with a
-/// token, on the session it was granted to, are named (the history knows
-/// whose they are).
-///
-/// [`FaultKnobs::force_releases_reread`](super::FaultKnobs::force_releases_reread)
-/// names the hold as it is right before the end instead, while the history
-/// records the one approved: a forced end of whatever holds the key now,
-/// the bug the request's lease and revision guard against.
-pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
-    let world = world.as_ref();
-    let rng = &mut rng;
-    // Warm up, as the nemesis does.
-    if !pause(world, Duration::from_secs(2)).await {
-        return;
-    }
-    loop {
-        if !pause(world, Duration::from_millis(100 + rng.below(400))).await {
-            return;
-        }
-        let Some(arbiter) = world.any(rng) else {
-            return;
-        };
-        let key = format!("sim/k{}", rng.below(world.cfg.keys.max(1) as u64));
-        let Some(epoch) = arbiter.table.seal().guard().state().map(|s| s.epoch()) else {
-            continue;
-        };
-        let read = tokio::select! {
-            biased;
-            () = arbiter.killed.cancelled() => None,
-            r = world.log.holder(&key) => r.ok().and_then(|a| a.value),
-        };
-        let Some(hold) = read else {
-            continue;
-        };
-        let Some(token) = latchkey_arbiter::token::pack(epoch, hold.mod_revision) else {
-            continue;
-        };
-        let Some((process, session)) = lock(&world.granted_to).get(&(key.clone(), token)).cloned()
-        else {
-            continue;
-        };
-        if session != hold.lease {
-            continue;
-        }
-        let op = world.invoke(
-            &process,
-            Function::Expire,
-            Some(&key),
-            Some(token),
-            Some("force-release".into()),
-            Instant::now(),
-        );
-        // The second operator approves a moment after the request.
-        if !pause(world, Duration::from_millis(rng.below(60))).await {
-            world.complete(op, Outcome::Unknown, None, None, None);
-            return;
-        }
-        let Some(ender) = world.any(rng) else {
-            world.complete(op, Outcome::Unknown, None, None, None);
-            return;
-        };
-        let (mut lease, mut revision) = (hold.lease, hold.mod_revision);
-        if world.cfg.faults.force_releases_reread
-            && let Ok(answer) = world.log.holder(&key).await
-            && let Some(now) = answer.value
-        {
-            (lease, revision) = (now.lease, now.mod_revision);
-        }
-        let records = ForceRecords {
-            unchanged: Vec::new(),
-            put: vec![(format!("sys/force/sim-{token}"), b"forced".to_vec())],
-            ttl_seconds: 60,
-            delete: Vec::new(),
-        };
-        let txn = ForceEndTxn {
-            key: &key,
-            lease,
-            revision,
-            records: &records,
-        };
-        // Through the key's owner, as the approval does, when the run has
-        // the whole arbiter.
-        let end = async {
-            match &ender.owner {
-                Some(owner) => owner.owner().force_end(txn).await,
-                None => ender.table.force_end(txn).await,
-            }
-        };
-        let ended = tokio::select! {
-            biased;
-            () = ender.killed.cancelled() => None,
-            r = end => Some(r),
-        };
-        let (outcome, detail) = match ended {
-            Some(Ok((ForceEnded::Ended, _))) => (Outcome::Ok, "ended"),
-            Some(Ok((ForceEnded::HoldChanged { .. }, _))) => (Outcome::Fail, "hold changed"),
-            Some(Ok((ForceEnded::RecordsChanged, _))) => (Outcome::Fail, "records changed"),
-            Some(Err(_)) | None => (Outcome::Unknown, "no answer"),
-        };
-        world.complete(op, outcome, None, None, Some(detail.into()));
-        if outcome == Outcome::Ok {
-            lock(&world.forced).ended += 1;
-        } else if outcome == Outcome::Fail {
-            lock(&world.forced).changed += 1;
-        }
-    }
 }
 
 /// Compacts the log's history (a watch from below it is lost), and now and
