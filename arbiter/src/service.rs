@@ -216,8 +216,12 @@ impl Lock for LockService {
 
     async fn acquire(
         &self,
-        request: Request<AcquireRequest>,
+        mut request: Request<AcquireRequest>,
     ) -> Result<Response<AcquireResponse>, Status> {
+        // The time it queues for a place comes off its wait for the key.
+        request
+            .extensions_mut()
+            .insert(acquire::Arrived(tokio::time::Instant::now()));
         // The place is given back when the call starts waiting for its key.
         let permit = self.inner.admit(&request, Work::Acquire).await?;
         let acquired = overload::holding(permit, self.inner.acquire(request)).await?;

@@ -32,9 +32,26 @@ const FIRST_COUNT_WAIT: Duration = Duration::from_secs(5);
 /// How long `request` may wait for a count to be in: [`FIRST_COUNT_WAIT`],
 /// or less to answer within the caller's deadline.
 pub(super) fn count_wait<T>(request: &Request<T>) -> Duration {
-    grpc_timeout(request).map_or(FIRST_COUNT_WAIT, |d| {
+    time_left(request).map_or(FIRST_COUNT_WAIT, |d| {
         FIRST_COUNT_WAIT.min(d.saturating_sub(DEADLINE_MARGIN))
     })
+}
+
+/// When a call reached the arbiter, before it queued for a place
+/// ([`crate::overload`]): put in the request's extensions by the service.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Arrived(pub(crate) tokio::time::Instant);
+
+/// The call's deadline as it stands now: its `grpc-timeout` less the time
+/// since it arrived (a call that queued for a place under overload has
+/// that much less left to wait for its key).
+pub(crate) fn time_left<T>(request: &Request<T>) -> Option<Duration> {
+    let timeout = grpc_timeout(request)?;
+    let spent = request
+        .extensions()
+        .get::<Arrived>()
+        .map_or(Duration::ZERO, |a| a.0.elapsed());
+    Some(timeout.saturating_sub(spent))
 }
 
 /// The call's deadline from the `grpc-timeout` header ("<digits><unit>").
@@ -174,7 +191,7 @@ impl Arbiter {
         scope: &mut Scope,
     ) -> Result<AcquireResponse, ArbiterError> {
         let caller = self.caller(&request)?;
-        let deadline = grpc_timeout(&request);
+        let deadline = time_left(&request);
         let count_wait = count_wait(&request);
         let req = request.into_inner();
         let policies = self.policies.current();
@@ -371,6 +388,22 @@ mod tests {
             "2S".parse().unwrap_or_else(|_| unreachable!()),
         );
         assert_eq!(grpc_timeout(&r), Some(Duration::from_secs(2)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_time_spent_queueing_is_taken_from_the_wait() {
+        let mut r = Request::new(());
+        r.metadata_mut().insert(
+            "grpc-timeout",
+            "1000m".parse().unwrap_or_else(|_| unreachable!()),
+        );
+        assert_eq!(time_left(&r), Some(Duration::from_millis(1000)));
+        r.extensions_mut().insert(Arrived(tokio::time::Instant::now()));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(time_left(&r), Some(Duration::from_millis(700)));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(time_left(&r), Some(Duration::ZERO));
+        assert_eq!(count_wait(&r), Duration::ZERO);
     }
 
     #[test]
