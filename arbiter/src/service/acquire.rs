@@ -398,7 +398,8 @@ mod tests {
             "1000m".parse().unwrap_or_else(|_| unreachable!()),
         );
         assert_eq!(time_left(&r), Some(Duration::from_millis(1000)));
-        r.extensions_mut().insert(Arrived(tokio::time::Instant::now()));
+        r.extensions_mut()
+            .insert(Arrived(tokio::time::Instant::now()));
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(time_left(&r), Some(Duration::from_millis(700)));
         tokio::time::sleep(Duration::from_secs(1)).await;

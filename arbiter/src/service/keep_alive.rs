@@ -5,7 +5,7 @@ use std::time::Instant;
 use futures::stream::{FuturesUnordered, StreamExt as _};
 use latchkey_proto::lockv1::{EndedHold, KeepAliveRequest, KeepAliveResponse};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Status, Streaming};
+use tonic::{Request, Status};
 use tracing::debug;
 
 use super::{Arbiter, KeepAliveStream, session_id};
@@ -112,10 +112,16 @@ impl Arbiter {
     /// A stream also hears, unasked, when a hold of a session it renews
     /// ends (a notice: `ended_holds`, `remaining_ttl_seconds = -1`), so the
     /// holder can fence that hold at once (issue 13).
-    pub fn keep_alive(
+    ///
+    /// Generic over the inbound stream: tonic's `Streaming`, or any stream
+    /// of messages (the simulation's clients).
+    pub fn keep_alive<S>(
         self: Arc<Self>,
-        request: Request<Streaming<KeepAliveRequest>>,
-    ) -> Result<KeepAliveStream, ArbiterError> {
+        request: Request<S>,
+    ) -> Result<KeepAliveStream, ArbiterError>
+    where
+        S: futures::Stream<Item = Result<KeepAliveRequest, Status>> + Send + Unpin + 'static,
+    {
         let caller = self.caller(&request)?;
         let mut inbound = request.into_inner();
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<KeepAliveResponse, Status>>(REPLY_QUEUE);

@@ -14,10 +14,12 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use futures::StreamExt as _;
 use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::identity::channel::{ForwardedIdentity, Named};
 use latchkey_arbiter::table::{Grant, GrantRequest};
 use latchkey_checker::{Function, Outcome};
+use latchkey_proto::lockv1::KeepAliveRequest;
 use latchkey_proto::lockv1::{
     AcquireRequest, CloseSessionRequest, OpenSessionRequest, ReleaseRequest, WaitMode,
 };
@@ -83,6 +85,9 @@ struct Session {
     /// When the last successful renewal (or the lease grant) was sent: the
     /// lease cannot end before this + TTL.
     renewed: Instant,
+    /// The TTL the last renewal counted from `renewed` (the session's TTL,
+    /// or what a KeepAlive answer said was left).
+    granted: Duration,
     /// The log said the lease is gone.
     gone: bool,
     ttl: Duration,
@@ -93,7 +98,7 @@ impl Session {
     /// it, may end. Exact under paused time (the gate's client subtracts a
     /// second of margin for real clocks).
     fn deadline(&self) -> Instant {
-        self.renewed + self.ttl
+        self.renewed + self.granted
     }
 }
 
@@ -146,11 +151,20 @@ impl Incarnation<'_> {
             return;
         };
         let session = Arc::new(Mutex::new(session));
-        let mut renewer = Some(Renewer(tokio::spawn(renew(
-            self.world.clone(),
-            session.clone(),
-            Rng::new(renew_seed),
-        ))));
+        let renewal = match self.world.cfg.whole_arbiter {
+            true => tokio::spawn(keep_alive(
+                self.world.clone(),
+                self.identity.clone(),
+                session.clone(),
+                Rng::new(renew_seed),
+            )),
+            false => tokio::spawn(renew(
+                self.world.clone(),
+                session.clone(),
+                Rng::new(renew_seed),
+            )),
+        };
+        let mut renewer = Some(Renewer(renewal));
         let id = lock(&session).id;
         loop {
             if self.world.stopping() {
@@ -219,6 +233,7 @@ impl Incarnation<'_> {
                     return Some(Session {
                         id,
                         renewed: sent,
+                        granted: Duration::from_secs(u64::from(ttl_seconds)),
                         gone: false,
                         ttl: Duration::from_secs(u64::from(ttl_seconds)),
                     });
@@ -762,6 +777,89 @@ async fn acquire(
         () = arbiter.killed.cancelled() => Call::Killed,
         r = call => Call::Answered(r),
         () = cancel => Call::Cancelled,
+    }
+}
+
+/// Renews the session through the KeepAlive handler of any arbiter that is
+/// up, as the client library does: one stream, a renewal every third of
+/// the TTL (jittered), a new stream through another arbiter when it ends
+/// (or its arbiter dies). A renewal the arbiter could not make is not
+/// answered; an answer (`remaining_ttl_seconds` above 0) moves the fence
+/// deadline to the send time of the earliest renewal still unanswered plus
+/// the TTL answered (an answer does not say which renewal it is for, and
+/// that time is never later than the renewal's it answers); 0 says the
+/// session is gone; a notice of an ended hold (-1) is not an answer.
+async fn keep_alive(
+    world: Arc<World>,
+    identity: String,
+    session: Arc<Mutex<Session>>,
+    mut rng: Rng,
+) {
+    let (id, ttl) = {
+        let s = lock(&session);
+        (s.id, s.ttl)
+    };
+    let third = ttl.as_millis() as u64 / 3;
+    let mut pause = Duration::from_millis(third / 2 + rng.below(third));
+    loop {
+        tokio::time::sleep(pause).await;
+        let Some(arbiter) = world.any(&mut rng) else {
+            pause = Duration::from_millis(100);
+            continue;
+        };
+        let Some(service) = arbiter.service.clone() else {
+            pause = Duration::from_millis(100);
+            continue;
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<KeepAliveRequest, tonic::Status>>(4);
+        let inbound = tokio_stream::wrappers::ReceiverStream::new(rx);
+        let Ok(mut replies) = service.keep_alive(request(&identity, None, inbound)) else {
+            pause = Duration::from_millis(200 + rng.below(300));
+            continue;
+        };
+        let mut unanswered: std::collections::VecDeque<Instant> = Default::default();
+        let mut next = Instant::now();
+        // One stream until it ends or its arbiter dies.
+        loop {
+            let reply = tokio::select! {
+                biased;
+                () = arbiter.killed.cancelled() => break,
+                r = replies.next() => r,
+                () = tokio::time::sleep_until(next) => {
+                    let sent = Instant::now();
+                    let message = KeepAliveRequest { session_id: id, session_ids: Vec::new() };
+                    if tx.send(Ok(message)).await.is_err() {
+                        break;
+                    }
+                    unanswered.push_back(sent);
+                    next = sent + Duration::from_millis(third / 2 + rng.below(third));
+                    continue;
+                }
+            };
+            match reply {
+                Some(Ok(r)) if r.session_id != id || r.remaining_ttl_seconds < 0 => {}
+                Some(Ok(r)) if r.remaining_ttl_seconds == 0 => {
+                    lock(&session).gone = true;
+                    return;
+                }
+                Some(Ok(r)) => {
+                    let Some(sent) = unanswered.pop_front() else {
+                        continue;
+                    };
+                    let granted =
+                        Duration::from_secs(u64::try_from(r.remaining_ttl_seconds).unwrap_or(0))
+                            .min(ttl);
+                    let mut s = lock(&session);
+                    if sent + granted > s.renewed + s.granted {
+                        s.renewed = sent;
+                        s.granted = granted;
+                    }
+                }
+                // The stream ended (an error ends it): another one.
+                Some(Err(_)) | None => break,
+            }
+        }
+        pause = Duration::from_millis(100 + rng.below(200));
     }
 }
 
