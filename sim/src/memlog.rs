@@ -171,6 +171,8 @@ struct Inner {
     batches: BatchCounts,
     /// Batches of more than one member on their way to the store.
     batches_in_flight: usize,
+    /// Lease renewals fail (the rest of the store answers).
+    renewals_fail: bool,
 }
 
 impl Inner {
@@ -260,6 +262,7 @@ impl MemLog {
                     latency_rng: Rng::new(config.seed ^ 0x1A7E_0C70_0000_0001),
                     batches: BatchCounts::default(),
                     batches_in_flight: 0,
+                    renewals_fail: false,
                 }),
                 changed,
             }),
@@ -317,6 +320,12 @@ impl MemLog {
     pub fn regain_quorum(&self) {
         self.shared
             .with(|inner, now| inner.store.regain_quorum(now));
+    }
+
+    /// Every lease renewal fails from now until `false` (the rest of the
+    /// store answers): sessions whose clients cannot renew expire.
+    pub fn fail_renewals(&self, fail: bool) {
+        self.shared.lock().renewals_fail = fail;
     }
 
     /// Whether the members have no majority now.

@@ -115,6 +115,11 @@ impl MemLog {
                     "{what}: etcdserver: no leader (the members have no majority)"
                 )));
             }
+            if inner.renewals_fail && what == "renew" {
+                return Err(StoreError::unavailable(format!(
+                    "{what}: the renewal did not reach the lessor (injected)"
+                )));
+            }
             f(inner, now)
         });
         if fate.lose_response {

@@ -95,6 +95,10 @@ pub struct FaultKnobs {
     /// against. Its runs must show violations (only to show that the
     /// simulation notices; off in every preset).
     pub blind_hold_follower: bool,
+    /// Windows in which every lease renewal fails for longer than a TTL
+    /// while the rest of the log answers: sessions expire under clients
+    /// that must have fenced by then.
+    pub renewal_outages: bool,
 }
 
 impl FaultKnobs {
@@ -126,6 +130,7 @@ impl FaultKnobs {
             force_releases_reread: false,
             quorum_losses: false,
             blind_hold_follower: false,
+            renewal_outages: false,
         }
     }
 
@@ -151,6 +156,7 @@ impl FaultKnobs {
         Self {
             quorum_losses: true,
             force_releases: true,
+            renewal_outages: true,
             ..Self::all()
         }
     }
@@ -219,6 +225,7 @@ impl FaultKnobs {
             force_releases_reread: false,
             quorum_losses: false,
             blind_hold_follower: false,
+            renewal_outages: false,
         }
     }
 }
