@@ -284,6 +284,10 @@ pub struct SimConfig {
     pub whole_arbiter: bool,
     /// The sessions' TTL (the classes' `ttlSeconds` with the whole arbiter).
     pub ttl_seconds: u32,
+    /// Percent of holds kept for one and a half TTLs, renewed, with a write
+    /// every 1–3 s until the fence deadline (what a renewal answered for a
+    /// lease that was not renewed would let write too late).
+    pub long_hold_percent: u32,
     pub faults: FaultKnobs,
 }
 
@@ -310,6 +314,7 @@ impl SimConfig {
             open_keys: 0,
             whole_arbiter: false,
             ttl_seconds: 5,
+            long_hold_percent: 0,
             faults: FaultKnobs::all(),
         }
     }
@@ -407,6 +412,7 @@ impl SimConfig {
             "quorum-loss" => Self {
                 whole_arbiter: true,
                 ttl_seconds: OPEN_TTL_SECONDS,
+                long_hold_percent: 3,
                 keys: 12,
                 open_keys: 8,
                 durable_keys: 2,
@@ -418,6 +424,7 @@ impl SimConfig {
                 clients: 12,
                 whole_arbiter: true,
                 ttl_seconds: OPEN_TTL_SECONDS,
+                long_hold_percent: 3,
                 keys: 12,
                 open_keys: 8,
                 durable_keys: 2,

@@ -493,6 +493,19 @@ impl Incarnation<'_> {
                 tokio::time::sleep(pause).await;
             }
             self.write(&key, token).await;
+            if !paused && self.rng.chance(cfg.long_hold_percent) {
+                // A long hold, renewed all along (a leader's term): a write
+                // every 1–3 s for one and a half TTLs, stopping at the fence
+                // deadline as the client library's guard does.
+                let until = Instant::now() + lock(session).ttl * 3 / 2;
+                while Instant::now() < until {
+                    tokio::time::sleep(Duration::from_millis(1000 + self.rng.below(2000))).await;
+                    if Instant::now() >= lock(session).deadline() {
+                        break;
+                    }
+                    self.write(&key, token).await;
+                }
+            }
         }
         let think = self.rng.below(cfg.unit_ms / 3 + 1);
         tokio::time::sleep(Duration::from_millis(think)).await;
