@@ -156,7 +156,6 @@ impl FaultKnobs {
         Self {
             quorum_losses: true,
             force_releases: true,
-            renewal_outages: true,
             ..Self::all()
         }
     }
@@ -412,7 +411,7 @@ impl SimConfig {
             "quorum-loss" => Self {
                 whole_arbiter: true,
                 ttl_seconds: OPEN_TTL_SECONDS,
-                long_hold_percent: 3,
+                long_hold_percent: 0,
                 keys: 12,
                 open_keys: 8,
                 durable_keys: 2,
@@ -424,7 +423,7 @@ impl SimConfig {
                 clients: 12,
                 whole_arbiter: true,
                 ttl_seconds: OPEN_TTL_SECONDS,
-                long_hold_percent: 3,
+                long_hold_percent: 0,
                 keys: 12,
                 open_keys: 8,
                 durable_keys: 2,
