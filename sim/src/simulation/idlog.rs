@@ -119,6 +119,12 @@ impl IdLog {
         self.log.holder_now(key).map(|kv| self.arbiter_id(kv.lease))
     }
 
+    /// Whether the lease of session `id` (the arbiters' id) is in the store
+    /// now, read past every fault.
+    pub(crate) fn lease_alive(&self, id: i64) -> bool {
+        self.log.lease_remaining(self.store_id(id)).is_some()
+    }
+
     fn arbiter_id(&self, id: i64) -> i64 {
         self.ids().to_arbiter.get(&id).copied().unwrap_or(id)
     }

@@ -180,6 +180,17 @@ impl MemoryGrants {
             .map(|h| h.process.as_str())
     }
 
+    /// A client about to write believes its session alive (before its
+    /// fence deadline) while the log has no lease for it: a renewal was
+    /// answered that the lease did not get. Not a grant from memory, but
+    /// the same kind of promise the checker cannot see (a fenced write
+    /// stays safe; a client that trusts its deadline does not).
+    pub(crate) fn deadline_outlived_lease(&mut self, process: &str, key: &str, ms: f64) {
+        self.report.violations.push(format!(
+            "at {ms:.0} ms {process} was about to write {key} before its fence deadline, and its session's lease was gone: a renewal answered for a lease that was not renewed"
+        ));
+    }
+
     pub(crate) fn report(&self) -> MemoryReport {
         self.report.clone()
     }

@@ -91,6 +91,8 @@ struct Session {
     /// The log said the lease is gone.
     gone: bool,
     ttl: Duration,
+    /// When it was opened (asked for).
+    opened: Instant,
 }
 
 impl Session {
@@ -234,6 +236,7 @@ impl Incarnation<'_> {
                         id,
                         renewed: sent,
                         granted: Duration::from_secs(u64::from(ttl_seconds)),
+                        opened: sent,
                         gone: false,
                         ttl: Duration::from_secs(u64::from(ttl_seconds)),
                     });
@@ -492,7 +495,9 @@ impl Incarnation<'_> {
                 let pause = lock(session).ttl + Duration::from_millis(500 + self.rng.below(2500));
                 tokio::time::sleep(pause).await;
             }
-            self.write(&key, token).await;
+            let believed = (!paused && Instant::now() < lock(session).deadline())
+                .then(|| (id, lock(session).opened));
+            self.write(&key, token, believed).await;
             if !paused && self.rng.chance(cfg.long_hold_percent) {
                 // A long hold, renewed all along (a leader's term): a write
                 // every 1–3 s for one and a half TTLs, stopping at the fence
@@ -503,7 +508,8 @@ impl Incarnation<'_> {
                     if Instant::now() >= lock(session).deadline() {
                         break;
                     }
-                    self.write(&key, token).await;
+                    let opened = lock(session).opened;
+                    self.write(&key, token, Some((id, opened))).await;
                 }
             }
         }
@@ -594,7 +600,26 @@ impl Incarnation<'_> {
     }
 
     /// A write through the fenced resource, taking a little time each way.
-    async fn write(&mut self, key: &str, token: u64) {
+    /// With the whole arbiter, a write before the fence deadline (every
+    /// write the worker makes) is judged against the log's leases: the
+    /// session's must still be there.
+    async fn write(&mut self, key: &str, token: u64, believed: Option<(i64, Instant)>) {
+        // `believed`: the session and when it was opened, if the worker
+        // writes believing it alive. A restore since then may have taken a
+        // lease that was there (the store's leases go back with it).
+        let restored_since = |opened: Instant| {
+            lock(&self.world.liveness)
+                .last_restore
+                .is_some_and(|r| r >= opened)
+        };
+        if self.world.cfg.whole_arbiter
+            && let Some((id, opened)) = believed
+            && !restored_since(opened)
+            && !self.world.idlog.lease_alive(id)
+        {
+            let ms = self.world.ms(Instant::now());
+            lock(&self.world.memory).deadline_outlived_lease(&self.process, key, ms);
+        }
         let op = self.world.invoke(
             &self.process,
             Function::Write,
