@@ -252,7 +252,7 @@ impl SimRun {
             out.push_str(&format!("past the shard-map fence: {v}\n"));
         }
         for v in &self.memory.violations {
-            out.push_str(&format!("grant from memory: {v}\n"));
+            out.push_str(&format!("whole arbiter: {v}\n"));
         }
         out
     }

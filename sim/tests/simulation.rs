@@ -25,8 +25,9 @@ use latchkey_sim::simulation::{
 /// (seed, preset, operations): seeds 1 to 80 over the presets without a
 /// witness in turn, then 81 to 98 over the witnessed ones, 99 to 106 over
 /// the durable ones, 107 to 110 over the fenced ones, 111 to 114 over
-/// the forced ones, and 115 to 118 and 121 over the quorum-loss ones,
-/// 5,000 operations each, ~600,000 in all (CI promises at least
+/// the forced ones, 115 to 118 and 121 over the quorum-loss ones, and 122
+/// and 123 over the renewal outages, 5,000 operations each, ~610,000 in
+/// all (CI promises at least
 /// [`MIN_CI_OPS`]); the state-loss runs without a witness have no
 /// restores (issue 15: see
 /// [`without_a_witness_state_loss_and_restore_regress_tokens`]). The
@@ -64,6 +65,11 @@ use latchkey_sim::simulation::{
 ///   this arbiter's own last grant (the three checks removed together):
 ///   none of 115 to 130 since the clients renew through KeepAlive (121 and
 ///   128 before; the seeds do not reach that race now).
+///
+/// And the `renewal-outages` runs (122 and 123, measured over 122 to 125)
+/// with a KeepAlive that answers a renewal the store refused (as renewed,
+/// 30 s left): all four, 48 to 150 writes before the fence deadline on a
+/// lease that was gone.
 ///
 /// None of these seeds was picked.
 const CI_RUNS: &[(u64, &str, usize)] = &[
@@ -199,6 +205,11 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     (117, "quorum-loss", 5000),
     (118, "quorum-loss-three-arbiters", 5000),
     (121, "quorum-loss", 5000),
+    // The whole arbiter again, renewing through KeepAlive while every
+    // lease renewal fails for longer than a TTL now and then: no client may
+    // write before its fence deadline on a lease that is gone.
+    (122, "renewal-outages", 5000),
+    (123, "renewal-outages", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;

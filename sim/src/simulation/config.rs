@@ -160,6 +160,17 @@ impl FaultKnobs {
         }
     }
 
+    /// Every fault, force-releases, and windows in which every lease
+    /// renewal fails for longer than a TTL (the whole arbiter, renewing
+    /// through KeepAlive).
+    pub fn renewal_outages() -> Self {
+        Self {
+            renewal_outages: true,
+            force_releases: true,
+            ..Self::all()
+        }
+    }
+
     /// Every fault but restores, and half the restarts lose their state dir.
     pub fn state_loss() -> Self {
         Self {
@@ -341,6 +352,7 @@ pub const PRESETS: &[&str] = &[
     "forced-three-arbiters",
     "quorum-loss",
     "quorum-loss-three-arbiters",
+    "renewal-outages",
 ];
 
 impl SimConfig {
@@ -375,6 +387,10 @@ impl SimConfig {
     ///   ([`SimConfig::whole_arbiter`]), half the keys open on quorum loss,
     ///   two durable, every fault, shard-map fences, force-releases and
     ///   quorum losses ([`FaultKnobs::quorum_loss`]).
+    /// - `renewal-outages`: the whole arbiter, every fault, force-releases,
+    ///   windows in which no lease renewal succeeds for longer than a TTL
+    ///   ([`FaultKnobs::renewal_outages`]), and 3% long holds writing until
+    ///   their fence deadline ([`SimConfig::long_hold_percent`]).
     pub fn preset(name: &str, seed: u64) -> Option<Self> {
         let base = Self::new(seed);
         Some(match name {
@@ -428,6 +444,16 @@ impl SimConfig {
                 open_keys: 8,
                 durable_keys: 2,
                 faults: FaultKnobs::quorum_loss(),
+                ..base
+            },
+            "renewal-outages" => Self {
+                whole_arbiter: true,
+                ttl_seconds: OPEN_TTL_SECONDS,
+                long_hold_percent: 3,
+                keys: 12,
+                open_keys: 0,
+                durable_keys: 2,
+                faults: FaultKnobs::renewal_outages(),
                 ..base
             },
             "forced-three-arbiters" => Self {
