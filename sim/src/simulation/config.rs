@@ -330,6 +330,21 @@ impl SimConfig {
     }
 }
 
+impl SimConfig {
+    /// The whole arbiter ([`Self::whole_arbiter`]) in the shape its
+    /// presets share: 12 keys, two of them durable, the TTL an advisory
+    /// class needs.
+    fn whole(base: Self) -> Self {
+        Self {
+            whole_arbiter: true,
+            ttl_seconds: OPEN_TTL_SECONDS,
+            keys: 12,
+            durable_keys: 2,
+            ..base
+        }
+    }
+}
+
 /// The TTL of the whole-arbiter presets: an open class is advisory, and an
 /// advisory class's TTL is at least 30 s (a session serves one TTL).
 const OPEN_TTL_SECONDS: u32 = 30;
@@ -425,36 +440,21 @@ impl SimConfig {
                 ..base
             },
             "quorum-loss" => Self {
-                whole_arbiter: true,
-                ttl_seconds: OPEN_TTL_SECONDS,
-                long_hold_percent: 0,
-                keys: 12,
                 open_keys: 8,
-                durable_keys: 2,
                 faults: FaultKnobs::quorum_loss(),
-                ..base
+                ..Self::whole(base)
             },
             "quorum-loss-three-arbiters" => Self {
                 arbiters: 3,
                 clients: 12,
-                whole_arbiter: true,
-                ttl_seconds: OPEN_TTL_SECONDS,
-                long_hold_percent: 0,
-                keys: 12,
                 open_keys: 8,
-                durable_keys: 2,
                 faults: FaultKnobs::quorum_loss(),
-                ..base
+                ..Self::whole(base)
             },
             "renewal-outages" => Self {
-                whole_arbiter: true,
-                ttl_seconds: OPEN_TTL_SECONDS,
                 long_hold_percent: 3,
-                keys: 12,
-                open_keys: 0,
-                durable_keys: 2,
                 faults: FaultKnobs::renewal_outages(),
-                ..base
+                ..Self::whole(base)
             },
             "forced-three-arbiters" => Self {
                 arbiters: 3,

@@ -223,7 +223,7 @@ pub(crate) async fn run(world: Arc<World>, mut rng: Rng) {
             Kind::Snapshot => backups.take(&world),
             Kind::MapFence => map_fence(&world, &mut rng).await,
             Kind::QuorumLoss => super::operators::quorum_loss(&world, &mut rng).await,
-            Kind::RenewalOutage => renewal_outage(&world, &mut rng).await,
+            Kind::RenewalOutage => super::operators::renewal_outage(&world, &mut rng).await,
             Kind::Restore => {
                 if !lock(&world.liveness).serving(Instant::now(), SERVING_WITHIN) {
                     continue;
@@ -516,22 +516,6 @@ async fn slow_log(world: &World, rng: &mut Rng) {
     set_faults(world, rates);
     tokio::time::sleep(length).await;
     set_faults(world, FaultRates::NONE);
-    done(world, op);
-}
-
-/// Every lease renewal fails for one TTL and 1–5 s more, the rest of the
-/// log answering: every session expires unless its client fenced first
-/// (the renewals' answers must not outlive the lease).
-async fn renewal_outage(world: &World, rng: &mut Rng) {
-    let length = Duration::from_secs(u64::from(world.cfg.ttl_seconds))
-        + Duration::from_millis(1000 + rng.below(4000));
-    let op = fault(
-        world,
-        format!("lease renewals fail for {} ms", length.as_millis()),
-    );
-    world.memlog.fail_renewals(true);
-    tokio::time::sleep(length).await;
-    world.memlog.fail_renewals(false);
     done(world, op);
 }
 

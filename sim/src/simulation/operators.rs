@@ -1,6 +1,6 @@
 //! Beside the nemesis's faults: the operators' force-releases (issue 32),
-//! and the quorum-loss fault (the log without a majority), the two that
-//! act on the whole arbiter.
+//! and the faults that act on the whole arbiter: the log without a
+//! majority, and lease renewals failing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -191,4 +191,20 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
             lock(&world.forced).changed += 1;
         }
     }
+}
+
+/// Every lease renewal fails for one TTL and 1–5 s more, the rest of the
+/// log answering: every session expires unless its client fenced first
+/// (the renewals' answers must not outlive the lease).
+pub(super) async fn renewal_outage(world: &World, rng: &mut Rng) {
+    let length = Duration::from_secs(u64::from(world.cfg.ttl_seconds))
+        + Duration::from_millis(1000 + rng.below(4000));
+    let op = fault(
+        world,
+        format!("lease renewals fail for {} ms", length.as_millis()),
+    );
+    world.memlog.fail_renewals(true);
+    tokio::time::sleep(length).await;
+    world.memlog.fail_renewals(false);
+    done(world, op);
 }

@@ -14,22 +14,20 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use futures::StreamExt as _;
 use latchkey_arbiter::error::ArbiterError;
-use latchkey_arbiter::identity::channel::{ForwardedIdentity, Named};
-use latchkey_arbiter::table::{Grant, GrantRequest};
+use latchkey_arbiter::table::GrantRequest;
 use latchkey_checker::{Function, Outcome};
-use latchkey_proto::lockv1::KeepAliveRequest;
-use latchkey_proto::lockv1::{
-    AcquireRequest, CloseSessionRequest, OpenSessionRequest, ReleaseRequest, WaitMode,
-};
+use latchkey_proto::lockv1::{CloseSessionRequest, OpenSessionRequest, ReleaseRequest};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tonic::Request;
-use tonic::metadata::MetadataValue;
 
 use super::world::{Arbiter, World, lock};
+
+mod calls;
+mod renewals;
 use crate::rng::Rng;
+use calls::{Got, acquire, request};
+use renewals::{keep_alive, renew};
 
 /// Sessions an identity may have open; dead incarnations' sessions linger
 /// until their TTL, so this is generous.
@@ -363,7 +361,7 @@ impl Incarnation<'_> {
             instance: String::new(),
             bound: String::new(),
         };
-        let answer = acquire(&arbiter, req, wait, cancel_after, durable, open).await;
+        let answer = acquire(&arbiter, req, wait, cancel_after, durable).await;
         let token = match answer {
             Call::Answered(Ok(Got::Log(grant))) => match grant.token() {
                 Some(token) => {
@@ -721,219 +719,7 @@ impl Incarnation<'_> {
     }
 }
 
-/// A call in the insecure dev mode: the caller's SPIFFE ID in the dev
-/// header of its initial headers (as the identity channel's layer hands it
-/// to the handlers), and the call's deadline.
-fn request<T>(identity: &str, deadline: Option<Duration>, message: T) -> Request<T> {
-    let mut request = Request::new(message);
-    request.extensions_mut().insert(ForwardedIdentity {
-        edge: Named::Absent,
-        dev: Named::One(identity.to_string()),
-    });
-    if let Some(d) = deadline
-        && let Ok(v) = MetadataValue::try_from(format!("{}m", d.as_millis().max(1)))
-    {
-        request.metadata_mut().insert("grpc-timeout", v);
-    }
-    request
-}
-
-/// How an acquire was granted.
-enum Got {
-    /// Through the log, with a fencing token.
-    Log(Grant),
-    /// From memory during a quorum loss: token 0, unprotected.
-    Memory,
-}
-
 enum Next {
     Continue,
     End,
-}
-
-/// One Acquire through `arbiter`, cut off if the arbiter dies or, with
-/// `cancel_after`, when the client gives up (the future is dropped, as a
-/// cancelled RPC drops the handler's).
-async fn acquire(
-    arbiter: &Arbiter,
-    req: GrantRequest,
-    wait: Option<Duration>,
-    cancel_after: Option<Duration>,
-    durable: bool,
-    open: bool,
-) -> Call<Got> {
-    let table = arbiter.table.clone();
-    let service = arbiter.service.clone();
-    let call = async {
-        let Some(service) = service else {
-            // The table alone (the presets from before the whole arbiter).
-            let acquired = if durable {
-                table.acquire_durable(req, wait, MAX_WAITERS_PER_KEY).await
-            } else {
-                table.acquire(req, wait, MAX_WAITERS_PER_KEY).await
-            };
-            return acquired.map(|a| Got::Log(a.grant));
-        };
-        // The Acquire handler: identity, policy, then the key's owner (the
-        // hold count or the quorum-loss posture lets it in; granted through
-        // the log or from memory). A wait is the call's deadline.
-        let _ = (open, durable);
-        let acquire = AcquireRequest {
-            key: req.key.clone(),
-            class: req.class.clone(),
-            session_id: req.session,
-            wait: match wait {
-                Some(_) => WaitMode::WaitUntilDeadline,
-                None => WaitMode::WaitNone,
-            } as i32,
-            ..AcquireRequest::default()
-        };
-        let answer = service
-            .acquire(request(&req.identity, wait, acquire))
-            .await?;
-        let grant = answer
-            .grant
-            .ok_or_else(|| ArbiterError::internal("an Acquire answered without a grant"))?;
-        if grant.unprotected {
-            return Ok(Got::Memory);
-        }
-        Ok(Got::Log(Grant {
-            key: grant.key,
-            session: grant.session_id,
-            epoch: grant.epoch,
-            revision: grant.revision,
-        }))
-    };
-    let cancel = async {
-        match cancel_after {
-            Some(after) => tokio::time::sleep(after).await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        biased;
-        () = arbiter.killed.cancelled() => Call::Killed,
-        r = call => Call::Answered(r),
-        () = cancel => Call::Cancelled,
-    }
-}
-
-/// Renews the session through the KeepAlive handler of any arbiter that is
-/// up, as the client library does: one stream, a renewal every third of
-/// the TTL (jittered), a new stream through another arbiter when it ends
-/// (or its arbiter dies). A renewal the arbiter could not make is not
-/// answered; an answer (`remaining_ttl_seconds` above 0) moves the fence
-/// deadline to the send time of the earliest renewal still unanswered plus
-/// the TTL answered (an answer does not say which renewal it is for, and
-/// that time is never later than the renewal's it answers); 0 says the
-/// session is gone; a notice of an ended hold (-1) is not an answer.
-async fn keep_alive(
-    world: Arc<World>,
-    identity: String,
-    session: Arc<Mutex<Session>>,
-    mut rng: Rng,
-) {
-    let (id, ttl) = {
-        let s = lock(&session);
-        (s.id, s.ttl)
-    };
-    let third = ttl.as_millis() as u64 / 3;
-    let mut pause = Duration::from_millis(third / 2 + rng.below(third));
-    loop {
-        tokio::time::sleep(pause).await;
-        let Some(arbiter) = world.any(&mut rng) else {
-            pause = Duration::from_millis(100);
-            continue;
-        };
-        let Some(service) = arbiter.service.clone() else {
-            pause = Duration::from_millis(100);
-            continue;
-        };
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<KeepAliveRequest, tonic::Status>>(4);
-        let inbound = tokio_stream::wrappers::ReceiverStream::new(rx);
-        let Ok(mut replies) = service.keep_alive(request(&identity, None, inbound)) else {
-            pause = Duration::from_millis(200 + rng.below(300));
-            continue;
-        };
-        let mut unanswered: std::collections::VecDeque<Instant> = Default::default();
-        let mut next = Instant::now();
-        // One stream until it ends or its arbiter dies.
-        loop {
-            let reply = tokio::select! {
-                biased;
-                () = arbiter.killed.cancelled() => break,
-                r = replies.next() => r,
-                () = tokio::time::sleep_until(next) => {
-                    let sent = Instant::now();
-                    let message = KeepAliveRequest { session_id: id, session_ids: Vec::new() };
-                    if tx.send(Ok(message)).await.is_err() {
-                        break;
-                    }
-                    unanswered.push_back(sent);
-                    next = sent + Duration::from_millis(third / 2 + rng.below(third));
-                    continue;
-                }
-            };
-            match reply {
-                Some(Ok(r)) if r.session_id != id || r.remaining_ttl_seconds < 0 => {}
-                Some(Ok(r)) if r.remaining_ttl_seconds == 0 => {
-                    lock(&session).gone = true;
-                    return;
-                }
-                Some(Ok(r)) => {
-                    let Some(sent) = unanswered.pop_front() else {
-                        continue;
-                    };
-                    let granted =
-                        Duration::from_secs(u64::try_from(r.remaining_ttl_seconds).unwrap_or(0))
-                            .min(ttl);
-                    let mut s = lock(&session);
-                    if sent + granted > s.renewed + s.granted {
-                        s.renewed = sent;
-                        s.granted = granted;
-                    }
-                }
-                // The stream ended (an error ends it): another one.
-                Some(Err(_)) | None => break,
-            }
-        }
-        pause = Duration::from_millis(100 + rng.below(200));
-    }
-}
-
-/// Renews the session every third of its TTL (jittered) through any
-/// arbiter that is up, noting when each successful renewal was sent.
-async fn renew(world: Arc<World>, session: Arc<Mutex<Session>>, mut rng: Rng) {
-    let id = lock(&session).id;
-    let third = lock(&session).ttl.as_millis() as u64 / 3;
-    let mut pause = Duration::from_millis(third / 2 + rng.below(third));
-    loop {
-        tokio::time::sleep(pause).await;
-        pause = Duration::from_millis(third / 2 + rng.below(third));
-        let Some(arbiter) = world.any(&mut rng) else {
-            pause = Duration::from_millis(100);
-            continue;
-        };
-        let sent = Instant::now();
-        let table = arbiter.table.clone();
-        let answer = tokio::select! {
-            biased;
-            () = arbiter.killed.cancelled() => None,
-            r = table.renew(id) => Some(r),
-        };
-        match answer {
-            Some(Ok(r)) if r.ttl_seconds > 0 => {
-                let mut s = lock(&session);
-                if sent > s.renewed {
-                    s.renewed = sent;
-                }
-            }
-            Some(Ok(_)) | Some(Err(ArbiterError::SessionExpired { .. })) => {
-                lock(&session).gone = true;
-                return;
-            }
-            // Unknown: try again soon.
-            Some(Err(_)) | None => pause = Duration::from_millis(200 + rng.below(300)),
-        }
-    }
 }
