@@ -15,7 +15,9 @@
 //! renewals per session per TTL, and the sessions are bounded per identity.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use parking_lot::Mutex;
 
@@ -96,12 +98,12 @@ impl crate::lock_log::etcd::RenewalMemo for Bounds {
         r.fresh(Instant::now())
             .then(|| crate::lock_log::etcd::Renewed {
                 ttl_seconds: i64::try_from(r.ttl.as_secs()).unwrap_or(i64::MAX),
-                sent: r.at,
+                sent: r.at.into_std(),
             })
     }
 
     fn note(&self, lease: i64, renewed: crate::lock_log::etcd::Renewed) {
-        self.renewed(lease, renewed.sent, renewed.ttl_seconds);
+        self.renewed(lease, Instant::from_std(renewed.sent), renewed.ttl_seconds);
     }
 
     fn round_trip(&self, took: Duration) {

@@ -26,7 +26,7 @@ const UNCLAIMED_FOR: Duration = Duration::from_secs(30);
 /// everyone else's notices out (they would then fence at their deadline).
 #[derive(Default)]
 pub(super) struct Unclaimed {
-    entries: std::collections::VecDeque<(std::time::Instant, i64, String, EndedHold)>,
+    entries: std::collections::VecDeque<(tokio::time::Instant, i64, String, EndedHold)>,
     per_identity: HashMap<String, usize>,
 }
 
@@ -51,7 +51,7 @@ impl Unclaimed {
             self.count(&victim, -1);
         }
         self.entries.push_back((
-            std::time::Instant::now(),
+            tokio::time::Instant::now(),
             session,
             identity.to_string(),
             hold,
@@ -68,7 +68,7 @@ impl Unclaimed {
     }
 
     /// Keeps the entries `keep` says yes to.
-    fn retain(&mut self, mut keep: impl FnMut(std::time::Instant, i64, &EndedHold) -> bool) {
+    fn retain(&mut self, mut keep: impl FnMut(tokio::time::Instant, i64, &EndedHold) -> bool) {
         let mut dropped = Vec::new();
         self.entries.retain(|(at, session, identity, hold)| {
             let kept = keep(*at, *session, hold);
@@ -114,7 +114,7 @@ impl HoldCounts {
         streams.push((stream, notices.clone()));
         // Holds of the session that ended before any stream watched it.
         let mut unclaimed = self.unclaimed();
-        let now = std::time::Instant::now();
+        let now = tokio::time::Instant::now();
         unclaimed.retain(|at, s, hold| {
             if now.duration_since(at) > UNCLAIMED_FOR {
                 return false;

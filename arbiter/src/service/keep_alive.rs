@@ -1,6 +1,6 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use futures::stream::{FuturesUnordered, StreamExt as _};
 use latchkey_proto::lockv1::{EndedHold, KeepAliveRequest, KeepAliveResponse};
@@ -200,7 +200,7 @@ impl Arbiter {
                     req = inbound.next(), if room => Event::Request(req),
                     Some(done) = in_flight.next() => Event::Done(done),
                     Some(notice) = noticed.recv() => Event::Notice(notice),
-                    () = tokio::time::sleep_until(wake.unwrap_or(now).into()), if wake.is_some() => Event::Budget,
+                    () = tokio::time::sleep_until(wake.unwrap_or(now)), if wake.is_some() => Event::Budget,
                     // The client went away: no lookups for it any more.
                     () = tx.closed() => return,
                     else => Event::Idle,
@@ -407,7 +407,7 @@ impl Arbiter {
             } else {
                 "coalesced"
             });
-            if renewed.sent >= asked {
+            if Instant::from_std(renewed.sent) >= asked {
                 return Ok(Renewal::Alive(renewed.ttl_seconds, home));
             }
             if let Some(ttl) = self.bounds.recent_renewal(session) {
