@@ -4,6 +4,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = [
         "latchkey/lock/v1/lock.proto",
         "latchkey/admin/v1/admin.proto",
+        "latchkey/election/v1/election.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
