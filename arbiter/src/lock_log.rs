@@ -388,9 +388,12 @@ pub type LogResult<T> = Result<Answer<T>, StoreError>;
 /// method but `follow` is one request to the store (one transaction, read
 /// or lease call), so an answer's header is the header of everything in
 /// it. Any type with all five is a `LockLog`.
-pub trait LockLog: HoldLog + EpochLog + DurableQueueLog + SessionLog + FollowLog {}
+pub trait LockLog:
+    HoldLog + EpochLog + DurableQueueLog + SessionLog + FollowLog + ElectionLog
+{
+}
 
-impl<T: HoldLog + EpochLog + DurableQueueLog + SessionLog + FollowLog> LockLog for T {}
+impl<T: HoldLog + EpochLog + DurableQueueLog + SessionLog + FollowLog + ElectionLog> LockLog for T {}
 
 /// The core of the log: holds, their claims, batches and watches — what
 /// the grant protocol (`LockTable`) itself runs on.
@@ -701,4 +704,121 @@ pub trait FollowLog: Send + Sync + 'static {
         prev_kv: bool,
         each: &mut (dyn for<'k> FnMut(&'k str, &'k Kv) + Send),
     ) -> Result<(i64, Result<Box<dyn PrefixWatch>, StoreError>), StoreError>;
+}
+
+/// An election as one read saw it ([`ElectionLog::election`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ElectionRead {
+    /// The leader record (`None`: vacant).
+    pub lead: Option<Kv>,
+    /// The term record (`None`: never led in this epoch).
+    pub term: Option<Kv>,
+    /// Candidate records by key (rank, then session), each with its key
+    /// below the election's candidates prefix (`<rank:08x>/<lease:016x>`):
+    /// at most the limit asked for.
+    pub candidates: Vec<(String, Kv)>,
+}
+
+/// Where a [`LeadTxn`] starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeadFrom {
+    /// A vacancy: no leader record.
+    Vacant,
+    /// The current leadership: the leader record on `session`'s lease (the
+    /// term record's mod revision, [`LeadTxn::term_at`], names the term).
+    Leader { session: i64 },
+}
+
+/// Who leads after a [`LeadTxn`].
+#[derive(Debug, Clone)]
+pub struct LeadTo<'a> {
+    pub session: i64,
+    /// The candidate's record: its priority (its key's rank) and create
+    /// revision, compared and deleted.
+    pub priority: u32,
+    pub created: i64,
+    /// The leader record, put on `session`'s lease.
+    pub lead_record: Vec<u8>,
+    /// `session`'s record, compared when the caller has it (its own
+    /// campaign); a hand-over to another candidate compares that
+    /// candidate's record only (it lives on the same lease).
+    pub session_record: Option<&'a [u8]>,
+}
+
+/// One transaction that starts or ends a term of election `election`, if
+/// the epoch record's bytes are `epoch`, there is no seal, the shard-map
+/// fence is at `fence_at`, the term record is at `term_at` (its mod
+/// revision; 0: absent), `from` holds and `to`'s candidate record is there.
+/// It puts the term record (`term_record`); then either `to`'s leader
+/// record (deleting its candidate record) or, with no `to`, deletes the
+/// leader record (a resignation without successor). The commit's revision
+/// is the new leadership's (its token's).
+#[derive(Debug, Clone)]
+pub struct LeadTxn<'a> {
+    pub election: &'a str,
+    pub epoch: &'a [u8],
+    pub fence_at: i64,
+    pub term_at: i64,
+    pub term_record: Vec<u8>,
+    pub from: LeadFrom,
+    pub to: Option<LeadTo<'a>>,
+}
+
+/// A proclamation: the leader record replaced by `lead_record` if the
+/// leadership is still the one whose term record is at `term_at` and whose
+/// leader record is on `session`'s lease, the epoch record's bytes are
+/// `epoch` and there is no seal.
+#[derive(Debug, Clone)]
+pub struct ProclaimTxn<'a> {
+    pub election: &'a str,
+    pub session: i64,
+    pub term_at: i64,
+    pub epoch: &'a [u8],
+    pub lead_record: Vec<u8>,
+}
+
+/// Elections (latchkey.election.v1): a leader record, a term record and
+/// candidate records per election, each operation one request to the store.
+/// Safety rests on the [`LeadTxn`] compares alone (one leader record; the
+/// term record's revision names the leadership); candidates only order who
+/// is tried next.
+#[async_trait]
+pub trait ElectionLog: Send + Sync + 'static {
+    /// The leader, term and first `limit` candidate records of `election`,
+    /// in one read.
+    async fn election(&self, election: &str, limit: usize) -> LogResult<ElectionRead>;
+    /// Puts `session`'s candidate record at `priority` on the session's
+    /// lease if the session record is `session_record`; over an existing
+    /// one the store keeps its create revision (the candidate's place).
+    /// `None` when the session record did not match.
+    async fn stand(
+        &self,
+        election: &str,
+        session: i64,
+        priority: u32,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>>;
+    /// Deletes `session`'s candidate record at `priority` if it was last
+    /// written at `modified`; whether it did.
+    async fn withdraw(
+        &self,
+        election: &str,
+        session: i64,
+        priority: u32,
+        modified: i64,
+    ) -> LogResult<bool>;
+    /// One [`LeadTxn`]: whether it committed. A put on a lease the store no
+    /// longer has is [`StoreError::LeaseGone`].
+    async fn lead(&self, txn: LeadTxn<'_>) -> LogResult<bool>;
+    /// One [`ProclaimTxn`]: whether it committed.
+    async fn proclaim(&self, txn: ProclaimTxn<'_>) -> LogResult<bool>;
+    /// Every change of `election`'s records from `from_revision` on, with
+    /// the deleted values (keys below the election's prefix: `lead`,
+    /// `term`, `c/...`).
+    async fn watch_election(
+        &self,
+        election: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn PrefixWatch>, StoreError>;
 }

@@ -199,6 +199,12 @@ pub mod keys {
     pub const CLAIMS: &str = "c/";
     /// Durable waiters (`q/<key>//<lease:016x>`).
     pub const QUEUES: &str = "q/";
+    /// Elections (latchkey.election.v1): `e/<name>//lead` (the leader, on
+    /// its session's lease), `e/<name>//term` (no lease: the term count
+    /// and how the last term ended), `e/<name>//c/<rank:08x>/<lease:016x>`
+    /// (candidates, on their sessions' leases). An epoch advance deletes
+    /// them all: terms go on from the new epoch's range.
+    pub const ELECTIONS: &str = "e/";
 }
 
 #[derive(Debug, Clone)]
@@ -292,6 +298,111 @@ impl Layout {
     pub fn durable_waiters(&self) -> String {
         format!("{}/{}", self.prefix, keys::QUEUES)
     }
+    /// Every record of election `name`: a prefix (`//` cannot occur in a
+    /// name, which is a lock key).
+    pub fn election(&self, name: &str) -> String {
+        format!("{}/{}{name}//", self.prefix, keys::ELECTIONS)
+    }
+    /// Election `name`'s leader record.
+    pub fn election_lead(&self, name: &str) -> String {
+        format!("{}lead", self.election(name))
+    }
+    /// Election `name`'s term record.
+    pub fn election_term(&self, name: &str) -> String {
+        format!("{}term", self.election(name))
+    }
+    /// Election `name`'s candidates: a prefix, ordered by rank (the
+    /// priority, highest first) in the key, then by create revision.
+    pub fn candidates(&self, name: &str) -> String {
+        format!("{}c/", self.election(name))
+    }
+    /// `session`'s candidate record in election `name` at `priority`.
+    pub fn candidate(&self, name: &str, priority: u32, session: i64) -> String {
+        format!(
+            "{}{:08x}/{session:016x}",
+            self.candidates(name),
+            candidate_rank(priority)
+        )
+    }
+    /// Every election's records (what an epoch advance deletes).
+    pub fn elections(&self) -> String {
+        format!("{}/{}", self.prefix, keys::ELECTIONS)
+    }
+}
+
+/// A candidate's rank in its record's key: higher priorities sort first.
+pub fn candidate_rank(priority: u32) -> u32 {
+    u32::MAX - priority
+}
+
+/// The leader of an election (`e/<name>//lead`, on the leader's session
+/// lease). Proclaim rewrites it with a new value; the leadership itself is
+/// the term record's mod revision (the token's revision).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeadRecord {
+    pub identity: String,
+    pub session: i64,
+    pub class: String,
+    /// The term as callers see it: epoch * 2^32 + [`TermRecord::count`].
+    pub term: u64,
+    pub value: String,
+    pub priority: u32,
+    /// When the term started, by the granting arbiter's wall clock.
+    pub since_unix_ms: i64,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub instance: String,
+    /// The grant subject, when not the identity itself (as in
+    /// [`HolderRecord::bound`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub bound: String,
+}
+
+/// How a term ended without a successor (in [`TermRecord::ended`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum TermEnd {
+    Resigned,
+    Forced,
+}
+
+/// An election's term record (`e/<name>//term`, no lease): written by every
+/// transaction that starts or ends a term, never by a proclamation, so its
+/// mod revision is the current leadership's revision (its token's).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TermRecord {
+    /// Leaderships of the election since the epoch began (or since the
+    /// record was first written): the low 32 bits of the term.
+    pub count: u32,
+    /// How the last term ended, when it ended by a write (not by its
+    /// session's end, which only deletes the lead record).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<TermEnd>,
+}
+
+/// The term callers see: `epoch * 2^32 + count`.
+pub fn term_of(epoch: u32, count: u32) -> u64 {
+    (u64::from(epoch) << 32) | u64::from(count)
+}
+
+/// A candidate of an election (`e/<name>//c/<rank>/<lease>`, on its
+/// session's lease). `wait_ms` is how long its call waits, as in
+/// [`WaiterRecord`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CandidateRecord {
+    pub identity: String,
+    pub session: i64,
+    pub class: String,
+    pub value: String,
+    pub priority: u32,
+    pub since_unix_ms: i64,
+    pub wait_ms: u64,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub instance: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub bound: String,
 }
 
 /// The grant subject and session (lease) of a session entry, from its key

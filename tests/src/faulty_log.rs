@@ -535,6 +535,53 @@ impl SessionLog for FaultyLog {
     }
 }
 
+#[async_trait]
+impl latchkey_arbiter::lock_log::ElectionLog for FaultyLog {
+    async fn election(
+        &self,
+        election: &str,
+        limit: usize,
+    ) -> LogResult<latchkey_arbiter::lock_log::ElectionRead> {
+        self.inner.election(election, limit).await
+    }
+    async fn stand(
+        &self,
+        election: &str,
+        session: i64,
+        priority: u32,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        self.inner
+            .stand(election, session, priority, session_record, record)
+            .await
+    }
+    async fn withdraw(
+        &self,
+        election: &str,
+        session: i64,
+        priority: u32,
+        modified: i64,
+    ) -> LogResult<bool> {
+        self.inner
+            .withdraw(election, session, priority, modified)
+            .await
+    }
+    async fn lead(&self, txn: latchkey_arbiter::lock_log::LeadTxn<'_>) -> LogResult<bool> {
+        self.inner.lead(txn).await
+    }
+    async fn proclaim(&self, txn: latchkey_arbiter::lock_log::ProclaimTxn<'_>) -> LogResult<bool> {
+        self.inner.proclaim(txn).await
+    }
+    async fn watch_election(
+        &self,
+        election: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn PrefixWatch>, StoreError> {
+        self.inner.watch_election(election, from_revision).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::{BTreeMap, VecDeque};
@@ -650,6 +697,58 @@ mod tests {
 
     fn unused<T>() -> Result<T, StoreError> {
         Err(StoreError::unavailable("not in this fake"))
+    }
+
+    #[async_trait]
+    impl latchkey_arbiter::lock_log::ElectionLog for FakeLog {
+        async fn election(
+            &self,
+            election: &str,
+            limit: usize,
+        ) -> LogResult<latchkey_arbiter::lock_log::ElectionRead> {
+            let _ = (election, limit);
+            Err(StoreError::unavailable("elections are not in this log yet"))
+        }
+        async fn stand(
+            &self,
+            election: &str,
+            session: i64,
+            priority: u32,
+            session_record: &[u8],
+            record: Vec<u8>,
+        ) -> LogResult<Option<Queued>> {
+            let _ = (election, session, priority, session_record, record);
+            Err(StoreError::unavailable("elections are not in this log yet"))
+        }
+        async fn withdraw(
+            &self,
+            election: &str,
+            session: i64,
+            priority: u32,
+            modified: i64,
+        ) -> LogResult<bool> {
+            let _ = (election, session, priority, modified);
+            Err(StoreError::unavailable("elections are not in this log yet"))
+        }
+        async fn lead(&self, txn: latchkey_arbiter::lock_log::LeadTxn<'_>) -> LogResult<bool> {
+            let _ = txn;
+            Err(StoreError::unavailable("elections are not in this log yet"))
+        }
+        async fn proclaim(
+            &self,
+            txn: latchkey_arbiter::lock_log::ProclaimTxn<'_>,
+        ) -> LogResult<bool> {
+            let _ = txn;
+            Err(StoreError::unavailable("elections are not in this log yet"))
+        }
+        async fn watch_election(
+            &self,
+            election: &str,
+            from_revision: i64,
+        ) -> Result<Box<dyn PrefixWatch>, StoreError> {
+            let _ = (election, from_revision);
+            Err(StoreError::unavailable("elections are not in this log yet"))
+        }
     }
 
     #[async_trait]

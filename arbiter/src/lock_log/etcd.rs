@@ -18,6 +18,7 @@
 //! - `lease_renewals`: every session's renewals over a few shared
 //!   keep-alive streams.
 
+mod elections;
 pub mod follow;
 mod force;
 mod holds;

@@ -626,3 +626,52 @@ impl Witness for TracedWitness {
         self.witness.describe()
     }
 }
+
+#[async_trait]
+impl latchkey_arbiter::lock_log::ElectionLog for IdLog {
+    async fn election(
+        &self,
+        election: &str,
+        limit: usize,
+    ) -> LogResult<latchkey_arbiter::lock_log::ElectionRead> {
+        let _ = (election, limit);
+        Err(StoreError::unavailable("elections are not in this log yet"))
+    }
+    async fn stand(
+        &self,
+        election: &str,
+        session: i64,
+        priority: u32,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        let _ = (election, session, priority, session_record, record);
+        Err(StoreError::unavailable("elections are not in this log yet"))
+    }
+    async fn withdraw(
+        &self,
+        election: &str,
+        session: i64,
+        priority: u32,
+        modified: i64,
+    ) -> LogResult<bool> {
+        let _ = (election, session, priority, modified);
+        Err(StoreError::unavailable("elections are not in this log yet"))
+    }
+    async fn lead(&self, txn: latchkey_arbiter::lock_log::LeadTxn<'_>) -> LogResult<bool> {
+        let _ = txn;
+        Err(StoreError::unavailable("elections are not in this log yet"))
+    }
+    async fn proclaim(&self, txn: latchkey_arbiter::lock_log::ProclaimTxn<'_>) -> LogResult<bool> {
+        let _ = txn;
+        Err(StoreError::unavailable("elections are not in this log yet"))
+    }
+    async fn watch_election(
+        &self,
+        election: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn PrefixWatch>, StoreError> {
+        let _ = (election, from_revision);
+        Err(StoreError::unavailable("elections are not in this log yet"))
+    }
+}

@@ -98,9 +98,9 @@ async fn follow_on(
     Ok((revision, watch))
 }
 
-struct EtcdPrefixWatch {
-    stream: WatchStream,
-    prefix: String,
+pub(super) struct EtcdPrefixWatch {
+    pub(super) stream: WatchStream,
+    pub(super) prefix: String,
 }
 
 #[async_trait]

@@ -85,7 +85,7 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
 /// Holds while the shard-map fence is where the grantor last read it:
 /// etcd compares a missing key's mod revision as 0, so `fence_at` 0 holds
 /// exactly while there is no fence (measured in the contract suite).
-fn fence_unchanged(log: &EtcdLog, fence_at: i64) -> Compare {
+pub(super) fn fence_unchanged(log: &EtcdLog, fence_at: i64) -> Compare {
     Compare::mod_revision(log.layout.map_fence(), CompareOp::Equal, fence_at)
 }
 

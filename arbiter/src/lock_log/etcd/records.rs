@@ -127,6 +127,12 @@ pub(super) async fn advance(
                 log.layout.claims(),
                 Some(DeleteOptions::new().with_prefix()),
             ),
+            // Every leadership ends and every candidacy with it; terms go
+            // on from the new epoch's range (`latchkey_records::term_of`).
+            TxnOp::delete(
+                log.layout.elections(),
+                Some(DeleteOptions::new().with_prefix()),
+            ),
         ]);
     let resp = txn::run(&log.client, txn)
         .await
