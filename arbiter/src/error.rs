@@ -98,6 +98,21 @@ pub enum ArbiterError {
     )]
     TokenMismatch { key: String },
     #[error(
+        "session {session:#x} does not lead election {election:?} with this token (the leadership resigned, expired, was forced out or handed over); campaign again"
+    )]
+    NotLeader { election: String, session: i64 },
+    #[error(
+        "class {class:?} is a {kind} class; {call} takes a {wanted} class (kind = \"{wanted}\" in the policies)"
+    )]
+    WrongKind {
+        class: String,
+        kind: &'static str,
+        wanted: &'static str,
+        call: &'static str,
+    },
+    #[error("{0}")]
+    NoCandidate(String),
+    #[error(
         "{reason}; no grants until an operator runs `latchctl admin advance-epoch --expected {epoch} --reason ...`"
     )]
     Sealed { reason: String, epoch: u32 },
@@ -178,6 +193,9 @@ impl ArbiterError {
             Self::IdentityLimit { .. } => Reason::IdentityLimit,
             Self::NotHeld { .. } => Reason::NotHeld,
             Self::TokenMismatch { .. } => Reason::TokenMismatch,
+            Self::NotLeader { .. } => Reason::NotLeader,
+            Self::WrongKind { .. } => Reason::WrongKind,
+            Self::NoCandidate(_) => Reason::NoCandidate,
             Self::Sealed { .. } => Reason::Sealed,
             Self::HookDenied { .. } => Reason::HookDenied,
             Self::ShardMapAhead { .. } => Reason::ShardMapChanged,
@@ -199,6 +217,7 @@ impl ArbiterError {
             | Self::UnknownClass { .. }
             | Self::SessionClassMismatch { .. }
             | Self::SessionWrongTier(_)
+            | Self::WrongKind { .. }
             | Self::WrongTier(_) => Code::InvalidArgument,
             Self::Held { .. } => Code::Aborted,
             Self::WaitTimeout { .. } => Code::DeadlineExceeded,
@@ -210,6 +229,8 @@ impl ArbiterError {
             | Self::SessionExpired { .. }
             | Self::NotHeld { .. }
             | Self::TokenMismatch { .. }
+            | Self::NotLeader { .. }
+            | Self::NoCandidate(_)
             | Self::Sealed { .. }
             | Self::TierBound(_) => Code::FailedPrecondition,
             Self::TierMoving(_) | Self::RangeMoving(_) | Self::ShardMapAhead { .. } => {
@@ -282,6 +303,12 @@ pub enum IdentityBound {
     Sessions,
     /// Keys held (`--max-holds-per-identity`).
     Holds,
+    /// Elections led (`--max-holds-per-identity`: a leadership is a hold).
+    Leaderships,
+    /// Observe streams open at this arbiter.
+    Observers,
+    /// Campaign calls waiting at this arbiter.
+    Campaigns,
     /// Bytes of the quorum-loss spool (a share of
     /// `--quorum-loss-spool-bytes`), so one identity cannot fill it for all.
     Spool,
@@ -292,6 +319,15 @@ impl IdentityBound {
         match self {
             Self::Sessions => format!(
                 "this identity has {limit} open sessions (the arbiter's --max-sessions-per-identity); reuse one session per lock class (OpenSession's reuse_session_ids) and close sessions you no longer need"
+            ),
+            Self::Leaderships => format!(
+                "this identity leads {limit} elections (the arbiter's --max-holds-per-identity, which counts leaderships too); resign the leaderships you no longer need"
+            ),
+            Self::Observers => format!(
+                "this identity has {limit} Observe streams open at this arbiter; observe each election once and share the stream"
+            ),
+            Self::Campaigns => format!(
+                "this identity has {limit} Campaign calls waiting at this arbiter; one campaign per election and session is enough"
             ),
             Self::Holds => format!(
                 "this identity holds {limit} keys (the arbiter's --max-holds-per-identity); release the keys you no longer need before taking more"
@@ -308,6 +344,9 @@ impl IdentityBound {
             Self::Sessions => "sessions",
             Self::Holds => "holds",
             Self::Spool => "spool",
+            Self::Leaderships => "leaderships",
+            Self::Observers => "observers",
+            Self::Campaigns => "campaigns",
         }
     }
 }

@@ -24,6 +24,7 @@ pub use mimalloc::MiMalloc as Allocator;
 pub mod assemble;
 pub mod cli;
 pub mod config;
+pub mod election;
 pub mod epoch;
 pub mod error;
 pub mod follow;

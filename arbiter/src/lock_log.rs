@@ -721,12 +721,13 @@ pub struct ElectionRead {
 
 /// Where a [`LeadTxn`] starts from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeadFrom {
+pub enum LeadFrom<'a> {
     /// A vacancy: no leader record.
     Vacant,
     /// The current leadership: the leader record on `session`'s lease (the
-    /// term record's mod revision, [`LeadTxn::term_at`], names the term).
-    Leader { session: i64 },
+    /// term record's mod revision, [`LeadTxn::term_at`], names the term),
+    /// counted against grant subject `subject` (its entry is deleted).
+    Leader { session: i64, subject: &'a str },
 }
 
 /// Who leads after a [`LeadTxn`].
@@ -743,16 +744,20 @@ pub struct LeadTo<'a> {
     /// campaign); a hand-over to another candidate compares that
     /// candidate's record only (it lives on the same lease).
     pub session_record: Option<&'a [u8]>,
+    /// The grant subject the leadership counts against: its entry is put
+    /// on `session`'s lease.
+    pub subject: &'a str,
 }
 
 /// One transaction that starts or ends a term of election `election`, if
 /// the epoch record's bytes are `epoch`, there is no seal, the shard-map
 /// fence is at `fence_at`, the term record is at `term_at` (its mod
 /// revision; 0: absent), `from` holds and `to`'s candidate record is there.
-/// It puts the term record (`term_record`); then either `to`'s leader
-/// record (deleting its candidate record) or, with no `to`, deletes the
-/// leader record (a resignation without successor). The commit's revision
-/// is the new leadership's (its token's).
+/// With a `to`, it puts the term record (`term_record`), the leader record
+/// and the subject's entry on `to`'s lease and deletes its candidate
+/// record; with none (a resignation without successor) it deletes the
+/// leader and term records. Either way the ending leadership's entry goes.
+/// The commit's revision is the new leadership's (its token's).
 #[derive(Debug, Clone)]
 pub struct LeadTxn<'a> {
     pub election: &'a str,
@@ -760,7 +765,7 @@ pub struct LeadTxn<'a> {
     pub fence_at: i64,
     pub term_at: i64,
     pub term_record: Vec<u8>,
-    pub from: LeadFrom,
+    pub from: LeadFrom<'a>,
     pub to: Option<LeadTo<'a>>,
 }
 
@@ -813,6 +818,9 @@ pub trait ElectionLog: Send + Sync + 'static {
     async fn lead(&self, txn: LeadTxn<'_>) -> LogResult<bool>;
     /// One [`ProclaimTxn`]: whether it committed.
     async fn proclaim(&self, txn: ProclaimTxn<'_>) -> LogResult<bool>;
+    /// How many leaderships grant subject `subject` has (a count-only read
+    /// of its entries).
+    async fn count_leaderships(&self, subject: &str) -> LogResult<i64>;
     /// Every change of `election`'s records from `from_revision` on, with
     /// the deleted values (keys below the election's prefix: `lead`,
     /// `term`, `c/...`).

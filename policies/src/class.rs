@@ -44,6 +44,9 @@ pub const FENCE_MARGIN_MS: u64 = 1_000;
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LockClass {
     pub name: String,
+    /// What the class's keys are: locks (Acquire) or elections (Campaign).
+    #[serde(default, skip_serializing_if = "ClassKind::is_lock")]
+    pub kind: ClassKind,
     pub tier: Tier,
     /// Coord tier only: the key namespaces (first key segments) the coord
     /// tier serves (ADR-07). Keys in them are coord-tier keys, every other
@@ -80,6 +83,32 @@ fn default_ttl_seconds() -> u32 {
 
 fn default_max_waiters_per_key() -> u32 {
     DEFAULT_MAX_WAITERS_PER_KEY
+}
+
+/// What a class's keys are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClassKind {
+    /// Exclusive locks: latchkey.lock.v1 Acquire and Release.
+    #[default]
+    Lock,
+    /// Leader elections: latchkey.election.v1 (a key is an election's name).
+    Election,
+}
+
+impl ClassKind {
+    pub fn is_lock(&self) -> bool {
+        *self == ClassKind::Lock
+    }
+}
+
+impl fmt::Display for ClassKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ClassKind::Lock => "lock",
+            ClassKind::Election => "election",
+        })
+    }
 }
 
 /// Which etcd cluster tier serves the class (ADR-07).
@@ -190,6 +219,12 @@ pub enum ClassError {
          mutual exclusion, which an ungoverned grant breaks; use onQuorumLoss = \"closed\""
     )]
     OpenOnQuorumLossFenced,
+
+    #[error("an election class takes no {field}: {why}; remove {field}")]
+    NotForElections {
+        field: &'static str,
+        why: &'static str,
+    },
 
     #[error(
         "advisory classes need riskOwner (who accepts the risk of an unfenced lock, e.g. \
@@ -322,6 +357,34 @@ impl LockClass {
             })
     }
 
+    /// What an election class may not set: leadership is only ever in the
+    /// lock log (no memory grants on quorum loss), candidates are always
+    /// queued there (no fairness setting), and hooks run on Acquire only.
+    fn check_election(&self) -> Result<(), ClassError> {
+        if self.kind != ClassKind::Election {
+            return Ok(());
+        }
+        if self.on_quorum_loss == OnQuorumLoss::Open {
+            return Err(ClassError::NotForElections {
+                field: "onQuorumLoss = \"open\"",
+                why: "a leadership is only ever granted by the lock log, never from an arbiter's memory",
+            });
+        }
+        if self.fairness != Fairness::Memory {
+            return Err(ClassError::NotForElections {
+                field: "fairness",
+                why: "candidates always wait in the lock log, ordered by priority and then arrival",
+            });
+        }
+        if self.hook.is_some() {
+            return Err(ClassError::NotForElections {
+                field: "hook",
+                why: "class hooks run before lock grants only, not before a leadership",
+            });
+        }
+        Ok(())
+    }
+
     fn check(&self, today: Date) -> Result<(), ClassError> {
         validate_name(&self.name).map_err(ClassError::Name)?;
 
@@ -335,6 +398,7 @@ impl LockClass {
             });
         }
         self.check_namespaces()?;
+        self.check_election()?;
         if let Some(hook) = &self.hook {
             hook.check()?;
         }
@@ -683,6 +747,7 @@ mod tests {
     fn ttl_range_and_advisory_floor() {
         for ttl in [5, 15, 300] {
             let c = LockClass {
+                kind: ClassKind::Lock,
                 ttl_seconds: ttl,
                 ..fenced()
             };
@@ -690,17 +755,20 @@ mod tests {
         }
         for ttl in [0, 4, 301] {
             let c = LockClass {
+                kind: ClassKind::Lock,
                 ttl_seconds: ttl,
                 ..fenced()
             };
             assert_eq!(rule(&c), ClassError::TtlOutOfRange { ttl });
         }
         let c = LockClass {
+            kind: ClassKind::Lock,
             ttl_seconds: 29,
             ..advisory()
         };
         assert_eq!(rule(&c), ClassError::AdvisoryTtlBelowFloor { ttl: 29 });
         LockClass {
+            kind: ClassKind::Lock,
             ttl_seconds: 30,
             ..advisory()
         }
@@ -711,11 +779,13 @@ mod tests {
     #[test]
     fn open_on_quorum_loss_only_for_advisory() {
         let c = LockClass {
+            kind: ClassKind::Lock,
             on_quorum_loss: OnQuorumLoss::Open,
             ..fenced()
         };
         assert_eq!(rule(&c), ClassError::OpenOnQuorumLossFenced);
         LockClass {
+            kind: ClassKind::Lock,
             on_quorum_loss: OnQuorumLoss::Open,
             ..advisory()
         }
@@ -742,6 +812,7 @@ mod tests {
     #[test]
     fn advisory_needs_owner_and_unexpired_waiver() {
         let c = LockClass {
+            kind: ClassKind::Lock,
             risk_owner: None,
             waiver_expires: None,
             ..advisory()
@@ -753,6 +824,7 @@ mod tests {
             }
         );
         let c = LockClass {
+            kind: ClassKind::Lock,
             risk_owner: None,
             ..advisory()
         };
@@ -763,6 +835,7 @@ mod tests {
             }
         );
         let c = LockClass {
+            kind: ClassKind::Lock,
             waiver_expires: None,
             ..advisory()
         };
@@ -773,6 +846,7 @@ mod tests {
             }
         );
         let c = LockClass {
+            kind: ClassKind::Lock,
             risk_owner: Some("  ".into()),
             ..advisory()
         };
@@ -780,6 +854,7 @@ mod tests {
 
         let expires = Date::parse("2026-01-14").unwrap();
         let c = LockClass {
+            kind: ClassKind::Lock,
             waiver_expires: Some(expires),
             ..advisory()
         };
@@ -792,6 +867,7 @@ mod tests {
         );
         // Good through its last day.
         LockClass {
+            kind: ClassKind::Lock,
             waiver_expires: Some(today()),
             ..advisory()
         }
@@ -802,11 +878,13 @@ mod tests {
     #[test]
     fn fenced_takes_no_waiver() {
         let c = LockClass {
+            kind: ClassKind::Lock,
             risk_owner: Some("x@example.com".into()),
             ..fenced()
         };
         assert_eq!(rule(&c), ClassError::WaiverOnFenced { field: "riskOwner" });
         let c = LockClass {
+            kind: ClassKind::Lock,
             waiver_expires: Some(today()),
             ..fenced()
         };
@@ -822,12 +900,14 @@ mod tests {
     fn names_are_single_printable_segments() {
         for bad in ["", "a/b", ".", "..", "a\tb", &"n".repeat(64)] {
             let c = LockClass {
+                kind: ClassKind::Lock,
                 name: bad.to_string(),
                 ..fenced()
             };
             assert!(matches!(rule(&c), ClassError::Name(_)), "{bad:?}");
         }
         let c = LockClass {
+            kind: ClassKind::Lock,
             name: "a/b".into(),
             ..fenced()
         };
@@ -836,6 +916,7 @@ mod tests {
             "lock class \"a/b\": invalid name: class names are a single segment; \"/\" is not allowed"
         );
         LockClass {
+            kind: ClassKind::Lock,
             name: "payments-ledger.v2".into(),
             ..fenced()
         }
@@ -859,6 +940,7 @@ mod tests {
         .unwrap();
         fenced().validate(today()).unwrap();
         let c = LockClass {
+            kind: ClassKind::Lock,
             pause_test: with_block(
                 "name = \"x\"\ntier = \"coord\"\nenforcement = \"fenced\"",
                 "/abs.json",
@@ -875,6 +957,7 @@ mod tests {
         ));
         // An advisory class reads nothing even through check_pause_test.
         let c = LockClass {
+            kind: ClassKind::Lock,
             pause_test: with_block(
                 "name = \"x\"\ntier = \"coord\"\nenforcement = \"fenced\"",
                 "p/none.json",
@@ -890,12 +973,14 @@ mod tests {
     fn max_waiters_range() {
         for value in [0, 10_001] {
             let c = LockClass {
+                kind: ClassKind::Lock,
                 max_waiters_per_key: value,
                 ..fenced()
             };
             assert_eq!(rule(&c), ClassError::MaxWaitersOutOfRange { value });
         }
         LockClass {
+            kind: ClassKind::Lock,
             max_waiters_per_key: 10_000,
             ..fenced()
         }
@@ -906,12 +991,14 @@ mod tests {
     #[test]
     fn timing_follows_ttl() {
         let c = LockClass {
+            kind: ClassKind::Lock,
             ttl_seconds: 15,
             ..fenced()
         };
         assert_eq!(c.keepalive_interval_ms(), 5_000);
         assert_eq!(c.fence_deadline_ms(), 14_000);
         let c = LockClass {
+            kind: ClassKind::Lock,
             ttl_seconds: 10,
             ..fenced()
         };
@@ -934,6 +1021,7 @@ mod tests {
         );
         let short = review(
             &LockClass {
+                kind: ClassKind::Lock,
                 ttl_seconds: 5,
                 ..fenced()
             },
@@ -954,6 +1042,7 @@ mod tests {
 
     fn with_namespaces(class: LockClass, namespaces: &[&str]) -> LockClass {
         LockClass {
+            kind: ClassKind::Lock,
             namespaces: namespaces.iter().map(|n| n.to_string()).collect(),
             ..class
         }
@@ -1134,5 +1223,50 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("unknown variant `ajar`"), "{err}");
+    }
+
+    #[test]
+    fn an_election_class_parses_and_refuses_what_elections_do_not_have() {
+        let c = parse(
+            r#"
+name = "controller"
+kind = "election"
+tier = "coord"
+namespaces = ["leader"]
+enforcement = "fenced"
+ttlSeconds = 10
+[pauseTest]
+resource = "postgresql:dev.latchkey_fenced_rows"
+result = "pause-tests/demo.json"
+"#,
+        );
+        assert_eq!(c.kind, ClassKind::Election);
+        assert_eq!(c.check_election(), Ok(()));
+        let open = LockClass {
+            on_quorum_loss: OnQuorumLoss::Open,
+            ..c.clone()
+        };
+        assert!(matches!(
+            open.check_election(),
+            Err(ClassError::NotForElections { field, .. }) if field.starts_with("onQuorumLoss")
+        ));
+        let durable = LockClass {
+            fairness: Fairness::Durable,
+            ..c.clone()
+        };
+        assert!(durable.check_election().is_err());
+        let lock = parse(
+            r#"
+name = "plain"
+tier = "coord"
+enforcement = "fenced"
+[pauseTest]
+resource = "postgresql:dev.latchkey_fenced_rows"
+result = "pause-tests/demo.json"
+"#,
+        );
+        assert_eq!(lock.kind, ClassKind::Lock);
+        // The default is not written back (reviewed files stay as they were).
+        assert!(!toml::to_string(&lock).unwrap_or_default().contains("kind"));
     }
 }

@@ -199,11 +199,12 @@ pub mod keys {
     pub const CLAIMS: &str = "c/";
     /// Durable waiters (`q/<key>//<lease:016x>`).
     pub const QUEUES: &str = "q/";
-    /// Elections (latchkey.election.v1): `e/<name>//lead` (the leader, on
-    /// its session's lease), `e/<name>//term` (no lease: the term count
-    /// and how the last term ended), `e/<name>//c/<rank:08x>/<lease:016x>`
-    /// (candidates, on their sessions' leases). An epoch advance deletes
-    /// them all: terms go on from the new epoch's range.
+    /// Elections (latchkey.election.v1): `e/<name>//lead` and
+    /// `e/<name>//term` (the leader and its term, on its session's lease),
+    /// `e/<name>//c/<rank:08x>/<lease:016x>` (candidates, on their
+    /// sessions' leases), and `e//i/<hex(subject)>/<name>` (the leaderships
+    /// of a grant subject, on the leader's lease: counted for its bound).
+    /// An epoch advance deletes them all.
     pub const ELECTIONS: &str = "e/";
 }
 
@@ -324,6 +325,16 @@ impl Layout {
             candidate_rank(priority)
         )
     }
+    /// `subject`'s entry for its leadership of election `name` (a name never
+    /// begins with '/', so no election's prefix is below `e//`).
+    pub fn leadership_entry(&self, subject: &str, name: &str) -> String {
+        format!("{}{name}", self.leaderships_of(subject))
+    }
+    /// Every leadership entry of `subject`: a prefix to count.
+    pub fn leaderships_of(&self, subject: &str) -> String {
+        let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
+        format!("{}/{}/i/{hex}/", self.prefix, keys::ELECTIONS)
+    }
     /// Every election's records (what an epoch advance deletes).
     pub fn elections(&self) -> String {
         format!("{}/{}", self.prefix, keys::ELECTIONS)
@@ -344,7 +355,7 @@ pub struct LeadRecord {
     pub identity: String,
     pub session: i64,
     pub class: String,
-    /// The term as callers see it: epoch * 2^32 + [`TermRecord::count`].
+    /// The term as callers see it ([`term_of`]).
     pub term: u64,
     pub value: String,
     pub priority: u32,
@@ -356,34 +367,42 @@ pub struct LeadRecord {
     /// [`HolderRecord::bound`]).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub bound: String,
+    /// Written by a resignation with no candidate to take over, just
+    /// before it deletes the record, so observers tell it from an expiry.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub resigning: bool,
 }
 
-/// How a term ended without a successor (in [`TermRecord::ended`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum TermEnd {
-    Resigned,
-    Forced,
+impl LeadRecord {
+    /// Whom the leadership counts against: the subject it was granted under.
+    pub fn bounded_as(&self) -> &str {
+        if self.bound.is_empty() {
+            &self.identity
+        } else {
+            &self.bound
+        }
+    }
 }
 
-/// An election's term record (`e/<name>//term`, no lease): written by every
-/// transaction that starts or ends a term, never by a proclamation, so its
-/// mod revision is the current leadership's revision (its token's).
+/// An election's term record (`e/<name>//term`, on the leader's session
+/// lease, like the leader record): written by every transaction that starts
+/// a term, never by a proclamation, so its mod revision is the current
+/// leadership's revision (its token's).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TermRecord {
-    /// Leaderships of the election since the epoch began (or since the
-    /// record was first written): the low 32 bits of the term.
-    pub count: u32,
-    /// How the last term ended, when it ended by a write (not by its
-    /// session's end, which only deletes the lead record).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ended: Option<TermEnd>,
+    /// The term's count: one more than the term it took over from, or, over
+    /// a vacancy, the revision the vacancy was read at. Every count is at
+    /// most the revision it was written at, so a count never comes back,
+    /// whatever happened to the records in between (the low 48 bits of the
+    /// term, as a revision is of a token).
+    pub count: u64,
 }
 
-/// The term callers see: `epoch * 2^32 + count`.
-pub fn term_of(epoch: u32, count: u32) -> u64 {
-    (u64::from(epoch) << 32) | u64::from(count)
+/// The term callers see: `epoch * 2^48 + count`, laid out like a token
+/// (`None` out of range: refuse, never wrap).
+pub fn term_of(epoch: u32, count: u64) -> Option<u64> {
+    token::pack(epoch, i64::try_from(count).ok()?)
 }
 
 /// A candidate of an election (`e/<name>//c/<rank>/<lease>`, on its

@@ -3,7 +3,7 @@
 //! operation one etcd request.
 
 use async_trait::async_trait;
-use latchkey_etcd::kv::{GetOptions, PutOptions, SortOrder, SortTarget};
+use latchkey_etcd::kv::{GetOptions, PutOptions, SortOrder, SortTarget, count_prefix};
 use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use latchkey_etcd::watch::{WatchOptions, watch_from};
 
@@ -125,6 +125,8 @@ impl ElectionLog for EtcdLog {
             // A missing key compares as mod revision 0.
             Compare::mod_revision(term_key.clone(), CompareOp::Equal, txn.term_at),
         ];
+        let mut writes = Vec::new();
+        let mut ending = None;
         match txn.from {
             LeadFrom::Vacant => {
                 compares.push(Compare::create_revision(
@@ -133,11 +135,11 @@ impl ElectionLog for EtcdLog {
                     0,
                 ));
             }
-            LeadFrom::Leader { session } => {
+            LeadFrom::Leader { session, subject } => {
                 compares.push(Compare::lease(lead_key.clone(), CompareOp::Equal, session));
+                ending = Some(self.layout.leadership_entry(subject, txn.election));
             }
         }
-        let mut writes = vec![TxnOp::put(term_key, txn.term_record, None)];
         let lease = match &txn.to {
             Some(to) => {
                 let candidate = self.layout.candidate(txn.election, to.priority, to.session);
@@ -153,19 +155,29 @@ impl ElectionLog for EtcdLog {
                         record,
                     ));
                 }
-                writes.push(TxnOp::put(
-                    lead_key,
-                    to.lead_record.clone(),
-                    Some(PutOptions::new().with_lease(to.session)),
-                ));
-                writes.push(TxnOp::delete(candidate, None));
+                let on_lease = || Some(PutOptions::new().with_lease(to.session));
+                let entry = self.layout.leadership_entry(to.subject, txn.election);
+                // The ending leader's entry and the next one's are one key
+                // when both count against one subject: put, not deleted.
+                if ending.as_ref() == Some(&entry) {
+                    ending = None;
+                }
+                writes.extend([
+                    TxnOp::put(term_key, txn.term_record, on_lease()),
+                    TxnOp::put(lead_key, to.lead_record.clone(), on_lease()),
+                    TxnOp::put(entry, Vec::new(), on_lease()),
+                    TxnOp::delete(candidate, None),
+                ]);
                 to.session
             }
             None => {
-                writes.push(TxnOp::delete(lead_key, None));
+                writes.extend([TxnOp::delete(term_key, None), TxnOp::delete(lead_key, None)]);
                 0
             }
         };
+        if let Some(entry) = ending {
+            writes.push(TxnOp::delete(entry, None));
+        }
         let resp = txn::run(&self.client, Txn::new().when(compares).and_then(writes))
             .await
             .map_err(|e| unavailable_on("cannot run the leadership transaction", lease, e))?;
@@ -193,6 +205,13 @@ impl ElectionLog for EtcdLog {
             .await
             .map_err(|e| unavailable_on("cannot run the proclamation", txn.session, e))?;
         answer(resp.header(), resp.succeeded())
+    }
+
+    async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {
+        let count = count_prefix(&self.client, self.layout.leaderships_of(subject))
+            .await
+            .map_err(|e| unavailable("cannot count leaderships", e))?;
+        answer(count.header.as_ref(), count.value)
     }
 
     async fn watch_election(

@@ -1,0 +1,822 @@
+//! Leader elections (latchkey.election.v1) on one lock cluster: who leads,
+//! who stands, and how a term starts or ends. The owner of every election
+//! of its cluster, beside the [`crate::owner::KeyOwner`] of its keys; the
+//! handlers (`service/election.rs`) do identity, policy and bounds, then ask
+//! it.
+//!
+//! The records (`latchkey_records::Layout::election`):
+//! - the **leader record** `e/<name>//lead` on the leader's session lease:
+//!   who leads, the term, the value (a proclamation rewrites it);
+//! - the **term record** `e/<name>//term`, on no lease: how many terms the
+//!   election has had in this epoch, and how the last one ended when it
+//!   ended by a write. Every transaction that starts or ends a term writes
+//!   it and compares its mod revision, and nothing else writes it, so its
+//!   mod revision names the current leadership: it is the token's revision;
+//! - **candidate records** `e/<name>//c/<rank>/<lease>` on the candidates'
+//!   session leases, in the order they lead: priority, then arrival.
+//!
+//! Safety is the leadership transaction's ([`LeadTxn`]) alone: one leader
+//! record, started only over a vacancy or over the exact leadership it
+//! ends, at a term record that has not moved. A term is therefore led by
+//! one session, terms rise by one per leadership, and the token (the
+//! commit's revision, in the epoch) is above every earlier grant of the
+//! cluster; a restore is caught by the table's seal like any grant, and an
+//! epoch advance deletes every election's records, so terms go on from the
+//! new epoch's range (`epoch * 2^32 + count`). Candidates only order who is
+//! tried next: a candidate's own campaign call leads it, over a vacancy,
+//! when it is the first candidate; a resignation or transfer hands over to
+//! a candidate in the same transaction, and that candidate's call finds
+//! itself leading.
+
+mod observe;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use latchkey_records::token::pack;
+use latchkey_records::{
+    CandidateRecord, LeadRecord, SessionRecord, TermRecord, decode, encode, now_unix_ms, term_of,
+};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+use tracing::debug;
+
+use crate::epoch::EpochState;
+use crate::error::ArbiterError;
+use crate::lock_log::{ElectionRead, Kv, LeadFrom, LeadTo, LeadTxn, ProclaimTxn, Queued};
+use crate::table::LockTable;
+
+pub use observe::{Observation, Observer};
+
+/// How many candidate records one read returns: an election's candidates
+/// are bounded by its class's `maxWaitersPerKey` (at most this).
+pub const MAX_CANDIDATES: usize = 1_024;
+
+/// How long a waiting candidate sleeps between reads when its watch says
+/// nothing (a watch is only a hint).
+const POLL: Duration = Duration::from_secs(2);
+
+/// How long beyond its call's wait a candidate record first in line may stay
+/// unchanged over a vacancy before a waiting candidate behind it removes it
+/// (its call's arbiter died), as durable waiters do.
+pub const STALE_AFTER: Duration = Duration::from_secs(5);
+
+/// A leadership as the handlers answer it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Leadership {
+    pub election: String,
+    pub term: u64,
+    pub token: u64,
+    pub session: i64,
+    pub value: String,
+}
+
+/// The leader as observers see it: never a token or a session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaderView {
+    pub identity: String,
+    pub value: String,
+    pub term: u64,
+    pub since_unix_ms: i64,
+    pub priority: u32,
+}
+
+impl LeaderView {
+    fn of(record: &LeadRecord) -> Self {
+        Self {
+            identity: record.identity.clone(),
+            value: record.value.clone(),
+            term: record.term,
+            since_unix_ms: record.since_unix_ms,
+            priority: record.priority,
+        }
+    }
+}
+
+/// A candidate as `Candidates` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CandidateView {
+    /// The record's create revision: names the candidacy in a transfer.
+    pub id: u64,
+    pub identity: String,
+    pub value: String,
+    pub priority: u32,
+    pub since_unix_ms: i64,
+}
+
+/// The term of `count` in `state`'s epoch, or a refusal out of range.
+fn term(state: &EpochState, count: u64) -> Result<u64, ArbiterError> {
+    term_of(state.epoch(), count)
+        .ok_or_else(|| ArbiterError::internal("the election's term is outside the token range"))
+}
+
+/// A campaign, checked by the handler.
+#[derive(Debug, Clone)]
+pub struct Campaign {
+    pub election: String,
+    pub identity: String,
+    pub session: i64,
+    pub class: String,
+    pub ttl_seconds: u32,
+    pub value: String,
+    pub priority: u32,
+    pub instance: String,
+    /// The grant subject when not the identity ([`LeadRecord::bound`]).
+    pub bound: String,
+    /// How long the call waits to lead.
+    pub wait: Duration,
+    /// How many leaderships the grant subject may have.
+    pub max_leaderships: u32,
+}
+
+impl Campaign {
+    /// The grant subject the leadership counts against.
+    fn subject(&self) -> &str {
+        if self.bound.is_empty() {
+            &self.identity
+        } else {
+            &self.bound
+        }
+    }
+}
+
+/// Names a leadership in Proclaim, Resign and Transfer: the caller's
+/// identity and session and the token its Campaign returned.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    pub election: &'a str,
+    pub identity: &'a str,
+    pub session: i64,
+    pub token: u64,
+}
+
+/// Whom a transfer hands the leadership to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferTo {
+    /// The candidacy with this id ([`CandidateView::id`]).
+    Candidate(u64),
+    /// The first candidate in order.
+    Preferred,
+}
+
+/// One candidate record, decoded, with its place.
+#[derive(Debug, Clone)]
+struct Standing {
+    record: CandidateRecord,
+    created: i64,
+    modified: i64,
+}
+
+/// An election as read, decoded.
+struct Read {
+    lead: Option<(LeadRecord, Kv)>,
+    term: Option<(TermRecord, Kv)>,
+    /// In the order they lead.
+    candidates: Vec<Standing>,
+    revision: i64,
+    /// The epoch the read is judged in (set by readers that need it).
+    epoch: u32,
+}
+
+impl Read {
+    fn of(read: ElectionRead, revision: i64) -> Result<Self, ArbiterError> {
+        let lead = match read.lead {
+            Some(kv) => Some((record::<LeadRecord>(&kv, "leader")?, kv)),
+            None => None,
+        };
+        let term = match read.term {
+            Some(kv) => Some((record::<TermRecord>(&kv, "term")?, kv)),
+            None => None,
+        };
+        let mut candidates: Vec<(String, Standing)> = read
+            .candidates
+            .into_iter()
+            .filter_map(|(key, kv)| {
+                // A record no arbiter wrote is skipped, never led.
+                let record = decode::<CandidateRecord>(&kv.value)?;
+                let (rank, _) = key.split_once('/')?;
+                Some((
+                    rank.to_string(),
+                    Standing {
+                        record,
+                        created: kv.create_revision,
+                        modified: kv.mod_revision,
+                    },
+                ))
+            })
+            .collect();
+        candidates.sort_by(|(ra, a), (rb, b)| ra.cmp(rb).then(a.created.cmp(&b.created)));
+        Ok(Self {
+            lead,
+            term,
+            candidates: candidates.into_iter().map(|(_, s)| s).collect(),
+            revision,
+            epoch: 0,
+        })
+    }
+
+    /// The term record's mod revision (0: absent) and count.
+    fn term_at(&self) -> (i64, u64) {
+        self.term
+            .as_ref()
+            .map_or((0, 0), |(r, kv)| (kv.mod_revision, r.count))
+    }
+
+    /// The count of a term that starts now: one more than the current one
+    /// (a hand-over), and over a vacancy at least the revision read at,
+    /// which is above every count written before it.
+    fn next_count(&self) -> Result<u64, ArbiterError> {
+        let after = self
+            .term_at()
+            .1
+            .checked_add(1)
+            .ok_or_else(|| ArbiterError::internal("the election's term count is exhausted"))?;
+        let read_at = u64::try_from(self.revision).unwrap_or(0);
+        Ok(match self.lead {
+            Some(_) => after,
+            None => after.max(read_at),
+        })
+    }
+
+    /// `session`'s leadership, if it leads: the leader record names it and
+    /// `identity`, on its lease.
+    fn led_by(&self, identity: &str, session: i64) -> Option<&LeadRecord> {
+        let (record, kv) = self.lead.as_ref()?;
+        (record.identity == identity && record.session == session && kv.lease == session)
+            .then_some(record)
+    }
+
+    fn standing(&self, session: i64) -> Option<&Standing> {
+        self.candidates.iter().find(|c| c.record.session == session)
+    }
+}
+
+fn record<T: for<'de> serde::Deserialize<'de>>(kv: &Kv, what: &str) -> Result<T, ArbiterError> {
+    latchkey_records::try_decode(&kv.value).map_err(|e| {
+        ArbiterError::internal_caused(format!("an election's {what} record does not parse"), e)
+    })
+}
+
+/// The elections of one lock cluster.
+pub struct Elections {
+    table: Arc<LockTable>,
+    /// Candidate records seen first in line over a vacancy: (election,
+    /// session) → (last write, first seen), for [`STALE_AFTER`].
+    heads: Mutex<HashMap<(String, i64), (i64, Instant)>>,
+    observers: observe::Hubs,
+}
+
+impl Elections {
+    pub fn new(table: Arc<LockTable>) -> Self {
+        Self {
+            observers: observe::Hubs::new(table.clone()),
+            table,
+            heads: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn read(&self, election: &str) -> Result<Read, ArbiterError> {
+        let (read, header) = self
+            .table
+            .seal()
+            .checked(self.table.log().election(election, MAX_CANDIDATES))
+            .await?;
+        Read::of(read, header.revision)
+    }
+
+    /// The leadership `record` names, for `session`, made durable (the high-
+    /// water mark and the witness) before its token leaves.
+    async fn deliver(
+        &self,
+        state: &EpochState,
+        election: &str,
+        record: &LeadRecord,
+        revision: i64,
+    ) -> Result<Leadership, ArbiterError> {
+        self.table.seal().make_durable(state, revision).await?;
+        let token = pack(state.epoch(), revision).ok_or_else(|| {
+            ArbiterError::internal("the epoch or revision is outside the token range")
+        })?;
+        Ok(Leadership {
+            election: election.to_string(),
+            term: record.term,
+            token,
+            session: record.session,
+            value: record.value.clone(),
+        })
+    }
+
+    /// Stands for the election and waits to lead, at most `c.wait`. A
+    /// session that leads already gets its leadership back. The candidacy
+    /// ends with the call, led or not.
+    pub async fn campaign(&self, c: &Campaign) -> Result<Leadership, ArbiterError> {
+        let until = Instant::now() + c.wait;
+        let state = self.table.seal().serving_epoch().await?;
+        let read = self.read(&c.election).await?;
+        if let Some(record) = read.led_by(&c.identity, c.session) {
+            let revision = read.term_at().0;
+            let record = record.clone();
+            return self.deliver(&state, &c.election, &record, revision).await;
+        }
+        let (led, _) = self
+            .table
+            .seal()
+            .checked(self.table.log().count_leaderships(c.subject()))
+            .await?;
+        if led >= i64::from(c.max_leaderships) {
+            return Err(ArbiterError::IdentityLimit {
+                bound: crate::error::IdentityBound::Leaderships,
+                limit: c.max_leaderships,
+            });
+        }
+        let mut stood = self.stand(c).await?;
+        let outcome = self.wait_to_lead(c, &mut stood, until).await;
+        if outcome.is_err() {
+            // Best effort: a record left behind ends with the session, or
+            // as a stale head.
+            let _ = self
+                .table
+                .log()
+                .withdraw(&c.election, c.session, c.priority, stood.modified)
+                .await;
+        }
+        outcome
+    }
+
+    async fn stand(&self, c: &Campaign) -> Result<Queued, ArbiterError> {
+        let record = CandidateRecord {
+            identity: c.identity.clone(),
+            session: c.session,
+            class: c.class.clone(),
+            value: c.value.clone(),
+            priority: c.priority,
+            since_unix_ms: now_unix_ms(),
+            wait_ms: u64::try_from(c.wait.as_millis()).unwrap_or(u64::MAX),
+            instance: c.instance.clone(),
+            bound: c.bound.clone(),
+        };
+        let session_record = encode(&SessionRecord {
+            identity: c.identity.clone(),
+            ttl_seconds: c.ttl_seconds,
+        });
+        let (stood, _) = self
+            .table
+            .seal()
+            .checked(self.table.log().stand(
+                &c.election,
+                c.session,
+                c.priority,
+                &session_record,
+                encode(&record),
+            ))
+            .await?;
+        match stood {
+            Some(q) => Ok(q),
+            None => Err(self.why_not_session(c).await),
+        }
+    }
+
+    /// Why a session record did not match: a session of the caller with
+    /// another TTL, or none of the caller's.
+    async fn why_not_session(&self, c: &Campaign) -> ArbiterError {
+        match self.table.session(c.session).await {
+            Ok(Some(s)) if s.identity == c.identity && s.ttl_seconds != c.ttl_seconds => {
+                ArbiterError::SessionClassMismatch {
+                    session: c.session,
+                    session_ttl: s.ttl_seconds,
+                    class: c.class.clone(),
+                    class_ttl: c.ttl_seconds,
+                }
+            }
+            Ok(_) => ArbiterError::SessionExpired { session: c.session },
+            Err(e) => e,
+        }
+    }
+
+    async fn wait_to_lead(
+        &self,
+        c: &Campaign,
+        stood: &mut Queued,
+        until: Instant,
+    ) -> Result<Leadership, ArbiterError> {
+        let log = self.table.log();
+        let mut watch = None;
+        loop {
+            let state = self.table.seal().serving_epoch().await?;
+            let read = self.read(&c.election).await?;
+            if let Some(record) = read.led_by(&c.identity, c.session) {
+                // Led over a vacancy by this call's last attempt, or handed
+                // over by a resignation or a transfer.
+                let record = record.clone();
+                let revision = read.term_at().0;
+                debug!(election = %c.election, term = record.term, "leads");
+                return self.deliver(&state, &c.election, &record, revision).await;
+            }
+            match read.standing(c.session) {
+                Some(s) => {
+                    stood.modified = s.modified;
+                }
+                None => {
+                    // Removed (an epoch advance, or taken for stale): stand
+                    // again, at the back.
+                    *stood = self.stand(c).await?;
+                    continue;
+                }
+            }
+            if read.lead.is_none()
+                && let Some(first) = self.first_live(&c.election, &read)
+            {
+                if first.record.session == c.session {
+                    if self.lead_vacancy(c, &state, &read, first).await? {
+                        continue;
+                    }
+                } else {
+                    self.remove_if_stale(&c.election, first).await;
+                }
+            }
+            if Instant::now() >= until {
+                return Err(ArbiterError::WaitTimeout {
+                    key: c.election.clone(),
+                });
+            }
+            if watch.is_none() {
+                watch = log
+                    .watch_election(&c.election, read.revision + 1)
+                    .await
+                    .ok();
+            }
+            let hint = async {
+                match watch.as_mut() {
+                    Some(w) => {
+                        if matches!(w.next().await, crate::lock_log::FollowSignal::Lost) {
+                            return false;
+                        }
+                        true
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                kept = hint => if !kept { watch = None; },
+                () = tokio::time::sleep(POLL) => {}
+                () = tokio::time::sleep_until(until) => {}
+            }
+        }
+    }
+
+    /// The first candidate that is not a stale head this arbiter already
+    /// removed or is about to.
+    fn first_live<'r>(&self, _election: &str, read: &'r Read) -> Option<&'r Standing> {
+        read.candidates.first()
+    }
+
+    /// Leads over a vacancy: whether the transaction committed (the next
+    /// read then finds the leadership).
+    async fn lead_vacancy(
+        &self,
+        c: &Campaign,
+        state: &EpochState,
+        read: &Read,
+        me: &Standing,
+    ) -> Result<bool, ArbiterError> {
+        let term_at = read.term_at().0;
+        let count = read.next_count()?;
+        let lead = LeadRecord {
+            identity: c.identity.clone(),
+            session: c.session,
+            class: c.class.clone(),
+            term: term(state, count)?,
+            value: me.record.value.clone(),
+            priority: me.record.priority,
+            since_unix_ms: now_unix_ms(),
+            instance: c.instance.clone(),
+            bound: c.bound.clone(),
+            resigning: false,
+        };
+        let session_record = encode(&SessionRecord {
+            identity: c.identity.clone(),
+            ttl_seconds: c.ttl_seconds,
+        });
+        let txn = LeadTxn {
+            election: &c.election,
+            epoch: &state.bytes,
+            fence_at: state.fence_at,
+            term_at,
+            term_record: encode(&TermRecord { count }),
+            from: LeadFrom::Vacant,
+            to: Some(LeadTo {
+                session: c.session,
+                priority: c.priority,
+                created: me.created,
+                lead_record: encode(&lead),
+                session_record: Some(&session_record),
+                subject: c.subject(),
+            }),
+        };
+        let (led, _) = self
+            .table
+            .seal()
+            .checked_write(self.table.log().lead(txn), |led| *led)
+            .await?;
+        Ok(led)
+    }
+
+    /// Removes `head`'s record when it has stood first over a vacancy,
+    /// unchanged, for longer than its call waits and [`STALE_AFTER`]: its
+    /// call is gone (its arbiter died) while its session lives.
+    async fn remove_if_stale(&self, election: &str, head: &Standing) {
+        let key = (election.to_string(), head.record.session);
+        let now = Instant::now();
+        let seen = {
+            let mut heads = self.heads.lock();
+            heads.retain(|_, (_, at)| now.duration_since(*at) < Duration::from_secs(3_600));
+            let entry = heads.entry(key.clone()).or_insert((head.modified, now));
+            if entry.0 != head.modified {
+                *entry = (head.modified, now);
+            }
+            entry.1
+        };
+        let grace = Duration::from_millis(head.record.wait_ms).saturating_add(STALE_AFTER);
+        if now.duration_since(seen) < grace {
+            return;
+        }
+        let removed = self
+            .table
+            .log()
+            .withdraw(
+                election,
+                head.record.session,
+                head.record.priority,
+                head.modified,
+            )
+            .await;
+        if matches!(removed, Ok(ref a) if a.value) {
+            debug!(election, "removed a stale candidate record");
+        }
+        self.heads.lock().remove(&key);
+    }
+
+    /// The caller's current leadership, read and checked: `NotLeader`
+    /// unless the leader record names the caller's identity and session on
+    /// its lease and the term record is at the token's revision.
+    async fn current(&self, claim: &Claim<'_>) -> Result<(EpochState, Read), ArbiterError> {
+        let state = self.table.seal().serving_epoch().await?;
+        let read = self.read(claim.election).await?;
+        let not_leader = || ArbiterError::NotLeader {
+            election: claim.election.to_string(),
+            session: claim.session,
+        };
+        let (epoch, revision) = latchkey_records::token::unpack(claim.token);
+        if read.led_by(claim.identity, claim.session).is_none()
+            || epoch != state.epoch()
+            || read.term_at().0 != revision
+        {
+            return Err(not_leader());
+        }
+        Ok((state, read))
+    }
+
+    /// Replaces the leader's value, if the claimed leadership is current.
+    pub async fn proclaim(&self, claim: &Claim<'_>, value: &str) -> Result<(), ArbiterError> {
+        let (state, read) = self.current(claim).await?;
+        let Some((lead, _)) = &read.lead else {
+            return Err(ArbiterError::internal(
+                "a current leadership without its record",
+            ));
+        };
+        let record = LeadRecord {
+            value: value.to_string(),
+            ..lead.clone()
+        };
+        let txn = ProclaimTxn {
+            election: claim.election,
+            session: claim.session,
+            term_at: read.term_at().0,
+            epoch: &state.bytes,
+            lead_record: encode(&record),
+        };
+        let (done, _) = self
+            .table
+            .seal()
+            .checked_write(self.table.log().proclaim(txn), |done| *done)
+            .await?;
+        if done {
+            Ok(())
+        } else {
+            Err(ArbiterError::NotLeader {
+                election: claim.election.to_string(),
+                session: claim.session,
+            })
+        }
+    }
+
+    /// Ends the claimed leadership: the first candidate leads in the same
+    /// transaction, or the election is vacant. The next leader, if any.
+    pub async fn resign(&self, claim: &Claim<'_>) -> Result<Option<LeaderView>, ArbiterError> {
+        self.hand_over(claim, None).await
+    }
+
+    /// Hands the claimed leadership to a candidate in one transaction.
+    pub async fn transfer(
+        &self,
+        claim: &Claim<'_>,
+        to: TransferTo,
+    ) -> Result<LeaderView, ArbiterError> {
+        match self.hand_over(claim, Some(to)).await? {
+            Some(next) => Ok(next),
+            None => Err(ArbiterError::internal("a transfer that left no leader")),
+        }
+    }
+
+    /// Resign (`to` = None: the first candidate, or a vacancy) or transfer.
+    /// Read again and retried while the candidates move under it.
+    async fn hand_over(
+        &self,
+        claim: &Claim<'_>,
+        to: Option<TransferTo>,
+    ) -> Result<Option<LeaderView>, ArbiterError> {
+        for _ in 0..5 {
+            let (state, read) = self.current(claim).await?;
+            let Some((current, _)) = &read.lead else {
+                return Err(ArbiterError::internal(
+                    "a current leadership without its record",
+                ));
+            };
+            let next = match to {
+                None | Some(TransferTo::Preferred) => read.candidates.first(),
+                Some(TransferTo::Candidate(id)) => read
+                    .candidates
+                    .iter()
+                    .find(|c| u64::try_from(c.created).ok() == Some(id)),
+            };
+            if to.is_some() && next.is_none() {
+                return Err(ArbiterError::NoCandidate(match to {
+                    Some(TransferTo::Candidate(id)) => format!(
+                        "candidate {id} is not standing in election {:?} (its campaign ended, or it leads); list them with Candidates",
+                        claim.election
+                    ),
+                    _ => format!(
+                        "election {:?} has no candidate to transfer to",
+                        claim.election
+                    ),
+                }));
+            }
+            let Some(next) = next else {
+                return self
+                    .vacate(claim, &state, &read, current)
+                    .await
+                    .map(|()| None);
+            };
+            let count = read.next_count()?;
+            let lead = LeadRecord {
+                identity: next.record.identity.clone(),
+                session: next.record.session,
+                class: next.record.class.clone(),
+                term: term(&state, count)?,
+                value: next.record.value.clone(),
+                priority: next.record.priority,
+                since_unix_ms: now_unix_ms(),
+                instance: next.record.instance.clone(),
+                bound: next.record.bound.clone(),
+                resigning: false,
+            };
+            let subject = if next.record.bound.is_empty() {
+                &next.record.identity
+            } else {
+                &next.record.bound
+            };
+            let txn = LeadTxn {
+                election: claim.election,
+                epoch: &state.bytes,
+                fence_at: state.fence_at,
+                term_at: read.term_at().0,
+                term_record: encode(&TermRecord { count }),
+                from: LeadFrom::Leader {
+                    session: claim.session,
+                    subject: current.bounded_as(),
+                },
+                to: Some(LeadTo {
+                    session: next.record.session,
+                    priority: next.record.priority,
+                    created: next.created,
+                    lead_record: encode(&lead),
+                    session_record: None,
+                    subject,
+                }),
+            };
+            match self
+                .table
+                .seal()
+                .checked_write(self.table.log().lead(txn), |led| *led)
+                .await
+            {
+                Ok((true, header)) => {
+                    // The next leader's token is this revision.
+                    self.table
+                        .seal()
+                        .make_durable(&state, header.revision)
+                        .await?;
+                    return Ok(Some(LeaderView::of(&lead)));
+                }
+                // Moved under us, or the next candidate's session ended
+                // under us: read again.
+                Ok((false, _)) | Err(ArbiterError::SessionExpired { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Err(ArbiterError::store(
+            "the election's candidates kept changing during the hand-over; retry",
+        ))
+    }
+
+    /// Ends the claimed leadership with no one to take over: the leader
+    /// record is marked as resigning (so observers tell a resignation from
+    /// an expiry), then deleted with its term record, each compared.
+    async fn vacate(
+        &self,
+        claim: &Claim<'_>,
+        state: &EpochState,
+        read: &Read,
+        current: &LeadRecord,
+    ) -> Result<(), ArbiterError> {
+        let term_at = read.term_at().0;
+        let marked = LeadRecord {
+            resigning: true,
+            ..current.clone()
+        };
+        let (marked, _) = self
+            .table
+            .seal()
+            .checked_write(
+                self.table.log().proclaim(ProclaimTxn {
+                    election: claim.election,
+                    session: claim.session,
+                    term_at,
+                    epoch: &state.bytes,
+                    lead_record: encode(&marked),
+                }),
+                |done| *done,
+            )
+            .await?;
+        let txn = LeadTxn {
+            election: claim.election,
+            epoch: &state.bytes,
+            fence_at: state.fence_at,
+            term_at,
+            term_record: Vec::new(),
+            from: LeadFrom::Leader {
+                session: claim.session,
+                subject: current.bounded_as(),
+            },
+            to: None,
+        };
+        let ended = marked
+            && self
+                .table
+                .seal()
+                .checked_write(self.table.log().lead(txn), |led| *led)
+                .await?
+                .0;
+        if ended {
+            Ok(())
+        } else {
+            Err(ArbiterError::NotLeader {
+                election: claim.election.to_string(),
+                session: claim.session,
+            })
+        }
+    }
+
+    /// The current leader, or `None` while vacant.
+    pub async fn leader(&self, election: &str) -> Result<Option<LeaderView>, ArbiterError> {
+        let read = self.read(election).await?;
+        Ok(read.lead.as_ref().map(|(r, _)| LeaderView::of(r)))
+    }
+
+    /// The candidates in the order they lead.
+    pub async fn candidates(&self, election: &str) -> Result<Vec<CandidateView>, ArbiterError> {
+        let read = self.read(election).await?;
+        Ok(read
+            .candidates
+            .iter()
+            .map(|c| CandidateView {
+                id: u64::try_from(c.created).unwrap_or(0),
+                identity: c.record.identity.clone(),
+                value: c.record.value.clone(),
+                priority: c.record.priority,
+                since_unix_ms: c.record.since_unix_ms,
+            })
+            .collect())
+    }
+
+    /// How many candidates the election has (for its bound).
+    pub async fn count_candidates(&self, election: &str) -> Result<usize, ArbiterError> {
+        Ok(self.read(election).await?.candidates.len())
+    }
+
+    /// Observes the election: its state now, then every change.
+    pub async fn observe(&self, election: &str, from_term: u64) -> Result<Observer, ArbiterError> {
+        self.observers.subscribe(election, from_term).await
+    }
+}
