@@ -70,6 +70,7 @@ pub fn arbiter(parts: ArbiterParts) -> (Arc<Arbiter>, Arc<OwnerHandle>) {
     let cluster = Arc::new(Cluster {
         tier: Tier::Entity,
         owner,
+        elections: Arc::new(crate::election::Elections::new(c.table.clone())),
         table: c.table.clone(),
         holds: c.holds,
         sessions: c.sessions,
@@ -104,6 +105,9 @@ pub fn arbiter(parts: ArbiterParts) -> (Arc<Arbiter>, Arc<OwnerHandle>) {
         metrics,
         bounds,
         admission,
+        election_calls: Arc::default(),
+        max_campaigns_per_subject: crate::table::DEFAULT_MAX_WAITERS_PER_IDENTITY,
+        max_leaderships: crate::hold_counts::DEFAULT_MAX_HOLDS_PER_IDENTITY,
     });
     (arbiter, Arc::new(OwnerHandle(cluster)))
 }

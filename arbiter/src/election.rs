@@ -47,7 +47,7 @@ use crate::error::ArbiterError;
 use crate::lock_log::{ElectionRead, Kv, LeadFrom, LeadTo, LeadTxn, ProclaimTxn, Queued};
 use crate::table::LockTable;
 
-pub use observe::{Observation, Observer};
+pub use observe::{Observation, Observer, Vacancy};
 
 /// How many candidate records one read returns: an election's candidates
 /// are bounded by its class's `maxWaitersPerKey` (at most this).

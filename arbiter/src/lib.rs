@@ -61,6 +61,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use latchkey_proto::adminv1::admin_server::AdminServer;
+use latchkey_proto::electionv1::election_service_server::ElectionServiceServer;
 use latchkey_proto::lockv1::lock_server::LockServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -331,6 +332,9 @@ pub async fn run(
         // Forwarded identities count only from the initial headers.
         .layer(identity::channel::IdentityChannelLayer)
         .add_service(LockServer::new(LockService::new(arbiter.clone())))
+        .add_service(ElectionServiceServer::new(
+            service::election::ElectionApi::new(arbiter.clone()),
+        ))
         .add_service(AdminServer::new(AdminService::new(arbiter.clone())))
         // Health Watch and reflection streams, bounded per identity and in all.
         .add_service(probes.health(health))

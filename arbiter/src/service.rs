@@ -5,6 +5,7 @@
 mod acquire;
 mod admin;
 mod close_session;
+pub(crate) mod election;
 mod inspect;
 mod keep_alive;
 mod open_session;
@@ -60,6 +61,11 @@ pub struct Arbiter {
     pub(crate) bounds: Arc<crate::bounds::Bounds>,
     /// New work's admission under overload: renewals first.
     pub(crate) admission: Arc<crate::overload::Admission>,
+    /// Campaign calls and Observe streams open here, per grant subject.
+    pub(crate) election_calls: Arc<election::OpenCalls>,
+    pub(crate) max_campaigns_per_subject: u32,
+    /// Leaderships per grant subject (a leadership counts like a hold).
+    pub(crate) max_leaderships: u32,
 }
 
 impl Arbiter {

@@ -258,6 +258,9 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         )),
         max_wait: config.max_wait,
         bounds,
+        election_calls: Arc::default(),
+        max_campaigns_per_subject: config.max_waiters_per_identity,
+        max_leaderships: config.max_holds_per_identity,
     }))
 }
 
@@ -428,6 +431,7 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
     Ok(tiers::Cluster {
         tier: spec.tier,
         owner: crate::owner::KeyOwner::new(table.clone(), holds.clone(), quorum.clone()),
+        elections: Arc::new(crate::election::Elections::new(table.clone())),
         table,
         holds,
         sessions,

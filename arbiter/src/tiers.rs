@@ -47,6 +47,8 @@ pub struct Cluster {
     /// Decides every grant, memory grant and release of this cluster's
     /// keys (issue 32): the handlers ask it, never the parts below.
     pub(crate) owner: crate::owner::KeyOwner,
+    /// Decides every election of this cluster (latchkey.election.v1).
+    pub(crate) elections: Arc<crate::election::Elections>,
     pub(crate) table: Arc<LockTable>,
     /// Holds per identity, counted from this cluster's log.
     pub(crate) holds: Arc<HoldCounts>,

@@ -10,6 +10,7 @@ mod cluster;
 mod deploy;
 mod durable_waiters;
 mod edge;
+mod elections;
 mod etcd_harness;
 mod etcd_members;
 mod etcd_tls;

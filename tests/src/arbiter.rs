@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use latchctl::dev_certs::{self, DevTrustDomain};
 use latchkey_proto::adminv1::admin_client::AdminClient;
+use latchkey_proto::electionv1::election_service_client::ElectionServiceClient;
 use latchkey_proto::lockv1::InspectRequest;
 use latchkey_proto::lockv1::lock_client::LockClient;
 use tempfile::TempDir;
@@ -315,6 +316,10 @@ impl Arbiter {
 
     pub async fn admin(&self, name: &str) -> anyhow::Result<AdminClient<Channel>> {
         Ok(AdminClient::new(channel(self.addr, name).await?))
+    }
+
+    pub async fn election(&self, name: &str) -> anyhow::Result<ElectionServiceClient<Channel>> {
+        Ok(ElectionServiceClient::new(channel(self.addr, name).await?))
     }
 
     /// Graceful stop; returns what `run` returned.

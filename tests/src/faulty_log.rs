@@ -573,6 +573,9 @@ impl latchkey_arbiter::lock_log::ElectionLog for FaultyLog {
     async fn proclaim(&self, txn: latchkey_arbiter::lock_log::ProclaimTxn<'_>) -> LogResult<bool> {
         self.inner.proclaim(txn).await
     }
+    async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {
+        self.inner.count_leaderships(subject).await
+    }
     async fn watch_election(
         &self,
         election: &str,
@@ -739,6 +742,10 @@ mod tests {
             txn: latchkey_arbiter::lock_log::ProclaimTxn<'_>,
         ) -> LogResult<bool> {
             let _ = txn;
+            Err(StoreError::unavailable("elections are not in this log yet"))
+        }
+        async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {
+            let _ = subject;
             Err(StoreError::unavailable("elections are not in this log yet"))
         }
         async fn watch_election(

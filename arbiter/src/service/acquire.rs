@@ -104,7 +104,7 @@ pub const MAX_INSTANCE_BYTES: usize = 128;
 /// The client instance a call names, checked: empty, or one line of at most
 /// [`MAX_INSTANCE_BYTES`] printable bytes (it is stored in the holder record
 /// and shown by `why`, the console and the audit trail).
-fn checked_instance(instance: &str) -> Result<String, ArbiterError> {
+pub(super) fn checked_instance(instance: &str) -> Result<String, ArbiterError> {
     if instance.is_empty() {
         return Ok(String::new());
     }
@@ -205,6 +205,14 @@ impl Arbiter {
             .to_string();
         let class = self.class(&policies, &req.class)?;
         scope.class(&class.name);
+        if class.kind != latchkey_policies::ClassKind::Lock {
+            return Err(ArbiterError::WrongKind {
+                class: super::truncate(&class.name, 64),
+                kind: "election",
+                wanted: "lock",
+                call: "Acquire",
+            });
+        }
         let session = session_id(req.session_id)?;
         let wait = WaitMode::try_from(req.wait)
             .map_err(|_| ArbiterError::BadRequest(format!("unknown wait mode {}", req.wait)))?;
