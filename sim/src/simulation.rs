@@ -129,6 +129,7 @@
 //! time, revision, call) for debugging a seed.
 
 mod config;
+mod elections;
 mod fences;
 mod idlog;
 mod memory;
@@ -153,6 +154,7 @@ use crate::memlog::{BatchCounts, FaultCounts, FaultRates, MemLog, MemLogConfig};
 use crate::rng::Rng;
 use crate::witness::{MemWitness, WitnessCalls};
 pub use config::{FaultKnobs, PRESETS, SimConfig};
+pub use elections::ElectionReport;
 pub use fences::FenceReport;
 pub use memory::MemoryReport;
 pub use nemesis::{COORD_RESTORE, LIVENESS_WINDOW};
@@ -189,6 +191,8 @@ pub struct SimRun {
     pub forced: ForcedEnds,
     /// The grants from memory during quorum losses, and what they broke.
     pub memory: MemoryReport,
+    /// The leaderships of the electors, and what they broke.
+    pub elections: ElectionReport,
     pub notes: Vec<String>,
 }
 
@@ -233,6 +237,7 @@ impl SimRun {
             && self.invalid_history.is_none()
             && self.fences.violations.is_empty()
             && self.memory.violations.is_empty()
+            && self.elections.violations.is_empty()
     }
 
     /// What went wrong, for people: the violations (the checker's report),
@@ -253,6 +258,9 @@ impl SimRun {
         }
         for v in &self.memory.violations {
             out.push_str(&format!("whole arbiter: {v}\n"));
+        }
+        for v in &self.elections.violations {
+            out.push_str(&format!("elections: {v}\n"));
         }
         out
     }
@@ -305,7 +313,7 @@ impl SimRun {
         });
         let (b, lb) = (self.batches, self.log_batches);
         format!(
-            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}{}{}, {}",
+            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}{}{}{}, {}",
             self.seed,
             self.ops,
             self.simulated.as_secs_f64(),
@@ -358,6 +366,14 @@ impl SimRun {
             } else {
                 String::new()
             },
+            if self.elections.leaderships > 0 {
+                format!(
+                    "; {} leaderships ({} waited for a term, {} handed over)",
+                    self.elections.leaderships, self.elections.waited, self.elections.handed_over
+                )
+            } else {
+                String::new()
+            },
             if self.ok() { "PASS" } else { "FAIL" }
         )
     }
@@ -388,6 +404,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
                 DurableStats::default(),
                 ForcedEnds::default(),
                 MemoryReport::default(),
+                ElectionReport::default(),
             ),
             FenceReport::default(),
         ),
@@ -415,6 +432,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         durable: batches.2,
         forced: batches.3,
         memory: batches.4,
+        elections: batches.5,
         fences,
     }
 }
@@ -432,6 +450,7 @@ type Outcome = (
         DurableStats,
         ForcedEnds,
         MemoryReport,
+        ElectionReport,
     ),
     FenceReport,
 );
@@ -475,6 +494,13 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             tokio::spawn(worker::run(world.clone(), i, Rng::new(seed)))
         })
         .collect();
+    // Drawn only with electors: the runs without them draw what they always drew.
+    let electors: Vec<JoinHandle<()>> = (0..cfg.electors)
+        .map(|i| {
+            let seed = rng.next_u64();
+            tokio::spawn(worker::elector::run(world.clone(), i, Rng::new(seed)))
+        })
+        .collect();
     let nemesis = tokio::spawn(nemesis::run(world.clone(), Rng::new(rng.next_u64())));
     // Drawn only when on: the runs without them draw what they always drew.
     let operators = cfg.faults.force_releases.then(|| {
@@ -514,7 +540,7 @@ async fn simulate(cfg: SimConfig) -> Outcome {
     // Workers finish their cycle, the nemesis its fault; whoever is still
     // busy a minute later is cut off (its operation stays pending).
     let drain_until = Instant::now() + Duration::from_secs(60);
-    for h in workers {
+    for h in workers.into_iter().chain(electors) {
         finish(h, drain_until).await;
     }
     if !finish(nemesis, drain_until).await && stuck.is_none() {
@@ -558,6 +584,7 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             *lock(&world.durable),
             *lock(&world.forced),
             lock(&world.memory).report(),
+            lock(&world.elections).report(),
         ),
         lock(&world.fences).report(),
     )

@@ -298,6 +298,12 @@ pub struct SimConfig {
     /// every 1–3 s until the fence deadline (what a renewal answered for a
     /// lease that was not renewed would let write too late).
     pub long_hold_percent: u32,
+    /// Simulated replicas campaigning in [`Self::elections`] elections
+    /// through the whole arbiter (latchkey.election.v1), judged by the
+    /// election ledger. Only with [`Self::whole_arbiter`].
+    pub electors: usize,
+    /// Elections `sim/e0` up to this one (exclusive).
+    pub elections: usize,
     pub faults: FaultKnobs,
 }
 
@@ -325,6 +331,8 @@ impl SimConfig {
             whole_arbiter: false,
             ttl_seconds: 5,
             long_hold_percent: 0,
+            electors: 0,
+            elections: 0,
             faults: FaultKnobs::all(),
         }
     }
@@ -402,6 +410,10 @@ impl SimConfig {
     ///   ([`SimConfig::whole_arbiter`]), half the keys open on quorum loss,
     ///   two durable, every fault, shard-map fences, force-releases and
     ///   quorum losses ([`FaultKnobs::quorum_loss`]).
+    /// - `elections`, `elections-three-arbiters`: the whole arbiter with
+    ///   every fault of `quorum-loss`, and electors ([`SimConfig::electors`])
+    ///   campaigning, proclaiming, resigning, transferring, crashing and
+    ///   freezing in 2 (3) elections beside the workers.
     /// - `renewal-outages`: the whole arbiter, every fault, force-releases,
     ///   windows in which no lease renewal succeeds for longer than a TTL
     ///   ([`FaultKnobs::renewal_outages`]), and 3% long holds writing until
@@ -448,6 +460,19 @@ impl SimConfig {
                 arbiters: 3,
                 clients: 12,
                 open_keys: 8,
+                faults: FaultKnobs::quorum_loss(),
+                ..Self::whole(base)
+            },
+            "elections" => Self {
+                electors: 6,
+                elections: 2,
+                faults: FaultKnobs::quorum_loss(),
+                ..Self::whole(base)
+            },
+            "elections-three-arbiters" => Self {
+                arbiters: 3,
+                electors: 8,
+                elections: 3,
                 faults: FaultKnobs::quorum_loss(),
                 ..Self::whole(base)
             },

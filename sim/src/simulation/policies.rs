@@ -21,6 +21,8 @@ pub(crate) const TRUST_DOMAIN: &str = "sim.test";
 pub(crate) const CLASS: &str = "sim";
 pub(crate) const DURABLE_CLASS: &str = "sim-durable";
 pub(crate) const OPEN_CLASS: &str = "sim-open";
+/// The electors' class (kind = "election", fenced like `sim`).
+pub(crate) const ELECTION_CLASS: &str = "sim-election";
 
 /// A worker's SPIFFE ID.
 pub(crate) fn identity(worker: usize) -> String {
@@ -45,10 +47,16 @@ pub(crate) fn write(dir: &Path, ttl_seconds: u32) -> std::io::Result<()> {
     );
     std::fs::write(dir.join("classes/sim.toml"), classes)?;
     std::fs::write(
+        dir.join("classes/sim-election.toml"),
+        format!(
+            "[[class]]\nname = \"{ELECTION_CLASS}\"\nkind = \"election\"\ndescription = \"The simulation's elections.\"\ntier = \"entity\"\nenforcement = \"fenced\"\nttlSeconds = {ttl_seconds}\nmaxWaitersPerKey = 16\n[class.pauseTest]\nresource = \"sim:memory\"\nresult = \"pause-tests/{ELECTION_CLASS}.json\"\n"
+        ),
+    )?;
+    std::fs::write(
         dir.join("grants/sim.toml"),
         format!("[[grant]]\nidentity = \"spiffe://{TRUST_DOMAIN}/w/*\"\nprefixes = [\"sim\"]\n"),
     )?;
-    for name in [CLASS, DURABLE_CLASS] {
+    for name in [CLASS, DURABLE_CLASS, ELECTION_CLASS] {
         let result = format!(
             "{{\"version\":1,\"class\":\"{name}\",\"resource\":\"sim:memory\",\"startedAt\":\"{today}T00:00:00Z\",\"finishedAt\":\"{today}T00:00:01Z\",\"outcome\":\"pass\",\"kit\":\"latchkey-sim\",\"evidence\":{{\"ttlSeconds\":{ttl_seconds},\"pausedForMs\":{},\"firstWrite\":\"accepted\",\"secondHolderWrite\":\"accepted\",\"secondTokenGreater\":true,\"staleWriteAfterResume\":\"rejected\",\"finalRowFrom\":\"second-holder\"}},\"failure\":null}}\n",
             u64::from(ttl_seconds) * 1000 + 500

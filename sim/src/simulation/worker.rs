@@ -24,6 +24,7 @@ use tokio::time::Instant;
 use super::world::{Arbiter, World, lock};
 
 mod calls;
+pub(crate) mod elector;
 mod renewals;
 use crate::rng::Rng;
 use calls::{Got, acquire, request};

@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDrop;
 
 use super::SimConfig;
+use super::elections::ElectionLedger;
 use super::fences::Fences;
 use super::idlog::IdLog;
 use super::memory::MemoryGrants;
@@ -187,6 +188,8 @@ pub(crate) struct World {
     /// The grants from memory during quorum losses, judged apart from the
     /// checker's history ([`MemoryGrants`]).
     pub(crate) memory: Mutex<MemoryGrants>,
+    /// The electors' leaderships ([`ElectionLedger`]).
+    pub(crate) elections: Mutex<ElectionLedger>,
     /// Where the arbiters' state directories are (removed at the end).
     pub(crate) scratch: PathBuf,
     /// The policy files the whole arbiter's handlers read.
@@ -263,6 +266,7 @@ impl World {
             follow_log,
             idlog,
             memory: Mutex::new(MemoryGrants::default()),
+            elections: Mutex::default(),
             policies,
             scratch,
             hook_host: assemble::idle_hook_host(),
