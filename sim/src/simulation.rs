@@ -129,7 +129,7 @@
 //! time, revision, call) for debugging a seed.
 
 mod config;
-mod elections;
+pub(crate) mod elections;
 mod fences;
 mod idlog;
 mod memory;

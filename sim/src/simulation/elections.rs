@@ -36,6 +36,18 @@ pub struct ElectionReport {
     pub violations: Vec<String>,
 }
 
+/// A leadership a Campaign answered: `term` and `token` to `process` on
+/// `session` at `now`; `waited`: the campaign waited for it.
+pub(crate) struct Delivery<'a> {
+    pub(crate) election: &'a str,
+    pub(crate) term: u64,
+    pub(crate) token: u64,
+    pub(crate) session: i64,
+    pub(crate) process: &'a str,
+    pub(crate) now: Instant,
+    pub(crate) waited: bool,
+}
+
 struct Led {
     term: u64,
     token: u64,
@@ -54,18 +66,17 @@ pub(crate) struct ElectionLedger {
 }
 
 impl ElectionLedger {
-    /// A Campaign answered `term` and `token` to `process` on `session` at
-    /// `now`; `handed_over`: the campaign waited through a hand-over.
-    pub(crate) fn delivered(
-        &mut self,
-        election: &str,
-        term: u64,
-        token: u64,
-        session: i64,
-        process: &str,
-        now: Instant,
-        waited: bool,
-    ) {
+    /// A Campaign answered a leadership.
+    pub(crate) fn delivered(&mut self, d: Delivery<'_>) {
+        let Delivery {
+            election,
+            term,
+            token,
+            session,
+            process,
+            now,
+            waited,
+        } = d;
         let ledger = self.by_election.entry(election.to_string()).or_default();
         if let Some(same) = ledger.iter().find(|l| l.token == token) {
             if same.term != term || same.session != session {
@@ -150,59 +161,40 @@ mod tests {
         pack(1, rev).unwrap_or_default()
     }
 
+    fn at(l: &mut ElectionLedger, term: u64, rev: i64, session: i64, secs: u64) {
+        let now = Instant::now() + std::time::Duration::from_secs(secs);
+        l.delivered(Delivery {
+            election: "e",
+            term,
+            token: token(rev),
+            session,
+            process: "w",
+            now,
+            waited: true,
+        });
+    }
+
     #[tokio::test(start_paused = true)]
     async fn two_leaders_acting_at_once_and_a_term_twice_are_found() {
         let mut l = ElectionLedger::default();
         let t0 = Instant::now();
-        l.delivered("e", 10, token(10), 1, "w1.1", t0, false);
+        at(&mut l, 10, 10, 1, 0);
         l.stopped("e", token(10), t0 + std::time::Duration::from_secs(1));
-        l.delivered(
-            "e",
-            11,
-            token(12),
-            2,
-            "w2.1",
-            t0 + std::time::Duration::from_secs(2),
-            true,
-        );
+        at(&mut l, 11, 12, 2, 2);
         assert!(
             l.report().violations.is_empty(),
             "{:?}",
             l.report().violations
         );
-        // w2 still acts: a third leader now is a violation.
-        l.delivered(
-            "e",
-            12,
-            token(14),
-            3,
-            "w3.1",
-            t0 + std::time::Duration::from_secs(3),
-            true,
-        );
+        // The second leader still acts: a third one now is a violation.
+        at(&mut l, 12, 14, 3, 3);
         assert_eq!(l.report().violations.len(), 1);
         // The same term again with another token.
-        l.delivered(
-            "e",
-            12,
-            token(15),
-            4,
-            "w4.1",
-            t0 + std::time::Duration::from_secs(4),
-            true,
-        );
+        at(&mut l, 12, 15, 4, 4);
         assert!(l.report().violations.len() >= 2);
         // The same leadership again (a re-campaign) is fine.
         let before = l.report().violations.len();
-        l.delivered(
-            "e",
-            12,
-            token(15),
-            4,
-            "w4.1",
-            t0 + std::time::Duration::from_secs(5),
-            false,
-        );
+        at(&mut l, 12, 15, 4, 5);
         assert_eq!(l.report().violations.len(), before);
     }
 }

@@ -27,6 +27,7 @@ use super::calls::request;
 use super::renewals::keep_alive;
 use super::{Renewer, Session};
 use crate::rng::Rng;
+use crate::simulation::elections::Delivery;
 use crate::simulation::policies::ELECTION_CLASS;
 use crate::simulation::world::{Arbiter, World, lock};
 
@@ -130,7 +131,7 @@ async fn elect(world: &Arc<World>, identity: &str, process: &str, rng: &mut Rng,
             election: election.clone(),
             class: ELECTION_CLASS.into(),
             session_id: id,
-            value: format!("{process}"),
+            value: process.to_string(),
             priority: u32::try_from(rng.below(3)).unwrap_or(0),
             instance: String::new(),
         };
@@ -158,15 +159,15 @@ async fn elect(world: &Arc<World>, identity: &str, process: &str, rng: &mut Rng,
         };
         let now = Instant::now();
         let waited = now > invoked + Duration::from_millis(1);
-        lock(&world.elections).delivered(
-            &election,
-            leadership.term,
-            leadership.token,
-            id,
+        lock(&world.elections).delivered(Delivery {
+            election: &election,
+            term: leadership.term,
+            token: leadership.token,
+            session: id,
             process,
             now,
             waited,
-        );
+        });
         let end = match rng.below(100) {
             0..=49 => End::Resign,
             50..=69 => End::Transfer,
