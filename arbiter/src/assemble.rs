@@ -105,7 +105,8 @@ pub fn arbiter(parts: ArbiterParts) -> (Arc<Arbiter>, Arc<OwnerHandle>) {
         metrics,
         bounds,
         admission,
-        election_calls: Arc::default(),
+        campaign_calls: Arc::default(),
+        observe_calls: Arc::default(),
         max_campaigns_per_subject: crate::table::DEFAULT_MAX_WAITERS_PER_IDENTITY,
         max_leaderships: crate::hold_counts::DEFAULT_MAX_HOLDS_PER_IDENTITY,
     });

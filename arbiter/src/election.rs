@@ -6,27 +6,30 @@
 //!
 //! The records (`latchkey_records::Layout::election`):
 //! - the **leader record** `e/<name>//lead` on the leader's session lease:
-//!   who leads, the term, the value (a proclamation rewrites it);
-//! - the **term record** `e/<name>//term`, on no lease: how many terms the
-//!   election has had in this epoch, and how the last one ended when it
-//!   ended by a write. Every transaction that starts or ends a term writes
-//!   it and compares its mod revision, and nothing else writes it, so its
-//!   mod revision names the current leadership: it is the token's revision;
+//!   who leads, the epoch and count of its term, the value (a proclamation
+//!   rewrites it);
+//! - the **term record** `e/<name>//term`, on no lease: the election's
+//!   leaderships in this epoch, and how the last term ended when a write
+//!   ended it. Every transaction that starts or ends a term writes it and
+//!   compares its mod revision, nothing else writes it, and only an epoch
+//!   advance deletes it, so such a transaction sees every term start since
+//!   its read, and while a leader leads, the record's mod revision is the
+//!   leadership's (its token's revision);
 //! - **candidate records** `e/<name>//c/<rank>/<lease>` on the candidates'
 //!   session leases, in the order they lead: priority, then arrival.
 //!
 //! Safety is the leadership transaction's ([`LeadTxn`]) alone: one leader
 //! record, started only over a vacancy or over the exact leadership it
 //! ends, at a term record that has not moved. A term is therefore led by
-//! one session, terms rise by one per leadership, and the token (the
-//! commit's revision, in the epoch) is above every earlier grant of the
-//! cluster; a restore is caught by the table's seal like any grant, and an
-//! epoch advance deletes every election's records, so terms go on from the
-//! new epoch's range (`epoch * 2^32 + count`). Candidates only order who is
-//! tried next: a candidate's own campaign call leads it, over a vacancy,
-//! when it is the first candidate; a resignation or transfer hands over to
-//! a candidate in the same transaction, and that candidate's call finds
-//! itself leading.
+//! one session, and a term's count is one above the last (the term is
+//! `epoch * 2^32 + count`); the token (the commit's revision, in the epoch
+//! the transaction compared) is above every earlier grant of the cluster.
+//! A restore is caught by the table's seal like any grant, and an epoch
+//! advance deletes every election's records, so terms go on from the new
+//! epoch's range. Candidates only order who is tried next: a candidate's
+//! own campaign call leads it, over a vacancy, when it is the first
+//! candidate; a resignation or transfer hands over to a candidate in the
+//! same transaction, and that candidate's call finds itself leading.
 
 mod observe;
 
@@ -36,7 +39,7 @@ use std::time::Duration;
 
 use latchkey_records::token::pack;
 use latchkey_records::{
-    CandidateRecord, LeadRecord, SessionRecord, TermRecord, decode, encode, now_unix_ms, term_of,
+    CandidateRecord, LeadRecord, SessionRecord, TermEnd, TermRecord, decode, encode, now_unix_ms,
 };
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -87,7 +90,7 @@ impl LeaderView {
         Self {
             identity: record.identity.clone(),
             value: record.value.clone(),
-            term: record.term,
+            term: record.term(),
             since_unix_ms: record.since_unix_ms,
             priority: record.priority,
         }
@@ -103,12 +106,6 @@ pub struct CandidateView {
     pub value: String,
     pub priority: u32,
     pub since_unix_ms: i64,
-}
-
-/// The term of `count` in `state`'s epoch, or a refusal out of range.
-fn term(state: &EpochState, count: u64) -> Result<u64, ArbiterError> {
-    term_of(state.epoch(), count)
-        .ok_or_else(|| ArbiterError::internal("the election's term is outside the token range"))
 }
 
 /// A campaign, checked by the handler.
@@ -128,6 +125,10 @@ pub struct Campaign {
     pub wait: Duration,
     /// How many leaderships the grant subject may have.
     pub max_leaderships: u32,
+    /// How many elections' term records the grant subject may have made.
+    pub max_elections: u32,
+    /// How many candidates the election may have (its class's).
+    pub max_candidates: u32,
 }
 
 impl Campaign {
@@ -160,6 +161,42 @@ pub enum TransferTo {
     Preferred,
 }
 
+/// A standing candidacy: withdrawn when its call ends without leading,
+/// however it ends (a call the client cancelled is dropped mid-wait, so
+/// the withdrawal runs on a task of its own).
+struct Candidacy {
+    log: Arc<dyn crate::lock_log::LockLog>,
+    election: String,
+    session: i64,
+    priority: u32,
+    /// The record's last write as last read.
+    modified: i64,
+    /// The call answered (led, or withdrew the record itself).
+    led: bool,
+}
+
+impl Drop for Candidacy {
+    fn drop(&mut self) {
+        if self.led {
+            return;
+        }
+        let log = self.log.clone();
+        let (election, session, priority, modified) = (
+            std::mem::take(&mut self.election),
+            self.session,
+            self.priority,
+            self.modified,
+        );
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                // Best effort: a record left behind ends with its session,
+                // or as a stale head.
+                let _ = log.withdraw(&election, session, priority, modified).await;
+            });
+        }
+    }
+}
+
 /// One candidate record, decoded, with its place.
 #[derive(Debug, Clone)]
 struct Standing {
@@ -175,8 +212,6 @@ struct Read {
     /// In the order they lead.
     candidates: Vec<Standing>,
     revision: i64,
-    /// The epoch the read is judged in (set by readers that need it).
-    epoch: u32,
 }
 
 impl Read {
@@ -212,31 +247,27 @@ impl Read {
             term,
             candidates: candidates.into_iter().map(|(_, s)| s).collect(),
             revision,
-            epoch: 0,
         })
     }
 
     /// The term record's mod revision (0: absent) and count.
-    fn term_at(&self) -> (i64, u64) {
+    fn term_at(&self) -> (i64, u32) {
         self.term
             .as_ref()
             .map_or((0, 0), |(r, kv)| (kv.mod_revision, r.count))
     }
 
-    /// The count of a term that starts now: one more than the current one
-    /// (a hand-over), and over a vacancy at least the revision read at,
-    /// which is above every count written before it.
-    fn next_count(&self) -> Result<u64, ArbiterError> {
-        let after = self
-            .term_at()
+    /// The count of the term that starts next: one more than the last.
+    fn next_count(&self) -> Result<u32, ArbiterError> {
+        self.term_at()
             .1
             .checked_add(1)
-            .ok_or_else(|| ArbiterError::internal("the election's term count is exhausted"))?;
-        let read_at = u64::try_from(self.revision).unwrap_or(0);
-        Ok(match self.lead {
-            Some(_) => after,
-            None => after.max(read_at),
-        })
+            .ok_or_else(|| ArbiterError::internal("the election's term count is exhausted"))
+    }
+
+    /// The grant subject the term record counts against.
+    fn term_subject(&self) -> Option<&str> {
+        self.term.as_ref().map(|(r, _)| r.subject.as_str())
     }
 
     /// `session`'s leadership, if it leads: the leader record names it and
@@ -285,22 +316,34 @@ impl Elections {
         Read::of(read, header.revision)
     }
 
-    /// The leadership `record` names, for `session`, made durable (the high-
-    /// water mark and the witness) before its token leaves.
+    /// The leadership `record` names, at `revision` (the term record's),
+    /// made durable (the high-water mark and the witness) before its token
+    /// leaves. The token and the term are in the epoch the leadership's
+    /// transaction compared (the record's): an arbiter that has not seen an
+    /// advance yet reads the epoch again rather than answer another.
     async fn deliver(
         &self,
-        state: &EpochState,
         election: &str,
         record: &LeadRecord,
         revision: i64,
     ) -> Result<Leadership, ArbiterError> {
-        self.table.seal().make_durable(state, revision).await?;
-        let token = pack(state.epoch(), revision).ok_or_else(|| {
+        let mut state = self.table.seal().serving_epoch().await?;
+        if state.epoch() != record.epoch {
+            self.table.seal().load_epoch().await?;
+            state = self.table.seal().serving()?;
+            if state.epoch() != record.epoch {
+                return Err(ArbiterError::store(
+                    "the election's leadership is of another epoch than this arbiter serves; retry",
+                ));
+            }
+        }
+        self.table.seal().make_durable(&state, revision).await?;
+        let token = pack(record.epoch, revision).ok_or_else(|| {
             ArbiterError::internal("the epoch or revision is outside the token range")
         })?;
         Ok(Leadership {
             election: election.to_string(),
-            term: record.term,
+            term: record.term(),
             token,
             session: record.session,
             value: record.value.clone(),
@@ -309,20 +352,65 @@ impl Elections {
 
     /// Stands for the election and waits to lead, at most `c.wait`. A
     /// session that leads already gets its leadership back. The candidacy
-    /// ends with the call, led or not.
+    /// ends with the call, led or not, however the call ends (a cancelled
+    /// call's record is removed by a task of its own).
     pub async fn campaign(&self, c: &Campaign) -> Result<Leadership, ArbiterError> {
         let until = Instant::now() + c.wait;
-        let state = self.table.seal().serving_epoch().await?;
+        self.table.seal().serving_epoch().await?;
         let read = self.read(&c.election).await?;
         if let Some(record) = read.led_by(&c.identity, c.session) {
             let revision = read.term_at().0;
             let record = record.clone();
-            return self.deliver(&state, &c.election, &record, revision).await;
+            return self.deliver(&c.election, &record, revision).await;
         }
+        self.admit(c, &read).await?;
+        let stood = self.stand(c).await?;
+        // From here the call waits for its turn: it is no longer new work.
+        crate::overload::parked();
+        let mut candidacy = Candidacy {
+            log: self.table.log().clone(),
+            election: c.election.clone(),
+            session: c.session,
+            priority: c.priority,
+            modified: stood.modified,
+            led: false,
+        };
+        let outcome = self.wait_to_lead(c, &mut candidacy, until).await;
+        if outcome.is_err() {
+            // Answered without leading: gone before the answer is (best
+            // effort: a record left behind ends with its session, or as a
+            // stale head).
+            let _ = self
+                .table
+                .log()
+                .withdraw(&c.election, c.session, c.priority, candidacy.modified)
+                .await;
+        }
+        candidacy.led = true;
+        outcome
+    }
+
+    /// The bounds a campaign passes before it stands: the election's
+    /// candidates (its class's `maxWaitersPerKey`), the subject's
+    /// leaderships, and, for an election never led in this epoch, the term
+    /// records the subject made.
+    async fn admit(&self, c: &Campaign, read: &Read) -> Result<(), ArbiterError> {
+        let standing = read
+            .candidates
+            .iter()
+            .filter(|s| s.record.session != c.session)
+            .count();
+        if standing >= c.max_candidates as usize {
+            return Err(ArbiterError::QueueFull {
+                key: c.election.clone(),
+                limit: c.max_candidates,
+            });
+        }
+        let log = self.table.log();
         let (led, _) = self
             .table
             .seal()
-            .checked(self.table.log().count_leaderships(c.subject()))
+            .checked(log.count_leaderships(c.subject()))
             .await?;
         if led >= i64::from(c.max_leaderships) {
             return Err(ArbiterError::IdentityLimit {
@@ -330,18 +418,20 @@ impl Elections {
                 limit: c.max_leaderships,
             });
         }
-        let mut stood = self.stand(c).await?;
-        let outcome = self.wait_to_lead(c, &mut stood, until).await;
-        if outcome.is_err() {
-            // Best effort: a record left behind ends with the session, or
-            // as a stale head.
-            let _ = self
+        if read.term.is_none() {
+            let (made, _) = self
                 .table
-                .log()
-                .withdraw(&c.election, c.session, c.priority, stood.modified)
-                .await;
+                .seal()
+                .checked(log.count_elections(c.subject()))
+                .await?;
+            if made >= i64::from(c.max_elections) {
+                return Err(ArbiterError::IdentityLimit {
+                    bound: crate::error::IdentityBound::Elections,
+                    limit: c.max_elections,
+                });
+            }
         }
-        outcome
+        Ok(())
     }
 
     async fn stand(&self, c: &Campaign) -> Result<Queued, ArbiterError> {
@@ -397,7 +487,7 @@ impl Elections {
     async fn wait_to_lead(
         &self,
         c: &Campaign,
-        stood: &mut Queued,
+        candidacy: &mut Candidacy,
         until: Instant,
     ) -> Result<Leadership, ArbiterError> {
         let log = self.table.log();
@@ -410,35 +500,39 @@ impl Elections {
                 // over by a resignation or a transfer.
                 let record = record.clone();
                 let revision = read.term_at().0;
-                debug!(election = %c.election, term = record.term, "leads");
-                return self.deliver(&state, &c.election, &record, revision).await;
+                return self.deliver(&c.election, &record, revision).await;
             }
+            let timed_out = || ArbiterError::WaitTimeout {
+                key: c.election.clone(),
+            };
             match read.standing(c.session) {
-                Some(s) => {
-                    stood.modified = s.modified;
-                }
+                Some(s) => candidacy.modified = s.modified,
                 None => {
                     // Removed (an epoch advance, or taken for stale): stand
-                    // again, at the back.
-                    *stood = self.stand(c).await?;
+                    // again, at the back, unless the call's time is up.
+                    if Instant::now() >= until {
+                        return Err(timed_out());
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    candidacy.modified = self.stand(c).await?.modified;
                     continue;
                 }
             }
-            if read.lead.is_none()
-                && let Some(first) = self.first_live(&c.election, &read)
-            {
+            if read.lead.is_some() {
+                self.forget_heads(&c.election);
+            } else if let Some(first) = read.candidates.first() {
                 if first.record.session == c.session {
-                    if self.lead_vacancy(c, &state, &read, first).await? {
-                        continue;
+                    if !self.lead_vacancy(c, &state, &read, first).await? {
+                        // Moved under us, or this arbiter's epoch or fence
+                        // is behind: read them again before the next try.
+                        self.table.seal().load_epoch().await?;
                     }
-                } else {
-                    self.remove_if_stale(&c.election, first).await;
+                    continue;
                 }
+                self.remove_if_stale(&c.election, first).await;
             }
             if Instant::now() >= until {
-                return Err(ArbiterError::WaitTimeout {
-                    key: c.election.clone(),
-                });
+                return Err(timed_out());
             }
             if watch.is_none() {
                 watch = log
@@ -448,12 +542,7 @@ impl Elections {
             }
             let hint = async {
                 match watch.as_mut() {
-                    Some(w) => {
-                        if matches!(w.next().await, crate::lock_log::FollowSignal::Lost) {
-                            return false;
-                        }
-                        true
-                    }
+                    Some(w) => !matches!(w.next().await, crate::lock_log::FollowSignal::Lost),
                     None => std::future::pending().await,
                 }
             };
@@ -463,12 +552,6 @@ impl Elections {
                 () = tokio::time::sleep_until(until) => {}
             }
         }
-    }
-
-    /// The first candidate that is not a stale head this arbiter already
-    /// removed or is about to.
-    fn first_live<'r>(&self, _election: &str, read: &'r Read) -> Option<&'r Standing> {
-        read.candidates.first()
     }
 
     /// Leads over a vacancy: whether the transaction committed (the next
@@ -486,24 +569,30 @@ impl Elections {
             identity: c.identity.clone(),
             session: c.session,
             class: c.class.clone(),
-            term: term(state, count)?,
+            epoch: state.epoch(),
+            count,
             value: me.record.value.clone(),
             priority: me.record.priority,
             since_unix_ms: now_unix_ms(),
             instance: c.instance.clone(),
             bound: c.bound.clone(),
-            resigning: false,
         };
         let session_record = encode(&SessionRecord {
             identity: c.identity.clone(),
             ttl_seconds: c.ttl_seconds,
         });
+        let subject = read.term_subject().unwrap_or(c.subject()).to_string();
         let txn = LeadTxn {
             election: &c.election,
             epoch: &state.bytes,
             fence_at: state.fence_at,
             term_at,
-            term_record: encode(&TermRecord { count }),
+            term_record: encode(&TermRecord {
+                count,
+                ended: None,
+                subject: subject.clone(),
+            }),
+            creates_for: (term_at == 0).then_some(subject.as_str()),
             from: LeadFrom::Vacant,
             to: Some(LeadTo {
                 session: c.session,
@@ -522,6 +611,12 @@ impl Elections {
         Ok(led)
     }
 
+    /// Forgets the heads seen in `election` (it has a leader: the next
+    /// vacancy's first candidate is timed afresh).
+    fn forget_heads(&self, election: &str) {
+        self.heads.lock().retain(|(e, _), _| e != election);
+    }
+
     /// Removes `head`'s record when it has stood first over a vacancy,
     /// unchanged, for longer than its call waits and [`STALE_AFTER`]: its
     /// call is gone (its arbiter died) while its session lives.
@@ -530,6 +625,8 @@ impl Elections {
         let now = Instant::now();
         let seen = {
             let mut heads = self.heads.lock();
+            // Only the first candidate of each vacancy is timed.
+            heads.retain(|(e, s), _| e != election || *s == head.record.session);
             heads.retain(|_, (_, at)| now.duration_since(*at) < Duration::from_secs(3_600));
             let entry = heads.entry(key.clone()).or_insert((head.modified, now));
             if entry.0 != head.modified {
@@ -543,15 +640,15 @@ impl Elections {
         }
         let removed = self
             .table
-            .log()
-            .withdraw(
+            .seal()
+            .checked(self.table.log().withdraw(
                 election,
                 head.record.session,
                 head.record.priority,
                 head.modified,
-            )
+            ))
             .await;
-        if matches!(removed, Ok(ref a) if a.value) {
+        if matches!(removed, Ok((true, _))) {
             debug!(election, "removed a stale candidate record");
         }
         self.heads.lock().remove(&key);
@@ -559,56 +656,56 @@ impl Elections {
 
     /// The caller's current leadership, read and checked: `NotLeader`
     /// unless the leader record names the caller's identity and session on
-    /// its lease and the term record is at the token's revision.
+    /// its lease, in the token's epoch, and the term record is at the
+    /// token's revision.
     async fn current(&self, claim: &Claim<'_>) -> Result<(EpochState, Read), ArbiterError> {
         let state = self.table.seal().serving_epoch().await?;
         let read = self.read(claim.election).await?;
-        let not_leader = || ArbiterError::NotLeader {
-            election: claim.election.to_string(),
-            session: claim.session,
-        };
         let (epoch, revision) = latchkey_records::token::unpack(claim.token);
-        if read.led_by(claim.identity, claim.session).is_none()
-            || epoch != state.epoch()
-            || read.term_at().0 != revision
-        {
-            return Err(not_leader());
+        match read.led_by(claim.identity, claim.session) {
+            Some(lead) if lead.epoch == epoch && read.term_at().0 == revision => Ok((state, read)),
+            _ => Err(ArbiterError::NotLeader {
+                election: claim.election.to_string(),
+                session: claim.session,
+            }),
         }
-        Ok((state, read))
     }
 
     /// Replaces the leader's value, if the claimed leadership is current.
     pub async fn proclaim(&self, claim: &Claim<'_>, value: &str) -> Result<(), ArbiterError> {
-        let (state, read) = self.current(claim).await?;
-        let Some((lead, _)) = &read.lead else {
-            return Err(ArbiterError::internal(
-                "a current leadership without its record",
-            ));
-        };
-        let record = LeadRecord {
-            value: value.to_string(),
-            ..lead.clone()
-        };
-        let txn = ProclaimTxn {
-            election: claim.election,
-            session: claim.session,
-            term_at: read.term_at().0,
-            epoch: &state.bytes,
-            lead_record: encode(&record),
-        };
-        let (done, _) = self
-            .table
-            .seal()
-            .checked_write(self.table.log().proclaim(txn), |done| *done)
-            .await?;
-        if done {
-            Ok(())
-        } else {
-            Err(ArbiterError::NotLeader {
-                election: claim.election.to_string(),
+        for _ in 0..2 {
+            let (state, read) = self.current(claim).await?;
+            let Some((lead, _)) = &read.lead else {
+                return Err(ArbiterError::internal(
+                    "a current leadership without its record",
+                ));
+            };
+            let record = LeadRecord {
+                value: value.to_string(),
+                ..lead.clone()
+            };
+            let txn = ProclaimTxn {
+                election: claim.election,
                 session: claim.session,
-            })
+                term_at: read.term_at().0,
+                epoch: &state.bytes,
+                lead_record: encode(&record),
+            };
+            let (done, _) = self
+                .table
+                .seal()
+                .checked_write(self.table.log().proclaim(txn), |done| *done)
+                .await?;
+            if done {
+                return Ok(());
+            }
+            // The leadership moved, or this arbiter's epoch is behind.
+            self.table.seal().load_epoch().await?;
         }
+        Err(ArbiterError::NotLeader {
+            election: claim.election.to_string(),
+            session: claim.session,
+        })
     }
 
     /// Ends the claimed leadership: the first candidate leads in the same
@@ -629,8 +726,9 @@ impl Elections {
         }
     }
 
-    /// Resign (`to` = None: the first candidate, or a vacancy) or transfer.
-    /// Read again and retried while the candidates move under it.
+    /// Resign (`to` = None: the first candidate, or a vacancy) or transfer,
+    /// in one transaction. Read again and retried while the candidates move
+    /// under it.
     async fn hand_over(
         &self,
         claim: &Claim<'_>,
@@ -643,12 +741,17 @@ impl Elections {
                     "a current leadership without its record",
                 ));
             };
+            // Never back to the resigning session (a record it left at
+            // another priority).
+            let mut others = read
+                .candidates
+                .iter()
+                .filter(|c| c.record.session != claim.session);
             let next = match to {
-                None | Some(TransferTo::Preferred) => read.candidates.first(),
-                Some(TransferTo::Candidate(id)) => read
-                    .candidates
-                    .iter()
-                    .find(|c| u64::try_from(c.created).ok() == Some(id)),
+                None | Some(TransferTo::Preferred) => others.next(),
+                Some(TransferTo::Candidate(id)) => {
+                    others.find(|c| u64::try_from(c.created).ok() == Some(id))
+                }
             };
             if to.is_some() && next.is_none() {
                 return Err(ArbiterError::NoCandidate(match to {
@@ -662,47 +765,60 @@ impl Elections {
                     ),
                 }));
             }
-            let Some(next) = next else {
-                return self
-                    .vacate(claim, &state, &read, current)
-                    .await
-                    .map(|()| None);
-            };
-            let count = read.next_count()?;
-            let lead = LeadRecord {
-                identity: next.record.identity.clone(),
-                session: next.record.session,
-                class: next.record.class.clone(),
-                term: term(&state, count)?,
-                value: next.record.value.clone(),
-                priority: next.record.priority,
-                since_unix_ms: now_unix_ms(),
-                instance: next.record.instance.clone(),
-                bound: next.record.bound.clone(),
-                resigning: false,
-            };
-            let subject = if next.record.bound.is_empty() {
-                &next.record.identity
-            } else {
-                &next.record.bound
+            let (term_at, count) = read.term_at();
+            let subject = read
+                .term_subject()
+                .unwrap_or(current.bounded_as())
+                .to_string();
+            let (term_record, lead) = match next {
+                Some(n) => {
+                    let count = read.next_count()?;
+                    let lead = LeadRecord {
+                        identity: n.record.identity.clone(),
+                        session: n.record.session,
+                        class: n.record.class.clone(),
+                        epoch: state.epoch(),
+                        count,
+                        value: n.record.value.clone(),
+                        priority: n.record.priority,
+                        since_unix_ms: now_unix_ms(),
+                        instance: n.record.instance.clone(),
+                        bound: n.record.bound.clone(),
+                    };
+                    let term = TermRecord {
+                        count,
+                        ended: None,
+                        subject,
+                    };
+                    (term, Some((n, lead)))
+                }
+                None => (
+                    TermRecord {
+                        count,
+                        ended: Some(TermEnd::Resigned),
+                        subject,
+                    },
+                    None,
+                ),
             };
             let txn = LeadTxn {
                 election: claim.election,
                 epoch: &state.bytes,
                 fence_at: state.fence_at,
-                term_at: read.term_at().0,
-                term_record: encode(&TermRecord { count }),
+                term_at,
+                term_record: encode(&term_record),
+                creates_for: None,
                 from: LeadFrom::Leader {
                     session: claim.session,
                     subject: current.bounded_as(),
                 },
-                to: Some(LeadTo {
-                    session: next.record.session,
-                    priority: next.record.priority,
-                    created: next.created,
-                    lead_record: encode(&lead),
+                to: lead.as_ref().map(|(n, record)| LeadTo {
+                    session: n.record.session,
+                    priority: n.record.priority,
+                    created: n.created,
+                    lead_record: encode(record),
                     session_record: None,
-                    subject,
+                    subject: n.record.bounded_as(),
                 }),
             };
             match self
@@ -712,80 +828,27 @@ impl Elections {
                 .await
             {
                 Ok((true, header)) => {
-                    // The next leader's token is this revision.
-                    self.table
-                        .seal()
-                        .make_durable(&state, header.revision)
-                        .await?;
-                    return Ok(Some(LeaderView::of(&lead)));
+                    if lead.is_some() {
+                        // The next leader's token is this revision.
+                        self.table
+                            .seal()
+                            .make_durable(&state, header.revision)
+                            .await?;
+                    }
+                    return Ok(lead.map(|(_, record)| LeaderView::of(&record)));
                 }
-                // Moved under us, or the next candidate's session ended
-                // under us: read again.
-                Ok((false, _)) | Err(ArbiterError::SessionExpired { .. }) => {}
+                // Moved under us, this arbiter's epoch or fence is behind,
+                // or the next candidate's session ended under us: read
+                // again.
+                Ok((false, _)) | Err(ArbiterError::SessionExpired { .. }) => {
+                    self.table.seal().load_epoch().await?;
+                }
                 Err(e) => return Err(e),
             }
         }
         Err(ArbiterError::store(
             "the election's candidates kept changing during the hand-over; retry",
         ))
-    }
-
-    /// Ends the claimed leadership with no one to take over: the leader
-    /// record is marked as resigning (so observers tell a resignation from
-    /// an expiry), then deleted with its term record, each compared.
-    async fn vacate(
-        &self,
-        claim: &Claim<'_>,
-        state: &EpochState,
-        read: &Read,
-        current: &LeadRecord,
-    ) -> Result<(), ArbiterError> {
-        let term_at = read.term_at().0;
-        let marked = LeadRecord {
-            resigning: true,
-            ..current.clone()
-        };
-        let (marked, _) = self
-            .table
-            .seal()
-            .checked_write(
-                self.table.log().proclaim(ProclaimTxn {
-                    election: claim.election,
-                    session: claim.session,
-                    term_at,
-                    epoch: &state.bytes,
-                    lead_record: encode(&marked),
-                }),
-                |done| *done,
-            )
-            .await?;
-        let txn = LeadTxn {
-            election: claim.election,
-            epoch: &state.bytes,
-            fence_at: state.fence_at,
-            term_at,
-            term_record: Vec::new(),
-            from: LeadFrom::Leader {
-                session: claim.session,
-                subject: current.bounded_as(),
-            },
-            to: None,
-        };
-        let ended = marked
-            && self
-                .table
-                .seal()
-                .checked_write(self.table.log().lead(txn), |led| *led)
-                .await?
-                .0;
-        if ended {
-            Ok(())
-        } else {
-            Err(ArbiterError::NotLeader {
-                election: claim.election.to_string(),
-                session: claim.session,
-            })
-        }
     }
 
     /// The current leader, or `None` while vacant.

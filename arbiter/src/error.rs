@@ -309,6 +309,8 @@ pub enum IdentityBound {
     Observers,
     /// Campaign calls waiting at this arbiter.
     Campaigns,
+    /// Elections whose term records the subject made.
+    Elections,
     /// Bytes of the quorum-loss spool (a share of
     /// `--quorum-loss-spool-bytes`), so one identity cannot fill it for all.
     Spool,
@@ -325,6 +327,9 @@ impl IdentityBound {
             ),
             Self::Observers => format!(
                 "this identity has {limit} Observe streams open at this arbiter; observe each election once and share the stream"
+            ),
+            Self::Elections => format!(
+                "this identity has started {limit} elections (each keeps its term record until an epoch advance, so that terms never go back); campaign in the elections it has, under fewer names"
             ),
             Self::Campaigns => format!(
                 "this identity has {limit} Campaign calls waiting at this arbiter; one campaign per election and session is enough"
@@ -347,6 +352,7 @@ impl IdentityBound {
             Self::Leaderships => "leaderships",
             Self::Observers => "observers",
             Self::Campaigns => "campaigns",
+            Self::Elections => "elections",
         }
     }
 }

@@ -753,11 +753,13 @@ pub struct LeadTo<'a> {
 /// the epoch record's bytes are `epoch`, there is no seal, the shard-map
 /// fence is at `fence_at`, the term record is at `term_at` (its mod
 /// revision; 0: absent), `from` holds and `to`'s candidate record is there.
-/// With a `to`, it puts the term record (`term_record`), the leader record
-/// and the subject's entry on `to`'s lease and deletes its candidate
-/// record; with none (a resignation without successor) it deletes the
-/// leader and term records. Either way the ending leadership's entry goes.
-/// The commit's revision is the new leadership's (its token's).
+/// It puts the term record (`term_record`, on no lease; with `creates_for`,
+/// the first, and that subject's entry for it too). With a `to`, it puts
+/// the leader record and the subject's leadership entry on `to`'s lease
+/// and deletes its candidate record; with none (a resignation without
+/// successor) it deletes the leader record. Either way the ending
+/// leadership's entry goes. The commit's revision is the new leadership's
+/// (its token's).
 #[derive(Debug, Clone)]
 pub struct LeadTxn<'a> {
     pub election: &'a str,
@@ -765,6 +767,9 @@ pub struct LeadTxn<'a> {
     pub fence_at: i64,
     pub term_at: i64,
     pub term_record: Vec<u8>,
+    /// The grant subject whose entry the first term record gets (only when
+    /// `term_at` is 0).
+    pub creates_for: Option<&'a str>,
     pub from: LeadFrom<'a>,
     pub to: Option<LeadTo<'a>>,
 }
@@ -821,6 +826,8 @@ pub trait ElectionLog: Send + Sync + 'static {
     /// How many leaderships grant subject `subject` has (a count-only read
     /// of its entries).
     async fn count_leaderships(&self, subject: &str) -> LogResult<i64>;
+    /// How many elections' term records grant subject `subject` made.
+    async fn count_elections(&self, subject: &str) -> LogResult<i64>;
     /// Every change of `election`'s records from `from_revision` on, with
     /// the deleted values (keys below the election's prefix: `lead`,
     /// `term`, `c/...`).

@@ -62,7 +62,8 @@ pub struct Arbiter {
     /// New work's admission under overload: renewals first.
     pub(crate) admission: Arc<crate::overload::Admission>,
     /// Campaign calls and Observe streams open here, per grant subject.
-    pub(crate) election_calls: Arc<election::OpenCalls>,
+    pub(crate) campaign_calls: Arc<election::OpenCalls>,
+    pub(crate) observe_calls: Arc<election::OpenCalls>,
     pub(crate) max_campaigns_per_subject: u32,
     /// Leaderships per grant subject (a leadership counts like a hold).
     pub(crate) max_leaderships: u32,

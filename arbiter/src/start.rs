@@ -258,7 +258,8 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
         )),
         max_wait: config.max_wait,
         bounds,
-        election_calls: Arc::default(),
+        campaign_calls: Arc::default(),
+        observe_calls: Arc::default(),
         max_campaigns_per_subject: config.max_waiters_per_identity,
         max_leaderships: config.max_holds_per_identity,
     }))

@@ -29,6 +29,9 @@ pub const MAX_WAITERS_PER_KEY_LIMIT: u32 = 10_000;
 /// Class names are metrics labels and CRD names; keep them short.
 pub const MAX_CLASS_NAME_BYTES: usize = 63;
 
+/// How many candidates an election class may allow (`maxWaitersPerKey`).
+pub const MAX_ELECTION_CANDIDATES: u32 = 1_024;
+
 /// How many key namespaces one coord-tier class may list.
 pub const MAX_CLASS_NAMESPACES: usize = 64;
 
@@ -374,6 +377,18 @@ impl LockClass {
             return Err(ClassError::NotForElections {
                 field: "fairness",
                 why: "candidates always wait in the lock log, ordered by priority and then arrival",
+            });
+        }
+        if self.tier != Tier::Coord {
+            return Err(ClassError::NotForElections {
+                field: "tier = \"entity\"",
+                why: "elections run on the coord tier, whose keys never move between shards (a leader on a moving range would be followed by a second one)",
+            });
+        }
+        if self.max_waiters_per_key > MAX_ELECTION_CANDIDATES {
+            return Err(ClassError::NotForElections {
+                field: "a maxWaitersPerKey above 1024",
+                why: "an election's candidates are read in one answer of at most 1024",
             });
         }
         if self.hook.is_some() {

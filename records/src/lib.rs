@@ -199,12 +199,13 @@ pub mod keys {
     pub const CLAIMS: &str = "c/";
     /// Durable waiters (`q/<key>//<lease:016x>`).
     pub const QUEUES: &str = "q/";
-    /// Elections (latchkey.election.v1): `e/<name>//lead` and
-    /// `e/<name>//term` (the leader and its term, on its session's lease),
+    /// Elections (latchkey.election.v1): `e/<name>//lead` (the leader, on
+    /// its session's lease), `e/<name>//term` (the term count, on no lease),
     /// `e/<name>//c/<rank:08x>/<lease:016x>` (candidates, on their
-    /// sessions' leases), and `e//i/<hex(subject)>/<name>` (the leaderships
-    /// of a grant subject, on the leader's lease: counted for its bound).
-    /// An epoch advance deletes them all.
+    /// sessions' leases), `e//i/<hex(subject)>/<name>` (a grant subject's
+    /// leaderships, on the leader's lease) and `e//t/<hex(subject)>/<name>`
+    /// (the term records a subject made, on no lease): the last two are
+    /// counted for the subject's bounds. An epoch advance deletes them all.
     pub const ELECTIONS: &str = "e/";
 }
 
@@ -335,6 +336,16 @@ impl Layout {
         let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
         format!("{}/{}/i/{hex}/", self.prefix, keys::ELECTIONS)
     }
+    /// `subject`'s entry for election `name`'s term record (no lease: it
+    /// lasts as the term record does).
+    pub fn election_entry(&self, subject: &str, name: &str) -> String {
+        format!("{}{name}", self.elections_of(subject))
+    }
+    /// Every term record entry of `subject`: a prefix to count.
+    pub fn elections_of(&self, subject: &str) -> String {
+        let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
+        format!("{}/{}/t/{hex}/", self.prefix, keys::ELECTIONS)
+    }
     /// Every election's records (what an epoch advance deletes).
     pub fn elections(&self) -> String {
         format!("{}/{}", self.prefix, keys::ELECTIONS)
@@ -355,8 +366,11 @@ pub struct LeadRecord {
     pub identity: String,
     pub session: i64,
     pub class: String,
-    /// The term as callers see it ([`term_of`]).
-    pub term: u64,
+    /// The epoch the term started in (its token's and its term's).
+    pub epoch: u32,
+    /// The term's count ([`TermRecord::count`]): the term is
+    /// [`term_of`]`(epoch, count)`.
+    pub count: u32,
     pub value: String,
     pub priority: u32,
     /// When the term started, by the granting arbiter's wall clock.
@@ -367,13 +381,14 @@ pub struct LeadRecord {
     /// [`HolderRecord::bound`]).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub bound: String,
-    /// Written by a resignation with no candidate to take over, just
-    /// before it deletes the record, so observers tell it from an expiry.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub resigning: bool,
 }
 
 impl LeadRecord {
+    /// The term as callers see it.
+    pub fn term(&self) -> u64 {
+        term_of(self.epoch, self.count)
+    }
+
     /// Whom the leadership counts against: the subject it was granted under.
     pub fn bounded_as(&self) -> &str {
         if self.bound.is_empty() {
@@ -384,25 +399,47 @@ impl LeadRecord {
     }
 }
 
-/// An election's term record (`e/<name>//term`, on the leader's session
-/// lease, like the leader record): written by every transaction that starts
-/// a term, never by a proclamation, so its mod revision is the current
-/// leadership's revision (its token's).
+/// How a term ended by a write, not by its session's end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum TermEnd {
+    /// Resigned with no candidate to take over.
+    Resigned,
+}
+
+/// An election's term record (`e/<name>//term`, on no lease): written by
+/// every transaction that starts or ends a term, never by a proclamation,
+/// and deleted only by an epoch advance. Every such transaction compares
+/// its mod revision, so it sees every term start since its read; while a
+/// leader leads, the record's mod revision is the leadership's revision
+/// (its token's).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TermRecord {
-    /// The term's count: one more than the term it took over from, or, over
-    /// a vacancy, the revision the vacancy was read at. Every count is at
-    /// most the revision it was written at, so a count never comes back,
-    /// whatever happened to the records in between (the low 48 bits of the
-    /// term, as a revision is of a token).
-    pub count: u64,
+    /// Leaderships of the election in this epoch: the low 32 bits of the term.
+    pub count: u32,
+    /// How the last term ended, when a write ended it with no successor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<TermEnd>,
+    /// The grant subject the record counts against (the first leader's):
+    /// its entry below [`Layout::elections_of`].
+    pub subject: String,
 }
 
-/// The term callers see: `epoch * 2^48 + count`, laid out like a token
-/// (`None` out of range: refuse, never wrap).
-pub fn term_of(epoch: u32, count: u64) -> Option<u64> {
-    token::pack(epoch, i64::try_from(count).ok()?)
+/// The term callers see: `epoch * 2^32 + count`.
+pub fn term_of(epoch: u32, count: u32) -> u64 {
+    (u64::from(epoch) << 32) | u64::from(count)
+}
+
+impl CandidateRecord {
+    /// Whom a leadership of this candidate counts against.
+    pub fn bounded_as(&self) -> &str {
+        if self.bound.is_empty() {
+            &self.identity
+        } else {
+            &self.bound
+        }
+    }
 }
 
 /// A candidate of an election (`e/<name>//c/<rank>/<lease>`, on its

@@ -576,6 +576,9 @@ impl latchkey_arbiter::lock_log::ElectionLog for FaultyLog {
     async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {
         self.inner.count_leaderships(subject).await
     }
+    async fn count_elections(&self, subject: &str) -> LogResult<i64> {
+        self.inner.count_elections(subject).await
+    }
     async fn watch_election(
         &self,
         election: &str,
@@ -745,6 +748,10 @@ mod tests {
             Err(StoreError::unavailable("elections are not in this log yet"))
         }
         async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {
+            let _ = subject;
+            Err(StoreError::unavailable("elections are not in this log yet"))
+        }
+        async fn count_elections(&self, subject: &str) -> LogResult<i64> {
             let _ = subject;
             Err(StoreError::unavailable("elections are not in this log yet"))
         }

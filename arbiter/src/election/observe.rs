@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use latchkey_records::{LeadRecord, decode};
+use latchkey_records::{EpochRecord, LeadRecord, TermEnd, TermRecord, decode, term_of};
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
 use tokio_util::task::AbortOnDrop;
@@ -35,71 +35,80 @@ pub enum Vacancy {
     SessionEnded,
     Forced,
     EpochAdvanced,
-    /// The state as first read: vacant, for a reason no longer known.
+    /// The election was never led in this epoch.
     Unknown,
 }
 
 /// One event of an election, as observers see it: identities, values and
-/// terms, never a token or a session.
+/// terms, never a token, a session or a log revision (a term's start
+/// revision is its token's).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Observation {
-    TermStarted {
-        leader: LeaderView,
-        revision: i64,
-    },
-    Proclaimed {
-        term: u64,
-        value: String,
-        revision: i64,
-    },
-    Vacant {
-        term: u64,
-        reason: Vacancy,
-        revision: i64,
-    },
-    Gap {
-        from_term: u64,
-        to_term: u64,
-    },
+    TermStarted { leader: LeaderView },
+    Proclaimed { term: u64, value: String },
+    Vacant { term: u64, reason: Vacancy },
+    Gap { from_term: u64, to_term: u64 },
 }
 
 /// What the watch task knows of the election.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Known {
-    /// The current leader (session kept here only, never sent), and
-    /// whether it is resigning.
-    leader: Option<(i64, LeaderView, bool)>,
-    /// The last term started (0: none seen).
+    /// The current leader (session kept here only, never sent).
+    leader: Option<(i64, LeaderView)>,
+    /// The last term started (0: none in this epoch).
     term: u64,
+    /// The epoch the records are read in.
+    epoch: u32,
     /// The last event that describes the state (a new observer's first).
     state: Option<Observation>,
 }
 
 impl Known {
-    fn of(read: &Read) -> Self {
-        let mut known = Known::default();
-        if let Some((record, kv)) = &read.lead {
+    fn of(read: &Read, epoch: u32) -> Self {
+        let mut known = Known {
+            epoch,
+            term: read
+                .term
+                .as_ref()
+                .map_or(0, |(t, _)| term_of(epoch, t.count)),
+            ..Known::default()
+        };
+        if let Some((record, _)) = &read.lead {
             let view = LeaderView::of(record);
-            known.term = record.term;
+            known.term = record.term();
             known.state = Some(Observation::TermStarted {
                 leader: view.clone(),
-                revision: kv.mod_revision,
             });
-            known.leader = Some((record.session, view, record.resigning));
+            known.leader = Some((record.session, view));
         } else {
-            // The vacancy's cause is not in the records.
-            let reason = Vacancy::Unknown;
+            let reason = match read.term.as_ref() {
+                Some((t, _)) if t.ended == Some(TermEnd::Resigned) => Vacancy::Resigned,
+                Some(_) => Vacancy::SessionEnded,
+                None => Vacancy::Unknown,
+            };
             known.state = Some(Observation::Vacant {
-                term: 0,
+                term: known.term,
                 reason,
-                revision: read.revision,
             });
         }
         known
     }
 
-    fn set_state(&mut self, event: &Observation) {
-        self.state = Some(event.clone());
+    /// Applies an event the watch task sends.
+    fn apply(&mut self, event: &Observation) {
+        match event {
+            Observation::TermStarted { .. } | Observation::Vacant { .. } => {
+                self.state = Some(event.clone());
+            }
+            Observation::Proclaimed { term, value } => {
+                if let Some(Observation::TermStarted { leader }) = &mut self.state
+                    && leader.term == *term
+                {
+                    leader.value = value.clone();
+                }
+            }
+            Observation::Gap { .. } => {}
+        }
     }
 }
 
@@ -151,9 +160,9 @@ impl Observer {
                 }
                 let gap = Observation::Gap {
                     from_term: self.term,
-                    to_term: term,
+                    to_term: term.max(self.term),
                 };
-                self.term = term;
+                self.term = term.max(self.term);
                 Some(gap)
             }
             Err(broadcast::error::RecvError::Closed) => None,
@@ -161,7 +170,7 @@ impl Observer {
     }
 
     fn note(&mut self, event: &Observation) {
-        if let Observation::TermStarted { leader, .. } = event {
+        if let Observation::TermStarted { leader } = event {
             self.term = leader.term;
         }
     }
@@ -176,7 +185,8 @@ impl Hubs {
     }
 
     /// An observer of `election`: the state first (after a `Gap` when
-    /// `from_term` is older than the current term), then every change.
+    /// `from_term` asks for terms before the current one, which are not
+    /// kept), then every change.
     pub(super) async fn subscribe(
         &self,
         election: &str,
@@ -189,7 +199,6 @@ impl Hubs {
         };
         let mut first = VecDeque::new();
         if from_term != 0 && from_term < term {
-            // Terms before the current one are not kept: say so.
             first.push_back(Observation::Gap {
                 from_term,
                 to_term: term - 1,
@@ -202,7 +211,7 @@ impl Hubs {
             first,
             rx,
             hub,
-            term: from_term,
+            term: from_term.min(term),
         })
     }
 
@@ -210,12 +219,13 @@ impl Hubs {
         if let Some(hub) = self.hubs.lock().get(election).and_then(Weak::upgrade) {
             return Ok(hub);
         }
-        // Read before the hub is shared, so its first observer gets a state.
-        let read = read(&self.table, election).await?;
+        // Read before the hub is shared, so its first observer gets a
+        // state; the watch starts right after this read.
+        let (read, epoch) = read(&self.table, election).await?;
         let (tx, _) = broadcast::channel(BUFFER);
         let fresh = Arc::new(Hub {
             tx,
-            known: Mutex::new(Known::of(&read)),
+            known: Mutex::new(Known::of(&read, epoch)),
             task: Mutex::new(None),
         });
         let mut hubs = self.hubs.lock();
@@ -230,75 +240,54 @@ impl Hubs {
             self.table.clone(),
             election.to_string(),
             Arc::downgrade(&fresh),
+            read.revision,
         ));
         *fresh.task.lock() = Some(AbortOnDrop::new(task.abort_handle()));
         Ok(fresh)
     }
 }
 
-/// The election's leader and term records (no candidates), with the
-/// epoch they are in.
-async fn read(table: &LockTable, election: &str) -> Result<Read, ArbiterError> {
+/// The election's leader and term records (no candidates), and the epoch
+/// this arbiter serves.
+async fn read(table: &LockTable, election: &str) -> Result<(Read, u32), ArbiterError> {
     let (read, header) = table
         .seal()
         .checked(table.log().election(election, 1))
         .await?;
-    let mut read = Read::of(read, header.revision)?;
-    read.epoch = table.seal().guard().state().map_or(0, |s| s.epoch());
-    Ok(read)
+    let read = Read::of(read, header.revision)?;
+    let epoch = table.seal().guard().state().map_or(0, |s| s.epoch());
+    Ok((read, epoch))
 }
 
-/// Reads the election, then follows its watch; reads again whenever the
-/// watch is lost, telling observers of a gap if the state moved meanwhile.
-async fn watch_task(table: Arc<LockTable>, election: String, hub: Weak<Hub>) {
-    let mut first = true;
+/// Follows the election's watch from the revision after `read_at`; when
+/// the watch is lost, reads again and tells observers of a gap if the
+/// state moved meanwhile.
+async fn watch_task(table: Arc<LockTable>, election: String, hub: Weak<Hub>, mut read_at: i64) {
     loop {
-        let read = match read(&table, &election).await {
-            Ok(read) => read,
-            Err(e) => {
-                debug!(error = %e, "cannot read an observed election");
-                tokio::time::sleep(RETRY).await;
-                continue;
-            }
-        };
-        {
-            let Some(hub) = hub.upgrade() else { return };
-            let now = Known::of(&read);
-            let mut known = hub.known.lock();
-            if !first && (known.term != now.term || known.leader != now.leader) {
-                let gap = Observation::Gap {
-                    from_term: known.term,
-                    to_term: now.term,
-                };
-                let _ = hub.tx.send(gap);
-                if let Some(state) = &now.state {
-                    let _ = hub.tx.send(state.clone());
-                }
-            }
-            if !first || *known != now {
-                *known = now;
-            }
-        }
-        first = false;
-        let epoch = table.seal().guard().state().map(|s| s.bytes);
-        let mut watch = match table
-            .log()
-            .watch_election(&election, read.revision + 1)
-            .await
-        {
+        let mut watch = match table.log().watch_election(&election, read_at + 1).await {
             Ok(w) => w,
             Err(_) => {
                 tokio::time::sleep(RETRY).await;
+                read_at = match resync(&table, &election, &hub).await {
+                    Some(at) => at,
+                    None => return,
+                };
                 continue;
             }
         };
         loop {
             match watch.next().await {
                 FollowSignal::Lost => break,
-                FollowSignal::Events { events, through } => {
+                FollowSignal::Events { events, .. } => {
                     let Some(hub) = hub.upgrade() else { return };
-                    let mut out = translate(&mut hub.known.lock(), &events, through);
-                    if out.iter().any(ended_by_session) && advanced(&table, &epoch).await {
+                    let (mut out, epoch) = {
+                        let mut known = hub.known.lock();
+                        (translate(&mut known, &events), known.epoch)
+                    };
+                    if out.iter().any(ended_by_session)
+                        && let Some(now) = epoch_now(&table).await
+                        && now != epoch
+                    {
                         for event in &mut out {
                             if let Observation::Vacant { reason, .. } = event
                                 && *reason == Vacancy::SessionEnded
@@ -306,13 +295,52 @@ async fn watch_task(table: Arc<LockTable>, election: String, hub: Weak<Hub>) {
                                 *reason = Vacancy::EpochAdvanced;
                             }
                         }
+                        hub.known.lock().epoch = now;
                     }
                     let mut known = hub.known.lock();
                     for event in out {
-                        known.set_state_if_describes(&event);
+                        known.apply(&event);
                         let _ = hub.tx.send(event);
                     }
                 }
+            }
+        }
+        read_at = match resync(&table, &election, &hub).await {
+            Some(at) => at,
+            None => return,
+        };
+    }
+}
+
+/// Reads the election again after a lost watch (retrying until the log
+/// answers); tells observers of a gap and the state if it moved. The
+/// revision read at, or `None` once nobody observes.
+async fn resync(table: &LockTable, election: &str, hub: &Weak<Hub>) -> Option<i64> {
+    loop {
+        match read(table, election).await {
+            Ok((read, epoch)) => {
+                let hub = hub.upgrade()?;
+                let now = Known::of(&read, epoch);
+                let mut known = hub.known.lock();
+                if known.term != now.term || known.leader != now.leader {
+                    let gap = Observation::Gap {
+                        from_term: known.term,
+                        to_term: now.term.max(known.term),
+                    };
+                    let _ = hub.tx.send(gap);
+                    if let Some(state) = &now.state {
+                        let _ = hub.tx.send(state.clone());
+                    }
+                }
+                *known = now;
+                return Some(read.revision);
+            }
+            Err(e) => {
+                debug!(error = %e, "cannot read an observed election");
+                if hub.strong_count() == 0 {
+                    return None;
+                }
+                tokio::time::sleep(RETRY).await;
             }
         }
     }
@@ -328,85 +356,62 @@ fn ended_by_session(event: &Observation) -> bool {
     )
 }
 
-/// Whether the epoch record is no longer `epoch` (an advance deleted every
-/// leadership); a log that does not answer says no.
-async fn advanced(table: &LockTable, epoch: &Option<Vec<u8>>) -> bool {
-    match table.log().records().await {
-        Ok(now) => now.value.epoch.map(|kv| kv.value) != *epoch,
-        Err(_) => false,
-    }
-}
-
-impl Known {
-    fn set_state_if_describes(&mut self, event: &Observation) {
-        match event {
-            Observation::TermStarted { .. } | Observation::Vacant { .. } => self.set_state(event),
-            Observation::Proclaimed {
-                term,
-                value,
-                revision,
-            } => {
-                if let Some(Observation::TermStarted { leader, .. }) = &mut self.state
-                    && leader.term == *term
-                {
-                    leader.value = value.clone();
-                    let _ = revision;
-                }
-            }
-            Observation::Gap { .. } => {}
-        }
-    }
+/// The epoch the log's epoch record says now (`None`: no answer).
+async fn epoch_now(table: &LockTable) -> Option<u32> {
+    let records = table.log().records().await.ok()?;
+    decode::<EpochRecord>(&records.value.epoch?.value).map(|r| r.epoch)
 }
 
 /// The observations a batch of changes makes, in order. A transaction's
 /// changes come in one batch (etcd never splits a revision's events), in
-/// the order of its operations. A vacancy is a deleted leader record: a
-/// resignation marked it `resigning` first; otherwise its session ended,
-/// or an epoch advance deleted it (`SessionEnded` here; the watch task
-/// tells the advance by the epoch record).
-fn translate(known: &mut Known, events: &[FollowEvent], through: i64) -> Vec<Observation> {
+/// the order of its operations: the term record first, then the leader
+/// record. A term record put at the leader record's revision starts a
+/// term; a leader record put alone is a proclamation; a leader record
+/// deleted right after a term record marked resigned is a resignation,
+/// alone it is its session's end (or an epoch advance, which the watch
+/// task tells by the epoch record).
+fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
     let mut out = Vec::new();
+    // The term record put just before, and its revision.
+    let mut term_put: Option<(TermRecord, i64)> = None;
     for event in events {
         match (event.key.as_str(), &event.put) {
+            ("term", Some(kv)) => {
+                term_put = decode::<TermRecord>(&kv.value).map(|t| (t, kv.mod_revision));
+            }
             ("lead", Some(kv)) => {
                 let Some(record) = decode::<LeadRecord>(&kv.value) else {
                     continue;
                 };
                 let view = LeaderView::of(&record);
-                match &known.leader {
-                    Some((session, current, _))
-                        if *session == record.session && current.term == record.term =>
-                    {
-                        if current.value != record.value {
-                            out.push(Observation::Proclaimed {
-                                term: record.term,
-                                value: record.value.clone(),
-                                revision: kv.mod_revision,
-                            });
-                        }
-                    }
-                    _ => {
-                        known.term = record.term;
-                        out.push(Observation::TermStarted {
-                            leader: view.clone(),
-                            revision: kv.mod_revision,
-                        });
-                    }
+                let starts = term_put.take().is_some_and(|(_, at)| at == kv.mod_revision);
+                if starts {
+                    known.term = record.term();
+                    out.push(Observation::TermStarted {
+                        leader: view.clone(),
+                    });
+                } else {
+                    out.push(Observation::Proclaimed {
+                        term: record.term(),
+                        value: record.value.clone(),
+                    });
                 }
-                known.leader = Some((record.session, view, record.resigning));
+                known.leader = Some((record.session, view));
             }
             ("lead", None) => {
-                let Some((_, leader, resigning)) = known.leader.take() else {
+                let resigned = term_put
+                    .take()
+                    .is_some_and(|(t, _)| t.ended == Some(TermEnd::Resigned));
+                let Some((_, leader)) = known.leader.take() else {
                     continue;
                 };
                 out.push(Observation::Vacant {
                     term: leader.term,
-                    reason: if resigning {
+                    reason: if resigned {
                         Vacancy::Resigned
                     } else {
                         Vacancy::SessionEnded
                     },
-                    revision: through,
                 });
             }
             _ => {}
@@ -430,18 +435,26 @@ mod tests {
         }
     }
 
-    fn lead(session: i64, term: u64, value: &str) -> Vec<u8> {
+    fn lead(session: i64, count: u32, value: &str) -> Vec<u8> {
         encode(&LeadRecord {
             identity: "spiffe://t/a".into(),
             session,
             class: "election".into(),
-            term,
+            epoch: 1,
+            count,
             value: value.into(),
             priority: 0,
             since_unix_ms: 1,
             instance: String::new(),
             bound: String::new(),
-            resigning: false,
+        })
+    }
+
+    fn term(count: u32, ended: Option<TermEnd>) -> Vec<u8> {
+        encode(&TermRecord {
+            count,
+            ended,
+            subject: "spiffe://t/a".into(),
         })
     }
 
@@ -465,9 +478,13 @@ mod tests {
         events
             .iter()
             .map(|e| match e {
-                Observation::TermStarted { leader, .. } => format!("start {}", leader.term),
-                Observation::Proclaimed { term, value, .. } => format!("proclaim {term} {value}"),
-                Observation::Vacant { term, reason, .. } => format!("vacant {term} {reason:?}"),
+                Observation::TermStarted { leader } => format!("start {}", leader.term & 0xffff),
+                Observation::Proclaimed { term, value } => {
+                    format!("proclaim {} {value}", term & 0xffff)
+                }
+                Observation::Vacant { term, reason } => {
+                    format!("vacant {} {reason:?}", term & 0xffff)
+                }
                 Observation::Gap { from_term, to_term } => format!("gap {from_term}-{to_term}"),
             })
             .collect()
@@ -476,28 +493,36 @@ mod tests {
     #[test]
     fn a_term_a_proclamation_a_hand_over_a_resignation_and_an_expiry() {
         let mut known = Known::default();
-        let resigning = |session, term, value: &str| {
-            let mut r: LeadRecord =
-                decode(&lead(session, term, value)).unwrap_or_else(|| unreachable!());
-            r.resigning = true;
-            encode(&r)
-        };
         let batches = vec![
             vec![
-                put("term", vec![], 10),
+                put("term", term(1, None), 10),
                 put("lead", lead(1, 1, "a"), 10),
                 delete("c/x"),
             ],
             vec![put("lead", lead(1, 1, "a2"), 11)],
-            vec![put("term", vec![], 12), put("lead", lead(2, 2, "b"), 12)],
-            vec![put("lead", resigning(2, 2, "b"), 13)],
-            vec![delete("term"), delete("lead")],
-            vec![put("term", vec![], 15), put("lead", lead(3, 15, "c"), 15)],
-            vec![delete("lead"), delete("term")],
+            vec![
+                put("term", term(2, None), 12),
+                put("lead", lead(2, 2, "b"), 12),
+            ],
+            vec![
+                put("term", term(2, Some(TermEnd::Resigned)), 13),
+                delete("lead"),
+            ],
+            vec![
+                put("term", term(3, None), 15),
+                put("lead", lead(3, 3, "c"), 15),
+            ],
+            vec![delete("lead")],
+            // A campaign over that vacancy, then an epoch advance.
+            vec![
+                put("term", term(4, None), 17),
+                put("lead", lead(4, 4, "d"), 17),
+            ],
+            vec![delete("c/y"), delete("lead"), delete("term")],
         ];
         let mut all = Vec::new();
-        for (i, batch) in batches.iter().enumerate() {
-            all.extend(translate(&mut known, batch, 10 + i as i64));
+        for batch in &batches {
+            all.extend(translate(&mut known, batch));
         }
         assert_eq!(
             kinds(&all),
@@ -506,8 +531,10 @@ mod tests {
                 "proclaim 1 a2",
                 "start 2",
                 "vacant 2 Resigned",
-                "start 15",
-                "vacant 15 SessionEnded",
+                "start 3",
+                "vacant 3 SessionEnded",
+                "start 4",
+                "vacant 4 SessionEnded",
             ]
         );
     }

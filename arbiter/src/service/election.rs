@@ -29,6 +29,10 @@ use crate::tiers::Cluster;
 /// Longest value a leader announces (`CampaignRequest.value`).
 pub const MAX_VALUE_BYTES: usize = 1_024;
 
+/// Elections one grant subject may have started (each keeps its term
+/// record, on no lease, until an epoch advance).
+pub const MAX_ELECTIONS_PER_SUBJECT: u32 = 4_096;
+
 /// Observe streams one grant subject may have open at this arbiter.
 pub const MAX_OBSERVERS_PER_SUBJECT: u32 = 64;
 
@@ -74,46 +78,28 @@ fn wire_leadership(l: Leadership) -> WireLeadership {
 }
 
 fn observed(event: Observation) -> ObserveResponse {
-    let (event, revision) = match event {
-        Observation::TermStarted { leader, revision } => (
-            observe_response::Event::TermStarted(TermStarted {
-                leader: Some(leader_info(leader)),
-            }),
-            revision,
-        ),
-        Observation::Proclaimed {
+    let event = match event {
+        Observation::TermStarted { leader } => observe_response::Event::TermStarted(TermStarted {
+            leader: Some(leader_info(leader)),
+        }),
+        Observation::Proclaimed { term, value } => {
+            observe_response::Event::Proclaimed(Proclaimed { term, value })
+        }
+        Observation::Vacant { term, reason } => observe_response::Event::Vacant(Vacant {
             term,
-            value,
-            revision,
-        } => (
-            observe_response::Event::Proclaimed(Proclaimed { term, value }),
-            revision,
-        ),
-        Observation::Vacant {
-            term,
-            reason,
-            revision,
-        } => (
-            observe_response::Event::Vacant(Vacant {
-                term,
-                reason: match reason {
-                    Vacancy::Resigned => VacancyReason::Resigned,
-                    Vacancy::SessionEnded => VacancyReason::SessionEnded,
-                    Vacancy::Forced => VacancyReason::Forced,
-                    Vacancy::EpochAdvanced => VacancyReason::EpochAdvanced,
-                    Vacancy::Unknown => VacancyReason::Unspecified,
-                } as i32,
-            }),
-            revision,
-        ),
+            reason: match reason {
+                Vacancy::Resigned => VacancyReason::Resigned,
+                Vacancy::SessionEnded => VacancyReason::SessionEnded,
+                Vacancy::Forced => VacancyReason::Forced,
+                Vacancy::EpochAdvanced => VacancyReason::EpochAdvanced,
+                Vacancy::Unknown => VacancyReason::Unspecified,
+            } as i32,
+        }),
         Observation::Gap { from_term, to_term } => {
-            (observe_response::Event::Gap(Gap { from_term, to_term }), 0)
+            observe_response::Event::Gap(Gap { from_term, to_term })
         }
     };
-    ObserveResponse {
-        event: Some(event),
-        revision,
-    }
+    ObserveResponse { event: Some(event) }
 }
 
 /// Per-subject counts of calls open at this arbiter (campaigns, observe
@@ -214,19 +200,12 @@ impl Arbiter {
             )));
         }
         let cluster = &route.cluster;
-        let _open = self.election_calls.open(
+        let _open = self.campaign_calls.open(
             &subject,
             self.max_campaigns_per_subject,
             IdentityBound::Campaigns,
         )?;
         let elections = &cluster.elections;
-        let standing = elections.count_candidates(key.as_str()).await?;
-        if standing >= class.max_waiters_per_key as usize {
-            return Err(ArbiterError::QueueFull {
-                key: key.as_str().to_string(),
-                limit: class.max_waiters_per_key,
-            });
-        }
         let wait = deadline
             .map(|d| d.saturating_sub(DEADLINE_MARGIN.min(d / 20)))
             .unwrap_or(self.max_wait)
@@ -247,6 +226,8 @@ impl Arbiter {
             },
             wait,
             max_leaderships: self.max_leaderships,
+            max_elections: MAX_ELECTIONS_PER_SUBJECT,
+            max_candidates: class.max_waiters_per_key,
         };
         let leadership = elections.campaign(&campaign).await?;
         debug!(identity = %caller.identity, election = %key.as_str(), term = leadership.term, "leads");
@@ -375,7 +356,7 @@ impl Arbiter {
         let policies = self.policies.current();
         let (key, cluster) = self.election_of(&policies, &caller, &req.election).await?;
         let subject = self.subject_of(&policies, &caller).to_string();
-        let open = self.election_calls.open(
+        let open = self.observe_calls.open(
             &subject,
             MAX_OBSERVERS_PER_SUBJECT,
             IdentityBound::Observers,

@@ -670,6 +670,10 @@ impl latchkey_arbiter::lock_log::ElectionLog for IdLog {
         let _ = subject;
         Err(StoreError::unavailable("elections are not in this log yet"))
     }
+    async fn count_elections(&self, subject: &str) -> LogResult<i64> {
+        let _ = subject;
+        Err(StoreError::unavailable("elections are not in this log yet"))
+    }
     async fn watch_election(
         &self,
         election: &str,

@@ -49,7 +49,7 @@ pub(crate) fn write(dir: &Path, ttl_seconds: u32) -> std::io::Result<()> {
     std::fs::write(
         dir.join("classes/sim-election.toml"),
         format!(
-            "[[class]]\nname = \"{ELECTION_CLASS}\"\nkind = \"election\"\ndescription = \"The simulation's elections.\"\ntier = \"entity\"\nenforcement = \"fenced\"\nttlSeconds = {ttl_seconds}\nmaxWaitersPerKey = 16\n[class.pauseTest]\nresource = \"sim:memory\"\nresult = \"pause-tests/{ELECTION_CLASS}.json\"\n"
+            "[[class]]\nname = \"{ELECTION_CLASS}\"\nkind = \"election\"\ndescription = \"The simulation's elections.\"\ntier = \"coord\"\nenforcement = \"fenced\"\nttlSeconds = {ttl_seconds}\nmaxWaitersPerKey = 16\n[class.pauseTest]\nresource = \"sim:memory\"\nresult = \"pause-tests/{ELECTION_CLASS}.json\"\n"
         ),
     )?;
     std::fs::write(

@@ -163,7 +163,6 @@ impl ElectionLog for EtcdLog {
                     ending = None;
                 }
                 writes.extend([
-                    TxnOp::put(term_key, txn.term_record, on_lease()),
                     TxnOp::put(lead_key, to.lead_record.clone(), on_lease()),
                     TxnOp::put(entry, Vec::new(), on_lease()),
                     TxnOp::delete(candidate, None),
@@ -171,10 +170,19 @@ impl ElectionLog for EtcdLog {
                 to.session
             }
             None => {
-                writes.extend([TxnOp::delete(term_key, None), TxnOp::delete(lead_key, None)]);
+                writes.push(TxnOp::delete(lead_key, None));
                 0
             }
         };
+        // The term record first: an observer reads a batch in this order.
+        writes.insert(0, TxnOp::put(term_key, txn.term_record, None));
+        if let Some(subject) = txn.creates_for {
+            writes.push(TxnOp::put(
+                self.layout.election_entry(subject, txn.election),
+                Vec::new(),
+                None,
+            ));
+        }
         if let Some(entry) = ending {
             writes.push(TxnOp::delete(entry, None));
         }
@@ -211,6 +219,13 @@ impl ElectionLog for EtcdLog {
         let count = count_prefix(&self.client, self.layout.leaderships_of(subject))
             .await
             .map_err(|e| unavailable("cannot count leaderships", e))?;
+        answer(count.header.as_ref(), count.value)
+    }
+
+    async fn count_elections(&self, subject: &str) -> LogResult<i64> {
+        let count = count_prefix(&self.client, self.layout.elections_of(subject))
+            .await
+            .map_err(|e| unavailable("cannot count elections", e))?;
         answer(count.header.as_ref(), count.value)
     }
 
