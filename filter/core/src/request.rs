@@ -38,13 +38,16 @@ pub enum Method {
     /// name (its class in field 2; it waits until it leads or its deadline,
     /// so it takes the waiter places until the arbiter answers).
     Campaign,
-    /// election.v1 Proclaim, Resign, Transfer: act on a leadership, like a
-    /// Release (the name checked, no waiter place).
+    /// election.v1 Proclaim, Resign and Transfer act on a leadership: like
+    /// a Release (the name checked, no waiter place).
     Proclaim,
+    /// See [`Method::Proclaim`].
     Resign,
+    /// See [`Method::Proclaim`].
     Transfer,
-    /// election.v1 Leader, Candidates: read the election, like Inspect.
+    /// election.v1 Leader and Candidates read the election: like Inspect.
     Leader,
+    /// See [`Method::Leader`].
     Candidates,
     /// election.v1 Observe: keyed like Inspect (its request is one message),
     /// and its answer is a long-lived stream: it keeps its place under the
