@@ -9,6 +9,7 @@ use latchkey_filter_abi_tests::{
     Action, FilterVm, LocalReply, LogLevel, SharedDataHandle, module_exports, module_imports,
 };
 use latchkey_proto::adminv1::{EdgeClass, EdgeGrant, EdgePolicy};
+use latchkey_proto::electionv1::{CampaignRequest, ObserveRequest, ProclaimRequest};
 use latchkey_proto::lockv1::{AcquireRequest, InspectRequest};
 use prost::Message;
 use serde_json::{Value, json};
@@ -18,6 +19,9 @@ const BOB: &str = "spiffe://dev.latchkey/workload/bob";
 const ACQUIRE: &str = "/latchkey.lock.v1.Lock/Acquire";
 const INSPECT: &str = "/latchkey.lock.v1.Lock/Inspect";
 const OPEN_SESSION: &str = "/latchkey.lock.v1.Lock/OpenSession";
+const CAMPAIGN: &str = "/latchkey.election.v1.ElectionService/Campaign";
+const PROCLAIM: &str = "/latchkey.election.v1.ElectionService/Proclaim";
+const OBSERVE: &str = "/latchkey.election.v1.ElectionService/Observe";
 const IDENTITY_HEADER: &str = "x-latchkey-identity";
 
 /// gRPC status codes the edge answers with.
@@ -86,6 +90,42 @@ fn acquire(key: &str, wait: bool) -> Vec<u8> {
 
 fn inspect(key: &str) -> Vec<u8> {
     frame(&InspectRequest { key: key.into() }.encode_to_vec())
+}
+
+fn campaign(election: &str) -> Vec<u8> {
+    frame(
+        &CampaignRequest {
+            election: election.into(),
+            class: "demo".into(),
+            session_id: 1,
+            value: "10.0.0.1:8080".into(),
+            priority: 1,
+            instance: "pod-1".into(),
+        }
+        .encode_to_vec(),
+    )
+}
+
+fn proclaim(election: &str) -> Vec<u8> {
+    frame(
+        &ProclaimRequest {
+            election: election.into(),
+            session_id: 1,
+            token: 1 << 48,
+            value: "10.0.0.2:8080".into(),
+        }
+        .encode_to_vec(),
+    )
+}
+
+fn observe(election: &str) -> Vec<u8> {
+    frame(
+        &ObserveRequest {
+            election: election.into(),
+            from_term: 0,
+        }
+        .encode_to_vec(),
+    )
 }
 
 /// A keyed call from `peer` through the header and body phases: the stream,
@@ -442,6 +482,245 @@ fn unknown_methods_edge_policy_and_bad_bodies_are_answered_by_the_edge() {
     );
     assert_eq!(at_body, Some(Action::Continue));
     assert!(vm.stream(id).unwrap().local_reply.is_none());
+}
+
+#[test]
+fn an_authorised_campaign_is_passed_on_like_a_waiting_acquire() {
+    let mut vm = started(json!({}));
+    let (id, at_headers, at_body) = keyed_call(
+        &mut vm,
+        ALICE,
+        CAMPAIGN,
+        &campaign("demo/scheduler"),
+        &[("x-lock-key", b"demo/scheduler")],
+    );
+    assert_eq!(
+        (at_headers, at_body),
+        (Action::Continue, Some(Action::Continue))
+    );
+    let s = vm.stream(id).unwrap();
+    assert!(s.local_reply.is_none());
+    assert!(!s.reset);
+    // Named by the edge, once; the client's routing header gone; routed by
+    // the election the filter authorised.
+    assert_eq!(s.request_header(IDENTITY_HEADER).as_deref(), Some(ALICE));
+    assert_eq!(s.request_header_count(IDENTITY_HEADER), 1);
+    assert_eq!(s.request_header("x-lock-key"), None);
+    assert_eq!(
+        s.filter_state,
+        vec![("envoy.hashable_string".into(), "demo/scheduler".into())]
+    );
+    assert_eq!(
+        vm.stat("latchkey_edge.allowed.method.campaign.ns.demo.class.demo"),
+        Some(1)
+    );
+    // A waiter until the arbiter answers (it leads, or the deadline came).
+    assert_eq!(vm.stat("latchkey_edge.waiters.ns.demo.class.demo"), Some(1));
+    assert_eq!(vm.stat("latchkey_edge.streams_open"), Some(1));
+    vm.response_headers(id).unwrap();
+    assert_eq!(vm.stat("latchkey_edge.waiters.ns.demo.class.demo"), Some(0));
+    vm.end(id).unwrap();
+    assert_eq!(vm.stat("latchkey_edge.streams_open"), Some(0));
+    assert!(
+        vm.logs_at_least(LogLevel::Warn).is_empty(),
+        "{:?}",
+        vm.host().logs
+    );
+}
+
+#[test]
+fn a_campaign_without_a_grant_is_refused_and_never_forwarded() {
+    let mut vm = started(json!({}));
+    for (peer, election) in [
+        (BOB, "demo/scheduler"),
+        (ALICE, "other/scheduler"),
+        (ALICE, "demox/scheduler"),
+    ] {
+        let (id, at_headers, at_body) =
+            keyed_call(&mut vm, peer, CAMPAIGN, &campaign(election), &[]);
+        assert_eq!(at_headers, Action::Continue, "{peer} {election}");
+        assert_eq!(at_body, Some(Action::Pause), "{peer} {election}");
+        assert_refused(&vm, id, PERMISSION_DENIED, "NOT_AUTHORISED");
+        assert_eq!(
+            reply(&vm, id).message(),
+            "not authorised for this key: no prefix grant for the caller covers it"
+        );
+        assert!(vm.stream(id).unwrap().filter_state.is_empty());
+        vm.end(id).unwrap();
+    }
+    assert_eq!(
+        vm.stat("latchkey_edge.denied.reason.not_authorised"),
+        Some(3)
+    );
+    // No waiter place was ever taken, nothing counted as allowed.
+    assert_eq!(vm.stat("latchkey_edge.waiters.ns.demo.class.demo"), None);
+    assert_eq!(
+        vm.stat("latchkey_edge.allowed.method.campaign.ns.demo.class.demo"),
+        None
+    );
+    assert_eq!(vm.stat("latchkey_edge.streams_open"), Some(0));
+}
+
+#[test]
+fn campaigns_count_against_the_waiter_bounds() {
+    let mut vm = started(json!({"maxWaitersPerIdentity": 1}));
+    let (first, _, a) = keyed_call(&mut vm, ALICE, CAMPAIGN, &campaign("demo/one"), &[]);
+    assert_eq!(a, Some(Action::Continue));
+    // The identity's one waiting place is taken: by a campaign or an acquire.
+    let (second, _, b) = keyed_call(&mut vm, ALICE, CAMPAIGN, &campaign("demo/two"), &[]);
+    assert_eq!(b, Some(Action::Pause));
+    assert_refused(&vm, second, RESOURCE_EXHAUSTED, "QUEUE_FULL");
+    let (third, _, c) = keyed_call(&mut vm, ALICE, ACQUIRE, &acquire("demo/two", true), &[]);
+    assert_eq!(c, Some(Action::Pause));
+    assert_refused(&vm, third, RESOURCE_EXHAUSTED, "QUEUE_FULL");
+    vm.response_headers(first).unwrap();
+    let (_, _, d) = keyed_call(&mut vm, ALICE, CAMPAIGN, &campaign("demo/two"), &[]);
+    assert_eq!(d, Some(Action::Continue));
+}
+
+#[test]
+fn an_observe_stream_counts_against_the_stream_bound_until_it_ends() {
+    let mut vm = started(json!({"maxStreamsPerIdentity": 2}));
+    let (first, _, a) = keyed_call(&mut vm, ALICE, OBSERVE, &observe("demo/scheduler"), &[]);
+    let (second, _, b) = keyed_call(&mut vm, ALICE, OBSERVE, &observe("demo/scheduler"), &[]);
+    assert_eq!((a, b), (Some(Action::Continue), Some(Action::Continue)));
+    for id in [first, second] {
+        let s = vm.stream(id).unwrap();
+        assert!(s.local_reply.is_none());
+        assert_eq!(s.request_header(IDENTITY_HEADER).as_deref(), Some(ALICE));
+        assert_eq!(
+            s.filter_state,
+            vec![("envoy.hashable_string".into(), "demo/scheduler".into())]
+        );
+    }
+    assert_eq!(
+        vm.stat("latchkey_edge.allowed.method.observe.ns.demo.class._none"),
+        Some(2)
+    );
+    // The arbiter's answer opens the event stream; it is no waiter, and it
+    // keeps its stream place for as long as it is open.
+    vm.response_headers(first).unwrap();
+    assert_eq!(vm.stat("latchkey_edge.waiters.ns.demo.class.demo"), None);
+    assert_eq!(vm.stat("latchkey_edge.streams_open"), Some(2));
+    // A third stream of the identity, Observe or any other, is refused.
+    let (third, at_headers, at_body) =
+        keyed_call(&mut vm, ALICE, OBSERVE, &observe("demo/scheduler"), &[]);
+    assert_eq!((at_headers, at_body), (Action::Pause, None));
+    assert_refused(&vm, third, RESOURCE_EXHAUSTED, "TOO_MANY_STREAMS");
+    vm.end(third).unwrap();
+    let session = vm.open(Some(ALICE), &headers(OPEN_SESSION, &[])).unwrap();
+    assert_eq!(vm.request_headers(session, false).unwrap(), Action::Pause);
+    assert_refused(&vm, session, RESOURCE_EXHAUSTED, "TOO_MANY_STREAMS");
+    vm.end(session).unwrap();
+    // Bob's bound is his own: his stream passes it (and is then refused on
+    // his grants, which do not cover the election).
+    let (bob, at_headers, _) = keyed_call(&mut vm, BOB, OBSERVE, &observe("demo/scheduler"), &[]);
+    assert_eq!(at_headers, Action::Continue);
+    assert_refused(&vm, bob, PERMISSION_DENIED, "NOT_AUTHORISED");
+    vm.end(bob).unwrap();
+    // An observer that goes away gives its place back.
+    vm.end(first).unwrap();
+    let (_, _, again) = keyed_call(&mut vm, ALICE, OBSERVE, &observe("demo/scheduler"), &[]);
+    assert_eq!(again, Some(Action::Continue));
+    assert_eq!(
+        vm.stat("latchkey_edge.denied.reason.too_many_streams"),
+        Some(2)
+    );
+}
+
+#[test]
+fn a_proclaim_is_decided_on_the_election_it_names() {
+    let mut vm = started(json!({}));
+    let (id, _, at_body) = keyed_call(&mut vm, ALICE, PROCLAIM, &proclaim("demo/scheduler"), &[]);
+    assert_eq!(at_body, Some(Action::Continue));
+    let s = vm.stream(id).unwrap();
+    assert!(s.local_reply.is_none());
+    assert_eq!(s.request_header(IDENTITY_HEADER).as_deref(), Some(ALICE));
+    assert_eq!(
+        s.filter_state,
+        vec![("envoy.hashable_string".into(), "demo/scheduler".into())]
+    );
+    assert_eq!(
+        vm.stat("latchkey_edge.allowed.method.proclaim.ns.demo.class._none"),
+        Some(1)
+    );
+    // Never a waiter.
+    assert_eq!(vm.stat("latchkey_edge.waiters.ns.demo.class.demo"), None);
+    vm.end(id).unwrap();
+
+    // Two names in one message: prost (the arbiter) reads the last, and so
+    // does the edge.
+    let two = |first: &str, last: &str| {
+        let mut message = ProclaimRequest {
+            election: first.into(),
+            ..Default::default()
+        }
+        .encode_to_vec();
+        message.extend(
+            ProclaimRequest {
+                election: last.into(),
+                session_id: 1,
+                token: 1 << 48,
+                value: "v".into(),
+            }
+            .encode_to_vec(),
+        );
+        frame(&message)
+    };
+    let (id, _, at_body) = keyed_call(&mut vm, ALICE, PROCLAIM, &two("demo/a", "other/b"), &[]);
+    assert_eq!(at_body, Some(Action::Pause));
+    assert_refused(&vm, id, PERMISSION_DENIED, "NOT_AUTHORISED");
+    let (id, _, at_body) = keyed_call(&mut vm, ALICE, PROCLAIM, &two("other/b", "demo/a"), &[]);
+    assert_eq!(at_body, Some(Action::Continue));
+    assert_eq!(
+        vm.stream(id).unwrap().filter_state,
+        vec![("envoy.hashable_string".into(), "demo/a".into())]
+    );
+    // The token (fixed64) sent as a varint: not a ProclaimRequest.
+    let mut bad = ProclaimRequest {
+        election: "demo/a".into(),
+        ..Default::default()
+    }
+    .encode_to_vec();
+    bad.extend([4 << 3, 1]);
+    let (id, _, at_body) = keyed_call(&mut vm, ALICE, PROCLAIM, &frame(&bad), &[]);
+    assert_eq!(at_body, Some(Action::Pause));
+    assert_refused(&vm, id, INVALID_ARGUMENT, "BAD_REQUEST");
+    // A routing header that is not the election.
+    let (id, _, at_body) = keyed_call(
+        &mut vm,
+        ALICE,
+        PROCLAIM,
+        &proclaim("demo/a"),
+        &[("x-lock-key", b"demo/b")],
+    );
+    assert_eq!(at_body, Some(Action::Pause));
+    assert_refused(&vm, id, INVALID_ARGUMENT, "BAD_REQUEST");
+}
+
+#[test]
+fn unknown_election_methods_are_answered_by_the_edge() {
+    let mut vm = started(json!({}));
+    for path in [
+        "/latchkey.election.v1.ElectionService/Campaign/",
+        "/latchkey.election.v1.ElectionService/campaign",
+        "/latchkey.election.v1.ElectionService/Elect",
+        "/latchkey.election.v1.electionservice/Observe",
+    ] {
+        let id = vm.open(Some(ALICE), &headers(path, &[])).unwrap();
+        assert_eq!(
+            vm.request_headers(id, false).unwrap(),
+            Action::Pause,
+            "{path}"
+        );
+        assert_refused(&vm, id, UNIMPLEMENTED, "UNIMPLEMENTED");
+        assert_eq!(vm.stream(id).unwrap().request_header(IDENTITY_HEADER), None);
+        vm.end(id).unwrap();
+    }
+    assert_eq!(
+        vm.stat("latchkey_edge.denied.reason.unknown_method"),
+        Some(4)
+    );
 }
 
 fn edge_policy(version: u64, grants: &[(&str, &[&str])]) -> Vec<u8> {

@@ -1,5 +1,7 @@
-//! The edge's decision for a keyed lock.v1 call, as one pure function:
-//! body -> gRPC frame -> message -> key -> header match -> grant.
+//! The edge's decision for a keyed call (lock.v1 Acquire, Release, Inspect;
+//! every election.v1 call, whose election name is checked as a lock key), as
+//! one pure function: body -> gRPC frame -> message -> key -> header match ->
+//! grant.
 //! Admission (the waiter bounds) follows separately, because it touches shared
 //! state and must be undone when the stream ends.
 
@@ -11,8 +13,8 @@ use crate::metrics;
 use crate::request::{Method, RequestError, decode, unframe};
 use crate::status::{DenyReason, Refusal};
 
-/// The routing-key header a client may send on Acquire, Release and Inspect;
-/// if present it must equal the request's key.
+/// The routing-key header a client may send on a keyed call; if present it
+/// must equal the request's key (an election call's: the election name).
 pub const KEY_HEADER: &str = "x-lock-key";
 
 /// A keyed call the edge lets through. Borrows from the request body and
@@ -20,14 +22,15 @@ pub const KEY_HEADER: &str = "x-lock-key";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Authorised<'a> {
     pub key: LockKey,
-    /// The class asked for (Acquire), empty otherwise.
+    /// The class asked for (Acquire, Campaign), empty otherwise.
     pub class: &'a str,
-    /// Acquire that will wait: subject to admission.
+    /// Acquire that will wait, or Campaign: subject to admission.
     pub waits: bool,
     /// The longest granted prefix that covers the key.
     pub granted: &'a str,
     /// The class as a stat label: the class if the table knows it,
-    /// `_unknown` for an Acquire of another class, `_none` otherwise.
+    /// `_unknown` for an Acquire or Campaign of another class, `_none`
+    /// otherwise.
     pub class_label: &'a str,
     /// The class's waiter bound, from the table that authorised the call.
     pub max_waiters_per_key: u32,
@@ -89,9 +92,9 @@ pub fn check_keyed<'a>(
         })
     })?;
     let class = request.class.unwrap_or_default();
-    let class_label = if method == Method::Acquire && policy.knows_class(class) {
+    let class_label = if method.has_class() && policy.knows_class(class) {
         class
-    } else if method == Method::Acquire {
+    } else if method.has_class() {
         "_unknown"
     } else {
         "_none"
@@ -100,7 +103,7 @@ pub fn check_keyed<'a>(
         max_waiters_per_key: policy.max_waiters_per_key(class),
         key,
         class,
-        waits: method == Method::Acquire && request.waits,
+        waits: method.has_class() && request.waits,
         granted,
         class_label,
     })
@@ -355,6 +358,153 @@ mod tests {
         }
         assert_ne!(share, admission_refusal(Rejection::KeyFull));
         assert_eq!(share.why.label(), "queue_full_key_share");
+    }
+
+    /// A body of an election.v1 `method` naming `name` (field 1), with the
+    /// class `demo` for a Campaign.
+    fn election_body(method: Method, name: &str) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.string(1, name);
+        if method == Method::Campaign {
+            w.string(2, "demo").varint(3, 1);
+        }
+        let m = w.finish();
+        let mut b = vec![0];
+        b.extend_from_slice(&(m.len() as u32).to_be_bytes());
+        b.extend(m);
+        b
+    }
+
+    const ELECTION: [Method; 7] = [
+        Method::Campaign,
+        Method::Proclaim,
+        Method::Leader,
+        Method::Observe,
+        Method::Resign,
+        Method::Transfer,
+        Method::Candidates,
+    ];
+
+    /// An election's name is checked exactly as a lock key: the same grants,
+    /// key rules, header match, size limit and table states.
+    #[test]
+    fn an_election_name_is_authorised_as_a_lock_key() {
+        let p = policy();
+        let code = |r: Result<Authorised, Refusal>| r.map(|_| ()).map_err(|r| (r.code, r.why));
+        for method in ELECTION {
+            let b = election_body(method, "a/b/leader");
+            let a = check_keyed(
+                Table::Fresh(&p),
+                ALICE,
+                method,
+                &b,
+                Some("a/b/leader"),
+                4096,
+            )
+            .unwrap();
+            assert_eq!((a.key.as_str(), a.granted), ("a/b/leader", "a/b"));
+            if method == Method::Campaign {
+                // A waiting call of its class: admission applies.
+                assert!(a.waits);
+                assert_eq!((a.class, a.class_label), ("demo", "demo"));
+                assert_eq!(a.max_waiters_per_key, 2);
+                assert_eq!(a.scope(), "ns.a.class.demo");
+            } else {
+                assert!(!a.waits, "{method:?}");
+                assert_eq!((a.class, a.class_label), ("", "_none"), "{method:?}");
+                assert_eq!(a.scope(), "ns.a.class._none");
+            }
+            for (table, identity, name, header, max, want) in [
+                (
+                    Table::Fresh(&p),
+                    ALICE,
+                    "a/bc",
+                    None,
+                    4096,
+                    DenyReason::NotAuthorised,
+                ),
+                (
+                    Table::Fresh(&p),
+                    "spiffe://dev.latchkey/workload/bob",
+                    "a/b",
+                    None,
+                    4096,
+                    DenyReason::NotAuthorised,
+                ),
+                (
+                    Table::Fresh(&p),
+                    ALICE,
+                    "a//b",
+                    None,
+                    4096,
+                    DenyReason::BadKey,
+                ),
+                (Table::Fresh(&p), ALICE, "", None, 4096, DenyReason::BadKey),
+                (
+                    Table::Fresh(&p),
+                    ALICE,
+                    "a/b/x",
+                    Some("a/b/y"),
+                    4096,
+                    DenyReason::KeyMismatch,
+                ),
+                (
+                    Table::Fresh(&p),
+                    ALICE,
+                    "a/b",
+                    None,
+                    4,
+                    DenyReason::Oversized,
+                ),
+                (
+                    Table::NotReady,
+                    ALICE,
+                    "a/b",
+                    None,
+                    4096,
+                    DenyReason::PolicyNotReady,
+                ),
+                (
+                    Table::Stale(&p),
+                    ALICE,
+                    "zzz/none",
+                    None,
+                    4096,
+                    DenyReason::PolicyStale,
+                ),
+            ] {
+                let got = code(check_keyed(
+                    table,
+                    identity,
+                    method,
+                    &election_body(method, name),
+                    header,
+                    max,
+                ));
+                assert_eq!(
+                    got,
+                    Err((Refusal::of(want).code, want)),
+                    "{method:?} {name}"
+                );
+            }
+            // A stale table still lets through what it covers.
+            assert!(check_keyed(Table::Stale(&p), ALICE, method, &b, None, 4096).is_ok());
+        }
+    }
+
+    /// A Campaign of a class the table does not know is counted as
+    /// `_unknown`, like an Acquire (the arbiter refuses the class).
+    #[test]
+    fn a_campaign_of_an_unknown_class_is_labelled_unknown() {
+        let p = policy();
+        let mut w = Writer::new();
+        w.string(1, "a/b/leader").string(2, "nope");
+        let m = w.finish();
+        let mut b = vec![0];
+        b.extend_from_slice(&(m.len() as u32).to_be_bytes());
+        b.extend(m);
+        let a = check_keyed(Table::Fresh(&p), ALICE, Method::Campaign, &b, None, 4096).unwrap();
+        assert_eq!((a.class_label, a.waits), ("_unknown", true));
     }
 
     #[test]

@@ -10,14 +10,17 @@
 //! header is refused ([`headers`]) and the edge names the caller itself; the
 //! `:method` and `:path` must be a known call ([`request::Call`]: GetEdgePolicy
 //! and anything unknown are answered by the edge); every stream takes a place
-//! under its identity's stream bound ([`admission::Admission::open_stream`]);
-//! for Acquire, Release and Inspect the body is one gRPC frame whose lock.v1
-//! message gives the key and class ([`decision::check_keyed`], which also
+//! under its identity's stream bound ([`admission::Admission::open_stream`])
+//! until it ends (so a KeepAlive or an election Observe stream holds its
+//! place for as long as it is open); for a keyed call — Acquire, Release and
+//! Inspect, and every election.v1 call, whose election name is a lock key —
+//! the body is one gRPC frame whose message gives the key and class
+//! ([`decision::check_keyed`], which also
 //! matches the `x-lock-key` header and asks the grant table,
 //! [`policy::EdgePolicy`], for the longest granted prefix — as seen through
 //! [`grant_table::Table`]: without a table, or for a key a stale table does
 //! not cover, the answer is a retryable `UNAVAILABLE`, never
-//! `PERMISSION_DENIED`); a waiting Acquire
+//! `PERMISSION_DENIED`); a waiting Acquire or a Campaign
 //! then takes a place under the per-identity, per-identity-on-the-key (its
 //! share of the key) and per-key bounds in host shared data, placed by a
 //! keyed hash ([`keyed_hash`]) and given back when the arbiter answers or the

@@ -187,7 +187,7 @@ impl Refusal {
             DenyReason::UnknownMethod => (
                 Unimplemented,
                 "UNIMPLEMENTED",
-                "the edge forwards only the lock.v1 and admin.v1 methods it knows (POST, exact path); check the method name and the client's proto version",
+                "the edge forwards only the lock.v1, election.v1 and admin.v1 methods it knows (POST, exact path); check the method name and the client's proto version",
             ),
             DenyReason::EdgePolicyForbidden => (
                 PermissionDenied,

@@ -1,7 +1,8 @@
 //! A minimal protobuf wire-format reader and writer.
 //!
-//! The filter reads a handful of fields from lock.v1 requests and the arbiter's
-//! `EdgePolicy`, and writes one `google.rpc.Status`. A hand-written reader keeps
+//! The filter reads a handful of fields from lock.v1 and election.v1 requests
+//! and the arbiter's `EdgePolicy`, and writes one `google.rpc.Status`. A
+//! hand-written reader keeps
 //! the Wasm module small and, more to the point, total: every input, however
 //! hostile, ends in `Ok` or a [`WireError`], never a panic (the decoder is fuzzed
 //! in `request.rs`).

@@ -18,6 +18,19 @@ pub const BOB: &str = "spiffe://dev.latchkey/workload/bob";
 pub const ACQUIRE: &str = "/latchkey.lock.v1.Lock/Acquire";
 pub const INSPECT: &str = "/latchkey.lock.v1.Lock/Inspect";
 pub const OPEN_SESSION: &str = "/latchkey.lock.v1.Lock/OpenSession";
+pub const CAMPAIGN: &str = "/latchkey.election.v1.ElectionService/Campaign";
+pub const PROCLAIM: &str = "/latchkey.election.v1.ElectionService/Proclaim";
+pub const OBSERVE: &str = "/latchkey.election.v1.ElectionService/Observe";
+/// Every election.v1 method's path.
+pub const ELECTION_PATHS: [&str; 7] = [
+    CAMPAIGN,
+    PROCLAIM,
+    "/latchkey.election.v1.ElectionService/Leader",
+    OBSERVE,
+    "/latchkey.election.v1.ElectionService/Resign",
+    "/latchkey.election.v1.ElectionService/Transfer",
+    "/latchkey.election.v1.ElectionService/Candidates",
+];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stat {
@@ -335,6 +348,23 @@ pub fn acquire(key: &str, wait: bool) -> Vec<u8> {
         .varint(3, 1)
         .varint(4, u64::from(wait));
     frame(&m.finish())
+}
+
+/// A `CampaignRequest` body for the election `name` in class `demo`.
+pub fn campaign(name: &str) -> Vec<u8> {
+    let mut m = crate::wire::Writer::new();
+    m.string(1, name)
+        .string(2, "demo")
+        .varint(3, 1)
+        .string(4, "10.0.0.1:8080");
+    frame(&m.finish())
+}
+
+/// An election.v1 request body that names only the election `name` (field
+/// 1): a whole `LeaderRequest`, `ObserveRequest` or `CandidatesRequest`, and
+/// enough of any other for the edge (the arbiter checks the rest).
+pub fn election(name: &str) -> Vec<u8> {
+    inspect(name)
 }
 
 /// An `InspectRequest` body for `key`.

@@ -2,7 +2,7 @@
 //! (refusing it as soon as it is too large) and `on_http_request_trailers`
 //! refuses reserved trailer names on every call; whichever sees the end of
 //! the request decides the call on its whole body: authorisation, the
-//! routing key, and a waiting Acquire's admission places.
+//! routing key, and a waiting Acquire's or a Campaign's admission places.
 
 use crate::decision;
 use crate::edge::profile::Section;
@@ -171,9 +171,10 @@ mod tests {
     use super::*;
     use crate::admission::identity_share;
     use crate::edge::fake::{
-        ACQUIRE, ALICE, BOB, FakeHost, INSPECT, OPEN_SESSION, acquire, configured, inspect,
-        keyed_call,
+        ACQUIRE, ALICE, BOB, CAMPAIGN, ELECTION_PATHS, FakeHost, INSPECT, OPEN_SESSION, PROCLAIM,
+        acquire, campaign, configured, election, inspect, keyed_call,
     };
+    use crate::identity::IDENTITY_HEADER;
     use crate::status::GrpcCode;
 
     fn refused(host: &FakeHost, why: DenyReason) {
@@ -387,5 +388,192 @@ mod tests {
         host.now.set(host.now.get() + Duration::from_micros(250));
         stream.on_request_body(&host, body.len(), true);
         assert_eq!(host.samples(metrics::DECISION_US), vec![250]);
+    }
+
+    /// Every election.v1 call is a keyed call on its election's name: the
+    /// caller named by the edge alone, routed by the authorised name, counted
+    /// under its own method label.
+    #[test]
+    fn every_election_call_names_its_caller_and_routes_by_the_election() {
+        let (host, root) = configured(json!({}));
+        for path in ELECTION_PATHS {
+            host.foreign_calls.borrow_mut().clear();
+            let body = if path == CAMPAIGN {
+                campaign("demo/leader")
+            } else {
+                election("demo/leader")
+            };
+            let (stream, at_headers, at_body) = keyed_call(&host, &root, ALICE, path, &body);
+            assert_eq!(
+                (at_headers, at_body),
+                (Action::Continue, Some(Action::Continue)),
+                "{path}"
+            );
+            assert!(host.replies.borrow().is_empty(), "{path}");
+            assert_eq!(
+                host.header(IDENTITY_HEADER).as_deref(),
+                Some(ALICE),
+                "{path}"
+            );
+            assert_eq!(
+                *host.foreign_calls.borrow(),
+                vec![(
+                    SET_FILTER_STATE.to_owned(),
+                    route_key_arguments("demo/leader")
+                )],
+                "{path}"
+            );
+            let label = stream.method.label();
+            let class = if path == CAMPAIGN { "demo" } else { "_none" };
+            assert_eq!(
+                host.stat(&format!(
+                    "latchkey_edge.allowed.method.{label}.ns.demo.class.{class}"
+                )),
+                Some(1),
+                "{path}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_election_call_without_a_grant_is_refused_and_never_forwarded() {
+        let (host, root) = configured(json!({}));
+        for path in ELECTION_PATHS {
+            for (peer, name) in [
+                (BOB, "demo/leader"),
+                (ALICE, "demox/leader"),
+                (ALICE, "other"),
+            ] {
+                let body = if path == CAMPAIGN {
+                    campaign(name)
+                } else {
+                    election(name)
+                };
+                let (_, _, at_body) = keyed_call(&host, &root, peer, path, &body);
+                assert_eq!(at_body, Some(Action::Pause), "{path} {peer} {name}");
+                refused(&host, DenyReason::NotAuthorised);
+                assert_eq!(host.last_reply().unwrap().code, GrpcCode::PermissionDenied);
+            }
+        }
+        assert_eq!(
+            host.stat(&metrics::denied(DenyReason::NotAuthorised)),
+            Some(3 * ELECTION_PATHS.len() as i64)
+        );
+        // Not routed, no waiter place taken, nothing counted as allowed.
+        assert!(host.foreign_calls.borrow().is_empty());
+        assert_eq!(host.stat("latchkey_edge.waiters.ns.demo.class.demo"), None);
+        assert!(
+            !host
+                .stats
+                .borrow()
+                .iter()
+                .any(|s| s.name.contains(".allowed.")),
+            "{:?}",
+            host.stats.borrow()
+        );
+    }
+
+    #[test]
+    fn an_election_call_is_refused_on_the_same_body_rules_as_a_lock_call() {
+        let (host, root) = configured(json!({"maxMessageBytes": 64}));
+        // Two names in one body: the edge decides on the last, as the
+        // arbiter will read it.
+        let mut two = crate::wire::Writer::new();
+        two.string(1, "demo/mine").string(1, "other/theirs");
+        let (_, _, at_body) = keyed_call(
+            &host,
+            &root,
+            ALICE,
+            PROCLAIM,
+            &crate::edge::fake::frame(&two.finish()),
+        );
+        assert_eq!(at_body, Some(Action::Pause));
+        refused(&host, DenyReason::NotAuthorised);
+        let mut two = crate::wire::Writer::new();
+        two.string(1, "other/theirs").string(1, "demo/mine");
+        let (_, _, at_body) = keyed_call(
+            &host,
+            &root,
+            ALICE,
+            PROCLAIM,
+            &crate::edge::fake::frame(&two.finish()),
+        );
+        assert_eq!(at_body, Some(Action::Continue));
+        assert_eq!(
+            host.foreign_calls.borrow().last().map(|(_, a)| a.clone()),
+            Some(route_key_arguments("demo/mine"))
+        );
+        // The name with the wrong wire type.
+        let mut bad = crate::wire::Writer::new();
+        bad.varint(1, 7);
+        let (_, _, at_body) = keyed_call(
+            &host,
+            &root,
+            ALICE,
+            PROCLAIM,
+            &crate::edge::fake::frame(&bad.finish()),
+        );
+        assert_eq!(at_body, Some(Action::Pause));
+        refused(&host, DenyReason::BadRequest);
+        // Over the size limit, as soon as the buffered body says so.
+        host.request(Some(ALICE), CAMPAIGN, &[], &[]);
+        let mut stream = root.new_stream();
+        assert_eq!(stream.on_request_headers(&host, false), Action::Continue);
+        assert_eq!(stream.on_request_body(&host, 70, false), Action::Pause);
+        refused(&host, DenyReason::Oversized);
+        // A malformed name.
+        let (_, _, at_body) = keyed_call(&host, &root, ALICE, CAMPAIGN, &campaign("demo//a"));
+        assert_eq!(at_body, Some(Action::Pause));
+        refused(&host, DenyReason::BadKey);
+        // A routing header that is not the name.
+        let body = election("demo/leader");
+        host.request(
+            Some(ALICE),
+            PROCLAIM,
+            &[("x-lock-key", "demo/other")],
+            &body,
+        );
+        let mut stream = root.new_stream();
+        assert_eq!(stream.on_request_headers(&host, false), Action::Continue);
+        assert_eq!(host.header("x-lock-key"), None);
+        assert_eq!(
+            stream.on_request_body(&host, body.len(), true),
+            Action::Pause
+        );
+        refused(&host, DenyReason::KeyMismatch);
+    }
+
+    /// Campaign waits like an Acquire: it takes the waiter places (the
+    /// identity's bound, its share of the election, the class's per-key
+    /// bound) until the arbiter answers.
+    #[test]
+    fn campaigns_take_waiter_places_like_waiting_acquires() {
+        let (host, root) = configured(json!({"maxWaitersPerIdentity": 3}));
+        let (mut first, _, a) = keyed_call(&host, &root, ALICE, CAMPAIGN, &campaign("demo/leader"));
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(
+            host.stat("latchkey_edge.waiters.ns.demo.class.demo"),
+            Some(1)
+        );
+        // Class demo: 4 waiters per key, so 2 per identity on one election.
+        let (_, _, b) = keyed_call(&host, &root, ALICE, CAMPAIGN, &campaign("demo/leader"));
+        assert_eq!(b, Some(Action::Continue));
+        let (_, _, c) = keyed_call(&host, &root, ALICE, CAMPAIGN, &campaign("demo/leader"));
+        assert_eq!(c, Some(Action::Pause));
+        refused(&host, DenyReason::QueueFullKeyShare);
+        // Campaigns and waiting Acquires share the identity's bound.
+        let (_, _, d) = keyed_call(&host, &root, ALICE, ACQUIRE, &acquire("demo/k", true));
+        assert_eq!(d, Some(Action::Continue));
+        let (_, _, e) = keyed_call(&host, &root, ALICE, CAMPAIGN, &campaign("demo/other"));
+        assert_eq!(e, Some(Action::Pause));
+        refused(&host, DenyReason::QueueFullIdentity);
+        assert_eq!(
+            host.stat("latchkey_edge.admission_rejected.scope.identity.ns.demo.class.demo"),
+            Some(1)
+        );
+        // The arbiter answers the first campaign: its places come back.
+        first.on_response_headers(&host);
+        let (_, _, f) = keyed_call(&host, &root, ALICE, CAMPAIGN, &campaign("demo/other"));
+        assert_eq!(f, Some(Action::Continue));
     }
 }

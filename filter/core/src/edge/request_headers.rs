@@ -1,7 +1,8 @@
 //! `on_http_request_headers`: who the caller is (the peer certificate's
 //! SPIFFE ID), reserved headers, which call it is, the identity header, and
 //! the identity's place under its stream bound. Unkeyed calls are decided
-//! here; keyed ones (Acquire, Release, Inspect) go on to the body phase.
+//! here; keyed ones (Acquire, Release, Inspect, every election.v1 call) go
+//! on to the body phase.
 
 use std::borrow::Cow;
 
@@ -250,10 +251,19 @@ mod tests {
             "/latchkey.lock.v1.Lock/Steal",
             "/latchkey.lock.v1.Lock/Acquire/",
             "/other.Service/Acquire",
+            "/latchkey.election.v1.ElectionService/Elect",
+            "/latchkey.election.v1.ElectionService/Campaign/",
+            "/latchkey.election.v1.ElectionService/campaign",
+            "/latchkey.election.v1.electionservice/Observe",
         ] {
-            headers(&host, &root, Some(ALICE), path);
+            let (_, action) = headers(&host, &root, Some(ALICE), path);
+            assert_eq!(action, Action::Pause, "{path}");
             refused(&host, DenyReason::UnknownMethod);
+            assert_eq!(host.last_reply().unwrap().code, GrpcCode::Unimplemented);
+            // Never forwarded: not even named.
+            assert_eq!(host.header(IDENTITY_HEADER), None, "{path}");
         }
+        assert_eq!(host.stat(metrics::STREAMS_OPEN).unwrap_or(0), 0);
         headers(
             &host,
             &root,

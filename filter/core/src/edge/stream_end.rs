@@ -61,8 +61,10 @@ mod tests {
 
     use super::*;
     use crate::edge::fake::{
-        ACQUIRE, ALICE, BOB, INSPECT, acquire, configured, inspect, keyed_call,
+        ACQUIRE, ALICE, BOB, FakeHost, INSPECT, OBSERVE, acquire, configured, election, inspect,
+        keyed_call,
     };
+    use crate::status::{DenyReason, GrpcCode};
 
     const WAITERS: &str = "latchkey_edge.waiters.ns.demo.class.demo";
 
@@ -110,5 +112,47 @@ mod tests {
         // Bob's one place is free again.
         let (_, at_headers, _) = keyed_call(&host, &root, BOB, INSPECT, &inspect("demo/a"));
         assert_eq!(at_headers, Action::Continue);
+    }
+
+    /// An Observe stream is answered at once and then stays open: the
+    /// arbiter's response headers give back no stream place (only a waiter's),
+    /// so it counts under the identity's stream bound, like a KeepAlive
+    /// stream, until it ends.
+    #[test]
+    fn an_observe_stream_keeps_its_stream_place_until_it_ends() {
+        let (host, root) = configured(json!({"maxStreamsPerIdentity": 2}));
+        let admission = root.vm().borrow().active.as_ref().unwrap().admission;
+        let observe = |host: &FakeHost| {
+            let (stream, at_headers, at_body) =
+                keyed_call(host, &root, ALICE, OBSERVE, &election("demo/leader"));
+            (stream, at_headers, at_body)
+        };
+        let (mut first, _, a) = observe(&host);
+        let (_second, _, b) = observe(&host);
+        assert_eq!((a, b), (Some(Action::Continue), Some(Action::Continue)));
+        // No waiter places: an observer does not wait to be granted anything.
+        assert_eq!(host.stat(WAITERS), None);
+        // The arbiter's answer starts the event stream; the places stay.
+        assert_eq!(first.on_response_headers(&host), Action::Continue);
+        assert_eq!(admission.streams(&host, ALICE), 2);
+        assert_eq!(host.stat(metrics::STREAMS_OPEN), Some(2));
+        // A third stream of any kind is refused at its headers.
+        let (_, at_headers, at_body) = observe(&host);
+        assert_eq!((at_headers, at_body), (Action::Pause, None));
+        let reply = host.last_reply().unwrap();
+        assert_eq!(reply.code, GrpcCode::ResourceExhausted);
+        assert_eq!(
+            host.stat(&metrics::denied(DenyReason::TooManyStreams)),
+            Some(1)
+        );
+        // Bob's bound is his own.
+        let (_, at_headers, _) = keyed_call(&host, &root, BOB, OBSERVE, &election("demo/leader"));
+        assert_eq!(at_headers, Action::Continue);
+        // The first observer goes away: its place comes back, once.
+        first.on_log(&host);
+        first.on_log(&host);
+        assert_eq!(admission.streams(&host, ALICE), 1);
+        let (_, _, again) = observe(&host);
+        assert_eq!(again, Some(Action::Continue));
     }
 }
