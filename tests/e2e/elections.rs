@@ -626,3 +626,76 @@ async fn elections_refuse_bad_input_and_other_identities() -> anyhow::Result<()>
     ensure!(led.token > 0);
     Ok(())
 }
+
+/// Through the real edge (Envoy with the real filter, the arbiter trusting
+/// only the edge's identity): two replicas with one SVID hand the
+/// leadership over, an observer of another identity sees it, and an
+/// identity with no grant is refused at the edge.
+#[tokio::test(flavor = "multi_thread")]
+async fn through_the_edge_replicas_hand_over_and_others_are_refused() -> anyhow::Result<()> {
+    use latchkey_tests::arbiter::{channel, spiffe};
+    use latchkey_tests::envoy::{Envoy, EnvoyOptions};
+    let dir = policies()?;
+    let stack = stack_with(ArbiterOptions {
+        policies_dir: dir.path().to_path_buf(),
+        edge_identity: Some(spiffe("latchkey/edge")),
+        ..ArbiterOptions::default()
+    })
+    .await?;
+    let envoy = Envoy::start(EnvoyOptions::with_filter(
+        stack.arbiter.addr(),
+        serde_json::json!({}),
+    )?)
+    .await?;
+    let edge = envoy.addr();
+    let replica = |name: &'static str| async move {
+        let ch = channel(edge, name).await?;
+        let mut lock = Lock::new(ch.clone());
+        let session = latchkey_tests::lock_calls::open(&mut lock, CLASS).await?;
+        anyhow::Ok(Replica {
+            renewals: keep_alive(lock.clone(), session),
+            elect: Elect::new(ch),
+            lock,
+            session,
+        })
+    };
+    let election = "demo/elect/edge";
+    let mut a = replica("workload/alice").await?;
+    let b = replica("workload/alice").await?;
+    let mut observer = Elect::new(channel(edge, "workload/bob").await?);
+    let mut stream = observer
+        .observe(ObserveRequest {
+            election: election.into(),
+            from_term: 0,
+        })
+        .await?
+        .into_inner();
+    ensure!(next_event(&mut stream).await? == "vacant 0 Unspecified");
+    let led = a.campaign(election, "a", Duration::from_secs(5)).await?;
+    ensure!(next_event(&mut stream).await? == format!("start {} a", led.term));
+    let waiting = b.campaign_later(election, "b", 0, Duration::from_secs(20));
+    until_standing(&mut a.elect, election, 1).await?;
+    a.elect
+        .resign(ResignRequest {
+            election: election.into(),
+            session_id: a.session,
+            token: led.token,
+        })
+        .await?;
+    let b_led = waiting.await??;
+    ensure!(b_led.term == led.term + 1 && b_led.token > led.token);
+    ensure!(next_event(&mut stream).await? == format!("start {} b", b_led.term));
+    // mallory has no grant on demo/: the edge refuses before the arbiter.
+    let mut mallory = Elect::new(channel(edge, "workload/mallory").await?);
+    expect_refusal(
+        mallory
+            .leader(LeaderRequest {
+                election: election.into(),
+            })
+            .await,
+        Code::PermissionDenied,
+        "NOT_AUTHORISED",
+    )?;
+    drop(a.lock);
+    Ok(())
+}
