@@ -130,13 +130,17 @@ mod tests {
         );
         // The traits LockLog is made of, as lock_log.rs declares it.
         let source = std::fs::read_to_string(repo().join("arbiter/src/lock_log.rs"))?;
-        let log_traits: Vec<&str> = source
-            .lines()
-            .find_map(|l| l.strip_prefix("pub trait LockLog:"))
-            .context("lock_log.rs: no `pub trait LockLog:` line")?
-            .trim_end_matches("{}")
+        // The declaration as rustfmt lays it out: on one line, or one
+        // supertrait per line.
+        let declaration = source
+            .split_once("pub trait LockLog:")
+            .and_then(|(_, rest)| rest.split_once('{'))
+            .context("lock_log.rs: no `pub trait LockLog: ... {}`")?
+            .0;
+        let log_traits: Vec<&str> = declaration
             .split('+')
             .map(str::trim)
+            .filter(|t| !t.is_empty())
             .collect();
         ensure!(log_traits.len() >= 4, "LockLog is made of {log_traits:?}");
         let declared: BTreeMap<&str, &str> = traits
