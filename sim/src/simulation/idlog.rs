@@ -797,4 +797,107 @@ mod tests {
             assert_eq!(candidate_key_back(&ids, key), key);
         }
     }
+
+    /// The arbiter names its sessions; the store sees the layer's ids;
+    /// every answer (candidate keys, leases, watch events, a lease gone)
+    /// comes back in the arbiter's.
+    #[tokio::test(start_paused = true)]
+    async fn elections_go_through_in_the_arbiters_ids() {
+        let dispatch = Arc::new(Dispatch::default());
+        tokio::spawn(dispatch.clone().run());
+        let log = IdLog::new(MemLog::new(7), dispatch, false);
+        let own = b"session".as_slice();
+        log.create_epoch(b"epoch".to_vec()).await.unwrap();
+        // a's id is the higher, but a's lease is granted first
+        let (a, b) = (0x1234_5678, 0x42);
+        for id in [a, b] {
+            log.grant_lease(id, 10).await.unwrap();
+            log.put_session(id, "spiffe://td/x", own.to_vec())
+                .await
+                .unwrap();
+        }
+        let mut watch = log.watch_election("e", 0).await.unwrap();
+        let stand = async |id: i64| {
+            let stood = log.stand("e", id, 1, own, b"candidate".to_vec()).await;
+            stood.unwrap().value.unwrap()
+        };
+        let qa = stand(a).await;
+        let qb = stand(b).await;
+        let read = log.election("e", 8).await.unwrap().value;
+        let found: Vec<(String, i64)> = read
+            .candidates
+            .iter()
+            .map(|(key, kv)| (key.clone(), kv.lease))
+            .collect();
+        // the store's order (grant order), in the arbiter's ids
+        assert_eq!(
+            found,
+            [
+                (format!("fffffffe/{a:016x}"), a),
+                (format!("fffffffe/{b:016x}"), b)
+            ]
+        );
+
+        let txn = |from, to: i64, created, term_at| LeadTxn {
+            election: "e",
+            epoch: b"epoch",
+            fence_at: 0,
+            term_at,
+            term_record: b"term".to_vec(),
+            from,
+            to: Some(LeadTo {
+                session: to,
+                priority: 1,
+                created,
+                lead_record: b"lead".to_vec(),
+                session_record: None,
+            }),
+        };
+        let led = log
+            .lead(txn(LeadFrom::Vacant, a, qa.created, 0))
+            .await
+            .unwrap();
+        assert!(led.value);
+        let t1 = led.header.revision;
+        let proclaimed = log
+            .proclaim(ProclaimTxn {
+                election: "e",
+                session: a,
+                term_at: t1,
+                epoch: b"epoch",
+                lead_record: b"news".to_vec(),
+            })
+            .await
+            .unwrap();
+        assert!(proclaimed.value);
+        let handed = log
+            .lead(txn(LeadFrom::Leader { session: a }, b, qb.created, t1))
+            .await
+            .unwrap();
+        assert!(handed.value);
+        let lead = log.election("e", 8).await.unwrap().value.lead.unwrap();
+        assert_eq!(lead.lease, b);
+
+        match watch.next().await {
+            FollowSignal::Events { events, .. } => {
+                assert_eq!(events[0].key, format!("c/fffffffe/{a:016x}"));
+                assert_eq!(events[0].put.as_ref().map(|kv| kv.lease), Some(a));
+            }
+            FollowSignal::Lost => panic!("the election's watch was lost"),
+        }
+
+        log.revoke(a).await.unwrap();
+        let gone = log
+            .lead(txn(
+                LeadFrom::Leader { session: b },
+                a,
+                0,
+                handed.header.revision,
+            ))
+            .await;
+        assert!(
+            matches!(gone, Err(StoreError::LeaseGone { lease }) if lease == a),
+            "{gone:?}"
+        );
+    }
 }
