@@ -18,7 +18,13 @@
 //!   the deadline by itself (no background task);
 //! - watches from a revision: a per-key history replayed from there, then
 //!   live events; compaction drops history, and a watch from below it is
-//!   `Lost`.
+//!   `Lost`. Prefix watches (an election's, from any revision; the
+//!   followers', from the revision after their read) replay every change
+//!   under the prefix with its values, the value before a change included
+//!   (`prev_kv`);
+//! - elections ([`ElectionLog`](latchkey_arbiter::lock_log::ElectionLog),
+//!   `memlog/elections.rs`) with the etcd log's compares and writes, each
+//!   one call under the same faults as every other call.
 //!
 //! What it adds: faults drawn from a seed per call ([`FaultRates`]), and
 //! the operator-side events a simulation needs (compaction, snapshot and
@@ -32,6 +38,7 @@
 
 mod batch;
 mod call;
+mod elections;
 mod holds;
 mod keys;
 mod store;
@@ -534,6 +541,8 @@ impl EpochLog for MemLog {
                     Op::DeletePrefix(keys::WAITERS.into()),
                     Op::Delete(keys::seal()),
                     Op::DeletePrefix(keys::CLAIMS.into()),
+                    // every leadership and candidacy ends, as on etcd
+                    Op::DeletePrefix(keys::ELECTIONS.into()),
                 ],
             )?;
             let deleted = match results.get(1) {
@@ -735,61 +744,4 @@ fn put(key: String, value: Vec<u8>, lease: i64) -> Op {
 
 fn commit(store: &mut Store, ops: Vec<Op>) -> Result<Vec<OpResult>, StoreError> {
     store.commit(ops).map_err(lease_gone)
-}
-
-#[async_trait]
-impl latchkey_arbiter::lock_log::ElectionLog for MemLog {
-    async fn election(
-        &self,
-        election: &str,
-        limit: usize,
-    ) -> LogResult<latchkey_arbiter::lock_log::ElectionRead> {
-        let _ = (election, limit);
-        Err(StoreError::unavailable("elections are not in this log yet"))
-    }
-    async fn stand(
-        &self,
-        election: &str,
-        session: i64,
-        priority: u32,
-        session_record: &[u8],
-        record: Vec<u8>,
-    ) -> LogResult<Option<Queued>> {
-        let _ = (election, session, priority, session_record, record);
-        Err(StoreError::unavailable("elections are not in this log yet"))
-    }
-    async fn withdraw(
-        &self,
-        election: &str,
-        session: i64,
-        priority: u32,
-        modified: i64,
-    ) -> LogResult<bool> {
-        let _ = (election, session, priority, modified);
-        Err(StoreError::unavailable("elections are not in this log yet"))
-    }
-    async fn lead(&self, txn: latchkey_arbiter::lock_log::LeadTxn<'_>) -> LogResult<bool> {
-        let _ = txn;
-        Err(StoreError::unavailable("elections are not in this log yet"))
-    }
-    async fn proclaim(&self, txn: latchkey_arbiter::lock_log::ProclaimTxn<'_>) -> LogResult<bool> {
-        let _ = txn;
-        Err(StoreError::unavailable("elections are not in this log yet"))
-    }
-    async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {
-        let _ = subject;
-        Err(StoreError::unavailable("elections are not in this log yet"))
-    }
-    async fn count_elections(&self, subject: &str) -> LogResult<i64> {
-        let _ = subject;
-        Err(StoreError::unavailable("elections are not in this log yet"))
-    }
-    async fn watch_election(
-        &self,
-        election: &str,
-        from_revision: i64,
-    ) -> Result<Box<dyn PrefixWatch>, StoreError> {
-        let _ = (election, from_revision);
-        Err(StoreError::unavailable("elections are not in this log yet"))
-    }
 }

@@ -14,6 +14,7 @@
 //! are the log's own, so the cases that seal also advance to lift it.
 
 mod batch;
+mod election;
 mod fence;
 mod follow;
 mod force;
@@ -26,6 +27,14 @@ use batch::{
     a_batch_answers_each_member, a_batch_commits_at_one_revision,
     a_batch_on_one_key_twice_is_refused, hand_over_if_owned_compares_the_owner,
     release_if_owned_compares_the_owner,
+};
+use election::{
+    a_hand_over_and_a_resignation_move_the_lead_in_one_revision,
+    a_lead_refuses_on_any_stale_compare, a_lead_to_a_candidate_whose_lease_ended_fails,
+    a_vacancy_is_led_by_one_of_two_racing_lead_txns, an_advance_deletes_every_election_record,
+    an_election_watch_reports_every_change_from_a_revision,
+    candidates_come_back_by_rank_then_session, proclaim_keeps_the_leadership,
+    the_seal_refuses_lead_and_proclaim,
 };
 use fence::{
     a_batch_member_with_a_stale_fence_is_refused, a_grant_compares_the_map_fence,
@@ -98,6 +107,15 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(renewals);
     case!(watch_from_a_revision);
     case!(a_follow_reads_then_reports_every_change);
+    case!(a_vacancy_is_led_by_one_of_two_racing_lead_txns);
+    case!(a_lead_refuses_on_any_stale_compare);
+    case!(a_hand_over_and_a_resignation_move_the_lead_in_one_revision);
+    case!(proclaim_keeps_the_leadership);
+    case!(candidates_come_back_by_rank_then_session);
+    case!(a_lead_to_a_candidate_whose_lease_ended_fails);
+    case!(an_election_watch_reports_every_change_from_a_revision);
+    case!(an_advance_deletes_every_election_record);
+    case!(the_seal_refuses_lead_and_proclaim);
     case!(revisions_are_never_reused);
     case!(put_seal_is_conditional);
     case!(put_coord_seen_is_conditional);

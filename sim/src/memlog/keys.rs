@@ -46,3 +46,44 @@ pub fn queue_of(key: &str) -> String {
 pub fn waiter(key: &str, session: i64) -> String {
     format!("{}{session:016x}", queue_of(key))
 }
+/// Every election's records (what an epoch advance deletes).
+pub const ELECTIONS: &str = "e/";
+/// Every record of election `name` (`//` cannot occur in a name).
+pub fn election(name: &str) -> String {
+    format!("{ELECTIONS}{name}//")
+}
+pub fn election_lead(name: &str) -> String {
+    format!("{}lead", election(name))
+}
+pub fn election_term(name: &str) -> String {
+    format!("{}term", election(name))
+}
+/// Election `name`'s candidates, by rank (highest priority first), then
+/// session.
+pub fn candidates(name: &str) -> String {
+    format!("{}c/", election(name))
+}
+pub fn candidate(name: &str, priority: u32, session: i64) -> String {
+    format!(
+        "{}{:08x}/{session:016x}",
+        candidates(name),
+        latchkey_records::candidate_rank(priority)
+    )
+}
+fn hex(subject: &str) -> String {
+    subject.bytes().map(|b| format!("{b:02x}")).collect()
+}
+/// `subject`'s leadership entries (on the leaders' leases).
+pub fn leaderships_of(subject: &str) -> String {
+    format!("e//i/{}/", hex(subject))
+}
+pub fn leadership_entry(subject: &str, name: &str) -> String {
+    format!("{}{name}", leaderships_of(subject))
+}
+/// `subject`'s term record entries (on no lease).
+pub fn elections_of(subject: &str) -> String {
+    format!("e//t/{}/", hex(subject))
+}
+pub fn election_entry(subject: &str, name: &str) -> String {
+    format!("{}{name}", elections_of(subject))
+}

@@ -1,5 +1,7 @@
 //! The store under [`super::MemLog`]: keys with etcd's metadata, one
-//! revision counter, leases, per-key event history and watch queues. Pure
+//! revision counter, leases, per-key event history, every revision's
+//! changes with their values (for prefix watches from a past revision) and
+//! watch queues. Pure
 //! state, no clock of its own and no `await`: the log passes `now` in, so
 //! every step is a plain function of the calls made and the time they were
 //! made at.
@@ -107,15 +109,22 @@ struct WatchSlot {
     ended: bool,
 }
 
-/// A live watch of every key under a prefix, with values: the followers'
-/// watch (hold and session counts). Filled at commit time, from the
-/// revision after the read it was opened with.
+/// A watch of every key under a prefix, with values (and `prev_kv`): the
+/// followers' watch (hold and session counts) and an election's. Filled at
+/// commit time; one opened at a past revision starts with the changes since
+/// then, from the store's [`Change`] log.
 #[derive(Debug)]
 struct PrefixSlot {
     prefix: String,
+    /// Changes below this revision are not the watch's.
+    from: i64,
     pending: VecDeque<FollowSignal>,
     ended: bool,
 }
+
+/// One change of one key: the key, the value put (`None`: a delete) and
+/// the value before it.
+type Change = (String, Option<Kv>, Option<Kv>);
 
 /// The store's content at one revision (see [`super::Snapshot`]).
 #[derive(Debug, Clone)]
@@ -124,6 +133,7 @@ pub(crate) struct Image {
     pub compacted: i64,
     kvs: BTreeMap<String, Stored>,
     history: BTreeMap<String, VecDeque<(i64, EventKind)>>,
+    changes: VecDeque<(i64, Vec<Change>)>,
     /// Lease id → (granted TTL, keys); deadlines restart on restore.
     leases: BTreeMap<i64, (i64, BTreeSet<String>)>,
 }
@@ -151,6 +161,11 @@ pub(crate) struct Store {
     compacted: i64,
     kvs: BTreeMap<String, Stored>,
     history: BTreeMap<String, VecDeque<(i64, EventKind)>>,
+    /// Every revision's changes since the compaction, in order, with their
+    /// values: what a prefix watch from a past revision replays (etcd
+    /// reads them from its backend; the per-key `history` serves key
+    /// watches, which want no values).
+    changes: VecDeque<(i64, Vec<Change>)>,
     leases: BTreeMap<i64, Lease>,
     watches: BTreeMap<u64, WatchSlot>,
     prefix_watches: BTreeMap<u64, PrefixSlot>,
@@ -177,6 +192,7 @@ impl Store {
             compacted: 0,
             kvs: BTreeMap::new(),
             history: BTreeMap::new(),
+            changes: VecDeque::new(),
             leases: BTreeMap::new(),
             watches: BTreeMap::new(),
             prefix_watches: BTreeMap::new(),
@@ -309,7 +325,7 @@ impl Store {
         let rev = self.revision + 1;
         let mut events: Vec<(String, EventKind)> = Vec::new();
         // (key, put, prev) of each change, for the prefix watches.
-        let mut changes: Vec<(String, Option<Kv>, Option<Kv>)> = Vec::new();
+        let mut changes: Vec<Change> = Vec::new();
         let mut results = Vec::with_capacity(ops.len());
         for op in ops {
             match op {
@@ -348,8 +364,9 @@ impl Store {
         }
         if !events.is_empty() {
             self.revision = rev;
-            self.record(rev, events);
             self.push_to_prefix_watches(rev, &changes);
+            self.changes.push_back((rev, changes));
+            self.record(rev, events);
         }
         Ok(results)
     }
@@ -412,21 +429,12 @@ impl Store {
 
     /// Hands one revision's changes to every prefix watch they concern,
     /// as one response.
-    fn push_to_prefix_watches(&mut self, rev: i64, changes: &[(String, Option<Kv>, Option<Kv>)]) {
+    fn push_to_prefix_watches(&mut self, rev: i64, changes: &[Change]) {
         for slot in self.prefix_watches.values_mut() {
-            if slot.ended {
+            if slot.ended || rev < slot.from {
                 continue;
             }
-            let events: Vec<FollowEvent> = changes
-                .iter()
-                .filter_map(|(key, put, prev)| {
-                    Some(FollowEvent {
-                        key: key.strip_prefix(slot.prefix.as_str())?.to_string(),
-                        put: put.clone(),
-                        prev: prev.clone(),
-                    })
-                })
-                .collect();
+            let events = events_under(&slot.prefix, changes, true);
             if !events.is_empty() {
                 slot.pending.push_back(FollowSignal::Events {
                     events,
@@ -444,17 +452,43 @@ impl Store {
             .range(prefix)
             .map(|(k, kv)| (k.strip_prefix(prefix).unwrap_or(k).to_string(), kv.kv()))
             .collect();
+        let id = self.open_prefix_watch(prefix, self.revision + 1);
+        (read, self.revision, id)
+    }
+
+    /// A watch of every key under `prefix` from revision `from` (`<= 0`:
+    /// from the next revision), keys without the prefix, every change with
+    /// the value before it (etcd's `prev_kv`). From below the compaction it
+    /// is born ended (etcd cancels a watch whose start is compacted);
+    /// otherwise the changes since `from` come first, one response per
+    /// revision, as a synced watch would have had them.
+    pub fn open_prefix_watch(&mut self, prefix: &str, from: i64) -> u64 {
         let id = self.next_watch;
         self.next_watch += 1;
-        self.prefix_watches.insert(
-            id,
-            PrefixSlot {
-                prefix: prefix.to_string(),
-                pending: VecDeque::new(),
-                ended: false,
-            },
-        );
-        (read, self.revision, id)
+        let from = if from <= 0 { self.revision + 1 } else { from };
+        let mut slot = PrefixSlot {
+            prefix: prefix.to_string(),
+            from,
+            pending: VecDeque::new(),
+            ended: false,
+        };
+        if from < self.compacted {
+            slot.ended = true;
+        } else {
+            for (rev, changes) in self.changes.iter().filter(|(rev, _)| *rev >= from) {
+                // etcd reads a replayed event's previous value at the
+                // revision before it, which a compaction there has removed.
+                let events = events_under(prefix, changes, *rev > self.compacted);
+                if !events.is_empty() {
+                    slot.pending.push_back(FollowSignal::Events {
+                        events,
+                        through: *rev,
+                    });
+                }
+            }
+        }
+        self.prefix_watches.insert(id, slot);
+        id
     }
 
     /// The prefix watch's next response, if it has one now (`Lost` once
@@ -498,6 +532,9 @@ impl Store {
     fn drop_history_below(&mut self, rev: i64) {
         self.compacted = self.compacted.max(rev);
         let floor = self.compacted;
+        while self.changes.front().is_some_and(|(r, _)| *r < floor) {
+            self.changes.pop_front();
+        }
         self.history.retain(|_, events| {
             while events.front().is_some_and(|(r, _)| *r < floor) {
                 events.pop_front();
@@ -665,6 +702,7 @@ impl Store {
             compacted: self.compacted,
             kvs: self.kvs.clone(),
             history: self.history.clone(),
+            changes: self.changes.clone(),
             leases: self
                 .leases
                 .iter()
@@ -681,6 +719,7 @@ impl Store {
         self.compacted = image.compacted;
         self.kvs = image.kvs.clone();
         self.history = image.history.clone();
+        self.changes = image.changes.clone();
         self.leases = image
             .leases
             .iter()
@@ -697,6 +736,21 @@ impl Store {
             .collect();
         self.end_watches();
     }
+}
+
+/// The changes of one revision under `prefix`, keys below it; `prev`
+/// says whether the values before them are still readable.
+fn events_under(prefix: &str, changes: &[Change], prev: bool) -> Vec<FollowEvent> {
+    changes
+        .iter()
+        .filter_map(|(key, put, before)| {
+            Some(FollowEvent {
+                key: key.strip_prefix(prefix)?.to_string(),
+                put: put.clone(),
+                prev: if prev { before.clone() } else { None },
+            })
+        })
+        .collect()
 }
 
 fn secs(ttl: i64) -> Duration {

@@ -417,3 +417,154 @@ async fn a_watch_from_the_future_skips_what_came_before() {
     assert_eq!(log.revision(), from);
     assert_eq!(watch.next().await, WatchSignal::Freed);
 }
+
+mod elections {
+    use latchkey_arbiter::lock_log::{
+        ElectionLog, FollowSignal, LeadFrom, LeadTo, LeadTxn, PrefixWatch,
+    };
+    use latchkey_records::Layout;
+
+    use super::*;
+
+    #[test]
+    fn the_keys_are_the_etcd_layouts_below_its_prefix() {
+        let layout = Layout::new("/p");
+        let below = |key: String| key.strip_prefix("/p/").map(str::to_string);
+        let name = "ns/leader";
+        assert_eq!(below(layout.elections()), Some(keys::ELECTIONS.into()));
+        assert_eq!(below(layout.election(name)), Some(keys::election(name)));
+        assert_eq!(
+            below(layout.election_lead(name)),
+            Some(keys::election_lead(name))
+        );
+        assert_eq!(
+            below(layout.election_term(name)),
+            Some(keys::election_term(name))
+        );
+        assert_eq!(below(layout.candidates(name)), Some(keys::candidates(name)));
+        assert_eq!(
+            below(layout.candidate(name, 7, 0xab)),
+            Some(keys::candidate(name, 7, 0xab))
+        );
+    }
+
+    async fn stand(log: &MemLog, lease: i64, identity: &str) -> LogResult<Option<Queued>> {
+        log.stand("e", lease, 1, &record(identity), b"candidate".to_vec())
+            .await
+    }
+
+    fn lead_txn(to: i64, created: i64) -> LeadTxn<'static> {
+        LeadTxn {
+            election: "e",
+            epoch: EPOCH,
+            fence_at: 0,
+            term_at: 0,
+            term_record: b"term 1".to_vec(),
+            from: LeadFrom::Vacant,
+            to: Some(LeadTo {
+                session: to,
+                priority: 1,
+                created,
+                lead_record: b"lead".to_vec(),
+                session_record: None,
+            }),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn election_calls_meet_the_faults() {
+        let log = MemLog::new(21);
+        ready(&log).await;
+        with_session(&log, 91, "hal").await;
+        let before = log.revision();
+
+        log.lose_quorum();
+        assert!(log.election("e", 4).await.is_err());
+        assert!(stand(&log, 91, "hal").await.is_err());
+        assert!(log.lead(lead_txn(91, 0)).await.is_err());
+        assert!(log.watch_election("e", 0).await.is_err());
+        assert_eq!(log.revision(), before, "nothing commits without a majority");
+        log.regain_quorum();
+
+        log.set_faults(FaultRates {
+            fail_before_commit: 100,
+            ..FaultRates::NONE
+        });
+        assert!(stand(&log, 91, "hal").await.is_err());
+        assert_eq!(log.revision(), before);
+        log.set_faults(FaultRates {
+            lose_response: 100,
+            ..FaultRates::NONE
+        });
+        let lost = stand(&log, 91, "hal").await;
+        assert!(
+            matches!(lost, Err(StoreError::Unavailable { .. })),
+            "{lost:?}"
+        );
+        assert_eq!(log.revision(), before + 1, "applied, its answer lost");
+        log.set_faults(FaultRates::NONE);
+        let read = log.election("e", 4).await.unwrap().value;
+        assert_eq!(read.candidates.len(), 1);
+        assert_eq!(log.open_watches(), 0, "no watch opened by a failed call");
+    }
+
+    async fn next(watch: &mut Box<dyn PrefixWatch>) -> FollowSignal {
+        watch.next().await
+    }
+
+    /// A watch from below the compaction is lost (etcd cancels it); from
+    /// the compaction revision on it replays, but the value before a
+    /// change at that revision is compacted away (etcd reads it at the
+    /// revision before).
+    #[tokio::test(start_paused = true)]
+    async fn a_compacted_election_watch_is_lost() {
+        let log = MemLog::new(22);
+        ready(&log).await;
+        with_session(&log, 92, "ida").await;
+        let first = stand(&log, 92, "ida").await.unwrap().value.unwrap();
+        let again = stand(&log, 92, "ida").await.unwrap().value.unwrap();
+        assert_eq!(again.created, first.created);
+        log.compact(again.modified).unwrap();
+
+        let mut below = log.watch_election("e", first.modified).await.unwrap();
+        assert_eq!(next(&mut below).await, FollowSignal::Lost);
+        let mut at = log.watch_election("e", again.modified).await.unwrap();
+        match next(&mut at).await {
+            FollowSignal::Events { events, through } => {
+                assert_eq!(through, again.modified);
+                assert_eq!(events.len(), 1);
+                assert!(
+                    events[0].put.is_some() && events[0].prev.is_none(),
+                    "{events:?}"
+                );
+            }
+            FollowSignal::Lost => panic!("a watch from the compaction revision was lost"),
+        }
+        log.revoke(92).await.unwrap();
+        match next(&mut at).await {
+            FollowSignal::Events { events, .. } => {
+                assert_eq!(events.len(), 1);
+                assert!(
+                    events[0].put.is_none() && events[0].prev.is_some(),
+                    "{events:?}"
+                );
+            }
+            FollowSignal::Lost => panic!("lost after a revoke"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lead_on_a_lease_gone_is_refused_whole() {
+        let log = MemLog::new(23);
+        ready(&log).await;
+        with_session(&log, 93, "jo").await;
+        log.revoke(93).await.unwrap();
+        let before = log.revision();
+        let gone = log.lead(lead_txn(93, 0)).await;
+        assert!(
+            matches!(gone, Err(StoreError::LeaseGone { lease: 93 })),
+            "{gone:?}"
+        );
+        assert_eq!(log.revision(), before);
+    }
+}

@@ -24,10 +24,10 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
-    BatchOp, BatchOutcome, Claimed, Counted, DurableQueueLog, EpochLog, FollowEvent, FollowLog,
-    FollowSignal, ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt,
-    HoldLog, KeyWatch, Kv, LogResult, PrefixWatch, Queued, Records, ReleaseTxn, ReleasedIf,
-    Renewal, SessionLog, StoreError,
+    BatchOp, BatchOutcome, Claimed, Counted, DurableQueueLog, ElectionLog, ElectionRead, EpochLog,
+    FollowEvent, FollowLog, FollowSignal, ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverFrom,
+    HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LeadFrom, LeadTo, LeadTxn, LogResult, PrefixWatch,
+    ProclaimTxn, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -213,8 +213,13 @@ impl FollowLog for IdLog {
             each(&key, &self.kv_back(kv));
         }
         let ids = self.ids.clone();
-        let watch =
-            watch.map(|watch| Box::new(IdPrefixWatch { ids, watch }) as Box<dyn PrefixWatch>);
+        let watch = watch.map(|watch| {
+            Box::new(IdPrefixWatch {
+                ids,
+                watch,
+                keys: WatchedKeys::AsStored,
+            }) as Box<dyn PrefixWatch>
+        });
         Ok((revision, watch))
     }
 }
@@ -232,10 +237,45 @@ fn kv_back(ids: &Mutex<Ids>, mut kv: Kv) -> Kv {
     kv
 }
 
-/// A prefix watch whose leases read as the arbiter's ids.
+/// A candidate record's key below an election's candidates prefix
+/// (`<rank:08x>/<lease:016x>`), or below the election's prefix
+/// (`c/<rank:08x>/<lease:016x>`), with the lease as the arbiter names it;
+/// any other key as it is.
+fn candidate_key_back(ids: &Mutex<Ids>, key: &str) -> String {
+    let (head, below) = match key.strip_prefix("c/") {
+        Some(below) => ("c/", below),
+        None => ("", key),
+    };
+    let Some((rank, lease)) = below.split_once('/') else {
+        return key.to_string();
+    };
+    let Some(stored) = (lease.len() == 16)
+        .then(|| i64::from_str_radix(lease, 16).ok())
+        .flatten()
+    else {
+        return key.to_string();
+    };
+    match ids.lock().to_arbiter.get(&stored) {
+        Some(arbiter) => format!("{head}{rank}/{arbiter:016x}"),
+        None => key.to_string(),
+    }
+}
+
+/// Which watched keys name a session (and are given the arbiter's id).
+#[derive(Clone, Copy)]
+enum WatchedKeys {
+    /// Keys as the store has them (the followers' watches).
+    AsStored,
+    /// An election's: its candidate records' keys name their sessions.
+    Election,
+}
+
+/// A prefix watch whose leases (and, for an election, candidate keys)
+/// read as the arbiter's ids.
 struct IdPrefixWatch {
     ids: Arc<Mutex<Ids>>,
     watch: Box<dyn PrefixWatch>,
+    keys: WatchedKeys,
 }
 
 #[async_trait]
@@ -246,9 +286,12 @@ impl PrefixWatch for IdPrefixWatch {
                 events: events
                     .into_iter()
                     .map(|e| FollowEvent {
+                        key: match self.keys {
+                            WatchedKeys::AsStored => e.key,
+                            WatchedKeys::Election => candidate_key_back(&self.ids, &e.key),
+                        },
                         put: e.put.map(|kv| kv_back(&self.ids, kv)),
                         prev: e.prev.map(|kv| kv_back(&self.ids, kv)),
-                        ..e
                     })
                     .collect(),
                 through,
@@ -627,16 +670,28 @@ impl Witness for TracedWitness {
     }
 }
 
+/// Sessions in the store's ids on the way in; leases and candidate keys in
+/// the arbiter's on the way back. The records themselves (leader,
+/// candidate, session) are the arbiter's bytes and pass as they are.
+/// Candidates come back in the store's key order (rank, then the store's
+/// id, that is grant order): ordered by the arbiter's random ids instead,
+/// a read's first `limit` would differ from run to run.
 #[async_trait]
-impl latchkey_arbiter::lock_log::ElectionLog for IdLog {
-    async fn election(
-        &self,
-        election: &str,
-        limit: usize,
-    ) -> LogResult<latchkey_arbiter::lock_log::ElectionRead> {
-        let _ = (election, limit);
-        Err(StoreError::unavailable("elections are not in this log yet"))
+impl ElectionLog for IdLog {
+    async fn election(&self, election: &str, limit: usize) -> LogResult<ElectionRead> {
+        self.t(|| format!("election {election} {limit}"));
+        let answer = self.log.election(election, limit).await?;
+        Ok(answer.map(|read| ElectionRead {
+            lead: read.lead.map(|kv| self.kv_back(kv)),
+            term: read.term.map(|kv| self.kv_back(kv)),
+            candidates: read
+                .candidates
+                .into_iter()
+                .map(|(key, kv)| (candidate_key_back(&self.ids, &key), self.kv_back(kv)))
+                .collect(),
+        }))
     }
+
     async fn stand(
         &self,
         election: &str,
@@ -645,9 +700,19 @@ impl latchkey_arbiter::lock_log::ElectionLog for IdLog {
         session_record: &[u8],
         record: Vec<u8>,
     ) -> LogResult<Option<Queued>> {
-        let _ = (election, session, priority, session_record, record);
-        Err(StoreError::unavailable("elections are not in this log yet"))
+        self.t(|| format!("stand {election} {} {priority}", self.store_id(session)));
+        self.log
+            .stand(
+                election,
+                self.store_id(session),
+                priority,
+                session_record,
+                record,
+            )
+            .await
+            .map_err(|e| self.error_back(e))
     }
+
     async fn withdraw(
         &self,
         election: &str,
@@ -655,31 +720,211 @@ impl latchkey_arbiter::lock_log::ElectionLog for IdLog {
         priority: u32,
         modified: i64,
     ) -> LogResult<bool> {
-        let _ = (election, session, priority, modified);
-        Err(StoreError::unavailable("elections are not in this log yet"))
+        self.t(|| format!("withdraw {election} {} {priority}", self.store_id(session)));
+        self.log
+            .withdraw(election, self.store_id(session), priority, modified)
+            .await
+            .map_err(|e| self.error_back(e))
     }
-    async fn lead(&self, txn: latchkey_arbiter::lock_log::LeadTxn<'_>) -> LogResult<bool> {
-        let _ = txn;
-        Err(StoreError::unavailable("elections are not in this log yet"))
+
+    async fn lead(&self, txn: LeadTxn<'_>) -> LogResult<bool> {
+        let from = match txn.from {
+            LeadFrom::Vacant => LeadFrom::Vacant,
+            LeadFrom::Leader { session, subject } => LeadFrom::Leader {
+                session: self.store_id(session),
+                subject,
+            },
+        };
+        let to = txn.to.map(|to| LeadTo {
+            session: self.store_id(to.session),
+            ..to
+        });
+        self.t(|| {
+            let to = to.as_ref().map(|to| to.session);
+            format!("lead {} {from:?} -> {to:?}", txn.election)
+        });
+        let txn = LeadTxn { from, to, ..txn };
+        self.log.lead(txn).await.map_err(|e| self.error_back(e))
     }
-    async fn proclaim(&self, txn: latchkey_arbiter::lock_log::ProclaimTxn<'_>) -> LogResult<bool> {
-        let _ = txn;
-        Err(StoreError::unavailable("elections are not in this log yet"))
+
+    async fn proclaim(&self, txn: ProclaimTxn<'_>) -> LogResult<bool> {
+        let txn = ProclaimTxn {
+            session: self.store_id(txn.session),
+            ..txn
+        };
+        self.t(|| format!("proclaim {} {}", txn.election, txn.session));
+        self.log.proclaim(txn).await.map_err(|e| self.error_back(e))
     }
     async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {
-        let _ = subject;
-        Err(StoreError::unavailable("elections are not in this log yet"))
+        self.log
+            .count_leaderships(subject)
+            .await
+            .map_err(|e| self.error_back(e))
     }
+
     async fn count_elections(&self, subject: &str) -> LogResult<i64> {
-        let _ = subject;
-        Err(StoreError::unavailable("elections are not in this log yet"))
+        self.log
+            .count_elections(subject)
+            .await
+            .map_err(|e| self.error_back(e))
     }
+
     async fn watch_election(
         &self,
         election: &str,
         from_revision: i64,
     ) -> Result<Box<dyn PrefixWatch>, StoreError> {
-        let _ = (election, from_revision);
-        Err(StoreError::unavailable("elections are not in this log yet"))
+        self.t(|| format!("watch_election {election} {from_revision}"));
+        let watch = self
+            .log
+            .watch_election(election, from_revision)
+            .await
+            .map_err(|e| self.error_back(e))?;
+        let watch = Box::new(IdPrefixWatch {
+            ids: self.ids.clone(),
+            watch,
+            keys: WatchedKeys::Election,
+        });
+        Ok(self.watches.wrap_prefix(watch))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidate_keys_name_the_arbiters_sessions() {
+        let ids = Mutex::new(Ids::default());
+        ids.lock().to_arbiter.insert(FIRST_ID, 0xab);
+        let stored = format!("fffffffe/{FIRST_ID:016x}");
+        assert_eq!(
+            candidate_key_back(&ids, &stored),
+            "fffffffe/00000000000000ab"
+        );
+        assert_eq!(
+            candidate_key_back(&ids, &format!("c/{stored}")),
+            "c/fffffffe/00000000000000ab"
+        );
+        // not a candidate's key, or a lease the layer never granted
+        for key in ["lead", "term", "c/fffffffe/0000000000000007", "c/x/yy"] {
+            assert_eq!(candidate_key_back(&ids, key), key);
+        }
+    }
+
+    /// The arbiter names its sessions; the store sees the layer's ids;
+    /// every answer (candidate keys, leases, watch events, a lease gone)
+    /// comes back in the arbiter's.
+    #[tokio::test(start_paused = true)]
+    async fn elections_go_through_in_the_arbiters_ids() {
+        let dispatch = Arc::new(Dispatch::default());
+        tokio::spawn(dispatch.clone().run());
+        let log = IdLog::new(MemLog::new(7), dispatch, false);
+        let own = b"session".as_slice();
+        log.create_epoch(b"epoch".to_vec()).await.unwrap();
+        // a's id is the higher, but a's lease is granted first
+        let (a, b) = (0x1234_5678, 0x42);
+        for id in [a, b] {
+            log.grant_lease(id, 10).await.unwrap();
+            log.put_session(id, "spiffe://td/x", own.to_vec())
+                .await
+                .unwrap();
+        }
+        let mut watch = log.watch_election("e", 0).await.unwrap();
+        let stand = async |id: i64| {
+            let stood = log.stand("e", id, 1, own, b"candidate".to_vec()).await;
+            stood.unwrap().value.unwrap()
+        };
+        let qa = stand(a).await;
+        let qb = stand(b).await;
+        let read = log.election("e", 8).await.unwrap().value;
+        let found: Vec<(String, i64)> = read
+            .candidates
+            .iter()
+            .map(|(key, kv)| (key.clone(), kv.lease))
+            .collect();
+        // the store's order (grant order), in the arbiter's ids
+        assert_eq!(
+            found,
+            [
+                (format!("fffffffe/{a:016x}"), a),
+                (format!("fffffffe/{b:016x}"), b)
+            ]
+        );
+
+        let txn = |from, to: i64, created, term_at| LeadTxn {
+            election: "e",
+            epoch: b"epoch",
+            fence_at: 0,
+            term_at,
+            term_record: b"term".to_vec(),
+            creates_for: None,
+            from,
+            to: Some(LeadTo {
+                session: to,
+                priority: 1,
+                created,
+                lead_record: b"lead".to_vec(),
+                session_record: None,
+                subject: "s",
+            }),
+        };
+        let led = log
+            .lead(txn(LeadFrom::Vacant, a, qa.created, 0))
+            .await
+            .unwrap();
+        assert!(led.value);
+        let t1 = led.header.revision;
+        let proclaimed = log
+            .proclaim(ProclaimTxn {
+                election: "e",
+                session: a,
+                term_at: t1,
+                epoch: b"epoch",
+                lead_record: b"news".to_vec(),
+            })
+            .await
+            .unwrap();
+        assert!(proclaimed.value);
+        let handed = log
+            .lead(txn(
+                LeadFrom::Leader {
+                    session: a,
+                    subject: "s",
+                },
+                b,
+                qb.created,
+                t1,
+            ))
+            .await
+            .unwrap();
+        assert!(handed.value);
+        let lead = log.election("e", 8).await.unwrap().value.lead.unwrap();
+        assert_eq!(lead.lease, b);
+
+        match watch.next().await {
+            FollowSignal::Events { events, .. } => {
+                assert_eq!(events[0].key, format!("c/fffffffe/{a:016x}"));
+                assert_eq!(events[0].put.as_ref().map(|kv| kv.lease), Some(a));
+            }
+            FollowSignal::Lost => panic!("the election's watch was lost"),
+        }
+
+        log.revoke(a).await.unwrap();
+        let gone = log
+            .lead(txn(
+                LeadFrom::Leader {
+                    session: b,
+                    subject: "s",
+                },
+                a,
+                0,
+                handed.header.revision,
+            ))
+            .await;
+        assert!(
+            matches!(gone, Err(StoreError::LeaseGone { lease }) if lease == a),
+            "{gone:?}"
+        );
     }
 }

@@ -1,4 +1,5 @@
-//! Key watches whose wake-ups reach their tasks in a fixed order.
+//! Key watches (and prefix watches: an election's) whose wake-ups reach
+//! their tasks in a fixed order.
 //!
 //! The [`MemLog`](crate::memlog::MemLog)'s watches wait on a
 //! `tokio::sync::watch` channel, whose receivers park on one of eight
@@ -24,7 +25,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use parking_lot::Mutex;
 
 use async_trait::async_trait;
-use latchkey_arbiter::lock_log::{KeyWatch, WatchSignal};
+use latchkey_arbiter::lock_log::{FollowSignal, KeyWatch, PrefixWatch, WatchSignal};
 use tokio::sync::Notify;
 
 use super::world::lock;
@@ -66,6 +67,31 @@ impl Dispatch {
 
     /// Wraps a watch.
     pub(crate) fn wrap(self: &Arc<Self>, inner: Box<dyn KeyWatch>) -> Box<dyn KeyWatch> {
+        let (id, flag) = self.register();
+        Box::new(OrderedWatch {
+            id,
+            inner,
+            dispatch: self.clone(),
+            flag,
+        })
+    }
+
+    /// Wraps a prefix watch (ids from the same counter as key watches').
+    pub(crate) fn wrap_prefix(
+        self: &Arc<Self>,
+        inner: Box<dyn PrefixWatch>,
+    ) -> Box<dyn PrefixWatch> {
+        let (id, flag) = self.register();
+        Box::new(OrderedPrefixWatch {
+            id,
+            inner,
+            dispatch: self.clone(),
+            flag,
+        })
+    }
+
+    /// A new watch's id and the waker it is polled with.
+    fn register(self: &Arc<Self>) -> (u64, Waker) {
         let id = {
             let mut s = lock(&self.state);
             s.next_id += 1;
@@ -75,12 +101,7 @@ impl Dispatch {
             id,
             dispatch: self.clone(),
         }));
-        Box::new(OrderedWatch {
-            id,
-            inner,
-            dispatch: self.clone(),
-            flag,
-        })
+        (id, flag)
     }
 
     fn forget(&self, id: u64) {
@@ -127,17 +148,37 @@ impl KeyWatch for OrderedWatch {
     }
 }
 
-struct Ordered<'a> {
+struct OrderedPrefixWatch {
+    id: u64,
+    inner: Box<dyn PrefixWatch>,
+    dispatch: Arc<Dispatch>,
+    flag: Waker,
+}
+
+#[async_trait]
+impl PrefixWatch for OrderedPrefixWatch {
+    async fn next(&mut self) -> FollowSignal {
+        Ordered {
+            id: self.id,
+            dispatch: &self.dispatch,
+            flag: &self.flag,
+            inner: self.inner.next(),
+        }
+        .await
+    }
+}
+
+struct Ordered<'a, T> {
     id: u64,
     dispatch: &'a Arc<Dispatch>,
     flag: &'a Waker,
-    inner: Pin<Box<dyn Future<Output = WatchSignal> + Send + 'a>>,
+    inner: Pin<Box<dyn Future<Output = T> + Send + 'a>>,
 }
 
-impl Future for Ordered<'_> {
-    type Output = WatchSignal;
+impl<T> Future for Ordered<'_, T> {
+    type Output = T;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<WatchSignal> {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
         let this = self.get_mut();
         lock(&this.dispatch.state)
             .waiting
@@ -153,7 +194,7 @@ impl Future for Ordered<'_> {
     }
 }
 
-impl Drop for Ordered<'_> {
+impl<T> Drop for Ordered<'_, T> {
     fn drop(&mut self) {
         self.dispatch.forget(self.id);
     }

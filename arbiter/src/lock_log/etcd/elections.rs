@@ -19,19 +19,19 @@ use crate::lock_log::{
 impl ElectionLog for EtcdLog {
     async fn election(&self, election: &str, limit: usize) -> LogResult<ElectionRead> {
         let candidates = self.layout.candidates(election);
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let by_key = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Key, SortOrder::Ascend);
+        // etcd reads a limit of 0 as no limit at all: asked for none, the
+        // read only counts them (no candidate comes back).
+        let by_key = match limit {
+            0 => by_key.with_count_only(),
+            limit => by_key.with_limit(i64::try_from(limit).unwrap_or(i64::MAX)),
+        };
         let txn = Txn::new().and_then([
             TxnOp::get(self.layout.election_lead(election), None),
             TxnOp::get(self.layout.election_term(election), None),
-            TxnOp::get(
-                candidates.clone(),
-                Some(
-                    GetOptions::new()
-                        .with_prefix()
-                        .with_sort(SortTarget::Key, SortOrder::Ascend)
-                        .with_limit(limit),
-                ),
-            ),
+            TxnOp::get(candidates.clone(), Some(by_key)),
         ]);
         let resp = txn::run(&self.client, txn)
             .await
