@@ -464,8 +464,8 @@ impl SimConfig {
                 ..Self::whole(base)
             },
             "elections" => Self {
-                electors: 6,
-                elections: 2,
+                electors: 8,
+                elections: 3,
                 faults: FaultKnobs::quorum_loss(),
                 ..Self::whole(base)
             },

@@ -170,8 +170,8 @@ async fn elect(world: &Arc<World>, identity: &str, process: &str, rng: &mut Rng,
         });
         let end = match rng.below(100) {
             0..=49 => End::Resign,
-            50..=69 => End::Transfer,
-            70..=84 => End::Crash,
+            50..=79 => End::Transfer,
+            80..=89 => End::Crash,
             _ => End::Freeze,
         };
         if matches!(end, End::Freeze) {
