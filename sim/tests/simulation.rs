@@ -19,7 +19,8 @@ use std::time::Instant;
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_sim::BatchCounts;
 use latchkey_sim::simulation::{
-    CoordRestores, FenceReport, ForcedEnds, MemoryReport, PRESETS, SimConfig, SimRun, run,
+    CoordRestores, ElectionReport, FenceReport, ForcedEnds, MemoryReport, PRESETS, SimConfig,
+    SimRun, run,
 };
 
 /// (seed, preset, operations): seeds 1 to 80 over the presets without a
@@ -210,6 +211,14 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     // write before its fence deadline on a lease that is gone.
     (122, "renewal-outages", 5000),
     (123, "renewal-outages", 5000),
+    // Electors beside the clients (issue 33): campaigns, proclamations,
+    // resignations, transfers, crashed and frozen leaders through the
+    // whole arbiter, every fault of the quorum-loss runs; one leader per
+    // term, terms rising with tokens, never two leaders acting at once.
+    (124, "elections", 5000),
+    (125, "elections-three-arbiters", 5000),
+    (126, "elections", 5000),
+    (127, "elections-three-arbiters", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;
@@ -264,8 +273,11 @@ fn ci_seeds_check_out() {
     let mut fences = FenceReport::default();
     let mut forced = ForcedEnds::default();
     let mut memory = MemoryReport::default();
+    let mut elections = ElectionReport::default();
     for &(seed, preset, ops) in CI_RUNS {
         let (result, failure) = run_one(seed, preset, ops);
+        elections.leaderships += result.elections.leaderships;
+        elections.handed_over += result.elections.handed_over;
         memory.losses += result.memory.losses;
         memory.granted += result.memory.granted;
         memory.kept_from_log += result.memory.kept_from_log;
@@ -375,6 +387,14 @@ fn ci_seeds_check_out() {
     assert!(
         memory.losses > 0 && memory.granted > 0 && memory.kept_from_log > 0,
         "the CI seeds' quorum losses granted nothing from memory, or no memory grant kept its key from the log: {memory:?}"
+    );
+    // The electors' control: leaderships started over vacancies and by
+    // hand-overs, so the election ledger judged both.
+    assert!(
+        elections.leaderships > elections.handed_over && elections.handed_over > 0,
+        "the CI seeds' electors led {} times, {} by a hand-over: the simulation no longer exercises elections",
+        elections.leaderships,
+        elections.handed_over
     );
 }
 

@@ -376,6 +376,8 @@ pub const PRESETS: &[&str] = &[
     "quorum-loss",
     "quorum-loss-three-arbiters",
     "renewal-outages",
+    "elections",
+    "elections-three-arbiters",
 ];
 
 impl SimConfig {
