@@ -166,8 +166,9 @@ impl Leadership {
         &self.lead.election
     }
 
-    /// The term: rises by one per leadership of the election (and jumps at
-    /// an epoch advance). Observers see it too.
+    /// The term: rises with every leadership of the election (by one at a
+    /// hand-over; further over a vacancy or after an epoch advance), laid
+    /// out like a token (`epoch * 2^48 + count`). Observers see it too.
     pub fn term(&self) -> u64 {
         self.lead.term
     }
@@ -312,8 +313,10 @@ impl Leadership {
 
     /// Hands the leadership to a standing candidate in one transaction and
     /// returns the new leader. Every guard of the leadership is then lost
-    /// ([`LeadershipLost::Transferred`]). Refused with `NO_CANDIDATE` when
-    /// no such candidate stands; the leadership then goes on.
+    /// ([`LeadershipLost::Transferred`], or [`LeadershipLost::Replaced`]
+    /// when its observer saw the next term before the answer came).
+    /// Refused with `NO_CANDIDATE` when no such candidate stands; the
+    /// leadership then goes on.
     pub async fn transfer(&self, to: TransferTo) -> Result<Leader, Error> {
         if let Some(reason) = self.lead.lost_reason() {
             return Err(self.lost_error(reason));
