@@ -31,7 +31,7 @@ use latchkey_proto::text::Shown;
 #[command(
     name = "latchctl",
     version,
-    about = "Latchkey distributed locks from the command line"
+    about = "Latchkey distributed locks and leader elections from the command line"
 )]
 struct Cli {
     #[command(flatten)]
@@ -89,7 +89,7 @@ enum Command {
     /// Run a command while leading an election (like etcdctl elect); it
     /// gets LATCHKEY_TOKEN and LATCHKEY_TERM in its env and is stopped if
     /// the leadership is lost.
-    #[command(after_long_help = elect::elect_after_help())]
+    #[command(after_help = elect::elect_after_help())]
     Elect(elect::ElectArgs),
     /// Print an election's term starts, proclamations and vacancies as they
     /// happen, one line each (never a token).
