@@ -126,6 +126,10 @@ impl Client {
         })
     }
 
+    pub(crate) fn rpc(&self) -> &Rpc {
+        &self.inner.rpc
+    }
+
     fn sessions(&self) -> MutexGuard<'_, Sessions> {
         self.inner.sessions.lock()
     }

@@ -6,6 +6,7 @@ use latchkey_proto::lockv1::Reason;
 use tonic::Code;
 use tonic_types::StatusExt;
 
+use crate::election::LeadershipLost;
 use crate::session::FenceReason;
 
 /// Everything a Latchkey call can fail with.
@@ -93,6 +94,15 @@ pub enum Error {
         /// Why it died.
         reason: FenceReason,
     },
+    /// The leadership a call named has ended (see [`LeadershipLost`]), so
+    /// nothing was sent.
+    #[error("the leadership of {election} is lost: {reason}")]
+    LeadershipLost {
+        /// The election.
+        election: String,
+        /// How it ended.
+        reason: LeadershipLost,
+    },
     /// The arbiter answered OK with a reply this client cannot use.
     #[error("malformed reply to {rpc}: {problem}")]
     Protocol {
@@ -116,6 +126,7 @@ impl Error {
             Error::Config { .. }
             | Error::ReadFile { .. }
             | Error::Fenced { .. }
+            | Error::LeadershipLost { .. }
             | Error::Protocol { .. } => false,
         }
     }

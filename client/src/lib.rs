@@ -1,7 +1,8 @@
-//! The Latchkey client library: what a workload links to take locks.
+//! The Latchkey client library: what a workload links to take locks and to
+//! lead elections.
 //!
-//! It speaks `latchkey.lock.v1` (and the operator calls of `admin.v1`) to the
-//! arbiter through its Envoy, under the workload's SPIFFE identity, and keeps
+//! It speaks `latchkey.lock.v1`, `latchkey.election.v1` (and the operator
+//! calls of `admin.v1`) to the arbiter through its Envoy, under the workload's SPIFFE identity, and keeps
 //! the fencing semantics on this side of the wire: a grant comes with a
 //! [`FencingToken`] to present at the resource, and a hold this process can
 //! no longer vouch for is *fenced* before anyone else can be granted the key.
@@ -66,6 +67,43 @@
 //! [`FenceReason`]. Releasing (or dropping) the last guard of a hold sends
 //! Release.
 //!
+//! # How a leadership flows through the library
+//!
+//! [`Client::campaign`]`(election, class, value, options)` runs on the same
+//! sessions as locks (an election class's TTL; one lease per TTL per
+//! client). A session that already leads the election gets another guard of
+//! its [`Leadership`]; otherwise Campaign stands the session as a candidate
+//! and waits until it leads (or [`CampaignOptions::wait`] runs out). The
+//! leadership then has two watchers: the session's fence (the same deadline
+//! as a hold's, its expiry, its close) and an Observe stream of the
+//! election that reports a later term or a vacancy (operators forcing it
+//! out, the lease revoked). The first to fire resolves
+//! [`Leadership::lost`] and cancels [`Leadership::cancellation_token`],
+//! once. [`Leadership::resign`] (or dropping the last guard) hands the
+//! election to the next candidate; [`Leadership::transfer`] to a named one.
+//!
+//! [`Client::lead`] is the loop most services want: it campaigns, runs a
+//! body while leading, drops the body at the loss, and campaigns again by
+//! itself, until the body returns or the caller drops the future.
+//!
+//! ```no_run
+//! use latchkey_client::CampaignOptions;
+//!
+//! # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+//! client
+//!     .lead("jobs/scheduler", "election", "pod-a:8080", CampaignOptions::default(), |leadership| async move {
+//!         // Runs only while this process leads; dropped at the fence deadline.
+//!         let token: u64 = leadership.token().get(); // fence every write with it
+//! #       let _ = token;
+//!         loop {
+//!             // ... schedule ...
+//!             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+//!         }
+//!     })
+//!     .await
+//! # }
+//! ```
+//!
 //! Errors are one type, [`Error`]: a refusal carries the gRPC code and a
 //! [`Reason`], and [`Error::is_transient`] says whether retrying as is can
 //! help. Tokens never appear in `Debug`, `Display`, errors or logs.
@@ -80,6 +118,9 @@
 //! | check before work | [`LockGuard::can_start`], [`LockGuard::fence_deadline`] |
 //! | group holds on one lease | [`Client::open_session`], [`LockBuilder::session`], [`Session::close`] |
 //! | see who holds a key | [`Client::inspect`] |
+//! | lead an election | [`Client::campaign`] → [`Leadership`] ([`Leadership::proclaim`], [`Leadership::resign`], [`Leadership::transfer`]) |
+//! | lead, and stand again after losing | [`Client::lead`] |
+//! | watch an election | [`Client::observe`] → [`ElectionEvents`], [`Client::leader`], [`Client::candidates`] |
 //! | release a grant by its token | [`Client::release_grant`] |
 //! | operator calls | [`Client::admin_status`], [`Client::advance_epoch`], [`Client::request_force_release`] |
 
@@ -87,6 +128,7 @@
 
 mod client;
 mod config;
+mod election;
 mod error;
 mod lock;
 mod rpc;
@@ -95,6 +137,10 @@ mod token;
 
 pub use client::{Client, Holder, Inspection};
 pub use config::{ClientConfig, TlsFiles, default_instance};
+pub use election::{
+    CampaignOptions, Candidate, ElectionEvent, ElectionEvents, Leader, Leadership, LeadershipLost,
+    TransferTo, VacancyReason,
+};
 pub use error::{EDGE_POLICY_NOT_READY, EDGE_POLICY_STALE, Error, StatusSource};
 /// Why the arbiter refused a call: the `google.rpc.ErrorInfo` reason of a
 /// refusal in the `latchkey.dev` domain (see [`Error::reason`]).

@@ -198,7 +198,7 @@ impl LockBuilder {
     }
 }
 
-fn stale_session(err: &Error) -> bool {
+pub(crate) fn stale_session(err: &Error) -> bool {
     matches!(
         err.reason(),
         Reason::SessionExpired | Reason::SessionClassMismatch

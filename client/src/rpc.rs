@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use latchkey_proto::adminv1::admin_client::AdminClient;
+use latchkey_proto::electionv1::election_service_client::ElectionServiceClient;
 use latchkey_proto::lockv1::lock_client::LockClient;
 use tonic::metadata::{AsciiMetadataValue, MetadataKey};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
@@ -19,7 +20,7 @@ pub(crate) struct Rpc {
     channel: Channel,
     dev_identity: Option<AsciiMetadataValue>,
     request_timeout: Duration,
-    /// [`ClientConfig::instance`], sent on every Acquire.
+    /// [`ClientConfig::instance`], sent on every Acquire and Campaign.
     pub(crate) instance: String,
 }
 
@@ -96,6 +97,10 @@ impl Rpc {
 
     pub(crate) fn admin(&self) -> AdminClient<Channel> {
         AdminClient::new(self.channel.clone())
+    }
+
+    pub(crate) fn election(&self) -> ElectionServiceClient<Channel> {
+        ElectionServiceClient::new(self.channel.clone())
     }
 
     /// A request with the dev identity and the default deadline.

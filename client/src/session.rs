@@ -6,6 +6,7 @@
 
 mod holds;
 mod keepalive;
+mod leaderships;
 mod liveness;
 
 use std::collections::HashMap;
@@ -21,6 +22,8 @@ use tokio::time::Instant;
 
 use holds::Holds;
 pub(crate) use holds::{Begin, Decrement, Hold};
+use leaderships::Leaderships;
+pub(crate) use leaderships::{BeginCampaign, Lead, Stepdown};
 use liveness::Liveness;
 
 use crate::error::Error;
@@ -69,8 +72,10 @@ pub(crate) struct SessionCore {
 struct CoreState {
     liveness: Liveness,
     holds: Holds,
-    /// Per guard: the key it holds and its callback.
-    on_fence: HashMap<u64, (String, FenceCallback)>,
+    leaderships: Leaderships,
+    /// Per guard: the key it holds (`None` for a leadership, which only
+    /// the session's end fences) and its callback.
+    on_fence: HashMap<u64, (Option<String>, FenceCallback)>,
     next_guard: u64,
 }
 
@@ -83,6 +88,7 @@ impl SessionCore {
             state: Mutex::new(CoreState {
                 liveness: Liveness::new(opened_at, ttl),
                 holds: Holds::default(),
+                leaderships: Leaderships::default(),
                 on_fence: HashMap::new(),
                 next_guard: 0,
             }),
@@ -164,7 +170,7 @@ impl SessionCore {
             let guards: Vec<u64> = state
                 .on_fence
                 .iter()
-                .filter(|(_, (k, _))| k == key)
+                .filter(|(_, (k, _))| k.as_deref() == Some(key))
                 .map(|(id, _)| *id)
                 .collect();
             guards
@@ -186,7 +192,7 @@ impl SessionCore {
         }
     }
 
-    fn dead_error(&self, reason: FenceReason) -> Error {
+    pub(crate) fn dead_error(&self, reason: FenceReason) -> Error {
         Error::Fenced {
             session_id: self.id,
             reason,
@@ -237,6 +243,63 @@ impl SessionCore {
     pub(crate) fn released(&self, key: &str) {
         self.state().holds.released(key);
     }
+
+    /// Starts a campaign of `election` on this session.
+    pub(crate) fn begin_campaign(&self, election: &str) -> Result<BeginCampaign, Error> {
+        let mut state = self.state();
+        if let Some(reason) = state.liveness.dead() {
+            return Err(self.dead_error(reason));
+        }
+        Ok(state.leaderships.begin(election))
+    }
+
+    /// The arbiter answered the outermost campaign with a leadership: it
+    /// joins the table, and the session's end fences it through
+    /// `on_fence`.
+    pub(crate) fn led(&self, lead: Arc<Lead>, on_fence: &FenceCallback) -> Result<(), Error> {
+        let mut state = self.state();
+        if let Some(reason) = state.liveness.dead() {
+            state.leaderships.failed(&lead.election);
+            return Err(self.dead_error(reason));
+        }
+        let id = state.next_guard;
+        state.next_guard += 1;
+        state.on_fence.insert(id, (None, Arc::clone(on_fence)));
+        lead.set_fence_id(id);
+        state.leaderships.led(lead);
+        Ok(())
+    }
+
+    pub(crate) fn campaign_failed(&self, election: &str) {
+        self.state().leaderships.failed(election);
+    }
+
+    /// A guard of `lead` is done; the last one also stops the session's
+    /// fence from calling it.
+    pub(crate) fn step_down(&self, lead: &Arc<Lead>) -> Stepdown {
+        let mut state = self.state();
+        let step = state.leaderships.step_down(lead);
+        if !matches!(step, Stepdown::Remaining(_))
+            && let Some(id) = lead.take_fence_id()
+        {
+            state.on_fence.remove(&id);
+        }
+        step
+    }
+
+    /// `lead` ended other than by its last guard (a transfer, a loss seen
+    /// by its observer): it leaves the table and the fence list.
+    pub(crate) fn leadership_ended(&self, lead: &Arc<Lead>) {
+        let mut state = self.state();
+        state.leaderships.ended(lead);
+        if let Some(id) = lead.take_fence_id() {
+            state.on_fence.remove(&id);
+        }
+    }
+
+    pub(crate) fn resigned(&self, election: &str) {
+        self.state().leaderships.resigned(election);
+    }
 }
 
 impl CoreState {
@@ -244,7 +307,7 @@ impl CoreState {
         let id = self.next_guard;
         self.next_guard += 1;
         self.on_fence
-            .insert(id, (key.to_owned(), Arc::clone(on_fence)));
+            .insert(id, (Some(key.to_owned()), Arc::clone(on_fence)));
         id
     }
 }

@@ -73,6 +73,11 @@ pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
         "onQuorumLoss: open is not allowed for a fenced class: fenced classes claim mutual \
          exclusion, which an ungoverned grant breaks; use onQuorumLoss: closed"
     ),
+    validation = Rule::new("!has(self.kind) || self.kind != 'election' || self.tier == 'coord'")
+        .message(
+            "an election class takes no tier: entity: elections run on the coord tier, whose \
+             keys never move between shards; set tier: coord"
+        ),
     validation = Rule::new(
         "self.tier == 'coord' || !has(self.namespaces) || size(self.namespaces) == 0"
     )
@@ -82,6 +87,11 @@ pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
     ),
 )]
 pub struct LockClassSpec {
+    /// What the class's keys are: `lock` (Acquire, the default) or
+    /// `election` (latchkey.election.v1: Campaign and the rest; coord tier
+    /// only, docs/elections.md).
+    #[serde(default, skip_serializing_if = "ClassKind::is_lock")]
+    pub kind: ClassKind,
     pub tier: Tier,
     /// Coord tier only: the key namespaces (first key segments) the coord
     /// tier serves (ADR-07). Keys in them are coord-tier keys, every other
@@ -270,6 +280,21 @@ pub enum Tier {
 pub enum Enforcement {
     Fenced,
     Advisory,
+}
+
+/// What a class's keys are.
+#[derive(JsonSchema, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ClassKind {
+    #[default]
+    Lock,
+    Election,
+}
+
+impl ClassKind {
+    pub fn is_lock(&self) -> bool {
+        *self == ClassKind::Lock
+    }
 }
 
 /// What the arbiter does without an etcd quorum (ADR-04).

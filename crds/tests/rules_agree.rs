@@ -294,6 +294,14 @@ fn class_cases() -> Vec<Case> {
             advisory(json!({"namespaces": ["batch"]})),
         ),
         ok(
+            "an election class on the entity tier",
+            advisory(json!({"kind": "election"})),
+        ),
+        ok(
+            "an election class on the coord tier",
+            fenced(json!({"kind": "election"})),
+        ),
+        ok(
             "entity class with an empty namespaces list",
             advisory(json!({"namespaces": []})),
         ),

@@ -1,6 +1,6 @@
 //! latchctl's command line: take, hold and inspect Latchkey locks from a
-//! shell, check lock classes, make dev certificates, and run the operator
-//! calls. It lives in the library so that the `latchctl` binary and the e2e
+//! shell, run a command as an election's leader and watch elections, check
+//! lock classes, make dev certificates, and run the operator calls. It lives in the library so that the `latchctl` binary and the e2e
 //! tests' copy of it (`latchctl-under-test`) are the same code.
 //!
 //! Errors print as `latchctl: <gRPC code>: <REASON>: <message>` on stderr
@@ -13,6 +13,7 @@ mod audit;
 mod certs;
 mod classes;
 mod duration;
+mod elect;
 mod hold;
 mod inspect;
 mod pause_test;
@@ -30,7 +31,7 @@ use latchkey_proto::text::Shown;
 #[command(
     name = "latchctl",
     version,
-    about = "Latchkey distributed locks from the command line"
+    about = "Latchkey distributed locks and leader elections from the command line"
 )]
 struct Cli {
     #[command(flatten)]
@@ -85,6 +86,18 @@ enum Command {
     Hold(hold::HoldArgs),
     /// Show who holds a key.
     Inspect(inspect::InspectArgs),
+    /// Run a command while leading an election (like etcdctl elect); it
+    /// gets LATCHKEY_TOKEN and LATCHKEY_TERM in its env and is stopped if
+    /// the leadership is lost.
+    #[command(after_help = elect::elect_after_help())]
+    Elect(elect::ElectArgs),
+    /// Print an election's term starts, proclamations and vacancies as they
+    /// happen, one line each (never a token).
+    Observe(elect::ObserveArgs),
+    /// Show who leads an election, with its value and term.
+    Leader(elect::LeaderArgs),
+    /// List an election's candidates in the order they would lead.
+    Candidates(elect::CandidatesArgs),
     /// A key's history from the audit store (grants, releases, expiries,
     /// hand-overs, force-releases, epoch changes).
     Audit(audit::AuditArgs),
@@ -196,6 +209,12 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Release(args) => acquire::release(connect(&cli.global).await?, args, out).await,
         Command::Hold(args) => hold::hold(connect(&cli.global).await?, args, out).await,
         Command::Inspect(args) => inspect::inspect(connect(&cli.global).await?, args, out).await,
+        Command::Elect(args) => elect::elect(connect(&cli.global).await?, args, out).await,
+        Command::Observe(args) => elect::observe(connect(&cli.global).await?, args, out).await,
+        Command::Leader(args) => elect::leader(connect(&cli.global).await?, args, out).await,
+        Command::Candidates(args) => {
+            elect::candidates(connect(&cli.global).await?, args, out).await
+        }
         Command::Audit(args) => audit::audit(args, out).await,
         Command::Why(args) => audit::why(connect(&cli.global).await?, args, out).await,
         Command::Admin(command) => admin::run(connect(&cli.global).await?, command, out).await,
@@ -289,6 +308,51 @@ mod tests {
         };
         assert_eq!(args.command, ["sh", "-c", "echo $LATCHKEY_TOKEN"]);
         assert_eq!(args.wait, Some(std::time::Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn elect_takes_the_command_after_the_separator_and_defaults_its_class() {
+        let cli = Cli::try_parse_from([
+            "latchctl",
+            "elect",
+            "jobs/scheduler",
+            "--value",
+            "pod-a",
+            "--priority",
+            "3",
+            "--",
+            "sh",
+            "-c",
+            "echo $LATCHKEY_TERM",
+        ]);
+        let Ok(Cli {
+            command: Command::Elect(args),
+            ..
+        }) = cli
+        else {
+            panic!("elect did not parse");
+        };
+        assert_eq!(args.class, "election");
+        assert_eq!(args.value, "pod-a");
+        assert_eq!(args.priority, 3);
+        assert_eq!(args.command, ["sh", "-c", "echo $LATCHKEY_TERM"]);
+        assert!(
+            Cli::try_parse_from(["latchctl", "elect", "jobs/scheduler"]).is_err(),
+            "elect needs a command"
+        );
+    }
+
+    #[test]
+    fn elect_help_says_what_happens_on_loss() {
+        use clap::CommandFactory;
+        let mut cli = Cli::command();
+        let help = cli
+            .find_subcommand_mut("elect")
+            .map(|c| c.render_long_help().to_string())
+            .unwrap_or_default();
+        assert!(help.contains("SIGTERM"), "{help}");
+        assert!(help.contains("does not campaign again"), "{help}");
+        assert!(help.contains("LATCHKEY_TERM"), "{help}");
     }
 
     #[test]

@@ -26,14 +26,16 @@ use tonic::{Code, Streaming};
 use crate::support::{Stack, expect_refusal, stack_with};
 
 /// A fenced election class with the platform's shortest TTL, for the
-/// tests only (its pause-test result is the harness's fixture).
-const CLASS: &str = "elect-fast";
-const TTL: Duration = Duration::from_secs(5);
+/// tests only (its pause-test result is the harness's fixture). The client
+/// and latchctl scenarios (`client_elections.rs`, `latchctl_elections.rs`)
+/// use it too.
+pub(crate) const CLASS: &str = "elect-fast";
+pub(crate) const TTL: Duration = Duration::from_secs(5);
 
 type Elect = ElectionServiceClient<Channel>;
 type Lock = LockClient<Channel>;
 
-fn policies() -> anyhow::Result<TempDir> {
+pub(crate) fn policies() -> anyhow::Result<TempDir> {
     let dir = tempfile::Builder::new()
         .prefix("latchkey-elections-")
         .tempdir()?;
@@ -59,7 +61,7 @@ result = "pause-tests/{CLASS}.json"
     Ok(dir)
 }
 
-async fn stack(dir: &TempDir) -> anyhow::Result<Stack> {
+pub(crate) async fn stack(dir: &TempDir) -> anyhow::Result<Stack> {
     stack_with(ArbiterOptions {
         policies_dir: dir.path().to_path_buf(),
         ..ArbiterOptions::default()

@@ -6,6 +6,7 @@
 mod audit;
 mod classes_crd;
 mod client;
+mod client_elections;
 mod cluster;
 mod deploy;
 mod durable_waiters;
@@ -28,6 +29,7 @@ mod hostile_keepalive;
 mod hostile_overload;
 mod identity;
 mod latchctl;
+mod latchctl_elections;
 mod lock_loss;
 mod log_contract;
 mod metrics;

@@ -5,7 +5,9 @@
 // A test binary: a failed unwrap or a panic is how it reports a failure.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod elections;
 mod fake_arbiter;
+mod fake_election;
 mod fencing;
 mod redaction;
 mod reentrancy;

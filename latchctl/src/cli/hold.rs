@@ -109,14 +109,14 @@ pub async fn hold(client: Client, args: HoldArgs, out: Output) -> Result<ExitCod
     }
 }
 
-fn forward(child: &Child, signal: Signal) {
+pub(super) fn forward(child: &Child, signal: Signal) {
     if let Some(pid) = child.id().and_then(|id| i32::try_from(id).ok()) {
         let _ = kill(Pid::from_raw(pid), signal);
     }
 }
 
 /// SIGTERM, then SIGKILL after the grace period.
-async fn stop(child: &mut Child) {
+pub(super) async fn stop(child: &mut Child) {
     forward(child, Signal::SIGTERM);
     if tokio::time::timeout(KILL_GRACE, child.wait())
         .await
@@ -128,7 +128,7 @@ async fn stop(child: &mut Child) {
 }
 
 /// The shell's convention: the exit code, or 128 + the signal.
-fn exit_code(status: ExitStatus) -> u8 {
+pub(super) fn exit_code(status: ExitStatus) -> u8 {
     match (status.code(), status.signal()) {
         (Some(code), _) => u8::try_from(code).unwrap_or(1),
         (None, Some(signal)) => u8::try_from(128 + signal).unwrap_or(1),
