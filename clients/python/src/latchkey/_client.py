@@ -360,7 +360,7 @@ class LockGuard:
 
     @property
     def token(self) -> FencingToken:
-        """The fencing token to present at the resource (``int(guard.token)``)."""
+        """The fencing token to present at the resource (``guard.token.value``)."""
         return self._hold.token
 
     @property
