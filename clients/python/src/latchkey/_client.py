@@ -18,15 +18,17 @@ from ._errors import (
     DeadlineExceeded,
     FenceReason,
     Fenced,
+    Held,
     LatchkeyError,
     ProtocolError,
     Refused,
     Unavailable,
+    WaitTimeout,
     from_rpc_error,
 )
-from ._holds import LAST, NOT_HELD, OUTERMOST, REENTERED, Hold
+from ._holds import LAST, NOT_HELD, OTHER_THREAD, OUTERMOST, REENTERED, Hold
 from ._liveness import keepalive_interval
-from ._session import FenceCallback, Session
+from ._session import FenceCallback, Session, SessionDead
 from ._token import FencingToken
 from .lock.v1 import lock_pb2, lock_pb2_grpc
 
@@ -209,8 +211,11 @@ class Client:
         ``wait=None`` is a try-lock: a held key raises :class:`Held` at once.
         ``wait=seconds`` queues at the arbiter (FIFO per key) until granted or
         until that deadline (:class:`WaitTimeout` / :class:`DeadlineExceeded`).
-        A key this session already holds returns another guard of the same hold
-        at once, without a call (ADR-13).
+        A key this thread already holds on the session returns another guard
+        of the same hold at once, without a call (ADR-13). A key another
+        thread of this client holds is held as for any other caller: a
+        try-lock raises :class:`Held`; a waiting acquire waits (here, not at
+        the arbiter) until that thread's hold ends, then queues at the arbiter.
 
         ``on_fence(reason)`` is called once if the hold is lost while this guard
         exists: by then another holder may have the key, so stop touching the
@@ -227,6 +232,15 @@ class Client:
         while True:
             try:
                 return self._acquire_on(current, key, lock_class, deadline, callback, metadata)
+            except SessionDead:
+                # The class's session died before this acquire sent anything
+                # (e.g. while it waited for another thread's hold): once, on
+                # a live one.
+                if explicit or retried:
+                    raise
+                self._forget_class(lock_class, current.id)
+                current = self._session_for_class(lock_class)
+                retried = True
             except Refused as error:
                 stale = error.reason in ("SESSION_EXPIRED", "SESSION_CLASS_MISMATCH")
                 if explicit or retried or not stale:
@@ -259,6 +273,21 @@ class Client:
                 return LockGuard(value, session, guard_id, self)
             if kind == OUTERMOST:
                 break
+            if kind == OTHER_THREAD:
+                # Another thread of this client holds the key: re-entrancy is
+                # per thread, so this one waits its turn (or is refused) as
+                # another caller would. The arbiter cannot queue it (one
+                # session, one instance), so it waits here for the hold to
+                # leave, then asks the arbiter like anyone else.
+                if deadline is None:
+                    raise Held(grpc.StatusCode.ABORTED, "HELD", f"key {key!r} is held by another thread of this client")
+                if not value.wait(max(0.0, deadline - _now())):
+                    raise WaitTimeout(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        "WAIT_TIMEOUT",
+                        f"timed out waiting for key {key!r}: another thread of this client still holds it",
+                    )
+                continue
             # Another thread's outermost acquire or final release of the key
             # on this session is in flight: wait for it to settle.
             limit = (deadline - _now()) if deadline is not None else self._request_timeout
@@ -344,10 +373,11 @@ class Client:
 
 
 class LockGuard:
-    """A hold on a key. Nested acquires of the same key on the same session
+    """A hold on a key. Nested acquires of the same key by the same thread
     return more guards of the same hold; the arbiter hears only of the first
     acquire and the last release. Release it with :meth:`release` or by using
-    it as a context manager."""
+    it as a context manager (from any thread: the count is the hold's, the
+    right to re-enter its acquiring thread's)."""
 
     __slots__ = ("_hold", "_session", "_guard_id", "_client", "_armed")
 

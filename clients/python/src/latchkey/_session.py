@@ -30,6 +30,11 @@ log = logging.getLogger("latchkey")
 
 FenceCallback = Callable[[FenceReason], None]
 
+
+class SessionDead(Fenced):
+    """The session was already fenced when an acquire (or a campaign) began:
+    nothing was sent, so the caller may go on with a live session."""
+
 MIN_BACKOFF = 0.05
 MAX_BACKOFF = 1.0
 
@@ -130,6 +135,9 @@ class Session:
                 return
             callbacks = [cb for (_, cb) in self._on_fence.values()]
             self._on_fence.clear()
+            # Threads waiting for a key held on this session look again, and
+            # go to a live session.
+            self._holds.wake_all()
         self._shutdown()
         log.warning("session %d fenced (%s holds): %s", self.id, len(callbacks), reason)
         _call_all(callbacks, reason, self.id)
@@ -153,11 +161,12 @@ class Session:
         return guard_id
 
     def _begin_acquire(self, key: str, on_fence: FenceCallback):
-        """(kind, hold or event, guard id); raises Fenced on a dead session."""
+        """(kind, hold or event, guard id) for the calling thread; raises
+        SessionDead (a Fenced) on a dead session, before anything is sent."""
         with self._lock:
             if self._liveness.dead is not None:
-                raise Fenced(self.id, self._liveness.dead)
-            kind, value = self._holds.begin(key)
+                raise SessionDead(self.id, self._liveness.dead)
+            kind, value = self._holds.begin(key, threading.current_thread())
             guard_id = self._register(key, on_fence) if isinstance(value, Hold) else None
             return kind, value, guard_id
 
