@@ -56,7 +56,8 @@ class Session:
         self._lock = threading.Lock()
         self._liveness = Liveness(opened_at, ttl)
         self._holds = Holds()
-        self._on_fence: Dict[int, Tuple[str, FenceCallback]] = {}
+        # guard id -> (its key, or None for a leadership; its callback)
+        self._on_fence: Dict[int, Tuple[Optional[str], FenceCallback]] = {}
         self._next_guard = 0
         self._stop = threading.Event()
         self._stream: Optional[_KeepAliveStream] = None
@@ -159,6 +160,22 @@ class Session:
         self._next_guard += 1
         self._on_fence[guard_id] = (key, on_fence)
         return guard_id
+
+    def _watch(self, on_fence: FenceCallback) -> int:
+        """Calls `on_fence` once if the session dies (a leadership on it
+        ends with it); raises SessionDead if it already has."""
+        with self._lock:
+            if self._liveness.dead is not None:
+                raise SessionDead(self.id, self._liveness.dead)
+            # Not a key: no notice of an ended hold matches it.
+            guard_id = self._next_guard
+            self._next_guard += 1
+            self._on_fence[guard_id] = (None, on_fence)
+            return guard_id
+
+    def _unwatch(self, watch_id: int) -> None:
+        with self._lock:
+            self._on_fence.pop(watch_id, None)
 
     def _begin_acquire(self, key: str, on_fence: FenceCallback):
         """(kind, hold or event, guard id) for the calling thread; raises
