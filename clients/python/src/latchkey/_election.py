@@ -321,7 +321,9 @@ class _LeadershipWatch:
                     if verdict == _ASK:
                         verdict = self._ask()
                     if verdict == _LOST:
-                        term.lose(FenceReason.LEADERSHIP_ENDED)
+                        # With a transfer in flight, the next term is most
+                        # likely the one it started (its reply still on the way).
+                        term.lose(FenceReason.RESIGNED if term.ending else FenceReason.LEADERSHIP_ENDED)
                         return
             except grpc.RpcError as error:
                 if self._stop.is_set():
@@ -633,7 +635,12 @@ class ElectionTable:
 
     def led(self, term: _Term) -> None:
         with self._cond:
-            self._entries[term.election] = term
+            if term.is_lost():
+                # Lost before it was entered (its watch or its session was
+                # quick): left() already ran and found the campaign.
+                self._entries.pop(term.election, None)
+            else:
+                self._entries[term.election] = term
             self._cond.notify_all()
 
     def failed(self, election: str, thread: threading.Thread) -> None:
@@ -850,7 +857,7 @@ class Observation:
                 self._note(event)
                 return event
             # The stream ended or broke.
-            if error is not None and not (self._reconnect and error.is_transient()):
+            if error is not None and not (self._reconnect and _reconnectable(error)):
                 raise error
             if not self._reconnect:
                 raise StopIteration
@@ -882,6 +889,12 @@ class Observation:
 
     def __repr__(self) -> str:
         return f"Observation(election={self._election!r}, closed={self._closed})"
+
+
+def _reconnectable(error: Refused) -> bool:
+    """Transient, or a stream a proxy reset (INTERNAL with no reason of ours:
+    e.g. an idle timeout on a long quiet stream)."""
+    return error.is_transient() or (error.code == grpc.StatusCode.INTERNAL and not error.reason)
 
 
 def _describes(event: Event, before: Optional[tuple] = None) -> Optional[tuple]:
