@@ -17,13 +17,16 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 PROTO_ROOT = HERE.parent.parent / "proto"
 PACKAGE_ROOT = HERE / "src"
-# Only lock.v1: the client makes no admin.v1 calls.
-PROTOS = ["latchkey/lock/v1/lock.proto"]
+# lock.v1 and election.v1: the client makes no admin.v1 calls.
+PROTOS = ["latchkey/lock/v1/lock.proto", "latchkey/election/v1/election.proto"]
 # Generated files, relative to the output root.
 GENERATED = [
     "latchkey/lock/v1/lock_pb2.py",
     "latchkey/lock/v1/lock_pb2.pyi",
     "latchkey/lock/v1/lock_pb2_grpc.py",
+    "latchkey/election/v1/election_pb2.py",
+    "latchkey/election/v1/election_pb2.pyi",
+    "latchkey/election/v1/election_pb2_grpc.py",
 ]
 
 

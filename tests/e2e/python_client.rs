@@ -5,8 +5,13 @@
 //! dark on request. pytest runs `clients/python/tests` (the pure tests, the
 //! stub drift check and the stack tests) and asks this harness to act through
 //! request files in a control directory: `revision` (etcd's revision),
-//! `remove-hold <key>` (what a force-release does to the log) and
-//! `block-arbiter`.
+//! `remove-hold <key>` (what a force-release does to the log),
+//! `remove-leader <election>` (the leader record leaves the log while its
+//! session lives, as when an operator forces it out) and `block-arbiter`.
+//!
+//! Elections (latchkey.election.v1) go through Envoy like the lock calls. The
+//! policies are the dev ones plus `elect-fast`, an election class with a 5 s
+//! TTL, so a crashed leader's session expires within the suite.
 //!
 //! Needs `target/wasm/latchkey_filter.wasm` (scripts/build-wasm) and Python
 //! with grpcio, protobuf, googleapis-common-protos and pytest (scripts/setup).
@@ -22,19 +27,53 @@ use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::workspace_root;
 use serde_json::json;
+use tempfile::TempDir;
 use tokio::process::Command;
 use tokio::time::{Instant, sleep};
 
 use crate::support::stack_with;
 
-/// The whole suite; it takes ~15 s, most of it the fence test's 5 s TTL.
-const SUITE_TIMEOUT: Duration = Duration::from_secs(120);
+/// The whole suite; it takes ~35 s, most of it TTLs running out (the fence
+/// test's 5 s, a crashed leader's 5 s).
+const SUITE_TIMEOUT: Duration = Duration::from_secs(150);
+
+/// The test-only election class with the platform's shortest TTL (as in
+/// elections.rs).
+const FAST_ELECTION_CLASS: &str = "elect-fast";
+
+/// `policies/dev` plus [`FAST_ELECTION_CLASS`].
+fn policies() -> anyhow::Result<TempDir> {
+    let dir = tempfile::Builder::new()
+        .prefix("latchkey-pytest-policies-")
+        .tempdir()?;
+    latchkey_tests::copy_dev_policies(dir.path())?;
+    std::fs::write(
+        dir.path().join("classes/zz-python-elections.toml"),
+        format!(
+            r#"
+[[class]]
+name = "{FAST_ELECTION_CLASS}"
+kind = "election"
+tier = "coord"
+enforcement = "fenced"
+ttlSeconds = 5
+[class.pauseTest]
+resource = "postgresql:dev.latchkey_fenced_rows"
+result = "pause-tests/{FAST_ELECTION_CLASS}.json"
+"#
+        ),
+    )?;
+    latchkey_tests::write_pause_test_fixtures(dir.path())?;
+    Ok(dir)
+}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_python_client_passes_its_suite_against_envoy_the_filter_and_the_arbiter()
 -> anyhow::Result<()> {
+    let policies = policies()?;
     let opts = ArbiterOptions {
         edge_identity: Some(spiffe("latchkey/edge")),
+        policies_dir: policies.path().to_path_buf(),
         ..ArbiterOptions::default()
     };
     let stack = stack_with(opts).await?;
@@ -72,6 +111,7 @@ async fn the_python_client_passes_its_suite_against_envoy_the_filter_and_the_arb
         .env("LATCHKEY_TEST_BOB_CERT", &bob.cert)
         .env("LATCHKEY_TEST_BOB_KEY", &bob.key)
         .env("LATCHKEY_TEST_CONTROL", &requests)
+        .env("LATCHKEY_TEST_FAST_ELECTION_CLASS", FAST_ELECTION_CLASS)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&output)?)
         .stderr(std::fs::File::create(control.path().join("pytest.err"))?)
@@ -144,6 +184,19 @@ async fn act(command: &str, etcd: &EtcdServer, path: &Proxy) -> anyhow::Result<S
                 .await?
                 .deleted();
             ensure!(deleted == 1, "no hold of {key} in the log");
+            Ok(String::new())
+        }
+        ("remove-leader", election) if !election.is_empty() => {
+            // The leader record leaves the log while its session lives:
+            // observers see the term fall vacant, as when operators force a
+            // leadership out.
+            let deleted = etcd
+                .client()
+                .await?
+                .delete(format!("/latchkey/e/{election}//lead"), None)
+                .await?
+                .deleted();
+            ensure!(deleted == 1, "no leader of {election} in the log");
             Ok(String::new())
         }
         ("block-arbiter", "") => {

@@ -71,7 +71,7 @@ client = latchkey.Client(
 )
 with client.lock(os.environ["LOCK_KEY"], "demo", timeout=30.0) as guard:
     with open(os.environ["LOG"], "a") as log:
-        log.write("%d %s\n" % (int(guard.token), os.environ["WHO"]))
+        log.write("%d %s\n" % (guard.token.value, os.environ["WHO"]))
     time.sleep(float(os.environ["HOLD"]))
 client.close()
 "#;

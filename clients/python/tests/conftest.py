@@ -8,6 +8,7 @@ SVIDs, and runs this suite with:
     LATCHKEY_TEST_CA         the dev trust bundle
     LATCHKEY_TEST_{ALICE,BOB}_{CERT,KEY}   two workloads' SVIDs
     LATCHKEY_TEST_CONTROL    a directory for asking the harness to act
+    LATCHKEY_TEST_FAST_ELECTION_CLASS an election class with a 5 s TTL
 
 Without them the stack tests are skipped and only the pure tests run. The
 harness runs pytest with LATCHKEY_TEST_REQUIRE_STACK=1, which turns a missing
@@ -25,7 +26,16 @@ import pytest
 
 import latchkey
 
-_VARS = ["ENDPOINT", "CA", "ALICE_CERT", "ALICE_KEY", "BOB_CERT", "BOB_KEY", "CONTROL"]
+_VARS = [
+    "ENDPOINT",
+    "CA",
+    "ALICE_CERT",
+    "ALICE_KEY",
+    "BOB_CERT",
+    "BOB_KEY",
+    "CONTROL",
+    "FAST_ELECTION_CLASS",
+]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,7 +58,7 @@ def stack_env():
     return {v: os.environ[f"LATCHKEY_TEST_{v}"] for v in _VARS}
 
 
-def _client(env, who: str, default_class: str = "demo", request_timeout: float = 10.0) -> latchkey.Client:
+def _client(env, who: str, default_class: str = "demo", request_timeout: float = 10.0, **options) -> latchkey.Client:
     return latchkey.Client(
         env["ENDPOINT"],
         ca=env["CA"],
@@ -57,6 +67,7 @@ def _client(env, who: str, default_class: str = "demo", request_timeout: float =
         default_class=default_class,
         connect_timeout=10.0,
         request_timeout=request_timeout,
+        **options,
     )
 
 
@@ -77,14 +88,20 @@ def connect(stack_env):
     """Opens more clients (closed at the end of the test)."""
     made = []
 
-    def make(who: str = "ALICE", default_class: str = "demo", request_timeout: float = 10.0) -> latchkey.Client:
-        client = _client(stack_env, who, default_class, request_timeout)
+    def make(who: str = "ALICE", default_class: str = "demo", request_timeout: float = 10.0, **options) -> latchkey.Client:
+        client = _client(stack_env, who, default_class, request_timeout, **options)
         made.append(client)
         return client
 
     yield make
     for client in made:
         client.close()
+
+
+@pytest.fixture
+def fast_class(stack_env) -> str:
+    """An election class with a 5 s TTL."""
+    return stack_env["FAST_ELECTION_CLASS"]
 
 
 class Harness:
@@ -118,6 +135,11 @@ class Harness:
     def remove_hold(self, key: str) -> None:
         """What an operator's force-release does: the hold's record leaves the log."""
         self.ask(f"remove-hold {key}")
+
+    def remove_leader(self, election: str) -> None:
+        """The leader record leaves the log while its session lives (as when
+        operators force the leadership out)."""
+        self.ask(f"remove-leader {election}")
 
     def block_arbiter(self) -> None:
         """The network path from Envoy to the arbiter goes dark."""

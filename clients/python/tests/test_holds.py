@@ -1,7 +1,13 @@
 """ADR-13's re-entrancy table, with no network (client/src/session/holds.rs)."""
 
+import threading
+
 from latchkey import FencingToken
-from latchkey._holds import LAST, NOT_HELD, OUTERMOST, REENTERED, WAIT, Hold, Holds
+from latchkey._holds import LAST, NOT_HELD, OTHER_THREAD, OUTERMOST, REENTERED, WAIT, Hold, Holds
+
+ME = threading.current_thread()
+# Stands for another thread of the same client (only its identity matters).
+OTHER = threading.Thread(target=lambda: None)
 
 
 def hold(key: str, revision: int = 42) -> Hold:
@@ -10,12 +16,12 @@ def hold(key: str, revision: int = 42) -> Hold:
 
 def test_only_the_outermost_acquire_and_the_final_release_reach_the_arbiter():
     holds = Holds()
-    assert holds.begin("a/b") == (OUTERMOST, None)
+    assert holds.begin("a/b", ME) == (OUTERMOST, None)
     h = hold("a/b")
     holds.granted(h)
     assert h.count == 1
     for expected in (2, 3):
-        kind, again = holds.begin("a/b")
+        kind, again = holds.begin("a/b", ME)
         assert kind == REENTERED and again is h
         assert h.count == expected
     assert holds.decrement(h) == 2
@@ -23,23 +29,23 @@ def test_only_the_outermost_acquire_and_the_final_release_reach_the_arbiter():
     assert holds.decrement(h) == LAST
     holds.released("a/b")
     assert len(holds) == 0
-    assert holds.begin("a/b") == (OUTERMOST, None)
+    assert holds.begin("a/b", ME) == (OUTERMOST, None)
 
 
 def test_acquirers_wait_while_the_outermost_acquire_is_in_flight():
     holds = Holds()
-    holds.begin("k")
-    kind, settled = holds.begin("k")
+    holds.begin("k", ME)
+    kind, settled = holds.begin("k", ME)
     assert kind == WAIT and not settled.is_set()
     holds.granted(hold("k"))
     assert settled.is_set()
-    assert holds.begin("k")[0] == REENTERED
+    assert holds.begin("k", ME)[0] == REENTERED
 
 
 def test_a_failed_outermost_acquire_frees_the_key_and_wakes_waiters():
     holds = Holds()
-    holds.begin("k")
-    _, settled = holds.begin("k")
+    holds.begin("k", ME)
+    _, settled = holds.begin("k", ME)
     holds.failed("k")
     assert settled.is_set()
     assert len(holds) == 0
@@ -47,27 +53,27 @@ def test_a_failed_outermost_acquire_frees_the_key_and_wakes_waiters():
 
 def test_acquirers_wait_while_the_final_release_is_in_flight():
     holds = Holds()
-    holds.begin("k")
+    holds.begin("k", ME)
     h = hold("k")
     holds.granted(h)
     assert holds.decrement(h) == LAST
-    kind, settled = holds.begin("k")
+    kind, settled = holds.begin("k", ME)
     assert kind == WAIT, "a new acquire must not overtake the release"
     holds.failed("k")  # not an acquire: must not settle the release
     assert not settled.is_set()
     holds.released("k")
     assert settled.is_set()
-    assert holds.begin("k") == (OUTERMOST, None)
+    assert holds.begin("k", ME) == (OUTERMOST, None)
 
 
 def test_a_stale_guard_cannot_decrement_a_newer_hold():
     holds = Holds()
-    holds.begin("k")
+    holds.begin("k", ME)
     old = hold("k", 1)
     holds.granted(old)
     assert holds.decrement(old) == LAST
     holds.released("k")
-    holds.begin("k")
+    holds.begin("k", ME)
     new = hold("k", 2)
     holds.granted(new)
     assert holds.decrement(old) == NOT_HELD
@@ -76,21 +82,71 @@ def test_a_stale_guard_cannot_decrement_a_newer_hold():
 
 def test_an_ended_hold_leaves_only_at_its_own_revision():
     holds = Holds()
-    holds.begin("k")
+    holds.begin("k", ME)
     h = hold("k", 5)
     holds.granted(h)
     assert not holds.ended("k", 4), "a notice about an older hold of the key"
     assert holds.ended("k", 5)
     assert h.ended
     assert holds.decrement(h) == NOT_HELD, "its guards send no Release"
-    assert holds.begin("k") == (OUTERMOST, None)
+    assert holds.begin("k", ME) == (OUTERMOST, None)
 
 
 def test_a_notice_during_our_own_release_is_ignored():
     holds = Holds()
-    holds.begin("k")
+    holds.begin("k", ME)
     h = hold("k", 5)
     holds.granted(h)
     assert holds.decrement(h) == LAST
     assert not holds.ended("k", 5)
     assert not h.ended
+
+
+def test_re_entrancy_is_per_thread():
+    # Issue 37: four threads of one client were all inside `with lock(k)`.
+    holds = Holds()
+    assert holds.begin("k", ME) == (OUTERMOST, None)
+    h = hold("k")
+    holds.granted(h)
+    assert h.owner is ME
+    kind, left = holds.begin("k", OTHER)
+    assert kind == OTHER_THREAD and not left.is_set()
+    assert h.count == 1, "another thread does not count up the hold"
+    assert holds.begin("k", ME) == (REENTERED, h)
+    assert holds.decrement(h) == 1
+    assert not left.is_set()
+    assert holds.decrement(h) == LAST
+    assert left.is_set(), "the waiting thread looks again once the final release starts"
+    assert holds.begin("k", OTHER)[0] == WAIT, "...and waits for that release to settle"
+    holds.released("k")
+    assert holds.begin("k", OTHER) == (OUTERMOST, None)
+    other = hold("k", 43)
+    holds.granted(other)
+    assert other.owner is OTHER
+    assert holds.begin("k", ME)[0] == OTHER_THREAD
+
+
+def test_a_thread_waiting_behind_a_settling_acquire_finds_it_owned():
+    holds = Holds()
+    holds.begin("k", ME)
+    kind, settled = holds.begin("k", OTHER)
+    assert kind == WAIT
+    holds.granted(hold("k"))
+    assert settled.is_set()
+    assert holds.begin("k", OTHER)[0] == OTHER_THREAD, "not a re-entry of ME's hold"
+
+
+def test_an_ended_hold_and_a_dead_session_wake_waiting_threads():
+    holds = Holds()
+    holds.begin("k", ME)
+    h = hold("k", 5)
+    holds.granted(h)
+    _, left = holds.begin("k", OTHER)
+    assert holds.ended("k", 5)
+    assert left.is_set()
+    holds.begin("j", ME)
+    j = hold("j", 6)
+    holds.granted(j)
+    _, j_left = holds.begin("j", OTHER)
+    holds.wake_all()
+    assert j_left.is_set()

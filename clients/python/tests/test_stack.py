@@ -44,7 +44,7 @@ def test_acquire_and_release_hand_out_increasing_tokens(alice):
     assert alice.inspect("demo/py/tokens").holder is None
     second = alice.acquire("demo/py/tokens")
     assert second.token > first.token
-    assert int(second.token) > int(first.token) > 0
+    assert second.token.value > first.token.value > 0
     assert second.session_id == first.session_id, "one session per TTL"
     second.release()
 
@@ -101,6 +101,72 @@ def test_a_second_identity_waits_and_gets_the_key_with_a_larger_token(alice, bob
     assert not waiter.is_alive()
     assert "error" not in got, got.get("error")
     assert got["holder"] == BOB
+    assert got["token"] > held.token
+
+
+def test_threads_sharing_a_client_take_a_key_one_at_a_time(alice, harness):
+    # Issue 37: four threads sharing one client were all inside `with
+    # client.lock(k)` at once (re-entrancy counted per session).
+    key = "demo/py/threads"
+    inside = []
+    overlaps = []
+    grants = []
+    guard_lock = threading.Lock()
+
+    def worker(n):
+        for _ in range(5):
+            with alice.lock(key, timeout=30) as guard:
+                with guard_lock:
+                    inside.append(n)
+                    if len(inside) > 1:
+                        overlaps.append(list(inside))
+                    grants.append(guard.token)
+                with alice.lock(key) as again:  # the same thread re-enters
+                    assert again.hold_count == 2
+                time.sleep(0.01)
+                with guard_lock:
+                    inside.remove(n)
+
+    before = harness.etcd_revision()
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert overlaps == [], f"two threads inside at once: {overlaps[:3]}"
+    assert len(grants) == 20
+    assert len(set(grants)) == 20, "each entry of each thread is its own grant"
+    assert harness.etcd_revision() > before
+    assert alice.inspect(key).holder is None
+
+
+def test_another_thread_of_the_client_is_refused_or_waits_like_anyone(alice):
+    key = "demo/py/threads-try"
+    held = alice.acquire(key)
+    got = {}
+
+    def other():
+        try:
+            alice.acquire(key)
+        except latchkey.Held as error:
+            got["try"] = error
+        try:
+            alice.acquire(key, wait=0.3)
+        except latchkey.WaitTimeout as error:
+            got["timeout"] = error
+        guard = alice.acquire(key, wait=10)
+        got["token"] = guard.token
+        guard.release()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    eventually("the other thread's refusals", 5, lambda: "timeout" in got)
+    assert got["try"].reason == "HELD"
+    assert "another thread" in str(got["try"])
+    assert "token" not in got, "it waits while this thread holds the key"
+    held.release()
+    thread.join(15)
     assert got["token"] > held.token
 
 
@@ -181,7 +247,7 @@ def test_closing_the_client_fences_its_holds(connect, harness):
 def test_tokens_never_reach_reprs_errors_or_logs(alice, bob, caplog):
     caplog.set_level(logging.DEBUG)
     guard = alice.acquire("demo/py/secret")
-    value = str(int(guard.token))
+    value = str(guard.token.value)
     shown = [repr(guard), str(guard), repr(guard.token), str(guard.token), f"{guard.token}", repr(guard.session), repr(alice)]
     try:
         bob.acquire("demo/py/secret")

@@ -1,5 +1,6 @@
 """Tokens never show in repr, str, formatting, exceptions or logs."""
 
+import io
 import logging
 import pickle
 
@@ -18,8 +19,31 @@ def test_repr_str_and_format_redact():
     for shown in (repr(token), str(token), f"{token}", "%s" % token, "{}".format(token), f"{token!r:>40}"):
         assert str(VALUE) not in shown
         assert "redacted" in shown
-    assert int(token) == VALUE
     assert token.value == VALUE
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [int, hex, float, lambda t: "%d" % t, lambda t: "%i" % t, lambda t: "%5d" % t, lambda t: "%x" % t, lambda t: "%d" % (t,)],
+)
+def test_no_implicit_integer_way_out(convert):
+    # `%d` goes through __int__: a token that converted would print itself
+    # into any log line that asked for a number. token.value is the one way.
+    with pytest.raises(TypeError):
+        convert(FencingToken(VALUE))
+
+
+def test_a_log_call_with_percent_d_prints_no_token(capsys):
+    # What an application's own handler does with it: logging reports the
+    # formatting error on stderr, with the arguments' repr.
+    out = io.StringIO()
+    logger = logging.getLogger("latchkey-test-percent-d")
+    logger.propagate = False
+    logger.addHandler(logging.StreamHandler(out))
+    logger.warning("fenced with %d", FencingToken(VALUE))
+    shown = out.getvalue() + capsys.readouterr().err
+    assert "redacted" in shown, "the error names the argument, redacted"
+    assert str(VALUE) not in shown
 
 
 def test_tokens_compare_and_hash_by_value():

@@ -13,10 +13,31 @@ ADR-12's two stages: after the first failed keepalive ``can_start()`` is false,
 and when the send time of the last successful renewal plus the TTL minus one
 second passes, every hold's ``on_fence`` fires once. A notice from the arbiter
 that a hold ended fences that hold at once. Releasing the last guard of a hold
-sends Release. Tokens never appear in ``repr``, ``str``, exceptions or logs.
+sends Release. A hold belongs to the thread that acquired it: another thread
+of the same client waits for it (or is refused ``Held``) like any other caller.
+
+An election flows the same way: ``client.campaign(election)`` (or ``with
+client.lead(election):``, or ``for leadership in client.leading(...)``) finds
+the session of the election class, waits at the arbiter until this session
+leads, and returns a :class:`Leadership` with its term and token, whose
+``lost`` event is set at the session's fence deadline or as soon as the loss
+is known (resigned, NOT_LEADER, or another term seen on its Observe stream).
+``client.observe(election)`` yields typed events. Tokens never appear in
+``repr``, ``str``, exceptions or logs.
 """
 
 from ._client import Client, Holder, Inspection, LockGuard, default_instance
+from ._election import (
+    Candidate,
+    Gap,
+    Leader,
+    Leadership,
+    Observation,
+    Proclaimed,
+    TermStarted,
+    Vacant,
+    VacancyReason,
+)
 from ._errors import (
     Aborted,
     ConfigError,
@@ -28,7 +49,9 @@ from ._errors import (
     InvalidArgument,
     LatchkeyError,
     Leak,
+    NoCandidate,
     NotHeld,
+    NotLeader,
     PermissionDenied,
     ProtocolError,
     Refused,
@@ -38,6 +61,7 @@ from ._errors import (
     Unauthenticated,
     Unavailable,
     WaitTimeout,
+    WrongKind,
 )
 from ._liveness import FENCE_MARGIN
 from ._session import Session
@@ -45,6 +69,7 @@ from ._token import FencingToken
 
 __all__ = [
     "Aborted",
+    "Candidate",
     "Client",
     "default_instance",
     "ConfigError",
@@ -54,24 +79,35 @@ __all__ = [
     "FenceReason",
     "Fenced",
     "FencingToken",
+    "Gap",
     "Held",
     "Holder",
     "Inspection",
     "InvalidArgument",
     "LatchkeyError",
+    "Leader",
+    "Leadership",
     "Leak",
     "LockGuard",
+    "NoCandidate",
     "NotHeld",
+    "NotLeader",
+    "Observation",
     "PermissionDenied",
+    "Proclaimed",
     "ProtocolError",
     "Refused",
     "ResourceExhausted",
     "Sealed",
     "Session",
     "SessionExpired",
+    "TermStarted",
     "Unauthenticated",
     "Unavailable",
+    "Vacant",
+    "VacancyReason",
     "WaitTimeout",
+    "WrongKind",
 ]
 
 __version__ = "0.1.0"

@@ -8,8 +8,9 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional
+from typing import Callable, Dict, Iterator, List, Mapping, Optional
 
 import grpc
 
@@ -18,16 +19,21 @@ from ._errors import (
     DeadlineExceeded,
     FenceReason,
     Fenced,
+    Held,
     LatchkeyError,
     ProtocolError,
     Refused,
     Unavailable,
+    WaitTimeout,
     from_rpc_error,
 )
-from ._holds import LAST, NOT_HELD, OUTERMOST, REENTERED, Hold
+from . import _election
+from ._election import Candidate, ElectionTable, Leader, Leadership, LostCallback, Observation
+from ._holds import LAST, NOT_HELD, OTHER_THREAD, OUTERMOST, REENTERED, Hold
 from ._liveness import keepalive_interval
-from ._session import FenceCallback, Session
+from ._session import FenceCallback, Session, SessionDead
 from ._token import FencingToken
+from .election.v1 import election_pb2_grpc
 from .lock.v1 import lock_pb2, lock_pb2_grpc
 
 log = logging.getLogger("latchkey")
@@ -88,6 +94,8 @@ class Client:
 
     DEFAULT_CONNECT_TIMEOUT = 5.0
     DEFAULT_REQUEST_TIMEOUT = 10.0
+    #: The dev stack's election class (policies/dev/classes/elections.toml).
+    DEFAULT_ELECTION_CLASS = "election"
 
     def __init__(
         self,
@@ -101,6 +109,8 @@ class Client:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         instance: Optional[str] = None,
+        default_election_class: str = DEFAULT_ELECTION_CLASS,
+        observe_leaderships: bool = True,
     ) -> None:
         target = _target(endpoint)
         # How this client names itself on every Acquire: the arbiter answers
@@ -127,6 +137,14 @@ class Client:
                 grpc.StatusCode.UNAVAILABLE, "", f"could not connect to {endpoint} within {connect_timeout:g} s (mTLS)"
             ) from None
         self._stub = lock_pb2_grpc.LockStub(self._channel)
+        self._election_stub = election_pb2_grpc.ElectionServiceStub(self._channel)
+        self._default_election_class = default_election_class
+        # One Observe stream per leadership: how a leadership that ends at
+        # the arbiter while its session lives (forced out, an epoch advance)
+        # is lost at once rather than at the next call about it.
+        self._observe_leaderships = observe_leaderships
+        self._elections = ElectionTable()
+        self._observations: "weakref.WeakSet[Observation]" = weakref.WeakSet()
         self._lock = threading.Lock()
         # One OpenSession at a time, so two first acquires of a class cannot
         # open two leases for one TTL.
@@ -209,8 +227,11 @@ class Client:
         ``wait=None`` is a try-lock: a held key raises :class:`Held` at once.
         ``wait=seconds`` queues at the arbiter (FIFO per key) until granted or
         until that deadline (:class:`WaitTimeout` / :class:`DeadlineExceeded`).
-        A key this session already holds returns another guard of the same hold
-        at once, without a call (ADR-13).
+        A key this thread already holds on the session returns another guard
+        of the same hold at once, without a call (ADR-13). A key another
+        thread of this client holds is held as for any other caller: a
+        try-lock raises :class:`Held`; a waiting acquire waits (here, not at
+        the arbiter) until that thread's hold ends, then queues at the arbiter.
 
         ``on_fence(reason)`` is called once if the hold is lost while this guard
         exists: by then another holder may have the key, so stop touching the
@@ -227,6 +248,15 @@ class Client:
         while True:
             try:
                 return self._acquire_on(current, key, lock_class, deadline, callback, metadata)
+            except SessionDead:
+                # The class's session died before this acquire sent anything
+                # (e.g. while it waited for another thread's hold): once, on
+                # a live one.
+                if explicit or retried:
+                    raise
+                self._forget_class(lock_class, current.id)
+                current = self._session_for_class(lock_class)
+                retried = True
             except Refused as error:
                 stale = error.reason in ("SESSION_EXPIRED", "SESSION_CLASS_MISMATCH")
                 if explicit or retried or not stale:
@@ -259,6 +289,21 @@ class Client:
                 return LockGuard(value, session, guard_id, self)
             if kind == OUTERMOST:
                 break
+            if kind == OTHER_THREAD:
+                # Another thread of this client holds the key: re-entrancy is
+                # per thread, so this one waits its turn (or is refused) as
+                # another caller would. The arbiter cannot queue it (one
+                # session, one instance), so it waits here for the hold to
+                # leave, then asks the arbiter like anyone else.
+                if deadline is None:
+                    raise Held(grpc.StatusCode.ABORTED, "HELD", f"key {key!r} is held by another thread of this client")
+                if not value.wait(max(0.0, deadline - _now())):
+                    raise WaitTimeout(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        "WAIT_TIMEOUT",
+                        f"timed out waiting for key {key!r}: another thread of this client still holds it",
+                    )
+                continue
             # Another thread's outermost acquire or final release of the key
             # on this session is in flight: wait for it to settle.
             limit = (deadline - _now()) if deadline is not None else self._request_timeout
@@ -293,6 +338,154 @@ class Client:
         log.debug("acquired %s (session %d, epoch %d)", key, session.id, hold.epoch)
         return LockGuard(hold, session, guard_id, self)
 
+    # -- elections --------------------------------------------------------
+
+    def campaign(
+        self,
+        election: str,
+        election_class: Optional[str] = None,
+        *,
+        value: str = "",
+        priority: int = 0,
+        timeout: Optional[float] = 30.0,
+        on_lost: Optional[LostCallback] = None,
+    ) -> Leadership:
+        """Stands for `election` (a key-shaped name, authorised by the same
+        prefix grants as keys) and waits until this client leads it: returns
+        the :class:`Leadership` (its term and fencing token). Runs on the
+        session of `election_class` (kind = "election"; the client's
+        ``default_election_class``, "election", if omitted).
+
+        Higher `priority` leads first on a vacancy, then first come. `value`
+        is what observers see (an address, a pod name). ``timeout`` seconds
+        (``None``: until leading) bound the wait; then :class:`WaitTimeout`,
+        and the candidacy ends with it. The arbiter's own maximum wait, if
+        shorter, only makes the client stand again (at the back of its
+        priority).
+
+        The thread that leads campaigning again gets the same leadership back
+        (counted, as a nested lock); another thread of this client waits until
+        it ends, then campaigns. ``on_lost(reason)`` is called once, on a
+        background thread, when ``leadership.lost`` is set.
+        """
+        self._open_for("campaign")
+        return _election.campaign(
+            self,
+            election,
+            self._election_class(election_class),
+            value,
+            _priority(priority),
+            None if timeout is None else _now() + timeout,
+            on_lost,
+        )
+
+    def lead(
+        self,
+        election: str,
+        election_class: Optional[str] = None,
+        *,
+        value: str = "",
+        priority: int = 0,
+        timeout: Optional[float] = 30.0,
+        on_lost: Optional[LostCallback] = None,
+    ) -> "_LeadContext":
+        """``with client.lead("demo/e", value=pod) as leadership:`` — campaigns
+        on enter (as :meth:`campaign`), resigns when the block ends. The block
+        is told of loss through ``leadership.lost`` (a :class:`threading.Event`)
+        and ``on_lost``; it should stop its leader's work when it is set. A
+        lost leadership is not resigned and raises nothing at the end of the
+        block."""
+        return _LeadContext(self, election, election_class, value, priority, timeout, on_lost)
+
+    def leading(
+        self,
+        election: str,
+        election_class: Optional[str] = None,
+        *,
+        value: str = "",
+        priority: int = 0,
+        stop: Optional[threading.Event] = None,
+        on_lost: Optional[LostCallback] = None,
+        retry_backoff: float = 1.0,
+    ) -> Iterator[Leadership]:
+        """Leads whenever it can, until `stop` is set: yields a fresh
+        :class:`Leadership` each time this client wins the election. The body
+        runs the leader's work until ``leadership.lost`` (or `stop`) is set;
+        when it returns the leadership is resigned (if still held) and the
+        client campaigns again by itself, after a loss too. Transient
+        failures (the arbiter unreachable, the session lost) are retried with
+        backoff up to `retry_backoff` seconds. Setting `stop` ends a waiting
+        campaign promptly and ends the loop after the current body::
+
+            stop = threading.Event()
+            for leadership in client.leading("demo/scheduler", value=pod, stop=stop):
+                while not stop.is_set() and not leadership.lost.wait(1.0):
+                    schedule(fencing_token=leadership.token.value)
+        """
+        self._open_for("campaign")
+        return _election.leading(
+            self,
+            election,
+            self._election_class(election_class),
+            value,
+            _priority(priority),
+            stop,
+            on_lost,
+            retry_backoff,
+        )
+
+    def run_as_leader(
+        self,
+        election: str,
+        fn: Callable[[Leadership], None],
+        election_class: Optional[str] = None,
+        *,
+        value: str = "",
+        priority: int = 0,
+        stop: Optional[threading.Event] = None,
+        retry_backoff: float = 1.0,
+    ) -> None:
+        """Runs ``fn(leadership)`` each time this client leads, campaigning
+        again by itself after each loss, until `stop` is set (:meth:`leading`
+        as a call). `fn` should return once ``leadership.lost`` (or `stop`) is
+        set; an exception from it resigns and propagates."""
+        for leadership in self.leading(
+            election, election_class, value=value, priority=priority, stop=stop, retry_backoff=retry_backoff
+        ):
+            fn(leadership)
+
+    def leader(self, election: str) -> Optional[Leader]:
+        """The current leader (identity, value, term), or None while vacant."""
+        self._open_for("leader")
+        return _election.leader(self, election)
+
+    def candidates(self, election: str) -> List[Candidate]:
+        """The election's candidates in the order they would lead."""
+        self._open_for("candidates")
+        return _election.candidates(self, election)
+
+    def observe(self, election: str, from_term: int = 0, *, reconnect: bool = True) -> Observation:
+        """Every term start, proclamation and vacancy of `election`, in order,
+        as typed events (:class:`TermStarted`, :class:`Proclaimed`,
+        :class:`Vacant`, :class:`Gap`): from the current state on, or from
+        `from_term` as far as the arbiter can replay it (a Gap first for what
+        it cannot). Iterate it; ``close()`` it (or use ``with``) to stop. A
+        stream that breaks transiently is opened again (``reconnect``)."""
+        self._open_for("observe")
+        observation = Observation(self, election, from_term, reconnect)
+        self._observations.add(observation)
+        return observation
+
+    def _election_class(self, election_class: Optional[str]) -> str:
+        chosen = election_class or self._default_election_class
+        if not chosen:
+            raise ConfigError("no election class: pass election_class or set Client(default_election_class=...)")
+        return chosen
+
+    def _open_for(self, what: str) -> None:
+        if self._closed:
+            raise ConfigError(f"{what}: the client is closed")
+
     def inspect(self, key: str) -> Inspection:
         """Who holds `key` (only for callers with a grant on its prefix)."""
         reply = self._call(self._stub.Inspect, lock_pb2.InspectRequest(key=key))
@@ -320,6 +513,8 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        for observation in list(self._observations):
+            observation.close()
         with self._lock:
             sessions = list(self._sessions.values())
             self._sessions.clear()
@@ -344,10 +539,11 @@ class Client:
 
 
 class LockGuard:
-    """A hold on a key. Nested acquires of the same key on the same session
+    """A hold on a key. Nested acquires of the same key by the same thread
     return more guards of the same hold; the arbiter hears only of the first
     acquire and the last release. Release it with :meth:`release` or by using
-    it as a context manager."""
+    it as a context manager (from any thread: the count is the hold's, the
+    right to re-enter its acquiring thread's)."""
 
     __slots__ = ("_hold", "_session", "_guard_id", "_client", "_armed")
 
@@ -360,7 +556,7 @@ class LockGuard:
 
     @property
     def token(self) -> FencingToken:
-        """The fencing token to present at the resource (``int(guard.token)``)."""
+        """The fencing token to present at the resource (``guard.token.value``)."""
         return self._hold.token
 
     @property
@@ -489,6 +685,35 @@ class _LockContext:
 
     def __repr__(self) -> str:
         return f"LockContext(key={self._args[0]!r})"
+
+
+class _LeadContext:
+    """What :meth:`Client.lead` returns: campaigns on enter, resigns on exit."""
+
+    def __init__(self, client, election, election_class, value, priority, timeout, on_lost) -> None:
+        self._client = client
+        self._election = election
+        self._args = (election, election_class)
+        self._kwargs = {"value": value, "priority": priority, "timeout": timeout, "on_lost": on_lost}
+        self._leadership: Optional[Leadership] = None
+
+    def __enter__(self) -> Leadership:
+        self._leadership = self._client.campaign(*self._args, **self._kwargs)
+        return self._leadership
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        leadership, self._leadership = self._leadership, None
+        if leadership is not None:
+            leadership.__exit__(exc_type, exc, tb)
+
+    def __repr__(self) -> str:
+        return f"LeadContext(election={self._election!r})"
+
+
+def _priority(priority: int) -> int:
+    if not isinstance(priority, int) or not 0 <= priority < 1 << 32:
+        raise ConfigError(f"priority: {priority!r} is not an unsigned 32-bit integer")
+    return priority
 
 
 _NONCE: Dict[int, str] = {}

@@ -28,6 +28,13 @@ class FenceReason(enum.Enum):
     #: The arbiter said this hold ended (force-release, the session's
     #: expiry or revocation, an epoch advance): only this hold is fenced.
     HOLD_ENDED = "the arbiter reported that the hold ended (force-released, expired or an epoch advance)"
+    #: A leadership ended at the arbiter while its session lived: another
+    #: term started (an operator forced it out, an epoch advance) or the
+    #: election fell vacant, seen on the leadership's Observe stream or as
+    #: NOT_LEADER. Only that leadership is lost.
+    LEADERSHIP_ENDED = "the arbiter reported that the leadership ended (another term started, or the election fell vacant)"
+    #: This client resigned the leadership or handed it over.
+    RESIGNED = "the leadership was resigned or handed over by this client"
 
     def __str__(self) -> str:
         return self.value
@@ -140,6 +147,22 @@ class NotHeld(FailedPrecondition):
     """NOT_HELD / TOKEN_MISMATCH: the release names a hold this session does not have."""
 
 
+class NotLeader(FailedPrecondition):
+    """NOT_LEADER: the leadership named (its session and token) is not the
+    election's current one: it resigned, expired, was forced out or handed
+    over. Campaign again."""
+
+
+class NoCandidate(FailedPrecondition):
+    """NO_CANDIDATE: a transfer named no current candidate of the election
+    (or it has none). The leadership goes on."""
+
+
+class WrongKind(InvalidArgument):
+    """WRONG_KIND: the class is of another kind than the call needs (an
+    election class on Acquire, a lock class on Campaign)."""
+
+
 _BY_REASON = {
     "HELD": Held,
     "WAIT_TIMEOUT": WaitTimeout,
@@ -148,6 +171,9 @@ _BY_REASON = {
     "SESSION_EXPIRED": SessionExpired,
     "NOT_HELD": NotHeld,
     "TOKEN_MISMATCH": NotHeld,
+    "NOT_LEADER": NotLeader,
+    "NO_CANDIDATE": NoCandidate,
+    "WRONG_KIND": WrongKind,
 }
 
 _BY_CODE = {

@@ -1,7 +1,16 @@
-"""ADR-13's re-entrancy count: per key within one session, kept here and never
-in the lock log. Only the outermost acquire and the final release reach the
-arbiter; while either is in flight, other acquirers of the key wait for it to
-settle. Every method is called under the session's lock."""
+"""ADR-13's re-entrancy count: per key within one session and per thread, kept
+here and never in the lock log. Only the outermost acquire and the final
+release reach the arbiter; while either is in flight, other acquirers of the
+key wait for it to settle.
+
+A hold belongs to the thread whose acquire reached the arbiter (issue 37:
+four threads sharing one client were all inside ``with client.lock(k)`` at
+once when the count was per session). That thread re-enters; another thread
+of the same client is told the key is held (``OTHER_THREAD``) and waits for
+the hold to leave the table, or is refused, like any other caller. It cannot
+ask the arbiter instead: the arbiter sees one session and one instance, and
+re-entrancy is the client's alone. Every method is called under the
+session's lock."""
 
 from __future__ import annotations
 
@@ -27,13 +36,20 @@ class Hold:
     #: Granted from an arbiter's memory while the lock cluster had no quorum
     #: (a class with onQuorumLoss = "open", ADR-04): token 0, no fencing.
     unprotected: bool = False
+    #: The thread whose acquire reached the arbiter: the one that re-enters.
+    owner: Optional[threading.Thread] = None
+    #: Set when the hold leaves the table (its final release starts, the
+    #: arbiter ended it, the session died): other threads waiting for the key
+    #: look again.
+    left: threading.Event = field(default_factory=threading.Event)
 
     def __repr__(self) -> str:  # never the token, nor the revision (with the epoch it spells it)
         return f"Hold(key={self.key!r}, session_id={self.session_id}, epoch={self.epoch}, count={self.count})"
 
 
-REENTERED = "reentered"  # the key is already held: the count went up, no call needed
+REENTERED = "reentered"  # this thread holds the key: the count went up, no call needed
 WAIT = "wait"  # an outermost acquire or a final release is in flight: wait, then try again
+OTHER_THREAD = "other_thread"  # another thread holds the key: wait for `left`, or refuse (try-lock)
 OUTERMOST = "outermost"  # send Acquire, then call granted() or failed()
 
 #: decrement(): the count reached zero (send Release, then released())
@@ -47,6 +63,7 @@ class _Settling:
     """An outermost acquire or a final release in flight."""
 
     releasing: bool
+    owner: Optional[threading.Thread] = None
     settled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -54,19 +71,26 @@ class Holds:
     def __init__(self) -> None:
         self._keys: Dict[str, Union[Hold, _Settling]] = {}
 
-    def begin(self, key: str) -> Tuple[str, Optional[Union[Hold, threading.Event]]]:
+    def begin(self, key: str, thread: threading.Thread) -> Tuple[str, Optional[Union[Hold, threading.Event]]]:
+        """What `thread` asking for `key` does: (REENTERED, hold),
+        (OTHER_THREAD, the hold's `left`), (WAIT, an event that settles) or
+        (OUTERMOST, None)."""
         entry = self._keys.get(key)
         if isinstance(entry, Hold):
+            if entry.owner is not thread:
+                return (OTHER_THREAD, entry.left)
             entry.count += 1
             return (REENTERED, entry)
         if isinstance(entry, _Settling):
             return (WAIT, entry.settled)
-        self._keys[key] = _Settling(releasing=False)
+        self._keys[key] = _Settling(releasing=False, owner=thread)
         return (OUTERMOST, None)
 
     def granted(self, hold: Hold) -> None:
         hold.count = 1
         previous = self._keys.get(hold.key)
+        if isinstance(previous, _Settling) and hold.owner is None:
+            hold.owner = previous.owner
         self._keys[hold.key] = hold
         _wake(previous)
 
@@ -78,6 +102,7 @@ class Holds:
         if isinstance(entry, Hold) and entry.revision == revision:
             entry.ended = True
             del self._keys[key]
+            entry.left.set()
             return True
         return False
 
@@ -95,6 +120,7 @@ class Holds:
         if hold.count > 0:
             return hold.count
         self._keys[hold.key] = _Settling(releasing=True)
+        hold.left.set()
         return LAST
 
     def released(self, key: str) -> None:
@@ -102,6 +128,14 @@ class Holds:
         if isinstance(entry, _Settling) and entry.releasing:
             del self._keys[key]
             _wake(entry)
+
+    def wake_all(self) -> None:
+        """The session died: everyone waiting on it looks again (and finds it dead)."""
+        for entry in self._keys.values():
+            if isinstance(entry, Hold):
+                entry.left.set()
+            else:
+                entry.settled.set()
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -30,6 +30,11 @@ log = logging.getLogger("latchkey")
 
 FenceCallback = Callable[[FenceReason], None]
 
+
+class SessionDead(Fenced):
+    """The session was already fenced when an acquire (or a campaign) began:
+    nothing was sent, so the caller may go on with a live session."""
+
 MIN_BACKOFF = 0.05
 MAX_BACKOFF = 1.0
 
@@ -51,7 +56,8 @@ class Session:
         self._lock = threading.Lock()
         self._liveness = Liveness(opened_at, ttl)
         self._holds = Holds()
-        self._on_fence: Dict[int, Tuple[str, FenceCallback]] = {}
+        # guard id -> (its key, or None for a leadership; its callback)
+        self._on_fence: Dict[int, Tuple[Optional[str], FenceCallback]] = {}
         self._next_guard = 0
         self._stop = threading.Event()
         self._stream: Optional[_KeepAliveStream] = None
@@ -130,6 +136,9 @@ class Session:
                 return
             callbacks = [cb for (_, cb) in self._on_fence.values()]
             self._on_fence.clear()
+            # Threads waiting for a key held on this session look again, and
+            # go to a live session.
+            self._holds.wake_all()
         self._shutdown()
         log.warning("session %d fenced (%s holds): %s", self.id, len(callbacks), reason)
         _call_all(callbacks, reason, self.id)
@@ -152,12 +161,29 @@ class Session:
         self._on_fence[guard_id] = (key, on_fence)
         return guard_id
 
-    def _begin_acquire(self, key: str, on_fence: FenceCallback):
-        """(kind, hold or event, guard id); raises Fenced on a dead session."""
+    def _watch(self, on_fence: FenceCallback) -> int:
+        """Calls `on_fence` once if the session dies (a leadership on it
+        ends with it); raises SessionDead if it already has."""
         with self._lock:
             if self._liveness.dead is not None:
-                raise Fenced(self.id, self._liveness.dead)
-            kind, value = self._holds.begin(key)
+                raise SessionDead(self.id, self._liveness.dead)
+            # Not a key: no notice of an ended hold matches it.
+            guard_id = self._next_guard
+            self._next_guard += 1
+            self._on_fence[guard_id] = (None, on_fence)
+            return guard_id
+
+    def _unwatch(self, watch_id: int) -> None:
+        with self._lock:
+            self._on_fence.pop(watch_id, None)
+
+    def _begin_acquire(self, key: str, on_fence: FenceCallback):
+        """(kind, hold or event, guard id) for the calling thread; raises
+        SessionDead (a Fenced) on a dead session, before anything is sent."""
+        with self._lock:
+            if self._liveness.dead is not None:
+                raise SessionDead(self.id, self._liveness.dead)
+            kind, value = self._holds.begin(key, threading.current_thread())
             guard_id = self._register(key, on_fence) if isinstance(value, Hold) else None
             return kind, value, guard_id
 

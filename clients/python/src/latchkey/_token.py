@@ -13,8 +13,13 @@ class FencingToken:
 
     A token is a capability at the resource, so ``repr``, ``str`` and
     formatting print ``FencingToken(<redacted>)``. Take the integer with
-    ``int(token)`` (or ``token.value``) at the one place that hands it to the
-    resource (a conditional write, a header). A larger token is a later grant.
+    ``token.value`` at the one place that hands it to the resource (a
+    conditional write, a header). A larger token is a later grant.
+
+    ``int(token)``, ``"%d" % token`` (and so ``log.info("... %d", token)``),
+    ``hex(token)`` and other integer conversions raise ``TypeError``: Python
+    formats ``%d`` through ``__int__``, so a token that converted implicitly
+    would print itself into the first log line that asked for a number.
     """
 
     __slots__ = ("_value",)
@@ -30,10 +35,8 @@ class FencingToken:
         return self._value
 
     def __int__(self) -> int:
-        return self._value
-
-    def __index__(self) -> int:
-        return self._value
+        # Also what `"%d" % token` calls: refuse, so no log line prints it.
+        raise TypeError("a FencingToken is not converted implicitly (nor formatted with %d); use token.value")
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, FencingToken):
@@ -57,4 +60,4 @@ class FencingToken:
         return _REDACTED
 
     def __reduce__(self):  # pickling would write the value somewhere: refuse
-        raise TypeError("a FencingToken is not picklable; pass int(token) deliberately")
+        raise TypeError("a FencingToken is not picklable; pass token.value deliberately")

@@ -42,6 +42,9 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_RANGE_MOVING: _ClassVar[Reason]
     REASON_SHARD_MAP_CHANGED: _ClassVar[Reason]
     REASON_OVERLOADED: _ClassVar[Reason]
+    REASON_NOT_LEADER: _ClassVar[Reason]
+    REASON_WRONG_KIND: _ClassVar[Reason]
+    REASON_NO_CANDIDATE: _ClassVar[Reason]
 WAIT_NONE: WaitMode
 WAIT_UNTIL_DEADLINE: WaitMode
 REASON_UNSPECIFIED: Reason
@@ -72,6 +75,9 @@ REASON_TIER_MOVING: Reason
 REASON_RANGE_MOVING: Reason
 REASON_SHARD_MAP_CHANGED: Reason
 REASON_OVERLOADED: Reason
+REASON_NOT_LEADER: Reason
+REASON_WRONG_KIND: Reason
+REASON_NO_CANDIDATE: Reason
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("reuse_session_ids",)
