@@ -460,6 +460,7 @@ mod elections {
             fence_at: 0,
             term_at: 0,
             term_record: b"term 1".to_vec(),
+            creates_for: None,
             from: LeadFrom::Vacant,
             to: Some(LeadTo {
                 session: to,
@@ -467,6 +468,7 @@ mod elections {
                 created,
                 lead_record: b"lead".to_vec(),
                 session_record: None,
+                subject: "s",
             }),
         }
     }
