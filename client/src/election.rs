@@ -444,9 +444,11 @@ impl Client {
     /// waits to lead (see [`CampaignOptions::wait`]). A session of this
     /// client that leads the election already gets another guard of its
     /// leadership. A call that ends without leading leaves the candidates:
-    /// the arbiter withdraws it, and a campaign future dropped before its
-    /// answer withdraws from a task (a short campaign that the arbiter
-    /// ends by withdrawing the candidacy, or resigns if it led).
+    /// the arbiter withdraws it, also when the future is dropped before its
+    /// answer (the cancelled call's candidacy is withdrawn by the arbiter).
+    /// A call dropped in the instant its leadership committed leaves the
+    /// session leading without a guard: campaigning again on the session
+    /// returns that leadership (as [`Client::lead`] does).
     ///
     /// Errors: `DEADLINE_EXCEEDED: WAIT_TIMEOUT` when the wait ran out,
     /// `INVALID_ARGUMENT: WRONG_KIND` for a lock class,

@@ -3,9 +3,8 @@
 //! registration and its observer before the guard leaves.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use latchkey_proto::electionv1::{CampaignRequest, ResignRequest};
+use latchkey_proto::electionv1::CampaignRequest;
 
 use super::watch::{self, Watched};
 use super::{CampaignOptions, Leadership, LeadershipLost};
@@ -15,11 +14,6 @@ use crate::error::Error;
 use crate::lock::stale_session;
 use crate::session::{BeginCampaign, FenceCallback, FenceReason, Lead, SessionInner};
 use crate::token::FencingToken;
-
-/// How long the clean-up campaign of an abandoned call waits: long enough
-/// for the arbiter to stand the session and answer WAIT_TIMEOUT (which
-/// withdraws the candidacy), short enough not to lead much by accident.
-const WITHDRAW_WAIT: Duration = Duration::from_millis(500);
 
 pub(super) async fn campaign(
     client: &Client,
@@ -72,13 +66,7 @@ async fn campaign_on(
     // From here the election is Campaigning in the table; whatever happens
     // to this future, the entry is settled (after a clean-up if the
     // arbiter may still have the candidacy).
-    let mut pending = PendingCampaign {
-        session,
-        election,
-        class,
-        value,
-        answered: false,
-    };
+    let _pending = PendingCampaign { session, election };
     let rpc = &session.rpc;
     let mut request = rpc.stream(CampaignRequest {
         election: election.to_owned(),
@@ -95,10 +83,8 @@ async fn campaign_on(
         Ok(reply) => reply.into_inner().leadership,
         Err(status) => {
             let err = Error::from(status);
-            // An answer (a refusal with a reason) ended the call at the
-            // arbiter, which withdrew the candidacy; anything else may
-            // have left it standing.
-            pending.answered = answered(&err);
+            // The arbiter withdraws the candidacy of a call that ends
+            // without leading, answered or not.
             return Err(err);
         }
     };
@@ -112,7 +98,6 @@ async fn campaign_on(
             problem: "a leadership of another session or election",
         });
     }
-    pending.answered = true;
     let lead = Arc::new(Lead::new(
         led.election,
         led.session_id,
@@ -141,75 +126,19 @@ async fn campaign_on(
     Ok(Leadership::new(lead, Arc::clone(session)))
 }
 
-/// Whether the arbiter (or its edge) answered: a refusal that names a reason.
-fn answered(err: &Error) -> bool {
-    matches!(err, Error::Refused { wire_reason, .. } if !wire_reason.is_empty())
-}
-
+/// Settles the session's campaign entry for the election however the
+/// campaign future ends.
 struct PendingCampaign<'a> {
     session: &'a Arc<SessionInner>,
     election: &'a str,
-    class: &'a str,
-    value: &'a str,
-    answered: bool,
 }
 
 impl Drop for PendingCampaign<'_> {
     fn drop(&mut self) {
-        let core = &self.session.core;
-        if self.answered || core.fenced().is_some() {
-            core.campaign_failed(self.election);
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            core.campaign_failed(self.election);
-            return;
-        };
-        let session = Arc::clone(self.session);
-        let (election, class, value) = (
-            self.election.to_owned(),
-            self.class.to_owned(),
-            self.value.to_owned(),
-        );
-        runtime.spawn(async move {
-            withdraw(&session, &election, &class, &value).await;
-            session.core.campaign_failed(&election);
-        });
+        // A call dropped before its answer: the arbiter withdraws the
+        // candidacy itself when the call goes (it notices the cancelled
+        // RPC). Campaigning again to withdraw would stand once more, and
+        // over a vacancy could lead.
+        self.session.core.campaign_failed(self.election);
     }
-}
-
-/// Ends a candidacy whose call was abandoned (the future dropped, or no
-/// answer came): a short campaign of the same session, which the arbiter
-/// answers with the session's leadership if the abandoned call led (then
-/// resigned here) or ends with WAIT_TIMEOUT, withdrawing the candidacy.
-async fn withdraw(session: &SessionInner, election: &str, class: &str, value: &str) {
-    let rpc = &session.rpc;
-    let mut request = rpc.stream(CampaignRequest {
-        election: election.to_owned(),
-        class: class.to_owned(),
-        session_id: session.core.id,
-        value: value.to_owned(),
-        priority: 0,
-        instance: rpc.instance.clone(),
-    });
-    request.set_timeout(WITHDRAW_WAIT);
-    let led = match rpc.election().campaign(request).await {
-        Ok(reply) => reply.into_inner().leadership,
-        Err(_) => return,
-    };
-    let Some(led) = led else { return };
-    let resigned = rpc
-        .election()
-        .resign(rpc.unary(ResignRequest {
-            election: election.to_owned(),
-            session_id: led.session_id,
-            token: led.token,
-        }))
-        .await;
-    tracing::debug!(
-        election,
-        term = led.term,
-        resigned = resigned.is_ok(),
-        "an abandoned campaign led; resigned"
-    );
 }
