@@ -54,7 +54,7 @@ pub use observe::{Observation, Observer, Vacancy};
 
 /// How many candidate records one read returns: an election's candidates
 /// are bounded by its class's `maxWaitersPerKey` (at most this).
-pub const MAX_CANDIDATES: usize = 1_024;
+pub const MAX_CANDIDATES: usize = latchkey_policies::MAX_ELECTION_CANDIDATES as usize;
 
 /// How long a waiting candidate sleeps between reads when its watch says
 /// nothing (a watch is only a hint).
@@ -871,11 +871,6 @@ impl Elections {
                 since_unix_ms: c.record.since_unix_ms,
             })
             .collect())
-    }
-
-    /// How many candidates the election has (for its bound).
-    pub async fn count_candidates(&self, election: &str) -> Result<usize, ArbiterError> {
-        Ok(self.read(election).await?.candidates.len())
     }
 
     /// Observes the election: its state now, then every change.

@@ -182,13 +182,18 @@ async fn candidates(elect: &mut Elect, election: &str) -> anyhow::Result<Vec<(St
 
 /// Waits until `n` candidates stand.
 async fn until_standing(elect: &mut Elect, election: &str, n: usize) -> anyhow::Result<()> {
-    for _ in 0..100 {
-        if candidates(elect, election).await?.len() >= n {
-            return Ok(());
+    latchkey_tests::eventually("candidates to stand", Duration::from_secs(5), || {
+        let mut elect = elect.clone();
+        async move {
+            let standing = candidates(&mut elect, election).await?.len();
+            ensure!(
+                standing >= n,
+                "{standing} of {n} candidates stand in {election}"
+            );
+            Ok(())
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    anyhow::bail!("{n} candidates never stood in {election}")
+    })
+    .await
 }
 
 #[tokio::test]
@@ -616,15 +621,19 @@ async fn elections_refuse_bad_input_and_other_identities() -> anyhow::Result<()>
     let cancelled = other.campaign_later("demo/elect/y", "c", 0, Duration::from_secs(30));
     until_standing(&mut a.elect, "demo/elect/y", 1).await?;
     cancelled.abort();
-    let mut gone = false;
-    for _ in 0..40 {
-        if candidates(&mut a.elect, "demo/elect/y").await?.is_empty() {
-            gone = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    ensure!(gone, "a cancelled campaign's record stayed");
+    latchkey_tests::eventually(
+        "a cancelled campaign's record to go",
+        Duration::from_secs(2),
+        || {
+            let mut elect = a.elect.clone();
+            async move {
+                let standing = candidates(&mut elect, "demo/elect/y").await?;
+                ensure!(standing.is_empty(), "still standing: {standing:?}");
+                Ok(())
+            }
+        },
+    )
+    .await?;
     ensure!(led.token > 0);
     Ok(())
 }

@@ -57,6 +57,22 @@ fn token(raw: u64) -> Result<u64, ArbiterError> {
     Ok(raw)
 }
 
+/// The leadership a Proclaim, Resign or Transfer names: the caller's own
+/// identity, with the session and token from the request, checked.
+fn claim<'a>(
+    key: &'a LockKey,
+    caller: &'a Caller,
+    session: i64,
+    raw_token: u64,
+) -> Result<Claim<'a>, ArbiterError> {
+    Ok(Claim {
+        election: key.as_str(),
+        identity: &caller.identity,
+        session: session_id(session)?,
+        token: token(raw_token)?,
+    })
+}
+
 fn leader_info(view: LeaderView) -> LeaderInfo {
     LeaderInfo {
         identity: view.identity,
@@ -244,12 +260,7 @@ impl Arbiter {
         let req = request.into_inner();
         let policies = self.policies.current();
         let (key, cluster) = self.election_of(&policies, &caller, &req.election).await?;
-        let claim = Claim {
-            election: key.as_str(),
-            identity: &caller.identity,
-            session: session_id(req.session_id)?,
-            token: token(req.token)?,
-        };
+        let claim = claim(&key, &caller, req.session_id, req.token)?;
         let value = checked_value(&req.value)?;
         cluster.elections.proclaim(&claim, &value).await?;
         Ok(ProclaimResponse {})
@@ -263,12 +274,7 @@ impl Arbiter {
         let req = request.into_inner();
         let policies = self.policies.current();
         let (key, cluster) = self.election_of(&policies, &caller, &req.election).await?;
-        let claim = Claim {
-            election: key.as_str(),
-            identity: &caller.identity,
-            session: session_id(req.session_id)?,
-            token: token(req.token)?,
-        };
+        let claim = claim(&key, &caller, req.session_id, req.token)?;
         let next = cluster.elections.resign(&claim).await?;
         Ok(ResignResponse {
             next: next.map(leader_info),
@@ -293,12 +299,7 @@ impl Arbiter {
                 ));
             }
         };
-        let claim = Claim {
-            election: key.as_str(),
-            identity: &caller.identity,
-            session: session_id(req.session_id)?,
-            token: token(req.token)?,
-        };
+        let claim = claim(&key, &caller, req.session_id, req.token)?;
         let next = cluster.elections.transfer(&claim, to).await?;
         Ok(TransferResponse {
             next: Some(leader_info(next)),

@@ -107,8 +107,15 @@ async fn an_observed_later_term_ends_the_leadership_at_once() {
         .await
         .expect("campaign");
     let cancelled = led.cancellation_token();
-    // Let its observer subscribe, then someone else leads.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Once its observer has subscribed, someone else leads.
+    timeout(Duration::from_secs(5), async {
+        while elections.observers() == 0 {
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the leadership's observer subscribes");
     assert!(!led.is_lost() && led.can_start());
     elections.replace_leader("jobs/sched");
     let reason = timeout(Duration::from_secs(2), led.lost())

@@ -106,6 +106,11 @@ impl FakeElections {
     }
 
     /// Another session leads `election` from now on, in a new term.
+    /// How many Observe streams are subscribed now.
+    pub fn observers(&self) -> usize {
+        self.events.receiver_count()
+    }
+
     pub fn replace_leader(&self, election: &str) {
         let (info, revision) = {
             let mut state = self.lock();
