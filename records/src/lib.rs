@@ -405,6 +405,9 @@ impl LeadRecord {
 pub enum TermEnd {
     /// Resigned with no candidate to take over.
     Resigned,
+    /// Ended by an approved force-release (admin.v1): the leader record was
+    /// deleted and the leader's session left running.
+    Forced,
 }
 
 /// An election's term record (`e/<name>//term`, on no lease): written by

@@ -39,6 +39,18 @@ pub enum Vacancy {
     Unknown,
 }
 
+impl Vacancy {
+    /// The reason a term ended, from the term record written with its end
+    /// (a term that ended by no write ended with its session).
+    fn of(ended: Option<TermEnd>) -> Self {
+        match ended {
+            Some(TermEnd::Resigned) => Self::Resigned,
+            Some(TermEnd::Forced) => Self::Forced,
+            None => Self::SessionEnded,
+        }
+    }
+}
+
 /// One event of an election, as observers see it: identities, values and
 /// terms, never a token, a session or a log revision (a term's start
 /// revision is its token's).
@@ -82,8 +94,7 @@ impl Known {
             known.leader = Some((record.session, view));
         } else {
             let reason = match read.term.as_ref() {
-                Some((t, _)) if t.ended == Some(TermEnd::Resigned) => Vacancy::Resigned,
-                Some(_) => Vacancy::SessionEnded,
+                Some((t, _)) => Vacancy::of(t.ended),
                 None => Vacancy::Unknown,
             };
             known.state = Some(Observation::Vacant {
@@ -399,19 +410,13 @@ fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
                 known.leader = Some((record.session, view));
             }
             ("lead", None) => {
-                let resigned = term_put
-                    .take()
-                    .is_some_and(|(t, _)| t.ended == Some(TermEnd::Resigned));
+                let ended = term_put.take().and_then(|(t, _)| t.ended);
                 let Some((_, leader)) = known.leader.take() else {
                     continue;
                 };
                 out.push(Observation::Vacant {
                     term: leader.term,
-                    reason: if resigned {
-                        Vacancy::Resigned
-                    } else {
-                        Vacancy::SessionEnded
-                    },
+                    reason: Vacancy::of(ended),
                 });
             }
             _ => {}
