@@ -164,9 +164,16 @@ pub enum TransferTo {
 /// A standing candidacy: withdrawn when its call ends without leading,
 /// however it ends (a call the client cancelled is dropped mid-wait, so
 /// the withdrawal runs on a task of its own).
+///
+/// A resignation or a transfer may hand the leadership to this candidate
+/// in the moment its call ends: the withdrawal then finds its record gone.
+/// An answered call reads again and answers the leadership; a cancelled
+/// call, whose caller will never learn of it, resigns it, so the election
+/// is not held by a leader nobody knows of until its session ends.
 struct Candidacy {
-    log: Arc<dyn crate::lock_log::LockLog>,
+    elections: Arc<Elections>,
     election: String,
+    identity: String,
     session: i64,
     priority: u32,
     /// The record's last write as last read.
@@ -180,9 +187,10 @@ impl Drop for Candidacy {
         if self.led {
             return;
         }
-        let log = self.log.clone();
-        let (election, session, priority, modified) = (
+        let elections = self.elections.clone();
+        let (election, identity, session, priority, modified) = (
             std::mem::take(&mut self.election),
+            std::mem::take(&mut self.identity),
             self.session,
             self.priority,
             self.modified,
@@ -191,7 +199,17 @@ impl Drop for Candidacy {
             runtime.spawn(async move {
                 // Best effort: a record left behind ends with its session,
                 // or as a stale head.
-                let _ = log.withdraw(&election, session, priority, modified).await;
+                let log = elections.table.log().clone();
+                if let Ok((false, _)) = elections
+                    .table
+                    .seal()
+                    .checked(log.withdraw(&election, session, priority, modified))
+                    .await
+                {
+                    elections
+                        .resign_unknown(&election, &identity, session)
+                        .await;
+                }
             });
         }
     }
@@ -354,7 +372,7 @@ impl Elections {
     /// session that leads already gets its leadership back. The candidacy
     /// ends with the call, led or not, however the call ends (a cancelled
     /// call's record is removed by a task of its own).
-    pub async fn campaign(&self, c: &Campaign) -> Result<Leadership, ArbiterError> {
+    pub async fn campaign(self: &Arc<Self>, c: &Campaign) -> Result<Leadership, ArbiterError> {
         let until = Instant::now() + c.wait;
         self.table.seal().serving_epoch().await?;
         let read = self.read(&c.election).await?;
@@ -368,26 +386,64 @@ impl Elections {
         // From here the call waits for its turn: it is no longer new work.
         crate::overload::parked();
         let mut candidacy = Candidacy {
-            log: self.table.log().clone(),
+            elections: Arc::clone(self),
             election: c.election.clone(),
+            identity: c.identity.clone(),
             session: c.session,
             priority: c.priority,
             modified: stood.modified,
             led: false,
         };
-        let outcome = self.wait_to_lead(c, &mut candidacy, until).await;
-        if outcome.is_err() {
-            // Answered without leading: gone before the answer is (best
-            // effort: a record left behind ends with its session, or as a
-            // stale head).
-            let _ = self
+        let mut outcome = self.wait_to_lead(c, &mut candidacy, until).await;
+        if let Err(e) = &outcome {
+            // Answered without leading: gone before the answer is. A record
+            // that moved since the last read may have been handed the
+            // leadership in the meantime (a resignation picks the first
+            // candidate, whose call may be ending): then the answer is the
+            // leadership, not the error.
+            let log = self.table.log();
+            let withdrawn = self
                 .table
-                .log()
-                .withdraw(&c.election, c.session, c.priority, candidacy.modified)
+                .seal()
+                .checked(log.withdraw(&c.election, c.session, c.priority, candidacy.modified))
                 .await;
+            if let Ok((false, _)) = withdrawn {
+                if let Ok(read) = self.read(&c.election).await
+                    && let Some(record) = read.led_by(&c.identity, c.session)
+                {
+                    debug!(election = %c.election, error = %e, "handed the leadership as its call ended");
+                    let revision = read.term_at().0;
+                    let record = record.clone();
+                    outcome = self.deliver(&c.election, &record, revision).await;
+                }
+            }
         }
         candidacy.led = true;
         outcome
+    }
+
+    /// Resigns `session`'s leadership of `election`, if it leads: a
+    /// leadership handed to a candidate whose call was cancelled (its
+    /// caller never learns of it).
+    async fn resign_unknown(&self, election: &str, identity: &str, session: i64) {
+        let Ok(read) = self.read(election).await else {
+            return;
+        };
+        let Some(record) = read.led_by(identity, session) else {
+            return;
+        };
+        let Some(token) = pack(record.epoch, read.term_at().0) else {
+            return;
+        };
+        let claim = Claim {
+            election,
+            identity,
+            session,
+            token,
+        };
+        if let Err(e) = self.resign(&claim).await {
+            debug!(election, error = %e, "could not resign a leadership its cancelled campaign was handed");
+        }
     }
 
     /// The bounds a campaign passes before it stands: the election's

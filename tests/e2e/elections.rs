@@ -442,6 +442,79 @@ async fn next_event(stream: &mut Streaming<ObserveResponse>) -> anyhow::Result<S
     })
 }
 
+/// A resignation hands the leadership to the first candidate, whose
+/// Campaign call may be ending at that moment (its deadline passed, its
+/// client gave up). Here the withdrawal of the ended call's record is held
+/// back ([`TestFault::SlowWithdraw`]), so the resignation certainly hands
+/// over to it: the arbiter must resign that leadership again, not leave
+/// the election led by a session whose caller never learns it leads (it
+/// renews its session for its locks, so that would last for good).
+#[tokio::test]
+async fn a_leadership_handed_to_a_campaign_that_gave_up_is_resigned_again() -> anyhow::Result<()> {
+    let dir = policies()?;
+    let stack = stack_with(ArbiterOptions {
+        policies_dir: dir.path().to_path_buf(),
+        test_fault: latchkey_tests::faulty_log::TestFault::SlowWithdraw,
+        ..ArbiterOptions::default()
+    })
+    .await?;
+    let election = "demo/elect/gave-up";
+    let mut a = Replica::start(&stack, "workload/alice").await?;
+    let mut b = Replica::start(&stack, "workload/alice").await?;
+    let led = a.campaign(election, "pod-a", Duration::from_secs(5)).await?;
+    let gave_up = b
+        .campaign(election, "pod-b", Duration::from_secs(1))
+        .await
+        .expect_err("a leads: b's campaign ends at its deadline");
+    ensure!(
+        matches!(gave_up.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{gave_up:?}"
+    );
+    // b's record stands until its slow withdrawal: the resignation picks it.
+    let standing = candidates(&mut a.elect, election).await?;
+    ensure!(
+        standing.iter().any(|(value, ..)| value == "pod-b"),
+        "b's record is withdrawn only {:?} after its call: {standing:?}",
+        latchkey_tests::faulty_log::SLOW_WITHDRAW
+    );
+    let next = a
+        .elect
+        .resign(ResignRequest {
+            election: election.into(),
+            session_id: a.session,
+            token: led.token,
+        })
+        .await?
+        .into_inner()
+        .next
+        .context("the resignation hands over to b's record")?;
+    ensure!(next.value == "pod-b" && next.term == led.term + 1);
+    // Nobody asked for b's leadership any more: it is resigned, and the
+    // election is vacant (b's session lives on, renewed).
+    latchkey_tests::eventually(
+        "the handed-over leadership to be resigned",
+        latchkey_tests::faulty_log::SLOW_WITHDRAW + Duration::from_secs(10),
+        || {
+            let mut elect = a.elect.clone();
+            async move {
+                let leader = elect
+                    .leader(LeaderRequest {
+                        election: election.into(),
+                    })
+                    .await?
+                    .into_inner();
+                ensure!(leader.leader.is_none(), "still led: {leader:?}");
+                Ok(())
+            }
+        },
+    )
+    .await?;
+    // The election works on: b campaigns again and leads a later term.
+    let again = b.campaign(election, "pod-b", Duration::from_secs(5)).await?;
+    ensure!(again.session_id == b.session && again.term > next.term);
+    Ok(())
+}
+
 #[tokio::test]
 async fn observe_reports_every_term_proclamation_and_vacancy_in_order() -> anyhow::Result<()> {
     let dir = policies()?;

@@ -18,6 +18,9 @@
 //! - [`TestFault::LoseGrantAnswers`]: not a bug; makes hidden grants (a
 //!   grant committed, its answer lost) common, as the control for
 //!   `ForgetHidden`.
+//! - [`TestFault::SlowWithdraw`]: not a bug; a candidate's withdrawal waits
+//!   [`SLOW_WITHDRAW`], so a resignation hands the leadership to a
+//!   candidate whose Campaign call is ending.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
@@ -76,7 +79,16 @@ pub enum TestFault {
     /// and the open must count once, neither twice (refusing opens under
     /// the bound) nor not at all (passing it: issue 31, finding 9).
     SlowSessionWrites,
+    /// Not a bug: a candidate record's withdrawal (a Campaign call that
+    /// ended without leading) runs only after [`SLOW_WITHDRAW`], so a
+    /// resignation in between hands the leadership to that candidate: the
+    /// ending call must answer it (or, cancelled, resign it) rather than
+    /// leave a leader nobody knows of.
+    SlowWithdraw,
 }
+
+/// How long [`TestFault::SlowWithdraw`] holds back a withdrawal.
+pub const SLOW_WITHDRAW: Duration = Duration::from_secs(4);
 
 /// How long [`TestFault::SlowSessionWrites`] holds back a session write's answer.
 pub const SLOW_SESSION_WRITE: Duration = Duration::from_millis(150);
@@ -89,13 +101,14 @@ pub const SLOW_REUSE: Duration = Duration::from_millis(500);
 pub const LOSE_EVERY: u64 = 4;
 
 impl TestFault {
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::None,
         Self::GrantOnWatch,
         Self::SlowReuse,
         Self::LoseGrantAnswers,
         Self::ForgetHidden,
         Self::SlowSessionWrites,
+        Self::SlowWithdraw,
     ];
 
     pub fn parse(name: &str) -> Result<Self, String> {
@@ -106,9 +119,10 @@ impl TestFault {
             "lose-grant-answers" => Ok(Self::LoseGrantAnswers),
             "forget-hidden" => Ok(Self::ForgetHidden),
             "slow-session-writes" => Ok(Self::SlowSessionWrites),
+            "slow-withdraw" => Ok(Self::SlowWithdraw),
             other => Err(format!(
                 "unknown test fault {other:?}: expected none, grant-on-watch, slow-reuse, \
-                 lose-grant-answers, forget-hidden or slow-session-writes"
+                 lose-grant-answers, forget-hidden, slow-session-writes or slow-withdraw"
             )),
         }
     }
@@ -122,6 +136,7 @@ impl TestFault {
             Self::LoseGrantAnswers => "lose-grant-answers",
             Self::ForgetHidden => "forget-hidden",
             Self::SlowSessionWrites => "slow-session-writes",
+            Self::SlowWithdraw => "slow-withdraw",
         }
     }
 }
@@ -364,7 +379,10 @@ impl HoldLog for FaultyLog {
             TestFault::LoseGrantAnswers | TestFault::ForgetHidden => {
                 self.grant_losing_answers(txn).await
             }
-            TestFault::None | TestFault::GrantOnWatch | TestFault::SlowSessionWrites => {
+            TestFault::None
+            | TestFault::GrantOnWatch
+            | TestFault::SlowSessionWrites
+            | TestFault::SlowWithdraw => {
                 self.inner.grant(txn).await
             }
         }
@@ -414,7 +432,8 @@ impl HoldLog for FaultyLog {
             | TestFault::SlowReuse
             | TestFault::LoseGrantAnswers
             | TestFault::ForgetHidden
-            | TestFault::SlowSessionWrites => watch,
+            | TestFault::SlowSessionWrites
+            | TestFault::SlowWithdraw => watch,
         })
     }
 }
@@ -563,6 +582,9 @@ impl latchkey_arbiter::lock_log::ElectionLog for FaultyLog {
         priority: u32,
         modified: i64,
     ) -> LogResult<bool> {
+        if self.fault == TestFault::SlowWithdraw {
+            tokio::time::sleep(SLOW_WITHDRAW).await;
+        }
         self.inner
             .withdraw(election, session, priority, modified)
             .await
