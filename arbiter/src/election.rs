@@ -407,16 +407,25 @@ impl Elections {
                 .seal()
                 .checked(log.withdraw(&c.election, c.session, c.priority, candidacy.modified))
                 .await;
-            if let Ok((false, _)) = withdrawn {
-                if let Ok(read) = self.read(&c.election).await
-                    && let Some(record) = read.led_by(&c.identity, c.session)
-                {
-                    debug!(election = %c.election, error = %e, "handed the leadership as its call ended");
-                    let revision = read.term_at().0;
-                    let record = record.clone();
-                    outcome = self.deliver(&c.election, &record, revision).await;
+            match withdrawn {
+                Ok((true, _)) => candidacy.led = true,
+                Ok((false, _)) => {
+                    candidacy.led = true;
+                    if let Ok(read) = self.read(&c.election).await
+                        && let Some(record) = read.led_by(&c.identity, c.session)
+                    {
+                        debug!(election = %c.election, error = %e, "handed the leadership as its call ended");
+                        let revision = read.term_at().0;
+                        let record = record.clone();
+                        outcome = self.deliver(&c.election, &record, revision).await;
+                    }
                 }
+                // Not withdrawn (the store did not answer): the candidacy's
+                // drop tries again, and resigns a leadership handed to it
+                // meanwhile.
+                Err(_) => {}
             }
+            return outcome;
         }
         candidacy.led = true;
         outcome

@@ -84,6 +84,7 @@ impl KeyOps<'_> {
     pub(crate) fn check(&self) -> Findings {
         let mut found = Findings::new(self.cap);
         self.check_grants(&mut found);
+        self.check_terms(&mut found);
         self.check_writes(&mut found);
         self.check_refusals(&mut found);
         found.finish(self.key)
@@ -206,6 +207,39 @@ impl KeyOps<'_> {
                     &[b, a],
                 ));
             }
+        }
+    }
+
+    /// An election's leaderships (acquires with a term): ordered by token,
+    /// their terms rise strictly, so no term is led twice and no later
+    /// leadership has an older term. Acquires without a term (locks) are
+    /// not looked at.
+    fn check_terms(&self, found: &mut Findings) {
+        let mut led: Vec<(u64, u64, usize)> = self
+            .grants()
+            .into_iter()
+            .filter_map(|(i, t)| {
+                let term = self.op(i).completion.as_ref()?.term?;
+                Some((t, term, i))
+            })
+            .collect();
+        led.sort_unstable();
+        for pair in led.windows(2) {
+            let [(ta, term_a, a), (tb, term_b, b)] = [pair[0], pair[1]];
+            if ta == tb || term_b > term_a {
+                continue;
+            }
+            found.push(self.violation(
+                ViolationKind::TermOrder,
+                format!(
+                    "election terms out of order on {}: {} led term {term_b} with a larger token \
+                     than {}, which led term {term_a}",
+                    self.key,
+                    self.name(b),
+                    self.name(a)
+                ),
+                &[a, b],
+            ));
         }
     }
 

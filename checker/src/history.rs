@@ -105,6 +105,9 @@ pub enum Event {
         token: Option<u64>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         seq: Option<i64>,
+        /// The term of a leadership (an election's acquire ok: a Campaign).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        term: Option<u64>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         detail: Option<String>,
     },
@@ -119,6 +122,9 @@ pub struct Completion {
     pub token: Option<u64>,
     /// The resource's commit sequence number of an accepted write.
     pub seq: Option<i64>,
+    /// An election's acquire ok (a Campaign's leadership): its term.
+    #[serde(default)]
+    pub term: Option<u64>,
     pub detail: Option<String>,
 }
 
@@ -340,6 +346,7 @@ impl History {
                     time,
                     token,
                     seq,
+                    term,
                     detail,
                 } => {
                     let Some(entry) = index.get_mut(&(process.clone(), op)) else {
@@ -382,6 +389,7 @@ impl History {
                         time,
                         token,
                         seq,
+                        term,
                         detail,
                     });
                 }
@@ -417,6 +425,7 @@ impl History {
                         time: c.time,
                         token: c.token,
                         seq: c.seq,
+                        term: c.term,
                         detail: c.detail.clone(),
                     },
                 ));
@@ -601,6 +610,7 @@ impl HistoryBuilder {
                 time,
                 token,
                 seq,
+                term: None,
                 detail: None,
             });
         }
@@ -627,6 +637,17 @@ impl HistoryBuilder {
 
     pub fn unknown(&mut self, op: OpRef) -> &mut Self {
         self.complete(op, Outcome::Unknown, None, None)
+    }
+
+    /// A Campaign's leadership (an election's acquire ok): its token and
+    /// its term.
+    pub fn led(&mut self, process: &str, election: &str, token: u64, term: u64) -> OpRef {
+        let op = self.acquire(process, election);
+        self.granted(op, token);
+        if let Some(Some(c)) = self.ops.get_mut(op.0).map(|o| o.completion.as_mut()) {
+            c.term = Some(term);
+        }
+        op
     }
 
     /// A sequential acquire that succeeded.

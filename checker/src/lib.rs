@@ -521,6 +521,48 @@ mod tests {
     }
 
     #[test]
+    fn election_terms_rise_with_tokens_or_are_rejected() {
+        const E: &str = "gateelect/gate/e0";
+        let term = |n: u64| (1 << 32) | n;
+        // Hand-overs with rising terms: clean.
+        let mut b = History::builder();
+        b.led("e1", E, t(5), term(1));
+        b.released("e1", E, t(5));
+        b.led("e2", E, t(8), term(2));
+        b.released("e2", E, t(8));
+        b.led("e1", E, t(12), term(4));
+        let r = run(&b.build());
+        assert!(r.ok(), "{r}");
+        // A later leadership with the same term: one term led twice.
+        let mut b = History::builder();
+        b.led("e1", E, t(5), term(1));
+        b.released("e1", E, t(5));
+        b.led("e2", E, t(8), term(1));
+        let r = run(&b.build());
+        let v = r
+            .violations_of(ViolationKind::TermOrder)
+            .next()
+            .expect("a term led twice");
+        assert_eq!(names(v), vec!["e1#1", "e2#1"]);
+        // A later leadership with an older term.
+        let mut b = History::builder();
+        b.led("e1", E, t(5), term(3));
+        b.released("e1", E, t(5));
+        b.led("e2", E, t(8), term(2));
+        let r = run(&b.build());
+        assert!(r.violations_of(ViolationKind::TermOrder).next().is_some());
+        // The term survives the history's JSON lines.
+        let mut b = History::builder();
+        b.led("e1", E, t(5), term(3));
+        let h = b.build();
+        let back = History::from_jsonl(h.to_jsonl_string().as_bytes()).expect("parses");
+        assert_eq!(
+            back.ops()[0].completion.as_ref().and_then(|c| c.term),
+            Some(term(3))
+        );
+    }
+
+    #[test]
     fn duplicate_token_is_rejected() {
         let mut b = History::builder();
         b.acquired("w1", K, t(5));
@@ -1011,6 +1053,7 @@ mod tests {
             time: to - 1,
             token: Some(ta + 1),
             seq: None,
+            term: None,
             detail: None,
         });
         true

@@ -81,6 +81,10 @@ pub enum ViolationKind {
     FreshWriteRefused,
     /// An accepted write whose token that process was never granted.
     UngrantedWriteToken,
+    /// Two leaderships of an election whose terms do not rise with their
+    /// tokens: one term given twice, or a later leadership (larger token)
+    /// with a term not above an earlier one's.
+    TermOrder,
 }
 
 impl fmt::Display for ViolationKind {
@@ -93,6 +97,7 @@ impl fmt::Display for ViolationKind {
             ViolationKind::StaleWriteAccepted => "stale fenced write accepted",
             ViolationKind::FreshWriteRefused => "fenced write refused above the mark",
             ViolationKind::UngrantedWriteToken => "write with an ungranted token",
+            ViolationKind::TermOrder => "election terms out of order",
         })
     }
 }

@@ -346,6 +346,7 @@ fn widen(plan: &[Planned], processes: usize, spread: u64, rng: &mut Rng) -> Hist
                     time: complete,
                     token: p.granted,
                     seq: p.seq,
+                    term: None,
                     detail: None,
                 }),
             }

@@ -18,6 +18,7 @@
 //! tests (tests/gate.rs) run a short gate and the broken-arbiter self-tests.
 
 pub mod clock;
+pub mod elector;
 pub mod nemesis;
 pub mod quorum_loss;
 pub mod record;
@@ -56,6 +57,13 @@ pub const DURABLE_CLASS: &str = "gate-durable";
 pub const COORD_CLASS: &str = "gate-leader";
 /// The namespace the coord class serves.
 pub const COORD_NAMESPACE: &str = "gateleader";
+/// The election class (issue 33): electors campaign for elections of the
+/// namespace it names, on the coord tier like every election class.
+pub const ELECTION_CLASS: &str = "gate-election";
+/// The namespace the election class serves.
+pub const ELECTION_NAMESPACE: &str = "gateelect";
+/// The electors' one identity: replicas of one Deployment.
+const ELECTOR_IDENTITY: &str = "workload/gate-electors";
 pub const TTL: Duration = Duration::from_secs(5);
 /// The resource the gate's class is fenced by: the reference fence's table.
 const GATE_RESOURCE: &str = "postgresql:gate.latchkey_fenced_rows";
@@ -84,6 +92,9 @@ pub struct GateConfig {
     pub seed: u64,
     pub duration: Duration,
     pub workers: usize,
+    /// Electors beside the workers ([`elector`]): processes of one
+    /// identity campaigning for two elections, judged with the rest.
+    pub electors: usize,
     pub keys: usize,
     pub arbiters: usize,
     /// Faults to schedule; each one at least once. Empty = no nemesis.
@@ -114,6 +125,7 @@ impl GateConfig {
             seed,
             duration: Duration::from_secs(100),
             workers: 12,
+            electors: 3,
             keys: 16,
             arbiters: 2,
             faults: Fault::ALL.to_vec(),
@@ -287,7 +299,10 @@ impl Rig {
     /// successful acquire), as (name, pid, slot).
     pub(crate) async fn holding_worker(&self) -> Option<(String, u32, usize)> {
         let workers = self.workers.lock().await;
-        for w in workers.iter() {
+        // From a random worker on, so electors (last) are caught too.
+        let from = fastrand::usize(..workers.len().max(1));
+        let (head, tail) = workers.split_at(from.min(workers.len()));
+        for w in tail.iter().chain(head) {
             let Some(child) = &w.child else { continue };
             let name = w.name();
             let path = self.dir.join(format!("{name}.jsonl"));
@@ -381,8 +396,8 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         latchkey_fence_postgres::ensure_schema(&pg).await?;
     }
     let policies = dir.path().join("policies");
-    write_policies(&policies, config.workers)?;
-    issue_worker_svids(config.workers)?;
+    write_policies(&policies, config.workers, config.electors)?;
+    issue_worker_svids(config.workers, config.electors)?;
 
     let arbiter_opts = ArbiterOptions {
         policies_dir: policies.clone(),
@@ -415,7 +430,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     let mut clocks = Vec::new();
     if config.faults.contains(&Fault::ClockStep) {
         std::fs::create_dir_all(dir.path().join("clocks"))?;
-        for i in 0..config.workers {
+        for i in 0..config.workers + config.electors {
             clocks.push(SteppableClock::new(
                 &dir.path().join(format!("clocks/w{i}")),
             )?);
@@ -489,12 +504,18 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     if coord_workers > 0 {
         judged_keys.extend(coord_keys.iter().cloned());
     }
+    let election_keys: Vec<String> = (0..2)
+        .map(|e| format!("{ELECTION_NAMESPACE}/gate/e{e}"))
+        .collect();
+    if config.electors > 0 {
+        judged_keys.extend(election_keys.iter().cloned());
+    }
     let open_history_dir = history_dir.join("open");
     std::fs::create_dir_all(&open_history_dir)?;
     let mut rng = fastrand::Rng::with_seed(config.seed);
     {
         let mut workers = rig.workers.lock().await;
-        for index in 0..config.workers {
+        for index in 0..config.workers + config.electors {
             workers.push(Worker {
                 index,
                 incarnation: 0,
@@ -513,6 +534,8 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         durable_from,
         coord_keys: coord_keys.join(","),
         coord_from,
+        election_keys: election_keys.join(","),
+        elect_from: config.workers,
         open_history_dir: open_history_dir.clone(),
         postgres: postgres.url(),
         history_dir: history_dir.clone(),
@@ -619,7 +642,10 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     quorum_loss::collect_all(&rig, false)?;
     let unprotected = quorum_loss::unprotected_grants(&open_history_dir, |process| {
         let index = process.strip_prefix('w')?.split('.').next()?.parse().ok()?;
-        Some(latchkey_tests::arbiter::spiffe(&worker_identity(index)))
+        Some(latchkey_tests::arbiter::spiffe(&identity_of(
+            index,
+            config.workers,
+        )))
     })?;
     let spooled = quorum_loss::spooled_grants(&history_dir, &rig.arbiter_state)?;
     let unspooled = quorum_loss::unspooled(&unprotected, &spooled);
@@ -678,6 +704,9 @@ struct WorkerSpawn {
     /// Workers from this index up to `durable_from` use the coord class.
     coord_keys: String,
     coord_from: usize,
+    /// Workers from this index on are electors.
+    election_keys: String,
+    elect_from: usize,
     open_history_dir: PathBuf,
     postgres: String,
     history_dir: PathBuf,
@@ -696,7 +725,10 @@ impl WorkerSpawn {
             .create(true)
             .append(true)
             .open(self.log_dir.join(format!("worker-{}.log", w.index)))?;
-        let (keys, class, history) = if w.index >= self.open_from {
+        let elect = w.index >= self.elect_from;
+        let (keys, class, history) = if elect {
+            (&self.election_keys, ELECTION_CLASS, &self.history_dir)
+        } else if w.index >= self.open_from {
             (
                 &self.open_keys,
                 quorum_loss::OPEN_CLASS,
@@ -716,7 +748,7 @@ impl WorkerSpawn {
         let child = command
             .arg("--arbiter")
             .arg(format!("https://{}", self.addrs[w.arbiter]))
-            .args(svid_flags(&worker_identity(w.index))?)
+            .args(svid_flags(&identity_of(w.index, self.elect_from))?)
             .arg("--keys")
             .arg(keys)
             .arg("--class")
@@ -735,6 +767,7 @@ impl WorkerSpawn {
             .arg(self.unit_ms.to_string())
             .arg("--wait-ms")
             .arg(self.wait_ms.to_string())
+            .args(elect.then_some("--elect"))
             .env("RUST_LOG", "warn")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -868,8 +901,10 @@ const REPLICA_GROUPS: usize = 2;
 const REPLICAS: usize = 3;
 
 /// Worker `index`'s SPIFFE name: a replica group's shared one, or its own.
-fn worker_identity(index: usize) -> String {
-    if index < REPLICA_GROUPS * REPLICAS {
+fn identity_of(index: usize, workers: usize) -> String {
+    if index >= workers {
+        ELECTOR_IDENTITY.to_string()
+    } else if index < REPLICA_GROUPS * REPLICAS {
         format!("workload/gate-replicas-{}", index / REPLICAS)
     } else {
         format!("workload/gate-{index}")
@@ -877,15 +912,17 @@ fn worker_identity(index: usize) -> String {
 }
 
 /// The distinct identities of `workers` workers, in worker order.
-fn worker_identities(workers: usize) -> Vec<String> {
-    let mut names: Vec<String> = (0..workers).map(worker_identity).collect();
+fn worker_identities(workers: usize, electors: usize) -> Vec<String> {
+    let mut names: Vec<String> = (0..workers + electors)
+        .map(|i| identity_of(i, workers))
+        .collect();
     names.dedup();
     names
 }
 
 /// Issues the workers' SVIDs from the test trust domain's CA.
-fn issue_worker_svids(workers: usize) -> anyhow::Result<()> {
-    let names = worker_identities(workers);
+fn issue_worker_svids(workers: usize, electors: usize) -> anyhow::Result<()> {
+    let names = worker_identities(workers, electors);
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
     latchctl::dev_certs::generate(&certs()?.dir, latchkey_tests::arbiter::TRUST_DOMAIN, &names)?;
     Ok(())
@@ -893,7 +930,7 @@ fn issue_worker_svids(workers: usize) -> anyhow::Result<()> {
 
 /// The gate's policy directory: one fenced class with a short TTL and a
 /// grant on `bench/gate` for every worker.
-fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
+fn write_policies(dir: &Path, workers: usize, electors: usize) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir.join("classes"))?;
     std::fs::create_dir_all(dir.join("grants"))?;
     std::fs::write(
@@ -906,9 +943,9 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
         ),
     )?;
     let mut grants = String::new();
-    for name in worker_identities(workers) {
+    for name in worker_identities(workers, electors) {
         grants.push_str(&format!(
-            "[[grant]]\nidentity = \"{}\"\nprefixes = [\"bench/gate\", \"{COORD_NAMESPACE}\"]\n\n",
+            "[[grant]]\nidentity = \"{}\"\nprefixes = [\"bench/gate\", \"{COORD_NAMESPACE}\", \"{ELECTION_NAMESPACE}\"]\n\n",
             latchkey_tests::arbiter::spiffe(&name)
         ));
     }
@@ -936,6 +973,16 @@ fn write_policies(dir: &Path, workers: usize) -> anyhow::Result<()> {
             "[[class]]\nname = \"{COORD_CLASS}\"\ndescription = \"Release gate workload on the coord tier\"\n\
              tier = \"coord\"\nnamespaces = [\"{COORD_NAMESPACE}\"]\nenforcement = \"fenced\"\nttlSeconds = {}\n\
              [class.pauseTest]\nresource = \"{GATE_RESOURCE}\"\nresult = \"pause-tests/{COORD_CLASS}.json\"\n",
+            TTL.as_secs()
+        ),
+    )?;
+    std::fs::write(
+        dir.join("classes/gate-election.toml"),
+        format!(
+            "[[class]]\nname = \"{ELECTION_CLASS}\"\ndescription = \"Release gate elections\"\n\
+             kind = \"election\"\ntier = \"coord\"\nnamespaces = [\"{ELECTION_NAMESPACE}\"]\n\
+             enforcement = \"fenced\"\nttlSeconds = {}\n\
+             [class.pauseTest]\nresource = \"{GATE_RESOURCE}\"\nresult = \"pause-tests/{ELECTION_CLASS}.json\"\n",
             TTL.as_secs()
         ),
     )?;

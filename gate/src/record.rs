@@ -53,6 +53,8 @@ pub struct Fields {
     pub key: Option<String>,
     pub token: Option<u64>,
     pub seq: Option<i64>,
+    /// A leadership's term (an election's acquire ok).
+    pub term: Option<u64>,
     pub detail: Option<String>,
 }
 
@@ -135,6 +137,9 @@ fn add(line: &mut Value, fields: Fields) {
     }
     if let Some(seq) = fields.seq {
         extra.insert("seq".into(), seq.into());
+    }
+    if let Some(term) = fields.term {
+        extra.insert("term".into(), term.into());
     }
     if let Some(detail) = fields.detail {
         extra.insert("detail".into(), detail.into());

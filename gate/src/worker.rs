@@ -72,12 +72,16 @@ pub struct WorkerArgs {
     /// Longest wait for a held key, in milliseconds (uniform from a tenth).
     #[arg(long, default_value_t = 2500)]
     pub wait_ms: u64,
+    /// Campaign for the `--keys` as elections (`--class` an election
+    /// class) instead of locking them: [`crate::elector`].
+    #[arg(long)]
+    pub elect: bool,
 }
 
 /// One unit of work in this many is ten times longer than `--unit-ms`.
 pub const LONG_UNIT_EVERY: u64 = 16;
 
-fn is_definite_refusal(err: &Error) -> bool {
+pub(crate) fn is_definite_refusal(err: &Error) -> bool {
     // The arbiter answered and said no before anything was written; every
     // other failure (transport, store unavailable, cancelled) may hide a grant.
     matches!(
@@ -140,6 +144,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
         }
     };
 
+    if args.elect {
+        return crate::elector::run(&args, &client, &session, &pg, &mut rec, &mut rng).await;
+    }
     while !args.stop_file.exists() {
         if session.is_fenced() {
             // Its lease is gone or going (a pause past the TTL): nothing was
@@ -379,14 +386,14 @@ async fn reveal(
     }
 }
 
-fn key_field(key: &str) -> Fields {
+pub(crate) fn key_field(key: &str) -> Fields {
     Fields {
         key: Some(key.to_owned()),
         ..Fields::default()
     }
 }
 
-fn detail(e: &Error) -> Fields {
+pub(crate) fn detail(e: &Error) -> Fields {
     Fields {
         detail: Some(e.to_string()),
         ..Fields::default()

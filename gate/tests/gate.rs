@@ -116,6 +116,18 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
         !coord.is_empty() && coord.iter().all(|k| k.ops > 0),
         "the coord tier's keys were not exercised: {coord:?}"
     );
+    // Elections (issue 33) met every fault too: each election's
+    // leaderships were judged as grants, with their terms.
+    let elections: Vec<_> = outcome
+        .report
+        .keys
+        .iter()
+        .filter(|k| k.key.starts_with(&format!("{}/", gate::ELECTION_NAMESPACE)))
+        .collect();
+    assert!(
+        elections.len() == 2 && elections.iter().all(|k| k.ops > 0),
+        "the elections were not exercised: {elections:?}"
+    );
     for fault in Fault::ALL {
         assert!(
             // By the first word: "restore-forget ..." is not a "restore".
@@ -148,6 +160,7 @@ async fn gate_catches_an_arbiter_that_grants_on_watch_events() -> anyhow::Result
     let config = GateConfig {
         duration: Duration::from_secs(25),
         workers: 6,
+        electors: 0,
         keys: 1,
         arbiters: 2,
         faults: Vec::new(),
@@ -181,6 +194,7 @@ fn lock_log_fault_config(fault: TestFault, seed: u64) -> anyhow::Result<GateConf
     Ok(GateConfig {
         duration: Duration::from_secs(30),
         workers: 6,
+        electors: 0,
         keys: 2,
         arbiters: 2,
         faults: Vec::new(),

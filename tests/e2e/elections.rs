@@ -461,7 +461,9 @@ async fn a_leadership_handed_to_a_campaign_that_gave_up_is_resigned_again() -> a
     let election = "demo/elect/gave-up";
     let mut a = Replica::start(&stack, "workload/alice").await?;
     let mut b = Replica::start(&stack, "workload/alice").await?;
-    let led = a.campaign(election, "pod-a", Duration::from_secs(5)).await?;
+    let led = a
+        .campaign(election, "pod-a", Duration::from_secs(5))
+        .await?;
     let gave_up = b
         .campaign(election, "pod-b", Duration::from_secs(1))
         .await
@@ -510,7 +512,9 @@ async fn a_leadership_handed_to_a_campaign_that_gave_up_is_resigned_again() -> a
     )
     .await?;
     // The election works on: b campaigns again and leads a later term.
-    let again = b.campaign(election, "pod-b", Duration::from_secs(5)).await?;
+    let again = b
+        .campaign(election, "pod-b", Duration::from_secs(5))
+        .await?;
     ensure!(again.session_id == b.session && again.term > next.term);
     Ok(())
 }

@@ -382,9 +382,7 @@ impl HoldLog for FaultyLog {
             TestFault::None
             | TestFault::GrantOnWatch
             | TestFault::SlowSessionWrites
-            | TestFault::SlowWithdraw => {
-                self.inner.grant(txn).await
-            }
+            | TestFault::SlowWithdraw => self.inner.grant(txn).await,
         }
     }
 

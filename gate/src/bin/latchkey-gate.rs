@@ -32,6 +32,10 @@ struct Args {
     /// Workload processes (each its own SPIFFE identity); default as CI's gate.
     #[arg(long)]
     workers: Option<usize>,
+    /// Electors beside the workers: processes of one identity campaigning
+    /// for two elections on the coord tier (default 3; 0 for none).
+    #[arg(long)]
+    electors: Option<usize>,
     /// Lock keys the workers contend on; default as CI's gate.
     #[arg(long)]
     keys: Option<usize>,
@@ -138,6 +142,7 @@ async fn main() -> ExitCode {
     let config = GateConfig {
         duration: args.duration,
         workers: args.workers.unwrap_or(short.workers),
+        electors: args.electors.unwrap_or(short.electors),
         keys: args.keys.unwrap_or(short.keys),
         arbiters: args.arbiters.unwrap_or(short.arbiters),
         unit_of_work: args.unit_of_work.unwrap_or(short.unit_of_work),

@@ -350,6 +350,7 @@ impl World {
             time,
             token,
             seq,
+            term: None,
             detail,
         });
     }
