@@ -3,7 +3,8 @@
 //! SIGKILL mid-stream and a restart lose and repeat nothing, an expiry
 //! (which no application code sees) is recorded, a force-release record is
 //! recorded while its lease still runs, and compaction past the checkpoint
-//! is an explicit gap.
+//! is an explicit gap. An election's observer is told exactly what the
+//! store records for it (issue 33).
 //!
 //! The store is as sensitive as tokens (issue 31): the hostile tests read
 //! every cell of every audit table while a hold is live and find neither
@@ -1583,17 +1584,29 @@ fn recorded(events: &[StoredEvent], election: &str) -> anyhow::Result<Vec<Told>>
 /// and the store keeps no session and no token of them.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_observers_sequence_is_the_audit_stores_for_its_election() -> anyhow::Result<()> {
+    let pg = PostgresServer::start().await?;
+    observed_as_recorded(&Audit::postgres(&pg)?, Some(&pg.url())).await
+}
+
+/// The same in ClickHouse (`latchctl audit` is shown on PostgreSQL only).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_observers_sequence_is_the_clickhouse_stores_for_its_election() -> anyhow::Result<()> {
+    let ch = ClickHouseServer::start().await?;
+    observed_as_recorded(&Audit::clickhouse(&ch)?, None).await
+}
+
+/// The scenario of the two tests above; with `reader`, also `latchctl
+/// audit` on that store URL.
+async fn observed_as_recorded(audit: &Audit, reader: Option<&str>) -> anyhow::Result<()> {
     use crate::elections::{Replica, until_standing};
     use latchkey_proto::adminv1::AdvanceEpochRequest;
     use latchkey_proto::electionv1::{ObserveRequest, ProclaimRequest, ResignRequest};
 
     let dir = crate::elections::policies()?;
     let s = crate::elections::stack(&dir).await?;
-    let pg = PostgresServer::start().await?;
-    let audit = Audit::postgres(&pg)?;
     let cluster = s.etcd.cluster_id().await?;
     let store = audit.store().await?;
-    let tailer = Tailer::start(&s.etcd, &audit, &["--checkpoint-every", "1s"])?;
+    let tailer = Tailer::start(&s.etcd, audit, &["--checkpoint-every", "1s"])?;
     let election = "demo/elect/audited";
     let mut leaders = std::collections::HashMap::new();
     let mut told = Vec::new();
@@ -1775,9 +1788,12 @@ async fn an_observers_sequence_is_the_audit_stores_for_its_election() -> anyhow:
     }
 
     // latchctl audit finds them by the election's name.
+    let Some(reader) = reader else {
+        return Ok(());
+    };
     let out = crate::latchctl::latchctl(s.arbiter.addr(), "workload/alice")?
         .args(["--json", "audit", election, "--since", "1h"])
-        .args(["--store", &pg.url()])
+        .args(["--store", reader])
         .output()
         .await?;
     let stdout = String::from_utf8_lossy(&out.stdout);
