@@ -17,6 +17,19 @@
 //! | deletes `l/K` of a lease with a `sys/revoked/L` marker   | release, `force-revoked` |
 //! | deletes `l/K`, its session's record still there          | release, `released` |
 //! | deletes `l/K`, its session's record deleted before       | release, `session-closed` |
+//! | puts `e/N//term` and `e/N//lead`                          | term-start (over a vacancy, or a hand-over) |
+//! | puts `e/N//lead` alone                                    | proclaim |
+//! | puts `e/N//term` ended `resigned`/`forced`, deletes `e/N//lead` | vacancy, `resigned` / `force-released` |
+//! | deletes `e/N//lead` alone                                 | vacancy, `session-ended` |
+//! | puts `sys/epoch` over an epoch and deletes `e/N//lead`    | vacancy, `epoch-advance` |
+//!
+//! An election's records read as `latchkey_records::election` reads them
+//! for the arbiter's Observe, so the audit's sequence for an election is
+//! the one its observers were told (the e2e compares them): a hand-over is
+//! one term-start, naming the term it ended; a vacancy is told only of a
+//! leader the tailer knew (from its state read, or a term start it saw).
+//! No event keeps the leader's session (Observe tells none), nor a
+//! revision: the term (`epoch * 2^32 + count`) is no token's half.
 //!
 //! A lease that lapses and a lease revoked by hand delete the same keys in
 //! one revision: etcd records no cause, so the event says both. CloseSession
@@ -29,6 +42,8 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::records::{EpochRecord, HolderRecord, SealRecord, decode};
+use latchkey_records::LeadRecord;
+use latchkey_records::election::{RecordChange, TermChange, Vacancy, term_changes};
 use latchkey_records::keys;
 
 use crate::event::{EPOCH_KEY, Ended, Event, Kind, SEAL_KEY, without_numbers};
@@ -90,12 +105,24 @@ enum Role<'a> {
     Seal,
     Force,
     Revoked(i64),
+    /// An election's leader record (`e/<name>//lead`).
+    Lead(&'a str),
+    /// An election's term record (`e/<name>//term`).
+    Term(&'a str),
     Other,
 }
 
 fn role(key: &str) -> Role<'_> {
     if let Some(lock_key) = key.strip_prefix(keys::HOLDERS) {
         return Role::Hold(lock_key);
+    }
+    if let Some(election) = key.strip_prefix(keys::ELECTIONS) {
+        // `e//…` are subjects' entries; candidates are `e/<name>//c/…`.
+        return match election.split_once("//") {
+            Some((name, "lead")) if !name.is_empty() => Role::Lead(name),
+            Some((name, "term")) if !name.is_empty() => Role::Term(name),
+            _ => Role::Other,
+        };
     }
     if let Some(hex) = key.strip_prefix(keys::SESSIONS) {
         // Leases are positive i64s written as 16 hex digits.
@@ -126,6 +153,8 @@ pub struct LogState {
     revoked: HashMap<i64, serde_json::Value>,
     /// `None` before the first epoch record.
     epoch: Option<u32>,
+    /// Each led election's leader record, by the election's name.
+    leaders: HashMap<String, LeadRecord>,
 }
 
 impl LogState {
@@ -151,7 +180,12 @@ impl LogState {
                         .revoked
                         .insert(lease, RevokeRecord::detail(record.as_ref()));
                 }
-                Role::Seal | Role::Force | Role::Other => {}
+                Role::Lead(name) => {
+                    if let Some(record) = decode::<LeadRecord>(value) {
+                        state.leaders.insert(name.to_string(), record);
+                    }
+                }
+                Role::Seal | Role::Force | Role::Term(_) | Role::Other => {}
             }
         }
         state
@@ -165,6 +199,11 @@ impl LogState {
         self.holds.len()
     }
 
+    /// Elections with a leader.
+    pub fn leaders(&self) -> usize {
+        self.leaders.len()
+    }
+
     /// Applies one revision's changes and returns its events.
     pub fn apply(&mut self, revision: i64, changes: &[Change]) -> Vec<Event> {
         let mut deleted_holds = Vec::new();
@@ -175,7 +214,33 @@ impl LogState {
         let mut seal_put = None;
         let mut forces: Vec<ForceRecord> = Vec::new();
         let mut revoked_deleted = Vec::new();
+        // Each election's changes to its leader and term records, in order.
+        let mut elections: Vec<(&str, Vec<RecordChange<'_>>)> = Vec::new();
         for change in changes {
+            let record_change = match (role(&change.key), change.op) {
+                (Role::Term(name), Op::Put) => Some((
+                    name,
+                    RecordChange::TermPut {
+                        value: &change.value,
+                        revision,
+                    },
+                )),
+                (Role::Lead(name), Op::Put) => Some((
+                    name,
+                    RecordChange::LeadPut {
+                        value: &change.value,
+                        revision,
+                    },
+                )),
+                (Role::Lead(name), Op::Delete) => Some((name, RecordChange::LeadDeleted)),
+                _ => None,
+            };
+            if let Some((name, c)) = record_change {
+                match elections.iter_mut().find(|(n, _)| *n == name) {
+                    Some((_, cs)) => cs.push(c),
+                    None => elections.push((name, vec![c])),
+                }
+            }
             match (role(&change.key), change.op) {
                 (Role::Hold(key), Op::Delete) => deleted_holds.push(key.to_string()),
                 (Role::Hold(key), Op::Put) => put_holds.push((
@@ -263,6 +328,12 @@ impl LogState {
             events.push(event);
         }
 
+        for (name, election_changes) in elections {
+            for change in term_changes(election_changes) {
+                events.extend(self.term_change(revision, name, change, advance, before, after));
+            }
+        }
+
         for lease in sessions_deleted {
             self.sessions.remove(&lease);
         }
@@ -304,6 +375,68 @@ impl LogState {
             events.push(event);
         }
         events
+    }
+}
+
+impl LogState {
+    /// The event of one change to election `name`'s leader record, as
+    /// Observe tells it: an end only of a leader the tailer knew.
+    fn term_change(
+        &mut self,
+        revision: i64,
+        name: &str,
+        change: TermChange,
+        advance: bool,
+        before: u32,
+        after: u32,
+    ) -> Option<Event> {
+        let leader = |kind, record: &LeadRecord, epoch| {
+            let mut event = Event::new(revision, name, kind, epoch);
+            event.identity = record.identity.clone();
+            event.class = record.class.clone();
+            event
+        };
+        Some(match change {
+            TermChange::Started(record) => {
+                let mut event = leader(Kind::TermStart, &record, after);
+                event.detail = serde_json::json!({
+                    "term": record.term(),
+                    "value": record.value,
+                    "priority": record.priority,
+                    "sinceUnixMs": record.since_unix_ms,
+                });
+                let previous = self.leaders.insert(name.to_string(), record);
+                if let Some(p) = previous {
+                    if let Some(map) = event.detail.as_object_mut() {
+                        map.insert("previousTerm".into(), p.term().into());
+                    }
+                    event.prev_identity = p.identity;
+                }
+                event
+            }
+            TermChange::Proclaimed(record) => {
+                let mut event = leader(Kind::Proclaim, &record, after);
+                event.detail = serde_json::json!({
+                    "term": record.term(),
+                    "value": record.value,
+                });
+                self.leaders.insert(name.to_string(), record);
+                event
+            }
+            TermChange::Ended(ended) => {
+                let record = self.leaders.remove(name)?;
+                let mut event = leader(Kind::Vacancy, &record, before);
+                event.ended = match Vacancy::of_end(ended, advance) {
+                    Vacancy::Resigned => Ended::Resigned,
+                    Vacancy::SessionEnded => Ended::SessionEnded,
+                    Vacancy::Forced => Ended::ForceReleased,
+                    Vacancy::EpochAdvanced => Ended::EpochAdvance,
+                    Vacancy::Unknown => Ended::Unknown,
+                };
+                event.detail = serde_json::json!({ "term": record.term() });
+                event
+            }
+        })
     }
 }
 

@@ -1,11 +1,18 @@
-//! The audit event: one change to who holds a key, or to the epoch, as the
-//! lock log committed it, at (cluster id, revision, key).
+//! The audit event: one change to who holds a key, to who leads an
+//! election, or to the epoch, as the lock log committed it, at (cluster
+//! id, revision, key).
 //!
 //! Several events can share a revision (a lease expiry ends every hold on
 //! it; an epoch advance drops every hold; a batched commit grants several
 //! keys), never a key: one revision changes a key at most once. Events that
 //! are not about a lock key use keys no lock key can have (lock keys never
-//! start with `/`): [`EPOCH_KEY`], [`SEAL_KEY`], [`GAP_KEY`].
+//! start with `/`): [`EPOCH_KEY`], [`SEAL_KEY`], [`GAP_KEY`]. An election's
+//! events ([`Kind::is_election`]) are keyed by the election's name, which
+//! is a lock key's syntax, so `latchctl audit <name>` finds them; their ids
+//! are keyed by `/e/<name>` ([`Event::id_key`]), so an election and a lock
+//! key of the same name (both ended by one epoch advance) never share one.
+//! One revision changes an election's leader record at most once, so it
+//! makes at most one event per election.
 //!
 //! Two shapes: [`Event`] is what the tailer derives, with the log's
 //! revisions, and lives only in its memory; [`RecordedEvent`] is what the
@@ -27,6 +34,8 @@ pub const EPOCH_KEY: &str = "/sys/epoch";
 pub const SEAL_KEY: &str = "/sys/seal";
 /// The key of a gap's event (at the gap's first revision).
 pub const GAP_KEY: &str = "/gap";
+/// What an election's event ids are keyed by: this, then the name.
+const ELECTION_ID_PREFIX: &str = "/e/";
 
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -54,10 +63,21 @@ pub enum Kind {
     EpochSeal,
     /// Revisions the tailer could not read (etcd compacted them first).
     Gap,
+    /// A term of an election started: a campaign over a vacancy, or a
+    /// hand-over (a resignation to a successor, a transfer), which ends the
+    /// last term in the same revision and is this one event (`prev_identity`
+    /// and `detail.previousTerm` name the term it ended), as Observe tells it.
+    TermStart,
+    /// An election's leader proclaimed a new value.
+    Proclaim,
+    /// An election's term ended with no successor; `ended` says why:
+    /// [`Ended::Resigned`], [`Ended::SessionEnded`], [`Ended::ForceReleased`]
+    /// or [`Ended::EpochAdvance`].
+    Vacancy,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 12] = [
         Kind::Grant,
         Kind::HandOver,
         Kind::Release,
@@ -67,6 +87,9 @@ impl Kind {
         Kind::EpochAdvance,
         Kind::EpochSeal,
         Kind::Gap,
+        Kind::TermStart,
+        Kind::Proclaim,
+        Kind::Vacancy,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -80,7 +103,15 @@ impl Kind {
             Kind::EpochAdvance => "epoch-advance",
             Kind::EpochSeal => "epoch-seal",
             Kind::Gap => "gap",
+            Kind::TermStart => "term-start",
+            Kind::Proclaim => "proclaim",
+            Kind::Vacancy => "vacancy",
         }
+    }
+
+    /// An election's event: keyed by the election's name, about no hold.
+    pub fn is_election(self) -> bool {
+        matches!(self, Kind::TermStart | Kind::Proclaim | Kind::Vacancy)
     }
 }
 
@@ -114,6 +145,11 @@ pub enum Ended {
     HandedOver,
     /// The tailer did not know the hold (it started after it, or after a gap).
     Unknown,
+    /// An election's leader resigned with no candidate to take over.
+    Resigned,
+    /// An election's leader record went with its session (closed, lapsed
+    /// or revoked: the log records no cause), with no write ending the term.
+    SessionEnded,
 }
 
 impl Ended {
@@ -128,6 +164,8 @@ impl Ended {
             Ended::EpochAdvance => "epoch-advance",
             Ended::HandedOver => "handed-over",
             Ended::Unknown => "unknown",
+            Ended::Resigned => "resigned",
+            Ended::SessionEnded => "session-ended",
         }
     }
 }
@@ -165,6 +203,8 @@ impl FromStr for Ended {
             Ended::EpochAdvance,
             Ended::HandedOver,
             Ended::Unknown,
+            Ended::Resigned,
+            Ended::SessionEnded,
         ]
         .into_iter()
         .find(|e| e.as_str() == s)
@@ -198,9 +238,12 @@ pub struct Event {
     /// The epoch in force at this revision (0 before the first record).
     pub epoch: u32,
     /// The holder: the new one for a grant or hand-over, the one whose hold
-    /// ended otherwise. Empty when not about a hold or not known.
+    /// ended otherwise; for an election's event its leader (the new one
+    /// for a term start, the one whose term ended for a vacancy). Empty
+    /// when not about a hold or a leader, or not known.
     pub identity: String,
-    /// The holder's session (its etcd lease).
+    /// The holder's session (its etcd lease); 0 for an election's events,
+    /// which keep no session, as Observe tells none.
     pub session: i64,
     pub class: String,
     /// The revision of the hold this event is about: the grant's own
@@ -244,8 +287,22 @@ impl Event {
         event
     }
 
+    /// What the event's id is keyed by: its key, or for an election's
+    /// event `/e/<name>` (no lock key starts with `/`, and no other event
+    /// key with `/e/`), so an election's events and a lock key's of the
+    /// same name and revision have ids of their own.
+    pub fn id_key(&self) -> std::borrow::Cow<'_, str> {
+        if self.kind.is_election() {
+            format!("{ELECTION_ID_PREFIX}{}", self.key).into()
+        } else {
+            self.key.as_str().into()
+        }
+    }
+
     /// (hold id, previous hold id) as the store keeps them: the hold this
-    /// event starts or ends, and for a hand-over the one it ended.
+    /// event starts or ends, and for a hand-over the one it ended; none
+    /// for an election's event (its term, in the detail, links its start,
+    /// proclamations and end).
     fn hold_ids(
         &self,
         audit_key: Option<&AuditKey>,
@@ -253,6 +310,7 @@ impl Event {
     ) -> Result<(String, String), NeedsKey> {
         let id = |revision| pseudonym::hold_id(audit_key, cluster_id, revision, &self.key);
         Ok(match self.kind {
+            k if k.is_election() => (String::new(), String::new()),
             Kind::Grant => (id(self.revision)?, String::new()),
             Kind::HandOver => (id(self.revision)?, id(self.hold_revision)?),
             _ => (id(self.hold_revision)?, String::new()),
@@ -343,7 +401,7 @@ impl Row {
         let (hold_id, prev_hold_id) = e.hold_ids(audit_key, cluster_id)?;
         Ok(Self {
             cluster_id,
-            event_id: pseudonym::event_id(audit_key, cluster_id, e.revision, &e.key)?,
+            event_id: pseudonym::event_id(audit_key, cluster_id, e.revision, &e.id_key())?,
             position,
             key: e.key.clone(),
             kind: e.kind.as_str().into(),

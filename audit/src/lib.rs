@@ -8,7 +8,7 @@
 //!
 //! ```text
 //! etcd watch ─▶ tailer::etcd (changes grouped by revision)
-//!            ─▶ derive::LogState::apply (holds, sessions, epoch → events)
+//!            ─▶ derive::LogState::apply (holds, sessions, elections, epoch → events)
 //!            ─▶ store::AuditStore::write (ON CONFLICT DO NOTHING / ReplacingMergeTree),
 //!               revisions replaced by ids keyed by the audit key (pseudonym)
 //!            ─▶ checkpoint every few seconds, after the events it covers, sealed

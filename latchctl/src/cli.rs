@@ -98,8 +98,9 @@ enum Command {
     Leader(elect::LeaderArgs),
     /// List an election's candidates in the order they would lead.
     Candidates(elect::CandidatesArgs),
-    /// A key's history from the audit store (grants, releases, expiries,
-    /// hand-overs, force-releases, epoch changes).
+    /// A key's or an election's history from the audit store (grants,
+    /// releases, expiries, hand-overs, force-releases, epoch changes; an
+    /// election's term starts, proclamations and vacancies).
     Audit(audit::AuditArgs),
     /// Who holds a key, how many wait, and its last audit events.
     Why(audit::WhyArgs),

@@ -28,6 +28,7 @@
 //! Records are JSON with a fixed field order, so the bytes the arbiter writes
 //! are the bytes it can compare in a transaction.
 
+pub mod election;
 pub mod token;
 
 use std::collections::BTreeMap;

@@ -3,7 +3,8 @@
 //! SIGKILL mid-stream and a restart lose and repeat nothing, an expiry
 //! (which no application code sees) is recorded, a force-release record is
 //! recorded while its lease still runs, and compaction past the checkpoint
-//! is an explicit gap.
+//! is an explicit gap. An election's observer is told exactly what the
+//! store records for it (issue 33).
 //!
 //! The store is as sensitive as tokens (issue 31): the hostile tests read
 //! every cell of every audit table while a hold is live and find neither
@@ -1494,4 +1495,323 @@ async fn a_clickhouse_store_of_schema_1_moves_to_ids_and_drops_its_revisions() -
 async fn a_postgres_store_of_schema_1_moves_to_ids_and_drops_its_revisions() -> anyhow::Result<()> {
     let pg = PostgresServer::start().await?;
     schema_1_moves_to_ids(&Audit::postgres(&pg)?, Tables::Postgres(&pg)).await
+}
+
+/// One change an election's observers are told of, as both Observe and the
+/// audit store say it: (kind, term, leader identity, value, vacancy reason).
+/// Observe names the leader only at a term's start; its proclamations and
+/// vacancies are of the term it started, whose leader the store names.
+type Told = (&'static str, u64, String, String, String);
+
+/// The next change on an Observe stream (15 s at most).
+async fn observed(
+    stream: &mut tonic::Streaming<latchkey_proto::electionv1::ObserveResponse>,
+    leaders: &mut std::collections::HashMap<u64, String>,
+) -> anyhow::Result<Told> {
+    use latchkey_proto::electionv1::VacancyReason;
+    use latchkey_proto::electionv1::observe_response::Event as Observed;
+    let message = tokio::time::timeout(Duration::from_secs(15), stream.message())
+        .await
+        .context("no Observe event within 15 s")??
+        .context("the Observe stream ended")?;
+    let leader_of = |term: u64, leaders: &std::collections::HashMap<u64, String>| {
+        leaders.get(&term).cloned().unwrap_or_default()
+    };
+    Ok(
+        match message
+            .event
+            .context("an Observe message without an event")?
+        {
+            Observed::TermStarted(t) => {
+                let l = t.leader.unwrap_or_default();
+                leaders.insert(l.term, l.identity.clone());
+                ("term-start", l.term, l.identity, l.value, String::new())
+            }
+            Observed::Proclaimed(p) => (
+                "proclaim",
+                p.term,
+                leader_of(p.term, leaders),
+                p.value,
+                String::new(),
+            ),
+            Observed::Vacant(v) => {
+                let reason = match VacancyReason::try_from(v.reason) {
+                    Ok(VacancyReason::Resigned) => Ended::Resigned,
+                    Ok(VacancyReason::SessionEnded) => Ended::SessionEnded,
+                    Ok(VacancyReason::Forced) => Ended::ForceReleased,
+                    Ok(VacancyReason::EpochAdvanced) => Ended::EpochAdvance,
+                    other => bail!("a vacancy with no reason the audit records: {other:?}"),
+                };
+                let leader = leader_of(v.term, leaders);
+                ("vacancy", v.term, leader, String::new(), reason.to_string())
+            }
+            Observed::Gap(g) => bail!("the observer was told of a gap: {g:?}"),
+        },
+    )
+}
+
+/// The store's events of `election`, as observers are told them.
+fn recorded(events: &[StoredEvent], election: &str) -> anyhow::Result<Vec<Told>> {
+    events
+        .iter()
+        .filter(|e| e.event.key == election && e.event.kind.is_election())
+        .map(|e| {
+            let e = &e.event;
+            let term = e.detail["term"]
+                .as_u64()
+                .context("an election event's term")?;
+            let value = e.detail["value"].as_str().unwrap_or_default().to_string();
+            Ok(match e.kind {
+                Kind::TermStart => ("term-start", term, e.identity.clone(), value, String::new()),
+                Kind::Proclaim => ("proclaim", term, e.identity.clone(), value, String::new()),
+                _ => (
+                    "vacancy",
+                    term,
+                    e.identity.clone(),
+                    String::new(),
+                    e.ended.to_string(),
+                ),
+            })
+        })
+        .collect()
+}
+
+/// Issue 33: an observer watching an election from before its first
+/// campaign, through a proclamation, a resignation to a successor, a
+/// resignation with none, a closed session, a revoked lease and an epoch
+/// advance, is told exactly the sequence the audit store records for that
+/// election: the same kinds, terms, leaders, values and reasons, in order;
+/// and the store keeps no session and no token of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_observers_sequence_is_the_audit_stores_for_its_election() -> anyhow::Result<()> {
+    let pg = PostgresServer::start().await?;
+    observed_as_recorded(&Audit::postgres(&pg)?, Some(&pg.url())).await
+}
+
+/// The same in ClickHouse (`latchctl audit` is shown on PostgreSQL only).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_observers_sequence_is_the_clickhouse_stores_for_its_election() -> anyhow::Result<()> {
+    let ch = ClickHouseServer::start().await?;
+    observed_as_recorded(&Audit::clickhouse(&ch)?, None).await
+}
+
+/// The scenario of the two tests above; with `reader`, also `latchctl
+/// audit` on that store URL.
+async fn observed_as_recorded(audit: &Audit, reader: Option<&str>) -> anyhow::Result<()> {
+    use crate::elections::{Replica, until_standing};
+    use latchkey_proto::adminv1::AdvanceEpochRequest;
+    use latchkey_proto::electionv1::{ObserveRequest, ProclaimRequest, ResignRequest};
+
+    let dir = crate::elections::policies()?;
+    let s = crate::elections::stack(&dir).await?;
+    let cluster = s.etcd.cluster_id().await?;
+    let store = audit.store().await?;
+    let tailer = Tailer::start(&s.etcd, audit, &["--checkpoint-every", "1s"])?;
+    let election = "demo/elect/audited";
+    let mut leaders = std::collections::HashMap::new();
+    let mut told = Vec::new();
+    let mut tokens = Vec::new();
+
+    let mut observer = s.arbiter.election("workload/bob").await?;
+    let mut stream = observer
+        .observe(ObserveRequest {
+            election: election.into(),
+            from_term: 0,
+        })
+        .await?
+        .into_inner();
+    // The first message is the state (never led): no change, so no event.
+    let state = tokio::time::timeout(Duration::from_secs(15), stream.message())
+        .await
+        .context("no state within 15 s")??
+        .context("the Observe stream ended")?;
+    ensure!(
+        matches!(
+            state.event,
+            Some(latchkey_proto::electionv1::observe_response::Event::Vacant(ref v)) if v.term == 0
+        ),
+        "{state:?}"
+    );
+
+    // A campaign, a proclamation, a resignation to a waiting successor.
+    let mut a = Replica::start(&s, "workload/alice").await?;
+    let mut b = Replica::start(&s, "workload/alice").await?;
+    let a_led = a.campaign(election, "a", Duration::from_secs(5)).await?;
+    tokens.push(a_led.token);
+    told.push(observed(&mut stream, &mut leaders).await?);
+    a.elect
+        .proclaim(ProclaimRequest {
+            election: election.into(),
+            session_id: a.session,
+            token: a_led.token,
+            value: "a2".into(),
+        })
+        .await?;
+    told.push(observed(&mut stream, &mut leaders).await?);
+    let waiting = b.campaign_later(election, "b", 7, Duration::from_secs(20));
+    until_standing(&mut a.elect, election, 1).await?;
+    a.elect
+        .resign(ResignRequest {
+            election: election.into(),
+            session_id: a.session,
+            token: a_led.token,
+        })
+        .await?;
+    let b_led = waiting.await??;
+    tokens.push(b_led.token);
+    told.push(observed(&mut stream, &mut leaders).await?);
+    // A resignation with no one standing.
+    b.elect
+        .resign(ResignRequest {
+            election: election.into(),
+            session_id: b.session,
+            token: b_led.token,
+        })
+        .await?;
+    told.push(observed(&mut stream, &mut leaders).await?);
+    // A leader's session closed.
+    let a3 = a.campaign(election, "a3", Duration::from_secs(5)).await?;
+    tokens.push(a3.token);
+    told.push(observed(&mut stream, &mut leaders).await?);
+    a.lock
+        .close_session(CloseSessionRequest {
+            session_id: a.session,
+        })
+        .await?;
+    told.push(observed(&mut stream, &mut leaders).await?);
+    // A leader's lease revoked by hand (what its lapse also writes).
+    let b2 = b.campaign(election, "b2", Duration::from_secs(5)).await?;
+    tokens.push(b2.token);
+    told.push(observed(&mut stream, &mut leaders).await?);
+    s.etcd.client().await?.lease_revoke(b.session).await?;
+    told.push(observed(&mut stream, &mut leaders).await?);
+    // An epoch advance ends the term of the leader it finds; terms go on
+    // in the new epoch.
+    let mut c = Replica::start(&s, "workload/alice").await?;
+    let c_led = c.campaign(election, "c", Duration::from_secs(5)).await?;
+    tokens.push(c_led.token);
+    told.push(observed(&mut stream, &mut leaders).await?);
+    let epoch = u32::try_from(c_led.term >> 32)?;
+    s.arbiter
+        .admin("latchkey/operator")
+        .await?
+        .advance_epoch(AdvanceEpochRequest {
+            expected_epoch: epoch,
+            reason: "audit elections e2e".into(),
+            ..Default::default()
+        })
+        .await?;
+    told.push(observed(&mut stream, &mut leaders).await?);
+    let c2 = c.campaign(election, "c2", Duration::from_secs(5)).await?;
+    ensure!(
+        c2.term >> 32 > u64::from(epoch),
+        "{c2:?} after epoch {epoch}"
+    );
+    tokens.push(c2.token);
+    told.push(observed(&mut stream, &mut leaders).await?);
+
+    let kinds: Vec<_> = told.iter().map(|t| (t.0, t.4.as_str())).collect();
+    ensure!(
+        kinds
+            == [
+                ("term-start", ""),
+                ("proclaim", ""),
+                ("term-start", ""),
+                ("vacancy", "resigned"),
+                ("term-start", ""),
+                ("vacancy", "session-ended"),
+                ("term-start", ""),
+                ("vacancy", "session-ended"),
+                ("term-start", ""),
+                ("vacancy", "epoch-advance"),
+                ("term-start", ""),
+            ],
+        "the observer was told {told:#?}"
+    );
+
+    let events = store_shows(
+        store.as_ref(),
+        cluster,
+        &tailer,
+        "the election's events",
+        |events| {
+            let n = recorded(events, election)?.len();
+            ensure!(n >= told.len(), "{n} of {} events recorded", told.len());
+            Ok(())
+        },
+    )
+    .await?;
+    ensure_unique(&events)?;
+    let in_store = recorded(&events, election)?;
+    ensure!(
+        in_store == told,
+        "the audit store recorded\n{in_store:#?}\nthe observer was told\n{told:#?}"
+    );
+    // A hand-over is one term start that names the term it ended.
+    let handed = events
+        .iter()
+        .filter(|e| e.event.key == election && e.event.kind == Kind::TermStart)
+        .nth(1)
+        .context("the hand-over's term start")?;
+    ensure!(
+        handed.event.detail["previousTerm"] == a_led.term,
+        "{handed:?}"
+    );
+    // No session and no token (nor its revision) in any of them: not in a
+    // column, not in a number of the text they keep.
+    let mut secrets: Vec<String> = [a.session, b.session, c.session]
+        .iter()
+        .map(i64::to_string)
+        .collect();
+    for token in &tokens {
+        let revision = token & ((1u64 << latchkey_records::token::REVISION_BITS) - 1);
+        secrets.extend([token.to_string(), revision.to_string()]);
+    }
+    for e in events.iter().filter(|e| e.event.kind.is_election()) {
+        let r = &e.event;
+        ensure!(r.session == 0 && r.prev_session == 0, "{e:?}");
+        ensure!(r.hold_id.is_empty() && r.prev_hold_id.is_empty(), "{e:?}");
+        let text = format!(
+            "{} {} {} {} {}",
+            r.key, r.identity, r.prev_identity, r.class, r.detail
+        );
+        let numbers: Vec<&str> = text
+            .split(|ch: char| !ch.is_ascii_digit())
+            .filter(|n| !n.is_empty())
+            .collect();
+        for secret in &secrets {
+            ensure!(
+                !numbers.contains(&secret.as_str()),
+                "a session, token or revision in {e:?}"
+            );
+        }
+    }
+
+    // latchctl audit finds them by the election's name.
+    let Some(reader) = reader else {
+        return Ok(());
+    };
+    let out = crate::latchctl::latchctl(s.arbiter.addr(), "workload/alice")?
+        .args(["--json", "audit", election, "--since", "1h"])
+        .args(["--store", reader])
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: Vec<String> = stdout
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .map(|v| v["kind"].as_str().unwrap_or_default().to_string())
+        })
+        .collect::<Result<_, _>>()?;
+    ensure!(
+        listed == told.iter().map(|t| t.0).collect::<Vec<_>>(),
+        "{stdout}"
+    );
+    Ok(())
 }

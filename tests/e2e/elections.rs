@@ -70,15 +70,16 @@ pub(crate) async fn stack(dir: &TempDir) -> anyhow::Result<Stack> {
 }
 
 /// A replica: its own session (kept alive until `stop`), its own clients.
-struct Replica {
-    lock: Lock,
-    elect: Elect,
-    session: i64,
+/// The audit scenario (`audit.rs`) campaigns with it too.
+pub(crate) struct Replica {
+    pub(crate) lock: Lock,
+    pub(crate) elect: Elect,
+    pub(crate) session: i64,
     renewals: JoinHandle<()>,
 }
 
 impl Replica {
-    async fn start(stack: &Stack, name: &str) -> anyhow::Result<Self> {
+    pub(crate) async fn start(stack: &Stack, name: &str) -> anyhow::Result<Self> {
         let mut lock = stack.arbiter.lock(name).await?;
         let session = latchkey_tests::lock_calls::open(&mut lock, CLASS).await?;
         let renewals = keep_alive(lock.clone(), session);
@@ -101,7 +102,7 @@ impl Replica {
         }
     }
 
-    async fn campaign(
+    pub(crate) async fn campaign(
         &mut self,
         election: &str,
         value: &str,
@@ -119,7 +120,7 @@ impl Replica {
     }
 
     /// A campaign left waiting in the background.
-    fn campaign_later(
+    pub(crate) fn campaign_later(
         &self,
         election: &str,
         value: &str,
@@ -181,7 +182,11 @@ async fn candidates(elect: &mut Elect, election: &str) -> anyhow::Result<Vec<(St
 }
 
 /// Waits until `n` candidates stand.
-async fn until_standing(elect: &mut Elect, election: &str, n: usize) -> anyhow::Result<()> {
+pub(crate) async fn until_standing(
+    elect: &mut Elect,
+    election: &str,
+    n: usize,
+) -> anyhow::Result<()> {
     latchkey_tests::eventually("candidates to stand", Duration::from_secs(5), || {
         let mut elect = elect.clone();
         async move {

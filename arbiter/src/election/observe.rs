@@ -10,7 +10,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use latchkey_records::{EpochRecord, LeadRecord, TermEnd, TermRecord, decode, term_of};
+use latchkey_records::election::{RecordChange, TermChange, term_changes};
+use latchkey_records::{EpochRecord, decode, term_of};
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
 use tokio_util::task::AbortOnDrop;
@@ -28,28 +29,7 @@ const BUFFER: usize = 256;
 /// How long the watch task waits before reading again after the log failed.
 const RETRY: Duration = Duration::from_secs(1);
 
-/// Why an election became vacant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Vacancy {
-    Resigned,
-    SessionEnded,
-    Forced,
-    EpochAdvanced,
-    /// The election was never led in this epoch.
-    Unknown,
-}
-
-impl Vacancy {
-    /// The reason a term ended, from the term record written with its end
-    /// (a term that ended by no write ended with its session).
-    fn of(ended: Option<TermEnd>) -> Self {
-        match ended {
-            Some(TermEnd::Resigned) => Self::Resigned,
-            Some(TermEnd::Forced) => Self::Forced,
-            None => Self::SessionEnded,
-        }
-    }
-}
+pub use latchkey_records::election::Vacancy;
 
 /// One event of an election, as observers see it: identities, values and
 /// terms, never a token, a session or a log revision (a term's start
@@ -373,44 +353,46 @@ async fn epoch_now(table: &LockTable) -> Option<u32> {
     decode::<EpochRecord>(&records.value.epoch?.value).map(|r| r.epoch)
 }
 
-/// The observations a batch of changes makes, in order. A transaction's
-/// changes come in one batch (etcd never splits a revision's events), in
-/// the order of its operations: the term record first, then the leader
-/// record. A term record put at the leader record's revision starts a
-/// term; a leader record put alone is a proclamation; a leader record
-/// deleted right after a term record marked resigned is a resignation,
-/// alone it is its session's end (or an epoch advance, which the watch
-/// task tells by the epoch record).
+/// The observations a batch of changes makes, in order: the log's
+/// reading of them ([`term_changes`], the audit tailer's too), told to
+/// observers in terms of the leader they know. A transaction's changes
+/// come in one batch (etcd never splits a revision's events), in the order
+/// of its operations. An end no write caused is its session's (or an epoch
+/// advance's, which the watch task tells by the epoch record).
 fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
+    let changes = events
+        .iter()
+        .filter_map(|event| match (event.key.as_str(), &event.put) {
+            ("term", Some(kv)) => Some(RecordChange::TermPut {
+                value: &kv.value,
+                revision: kv.mod_revision,
+            }),
+            ("lead", Some(kv)) => Some(RecordChange::LeadPut {
+                value: &kv.value,
+                revision: kv.mod_revision,
+            }),
+            ("lead", None) => Some(RecordChange::LeadDeleted),
+            _ => None,
+        });
     let mut out = Vec::new();
-    // The term record put just before, and its revision.
-    let mut term_put: Option<(TermRecord, i64)> = None;
-    for event in events {
-        match (event.key.as_str(), &event.put) {
-            ("term", Some(kv)) => {
-                term_put = decode::<TermRecord>(&kv.value).map(|t| (t, kv.mod_revision));
-            }
-            ("lead", Some(kv)) => {
-                let Some(record) = decode::<LeadRecord>(&kv.value) else {
-                    continue;
-                };
+    for change in term_changes(changes) {
+        match change {
+            TermChange::Started(record) => {
                 let view = LeaderView::of(&record);
-                let starts = term_put.take().is_some_and(|(_, at)| at == kv.mod_revision);
-                if starts {
-                    known.term = record.term();
-                    out.push(Observation::TermStarted {
-                        leader: view.clone(),
-                    });
-                } else {
-                    out.push(Observation::Proclaimed {
-                        term: record.term(),
-                        value: record.value.clone(),
-                    });
-                }
+                known.term = record.term();
+                out.push(Observation::TermStarted {
+                    leader: view.clone(),
+                });
                 known.leader = Some((record.session, view));
             }
-            ("lead", None) => {
-                let ended = term_put.take().and_then(|(t, _)| t.ended);
+            TermChange::Proclaimed(record) => {
+                out.push(Observation::Proclaimed {
+                    term: record.term(),
+                    value: record.value.clone(),
+                });
+                known.leader = Some((record.session, LeaderView::of(&record)));
+            }
+            TermChange::Ended(ended) => {
                 let Some((_, leader)) = known.leader.take() else {
                     continue;
                 };
@@ -419,7 +401,6 @@ fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
                     reason: Vacancy::of(ended),
                 });
             }
-            _ => {}
         }
     }
     out
@@ -429,7 +410,7 @@ fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
 mod tests {
     use super::*;
     use crate::lock_log::Kv;
-    use latchkey_records::encode;
+    use latchkey_records::{LeadRecord, TermEnd, TermRecord, encode};
 
     fn kv(value: Vec<u8>, revision: i64) -> Kv {
         Kv {

@@ -387,3 +387,311 @@ fn other_keys_make_no_events() {
     );
     assert!(events.is_empty());
 }
+
+// Elections (issue 33): the arbiter's leadership transactions
+// (`arbiter/src/lock_log/etcd/elections.rs`), in their order of operations.
+
+use latchkey_records::{LeadRecord, TermEnd, TermRecord, encode};
+
+const ELECTION: &str = "demo/leader";
+
+/// The leader record the arbiter puts on `session`'s lease.
+fn lead(identity: &str, session: i64, count: u32, value: &str, priority: u32) -> Vec<u8> {
+    encode(&LeadRecord {
+        identity: identity.into(),
+        session,
+        class: "elect".into(),
+        epoch: 1,
+        count,
+        value: value.into(),
+        priority,
+        since_unix_ms: 1_700_000_000_000,
+        instance: String::new(),
+        bound: String::new(),
+    })
+}
+
+fn term_record(count: u32, ended: Option<TermEnd>) -> Vec<u8> {
+    encode(&TermRecord {
+        count,
+        ended,
+        subject: ALICE.into(),
+    })
+}
+
+fn e(rest: &str) -> String {
+    format!("e/{ELECTION}//{rest}")
+}
+
+fn candidate(priority: u32, session: i64) -> String {
+    e(&format!(
+        "c/{:08x}/{session:016x}",
+        latchkey_records::candidate_rank(priority)
+    ))
+}
+
+/// A subject's leadership entry (on the leader's lease) or term entry.
+fn entry(kind: &str, subject: &str) -> String {
+    let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
+    format!("e//{kind}/{hex}/{ELECTION}")
+}
+
+/// Alice's campaign over a vacancy, as term `count` (its first: the term
+/// entry is made too).
+fn campaign(state: &mut LogState, revision: i64, count: u32, value: &str) -> Vec<Event> {
+    state.apply(
+        revision,
+        &[
+            put(&e("term"), term_record(count, None), 0),
+            put(&e("lead"), lead(ALICE, 7, count, value, 5), 7),
+            put(&entry("i", ALICE), Vec::new(), 7),
+            del(&candidate(5, 7)),
+            put(&entry("t", ALICE), Vec::new(), 0),
+        ],
+    )
+}
+
+fn term(count: u32) -> u64 {
+    latchkey_records::term_of(1, count)
+}
+
+#[test]
+fn a_campaign_starts_a_term_and_a_proclamation_names_it() {
+    let mut state = started();
+    // Standing first: a candidate record is no event.
+    let stood = state.apply(9, &[put(&candidate(5, 7), b"{}".to_vec(), 7)]);
+    assert!(stood.is_empty(), "{stood:?}");
+    let started = campaign(&mut state, 10, 1, "pod-a");
+    assert_eq!(kinds(&started), [(ELECTION, Kind::TermStart, Ended::No)]);
+    let s = &started[0];
+    assert_eq!((s.identity.as_str(), s.class.as_str()), (ALICE, "elect"));
+    assert_eq!(s.session, 0, "no session id: Observe tells none");
+    assert_eq!(s.epoch, 1);
+    assert_eq!(
+        s.detail,
+        json!({"term": term(1), "value": "pod-a", "priority": 5, "sinceUnixMs": 1_700_000_000_000i64})
+    );
+    assert!(s.prev_identity.is_empty());
+    assert_eq!(state.leaders(), 1);
+
+    let p = state.apply(11, &[put(&e("lead"), lead(ALICE, 7, 1, "pod-a2", 5), 7)]);
+    assert_eq!(kinds(&p), [(ELECTION, Kind::Proclaim, Ended::No)]);
+    assert_eq!(p[0].identity, ALICE);
+    assert_eq!(p[0].session, 0);
+    assert_eq!(p[0].detail, json!({"term": term(1), "value": "pod-a2"}));
+}
+
+#[test]
+fn a_resignation_to_a_successor_is_one_term_start_naming_the_term_it_ended() {
+    let mut state = started();
+    campaign(&mut state, 10, 1, "pod-a");
+    state.apply(11, &[put(&candidate(0, 8), b"{}".to_vec(), 8)]);
+    // Resign (or Transfer) to bob's candidacy: deletes nothing but the
+    // candidate and alice's leadership entry.
+    let events = state.apply(
+        12,
+        &[
+            put(&e("term"), term_record(2, None), 0),
+            put(&e("lead"), lead(BOB, 8, 2, "pod-b", 0), 8),
+            put(&entry("i", BOB), Vec::new(), 8),
+            del(&candidate(0, 8)),
+            del(&entry("i", ALICE)),
+        ],
+    );
+    assert_eq!(kinds(&events), [(ELECTION, Kind::TermStart, Ended::No)]);
+    let s = &events[0];
+    assert_eq!(
+        (s.identity.as_str(), s.prev_identity.as_str()),
+        (BOB, ALICE)
+    );
+    assert_eq!(s.detail["term"], term(2));
+    assert_eq!(s.detail["previousTerm"], term(1));
+    assert_eq!(s.detail["value"], "pod-b");
+    assert_eq!((s.session, s.prev_session), (0, 0));
+    // bob's session ends later: his term's vacancy names him.
+    let gone = state.apply(20, &[del(&session_key(8)), del(&e("lead"))]);
+    assert_eq!(
+        kinds(&gone),
+        [(ELECTION, Kind::Vacancy, Ended::SessionEnded)]
+    );
+    assert_eq!(gone[0].identity, BOB);
+}
+
+#[test]
+fn a_resignation_with_no_successor_is_a_resigned_vacancy() {
+    let mut state = started();
+    campaign(&mut state, 10, 3, "pod-a");
+    let events = state.apply(
+        11,
+        &[
+            put(&e("term"), term_record(3, Some(TermEnd::Resigned)), 0),
+            del(&e("lead")),
+            del(&entry("i", ALICE)),
+        ],
+    );
+    assert_eq!(kinds(&events), [(ELECTION, Kind::Vacancy, Ended::Resigned)]);
+    let v = &events[0];
+    assert_eq!((v.identity.as_str(), v.session), (ALICE, 0));
+    assert_eq!(v.detail, json!({"term": term(3)}));
+    assert_eq!(state.leaders(), 0);
+    // A campaign over the vacancy is a term start again, over no one.
+    let again = campaign(&mut state, 12, 4, "pod-a");
+    assert_eq!(kinds(&again), [(ELECTION, Kind::TermStart, Ended::No)]);
+    assert!(again[0].prev_identity.is_empty());
+}
+
+#[test]
+fn a_lapsed_leader_session_is_a_session_ended_vacancy() {
+    let mut state = started();
+    campaign(&mut state, 10, 1, "pod-a");
+    state.apply(11, &[put(&candidate(0, 8), b"{}".to_vec(), 8)]);
+    // alice's lease lapses: etcd deletes every key on it in one revision,
+    // her leader record and leadership entry among them; no term write.
+    let events = state.apply(
+        20,
+        &[
+            del(&session_key(7)),
+            del("si/00/0000000000000007"),
+            del(&e("lead")),
+            del(&entry("i", ALICE)),
+        ],
+    );
+    assert_eq!(
+        kinds(&events),
+        [(ELECTION, Kind::Vacancy, Ended::SessionEnded)]
+    );
+    assert_eq!(events[0].detail["term"], term(1));
+    // bob's candidate record going with his session is no event.
+    let withdrawn = state.apply(21, &[del(&session_key(8)), del(&candidate(0, 8))]);
+    assert!(withdrawn.is_empty(), "{withdrawn:?}");
+}
+
+#[test]
+fn a_forced_end_is_a_force_released_vacancy() {
+    // The approved force-release of a leadership: the term record marked
+    // forced and the leader record deleted in one transaction, the
+    // leader's session left running.
+    let mut state = started();
+    campaign(&mut state, 10, 1, "pod-a");
+    let events = state.apply(
+        11,
+        &[
+            put(&e("term"), term_record(1, Some(TermEnd::Forced)), 0),
+            del(&e("lead")),
+            del(&entry("i", ALICE)),
+        ],
+    );
+    assert_eq!(
+        kinds(&events),
+        [(ELECTION, Kind::Vacancy, Ended::ForceReleased)]
+    );
+    assert_eq!(events[0].identity, ALICE);
+    assert_eq!(events[0].detail["term"], term(1));
+}
+
+#[test]
+fn an_advance_ends_every_term_as_an_epoch_advance() {
+    let mut state = started();
+    campaign(&mut state, 10, 1, "pod-a");
+    // A lock key of the election's name, held too: one revision ends both.
+    state.apply(11, &[put(&format!("l/{ELECTION}"), holder(BOB, 8), 8)]);
+    let events = state.apply(
+        12,
+        &[
+            put("sys/epoch", epoch(2), 0),
+            del(&format!("l/{ELECTION}")),
+            del(&e("lead")),
+            del(&e("term")),
+            del(&entry("i", ALICE)),
+            del(&entry("t", ALICE)),
+        ],
+    );
+    assert_eq!(
+        kinds(&events),
+        [
+            (ELECTION, Kind::EpochAdvance, Ended::EpochAdvance),
+            (ELECTION, Kind::Vacancy, Ended::EpochAdvance),
+            (EPOCH_KEY, Kind::EpochAdvance, Ended::No),
+        ]
+    );
+    let vacancy = &events[1];
+    assert_eq!((vacancy.identity.as_str(), vacancy.epoch), (ALICE, 1));
+    assert_eq!(vacancy.detail["term"], term(1));
+    // The hold's end and the term's share a revision and a key, never an id.
+    let key = crate::AuditKey::from_bytes(&[5u8; 32]).unwrap();
+    let rows: Vec<_> = events
+        .iter()
+        .map(|e| crate::event::Row::new(9, e, Some(&key), 1, 0).unwrap())
+        .collect();
+    assert_ne!(rows[0].event_id, rows[1].event_id);
+    assert_eq!(rows[1].key, ELECTION, "found by the election's name");
+    assert!(rows[1].hold_id.is_empty() && rows[1].session == 0);
+    // Terms go on in the new epoch.
+    let next = state.apply(
+        13,
+        &[
+            put(&e("term"), term_record(1, None), 0),
+            put(
+                &e("lead"),
+                {
+                    let mut r: LeadRecord =
+                        latchkey_records::decode(&lead(BOB, 8, 1, "b", 0)).unwrap();
+                    r.epoch = 2;
+                    encode(&r)
+                },
+                8,
+            ),
+        ],
+    );
+    assert_eq!(kinds(&next), [(ELECTION, Kind::TermStart, Ended::No)]);
+    assert_eq!(next[0].epoch, 2);
+    assert_eq!(next[0].detail["term"], latchkey_records::term_of(2, 1));
+}
+
+#[test]
+fn a_loaded_state_knows_its_leaders_and_ends_only_known_terms() {
+    let lead_bytes = lead(ALICE, 7, 2, "pod-a", 0);
+    let term_bytes = term_record(2, None);
+    let subject = entry("i", ALICE);
+    let mut state = LogState::load([
+        ("sys/epoch", &epoch(1)[..], 0, 1),
+        (e("term").as_str(), &term_bytes[..], 0, 10),
+        (e("lead").as_str(), &lead_bytes[..], 7, 10),
+        (subject.as_str(), &[][..], 7, 10),
+    ]);
+    assert_eq!(state.leaders(), 1);
+    let events = state.apply(
+        20,
+        &[
+            put(&e("term"), term_record(2, Some(TermEnd::Resigned)), 0),
+            del(&e("lead")),
+        ],
+    );
+    assert_eq!(kinds(&events), [(ELECTION, Kind::Vacancy, Ended::Resigned)]);
+    assert_eq!(events[0].detail["term"], term(2));
+    // A leader record the tailer never saw goes: Observe tells no vacancy
+    // of a leader it did not know, nor does the audit.
+    let unknown = state.apply(21, &[del("e/other//lead")]);
+    assert!(unknown.is_empty(), "{unknown:?}");
+}
+
+#[test]
+fn no_election_row_keeps_a_revision() {
+    let mut state = started();
+    let revision = 987_654_321;
+    let mut events = campaign(&mut state, revision, 1, "pod-a");
+    events.extend(state.apply(
+        revision + 1,
+        &[put(&e("lead"), lead(ALICE, 7, 1, "pod-a2", 5), 7)],
+    ));
+    events.extend(state.apply(revision + 2, &[del(&e("lead"))]));
+    assert_eq!(events.len(), 3);
+    let key = crate::AuditKey::from_bytes(&[5u8; 32]).unwrap();
+    for e in &events {
+        let row = crate::event::Row::new(9, e, Some(&key), 1, 0).unwrap();
+        let json = serde_json::to_string(&row).unwrap();
+        assert!(!json.contains("98765432"), "{json}");
+        // nor alice's session (lease 7 would read as "session":7)
+        assert!(json.contains("\"session\":0"), "{json}");
+    }
+}

@@ -1,5 +1,5 @@
-//! `latchctl audit` and `latchctl why`: a key's history from the audit
-//! store (ADR-21), and who holds it now with its last events.
+//! `latchctl audit` and `latchctl why`: a key's (or an election's) history
+//! from the audit store (ADR-21), and who holds it now with its last events.
 //!
 //! The history comes from the store the audit tailer writes, read with the
 //! store's read-only user (`--store` or `LATCHKEY_AUDIT_STORE`, the password
@@ -27,6 +27,8 @@ use latchkey_client::Client;
 
 #[derive(Debug, Args)]
 pub struct AuditArgs {
+    /// A lock key, or an election's name (its term starts, proclamations
+    /// and vacancies are recorded under it).
     pub key: String,
     /// Only events from this long ago on (e.g. 30m, 2h, 7d).
     #[arg(long, value_parser = parse_since)]
@@ -248,6 +250,33 @@ fn describe(stored: &StoredEvent) -> String {
             "{head} {} revisions were compacted before the tailer read them",
             e.detail["revisions"]
         ),
+        // An election's events name its leader and term, never a session.
+        Kind::TermStart => {
+            let over = match e.detail["previousTerm"].as_u64() {
+                Some(previous) => format!(", taking over term {previous} from {}", e.prev_identity),
+                None => String::new(),
+            };
+            format!(
+                "{head} {} leads term {}, class {}, priority {}, value {:?}{over}",
+                e.identity,
+                e.detail["term"],
+                e.class,
+                e.detail["priority"],
+                detail("value")
+            )
+        }
+        Kind::Proclaim => format!(
+            "{head} {} proclaimed {:?} in term {}",
+            e.identity,
+            detail("value"),
+            e.detail["term"]
+        ),
+        Kind::Vacancy => format!(
+            "{head} {}'s term {} ended: {}",
+            e.identity,
+            e.detail["term"],
+            ended(e.ended)
+        ),
         _ => format!("{head} {}", detail("reason")),
     }
 }
@@ -262,6 +291,8 @@ fn ended(ended: Ended) -> &'static str {
         Ended::EpochAdvance => "dropped by an epoch advance",
         Ended::HandedOver => "handed over",
         Ended::Unknown => "ended (the tailer had not seen it granted)",
+        Ended::Resigned => "resigned",
+        Ended::SessionEnded => "its session ended (closed, expired or revoked)",
         Ended::No => "",
     }
 }
@@ -335,6 +366,27 @@ mod tests {
         gap.event.detail = json!({"revisions": 5});
         let gap = describe(&gap);
         assert!(gap.contains("5 revisions were compacted"), "{gap}");
+        let mut start = stored(Kind::TermStart, Ended::No);
+        start.event.hold_id = String::new();
+        start.event.session = 0;
+        start.event.prev_identity = "spiffe://td/v".into();
+        start.event.detail = json!({"term": 4294967298u64, "value": "pod-b", "priority": 2, "previousTerm": 4294967297u64});
+        let start = describe(&start);
+        assert!(
+            start.contains(
+                "spiffe://td/w leads term 4294967298, class c, priority 2, value \"pod-b\", \
+                 taking over term 4294967297 from spiffe://td/v"
+            ),
+            "{start}"
+        );
+        assert!(!start.contains("session"), "{start}");
+        let mut vacancy = stored(Kind::Vacancy, Ended::SessionEnded);
+        vacancy.event.detail = json!({"term": 4294967298u64});
+        let vacancy = describe(&vacancy);
+        assert!(
+            vacancy.contains("spiffe://td/w's term 4294967298 ended: its session ended"),
+            "{vacancy}"
+        );
         let json = event_json(&stored(Kind::Grant, Ended::No));
         assert!(json.get("revision").is_none() && json.get("hold_revision").is_none());
         assert_eq!(json["hold_id"], "9a3c5e7f00112233");
