@@ -121,7 +121,7 @@ impl World {
         Ok(!got.kvs().is_empty())
     }
 
-    /// The leadership entries (`e/i/<subject, hex>/<election>`), by subject.
+    /// The leadership entries (`e//i/<subject, hex>/<election>`), by subject.
     async fn leadership_entries(&self, election: &str) -> anyhow::Result<Vec<String>> {
         let got = self
             .s
@@ -129,7 +129,7 @@ impl World {
             .client()
             .await?
             .get(
-                "/latchkey/e/i/",
+                "/latchkey/e//i/",
                 Some(latchkey_etcd::kv::GetOptions::new().with_prefix()),
             )
             .await?;
@@ -223,7 +223,7 @@ async fn two_operators_force_release_a_leadership_and_the_next_candidate_leads()
     ensure!(
         w.leadership_entries(election).await?
             == [format!(
-                "/latchkey/e/i/{}/{election}",
+                "/latchkey/e//i/{}/{election}",
                 hex(&spiffe("workload/alice"))
             )],
         "alice's leadership entry"
@@ -298,7 +298,7 @@ async fn two_operators_force_release_a_leadership_and_the_next_candidate_leads()
     ensure!(
         w.leadership_entries(election).await?
             == [format!(
-                "/latchkey/e/i/{}/{election}",
+                "/latchkey/e//i/{}/{election}",
                 hex(&spiffe("workload/bob"))
             )],
         "the leadership entries after the forced end"
