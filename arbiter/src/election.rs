@@ -48,8 +48,8 @@ use tracing::debug;
 use crate::epoch::EpochState;
 use crate::error::ArbiterError;
 use crate::lock_log::{
-    ElectionRead, ForceEnded, ForceRecords, ForceTermTxn, Kv, LeadFrom, LeadTo, LeadTxn, ProclaimTxn,
-    Queued,
+    ElectionRead, ForceEnded, ForceRecords, ForceTermTxn, Kv, LeadFrom, LeadTo, LeadTxn,
+    ProclaimTxn, Queued,
 };
 use crate::table::LockTable;
 
@@ -889,9 +889,7 @@ impl Elections {
         let read = Read::of(read, header.revision)?;
         let (term_at, count) = read.term_at();
         let leader = match &read.lead {
-            Some((record, kv)) if kv.lease == forced.session && term_at == forced.term_at => {
-                record
-            }
+            Some((record, kv)) if kv.lease == forced.session && term_at == forced.term_at => record,
             // Moved since the request: the transaction would fail its
             // compares, so it is not sent.
             _ => {

@@ -434,11 +434,13 @@ impl ForceRelease {
                 }
             }
             Target::Leadership => {
-                let led = self.store.leadership(key).await?.ok_or_else(|| {
-                    ForceError::NoLeader {
-                        election: key.into(),
-                    }
-                })?;
+                let led =
+                    self.store
+                        .leadership(key)
+                        .await?
+                        .ok_or_else(|| ForceError::NoLeader {
+                            election: key.into(),
+                        })?;
                 Read {
                     holder_identity: led.record.identity.clone(),
                     holder_session: led.record.session,

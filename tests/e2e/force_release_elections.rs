@@ -111,13 +111,13 @@ impl World {
     }
 
     async fn held(&self, key: &str) -> anyhow::Result<bool> {
-        let got =
-            self.s
-                .etcd
-                .client()
-                .await?
-                .get(format!("/latchkey/l/{key}"), None)
-                .await?;
+        let got = self
+            .s
+            .etcd
+            .client()
+            .await?
+            .get(format!("/latchkey/l/{key}"), None)
+            .await?;
         Ok(!got.kvs().is_empty())
     }
 
@@ -262,7 +262,11 @@ async fn two_operators_force_release_a_leadership_and_the_next_candidate_leads()
     // B approves: the term ends, FORCED.
     let done = w.approve(&req.request_id, &b).await?;
     ensure!(done.approver == "bob-op");
-    ensure!(done.request.as_ref().is_some_and(|r| r.election && r.term == t));
+    ensure!(
+        done.request
+            .as_ref()
+            .is_some_and(|r| r.election && r.term == t)
+    );
     ensure!(
         next_event(&mut events).await?
             == ElectionEvent::Vacant {
@@ -338,7 +342,10 @@ async fn two_operators_force_release_a_leadership_and_the_next_candidate_leads()
             Some(latchkey_etcd::kv::GetOptions::new().with_prefix()),
         )
         .await?;
-    ensure!(pending.kvs().is_empty(), "the request is gone with the term");
+    ensure!(
+        pending.kvs().is_empty(),
+        "the request is gone with the term"
+    );
     expect_refusal(
         w.approve(&req.request_id, &b).await,
         Code::NotFound,
@@ -426,9 +433,15 @@ async fn a_term_that_changed_is_not_released_and_keys_and_elections_never_cross(
     // The key's request ends the hold, never the leadership.
     w.approve(&for_hold.request_id, &b).await?;
     ensure!(!w.held(name).await?, "the hold is still there");
-    let leader = alice.leader(name).await?.context("the election is vacant")?;
+    let leader = alice
+        .leader(name)
+        .await?
+        .context("the election is vacant")?;
     ensure!(leader.term == la2.term(), "{leader:?}");
-    ensure!(!la2.is_lost(), "the leadership was ended by the key's request");
+    ensure!(
+        !la2.is_lost(),
+        "the leadership was ended by the key's request"
+    );
 
     // And the election's ends the leadership, never the hold.
     let hold2 = alice.lock(name, LOCK_CLASS).acquire(|_| {}).await?;

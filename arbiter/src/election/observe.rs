@@ -556,7 +556,10 @@ mod tests {
                 put("term", term(1, None), 10),
                 put("lead", lead(1, 1, "a"), 10),
             ],
-            vec![put("term", term(1, Some(TermEnd::Forced)), 14), delete("lead")],
+            vec![
+                put("term", term(1, Some(TermEnd::Forced)), 14),
+                delete("lead"),
+            ],
             vec![
                 put("term", term(2, None), 16),
                 put("lead", lead(2, 2, "b"), 16),

@@ -4,8 +4,8 @@
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    ElectionLog, ElectionRead, ForceEnded, ForceTermTxn, LeadFrom, LeadTxn, LogResult,
-    PrefixWatch, ProclaimTxn, Queued, StoreError,
+    ElectionLog, ElectionRead, ForceEnded, ForceTermTxn, LeadFrom, LeadTxn, LogResult, PrefixWatch,
+    ProclaimTxn, Queued, StoreError,
 };
 
 use super::store::{Compare, Op};
@@ -188,7 +188,11 @@ impl ElectionLog for MemLog {
                 return inner.answer(ForceEnded::HoldChanged { now });
             }
             // The term record first, as the etcd log writes it.
-            let mut ops = vec![put(term, term_record, 0), Op::Delete(lead), Op::Delete(entry)];
+            let mut ops = vec![
+                put(term, term_record, 0),
+                Op::Delete(lead),
+                Op::Delete(entry),
+            ];
             if !records.put.is_empty() {
                 // A lease of its own, as a hold's forced end takes one.
                 let record_lease = super::holds::FORCE_LEASES | (inner.store.revision() + 1);

@@ -25,9 +25,10 @@ use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
     BatchOp, BatchOutcome, Claimed, Counted, DurableQueueLog, ElectionLog, ElectionRead, EpochLog,
-    FollowEvent, FollowLog, FollowSignal, ForceEndTxn, ForceEnded, ForceTermTxn, GrantTxn, Granted, HandOverFrom,
-    HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LeadFrom, LeadTo, LeadTxn, LogResult, PrefixWatch,
-    ProclaimTxn, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
+    FollowEvent, FollowLog, FollowSignal, ForceEndTxn, ForceEnded, ForceTermTxn, GrantTxn, Granted,
+    HandOverFrom, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LeadFrom, LeadTo, LeadTxn, LogResult,
+    PrefixWatch, ProclaimTxn, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, SessionLog,
+    StoreError,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};

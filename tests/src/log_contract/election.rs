@@ -1226,7 +1226,10 @@ pub async fn a_forced_end_of_a_term_ends_only_the_named_term(
         .await?;
     ensure!(answer.value == ForceEnded::Ended, "{:?}", answer.value);
     let at = one_write(log, before, "a forced end of a term").await?;
-    ensure!(answer.header.revision == at, "answered at {answer:?}, written at {at}");
+    ensure!(
+        answer.header.revision == at,
+        "answered at {answer:?}, written at {at}"
+    );
     let found = read(log, name).await?;
     ensure!(found.lead.is_none(), "still led: {:?}", found.lead);
     let term = found.term.context("the term record is gone")?;

@@ -11,8 +11,8 @@ use super::follow::EtcdPrefixWatch;
 use super::holds::fence_unchanged;
 use super::{EtcdLog, answer, first_kv, kv, unavailable, unavailable_on};
 use crate::lock_log::{
-    ElectionLog, ElectionRead, ForceEnded, ForceTermTxn, LeadFrom, LeadTxn, LogResult,
-    PrefixWatch, ProclaimTxn, Queued, StoreError,
+    ElectionLog, ElectionRead, ForceEnded, ForceTermTxn, LeadFrom, LeadTxn, LogResult, PrefixWatch,
+    ProclaimTxn, Queued, StoreError,
 };
 
 #[async_trait]

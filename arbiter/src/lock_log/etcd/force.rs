@@ -37,10 +37,7 @@ pub(super) async fn force_end(log: &EtcdLog, txn: ForceEndTxn<'_>) -> LogResult<
 /// and the records are as named. On a compare failure the same transaction
 /// reads the leader record and the records, so the caller learns which
 /// moved.
-pub(super) async fn force_end_term(
-    log: &EtcdLog,
-    txn: ForceTermTxn<'_>,
-) -> LogResult<ForceEnded> {
+pub(super) async fn force_end_term(log: &EtcdLog, txn: ForceTermTxn<'_>) -> LogResult<ForceEnded> {
     let lead = log.layout.election_lead(txn.election);
     let term = log.layout.election_term(txn.election);
     let when = vec![
@@ -54,10 +51,7 @@ pub(super) async fn force_end_term(
     let then = vec![
         TxnOp::put(term.as_str(), txn.term_record, None),
         TxnOp::delete(lead.as_str(), None),
-        TxnOp::delete(
-            log.layout.leadership_entry(txn.subject, txn.election),
-            None,
-        ),
+        TxnOp::delete(log.layout.leadership_entry(txn.subject, txn.election), None),
     ];
     let otherwise = vec![TxnOp::get(lead.as_str(), None)];
     run(log, txn.records, when, then, otherwise).await
