@@ -737,6 +737,81 @@ mod tests {
         assert!(msg.contains("--oidc-issuer"), "{msg}");
     }
 
+    /// An election's refusals: their own reasons, FAILED_PRECONDITION; the
+    /// leader now is named by identity, session and term, never by the
+    /// revision the request compared (the token's).
+    #[test]
+    fn an_election_s_refusals_say_what_leads_now_and_no_token() {
+        for (err, reason) in [
+            (
+                ForceError::NoLeader {
+                    election: "jobs/s".into(),
+                },
+                "NO_LEADER",
+            ),
+            (
+                ForceError::TermChanged {
+                    election: "jobs/s".into(),
+                    now: "it is vacant now".into(),
+                },
+                "TERM_CHANGED",
+            ),
+        ] {
+            assert_eq!(err.reason(), reason);
+            assert_eq!(Status::from(err).code(), Code::FailedPrecondition);
+        }
+        let lead = crate::records::LeadRecord {
+            identity: "spiffe://d/w".into(),
+            session: 0x77,
+            class: "e".into(),
+            epoch: 1,
+            count: 3,
+            value: String::new(),
+            priority: 0,
+            since_unix_ms: 1,
+            instance: String::new(),
+            bound: String::new(),
+        };
+        let kv = crate::lock_log::Kv {
+            value: encode(&lead),
+            create_revision: 987_654,
+            mod_revision: 987_655,
+            lease: 0x77,
+        };
+        let now = etcd::describe_leader_now(Some(&kv), (1 << 32) + 2);
+        assert!(
+            now.contains("spiffe://d/w") && now.contains("0x77"),
+            "{now}"
+        );
+        assert!(now.contains(&format!("term {}", (1u64 << 32) + 3)), "{now}");
+        assert!(!now.contains("98765"), "a revision in {now}");
+        assert_eq!(
+            etcd::describe_leader_now(None, 5),
+            "it is vacant now".to_string()
+        );
+    }
+
+    /// A request stored before elections reads as a hold's; a hold's
+    /// request and record are stored without the election fields.
+    #[test]
+    fn the_election_fields_are_additive() {
+        let old = br#"{"id":"r","key":"k","holderIdentity":"i","holderSession":1,"holdLease":1,"holdRevision":2,"class":"c","enforcement":"fenced","reason":"x","revokeSession":false,"requesterSubject":"a","requesterIdentity":"o","requestedAtUnixMs":1,"expiresAtUnixMs":2}"#;
+        let r: RequestRecord = crate::records::decode(old).unwrap();
+        assert!(!r.election && r.term == 0);
+        let json = String::from_utf8(encode(&r)).unwrap();
+        assert!(
+            !json.contains("election") && !json.contains("term"),
+            "{json}"
+        );
+        let elected = RequestRecord {
+            election: true,
+            term: 7,
+            ..r
+        };
+        let json = String::from_utf8(encode(&elected)).unwrap();
+        assert!(json.contains(r#""election":true"#) && json.contains(r#""term":7"#));
+    }
+
     #[test]
     fn the_force_record_carries_what_the_audit_tailer_reads() {
         let record = ForceRecord {
