@@ -47,7 +47,10 @@ use tracing::debug;
 
 use crate::epoch::EpochState;
 use crate::error::ArbiterError;
-use crate::lock_log::{ElectionRead, Kv, LeadFrom, LeadTo, LeadTxn, ProclaimTxn, Queued};
+use crate::lock_log::{
+    ElectionRead, ForceEnded, ForceRecords, ForceTermTxn, Kv, LeadFrom, LeadTo, LeadTxn,
+    ProclaimTxn, Queued,
+};
 use crate::table::LockTable;
 
 pub use observe::{Observation, Observer, Vacancy};
@@ -150,6 +153,17 @@ pub struct Claim<'a> {
     pub identity: &'a str,
     pub session: i64,
     pub token: u64,
+}
+
+/// The leadership an approved force-release ends: the leader record's
+/// lease and the term record's mod revision as the request read them.
+#[derive(Debug, Clone, Copy)]
+pub struct ForcedTerm<'a> {
+    pub election: &'a str,
+    pub session: i64,
+    pub term_at: i64,
+    /// The approval's records, written in the same transaction.
+    pub records: &'a ForceRecords,
 }
 
 /// Whom a transfer hands the leadership to.
@@ -914,6 +928,66 @@ impl Elections {
         Err(ArbiterError::store(
             "the election's candidates kept changing during the hand-over; retry",
         ))
+    }
+
+    /// Ends the leadership an approved force-release names (operators, not
+    /// its leader: no claim, no token), if it is still that one: the leader
+    /// record on `forced.session`'s lease and the term record at
+    /// `forced.term_at`. ONE transaction ([`ForceTermTxn`]) deletes the
+    /// leader record and the leadership's entry, marks the term record
+    /// ended by the operators (observers hear `FORCED` for that term) and
+    /// writes the approval's records. Nothing is handed to a candidate: a
+    /// waiting campaign sees the vacancy and leads in a term of its own.
+    /// The leader's session is left alone. The header is judged, but a
+    /// sealed log still answers: ending a term hands nothing out.
+    /// Returns the outcome with the revision it was read or written at.
+    pub async fn force_end(
+        &self,
+        forced: ForcedTerm<'_>,
+    ) -> Result<(ForceEnded, i64), ArbiterError> {
+        // Judged, not checked: a sealed log still answers (as the write).
+        let (read, header) = self
+            .table
+            .seal()
+            .judged(self.table.log().election(forced.election, 0))
+            .await?;
+        let read = Read::of(read, header.revision)?;
+        let (term_at, count) = read.term_at();
+        let leader = match &read.lead {
+            Some((record, kv)) if kv.lease == forced.session && term_at == forced.term_at => record,
+            // Moved since the request: the transaction would fail its
+            // compares, so it is not sent.
+            _ => {
+                return Ok((
+                    ForceEnded::HoldChanged {
+                        now: read.lead.map(|(_, kv)| kv),
+                    },
+                    read.revision,
+                ));
+            }
+        };
+        let subject = read
+            .term_subject()
+            .unwrap_or(leader.bounded_as())
+            .to_string();
+        let txn = ForceTermTxn {
+            election: forced.election,
+            session: forced.session,
+            subject: leader.bounded_as(),
+            term_at: forced.term_at,
+            term_record: encode(&TermRecord {
+                count,
+                ended: Some(TermEnd::Forced),
+                subject,
+            }),
+            records: forced.records,
+        };
+        let (ended, header) = self
+            .table
+            .seal()
+            .judged(self.table.log().force_end_term(txn))
+            .await?;
+        Ok((ended, header.revision))
     }
 
     /// The current leader, or `None` while vacant.

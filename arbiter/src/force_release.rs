@@ -24,6 +24,23 @@
 //! then `LeaseRevoke` ends its holds, which the audit tailer records as
 //! `force-revoked` ([`RevokeRecord`]). Nothing is written on any refusal, and no token
 //! (fencing or ID) ever reaches a record, a log line or an error.
+//!
+//! A request may name an election instead of a key (issue 33): then it is
+//! the election's current leadership that ends. The request reads the
+//! leader record and the term record and shows the leader (identity,
+//! session), the term, the class and its enforcement — never the token:
+//! the term record's mod revision, which with the epoch is the leader's
+//! token, is kept in the stored request for the approval's compare only.
+//! The approval asks the election's owner ([`Elections::force_end`], the
+//! lock log's `force_end_term`) for ONE transaction: compare the leader
+//! record's lease and the term record's mod revision with the request's
+//! and the request's own revision; delete the leader record and the
+//! leadership's entry, mark the term record ended by the operators (every
+//! observer hears a `FORCED` vacancy of that term, the leader's own
+//! client included), put the force record, delete the request. A request
+//! for a key never ends a leadership and one for an election never ends
+//! a hold: each reads and compares only its own records (`l/<key>` or
+//! `e/<name>//`), and its pending place is its kind's.
 
 pub mod etcd;
 
@@ -37,6 +54,7 @@ use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::config::EtcdUser;
+use crate::election::{Elections, ForcedTerm};
 use crate::error::ArbiterError;
 use crate::lock_log::StoreError;
 use crate::oidc::{OidcConfig, OidcError, OidcVerifier, SignedIn};
@@ -99,6 +117,20 @@ pub struct RequestRecord {
     /// could be another request's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub place: Option<u32>,
+    /// The request names an election's leadership, not a hold: `key` is
+    /// the election, the holder its leader, `hold_lease` the leader
+    /// record's lease and `hold_revision` the term record's mod revision
+    /// (with the epoch, the leader's token: compared by the approval and
+    /// never shown, logged or put in the force record).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub election: bool,
+    /// The term the request names (`epoch * 2^32 + count`); 0 for a hold.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub term: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// A force-release that happened, as stored under `{prefix}/sys/force/<id>`
@@ -127,6 +159,13 @@ pub struct ForceRecord {
     /// The operators' channel identities (SVIDs).
     pub requester_identity: String,
     pub approver_identity: String,
+    /// An election's leadership was ended, not a hold: `key` is the
+    /// election, `term` the term ended, the holder its leader, and
+    /// `hold_revision` 0 (the term's revision is its token's).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub election: bool,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub term: u64,
 }
 
 /// A session an operator's force-release revoked, as stored under
@@ -167,6 +206,10 @@ pub enum ForceError {
     #[error("key {key:?} is not held: there is nothing to release")]
     NotHeld { key: String },
     #[error(
+        "election {election:?} has no leader: there is nothing to release (a lock key of that name is released without --election)"
+    )]
+    NoLeader { election: String },
+    #[error(
         "no pending force-release request {id:?}: it never existed, was approved already, or expired unapproved (requests last {ttl_minutes} min); request again"
     )]
     UnknownRequest { id: String, ttl_minutes: u64 },
@@ -179,9 +222,17 @@ pub enum ForceError {
     )]
     HoldChanged { key: String, now: String },
     #[error(
-        "the hold on {key:?} already has a pending force-release request {id:?}: approve that one (latchctl admin force-release list) instead of requesting again"
+        "the leadership of election {election:?} changed since the request ({now}): nothing was released. Look again (latchctl leader) and request again if it is still stuck"
     )]
-    AlreadyRequested { key: String, id: String },
+    TermChanged { election: String, now: String },
+    #[error(
+        "{what} already has a pending force-release request {id:?}: approve that one (latchctl admin force-release list) instead of requesting again"
+    )]
+    AlreadyRequested {
+        /// "the hold on \"k\"", or "the leadership of election \"e\"".
+        what: String,
+        id: String,
+    },
     #[error(
         "{subject:?} has {limit} force-release requests pending: wait for approvals, or for requests to expire, before requesting more"
     )]
@@ -210,9 +261,11 @@ impl ForceError {
 
     pub fn code(&self) -> Code {
         match self {
-            Self::Disabled | Self::NotHeld { .. } | Self::HoldChanged { .. } => {
-                Code::FailedPrecondition
-            }
+            Self::Disabled
+            | Self::NotHeld { .. }
+            | Self::HoldChanged { .. }
+            | Self::NoLeader { .. }
+            | Self::TermChanged { .. } => Code::FailedPrecondition,
             Self::Token(e) if e.is_permission() => Code::PermissionDenied,
             Self::Token(OidcError::Provider(_)) => Code::Unavailable,
             Self::Token(_) => Code::Unauthenticated,
@@ -238,6 +291,8 @@ impl ForceError {
             Self::UnknownRequest { .. } => "FORCE_REQUEST_NOT_FOUND",
             Self::SameApprover { .. } => "SAME_APPROVER",
             Self::HoldChanged { .. } => "HOLD_CHANGED",
+            Self::NoLeader { .. } => "NO_LEADER",
+            Self::TermChanged { .. } => "TERM_CHANGED",
             Self::AlreadyRequested { .. } => "FORCE_REQUEST_PENDING",
             Self::TooManyPending { .. } => "TOO_MANY_FORCE_REQUESTS",
             Self::Store { .. } => "STORE_UNAVAILABLE",
@@ -293,6 +348,25 @@ pub fn enforcement_name(enforcement: Option<Enforcement>) -> &'static str {
     }
 }
 
+/// What a force-release ends: the hold on a key, or an election's current
+/// leadership (its term). Each kind reads and compares only its own
+/// records, so one never ends the other of the same name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    Hold,
+    Leadership,
+}
+
+/// What a request read of its target, for the request record.
+struct Read {
+    holder_identity: String,
+    holder_session: i64,
+    lease: i64,
+    revision: i64,
+    class: String,
+    term: u64,
+}
+
 /// The plain warning an approver must see, if any.
 pub fn warning_for(enforcement: &str) -> &'static str {
     match enforcement {
@@ -325,12 +399,15 @@ impl ForceRelease {
             .map_err(ForceError::Token)
     }
 
-    /// Writes a request for the hold `key` has now. `enforcement` names the
+    /// Writes a request for the hold `key` has now, or (`Target::Leadership`)
+    /// for election `key`'s current leadership. `enforcement` names the
     /// class's enforcement (looked up by the caller in the policies in force).
+    #[allow(clippy::too_many_arguments)]
     pub async fn request(
         &self,
         requester: &SignedIn,
         requester_identity: &str,
+        target: Target,
         key: &str,
         reason: &str,
         revoke_session: bool,
@@ -340,11 +417,40 @@ impl ForceRelease {
         // printable text (latchkey_proto::text says why).
         let reason = latchkey_proto::text::checked(reason, "a force-release reason", 512)
             .map_err(ForceError::BadRequest)?;
-        let hold = self
-            .store
-            .hold(key)
-            .await?
-            .ok_or_else(|| ForceError::NotHeld { key: key.into() })?;
+        let read = match target {
+            Target::Hold => {
+                let hold = self
+                    .store
+                    .hold(key)
+                    .await?
+                    .ok_or_else(|| ForceError::NotHeld { key: key.into() })?;
+                Read {
+                    holder_identity: hold.record.identity,
+                    holder_session: hold.record.session,
+                    lease: hold.lease,
+                    revision: hold.mod_revision,
+                    class: hold.record.class,
+                    term: 0,
+                }
+            }
+            Target::Leadership => {
+                let led =
+                    self.store
+                        .leadership(key)
+                        .await?
+                        .ok_or_else(|| ForceError::NoLeader {
+                            election: key.into(),
+                        })?;
+                Read {
+                    holder_identity: led.record.identity.clone(),
+                    holder_session: led.record.session,
+                    lease: led.lease,
+                    revision: led.term_revision,
+                    term: led.record.term(),
+                    class: led.record.class,
+                }
+            }
+        };
         let now = crate::records::now_unix_ms();
         // Bounded: one pending request per hold, and a few per operator.
         // Both bounds are places in etcd that the request's own put takes
@@ -362,12 +468,12 @@ impl ForceRelease {
         let record = RequestRecord {
             id: new_id()?,
             key: key.to_string(),
-            holder_identity: hold.record.identity.clone(),
-            holder_session: hold.record.session,
-            hold_lease: hold.lease,
-            hold_revision: hold.mod_revision,
-            class: hold.record.class.clone(),
-            enforcement: enforcement_name(enforcement(&hold.record.class)).into(),
+            enforcement: enforcement_name(enforcement(&read.class)).into(),
+            holder_identity: read.holder_identity,
+            holder_session: read.holder_session,
+            hold_lease: read.lease,
+            hold_revision: read.revision,
+            class: read.class,
             reason: reason.to_string(),
             revoke_session,
             requester_subject: requester.subject.clone(),
@@ -375,15 +481,19 @@ impl ForceRelease {
             requested_at_unix_ms: now,
             expires_at_unix_ms: now.saturating_add(ttl_ms),
             place: Some(place),
+            election: target == Target::Leadership,
+            term: read.term,
         };
         self.store.put_request(record, self.request_ttl).await
     }
 
-    /// Approves request `id` as `approver` and has `owner` (the key's
-    /// cluster's) end the hold.
+    /// Approves request `id` as `approver` and has the owner on its
+    /// cluster end what it names: the hold (`owner`, the keys'), or the
+    /// leadership (`elections`).
     pub async fn approve(
         &self,
         owner: &KeyOwner,
+        elections: &Elections,
         approver: &SignedIn,
         approver_identity: &str,
         id: &str,
@@ -403,7 +513,11 @@ impl ForceRelease {
         }
         let record = ForceRecord {
             key: request.key.clone(),
-            hold_revision: request.hold_revision,
+            // A term's revision is its leader's token's: never recorded.
+            hold_revision: match request.election {
+                true => 0,
+                false => request.hold_revision,
+            },
             request_id: request.id.clone(),
             requested_by: request.requester_subject.clone(),
             approved_by: approver.subject.clone(),
@@ -419,6 +533,8 @@ impl ForceRelease {
             issuer: approver.issuer.clone(),
             requester_identity: request.requester_identity.clone(),
             approver_identity: approver_identity.to_string(),
+            election: request.election,
+            term: request.term,
         };
         let records = ForceRecords {
             unchanged: vec![(
@@ -431,18 +547,38 @@ impl ForceRelease {
                 .chain(etcd::ForceStore::place_names_of(&request))
                 .collect(),
         };
-        let (ended, revision) = owner
-            .force_end(ForceEndTxn {
-                key: &request.key,
-                lease: request.hold_lease,
-                revision: request.hold_revision,
-                records: &records,
-            })
-            .await
-            .map_err(force_error)?;
+        let ended = match request.election {
+            false => {
+                owner
+                    .force_end(ForceEndTxn {
+                        key: &request.key,
+                        lease: request.hold_lease,
+                        revision: request.hold_revision,
+                        records: &records,
+                    })
+                    .await
+            }
+            true => {
+                elections
+                    .force_end(ForcedTerm {
+                        election: &request.key,
+                        session: request.hold_lease,
+                        term_at: request.hold_revision,
+                        records: &records,
+                    })
+                    .await
+            }
+        };
+        let (ended, revision) = ended.map_err(force_error)?;
         match ended {
             ForceEnded::Ended => {}
             ForceEnded::RecordsChanged => return Err(unknown()),
+            ForceEnded::HoldChanged { now } if request.election => {
+                return Err(ForceError::TermChanged {
+                    election: request.key.clone(),
+                    now: etcd::describe_leader_now(now.as_ref(), request.term),
+                });
+            }
             ForceEnded::HoldChanged { now } => {
                 return Err(ForceError::HoldChanged {
                     key: request.key.clone(),
@@ -601,6 +737,81 @@ mod tests {
         assert!(msg.contains("--oidc-issuer"), "{msg}");
     }
 
+    /// An election's refusals: their own reasons, FAILED_PRECONDITION; the
+    /// leader now is named by identity, session and term, never by the
+    /// revision the request compared (the token's).
+    #[test]
+    fn an_election_s_refusals_say_what_leads_now_and_no_token() {
+        for (err, reason) in [
+            (
+                ForceError::NoLeader {
+                    election: "jobs/s".into(),
+                },
+                "NO_LEADER",
+            ),
+            (
+                ForceError::TermChanged {
+                    election: "jobs/s".into(),
+                    now: "it is vacant now".into(),
+                },
+                "TERM_CHANGED",
+            ),
+        ] {
+            assert_eq!(err.reason(), reason);
+            assert_eq!(Status::from(err).code(), Code::FailedPrecondition);
+        }
+        let lead = crate::records::LeadRecord {
+            identity: "spiffe://d/w".into(),
+            session: 0x77,
+            class: "e".into(),
+            epoch: 1,
+            count: 3,
+            value: String::new(),
+            priority: 0,
+            since_unix_ms: 1,
+            instance: String::new(),
+            bound: String::new(),
+        };
+        let kv = crate::lock_log::Kv {
+            value: encode(&lead),
+            create_revision: 987_654,
+            mod_revision: 987_655,
+            lease: 0x77,
+        };
+        let now = etcd::describe_leader_now(Some(&kv), (1 << 32) + 2);
+        assert!(
+            now.contains("spiffe://d/w") && now.contains("0x77"),
+            "{now}"
+        );
+        assert!(now.contains(&format!("term {}", (1u64 << 32) + 3)), "{now}");
+        assert!(!now.contains("98765"), "a revision in {now}");
+        assert_eq!(
+            etcd::describe_leader_now(None, 5),
+            "it is vacant now".to_string()
+        );
+    }
+
+    /// A request stored before elections reads as a hold's; a hold's
+    /// request and record are stored without the election fields.
+    #[test]
+    fn the_election_fields_are_additive() {
+        let old = br#"{"id":"r","key":"k","holderIdentity":"i","holderSession":1,"holdLease":1,"holdRevision":2,"class":"c","enforcement":"fenced","reason":"x","revokeSession":false,"requesterSubject":"a","requesterIdentity":"o","requestedAtUnixMs":1,"expiresAtUnixMs":2}"#;
+        let r: RequestRecord = crate::records::decode(old).unwrap();
+        assert!(!r.election && r.term == 0);
+        let json = String::from_utf8(encode(&r)).unwrap();
+        assert!(
+            !json.contains("election") && !json.contains("term"),
+            "{json}"
+        );
+        let elected = RequestRecord {
+            election: true,
+            term: 7,
+            ..r
+        };
+        let json = String::from_utf8(encode(&elected)).unwrap();
+        assert!(json.contains(r#""election":true"#) && json.contains(r#""term":7"#));
+    }
+
     #[test]
     fn the_force_record_carries_what_the_audit_tailer_reads() {
         let record = ForceRecord {
@@ -621,6 +832,8 @@ mod tests {
             issuer: "https://sso".into(),
             requester_identity: "spiffe://d/op".into(),
             approver_identity: "spiffe://d/op2".into(),
+            election: false,
+            term: 0,
         };
         let json: serde_json::Value =
             serde_json::from_slice(&crate::records::encode(&record)).unwrap();

@@ -248,7 +248,8 @@ pub enum ForceEnded {
     /// The hold and its claims are deleted, the records written.
     Ended,
     /// Nothing written: the hold is not the one named. `now` is the hold
-    /// as the failed transaction read it (`None`: not held).
+    /// as the failed transaction read it (`None`: not held); for a term
+    /// ([`ForceTermTxn`]), the leader record (`None`: vacant).
     HoldChanged { now: Option<Kv> },
     /// Nothing written: a record in [`ForceRecords::unchanged`] moved.
     RecordsChanged,
@@ -787,6 +788,28 @@ pub struct ProclaimTxn<'a> {
     pub lead_record: Vec<u8>,
 }
 
+/// A forced end of one leadership, approved by two operators (an
+/// election's force-release): the leader record of `election` is deleted,
+/// the term record put as `term_record` (the same count, ended by the
+/// operators) and the leadership's entry under grant subject `subject`
+/// deleted, only if the leader record is still on `session`'s lease and the
+/// term record still at `term_at` (its mod revision: the term the request
+/// named; a term started since, even by the same session, has moved it),
+/// and only if the approval's own records agree, all in one transaction.
+/// Like [`ForceEndTxn`], nothing about the epoch, a seal or the shard-map
+/// fence is compared: ending a term hands nothing out (an epoch advance
+/// deletes the term record, so a request from before one fails its
+/// compare).
+#[derive(Debug, Clone)]
+pub struct ForceTermTxn<'a> {
+    pub election: &'a str,
+    pub session: i64,
+    pub subject: &'a str,
+    pub term_at: i64,
+    pub term_record: Vec<u8>,
+    pub records: &'a ForceRecords,
+}
+
 /// Elections (latchkey.election.v1): a leader record, a term record and
 /// candidate records per election, each operation one request to the store.
 /// Safety rests on the [`LeadTxn`] compares alone (one leader record; the
@@ -823,6 +846,11 @@ pub trait ElectionLog: Send + Sync + 'static {
     async fn lead(&self, txn: LeadTxn<'_>) -> LogResult<bool>;
     /// One [`ProclaimTxn`]: whether it committed.
     async fn proclaim(&self, txn: ProclaimTxn<'_>) -> LogResult<bool>;
+    /// One [`ForceTermTxn`]: [`ForceEnded::Ended`]; or nothing written and
+    /// [`ForceEnded::RecordsChanged`] when an approval record moved, else
+    /// [`ForceEnded::HoldChanged`] with the leader record as the failed
+    /// transaction read it (`None`: vacant).
+    async fn force_end_term(&self, txn: ForceTermTxn<'_>) -> LogResult<ForceEnded>;
     /// How many leaderships grant subject `subject` has (a count-only read
     /// of its entries).
     async fn count_leaderships(&self, subject: &str) -> LogResult<i64>;

@@ -488,6 +488,35 @@ impl Client {
                 reason: reason.to_owned(),
                 revoke_session,
                 id_token: id_token.to_owned(),
+                election: false,
+            }))
+            .await?
+            .into_inner())
+    }
+
+    /// Asks for a force-release of election `election`'s current
+    /// leadership (issue 33): once a different operator approves, its term
+    /// ends (observers, the leader's own client included, see a `FORCED`
+    /// vacancy of that term) and the next candidate leads in a new term. A
+    /// hold on a lock key of the same name is left alone. The request shows
+    /// the leader, its session and term, never its token.
+    /// `revoke_session` also revokes the leader's session.
+    pub async fn request_election_force_release(
+        &self,
+        election: &str,
+        reason: &str,
+        revoke_session: bool,
+        id_token: &str,
+    ) -> Result<ForceReleaseRequest, Error> {
+        let rpc = &self.inner.rpc;
+        Ok(rpc
+            .admin()
+            .request_force_release(rpc.unary(RequestForceReleaseRequest {
+                key: election.to_owned(),
+                reason: reason.to_owned(),
+                revoke_session,
+                id_token: id_token.to_owned(),
+                election: true,
             }))
             .await?
             .into_inner())

@@ -109,6 +109,7 @@ impl World {
                 reason: "stuck since the 03:12 deploy".into(),
                 revoke_session: false,
                 id_token: token.into(),
+                election: false,
             })
             .await?
             .into_inner())
@@ -280,6 +281,7 @@ async fn revoke_session_ends_every_hold_of_the_holders_session() -> anyhow::Resu
             reason: "the whole worker is wedged".into(),
             revoke_session: true,
             id_token: w.token("alice-op").await?,
+            election: false,
         })
         .await?
         .into_inner();
@@ -551,6 +553,7 @@ async fn without_an_oidc_issuer_force_release_is_refused() -> anyhow::Result<()>
             reason: "x".into(),
             revoke_session: false,
             id_token: "anything".into(),
+            election: false,
         })
         .await;
     let s = expect_code(r, Code::FailedPrecondition)?;
@@ -658,6 +661,7 @@ async fn add_force_user(etcd: &EtcdServer) -> anyhow::Result<()> {
         (PermissionType::Write, "/latchkey/c/"),
         (PermissionType::Readwrite, "/latchkey/sys/force/"),
         (PermissionType::Readwrite, "/latchkey/sys/force-req/"),
+        (PermissionType::Readwrite, "/latchkey/e/"),
     ] {
         c.role_grant_permission(
             "latchkey-force",
@@ -1048,6 +1052,7 @@ async fn a_reason_that_could_redraw_the_approvers_terminal_is_refused() -> anyho
                     reason: reason.into(),
                     revoke_session: false,
                     id_token: token.clone(),
+                    election: false,
                 })
                 .await
                 .map(|r| r.into_inner()),
@@ -1124,6 +1129,8 @@ async fn latchctl_shows_a_stored_reason_with_its_control_characters_escaped() ->
         requested_at_unix_ms: now,
         expires_at_unix_ms: now + 600_000,
         place: None,
+        election: false,
+        term: 0,
     };
     etcd.clone()
         .put(

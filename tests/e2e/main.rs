@@ -16,6 +16,7 @@ mod etcd_harness;
 mod etcd_members;
 mod etcd_tls;
 mod force_release;
+mod force_release_elections;
 mod grants;
 mod grpc_health;
 mod h2_limits;

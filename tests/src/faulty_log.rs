@@ -593,6 +593,12 @@ impl latchkey_arbiter::lock_log::ElectionLog for FaultyLog {
     async fn proclaim(&self, txn: latchkey_arbiter::lock_log::ProclaimTxn<'_>) -> LogResult<bool> {
         self.inner.proclaim(txn).await
     }
+    async fn force_end_term(
+        &self,
+        txn: latchkey_arbiter::lock_log::ForceTermTxn<'_>,
+    ) -> LogResult<latchkey_arbiter::lock_log::ForceEnded> {
+        self.inner.force_end_term(txn).await
+    }
     async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {
         self.inner.count_leaderships(subject).await
     }
@@ -764,6 +770,13 @@ mod tests {
             &self,
             txn: latchkey_arbiter::lock_log::ProclaimTxn<'_>,
         ) -> LogResult<bool> {
+            let _ = txn;
+            Err(StoreError::unavailable("elections are not in this log yet"))
+        }
+        async fn force_end_term(
+            &self,
+            txn: latchkey_arbiter::lock_log::ForceTermTxn<'_>,
+        ) -> LogResult<latchkey_arbiter::lock_log::ForceEnded> {
             let _ = txn;
             Err(StoreError::unavailable("elections are not in this log yet"))
         }

@@ -29,6 +29,7 @@ use batch::{
     release_if_owned_compares_the_owner,
 };
 use election::{
+    a_forced_end_of_a_term_ends_only_the_named_term,
     a_hand_over_and_a_resignation_move_the_lead_in_one_revision,
     a_lead_refuses_on_any_stale_compare, a_lead_to_a_candidate_whose_lease_ended_fails,
     a_vacancy_is_led_by_one_of_two_racing_lead_txns, an_advance_deletes_every_election_record,
@@ -113,6 +114,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(proclaim_keeps_the_leadership);
     case!(candidates_come_back_by_rank_then_session);
     case!(a_lead_to_a_candidate_whose_lease_ended_fails);
+    case!(a_forced_end_of_a_term_ends_only_the_named_term);
     case!(an_election_watch_reports_every_change_from_a_revision);
     case!(an_advance_deletes_every_election_record);
     case!(the_seal_refuses_lead_and_proclaim);

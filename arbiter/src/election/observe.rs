@@ -524,4 +524,36 @@ mod tests {
             ]
         );
     }
+
+    /// An election's force-release writes what a resignation does, the
+    /// term record marked forced: observers hear FORCED for that term, and
+    /// the leadership entry's delete (outside the election's prefix) says
+    /// nothing; the next term starts over the vacancy as any does.
+    #[test]
+    fn a_forced_end_is_a_forced_vacancy_of_that_term() {
+        let mut known = Known::default();
+        let batches = vec![
+            vec![
+                put("term", term(1, None), 10),
+                put("lead", lead(1, 1, "a"), 10),
+            ],
+            vec![
+                put("term", term(1, Some(TermEnd::Forced)), 14),
+                delete("lead"),
+            ],
+            vec![
+                put("term", term(2, None), 16),
+                put("lead", lead(2, 2, "b"), 16),
+            ],
+        ];
+        let mut all = Vec::new();
+        for batch in &batches {
+            all.extend(translate(&mut known, batch));
+        }
+        assert_eq!(kinds(&all), ["start 1", "vacant 1 Forced", "start 2"]);
+        assert_eq!(
+            known.leader.as_ref().map(|(s, l)| (*s, l.value.as_str())),
+            Some((2, "b"))
+        );
+    }
 }

@@ -1,8 +1,9 @@
 //! The force-release path's etcd requests (through [`latchkey_etcd`], like
-//! the lock log and the holds' watch): reads of a hold, the request records,
-//! their listing and the holder's session revocation. The transaction that
-//! ends the hold is the lock log's (`HoldLog::force_end`), run by the key's
-//! owner.
+//! the lock log and the holds' watch): reads of a hold or of an election's
+//! leadership, the request records, their listing and the holder's session
+//! revocation. The transaction that ends the hold is the lock log's
+//! (`HoldLog::force_end`), run by the key's owner; a leadership's is
+//! `ElectionLog::force_end_term`, run by the election's owner.
 //!
 //! Two clients: `force`, logged in as the restricted force-release user
 //! when one is configured (every request here but the session revocation),
@@ -19,6 +20,7 @@ use tracing::warn;
 use super::{ForceError, ForceRecord, RequestRecord, RevokeRecord};
 use crate::lock_log::Kv;
 use crate::records::{HolderRecord, Layout, decode, encode, keys};
+use latchkey_records::LeadRecord;
 
 /// A holder record as read: what it says, its lease, its mod revision.
 #[derive(Debug, Clone)]
@@ -26,6 +28,15 @@ pub struct Hold {
     pub record: HolderRecord,
     pub lease: i64,
     pub mod_revision: i64,
+}
+
+/// An election's leadership as read: the leader record, its lease, and
+/// the term record's mod revision (0: absent).
+#[derive(Debug, Clone)]
+pub struct Led {
+    pub record: LeadRecord,
+    pub lease: i64,
+    pub term_revision: i64,
 }
 
 #[derive(Clone)]
@@ -104,6 +115,47 @@ impl ForceStore {
         }))
     }
 
+    /// Election `name`'s leadership now, if it is led: the leader record
+    /// and the term record, in one read.
+    pub async fn leadership(&self, name: &str) -> Result<Option<Led>, ForceError> {
+        let txn = Txn::new().and_then(vec![
+            TxnOp::get(self.layout.election_lead(name), None),
+            TxnOp::get(self.layout.election_term(name), None),
+        ]);
+        let resp = self
+            .force
+            .kv_client()
+            .txn(txn)
+            .await
+            .map_err(|e| store_error("reading the election", e))?;
+        let answers = resp.op_responses();
+        let first = |i: usize| match answers.get(i) {
+            Some(TxnOpResponse::Get(g)) => g.kvs().first().cloned(),
+            _ => None,
+        };
+        let Some(lead) = first(0) else {
+            return Ok(None);
+        };
+        let term_revision = first(1).map_or(0, |kv| kv.mod_revision());
+        Ok(Some(Led {
+            // A record nobody can read is still a leadership to end.
+            record: decode(lead.value()).unwrap_or_else(|| LeadRecord {
+                identity: "(unreadable leader record)".into(),
+                session: lead.lease(),
+                class: String::new(),
+                epoch: 0,
+                count: 0,
+                value: String::new(),
+                priority: 0,
+                since_unix_ms: 0,
+                instance: String::new(),
+                bound: String::new(),
+            }),
+            lease: lead.lease(),
+            term_revision,
+        }))
+    }
+
     /// `sys/force-req/<id>` (below the prefix): a pending request.
     pub fn request_name(id: &str) -> String {
         format!("{}{id}", keys::FORCE_REQUESTS)
@@ -120,9 +172,22 @@ impl ForceStore {
         format!("{}place/hold/{hold_revision}/{key}", keys::FORCE_REQUESTS)
     }
 
-    fn hold_place(&self, key: &str, hold_revision: i64) -> String {
-        self.layout
-            .under(&Self::hold_place_name(key, hold_revision))
+    /// `sys/force-req/place/term/<term revision>/<election>`: the one
+    /// pending request a leadership may have (a place of its own kind, so
+    /// a key's and an election's of one name never share one).
+    fn term_place_name(election: &str, term_revision: i64) -> String {
+        format!(
+            "{}place/term/{term_revision}/{election}",
+            keys::FORCE_REQUESTS
+        )
+    }
+
+    /// The place of the target `request` names: its hold's or its term's.
+    fn target_place_name(request: &RequestRecord) -> String {
+        match request.election {
+            true => Self::term_place_name(&request.key, request.hold_revision),
+            false => Self::hold_place_name(&request.key, request.hold_revision),
+        }
     }
 
     /// `sys/force-req/place/op/<subject, hex>/`: the places of one
@@ -146,7 +211,7 @@ impl ForceStore {
     pub fn place_names_of(request: &RequestRecord) -> Vec<String> {
         match request.place {
             Some(place) => vec![
-                Self::hold_place_name(&request.key, request.hold_revision),
+                Self::target_place_name(request),
                 format!(
                     "{}{place}",
                     Self::operator_places_name(&request.requester_subject)
@@ -207,8 +272,16 @@ impl ForceStore {
         request: &mut RequestRecord,
         lease: i64,
     ) -> Result<(), ForceError> {
-        let holder = self.layout.holder(&request.key);
-        let hold_place = self.hold_place(&request.key, request.hold_revision);
+        // What the request names: the holder record, or the leader record
+        // with the term record.
+        let (target, term) = match request.election {
+            false => (self.layout.holder(&request.key), None),
+            true => (
+                self.layout.election_lead(&request.key),
+                Some(self.layout.election_term(&request.key)),
+            ),
+        };
+        let hold_place = self.layout.under(&Self::target_place_name(request));
         let on_lease = || Some(PutOptions::new().with_lease(lease));
         // Each retry follows a place another request took meanwhile: more
         // than the places there are means the store keeps changing under us.
@@ -217,7 +290,13 @@ impl ForceStore {
                 &request.requester_subject,
                 request.place.unwrap_or_default(),
             );
-            let mut when = self.same_hold(&holder, request);
+            let mut when = match &term {
+                None => self.same_hold(&target, request),
+                Some(term) => vec![
+                    Compare::lease(target.as_str(), CompareOp::Equal, request.hold_lease),
+                    Compare::mod_revision(term.as_str(), CompareOp::Equal, request.hold_revision),
+                ],
+            };
             when.push(Compare::version(hold_place.as_str(), CompareOp::Equal, 0));
             when.push(Compare::version(place.as_str(), CompareOp::Equal, 0));
             let txn = Txn::new()
@@ -232,9 +311,15 @@ impl ForceStore {
                     TxnOp::put(place.as_str(), request.id.as_str(), on_lease()),
                 ])
                 .or_else(vec![
-                    TxnOp::get(holder.as_str(), None),
+                    TxnOp::get(target.as_str(), None),
                     TxnOp::get(hold_place.as_str(), None),
                     TxnOp::get(place.as_str(), Some(GetOptions::new().with_count_only())),
+                    // The term record (a hold's request reads its holder
+                    // record again: unused).
+                    TxnOp::get(
+                        term.as_deref().unwrap_or(target.as_str()),
+                        Some(GetOptions::new().with_keys_only()),
+                    ),
                 ]);
             let resp = self
                 .force
@@ -246,23 +331,38 @@ impl ForceStore {
                 return Ok(());
             }
             let answers = resp.op_responses();
-            let same_hold = match answers.first() {
-                Some(TxnOpResponse::Get(g)) => g.kvs().first().is_some_and(|kv| {
+            let got = |i: usize| match answers.get(i) {
+                Some(TxnOpResponse::Get(g)) => g.kvs().first().cloned(),
+                _ => None,
+            };
+            let same = match request.election {
+                false => got(0).is_some_and(|kv| {
                     kv.mod_revision() == request.hold_revision && kv.lease() == request.hold_lease
                 }),
-                _ => false,
+                true => {
+                    got(0).is_some_and(|kv| kv.lease() == request.hold_lease)
+                        && got(3).map_or(0, |kv| kv.mod_revision()) == request.hold_revision
+                }
             };
-            if !same_hold {
+            if !same && request.election {
+                return Err(ForceError::TermChanged {
+                    election: request.key.clone(),
+                    now: describe_leader_now(hold_of(&answers).as_ref(), request.term),
+                });
+            }
+            if !same {
                 return Err(ForceError::HoldChanged {
                     key: request.key.clone(),
                     now: describe_now(hold_of(&answers).as_ref()),
                 });
             }
-            if let Some(TxnOpResponse::Get(g)) = answers.get(1)
-                && let Some(kv) = g.kvs().first()
-            {
+            if let Some(kv) = got(1) {
+                let what = match request.election {
+                    true => format!("the leadership of election {:?}", request.key),
+                    false => format!("the hold on {:?}", request.key),
+                };
                 return Err(ForceError::AlreadyRequested {
-                    key: request.key.clone(),
+                    what,
                     id: crate::service::truncate(&String::from_utf8_lossy(kv.value()), 64),
                 });
             }
@@ -433,6 +533,28 @@ fn hold_of(answers: &[TxnOpResponse]) -> Option<Kv> {
             lease: kv.lease(),
         }),
         _ => None,
+    }
+}
+
+/// The leadership now, as a failed transaction read the leader record, for
+/// the refusal of a request for term `term`. Never a revision (the term's
+/// is its leader's token's).
+pub fn describe_leader_now(now: Option<&Kv>, term: u64) -> String {
+    match now {
+        None => "it is vacant now".into(),
+        Some(kv) => match decode::<LeadRecord>(&kv.value) {
+            Some(r) if r.term() == term => format!(
+                "term {term} is still led by {}, but its records moved (an epoch advance, or another request's approval)",
+                r.identity
+            ),
+            Some(r) => format!(
+                "now led by {} through session {:#x} in term {} (the request named term {term})",
+                r.identity,
+                kv.lease,
+                r.term(),
+            ),
+            None => format!("now led by another leadership than term {term}"),
+        },
     }
 }
 

@@ -118,8 +118,10 @@ impl EtcdLog {
         })
     }
 
-    /// Runs [`HoldLog::force_end`] with `client` (logged in as the
-    /// restricted force-release user) instead of the log's own.
+    /// Runs [`HoldLog::force_end`] and
+    /// [`crate::lock_log::ElectionLog::force_end_term`] with
+    /// `client` (logged in as the restricted force-release user) instead of
+    /// the log's own.
     pub fn with_force_client(mut self, client: Client) -> Self {
         self.force = client;
         self

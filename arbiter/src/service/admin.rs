@@ -195,9 +195,15 @@ impl Arbiter {
             .force_caller(&request, &request.get_ref().id_token)
             .await?;
         let req = request.into_inner();
+        // An election's name is a lock key too (its own records, though).
         let key = LockKey::parse(&req.key).map_err(|e| ArbiterError::BadKey(e.to_string()))?;
+        let target = match req.election {
+            true => force_release::Target::Leadership,
+            false => force_release::Target::Hold,
+        };
         let policies = self.policies.current();
-        // The request lives with the hold, on the key's cluster (ADR-07).
+        // The request lives with the hold (or the election), on the key's
+        // cluster (ADR-07).
         let force = self
             .tiers
             .for_key(&key)
@@ -209,6 +215,7 @@ impl Arbiter {
             .request(
                 &requester,
                 &operator,
+                target,
                 key.as_str(),
                 &req.reason,
                 req.revoke_session,
@@ -219,6 +226,8 @@ impl Arbiter {
             operator = %operator,
             subject = ?requester.subject,
             key = %record.key,
+            election = record.election,
+            term = record.term,
             request_id = %record.id,
             holder = %record.holder_identity,
             class = %record.class,
@@ -246,7 +255,13 @@ impl Arbiter {
                 continue;
             };
             match force
-                .approve(&cluster.owner, &approver, &operator, id.trim())
+                .approve(
+                    &cluster.owner,
+                    &cluster.elections,
+                    &approver,
+                    &operator,
+                    id.trim(),
+                )
                 .await
             {
                 Err(e @ ForceError::UnknownRequest { .. }) => unknown = Some(e),
@@ -281,12 +296,18 @@ impl Arbiter {
             approver = ?approver.subject,
             requester = ?approved.request.requester_subject,
             key = %approved.request.key,
+            election = approved.request.election,
+            term = approved.request.term,
             request_id = %approved.request.id,
             holder = %approved.request.holder_identity,
             enforcement = %approved.request.enforcement,
             revision = approved.revision,
             session_revoked,
-            "FORCE-RELEASED a hold"
+            "{}",
+            match approved.request.election {
+                true => "FORCE-RELEASED a leadership (its term ended)",
+                false => "FORCE-RELEASED a hold",
+            }
         );
         Ok(ApproveForceReleaseResponse {
             request: Some(request_view(&approved.request)),
@@ -330,6 +351,8 @@ impl Arbiter {
                     requested_at_unix_ms: r.requested_at_unix_ms,
                     approved_at_unix_ms: r.approved_at_unix_ms,
                     revoke_session: r.revoke_session,
+                    election: r.election,
+                    term: r.term,
                 })
                 .collect(),
         })
@@ -343,7 +366,11 @@ fn request_view(r: &RequestRecord) -> ForceReleaseRequest {
         key: r.key.clone(),
         holder_identity: r.holder_identity.clone(),
         holder_session: r.holder_session,
-        hold_revision: r.hold_revision,
+        // A term's revision is its leader's token's: never shown.
+        hold_revision: match r.election {
+            true => 0,
+            false => r.hold_revision,
+        },
         class: r.class.clone(),
         enforcement: r.enforcement.clone(),
         warning: force_release::warning_for(&r.enforcement).to_string(),
@@ -353,5 +380,7 @@ fn request_view(r: &RequestRecord) -> ForceReleaseRequest {
         requested_at_unix_ms: r.requested_at_unix_ms,
         expires_at_unix_ms: r.expires_at_unix_ms,
         requester_identity: r.requester_identity.clone(),
+        election: r.election,
+        term: r.term,
     }
 }

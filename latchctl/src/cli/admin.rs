@@ -16,8 +16,8 @@ pub enum AdminCommand {
     Status(StatusArgs),
     /// Unseal after a restore: epoch `expected` -> above every epoch known, deleting every hold.
     AdvanceEpoch(AdvanceArgs),
-    /// Two-person force-release of a stuck hold (ADR-20): one operator
-    /// requests, a different one approves. Both sign in with OIDC: the ID
+    /// Two-person force-release of a stuck hold or leadership (ADR-20): one
+    /// operator requests, a different one approves. Both sign in with OIDC: the ID
     /// token is read from --id-token-file or LATCHKEY_ID_TOKEN, never from
     /// the command line.
     #[command(subcommand)]
@@ -30,10 +30,12 @@ pub enum AdminCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum ForceReleaseCommand {
-    /// Ask for a force-release of KEY's current hold; prints the request id
-    /// for the approver.
+    /// Ask for a force-release of KEY's current hold (with --election: of
+    /// election KEY's current leadership); prints the request id for the
+    /// approver.
     Request(ForceRequestArgs),
-    /// Approve request ID (you must not be its requester): the hold ends at once.
+    /// Approve request ID (you must not be its requester): the hold (or the
+    /// leader's term) ends at once.
     Approve(ForceApproveArgs),
     /// Pending requests (with the holder, class and enforcement an approver
     /// must see) and the force-releases of the last 24 h.
@@ -50,12 +52,19 @@ pub struct IdTokenArgs {
 
 #[derive(Debug, Args)]
 pub struct ForceRequestArgs {
-    /// The lock key whose hold to end.
+    /// The lock key whose hold to end (with --election: the election whose
+    /// leadership to end).
     pub key: String,
+    /// KEY names an election: end its current leader's term (observers see
+    /// a FORCED vacancy; the next candidate leads in a new term). A hold on
+    /// a lock key of the same name is not touched, nor the other way round.
+    #[arg(long)]
+    pub election: bool,
     /// Why: shown to the approver and kept in the audit trail.
     #[arg(long)]
     pub reason: String,
-    /// Also revoke the holder's whole session (every key it holds).
+    /// Also revoke the holder's (the leader's) whole session (every key it
+    /// holds, every election it leads).
     #[arg(long)]
     pub revoke_session: bool,
     #[command(flatten)]
@@ -109,6 +118,8 @@ fn request_json(r: &ForceReleaseRequest) -> serde_json::Value {
         "requester_identity": r.requester_identity,
         "requested_at_unix_ms": r.requested_at_unix_ms,
         "expires_at_unix_ms": r.expires_at_unix_ms,
+        "election": r.election,
+        "term": r.term,
     })
 }
 
@@ -117,13 +128,25 @@ fn print_request(r: &ForceReleaseRequest) {
     // Everything here but the numbers came from someone else: shown with
     // control and format characters escaped, so no field can redraw the
     // lines the approver reads (latchkey_proto::text).
-    println!("key          {}", Shown(&r.key));
-    println!(
-        "holder       {} (session {:#x}, granted at revision {})",
-        Shown(&r.holder_identity),
-        r.holder_session,
-        r.hold_revision
-    );
+    if r.election {
+        // What ends is a term, not a hold: no revision (a term's is its
+        // leader's token's).
+        println!("election     {}", Shown(&r.key));
+        println!(
+            "leader       {} (session {:#x}, term {})",
+            Shown(&r.holder_identity),
+            r.holder_session,
+            r.term
+        );
+    } else {
+        println!("key          {}", Shown(&r.key));
+        println!(
+            "holder       {} (session {:#x}, granted at revision {})",
+            Shown(&r.holder_identity),
+            r.holder_session,
+            r.hold_revision
+        );
+    }
     println!(
         "class        {} ({})",
         Shown(&r.class),
@@ -138,6 +161,12 @@ fn print_request(r: &ForceReleaseRequest) {
     if r.revoke_session {
         println!("also         revokes the holder's whole session");
     }
+    if r.election {
+        println!(
+            "ends         term {}: observers see it vacated (FORCED) and the next candidate leads",
+            r.term
+        );
+    }
     if !r.warning.is_empty() {
         println!("WARNING      {}", Shown(&r.warning));
     }
@@ -151,9 +180,23 @@ async fn force_release(
     match command {
         ForceReleaseCommand::Request(args) => {
             let token = id_token(&args.token)?;
-            let r = client
-                .request_force_release(&args.key, &args.reason, args.revoke_session, &token)
-                .await?;
+            let r = match args.election {
+                true => {
+                    client
+                        .request_election_force_release(
+                            &args.key,
+                            &args.reason,
+                            args.revoke_session,
+                            &token,
+                        )
+                        .await?
+                }
+                false => {
+                    client
+                        .request_force_release(&args.key, &args.reason, args.revoke_session, &token)
+                        .await?
+                }
+            };
             if out.json {
                 out.line(request_json(&r));
             } else {
@@ -236,6 +279,8 @@ async fn force_release(
                         "requested_at_unix_ms": d.requested_at_unix_ms,
                         "approved_at_unix_ms": d.approved_at_unix_ms,
                         "revoke_session": d.revoke_session,
+                        "election": d.election,
+                        "term": d.term,
                     }}));
                 }
             } else {
@@ -247,10 +292,13 @@ async fn force_release(
                     println!();
                 }
                 for d in &r.done {
+                    let what = match d.election {
+                        true => format!("election {} term {} led by", Shown(&d.key), d.term),
+                        false => format!("{} held by", Shown(&d.key)),
+                    };
                     println!(
-                        "done {} {} held by {} ({}): requested by {}, approved by {}: {}",
+                        "done {} {what} {} ({}): requested by {}, approved by {}: {}",
                         Shown(&d.id),
-                        Shown(&d.key),
                         Shown(&d.holder_identity),
                         Shown(&d.enforcement),
                         Shown(&d.requester),

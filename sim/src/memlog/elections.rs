@@ -4,8 +4,8 @@
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    ElectionLog, ElectionRead, LeadFrom, LeadTxn, LogResult, PrefixWatch, ProclaimTxn, Queued,
-    StoreError,
+    ElectionLog, ElectionRead, ForceEnded, ForceTermTxn, LeadFrom, LeadTxn, LogResult, PrefixWatch,
+    ProclaimTxn, Queued, StoreError,
 };
 
 use super::store::{Compare, Op};
@@ -159,6 +159,56 @@ impl ElectionLog for MemLog {
                 )?;
             }
             inner.answer(ok)
+        })
+        .await
+    }
+
+    async fn force_end_term(&self, txn: ForceTermTxn<'_>) -> LogResult<ForceEnded> {
+        let lead = keys::election_lead(txn.election);
+        let term = keys::election_term(txn.election);
+        let entry = keys::leadership_entry(txn.subject, txn.election);
+        let records = txn.records.clone();
+        let (session, term_at, term_record) = (txn.session, txn.term_at, txn.term_record);
+        self.call("force end term", move |inner, now| {
+            let led = inner.store.all(&[
+                Compare::Lease(lead.clone(), session),
+                Compare::ModRevision(term.clone(), term_at),
+            ]);
+            let records_moved = !records.unchanged.iter().all(|(name, rev)| {
+                inner
+                    .store
+                    .get(name)
+                    .is_some_and(|kv| kv.mod_revision == *rev)
+            });
+            if records_moved {
+                return inner.answer(ForceEnded::RecordsChanged);
+            }
+            if !led {
+                let now = kv_of(&inner.store, &lead);
+                return inner.answer(ForceEnded::HoldChanged { now });
+            }
+            // The term record first, as the etcd log writes it.
+            let mut ops = vec![
+                put(term, term_record, 0),
+                Op::Delete(lead),
+                Op::Delete(entry),
+            ];
+            if !records.put.is_empty() {
+                // A lease of its own, as a hold's forced end takes one.
+                let record_lease = super::holds::FORCE_LEASES | (inner.store.revision() + 1);
+                inner
+                    .store
+                    .grant_lease(record_lease, records.ttl_seconds, now);
+                ops.extend(
+                    records
+                        .put
+                        .iter()
+                        .map(|(name, value)| put(name.clone(), value.clone(), record_lease)),
+                );
+            }
+            ops.extend(records.delete.iter().map(|name| Op::Delete(name.clone())));
+            commit(&mut inner.store, ops)?;
+            inner.answer(ForceEnded::Ended)
         })
         .await
     }

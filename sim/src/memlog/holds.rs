@@ -11,7 +11,7 @@ use super::store::{Compare, NoLease, Op, OpResult};
 use super::{MemLog, batch, commit, keys, kv_of, lease_gone, put, watch};
 
 /// The high bits of the leases a forced end puts its records on.
-const FORCE_LEASES: i64 = 0x3f << 56;
+pub(super) const FORCE_LEASES: i64 = 0x3f << 56;
 
 /// The compares that make a release or hand-over act only on `held`: the
 /// same record bytes, on the same lease, at the same revision.

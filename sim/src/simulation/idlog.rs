@@ -25,9 +25,10 @@ use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
     BatchOp, BatchOutcome, Claimed, Counted, DurableQueueLog, ElectionLog, ElectionRead, EpochLog,
-    FollowEvent, FollowLog, FollowSignal, ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverFrom,
-    HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LeadFrom, LeadTo, LeadTxn, LogResult, PrefixWatch,
-    ProclaimTxn, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, SessionLog, StoreError,
+    FollowEvent, FollowLog, FollowSignal, ForceEndTxn, ForceEnded, ForceTermTxn, GrantTxn, Granted,
+    HandOverFrom, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LeadFrom, LeadTo, LeadTxn, LogResult,
+    PrefixWatch, ProclaimTxn, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, SessionLog,
+    StoreError,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -754,6 +755,25 @@ impl ElectionLog for IdLog {
         };
         self.t(|| format!("proclaim {} {}", txn.election, txn.session));
         self.log.proclaim(txn).await.map_err(|e| self.error_back(e))
+    }
+
+    async fn force_end_term(&self, txn: ForceTermTxn<'_>) -> LogResult<ForceEnded> {
+        self.t(|| format!("force_end_term {}", txn.election));
+        let txn = ForceTermTxn {
+            session: self.store_id(txn.session),
+            ..txn
+        };
+        let answer = self
+            .log
+            .force_end_term(txn)
+            .await
+            .map_err(|e| self.error_back(e))?;
+        Ok(answer.map(|ended| match ended {
+            ForceEnded::HoldChanged { now } => ForceEnded::HoldChanged {
+                now: now.map(|kv| self.kv_back(kv)),
+            },
+            other => other,
+        }))
     }
     async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {
         self.log

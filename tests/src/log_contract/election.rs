@@ -1116,3 +1116,167 @@ pub async fn the_seal_refuses_lead_and_proclaim(log: &dyn LockLog) -> anyhow::Re
     ensure!(found == ElectionRead::default(), "{found:?}");
     revoke_all(log, &[ia, ib]).await
 }
+
+/// A forced end of a term (an election's force-release) ends exactly the
+/// leadership it names — the leader record on that lease, the term record
+/// at that revision — with the approval's records, at one revision: the
+/// leader record and the leadership's entry go, the term record keeps its
+/// place and says how the term ended. A stale term, another session named,
+/// or a record that moved writes nothing, and the failed transaction says
+/// who leads now. A hold on a lock key of the election's name is not
+/// touched. The next leader leads over the vacancy at the forced term
+/// record's revision, and a forced end of the old term then ends nothing.
+pub async fn a_forced_end_of_a_term_ends_only_the_named_term(
+    log: &dyn LockLog,
+) -> anyhow::Result<()> {
+    use latchkey_arbiter::lock_log::{ForceEnded, ForceRecords, ForceTermTxn};
+
+    let epoch = epoch(log).await?;
+    let (a, b) = (
+        "spiffe://contract/election-force/a",
+        "spiffe://contract/election-force/b",
+    );
+    let (ia, ib) = (lease(89, 0), lease(89, 1));
+    let ra = open(log, ia, a).await?;
+    let rb = open(log, ib, b).await?;
+    let name = "contract/election-force";
+    let record = "sys/force/contract-89";
+    let e = Election {
+        name,
+        epoch: &epoch,
+        fence_at: fence_at(log).await?,
+    };
+    // A lock key of the same name, held by b: never the forced end's.
+    let held = super::take(log, name, ib, b, &epoch).await?;
+    let entries_before = log.count_leaderships(SUBJECT).await?.value;
+    let qa = stand(log, name, ia, 0, &ra).await?;
+    let t1 = lead(
+        log,
+        e.txn(
+            0,
+            1,
+            LeadFrom::Vacant,
+            Some((ia, 0, qa.created, Some(ra.as_slice()))),
+        ),
+        "a's election",
+    )
+    .await?;
+    ensure!(
+        log.count_leaderships(SUBJECT).await?.value == entries_before + 1,
+        "a's leadership has no entry"
+    );
+    let forced = |session: i64, term_at: i64, records: &'static ForceRecords| ForceTermTxn {
+        election: name,
+        session,
+        subject: SUBJECT,
+        term_at,
+        term_record: b"term 1, forced".to_vec(),
+        records,
+    };
+    static NONE: ForceRecords = ForceRecords {
+        unchanged: Vec::new(),
+        put: Vec::new(),
+        ttl_seconds: 0,
+        delete: Vec::new(),
+    };
+    let a_leads = |ended: &ForceEnded| {
+        matches!(ended, ForceEnded::HoldChanged { now: Some(kv) }
+            if kv.lease == ia && kv.value == lead_record(name, ia, "elected"))
+    };
+
+    // Stale compares: nothing written, the leader as it is now.
+    let before = revision(log).await?;
+    for (txn, why) in [
+        (forced(ia, t1 - 1, &NONE), "a stale term_at"),
+        (forced(ia, 0, &NONE), "a term said absent"),
+        (forced(ib, t1, &NONE), "another session named the leader"),
+    ] {
+        let ended = log.force_end_term(txn).await?.value;
+        ensure!(a_leads(&ended), "{why}: {ended:?}");
+        unchanged(log, before, why).await?;
+    }
+    // A record that must not have moved, moved: nothing written.
+    let moved = ForceRecords {
+        unchanged: vec![(record.into(), 1)],
+        ..ForceRecords::default()
+    };
+    let ended = log
+        .force_end_term(ForceTermTxn {
+            records: &moved,
+            ..forced(ia, t1, &NONE)
+        })
+        .await?
+        .value;
+    ensure!(ended == ForceEnded::RecordsChanged, "{ended:?}");
+    unchanged(log, before, "a forced end whose record moved").await?;
+
+    // Named right: ended, with the record on a lease of its own, at one
+    // revision.
+    let written = ForceRecords {
+        unchanged: Vec::new(),
+        put: vec![(record.into(), b"approved".to_vec())],
+        ttl_seconds: 600,
+        delete: Vec::new(),
+    };
+    let answer = log
+        .force_end_term(ForceTermTxn {
+            records: &written,
+            ..forced(ia, t1, &NONE)
+        })
+        .await?;
+    ensure!(answer.value == ForceEnded::Ended, "{:?}", answer.value);
+    let at = one_write(log, before, "a forced end of a term").await?;
+    ensure!(
+        answer.header.revision == at,
+        "answered at {answer:?}, written at {at}"
+    );
+    let found = read(log, name).await?;
+    ensure!(found.lead.is_none(), "still led: {:?}", found.lead);
+    let term = found.term.context("the term record is gone")?;
+    ensure!(
+        term.value == b"term 1, forced"
+            && term.mod_revision == at
+            && term.create_revision == t1
+            && term.lease == 0,
+        "{term:?}"
+    );
+    ensure!(
+        log.count_leaderships(SUBJECT).await?.value == entries_before,
+        "the forced leadership's entry is still counted"
+    );
+    let kv = log
+        .holder(name)
+        .await?
+        .value
+        .context("the same-named hold is gone")?;
+    ensure!(
+        kv.lease == ib && kv.mod_revision == held.revision,
+        "the same-named hold changed: {kv:?}"
+    );
+    // The same request again: the term record moved, the leader is gone.
+    let ended = log.force_end_term(forced(ia, t1, &NONE)).await?.value;
+    ensure!(ended == ForceEnded::HoldChanged { now: None }, "{ended:?}");
+    unchanged(log, at, "a forced end of a vacancy").await?;
+
+    // b leads over the vacancy at the forced term record's revision.
+    let qb = stand(log, name, ib, 0, &rb).await?;
+    let t2 = lead(
+        log,
+        e.txn(
+            at,
+            2,
+            LeadFrom::Vacant,
+            Some((ib, 0, qb.created, Some(rb.as_slice()))),
+        ),
+        "b's election over the forced vacancy",
+    )
+    .await?;
+    let before = revision(log).await?;
+    let ended = log.force_end_term(forced(ia, t1, &NONE)).await?.value;
+    ensure!(
+        matches!(&ended, ForceEnded::HoldChanged { now: Some(kv) } if kv.lease == ib && kv.mod_revision == t2),
+        "a forced end of the old term: {ended:?}"
+    );
+    unchanged(log, before, "a forced end of the old term").await?;
+    revoke_all(log, &[ia, ib]).await
+}

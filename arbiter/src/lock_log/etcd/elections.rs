@@ -11,8 +11,8 @@ use super::follow::EtcdPrefixWatch;
 use super::holds::fence_unchanged;
 use super::{EtcdLog, answer, first_kv, kv, unavailable, unavailable_on};
 use crate::lock_log::{
-    ElectionLog, ElectionRead, LeadFrom, LeadTxn, LogResult, PrefixWatch, ProclaimTxn, Queued,
-    StoreError,
+    ElectionLog, ElectionRead, ForceEnded, ForceTermTxn, LeadFrom, LeadTxn, LogResult, PrefixWatch,
+    ProclaimTxn, Queued, StoreError,
 };
 
 #[async_trait]
@@ -213,6 +213,11 @@ impl ElectionLog for EtcdLog {
             .await
             .map_err(|e| unavailable_on("cannot run the proclamation", txn.session, e))?;
         answer(resp.header(), resp.succeeded())
+    }
+
+    async fn force_end_term(&self, txn: ForceTermTxn<'_>) -> LogResult<ForceEnded> {
+        // On the force-release path's own client, as a hold's forced end.
+        super::force::force_end_term(self, txn).await
     }
 
     async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {

@@ -1,6 +1,6 @@
-//! The forced end of a hold (two-person force-release): one transaction on
-//! the force-release path's own client, logged in as the restricted
-//! force-release user when one is configured.
+//! The forced end of a hold or of a leadership (two-person force-release):
+//! one transaction on the force-release path's own client, logged in as the
+//! restricted force-release user when one is configured.
 
 use latchkey_etcd::ErrorKind;
 use latchkey_etcd::kv::{DeleteOptions, PutOptions};
@@ -8,15 +8,66 @@ use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp};
 use tracing::warn;
 
 use super::{EtcdLog, answer, first_kv};
-use crate::lock_log::{ForceEndTxn, ForceEnded, LogResult, StoreError};
+use crate::lock_log::{ForceEndTxn, ForceEnded, ForceRecords, ForceTermTxn, LogResult, StoreError};
 
 /// Deletes the named hold with its claims, writes the approval's records,
 /// all in one transaction if the hold and the records are as named. On a
 /// compare failure the same transaction reads the hold and the records, so
 /// the caller learns which moved.
 pub(super) async fn force_end(log: &EtcdLog, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
+    let holder = log.layout.holder(txn.key);
+    let when = vec![
+        Compare::mod_revision(holder.as_str(), CompareOp::Equal, txn.revision),
+        Compare::lease(holder.as_str(), CompareOp::Equal, txn.lease),
+    ];
+    let then = vec![
+        TxnOp::delete(holder.as_str(), None),
+        TxnOp::delete(
+            log.layout.claims_of(txn.key),
+            Some(DeleteOptions::new().with_prefix()),
+        ),
+    ];
+    let otherwise = vec![TxnOp::get(holder.as_str(), None)];
+    run(log, txn.records, when, then, otherwise).await
+}
+
+/// Ends the named leadership (deletes the leader record and the
+/// leadership's entry, puts the term record ended), writes the approval's
+/// records, all in one transaction if the leader record, the term record
+/// and the records are as named. On a compare failure the same transaction
+/// reads the leader record and the records, so the caller learns which
+/// moved.
+pub(super) async fn force_end_term(log: &EtcdLog, txn: ForceTermTxn<'_>) -> LogResult<ForceEnded> {
+    let lead = log.layout.election_lead(txn.election);
+    let term = log.layout.election_term(txn.election);
+    let when = vec![
+        Compare::lease(lead.as_str(), CompareOp::Equal, txn.session),
+        // A missing term record compares as mod revision 0, which no
+        // request names (it read a leader, so a term record).
+        Compare::mod_revision(term.as_str(), CompareOp::Equal, txn.term_at),
+    ];
+    // The term record first: an observer reads a batch in this order (as
+    // the leadership transaction writes it).
+    let then = vec![
+        TxnOp::put(term.as_str(), txn.term_record, None),
+        TxnOp::delete(lead.as_str(), None),
+        TxnOp::delete(log.layout.leadership_entry(txn.subject, txn.election), None),
+    ];
+    let otherwise = vec![TxnOp::get(lead.as_str(), None)];
+    run(log, txn.records, when, then, otherwise).await
+}
+
+/// One forced end: `when` and `then` of the target (a hold or a term),
+/// plus the approval's records; `otherwise` reads the target first, then
+/// the records that must not have moved.
+async fn run(
+    log: &EtcdLog,
+    records: &ForceRecords,
+    mut when: Vec<Compare>,
+    mut then: Vec<TxnOp>,
+    mut otherwise: Vec<TxnOp>,
+) -> LogResult<ForceEnded> {
     let client = &log.force;
-    let records = txn.records;
     let lease = match records.put.is_empty() {
         true => None,
         false => Some(
@@ -28,12 +79,6 @@ pub(super) async fn force_end(log: &EtcdLog, txn: ForceEndTxn<'_>) -> LogResult<
                 .id(),
         ),
     };
-    let holder = log.layout.holder(txn.key);
-    let mut when = vec![
-        Compare::mod_revision(holder.as_str(), CompareOp::Equal, txn.revision),
-        Compare::lease(holder.as_str(), CompareOp::Equal, txn.lease),
-    ];
-    let mut otherwise = vec![TxnOp::get(holder.as_str(), None)];
     for (name, revision) in &records.unchanged {
         let key = log.layout.under(name);
         when.push(Compare::mod_revision(
@@ -43,13 +88,6 @@ pub(super) async fn force_end(log: &EtcdLog, txn: ForceEndTxn<'_>) -> LogResult<
         ));
         otherwise.push(TxnOp::get(key, None));
     }
-    let mut then = vec![
-        TxnOp::delete(holder.as_str(), None),
-        TxnOp::delete(
-            log.layout.claims_of(txn.key),
-            Some(DeleteOptions::new().with_prefix()),
-        ),
-    ];
     for (name, value) in &records.put {
         let options = lease.map(|l| PutOptions::new().with_lease(l));
         then.push(TxnOp::put(log.layout.under(name), value.clone(), options));
