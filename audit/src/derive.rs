@@ -484,6 +484,8 @@ fn force_record(change: &Change) -> ForceRecord {
         revoke_session: false,
         requested_at_unix_ms: 0,
         approved_at_unix_ms: 0,
+        election: false,
+        term: 0,
     }
 }
 

@@ -64,6 +64,13 @@ pub struct ForceRecord {
     pub requested_at_unix_ms: i64,
     #[serde(default)]
     pub approved_at_unix_ms: i64,
+    /// The operators ended an election's term (`key` is the election's
+    /// name), not a hold.
+    #[serde(default)]
+    pub election: bool,
+    /// The term they ended (elections only).
+    #[serde(default)]
+    pub term: u64,
 }
 
 impl ForceRecord {
@@ -85,6 +92,8 @@ impl ForceRecord {
             "revokeSession": self.revoke_session,
             "requestedAtUnixMs": self.requested_at_unix_ms,
             "approvedAtUnixMs": self.approved_at_unix_ms,
+            "election": self.election,
+            "term": self.term,
         })
     }
 }
@@ -168,6 +177,8 @@ mod tests {
             revoke_session: false,
             requested_at_unix_ms: 1,
             approved_at_unix_ms: 2,
+            election: false,
+            term: 0,
         }
     }
 

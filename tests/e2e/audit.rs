@@ -423,6 +423,8 @@ async fn expiries_closed_sessions_and_force_releases_are_recorded() -> anyhow::R
         revoke_session: false,
         requested_at_unix_ms: 1,
         approved_at_unix_ms: 2,
+        election: false,
+        term: 0,
     };
     let mut etcd = s.etcd.client().await?;
     let lease = etcd.lease_grant(24 * 3600, None).await?.id();

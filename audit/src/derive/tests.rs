@@ -303,6 +303,8 @@ fn force(key: &str, hold_revision: i64) -> ForceRecord {
         revoke_session: false,
         requested_at_unix_ms: 1,
         approved_at_unix_ms: 2,
+        election: false,
+        term: 0,
     }
 }
 
