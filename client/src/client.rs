@@ -337,6 +337,31 @@ impl Client {
         Ok(())
     }
 
+    /// Proclaims `value` on a leadership named by its session id and token
+    /// rather than held as a [`crate::Leadership`] guard (another process's,
+    /// or one this process lost track of). The arbiter refuses it with
+    /// `NOT_LEADER` unless that leadership is current and the session is
+    /// this identity's; no local state is consulted, which is what
+    /// `latchctl pause-test --election` needs to ask the arbiter itself.
+    pub async fn proclaim_as(
+        &self,
+        election: &str,
+        session_id: i64,
+        token: FencingToken,
+        value: &str,
+    ) -> Result<(), Error> {
+        let rpc = &self.inner.rpc;
+        rpc.election()
+            .proclaim(rpc.unary(latchkey_proto::electionv1::ProclaimRequest {
+                election: election.to_owned(),
+                session_id,
+                token: token.get(),
+                value: value.to_owned(),
+            }))
+            .await?;
+        Ok(())
+    }
+
     /// The arbiter's epoch and seal state. Operator identities only.
     ///
     /// ```no_run

@@ -446,6 +446,7 @@ fn policy_dir(class_toml: &str, grant_toml: &str, class_name: &str) -> tempfile:
             second_token_greater: true,
             stale_write_after_resume: WriteOutcome::Rejected,
             final_row_from: "second-holder".into(),
+            stale_proclaim_after_resume: None,
         },
         failure: None,
     };

@@ -520,6 +520,7 @@ impl LockClass {
             None => ClassError::FencedWithoutPauseTest {
                 command: pause_test::kit_command(
                     &self.name,
+                    self.kind == ClassKind::Election,
                     None,
                     &policy_dir
                         .join("pause-tests")
@@ -532,6 +533,7 @@ impl LockClass {
                     reason: Box::new(reason),
                     command: pause_test::kit_command(
                         &self.name,
+                        self.kind == ClassKind::Election,
                         Some(&spec.resource),
                         &policy_dir.join(&spec.result),
                     ),

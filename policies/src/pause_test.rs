@@ -111,6 +111,10 @@ pub struct PauseTestEvidence {
     pub stale_write_after_resume: WriteOutcome,
     /// Whose write the resource holds at the end, e.g. `"second-holder"`.
     pub final_row_from: String,
+    /// An election class's kit only: what the arbiter did with the frozen
+    /// leader's Proclaim after it resumed (`rejected`: `NOT_LEADER`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale_proclaim_after_resume: Option<WriteOutcome>,
 }
 
 /// Whether the kit's assertions held.
@@ -374,10 +378,18 @@ impl ClassPauseTest {
 
 /// The kit command that produces `class`'s result, for refusal messages.
 /// `out` is where the result should go.
-pub(crate) fn kit_command(class: &str, resource: Option<&str>, out: &Path) -> String {
+/// An election class's kit campaigns (`--election`, the key an election).
+pub(crate) fn kit_command(
+    class: &str,
+    election: bool,
+    resource: Option<&str>,
+    out: &Path,
+) -> String {
     format!(
-        "latchctl pause-test <KEY> --class {} --resource {} --postgres <CONNINFO> --out {}",
+        "latchctl pause-test <{}> --class {}{} --resource {} --postgres <CONNINFO> --out {}",
+        if election { "ELECTION" } else { "KEY" },
         key::excerpt(class),
+        if election { " --election" } else { "" },
         resource.map_or_else(|| "<kind>:<name>".to_string(), key::excerpt),
         out.display()
     )

@@ -488,6 +488,7 @@ identity = "spiffe://td/latchkey/operator"
                 second_token_greater: true,
                 stale_write_after_resume: WriteOutcome::Rejected,
                 final_row_from: "second-holder".into(),
+                stale_proclaim_after_resume: None,
             },
             failure: None,
         }
@@ -1115,6 +1116,7 @@ identity = "spiffe://td/latchkey/operator"
             evidence: PauseTestEvidence {
                 stale_write_after_resume: WriteOutcome::Accepted,
                 final_row_from: "first-holder".into(),
+                stale_proclaim_after_resume: None,
                 ..passing("ledger").evidence
             },
             ..passing("ledger")

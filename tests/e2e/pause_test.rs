@@ -23,6 +23,8 @@ use tokio::time::timeout;
 use crate::support::{Stack, stack_with};
 
 const CLASS: &str = "pause-kit";
+/// An election class of the same TTL, for the kit's `--election`.
+const ELECTION_CLASS: &str = "pause-kit-elect";
 const RESOURCE: &str = "postgresql:latchkey_fenced_rows";
 const IDENTITY: &str = "workload/alice";
 /// A generous bound on one kit run (about TTL 5 s + 2 s + startup).
@@ -225,7 +227,10 @@ fn policy_dir() -> anyhow::Result<TempDir> {
         format!(
             "[[class]]\nname = \"{CLASS}\"\ndescription = \"The pause-test kit's e2e class.\"\n\
              tier = \"coord\"\nenforcement = \"fenced\"\nttlSeconds = 5\n\
-             [class.pauseTest]\nresource = \"{RESOURCE}\"\nresult = \"pause-tests/{CLASS}.json\"\n"
+             [class.pauseTest]\nresource = \"{RESOURCE}\"\nresult = \"pause-tests/{CLASS}.json\"\n\n\
+             [[class]]\nname = \"{ELECTION_CLASS}\"\ndescription = \"The pause-test kit's e2e election class.\"\n\
+             kind = \"election\"\ntier = \"coord\"\nenforcement = \"fenced\"\nttlSeconds = 5\n\
+             [class.pauseTest]\nresource = \"{RESOURCE}\"\nresult = \"pause-tests/{ELECTION_CLASS}.json\"\n"
         ),
     )?;
     std::fs::write(
@@ -233,30 +238,33 @@ fn policy_dir() -> anyhow::Result<TempDir> {
         "[[grant]]\nidentity = \"spiffe://dev.latchkey/workload/alice\"\nprefixes = [\"pausetest\"]\n",
     )?;
     let now = SystemTime::now();
-    let fixture = PauseTestResult {
-        version: PAUSE_TEST_RESULT_VERSION,
-        class: CLASS.into(),
-        resource: RESOURCE.into(),
-        resource_schema_version: None,
-        started_at: now - Duration::from_secs(20),
-        finished_at: now,
-        outcome: PauseTestOutcome::Pass,
-        kit: "latchctl 0.1.0 pause-test".into(),
-        evidence: PauseTestEvidence {
-            ttl_seconds: 5,
-            paused_for_ms: 7_000,
-            first_write: Observed::Accepted,
-            second_holder_write: Observed::Accepted,
-            second_token_greater: true,
-            stale_write_after_resume: Observed::Rejected,
-            final_row_from: "second-holder".into(),
-        },
-        failure: None,
-    };
-    std::fs::write(
-        dir.path().join(format!("pause-tests/{CLASS}.json")),
-        fixture.to_json_pretty()?,
-    )?;
+    for class in [CLASS, ELECTION_CLASS] {
+        let fixture = PauseTestResult {
+            version: PAUSE_TEST_RESULT_VERSION,
+            class: class.into(),
+            resource: RESOURCE.into(),
+            resource_schema_version: None,
+            started_at: now - Duration::from_secs(20),
+            finished_at: now,
+            outcome: PauseTestOutcome::Pass,
+            kit: "latchctl 0.1.0 pause-test".into(),
+            evidence: PauseTestEvidence {
+                ttl_seconds: 5,
+                paused_for_ms: 7_000,
+                first_write: Observed::Accepted,
+                second_holder_write: Observed::Accepted,
+                second_token_greater: true,
+                stale_write_after_resume: Observed::Rejected,
+                final_row_from: "second-holder".into(),
+                stale_proclaim_after_resume: None,
+            },
+            failure: None,
+        };
+        std::fs::write(
+            dir.path().join(format!("pause-tests/{class}.json")),
+            fixture.to_json_pretty()?,
+        )?;
+    }
     Ok(dir)
 }
 
@@ -264,13 +272,24 @@ impl Rig {
     /// `latchctl pause-test KEY` with alice's SVID, the class, the resource,
     /// this rig's PostgreSQL and `--out`, plus `extra`.
     async fn kit(&self, key: &str, out: &Path, extra: &[&str]) -> anyhow::Result<Output> {
+        self.kit_for(CLASS, key, out, extra).await
+    }
+
+    /// [`Rig::kit`] with another class.
+    async fn kit_for(
+        &self,
+        class: &str,
+        key: &str,
+        out: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<Output> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"));
         cmd.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .arg("--endpoint")
             .arg(format!("https://{}", self.stack.arbiter.addr()))
             .args(svid_flags(IDENTITY)?)
-            .args(["pause-test", key, "--class", CLASS, "--resource", RESOURCE])
+            .args(["pause-test", key, "--class", class, "--resource", RESOURCE])
             .arg("--postgres")
             .arg(self.pg.url())
             .arg("--out")
@@ -384,6 +403,50 @@ async fn the_kit_passes_against_the_reference_fence() -> anyhow::Result<()> {
         .await?
         .into_inner();
     assert!(view.holder.is_none(), "{view:?}");
+    Ok(())
+}
+
+/// Issue 33: a leader frozen past its TTL (SIGSTOP) wakes up to a refused
+/// fenced write and a refused Proclaim. The kit's holder campaigns, writes
+/// with its leadership's token and is frozen; the kit leads the next term
+/// and writes; resumed, the old leader's write is rejected by the fence and
+/// its Proclaim (sent with its session and token, asked of the arbiter)
+/// by the arbiter with NOT_LEADER.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_frozen_leader_is_refused_by_the_fence_and_the_arbiter() -> anyhow::Result<()> {
+    let rig = rig().await?;
+    let out = rig.work.path().join("results/elect.json");
+    let output = rig
+        .kit_for(
+            ELECTION_CLASS,
+            "pausetest/elect/controller",
+            &out,
+            &["--election"],
+        )
+        .await?;
+    ensure!(output.status.code() == Some(0), "expected exit 0 (pass)");
+    let result = read_result(&out)?;
+    assert_eq!(result.class, ELECTION_CLASS);
+    assert_eq!(result.outcome, PauseTestOutcome::Pass);
+    let e = &result.evidence;
+    assert!(e.paused_for_ms >= 7_000, "paused {} ms", e.paused_for_ms);
+    assert_eq!(e.first_write, Observed::Accepted);
+    assert!(e.second_token_greater);
+    assert_eq!(e.second_holder_write, Observed::Accepted);
+    assert_eq!(e.stale_write_after_resume, Observed::Rejected);
+    assert_eq!(e.stale_proclaim_after_resume, Some(Observed::Rejected));
+    assert_eq!(e.final_row_from, "second-holder");
+    assert!(text(&output.stdout).contains("stale Proclaim after resume  rejected"));
+    rig.assert_no_token_leaked(&output, &out).await?;
+    // The kit's second leader resigned: the election is vacant again.
+    let mut elect = rig.stack.arbiter.election(IDENTITY).await?;
+    let leader = elect
+        .leader(latchkey_proto::electionv1::LeaderRequest {
+            election: "pausetest/elect/controller".into(),
+        })
+        .await?
+        .into_inner();
+    assert!(leader.leader.is_none(), "{leader:?}");
     Ok(())
 }
 

@@ -102,6 +102,7 @@ pub fn pause_test_fixture(class: &str, resource: &str) -> PauseTestResult {
             second_token_greater: true,
             stale_write_after_resume: WriteOutcome::Rejected,
             final_row_from: "second-holder".into(),
+            stale_proclaim_after_resume: None,
         },
         failure: None,
     }

@@ -39,7 +39,7 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until, timeout};
 
-use latchkey_client::{Client, FencingToken};
+use latchkey_client::{CampaignOptions, Client, FencingToken, Leadership, LockGuard, Reason};
 
 use super::acquire::grant;
 use super::{Failure, Global, Output, chain, connect, duration, parse_meta};
@@ -100,6 +100,11 @@ pub struct PauseTestArgs {
     /// Where to write the result JSON (a PauseTestResult).
     #[arg(long, value_name = "PATH")]
     pub out: PathBuf,
+    /// The key is an election and the class an election class: the holders
+    /// campaign instead of acquiring, and the resumed leader's Proclaim
+    /// must be refused (`NOT_LEADER`) as its write is by the fence.
+    #[arg(long)]
+    pub election: bool,
 }
 
 /// The first holder, run by the kit as a child process.
@@ -121,6 +126,9 @@ pub struct HolderArgs {
     /// The payload of the first write; the stale write appends `-stale`.
     #[arg(long)]
     pub payload: String,
+    /// Campaign for the key as an election instead of acquiring it.
+    #[arg(long)]
+    pub election: bool,
 }
 
 /// What the holder tells the kit, one JSON object per stdout line.
@@ -143,6 +151,9 @@ enum HolderEvent {
         outcome: Observed,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<String>,
+        /// An election's holder: what the arbiter did with its Proclaim.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        proclaim: Option<Observed>,
     },
 }
 
@@ -248,15 +259,29 @@ pub async fn holder(global: &Global, args: HolderArgs) -> Result<ExitCode, Failu
     // The holder only writes; the kit reads the record back.
     let statement = Statement::new(args.write_sql.clone(), Some(String::new()));
     let pg = connect_postgres(&args.postgres).await?;
-    let (session, guard, _fenced) = grant(
-        &client,
-        &args.key,
-        &args.class,
-        Some(args.wait),
-        &args.metadata,
-    )
-    .await?;
-    let token = guard.token();
+    let (session, held) = if args.election {
+        let session = client.open_session(&args.class).await?;
+        let options = CampaignOptions {
+            wait: Some(args.wait),
+            session: Some(session.clone()),
+            ..CampaignOptions::default()
+        };
+        let leadership = client
+            .campaign(&args.key, &args.class, &args.payload, options)
+            .await?;
+        (session, Held::Leads(leadership))
+    } else {
+        let (session, guard, _fenced) = grant(
+            &client,
+            &args.key,
+            &args.class,
+            Some(args.wait),
+            &args.metadata,
+        )
+        .await?;
+        (session, Held::Holds(guard))
+    };
+    let token = held.token();
     let first = statement.write(&pg, &args.row, token, &args.payload).await;
     if let Err(e) = &first {
         return Err(Failure::Plain(format!("first write failed: {e}")));
@@ -265,7 +290,7 @@ pub async fn holder(global: &Global, args: HolderArgs) -> Result<ExitCode, Failu
     emit(&HolderEvent::Ready {
         first_write: observed(&first),
         ttl_seconds,
-        session_id: guard.session_id(),
+        session_id: session.id(),
         token: PipedToken(token.get()),
     })
     .await?;
@@ -278,7 +303,7 @@ pub async fn holder(global: &Global, args: HolderArgs) -> Result<ExitCode, Failu
         .map_err(anyhow::Error::from)?;
     if line.trim() != GO {
         // End of input: the kit is gone. Write nothing nobody will check.
-        guard.detach();
+        held.detach();
         return Err(Failure::Plain(
             "pause-test holder: the kit went away; not writing".into(),
         ));
@@ -295,14 +320,60 @@ pub async fn holder(global: &Global, args: HolderArgs) -> Result<ExitCode, Failu
             .write(&pg, &args.row, token, &format!("{}-stale", args.payload))
             .await;
     }
+    // A leader also proclaims, as the round it was in would have: asked of
+    // the arbiter with the leadership's session and token, not of the
+    // guard (which may know it is lost by now).
+    let proclaim = match &held {
+        Held::Leads(_) => Some(
+            match client
+                .proclaim_as(
+                    &args.key,
+                    session.id(),
+                    token,
+                    &format!("{}-stale", args.payload),
+                )
+                .await
+            {
+                Ok(()) => Observed::Accepted,
+                Err(e) if e.reason() == Reason::NotLeader => Observed::Rejected,
+                Err(_) => Observed::Error,
+            },
+        ),
+        Held::Holds(_) => None,
+    };
     emit(&HolderEvent::StaleWrite {
         outcome: observed(&stale),
         error: stale.err().map(|e| e.to_string()),
+        proclaim,
     })
     .await?;
     // The session is long gone; nothing to release.
-    guard.detach();
+    held.detach();
     Ok(ExitCode::SUCCESS)
+}
+
+/// What the first holder holds: a lock or a leadership.
+enum Held {
+    Holds(LockGuard),
+    Leads(Leadership),
+}
+
+impl Held {
+    fn token(&self) -> FencingToken {
+        match self {
+            Held::Holds(guard) => guard.token(),
+            Held::Leads(leadership) => leadership.token(),
+        }
+    }
+
+    /// Nothing to end: the session is gone (or the kit is).
+    fn detach(self) {
+        match self {
+            Held::Holds(guard) => guard.detach(),
+            // Its drop would send a Resign on a session that is gone.
+            Held::Leads(leadership) => std::mem::forget(leadership),
+        }
+    }
 }
 
 async fn emit(event: &HolderEvent) -> Result<(), Failure> {
@@ -442,7 +513,11 @@ async fn kit(
              lock service, or --write-sql updates only an existing record)"
         ));
     }
-    holder_holds(&client, &args.key, holder_session).await?;
+    if args.election {
+        holder_leads(&client, &args.key, &first_payload).await?;
+    } else {
+        holder_holds(&client, &args.key, holder_session).await?;
+    }
 
     // 2. Freeze it past its TTL.
     let ttl = Duration::from_secs(u64::from(ttl_seconds));
@@ -465,26 +540,43 @@ async fn kit(
         .open_session(&args.class)
         .await
         .map_err(|e| cannot_run!("second holder: {}", chain(&e)))?;
-    let mut lock = client
-        .lock(args.key.clone(), args.class.clone())
-        .session(&session)
-        .wait(args.wait);
-    for (k, v) in &args.metadata {
-        lock = lock.metadata(k.clone(), v.clone());
-    }
-    let second = lock.acquire(|_| {}).await.map_err(|e| {
-        cannot_run!(
-            "second holder could not acquire {}: {}",
-            args.key,
-            chain(&e)
-        )
-    })?;
+    let second = if args.election {
+        let options = CampaignOptions {
+            wait: Some(args.wait),
+            session: Some(session.clone()),
+            ..CampaignOptions::default()
+        };
+        let leadership = client
+            .campaign(&args.key, &args.class, &second_payload, options)
+            .await
+            .map_err(|e| cannot_run!("second holder could not lead {}: {}", args.key, chain(&e)))?;
+        Held::Leads(leadership)
+    } else {
+        let mut lock = client
+            .lock(args.key.clone(), args.class.clone())
+            .session(&session)
+            .wait(args.wait);
+        for (k, v) in &args.metadata {
+            lock = lock.metadata(k.clone(), v.clone());
+        }
+        Held::Holds(lock.acquire(|_| {}).await.map_err(|e| {
+            cannot_run!(
+                "second holder could not acquire {}: {}",
+                args.key,
+                chain(&e)
+            )
+        })?)
+    };
     let second_token_greater = second.token() > first_token;
     let second_write = statement
         .write(&pg, &row, second.token(), &second_payload)
         .await;
     let second_write_error = second_write.as_ref().err().map(ToString::to_string);
-    if let Err(e) = second.release().await {
+    let ended = match second {
+        Held::Holds(guard) => guard.release().await,
+        Held::Leads(leadership) => leadership.resign().await.map(|_| ()),
+    };
+    if let Err(e) = ended {
         tracing::warn!(error = %e, "second holder's release failed; it ends with the session");
     }
     let _ = session.close().await;
@@ -496,8 +588,12 @@ async fn kit(
     let stale = timeout(STALE_WRITE_TIMEOUT, holder.next_event())
         .await
         .map_err(|_| cannot_run!("the resumed holder did not report its write in time"))?;
-    let (stale_write, stale_error) = match stale {
-        Ok(HolderEvent::StaleWrite { outcome, error }) => (outcome, error),
+    let (stale_write, stale_error, stale_proclaim) = match stale {
+        Ok(HolderEvent::StaleWrite {
+            outcome,
+            error,
+            proclaim,
+        }) => (outcome, error, proclaim),
         Ok(other) => return Err(cannot_run!("the holder said {other:?} after resume")),
         Err(()) => return Err(cannot_run!("the holder failed: {}", holder.stderr().await)),
     };
@@ -527,6 +623,7 @@ async fn kit(
         second_token_greater,
         stale_write_after_resume: stale_write,
         final_row_from,
+        stale_proclaim_after_resume: stale_proclaim,
     })
 }
 
@@ -573,6 +670,20 @@ fn judge(e: &PauseTestEvidence) -> Option<String> {
             e.final_row_from
         ));
     }
+    match e.stale_proclaim_after_resume {
+        None | Some(Observed::Rejected) => {}
+        Some(Observed::Accepted) => {
+            return Some(
+                "the frozen leader's Proclaim was ACCEPTED after another leader's term began"
+                    .into(),
+            );
+        }
+        Some(Observed::Error) => {
+            return Some(
+                "the frozen leader's Proclaim failed with an error instead of NOT_LEADER".into(),
+            );
+        }
+    }
     None
 }
 
@@ -610,6 +721,9 @@ fn summarise(result: &PauseTestResult, path: &Path, out: Output) {
         e.stale_write_after_resume
     );
     println!("  record holds the write of    {}", e.final_row_from);
+    if let Some(proclaim) = e.stale_proclaim_after_resume {
+        println!("  stale Proclaim after resume  {proclaim}");
+    }
     if let Some(failure) = &result.failure {
         println!("  why: {failure}");
     }
@@ -645,6 +759,26 @@ async fn holder_holds(client: &Client, key: &str, session_id: i64) -> Result<(),
         )),
         None => Err(cannot_run!(
             "{key} is free: the holder lost it before the pause"
+        )),
+    }
+}
+
+/// Checks with Leader that the first holder leads the election (its value
+/// is its payload, unique to this run).
+async fn holder_leads(client: &Client, election: &str, value: &str) -> Result<(), CannotRun> {
+    let leader = client
+        .leader(election)
+        .await
+        .map_err(|e| cannot_run!("asking who leads {election}: {}", chain(&e)))?;
+    match leader {
+        Some(l) if l.value == value => Ok(()),
+        Some(l) => Err(cannot_run!(
+            "{election} is led by {} (term {}), not the holder",
+            l.identity,
+            l.term
+        )),
+        None => Err(cannot_run!(
+            "{election} is vacant: the holder lost it before the pause"
         )),
     }
 }
@@ -701,6 +835,7 @@ impl Holder {
             .arg(payload)
             .arg("--wait")
             .arg(format!("{}ms", args.wait.as_millis()))
+            .args(args.election.then_some("--election"))
             .env(POSTGRES_ENV, &args.postgres)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -863,12 +998,24 @@ mod tests {
             second_token_greater: true,
             stale_write_after_resume: Observed::Rejected,
             final_row_from: SECOND_HOLDER.into(),
+            stale_proclaim_after_resume: None,
         }
     }
 
     #[test]
     fn a_rejected_stale_write_with_the_second_write_in_place_passes() {
         assert_eq!(judge(&passing()), None);
+    }
+
+    #[test]
+    fn a_frozen_leaders_accepted_proclaim_fails() {
+        let mut e = passing();
+        e.stale_proclaim_after_resume = Some(Observed::Rejected);
+        assert_eq!(judge(&e), None);
+        e.stale_proclaim_after_resume = Some(Observed::Accepted);
+        assert!(judge(&e).is_some_and(|why| why.contains("Proclaim was ACCEPTED")));
+        e.stale_proclaim_after_resume = Some(Observed::Error);
+        assert!(judge(&e).is_some_and(|why| why.contains("NOT_LEADER")));
     }
 
     #[test]
@@ -904,9 +1051,21 @@ mod tests {
         let stale = HolderEvent::StaleWrite {
             outcome: Observed::Rejected,
             error: None,
+            proclaim: None,
         };
         let line = serde_json::to_string(&stale).unwrap();
         assert_eq!(line, r#"{"event":"staleWrite","outcome":"rejected"}"#);
+        let leader = HolderEvent::StaleWrite {
+            outcome: Observed::Rejected,
+            error: None,
+            proclaim: Some(Observed::Rejected),
+        };
+        let line = serde_json::to_string(&leader).unwrap();
+        assert_eq!(
+            line,
+            r#"{"event":"staleWrite","outcome":"rejected","proclaim":"rejected"}"#
+        );
+        assert_eq!(serde_json::from_str::<HolderEvent>(&line).unwrap(), leader);
     }
 
     #[test]
