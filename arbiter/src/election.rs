@@ -209,8 +209,14 @@ impl Drop for Candidacy {
             self.priority,
             self.modified,
         );
+        let running = elections.cleanups.clone();
+        if running.fetch_add(1, std::sync::atomic::Ordering::AcqRel) >= MAX_CLEANUPS {
+            running.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            return;
+        }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
+                let _running = CleanupSlot(running);
                 // Best effort: a record left behind ends with its session,
                 // or as a stale head.
                 let log = elections.table.log().clone();
@@ -226,6 +232,15 @@ impl Drop for Candidacy {
                 }
             });
         }
+    }
+}
+
+/// One of [`MAX_CLEANUPS`], given back when the clean-up ends.
+struct CleanupSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for CleanupSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
     }
 }
 
@@ -327,8 +342,22 @@ pub struct Elections {
     /// Candidate records seen first in line over a vacancy: (election,
     /// session) → (last write, first seen), for [`STALE_AFTER`].
     heads: Mutex<HashMap<(String, i64), (i64, Instant)>>,
+    /// Leaderships this arbiter answered lately: (election, session, term
+    /// record revision) → when. A cancelled campaign's clean-up resigns a
+    /// leadership handed to it only if no call was answered it meanwhile
+    /// (a retry on the same session gets the leadership back).
+    delivered: Mutex<HashMap<(String, i64, i64), Instant>>,
+    /// Clean-ups of cancelled campaigns running now, at most
+    /// [`MAX_CLEANUPS`].
+    cleanups: Arc<std::sync::atomic::AtomicUsize>,
     observers: observe::Hubs,
 }
+
+/// How long [`Elections`] remembers answering a leadership.
+const DELIVERED_FOR: Duration = Duration::from_secs(120);
+/// Cancelled campaigns' clean-ups running at once, per cluster; beyond it a
+/// record is left to end with its session, or as a stale head.
+const MAX_CLEANUPS: usize = 1024;
 
 impl Elections {
     pub fn new(table: Arc<LockTable>) -> Self {
@@ -336,7 +365,25 @@ impl Elections {
             observers: observe::Hubs::new(table.clone()),
             table,
             heads: Mutex::new(HashMap::new()),
+            delivered: Mutex::new(HashMap::new()),
+            cleanups: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         }
+    }
+
+    fn note_delivered(&self, election: &str, session: i64, revision: i64) {
+        let now = Instant::now();
+        let mut delivered = self.delivered.lock();
+        if delivered.len() >= 1024 {
+            delivered.retain(|_, at| now.duration_since(*at) < DELIVERED_FOR);
+        }
+        delivered.insert((election.to_string(), session, revision), now);
+    }
+
+    fn was_delivered(&self, election: &str, session: i64, revision: i64) -> bool {
+        self.delivered
+            .lock()
+            .get(&(election.to_string(), session, revision))
+            .is_some_and(|at| at.elapsed() < DELIVERED_FOR)
     }
 
     async fn read(&self, election: &str) -> Result<Read, ArbiterError> {
@@ -373,6 +420,7 @@ impl Elections {
         let token = pack(record.epoch, revision).ok_or_else(|| {
             ArbiterError::internal("the epoch or revision is outside the token range")
         })?;
+        self.note_delivered(election, record.session, revision);
         Ok(Leadership {
             election: election.to_string(),
             term: record.term(),
@@ -421,22 +469,24 @@ impl Elections {
                 .seal()
                 .checked(log.withdraw(&c.election, c.session, c.priority, candidacy.modified))
                 .await;
+            // Until the answer is settled the candidacy stays armed: if
+            // anything below fails, or the call is dropped meanwhile, its
+            // drop withdraws again and resigns a leadership handed to it.
             match withdrawn {
                 Ok((true, _)) => candidacy.led = true,
-                Ok((false, _)) => {
-                    candidacy.led = true;
-                    if let Ok(read) = self.read(&c.election).await
-                        && let Some(record) = read.led_by(&c.identity, c.session)
-                    {
-                        debug!(election = %c.election, error = %e, "handed the leadership as its call ended");
-                        let revision = read.term_at().0;
-                        let record = record.clone();
-                        outcome = self.deliver(&c.election, &record, revision).await;
-                    }
-                }
-                // Not withdrawn (the store did not answer): the candidacy's
-                // drop tries again, and resigns a leadership handed to it
-                // meanwhile.
+                Ok((false, _)) => match self.read(&c.election).await {
+                    Ok(read) => match read.led_by(&c.identity, c.session) {
+                        Some(record) => {
+                            debug!(election = %c.election, error = %e, "handed the leadership as its call ended");
+                            let revision = read.term_at().0;
+                            let record = record.clone();
+                            outcome = self.deliver(&c.election, &record, revision).await;
+                            candidacy.led = outcome.is_ok();
+                        }
+                        None => candidacy.led = true,
+                    },
+                    Err(_) => {}
+                },
                 Err(_) => {}
             }
             return outcome;
@@ -455,7 +505,12 @@ impl Elections {
         let Some(record) = read.led_by(identity, session) else {
             return;
         };
-        let Some(token) = pack(record.epoch, read.term_at().0) else {
+        let revision = read.term_at().0;
+        if self.was_delivered(election, session, revision) {
+            // A later call on the session was answered this leadership.
+            return;
+        }
+        let Some(token) = pack(record.epoch, revision) else {
             return;
         };
         let claim = Claim {

@@ -60,9 +60,26 @@ pub enum Fault {
     /// (ADR-09): each move drains the range, raises the destination's epoch
     /// and flips the shard map (see [`super::shards`]).
     ShardMove,
+    /// SIGKILL the coord etcd (one member: the coord tier's locks and the
+    /// elections are unavailable, and the lock cluster's witness with
+    /// them), restart it with the same data 0.5-2.5 s later.
+    KillCoord,
+    /// Restore the coord etcd from a snapshot taken 3 s into the run (same
+    /// flags); the arbiters seal the coord tier (its own witness is above
+    /// the restored log) and the operator advances the coord tier's epoch,
+    /// which ends its locks and elections (`advance` operations scoped to
+    /// the coord namespaces). The lock cluster's witness went back with
+    /// it, so the arbiters seal the lock cluster too, and the operator
+    /// advances that as well.
+    RestoreCoord,
 }
 
 impl Fault {
+    /// Faults of the coord cluster (issue 33): not in [`Fault::ALL`] (the
+    /// CI gate's schedule), run by their own short gate and by soaks that
+    /// name them.
+    pub const COORD: [Fault; 2] = [Fault::KillCoord, Fault::RestoreCoord];
+
     pub const ALL: [Fault; 13] = [
         Fault::KillMember,
         Fault::PauseLeader,
@@ -94,15 +111,22 @@ impl Fault {
             Fault::SlowDiskArbiter => "slow-disk-arbiter",
             Fault::QuorumLoss => "quorum-loss",
             Fault::ShardMove => "shard-move",
+            Fault::KillCoord => "kill-coord",
+            Fault::RestoreCoord => "restore-coord",
         }
     }
 
     pub fn parse(name: &str) -> Result<Fault, String> {
         Fault::ALL
             .into_iter()
+            .chain(Fault::COORD)
             .find(|f| f.name() == name)
             .ok_or_else(|| {
-                let names: Vec<_> = Fault::ALL.iter().map(|f| f.name()).collect();
+                let names: Vec<_> = Fault::ALL
+                    .iter()
+                    .chain(&Fault::COORD)
+                    .map(|f| f.name())
+                    .collect();
                 format!("unknown fault {name:?}; known: {}", names.join(", "))
             })
     }
@@ -132,6 +156,19 @@ pub(crate) async fn run(
             .await
             .context("snapshot for the restore fault")?;
     }
+    let coord_snapshot = rig
+        .dir
+        .parent()
+        .unwrap_or(&rig.dir)
+        .join("coord-snapshot.db");
+    if config.faults.contains(&Fault::RestoreCoord) {
+        rig.coord
+            .lock()
+            .await
+            .snapshot_save(&coord_snapshot)
+            .await
+            .context("snapshot for the coord restore fault")?;
+    }
 
     // Scheduled by fault, not by the clock: every kind at least once, in a
     // seeded order, whatever the machine's speed (on a slow machine the
@@ -155,7 +192,11 @@ pub(crate) async fn run(
             Some(f) => (f, true),
             None => (config.faults[rng.usize(..config.faults.len())], false),
         };
-        let injected_now = inject(rig, fault, rng, &mut rec, &snapshot)
+        let snapshots = Snapshots {
+            lock: &snapshot,
+            coord: &coord_snapshot,
+        };
+        let injected_now = inject(rig, fault, rng, &mut rec, snapshots)
             .await
             .with_context(|| format!("injecting {}", fault.name()))?;
         match injected_now {
@@ -184,15 +225,52 @@ pub(crate) async fn run(
     Ok(injected)
 }
 
+/// The snapshots the restore faults go back to.
+#[derive(Clone, Copy)]
+struct Snapshots<'a> {
+    lock: &'a Path,
+    coord: &'a Path,
+}
+
 /// Injects `fault`; `None` when there was nothing to act on.
 async fn inject(
     rig: &Rig,
     fault: Fault,
     rng: &mut fastrand::Rng,
     rec: &mut Recorder,
-    snapshot: &Path,
+    snapshots: Snapshots<'_>,
 ) -> anyhow::Result<Option<String>> {
+    let snapshot = snapshots.lock;
     match fault {
+        Fault::KillCoord => {
+            let what = "kill-coord".to_owned();
+            let op = begin(rec, &what)?;
+            let mut coord = rig.coord.lock().await;
+            coord.kill()?;
+            tokio::time::sleep(Duration::from_millis(rng.u64(500..2500))).await;
+            coord.restart().await?;
+            drop(coord);
+            end(rec, op)?;
+            Ok(Some(what))
+        }
+        Fault::RestoreCoord => {
+            let what = "restore-coord from snapshot + advance the coord tier and the lock cluster"
+                .to_owned();
+            let op = begin(rec, &what)?;
+            rig.coord
+                .lock()
+                .await
+                .restore(snapshots.coord, latchkey_tests::etcd::RestoreFlags::Same)
+                .await?;
+            advance_coord(rig, rec).await?;
+            // The coord cluster also witnesses the lock cluster: its
+            // witness went back with it, so the arbiters seal the lock
+            // cluster too (a restore of it could now go unnoticed) and the
+            // operator advances it as well, as the seal's message says.
+            seal_then_advance(rig, rec, Duration::from_secs(10), true).await?;
+            end(rec, op)?;
+            Ok(Some(what))
+        }
         Fault::KillMember => {
             let mut cluster = rig.cluster.lock().await;
             let i = rng.usize(..cluster.members());
@@ -474,6 +552,85 @@ async fn seal_then_advance(
         }
     }
     Ok(sealed)
+}
+
+/// After the coord cluster's restore: waits for the coord tier to seal (its
+/// witness is above the restored log), then advances its epoch as an
+/// operator, recorded as one `advance` per coord namespace (the lock
+/// cluster's keys keep their holds).
+async fn advance_coord(rig: &Rig, rec: &mut Recorder) -> anyhow::Result<()> {
+    const REASON: &str = "release gate: coord cluster restored from snapshot";
+    let operator = operator_client(rig).await?;
+    let status = eventually(
+        "the coord tier to seal",
+        Duration::from_secs(30),
+        || async {
+            let s = operator.admin_status_of("coord").await?;
+            if s.sealed {
+                Ok(s)
+            } else {
+                anyhow::bail!("the coord tier is not sealed (epoch {})", s.epoch)
+            }
+        },
+    )
+    .await?;
+    let advances = [super::COORD_NAMESPACE, super::ELECTION_NAMESPACE].map(|ns| {
+        rec.invoke(
+            "advance",
+            Fields {
+                key: Some(format!("{ns}/")),
+                ..Fields::default()
+            },
+        )
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let outcome = loop {
+        match operator
+            .advance_epoch_in("coord", status.epoch, REASON, 0)
+            .await
+        {
+            Ok(resp) => break Ok(format!("coord epoch {} -> {}", status.epoch, resp.epoch)),
+            Err(e) if e.is_transient() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(e) => {
+                if let Ok(s) = operator.admin_status_of("coord").await
+                    && s.epoch > status.epoch
+                    && !s.sealed
+                {
+                    break Ok(format!(
+                        "coord epoch {} -> {} (by an attempt whose answer was lost)",
+                        status.epoch, s.epoch
+                    ));
+                }
+                break Err(anyhow::Error::from(e));
+            }
+        }
+    };
+    for adv in advances {
+        let adv = adv?;
+        match &outcome {
+            Ok(detail) => rec.complete(
+                adv,
+                Outcome::Ok,
+                Fields {
+                    detail: Some(detail.clone()),
+                    ..Fields::default()
+                },
+            )?,
+            Err(e) => rec.complete(
+                adv,
+                Outcome::Unknown,
+                Fields {
+                    detail: Some(e.to_string()),
+                    ..Fields::default()
+                },
+            )?,
+        }
+    }
+    outcome
+        .map(|_| ())
+        .context("advancing the coord tier's epoch after its restore")
 }
 
 /// The operator's epoch advance after a restore, retried while etcd is still

@@ -524,6 +524,60 @@ async fn a_leadership_handed_to_a_campaign_that_gave_up_is_resigned_again() -> a
     Ok(())
 }
 
+/// The same hand-over to a campaign that gave up, but its caller asks
+/// again on the same session before the cancelled call's clean-up runs:
+/// the retry is answered the leadership, and the clean-up must then leave
+/// it alone (it resigns only a leadership nobody was answered).
+#[tokio::test]
+async fn a_retried_campaign_keeps_the_leadership_its_cancelled_call_was_handed()
+-> anyhow::Result<()> {
+    let dir = policies()?;
+    let stack = stack_with(ArbiterOptions {
+        policies_dir: dir.path().to_path_buf(),
+        test_fault: latchkey_tests::faulty_log::TestFault::SlowWithdraw,
+        ..ArbiterOptions::default()
+    })
+    .await?;
+    let election = "demo/elect/retried";
+    let mut a = Replica::start(&stack, "workload/alice").await?;
+    let mut b = Replica::start(&stack, "workload/alice").await?;
+    let led = a
+        .campaign(election, "pod-a", Duration::from_secs(5))
+        .await?;
+    b.campaign(election, "pod-b", Duration::from_secs(1))
+        .await
+        .expect_err("a leads: b's campaign ends at its deadline");
+    let next = a
+        .elect
+        .resign(ResignRequest {
+            election: election.into(),
+            session_id: a.session,
+            token: led.token,
+        })
+        .await?
+        .into_inner()
+        .next
+        .context("the resignation hands over to b's record")?;
+    ensure!(next.value == "pod-b");
+    // b asks again at once, on the same session: it leads already.
+    let retried = b
+        .campaign(election, "pod-b", Duration::from_secs(5))
+        .await?;
+    ensure!(retried.session_id == b.session && retried.term == next.term);
+    // The cancelled call's clean-up has run by now; b still leads.
+    tokio::time::sleep(latchkey_tests::faulty_log::SLOW_WITHDRAW + Duration::from_secs(2)).await;
+    b.elect
+        .proclaim(ProclaimRequest {
+            election: election.into(),
+            session_id: b.session,
+            token: retried.token,
+            value: "still-b".into(),
+        })
+        .await
+        .context("b's answered leadership must outlive the clean-up")?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn observe_reports_every_term_proclamation_and_vacancy_in_order() -> anyhow::Result<()> {
     let dir = policies()?;
