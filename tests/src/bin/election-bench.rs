@@ -18,11 +18,13 @@
 //!    prints when its Campaign returns. A fresh candidate then stands, and the next
 //!    round kills the new leader. Goal: every Latchkey failover within TTL + 1 s. A
 //!    failover waits for the dead leader's session (lease) to expire: between 2/3 of a
-//!    TTL and a TTL after the kill, by where the kill falls between its renewals.
+//!    TTL and a TTL after the kill, by where the kill falls between its renewals (a
+//!    random point, the same on both sides), plus how soon the store notices.
 //! 2. **Graceful hand-off** (`--handoffs`, 200 by default). Two in-process replicas,
 //!    each its own client with its own session (etcd: its own lease). The leader
 //!    resigns and the other's waiting Campaign returns; measured from just before
-//!    Resign is sent to that return. The old leader then stands again (untimed).
+//!    Resign is sent to that return. The old leader then stands again, and has stood
+//!    for 200 ms when the next hand-off starts (untimed; see [`SETTLE`]).
 //!    Goal: Latchkey's p99 within 20 ms.
 //!
 //! Correctness is checked while measuring, and a failure exits non-zero: Latchkey's
@@ -63,6 +65,12 @@ const HANDOFF_ELECTION: &str = "bench/elect/handoff";
 /// Untimed hand-offs before the clock starts (connections, caches).
 const WARMUP: usize = 5;
 const HANDOFF_GOAL: Duration = Duration::from_millis(20);
+/// How long a hand-off's standby has stood before the leader resigns (untimed). A
+/// standby usually waits long; and etcd's Campaign waits on its predecessor's key with
+/// a watch from the revision it read, which etcd serves from its unsynced-watcher loop
+/// (every 100 ms) until it has caught up: resigning at once would time that loop, not
+/// the hand-off.
+const SETTLE: Duration = Duration::from_millis(200);
 /// How long a step outside a failover may take before the run is declared stuck.
 const STUCK: Duration = Duration::from_secs(30);
 
@@ -344,7 +352,14 @@ async fn crash(plan: &CrashPlan, flags: Vec<OsString>, tally: &Tally) -> anyhow:
     // The dead leader's session (lease) expires within a TTL of its last
     // renewal; the rest is slack for a loaded machine.
     let within = plan.ttl * 3 + STUCK;
+    // Each round's kill waits a random part of a renewal interval first, so that it
+    // falls anywhere between two of the leader's renewals: without it every step here
+    // follows the last expiry by about the same time, and so would every kill follow
+    // a renewal. The same seed on both sides: the same points.
+    let mut phase = fastrand::Rng::with_seed(33);
+    let renewal = plan.ttl / 3;
     for round in 1..=plan.rounds {
+        tokio::time::sleep(renewal.mul_f64(phase.f64())).await;
         let killed_at = candidates.kill(leader.candidate).await?;
         let next = candidates.next_leader(within).await?;
         let took = next.at.saturating_duration_since(killed_at);
@@ -640,6 +655,7 @@ async fn handoff_latchkey(endpoint: &str, handoffs: usize) -> anyhow::Result<Han
     for i in 0..WARMUP + handoffs {
         let waiting = stand_latchkey(standby, format!("replica-{}", (i + 1) % 2));
         tally.until_waiting(HANDOFF_ELECTION, 1).await?;
+        tokio::time::sleep(SETTLE).await;
         let sent = Instant::now();
         let next = leadership.resign().await.context("resign")?;
         ensure!(
@@ -709,6 +725,7 @@ async fn handoff_etcd(
     for i in 0..WARMUP + handoffs {
         let waiting = standby.stand(format!("replica-{}", (i + 1) % 2));
         tally.until_waiting(HANDOFF_ELECTION, 1).await?;
+        tokio::time::sleep(SETTLE).await;
         let sent = Instant::now();
         leader
             .client
