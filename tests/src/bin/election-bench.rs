@@ -243,8 +243,9 @@ async fn main() -> anyhow::Result<()> {
             ttl,
         };
         eprintln!("running: crash failover, etcd election");
-        let tally =
-            Tally::Etcd(latchkey_etcd::connect(&Connection::new([endpoint.clone()])).await?);
+        let tally = Tally::Etcd(Box::new(
+            latchkey_etcd::connect(&Connection::new([endpoint.clone()])).await?,
+        ));
         let etcd_crash = crash(&crash_plan, processes(Side::Etcd)?, &tally).await?;
         eprintln!("running: crash failover, latchkey election");
         let tally = Tally::Latchkey(connect(&arbiter_endpoint).await?);
@@ -517,7 +518,7 @@ fn parse_leading(line: &str) -> Option<Led> {
 /// How many candidates wait behind the leader, as each side tells it.
 enum Tally {
     Latchkey(Client),
-    Etcd(EtcdClient),
+    Etcd(Box<EtcdClient>),
 }
 
 impl Tally {
@@ -717,7 +718,7 @@ async fn handoff_etcd(
         EtcdReplica::start(endpoint, ttl_secs).await?,
         EtcdReplica::start(endpoint, ttl_secs).await?,
     ];
-    let tally = Tally::Etcd(replicas[0].client.clone());
+    let tally = Tally::Etcd(Box::new(replicas[0].client.clone()));
     let (mut leader, mut standby) = (&replicas[0], &replicas[1]);
     let (_, first) = leader.stand("replica-0".into()).await?;
     let mut key = first.context("the first campaign")?;
