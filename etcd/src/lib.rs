@@ -8,14 +8,15 @@
 //! ([`Connection`]: endpoints, TLS, login, deadlines) and [`connect`]s,
 //! getting etcd-client's [`Client`]. It builds requests with etcd-client's
 //! own vocabulary, re-exported here by kind ([`kv`], [`txn`], [`watch`],
-//! [`lease`], [`auth`], [`lock`]) rather than wrapped in a second one, and
-//! sends them through the client, or through the helper for a pattern every
-//! caller repeats ([`kv::get_one`], [`kv::head`], [`kv::count_prefix`],
-//! [`txn::run`], [`watch::watch_from`], [`scan::scan_prefix`]). A failure
-//! comes back as an [`Error`] whose [`Error::kind`] says what it was
-//! (unreachable, compacted, permission, a lease gone...), with etcd-client's
-//! message and cause kept. What the keys and answers mean is the caller's:
-//! nothing here knows the key layout or the grant protocol.
+//! [`lease`], [`auth`], [`lock`], [`election`]) rather than wrapped in a
+//! second one, and sends them through the client, or through the helper
+//! for a pattern every caller repeats ([`kv::get_one`], [`kv::head`],
+//! [`kv::count_prefix`], [`txn::run`], [`watch::watch_from`],
+//! [`scan::scan_prefix`]). A failure comes back as an [`Error`] whose
+//! [`Error::kind`] says what it was (unreachable, compacted, permission, a
+//! lease gone...), with etcd-client's message and cause kept. What the
+//! keys and answers mean is the caller's: nothing here knows the key layout
+//! or the grant protocol.
 
 mod connect;
 mod error;
@@ -45,4 +46,9 @@ pub mod auth {
 /// etcd's own lock API (the benchmarks compare Latchkey with it).
 pub mod lock {
     pub use etcd_client::LockOptions;
+}
+
+/// etcd's own election API (`election-bench` compares Latchkey's with it).
+pub mod election {
+    pub use etcd_client::{LeaderKey, ResignOptions};
 }

@@ -36,29 +36,8 @@ type Elect = ElectionServiceClient<Channel>;
 type Lock = LockClient<Channel>;
 
 pub(crate) fn policies() -> anyhow::Result<TempDir> {
-    let dir = tempfile::Builder::new()
-        .prefix("latchkey-elections-")
-        .tempdir()?;
-    latchkey_tests::copy_dev_policies(dir.path())?;
-    std::fs::write(
-        dir.path().join("classes/zz-elections-test.toml"),
-        format!(
-            r#"
-[[class]]
-name = "{CLASS}"
-kind = "election"
-tier = "coord"
-enforcement = "fenced"
-ttlSeconds = {ttl}
-[class.pauseTest]
-resource = "postgresql:dev.latchkey_fenced_rows"
-result = "pause-tests/{CLASS}.json"
-"#,
-            ttl = TTL.as_secs()
-        ),
-    )?;
-    latchkey_tests::write_pause_test_fixtures(dir.path())?;
-    Ok(dir)
+    let ttl = u32::try_from(TTL.as_secs())?;
+    latchkey_tests::dev_policies_with_election_class(CLASS, ttl)
 }
 
 pub(crate) async fn stack(dir: &TempDir) -> anyhow::Result<Stack> {

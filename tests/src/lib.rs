@@ -29,8 +29,10 @@ pub mod disk;
 pub mod docs_tables;
 pub mod envoy;
 pub mod etcd;
+pub mod etcd_lease;
 pub mod faulty_log;
 pub mod hooks;
+pub mod latency;
 pub mod lock_calls;
 pub mod log_contract;
 pub mod manifests;
@@ -196,6 +198,35 @@ pub fn dev_policies_granting(names: &[String], prefix: &str) -> anyhow::Result<T
         })
         .collect();
     std::fs::write(dir.path().join("grants/zz-bench.toml"), grants)?;
+    Ok(dir)
+}
+
+/// A copy of the dev policies with one more election class, `class`, of
+/// `ttl_seconds` (5 is the platform's shortest): fenced, with the harness's
+/// fixture pause-test result, since an advisory class may not go below 30 s.
+/// For the election tests and `election-bench` only.
+pub fn dev_policies_with_election_class(class: &str, ttl_seconds: u32) -> anyhow::Result<TempDir> {
+    let dir = tempfile::Builder::new()
+        .prefix("latchkey-elections-")
+        .tempdir()?;
+    copy_dev_policies(dir.path())?;
+    std::fs::write(
+        dir.path().join(format!("classes/zz-{class}.toml")),
+        format!(
+            r#"
+[[class]]
+name = "{class}"
+kind = "election"
+tier = "coord"
+enforcement = "fenced"
+ttlSeconds = {ttl_seconds}
+[class.pauseTest]
+resource = "postgresql:dev.latchkey_fenced_rows"
+result = "pause-tests/{class}.json"
+"#
+        ),
+    )?;
+    write_pause_test_fixtures(dir.path())?;
     Ok(dir)
 }
 

@@ -53,6 +53,8 @@ use latchkey_proto::lockv1::{
 };
 use latchkey_tests::arbiter::{self, Arbiter, ArbiterOptions};
 use latchkey_tests::etcd::EtcdServer;
+use latchkey_tests::etcd_lease::EtcdLease;
+use latchkey_tests::latency::{duration_text, histogram, micros};
 use latchkey_tests::workspace_root;
 use parking_lot::Mutex;
 use tempfile::TempDir;
@@ -400,7 +402,7 @@ struct RawEtcd {
 impl RawEtcd {
     async fn connect(endpoint: String, worker: usize) -> anyhow::Result<Self> {
         let mut client = latchkey_etcd::connect(&Connection::new([endpoint])).await?;
-        let lease = EtcdLease::grant(&mut client).await?;
+        let lease = EtcdLease::grant(&mut client, LEASE_TTL_SECS).await?;
         Ok(Self {
             client,
             key: format!("bench-etcd/raw-{worker}"),
@@ -444,7 +446,7 @@ struct EtcdLock {
 impl EtcdLock {
     async fn connect(endpoint: String, name: String) -> anyhow::Result<Self> {
         let mut client = latchkey_etcd::connect(&Connection::new([endpoint])).await?;
-        let lease = EtcdLease::grant(&mut client).await?;
+        let lease = EtcdLease::grant(&mut client, LEASE_TTL_SECS).await?;
         Ok(Self {
             client,
             name,
@@ -694,38 +696,6 @@ fn check_token_order(tokens: &[u64]) -> anyhow::Result<String> {
 // ---------------------------------------------------------------------------------------
 // Sessions and leases, kept alive in the background for as long as the client lives.
 
-/// An etcd lease with a keepalive task (aborted on drop; the lease then expires).
-struct EtcdLease {
-    id: i64,
-    keepalive: JoinHandle<()>,
-}
-
-impl EtcdLease {
-    async fn grant(client: &mut EtcdClient) -> anyhow::Result<Self> {
-        let id = client.lease_grant(LEASE_TTL_SECS, None).await?.id();
-        let (mut keeper, mut responses) = client.lease_keep_alive(id).await?;
-        let keepalive = tokio::spawn(async move {
-            let every = Duration::from_secs(LEASE_TTL_SECS.unsigned_abs() / 3);
-            loop {
-                tokio::time::sleep(every).await;
-                if keeper.keep_alive().await.is_err()
-                    || !matches!(responses.message().await, Ok(Some(_)))
-                {
-                    tracing::warn!(lease = id, "etcd lease keepalive ended");
-                    return;
-                }
-            }
-        });
-        Ok(Self { id, keepalive })
-    }
-}
-
-impl Drop for EtcdLease {
-    fn drop(&mut self) {
-        self.keepalive.abort();
-    }
-}
-
 /// A Latchkey session with a KeepAlive stream (aborted on drop; the session then expires).
 struct LatchkeySession {
     id: i64,
@@ -825,15 +795,6 @@ fn copy_toml_files(from: &Path, to: &Path) -> anyhow::Result<()> {
 
 // ---------------------------------------------------------------------------------------
 // Reporting.
-
-fn histogram() -> anyhow::Result<Histogram<u64>> {
-    // 1 µs .. 10 min at 3 significant digits.
-    Ok(Histogram::new_with_bounds(1, 600_000_000, 3)?)
-}
-
-fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
-}
 
 struct Row {
     scenario: String,
@@ -941,13 +902,5 @@ impl Table {
             }
         }
         Ok(())
-    }
-}
-
-fn duration_text(us: u64) -> String {
-    match us {
-        0..1_000 => format!("{us} µs"),
-        1_000..1_000_000 => format!("{:.2} ms", us as f64 / 1e3),
-        _ => format!("{:.2} s", us as f64 / 1e6),
     }
 }
