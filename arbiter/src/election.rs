@@ -474,19 +474,20 @@ impl Elections {
             // drop withdraws again and resigns a leadership handed to it.
             match withdrawn {
                 Ok((true, _)) => candidacy.led = true,
-                Ok((false, _)) => match self.read(&c.election).await {
-                    Ok(read) => match read.led_by(&c.identity, c.session) {
-                        Some(record) => {
-                            debug!(election = %c.election, error = %e, "handed the leadership as its call ended");
-                            let revision = read.term_at().0;
-                            let record = record.clone();
-                            outcome = self.deliver(&c.election, &record, revision).await;
-                            candidacy.led = outcome.is_ok();
+                Ok((false, _)) => {
+                    if let Ok(read) = self.read(&c.election).await {
+                        match read.led_by(&c.identity, c.session) {
+                            Some(record) => {
+                                debug!(election = %c.election, error = %e, "handed the leadership as its call ended");
+                                let revision = read.term_at().0;
+                                let record = record.clone();
+                                outcome = self.deliver(&c.election, &record, revision).await;
+                                candidacy.led = outcome.is_ok();
+                            }
+                            None => candidacy.led = true,
                         }
-                        None => candidacy.led = true,
-                    },
-                    Err(_) => {}
-                },
+                    }
+                }
                 Err(_) => {}
             }
             return outcome;

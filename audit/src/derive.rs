@@ -215,7 +215,11 @@ impl LogState {
         let mut forces: Vec<ForceRecord> = Vec::new();
         let mut revoked_deleted = Vec::new();
         // Each election's changes to its leader and term records, in order.
+        // In the revision's order of first change; the index keeps grouping
+        // linear when one revision ends many terms (an epoch advance).
         let mut elections: Vec<(&str, Vec<RecordChange<'_>>)> = Vec::new();
+        let mut election_at: std::collections::HashMap<&str, usize> =
+            std::collections::HashMap::new();
         for change in changes {
             let record_change = match (role(&change.key), change.op) {
                 (Role::Term(name), Op::Put) => Some((
@@ -236,9 +240,12 @@ impl LogState {
                 _ => None,
             };
             if let Some((name, c)) = record_change {
-                match elections.iter_mut().find(|(n, _)| *n == name) {
-                    Some((_, cs)) => cs.push(c),
-                    None => elections.push((name, vec![c])),
+                match election_at.get(name) {
+                    Some(&i) => elections[i].1.push(c),
+                    None => {
+                        election_at.insert(name, elections.len());
+                        elections.push((name, vec![c]));
+                    }
                 }
             }
             match (role(&change.key), change.op) {
@@ -266,6 +273,10 @@ impl LogState {
         let advance = epoch_put.is_some() && self.epoch.is_some();
         let before = self.epoch();
         let mut events = Vec::new();
+        // An election's force record goes with the vacancy it caused (below),
+        // never with a hold of the same name.
+        let (election_forces, mut forces): (Vec<ForceRecord>, Vec<ForceRecord>) =
+            forces.into_iter().partition(|f| f.election);
 
         for key in deleted_holds {
             let prev = self.holds.remove(&key);
@@ -331,6 +342,22 @@ impl LogState {
         for (name, election_changes) in elections {
             for change in term_changes(election_changes) {
                 events.extend(self.term_change(revision, name, change, advance, before, after));
+            }
+        }
+        // The operators' act, on the forced vacancy of the same revision (no
+        // session: election events keep none). A vacancy the tailer could
+        // not tell (it did not know the leader) has no event, as Observe.
+        for f in election_forces {
+            if let Some(event) = events.iter_mut().find(|e| {
+                e.kind == Kind::Vacancy && e.key == f.key && e.ended == Ended::ForceReleased
+            }) {
+                let mut detail = f.detail();
+                if let (Some(map), Some(own)) = (detail.as_object_mut(), event.detail.as_object()) {
+                    for (k, v) in own {
+                        map.insert(k.clone(), v.clone());
+                    }
+                }
+                event.detail = detail;
             }
         }
 

@@ -172,20 +172,19 @@ impl ForceStore {
         format!("{}place/hold/{hold_revision}/{key}", keys::FORCE_REQUESTS)
     }
 
-    /// `sys/force-req/place/term/<term revision>/<election>`: the one
-    /// pending request a leadership may have (a place of its own kind, so
-    /// a key's and an election's of one name never share one).
-    fn term_place_name(election: &str, term_revision: i64) -> String {
-        format!(
-            "{}place/term/{term_revision}/{election}",
-            keys::FORCE_REQUESTS
-        )
+    /// `sys/force-req/place/term/<term>/<election>`: the one pending
+    /// request a leadership may have (a place of its own kind, so a key's
+    /// and an election's of one name never share one). Named by the term
+    /// number, not the term record's revision: that is the leader's
+    /// token's, and key names are listed by more readers than values.
+    fn term_place_name(election: &str, term: u64) -> String {
+        format!("{}place/term/{term}/{election}", keys::FORCE_REQUESTS)
     }
 
     /// The place of the target `request` names: its hold's or its term's.
     fn target_place_name(request: &RequestRecord) -> String {
         match request.election {
-            true => Self::term_place_name(&request.key, request.hold_revision),
+            true => Self::term_place_name(&request.key, request.term),
             false => Self::hold_place_name(&request.key, request.hold_revision),
         }
     }

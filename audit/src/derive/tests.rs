@@ -592,6 +592,47 @@ fn a_forced_end_is_a_force_released_vacancy() {
 }
 
 #[test]
+fn an_elections_force_record_goes_with_its_vacancy_not_a_hold_of_its_name() {
+    // The approval's transaction also puts the force record (election =
+    // true): the operators' detail is on the vacancy, with no session, and
+    // a lock key of the election's name shows nothing.
+    let mut state = started();
+    campaign(&mut state, 10, 1, "pod-a");
+    state.apply(11, &[put(&format!("l/{ELECTION}"), holder(BOB, 8), 8)]);
+    let record = ForceRecord {
+        key: ELECTION.into(),
+        hold_revision: 0,
+        holder_session: 7,
+        election: true,
+        term: term(1),
+        ..force(ELECTION, 0)
+    };
+    let events = state.apply(
+        12,
+        &[
+            put(&e("term"), term_record(1, Some(TermEnd::Forced)), 0),
+            del(&e("lead")),
+            del(&entry("i", ALICE)),
+            put(
+                &format!("{}fr-1", latchkey_records::keys::FORCE),
+                serde_json::to_vec(&record).expect("encodes"),
+                0,
+            ),
+        ],
+    );
+    assert_eq!(
+        kinds(&events),
+        [(ELECTION, Kind::Vacancy, Ended::ForceReleased)]
+    );
+    let v = &events[0];
+    assert_eq!(v.session, 0);
+    assert_eq!(v.detail["requestId"], "fr-1");
+    assert_eq!(v.detail["approvedBy"], "op-bob");
+    assert_eq!(v.detail["election"], true);
+    assert_eq!(v.detail["term"], term(1));
+}
+
+#[test]
 fn an_advance_ends_every_term_as_an_epoch_advance() {
     let mut state = started();
     campaign(&mut state, 10, 1, "pod-a");

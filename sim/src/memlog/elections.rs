@@ -109,6 +109,7 @@ impl ElectionLog for MemLog {
             Some(to) => {
                 let candidate = keys::candidate(txn.election, to.priority, to.session);
                 compares.push(Compare::CreateRevision(candidate.clone(), to.created));
+                compares.push(Compare::Lease(candidate.clone(), to.session));
                 if let Some(record) = to.session_record {
                     compares.push(Compare::Value(keys::session(to.session), record.to_vec()));
                 }

@@ -148,6 +148,14 @@ impl ElectionLog for EtcdLog {
                     CompareOp::Equal,
                     to.created,
                 ));
+                // On the candidate's own session lease: a record another
+                // writer of the prefix put without it (the force-release
+                // role may write `e/`) never becomes a leadership.
+                compares.push(Compare::lease(
+                    candidate.clone(),
+                    CompareOp::Equal,
+                    to.session,
+                ));
                 if let Some(record) = to.session_record {
                     compares.push(Compare::value(
                         self.layout.session(to.session),
