@@ -241,6 +241,142 @@ async fn reserved_headers_in_request_trailers_are_refused_for_every_method() -> 
     Ok(())
 }
 
+/// Issue 33's surfaces at the edge: every election method, and a
+/// force-release request naming an election, refuse a client-sent
+/// `x-latchkey-*` header (initial or trailer) before anything is
+/// forwarded, as lock.v1's methods do: identity comes from the mTLS peer
+/// only, whichever service the call is for.
+#[tokio::test(flavor = "multi_thread")]
+async fn election_calls_refuse_reserved_headers_and_trailers() -> anyhow::Result<()> {
+    use latchkey_proto::adminv1::RequestForceReleaseRequest;
+    use latchkey_proto::electionv1::{
+        CampaignRequest, CandidatesRequest, LeaderRequest, ObserveRequest, ProclaimRequest,
+        ResignRequest, TransferRequest, transfer_request,
+    };
+    const ELECTION: &str = "/latchkey.election.v1.ElectionService/";
+    let e = edge(json!({})).await?;
+    let ch = channel(e.envoy.addr(), "workload/mallory").await?;
+    let election = "mallory/elect/hostile";
+    let (session_id, token) = (7_587_862_381_i64, 281_474_976_710_699_u64);
+    let calls: Vec<(String, Vec<u8>)> = vec![
+        (
+            format!("{ELECTION}Campaign"),
+            encode(&CampaignRequest {
+                election: election.into(),
+                class: "election".into(),
+                session_id,
+                value: "mallory".into(),
+                ..Default::default()
+            }),
+        ),
+        (
+            format!("{ELECTION}Proclaim"),
+            encode(&ProclaimRequest {
+                election: election.into(),
+                session_id,
+                token,
+                value: "mine".into(),
+            }),
+        ),
+        (
+            format!("{ELECTION}Leader"),
+            encode(&LeaderRequest {
+                election: election.into(),
+            }),
+        ),
+        (
+            format!("{ELECTION}Observe"),
+            encode(&ObserveRequest {
+                election: election.into(),
+                from_term: 0,
+            }),
+        ),
+        (
+            format!("{ELECTION}Resign"),
+            encode(&ResignRequest {
+                election: election.into(),
+                session_id,
+                token,
+            }),
+        ),
+        (
+            format!("{ELECTION}Transfer"),
+            encode(&TransferRequest {
+                election: election.into(),
+                session_id,
+                token,
+                to: Some(transfer_request::To::Preferred(true)),
+            }),
+        ),
+        (
+            format!("{ELECTION}Candidates"),
+            encode(&CandidatesRequest {
+                election: election.into(),
+            }),
+        ),
+        (
+            format!("{ADMIN}RequestForceRelease"),
+            encode(&RequestForceReleaseRequest {
+                key: election.into(),
+                reason: "mallory".into(),
+                election: true,
+                ..Default::default()
+            }),
+        ),
+    ];
+    let upstream = e.envoy.upstream_requests().await?;
+    let operator = spiffe("latchkey/operator");
+    let mut wrong = Vec::new();
+    for (path, body) in &calls {
+        for (name, value) in [
+            ("x-latchkey-identity", operator.as_str()),
+            ("x-latchkey-dev-identity", operator.as_str()),
+            ("x-latchkey-whatever", "1"),
+        ] {
+            let header =
+                call_with_trailers(ch.clone(), path, body.clone(), &[(name, value)], &[]).await?;
+            match &header {
+                Outcome::Status(3, m) if decoded(m).contains("reserved") => {}
+                other => wrong.push(format!("{path} with header {name}: {other:?}")),
+            }
+        }
+    }
+    anyhow::ensure!(
+        wrong.is_empty(),
+        "headers not refused:\n{}",
+        wrong.join("\n")
+    );
+    assert_eq!(
+        e.envoy.upstream_requests().await?,
+        upstream,
+        "nothing with a reserved header was forwarded"
+    );
+    let before = e.denied("reserved_trailer").await?;
+    let mut refused = 0;
+    for (path, body) in &calls {
+        for trailer in [
+            ("x-latchkey-identity", operator.as_str()),
+            ("x-lock-key", "demo/report"),
+        ] {
+            let outcome =
+                call_with_trailers(ch.clone(), path, body.clone(), &[], &[trailer]).await?;
+            match &outcome {
+                Outcome::Status(3, m) if decoded(m).contains("trailer") => refused += 1,
+                // A server stream's response may be under way: a reset.
+                Outcome::Reset(_) if path.ends_with("Observe") => refused += 1,
+                other => wrong.push(format!("{path} with trailer {}: {other:?}", trailer.0)),
+            }
+        }
+    }
+    anyhow::ensure!(
+        wrong.is_empty(),
+        "trailers not refused:\n{}",
+        wrong.join("\n")
+    );
+    assert!(e.denied("reserved_trailer").await? - before >= refused - 2);
+    Ok(())
+}
+
 /// Finding 1 (initial headers): a client-sent `x-latchkey-*` header is refused,
 /// not silently replaced, on every method.
 #[tokio::test(flavor = "multi_thread")]
