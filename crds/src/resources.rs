@@ -79,6 +79,31 @@ pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
              keys never move between shards; set tier: coord"
         ),
     validation = Rule::new(
+        "!has(self.kind) || self.kind != 'election' || !has(self.onQuorumLoss) || self.onQuorumLoss != 'open'"
+    )
+    .message(
+        "an election class takes no onQuorumLoss: open: a leadership is only ever granted by \
+         the lock log, never from an arbiter's memory"
+    ),
+    validation = Rule::new(
+        "!has(self.kind) || self.kind != 'election' || !has(self.fairness) || self.fairness == 'memory'"
+    )
+    .message(
+        "an election class takes no fairness: candidates always wait in the lock log, \
+         ordered by priority and then arrival"
+    ),
+    validation = Rule::new(
+        "!has(self.kind) || self.kind != 'election' || !has(self.maxWaitersPerKey) || self.maxWaitersPerKey <= 1024"
+    )
+    .message(
+        "an election class takes at most maxWaitersPerKey: 1024: an election's candidates are \
+         read in one answer of at most 1024"
+    ),
+    validation = Rule::new("!has(self.kind) || self.kind != 'election' || !has(self.hook)").message(
+        "an election class takes no hook: class hooks run before lock grants only, not before \
+         a leadership"
+    ),
+    validation = Rule::new(
         "self.tier == 'coord' || !has(self.namespaces) || size(self.namespaces) == 0"
     )
     .message(

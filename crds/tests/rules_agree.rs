@@ -302,6 +302,26 @@ fn class_cases() -> Vec<Case> {
             fenced(json!({"kind": "election"})),
         ),
         ok(
+            "an election class that opens on quorum loss",
+            advisory(json!({"kind": "election", "tier": "coord", "onQuorumLoss": "open"})),
+        ),
+        ok(
+            "an election class with durable fairness",
+            fenced(json!({"kind": "election", "fairness": "durable"})),
+        ),
+        ok(
+            "an election class with 1024 candidates",
+            fenced(json!({"kind": "election", "maxWaitersPerKey": 1024})),
+        ),
+        ok(
+            "an election class with 1025 candidates",
+            fenced(json!({"kind": "election", "maxWaitersPerKey": 1025})),
+        ),
+        ok(
+            "an election class with a hook",
+            fenced(json!({"kind": "election", "hook": {"module": "hooks/quota.wasm"}})),
+        ),
+        ok(
             "entity class with an empty namespaces list",
             advisory(json!({"namespaces": []})),
         ),
