@@ -257,7 +257,7 @@ pub(crate) struct Rig {
     /// main schedule) touch it; with the tiers split it also holds the coord
     /// tier's locks and the elections. Declared after `arbiters`: stopped
     /// after them.
-    pub coord: tokio::sync::Mutex<EtcdServer>,
+    pub coord: tokio::sync::Mutex<CoordEtcd>,
     /// The coord tier's witness (`--coord-tier-witness-etcd`); no fault
     /// touches it either.
     pub _coord_tier_witness: EtcdServer,
@@ -356,6 +356,29 @@ fn tail(path: &Path, bytes: u64) -> Option<String> {
     }
 }
 
+/// The coord cluster: one etcd, or (with the coord faults) three members
+/// in network namespaces.
+pub enum CoordEtcd {
+    Single(EtcdServer),
+    Cluster(EtcdCluster),
+}
+
+impl CoordEtcd {
+    fn endpoints(&self) -> Vec<String> {
+        match self {
+            CoordEtcd::Single(s) => vec![s.endpoint()],
+            CoordEtcd::Cluster(c) => c.endpoints(),
+        }
+    }
+
+    pub(crate) async fn snapshot_save(&self, path: &Path) -> anyhow::Result<()> {
+        match self {
+            CoordEtcd::Single(s) => s.snapshot_save(path).await,
+            CoordEtcd::Cluster(c) => c.snapshot_save(path).await,
+        }
+    }
+}
+
 /// Runs one gate and checks its history.
 pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     if config.workers == 0 || config.keys == 0 || config.arbiters == 0 {
@@ -376,9 +399,21 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     .context("starting the 3-member etcd cluster")?;
     // The witness outside the lock cluster: what lets an arbiter that lost
     // its state dir tell that the lock cluster was restored (restore-forget).
-    let coord = EtcdServer::start()
-        .await
-        .context("starting the coord etcd")?;
+    // With the coord faults, three members in network namespaces of their
+    // own, so a partition and a leader's pause are real there too.
+    let coord = if config.faults.iter().any(|f| Fault::COORD.contains(f)) {
+        CoordEtcd::Cluster(
+            EtcdCluster::start(ClusterOptions::default())
+                .await
+                .context("starting the 3-member coord etcd cluster")?,
+        )
+    } else {
+        CoordEtcd::Single(
+            EtcdServer::start()
+                .await
+                .context("starting the coord etcd")?,
+        )
+    };
     let coord_tier_witness = EtcdServer::start()
         .await
         .context("starting the coord tier's witness etcd")?;
@@ -406,8 +441,11 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         retry_poll: Duration::from_millis(500),
         test_fault: config.arbiter_test_fault,
         coord: Some(Coord {
+            endpoints: coord.endpoints(),
+            prefix: None,
+            lock_cluster_name: None,
+            split_tiers: true,
             coord_tier_witness: vec![coord_tier_witness.endpoint()],
-            ..Coord::split(&coord)
         }),
         ..ArbiterOptions::default()
     };

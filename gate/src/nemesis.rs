@@ -15,7 +15,7 @@ use nix::unistd::Pid;
 use tokio::time::Instant;
 
 use super::record::{Fields, Outcome, Recorder};
-use super::{GateConfig, Rig, TTL};
+use super::{CoordEtcd, GateConfig, Rig, TTL};
 use latchkey_tests::arbiter::certs;
 use latchkey_tests::eventually;
 
@@ -60,10 +60,14 @@ pub enum Fault {
     /// (ADR-09): each move drains the range, raises the destination's epoch
     /// and flips the shard map (see [`super::shards`]).
     ShardMove,
-    /// SIGKILL the coord etcd (one member: the coord tier's locks and the
-    /// elections are unavailable, and the lock cluster's witness with
-    /// them), restart it with the same data 0.5-2.5 s later.
+    /// SIGKILL a member of the coord cluster (three members in network
+    /// namespaces when a coord fault is scheduled), restart it with the
+    /// same data 0.5-2.5 s later.
     KillCoord,
+    /// SIGSTOP the coord cluster's leader for 2-4 s, then SIGCONT.
+    PauseCoordLeader,
+    /// Cut a coord member (the leader half the time) off for 2-5 s.
+    PartitionCoord,
     /// Restore the coord etcd from a snapshot taken 3 s into the run (same
     /// flags); the arbiters seal the coord tier (its own witness is above
     /// the restored log) and the operator advances the coord tier's epoch,
@@ -78,7 +82,12 @@ impl Fault {
     /// Faults of the coord cluster (issue 33): not in [`Fault::ALL`] (the
     /// CI gate's schedule), run by their own short gate and by soaks that
     /// name them.
-    pub const COORD: [Fault; 2] = [Fault::KillCoord, Fault::RestoreCoord];
+    pub const COORD: [Fault; 4] = [
+        Fault::KillCoord,
+        Fault::PauseCoordLeader,
+        Fault::PartitionCoord,
+        Fault::RestoreCoord,
+    ];
 
     pub const ALL: [Fault; 13] = [
         Fault::KillMember,
@@ -112,6 +121,8 @@ impl Fault {
             Fault::QuorumLoss => "quorum-loss",
             Fault::ShardMove => "shard-move",
             Fault::KillCoord => "kill-coord",
+            Fault::PauseCoordLeader => "pause-coord-leader",
+            Fault::PartitionCoord => "partition-coord",
             Fault::RestoreCoord => "restore-coord",
         }
     }
@@ -243,25 +254,77 @@ async fn inject(
     let snapshot = snapshots.lock;
     match fault {
         Fault::KillCoord => {
-            let what = "kill-coord".to_owned();
-            let op = begin(rec, &what)?;
             let mut coord = rig.coord.lock().await;
-            coord.kill()?;
-            tokio::time::sleep(Duration::from_millis(rng.u64(500..2500))).await;
-            coord.restart().await?;
-            drop(coord);
+            let what;
+            match &mut *coord {
+                CoordEtcd::Single(s) => {
+                    what = "kill-coord".to_owned();
+                    let op = begin(rec, &what)?;
+                    s.kill()?;
+                    tokio::time::sleep(Duration::from_millis(rng.u64(500..2500))).await;
+                    s.restart().await?;
+                    end(rec, op)?;
+                }
+                CoordEtcd::Cluster(c) => {
+                    let i = if rng.bool() {
+                        c.leader().await?
+                    } else {
+                        rng.usize(..c.members())
+                    };
+                    what = format!("kill-coord {}", c.name(i));
+                    let op = begin(rec, &what)?;
+                    c.kill(i)?;
+                    tokio::time::sleep(Duration::from_millis(rng.u64(500..2500))).await;
+                    c.restart(i).await?;
+                    end(rec, op)?;
+                }
+            }
+            Ok(Some(what))
+        }
+        Fault::PauseCoordLeader => {
+            let coord = rig.coord.lock().await;
+            let CoordEtcd::Cluster(c) = &*coord else {
+                anyhow::bail!("pause-coord-leader needs the 3-member coord cluster");
+            };
+            let l = c.leader().await?;
+            let what = format!("pause-coord-leader {}", c.name(l));
+            let op = begin(rec, &what)?;
+            c.pause(l)?;
+            tokio::time::sleep(Duration::from_millis(rng.u64(2000..4000))).await;
+            c.resume(l)?;
             end(rec, op)?;
+            Ok(Some(what))
+        }
+        Fault::PartitionCoord => {
+            let mut coord = rig.coord.lock().await;
+            let CoordEtcd::Cluster(c) = &mut *coord else {
+                anyhow::bail!("partition-coord needs the 3-member coord cluster");
+            };
+            let i = if rng.bool() {
+                c.leader().await?
+            } else {
+                rng.usize(..c.members())
+            };
+            let what = format!("partition-coord {}", c.name(i));
+            let op = begin(rec, &what)?;
+            c.partition(i)?;
+            tokio::time::sleep(Duration::from_millis(rng.u64(2000..5000))).await;
+            c.heal(i)?;
+            end(rec, op)?;
+            c.wait_healthy(Duration::from_secs(30)).await?;
             Ok(Some(what))
         }
         Fault::RestoreCoord => {
             let what = "restore-coord from snapshot + advance the coord tier and the lock cluster"
                 .to_owned();
             let op = begin(rec, &what)?;
-            rig.coord
-                .lock()
-                .await
-                .restore(snapshots.coord, latchkey_tests::etcd::RestoreFlags::Same)
-                .await?;
+            match &mut *rig.coord.lock().await {
+                CoordEtcd::Single(s) => {
+                    s.restore(snapshots.coord, latchkey_tests::etcd::RestoreFlags::Same)
+                        .await?
+                }
+                CoordEtcd::Cluster(c) => c.restore(snapshots.coord).await?,
+            }
             advance_coord(rig, rec).await?;
             // The coord cluster also witnesses the lock cluster: its
             // witness went back with it, so the arbiters seal the lock

@@ -169,6 +169,8 @@ async fn election_gate_through_coord_cluster_faults_checks_out() -> anyhow::Resu
         keys: 4,
         faults: vec![
             Fault::KillCoord,
+            Fault::PauseCoordLeader,
+            Fault::PartitionCoord,
             Fault::RestoreCoord,
             Fault::KillArbiter,
             Fault::PauseHolder,
@@ -185,7 +187,7 @@ async fn election_gate_through_coord_cluster_faults_checks_out() -> anyhow::Resu
         outcome.recovered_after.is_some(),
         "some key or election was not granted again after the faults (seed {seed}):\n{outcome}"
     );
-    for fault in [Fault::KillCoord, Fault::RestoreCoord] {
+    for fault in Fault::COORD {
         assert!(
             outcome
                 .faults
