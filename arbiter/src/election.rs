@@ -132,6 +132,8 @@ pub struct Campaign {
     pub max_elections: u32,
     /// How many candidates the election may have (its class's).
     pub max_candidates: u32,
+    /// The class asks its leaders to yield to a higher-priority candidate.
+    pub yields: bool,
 }
 
 impl Campaign {
@@ -580,6 +582,7 @@ impl Elections {
             wait_ms: u64::try_from(c.wait.as_millis()).unwrap_or(u64::MAX),
             instance: c.instance.clone(),
             bound: c.bound.clone(),
+            yields: c.yields,
         };
         let session_record = encode(&SessionRecord {
             identity: c.identity.clone(),
@@ -711,6 +714,7 @@ impl Elections {
             since_unix_ms: now_unix_ms(),
             instance: c.instance.clone(),
             bound: c.bound.clone(),
+            yields: c.yields,
         };
         let session_record = encode(&SessionRecord {
             identity: c.identity.clone(),
@@ -919,6 +923,7 @@ impl Elections {
                         since_unix_ms: now_unix_ms(),
                         instance: n.record.instance.clone(),
                         bound: n.record.bound.clone(),
+                        yields: n.record.yields,
                     };
                     let term = TermRecord {
                         count,

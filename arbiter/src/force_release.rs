@@ -771,6 +771,7 @@ mod tests {
             since_unix_ms: 1,
             instance: String::new(),
             bound: String::new(),
+            yields: false,
         };
         let kv = crate::lock_log::Kv {
             value: encode(&lead),

@@ -248,6 +248,43 @@ impl Leadership {
         }
     }
 
+    /// Whether the election's class asked this leadership to yield: a
+    /// candidate of a higher priority stands (`yieldToHigherPriority`;
+    /// learned from the leadership's Observe stream).
+    pub fn transfer_requested(&self) -> bool {
+        self.lead.transfer_requested()
+    }
+
+    /// Resolves once [`Leadership::transfer_requested`] is true (at once if
+    /// it is), e.g. to `select!` against a unit of work.
+    pub async fn transfer_request(&self) {
+        self.lead.transfer_requested_wait().await;
+    }
+
+    /// The safe point of a leadership whose class asks it to yield: when a
+    /// transfer was requested, hands the leadership to the preferred
+    /// candidate (the highest priority) and returns the new leader (this
+    /// guard is then lost, [`LeadershipLost::Transferred`]); otherwise does
+    /// nothing and returns `Ok(None)`. Call it between units of work.
+    ///
+    /// ```no_run
+    /// # async fn run(leadership: latchkey_client::Leadership) -> Result<(), latchkey_client::Error> {
+    /// loop {
+    ///     // ... one unit of work, fenced by leadership.token() ...
+    ///     if leadership.yield_if_requested().await?.is_some() {
+    ///         break; // a higher-priority replica leads now
+    ///     }
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn yield_if_requested(&self) -> Result<Option<Leader>, Error> {
+        if !self.transfer_requested() {
+            return Ok(None);
+        }
+        self.transfer(TransferTo::Preferred).await.map(Some)
+    }
+
     /// Replaces the value observers see. Refused (`NOT_LEADER`) once the
     /// leadership ended; the guard then counts as lost.
     pub async fn proclaim(&self, value: impl Into<String>) -> Result<(), Error> {

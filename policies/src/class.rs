@@ -69,6 +69,11 @@ pub struct LockClass {
     pub waiver_expires: Option<Date>,
     #[serde(default = "default_max_waiters_per_key")]
     pub max_waiters_per_key: u32,
+    /// Election classes only: a leader is told (Observe's
+    /// `TransferRequested`) when a candidate of a higher priority stands,
+    /// and should transfer to it at its next safe point.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub yield_to_higher_priority: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
     /// A Wasm hook run before every grant of the class (policies/HOOKS.md).
@@ -230,6 +235,12 @@ pub enum ClassError {
     },
 
     #[error(
+        "yieldToHigherPriority is for election classes (kind = \"election\"): a lock has no \
+         priority to yield to; remove it or set kind = \"election\""
+    )]
+    YieldOnLock,
+
+    #[error(
         "advisory classes need riskOwner (who accepts the risk of an unfenced lock, e.g. \
          \"team-reporting@example.com\") and waiverExpires (\"YYYY-MM-DD\"); missing: {missing}"
     )]
@@ -365,6 +376,9 @@ impl LockClass {
     /// queued there (no fairness setting), and hooks run on Acquire only.
     fn check_election(&self) -> Result<(), ClassError> {
         if self.kind != ClassKind::Election {
+            if self.yield_to_higher_priority {
+                return Err(ClassError::YieldOnLock);
+            }
             return Ok(());
         }
         if self.on_quorum_loss == OnQuorumLoss::Open {

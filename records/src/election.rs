@@ -133,6 +133,7 @@ mod tests {
             since_unix_ms: 1,
             instance: String::new(),
             bound: String::new(),
+            yields: false,
         })
     }
 

@@ -382,6 +382,10 @@ pub struct LeadRecord {
     /// [`HolderRecord::bound`]).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub bound: String,
+    /// The leader's class asks it to yield to a higher-priority candidate
+    /// (`yieldToHigherPriority`): observers are told when one stands.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub yields: bool,
 }
 
 impl LeadRecord {
@@ -463,6 +467,10 @@ pub struct CandidateRecord {
     pub instance: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub bound: String,
+    /// As [`LeadRecord::yields`], for the leadership this candidate would
+    /// start (from its own class).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub yields: bool,
 }
 
 /// The grant subject and session (lease) of a session entry, from its key

@@ -1549,6 +1549,8 @@ async fn observed(
                 ("vacancy", v.term, leader, String::new(), reason.to_string())
             }
             Observed::Gap(g) => bail!("the observer was told of a gap: {g:?}"),
+            // Not a record of its own (the dev class does not yield).
+            Observed::TransferRequested(t) => bail!("a transfer request: {t:?}"),
         },
     )
 }

@@ -423,6 +423,7 @@ async fn next_event(stream: &mut Streaming<ObserveResponse>) -> anyhow::Result<S
             VacancyReason::try_from(v.reason).unwrap_or(VacancyReason::Unspecified)
         ),
         Event::Gap(g) => format!("gap {}-{}", g.from_term, g.to_term),
+        Event::TransferRequested(t) => format!("yield {} {}", t.term, t.priority),
     })
 }
 

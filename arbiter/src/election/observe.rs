@@ -11,7 +11,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use latchkey_records::election::{RecordChange, TermChange, term_changes};
-use latchkey_records::{EpochRecord, decode, term_of};
+use latchkey_records::{CandidateRecord, EpochRecord, decode, term_of};
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
 use tokio_util::task::AbortOnDrop;
@@ -36,10 +36,27 @@ pub use latchkey_records::election::Vacancy;
 /// revision is its token's).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Observation {
-    TermStarted { leader: LeaderView },
-    Proclaimed { term: u64, value: String },
-    Vacant { term: u64, reason: Vacancy },
-    Gap { from_term: u64, to_term: u64 },
+    TermStarted {
+        leader: LeaderView,
+    },
+    Proclaimed {
+        term: u64,
+        value: String,
+    },
+    Vacant {
+        term: u64,
+        reason: Vacancy,
+    },
+    Gap {
+        from_term: u64,
+        to_term: u64,
+    },
+    /// A candidate above the leader's priority stands, and the leader's
+    /// class asks it to yield (`yieldToHigherPriority`).
+    TransferRequested {
+        term: u64,
+        priority: u32,
+    },
 }
 
 /// What the watch task knows of the election.
@@ -53,6 +70,12 @@ struct Known {
     epoch: u32,
     /// The last event that describes the state (a new observer's first).
     state: Option<Observation>,
+    /// The current leadership's class asks it to yield to a higher
+    /// priority.
+    yields: bool,
+    /// The transfer request standing for the current term (a new
+    /// observer's second event).
+    transfer: Option<Observation>,
 }
 
 impl Known {
@@ -71,7 +94,12 @@ impl Known {
             known.state = Some(Observation::TermStarted {
                 leader: view.clone(),
             });
+            known.yields = record.yields;
             known.leader = Some((record.session, view));
+            // Candidates are read highest priority first.
+            if let Some(first) = read.candidates.first() {
+                known.note_candidate(first.record.priority);
+            }
         } else {
             let reason = match read.term.as_ref() {
                 Some((t, _)) => Vacancy::of(t.ended),
@@ -85,12 +113,37 @@ impl Known {
         known
     }
 
+    /// A candidate of `priority` stands: the transfer request it makes, if
+    /// the leader yields and this is above both its priority and the
+    /// request already standing.
+    fn note_candidate(&mut self, priority: u32) -> Option<Observation> {
+        let (_, leader) = self.leader.as_ref()?;
+        if !self.yields || priority <= leader.priority {
+            return None;
+        }
+        if let Some(Observation::TransferRequested {
+            priority: asked, ..
+        }) = &self.transfer
+            && *asked >= priority
+        {
+            return None;
+        }
+        let request = Observation::TransferRequested {
+            term: leader.term,
+            priority,
+        };
+        self.transfer = Some(request.clone());
+        Some(request)
+    }
+
     /// Applies an event the watch task sends.
     fn apply(&mut self, event: &Observation) {
         match event {
             Observation::TermStarted { .. } | Observation::Vacant { .. } => {
                 self.state = Some(event.clone());
+                self.transfer = None;
             }
+            Observation::TransferRequested { .. } => self.transfer = Some(event.clone()),
             Observation::Proclaimed { term, value } => {
                 if let Some(Observation::TermStarted { leader }) = &mut self.state
                     && leader.term == *term
@@ -184,9 +237,14 @@ impl Hubs {
         from_term: u64,
     ) -> Result<Observer, ArbiterError> {
         let hub = self.hub(election).await?;
-        let (rx, state, term) = {
+        let (rx, state, transfer, term) = {
             let known = hub.known.lock();
-            (hub.tx.subscribe(), known.state.clone(), known.term)
+            (
+                hub.tx.subscribe(),
+                known.state.clone(),
+                known.transfer.clone(),
+                known.term,
+            )
         };
         let mut first = VecDeque::new();
         if from_term != 0 && from_term < term {
@@ -197,6 +255,9 @@ impl Hubs {
         }
         if let Some(state) = state {
             first.push_back(state);
+        }
+        if let Some(transfer) = transfer {
+            first.push_back(transfer);
         }
         Ok(Observer {
             first,
@@ -323,6 +384,11 @@ async fn resync(table: &LockTable, election: &str, hub: &Weak<Hub>) -> Option<i6
                         let _ = hub.tx.send(state.clone());
                     }
                 }
+                if now.transfer.is_some() && now.transfer != known.transfer {
+                    if let Some(transfer) = &now.transfer {
+                        let _ = hub.tx.send(transfer.clone());
+                    }
+                }
                 *known = now;
                 return Some(read.revision);
             }
@@ -384,6 +450,8 @@ fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
                     leader: view.clone(),
                 });
                 known.leader = Some((record.session, view));
+                known.yields = record.yields;
+                known.transfer = None;
             }
             TermChange::Proclaimed(record) => {
                 out.push(Observation::Proclaimed {
@@ -400,7 +468,18 @@ fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
                     term: leader.term,
                     reason: Vacancy::of(ended),
                 });
+                known.yields = false;
+                known.transfer = None;
             }
+        }
+    }
+    // A candidate standing (its record put) may ask the leader to yield.
+    for event in events {
+        if let (true, Some(kv)) = (event.key.starts_with("c/"), &event.put)
+            && let Some(candidate) = decode::<CandidateRecord>(&kv.value)
+            && let Some(request) = known.note_candidate(candidate.priority)
+        {
+            out.push(request);
         }
     }
     out
@@ -433,6 +512,7 @@ mod tests {
             since_unix_ms: 1,
             instance: String::new(),
             bound: String::new(),
+            yields: false,
         })
     }
 
@@ -472,8 +552,76 @@ mod tests {
                     format!("vacant {} {reason:?}", term & 0xffff)
                 }
                 Observation::Gap { from_term, to_term } => format!("gap {from_term}-{to_term}"),
+                Observation::TransferRequested { term, priority } => {
+                    format!("yield {} {priority}", term & 0xffff)
+                }
             })
             .collect()
+    }
+
+    fn yielding_lead(count: u32, priority: u32) -> Vec<u8> {
+        encode(&LeadRecord {
+            identity: "spiffe://t/a".into(),
+            session: 1,
+            class: "election".into(),
+            epoch: 1,
+            count,
+            value: "a".into(),
+            priority,
+            since_unix_ms: 1,
+            instance: String::new(),
+            bound: String::new(),
+            yields: true,
+        })
+    }
+
+    fn candidate(priority: u32) -> Vec<u8> {
+        encode(&CandidateRecord {
+            identity: "spiffe://t/b".into(),
+            session: 2,
+            class: "election".into(),
+            value: "b".into(),
+            priority,
+            since_unix_ms: 1,
+            wait_ms: 1_000,
+            instance: String::new(),
+            bound: String::new(),
+            yields: true,
+        })
+    }
+
+    /// `yieldToHigherPriority`: a candidate above the leader's priority
+    /// asks it to yield, once per higher priority; one at or below it, or
+    /// under a leader whose class does not yield, asks nothing; a new term
+    /// starts with no request standing.
+    #[test]
+    fn a_higher_priority_candidate_asks_a_yielding_leader_to_transfer() {
+        let mut known = Known::default();
+        let batches = vec![
+            vec![
+                put("term", term(1, None), 10),
+                put("lead", yielding_lead(1, 3), 10),
+            ],
+            vec![put("c/a/2", candidate(3), 11)],
+            vec![put("c/b/3", candidate(5), 12)],
+            vec![put("c/c/4", candidate(4), 13)],
+            vec![put("c/d/5", candidate(9), 14)],
+            vec![
+                put("term", term(2, None), 15),
+                put("lead", lead(2, 2, "b"), 15),
+                delete("c/d/5"),
+            ],
+            vec![put("c/e/6", candidate(7), 16)],
+        ];
+        let mut all = Vec::new();
+        for batch in &batches {
+            all.extend(translate(&mut known, batch));
+        }
+        assert_eq!(
+            kinds(&all),
+            ["start 1", "yield 1 5", "yield 1 9", "start 2"],
+            "the non-yielding leader of term 2 is asked nothing"
+        );
     }
 
     #[test]

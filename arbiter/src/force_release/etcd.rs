@@ -150,6 +150,7 @@ impl ForceStore {
                 since_unix_ms: 0,
                 instance: String::new(),
                 bound: String::new(),
+                yields: false,
             }),
             lease: lead.lease(),
             term_revision,

@@ -114,6 +114,11 @@ fn observed(event: Observation) -> ObserveResponse {
         Observation::Gap { from_term, to_term } => {
             observe_response::Event::Gap(Gap { from_term, to_term })
         }
+        Observation::TransferRequested { term, priority } => {
+            observe_response::Event::TransferRequested(
+                latchkey_proto::electionv1::TransferRequested { term, priority },
+            )
+        }
     };
     ObserveResponse { event: Some(event) }
 }
@@ -244,6 +249,7 @@ impl Arbiter {
             max_leaderships: self.max_leaderships,
             max_elections: MAX_ELECTIONS_PER_SUBJECT,
             max_candidates: class.max_waiters_per_key,
+            yields: class.yield_to_higher_priority,
         };
         let leadership = elections.campaign(&campaign).await?;
         debug!(identity = %caller.identity, election = %key.as_str(), term = leadership.term, "leads");

@@ -410,6 +410,7 @@ fn lead(identity: &str, session: i64, count: u32, value: &str, priority: u32) ->
         since_unix_ms: 1_700_000_000_000,
         instance: String::new(),
         bound: String::new(),
+        yields: false,
     })
 }
 

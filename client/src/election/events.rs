@@ -158,6 +158,16 @@ pub enum ElectionEvent {
         /// The last term missed.
         to_term: u64,
     },
+    /// A candidate of a higher priority than the leader of `term` stands,
+    /// and the election's class asks its leader to yield
+    /// (`yieldToHigherPriority`): the leader should transfer at its next
+    /// safe point ([`Leadership::yield_if_requested`](crate::Leadership::yield_if_requested)).
+    TransferRequested {
+        /// The term asked to yield.
+        term: u64,
+        /// The highest priority standing above the leader's.
+        priority: u32,
+    },
 }
 
 /// The event of a response, with its revision (kept inside the library).
@@ -180,6 +190,10 @@ pub(crate) fn event_of(response: ObserveResponse) -> Result<(ElectionEvent, i64)
         Some(Event::Gap(g)) => ElectionEvent::Gap {
             from_term: g.from_term,
             to_term: g.to_term,
+        },
+        Some(Event::TransferRequested(t)) => ElectionEvent::TransferRequested {
+            term: t.term,
+            priority: t.priority,
         },
         None => {
             return Err(Error::Protocol {
@@ -240,6 +254,7 @@ impl ElectionEvents {
             ElectionEvent::Vacant { term, .. } => *term,
             ElectionEvent::Gap { to_term, .. } => *to_term,
             ElectionEvent::Proclaimed { term, .. } => *term,
+            ElectionEvent::TransferRequested { term, .. } => *term,
         };
         self.last_term = self.last_term.max(term);
     }

@@ -115,6 +115,12 @@ async fn observe(w: &Watched, backoff: &mut Duration) -> Option<LeadershipLost> 
                 let Ok((event, revision)) = event_of(response) else {
                     continue;
                 };
+                if let ElectionEvent::TransferRequested { term, .. } = &event
+                    && *term == w.term
+                    && let Some(lead) = w.lead.upgrade()
+                {
+                    lead.request_transfer();
+                }
                 if let Some(reason) = verdict(w.term, w.started_at, &event, revision) {
                     return Some(reason);
                 }

@@ -37,6 +37,10 @@ pub(crate) struct Lead {
     /// the session's fence registration (removed with the last guard).
     watcher: Mutex<Option<AbortHandle>>,
     fence_id: Mutex<Option<u64>>,
+    /// A higher-priority candidate stands and the class asks this
+    /// leadership to yield (its observer saw `TransferRequested`).
+    transfer_requested: std::sync::atomic::AtomicBool,
+    transfer_notify: Notify,
 }
 
 impl Lead {
@@ -58,6 +62,29 @@ impl Lead {
             cancel: CancellationToken::new(),
             watcher: Mutex::new(None),
             fence_id: Mutex::new(None),
+            transfer_requested: std::sync::atomic::AtomicBool::new(false),
+            transfer_notify: Notify::new(),
+        }
+    }
+
+    /// Its observer saw a transfer request for this term.
+    pub(crate) fn request_transfer(&self) {
+        self.transfer_requested.store(true, Ordering::Release);
+        self.transfer_notify.notify_waiters();
+    }
+
+    pub(crate) fn transfer_requested(&self) -> bool {
+        self.transfer_requested.load(Ordering::Acquire)
+    }
+
+    /// Resolves once a transfer is requested (at once if it was).
+    pub(crate) async fn transfer_requested_wait(&self) {
+        loop {
+            let notified = self.transfer_notify.notified();
+            if self.transfer_requested() {
+                return;
+            }
+            notified.await;
         }
     }
 

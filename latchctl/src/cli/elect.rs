@@ -267,6 +267,12 @@ fn event_json(election: &str, event: &ElectionEvent) -> serde_json::Value {
             "from_term": from_term,
             "to_term": to_term,
         }),
+        ElectionEvent::TransferRequested { term, priority } => json!({
+            "event": "transfer_requested",
+            "election": election,
+            "term": term,
+            "priority": priority,
+        }),
     }
 }
 
@@ -288,6 +294,9 @@ fn event_line(event: &ElectionEvent) -> String {
         ElectionEvent::Vacant { term, reason } => format!("vacant after term {term}: {reason}"),
         ElectionEvent::Gap { from_term, to_term } => {
             format!("gap: the events of terms {from_term} to {to_term} were missed")
+        }
+        ElectionEvent::TransferRequested { term, priority } => {
+            format!("term {term} asked to yield: a candidate of priority {priority} stands")
         }
     }
 }
