@@ -99,6 +99,13 @@ pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
         "an election class takes at most maxWaitersPerKey: 1024: an election's candidates are \
          read in one answer of at most 1024"
     ),
+    validation = Rule::new(
+        "!has(self.yieldToHigherPriority) || !self.yieldToHigherPriority || (has(self.kind) && self.kind == 'election')"
+    )
+    .message(
+        "yieldToHigherPriority is for election classes (kind: election): a lock has no \
+         priority to yield to; remove it or set kind: election"
+    ),
     validation = Rule::new("!has(self.kind) || self.kind != 'election' || !has(self.hook)").message(
         "an election class takes no hook: class hooks run before lock grants only, not before \
          a leadership"
@@ -163,6 +170,10 @@ pub struct LockClassSpec {
     #[x_kube(validation = Rule::new("self >= 1 && self <= 10000")
         .message("maxWaitersPerKey is outside 1..=10000"))]
     pub max_waiters_per_key: u32,
+    /// Election classes only: a leader is asked (Observe's
+    /// TransferRequested) to yield when a higher-priority candidate stands.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub yield_to_higher_priority: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 4096))]
     pub description: Option<String>,

@@ -318,6 +318,14 @@ fn class_cases() -> Vec<Case> {
             fenced(json!({"kind": "election", "maxWaitersPerKey": 1025})),
         ),
         ok(
+            "an election class that yields to a higher priority",
+            fenced(json!({"kind": "election", "yieldToHigherPriority": true})),
+        ),
+        ok(
+            "a lock class that yields to a higher priority",
+            fenced(json!({"yieldToHigherPriority": true})),
+        ),
+        ok(
             "an election class with a hook",
             fenced(json!({"kind": "election", "hook": {"module": "hooks/quota.wasm"}})),
         ),

@@ -1299,5 +1299,29 @@ result = "pause-tests/demo.json"
         assert_eq!(lock.kind, ClassKind::Lock);
         // The default is not written back (reviewed files stay as they were).
         assert!(!toml::to_string(&lock).unwrap_or_default().contains("kind"));
+        assert!(!toml::to_string(&lock).unwrap_or_default().contains("yield"));
+        // yieldToHigherPriority: an election class's setting only.
+        let yields = LockClass {
+            yield_to_higher_priority: true,
+            ..c.clone()
+        };
+        assert_eq!(yields.check_election(), Ok(()));
+        let lock_yields = LockClass {
+            yield_to_higher_priority: true,
+            ..lock
+        };
+        assert_eq!(lock_yields.check_election(), Err(ClassError::YieldOnLock));
+        let parsed = parse(
+            r#"
+name = "controller"
+kind = "election"
+tier = "coord"
+enforcement = "advisory"
+riskOwner = "team@example.com"
+waiverExpires = "2027-06-30"
+yieldToHigherPriority = true
+"#,
+        );
+        assert!(parsed.yield_to_higher_priority);
     }
 }

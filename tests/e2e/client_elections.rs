@@ -409,3 +409,84 @@ async fn client_elections_a_dropped_campaign_does_not_stay_a_candidate() -> anyh
     lb.resign().await?;
     Ok(())
 }
+
+/// `yieldToHigherPriority` (issue 33): a leader is asked to yield when a
+/// candidate above its priority stands, and hands over at its own safe
+/// point (`yield_if_requested`), in one transaction, to the highest
+/// priority; a candidate at or below its priority asks nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_elections_a_leader_yields_to_a_higher_priority_candidate_at_its_safe_point()
+-> anyhow::Result<()> {
+    const YIELDING: &str = "elect-yield";
+    let dir = policies()?;
+    std::fs::write(
+        dir.path().join("classes/zz-elect-yield.toml"),
+        format!(
+            "[[class]]\nname = \"{YIELDING}\"\nkind = \"election\"\ntier = \"coord\"\n\
+             enforcement = \"fenced\"\nttlSeconds = {}\nyieldToHigherPriority = true\n\
+             [class.pauseTest]\nresource = \"postgresql:dev.latchkey_fenced_rows\"\n\
+             result = \"pause-tests/{YIELDING}.json\"\n",
+            TTL.as_secs()
+        ),
+    )?;
+    latchkey_tests::write_pause_test_fixtures(dir.path())?;
+    let s = stack(&dir).await?;
+    let election = "demo/elect/yield";
+    let a = connect(s.arbiter.addr(), "workload/alice").await?;
+    let b = connect(s.arbiter.addr(), "workload/alice").await?;
+    let c = connect(s.arbiter.addr(), "workload/alice").await?;
+    let at = |priority: u32| CampaignOptions {
+        priority,
+        wait: Some(Duration::from_secs(30)),
+        ..CampaignOptions::default()
+    };
+    let led = a.campaign(election, YIELDING, "pod-a", at(1)).await?;
+    let mut events = a.observe(election, 0).await?;
+    ensure!(started(&next_event(&mut events).await?).is_some());
+
+    // A candidate at the leader's priority or below asks nothing.
+    let low = tokio::spawn({
+        let c = c.clone();
+        async move { c.campaign(election, YIELDING, "pod-c", at(1)).await }
+    });
+    until_standing(&a, election, 1).await?;
+    ensure!(
+        timeout(Duration::from_secs(1), led.transfer_request())
+            .await
+            .is_err(),
+        "a candidate of the leader's own priority asked it to yield"
+    );
+    ensure!(!led.transfer_requested());
+    ensure!(
+        led.yield_if_requested().await?.is_none(),
+        "nothing to yield to"
+    );
+
+    // A higher one does: the leader hears of it and yields at its safe point.
+    let high = tokio::spawn({
+        let b = b.clone();
+        async move { b.campaign(election, YIELDING, "pod-b", at(5)).await }
+    });
+    timeout(Duration::from_secs(10), led.transfer_request())
+        .await
+        .context("the leader was not asked to yield within 10 s")?;
+    match next_event(&mut events).await? {
+        ElectionEvent::TransferRequested { term, priority } => {
+            ensure!(term == led.term() && priority == 5, "{term} {priority}");
+        }
+        other => bail!("expected the transfer request, got {other:?}"),
+    }
+    let next = led
+        .yield_if_requested()
+        .await?
+        .context("a requested yield hands the leadership over")?;
+    ensure!(next.value == "pod-b" && next.priority == 5, "{next:?}");
+    let b_leads = high.await??;
+    ensure!(b_leads.term() == led.term() + 1 && b_leads.token() > led.token());
+    ensure!(led.is_lost(), "the yielded leadership is over");
+    // The lower candidate still waits; b leads on.
+    ensure!(!low.is_finished());
+    low.abort();
+    b_leads.resign().await?;
+    Ok(())
+}
