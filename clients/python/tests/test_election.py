@@ -17,7 +17,7 @@ import pytest
 
 import latchkey
 from conftest import eventually
-from latchkey import FenceReason, Gap, Leadership, Proclaimed, TermStarted, Vacant, VacancyReason
+from latchkey import FenceReason, Gap, Leadership, Proclaimed, TermStarted, TransferRequested, Vacant, VacancyReason
 from latchkey._client import Client
 from latchkey._election import _KEEP, _LOST, _ASK, ElectionTable, Observation, _event, _judge, _Term
 from latchkey.election.v1 import election_pb2, election_pb2_grpc
@@ -45,6 +45,9 @@ def test_events_are_typed():
     assert _event(vacant(7, 99)) == Vacant(7, VacancyReason.UNSPECIFIED), "a reason newer than the stubs"
     gap = election_pb2.ObserveResponse(gap=election_pb2.Gap(from_term=3, to_term=6))
     assert _event(gap) == Gap(3, 6)
+    asked = election_pb2.ObserveResponse(transfer_requested=election_pb2.TransferRequested(term=7, priority=5))
+    assert _event(asked) == TransferRequested(7, 5)
+    assert _judge(7, TransferRequested(7, 5)) == _KEEP, "a request to yield is not a loss"
     assert _event(election_pb2.ObserveResponse()) is None
 
 
@@ -230,6 +233,24 @@ def test_another_term_on_the_observe_stream_loses_the_leadership_at_once(fake):
     with pytest.raises(latchkey.NotLeader):
         leadership.proclaim("late")  # refused here, without a call
     leadership.resign()  # lost: nothing to resign, nothing raised
+
+
+def test_a_transfer_request_for_its_term_is_told_to_the_leadership(fake):
+    servicer, client = fake
+    servicer.leader = election_pb2.LeaderInfo(identity="spiffe://t/a", value="pod-a", term=10)
+    asked = election_pb2.ObserveResponse(transfer_requested=election_pb2.TransferRequested(term=10, priority=5))
+    other = election_pb2.ObserveResponse(transfer_requested=election_pb2.TransferRequested(term=9, priority=5))
+    # A request for another term, then the stream ends; the watch observes
+    # again and hears one for its own.
+    servicer.streams.put(([started(10, "pod-a"), other], grpc.StatusCode.UNAVAILABLE))
+    t = term_of(client, FakeSession())
+    leadership = Leadership(t, t.add(None))
+    eventually("the first stream to be taken", 5, servicer.streams.empty)
+    assert leadership.yield_if_requested() is None or t.transfer_requested.is_set()
+    servicer.streams.put(([started(10, "pod-a"), asked], None))
+    eventually("the request to yield", 5, t.transfer_requested.is_set)
+    assert leadership.transfer_requested.is_set()
+    assert not t.lost.is_set(), "asked to yield is not lost"
 
 
 def test_a_vacancy_read_first_is_checked_with_leader(fake):

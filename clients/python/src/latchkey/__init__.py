@@ -35,6 +35,7 @@ from ._election import (
     Observation,
     Proclaimed,
     TermStarted,
+    TransferRequested,
     Vacant,
     VacancyReason,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "Session",
     "SessionExpired",
     "TermStarted",
+    "TransferRequested",
     "Unauthenticated",
     "Unavailable",
     "Vacant",

@@ -130,7 +130,18 @@ class Gap:
     to_term: int
 
 
-Event = Union[TermStarted, Proclaimed, Vacant, Gap]
+@dataclass(frozen=True)
+class TransferRequested:
+    """A candidate above the leader of `term`'s priority stands, and the
+    election's class asks its leader to yield (``yieldToHigherPriority``):
+    it should hand over at its next safe point
+    (:meth:`Leadership.yield_if_requested`)."""
+
+    term: int
+    priority: int
+
+
+Event = Union[TermStarted, Proclaimed, Vacant, Gap, TransferRequested]
 
 
 def _leader(info) -> Leader:
@@ -154,6 +165,9 @@ def _event(response) -> Optional[Event]:
         return Vacant(v.term, reason)
     if kind == "gap":
         return Gap(response.gap.from_term, response.gap.to_term)
+    if kind == "transfer_requested":
+        t = response.transfer_requested
+        return TransferRequested(t.term, t.priority)
     return None  # an event kind newer than these stubs: skipped
 
 
@@ -195,6 +209,9 @@ class _Term:
         self.owner = owner
         self.count = 0
         self.lost = threading.Event()
+        #: Set when the class asks this leadership to yield (its watch saw
+        #: TransferRequested for this term).
+        self.transfer_requested = threading.Event()
         self.reason: Optional[FenceReason] = None
         #: can_start() is false while a transfer is in flight.
         self.ending = False
@@ -317,7 +334,10 @@ class _LeadershipWatch:
             try:
                 for response in call:
                     backoff = MIN_BACKOFF
-                    verdict = _judge(term.term, _event(response))
+                    event = _event(response)
+                    if isinstance(event, TransferRequested) and event.term == term.term:
+                        term.transfer_requested.set()
+                    verdict = _judge(term.term, event)
                     if verdict == _ASK:
                         verdict = self._ask()
                     if verdict == _LOST:
@@ -436,6 +456,22 @@ class Leadership:
     def hold_count(self) -> int:
         """How many handles of this thread share the leadership."""
         return self._term.count
+
+    @property
+    def transfer_requested(self) -> threading.Event:
+        """Set once the election's class asks this leadership to yield: a
+        candidate of a higher priority stands (``yieldToHigherPriority``;
+        learned from the leadership's watch). Never cleared."""
+        return self._term.transfer_requested
+
+    def yield_if_requested(self) -> Optional[Leader]:
+        """The leader's safe point: when a transfer was requested, hands the
+        leadership to the preferred candidate (the highest priority) and
+        returns the next leader (this leadership is then over); otherwise
+        does nothing and returns None. Call it between units of work."""
+        if not self._term.transfer_requested.is_set():
+            return None
+        return self.transfer(preferred=True)
 
     def can_start(self) -> bool:
         """Whether to start a new unit of leader's work (ADR-12 stage one):

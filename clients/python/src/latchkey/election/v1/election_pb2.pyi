@@ -137,17 +137,27 @@ class Gap(_message.Message):
     to_term: int
     def __init__(self, from_term: _Optional[int] = ..., to_term: _Optional[int] = ...) -> None: ...
 
+class TransferRequested(_message.Message):
+    __slots__ = ("term", "priority")
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    priority: int
+    def __init__(self, term: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+
 class ObserveResponse(_message.Message):
-    __slots__ = ("term_started", "proclaimed", "vacant", "gap")
+    __slots__ = ("term_started", "proclaimed", "vacant", "gap", "transfer_requested")
     TERM_STARTED_FIELD_NUMBER: _ClassVar[int]
     PROCLAIMED_FIELD_NUMBER: _ClassVar[int]
     VACANT_FIELD_NUMBER: _ClassVar[int]
     GAP_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     term_started: TermStarted
     proclaimed: Proclaimed
     vacant: Vacant
     gap: Gap
-    def __init__(self, term_started: _Optional[_Union[TermStarted, _Mapping]] = ..., proclaimed: _Optional[_Union[Proclaimed, _Mapping]] = ..., vacant: _Optional[_Union[Vacant, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ...) -> None: ...
+    transfer_requested: TransferRequested
+    def __init__(self, term_started: _Optional[_Union[TermStarted, _Mapping]] = ..., proclaimed: _Optional[_Union[Proclaimed, _Mapping]] = ..., vacant: _Optional[_Union[Vacant, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., transfer_requested: _Optional[_Union[TransferRequested, _Mapping]] = ...) -> None: ...
 
 class ResignRequest(_message.Message):
     __slots__ = ("election", "session_id", "token")
