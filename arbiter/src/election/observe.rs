@@ -384,10 +384,10 @@ async fn resync(table: &LockTable, election: &str, hub: &Weak<Hub>) -> Option<i6
                         let _ = hub.tx.send(state.clone());
                     }
                 }
-                if now.transfer.is_some() && now.transfer != known.transfer {
-                    if let Some(transfer) = &now.transfer {
-                        let _ = hub.tx.send(transfer.clone());
-                    }
+                if let Some(transfer) = &now.transfer
+                    && now.transfer != known.transfer
+                {
+                    let _ = hub.tx.send(transfer.clone());
                 }
                 *known = now;
                 return Some(read.revision);
