@@ -175,6 +175,9 @@ pub enum TransferTo {
     Candidate(u64),
     /// The first candidate in order.
     Preferred,
+    /// The first candidate in order, only if its priority is above the
+    /// leader's (yielding to a higher priority).
+    HigherPriority,
 }
 
 /// A standing candidacy: withdrawn when its call ends without leading,
@@ -888,6 +891,9 @@ impl Elections {
                 .filter(|c| c.record.session != claim.session);
             let next = match to {
                 None | Some(TransferTo::Preferred) => others.next(),
+                Some(TransferTo::HigherPriority) => {
+                    others.next().filter(|c| c.record.priority > current.priority)
+                }
                 Some(TransferTo::Candidate(id)) => {
                     others.find(|c| u64::try_from(c.created).ok() == Some(id))
                 }
@@ -897,6 +903,10 @@ impl Elections {
                     Some(TransferTo::Candidate(id)) => format!(
                         "candidate {id} is not standing in election {:?} (its campaign ended, or it leads); list them with Candidates",
                         claim.election
+                    ),
+                    Some(TransferTo::HigherPriority) => format!(
+                        "election {:?} has no candidate above the leader's priority {} (the one that asked may have left)",
+                        claim.election, current.priority
                     ),
                     _ => format!(
                         "election {:?} has no candidate to transfer to",

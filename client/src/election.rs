@@ -69,6 +69,10 @@ pub enum TransferTo {
     /// The candidate that would lead next: the highest priority, then the
     /// first to stand.
     Preferred,
+    /// The preferred candidate, only if its priority is above this
+    /// leadership's (`NO_CANDIDATE` otherwise): what
+    /// [`Leadership::yield_if_requested`] asks for.
+    HigherPriority,
 }
 
 /// Why a leadership ended without this process resigning it.
@@ -282,7 +286,16 @@ impl Leadership {
         if !self.transfer_requested() {
             return Ok(None);
         }
-        self.transfer(TransferTo::Preferred).await.map(Some)
+        match self.transfer(TransferTo::HigherPriority).await {
+            Ok(next) => Ok(Some(next)),
+            // The candidate that asked left, and none above this
+            // leadership's priority stands: it leads on.
+            Err(e) if e.reason() == crate::Reason::NoCandidate => {
+                self.lead.clear_transfer();
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Replaces the value observers see. Refused (`NOT_LEADER`) once the
@@ -368,6 +381,7 @@ impl Leadership {
                 to: Some(match to {
                     TransferTo::Candidate(id) => transfer_request::To::CandidateId(id),
                     TransferTo::Preferred => transfer_request::To::Preferred(true),
+                    TransferTo::HigherPriority => transfer_request::To::HigherPriority(true),
                 }),
             }))
             .await;
@@ -611,6 +625,7 @@ impl Client {
             .observe(rpc.stream(latchkey_proto::electionv1::ObserveRequest {
                 election: election.to_owned(),
                 from_term,
+                transfer_requests: true,
             }))
             .await?
             .into_inner();

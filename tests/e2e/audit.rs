@@ -1622,6 +1622,7 @@ async fn observed_as_recorded(audit: &Audit, reader: Option<&str>) -> anyhow::Re
         .observe(ObserveRequest {
             election: election.into(),
             from_term: 0,
+            transfer_requests: false,
         })
         .await?
         .into_inner();

@@ -569,6 +569,7 @@ async fn observe_reports_every_term_proclamation_and_vacancy_in_order() -> anyho
         .observe(ObserveRequest {
             election: election.into(),
             from_term: 0,
+            transfer_requests: false,
         })
         .await?
         .into_inner();
@@ -625,6 +626,7 @@ async fn observe_reports_every_term_proclamation_and_vacancy_in_order() -> anyho
         .observe(ObserveRequest {
             election: election.into(),
             from_term: t,
+            transfer_requests: false,
         })
         .await?
         .into_inner();
@@ -653,6 +655,7 @@ async fn elections_refuse_bad_input_and_other_identities() -> anyhow::Result<()>
             .observe(ObserveRequest {
                 election: "demo/elect/x".into(),
                 from_term: 0,
+                transfer_requests: false,
             })
             .await,
         Code::PermissionDenied,
@@ -794,6 +797,7 @@ async fn through_the_edge_replicas_hand_over_and_others_are_refused() -> anyhow:
         .observe(ObserveRequest {
             election: election.into(),
             from_term: 0,
+            transfer_requests: false,
         })
         .await?
         .into_inner();

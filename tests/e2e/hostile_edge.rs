@@ -289,6 +289,7 @@ async fn election_calls_refuse_reserved_headers_and_trailers() -> anyhow::Result
             encode(&ObserveRequest {
                 election: election.into(),
                 from_term: 0,
+                transfer_requests: false,
             }),
         ),
         (

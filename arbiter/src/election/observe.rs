@@ -76,6 +76,9 @@ struct Known {
     /// The transfer request standing for the current term (a new
     /// observer's second event).
     transfer: Option<Observation>,
+    /// The candidates standing, by their key below the election
+    /// (`c/<rank>/<session>`): (priority, session).
+    candidates: std::collections::BTreeMap<String, (u32, i64)>,
 }
 
 impl Known {
@@ -96,10 +99,6 @@ impl Known {
             });
             known.yields = record.yields;
             known.leader = Some((record.session, view));
-            // Candidates are read highest priority first.
-            if let Some(first) = read.candidates.first() {
-                known.note_candidate(first.record.priority);
-            }
         } else {
             let reason = match read.term.as_ref() {
                 Some((t, _)) => Vacancy::of(t.ended),
@@ -110,27 +109,42 @@ impl Known {
                 reason,
             });
         }
+        for c in &read.candidates {
+            known.candidates.insert(
+                candidate_key(c.record.priority, c.record.session),
+                (c.record.priority, c.record.session),
+            );
+        }
+        known.refresh_transfer();
         known
     }
 
-    /// A candidate of `priority` stands: the transfer request it makes, if
-    /// the leader yields and this is above both its priority and the
-    /// request already standing.
-    fn note_candidate(&mut self, priority: u32) -> Option<Observation> {
-        let (_, leader) = self.leader.as_ref()?;
-        if !self.yields || priority <= leader.priority {
+    /// The transfer request the standing candidates make now, if it is
+    /// new: the leader's class yields, and a candidate of another session
+    /// stands above its priority, higher than any request already made in
+    /// this term. (A request is never taken back: the candidate may leave;
+    /// the leader's transfer then goes only above its priority, or to no
+    /// one.)
+    fn refresh_transfer(&mut self) -> Option<Observation> {
+        let (session, leader) = self.leader.as_ref()?;
+        if !self.yields {
             return None;
         }
-        if let Some(Observation::TransferRequested {
-            priority: asked, ..
-        }) = &self.transfer
-            && *asked >= priority
+        let top = self
+            .candidates
+            .values()
+            .filter(|(_, s)| s != session)
+            .map(|(p, _)| *p)
+            .max()
+            .filter(|p| *p > leader.priority)?;
+        if let Some(Observation::TransferRequested { priority: asked, .. }) = &self.transfer
+            && *asked >= top
         {
             return None;
         }
         let request = Observation::TransferRequested {
             term: leader.term,
-            priority,
+            priority: top,
         };
         self.transfer = Some(request.clone());
         Some(request)
@@ -192,15 +206,18 @@ impl Observer {
             }
             Err(broadcast::error::RecvError::Lagged(_)) => {
                 // Fell behind: one gap, then the state as it is now.
-                let (state, term) = {
+                let (state, transfer, term) = {
                     let known = self.hub.known.lock();
                     // Resubscribe under the lock: nothing sent after the
                     // state is read can be missed.
                     self.rx = self.hub.tx.subscribe();
-                    (known.state.clone(), known.term)
+                    (known.state.clone(), known.transfer.clone(), known.term)
                 };
                 if let Some(state) = state {
                     self.first.push_back(state);
+                }
+                if let Some(transfer) = transfer {
+                    self.first.push_back(transfer);
                 }
                 let gap = Observation::Gap {
                     from_term: self.term,
@@ -299,12 +316,12 @@ impl Hubs {
     }
 }
 
-/// The election's leader and term records (no candidates), and the epoch
-/// this arbiter serves.
+/// The election's records (its candidates too, for transfer requests), and
+/// the epoch this arbiter serves.
 async fn read(table: &LockTable, election: &str) -> Result<(Read, u32), ArbiterError> {
     let (read, header) = table
         .seal()
-        .checked(table.log().election(election, 1))
+        .checked(table.log().election(election, super::MAX_CANDIDATES))
         .await?;
     let read = Read::of(read, header.revision)?;
     let epoch = table.seal().guard().state().map_or(0, |s| s.epoch());
@@ -426,6 +443,23 @@ async fn epoch_now(table: &LockTable) -> Option<u32> {
 /// of its operations. An end no write caused is its session's (or an epoch
 /// advance's, which the watch task tells by the epoch record).
 fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
+    for event in events {
+        if !event.key.starts_with("c/") {
+            continue;
+        }
+        match &event.put {
+            Some(kv) => {
+                if let Some(c) = decode::<CandidateRecord>(&kv.value) {
+                    known
+                        .candidates
+                        .insert(event.key.clone(), (c.priority, c.session));
+                }
+            }
+            None => {
+                known.candidates.remove(&event.key);
+            }
+        }
+    }
     let changes = events
         .iter()
         .filter_map(|event| match (event.key.as_str(), &event.put) {
@@ -473,16 +507,20 @@ fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
             }
         }
     }
-    // A candidate standing (its record put) may ask the leader to yield.
-    for event in events {
-        if let (true, Some(kv)) = (event.key.starts_with("c/"), &event.put)
-            && let Some(candidate) = decode::<CandidateRecord>(&kv.value)
-            && let Some(request) = known.note_candidate(candidate.priority)
-        {
-            out.push(request);
-        }
+    // After the batch: the standing candidates may ask this term's leader
+    // to yield (a candidate that stood, or a term that started under one).
+    if let Some(request) = known.refresh_transfer() {
+        out.push(request);
     }
     out
+}
+
+/// A candidate's key below its election, as the log writes it.
+fn candidate_key(priority: u32, session: i64) -> String {
+    format!(
+        "c/{:08x}/{session:016x}",
+        latchkey_records::candidate_rank(priority)
+    )
 }
 
 #[cfg(test)]
@@ -622,6 +660,32 @@ mod tests {
             ["start 1", "yield 1 5", "yield 1 9", "start 2"],
             "the non-yielding leader of term 2 is asked nothing"
         );
+    }
+
+    /// A yielding term that starts while a higher candidate stands is asked
+    /// at once (after its start, in the same batch); the leader's own
+    /// session's record asks nothing; a candidate that came and went within
+    /// a batch asks nothing.
+    #[test]
+    fn a_term_starting_under_a_higher_candidate_is_asked_and_its_own_record_is_not() {
+        let mut known = Known::default();
+        let own = encode(&CandidateRecord {
+            session: 1,
+            ..decode::<CandidateRecord>(&candidate(8)).expect("decodes")
+        });
+        let batches = vec![
+            vec![put("c/x/1", own, 9), put("c/y/2", candidate(6), 9)],
+            vec![
+                put("term", term(1, None), 10),
+                put("lead", yielding_lead(1, 3), 10),
+            ],
+            vec![put("c/z/9", candidate(7), 11), delete("c/z/9")],
+        ];
+        let mut all = Vec::new();
+        for batch in &batches {
+            all.extend(translate(&mut known, batch));
+        }
+        assert_eq!(kinds(&all), ["start 1", "yield 1 6"]);
     }
 
     #[test]

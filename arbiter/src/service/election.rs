@@ -298,9 +298,10 @@ impl Arbiter {
         let to = match req.to {
             Some(transfer_request::To::CandidateId(id)) if id > 0 => TransferTo::Candidate(id),
             Some(transfer_request::To::Preferred(true)) => TransferTo::Preferred,
+            Some(transfer_request::To::HigherPriority(true)) => TransferTo::HigherPriority,
             _ => {
                 return Err(ArbiterError::BadRequest(
-                    "name whom to transfer to: candidate_id (from Candidates) or preferred = true"
+                    "name whom to transfer to: candidate_id (from Candidates), preferred = true or higher_priority = true"
                         .into(),
                 ));
             }
@@ -373,9 +374,18 @@ impl Arbiter {
             .observe(key.as_str(), req.from_term)
             .await?;
         // The stream keeps its place in the bound until it is dropped.
-        let stream = futures::stream::unfold(Some((observer, open)), |state| async move {
+        // Transfer requests go only to observers that asked for them (a
+        // client that does not know the event is never sent it).
+        let transfers = req.transfer_requests;
+        let stream = futures::stream::unfold(Some((observer, open)), move |state| async move {
             let (mut observer, open) = state?;
-            match observer.next().await {
+            let next = loop {
+                match observer.next().await {
+                    Some(Observation::TransferRequested { .. }) if !transfers => continue,
+                    other => break other,
+                }
+            };
+            match next {
                 Some(event) => Some((Ok(observed(event)), Some((observer, open)))),
                 None => Some((
                     Err(Status::unavailable(

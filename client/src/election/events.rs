@@ -126,7 +126,9 @@ impl fmt::Display for VacancyReason {
 }
 
 /// One event of an election, in the order the lock log committed them.
+/// Later releases may add kinds: match with a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ElectionEvent {
     /// A term started: a candidate leads (also the first event of a stream
     /// while the election has a leader).
@@ -268,11 +270,18 @@ impl Stream for ElectionEvents {
         if this.done {
             return Poll::Ready(None);
         }
-        let item = match Pin::new(&mut this.stream).poll_next(cx) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(None) => None,
-            Poll::Ready(Some(Ok(response))) => Some(event_of(response).map(|(event, _)| event)),
-            Poll::Ready(Some(Err(status))) => Some(Err(Error::from(status))),
+        let item = loop {
+            break match Pin::new(&mut this.stream).poll_next(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => None,
+                // An event of a kind newer than this client: skipped, so a
+                // newer arbiter never ends an older client's observation.
+                Poll::Ready(Some(Ok(response))) if response.event.is_none() => continue,
+                Poll::Ready(Some(Ok(response))) => {
+                    Some(event_of(response).map(|(event, _)| event))
+                }
+                Poll::Ready(Some(Err(status))) => Some(Err(Error::from(status))),
+            };
         };
         match &item {
             Some(Ok(event)) => this.note(event),

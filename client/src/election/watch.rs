@@ -99,6 +99,7 @@ async fn observe(w: &Watched, backoff: &mut Duration) -> Option<LeadershipLost> 
         .observe(w.rpc.stream(ObserveRequest {
             election: w.election.clone(),
             from_term: 0,
+            transfer_requests: true,
         }))
         .await;
     let mut stream = match opened {

@@ -73,6 +73,11 @@ impl Lead {
         self.transfer_notify.notify_waiters();
     }
 
+    /// The request turned out empty (nobody above this leadership stands).
+    pub(crate) fn clear_transfer(&self) {
+        self.transfer_requested.store(false, Ordering::Release);
+    }
+
     pub(crate) fn transfer_requested(&self) -> bool {
         self.transfer_requested.load(Ordering::Acquire)
     }

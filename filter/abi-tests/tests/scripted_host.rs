@@ -123,6 +123,7 @@ fn observe(election: &str) -> Vec<u8> {
         &ObserveRequest {
             election: election.into(),
             from_term: 0,
+            transfer_requests: false,
         }
         .encode_to_vec(),
     )

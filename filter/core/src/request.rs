@@ -440,6 +440,7 @@ mod tests {
             Method::Observe => e::ObserveRequest {
                 election: name,
                 from_term: 1 << 40,
+                transfer_requests: true,
             }
             .encode_to_vec(),
             Method::Resign => e::ResignRequest {
@@ -803,7 +804,7 @@ mod tests {
                     election: name.clone(), session_id: session, token, value: value.clone(),
                 }.encode_to_vec()),
                 (Method::Leader, e::LeaderRequest { election: name.clone() }.encode_to_vec()),
-                (Method::Observe, e::ObserveRequest { election: name.clone(), from_term: number }.encode_to_vec()),
+                (Method::Observe, e::ObserveRequest { election: name.clone(), from_term: number, transfer_requests: number % 2 == 0 }.encode_to_vec()),
                 (Method::Resign, e::ResignRequest { election: name.clone(), session_id: session, token }.encode_to_vec()),
                 (Method::Transfer, e::TransferRequest {
                     election: name.clone(), session_id: session, token, to: Some(to),

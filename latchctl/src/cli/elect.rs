@@ -273,6 +273,7 @@ fn event_json(election: &str, event: &ElectionEvent) -> serde_json::Value {
             "term": term,
             "priority": priority,
         }),
+        _ => json!({ "event": "unknown", "election": election }),
     }
 }
 
@@ -298,6 +299,7 @@ fn event_line(event: &ElectionEvent) -> String {
         ElectionEvent::TransferRequested { term, priority } => {
             format!("term {term} asked to yield: a candidate of priority {priority} stands")
         }
+        _ => "an event of a kind this latchctl does not know".to_owned(),
     }
 }
 

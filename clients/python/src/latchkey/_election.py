@@ -34,6 +34,7 @@ from ._errors import (
     FenceReason,
     Fenced,
     LatchkeyError,
+    NoCandidate,
     NotLeader,
     ProtocolError,
     Refused,
@@ -325,7 +326,7 @@ class _LeadershipWatch:
         stub = term.client._election_stub
         backoff = MIN_BACKOFF
         while not self._stop.is_set():
-            call = stub.Observe(election_pb2.ObserveRequest(election=term.election, from_term=0))
+            call = stub.Observe(election_pb2.ObserveRequest(election=term.election, from_term=0, transfer_requests=True))
             with self._lock:
                 self._call = call
             if self._stop.is_set():
@@ -461,17 +462,39 @@ class Leadership:
     def transfer_requested(self) -> threading.Event:
         """Set once the election's class asks this leadership to yield: a
         candidate of a higher priority stands (``yieldToHigherPriority``;
-        learned from the leadership's watch). Never cleared."""
+        learned from the leadership's watch). Cleared only when a yield finds
+        no candidate above this leadership any more."""
         return self._term.transfer_requested
 
     def yield_if_requested(self) -> Optional[Leader]:
         """The leader's safe point: when a transfer was requested, hands the
-        leadership to the preferred candidate (the highest priority) and
-        returns the next leader (this leadership is then over); otherwise
+        leadership to the preferred candidate if its priority is above this
+        leadership's, and returns the next leader (this leadership is then
+        over); otherwise (nothing asked, or the candidate that asked left)
         does nothing and returns None. Call it between units of work."""
-        if not self._term.transfer_requested.is_set():
+        term = self._term
+        if not term.transfer_requested.is_set():
             return None
-        return self.transfer(preferred=True)
+        if term.is_lost():
+            raise term.not_leader("transfer")
+        request = election_pb2.TransferRequest(
+            election=term.election, session_id=term.session.id, token=term.token.value, higher_priority=True
+        )
+        term.ending = True
+        try:
+            reply = term.call("transfer", term.client._election_stub.Transfer, request)
+        except NoCandidate:
+            # The candidate that asked left and none above this leadership
+            # stands: it leads on.
+            term.transfer_requested.clear()
+            return None
+        finally:
+            term.ending = False
+        self._armed = False
+        term.lose(FenceReason.RESIGNED)
+        if not reply.HasField("next"):
+            raise ProtocolError("malformed reply to Transfer: no next leader")
+        return _leader(reply.next)
 
     def can_start(self) -> bool:
         """Whether to start a new unit of leader's work (ADR-12 stage one):
@@ -857,7 +880,9 @@ class Observation:
 
     def _open(self):
         stub = self._client._election_stub
-        call = stub.Observe(election_pb2.ObserveRequest(election=self._election, from_term=self._from_term))
+        call = stub.Observe(election_pb2.ObserveRequest(
+                election=self._election, from_term=self._from_term, transfer_requests=True
+            ))
         with self._lock:
             if self._closed:
                 call.cancel()

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#latchkey/election/v1/election.proto\x12\x14latchkey.election.v1\"y\n\x0f\x43\x61mpaignRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\r\n\x05\x63lass\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\x03\x12\r\n\x05value\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x10\n\x08instance\x18\x06 \x01(\t\"^\n\nLeadership\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\x06\x12\x12\n\nsession_id\x18\x04 \x01(\x03\x12\r\n\x05value\x18\x05 \x01(\t\"H\n\x10\x43\x61mpaignResponse\x12\x34\n\nleadership\x18\x01 \x01(\x0b\x32 .latchkey.election.v1.Leadership\"U\n\x0fProclaimRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\x03\x12\r\n\x05token\x18\x04 \x01(\x06\x12\r\n\x05value\x18\x05 \x01(\t\"\x12\n\x10ProclaimResponse\"!\n\rLeaderRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\"d\n\nLeaderInfo\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0c\n\x04term\x18\x03 \x01(\x04\x12\x15\n\rsince_unix_ms\x18\x04 \x01(\x03\x12\x10\n\x08priority\x18\x05 \x01(\r\"T\n\x0eLeaderResponse\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x30\n\x06leader\x18\x02 \x01(\x0b\x32 .latchkey.election.v1.LeaderInfo\"5\n\x0eObserveRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x11\n\tfrom_term\x18\x02 \x01(\x04\"?\n\x0bTermStarted\x12\x30\n\x06leader\x18\x01 \x01(\x0b\x32 .latchkey.election.v1.LeaderInfo\")\n\nProclaimed\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\t\"K\n\x06Vacant\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x33\n\x06reason\x18\x02 \x01(\x0e\x32#.latchkey.election.v1.VacancyReason\")\n\x03Gap\x12\x11\n\tfrom_term\x18\x01 \x01(\x04\x12\x0f\n\x07to_term\x18\x02 \x01(\x04\"3\n\x11TransferRequested\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x10\n\x08priority\x18\x02 \x01(\r\"\xbe\x02\n\x0fObserveResponse\x12\x39\n\x0cterm_started\x18\x01 \x01(\x0b\x32!.latchkey.election.v1.TermStartedH\x00\x12\x36\n\nproclaimed\x18\x02 \x01(\x0b\x32 .latchkey.election.v1.ProclaimedH\x00\x12.\n\x06vacant\x18\x03 \x01(\x0b\x32\x1c.latchkey.election.v1.VacantH\x00\x12(\n\x03gap\x18\x04 \x01(\x0b\x32\x19.latchkey.election.v1.GapH\x00\x12\x45\n\x12transfer_requested\x18\x06 \x01(\x0b\x32\'.latchkey.election.v1.TransferRequestedH\x00\x42\x07\n\x05\x65ventJ\x04\x08\x05\x10\x06R\x08revision\"D\n\rResignRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\x03\x12\r\n\x05token\x18\x04 \x01(\x06\"@\n\x0eResignResponse\x12.\n\x04next\x18\x01 \x01(\x0b\x32 .latchkey.election.v1.LeaderInfo\"y\n\x0fTransferRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\x03\x12\r\n\x05token\x18\x04 \x01(\x06\x12\x16\n\x0c\x63\x61ndidate_id\x18\x05 \x01(\x04H\x00\x12\x13\n\tpreferred\x18\x06 \x01(\x08H\x00\x42\x04\n\x02to\"B\n\x10TransferResponse\x12.\n\x04next\x18\x01 \x01(\x0b\x32 .latchkey.election.v1.LeaderInfo\"%\n\x11\x43\x61ndidatesRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\"k\n\tCandidate\x12\x14\n\x0c\x63\x61ndidate_id\x18\x01 \x01(\x04\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\r\x12\x15\n\rsince_unix_ms\x18\x05 \x01(\x03\"[\n\x12\x43\x61ndidatesResponse\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x33\n\ncandidates\x18\x02 \x03(\x0b\x32\x1f.latchkey.election.v1.Candidate*\xac\x01\n\rVacancyReason\x12\x1e\n\x1aVACANCY_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17VACANCY_REASON_RESIGNED\x10\x01\x12 \n\x1cVACANCY_REASON_SESSION_ENDED\x10\x02\x12\x19\n\x15VACANCY_REASON_FORCED\x10\x03\x12!\n\x1dVACANCY_REASON_EPOCH_ADVANCED\x10\x04\x32\x87\x05\n\x0f\x45lectionService\x12Y\n\x08\x43\x61mpaign\x12%.latchkey.election.v1.CampaignRequest\x1a&.latchkey.election.v1.CampaignResponse\x12Y\n\x08Proclaim\x12%.latchkey.election.v1.ProclaimRequest\x1a&.latchkey.election.v1.ProclaimResponse\x12S\n\x06Leader\x12#.latchkey.election.v1.LeaderRequest\x1a$.latchkey.election.v1.LeaderResponse\x12X\n\x07Observe\x12$.latchkey.election.v1.ObserveRequest\x1a%.latchkey.election.v1.ObserveResponse0\x01\x12S\n\x06Resign\x12#.latchkey.election.v1.ResignRequest\x1a$.latchkey.election.v1.ResignResponse\x12Y\n\x08Transfer\x12%.latchkey.election.v1.TransferRequest\x1a&.latchkey.election.v1.TransferResponse\x12_\n\nCandidates\x12\'.latchkey.election.v1.CandidatesRequest\x1a(.latchkey.election.v1.CandidatesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#latchkey/election/v1/election.proto\x12\x14latchkey.election.v1\"y\n\x0f\x43\x61mpaignRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\r\n\x05\x63lass\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\x03\x12\r\n\x05value\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x10\n\x08instance\x18\x06 \x01(\t\"^\n\nLeadership\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\x06\x12\x12\n\nsession_id\x18\x04 \x01(\x03\x12\r\n\x05value\x18\x05 \x01(\t\"H\n\x10\x43\x61mpaignResponse\x12\x34\n\nleadership\x18\x01 \x01(\x0b\x32 .latchkey.election.v1.Leadership\"U\n\x0fProclaimRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\x03\x12\r\n\x05token\x18\x04 \x01(\x06\x12\r\n\x05value\x18\x05 \x01(\t\"\x12\n\x10ProclaimResponse\"!\n\rLeaderRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\"d\n\nLeaderInfo\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0c\n\x04term\x18\x03 \x01(\x04\x12\x15\n\rsince_unix_ms\x18\x04 \x01(\x03\x12\x10\n\x08priority\x18\x05 \x01(\r\"T\n\x0eLeaderResponse\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x30\n\x06leader\x18\x02 \x01(\x0b\x32 .latchkey.election.v1.LeaderInfo\"P\n\x0eObserveRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x11\n\tfrom_term\x18\x02 \x01(\x04\x12\x19\n\x11transfer_requests\x18\x03 \x01(\x08\"?\n\x0bTermStarted\x12\x30\n\x06leader\x18\x01 \x01(\x0b\x32 .latchkey.election.v1.LeaderInfo\")\n\nProclaimed\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\t\"K\n\x06Vacant\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x33\n\x06reason\x18\x02 \x01(\x0e\x32#.latchkey.election.v1.VacancyReason\")\n\x03Gap\x12\x11\n\tfrom_term\x18\x01 \x01(\x04\x12\x0f\n\x07to_term\x18\x02 \x01(\x04\"3\n\x11TransferRequested\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x10\n\x08priority\x18\x02 \x01(\r\"\xbe\x02\n\x0fObserveResponse\x12\x39\n\x0cterm_started\x18\x01 \x01(\x0b\x32!.latchkey.election.v1.TermStartedH\x00\x12\x36\n\nproclaimed\x18\x02 \x01(\x0b\x32 .latchkey.election.v1.ProclaimedH\x00\x12.\n\x06vacant\x18\x03 \x01(\x0b\x32\x1c.latchkey.election.v1.VacantH\x00\x12(\n\x03gap\x18\x04 \x01(\x0b\x32\x19.latchkey.election.v1.GapH\x00\x12\x45\n\x12transfer_requested\x18\x06 \x01(\x0b\x32\'.latchkey.election.v1.TransferRequestedH\x00\x42\x07\n\x05\x65ventJ\x04\x08\x05\x10\x06R\x08revision\"D\n\rResignRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\x03\x12\r\n\x05token\x18\x04 \x01(\x06\"@\n\x0eResignResponse\x12.\n\x04next\x18\x01 \x01(\x0b\x32 .latchkey.election.v1.LeaderInfo\"\x94\x01\n\x0fTransferRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\x03\x12\r\n\x05token\x18\x04 \x01(\x06\x12\x16\n\x0c\x63\x61ndidate_id\x18\x05 \x01(\x04H\x00\x12\x13\n\tpreferred\x18\x06 \x01(\x08H\x00\x12\x19\n\x0fhigher_priority\x18\x07 \x01(\x08H\x00\x42\x04\n\x02to\"B\n\x10TransferResponse\x12.\n\x04next\x18\x01 \x01(\x0b\x32 .latchkey.election.v1.LeaderInfo\"%\n\x11\x43\x61ndidatesRequest\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\"k\n\tCandidate\x12\x14\n\x0c\x63\x61ndidate_id\x18\x01 \x01(\x04\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\r\x12\x15\n\rsince_unix_ms\x18\x05 \x01(\x03\"[\n\x12\x43\x61ndidatesResponse\x12\x10\n\x08\x65lection\x18\x01 \x01(\t\x12\x33\n\ncandidates\x18\x02 \x03(\x0b\x32\x1f.latchkey.election.v1.Candidate*\xac\x01\n\rVacancyReason\x12\x1e\n\x1aVACANCY_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17VACANCY_REASON_RESIGNED\x10\x01\x12 \n\x1cVACANCY_REASON_SESSION_ENDED\x10\x02\x12\x19\n\x15VACANCY_REASON_FORCED\x10\x03\x12!\n\x1dVACANCY_REASON_EPOCH_ADVANCED\x10\x04\x32\x87\x05\n\x0f\x45lectionService\x12Y\n\x08\x43\x61mpaign\x12%.latchkey.election.v1.CampaignRequest\x1a&.latchkey.election.v1.CampaignResponse\x12Y\n\x08Proclaim\x12%.latchkey.election.v1.ProclaimRequest\x1a&.latchkey.election.v1.ProclaimResponse\x12S\n\x06Leader\x12#.latchkey.election.v1.LeaderRequest\x1a$.latchkey.election.v1.LeaderResponse\x12X\n\x07Observe\x12$.latchkey.election.v1.ObserveRequest\x1a%.latchkey.election.v1.ObserveResponse0\x01\x12S\n\x06Resign\x12#.latchkey.election.v1.ResignRequest\x1a$.latchkey.election.v1.ResignResponse\x12Y\n\x08Transfer\x12%.latchkey.election.v1.TransferRequest\x1a&.latchkey.election.v1.TransferResponse\x12_\n\nCandidates\x12\'.latchkey.election.v1.CandidatesRequest\x1a(.latchkey.election.v1.CandidatesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'latchkey.election.v1.election_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VACANCYREASON']._serialized_start=1910
-  _globals['_VACANCYREASON']._serialized_end=2082
+  _globals['_VACANCYREASON']._serialized_start=1965
+  _globals['_VACANCYREASON']._serialized_end=2137
   _globals['_CAMPAIGNREQUEST']._serialized_start=61
   _globals['_CAMPAIGNREQUEST']._serialized_end=182
   _globals['_LEADERSHIP']._serialized_start=184
@@ -50,33 +50,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEADERRESPONSE']._serialized_start=598
   _globals['_LEADERRESPONSE']._serialized_end=682
   _globals['_OBSERVEREQUEST']._serialized_start=684
-  _globals['_OBSERVEREQUEST']._serialized_end=737
-  _globals['_TERMSTARTED']._serialized_start=739
-  _globals['_TERMSTARTED']._serialized_end=802
-  _globals['_PROCLAIMED']._serialized_start=804
-  _globals['_PROCLAIMED']._serialized_end=845
-  _globals['_VACANT']._serialized_start=847
-  _globals['_VACANT']._serialized_end=922
-  _globals['_GAP']._serialized_start=924
-  _globals['_GAP']._serialized_end=965
-  _globals['_TRANSFERREQUESTED']._serialized_start=967
-  _globals['_TRANSFERREQUESTED']._serialized_end=1018
-  _globals['_OBSERVERESPONSE']._serialized_start=1021
-  _globals['_OBSERVERESPONSE']._serialized_end=1339
-  _globals['_RESIGNREQUEST']._serialized_start=1341
-  _globals['_RESIGNREQUEST']._serialized_end=1409
-  _globals['_RESIGNRESPONSE']._serialized_start=1411
-  _globals['_RESIGNRESPONSE']._serialized_end=1475
-  _globals['_TRANSFERREQUEST']._serialized_start=1477
-  _globals['_TRANSFERREQUEST']._serialized_end=1598
-  _globals['_TRANSFERRESPONSE']._serialized_start=1600
-  _globals['_TRANSFERRESPONSE']._serialized_end=1666
-  _globals['_CANDIDATESREQUEST']._serialized_start=1668
-  _globals['_CANDIDATESREQUEST']._serialized_end=1705
-  _globals['_CANDIDATE']._serialized_start=1707
-  _globals['_CANDIDATE']._serialized_end=1814
-  _globals['_CANDIDATESRESPONSE']._serialized_start=1816
-  _globals['_CANDIDATESRESPONSE']._serialized_end=1907
-  _globals['_ELECTIONSERVICE']._serialized_start=2085
-  _globals['_ELECTIONSERVICE']._serialized_end=2732
+  _globals['_OBSERVEREQUEST']._serialized_end=764
+  _globals['_TERMSTARTED']._serialized_start=766
+  _globals['_TERMSTARTED']._serialized_end=829
+  _globals['_PROCLAIMED']._serialized_start=831
+  _globals['_PROCLAIMED']._serialized_end=872
+  _globals['_VACANT']._serialized_start=874
+  _globals['_VACANT']._serialized_end=949
+  _globals['_GAP']._serialized_start=951
+  _globals['_GAP']._serialized_end=992
+  _globals['_TRANSFERREQUESTED']._serialized_start=994
+  _globals['_TRANSFERREQUESTED']._serialized_end=1045
+  _globals['_OBSERVERESPONSE']._serialized_start=1048
+  _globals['_OBSERVERESPONSE']._serialized_end=1366
+  _globals['_RESIGNREQUEST']._serialized_start=1368
+  _globals['_RESIGNREQUEST']._serialized_end=1436
+  _globals['_RESIGNRESPONSE']._serialized_start=1438
+  _globals['_RESIGNRESPONSE']._serialized_end=1502
+  _globals['_TRANSFERREQUEST']._serialized_start=1505
+  _globals['_TRANSFERREQUEST']._serialized_end=1653
+  _globals['_TRANSFERRESPONSE']._serialized_start=1655
+  _globals['_TRANSFERRESPONSE']._serialized_end=1721
+  _globals['_CANDIDATESREQUEST']._serialized_start=1723
+  _globals['_CANDIDATESREQUEST']._serialized_end=1760
+  _globals['_CANDIDATE']._serialized_start=1762
+  _globals['_CANDIDATE']._serialized_end=1869
+  _globals['_CANDIDATESRESPONSE']._serialized_start=1871
+  _globals['_CANDIDATESRESPONSE']._serialized_end=1962
+  _globals['_ELECTIONSERVICE']._serialized_start=2140
+  _globals['_ELECTIONSERVICE']._serialized_end=2787
 # @@protoc_insertion_point(module_scope)

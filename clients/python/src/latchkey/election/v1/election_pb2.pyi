@@ -100,12 +100,14 @@ class LeaderResponse(_message.Message):
     def __init__(self, election: _Optional[str] = ..., leader: _Optional[_Union[LeaderInfo, _Mapping]] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
-    __slots__ = ("election", "from_term")
+    __slots__ = ("election", "from_term", "transfer_requests")
     ELECTION_FIELD_NUMBER: _ClassVar[int]
     FROM_TERM_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     election: str
     from_term: int
-    def __init__(self, election: _Optional[str] = ..., from_term: _Optional[int] = ...) -> None: ...
+    transfer_requests: bool
+    def __init__(self, election: _Optional[str] = ..., from_term: _Optional[int] = ..., transfer_requests: _Optional[bool] = ...) -> None: ...
 
 class TermStarted(_message.Message):
     __slots__ = ("leader",)
@@ -176,18 +178,20 @@ class ResignResponse(_message.Message):
     def __init__(self, next: _Optional[_Union[LeaderInfo, _Mapping]] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("election", "session_id", "token", "candidate_id", "preferred")
+    __slots__ = ("election", "session_id", "token", "candidate_id", "preferred", "higher_priority")
     ELECTION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_FIELD_NUMBER: _ClassVar[int]
+    HIGHER_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     election: str
     session_id: int
     token: int
     candidate_id: int
     preferred: bool
-    def __init__(self, election: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., candidate_id: _Optional[int] = ..., preferred: _Optional[bool] = ...) -> None: ...
+    higher_priority: bool
+    def __init__(self, election: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., candidate_id: _Optional[int] = ..., preferred: _Optional[bool] = ..., higher_priority: _Optional[bool] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("next",)
