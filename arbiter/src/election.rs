@@ -330,8 +330,12 @@ impl Read {
             .then_some(record)
     }
 
-    fn standing(&self, session: i64) -> Option<&Standing> {
-        self.candidates.iter().find(|c| c.record.session == session)
+    /// `session`'s record at `priority` (its key): a session may have left
+    /// a record at another priority, which is not this call's.
+    fn standing(&self, session: i64, priority: u32) -> Option<&Standing> {
+        self.candidates
+            .iter()
+            .find(|c| c.record.session == session && c.record.priority == priority)
     }
 }
 
@@ -646,7 +650,7 @@ impl Elections {
             let timed_out = || ArbiterError::WaitTimeout {
                 key: c.election.clone(),
             };
-            match read.standing(c.session) {
+            match read.standing(c.session, c.priority) {
                 Some(s) => candidacy.modified = s.modified,
                 None => {
                     // Removed (an epoch advance, or taken for stale): stand
@@ -662,11 +666,13 @@ impl Elections {
             if read.lead.is_some() {
                 self.forget_heads(&c.election);
             } else if let Some(first) = read.candidates.first() {
-                if first.record.session == c.session {
+                if first.record.session == c.session && first.record.priority == c.priority {
                     if !self.lead_vacancy(c, &state, &read, first).await? {
                         // Moved under us, or this arbiter's epoch or fence
-                        // is behind: read them again before the next try.
+                        // is behind: read them again before the next try,
+                        // after a pause (never a hot loop against etcd).
                         self.table.seal().load_epoch().await?;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
                     }
                     continue;
                 }
@@ -891,9 +897,9 @@ impl Elections {
                 .filter(|c| c.record.session != claim.session);
             let next = match to {
                 None | Some(TransferTo::Preferred) => others.next(),
-                Some(TransferTo::HigherPriority) => {
-                    others.next().filter(|c| c.record.priority > current.priority)
-                }
+                Some(TransferTo::HigherPriority) => others
+                    .next()
+                    .filter(|c| c.record.priority > current.priority),
                 Some(TransferTo::Candidate(id)) => {
                     others.find(|c| u64::try_from(c.created).ok() == Some(id))
                 }

@@ -137,7 +137,9 @@ impl Known {
             .map(|(p, _)| *p)
             .max()
             .filter(|p| *p > leader.priority)?;
-        if let Some(Observation::TransferRequested { priority: asked, .. }) = &self.transfer
+        if let Some(Observation::TransferRequested {
+            priority: asked, ..
+        }) = &self.transfer
             && *asked >= top
         {
             return None;

@@ -277,9 +277,7 @@ impl Stream for ElectionEvents {
                 // An event of a kind newer than this client: skipped, so a
                 // newer arbiter never ends an older client's observation.
                 Poll::Ready(Some(Ok(response))) if response.event.is_none() => continue,
-                Poll::Ready(Some(Ok(response))) => {
-                    Some(event_of(response).map(|(event, _)| event))
-                }
+                Poll::Ready(Some(Ok(response))) => Some(event_of(response).map(|(event, _)| event)),
                 Poll::Ready(Some(Err(status))) => Some(Err(Error::from(status))),
             };
         };
