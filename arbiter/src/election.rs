@@ -382,7 +382,9 @@ impl Elections {
     fn note_delivered(&self, election: &str, session: i64, revision: i64) {
         let now = Instant::now();
         let mut delivered = self.delivered.lock();
-        if delivered.len() >= 1024 {
+        // Pruned when it has doubled since the last pruning (amortised
+        // O(1) per answer, never a scan on every one).
+        if delivered.len() >= 1024 && delivered.len().is_power_of_two() {
             delivered.retain(|_, at| now.duration_since(*at) < DELIVERED_FOR);
         }
         delivered.insert((election.to_string(), session, revision), now);

@@ -425,7 +425,13 @@ pub async fn run(global: &Global, args: PauseTestArgs, out: Output) -> Result<Ex
             return Ok(ExitCode::from(2));
         }
     };
-    let failure = judge(&evidence);
+    let failure = judge(&evidence).or_else(|| {
+        (args.election && evidence.stale_proclaim_after_resume.is_none()).then(|| {
+            "the frozen leader's Proclaim after resume was not observed (an election's kit must \
+             see it refused NOT_LEADER)"
+                .to_owned()
+        })
+    });
     let result = PauseTestResult {
         version: PAUSE_TEST_RESULT_VERSION,
         class: args.class.clone(),
