@@ -21,12 +21,11 @@
 use std::time::Duration;
 
 use latchkey_client::{CampaignOptions, Client, Error, Session};
-use latchkey_fence_postgres::{WriteOutcome, guarded_write};
 use latchkey_proto::lockv1::Reason;
 
 use super::record::{Fields, Outcome, Recorder, mono_of};
 use super::worker::{
-    EXIT_STOPPED, EXIT_TAINTED, LONG_UNIT_EVERY, WorkerArgs, detail, is_definite_refusal, key_field,
+    EXIT_STOPPED, EXIT_TAINTED, WorkerArgs, detail, is_definite_refusal, key_field, unit_of_work,
 };
 
 /// Campaign, lead (write with the token), resign, until the stop file.
@@ -89,44 +88,9 @@ pub async fn run(
         let token = leadership.token().get();
 
         if leadership.can_start() {
-            // One round of the leader's work. A SIGSTOP here wakes up past
-            // the lease: the write below then carries a stale token.
-            let longest = if rng.u64(..LONG_UNIT_EVERY) == 0 {
-                args.unit_ms * 10
-            } else {
-                args.unit_ms
-            };
-            tokio::time::sleep(Duration::from_millis(rng.u64(0..=longest))).await;
-            let op = rec.invoke(
-                "write",
-                Fields {
-                    key: Some(election.clone()),
-                    token: Some(token),
-                    ..Fields::default()
-                },
-            )?;
-            let payload = format!("{}#{op}", args.process);
-            match guarded_write(pg, &election, token, &payload).await {
-                Ok(WriteOutcome::Accepted { write_seq }) => rec.complete(
-                    op,
-                    Outcome::Ok,
-                    Fields {
-                        seq: Some(write_seq),
-                        ..Fields::default()
-                    },
-                )?,
-                Ok(WriteOutcome::FencedOut) => {
-                    rec.complete(op, Outcome::Fail, Fields::default())?
-                }
-                Err(e) => rec.complete(
-                    op,
-                    Outcome::Unknown,
-                    Fields {
-                        detail: Some(e.to_string()),
-                        ..Fields::default()
-                    },
-                )?,
-            }
+            // One round of the leader's work. A SIGSTOP inside it wakes up
+            // past the lease: the write then carries a stale token.
+            let op = unit_of_work(args, rng, rec, pg, &election, token).await?;
             // Proclaim now and then: not judged (no history line), but it
             // runs under the same faults; a leader that lost its term is
             // refused, which the resign below then finds too.

@@ -242,44 +242,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
         let token = guard.token().get();
 
         if guard.can_start() {
-            // The unit of work. A SIGSTOP here wakes up past the lease: the
-            // write below then carries a stale token.
-            let longest = if rng.u64(..LONG_UNIT_EVERY) == 0 {
-                args.unit_ms * 10
-            } else {
-                args.unit_ms
-            };
-            tokio::time::sleep(Duration::from_millis(rng.u64(0..=longest))).await;
-            let op = rec.invoke(
-                "write",
-                Fields {
-                    key: Some(key.clone()),
-                    token: Some(token),
-                    ..Fields::default()
-                },
-            )?;
-            let payload = format!("{}#{op}", args.process);
-            match guarded_write(&pg, &key, token, &payload).await {
-                Ok(WriteOutcome::Accepted { write_seq }) => rec.complete(
-                    op,
-                    Outcome::Ok,
-                    Fields {
-                        seq: Some(write_seq),
-                        ..Fields::default()
-                    },
-                )?,
-                Ok(WriteOutcome::FencedOut) => {
-                    rec.complete(op, Outcome::Fail, Fields::default())?
-                }
-                Err(e) => rec.complete(
-                    op,
-                    Outcome::Unknown,
-                    Fields {
-                        detail: Some(e.to_string()),
-                        ..Fields::default()
-                    },
-                )?,
-            }
+            // A SIGSTOP inside the unit of work wakes up past the lease: the
+            // write then carries a stale token.
+            unit_of_work(&args, &mut rng, &mut rec, &pg, &key, token).await?;
         }
         tokio::time::sleep(Duration::from_millis(rng.u64(0..=args.unit_ms / 3))).await;
 
@@ -318,6 +283,56 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(EXIT_STOPPED)
+}
+
+/// One unit of work of a holder (or leader) whose token is `token`: a
+/// random pause (one in [`LONG_UNIT_EVERY`] ten times longer, so the
+/// nemesis finds holders to pause), then the recorded write to the
+/// reference fence under `key`. The op's number, for a payload of the
+/// caller's own.
+pub(crate) async fn unit_of_work(
+    args: &WorkerArgs,
+    rng: &mut fastrand::Rng,
+    rec: &mut Recorder,
+    pg: &tokio_postgres::Client,
+    key: &str,
+    token: u64,
+) -> anyhow::Result<u64> {
+    let longest = if rng.u64(..LONG_UNIT_EVERY) == 0 {
+        args.unit_ms * 10
+    } else {
+        args.unit_ms
+    };
+    tokio::time::sleep(Duration::from_millis(rng.u64(0..=longest))).await;
+    let op = rec.invoke(
+        "write",
+        Fields {
+            key: Some(key.to_owned()),
+            token: Some(token),
+            ..Fields::default()
+        },
+    )?;
+    let payload = format!("{}#{op}", args.process);
+    match guarded_write(pg, key, token, &payload).await {
+        Ok(WriteOutcome::Accepted { write_seq }) => rec.complete(
+            op,
+            Outcome::Ok,
+            Fields {
+                seq: Some(write_seq),
+                ..Fields::default()
+            },
+        )?,
+        Ok(WriteOutcome::FencedOut) => rec.complete(op, Outcome::Fail, Fields::default())?,
+        Err(e) => rec.complete(
+            op,
+            Outcome::Unknown,
+            Fields {
+                detail: Some(e.to_string()),
+                ..Fields::default()
+            },
+        )?,
+    }
+    Ok(op)
 }
 
 /// What asking again on the same session showed.

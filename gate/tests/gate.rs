@@ -67,6 +67,20 @@ fn seed() -> u64 {
         .unwrap_or_else(|| fastrand::u64(..))
 }
 
+/// Both elections of the electors were judged, with operations.
+fn assert_elections_exercised(outcome: &gate::GateOutcome) {
+    let elections: Vec<_> = outcome
+        .report
+        .keys
+        .iter()
+        .filter(|k| k.key.starts_with(&format!("{}/", gate::ELECTION_NAMESPACE)))
+        .collect();
+    assert!(
+        elections.len() == 2 && elections.iter().all(|k| k.ops > 0),
+        "the elections were not exercised: {elections:?}"
+    );
+}
+
 fn out_dir() -> PathBuf {
     workspace_root().join("target/gate")
 }
@@ -118,16 +132,7 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
     );
     // Elections (issue 33) met every fault too: each election's
     // leaderships were judged as grants, with their terms.
-    let elections: Vec<_> = outcome
-        .report
-        .keys
-        .iter()
-        .filter(|k| k.key.starts_with(&format!("{}/", gate::ELECTION_NAMESPACE)))
-        .collect();
-    assert!(
-        elections.len() == 2 && elections.iter().all(|k| k.ops > 0),
-        "the elections were not exercised: {elections:?}"
-    );
+    assert_elections_exercised(&outcome);
     for fault in Fault::ALL {
         assert!(
             // By the first word: "restore-forget ..." is not a "restore".
@@ -198,16 +203,7 @@ async fn election_gate_through_coord_cluster_faults_checks_out() -> anyhow::Resu
             outcome.faults
         );
     }
-    let elections: Vec<_> = outcome
-        .report
-        .keys
-        .iter()
-        .filter(|k| k.key.starts_with(&format!("{}/", gate::ELECTION_NAMESPACE)))
-        .collect();
-    assert!(
-        elections.len() == 2 && elections.iter().all(|k| k.ops > 0),
-        "the elections were not exercised: {elections:?}"
-    );
+    assert_elections_exercised(&outcome);
     Ok(())
 }
 
