@@ -94,6 +94,14 @@ pub enum ArbiterError {
     #[error("key {key:?} is not held by session {session:#x} (released, expired or never granted)")]
     NotHeld { key: String, session: i64 },
     #[error(
+        "{subject} already holds {max} lock(s) of class {class:?}, the most its maxHoldsPerSubject allows at once: release one first"
+    )]
+    QuotaExceeded {
+        class: String,
+        subject: String,
+        max: u32,
+    },
+    #[error(
         "the token does not match the current grant of key {key:?}; release with the token the grant returned"
     )]
     TokenMismatch { key: String },
@@ -192,6 +200,7 @@ impl ArbiterError {
             }
             Self::IdentityLimit { .. } => Reason::IdentityLimit,
             Self::NotHeld { .. } => Reason::NotHeld,
+            Self::QuotaExceeded { .. } => Reason::QuotaExceeded,
             Self::TokenMismatch { .. } => Reason::TokenMismatch,
             Self::NotLeader { .. } => Reason::NotLeader,
             Self::WrongKind { .. } => Reason::WrongKind,
@@ -228,6 +237,7 @@ impl ArbiterError {
             Self::Leak { .. }
             | Self::SessionExpired { .. }
             | Self::NotHeld { .. }
+            | Self::QuotaExceeded { .. }
             | Self::TokenMismatch { .. }
             | Self::NotLeader { .. }
             | Self::NoCandidate(_)

@@ -84,6 +84,37 @@ pub struct GrantTxn<'a> {
     pub fence_at: i64,
     pub session_record: &'a [u8],
     pub queue: QueueTurn,
+    /// The class's per-subject quota place the grant takes in the same
+    /// transaction (`maxHoldsPerSubject`); `None` for a class without one.
+    pub quota: Option<QuotaTake>,
+}
+
+/// A place of a class's per-subject quota, taken by a grant in its own
+/// transaction: the place's record is put on the session's lease (as the
+/// holder record is, at the same revision) only if the place is as the
+/// grantor read it. A burst of N grants for one subject can then never
+/// take more places than there are, whichever arbiters run them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaTake {
+    pub class: String,
+    /// The grant subject the quota counts ([`crate::table::GrantRequest::bounded_as`]).
+    pub subject: String,
+    pub index: u32,
+    /// The place's record (`QuotaPlaceRecord`).
+    pub record: Vec<u8>,
+    pub was: PlaceWas,
+}
+
+/// What a quota place was when the grantor read it; the grant compares it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlaceWas {
+    /// Absent.
+    Free,
+    /// Written at `revision` for the hold on `key`, which has since ended or
+    /// changed hands: the place is still at `revision` and the hold on
+    /// `key` is not (absent, or at another revision; a place and its hold
+    /// are written at one revision, so a hold still at it is the same hold).
+    Stale { revision: i64, key: String },
 }
 
 /// A durable waiter's record as [`DurableQueueLog::enqueue`] left it: its
@@ -484,6 +515,19 @@ pub trait HoldLog: Send + Sync + 'static {
     async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool>;
     /// The hold on `key` (a linearizable read).
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>>;
+    /// Every taken place of `subject`'s quota in `class`, by index.
+    async fn quota_places(&self, class: &str, subject: &str) -> LogResult<Vec<(u32, Kv)>>;
+    /// Deletes place `index` of `subject`'s quota in `class` if it is still
+    /// at `revision` (the hold that took it has just ended); whether it did.
+    /// Only a quicker way back to a free place: a place whose hold is gone
+    /// is taken again as [`PlaceWas::Stale`] anyway.
+    async fn free_quota_place(
+        &self,
+        class: &str,
+        subject: &str,
+        index: u32,
+        revision: i64,
+    ) -> LogResult<bool>;
     /// Every hold whose key starts with `prefix`, in key order.
     async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>>;
     /// Up to `limit` held lock keys after `after` (all from the first with

@@ -35,6 +35,7 @@ mod driver;
 pub mod durable;
 mod grants;
 mod queues;
+mod quota;
 pub mod seal;
 pub mod sessions;
 
@@ -104,6 +105,10 @@ pub struct GrantRequest {
     /// hands). `None`: not routed by a map (the coord tier; the table's
     /// own [`MapVersion`] alone decides).
     pub routed_by: Option<u64>,
+    /// The class's `maxHoldsPerSubject`: every grant takes one of that many
+    /// quota places of the grant subject in its own transaction
+    /// (`table/quota.rs`). `None`: the class has no quota.
+    pub quota: Option<u32>,
 }
 
 impl GrantRequest {
@@ -123,7 +128,7 @@ impl GrantRequest {
         })
     }
 
-    fn holder_bytes(&self) -> Vec<u8> {
+    fn holder_bytes(&self, quota_place: Option<u32>) -> Vec<u8> {
         encode(&HolderRecord {
             identity: self.identity.clone(),
             session: self.session,
@@ -132,6 +137,7 @@ impl GrantRequest {
             annotations: self.annotations.clone(),
             instance: self.instance.clone(),
             bound: self.bound.clone(),
+            quota_place,
         })
     }
 }
@@ -430,10 +436,14 @@ impl LockTable {
         }
     }
 
-    /// The head of `key`'s queue, unless the gate keeps the key from it (it
-    /// then stays queued; its driver polls).
+    /// The head of `key`'s queue a release may hand the key to: not while
+    /// the gate keeps the key from it (it then stays queued; its driver
+    /// polls), nor when its class has a quota (a hand-over takes no quota
+    /// place: the release kicks its driver, whose grant transaction takes
+    /// one).
     fn ungated_head(&self, key: &str) -> Option<Head> {
-        self.head(key).filter(|h| !self.gated(&h.req))
+        self.head(key)
+            .filter(|h| !self.gated(&h.req) && h.req.quota.is_none())
     }
 
     pub fn log(&self) -> &Arc<dyn LockLog> {
@@ -566,6 +576,7 @@ impl LockTable {
                     .release_checked(identity, key, session, revision)
                     .await?
                 {
+                    self.free_quota_place(released.previous.as_ref(), revision);
                     self.kick(key);
                     return Ok(released);
                 }
@@ -628,6 +639,7 @@ impl LockTable {
             }
         }
         let previous = self.release_owned(&held).await?;
+        self.free_quota_place(previous.as_ref(), revision);
         self.kick(key);
         Ok(Released {
             handed_over: false,

@@ -25,6 +25,9 @@ pub const ADVISORY_MIN_TTL_SECONDS: u32 = 30;
 
 pub const DEFAULT_MAX_WAITERS_PER_KEY: u32 = 64;
 pub const MAX_WAITERS_PER_KEY_LIMIT: u32 = 10_000;
+/// The most `maxHoldsPerSubject` a class may set: a full quota is checked
+/// place by place (each place's hold read) before a refusal.
+pub const MAX_HOLDS_PER_SUBJECT_LIMIT: u32 = 1024;
 
 /// Class names are metrics labels and CRD names; keep them short.
 pub const MAX_CLASS_NAME_BYTES: usize = 63;
@@ -69,6 +72,13 @@ pub struct LockClass {
     pub waiver_expires: Option<Date>,
     #[serde(default = "default_max_waiters_per_key")]
     pub max_waiters_per_key: u32,
+    /// The most keys of the class one grant subject (an identity, or the
+    /// pattern its per-pod identities fall under) holds at once, enforced
+    /// inside every grant transaction: a burst of concurrent Acquires never
+    /// passes it. Lock classes only; not with `onQuorumLoss = "open"` (a
+    /// memory grant cannot take a place in the log).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_holds_per_subject: Option<u32>,
     /// Election classes only: a leader is told (Observe's
     /// `TransferRequested`) when a candidate of a higher priority stands,
     /// and should transfer to it at its next safe point.
@@ -235,6 +245,19 @@ pub enum ClassError {
     },
 
     #[error(
+        "maxHoldsPerSubject = {value} is outside 1..={max}",
+        max = MAX_HOLDS_PER_SUBJECT_LIMIT
+    )]
+    MaxHoldsOutOfRange { value: u32 },
+
+    #[error(
+        "maxHoldsPerSubject is not allowed with onQuorumLoss = \"open\": a memory grant \
+         made without the lock log cannot take a quota place in it, so the quota would not \
+         hold; use onQuorumLoss = \"closed\" or remove maxHoldsPerSubject"
+    )]
+    QuotaOpenOnQuorumLoss,
+
+    #[error(
         "yieldToHigherPriority is for election classes (kind = \"election\"): a lock has no \
          priority to yield to; remove it or set kind = \"election\""
     )]
@@ -381,6 +404,12 @@ impl LockClass {
             }
             return Ok(());
         }
+        if self.max_holds_per_subject.is_some() {
+            return Err(ClassError::NotForElections {
+                field: "maxHoldsPerSubject",
+                why: "a subject's leaderships are bounded by the arbiter's per-subject bounds, not by a class quota",
+            });
+        }
         if self.on_quorum_loss == OnQuorumLoss::Open {
             return Err(ClassError::NotForElections {
                 field: "onQuorumLoss = \"open\"",
@@ -425,6 +454,14 @@ impl LockClass {
             return Err(ClassError::MaxWaitersOutOfRange {
                 value: self.max_waiters_per_key,
             });
+        }
+        if let Some(value) = self.max_holds_per_subject {
+            if !(1..=MAX_HOLDS_PER_SUBJECT_LIMIT).contains(&value) {
+                return Err(ClassError::MaxHoldsOutOfRange { value });
+            }
+            if self.on_quorum_loss == OnQuorumLoss::Open {
+                return Err(ClassError::QuotaOpenOnQuorumLoss);
+            }
         }
         self.check_namespaces()?;
         self.check_election()?;

@@ -24,6 +24,10 @@
 //! - `{prefix}/q/{key}//{lease}` — [`WaiterRecord`] on the waiter's session
 //!   lease: a durable waiter (ADR-14, `fairness = "durable"`), first served
 //!   by create revision (deleted by an epoch advance).
+//! - `{prefix}/p/{class}/{hex(subject)}/{index:04x}` — [`QuotaPlaceRecord`]
+//!   on the holder's session lease: one of the `maxHoldsPerSubject` places
+//!   of a class with a quota, taken in the grant transaction of the hold it
+//!   names, at that hold's revision (deleted by an epoch advance).
 //!
 //! Records are JSON with a fixed field order, so the bytes the arbiter writes
 //! are the bytes it can compare in a transaction.
@@ -114,6 +118,23 @@ pub struct HolderRecord {
     /// is per subject), so 500 pods under one pattern share one bound.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub bound: String,
+    /// The quota place the hold took (`maxHoldsPerSubject`), written in
+    /// the same transaction at the same revision: what a release frees.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quota_place: Option<u32>,
+}
+
+/// One place of a class's per-subject quota (`maxHoldsPerSubject`), at
+/// `p/<class>/<hex(subject)>/<index:04x>` on the holder's session lease.
+/// It is taken in the grant transaction of the hold it names, so its mod
+/// revision is that hold's revision for as long as the hold lasts; a place
+/// whose hold is gone or has another revision is free to take again (the
+/// taking transaction compares both).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct QuotaPlaceRecord {
+    pub key: String,
+    pub session: i64,
 }
 
 impl HolderRecord {
@@ -200,6 +221,8 @@ pub mod keys {
     pub const CLAIMS: &str = "c/";
     /// Durable waiters (`q/<key>//<lease:016x>`).
     pub const QUEUES: &str = "q/";
+    /// Quota places (`p/<class>/<hex(subject)>/<index:04x>`).
+    pub const QUOTA_PLACES: &str = "p/";
     /// Elections (latchkey.election.v1): `e/<name>//lead` (the leader, on
     /// its session's lease), `e/<name>//term` (the term count, on no lease),
     /// `e/<name>//c/<rank:08x>/<lease:016x>` (candidates, on their
@@ -347,10 +370,31 @@ impl Layout {
         let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
         format!("{}/{}/t/{hex}/", self.prefix, keys::ELECTIONS)
     }
+    /// Every quota place of grant subject `subject` in class `class` (a
+    /// class name has no '/'; the subject is hex, so no subject's places
+    /// are a prefix of another's).
+    pub fn quota_places(&self, class: &str, subject: &str) -> String {
+        let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
+        format!("{}{class}/{hex}/", self.all_quota_places())
+    }
+    /// Place `index` of `subject`'s quota in `class`.
+    pub fn quota_place(&self, class: &str, subject: &str, index: u32) -> String {
+        format!("{}{index:04x}", self.quota_places(class, subject))
+    }
+    /// Every quota place (what an epoch advance deletes).
+    pub fn all_quota_places(&self) -> String {
+        format!("{}/{}", self.prefix, keys::QUOTA_PLACES)
+    }
     /// Every election's records (what an epoch advance deletes).
     pub fn elections(&self) -> String {
         format!("{}/{}", self.prefix, keys::ELECTIONS)
     }
+}
+
+/// The index of a quota place from its key's last segment (`{index:04x}`).
+pub fn quota_place_index(key: &str) -> Option<u32> {
+    let last = key.rsplit('/').next()?;
+    (last.len() == 4).then(|| u32::from_str_radix(last, 16).ok())?
 }
 
 /// A candidate's rank in its record's key: higher priorities sort first.
@@ -609,6 +653,7 @@ mod tests {
         HolderRecord {
             instance: String::new(),
             bound: String::new(),
+            quota_place: None,
             identity: identity.into(),
             session,
             class: "demo".into(),

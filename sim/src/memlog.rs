@@ -543,6 +543,7 @@ impl EpochLog for MemLog {
                     Op::DeletePrefix(keys::CLAIMS.into()),
                     // every leadership and candidacy ends, as on etcd
                     Op::DeletePrefix(keys::ELECTIONS.into()),
+                    Op::DeletePrefix(keys::QUOTA_PLACES.into()),
                 ],
             )?;
             let deleted = match results.get(1) {

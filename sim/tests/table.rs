@@ -49,6 +49,7 @@ fn req(identity: &str, session: i64, key: &str) -> GrantRequest {
         ttl_seconds: TTL,
         annotations: Default::default(),
         routed_by: None,
+        quota: None,
         instance: String::new(),
         bound: String::new(),
     }

@@ -410,6 +410,22 @@ impl HoldLog for FaultyLog {
         self.inner.holder(key).await
     }
 
+    async fn quota_places(&self, class: &str, subject: &str) -> LogResult<Vec<(u32, Kv)>> {
+        self.inner.quota_places(class, subject).await
+    }
+
+    async fn free_quota_place(
+        &self,
+        class: &str,
+        subject: &str,
+        index: u32,
+        revision: i64,
+    ) -> LogResult<bool> {
+        self.inner
+            .free_quota_place(class, subject, index, revision)
+            .await
+    }
+
     async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>> {
         self.inner.holders_under(prefix).await
     }
@@ -892,6 +908,12 @@ mod tests {
             Self::answer(&s, matches)
         }
 
+        async fn quota_places(&self, _: &str, _: &str) -> LogResult<Vec<(u32, Kv)>> {
+            unused()
+        }
+        async fn free_quota_place(&self, _: &str, _: &str, _: u32, _: i64) -> LogResult<bool> {
+            unused()
+        }
         async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
             let s = self.state.lock();
             let kv = s.holds.get(key).cloned();
@@ -1008,6 +1030,7 @@ mod tests {
             fence_at: 0,
             session_record: b"session",
             queue: Default::default(),
+            quota: None,
         }
     }
 

@@ -19,6 +19,7 @@ mod fence;
 mod follow;
 mod force;
 mod queue;
+mod quota;
 
 use std::time::Duration;
 
@@ -51,6 +52,7 @@ use queue::{
     a_durable_queue_stops_hand_overs_and_ends_with_its_session,
     durable_waiters_go_in_create_revision_order,
 };
+use quota::a_grant_takes_a_quota_place_in_its_transaction;
 
 /// A session TTL no case outlives.
 const TTL: u32 = 60;
@@ -91,6 +93,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(release_of_the_hold_found);
     case!(release_of_a_stale_hold);
     case!(hand_over_replaces_the_holder);
+    case!(a_grant_takes_a_quota_place_in_its_transaction);
     case!(a_forced_end_ends_only_the_named_hold);
     case!(release_orphan_is_conditional);
     case!(a_claim_stops_the_orphan_release);
@@ -205,6 +208,7 @@ async fn take(
             fence_at: 0,
             session_record: &session_record(identity),
             queue: Default::default(),
+            quota: None,
         })
         .await?;
     ensure!(
@@ -388,6 +392,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
             fence_at: 0,
             session_record: &rb,
             queue: Default::default(),
+            quota: None,
         })
         .await?;
     ensure!(
@@ -418,6 +423,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
             fence_at: 0,
             session_record: &session_record(a),
             queue: Default::default(),
+            quota: None,
         })
         .await?;
     ensure!(matches!(
@@ -448,6 +454,7 @@ pub async fn grant_with_the_wrong_epoch(log: &dyn LockLog) -> anyhow::Result<()>
             fence_at: 0,
             session_record: &record,
             queue: Default::default(),
+            quota: None,
         })
         .await?;
     ensure!(
@@ -488,6 +495,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
             fence_at: 0,
             session_record: &session_record("spiffe://contract/someone-else"),
             queue: Default::default(),
+            quota: None,
         })
         .await?;
     ensure!(
@@ -512,6 +520,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
             fence_at: 0,
             session_record: &record,
             queue: Default::default(),
+            quota: None,
         })
         .await?;
     ensure!(
@@ -550,6 +559,7 @@ pub async fn grant_on_a_revoked_lease(log: &dyn LockLog) -> anyhow::Result<()> {
             fence_at: 0,
             session_record: &record,
             queue: Default::default(),
+            quota: None,
         })
         .await?;
     ensure!(
@@ -1272,6 +1282,7 @@ pub async fn grant_while_sealed(log: &dyn LockLog) -> anyhow::Result<()> {
             fence_at: 0,
             session_record: &record,
             queue: Default::default(),
+            quota: None,
         })
         .await?;
     ensure!(

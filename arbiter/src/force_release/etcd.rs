@@ -109,6 +109,7 @@ impl ForceStore {
                 annotations: Default::default(),
                 instance: String::new(),
                 bound: String::new(),
+                quota_place: None,
             }),
             lease: kv.lease(),
             mod_revision: kv.mod_revision(),

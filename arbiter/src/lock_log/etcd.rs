@@ -184,6 +184,20 @@ impl HoldLog for EtcdLog {
         holds::holder(self, key).await
     }
 
+    async fn quota_places(&self, class: &str, subject: &str) -> LogResult<Vec<(u32, Kv)>> {
+        holds::quota_places(self, class, subject).await
+    }
+
+    async fn free_quota_place(
+        &self,
+        class: &str,
+        subject: &str,
+        index: u32,
+        revision: i64,
+    ) -> LogResult<bool> {
+        holds::free_quota_place(self, class, subject, index, revision).await
+    }
+
     async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>> {
         holds::holders_under(self, prefix).await
     }

@@ -18,6 +18,7 @@ fn req(key: &str, identity: &str, session: i64) -> GrantRequest {
         ttl_seconds: 30,
         annotations: BTreeMap::new(),
         routed_by: None,
+        quota: None,
         instance: format!("{identity}-process"),
         bound: String::new(),
     }

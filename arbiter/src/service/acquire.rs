@@ -326,6 +326,7 @@ impl Arbiter {
                 false => subject,
             },
             routed_by: route.map_version,
+            quota: class.max_holds_per_subject,
         };
 
         let wait = match wait {

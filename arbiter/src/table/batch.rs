@@ -50,6 +50,8 @@ pub(super) struct GrantMember {
     pub fence_at: i64,
     pub session_record: Vec<u8>,
     pub queue: QueueTurn,
+    /// The quota place the grant takes ([`lock_log::QuotaTake`]).
+    pub quota: Option<lock_log::QuotaTake>,
 }
 
 #[derive(Debug, Clone)]
@@ -64,6 +66,24 @@ impl Member {
             Member::Grant(g) => &g.key,
             Member::Release(r) => &r.key,
         }
+    }
+
+    /// What no other member of its batch, or of a batch in flight, may
+    /// write: its lock key and, for a grant that takes a quota place, the
+    /// place (etcd refuses a transaction that puts one key twice, and two
+    /// grants racing for one place are decided by separate transactions).
+    /// A NUL begins a place's name: no lock key has one.
+    fn names(&self) -> impl Iterator<Item = String> + '_ {
+        let place = match self {
+            Member::Grant(GrantMember {
+                quota: Some(take), ..
+            }) => Some(format!(
+                "\0{}\0{}\0{}",
+                take.class, take.subject, take.index
+            )),
+            _ => None,
+        };
+        std::iter::once(self.key().to_string()).chain(place)
     }
 
     /// The transaction's kind, as a trace span names it (telemetry.rs).
@@ -84,6 +104,7 @@ impl Member {
                 fence_at: g.fence_at,
                 session_record: &g.session_record,
                 queue: g.queue,
+                quota: g.quota.clone(),
             }),
             Member::Release(r) => BatchOp::Release(r),
         }
@@ -162,9 +183,13 @@ impl Batches {
             if p.reply.is_closed() {
                 continue; // its caller went away before it was sent
             }
-            let key = p.member.key();
-            if batch.len() < limit && !q.in_flight.contains(key) && !keys.contains(key) {
-                keys.insert(key.to_string());
+            let names: Vec<String> = p.member.names().collect();
+            if batch.len() < limit
+                && names
+                    .iter()
+                    .all(|n| !q.in_flight.contains(n) && !keys.contains(n))
+            {
+                keys.extend(names);
                 batch.push(p);
             } else {
                 rest.push_back(p);
@@ -187,7 +212,9 @@ impl Batches {
     fn landed(&self, batch: &[Pending]) {
         let mut q = self.lock();
         for p in batch {
-            q.in_flight.remove(p.member.key());
+            for name in p.member.names() {
+                q.in_flight.remove(&name);
+            }
         }
     }
 

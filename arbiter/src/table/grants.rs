@@ -8,6 +8,7 @@ use std::sync::Arc;
 use tracing::Instrument as _;
 
 use super::batch::{GrantMember, Member};
+use super::quota::Taking;
 use super::{Attempt, Claim, Grant, GrantRequest, LockTable, Next, Released};
 use crate::epoch::EpochState;
 use crate::error::ArbiterError;
@@ -57,15 +58,23 @@ impl LockTable {
         }
         let state = self.seal.serving_epoch().await?;
         routed_in_time(&state, req)?;
+        let quota = match req.quota {
+            None => None,
+            Some(max) => match self.quota_take(req, max, state.epoch()).await? {
+                Taking::Take(take) => Some(take),
+                Taking::Held(grant) => return Ok(Some(Attempt::Reused(grant))),
+            },
+        };
         let member = Member::Grant(GrantMember {
             key: req.key.clone(),
             session: req.session,
-            holder_record: req.holder_bytes(),
+            holder_record: req.holder_bytes(quota.as_ref().map(|take| take.index)),
             epoch_bytes: state.bytes.clone(),
             epoch: state.epoch(),
             fence_at: state.fence_at,
             session_record: req.session_bytes(),
             queue: turn,
+            quota,
         });
         let (granted, header) = match self.commit(member).await? {
             (BatchOutcome::Grant(granted), header) => (granted, header),
@@ -389,7 +398,7 @@ impl LockTable {
                 self.log.hand_over(HandOverTxn {
                     from,
                     next_session: next.session,
-                    holder_record: next.holder_bytes(),
+                    holder_record: next.holder_bytes(None),
                     epoch: &state.bytes,
                     fence_at: state.fence_at,
                     next_session_record: &next_session,
@@ -475,6 +484,7 @@ pub(super) fn owner_prefix(identity: &str, session: i64) -> Option<Vec<u8>> {
         annotations: BTreeMap::new(),
         instance: String::new(),
         bound: String::new(),
+        quota_place: None,
     });
     let owner = record.strip_suffix(REST)?;
     owner.ends_with(b",").then(|| owner.to_vec())
@@ -495,6 +505,7 @@ mod tests {
             annotations,
             instance: "pod-7:12".into(),
             bound: "spiffe://td/ns/a/*".into(),
+            quota_place: None,
         })
     }
 

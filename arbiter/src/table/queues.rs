@@ -241,6 +241,7 @@ mod tests {
                 ttl_seconds: 15,
                 annotations: Default::default(),
                 routed_by: None,
+                quota: None,
                 instance: String::new(),
                 bound: String::new(),
             },

@@ -7,7 +7,8 @@
 //! the whole transaction before anything is written.
 
 use latchkey_arbiter::lock_log::{
-    BatchOp, BatchOutcome, GrantTxn, Granted, Kv, QueueTurn, ReleaseTxn, ReleasedIf, StoreError,
+    BatchOp, BatchOutcome, GrantTxn, Granted, Kv, PlaceWas, QueueTurn, ReleaseTxn, ReleasedIf,
+    StoreError,
 };
 
 use super::keys;
@@ -81,6 +82,21 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
         value: txn.holder_record.clone(),
         lease: txn.session,
     }];
+    if let Some(take) = &txn.quota {
+        let place = keys::quota_place(&take.class, &take.subject, take.index);
+        match &take.was {
+            PlaceWas::Free => compares.push(Compare::CreateRevision(place.clone(), 0)),
+            PlaceWas::Stale { revision, key } => compares.extend([
+                Compare::ModRevision(place.clone(), *revision),
+                Compare::ModRevisionNot(keys::holder(key), *revision),
+            ]),
+        }
+        writes.push(Op::Put {
+            key: place,
+            value: take.record.clone(),
+            lease: txn.session,
+        });
+    }
     match txn.queue {
         QueueTurn::Empty => compares.push(Compare::NoneUnder(queue.clone())),
         QueueTurn::Mine { created } => {

@@ -227,6 +227,41 @@ impl HoldLog for MemLog {
         .await
     }
 
+    async fn quota_places(&self, class: &str, subject: &str) -> LogResult<Vec<(u32, Kv)>> {
+        let under = keys::quota_places(class, subject);
+        self.call("quota places", |inner, _| {
+            let places = inner
+                .store
+                .range(&under)
+                .filter_map(|(k, kv)| {
+                    latchkey_records::quota_place_index(k).map(|index| (index, kv.kv()))
+                })
+                .collect();
+            inner.answer(places)
+        })
+        .await
+    }
+
+    async fn free_quota_place(
+        &self,
+        class: &str,
+        subject: &str,
+        index: u32,
+        revision: i64,
+    ) -> LogResult<bool> {
+        let place = keys::quota_place(class, subject, index);
+        self.call("free quota place", |inner, _| {
+            let freed = inner
+                .store
+                .all(&[Compare::ModRevision(place.clone(), revision)]);
+            if freed {
+                commit(&mut inner.store, vec![Op::Delete(place.clone())])?;
+            }
+            inner.answer(freed)
+        })
+        .await
+    }
+
     async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>> {
         let under = keys::holder(prefix);
         self.call("holders under", |inner, _| {

@@ -46,6 +46,16 @@ pub fn queue_of(key: &str) -> String {
 pub fn waiter(key: &str, session: i64) -> String {
     format!("{}{session:016x}", queue_of(key))
 }
+/// Every quota place (what an epoch advance deletes).
+pub const QUOTA_PLACES: &str = "p/";
+/// Every place of `subject`'s quota in `class` (hex subject, as etcd's layout).
+pub fn quota_places(class: &str, subject: &str) -> String {
+    let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
+    format!("{QUOTA_PLACES}{class}/{hex}/")
+}
+pub fn quota_place(class: &str, subject: &str, index: u32) -> String {
+    format!("{}{index:04x}", quota_places(class, subject))
+}
 /// Every election's records (what an epoch advance deletes).
 pub const ELECTIONS: &str = "e/";
 /// Every record of election `name` (`//` cannot occur in a name).

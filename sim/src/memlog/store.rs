@@ -38,6 +38,8 @@ impl Stored {
 pub(crate) enum Compare {
     CreateRevision(String, i64),
     ModRevision(String, i64),
+    /// etcd's `NOT_EQUAL` on the mod revision (a missing key has 0).
+    ModRevisionNot(String, i64),
     Lease(String, i64),
     Value(String, Vec<u8>),
     ValueGreater(String, Vec<u8>),
@@ -285,6 +287,7 @@ impl Store {
         let key = match compare {
             Compare::CreateRevision(k, _)
             | Compare::ModRevision(k, _)
+            | Compare::ModRevisionNot(k, _)
             | Compare::Lease(k, _)
             | Compare::Value(k, _)
             | Compare::ValueGreater(k, _)
@@ -295,6 +298,7 @@ impl Store {
         match compare {
             Compare::CreateRevision(_, r) => kv.map_or(0, |kv| kv.create_revision) == *r,
             Compare::ModRevision(_, r) => kv.map_or(0, |kv| kv.mod_revision) == *r,
+            Compare::ModRevisionNot(_, r) => kv.map_or(0, |kv| kv.mod_revision) != *r,
             Compare::Lease(_, l) => kv.map_or(0, |kv| kv.lease) == *l,
             Compare::Value(_, v) => kv.is_some_and(|kv| kv.value == *v),
             Compare::ValueGreater(_, v) => kv.is_some_and(|kv| kv.value > *v),

@@ -31,6 +31,7 @@ async fn grant(log: &MemLog, key: &str, lease: i64, identity: &str) -> LogResult
         fence_at: 0,
         session_record: &rec,
         queue: Default::default(),
+        quota: None,
     })
     .await
 }

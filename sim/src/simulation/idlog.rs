@@ -435,6 +435,30 @@ impl HoldLog for IdLog {
         }))
     }
 
+    async fn quota_places(&self, class: &str, subject: &str) -> LogResult<Vec<(u32, Kv)>> {
+        self.t(|| format!("quota places {class}"));
+        let answer = self.log.quota_places(class, subject).await?;
+        Ok(answer.map(|places| {
+            places
+                .into_iter()
+                .map(|(index, kv)| (index, self.kv_back(kv)))
+                .collect()
+        }))
+    }
+
+    async fn free_quota_place(
+        &self,
+        class: &str,
+        subject: &str,
+        index: u32,
+        revision: i64,
+    ) -> LogResult<bool> {
+        self.t(|| format!("free quota place {class} {index}"));
+        self.log
+            .free_quota_place(class, subject, index, revision)
+            .await
+    }
+
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
         self.t(|| format!("holder {key}"));
         let answer = self.log.holder(key).await?;

@@ -359,6 +359,7 @@ impl Incarnation<'_> {
             ttl_seconds: cfg.ttl_seconds,
             annotations: BTreeMap::new(),
             routed_by: None,
+            quota: None,
             instance: String::new(),
             bound: String::new(),
         };

@@ -30,6 +30,7 @@ fn grant<'a>(key: &'a str, session: i64, epoch: &'a [u8], record: &'a [u8]) -> B
         fence_at: 0,
         session_record: record,
         queue: Default::default(),
+        quota: None,
     })
 }
 

@@ -45,6 +45,7 @@ fn grant_txn<'a>(
         fence_at,
         session_record: record,
         queue: Default::default(),
+        quota: None,
     }
 }
 

@@ -26,6 +26,7 @@ async fn grant(
             fence_at: 0,
             session_record: record,
             queue,
+            quota: None,
         })
         .await?;
     Ok((answer.value, answer.header.revision))

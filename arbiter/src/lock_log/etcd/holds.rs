@@ -8,7 +8,7 @@ use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use super::{EtcdLog, answer, first_kv, kv, unavailable, unavailable_on};
 use crate::lock_log::{
     BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, Kv,
-    LogResult, QueueTurn, ReleaseTxn, ReleasedIf, StoreError,
+    LogResult, PlaceWas, QueueTurn, ReleaseTxn, ReleasedIf, StoreError,
 };
 
 /// One grant: the holder record on the session's lease if the key is
@@ -49,6 +49,26 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
         txn.holder_record,
         Some(PutOptions::new().with_lease(txn.session)),
     )];
+    if let Some(take) = txn.quota {
+        let place = log
+            .layout
+            .quota_place(&take.class, &take.subject, take.index);
+        match &take.was {
+            PlaceWas::Free => {
+                compares.push(Compare::create_revision(place.clone(), CompareOp::Equal, 0));
+            }
+            PlaceWas::Stale { revision, key } => compares.extend([
+                Compare::mod_revision(place.clone(), CompareOp::Equal, *revision),
+                // a missing hold compares as mod revision 0
+                Compare::mod_revision(log.layout.holder(key), CompareOp::NotEqual, *revision),
+            ]),
+        }
+        writes.push(TxnOp::put(
+            place,
+            take.record,
+            Some(PutOptions::new().with_lease(txn.session)),
+        ));
+    }
     match txn.queue {
         QueueTurn::Empty => compares.push(queue_empty(log, txn.key)),
         QueueTurn::Mine { created } => {
@@ -440,6 +460,61 @@ pub(super) async fn holder(log: &EtcdLog, key: &str) -> LogResult<Option<Kv>> {
         .await
         .map_err(|e| unavailable("cannot read a holder record", e))?;
     answer(resp.header(), resp.kvs().first().map(kv))
+}
+
+/// Every taken place of `subject`'s quota in `class`, by index.
+pub(super) async fn quota_places(
+    log: &EtcdLog,
+    class: &str,
+    subject: &str,
+) -> LogResult<Vec<(u32, Kv)>> {
+    let resp = log
+        .client
+        .kv_client()
+        .get(
+            log.layout.quota_places(class, subject),
+            Some(GetOptions::new().with_prefix()),
+        )
+        .await
+        .map_err(|e| unavailable("cannot read the quota places", e))?;
+    let places = resp
+        .kvs()
+        .iter()
+        .map(|found| {
+            let name = String::from_utf8_lossy(found.key());
+            let index = crate::records::quota_place_index(&name).ok_or_else(|| {
+                StoreError::Malformed(format!("a quota place no arbiter names: {name:?}"))
+            })?;
+            Ok((index, kv(found)))
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    answer(resp.header(), places)
+}
+
+/// Deletes a quota place if it is still at `revision`.
+pub(super) async fn free_quota_place(
+    log: &EtcdLog,
+    class: &str,
+    subject: &str,
+    index: u32,
+    revision: i64,
+) -> LogResult<bool> {
+    let place = log.layout.quota_place(class, subject, index);
+    let resp = log
+        .client
+        .kv_client()
+        .txn(
+            Txn::new()
+                .when([Compare::mod_revision(
+                    place.clone(),
+                    CompareOp::Equal,
+                    revision,
+                )])
+                .and_then([TxnOp::delete(place, None)]),
+        )
+        .await
+        .map_err(|e| unavailable("cannot free a quota place", e))?;
+    answer(resp.header(), resp.succeeded())
 }
 
 /// Every hold under `prefix`, keyed by lock key, in etcd's (key) order.

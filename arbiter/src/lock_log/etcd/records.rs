@@ -133,6 +133,11 @@ pub(super) async fn advance(
                 log.layout.elections(),
                 Some(DeleteOptions::new().with_prefix()),
             ),
+            // Every quota place goes with the holds that took them.
+            TxnOp::delete(
+                log.layout.all_quota_places(),
+                Some(DeleteOptions::new().with_prefix()),
+            ),
         ]);
     let resp = txn::run(&log.client, txn)
         .await
