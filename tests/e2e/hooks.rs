@@ -155,49 +155,6 @@ async fn change_ticket_denies_without_a_ticket_and_annotates_the_holder_with_it(
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn quota_denies_the_third_hold_of_an_identity_until_one_is_released() -> anyhow::Result<()> {
-    let dir = dev_policies_copy()?;
-    let (_etcd, a) = hooked(dir.path()).await?;
-    let mut alice = a.lock("workload/alice").await?;
-    let mut bob = a.lock("workload/bob").await?;
-    let s = open(&mut alice, "quota").await?;
-    let g1 = acquire(&mut alice, "demo/q1", "quota", s, &[]).await?;
-    let g2 = acquire(&mut alice, "shared/q2", "quota", s, &[]).await?;
-    // A retry of a key already held is not a new hold.
-    let again = acquire(&mut alice, "demo/q1", "quota", s, &[]).await?;
-    assert_eq!(again.token, g1.token);
-    let (code, _, hook_reason, message) =
-        hook_refusal(acquire(&mut alice, "demo/q3", "quota", s, &[]).await)?;
-    assert_eq!(
-        (code, hook_reason.as_str()),
-        (Code::FailedPrecondition, "QUOTA_EXCEEDED")
-    );
-    assert!(message.contains("already holds 2"), "{message}");
-    // Another identity has its own quota.
-    let sb = open(&mut bob, "quota").await?;
-    let gb = acquire(&mut bob, "demo/q3", "quota", sb, &[]).await?;
-    release(&mut bob, &gb).await?;
-
-    release(&mut alice, &g1).await?;
-    let g3 = acquire(&mut alice, "demo/q3", "quota", s, &[]).await?;
-    let held = alice
-        .inspect(InspectRequest {
-            key: "demo/q3".into(),
-        })
-        .await?
-        .into_inner();
-    assert_eq!(
-        held.holder
-            .and_then(|h| h.annotations.get("quota").cloned())
-            .as_deref(),
-        Some("2/2")
-    );
-    release(&mut alice, &g2).await?;
-    release(&mut alice, &g3).await?;
-    Ok(())
-}
-
 /// "HH:MM" of now + `minutes` (UTC, wrapping at midnight).
 fn hhmm(minutes: i64) -> String {
     let now = std::time::SystemTime::now()

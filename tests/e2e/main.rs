@@ -40,6 +40,7 @@ mod pause_test;
 mod policies;
 mod python_client;
 mod quorum_loss;
+mod quota;
 mod replicas;
 mod seal;
 mod session_counts;
