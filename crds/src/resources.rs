@@ -106,6 +106,20 @@ pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
         "yieldToHigherPriority is for election classes (kind: election): a lock has no \
          priority to yield to; remove it or set kind: election"
     ),
+    validation = Rule::new(
+        "!has(self.kind) || self.kind != 'election' || !has(self.maxHoldsPerSubject)"
+    )
+    .message(
+        "an election class takes no maxHoldsPerSubject: a subject's leaderships are bounded \
+         by the arbiter's per-subject bounds, not by a class quota"
+    ),
+    validation = Rule::new(
+        "!has(self.maxHoldsPerSubject) || !has(self.onQuorumLoss) || self.onQuorumLoss != 'open'"
+    )
+    .message(
+        "maxHoldsPerSubject is not allowed with onQuorumLoss: open: a memory grant made \
+         without the lock log cannot take a quota place in it, so the quota would not hold"
+    ),
     validation = Rule::new("!has(self.kind) || self.kind != 'election' || !has(self.hook)").message(
         "an election class takes no hook: class hooks run before lock grants only, not before \
          a leadership"
@@ -170,6 +184,13 @@ pub struct LockClassSpec {
     #[x_kube(validation = Rule::new("self >= 1 && self <= 10000")
         .message("maxWaitersPerKey is outside 1..=10000"))]
     pub max_waiters_per_key: u32,
+    /// The most keys of the class one grant subject holds at once,
+    /// enforced inside every grant transaction (lock classes only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1024))]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 1024")
+        .message("maxHoldsPerSubject is outside 1..=1024"))]
+    pub max_holds_per_subject: Option<u32>,
     /// Election classes only: a leader is asked (Observe's
     /// TransferRequested) to yield when a higher-priority candidate stands.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -158,6 +158,11 @@ class NoCandidate(FailedPrecondition):
     (or it has none). The leadership goes on."""
 
 
+class QuotaExceeded(FailedPrecondition):
+    """QUOTA_EXCEEDED: the caller's grant subject holds as many locks of the
+    class as its ``maxHoldsPerSubject`` allows. Release one first."""
+
+
 class WrongKind(InvalidArgument):
     """WRONG_KIND: the class is of another kind than the call needs (an
     election class on Acquire, a lock class on Campaign)."""
@@ -173,6 +178,7 @@ _BY_REASON = {
     "TOKEN_MISMATCH": NotHeld,
     "NOT_LEADER": NotLeader,
     "NO_CANDIDATE": NoCandidate,
+    "QUOTA_EXCEEDED": QuotaExceeded,
     "WRONG_KIND": WrongKind,
 }
 

@@ -45,6 +45,7 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_NOT_LEADER: _ClassVar[Reason]
     REASON_WRONG_KIND: _ClassVar[Reason]
     REASON_NO_CANDIDATE: _ClassVar[Reason]
+    REASON_QUOTA_EXCEEDED: _ClassVar[Reason]
 WAIT_NONE: WaitMode
 WAIT_UNTIL_DEADLINE: WaitMode
 REASON_UNSPECIFIED: Reason
@@ -78,6 +79,7 @@ REASON_OVERLOADED: Reason
 REASON_NOT_LEADER: Reason
 REASON_WRONG_KIND: Reason
 REASON_NO_CANDIDATE: Reason
+REASON_QUOTA_EXCEEDED: Reason
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("reuse_session_ids",)
