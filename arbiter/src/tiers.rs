@@ -265,6 +265,16 @@ impl Tiers {
         }
         Ok(match (tier, &self.shards) {
             (Tier::Entity, Some(shards)) => {
+                // A quota's places live in one lock cluster, beside the
+                // holds they count: over several shards it would hold per
+                // shard, not per subject. Refused rather than overshot.
+                let sharded = shards.map().is_some_and(|m| m.all_shards().count() > 1);
+                if sharded && let Some(max) = class.max_holds_per_subject {
+                    return Err(ArbiterError::WrongTier(format!(
+                        "class {:?} has a quota (maxHoldsPerSubject = {max}), which is kept in one lock cluster, and the entity tier is sharded over several: a quota there would hold per shard, not per subject; put the class on the coord tier or remove maxHoldsPerSubject",
+                        class.name
+                    )));
+                }
                 let route = shards.granting(key.as_str())?;
                 let other = route.shard != shards.home_name();
                 AcquireRoute {

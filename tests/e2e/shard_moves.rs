@@ -296,6 +296,17 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
     // Every moved key is granted on the new shard, with a token above every
     // token its old home issued; every other key stays where it was.
     routing_by(&op, 2).await?;
+    // A class with a quota is not served on a sharded entity tier: its
+    // places would be kept per shard, not per subject (issue 34).
+    let quota_session = open(&mut c, "quota").await?;
+    let refused = try_lock(&mut c, &key(0), "quota", quota_session)
+        .await
+        .expect_err("a quota class on a sharded entity tier is refused");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(
+        refused.message().contains("maxHoldsPerSubject"),
+        "{refused:?}"
+    );
     for i in 0..RANGES {
         let g = try_lock(&mut c, &key(i), CLASS, session).await?;
         assert!(
