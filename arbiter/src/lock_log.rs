@@ -301,6 +301,40 @@ impl BatchOp<'_> {
             BatchOp::Release(txn) => &txn.key,
         }
     }
+
+    /// The quota place a grant member takes (class, subject, index): no two
+    /// members of a batch share one either (their compares would both be
+    /// judged on the store before the batch, and both puts land).
+    pub fn place(&self) -> Option<(&str, &str, u32)> {
+        match self {
+            BatchOp::Grant(GrantTxn {
+                quota: Some(take), ..
+            }) => Some((&take.class, &take.subject, take.index)),
+            _ => None,
+        }
+    }
+}
+
+/// Whether `ops` can go as one batch: distinct keys and distinct quota
+/// places (what both logs check before sending a batch).
+pub fn batch_is_distinct(ops: &[BatchOp<'_>]) -> Result<(), StoreError> {
+    let mut keys = std::collections::BTreeSet::new();
+    if !ops.iter().all(|op| keys.insert(op.key())) {
+        return Err(StoreError::Refused {
+            context: "two members of a batch on one key".into(),
+        });
+    }
+    let mut places = std::collections::BTreeSet::new();
+    if !ops
+        .iter()
+        .filter_map(BatchOp::place)
+        .all(|p| places.insert(p))
+    {
+        return Err(StoreError::Refused {
+            context: "two members of a batch take one quota place".into(),
+        });
+    }
+    Ok(())
 }
 
 /// How one member of a batch ended: what its own transaction would have

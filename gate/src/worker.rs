@@ -100,6 +100,8 @@ pub(crate) fn is_definite_refusal(err: &Error) -> bool {
             | Reason::ShardMapChanged
             // Refused by the overload admission, before any work.
             | Reason::Overloaded
+            // Every quota place live: refused before the grant transaction.
+            | Reason::QuotaExceeded
     )
 }
 

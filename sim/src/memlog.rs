@@ -340,6 +340,18 @@ impl MemLog {
         self.shared.lock().store.quorum_lost()
     }
 
+    /// Counts the holds of `class` per grant subject after every commit
+    /// from now on ([`Self::quota_violations`]): the quota invariant.
+    pub fn watch_quota(&self, class: &str, max: u32) {
+        self.shared.lock().store.watch_quota(class, max);
+    }
+
+    /// Every commit after which a grant subject held more keys of the
+    /// watched class than its quota.
+    pub fn quota_violations(&self) -> Vec<String> {
+        self.shared.lock().store.quota_violations.clone()
+    }
+
     /// The store as it is now.
     pub fn snapshot(&self) -> Snapshot {
         self.shared.with(|inner, _| Snapshot {

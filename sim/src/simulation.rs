@@ -193,6 +193,10 @@ pub struct SimRun {
     pub memory: MemoryReport,
     /// The leaderships of the electors, and what they broke.
     pub elections: ElectionReport,
+    /// Commits after which a grant subject held more keys of the quota
+    /// class than [`SimConfig::quota`] (the log's state, counted at every
+    /// commit).
+    pub quota_violations: Vec<String>,
     pub notes: Vec<String>,
 }
 
@@ -238,6 +242,7 @@ impl SimRun {
             && self.fences.violations.is_empty()
             && self.memory.violations.is_empty()
             && self.elections.violations.is_empty()
+            && self.quota_violations.is_empty()
     }
 
     /// What went wrong, for people: the violations (the checker's report),
@@ -261,6 +266,9 @@ impl SimRun {
         }
         for v in &self.elections.violations {
             out.push_str(&format!("elections: {v}\n"));
+        }
+        for v in &self.quota_violations {
+            out.push_str(&format!("quota: {v}\n"));
         }
         out
     }
@@ -405,6 +413,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
                 ForcedEnds::default(),
                 MemoryReport::default(),
                 ElectionReport::default(),
+                Vec::new(),
             ),
             FenceReport::default(),
         ),
@@ -433,6 +442,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         forced: batches.3,
         memory: batches.4,
         elections: batches.5,
+        quota_violations: batches.6,
         fences,
     }
 }
@@ -451,6 +461,7 @@ type Outcome = (
         ForcedEnds,
         MemoryReport,
         ElectionReport,
+        Vec<String>,
     ),
     FenceReport,
 );
@@ -465,6 +476,9 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         min_ttl_seconds: 2,
         latency: cfg.log_latency,
     });
+    if let Some(max) = cfg.quota {
+        memlog.watch_quota(policies::CLASS, max);
+    }
     let watches = Arc::new(ordered::Dispatch::default());
     tokio::spawn(watches.clone().run());
     let trace = std::env::var_os("LATCHKEY_SIM_TRACE");
@@ -585,6 +599,7 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             *lock(&world.forced),
             lock(&world.memory).report(),
             lock(&world.elections).report(),
+            world.memlog.quota_violations(),
         ),
         lock(&world.fences).report(),
     )

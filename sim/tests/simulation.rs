@@ -219,6 +219,14 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     (125, "elections-three-arbiters", 5000),
     (126, "elections", 5000),
     (127, "elections-three-arbiters", 5000),
+    // Every client bounded as one grant subject with a quota of 3 (issue
+    // 34), force-releases and every fault: the log, counted at every
+    // commit, never holds more than 3 keys of the class for the subject.
+    // With a release that hands a quota class's key over (a hand-over
+    // takes no place) put back: both runs fail (258 and 192 commits over
+    // the quota; seeds 124 to 127 of `quota` fail likewise).
+    (128, "quota", 5000),
+    (129, "quota-three-arbiters", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;

@@ -163,13 +163,7 @@ pub(crate) fn check(ops: &[BatchOp<'_>]) -> Result<(), StoreError> {
             context: format!("a batch of {} members", ops.len()),
         });
     }
-    let mut keys = std::collections::BTreeSet::new();
-    if !ops.iter().all(|op| keys.insert(op.key())) {
-        return Err(StoreError::Refused {
-            context: "two members of a batch on one key".into(),
-        });
-    }
-    Ok(())
+    latchkey_arbiter::lock_log::batch_is_distinct(ops)
 }
 
 /// Runs `members` as one transaction: every branch decided on the store

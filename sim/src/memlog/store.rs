@@ -184,6 +184,11 @@ pub(crate) struct Store {
     /// No majority: nothing commits and no lease expires (etcd's lessor
     /// runs on the leader only) until [`Self::regain_quorum`].
     quorum_lost: bool,
+    /// A class whose holds per grant subject are counted after every
+    /// commit (`maxHoldsPerSubject`, issue 34), and the most allowed.
+    quota_check: Option<(String, u32)>,
+    /// Every commit after which a subject held more than that.
+    pub(crate) quota_violations: Vec<String>,
 }
 
 impl Store {
@@ -203,6 +208,8 @@ impl Store {
             min_ttl_seconds: i64::from(min_ttl_seconds),
             dirty: false,
             quorum_lost: false,
+            quota_check: None,
+            quota_violations: Vec::new(),
         }
     }
 
@@ -307,6 +314,36 @@ impl Store {
         }
     }
 
+    /// Counts the holds of the checked class per grant subject from now on.
+    pub fn watch_quota(&mut self, class: &str, max: u32) {
+        self.quota_check = Some((class.to_string(), max));
+    }
+
+    fn check_quota(&mut self, rev: i64) {
+        let Some((class, max)) = &self.quota_check else {
+            return;
+        };
+        let mut held: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+        for (key, stored) in self.range(super::keys::HOLDERS) {
+            if let Some(h) =
+                latchkey_records::decode::<latchkey_records::HolderRecord>(&stored.value)
+                && h.class == *class
+            {
+                held.entry(h.bounded_as().to_string())
+                    .or_default()
+                    .push(key);
+            }
+        }
+        let over: Vec<String> = held
+            .iter()
+            .filter(|(_, keys)| keys.len() > *max as usize)
+            .map(|(subject, keys)| {
+                format!("at revision {rev} {subject} held {} keys of class {class} (quota {max}): {keys:?}", keys.len())
+            })
+            .collect();
+        self.quota_violations.extend(over);
+    }
+
     pub fn all(&self, compares: &[Compare]) -> bool {
         compares.iter().all(|c| self.holds(c))
     }
@@ -371,6 +408,7 @@ impl Store {
             self.push_to_prefix_watches(rev, &changes);
             self.changes.push_back((rev, changes));
             self.record(rev, events);
+            self.check_quota(rev);
         }
         Ok(results)
     }

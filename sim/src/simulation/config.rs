@@ -304,8 +304,15 @@ pub struct SimConfig {
     pub electors: usize,
     /// Elections `sim/e0` up to this one (exclusive).
     pub elections: usize,
+    /// Every worker is bounded as one grant subject ([`QUOTA_SUBJECT`])
+    /// and the lock class has this `maxHoldsPerSubject` (issue 34): the
+    /// log is checked after every commit to hold no more (table only).
+    pub quota: Option<u32>,
     pub faults: FaultKnobs,
 }
+
+/// The grant subject every worker is bounded as in a quota run.
+pub const QUOTA_SUBJECT: &str = "spiffe://sim/workers/*";
 
 impl SimConfig {
     /// The CI shape: 8 keys, 10 clients, 2 arbiters, every fault.
@@ -333,6 +340,7 @@ impl SimConfig {
             long_hold_percent: 0,
             electors: 0,
             elections: 0,
+            quota: None,
             faults: FaultKnobs::all(),
         }
     }
@@ -378,6 +386,8 @@ pub const PRESETS: &[&str] = &[
     "renewal-outages",
     "elections",
     "elections-three-arbiters",
+    "quota",
+    "quota-three-arbiters",
 ];
 
 impl SimConfig {
@@ -416,6 +426,10 @@ impl SimConfig {
     ///   every fault of `quorum-loss`, and electors ([`SimConfig::electors`])
     ///   campaigning, proclaiming, resigning, transferring, crashing and
     ///   freezing in 2 (3) elections beside the workers.
+    /// - `quota`, `quota-three-arbiters`: `forced` (and with 3 arbiters)
+    ///   over 12 keys, every worker bounded as one grant subject with a
+    ///   quota of 3 ([`SimConfig::quota`]): force-releases and orphan
+    ///   releases leave stale places to take again.
     /// - `renewal-outages`: the whole arbiter, every fault, force-releases,
     ///   windows in which no lease renewal succeeds for longer than a TTL
     ///   ([`FaultKnobs::renewal_outages`]), and 3% long holds writing until
@@ -482,6 +496,20 @@ impl SimConfig {
                 long_hold_percent: 3,
                 faults: FaultKnobs::renewal_outages(),
                 ..Self::whole(base)
+            },
+            "quota" => Self {
+                keys: 12,
+                quota: Some(3),
+                faults: FaultKnobs::forced(),
+                ..base
+            },
+            "quota-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                keys: 12,
+                quota: Some(3),
+                faults: FaultKnobs::forced(),
+                ..base
             },
             "forced-three-arbiters" => Self {
                 arbiters: 3,

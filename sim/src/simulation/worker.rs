@@ -54,6 +54,7 @@ fn is_definite_refusal(e: &ArbiterError) -> bool {
             | ArbiterError::TokenMismatch { .. }
             | ArbiterError::SessionExpired { .. }
             | ArbiterError::ClosedOnQuorumLoss { .. }
+            | ArbiterError::QuotaExceeded { .. }
     )
 }
 
@@ -359,9 +360,12 @@ impl Incarnation<'_> {
             ttl_seconds: cfg.ttl_seconds,
             annotations: BTreeMap::new(),
             routed_by: None,
-            quota: None,
+            quota: cfg.quota,
             instance: String::new(),
-            bound: String::new(),
+            bound: match cfg.quota {
+                Some(_) => super::config::QUOTA_SUBJECT.into(),
+                None => String::new(),
+            },
         };
         let answer = acquire(&arbiter, req, wait, cancel_after, durable).await;
         let token = match answer {

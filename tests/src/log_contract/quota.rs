@@ -125,6 +125,34 @@ pub async fn a_grant_takes_a_quota_place_in_its_transaction(
     ensure!(log.free_quota_place(CLASS, SUBJECT, 1, r2).await?.value);
     one_write(log, before, "a free").await?;
 
+    // Two members of one batch never take one place (refused, nothing
+    // written), whichever log.
+    if log.batch_limit() > 1 {
+        let before = revision(log).await?;
+        let (k5, k6) = ("quota/k5", "quota/k6");
+        let member = |key: &'static str| {
+            latchkey_arbiter::lock_log::BatchOp::Grant(GrantTxn {
+                key,
+                session: a,
+                holder_record: holder_record(key, a),
+                epoch: &epoch,
+                fence_at: 0,
+                session_record: &sa,
+                queue: Default::default(),
+                quota: Some(take(2, PlaceWas::Free, key)),
+            })
+        };
+        let refused = log.batch(vec![member(k5), member(k6)]).await;
+        ensure!(
+            matches!(
+                refused,
+                Err(latchkey_arbiter::lock_log::StoreError::Refused { .. })
+            ),
+            "a batch taking one place twice: {refused:?}"
+        );
+        unchanged(log, before, "a refused batch").await?;
+    }
+
     // A lease's end takes its places.
     revoke_all(log, &[a, b]).await?;
     let places = log.quota_places(CLASS, SUBJECT).await?.value;

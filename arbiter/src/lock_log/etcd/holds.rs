@@ -224,12 +224,7 @@ pub(super) async fn batch(log: &EtcdLog, ops: Vec<BatchOp<'_>>) -> LogResult<Vec
             context: format!("a batch of {} members", ops.len()),
         });
     }
-    let mut keys = std::collections::BTreeSet::new();
-    if !ops.iter().all(|op| keys.insert(op.key())) {
-        return Err(StoreError::Refused {
-            context: "two members of a batch on one key".into(),
-        });
-    }
+    crate::lock_log::batch_is_distinct(&ops)?;
     let kinds: Vec<bool> = ops
         .iter()
         .map(|op| matches!(op, BatchOp::Grant(_)))
