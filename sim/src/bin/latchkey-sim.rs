@@ -6,7 +6,7 @@
 //!                        witnessed|witnessed-three-arbiters|witnessed-state-loss|
 //!                        unwitnessed-state-loss|durable|durable-three-arbiters|
 //!                        fenced|fenced-three-arbiters|forced|forced-three-arbiters|
-//!                        quorum-loss|quorum-loss-three-arbiters|renewal-outages|elections|elections-three-arbiters]
+//!                        quorum-loss|quorum-loss-three-arbiters|renewal-outages|elections|elections-three-arbiters|quota|quota-three-arbiters]
 //!              [--ops 10000] [--arbiters 2] [--clients 10] [--keys 8]
 //!              [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|
 //!                        quorum-loss|none]
@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use latchkey_sim::simulation::{FaultKnobs, PRESETS, SimConfig, run};
 
-const USAGE: &str = "usage: latchkey-sim --seed N [--preset default|three-arbiters|one-arbiter|state-loss|witnessed|witnessed-three-arbiters|witnessed-state-loss|unwitnessed-state-loss|durable|durable-three-arbiters|fenced|fenced-three-arbiters|forced|forced-three-arbiters|quorum-loss|quorum-loss-three-arbiters|renewal-outages|elections|elections-three-arbiters] [--ops M] [--arbiters A] [--clients C] [--keys K] [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|quorum-loss|none] [--witness on|off] [--history out.jsonl]";
+const USAGE: &str = "usage: latchkey-sim --seed N [--preset default|three-arbiters|one-arbiter|state-loss|witnessed|witnessed-three-arbiters|witnessed-state-loss|unwitnessed-state-loss|durable|durable-three-arbiters|fenced|fenced-three-arbiters|forced|forced-three-arbiters|quorum-loss|quorum-loss-three-arbiters|renewal-outages|elections|elections-three-arbiters|quota|quota-three-arbiters] [--ops M] [--arbiters A] [--clients C] [--keys K] [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|quorum-loss|none] [--witness on|off] [--history out.jsonl]";
 
 struct Args {
     cfg: SimConfig,

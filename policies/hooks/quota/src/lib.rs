@@ -1,5 +1,10 @@
-//! Per-identity quota hook: an identity may hold at most `maxHolds` locks of
-//! the class at once. Needs `inputs = ["holdCount", "holder"]`: the count is
+//! RETIRED as a quota: use the class's `maxHoldsPerSubject`, enforced in
+//! the grant transaction (policies/HOOKS.md, "Retired: the quota hook").
+//! Kept as the example of the `holdCount` input and as a fixture of the
+//! hook benchmark; no shipped class uses it.
+//!
+//! Per-identity hold-count hook: an identity may hold at most `maxHolds`
+//! locks of the class at once, as far as a count read before the grant says. Needs `inputs = ["holdCount", "holder"]`: the count is
 //! read from etcd by the arbiter (every arbiter's holds), and the holder lets
 //! a retry of a key the caller already holds through.
 //!
