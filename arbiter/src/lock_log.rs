@@ -89,6 +89,10 @@ pub struct GrantTxn<'a> {
     pub quota: Option<QuotaTake>,
 }
 
+/// Keys one [`HoldLog::holders_of`] request reads (one etcd transaction of
+/// gets, well inside `--max-txn-ops`).
+pub const HOLDERS_OF_AT_ONCE: usize = 64;
+
 /// A place of a class's per-subject quota, taken by a grant in its own
 /// transaction: the place's record is put on the session's lease (as the
 /// holder record is, at the same revision) only if the place is as the
@@ -549,6 +553,23 @@ pub trait HoldLog: Send + Sync + 'static {
     async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool>;
     /// The hold on `key` (a linearizable read).
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>>;
+    /// The holds on `keys`, in order (`None`: not held): what a full
+    /// quota's places are checked against. At most
+    /// [`HOLDERS_OF_AT_ONCE`] keys per request (the answer's header is the
+    /// last request's). The default reads them one by one.
+    async fn holders_of(&self, keys: &[String]) -> LogResult<Vec<Option<Kv>>> {
+        let mut out = Vec::with_capacity(keys.len());
+        let mut header = None;
+        for key in keys {
+            let read = self.holder(key).await?;
+            header = Some(read.header);
+            out.push(read.value);
+        }
+        match header {
+            Some(header) => Ok(Answer { header, value: out }),
+            None => Ok(self.count_holds().await?.map(|_| out)),
+        }
+    }
     /// Every taken place of `subject`'s quota in `class`, by index.
     async fn quota_places(&self, class: &str, subject: &str) -> LogResult<Vec<(u32, Kv)>>;
     /// Deletes place `index` of `subject`'s quota in `class` if it is still

@@ -596,6 +596,7 @@ impl LockTable {
                     };
                     match self.hand_over(HandOverFrom::Owned(&owned), &head.req).await {
                         Ok(Some((grant, previous))) => {
+                            self.free_quota_place(previous.as_ref(), revision);
                             self.deliver(&head, grant);
                             return Ok(Released {
                                 handed_over: true,
@@ -615,6 +616,7 @@ impl LockTable {
         if let Some(head) = self.ungated_head(key) {
             match self.hand_over(HandOverFrom::Exact(&held), &head.req).await {
                 Ok(Some((grant, previous))) => {
+                    self.free_quota_place(previous.as_ref(), revision);
                     self.deliver(&head, grant);
                     return Ok(Released {
                         handed_over: true,

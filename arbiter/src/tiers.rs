@@ -270,9 +270,10 @@ impl Tiers {
                 // shard, not per subject. Refused rather than overshot.
                 let sharded = shards.map().is_some_and(|m| m.all_shards().count() > 1);
                 if sharded && let Some(max) = class.max_holds_per_subject {
-                    return Err(ArbiterError::WrongTier(format!(
-                        "class {:?} has a quota (maxHoldsPerSubject = {max}), which is kept in one lock cluster, and the entity tier is sharded over several: a quota there would hold per shard, not per subject; put the class on the coord tier or remove maxHoldsPerSubject",
-                        class.name
+                    return Err(ArbiterError::TierBound(format!(
+                        "class {:?} has a quota (maxHoldsPerSubject = {max}), which is kept in one lock cluster, and key {:?} is on the entity tier, sharded over several: a quota there would hold per shard, not per subject; serve the key's namespace from the coord tier (name it in a coord-tier class's namespaces, docs/tiers-and-shards.md) or remove maxHoldsPerSubject",
+                        class.name,
+                        key.as_str()
                     )));
                 }
                 let route = shards.granting(key.as_str())?;

@@ -187,9 +187,9 @@ pub struct LockClassSpec {
     /// The most keys of the class one grant subject holds at once,
     /// enforced inside every grant transaction (lock classes only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 1024))]
-    #[x_kube(validation = Rule::new("self >= 1 && self <= 1024")
-        .message("maxHoldsPerSubject is outside 1..=1024"))]
+    #[schemars(range(min = 1, max = 256))]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 256")
+        .message("maxHoldsPerSubject is outside 1..=256"))]
     pub max_holds_per_subject: Option<u32>,
     /// Election classes only: a leader is asked (Observe's
     /// TransferRequested) to yield when a higher-priority candidate stands.

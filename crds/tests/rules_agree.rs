@@ -227,15 +227,9 @@ fn class_cases() -> Vec<Case> {
         ok("memory fairness", fenced(json!({"fairness": "memory"}))),
         ok("max waiters zero", fenced(json!({"maxWaitersPerKey": 0}))),
         ok("a quota of 2", fenced(json!({"maxHoldsPerSubject": 2}))),
-        ok(
-            "a quota of 1024",
-            fenced(json!({"maxHoldsPerSubject": 1024})),
-        ),
+        ok("a quota of 256", fenced(json!({"maxHoldsPerSubject": 256}))),
         ok("a quota of 0", fenced(json!({"maxHoldsPerSubject": 0}))),
-        ok(
-            "a quota of 1025",
-            fenced(json!({"maxHoldsPerSubject": 1025})),
-        ),
+        ok("a quota of 257", fenced(json!({"maxHoldsPerSubject": 257}))),
         ok(
             "a quota on a class open on quorum loss",
             advisory(json!({"maxHoldsPerSubject": 2, "onQuorumLoss": "open"})),

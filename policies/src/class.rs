@@ -25,9 +25,9 @@ pub const ADVISORY_MIN_TTL_SECONDS: u32 = 30;
 
 pub const DEFAULT_MAX_WAITERS_PER_KEY: u32 = 64;
 pub const MAX_WAITERS_PER_KEY_LIMIT: u32 = 10_000;
-/// The most `maxHoldsPerSubject` a class may set: a full quota is checked
-/// place by place (each place's hold read) before a refusal.
-pub const MAX_HOLDS_PER_SUBJECT_LIMIT: u32 = 1024;
+/// The most `maxHoldsPerSubject` a class may set: a refusal at a full quota
+/// reads every place's hold (64 per request) first.
+pub const MAX_HOLDS_PER_SUBJECT_LIMIT: u32 = 256;
 
 /// Class names are metrics labels and CRD names; keep them short.
 pub const MAX_CLASS_NAME_BYTES: usize = 63;

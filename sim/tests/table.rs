@@ -387,3 +387,104 @@ async fn a_release_on_a_cluster_fenced_ahead_still_releases() -> anyhow::Result<
     t.shutdown().await;
     Ok(())
 }
+
+fn quota_req(identity: &str, session: i64, key: &str, max: u32) -> GrantRequest {
+    GrantRequest {
+        quota: Some(max),
+        bound: "spiffe://sim/quota/*".into(),
+        ..req(identity, session, key)
+    }
+}
+
+/// A quota lowered from 4 to 2 (a policy reload) while 4 holds last: the
+/// places above the new quota keep as many below it out of use, so the
+/// subject is back under 2 holds before it is granted again (issue 34).
+#[tokio::test(start_paused = true)]
+async fn a_lowered_quota_counts_the_places_above_it_until_their_holds_end() -> anyhow::Result<()> {
+    let log = MemLog::new(34);
+    let t = table(&log, None);
+    t.start().await?;
+    let s = session(&t, "pod-1").await?;
+    let mut grants = Vec::new();
+    for i in 0..4 {
+        grants.push(
+            t.acquire(quota_req("pod-1", s, &format!("q{i}"), 4), None, 8)
+                .await?
+                .grant,
+        );
+    }
+    let refused = t.acquire(quota_req("pod-1", s, "q4", 4), None, 8).await;
+    assert!(
+        matches!(refused, Err(ArbiterError::QuotaExceeded { max: 4, .. })),
+        "{refused:?}"
+    );
+    // Which key took which place: release the two below the new quota.
+    let mut by_place = std::collections::BTreeMap::new();
+    for g in &grants {
+        let view = t.holder(&g.key).await?.expect("held");
+        by_place.insert(view.record.quota_place.expect("a place"), g.clone());
+    }
+    assert_eq!(
+        by_place.keys().copied().collect::<Vec<_>>(),
+        vec![0, 1, 2, 3]
+    );
+    for place in [0, 1] {
+        let g = &by_place[&place];
+        t.release("pod-1", &g.key, s, g.token().unwrap_or(0))
+            .await?;
+    }
+    // Two holds left, both above the lowered quota: nothing more.
+    let refused = t.acquire(quota_req("pod-1", s, "q5", 2), None, 8).await;
+    assert!(
+        matches!(refused, Err(ArbiterError::QuotaExceeded { max: 2, .. })),
+        "{refused:?}"
+    );
+    // One of them ends: one place below the quota is usable again.
+    let g = &by_place[&2];
+    t.release("pod-1", &g.key, s, g.token().unwrap_or(0))
+        .await?;
+    t.acquire(quota_req("pod-1", s, "q5", 2), None, 8).await?;
+    let refused = t.acquire(quota_req("pod-1", s, "q6", 2), None, 8).await;
+    assert!(
+        matches!(refused, Err(ArbiterError::QuotaExceeded { .. })),
+        "{refused:?}"
+    );
+    // A retry of a held key at a full quota is that grant, not a refusal.
+    let g = &by_place[&3];
+    let again = t
+        .acquire(quota_req("pod-1", s, &g.key, 2), None, 8)
+        .await?
+        .grant;
+    assert_eq!(again.token(), g.token());
+    t.shutdown().await;
+    Ok(())
+}
+
+/// At a full quota, a place naming another session of the same subject is
+/// no "already yours": a caller naming that session id gets no grant (the
+/// hold is pod-2's, its session and identity checked), and no claim.
+#[tokio::test(start_paused = true)]
+async fn a_full_quota_never_hands_out_another_sessions_grant() -> anyhow::Result<()> {
+    let log = MemLog::new(35);
+    let t = table(&log, None);
+    t.start().await?;
+    let s1 = session(&t, "pod-1").await?;
+    let s2 = session(&t, "pod-2").await?;
+    let theirs = t
+        .acquire(quota_req("pod-2", s2, "k", 2), None, 8)
+        .await?
+        .grant;
+    t.acquire(quota_req("pod-1", s1, "mine", 2), None, 8)
+        .await?;
+    // pod-1 names pod-2's session: refused, not pod-2's grant.
+    let stolen = t.acquire(quota_req("pod-1", s2, "k", 2), None, 8).await;
+    assert!(stolen.is_err(), "pod-1 got pod-2's grant: {stolen:?}");
+    // pod-2's own retry is its grant.
+    let again = t
+        .acquire(quota_req("pod-2", s2, "k", 2), None, 8)
+        .await?
+        .grant;
+    assert_eq!(again.token(), theirs.token());
+    t.shutdown().await;
+    Ok(())
+}

@@ -302,7 +302,7 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
     let refused = try_lock(&mut c, &key(0), "quota", quota_session)
         .await
         .expect_err("a quota class on a sharded entity tier is refused");
-    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
     assert!(
         refused.message().contains("maxHoldsPerSubject"),
         "{refused:?}"

@@ -184,6 +184,10 @@ impl HoldLog for EtcdLog {
         holds::holder(self, key).await
     }
 
+    async fn holders_of(&self, keys: &[String]) -> LogResult<Vec<Option<Kv>>> {
+        holds::holders_of(self, keys).await
+    }
+
     async fn quota_places(&self, class: &str, subject: &str) -> LogResult<Vec<(u32, Kv)>> {
         holds::quota_places(self, class, subject).await
     }

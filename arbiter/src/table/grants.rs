@@ -60,7 +60,7 @@ impl LockTable {
         routed_in_time(&state, req)?;
         let quota = match req.quota {
             None => None,
-            Some(max) => match self.quota_take(req, max, state.epoch()).await? {
+            Some(max) => match self.quota_take(req, max).await? {
                 Taking::Take(take) => Some(take),
                 Taking::Held(grant) => return Ok(Some(Attempt::Reused(grant))),
             },

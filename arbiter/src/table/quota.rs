@@ -38,17 +38,16 @@ pub(super) enum Taking {
     Held(Grant),
 }
 
-/// Holds read at once when a full quota's places are checked for a stale one.
-const HOLD_READS_AT_ONCE: usize = 32;
-
 impl LockTable {
-    /// The place `req`'s grant takes out of its subject's `max`, or
-    /// `QUOTA_EXCEEDED` when every one is live.
+    /// The place `req`'s grant takes out of its subject's `max`: a free one,
+    /// or a stale one (its hold ended), each picked at random so that a
+    /// burst spreads over them. When every place is live, the caller's own
+    /// hold of the key (a retry) is its existing grant; anything else is
+    /// `QUOTA_EXCEEDED`.
     pub(super) async fn quota_take(
         &self,
         req: &GrantRequest,
         max: u32,
-        epoch: u32,
     ) -> Result<Taking, ArbiterError> {
         let subject = req.bounded_as();
         let (places, _) = self
@@ -66,65 +65,85 @@ impl LockTable {
             record: record.clone(),
             was,
         };
+        // Places at or above `max` (the quota was lowered since) are never
+        // taken again; while its hold lasts, each keeps one place below
+        // `max` out of use, so the subject's holds never exceed `max` once
+        // the lowered quota's places are what it uses.
+        let (high, low): (Vec<&(u32, Kv)>, Vec<&(u32, Kv)>) =
+            places.iter().partition(|(index, _)| *index >= max);
+        let live_high = match high.is_empty() {
+            true => 0,
+            false => self.live(&high).await?.iter().filter(|l| **l).count(),
+        };
+        let usable = max.saturating_sub(u32::try_from(live_high).unwrap_or(u32::MAX));
         let taken: BTreeSet<u32> = places.iter().map(|(index, _)| *index).collect();
-        let free: Vec<u32> = (0..max).filter(|i| !taken.contains(i)).collect();
-        if !free.is_empty() {
-            // Any free place, so that a burst spreads over them instead of
-            // every grant racing for the first.
-            let pick = self.jitter.lock().usize(..free.len());
-            if let Some(&index) = free.get(pick) {
-                return Ok(Taking::Take(take(index, PlaceWas::Free)));
-            }
+        let free: Vec<u32> = (0..usable).filter(|i| !taken.contains(i)).collect();
+        if let Some(&index) = self.any_of(&free) {
+            return Ok(Taking::Take(take(index, PlaceWas::Free)));
         }
-        // Every place is taken: one whose hold has ended is taken again.
-        let candidates: Vec<(u32, Kv, Option<QuotaPlaceRecord>)> = places
+        let low: Vec<&(u32, Kv)> = low
             .into_iter()
-            .filter(|(index, _)| *index < max)
-            .map(|(index, kv)| {
-                let record = decode(&kv.value);
-                (index, kv, record)
+            .filter(|(index, _)| *index < usable)
+            .collect();
+        let live = self.live(&low).await?;
+        let stale: Vec<(u32, i64, String)> = low
+            .iter()
+            .zip(live)
+            .filter(|(_, live)| !live)
+            .filter_map(|((index, place), _)| {
+                decode::<QuotaPlaceRecord>(&place.value)
+                    .map(|r| (*index, place.mod_revision, r.key))
             })
             .collect();
-        for chunk in candidates.chunks(HOLD_READS_AT_ONCE) {
-            let reads = chunk.iter().map(|(_, _, record)| async move {
-                match record {
-                    Some(r) => self
-                        .seal
-                        .checked(self.log.holder(&r.key))
-                        .await
-                        .map(|(kv, _)| kv),
-                    None => Ok(None),
-                }
-            });
-            let holds = futures::future::join_all(reads).await;
-            for ((index, place, record), hold) in chunk.iter().zip(holds) {
-                // A place no arbiter wrote counts as taken: when in doubt, refuse.
-                let Some(record) = record else { continue };
-                let live = hold?.is_some_and(|h| h.mod_revision == place.mod_revision);
-                if !live {
-                    return Ok(Taking::Take(take(
-                        *index,
-                        PlaceWas::Stale {
-                            revision: place.mod_revision,
-                            key: record.key.clone(),
-                        },
-                    )));
-                }
-                if record.key == req.key && record.session == req.session {
-                    return Ok(Taking::Held(Grant {
-                        key: req.key.clone(),
-                        session: req.session,
-                        epoch,
-                        revision: place.mod_revision,
-                    }));
-                }
-            }
+        if let Some((index, revision, key)) = self.any_of(&stale).cloned() {
+            return Ok(Taking::Take(take(index, PlaceWas::Stale { revision, key })));
+        }
+        // Every place is live. A retry of a key the caller holds is its
+        // existing grant (its session's and identity's, as `already_held`
+        // checks: a place naming another session proves nothing).
+        if let Some(grant) = self.already_held(req).await? {
+            return Ok(Taking::Held(grant));
         }
         Err(ArbiterError::QuotaExceeded {
             class: req.class.clone(),
             subject: subject.to_string(),
             max,
         })
+    }
+
+    /// One of `items`, drawn from the table's seeded generator.
+    fn any_of<'a, T>(&self, items: &'a [T]) -> Option<&'a T> {
+        match items.len() {
+            0 => None,
+            n => items.get(self.jitter.lock().usize(..n)),
+        }
+    }
+
+    /// Whether each place's hold is still the one that took it (at the
+    /// place's revision): one read of every hold the places name. A place
+    /// no arbiter wrote counts as live: when in doubt, refuse.
+    async fn live(&self, places: &[&(u32, Kv)]) -> Result<Vec<bool>, ArbiterError> {
+        let keys: Vec<Option<String>> = places
+            .iter()
+            .map(|(_, place)| decode::<QuotaPlaceRecord>(&place.value).map(|r| r.key))
+            .collect();
+        let wanted: Vec<String> = keys.iter().flatten().cloned().collect();
+        if wanted.is_empty() {
+            return Ok(vec![true; places.len()]);
+        }
+        let (holds, _) = self.seal.checked(self.log.holders_of(&wanted)).await?;
+        let mut holds = holds.into_iter();
+        Ok(keys
+            .iter()
+            .zip(places)
+            .map(|(key, (_, place))| match key {
+                None => true,
+                Some(_) => holds
+                    .next()
+                    .flatten()
+                    .is_some_and(|h| h.mod_revision == place.mod_revision),
+            })
+            .collect())
     }
 
     /// Frees the quota place of a hold that just ended at `revision`, in

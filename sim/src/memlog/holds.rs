@@ -233,10 +233,14 @@ impl HoldLog for MemLog {
             let places = inner
                 .store
                 .range(&under)
-                .filter_map(|(k, kv)| {
-                    latchkey_records::quota_place_index(k).map(|index| (index, kv.kv()))
+                .map(|(k, kv)| {
+                    latchkey_records::quota_place_index(k)
+                        .map(|index| (index, kv.kv()))
+                        .ok_or_else(|| {
+                            StoreError::Malformed(format!("a quota place no arbiter names: {k:?}"))
+                        })
                 })
-                .collect();
+                .collect::<Result<Vec<_>, StoreError>>()?;
             inner.answer(places)
         })
         .await

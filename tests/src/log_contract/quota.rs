@@ -83,6 +83,19 @@ pub async fn a_grant_takes_a_quota_place_in_its_transaction(
     let (granted, r2) = grant(log, k2, b, &sb, &epoch, take(1, PlaceWas::Free, k2)).await?;
     ensure!(granted == Granted::Yes, "place 1: {granted:?}");
 
+    // The holds a full quota's places name, read together, in order.
+    let read = log
+        .holders_of(&[k2.to_string(), "quota/none".to_string(), k1.to_string()])
+        .await?
+        .value;
+    ensure!(
+        read.len() == 3
+            && read[0].as_ref().map(|kv| kv.mod_revision) == Some(r2)
+            && read[1].is_none()
+            && read[2].as_ref().map(|kv| kv.mod_revision) == Some(r1),
+        "holders_of: {read:?}"
+    );
+
     // Place 0 compared as stale while its hold is still at its revision.
     let before = revision(log).await?;
     let stale = PlaceWas::Stale {

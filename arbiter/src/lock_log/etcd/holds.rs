@@ -486,6 +486,31 @@ pub(super) async fn quota_places(
     answer(resp.header(), places)
 }
 
+/// The holds on `keys`, in order: one transaction of gets per
+/// [`crate::lock_log::HOLDERS_OF_AT_ONCE`] keys.
+pub(super) async fn holders_of(log: &EtcdLog, keys: &[String]) -> LogResult<Vec<Option<Kv>>> {
+    let mut out = Vec::with_capacity(keys.len());
+    let mut last = None;
+    for chunk in keys.chunks(crate::lock_log::HOLDERS_OF_AT_ONCE) {
+        let gets: Vec<TxnOp> = chunk
+            .iter()
+            .map(|key| TxnOp::get(log.layout.holder(key), None))
+            .collect();
+        let resp = log
+            .client
+            .kv_client()
+            .txn(Txn::new().and_then(gets))
+            .await
+            .map_err(|e| unavailable("cannot read the holder records", e))?;
+        out.extend(resp.op_responses().iter().map(first_kv));
+        last = Some(answer(resp.header(), ())?.header);
+    }
+    match last {
+        Some(header) => Ok(crate::lock_log::Answer { header, value: out }),
+        None => Ok(count_holds(log).await?.map(|_| out)),
+    }
+}
+
 /// Deletes a quota place if it is still at `revision`.
 pub(super) async fn free_quota_place(
     log: &EtcdLog,
