@@ -94,6 +94,10 @@ pub enum ArbiterError {
     #[error("key {key:?} is not held by session {session:#x} (released, expired or never granted)")]
     NotHeld { key: String, session: i64 },
     #[error(
+        "the grant that covers this key is for class(es) {allowed:?} only, not {class:?}: acquire it with one of them"
+    )]
+    ClassNotGranted { class: String, allowed: Vec<String> },
+    #[error(
         "{subject} already holds {max} lock(s) of class {class:?}, the most its maxHoldsPerSubject allows at once: release one first"
     )]
     QuotaExceeded {
@@ -179,9 +183,10 @@ impl ArbiterError {
     pub fn reason(&self) -> Reason {
         match self {
             Self::Unauthenticated { .. } => Reason::Unauthenticated,
-            Self::NotAuthorised | Self::NotOperator | Self::DirectCallRefused => {
-                Reason::NotAuthorised
-            }
+            Self::NotAuthorised
+            | Self::NotOperator
+            | Self::DirectCallRefused
+            | Self::ClassNotGranted { .. } => Reason::NotAuthorised,
             Self::BadKey(_) => Reason::BadKey,
             Self::BadRequest(_) | Self::Internal { .. } => Reason::BadRequest,
             Self::UnknownClass { .. } => Reason::UnknownClass,
@@ -218,9 +223,10 @@ impl ArbiterError {
     pub fn code(&self) -> Code {
         match self {
             Self::Unauthenticated { .. } => Code::Unauthenticated,
-            Self::NotAuthorised | Self::NotOperator | Self::DirectCallRefused => {
-                Code::PermissionDenied
-            }
+            Self::NotAuthorised
+            | Self::NotOperator
+            | Self::DirectCallRefused
+            | Self::ClassNotGranted { .. } => Code::PermissionDenied,
             Self::BadKey(_)
             | Self::BadRequest(_)
             | Self::UnknownClass { .. }

@@ -115,6 +115,27 @@ impl Arbiter {
         self.metrics.encode()
     }
 
+    /// The class `name`, if the grant that authorises `caller` on `key`
+    /// allows it (a grant may list the classes its prefixes are for).
+    pub(crate) fn granted_class<'p>(
+        &self,
+        policies: &'p PolicySet,
+        caller: &Caller,
+        key: &LockKey,
+        name: &str,
+    ) -> Result<&'p LockClass, ArbiterError> {
+        let class = self.class(policies, name)?;
+        match policies.grants().classes_for(&caller.identity, key) {
+            None => Err(ArbiterError::NotAuthorised),
+            Some(None) => Ok(class),
+            Some(Some(allowed)) if allowed.contains(&class.name) => Ok(class),
+            Some(Some(allowed)) => Err(ArbiterError::ClassNotGranted {
+                class: class.name.clone(),
+                allowed: allowed.iter().cloned().collect(),
+            }),
+        }
+    }
+
     pub(crate) fn class<'p>(
         &self,
         policies: &'p PolicySet,

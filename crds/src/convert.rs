@@ -181,15 +181,48 @@ pub fn from_policy(set: &PolicySet, namespace: &str) -> Result<Vec<Resource>, Cr
         .collect();
     let mut grant_objects: BTreeMap<String, LockGrant> = BTreeMap::new();
     for identity in identities {
+        // Prefixes granted for some classes only go in objects of their
+        // own, one per set of classes (a LockGrant's classes cover all of
+        // its prefixes).
+        let mut scoped: BTreeMap<Vec<String>, Vec<String>> = BTreeMap::new();
+        for (prefix, classes) in grants.scoped(identity) {
+            scoped
+                .entry(classes.iter().cloned().collect())
+                .or_default()
+                .push(prefix.to_owned());
+        }
+        let any: Vec<String> = grants
+            .prefixes(identity)
+            .filter(|p| !scoped.values().any(|ps| ps.iter().any(|s| s == p)))
+            .map(str::to_owned)
+            .collect();
         let spec = LockGrantSpec {
             identity: identity.to_owned(),
-            prefixes: grants.prefixes(identity).map(str::to_owned).collect(),
+            prefixes: any,
+            classes: Vec::new(),
             operator: set.is_operator(identity),
         };
-        let mut object = LockGrant::new(&grant_name(identity), spec);
-        object.metadata.namespace = Some(namespace.to_owned());
-        let name = object.metadata.name.clone().unwrap_or_default();
-        grant_objects.insert(name, object);
+        let mut objects = Vec::new();
+        if !spec.prefixes.is_empty() || spec.operator || scoped.is_empty() {
+            objects.push(LockGrant::new(&grant_name(identity), spec));
+        }
+        for (classes, prefixes) in scoped {
+            let name = format!("{}-{}", grant_name(identity), classes_suffix(&classes));
+            objects.push(LockGrant::new(
+                &name,
+                LockGrantSpec {
+                    identity: identity.to_owned(),
+                    prefixes,
+                    classes,
+                    operator: false,
+                },
+            ));
+        }
+        for mut object in objects {
+            object.metadata.namespace = Some(namespace.to_owned());
+            let name = object.metadata.name.clone().unwrap_or_default();
+            grant_objects.insert(name, object);
+        }
     }
     out.extend(grant_objects.into_values().map(Resource::Grant));
     Ok(out)
@@ -357,6 +390,7 @@ pub fn to_policy_texts(files: &[ManifestFile<'_>], today: Date) -> Result<Policy
                     file.grant.push(GrantOut {
                         identity: object.spec.identity.clone(),
                         prefixes: object.spec.prefixes.clone(),
+                        classes: object.spec.classes.clone(),
                     });
                 }
                 if object.spec.operator {
@@ -576,6 +610,7 @@ fn check_located(
                     file.grant.push(GrantOut {
                         identity: object.spec.identity.clone(),
                         prefixes: object.spec.prefixes.clone(),
+                        classes: object.spec.classes.clone(),
                     });
                 }
                 if object.spec.operator {
@@ -644,6 +679,8 @@ struct GrantFileOut {
 struct GrantOut {
     identity: String,
     prefixes: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    classes: Vec<String>,
 }
 
 #[derive(Serialize)]
@@ -658,6 +695,19 @@ fn internal(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Cr
         at: what.to_owned(),
         source: Box::new(e),
     }
+}
+
+/// A short, stable suffix naming a set of classes in an object name (the
+/// grant's identity names the object; its classes tell its objects apart).
+fn classes_suffix(classes: &[String]) -> String {
+    let mut hash: u32 = 0x811c_9dc5;
+    for class in classes {
+        for b in class.bytes().chain([0]) {
+            hash ^= u32::from(b);
+            hash = hash.wrapping_mul(0x0100_0193);
+        }
+    }
+    format!("c{hash:08x}")
 }
 
 /// A DNS-1123 subdomain, as Kubernetes requires of most object names.

@@ -852,6 +852,42 @@ fn the_crd_rules_agree_with_the_loader_on_every_grant_case() {
         );
         seen.extend(errors);
     }
+    // Grants for some classes only (issue 34): a class of the policy, and a
+    // name too long to be one (both refuse). A well-formed name no class
+    // has is refused by the loader only: CEL sees one object at a time.
+    let long = "c".repeat(64);
+    for (what, classes, cel) in [
+        ("for one class", vec!["base"], Cel::Agrees),
+        (
+            "for a name too long for a class",
+            vec![long.as_str()],
+            Cel::Agrees,
+        ),
+        (
+            "for a class the policy lacks",
+            vec!["nope"],
+            Cel::LoaderOnly,
+        ),
+    ] {
+        let spec =
+            json!({"identity": "spiffe://td/workload/a", "prefixes": ["p"], "classes": classes});
+        let grant_toml = toml::to_string(&json!({"grant": [spec.clone()]})).unwrap();
+        let dir = policy_dir(GOOD_CLASS, &grant_toml, "base");
+        let loader_ok = loader(dir.path(), "grants/g.toml").is_ok();
+        let errors = api_server(&schema, &manifest("LockGrant", "g", &spec));
+        match cel {
+            Cel::Agrees => assert_eq!(
+                errors.is_empty(),
+                loader_ok,
+                "{what}: loader ok = {loader_ok}, CRD rules say {errors:?}"
+            ),
+            Cel::LoaderOnly => assert!(
+                errors.is_empty() && !loader_ok,
+                "{what}: the loader should refuse alone: loader ok = {loader_ok}, CRD {errors:?}"
+            ),
+        }
+        seen.extend(errors);
+    }
     // The operator role given to a pattern (refused by the loader too:
     // the_operator_role_is_refused_to_a_pattern_by_both).
     let spec = json!({"identity": "spiffe://td/latchkey/ops/*", "operator": true});

@@ -106,6 +106,8 @@ pub const DEV_NAMES: &[&str] = &[
     "workload/bob",
     "workload/mallory",
     "workload/bench",
+    // A tenant whose prefix is granted for one class only (issue 34).
+    "workload/tenant",
     // Per-pod identities (issue 30): three pods of one Deployment whose
     // ClusterSPIFFEID template names the pod, granted by one pattern.
     "ns/payments/sa/ledger/ledger-7d9f-a",

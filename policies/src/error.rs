@@ -92,6 +92,16 @@ pub enum PolicyError {
         "grant for {identity} lists no prefixes: give at least one, e.g. prefixes = [\"payments\"]"
     )]
     GrantWithoutPrefixes { identity: String },
+
+    #[error(
+        "grant for {identity} lists no classes: remove classes to grant the prefixes for any class, or name at least one, e.g. classes = [\"quota\"]"
+    )]
+    GrantWithoutClasses { identity: String },
+
+    #[error(
+        "grant for {identity} names class {class:?}, which no class file defines: define the class or fix the name"
+    )]
+    GrantUnknownClass { identity: String, class: String },
 }
 
 impl PolicyError {

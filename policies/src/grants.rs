@@ -44,6 +44,9 @@ pub struct PrefixGrants {
     patterns: Trie<String, Box<str>>,
     /// The same content, sorted, for listing and hashing.
     entries: BTreeMap<String, BTreeSet<String>>,
+    /// The (subject, prefix) pairs granted for some classes only: subject
+    /// -> prefix -> those classes. A pair not here is granted for any class.
+    scopes: BTreeMap<String, BTreeMap<String, BTreeSet<String>>>,
     len: usize,
     version: u64,
 }
@@ -51,7 +54,8 @@ pub struct PrefixGrants {
 /// Accumulates grants, validating each as it is added.
 #[derive(Debug, Clone, Default)]
 pub struct PrefixGrantsBuilder {
-    entries: BTreeMap<String, BTreeSet<String>>,
+    /// subject -> prefix -> the classes it is granted for (`None`: any).
+    entries: BTreeMap<String, BTreeMap<String, Option<BTreeSet<String>>>>,
 }
 
 impl PrefixGrants {
@@ -112,6 +116,35 @@ impl PrefixGrants {
             .map(|pattern| &**pattern)
     }
 
+    /// The classes `identity` may use on `key`, as the grant that
+    /// authorises it (its longest granted prefix containing the key) says:
+    /// `None` when no grant covers the key, `Some(None)` for any class,
+    /// `Some(Some(classes))` for those only.
+    pub fn classes_for(&self, identity: &str, key: &LockKey) -> Option<Option<&BTreeSet<String>>> {
+        let prefix = self.authorise(identity, key)?;
+        let subject = self.subject(identity)?;
+        Some(self.scopes.get(subject).and_then(|s| s.get(prefix)))
+    }
+
+    /// Whether `identity` may use class `class` on `key` (a grant covers
+    /// the key, for any class or for this one).
+    pub fn allows_class(&self, identity: &str, key: &LockKey, class: &str) -> bool {
+        match self.classes_for(identity, key) {
+            None => false,
+            Some(None) => true,
+            Some(Some(classes)) => classes.contains(class),
+        }
+    }
+
+    /// The prefixes granted to `identity` (as written: a subject) for some
+    /// classes only, with those classes, sorted; empty when none.
+    pub fn scoped(&self, identity: &str) -> impl Iterator<Item = (&str, &BTreeSet<String>)> {
+        self.scopes
+            .get(identity)
+            .into_iter()
+            .flat_map(|s| s.iter().map(|(p, c)| (p.as_str(), c)))
+    }
+
     /// Whether `identity` may lock `key`.
     pub fn allows(&self, identity: &str, key: &LockKey) -> bool {
         self.authorise(identity, key).is_some()
@@ -158,13 +191,14 @@ impl fmt::Debug for PrefixGrants {
             .field("len", &self.len)
             .field("version", &format_args!("{:016x}", self.version))
             .field("entries", &self.entries)
+            .field("scopes", &self.scopes)
             .finish()
     }
 }
 
 impl PartialEq for PrefixGrants {
     fn eq(&self, other: &Self) -> bool {
-        self.entries == other.entries
+        self.entries == other.entries && self.scopes == other.scopes
     }
 }
 
@@ -183,7 +217,31 @@ impl PrefixGrantsBuilder {
         P: IntoIterator,
         P::Item: AsRef<str>,
     {
+        self.grant_for(identity, prefixes, None)
+    }
+
+    /// Grants `identity` every prefix in `prefixes` for `classes` only
+    /// (`None`: any class). A pair granted twice is granted for the union
+    /// of its classes, and for any class if either grant says so. Class
+    /// names are checked against the policy's classes by its loader.
+    pub fn grant_for<P>(
+        &mut self,
+        identity: &str,
+        prefixes: P,
+        classes: Option<&[String]>,
+    ) -> Result<&mut Self, PolicyError>
+    where
+        P: IntoIterator,
+        P::Item: AsRef<str>,
+    {
         let identity = canonical_subject(identity)?;
+        let classes: Option<BTreeSet<String>> = match classes {
+            None => None,
+            Some([]) => {
+                return Err(PolicyError::GrantWithoutClasses { identity });
+            }
+            Some(list) => Some(list.iter().cloned().collect()),
+        };
         let mut checked = BTreeSet::new();
         for prefix in prefixes {
             let prefix = prefix.as_ref();
@@ -197,7 +255,18 @@ impl PrefixGrantsBuilder {
         if checked.is_empty() {
             return Err(PolicyError::GrantWithoutPrefixes { identity });
         }
-        self.entries.entry(identity).or_default().extend(checked);
+        let granted = self.entries.entry(identity).or_default();
+        for prefix in checked {
+            match (granted.get_mut(&prefix), &classes) {
+                // granted for any class already: stays so
+                (Some(None), _) => {}
+                (Some(Some(had)), Some(more)) => had.extend(more.iter().cloned()),
+                (Some(slot @ Some(_)), None) => *slot = None,
+                (None, _) => {
+                    granted.insert(prefix, classes.clone());
+                }
+            }
+        }
         Ok(self)
     }
 
@@ -207,21 +276,36 @@ impl PrefixGrantsBuilder {
         let mut patterns = Trie::new();
         let mut hash = Fnv1a::new();
         let mut len = 0;
-        for (identity, prefixes) in &self.entries {
+        let mut entries: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut scopes: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+        for (identity, prefixes) in self.entries {
             if let Some(base) = identity.strip_suffix('*') {
                 patterns.insert(base.to_string(), Box::from(identity.as_str()));
             }
-            for prefix in prefixes {
+            for (prefix, classes) in prefixes {
                 trie.insert(format!("{identity}\0{prefix}/"), Box::from(prefix.as_str()));
                 hash.write_field(identity.as_bytes());
                 hash.write_field(prefix.as_bytes());
+                if let Some(classes) = classes {
+                    // A scoped pair hashes apart from an unscoped one.
+                    hash.write_field(b"\0classes");
+                    for class in &classes {
+                        hash.write_field(class.as_bytes());
+                    }
+                    scopes
+                        .entry(identity.clone())
+                        .or_default()
+                        .insert(prefix.clone(), classes);
+                }
+                entries.entry(identity.clone()).or_default().insert(prefix);
                 len += 1;
             }
         }
         PrefixGrants {
             trie,
             patterns,
-            entries: self.entries,
+            entries,
+            scopes,
             len,
             version: hash.finish(),
         }
@@ -263,6 +347,47 @@ mod tests {
 
     fn key(s: &str) -> LockKey {
         LockKey::parse(s).unwrap()
+    }
+
+    #[test]
+    fn a_grant_may_name_the_classes_its_prefixes_are_for() {
+        let quota = vec!["quota".to_string()];
+        let mut b = PrefixGrants::builder();
+        b.grant(ALICE, ["shared"]).unwrap();
+        b.grant_for(ALICE, ["tenant"], Some(&quota)).unwrap();
+        b.grant_for(ALICE, ["tenant/batch"], Some(&["batch".to_string()]))
+            .unwrap();
+        let g = b.build();
+        assert!(g.allows_class(ALICE, &key("shared/x"), "demo"));
+        assert!(g.allows_class(ALICE, &key("tenant/x"), "quota"));
+        assert!(!g.allows_class(ALICE, &key("tenant/x"), "demo"));
+        // the longest granted prefix decides
+        assert!(g.allows_class(ALICE, &key("tenant/batch/1"), "batch"));
+        assert!(!g.allows_class(ALICE, &key("tenant/batch/1"), "quota"));
+        assert!(!g.allows_class(BOB, &key("shared/x"), "demo"));
+        assert_eq!(
+            g.scoped(ALICE).map(|(p, _)| p).collect::<Vec<_>>(),
+            ["tenant", "tenant/batch"]
+        );
+        // Granted twice: the union, and any class if either grant says so.
+        let mut b = PrefixGrants::builder();
+        b.grant_for(ALICE, ["t"], Some(&quota)).unwrap();
+        b.grant_for(ALICE, ["t"], Some(&["batch".to_string()]))
+            .unwrap();
+        let union = b.clone().build();
+        assert!(union.allows_class(ALICE, &key("t/1"), "quota"));
+        assert!(union.allows_class(ALICE, &key("t/1"), "batch"));
+        assert!(!union.allows_class(ALICE, &key("t/1"), "demo"));
+        b.grant(ALICE, ["t"]).unwrap();
+        let any = b.build();
+        assert!(any.allows_class(ALICE, &key("t/1"), "demo"));
+        assert_ne!(any.version(), union.version());
+        assert_ne!(any, union);
+        // an empty list is refused, not read as "any"
+        assert!(matches!(
+            PrefixGrants::builder().grant_for(ALICE, ["t"], Some(&[])),
+            Err(PolicyError::GrantWithoutClasses { .. })
+        ));
     }
 
     #[test]

@@ -79,6 +79,9 @@ struct GrantFile {
 struct GrantTable {
     identity: String,
     prefixes: Vec<String>,
+    /// The classes the prefixes are granted for (absent: any class).
+    #[serde(default)]
+    classes: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -192,8 +195,17 @@ impl PolicySet {
             let parsed: GrantFile = toml::from_str(file.text)
                 .map_err(|source| PolicyError::Toml { source }.in_file(file.path))?;
             for grant in &parsed.grant {
+                for class in grant.classes.iter().flatten() {
+                    if !classes.contains_key(class) {
+                        return Err(PolicyError::GrantUnknownClass {
+                            identity: crate::key::excerpt(&grant.identity),
+                            class: crate::key::excerpt(class),
+                        }
+                        .in_file(file.path));
+                    }
+                }
                 grants
-                    .grant(&grant.identity, &grant.prefixes)
+                    .grant_for(&grant.identity, &grant.prefixes, grant.classes.as_deref())
                     .map_err(|e| e.in_file(file.path))?;
             }
             for operator in &parsed.operator {

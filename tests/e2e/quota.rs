@@ -259,3 +259,37 @@ async fn a_waiter_is_granted_with_a_place_or_refused_when_its_quota_filled() -> 
     release(&mut alice, &g2).await?;
     Ok(())
 }
+
+/// A grant may name the classes its prefixes are for (`classes = ["quota"]`
+/// for workload/tenant's "tenant" in the dev grants): another class is
+/// refused there, so the quota bounds the tenant's holds under the prefix,
+/// not one class of them (the hostile review of issue 34).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_for_one_class_makes_its_quota_the_tenants_bound() -> anyhow::Result<()> {
+    let rig = rig().await?;
+    let mut tenant = rig.a.lock("workload/tenant").await?;
+    let sd = open(&mut tenant, "demo").await?;
+    let before = rig.etcd.revision().await?;
+    let refused = acquire_as(&mut tenant, "tenant/a", "demo", sd, "pod-t", None).await;
+    let status = expect_refusal(refused, Code::PermissionDenied, "NOT_AUTHORISED")?;
+    ensure!(
+        status.message().contains("\"quota\"") && status.message().contains("\"demo\""),
+        "{}",
+        status.message()
+    );
+    ensure!(
+        rig.etcd.revision().await? == before,
+        "a refused class wrote"
+    );
+    let sq = open(&mut tenant, CLASS).await?;
+    let g1 = grab(&mut tenant, "tenant/a", sq).await?;
+    let g2 = grab(&mut tenant, "tenant/b", sq).await?;
+    expect_refusal(
+        grab(&mut tenant, "tenant/c", sq).await,
+        Code::FailedPrecondition,
+        "QUOTA_EXCEEDED",
+    )?;
+    release(&mut tenant, &g1).await?;
+    release(&mut tenant, &g2).await?;
+    Ok(())
+}

@@ -203,7 +203,7 @@ impl Arbiter {
             .subject(&caller.identity)
             .unwrap_or(&caller.identity)
             .to_string();
-        let class = self.class(&policies, &req.class)?;
+        let class = self.granted_class(&policies, &caller, &key, &req.class)?;
         scope.class(&class.name);
         if class.kind != latchkey_policies::ClassKind::Lock {
             return Err(ArbiterError::WrongKind {

@@ -198,7 +198,7 @@ impl Arbiter {
         let policies = self.policies.current();
         let key = self.authorised_key(&policies, &caller, &req.election)?;
         let subject = self.subject_of(&policies, &caller).to_string();
-        let class = self.class(&policies, &req.class)?;
+        let class = self.granted_class(&policies, &caller, &key, &req.class)?;
         if class.kind != ClassKind::Election {
             return Err(ArbiterError::WrongKind {
                 class: truncate(&class.name, 64),
