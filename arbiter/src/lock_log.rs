@@ -86,7 +86,8 @@ pub struct GrantTxn<'a> {
     pub queue: QueueTurn,
     /// The class's per-subject quota place the grant takes in the same
     /// transaction (`maxHoldsPerSubject`); `None` for a class without one.
-    pub quota: Option<QuotaTake>,
+    /// Boxed: most grants have none.
+    pub quota: Option<Box<QuotaTake>>,
 }
 
 /// Keys one [`HoldLog::holders_of`] request reads (one etcd transaction of

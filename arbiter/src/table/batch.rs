@@ -104,7 +104,7 @@ impl Member {
                 fence_at: g.fence_at,
                 session_record: &g.session_record,
                 queue: g.queue,
-                quota: g.quota.clone(),
+                quota: g.quota.clone().map(Box::new),
             }),
             Member::Release(r) => BatchOp::Release(r),
         }

@@ -29,6 +29,9 @@ use crate::error::ArbiterError;
 use crate::lock_log::{Kv, PlaceWas, QuotaTake};
 use crate::records::{HolderRecord, QuotaPlaceRecord, decode, encode};
 
+/// A quota place as the log reads it: its index and its record.
+type Place = (u32, Kv);
+
 /// What a grant attempt does about its class's quota.
 pub(super) enum Taking {
     /// Take this place in the grant transaction.
@@ -69,7 +72,7 @@ impl LockTable {
         // taken again; while its hold lasts, each keeps one place below
         // `max` out of use, so the subject's holds never exceed `max` once
         // the lowered quota's places are what it uses.
-        let (high, low): (Vec<&(u32, Kv)>, Vec<&(u32, Kv)>) =
+        let (high, low): (Vec<&Place>, Vec<&Place>) =
             places.iter().partition(|(index, _)| *index >= max);
         let live_high = match high.is_empty() {
             true => 0,
@@ -122,7 +125,7 @@ impl LockTable {
     /// Whether each place's hold is still the one that took it (at the
     /// place's revision): one read of every hold the places name. A place
     /// no arbiter wrote counts as live: when in doubt, refuse.
-    async fn live(&self, places: &[&(u32, Kv)]) -> Result<Vec<bool>, ArbiterError> {
+    async fn live(&self, places: &[&Place]) -> Result<Vec<bool>, ArbiterError> {
         let keys: Vec<Option<String>> = places
             .iter()
             .map(|(_, place)| decode::<QuotaPlaceRecord>(&place.value).map(|r| r.key))

@@ -24,6 +24,9 @@
 //!    `workload/bench-<i>` on `bench/hot` (granted by a private copy of the dev policies).
 //! 5. **etcd Lock hot key** — the same loop with etcd's Lock API, one client and lease
 //!    per waiter: the baseline of 4.
+//! 3b. **Latchkey with a quota** — the same with a class that sets
+//!    `maxHoldsPerSubject` (issue 34): each grant reads the subject's quota places and
+//!    takes one in its transaction; the baseline is 3.
 //! 6. With `--durable`, the large hot-key scenario again with a durable class (ADR-14:
 //!    waiters queued in etcd, `bench/hot-durable`): what the durable queue costs.
 //!
@@ -66,6 +69,9 @@ use tonic::transport::Channel;
 const CLASS: &str = "demo";
 /// The same with durable waiters (ADR-14), in the bench's copy of the policies.
 const DURABLE_CLASS: &str = "bench-durable";
+/// The demo class with a quota (`maxHoldsPerSubject`, issue 34) above any
+/// worker count: every grant takes a quota place in its transaction.
+const QUOTA_CLASS: &str = "bench-quota";
 const LEASE_TTL_SECS: i64 = 15;
 /// How long a contended waiter may queue before the run is declared stuck.
 const WAIT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -264,6 +270,23 @@ async fn main() -> anyhow::Result<()> {
             &latchkey,
             &latchkey.latency,
             vs_raw,
+        );
+        eprintln!("running: latchkey Acquire + Release with a quota, C={c}");
+        let quota = uncontended(&plan, |w| {
+            Latchkey::connect(
+                addr,
+                "workload/bench".to_owned(),
+                format!("bench/q-{w}"),
+                QUOTA_CLASS,
+            )
+        })
+        .await?;
+        let plain_label = format!("latchkey C={c}");
+        table.row(
+            format!("latchkey with maxHoldsPerSubject (C={c})"),
+            &quota,
+            &quota.latency,
+            Some((plain_label.as_str(), &latchkey, &latchkey.latency)),
         );
     }
     if args.uncontended_only {
@@ -764,6 +787,13 @@ fn policies_with_waiters(names: &[String]) -> anyhow::Result<TempDir> {
     );
     let path = dir.path().join("classes/zz-bench-durable.toml");
     std::fs::write(&path, durable).with_context(|| format!("writing {}", path.display()))?;
+    let quota = format!(
+        "[[class]]\nname = \"{QUOTA_CLASS}\"\ndescription = \"latchkey-bench: demo with a quota\"\n\
+         tier = \"coord\"\nenforcement = \"fenced\"\nttlSeconds = 15\nmaxHoldsPerSubject = 256\n\
+         [class.pauseTest]\nresource = \"postgresql:dev.latchkey_fenced_rows\"\nresult = \"pause-tests/bench-quota.json\"\n"
+    );
+    let path = dir.path().join("classes/zz-bench-quota.toml");
+    std::fs::write(&path, quota).with_context(|| format!("writing {}", path.display()))?;
     latchkey_tests::write_pause_test_fixtures(dir.path())?;
     let grants: String = names
         .iter()

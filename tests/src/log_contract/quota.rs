@@ -36,7 +36,7 @@ async fn grant(
             fence_at: 0,
             session_record,
             queue: Default::default(),
-            quota: Some(quota),
+            quota: Some(Box::new(quota)),
         })
         .await?;
     Ok((answer.value, answer.header.revision))
@@ -152,7 +152,7 @@ pub async fn a_grant_takes_a_quota_place_in_its_transaction(
                 fence_at: 0,
                 session_record: &sa,
                 queue: Default::default(),
-                quota: Some(take(2, PlaceWas::Free, key)),
+                quota: Some(Box::new(take(2, PlaceWas::Free, key))),
             })
         };
         let refused = log.batch(vec![member(k5), member(k6)]).await;

@@ -49,7 +49,7 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
         txn.holder_record,
         Some(PutOptions::new().with_lease(txn.session)),
     )];
-    if let Some(take) = txn.quota {
+    if let Some(take) = txn.quota.map(|take| *take) {
         let place = log
             .layout
             .quota_place(&take.class, &take.subject, take.index);
