@@ -153,7 +153,7 @@ use tokio::time::Instant;
 use crate::memlog::{BatchCounts, FaultCounts, FaultRates, MemLog, MemLogConfig};
 use crate::rng::Rng;
 use crate::witness::{MemWitness, WitnessCalls};
-pub use config::{FaultKnobs, PRESETS, SimConfig};
+pub use config::{FaultKnobs, PRESETS, QUOTA_SUBJECT, SimConfig};
 pub use elections::ElectionReport;
 pub use fences::FenceReport;
 pub use memory::MemoryReport;
