@@ -92,6 +92,16 @@ pub enum CrdError {
     )]
     HookConfigDatetime { class: String, value: String },
 
+    #[error(
+        "grants of {first} and {second} would both be the LockGrant object \"{name}\": \
+         converting one over the other would lose a grant; rename one identity"
+    )]
+    GrantNameCollision {
+        name: String,
+        first: String,
+        second: String,
+    },
+
     #[error("no LockClass in {what}: add at least one LockClass manifest")]
     NoClasses { what: String },
 
@@ -199,7 +209,7 @@ pub fn from_policy(set: &PolicySet, namespace: &str) -> Result<Vec<Resource>, Cr
         let spec = LockGrantSpec {
             identity: identity.to_owned(),
             prefixes: any,
-            classes: Vec::new(),
+            classes: None,
             operator: set.is_operator(identity),
         };
         let mut objects = Vec::new();
@@ -207,13 +217,13 @@ pub fn from_policy(set: &PolicySet, namespace: &str) -> Result<Vec<Resource>, Cr
             objects.push(LockGrant::new(&grant_name(identity), spec));
         }
         for (classes, prefixes) in scoped {
-            let name = format!("{}-{}", grant_name(identity), classes_suffix(&classes));
+            let name = scoped_grant_name(identity, &classes);
             objects.push(LockGrant::new(
                 &name,
                 LockGrantSpec {
                     identity: identity.to_owned(),
                     prefixes,
-                    classes,
+                    classes: Some(classes),
                     operator: false,
                 },
             ));
@@ -221,7 +231,14 @@ pub fn from_policy(set: &PolicySet, namespace: &str) -> Result<Vec<Resource>, Cr
         for mut object in objects {
             object.metadata.namespace = Some(namespace.to_owned());
             let name = object.metadata.name.clone().unwrap_or_default();
-            grant_objects.insert(name, object);
+            let second = object.spec.identity.clone();
+            if let Some(was) = grant_objects.insert(name.clone(), object) {
+                return Err(CrdError::GrantNameCollision {
+                    name,
+                    first: was.spec.identity,
+                    second,
+                });
+            }
         }
     }
     out.extend(grant_objects.into_values().map(Resource::Grant));
@@ -679,8 +696,8 @@ struct GrantFileOut {
 struct GrantOut {
     identity: String,
     prefixes: Vec<String>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    classes: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    classes: Option<Vec<String>>,
 }
 
 #[derive(Serialize)]
@@ -697,17 +714,21 @@ fn internal(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Cr
     }
 }
 
-/// A short, stable suffix naming a set of classes in an object name (the
-/// grant's identity names the object; its classes tell its objects apart).
-fn classes_suffix(classes: &[String]) -> String {
+/// The object name of `identity`'s grants for `classes` only: its grant
+/// name, cut to leave room, and a hash of the identity and the classes (so
+/// no other identity's plain name, nor another set of classes, is it).
+fn scoped_grant_name(identity: &str, classes: &[String]) -> String {
     let mut hash: u32 = 0x811c_9dc5;
-    for class in classes {
-        for b in class.bytes().chain([0]) {
+    for part in std::iter::once(identity).chain(classes.iter().map(String::as_str)) {
+        for b in part.bytes().chain([0]) {
             hash ^= u32::from(b);
             hash = hash.wrapping_mul(0x0100_0193);
         }
     }
-    format!("c{hash:08x}")
+    let mut base = grant_name(identity);
+    base.truncate(240);
+    let base = base.trim_end_matches(['-', '.']);
+    format!("{base}-c{hash:08x}")
 }
 
 /// A DNS-1123 subdomain, as Kubernetes requires of most object names.
@@ -1028,6 +1049,48 @@ mod tests {
             "lock class \"c\": hook.config holds a TOML date or time (2026-01-01T00:00:00Z), \
              which JSON and Kubernetes cannot carry; write it as a string"
         );
+    }
+
+    #[test]
+    fn grants_that_would_share_an_object_name_are_refused_not_merged() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("classes")).unwrap();
+        std::fs::create_dir_all(dir.path().join("grants")).unwrap();
+        std::fs::write(
+            dir.path().join("classes/c.toml"),
+            "[[class]]\nname = \"c\"\ntier = \"coord\"\nenforcement = \"advisory\"\n\
+             ttlSeconds = 30\nriskOwner = \"t@example.com\"\nwaiverExpires = \"2099-01-01\"\n",
+        )
+        .unwrap();
+        // Two identities (two trust domains) with one readable name.
+        std::fs::write(
+            dir.path().join("grants/g.toml"),
+            "[[grant]]\nidentity = \"spiffe://a.b/c\"\nprefixes = [\"x\"]\n\
+             [[grant]]\nidentity = \"spiffe://a/b/c\"\nprefixes = [\"y\"]\nclasses = [\"c\"]\n",
+        )
+        .unwrap();
+        let set = PolicySet::load_dir(dir.path(), today()).unwrap();
+        // The scoped grant has a name of its own: no collision.
+        let objects = from_policy(&set, DEFAULT_NAMESPACE).unwrap();
+        let names: Vec<String> = objects
+            .iter()
+            .filter_map(|r| match r {
+                Resource::Grant(g) => g.metadata.name.clone(),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(names.iter().all(|n| is_object_name(n)), "{names:?}");
+        // Unscoped, the two collide: an error, never one over the other.
+        std::fs::write(
+            dir.path().join("grants/g.toml"),
+            "[[grant]]\nidentity = \"spiffe://a.b/c\"\nprefixes = [\"x\"]\n\
+             [[grant]]\nidentity = \"spiffe://a/b/c\"\nprefixes = [\"y\"]\n",
+        )
+        .unwrap();
+        let set = PolicySet::load_dir(dir.path(), today()).unwrap();
+        let err = from_policy(&set, DEFAULT_NAMESPACE).unwrap_err();
+        assert!(matches!(err, CrdError::GrantNameCollision { .. }), "{err}");
     }
 
     #[test]

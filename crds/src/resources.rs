@@ -318,16 +318,16 @@ pub struct LockGrantSpec {
          \"payments/invoice\", without empty, '.' or '..' segments, at most 512 bytes"
     ))]
     pub prefixes: Vec<String>,
-    /// The classes the prefixes are granted for; empty or absent: any
-    /// class. Each must be a LockClass of the policy (checked by the
-    /// loader: CEL sees one object at a time).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 64), inner(length(max = 63)))]
+    /// The classes the prefixes are granted for; absent: any class. At
+    /// least one when present, each a LockClass of the policy (checked by
+    /// the loader: CEL sees one object at a time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64), inner(length(max = 63)))]
     #[schemars(extend("x-kubernetes-list-type" = "set"))]
     #[x_kube(validation = Rule::new("self.all(c, c.size() <= 63)").message(
         "a class name is at most 63 bytes: list the names of LockClass objects"
     ))]
-    pub classes: Vec<String>,
+    pub classes: Option<Vec<String>>,
     /// The operator role for the admin API (force-release and the like).
     #[serde(default)]
     pub operator: bool,

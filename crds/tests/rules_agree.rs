@@ -683,7 +683,7 @@ fn to_cel(value: &J) -> cel::Value {
 }
 
 /// The schema's structural checks (required, enum, minimum, maximum,
-/// maxLength, maxItems, `x-kubernetes-list-type: set`) and every CEL rule,
+/// maxLength, minItems, maxItems, `x-kubernetes-list-type: set`) and every CEL rule,
 /// at every node; the messages of whatever fails.
 fn schema_errors(schema: &J, value: &J, at: &str, errors: &mut Vec<String>) {
     if let Some(required) = schema.get("required").and_then(J::as_array) {
@@ -712,6 +712,11 @@ fn schema_errors(schema: &J, value: &J, at: &str, errors: &mut Vec<String>) {
         && s.chars().count() as u64 > max.as_u64().unwrap()
     {
         errors.push(format!("{at}: too long"));
+    }
+    if let (Some(min), Some(list)) = (schema.get("minItems"), value.as_array())
+        && (list.len() as u64) < min.as_u64().unwrap()
+    {
+        errors.push(format!("{at}: too few items"));
     }
     if let (Some(max), Some(list)) = (schema.get("maxItems"), value.as_array())
         && list.len() as u64 > max.as_u64().unwrap()
@@ -868,6 +873,7 @@ fn the_crd_rules_agree_with_the_loader_on_every_grant_case() {
             vec!["nope"],
             Cel::LoaderOnly,
         ),
+        ("for no class (an empty list)", vec![], Cel::Agrees),
     ] {
         let spec =
             json!({"identity": "spiffe://td/workload/a", "prefixes": ["p"], "classes": classes});

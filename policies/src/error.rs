@@ -99,6 +99,11 @@ pub enum PolicyError {
     GrantWithoutClasses { identity: String },
 
     #[error(
+        "prefix {prefix:?} is granted to {identity} for any class in one grant and for some classes only in another: keep one (list every class it is for, or none)"
+    )]
+    GrantScopesDiffer { identity: String, prefix: String },
+
+    #[error(
         "grant for {identity} names class {class:?}, which no class file defines: define the class or fix the name"
     )]
     GrantUnknownClass { identity: String, class: String },

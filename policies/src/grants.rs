@@ -145,6 +145,37 @@ impl PrefixGrants {
             .flat_map(|s| s.iter().map(|(p, c)| (p.as_str(), c)))
     }
 
+    /// Whether some grant of `identity`'s subject allows class `class` (a
+    /// prefix for any class, or one for this class): what a session of the
+    /// class needs.
+    pub fn grants_class(&self, identity: &str, class: &str) -> bool {
+        let Some(subject) = self.subject(identity) else {
+            return false;
+        };
+        let scoped = self.scopes.get(subject);
+        let prefixes = self.entries.get(subject).into_iter().flatten();
+        let mut any = false;
+        for prefix in prefixes {
+            match scoped.and_then(|s| s.get(prefix)) {
+                None => return true,
+                Some(classes) => any |= classes.contains(class),
+            }
+        }
+        any
+    }
+
+    /// The classes some grant of `identity`'s subject is for, when every
+    /// one of them names its classes (`None`: some grant is for any class).
+    pub fn granted_classes(&self, identity: &str) -> Option<BTreeSet<String>> {
+        let subject = self.subject(identity)?;
+        let scoped = self.scopes.get(subject)?;
+        let mut all = BTreeSet::new();
+        for prefix in self.entries.get(subject).into_iter().flatten() {
+            all.extend(scoped.get(prefix)?.iter().cloned());
+        }
+        Some(all)
+    }
+
     /// Whether `identity` may lock `key`.
     pub fn allows(&self, identity: &str, key: &LockKey) -> bool {
         self.authorise(identity, key).is_some()
@@ -255,13 +286,16 @@ impl PrefixGrantsBuilder {
         if checked.is_empty() {
             return Err(PolicyError::GrantWithoutPrefixes { identity });
         }
-        let granted = self.entries.entry(identity).or_default();
+        let granted = self.entries.entry(identity.clone()).or_default();
         for prefix in checked {
             match (granted.get_mut(&prefix), &classes) {
-                // granted for any class already: stays so
-                (Some(None), _) => {}
+                (Some(None), None) => {}
                 (Some(Some(had)), Some(more)) => had.extend(more.iter().cloned()),
-                (Some(slot @ Some(_)), None) => *slot = None,
+                // One grant for any class and another for some only: which
+                // was meant is a reviewer's call, not a merge's.
+                (Some(_), _) => {
+                    return Err(PolicyError::GrantScopesDiffer { identity, prefix });
+                }
                 (None, _) => {
                     granted.insert(prefix, classes.clone());
                 }
@@ -378,11 +412,20 @@ mod tests {
         assert!(union.allows_class(ALICE, &key("t/1"), "quota"));
         assert!(union.allows_class(ALICE, &key("t/1"), "batch"));
         assert!(!union.allows_class(ALICE, &key("t/1"), "demo"));
-        b.grant(ALICE, ["t"]).unwrap();
-        let any = b.build();
+        // The same prefix granted for any class and for some only is refused.
+        assert!(matches!(
+            b.grant(ALICE, ["t"]),
+            Err(PolicyError::GrantScopesDiffer { .. })
+        ));
+        let any = PrefixGrants::from_entries([(ALICE, ["t"])]).unwrap();
         assert!(any.allows_class(ALICE, &key("t/1"), "demo"));
         assert_ne!(any.version(), union.version());
         assert_ne!(any, union);
+        // Sessions: a class some grant of the subject allows.
+        assert!(union.grants_class(ALICE, "quota"));
+        assert!(!union.grants_class(ALICE, "demo"));
+        assert!(any.grants_class(ALICE, "demo"));
+        assert!(!any.grants_class(BOB, "demo"));
         // an empty list is refused, not read as "any"
         assert!(matches!(
             PrefixGrants::builder().grant_for(ALICE, ["t"], Some(&[])),

@@ -488,3 +488,36 @@ async fn a_full_quota_never_hands_out_another_sessions_grant() -> anyhow::Result
     t.shutdown().await;
     Ok(())
 }
+
+/// Lowered from 4 to 3 with live holds between the new quota's free places
+/// and its top (the second hostile review of issue 34): still at most 3.
+#[tokio::test(start_paused = true)]
+async fn a_quota_lowered_by_one_never_lets_a_fourth_hold_through() -> anyhow::Result<()> {
+    let log = MemLog::new(36);
+    let t = table(&log, None);
+    t.start().await?;
+    let s = session(&t, "pod-1").await?;
+    let mut by_place = std::collections::BTreeMap::new();
+    for i in 0..4 {
+        let g = t
+            .acquire(quota_req("pod-1", s, &format!("q{i}"), 4), None, 8)
+            .await?
+            .grant;
+        let view = t.holder(&g.key).await?.expect("held");
+        by_place.insert(view.record.quota_place.expect("a place"), g);
+    }
+    for place in [0, 1] {
+        let g = &by_place[&place];
+        t.release("pod-1", &g.key, s, g.token().unwrap_or(0))
+            .await?;
+    }
+    // Places 2 and 3 live under a quota of 3: one more, not two.
+    t.acquire(quota_req("pod-1", s, "n1", 3), None, 8).await?;
+    let refused = t.acquire(quota_req("pod-1", s, "n2", 3), None, 8).await;
+    assert!(
+        matches!(refused, Err(ArbiterError::QuotaExceeded { max: 3, .. })),
+        "{refused:?}"
+    );
+    t.shutdown().await;
+    Ok(())
+}

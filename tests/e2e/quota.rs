@@ -268,9 +268,18 @@ async fn a_waiter_is_granted_with_a_place_or_refused_when_its_quota_filled() -> 
 async fn a_grant_for_one_class_makes_its_quota_the_tenants_bound() -> anyhow::Result<()> {
     let rig = rig().await?;
     let mut tenant = rig.a.lock("workload/tenant").await?;
-    let sd = open(&mut tenant, "demo").await?;
     let before = rig.etcd.revision().await?;
-    let refused = acquire_as(&mut tenant, "tenant/a", "demo", sd, "pod-t", None).await;
+    // No session of a class none of its grants is for.
+    let refused = latchkey_tests::lock_calls::open_class(&mut tenant, "demo").await;
+    let status = expect_refusal(refused, Code::PermissionDenied, "NOT_AUTHORISED")?;
+    ensure!(
+        status.message().contains("\"quota\""),
+        "{}",
+        status.message()
+    );
+    let sq = open(&mut tenant, CLASS).await?;
+    let before = before.max(rig.etcd.revision().await?);
+    let refused = acquire_as(&mut tenant, "tenant/a", "demo", sq, "pod-t", None).await;
     let status = expect_refusal(refused, Code::PermissionDenied, "NOT_AUTHORISED")?;
     ensure!(
         status.message().contains("\"quota\"") && status.message().contains("\"demo\""),
@@ -281,7 +290,6 @@ async fn a_grant_for_one_class_makes_its_quota_the_tenants_bound() -> anyhow::Re
         rig.etcd.revision().await? == before,
         "a refused class wrote"
     );
-    let sq = open(&mut tenant, CLASS).await?;
     let g1 = grab(&mut tenant, "tenant/a", sq).await?;
     let g2 = grab(&mut tenant, "tenant/b", sq).await?;
     expect_refusal(

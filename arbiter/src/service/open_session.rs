@@ -22,6 +22,20 @@ impl Arbiter {
         let req = request.into_inner();
         let policies = self.policies.current();
         let class = self.class(&policies, &req.class)?;
+        // A session of a class no grant of the caller's is for would lock
+        // nothing (and take a lease on its tier's cluster).
+        if !policies
+            .grants()
+            .grants_class(&caller.identity, &class.name)
+        {
+            return Err(match policies.grants().granted_classes(&caller.identity) {
+                Some(allowed) => ArbiterError::ClassNotGranted {
+                    class: class.name.clone(),
+                    allowed: allowed.into_iter().collect(),
+                },
+                None => ArbiterError::NotAuthorised,
+            });
+        }
         let ttl = class.ttl_seconds;
         // ADR-07: a session is a lease on its class's tier's cluster.
         let cluster = self.tiers.for_tier(class.tier);

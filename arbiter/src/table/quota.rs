@@ -29,6 +29,21 @@ use crate::error::ArbiterError;
 use crate::lock_log::{Kv, PlaceWas, QuotaTake};
 use crate::records::{HolderRecord, QuotaPlaceRecord, decode, encode};
 
+/// The indices a grant may take out of a quota of `max`, given which
+/// places are live: the largest `u ≤ max` with `u` + (live places at or
+/// above `u`) ≤ `max`.
+fn usable_below(max: u32, live: &[(u32, bool)]) -> u32 {
+    let mut u = max;
+    loop {
+        let above = live.iter().filter(|(i, l)| *l && *i >= u).count();
+        let above = u32::try_from(above).unwrap_or(u32::MAX);
+        if u.saturating_add(above) <= max {
+            return u;
+        }
+        u = max.saturating_sub(above);
+    }
+}
+
 /// A quota place as the log reads it: its index and its record.
 type Place = (u32, Kv);
 
@@ -68,26 +83,31 @@ impl LockTable {
             record: record.clone(),
             was,
         };
-        // Places at or above `max` (the quota was lowered since) are never
-        // taken again; while its hold lasts, each keeps one place below
-        // `max` out of use, so the subject's holds never exceed `max` once
-        // the lowered quota's places are what it uses.
-        let (high, low): (Vec<&Place>, Vec<&Place>) =
-            places.iter().partition(|(index, _)| *index >= max);
-        let live_high = match high.is_empty() {
-            true => 0,
-            false => self.live(&high).await?.iter().filter(|l| **l).count(),
+        // Only indices below `usable` are taken. With no place at or above
+        // `max` that is `max`. After the quota was lowered, places at or
+        // above it may still be live, and so may places between the new
+        // `usable` and `max`: `usable` is lowered until the live places at
+        // or above it leave room (`usable + live above ≤ max`), so the
+        // subject's live holds never exceed `max`. A place seen ended never
+        // lives again, so a later read only raises `usable`.
+        let usable = match places.iter().any(|(index, _)| *index >= max) {
+            false => max,
+            true => {
+                let all: Vec<&Place> = places.iter().collect();
+                let live: Vec<(u32, bool)> = places
+                    .iter()
+                    .map(|(index, _)| *index)
+                    .zip(self.live(&all).await?)
+                    .collect();
+                usable_below(max, &live)
+            }
         };
-        let usable = max.saturating_sub(u32::try_from(live_high).unwrap_or(u32::MAX));
         let taken: BTreeSet<u32> = places.iter().map(|(index, _)| *index).collect();
         let free: Vec<u32> = (0..usable).filter(|i| !taken.contains(i)).collect();
         if let Some(&index) = self.any_of(&free) {
             return Ok(Taking::Take(take(index, PlaceWas::Free)));
         }
-        let low: Vec<&(u32, Kv)> = low
-            .into_iter()
-            .filter(|(index, _)| *index < usable)
-            .collect();
+        let low: Vec<&Place> = places.iter().filter(|(index, _)| *index < usable).collect();
         let live = self.live(&low).await?;
         let stale: Vec<(u32, i64, String)> = low
             .iter()
@@ -167,5 +187,26 @@ impl LockTable {
                 debug!(class = %class, error = %e, "could not free a quota place; it is taken again as stale");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::usable_below;
+
+    #[test]
+    fn live_places_above_a_lowered_quota_keep_as_many_below_it_unused() {
+        // no place above: the whole quota
+        assert_eq!(usable_below(3, &[(0, true), (1, true)]), 3);
+        // lowered from 4 to 3 with places 2 and 3 live: only index 0
+        assert_eq!(usable_below(3, &[(2, true), (3, true)]), 1);
+        // place 2 ended: indices 0 and 1
+        assert_eq!(usable_below(3, &[(2, false), (3, true)]), 2);
+        // lowered from 8 to 2 with 5 live above: nothing until they end
+        let live: Vec<(u32, bool)> = (3..8).map(|i| (i, true)).collect();
+        assert_eq!(usable_below(2, &live), 0);
+        // every place ended: the whole quota again
+        let ended: Vec<(u32, bool)> = (0..8).map(|i| (i, false)).collect();
+        assert_eq!(usable_below(2, &ended), 2);
     }
 }
