@@ -40,7 +40,13 @@ fn usable_below(max: u32, live: &[(u32, bool)]) -> u32 {
         if u.saturating_add(above) <= max {
             return u;
         }
-        u = max.saturating_sub(above);
+        let lower = max.saturating_sub(above);
+        if lower >= u {
+            // Nothing lower to try (u is 0: more live above the quota
+            // than it allows): nothing is usable until some end.
+            return 0;
+        }
+        u = lower;
     }
 }
 
