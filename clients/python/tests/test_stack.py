@@ -313,3 +313,21 @@ def test_bad_input_is_refused_with_an_actionable_reason(alice):
         alice.acquire("demo/py/x", "no-such-class")
     assert refused.value.reason == "UNKNOWN_CLASS", refused.value
     assert "no-such-class" in refused.value.message
+
+
+def test_a_full_quota_is_quota_exceeded(connect):
+    # class quota: maxHoldsPerSubject = 2, enforced in the grant transaction
+    client = connect("ALICE", default_class="quota")
+    first = client.acquire("demo/py/quota-1")
+    second = client.acquire("demo/py/quota-2")
+    with pytest.raises(latchkey.QuotaExceeded) as refused:
+        client.acquire("demo/py/quota-3")
+    assert refused.value.reason == "QUOTA_EXCEEDED"
+    assert isinstance(refused.value, latchkey.FailedPrecondition)
+    assert not refused.value.is_transient()
+    assert "maxHoldsPerSubject" in str(refused.value)
+    first.release()
+    # a released hold gives its place back
+    third = client.acquire("demo/py/quota-3")
+    second.release()
+    third.release()
