@@ -196,6 +196,42 @@ async fn a_burst_of_twelve_acquires_is_granted_exactly_the_quota() -> anyhow::Re
     Ok(())
 }
 
+/// Starts a waiting Acquire of `key` on `session`, and returns once the
+/// arbiter shows it queued.
+async fn queue_behind(
+    c: &Client,
+    key: &'static str,
+    session: i64,
+) -> anyhow::Result<tokio::task::JoinHandle<Result<Grant, Status>>> {
+    let waiter = {
+        let mut c = c.clone();
+        tokio::spawn(async move {
+            acquire_as(
+                &mut c,
+                key,
+                CLASS,
+                session,
+                "pod-a",
+                Some(Duration::from_secs(20)),
+            )
+            .await
+        })
+    };
+    eventually("the waiter to queue", Duration::from_secs(5), || {
+        let mut c = c.clone();
+        async move {
+            let seen = c
+                .inspect(latchkey_proto::lockv1::InspectRequest { key: key.into() })
+                .await?
+                .into_inner();
+            ensure!(seen.waiters == 1, "{} waiters", seen.waiters);
+            Ok(())
+        }
+    })
+    .await?;
+    Ok(waiter)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiter_is_granted_with_a_place_or_refused_when_its_quota_filled() -> anyhow::Result<()> {
     let rig = rig().await?;
@@ -207,21 +243,7 @@ async fn a_waiter_is_granted_with_a_place_or_refused_when_its_quota_filled() -> 
     // release hands nothing over; alice's driver grants it with a place.
     let mut alice = rig.b.lock("workload/alice").await?;
     let sa = open(&mut alice, CLASS).await?;
-    let waiter = {
-        let mut alice = alice.clone();
-        tokio::spawn(async move {
-            acquire_as(
-                &mut alice,
-                "demo/contended",
-                CLASS,
-                sa,
-                "pod-a",
-                Some(Duration::from_secs(20)),
-            )
-            .await
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiter = queue_behind(&alice, "demo/contended", sa).await?;
     release(&mut bob, &held).await?;
     let got = waiter.await??;
     ensure!(got.session_id == sa);
@@ -235,21 +257,7 @@ async fn a_waiter_is_granted_with_a_place_or_refused_when_its_quota_filled() -> 
         async move { Ok(grab(&mut bob, "demo/contended", sb).await?) }
     })
     .await?;
-    let waiter = {
-        let mut alice = alice.clone();
-        tokio::spawn(async move {
-            acquire_as(
-                &mut alice,
-                "demo/contended",
-                CLASS,
-                sa,
-                "pod-a",
-                Some(Duration::from_secs(20)),
-            )
-            .await
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiter = queue_behind(&alice, "demo/contended", sa).await?;
     let g1 = grab(&mut alice, "demo/filler-1", sa).await?;
     let g2 = grab(&mut alice, "demo/filler-2", sa).await?;
     release(&mut bob, &held).await?;
