@@ -106,6 +106,16 @@ pub enum ArbiterError {
         max: u32,
     },
     #[error(
+        "key {key:?} is held as a {held_as} now, and this call asks for it as a {asked_as}: a key is one kind at a time; use one class kind per key"
+    )]
+    KindInUse {
+        key: String,
+        held_as: &'static str,
+        asked_as: &'static str,
+    },
+    #[error("{0}")]
+    BadSlot(String),
+    #[error(
         "the token does not match the current grant of key {key:?}; release with the token the grant returned"
     )]
     TokenMismatch { key: String },
@@ -206,6 +216,8 @@ impl ArbiterError {
             Self::IdentityLimit { .. } => Reason::IdentityLimit,
             Self::NotHeld { .. } => Reason::NotHeld,
             Self::QuotaExceeded { .. } => Reason::QuotaExceeded,
+            Self::KindInUse { .. } => Reason::KindInUse,
+            Self::BadSlot(_) => Reason::BadSlot,
             Self::TokenMismatch { .. } => Reason::TokenMismatch,
             Self::NotLeader { .. } => Reason::NotLeader,
             Self::WrongKind { .. } => Reason::WrongKind,
@@ -233,6 +245,7 @@ impl ArbiterError {
             | Self::SessionClassMismatch { .. }
             | Self::SessionWrongTier(_)
             | Self::WrongKind { .. }
+            | Self::BadSlot(_)
             | Self::WrongTier(_) => Code::InvalidArgument,
             Self::Held { .. } => Code::Aborted,
             Self::WaitTimeout { .. } => Code::DeadlineExceeded,
@@ -244,6 +257,7 @@ impl ArbiterError {
             | Self::SessionExpired { .. }
             | Self::NotHeld { .. }
             | Self::QuotaExceeded { .. }
+            | Self::KindInUse { .. }
             | Self::TokenMismatch { .. }
             | Self::NotLeader { .. }
             | Self::NoCandidate(_)

@@ -161,6 +161,11 @@ pub enum Granted {
         queue_head: Option<Kv>,
         /// The shard-map fence's mod revision (0: absent).
         fence_at: i64,
+        /// The key is held as the other kind: a lock's key has a held
+        /// semaphore slot under it, or a slot's semaphore name is held as a
+        /// lock ([`crate::records::split_slot`]). A key is one kind at a
+        /// time, and every grant compares it.
+        other_kind: bool,
     },
 }
 
@@ -327,6 +332,16 @@ pub fn batch_is_distinct(ops: &[BatchOp<'_>]) -> Result<(), StoreError> {
     if !ops.iter().all(|op| keys.insert(op.key())) {
         return Err(StoreError::Refused {
             context: "two members of a batch on one key".into(),
+        });
+    }
+    let mut named = std::collections::BTreeSet::new();
+    if !ops
+        .iter()
+        .filter(|op| matches!(op, BatchOp::Grant(_)))
+        .all(|op| named.insert(crate::records::named_key(op.key())))
+    {
+        return Err(StoreError::Refused {
+            context: "two grants of a batch on one key or semaphore".into(),
         });
     }
     let mut places = std::collections::BTreeSet::new();
@@ -602,7 +617,8 @@ pub trait HoldLog: Send + Sync + 'static {
     }
     /// How many keys are held.
     async fn count_holds(&self) -> LogResult<i64>;
-    /// Watches `key` from `from_revision` (inclusive).
+    /// Watches `key` from `from_revision` (inclusive); a semaphore's slots
+    /// prefix ([`crate::records::slots_of`]) watches every slot of it.
     async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError>;
 }
 

@@ -37,6 +37,7 @@ mod grants;
 mod queues;
 mod quota;
 pub mod seal;
+mod semaphore;
 pub mod sessions;
 
 use std::collections::BTreeMap;
@@ -109,6 +110,9 @@ pub struct GrantRequest {
     /// quota places of the grant subject in its own transaction
     /// (`table/quota.rs`). `None`: the class has no quota.
     pub quota: Option<u32>,
+    /// A semaphore class's `permits`: `key` is the semaphore's name, and a
+    /// grant holds one of its slots (`table/semaphore.rs`). `None`: a lock.
+    pub permits: Option<u32>,
 }
 
 impl GrantRequest {
@@ -440,10 +444,11 @@ impl LockTable {
     /// the gate keeps the key from it (it then stays queued; its driver
     /// polls), nor when its class has a quota (a hand-over takes no quota
     /// place: the release kicks its driver, whose grant transaction takes
-    /// one).
+    /// one), nor to a semaphore's waiter (it takes a slot, not the key).
     fn ungated_head(&self, key: &str) -> Option<Head> {
-        self.head(key)
-            .filter(|h| !self.gated(&h.req) && h.req.quota.is_none())
+        self.head(key).filter(|h| {
+            !self.gated(&h.req) && h.req.quota.is_none() && h.req.permits.is_none()
+        })
     }
 
     pub fn log(&self) -> &Arc<dyn LockLog> {
@@ -504,7 +509,11 @@ impl LockTable {
     ) -> Result<Acquired, ArbiterError> {
         // Waiters already queued here go first: a newcomer never barges.
         let next = if self.waiting(&req.key) > 0 {
-            match self.already_held(&req).await? {
+            let held = match req.permits {
+                Some(_) => self.permit_held(&req).await?,
+                None => self.already_held(&req).await?,
+            };
+            match held {
                 Some(grant) => self.reuse(grant).await?,
                 None => Next::Queue(None),
             }
@@ -765,9 +774,10 @@ impl LockTable {
         })
     }
 
-    /// Wakes the key's driver (a local release, or a cancelled head).
+    /// Wakes the key's driver (a local release, or a cancelled head); a
+    /// slot's key wakes its semaphore's.
     fn kick(&self, key: &str) {
-        if let Some(q) = self.book.lock().keys.get(key) {
+        if let Some(q) = self.book.lock().keys.get(crate::records::named_key(key)) {
             q.kick.notify_one();
         }
     }

@@ -326,12 +326,25 @@ impl Client {
         session_id: i64,
         token: FencingToken,
     ) -> Result<(), Error> {
+        self.release_grant_in(key, None, session_id, token).await
+    }
+
+    /// [`Self::release_grant`] for a semaphore's grant: `slot` is the slot
+    /// the grant returned (`None`: a lock's grant).
+    pub async fn release_grant_in(
+        &self,
+        key: &str,
+        slot: Option<u32>,
+        session_id: i64,
+        token: FencingToken,
+    ) -> Result<(), Error> {
         let rpc = &self.inner.rpc;
         rpc.lock()
             .release(rpc.unary(ReleaseRequest {
                 key: key.to_owned(),
                 session_id,
                 token: token.get(),
+                slot,
             }))
             .await?;
         Ok(())
@@ -514,6 +527,7 @@ impl Client {
                 revoke_session,
                 id_token: id_token.to_owned(),
                 election: false,
+                slot: None,
             }))
             .await?
             .into_inner())
@@ -542,6 +556,7 @@ impl Client {
                 revoke_session,
                 id_token: id_token.to_owned(),
                 election: true,
+                slot: None,
             }))
             .await?
             .into_inner())

@@ -184,13 +184,15 @@ impl LockBuilder {
                 problem: "grant for another session or key",
             });
         }
-        let hold = Arc::new(Hold::new(
+        let mut hold = Hold::new(
             grant.key,
             grant.session_id,
             FencingToken::new(grant.token),
             grant.epoch,
             grant.revision,
-        ));
+        );
+        hold.slot = grant.slot;
+        let hold = Arc::new(hold);
         pending.settled = true;
         let guard_id = core.granted(Arc::clone(&hold), on_fence)?;
         tracing::debug!(key = %self.key, session_id = core.id, epoch = hold.epoch, "acquired");
@@ -284,6 +286,13 @@ impl LockGuard {
         &self.hold.key
     }
 
+    /// The slot held, for a semaphore class's grant (`0..permits`; the
+    /// token is that slot's, so fence a resource partitioned by slot per
+    /// slot); `None` for a lock.
+    pub fn slot(&self) -> Option<u32> {
+        self.hold.slot
+    }
+
     /// The session the hold is attached to.
     pub fn session_id(&self) -> i64 {
         self.hold.session_id
@@ -373,6 +382,7 @@ async fn send_release(session: &SessionInner, hold: &Hold) -> Result<(), Error> 
             key: hold.key.clone(),
             session_id: hold.session_id,
             token: hold.token.get(),
+            slot: hold.slot,
         }))
         .await?;
     tracing::debug!(key = %hold.key, session_id = hold.session_id, "released");

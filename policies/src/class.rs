@@ -29,6 +29,10 @@ pub const MAX_WAITERS_PER_KEY_LIMIT: u32 = 10_000;
 /// reads every place's hold (64 per request) first.
 pub const MAX_HOLDS_PER_SUBJECT_LIMIT: u32 = 256;
 
+/// The most permits a semaphore class may declare: its slots are read in
+/// one answer.
+pub const MAX_PERMITS: u32 = 256;
+
 /// Class names are metrics labels and CRD names; keep them short.
 pub const MAX_CLASS_NAME_BYTES: usize = 63;
 
@@ -79,6 +83,10 @@ pub struct LockClass {
     /// memory grant cannot take a place in the log).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_holds_per_subject: Option<u32>,
+    /// Semaphore classes only (and required there): how many holds a key of
+    /// the class carries at once, each in its own slot `0..permits`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permits: Option<u32>,
     /// Election classes only: a leader is told (Observe's
     /// `TransferRequested`) when a candidate of a higher priority stands,
     /// and should transfer to it at its next safe point.
@@ -112,6 +120,10 @@ pub enum ClassKind {
     Lock,
     /// Leader elections: latchkey.election.v1 (a key is an election's name).
     Election,
+    /// Counting semaphores: latchkey.lock.v1 Acquire and Release, where a
+    /// key is a semaphore's name and each grant holds one of its `permits`
+    /// numbered slots, with that slot's own fencing token.
+    Semaphore,
 }
 
 impl ClassKind {
@@ -125,6 +137,7 @@ impl fmt::Display for ClassKind {
         f.write_str(match self {
             ClassKind::Lock => "lock",
             ClassKind::Election => "election",
+            ClassKind::Semaphore => "semaphore",
         })
     }
 }
@@ -256,6 +269,27 @@ pub enum ClassError {
          hold; use onQuorumLoss = \"closed\" or remove maxHoldsPerSubject"
     )]
     QuotaOpenOnQuorumLoss,
+
+    #[error(
+        "permits = {value} is outside 1..={max}",
+        max = MAX_PERMITS
+    )]
+    PermitsOutOfRange { value: u32 },
+
+    #[error(
+        "a semaphore class (kind = \"semaphore\") needs permits, the number of holds a key \
+         carries at once, e.g. permits = 8"
+    )]
+    SemaphoreWithoutPermits,
+
+    #[error("permits is for semaphore classes: set kind = \"semaphore\" or remove permits")]
+    PermitsOnLock,
+
+    #[error("a semaphore class takes no {field} (yet): {why}; remove {field}")]
+    NotForSemaphores {
+        field: &'static str,
+        why: &'static str,
+    },
 
     #[error(
         "yieldToHigherPriority is for election classes (kind = \"election\"): a lock has no \
@@ -443,6 +477,43 @@ impl LockClass {
         Ok(())
     }
 
+    /// What a semaphore class must and may not set. Each refusal is a path
+    /// that would decide a slot outside the grant transaction, or a queue
+    /// that does not know slots yet.
+    fn check_semaphore(&self) -> Result<(), ClassError> {
+        if self.kind != ClassKind::Semaphore {
+            return match self.permits {
+                Some(_) => Err(ClassError::PermitsOnLock),
+                None => Ok(()),
+            };
+        }
+        let Some(value) = self.permits else {
+            return Err(ClassError::SemaphoreWithoutPermits);
+        };
+        if !(1..=MAX_PERMITS).contains(&value) {
+            return Err(ClassError::PermitsOutOfRange { value });
+        }
+        if self.on_quorum_loss == OnQuorumLoss::Open {
+            return Err(ClassError::NotForSemaphores {
+                field: "onQuorumLoss = \"open\"",
+                why: "a slot is only ever granted by the lock log, which counts the permits",
+            });
+        }
+        if self.fairness != Fairness::Memory {
+            return Err(ClassError::NotForSemaphores {
+                field: "fairness = \"durable\"",
+                why: "a semaphore's waiters queue on the arbiter they called (FIFO per arbiter)",
+            });
+        }
+        if self.max_holds_per_subject.is_some() {
+            return Err(ClassError::NotForSemaphores {
+                field: "maxHoldsPerSubject",
+                why: "a quota place and a slot are not yet taken in one transaction",
+            });
+        }
+        Ok(())
+    }
+
     fn check(&self, today: Date) -> Result<(), ClassError> {
         validate_name(&self.name).map_err(ClassError::Name)?;
 
@@ -465,6 +536,7 @@ impl LockClass {
         }
         self.check_namespaces()?;
         self.check_election()?;
+        self.check_semaphore()?;
         if let Some(hook) = &self.hook {
             hook.check()?;
         }

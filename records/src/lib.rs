@@ -391,6 +391,36 @@ impl Layout {
     }
 }
 
+/// Where slot `slot` of semaphore `name` is held: a lock key of its own
+/// (`<name>//s/<slot:04x>`). `//` occurs in no lock key, so no caller can
+/// name a slot, and every slot of `name` is under `<name>//`, the range an
+/// exclusive grant of `name` compares empty (a key is a lock or a
+/// semaphore, never both at once).
+pub fn slot_key(name: &str, slot: u32) -> String {
+    format!("{name}//s/{slot:04x}")
+}
+
+/// Every slot of semaphore `name`: a prefix of lock keys.
+pub fn slots_of(name: &str) -> String {
+    format!("{name}//s/")
+}
+
+/// The semaphore and slot a slot's lock key names; `None` for a lock's
+/// own key.
+pub fn split_slot(key: &str) -> Option<(&str, u32)> {
+    let (name, rest) = key.split_once("//s/")?;
+    (rest.len() == 4 && !name.is_empty())
+        .then(|| u32::from_str_radix(rest, 16).ok())
+        .flatten()
+        .map(|slot| (name, slot))
+}
+
+/// The key a hold is on as its caller named it: the semaphore's name for a
+/// slot, the key itself otherwise.
+pub fn named_key(key: &str) -> &str {
+    split_slot(key).map_or(key, |(name, _)| name)
+}
+
 /// The index of a quota place from its key's last segment (`{index:04x}`).
 pub fn quota_place_index(key: &str) -> Option<u32> {
     let last = key.rsplit('/').next()?;
@@ -577,6 +607,21 @@ pub fn now_unix_ms() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slot_key_names_its_semaphore_and_slot() {
+        let key = slot_key("jobs/batch", 7);
+        assert_eq!(key, "jobs/batch//s/0007");
+        assert_eq!(split_slot(&key), Some(("jobs/batch", 7)));
+        assert_eq!(named_key(&key), "jobs/batch");
+        assert!(key.starts_with(&slots_of("jobs/batch")));
+        assert_eq!(split_slot(&slot_key("a", 255)), Some(("a", 255)));
+        // a lock's own key is no slot, and no lock key has `//`
+        assert_eq!(split_slot("jobs/batch"), None);
+        assert_eq!(named_key("jobs/s/0007"), "jobs/s/0007");
+        assert_eq!(split_slot("a//s/07"), None);
+        assert_eq!(split_slot("//s/0001"), None);
+    }
 
     #[test]
     fn session_bytes_are_stable() {

@@ -57,6 +57,7 @@ fn req(identity: &str, session: i64, key: &str) -> GrantRequest {
         annotations: Default::default(),
         routed_by: None,
         quota: None,
+        permits: None,
         instance: String::new(),
         bound: String::new(),
     }

@@ -50,6 +50,7 @@ fn req(identity: &str, session: i64, key: &str) -> GrantRequest {
         annotations: Default::default(),
         routed_by: None,
         quota: None,
+        permits: None,
         instance: String::new(),
         bound: String::new(),
     }
@@ -391,6 +392,7 @@ async fn a_release_on_a_cluster_fenced_ahead_still_releases() -> anyhow::Result<
 fn quota_req(identity: &str, session: i64, key: &str, max: u32) -> GrantRequest {
     GrantRequest {
         quota: Some(max),
+        permits: None,
         bound: "spiffe://sim/quota/*".into(),
         ..req(identity, session, key)
     }

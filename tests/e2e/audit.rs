@@ -589,6 +589,7 @@ async fn a_force_release_that_revokes_the_session_reads_as_a_revocation() -> any
             revoke_session: true,
             id_token: oidc.id_token("alice-op", "latchctl").await?,
             election: false,
+            slot: None,
         })
         .await?
         .into_inner();

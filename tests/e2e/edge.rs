@@ -104,6 +104,7 @@ pub(crate) async fn unlock(c: &mut Client, g: &Grant) -> Result<(), tonic::Statu
         key: g.key.clone(),
         session_id: g.session_id,
         token: g.token,
+        slot: None,
     };
     c.release(keyed(req, &g.key)).await?;
     Ok(())

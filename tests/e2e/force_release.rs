@@ -110,6 +110,7 @@ impl World {
                 revoke_session: false,
                 id_token: token.into(),
                 election: false,
+                slot: None,
             })
             .await?
             .into_inner())
@@ -282,6 +283,7 @@ async fn revoke_session_ends_every_hold_of_the_holders_session() -> anyhow::Resu
             revoke_session: true,
             id_token: w.token("alice-op").await?,
             election: false,
+            slot: None,
         })
         .await?
         .into_inner();
@@ -554,6 +556,7 @@ async fn without_an_oidc_issuer_force_release_is_refused() -> anyhow::Result<()>
             revoke_session: false,
             id_token: "anything".into(),
             election: false,
+            slot: None,
         })
         .await;
     let s = expect_code(r, Code::FailedPrecondition)?;
@@ -1053,6 +1056,7 @@ async fn a_reason_that_could_redraw_the_approvers_terminal_is_refused() -> anyho
                     revoke_session: false,
                     id_token: token.clone(),
                     election: false,
+                    slot: None,
                 })
                 .await
                 .map(|r| r.into_inner()),

@@ -87,6 +87,7 @@ impl World {
                 revoke_session: false,
                 id_token: token.into(),
                 election,
+                slot: None,
             })
             .await?
             .into_inner())

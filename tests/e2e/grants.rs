@@ -297,6 +297,7 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
             key: g.key.clone(),
             session_id: session,
             token: g.token + 1,
+            slot: None,
         })
         .await;
     expect_refusal(wrong, Code::FailedPrecondition, "TOKEN_MISMATCH")?;
@@ -305,6 +306,7 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
             key: g.key.clone(),
             session_id: session + 1,
             token: g.token,
+            slot: None,
         })
         .await;
     expect_refusal(wrong, Code::FailedPrecondition, "NOT_HELD")?;

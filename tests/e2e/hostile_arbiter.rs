@@ -28,6 +28,7 @@ async fn release_as(c: &mut Client, g: &Grant) -> Result<(), tonic::Status> {
         key: g.key.clone(),
         session_id: g.session_id,
         token: g.token,
+        slot: None,
     })
     .await
     .map(|_| ())
@@ -55,6 +56,7 @@ async fn another_identity_cannot_release_a_hold_with_its_session_and_token() -> 
             key: g.key.clone(),
             session_id: 0x1234_5678,
             token: g.token,
+            slot: None,
         })
         .await;
     let other = expect_refusal(unknown, Code::FailedPrecondition, "NOT_HELD")?;
@@ -64,6 +66,7 @@ async fn another_identity_cannot_release_a_hold_with_its_session_and_token() -> 
             key: g.key.clone(),
             session_id: sa,
             token: g.token + 1,
+            slot: None,
         })
         .await;
     expect_refusal(wrong, Code::FailedPrecondition, "NOT_HELD")?;
@@ -802,6 +805,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
             key: g.key.clone(),
             session_id: sb,
             token: other_epoch(g.token),
+            slot: None,
         })
         .await;
     let held = expect_refusal(held_by_alice, Code::FailedPrecondition, "NOT_HELD")?;
@@ -811,6 +815,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
             key: "demo/epochs-free".into(),
             session_id: sb,
             token: other_epoch(g.token),
+            slot: None,
         })
         .await;
     let free = expect_refusal(free, Code::FailedPrecondition, "NOT_HELD")?;
@@ -825,6 +830,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
             key: g.key.clone(),
             session_id: sa,
             token: other_epoch(g.token),
+            slot: None,
         })
         .await;
     expect_refusal(with_her_session, Code::FailedPrecondition, "NOT_HELD")?;
@@ -834,6 +840,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
             key: g.key.clone(),
             session_id: sb,
             token: g.token & ((1 << 48) - 1),
+            slot: None,
         })
         .await;
     expect_refusal(epoch_zero, Code::FailedPrecondition, "NOT_HELD")?;
@@ -844,6 +851,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
             key: g.key.clone(),
             session_id: sa,
             token: other_epoch(g.token),
+            slot: None,
         })
         .await;
     expect_refusal(own, Code::FailedPrecondition, "TOKEN_MISMATCH")?;

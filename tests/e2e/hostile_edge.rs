@@ -169,6 +169,7 @@ async fn reserved_headers_in_request_trailers_are_refused_for_every_method() -> 
                 key: key.into(),
                 session_id: held.session_id,
                 token: held.token,
+                slot: None,
             }),
             &alice_id,
         ),

@@ -107,6 +107,7 @@ async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_refused() -> a
             key: g.key,
             session_id: session,
             token: g.token,
+            slot: None,
         })
         .await?;
     // the edge without a header is refused
@@ -167,6 +168,7 @@ async fn tokens_never_appear_in_the_logs() -> anyhow::Result<()> {
                 key: key.clone(),
                 session_id: sa,
                 token: g.token + 7,
+                slot: None,
             })
             .await;
         let _ = alice.inspect(InspectRequest { key: key.clone() }).await?;

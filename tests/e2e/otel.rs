@@ -285,6 +285,7 @@ async fn otlp_spans_follow_the_callers_trace_and_never_name_a_key_token_or_ident
             key: key.into(),
             session_id: sa,
             token: first.token,
+            slot: None,
         }))
         .await?;
     let second = waiting
@@ -297,6 +298,7 @@ async fn otlp_spans_follow_the_callers_trace_and_never_name_a_key_token_or_ident
         key: key.into(),
         session_id: sb,
         token: second.token,
+        slot: None,
     }))
     .await?;
 
@@ -475,6 +477,7 @@ async fn otlp_spans_through_envoy_keep_the_callers_trace() -> anyhow::Result<()>
         key: key.into(),
         session_id: session,
         token: grant.token,
+        slot: None,
     });
     release.metadata_mut().insert("x-lock-key", key.parse()?);
     alice.release(release).await?;

@@ -841,6 +841,7 @@ mod tests {
                         session: Some(txn.session_record.to_vec()),
                         queue_head: None,
                         fence_at: 0,
+                        other_kind: false,
                     },
                 );
             }

@@ -86,6 +86,7 @@ pub async fn release(c: &mut Client, g: &Grant) -> Result<(), Status> {
         key: g.key.clone(),
         session_id: g.session_id,
         token: g.token,
+        slot: g.slot,
     })
     .await?;
     Ok(())

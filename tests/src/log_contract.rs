@@ -411,6 +411,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
         session: Some(rb),
         queue_head: None,
         fence_at: 0,
+        other_kind: false,
     };
     ensure!(answer.value == expected, "{:?}", answer.value);
     // the holder's own session again: refused the same way
@@ -466,6 +467,7 @@ pub async fn grant_with_the_wrong_epoch(log: &dyn LockLog) -> anyhow::Result<()>
                 session: Some(record),
                 queue_head: None,
                 fence_at: 0,
+                other_kind: false,
             },
         "{:?}",
         answer.value
@@ -507,6 +509,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
                 session: Some(record.clone()),
                 queue_head: None,
                 fence_at: 0,
+                other_kind: false,
             },
         "wrong record: {:?}",
         wrong.value
@@ -532,6 +535,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
                 session: None,
                 queue_head: None,
                 fence_at: 0,
+                other_kind: false,
             },
         "no record: {:?}",
         missing.value
@@ -571,6 +575,7 @@ pub async fn grant_on_a_revoked_lease(log: &dyn LockLog) -> anyhow::Result<()> {
                 session: None,
                 queue_head: None,
                 fence_at: 0,
+                other_kind: false,
             },
         "{:?}",
         answer.value
@@ -1294,6 +1299,7 @@ pub async fn grant_while_sealed(log: &dyn LockLog) -> anyhow::Result<()> {
                 session: Some(record),
                 queue_head: None,
                 fence_at: 0,
+                other_kind: false,
             },
         "{:?}",
         answer.value

@@ -146,9 +146,17 @@ impl HoldCounts {
     pub(super) fn notify<'a>(&self, ended: impl IntoIterator<Item = &'a Ended>) {
         let watchers = self.watchers();
         for ended in ended {
-            let hold = EndedHold {
-                key: ended.key.clone(),
-                revision: ended.revision,
+            let hold = match crate::records::split_slot(&ended.key) {
+                Some((name, slot)) => EndedHold {
+                    key: name.to_string(),
+                    revision: ended.revision,
+                    slot: Some(slot),
+                },
+                None => EndedHold {
+                    key: ended.key.clone(),
+                    revision: ended.revision,
+                    slot: None,
+                },
             };
             match watchers.get(&ended.session) {
                 Some(streams) => {
@@ -210,6 +218,7 @@ mod tests {
     fn one_identity_cannot_push_the_others_notices_out() {
         let mut u = Unclaimed::default();
         let hold = |i: i64| EndedHold {
+            slot: None,
             key: format!("k/{i}"),
             revision: i,
         };

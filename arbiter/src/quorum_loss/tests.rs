@@ -19,6 +19,7 @@ fn req(key: &str, identity: &str, session: i64) -> GrantRequest {
         annotations: BTreeMap::new(),
         routed_by: None,
         quota: None,
+        permits: None,
         instance: format!("{identity}-process"),
         bound: String::new(),
     }

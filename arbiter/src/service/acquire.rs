@@ -117,13 +117,20 @@ pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
     let token = grant.token().ok_or_else(|| {
         ArbiterError::internal("the epoch or revision is outside the token range")
     })?;
+    // A semaphore's grant is held on a slot's own key: the caller hears
+    // the name it asked for and the slot.
+    let (key, slot) = match crate::records::split_slot(&grant.key) {
+        Some((name, slot)) => (name.to_string(), Some(slot)),
+        None => (grant.key.clone(), None),
+    };
     Ok(WireGrant {
-        key: grant.key.clone(),
+        key,
         token,
         epoch: grant.epoch,
         revision: grant.revision,
         session_id: grant.session,
         unprotected: false,
+        slot,
     })
 }
 
@@ -137,6 +144,7 @@ fn wire_memory_grant(grant: &crate::owner::MemoryGrant) -> WireGrant {
         revision: 0,
         session_id: grant.session,
         unprotected: true,
+        slot: None,
     }
 }
 
@@ -205,7 +213,7 @@ impl Arbiter {
             .to_string();
         let class = self.granted_class(&policies, &caller, &key, &req.class)?;
         scope.class(&class.name);
-        if class.kind != latchkey_policies::ClassKind::Lock {
+        if class.kind == latchkey_policies::ClassKind::Election {
             return Err(ArbiterError::WrongKind {
                 class: super::truncate(&class.name, 64),
                 kind: "election",
@@ -327,6 +335,10 @@ impl Arbiter {
             },
             routed_by: route.map_version,
             quota: class.max_holds_per_subject,
+            permits: match class.kind {
+                latchkey_policies::ClassKind::Semaphore => class.permits,
+                _ => None,
+            },
         };
 
         let wait = match wait {

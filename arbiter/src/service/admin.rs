@@ -201,6 +201,26 @@ impl Arbiter {
             true => force_release::Target::Leadership,
             false => force_release::Target::Hold,
         };
+        // A semaphore's hold is on its slot's key (as Inspect lists it).
+        let held = match (req.slot, req.election) {
+            (None, _) => key.as_str().to_string(),
+            (Some(slot), false) if slot < latchkey_policies::MAX_PERMITS => {
+                crate::records::slot_key(key.as_str(), slot)
+            }
+            (Some(_), true) => {
+                return Err(ArbiterError::BadSlot(
+                    "an election has no slots: name the election without a slot".into(),
+                )
+                .into());
+            }
+            (Some(slot), false) => {
+                return Err(ArbiterError::BadSlot(format!(
+                    "slot {slot} is above every semaphore's permits (at most {})",
+                    latchkey_policies::MAX_PERMITS
+                ))
+                .into());
+            }
+        };
         let policies = self.policies.current();
         // The request lives with the hold (or the election), on the key's
         // cluster (ADR-07).
@@ -216,7 +236,7 @@ impl Arbiter {
                 &requester,
                 &operator,
                 target,
-                key.as_str(),
+                &held,
                 &req.reason,
                 req.revoke_session,
                 |class| policies.class(class).map(|c| c.enforcement),
@@ -361,9 +381,13 @@ impl Arbiter {
 
 /// What an approver sees of a request, warning included.
 fn request_view(r: &RequestRecord) -> ForceReleaseRequest {
+    let (key, slot) = match crate::records::split_slot(&r.key) {
+        Some((name, slot)) => (name.to_string(), Some(slot)),
+        None => (r.key.clone(), None),
+    };
     ForceReleaseRequest {
         request_id: r.id.clone(),
-        key: r.key.clone(),
+        key,
         holder_identity: r.holder_identity.clone(),
         holder_session: r.holder_session,
         // A term's revision is its leader's token's: never shown.
@@ -382,5 +406,6 @@ fn request_view(r: &RequestRecord) -> ForceReleaseRequest {
         requester_identity: r.requester_identity.clone(),
         election: r.election,
         term: r.term,
+        slot,
     }
 }

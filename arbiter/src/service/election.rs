@@ -202,7 +202,10 @@ impl Arbiter {
         if class.kind != ClassKind::Election {
             return Err(ArbiterError::WrongKind {
                 class: truncate(&class.name, 64),
-                kind: "lock",
+                kind: match class.kind {
+                    ClassKind::Semaphore => "semaphore",
+                    _ => "lock",
+                },
                 wanted: "election",
                 call: "Campaign",
             });

@@ -17,13 +17,15 @@ impl Arbiter {
         let key = self.authorised_key(&policies, &caller, &request.get_ref().key)?;
         let operator = policies.is_operator(&caller.identity);
         let table = &self.tiers.for_key(&key).await?.table;
-        // Two reads side by side: the holder, and the durable queue's length.
-        let (holder, durable_waiters) = tokio::join!(
+        // Three reads side by side: the holder, a semaphore's slot
+        // holders, and the durable queue's length.
+        let (holder, slots, durable_waiters) = tokio::join!(
             table.holder(key.as_str()),
+            table.slot_holders(key.as_str()),
             table.durable_waiting(key.as_str())
         );
         let durable_waiters = durable_waiters?;
-        let holder = holder?.map(|h| {
+        let shown = |h: crate::table::HolderView, slot: Option<u32>| {
             let shown = session_shown(&h.record.identity, &caller.identity, operator);
             let session_id = if shown { h.record.session } else { 0 };
             Holder {
@@ -32,14 +34,21 @@ impl Arbiter {
                 class: h.record.class,
                 acquired_at_unix_ms: h.record.acquired_at_unix_ms,
                 annotations: h.record.annotations.into_iter().collect(),
+                slot,
                 ..Holder::default()
             }
-        });
+        };
+        let holder = holder?.map(|h| shown(h, None));
+        let slot_holders = slots?
+            .into_iter()
+            .map(|(slot, h)| shown(h, Some(slot)))
+            .collect();
         Ok(InspectResponse {
             key: key.as_str().to_string(),
             holder,
             waiters: u32::try_from(table.waiting(key.as_str())).unwrap_or(u32::MAX),
             durable_waiters,
+            slot_holders,
         })
     }
 }

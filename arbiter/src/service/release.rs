@@ -71,11 +71,24 @@ impl Arbiter {
         let policies = self.policies.current();
         let key = self.authorised_key_in(&policies, &caller, &req.key, scope)?;
         let session = session_id(req.session_id)?;
+        // A semaphore's grant is held on its slot's key.
+        let held = match req.slot {
+            None => key.as_str().to_string(),
+            Some(slot) if slot < latchkey_policies::MAX_PERMITS => {
+                crate::records::slot_key(key.as_str(), slot)
+            }
+            Some(slot) => {
+                return Err(ArbiterError::BadSlot(format!(
+                    "slot {slot} is above every semaphore's permits (at most {}): release with the slot the grant returned",
+                    latchkey_policies::MAX_PERMITS
+                )));
+            }
+        };
         // The key's cluster (ADR-07): a hold is only ever there.
         let cluster = self.tiers.for_key(&key).await?;
         let ended = cluster
             .owner
-            .release(&caller.identity, key.as_str(), session, req.token)
+            .release(&caller.identity, &held, session, req.token)
             .await?;
         let released = ended.released;
         if ended.from_memory {

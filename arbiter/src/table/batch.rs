@@ -72,18 +72,23 @@ impl Member {
     /// write: its lock key and, for a grant that takes a quota place, the
     /// place (etcd refuses a transaction that puts one key twice, and two
     /// grants racing for one place are decided by separate transactions).
-    /// A NUL begins a place's name: no lock key has one.
+    /// A NUL begins a place's name: no lock key has one. A grant also
+    /// names the key as its caller named it (SOH, then a semaphore's name
+    /// for a slot): a lock's grant and a grant of a slot under it compare
+    /// each other's absence, which two members of one batch would both pass.
     fn names(&self) -> impl Iterator<Item = String> + '_ {
-        let place = match self {
-            Member::Grant(GrantMember {
-                quota: Some(take), ..
-            }) => Some(format!(
-                "\0{}\0{}\0{}",
-                take.class, take.subject, take.index
-            )),
-            _ => None,
+        let (place, kind) = match self {
+            Member::Grant(g) => (
+                g.quota.as_ref().map(|take| {
+                    format!("\0{}\0{}\0{}", take.class, take.subject, take.index)
+                }),
+                Some(format!("\u{1}{}", crate::records::named_key(&g.key))),
+            ),
+            Member::Release(_) => (None, None),
         };
-        std::iter::once(self.key().to_string()).chain(place)
+        std::iter::once(self.key().to_string())
+            .chain(place)
+            .chain(kind)
     }
 
     /// The transaction's kind, as a trace span names it (telemetry.rs).

@@ -96,7 +96,12 @@ pub(super) async fn drive(
         if watch.is_none()
             && let Some(rev) = from.take()
         {
-            watch = table.log.watch(&key, rev).await.ok();
+            // A semaphore's waiters wait for any of its slots.
+            let watched = match head.req.permits {
+                Some(_) => crate::records::slots_of(&key),
+                None => key.clone(),
+            };
+            watch = table.log.watch(&watched, rev).await.ok();
         }
         // Wait for a hint.
         match watch.as_mut() {

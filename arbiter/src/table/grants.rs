@@ -27,7 +27,10 @@ impl LockTable {
         self: &Arc<Self>,
         req: &GrantRequest,
     ) -> Result<Attempt, ArbiterError> {
-        self.attempt_in(req, QueueTurn::Empty).await
+        match req.permits {
+            Some(permits) => self.attempt_permit(req, permits).await,
+            None => self.attempt_in(req, QueueTurn::Empty).await,
+        }
     }
 
     /// [`Self::attempt`] at a place in the key's durable queue.
@@ -84,7 +87,7 @@ impl LockTable {
                 ));
             }
         };
-        let (holder, epoch_now, sealed, session, queue_head, fence_at) = match granted {
+        let (holder, epoch_now, sealed, session, queue_head, fence_at, other_kind) = match granted {
             Granted::Yes => {
                 self.granted_at(header.revision);
                 self.seal.make_durable(&state, header.revision).await?;
@@ -102,7 +105,16 @@ impl LockTable {
                 session,
                 queue_head,
                 fence_at,
-            } => (holder, epoch, sealed, session, queue_head, fence_at),
+                other_kind,
+            } => (
+                holder,
+                epoch,
+                sealed,
+                session,
+                queue_head,
+                fence_at,
+                other_kind,
+            ),
         };
         if sealed
             || epoch_now.as_deref() != Some(state.bytes.as_slice())
@@ -130,6 +142,17 @@ impl LockTable {
                     session: req.session,
                 });
             }
+        }
+        if other_kind && holder.is_none() {
+            let (name, held_as, asked_as) = match crate::records::split_slot(&req.key) {
+                Some((name, _)) => (name, "lock", "semaphore"),
+                None => (req.key.as_str(), "semaphore", "lock"),
+            };
+            return Err(ArbiterError::KindInUse {
+                key: name.to_string(),
+                held_as,
+                asked_as,
+            });
         }
         let Some(holder) = holder else {
             // Free: the durable queue refused it, or (everything matching

@@ -242,6 +242,7 @@ mod tests {
                 annotations: Default::default(),
                 routed_by: None,
                 quota: None,
+                permits: None,
                 instance: String::new(),
                 bound: String::new(),
             },

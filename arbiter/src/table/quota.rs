@@ -32,7 +32,7 @@ use crate::records::{HolderRecord, QuotaPlaceRecord, decode, encode};
 /// The indices a grant may take out of a quota of `max`, given which
 /// places are live: the largest `u ≤ max` with `u` + (live places at or
 /// above `u`) ≤ `max`.
-fn usable_below(max: u32, live: &[(u32, bool)]) -> u32 {
+pub(super) fn usable_below(max: u32, live: &[(u32, bool)]) -> u32 {
     let mut u = max;
     loop {
         let above = live.iter().filter(|(i, l)| *l && *i >= u).count();
@@ -141,7 +141,7 @@ impl LockTable {
     }
 
     /// One of `items`, drawn from the table's seeded generator.
-    fn any_of<'a, T>(&self, items: &'a [T]) -> Option<&'a T> {
+    pub(super) fn any_of<'a, T>(&self, items: &'a [T]) -> Option<&'a T> {
         match items.len() {
             0 => None,
             n => items.get(self.jitter.lock().usize(..n)),

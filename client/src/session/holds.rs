@@ -20,6 +20,8 @@ pub(crate) struct Hold {
     pub(crate) token: FencingToken,
     pub(crate) epoch: u32,
     pub(crate) revision: i64,
+    /// The semaphore slot held (a semaphore class's grant); `None`: a lock.
+    pub(crate) slot: Option<u32>,
     /// Changed only under the session's state lock; read anywhere.
     count: AtomicU32,
     /// The arbiter said this hold ended before it was released.
@@ -40,6 +42,7 @@ impl Hold {
             token,
             epoch,
             revision,
+            slot: None,
             count: AtomicU32::new(0),
             ended: AtomicBool::new(false),
         }

@@ -268,6 +268,7 @@ impl Lock for FakeArbiter {
             holder,
             waiters: 0,
             durable_waiters: 0,
+            slot_holders: Vec::new(),
         }))
     }
 }

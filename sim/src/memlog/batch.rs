@@ -71,6 +71,11 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
     let queue = keys::queue_of(txn.key);
     let mut compares = vec![
         Compare::CreateRevision(holder.clone(), 0),
+        // one kind at a time, as the etcd log compares it
+        match latchkey_records::split_slot(txn.key) {
+            Some((name, _)) => Compare::CreateRevision(keys::holder(name), 0),
+            None => Compare::NoneUnder(format!("{holder}//")),
+        },
         Compare::Value(keys::epoch(), txn.epoch.to_vec()),
         Compare::CreateRevision(keys::seal(), 0),
         // a missing fence compares as mod revision 0, as in etcd
@@ -217,6 +222,12 @@ fn failure(store: &Store, kind: &Kind) -> BatchOutcome {
             session: kv(session).map(|k| k.value),
             queue_head: store.oldest_under(queue),
             fence_at: store.get(&keys::map_fence()).map_or(0, |s| s.mod_revision),
+            other_kind: match holder
+                .strip_prefix(keys::HOLDERS)
+                .and_then(latchkey_records::split_slot) {
+                Some((name, _)) => store.get(&keys::holder(name)).is_some(),
+                None => store.oldest_under(&format!("{holder}//")).is_some(),
+            },
         }),
         Kind::Release { holder } => BatchOutcome::Release(ReleasedIf::No { holder: kv(holder) }),
     }

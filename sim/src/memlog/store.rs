@@ -452,10 +452,12 @@ impl Store {
     }
 
     /// Keeps the events of revision `rev` and hands them to the watches.
+    /// (A watch of a semaphore's slots prefix, `<name>//s/`, as the etcd
+    /// log opens one, sees every slot: [`watches`].)
     fn record(&mut self, rev: i64, events: Vec<(String, EventKind)>) {
         for (key, kind) in events {
             for slot in self.watches.values_mut() {
-                if slot.key == key && !slot.ended && rev >= slot.from {
+                if watches(&slot.key, &key) && !slot.ended && rev >= slot.from {
                     slot.pending.push_back(kind.signal());
                 }
             }
@@ -683,9 +685,12 @@ impl Store {
         };
         if from < self.compacted {
             slot.ended = true;
-        } else if let Some(events) = self.history.get(key) {
-            let backlog: Vec<EventKind> = events
-                .iter()
+        } else {
+            let backlog: Vec<EventKind> = self
+                .history
+                .range(key.to_string()..)
+                .take_while(|(k, _)| watches(key, k))
+                .flat_map(|(_, events)| events.iter())
                 .filter(|(r, _)| *r >= from)
                 .map(|(_, k)| *k)
                 .collect();
@@ -797,4 +802,11 @@ fn events_under(prefix: &str, changes: &[Change], prev: bool) -> Vec<FollowEvent
 
 fn secs(ttl: i64) -> Duration {
     Duration::from_secs(u64::try_from(ttl).unwrap_or(0))
+}
+
+/// Whether a key watch opened on `watched` sees a change of `key`: the key
+/// itself, or any slot under a semaphore's slots prefix
+/// (`latchkey_records::slots_of`, which no lock key ends with).
+fn watches(watched: &str, key: &str) -> bool {
+    watched == key || (watched.ends_with("//s/") && key.starts_with(watched))
 }

@@ -155,6 +155,7 @@ impl IdLog {
                 session,
                 queue_head,
                 fence_at,
+                other_kind,
             } => Granted::No {
                 holder: holder.map(|kv| self.kv_back(kv)),
                 epoch,
@@ -162,6 +163,7 @@ impl IdLog {
                 session,
                 queue_head: queue_head.map(|kv| self.kv_back(kv)),
                 fence_at,
+                other_kind,
             },
             yes => yes,
         }

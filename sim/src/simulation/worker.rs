@@ -361,6 +361,7 @@ impl Incarnation<'_> {
             annotations: BTreeMap::new(),
             routed_by: None,
             quota: cfg.quota,
+            permits: None,
             instance: String::new(),
             bound: match cfg.quota {
                 Some(_) => super::config::QUOTA_SUBJECT.into(),
@@ -568,6 +569,7 @@ impl Incarnation<'_> {
                 key: key.to_string(),
                 session_id: id,
                 token: 0,
+                slot: None,
             },
         ));
         tokio::select! {
@@ -682,6 +684,7 @@ impl Incarnation<'_> {
                             key: key.to_string(),
                             session_id: id,
                             token,
+                            slot: None,
                         },
                     ))
                     .await

@@ -198,6 +198,7 @@ async fn measure(
                         key: key.clone(),
                         session_id: session,
                         token: grant.token,
+                        slot: None,
                     };
                     c.release(keyed(release, &key, header)?).await?;
                 }

@@ -408,6 +408,7 @@ async fn run_class(
                     key: g.key,
                     session_id: g.session_id,
                     token: g.token,
+                    slot: None,
                 })
                 .await?;
                 h.saturating_record(u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX));

@@ -273,6 +273,7 @@ async fn acquire_release(bob: &mut Client, session: i64) -> anyhow::Result<()> {
         key: grant.key,
         session_id: grant.session_id,
         token: grant.token,
+        slot: None,
     })
     .await?;
     Ok(())

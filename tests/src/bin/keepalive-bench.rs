@@ -469,6 +469,7 @@ async fn latchkey(
                     key: g.key.clone(),
                     session_id: session,
                     token: g.token,
+                    slot: None,
                 })
                 .await?;
             }

@@ -568,6 +568,7 @@ impl Latchkey {
                 key: grant.key.clone(),
                 session_id: grant.session_id,
                 token: grant.token,
+                slot: None,
             })
             .await
             .with_context(|| format!("release {}", grant.key))?;

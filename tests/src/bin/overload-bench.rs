@@ -508,6 +508,7 @@ async fn flood_worker(
                             key,
                             session_id: session,
                             token: g.token,
+                            slot: None,
                         })
                         .await;
                 }

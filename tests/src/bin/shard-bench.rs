@@ -277,6 +277,7 @@ impl Worker {
                 key: key.clone(),
                 session_id: *session,
                 token: grant.token,
+                slot: None,
             })
             .await
             .with_context(|| format!("release {key}"))?;

@@ -306,6 +306,7 @@ pub async fn a_batch_answers_each_member(log: &dyn LockLog) -> anyhow::Result<()
             session: Some(records[1].clone()),
             queue_head: None,
             fence_at: 0,
+            other_kind: false,
         }),
         BatchOutcome::Grant(Granted::Yes),
         BatchOutcome::Release(ReleasedIf::No {
@@ -318,6 +319,7 @@ pub async fn a_batch_answers_each_member(log: &dyn LockLog) -> anyhow::Result<()
             session: Some(records[2].clone()),
             queue_head: None,
             fence_at: 0,
+            other_kind: false,
         }),
     ];
     ensure!(answer.value == expected, "{:?}", answer.value);

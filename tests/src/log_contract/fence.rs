@@ -127,6 +127,7 @@ pub async fn a_grant_compares_the_map_fence(log: &dyn LockLog) -> anyhow::Result
                 session: Some(record.clone()),
                 queue_head: None,
                 fence_at: 0,
+                other_kind: false,
             },
         "a grant naming a fence on a cluster with none: {:?}",
         named.value
@@ -148,6 +149,7 @@ pub async fn a_grant_compares_the_map_fence(log: &dyn LockLog) -> anyhow::Result
                 session: Some(record.clone()),
                 queue_head: None,
                 fence_at: at,
+                other_kind: false,
             },
         "a grant naming no fence after a raise: {:?}",
         stale.value
@@ -271,6 +273,7 @@ pub async fn a_batch_member_with_a_stale_fence_is_refused(log: &dyn LockLog) -> 
             session: Some(record.clone()),
             queue_head: None,
             fence_at: now,
+            other_kind: false,
         }),
         BatchOutcome::Release(ReleasedIf::Yes(holder_record(keys[0], id))),
     ];

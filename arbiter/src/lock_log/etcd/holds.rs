@@ -37,8 +37,10 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
     let seal_key = log.layout.seal();
     let fence_key = log.layout.map_fence();
     let queue = log.layout.queue_of(txn.key);
+    let (other_kind, other_kind_read) = other_kind(log, txn.key);
     let mut compares = vec![
         Compare::create_revision(holder_key.clone(), CompareOp::Equal, 0),
+        other_kind,
         Compare::value(epoch_key.clone(), CompareOp::Equal, txn.epoch),
         Compare::create_revision(seal_key.clone(), CompareOp::Equal, 0),
         fence_unchanged(log, txn.fence_at),
@@ -99,7 +101,36 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
             ),
         ),
         TxnOp::get(fence_key, None),
+        other_kind_read,
     ])
+}
+
+/// The compare that keeps a key one kind at a time, and the read of its
+/// failure branch. A lock's grant compares the range of its semaphore slots
+/// (`l/<key>//`) empty (etcd compares an empty range as one missing key,
+/// version 0); a slot's grant compares its semaphore's name not held as a
+/// lock. Hand-overs need neither: the key handed over is held already, so
+/// the other kind could not be granted meanwhile.
+fn other_kind(log: &EtcdLog, key: &str) -> (Compare, TxnOp) {
+    match crate::records::split_slot(key) {
+        Some((name, _)) => {
+            let lock = log.layout.holder(name);
+            (
+                Compare::create_revision(lock.clone(), CompareOp::Equal, 0),
+                TxnOp::get(lock, Some(GetOptions::new().with_keys_only())),
+            )
+        }
+        None => {
+            let slots = format!("{}//", log.layout.holder(key));
+            (
+                Compare::version(slots.clone(), CompareOp::Equal, 0).with_prefix(),
+                TxnOp::get(
+                    slots,
+                    Some(GetOptions::new().with_prefix().with_keys_only().with_limit(1)),
+                ),
+            )
+        }
+    }
 }
 
 /// Holds while the shard-map fence is where the grantor last read it:
@@ -130,6 +161,7 @@ fn granted(succeeded: bool, ops: Vec<TxnOpResponse>) -> Granted {
             .get(5)
             .and_then(first_kv)
             .map_or(0, |kv| kv.mod_revision),
+        other_kind: ops.get(6).and_then(first_kv).is_some(),
     }
 }
 

@@ -9,16 +9,22 @@ use super::{EtcdLog, unavailable};
 use crate::lock_log::{KeyWatch, StoreError, WatchSignal};
 
 /// Watches `key`'s holder record from `from_revision` (inclusive), so
-/// nothing between a failed grant and the watch is missed.
+/// nothing between a failed grant and the watch is missed. A semaphore's
+/// slots prefix (`records::slots_of`, `<name>//s/`, which no lock key ends
+/// with) watches every slot of it.
 pub(super) async fn watch(
     log: &EtcdLog,
     key: &str,
     from_revision: i64,
 ) -> Result<Box<dyn KeyWatch>, StoreError> {
+    let options = match key.ends_with("//s/") {
+        true => WatchOptions::new().with_prefix(),
+        false => WatchOptions::new(),
+    };
     open(
         log,
         log.layout.holder(key),
-        WatchOptions::new(),
+        options,
         from_revision,
     )
     .await
