@@ -43,6 +43,7 @@ mod quorum_loss;
 mod quota;
 mod replicas;
 mod seal;
+mod semaphores;
 mod session_counts;
 mod shard_moves;
 mod shards;
