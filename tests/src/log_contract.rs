@@ -18,6 +18,7 @@ mod election;
 mod fence;
 mod follow;
 mod force;
+mod kinds;
 mod queue;
 mod quota;
 
@@ -43,6 +44,7 @@ use fence::{
     a_hand_over_compares_the_map_fence, raising_the_map_fence_never_lowers_it,
 };
 use follow::a_follow_reads_then_reports_every_change;
+use kinds::a_key_is_one_kind_at_a_time;
 use force::a_forced_end_ends_only_the_named_hold;
 use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
@@ -94,6 +96,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(release_of_a_stale_hold);
     case!(hand_over_replaces_the_holder);
     case!(a_grant_takes_a_quota_place_in_its_transaction);
+    case!(a_key_is_one_kind_at_a_time);
     case!(a_forced_end_ends_only_the_named_hold);
     case!(release_orphan_is_conditional);
     case!(a_claim_stops_the_orphan_release);
