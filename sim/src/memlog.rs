@@ -346,6 +346,12 @@ impl MemLog {
         self.shared.lock().store.watch_quota(class, max);
     }
 
+    /// Counts the held slots of every semaphore after every commit from now
+    /// on ([`Self::quota_violations`] reports a semaphore over `permits`).
+    pub fn watch_permits(&self, permits: u32) {
+        self.shared.lock().store.watch_permits(permits);
+    }
+
     /// Every commit after which a grant subject held more keys of the
     /// watched class than its quota.
     pub fn quota_violations(&self) -> Vec<String> {

@@ -268,7 +268,7 @@ impl SimRun {
             out.push_str(&format!("elections: {v}\n"));
         }
         for v in &self.quota_violations {
-            out.push_str(&format!("quota: {v}\n"));
+            out.push_str(&format!("bound: {v}\n"));
         }
         out
     }
@@ -478,6 +478,9 @@ async fn simulate(cfg: SimConfig) -> Outcome {
     });
     if let Some(max) = cfg.quota {
         memlog.watch_quota(policies::CLASS, max);
+    }
+    if let Some(permits) = cfg.permits {
+        memlog.watch_permits(permits);
     }
     let watches = Arc::new(ordered::Dispatch::default());
     tokio::spawn(watches.clone().run());

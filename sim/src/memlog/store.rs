@@ -187,6 +187,8 @@ pub(crate) struct Store {
     /// A class whose holds per grant subject are counted after every
     /// commit (`maxHoldsPerSubject`, issue 34), and the most allowed.
     quota_check: Option<(String, u32)>,
+    /// Every semaphore's permits, checked after every commit.
+    permits_check: Option<u32>,
     /// Every commit after which a subject held more than that.
     pub(crate) quota_violations: Vec<String>,
 }
@@ -209,6 +211,7 @@ impl Store {
             dirty: false,
             quorum_lost: false,
             quota_check: None,
+            permits_check: None,
             quota_violations: Vec::new(),
         }
     }
@@ -319,6 +322,32 @@ impl Store {
         self.quota_check = Some((class.to_string(), max));
     }
 
+    pub fn watch_permits(&mut self, permits: u32) {
+        self.permits_check = Some(permits);
+    }
+
+    /// More slots of one semaphore held than its permits.
+    fn check_permits(&mut self, rev: i64) {
+        let Some(permits) = self.permits_check else {
+            return;
+        };
+        let mut held: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+        for (key, _) in self.range(super::keys::HOLDERS) {
+            let key = key.strip_prefix(super::keys::HOLDERS).unwrap_or(key);
+            if let Some((name, slot)) = latchkey_records::split_slot(key) {
+                held.entry(name).or_default().push(slot);
+            }
+        }
+        let over: Vec<String> = held
+            .iter()
+            .filter(|(_, slots)| slots.len() > permits as usize || slots.iter().any(|s| *s >= permits))
+            .map(|(name, slots)| {
+                format!("at revision {rev} semaphore {name} (permits {permits}) had slots {slots:?} held")
+            })
+            .collect();
+        self.quota_violations.extend(over);
+    }
+
     fn check_quota(&mut self, rev: i64) {
         let Some((class, max)) = &self.quota_check else {
             return;
@@ -409,6 +438,7 @@ impl Store {
             self.changes.push_back((rev, changes));
             self.record(rev, events);
             self.check_quota(rev);
+            self.check_permits(rev);
         }
         Ok(results)
     }

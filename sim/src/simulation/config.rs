@@ -308,6 +308,11 @@ pub struct SimConfig {
     /// and the lock class has this `maxHoldsPerSubject` (issue 34): the
     /// log is checked after every commit to hold no more (table only).
     pub quota: Option<u32>,
+    /// Every key is a semaphore of this many permits (issue 34): a grant
+    /// holds a slot, which the history then names (each slot judged as a
+    /// lock), and the log is checked after every commit to hold no more
+    /// slots of a semaphore than its permits (table only).
+    pub permits: Option<u32>,
     pub faults: FaultKnobs,
 }
 
@@ -341,6 +346,7 @@ impl SimConfig {
             electors: 0,
             elections: 0,
             quota: None,
+            permits: None,
             faults: FaultKnobs::all(),
         }
     }
@@ -388,6 +394,8 @@ pub const PRESETS: &[&str] = &[
     "elections-three-arbiters",
     "quota",
     "quota-three-arbiters",
+    "semaphores",
+    "semaphores-three-arbiters",
 ];
 
 impl SimConfig {
@@ -430,6 +438,9 @@ impl SimConfig {
     ///   over 12 keys, every worker bounded as one grant subject with a
     ///   quota of 3 ([`SimConfig::quota`]): force-releases and orphan
     ///   releases leave stale places to take again.
+    /// - `semaphores`, `semaphores-three-arbiters`: `forced` (and with 3
+    ///   arbiters) where every one of 3 keys is a semaphore of 3 permits
+    ///   ([`SimConfig::permits`]), so a dozen clients contend for 9 slots.
     /// - `renewal-outages`: the whole arbiter, every fault, force-releases,
     ///   windows in which no lease renewal succeeds for longer than a TTL
     ///   ([`FaultKnobs::renewal_outages`]), and 3% long holds writing until
@@ -500,6 +511,20 @@ impl SimConfig {
             "quota" => Self {
                 keys: 12,
                 quota: Some(3),
+                faults: FaultKnobs::forced(),
+                ..base
+            },
+            "semaphores" => Self {
+                keys: 3,
+                permits: Some(3),
+                faults: FaultKnobs::forced(),
+                ..base
+            },
+            "semaphores-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                keys: 3,
+                permits: Some(3),
                 faults: FaultKnobs::forced(),
                 ..base
             },

@@ -293,7 +293,7 @@ impl Incarnation<'_> {
         renewer: &mut Option<Renewer>,
     ) -> Next {
         let cfg = self.world.cfg.clone();
-        let (key, retrying) = match self.retry.take() {
+        let (mut key, retrying) = match self.retry.take() {
             Some(key) => (key, true),
             None => (
                 format!("sim/k{}", self.rng.below(cfg.keys.max(1) as u64)),
@@ -361,7 +361,7 @@ impl Incarnation<'_> {
             annotations: BTreeMap::new(),
             routed_by: None,
             quota: cfg.quota,
-            permits: None,
+            permits: cfg.permits,
             instance: String::new(),
             bound: match cfg.quota {
                 Some(_) => super::config::QUOTA_SUBJECT.into(),
@@ -372,6 +372,13 @@ impl Incarnation<'_> {
         let token = match answer {
             Call::Answered(Ok(Got::Log(grant))) => match grant.token() {
                 Some(token) => {
+                    if cfg.permits.is_some() {
+                        // A semaphore's grant holds a slot: from here on
+                        // the history, the writes and the release name it,
+                        // and the checker judges each slot as a lock.
+                        key = grant.key.clone();
+                        self.world.rekey(op, &key);
+                    }
                     lock(&self.world.fences).granted(arbiter.index, &grant);
                     if self.world.cfg.faults.force_releases {
                         lock(&self.world.granted_to)

@@ -327,6 +327,14 @@ impl World {
     }
 
     /// Completes `op` now.
+    /// Names `key` as the key of operation `op` (a semaphore's grant: the
+    /// slot it holds).
+    pub(crate) fn rekey(&self, op: OpId, key: &str) {
+        if let Some(o) = lock(&self.recorder).ops.get_mut(op.0) {
+            o.key = Some(key.to_string());
+        }
+    }
+
     pub(crate) fn complete(
         &self,
         op: OpId,
