@@ -75,6 +75,9 @@ pub struct Inspection {
     /// Waiters queued in the lock log (durable classes): the same from
     /// every arbiter.
     pub durable_waiters: u32,
+    /// A semaphore's holders, one per held slot, in slot order (empty for
+    /// a lock: a key is one kind at a time).
+    pub slot_holders: Vec<Holder>,
 }
 
 /// The current holder of a key, in an [`Inspection`].
@@ -92,6 +95,8 @@ pub struct Holder {
     pub acquired_at_unix_ms: i64,
     /// What the class's hooks attached to the grant (a change ticket, say).
     pub annotations: BTreeMap<String, String>,
+    /// The slot held, for a semaphore's holder ([`Inspection::slot_holders`]).
+    pub slot: Option<u32>,
 }
 
 impl Client {
@@ -290,17 +295,20 @@ impl Client {
             }))
             .await?
             .into_inner();
+        let holder = |h: latchkey_proto::lockv1::Holder| Holder {
+            identity: h.identity,
+            session_id: h.session_id,
+            class: h.class,
+            acquired_at_unix_ms: h.acquired_at_unix_ms,
+            annotations: h.annotations.into_iter().collect(),
+            slot: h.slot,
+        };
         Ok(Inspection {
             key: reply.key,
             waiters: reply.waiters,
             durable_waiters: reply.durable_waiters,
-            holder: reply.holder.map(|h| Holder {
-                identity: h.identity,
-                session_id: h.session_id,
-                class: h.class,
-                acquired_at_unix_ms: h.acquired_at_unix_ms,
-                annotations: h.annotations.into_iter().collect(),
-            }),
+            holder: reply.holder.map(holder),
+            slot_holders: reply.slot_holders.into_iter().map(holder).collect(),
         })
     }
 
@@ -518,6 +526,20 @@ impl Client {
         revoke_session: bool,
         id_token: &str,
     ) -> Result<ForceReleaseRequest, Error> {
+        self.request_force_release_in(key, None, reason, revoke_session, id_token)
+            .await
+    }
+
+    /// [`Self::request_force_release`] of the hold in `slot` of semaphore
+    /// `key` (as Inspect lists its slot holders); `None`: a lock's hold.
+    pub async fn request_force_release_in(
+        &self,
+        key: &str,
+        slot: Option<u32>,
+        reason: &str,
+        revoke_session: bool,
+        id_token: &str,
+    ) -> Result<ForceReleaseRequest, Error> {
         let rpc = &self.inner.rpc;
         Ok(rpc
             .admin()
@@ -527,7 +549,7 @@ impl Client {
                 revoke_session,
                 id_token: id_token.to_owned(),
                 election: false,
-                slot: None,
+                slot,
             }))
             .await?
             .into_inner())

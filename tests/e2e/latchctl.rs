@@ -81,7 +81,7 @@ pub(crate) async fn latchctl_hold(
     })
 }
 
-async fn run(cmd: &mut Command) -> anyhow::Result<Output> {
+pub(crate) async fn run(cmd: &mut Command) -> anyhow::Result<Output> {
     timeout(Duration::from_secs(30), cmd.output())
         .await
         .context("latchctl did not finish in 30 s")?

@@ -38,6 +38,9 @@ pub struct ReleaseArgs {
     /// The grant's fencing token.
     #[arg(long)]
     pub token: u64,
+    /// The slot of a semaphore's grant (as `acquire` printed it).
+    #[arg(long)]
+    pub slot: Option<u32>,
 }
 
 /// Opens a session for the class and acquires on it; fences arrive on the
@@ -77,11 +80,15 @@ pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<E
             "epoch": guard.epoch(),
             "revision": guard.revision(),
             "session_id": guard.session_id(),
+            "slot": guard.slot(),
             "ttl_seconds": ttl,
             "detached": args.detach,
         }));
     } else {
         println!("acquired {}", guard.key());
+        if let Some(slot) = guard.slot() {
+            println!("  slot      {slot} (the token is this slot's)");
+        }
         println!("  token     {}", guard.token().get());
         println!("  epoch     {}", guard.epoch());
         println!("  revision  {}", guard.revision());
@@ -90,11 +97,12 @@ pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<E
 
     if args.detach {
         let session_id = guard.session_id();
+        let slot = guard.slot().map(|s| format!(" --slot {s}")).unwrap_or_default();
         guard.detach();
         if !out.json {
             println!(
                 "detached: the hold ends when session {session_id} expires, about {ttl}s after this \
-                 process exits (or: latchctl release {} --session {session_id} --token <token>)",
+                 process exits (or: latchctl release {} --session {session_id}{slot} --token <token>)",
                 args.key
             );
         }
@@ -143,7 +151,12 @@ pub fn stdin_eof() -> oneshot::Receiver<()> {
 
 pub async fn release(client: Client, args: ReleaseArgs, out: Output) -> Result<ExitCode, Failure> {
     client
-        .release_grant(&args.key, args.session, FencingToken::new(args.token))
+        .release_grant_in(
+            &args.key,
+            args.slot,
+            args.session,
+            FencingToken::new(args.token),
+        )
         .await?;
     if out.json {
         out.line(json!({ "key": args.key, "released": true }));

@@ -60,6 +60,10 @@ pub struct ForceRequestArgs {
     /// a lock key of the same name is not touched, nor the other way round.
     #[arg(long)]
     pub election: bool,
+    /// KEY names a semaphore: end the hold in this slot (`latchctl inspect`
+    /// lists them).
+    #[arg(long, conflicts_with = "election")]
+    pub slot: Option<u32>,
     /// Why: shown to the approver and kept in the audit trail.
     #[arg(long)]
     pub reason: String,
@@ -193,7 +197,13 @@ async fn force_release(
                 }
                 false => {
                     client
-                        .request_force_release(&args.key, &args.reason, args.revoke_session, &token)
+                        .request_force_release_in(
+                            &args.key,
+                            args.slot,
+                            &args.reason,
+                            args.revoke_session,
+                            &token,
+                        )
                         .await?
                 }
             };

@@ -165,11 +165,16 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
                 "class": h.class,
                 "acquired_at_unix_ms": h.acquired_at_unix_ms,
             })),
+            "slot_holders": super::inspect::slots_json(&view.slot_holders),
             "last_events": events.as_ref().map(|es| es.iter().map(event_json).collect::<Vec<_>>()),
         }));
         return Ok(ExitCode::SUCCESS);
     }
     match &view.holder {
+        None if !view.slot_holders.is_empty() => {
+            println!("{} is a semaphore", Shown(&view.key));
+            super::inspect::print_slots(&view.slot_holders);
+        }
         None => println!("{} is free", Shown(&view.key)),
         Some(h) => {
             let session = match h.session_id {

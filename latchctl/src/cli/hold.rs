@@ -42,17 +42,27 @@ pub async fn hold(client: Client, args: HoldArgs, out: Output) -> Result<ExitCod
     let (session, guard, mut fenced) =
         grant(&client, &args.key, &args.class, args.wait, &args.meta).await?;
     // stdout belongs to the command: our messages go to stderr.
+    let slot = guard
+        .slot()
+        .map(|s| format!(", slot {s}"))
+        .unwrap_or_default();
     out.note(
-        json!({ "event": "acquired", "key": guard.key(), "epoch": guard.epoch(), "session_id": guard.session_id() }),
+        json!({ "event": "acquired", "key": guard.key(), "epoch": guard.epoch(), "session_id": guard.session_id(), "slot": guard.slot() }),
         format_args!(
-            "latchctl: holding {} (epoch {}, session {}); running {program}",
+            "latchctl: holding {}{slot} (epoch {}, session {}); running {program}",
             guard.key(),
             guard.epoch(),
             guard.session_id()
         ),
     );
 
-    let mut child = Command::new(program)
+    let mut command = Command::new(program);
+    if let Some(slot) = guard.slot() {
+        // A semaphore's grant: the command partitions its work by slot,
+        // and fences each slot's resource with that slot's token.
+        command.env("LATCHKEY_SLOT", slot.to_string());
+    }
+    let mut child = command
         .args(program_args)
         .env("LATCHKEY_TOKEN", guard.token().get().to_string())
         .env("LATCHKEY_KEY", guard.key())

@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use latchkey_client::Client;
+use latchkey_client::{Client, Holder};
 use latchkey_proto::text::Shown;
 use serde_json::json;
 
@@ -30,7 +30,14 @@ pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<E
                 "acquired_at_unix_ms": h.acquired_at_unix_ms,
                 "annotations": h.annotations,
             })),
+            "slot_holders": slots_json(&view.slot_holders),
         }));
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !view.slot_holders.is_empty() {
+        println!("key       {} (a semaphore)", Shown(&view.key));
+        print_slots(&view.slot_holders);
+        println!("waiters   {}", view.waiters);
         return Ok(ExitCode::SUCCESS);
     }
     match &view.holder {
@@ -63,6 +70,40 @@ pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<E
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A semaphore's slot holders as JSON (no token: Inspect has none).
+pub fn slots_json(holders: &[Holder]) -> serde_json::Value {
+    holders
+        .iter()
+        .map(|h| {
+            json!({
+                "slot": h.slot,
+                "identity": h.identity,
+                "session_id": (h.session_id != 0).then_some(h.session_id),
+                "class": h.class,
+                "acquired_at_unix_ms": h.acquired_at_unix_ms,
+            })
+        })
+        .collect()
+}
+
+/// A semaphore's slot holders, one line each, in slot order.
+pub fn print_slots(holders: &[Holder]) {
+    println!("slots     {} held", holders.len());
+    for h in holders {
+        let session = match h.session_id {
+            0 => String::new(),
+            s => format!(" session {s}"),
+        };
+        println!(
+            "  slot {:<4} {}{session}, class {}, since {}",
+            h.slot.unwrap_or_default(),
+            Shown(&h.identity),
+            Shown(&h.class),
+            utc(h.acquired_at_unix_ms)
+        );
+    }
 }
 
 /// RFC 3339 in UTC, without a date-time crate (civil-from-days).
