@@ -315,6 +315,36 @@ def test_bad_input_is_refused_with_an_actionable_reason(alice):
     assert "no-such-class" in refused.value.message
 
 
+def test_a_semaphore_grants_one_slot_per_session(connect):
+    # class builds: kind = "semaphore", permits = 2
+    a = connect("ALICE", default_class="builds")
+    b = connect("BOB", default_class="builds")
+    c = connect("ALICE", default_class="builds")
+    first = a.acquire("demo/py/pool")
+    second = b.acquire("demo/py/pool")
+    assert {first.slot, second.slot} == {0, 1}
+    assert first.key == "demo/py/pool"
+    with pytest.raises(latchkey.Held):
+        c.acquire("demo/py/pool")
+    seen = a.inspect("demo/py/pool")
+    assert seen.holder is None
+    assert [h.slot for h in seen.slot_holders] == [0, 1]
+    # a key is one kind at a time
+    plain = connect("ALICE", default_class="demo")
+    with pytest.raises(latchkey.KindInUse) as refused:
+        plain.acquire("demo/py/pool")
+    assert refused.value.reason == "KIND_IN_USE"
+    # a released slot goes to the next caller, with a larger token
+    freed = first.slot
+    first.release()
+    third = c.acquire("demo/py/pool")
+    assert third.slot == freed
+    assert third.token.value > first.token.value
+    second.release()
+    third.release()
+    assert a.inspect("demo/py/pool").slot_holders == []
+
+
 def test_a_full_quota_is_quota_exceeded(connect):
     # class quota: maxHoldsPerSubject = 2, enforced in the grant transaction
     client = connect("ALICE", default_class="quota")

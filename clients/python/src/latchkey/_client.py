@@ -55,6 +55,8 @@ class Holder:
     lock_class: str
     acquired_at_unix_ms: int
     annotations: Dict[str, str] = field(default_factory=dict)
+    #: The slot held, for a semaphore's holder (in ``Inspection.slot_holders``).
+    slot: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,9 @@ class Inspection:
     holder: Optional[Holder]
     #: Waiters queued on the arbiter that answered.
     waiters: int
+    #: A semaphore's holders, one per held slot, in slot order (empty for a
+    #: lock: a key is one kind at a time).
+    slot_holders: List[Holder] = field(default_factory=list)
 
 
 def _read(what: str, path) -> bytes:
@@ -330,6 +335,8 @@ class Client:
             hold = Hold(key, grant.session_id, FencingToken(grant.token), grant.epoch, grant.revision)
             # Absent from stubs generated before the field existed.
             hold.unprotected = bool(getattr(grant, "unprotected", False))
+            if grant.HasField("slot"):
+                hold.slot = grant.slot
             settled = True
             guard_id = session._granted(hold, on_fence)
         finally:
@@ -489,11 +496,12 @@ class Client:
     def inspect(self, key: str) -> Inspection:
         """Who holds `key` (only for callers with a grant on its prefix)."""
         reply = self._call(self._stub.Inspect, lock_pb2.InspectRequest(key=key))
-        holder = None
-        if reply.HasField("holder"):
-            h = reply.holder
-            holder = Holder(h.identity, h.session_id, getattr(h, "class"), h.acquired_at_unix_ms, dict(h.annotations))
-        return Inspection(reply.key, holder, reply.waiters)
+        def seen(h) -> Holder:
+            slot = h.slot if h.HasField("slot") else None
+            return Holder(h.identity, h.session_id, getattr(h, "class"), h.acquired_at_unix_ms, dict(h.annotations), slot)
+
+        holder = seen(reply.holder) if reply.HasField("holder") else None
+        return Inspection(reply.key, holder, reply.waiters, [seen(h) for h in reply.slot_holders])
 
     def _call(self, method, request, timeout: Optional[float] = None):
         try:
@@ -502,7 +510,10 @@ class Client:
             raise from_rpc_error(error) from None
 
     def _release(self, hold: Hold) -> None:
-        self._call(self._stub.Release, lock_pb2.ReleaseRequest(key=hold.key, session_id=hold.session_id, token=hold.token.value))
+        request = lock_pb2.ReleaseRequest(key=hold.key, session_id=hold.session_id, token=hold.token.value)
+        if hold.slot is not None:
+            request.slot = hold.slot
+        self._call(self._stub.Release, request)
         log.debug("released %s (session %d)", hold.key, hold.session_id)
 
     # -- lifecycle ------------------------------------------------------------
@@ -570,6 +581,13 @@ class LockGuard:
     @property
     def revision(self) -> int:
         return self._hold.revision
+
+    @property
+    def slot(self) -> Optional[int]:
+        """The slot held, for a semaphore class's grant (``0..permits-1``; the
+        token is that slot's, so fence a resource partitioned by slot per
+        slot); None for a lock."""
+        return self._hold.slot
 
     @property
     def session_id(self) -> int:

@@ -163,6 +163,12 @@ class QuotaExceeded(FailedPrecondition):
     class as its ``maxHoldsPerSubject`` allows. Release one first."""
 
 
+class KindInUse(FailedPrecondition):
+    """KIND_IN_USE: the key is held as the other kind (a lock asked of a
+    semaphore whose slots are held, or a semaphore asked of a held lock). A
+    key is one kind at a time: use one class kind per key."""
+
+
 class WrongKind(InvalidArgument):
     """WRONG_KIND: the class is of another kind than the call needs (an
     election class on Acquire, a lock class on Campaign)."""
@@ -179,6 +185,7 @@ _BY_REASON = {
     "NOT_LEADER": NotLeader,
     "NO_CANDIDATE": NoCandidate,
     "QUOTA_EXCEEDED": QuotaExceeded,
+    "KIND_IN_USE": KindInUse,
     "WRONG_KIND": WrongKind,
 }
 

@@ -36,6 +36,8 @@ class Hold:
     #: Granted from an arbiter's memory while the lock cluster had no quorum
     #: (a class with onQuorumLoss = "open", ADR-04): token 0, no fencing.
     unprotected: bool = False
+    #: The slot held, for a semaphore class's grant (0..permits-1); None for a lock.
+    slot: Optional[int] = None
     #: The thread whose acquire reached the arbiter: the one that re-enters.
     owner: Optional[threading.Thread] = None
     #: Set when the hold leaves the table (its final release starts, the

@@ -46,6 +46,8 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_WRONG_KIND: _ClassVar[Reason]
     REASON_NO_CANDIDATE: _ClassVar[Reason]
     REASON_QUOTA_EXCEEDED: _ClassVar[Reason]
+    REASON_KIND_IN_USE: _ClassVar[Reason]
+    REASON_BAD_SLOT: _ClassVar[Reason]
 WAIT_NONE: WaitMode
 WAIT_UNTIL_DEADLINE: WaitMode
 REASON_UNSPECIFIED: Reason
@@ -80,6 +82,8 @@ REASON_NOT_LEADER: Reason
 REASON_WRONG_KIND: Reason
 REASON_NO_CANDIDATE: Reason
 REASON_QUOTA_EXCEEDED: Reason
+REASON_KIND_IN_USE: Reason
+REASON_BAD_SLOT: Reason
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("reuse_session_ids",)
@@ -119,12 +123,14 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., remaining_ttl_seconds: _Optional[int] = ..., ended_holds: _Optional[_Iterable[_Union[EndedHold, _Mapping]]] = ...) -> None: ...
 
 class EndedHold(_message.Message):
-    __slots__ = ("key", "revision")
+    __slots__ = ("key", "revision", "slot")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     key: str
     revision: int
-    def __init__(self, key: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+    slot: int
+    def __init__(self, key: _Optional[str] = ..., revision: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -159,20 +165,22 @@ class AcquireRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., wait: _Optional[_Union[WaitMode, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., instance: _Optional[str] = ..., **kwargs) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("key", "token", "epoch", "revision", "session_id", "unprotected")
+    __slots__ = ("key", "token", "epoch", "revision", "session_id", "unprotected", "slot")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     UNPROTECTED_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     key: str
     token: int
     epoch: int
     revision: int
     session_id: int
     unprotected: bool
-    def __init__(self, key: _Optional[str] = ..., token: _Optional[int] = ..., epoch: _Optional[int] = ..., revision: _Optional[int] = ..., session_id: _Optional[int] = ..., unprotected: _Optional[bool] = ...) -> None: ...
+    slot: int
+    def __init__(self, key: _Optional[str] = ..., token: _Optional[int] = ..., epoch: _Optional[int] = ..., revision: _Optional[int] = ..., session_id: _Optional[int] = ..., unprotected: _Optional[bool] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("grant",)
@@ -181,14 +189,16 @@ class AcquireResponse(_message.Message):
     def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("key", "session_id", "token")
+    __slots__ = ("key", "session_id", "token", "slot")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     key: str
     session_id: int
     token: int
-    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+    slot: int
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -201,7 +211,7 @@ class InspectRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("identity", "session_id", "token", "acquired_at_unix_ms", "annotations")
+    __slots__ = ("identity", "session_id", "token", "acquired_at_unix_ms", "annotations", "slot")
     class AnnotationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -215,21 +225,25 @@ class Holder(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ACQUIRED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     identity: str
     session_id: int
     token: int
     acquired_at_unix_ms: int
     annotations: _containers.ScalarMap[str, str]
-    def __init__(self, identity: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., acquired_at_unix_ms: _Optional[int] = ..., annotations: _Optional[_Mapping[str, str]] = ..., **kwargs) -> None: ...
+    slot: int
+    def __init__(self, identity: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., acquired_at_unix_ms: _Optional[int] = ..., annotations: _Optional[_Mapping[str, str]] = ..., slot: _Optional[int] = ..., **kwargs) -> None: ...
 
 class InspectResponse(_message.Message):
-    __slots__ = ("key", "holder", "waiters", "durable_waiters")
+    __slots__ = ("key", "holder", "waiters", "durable_waiters", "slot_holders")
     KEY_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     WAITERS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_WAITERS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     key: str
     holder: Holder
     waiters: int
     durable_waiters: int
-    def __init__(self, key: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[int] = ..., durable_waiters: _Optional[int] = ...) -> None: ...
+    slot_holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    def __init__(self, key: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[int] = ..., durable_waiters: _Optional[int] = ..., slot_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ...) -> None: ...
