@@ -116,6 +116,14 @@ pub enum ArbiterError {
     #[error("{0}")]
     BadSlot(String),
     #[error(
+        "semaphore {key:?} is held under class {held_class:?}, and a semaphore's permits are its class's: acquire it with class {held_class:?}, not {class:?}"
+    )]
+    ClassInUse {
+        key: String,
+        held_class: String,
+        class: String,
+    },
+    #[error(
         "the token does not match the current grant of key {key:?}; release with the token the grant returned"
     )]
     TokenMismatch { key: String },
@@ -216,7 +224,7 @@ impl ArbiterError {
             Self::IdentityLimit { .. } => Reason::IdentityLimit,
             Self::NotHeld { .. } => Reason::NotHeld,
             Self::QuotaExceeded { .. } => Reason::QuotaExceeded,
-            Self::KindInUse { .. } => Reason::KindInUse,
+            Self::KindInUse { .. } | Self::ClassInUse { .. } => Reason::KindInUse,
             Self::BadSlot(_) => Reason::BadSlot,
             Self::TokenMismatch { .. } => Reason::TokenMismatch,
             Self::NotLeader { .. } => Reason::NotLeader,
@@ -258,6 +266,7 @@ impl ArbiterError {
             | Self::NotHeld { .. }
             | Self::QuotaExceeded { .. }
             | Self::KindInUse { .. }
+            | Self::ClassInUse { .. }
             | Self::TokenMismatch { .. }
             | Self::NotLeader { .. }
             | Self::NoCandidate(_)

@@ -161,10 +161,14 @@ impl HoldCounts {
             }
             View::Broken(_) => {}
         }
-        self.keys
-            .lock()
-            .get(key)
-            .is_some_and(|h| h.session != session)
+        let keys = self.keys.lock();
+        if keys.get(key).is_some_and(|h| h.session != session) {
+            return true;
+        }
+        // A key is one kind at a time: a semaphore's held slot, whoever
+        // holds it, keeps the name from a lock's memory grant too.
+        (0..latchkey_policies::MAX_PERMITS)
+            .any(|slot| keys.contains_key(&crate::records::slot_key(key, slot)))
     }
 
     /// Replaces the count with a fresh one read at `revision`, and tells of

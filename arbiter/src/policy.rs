@@ -66,6 +66,17 @@ pub struct Policies {
     hooks: Option<Arc<HookHost>>,
 }
 
+impl crate::table::ClassPermits for Policies {
+    fn permits(&self, class: &str) -> Option<u32> {
+        let set = self.current();
+        let class = set.class(class)?;
+        match class.kind {
+            latchkey_policies::ClassKind::Semaphore => class.permits,
+            _ => None,
+        }
+    }
+}
+
 impl Policies {
     pub fn load(dir: &Path) -> Result<Self, LoadError> {
         // Fingerprint first: an edit made during the load is then seen as a change.

@@ -104,8 +104,11 @@ pub enum MapError {
 }
 
 /// The range of `key` (its homing unit): the namespace and the first path
-/// segment, or the namespace alone for a key of two segments.
+/// segment, or the namespace alone for a key of two segments. A semaphore
+/// slot's key is in its semaphore's range: a slot lives, moves and drains
+/// with the name its callers route by.
 pub fn range_of(key: &str) -> &str {
+    let key = crate::records::named_key(key);
     let mut cuts = key.match_indices('/').map(|(i, _)| i);
     match (cuts.next(), cuts.next()) {
         (Some(_), Some(second)) => &key[..second],
@@ -325,6 +328,13 @@ mod tests {
         assert_eq!(range_of("payments/orders/123/lines/4"), "payments/orders");
         assert_eq!(range_of("demo/x"), "demo");
         assert_eq!(range_of("solo"), "solo");
+        // a slot is in its semaphore's range (found by the hostile review:
+        // "ns/a//s/0000" was in range "ns/a", so a move of "ns" did not
+        // drain the slots of "ns/a")
+        let slot = crate::records::slot_key("ns/a", 0);
+        assert_eq!(range_of(&slot), "ns");
+        assert_eq!(range_of(&crate::records::slot_key("solo", 3)), "solo");
+        assert_eq!(range_of(&crate::records::slot_key("p/o/1", 3)), "p/o");
     }
 
     #[test]

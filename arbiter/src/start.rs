@@ -245,6 +245,10 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
     metrics.set_admission(Arc::clone(&admission));
     // The overload signal: how long renewals take at the lanes.
     bounds.report_renewals_to(Arc::clone(&admission));
+    // Semaphore waiters are granted by the permits the policies give now.
+    for cluster in tiers.all() {
+        cluster.table.set_permits_source(policies.clone());
+    }
     Ok(Arc::new(Arbiter {
         metrics,
         admission,

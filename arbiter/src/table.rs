@@ -305,9 +305,18 @@ pub trait KeyGate: Send + Sync {
     fn blocked(&self, req: &GrantRequest) -> bool;
 }
 
+/// A semaphore class's permits as the policies say now: a waiter queued
+/// before a reload is granted by the new number, not the one it came with.
+pub trait ClassPermits: Send + Sync {
+    /// `class`'s permits now; `None` if it is not (or no longer) a
+    /// semaphore class (the waiter's own number then stands).
+    fn permits(&self, class: &str) -> Option<u32>;
+}
+
 pub struct LockTable {
     log: Arc<dyn LockLog>,
     gate: parking_lot::RwLock<Option<Arc<dyn KeyGate>>>,
+    permits: parking_lot::RwLock<Option<Arc<dyn ClassPermits>>>,
     seal: Seal,
     book: Mutex<Book>,
     batches: Batches,
@@ -378,6 +387,7 @@ impl LockTable {
             ),
             log,
             gate: parking_lot::RwLock::new(None),
+            permits: parking_lot::RwLock::new(None),
             book: Mutex::new(Book::default()),
             batches: Batches::default(),
             next_id: AtomicU64::new(1),
@@ -400,6 +410,16 @@ impl LockTable {
     /// Installs the [`KeyGate`] consulted before every grant.
     pub fn set_gate(&self, gate: Arc<dyn KeyGate>) {
         *self.gate.write() = Some(gate);
+    }
+
+    /// Installs where semaphore classes' current permits are read.
+    pub fn set_permits_source(&self, source: Arc<dyn ClassPermits>) {
+        *self.permits.write() = Some(source);
+    }
+
+    /// `class`'s permits now, if a source is installed and says.
+    fn permits_now(&self, class: &str) -> Option<u32> {
+        self.permits.read().as_ref().and_then(|p| p.permits(class))
     }
 
     /// Whether the gate keeps `req.key` from `req.session` now.

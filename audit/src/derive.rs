@@ -401,7 +401,26 @@ impl LogState {
             };
             events.push(event);
         }
+        for event in &mut events {
+            named_by_slot(event);
+        }
         events
+    }
+}
+
+/// A semaphore's slot is held on a key of its own (`<name>//s/<slot>`):
+/// its events are the semaphore's, under the name callers use (so `latchctl
+/// audit` and `why` of the name find them), with the slot in the detail.
+fn named_by_slot(event: &mut Event) {
+    let Some((name, slot)) = latchkey_records::split_slot(&event.key) else {
+        return;
+    };
+    event.key = name.to_string();
+    match event.detail.as_object_mut() {
+        Some(detail) => {
+            detail.insert("slot".into(), slot.into());
+        }
+        None => event.detail = serde_json::json!({ "slot": slot }),
     }
 }
 

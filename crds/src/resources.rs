@@ -120,6 +120,34 @@ pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
         "maxHoldsPerSubject is not allowed with onQuorumLoss: open: a memory grant made \
          without the lock log cannot take a quota place in it, so the quota would not hold"
     ),
+    validation = Rule::new("!has(self.kind) || self.kind != 'semaphore' || has(self.permits)")
+        .message(
+            "a semaphore class (kind: semaphore) needs permits, the number of holds a key \
+             carries at once, e.g. permits: 8"
+        ),
+    validation = Rule::new("!has(self.permits) || (has(self.kind) && self.kind == 'semaphore')")
+        .message("permits is for semaphore classes: set kind: semaphore or remove permits"),
+    validation = Rule::new(
+        "!has(self.kind) || self.kind != 'semaphore' || !has(self.onQuorumLoss) || self.onQuorumLoss != 'open'"
+    )
+    .message(
+        "a semaphore class takes no onQuorumLoss: open: a slot is only ever granted by the \
+         lock log, which counts the permits"
+    ),
+    validation = Rule::new(
+        "!has(self.kind) || self.kind != 'semaphore' || !has(self.fairness) || self.fairness == 'memory'"
+    )
+    .message(
+        "a semaphore class takes no fairness: durable: a semaphore's waiters queue on the \
+         arbiter they called (FIFO per arbiter)"
+    ),
+    validation = Rule::new(
+        "!has(self.kind) || self.kind != 'semaphore' || !has(self.maxHoldsPerSubject)"
+    )
+    .message(
+        "a semaphore class takes no maxHoldsPerSubject (yet): a quota place and a slot are \
+         not yet taken in one transaction"
+    ),
     validation = Rule::new("!has(self.kind) || self.kind != 'election' || !has(self.hook)").message(
         "an election class takes no hook: class hooks run before lock grants only, not before \
          a leadership"
@@ -191,6 +219,13 @@ pub struct LockClassSpec {
     #[x_kube(validation = Rule::new("self >= 1 && self <= 256")
         .message("maxHoldsPerSubject is outside 1..=256"))]
     pub max_holds_per_subject: Option<u32>,
+    /// Semaphore classes only (and required there): how many holds a key of
+    /// the class carries at once, each in its own slot `0..permits`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 256))]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 256")
+        .message("permits is outside 1..=256"))]
+    pub permits: Option<u32>,
     /// Election classes only: a leader is asked (Observe's
     /// TransferRequested) to yield when a higher-priority candidate stands.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -356,6 +391,7 @@ pub enum ClassKind {
     #[default]
     Lock,
     Election,
+    Semaphore,
 }
 
 impl ClassKind {

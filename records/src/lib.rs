@@ -409,7 +409,12 @@ pub fn slots_of(name: &str) -> String {
 /// own key.
 pub fn split_slot(key: &str) -> Option<(&str, u32)> {
     let (name, rest) = key.split_once("//s/")?;
-    (rest.len() == 4 && !name.is_empty())
+    // exactly as `slot_key` spells it: four lowercase hex digits
+    let spelled = rest.len() == 4
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    (spelled && !name.is_empty())
         .then(|| u32::from_str_radix(rest, 16).ok())
         .flatten()
         .map(|slot| (name, slot))
@@ -621,6 +626,9 @@ mod tests {
         assert_eq!(named_key("jobs/s/0007"), "jobs/s/0007");
         assert_eq!(split_slot("a//s/07"), None);
         assert_eq!(split_slot("//s/0001"), None);
+        assert_eq!(split_slot("a//s/+fff"), None);
+        assert_eq!(split_slot("a//s/00FF"), None);
+        assert_eq!(split_slot("a//s/00ff"), Some(("a", 255)));
     }
 
     #[test]

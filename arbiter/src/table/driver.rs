@@ -35,10 +35,17 @@ pub(super) async fn drive(
     stop: CancellationToken,
 ) {
     let mut watch: Option<Box<dyn KeyWatch>> = None;
+    // Whether the watch is on a semaphore's slots (else on the key).
+    let mut watching_slots = false;
     let mut from = watch_from;
     while let Some(head) = table.head_or_retire(&key) {
         if stop.is_cancelled() {
             return;
+        }
+        if watch.is_some() && watching_slots != head.req.permits.is_some() {
+            // The head is of the other kind than the watch was opened for
+            // (callers mixing classes on one name): watch what it waits on.
+            watch = None;
         }
         if table.gated(&head.req) {
             // Kept from this session for now (a memory grant of a quorum
@@ -102,6 +109,7 @@ pub(super) async fn drive(
                 None => key.clone(),
             };
             watch = table.log.watch(&watched, rev).await.ok();
+            watching_slots = head.req.permits.is_some();
         }
         // Wait for a hint.
         match watch.as_mut() {

@@ -54,9 +54,20 @@ impl LockTable {
         req: &GrantRequest,
         turn: QueueTurn,
     ) -> Result<Option<Attempt>, ArbiterError> {
-        // Registered before the gate is looked at (see `writing`).
+        // Registered before the gate is looked at (see `writing`). A slot's
+        // grant is also a write of its semaphore's name, which a memory
+        // grant of the name as a lock must wait for, and the gate is asked
+        // about the name too (a key is one kind at a time).
         let _writing = self.write_on(&req.key);
-        if self.gated(req) {
+        let named = crate::records::named_key(&req.key);
+        let _writing_name = (named != req.key).then(|| self.write_on(named));
+        if self.gated(req)
+            || (named != req.key
+                && self.gated(&GrantRequest {
+                    key: named.to_string(),
+                    ..req.clone()
+                }))
+        {
             return Ok(Some(Attempt::Gated));
         }
         let state = self.seal.serving_epoch().await?;

@@ -56,8 +56,12 @@ impl LockTable {
     pub(super) async fn attempt_permit(
         self: &Arc<Self>,
         req: &GrantRequest,
-        permits: u32,
+        queued_with: u32,
     ) -> Result<Attempt, ArbiterError> {
+        // A waiter queued before a policy reload is granted by the permits
+        // the policies give now (found by the hostile review: a lowered
+        // number let old waiters take slots above it).
+        let permits = self.permits_now(&req.class).unwrap_or(queued_with);
         let mut watch_from = None;
         for _ in 0..SLOT_TRIES {
             let (holds, header) = self
@@ -73,7 +77,8 @@ impl LockTable {
                 if name != req.key {
                     continue;
                 }
-                if let Some(record) = decode::<HolderRecord>(&kv.value)
+                let record = decode::<HolderRecord>(&kv.value);
+                if let Some(record) = &record
                     && record.session == req.session
                     && record.identity == req.identity
                 {
@@ -84,6 +89,20 @@ impl LockTable {
                         epoch: state.epoch(),
                         revision: kv.mod_revision,
                     }));
+                }
+                // One class per semaphore: its permits are the class's, so
+                // a caller cannot pick a class of more permits to exceed
+                // them (the hostile review). Checked on the slots read; two
+                // first grants of two classes racing can both pass, so the
+                // bound is then the larger class's (policies/README).
+                if let Some(record) = &record
+                    && record.class != req.class
+                {
+                    return Err(ArbiterError::ClassInUse {
+                        key: req.key.clone(),
+                        held_class: record.class.clone(),
+                        class: req.class.clone(),
+                    });
                 }
                 live.push((slot, true));
             }
@@ -111,6 +130,26 @@ impl LockTable {
         Ok(Attempt::Held {
             watch_from: watch_from.unwrap_or(0),
         })
+    }
+
+    /// The key of `identity`'s slot of semaphore `name` on `session` whose
+    /// grant is `token`'s (what a release naming no slot means), if any.
+    pub async fn own_slot(
+        &self,
+        name: &str,
+        identity: &str,
+        session: i64,
+        token: u64,
+    ) -> Result<Option<String>, ArbiterError> {
+        let (_, revision) = crate::token::unpack(token);
+        Ok(self
+            .slot_holders(name)
+            .await?
+            .into_iter()
+            .find(|(_, h)| {
+                h.lease == session && h.revision == revision && h.record.identity == identity
+            })
+            .map(|(slot, _)| slot_key(name, slot)))
     }
 
     /// With waiters queued on semaphore `req.key`, the session's own slot,

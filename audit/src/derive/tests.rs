@@ -108,6 +108,34 @@ fn a_grant_and_its_release() {
 }
 
 #[test]
+fn a_semaphores_slots_are_its_events_under_its_name() {
+    let mut state = started();
+    let g = state.apply(
+        10,
+        &[
+            put("l/jobs/pool//s/0000", holder(ALICE, 7), 7),
+            put("l/jobs/pool//s/0001", holder(BOB, 8), 8),
+        ],
+    );
+    assert_eq!(
+        kinds(&g),
+        [
+            ("jobs/pool", Kind::Grant, Ended::No),
+            ("jobs/pool", Kind::Grant, Ended::No)
+        ]
+    );
+    assert_eq!((g[0].detail["slot"].as_u64(), g[1].detail["slot"].as_u64()), (Some(0), Some(1)));
+    assert_eq!(g[0].detail["acquiredAtUnixMs"], 1);
+    let r = state.apply(11, &[del("l/jobs/pool//s/0001")]);
+    assert_eq!(
+        kinds(&r),
+        [("jobs/pool", Kind::Release, Ended::Released)]
+    );
+    assert_eq!((r[0].identity.as_str(), r[0].hold_revision), (BOB, 10));
+    assert_eq!(r[0].detail["slot"], 1);
+}
+
+#[test]
 fn a_lapsed_lease_ends_every_hold_on_it_in_one_revision() {
     let mut state = started();
     state.apply(10, &[put("l/a", holder(ALICE, 7), 7)]);

@@ -229,6 +229,8 @@ pub fn decode(method: Method, message: &[u8]) -> Result<KeyedRequest<'_>, Reques
             }
             (Method::Release, 2) => check_varint(value, field)?,
             (Method::Release, 3) => check_fixed64(value, field)?,
+            // A semaphore grant's slot (a uint32: prost truncates the varint).
+            (Method::Release, 4) => check_varint(value, field)?,
             // CampaignRequest: session_id 3, value 4, priority 5 (prost
             // truncates a uint32's varint, so no range check), instance 6.
             (Method::Campaign, 3 | 5) => check_varint(value, field)?,
