@@ -334,14 +334,21 @@ pub fn batch_is_distinct(ops: &[BatchOp<'_>]) -> Result<(), StoreError> {
             context: "two members of a batch on one key".into(),
         });
     }
-    let mut named = std::collections::BTreeSet::new();
-    if !ops
-        .iter()
-        .filter(|op| matches!(op, BatchOp::Grant(_)))
-        .all(|op| named.insert(crate::records::named_key(op.key())))
-    {
+    // A lock's grant and a grant of a slot under it compare each other's
+    // absence: both would pass on the store before the batch.
+    let (mut locks, mut slots) = (
+        std::collections::BTreeSet::new(),
+        std::collections::BTreeSet::new(),
+    );
+    for op in ops.iter().filter(|op| matches!(op, BatchOp::Grant(_))) {
+        match crate::records::split_slot(op.key()) {
+            Some((name, _)) => slots.insert(name),
+            None => locks.insert(op.key()),
+        };
+    }
+    if locks.intersection(&slots).next().is_some() {
         return Err(StoreError::Refused {
-            context: "two grants of a batch on one key or semaphore".into(),
+            context: "a lock's grant and a grant of a slot under it in one batch".into(),
         });
     }
     let mut places = std::collections::BTreeSet::new();

@@ -14,7 +14,7 @@
 //! outcome; a batch the log refused before writing anything runs again one
 //! member at a time, so each hears its own reason.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -73,22 +73,37 @@ impl Member {
     /// place (etcd refuses a transaction that puts one key twice, and two
     /// grants racing for one place are decided by separate transactions).
     /// A NUL begins a place's name: no lock key has one. A grant also
-    /// names the key as its caller named it (SOH, then a semaphore's name
-    /// for a slot): a lock's grant and a grant of a slot under it compare
-    /// each other's absence, which two members of one batch would both pass.
+    /// names its kind of the key as its caller named it: SOH and the key for
+    /// a lock's grant, STX and the semaphore's name for a slot's. A lock's
+    /// grant and a grant of a slot under it compare each other's absence,
+    /// which two members of one batch would both pass: each
+    /// [`Self::conflicts`] with the other's, while slots of one semaphore go
+    /// together.
     fn names(&self) -> impl Iterator<Item = String> + '_ {
         let (place, kind) = match self {
             Member::Grant(g) => (
                 g.quota.as_ref().map(|take| {
                     format!("\0{}\0{}\0{}", take.class, take.subject, take.index)
                 }),
-                Some(format!("\u{1}{}", crate::records::named_key(&g.key))),
+                Some(kind_name(&g.key, false)),
             ),
             Member::Release(_) => (None, None),
         };
         std::iter::once(self.key().to_string())
             .chain(place)
             .chain(kind)
+    }
+
+    /// The names that keep this member out of a batch, or make it wait for
+    /// a batch in flight: its key and quota place ([`Self::names`] but its
+    /// kind's name, which slots of one semaphore share), and for a grant
+    /// the other kind's name of its key.
+    fn conflicts(&self) -> impl Iterator<Item = String> + '_ {
+        let (own, other) = match self {
+            Member::Grant(g) => (Some(kind_name(&g.key, false)), Some(kind_name(&g.key, true))),
+            Member::Release(_) => (None, None),
+        };
+        self.names().filter(move |n| Some(n) != own.as_ref()).chain(other)
     }
 
     /// The transaction's kind, as a trace span names it (telemetry.rs).
@@ -114,6 +129,14 @@ impl Member {
             Member::Release(r) => BatchOp::Release(r),
         }
     }
+}
+
+/// The name a grant of `key` takes for its kind (`other`: the name of the
+/// other kind on the same key).
+fn kind_name(key: &str, other: bool) -> String {
+    let slot = crate::records::split_slot(key).is_some();
+    let tag = if slot != other { '\u{2}' } else { '\u{1}' };
+    format!("{tag}{}", crate::records::named_key(key))
 }
 
 /// What a member hears: its outcome and the batch's (checked) header.
@@ -146,7 +169,7 @@ pub(super) struct Batches {
 struct Queue {
     waiting: VecDeque<Pending>,
     /// Keys of the members in flight: a later member on one of them waits.
-    in_flight: BTreeSet<String>,
+    in_flight: BTreeMap<String, usize>,
     /// Committer tasks running, each sending one batch at a time.
     committers: usize,
     stats: BatchStats,
@@ -188,13 +211,13 @@ impl Batches {
             if p.reply.is_closed() {
                 continue; // its caller went away before it was sent
             }
-            let names: Vec<String> = p.member.names().collect();
             if batch.len() < limit
-                && names
-                    .iter()
-                    .all(|n| !q.in_flight.contains(n) && !keys.contains(n))
+                && p
+                    .member
+                    .conflicts()
+                    .all(|n| !q.in_flight.contains_key(&n) && !keys.contains(&n))
             {
-                keys.extend(names);
+                keys.extend(p.member.names());
                 batch.push(p);
             } else {
                 rest.push_back(p);
@@ -205,7 +228,11 @@ impl Batches {
             q.committers = q.committers.saturating_sub(1);
             return None;
         }
-        q.in_flight.extend(keys);
+        for p in &batch {
+            for name in p.member.names() {
+                *q.in_flight.entry(name).or_insert(0) += 1;
+            }
+        }
         let stats = &mut q.stats;
         stats.batches += 1;
         stats.members += batch.len() as u64;
@@ -218,7 +245,12 @@ impl Batches {
         let mut q = self.lock();
         for p in batch {
             for name in p.member.names() {
-                q.in_flight.remove(&name);
+                if let Some(n) = q.in_flight.get_mut(&name) {
+                    *n -= 1;
+                    if *n == 0 {
+                        q.in_flight.remove(&name);
+                    }
+                }
             }
         }
     }

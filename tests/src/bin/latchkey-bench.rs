@@ -27,6 +27,9 @@
 //! 3b. **Latchkey with a quota** — the same with a class that sets
 //!    `maxHoldsPerSubject` (issue 34): each grant reads the subject's quota places and
 //!    takes one in its transaction; the baseline is 3.
+//! 3c. **Latchkey semaphore** — the same on one key of a semaphore class with as many
+//!    permits as workers (issue 34): every worker holds a slot of one name at once, each
+//!    grant reads the slots and takes a free one; the baseline is 3 (one key per worker).
 //! 6. With `--durable`, the large hot-key scenario again with a durable class (ADR-14:
 //!    waiters queued in etcd, `bench/hot-durable`): what the durable queue costs.
 //!
@@ -72,6 +75,9 @@ const DURABLE_CLASS: &str = "bench-durable";
 /// The demo class with a quota (`maxHoldsPerSubject`, issue 34) above any
 /// worker count: every grant takes a quota place in its transaction.
 const QUOTA_CLASS: &str = "bench-quota";
+/// A semaphore class (issue 34) of 256 permits: the uncontended workers
+/// share one name, a slot each.
+const SEMAPHORE_CLASS: &str = "bench-semaphore";
 const LEASE_TTL_SECS: i64 = 15;
 /// How long a contended waiter may queue before the run is declared stuck.
 const WAIT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -286,6 +292,22 @@ async fn main() -> anyhow::Result<()> {
             format!("latchkey with maxHoldsPerSubject (C={c})"),
             &quota,
             &quota.latency,
+            Some((plain_label.as_str(), &latchkey, &latchkey.latency)),
+        );
+        eprintln!("running: latchkey semaphore Acquire + Release, C={c} on one name");
+        let semaphore = uncontended(&plan, |_| {
+            Latchkey::connect(
+                addr,
+                "workload/bench".to_owned(),
+                "bench/pool".to_owned(),
+                SEMAPHORE_CLASS,
+            )
+        })
+        .await?;
+        table.row(
+            format!("latchkey semaphore, C={c} slots of one name"),
+            &semaphore,
+            &semaphore.latency,
             Some((plain_label.as_str(), &latchkey, &latchkey.latency)),
         );
     }
@@ -568,7 +590,7 @@ impl Latchkey {
                 key: grant.key.clone(),
                 session_id: grant.session_id,
                 token: grant.token,
-                slot: None,
+                slot: grant.slot,
             })
             .await
             .with_context(|| format!("release {}", grant.key))?;
@@ -795,6 +817,13 @@ fn policies_with_waiters(names: &[String]) -> anyhow::Result<TempDir> {
     );
     let path = dir.path().join("classes/zz-bench-quota.toml");
     std::fs::write(&path, quota).with_context(|| format!("writing {}", path.display()))?;
+    let semaphore = format!(
+        "[[class]]\nname = \"{SEMAPHORE_CLASS}\"\ndescription = \"latchkey-bench: a semaphore\"\n\
+         kind = \"semaphore\"\npermits = 256\ntier = \"coord\"\nenforcement = \"fenced\"\nttlSeconds = 15\n\
+         [class.pauseTest]\nresource = \"postgresql:dev.latchkey_fenced_rows\"\nresult = \"pause-tests/bench-semaphore.json\"\n"
+    );
+    let path = dir.path().join("classes/zz-bench-semaphore.toml");
+    std::fs::write(&path, semaphore).with_context(|| format!("writing {}", path.display()))?;
     latchkey_tests::write_pause_test_fixtures(dir.path())?;
     let grants: String = names
         .iter()

@@ -98,6 +98,21 @@ pub async fn a_key_is_one_kind_at_a_time(log: &dyn LockLog) -> anyhow::Result<()
             .await;
         ensure!(both.is_err(), "a batch of a lock and its slot: {both:?}");
         unchanged(log, before, "a refused batch").await?;
+        // Two slots of one semaphore go together, at one revision.
+        let (s1, s2) = (slot_key(other, 1), slot_key(other, 2));
+        let before = revision(log).await?;
+        let both = log
+            .batch(vec![
+                BatchOp::Grant(txn(&s1, c, &epoch, &rc)),
+                BatchOp::Grant(txn(&s2, d, &epoch, &rd)),
+            ])
+            .await?
+            .value;
+        ensure!(
+            both.iter().all(|o| o.committed()),
+            "two slots of one semaphore in a batch: {both:?}"
+        );
+        one_write(log, before, "a batch of two slots").await?;
     }
     revoke_all(log, &[c, d]).await?;
     Ok(())
