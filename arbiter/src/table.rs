@@ -466,9 +466,8 @@ impl LockTable {
     /// place: the release kicks its driver, whose grant transaction takes
     /// one), nor to a semaphore's waiter (it takes a slot, not the key).
     fn ungated_head(&self, key: &str) -> Option<Head> {
-        self.head(key).filter(|h| {
-            !self.gated(&h.req) && h.req.quota.is_none() && h.req.permits.is_none()
-        })
+        self.head(key)
+            .filter(|h| !self.gated(&h.req) && h.req.quota.is_none() && h.req.permits.is_none())
     }
 
     pub fn log(&self) -> &Arc<dyn LockLog> {

@@ -238,13 +238,31 @@ fn class_cases() -> Vec<Case> {
             "a quota on an election class",
             fenced(json!({"kind": "election", "maxHoldsPerSubject": 2})),
         ),
-        ok("a semaphore of 8", fenced(json!({"kind": "semaphore", "permits": 8}))),
-        ok("a semaphore of 256", fenced(json!({"kind": "semaphore", "permits": 256}))),
-        ok("a semaphore of 0", fenced(json!({"kind": "semaphore", "permits": 0}))),
-        ok("a semaphore of 257", fenced(json!({"kind": "semaphore", "permits": 257}))),
-        ok("a semaphore without permits", fenced(json!({"kind": "semaphore"}))),
+        ok(
+            "a semaphore of 8",
+            fenced(json!({"kind": "semaphore", "permits": 8})),
+        ),
+        ok(
+            "a semaphore of 256",
+            fenced(json!({"kind": "semaphore", "permits": 256})),
+        ),
+        ok(
+            "a semaphore of 0",
+            fenced(json!({"kind": "semaphore", "permits": 0})),
+        ),
+        ok(
+            "a semaphore of 257",
+            fenced(json!({"kind": "semaphore", "permits": 257})),
+        ),
+        ok(
+            "a semaphore without permits",
+            fenced(json!({"kind": "semaphore"})),
+        ),
         ok("permits on a lock", fenced(json!({"permits": 2}))),
-        ok("permits on an election", fenced(json!({"kind": "election", "permits": 2}))),
+        ok(
+            "permits on an election",
+            fenced(json!({"kind": "election", "permits": 2})),
+        ),
         ok(
             "a semaphore open on quorum loss",
             advisory(json!({"kind": "semaphore", "permits": 2, "onQuorumLoss": "open"})),

@@ -41,8 +41,8 @@ pub use class::{
     ADVISORY_MIN_TTL_SECONDS, ClassError, ClassKind, DEFAULT_MAX_WAITERS_PER_KEY,
     DEFAULT_TTL_SECONDS, Enforcement, FENCE_MARGIN_MS, Fairness, LockClass, MAX_CLASS_NAME_BYTES,
     MAX_CLASS_NAMESPACES, MAX_ELECTION_CANDIDATES, MAX_PERMITS, MAX_TTL_SECONDS,
-    MAX_WAITERS_PER_KEY_LIMIT,
-    MIN_TTL_SECONDS, NameError, OnQuorumLoss, ReviewReport, Tier, review,
+    MAX_WAITERS_PER_KEY_LIMIT, MIN_TTL_SECONDS, NameError, OnQuorumLoss, ReviewReport, Tier,
+    review,
 };
 pub use date::{Date, DateError};
 pub use error::PolicyError;

@@ -63,7 +63,8 @@ result = "pause-tests/{SEMAPHORE}.json"
 }
 
 fn slot_of(g: &Grant) -> anyhow::Result<u32> {
-    g.slot.with_context(|| format!("a semaphore grant without a slot: {g:?}"))
+    g.slot
+        .with_context(|| format!("a semaphore grant without a slot: {g:?}"))
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -225,7 +226,12 @@ async fn latchctl_speaks_slots(addr: SocketAddr) -> anyhow::Result<()> {
     use crate::latchctl::{latchctl, run};
     let as_alice = || latchctl(addr, "workload/alice");
     let out = run(as_alice()?.args([
-        "--json", "acquire", "demo/cli-sem", "--class", SEMAPHORE, "--detach",
+        "--json",
+        "acquire",
+        "demo/cli-sem",
+        "--class",
+        SEMAPHORE,
+        "--detach",
     ]))
     .await?;
     ensure!(out.status.success(), "acquire: {out:?}");
@@ -301,7 +307,11 @@ impl Tally {
     fn refused(&self, s: &tonic::Status) {
         self.refusals.fetch_add(1, Ordering::Relaxed);
         let (code, reason) = crate::support::refusal(s);
-        *self.why.lock().entry(format!("{code:?}/{reason}")).or_insert(0) += 1;
+        *self
+            .why
+            .lock()
+            .entry(format!("{code:?}/{reason}"))
+            .or_insert(0) += 1;
     }
 }
 
@@ -406,7 +416,10 @@ async fn census(
     let mut member = 0usize;
     let give_up = Instant::now() + Duration::from_secs(120);
     'members: loop {
-        ensure!(Instant::now() < give_up, "the census could not follow the slots");
+        ensure!(
+            Instant::now() < give_up,
+            "the census could not follow the slots"
+        );
         let client = &clients[member % clients.len()];
         member += 1;
         let mut stream = match watch_from(
@@ -437,7 +450,10 @@ async fn census(
                 Ok(Some(resp)) => resp,
                 _ => continue 'members,
             };
-            ensure!(!resp.canceled(), "the census watch was cancelled (compacted?)");
+            ensure!(
+                !resp.canceled(),
+                "the census watch was cancelled (compacted?)"
+            );
             let mut at = None;
             for event in resp.events() {
                 let Some(kv) = event.kv() else { continue };
@@ -474,8 +490,7 @@ impl Census {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn two_hundred_contenders_never_exceed_eight_permits_through_kills() -> anyhow::Result<()>
-{
+async fn two_hundred_contenders_never_exceed_eight_permits_through_kills() -> anyhow::Result<()> {
     const PERMITS: u32 = 8;
     const CONTENDERS: usize = 200;
     init_tracing();
@@ -491,10 +506,9 @@ async fn two_hundred_contenders_never_exceed_eight_permits_through_kills() -> an
     };
     let binary = std::path::PathBuf::from(env!("CARGO_BIN_EXE_arbiter-under-test"));
     let endpoints = cluster.endpoints();
-    let a = ArbiterProcess::start_with(&binary, &endpoints, None, opts.clone(), "info", &[])
-        .await?;
-    let mut b =
-        ArbiterProcess::start_with(&binary, &endpoints, None, opts, "info", &[]).await?;
+    let a =
+        ArbiterProcess::start_with(&binary, &endpoints, None, opts.clone(), "info", &[]).await?;
+    let mut b = ArbiterProcess::start_with(&binary, &endpoints, None, opts, "info", &[]).await?;
 
     let mut members = Vec::new();
     for i in 0..cluster.members() {
@@ -535,10 +549,16 @@ async fn two_hundred_contenders_never_exceed_eight_permits_through_kills() -> an
     }
     let mut at = BTreeMap::new();
     tokio::time::sleep(Duration::from_secs(6)).await;
-    at.insert("before the arbiter kill", tally.grants.load(Ordering::Relaxed));
+    at.insert(
+        "before the arbiter kill",
+        tally.grants.load(Ordering::Relaxed),
+    );
     b.kill();
     tokio::time::sleep(Duration::from_secs(6)).await;
-    at.insert("before the leader kill", tally.grants.load(Ordering::Relaxed));
+    at.insert(
+        "before the leader kill",
+        tally.grants.load(Ordering::Relaxed),
+    );
     let leader = cluster.leader().await?;
     cluster.kill(leader)?;
     tokio::time::sleep(Duration::from_secs(8)).await;
@@ -554,8 +574,7 @@ async fn two_hundred_contenders_never_exceed_eight_permits_through_kills() -> an
             continue;
         }
         let mut m = m.clone();
-        if let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(2), m.get("x", None)).await
-        {
+        if let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(2), m.get("x", None)).await {
             now = resp.header().map_or(0, |h| h.revision());
             break;
         }
@@ -584,7 +603,10 @@ async fn two_hundred_contenders_never_exceed_eight_permits_through_kills() -> an
         "slots outside 0..{PERMITS}: {:?}",
         census.slot_keys
     );
-    ensure!(tally.bad_slots.load(Ordering::Relaxed) == 0, "a grant without a slot in range");
+    ensure!(
+        tally.bad_slots.load(Ordering::Relaxed) == 0,
+        "a grant without a slot in range"
+    );
     let before_b = at["before the arbiter kill"];
     let before_leader = at["before the leader kill"];
     ensure!(before_b > 0, "no grant before the kills");

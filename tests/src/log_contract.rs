@@ -44,8 +44,8 @@ use fence::{
     a_hand_over_compares_the_map_fence, raising_the_map_fence_never_lowers_it,
 };
 use follow::a_follow_reads_then_reports_every_change;
-use kinds::a_key_is_one_kind_at_a_time;
 use force::a_forced_end_ends_only_the_named_hold;
+use kinds::a_key_is_one_kind_at_a_time;
 use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
     StoreError, WatchSignal,

@@ -86,30 +86,28 @@ impl Arbiter {
         };
         // The key's cluster (ADR-07): a hold is only ever there.
         let cluster = self.tiers.for_key(&key).await?;
-        let ended = match cluster
+        let released = cluster
             .owner
             .release(&caller.identity, &held, session, req.token)
-            .await
-        {
-            // A semaphore's grant released without its slot (a client from
-            // before slots, `latchctl release` without --slot): the token
-            // names the caller's slot (its revision is the slot's grant),
-            // so that slot is released rather than left held for the
-            // session's life.
+            .await;
+        let ended = match released {
             Err(not_held @ ArbiterError::NotHeld { .. }) if req.slot.is_none() => {
-                match cluster
+                let slot = cluster
                     .table
                     .own_slot(key.as_str(), &caller.identity, session, req.token)
+                    .await?;
+                let Some(slot) = slot else {
+                    return Err(not_held);
+                };
+                // A semaphore's grant released without its slot (a client
+                // from before slots, `latchctl release` without --slot): the
+                // token names the caller's slot (its revision is the slot's
+                // grant), so that slot is released rather than left held for
+                // the session's life.
+                cluster
+                    .owner
+                    .release(&caller.identity, &slot, session, req.token)
                     .await?
-                {
-                    Some(slot) => {
-                        cluster
-                            .owner
-                            .release(&caller.identity, &slot, session, req.token)
-                            .await?
-                    }
-                    None => return Err(not_held),
-                }
             }
             other => other?,
         };

@@ -82,9 +82,9 @@ impl Member {
     fn names(&self) -> impl Iterator<Item = String> + '_ {
         let (place, kind) = match self {
             Member::Grant(g) => (
-                g.quota.as_ref().map(|take| {
-                    format!("\0{}\0{}\0{}", take.class, take.subject, take.index)
-                }),
+                g.quota
+                    .as_ref()
+                    .map(|take| format!("\0{}\0{}\0{}", take.class, take.subject, take.index)),
                 Some(kind_name(&g.key, false)),
             ),
             Member::Release(_) => (None, None),
@@ -100,10 +100,15 @@ impl Member {
     /// the other kind's name of its key.
     fn conflicts(&self) -> impl Iterator<Item = String> + '_ {
         let (own, other) = match self {
-            Member::Grant(g) => (Some(kind_name(&g.key, false)), Some(kind_name(&g.key, true))),
+            Member::Grant(g) => (
+                Some(kind_name(&g.key, false)),
+                Some(kind_name(&g.key, true)),
+            ),
             Member::Release(_) => (None, None),
         };
-        self.names().filter(move |n| Some(n) != own.as_ref()).chain(other)
+        self.names()
+            .filter(move |n| Some(n) != own.as_ref())
+            .chain(other)
     }
 
     /// The transaction's kind, as a trace span names it (telemetry.rs).
@@ -212,8 +217,7 @@ impl Batches {
                 continue; // its caller went away before it was sent
             }
             if batch.len() < limit
-                && p
-                    .member
+                && p.member
                     .conflicts()
                     .all(|n| !q.in_flight.contains_key(&n) && !keys.contains(&n))
             {

@@ -118,13 +118,7 @@ impl LockTable {
                 fence_at,
                 other_kind,
             } => (
-                holder,
-                epoch,
-                sealed,
-                session,
-                queue_head,
-                fence_at,
-                other_kind,
+                holder, epoch, sealed, session, queue_head, fence_at, other_kind,
             ),
         };
         if sealed

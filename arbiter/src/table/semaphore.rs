@@ -119,7 +119,10 @@ impl LockTable {
                 key: slot_key(&req.key, slot),
                 ..req.clone()
             };
-            match self.attempt_in(&slot_req, crate::lock_log::QueueTurn::Empty).await {
+            match self
+                .attempt_in(&slot_req, crate::lock_log::QueueTurn::Empty)
+                .await
+            {
                 // taken in between, or by this process under another
                 // session (no leak on a semaphore: a process may hold
                 // several permits): read the slots again
@@ -154,7 +157,10 @@ impl LockTable {
 
     /// With waiters queued on semaphore `req.key`, the session's own slot,
     /// if it holds one (answered without queueing, as a lock's retry is).
-    pub(super) async fn permit_held(&self, req: &GrantRequest) -> Result<Option<Grant>, ArbiterError> {
+    pub(super) async fn permit_held(
+        &self,
+        req: &GrantRequest,
+    ) -> Result<Option<Grant>, ArbiterError> {
         let state = self.seal.serving_epoch().await?;
         Ok(self
             .slot_holders(&req.key)

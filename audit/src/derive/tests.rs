@@ -124,13 +124,13 @@ fn a_semaphores_slots_are_its_events_under_its_name() {
             ("jobs/pool", Kind::Grant, Ended::No)
         ]
     );
-    assert_eq!((g[0].detail["slot"].as_u64(), g[1].detail["slot"].as_u64()), (Some(0), Some(1)));
+    assert_eq!(
+        (g[0].detail["slot"].as_u64(), g[1].detail["slot"].as_u64()),
+        (Some(0), Some(1))
+    );
     assert_eq!(g[0].detail["acquiredAtUnixMs"], 1);
     let r = state.apply(11, &[del("l/jobs/pool//s/0001")]);
-    assert_eq!(
-        kinds(&r),
-        [("jobs/pool", Kind::Release, Ended::Released)]
-    );
+    assert_eq!(kinds(&r), [("jobs/pool", Kind::Release, Ended::Released)]);
     assert_eq!((r[0].identity.as_str(), r[0].hold_revision), (BOB, 10));
     assert_eq!(r[0].detail["slot"], 1);
 }

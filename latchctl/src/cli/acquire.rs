@@ -97,7 +97,10 @@ pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<E
 
     if args.detach {
         let session_id = guard.session_id();
-        let slot = guard.slot().map(|s| format!(" --slot {s}")).unwrap_or_default();
+        let slot = guard
+            .slot()
+            .map(|s| format!(" --slot {s}"))
+            .unwrap_or_default();
         guard.detach();
         if !out.json {
             println!(

@@ -224,7 +224,8 @@ fn failure(store: &Store, kind: &Kind) -> BatchOutcome {
             fence_at: store.get(&keys::map_fence()).map_or(0, |s| s.mod_revision),
             other_kind: match holder
                 .strip_prefix(keys::HOLDERS)
-                .and_then(latchkey_records::split_slot) {
+                .and_then(latchkey_records::split_slot)
+            {
                 Some((name, _)) => store.get(&keys::holder(name)).is_some(),
                 None => store.oldest_under(&format!("{holder}//")).is_some(),
             },

@@ -40,7 +40,14 @@ pub async fn a_key_is_one_kind_at_a_time(log: &dyn LockLog) -> anyhow::Result<()
     ensure!(granted == Granted::Yes, "slot 1 beside slot 0: {granted:?}");
     let refused = log.grant(txn(&s1, a, &epoch, &ra)).await?.value;
     ensure!(
-        matches!(refused, Granted::No { holder: Some(_), other_kind: false, .. }),
+        matches!(
+            refused,
+            Granted::No {
+                holder: Some(_),
+                other_kind: false,
+                ..
+            }
+        ),
         "a held slot is held: {refused:?}"
     );
 
@@ -48,7 +55,14 @@ pub async fn a_key_is_one_kind_at_a_time(log: &dyn LockLog) -> anyhow::Result<()
     let before = revision(log).await?;
     let refused = log.grant(txn(name, a, &epoch, &ra)).await?.value;
     ensure!(
-        matches!(refused, Granted::No { holder: None, other_kind: true, .. }),
+        matches!(
+            refused,
+            Granted::No {
+                holder: None,
+                other_kind: true,
+                ..
+            }
+        ),
         "a lock of a semaphore with held slots: {refused:?}"
     );
     unchanged(log, before, "a lock's grant over held slots").await?;
@@ -63,7 +77,13 @@ pub async fn a_key_is_one_kind_at_a_time(log: &dyn LockLog) -> anyhow::Result<()
     ensure!(held.len() == 1, "slot 1 ended with its lease: {held:?}");
     let refused = log.grant(txn(name, a, &epoch, &ra)).await?.value;
     ensure!(
-        matches!(refused, Granted::No { other_kind: true, .. }),
+        matches!(
+            refused,
+            Granted::No {
+                other_kind: true,
+                ..
+            }
+        ),
         "slot 0 is still held: {refused:?}"
     );
     log.revoke(a).await?;
@@ -72,14 +92,24 @@ pub async fn a_key_is_one_kind_at_a_time(log: &dyn LockLog) -> anyhow::Result<()
     let rd = open(log, d, identity).await?;
     let before = revision(log).await?;
     let granted = log.grant(txn(name, c, &epoch, &rc)).await?.value;
-    ensure!(granted == Granted::Yes, "the name as a lock once no slot is held: {granted:?}");
+    ensure!(
+        granted == Granted::Yes,
+        "the name as a lock once no slot is held: {granted:?}"
+    );
     one_write(log, before, "the lock's grant").await?;
 
     // Now a slot of the held lock: refused as the other kind.
     let before = revision(log).await?;
     let refused = log.grant(txn(&s0, d, &epoch, &rd)).await?.value;
     ensure!(
-        matches!(refused, Granted::No { holder: None, other_kind: true, .. }),
+        matches!(
+            refused,
+            Granted::No {
+                holder: None,
+                other_kind: true,
+                ..
+            }
+        ),
         "a slot of a held lock: {refused:?}"
     );
     unchanged(log, before, "a slot's grant under a held lock").await?;

@@ -126,7 +126,12 @@ fn other_kind(log: &EtcdLog, key: &str) -> (Compare, TxnOp) {
                 Compare::version(slots.clone(), CompareOp::Equal, 0).with_prefix(),
                 TxnOp::get(
                     slots,
-                    Some(GetOptions::new().with_prefix().with_keys_only().with_limit(1)),
+                    Some(
+                        GetOptions::new()
+                            .with_prefix()
+                            .with_keys_only()
+                            .with_limit(1),
+                    ),
                 ),
             )
         }

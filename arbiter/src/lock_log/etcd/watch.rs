@@ -21,14 +21,9 @@ pub(super) async fn watch(
         true => WatchOptions::new().with_prefix(),
         false => WatchOptions::new(),
     };
-    open(
-        log,
-        log.layout.holder(key),
-        options,
-        from_revision,
-    )
-    .await
-    .map_err(|e| unavailable("cannot watch a holder record", e))
+    open(log, log.layout.holder(key), options, from_revision)
+        .await
+        .map_err(|e| unavailable("cannot watch a holder record", e))
 }
 
 /// Watches `key`'s durable queue (every waiter record) from
