@@ -173,6 +173,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             config: config.clone(),
             lock_store: lock_store.clone(),
             map_version: map_version.clone(),
+            policies: policies.clone(),
         });
         let routing = Arc::new(routing::ShardRouting::new(
             &config.lock_cluster_name,
@@ -559,6 +560,8 @@ struct ShardConnector {
     config: Config,
     lock_store: StoreConfig,
     map_version: MapVersion,
+    /// Where a shard's table reads semaphore classes' current permits.
+    policies: Arc<Policies>,
 }
 
 impl routing::Connect for ShardConnector {
@@ -566,10 +569,11 @@ impl routing::Connect for ShardConnector {
         &self,
         shard: Shard,
     ) -> futures::future::BoxFuture<'static, Result<Arc<tiers::Cluster>, Box<RunError>>> {
-        let (config, lock_store, map_version) = (
+        let (config, lock_store, map_version, policies) = (
             self.config.clone(),
             self.lock_store.clone(),
             self.map_version.clone(),
+            self.policies.clone(),
         );
         Box::pin(async move {
             let witness = witness_named(&config, &lock_store, &shard.name).await?;
@@ -588,7 +592,11 @@ impl routing::Connect for ShardConnector {
                 // Other shards hold only shadows of sessions.
                 opens_sessions: false,
             };
-            Ok(Arc::new(build_cluster(&config, spec).await?))
+            let cluster = build_cluster(&config, spec).await?;
+            // A shard connected at run time reads semaphores' permits from
+            // the policies too (the second hostile review).
+            cluster.table.set_permits_source(policies);
+            Ok(Arc::new(cluster))
         })
     }
 }

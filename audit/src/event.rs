@@ -295,7 +295,21 @@ impl Event {
         if self.kind.is_election() {
             format!("{ELECTION_ID_PREFIX}{}", self.key).into()
         } else {
-            self.key.as_str().into()
+            self.held_key()
+        }
+    }
+
+    /// The lock key the hold is on: a semaphore slot's own key (its name
+    /// and `detail.slot`), so two slots of one semaphore changing at one
+    /// revision are two events and two holds (the hostile review: with the
+    /// name alone their ids collided and a store kept one of them).
+    fn held_key(&self) -> std::borrow::Cow<'_, str> {
+        match self.detail.get("slot").and_then(serde_json::Value::as_u64) {
+            Some(slot) => {
+                latchkey_records::slot_key(&self.key, u32::try_from(slot).unwrap_or(u32::MAX))
+                    .into()
+            }
+            None => self.key.as_str().into(),
         }
     }
 
@@ -308,7 +322,8 @@ impl Event {
         audit_key: Option<&AuditKey>,
         cluster_id: u64,
     ) -> Result<(String, String), NeedsKey> {
-        let id = |revision| pseudonym::hold_id(audit_key, cluster_id, revision, &self.key);
+        let held = self.held_key();
+        let id = |revision| pseudonym::hold_id(audit_key, cluster_id, revision, &held);
         Ok(match self.kind {
             k if k.is_election() => (String::new(), String::new()),
             Kind::Grant => (id(self.revision)?, String::new()),

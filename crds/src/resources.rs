@@ -148,6 +148,11 @@ pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
         "a semaphore class takes no maxHoldsPerSubject (yet): a quota place and a slot are \
          not yet taken in one transaction"
     ),
+    validation = Rule::new("!has(self.kind) || self.kind != 'semaphore' || !has(self.hook)")
+        .message(
+            "a semaphore class takes no hook (yet): a hook's holder input is a lock's holder, \
+             and a semaphore's slot holders are not shown to hooks"
+        ),
     validation = Rule::new("!has(self.kind) || self.kind != 'election' || !has(self.hook)").message(
         "an election class takes no hook: class hooks run before lock grants only, not before \
          a leadership"

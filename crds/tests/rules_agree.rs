@@ -272,6 +272,10 @@ fn class_cases() -> Vec<Case> {
             fenced(json!({"kind": "semaphore", "permits": 2, "fairness": "durable"})),
         ),
         ok(
+            "a semaphore with a hook",
+            fenced(json!({"kind": "semaphore", "permits": 2, "hook": {"module": "h.wasm"}})),
+        ),
+        ok(
             "a semaphore with a quota",
             fenced(json!({"kind": "semaphore", "permits": 2, "maxHoldsPerSubject": 1})),
         ),

@@ -511,6 +511,12 @@ impl LockClass {
                 why: "a quota place and a slot are not yet taken in one transaction",
             });
         }
+        if self.hook.is_some() {
+            return Err(ClassError::NotForSemaphores {
+                field: "hook",
+                why: "a hook's holder input is a lock's holder, and a semaphore's slot holders are not shown to hooks",
+            });
+        }
         Ok(())
     }
 
@@ -1363,6 +1369,56 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("unknown variant `ajar`"), "{err}");
+    }
+
+    #[test]
+    fn a_semaphore_class_needs_permits_and_refuses_what_it_cannot_keep() {
+        let sem = |extra: &str| {
+            parse(&format!(
+                "name = \"pool\"\nkind = \"semaphore\"\ntier = \"entity\"\nenforcement = \"advisory\"\n\
+                 ttlSeconds = 30\nriskOwner = \"team@example.com\"\nwaiverExpires = \"2027-06-30\"\n{extra}"
+            ))
+        };
+        let ok = sem("permits = 8");
+        assert_eq!((ok.kind, ok.permits), (ClassKind::Semaphore, Some(8)));
+        ok.validate(today()).unwrap();
+        sem("permits = 256").validate(today()).unwrap();
+        assert_eq!(rule(&sem("")), ClassError::SemaphoreWithoutPermits);
+        assert_eq!(
+            rule(&sem("permits = 0")),
+            ClassError::PermitsOutOfRange { value: 0 }
+        );
+        assert_eq!(
+            rule(&sem("permits = 257")),
+            ClassError::PermitsOutOfRange { value: 257 }
+        );
+        for (extra, field) in [
+            (
+                "permits = 2\nonQuorumLoss = \"open\"",
+                "onQuorumLoss = \"open\"",
+            ),
+            (
+                "permits = 2\nfairness = \"durable\"",
+                "fairness = \"durable\"",
+            ),
+            ("permits = 2\nmaxHoldsPerSubject = 1", "maxHoldsPerSubject"),
+        ] {
+            match rule(&sem(extra)) {
+                ClassError::NotForSemaphores { field: f, .. } => assert_eq!(f, field),
+                other => panic!("{extra}: {other:?}"),
+            }
+        }
+        let mut hooked = sem("permits = 2");
+        hooked.hook = Some(toml::from_str("module = \"h.wasm\"").unwrap());
+        assert!(matches!(
+            rule(&hooked),
+            ClassError::NotForSemaphores { field: "hook", .. }
+        ));
+        let mut lock = advisory();
+        lock.permits = Some(2);
+        assert_eq!(rule(&lock), ClassError::PermitsOnLock);
+        let msg = sem("").validate(today()).unwrap_err().to_string();
+        assert!(msg.contains("needs permits"), "{msg}");
     }
 
     #[test]

@@ -446,6 +446,79 @@ async fn an_advisory_class_warns_of_two_writers() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Force-release works per slot of a semaphore (issue 34): the request names
+/// the slot, shows the semaphore and its holder, and ends that slot's hold
+/// alone; its holder hears of it (an ended hold under the semaphore's name).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_force_release_ends_one_slot_of_a_semaphore() -> anyhow::Result<()> {
+    const NAME: &str = "demo/fr-sem";
+    let w = world(false).await?;
+    let first = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let second = connect(w.s.arbiter.addr(), "workload/bob").await?;
+    let fired: Fired = Arc::default();
+    let g1 = first.lock(NAME, "builds").acquire(recorder(&fired)).await?;
+    let g2 = second.lock(NAME, "builds").acquire(|_| {}).await?;
+    let slot = g1.slot().context("a semaphore's grant names its slot")?;
+    let other = g2.slot().context("a semaphore's grant names its slot")?;
+    assert_ne!(slot, other);
+    let (a, b) = (w.token("alice-op").await?, w.token("bob-op").await?);
+    let mut admin = w.admin().await?;
+    let ask = |slot: Option<u32>, election: bool| RequestForceReleaseRequest {
+        key: NAME.into(),
+        reason: "a stuck build".into(),
+        revoke_session: false,
+        id_token: a.clone(),
+        election,
+        slot,
+    };
+    // No semaphore has slot 4096, and an election has none: refused,
+    // nothing written. The name alone is a lock's, which nobody holds.
+    let before = w.revision().await?;
+    expect_code(
+        admin.request_force_release(ask(Some(4096), false)).await,
+        Code::InvalidArgument,
+    )?;
+    expect_code(
+        admin.request_force_release(ask(Some(slot), true)).await,
+        Code::InvalidArgument,
+    )?;
+    assert!(admin.request_force_release(ask(None, false)).await.is_err());
+    assert_eq!(w.revision().await?, before, "a refused request wrote");
+
+    let req = admin
+        .request_force_release(ask(Some(slot), false))
+        .await?
+        .into_inner();
+    assert_eq!((req.key.as_str(), req.slot), (NAME, Some(slot)));
+    assert_eq!(req.holder_session, g1.session_id());
+    assert_eq!(req.hold_revision, g1.revision());
+    w.approve(&req.request_id, &b).await?;
+    assert!(
+        !w.held(&format!("{NAME}//s/{slot:04x}")).await?,
+        "the slot is free"
+    );
+    assert!(
+        w.held(&format!("{NAME}//s/{other:04x}")).await?,
+        "the other slot is still held"
+    );
+    eventually(
+        "alice to hear her slot was force-released",
+        PUSHED,
+        || async {
+            anyhow::ensure!(
+                snapshot(&fired)
+                    .iter()
+                    .any(|(_, r)| *r == FenceReason::HoldEnded),
+                "not fenced yet"
+            );
+            Ok(())
+        },
+    )
+    .await?;
+    assert!(g1.is_fenced() && !g2.is_fenced());
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hold_that_changed_since_the_request_is_not_released() -> anyhow::Result<()> {
     let w = world(false).await?;

@@ -91,12 +91,16 @@ impl Arbiter {
             .release(&caller.identity, &held, session, req.token)
             .await;
         let ended = match released {
-            Err(not_held @ ArbiterError::NotHeld { .. }) if req.slot.is_none() => {
+            Err(not_held @ ArbiterError::NotHeld { .. })
+                if req.slot.is_none() && any_semaphore(&policies) =>
+            {
                 let slot = cluster
                     .table
                     .own_slot(key.as_str(), &caller.identity, session, req.token)
-                    .await?;
-                let Some(slot) = slot else {
+                    .await;
+                // Found nothing, or could not look: the answer is the one
+                // any hold not the caller's gets.
+                let Ok(Some(slot)) = slot else {
                     return Err(not_held);
                 };
                 // A semaphore's grant released without its slot (a client
@@ -125,6 +129,15 @@ impl Arbiter {
             .await;
         Ok(released)
     }
+}
+
+/// Whether the policies have a semaphore class (else a release naming no
+/// slot never looks for one).
+fn any_semaphore(policies: &latchkey_policies::PolicySet) -> bool {
+    policies
+        .classes()
+        .values()
+        .any(|c| c.kind == latchkey_policies::ClassKind::Semaphore)
 }
 
 /// How long a hold lasted, by wall clocks (the granting arbiter's and ours):

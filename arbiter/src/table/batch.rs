@@ -211,19 +211,25 @@ impl Batches {
         let mut q = self.lock();
         let mut batch: Vec<Pending> = Vec::new();
         let mut keys = BTreeSet::new();
+        // Names of members left for a later batch: a later member that
+        // conflicts with one waits behind it, so per name the order of
+        // arrival holds (the second hostile review: slot grants of K kept
+        // overtaking an earlier lock grant of K, which then starved).
+        let mut skipped = BTreeSet::new();
         let mut rest = VecDeque::with_capacity(q.waiting.len());
         while let Some(p) = q.waiting.pop_front() {
             if p.reply.is_closed() {
                 continue; // its caller went away before it was sent
             }
             if batch.len() < limit
-                && p.member
-                    .conflicts()
-                    .all(|n| !q.in_flight.contains_key(&n) && !keys.contains(&n))
+                && p.member.conflicts().all(|n| {
+                    !q.in_flight.contains_key(&n) && !keys.contains(&n) && !skipped.contains(&n)
+                })
             {
                 keys.extend(p.member.names());
                 batch.push(p);
             } else {
+                skipped.extend(p.member.names());
                 rest.push_back(p);
             }
         }

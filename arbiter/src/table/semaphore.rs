@@ -69,16 +69,14 @@ impl LockTable {
                 .checked(self.log.holders_under(&slots_of(&req.key)))
                 .await?;
             watch_from.get_or_insert(header.revision + 1);
-            let mut live = Vec::new();
+            // The session's own slot first: a retry or a re-entrant call is
+            // answered with it whatever else is held (the second hostile
+            // review: the class check below refused a holder's own retry).
             for (key, kv) in &holds {
-                let Some((name, slot)) = split_slot(key) else {
-                    continue;
-                };
-                if name != req.key {
+                if split_slot(key).is_none_or(|(name, _)| name != req.key) {
                     continue;
                 }
-                let record = decode::<HolderRecord>(&kv.value);
-                if let Some(record) = &record
+                if let Some(record) = decode::<HolderRecord>(&kv.value)
                     && record.session == req.session
                     && record.identity == req.identity
                 {
@@ -90,6 +88,16 @@ impl LockTable {
                         revision: kv.mod_revision,
                     }));
                 }
+            }
+            let mut live = Vec::new();
+            for (key, kv) in &holds {
+                let Some((name, slot)) = split_slot(key) else {
+                    continue;
+                };
+                if name != req.key {
+                    continue;
+                }
+                let record = decode::<HolderRecord>(&kv.value);
                 // One class per semaphore: its permits are the class's, so
                 // a caller cannot pick a class of more permits to exceed
                 // them (the hostile review). Checked on the slots read; two

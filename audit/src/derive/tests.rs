@@ -133,6 +133,11 @@ fn a_semaphores_slots_are_its_events_under_its_name() {
     assert_eq!(kinds(&r), [("jobs/pool", Kind::Release, Ended::Released)]);
     assert_eq!((r[0].identity.as_str(), r[0].hold_revision), (BOB, 10));
     assert_eq!(r[0].detail["slot"], 1);
+    // Two slots at one revision are two events and two holds to the stores
+    // (their ids are keyed by the slot's own key), and a slot's end is its
+    // grant's hold.
+    assert_ne!(g[0].id_key(), g[1].id_key());
+    assert_eq!(r[0].id_key(), g[1].id_key());
 }
 
 #[test]
