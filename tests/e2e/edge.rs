@@ -267,23 +267,35 @@ async fn without_a_client_certificate_the_tls_handshake_fails() -> anyhow::Resul
             "{s:?}"
         );
     }
-    let stats = e.envoy.stats().await?;
-    let no_cert: u64 = stats
-        .iter()
-        .filter(|(k, _)| {
-            k.starts_with("listener.")
-                && (k.ends_with("ssl.fail_verify_no_cert") || k.ends_with("ssl.connection_error"))
-        })
-        .map(|(_, v)| *v)
-        .sum();
-    assert!(
-        no_cert >= 1,
-        "Envoy counted the missing certificate: {:?}",
-        stats
-            .iter()
-            .filter(|(k, v)| k.contains("ssl") && **v > 0)
-            .collect::<Vec<_>>()
-    );
+    // Envoy counts the failed handshake as it tears the connection down,
+    // which can be a moment after the client has seen it fail (a CI run
+    // read the stats first: none counted yet). The count must come.
+    eventually(
+        "Envoy to count the missing client certificate",
+        Duration::from_secs(5),
+        || async {
+            let stats = e.envoy.stats().await?;
+            let no_cert: u64 = stats
+                .iter()
+                .filter(|(k, _)| {
+                    k.starts_with("listener.")
+                        && (k.ends_with("ssl.fail_verify_no_cert")
+                            || k.ends_with("ssl.connection_error"))
+                })
+                .map(|(_, v)| *v)
+                .sum();
+            anyhow::ensure!(
+                no_cert >= 1,
+                "Envoy counted the missing certificate: {:?}",
+                stats
+                    .iter()
+                    .filter(|(k, v)| k.contains("ssl") && **v > 0)
+                    .collect::<Vec<_>>()
+            );
+            Ok(())
+        },
+    )
+    .await?;
     assert_eq!(e.envoy.upstream_requests().await?, upstream);
     Ok(())
 }
