@@ -736,6 +736,8 @@ pub struct ReviewReport {
     pub fence_deadline_ms: u64,
     /// For advisory classes: who owns the risk, and until when.
     pub waiver: Option<(String, Date)>,
+    /// For a semaphore class: how many holds a key carries at once.
+    pub permits: Option<u32>,
 }
 
 /// Computes the review numbers for `class` at `expected_sessions`
@@ -764,6 +766,10 @@ pub fn review(class: &LockClass, expected_sessions: u64) -> ReviewReport {
             (Some(owner), Some(expires)) => Some((owner.clone(), expires)),
             _ => None,
         },
+        permits: match class.kind {
+            ClassKind::Semaphore => class.permits,
+            _ => None,
+        },
     }
 }
 
@@ -790,10 +796,20 @@ impl fmt::Display for ReviewReport {
                 f.write_str(")")?;
             }
         }
+        if let Some(permits) = self.permits {
+            write!(
+                f,
+                ", a semaphore of {permits} permits (one slot per holder)"
+            )?;
+        }
+        let blocks = match self.permits {
+            Some(_) => "its slot",
+            None => "its key",
+        };
         write!(
             f,
             ", {}, {} on quorum loss, ttl {}s: {:.1} keepalives/s for {} sessions (one per \
-             session every {} ms); a dead holder blocks its key for up to {} s; a holder that cannot \
+             session every {} ms); a dead holder blocks {blocks} for up to {} s; a holder that cannot \
              renew fences {:.1} s after its last keepalive send",
             self.enforcement,
             self.on_quorum_loss,
