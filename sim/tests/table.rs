@@ -523,3 +523,87 @@ async fn a_quota_lowered_by_one_never_lets_a_fourth_hold_through() -> anyhow::Re
     t.shutdown().await;
     Ok(())
 }
+
+fn permit_req(identity: &str, session: i64, name: &str, permits: u32) -> GrantRequest {
+    GrantRequest {
+        permits: Some(permits),
+        ..req(identity, session, name)
+    }
+}
+
+/// Semaphore classes' permits as a policy reload sets them.
+struct Permits(std::sync::atomic::AtomicU32);
+
+impl latchkey_arbiter::table::ClassPermits for Permits {
+    fn permits(&self, _class: &str) -> Option<u32> {
+        Some(self.0.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+/// A semaphore of 3 lowered to 1 (a policy reload) while 3 slots are held
+/// and a waiter queued with the old number: the waiter is granted by the
+/// new number, only once the slots held drop below it, and then in slot 0
+/// (issue 34; the hostile review found waiters keeping their old number).
+#[tokio::test(start_paused = true)]
+async fn a_waiter_is_granted_by_the_permits_the_policies_give_now() -> anyhow::Result<()> {
+    let log = MemLog::new(36);
+    let t = table(&log, None);
+    t.start().await?;
+    let permits = Arc::new(Permits(std::sync::atomic::AtomicU32::new(3)));
+    t.set_permits_source(permits.clone());
+    let mut holds = Vec::new();
+    for pod in ["pod-1", "pod-2", "pod-3"] {
+        let s = session(&t, pod).await?;
+        holds.push((
+            pod,
+            s,
+            t.acquire(permit_req(pod, s, "pool", 3), None, 8)
+                .await?
+                .grant,
+        ));
+    }
+    let mut slots: Vec<u32> = holds
+        .iter()
+        .filter_map(|(_, _, g)| latchkey_arbiter::records::split_slot(&g.key).map(|(_, s)| s))
+        .collect();
+    slots.sort_unstable();
+    assert_eq!(slots, vec![0, 1, 2]);
+    let s4 = session(&t, "pod-4").await?;
+    let waiter = {
+        let t = t.clone();
+        tokio::spawn(async move {
+            t.acquire(
+                permit_req("pod-4", s4, "pool", 3),
+                Some(Duration::from_secs(30)),
+                8,
+            )
+            .await
+        })
+    };
+    queued(&t, "pool", 1).await?;
+    permits.0.store(1, std::sync::atomic::Ordering::SeqCst);
+    // Two of three released: one still held, which is the new number.
+    for (pod, s, g) in holds.drain(..2) {
+        t.release(pod, &g.key, s, g.token().unwrap_or(0)).await?;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !waiter.is_finished(),
+        "granted a second slot under permits = 1"
+    );
+    assert_eq!(t.slot_holders("pool").await?.len(), 1);
+    let (pod, s, g) = holds.remove(0);
+    // The release without its slot: the token names the caller's slot.
+    let own = t.own_slot("pool", pod, s, g.token().unwrap_or(0)).await?;
+    assert_eq!(own.as_deref(), Some(g.key.as_str()));
+    assert_eq!(
+        t.own_slot("pool", "pod-9", s, g.token().unwrap_or(0))
+            .await?,
+        None
+    );
+    t.release(pod, &g.key, s, g.token().unwrap_or(0)).await?;
+    let got = waiter.await??.grant;
+    assert_eq!(got.key, latchkey_arbiter::records::slot_key("pool", 0));
+    t.shutdown().await;
+    Ok(())
+}
