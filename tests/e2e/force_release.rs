@@ -147,6 +147,20 @@ impl World {
     }
 }
 
+/// Waits until the holder's client has heard its hold ended (`HoldEnded`).
+async fn hold_ended_reaches(fired: &Fired, what: &str) -> anyhow::Result<()> {
+    eventually(what, PUSHED, || async {
+        anyhow::ensure!(
+            snapshot(fired)
+                .iter()
+                .any(|(_, r)| *r == FenceReason::HoldEnded),
+            "not fenced yet"
+        );
+        Ok(())
+    })
+    .await
+}
+
 fn expect_code<T: std::fmt::Debug>(r: Result<T, Status>, code: Code) -> anyhow::Result<Status> {
     match r {
         Ok(v) => anyhow::bail!("expected {code:?}, got OK {v:?}"),
@@ -204,20 +218,7 @@ async fn two_operators_force_release_a_hold_and_the_holder_is_fenced_at_once() -
     let done = w.approve(&req.request_id, &b).await?;
     assert_eq!(done.approver, "bob-op");
     assert!(!w.held("demo/fr-1").await?, "the hold is gone");
-    eventually(
-        "alice to hear her hold was force-released",
-        PUSHED,
-        || async {
-            anyhow::ensure!(
-                snapshot(&fired)
-                    .iter()
-                    .any(|(_, r)| *r == FenceReason::HoldEnded),
-                "not fenced yet"
-            );
-            Ok(())
-        },
-    )
-    .await?;
+    hold_ended_reaches(&fired, "alice to hear her hold was force-released").await?;
     assert!(guard.is_fenced());
 
     // the force record: JSON for the audit tailer, on a 24 h lease
@@ -501,20 +502,7 @@ async fn a_force_release_ends_one_slot_of_a_semaphore() -> anyhow::Result<()> {
         w.held(&format!("{NAME}//s/{other:04x}")).await?,
         "the other slot is still held"
     );
-    eventually(
-        "alice to hear her slot was force-released",
-        PUSHED,
-        || async {
-            anyhow::ensure!(
-                snapshot(&fired)
-                    .iter()
-                    .any(|(_, r)| *r == FenceReason::HoldEnded),
-                "not fenced yet"
-            );
-            Ok(())
-        },
-    )
-    .await?;
+    hold_ended_reaches(&fired, "alice to hear her slot was force-released").await?;
     assert!(g1.is_fenced() && !g2.is_fenced());
     Ok(())
 }

@@ -62,6 +62,23 @@ result = "pause-tests/{SEMAPHORE}.json"
     Ok(())
 }
 
+/// Waits until `key` has a waiter queued on the arbiter `c` calls (its
+/// Inspect's count), failing after 5 s.
+async fn queued(c: &Client, key: &str) -> anyhow::Result<()> {
+    latchkey_tests::eventually("the waiter to queue", Duration::from_secs(5), || {
+        let mut c = c.clone();
+        async move {
+            let seen = c
+                .inspect(InspectRequest { key: key.into() })
+                .await?
+                .into_inner();
+            ensure!(seen.waiters == 1, "{} waiters", seen.waiters);
+            Ok(())
+        }
+    })
+    .await
+}
+
 fn slot_of(g: &Grant) -> anyhow::Result<u32> {
     g.slot
         .with_context(|| format!("a semaphore grant without a slot: {g:?}"))
@@ -136,7 +153,7 @@ async fn a_semaphore_grants_its_permits_one_slot_each() -> anyhow::Result<()> {
             wait_lock(&mut bob, key, SEMAPHORE, sb, Duration::from_secs(10)).await
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    queued(&bob, key).await?;
     let freed = grants.remove(1);
     // A release naming another slot releases nothing.
     let wrong = |slot: Option<u32>| ReleaseRequest {
@@ -171,7 +188,7 @@ async fn a_semaphore_grants_its_permits_one_slot_each() -> anyhow::Result<()> {
             wait_lock(&mut bob, key, SEMAPHORE, sc, Duration::from_secs(10)).await
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    queued(&bob, key).await?;
     alice
         .close_session(CloseSessionRequest {
             session_id: sessions[0],

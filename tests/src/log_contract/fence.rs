@@ -30,7 +30,7 @@ async fn fence_version(log: &dyn LockLog) -> anyhow::Result<u64> {
     }
 }
 
-fn grant_txn<'a>(
+pub(super) fn grant_txn<'a>(
     key: &'a str,
     session: i64,
     epoch: &'a [u8],

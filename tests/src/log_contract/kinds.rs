@@ -6,19 +6,11 @@ use anyhow::ensure;
 use latchkey_arbiter::lock_log::{BatchOp, GrantTxn, Granted, LockLog};
 use latchkey_arbiter::records::slot_key;
 
-use super::{epoch, holder_record, lease, one_write, open, revision, revoke_all, unchanged};
+use super::{epoch, lease, one_write, open, revision, revoke_all, unchanged};
 
+/// A grant of `key` with no fence, no queue and no quota (the suite's).
 fn txn<'a>(key: &'a str, session: i64, epoch: &'a [u8], record: &'a [u8]) -> GrantTxn<'a> {
-    GrantTxn {
-        key,
-        session,
-        holder_record: holder_record(key, session),
-        epoch,
-        fence_at: 0,
-        session_record: record,
-        queue: Default::default(),
-        quota: None,
-    }
+    super::fence::grant_txn(key, session, epoch, 0, record)
 }
 
 /// Slots of one semaphore are granted side by side; a lock of its name is
