@@ -116,6 +116,10 @@ pub enum ArbiterError {
     #[error("{0}")]
     BadSlot(String),
     #[error(
+        "this session holds {key:?} shared, and a shared hold is never upgraded (two readers upgrading would wait for each other forever): release it, then acquire {key:?} exclusively"
+    )]
+    UpgradeRefused { key: String },
+    #[error(
         "semaphore {key:?} is held under class {held_class:?}, and a semaphore's permits are its class's: acquire it with class {held_class:?}, not {class:?}"
     )]
     ClassInUse {
@@ -226,6 +230,7 @@ impl ArbiterError {
             Self::QuotaExceeded { .. } => Reason::QuotaExceeded,
             Self::KindInUse { .. } | Self::ClassInUse { .. } => Reason::KindInUse,
             Self::BadSlot(_) => Reason::BadSlot,
+            Self::UpgradeRefused { .. } => Reason::UpgradeRefused,
             Self::TokenMismatch { .. } => Reason::TokenMismatch,
             Self::NotLeader { .. } => Reason::NotLeader,
             Self::WrongKind { .. } => Reason::WrongKind,
@@ -267,6 +272,7 @@ impl ArbiterError {
             | Self::QuotaExceeded { .. }
             | Self::KindInUse { .. }
             | Self::ClassInUse { .. }
+            | Self::UpgradeRefused { .. }
             | Self::TokenMismatch { .. }
             | Self::NotLeader { .. }
             | Self::NoCandidate(_)

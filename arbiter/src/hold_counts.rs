@@ -29,7 +29,7 @@
 //! again: every hold the last view showed that the fresh read does not (the
 //! key gone, or held again since) ended unseen.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -67,7 +67,7 @@ pub struct HoldCounts {
     /// seen: what an open class's memory grant must not take during a
     /// quorum loss, and what a read from scratch is compared with to tell
     /// of the holds that ended while the watch was down.
-    keys: Mutex<HashMap<String, Hold>>,
+    keys: Mutex<BTreeMap<String, Hold>>,
     /// How far `keys` follows the log ([`View`]).
     view: Mutex<View>,
 }
@@ -92,7 +92,7 @@ impl HoldCounts {
             watchers: Mutex::new(HashMap::new()),
             unclaimed: Mutex::new(Unclaimed::default()),
             next_stream: AtomicU64::new(1),
-            keys: Mutex::new(HashMap::new()),
+            keys: Mutex::new(BTreeMap::new()),
             view: Mutex::new(View::Unread),
         })
     }
@@ -165,16 +165,23 @@ impl HoldCounts {
         if keys.get(key).is_some_and(|h| h.session != session) {
             return true;
         }
-        // A key is one kind at a time: a semaphore's held slot, whoever
-        // holds it, keeps the name from a lock's memory grant too.
-        (0..latchkey_policies::MAX_PERMITS)
-            .any(|slot| keys.contains_key(&crate::records::slot_key(key, slot)))
+        // A key is one kind, and one mode, at a time: a semaphore's held
+        // slot or a lock's shared hold, whoever holds it, keeps the name
+        // from a lock's memory grant too (one range read of the ordered
+        // map: everything under `<key>//`).
+        let under = crate::records::under_name(key);
+        keys.range::<str, _>((
+            std::ops::Bound::Included(under.as_str()),
+            std::ops::Bound::Unbounded,
+        ))
+        .next()
+        .is_some_and(|(held, _)| held.starts_with(&under))
     }
 
     /// Replaces the count with a fresh one read at `revision`, and tells of
     /// every hold that ended unseen since the last view (the watch was
     /// lost): as the watch would have told of its delete.
-    fn install(&self, in_log: HashMap<String, u32>, keys: HashMap<String, Hold>, revision: i64) {
+    fn install(&self, in_log: HashMap<String, u32>, keys: BTreeMap<String, Hold>, revision: i64) {
         let ended = {
             let mut held = self.keys.lock();
             let ended = ended_unseen(&held, &keys);
@@ -213,7 +220,7 @@ impl HoldCounts {
 /// the key is gone, or held again since (a later hold, by whatever
 /// session). Each ended as a delete or a put seen on the watch would have
 /// said; in key order.
-fn ended_unseen(before: &HashMap<String, Hold>, now: &HashMap<String, Hold>) -> Vec<Ended> {
+fn ended_unseen(before: &BTreeMap<String, Hold>, now: &BTreeMap<String, Hold>) -> Vec<Ended> {
     let mut ended: Vec<Ended> = before
         .iter()
         .filter(|(key, hold)| {
@@ -246,7 +253,7 @@ enum View {
 #[derive(Default)]
 pub struct Reading {
     counted: HashMap<String, u32>,
-    keys: HashMap<String, Hold>,
+    keys: BTreeMap<String, Hold>,
     /// Each subject once, shared by its holds.
     owners: HashSet<Arc<str>>,
 }
@@ -377,7 +384,7 @@ mod tests {
         let c = HoldCounts::new(3);
         c.install(
             pairs.iter().map(|(i, n)| ((*i).to_string(), *n)).collect(),
-            HashMap::new(),
+            BTreeMap::new(),
             revision,
         );
         c
@@ -438,7 +445,7 @@ mod tests {
             })
         };
         tokio::time::sleep(Duration::from_secs(1)).await;
-        c.install(HashMap::new(), HashMap::new(), 3);
+        c.install(HashMap::new(), BTreeMap::new(), 3);
         assert!(waiting.await.unwrap_or(false));
         assert_eq!(
             c.held("a"),
@@ -587,7 +594,7 @@ mod tests {
         );
         c.install(
             HashMap::from([("a".to_string(), 1)]),
-            HashMap::from([("k1".to_string(), hold(7, 10, "a"))]),
+            BTreeMap::from([("k1".to_string(), hold(7, 10, "a"))]),
             10,
         );
         assert!(c.held_by_other("k1", 8, None));
@@ -612,7 +619,7 @@ mod tests {
         let after = before + std::time::Duration::from_secs(1);
         assert!(c.held_by_other("k1", 7, Some(after)) && c.held_by_other("k3", 7, Some(after)));
         assert!(!c.held_by_other("k1", 7, Some(before)) && !c.held_by_other("k3", 7, None));
-        c.install(HashMap::new(), HashMap::new(), 13);
+        c.install(HashMap::new(), BTreeMap::new(), 13);
         assert!(!c.held_by_other("k1", 7, Some(after)));
     }
 

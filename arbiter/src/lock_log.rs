@@ -166,7 +166,30 @@ pub enum Granted {
         /// lock ([`crate::records::split_slot`]). A key is one kind at a
         /// time, and every grant compares it.
         other_kind: bool,
+        /// The key is held in the other mode: for a shared hold's grant,
+        /// the lock's exclusive hold; for an exclusive grant, one of its
+        /// shared holds ([`crate::records::reader_key`]). A writer is
+        /// never beside a reader, and every grant compares it.
+        other_mode: Option<Kv>,
     },
+}
+
+/// A downgrade: the caller's exclusive hold `held` becomes its session's
+/// shared hold of the same name in one transaction (the exclusive record
+/// and its claims deleted, the shared record put on the session's lease),
+/// if `held` is still exactly that hold and the epoch record's bytes are
+/// `epoch`, there is no seal, the shard-map fence is at `fence_at` and the
+/// session record is `session_record` (as in a grant). No moment passes
+/// in which the name is free, so no writer can come between.
+#[derive(Debug, Clone)]
+pub struct DowngradeTxn<'a> {
+    pub held: &'a HeldAt,
+    /// The shared hold's lock key ([`crate::records::reader_key`]).
+    pub reader_key: &'a str,
+    pub holder_record: Vec<u8>,
+    pub epoch: &'a [u8],
+    pub fence_at: i64,
+    pub session_record: &'a [u8],
 }
 
 /// A hold found to be the caller's: the exact record bytes, lease and
@@ -334,22 +357,19 @@ pub fn batch_is_distinct(ops: &[BatchOp<'_>]) -> Result<(), StoreError> {
             context: "two members of a batch on one key".into(),
         });
     }
-    // A lock's grant and a grant of a slot under it compare each other's
-    // absence: both would pass on the store before the batch.
-    let (mut locks, mut slots) = (
-        std::collections::BTreeSet::new(),
-        std::collections::BTreeSet::new(),
-    );
+    // An exclusive grant, a shared hold's grant and a slot's grant under
+    // one name compare each other's absence: both would pass on the store
+    // before the batch. Grants of one kind under a name (readers, slots)
+    // go together.
+    let mut kinds: std::collections::BTreeMap<&str, crate::records::HoldKind> =
+        std::collections::BTreeMap::new();
     for op in ops.iter().filter(|op| matches!(op, BatchOp::Grant(_))) {
-        match crate::records::split_slot(op.key()) {
-            Some((name, _)) => slots.insert(name),
-            None => locks.insert(op.key()),
-        };
-    }
-    if locks.intersection(&slots).next().is_some() {
-        return Err(StoreError::Refused {
-            context: "a lock's grant and a grant of a slot under it in one batch".into(),
-        });
+        let (kind, name) = crate::records::hold_kind(op.key());
+        if *kinds.entry(name).or_insert(kind) != kind {
+            return Err(StoreError::Refused {
+                context: "grants of two kinds of hold under one name in one batch".into(),
+            });
+        }
     }
     let mut places = std::collections::BTreeSet::new();
     if !ops
@@ -500,6 +520,9 @@ pub trait HoldLog: Send + Sync + 'static {
     /// bytes when it committed (`Some(None)` if the store did not return
     /// them), `None` when a compare failed.
     async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>>;
+    /// One [`DowngradeTxn`]: whether it committed (`false`: a compare
+    /// failed, nothing written).
+    async fn downgrade(&self, txn: DowngradeTxn<'_>) -> LogResult<bool>;
     /// Deletes `held` if it is still exactly that hold (bytes, lease,
     /// revision), with the key's claims: the deleted record's bytes, `None`
     /// when a compare failed.
@@ -625,7 +648,9 @@ pub trait HoldLog: Send + Sync + 'static {
     /// How many keys are held.
     async fn count_holds(&self) -> LogResult<i64>;
     /// Watches `key` from `from_revision` (inclusive); a semaphore's slots
-    /// prefix ([`crate::records::slots_of`]) watches every slot of it.
+    /// prefix ([`crate::records::slots_of`]) watches every slot of it, a
+    /// lock's shared holds prefix ([`crate::records::readers_of`]) every
+    /// shared hold of it.
     async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError>;
 }
 

@@ -47,6 +47,10 @@ pub struct Terms<'a> {
     pub durable: bool,
     /// Waiters one key may have.
     pub max_waiters_per_key: u32,
+    /// A shared hold is asked: never granted from memory (one arbiter's
+    /// memory cannot keep a writer on another from the readers), so an
+    /// open class refuses it during a loss as a closed one does.
+    pub shared: bool,
 }
 
 /// An Acquire the owner let in, not yet granted. Dropped, it gives back
@@ -106,6 +110,9 @@ impl KeyOwner {
             if !terms.open_on_loss {
                 return Err(self.quorum.closed_refusal(terms.class));
             }
+            if terms.shared {
+                return Err(self.quorum.shared_refusal(terms.class));
+            }
             return Ok(Admission { holds: None });
         }
         let holds = self
@@ -139,7 +146,7 @@ impl KeyOwner {
         before_log.await?;
         // A memory grant from the loss keeps its key until it ends.
         self.quorum.before_log_grant(&req, wait).await?;
-        let fallback = terms.open_on_loss.then(|| req.clone());
+        let fallback = (terms.open_on_loss && !terms.shared).then(|| req.clone());
         let acquired = if terms.durable {
             self.table
                 .acquire_durable(req, wait, terms.max_waiters_per_key)

@@ -347,6 +347,22 @@ impl QuorumLoss {
         }
     }
 
+    /// The refusal of a shared hold during a loss, on a class open to
+    /// memory grants: shared holds are never granted from memory.
+    pub fn shared_refusal(&self, class: &str) -> ArbiterError {
+        let since = self
+            .probe
+            .lock()
+            .lost_since
+            .map(|t| t.elapsed().as_secs())
+            .unwrap_or(0);
+        ArbiterError::ClosedOnQuorumLoss {
+            detail: format!(
+                "the lock cluster has lost quorum (no etcd majority has answered for {since} s); class {class:?} grants exclusive holds from memory meanwhile, but never shared ones (one arbiter's memory cannot keep a writer on another arbiter from the readers): retry later, or acquire exclusively"
+            ),
+        }
+    }
+
     /// Where closed spools wait for the audit tailer.
     pub fn ready_dir(&self) -> std::path::PathBuf {
         self.spool.ready_dir()

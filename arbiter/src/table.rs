@@ -39,6 +39,7 @@ mod quota;
 pub mod seal;
 mod semaphore;
 pub mod sessions;
+mod shared;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -113,6 +114,10 @@ pub struct GrantRequest {
     /// A semaphore class's `permits`: `key` is the semaphore's name, and a
     /// grant holds one of its slots (`table/semaphore.rs`). `None`: a lock.
     pub permits: Option<u32>,
+    /// A shared hold of lock `key` (`mode = SHARED`): held on the session's
+    /// own reader key beside other sessions' (`table/shared.rs`). `false`:
+    /// exclusive.
+    pub shared: bool,
 }
 
 impl GrantRequest {
@@ -262,6 +267,11 @@ enum Attempt {
     /// Held by another session; watch from `watch_from` so nothing between
     /// the failed transaction and the watch is missed.
     Held {
+        watch_from: i64,
+    },
+    /// Held shared by other sessions, and asked exclusively: watch the
+    /// shared holds ([`crate::records::readers_of`]) from `watch_from`.
+    Readers {
         watch_from: i64,
     },
     /// Free, but a durable waiter was queued first. Watch as for `Held`.
@@ -464,10 +474,12 @@ impl LockTable {
     /// the gate keeps the key from it (it then stays queued; its driver
     /// polls), nor when its class has a quota (a hand-over takes no quota
     /// place: the release kicks its driver, whose grant transaction takes
-    /// one), nor to a semaphore's waiter (it takes a slot, not the key).
+    /// one), nor to a semaphore's waiter (it takes a slot, not the key),
+    /// nor to a reader (its own key; the readers behind it go with it).
     fn ungated_head(&self, key: &str) -> Option<Head> {
-        self.head(key)
-            .filter(|h| !self.gated(&h.req) && h.req.quota.is_none() && h.req.permits.is_none())
+        self.head(key).filter(|h| {
+            !self.gated(&h.req) && h.req.quota.is_none() && h.req.permits.is_none() && !h.req.shared
+        })
     }
 
     pub fn log(&self) -> &Arc<dyn LockLog> {
@@ -528,12 +540,15 @@ impl LockTable {
     ) -> Result<Acquired, ArbiterError> {
         // Waiters already queued here go first: a newcomer never barges.
         let next = if self.waiting(&req.key) > 0 {
-            let held = match req.permits {
-                Some(_) => self.permit_held(&req).await?,
-                None => self.already_held(&req).await?,
+            let held = match (req.permits, req.shared) {
+                (Some(_), _) => self.permit_held(&req).await?.map(Some),
+                (None, true) => self.shared_held(&req).await?,
+                (None, false) => self.already_held(&req).await?.map(Some),
             };
             match held {
-                Some(grant) => self.reuse(grant).await?,
+                Some(Some(grant)) => self.reuse(grant).await?,
+                // its own exclusive hold, asked shared: downgraded now
+                Some(None) => self.next_after(self.attempt(&req).await?).await?,
                 None => Next::Queue(None),
             }
         } else if self.gated(&req) {

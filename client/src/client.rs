@@ -78,6 +78,9 @@ pub struct Inspection {
     /// A semaphore's holders, one per held slot, in slot order (empty for
     /// a lock: a key is one kind at a time).
     pub slot_holders: Vec<Holder>,
+    /// A lock's shared holders, one per session (empty while it is held
+    /// exclusively or not at all).
+    pub shared_holders: Vec<Holder>,
 }
 
 /// The current holder of a key, in an [`Inspection`].
@@ -97,6 +100,8 @@ pub struct Holder {
     pub annotations: BTreeMap<String, String>,
     /// The slot held, for a semaphore's holder ([`Inspection::slot_holders`]).
     pub slot: Option<u32>,
+    /// A shared holder ([`Inspection::shared_holders`]).
+    pub shared: bool,
 }
 
 impl Client {
@@ -302,6 +307,7 @@ impl Client {
             acquired_at_unix_ms: h.acquired_at_unix_ms,
             annotations: h.annotations.into_iter().collect(),
             slot: h.slot,
+            shared: h.mode == latchkey_proto::lockv1::Mode::Shared as i32,
         };
         Ok(Inspection {
             key: reply.key,
@@ -309,6 +315,7 @@ impl Client {
             durable_waiters: reply.durable_waiters,
             holder: reply.holder.map(holder),
             slot_holders: reply.slot_holders.into_iter().map(holder).collect(),
+            shared_holders: reply.shared_holders.into_iter().map(holder).collect(),
         })
     }
 
@@ -346,13 +353,41 @@ impl Client {
         session_id: i64,
         token: FencingToken,
     ) -> Result<(), Error> {
+        self.release_grant_as(key, slot, false, session_id, token)
+            .await
+    }
+
+    /// [`Self::release_grant`] for a shared grant ([`crate::LockBuilder::shared`]).
+    pub async fn release_shared_grant(
+        &self,
+        key: &str,
+        session_id: i64,
+        token: FencingToken,
+    ) -> Result<(), Error> {
+        self.release_grant_as(key, None, true, session_id, token)
+            .await
+    }
+
+    async fn release_grant_as(
+        &self,
+        key: &str,
+        slot: Option<u32>,
+        shared: bool,
+        session_id: i64,
+        token: FencingToken,
+    ) -> Result<(), Error> {
         let rpc = &self.inner.rpc;
+        let mode = match shared {
+            true => latchkey_proto::lockv1::Mode::Shared,
+            false => latchkey_proto::lockv1::Mode::Exclusive,
+        };
         rpc.lock()
             .release(rpc.unary(ReleaseRequest {
                 key: key.to_owned(),
                 session_id,
                 token: token.get(),
                 slot,
+                mode: mode as i32,
             }))
             .await?;
         Ok(())

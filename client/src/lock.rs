@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use latchkey_proto::lockv1::{AcquireRequest, Reason, ReleaseRequest, WaitMode};
+use latchkey_proto::lockv1::{AcquireRequest, Mode, Reason, ReleaseRequest, WaitMode};
 use tokio::time::Instant;
 
 use crate::client::Client;
@@ -38,6 +38,7 @@ pub struct LockBuilder {
     wait: Option<Duration>,
     metadata: HashMap<String, String>,
     session: Option<Session>,
+    shared: bool,
 }
 
 impl LockBuilder {
@@ -49,6 +50,7 @@ impl LockBuilder {
             wait: None,
             metadata: HashMap::new(),
             session: None,
+            shared: false,
         }
     }
 
@@ -56,6 +58,18 @@ impl LockBuilder {
     /// is the call's gRPC deadline.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
+        self
+    }
+
+    /// Asks for a shared hold: many sessions hold the key shared at once,
+    /// never beside an exclusive holder. A waiting exclusive request keeps
+    /// later shared ones behind it. The token is above every earlier
+    /// exclusive grant of the key: fence reads with "no writer since my
+    /// token" (docs/fencing.md). A session holding the key in the other
+    /// mode is refused (`UPGRADE_REFUSED` for an exclusive request of a key
+    /// held shared).
+    pub fn shared(mut self) -> Self {
+        self.shared = true;
         self
     }
 
@@ -133,7 +147,32 @@ impl LockBuilder {
         loop {
             match core.begin_acquire(&self.key, on_fence)? {
                 (Begin::Reentered(hold), Some(guard_id)) => {
-                    return Ok(LockGuard::new(hold, Arc::clone(session), guard_id));
+                    let guard = LockGuard::new(hold, Arc::clone(session), guard_id);
+                    if guard.hold.shared != self.shared {
+                        // Held in the other mode by this session: one hold
+                        // per key and session, so no re-entry in another.
+                        let held = if guard.hold.shared {
+                            "shared"
+                        } else {
+                            "exclusively"
+                        };
+                        drop(guard);
+                        return Err(Error::Refused {
+                            code: tonic::Code::FailedPrecondition,
+                            reason: if self.shared {
+                                Reason::BadRequest
+                            } else {
+                                Reason::UpgradeRefused
+                            },
+                            message: format!(
+                                "this session holds {:?} {held} already: release it before acquiring it in the other mode",
+                                self.key
+                            ),
+                            wire_reason: String::new(),
+                            source: None,
+                        });
+                    }
+                    return Ok(guard);
                 }
                 (Begin::Wait(settled), _) => settled.await,
                 (Begin::Outermost, _) => break,
@@ -164,6 +203,11 @@ impl LockBuilder {
             } as i32,
             metadata: self.metadata.clone(),
             instance: rpc.instance.clone(),
+            mode: if self.shared {
+                Mode::Shared
+            } else {
+                Mode::Exclusive
+            } as i32,
         });
         if let Some(wait) = self.wait {
             request.set_timeout(wait);
@@ -192,6 +236,7 @@ impl LockBuilder {
             grant.revision,
         );
         hold.slot = grant.slot;
+        hold.shared = grant.mode == Mode::Shared as i32;
         let hold = Arc::new(hold);
         pending.settled = true;
         let guard_id = core.granted(Arc::clone(&hold), on_fence)?;
@@ -293,6 +338,11 @@ impl LockGuard {
         self.hold.slot
     }
 
+    /// Whether the hold is shared ([`LockBuilder::shared`]).
+    pub fn is_shared(&self) -> bool {
+        self.hold.shared
+    }
+
     /// The session the hold is attached to.
     pub fn session_id(&self) -> i64 {
         self.hold.session_id
@@ -383,6 +433,11 @@ async fn send_release(session: &SessionInner, hold: &Hold) -> Result<(), Error> 
             session_id: hold.session_id,
             token: hold.token.get(),
             slot: hold.slot,
+            mode: if hold.shared {
+                Mode::Shared
+            } else {
+                Mode::Exclusive
+            } as i32,
         }))
         .await?;
     tracing::debug!(key = %hold.key, session_id = hold.session_id, "released");

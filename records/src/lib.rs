@@ -16,7 +16,9 @@
 //! - `{prefix}/s/{lease}` — [`SessionRecord`] on the session's lease.
 //! - `{prefix}/si/{hex(identity)}/{lease}` — empty, on the session's lease: the
 //!   identity's open sessions, counted for `--max-sessions-per-identity`.
-//! - `{prefix}/l/{key}`   — [`HolderRecord`] on the holder's session lease.
+//! - `{prefix}/l/{key}`   — [`HolderRecord`] on the holder's session lease:
+//!   an exclusive hold of `key`; a shared hold is `l/{key}//r/{session}`
+//!   ([`reader_key`]), a semaphore's slot `l/{name}//s/{slot}` ([`slot_key`]).
 //! - `{prefix}/c/{key}//{revision}` — empty, on the holder's session lease: the
 //!   hold at that revision reached a call as "already yours", so no orphan
 //!   release may delete it (`//` cannot occur in a key, so no key's claims
@@ -420,10 +422,71 @@ pub fn split_slot(key: &str) -> Option<(&str, u32)> {
         .map(|slot| (name, slot))
 }
 
+/// Where `session`'s shared hold of `name` is held: a lock key of its own
+/// (`<name>//r/<session:016x>`), one per session, as a slot is one per
+/// permit. A shared hold's grant compares `name` not held exclusively, and
+/// an exclusive grant of `name` compares everything under `<name>//`
+/// absent, so a writer is never beside a reader; readers never compare each
+/// other and hold together.
+pub fn reader_key(name: &str, session: i64) -> String {
+    // a session id is a lease id: spelled as its 64 bits, so no two differ
+    // only in a sign
+    format!("{name}//r/{:016x}", session as u64)
+}
+
+/// Every shared hold of `name`: a prefix of lock keys.
+pub fn readers_of(name: &str) -> String {
+    format!("{name}//r/")
+}
+
+/// Everything held under `name` besides its exclusive hold (its shared
+/// holds, or its semaphore slots): the range an exclusive grant of `name`
+/// compares empty.
+pub fn under_name(name: &str) -> String {
+    format!("{name}//")
+}
+
+/// The name and session a shared hold's lock key names; `None` for any
+/// other key.
+pub fn split_reader(key: &str) -> Option<(&str, i64)> {
+    let (name, rest) = key.split_once("//r/")?;
+    // exactly as `reader_key` spells it: sixteen lowercase hex digits
+    let spelled = rest.len() == 16
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    (spelled && !name.is_empty())
+        .then(|| u64::from_str_radix(rest, 16).ok())
+        .flatten()
+        .map(|session| (name, session as i64))
+}
+
+/// How a lock key is held, from its spelling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum HoldKind {
+    /// A lock's exclusive hold: the key as its caller named it.
+    Exclusive,
+    /// A session's shared hold of a lock ([`reader_key`]).
+    Shared,
+    /// A slot of a semaphore ([`slot_key`]).
+    Slot,
+}
+
+/// How `key` is held, and the name its caller asked for.
+pub fn hold_kind(key: &str) -> (HoldKind, &str) {
+    if let Some((name, _)) = split_slot(key) {
+        return (HoldKind::Slot, name);
+    }
+    if let Some((name, _)) = split_reader(key) {
+        return (HoldKind::Shared, name);
+    }
+    (HoldKind::Exclusive, key)
+}
+
 /// The key a hold is on as its caller named it: the semaphore's name for a
-/// slot, the key itself otherwise.
+/// slot, the lock's for a shared hold, the key itself otherwise.
 pub fn named_key(key: &str) -> &str {
-    split_slot(key).map_or(key, |(name, _)| name)
+    hold_kind(key).1
 }
 
 /// The index of a quota place from its key's last segment (`{index:04x}`).
@@ -612,6 +675,26 @@ pub fn now_unix_ms() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reader_key_names_its_lock_and_session() {
+        let key = reader_key("jobs/batch", 0x1a2b);
+        assert_eq!(key, "jobs/batch//r/0000000000001a2b");
+        assert_eq!(split_reader(&key), Some(("jobs/batch", 0x1a2b)));
+        assert_eq!(hold_kind(&key), (HoldKind::Shared, "jobs/batch"));
+        assert_eq!(named_key(&key), "jobs/batch");
+        assert!(key.starts_with(&readers_of("jobs/batch")));
+        assert!(key.starts_with(&under_name("jobs/batch")));
+        assert!(slot_key("jobs/batch", 3).starts_with(&under_name("jobs/batch")));
+        // a negative session keeps its own spelling
+        assert_eq!(split_reader(&reader_key("a", -5)), Some(("a", -5)));
+        assert_eq!(split_reader("jobs/batch"), None);
+        assert_eq!(split_reader("a//r/1a2b"), None);
+        assert_eq!(split_reader("//r/0000000000001a2b"), None);
+        assert_eq!(split_reader("a//r/0000000000001A2B"), None);
+        assert_eq!(hold_kind("a"), (HoldKind::Exclusive, "a"));
+        assert_eq!(hold_kind(&slot_key("a", 1)), (HoldKind::Slot, "a"));
+    }
 
     #[test]
     fn a_slot_key_names_its_semaphore_and_slot() {

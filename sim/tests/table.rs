@@ -53,6 +53,7 @@ fn req(identity: &str, session: i64, key: &str) -> GrantRequest {
         permits: None,
         instance: String::new(),
         bound: String::new(),
+        shared: false,
     }
 }
 

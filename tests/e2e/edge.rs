@@ -105,6 +105,7 @@ pub(crate) async fn unlock(c: &mut Client, g: &Grant) -> Result<(), tonic::Statu
         session_id: g.session_id,
         token: g.token,
         slot: None,
+        mode: 0,
     };
     c.release(keyed(req, &g.key)).await?;
     Ok(())
@@ -123,6 +124,7 @@ pub(crate) fn acquire_request(
         wait: wait.into(),
         metadata: Default::default(),
         instance: crate::support::TEST_INSTANCE.into(),
+        mode: 0,
     }
 }
 

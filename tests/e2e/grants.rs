@@ -277,6 +277,7 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
         wait: WaitMode::WaitNone.into(),
         metadata: Default::default(),
         instance: String::new(),
+        mode: 0,
     };
     req.metadata.insert("ticket".into(), "x".repeat(300));
     expect_refusal(
@@ -298,6 +299,7 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
             session_id: session,
             token: g.token + 1,
             slot: None,
+            mode: 0,
         })
         .await;
     expect_refusal(wrong, Code::FailedPrecondition, "TOKEN_MISMATCH")?;
@@ -307,6 +309,7 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
             session_id: session + 1,
             token: g.token,
             slot: None,
+            mode: 0,
         })
         .await;
     expect_refusal(wrong, Code::FailedPrecondition, "NOT_HELD")?;

@@ -45,6 +45,7 @@ async fn acquire(
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect::<HashMap<_, _>>(),
             instance: String::new(),
+            mode: 0,
         })
         .await?;
     resp.into_inner()

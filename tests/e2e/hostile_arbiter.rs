@@ -29,6 +29,7 @@ async fn release_as(c: &mut Client, g: &Grant) -> Result<(), tonic::Status> {
         session_id: g.session_id,
         token: g.token,
         slot: None,
+        mode: 0,
     })
     .await
     .map(|_| ())
@@ -57,6 +58,7 @@ async fn another_identity_cannot_release_a_hold_with_its_session_and_token() -> 
             session_id: 0x1234_5678,
             token: g.token,
             slot: None,
+            mode: 0,
         })
         .await;
     let other = expect_refusal(unknown, Code::FailedPrecondition, "NOT_HELD")?;
@@ -67,6 +69,7 @@ async fn another_identity_cannot_release_a_hold_with_its_session_and_token() -> 
             session_id: sa,
             token: g.token + 1,
             slot: None,
+            mode: 0,
         })
         .await;
     expect_refusal(wrong, Code::FailedPrecondition, "NOT_HELD")?;
@@ -806,6 +809,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
             session_id: sb,
             token: other_epoch(g.token),
             slot: None,
+            mode: 0,
         })
         .await;
     let held = expect_refusal(held_by_alice, Code::FailedPrecondition, "NOT_HELD")?;
@@ -816,6 +820,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
             session_id: sb,
             token: other_epoch(g.token),
             slot: None,
+            mode: 0,
         })
         .await;
     let free = expect_refusal(free, Code::FailedPrecondition, "NOT_HELD")?;
@@ -831,6 +836,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
             session_id: sa,
             token: other_epoch(g.token),
             slot: None,
+            mode: 0,
         })
         .await;
     expect_refusal(with_her_session, Code::FailedPrecondition, "NOT_HELD")?;
@@ -841,6 +847,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
             session_id: sb,
             token: g.token & ((1 << 48) - 1),
             slot: None,
+            mode: 0,
         })
         .await;
     expect_refusal(epoch_zero, Code::FailedPrecondition, "NOT_HELD")?;
@@ -852,6 +859,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
             session_id: sa,
             token: other_epoch(g.token),
             slot: None,
+            mode: 0,
         })
         .await;
     expect_refusal(own, Code::FailedPrecondition, "TOKEN_MISMATCH")?;

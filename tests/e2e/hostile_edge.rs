@@ -170,6 +170,7 @@ async fn reserved_headers_in_request_trailers_are_refused_for_every_method() -> 
                 session_id: held.session_id,
                 token: held.token,
                 slot: None,
+                mode: 0,
             }),
             &alice_id,
         ),

@@ -87,6 +87,7 @@ async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_refused() -> a
             wait: 0,
             metadata: Default::default(),
             instance: String::new(),
+            mode: 0,
         })
         .await?
         .into_inner()
@@ -108,6 +109,7 @@ async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_refused() -> a
             session_id: session,
             token: g.token,
             slot: None,
+            mode: 0,
         })
         .await?;
     // the edge without a header is refused
@@ -169,6 +171,7 @@ async fn tokens_never_appear_in_the_logs() -> anyhow::Result<()> {
                 session_id: sa,
                 token: g.token + 7,
                 slot: None,
+                mode: 0,
             })
             .await;
         let _ = alice.inspect(InspectRequest { key: key.clone() }).await?;
@@ -321,6 +324,7 @@ async fn insecure_dev_mode_takes_the_caller_from_its_header() -> anyhow::Result<
             wait: 0,
             metadata: Default::default(),
             instance: String::new(),
+            mode: 0,
         })
         .await?
         .into_inner();

@@ -118,6 +118,7 @@ async fn metrics_count_calls_by_namespace_and_class_and_never_name_a_key_or_toke
             wait: latchkey_proto::lockv1::WaitMode::WaitNone.into(),
             metadata: Default::default(),
             instance: String::new(),
+            mode: 0,
         })
         .await;
     let denied = denied.map(|r| r.into_inner());

@@ -252,6 +252,7 @@ async fn otlp_spans_follow_the_callers_trace_and_never_name_a_key_token_or_ident
             wait: WaitMode::WaitNone.into(),
             metadata: Default::default(),
             instance: String::new(),
+            mode: 0,
         }))
         .await?
         .into_inner()
@@ -265,6 +266,7 @@ async fn otlp_spans_follow_the_callers_trace_and_never_name_a_key_token_or_ident
         wait: WaitMode::WaitUntilDeadline.into(),
         metadata: Default::default(),
         instance: String::new(),
+        mode: 0,
     });
     wait.set_timeout(Duration::from_secs(20));
     let waiting = tokio::spawn(async move { bob_waits.acquire(wait).await });
@@ -286,6 +288,7 @@ async fn otlp_spans_follow_the_callers_trace_and_never_name_a_key_token_or_ident
             session_id: sa,
             token: first.token,
             slot: None,
+            mode: 0,
         }))
         .await?;
     let second = waiting
@@ -299,6 +302,7 @@ async fn otlp_spans_follow_the_callers_trace_and_never_name_a_key_token_or_ident
         session_id: sb,
         token: second.token,
         slot: None,
+        mode: 0,
     }))
     .await?;
 
@@ -465,6 +469,7 @@ async fn otlp_spans_through_envoy_keep_the_callers_trace() -> anyhow::Result<()>
         wait: WaitMode::WaitNone.into(),
         metadata: Default::default(),
         instance: String::new(),
+        mode: 0,
     });
     acquire.metadata_mut().insert("x-lock-key", key.parse()?);
     let grant = alice
@@ -478,6 +483,7 @@ async fn otlp_spans_through_envoy_keep_the_callers_trace() -> anyhow::Result<()>
         session_id: session,
         token: grant.token,
         slot: None,
+        mode: 0,
     });
     release.metadata_mut().insert("x-lock-key", key.parse()?);
     alice.release(release).await?;

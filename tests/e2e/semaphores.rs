@@ -161,6 +161,7 @@ async fn a_semaphore_grants_its_permits_one_slot_each() -> anyhow::Result<()> {
         session_id: freed.session_id,
         token: freed.token,
         slot,
+        mode: 0,
     };
     let other = (slot_of(&freed)? + 1) % 3;
     expect_refusal(

@@ -33,9 +33,9 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::LogLayer;
 use latchkey_arbiter::lock_log::{
-    Claimed, Counted, DurableQueueLog, EpochLog, FollowLog, ForceEndTxn, ForceEnded, GrantTxn,
-    Granted, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LockLog, LogResult, PrefixWatch, Queued,
-    Records, Renewal, SessionLog, StoreError, WatchSignal,
+    Claimed, Counted, DowngradeTxn, DurableQueueLog, EpochLog, FollowLog, ForceEndTxn, ForceEnded,
+    GrantTxn, Granted, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LockLog, LogResult, PrefixWatch,
+    Queued, Records, Renewal, SessionLog, StoreError, WatchSignal,
 };
 use tracing::debug;
 
@@ -388,6 +388,10 @@ impl HoldLog for FaultyLog {
 
     async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
         self.inner.hand_over(txn).await
+    }
+
+    async fn downgrade(&self, txn: DowngradeTxn<'_>) -> LogResult<bool> {
+        self.inner.downgrade(txn).await
     }
 
     async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
@@ -842,6 +846,7 @@ mod tests {
                         queue_head: None,
                         fence_at: 0,
                         other_kind: false,
+                        other_mode: None,
                     },
                 );
             }
@@ -857,6 +862,10 @@ mod tests {
         }
 
         async fn hand_over(&self, _: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
+            unused()
+        }
+
+        async fn downgrade(&self, _: DowngradeTxn<'_>) -> LogResult<bool> {
             unused()
         }
 

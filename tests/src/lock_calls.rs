@@ -71,6 +71,7 @@ pub async fn acquire_as(
         },
         metadata: Default::default(),
         instance: instance.into(),
+        mode: 0,
     });
     if let Some(timeout) = wait {
         req.set_timeout(timeout);
@@ -87,6 +88,7 @@ pub async fn release(c: &mut Client, g: &Grant) -> Result<(), Status> {
         session_id: g.session_id,
         token: g.token,
         slot: g.slot,
+        mode: g.mode,
     })
     .await?;
     Ok(())

@@ -19,6 +19,7 @@ mod fence;
 mod follow;
 mod force;
 mod kinds;
+mod modes;
 mod queue;
 mod quota;
 
@@ -50,6 +51,7 @@ use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
     StoreError, WatchSignal,
 };
+use modes::{a_downgrade_is_one_transaction, a_writer_is_never_beside_a_reader};
 use queue::{
     a_durable_queue_stops_hand_overs_and_ends_with_its_session,
     durable_waiters_go_in_create_revision_order,
@@ -97,6 +99,8 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(hand_over_replaces_the_holder);
     case!(a_grant_takes_a_quota_place_in_its_transaction);
     case!(a_key_is_one_kind_at_a_time);
+    case!(a_writer_is_never_beside_a_reader);
+    case!(a_downgrade_is_one_transaction);
     case!(a_forced_end_ends_only_the_named_hold);
     case!(release_orphan_is_conditional);
     case!(a_claim_stops_the_orphan_release);
@@ -415,6 +419,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
         queue_head: None,
         fence_at: 0,
         other_kind: false,
+        other_mode: None,
     };
     ensure!(answer.value == expected, "{:?}", answer.value);
     // the holder's own session again: refused the same way
@@ -471,6 +476,7 @@ pub async fn grant_with_the_wrong_epoch(log: &dyn LockLog) -> anyhow::Result<()>
                 queue_head: None,
                 fence_at: 0,
                 other_kind: false,
+                other_mode: None,
             },
         "{:?}",
         answer.value
@@ -513,6 +519,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
                 queue_head: None,
                 fence_at: 0,
                 other_kind: false,
+                other_mode: None,
             },
         "wrong record: {:?}",
         wrong.value
@@ -539,6 +546,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
                 queue_head: None,
                 fence_at: 0,
                 other_kind: false,
+                other_mode: None,
             },
         "no record: {:?}",
         missing.value
@@ -579,6 +587,7 @@ pub async fn grant_on_a_revoked_lease(log: &dyn LockLog) -> anyhow::Result<()> {
                 queue_head: None,
                 fence_at: 0,
                 other_kind: false,
+                other_mode: None,
             },
         "{:?}",
         answer.value
@@ -1303,6 +1312,7 @@ pub async fn grant_while_sealed(log: &dyn LockLog) -> anyhow::Result<()> {
                 queue_head: None,
                 fence_at: 0,
                 other_kind: false,
+                other_mode: None,
             },
         "{:?}",
         answer.value

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use latchkey_proto::lockv1::EndedHold;
+use latchkey_proto::lockv1::{EndedHold, Mode};
 use parking_lot::MutexGuard;
 use tokio::sync::mpsc;
 
@@ -146,17 +146,16 @@ impl HoldCounts {
     pub(super) fn notify<'a>(&self, ended: impl IntoIterator<Item = &'a Ended>) {
         let watchers = self.watchers();
         for ended in ended {
-            let hold = match crate::records::split_slot(&ended.key) {
-                Some((name, slot)) => EndedHold {
-                    key: name.to_string(),
-                    revision: ended.revision,
-                    slot: Some(slot),
-                },
-                None => EndedHold {
-                    key: ended.key.clone(),
-                    revision: ended.revision,
-                    slot: None,
-                },
+            let (kind, name) = crate::records::hold_kind(&ended.key);
+            let hold = EndedHold {
+                key: name.to_string(),
+                revision: ended.revision,
+                slot: crate::records::split_slot(&ended.key).map(|(_, slot)| slot),
+                mode: match kind {
+                    crate::records::HoldKind::Shared => Mode::Shared,
+                    _ => Mode::Exclusive,
+                }
+                .into(),
             };
             match watchers.get(&ended.session) {
                 Some(streams) => {
@@ -221,6 +220,7 @@ mod tests {
             slot: None,
             key: format!("k/{i}"),
             revision: i,
+            mode: 0,
         };
         u.push("victim", 1, hold(0));
         for i in 0..(MAX_UNCLAIMED as i64 * 2) {

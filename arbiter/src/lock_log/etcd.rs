@@ -40,9 +40,9 @@ use latchkey_etcd::txn::TxnOpResponse;
 use latchkey_etcd::{Client, Connection, ErrorKind, KeyValue, Login, ResponseHeader, TlsPem};
 
 use super::{
-    Answer, BatchOp, BatchOutcome, Claimed, ForceEndTxn, ForceEnded, GrantTxn, Granted,
-    HandOverTxn, Header, HeldAt, KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn, ReleasedIf,
-    Renewal, StoreError,
+    Answer, BatchOp, BatchOutcome, Claimed, DowngradeTxn, ForceEndTxn, ForceEnded, GrantTxn,
+    Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn,
+    ReleasedIf, Renewal, StoreError,
 };
 use crate::records::Layout;
 /// The etcd client handle the log and its followers connect with.
@@ -154,6 +154,10 @@ impl HoldLog for EtcdLog {
 
     async fn hand_over(&self, txn: HandOverTxn<'_>) -> LogResult<Option<Option<Vec<u8>>>> {
         holds::hand_over(self, txn).await
+    }
+
+    async fn downgrade(&self, txn: DowngradeTxn<'_>) -> LogResult<bool> {
+        holds::downgrade(self, txn).await
     }
 
     async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {

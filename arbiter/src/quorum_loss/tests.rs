@@ -22,6 +22,7 @@ fn req(key: &str, identity: &str, session: i64) -> GrantRequest {
         permits: None,
         instance: format!("{identity}-process"),
         bound: String::new(),
+        shared: false,
     }
 }
 

@@ -1,7 +1,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use latchkey_proto::lockv1::{AcquireRequest, AcquireResponse, Grant as WireGrant, WaitMode};
+use latchkey_proto::lockv1::{AcquireRequest, AcquireResponse, Grant as WireGrant, Mode, WaitMode};
 use tonic::Request;
 use tracing::field::Empty;
 use tracing::{Instrument as _, debug};
@@ -117,11 +117,17 @@ pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
     let token = grant.token().ok_or_else(|| {
         ArbiterError::internal("the epoch or revision is outside the token range")
     })?;
-    // A semaphore's grant is held on a slot's own key: the caller hears
-    // the name it asked for and the slot.
-    let (key, slot) = match crate::records::split_slot(&grant.key) {
-        Some((name, slot)) => (name.to_string(), Some(slot)),
-        None => (grant.key.clone(), None),
+    // A semaphore's grant is held on a slot's own key, a shared hold on
+    // the session's reader key: the caller hears the name it asked for,
+    // and the slot or the mode.
+    let (key, slot, mode) = match crate::records::hold_kind(&grant.key) {
+        (crate::records::HoldKind::Slot, name) => (
+            name.to_string(),
+            crate::records::split_slot(&grant.key).map(|(_, slot)| slot),
+            Mode::Exclusive,
+        ),
+        (crate::records::HoldKind::Shared, name) => (name.to_string(), None, Mode::Shared),
+        (crate::records::HoldKind::Exclusive, _) => (grant.key.clone(), None, Mode::Exclusive),
     };
     Ok(WireGrant {
         key,
@@ -131,6 +137,7 @@ pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
         session_id: grant.session,
         unprotected: false,
         slot,
+        mode: mode.into(),
     })
 }
 
@@ -145,6 +152,7 @@ fn wire_memory_grant(grant: &crate::owner::MemoryGrant) -> WireGrant {
         session_id: grant.session,
         unprotected: true,
         slot: None,
+        mode: Mode::Exclusive.into(),
     }
 }
 
@@ -224,6 +232,28 @@ impl Arbiter {
         let session = session_id(req.session_id)?;
         let wait = WaitMode::try_from(req.wait)
             .map_err(|_| ArbiterError::BadRequest(format!("unknown wait mode {}", req.wait)))?;
+        let shared = match Mode::try_from(req.mode) {
+            Ok(Mode::Exclusive) => false,
+            Ok(Mode::Shared) => true,
+            Err(_) => {
+                return Err(ArbiterError::BadRequest(format!(
+                    "unknown mode {}: MODE_EXCLUSIVE (0) or MODE_SHARED (1)",
+                    req.mode
+                )));
+            }
+        };
+        if shared && class.kind == latchkey_policies::ClassKind::Semaphore {
+            return Err(ArbiterError::BadRequest(format!(
+                "class {:?} is a semaphore, whose permits are held one per slot: acquire it in mode MODE_EXCLUSIVE",
+                super::truncate(&class.name, 64)
+            )));
+        }
+        if shared && class.fairness == latchkey_policies::Fairness::Durable {
+            return Err(ArbiterError::BadRequest(format!(
+                "class {:?} keeps a durable queue (fairness = \"durable\"), which takes no shared holds yet: acquire exclusively, or use a class with fairness = \"arbiter\"",
+                super::truncate(&class.name, 64)
+            )));
+        }
         let metadata: BTreeMap<String, String> = req.metadata.into_iter().collect();
         check_metadata(&metadata)?;
         let instance = checked_instance(&req.instance)?;
@@ -239,6 +269,7 @@ impl Arbiter {
             open_on_loss: class.on_quorum_loss == OnQuorumLoss::Open,
             durable: class.fairness == latchkey_policies::Fairness::Durable,
             max_waiters_per_key: class.max_waiters_per_key,
+            shared,
         };
         // Bounded before anything else is spent on the call (a hook, a
         // queue place); refused if the class cannot be served now.
@@ -339,6 +370,7 @@ impl Arbiter {
                 latchkey_policies::ClassKind::Semaphore => class.permits,
                 _ => None,
             },
+            shared,
         };
 
         let wait = match wait {

@@ -1,4 +1,4 @@
-use latchkey_proto::lockv1::{Holder, InspectRequest, InspectResponse};
+use latchkey_proto::lockv1::{Holder, InspectRequest, InspectResponse, Mode};
 use tonic::Request;
 
 use super::Arbiter;
@@ -17,15 +17,16 @@ impl Arbiter {
         let key = self.authorised_key(&policies, &caller, &request.get_ref().key)?;
         let operator = policies.is_operator(&caller.identity);
         let table = &self.tiers.for_key(&key).await?.table;
-        // Three reads side by side: the holder, a semaphore's slot
-        // holders, and the durable queue's length.
-        let (holder, slots, durable_waiters) = tokio::join!(
+        // Four reads side by side: the holder, a semaphore's slot holders,
+        // a lock's shared holders, and the durable queue's length.
+        let (holder, slots, readers, durable_waiters) = tokio::join!(
             table.holder(key.as_str()),
             table.slot_holders(key.as_str()),
+            table.reader_holders(key.as_str()),
             table.durable_waiting(key.as_str())
         );
         let durable_waiters = durable_waiters?;
-        let shown = |h: crate::table::HolderView, slot: Option<u32>| {
+        let shown = |h: crate::table::HolderView, slot: Option<u32>, mode: Mode| {
             let shown = session_shown(&h.record.identity, &caller.identity, operator);
             let session_id = if shown { h.record.session } else { 0 };
             Holder {
@@ -35,13 +36,18 @@ impl Arbiter {
                 acquired_at_unix_ms: h.record.acquired_at_unix_ms,
                 annotations: h.record.annotations.into_iter().collect(),
                 slot,
+                mode: mode.into(),
                 ..Holder::default()
             }
         };
-        let holder = holder?.map(|h| shown(h, None));
+        let holder = holder?.map(|h| shown(h, None, Mode::Exclusive));
         let slot_holders = slots?
             .into_iter()
-            .map(|(slot, h)| shown(h, Some(slot)))
+            .map(|(slot, h)| shown(h, Some(slot), Mode::Exclusive))
+            .collect();
+        let shared_holders = readers?
+            .into_iter()
+            .map(|h| shown(h, None, Mode::Shared))
             .collect();
         Ok(InspectResponse {
             key: key.as_str().to_string(),
@@ -49,6 +55,7 @@ impl Arbiter {
             waiters: u32::try_from(table.waiting(key.as_str())).unwrap_or(u32::MAX),
             durable_waiters,
             slot_holders,
+            shared_holders,
         })
     }
 }

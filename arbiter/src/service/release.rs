@@ -71,8 +71,25 @@ impl Arbiter {
         let policies = self.policies.current();
         let key = self.authorised_key_in(&policies, &caller, &req.key, scope)?;
         let session = session_id(req.session_id)?;
-        // A semaphore's grant is held on its slot's key.
+        let shared = match latchkey_proto::lockv1::Mode::try_from(req.mode) {
+            Ok(latchkey_proto::lockv1::Mode::Exclusive) => false,
+            Ok(latchkey_proto::lockv1::Mode::Shared) => true,
+            Err(_) => {
+                return Err(ArbiterError::BadRequest(format!(
+                    "unknown mode {}: release with the mode the grant returned",
+                    req.mode
+                )));
+            }
+        };
+        if shared && req.slot.is_some() {
+            return Err(ArbiterError::BadRequest(
+                "a shared hold has no slot: release it with mode MODE_SHARED alone".into(),
+            ));
+        }
+        // A semaphore's grant is held on its slot's key, a shared hold on
+        // the session's reader key.
         let held = match req.slot {
+            None if shared => crate::records::reader_key(key.as_str(), session),
             None => key.as_str().to_string(),
             Some(slot) if slot < latchkey_policies::MAX_PERMITS => {
                 crate::records::slot_key(key.as_str(), slot)
@@ -92,7 +109,7 @@ impl Arbiter {
             .await;
         let ended = match released {
             Err(not_held @ ArbiterError::NotHeld { .. })
-                if req.slot.is_none() && any_semaphore(&policies) =>
+                if req.slot.is_none() && !shared && any_semaphore(&policies) =>
             {
                 let slot = cluster
                     .table

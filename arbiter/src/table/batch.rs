@@ -73,11 +73,11 @@ impl Member {
     /// place (etcd refuses a transaction that puts one key twice, and two
     /// grants racing for one place are decided by separate transactions).
     /// A NUL begins a place's name: no lock key has one. A grant also
-    /// names its kind of the key as its caller named it: SOH and the key for
-    /// a lock's grant, STX and the semaphore's name for a slot's. A lock's
-    /// grant and a grant of a slot under it compare each other's absence,
-    /// which two members of one batch would both pass: each
-    /// [`Self::conflicts`] with the other's, while slots of one semaphore go
+    /// names its kind of hold under the name its caller asked for
+    /// ([`kind_name`]). An exclusive grant, a shared hold's and a slot's
+    /// under one name compare each other's absence, which two members of
+    /// one batch would both pass: each [`Self::conflicts`] with the
+    /// others', while slots of one semaphore, or readers of one lock, go
     /// together.
     fn names(&self) -> impl Iterator<Item = String> + '_ {
         let (place, kind) = match self {
@@ -85,7 +85,7 @@ impl Member {
                 g.quota
                     .as_ref()
                     .map(|take| format!("\0{}\0{}\0{}", take.class, take.subject, take.index)),
-                Some(kind_name(&g.key, false)),
+                Some(kind_name(&g.key)),
             ),
             Member::Release(_) => (None, None),
         };
@@ -99,16 +99,13 @@ impl Member {
     /// kind's name, which slots of one semaphore share), and for a grant
     /// the other kind's name of its key.
     fn conflicts(&self) -> impl Iterator<Item = String> + '_ {
-        let (own, other) = match self {
-            Member::Grant(g) => (
-                Some(kind_name(&g.key, false)),
-                Some(kind_name(&g.key, true)),
-            ),
+        let (own, others) = match self {
+            Member::Grant(g) => (Some(kind_name(&g.key)), Some(other_kind_names(&g.key))),
             Member::Release(_) => (None, None),
         };
         self.names()
             .filter(move |n| Some(n) != own.as_ref())
-            .chain(other)
+            .chain(others.into_iter().flatten())
     }
 
     /// The transaction's kind, as a trace span names it (telemetry.rs).
@@ -136,12 +133,31 @@ impl Member {
     }
 }
 
-/// The name a grant of `key` takes for its kind (`other`: the name of the
-/// other kind on the same key).
-fn kind_name(key: &str, other: bool) -> String {
-    let slot = crate::records::split_slot(key).is_some();
-    let tag = if slot != other { '\u{2}' } else { '\u{1}' };
-    format!("{tag}{}", crate::records::named_key(key))
+/// The name a grant of `key` takes for its kind of hold under its name:
+/// SOH for an exclusive hold, STX for a slot, ETX for a shared hold.
+fn kind_name(key: &str) -> String {
+    let (kind, name) = crate::records::hold_kind(key);
+    format!("{}{name}", kind_tag(kind))
+}
+
+fn kind_tag(kind: crate::records::HoldKind) -> char {
+    match kind {
+        crate::records::HoldKind::Exclusive => '\u{1}',
+        crate::records::HoldKind::Slot => '\u{2}',
+        crate::records::HoldKind::Shared => '\u{3}',
+    }
+}
+
+/// The names of the other kinds of hold under `key`'s name: a grant of
+/// one never shares a batch, or batches in flight, with a grant of another.
+fn other_kind_names(key: &str) -> impl Iterator<Item = String> {
+    use crate::records::HoldKind;
+    let (kind, name) = crate::records::hold_kind(key);
+    let name = name.to_string();
+    [HoldKind::Exclusive, HoldKind::Slot, HoldKind::Shared]
+        .into_iter()
+        .filter(move |k| *k != kind)
+        .map(move |k| format!("{}{name}", kind_tag(k)))
 }
 
 /// What a member hears: its outcome and the batch's (checked) header.
@@ -320,7 +336,59 @@ impl LockTable {
         })
     }
 
-    fn batch_limit(&self) -> usize {
+    /// Sends `members` together: queued at once, so they go in one batch
+    /// (as far as the batch limit allows) unless one waits behind an
+    /// earlier member on its name. Each hears its own answer, in order.
+    pub(super) async fn commit_together(
+        self: &Arc<Self>,
+        members: Vec<Member>,
+    ) -> Vec<MemberAnswer> {
+        if self.stop.is_cancelled() {
+            return members
+                .iter()
+                .map(|_| Err(ArbiterError::store("the arbiter is shutting down")))
+                .collect();
+        }
+        let in_flight = self.options.batches_in_flight.max(1);
+        let bound = in_flight * self.batch_limit() * WAITING_PER_SLOT;
+        let mut receivers = Vec::with_capacity(members.len());
+        let mut starts = 0;
+        {
+            let mut q = self.batches.lock();
+            for member in members {
+                let (reply, rx) = oneshot::channel();
+                if q.waiting.len() >= bound {
+                    receivers.push(None);
+                    continue;
+                }
+                q.waiting.push_back(Pending { member, reply });
+                receivers.push(Some(rx));
+                if q.committers < in_flight {
+                    q.committers += 1;
+                    starts += 1;
+                }
+            }
+        }
+        for _ in 0..starts {
+            self.tasks.spawn(self.clone().commit_batches());
+        }
+        let mut answers = Vec::with_capacity(receivers.len());
+        for rx in receivers {
+            answers.push(match rx {
+                Some(rx) => rx.await.unwrap_or_else(|_| {
+                    Err(ArbiterError::store(
+                        "the batch was dropped with the arbiter; its outcome is unknown",
+                    ))
+                }),
+                None => Err(ArbiterError::store(
+                    "too many grants and releases are waiting for the lock log",
+                )),
+            });
+        }
+        answers
+    }
+
+    pub(super) fn batch_limit(&self) -> usize {
         self.options.batch_limit.min(self.log.batch_limit()).max(1)
     }
 

@@ -35,16 +35,20 @@ pub(super) async fn drive(
     stop: CancellationToken,
 ) {
     let mut watch: Option<Box<dyn KeyWatch>> = None;
-    // Whether the watch is on a semaphore's slots (else on the key).
-    let mut watching_slots = false;
+    // What the watch is on: the key, its shared holds, or a semaphore's
+    // slots (`watched`).
+    let mut watching = String::new();
     let mut from = watch_from;
+    // The last attempt found the key held shared (an exclusive head waits
+    // for the shared holds to end).
+    let mut readers_hold = false;
     while let Some(head) = table.head_or_retire(&key) {
         if stop.is_cancelled() {
             return;
         }
-        if watch.is_some() && watching_slots != head.req.permits.is_some() {
-            // The head is of the other kind than the watch was opened for
-            // (callers mixing classes on one name): watch what it waits on.
+        if watch.is_some() && watching != watched(&key, &head.req, readers_hold) {
+            // The head waits on something else than the watch was opened
+            // for (a new head of another kind or mode): watch that.
             watch = None;
         }
         if table.gated(&head.req) {
@@ -53,6 +57,14 @@ pub(super) async fn drive(
             poll_later(&table, &kick, &stop).await;
             continue;
         }
+        if head.req.shared {
+            // Readers at the head go together, in one batch.
+            let readers = table.book.lock().readers_at_head(&key, table.batch_limit());
+            if readers.len() > 1 && table.grant_readers(readers).await {
+                continue;
+            }
+        }
+        readers_hold = false;
         match table.attempt(&head.req).await {
             Ok(Attempt::Granted(grant)) => {
                 table.deliver(&head, grant);
@@ -81,6 +93,15 @@ pub(super) async fn drive(
                     from = Some(watch_from);
                 }
             }
+            Ok(Attempt::Readers { watch_from }) => {
+                readers_hold = true;
+                if watch.is_some() && watching != watched(&key, &head.req, readers_hold) {
+                    watch = None;
+                }
+                if from.is_none() || watch.is_none() {
+                    from = Some(watch_from);
+                }
+            }
             Ok(Attempt::Behind { .. } | Attempt::Unqueued | Attempt::Gated) => {
                 // Durable waiters first (a key whose callers mix classes):
                 // their comings and goings do not touch the holder record
@@ -103,13 +124,8 @@ pub(super) async fn drive(
         if watch.is_none()
             && let Some(rev) = from.take()
         {
-            // A semaphore's waiters wait for any of its slots.
-            let watched = match head.req.permits {
-                Some(_) => crate::records::slots_of(&key),
-                None => key.clone(),
-            };
-            watch = table.log.watch(&watched, rev).await.ok();
-            watching_slots = head.req.permits.is_some();
+            watching = watched(&key, &head.req, readers_hold);
+            watch = table.log.watch(&watching, rev).await.ok();
         }
         // Wait for a hint.
         match watch.as_mut() {
@@ -130,5 +146,16 @@ pub(super) async fn drive(
             }
             None => poll_later(&table, &kick, &stop).await,
         }
+    }
+}
+
+/// What a head waiting on `key` watches: a semaphore's waiter any of its
+/// slots, an exclusive waiter held up by shared holds those holds, any
+/// other waiter the key's exclusive hold.
+fn watched(key: &str, head: &super::GrantRequest, readers_hold: bool) -> String {
+    match (head.permits, readers_hold && !head.shared) {
+        (Some(_), _) => crate::records::slots_of(key),
+        (None, true) => crate::records::readers_of(key),
+        (None, false) => key.to_string(),
     }
 }

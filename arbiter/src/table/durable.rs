@@ -236,7 +236,12 @@ impl LockTable {
                     Next::Deliver(grant) => return Ok((grant, false)),
                     Next::Queue(from) => from,
                 },
-                Ok(Attempt::Held { watch_from }) => Some(watch_from),
+                // (shared holds on a durable class's key: only after its
+                // class changed; the hold watch then misses their ends and
+                // the poll finds them)
+                Ok(Attempt::Held { watch_from } | Attempt::Readers { watch_from }) => {
+                    Some(watch_from)
+                }
                 // Kept from it by a memory grant made a moment ago: as the
                 // gated wait above.
                 Ok(Attempt::Gated) => Some(queued.modified + 1),

@@ -27,9 +27,10 @@ impl LockTable {
         self: &Arc<Self>,
         req: &GrantRequest,
     ) -> Result<Attempt, ArbiterError> {
-        match req.permits {
-            Some(permits) => self.attempt_permit(req, permits).await,
-            None => self.attempt_in(req, QueueTurn::Empty).await,
+        match (req.permits, req.shared) {
+            (Some(permits), _) => self.attempt_permit(req, permits).await,
+            (None, true) => self.attempt_shared(req).await,
+            (None, false) => self.attempt_in(req, QueueTurn::Empty).await,
         }
     }
 
@@ -55,12 +56,29 @@ impl LockTable {
         turn: QueueTurn,
     ) -> Result<Option<Attempt>, ArbiterError> {
         // Registered before the gate is looked at (see `writing`). A slot's
-        // grant is also a write of its semaphore's name, which a memory
-        // grant of the name as a lock must wait for, and the gate is asked
-        // about the name too (a key is one kind at a time).
+        // or a shared hold's grant is also a write of its name, which a
+        // memory grant of the name as a lock must wait for, and the gate
+        // is asked about the name too (a writer is never beside a reader).
         let _writing = self.write_on(&req.key);
         let named = crate::records::named_key(&req.key);
         let _writing_name = (named != req.key).then(|| self.write_on(named));
+        let (member, state) = match self.prepare_grant(req, turn).await? {
+            Ok(ready) => ready,
+            Err(answered) => return Ok(Some(answered)),
+        };
+        let answer = self.commit(member).await?;
+        self.granted_or_why(req, turn, &state, answer).await
+    }
+
+    /// A grant's transaction for `req`, with the epoch state it was made
+    /// against; or the attempt's answer when nothing is to be sent (gated,
+    /// or the session's own place of a quota already held).
+    pub(super) async fn prepare_grant(
+        self: &Arc<Self>,
+        req: &GrantRequest,
+        turn: QueueTurn,
+    ) -> Result<Result<(Member, EpochState), Attempt>, ArbiterError> {
+        let named = crate::records::named_key(&req.key);
         if self.gated(req)
             || (named != req.key
                 && self.gated(&GrantRequest {
@@ -68,7 +86,7 @@ impl LockTable {
                     ..req.clone()
                 }))
         {
-            return Ok(Some(Attempt::Gated));
+            return Ok(Err(Attempt::Gated));
         }
         let state = self.seal.serving_epoch().await?;
         routed_in_time(&state, req)?;
@@ -76,7 +94,7 @@ impl LockTable {
             None => None,
             Some(max) => match self.quota_take(req, max).await? {
                 Taking::Take(take) => Some(take),
-                Taking::Held(grant) => return Ok(Some(Attempt::Reused(grant))),
+                Taking::Held(grant) => return Ok(Err(Attempt::Reused(grant))),
             },
         };
         let member = Member::Grant(GrantMember {
@@ -90,7 +108,19 @@ impl LockTable {
             queue: turn,
             quota,
         });
-        let (granted, header) = match self.commit(member).await? {
+        Ok(Ok((member, state)))
+    }
+
+    /// What a grant's transaction answered, as an attempt: `None` when the
+    /// refusal came from a change under it and another attempt decides.
+    pub(super) async fn granted_or_why(
+        self: &Arc<Self>,
+        req: &GrantRequest,
+        turn: QueueTurn,
+        state: &EpochState,
+        answer: (BatchOutcome, crate::lock_log::Header),
+    ) -> Result<Option<Attempt>, ArbiterError> {
+        let (granted, header) = match answer {
             (BatchOutcome::Grant(granted), header) => (granted, header),
             (BatchOutcome::Release(_), _) => {
                 return Err(ArbiterError::internal(
@@ -98,29 +128,31 @@ impl LockTable {
                 ));
             }
         };
-        let (holder, epoch_now, sealed, session, queue_head, fence_at, other_kind) = match granted {
-            Granted::Yes => {
-                self.granted_at(header.revision);
-                self.seal.make_durable(&state, header.revision).await?;
-                return Ok(Some(Attempt::Granted(Grant {
-                    key: req.key.clone(),
-                    session: req.session,
-                    epoch: state.epoch(),
-                    revision: header.revision,
-                })));
-            }
-            Granted::No {
-                holder,
-                epoch,
-                sealed,
-                session,
-                queue_head,
-                fence_at,
-                other_kind,
-            } => (
-                holder, epoch, sealed, session, queue_head, fence_at, other_kind,
-            ),
-        };
+        let (holder, epoch_now, sealed, session, queue_head, fence_at, other_kind, other_mode) =
+            match granted {
+                Granted::Yes => {
+                    self.granted_at(header.revision);
+                    self.seal.make_durable(state, header.revision).await?;
+                    return Ok(Some(Attempt::Granted(Grant {
+                        key: req.key.clone(),
+                        session: req.session,
+                        epoch: state.epoch(),
+                        revision: header.revision,
+                    })));
+                }
+                Granted::No {
+                    holder,
+                    epoch,
+                    sealed,
+                    session,
+                    queue_head,
+                    fence_at,
+                    other_kind,
+                    other_mode,
+                } => (
+                    holder, epoch, sealed, session, queue_head, fence_at, other_kind, other_mode,
+                ),
+            };
         if sealed
             || epoch_now.as_deref() != Some(state.bytes.as_slice())
             || fence_at != state.fence_at
@@ -149,15 +181,23 @@ impl LockTable {
             }
         }
         if other_kind && holder.is_none() {
-            let (name, held_as, asked_as) = match crate::records::split_slot(&req.key) {
-                Some((name, _)) => (name, "lock", "semaphore"),
-                None => (req.key.as_str(), "semaphore", "lock"),
+            let (name, held_as, asked_as) = match crate::records::hold_kind(&req.key) {
+                (crate::records::HoldKind::Slot, name) => (name, "lock", "semaphore"),
+                (_, name) => (name, "semaphore", "lock"),
             };
             return Err(ArbiterError::KindInUse {
                 key: name.to_string(),
                 held_as,
                 asked_as,
             });
+        }
+        if let (None, Some(other)) = (&holder, other_mode) {
+            // Held in the other mode: a shared hold's grant found the lock
+            // held exclusively, or an exclusive grant found it shared.
+            return self
+                .other_mode(req, state, other, header.revision + 1)
+                .await
+                .map(Some);
         }
         let Some(holder) = holder else {
             // Free: the durable queue refused it, or (everything matching
@@ -246,9 +286,9 @@ impl LockTable {
         Ok(match attempt {
             Attempt::Granted(grant) => Next::Deliver(grant),
             Attempt::Reused(grant) => self.reuse(grant).await?,
-            Attempt::Held { watch_from } | Attempt::Behind { watch_from, .. } => {
-                Next::Queue(Some(watch_from))
-            }
+            Attempt::Held { watch_from }
+            | Attempt::Readers { watch_from }
+            | Attempt::Behind { watch_from, .. } => Next::Queue(Some(watch_from)),
             Attempt::Gated => Next::Queue(None),
             Attempt::Unqueued => {
                 return Err(ArbiterError::internal(
@@ -492,7 +532,7 @@ impl LockTable {
 /// looking like that (the release then reads and checks first).
 /// Refuses a request routed by an older shard map than the one the
 /// cluster is fenced at (as last read; the grant compares the fence again).
-fn routed_in_time(state: &EpochState, req: &GrantRequest) -> Result<(), ArbiterError> {
+pub(super) fn routed_in_time(state: &EpochState, req: &GrantRequest) -> Result<(), ArbiterError> {
     match req.routed_by {
         Some(routed) if state.fence_version > routed => Err(ArbiterError::ShardMapAhead {
             cluster: state.fence_version,

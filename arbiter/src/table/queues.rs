@@ -209,6 +209,23 @@ impl Book {
         })
     }
 
+    /// The shared waiters at the head of `key`'s queue, in order (every
+    /// one before the first exclusive waiter), at most `limit`.
+    pub(super) fn readers_at_head(&self, key: &str, limit: usize) -> Vec<Head> {
+        self.keys.get(key).map_or_else(Vec::new, |q| {
+            q.waiters
+                .iter()
+                .take_while(|w| w.req.shared)
+                .take(limit)
+                .map(|w| Head {
+                    id: w.id,
+                    req: w.req.clone(),
+                    slot: w.slot.clone(),
+                })
+                .collect()
+        })
+    }
+
     /// Every waiter, taken out in arrival order (the table is stopping).
     pub(super) fn drain(&mut self) -> Vec<Waiter> {
         self.per_identity.clear();
@@ -243,6 +260,7 @@ mod tests {
                 routed_by: None,
                 quota: None,
                 permits: None,
+                shared: false,
                 instance: String::new(),
                 bound: String::new(),
             },

@@ -22,6 +22,8 @@ pub(crate) struct Hold {
     pub(crate) revision: i64,
     /// The semaphore slot held (a semaphore class's grant); `None`: a lock.
     pub(crate) slot: Option<u32>,
+    /// A shared hold (`Mode::Shared`); `false`: exclusive.
+    pub(crate) shared: bool,
     /// Changed only under the session's state lock; read anywhere.
     count: AtomicU32,
     /// The arbiter said this hold ended before it was released.
@@ -45,6 +47,7 @@ impl Hold {
             slot: None,
             count: AtomicU32::new(0),
             ended: AtomicBool::new(false),
+            shared: false,
         }
     }
 

@@ -269,6 +269,7 @@ impl Lock for FakeArbiter {
             waiters: 0,
             durable_waiters: 0,
             slot_holders: Vec::new(),
+            shared_holders: Vec::new(),
         }))
     }
 }

@@ -229,8 +229,11 @@ pub fn decode(method: Method, message: &[u8]) -> Result<KeyedRequest<'_>, Reques
             }
             (Method::Release, 2) => check_varint(value, field)?,
             (Method::Release, 3) => check_fixed64(value, field)?,
-            // A semaphore grant's slot (a uint32: prost truncates the varint).
-            (Method::Release, 4) => check_varint(value, field)?,
+            // The mode (an enum: a varint, its value the arbiter's to judge).
+            (Method::Acquire, 7) => check_varint(value, field)?,
+            // A semaphore grant's slot (a uint32: prost truncates the
+            // varint), and the mode.
+            (Method::Release, 4 | 5) => check_varint(value, field)?,
             // CampaignRequest: session_id 3, value 4, priority 5 (prost
             // truncates a uint32's varint, so no range check), instance 6.
             (Method::Campaign, 3 | 5) => check_varint(value, field)?,
@@ -623,6 +626,8 @@ mod tests {
             w.finish()
         };
         for (method, tail) in [
+            (Method::Acquire, string(7)),   // mode
+            (Method::Release, string(5)),   // mode
             (Method::Campaign, varint(2)),  // class
             (Method::Campaign, fixed64(3)), // session_id
             (Method::Campaign, varint(4)),  // value
@@ -743,6 +748,7 @@ mod tests {
                 wait,
                 metadata: meta.into_iter().collect(),
                 instance: String::new(),
+                mode: 1,
             };
             let message = req.encode_to_vec();
             let ours = decode(Method::Acquire, &message).unwrap();

@@ -71,17 +71,13 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
     let queue = keys::queue_of(txn.key);
     let mut compares = vec![
         Compare::CreateRevision(holder.clone(), 0),
-        // one kind at a time, as the etcd log compares it
-        match latchkey_records::split_slot(txn.key) {
-            Some((name, _)) => Compare::CreateRevision(keys::holder(name), 0),
-            None => Compare::NoneUnder(format!("{holder}//")),
-        },
         Compare::Value(keys::epoch(), txn.epoch.to_vec()),
         Compare::CreateRevision(keys::seal(), 0),
         // a missing fence compares as mod revision 0, as in etcd
         Compare::ModRevision(keys::map_fence(), txn.fence_at),
         Compare::Value(session.clone(), txn.session_record.to_vec()),
     ];
+    compares.extend(kind_and_mode(txn.key));
     let mut writes = vec![Op::Put {
         key: holder.clone(),
         value: txn.holder_record.clone(),
@@ -121,6 +117,25 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
             session,
             queue,
         },
+    }
+}
+
+/// One kind, and one mode, at a time under a name, as the etcd log
+/// compares it: an exclusive grant finds nothing under `<name>//`; a shared
+/// hold's grant no exclusive hold and no slot; a slot's grant no exclusive
+/// hold and no shared one.
+pub(crate) fn kind_and_mode(key: &str) -> Vec<Compare> {
+    use latchkey_records::{HoldKind, hold_kind, readers_of, slots_of, under_name};
+    match hold_kind(key) {
+        (HoldKind::Exclusive, name) => vec![Compare::NoneUnder(keys::holder(&under_name(name)))],
+        (HoldKind::Shared, name) => vec![
+            Compare::CreateRevision(keys::holder(name), 0),
+            Compare::NoneUnder(keys::holder(&slots_of(name))),
+        ],
+        (HoldKind::Slot, name) => vec![
+            Compare::CreateRevision(keys::holder(name), 0),
+            Compare::NoneUnder(keys::holder(&readers_of(name))),
+        ],
     }
 }
 
@@ -222,15 +237,39 @@ fn failure(store: &Store, kind: &Kind) -> BatchOutcome {
             session: kv(session).map(|k| k.value),
             queue_head: store.oldest_under(queue),
             fence_at: store.get(&keys::map_fence()).map_or(0, |s| s.mod_revision),
-            other_kind: match holder
-                .strip_prefix(keys::HOLDERS)
-                .and_then(latchkey_records::split_slot)
-            {
-                Some((name, _)) => store.get(&keys::holder(name)).is_some(),
-                None => store.oldest_under(&format!("{holder}//")).is_some(),
-            },
+            other_kind: other_kind(store, holder),
+            other_mode: other_mode(store, holder),
         }),
         Kind::Release { holder } => BatchOutcome::Release(ReleasedIf::No { holder: kv(holder) }),
+    }
+}
+
+/// What a grant's failure branch reads of the other kinds under its name
+/// (as the etcd log's does).
+fn other_kind(store: &Store, holder: &str) -> bool {
+    use latchkey_records::{HoldKind, hold_kind, readers_of, slots_of, under_name};
+    let key = holder.strip_prefix(keys::HOLDERS).unwrap_or(holder);
+    let held = |k: &str| store.get(&keys::holder(k)).is_some();
+    let any_under = |p: &str| store.oldest_under(&keys::holder(p)).is_some();
+    match hold_kind(key) {
+        (HoldKind::Exclusive, name) => {
+            any_under(&under_name(name)) && !any_under(&readers_of(name))
+        }
+        (HoldKind::Shared, name) => any_under(&slots_of(name)),
+        (HoldKind::Slot, name) => held(name) || any_under(&readers_of(name)),
+    }
+}
+
+/// The hold in the other mode a grant's failure branch reads: the
+/// exclusive hold for a shared hold's grant, a shared hold for an
+/// exclusive grant (the first in key order, as etcd's limit-1 read).
+fn other_mode(store: &Store, holder: &str) -> Option<Kv> {
+    use latchkey_records::{HoldKind, hold_kind, readers_of};
+    let key = holder.strip_prefix(keys::HOLDERS).unwrap_or(holder);
+    match hold_kind(key) {
+        (HoldKind::Exclusive, name) => store.first_under(&keys::holder(&readers_of(name))),
+        (HoldKind::Shared, name) => store.get(&keys::holder(name)).map(|s| s.kv()),
+        (HoldKind::Slot, _) => None,
     }
 }
 

@@ -3,8 +3,9 @@
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    BatchOp, BatchOutcome, Claimed, ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverFrom,
-    HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LogResult, ReleaseTxn, ReleasedIf, StoreError,
+    BatchOp, BatchOutcome, Claimed, DowngradeTxn, ForceEndTxn, ForceEnded, GrantTxn, Granted,
+    HandOverFrom, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LogResult, ReleaseTxn, ReleasedIf,
+    StoreError,
 };
 
 use super::store::{Compare, NoLease, Op, OpResult};
@@ -105,6 +106,38 @@ impl HoldLog for MemLog {
                 _ => None,
             };
             inner.answer(Some(previous))
+        })
+        .await
+    }
+
+    async fn downgrade(&self, txn: DowngradeTxn<'_>) -> LogResult<bool> {
+        let reader = keys::holder(txn.reader_key);
+        let mut compares = still_held(txn.held).to_vec();
+        compares.extend([
+            Compare::CreateRevision(reader.clone(), 0),
+            Compare::Value(keys::epoch(), txn.epoch.to_vec()),
+            Compare::CreateRevision(keys::seal(), 0),
+            Compare::ModRevision(keys::map_fence(), txn.fence_at),
+            Compare::Value(keys::session(txn.held.session), txn.session_record.to_vec()),
+        ]);
+        // the shared hold's own compares but the exclusive hold's absence,
+        // which this transaction ends
+        compares.extend(batch::kind_and_mode(txn.reader_key).into_iter().skip(1));
+        let key = txn.held.key.clone();
+        let session = txn.held.session;
+        self.call("downgrade", |inner, _| {
+            if !inner.store.all(&compares) {
+                return inner.answer(false);
+            }
+            commit(
+                &mut inner.store,
+                vec![
+                    Op::Delete(keys::holder(&key)),
+                    Op::DeletePrefix(keys::claims_of(&key)),
+                    put(reader, txn.holder_record, session),
+                ],
+            )?;
+            inner.answer(true)
         })
         .await
     }

@@ -276,6 +276,11 @@ impl Store {
             .map(|(_, kv)| kv.kv())
     }
 
+    /// The first key under `prefix` in key order.
+    pub fn first_under(&self, prefix: &str) -> Option<Kv> {
+        self.range(prefix).next().map(|(_, kv)| kv.kv())
+    }
+
     pub fn count(&self, prefix: &str) -> i64 {
         i64::try_from(self.range(prefix).count()).unwrap_or(i64::MAX)
     }
@@ -836,7 +841,9 @@ fn secs(ttl: i64) -> Duration {
 
 /// Whether a key watch opened on `watched` sees a change of `key`: the key
 /// itself, or any slot under a semaphore's slots prefix
-/// (`latchkey_records::slots_of`, which no lock key ends with).
+/// (`latchkey_records::slots_of`, which no lock key ends with), or any
+/// shared hold under a lock's (`latchkey_records::readers_of`).
 fn watches(watched: &str, key: &str) -> bool {
-    watched == key || (watched.ends_with("//s/") && key.starts_with(watched))
+    watched == key
+        || ((watched.ends_with("//s/") || watched.ends_with("//r/")) && key.starts_with(watched))
 }

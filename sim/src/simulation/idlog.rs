@@ -24,11 +24,11 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::high_water::Mark;
 use latchkey_arbiter::lock_log::{
-    BatchOp, BatchOutcome, Claimed, Counted, DurableQueueLog, ElectionLog, ElectionRead, EpochLog,
-    FollowEvent, FollowLog, FollowSignal, ForceEndTxn, ForceEnded, ForceTermTxn, GrantTxn, Granted,
-    HandOverFrom, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LeadFrom, LeadTo, LeadTxn, LogResult,
-    PrefixWatch, ProclaimTxn, Queued, Records, ReleaseTxn, ReleasedIf, Renewal, SessionLog,
-    StoreError,
+    BatchOp, BatchOutcome, Claimed, Counted, DowngradeTxn, DurableQueueLog, ElectionLog,
+    ElectionRead, EpochLog, FollowEvent, FollowLog, FollowSignal, ForceEndTxn, ForceEnded,
+    ForceTermTxn, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv,
+    LeadFrom, LeadTo, LeadTxn, LogResult, PrefixWatch, ProclaimTxn, Queued, Records, ReleaseTxn,
+    ReleasedIf, Renewal, SessionLog, StoreError,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -156,6 +156,7 @@ impl IdLog {
                 queue_head,
                 fence_at,
                 other_kind,
+                other_mode,
             } => Granted::No {
                 holder: holder.map(|kv| self.kv_back(kv)),
                 epoch,
@@ -164,6 +165,7 @@ impl IdLog {
                 queue_head: queue_head.map(|kv| self.kv_back(kv)),
                 fence_at,
                 other_kind,
+                other_mode: other_mode.map(|kv| self.kv_back(kv)),
             },
             yes => yes,
         }
@@ -336,6 +338,16 @@ impl HoldLog for IdLog {
         };
         self.log
             .hand_over(txn)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn downgrade(&self, txn: DowngradeTxn<'_>) -> LogResult<bool> {
+        self.t(|| format!("downgrade {}", txn.held.key));
+        let held = self.held(txn.held);
+        let txn = DowngradeTxn { held: &held, ..txn };
+        self.log
+            .downgrade(txn)
             .await
             .map_err(|e| self.error_back(e))
     }

@@ -362,6 +362,7 @@ impl Incarnation<'_> {
             routed_by: None,
             quota: cfg.quota,
             permits: cfg.permits,
+            shared: false,
             instance: String::new(),
             bound: match cfg.quota {
                 Some(_) => super::config::QUOTA_SUBJECT.into(),
@@ -577,6 +578,7 @@ impl Incarnation<'_> {
                 session_id: id,
                 token: 0,
                 slot: None,
+                mode: 0,
             },
         ));
         tokio::select! {
@@ -692,6 +694,7 @@ impl Incarnation<'_> {
                             session_id: id,
                             token,
                             slot: None,
+                            mode: 0,
                         },
                     ))
                     .await

@@ -187,6 +187,7 @@ async fn measure(
                         wait: WaitMode::WaitNone.into(),
                         metadata: Default::default(),
                         instance: String::new(),
+                        mode: 0,
                     };
                     let grant = c
                         .acquire(keyed(acquire, &key, header)?)
@@ -199,6 +200,7 @@ async fn measure(
                         session_id: session,
                         token: grant.token,
                         slot: None,
+                        mode: 0,
                     };
                     c.release(keyed(release, &key, header)?).await?;
                 }

@@ -399,6 +399,7 @@ async fn run_class(
                         wait: WaitMode::WaitNone.into(),
                         metadata: metadata.clone(),
                         instance: String::new(),
+                        mode: 0,
                     })
                     .await?
                     .into_inner()
@@ -409,6 +410,7 @@ async fn run_class(
                     session_id: g.session_id,
                     token: g.token,
                     slot: None,
+                    mode: 0,
                 })
                 .await?;
                 h.saturating_record(u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX));

@@ -274,6 +274,7 @@ async fn acquire_release(bob: &mut Client, session: i64) -> anyhow::Result<()> {
         session_id: grant.session_id,
         token: grant.token,
         slot: None,
+        mode: 0,
     })
     .await?;
     Ok(())

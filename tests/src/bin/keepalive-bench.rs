@@ -459,6 +459,7 @@ async fn latchkey(
                         wait: WaitMode::WaitNone.into(),
                         metadata: Default::default(),
                         instance: String::new(),
+                        mode: 0,
                     })
                     .await?
                     .into_inner()
@@ -470,6 +471,7 @@ async fn latchkey(
                     session_id: session,
                     token: g.token,
                     slot: None,
+                    mode: 0,
                 })
                 .await?;
             }
@@ -643,6 +645,7 @@ async fn take_holds(
                 wait: WaitMode::WaitNone.into(),
                 metadata: Default::default(),
                 instance: String::new(),
+                mode: 0,
             })
             .await
             .map(|_| ())

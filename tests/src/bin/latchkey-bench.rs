@@ -569,6 +569,7 @@ impl Latchkey {
             wait: wait.into(),
             metadata: Default::default(),
             instance: String::new(),
+            mode: 0,
         });
         if wait == WaitMode::WaitUntilDeadline {
             request.set_timeout(WAIT_TIMEOUT);
@@ -591,6 +592,7 @@ impl Latchkey {
                 session_id: grant.session_id,
                 token: grant.token,
                 slot: grant.slot,
+                mode: 0,
             })
             .await
             .with_context(|| format!("release {}", grant.key))?;

@@ -496,6 +496,7 @@ async fn flood_worker(
                 wait: WaitMode::WaitNone.into(),
                 metadata: Default::default(),
                 instance: format!("flood-{w}"),
+                mode: 0,
             })
             .await;
         match acquired {
@@ -509,6 +510,7 @@ async fn flood_worker(
                             session_id: session,
                             token: g.token,
                             slot: None,
+                            mode: 0,
                         })
                         .await;
                 }

@@ -266,6 +266,7 @@ impl Worker {
                 wait: WaitMode::WaitNone.into(),
                 metadata: Default::default(),
                 instance: String::new(),
+                mode: 0,
             })
             .await
             .with_context(|| format!("acquire {key}"))?
@@ -278,6 +279,7 @@ impl Worker {
                 session_id: *session,
                 token: grant.token,
                 slot: None,
+                mode: 0,
             })
             .await
             .with_context(|| format!("release {key}"))?;

@@ -307,6 +307,7 @@ pub async fn a_batch_answers_each_member(log: &dyn LockLog) -> anyhow::Result<()
             queue_head: None,
             fence_at: 0,
             other_kind: false,
+            other_mode: None,
         }),
         BatchOutcome::Grant(Granted::Yes),
         BatchOutcome::Release(ReleasedIf::No {
@@ -320,6 +321,7 @@ pub async fn a_batch_answers_each_member(log: &dyn LockLog) -> anyhow::Result<()
             queue_head: None,
             fence_at: 0,
             other_kind: false,
+            other_mode: None,
         }),
     ];
     ensure!(answer.value == expected, "{:?}", answer.value);

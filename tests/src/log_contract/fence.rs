@@ -128,6 +128,7 @@ pub async fn a_grant_compares_the_map_fence(log: &dyn LockLog) -> anyhow::Result
                 queue_head: None,
                 fence_at: 0,
                 other_kind: false,
+                other_mode: None,
             },
         "a grant naming a fence on a cluster with none: {:?}",
         named.value
@@ -150,6 +151,7 @@ pub async fn a_grant_compares_the_map_fence(log: &dyn LockLog) -> anyhow::Result
                 queue_head: None,
                 fence_at: at,
                 other_kind: false,
+                other_mode: None,
             },
         "a grant naming no fence after a raise: {:?}",
         stale.value
@@ -274,6 +276,7 @@ pub async fn a_batch_member_with_a_stale_fence_is_refused(log: &dyn LockLog) -> 
             queue_head: None,
             fence_at: now,
             other_kind: false,
+            other_mode: None,
         }),
         BatchOutcome::Release(ReleasedIf::Yes(holder_record(keys[0], id))),
     ];

@@ -37,6 +37,7 @@ pub async fn a_key_is_one_kind_at_a_time(log: &dyn LockLog) -> anyhow::Result<()
             Granted::No {
                 holder: Some(_),
                 other_kind: false,
+                other_mode: None,
                 ..
             }
         ),
@@ -52,6 +53,7 @@ pub async fn a_key_is_one_kind_at_a_time(log: &dyn LockLog) -> anyhow::Result<()
             Granted::No {
                 holder: None,
                 other_kind: true,
+                other_mode: None,
                 ..
             }
         ),
@@ -73,6 +75,7 @@ pub async fn a_key_is_one_kind_at_a_time(log: &dyn LockLog) -> anyhow::Result<()
             refused,
             Granted::No {
                 other_kind: true,
+                other_mode: None,
                 ..
             }
         ),
@@ -99,6 +102,7 @@ pub async fn a_key_is_one_kind_at_a_time(log: &dyn LockLog) -> anyhow::Result<()
             Granted::No {
                 holder: None,
                 other_kind: true,
+                other_mode: None,
                 ..
             }
         ),

@@ -7,8 +7,8 @@ use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 
 use super::{EtcdLog, answer, first_kv, kv, unavailable, unavailable_on};
 use crate::lock_log::{
-    BatchOp, BatchOutcome, Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, Kv,
-    LogResult, PlaceWas, QueueTurn, ReleaseTxn, ReleasedIf, StoreError,
+    BatchOp, BatchOutcome, Claimed, DowngradeTxn, GrantTxn, Granted, HandOverFrom, HandOverTxn,
+    HeldAt, Kv, LogResult, PlaceWas, QueueTurn, ReleaseTxn, ReleasedIf, StoreError,
 };
 
 /// One grant: the holder record on the session's lease if the key is
@@ -18,6 +18,7 @@ use crate::lock_log::{
 /// all, so the caller learns why at that revision.
 pub(super) async fn grant(log: &EtcdLog, txn: GrantTxn<'_>) -> LogResult<Granted> {
     let session = txn.session;
+    let read = KindRead::of(log, txn.key);
     let resp = log
         .client
         .kv_client()
@@ -26,7 +27,7 @@ pub(super) async fn grant(log: &EtcdLog, txn: GrantTxn<'_>) -> LogResult<Granted
         .map_err(|e| unavailable_on("cannot run the grant transaction", session, e))?;
     answer(
         resp.header(),
-        granted(resp.succeeded(), resp.op_responses()),
+        granted(resp.succeeded(), resp.op_responses(), &read),
     )
 }
 
@@ -37,15 +38,15 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
     let seal_key = log.layout.seal();
     let fence_key = log.layout.map_fence();
     let queue = log.layout.queue_of(txn.key);
-    let (other_kind, other_kind_read) = other_kind(log, txn.key);
+    let (kind_compares, kind_reads) = kind_and_mode(log, txn.key);
     let mut compares = vec![
         Compare::create_revision(holder_key.clone(), CompareOp::Equal, 0),
-        other_kind,
         Compare::value(epoch_key.clone(), CompareOp::Equal, txn.epoch),
         Compare::create_revision(seal_key.clone(), CompareOp::Equal, 0),
         fence_unchanged(log, txn.fence_at),
         Compare::value(session_key.clone(), CompareOp::Equal, txn.session_record),
     ];
+    compares.extend(kind_compares);
     let mut writes = vec![TxnOp::put(
         holder_key.clone(),
         txn.holder_record,
@@ -86,55 +87,79 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
             writes.push(TxnOp::delete(mine, None));
         }
     }
-    Txn::new().when(compares).and_then(writes).or_else([
-        TxnOp::get(holder_key, None),
-        TxnOp::get(epoch_key, None),
-        TxnOp::get(seal_key, None),
-        TxnOp::get(session_key, None),
-        TxnOp::get(
-            queue,
-            Some(
-                GetOptions::new()
-                    .with_prefix()
-                    .with_sort(SortTarget::Create, SortOrder::Ascend)
-                    .with_limit(1),
+    Txn::new().when(compares).and_then(writes).or_else(
+        [
+            TxnOp::get(holder_key, None),
+            TxnOp::get(epoch_key, None),
+            TxnOp::get(seal_key, None),
+            TxnOp::get(session_key, None),
+            TxnOp::get(
+                queue,
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                        .with_limit(1),
+                ),
             ),
-        ),
-        TxnOp::get(fence_key, None),
-        other_kind_read,
-    ])
+            TxnOp::get(fence_key, None),
+        ]
+        .into_iter()
+        .chain(kind_reads)
+        .collect::<Vec<_>>(),
+    )
 }
 
-/// The compare that keeps a key one kind at a time, and the read of its
-/// failure branch. A lock's grant compares the range of its semaphore slots
-/// (`l/<key>//`) empty (etcd compares an empty range as one missing key,
-/// version 0); a slot's grant compares its semaphore's name not held as a
-/// lock. Hand-overs need neither: the key handed over is held already, so
-/// the other kind could not be granted meanwhile.
-fn other_kind(log: &EtcdLog, key: &str) -> (Compare, TxnOp) {
-    match crate::records::split_slot(key) {
-        Some((name, _)) => {
-            let lock = log.layout.holder(name);
-            (
-                Compare::create_revision(lock.clone(), CompareOp::Equal, 0),
-                TxnOp::get(lock, Some(GetOptions::new().with_keys_only())),
-            )
-        }
-        None => {
-            let slots = format!("{}//", log.layout.holder(key));
-            (
-                Compare::version(slots.clone(), CompareOp::Equal, 0).with_prefix(),
+/// The compares that keep a name one kind, and one mode, at a time, and
+/// the reads of their failure branch (what [`granted`] reads back):
+/// - an exclusive grant of a lock compares everything under its name
+///   (`l/<key>//`: its shared holds, or a semaphore's slots) empty — etcd
+///   compares an empty range as one missing key, version 0 — and reads the
+///   first record there;
+/// - a shared hold's grant compares the lock's name not held exclusively
+///   and no slot under it, and reads the exclusive hold;
+/// - a slot's grant compares its semaphore's name not held as a lock,
+///   exclusively or shared.
+///
+/// Hand-overs need none: the key handed over is held already, so nothing
+/// of another kind or mode could be granted meanwhile.
+fn kind_and_mode(log: &EtcdLog, key: &str) -> (Vec<Compare>, Vec<TxnOp>) {
+    use crate::records::{HoldKind, hold_kind, readers_of, slots_of, under_name};
+    let absent =
+        |name: &str| Compare::create_revision(log.layout.holder(name), CompareOp::Equal, 0);
+    let none_under = |prefix: &str| {
+        Compare::version(log.layout.holder(prefix), CompareOp::Equal, 0).with_prefix()
+    };
+    let first_under = |prefix: &str, keys_only: bool| {
+        let options = GetOptions::new().with_prefix().with_limit(1);
+        let options = match keys_only {
+            true => options.with_keys_only(),
+            false => options,
+        };
+        TxnOp::get(log.layout.holder(prefix), Some(options))
+    };
+    match hold_kind(key) {
+        (HoldKind::Exclusive, name) => (
+            vec![none_under(&under_name(name))],
+            vec![first_under(&under_name(name), false)],
+        ),
+        (HoldKind::Shared, name) => (
+            vec![absent(name), none_under(&slots_of(name))],
+            vec![
+                TxnOp::get(log.layout.holder(name), None),
+                first_under(&slots_of(name), true),
+            ],
+        ),
+        (HoldKind::Slot, name) => (
+            vec![absent(name), none_under(&readers_of(name))],
+            vec![
                 TxnOp::get(
-                    slots,
-                    Some(
-                        GetOptions::new()
-                            .with_prefix()
-                            .with_keys_only()
-                            .with_limit(1),
-                    ),
+                    log.layout.holder(name),
+                    Some(GetOptions::new().with_keys_only()),
                 ),
-            )
-        }
+                first_under(&readers_of(name), true),
+            ],
+        ),
     }
 }
 
@@ -151,11 +176,50 @@ pub(super) fn queue_empty(log: &EtcdLog, key: &str) -> Compare {
     Compare::version(log.layout.queue_of(key), CompareOp::Equal, 0).with_prefix()
 }
 
+/// How to read a grant's failure branch for its key's kind
+/// ([`kind_and_mode`]'s reads, after the six common ones).
+pub(super) struct KindRead {
+    kind: crate::records::HoldKind,
+    /// Where the name's shared holds are, as etcd spells their keys.
+    readers: String,
+}
+
+impl KindRead {
+    pub(super) fn of(log: &EtcdLog, key: &str) -> Self {
+        let (kind, name) = crate::records::hold_kind(key);
+        Self {
+            kind,
+            readers: log.layout.holder(&crate::records::readers_of(name)),
+        }
+    }
+
+    /// (other kind, other mode) from the kind's reads.
+    fn read(&self, reads: &[TxnOpResponse]) -> (bool, Option<Kv>) {
+        use crate::records::HoldKind;
+        let first = |at: usize| reads.get(at).and_then(first_kv);
+        match self.kind {
+            HoldKind::Exclusive => {
+                let under = reads.first().and_then(latchkey_etcd::txn::first_kv);
+                match under {
+                    Some(found) if found.key().starts_with(self.readers.as_bytes()) => {
+                        (false, Some(super::kv(found)))
+                    }
+                    Some(_) => (true, None),
+                    None => (false, None),
+                }
+            }
+            HoldKind::Shared => (first(1).is_some(), first(0)),
+            HoldKind::Slot => (first(0).is_some() || first(1).is_some(), None),
+        }
+    }
+}
+
 /// A grant transaction's outcome from its branch and its responses.
-fn granted(succeeded: bool, ops: Vec<TxnOpResponse>) -> Granted {
+fn granted(succeeded: bool, ops: Vec<TxnOpResponse>, read: &KindRead) -> Granted {
     if succeeded {
         return Granted::Yes;
     }
+    let (other_kind, other_mode) = read.read(ops.get(6..).unwrap_or_default());
     Granted::No {
         holder: ops.first().and_then(first_kv),
         epoch: ops.get(1).and_then(first_kv).map(|kv| kv.value),
@@ -166,7 +230,8 @@ fn granted(succeeded: bool, ops: Vec<TxnOpResponse>) -> Granted {
             .get(5)
             .and_then(first_kv)
             .map_or(0, |kv| kv.mod_revision),
-        other_kind: ops.get(6).and_then(first_kv).is_some(),
+        other_kind,
+        other_mode,
     }
 }
 
@@ -262,9 +327,12 @@ pub(super) async fn batch(log: &EtcdLog, ops: Vec<BatchOp<'_>>) -> LogResult<Vec
         });
     }
     crate::lock_log::batch_is_distinct(&ops)?;
-    let kinds: Vec<bool> = ops
+    let kinds: Vec<Option<KindRead>> = ops
         .iter()
-        .map(|op| matches!(op, BatchOp::Grant(_)))
+        .map(|op| match op {
+            BatchOp::Grant(txn) => Some(KindRead::of(log, txn.key)),
+            BatchOp::Release(_) => None,
+        })
         .collect();
     let mut nested = Vec::with_capacity(ops.len());
     for op in ops {
@@ -288,8 +356,8 @@ pub(super) async fn batch(log: &EtcdLog, ops: Vec<BatchOp<'_>>) -> LogResult<Vec
         };
         let (succeeded, ops) = (member.succeeded(), member.op_responses());
         outcomes.push(match grant {
-            true => BatchOutcome::Grant(granted(succeeded, ops)),
-            false => BatchOutcome::Release(released_if(succeeded, ops)),
+            Some(read) => BatchOutcome::Grant(granted(succeeded, ops, read)),
+            None => BatchOutcome::Release(released_if(succeeded, ops)),
         });
     }
     if outcomes.len() != kinds.len() || !resp.succeeded() {
@@ -379,6 +447,48 @@ pub(super) async fn hand_over(
         _ => None,
     });
     answer(resp.header(), replaced)
+}
+
+/// A downgrade ([`DowngradeTxn`]): the exclusive hold, still exactly as
+/// found, deleted with its claims and the session's shared hold put in the
+/// same transaction, under a grant's compares (epoch, no seal, the
+/// shard-map fence, the session's record) and the shared hold's own (its
+/// key absent; no slot under the name).
+pub(super) async fn downgrade(log: &EtcdLog, txn: DowngradeTxn<'_>) -> LogResult<bool> {
+    let (kind_compares, _) = kind_and_mode(log, txn.reader_key);
+    let reader = log.layout.holder(txn.reader_key);
+    let mut compares = still_held(log, txn.held).to_vec();
+    compares.extend([
+        Compare::create_revision(reader.clone(), CompareOp::Equal, 0),
+        Compare::value(log.layout.epoch(), CompareOp::Equal, txn.epoch),
+        Compare::create_revision(log.layout.seal(), CompareOp::Equal, 0),
+        fence_unchanged(log, txn.fence_at),
+        Compare::value(
+            log.layout.session(txn.held.session),
+            CompareOp::Equal,
+            txn.session_record,
+        ),
+    ]);
+    // The shared hold's own compares but the exclusive hold's absence,
+    // which this transaction ends.
+    compares.extend(kind_compares.into_iter().skip(1));
+    let etcd_txn = Txn::new().when(compares).and_then([
+        TxnOp::delete(log.layout.holder(&txn.held.key), None),
+        TxnOp::delete(
+            log.layout.claims_of(&txn.held.key),
+            Some(DeleteOptions::new().with_prefix()),
+        ),
+        TxnOp::put(
+            reader,
+            txn.holder_record,
+            Some(PutOptions::new().with_lease(txn.held.session)),
+        ),
+    ]);
+    let resp =
+        log.client.kv_client().txn(etcd_txn).await.map_err(|e| {
+            unavailable_on("cannot run the downgrade transaction", txn.held.session, e)
+        })?;
+    answer(resp.header(), resp.succeeded())
 }
 
 /// Deletes the hold if it is still exactly `held`; the deleted record's

@@ -11,13 +11,14 @@ use crate::lock_log::{KeyWatch, StoreError, WatchSignal};
 /// Watches `key`'s holder record from `from_revision` (inclusive), so
 /// nothing between a failed grant and the watch is missed. A semaphore's
 /// slots prefix (`records::slots_of`, `<name>//s/`, which no lock key ends
-/// with) watches every slot of it.
+/// with) watches every slot of it; a lock's shared holds prefix
+/// (`records::readers_of`, `<name>//r/`) every shared hold of it.
 pub(super) async fn watch(
     log: &EtcdLog,
     key: &str,
     from_revision: i64,
 ) -> Result<Box<dyn KeyWatch>, StoreError> {
-    let options = match key.ends_with("//s/") {
+    let options = match key.ends_with("//s/") || key.ends_with("//r/") {
         true => WatchOptions::new().with_prefix(),
         false => WatchOptions::new(),
     };

@@ -12,6 +12,11 @@ class WaitMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WAIT_NONE: _ClassVar[WaitMode]
     WAIT_UNTIL_DEADLINE: _ClassVar[WaitMode]
 
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_EXCLUSIVE: _ClassVar[Mode]
+    MODE_SHARED: _ClassVar[Mode]
+
 class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REASON_UNSPECIFIED: _ClassVar[Reason]
@@ -48,8 +53,11 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_QUOTA_EXCEEDED: _ClassVar[Reason]
     REASON_KIND_IN_USE: _ClassVar[Reason]
     REASON_BAD_SLOT: _ClassVar[Reason]
+    REASON_UPGRADE_REFUSED: _ClassVar[Reason]
 WAIT_NONE: WaitMode
 WAIT_UNTIL_DEADLINE: WaitMode
+MODE_EXCLUSIVE: Mode
+MODE_SHARED: Mode
 REASON_UNSPECIFIED: Reason
 REASON_HELD: Reason
 REASON_LEAK: Reason
@@ -84,6 +92,7 @@ REASON_NO_CANDIDATE: Reason
 REASON_QUOTA_EXCEEDED: Reason
 REASON_KIND_IN_USE: Reason
 REASON_BAD_SLOT: Reason
+REASON_UPGRADE_REFUSED: Reason
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("reuse_session_ids",)
@@ -123,14 +132,16 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., remaining_ttl_seconds: _Optional[int] = ..., ended_holds: _Optional[_Iterable[_Union[EndedHold, _Mapping]]] = ...) -> None: ...
 
 class EndedHold(_message.Message):
-    __slots__ = ("key", "revision", "slot")
+    __slots__ = ("key", "revision", "slot", "mode")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     key: str
     revision: int
     slot: int
-    def __init__(self, key: _Optional[str] = ..., revision: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+    mode: Mode
+    def __init__(self, key: _Optional[str] = ..., revision: _Optional[int] = ..., slot: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -143,7 +154,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("key", "session_id", "wait", "metadata", "instance")
+    __slots__ = ("key", "session_id", "wait", "metadata", "instance", "mode")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -157,15 +168,17 @@ class AcquireRequest(_message.Message):
     WAIT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     key: str
     session_id: int
     wait: WaitMode
     metadata: _containers.ScalarMap[str, str]
     instance: str
-    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., wait: _Optional[_Union[WaitMode, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., instance: _Optional[str] = ..., **kwargs) -> None: ...
+    mode: Mode
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., wait: _Optional[_Union[WaitMode, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., instance: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., **kwargs) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("key", "token", "epoch", "revision", "session_id", "unprotected", "slot")
+    __slots__ = ("key", "token", "epoch", "revision", "session_id", "unprotected", "slot", "mode")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +186,7 @@ class Grant(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     UNPROTECTED_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     key: str
     token: int
     epoch: int
@@ -180,7 +194,8 @@ class Grant(_message.Message):
     session_id: int
     unprotected: bool
     slot: int
-    def __init__(self, key: _Optional[str] = ..., token: _Optional[int] = ..., epoch: _Optional[int] = ..., revision: _Optional[int] = ..., session_id: _Optional[int] = ..., unprotected: _Optional[bool] = ..., slot: _Optional[int] = ...) -> None: ...
+    mode: Mode
+    def __init__(self, key: _Optional[str] = ..., token: _Optional[int] = ..., epoch: _Optional[int] = ..., revision: _Optional[int] = ..., session_id: _Optional[int] = ..., unprotected: _Optional[bool] = ..., slot: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("grant",)
@@ -189,16 +204,18 @@ class AcquireResponse(_message.Message):
     def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("key", "session_id", "token", "slot")
+    __slots__ = ("key", "session_id", "token", "slot", "mode")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     key: str
     session_id: int
     token: int
     slot: int
-    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+    mode: Mode
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., slot: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -211,7 +228,7 @@ class InspectRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("identity", "session_id", "token", "acquired_at_unix_ms", "annotations", "slot")
+    __slots__ = ("identity", "session_id", "token", "acquired_at_unix_ms", "annotations", "slot", "mode")
     class AnnotationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,24 +243,28 @@ class Holder(_message.Message):
     ACQUIRED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     identity: str
     session_id: int
     token: int
     acquired_at_unix_ms: int
     annotations: _containers.ScalarMap[str, str]
     slot: int
-    def __init__(self, identity: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., acquired_at_unix_ms: _Optional[int] = ..., annotations: _Optional[_Mapping[str, str]] = ..., slot: _Optional[int] = ..., **kwargs) -> None: ...
+    mode: Mode
+    def __init__(self, identity: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., acquired_at_unix_ms: _Optional[int] = ..., annotations: _Optional[_Mapping[str, str]] = ..., slot: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., **kwargs) -> None: ...
 
 class InspectResponse(_message.Message):
-    __slots__ = ("key", "holder", "waiters", "durable_waiters", "slot_holders")
+    __slots__ = ("key", "holder", "waiters", "durable_waiters", "slot_holders", "shared_holders")
     KEY_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     WAITERS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_WAITERS_FIELD_NUMBER: _ClassVar[int]
     SLOT_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     key: str
     holder: Holder
     waiters: int
     durable_waiters: int
     slot_holders: _containers.RepeatedCompositeFieldContainer[Holder]
-    def __init__(self, key: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[int] = ..., durable_waiters: _Optional[int] = ..., slot_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ...) -> None: ...
+    shared_holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    def __init__(self, key: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[int] = ..., durable_waiters: _Optional[int] = ..., slot_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., shared_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ...) -> None: ...

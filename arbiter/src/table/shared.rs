@@ -1,0 +1,232 @@
+//! Shared holds (`mode = SHARED`, issue 34): a lock key carries many shared
+//! holds, one per session, or one exclusive hold. A session's shared hold of
+//! `K` is a lock key of its own ([`crate::records::reader_key`],
+//! `K//r/<session>`), granted by one transaction that compares `K` not held
+//! exclusively; an exclusive grant of `K` compares everything under `K//`
+//! absent. So a writer is never beside a reader, whichever arbiters grant
+//! them, and a shared hold is an exclusive lock in every other respect: its
+//! token is above every earlier grant (the revision of its own grant, so
+//! above the last exclusive hold's), its expiry, release, orphan release and
+//! claims are a lock's.
+//!
+//! What is the mode's own:
+//! - Waiters of both modes queue on the lock's name, FIFO on the arbiter
+//!   they called: a waiting writer keeps later readers behind it, and
+//!   readers at the head of the queue are granted together, in one batch
+//!   (one transaction) — phase-fair ([`LockTable::grant_readers`]).
+//! - A release is never handed over to a reader: the reader's own grant
+//!   takes its key, with the readers behind it.
+//! - A session's shared request of a lock it holds exclusively downgrades
+//!   it in one transaction ([`crate::lock_log::DowngradeTxn`]); an exclusive
+//!   request of a lock it holds shared is refused (`UPGRADE_REFUSED`): two
+//!   readers upgrading would each wait for the other forever.
+
+use std::sync::Arc;
+
+use super::grants::routed_in_time;
+use super::queues::Head;
+use super::{Attempt, Grant, GrantRequest, HolderView, LockTable, holder_view};
+use crate::epoch::EpochState;
+use crate::error::ArbiterError;
+use crate::lock_log::{DowngradeTxn, HeldAt, Kv};
+use crate::records::{HolderRecord, decode, reader_key, readers_of, split_reader};
+
+impl LockTable {
+    /// One grant attempt of a shared hold of lock `req.key`: a grant of the
+    /// session's own reader key.
+    pub(super) async fn attempt_shared(
+        self: &Arc<Self>,
+        req: &GrantRequest,
+    ) -> Result<Attempt, ArbiterError> {
+        self.attempt_in(&reader_request(req), crate::lock_log::QueueTurn::Empty)
+            .await
+    }
+
+    /// A grant refused because its lock is held in the other mode (`other`,
+    /// read in the same transaction). A shared request finding its own
+    /// session's exclusive hold downgrades it; finding another's, it waits
+    /// for the key. An exclusive request finding shared holds waits for them
+    /// to end — unless one is its own session's (`UPGRADE_REFUSED`).
+    pub(super) async fn other_mode(
+        self: &Arc<Self>,
+        req: &GrantRequest,
+        state: &EpochState,
+        other: Kv,
+        watch_from: i64,
+    ) -> Result<Attempt, ArbiterError> {
+        if let Some((name, _)) = split_reader(&req.key) {
+            let record = decode::<HolderRecord>(&other.value);
+            let own = other.lease == req.session
+                && record
+                    .as_ref()
+                    .is_some_and(|r| r.session == req.session && r.identity == req.identity);
+            if !own {
+                return Ok(Attempt::Held { watch_from });
+            }
+            let held = HeldAt {
+                key: name.to_string(),
+                session: req.session,
+                revision: other.mod_revision,
+                value: other.value,
+            };
+            return self.downgrade(req, state, &held, watch_from).await;
+        }
+        let own = self
+            .holder(&reader_key(&req.key, req.session))
+            .await?
+            .is_some_and(|h| h.lease == req.session && h.record.identity == req.identity);
+        if own {
+            return Err(ArbiterError::UpgradeRefused {
+                key: req.key.clone(),
+            });
+        }
+        Ok(Attempt::Readers { watch_from })
+    }
+
+    /// The caller's exclusive hold `held` becomes its shared hold `req.key`
+    /// (a reader key) in one transaction. A class with a quota refuses it:
+    /// the shared hold would take no place (release, then acquire shared).
+    async fn downgrade(
+        self: &Arc<Self>,
+        req: &GrantRequest,
+        state: &EpochState,
+        held: &HeldAt,
+        watch_from: i64,
+    ) -> Result<Attempt, ArbiterError> {
+        if req.quota.is_some() {
+            return Err(ArbiterError::BadRequest(format!(
+                "class {:?} has a quota (maxHoldsPerSubject), which a downgrade would leave: release {:?}, then acquire it shared",
+                req.class, held.key
+            )));
+        }
+        routed_in_time(state, req)?;
+        let session_record = req.session_bytes();
+        let (done, header) = self
+            .seal
+            .checked_write(
+                self.log.downgrade(DowngradeTxn {
+                    held,
+                    reader_key: &req.key,
+                    holder_record: req.holder_bytes(None),
+                    epoch: &state.bytes,
+                    fence_at: state.fence_at,
+                    session_record: &session_record,
+                }),
+                |done| *done,
+            )
+            .await?;
+        if !done {
+            // The exclusive hold changed since it was read (released,
+            // expired): wait for the key as any reader.
+            return Ok(Attempt::Held { watch_from });
+        }
+        self.granted_at(header.revision);
+        self.seal.make_durable(state, header.revision).await?;
+        // Readers queued behind the exclusive hold may join now.
+        self.kick(&held.key);
+        Ok(Attempt::Granted(Grant {
+            key: req.key.clone(),
+            session: req.session,
+            epoch: state.epoch(),
+            revision: header.revision,
+        }))
+    }
+
+    /// With waiters queued on lock `req.key`, a shared request is answered
+    /// without queueing when its session holds the lock already: shared
+    /// (its existing grant) or exclusively (`Some(None)`: downgrade it now,
+    /// or it would wait behind waiters who wait for it).
+    pub(super) async fn shared_held(
+        &self,
+        req: &GrantRequest,
+    ) -> Result<Option<Option<Grant>>, ArbiterError> {
+        let state = self.seal.serving_epoch().await?;
+        let key = reader_key(&req.key, req.session);
+        if let Some(h) = self.holder(&key).await?
+            && h.lease == req.session
+            && h.record.identity == req.identity
+        {
+            return Ok(Some(Some(Grant {
+                key,
+                session: req.session,
+                epoch: state.epoch(),
+                revision: h.revision,
+            })));
+        }
+        Ok(self
+            .holder(&req.key)
+            .await?
+            .filter(|h| h.lease == req.session && h.record.identity == req.identity)
+            .map(|_| None))
+    }
+
+    /// The shared holds of lock `name`, in session order (empty for a key
+    /// held exclusively or not at all).
+    pub async fn reader_holders(&self, name: &str) -> Result<Vec<HolderView>, ArbiterError> {
+        let (holds, _) = self
+            .seal
+            .checked(self.log.holders_under(&readers_of(name)))
+            .await?;
+        Ok(holds
+            .into_iter()
+            .filter(|(key, _)| split_reader(key).is_some_and(|(of, _)| of == name))
+            .filter_map(|(_, kv)| holder_view(kv))
+            .collect())
+    }
+
+    /// Grants the readers at the head of a queue together: every one's
+    /// grant goes to the log in one batch (one transaction, up to the
+    /// batch limit), so a writer's end lets all the readers queued behind
+    /// it in at once. Each delivered grant leaves the queue; a reader whose
+    /// grant did not commit stays at the head for the driver's next attempt.
+    /// Whether any was delivered.
+    pub(super) async fn grant_readers(self: &Arc<Self>, heads: Vec<Head>) -> bool {
+        let reqs: Vec<GrantRequest> = heads.iter().map(|h| reader_request(&h.req)).collect();
+        // Registered before the gate is looked at (see `writing`), as in
+        // every grant: each reader's key, and the lock's name.
+        let mut _writing: Vec<_> = reqs.iter().map(|r| self.write_on(&r.key)).collect();
+        if let Some(first) = heads.first() {
+            _writing.push(self.write_on(&first.req.key));
+        }
+        let mut ready = Vec::new();
+        for (head, req) in heads.iter().zip(&reqs) {
+            if let Ok(Ok((member, state))) = self
+                .prepare_grant(req, crate::lock_log::QueueTurn::Empty)
+                .await
+            {
+                ready.push((head, req, member, state));
+            }
+        }
+        if ready.is_empty() {
+            return false;
+        }
+        let members = ready.iter().map(|(_, _, m, _)| m.clone()).collect();
+        let answers = self.commit_together(members).await;
+        let mut delivered = false;
+        for ((head, req, _, state), answer) in ready.into_iter().zip(answers) {
+            let Ok(answer) = answer else { continue };
+            match self
+                .granted_or_why(req, crate::lock_log::QueueTurn::Empty, &state, answer)
+                .await
+            {
+                Ok(Some(Attempt::Granted(grant))) => {
+                    self.deliver(head, grant);
+                    delivered = true;
+                }
+                // Anything else (held again, reused, refused): the driver's
+                // own attempt for this head answers it.
+                _ => {}
+            }
+        }
+        delivered
+    }
+}
+
+/// The grant request of `req`'s shared hold: the same request for the
+/// session's own reader key.
+fn reader_request(req: &GrantRequest) -> GrantRequest {
+    GrantRequest {
+        key: reader_key(&req.key, req.session),
+        ..req.clone()
+    }
+}

@@ -1,0 +1,205 @@
+//! A lock is held shared or exclusively, never both (issue 34): a shared
+//! hold's grant (`<key>//r/<session>`) compares the key not held
+//! exclusively and no semaphore slot under it; an exclusive grant compares
+//! everything under `<key>//` absent; a downgrade ends the exclusive hold
+//! and puts the shared one in one transaction.
+
+use anyhow::ensure;
+use latchkey_arbiter::lock_log::{BatchOp, DowngradeTxn, GrantTxn, Granted, LockLog};
+use latchkey_arbiter::records::{reader_key, slot_key};
+
+use super::{epoch, holder_record, lease, one_write, open, revision, revoke_all, take, unchanged};
+
+fn txn<'a>(key: &'a str, session: i64, epoch: &'a [u8], record: &'a [u8]) -> GrantTxn<'a> {
+    super::fence::grant_txn(key, session, epoch, 0, record)
+}
+
+/// Readers hold side by side; a writer is refused while any is held (the
+/// other mode said, with a shared hold's record), and a reader while a
+/// writer holds (with the writer's record); neither refusal writes; a slot
+/// of a lock held shared is the other kind, as a shared hold of a
+/// semaphore is.
+pub async fn a_writer_is_never_beside_a_reader(log: &dyn LockLog) -> anyhow::Result<()> {
+    let epoch = epoch(log).await?;
+    let identity = "spiffe://contract/modes";
+    let (a, b, c) = (lease(91, 1), lease(91, 2), lease(91, 3));
+    let ra = open(log, a, identity).await?;
+    let rb = open(log, b, identity).await?;
+    let rc = open(log, c, identity).await?;
+    let name = "contract/modes/rw";
+    let (read_a, read_b) = (reader_key(name, a), reader_key(name, b));
+
+    let granted = log.grant(txn(&read_a, a, &epoch, &ra)).await?.value;
+    ensure!(granted == Granted::Yes, "a shared hold: {granted:?}");
+    let granted = log.grant(txn(&read_b, b, &epoch, &rb)).await?.value;
+    ensure!(granted == Granted::Yes, "a second beside it: {granted:?}");
+
+    let before = revision(log).await?;
+    let refused = log.grant(txn(name, c, &epoch, &rc)).await?.value;
+    ensure!(
+        matches!(
+            &refused,
+            Granted::No {
+                holder: None,
+                other_kind: false,
+                other_mode: Some(_),
+                ..
+            }
+        ),
+        "a writer beside readers: {refused:?}"
+    );
+    unchanged(log, before, "a writer's grant over readers").await?;
+    // A slot under a lock held shared: the other kind.
+    let refused = log
+        .grant(txn(&slot_key(name, 0), c, &epoch, &rc))
+        .await?
+        .value;
+    ensure!(
+        matches!(
+            refused,
+            Granted::No {
+                other_kind: true,
+                ..
+            }
+        ),
+        "a slot of a lock held shared: {refused:?}"
+    );
+    unchanged(log, before, "a slot's grant under readers").await?;
+
+    // Both readers gone: the writer holds, and a reader is refused with
+    // the writer's record.
+    revoke_all(log, &[a, b]).await?;
+    let before = revision(log).await?;
+    let granted = log.grant(txn(name, c, &epoch, &rc)).await?.value;
+    ensure!(
+        granted == Granted::Yes,
+        "the writer once no reader holds: {granted:?}"
+    );
+    one_write(log, before, "the writer's grant").await?;
+    let d = lease(91, 4);
+    let rd = open(log, d, identity).await?;
+    let before = revision(log).await?;
+    let read_d = reader_key(name, d);
+    let refused = log.grant(txn(&read_d, d, &epoch, &rd)).await?.value;
+    let writer = holder_record(name, c);
+    ensure!(
+        matches!(
+            &refused,
+            Granted::No {
+                holder: None,
+                other_kind: false,
+                other_mode: Some(kv),
+                ..
+            } if kv.value == writer && kv.lease == c
+        ),
+        "a reader beside a writer: {refused:?}"
+    );
+    unchanged(log, before, "a reader's grant under a writer").await?;
+
+    // A shared hold of a semaphore with a held slot: the other kind.
+    let sem = "contract/modes/sem";
+    let granted = log
+        .grant(txn(&slot_key(sem, 1), c, &epoch, &rc))
+        .await?
+        .value;
+    ensure!(granted == Granted::Yes, "a slot: {granted:?}");
+    let refused = log
+        .grant(txn(&reader_key(sem, d), d, &epoch, &rd))
+        .await?
+        .value;
+    ensure!(
+        matches!(
+            refused,
+            Granted::No {
+                other_kind: true,
+                ..
+            }
+        ),
+        "a shared hold of a semaphore: {refused:?}"
+    );
+
+    // A batch never carries a writer and a reader of one name; readers of
+    // one name go together.
+    if log.batch_limit() >= 2 {
+        let other = "contract/modes/batch";
+        let e = lease(91, 5);
+        let re = open(log, e, identity).await?;
+        let before = revision(log).await?;
+        let (read_d, read_e) = (reader_key(other, d), reader_key(other, e));
+        let both = log
+            .batch(vec![
+                BatchOp::Grant(txn(other, c, &epoch, &rc)),
+                BatchOp::Grant(txn(&read_d, d, &epoch, &rd)),
+            ])
+            .await;
+        ensure!(both.is_err(), "a batch of a writer and a reader: {both:?}");
+        unchanged(log, before, "a refused batch").await?;
+        let both = log
+            .batch(vec![
+                BatchOp::Grant(txn(&read_d, d, &epoch, &rd)),
+                BatchOp::Grant(txn(&read_e, e, &epoch, &re)),
+            ])
+            .await?
+            .value;
+        ensure!(
+            both.iter().all(|o| o.committed()),
+            "two readers in a batch: {both:?}"
+        );
+        one_write(log, before, "a batch of two readers").await?;
+        revoke_all(log, &[e]).await?;
+    }
+    revoke_all(log, &[c, d]).await?;
+    Ok(())
+}
+
+/// A downgrade ends the exclusive hold and puts the session's shared hold
+/// at one revision; a stale one (the hold changed since) writes nothing.
+pub async fn a_downgrade_is_one_transaction(log: &dyn LockLog) -> anyhow::Result<()> {
+    let epoch = epoch(log).await?;
+    let identity = "spiffe://contract/modes";
+    let a = lease(92, 1);
+    let ra = open(log, a, identity).await?;
+    let name = "contract/modes/down";
+    let held = take(log, name, a, identity, &epoch).await?;
+    let reader = reader_key(name, a);
+    let before = revision(log).await?;
+    let done = log
+        .downgrade(DowngradeTxn {
+            held: &held,
+            reader_key: &reader,
+            holder_record: holder_record(&reader, a),
+            epoch: &epoch,
+            fence_at: 0,
+            session_record: &ra,
+        })
+        .await?;
+    ensure!(done.value, "the downgrade committed");
+    one_write(log, before, "a downgrade").await?;
+    ensure!(
+        log.holder(name).await?.value.is_none(),
+        "the exclusive hold ended"
+    );
+    let shared = log.holder(&reader).await?.value;
+    ensure!(
+        shared
+            .as_ref()
+            .is_some_and(|kv| kv.lease == a && kv.mod_revision == done.header.revision),
+        "the shared hold at the downgrade's revision: {shared:?}"
+    );
+    // Again: the exclusive hold is gone, so nothing happens.
+    let before = revision(log).await?;
+    let again = log
+        .downgrade(DowngradeTxn {
+            held: &held,
+            reader_key: &reader,
+            holder_record: holder_record(&reader, a),
+            epoch: &epoch,
+            fence_at: 0,
+            session_record: &ra,
+        })
+        .await?;
+    ensure!(!again.value, "a stale downgrade is refused");
+    unchanged(log, before, "a stale downgrade").await?;
+    revoke_all(log, &[a]).await?;
+    Ok(())
+}
