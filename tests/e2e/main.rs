@@ -47,6 +47,7 @@ mod semaphores;
 mod session_counts;
 mod shard_moves;
 mod shards;
+mod shared;
 mod support;
 mod tiers;
 mod waiting;

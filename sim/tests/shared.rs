@@ -1,0 +1,209 @@
+//! Shared holds on the LockTable over the in-memory log, under paused time
+//! (issue 34): readers together, a writer alone, phase-fair queues, readers
+//! granted in one batch, an atomic downgrade, an upgrade refused.
+
+// A test binary: a failed unwrap or a panic is how it reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use latchkey_arbiter::ArbiterError;
+use latchkey_arbiter::epoch::EpochGuard;
+use latchkey_arbiter::high_water::HighWater;
+use latchkey_arbiter::records::reader_key;
+use latchkey_arbiter::table::{Acquired, Grant, GrantRequest, LockTable, TableOptions};
+use latchkey_sim::MemLog;
+use tokio::task::JoinHandle;
+
+const TTL: u32 = 5;
+const WAIT: Option<Duration> = Some(Duration::from_secs(60));
+
+fn table(log: &MemLog) -> Arc<LockTable> {
+    LockTable::new(
+        Arc::new(log.clone()),
+        Arc::new(EpochGuard::default()),
+        Arc::new(HighWater::in_memory(None)),
+        TableOptions {
+            poll: Duration::from_millis(200),
+            seed: 11,
+            ..TableOptions::default()
+        },
+    )
+}
+
+fn req(identity: &str, session: i64, key: &str, shared: bool) -> GrantRequest {
+    GrantRequest {
+        key: key.into(),
+        identity: identity.into(),
+        session,
+        class: "demo".into(),
+        ttl_seconds: TTL,
+        annotations: Default::default(),
+        routed_by: None,
+        quota: None,
+        permits: None,
+        instance: String::new(),
+        bound: String::new(),
+        shared,
+    }
+}
+
+/// A session of its own for `identity`, and a request of `key` in a mode.
+async fn caller(t: &LockTable, identity: &str, key: &str, shared: bool) -> GrantRequest {
+    let session = t.open_session(identity, TTL, 10).await.unwrap();
+    req(identity, session, key, shared)
+}
+
+fn waiting(t: &Arc<LockTable>, r: &GrantRequest) -> JoinHandle<Result<Acquired, ArbiterError>> {
+    let (t, r) = (t.clone(), r.clone());
+    tokio::spawn(async move { t.acquire(r, WAIT, 16).await })
+}
+
+async fn queued(t: &LockTable, key: &str, n: usize) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    while t.waiting(key) < n {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{key} has {} waiters, not {n}",
+            t.waiting(key)
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
+async fn release(t: &Arc<LockTable>, r: &GrantRequest, g: &Grant) -> anyhow::Result<()> {
+    t.release(&r.identity, &g.key, r.session, g.token().unwrap_or(0))
+        .await?;
+    Ok(())
+}
+
+/// Two readers hold at once; a writer waits for both; a reader arriving
+/// after the writer queues behind it (a waiting writer blocks later
+/// readers) even though readers hold; each token is above the last
+/// exclusive grant's, and the writer's above every reader's.
+#[tokio::test(start_paused = true)]
+async fn a_waiting_writer_keeps_later_readers_behind_it() -> anyhow::Result<()> {
+    let log = MemLog::new(41);
+    let t = table(&log);
+    t.start().await?;
+    let (r1, r2) = (
+        caller(&t, "reader-1", "db", true).await,
+        caller(&t, "reader-2", "db", true).await,
+    );
+    let g1 = t.acquire(r1.clone(), None, 16).await?.grant;
+    let g2 = t.acquire(r2.clone(), None, 16).await?.grant;
+    assert_eq!(g1.key, reader_key("db", r1.session));
+    assert_eq!(g2.key, reader_key("db", r2.session));
+    assert_eq!(t.reader_holders("db").await?.len(), 2);
+    // Re-entrant: the same grant again.
+    assert_eq!(t.acquire(r1.clone(), None, 16).await?.grant, g1);
+
+    let w = caller(&t, "writer", "db", false).await;
+    assert!(matches!(
+        t.acquire(w.clone(), None, 16).await,
+        Err(ArbiterError::Held { .. })
+    ));
+    let writer = waiting(&t, &w);
+    queued(&t, "db", 1).await?;
+    // A later reader: behind the writer, and a try-lock of one is HELD.
+    let r3 = caller(&t, "reader-3", "db", true).await;
+    let late = caller(&t, "reader-4", "db", true).await;
+    assert!(matches!(
+        t.acquire(late, None, 16).await,
+        Err(ArbiterError::Held { .. })
+    ));
+    let reader = waiting(&t, &r3);
+    queued(&t, "db", 2).await?;
+
+    release(&t, &r1, &g1).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!writer.is_finished(), "the writer beside reader-2");
+    release(&t, &r2, &g2).await?;
+    let gw = writer.await??.grant;
+    assert_eq!(gw.key, "db");
+    assert!(gw.token() > g1.token() && gw.token() > g2.token());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!reader.is_finished(), "reader-3 beside the writer");
+    release(&t, &w, &gw).await?;
+    let g3 = reader.await??.grant;
+    assert!(
+        g3.token() > gw.token(),
+        "a reader's token is above the writer's"
+    );
+    t.shutdown().await;
+    Ok(())
+}
+
+/// Readers queued behind a writer are granted together when it releases:
+/// one batch, so one revision (and one token value) for all of them.
+#[tokio::test(start_paused = true)]
+async fn readers_behind_a_writer_go_in_one_batch() -> anyhow::Result<()> {
+    let log = MemLog::new(42);
+    let t = table(&log);
+    t.start().await?;
+    let w = caller(&t, "writer", "db", false).await;
+    let gw = t.acquire(w.clone(), None, 16).await?.grant;
+    let mut readers = Vec::new();
+    for i in 0..4 {
+        let r = caller(&t, &format!("reader-{i}"), "db", true).await;
+        readers.push(waiting(&t, &r));
+        queued(&t, "db", i + 1).await?;
+    }
+    release(&t, &w, &gw).await?;
+    let mut revisions = Vec::new();
+    for r in readers {
+        revisions.push(r.await??.grant.revision);
+    }
+    assert!(
+        revisions
+            .iter()
+            .all(|r| *r == revisions[0] && *r > gw.revision),
+        "{revisions:?}"
+    );
+    assert_eq!(t.reader_holders("db").await?.len(), 4);
+    t.shutdown().await;
+    Ok(())
+}
+
+/// A session's shared request of its exclusive hold downgrades it in one
+/// transaction (a new grant above the old one; the exclusive hold gone, so
+/// other readers join at once); its exclusive request of its shared hold is
+/// refused UPGRADE_REFUSED, and writes nothing.
+#[tokio::test(start_paused = true)]
+async fn a_downgrade_is_one_step_and_an_upgrade_is_refused() -> anyhow::Result<()> {
+    let log = MemLog::new(43);
+    let t = table(&log);
+    t.start().await?;
+    let w = caller(&t, "writer", "db", false).await;
+    let gw = t.acquire(w.clone(), None, 16).await?.grant;
+    let other = caller(&t, "reader", "db", true).await;
+    let reader = waiting(&t, &other);
+    queued(&t, "db", 1).await?;
+    let down = GrantRequest {
+        shared: true,
+        ..w.clone()
+    };
+    // With a reader queued, the downgrade is answered without queueing.
+    let gd = t.acquire(down.clone(), WAIT, 16).await?.grant;
+    assert_eq!(gd.key, reader_key("db", w.session));
+    assert!(gd.revision > gw.revision);
+    assert!(t.holder("db").await?.is_none(), "the exclusive hold ended");
+    // The queued reader joins the downgraded holder.
+    let gr = reader.await??.grant;
+    assert!(gr.revision > gd.revision);
+    let before = log.revision();
+    let refused = t.acquire(w.clone(), WAIT, 16).await;
+    assert!(
+        matches!(refused, Err(ArbiterError::UpgradeRefused { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(log.revision(), before, "a refused upgrade writes nothing");
+    // The old exclusive token releases nothing; the shared one does.
+    assert!(release(&t, &w, &gw).await.is_err());
+    release(&t, &down, &gd).await?;
+    assert_eq!(t.reader_holders("db").await?.len(), 1);
+    t.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,282 @@
+//! Shared locks (issue 34) through real arbiters on real etcd: readers on
+//! two arbiters hold one key together, a writer (queued on either) waits
+//! for every one of them and is granted above all their tokens, a reader's
+//! token is above the last writer's; Inspect lists the shared holders;
+//! every refusal of the mode's own (upgrade, a slot or an unknown mode, a
+//! semaphore or durable class) says what to do and writes nothing.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::ensure;
+use latchkey_proto::lockv1::{
+    AcquireRequest, Grant, InspectRequest, Mode, ReleaseRequest, WaitMode,
+};
+use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
+use latchkey_tests::copy_dev_policies;
+use latchkey_tests::etcd::EtcdServer;
+use tempfile::TempDir;
+use tonic::{Code, Status};
+
+use crate::support::{Client, expect_refusal, open, release, revision, try_lock};
+
+const RW: &str = "rw";
+const DURABLE: &str = "rw-durable";
+const SLOTS: &str = "rw-slots";
+
+fn policies() -> anyhow::Result<TempDir> {
+    let dir = tempfile::tempdir()?;
+    copy_dev_policies(dir.path())?;
+    write_classes(dir.path())?;
+    latchkey_tests::write_pause_test_fixtures(dir.path())?;
+    Ok(dir)
+}
+
+fn write_classes(dir: &Path) -> anyhow::Result<()> {
+    let class = |name: &str, extra: &str| {
+        format!(
+            r#"[[class]]
+name = "{name}"
+description = "shared locks in the e2e tests"
+tier = "entity"
+enforcement = "advisory"
+riskOwner = "team-e2e@example.com"
+waiverExpires = "2099-12-31"
+ttlSeconds = 30
+maxWaitersPerKey = 64
+{extra}
+"#
+        )
+    };
+    std::fs::write(
+        dir.join("classes").join("shared.toml"),
+        [
+            class(RW, ""),
+            class(DURABLE, "fairness = \"durable\""),
+            class(SLOTS, "kind = \"semaphore\"\npermits = 2"),
+        ]
+        .concat(),
+    )?;
+    Ok(())
+}
+
+async fn acquire(
+    c: &mut Client,
+    key: &str,
+    class: &str,
+    session: i64,
+    mode: i32,
+    wait: Option<Duration>,
+) -> Result<Grant, Status> {
+    let mut req = tonic::Request::new(AcquireRequest {
+        key: key.into(),
+        class: class.into(),
+        session_id: session,
+        wait: match wait {
+            Some(_) => WaitMode::WaitUntilDeadline.into(),
+            None => WaitMode::WaitNone.into(),
+        },
+        metadata: Default::default(),
+        instance: String::new(),
+        mode,
+    });
+    if let Some(timeout) = wait {
+        req.set_timeout(timeout);
+    }
+    c.acquire(req)
+        .await?
+        .into_inner()
+        .grant
+        .ok_or_else(|| Status::internal("no grant"))
+}
+
+async fn shared(c: &mut Client, key: &str, session: i64) -> Result<Grant, Status> {
+    acquire(c, key, RW, session, Mode::Shared.into(), None).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn readers_on_two_arbiters_hold_together_and_a_writer_waits_for_all() -> anyhow::Result<()> {
+    latchkey_tests::init_tracing();
+    let etcd = EtcdServer::start().await?;
+    let dir = policies()?;
+    let opts = ArbiterOptions {
+        policies_dir: dir.path().to_path_buf(),
+        ..ArbiterOptions::default()
+    };
+    let a = Arbiter::start(&etcd, opts.clone()).await?;
+    let b = Arbiter::start(&etcd, opts).await?;
+    let mut alice = a.lock("workload/alice").await?;
+    let mut bob = b.lock("workload/bob").await?;
+    let key = "demo/rw";
+
+    let (s1, s2) = (open(&mut alice, RW).await?, open(&mut bob, RW).await?);
+    let g1 = shared(&mut alice, key, s1).await?;
+    let g2 = shared(&mut bob, key, s2).await?;
+    for g in [&g1, &g2] {
+        ensure!(
+            g.key == key && g.mode == i32::from(Mode::Shared) && g.slot.is_none(),
+            "a shared grant names the key and its mode: {g:?}"
+        );
+    }
+    // Asked again, the same grant.
+    let again = shared(&mut alice, key, s1).await?;
+    ensure!(again.token == g1.token, "{again:?} vs {g1:?}");
+    let seen = alice
+        .inspect(InspectRequest { key: key.into() })
+        .await?
+        .into_inner();
+    ensure!(
+        seen.holder.is_none()
+            && seen.shared_holders.len() == 2
+            && seen
+                .shared_holders
+                .iter()
+                .all(|h| h.mode == i32::from(Mode::Shared) && h.token == 0),
+        "Inspect: {seen:?}"
+    );
+
+    // A writer: HELD at once, then queued on arbiter a.
+    let s3 = open(&mut alice, RW).await?;
+    let before = revision(&etcd).await?;
+    expect_refusal(
+        try_lock(&mut alice, key, RW, s3).await,
+        Code::Aborted,
+        "HELD",
+    )?;
+    ensure!(revision(&etcd).await? == before, "a refused writer wrote");
+    let writer = {
+        let mut c = alice.clone();
+        tokio::spawn(
+            async move { acquire(&mut c, key, RW, s3, 0, Some(Duration::from_secs(20))).await },
+        )
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    ensure!(!writer.is_finished(), "a writer beside two readers");
+
+    // A shared hold is released with its mode; the exclusive mode names
+    // no hold of the caller's (NOT_HELD), as for any hold not its own.
+    let wrong = ReleaseRequest {
+        key: key.into(),
+        session_id: s1,
+        token: g1.token,
+        slot: None,
+        mode: 0,
+    };
+    expect_refusal(
+        alice.release(wrong).await,
+        Code::FailedPrecondition,
+        "NOT_HELD",
+    )?;
+    release(&mut alice, &g1).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    ensure!(!writer.is_finished(), "a writer beside bob's reader");
+    // Bob's release on arbiter b: the writer queued on a sees the shared
+    // hold end (its driver watches the shared holds) and is granted.
+    release(&mut bob, &g2).await?;
+    let gw = tokio::time::timeout(Duration::from_secs(5), writer).await???;
+    ensure!(
+        gw.mode == i32::from(Mode::Exclusive) && gw.token > g1.token && gw.token > g2.token,
+        "the writer's token is above every reader's: {gw:?}"
+    );
+    // A reader now waits for the writer, and its token is above it.
+    let s4 = open(&mut bob, RW).await?;
+    expect_refusal(shared(&mut bob, key, s4).await, Code::Aborted, "HELD")?;
+    release(&mut alice, &gw).await?;
+    let g4 = shared(&mut bob, key, s4).await?;
+    ensure!(g4.token > gw.token, "{g4:?} after {gw:?}");
+
+    // Upgrade: refused, nothing written.
+    let before = revision(&etcd).await?;
+    expect_refusal(
+        acquire(&mut bob, key, RW, s4, 0, None).await,
+        Code::FailedPrecondition,
+        "UPGRADE_REFUSED",
+    )?;
+    ensure!(revision(&etcd).await? == before, "a refused upgrade wrote");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_downgrade_is_a_new_grant_and_bad_modes_are_refused() -> anyhow::Result<()> {
+    latchkey_tests::init_tracing();
+    let etcd = EtcdServer::start().await?;
+    let dir = policies()?;
+    let opts = ArbiterOptions {
+        policies_dir: dir.path().to_path_buf(),
+        ..ArbiterOptions::default()
+    };
+    let a = Arbiter::start(&etcd, opts).await?;
+    let mut alice = a.lock("workload/alice").await?;
+    let key = "demo/down";
+
+    let s = open(&mut alice, RW).await?;
+    let gw = try_lock(&mut alice, key, RW, s).await?;
+    let gd = shared(&mut alice, key, s).await?;
+    ensure!(
+        gd.mode == i32::from(Mode::Shared) && gd.token > gw.token,
+        "a downgrade is a new shared grant: {gd:?} after {gw:?}"
+    );
+    let other = open(&mut alice, RW).await?;
+    shared(&mut alice, key, other).await?;
+    // The old exclusive token releases nothing.
+    expect_refusal(
+        release(&mut alice, &gw).await,
+        Code::FailedPrecondition,
+        "NOT_HELD",
+    )?;
+
+    let sem = open(&mut alice, SLOTS).await?;
+    let durable = open(&mut alice, DURABLE).await?;
+    let before = revision(&etcd).await?;
+    let bad = |mode: i32| AcquireRequest {
+        key: key.into(),
+        class: RW.into(),
+        session_id: s,
+        wait: 0,
+        metadata: Default::default(),
+        instance: String::new(),
+        mode,
+    };
+    let refused = alice.acquire(bad(7)).await;
+    let status = expect_refusal(refused, Code::InvalidArgument, "BAD_REQUEST")?;
+    ensure!(
+        status.message().contains("MODE_SHARED"),
+        "{}",
+        status.message()
+    );
+    // A semaphore takes no shared request, nor a durable class (yet).
+    let status = expect_refusal(
+        acquire(&mut alice, "demo/sem-rw", SLOTS, sem, 1, None).await,
+        Code::InvalidArgument,
+        "BAD_REQUEST",
+    )?;
+    ensure!(
+        status.message().contains("semaphore"),
+        "{}",
+        status.message()
+    );
+    let status = expect_refusal(
+        acquire(&mut alice, "demo/durable-rw", DURABLE, durable, 1, None).await,
+        Code::InvalidArgument,
+        "BAD_REQUEST",
+    )?;
+    ensure!(status.message().contains("durable"), "{}", status.message());
+    // A shared release naming a slot.
+    let status = expect_refusal(
+        alice
+            .release(ReleaseRequest {
+                key: key.into(),
+                session_id: s,
+                token: gd.token,
+                slot: Some(0),
+                mode: 1,
+            })
+            .await,
+        Code::InvalidArgument,
+        "BAD_REQUEST",
+    )?;
+    ensure!(status.message().contains("slot"), "{}", status.message());
+    ensure!(revision(&etcd).await? == before, "a refusal wrote");
+    release(&mut alice, &gd).await?;
+    Ok(())
+}
