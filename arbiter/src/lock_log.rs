@@ -146,6 +146,8 @@ pub enum QueueTurn {
 }
 
 /// How a grant transaction ended.
+// Large only on a refusal, which is read once and dropped: no box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Granted {
     /// Committed at the answer's header revision.

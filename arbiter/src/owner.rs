@@ -193,8 +193,10 @@ impl KeyOwner {
         admitted.written(acquired.grant.revision);
         // The session now holds the key in the log: its memory grant (if
         // any) ends.
-        self.quorum
-            .granted_in_log(&acquired.grant.key, acquired.grant.session);
+        self.quorum.granted_in_log(
+            crate::records::named_key(&acquired.grant.key),
+            acquired.grant.session,
+        );
         Ok(Granted::Log {
             grant: acquired.grant,
             waited: acquired.waited,

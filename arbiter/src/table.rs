@@ -543,7 +543,14 @@ impl LockTable {
             let held = match (req.permits, req.shared) {
                 (Some(_), _) => self.permit_held(&req).await?.map(Some),
                 (None, true) => self.shared_held(&req).await?,
-                (None, false) => self.already_held(&req).await?.map(Some),
+                (None, false) => {
+                    // Its own shared hold: refused now, not queued behind
+                    // waiters that wait for it (the hostile review).
+                    if self.holds_shared(&req).await? {
+                        return Err(ArbiterError::UpgradeRefused { key: req.key });
+                    }
+                    self.already_held(&req).await?.map(Some)
+                }
             };
             match held {
                 Some(Some(grant)) => self.reuse(grant).await?,

@@ -107,6 +107,16 @@ async fn a_waiting_writer_keeps_later_readers_behind_it() -> anyhow::Result<()> 
     ));
     let writer = waiting(&t, &w);
     queued(&t, "db", 1).await?;
+    // A reader asking to upgrade while the writer waits: refused at once,
+    // not queued behind a writer that waits for it.
+    let upgrade = GrantRequest {
+        shared: false,
+        ..r1.clone()
+    };
+    assert!(matches!(
+        t.acquire(upgrade, WAIT, 16).await,
+        Err(ArbiterError::UpgradeRefused { .. })
+    ));
     // A later reader: behind the writer, and a try-lock of one is HELD.
     let r3 = caller(&t, "reader-3", "db", true).await;
     let late = caller(&t, "reader-4", "db", true).await;

@@ -130,6 +130,19 @@ impl Arbiter {
                     .release(&caller.identity, &slot, session, req.token)
                     .await?
             }
+            // A refusal names the key as the caller did, never a shared
+            // hold's own key (the hostile review).
+            Err(ArbiterError::NotHeld { session, .. }) if shared => {
+                return Err(ArbiterError::NotHeld {
+                    key: key.as_str().to_string(),
+                    session,
+                });
+            }
+            Err(ArbiterError::TokenMismatch { .. }) if shared => {
+                return Err(ArbiterError::TokenMismatch {
+                    key: key.as_str().to_string(),
+                });
+            }
             other => other?,
         };
         let released = ended.released;

@@ -89,7 +89,12 @@ pub(super) async fn drive(
                 }
             },
             Ok(Attempt::Held { watch_from }) => {
-                if from.is_none() {
+                // Held exclusively now: a watch on the shared holds would
+                // miss its end (the hostile review).
+                if watch.is_some() && watching != watched(&key, &head.req, readers_hold) {
+                    watch = None;
+                }
+                if from.is_none() || watch.is_none() {
                     from = Some(watch_from);
                 }
             }

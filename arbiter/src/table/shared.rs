@@ -71,11 +71,7 @@ impl LockTable {
             };
             return self.downgrade(req, state, &held, watch_from).await;
         }
-        let own = self
-            .holder(&reader_key(&req.key, req.session))
-            .await?
-            .is_some_and(|h| h.lease == req.session && h.record.identity == req.identity);
-        if own {
+        if self.holds_shared(req).await? {
             return Err(ArbiterError::UpgradeRefused {
                 key: req.key.clone(),
             });
@@ -160,6 +156,14 @@ impl LockTable {
             .map(|_| None))
     }
 
+    /// Whether `req`'s session holds its key shared.
+    pub(super) async fn holds_shared(&self, req: &GrantRequest) -> Result<bool, ArbiterError> {
+        Ok(self
+            .holder(&reader_key(&req.key, req.session))
+            .await?
+            .is_some_and(|h| h.lease == req.session && h.record.identity == req.identity))
+    }
+
     /// The shared holds of lock `name`, in session order (empty for a key
     /// held exclusively or not at all).
     pub async fn reader_holders(&self, name: &str) -> Result<Vec<HolderView>, ArbiterError> {
@@ -205,17 +209,14 @@ impl LockTable {
         let mut delivered = false;
         for ((head, req, _, state), answer) in ready.into_iter().zip(answers) {
             let Ok(answer) = answer else { continue };
-            match self
+            // Anything but a grant (held again, reused, refused): the
+            // driver's own attempt for this head answers it.
+            if let Ok(Some(Attempt::Granted(grant))) = self
                 .granted_or_why(req, crate::lock_log::QueueTurn::Empty, &state, answer)
                 .await
             {
-                Ok(Some(Attempt::Granted(grant))) => {
-                    self.deliver(head, grant);
-                    delivered = true;
-                }
-                // Anything else (held again, reused, refused): the driver's
-                // own attempt for this head answers it.
-                _ => {}
+                self.deliver(head, grant);
+                delivered = true;
             }
         }
         delivered

@@ -27,6 +27,10 @@ pub struct AcquireArgs {
     /// Metadata for the class's hooks.
     #[arg(long = "meta", value_name = "K=V", value_parser = parse_meta)]
     pub meta: Vec<(String, String)>,
+    /// A shared hold: held beside other sessions' shared holds, never
+    /// beside an exclusive one (a lock class only).
+    #[arg(long)]
+    pub shared: bool,
 }
 
 #[derive(Debug, Args)]
@@ -39,8 +43,11 @@ pub struct ReleaseArgs {
     #[arg(long)]
     pub token: u64,
     /// The slot of a semaphore's grant (as `acquire` printed it).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "shared")]
     pub slot: Option<u32>,
+    /// A shared grant (`acquire --shared`).
+    #[arg(long)]
+    pub shared: bool,
 }
 
 /// Opens a session for the class and acquires on it; fences arrive on the
@@ -51,10 +58,14 @@ pub async fn grant(
     class: &str,
     wait: Option<Duration>,
     meta: &[(String, String)],
+    shared: bool,
 ) -> Result<(Session, LockGuard, mpsc::UnboundedReceiver<FenceReason>), Failure> {
     let session = client.open_session(class).await?;
     let (fenced, on_fence) = mpsc::unbounded_channel();
     let mut lock = client.lock(key, class).session(&session);
+    if shared {
+        lock = lock.shared();
+    }
     if let Some(wait) = wait {
         lock = lock.wait(wait);
     }
@@ -70,8 +81,15 @@ pub async fn grant(
 }
 
 pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<ExitCode, Failure> {
-    let (session, guard, mut fenced) =
-        grant(&client, &args.key, &args.class, args.wait, &args.meta).await?;
+    let (session, guard, mut fenced) = grant(
+        &client,
+        &args.key,
+        &args.class,
+        args.wait,
+        &args.meta,
+        args.shared,
+    )
+    .await?;
     let ttl = session.ttl().as_secs();
     if out.json {
         out.line(json!({
@@ -81,6 +99,7 @@ pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<E
             "revision": guard.revision(),
             "session_id": guard.session_id(),
             "slot": guard.slot(),
+            "mode": if guard.is_shared() { "shared" } else { "exclusive" },
             "ttl_seconds": ttl,
             "detached": args.detach,
         }));
@@ -88,6 +107,9 @@ pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<E
         println!("acquired {}", guard.key());
         if let Some(slot) = guard.slot() {
             println!("  slot      {slot} (the token is this slot's)");
+        }
+        if guard.is_shared() {
+            println!("  mode      shared (fence reads: no writer since this token)");
         }
         println!("  token     {}", guard.token().get());
         println!("  epoch     {}", guard.epoch());
@@ -97,10 +119,11 @@ pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<E
 
     if args.detach {
         let session_id = guard.session_id();
-        let slot = guard
-            .slot()
-            .map(|s| format!(" --slot {s}"))
-            .unwrap_or_default();
+        let slot = match (guard.slot(), guard.is_shared()) {
+            (Some(s), _) => format!(" --slot {s}"),
+            (None, true) => " --shared".to_string(),
+            (None, false) => String::new(),
+        };
         guard.detach();
         if !out.json {
             println!(
@@ -153,14 +176,19 @@ pub fn stdin_eof() -> oneshot::Receiver<()> {
 }
 
 pub async fn release(client: Client, args: ReleaseArgs, out: Output) -> Result<ExitCode, Failure> {
-    client
-        .release_grant_in(
-            &args.key,
-            args.slot,
-            args.session,
-            FencingToken::new(args.token),
-        )
-        .await?;
+    let token = FencingToken::new(args.token);
+    match args.shared {
+        true => {
+            client
+                .release_shared_grant(&args.key, args.session, token)
+                .await?
+        }
+        false => {
+            client
+                .release_grant_in(&args.key, args.slot, args.session, token)
+                .await?
+        }
+    }
     if out.json {
         out.line(json!({ "key": args.key, "released": true }));
     } else {

@@ -166,6 +166,7 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
                 "acquired_at_unix_ms": h.acquired_at_unix_ms,
             })),
             "slot_holders": super::inspect::slots_json(&view.slot_holders),
+            "shared_holders": super::inspect::slots_json(&view.shared_holders),
             "last_events": events.as_ref().map(|es| es.iter().map(event_json).collect::<Vec<_>>()),
         }));
         return Ok(ExitCode::SUCCESS);
@@ -174,6 +175,10 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
         None if !view.slot_holders.is_empty() => {
             println!("{} is a semaphore", Shown(&view.key));
             super::inspect::print_slots(&view.slot_holders);
+        }
+        None if !view.shared_holders.is_empty() => {
+            println!("{} is held shared", Shown(&view.key));
+            super::inspect::print_shared(&view.shared_holders);
         }
         None => println!("{} is free", Shown(&view.key)),
         Some(h) => {

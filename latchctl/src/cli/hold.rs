@@ -30,6 +30,10 @@ pub struct HoldArgs {
     pub wait: Option<Duration>,
     #[arg(long = "meta", value_name = "K=V", value_parser = parse_meta)]
     pub meta: Vec<(String, String)>,
+    /// Hold it shared (beside other shared holders, never beside an
+    /// exclusive one): the command only reads what the lock guards.
+    #[arg(long)]
+    pub shared: bool,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, num_args = 1.., value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -39,13 +43,21 @@ pub async fn hold(client: Client, args: HoldArgs, out: Output) -> Result<ExitCod
     let Some((program, program_args)) = args.command.split_first() else {
         return Err(Failure::Usage("hold needs a command after --".into()));
     };
-    let (session, guard, mut fenced) =
-        grant(&client, &args.key, &args.class, args.wait, &args.meta).await?;
+    let (session, guard, mut fenced) = grant(
+        &client,
+        &args.key,
+        &args.class,
+        args.wait,
+        &args.meta,
+        args.shared,
+    )
+    .await?;
     // stdout belongs to the command: our messages go to stderr.
-    let slot = guard
-        .slot()
-        .map(|s| format!(", slot {s}"))
-        .unwrap_or_default();
+    let slot = match (guard.slot(), guard.is_shared()) {
+        (Some(s), _) => format!(", slot {s}"),
+        (None, true) => ", shared".to_string(),
+        (None, false) => String::new(),
+    };
     out.note(
         json!({ "event": "acquired", "key": guard.key(), "epoch": guard.epoch(), "session_id": guard.session_id(), "slot": guard.slot() }),
         format_args!(
@@ -57,6 +69,14 @@ pub async fn hold(client: Client, args: HoldArgs, out: Output) -> Result<ExitCod
     );
 
     let mut command = Command::new(program);
+    command.env(
+        "LATCHKEY_MODE",
+        if guard.is_shared() {
+            "shared"
+        } else {
+            "exclusive"
+        },
+    );
     if let Some(slot) = guard.slot() {
         // A semaphore's grant: the command partitions its work by slot,
         // and fences each slot's resource with that slot's token.

@@ -31,7 +31,14 @@ pub async fn inspect(client: Client, args: InspectArgs, out: Output) -> Result<E
                 "annotations": h.annotations,
             })),
             "slot_holders": slots_json(&view.slot_holders),
+            "shared_holders": slots_json(&view.shared_holders),
         }));
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !view.shared_holders.is_empty() {
+        println!("key       {} (held shared)", Shown(&view.key));
+        print_shared(&view.shared_holders);
+        println!("waiters   {}", view.waiters);
         return Ok(ExitCode::SUCCESS);
     }
     if !view.slot_holders.is_empty() {
@@ -99,6 +106,23 @@ pub fn print_slots(holders: &[Holder]) {
         println!(
             "  slot {:<4} {}{session}, class {}, since {}",
             h.slot.unwrap_or_default(),
+            Shown(&h.identity),
+            Shown(&h.class),
+            utc(h.acquired_at_unix_ms)
+        );
+    }
+}
+
+/// A lock's shared holders, one line each.
+pub fn print_shared(holders: &[Holder]) {
+    println!("shared    {} holders", holders.len());
+    for h in holders {
+        let session = match h.session_id {
+            0 => String::new(),
+            s => format!(" session {s}"),
+        };
+        println!(
+            "  {}{session}, class {}, since {}",
             Shown(&h.identity),
             Shown(&h.class),
             utc(h.acquired_at_unix_ms)

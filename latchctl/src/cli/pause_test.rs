@@ -277,6 +277,7 @@ pub async fn holder(global: &Global, args: HolderArgs) -> Result<ExitCode, Failu
             &args.class,
             Some(args.wait),
             &args.metadata,
+            false,
         )
         .await?;
         (session, Held::Holds(guard))

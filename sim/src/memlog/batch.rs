@@ -68,7 +68,8 @@ enum Kind {
 pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
     let holder = keys::holder(txn.key);
     let session = keys::session(txn.session);
-    let queue = keys::queue_of(txn.key);
+    // a shared hold defers to its lock's durable queue, as in the etcd log
+    let queue = keys::queue_of(latchkey_records::named_key(txn.key));
     let mut compares = vec![
         Compare::CreateRevision(holder.clone(), 0),
         Compare::Value(keys::epoch(), txn.epoch.to_vec()),

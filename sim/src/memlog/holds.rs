@@ -123,6 +123,7 @@ impl HoldLog for MemLog {
         // the shared hold's own compares but the exclusive hold's absence,
         // which this transaction ends
         compares.extend(batch::kind_and_mode(txn.reader_key).into_iter().skip(1));
+        compares.push(Compare::NoneUnder(keys::queue_of(&txn.held.key)));
         let key = txn.held.key.clone();
         let session = txn.held.session;
         self.call("downgrade", |inner, _| {

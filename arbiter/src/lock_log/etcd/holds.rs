@@ -37,7 +37,10 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
     let epoch_key = log.layout.epoch();
     let seal_key = log.layout.seal();
     let fence_key = log.layout.map_fence();
-    let queue = log.layout.queue_of(txn.key);
+    // A shared hold defers to its lock's durable queue (found by the
+    // hostile review: its own key's queue is always empty).
+    let queued_on = crate::records::named_key(txn.key);
+    let queue = log.layout.queue_of(queued_on);
     let (kind_compares, kind_reads) = kind_and_mode(log, txn.key);
     let mut compares = vec![
         Compare::create_revision(holder_key.clone(), CompareOp::Equal, 0),
@@ -73,7 +76,7 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
         ));
     }
     match txn.queue {
-        QueueTurn::Empty => compares.push(queue_empty(log, txn.key)),
+        QueueTurn::Empty => compares.push(queue_empty(log, queued_on)),
         QueueTurn::Mine { created } => {
             // No record older than the session's own, and the session's
             // own still the one it queued (a compare on a range holds for
@@ -470,8 +473,9 @@ pub(super) async fn downgrade(log: &EtcdLog, txn: DowngradeTxn<'_>) -> LogResult
         ),
     ]);
     // The shared hold's own compares but the exclusive hold's absence,
-    // which this transaction ends.
+    // which this transaction ends; and no durable waiter first.
     compares.extend(kind_compares.into_iter().skip(1));
+    compares.push(queue_empty(log, &txn.held.key));
     let etcd_txn = Txn::new().when(compares).and_then([
         TxnOp::delete(log.layout.holder(&txn.held.key), None),
         TxnOp::delete(
