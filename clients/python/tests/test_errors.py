@@ -30,6 +30,8 @@ def test_the_reason_comes_from_error_info_in_our_domain():
         (grpc.StatusCode.FAILED_PRECONDITION, "NOT_LEADER", latchkey.NotLeader, latchkey.FailedPrecondition),
         (grpc.StatusCode.FAILED_PRECONDITION, "NO_CANDIDATE", latchkey.NoCandidate, latchkey.FailedPrecondition),
         (grpc.StatusCode.FAILED_PRECONDITION, "QUOTA_EXCEEDED", latchkey.QuotaExceeded, latchkey.FailedPrecondition),
+        (grpc.StatusCode.FAILED_PRECONDITION, "KIND_IN_USE", latchkey.KindInUse, latchkey.FailedPrecondition),
+        (grpc.StatusCode.FAILED_PRECONDITION, "UPGRADE_REFUSED", latchkey.UpgradeRefused, latchkey.FailedPrecondition),
         (grpc.StatusCode.INVALID_ARGUMENT, "WRONG_KIND", latchkey.WrongKind, latchkey.InvalidArgument),
         (grpc.StatusCode.ABORTED, "HELD", latchkey.Held, latchkey.Aborted),
         (grpc.StatusCode.DEADLINE_EXCEEDED, "WAIT_TIMEOUT", latchkey.WaitTimeout, latchkey.DeadlineExceeded),

@@ -3,15 +3,15 @@
 import threading
 
 from latchkey import FencingToken
-from latchkey._holds import LAST, NOT_HELD, OTHER_THREAD, OUTERMOST, REENTERED, WAIT, Hold, Holds
+from latchkey._holds import LAST, NOT_HELD, OTHER_MODE, OTHER_THREAD, OUTERMOST, REENTERED, WAIT, Hold, Holds
 
 ME = threading.current_thread()
 # Stands for another thread of the same client (only its identity matters).
 OTHER = threading.Thread(target=lambda: None)
 
 
-def hold(key: str, revision: int = 42) -> Hold:
-    return Hold(key, 7, FencingToken(revision), 1, revision)
+def hold(key: str, revision: int = 42, shared: bool = False) -> Hold:
+    return Hold(key, 7, FencingToken(revision), 1, revision, shared=shared)
 
 
 def test_only_the_outermost_acquire_and_the_final_release_reach_the_arbiter():
@@ -150,3 +150,26 @@ def test_an_ended_hold_and_a_dead_session_wake_waiting_threads():
     _, j_left = holds.begin("j", OTHER)
     holds.wake_all()
     assert j_left.is_set()
+
+
+def test_a_hold_is_re_entered_only_in_its_own_mode():
+    # One hold per key and session: a shared hold is not re-entered
+    # exclusively (the arbiter would refuse the upgrade), nor an exclusive one
+    # shared (the arbiter would downgrade it under its other guards).
+    holds = Holds()
+    assert holds.begin("r", ME, shared=True) == (OUTERMOST, None)
+    reader = hold("r", 5, shared=True)
+    holds.granted(reader)
+    assert holds.begin("r", ME, shared=True) == (REENTERED, reader)
+    assert reader.count == 2
+    assert holds.begin("r", ME) == (OTHER_MODE, reader)
+    assert reader.count == 2, "a refused re-entry does not count"
+    assert holds.begin("r", OTHER)[0] == OTHER_THREAD, "another thread waits whatever the mode"
+    assert holds.begin("r", OTHER, shared=True)[0] == OTHER_THREAD, "...shared too: one session, one hold"
+
+    assert holds.begin("w", ME) == (OUTERMOST, None)
+    writer = hold("w", 6)
+    holds.granted(writer)
+    assert holds.begin("w", ME, shared=True) == (OTHER_MODE, writer)
+    assert writer.count == 1
+    assert holds.decrement(writer) == LAST

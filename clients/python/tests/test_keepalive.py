@@ -144,3 +144,26 @@ def test_shutdown_stops_the_sessions_threads(fake):
         return not [t for t in threading.enumerate() if t.name.startswith("latchkey-") and t.name.endswith(name)]
 
     eventually("the keepalive, reader and watchdog threads to stop", 3, gone)
+
+
+def test_a_notice_of_a_shared_hold_fences_it_by_key_and_revision(fake):
+    # A shared hold's notice names the lock's key (not the arbiter's reader
+    # key) with mode SHARED, and is matched like any hold's.
+    servicer, stub = fake
+    session, _ = open_session(stub)
+    fired = []
+    try:
+        session._begin_acquire("demo/r", None, True)
+        hold = Hold("demo/r", SESSION, FencingToken(12), 0, 12, shared=True)
+        session._granted(hold, fired.append)
+        eventually("the first renewal", 3, lambda: len(servicer.arrivals) >= 1)
+        notice = lock_pb2.KeepAliveResponse(session_id=SESSION, remaining_ttl_seconds=-1)
+        notice.ended_holds.add(key="demo/r", revision=11, mode=lock_pb2.MODE_SHARED)  # an older hold
+        notice.ended_holds.add(key="demo/r", revision=12, mode=lock_pb2.MODE_SHARED)
+        servicer.push(notice)
+        eventually("the notice", 4, lambda: fired)
+        assert fired == [FenceReason.HOLD_ENDED]
+        assert hold.ended
+        assert not session.is_fenced, "the session lives on"
+    finally:
+        session._shutdown()

@@ -7,11 +7,13 @@ import logging
 import threading
 import time
 
+import grpc
 import pytest
 
 import latchkey
 from conftest import eventually
 from latchkey import FenceReason
+from latchkey.lock.v1 import lock_pb2
 
 ALICE = "spiffe://dev.latchkey/workload/alice"
 BOB = "spiffe://dev.latchkey/workload/bob"
@@ -343,6 +345,56 @@ def test_a_semaphore_grants_one_slot_per_session(connect):
     second.release()
     third.release()
     assert a.inspect("demo/py/pool").slot_holders == []
+
+
+def test_shared_holds_exclude_only_exclusive_holders(connect):
+    # class demo: a plain lock class (kind = "lock", fairness "memory": the
+    # arbiter's own queue), so it takes shared holds
+    key = "demo/py/shared"
+    a = connect("ALICE", default_class="demo")
+    b = connect("BOB", default_class="demo")
+    writer = connect("ALICE", default_class="demo", instance="py-shared-writer")
+    first = a.acquire(key, shared=True)
+    second = b.acquire(key, shared=True)
+    assert first.shared and second.shared
+    assert first.token.value > 0 and second.token.value > 0
+    assert first.session_id != second.session_id, "two sessions hold the key at once"
+    with pytest.raises(latchkey.Held) as refused:
+        writer.acquire(key)
+    assert refused.value.reason == "HELD"
+    seen = a.inspect(key)
+    assert seen.holder is None, "no exclusive holder beside the shared ones"
+    assert len(seen.shared_holders) == 2
+    assert all(h.shared for h in seen.shared_holders)
+    assert sorted(h.identity for h in seen.shared_holders) == [ALICE, BOB]
+    # The client never upgrades its own shared hold: refused without a call...
+    with pytest.raises(latchkey.UpgradeRefused) as refused:
+        with a.lock(key, timeout=2):
+            pass
+    assert refused.value.reason == "UPGRADE_REFUSED"
+    assert first.hold_count == 1
+    # ...as the arbiter refuses the session's exclusive Acquire of it.
+    request = lock_pb2.AcquireRequest(
+        key=key, session_id=first.session_id, wait=lock_pb2.WAIT_NONE, instance=a._instance, **{"class": "demo"}
+    )
+    with pytest.raises(latchkey.UpgradeRefused) as refused:
+        a._call(a._stub.Acquire, request)
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    first.release()
+    second.release()
+    assert a.inspect(key).shared_holders == []
+    with writer.lock(key, timeout=10) as exclusive:
+        assert not exclusive.shared
+        assert exclusive.token > first.token and exclusive.token > second.token
+        seen = a.inspect(key)
+        assert seen.holder is not None and not seen.holder.shared
+        assert seen.shared_holders == []
+
+
+def test_a_semaphore_takes_no_shared_holds(connect):
+    with pytest.raises(latchkey.InvalidArgument) as refused:
+        connect("ALICE", default_class="builds").acquire("demo/py/shared-pool", shared=True)
+    assert refused.value.reason == "BAD_REQUEST", refused.value
 
 
 def test_a_full_quota_is_quota_exceeded(connect):

@@ -63,6 +63,7 @@ from ._errors import (
     SessionExpired,
     Unauthenticated,
     Unavailable,
+    UpgradeRefused,
     WaitTimeout,
     WrongKind,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "TransferRequested",
     "Unauthenticated",
     "Unavailable",
+    "UpgradeRefused",
     "Vacant",
     "VacancyReason",
     "WaitTimeout",

@@ -17,6 +17,7 @@ import grpc
 from ._errors import (
     ConfigError,
     DeadlineExceeded,
+    FailedPrecondition,
     FenceReason,
     Fenced,
     Held,
@@ -24,12 +25,13 @@ from ._errors import (
     ProtocolError,
     Refused,
     Unavailable,
+    UpgradeRefused,
     WaitTimeout,
     from_rpc_error,
 )
 from . import _election
 from ._election import Candidate, ElectionTable, Leader, Leadership, LostCallback, Observation
-from ._holds import LAST, NOT_HELD, OTHER_THREAD, OUTERMOST, REENTERED, Hold
+from ._holds import LAST, NOT_HELD, OTHER_MODE, OTHER_THREAD, OUTERMOST, REENTERED, Hold
 from ._liveness import keepalive_interval
 from ._session import FenceCallback, Session, SessionDead
 from ._token import FencingToken
@@ -57,6 +59,8 @@ class Holder:
     annotations: Dict[str, str] = field(default_factory=dict)
     #: The slot held, for a semaphore's holder (in ``Inspection.slot_holders``).
     slot: Optional[int] = None
+    #: A shared holder (in ``Inspection.shared_holders``).
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class Inspection:
     #: A semaphore's holders, one per held slot, in slot order (empty for a
     #: lock: a key is one kind at a time).
     slot_holders: List[Holder] = field(default_factory=list)
+    #: A lock's shared holders, one per session (empty while it is held
+    #: exclusively or not at all).
+    shared_holders: List[Holder] = field(default_factory=list)
 
 
 def _read(what: str, path) -> bytes:
@@ -226,6 +233,7 @@ class Client:
         on_fence: Optional[FenceCallback] = None,
         metadata: Optional[Mapping[str, str]] = None,
         session: Optional[Session] = None,
+        shared: bool = False,
     ) -> "LockGuard":
         """Acquires `key` under `lock_class` (the client's default class if omitted).
 
@@ -237,6 +245,14 @@ class Client:
         thread of this client holds is held as for any other caller: a
         try-lock raises :class:`Held`; a waiting acquire waits (here, not at
         the arbiter) until that thread's hold ends, then queues at the arbiter.
+
+        ``shared=True`` asks for a shared hold: many sessions hold the key
+        shared at once, never beside an exclusive holder (``guard.shared``).
+        A key this thread holds in the other mode is refused without a call:
+        :class:`UpgradeRefused` for an exclusive request of a shared hold,
+        :class:`FailedPrecondition` (``BAD_REQUEST``) for a shared request of
+        an exclusive one. Release first, then acquire in the other mode. A
+        semaphore class takes no shared requests (:class:`InvalidArgument`).
 
         ``on_fence(reason)`` is called once if the hold is lost while this guard
         exists: by then another holder may have the key, so stop touching the
@@ -252,7 +268,7 @@ class Client:
         retried = False
         while True:
             try:
-                return self._acquire_on(current, key, lock_class, deadline, callback, metadata)
+                return self._acquire_on(current, key, lock_class, deadline, callback, metadata, shared)
             except SessionDead:
                 # The class's session died before this acquire sent anything
                 # (e.g. while it waited for another thread's hold): once, on
@@ -282,18 +298,32 @@ class Client:
         timeout: float = 30.0,
         on_fence: Optional[FenceCallback] = None,
         metadata: Optional[Mapping[str, str]] = None,
+        shared: bool = False,
     ) -> "_LockContext":
         """``with client.lock("demo/x") as guard:`` — a blocking acquire that
-        waits up to `timeout` seconds for the key, released when the block ends."""
-        return _LockContext(self, key, lock_class, timeout, on_fence, metadata)
+        waits up to `timeout` seconds for the key, released when the block ends.
+        ``shared=True`` takes a shared hold (see :meth:`acquire`)."""
+        return _LockContext(self, key, lock_class, timeout, on_fence, metadata, shared)
 
-    def _acquire_on(self, session, key, lock_class, deadline, on_fence, metadata) -> "LockGuard":
+    def _acquire_on(self, session, key, lock_class, deadline, on_fence, metadata, shared=False) -> "LockGuard":
         while True:
-            kind, value, guard_id = session._begin_acquire(key, on_fence)
+            kind, value, guard_id = session._begin_acquire(key, on_fence, shared)
             if kind == REENTERED:
                 return LockGuard(value, session, guard_id, self)
             if kind == OUTERMOST:
                 break
+            if kind == OTHER_MODE:
+                # This thread holds the key in the other mode: one hold per
+                # key and session, so no re-entry in another mode (as the
+                # Rust client). Nothing is sent: the arbiter would refuse an
+                # upgrade, and turn a shared request into a downgrade.
+                message = (
+                    f"this session holds {key!r} {'shared' if value.shared else 'exclusively'} already: "
+                    "release it before acquiring it in the other mode"
+                )
+                if value.shared:
+                    raise UpgradeRefused(grpc.StatusCode.FAILED_PRECONDITION, "UPGRADE_REFUSED", message)
+                raise FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION, "BAD_REQUEST", message)
             if kind == OTHER_THREAD:
                 # Another thread of this client holds the key: re-entrancy is
                 # per thread, so this one waits its turn (or is refused) as
@@ -324,6 +354,7 @@ class Client:
                 wait=lock_pb2.WAIT_UNTIL_DEADLINE if deadline is not None else lock_pb2.WAIT_NONE,
                 metadata=dict(metadata or {}),
                 instance=self._instance,
+                mode=lock_pb2.MODE_SHARED if shared else lock_pb2.MODE_EXCLUSIVE,
                 **{"class": lock_class},
             )
             timeout = max(0.001, deadline - _now()) if deadline is not None else None
@@ -337,12 +368,15 @@ class Client:
             hold.unprotected = bool(getattr(grant, "unprotected", False))
             if grant.HasField("slot"):
                 hold.slot = grant.slot
+            # The mode granted (a downgrade of this session's exclusive hold
+            # is granted shared, with a new token).
+            hold.shared = grant.mode == lock_pb2.MODE_SHARED
             settled = True
             guard_id = session._granted(hold, on_fence)
         finally:
             if not settled:
                 session._acquire_failed(key)
-        log.debug("acquired %s (session %d, epoch %d)", key, session.id, hold.epoch)
+        log.debug("acquired %s%s (session %d, epoch %d)", key, " shared" if hold.shared else "", session.id, hold.epoch)
         return LockGuard(hold, session, guard_id, self)
 
     # -- elections --------------------------------------------------------
@@ -498,10 +532,24 @@ class Client:
         reply = self._call(self._stub.Inspect, lock_pb2.InspectRequest(key=key))
         def seen(h) -> Holder:
             slot = h.slot if h.HasField("slot") else None
-            return Holder(h.identity, h.session_id, getattr(h, "class"), h.acquired_at_unix_ms, dict(h.annotations), slot)
+            return Holder(
+                h.identity,
+                h.session_id,
+                getattr(h, "class"),
+                h.acquired_at_unix_ms,
+                dict(h.annotations),
+                slot,
+                h.mode == lock_pb2.MODE_SHARED,
+            )
 
         holder = seen(reply.holder) if reply.HasField("holder") else None
-        return Inspection(reply.key, holder, reply.waiters, [seen(h) for h in reply.slot_holders])
+        return Inspection(
+            reply.key,
+            holder,
+            reply.waiters,
+            [seen(h) for h in reply.slot_holders],
+            [seen(h) for h in reply.shared_holders],
+        )
 
     def _call(self, method, request, timeout: Optional[float] = None):
         try:
@@ -513,6 +561,9 @@ class Client:
         request = lock_pb2.ReleaseRequest(key=hold.key, session_id=hold.session_id, token=hold.token.value)
         if hold.slot is not None:
             request.slot = hold.slot
+        if hold.shared:
+            # A shared hold is released as what it is (Grant.mode).
+            request.mode = lock_pb2.MODE_SHARED
         self._call(self._stub.Release, request)
         log.debug("released %s (session %d)", hold.key, hold.session_id)
 
@@ -588,6 +639,14 @@ class LockGuard:
         token is that slot's, so fence a resource partitioned by slot per
         slot); None for a lock."""
         return self._hold.slot
+
+    @property
+    def shared(self) -> bool:
+        """Whether the hold is shared (``acquire(..., shared=True)``): other
+        sessions may hold the key shared beside it, never exclusively. Its
+        token is above every earlier exclusive grant of the key, so fence a
+        read with "no writer since my token"."""
+        return self._hold.shared
 
     @property
     def session_id(self) -> int:
@@ -677,7 +736,8 @@ class LockGuard:
         # Not the revision: with the epoch it spells the token.
         return (
             f"LockGuard(key={self._hold.key!r}, token={self._hold.token!r}, epoch={self._hold.epoch}, "
-            f"session_id={self._hold.session_id}, hold_count={self._hold.count}, fenced={self.is_fenced})"
+            f"session_id={self._hold.session_id}, shared={self._hold.shared}, hold_count={self._hold.count}, "
+            f"fenced={self.is_fenced})"
         )
 
     __str__ = __repr__
@@ -686,10 +746,10 @@ class LockGuard:
 class _LockContext:
     """What :meth:`Client.lock` returns: acquires on enter, releases on exit."""
 
-    def __init__(self, client, key, lock_class, timeout, on_fence, metadata) -> None:
+    def __init__(self, client, key, lock_class, timeout, on_fence, metadata, shared=False) -> None:
         self._client = client
         self._args = (key, lock_class)
-        self._kwargs = {"wait": timeout, "on_fence": on_fence, "metadata": metadata}
+        self._kwargs = {"wait": timeout, "on_fence": on_fence, "metadata": metadata, "shared": shared}
         self._guard: Optional[LockGuard] = None
 
     def __enter__(self) -> LockGuard:

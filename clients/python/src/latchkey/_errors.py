@@ -169,6 +169,14 @@ class KindInUse(FailedPrecondition):
     key is one kind at a time: use one class kind per key."""
 
 
+class UpgradeRefused(FailedPrecondition):
+    """UPGRADE_REFUSED: an exclusive request of a key this session holds
+    shared. A shared hold is never upgraded (two readers upgrading would wait
+    for each other forever): release it, then acquire the key exclusively.
+    The client raises it without a call when the asking thread holds the key
+    shared itself."""
+
+
 class WrongKind(InvalidArgument):
     """WRONG_KIND: the class is of another kind than the call needs (an
     election class on Acquire, a lock class on Campaign)."""
@@ -186,6 +194,7 @@ _BY_REASON = {
     "NO_CANDIDATE": NoCandidate,
     "QUOTA_EXCEEDED": QuotaExceeded,
     "KIND_IN_USE": KindInUse,
+    "UPGRADE_REFUSED": UpgradeRefused,
     "WRONG_KIND": WrongKind,
 }
 

@@ -9,8 +9,10 @@ once when the count was per session). That thread re-enters; another thread
 of the same client is told the key is held (``OTHER_THREAD``) and waits for
 the hold to leave the table, or is refused, like any other caller. It cannot
 ask the arbiter instead: the arbiter sees one session and one instance, and
-re-entrancy is the client's alone. Every method is called under the
-session's lock."""
+re-entrancy is the client's alone. A hold is re-entered only in its own
+mode: the same thread asking for it in the other mode (shared vs exclusive)
+is refused (``OTHER_MODE``), since the session holds the key once. Every
+method is called under the session's lock."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ class Hold:
     unprotected: bool = False
     #: The slot held, for a semaphore class's grant (0..permits-1); None for a lock.
     slot: Optional[int] = None
+    #: A shared hold (MODE_SHARED); False: exclusive.
+    shared: bool = False
     #: The thread whose acquire reached the arbiter: the one that re-enters.
     owner: Optional[threading.Thread] = None
     #: Set when the hold leaves the table (its final release starts, the
@@ -46,13 +50,20 @@ class Hold:
     left: threading.Event = field(default_factory=threading.Event)
 
     def __repr__(self) -> str:  # never the token, nor the revision (with the epoch it spells it)
-        return f"Hold(key={self.key!r}, session_id={self.session_id}, epoch={self.epoch}, count={self.count})"
+        return (
+            f"Hold(key={self.key!r}, session_id={self.session_id}, epoch={self.epoch}, "
+            f"shared={self.shared}, count={self.count})"
+        )
 
 
 REENTERED = "reentered"  # this thread holds the key: the count went up, no call needed
 WAIT = "wait"  # an outermost acquire or a final release is in flight: wait, then try again
 OTHER_THREAD = "other_thread"  # another thread holds the key: wait for `left`, or refuse (try-lock)
 OUTERMOST = "outermost"  # send Acquire, then call granted() or failed()
+#: this thread holds the key in the other mode (shared vs exclusive): refuse
+#: without a call. One hold per key and session, so no re-entry in another
+#: mode; the count is left as it was.
+OTHER_MODE = "other_mode"
 
 #: decrement(): the count reached zero (send Release, then released())
 LAST = "last"
@@ -73,14 +84,19 @@ class Holds:
     def __init__(self) -> None:
         self._keys: Dict[str, Union[Hold, _Settling]] = {}
 
-    def begin(self, key: str, thread: threading.Thread) -> Tuple[str, Optional[Union[Hold, threading.Event]]]:
-        """What `thread` asking for `key` does: (REENTERED, hold),
-        (OTHER_THREAD, the hold's `left`), (WAIT, an event that settles) or
-        (OUTERMOST, None)."""
+    def begin(
+        self, key: str, thread: threading.Thread, shared: bool = False
+    ) -> Tuple[str, Optional[Union[Hold, threading.Event]]]:
+        """What `thread` asking for `key` (shared or exclusively) does:
+        (REENTERED, hold), (OTHER_MODE, hold: held by `thread` in the other
+        mode, not counted), (OTHER_THREAD, the hold's `left`), (WAIT, an event
+        that settles) or (OUTERMOST, None)."""
         entry = self._keys.get(key)
         if isinstance(entry, Hold):
             if entry.owner is not thread:
                 return (OTHER_THREAD, entry.left)
+            if entry.shared != shared:
+                return (OTHER_MODE, entry)
             entry.count += 1
             return (REENTERED, entry)
         if isinstance(entry, _Settling):

@@ -22,7 +22,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 import grpc
 
 from ._errors import FenceReason, Fenced, from_rpc_error, reason_of
-from ._holds import Hold, Holds
+from ._holds import REENTERED, Hold, Holds
 from ._liveness import Liveness, reply_timeout
 from .lock.v1 import lock_pb2
 
@@ -177,14 +177,15 @@ class Session:
         with self._lock:
             self._on_fence.pop(watch_id, None)
 
-    def _begin_acquire(self, key: str, on_fence: FenceCallback):
-        """(kind, hold or event, guard id) for the calling thread; raises
-        SessionDead (a Fenced) on a dead session, before anything is sent."""
+    def _begin_acquire(self, key: str, on_fence: FenceCallback, shared: bool = False):
+        """(kind, hold or event, guard id) for the calling thread asking for
+        `key` shared or exclusively; raises SessionDead (a Fenced) on a dead
+        session, before anything is sent. A guard id only for a re-entry."""
         with self._lock:
             if self._liveness.dead is not None:
                 raise SessionDead(self.id, self._liveness.dead)
-            kind, value = self._holds.begin(key, threading.current_thread())
-            guard_id = self._register(key, on_fence) if isinstance(value, Hold) else None
+            kind, value = self._holds.begin(key, threading.current_thread(), shared)
+            guard_id = self._register(key, on_fence) if kind == REENTERED else None
             return kind, value, guard_id
 
     def _granted(self, hold: Hold, on_fence: FenceCallback) -> int:
