@@ -75,6 +75,19 @@ impl crate::table::ClassPermits for Policies {
             _ => None,
         }
     }
+
+    fn max_hold(&self, class: &str) -> Option<std::time::Duration> {
+        let set = self.current();
+        let seconds = set.class(class)?.max_hold_seconds?;
+        Some(std::time::Duration::from_secs(u64::from(seconds)))
+    }
+
+    fn any_max_hold(&self) -> bool {
+        self.current()
+            .classes()
+            .values()
+            .any(|c| c.max_hold_seconds.is_some())
+    }
 }
 
 impl Policies {

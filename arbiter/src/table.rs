@@ -34,6 +34,7 @@ mod batch;
 mod driver;
 pub mod durable;
 mod grants;
+pub mod max_hold;
 mod queues;
 mod quota;
 pub mod seal;
@@ -315,12 +316,21 @@ pub trait KeyGate: Send + Sync {
     fn blocked(&self, req: &GrantRequest) -> bool;
 }
 
-/// A semaphore class's permits as the policies say now: a waiter queued
-/// before a reload is granted by the new number, not the one it came with.
+/// What the policies say of a class now: a semaphore's permits (a waiter
+/// queued before a reload is granted by the new number, not the one it
+/// came with) and a class's `maxHoldSeconds` (`table/max_hold.rs`).
 pub trait ClassPermits: Send + Sync {
     /// `class`'s permits now; `None` if it is not (or no longer) a
     /// semaphore class (the waiter's own number then stands).
     fn permits(&self, class: &str) -> Option<u32>;
+    /// `class`'s `maxHoldSeconds` now, if it sets one.
+    fn max_hold(&self, _class: &str) -> Option<Duration> {
+        None
+    }
+    /// Whether any class sets `maxHoldSeconds` now.
+    fn any_max_hold(&self) -> bool {
+        false
+    }
 }
 
 pub struct LockTable {
@@ -347,6 +357,10 @@ pub struct LockTable {
     writes: Mutex<std::collections::HashMap<String, u32>>,
     /// The highest revision a grant or hand-over of this table committed at.
     granted_through: std::sync::atomic::AtomicI64,
+    /// Holds a `maxHoldSeconds` timer is set for (`table/max_hold.rs`).
+    max_holds: max_hold::Timed,
+    /// The `maxHoldSeconds` sweep has started.
+    sweeping: std::sync::atomic::AtomicBool,
 }
 
 /// A grant or hand-over of one key on its way to the log; counted down on
@@ -410,6 +424,8 @@ impl LockTable {
             stale_heads: Mutex::new(std::collections::HashMap::new()),
             writes: Mutex::new(std::collections::HashMap::new()),
             granted_through: std::sync::atomic::AtomicI64::new(0),
+            max_holds: Default::default(),
+            sweeping: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -422,9 +438,23 @@ impl LockTable {
         *self.gate.write() = Some(gate);
     }
 
-    /// Installs where semaphore classes' current permits are read.
-    pub fn set_permits_source(&self, source: Arc<dyn ClassPermits>) {
+    /// Installs where semaphore classes' current permits (and classes'
+    /// `maxHoldSeconds`) are read, and starts the `maxHoldSeconds` sweep.
+    pub fn set_permits_source(self: &Arc<Self>, source: Arc<dyn ClassPermits>) {
         *self.permits.write() = Some(source);
+        self.start_max_hold_sweep();
+    }
+
+    /// `class`'s `maxHoldSeconds` now, if it sets one.
+    pub fn max_hold_of(&self, class: &str) -> Option<Duration> {
+        self.permits.read().as_ref().and_then(|p| p.max_hold(class))
+    }
+
+    fn any_max_hold(&self) -> bool {
+        self.permits
+            .read()
+            .as_ref()
+            .is_some_and(|p| p.any_max_hold())
     }
 
     /// `class`'s permits now, if a source is installed and says.

@@ -120,6 +120,27 @@ pub const API_VERSION: &str = "latchkey.dev/v1alpha1";
         "maxHoldsPerSubject is not allowed with onQuorumLoss: open: a memory grant made \
          without the lock log cannot take a quota place in it, so the quota would not hold"
     ),
+    validation = Rule::new(
+        "!has(self.maxHoldSeconds) || self.maxHoldSeconds >= self.ttlSeconds"
+    )
+    .message(
+        "maxHoldSeconds is below ttlSeconds: a hold cannot be ended sooner than its session \
+         could expire"
+    ),
+    validation = Rule::new(
+        "!has(self.maxHoldSeconds) || !has(self.onQuorumLoss) || self.onQuorumLoss != 'open'"
+    )
+    .message(
+        "maxHoldSeconds is not allowed with onQuorumLoss: open: a memory grant made without \
+         the lock log cannot be ended by it"
+    ),
+    validation = Rule::new(
+        "!has(self.kind) || self.kind != 'election' || !has(self.maxHoldSeconds)"
+    )
+    .message(
+        "an election class takes no maxHoldSeconds: a leadership ends by resigning, a \
+         transfer, a force-release or its session"
+    ),
     validation = Rule::new("!has(self.kind) || self.kind != 'semaphore' || has(self.permits)")
         .message(
             "a semaphore class (kind: semaphore) needs permits, the number of holds a key \
@@ -231,6 +252,13 @@ pub struct LockClassSpec {
     #[x_kube(validation = Rule::new("self >= 1 && self <= 256")
         .message("permits is outside 1..=256"))]
     pub permits: Option<u32>,
+    /// The longest one hold of the class lasts from its grant, however it
+    /// renews: it then ends as an expiry does (ttlSeconds..=604800).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 5, max = 604_800))]
+    #[x_kube(validation = Rule::new("self >= 5 && self <= 604800")
+        .message("maxHoldSeconds is outside ttlSeconds..=604800 (a week)"))]
+    pub max_hold_seconds: Option<u32>,
     /// Election classes only: a leader is asked (Observe's
     /// TransferRequested) to yield when a higher-priority candidate stands.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -226,6 +226,34 @@ fn class_cases() -> Vec<Case> {
         ok("durable fairness", fenced(json!({"fairness": "durable"}))),
         ok("memory fairness", fenced(json!({"fairness": "memory"}))),
         ok("max waiters zero", fenced(json!({"maxWaitersPerKey": 0}))),
+        ok(
+            "a hold of at most 600 s",
+            fenced(json!({"maxHoldSeconds": 600})),
+        ),
+        ok(
+            "a hold of at most the ttl",
+            fenced(json!({"maxHoldSeconds": 15})),
+        ),
+        ok(
+            "a hold of at most a week",
+            fenced(json!({"maxHoldSeconds": 604_800})),
+        ),
+        ok(
+            "a max hold below the ttl",
+            fenced(json!({"maxHoldSeconds": 14})),
+        ),
+        ok(
+            "a max hold above a week",
+            fenced(json!({"maxHoldSeconds": 604_801})),
+        ),
+        ok(
+            "a max hold on a class open on quorum loss",
+            advisory(json!({"maxHoldSeconds": 600, "onQuorumLoss": "open"})),
+        ),
+        ok(
+            "a max hold on an election class",
+            fenced(json!({"kind": "election", "maxHoldSeconds": 600})),
+        ),
         ok("a quota of 2", fenced(json!({"maxHoldsPerSubject": 2}))),
         ok("a quota of 256", fenced(json!({"maxHoldsPerSubject": 256}))),
         ok("a quota of 0", fenced(json!({"maxHoldsPerSubject": 0}))),

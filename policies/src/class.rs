@@ -29,6 +29,9 @@ pub const MAX_WAITERS_PER_KEY_LIMIT: u32 = 10_000;
 /// reads every place's hold (64 per request) first.
 pub const MAX_HOLDS_PER_SUBJECT_LIMIT: u32 = 256;
 
+/// The longest `maxHoldSeconds` a class may set (a week).
+pub const MAX_HOLD_SECONDS_LIMIT: u32 = 7 * 24 * 3600;
+
 /// The most permits a semaphore class may declare: its slots are read in
 /// one answer.
 pub const MAX_PERMITS: u32 = 256;
@@ -87,6 +90,13 @@ pub struct LockClass {
     /// the class carries at once, each in its own slot `0..permits`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub permits: Option<u32>,
+    /// The longest one hold of the class lasts, from its grant, however it
+    /// renews: it then ends as an expiry does (its holder is told, and
+    /// fences). Renewing readers then cannot keep a writer out for longer.
+    /// At least `ttlSeconds`; not for elections, nor with
+    /// `onQuorumLoss = "open"` (a memory grant is not in the log to end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_hold_seconds: Option<u32>,
     /// Election classes only: a leader is told (Observe's
     /// `TransferRequested`) when a candidate of a higher priority stands,
     /// and should transfer to it at its next safe point.
@@ -271,6 +281,20 @@ pub enum ClassError {
     QuotaOpenOnQuorumLoss,
 
     #[error(
+        "maxHoldSeconds = {value} is outside ttlSeconds..={max} (ttlSeconds = {ttl}): a hold \
+         cannot be ended sooner than its session could expire",
+        max = MAX_HOLD_SECONDS_LIMIT
+    )]
+    MaxHoldSecondsOutOfRange { value: u32, ttl: u32 },
+
+    #[error(
+        "maxHoldSeconds is not allowed with onQuorumLoss = \"open\": a memory grant made \
+         without the lock log cannot be ended by it; use onQuorumLoss = \"closed\" or remove \
+         maxHoldSeconds"
+    )]
+    MaxHoldOpenOnQuorumLoss,
+
+    #[error(
         "permits = {value} is outside 1..={max}",
         max = MAX_PERMITS
     )]
@@ -438,6 +462,12 @@ impl LockClass {
             }
             return Ok(());
         }
+        if self.max_hold_seconds.is_some() {
+            return Err(ClassError::NotForElections {
+                field: "maxHoldSeconds",
+                why: "a leadership ends by resigning, a transfer, a force-release or its session",
+            });
+        }
         if self.max_holds_per_subject.is_some() {
             return Err(ClassError::NotForElections {
                 field: "maxHoldsPerSubject",
@@ -538,6 +568,14 @@ impl LockClass {
             }
             if self.on_quorum_loss == OnQuorumLoss::Open {
                 return Err(ClassError::QuotaOpenOnQuorumLoss);
+            }
+        }
+        if let Some(value) = self.max_hold_seconds {
+            if !(ttl..=MAX_HOLD_SECONDS_LIMIT).contains(&value) {
+                return Err(ClassError::MaxHoldSecondsOutOfRange { value, ttl });
+            }
+            if self.on_quorum_loss == OnQuorumLoss::Open {
+                return Err(ClassError::MaxHoldOpenOnQuorumLoss);
             }
         }
         self.check_namespaces()?;
@@ -1385,6 +1423,37 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("unknown variant `ajar`"), "{err}");
+    }
+
+    #[test]
+    fn a_hold_lasts_at_most_max_hold_seconds_of_at_least_a_ttl() {
+        let class = |extra: &str| {
+            parse(&format!(
+                "name = \"reports\"\ntier = \"entity\"\nenforcement = \"advisory\"\n\
+                 ttlSeconds = 30\nriskOwner = \"team@example.com\"\nwaiverExpires = \"2027-06-30\"\n{extra}"
+            ))
+        };
+        let ok = class("maxHoldSeconds = 600");
+        assert_eq!(ok.max_hold_seconds, Some(600));
+        ok.validate(today()).unwrap();
+        class("maxHoldSeconds = 30").validate(today()).unwrap();
+        assert_eq!(
+            rule(&class("maxHoldSeconds = 29")),
+            ClassError::MaxHoldSecondsOutOfRange { value: 29, ttl: 30 }
+        );
+        assert_eq!(
+            rule(&class("maxHoldSeconds = 604801")),
+            ClassError::MaxHoldSecondsOutOfRange {
+                value: 604_801,
+                ttl: 30
+            }
+        );
+        assert_eq!(
+            rule(&class("maxHoldSeconds = 60\nonQuorumLoss = \"open\"")),
+            ClassError::MaxHoldOpenOnQuorumLoss
+        );
+        let message = rule(&class("maxHoldSeconds = 5")).to_string();
+        assert!(message.contains("ttlSeconds"), "{message}");
     }
 
     #[test]

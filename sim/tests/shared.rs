@@ -217,3 +217,75 @@ async fn a_downgrade_is_one_step_and_an_upgrade_is_refused() -> anyhow::Result<(
     t.shutdown().await;
     Ok(())
 }
+
+/// Class facts for the tests: every class's hold lasts at most `max`.
+struct MaxHold(Duration);
+
+impl latchkey_arbiter::table::ClassPermits for MaxHold {
+    fn permits(&self, _class: &str) -> Option<u32> {
+        None
+    }
+    fn max_hold(&self, _class: &str) -> Option<Duration> {
+        Some(self.0)
+    }
+    fn any_max_hold(&self) -> bool {
+        true
+    }
+}
+
+/// Keeps `session` alive on `t` every second until the handle is dropped.
+fn renewing(t: &Arc<LockTable>, session: i64) -> tokio::task::JoinHandle<()> {
+    let t = t.clone();
+    tokio::spawn(async move {
+        loop {
+            let _ = t.renew(session).await;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    })
+}
+
+/// A class's `maxHoldSeconds` ends a renewing reader's hold that long after
+/// its grant, as an expiry would, so a waiting writer gets in; a hold
+/// granted through another arbiter (no timer here) is found by the sweep
+/// and ended too.
+#[tokio::test(start_paused = true)]
+async fn a_renewing_reader_is_ended_at_its_classs_max_hold() -> anyhow::Result<()> {
+    let log = MemLog::new(44);
+    let t = table(&log);
+    t.start().await?;
+    let r = caller(&t, "reader", "db", true).await;
+    let keep = renewing(&t, r.session);
+    let g = t.acquire(r.clone(), None, 16).await?.grant;
+    t.end_after(&g.key, g.session, g.revision, Duration::from_secs(12));
+    let w = caller(&t, "writer", "db", false).await;
+    let keep_w = renewing(&t, w.session);
+    let started = tokio::time::Instant::now();
+    let gw = waiting(&t, &w).await??.grant;
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(11) && waited <= Duration::from_secs(14),
+        "the writer waited {waited:?} for a reader bounded at 12 s"
+    );
+    assert!(t.holder(&g.key).await?.is_none(), "the reader's hold ended");
+    assert!(t.renew(r.session).await.is_ok(), "its session lives on");
+    release(&t, &w, &gw).await?;
+
+    // Another arbiter's grant: no timer here until the sweep sees it.
+    let r2 = caller(&t, "reader-2", "db", true).await;
+    let keep_2 = renewing(&t, r2.session);
+    let g2 = t.acquire(r2.clone(), None, 16).await?.grant;
+    t.set_permits_source(Arc::new(MaxHold(Duration::from_secs(40))));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while t.holder(&g2.key).await?.is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sweep never ended it"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    for k in [keep, keep_w, keep_2] {
+        k.abort();
+    }
+    t.shutdown().await;
+    Ok(())
+}

@@ -234,6 +234,15 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     // runs fail (6512 and 6668 commits over the permits).
     (130, "semaphores", 5000),
     (131, "semaphores-three-arbiters", 5000),
+    // 60 % of acquires shared (issue 34), force-releases and every fault:
+    // each shared hold judged as a lock of its own key, and the log, read
+    // at every commit of every run, never holds a key exclusively beside
+    // anything under its name. With an exclusive grant that compares only
+    // the slots under its name (not the shared holds) both runs fail from
+    // revision 15 and 17 on. These presets do not yet replay byte for byte
+    // (a driver's wake-ups differ between runs; the verdict has held).
+    (132, "shared", 5000),
+    (133, "shared-three-arbiters", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;

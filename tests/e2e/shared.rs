@@ -23,6 +23,8 @@ use crate::support::{Client, expect_refusal, open, release, revision, try_lock};
 const RW: &str = "rw";
 const DURABLE: &str = "rw-durable";
 const SLOTS: &str = "rw-slots";
+/// A fenced class whose holds last at most 5 s (its TTL).
+const BOUNDED: &str = "rw-bounded";
 
 fn policies() -> anyhow::Result<TempDir> {
     let dir = tempfile::tempdir()?;
@@ -54,6 +56,19 @@ maxWaitersPerKey = 64
             class(RW, ""),
             class(DURABLE, "fairness = \"durable\""),
             class(SLOTS, "kind = \"semaphore\"\npermits = 2"),
+            format!(
+                r#"[[class]]
+name = "{BOUNDED}"
+description = "holds of at most 5 s in the e2e tests"
+tier = "entity"
+enforcement = "fenced"
+ttlSeconds = 5
+maxHoldSeconds = 5
+[class.pauseTest]
+resource = "postgresql:dev.latchkey_fenced_rows"
+result = "pause-tests/{BOUNDED}.json"
+"#
+            ),
         ]
         .concat(),
     )?;
@@ -278,5 +293,65 @@ async fn a_downgrade_is_a_new_grant_and_bad_modes_are_refused() -> anyhow::Resul
     ensure!(status.message().contains("slot"), "{}", status.message());
     ensure!(revision(&etcd).await? == before, "a refusal wrote");
     release(&mut alice, &gd).await?;
+    Ok(())
+}
+
+/// A class's `maxHoldSeconds`: a reader whose client keeps its session
+/// alive is ended 5 s after its grant, hears it on its KeepAlive stream
+/// (fenced, `HoldEnded`) while its session lives on, and the writer waiting
+/// for it is granted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_renewing_reader_ends_at_its_classs_max_hold() -> anyhow::Result<()> {
+    latchkey_tests::init_tracing();
+    let etcd = EtcdServer::start().await?;
+    let dir = policies()?;
+    let opts = ArbiterOptions {
+        policies_dir: dir.path().to_path_buf(),
+        ..ArbiterOptions::default()
+    };
+    let a = Arbiter::start(&etcd, opts).await?;
+    let alice = crate::client::connect(a.addr(), "workload/alice").await?;
+    let bob = crate::client::connect(a.addr(), "workload/bob").await?;
+    let key = "demo/bounded";
+    let fired: crate::client::Fired = std::sync::Arc::default();
+    let started = std::time::Instant::now();
+    let reader = alice
+        .lock(key, BOUNDED)
+        .shared()
+        .acquire(crate::client::recorder(&fired))
+        .await?;
+    ensure!(reader.is_shared(), "a shared guard");
+    let writer = bob
+        .lock(key, BOUNDED)
+        .wait(Duration::from_secs(20))
+        .acquire(|_| {})
+        .await?;
+    let waited = started.elapsed();
+    ensure!(
+        waited >= Duration::from_millis(4_500) && waited < Duration::from_secs(12),
+        "the writer got in after {waited:?}, the reader's bound being 5 s"
+    );
+    ensure!(writer.token().get() > reader.token().get());
+    latchkey_tests::eventually(
+        "the reader to be fenced",
+        Duration::from_secs(5),
+        || async {
+            let got = crate::client::snapshot(&fired);
+            ensure!(
+                got.iter()
+                    .any(|(_, r)| *r == latchkey_client::FenceReason::HoldEnded),
+                "{got:?}"
+            );
+            Ok(())
+        },
+    )
+    .await?;
+    ensure!(reader.is_fenced(), "the reader's guard is fenced");
+    // Its session lives on: it takes another key.
+    let other = alice
+        .lock("demo/bounded-2", BOUNDED)
+        .acquire(|_| {})
+        .await?;
+    ensure!(other.session_id() == reader.session_id());
     Ok(())
 }

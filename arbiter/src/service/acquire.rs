@@ -413,6 +413,16 @@ impl Arbiter {
             }
             Granted::Log { grant, waited } => (grant, waited),
         };
+        // A class's maxHoldSeconds: the hold ends that long after its grant
+        // (one timer per hold, from the grant's own time).
+        if let Some(max) = class.max_hold_seconds {
+            cluster.table.end_after(
+                &grant.key,
+                grant.session,
+                grant.revision,
+                Duration::from_secs(u64::from(max)),
+            );
+        }
         scope.waited = waited;
         // Per call: DEBUG (issue 31: INFO is for what an operator acts on;
         // the metrics count grants).

@@ -353,6 +353,26 @@ impl Store {
         self.quota_violations.extend(over);
     }
 
+    /// An exclusive hold of a key beside anything under its name (a
+    /// shared hold, a semaphore slot), or a shared hold beside a slot:
+    /// checked after every commit of every run, so every preset judges
+    /// "one kind, and one mode, at a time" on the log itself.
+    fn check_modes(&mut self, rev: i64) {
+        use latchkey_records::{HoldKind, hold_kind};
+        let mut kinds: BTreeMap<&str, BTreeMap<HoldKind, usize>> = BTreeMap::new();
+        for (key, _) in self.range(super::keys::HOLDERS) {
+            let key = key.strip_prefix(super::keys::HOLDERS).unwrap_or(key);
+            let (kind, name) = hold_kind(key);
+            *kinds.entry(name).or_default().entry(kind).or_insert(0) += 1;
+        }
+        let mixed: Vec<String> = kinds
+            .iter()
+            .filter(|(_, held)| held.len() > 1)
+            .map(|(name, held)| format!("at revision {rev} {name} was held as {held:?} at once"))
+            .collect();
+        self.quota_violations.extend(mixed);
+    }
+
     fn check_quota(&mut self, rev: i64) {
         let Some((class, max)) = &self.quota_check else {
             return;
@@ -444,6 +464,7 @@ impl Store {
             self.record(rev, events);
             self.check_quota(rev);
             self.check_permits(rev);
+            self.check_modes(rev);
         }
         Ok(results)
     }

@@ -313,6 +313,12 @@ pub struct SimConfig {
     /// lock), and the log is checked after every commit to hold no more
     /// slots of a semaphore than its permits (table only).
     pub permits: Option<u32>,
+    /// Percent of acquires asking for a shared hold (issue 34): a shared
+    /// grant holds the session's own reader key, which the history then
+    /// names (each judged as a lock); the log is checked after every commit
+    /// of every run never to hold a key exclusively beside anything under
+    /// its name (table only).
+    pub shared_percent: u32,
     pub faults: FaultKnobs,
 }
 
@@ -347,6 +353,7 @@ impl SimConfig {
             elections: 0,
             quota: None,
             permits: None,
+            shared_percent: 0,
             faults: FaultKnobs::all(),
         }
     }
@@ -396,6 +403,8 @@ pub const PRESETS: &[&str] = &[
     "quota-three-arbiters",
     "semaphores",
     "semaphores-three-arbiters",
+    "shared",
+    "shared-three-arbiters",
 ];
 
 impl SimConfig {
@@ -441,6 +450,10 @@ impl SimConfig {
     /// - `semaphores`, `semaphores-three-arbiters`: `forced` (and with 3
     ///   arbiters) where every one of 3 keys is a semaphore of 3 permits
     ///   ([`SimConfig::permits`]), so a dozen clients contend for 9 slots.
+    /// - `shared`, `shared-three-arbiters`: `forced` (and with 3 arbiters)
+    ///   over 3 keys, 60 % of acquires shared ([`SimConfig::shared_percent`]):
+    ///   readers, writers, downgrades never asked (a session asks one mode
+    ///   per acquire), phase-fair queues and readers granted in one batch.
     /// - `renewal-outages`: the whole arbiter, every fault, force-releases,
     ///   windows in which no lease renewal succeeds for longer than a TTL
     ///   ([`FaultKnobs::renewal_outages`]), and 3% long holds writing until
@@ -517,6 +530,20 @@ impl SimConfig {
             "semaphores" => Self {
                 keys: 3,
                 permits: Some(3),
+                faults: FaultKnobs::forced(),
+                ..base
+            },
+            "shared" => Self {
+                keys: 3,
+                shared_percent: 60,
+                faults: FaultKnobs::forced(),
+                ..base
+            },
+            "shared-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                keys: 3,
+                shared_percent: 60,
                 faults: FaultKnobs::forced(),
                 ..base
             },

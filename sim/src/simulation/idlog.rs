@@ -114,10 +114,27 @@ impl IdLog {
         self.ids().to_store.get(&id).copied().unwrap_or(id)
     }
 
+    /// `key` as the store (and the history) names it: a shared hold's key
+    /// spells its session, so it is given the store's (counted) id, as the
+    /// lease is; a seed then replays byte for byte (the store orders keys,
+    /// and random ids in them reordered its answers).
+    pub(crate) fn history_key(&self, key: &str) -> String {
+        self.key_in(key)
+    }
+
+    fn key_in(&self, key: &str) -> String {
+        match latchkey_records::split_reader(key) {
+            Some((name, session)) => latchkey_records::reader_key(name, self.store_id(session)),
+            None => key.to_string(),
+        }
+    }
+
     /// The session (the arbiters' id) holding `key` in the store now, read
     /// past every fault.
     pub(crate) fn holder_now(&self, key: &str) -> Option<i64> {
-        self.log.holder_now(key).map(|kv| self.arbiter_id(kv.lease))
+        self.log
+            .holder_now(&self.key_in(key))
+            .map(|kv| self.arbiter_id(kv.lease))
     }
 
     /// Whether the lease of session `id` (the arbiters' id) is in the store
@@ -184,6 +201,7 @@ impl IdLog {
     /// the owner prefix, hold the arbiter's ids, as the holder records do).
     fn release_txn(&self, txn: &ReleaseTxn) -> ReleaseTxn {
         ReleaseTxn {
+            key: self.key_in(&txn.key),
             session: self.store_id(txn.session),
             ..txn.clone()
         }
@@ -191,6 +209,7 @@ impl IdLog {
 
     fn held(&self, held: &HeldAt) -> HeldAt {
         HeldAt {
+            key: self.key_in(&held.key),
             session: self.store_id(held.session),
             ..held.clone()
         }
@@ -215,7 +234,7 @@ impl FollowLog for IdLog {
             .await
             .map_err(|e| self.error_back(e))?;
         for (key, kv) in read {
-            each(&key, &self.kv_back(kv));
+            each(&reader_key_back(&self.ids, &key), &self.kv_back(kv));
         }
         let ids = self.ids.clone();
         let watch = watch.map(|watch| {
@@ -240,6 +259,18 @@ fn kv_back(ids: &Mutex<Ids>, mut kv: Kv) -> Kv {
             .unwrap_or(kv.lease);
     }
     kv
+}
+
+/// A shared hold's key with its session as the arbiter names it; any
+/// other key as it is.
+fn reader_key_back(ids: &Mutex<Ids>, key: &str) -> String {
+    match latchkey_records::split_reader(key) {
+        Some((name, stored)) => match ids.lock().to_arbiter.get(&stored) {
+            Some(arbiter) => latchkey_records::reader_key(name, *arbiter),
+            None => key.to_string(),
+        },
+        None => key.to_string(),
+    }
 }
 
 /// A candidate record's key below an election's candidates prefix
@@ -292,7 +323,7 @@ impl PrefixWatch for IdPrefixWatch {
                     .into_iter()
                     .map(|e| FollowEvent {
                         key: match self.keys {
-                            WatchedKeys::AsStored => e.key,
+                            WatchedKeys::AsStored => reader_key_back(&self.ids, &e.key),
                             WatchedKeys::Election => candidate_key_back(&self.ids, &e.key),
                         },
                         put: e.put.map(|kv| kv_back(&self.ids, kv)),
@@ -310,7 +341,9 @@ impl PrefixWatch for IdPrefixWatch {
 impl HoldLog for IdLog {
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
         self.t(|| format!("grant {} {}", txn.key, self.store_id(txn.session)));
+        let key = self.key_in(txn.key);
         let txn = GrantTxn {
+            key: &key,
             session: self.store_id(txn.session),
             ..txn
         };
@@ -345,7 +378,12 @@ impl HoldLog for IdLog {
     async fn downgrade(&self, txn: DowngradeTxn<'_>) -> LogResult<bool> {
         self.t(|| format!("downgrade {}", txn.held.key));
         let held = self.held(txn.held);
-        let txn = DowngradeTxn { held: &held, ..txn };
+        let reader = self.key_in(txn.reader_key);
+        let txn = DowngradeTxn {
+            held: &held,
+            reader_key: &reader,
+            ..txn
+        };
         self.log
             .downgrade(txn)
             .await
@@ -381,6 +419,13 @@ impl HoldLog for IdLog {
             let keys: Vec<&str> = ops.iter().map(BatchOp::key).collect();
             format!("batch {}", keys.join(" "))
         });
+        let grant_keys: Vec<String> = ops
+            .iter()
+            .map(|op| match op {
+                BatchOp::Grant(txn) => self.key_in(txn.key),
+                BatchOp::Release(_) => String::new(),
+            })
+            .collect();
         let releases: Vec<Option<ReleaseTxn>> = ops
             .iter()
             .map(|op| match op {
@@ -391,8 +436,10 @@ impl HoldLog for IdLog {
         let ops = ops
             .into_iter()
             .zip(&releases)
-            .map(|(op, release)| match (op, release) {
+            .zip(&grant_keys)
+            .map(|((op, release), key)| match (op, release) {
                 (BatchOp::Grant(txn), _) => BatchOp::Grant(GrantTxn {
+                    key,
                     session: self.store_id(txn.session),
                     ..txn
                 }),
@@ -417,7 +464,7 @@ impl HoldLog for IdLog {
     async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
         self.t(|| format!("claim {key}"));
         self.log
-            .claim(key, self.store_id(session), revision)
+            .claim(&self.key_in(key), self.store_id(session), revision)
             .await
             .map_err(|e| self.error_back(e))
     }
@@ -425,14 +472,16 @@ impl HoldLog for IdLog {
     async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
         self.t(|| "release_orphan".into());
         self.log
-            .release_orphan(key, self.store_id(session), revision)
+            .release_orphan(&self.key_in(key), self.store_id(session), revision)
             .await
             .map_err(|e| self.error_back(e))
     }
 
     async fn force_end(&self, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
         self.t(|| format!("force_end {}", txn.key));
+        let key = self.key_in(txn.key);
         let txn = ForceEndTxn {
+            key: &key,
             lease: self.store_id(txn.lease),
             ..txn
         };
@@ -475,7 +524,7 @@ impl HoldLog for IdLog {
 
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
         self.t(|| format!("holder {key}"));
-        let answer = self.log.holder(key).await?;
+        let answer = self.log.holder(&self.key_in(key)).await?;
         Ok(answer.map(|kv| kv.map(|kv| self.kv_back(kv))))
     }
 
@@ -485,7 +534,7 @@ impl HoldLog for IdLog {
         Ok(answer.map(|holds| {
             holds
                 .into_iter()
-                .map(|(key, kv)| (key, self.kv_back(kv)))
+                .map(|(key, kv)| (reader_key_back(&self.ids, &key), self.kv_back(kv)))
                 .collect()
         }))
     }

@@ -362,7 +362,10 @@ impl Incarnation<'_> {
             routed_by: None,
             quota: cfg.quota,
             permits: cfg.permits,
-            shared: false,
+            // no draw at 0 %: every other preset's seeds replay as before
+            shared: cfg.shared_percent > 0
+                && cfg.permits.is_none()
+                && self.rng.chance(cfg.shared_percent),
             instance: String::new(),
             bound: match cfg.quota {
                 Some(_) => super::config::QUOTA_SUBJECT.into(),
@@ -373,10 +376,11 @@ impl Incarnation<'_> {
         let token = match answer {
             Call::Answered(Ok(Got::Log(grant))) => match grant.token() {
                 Some(token) => {
-                    if cfg.permits.is_some() {
-                        // A semaphore's grant holds a slot: from here on
-                        // the history, the writes and the release name it,
-                        // and the checker judges each slot as a lock.
+                    if cfg.permits.is_some() || grant.key != key {
+                        // A semaphore's grant holds a slot, a shared one
+                        // the session's reader key: from here on the
+                        // history, the writes and the release name it, and
+                        // the checker judges each as a lock.
                         key = grant.key.clone();
                         self.world.rekey(op, &key);
                     }
@@ -689,12 +693,13 @@ impl Incarnation<'_> {
                     .release(request(
                         &self.identity,
                         None,
+                        // A shared hold: the lock's name, in mode SHARED.
                         ReleaseRequest {
-                            key: key.to_string(),
+                            key: latchkey_arbiter::records::named_key(key).to_string(),
                             session_id: id,
                             token,
                             slot: None,
-                            mode: 0,
+                            mode: i32::from(latchkey_arbiter::records::split_reader(key).is_some()),
                         },
                     ))
                     .await

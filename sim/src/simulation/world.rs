@@ -317,7 +317,7 @@ impl World {
             process: process.to_string(),
             op,
             f,
-            key: key.map(str::to_string),
+            key: key.map(|k| self.idlog.history_key(k)),
             token,
             detail,
             invoke_time,
@@ -330,8 +330,9 @@ impl World {
     /// Names `key` as the key of operation `op` (a semaphore's grant: the
     /// slot it holds).
     pub(crate) fn rekey(&self, op: OpId, key: &str) {
+        let key = self.idlog.history_key(key);
         if let Some(o) = lock(&self.recorder).ops.get_mut(op.0) {
-            o.key = Some(key.to_string());
+            o.key = Some(key);
         }
     }
 

@@ -72,6 +72,7 @@ pub(super) async fn acquire(
                 Some(_) => WaitMode::WaitUntilDeadline,
                 None => WaitMode::WaitNone,
             } as i32,
+            mode: i32::from(req.shared),
             ..AcquireRequest::default()
         };
         let answer = service
