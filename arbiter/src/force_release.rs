@@ -203,7 +203,9 @@ pub enum ForceError {
     Token(OidcError),
     #[error("{0}")]
     BadRequest(String),
-    #[error("key {key:?} is not held: there is nothing to release")]
+    #[error(
+        "key {key:?} is not held as named: there is nothing to release (a shared hold is named by its holder's session, a semaphore's by its slot: `latchctl inspect` lists them)"
+    )]
     NotHeld { key: String },
     #[error(
         "election {election:?} has no leader: there is nothing to release (a lock key of that name is released without --election)"
@@ -423,7 +425,9 @@ impl ForceRelease {
                     .store
                     .hold(key)
                     .await?
-                    .ok_or_else(|| ForceError::NotHeld { key: key.into() })?;
+                    .ok_or_else(|| ForceError::NotHeld {
+                        key: crate::records::named_key(key).into(),
+                    })?;
                 Read {
                     holder_identity: hold.record.identity,
                     holder_session: hold.record.session,

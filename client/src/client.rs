@@ -585,6 +585,34 @@ impl Client {
                 id_token: id_token.to_owned(),
                 election: false,
                 slot,
+                shared_session: None,
+            }))
+            .await?
+            .into_inner())
+    }
+
+    /// [`Self::request_force_release`] of `session`'s shared hold of lock
+    /// `key` (Inspect lists shared holders, with their sessions, to
+    /// operators).
+    pub async fn request_force_release_shared(
+        &self,
+        key: &str,
+        session: i64,
+        reason: &str,
+        revoke_session: bool,
+        id_token: &str,
+    ) -> Result<ForceReleaseRequest, Error> {
+        let rpc = &self.inner.rpc;
+        Ok(rpc
+            .admin()
+            .request_force_release(rpc.unary(RequestForceReleaseRequest {
+                key: key.to_owned(),
+                reason: reason.to_owned(),
+                revoke_session,
+                id_token: id_token.to_owned(),
+                election: false,
+                slot: None,
+                shared_session: Some(session),
             }))
             .await?
             .into_inner())
@@ -614,6 +642,7 @@ impl Client {
                 id_token: id_token.to_owned(),
                 election: true,
                 slot: None,
+                shared_session: None,
             }))
             .await?
             .into_inner())

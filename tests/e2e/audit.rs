@@ -590,6 +590,7 @@ async fn a_force_release_that_revokes_the_session_reads_as_a_revocation() -> any
             id_token: oidc.id_token("alice-op", "latchctl").await?,
             election: false,
             slot: None,
+            shared_session: None,
         })
         .await?
         .into_inner();

@@ -111,6 +111,7 @@ impl World {
                 id_token: token.into(),
                 election: false,
                 slot: None,
+                shared_session: None,
             })
             .await?
             .into_inner())
@@ -285,6 +286,7 @@ async fn revoke_session_ends_every_hold_of_the_holders_session() -> anyhow::Resu
             id_token: w.token("alice-op").await?,
             election: false,
             slot: None,
+            shared_session: None,
         })
         .await?
         .into_inner();
@@ -471,6 +473,7 @@ async fn a_force_release_ends_one_slot_of_a_semaphore() -> anyhow::Result<()> {
         id_token: a.clone(),
         election,
         slot,
+        shared_session: None,
     };
     // No semaphore has slot 4096, and an election has none: refused,
     // nothing written. The name alone is a lock's, which nobody holds.
@@ -503,6 +506,74 @@ async fn a_force_release_ends_one_slot_of_a_semaphore() -> anyhow::Result<()> {
         "the other slot is still held"
     );
     hold_ended_reaches(&fired, "alice to hear her slot was force-released").await?;
+    assert!(g1.is_fenced() && !g2.is_fenced());
+    Ok(())
+}
+
+/// A lock held shared by two sessions: a force-release names one shared
+/// hold by its holder's session, ends that one alone, and its holder is
+/// fenced; a request naming the key alone finds no exclusive hold and says
+/// how a shared one is named.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_force_release_ends_one_shared_hold() -> anyhow::Result<()> {
+    const NAME: &str = "demo/fr-shared";
+    let w = world(false).await?;
+    let first = connect(w.s.arbiter.addr(), "workload/alice").await?;
+    let second = connect(w.s.arbiter.addr(), "workload/bob").await?;
+    let fired: Fired = Arc::default();
+    let g1 = first
+        .lock(NAME, FENCED)
+        .shared()
+        .acquire(recorder(&fired))
+        .await?;
+    let g2 = second.lock(NAME, FENCED).shared().acquire(|_| {}).await?;
+    let (a, b) = (w.token("alice-op").await?, w.token("bob-op").await?);
+    let mut admin = w.admin().await?;
+    let ask = |shared_session: Option<i64>, slot: Option<u32>| RequestForceReleaseRequest {
+        key: NAME.into(),
+        reason: "a stuck reader".into(),
+        revoke_session: false,
+        id_token: a.clone(),
+        election: false,
+        slot,
+        shared_session,
+    };
+    let before = w.revision().await?;
+    let s = expect_code(
+        admin.request_force_release(ask(None, None)).await,
+        Code::FailedPrecondition,
+    )?;
+    assert!(
+        s.message().contains("shared hold is named by"),
+        "{}",
+        s.message()
+    );
+    expect_code(
+        admin
+            .request_force_release(ask(Some(g1.session_id()), Some(0)))
+            .await,
+        Code::InvalidArgument,
+    )?;
+    assert_eq!(w.revision().await?, before, "a refused request wrote");
+
+    let req = admin
+        .request_force_release(ask(Some(g1.session_id()), None))
+        .await?
+        .into_inner();
+    assert_eq!((req.key.as_str(), req.shared), (NAME, true));
+    assert_eq!(req.holder_session, g1.session_id());
+    assert_eq!(req.hold_revision, g1.revision());
+    w.approve(&req.request_id, &b).await?;
+    let readers = |session: i64| format!("{NAME}//r/{:016x}", session as u64);
+    assert!(
+        !w.held(&readers(g1.session_id())).await?,
+        "alice's shared hold ended"
+    );
+    assert!(
+        w.held(&readers(g2.session_id())).await?,
+        "bob's is still held"
+    );
+    hold_ended_reaches(&fired, "alice to hear her shared hold was force-released").await?;
     assert!(g1.is_fenced() && !g2.is_fenced());
     Ok(())
 }
@@ -618,6 +689,7 @@ async fn without_an_oidc_issuer_force_release_is_refused() -> anyhow::Result<()>
             id_token: "anything".into(),
             election: false,
             slot: None,
+            shared_session: None,
         })
         .await;
     let s = expect_code(r, Code::FailedPrecondition)?;
@@ -1118,6 +1190,7 @@ async fn a_reason_that_could_redraw_the_approvers_terminal_is_refused() -> anyho
                     id_token: token.clone(),
                     election: false,
                     slot: None,
+                    shared_session: None,
                 })
                 .await
                 .map(|r| r.into_inner()),

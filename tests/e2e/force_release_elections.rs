@@ -88,6 +88,7 @@ impl World {
                 id_token: token.into(),
                 election,
                 slot: None,
+                shared_session: None,
             })
             .await?
             .into_inner())

@@ -10,7 +10,7 @@ use latchkey_proto::adminv1::{
 use tonic::{Request, Status};
 use tracing::{debug, warn};
 
-use super::Arbiter;
+use super::{Arbiter, session_id};
 use crate::error::ArbiterError;
 use crate::force_release::{self, ForceError, ForceRelease, RequestRecord};
 use crate::oidc::SignedIn;
@@ -201,19 +201,29 @@ impl Arbiter {
             true => force_release::Target::Leadership,
             false => force_release::Target::Hold,
         };
-        // A semaphore's hold is on its slot's key (as Inspect lists it).
-        let held = match (req.slot, req.election) {
-            (None, _) => key.as_str().to_string(),
-            (Some(slot), false) if slot < latchkey_policies::MAX_PERMITS => {
+        // A semaphore's hold is on its slot's key (as Inspect lists it), a
+        // shared hold on its session's reader key.
+        let held = match (req.slot, req.election, req.shared_session) {
+            (None, false, Some(session)) => {
+                crate::records::reader_key(key.as_str(), session_id(session)?)
+            }
+            (_, _, Some(_)) => {
+                return Err(ArbiterError::BadRequest(
+                    "a shared hold is named by its session alone: no slot, no election".into(),
+                )
+                .into());
+            }
+            (None, _, None) => key.as_str().to_string(),
+            (Some(slot), false, None) if slot < latchkey_policies::MAX_PERMITS => {
                 crate::records::slot_key(key.as_str(), slot)
             }
-            (Some(_), true) => {
+            (Some(_), true, None) => {
                 return Err(ArbiterError::BadSlot(
                     "an election has no slots: name the election without a slot".into(),
                 )
                 .into());
             }
-            (Some(slot), false) => {
+            (Some(slot), false, None) => {
                 return Err(ArbiterError::BadSlot(format!(
                     "slot {slot} is above every semaphore's permits (at most {})",
                     latchkey_policies::MAX_PERMITS
@@ -381,10 +391,9 @@ impl Arbiter {
 
 /// What an approver sees of a request, warning included.
 fn request_view(r: &RequestRecord) -> ForceReleaseRequest {
-    let (key, slot) = match crate::records::split_slot(&r.key) {
-        Some((name, slot)) => (name.to_string(), Some(slot)),
-        None => (r.key.clone(), None),
-    };
+    let (kind, name) = crate::records::hold_kind(&r.key);
+    let slot = crate::records::split_slot(&r.key).map(|(_, slot)| slot);
+    let key = name.to_string();
     ForceReleaseRequest {
         request_id: r.id.clone(),
         key,
@@ -407,5 +416,6 @@ fn request_view(r: &RequestRecord) -> ForceReleaseRequest {
         election: r.election,
         term: r.term,
         slot,
+        shared: kind == crate::records::HoldKind::Shared,
     }
 }

@@ -64,6 +64,11 @@ pub struct ForceRequestArgs {
     /// lists them).
     #[arg(long, conflicts_with = "election")]
     pub slot: Option<u32>,
+    /// KEY is held shared: end this session's shared hold (`latchctl
+    /// inspect`, run by an operator, lists shared holders with their
+    /// sessions).
+    #[arg(long, value_name = "SESSION", conflicts_with_all = ["election", "slot"])]
+    pub shared_session: Option<i64>,
     /// Why: shown to the approver and kept in the audit trail.
     #[arg(long)]
     pub reason: String,
@@ -124,6 +129,8 @@ fn request_json(r: &ForceReleaseRequest) -> serde_json::Value {
         "expires_at_unix_ms": r.expires_at_unix_ms,
         "election": r.election,
         "term": r.term,
+        "slot": r.slot,
+        "shared": r.shared,
     })
 }
 
@@ -143,7 +150,11 @@ fn print_request(r: &ForceReleaseRequest) {
             r.term
         );
     } else {
-        println!("key          {}", Shown(&r.key));
+        match (r.slot, r.shared) {
+            (Some(slot), _) => println!("key          {} (slot {slot})", Shown(&r.key)),
+            (None, true) => println!("key          {} (a shared hold)", Shown(&r.key)),
+            (None, false) => println!("key          {}", Shown(&r.key)),
+        }
         println!(
             "holder       {} (session {:#x}, granted at revision {})",
             Shown(&r.holder_identity),
@@ -195,17 +206,30 @@ async fn force_release(
                         )
                         .await?
                 }
-                false => {
-                    client
-                        .request_force_release_in(
-                            &args.key,
-                            args.slot,
-                            &args.reason,
-                            args.revoke_session,
-                            &token,
-                        )
-                        .await?
-                }
+                false => match args.shared_session {
+                    Some(session) => {
+                        client
+                            .request_force_release_shared(
+                                &args.key,
+                                session,
+                                &args.reason,
+                                args.revoke_session,
+                                &token,
+                            )
+                            .await?
+                    }
+                    None => {
+                        client
+                            .request_force_release_in(
+                                &args.key,
+                                args.slot,
+                                &args.reason,
+                                args.revoke_session,
+                                &token,
+                            )
+                            .await?
+                    }
+                },
             };
             if out.json {
                 out.line(request_json(&r));
