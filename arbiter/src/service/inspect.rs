@@ -4,6 +4,10 @@ use tonic::Request;
 use super::Arbiter;
 use crate::error::ArbiterError;
 
+/// The most shared holders one Inspect answer lists (the count says how
+/// many there are).
+pub const MAX_SHARED_HOLDERS_SHOWN: usize = 256;
+
 impl Arbiter {
     /// Who holds a key, for callers with a grant on its prefix only. Never
     /// the token (a capability: the holder has it from its grant); the
@@ -45,8 +49,11 @@ impl Arbiter {
             .into_iter()
             .map(|(slot, h)| shown(h, Some(slot), Mode::Exclusive))
             .collect();
-        let shared_holders = readers?
+        let readers = readers?;
+        let shared_holder_count = u32::try_from(readers.len()).unwrap_or(u32::MAX);
+        let shared_holders = readers
             .into_iter()
+            .take(MAX_SHARED_HOLDERS_SHOWN)
             .map(|h| shown(h, None, Mode::Shared))
             .collect();
         Ok(InspectResponse {
@@ -56,6 +63,7 @@ impl Arbiter {
             durable_waiters,
             slot_holders,
             shared_holders,
+            shared_holder_count,
         })
     }
 }

@@ -61,6 +61,18 @@ impl LockTable {
                     .as_ref()
                     .is_some_and(|r| r.session == req.session && r.identity == req.identity);
             if !own {
+                // The same process under another session: a leak, as for
+                // an exclusive request (issue 30).
+                if let Some(r) = &record
+                    && super::is_leak(&r.identity, &r.instance, r.session, req)
+                {
+                    return Err(ArbiterError::Leak {
+                        key: name.to_string(),
+                        holder_session: r.session,
+                        session: req.session,
+                        instance: req.instance.clone(),
+                    });
+                }
                 return Ok(Attempt::Held { watch_from });
             }
             let held = HeldAt {

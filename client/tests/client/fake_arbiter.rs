@@ -270,6 +270,7 @@ impl Lock for FakeArbiter {
             durable_waiters: 0,
             slot_holders: Vec::new(),
             shared_holders: Vec::new(),
+            shared_holder_count: 0,
         }))
     }
 }
