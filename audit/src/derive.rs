@@ -46,7 +46,7 @@ use latchkey_records::LeadRecord;
 use latchkey_records::election::{RecordChange, TermChange, Vacancy, term_changes};
 use latchkey_records::keys;
 
-use crate::event::{EPOCH_KEY, Ended, Event, Kind, SEAL_KEY, without_numbers};
+use crate::event::{EPOCH_KEY, Ended, Event, Kind, MODE_SHARED, SEAL_KEY, without_numbers};
 use crate::force::{self, ForceRecord, RevokeRecord};
 
 /// A put or a delete.
@@ -401,26 +401,86 @@ impl LogState {
             };
             events.push(event);
         }
+        mark_downgrades(&mut events);
         for event in &mut events {
-            named_by_slot(event);
+            named_as_called(event);
         }
         events
     }
 }
 
-/// A semaphore's slot is held on a key of its own (`<name>//s/<slot>`):
-/// its events are the semaphore's, under the name callers use (so `latchctl
-/// audit` and `why` of the name find them), with the slot in the detail.
-fn named_by_slot(event: &mut Event) {
-    let Some((name, slot)) = latchkey_records::split_slot(&event.key) else {
+/// A semaphore's slot (`<name>//s/<slot>`) and a session's shared hold of a
+/// lock (`<name>//r/<session>`) are each held on a lock key of their own:
+/// their events (grant, release, expiry, force-release, epoch-advance) are
+/// the semaphore's or the lock's, under the name callers use (so `latchctl
+/// audit` and `why` of the name find them), with the slot, or `mode:
+/// "shared"` and the session, in the detail. Their ids stay keyed by the
+/// held key ([`Event::id_key`]), which the detail spells back.
+fn named_as_called(event: &mut Event) {
+    let (name, facts) = if let Some((name, slot)) = latchkey_records::split_slot(&event.key) {
+        (name, vec![("slot", serde_json::Value::from(slot))])
+    } else if let Some((name, session)) = latchkey_records::split_reader(&event.key) {
+        (
+            name,
+            vec![
+                ("mode", serde_json::Value::from(MODE_SHARED)),
+                ("session", serde_json::Value::from(session)),
+            ],
+        )
+    } else {
         return;
     };
-    event.key = name.to_string();
-    match event.detail.as_object_mut() {
-        Some(detail) => {
-            detail.insert("slot".into(), slot.into());
+    let name = name.to_string();
+    if !event.detail.is_object() {
+        event.detail = serde_json::Value::Object(Default::default());
+    }
+    if let Some(detail) = event.detail.as_object_mut() {
+        for (field, value) in facts {
+            detail.insert(field.into(), value);
         }
-        None => event.detail = serde_json::json!({ "slot": slot }),
+    }
+    event.key = name;
+}
+
+/// A downgrade (`table/shared.rs`) deletes a session's exclusive hold of
+/// `K` and puts its shared hold `K//r/<session>` in one transaction: the
+/// release of `K` and the grant of the shared hold, at one revision, by one
+/// session. Both events say `downgrade: true`, so the release reads as the
+/// same holder keeping the key shared (no writer came between), not as a
+/// release the holder asked for. Runs before [`named_as_called`], on the
+/// held keys.
+fn mark_downgrades(events: &mut [Event]) {
+    use latchkey_records::{HoldKind, hold_kind, split_reader};
+    let released: HashSet<(&str, i64)> = events
+        .iter()
+        .filter(|e| e.kind == Kind::Release && e.ended == Ended::Released)
+        .filter(|e| hold_kind(&e.key).0 == HoldKind::Exclusive)
+        .map(|e| (e.key.as_str(), e.session))
+        .collect();
+    if released.is_empty() {
+        return;
+    }
+    // (lock key, session) of each downgrade
+    let downgrades: HashSet<(String, i64)> = events
+        .iter()
+        .filter(|e| e.kind == Kind::Grant)
+        .filter_map(|e| split_reader(&e.key).filter(|&(_, session)| session == e.session))
+        .filter(|held| released.contains(held))
+        .map(|(name, session)| (name.to_string(), session))
+        .collect();
+    for event in events.iter_mut() {
+        let of_downgrade = match event.kind {
+            Kind::Grant => split_reader(&event.key)
+                .is_some_and(|(name, session)| downgrades.contains(&(name.to_string(), session))),
+            Kind::Release => {
+                event.ended == Ended::Released
+                    && downgrades.contains(&(event.key.clone(), event.session))
+            }
+            _ => false,
+        };
+        if of_downgrade && let Some(detail) = event.detail.as_object_mut() {
+            detail.insert("downgrade".into(), true.into());
+        }
     }
 }
 

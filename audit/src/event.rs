@@ -4,7 +4,14 @@
 //!
 //! Several events can share a revision (a lease expiry ends every hold on
 //! it; an epoch advance drops every hold; a batched commit grants several
-//! keys), never a key: one revision changes a key at most once. Events that
+//! keys), never a held key: one revision changes a key at most once. A
+//! semaphore's slot and a session's shared hold of a lock are lock keys of
+//! their own (`<name>//s/<slot>`, `<name>//r/<session>`) whose events are
+//! under the name callers use, with `detail.slot`, or `detail.mode`
+//! ([`MODE_SHARED`]) and `detail.session`: so one revision can make several
+//! events of one name (readers granted in one batch; a downgrade's release
+//! of the key and its shared grant), and their ids are keyed by the held
+//! key ([`Event::id_key`]). Events that
 //! are not about a lock key use keys no lock key can have (lock keys never
 //! start with `/`): [`EPOCH_KEY`], [`SEAL_KEY`], [`GAP_KEY`]. An election's
 //! events ([`Kind::is_election`]) are keyed by the election's name, which
@@ -36,6 +43,9 @@ pub const SEAL_KEY: &str = "/sys/seal";
 pub const GAP_KEY: &str = "/gap";
 /// What an election's event ids are keyed by: this, then the name.
 const ELECTION_ID_PREFIX: &str = "/e/";
+/// `detail.mode` of a shared hold's events (with `detail.session`, the
+/// session whose hold it is): they are under the lock's name.
+pub const MODE_SHARED: &str = "shared";
 
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -300,16 +310,25 @@ impl Event {
     }
 
     /// The lock key the hold is on: a semaphore slot's own key (its name
-    /// and `detail.slot`), so two slots of one semaphore changing at one
-    /// revision are two events and two holds (the hostile review: with the
-    /// name alone their ids collided and a store kept one of them).
+    /// and `detail.slot`), or a shared hold's (the lock's name,
+    /// `detail.mode` shared and `detail.session`), so two slots of one
+    /// semaphore, or two readers of one lock, changing at one revision are
+    /// two events and two holds (the hostile review: with the name alone
+    /// their ids collided and a store kept one of them).
     fn held_key(&self) -> std::borrow::Cow<'_, str> {
-        match self.detail.get("slot").and_then(serde_json::Value::as_u64) {
-            Some(slot) => {
-                latchkey_records::slot_key(&self.key, u32::try_from(slot).unwrap_or(u32::MAX))
-                    .into()
-            }
-            None => self.key.as_str().into(),
+        if let Some(slot) = self.detail.get("slot").and_then(serde_json::Value::as_u64) {
+            return latchkey_records::slot_key(&self.key, u32::try_from(slot).unwrap_or(u32::MAX))
+                .into();
+        }
+        let shared =
+            self.detail.get("mode").and_then(serde_json::Value::as_str) == Some(MODE_SHARED);
+        match self
+            .detail
+            .get("session")
+            .and_then(serde_json::Value::as_i64)
+        {
+            Some(session) if shared => latchkey_records::reader_key(&self.key, session).into(),
+            _ => self.key.as_str().into(),
         }
     }
 

@@ -24,7 +24,9 @@ use latchkey_audit::{AuditKey, AuditStore, Ended, Event, Kind, StoredEvent};
 use latchkey_etcd::kv::{DeleteOptions, PutOptions};
 use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp};
 use latchkey_etcd::{Connection, Login, TlsPem};
-use latchkey_proto::lockv1::{CloseSessionRequest, InspectRequest};
+use latchkey_proto::lockv1::{
+    AcquireRequest, CloseSessionRequest, Grant, InspectRequest, Mode, WaitMode,
+};
 use latchkey_tests::clickhouse::ClickHouseServer;
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::eventually;
@@ -544,6 +546,178 @@ async fn expiries_closed_sessions_and_force_releases_are_recorded() -> anyhow::R
     ensure!(shown.contains("0 waiting"), "{shown}");
     ensure!(
         !shown.contains(&held.token.to_string()),
+        "a token in latchctl why"
+    );
+    Ok(())
+}
+
+/// A try-lock of `key` in `mode = SHARED`.
+async fn try_shared(c: &mut Client, key: &str, session: i64) -> anyhow::Result<Grant> {
+    let grant = c
+        .acquire(AcquireRequest {
+            key: key.into(),
+            class: CLASS.into(),
+            session_id: session,
+            wait: WaitMode::WaitNone.into(),
+            metadata: Default::default(),
+            instance: String::new(),
+            mode: Mode::Shared.into(),
+        })
+        .await?
+        .into_inner()
+        .grant;
+    grant.context("no grant")
+}
+
+/// Shared holds (issue 34) are lock keys of their own (`K//r/<session>`),
+/// recorded under the lock's name `K` with `detail.mode` and the session,
+/// each reader its own hold; a downgrade is the exclusive hold's release
+/// and a shared grant at one revision, both marked. `latchctl audit K` and
+/// `latchctl why K` (the store read by the name) show them all.
+#[tokio::test(flavor = "multi_thread")]
+async fn shared_holds_and_a_downgrade_are_recorded_under_the_locks_name() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let pg = PostgresServer::start().await?;
+    let audit = Audit::postgres(&pg)?;
+    let cluster = s.etcd.cluster_id().await?;
+    let store = audit.store().await?;
+    let tailer = Tailer::start(&s.etcd, &audit, &["--checkpoint-every", "1s"])?;
+    let mut alice = s.arbiter.lock("workload/alice").await?;
+    let mut bob = s.arbiter.lock("workload/bob").await?;
+    let key = "demo/audit-rw";
+    let reader = |session| latchkey_records::reader_key(key, session);
+
+    let (sa, sb) = (open(&mut alice, CLASS).await?, open(&mut bob, CLASS).await?);
+    let ra = try_shared(&mut alice, key, sa).await?;
+    let rb = try_shared(&mut bob, key, sb).await?;
+    release(&mut bob, &rb).await?;
+    release(&mut alice, &ra).await?;
+    // alice's exclusive hold, then her shared request of it: a downgrade
+    let w = try_lock(&mut alice, key, CLASS, sa).await?;
+    let d = try_shared(&mut alice, key, sa).await?;
+    ensure!(
+        d.mode == i32::from(Mode::Shared) && d.revision > w.revision,
+        "{d:?}"
+    );
+
+    let shared = |e: &StoredEvent, session: i64| {
+        e.event.detail["mode"] == "shared" && e.event.detail["session"] == session
+    };
+    let events = store_shows(
+        store.as_ref(),
+        cluster,
+        &tailer,
+        "the readers and the downgrade",
+        |events| {
+            let mine: Vec<&StoredEvent> = events.iter().filter(|e| e.event.key == key).collect();
+            ensure!(mine.len() == 7, "{} events of {key} so far", mine.len());
+            let is = |i: usize, kind: Kind, hold: &str| {
+                let e = mine[i];
+                e.event.kind == kind && e.event.hold_id == hold
+            };
+            let (ha, hb) = (
+                audit.hold(cluster, ra.revision, &reader(sa)),
+                audit.hold(cluster, rb.revision, &reader(sb)),
+            );
+            let (hw, hd) = (
+                audit.hold(cluster, w.revision, key),
+                audit.hold(cluster, d.revision, &reader(sa)),
+            );
+            ensure!(ha != hb && hw != hd, "each hold its own id");
+            ensure!(is(0, Kind::Grant, &ha) && shared(mine[0], sa), "{mine:?}");
+            ensure!(is(1, Kind::Grant, &hb) && shared(mine[1], sb), "{mine:?}");
+            ensure!(is(2, Kind::Release, &hb) && shared(mine[2], sb), "{mine:?}");
+            ensure!(is(3, Kind::Release, &ha) && shared(mine[3], sa), "{mine:?}");
+            ensure!(is(4, Kind::Grant, &hw) && mine[4].event.detail.get("mode").is_none());
+            ensure!(
+                is(5, Kind::Release, &hw)
+                    && mine[5].event.ended == Ended::Released
+                    && mine[5].event.detail["downgrade"] == true
+                    && mine[5].event.detail.get("mode").is_none(),
+                "{mine:?}"
+            );
+            ensure!(
+                is(6, Kind::Grant, &hd)
+                    && shared(mine[6], sa)
+                    && mine[6].event.detail["downgrade"] == true,
+                "{mine:?}"
+            );
+            ensure!(
+                mine.iter().all(|e| e.event.session != 0),
+                "every holder known"
+            );
+            Ok(())
+        },
+    )
+    .await?;
+    ensure_unique(&events)?;
+    ensure!(
+        events.iter().all(|e| !e.event.key.contains("//")),
+        "no event under a reader's own key: {events:?}"
+    );
+
+    // latchctl audit: the store read by the lock's name
+    let out = crate::latchctl::latchctl(s.arbiter.addr(), "workload/alice")?
+        .args(["--json", "audit", key, "--since", "1h"])
+        .args(["--store", &pg.url()])
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let modes: Vec<(&str, Option<&str>)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["kind"].as_str().unwrap_or_default(),
+                l["detail"]["mode"].as_str(),
+            )
+        })
+        .collect();
+    let shared_mode = Some("shared");
+    ensure!(
+        modes
+            == [
+                ("grant", shared_mode),
+                ("grant", shared_mode),
+                ("release", shared_mode),
+                ("release", shared_mode),
+                ("grant", None),
+                ("release", None),
+                ("grant", shared_mode),
+            ],
+        "{stdout}"
+    );
+    for g in [&ra, &rb, &w, &d] {
+        ensure!(
+            !stdout.contains(&g.token.to_string()),
+            "a token in latchctl audit"
+        );
+    }
+
+    // latchctl why: held shared, and the last events say which holds
+    let out = crate::latchctl::latchctl(s.arbiter.addr(), "workload/alice")?
+        .args(["why", key, "--store", &pg.url()])
+        .output()
+        .await?;
+    let why = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{why}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(why.contains(&format!("{key} is held shared")), "{why}");
+    ensure!(why.contains(" [downgrade] hold "), "{why}");
+    ensure!(why.contains(" [shared, downgrade] class "), "{why}");
+    ensure!(
+        !why.contains(&d.token.to_string()),
         "a token in latchctl why"
     );
     Ok(())

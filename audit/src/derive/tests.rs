@@ -140,6 +140,216 @@ fn a_semaphores_slots_are_its_events_under_its_name() {
     assert_eq!(r[0].id_key(), g[1].id_key());
 }
 
+/// Session `session`'s shared hold of `name`, under the prefix.
+fn reader(name: &str, session: i64) -> String {
+    format!("l/{}", latchkey_records::reader_key(name, session))
+}
+
+/// The stored rows of `events` (ids keyed as the tailer keys them).
+fn rows(events: &[Event]) -> Vec<crate::event::Row> {
+    let key = crate::AuditKey::from_bytes(&[5u8; 32]).unwrap();
+    events
+        .iter()
+        .map(|e| crate::event::Row::new(9, e, Some(&key), 1, 0).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_locks_shared_holds_are_its_events_under_its_name() {
+    let mut state = started();
+    // readers at the head of a queue are granted in one batch: one revision
+    let g = state.apply(
+        10,
+        &[
+            put(&reader("jobs/batch", 7), holder(ALICE, 7), 7),
+            put(&reader("jobs/batch", 8), holder(BOB, 8), 8),
+        ],
+    );
+    assert_eq!(
+        kinds(&g),
+        [
+            ("jobs/batch", Kind::Grant, Ended::No),
+            ("jobs/batch", Kind::Grant, Ended::No)
+        ]
+    );
+    for (e, (identity, session)) in g.iter().zip([(ALICE, 7), (BOB, 8)]) {
+        assert_eq!(e.detail["mode"], "shared", "{e:?}");
+        assert_eq!(e.detail["session"], session, "{e:?}");
+        assert_eq!((e.identity.as_str(), e.session), (identity, session));
+        assert_eq!(
+            (e.hold_revision, e.detail["acquiredAtUnixMs"].as_i64()),
+            (10, Some(1))
+        );
+        assert!(e.detail.get("slot").is_none() && e.detail.get("downgrade").is_none());
+    }
+    // Two readers at one revision are two events and two holds to the
+    // stores: their ids are keyed by each reader's own key.
+    assert_eq!(g[0].id_key(), "jobs/batch//r/0000000000000007");
+    assert_ne!(g[0].id_key(), g[1].id_key());
+    let granted = rows(&g);
+    assert_ne!(granted[0].event_id, granted[1].event_id);
+    assert_ne!(granted[0].hold_id, granted[1].hold_id);
+    assert!(granted.iter().all(|r| r.key == "jobs/batch"));
+
+    // bob releases; alice's lease lapses: each end is its grant's hold
+    let r = state.apply(11, &[del(&reader("jobs/batch", 8))]);
+    assert_eq!(kinds(&r), [("jobs/batch", Kind::Release, Ended::Released)]);
+    assert_eq!((r[0].identity.as_str(), r[0].hold_revision), (BOB, 10));
+    assert_eq!(
+        (
+            r[0].detail["mode"].as_str(),
+            r[0].detail["session"].as_i64()
+        ),
+        (Some("shared"), Some(8))
+    );
+    assert_eq!(r[0].id_key(), g[1].id_key());
+    assert_eq!(rows(&r)[0].hold_id, granted[1].hold_id);
+    let x = state.apply(12, &[del(&reader("jobs/batch", 7)), del(&session_key(7))]);
+    assert_eq!(
+        kinds(&x),
+        [("jobs/batch", Kind::Expiry, Ended::ExpiredOrRevoked)]
+    );
+    assert_eq!(
+        (
+            x[0].detail["mode"].as_str(),
+            x[0].detail["session"].as_i64()
+        ),
+        (Some("shared"), Some(7))
+    );
+    assert_eq!(rows(&x)[0].hold_id, granted[0].hold_id);
+    assert_eq!(state.holds(), 0);
+}
+
+#[test]
+fn a_shared_hold_the_tailer_never_saw_still_names_its_session() {
+    let mut state = started();
+    // a session id is a lease id: all 64 bits of it
+    let session = 0x694d_7a1b_2c3d_4e5f;
+    let r = state.apply(10, &[del(&reader("jobs/batch", session))]);
+    assert_eq!(kinds(&r), [("jobs/batch", Kind::Release, Ended::Unknown)]);
+    assert_eq!(r[0].session, 0, "the holder is not known");
+    assert_eq!(
+        (
+            r[0].detail["mode"].as_str(),
+            r[0].detail["session"].as_i64()
+        ),
+        (Some("shared"), Some(session))
+    );
+    assert_eq!(
+        r[0].id_key(),
+        latchkey_records::reader_key("jobs/batch", session)
+    );
+}
+
+#[test]
+fn a_force_release_or_an_advance_of_a_shared_hold_is_under_the_locks_name() {
+    let mut state = started();
+    state.apply(
+        10,
+        &[
+            put(&reader("k", 7), holder(ALICE, 7), 7),
+            put(&reader("k", 8), holder(BOB, 8), 8),
+        ],
+    );
+    let record = force(&latchkey_records::reader_key("k", 7), 10);
+    let f = state.apply(
+        11,
+        &[
+            del(&reader("k", 7)),
+            put(
+                &record.relative_key(),
+                serde_json::to_vec(&record).unwrap(),
+                99,
+            ),
+        ],
+    );
+    assert_eq!(kinds(&f), [("k", Kind::ForceRelease, Ended::ForceReleased)]);
+    let e = &f[0];
+    assert_eq!((e.identity.as_str(), e.hold_revision), (ALICE, 10));
+    assert_eq!(e.detail["requestedBy"], "op-alice");
+    assert_eq!(e.detail["holdDeleted"], true);
+    assert_eq!(
+        (e.detail["mode"].as_str(), e.detail["session"].as_i64()),
+        (Some("shared"), Some(7))
+    );
+    let a = state.apply(12, &[put("sys/epoch", epoch(2), 0), del(&reader("k", 8))]);
+    assert_eq!(
+        kinds(&a),
+        [
+            ("k", Kind::EpochAdvance, Ended::EpochAdvance),
+            (EPOCH_KEY, Kind::EpochAdvance, Ended::No),
+        ]
+    );
+    assert_eq!(
+        (
+            a[0].detail["mode"].as_str(),
+            a[0].detail["session"].as_i64()
+        ),
+        (Some("shared"), Some(8))
+    );
+    assert_eq!(a[0].id_key(), latchkey_records::reader_key("k", 8));
+}
+
+#[test]
+fn a_downgrade_is_the_release_of_the_key_and_a_shared_grant_at_one_revision() {
+    let mut state = started();
+    let g = state.apply(10, &[put("l/k", holder(ALICE, 7), 7)]);
+    // one transaction: the exclusive hold and its claims go, the shared hold
+    // comes, on the session's lease
+    let d = state.apply(
+        11,
+        &[
+            del("l/k"),
+            del("c/k//000000000000000a"),
+            put(&reader("k", 7), holder(ALICE, 7), 7),
+        ],
+    );
+    assert_eq!(
+        kinds(&d),
+        [
+            ("k", Kind::Release, Ended::Released),
+            ("k", Kind::Grant, Ended::No)
+        ]
+    );
+    assert_eq!(
+        d[0].detail,
+        json!({ "downgrade": true }),
+        "the exclusive hold"
+    );
+    assert_eq!((d[0].identity.as_str(), d[0].hold_revision), (ALICE, 10));
+    assert_eq!(d[1].detail["downgrade"], true);
+    assert_eq!(
+        (
+            d[1].detail["mode"].as_str(),
+            d[1].detail["session"].as_i64()
+        ),
+        (Some("shared"), Some(7))
+    );
+    assert_eq!((d[1].identity.as_str(), d[1].hold_revision), (ALICE, 11));
+    // one key, one revision, two events: their ids differ, and the release
+    // ends the exclusive grant's hold
+    assert_ne!(d[0].id_key(), d[1].id_key());
+    let (granted, downgraded) = (rows(&g), rows(&d));
+    assert_ne!(downgraded[0].event_id, downgraded[1].event_id);
+    assert_eq!(downgraded[0].hold_id, granted[0].hold_id);
+    assert_ne!(downgraded[1].hold_id, granted[0].hold_id);
+    // another session's release beside a shared grant is no downgrade (the
+    // arbiter writes no such revision; the session is what tells)
+    state.apply(12, &[put("l/other", holder(BOB, 8), 8)]);
+    let n = state.apply(
+        13,
+        &[
+            del("l/other"),
+            put(&reader("other", 7), holder(ALICE, 7), 7),
+        ],
+    );
+    assert_eq!(n.len(), 2);
+    assert!(
+        n.iter().all(|e| e.detail.get("downgrade").is_none()),
+        "{n:?}"
+    );
+}
+
 #[test]
 fn a_lapsed_lease_ends_every_hold_on_it_in_one_revision() {
     let mut state = started();

@@ -228,6 +228,7 @@ fn describe(stored: &StoredEvent) -> String {
     } else {
         format!("{} session {:#x}", e.identity, e.session)
     };
+    let who = format!("{who}{}", held_as(e));
     let hold = |id: &str| {
         if id.is_empty() {
             "hold (not seen granted)".to_string()
@@ -288,6 +289,30 @@ fn describe(stored: &StoredEvent) -> String {
             ended(e.ended)
         ),
         _ => format!("{head} {}", detail("reason")),
+    }
+}
+
+/// Which hold of the key an event is about, from its detail: a semaphore's
+/// slot, or a shared hold (with its session, which the detail names even
+/// where the tailer never saw the holder); a downgrade's two events say so.
+/// Empty for an exclusive hold.
+fn held_as(e: &latchkey_audit::RecordedEvent) -> String {
+    let mut tags = Vec::new();
+    if let Some(slot) = e.detail["slot"].as_u64() {
+        tags.push(format!("slot {slot}"));
+    }
+    if e.detail["mode"].as_str() == Some(latchkey_audit::event::MODE_SHARED) {
+        match e.detail["session"].as_i64() {
+            Some(session) if e.session == 0 => tags.push(format!("shared, session {session:#x}")),
+            _ => tags.push("shared".into()),
+        }
+    }
+    if e.detail["downgrade"].as_bool() == Some(true) {
+        tags.push("downgrade".into());
+    }
+    match tags.is_empty() {
+        true => String::new(),
+        false => format!(" [{}]", tags.join(", ")),
     }
 }
 
@@ -358,6 +383,43 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_holds_and_a_slots_events_say_which_hold_they_are() {
+        let mut grant = stored(Kind::Grant, Ended::No);
+        grant.event.detail = json!({"mode": "shared", "session": 255, "acquiredAtUnixMs": 1});
+        let line = describe(&grant);
+        assert!(
+            line.contains("spiffe://td/w session 0xff [shared] class c, hold 9a3c5e7f00112233"),
+            "{line}"
+        );
+        // a downgrade: the exclusive hold's release and the shared grant
+        let mut release = stored(Kind::Release, Ended::Released);
+        release.event.detail = json!({"downgrade": true});
+        let line = describe(&release);
+        assert!(
+            line.contains("session 0xff [downgrade] hold 9a3c5e7f00112233: released"),
+            "{line}"
+        );
+        grant.event.detail["downgrade"] = json!(true);
+        let line = describe(&grant);
+        assert!(line.contains("[shared, downgrade]"), "{line}");
+        // the tailer never saw the grant: the detail still names the session
+        let mut unknown = stored(Kind::Release, Ended::Unknown);
+        unknown.event.identity = String::new();
+        unknown.event.session = 0;
+        unknown.event.hold_id = String::new();
+        unknown.event.detail = json!({"mode": "shared", "session": 0x1a2b});
+        let line = describe(&unknown);
+        assert!(
+            line.contains("(holder unknown) [shared, session 0x1a2b] hold (not seen granted)"),
+            "{line}"
+        );
+        let mut slot = stored(Kind::Expiry, Ended::ExpiredOrRevoked);
+        slot.event.detail = json!({"slot": 3});
+        let line = describe(&slot);
+        assert!(line.contains("session 0xff [slot 3] hold"), "{line}");
+    }
+
+    #[test]
     fn since_takes_days_too() {
         assert_eq!(parse_since("7d"), Ok(Duration::from_secs(7 * 86_400)));
         assert_eq!(parse_since("90m"), Ok(Duration::from_secs(5400)));
@@ -396,6 +458,11 @@ mod tests {
         assert!(
             vacancy.contains("spiffe://td/w's term 4294967298 ended: its session ended"),
             "{vacancy}"
+        );
+        let plain = describe(&stored(Kind::Grant, Ended::No));
+        assert!(
+            !plain.contains('['),
+            "an exclusive hold has no tag: {plain}"
         );
         let json = event_json(&stored(Kind::Grant, Ended::No));
         assert!(json.get("revision").is_none() && json.get("hold_revision").is_none());
