@@ -254,17 +254,19 @@ class Holder(_message.Message):
     def __init__(self, identity: _Optional[str] = ..., session_id: _Optional[int] = ..., token: _Optional[int] = ..., acquired_at_unix_ms: _Optional[int] = ..., annotations: _Optional[_Mapping[str, str]] = ..., slot: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., **kwargs) -> None: ...
 
 class InspectResponse(_message.Message):
-    __slots__ = ("key", "holder", "waiters", "durable_waiters", "slot_holders", "shared_holders")
+    __slots__ = ("key", "holder", "waiters", "durable_waiters", "slot_holders", "shared_holders", "shared_holder_count")
     KEY_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     WAITERS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_WAITERS_FIELD_NUMBER: _ClassVar[int]
     SLOT_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     SHARED_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_HOLDER_COUNT_FIELD_NUMBER: _ClassVar[int]
     key: str
     holder: Holder
     waiters: int
     durable_waiters: int
     slot_holders: _containers.RepeatedCompositeFieldContainer[Holder]
     shared_holders: _containers.RepeatedCompositeFieldContainer[Holder]
-    def __init__(self, key: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[int] = ..., durable_waiters: _Optional[int] = ..., slot_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., shared_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ...) -> None: ...
+    shared_holder_count: int
+    def __init__(self, key: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[int] = ..., durable_waiters: _Optional[int] = ..., slot_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., shared_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., shared_holder_count: _Optional[int] = ...) -> None: ...
