@@ -9,9 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::ensure;
-use latchkey_proto::lockv1::{
-    AcquireRequest, Grant, InspectRequest, Mode, ReleaseRequest, WaitMode,
-};
+use latchkey_proto::lockv1::{AcquireRequest, Grant, InspectRequest, Mode, ReleaseRequest};
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
 use latchkey_tests::copy_dev_policies;
 use latchkey_tests::etcd::EtcdServer;
@@ -83,26 +81,7 @@ async fn acquire(
     mode: i32,
     wait: Option<Duration>,
 ) -> Result<Grant, Status> {
-    let mut req = tonic::Request::new(AcquireRequest {
-        key: key.into(),
-        class: class.into(),
-        session_id: session,
-        wait: match wait {
-            Some(_) => WaitMode::WaitUntilDeadline.into(),
-            None => WaitMode::WaitNone.into(),
-        },
-        metadata: Default::default(),
-        instance: String::new(),
-        mode,
-    });
-    if let Some(timeout) = wait {
-        req.set_timeout(timeout);
-    }
-    c.acquire(req)
-        .await?
-        .into_inner()
-        .grant
-        .ok_or_else(|| Status::internal("no grant"))
+    latchkey_tests::lock_calls::acquire_in_mode(c, key, class, session, "", wait, mode).await
 }
 
 async fn shared(c: &mut Client, key: &str, session: i64) -> Result<Grant, Status> {
@@ -165,7 +144,23 @@ async fn readers_on_two_arbiters_hold_together_and_a_writer_waits_for_all() -> a
             async move { acquire(&mut c, key, RW, s3, 0, Some(Duration::from_secs(20))).await },
         )
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Queued on a (its Inspect counts it), not granted.
+    let seen = |c: &Client| {
+        let mut c = c.clone();
+        async move {
+            Ok::<_, anyhow::Error>(
+                c.inspect(InspectRequest { key: key.into() })
+                    .await?
+                    .into_inner(),
+            )
+        }
+    };
+    latchkey_tests::eventually("the writer to queue", Duration::from_secs(5), || async {
+        let now = seen(&alice).await?;
+        ensure!(now.waiters == 1, "{} waiters", now.waiters);
+        Ok(())
+    })
+    .await?;
     ensure!(!writer.is_finished(), "a writer beside two readers");
 
     // A shared hold is released with its mode; the exclusive mode names
@@ -183,7 +178,13 @@ async fn readers_on_two_arbiters_hold_together_and_a_writer_waits_for_all() -> a
         "NOT_HELD",
     )?;
     release(&mut alice, &g1).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Bob's reader still holds: the writer is still queued, no exclusive
+    // holder beside it.
+    let now = seen(&alice).await?;
+    ensure!(
+        now.holder.is_none() && now.shared_holders.len() == 1 && now.waiters == 1,
+        "a writer beside bob's reader: {now:?}"
+    );
     ensure!(!writer.is_finished(), "a writer beside bob's reader");
     // Bob's release on arbiter b: the writer queued on a sees the shared
     // hold end (its driver watches the shared holds) and is granted.

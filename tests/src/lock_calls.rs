@@ -61,6 +61,19 @@ pub async fn acquire_as(
     instance: &str,
     wait: Option<Duration>,
 ) -> Result<Grant, Status> {
+    acquire_in_mode(c, key, class, session, instance, wait, 0).await
+}
+
+/// [`acquire_as`] in `mode` (`Mode::Shared as i32` for a shared hold).
+pub async fn acquire_in_mode(
+    c: &mut Client,
+    key: &str,
+    class: &str,
+    session: i64,
+    instance: &str,
+    wait: Option<Duration>,
+    mode: i32,
+) -> Result<Grant, Status> {
     let mut req = tonic::Request::new(AcquireRequest {
         key: key.into(),
         class: class.into(),
@@ -71,7 +84,7 @@ pub async fn acquire_as(
         },
         metadata: Default::default(),
         instance: instance.into(),
-        mode: 0,
+        mode,
     });
     if let Some(timeout) = wait {
         req.set_timeout(timeout);
