@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::history::{Function, Operation, Outcome, format_token};
+use crate::history::{Function, Mode, Operation, Outcome, format_token};
 use crate::report::{OpSummary, Violation, ViolationKind};
 
 /// One key's operations (indices into the history) and every advance.
@@ -16,6 +16,10 @@ pub(crate) struct KeyOps<'a> {
     pub(crate) start: u64,
     /// Report at most this many violations of one kind on one key.
     pub(crate) cap: usize,
+    /// One slot of a semaphore (`S//s/n`): its grants are checked as an
+    /// exclusive lock's. Otherwise a key with its shared holds, or a whole
+    /// semaphore (whose slots are checked on their own).
+    pub(crate) slot_scope: bool,
 }
 
 /// Collects violations, keeping at most `cap` per kind and counting the rest.
@@ -84,6 +88,7 @@ impl KeyOps<'_> {
     pub(crate) fn check(&self) -> Findings {
         let mut found = Findings::new(self.cap);
         self.check_grants(&mut found);
+        self.check_slots(&mut found);
         self.check_terms(&mut found);
         self.check_writes(&mut found);
         self.check_refusals(&mut found);
@@ -102,13 +107,44 @@ impl KeyOps<'_> {
             .collect()
     }
 
+    /// The kind of hold an operation is about; in a slot's scope every
+    /// grant is that slot's exclusive one.
+    fn kind_of(&self, i: usize) -> Mode {
+        if self.slot_scope {
+            Mode::Exclusive
+        } else {
+            self.op(i).mode
+        }
+    }
+
+    /// Whether two grants may carry one token: holds one transaction made
+    /// together (readers of this key, or two slots of this semaphore),
+    /// whose acquires overlapped in time.
+    fn granted_together(&self, a: usize, b: usize) -> bool {
+        let (oa, ob) = (self.op(a), self.op(b));
+        let kinds = match (self.kind_of(a), self.kind_of(b)) {
+            (Mode::Shared, Mode::Shared) => true,
+            (Mode::Semaphore, Mode::Semaphore) => oa.slot != ob.slot,
+            _ => false,
+        };
+        let overlap = |x: &Operation, y: &Operation| {
+            x.invoke_time <= y.complete_time().unwrap_or(u64::MAX)
+                && y.invoke_time <= x.complete_time().unwrap_or(u64::MAX)
+        };
+        kinds && overlap(oa, ob)
+    }
+
     fn check_grants(&self, found: &mut Findings) {
         let grants = self.grants();
 
-        // Distinct tokens.
+        // Distinct tokens, but for holds granted together in one
+        // transaction: shared holds of the key, or different slots of one
+        // semaphore, and only when their acquires overlapped in time.
         let mut first: HashMap<u64, usize> = HashMap::new();
         for &(i, t) in &grants {
-            if let Some(&a) = first.get(&t) {
+            if let Some(&a) = first.get(&t)
+                && !self.granted_together(a, i)
+            {
                 found.push(self.violation(
                     ViolationKind::DuplicateToken,
                     format!(
@@ -162,12 +198,34 @@ impl KeyOps<'_> {
             }
         }
 
-        // Consecutive grants in token order (the model's grant order) need
-        // something that could free the first one between them.
+        // Conflicting grants in token order (the model's grant order) need
+        // something that could free the first one between them: each
+        // exclusive grant and the grants since the previous exclusive one,
+        // and each shared grant and the exclusive one before it.
         let mut by_token = grants.clone();
         by_token.sort_by_key(|&(i, t)| (t, i));
-        for pair in by_token.windows(2) {
-            let [(a, ta), (b, tb)] = [pair[0], pair[1]];
+        let mut pairs: Vec<(usize, u64, usize, u64)> = Vec::new();
+        let mut last_exclusive: Option<(usize, u64)> = None;
+        let mut shared_since: Vec<(usize, u64)> = Vec::new();
+        for &(b, tb) in &by_token {
+            match self.kind_of(b) {
+                Mode::Semaphore => continue, // each slot is checked on its own
+                Mode::Shared => {
+                    if let Some((a, ta)) = last_exclusive {
+                        pairs.push((a, ta, b, tb));
+                    }
+                    shared_since.push((b, tb));
+                }
+                Mode::Exclusive => {
+                    if shared_since.is_empty() {
+                        pairs.extend(last_exclusive.map(|(a, ta)| (a, ta, b, tb)));
+                    }
+                    pairs.extend(shared_since.drain(..).map(|(a, ta)| (a, ta, b, tb)));
+                    last_exclusive = Some((b, tb));
+                }
+            }
+        }
+        for (a, ta, b, tb) in pairs {
             if ta == tb {
                 continue;
             }
@@ -205,6 +263,31 @@ impl KeyOps<'_> {
                         self.name(a)
                     ),
                     &[b, a],
+                ));
+            }
+        }
+    }
+
+    /// A semaphore's grants name slots in `0..permits`.
+    fn check_slots(&self, found: &mut Findings) {
+        if self.slot_scope {
+            return;
+        }
+        for (i, _) in self.grants() {
+            let o = self.op(i);
+            if let (Mode::Semaphore, Some(slot), Some(permits)) = (o.mode, o.slot, o.permits)
+                && slot >= permits
+            {
+                found.push(self.violation(
+                    ViolationKind::SlotOutOfRange,
+                    format!(
+                        "semaphore slot out of range on {}: {} was granted slot {slot} of a \
+                         semaphore with {permits} permits (slots 0..{})",
+                        self.key,
+                        self.name(i),
+                        permits - 1
+                    ),
+                    &[i],
                 ));
             }
         }

@@ -80,6 +80,28 @@ impl fmt::Display for Outcome {
     }
 }
 
+/// What kind of hold an acquire asks for (`mode` in the history; absent
+/// means exclusive). A key is used in one family only: exclusive and shared
+/// holds of a lock, or the slots of a semaphore.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// One holder, nothing beside it.
+    #[default]
+    Exclusive,
+    /// Many shared holders (one per process), never beside an exclusive.
+    Shared,
+    /// One of a semaphore's `permits` slots: at most `permits` holders,
+    /// one per slot.
+    Semaphore,
+}
+
+impl Mode {
+    fn is_exclusive(&self) -> bool {
+        *self == Mode::Exclusive
+    }
+}
+
 /// One line of the JSONL history.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "lowercase")]
@@ -95,6 +117,15 @@ pub enum Event {
         token: Option<u64>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         detail: Option<String>,
+        /// The hold's kind (acquire, release, expire, write).
+        #[serde(default, skip_serializing_if = "Mode::is_exclusive")]
+        mode: Mode,
+        /// A semaphore's permits (its acquires).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        permits: Option<u32>,
+        /// The slot a semaphore release, expire or write is about.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        slot: Option<u32>,
     },
     Complete {
         process: String,
@@ -110,6 +141,9 @@ pub enum Event {
         term: Option<u64>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         detail: Option<String>,
+        /// The slot a semaphore acquire ok was granted.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        slot: Option<u32>,
     },
 }
 
@@ -141,6 +175,16 @@ pub struct Operation {
     pub invoke_time: u64,
     /// `None`: pending forever, which counts as outcome unknown.
     pub completion: Option<Completion>,
+    /// The hold's kind.
+    #[serde(default)]
+    pub mode: Mode,
+    /// A semaphore acquire's permits.
+    #[serde(default)]
+    pub permits: Option<u32>,
+    /// The semaphore slot: granted (acquire ok) or named (release, expire,
+    /// write).
+    #[serde(default)]
+    pub slot: Option<u32>,
 }
 
 impl Operation {
@@ -309,6 +353,9 @@ impl History {
                     time,
                     token,
                     detail,
+                    mode,
+                    permits,
+                    slot,
                 } => {
                     if let Some((_, first_line, _)) = index.get(&(process.clone(), op)) {
                         return Err(ParseError::DuplicateInvoke {
@@ -316,6 +363,17 @@ impl History {
                             first_line: *first_line,
                             process,
                             op,
+                        });
+                    }
+                    if mode == Mode::Semaphore
+                        && f == Function::Acquire
+                        && permits.is_none_or(|n| n == 0)
+                    {
+                        return Err(ParseError::Invalid {
+                            line: line_no,
+                            process,
+                            op,
+                            problem: "a semaphore acquire without its permits".to_string(),
                         });
                     }
                     if f.needs_key() && key.is_none() {
@@ -337,6 +395,9 @@ impl History {
                         detail,
                         invoke_time: time,
                         completion: None,
+                        mode,
+                        permits,
+                        slot,
                     });
                 }
                 Event::Complete {
@@ -348,6 +409,7 @@ impl History {
                     seq,
                     term,
                     detail,
+                    slot,
                 } => {
                     let Some(entry) = index.get_mut(&(process.clone(), op)) else {
                         return Err(ParseError::CompleteWithoutInvoke {
@@ -384,6 +446,26 @@ impl History {
                     {
                         return Err(invalid("acquire ok without a token".to_string()));
                     }
+                    // A slot out of range is a violation the checker
+                    // reports; a grant that names no slot is a history the
+                    // gate should not have written.
+                    if operation.mode == Mode::Semaphore
+                        && operation.f == Function::Acquire
+                        && outcome == Outcome::Ok
+                        && slot.is_none()
+                    {
+                        return Err(invalid("semaphore acquire ok without a slot".to_string()));
+                    }
+                    if let Some(slot) = slot {
+                        if operation.f != Function::Acquire || operation.mode != Mode::Semaphore {
+                            return Err(invalid(
+                                "a slot on the completion of something other than a semaphore \
+                                 acquire"
+                                    .to_string(),
+                            ));
+                        }
+                        operation.slot = Some(slot);
+                    }
                     operation.completion = Some(Completion {
                         outcome,
                         time,
@@ -413,6 +495,13 @@ impl History {
                     time: o.invoke_time,
                     token: o.token,
                     detail: o.detail.clone(),
+                    mode: o.mode,
+                    permits: o.permits,
+                    slot: if o.f == Function::Acquire {
+                        None
+                    } else {
+                        o.slot
+                    },
                 },
             ));
             if let Some(c) = &o.completion {
@@ -427,6 +516,11 @@ impl History {
                         seq: c.seq,
                         term: c.term,
                         detail: c.detail.clone(),
+                        slot: if o.f == Function::Acquire {
+                            o.slot
+                        } else {
+                            None
+                        },
                     },
                 ));
             }
@@ -557,8 +651,40 @@ impl HistoryBuilder {
             detail: None,
             invoke_time,
             completion: None,
+            mode: Mode::Exclusive,
+            permits: None,
+            slot: None,
         });
         OpRef(self.ops.len() - 1)
+    }
+
+    /// Makes `op` a shared hold's operation.
+    pub fn shared(&mut self, op: OpRef) -> &mut Self {
+        if let Some(o) = self.ops.get_mut(op.0) {
+            o.mode = Mode::Shared;
+        }
+        self
+    }
+
+    /// Makes `op` an operation on a semaphore of `permits` (an acquire's
+    /// slot comes with [`HistoryBuilder::granted_slot`]; a release's,
+    /// expire's or write's is `slot`).
+    pub fn semaphore(&mut self, op: OpRef, permits: u32, slot: Option<u32>) -> &mut Self {
+        if let Some(o) = self.ops.get_mut(op.0) {
+            o.mode = Mode::Semaphore;
+            o.permits = Some(permits);
+            o.slot = slot;
+        }
+        self
+    }
+
+    /// A semaphore acquire ok: its token and slot.
+    pub fn granted_slot(&mut self, op: OpRef, token: u64, slot: u32) -> &mut Self {
+        self.granted(op, token);
+        if let Some(o) = self.ops.get_mut(op.0) {
+            o.slot = Some(slot);
+        }
+        self
     }
 
     pub fn acquire(&mut self, process: &str, key: &str) -> OpRef {

@@ -49,13 +49,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use history::{
-    Completion, Event, Function, History, HistoryBuilder, OpRef, Operation, Outcome, ParseError,
-    REVISION_BITS, format_token, token,
+    Completion, Event, Function, History, HistoryBuilder, Mode, OpRef, Operation, Outcome,
+    ParseError, REVISION_BITS, format_token, token,
 };
 pub use report::{Fault, KeyReport, OpSummary, Report, Verdict, Violation, ViolationKind};
 
 use crate::checks::KeyOps;
-use crate::model::{Effect, LockState, Partition};
+use crate::model::{Effect, Kind, LockState, Partition};
 use crate::search::{Failure, Limits, SearchResult};
 
 /// Knobs for [`check`].
@@ -103,6 +103,9 @@ pub fn check(history: &History, opts: &CheckOptions) -> Report {
         .filter_map(|o| o.key.as_deref())
         .collect();
     let mut mine: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    // A semaphore's slots, each checked directly as an exclusive lock:
+    // `S//s/n` (the arbiter's own name for slot n of S) -> its operations.
+    let mut slots: BTreeMap<&str, BTreeMap<String, Vec<usize>>> = BTreeMap::new();
     let mut advances: Vec<usize> = Vec::new();
     for (i, o) in ops.iter().enumerate() {
         if o.f == Function::Advance {
@@ -110,7 +113,19 @@ pub fn check(history: &History, opts: &CheckOptions) -> Report {
         } else if let Some(k) = o.key.as_deref()
             && o.f.needs_key()
         {
-            mine.entry(k).or_default().push(i);
+            let slot = o.slot.filter(|_| o.mode == Mode::Semaphore);
+            if let Some(n) = slot {
+                slots
+                    .entry(k)
+                    .or_default()
+                    .entry(format!("{k}//s/{n}"))
+                    .or_default()
+                    .push(i);
+            }
+            // A slot's write is about that slot's record only.
+            if slot.is_none() || o.f != Function::Write {
+                mine.entry(k).or_default().push(i);
+            }
         }
     }
 
@@ -148,15 +163,31 @@ pub fn check(history: &History, opts: &CheckOptions) -> Report {
             .copied()
             .filter(|&i| advance_applies(ops[i].key.as_deref(), key))
             .collect();
-        let direct = KeyOps {
+        let cap = opts.max_violations_per_kind.max(1);
+        let mut direct = KeyOps {
             key,
             ops,
             mine: mine.get(key).cloned().unwrap_or_default(),
             advances: &applying,
             start,
-            cap: opts.max_violations_per_kind.max(1),
+            cap,
+            slot_scope: false,
         }
         .check();
+        for (slot_key, slot_ops) in slots.get(key).into_iter().flatten() {
+            let found = KeyOps {
+                key: slot_key,
+                ops,
+                mine: slot_ops.clone(),
+                advances: &applying,
+                start,
+                cap,
+                slot_scope: true,
+            }
+            .check();
+            direct.violations.extend(found.violations);
+            direct.notes.extend(found.notes);
+        }
         let found_directly = !direct.violations.is_empty();
         report.violations.extend(direct.violations);
         report.notes.extend(direct.notes);
@@ -265,7 +296,7 @@ fn explain_failure(
             continue;
         };
         if let Some(next) = state.step(m) {
-            if next.holder.is_some() && next.holder != state.holder {
+            if next.holders.len() > state.holders.len() {
                 holder_op = Some(p);
             }
             if next.last_token != state.last_token {
@@ -287,13 +318,28 @@ fn explain_failure(
             let me = summary(p);
             let me_text = me.as_ref().map(ToString::to_string).unwrap_or_default();
             involved.extend(me);
-            let holder = state.holder.and(holder_op).and_then(summary);
+            let holder = state.holder().and(holder_op).and_then(summary);
             let text = match (stuck.effect, &holder) {
+                (
+                    Effect::Grant {
+                        kind: Kind::Slot { permits, .. },
+                        ..
+                    },
+                    Some(h),
+                ) if state.holders.len() >= permits as usize => format!(
+                    "more holders than permits on {key} (no linearization): {me_text} was \
+                     granted while all {permits} permits were held (one by {h}) at the end of \
+                     the longest linearizable prefix"
+                ),
                 (Effect::Grant { .. }, Some(h)) => format!(
                     "double grant on {key} (no linearization): {me_text} was granted while \
-                     {h} held it at the end of the longest linearizable prefix"
+                     {h} held it{} at the end of the longest linearizable prefix",
+                    match state.holders.len() {
+                        1 => String::new(),
+                        n => format!(" (one of {n} holders)"),
+                    }
                 ),
-                (Effect::Grant { token: Some(t) }, None) if t <= state.last_token => {
+                (Effect::Grant { token: Some(t), .. }, None) if t <= state.last_token => {
                     let g = last_grant_op.and_then(summary);
                     let by = g.as_ref().map(|g| format!(" by {g}")).unwrap_or_default();
                     involved.extend(g);

@@ -12,37 +12,94 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::history::{Function, History, Outcome};
+use crate::history::{Function, History, Mode, Outcome};
 
 /// Sentinel for "no return": optional operations may happen at any time.
 pub(crate) const NEVER: u64 = u64::MAX;
 
-/// Who holds the key: a process, and the grant's token when it is known.
+/// What kind of hold a grant makes (the history's [`Mode`], with a
+/// semaphore's slot and permits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Kind {
+    Exclusive,
+    Shared,
+    /// A semaphore slot: `slot` when known (a granted acquire, a release),
+    /// `permits` on acquires (0 elsewhere: it only bounds grants).
+    Slot {
+        slot: Option<u32>,
+        permits: u32,
+    },
+}
+
+impl Kind {
+    fn of(mode: Mode, slot: Option<u32>, permits: Option<u32>) -> Kind {
+        match mode {
+            Mode::Exclusive => Kind::Exclusive,
+            Mode::Shared => Kind::Shared,
+            Mode::Semaphore => Kind::Slot {
+                slot,
+                permits: permits.unwrap_or(0),
+            },
+        }
+    }
+
+    /// Whether a hold of kind `held` is the one a release/expire of this
+    /// kind names (same family; the same slot when both are known).
+    fn names(self, held: HoldKind) -> bool {
+        match (self, held) {
+            (Kind::Exclusive, HoldKind::Exclusive) | (Kind::Shared, HoldKind::Shared) => true,
+            (Kind::Slot { slot: a, .. }, HoldKind::Slot(b)) => a.is_none() || b.is_none() || a == b,
+            _ => false,
+        }
+    }
+}
+
+/// The kind of a hold in the state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum HoldKind {
+    Exclusive,
+    Shared,
+    /// A semaphore slot (`None`: an acquire of unknown outcome took one).
+    Slot(Option<u32>),
+}
+
+/// One hold of the key: a process, its grant's token when it is known, and
+/// what kind of hold it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct Holder {
     pub(crate) process: u32,
     pub(crate) token: Option<u64>,
+    pub(crate) kind: HoldKind,
 }
 
-/// The model's state for one key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// The model's state for one key: who holds it, and the token floor.
+///
+/// A key has one exclusive holder, or any number of shared holders, or at
+/// most `permits` semaphore slots (one holder per slot). Tokens: an
+/// exclusive grant's is above every earlier grant's; a shared grant's or a
+/// slot's is at least the greatest granted so far (readers granted together
+/// share one transaction, so one token) and above the last exclusive one.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub(crate) struct LockState {
-    pub(crate) holder: Option<Holder>,
+    /// Sorted, so equal states compare (and hash) equal.
+    pub(crate) holders: Vec<Holder>,
     /// The greatest token granted on this key.
     pub(crate) last_token: u64,
+    /// The greatest token of an exclusive grant.
+    pub(crate) last_exclusive: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Effect {
     /// Acquire ok: a grant with this token (`None` only in hand-built
     /// histories that omit it).
-    Grant { token: Option<u64> },
+    Grant { token: Option<u64>, kind: Kind },
     /// Acquire with unknown outcome: perhaps granted, token unknown.
-    MaybeGrant,
+    MaybeGrant { kind: Kind },
     /// Release of the grant with this token (`None`: whatever is held).
-    Release { token: Option<u64> },
+    Release { token: Option<u64>, kind: Kind },
     /// The lease of this grant (`None`: whatever the process holds) ran out.
-    Expire { token: Option<u64> },
+    Expire { token: Option<u64>, kind: Kind },
     /// Epoch advance: every hold dropped.
     Advance,
 }
@@ -66,81 +123,141 @@ impl ModelOp {
     /// The token of a release/expire naming one grant, for pruning.
     pub(crate) fn named_token(&self) -> Option<u64> {
         match self.effect {
-            Effect::Release { token } | Effect::Expire { token } => token,
+            Effect::Release { token, .. } | Effect::Expire { token, .. } => token,
             _ => None,
         }
+    }
+
+    /// Whether this is a release/expire of a hold whose grants may share
+    /// a token (shared holds and semaphore slots).
+    fn names_a_sharing_kind(&self) -> bool {
+        matches!(
+            self.effect,
+            Effect::Release {
+                kind: Kind::Shared | Kind::Slot { .. },
+                ..
+            } | Effect::Expire {
+                kind: Kind::Shared | Kind::Slot { .. },
+                ..
+            }
+        )
     }
 }
 
 impl LockState {
+    /// The first holder (for explanations): the one a blocked grant met.
+    pub(crate) fn holder(&self) -> Option<Holder> {
+        self.holders.first().copied()
+    }
+
+    /// Whether a grant of `kind` can be made beside the current holders
+    /// (tokens aside).
+    fn admits(&self, kind: Kind) -> bool {
+        match kind {
+            Kind::Exclusive => self.holders.is_empty(),
+            Kind::Shared => self.holders.iter().all(|h| h.kind == HoldKind::Shared),
+            Kind::Slot { slot, permits } => {
+                let slots = self
+                    .holders
+                    .iter()
+                    .all(|h| matches!(h.kind, HoldKind::Slot(_)));
+                let room = self.holders.len() < permits as usize;
+                let free = match slot {
+                    None => true,
+                    Some(s) => {
+                        s < permits
+                            && !self
+                                .holders
+                                .iter()
+                                .any(|h| h.kind == HoldKind::Slot(Some(s)))
+                    }
+                };
+                slots && room && free
+            }
+        }
+    }
+
+    /// Whether a grant of `kind` may carry token `t` here.
+    fn token_fits(&self, kind: Kind, t: u64) -> bool {
+        match kind {
+            Kind::Exclusive => t > self.last_token,
+            Kind::Shared => t >= self.last_token && t > self.last_exclusive,
+            Kind::Slot { .. } => t >= self.last_token,
+        }
+    }
+
+    fn with_holder(&self, h: Holder) -> LockState {
+        let mut next = self.clone();
+        let at = next.holders.partition_point(|x| *x < h);
+        next.holders.insert(at, h);
+        next
+    }
+
+    fn without(&self, at: usize) -> LockState {
+        let mut next = self.clone();
+        next.holders.remove(at);
+        next
+    }
+
     /// Applies `op`; `None` if it cannot happen here. An optional operation
     /// that would change nothing also returns `None`: linearizing it is the
     /// same as leaving it out, and leaving it out keeps the search small.
     pub(crate) fn step(&self, op: &ModelOp) -> Option<LockState> {
         let next = match op.effect {
-            Effect::Grant { token } => {
-                if self.holder.is_some() {
+            Effect::Grant { token, kind } => {
+                if !self.admits(kind) {
                     return None;
                 }
-                match token {
-                    Some(t) if t <= self.last_token => return None,
-                    Some(t) => LockState {
-                        holder: Some(Holder {
-                            process: op.process,
-                            token: Some(t),
-                        }),
-                        last_token: t,
-                    },
-                    None => LockState {
-                        holder: Some(Holder {
-                            process: op.process,
-                            token: None,
-                        }),
-                        last_token: self.last_token,
-                    },
+                let held = HoldKind::from(kind);
+                let mut next = self.with_holder(Holder {
+                    process: op.process,
+                    token,
+                    kind: held,
+                });
+                if let Some(t) = token {
+                    if !self.token_fits(kind, t) {
+                        return None;
+                    }
+                    next.last_token = self.last_token.max(t);
+                    if kind == Kind::Exclusive {
+                        next.last_exclusive = t;
+                    }
                 }
+                next
             }
-            Effect::MaybeGrant => {
-                if self.holder.is_some() {
+            Effect::MaybeGrant { kind } => {
+                if !self.admits(kind) {
                     return None;
                 }
-                LockState {
-                    holder: Some(Holder {
-                        process: op.process,
-                        token: None,
-                    }),
-                    last_token: self.last_token,
-                }
+                self.with_holder(Holder {
+                    process: op.process,
+                    token: None,
+                    kind: HoldKind::from(kind),
+                })
             }
-            Effect::Release { token } => {
-                let h = self.holder?;
+            Effect::Release { token, kind } => {
                 // A holder whose token is unknown matches any release by
                 // its process.
-                let matches = h.process == op.process
-                    && (h.token.is_none() || token.is_none() || h.token == token);
-                if !matches {
-                    return None;
-                }
-                LockState {
-                    holder: None,
-                    last_token: self.last_token,
-                }
+                let at = self.holders.iter().position(|h| {
+                    h.process == op.process
+                        && kind.names(h.kind)
+                        && (h.token.is_none() || token.is_none() || h.token == token)
+                })?;
+                self.without(at)
             }
-            Effect::Expire { token } => {
-                let h = self.holder?;
+            Effect::Expire { token, kind } => {
                 // An expire that names a token is about that grant only.
-                let matches = h.process == op.process && (token.is_none() || h.token == token);
-                if !matches {
-                    return None;
-                }
-                LockState {
-                    holder: None,
-                    last_token: self.last_token,
-                }
+                let at = self.holders.iter().position(|h| {
+                    h.process == op.process
+                        && kind.names(h.kind)
+                        && (token.is_none() || h.token == token)
+                })?;
+                self.without(at)
             }
             Effect::Advance => LockState {
-                holder: None,
+                holders: Vec::new(),
                 last_token: self.last_token,
+                last_exclusive: self.last_exclusive,
             },
         };
         if !op.required && next == *self {
@@ -150,23 +267,31 @@ impl LockState {
     }
 
     /// Whether an optional release/expire naming `token` can never apply
-    /// again from this state on: its grant is in the past (tokens only grow,
-    /// so that grant is never made again) and is not the current holder.
+    /// again from this state on: its grant is in the past (an exclusive
+    /// grant's token is never granted again once a token as large was; a
+    /// shared or slot grant's, once a larger one was) and is not held now.
     pub(crate) fn outlived(&self, op: &ModelOp) -> bool {
         let Some(t) = op.named_token() else {
             return false;
         };
-        if t > self.last_token {
+        if t > self.last_token || (t == self.last_token && op.names_a_sharing_kind()) {
             return false;
         }
-        match self.holder {
-            None => true,
-            Some(h) => {
-                let still_applies = h.process == op.process
-                    && (h.token == Some(t)
-                        || (h.token.is_none() && matches!(op.effect, Effect::Release { .. })));
-                !still_applies
-            }
+        let still_applies = self.holders.iter().any(|h| {
+            h.process == op.process
+                && (h.token == Some(t)
+                    || (h.token.is_none() && matches!(op.effect, Effect::Release { .. })))
+        });
+        !still_applies
+    }
+}
+
+impl From<Kind> for HoldKind {
+    fn from(kind: Kind) -> Self {
+        match kind {
+            Kind::Exclusive => HoldKind::Exclusive,
+            Kind::Shared => HoldKind::Shared,
+            Kind::Slot { slot, .. } => HoldKind::Slot(slot),
         }
     }
 }
@@ -195,19 +320,33 @@ pub(crate) fn partitions(history: &History) -> BTreeMap<String, Partition> {
         let process = process_ids.get(index).copied().unwrap_or(u32::MAX);
         let outcome = o.outcome();
         let definite = outcome == Some(Outcome::Ok);
+        let kind = Kind::of(o.mode, o.slot, o.permits);
         let (effect, required) = match (o.f, outcome) {
             (Function::Acquire, Some(Outcome::Ok)) => (
                 Effect::Grant {
                     token: o.subject_token(),
+                    kind,
                 },
                 true,
             ),
             (Function::Acquire, Some(Outcome::Fail)) => continue,
-            (Function::Acquire, _) => (Effect::MaybeGrant, false),
+            (Function::Acquire, _) => (Effect::MaybeGrant { kind }, false),
             (Function::Release, Some(Outcome::Fail)) => continue,
-            (Function::Release, _) => (Effect::Release { token: o.token }, definite),
+            (Function::Release, _) => (
+                Effect::Release {
+                    token: o.token,
+                    kind,
+                },
+                definite,
+            ),
             (Function::Expire, Some(Outcome::Fail)) => continue,
-            (Function::Expire, _) => (Effect::Expire { token: o.token }, false),
+            (Function::Expire, _) => (
+                Effect::Expire {
+                    token: o.token,
+                    kind,
+                },
+                false,
+            ),
             (Function::Advance, Some(Outcome::Fail)) => continue,
             (Function::Advance, _) => (Effect::Advance, definite),
             (Function::Write | Function::Fault, _) => continue,
@@ -265,23 +404,58 @@ mod tests {
     #[test]
     fn grants_need_a_free_key_and_a_bigger_token() {
         let s = LockState::default();
-        let g = op(1, Effect::Grant { token: Some(5) }, true);
+        let g = op(
+            1,
+            Effect::Grant {
+                token: Some(5),
+                kind: Kind::Exclusive,
+            },
+            true,
+        );
         let held = s.step(&g).unwrap();
         assert_eq!(held.last_token, 5);
         assert_eq!(
-            held.step(&op(2, Effect::Grant { token: Some(6) }, true)),
+            held.step(&op(
+                2,
+                Effect::Grant {
+                    token: Some(6),
+                    kind: Kind::Exclusive
+                },
+                true
+            )),
             None
         );
         let freed = held
-            .step(&op(1, Effect::Release { token: Some(5) }, true))
+            .step(&op(
+                1,
+                Effect::Release {
+                    token: Some(5),
+                    kind: Kind::Exclusive,
+                },
+                true,
+            ))
             .unwrap();
         assert_eq!(
-            freed.step(&op(2, Effect::Grant { token: Some(5) }, true)),
+            freed.step(&op(
+                2,
+                Effect::Grant {
+                    token: Some(5),
+                    kind: Kind::Exclusive
+                },
+                true
+            )),
             None
         );
         assert!(
             freed
-                .step(&op(2, Effect::Grant { token: Some(6) }, true))
+                .step(&op(
+                    2,
+                    Effect::Grant {
+                        token: Some(6),
+                        kind: Kind::Exclusive
+                    },
+                    true
+                ))
                 .is_some()
         );
     }
@@ -289,7 +463,17 @@ mod tests {
     #[test]
     fn optional_no_ops_are_not_steps() {
         let s = LockState::default();
-        assert_eq!(s.step(&op(1, Effect::Expire { token: None }, false)), None);
+        assert_eq!(
+            s.step(&op(
+                1,
+                Effect::Expire {
+                    token: None,
+                    kind: Kind::Exclusive
+                },
+                false
+            )),
+            None
+        );
         assert_eq!(s.step(&op(0, Effect::Advance, false)), None);
         assert!(s.step(&op(0, Effect::Advance, true)).is_some());
     }
@@ -297,20 +481,57 @@ mod tests {
     #[test]
     fn unknown_token_holder_matches_releases_but_not_named_expires() {
         let s = LockState::default()
-            .step(&op(1, Effect::MaybeGrant, false))
+            .step(&op(
+                1,
+                Effect::MaybeGrant {
+                    kind: Kind::Exclusive,
+                },
+                false,
+            ))
             .unwrap();
         assert!(
-            s.step(&op(1, Effect::Release { token: Some(9) }, true))
-                .is_some()
+            s.step(&op(
+                1,
+                Effect::Release {
+                    token: Some(9),
+                    kind: Kind::Exclusive
+                },
+                true
+            ))
+            .is_some()
         );
         assert!(
-            s.step(&op(1, Effect::Expire { token: None }, false))
-                .is_some()
+            s.step(&op(
+                1,
+                Effect::Expire {
+                    token: None,
+                    kind: Kind::Exclusive
+                },
+                false
+            ))
+            .is_some()
         );
         assert_eq!(
-            s.step(&op(1, Effect::Expire { token: Some(9) }, false)),
+            s.step(&op(
+                1,
+                Effect::Expire {
+                    token: Some(9),
+                    kind: Kind::Exclusive
+                },
+                false
+            )),
             None
         );
-        assert_eq!(s.step(&op(2, Effect::Release { token: None }, true)), None);
+        assert_eq!(
+            s.step(&op(
+                2,
+                Effect::Release {
+                    token: None,
+                    kind: Kind::Exclusive
+                },
+                true
+            )),
+            None
+        );
     }
 }

@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::history::{Function, Operation, Outcome, format_token};
+use crate::history::{Function, Mode, Operation, Outcome, format_token};
 
 /// One operation as a violation names it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -20,6 +20,12 @@ pub struct OpSummary {
     /// Milliseconds after the first event of the history.
     pub invoke_ms: f64,
     pub complete_ms: Option<f64>,
+    /// The hold's kind (exclusive unless said).
+    #[serde(default)]
+    pub mode: Mode,
+    /// A semaphore operation's slot.
+    #[serde(default)]
+    pub slot: Option<u32>,
 }
 
 impl OpSummary {
@@ -35,6 +41,8 @@ impl OpSummary {
             seq: o.seq(),
             invoke_ms: ms(o.invoke_time),
             complete_ms: o.complete_time().map(ms),
+            mode: o.mode,
+            slot: o.slot,
         }
     }
 }
@@ -43,6 +51,12 @@ impl fmt::Display for OpSummary {
     /// `w2#17 acquire ok e1:r5512 [1203.4 ms, 1210.0 ms]`
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}#{} {}", self.process, self.op, self.f)?;
+        match (self.mode, self.slot) {
+            (Mode::Shared, _) => f.write_str(" shared")?,
+            (Mode::Semaphore, Some(n)) => write!(f, " slot {n}")?,
+            (Mode::Semaphore, None) => f.write_str(" slot ?")?,
+            (Mode::Exclusive, _) => {}
+        }
         match self.outcome {
             Some(o) => write!(f, " {o}")?,
             None => f.write_str(" pending")?,
@@ -85,6 +99,8 @@ pub enum ViolationKind {
     /// tokens: one term given twice, or a later leadership (larger token)
     /// with a term not above an earlier one's.
     TermOrder,
+    /// A semaphore grant named a slot outside `0..permits`.
+    SlotOutOfRange,
 }
 
 impl fmt::Display for ViolationKind {
@@ -98,6 +114,7 @@ impl fmt::Display for ViolationKind {
             ViolationKind::FreshWriteRefused => "fenced write refused above the mark",
             ViolationKind::UngrantedWriteToken => "write with an ungranted token",
             ViolationKind::TermOrder => "election terms out of order",
+            ViolationKind::SlotOutOfRange => "semaphore slot out of range",
         })
     }
 }

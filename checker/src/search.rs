@@ -30,7 +30,9 @@
 use std::collections::HashSet;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::model::{Effect, LockState, ModelOp};
+#[cfg(test)]
+use crate::model::Kind;
+use crate::model::{Effect, HoldKind, LockState, ModelOp};
 
 const NIL: usize = usize::MAX;
 const HEAD: usize = 0;
@@ -253,7 +255,9 @@ pub(crate) fn search(ops: &[ModelOp], limits: Limits) -> SearchResult {
             j != i && !done[j] && !scratch.contains(&j) && next_state.outlived(&ops[j])
         };
         if next_state.last_token > state.last_token {
-            let lo = by_token.partition_point(|&(t, _)| t <= state.last_token);
+            // From the old floor itself: a shared or slot grant's token
+            // equal to the floor could still come until the floor rose.
+            let lo = by_token.partition_point(|&(t, _)| t < state.last_token);
             let hi = by_token.partition_point(|&(t, _)| t <= next_state.last_token);
             for &(_, j) in &by_token[lo..hi] {
                 if outlived(j, &scratch) {
@@ -261,9 +265,12 @@ pub(crate) fn search(ops: &[ModelOp], limits: Limits) -> SearchResult {
                 }
             }
         }
-        if let Some(old) = state.holder
-            && let Some(t) = old.token
-            && next_state.holder != state.holder
+        // A hold that left: what names its token may be outlived now.
+        for t in state
+            .holders
+            .iter()
+            .filter(|h| !next_state.holders.contains(h))
+            .filter_map(|h| h.token)
         {
             let lo = by_token.partition_point(|&(u, _)| u < t);
             let hi = by_token.partition_point(|&(u, _)| u <= t);
@@ -294,7 +301,7 @@ pub(crate) fn search(ops: &[ModelOp], limits: Limits) -> SearchResult {
         stack.push(Frame {
             node: entry,
             op: i,
-            prev: state,
+            prev: std::mem::take(&mut state),
             kills_from: kills.len(),
             watermark: new_watermark.map(|(p, _)| (p, watermark[p])),
         });
@@ -362,7 +369,7 @@ impl Blocked {
 
     fn admits(&self, op: &ModelOp) -> bool {
         match op.effect {
-            Effect::MaybeGrant => self.releasers.contains(&op.process),
+            Effect::MaybeGrant { .. } => self.releasers.contains(&op.process),
             _ => self.grant_or_release,
         }
     }
@@ -402,18 +409,28 @@ fn zobrist_key(i: usize) -> u128 {
 }
 
 fn state_hash(s: &LockState) -> u128 {
-    let (process, tag, token) = match s.holder {
-        None => (0, 0, 0),
-        Some(h) => (
-            u64::from(h.process) + 1,
-            if h.token.is_some() { 2 } else { 1 },
-            h.token.unwrap_or(0),
-        ),
-    };
     let mix = |seed: u64| {
         let mut h = splitmix(seed);
-        for v in [process, tag, token, s.last_token] {
+        for v in [s.last_token, s.last_exclusive, s.holders.len() as u64] {
             h = splitmix(h ^ v);
+        }
+        for holder in &s.holders {
+            let (tag, slot) = match holder.kind {
+                HoldKind::Exclusive => (1, 0),
+                HoldKind::Shared => (2, 0),
+                HoldKind::Slot(None) => (3, 0),
+                HoldKind::Slot(Some(n)) => (4, u64::from(n)),
+            };
+            let token_tag = if holder.token.is_some() { 2 } else { 1 };
+            for v in [
+                u64::from(holder.process) + 1,
+                tag,
+                slot,
+                token_tag,
+                holder.token.unwrap_or(0),
+            ] {
+                h = splitmix(h ^ v);
+            }
         }
         h
     };
@@ -446,9 +463,36 @@ mod tests {
         // p1's grant (token 5) and p2's (token 7) overlap; p1 releases
         // while p2's acquire is still in flight.
         let ops = [
-            op(0, 1, Effect::Grant { token: Some(5) }, 0, Some(10)),
-            op(1, 2, Effect::Grant { token: Some(7) }, 1, Some(30)),
-            op(2, 1, Effect::Release { token: Some(5) }, 11, Some(20)),
+            op(
+                0,
+                1,
+                Effect::Grant {
+                    token: Some(5),
+                    kind: Kind::Exclusive,
+                },
+                0,
+                Some(10),
+            ),
+            op(
+                1,
+                2,
+                Effect::Grant {
+                    token: Some(7),
+                    kind: Kind::Exclusive,
+                },
+                1,
+                Some(30),
+            ),
+            op(
+                2,
+                1,
+                Effect::Release {
+                    token: Some(5),
+                    kind: Kind::Exclusive,
+                },
+                11,
+                Some(20),
+            ),
         ];
         assert!(matches!(
             search(&ops, LIMITS),
@@ -459,8 +503,26 @@ mod tests {
     #[test]
     fn reports_the_stuck_operation_and_prefix() {
         let ops = [
-            op(0, 1, Effect::Grant { token: Some(5) }, 0, Some(10)),
-            op(1, 2, Effect::Grant { token: Some(7) }, 20, Some(30)),
+            op(
+                0,
+                1,
+                Effect::Grant {
+                    token: Some(5),
+                    kind: Kind::Exclusive,
+                },
+                0,
+                Some(10),
+            ),
+            op(
+                1,
+                2,
+                Effect::Grant {
+                    token: Some(7),
+                    kind: Kind::Exclusive,
+                },
+                20,
+                Some(30),
+            ),
         ];
         let SearchResult::NotLinearizable { failure, .. } = search(&ops, LIMITS) else {
             panic!("expected a failure");
@@ -472,8 +534,26 @@ mod tests {
     #[test]
     fn budget_makes_it_inconclusive() {
         let ops = [
-            op(0, 1, Effect::Grant { token: Some(5) }, 0, Some(10)),
-            op(1, 1, Effect::Release { token: Some(5) }, 11, Some(12)),
+            op(
+                0,
+                1,
+                Effect::Grant {
+                    token: Some(5),
+                    kind: Kind::Exclusive,
+                },
+                0,
+                Some(10),
+            ),
+            op(
+                1,
+                1,
+                Effect::Release {
+                    token: Some(5),
+                    kind: Kind::Exclusive,
+                },
+                11,
+                Some(12),
+            ),
         ];
         let tight = Limits {
             max_states: 1,

@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::history::{Completion, Function, History, Operation, Outcome, token};
+use crate::history::{Completion, Function, History, Mode, Operation, Outcome, token};
 
 const STEP: u64 = 1_000_000;
 const BASE: u64 = 1_000_000_000;
@@ -349,6 +349,9 @@ fn widen(plan: &[Planned], processes: usize, spread: u64, rng: &mut Rng) -> Hist
                     term: None,
                     detail: None,
                 }),
+                mode: Mode::Exclusive,
+                permits: None,
+                slot: None,
             }
         })
         .collect();

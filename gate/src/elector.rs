@@ -25,7 +25,8 @@ use latchkey_proto::lockv1::Reason;
 
 use super::record::{Fields, Outcome, Recorder, mono_of};
 use super::worker::{
-    EXIT_STOPPED, EXIT_TAINTED, WorkerArgs, detail, is_definite_refusal, key_field, unit_of_work,
+    EXIT_STOPPED, EXIT_TAINTED, Hold, WorkerArgs, detail, is_definite_refusal, key_field,
+    unit_of_work,
 };
 
 /// Campaign, lead (write with the token), resign, until the stop file.
@@ -90,7 +91,7 @@ pub async fn run(
         if leadership.can_start() {
             // One round of the leader's work. A SIGSTOP inside it wakes up
             // past the lease: the write then carries a stale token.
-            let op = unit_of_work(args, rng, rec, pg, &election, token).await?;
+            let op = unit_of_work(args, rng, rec, pg, &election, Hold::EXCLUSIVE, token).await?;
             // Proclaim now and then: not judged (no history line), but it
             // runs under the same faults; a leader that lost its term is
             // refused, which the resign below then finds too.

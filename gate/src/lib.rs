@@ -60,6 +60,14 @@ pub const COORD_NAMESPACE: &str = "gateleader";
 /// The election class (issue 33): electors campaign for elections of the
 /// namespace it names, on the coord tier like every election class.
 pub const ELECTION_CLASS: &str = "gate-election";
+/// A semaphore class (issue 34): some workers take its slots on a key of
+/// their own; each slot's record is fenced by the slot's token.
+pub const SEMAPHORE_CLASS: &str = "gate-semaphore";
+/// Its permits: fewer than the workers that contend for them.
+pub const SEMAPHORE_PERMITS: u32 = 2;
+/// One acquire in this many of the plain workers is shared (issue 34),
+/// on the first few keys: readers meet readers and writers there.
+pub const SHARED_EVERY: u64 = 3;
 /// The namespace the election class serves.
 pub const ELECTION_NAMESPACE: &str = "gateelect";
 /// The electors' one identity: replicas of one Deployment.
@@ -124,7 +132,7 @@ impl GateConfig {
         Self {
             seed,
             duration: Duration::from_secs(100),
-            workers: 12,
+            workers: 15,
             electors: 3,
             keys: 16,
             arbiters: 2,
@@ -165,6 +173,88 @@ pub struct GateOutcome {
     /// must be none).
     pub unprotected_grants: usize,
     pub unspooled: Vec<String>,
+    /// Issue 34's holds in the judged history: shared grants and the
+    /// semaphore slots granted.
+    pub modes: ModeCounts,
+}
+
+/// How much of the judged history was shared holds and semaphore slots.
+#[derive(Debug, Clone, Default)]
+pub struct ModeCounts {
+    pub shared_grants: usize,
+    /// Shared grants whose token another shared grant of the key also got
+    /// (readers granted together in one transaction).
+    pub shared_together: usize,
+    /// Pairs of shared holds of one key that were held at once for sure
+    /// (each granted before the other's release was asked for).
+    pub shared_overlaps: usize,
+    pub semaphore_grants: usize,
+    pub slots: std::collections::BTreeSet<u32>,
+}
+
+/// Pairs of shared holds of one key held at the same time for sure: each
+/// from its grant's answer to its process's next release of the key.
+fn shared_overlaps(history: &History) -> usize {
+    use latchkey_checker::{Function, Mode};
+    let mut held: BTreeMap<&str, Vec<(u64, u64)>> = BTreeMap::new();
+    let ops = history.ops();
+    for (i, o) in ops.iter().enumerate() {
+        if o.f != Function::Acquire || !o.is_ok() || o.mode != Mode::Shared {
+            continue;
+        }
+        let (Some(key), Some(from)) = (o.key.as_deref(), o.complete_time()) else {
+            continue;
+        };
+        let until = ops[i + 1..]
+            .iter()
+            .find(|r| {
+                r.f == Function::Release && r.process == o.process && r.key.as_deref() == Some(key)
+            })
+            .map(|r| r.invoke_time);
+        if let Some(until) = until {
+            held.entry(key).or_default().push((from, until));
+        }
+    }
+    held.values()
+        .map(|spans| {
+            let mut n = 0;
+            for (a, x) in spans.iter().enumerate() {
+                n += spans[a + 1..]
+                    .iter()
+                    .filter(|y| x.0 < y.1 && y.0 < x.1)
+                    .count();
+            }
+            n
+        })
+        .sum()
+}
+
+impl ModeCounts {
+    fn of(history: &History) -> Self {
+        let mut counts = ModeCounts::default();
+        let mut shared_tokens: BTreeMap<(&str, u64), usize> = BTreeMap::new();
+        for o in history.ops() {
+            if o.f != latchkey_checker::Function::Acquire || !o.is_ok() {
+                continue;
+            }
+            match o.mode {
+                latchkey_checker::Mode::Shared => {
+                    counts.shared_grants += 1;
+                    if let (Some(k), Some(t)) = (o.key.as_deref(), o.subject_token()) {
+                        *shared_tokens.entry((k, t)).or_default() += 1;
+                    }
+                }
+                latchkey_checker::Mode::Semaphore => {
+                    counts.semaphore_grants += 1;
+                    counts.slots.extend(o.slot);
+                }
+                latchkey_checker::Mode::Exclusive => {}
+            }
+        }
+        counts.shared_together = shared_tokens.values().filter(|&&n| n > 1).sum();
+        counts.shared_overlaps = shared_overlaps(history);
+        counts
+    }
 }
 
 impl fmt::Display for GateOutcome {
@@ -209,6 +299,15 @@ impl fmt::Display for GateOutcome {
             f,
             "longest stretch without a grant: {:.1} s",
             self.longest_without_grant.as_secs_f64()
+        )?;
+        writeln!(
+            f,
+            "shared holds: {} grants ({} granted together with another reader, {} pairs held at once); semaphore: {} grants over slots {:?}",
+            self.modes.shared_grants,
+            self.modes.shared_together,
+            self.modes.shared_overlaps,
+            self.modes.semaphore_grants,
+            self.modes.slots
         )?;
         if self.unprotected_grants > 0 || !self.unspooled.is_empty() {
             writeln!(
@@ -531,6 +630,13 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         n => (n / 4).max(1),
     };
     let coord_from = durable_from - coord_workers;
+    // Three of the rest contend for a semaphore's two permits.
+    let semaphore_workers = match coord_from {
+        0..=4 => 0,
+        _ => 3,
+    };
+    let semaphore_from = coord_from - semaphore_workers;
+    let semaphore_keys: Vec<String> = vec!["bench/gate/semaphore/s0".to_string()];
     let coord_keys: Vec<String> = (0..(config.keys / 4).max(2))
         .map(|k| format!("{COORD_NAMESPACE}/gate/k{k}"))
         .collect();
@@ -543,6 +649,9 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     }
     if coord_workers > 0 {
         judged_keys.extend(coord_keys.iter().cloned());
+    }
+    if semaphore_workers > 0 {
+        judged_keys.extend(semaphore_keys.iter().cloned());
     }
     let election_keys: Vec<String> = (0..2)
         .map(|e| format!("{ELECTION_NAMESPACE}/gate/e{e}"))
@@ -573,6 +682,8 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         durable_keys: durable_keys.join(","),
         durable_from,
         coord_keys: coord_keys.join(","),
+        semaphore_keys: semaphore_keys.join(","),
+        semaphore_from,
         coord_from,
         election_keys: election_keys.join(","),
         elect_from: config.workers,
@@ -678,6 +789,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
     let history = History::from_jsonl(std::io::BufReader::new(std::fs::File::open(&merged)?))
         .with_context(|| format!("parsing {}", merged.display()))?;
     let longest_without_grant = longest_without_grant(&history);
+    let modes = ModeCounts::of(&history);
     drop(spool_collector);
     quorum_loss::collect_all(&rig, false)?;
     let unprotected = quorum_loss::unprotected_grants(&open_history_dir, |process| {
@@ -729,6 +841,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         saved,
         unprotected_grants: unprotected.len(),
         unspooled,
+        modes,
     })
 }
 
@@ -745,6 +858,9 @@ struct WorkerSpawn {
     /// Workers from this index up to `durable_from` use the coord class.
     coord_keys: String,
     coord_from: usize,
+    /// Workers from this index up to `coord_from` use the semaphore class.
+    semaphore_keys: String,
+    semaphore_from: usize,
     /// Workers from this index on are electors.
     election_keys: String,
     elect_from: usize,
@@ -779,9 +895,13 @@ impl WorkerSpawn {
             (&self.durable_keys, DURABLE_CLASS, &self.history_dir)
         } else if w.index >= self.coord_from {
             (&self.coord_keys, COORD_CLASS, &self.history_dir)
+        } else if w.index >= self.semaphore_from {
+            (&self.semaphore_keys, SEMAPHORE_CLASS, &self.history_dir)
         } else {
             (&self.keys, CLASS, &self.history_dir)
         };
+        let semaphore = !elect && class == SEMAPHORE_CLASS;
+        let plain = !elect && class == CLASS;
         let mut command = Command::new(&self.binary);
         if let Some(clock) = self.clocks.get(w.index) {
             command.envs(clock.env());
@@ -809,6 +929,18 @@ impl WorkerSpawn {
             .arg("--wait-ms")
             .arg(self.wait_ms.to_string())
             .args(elect.then_some("--elect"))
+            .args(
+                semaphore
+                    .then(|| ["--permits".to_string(), SEMAPHORE_PERMITS.to_string()])
+                    .into_iter()
+                    .flatten(),
+            )
+            .args(
+                plain
+                    .then(|| ["--shared-every".to_string(), SHARED_EVERY.to_string()])
+                    .into_iter()
+                    .flatten(),
+            )
             .env("RUST_LOG", "warn")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -1020,6 +1152,16 @@ fn write_policies(dir: &Path, workers: usize, electors: usize) -> anyhow::Result
             "[[class]]\nname = \"{COORD_CLASS}\"\ndescription = \"Release gate workload on the coord tier\"\n\
              tier = \"coord\"\nnamespaces = [\"{COORD_NAMESPACE}\"]\nenforcement = \"fenced\"\nttlSeconds = {}\n\
              [class.pauseTest]\nresource = \"{GATE_RESOURCE}\"\nresult = \"pause-tests/{COORD_CLASS}.json\"\n",
+            TTL.as_secs()
+        ),
+    )?;
+    std::fs::write(
+        dir.join("classes/gate-semaphore.toml"),
+        format!(
+            "[[class]]\nname = \"{SEMAPHORE_CLASS}\"\ndescription = \"Release gate semaphore\"\n\
+             kind = \"semaphore\"\npermits = {SEMAPHORE_PERMITS}\ntier = \"entity\"\n\
+             enforcement = \"fenced\"\nttlSeconds = {}\n\
+             [class.pauseTest]\nresource = \"{GATE_RESOURCE}\"\nresult = \"pause-tests/{SEMAPHORE_CLASS}.json\"\n",
             TTL.as_secs()
         ),
     )?;

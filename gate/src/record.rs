@@ -56,6 +56,12 @@ pub struct Fields {
     /// A leadership's term (an election's acquire ok).
     pub term: Option<u64>,
     pub detail: Option<String>,
+    /// `shared` or `semaphore` (absent: exclusive).
+    pub mode: Option<&'static str>,
+    /// A semaphore acquire's permits.
+    pub permits: Option<u32>,
+    /// A semaphore slot (granted, or the one released, expired or written).
+    pub slot: Option<u32>,
 }
 
 /// One process's history file. Every line is flushed as it is written, so a
@@ -143,6 +149,15 @@ fn add(line: &mut Value, fields: Fields) {
     }
     if let Some(detail) = fields.detail {
         extra.insert("detail".into(), detail.into());
+    }
+    if let Some(mode) = fields.mode {
+        extra.insert("mode".into(), mode.into());
+    }
+    if let Some(permits) = fields.permits {
+        extra.insert("permits".into(), permits.into());
+    }
+    if let Some(slot) = fields.slot {
+        extra.insert("slot".into(), slot.into());
     }
     obj.extend(extra);
 }

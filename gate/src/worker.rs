@@ -76,6 +76,60 @@ pub struct WorkerArgs {
     /// class) instead of locking them: [`crate::elector`].
     #[arg(long)]
     pub elect: bool,
+    /// One acquire in this many asks for a shared hold, of one of the
+    /// first [`SHARED_KEYS`] keys, and does no write (0: never). Readers
+    /// and writers of those keys are judged together.
+    #[arg(long, default_value_t = 0)]
+    pub shared_every: u64,
+    /// `--class` is a semaphore of this many permits: each grant carries
+    /// a slot, and the unit of work writes that slot's record.
+    #[arg(long)]
+    pub permits: Option<u32>,
+}
+
+/// Shared acquires pick among this many keys, so readers meet each other
+/// and the writers of those keys.
+pub const SHARED_KEYS: usize = 4;
+
+/// What one hold is: its mode, and a semaphore's slot once granted.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Hold {
+    pub(crate) shared: bool,
+    pub(crate) permits: Option<u32>,
+    pub(crate) slot: Option<u32>,
+}
+
+impl Hold {
+    /// An exclusive hold (an elector's leadership).
+    pub(crate) const EXCLUSIVE: Hold = Hold {
+        shared: false,
+        permits: None,
+        slot: None,
+    };
+
+    /// The history fields of an operation on this hold (`key` set).
+    pub(crate) fn fields(&self, key: &str) -> Fields {
+        let mode = if self.shared {
+            Some("shared")
+        } else if self.permits.is_some() {
+            Some("semaphore")
+        } else {
+            None
+        };
+        Fields {
+            key: Some(key.to_owned()),
+            mode,
+            ..Fields::default()
+        }
+    }
+
+    /// The record a holder of `key` writes: a semaphore slot's own.
+    pub(crate) fn record(&self, key: &str) -> String {
+        match self.slot {
+            Some(n) => format!("{key}//s/{n}"),
+            None => key.to_owned(),
+        }
+    }
 }
 
 /// One unit of work in this many is ten times longer than `--unit-ms`.
@@ -156,22 +210,38 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
             // opens a new session.
             return Ok(EXIT_TAINTED);
         }
-        let key = args.keys[rng.usize(..args.keys.len())].clone();
-        let op = rec.invoke("acquire", key_field(&key))?;
+        let shared = args.shared_every > 0 && rng.u64(..args.shared_every) == 0;
+        let key = if shared {
+            args.keys[rng.usize(..args.keys.len().min(SHARED_KEYS))].clone()
+        } else {
+            args.keys[rng.usize(..args.keys.len())].clone()
+        };
+        let mut hold = Hold {
+            shared,
+            permits: args.permits,
+            slot: None,
+        };
+        let op = rec.invoke(
+            "acquire",
+            Fields {
+                permits: args.permits,
+                ..hold.fields(&key)
+            },
+        )?;
         let wait = Duration::from_millis(rng.u64(args.wait_ms / 10..=args.wait_ms));
-        let guard = match client
-            .lock(&key, &args.class)
-            .session(&session)
-            .wait(wait)
-            .acquire(|_| {})
-            .await
-        {
+        let mut builder = client.lock(&key, &args.class).session(&session).wait(wait);
+        if shared {
+            builder = builder.shared();
+        }
+        let guard = match builder.acquire(|_| {}).await {
             Ok(guard) => {
+                hold.slot = guard.slot();
                 rec.complete(
                     op,
                     Outcome::Ok,
                     Fields {
                         token: Some(guard.token().get()),
+                        slot: hold.slot,
                         ..Fields::default()
                     },
                 )?;
@@ -192,7 +262,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
                 // The answer is lost. Ask again on the same session before
                 // recording the outcome: a grant the lost answer hid comes
                 // back as "already yours", with its token.
-                let revealed = reveal(&client, &session, &key, &args, &e).await;
+                let revealed = reveal(&client, &session, &key, shared, &args, &e).await;
                 // Whatever was granted lives on this session until its
                 // lease runs out, which is no earlier than the session's
                 // fence deadline (last successful keepalive send + TTL -
@@ -202,12 +272,14 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
                 let token = match revealed {
                     Revealed::Granted { guard, detail } => {
                         let token = guard.token().get();
+                        hold.slot = guard.slot();
                         rec.complete(
                             op,
                             Outcome::Ok,
                             Fields {
                                 token: Some(token),
                                 detail: Some(detail),
+                                slot: hold.slot,
                                 ..Fields::default()
                             },
                         )?;
@@ -232,9 +304,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
                 rec.invoke_at(
                     "expire",
                     Fields {
-                        key: Some(key.clone()),
                         token,
-                        ..Fields::default()
+                        slot: hold.slot,
+                        ..hold.fields(&key)
                     },
                     deadline,
                 )?;
@@ -243,10 +315,15 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
         };
         let token = guard.token().get();
 
-        if guard.can_start() {
+        if shared {
+            // A reader does no fenced write (the reference fence takes
+            // writers); it holds for up to five units of work, so readers
+            // of a key meet each other.
+            tokio::time::sleep(Duration::from_millis(rng.u64(0..=args.unit_ms * 5))).await;
+        } else if guard.can_start() {
             // A SIGSTOP inside the unit of work wakes up past the lease: the
             // write then carries a stale token.
-            unit_of_work(&args, &mut rng, &mut rec, &pg, &key, token).await?;
+            unit_of_work(&args, &mut rng, &mut rec, &pg, &key, hold, token).await?;
         }
         tokio::time::sleep(Duration::from_millis(rng.u64(0..=args.unit_ms / 3))).await;
 
@@ -254,9 +331,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
         let op = rec.invoke(
             "release",
             Fields {
-                key: Some(key.clone()),
                 token: Some(token),
-                ..Fields::default()
+                slot: hold.slot,
+                ..hold.fields(&key)
             },
         )?;
         match guard.release().await {
@@ -274,9 +351,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
                 rec.invoke_at(
                     "expire",
                     Fields {
-                        key: Some(key.clone()),
                         token: Some(token),
-                        ..Fields::default()
+                        slot: hold.slot,
+                        ..hold.fields(&key)
                     },
                     from,
                 )?;
@@ -298,6 +375,7 @@ pub(crate) async fn unit_of_work(
     rec: &mut Recorder,
     pg: &tokio_postgres::Client,
     key: &str,
+    hold: Hold,
     token: u64,
 ) -> anyhow::Result<u64> {
     let longest = if rng.u64(..LONG_UNIT_EVERY) == 0 {
@@ -309,13 +387,13 @@ pub(crate) async fn unit_of_work(
     let op = rec.invoke(
         "write",
         Fields {
-            key: Some(key.to_owned()),
             token: Some(token),
-            ..Fields::default()
+            slot: hold.slot,
+            ..hold.fields(key)
         },
     )?;
     let payload = format!("{}#{op}", args.process);
-    match guarded_write(pg, key, token, &payload).await {
+    match guarded_write(pg, &hold.record(key), token, &payload).await {
         Ok(WriteOutcome::Accepted { write_seq }) => rec.complete(
             op,
             Outcome::Ok,
@@ -363,6 +441,7 @@ async fn reveal(
     client: &Client,
     session: &Session,
     key: &str,
+    shared: bool,
     args: &WorkerArgs,
     lost: &Error,
 ) -> Revealed {
@@ -371,12 +450,11 @@ async fn reveal(
     let mut asked = 0u32;
     while !session.is_fenced() && tokio::time::Instant::now() < until {
         asked += 1;
-        match client
-            .lock(key, &args.class)
-            .session(session)
-            .acquire(|_| {})
-            .await
-        {
+        let mut builder = client.lock(key, &args.class).session(session);
+        if shared {
+            builder = builder.shared();
+        }
+        match builder.acquire(|_| {}).await {
             Ok(guard) => {
                 return Revealed::Granted {
                     guard,

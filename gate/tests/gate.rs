@@ -133,6 +133,20 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
     // Elections (issue 33) met every fault too: each election's
     // leaderships were judged as grants, with their terms.
     assert_elections_exercised(&outcome);
+    // Shared holds and a semaphore (issue 34) met every fault too, judged
+    // by the checker's rules for them: no writer beside a reader, no more
+    // holders than permits, one per slot, and the token rule.
+    assert!(
+        outcome.modes.shared_grants > 0 && outcome.modes.shared_overlaps > 0,
+        "no shared holds were granted, or none were held at once: {:?}",
+        outcome.modes
+    );
+    assert_eq!(
+        outcome.modes.slots,
+        (0..gate::SEMAPHORE_PERMITS).collect(),
+        "the semaphore's slots were not all granted: {:?}",
+        outcome.modes
+    );
     for fault in Fault::ALL {
         assert!(
             // By the first word: "restore-forget ..." is not a "restore".

@@ -23,7 +23,7 @@ use latchkey_arbiter::session_counts::SessionCounts;
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_arbiter::table::{BatchStats, LockTable, MapVersion, TableOptions};
 use latchkey_arbiter::witness::Witness;
-use latchkey_checker::{Completion, Function, Operation, Outcome};
+use latchkey_checker::{Completion, Function, Mode, Operation, Outcome};
 use latchkey_hook_host::HookHost;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -322,6 +322,9 @@ impl World {
             detail,
             invoke_time,
             completion: None,
+            mode: Mode::Exclusive,
+            permits: None,
+            slot: None,
         });
         OpId(rec.ops.len() - 1)
     }
