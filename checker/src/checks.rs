@@ -140,11 +140,12 @@ impl KeyOps<'_> {
         // Distinct tokens, but for holds granted together in one
         // transaction: shared holds of the key, or different slots of one
         // semaphore, and only when their acquires overlapped in time.
-        let mut first: HashMap<u64, usize> = HashMap::new();
+        let mut first: HashMap<u64, Vec<usize>> = HashMap::new();
         for &(i, t) in &grants {
-            if let Some(&a) = first.get(&t)
-                && !self.granted_together(a, i)
-            {
+            // Against every earlier grant of the token: overlapping is not
+            // transitive (the review's r1 [0,10], r2 [5,100], r3 [50,60]).
+            let group = first.entry(t).or_default();
+            if let Some(&a) = group.iter().find(|&&a| !self.granted_together(a, i)) {
                 found.push(self.violation(
                     ViolationKind::DuplicateToken,
                     format!(
@@ -157,7 +158,7 @@ impl KeyOps<'_> {
                     &[a, i],
                 ));
             } else {
-                first.insert(t, i);
+                group.push(i);
             }
         }
 
@@ -211,8 +212,14 @@ impl KeyOps<'_> {
             match self.kind_of(b) {
                 Mode::Semaphore => continue, // each slot is checked on its own
                 Mode::Shared => {
-                    if let Some((a, ta)) = last_exclusive {
-                        pairs.push((a, ta, b, tb));
+                    match last_exclusive {
+                        // A downgrade: the writer's own hold became shared,
+                        // which ends its exclusive one.
+                        Some((a, _)) if self.op(a).process == self.op(b).process => {
+                            last_exclusive = None;
+                        }
+                        Some((a, ta)) => pairs.push((a, ta, b, tb)),
+                        None => {}
                     }
                     shared_since.push((b, tb));
                 }

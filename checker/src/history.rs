@@ -365,6 +365,16 @@ impl History {
                             op,
                         });
                     }
+                    if f == Function::Acquire && slot.is_some() {
+                        return Err(ParseError::Invalid {
+                            line: line_no,
+                            process,
+                            op,
+                            problem: "an acquire names its slot on the invoke line; the slot \
+                                      comes with the grant (the complete line)"
+                                .to_string(),
+                        });
+                    }
                     if mode == Mode::Semaphore
                         && f == Function::Acquire
                         && permits.is_none_or(|n| n == 0)

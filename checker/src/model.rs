@@ -48,7 +48,9 @@ impl Kind {
     fn names(self, held: HoldKind) -> bool {
         match (self, held) {
             (Kind::Exclusive, HoldKind::Exclusive) | (Kind::Shared, HoldKind::Shared) => true,
-            (Kind::Slot { slot: a, .. }, HoldKind::Slot(b)) => a.is_none() || b.is_none() || a == b,
+            // Strict when the release names its slot: a slot-less hold (an
+            // unknown acquire) is not silently taken to be that slot.
+            (Kind::Slot { slot: a, .. }, HoldKind::Slot(b)) => a.is_none() || a == b,
             _ => false,
         }
     }
@@ -87,6 +89,13 @@ pub(crate) struct LockState {
     pub(crate) last_token: u64,
     /// The greatest token of an exclusive grant.
     pub(crate) last_exclusive: u64,
+    /// Whether a shared or slot grant may still join the transaction that
+    /// made the last grant (carry `last_token` again): only until a hold
+    /// ends. A transaction's grants happen at one instant, so a release,
+    /// expire or advance between two of them is not a legal order (the
+    /// review found a history that split one transaction's slot grants
+    /// around the release of a slot the second one took).
+    pub(crate) joinable: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,10 +188,11 @@ impl LockState {
 
     /// Whether a grant of `kind` may carry token `t` here.
     fn token_fits(&self, kind: Kind, t: u64) -> bool {
+        let joins = t > self.last_token || (t == self.last_token && self.joinable);
         match kind {
             Kind::Exclusive => t > self.last_token,
-            Kind::Shared => t >= self.last_token && t > self.last_exclusive,
-            Kind::Slot { .. } => t >= self.last_token,
+            Kind::Shared => joins && t > self.last_exclusive,
+            Kind::Slot { .. } => joins,
         }
     }
 
@@ -193,10 +203,20 @@ impl LockState {
         next
     }
 
+    /// A hold ends: no later grant joins the transaction before it.
     fn without(&self, at: usize) -> LockState {
         let mut next = self.clone();
         next.holders.remove(at);
+        next.joinable = false;
         next
+    }
+
+    /// Whether a shared grant to `process` converts its exclusive hold.
+    fn is_downgrade(&self, process: u32) -> bool {
+        matches!(
+            self.holders.as_slice(),
+            [h] if h.process == process && h.kind == HoldKind::Exclusive
+        )
     }
 
     /// Applies `op`; `None` if it cannot happen here. An optional operation
@@ -204,6 +224,26 @@ impl LockState {
     /// same as leaving it out, and leaving it out keeps the search small.
     pub(crate) fn step(&self, op: &ModelOp) -> Option<LockState> {
         let next = match op.effect {
+            Effect::Grant {
+                token: Some(t),
+                kind: Kind::Shared,
+            } if self.is_downgrade(op.process) => {
+                // A downgrade: the process's exclusive hold becomes a shared
+                // one in one transaction, with a new token.
+                if t <= self.last_token {
+                    return None;
+                }
+                LockState {
+                    holders: vec![Holder {
+                        process: op.process,
+                        token: Some(t),
+                        kind: HoldKind::Shared,
+                    }],
+                    last_token: t,
+                    last_exclusive: self.last_exclusive,
+                    joinable: true,
+                }
+            }
             Effect::Grant { token, kind } => {
                 if !self.admits(kind) {
                     return None;
@@ -219,6 +259,7 @@ impl LockState {
                         return None;
                     }
                     next.last_token = self.last_token.max(t);
+                    next.joinable = true;
                     if kind == Kind::Exclusive {
                         next.last_exclusive = t;
                     }
@@ -258,6 +299,7 @@ impl LockState {
                 holders: Vec::new(),
                 last_token: self.last_token,
                 last_exclusive: self.last_exclusive,
+                joinable: false,
             },
         };
         if !op.required && next == *self {

@@ -411,7 +411,12 @@ fn zobrist_key(i: usize) -> u128 {
 fn state_hash(s: &LockState) -> u128 {
     let mix = |seed: u64| {
         let mut h = splitmix(seed);
-        for v in [s.last_token, s.last_exclusive, s.holders.len() as u64] {
+        for v in [
+            s.last_token,
+            s.last_exclusive,
+            s.holders.len() as u64,
+            u64::from(s.joinable),
+        ] {
             h = splitmix(h ^ v);
         }
         for holder in &s.holders {

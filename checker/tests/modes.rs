@@ -244,3 +244,125 @@ fn a_semaphore_grant_without_its_slot_or_permits_is_refused() {
     let err = History::from_jsonl(no_slot.as_bytes()).unwrap_err();
     assert!(err.to_string().contains("without a slot"), "{err}");
 }
+
+// Found by the hostile review of the first version of these rules.
+
+#[test]
+fn one_transaction_is_not_split_around_a_release() {
+    // p1 and p2 carry one token (one transaction), p1's answer came before
+    // pH's release was asked for, so the transaction ran while pH held
+    // slot 0: p2's slot 0 is a second holder of it.
+    for expire in [false, true] {
+        let mut b = History::builder();
+        b.at_ms(0);
+        let h = b.acquire("pH", S);
+        b.semaphore(h, 2, None).granted_slot(h, t(3), 0);
+        b.at_ms(2);
+        let a1 = b.acquire("p1", S);
+        let a2 = b.acquire("p2", S);
+        b.semaphore(a1, 2, None).semaphore(a2, 2, None);
+        b.at_ms(5);
+        b.granted_slot(a1, t(5), 1);
+        b.at_ms(6);
+        if expire {
+            let e = b.expire("pH", S, Some(t(3)));
+            b.semaphore(e, 2, Some(0));
+        } else {
+            let r = b.release("pH", S, t(3));
+            b.semaphore(r, 2, Some(0)).ok(r);
+        }
+        b.at_ms(10);
+        b.granted_slot(a2, t(5), 0);
+        let (v, kinds) = verdict(&b.build());
+        assert_eq!(v, Verdict::Violation, "expire {expire}: {kinds:?}");
+    }
+}
+
+#[test]
+fn slots_granted_together_after_a_release_are_legal() {
+    let mut b = History::builder();
+    b.at_ms(0);
+    let h = b.acquire("pH", S);
+    b.semaphore(h, 2, None).granted_slot(h, t(3), 0);
+    b.at_ms(1);
+    let r = b.release("pH", S, t(3));
+    b.semaphore(r, 2, Some(0)).ok(r);
+    b.at_ms(3);
+    let a1 = b.acquire("p1", S);
+    let a2 = b.acquire("p2", S);
+    b.semaphore(a1, 2, None).semaphore(a2, 2, None);
+    b.at_ms(5);
+    b.granted_slot(a1, t(5), 1);
+    b.at_ms(10);
+    b.granted_slot(a2, t(5), 0);
+    let (v, kinds) = verdict(&b.build());
+    assert_eq!(v, Verdict::Linearizable, "{kinds:?}");
+}
+
+#[test]
+fn one_token_needs_every_pair_to_overlap() {
+    // r1 [0,10], r2 [5,100], r3 [50,60]: r3 overlaps r2 but began after
+    // r1 was answered, so r1 and r3 cannot share a transaction.
+    let mut b = History::builder();
+    b.at_ms(0);
+    let r1 = b.acquire("r1", K);
+    b.shared(r1);
+    b.at_ms(5);
+    let r2 = b.acquire("r2", K);
+    b.shared(r2);
+    b.at_ms(10);
+    b.granted(r1, t(5));
+    b.at_ms(50);
+    let r3 = b.acquire("r3", K);
+    b.shared(r3);
+    b.at_ms(60);
+    b.granted(r3, t(5));
+    b.at_ms(100);
+    b.granted(r2, t(5));
+    let (v, kinds) = verdict(&b.build());
+    assert_eq!(v, Verdict::Violation);
+    assert!(kinds.contains(&ViolationKind::DuplicateToken), "{kinds:?}");
+}
+
+#[test]
+fn a_release_of_a_slot_does_not_match_an_unknown_acquire() {
+    // p's release names slot 0, which q holds: p's unknown acquire cannot
+    // have taken slot 0 beside q.
+    let mut b = History::builder();
+    b.at_ms(0);
+    let u = b.acquire("p", S);
+    b.semaphore(u, 2, None);
+    b.at_ms(1);
+    let q = b.acquire("q", S);
+    b.semaphore(q, 2, None).granted_slot(q, t(7), 0);
+    b.at_ms(3);
+    b.unknown(u);
+    b.at_ms(5);
+    let r = b.release("p", S, t(4));
+    b.semaphore(r, 2, Some(0)).ok(r);
+    let (v, kinds) = verdict(&b.build());
+    assert_eq!(v, Verdict::Violation, "{kinds:?}");
+}
+
+#[test]
+fn a_downgrade_is_legal() {
+    // p's exclusive hold becomes shared in one transaction (a new token);
+    // q's shared grant joins after it.
+    let mut b = History::builder();
+    b.acquired("p", K, t(5));
+    let d = b.acquire("p", K);
+    b.shared(d).granted(d, t(8));
+    let r = b.acquire("q", K);
+    b.shared(r).granted(r, t(9));
+    let rel = b.release("p", K, t(8));
+    b.shared(rel).ok(rel);
+    let (v, kinds) = verdict(&b.build());
+    assert_eq!(v, Verdict::Linearizable, "{kinds:?}");
+}
+
+#[test]
+fn an_acquire_naming_its_slot_up_front_is_refused() {
+    let text = r#"{"type":"invoke","process":"p","op":1,"f":"acquire","key":"s","mode":"semaphore","permits":2,"slot":1,"time":1}"#;
+    let err = History::from_jsonl(text.as_bytes()).unwrap_err();
+    assert!(err.to_string().contains("slot"), "{err}");
+}
