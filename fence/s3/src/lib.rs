@@ -241,6 +241,19 @@ impl S3Store {
         }
     }
 
+    /// A `PUT` of `payload` as it is, without a mark or the fence line:
+    /// what any other S3 client writes. Guarded writes refuse such objects
+    /// ([`FenceError::Unfenced`]).
+    pub async fn put_unfenced(&self, record: &str, payload: &[u8]) -> Result<(), FenceError> {
+        let r = self
+            .send(Method::PUT, Some(record), &[], payload.to_vec(), "PUT", &[])
+            .await?;
+        match r.status.as_u16() {
+            200..=299 => Ok(()),
+            _ => Err(r.error("PUT", &[])),
+        }
+    }
+
     /// `DELETE` of `record`'s object (unconditional; missing is fine).
     pub async fn delete(&self, record: &str) -> Result<(), FenceError> {
         let r = self

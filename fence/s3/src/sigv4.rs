@@ -255,6 +255,53 @@ mod tests {
         );
     }
 
+    /// A fenced PUT as this crate sends it (metadata, If-Match, session
+    /// token, a port in the host, an encoded key), signed by botocore 1.43's
+    /// `S3SigV4Auth` for comparison.
+    #[test]
+    fn signs_a_conditional_put_as_botocore_does() {
+        let creds = Credentials::new("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY")
+            .with_session_token("SESSIONTOKEN");
+        let body = b"latchkey-fence/1 0000000000000007\nhello";
+        let sha = sha256_hex(body);
+        assert_eq!(
+            sha,
+            "47569b3d71409669c309a7cd78461220b9ced8018180802e2ee32df9af8eea20"
+        );
+        let headers: Vec<(String, String)> = [
+            ("host", "127.0.0.1:9000"),
+            ("x-amz-content-sha256", sha.as_str()),
+            ("x-amz-date", "20261206T231841Z"),
+            ("content-type", "application/octet-stream"),
+            ("x-amz-security-token", "SESSIONTOKEN"),
+            ("x-amz-meta-latchkey-fence", "0000000000000007"),
+            ("if-match", "\"abc\""),
+        ]
+        .into_iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect();
+        let auth = authorization(
+            &creds,
+            &Signing {
+                method: "PUT",
+                canonical_uri: &format!("/fences/{}", uri_encode("team/a b", true)),
+                canonical_query: "",
+                headers: &headers,
+                payload_sha256: &sha,
+                amz_date: "20261206T231841Z",
+                region: "us-east-1",
+                service: "s3",
+            },
+        );
+        assert_eq!(
+            auth,
+            "AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20261206/us-east-1/s3/aws4_request, \
+             SignedHeaders=content-type;host;if-match;x-amz-content-sha256;x-amz-date;\
+             x-amz-meta-latchkey-fence;x-amz-security-token, \
+             Signature=a921644e641fb609b08442258c748a7bcd1f4100b5615bb3e8f5bdffe6c8eceb"
+        );
+    }
+
     #[test]
     fn dates_and_encoding() {
         let t = UNIX_EPOCH + Duration::from_secs(1_369_353_600); // 2013-05-24
