@@ -231,8 +231,12 @@ async fn racing_writers_leave_the_greatest_token() -> anyhow::Result<()> {
         r.payload == format!("from writer of {max}").as_bytes(),
         "wrong final payload"
     );
-    let conflicts = server.log_tail().matches("\" 412 ").count();
-    tracing::info!(applied = applied.len(), fenced, conflicts, "race done");
+    // Seen with --nocapture: how often the loop re-read after a lost race.
+    println!(
+        "{} applied, {fenced} fenced out, {} PUTs refused with 412",
+        applied.len(),
+        server.answers_with(412)
+    );
     Ok(())
 }
 

@@ -139,6 +139,12 @@ impl S3Server {
         tail_of(&self.log)
     }
 
+    /// How many requests moto answered with `status` so far (from its log).
+    pub fn answers_with(&self, status: u16) -> usize {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        text.matches(&format!("\" {status} ")).count()
+    }
+
     fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
