@@ -361,6 +361,7 @@ impl S3Store {
         }
         path.push('/');
         if let Some(record) = record {
+            check_record(record)?;
             path.push_str(&sigv4::uri_encode(&self.key(record), true));
         }
         let mut url = self.base.clone();
@@ -484,6 +485,22 @@ fn xml_field<'a>(body: &'a [u8], tag: &str) -> Option<&'a str> {
     text.get(start..start + len)
         .map(str::trim)
         .filter(|s| !s.is_empty())
+}
+
+/// Record names become object keys under the prefix: empty names and `.`
+/// or `..` segments (which HTTP clients resolve, leaving the prefix) are
+/// refused.
+fn check_record(record: &str) -> Result<(), FenceError> {
+    if record.is_empty() || record.split('/').any(|seg| seg == "." || seg == "..") {
+        return Err(FenceError::store(
+            STORE,
+            "naming the object",
+            format_args!("record name {record:?} is empty or has a . or .. segment"),
+            false,
+            &[],
+        ));
+    }
+    Ok(())
 }
 
 fn unfenced(record: &str, why: &str) -> FenceError {
@@ -676,6 +693,16 @@ mod tests {
         assert_eq!(xml_field(body, "Code"), Some("PreconditionFailed"));
         assert!(xml_field(body, "Message").unwrap().starts_with("At least"));
         assert_eq!(xml_field(b"", "Code"), None);
+    }
+
+    #[test]
+    fn record_names_stay_under_the_prefix() {
+        for bad in ["", "..", "a/../b", "./a", "a/."] {
+            assert!(check_record(bad).is_err(), "{bad:?}");
+        }
+        for good in ["a", "a/b", "a..b", ".hidden", "orders/42"] {
+            assert!(check_record(good).is_ok(), "{good:?}");
+        }
     }
 
     #[test]
