@@ -13,7 +13,7 @@ use latchkey_fence_s3::{
     Credentials, NotHonoured, Precondition, PutReply, S3Config, S3Store, config_from_url,
     probe_conditional_writes,
 };
-use latchkey_tests::s3::{ACCESS_KEY, S3Server, SECRET_KEY};
+use latchkey_tests::s3::S3Server;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -249,12 +249,9 @@ async fn the_probe_certifies_the_real_server_and_urls_reach_it() -> anyhow::Resu
         .map_err(|e| anyhow::anyhow!("the probe refused moto: {e}"))?;
 
     // The same store, configured from a URL (credentials from "the environment").
-    let env = |name: &str| match name {
-        "AWS_ACCESS_KEY_ID" => Some(ACCESS_KEY.to_string()),
-        "AWS_SECRET_ACCESS_KEY" => Some(SECRET_KEY.to_string()),
-        _ => None,
-    };
-    let from_url = S3Store::new(config_from_url(&server.url("fences", "probe"), env)?)?;
+    let from_url = S3Store::new(config_from_url(&server.url("fences", "probe"), |name| {
+        server.env(name)
+    })?)?;
     assert_eq!(from_url.kind(), "s3");
     assert_eq!(
         from_url.guarded_write("via-url", 7, b"u").await?,
@@ -359,7 +356,7 @@ async fn fake_store(mode: Fake) -> anyhow::Result<(S3Store, tokio::task::JoinHan
         bucket: "fences".into(),
         prefix: String::new(),
         region: "us-east-1".into(),
-        credentials: Credentials::new(ACCESS_KEY, SECRET_KEY),
+        credentials: Credentials::new("AKIDFAKE", "fake-secret"),
         path_style: true,
         attempts: 4,
         timeout: Duration::from_secs(10),
@@ -434,6 +431,25 @@ async fn errors_never_show_the_token() -> anyhow::Result<()> {
     let text = format!("{e} / {e:?}");
     ensure!(text.contains("NoSuchBucket"), "{text}");
     ensure!(!leaks(&text, secret), "a token leaked into an error");
+
+    // moto verifies signatures: a wrong secret is refused, not retried.
+    let mut config = server.config("fences", "errors/");
+    config.credentials = Credentials::new(server.credentials().access_key(), "not-the-secret");
+    let e = S3Store::new(config)?
+        .guarded_write("r", secret, b"p")
+        .await
+        .err()
+        .context("a request signed with the wrong secret was accepted")?;
+    let text = format!("{e} / {e:?}");
+    ensure!(text.contains("403"), "{text}");
+    ensure!(
+        !e.is_transient(),
+        "a refused signature should not be retried"
+    );
+    ensure!(
+        !leaks(&text, secret) && !text.contains("not-the-secret"),
+        "{text}"
+    );
 
     let store = server.store("fences", "errors/").await?;
     store.guarded_write("r", secret, b"p").await?;

@@ -26,6 +26,15 @@ impl Credentials {
         }
     }
 
+    pub fn access_key(&self) -> &str {
+        &self.access_key
+    }
+
+    /// The secret, for handing on (never print it).
+    pub fn secret_key(&self) -> &str {
+        &self.secret_key
+    }
+
     /// Temporary credentials (STS): sent as `x-amz-security-token`.
     pub fn with_session_token(mut self, token: impl Into<String>) -> Self {
         self.session_token = Some(token.into());
