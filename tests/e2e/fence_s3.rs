@@ -265,6 +265,17 @@ async fn the_probe_certifies_the_real_server_and_urls_reach_it() -> anyhow::Resu
     probe_conditional_writes(&from_url)
         .await
         .map_err(|e| anyhow::anyhow!("the probe refused moto through a URL: {e}"))?;
+
+    // Another region: the bucket is created with its LocationConstraint and
+    // requests are signed for that region.
+    let url = format!(
+        "s3://fences-eu/x?endpoint={}&region=eu-west-1",
+        server.endpoint()
+    );
+    let eu = S3Store::new(config_from_url(&url, |name| server.env(name))?)?;
+    eu.create_bucket().await?;
+    assert_eq!(eu.guarded_write("r", 9, b"eu").await?, Guarded::Applied);
+    ensure!(eu.read("r").await?.context("missing")?.payload == b"eu");
     Ok(())
 }
 

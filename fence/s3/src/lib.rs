@@ -168,15 +168,19 @@ impl S3Store {
 
     /// Creates the bucket; one that exists already (and is ours) is fine.
     pub async fn create_bucket(&self) -> Result<(), FenceError> {
-        let r = self
-            .send(
-                Method::PUT,
-                None,
-                &[],
-                Vec::new(),
-                "creating the bucket",
-                &[],
+        // Outside us-east-1, S3 wants the region named in the body.
+        let body = if self.config.region == "us-east-1" {
+            Vec::new()
+        } else {
+            format!(
+                "<CreateBucketConfiguration xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">\
+                 <LocationConstraint>{}</LocationConstraint></CreateBucketConfiguration>",
+                self.config.region
             )
+            .into_bytes()
+        };
+        let r = self
+            .send(Method::PUT, None, &[], body, "creating the bucket", &[])
             .await?;
         match r.status.as_u16() {
             200 => Ok(()),
