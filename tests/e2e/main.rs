@@ -15,6 +15,7 @@ mod elections;
 mod etcd_harness;
 mod etcd_members;
 mod etcd_tls;
+mod fence_s3;
 mod force_release;
 mod force_release_elections;
 mod grants;

@@ -41,6 +41,7 @@ pub mod postgres;
 pub mod procstat;
 pub mod proxy;
 pub mod raw_grpc;
+pub mod s3;
 pub mod workspace_bins;
 
 /// How often [`eventually`] re-checks its condition.
