@@ -31,16 +31,19 @@ pub mod envoy;
 pub mod etcd;
 pub mod etcd_lease;
 pub mod faulty_log;
+pub mod fence_contract;
 pub mod hooks;
 pub mod latency;
 pub mod lock_calls;
 pub mod log_contract;
 pub mod manifests;
+pub mod mariadb;
 pub mod oidc;
 pub mod postgres;
 pub mod procstat;
 pub mod proxy;
 pub mod raw_grpc;
+pub mod redis;
 pub mod workspace_bins;
 
 /// How often [`eventually`] re-checks its condition.
