@@ -26,9 +26,12 @@
 //! payload without a mark, or a mark that is not 8 bytes, is
 //! [`FenceError::Unfenced`] (never overwritten).
 //!
-//! etcd's `Less` on values compares bytes, so a mark written in another
-//! encoding (decimal text, 4 bytes) compares wrongly: only this adapter's
-//! 8-byte marks belong under `mark`.
+//! etcd's `Less` on values compares bytes and no compare sees a value's
+//! width, so a mark written in another encoding compares wrongly: one that
+//! sorts above the token's bytes is refused and reported
+//! [`FenceError::Unfenced`], but one that sorts below (4 zero bytes, a
+//! shorter prefix) passes the compare and is overwritten. Only this
+//! adapter's 8-byte marks belong under `mark`.
 
 use std::time::Duration;
 

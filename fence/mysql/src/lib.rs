@@ -299,7 +299,18 @@ impl FencedStore for MysqlStore {
                 // all (read says which). The read only reports.
                 Some(Affected::Unchanged) => match Self::read_with(&mut conn, record).await? {
                     Some(found) => Ok(Guarded::FencedOut { mark: found.mark }),
-                    None => Ok(Guarded::Retry),
+                    // Nothing changed, yet the record is not there: the
+                    // insert met another unique key (and left that row), or
+                    // the record was deleted since. Not a fence answer.
+                    None => Err(FenceError::store(
+                        KIND,
+                        "guarded write",
+                        "0 rows affected and the record is missing: the table has another \
+                         unique key (the upsert matched another row), or the record was \
+                         deleted meanwhile; nothing was written",
+                        false,
+                        &[token],
+                    )),
                 },
                 None => Err(FenceError::store(
                     KIND,
