@@ -22,13 +22,13 @@ use tokio::time::timeout;
 
 use crate::support::{Stack, stack_with};
 
-const CLASS: &str = "pause-kit";
+pub(crate) const CLASS: &str = "pause-kit";
 /// An election class of the same TTL, for the kit's `--election`.
 const ELECTION_CLASS: &str = "pause-kit-elect";
-const RESOURCE: &str = "postgresql:latchkey_fenced_rows";
-const IDENTITY: &str = "workload/alice";
+pub(crate) const RESOURCE: &str = "postgresql:latchkey_fenced_rows";
+pub(crate) const IDENTITY: &str = "workload/alice";
 /// A generous bound on one kit run (about TTL 5 s + 2 s + startup).
-const KIT_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const KIT_TIMEOUT: Duration = Duration::from_secs(120);
 
 // --- the reference fence -----------------------------------------------------
 
@@ -217,7 +217,7 @@ async fn rig() -> anyhow::Result<Rig> {
 
 /// A policy dir of its own: the fenced class needs a passing pause-test
 /// result to load, so it ships a fixture (written with the shared type).
-fn policy_dir() -> anyhow::Result<TempDir> {
+pub(crate) fn policy_dir() -> anyhow::Result<TempDir> {
     let dir = TempDir::new()?;
     std::fs::create_dir_all(dir.path().join("classes"))?;
     std::fs::create_dir_all(dir.path().join("grants"))?;
@@ -345,11 +345,11 @@ impl Rig {
     }
 }
 
-fn text(bytes: &[u8]) -> String {
+pub(crate) fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-fn read_result(path: &Path) -> anyhow::Result<PauseTestResult> {
+pub(crate) fn read_result(path: &Path) -> anyhow::Result<PauseTestResult> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     PauseTestResult::from_json(&text).with_context(|| format!("parsing {text}"))

@@ -310,7 +310,7 @@ pub fn bindir() -> anyhow::Result<PathBuf> {
 }
 
 /// Whether this process runs as root (then PostgreSQL must run as `postgres`).
-fn running_as_root() -> anyhow::Result<bool> {
+pub fn running_as_root() -> anyhow::Result<bool> {
     // /proc/self is owned by the process's effective uid.
     Ok(std::fs::metadata("/proc/self")
         .context("reading /proc/self")?
@@ -318,7 +318,7 @@ fn running_as_root() -> anyhow::Result<bool> {
         == 0)
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub fn free_port() -> anyhow::Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(listener.local_addr()?.port())
 }

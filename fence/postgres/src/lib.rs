@@ -23,10 +23,17 @@
 //! Tokens are capabilities: nothing in this crate formats one into an error
 //! or a log line, and PostgreSQL's error text is scrubbed of the token before
 //! it is kept (a constraint violation's DETAIL can echo the parameters).
+//!
+//! [`PostgresStore`] is the same fence behind the adapter contract
+//! (`latchkey_fence::FencedStore`), for callers that pick a store at run
+//! time (`latchctl pause-test --resource-url postgresql://…`).
 
 use std::fmt;
 
 use tokio_postgres::Client;
+
+mod store;
+pub use store::{KIND, PLAIN_WRITE_SQL, PostgresStore, READ_SQL};
 use tokio_postgres::error::SqlState;
 
 /// The reference table. Copy the pattern (a `fence bigint` per record, the

@@ -495,6 +495,26 @@ fn xml_field<'a>(body: &'a [u8], tag: &str) -> Option<&'a str> {
 /// or `..` segments (which HTTP clients resolve, leaving the prefix) are
 /// refused.
 fn check_record(record: &str) -> Result<(), FenceError> {
+    // SigV4 canonicalises reserved characters (`:`, `=`, `&`, ...) in a
+    // key differently across S3-compatible servers (moto refuses our
+    // AWS-style encoding of them with 403): names are kept to characters
+    // every server agrees on, and anything else is refused before a request.
+    if let Some(c) = record
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '~' | '/' | ' ')))
+    {
+        return Err(FenceError::store(
+            STORE,
+            "naming the object",
+            format_args!(
+                "record name {record:?} has {c:?}: S3 record names are limited to letters, \
+                 digits, '-', '_', '.', '~', '/' and spaces (choose another name, e.g. \
+                 `latchctl pause-test --row`)"
+            ),
+            false,
+            &[],
+        ));
+    }
     if record.is_empty() || record.split('/').any(|seg| seg == "." || seg == "..") {
         return Err(FenceError::store(
             STORE,

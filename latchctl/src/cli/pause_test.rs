@@ -25,7 +25,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Args;
-use latchkey_fence_postgres::{self as fence, FenceError};
 use latchkey_policies::{
     PAUSE_TEST_RESULT_VERSION, PauseTestEvidence, PauseTestOutcome, PauseTestResult,
     WriteOutcome as Observed,
@@ -44,6 +43,9 @@ use latchkey_client::{CampaignOptions, Client, FencingToken, Leadership, LockGua
 use super::acquire::grant;
 use super::{Failure, Global, Output, chain, connect, duration, parse_meta};
 
+mod target;
+use target::{Target, WriteError};
+
 /// How far past the TTL the holder stays frozen: the lease must be gone
 /// (etcd expires leases on its own clock, a little late) before we acquire.
 const PAUSE_MARGIN: Duration = Duration::from_secs(2);
@@ -56,6 +58,8 @@ const STDERR_TAIL_BYTES: usize = 4000;
 /// The environment variable `--postgres` is also read from; the holder child
 /// gets the connection string this way, not on its command line (`ps`).
 const POSTGRES_ENV: &str = "LATCHKEY_PAUSE_TEST_POSTGRES";
+/// The same for `--resource-url` (its URL may hold a password).
+const RESOURCE_URL_ENV: &str = "LATCHKEY_PAUSE_TEST_RESOURCE_URL";
 
 const FIRST_HOLDER: &str = "first-holder";
 const SECOND_HOLDER: &str = "second-holder";
@@ -76,9 +80,33 @@ pub struct PauseTestArgs {
     /// The resource's schema version, recorded as `resourceSchemaVersion`.
     #[arg(long, value_name = "VERSION")]
     pub schema_version: Option<String>,
-    /// PostgreSQL connection string (libpq URL or key=value; no TLS).
-    #[arg(long, env = POSTGRES_ENV, hide_env_values = true, value_name = "CONNINFO")]
-    pub postgres: String,
+    /// PostgreSQL connection string (libpq URL or key=value; no TLS): the
+    /// reference fence's table, or the owner's statements (--write-sql).
+    #[arg(
+        long,
+        env = POSTGRES_ENV,
+        hide_env_values = true,
+        value_name = "CONNINFO",
+        required_unless_present = "resource_url",
+        conflicts_with = "resource_url"
+    )]
+    pub postgres: Option<String>,
+    /// The guarded store, written through its fence adapter:
+    /// `postgresql://…`, `mysql://…` (MariaDB too), `redis://…` or
+    /// `etcd://host:port[/prefix]` (no TLS). The holder child gets it from
+    /// the environment, never on its command line.
+    #[arg(
+        long,
+        env = RESOURCE_URL_ENV,
+        hide_env_values = true,
+        value_name = "URL",
+        conflicts_with_all = ["write_sql", "read_sql"]
+    )]
+    pub resource_url: Option<String>,
+    /// Both holders write with the adapter's plain, unfenced write: a
+    /// naive writer, which the kit must FAIL (the kit's own tests).
+    #[arg(long, hide = true, conflicts_with = "write_sql")]
+    pub naive: bool,
     /// The record both holders write (default: derived from the key).
     #[arg(long)]
     pub row: Option<String>,
@@ -114,7 +142,11 @@ pub struct HolderArgs {
     #[arg(long)]
     pub class: String,
     #[arg(long, env = POSTGRES_ENV, hide_env_values = true)]
-    pub postgres: String,
+    pub postgres: Option<String>,
+    #[arg(long, env = RESOURCE_URL_ENV, hide_env_values = true)]
+    pub resource_url: Option<String>,
+    #[arg(long)]
+    pub naive: bool,
     #[arg(long)]
     pub row: String,
     #[arg(long)]
@@ -169,64 +201,33 @@ impl std::fmt::Debug for PipedToken {
     }
 }
 
-/// The guarded write under test: the reference fence, or the owner's own.
-#[derive(Debug, Clone)]
-enum Statement {
-    Reference,
-    Owner { write: String, read: String },
-}
-
-impl Statement {
-    fn new(write: Option<String>, read: Option<String>) -> Self {
-        match (write, read) {
-            (Some(write), Some(read)) => Statement::Owner { write, read },
-            _ => Statement::Reference,
+/// Opens what the record is written to: `--resource-url`'s adapter, the
+/// reference fence on `--postgres`, or the owner's statements there.
+async fn open_target(
+    postgres: Option<&str>,
+    resource_url: Option<&str>,
+    owner: Option<(String, String)>,
+    naive: bool,
+) -> anyhow::Result<Target> {
+    match (resource_url, postgres, owner) {
+        (Some(url), _, _) => Ok(Target::Store {
+            store: target::open(url).await?,
+            naive,
+        }),
+        (None, Some(conninfo), Some((write, read))) => Ok(Target::Owner {
+            pg: connect_postgres(conninfo).await?,
+            write,
+            read,
+        }),
+        (None, Some(conninfo), None) => {
+            let pg = connect_postgres(conninfo).await?;
+            latchkey_fence_postgres::ensure_schema(&pg).await?;
+            Ok(Target::Store {
+                store: Box::new(latchkey_fence_postgres::PostgresStore::new(pg)),
+                naive,
+            })
         }
-    }
-
-    /// Accepted (`true`) or rejected by the fence (`false`).
-    async fn write(
-        &self,
-        pg: &tokio_postgres::Client,
-        row: &str,
-        token: FencingToken,
-        payload: &str,
-    ) -> Result<bool, FenceError> {
-        match self {
-            Statement::Reference => Ok(fence::guarded_write(pg, row, token.get(), payload)
-                .await?
-                .is_accepted()),
-            Statement::Owner { write, .. } => {
-                let param = fence::token_param(token.get())?;
-                let affected = pg
-                    .execute(write.as_str(), &[&row, &param, &payload])
-                    .await
-                    .map_err(|e| FenceError::from_postgres("--write-sql", &e, Some(token.get())))?;
-                Ok(affected > 0)
-            }
-        }
-    }
-
-    /// The record's payload now, `None` when there is no record.
-    async fn read(
-        &self,
-        pg: &tokio_postgres::Client,
-        row: &str,
-    ) -> Result<Option<String>, FenceError> {
-        let sql = match self {
-            Statement::Reference => "SELECT payload FROM latchkey_fenced_rows WHERE id = $1",
-            Statement::Owner { read, .. } => read.as_str(),
-        };
-        let rows = pg
-            .query(sql, &[&row])
-            .await
-            .map_err(|e| FenceError::from_postgres("reading the record back", &e, None))?;
-        match rows.first() {
-            None => Ok(None),
-            Some(r) => r
-                .try_get::<_, Option<String>>(0)
-                .map_err(|e| FenceError::from_postgres("reading the record back", &e, None)),
-        }
+        (None, None, _) => anyhow::bail!("give the resource with --resource-url or --postgres"),
     }
 }
 
@@ -242,7 +243,7 @@ async fn connect_postgres(conninfo: &str) -> anyhow::Result<tokio_postgres::Clie
     Ok(client)
 }
 
-fn observed(result: &Result<bool, FenceError>) -> Observed {
+fn observed(result: &Result<bool, WriteError>) -> Observed {
     match result {
         Ok(true) => Observed::Accepted,
         Ok(false) => Observed::Rejected,
@@ -257,8 +258,16 @@ fn observed(result: &Result<bool, FenceError>) -> Observed {
 pub async fn holder(global: &Global, args: HolderArgs) -> Result<ExitCode, Failure> {
     let client = connect(global).await?;
     // The holder only writes; the kit reads the record back.
-    let statement = Statement::new(args.write_sql.clone(), Some(String::new()));
-    let pg = connect_postgres(&args.postgres).await?;
+    let owner = args.write_sql.clone().map(|write| (write, String::new()));
+    let open = || {
+        open_target(
+            args.postgres.as_deref(),
+            args.resource_url.as_deref(),
+            owner.clone(),
+            args.naive,
+        )
+    };
+    let target = open().await?;
     let (session, held) = if args.election {
         let session = client.open_session(&args.class).await?;
         let options = CampaignOptions {
@@ -283,7 +292,7 @@ pub async fn holder(global: &Global, args: HolderArgs) -> Result<ExitCode, Failu
         (session, Held::Holds(guard))
     };
     let token = held.token();
-    let first = statement.write(&pg, &args.row, token, &args.payload).await;
+    let first = target.write(&args.row, token.get(), &args.payload).await;
     if let Err(e) = &first {
         return Err(Failure::Plain(format!("first write failed: {e}")));
     }
@@ -311,15 +320,12 @@ pub async fn holder(global: &Global, args: HolderArgs) -> Result<ExitCode, Failu
     }
 
     // Deliberately no can_start(): this write was already under way.
-    let mut stale = statement
-        .write(&pg, &args.row, token, &format!("{}-stale", args.payload))
-        .await;
-    if matches!(&stale, Err(FenceError::Postgres { closed: true, .. })) {
+    let stale_payload = format!("{}-stale", args.payload);
+    let mut stale = target.write(&args.row, token.get(), &stale_payload).await;
+    if stale.as_ref().is_err_and(|e| e.transient) {
         // A real workload's pool would reconnect and send the write anyway.
-        let pg = connect_postgres(&args.postgres).await?;
-        stale = statement
-            .write(&pg, &args.row, token, &format!("{}-stale", args.payload))
-            .await;
+        let target = open().await?;
+        stale = target.write(&args.row, token.get(), &stale_payload).await;
     }
     // A leader also proclaims, as the round it was in would have: asked of
     // the arbiter with the leadership's session and token, not of the
@@ -474,7 +480,7 @@ async fn kit(
     args: &PauseTestArgs,
     out: Output,
 ) -> Result<PauseTestEvidence, CannotRun> {
-    let statement = Statement::new(args.write_sql.clone(), args.read_sql.clone());
+    let owner = args.write_sql.clone().zip(args.read_sql.clone());
     let row = args.row.clone().unwrap_or_else(|| default_row(&args.key));
     let run_id = run_id();
     let first_payload = format!("latchkey-pause-test {run_id} {FIRST_HOLDER}");
@@ -488,10 +494,13 @@ async fn kit(
         Err(Failure::Usage(m) | Failure::Plain(m)) => return Err(CannotRun(m)),
         Err(Failure::Other(e)) => return Err(cannot_run!("{e:#}")),
     };
-    let pg = connect_postgres(&args.postgres).await?;
-    if let Statement::Reference = statement {
-        fence::ensure_schema(&pg).await?;
-    }
+    let target = open_target(
+        args.postgres.as_deref(),
+        args.resource_url.as_deref(),
+        owner,
+        args.naive,
+    )
+    .await?;
 
     // 1. The first holder acquires and writes.
     let mut holder = Holder::spawn(global, args, &row, &first_payload)?;
@@ -575,8 +584,8 @@ async fn kit(
         })?)
     };
     let second_token_greater = second.token() > first_token;
-    let second_write = statement
-        .write(&pg, &row, second.token(), &second_payload)
+    let second_write = target
+        .write(&row, second.token().get(), &second_payload)
         .await;
     let second_write_error = second_write.as_ref().err().map(ToString::to_string);
     let ended = match second {
@@ -606,7 +615,7 @@ async fn kit(
     };
     holder.finish().await;
 
-    let final_payload = statement.read(&pg, &row).await?;
+    let final_payload = target.read(&row).await?;
     let final_row_from = match final_payload.as_deref() {
         Some(p) if p == second_payload => SECOND_HOLDER.to_owned(),
         Some(p) if p.starts_with(&first_payload) => FIRST_HOLDER.to_owned(),
@@ -658,15 +667,16 @@ fn judge(e: &PauseTestEvidence) -> Option<String> {
         Observed::Accepted => {
             return Some(
                 "the frozen holder's stale write was ACCEPTED after a later holder wrote: the \
-                 resource is not fenced (compare the mark and write in ONE statement, with \
-                 fence < token, and check the affected row count)"
+                 resource is not fenced (compare the record's mark with the token and write in \
+                 ONE atomic step — one statement, script or transaction — that refuses unless \
+                 mark < token, and check its answer, e.g. the affected row count)"
                     .into(),
             );
         }
         Observed::Error => {
             return Some(
                 "the frozen holder's stale write failed with an error instead of being rejected \
-                 by the fence (0 rows affected)"
+                 by the fence (0 rows affected, fenced out)"
                     .into(),
             );
         }
@@ -843,11 +853,20 @@ impl Holder {
             .arg("--wait")
             .arg(format!("{}ms", args.wait.as_millis()))
             .args(args.election.then_some("--election"))
-            .env(POSTGRES_ENV, &args.postgres)
+            .args(args.naive.then_some("--naive"))
+            // Connection strings by environment only (`ps` shows argv), and
+            // only the one this run uses.
+            .env_remove(POSTGRES_ENV)
+            .env_remove(RESOURCE_URL_ENV)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
+        if let Some(url) = &args.resource_url {
+            cmd.env(RESOURCE_URL_ENV, url);
+        } else if let Some(conninfo) = &args.postgres {
+            cmd.env(POSTGRES_ENV, conninfo);
+        }
         if let Some(sql) = &args.write_sql {
             cmd.arg("--write-sql").arg(sql);
         }

@@ -1,0 +1,398 @@
+//! The MySQL/MariaDB fence (issue 35): the guarded write and the record's
+//! mark in ONE statement, [`GUARDED_WRITE_SQL`]:
+//!
+//! ```sql
+//! INSERT INTO latchkey_fenced_rows (id, fence, payload) VALUES (?, ?, ?)
+//! ON DUPLICATE KEY UPDATE
+//!   payload = IF(fence < ?, ?, payload),
+//!   fence   = IF(fence < ?, ?, fence)
+//! ```
+//!
+//! bound as `(id, token, payload, token, payload, token, token)`. A missing
+//! record is inserted; an existing one is overwritten, and its mark raised
+//! to the token, only when its mark is strictly below the token. InnoDB
+//! locks the row for the statement, so the comparison and the write are one
+//! atomic step.
+//!
+//! The answer is the affected-row count, which MySQL and MariaDB define for
+//! `INSERT … ON DUPLICATE KEY UPDATE` as: **1** the row was inserted, **2**
+//! an existing row was updated, **0** an existing row was left as it was
+//! (here: fenced out). That holds only while the connection does NOT set
+//! `CLIENT_FOUND_ROWS`: with it, an unchanged row counts **1**, the same as
+//! an insert, and a fenced-out write would read as applied. mysql_async
+//! leaves the flag off unless the URL says `client_found_rows=true`;
+//! [`MysqlStore::connect`] refuses that URL, and checks the server's
+//! answer on a temporary table before trusting the count (a proxy between
+//! the driver and the server could change it too).
+//!
+//! Three details the statement depends on:
+//! - **assignment order**: MySQL applies `ON DUPLICATE KEY UPDATE`
+//!   assignments left to right and a later one sees the earlier ones'
+//!   values. `payload` must be assigned before `fence`; the other way round
+//!   the payload's `IF` already sees the new mark and never writes;
+//! - **strictly `<`**: a replayed token (equal to the mark) is refused;
+//! - **one unique key**: with a second unique index the insert could
+//!   collide on it and update another row. The reference table's only
+//!   unique key is `id`, a `VARBINARY` so that record names compare
+//!   byte-for-byte (a `VARCHAR` with the default collation would treat
+//!   `A` and `a` as one record).
+//!
+//! A record whose `fence` is `NULL` (a table that adopted fencing after
+//! rows existed) is never overwritten: `NULL < token` is not true, the
+//! statement leaves it, and the adapter answers [`FenceError::Unfenced`].
+//!
+//! Tokens are capabilities: the driver's error text is scrubbed of the
+//! token before it is kept (`Duplicate entry '…'` echoes values), and
+//! nothing here formats a token or a mark.
+
+use latchkey_fence::{BoxFuture, FenceError, FencedStore, Guarded, Mark, Record};
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Opts, Pool, Row};
+
+/// The store kind, as in `mysql://…`.
+pub const KIND: &str = "mysql";
+
+/// The reference table. Copy the pattern (a nullable `fence BIGINT
+/// UNSIGNED` per record, the statement above) into your own table.
+pub const TABLE: &str = "latchkey_fenced_rows";
+
+/// Creates the reference table if it is missing.
+pub const CREATE_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS latchkey_fenced_rows (
+    id      VARBINARY(255)  NOT NULL PRIMARY KEY,
+    fence   BIGINT UNSIGNED NULL,
+    payload LONGBLOB        NOT NULL
+) ENGINE=InnoDB";
+
+/// The guarded write; bind `(id, token, payload, token, payload, token,
+/// token)`. Affected rows: 1 inserted, 2 updated, 0 fenced out (or the
+/// record's `fence` is `NULL`).
+pub const GUARDED_WRITE_SQL: &str =
+    "INSERT INTO latchkey_fenced_rows (id, fence, payload) VALUES (?, ?, ?)
+ON DUPLICATE KEY UPDATE
+  payload = IF(fence < ?, ?, payload),
+  fence   = IF(fence < ?, ?, fence)";
+
+/// Reads a record's mark (`NULL`: unfenced) and payload; bind `(id)`.
+pub const READ_SQL: &str = "SELECT fence, payload FROM latchkey_fenced_rows WHERE id = ?";
+
+/// The naive writer: overwrites the payload and never compares or raises
+/// the mark (a record it creates gets mark 0); bind `(id, payload,
+/// payload)`. For the pause test's "a naive writer FAILs" run and the
+/// benchmark's baseline only.
+pub const PLAIN_WRITE_SQL: &str =
+    "INSERT INTO latchkey_fenced_rows (id, fence, payload) VALUES (?, 0, ?)
+ON DUPLICATE KEY UPDATE payload = ?";
+
+/// What the affected-row count of [`GUARDED_WRITE_SQL`] means (without
+/// `CLIENT_FOUND_ROWS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Affected {
+    /// 1: the record did not exist and was inserted.
+    Inserted,
+    /// 2: the record existed and was overwritten; its mark is the token.
+    Updated,
+    /// 0: the record exists and was left as it was.
+    Unchanged,
+}
+
+impl Affected {
+    /// `None` for any other count: refuse to guess.
+    pub fn from_count(count: u64) -> Option<Self> {
+        match count {
+            1 => Some(Affected::Inserted),
+            2 => Some(Affected::Updated),
+            0 => Some(Affected::Unchanged),
+            _ => None,
+        }
+    }
+}
+
+/// The fence over a MySQL or MariaDB database, through a connection pool.
+pub struct MysqlStore {
+    pool: Pool,
+}
+
+impl MysqlStore {
+    /// Connects with a `mysql://user:password@host:port/db` URL (no TLS),
+    /// creates the reference table if it is missing and checks that the
+    /// server reports an unchanged row as 0 affected. Refuses a URL with
+    /// `client_found_rows=true`. Errors name neither the URL nor its password.
+    pub async fn connect(url: &str) -> Result<Self, FenceError> {
+        let opts = Opts::from_url(url).map_err(|e| {
+            FenceError::store(
+                KIND,
+                "reading the URL",
+                format!("not a usable mysql:// URL: {e}"),
+                false,
+                &[],
+            )
+        })?;
+        Self::with_opts(opts).await
+    }
+
+    /// [`MysqlStore::connect`] with options already built.
+    pub async fn with_opts(opts: Opts) -> Result<Self, FenceError> {
+        if opts.client_found_rows() {
+            return Err(found_rows_refused(
+                "the connection options set CLIENT_FOUND_ROWS",
+            ));
+        }
+        let pool = Pool::new(opts);
+        let mut conn = pool
+            .get_conn()
+            .await
+            .map_err(|e| store_error("connecting", &e, &[]))?;
+        conn.query_drop(CREATE_TABLE_SQL)
+            .await
+            .map_err(|e| store_error("creating the reference table", &e, &[]))?;
+        check_affected_rows(&mut conn).await?;
+        drop(conn);
+        Ok(Self { pool })
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    async fn conn(&self, op: &'static str) -> Result<Conn, FenceError> {
+        self.pool
+            .get_conn()
+            .await
+            .map_err(|e| store_error(op, &e, &[]))
+    }
+
+    async fn read_with(conn: &mut Conn, record: &str) -> Result<Option<Record>, FenceError> {
+        let row: Option<Row> = conn
+            .exec_first(READ_SQL, (record.as_bytes(),))
+            .await
+            .map_err(|e| store_error("reading a record", &e, &[]))?;
+        let Some(row) = row else { return Ok(None) };
+        let unfenced = |why: &str| FenceError::Unfenced {
+            store: KIND,
+            record: record.to_owned(),
+            why: why.to_owned(),
+        };
+        let mark = match row.get_opt::<Option<u64>, usize>(0) {
+            Some(Ok(Some(mark))) => mark,
+            Some(Ok(None)) => return Err(unfenced("its fence column is NULL")),
+            _ => {
+                return Err(unfenced(
+                    "its fence column is not an unsigned 64-bit number",
+                ));
+            }
+        };
+        let payload = match row.get_opt::<Vec<u8>, usize>(1) {
+            Some(Ok(payload)) => payload,
+            _ => {
+                return Err(FenceError::store(
+                    KIND,
+                    "reading a record",
+                    "the payload column is not bytes",
+                    false,
+                    &[],
+                ));
+            }
+        };
+        Ok(Some(Record {
+            mark: Mark::new(mark),
+            payload,
+        }))
+    }
+}
+
+/// Runs the guarded statement twice on a temporary table's row and checks
+/// the counts the adapter relies on: 1 for an insert, 0 for a row left as
+/// it was. Anything else (`CLIENT_FOUND_ROWS` set somewhere on the way)
+/// would make a fenced-out write read as applied.
+async fn check_affected_rows(conn: &mut Conn) -> Result<(), FenceError> {
+    const OP: &str = "checking the affected-row count";
+    conn.query_drop(
+        "CREATE TEMPORARY TABLE latchkey_fence_probe (id INT PRIMARY KEY, fence BIGINT UNSIGNED)",
+    )
+    .await
+    .map_err(|e| store_error(OP, &e, &[]))?;
+    let probe = "INSERT INTO latchkey_fence_probe (id, fence) VALUES (1, 5) \
+                 ON DUPLICATE KEY UPDATE fence = IF(fence < 5, 5, fence)";
+    let mut counts = [0u64; 2];
+    for count in &mut counts {
+        conn.query_drop(probe)
+            .await
+            .map_err(|e| store_error(OP, &e, &[]))?;
+        *count = conn.affected_rows();
+    }
+    conn.query_drop("DROP TEMPORARY TABLE latchkey_fence_probe")
+        .await
+        .map_err(|e| store_error(OP, &e, &[]))?;
+    if counts != [1, 0] {
+        return Err(found_rows_refused(&format!(
+            "the server reported {} then {} affected rows for an insert and an unchanged row \
+             (expected 1 then 0)",
+            counts[0], counts[1]
+        )));
+    }
+    Ok(())
+}
+
+fn found_rows_refused(why: &str) -> FenceError {
+    FenceError::store(
+        KIND,
+        "checking the affected-row count",
+        format!(
+            "{why}: with CLIENT_FOUND_ROWS an unchanged (fenced-out) row counts as 1 affected, \
+             the same as an insert, so the fence's answer cannot be read; connect without \
+             client_found_rows"
+        ),
+        false,
+        &[],
+    )
+}
+
+/// A driver error as a [`FenceError`], scrubbed of `secrets`. Only the
+/// error's text is kept (its `Debug` can hold a row's values).
+pub fn store_error(op: &'static str, err: &mysql_async::Error, secrets: &[u64]) -> FenceError {
+    use mysql_async::Error as E;
+    let (message, transient) = match err {
+        E::Server(s) => (
+            format!("{} (errno {}, SQLSTATE {})", s.message, s.code, s.state),
+            // lock wait timeout, deadlock, too many connections, shutdown,
+            // connection killed, read-only (a failover in progress)
+            matches!(s.code, 1205 | 1213 | 1040 | 1053 | 1927 | 1290 | 1792),
+        ),
+        E::Io(_) => (err.to_string(), true),
+        E::Driver(mysql_async::DriverError::ConnectionClosed) => (err.to_string(), true),
+        E::Driver(mysql_async::DriverError::PoolDisconnected) => (err.to_string(), false),
+        // FromValue/FromRow errors hold the value: say only what kind.
+        E::Driver(mysql_async::DriverError::FromValue { .. })
+        | E::Driver(mysql_async::DriverError::FromRow { .. }) => (
+            "a column did not convert to the expected type".to_owned(),
+            false,
+        ),
+        _ => (err.to_string(), false),
+    };
+    FenceError::store(KIND, op, message, transient, secrets)
+}
+
+impl FencedStore for MysqlStore {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn guarded_write<'a>(
+        &'a self,
+        record: &'a str,
+        token: u64,
+        payload: &'a [u8],
+    ) -> BoxFuture<'a, Result<Guarded, FenceError>> {
+        Box::pin(async move {
+            let mut conn = self.conn("guarded write").await?;
+            let id = record.as_bytes();
+            conn.exec_drop(
+                GUARDED_WRITE_SQL,
+                (id, token, payload, token, payload, token, token),
+            )
+            .await
+            .map_err(|e| store_error("guarded write", &e, &[token]))?;
+            let count = conn.affected_rows();
+            match Affected::from_count(count) {
+                Some(Affected::Inserted | Affected::Updated) => Ok(Guarded::Applied),
+                // Left as it was: a mark at or above the token, or none at
+                // all (read says which). The read only reports.
+                Some(Affected::Unchanged) => match Self::read_with(&mut conn, record).await? {
+                    Some(found) => Ok(Guarded::FencedOut { mark: found.mark }),
+                    // Nothing changed, yet the record is not there: the
+                    // insert met another unique key (and left that row), or
+                    // the record was deleted since. Not a fence answer.
+                    None => Err(FenceError::store(
+                        KIND,
+                        "guarded write",
+                        "0 rows affected and the record is missing: the table has another \
+                         unique key (the upsert matched another row), or the record was \
+                         deleted meanwhile; nothing was written",
+                        false,
+                        &[token],
+                    )),
+                },
+                None => Err(FenceError::store(
+                    KIND,
+                    "guarded write",
+                    format!(
+                        "{count} rows affected by a write of one record (expected 0, 1 or 2): \
+                         the table has another unique key, or the count is not MySQL's; \
+                         refusing to read it"
+                    ),
+                    false,
+                    &[token],
+                )),
+            }
+        })
+    }
+
+    fn read<'a>(&'a self, record: &'a str) -> BoxFuture<'a, Result<Option<Record>, FenceError>> {
+        Box::pin(async move {
+            let mut conn = self.conn("reading a record").await?;
+            Self::read_with(&mut conn, record).await
+        })
+    }
+
+    fn plain_write<'a>(
+        &'a self,
+        record: &'a str,
+        payload: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), FenceError>> {
+        Box::pin(async move {
+            let mut conn = self.conn("plain write").await?;
+            conn.exec_drop(PLAIN_WRITE_SQL, (record.as_bytes(), payload, payload))
+                .await
+                .map_err(|e| store_error("plain write", &e, &[]))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_documented_counts_are_read() {
+        assert_eq!(Affected::from_count(0), Some(Affected::Unchanged));
+        assert_eq!(Affected::from_count(1), Some(Affected::Inserted));
+        assert_eq!(Affected::from_count(2), Some(Affected::Updated));
+        assert_eq!(Affected::from_count(3), None);
+    }
+
+    #[test]
+    fn the_statement_compares_strictly_and_assigns_the_payload_first() {
+        let sql = GUARDED_WRITE_SQL;
+        assert!(!sql.contains("<="), "{sql}");
+        assert_eq!(sql.matches("fence < ?").count(), 2, "{sql}");
+        let payload = sql.find("payload = IF").unwrap();
+        let fence = sql.find("fence   = IF").unwrap();
+        assert!(payload < fence, "payload must be assigned before fence");
+        assert_eq!(sql.matches('?').count(), 7);
+        assert!(!sql.contains(';'));
+    }
+
+    #[test]
+    fn a_found_rows_url_is_refused() {
+        let opts =
+            Opts::from_url("mysql://u:secret@127.0.0.1:1/db?client_found_rows=true").unwrap();
+        assert!(opts.client_found_rows());
+        let plain = Opts::from_url("mysql://u:secret@127.0.0.1:1/db").unwrap();
+        assert!(!plain.client_found_rows(), "mysql_async's default changed");
+    }
+
+    #[tokio::test]
+    async fn connect_refuses_found_rows_before_connecting_and_hides_the_password() {
+        let err =
+            match MysqlStore::connect("mysql://u:hunter2@127.0.0.1:1/db?client_found_rows=true")
+                .await
+            {
+                Ok(_) => panic!("accepted client_found_rows"),
+                Err(e) => e,
+            };
+        let text = format!("{err} {err:?}");
+        assert!(text.contains("CLIENT_FOUND_ROWS"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(!err.is_transient());
+    }
+}
