@@ -193,6 +193,13 @@ impl FenceError {
 /// `text` with every occurrence of `secret`'s decimal digits, and of its
 /// fixed-width hex form ([`Mark::to_hex`]), replaced.
 pub fn redact(text: &str, secret: u64) -> String {
+    // Every real token is at least 2^48 (its epoch is at least 1); a value
+    // this small is no capability (a probe's mark 0, an unprotected grant's
+    // token 0), and replacing its few digits would garble the message
+    // ("HTTP 4<redacted>3") and hint at the value.
+    if secret < 1 << 20 {
+        return text.to_string();
+    }
     text.replace(&secret.to_string(), "<redacted>")
         .replace(&format!("{secret:016x}"), "<redacted>")
 }
@@ -303,5 +310,8 @@ mod tests {
         assert!(!text.contains(&token.to_string()), "{text}");
         assert!(!text.contains(&format!("{token:016x}")), "{text}");
         assert!(!e.is_transient());
+        // A value far below any real token is left alone.
+        assert_eq!(redact("HTTP 403 (a 0 here)", 0), "HTTP 403 (a 0 here)");
+        assert_eq!(redact("HTTP 403", 3), "HTTP 403");
     }
 }

@@ -233,6 +233,28 @@ async fn check_affected_rows(conn: &mut Conn) -> Result<(), FenceError> {
     Ok(())
 }
 
+/// The reference table's `id` holds 255 bytes. A longer name is refused
+/// before any statement: without a strict `sql_mode` the server would cut
+/// it and the write would land on another record (the hostile review).
+const MAX_RECORD_BYTES: usize = 255;
+
+fn check_record(record: &str) -> Result<(), FenceError> {
+    if record.len() > MAX_RECORD_BYTES {
+        return Err(FenceError::store(
+            KIND,
+            "naming the record",
+            format_args!(
+                "the record name is {} bytes; the fenced table's id holds {MAX_RECORD_BYTES} \
+                 (a longer one would be cut by a non-strict server and land on another record)",
+                record.len()
+            ),
+            false,
+            &[],
+        ));
+    }
+    Ok(())
+}
+
 fn found_rows_refused(why: &str) -> FenceError {
     FenceError::store(
         KIND,
@@ -284,6 +306,7 @@ impl FencedStore for MysqlStore {
         payload: &'a [u8],
     ) -> BoxFuture<'a, Result<Guarded, FenceError>> {
         Box::pin(async move {
+            check_record(record)?;
             let mut conn = self.conn("guarded write").await?;
             let id = record.as_bytes();
             conn.exec_drop(
@@ -340,6 +363,7 @@ impl FencedStore for MysqlStore {
         payload: &'a [u8],
     ) -> BoxFuture<'a, Result<(), FenceError>> {
         Box::pin(async move {
+            check_record(record)?;
             let mut conn = self.conn("plain write").await?;
             conn.exec_drop(PLAIN_WRITE_SQL, (record.as_bytes(), payload, payload))
                 .await
@@ -351,6 +375,14 @@ impl FencedStore for MysqlStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn record_names_longer_than_the_id_column_are_refused() {
+        assert!(check_record(&"a".repeat(255)).is_ok());
+        let err = check_record(&"a".repeat(256)).unwrap_err();
+        assert!(err.to_string().contains("256 bytes"), "{err}");
+        assert!(!err.is_transient());
+    }
 
     #[test]
     fn only_the_documented_counts_are_read() {

@@ -104,6 +104,9 @@ pub enum PutReply {
     NotFound,
 }
 
+/// How often a plain write re-reads an object that changed under it.
+const PLAIN_ATTEMPTS: usize = 8;
+
 /// A fenced record store on one bucket (and prefix) of an S3-compatible store.
 pub struct S3Store {
     config: S3Config,
@@ -140,8 +143,12 @@ impl S3Store {
             base.set_host(Some(&host))
                 .map_err(|e| config_error(format_args!("virtual-hosted bucket name: {e}")))?;
         }
+        // No redirects: a 303 would turn a conditional PUT into a GET whose
+        // 200 reads as "written" (the hostile review), and a redirect to
+        // another host would carry the session token along.
         let http = reqwest::Client::builder()
             .timeout(config.timeout)
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| config_error(format_args!("building the HTTP client: {e}")))?;
         Ok(Self { config, base, http })
@@ -331,22 +338,34 @@ impl S3Store {
     }
 
     async fn plain(&self, record: &str, payload: &[u8]) -> Result<(), FenceError> {
-        // What a naive writer does: keep whatever mark is there, write
-        // unconditionally.
-        let mark = match self.head(record).await? {
-            None => Mark::new(0),
-            Some(h) => h.mark.ok_or_else(|| unfenced(record, "no readable mark"))?,
-        };
-        match self.put(record, Precondition::None, mark, payload).await? {
-            PutReply::Written { .. } => Ok(()),
-            other => Err(FenceError::store(
-                STORE,
-                "plain PUT",
-                format_args!("unconditional PUT answered {other:?}"),
-                true,
-                &[],
-            )),
+        // What a naive writer does: no fence, but the record's mark kept as
+        // it is. The PUT is conditional on the object the HEAD saw, so a
+        // guarded write that landed in between is never undone (an
+        // unconditional PUT would write the older mark back, and a stale
+        // holder's guarded write could then land: the hostile review).
+        for _ in 0..PLAIN_ATTEMPTS {
+            let head = self.head(record).await?;
+            let (precondition, mark) = match &head {
+                None => (Precondition::IfNoneMatch, Mark::new(0)),
+                Some(h) => (
+                    Precondition::IfMatch(&h.etag),
+                    h.mark.ok_or_else(|| unfenced(record, "no readable mark"))?,
+                ),
+            };
+            match self.put(record, precondition, mark, payload).await? {
+                PutReply::Written { .. } => return Ok(()),
+                PutReply::PreconditionFailed | PutReply::NotFound | PutReply::Conflict => continue,
+            }
         }
+        Err(FenceError::store(
+            STORE,
+            "plain PUT",
+            format_args!(
+                "the object changed under each of {PLAIN_ATTEMPTS} attempts; nothing was written"
+            ),
+            true,
+            &[],
+        ))
     }
 
     async fn send(

@@ -46,6 +46,18 @@ pub enum OpenError {
 /// reference table created).
 pub async fn open(url: &str) -> Result<Box<dyn FencedStore>, OpenError> {
     let (scheme, rest) = url.split_once("://").ok_or(OpenError::NoScheme)?;
+    // Only a scheme-shaped prefix is ever echoed: what comes before the
+    // first "://" may be a password (":hunter2@host/?next=redis://x").
+    let scheme_shaped = scheme
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '.' | '-'));
+    if !scheme_shaped {
+        return Err(OpenError::NoScheme);
+    }
     let store = |kind: &'static str| move |error| OpenError::Store { kind, error };
     match scheme.to_ascii_lowercase().as_str() {
         "postgresql" | "postgres" => Ok(Box::new(
@@ -217,6 +229,11 @@ mod tests {
         let why = open_err("ftp://u:hunter2@host/x").await;
         assert!(why.contains("\"ftp\"") && why.contains("redis://"), "{why}");
         assert!(!why.contains("hunter2"), "{why}");
+        let why = open_err(":hunter2@127.0.0.1:6379/0?next=redis://x").await;
+        assert!(
+            why.contains("no scheme") && !why.contains("hunter2"),
+            "{why}"
+        );
         let why = open_err("u:hunter2@host").await;
         assert!(
             why.contains("no scheme") && !why.contains("hunter2"),
