@@ -558,6 +558,7 @@ fn policy_dir(class_toml: &str, grant_toml: &str, class_name: &str) -> tempfile:
             stale_proclaim_after_resume: None,
         },
         failure: None,
+        store: None,
     };
     std::fs::write(
         dir.path().join("pause-tests/c.json"),

@@ -55,7 +55,8 @@ pub use hook::{
 pub use key::{ECHO_CHARS, KeyError, LockKey, MAX_KEY_BYTES};
 pub use pause_test::{
     ClassPauseTest, PAUSE_TEST_MAX_CLOCK_SKEW, PAUSE_TEST_RESULT_VERSION, PAUSE_TEST_VALID_DAYS,
-    PauseTestError, PauseTestEvidence, PauseTestOutcome, PauseTestResult, WriteOutcome, rfc3339,
+    PauseTestError, PauseTestEvidence, PauseTestOutcome, PauseTestResult, PauseTestStore,
+    WriteOutcome, rfc3339,
 };
 pub use policy_set::{CLASSES_DIR, GRANTS_DIR, PolicyFile, PolicySet, fingerprint};
 pub use telemetry::{MAX_LABEL_CHARS, metric_label, metric_namespace};

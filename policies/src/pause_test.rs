@@ -91,6 +91,26 @@ pub struct PauseTestResult {
     pub evidence: PauseTestEvidence,
     /// Why the test failed, in words; `None` on a pass.
     pub failure: Option<String>,
+    /// The store a fence adapter wrote to (`--resource-url`), when the kit
+    /// used one: which adapter, where (without credentials), and what the
+    /// store's setup means for the fence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<PauseTestStore>,
+}
+
+/// The store behind a pause test run through a fence adapter.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PauseTestStore {
+    /// The adapter's kind: `postgresql`, `mysql`, `redis`, `etcd`, `s3`.
+    pub kind: String,
+    /// Where it is, e.g. `redis://10.0.0.5:6379/0`: the URL without its
+    /// user, password or query (an S3 URL keeps its endpoint).
+    pub locator: String,
+    /// What the store's setup means for the fence (e.g. Redis's
+    /// asynchronous replication), in words.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub caveats: Vec<String>,
 }
 
 /// What the kit observed, step by step.

@@ -503,6 +503,7 @@ identity = "spiffe://td/latchkey/operator"
                 stale_proclaim_after_resume: None,
             },
             failure: None,
+            store: None,
         }
     }
 
@@ -1125,6 +1126,7 @@ identity = "spiffe://td/latchkey/operator"
         let failed = PauseTestResult {
             outcome: PauseTestOutcome::Fail,
             failure: Some("the stale write after resume was accepted".into()),
+            store: None,
             evidence: PauseTestEvidence {
                 stale_write_after_resume: WriteOutcome::Accepted,
                 final_row_from: "first-holder".into(),

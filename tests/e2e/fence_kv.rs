@@ -29,11 +29,11 @@ async fn redis_store_keeps_the_contract() -> anyhow::Result<()> {
     // Every u64 token, compared across its 32-bit halves.
     assert_eq!(
         store.guarded_write("rd/max", u64::MAX - 1, b"x").await?,
-        Guarded::Applied
+        Guarded::Applied { version: 1 }
     );
     assert_eq!(
         store.guarded_write("rd/max", u64::MAX, b"y").await?,
-        Guarded::Applied
+        Guarded::Applied { version: 2 }
     );
     assert!(matches!(
         store.guarded_write("rd/max", u64::MAX, b"z").await?,
@@ -125,10 +125,58 @@ async fn redis_store_keeps_the_contract() -> anyhow::Result<()> {
         .await?;
     assert!(err.to_string().contains("OOM"), "{err}");
     ensure_scrubbed(&err, token)?;
-    assert_eq!(
-        store.guarded_write("rd/oom", token, b"x").await?,
-        Guarded::Applied
+    assert!(
+        store
+            .guarded_write("rd/oom", token, b"x")
+            .await?
+            .is_applied()
     );
+
+    // A record with an expiry would lose its mark with it: refused, unchanged.
+    let _: () = redis::cmd("PEXPIRE")
+        .arg("rd/oom")
+        .arg(600_000)
+        .query_async(&mut conn)
+        .await?;
+    let err = store
+        .guarded_write("rd/oom", token + 1, b"y")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, FenceError::Unfenced { store: "redis", .. })
+            && err.to_string().contains("PERSIST"),
+        "{err}"
+    );
+    let payload: Vec<u8> = redis::cmd("HGET")
+        .arg("rd/oom")
+        .arg("payload")
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!(payload, b"x");
+
+    // The store says what the server's setup means (no AOF here), and a
+    // server that may evict any key is refused at connect.
+    assert_eq!(store.caveats().len(), 2, "{:?}", store.caveats());
+    for (name, value) in [("maxmemory", "100mb"), ("maxmemory-policy", "allkeys-lru")] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query_async(&mut conn)
+            .await?;
+    }
+    let err = match RedisStore::connect(&server.url()).await {
+        Ok(_) => anyhow::bail!("a server that evicts any key was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("allkeys-lru"), "{err}");
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("volatile-lru")
+        .query_async(&mut conn)
+        .await?;
+    assert!(RedisStore::connect(&server.url()).await.is_ok());
     Ok(())
 }
 
@@ -159,13 +207,17 @@ async fn etcd_store_keeps_the_contract() -> anyhow::Result<()> {
     check_contract(&store, "et").await?;
     check_race(Arc::new(EtcdStore::connect(&url).await?), "et/race").await?;
 
-    assert_eq!(
-        store.guarded_write("et/max", u64::MAX - 1, b"x").await?,
-        Guarded::Applied
+    assert!(
+        store
+            .guarded_write("et/max", u64::MAX - 1, b"x")
+            .await?
+            .is_applied()
     );
-    assert_eq!(
-        store.guarded_write("et/max", u64::MAX, b"y").await?,
-        Guarded::Applied
+    assert!(
+        store
+            .guarded_write("et/max", u64::MAX, b"y")
+            .await?
+            .is_applied()
     );
     assert!(matches!(
         store.guarded_write("et/max", u64::MAX, b"z").await?,
@@ -183,12 +235,14 @@ async fn etcd_store_keeps_the_contract() -> anyhow::Result<()> {
     // A payload without a mark, or a mark of another width, is refused and kept.
     let mut kv = client.kv_client();
     kv.put("fenced/et/legacy/payload", "theirs", None).await?;
-    // (A mark of another width that compares above the token's bytes; one
-    // that compares below is overwritten — see the limitation pinned below.)
+    // Marks of another width, whether they sort above the token's 8 bytes
+    // or below them (etcd's byte-wise `Less` alone would pass 4 zero bytes).
     kv.put("fenced/et/short/mark", vec![0xffu8; 4], None)
         .await?;
     kv.put("fenced/et/short/payload", "theirs", None).await?;
-    for record in ["et/legacy", "et/short"] {
+    kv.put("fenced/et/narrow/mark", vec![0u8; 4], None).await?;
+    kv.put("fenced/et/narrow/payload", "theirs", None).await?;
+    for record in ["et/legacy", "et/short", "et/narrow"] {
         let err = store
             .guarded_write(record, EPOCH + 9, b"ours")
             .await
@@ -202,11 +256,14 @@ async fn etcd_store_keeps_the_contract() -> anyhow::Result<()> {
             Err(FenceError::Unfenced { .. })
         ));
     }
-    let kept = latchkey_etcd::kv::get_one(&client, "fenced/et/legacy/payload").await?;
-    assert_eq!(
-        kept.value.map(|kv| kv.value().to_vec()),
-        Some(b"theirs".to_vec())
-    );
+    for key in ["fenced/et/legacy/payload", "fenced/et/narrow/payload"] {
+        let kept = latchkey_etcd::kv::get_one(&client, key).await?;
+        assert_eq!(
+            kept.value.map(|kv| kv.value().to_vec()),
+            Some(b"theirs".to_vec()),
+            "{key}"
+        );
+    }
     assert!(
         latchkey_etcd::kv::get_one(&client, "fenced/et/legacy/mark")
             .await?
@@ -214,14 +271,37 @@ async fn etcd_store_keeps_the_contract() -> anyhow::Result<()> {
             .is_none()
     );
 
-    // The limitation: etcd's compares cannot see a value's width, so a
-    // mark of another width that sorts below the token's 8 bytes passes the
-    // compare and is overwritten (the docs say so). Pinned here.
-    kv.put("fenced/et/narrow/mark", vec![0u8; 4], None).await?;
-    assert_eq!(
-        store.guarded_write("et/narrow", EPOCH + 9, b"ours").await?,
-        Guarded::Applied
+    // A record another writer changed since this store's last write of it:
+    // the remembered revision no longer matches, the record is read again,
+    // and the answer is the fence's on what is there now.
+    let other = EtcdStore::connect(&url).await?;
+    let Guarded::Applied { version: first } =
+        store.guarded_write("et/two", EPOCH + 1, b"a").await?
+    else {
+        anyhow::bail!("the first write of et/two was not applied");
+    };
+    let Guarded::Applied { version: second } =
+        other.guarded_write("et/two", EPOCH + 2, b"b").await?
+    else {
+        anyhow::bail!("the other store's write was not applied");
+    };
+    assert!(second > first);
+    assert!(matches!(
+        store.guarded_write("et/two", EPOCH + 2, b"c").await?,
+        Guarded::FencedOut { mark } if mark == Mark::new(EPOCH + 2)
+    ));
+    assert!(
+        store
+            .guarded_write("et/two", EPOCH + 3, b"d")
+            .await?
+            .is_applied()
     );
+    // A foreign mark written after this store's own write is caught too.
+    kv.put("fenced/et/two/mark", vec![0u8; 4], None).await?;
+    assert!(matches!(
+        store.guarded_write("et/two", EPOCH + 4, b"e").await,
+        Err(FenceError::Unfenced { .. })
+    ));
 
     // A store error with the token in the request (a user whose role
     // does not cover the prefix) never shows the token.

@@ -35,7 +35,7 @@ async fn guarded_writes_create_overwrite_and_fence_out() -> anyhow::Result<()> {
 
     assert_eq!(
         store.guarded_write("orders", t1, b"a").await?,
-        Guarded::Applied
+        Guarded::Applied { version: 1 }
     );
     let r = store.read("orders").await?.context("record missing")?;
     ensure!(
@@ -45,7 +45,7 @@ async fn guarded_writes_create_overwrite_and_fence_out() -> anyhow::Result<()> {
 
     assert_eq!(
         store.guarded_write("orders", t2, b"bb").await?,
-        Guarded::Applied
+        Guarded::Applied { version: 2 }
     );
     let r = store.read("orders").await?.context("record missing")?;
     ensure!(
@@ -91,9 +91,11 @@ async fn rewriting_the_same_payload_still_changes_the_etag() -> anyhow::Result<(
     // The earlier holder reads the ETag it will make its PUT conditional on…
     let seen = store.head("state").await?.context("missing")?;
     // …the later holder writes the very same payload…
-    assert_eq!(
-        store.guarded_write("state", late, b"same").await?,
-        Guarded::Applied
+    assert!(
+        store
+            .guarded_write("state", late, b"same")
+            .await?
+            .is_applied()
     );
     let now = store.head("state").await?.context("missing")?;
     ensure!(
@@ -106,6 +108,7 @@ async fn rewriting_the_same_payload_still_changes_the_etag() -> anyhow::Result<(
             "state",
             Precondition::IfMatch(&seen.etag),
             Mark::new(early),
+            1,
             b"other",
         )
         .await?;
@@ -195,7 +198,7 @@ async fn racing_writers_leave_the_greatest_token() -> anyhow::Result<()> {
     for task in tasks {
         for (start, end, t, g) in task.await?? {
             match g {
-                Guarded::Applied => applied.push((start, end, t)),
+                Guarded::Applied { .. } => applied.push((start, end, t)),
                 Guarded::FencedOut { mark } => {
                     fenced += 1;
                     // Not `{mark}`: marks never print; compare instead.
@@ -253,9 +256,11 @@ async fn the_probe_certifies_the_real_server_and_urls_reach_it() -> anyhow::Resu
         server.env(name)
     })?)?;
     assert_eq!(from_url.kind(), "s3");
-    assert_eq!(
-        from_url.guarded_write("via-url", 7, b"u").await?,
-        Guarded::Applied
+    assert!(
+        from_url
+            .guarded_write("via-url", 7, b"u")
+            .await?
+            .is_applied()
     );
     let r = store
         .read("via-url")
@@ -274,7 +279,7 @@ async fn the_probe_certifies_the_real_server_and_urls_reach_it() -> anyhow::Resu
     );
     let eu = S3Store::new(config_from_url(&url, |name| server.env(name))?)?;
     eu.create_bucket().await?;
-    assert_eq!(eu.guarded_write("r", 9, b"eu").await?, Guarded::Applied);
+    assert!(eu.guarded_write("r", 9, b"eu").await?.is_applied());
     ensure!(eu.read("r").await?.context("missing")?.payload == b"eu");
     Ok(())
 }
@@ -410,7 +415,7 @@ async fn errors_never_show_the_token() -> anyhow::Result<()> {
     // A store whose error text echoes the mark it was sent.
     let (store, task) = fake_store(Fake::EchoesTheMark).await?;
     let probe_store = store
-        .put("r", Precondition::None, Mark::new(secret), b"p")
+        .put("r", Precondition::None, Mark::new(secret), 1, b"p")
         .await;
     let err = probe_store
         .err()
@@ -485,7 +490,7 @@ async fn record_names_are_written_or_refused_before_any_request() -> anyhow::Res
     let store = server.store("names", "p").await?;
     for record in ["plain/name-1", "a b/c", "v1.2_x~y"] {
         let applied = store.guarded_write(record, token(2, 5), b"v").await?;
-        ensure!(applied == Guarded::Applied, "{record}: {applied:?}");
+        ensure!(applied.is_applied(), "{record}: {applied:?}");
         let back = store.read(record).await?.context("read back")?;
         ensure!(back.payload == b"v", "{record}");
     }

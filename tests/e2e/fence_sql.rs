@@ -54,15 +54,59 @@ async fn postgres_store_keeps_the_contract() -> anyhow::Result<()> {
     db.batch_execute("CREATE UNIQUE INDEX one_mark ON latchkey_fenced_rows (fence)")
         .await?;
     let token = EPOCH + 777;
-    assert_eq!(
-        store.guarded_write("pg/u1", token, b"a").await?,
-        Guarded::Applied
+    assert!(
+        store
+            .guarded_write("pg/u1", token, b"a")
+            .await?
+            .is_applied()
     );
     let err = store.guarded_write("pg/u2", token, b"b").await.unwrap_err();
     let text = err.to_string();
     assert!(text.contains("one_mark"), "{text}");
     ensure_scrubbed(&err, token)?;
     assert!(!err.is_transient());
+    db.batch_execute("DROP INDEX one_mark").await?;
+
+    // A negative mark is no token's: never overwritten (it compares below
+    // every token), refused as unfenced, and left as it was.
+    db.batch_execute("INSERT INTO latchkey_fenced_rows VALUES ('pg/negative', -1, 'theirs', 1)")
+        .await?;
+    let err = store
+        .guarded_write("pg/negative", EPOCH + 5, b"ours")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FenceError::Unfenced {
+                store: "postgresql",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let payload: String = db
+        .query_one(
+            "SELECT payload FROM latchkey_fenced_rows WHERE id = 'pg/negative'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(payload, "theirs");
+
+    // A table of the reference name that is not the fence's (an older
+    // version's, someone else's) is refused at connect, saying what differs.
+    db.batch_execute(
+        "ALTER TABLE latchkey_fenced_rows RENAME TO kept; \
+         CREATE TABLE latchkey_fenced_rows (id text PRIMARY KEY, fence text NOT NULL, payload text NOT NULL)",
+    )
+    .await?;
+    let err = match PostgresStore::connect(&pg.url()).await {
+        Ok(_) => anyhow::bail!("a table with a text fence column was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("`fence` column is text, not bigint"), "{err}");
+    assert!(err.contains("no `writes` column"), "{err}");
     Ok(())
 }
 
@@ -101,18 +145,26 @@ async fn mariadb_affected_rows_are_pinned() -> anyhow::Result<()> {
                         payload,
                         token,
                         token,
+                        token,
                     ),
                 )
                 .await?;
-                counts.push(conn.affected_rows());
+                counts.push((conn.affected_rows(), conn.last_insert_id()));
             }
             anyhow::Ok(counts)
         }
     };
-    // insert, update, same token (unchanged), older token (unchanged)
-    assert_eq!(counts(false).await?, [1, 2, 0, 0]);
+    // insert, update, same token (unchanged), older token (unchanged); an
+    // applied write's version (the write count) is the OK packet's
+    // last-insert id, which LAST_INSERT_ID(expr) set.
+    let without = counts(false).await?;
     assert_eq!(
-        counts(true).await?,
+        without.iter().map(|c| c.0).collect::<Vec<_>>(),
+        [1, 2, 0, 0]
+    );
+    assert_eq!((without[0].1, without[1].1), (Some(1), Some(2)));
+    assert_eq!(
+        counts(true).await?.iter().map(|c| c.0).collect::<Vec<_>>(),
         [1, 2, 1, 1],
         "CLIENT_FOUND_ROWS: unchanged reads as 1"
     );
@@ -172,11 +224,11 @@ async fn mariadb_store_keeps_the_contract() -> anyhow::Result<()> {
     // BIGINT UNSIGNED holds every token.
     assert_eq!(
         store.guarded_write("my/max", u64::MAX - 1, b"x").await?,
-        Guarded::Applied
+        Guarded::Applied { version: 1 }
     );
     assert_eq!(
         store.guarded_write("my/max", u64::MAX, b"y").await?,
-        Guarded::Applied
+        Guarded::Applied { version: 2 }
     );
     assert!(matches!(
         store.guarded_write("my/max", u64::MAX, b"z").await?,
@@ -184,19 +236,25 @@ async fn mariadb_store_keeps_the_contract() -> anyhow::Result<()> {
     ));
 
     // Record names compare byte for byte (VARBINARY): case matters.
-    assert_eq!(
-        store.guarded_write("my/Case", EPOCH, b"upper").await?,
-        Guarded::Applied
+    assert!(
+        store
+            .guarded_write("my/Case", EPOCH, b"upper")
+            .await?
+            .is_applied()
     );
-    assert_eq!(
-        store.guarded_write("my/case", EPOCH, b"lower").await?,
-        Guarded::Applied
+    assert!(
+        store
+            .guarded_write("my/case", EPOCH, b"lower")
+            .await?
+            .is_applied()
     );
 
     // A record without a mark (fence NULL) is refused, and left as it was.
     let mut conn = db.conn().await?;
-    conn.query_drop("INSERT INTO latchkey_fenced_rows VALUES ('my/legacy', NULL, 'theirs')")
-        .await?;
+    conn.query_drop(
+        "INSERT INTO latchkey_fenced_rows (id, fence, payload) VALUES ('my/legacy', NULL, 'theirs')",
+    )
+    .await?;
     let err = store
         .guarded_write("my/legacy", EPOCH + 5, b"ours")
         .await
@@ -237,5 +295,49 @@ async fn mariadb_store_keeps_the_contract() -> anyhow::Result<()> {
     assert!(text.contains("no boom at <redacted>"), "{text}");
     ensure_scrubbed(&err, token)?;
     assert!(!err.is_transient());
+
+    // Triggers that insert elsewhere (an audit table with its own
+    // AUTO_INCREMENT) leave the OK packet without the write count; the
+    // version is still the record's count.
+    conn.query_drop(
+        "CREATE TABLE audit_rows (n INT AUTO_INCREMENT PRIMARY KEY, f BIGINT UNSIGNED)",
+    )
+    .await?;
+    for (name, event) in [("audit_ins", "INSERT"), ("audit_upd", "UPDATE")] {
+        conn.query_drop(format!(
+            "CREATE TRIGGER {name} AFTER {event} ON latchkey_fenced_rows FOR EACH ROW \
+             INSERT INTO audit_rows (f) VALUES (NEW.fence)"
+        ))
+        .await?;
+    }
+    for (i, version) in (1..=3u64).enumerate() {
+        assert_eq!(
+            store
+                .guarded_write("my/audited", EPOCH + 100 + i as u64, b"a")
+                .await?,
+            Guarded::Applied { version },
+            "write {version} under audit triggers"
+        );
+    }
+
+    // A table of the reference name that is not the fence's (a VARCHAR id
+    // compares case-insensitively, a signed fence, a second unique key) is
+    // refused at connect, saying what differs.
+    conn.query_drop("RENAME TABLE latchkey_fenced_rows TO kept")
+        .await?;
+    conn.query_drop(
+        "CREATE TABLE latchkey_fenced_rows (id VARCHAR(255) PRIMARY KEY, fence BIGINT NULL, \
+           payload LONGBLOB NOT NULL, writes BIGINT UNSIGNED NOT NULL DEFAULT 0, \
+           tag INT, UNIQUE KEY one_tag (tag))",
+    )
+    .await?;
+    let err = match MysqlStore::connect(&db.url()).await {
+        Ok(_) => anyhow::bail!("a foreign table was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("`id` column is varchar(255)"), "{err}");
+    assert!(err.contains("`fence` column is bigint"), "{err}");
+    assert!(err.contains("one_tag(tag)"), "{err}");
+    assert!(!err.contains(db.password()), "{err}");
     Ok(())
 }

@@ -259,6 +259,7 @@ pub(crate) fn policy_dir() -> anyhow::Result<TempDir> {
                 stale_proclaim_after_resume: None,
             },
             failure: None,
+            store: None,
         };
         std::fs::write(
             dir.path().join(format!("pause-tests/{class}.json")),
@@ -386,7 +387,7 @@ async fn the_kit_passes_against_the_reference_fence() -> anyhow::Result<()> {
     assert!(text(&output.stdout).contains("pause-test PASS"));
 
     // the record: created by the first holder, then the second holder's write
-    let (mark, payload, writes) = row(&rig.db, "latchkey-pause-test:pausetest/ledger-1").await?;
+    let (mark, payload, writes) = row(&rig.db, "latchkey-pause-test/pausetest/ledger-1").await?;
     assert!(payload.ends_with("second-holder"), "{payload}");
     assert_eq!(writes, 2);
     let marks = rig.marks_seen().await?;

@@ -97,16 +97,25 @@ impl Rig {
         let kit_pid = child.id().context("the kit's pid")?;
         // While the kit runs, its holder child's command line must not
         // carry the URL's password (`ps` shows it to every user).
+        // A kit that refuses to run exits without one.
         let holder_argv = latchkey_tests::eventually(
-            "the holder child to start",
+            "the holder child to start (or the kit to exit)",
             Duration::from_secs(60),
-            || async { holder_cmdline(kit_pid) },
+            || async {
+                match holder_cmdline(kit_pid) {
+                    Ok(argv) => Ok(Some(argv)),
+                    Err(_) if exited(kit_pid) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            },
         )
         .await?;
-        ensure!(
-            holder_argv.contains("pause-test-holder") && !holder_argv.contains(secret),
-            "the holder's command line carries the resource URL's password"
-        );
+        if let Some(argv) = holder_argv {
+            ensure!(
+                argv.contains("pause-test-holder") && !argv.contains(secret),
+                "the holder's command line carries the resource URL's password"
+            );
+        }
         let output = timeout(KIT_TIMEOUT, child.wait_with_output())
             .await
             .context("pause-test did not finish in time")?
@@ -124,6 +133,17 @@ impl Rig {
             );
         }
         Ok(output)
+    }
+}
+
+/// Whether `pid` has exited (a zombie not yet reaped, or gone).
+fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // `pid (comm) S …`: the state follows the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
     }
 }
 
@@ -190,6 +210,35 @@ async fn ensure_pass(
     assert_eq!(e.stale_write_after_resume, Observed::Rejected);
     assert_eq!(e.final_row_from, "second-holder");
     assert!(text(&output.stdout).contains("pause-test PASS"));
+    // The result says which adapter was proven, where (no credentials),
+    // and what the store's setup means for the fence.
+    let proven = result
+        .store
+        .as_ref()
+        .context("the result names the store")?;
+    assert_eq!(proven.kind, store.kind());
+    assert!(
+        proven
+            .locator
+            .starts_with(&format!("{}://", resource.split(':').next().unwrap_or("")))
+            || proven.locator.starts_with("mysql://")
+            || proven.locator.starts_with("postgresql://"),
+        "{}",
+        proven.locator
+    );
+    assert!(!proven.locator.contains('@'), "{}", proven.locator);
+    assert_eq!(proven.caveats, store.caveats());
+    if store.kind() == "redis" {
+        assert!(
+            proven
+                .caveats
+                .iter()
+                .any(|c| c.contains("replicates asynchronously")),
+            "{:?}",
+            proven.caveats
+        );
+        assert!(text(&output.stdout).contains("caveat: Redis replicates asynchronously"));
+    }
     let record = store.read(row).await?.context("the record")?;
     assert!(record.payload.ends_with(b"second-holder"));
     Ok(record.mark.get())
@@ -239,7 +288,7 @@ async fn the_kit_passes_the_mariadb_fence_and_fails_a_naive_writer() -> anyhow::
         &out,
         resource,
         &store,
-        &format!("latchkey-pause-test:{key}"),
+        &format!("latchkey-pause-test/{key}"),
     )
     .await?;
     let marks: Vec<Option<u64>> = conn.query("SELECT fence FROM marks_seen").await?;
@@ -282,7 +331,7 @@ async fn the_kit_passes_the_redis_fence_and_fails_a_naive_writer() -> anyhow::Re
         &out,
         resource,
         &store,
-        &format!("latchkey-pause-test:{key}"),
+        &format!("latchkey-pause-test/{key}"),
     )
     .await?;
     ensure_no_token_leaked(&output, &out, &[mark])?;
@@ -299,6 +348,39 @@ async fn the_kit_passes_the_redis_fence_and_fails_a_naive_writer() -> anyhow::Re
         )
         .await?;
     ensure_naive_fails(&output, &out)?;
+
+    // A --resource that names another kind of store than the URL opens
+    // cannot run: the result would claim a fence nobody proved.
+    let out = rig.work.path().join("redis-mismatch.json");
+    let output = rig
+        .kit(
+            "pausetest/redis-3",
+            "postgresql:ledger",
+            &server.url(),
+            &out,
+            &[],
+            server.password(),
+        )
+        .await?;
+    ensure!(
+        output.status.code() == Some(2),
+        "expected exit 2 (could not run)"
+    );
+    let stderr = text(&output.stderr);
+    ensure!(
+        stderr.contains("does not name a redis resource"),
+        "the refusal says why: {stderr}"
+    );
+    ensure!(
+        !out.exists(),
+        "a result was written for a run that could not run"
+    );
+    assert!(
+        store
+            .read("latchkey-pause-test/pausetest/redis-3")
+            .await?
+            .is_none()
+    );
     Ok(())
 }
 
@@ -320,7 +402,7 @@ async fn the_kit_passes_the_etcd_fence_and_fails_a_naive_writer() -> anyhow::Res
     let output = rig
         .kit(key, resource, &url, &out, &[], "app-secret-pw")
         .await?;
-    let row = format!("latchkey-pause-test:{key}");
+    let row = format!("latchkey-pause-test/{key}");
     let mark = ensure_pass(&output, &out, resource, &store, &row).await?;
     // The first holder's mark: the mark key's previous version.
     let client = etcd.client().await?;
@@ -390,20 +472,18 @@ async fn the_kit_probes_and_passes_the_s3_fence_and_fails_a_naive_writer() -> an
     let resource = "s3:pausetest/ledger";
     let out = rig.work.path().join("s3.json");
     let key = "pausetest/s3-1";
-    // The default record name (`latchkey-pause-test:<key>`) has a `:`,
-    // which the S3 adapter refuses: name one.
+    // The default record name is one S3 takes.
     let output = rig
-        .kit_with_env(
-            key,
-            resource,
-            &url,
-            &out,
-            &["--row", "pausetest-s3-1"],
-            &secret,
-            &envs,
-        )
+        .kit_with_env(key, resource, &url, &out, &[], &secret, &envs)
         .await?;
-    let mark = ensure_pass(&output, &out, resource, &store, "pausetest-s3-1").await?;
+    let mark = ensure_pass(
+        &output,
+        &out,
+        resource,
+        &store,
+        "latchkey-pause-test/pausetest/s3-1",
+    )
+    .await?;
     ensure_no_token_leaked(&output, &out, &[mark])?;
 
     let out = rig.work.path().join("s3-naive.json");

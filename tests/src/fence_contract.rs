@@ -34,7 +34,9 @@ pub async fn check_contract(store: &dyn FencedStore, prefix: &str) -> anyhow::Re
     );
 
     let g = store.guarded_write(&r1, base + 10, b"ten").await?;
-    ensure!(g == Guarded::Applied, "a new record is created: {g}");
+    let Guarded::Applied { version: v1 } = g else {
+        anyhow::bail!("a new record is created: {g}");
+    };
     let rec = read(store, &r1).await?;
     ensure!(
         rec.as_ref().map(|r| (r.mark, r.payload.as_slice()))
@@ -43,7 +45,13 @@ pub async fn check_contract(store: &dyn FencedStore, prefix: &str) -> anyhow::Re
     );
 
     let g = store.guarded_write(&r1, base + 20, b"twenty").await?;
-    ensure!(g == Guarded::Applied, "a greater token overwrites: {g}");
+    let Guarded::Applied { version: v2 } = g else {
+        anyhow::bail!("a greater token overwrites: {g}");
+    };
+    ensure!(
+        v2 > v1,
+        "the record's version grows with each applied write: {v1} then {v2}"
+    );
     let g = store.guarded_write(&r1, base + 20, b"twenty again").await?;
     ensure!(
         is_fenced_out_at(g, base + 20),
@@ -63,15 +71,12 @@ pub async fn check_contract(store: &dyn FencedStore, prefix: &str) -> anyhow::Re
 
     // One mark per record: another record takes a lower token.
     let g = store.guarded_write(&r2, base + 1, b"r2").await?;
-    ensure!(g == Guarded::Applied, "the mark is per record: {g}");
+    ensure!(g.is_applied(), "the mark is per record: {g}");
     // Across the 32-bit halves of a token (Redis compares in halves).
     let g = store
         .guarded_write(&r2, base + (1 << 32), b"r2 high")
         .await?;
-    ensure!(
-        g == Guarded::Applied,
-        "a token greater in its high half: {g}"
-    );
+    ensure!(g.is_applied(), "a token greater in its high half: {g}");
     let g = store
         .guarded_write(&r2, base + (1 << 32) - 1, b"r2 low")
         .await?;
@@ -97,14 +102,16 @@ pub async fn check_contract(store: &dyn FencedStore, prefix: &str) -> anyhow::Re
         "plain_write creates with mark 0: {rec:?}"
     );
     let g = store.guarded_write(&r3, base + 1, b"fenced now").await?;
-    ensure!(g == Guarded::Applied, "a guarded write over mark 0: {g}");
+    ensure!(g.is_applied(), "a guarded write over mark 0: {g}");
     Ok(())
 }
 
 /// 24 writers race on one record with shuffled tokens; whatever the
 /// interleaving, the highest token's payload and mark are what stays, and
 /// every answer is Applied or FencedOut at a mark at or above the token
-/// (or Retry, then nothing changed).
+/// (or Retry, then nothing changed), and the applied writes' tokens rise in
+/// the order of their versions (the store's commit order, as the release
+/// gate's checker reads it).
 pub async fn check_race(store: Arc<dyn FencedStore>, record: &str) -> anyhow::Result<()> {
     let base = 3 * EPOCH;
     let mut tokens: Vec<u64> = (1..=24).map(|i| base + i).collect();
@@ -126,11 +133,11 @@ pub async fn check_race(store: Arc<dyn FencedStore>, record: &str) -> anyhow::Re
             (token, answer)
         }));
     }
-    let mut applied = 0;
+    let mut applied = Vec::new();
     for task in tasks {
         let (token, answer) = task.await?;
         match answer? {
-            Guarded::Applied => applied += 1,
+            Guarded::Applied { version } => applied.push((version, token)),
             Guarded::FencedOut { mark } => {
                 ensure!(
                     mark >= Mark::new(token),
@@ -140,7 +147,21 @@ pub async fn check_race(store: Arc<dyn FencedStore>, record: &str) -> anyhow::Re
             Guarded::Retry => {}
         }
     }
-    ensure!(applied >= 1, "no writer was applied");
+    ensure!(!applied.is_empty(), "no writer was applied");
+    applied.sort_unstable();
+    for pair in applied.windows(2) {
+        ensure!(
+            pair[0].0 < pair[1].0,
+            "two applied writes share version {}",
+            pair[0].0
+        );
+        ensure!(
+            pair[0].1 < pair[1].1,
+            "a write committed after (version {} > {}) carried a lower token",
+            pair[1].0,
+            pair[0].0
+        );
+    }
     let rec = read(store.as_ref(), record).await?;
     ensure!(
         rec.as_ref().map(|r| (r.mark, r.payload.as_slice()))

@@ -111,6 +111,7 @@ pub fn pause_test_fixture(class: &str, resource: &str) -> PauseTestResult {
             stale_proclaim_after_resume: None,
         },
         failure: None,
+        store: None,
     }
 }
 

@@ -56,6 +56,10 @@ impl MariaDbServer {
         install
             .arg("--no-defaults")
             .arg(format!("--datadir={}", dir.path().join("data").display()))
+            // Its own tmpdir: bootstraps running at once in the shared /tmp
+            // collide on their temporary tables ("Unknown table
+            // 'mysql.tmp_user_sys'", one install in four here).
+            .arg(format!("--tmpdir={}", dir.path().display()))
             .args(["--auth-root-authentication-method=normal", "--skip-test-db"])
             .args(as_root.then_some("--user=root"))
             .current_dir(dir.path())

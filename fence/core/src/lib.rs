@@ -82,8 +82,14 @@ impl fmt::Display for Mark {
 /// What a guarded write did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Guarded {
-    /// The write landed; the record's mark is now the token.
-    Applied,
+    /// The write landed; the record's mark is now the token. `version`
+    /// is the record's version after this write: the versions of one
+    /// record strictly increase in the order its writes committed (a
+    /// per-record write count, 1 for the write that created it, in the SQL
+    /// stores, Redis and S3; the revision of the transaction in etcd). Two
+    /// applied writes of one record are ordered by it, which is how the
+    /// release gate's checker orders a store's commits.
+    Applied { version: u64 },
     /// The record's mark is at or above the token: a later (or the same)
     /// grant already wrote. Nothing changed.
     FencedOut { mark: Mark },
@@ -95,14 +101,14 @@ pub enum Guarded {
 
 impl Guarded {
     pub fn is_applied(self) -> bool {
-        matches!(self, Guarded::Applied)
+        matches!(self, Guarded::Applied { .. })
     }
 }
 
 impl fmt::Display for Guarded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Guarded::Applied => f.write_str("applied"),
+            Guarded::Applied { .. } => f.write_str("applied"),
             Guarded::FencedOut { .. } => {
                 f.write_str("fenced out: a later holder wrote this record")
             }
@@ -215,6 +221,13 @@ pub trait FencedStore: Send + Sync {
     /// The store kind, as in `--resource <kind>://…` (`postgresql`,
     /// `mysql`, `redis`, `etcd`, `s3`).
     fn kind(&self) -> &'static str;
+
+    /// What this store's setup means for the fence, in words a pause-test
+    /// result records beside its verdict (asynchronous replication, a
+    /// server that forgets on restart). Empty when there is nothing to say.
+    fn caveats(&self) -> Vec<String> {
+        Vec::new()
+    }
 
     /// Writes `payload` to `record` if and only if the record is missing or
     /// its mark is strictly below `token`, raising the mark to `token` in

@@ -8,31 +8,35 @@
 //!   byte-wise value comparison is the numeric one;
 //! - `payload`: the bytes written.
 //!
-//! The guarded write is one `Txn` ([`guarded_txn`]):
+//! The guarded write is a compare-and-swap on the mark key's
+//! `mod_revision`, one `Txn` per attempt ([`guarded_txn`]):
 //!
 //! ```text
-//! IF   value(mark) < token_bytes                    (false when mark is missing)
+//! record not seen yet:   IF version(mark) = 0 AND version(payload) = 0
+//! mark seen at rev r:    IF mod_revision(mark) = r AND value(mark) < token_bytes
 //! THEN put(mark, token_bytes), put(payload, payload)
-//! ELSE txn(
-//!        IF   version(mark) = 0 AND version(payload) = 0   (the record is missing)
-//!        THEN put(mark, token_bytes), put(payload, payload)
-//!        ELSE get(mark), get(payload))
+//! ELSE get(mark), get(payload)
 //! ```
 //!
-//! etcd applies a transaction atomically at one revision. `succeeded` at the
-//! top is a write over an older mark; the nested transaction's `succeeded`
-//! is a create; otherwise its gets say why: a mark at or above the token is
-//! [`Guarded::FencedOut`] (strictly `<`: a replayed token is refused), a
-//! payload without a mark, or a mark that is not 8 bytes, is
-//! [`FenceError::Unfenced`] (never overwritten).
+//! etcd applies a transaction atomically at one revision. When the compare
+//! fails, the gets show the record as it is: a mark at or above the token is
+//! [`Guarded::FencedOut`] (strictly `<`: a replayed token is refused); a
+//! payload without a mark, or a mark that is not exactly 8 bytes, is
+//! [`FenceError::Unfenced`] (never overwritten); an 8-byte mark below the
+//! token is tried again at the revision just read. A write is applied only
+//! over a mark this adapter read and validated (8 bytes, below the token)
+//! and that has not changed since: etcd's byte-wise `Less` alone would pass
+//! a mark of another width that sorts below the token (4 zero bytes), which
+//! the mod_revision compare rules out. The store remembers the revision its
+//! own last write of a record left, so a holder writing one record again
+//! pays one transaction; a record someone else wrote since costs two.
 //!
-//! etcd's `Less` on values compares bytes and no compare sees a value's
-//! width, so a mark written in another encoding compares wrongly: one that
-//! sorts above the token's bytes is refused and reported
-//! [`FenceError::Unfenced`], but one that sorts below (4 zero bytes, a
-//! shorter prefix) passes the compare and is overwritten. Only this
-//! adapter's 8-byte marks belong under `mark`.
+//! An applied write's version ([`Guarded::Applied`]) is the revision of its
+//! transaction: etcd's revisions grow with every write, so one record's
+//! versions follow the order its writes committed.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse, TxnResponse};
@@ -44,11 +48,19 @@ pub const KIND: &str = "etcd";
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Compare-and-swap attempts of one guarded write before it answers
+/// [`Guarded::Retry`] (other writers kept changing the record).
+const ATTEMPTS: usize = 4;
+/// Records whose last-written revision the store remembers; past this the
+/// memory starts again (a forgotten record costs one more transaction).
+const REMEMBERED: usize = 4096;
 
 /// The fence over a user's etcd cluster.
 pub struct EtcdStore {
     client: Client,
     prefix: String,
+    /// Record → the mark key's mod_revision after this store's last write.
+    written: Mutex<HashMap<String, i64>>,
 }
 
 /// What an `etcd://` URL says: `etcd://[user:password@]host:port[,host:port…][/prefix]`.
@@ -140,6 +152,30 @@ impl EtcdStore {
         Self {
             client,
             prefix: prefix.into(),
+            written: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn remembered(&self, record: &str) -> Option<i64> {
+        self.written
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(record)
+            .copied()
+    }
+
+    fn remember(&self, record: &str, revision: Option<i64>) {
+        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        match revision {
+            Some(rev) => {
+                if written.len() >= REMEMBERED && !written.contains_key(record) {
+                    written.clear();
+                }
+                written.insert(record.to_owned(), rev);
+            }
+            None => {
+                written.remove(record);
+            }
         }
     }
 
@@ -165,33 +201,37 @@ impl EtcdStore {
     }
 }
 
-/// The guarded write's transaction (see the crate docs).
-pub fn guarded_txn(mark_key: &str, payload_key: &str, token: u64, payload: &[u8]) -> Txn {
+/// One attempt of the guarded write (see the crate docs): create the
+/// record when `seen` is `None`, else overwrite it if its mark key is still
+/// at revision `seen` and below the token. The else branch reads the record.
+pub fn guarded_txn(
+    mark_key: &str,
+    payload_key: &str,
+    seen: Option<i64>,
+    token: u64,
+    payload: &[u8],
+) -> Txn {
     let token_bytes = Mark::new(token).to_be_bytes().to_vec();
-    let puts = || {
-        vec![
-            TxnOp::put(mark_key, token_bytes.clone(), None),
-            TxnOp::put(payload_key, payload.to_vec(), None),
-        ]
-    };
-    let create = Txn::new()
-        .when(vec![
+    let when = match seen {
+        None => vec![
             Compare::version(mark_key, CompareOp::Equal, 0),
             Compare::version(payload_key, CompareOp::Equal, 0),
+        ],
+        Some(rev) => vec![
+            Compare::mod_revision(mark_key, CompareOp::Equal, rev),
+            Compare::value(mark_key, CompareOp::Less, token_bytes.clone()),
+        ],
+    };
+    Txn::new()
+        .when(when)
+        .and_then(vec![
+            TxnOp::put(mark_key, token_bytes, None),
+            TxnOp::put(payload_key, payload.to_vec(), None),
         ])
-        .and_then(puts())
         .or_else(vec![
             TxnOp::get(mark_key, None),
             TxnOp::get(payload_key, None),
-        ]);
-    Txn::new()
-        .when(vec![Compare::value(
-            mark_key,
-            CompareOp::Less,
-            token_bytes.clone(),
-        )])
-        .and_then(puts())
-        .or_else(vec![TxnOp::txn(create)])
+        ])
 }
 
 /// A driver error as a [`FenceError`], scrubbed of `secrets`.
@@ -243,42 +283,42 @@ impl FencedStore for EtcdStore {
         Box::pin(async move {
             const OP: &str = "guarded write";
             let (mark_key, payload_key) = self.keys(record);
-            let resp = self
-                .run(
-                    OP,
-                    guarded_txn(&mark_key, &payload_key, token, payload),
-                    &[token],
-                )
-                .await?;
-            if resp.succeeded() {
-                return Ok(Guarded::Applied);
-            }
-            let inner = match resp.op_responses().into_iter().next() {
-                Some(TxnOpResponse::Txn(inner)) => inner,
-                _ => {
-                    return Err(FenceError::store(
-                        KIND,
-                        OP,
-                        "the transaction's answer has no nested answer",
-                        false,
-                        &[token],
-                    ));
+            let mut seen = self.remembered(record);
+            for _ in 0..ATTEMPTS {
+                let txn = guarded_txn(&mark_key, &payload_key, seen, token, payload);
+                let resp = self.run(OP, txn, &[token]).await?;
+                if resp.succeeded() {
+                    let revision = latchkey_etcd::txn::revision(&resp);
+                    self.remember(record, revision);
+                    return match revision.and_then(|r| u64::try_from(r).ok()) {
+                        Some(version) => Ok(Guarded::Applied { version }),
+                        None => Err(FenceError::store(
+                            KIND,
+                            OP,
+                            "the write was applied but etcd's answer carries no revision",
+                            false,
+                            &[token],
+                        )),
+                    };
                 }
-            };
-            if inner.succeeded() {
-                return Ok(Guarded::Applied);
+                let ops = resp.op_responses();
+                let mark_kv = ops.first().and_then(latchkey_etcd::txn::first_kv);
+                let has_payload = got(ops.get(1)).is_some();
+                match mark_kv {
+                    None if has_payload => return Err(no_mark(record)),
+                    // Missing now: create it.
+                    None => seen = None,
+                    Some(kv) => {
+                        let mark = mark_of(record, kv.value())?;
+                        if mark >= Mark::new(token) {
+                            self.remember(record, None);
+                            return Ok(Guarded::FencedOut { mark });
+                        }
+                        seen = Some(kv.mod_revision());
+                    }
+                }
             }
-            let ops = inner.op_responses();
-            match (got(ops.first()), got(ops.get(1))) {
-                // Same revision as the compare: an 8-byte mark here is at
-                // or above the token.
-                (Some(mark), _) => Ok(Guarded::FencedOut {
-                    mark: mark_of(record, &mark)?,
-                }),
-                (None, Some(_)) => Err(no_mark(record)),
-                // Both missing, yet the create's compare failed: changed in between.
-                (None, None) => Ok(Guarded::Retry),
-            }
+            Ok(Guarded::Retry)
         })
     }
 

@@ -2,13 +2,15 @@
 //! mark in ONE statement, [`GUARDED_WRITE_SQL`]:
 //!
 //! ```sql
-//! INSERT INTO latchkey_fenced_rows (id, fence, payload) VALUES (?, ?, ?)
+//! INSERT INTO latchkey_fenced_rows (id, fence, payload, writes)
+//!   VALUES (?, ?, ?, LAST_INSERT_ID(1))
 //! ON DUPLICATE KEY UPDATE
 //!   payload = IF(fence < ?, ?, payload),
+//!   writes  = IF(fence < ?, LAST_INSERT_ID(writes + 1), writes),
 //!   fence   = IF(fence < ?, ?, fence)
 //! ```
 //!
-//! bound as `(id, token, payload, token, payload, token, token)`. A missing
+//! bound as `(id, token, payload, token, payload, token, token, token)`. A missing
 //! record is inserted; an existing one is overwritten, and its mark raised
 //! to the token, only when its mark is strictly below the token. InnoDB
 //! locks the row for the statement, so the comparison and the write are one
@@ -37,6 +39,14 @@
 //!   byte-for-byte (a `VARCHAR` with the default collation would treat
 //!   `A` and `a` as one record).
 //!
+//! `writes` counts the record's applied writes; `LAST_INSERT_ID(expr)` sets
+//! the connection's last-insert id to it, which the server returns in the
+//! statement's OK packet, so the applied write's version comes back without
+//! a second statement (a table with triggers gets 0 there, and the adapter
+//! then asks `SELECT LAST_INSERT_ID()` on the same connection). [`MysqlStore::connect`] checks that an existing table
+//! of the reference name has the reference columns and no second unique key
+//! ([`check_schema`]): `CREATE TABLE IF NOT EXISTS` leaves a foreign one alone.
+//!
 //! A record whose `fence` is `NULL` (a table that adopted fencing after
 //! rows existed) is never overwritten: `NULL < token` is not true, the
 //! statement leaves it, and the adapter answers [`FenceError::Unfenced`].
@@ -60,16 +70,19 @@ pub const TABLE: &str = "latchkey_fenced_rows";
 pub const CREATE_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS latchkey_fenced_rows (
     id      VARBINARY(255)  NOT NULL PRIMARY KEY,
     fence   BIGINT UNSIGNED NULL,
-    payload LONGBLOB        NOT NULL
+    payload LONGBLOB        NOT NULL,
+    writes  BIGINT UNSIGNED NOT NULL DEFAULT 0
 ) ENGINE=InnoDB";
 
 /// The guarded write; bind `(id, token, payload, token, payload, token,
-/// token)`. Affected rows: 1 inserted, 2 updated, 0 fenced out (or the
-/// record's `fence` is `NULL`).
-pub const GUARDED_WRITE_SQL: &str =
-    "INSERT INTO latchkey_fenced_rows (id, fence, payload) VALUES (?, ?, ?)
+/// token, token)`. Affected rows: 1 inserted, 2 updated, 0 fenced out (or
+/// the record's `fence` is `NULL`). An applied write's version (the
+/// record's write count) is the connection's last-insert id.
+pub const GUARDED_WRITE_SQL: &str = "INSERT INTO latchkey_fenced_rows (id, fence, payload, writes)
+  VALUES (?, ?, ?, LAST_INSERT_ID(1))
 ON DUPLICATE KEY UPDATE
   payload = IF(fence < ?, ?, payload),
+  writes  = IF(fence < ?, LAST_INSERT_ID(writes + 1), writes),
   fence   = IF(fence < ?, ?, fence)";
 
 /// Reads a record's mark (`NULL`: unfenced) and payload; bind `(id)`.
@@ -80,8 +93,8 @@ pub const READ_SQL: &str = "SELECT fence, payload FROM latchkey_fenced_rows WHER
 /// payload)`. For the pause test's "a naive writer FAILs" run and the
 /// benchmark's baseline only.
 pub const PLAIN_WRITE_SQL: &str =
-    "INSERT INTO latchkey_fenced_rows (id, fence, payload) VALUES (?, 0, ?)
-ON DUPLICATE KEY UPDATE payload = ?";
+    "INSERT INTO latchkey_fenced_rows (id, fence, payload, writes) VALUES (?, 0, ?, 1)
+ON DUPLICATE KEY UPDATE payload = ?, writes = writes + 1";
 
 /// What the affected-row count of [`GUARDED_WRITE_SQL`] means (without
 /// `CLIENT_FOUND_ROWS`).
@@ -145,6 +158,7 @@ impl MysqlStore {
         conn.query_drop(CREATE_TABLE_SQL)
             .await
             .map_err(|e| store_error("creating the reference table", &e, &[]))?;
+        check_schema(&mut conn).await?;
         check_affected_rows(&mut conn).await?;
         drop(conn);
         Ok(Self { pool })
@@ -198,6 +212,104 @@ impl MysqlStore {
             payload,
         }))
     }
+}
+
+/// The reference table's columns: name, the `DATA_TYPE`s accepted, and
+/// whether the `COLUMN_TYPE` must be unsigned.
+const REQUIRED_COLUMNS: [(&str, &[&str], bool); 4] = [
+    // VARBINARY/BINARY: record names compare byte for byte.
+    ("id", &["varbinary", "binary"], false),
+    ("fence", &["bigint"], true),
+    (
+        "payload",
+        &["longblob", "mediumblob", "blob", "varbinary"],
+        false,
+    ),
+    ("writes", &["bigint"], true),
+];
+
+const COLUMNS_SQL: &str =
+    "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE FROM information_schema.COLUMNS
+ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows'";
+
+/// Every unique index's columns, one row per (index, column).
+const UNIQUE_SQL: &str = "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS
+ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows' AND NON_UNIQUE = 0";
+
+/// Checks that the table the statements write is the reference one: the
+/// columns' types ([`REQUIRED_COLUMNS`]) and `id` as its only unique key
+/// (with a second one, the upsert can collide there and update another
+/// row). A table of the reference name from an older version or from
+/// someone else is refused with what differs, before anything is written.
+pub async fn check_schema(conn: &mut Conn) -> Result<(), FenceError> {
+    const OP: &str = "checking the reference table";
+    let columns: Vec<(String, String, String)> = conn
+        .query(COLUMNS_SQL)
+        .await
+        .map_err(|e| store_error(OP, &e, &[]))?;
+    let unique: Vec<(String, String)> = conn
+        .query(UNIQUE_SQL)
+        .await
+        .map_err(|e| store_error(OP, &e, &[]))?;
+    schema_problems(&columns, &unique).map_or(Ok(()), |why| {
+        Err(FenceError::store(
+            KIND,
+            OP,
+            format!(
+                "the table {TABLE} is not the fence's: {why}; drop or rename it, or migrate it \
+                 to the reference schema"
+            ),
+            false,
+            &[],
+        ))
+    })
+}
+
+/// What differs from the reference table, if anything.
+fn schema_problems(
+    columns: &[(String, String, String)],
+    unique: &[(String, String)],
+) -> Option<String> {
+    let mut wrong = Vec::new();
+    for (name, types, unsigned) in REQUIRED_COLUMNS {
+        match columns
+            .iter()
+            .find(|(n, _, _)| n.eq_ignore_ascii_case(name))
+        {
+            None => wrong.push(format!("it has no `{name}` column")),
+            Some((_, data_type, column_type)) => {
+                let data_type = data_type.to_ascii_lowercase();
+                if !types.contains(&data_type.as_str())
+                    || (unsigned && !column_type.to_ascii_lowercase().contains("unsigned"))
+                {
+                    wrong.push(format!(
+                        "its `{name}` column is {column_type}, not {}{}",
+                        types.join(" or "),
+                        if unsigned { " unsigned" } else { "" }
+                    ));
+                }
+            }
+        }
+    }
+    let keys: Vec<String> = unique
+        .iter()
+        .filter(|(index, column)| !(index == "PRIMARY" && column.eq_ignore_ascii_case("id")))
+        .map(|(index, column)| format!("{index}({column})"))
+        .collect();
+    if !keys.is_empty() {
+        wrong.push(format!(
+            "it has unique keys besides the primary key on `id` ({}), on which the upsert \
+             could update another row",
+            keys.join(", ")
+        ));
+    }
+    if !unique
+        .iter()
+        .any(|(index, column)| index == "PRIMARY" && column.eq_ignore_ascii_case("id"))
+    {
+        wrong.push("its primary key is not `id`".to_owned());
+    }
+    (!wrong.is_empty()).then(|| wrong.join("; "))
 }
 
 /// Runs the guarded statement twice on a temporary table's row and checks
@@ -311,13 +423,40 @@ impl FencedStore for MysqlStore {
             let id = record.as_bytes();
             conn.exec_drop(
                 GUARDED_WRITE_SQL,
-                (id, token, payload, token, payload, token, token),
+                (id, token, payload, token, payload, token, token, token),
             )
             .await
             .map_err(|e| store_error("guarded write", &e, &[token]))?;
             let count = conn.affected_rows();
             match Affected::from_count(count) {
-                Some(Affected::Inserted | Affected::Updated) => Ok(Guarded::Applied),
+                Some(Affected::Inserted | Affected::Updated) => {
+                    let version = match conn.last_insert_id() {
+                        Some(version) if version > 0 => Some(version),
+                        // A trigger on the table (an audit trigger that
+                        // inserts elsewhere) leaves the OK packet's id 0;
+                        // the connection's LAST_INSERT_ID() still holds the
+                        // statement's value (triggers' changes are undone
+                        // when they end).
+                        _ => conn
+                            .query_first::<u64, _>("SELECT LAST_INSERT_ID()")
+                            .await
+                            .map_err(|e| store_error("reading the write count", &e, &[token]))?
+                            .filter(|v| *v > 0),
+                    };
+                    match version {
+                        Some(version) => Ok(Guarded::Applied { version }),
+                        // The write landed; only its version is unknown.
+                        // Not a fence answer to guess at.
+                        None => Err(FenceError::store(
+                            KIND,
+                            "guarded write",
+                            "the write was applied but the server reports no last-insert id \
+                             (the record's write count)",
+                            false,
+                            &[token],
+                        )),
+                    }
+                }
                 // Left as it was: a mark at or above the token, or none at
                 // all (read says which). The read only reports.
                 Some(Affected::Unchanged) => match Self::read_with(&mut conn, record).await? {
@@ -396,12 +535,45 @@ mod tests {
     fn the_statement_compares_strictly_and_assigns_the_payload_first() {
         let sql = GUARDED_WRITE_SQL;
         assert!(!sql.contains("<="), "{sql}");
-        assert_eq!(sql.matches("fence < ?").count(), 2, "{sql}");
+        assert_eq!(sql.matches("fence < ?").count(), 3, "{sql}");
         let payload = sql.find("payload = IF").unwrap();
+        let writes = sql.find("writes  = IF").unwrap();
         let fence = sql.find("fence   = IF").unwrap();
         assert!(payload < fence, "payload must be assigned before fence");
-        assert_eq!(sql.matches('?').count(), 7);
+        assert!(writes < fence, "writes must be assigned before fence");
+        assert_eq!(sql.matches('?').count(), 8);
         assert!(!sql.contains(';'));
+    }
+
+    #[test]
+    fn a_foreign_table_is_refused_with_what_differs() {
+        let col = |n: &str, d: &str, c: &str| (n.to_owned(), d.to_owned(), c.to_owned());
+        let reference = vec![
+            col("id", "varbinary", "varbinary(255)"),
+            col("fence", "bigint", "bigint(20) unsigned"),
+            col("payload", "longblob", "longblob"),
+            col("writes", "bigint", "bigint(20) unsigned"),
+        ];
+        let primary = vec![("PRIMARY".to_owned(), "id".to_owned())];
+        assert_eq!(schema_problems(&reference, &primary), None);
+
+        let older = vec![
+            col("id", "varchar", "varchar(255)"),
+            col("fence", "bigint", "bigint(20)"),
+            col("payload", "longblob", "longblob"),
+        ];
+        let mut unique = primary.clone();
+        unique.push(("one_payload".to_owned(), "payload".to_owned()));
+        let why = schema_problems(&older, &unique).unwrap();
+        assert!(why.contains("`id` column is varchar(255)"), "{why}");
+        assert!(
+            why.contains("`fence` column is bigint(20), not bigint unsigned"),
+            "{why}"
+        );
+        assert!(why.contains("no `writes` column"), "{why}");
+        assert!(why.contains("one_payload(payload)"), "{why}");
+        let why = schema_problems(&reference, &[]).unwrap();
+        assert!(why.contains("primary key is not `id`"), "{why}");
     }
 
     #[test]

@@ -50,14 +50,16 @@ pub const CREATE_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS latchkey_fenced_r
 
 /// The guarded upsert: `$1` id, `$2` token (bigint), `$3` payload. Creates a
 /// missing record; otherwise writes only if the record's mark is strictly
-/// below the token, and raises the mark in the same statement. One row back
+/// below the token, and raises the mark in the same statement. A negative
+/// mark is no token's (a table that marks unfenced rows with -1): such a
+/// record is never overwritten. One row back
 /// (the record's write count) means accepted; zero rows means fenced out.
 pub const GUARDED_WRITE_SQL: &str =
     "INSERT INTO latchkey_fenced_rows AS t (id, fence, payload, writes)
 VALUES ($1, $2, $3, 1)
 ON CONFLICT (id) DO UPDATE
    SET fence = EXCLUDED.fence, payload = EXCLUDED.payload, writes = t.writes + 1
- WHERE t.fence < EXCLUDED.fence
+ WHERE t.fence < EXCLUDED.fence AND t.fence >= 0
 RETURNING writes";
 
 /// The plain guarded update for a record that already exists: `$1` id, `$2`
@@ -65,7 +67,7 @@ RETURNING writes";
 /// 0 = fenced out (or no such record — this form never creates one).
 pub const GUARDED_UPDATE_SQL: &str = "UPDATE latchkey_fenced_rows
    SET payload = $3, fence = $2, writes = writes + 1
- WHERE id = $1 AND fence < $2";
+ WHERE id = $1 AND fence < $2 AND fence >= 0";
 
 /// What a [`guarded_write`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,6 +109,14 @@ pub enum FenceError {
          refusing to write rather than store a wrapped mark"
     )]
     TokenOutOfRange,
+    /// The existing `latchkey_fenced_rows` table is not the reference table
+    /// (`CREATE TABLE IF NOT EXISTS` leaves an older or foreign one alone):
+    /// a `fence` column of another type would compare wrongly (text compares
+    /// `"9" > "10"`), so nothing is written through it.
+    #[error(
+        "the table {TABLE} is not the fence's: {why}; drop or rename it, or migrate it to the reference schema"
+    )]
+    Schema { why: String },
     /// PostgreSQL refused or the connection failed; `message` is scrubbed of
     /// the token.
     #[error("{op}: {message}")]
@@ -126,7 +136,7 @@ impl FenceError {
     /// write is not an error and never transient.
     pub fn is_transient(&self) -> bool {
         match self {
-            FenceError::TokenOutOfRange => false,
+            FenceError::TokenOutOfRange | FenceError::Schema { .. } => false,
             FenceError::Postgres { code, closed, .. } => {
                 *closed
                     || code.as_ref().is_some_and(|c| {
@@ -181,12 +191,66 @@ pub fn token_param(token: u64) -> Result<i64, FenceError> {
     i64::try_from(token).map_err(|_| FenceError::TokenOutOfRange)
 }
 
-/// Creates the reference table (idempotent).
+/// The reference table's columns and their types, as `format_type` names
+/// them. Other columns may exist (with defaults); these must.
+pub const REQUIRED_COLUMNS: [(&str, &[&str]); 4] = [
+    ("id", &["text", "character varying"]),
+    ("fence", &["bigint"]),
+    ("payload", &["text"]),
+    ("writes", &["bigint"]),
+];
+
+/// The columns of the table the unqualified name resolves to (the one the
+/// statements write), with their types.
+const COLUMNS_SQL: &str = "SELECT a.attname::text, format_type(a.atttypid, NULL)
+  FROM pg_attribute a
+ WHERE a.attrelid = to_regclass('latchkey_fenced_rows') AND a.attnum > 0 AND NOT a.attisdropped";
+
+/// Creates the reference table (idempotent) and checks that the table the
+/// statements will write is the reference one: a table of that name created
+/// by someone else, or by an older version, is refused with what differs.
 pub async fn ensure_schema(client: &Client) -> Result<(), FenceError> {
     client
         .batch_execute(CREATE_TABLE_SQL)
         .await
-        .map_err(|e| FenceError::from_postgres("creating the fenced table", &e, None))
+        .map_err(|e| FenceError::from_postgres("creating the fenced table", &e, None))?;
+    let rows = client
+        .query(COLUMNS_SQL, &[])
+        .await
+        .map_err(|e| FenceError::from_postgres("reading the fenced table's columns", &e, None))?;
+    let mut columns = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let name: String = row.try_get(0).map_err(|e| {
+            FenceError::from_postgres("reading the fenced table's columns", &e, None)
+        })?;
+        let ty: String = row.try_get(1).map_err(|e| {
+            FenceError::from_postgres("reading the fenced table's columns", &e, None)
+        })?;
+        columns.push((name, ty));
+    }
+    check_columns(&columns)
+}
+
+/// [`REQUIRED_COLUMNS`] against what the table has.
+pub fn check_columns(columns: &[(String, String)]) -> Result<(), FenceError> {
+    let mut wrong = Vec::new();
+    for (name, types) in REQUIRED_COLUMNS {
+        match columns.iter().find(|(n, _)| n == name) {
+            None => wrong.push(format!("it has no `{name}` column")),
+            Some((_, ty)) if !types.contains(&ty.as_str()) => wrong.push(format!(
+                "its `{name}` column is {ty}, not {}",
+                types.join(" or ")
+            )),
+            Some(_) => {}
+        }
+    }
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        Err(FenceError::Schema {
+            why: wrong.join("; "),
+        })
+    }
 }
 
 /// The guarded write: creates the record or overwrites it, if and only if the
@@ -277,6 +341,30 @@ mod tests {
             assert_eq!(sql.matches(';').count(), 0, "one statement: {sql}");
         }
         assert!(GUARDED_WRITE_SQL.contains("RETURNING writes"));
+        assert!(GUARDED_WRITE_SQL.contains("t.fence >= 0"));
+        assert!(GUARDED_UPDATE_SQL.contains("fence >= 0"));
+    }
+
+    #[test]
+    fn a_foreign_table_is_refused_with_what_differs() {
+        let cols = |list: &[(&str, &str)]| -> Vec<(String, String)> {
+            list.iter()
+                .map(|(n, t)| (n.to_string(), t.to_string()))
+                .collect()
+        };
+        let reference = cols(&[
+            ("id", "text"),
+            ("fence", "bigint"),
+            ("payload", "text"),
+            ("writes", "bigint"),
+            ("extra", "integer"),
+        ]);
+        assert!(check_columns(&reference).is_ok());
+        let older = cols(&[("id", "text"), ("fence", "text"), ("payload", "text")]);
+        let err = check_columns(&older).unwrap_err().to_string();
+        assert!(err.contains("`fence` column is text, not bigint"), "{err}");
+        assert!(err.contains("no `writes` column"), "{err}");
+        assert!(err.contains("drop or rename it"), "{err}");
     }
 
     #[test]

@@ -106,11 +106,12 @@ impl PostgresStore {
 fn to_contract(op: &'static str, err: FenceError, secrets: &[u64]) -> contract::FenceError {
     match err {
         FenceError::TokenOutOfRange => contract::FenceError::TokenOutOfRange { store: KIND },
+        FenceError::Schema { .. } => contract::FenceError::store(KIND, op, err, false, secrets),
         FenceError::Postgres { .. } => {
             let transient = err.is_transient();
             let message = match &err {
                 FenceError::Postgres { message, .. } => message.clone(),
-                FenceError::TokenOutOfRange => String::new(),
+                FenceError::TokenOutOfRange | FenceError::Schema { .. } => String::new(),
             };
             contract::FenceError::store(KIND, op, message, transient, secrets)
         }
@@ -156,7 +157,10 @@ impl FencedStore for PostgresStore {
         Box::pin(async move {
             let payload = utf8(payload, "guarded write")?;
             match crate::guarded_write(&self.client, record, token, payload).await {
-                Ok(WriteOutcome::Accepted { .. }) => Ok(Guarded::Applied),
+                Ok(WriteOutcome::Accepted { write_seq }) => Ok(Guarded::Applied {
+                    // The write count is at least 1 (`writes = 1` on create).
+                    version: u64::try_from(write_seq).unwrap_or(0),
+                }),
                 Ok(WriteOutcome::FencedOut) => match self.read_record(record).await? {
                     Some(found) => Ok(Guarded::FencedOut { mark: found.mark }),
                     // Deleted since: nothing changed, and the same write may land now.

@@ -4,19 +4,30 @@
 //! Redis runs a script to the end before it serves another command, so the
 //! comparison and the write are one atomic step.
 //!
-//! A record is one hash (the key is the record name) with two fields:
+//! A record is one hash (the key is the record name) with three fields:
 //! - `mark`: the token of the last accepted write, as exactly 16 lower-case
 //!   hex digits ([`latchkey_fence::Mark::to_hex`]);
-//! - `payload`: the bytes written.
+//! - `payload`: the bytes written;
+//! - `writes`: how many writes the record has accepted (`HINCRBY`), the
+//!   applied write's version ([`Guarded::Applied`]).
 //!
-//! The script answers an array: `{1}` written (created, or the mark was
-//! strictly below the token); `{0, mark}` fenced out (the mark is at or
+//! The script answers an array: `{1, writes}` written (created, or the
+//! mark was strictly below the token); `{0, mark}` fenced out (the mark is at or
 //! above the token; nothing changed); `{-1, why}` the key exists but is not
 //! a fenced record (another type, no `mark` field, a mark in another
 //! encoding): nothing changed, and the adapter answers
 //! [`FenceError::Unfenced`] rather than overwrite it. The marks are compared
 //! as numbers, in two 32-bit halves (exact in Lua's doubles), not as
 //! strings: Lua's string `<` follows the server's collation locale.
+//!
+//! **Marks must not vanish.** A record whose key expires or is evicted
+//! takes its mark along, and the next write, a stale one too, creates it
+//! anew. The script refuses to write a key that has an expiry (`{-1, …}`:
+//! remove it with `PERSIST`), and [`RedisStore::connect`] refuses a server
+//! that may evict any key (`maxmemory` set with an `allkeys-*` policy;
+//! `volatile-*` policies evict only keys with an expiry, which fenced
+//! records never have). A server without persistence (no AOF) loses marks
+//! on restart: its [`FencedStore::caveats`] say so for the pause-test result.
 //!
 //! **Replication caveat.** Redis replicates asynchronously. A write the
 //! script accepted on the primary, with its mark, can be lost if the
@@ -48,8 +59,8 @@ if string.len(token) ~= 16 or not string.match(token, '^[0-9a-f]+$') then
 end
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind == 'none' then
-  redis.call('HSET', KEYS[1], 'mark', token, 'payload', ARGV[2])
-  return {1}
+  redis.call('HSET', KEYS[1], 'mark', token, 'payload', ARGV[2], 'writes', 1)
+  return {1, 1}
 end
 if kind ~= 'hash' then
   return {-1, 'the key holds a ' .. kind .. ', not a fenced hash'}
@@ -61,11 +72,14 @@ end
 if string.len(mark) ~= 16 or not string.match(mark, '^[0-9a-f]+$') then
   return {-1, 'its mark field is not 16 lower-case hex digits'}
 end
+if redis.call('PTTL', KEYS[1]) >= 0 then
+  return {-1, 'the key has an expiry, and its mark would expire with it (a stale write would then land): remove it with PERSIST'}
+end
 local mh = tonumber(string.sub(mark, 1, 8), 16)
 local th = tonumber(string.sub(token, 1, 8), 16)
 if mh < th or (mh == th and tonumber(string.sub(mark, 9), 16) < tonumber(string.sub(token, 9), 16)) then
   redis.call('HSET', KEYS[1], 'mark', token, 'payload', ARGV[2])
-  return {1}
+  return {1, redis.call('HINCRBY', KEYS[1], 'writes', 1)}
 end
 return {0, mark}
 "#;
@@ -91,6 +105,7 @@ return {1, v[1], v[2]}
 pub const PLAIN_WRITE_LUA: &str = r#"
 redis.call('HSETNX', KEYS[1], 'mark', '0000000000000000')
 redis.call('HSET', KEYS[1], 'payload', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'writes', 1)
 return 1
 "#;
 
@@ -98,6 +113,8 @@ return 1
 /// connection.
 pub struct RedisStore {
     conn: MultiplexedConnection,
+    /// What the server's configuration means for the fence (persistence).
+    caveats: Vec<String>,
     guarded: Script,
     read: Script,
     plain: Script,
@@ -116,17 +133,21 @@ impl RedisStore {
                 &[],
             )
         })?;
-        let conn = client
+        let mut conn = client
             .get_multiplexed_async_connection()
             .await
             .map_err(|e| store_error("connecting", &e, &[]))?;
-        Ok(Self::new(conn))
+        let caveats = check_server(&mut conn).await?;
+        let mut store = Self::new(conn);
+        store.caveats = caveats;
+        Ok(store)
     }
 
     /// Wraps a connection.
     pub fn new(conn: MultiplexedConnection) -> Self {
         Self {
             conn,
+            caveats: vec![REPLICATION_CAVEAT.to_owned()],
             guarded: Script::new(GUARDED_WRITE_LUA),
             read: Script::new(READ_LUA),
             plain: Script::new(PLAIN_WRITE_LUA),
@@ -140,6 +161,81 @@ impl RedisStore {
             why: why.into(),
         }
     }
+}
+
+/// Redis replicates asynchronously: said in every pause-test result.
+pub const REPLICATION_CAVEAT: &str = "Redis replicates asynchronously: a write the fence \
+     accepted on the primary can be lost in a failover, and the promoted replica then \
+     accepts the older holder's stale write. This test proves the script on one server, \
+     not failover";
+
+/// The `name:value` lines of an `INFO` section.
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines().find_map(|line| {
+        line.strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix(':'))
+            .map(str::trim)
+    })
+}
+
+/// Reads `INFO memory` and `INFO persistence`: refuses a server that may
+/// evict fenced records, and says what a restart would lose.
+async fn check_server(conn: &mut MultiplexedConnection) -> Result<Vec<String>, FenceError> {
+    const OP: &str = "checking the server's eviction policy";
+    let info = |section: &'static str| {
+        let mut conn = conn.clone();
+        async move {
+            redis::cmd("INFO")
+                .arg(section)
+                .query_async::<String>(&mut conn)
+                .await
+                .map_err(|e| {
+                    let mut err = store_error(OP, &e, &[]);
+                    if let FenceError::Store { message, .. } = &mut err {
+                        message.push_str(
+                            " (the fence reads INFO memory and INFO persistence to know whether \
+                             the server may evict or forget a record's mark; allow INFO for this \
+                             user)",
+                        );
+                    }
+                    err
+                })
+        }
+    };
+    let memory = info("memory").await?;
+    if let Some(why) = eviction_refusal(&memory) {
+        return Err(FenceError::store(KIND, OP, why, false, &[]));
+    }
+    let persistence = info("persistence").await?;
+    Ok(caveats_of(&persistence))
+}
+
+/// Why a server with this `INFO memory` may not hold fenced records.
+fn eviction_refusal(memory: &str) -> Option<String> {
+    let limit: u64 = info_field(memory, "maxmemory")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let policy = info_field(memory, "maxmemory_policy").unwrap_or("noeviction");
+    (limit > 0 && policy.starts_with("allkeys-")).then(|| {
+        format!(
+            "maxmemory is set and maxmemory-policy is {policy}: the server may evict a fenced \
+             record, and its mark with it (a stale write would then land); use noeviction, or a \
+             volatile-* policy"
+        )
+    })
+}
+
+/// The caveats a server with this `INFO persistence` gets.
+fn caveats_of(persistence: &str) -> Vec<String> {
+    let mut caveats = vec![REPLICATION_CAVEAT.to_owned()];
+    if info_field(persistence, "aof_enabled") != Some("1") {
+        caveats.push(
+            "the server has no append-only file: a restart loses the marks written since its \
+             last snapshot (all of them without one), and a stale write to a lost record lands"
+                .to_owned(),
+        );
+    }
+    caveats
 }
 
 /// A driver error as a [`FenceError`], scrubbed of `secrets`.
@@ -185,6 +281,10 @@ impl FencedStore for RedisStore {
         KIND
     }
 
+    fn caveats(&self) -> Vec<String> {
+        self.caveats.clone()
+    }
+
     fn guarded_write<'a>(
         &'a self,
         record: &'a str,
@@ -203,7 +303,10 @@ impl FencedStore for RedisStore {
                 .await
                 .map_err(|e| store_error(OP, &e, &[token]))?;
             match int(answer.first()) {
-                Some(1) => Ok(Guarded::Applied),
+                Some(1) => match int(answer.get(1)).and_then(|w| u64::try_from(w).ok()) {
+                    Some(version) => Ok(Guarded::Applied { version }),
+                    None => Err(unexpected(OP, "written without a write count", &[token])),
+                },
                 Some(0) => {
                     let mark = text(answer.get(1))
                         .and_then(|m| Mark::from_hex(&m))
@@ -285,6 +388,31 @@ mod tests {
         assert!(!GUARDED_WRITE_LUA.contains("<="));
         // never a string comparison of the marks (locale collation)
         assert!(!GUARDED_WRITE_LUA.contains("mark < token"));
+    }
+
+    #[test]
+    fn servers_that_may_evict_any_key_are_refused() {
+        let memory = |limit: &str, policy: &str| {
+            format!(
+                "# Memory\r\nused_memory:1024\r\nmaxmemory:{limit}\r\nmaxmemory_policy:{policy}\r\n"
+            )
+        };
+        assert!(eviction_refusal(&memory("0", "allkeys-lru")).is_none());
+        assert!(eviction_refusal(&memory("1048576", "noeviction")).is_none());
+        assert!(eviction_refusal(&memory("1048576", "volatile-lru")).is_none());
+        let why = eviction_refusal(&memory("1048576", "allkeys-lfu")).unwrap();
+        assert!(
+            why.contains("allkeys-lfu") && why.contains("noeviction"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_server_without_aof_says_so() {
+        assert_eq!(caveats_of("aof_enabled:1\r\n").len(), 1);
+        let caveats = caveats_of("# Persistence\r\naof_enabled:0\r\n");
+        assert_eq!(caveats.len(), 2);
+        assert!(caveats[1].contains("append-only"), "{caveats:?}");
     }
 
     #[test]

@@ -45,6 +45,11 @@ pub use sigv4::Credentials;
 /// The metadata header that carries the mark (`latchkey-fence` as a user
 /// metadata key).
 pub const MARK_HEADER: &str = "x-amz-meta-latchkey-fence";
+/// The metadata header that counts the object's fenced writes (decimal;
+/// missing: 0). An applied write's version ([`Guarded::Applied`]) is the
+/// count it wrote: the conditional PUT makes one record's counts follow its
+/// commit order.
+pub const WRITES_HEADER: &str = "x-amz-meta-latchkey-writes";
 /// The first line of every fenced object's body, before the mark's 16 hex
 /// digits and a newline.
 pub const BODY_PREFIX: &[u8] = b"latchkey-fence/1 ";
@@ -78,6 +83,8 @@ pub struct ObjectHead {
     pub etag: String,
     /// The mark in its metadata; `None` when it has none (or an unreadable one).
     pub mark: Option<Mark>,
+    /// Its write count ([`WRITES_HEADER`]); 0 when it has none.
+    pub writes: u64,
 }
 
 /// The precondition of one `PUT`.
@@ -130,9 +137,7 @@ fn config_error(message: impl fmt::Display) -> FenceError {
 
 impl S3Store {
     pub fn new(config: S3Config) -> Result<Self, FenceError> {
-        if config.bucket.is_empty() {
-            return Err(config_error("no bucket named"));
-        }
+        check_names(&config)?;
         let mut base = Url::parse(&config.endpoint)
             .map_err(|e| config_error(format_args!("endpoint is not a URL: {e}")))?;
         if !matches!(base.scheme(), "http" | "https") || base.host_str().is_none() {
@@ -210,6 +215,11 @@ impl S3Store {
                 Ok(Some(ObjectHead {
                     etag,
                     mark: r.mark.as_deref().and_then(Mark::from_hex),
+                    writes: r
+                        .writes
+                        .as_deref()
+                        .and_then(|w| w.parse().ok())
+                        .unwrap_or(0),
                 }))
             }
             404 => Ok(None),
@@ -217,16 +227,20 @@ impl S3Store {
         }
     }
 
-    /// One `PUT` of a fenced body (`mark`'s line, then `payload`), `mark` in
-    /// the metadata, under `precondition`.
+    /// One `PUT` of a fenced body (`mark`'s line, then `payload`), `mark`
+    /// and the write count `writes` in the metadata, under `precondition`.
     pub async fn put(
         &self,
         record: &str,
         precondition: Precondition<'_>,
         mark: Mark,
+        writes: u64,
         payload: &[u8],
     ) -> Result<PutReply, FenceError> {
-        let mut headers = vec![(MARK_HEADER.to_string(), mark.to_hex())];
+        let mut headers = vec![
+            (MARK_HEADER.to_string(), mark.to_hex()),
+            (WRITES_HEADER.to_string(), writes.to_string()),
+        ];
         match precondition {
             Precondition::None => {}
             Precondition::IfMatch(etag) => headers.push(("if-match".into(), etag.into())),
@@ -285,19 +299,23 @@ impl S3Store {
         let new_mark = Mark::new(token);
         for attempt in 0..self.config.attempts.max(1) {
             let head = self.head(record).await?;
-            let etag = match &head {
-                None => None,
+            let (etag, writes) = match &head {
+                None => (None, 0),
                 Some(h) => {
                     let mark = h.mark.ok_or_else(|| unfenced(record, "no readable mark"))?;
                     if mark >= new_mark {
                         return Ok(Guarded::FencedOut { mark });
                     }
-                    Some(h.etag.as_str())
+                    (Some(h.etag.as_str()), h.writes)
                 }
             };
             let precondition = etag.map_or(Precondition::IfNoneMatch, Precondition::IfMatch);
-            match self.put(record, precondition, new_mark, payload).await? {
-                PutReply::Written { .. } => return Ok(Guarded::Applied),
+            let version = writes.saturating_add(1);
+            match self
+                .put(record, precondition, new_mark, version, payload)
+                .await?
+            {
+                PutReply::Written { .. } => return Ok(Guarded::Applied { version }),
                 // Another writer changed (or removed) the object since the
                 // HEAD: read again and decide again.
                 PutReply::PreconditionFailed | PutReply::NotFound => {}
@@ -345,14 +363,24 @@ impl S3Store {
         // holder's guarded write could then land: the hostile review).
         for _ in 0..PLAIN_ATTEMPTS {
             let head = self.head(record).await?;
-            let (precondition, mark) = match &head {
-                None => (Precondition::IfNoneMatch, Mark::new(0)),
+            let (precondition, mark, writes) = match &head {
+                None => (Precondition::IfNoneMatch, Mark::new(0), 0),
                 Some(h) => (
                     Precondition::IfMatch(&h.etag),
                     h.mark.ok_or_else(|| unfenced(record, "no readable mark"))?,
+                    h.writes,
                 ),
             };
-            match self.put(record, precondition, mark, payload).await? {
+            match self
+                .put(
+                    record,
+                    precondition,
+                    mark,
+                    writes.saturating_add(1),
+                    payload,
+                )
+                .await?
+            {
                 PutReply::Written { .. } => return Ok(()),
                 PutReply::PreconditionFailed | PutReply::NotFound | PutReply::Conflict => continue,
             }
@@ -440,6 +468,7 @@ impl S3Store {
         };
         let etag = header("etag");
         let mark = header(MARK_HEADER);
+        let writes = header(WRITES_HEADER);
         let body = resp
             .bytes()
             .await
@@ -448,6 +477,7 @@ impl S3Store {
             status,
             etag,
             mark,
+            writes,
             body: body.to_vec(),
         })
     }
@@ -476,6 +506,7 @@ struct Reply {
     status: StatusCode,
     etag: Option<String>,
     mark: Option<String>,
+    writes: Option<String>,
     body: Vec<u8>,
 }
 
@@ -508,6 +539,49 @@ fn xml_field<'a>(body: &'a [u8], tag: &str) -> Option<&'a str> {
     text.get(start..start + len)
         .map(str::trim)
         .filter(|s| !s.is_empty())
+}
+
+/// The bucket, region and prefix become parts of the request's host and
+/// path (`s3.<region>.amazonaws.com`, `<bucket>.<host>`): anything but the
+/// characters those names use is refused, so that no name can move a
+/// signed request to another host or outside the prefix (the hostile
+/// review: a region of `x.evil.example/` named the host).
+fn check_names(config: &S3Config) -> Result<(), FenceError> {
+    let bucket = &config.bucket;
+    if bucket.is_empty()
+        || bucket.len() > 63
+        || !bucket
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+    {
+        return Err(config_error(
+            "the bucket name must be 1 to 63 letters, digits, '.', '-' or '_'",
+        ));
+    }
+    let region = &config.region;
+    if region.is_empty()
+        || region.len() > 32
+        || !region
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    {
+        return Err(config_error(
+            "the region must be 1 to 32 lower-case letters, digits or '-' (e.g. us-east-1)",
+        ));
+    }
+    let prefix = config.prefix.trim_end_matches('/');
+    if !prefix.is_empty() {
+        check_record(prefix).map_err(|_| {
+            config_error(
+                "the prefix is limited to letters, digits, '-', '_', '.', '~', '/' and spaces, \
+                 without empty, . or .. segments",
+            )
+        })?;
+        if prefix.split('/').any(str::is_empty) || config.prefix.starts_with('/') {
+            return Err(config_error("the prefix has an empty segment ('//')"));
+        }
+    }
+    Ok(())
 }
 
 /// Record names become object keys under the prefix: empty names and `.`
@@ -649,6 +723,15 @@ pub fn config_from_url(
 impl FencedStore for S3Store {
     fn kind(&self) -> &'static str {
         STORE
+    }
+
+    fn caveats(&self) -> Vec<String> {
+        vec![
+            "an object lifecycle rule that expires fenced objects removes their marks with \
+             them, and a stale write then creates the object anew: keep expiration rules off \
+             the fenced prefix"
+                .to_owned(),
+        ]
     }
 
     fn guarded_write<'a>(

@@ -76,14 +76,14 @@ async fn run(store: &S3Store, record: &str) -> Result<(), NotHonoured> {
     };
 
     let first = match store
-        .put(record, Precondition::IfNoneMatch, mark, b"probe 1")
+        .put(record, Precondition::IfNoneMatch, mark, 1, b"probe 1")
         .await?
     {
         PutReply::Written { etag } => etag,
         other => return Err(refused("create with If-None-Match: *", other)),
     };
     let second = match store
-        .put(record, Precondition::None, mark, b"probe 2")
+        .put(record, Precondition::None, mark, 1, b"probe 2")
         .await?
     {
         PutReply::Written { etag } => etag,
@@ -102,7 +102,7 @@ async fn run(store: &S3Store, record: &str) -> Result<(), NotHonoured> {
         return Err(NotHonoured::EtagUnchanged { endpoint });
     }
     match store
-        .put(record, Precondition::IfMatch(&first), mark, b"probe 3")
+        .put(record, Precondition::IfMatch(&first), mark, 1, b"probe 3")
         .await?
     {
         PutReply::PreconditionFailed => {}
@@ -110,7 +110,7 @@ async fn run(store: &S3Store, record: &str) -> Result<(), NotHonoured> {
         other => return Err(refused("If-Match with a stale ETag", other)),
     }
     match store
-        .put(record, Precondition::IfNoneMatch, mark, b"probe 4")
+        .put(record, Precondition::IfNoneMatch, mark, 1, b"probe 4")
         .await?
     {
         PutReply::PreconditionFailed => {}
@@ -118,7 +118,7 @@ async fn run(store: &S3Store, record: &str) -> Result<(), NotHonoured> {
         other => return Err(refused("If-None-Match: * over an existing object", other)),
     }
     match store
-        .put(record, Precondition::IfMatch(&second), mark, b"probe 5")
+        .put(record, Precondition::IfMatch(&second), mark, 1, b"probe 5")
         .await?
     {
         PutReply::Written { .. } => {}

@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clap::Args;
 use latchkey_policies::{
     PAUSE_TEST_RESULT_VERSION, PauseTestEvidence, PauseTestOutcome, PauseTestResult,
-    WriteOutcome as Observed,
+    PauseTestStore, WriteOutcome as Observed,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -90,7 +90,7 @@ pub struct PauseTestArgs {
         required_unless_present = "resource_url",
         conflicts_with = "resource_url"
     )]
-    pub postgres: Option<String>,
+    pub postgres: Option<Secret>,
     /// The guarded store, written through its fence adapter:
     /// `postgresql://…`, `mysql://…` (MariaDB too), `redis://…` or
     /// `etcd://host:port[/prefix]` (no TLS). The holder child gets it from
@@ -102,7 +102,7 @@ pub struct PauseTestArgs {
         value_name = "URL",
         conflicts_with_all = ["write_sql", "read_sql"]
     )]
-    pub resource_url: Option<String>,
+    pub resource_url: Option<Secret>,
     /// Both holders write with the adapter's plain, unfenced write: a
     /// naive writer, which the kit must FAIL (the kit's own tests).
     #[arg(long, hide = true, conflicts_with = "write_sql")]
@@ -135,6 +135,38 @@ pub struct PauseTestArgs {
     pub election: bool,
 }
 
+/// A connection string or URL that may hold a password: parsed from the
+/// command line or the environment like a string, but its `Debug` never
+/// shows it (the argument structs derive `Debug`).
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.to_owned()))
+    }
+}
+
+impl std::ops::Deref for Secret {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
 /// The first holder, run by the kit as a child process.
 #[derive(Debug, Args)]
 pub struct HolderArgs {
@@ -142,9 +174,9 @@ pub struct HolderArgs {
     #[arg(long)]
     pub class: String,
     #[arg(long, env = POSTGRES_ENV, hide_env_values = true)]
-    pub postgres: Option<String>,
+    pub postgres: Option<Secret>,
     #[arg(long, env = RESOURCE_URL_ENV, hide_env_values = true)]
-    pub resource_url: Option<String>,
+    pub resource_url: Option<Secret>,
     #[arg(long)]
     pub naive: bool,
     #[arg(long)]
@@ -422,8 +454,8 @@ pub async fn run(global: &Global, args: PauseTestArgs, out: Output) -> Result<Ex
         _ = tokio::signal::ctrl_c() => Err(cannot_run!("interrupted")),
         _ = terminate.recv() => Err(cannot_run!("terminated")),
     };
-    let evidence = match evidence {
-        Ok(evidence) => evidence,
+    let (evidence, store) = match evidence {
+        Ok(found) => found,
         Err(CannotRun(why)) => {
             out.note(
                 json!({ "event": "error", "error": why }),
@@ -454,6 +486,7 @@ pub async fn run(global: &Global, args: PauseTestArgs, out: Output) -> Result<Ex
         kit: format!("latchctl {} pause-test", env!("CARGO_PKG_VERSION")),
         evidence,
         failure,
+        store,
     };
     if let Err(e) = write_result(&args.out, &result) {
         out.note(
@@ -479,7 +512,7 @@ async fn kit(
     global: &Global,
     args: &PauseTestArgs,
     out: Output,
-) -> Result<PauseTestEvidence, CannotRun> {
+) -> Result<(PauseTestEvidence, Option<PauseTestStore>), CannotRun> {
     let owner = args.write_sql.clone().zip(args.read_sql.clone());
     let row = args.row.clone().unwrap_or_else(|| default_row(&args.key));
     let run_id = run_id();
@@ -494,6 +527,9 @@ async fn kit(
         Err(Failure::Usage(m) | Failure::Plain(m)) => return Err(CannotRun(m)),
         Err(Failure::Other(e)) => return Err(cannot_run!("{e:#}")),
     };
+    if let Some(url) = &args.resource_url {
+        target::check_resource_kind(&args.resource, url).map_err(CannotRun)?;
+    }
     let target = open_target(
         args.postgres.as_deref(),
         args.resource_url.as_deref(),
@@ -501,6 +537,13 @@ async fn kit(
         args.naive,
     )
     .await?;
+    let store = target.store_info().and_then(|(kind, caveats)| {
+        args.resource_url.as_ref().map(|url| PauseTestStore {
+            kind: kind.to_owned(),
+            locator: target::locator(url),
+            caveats,
+        })
+    });
 
     // 1. The first holder acquires and writes.
     let mut holder = Holder::spawn(global, args, &row, &first_payload)?;
@@ -631,7 +674,7 @@ async fn kit(
             format_args!("latchctl: pause-test: the stale write failed: {e}"),
         );
     }
-    Ok(PauseTestEvidence {
+    let evidence = PauseTestEvidence {
         ttl_seconds,
         paused_for_ms: millis(paused_for),
         first_write,
@@ -640,7 +683,8 @@ async fn kit(
         stale_write_after_resume: stale_write,
         final_row_from,
         stale_proclaim_after_resume: stale_proclaim,
-    })
+    };
+    Ok((evidence, store))
 }
 
 /// `None` on a pass; otherwise the first assertion that failed, in words.
@@ -744,6 +788,15 @@ fn summarise(result: &PauseTestResult, path: &Path, out: Output) {
     if let Some(failure) = &result.failure {
         println!("  why: {failure}");
     }
+    if let Some(store) = &result.store {
+        println!(
+            "  store                        {} at {}",
+            store.kind, store.locator
+        );
+        for caveat in &store.caveats {
+            println!("  caveat: {caveat}");
+        }
+    }
     println!("result written to {}", path.display());
 }
 
@@ -800,9 +853,26 @@ async fn holder_leads(client: &Client, election: &str, value: &str) -> Result<()
     }
 }
 
-/// The record id when `--row` is not given.
+/// The record id when `--row` is not given: a name every store takes (S3
+/// keeps record names to letters, digits and `-_.~/`), so characters of
+/// the key outside those become `-`.
 fn default_row(key: &str) -> String {
-    format!("latchkey-pause-test:{key}")
+    let key: String = key
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '~' | '/') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let key = key
+        .split('/')
+        .map(|seg| if seg == "." || seg == ".." { "-" } else { seg })
+        .collect::<Vec<_>>()
+        .join("/");
+    format!("latchkey-pause-test/{key}")
 }
 
 /// Unique per run, so payloads say which run and which holder wrote them.
@@ -863,9 +933,9 @@ impl Holder {
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         if let Some(url) = &args.resource_url {
-            cmd.env(RESOURCE_URL_ENV, url);
+            cmd.env(RESOURCE_URL_ENV, url.expose());
         } else if let Some(conninfo) = &args.postgres {
-            cmd.env(POSTGRES_ENV, conninfo);
+            cmd.env(POSTGRES_ENV, conninfo.expose());
         }
         if let Some(sql) = &args.write_sql {
             cmd.arg("--write-sql").arg(sql);
@@ -1096,7 +1166,11 @@ mod tests {
 
     #[test]
     fn the_default_row_comes_from_the_key_and_run_ids_differ() {
-        assert_eq!(default_row("payments/a"), "latchkey-pause-test:payments/a");
+        assert_eq!(default_row("payments/a"), "latchkey-pause-test/payments/a");
+        assert_eq!(
+            default_row("payments/../a:b=c"),
+            "latchkey-pause-test/payments/-/a-b-c"
+        );
         assert_ne!(run_id(), run_id());
     }
 

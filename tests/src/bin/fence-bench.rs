@@ -24,7 +24,7 @@ use std::time::Instant;
 use anyhow::{Context, bail, ensure};
 use clap::Parser;
 use hdrhistogram::Histogram;
-use latchkey_fence::{FencedStore, Guarded};
+use latchkey_fence::FencedStore;
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::mariadb::MariaDbServer;
 use latchkey_tests::postgres::PostgresServer;
@@ -227,7 +227,7 @@ async fn run_round(
                         let answer = store
                             .guarded_write(&record, first_token + i as u64, &payload)
                             .await?;
-                        ensure!(answer == Guarded::Applied, "a guarded write was {answer}");
+                        ensure!(answer.is_applied(), "a guarded write was {answer}");
                     }
                 }
                 latency.record(

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::ensure;
 use clap::Parser;
 use hdrhistogram::Histogram;
-use latchkey_fence::{FencedStore, Guarded, Mark};
+use latchkey_fence::{FencedStore, Mark};
 use latchkey_fence_s3::Precondition;
 use latchkey_tests::s3::S3Server;
 
@@ -84,14 +84,14 @@ async fn main() -> anyhow::Result<()> {
     store.guarded_write("guarded", token, &payload).await?;
     store.plain_write("plain", &payload).await?;
     store
-        .put("put", Precondition::None, Mark::new(0), &payload)
+        .put("put", Precondition::None, Mark::new(0), 0, &payload)
         .await?;
 
     for i in 0..args.warmup + args.ops {
         let timed = i >= args.warmup;
         let t = Instant::now();
         store
-            .put("put", Precondition::None, Mark::new(0), &payload)
+            .put("put", Precondition::None, Mark::new(0), 0, &payload)
             .await?;
         let d = t.elapsed();
         if timed {
@@ -109,10 +109,7 @@ async fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         let g = store.guarded_write("guarded", token, &payload).await?;
         let d = t.elapsed();
-        ensure!(
-            g == Guarded::Applied,
-            "an uncontended guarded write was {g}"
-        );
+        ensure!(g.is_applied(), "an uncontended guarded write was {g}");
         if timed {
             guarded.record(d)?;
         }

@@ -399,7 +399,7 @@ async fn renew(
     );
     // And what the resource itself says: the second holder's write stayed, and the
     // stale one did not count (the first write and the second, nothing more).
-    let row = format!("latchkey-pause-test:{}", target.key);
+    let row = format!("latchkey-pause-test/{}", target.key);
     let stored = db
         .query_opt(
             &format!("SELECT payload, writes FROM {DEV_SCHEMA}.latchkey_fenced_rows WHERE id = $1"),

@@ -94,6 +94,91 @@ pub async fn open(url: &str) -> Result<Box<dyn FencedStore>, OpenError> {
     }
 }
 
+/// The adapter kind a URL's scheme opens (`mariadb://` is `mysql`), or
+/// `None` for a scheme [`open`] does not know.
+pub fn scheme_kind(url: &str) -> Option<&'static str> {
+    let (scheme, _) = url.split_once("://")?;
+    match scheme.to_ascii_lowercase().as_str() {
+        "postgresql" | "postgres" => Some(pg_fence::KIND),
+        "mysql" | "mariadb" => Some(latchkey_fence_mysql::KIND),
+        "redis" => Some(latchkey_fence_redis::KIND),
+        "etcd" => Some(latchkey_fence_etcd::KIND),
+        "s3" => Some("s3"),
+        _ => None,
+    }
+}
+
+/// Refuses a `--resource` whose kind (before its `:`) is not the store the
+/// URL opens: a result saying `redis:ledger` must come from a Redis fence.
+/// `postgres` and `mariadb` are taken as their adapters' kinds.
+pub fn check_resource_kind(resource: &str, url: &str) -> Result<(), String> {
+    let Some(kind) = scheme_kind(url) else {
+        // open() says what is wrong with the scheme.
+        return Ok(());
+    };
+    let named = resource
+        .split_once(':')
+        .map(|(k, _)| k.to_ascii_lowercase());
+    let named_kind = match named.as_deref() {
+        Some("postgres") => Some(pg_fence::KIND),
+        Some("mariadb") => Some(latchkey_fence_mysql::KIND),
+        Some(k) => [
+            pg_fence::KIND,
+            latchkey_fence_mysql::KIND,
+            latchkey_fence_redis::KIND,
+            latchkey_fence_etcd::KIND,
+            "s3",
+        ]
+        .into_iter()
+        .find(|known| *known == k),
+        None => None,
+    };
+    if named_kind == Some(kind) {
+        Ok(())
+    } else {
+        Err(format!(
+            "--resource {resource:?} does not name a {kind} resource, but --resource-url opens \
+             a {kind} store: name it {kind}:<name> (the result must say which store was proven)"
+        ))
+    }
+}
+
+/// Where `url` points, without anything that may be a secret: the scheme,
+/// the hosts and the path, never the user, the password or the query (an
+/// S3 URL keeps its `endpoint` and `region` parameters, which are not).
+pub fn locator(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<no scheme>".to_owned();
+    };
+    let scheme = scheme.to_ascii_lowercase();
+    let (before_query, query) = match rest.split_once(['?', '#']) {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let (authority, path) = match before_query.split_once('/') {
+        Some((a, p)) => (a, Some(p)),
+        None => (before_query, None),
+    };
+    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let mut out = format!("{scheme}://{hosts}");
+    if let Some(path) = path {
+        out.push('/');
+        out.push_str(path);
+    }
+    if scheme == "s3" {
+        let kept: Vec<&str> = query
+            .unwrap_or("")
+            .split('&')
+            .filter(|kv| kv.starts_with("endpoint=") || kv.starts_with("region="))
+            .collect();
+        if !kept.is_empty() {
+            out.push('?');
+            out.push_str(&kept.join("&"));
+        }
+    }
+    out
+}
+
 /// A write's or read's failure, in words (never with a token or a password).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WriteError {
@@ -145,6 +230,14 @@ pub enum Target {
 }
 
 impl Target {
+    /// The adapter's kind and caveats, when the target is one.
+    pub fn store_info(&self) -> Option<(&'static str, Vec<String>)> {
+        match self {
+            Target::Store { store, .. } => Some((store.kind(), store.caveats())),
+            Target::Owner { .. } => None,
+        }
+    }
+
     /// Accepted (`true`) or refused by the fence (`false`).
     pub async fn write(&self, row: &str, token: u64, payload: &str) -> Result<bool, WriteError> {
         match self {
@@ -165,7 +258,7 @@ impl Target {
                 )
                 .await?
                 {
-                    Guarded::Applied => Ok(true),
+                    Guarded::Applied { .. } => Ok(true),
                     Guarded::FencedOut { .. } => Ok(false),
                     Guarded::Retry => Err(WriteError {
                         message: format!(
@@ -216,6 +309,44 @@ impl Target {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn locators_carry_no_secret() {
+        assert_eq!(
+            locator("mysql://app:hunter2@10.0.0.5:3306/ledger?ssl-mode=off"),
+            "mysql://10.0.0.5:3306/ledger"
+        );
+        assert_eq!(
+            locator("redis://:hunter2@127.0.0.1:6379/0"),
+            "redis://127.0.0.1:6379/0"
+        );
+        assert_eq!(
+            locator("etcd://u:p@w@h1:2379,h2:2379/fenced"),
+            "etcd://h1:2379,h2:2379/fenced"
+        );
+        assert_eq!(
+            locator("postgresql://127.0.0.1:5432/db?password=hunter2"),
+            "postgresql://127.0.0.1:5432/db"
+        );
+        assert_eq!(
+            locator(
+                "s3://bucket/prefix?endpoint=http://127.0.0.1:9000&region=eu-west-1&attempts=3"
+            ),
+            "s3://bucket/prefix?endpoint=http://127.0.0.1:9000&region=eu-west-1"
+        );
+        assert_eq!(locator("postgresql://u@h/db#hunter2"), "postgresql://h/db");
+    }
+
+    #[test]
+    fn the_resource_must_name_the_store_the_url_opens() {
+        assert!(check_resource_kind("redis:ledger", "redis://h:1").is_ok());
+        assert!(check_resource_kind("mariadb:ledger.t", "mysql://h:1/db").is_ok());
+        assert!(check_resource_kind("postgres:ledger", "postgresql://h/db").is_ok());
+        assert!(check_resource_kind("s3:bucket/x", "s3://bucket/x").is_ok());
+        let err = check_resource_kind("postgresql:ledger", "redis://:pw@h:1").unwrap_err();
+        assert!(err.contains("redis store") && !err.contains("pw"), "{err}");
+        assert!(check_resource_kind("ledger", "redis://h:1").is_err());
+    }
 
     async fn open_err(url: &str) -> String {
         match open(url).await {
