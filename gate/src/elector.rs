@@ -34,7 +34,7 @@ pub async fn run(
     args: &WorkerArgs,
     client: &Client,
     session: &Session,
-    pg: &tokio_postgres::Client,
+    fences: &crate::worker::Fences,
     rec: &mut Recorder,
     rng: &mut fastrand::Rng,
 ) -> anyhow::Result<i32> {
@@ -91,7 +91,8 @@ pub async fn run(
         if leadership.can_start() {
             // One round of the leader's work. A SIGSTOP inside it wakes up
             // past the lease: the write then carries a stale token.
-            let op = unit_of_work(args, rng, rec, pg, &election, Hold::EXCLUSIVE, token).await?;
+            let op =
+                unit_of_work(args, rng, rec, fences, &election, Hold::EXCLUSIVE, token).await?;
             // Proclaim now and then: not judged (no history line), but it
             // runs under the same faults; a leader that lost its term is
             // refused, which the resign below then finds too.

@@ -23,6 +23,7 @@ pub mod nemesis;
 pub mod quorum_loss;
 pub mod record;
 pub mod shards;
+pub mod stores;
 pub mod worker;
 
 use std::collections::BTreeMap;
@@ -122,6 +123,10 @@ pub struct GateConfig {
     pub out_dir: PathBuf,
     /// Keep the history, report and logs even when the run passes.
     pub keep: bool,
+    /// Rotate the fenced writes through every fence adapter (PostgreSQL,
+    /// MariaDB, Redis, etcd, S3: [`stores`]), one store per key; off, they
+    /// all go to the PostgreSQL reference fence.
+    pub fence_rotation: bool,
     pub binaries: Binaries,
 }
 
@@ -143,6 +148,7 @@ impl GateConfig {
             arbiter_test_fault: TestFault::None,
             out_dir,
             keep: false,
+            fence_rotation: true,
             binaries,
         }
     }
@@ -176,6 +182,9 @@ pub struct GateOutcome {
     /// Issue 34's holds in the judged history: shared grants and the
     /// semaphore slots granted.
     pub modes: ModeCounts,
+    /// Fenced writes per store kind (one entry, `postgresql`, without
+    /// [`GateConfig::fence_rotation`]).
+    pub stores: BTreeMap<String, stores::StoreWrites>,
 }
 
 /// How much of the judged history was shared holds and semaphore slots.
@@ -309,6 +318,17 @@ impl fmt::Display for GateOutcome {
             self.modes.semaphore_grants,
             self.modes.slots
         )?;
+        let per_store: Vec<String> = self
+            .stores
+            .iter()
+            .map(|(kind, w)| {
+                format!(
+                    "{kind} {} accepted / {} refused / {} unknown",
+                    w.accepted, w.refused, w.unknown
+                )
+            })
+            .collect();
+        writeln!(f, "fenced writes by store: {}", per_store.join(", "))?;
         if self.unprotected_grants > 0 || !self.unspooled.is_empty() {
             writeln!(
                 f,
@@ -531,6 +551,10 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         let pg = postgres.client().await?;
         latchkey_fence_postgres::ensure_schema(&pg).await?;
     }
+    let fence_stores = match config.fence_rotation {
+        true => Some(stores::FenceStores::start(&postgres).await?),
+        false => None,
+    };
     let policies = dir.path().join("policies");
     write_policies(&policies, config.workers, config.electors)?;
     issue_worker_svids(config.workers, config.electors)?;
@@ -689,6 +713,9 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         elect_from: config.workers,
         open_history_dir: open_history_dir.clone(),
         postgres: postgres.url(),
+        fence_stores: fence_stores
+            .as_ref()
+            .map(|f| (f.urls.join(","), f.env.clone())),
         history_dir: history_dir.clone(),
         stop_file: stop_file.clone(),
         addrs: rig.arbiter_addrs.clone(),
@@ -790,6 +817,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         .with_context(|| format!("parsing {}", merged.display()))?;
     let longest_without_grant = longest_without_grant(&history);
     let modes = ModeCounts::of(&history);
+    let stores = stores::writes_by_store(&history);
     drop(spool_collector);
     quorum_loss::collect_all(&rig, false)?;
     let unprotected = quorum_loss::unprotected_grants(&open_history_dir, |process| {
@@ -828,6 +856,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         Some(keep)
     };
     drop(rig);
+    drop(fence_stores);
     drop(postgres);
     Ok(GateOutcome {
         report,
@@ -842,6 +871,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         unprotected_grants: unprotected.len(),
         unspooled,
         modes,
+        stores,
     })
 }
 
@@ -866,6 +896,9 @@ struct WorkerSpawn {
     elect_from: usize,
     open_history_dir: PathBuf,
     postgres: String,
+    /// The worker's `--fence-stores` (by environment) and the S3 adapter's
+    /// credentials, when the writes rotate through every adapter.
+    fence_stores: Option<(String, Vec<(String, String)>)>,
     history_dir: PathBuf,
     stop_file: PathBuf,
     addrs: Vec<std::net::SocketAddr>,
@@ -905,6 +938,11 @@ impl WorkerSpawn {
         let mut command = Command::new(&self.binary);
         if let Some(clock) = self.clocks.get(w.index) {
             command.envs(clock.env());
+        }
+        if let Some((urls, env)) = &self.fence_stores {
+            command
+                .env("LATCHKEY_GATE_FENCE_STORES", urls)
+                .envs(env.iter().map(|(k, v)| (k, v)));
         }
         let child = command
             .arg("--arbiter")

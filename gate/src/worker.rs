@@ -24,7 +24,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use latchkey_client::{Client, ClientConfig, Error, LockGuard, Session, TlsFiles};
-use latchkey_fence_postgres::{WriteOutcome, guarded_write};
+use latchkey_fence::{FencedStore, Guarded, guarded_write_retrying};
+use latchkey_fence_postgres::PostgresStore;
 use latchkey_proto::lockv1::Reason;
 
 use super::record::{Fields, Outcome, Recorder, mono_of};
@@ -53,6 +54,19 @@ pub struct WorkerArgs {
     /// tokio-postgres connection string of the fenced resource.
     #[arg(long)]
     pub postgres: String,
+    /// Fence adapters to rotate the writes through, by URL
+    /// (`postgresql://`, `mysql://`, `redis://`, `etcd://`, `s3://`), in
+    /// an order every worker shares; the record of the i-th key of `--keys`
+    /// (plus its slot) goes to store i mod n. Empty: every write goes to
+    /// the reference fence at `--postgres`. From the environment, as URLs
+    /// may hold passwords.
+    #[arg(
+        long,
+        env = "LATCHKEY_GATE_FENCE_STORES",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub fence_stores: Vec<String>,
     /// History file (JSON lines, appended).
     #[arg(long)]
     pub history: PathBuf,
@@ -132,6 +146,49 @@ impl Hold {
     }
 }
 
+/// Rounds of a guarded write the store answered `Retry` (a conditional
+/// request lost a race; nothing changed) before it is recorded unknown.
+const WRITE_ATTEMPTS: usize = 4;
+
+/// The stores a worker writes its records to: the reference fence alone, or
+/// every adapter of `--fence-stores` in rotation by key.
+pub struct Fences {
+    stores: Vec<Box<dyn FencedStore>>,
+    keys: Vec<String>,
+}
+
+impl Fences {
+    async fn open(args: &WorkerArgs) -> anyhow::Result<Self> {
+        let mut stores: Vec<Box<dyn FencedStore>> = Vec::new();
+        if args.fence_stores.is_empty() {
+            stores.push(Box::new(
+                PostgresStore::connect(&args.postgres)
+                    .await
+                    .context("connecting to the fenced resource")?,
+            ));
+        }
+        for url in &args.fence_stores {
+            stores.push(latchkey_fence_open::open(url).await.with_context(|| {
+                format!(
+                    "opening the fence store {}",
+                    latchkey_fence_open::locator(url)
+                )
+            })?);
+        }
+        Ok(Self {
+            stores,
+            keys: args.keys.clone(),
+        })
+    }
+
+    /// The store of `key`'s record (of its `slot`'s, for a semaphore).
+    pub(crate) fn store_for(&self, key: &str, slot: Option<u32>) -> &dyn FencedStore {
+        let position = self.keys.iter().position(|k| k == key).unwrap_or(0);
+        let index = (position + slot.unwrap_or(0) as usize) % self.stores.len();
+        self.stores[index].as_ref()
+    }
+}
+
 /// One unit of work in this many is ten times longer than `--unit-ms`.
 pub const LONG_UNIT_EVERY: u64 = 16;
 
@@ -162,10 +219,7 @@ pub(crate) fn is_definite_refusal(err: &Error) -> bool {
 pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
     let mut rng = fastrand::Rng::with_seed(args.seed);
     let mut rec = Recorder::create(&args.history, &args.process)?;
-    let (pg, conn) = tokio_postgres::connect(&args.postgres, tokio_postgres::NoTls)
-        .await
-        .context("connecting to the fenced resource")?;
-    tokio::spawn(conn);
+    let fences = Fences::open(&args).await?;
     let mut config = ClientConfig::tls(
         &args.arbiter,
         TlsFiles {
@@ -201,7 +255,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
     };
 
     if args.elect {
-        return crate::elector::run(&args, &client, &session, &pg, &mut rec, &mut rng).await;
+        return crate::elector::run(&args, &client, &session, &fences, &mut rec, &mut rng).await;
     }
     while !args.stop_file.exists() {
         if session.is_fenced() {
@@ -323,7 +377,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
         } else if guard.can_start() {
             // A SIGSTOP inside the unit of work wakes up past the lease: the
             // write then carries a stale token.
-            unit_of_work(&args, &mut rng, &mut rec, &pg, &key, hold, token).await?;
+            unit_of_work(&args, &mut rng, &mut rec, &fences, &key, hold, token).await?;
         }
         tokio::time::sleep(Duration::from_millis(rng.u64(0..=args.unit_ms / 3))).await;
 
@@ -373,7 +427,7 @@ pub(crate) async fn unit_of_work(
     args: &WorkerArgs,
     rng: &mut fastrand::Rng,
     rec: &mut Recorder,
-    pg: &tokio_postgres::Client,
+    fences: &Fences,
     key: &str,
     hold: Hold,
     token: u64,
@@ -384,25 +438,48 @@ pub(crate) async fn unit_of_work(
         args.unit_ms
     };
     tokio::time::sleep(Duration::from_millis(rng.u64(0..=longest))).await;
+    let store = fences.store_for(key, hold.slot);
     let op = rec.invoke(
         "write",
         Fields {
             token: Some(token),
             slot: hold.slot,
+            // Which adapter wrote it, for the gate's count per store.
+            detail: Some(store.kind().to_owned()),
             ..hold.fields(key)
         },
     )?;
     let payload = format!("{}#{op}", args.process);
-    match guarded_write(pg, &hold.record(key), token, &payload).await {
-        Ok(WriteOutcome::Accepted { write_seq }) => rec.complete(
+    let answer = guarded_write_retrying(
+        store,
+        &hold.record(key),
+        token,
+        payload.as_bytes(),
+        WRITE_ATTEMPTS,
+    )
+    .await;
+    match answer {
+        // The record's version orders its writes as the store committed
+        // them: the checker's commit order.
+        Ok(Guarded::Applied { version }) => rec.complete(
             op,
             Outcome::Ok,
             Fields {
-                seq: Some(write_seq),
+                seq: i64::try_from(version).ok(),
                 ..Fields::default()
             },
         )?,
-        Ok(WriteOutcome::FencedOut) => rec.complete(op, Outcome::Fail, Fields::default())?,
+        Ok(Guarded::FencedOut { .. }) => rec.complete(op, Outcome::Fail, Fields::default())?,
+        // Nothing changed, but say only what is known: the checker counts an
+        // unknown write as one that may have landed, never as a refusal.
+        Ok(Guarded::Retry) => rec.complete(
+            op,
+            Outcome::Unknown,
+            Fields {
+                detail: Some("the store could not decide the write".to_owned()),
+                ..Fields::default()
+            },
+        )?,
         Err(e) => rec.complete(
             op,
             Outcome::Unknown,

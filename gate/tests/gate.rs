@@ -147,6 +147,15 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
         "the semaphore's slots were not all granted: {:?}",
         outcome.modes
     );
+    // The fenced writes went through every adapter (issue 35), each judged
+    // in its store's own commit order, and each store accepted some.
+    for kind in ["postgresql", "mysql", "redis", "etcd", "s3"] {
+        assert!(
+            outcome.stores.get(kind).is_some_and(|w| w.accepted > 0),
+            "no fenced write was accepted by the {kind} store: {:?}",
+            outcome.stores
+        );
+    }
     for fault in Fault::ALL {
         assert!(
             // By the first word: "restore-forget ..." is not a "restore".
@@ -234,6 +243,7 @@ async fn gate_catches_an_arbiter_that_grants_on_watch_events() -> anyhow::Result
         arbiters: 2,
         faults: Vec::new(),
         arbiter_test_fault: TestFault::GrantOnWatch,
+        fence_rotation: false,
         ..GateConfig::short(seed, binaries()?, out_dir())
     };
     let outcome = gate::run(config).await?;
@@ -268,6 +278,7 @@ fn lock_log_fault_config(fault: TestFault, seed: u64) -> anyhow::Result<GateConf
         arbiters: 2,
         faults: Vec::new(),
         arbiter_test_fault: fault,
+        fence_rotation: false,
         ..GateConfig::short(seed, binaries()?, out_dir())
     })
 }

@@ -65,6 +65,10 @@ struct Args {
     /// Keep the history, report and logs under --out even when the run passes.
     #[arg(long)]
     keep: bool,
+    /// Every fenced write to the PostgreSQL reference fence, instead of a
+    /// rotation through every fence adapter (MariaDB, Redis, etcd, S3).
+    #[arg(long)]
+    postgres_only: bool,
     /// Run nothing: check a saved history (JSON lines) and print the report.
     #[arg(long, value_name = "HISTORY")]
     check: Option<PathBuf>,
@@ -149,6 +153,7 @@ async fn main() -> ExitCode {
         faults,
         arbiter_test_fault: args.arbiter_test_fault,
         keep: args.keep,
+        fence_rotation: !args.postgres_only,
         ..short
     };
     match gate::run(config).await {
