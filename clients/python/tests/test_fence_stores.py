@@ -290,6 +290,25 @@ def test_store_limits_are_refused_before_anything_is_written(store, name):
         assert store.guarded_write(name, 2**64 - 1, b"z") == FencedOut(Mark(2**64 - 1))
         assert store.guarded_write(name, (1 << 32) + 5, b"z") == FencedOut(Mark(2**64 - 1))
         assert store.read(name).payload == b"y"
+    if kind == "redis":
+        # A mark that could expire is refused: a stale write would land after it did.
+        assert isinstance(store.guarded_write(f"{name}/ttl", EPOCH, b"x"), Applied)
+        store.client.expire(f"{name}/ttl", 3600)
+        with pytest.raises(Unfenced) as info:
+            store.guarded_write(f"{name}/ttl", EPOCH + 1, b"y")
+        assert "PERSIST" in str(info.value)
+        assert store.read(f"{name}/ttl").payload == b"x"
+    if kind == "etcd":
+        # A mark of another width that sorts below the token (4 zero bytes)
+        # passes etcd's byte-wise Less; the adapter reads it first and refuses.
+        import base64
+
+        mark_key, payload_key = store.keys(f"{name}/narrow")
+        for key, value in ((mark_key, b"\0\0\0\0"), (payload_key, b"theirs")):
+            b64 = base64.b64encode
+            store._post("planting", "/v3/kv/put", {"key": b64(key.encode()).decode(), "value": b64(value).decode()}, ())
+        with pytest.raises(Unfenced):
+            store.guarded_write(f"{name}/narrow", EPOCH, b"ours")
 
 
 def test_interop_with_the_rust_adapters(store):

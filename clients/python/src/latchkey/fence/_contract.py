@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from typing import Iterable, Optional, Tuple, Union
+from typing import Iterable, List, Optional, Tuple, Union
 
 from .._token import FencingToken
 
@@ -173,6 +173,8 @@ class FenceError(Exception):
         super().__init__(f"{store}: {op}: {message}")
         self.store = store
         self.op = op
+        #: The store's (scrubbed) words, without the store and the operation.
+        self.message = message
         self.transient = transient
 
     def is_transient(self) -> bool:
@@ -211,6 +213,7 @@ class Unfenced(FenceError):
         Exception.__init__(self, f"{store}: record {record!r} carries no readable fencing mark: {why}")
         self.store = store
         self.op = "reading the mark"
+        self.message = why
         self.transient = False
         self.record = record
         self.why = why
@@ -296,6 +299,12 @@ class FencedStore(abc.ABC):
         record, data = check_input(record, payload)
         self._check_record(record)
         self._plain_write(record, data)
+
+    def caveats(self) -> List[str]:
+        """What this store's setup means for the fence, in words a pause-test
+        result records beside its verdict (asynchronous replication, a server
+        that forgets on restart). Empty when there is nothing to say."""
+        return []
 
     def close(self) -> None:
         """Releases the store's connection (idempotent)."""

@@ -9,19 +9,25 @@ or extra package are needed (docs/fencing.md says why).
 
 A record is two keys under ``<prefix>/<record>/``: ``mark`` (the token of the
 last accepted write, 8 bytes big-endian, so etcd's byte-wise comparison is
-the numeric one) and ``payload``. The guarded write is one ``Txn``::
+the numeric one) and ``payload``. The guarded write is a compare-and-swap on
+the mark key's ``mod_revision``, one ``Txn`` per attempt::
 
-    IF   value(mark) < token_bytes                    (false when mark is missing)
+    record not seen yet:   IF version(mark) = 0 AND version(payload) = 0
+    mark seen at rev r:    IF mod_revision(mark) = r AND value(mark) < token_bytes
     THEN put(mark, token_bytes), put(payload, payload)
-    ELSE txn(
-           IF   version(mark) = 0 AND version(payload) = 0   (the record is missing)
-           THEN put(mark, token_bytes), put(payload, payload)
-           ELSE get(mark), get(payload))
+    ELSE get(mark), get(payload)
 
-etcd applies it atomically at one revision: that revision is the applied
-write's version. A mark at or above the token is a fenced-out write
-(strictly ``<``: a replayed token is refused); a payload without a mark, or a
-mark that is not 8 bytes, is :class:`~latchkey.fence.Unfenced`.
+etcd applies a transaction atomically at one revision: that revision is the
+applied write's version. When the compare fails, the gets show the record as
+it is: a mark at or above the token is a fenced-out write (strictly ``<``: a
+replayed token is refused); a payload without a mark, or a mark that is not
+exactly 8 bytes, is :class:`~latchkey.fence.Unfenced` (never overwritten); an
+8-byte mark below the token is tried again at the revision just read. So a
+write lands only over a mark this adapter read and validated and that has not
+changed since (etcd's byte-wise ``Less`` alone would pass a mark of another
+width that sorts below the token). The store remembers the revision its own
+last write of a record left, so a holder writing one record again pays one
+transaction. The same transaction as the Rust crate ``latchkey-fence-etcd``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import base64
 import http.client
 import json
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 from urllib.parse import unquote
 
 from ._contract import (
@@ -48,6 +54,12 @@ from ._contract import (
 KIND = "etcd"
 CONNECT_TIMEOUT = 5.0
 REQUEST_TIMEOUT = 10.0
+
+#: Compare-and-swap attempts of one guarded write before it answers Retry.
+ATTEMPTS = 4
+#: Records whose last-written revision the store remembers; past this the
+#: memory starts again (a forgotten record costs one more transaction).
+REMEMBERED = 4096
 
 # gRPC codes worth retrying: DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, UNAVAILABLE.
 _TRANSIENT_GRPC = {4, 8, 10, 14}
@@ -116,6 +128,8 @@ class EtcdStore(FencedStore):
         self._local = threading.local()
         self._conns: List[http.client.HTTPConnection] = []
         self._conns_lock = threading.Lock()
+        self._written: Dict[str, int] = {}
+        self._written_lock = threading.Lock()
 
     @classmethod
     def connect(cls, url: str) -> "EtcdStore":
@@ -238,36 +252,57 @@ class EtcdStore(FencedStore):
     # --- the fence ----------------------------------------------------------
 
     @staticmethod
-    def guarded_txn(mark_key: str, payload_key: str, token: int, payload: bytes) -> dict:
-        """The guarded write's transaction, as the gateway's JSON."""
+    def guarded_txn(mark_key: str, payload_key: str, seen: Optional[int], token: int, payload: bytes) -> dict:
+        """One attempt of the guarded write, as the gateway's JSON: create the
+        record when ``seen`` is ``None``, else overwrite it if its mark key is
+        still at revision ``seen`` and below the token. The else branch reads
+        the record."""
         mk, pk, tb = _b64(mark_key.encode()), _b64(payload_key.encode()), _b64(Mark(token).to_be_bytes())
-        puts = [
-            {"request_put": {"key": mk, "value": tb}},
-            {"request_put": {"key": pk, "value": _b64(payload)}},
-        ]
-        create = {
-            "compare": [
+        if seen is None:
+            when = [
                 {"key": mk, "target": "VERSION", "result": "EQUAL", "version": "0"},
                 {"key": pk, "target": "VERSION", "result": "EQUAL", "version": "0"},
+            ]
+        else:
+            when = [
+                {"key": mk, "target": "MOD", "result": "EQUAL", "mod_revision": str(seen)},
+                {"key": mk, "target": "VALUE", "result": "LESS", "value": tb},
+            ]
+        return {
+            "compare": when,
+            "success": [
+                {"request_put": {"key": mk, "value": tb}},
+                {"request_put": {"key": pk, "value": _b64(payload)}},
             ],
-            "success": puts,
             "failure": [{"request_range": {"key": mk}}, {"request_range": {"key": pk}}],
         }
-        return {
-            "compare": [{"key": mk, "target": "VALUE", "result": "LESS", "value": tb}],
-            "success": puts,
-            "failure": [{"request_txn": create}],
-        }
+
+    def _remembered(self, record: str) -> Optional[int]:
+        with self._written_lock:
+            return self._written.get(record)
+
+    def _remember(self, record: str, revision: Optional[int]) -> None:
+        with self._written_lock:
+            if revision is None:
+                self._written.pop(record, None)
+                return
+            if len(self._written) >= REMEMBERED and record not in self._written:
+                self._written.clear()
+            self._written[record] = revision
 
     @staticmethod
-    def _got(response: object) -> Optional[bytes]:
-        """The value of a range response's first key, ``None`` when it found nothing."""
+    def _first_kv(response: object) -> Optional[dict]:
+        """A range response's first key-value, ``None`` when it found nothing."""
         if not isinstance(response, dict):
             return None
         kvs = (response.get("response_range") or {}).get("kvs") or []
-        if not kvs:
-            return None
-        return base64.b64decode(kvs[0].get("value") or "")
+        return kvs[0] if kvs and isinstance(kvs[0], dict) else None
+
+    @classmethod
+    def _got(cls, response: object) -> Optional[bytes]:
+        """The value of a range response's first key, ``None`` when it found nothing."""
+        kv = cls._first_kv(response)
+        return None if kv is None else base64.b64decode(kv.get("value") or "")
 
     @staticmethod
     def _mark_of(record: str, data: bytes) -> Mark:
@@ -279,27 +314,35 @@ class EtcdStore(FencedStore):
     def _guarded_write(self, record: str, token: int, payload: bytes) -> Guarded:
         op = "guarded write"
         mark_key, payload_key = self.keys(record)
-        answer = self._post(op, "/v3/kv/txn", self.guarded_txn(mark_key, payload_key, token, payload), (token,))
-        try:
-            revision = int(answer["header"]["revision"])
-        except (KeyError, TypeError, ValueError):
-            raise FenceError(KIND, op, "the transaction's answer has no revision") from None
-        if answer.get("succeeded"):
-            return Applied(version=revision)
-        responses = answer.get("responses") or [{}]
-        inner = responses[0].get("response_txn") if isinstance(responses[0], dict) else None
-        if not isinstance(inner, dict):
-            raise FenceError(KIND, op, "the transaction's answer has no nested answer")
-        if inner.get("succeeded"):
-            return Applied(version=revision)
-        ops = (inner.get("responses") or []) + [None, None]
-        mark, data = self._got(ops[0]), self._got(ops[1])
-        if mark is not None:
-            # Same revision as the compare: an 8-byte mark here is at or above the token.
-            return FencedOut(self._mark_of(record, mark))
-        if data is not None:
-            raise Unfenced(KIND, record, "it has a payload key but no mark key")
-        # Both missing, yet the create's compare failed: changed in between.
+        seen = self._remembered(record)
+        for _ in range(ATTEMPTS):
+            txn = self.guarded_txn(mark_key, payload_key, seen, token, payload)
+            answer = self._post(op, "/v3/kv/txn", txn, (token,))
+            if answer.get("succeeded"):
+                try:
+                    revision = int(answer["header"]["revision"])
+                except (KeyError, TypeError, ValueError):
+                    revision = 0
+                if revision <= 0:
+                    self._remember(record, None)
+                    raise FenceError(KIND, op, "the write was applied but etcd's answer carries no revision")
+                self._remember(record, revision)
+                return Applied(version=revision)
+            ops = (answer.get("responses") or []) + [None, None]
+            mark_kv = self._first_kv(ops[0])
+            if mark_kv is None:
+                if self._got(ops[1]) is not None:
+                    raise Unfenced(KIND, record, "it has a payload key but no mark key")
+                seen = None  # missing now: create it
+                continue
+            mark = self._mark_of(record, base64.b64decode(mark_kv.get("value") or ""))
+            if mark >= Mark(token):
+                self._remember(record, None)
+                return FencedOut(mark)
+            try:
+                seen = int(mark_kv.get("mod_revision"))
+            except (TypeError, ValueError):
+                raise FenceError(KIND, op, "etcd's answer carries a mark without its mod_revision") from None
         return Retry()
 
     def _read(self, record: str) -> Optional[Record]:

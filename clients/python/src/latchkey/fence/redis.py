@@ -13,6 +13,13 @@ a fenced record (never overwritten: :class:`~latchkey.fence.Unfenced`). Marks
 are compared as numbers in two 32-bit halves (exact in Lua's doubles), not
 as strings (Lua's string ``<`` follows the server's locale).
 
+**Marks must not vanish.** A record whose key expires or is evicted takes its
+mark along, and the next write, a stale one too, creates it anew. The script
+refuses a key with an expiry (remove it with ``PERSIST``), and
+:meth:`RedisStore.connect` refuses a server that may evict any key
+(``maxmemory`` with an ``allkeys-*`` policy). A server without an append-only
+file loses marks on restart: :meth:`RedisStore.caveats` says so.
+
 **Replication caveat.** Redis replicates asynchronously: a write the script
 accepted can be lost when the primary fails before a replica has it, and the
 promoted replica then accepts the older holder's stale write. ``WAIT``
@@ -24,7 +31,7 @@ Needs ``pip install 'latchkey[redis]'`` (redis-py).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from ._contract import (
     Applied,
@@ -49,8 +56,8 @@ if string.len(token) ~= 16 or not string.match(token, '^[0-9a-f]+$') then
 end
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind == 'none' then
-  redis.call('HSET', KEYS[1], 'mark', token, 'payload', ARGV[2])
-  return {1, redis.call('HINCRBY', KEYS[1], 'writes', 1)}
+  redis.call('HSET', KEYS[1], 'mark', token, 'payload', ARGV[2], 'writes', 1)
+  return {1, 1}
 end
 if kind ~= 'hash' then
   return {-1, 'the key holds a ' .. kind .. ', not a fenced hash'}
@@ -61,6 +68,9 @@ if not mark then
 end
 if string.len(mark) ~= 16 or not string.match(mark, '^[0-9a-f]+$') then
   return {-1, 'its mark field is not 16 lower-case hex digits'}
+end
+if redis.call('PTTL', KEYS[1]) >= 0 then
+  return {-1, 'the key has an expiry, and its mark would expire with it (a stale write would then land): remove it with PERSIST'}
 end
 local mh = tonumber(string.sub(mark, 1, 8), 16)
 local th = tonumber(string.sub(token, 1, 8), 16)
@@ -95,6 +105,39 @@ return 1
 
 _TRANSIENT_CODES = ("LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY", "BUSY")
 
+#: Said of every Redis store (the pause-test result records it).
+REPLICATION_CAVEAT = (
+    "Redis replicates asynchronously: a write the fence accepted on the primary can be lost in a "
+    "failover, and the promoted replica then accepts the older holder's stale write. This test "
+    "proves the script on one server, not failover"
+)
+
+
+def eviction_refusal(memory: dict) -> Optional[str]:
+    """Why a server with this ``INFO memory`` may not hold fenced records."""
+    try:
+        limit = int(memory.get("maxmemory") or 0)
+    except (TypeError, ValueError):
+        limit = 0
+    policy = _text(memory.get("maxmemory_policy")) or "noeviction"
+    if limit > 0 and policy.startswith("allkeys-"):
+        return (
+            f"maxmemory is set and maxmemory-policy is {policy}: the server may evict a fenced record, "
+            "and its mark with it (a stale write would then land); use noeviction, or a volatile-* policy"
+        )
+    return None
+
+
+def caveats_of(persistence: dict) -> List[str]:
+    """The caveats a server with this ``INFO persistence`` gets."""
+    caveats = [REPLICATION_CAVEAT]
+    if str(persistence.get("aof_enabled")) != "1":
+        caveats.append(
+            "the server has no append-only file: a restart loses the marks written since its last "
+            "snapshot (all of them without one), and a stale write to a lost record lands"
+        )
+    return caveats
+
 
 def _redis():
     try:
@@ -119,15 +162,17 @@ class RedisStore(FencedStore):
     def __init__(self, client) -> None:
         """Wraps a ``redis.Redis`` client (with ``decode_responses`` off)."""
         self._client = client
+        self._caveats = [REPLICATION_CAVEAT]
         self._guarded = client.register_script(GUARDED_WRITE_LUA)
         self._read_script = client.register_script(READ_LUA)
         self._plain = client.register_script(PLAIN_WRITE_LUA)
 
     @classmethod
     def connect(cls, url: str) -> "RedisStore":
-        """Connects with a ``redis://[:password@]host:port[/db]`` URL (no TLS)
-        and checks the server answers. Errors name neither the URL nor its
-        password."""
+        """Connects with a ``redis://[:password@]host:port[/db]`` URL (no TLS),
+        refuses a server that may evict any key, and notes what its
+        persistence means (:meth:`caveats`). Errors name neither the URL nor
+        its password."""
         redis = _redis()
         if not url.startswith("redis://"):
             raise ValueError("a Redis store URL is redis://[:password@]host:port[/db]")
@@ -138,8 +183,34 @@ class RedisStore(FencedStore):
         if client is None:
             raise ValueError("not a usable redis:// URL (redis://[:password@]host:port[/db])")
         store = cls(client)
-        store._call("connecting", client.ping, ())
+        store._check_server()
         return store
+
+    def _check_server(self) -> None:
+        op = "checking the server's eviction policy"
+        try:
+            memory = self._call(op, self._client.info, (), "memory")
+            persistence = self._call(op, self._client.info, (), "persistence")
+        except FenceError as e:
+            if e.transient:
+                raise
+            err = FenceError(
+                KIND,
+                op,
+                f"{e.message} (the fence reads INFO memory and INFO persistence to know whether the server may "
+                "evict or forget a record's mark; allow INFO for this user)",
+            )
+        else:
+            err = None
+        if err is not None:
+            raise err
+        why = eviction_refusal(memory)
+        if why:
+            raise FenceError(KIND, op, why)
+        self._caveats = caveats_of(persistence)
+
+    def caveats(self) -> List[str]:
+        return list(self._caveats)
 
     @property
     def client(self):

@@ -101,8 +101,8 @@ class S3Config:
 class ObjectHead:
     etag: str
     mark: Optional[Mark]
-    #: The write count; ``None`` when the metadata holds something unreadable.
-    writes: Optional[int]
+    #: The write count (``x-amz-meta-latchkey-writes``); 0 when it has none.
+    writes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +217,28 @@ def check_record(record: str) -> None:
         raise ValueError(f"record name {record!r} is empty or has a . or .. segment")
 
 
+def check_names(config: S3Config) -> None:
+    """The bucket, region and prefix become parts of the request's host and
+    path: anything but the characters those names use is refused, so that no
+    name can move a signed request to another host or outside the prefix."""
+    bucket, region = config.bucket, config.region
+    if not re.fullmatch(r"[A-Za-z0-9._\-]{1,63}", bucket or ""):
+        raise _config_error("the bucket name must be 1 to 63 letters, digits, '.', '-' or '_'")
+    if not re.fullmatch(r"[a-z0-9\-]{1,32}", region or ""):
+        raise _config_error("the region must be 1 to 32 lower-case letters, digits or '-' (e.g. us-east-1)")
+    prefix = config.prefix.rstrip("/")
+    if prefix:
+        try:
+            check_record(prefix)
+        except ValueError:
+            raise _config_error(
+                "the prefix is limited to letters, digits, '-', '_', '.', '~', '/' and spaces, "
+                "without empty, . or .. segments"
+            ) from None
+        if "" in prefix.split("/") or config.prefix.startswith("/"):
+            raise _config_error("the prefix has an empty segment ('//')")
+
+
 class S3Store(FencedStore):
     """A fenced record store on one bucket (and prefix) of an S3-compatible
     store. Thread-safe: each thread keeps its own HTTP connection."""
@@ -224,8 +246,7 @@ class S3Store(FencedStore):
     kind = KIND
 
     def __init__(self, config: S3Config) -> None:
-        if not config.bucket:
-            raise _config_error("no bucket named")
+        check_names(config)
         parts = urlsplit(config.endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise _config_error("endpoint must be http(s)://host[:port]")
@@ -258,6 +279,12 @@ class S3Store(FencedStore):
     def __repr__(self) -> str:
         c = self.config
         return f"<S3Store endpoint={c.endpoint!r} bucket={c.bucket!r} prefix={c.prefix!r}>"
+
+    def caveats(self) -> List[str]:
+        return [
+            "an object lifecycle rule that expires fenced objects removes their marks with them, and a "
+            "stale write then creates the object anew: keep expiration rules off the fenced prefix"
+        ]
 
     def key(self, record: str) -> str:
         """The object key of ``record``."""
@@ -379,9 +406,8 @@ class S3Store(FencedStore):
             raise self._error(reply, "HEAD", ())
         if not reply.etag:
             raise FenceError(KIND, "HEAD", "HEAD answered without an ETag")
-        writes: Optional[int] = 0
-        if reply.writes is not None:
-            writes = int(reply.writes) if reply.writes.isdigit() else None
+        # Missing (or unreadable, as the Rust crate reads it): 0.
+        writes = int(reply.writes) if reply.writes and reply.writes.isdigit() else 0
         return ObjectHead(reply.etag, Mark.from_hex(reply.mark) if reply.mark else None, writes)
 
     def put(
@@ -433,8 +459,6 @@ class S3Store(FencedStore):
     def _fenced_head(self, record: str, head: ObjectHead) -> Tuple[Mark, int]:
         if head.mark is None:
             raise self._unfenced(record, "no readable mark")
-        if head.writes is None:
-            raise Unfenced(KIND, record, f"its {WRITES_HEADER} metadata is not a decimal count")
         return head.mark, head.writes
 
     def _guarded_write(self, record: str, token: int, payload: bytes) -> Guarded:
