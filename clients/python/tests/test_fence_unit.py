@@ -289,10 +289,28 @@ def test_mysql_refuses_a_connection_with_found_rows():
 
     class Conn:  # what MysqlStore reads of a connection before using it
         client_flag = pymysql.constants.CLIENT.FOUND_ROWS
+        autocommit = True
+
+        def get_autocommit(self):
+            return self.autocommit
 
     with pytest.raises(FenceError) as info:
         mysql.MysqlStore(Conn())
     assert "CLIENT_FOUND_ROWS" in str(info.value)
+    conn = Conn()
+    conn.client_flag, conn.autocommit = 0, False
+    with pytest.raises(ValueError) as info:
+        mysql.MysqlStore(conn)
+    assert "autocommit" in str(info.value)
+
+
+def test_postgres_refuses_a_connection_inside_transactions():
+    class Conn:
+        autocommit = False
+
+    with pytest.raises(ValueError) as info:
+        postgres.PostgresStore(Conn())
+    assert "autocommit" in str(info.value)
 
 
 def test_mysql_record_names_longer_than_the_id_column_are_refused():

@@ -186,11 +186,17 @@ class MysqlStore(FencedStore):
 
     def __init__(self, connection, *, checked: bool = False) -> None:
         """Wraps an open PyMySQL connection in autocommit mode. Refuses a
-        connection with CLIENT_FOUND_ROWS; unless ``checked``, creates and
-        checks the reference table and the server's affected-row counts."""
+        connection with CLIENT_FOUND_ROWS (or without autocommit); unless
+        ``checked``, creates and checks the reference table and the server's
+        affected-row counts."""
         pymysql = _pymysql()
         if connection.client_flag & pymysql.constants.CLIENT.FOUND_ROWS:
             raise _found_rows_refused("the connection sets CLIENT_FOUND_ROWS")
+        if not connection.get_autocommit():
+            raise ValueError(
+                "the MySQL fence needs a connection in autocommit mode (pymysql.connect(..., "
+                "autocommit=True)): inside an open transaction an Applied write is not yet committed"
+            )
         self._conn = connection
         self._lock = threading.Lock()
         if not checked:

@@ -134,8 +134,14 @@ class PostgresStore(FencedStore):
     kind = KIND
 
     def __init__(self, connection) -> None:
-        """Wraps an open psycopg 3 connection in autocommit mode. The
-        reference table must exist (:meth:`ensure_schema`)."""
+        """Wraps an open psycopg 3 connection in autocommit mode (each guarded
+        write is its own statement, decided when it returns). The reference
+        table must exist (:meth:`ensure_schema`)."""
+        if not getattr(connection, "autocommit", False):
+            raise ValueError(
+                "the PostgreSQL fence needs a connection in autocommit mode (psycopg.connect(..., "
+                "autocommit=True)): inside an open transaction an Applied write is not yet committed"
+            )
         self._conn = connection
 
     @classmethod
