@@ -536,6 +536,7 @@ class _FakeS3(http.server.BaseHTTPRequestHandler):
 
     objects: Dict[str, Tuple[bytes, Dict[str, str]]] = {}
     redirect = False
+    drop_puts = False  # store the PUT, then close the connection without an answer
     seen: List[str] = []
 
     def log_message(self, *args):  # quiet
@@ -565,6 +566,9 @@ class _FakeS3(http.server.BaseHTTPRequestHandler):
 
         meta = {k.lower(): v for k, v in self.headers.items() if k.lower().startswith("x-amz-meta-")}
         type(self).objects[self.path] = (body, meta)
+        if type(self).drop_puts:
+            self.close_connection = True
+            return
         self._answer(200, {"ETag": f'"{hashlib.md5(body).hexdigest()}"'})
 
     def do_HEAD(self):
@@ -575,7 +579,7 @@ class _FakeS3(http.server.BaseHTTPRequestHandler):
             return self._answer(404)
         import hashlib
 
-        self._answer(200, {"ETag": f'"{hashlib.md5(found[0]).hexdigest()}"', **found[1]})
+        self._answer(200, {"ETag": f'"{hashlib.md5(found[0]).hexdigest()}"', **found[1]}, found[0])
 
     do_GET = do_HEAD
 
@@ -588,7 +592,7 @@ class _FakeS3(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_s3():
-    _FakeS3.objects, _FakeS3.redirect, _FakeS3.seen = {}, False, []
+    _FakeS3.objects, _FakeS3.redirect, _FakeS3.drop_puts, _FakeS3.seen = {}, False, False, []
     server = http.server.HTTPServer(("127.0.0.1", 0), _FakeS3)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -681,3 +685,17 @@ _CHANGED_WITH_VERSIONS = {
 
 def _rust_has_versions() -> bool:
     return "Applied { version" in (_REPO / "fence/core/src/lib.rs").read_text()
+
+
+def test_a_put_without_an_answer_is_not_sent_again(fake_s3):
+    """The write may have landed: sending it again could report the writer's
+    own write as a later holder's. The error says to read the record."""
+    fake, store = fake_s3
+    fake.drop_puts = True
+    with pytest.raises(FenceError) as info:
+        store.guarded_write("orders", VALUE, b"x")
+    assert info.value.is_transient() and "may have landed" in str(info.value)
+    assert fake.seen == ["HEAD /b/orders", "PUT /b/orders"]
+    assert not leaks(str(info.value))
+    fake.drop_puts = False
+    assert store.read("orders") == Record(Mark(VALUE), b"x"), "it had landed: the mark is the writer's own"

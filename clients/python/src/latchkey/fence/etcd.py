@@ -36,6 +36,7 @@ import base64
 import http.client
 import json
 import threading
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 from urllib.parse import unquote
 
@@ -61,6 +62,10 @@ ATTEMPTS = 4
 #: memory starts again (a forgotten record costs one more transaction).
 REMEMBERED = 4096
 
+#: A write is sent on a kept-alive connection only if it was used this
+#: recently (an older one may be closing at the server's end); reads retry.
+IDLE_REUSE = 2.0
+
 # gRPC codes worth retrying: DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, UNAVAILABLE.
 _TRANSIENT_GRPC = {4, 8, 10, 14}
 _UNAUTHENTICATED = 16
@@ -68,6 +73,10 @@ _UNAUTHENTICATED = 16
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+class OutcomeUnknown(Exception):
+    """A request was sent and no answer came back."""
 
 
 class EtcdUrl:
@@ -139,7 +148,7 @@ class EtcdStore(FencedStore):
         store = cls(parsed.endpoints, parsed.prefix, parsed.login)
         # A read under the prefix: a user's role may cover nothing else.
         probe = f"{parsed.prefix}/".encode() if parsed.prefix else b"\0"
-        store._post("connecting", "/v3/kv/range", {"key": _b64(probe), "limit": "1"}, ())
+        store._post("connecting", "/v3/kv/range", {"key": _b64(probe), "limit": "1"}, (), idempotent=True)
         return store
 
     def keys(self, record: str) -> Tuple[str, str]:
@@ -155,15 +164,22 @@ class EtcdStore(FencedStore):
 
     # --- HTTP ---------------------------------------------------------------
 
-    def _connection(self, index: int) -> http.client.HTTPConnection:
+    def _connection(self, index: int, fresh: bool) -> http.client.HTTPConnection:
+        """This thread's connection to endpoint ``index``, connected. With
+        ``fresh``, one that has not sat idle (a write is never sent on a
+        connection the server may be closing)."""
         cached = getattr(self._local, "conn", None)
-        if cached is not None and cached[0] == index:
-            return cached[1]
         if cached is not None:
-            cached[1].close()
+            same, idle = cached[0] == index, time.monotonic() - cached[2]
+            if same and cached[1].sock is not None and not (fresh and idle > IDLE_REUSE):
+                return cached[1]
+            self._drop_connection()
         host, port = self._endpoints[index]
         conn = http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT)
-        self._local.conn = (index, conn)
+        conn.connect()  # raises before anything is sent
+        if conn.sock is not None:
+            conn.sock.settimeout(REQUEST_TIMEOUT)
+        self._local.conn = (index, conn, time.monotonic())
         with self._conns_lock:
             self._conns.append(conn)
         return conn
@@ -172,10 +188,16 @@ class EtcdStore(FencedStore):
         cached = getattr(self._local, "conn", None)
         if cached is not None:
             cached[1].close()
+            with self._conns_lock:
+                if cached[1] in self._conns:
+                    self._conns.remove(cached[1])
             self._local.conn = None
 
-    def _exchange(self, path: str, body: dict, auth: Optional[str]) -> Tuple[int, dict]:
-        """One request to the first endpoint that answers: (HTTP status, JSON)."""
+    def _exchange(self, path: str, body: dict, auth: Optional[str], idempotent: bool) -> Tuple[int, dict]:
+        """One request to the first endpoint that answers: (HTTP status, JSON).
+        An endpoint that cannot be reached is passed over; a request that was
+        sent and got no answer is sent again only when ``idempotent`` (a
+        write may have landed: :class:`OutcomeUnknown`)."""
         data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if auth:
@@ -184,21 +206,28 @@ class EtcdStore(FencedStore):
         last: Optional[BaseException] = None
         for step in range(len(self._endpoints)):
             index = (start + step) % len(self._endpoints)
-            for attempt in range(2):  # a kept-alive connection the server closed: once more
-                conn = self._connection(index)
+            for attempt in range(2):
+                try:
+                    conn = self._connection(index, fresh=not idempotent)
+                except (OSError, http.client.HTTPException) as e:
+                    last = e
+                    break  # nothing sent: the next endpoint
                 try:
                     conn.request("POST", path, body=data, headers=headers)
-                    if conn.sock is not None:
-                        conn.sock.settimeout(REQUEST_TIMEOUT)
                     resp = conn.getresponse()
                     raw = resp.read()
                 except (OSError, http.client.HTTPException) as e:
                     self._drop_connection()
                     last = e
-                    if attempt == 0 and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError)):
+                    if idempotent and attempt == 0:
                         continue
-                    break
+                    if idempotent:
+                        break
+                    raise OutcomeUnknown(f"{type(e).__name__}: {e}") from None
                 self._local.endpoint = index
+                self._local.conn = (index, conn, time.monotonic())
+                if resp.will_close:
+                    self._drop_connection()
                 try:
                     answer = json.loads(raw or b"{}")
                 except ValueError:
@@ -211,7 +240,9 @@ class EtcdStore(FencedStore):
             if self._token is None and self._login is not None:
                 user, password = self._login
                 try:
-                    status, answer = self._exchange("/v3/auth/authenticate", {"name": user, "password": password}, None)
+                    status, answer = self._exchange(
+                        "/v3/auth/authenticate", {"name": user, "password": password}, None, idempotent=True
+                    )
                 except ConnectionError as e:
                     raise FenceError(KIND, op, str(e), True) from None
                 if status != 200 or not answer.get("token"):
@@ -229,13 +260,23 @@ class EtcdStore(FencedStore):
     def _is_transient(status: int, answer: dict) -> bool:
         return answer.get("code") in _TRANSIENT_GRPC or status in (408, 429, 502, 503, 504)
 
-    def _post(self, op: str, path: str, body: dict, secrets: Sequence[int]) -> dict:
+    def _post(self, op: str, path: str, body: dict, secrets: Sequence[int], idempotent: bool = False) -> dict:
         """One gateway call; its answer, or a FenceError scrubbed of
         ``secrets`` (raised outside ``except``: nothing rides along)."""
         for attempt in range(2):
             auth = self._authenticate(op) if self._login else None
             try:
-                status, answer = self._exchange(path, body, auth)
+                status, answer = self._exchange(path, body, auth, idempotent)
+            except OutcomeUnknown as e:
+                err = FenceError.scrubbed(
+                    KIND,
+                    op,
+                    f"the connection broke after the request was sent ({e}): it may have been applied; "
+                    "read the record (a mark equal to your token is your own write)",
+                    True,
+                    secrets,
+                )
+                break
             except ConnectionError as e:
                 err = FenceError.scrubbed(KIND, op, str(e), True, secrets)
                 break
@@ -353,7 +394,7 @@ class EtcdStore(FencedStore):
                 {"request_range": {"key": _b64(payload_key.encode())}},
             ]
         }
-        answer = self._post("reading a record", "/v3/kv/txn", txn, ())
+        answer = self._post("reading a record", "/v3/kv/txn", txn, (), idempotent=True)
         ops = (answer.get("responses") or []) + [None, None]
         mark, data = self._got(ops[0]), self._got(ops[1])
         if mark is None and data is None:

@@ -63,6 +63,9 @@ BODY_PREFIX = b"latchkey-fence/1 "
 DEFAULT_ATTEMPTS = 8
 PLAIN_ATTEMPTS = 8
 DEFAULT_TIMEOUT = 30.0
+#: A PUT is sent on a kept-alive connection only if it was used this recently
+#: (an older one may be closing at the server's end).
+IDLE_REUSE = 2.0
 
 _RECORD_CHARS = re.compile(r"[A-Za-z0-9\-_.~/ ]*")
 
@@ -291,23 +294,35 @@ class S3Store(FencedStore):
         return f"{self.config.prefix}{record}"
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+        """Closes this thread's connection (each thread keeps its own)."""
+        self._drop_connection()
 
     def _check_record(self, record: str) -> None:
         check_record(record)
 
     # --- requests -----------------------------------------------------------
 
-    def _connection(self) -> http.client.HTTPConnection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            conn = cls(self._host, self._port, timeout=self.config.timeout)
-            self._local.conn = conn
+    def _connection(self, fresh: bool) -> http.client.HTTPConnection:
+        """This thread's connection, connected. With ``fresh``, one that has
+        not sat idle (a write is never sent on a connection the server may be
+        closing)."""
+        cached = getattr(self._local, "conn", None)
+        if cached is not None:
+            conn, used = cached
+            if conn.sock is not None and not (fresh and time.monotonic() - used > IDLE_REUSE):
+                return conn
+            self._drop_connection()
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        conn = cls(self._host, self._port, timeout=self.config.timeout)
+        conn.connect()  # raises before anything is sent
+        self._local.conn = (conn, time.monotonic())
         return conn
+
+    def _drop_connection(self) -> None:
+        cached = getattr(self._local, "conn", None)
+        if cached is not None:
+            cached[0].close()
+            self._local.conn = None
 
     def _send(
         self,
@@ -342,23 +357,34 @@ class S3Store(FencedStore):
         )
         send: Dict[str, str] = {name: value for name, value in headers}
         send["authorization"] = auth
-        for attempt in range(2):  # a kept-alive connection the server closed: once more
-            conn = self._connection()
+        # A PUT that was sent and got no answer may have landed: it is not
+        # sent again (the caller reads the record); reads are, once.
+        idempotent = method != "PUT"
+        for attempt in range(2):
+            try:
+                conn = self._connection(fresh=not idempotent)
+            except (OSError, http.client.HTTPException) as e:
+                err = FenceError.scrubbed(KIND, op, f"cannot connect: {type(e).__name__}: {e}", True, secrets)
+                break
             try:
                 conn.request(method, path, body=body if method in ("PUT", "POST") else None, headers=send)
                 resp = conn.getresponse()
                 data = resp.read()
             except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                self._local.conn = None
-                if attempt == 0 and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)):
+                self._drop_connection()
+                if idempotent and attempt == 0:
                     continue
-                kind = "timed out" if isinstance(e, TimeoutError) else "cannot connect or the connection broke"
-                err = FenceError.scrubbed(KIND, op, f"{kind}: {type(e).__name__}: {e}", True, secrets)
+                why = f"{type(e).__name__}: {e}"
+                if not idempotent:
+                    why = (
+                        f"the connection broke after the request was sent ({why}): the write may have landed; "
+                        "read the record (a mark equal to your token is your own write)"
+                    )
+                err = FenceError.scrubbed(KIND, op, why, True, secrets)
                 break
+            self._local.conn = (conn, time.monotonic())
             if resp.will_close:
-                conn.close()
-                self._local.conn = None
+                self._drop_connection()
             return _Reply(
                 status=resp.status,
                 etag=resp.getheader("etag"),
