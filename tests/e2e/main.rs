@@ -43,6 +43,7 @@ mod pause_test;
 mod pause_test_stores;
 mod policies;
 mod python_client;
+mod python_fence;
 mod quorum_loss;
 mod quota;
 mod replicas;

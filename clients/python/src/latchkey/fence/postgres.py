@@ -1,0 +1,241 @@
+"""The PostgreSQL fence (psycopg 3): the reference table and statement of the
+Rust crate ``latchkey-fence-postgres``, byte for byte.
+
+One ``INSERT … ON CONFLICT DO UPDATE … WHERE t.fence < EXCLUDED.fence AND
+t.fence >= 0 RETURNING writes`` creates the record, or overwrites it and
+raises its mark to the token, or changes nothing and returns no row (fenced
+out). PostgreSQL's row lock makes the comparison and the write one step; the
+returned write count is the applied write's version. A negative ``fence`` is
+no token's (a table that marks unfenced rows with -1): never overwritten,
+reported as :class:`~latchkey.fence.Unfenced`. Tokens above 2**63-1 do not
+fit ``bigint`` and are refused (:class:`~latchkey.fence.TokenOutOfRange`).
+
+The statements are sent with PostgreSQL's own ``$n`` placeholders
+(psycopg's ``RawCursor``), so their text is the Rust crate's. Payloads are
+the table's ``text`` column: they must be UTF-8 without NUL bytes.
+
+Needs ``pip install 'latchkey[postgres]'`` (psycopg 3 with its binary libpq).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+from urllib.parse import urlsplit
+
+from ._contract import (
+    Applied,
+    FencedOut,
+    FencedStore,
+    FenceError,
+    Guarded,
+    Mark,
+    Record,
+    Retry,
+    TokenOutOfRange,
+    Unfenced,
+    missing_driver,
+)
+
+KIND = "postgresql"
+TABLE = "latchkey_fenced_rows"
+
+CREATE_TABLE_SQL = """CREATE TABLE IF NOT EXISTS latchkey_fenced_rows (
+    id      text   PRIMARY KEY,
+    fence   bigint NOT NULL,
+    payload text   NOT NULL,
+    writes  bigint NOT NULL
+)"""
+
+#: ``$1`` id, ``$2`` token, ``$3`` payload. One row back (the record's write
+#: count) means applied; no row means fenced out.
+GUARDED_WRITE_SQL = """INSERT INTO latchkey_fenced_rows AS t (id, fence, payload, writes)
+VALUES ($1, $2, $3, 1)
+ON CONFLICT (id) DO UPDATE
+   SET fence = EXCLUDED.fence, payload = EXCLUDED.payload, writes = t.writes + 1
+ WHERE t.fence < EXCLUDED.fence AND t.fence >= 0
+RETURNING writes"""
+
+READ_SQL = "SELECT fence, payload FROM latchkey_fenced_rows WHERE id = $1"
+
+#: The naive writer: overwrites the payload, never compares or raises the
+#: mark (a record it creates gets mark 0). Tests and benchmarks only.
+PLAIN_WRITE_SQL = """INSERT INTO latchkey_fenced_rows AS t (id, fence, payload, writes)
+VALUES ($1, 0, $2, 1)
+ON CONFLICT (id) DO UPDATE
+   SET payload = EXCLUDED.payload, writes = t.writes + 1"""
+
+#: The columns the statements need, with the types ``format_type`` names
+#: (other columns may exist).
+REQUIRED_COLUMNS: Sequence[Tuple[str, Sequence[str]]] = (
+    ("id", ("text", "character varying")),
+    ("fence", ("bigint",)),
+    ("payload", ("text",)),
+    ("writes", ("bigint",)),
+)
+
+COLUMNS_SQL = """SELECT a.attname::text, format_type(a.atttypid, NULL)
+  FROM pg_attribute a
+ WHERE a.attrelid = to_regclass('latchkey_fenced_rows') AND a.attnum > 0 AND NOT a.attisdropped"""
+
+_BIGINT_MAX = (1 << 63) - 1
+
+
+def _psycopg():
+    try:
+        import psycopg
+    except ImportError:
+        raise missing_driver("PostgreSQL", "psycopg", "psycopg 3", "postgres") from None
+    return psycopg
+
+
+def schema_problems(columns: Sequence[Tuple[str, str]]) -> Optional[str]:
+    """What differs between ``columns`` (name, type) and the reference table."""
+    wrong: List[str] = []
+    for name, types in REQUIRED_COLUMNS:
+        found = [t for n, t in columns if n == name]
+        if not found:
+            wrong.append(f"it has no `{name}` column")
+        elif found[0] not in types:
+            wrong.append(f"its `{name}` column is {found[0]}, not {' or '.join(types)}")
+    return "; ".join(wrong) or None
+
+
+def _transient(err) -> bool:
+    code = getattr(err, "sqlstate", None) or ""
+    if code:
+        return code.startswith(("08", "40", "57P")) or code == "53300"
+    # No SQLSTATE: the connection failed or is gone.
+    return True
+
+
+def _message(err) -> str:
+    """Severity, message and SQLSTATE only: a DETAIL may echo the row."""
+    diag = getattr(err, "diag", None)
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    if primary:
+        return f"{diag.severity or 'ERROR'}: {primary} (SQLSTATE {err.sqlstate})"
+    return str(err).strip()
+
+
+def _scrub_url(text: str, url: str) -> str:
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    if password:
+        text = text.replace(password, "<redacted>")
+    return text
+
+
+class PostgresStore(FencedStore):
+    """The reference table as a fenced store, over one psycopg connection
+    (psycopg serialises its use across threads)."""
+
+    kind = KIND
+
+    def __init__(self, connection) -> None:
+        """Wraps an open psycopg 3 connection in autocommit mode (each guarded
+        write is its own statement, decided when it returns). The reference
+        table must exist (:meth:`ensure_schema`)."""
+        if not getattr(connection, "autocommit", False):
+            raise ValueError(
+                "the PostgreSQL fence needs a connection in autocommit mode (psycopg.connect(..., "
+                "autocommit=True)): inside an open transaction an Applied write is not yet committed"
+            )
+        self._conn = connection
+
+    @classmethod
+    def connect(cls, conninfo: str) -> "PostgresStore":
+        """Connects (``postgresql://…`` or a libpq key/value string),
+        creates the reference table if it is missing and checks an existing
+        one. Errors name neither the URL nor its password."""
+        psycopg = _psycopg()
+        try:
+            conn = psycopg.connect(conninfo, autocommit=True, cursor_factory=psycopg.RawCursor)
+        except psycopg.Error as e:
+            err = FenceError(KIND, "connecting", _scrub_url(_message(e), conninfo), True)
+        else:
+            err = None
+        if err is not None:
+            raise err
+        store = cls(conn)
+        try:
+            store.ensure_schema()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @property
+    def connection(self):
+        return self._conn
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def _execute(self, op: str, sql: str, params: Sequence[object], secrets: Sequence[int] = ()):
+        """Runs one statement; the rows back (or None), or a scrubbed FenceError.
+        Raised outside the ``except`` so no driver exception (which may hold
+        the token) rides along as its context."""
+        psycopg = _psycopg()
+        try:
+            cur = psycopg.RawCursor(self._conn)
+            cur.execute(sql, params)
+            rows = cur.fetchall() if cur.description is not None else None
+            cur.close()
+            return rows
+        except psycopg.Error as e:
+            err = FenceError.scrubbed(KIND, op, _message(e), _transient(e), secrets)
+        raise err
+
+    def ensure_schema(self) -> None:
+        """Creates the reference table (idempotent) and refuses a table of
+        that name that is not the reference one."""
+        self._execute("creating the reference table", CREATE_TABLE_SQL, ())
+        rows = self._execute("reading the fenced table's columns", COLUMNS_SQL, ()) or []
+        why = schema_problems([(str(n), str(t)) for n, t in rows])
+        if why:
+            raise FenceError(
+                KIND,
+                "checking the reference table",
+                f"the table {TABLE} is not the fence's: {why}; drop or rename it, "
+                "or migrate it to the reference schema",
+            )
+
+    @staticmethod
+    def _text(payload: bytes) -> str:
+        try:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("the PostgreSQL reference table keeps text payloads: this payload is not UTF-8") from None
+        if "\x00" in text:
+            raise ValueError("the PostgreSQL reference table keeps text payloads: PostgreSQL text cannot hold NUL bytes")
+        return text
+
+    def _guarded_write(self, record: str, token: int, payload: bytes) -> Guarded:
+        text = self._text(payload)
+        if token > _BIGINT_MAX:
+            raise TokenOutOfRange(KIND)
+        rows = self._execute("guarded write", GUARDED_WRITE_SQL, (record, token, text), (token,))
+        if rows:
+            return Applied(version=int(rows[0][0]))
+        # No row back: the WHERE refused the update. The read only reports.
+        found = self._read(record)
+        if found is None:
+            # Deleted since: nothing changed, and the same write may land now.
+            return Retry()
+        return FencedOut(found.mark)
+
+    def _read(self, record: str) -> Optional[Record]:
+        rows = self._execute("reading a record", READ_SQL, (record,))
+        if not rows:
+            return None
+        fence, payload = rows[0]
+        if fence is None:
+            raise Unfenced(KIND, record, "its fence column is NULL")
+        if fence < 0:
+            raise Unfenced(KIND, record, "its fence column is negative, which no token is")
+        return Record(Mark(int(fence)), str(payload).encode("utf-8"))
+
+    def _plain_write(self, record: str, payload: bytes) -> None:
+        self._execute("plain write", PLAIN_WRITE_SQL, (record, self._text(payload)))

@@ -1,0 +1,382 @@
+"""The fence contract on real stores: one suite, every adapter.
+
+tests/e2e/python_fence.rs starts a PostgreSQL, a MariaDB, a Redis, an etcd
+and an S3-compatible server (moto), writes `interop/rust` through each Rust
+adapter, and runs this file with:
+
+    LATCHKEY_FENCE_POSTGRES_URL   postgresql://…
+    LATCHKEY_FENCE_MYSQL_URL      mysql://…
+    LATCHKEY_FENCE_REDIS_URL      redis://…
+    LATCHKEY_FENCE_ETCD_URL       etcd://…
+    LATCHKEY_FENCE_S3_URL         s3://bucket/prefix?endpoint=…  (+ AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)
+    LATCHKEY_FENCE_ETCD_AUTH_URL  etcd://user:password@…/prefix on an etcd with auth on,
+                                  the user's role covering that prefix only
+    LATCHKEY_FENCE_INTEROP=1      the Rust side wrote interop/rust (the interop test runs)
+
+A store whose variable is unset is skipped, unless LATCHKEY_TEST_REQUIRE_STACK=1
+(the harness sets it), which turns it into a failure. Record names carry a
+per-run prefix, so the suite can run again against the same servers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from typing import Dict, List, Tuple
+
+import pytest
+
+from latchkey import FencingToken, fence
+from latchkey.fence import (
+    Applied,
+    FencedOut,
+    FenceError,
+    Mark,
+    Retry,
+    TokenOutOfRange,
+    Unfenced,
+    guarded_write_retrying,
+)
+
+#: Tokens as the arbiter mints them (epoch 1 and up): at least 2**48, so a
+#: leaked one is fifteen digits and never an accidental match.
+EPOCH = 1 << 48
+#: Each store kind (as `store.kind` names it) and its variable's infix.
+VARIABLES = {"postgresql": "POSTGRES", "mysql": "MYSQL", "redis": "REDIS", "etcd": "ETCD", "s3": "S3"}
+KINDS = list(VARIABLES)
+RUN = secrets.token_hex(4)
+
+# What tests/e2e/python_fence.rs writes and checks (the same numbers there).
+RUST_TOKEN = 1_000_000
+PYTHON_OVER_RUST = RUST_TOKEN + 1
+PYTHON_OVER_RUST_PAYLOAD = b"python over rust"
+PYTHON_TOKEN = 2_000_000
+PYTHON_PAYLOAD = b"from python"
+
+
+def _url(kind: str) -> str:
+    var = f"LATCHKEY_FENCE_{VARIABLES[kind]}_URL"
+    url = os.environ.get(var)
+    if not url:
+        message = f"{var} unset (run via tests/e2e/python_fence.rs)"
+        if os.environ.get("LATCHKEY_TEST_REQUIRE_STACK") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return url
+
+
+def open_store(kind: str, first: bool = False) -> fence.FencedStore:
+    url = _url(kind)
+    if kind == "s3":
+        from latchkey.fence.s3 import S3Store
+
+        # The first connection creates the bucket and runs the certification
+        # probe; the others (one per writer thread) skip both.
+        return S3Store.connect(url, probe=first, create_bucket=first)
+    return fence.connect(url)
+
+
+_opened: Dict[str, fence.FencedStore] = {}
+
+
+@pytest.fixture(params=KINDS)
+def store(request) -> fence.FencedStore:
+    kind = request.param
+    if kind not in _opened:
+        _opened[kind] = open_store(kind, first=True)
+    return _opened[kind]
+
+
+@pytest.fixture
+def name(request) -> str:
+    """A record name unique to this run and test."""
+    return f"py-{RUN}/{request.node.originalname}"
+
+
+def counts_writes(store) -> bool:
+    """Whether versions are write counts (1 for a create); etcd's are revisions."""
+    return store.kind != "etcd"
+
+
+def leaks(text: str, *secrets_: int) -> bool:
+    return any(str(s) in text or format(s, "016x") in text for s in secrets_)
+
+
+def test_create_overwrite_and_fence_out(store, name):
+    assert store.read(name) is None
+    first = store.guarded_write(name, EPOCH + 10, b"ten")
+    assert isinstance(first, Applied)
+    if counts_writes(store):
+        assert first == Applied(1)
+    found = store.read(name)
+    assert found is not None and found.mark == Mark(EPOCH + 10) and found.payload == b"ten"
+
+    second = store.guarded_write(name, EPOCH + 20, b"twenty")
+    assert isinstance(second, Applied) and second.version > first.version
+    if counts_writes(store):
+        assert second == Applied(2)
+
+    # The same token again (a replay) and an older one: fenced out, reporting the mark.
+    for stale in (EPOCH + 20, EPOCH + 15, 1):
+        assert store.guarded_write(name, stale, b"stale") == FencedOut(Mark(EPOCH + 20))
+    found = store.read(name)
+    assert found.mark == Mark(EPOCH + 20) and found.payload == b"twenty"
+
+    third = store.guarded_write(name, FencingToken(EPOCH + 21), b"token object")
+    assert isinstance(third, Applied) and third.version > second.version
+
+
+def test_one_mark_per_record(store, name):
+    assert isinstance(store.guarded_write(f"{name}/a", EPOCH + 50, b"a"), Applied)
+    # A lower token still writes another record.
+    assert isinstance(store.guarded_write(f"{name}/b", EPOCH + 5, b"b"), Applied)
+    assert store.read(f"{name}/a").mark == Mark(EPOCH + 50)
+    assert store.read(f"{name}/b").mark == Mark(EPOCH + 5)
+
+
+def test_concurrent_writers_leave_the_greatest_token_and_ordered_versions(store, name):
+    writers, each = (4, 4) if store.kind == "s3" else (6, 6)
+    tokens = [EPOCH + 1000 + w + writers * k for k in range(each) for w in range(writers)]
+    results: List[Tuple[int, object]] = []
+    errors: List[BaseException] = []
+    lock = threading.Lock()
+    start = threading.Barrier(writers)
+
+    def writer(w: int) -> None:
+        try:
+            with open_store(store.kind) as mine:  # its own connection: real concurrency at the server
+                start.wait()
+                for k in range(each):
+                    token = EPOCH + 1000 + w + writers * k
+                    outcome = guarded_write_retrying(mine, name, token, f"w{w}k{k}".encode(), attempts=50)
+                    with lock:
+                        results.append((token, outcome))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(results) == len(tokens)
+    assert not any(isinstance(o, Retry) for _, o in results)
+
+    top = max(tokens)
+    found = store.read(name)
+    assert found.mark == Mark(top)
+    w, k = (top - EPOCH - 1000) % writers, (top - EPOCH - 1000) // writers
+    assert found.payload == f"w{w}k{k}".encode()
+    assert isinstance(dict(results)[top], Applied), "the greatest token can never be fenced out"
+
+    applied = sorted((o.version, t) for t, o in results if isinstance(o, Applied))
+    versions = [v for v, _ in applied]
+    assert len(set(versions)) == len(versions), "two applied writes share a version"
+    in_commit_order = [t for _, t in applied]
+    assert in_commit_order == sorted(in_commit_order), "versions do not follow commit order"
+    for t, o in results:
+        if isinstance(o, FencedOut):
+            assert o.mark.value >= t
+
+
+def test_marks_never_print(store, name, caplog):
+    token = EPOCH + 777_777
+    assert isinstance(store.guarded_write(name, token, b"x"), Applied)
+    outcome = store.guarded_write(name, token - 1, b"y")
+    record = store.read(name)
+    import logging
+
+    logging.getLogger("test_fence_stores").warning("%s %r %s %r", outcome, outcome, record, record.mark)
+    for text in (repr(outcome), str(outcome), f"{outcome}", repr(record), str(record.mark), caplog.text):
+        assert not leaks(text, token), text
+    with pytest.raises(TypeError):
+        "%d" % outcome.mark
+
+
+def test_foreign_records_are_refused_and_left_alone(store, name):
+    """A record no fence wrote (another type, no mark, a negative or NULL
+    mark, an unmarked object) is never overwritten: Unfenced, without the
+    token in its text."""
+    plant_foreign_record(store, name)
+    token = EPOCH + 424_242
+    with pytest.raises(Unfenced) as info:
+        store.guarded_write(name, token, b"mine")
+    assert not leaks(str(info.value), token) and not info.value.is_transient()
+    assert name in str(info.value)
+    with pytest.raises(Unfenced):
+        store.read(name)
+
+
+def plant_foreign_record(store, name: str) -> None:
+    kind = store.kind
+    if kind == "postgresql":
+        # A negative mark is no token's: the statement's `t.fence >= 0` leaves it.
+        store.connection.execute(
+            "INSERT INTO latchkey_fenced_rows (id, fence, payload, writes) VALUES ($1, -1, 'theirs', 1)", (name,)
+        )
+    elif kind == "mysql":
+        with store.connection.cursor() as cur:
+            cur.execute(
+                "INSERT INTO latchkey_fenced_rows (id, fence, payload) VALUES (%s, NULL, 'theirs')", (name.encode(),)
+            )
+    elif kind == "redis":
+        store.client.set(name, b"theirs")
+    elif kind == "etcd":
+        _, payload_key = store.keys(name)
+        import base64
+
+        store._post("planting", "/v3/kv/put", {"key": base64.b64encode(payload_key.encode()).decode(), "value": ""}, ())
+    elif kind == "s3":
+        store.put_unfenced(name, b"theirs")
+    else:
+        raise AssertionError(kind)
+
+
+def test_plain_writes_never_raise_the_mark(store, name):
+    token = EPOCH + 300
+    first = store.guarded_write(name, token, b"guarded")
+    store.plain_write(name, b"naive")
+    found = store.read(name)
+    assert found.mark == Mark(token) and found.payload == b"naive"
+    # The plain write did not raise the mark: the same token is still refused,
+    # and the next one lands with a later version.
+    assert store.guarded_write(name, token, b"again") == FencedOut(Mark(token))
+    later = store.guarded_write(name, token + 1, b"later")
+    assert isinstance(later, Applied) and later.version > first.version
+
+    store.plain_write(f"{name}/new", b"naive")
+    assert store.read(f"{name}/new").mark == Mark(0), "a record a plain write creates has mark 0"
+    assert isinstance(store.guarded_write(f"{name}/new", 1, b"guarded"), Applied)
+
+
+@pytest.mark.parametrize(
+    "token, payload, error",
+    [(0, b"x", ValueError), (True, b"x", TypeError), (2**64, b"x", ValueError), (EPOCH, "text", TypeError)],
+)
+def test_bad_input_writes_nothing(store, name, token, payload, error):
+    with pytest.raises(error):
+        store.guarded_write(name, token, payload)
+    with pytest.raises((TypeError, ValueError)):
+        store.guarded_write("", EPOCH, b"x")
+    assert store.read(name) is None
+
+
+def test_store_limits_are_refused_before_anything_is_written(store, name):
+    kind = store.kind
+    if kind == "postgresql":
+        with pytest.raises(TokenOutOfRange) as info:
+            store.guarded_write(name, 2**63, b"x")
+        assert not leaks(str(info.value), 2**63)
+        with pytest.raises(ValueError):
+            store.guarded_write(name, EPOCH, b"\xff not utf-8")
+        assert isinstance(store.guarded_write(name, 2**63 - 1, b"x"), Applied)
+    elif kind == "mysql":
+        with pytest.raises(ValueError):
+            store.guarded_write(name + "x" * 256, EPOCH, b"x")
+        assert isinstance(store.guarded_write(name, 2**64 - 1, b"\xff\x00binary"), Applied)
+        assert store.read(name).payload == b"\xff\x00binary"
+        assert store.guarded_write(name, 2**64 - 1, b"y") == FencedOut(Mark(2**64 - 1))
+    elif kind == "s3":
+        for bad in ("a:b", "a/../b", "a=b"):
+            with pytest.raises(ValueError):
+                store.guarded_write(f"{name}/{bad}", EPOCH, b"x")
+        assert isinstance(store.guarded_write(name, 2**64 - 1, b"\xff\x00binary"), Applied)
+    else:
+        # Every u64 token, compared across its 32-bit halves (Redis) or bytes (etcd).
+        assert isinstance(store.guarded_write(name, 2**64 - 2, b"\xff\x00binary"), Applied)
+        assert isinstance(store.guarded_write(name, 2**64 - 1, b"y"), Applied)
+        assert store.guarded_write(name, 2**64 - 1, b"z") == FencedOut(Mark(2**64 - 1))
+        assert store.guarded_write(name, (1 << 32) + 5, b"z") == FencedOut(Mark(2**64 - 1))
+        assert store.read(name).payload == b"y"
+    if kind == "redis":
+        # A mark that could expire is refused: a stale write would land after it did.
+        assert isinstance(store.guarded_write(f"{name}/ttl", EPOCH, b"x"), Applied)
+        store.client.expire(f"{name}/ttl", 3600)
+        with pytest.raises(Unfenced) as info:
+            store.guarded_write(f"{name}/ttl", EPOCH + 1, b"y")
+        assert "PERSIST" in str(info.value)
+        assert store.read(f"{name}/ttl").payload == b"x"
+    if kind == "etcd":
+        # A mark of another width that sorts below the token (4 zero bytes)
+        # passes etcd's byte-wise Less; the adapter reads it first and refuses.
+        import base64
+
+        mark_key, payload_key = store.keys(f"{name}/narrow")
+        for key, value in ((mark_key, b"\0\0\0\0"), (payload_key, b"theirs")):
+            b64 = base64.b64encode
+            store._post("planting", "/v3/kv/put", {"key": b64(key.encode()).decode(), "value": b64(value).decode()}, ())
+        with pytest.raises(Unfenced):
+            store.guarded_write(f"{name}/narrow", EPOCH, b"ours")
+
+
+def test_interop_with_the_rust_adapters(store):
+    """The Rust adapter wrote `interop/rust` with RUST_TOKEN before this
+    suite; after it, python_fence.rs reads what this test wrote."""
+    if os.environ.get("LATCHKEY_FENCE_INTEROP") != "1":
+        message = "LATCHKEY_FENCE_INTEROP unset: the Rust side did not write interop/rust"
+        if os.environ.get("LATCHKEY_TEST_REQUIRE_STACK") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    assert store.guarded_write("interop/rust", RUST_TOKEN - 1, b"stale python") == FencedOut(Mark(RUST_TOKEN))
+    found = store.read("interop/rust")
+    assert found.mark == Mark(RUST_TOKEN) and found.payload == b"from rust"
+    assert isinstance(store.guarded_write("interop/rust", PYTHON_OVER_RUST, PYTHON_OVER_RUST_PAYLOAD), Applied)
+    created = store.guarded_write("interop/python", PYTHON_TOKEN, PYTHON_PAYLOAD)
+    assert isinstance(created, Applied)
+    if counts_writes(store):
+        assert created == Applied(1)
+
+
+def test_errors_say_which_store_and_never_echo_a_password(store):
+    kind = store.kind
+    url = _url(kind)
+    broken = {
+        "postgresql": "postgresql://postgres:hunter2@127.0.0.1:1/latchkey",
+        "mysql": "mysql://latchkey:hunter2@127.0.0.1:1/latchkey",
+        "redis": "redis://:hunter2@127.0.0.1:1/0",
+        "etcd": "etcd://app:hunter2@127.0.0.1:1/fenced",
+        "s3": url.split("?")[0] + "?endpoint=http://127.0.0.1:1&region=us-east-1",
+    }[kind]
+    with pytest.raises(FenceError) as info:
+        fence.connect(broken).close()
+    text = str(info.value)
+    assert text.startswith(f"{kind}: ") and "hunter2" not in text, text
+    assert info.value.is_transient(), "an unreachable store may come back"
+
+
+def test_etcd_logs_in_and_its_refusals_hold_no_token_or_password():
+    url = os.environ.get("LATCHKEY_FENCE_ETCD_AUTH_URL")
+    if not url:
+        message = "LATCHKEY_FENCE_ETCD_AUTH_URL unset (run via tests/e2e/python_fence.rs)"
+        if os.environ.get("LATCHKEY_TEST_REQUIRE_STACK") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    from latchkey.fence.etcd import EtcdStore, EtcdUrl
+
+    parsed = EtcdUrl(url)
+    user, password = parsed.login
+    record = f"py-{RUN}/login"
+    with EtcdStore.connect(url) as store:
+        assert isinstance(store.guarded_write(record, EPOCH + 1, b"in"), Applied)
+        assert store.read(record).payload == b"in"
+        # The login token expires or is revoked: the store logs in again.
+        store._token = "not-a-token"
+        assert store.guarded_write(record, EPOCH + 1, b"again") == FencedOut(Mark(EPOCH + 1))
+
+    # A prefix the user's role does not cover: refused, and the token is not in the text.
+    elsewhere = url.replace(f"/{parsed.prefix}", "/elsewhere")
+    token = EPOCH + 31337
+    with pytest.raises(FenceError) as info:
+        EtcdStore(parsed.endpoints, "elsewhere", parsed.login).guarded_write(record, token, b"x")
+    assert "permission denied" in str(info.value) and not leaks(str(info.value), token)
+    with pytest.raises(FenceError):
+        EtcdStore.connect(elsewhere)
+
+    wrong = url.replace(f":{password}@", ":wrong-pw@")
+    with pytest.raises(FenceError) as info:
+        EtcdStore.connect(wrong)
+    text = str(info.value)
+    assert "authentication failed" in text and "wrong-pw" not in text and password not in text
+    assert not info.value.is_transient()
