@@ -715,7 +715,7 @@ pub async fn run(config: GateConfig) -> anyhow::Result<GateOutcome> {
         postgres: postgres.url(),
         fence_stores: fence_stores
             .as_ref()
-            .map(|f| (f.urls.join(","), f.env.clone())),
+            .map(|f| (f.urls.join(" "), f.env.clone())),
         history_dir: history_dir.clone(),
         stop_file: stop_file.clone(),
         addrs: rig.arbiter_addrs.clone(),

@@ -56,7 +56,9 @@ pub struct WorkerArgs {
     pub postgres: String,
     /// Fence adapters to rotate the writes through, by URL
     /// (`postgresql://`, `mysql://`, `redis://`, `etcd://`, `s3://`), in
-    /// an order every worker shares; the record of the i-th key of `--keys`
+    /// an order every worker shares, separated by spaces (URLs hold
+    /// none; a comma may be in a password or a host list); the record of
+    /// the i-th key of `--keys`
     /// (plus its slot) goes to store i mod n. Empty: every write goes to
     /// the reference fence at `--postgres`. From the environment, as URLs
     /// may hold passwords.

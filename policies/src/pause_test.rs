@@ -53,6 +53,21 @@ pub struct ClassPauseTest {
     pub schema_version: Option<String>,
 }
 
+/// Whether `resource` (`<kind>:<name>`) names a store of adapter `kind`
+/// (`postgres` is `postgresql`, `mariadb` is `mysql`).
+pub fn resource_is_kind(resource: &str, kind: &str) -> bool {
+    let named = resource
+        .split_once(':')
+        .map(|(k, _)| k.to_ascii_lowercase());
+    let named = match named.as_deref() {
+        Some("postgres") => "postgresql",
+        Some("mariadb") => "mysql",
+        Some(k) => k,
+        None => return false,
+    };
+    named == kind
+}
+
 /// One run of the pause-test kit, as written to its result file.
 ///
 /// ```json
@@ -236,6 +251,17 @@ impl PauseTestResult {
                 declared: key::excerpt(&spec.resource),
             });
         }
+        // A result that names the store it proved must have proved a store
+        // of the resource's kind (`redis:ledger` from a Redis fence).
+        if let Some(store) = &self.store
+            && !resource_is_kind(&self.resource, &store.kind)
+        {
+            return Err(PauseTestError::WrongStore {
+                result: result(),
+                kind: key::excerpt(&store.kind),
+                resource: key::excerpt(&self.resource),
+            });
+        }
         if self.outcome != PauseTestOutcome::Pass {
             return Err(PauseTestError::Failed {
                 result: result(),
@@ -296,6 +322,13 @@ impl FromStr for PauseTestResult {
 pub enum PauseTestError {
     #[error("{result} does not exist")]
     Missing { result: String },
+
+    #[error("{result} proved a {kind} store, but its resource \"{resource}\" is not one")]
+    WrongStore {
+        result: String,
+        kind: String,
+        resource: String,
+    },
 
     #[error("cannot read {result}: {reason}")]
     Unreadable { result: String, reason: String },
@@ -608,6 +641,25 @@ mod tests {
             Err(PauseTestError::FromTheFuture { .. })
         ));
         assert_eq!(r.expires_at(), finished + 365 * day);
+    }
+
+    #[test]
+    fn a_result_must_have_proved_a_store_of_its_resources_kind() {
+        let mut r = PauseTestResult::from_json(EXAMPLE).unwrap();
+        r.store = Some(PauseTestStore {
+            kind: "postgresql".into(),
+            locator: "postgresql://db/ledger".into(),
+            caveats: vec![],
+        });
+        r.check("payments-ledger", &spec(), r.finished_at).unwrap();
+        r.store.as_mut().unwrap().kind = "redis".into();
+        let err = r
+            .check("payments-ledger", &spec(), r.finished_at)
+            .unwrap_err();
+        assert!(matches!(err, PauseTestError::WrongStore { .. }), "{err}");
+        assert!(resource_is_kind("mariadb:ledger.t", "mysql"));
+        assert!(resource_is_kind("postgres:x", "postgresql"));
+        assert!(!resource_is_kind("ledger", "postgresql"));
     }
 
     #[test]

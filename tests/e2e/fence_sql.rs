@@ -94,6 +94,23 @@ async fn postgres_store_keeps_the_contract() -> anyhow::Result<()> {
         .get(0);
     assert_eq!(payload, "theirs");
 
+    // A BEFORE row trigger could undo the mark the statement sets: refused
+    // at connect.
+    db.batch_execute(
+        "CREATE FUNCTION keep_mark() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN NEW.fence := OLD.fence; RETURN NEW; END $$; \
+         CREATE TRIGGER keep_mark BEFORE UPDATE ON latchkey_fenced_rows \
+           FOR EACH ROW EXECUTE FUNCTION keep_mark()",
+    )
+    .await?;
+    let err = match PostgresStore::connect(&pg.url()).await {
+        Ok(_) => anyhow::bail!("a table with a BEFORE trigger was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("BEFORE row triggers (keep_mark)"), "{err}");
+    db.batch_execute("DROP TRIGGER keep_mark ON latchkey_fenced_rows")
+        .await?;
+
     // A table of the reference name that is not the fence's (an older
     // version's, someone else's) is refused at connect, saying what differs.
     db.batch_execute(
@@ -320,6 +337,22 @@ async fn mariadb_store_keeps_the_contract() -> anyhow::Result<()> {
         );
     }
 
+    // BEFORE triggers (one that keeps the old mark lets a stale write
+    // land and read as applied) are refused at connect; AFTER triggers
+    // (the audit ones above) are fine.
+    conn.query_drop(
+        "CREATE TRIGGER keep_mark BEFORE UPDATE ON latchkey_fenced_rows FOR EACH ROW \
+         SET NEW.fence = OLD.fence",
+    )
+    .await?;
+    let err = match MysqlStore::connect(&db.url()).await {
+        Ok(_) => anyhow::bail!("a table with a BEFORE trigger was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("BEFORE triggers"), "{err}");
+    assert!(err.contains("keep_mark"), "{err}");
+    conn.query_drop("DROP TRIGGER keep_mark").await?;
+
     // A table of the reference name that is not the fence's (a VARCHAR id
     // compares case-insensitively, a signed fence, a second unique key) is
     // refused at connect, saying what differs.
@@ -338,6 +371,20 @@ async fn mariadb_store_keeps_the_contract() -> anyhow::Result<()> {
     assert!(err.contains("`id` column is varchar(255)"), "{err}");
     assert!(err.contains("`fence` column is bigint"), "{err}");
     assert!(err.contains("one_tag(tag)"), "{err}");
+    // A lax server would cut a long name onto another record: the adapter's
+    // sessions are strict, so a too-long id is an error there, not an alias.
+    conn.query_drop("DROP TABLE latchkey_fenced_rows").await?;
+    conn.query_drop(
+        "CREATE TABLE latchkey_fenced_rows (id VARBINARY(16) NOT NULL PRIMARY KEY, \
+           fence BIGINT UNSIGNED NULL, payload LONGBLOB NOT NULL, \
+           writes BIGINT UNSIGNED NOT NULL DEFAULT 0)",
+    )
+    .await?;
+    let err = match MysqlStore::connect(&db.url()).await {
+        Ok(_) => anyhow::bail!("a 16-byte id column was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("shorter than the 255 bytes"), "{err}");
     assert!(!err.contains(db.password()), "{err}");
     Ok(())
 }

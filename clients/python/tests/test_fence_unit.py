@@ -363,7 +363,8 @@ def test_redis_servers_that_may_evict_any_key_are_refused():
     assert redis_fence.eviction_refusal({"maxmemory": 1 << 20, "maxmemory_policy": "volatile-lru"}) is None
     why = redis_fence.eviction_refusal({"maxmemory": 1 << 20, "maxmemory_policy": "allkeys-lfu"})
     assert "allkeys-lfu" in why and "noeviction" in why
-    assert len(redis_fence.caveats_of({"aof_enabled": 1})) == 1
+    assert redis_fence.eviction_refusal({"used_memory": 1024}) is not None, "missing fields: refused"
+    assert len(redis_fence.caveats_of({"aof_enabled": 1})) == 2
     caveats = redis_fence.caveats_of({"aof_enabled": 0})
     assert len(caveats) == 2 and "append-only" in caveats[1]
 

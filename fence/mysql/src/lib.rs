@@ -57,7 +57,7 @@
 
 use latchkey_fence::{BoxFuture, FenceError, FencedStore, Guarded, Mark, Record};
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, Opts, Pool, Row};
+use mysql_async::{Conn, Opts, OptsBuilder, Pool, Row};
 
 /// The store kind, as in `mysql://…`.
 pub const KIND: &str = "mysql";
@@ -150,6 +150,12 @@ impl MysqlStore {
                 "the connection options set CLIENT_FOUND_ROWS",
             ));
         }
+        // Strict mode on every connection (set again after a pool reset): a
+        // record name or payload too long for its column is an error, never
+        // cut onto another record or short (the hostile review).
+        let mut setup = opts.setup().to_vec();
+        setup.push(STRICT_SQL.to_owned());
+        let opts: Opts = OptsBuilder::from_opts(opts).setup(setup).into();
         let pool = Pool::new(opts);
         let mut conn = pool
             .get_conn()
@@ -214,11 +220,16 @@ impl MysqlStore {
     }
 }
 
+/// Turns on `STRICT_ALL_TABLES` for the session, keeping its other modes.
+pub const STRICT_SQL: &str = "SET SESSION sql_mode = IF(@@SESSION.sql_mode = '', \
+     'STRICT_ALL_TABLES', CONCAT(@@SESSION.sql_mode, ',STRICT_ALL_TABLES'))";
+
 /// The reference table's columns: name, the `DATA_TYPE`s accepted, and
 /// whether the `COLUMN_TYPE` must be unsigned.
 const REQUIRED_COLUMNS: [(&str, &[&str], bool); 4] = [
-    // VARBINARY/BINARY: record names compare byte for byte.
-    ("id", &["varbinary", "binary"], false),
+    // VARBINARY: record names compare byte for byte (BINARY pads with
+    // zero bytes, so `a` and `a\0` would be one record).
+    ("id", &["varbinary"], false),
     ("fence", &["bigint"], true),
     (
         "payload",
@@ -228,9 +239,16 @@ const REQUIRED_COLUMNS: [(&str, &[&str], bool); 4] = [
     ("writes", &["bigint"], true),
 ];
 
-const COLUMNS_SQL: &str =
-    "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE FROM information_schema.COLUMNS
+const COLUMNS_SQL: &str = "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE, \
+ CAST(COALESCE(CHARACTER_MAXIMUM_LENGTH, 0) AS UNSIGNED), EXTRA FROM information_schema.COLUMNS
  WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows'";
+
+/// Triggers that run before a row is written: they can change the mark or
+/// the write count the statement set (`SET NEW.fence = OLD.fence` lets a
+/// stale write land and reads as applied).
+const BEFORE_TRIGGERS_SQL: &str = "SELECT TRIGGER_NAME FROM information_schema.TRIGGERS
+ WHERE EVENT_OBJECT_SCHEMA = DATABASE() AND EVENT_OBJECT_TABLE = 'latchkey_fenced_rows'
+   AND ACTION_TIMING = 'BEFORE'";
 
 /// Every unique index's columns, one row per (index, column).
 const UNIQUE_SQL: &str = "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS
@@ -243,7 +261,7 @@ const UNIQUE_SQL: &str = "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema
 /// someone else is refused with what differs, before anything is written.
 pub async fn check_schema(conn: &mut Conn) -> Result<(), FenceError> {
     const OP: &str = "checking the reference table";
-    let columns: Vec<(String, String, String)> = conn
+    let columns: Vec<(String, String, String, u64, String)> = conn
         .query(COLUMNS_SQL)
         .await
         .map_err(|e| store_error(OP, &e, &[]))?;
@@ -251,7 +269,16 @@ pub async fn check_schema(conn: &mut Conn) -> Result<(), FenceError> {
         .query(UNIQUE_SQL)
         .await
         .map_err(|e| store_error(OP, &e, &[]))?;
-    schema_problems(&columns, &unique).map_or(Ok(()), |why| {
+    let before_triggers: Vec<String> = conn
+        .query(BEFORE_TRIGGERS_SQL)
+        .await
+        .map_err(|e| store_error(OP, &e, &[]))?;
+    let table = Table {
+        columns,
+        unique,
+        before_triggers,
+    };
+    schema_problems(&table).map_or(Ok(()), |why| {
         Err(FenceError::store(
             KIND,
             OP,
@@ -265,19 +292,24 @@ pub async fn check_schema(conn: &mut Conn) -> Result<(), FenceError> {
     })
 }
 
+/// What the server says about the table.
+struct Table {
+    /// Name, `DATA_TYPE`, `COLUMN_TYPE`, `CHARACTER_MAXIMUM_LENGTH` (0 if
+    /// none), `EXTRA`.
+    columns: Vec<(String, String, String, u64, String)>,
+    /// (index, column) of every unique index.
+    unique: Vec<(String, String)>,
+    before_triggers: Vec<String>,
+}
+
 /// What differs from the reference table, if anything.
-fn schema_problems(
-    columns: &[(String, String, String)],
-    unique: &[(String, String)],
-) -> Option<String> {
+fn schema_problems(table: &Table) -> Option<String> {
+    let (columns, unique) = (&table.columns, &table.unique);
     let mut wrong = Vec::new();
     for (name, types, unsigned) in REQUIRED_COLUMNS {
-        match columns
-            .iter()
-            .find(|(n, _, _)| n.eq_ignore_ascii_case(name))
-        {
+        match columns.iter().find(|c| c.0.eq_ignore_ascii_case(name)) {
             None => wrong.push(format!("it has no `{name}` column")),
-            Some((_, data_type, column_type)) => {
+            Some((_, data_type, column_type, _, _)) => {
                 let data_type = data_type.to_ascii_lowercase();
                 if !types.contains(&data_type.as_str())
                     || (unsigned && !column_type.to_ascii_lowercase().contains("unsigned"))
@@ -290,6 +322,30 @@ fn schema_problems(
                 }
             }
         }
+    }
+    if let Some((_, _, column_type, length, _)) =
+        columns.iter().find(|c| c.0.eq_ignore_ascii_case("id"))
+        && *length < MAX_RECORD_BYTES as u64
+    {
+        wrong.push(format!(
+            "its `id` column is {column_type}, shorter than the {MAX_RECORD_BYTES} bytes a record \
+             name may have"
+        ));
+    }
+    for (name, _, _, _, extra) in columns {
+        if extra.to_ascii_lowercase().contains("auto_increment") {
+            wrong.push(format!(
+                "its `{name}` column is AUTO_INCREMENT, whose last-insert id would be read as the \
+                 write count"
+            ));
+        }
+    }
+    if !table.before_triggers.is_empty() {
+        wrong.push(format!(
+            "it has BEFORE triggers ({}), which can change the mark or the write count the \
+             guarded statement sets",
+            table.before_triggers.join(", ")
+        ));
     }
     let keys: Vec<String> = unique
         .iter()
@@ -547,24 +603,34 @@ mod tests {
 
     #[test]
     fn a_foreign_table_is_refused_with_what_differs() {
-        let col = |n: &str, d: &str, c: &str| (n.to_owned(), d.to_owned(), c.to_owned());
+        let col = |n: &str, d: &str, c: &str, len: u64| {
+            (n.to_owned(), d.to_owned(), c.to_owned(), len, String::new())
+        };
         let reference = vec![
-            col("id", "varbinary", "varbinary(255)"),
-            col("fence", "bigint", "bigint(20) unsigned"),
-            col("payload", "longblob", "longblob"),
-            col("writes", "bigint", "bigint(20) unsigned"),
+            col("id", "varbinary", "varbinary(255)", 255),
+            col("fence", "bigint", "bigint(20) unsigned", 0),
+            col("payload", "longblob", "longblob", 4294967295),
+            col("writes", "bigint", "bigint(20) unsigned", 0),
         ];
         let primary = vec![("PRIMARY".to_owned(), "id".to_owned())];
-        assert_eq!(schema_problems(&reference, &primary), None);
+        let table = |columns: Vec<_>, unique: Vec<_>, before_triggers: Vec<String>| Table {
+            columns,
+            unique,
+            before_triggers,
+        };
+        assert_eq!(
+            schema_problems(&table(reference.clone(), primary.clone(), vec![])),
+            None
+        );
 
         let older = vec![
-            col("id", "varchar", "varchar(255)"),
-            col("fence", "bigint", "bigint(20)"),
-            col("payload", "longblob", "longblob"),
+            col("id", "varchar", "varchar(255)", 255),
+            col("fence", "bigint", "bigint(20)", 0),
+            col("payload", "longblob", "longblob", 4294967295),
         ];
         let mut unique = primary.clone();
         unique.push(("one_payload".to_owned(), "payload".to_owned()));
-        let why = schema_problems(&older, &unique).unwrap();
+        let why = schema_problems(&table(older, unique, vec![])).unwrap();
         assert!(why.contains("`id` column is varchar(255)"), "{why}");
         assert!(
             why.contains("`fence` column is bigint(20), not bigint unsigned"),
@@ -572,8 +638,30 @@ mod tests {
         );
         assert!(why.contains("no `writes` column"), "{why}");
         assert!(why.contains("one_payload(payload)"), "{why}");
-        let why = schema_problems(&reference, &[]).unwrap();
+        let why = schema_problems(&table(reference.clone(), vec![], vec![])).unwrap();
         assert!(why.contains("primary key is not `id`"), "{why}");
+
+        // A short id aliases records on a lax server; BINARY pads; an
+        // AUTO_INCREMENT column and BEFORE triggers corrupt the answer.
+        let mut short = reference.clone();
+        short[0] = col("id", "varbinary", "varbinary(16)", 16);
+        let why = schema_problems(&table(short, primary.clone(), vec![])).unwrap();
+        assert!(why.contains("shorter than the 255 bytes"), "{why}");
+        let mut padded = reference.clone();
+        padded[0] = col("id", "binary", "binary(255)", 255);
+        assert!(schema_problems(&table(padded, primary.clone(), vec![])).is_some());
+        let mut counted = reference.clone();
+        counted.push((
+            "seq".into(),
+            "bigint".into(),
+            "bigint(20)".into(),
+            0,
+            "auto_increment".into(),
+        ));
+        let why = schema_problems(&table(counted, primary.clone(), vec![])).unwrap();
+        assert!(why.contains("`seq` column is AUTO_INCREMENT"), "{why}");
+        let why = schema_problems(&table(reference, primary, vec!["keep_mark".into()])).unwrap();
+        assert!(why.contains("BEFORE triggers (keep_mark)"), "{why}");
     }
 
     #[test]

@@ -148,6 +148,12 @@ pub fn locator(url: &str) -> String {
         return "<no scheme>".to_owned();
     };
     let scheme = scheme.to_ascii_lowercase();
+    // Everything up to the LAST '@' may be credentials, whatever it holds:
+    // drivers take a password with '/', '?' or '#' in it
+    // (`postgresql://app:Xy/9kq@db/ledger` connects), so no earlier cut is
+    // safe (the hostile review). A path or query with an '@' loses its
+    // front: less said, never a secret.
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
     let (before_query, query) = match rest.split_once(['?', '#']) {
         Some((b, q)) => (b, Some(q)),
         None => (rest, None),
@@ -156,8 +162,7 @@ pub fn locator(url: &str) -> String {
         Some((a, p)) => (a, Some(p)),
         None => (before_query, None),
     };
-    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    let mut out = format!("{scheme}://{hosts}");
+    let mut out = format!("{scheme}://{authority}");
     if let Some(path) = path {
         out.push('/');
         out.push_str(path);
@@ -205,6 +210,20 @@ mod tests {
             "s3://bucket/prefix?endpoint=http://127.0.0.1:9000&region=eu-west-1"
         );
         assert_eq!(locator("postgresql://u@h/db#hunter2"), "postgresql://h/db");
+        // Passwords with the characters URLs split on (they connect).
+        assert_eq!(
+            locator("postgresql://app:Xy/9kq@db:5432/ledger"),
+            "postgresql://db:5432/ledger"
+        );
+        assert_eq!(
+            locator("postgresql://app:Xy?9kq@db/ledger"),
+            "postgresql://db/ledger"
+        );
+        assert_eq!(
+            locator("etcd://app:Xy#9kq@10.0.0.1:2379/fenced"),
+            "etcd://10.0.0.1:2379/fenced"
+        );
+        assert!(!locator("s3://b/p?endpoint=http://minio:minio-secret@h:9000").contains("secret"));
     }
 
     #[test]

@@ -206,6 +206,12 @@ const COLUMNS_SQL: &str = "SELECT a.attname::text, format_type(a.atttypid, NULL)
   FROM pg_attribute a
  WHERE a.attrelid = to_regclass('latchkey_fenced_rows') AND a.attnum > 0 AND NOT a.attisdropped";
 
+/// Row triggers that run BEFORE the write (`tgtype` bits: 1 row, 2 before);
+/// they can change the mark or the write count the statement sets.
+const BEFORE_TRIGGERS_SQL: &str = "SELECT tgname::text FROM pg_trigger
+ WHERE tgrelid = to_regclass('latchkey_fenced_rows') AND NOT tgisinternal
+   AND (tgtype & 3) = 3";
+
 /// Creates the reference table (idempotent) and checks that the table the
 /// statements will write is the reference one: a table of that name created
 /// by someone else, or by an older version, is refused with what differs.
@@ -228,7 +234,26 @@ pub async fn ensure_schema(client: &Client) -> Result<(), FenceError> {
         })?;
         columns.push((name, ty));
     }
-    check_columns(&columns)
+    check_columns(&columns)?;
+    let triggers = client
+        .query(BEFORE_TRIGGERS_SQL, &[])
+        .await
+        .map_err(|e| FenceError::from_postgres("reading the fenced table's triggers", &e, None))?;
+    let names: Vec<String> = triggers
+        .iter()
+        .filter_map(|row| row.try_get::<_, String>(0).ok())
+        .collect();
+    if names.is_empty() {
+        Ok(())
+    } else {
+        Err(FenceError::Schema {
+            why: format!(
+                "it has BEFORE row triggers ({}), which can change the mark or the write count \
+                 the guarded statement sets",
+                names.join(", ")
+            ),
+        })
+    }
 }
 
 /// [`REQUIRED_COLUMNS`] against what the table has.

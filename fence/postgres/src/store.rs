@@ -157,10 +157,19 @@ impl FencedStore for PostgresStore {
         Box::pin(async move {
             let payload = utf8(payload, "guarded write")?;
             match crate::guarded_write(&self.client, record, token, payload).await {
-                Ok(WriteOutcome::Accepted { write_seq }) => Ok(Guarded::Applied {
-                    // The write count is at least 1 (`writes = 1` on create).
-                    version: u64::try_from(write_seq).unwrap_or(0),
-                }),
+                // The write count is at least 1 (`writes = 1` on create); one
+                // that is not (a row someone set to -5) cannot order
+                // anything: the write landed, its version is unknown.
+                Ok(WriteOutcome::Accepted { write_seq }) => match u64::try_from(write_seq) {
+                    Ok(version) if version > 0 => Ok(Guarded::Applied { version }),
+                    _ => Err(contract::FenceError::Unfenced {
+                        store: KIND,
+                        record: record.to_owned(),
+                        why: "the write landed, but its writes column is not a positive count, \
+                              so the write has no version; repair the column"
+                            .to_owned(),
+                    }),
+                },
                 Ok(WriteOutcome::FencedOut) => match self.read_record(record).await? {
                     Some(found) => Ok(Guarded::FencedOut { mark: found.mark }),
                     // Deleted since: nothing changed, and the same write may land now.

@@ -75,6 +75,10 @@ end
 if redis.call('PTTL', KEYS[1]) >= 0 then
   return {-1, 'the key has an expiry, and its mark would expire with it (a stale write would then land): remove it with PERSIST'}
 end
+local writes = redis.call('HGET', KEYS[1], 'writes')
+if writes and not string.match(writes, '^[0-9]+$') then
+  return {-1, 'its writes field is not a count'}
+end
 local mh = tonumber(string.sub(mark, 1, 8), 16)
 local th = tonumber(string.sub(token, 1, 8), 16)
 if mh < th or (mh == th and tonumber(string.sub(mark, 9), 16) < tonumber(string.sub(token, 9), 16)) then
@@ -212,10 +216,18 @@ async fn check_server(conn: &mut MultiplexedConnection) -> Result<Vec<String>, F
 
 /// Why a server with this `INFO memory` may not hold fenced records.
 fn eviction_refusal(memory: &str) -> Option<String> {
-    let limit: u64 = info_field(memory, "maxmemory")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let policy = info_field(memory, "maxmemory_policy").unwrap_or("noeviction");
+    // Fields missing (a proxy, a fork that renamed them): refuse, never
+    // assume no eviction.
+    let (Some(limit), Some(policy)) = (
+        info_field(memory, "maxmemory").and_then(|v| v.parse::<u64>().ok()),
+        info_field(memory, "maxmemory_policy"),
+    ) else {
+        return Some(
+            "INFO memory does not say maxmemory and maxmemory_policy, so whether the server \
+             may evict a fenced record cannot be known"
+                .to_owned(),
+        );
+    };
     (limit > 0 && policy.starts_with("allkeys-")).then(|| {
         format!(
             "maxmemory is set and maxmemory-policy is {policy}: the server may evict a fenced \
@@ -232,6 +244,12 @@ fn caveats_of(persistence: &str) -> Vec<String> {
         caveats.push(
             "the server has no append-only file: a restart loses the marks written since its \
              last snapshot (all of them without one), and a stale write to a lost record lands"
+                .to_owned(),
+        );
+    } else {
+        caveats.push(
+            "unless appendfsync is always, a crash of the server loses up to about a second of \
+             marks (everysec), and a stale write to a lost record lands"
                 .to_owned(),
         );
     }
@@ -398,6 +416,7 @@ mod tests {
             )
         };
         assert!(eviction_refusal(&memory("0", "allkeys-lru")).is_none());
+        assert!(eviction_refusal("# Memory\r\nused_memory:1024\r\n").is_some());
         assert!(eviction_refusal(&memory("1048576", "noeviction")).is_none());
         assert!(eviction_refusal(&memory("1048576", "volatile-lru")).is_none());
         let why = eviction_refusal(&memory("1048576", "allkeys-lfu")).unwrap();
@@ -409,7 +428,7 @@ mod tests {
 
     #[test]
     fn a_server_without_aof_says_so() {
-        assert_eq!(caveats_of("aof_enabled:1\r\n").len(), 1);
+        assert_eq!(caveats_of("aof_enabled:1\r\n").len(), 2);
         let caveats = caveats_of("# Persistence\r\naof_enabled:0\r\n");
         assert_eq!(caveats.len(), 2);
         assert!(caveats[1].contains("append-only"), "{caveats:?}");

@@ -138,10 +138,28 @@ fn config_error(message: impl fmt::Display) -> FenceError {
 impl S3Store {
     pub fn new(config: S3Config) -> Result<Self, FenceError> {
         check_names(&config)?;
-        let mut base = Url::parse(&config.endpoint)
-            .map_err(|e| config_error(format_args!("endpoint is not a URL: {e}")))?;
+        let mut config = config;
+        // A prefix names a "directory": `fences` and record `-x` must not
+        // make `fences-x` (the hostile review).
+        if !config.prefix.is_empty() && !config.prefix.ends_with('/') {
+            config.prefix.push('/');
+        }
+        let mut base =
+            Url::parse(&config.endpoint).map_err(|_| config_error("the endpoint is not a URL"))?;
         if !matches!(base.scheme(), "http" | "https") || base.host_str().is_none() {
             return Err(config_error("endpoint must be http(s)://host[:port]"));
+        }
+        // Credentials go by environment only; a query or fragment has no
+        // place in an endpoint. Not echoed: it may hold a secret.
+        if !base.username().is_empty()
+            || base.password().is_some()
+            || base.query().is_some()
+            || base.fragment().is_some()
+        {
+            return Err(config_error(
+                "the endpoint must be http(s)://host[:port] without a user, password, query or \
+                 fragment (credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
+            ));
         }
         if !config.path_style {
             let host = format!("{}.{}", config.bucket, base.host_str().unwrap_or_default());

@@ -527,9 +527,24 @@ async fn kit(
         Err(Failure::Usage(m) | Failure::Plain(m)) => return Err(CannotRun(m)),
         Err(Failure::Other(e)) => return Err(cannot_run!("{e:#}")),
     };
-    if let Some(url) = &args.resource_url {
-        target::check_resource_kind(&args.resource, url).map_err(CannotRun)?;
-    }
+    // The result must say what was proven: a `redis:…` resource from a
+    // Redis fence; `--postgres` (and `--write-sql`) prove PostgreSQL.
+    let url = args
+        .resource_url
+        .as_ref()
+        .map_or("postgresql://", |url| url.expose());
+    target::check_resource_kind(&args.resource, url).map_err(|why| {
+        CannotRun(if args.resource_url.is_some() {
+            why
+        } else {
+            format!(
+                "--resource {:?} does not name a postgresql resource, but --postgres tests \
+                 PostgreSQL: name it postgresql:<name> (the result must say which store was \
+                 proven)",
+                args.resource
+            )
+        })
+    })?;
     let target = open_target(
         args.postgres.as_deref(),
         args.resource_url.as_deref(),

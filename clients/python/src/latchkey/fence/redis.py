@@ -72,6 +72,10 @@ end
 if redis.call('PTTL', KEYS[1]) >= 0 then
   return {-1, 'the key has an expiry, and its mark would expire with it (a stale write would then land): remove it with PERSIST'}
 end
+local writes = redis.call('HGET', KEYS[1], 'writes')
+if writes and not string.match(writes, '^[0-9]+$') then
+  return {-1, 'its writes field is not a count'}
+end
 local mh = tonumber(string.sub(mark, 1, 8), 16)
 local th = tonumber(string.sub(token, 1, 8), 16)
 if mh < th or (mh == th and tonumber(string.sub(mark, 9), 16) < tonumber(string.sub(token, 9), 16)) then
@@ -115,11 +119,18 @@ REPLICATION_CAVEAT = (
 
 def eviction_refusal(memory: dict) -> Optional[str]:
     """Why a server with this ``INFO memory`` may not hold fenced records."""
+    # Fields missing (a proxy, a fork that renamed them): refuse, never
+    # assume no eviction (as the Rust adapter does).
     try:
-        limit = int(memory.get("maxmemory") or 0)
-    except (TypeError, ValueError):
-        limit = 0
-    policy = _text(memory.get("maxmemory_policy")) or "noeviction"
+        limit = int(memory["maxmemory"])
+        policy = _text(memory["maxmemory_policy"])
+    except (KeyError, TypeError, ValueError):
+        limit, policy = None, None
+    if limit is None or not policy:
+        return (
+            "INFO memory does not say maxmemory and maxmemory_policy, so whether the server "
+            "may evict a fenced record cannot be known"
+        )
     if limit > 0 and policy.startswith("allkeys-"):
         return (
             f"maxmemory is set and maxmemory-policy is {policy}: the server may evict a fenced record, "
@@ -135,6 +146,11 @@ def caveats_of(persistence: dict) -> List[str]:
         caveats.append(
             "the server has no append-only file: a restart loses the marks written since its last "
             "snapshot (all of them without one), and a stale write to a lost record lands"
+        )
+    else:
+        caveats.append(
+            "unless appendfsync is always, a crash of the server loses up to about a second of "
+            "marks (everysec), and a stale write to a lost record lands"
         )
     return caveats
 
