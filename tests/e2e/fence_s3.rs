@@ -294,6 +294,11 @@ enum Fake {
     /// 404 to HEAD; 500 to the rest, its message echoing the mark header it
     /// was sent (hex and decimal).
     EchoesTheMark,
+    /// 404 to HEAD; `409 ConditionalRequestConflict` to the first two PUTs
+    /// (AWS's answer to conditional writes racing), 200 after.
+    ConflictsTwice,
+    /// 404 to HEAD; 409 to every PUT.
+    AlwaysConflicts,
 }
 
 /// A one-request-per-connection HTTP/1.1 server on a free loopback port.
@@ -301,9 +306,11 @@ async fn fake_store(mode: Fake) -> anyhow::Result<(S3Store, tokio::task::JoinHan
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();
     let etags = Arc::new(AtomicU64::new(1));
+    let puts = Arc::new(AtomicU64::new(0));
     let task = tokio::spawn(async move {
         while let Ok((mut conn, _)) = listener.accept().await {
             let etags = etags.clone();
+            let puts = puts.clone();
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut chunk = [0u8; 4096];
@@ -345,6 +352,18 @@ async fn fake_store(mode: Fake) -> anyhow::Result<(S3Store, tokio::task::JoinHan
                     }
                     Fake::IgnoresIfNoneMatch if header("if-match").is_some() => {
                         ("412 Precondition Failed", String::new())
+                    }
+                    Fake::ConflictsTwice | Fake::AlwaysConflicts if head.starts_with("head ") => {
+                        ("404 Not Found", String::new())
+                    }
+                    Fake::ConflictsTwice | Fake::AlwaysConflicts
+                        if mode == Fake::AlwaysConflicts
+                            || puts.fetch_add(1, Ordering::SeqCst) < 2 =>
+                    {
+                        (
+                            "409 Conflict",
+                            "<Error><Code>ConditionalRequestConflict</Code></Error>".to_owned(),
+                        )
                     }
                     Fake::EchoesTheMark => {
                         let hex = header("x-amz-meta-latchkey-fence").unwrap_or_default();
@@ -404,6 +423,26 @@ async fn the_probe_refuses_stores_that_ignore_conditional_headers() -> anyhow::R
         matches!(err, NotHonoured::IgnoresIfNoneMatch { .. }),
         "{err}"
     );
+    task.abort();
+    Ok(())
+}
+
+/// AWS answers 409 when conditional writes race: nothing was written, so
+/// the loop waits a little and decides again; a store that keeps answering
+/// 409 gets `Retry`, never `Applied` (moto never answers 409: a fake).
+#[tokio::test(flavor = "multi_thread")]
+async fn conflicts_are_decided_again_and_never_read_as_written() -> anyhow::Result<()> {
+    let (store, task) = fake_store(Fake::ConflictsTwice).await?;
+    let answer = store.guarded_write("r", token(1, 5), b"p").await?;
+    ensure!(
+        answer == Guarded::Applied { version: 1 },
+        "after two 409s: {answer:?}"
+    );
+    task.abort();
+
+    let (store, task) = fake_store(Fake::AlwaysConflicts).await?;
+    let answer = store.guarded_write("r", token(1, 6), b"p").await?;
+    ensure!(answer == Guarded::Retry, "409 every time: {answer:?}");
     task.abort();
     Ok(())
 }

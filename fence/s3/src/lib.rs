@@ -83,8 +83,10 @@ pub struct ObjectHead {
     pub etag: String,
     /// The mark in its metadata; `None` when it has none (or an unreadable one).
     pub mark: Option<Mark>,
-    /// Its write count ([`WRITES_HEADER`]); 0 when it has none.
-    pub writes: u64,
+    /// Its write count ([`WRITES_HEADER`]); 0 when it has none, `None`
+    /// when it has one that is not a count below 2^63 (foreign data: a
+    /// guarded write refuses the object rather than reuse a version).
+    pub writes: Option<u64>,
 }
 
 /// The precondition of one `PUT`.
@@ -233,11 +235,10 @@ impl S3Store {
                 Ok(Some(ObjectHead {
                     etag,
                     mark: r.mark.as_deref().and_then(Mark::from_hex),
-                    writes: r
-                        .writes
-                        .as_deref()
-                        .and_then(|w| w.parse().ok())
-                        .unwrap_or(0),
+                    writes: match r.writes.as_deref() {
+                        None => Some(0),
+                        Some(w) => w.parse::<u64>().ok().filter(|n| *n < 1 << 63),
+                    },
                 }))
             }
             404 => Ok(None),
@@ -324,7 +325,15 @@ impl S3Store {
                     if mark >= new_mark {
                         return Ok(Guarded::FencedOut { mark });
                     }
-                    (Some(h.etag.as_str()), h.writes)
+                    let writes = h.writes.ok_or_else(|| FenceError::Unfenced {
+                        store: STORE,
+                        record: record.to_string(),
+                        why: format!(
+                            "{WRITES_HEADER} is not a write count; refusing to overwrite an object \
+                             no fence wrote"
+                        ),
+                    })?;
+                    (Some(h.etag.as_str()), writes)
                 }
             };
             let precondition = etag.map_or(Precondition::IfNoneMatch, Precondition::IfMatch);
@@ -386,7 +395,7 @@ impl S3Store {
                 Some(h) => (
                     Precondition::IfMatch(&h.etag),
                     h.mark.ok_or_else(|| unfenced(record, "no readable mark"))?,
-                    h.writes,
+                    h.writes.unwrap_or(0),
                 ),
             };
             match self

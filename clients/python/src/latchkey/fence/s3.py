@@ -104,8 +104,10 @@ class S3Config:
 class ObjectHead:
     etag: str
     mark: Optional[Mark]
-    #: The write count (``x-amz-meta-latchkey-writes``); 0 when it has none.
-    writes: int
+    #: The write count (``x-amz-meta-latchkey-writes``); 0 when it has none,
+    #: None when it has one that is not a count below 2**63 (foreign data: a
+    #: guarded write refuses the object rather than reuse a version).
+    writes: Optional[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,7 +435,12 @@ class S3Store(FencedStore):
         if not reply.etag:
             raise FenceError(KIND, "HEAD", "HEAD answered without an ETag")
         # Missing (or unreadable, as the Rust crate reads it): 0.
-        writes = int(reply.writes) if reply.writes and reply.writes.isdigit() else 0
+        if reply.writes is None:
+            writes: Optional[int] = 0
+        elif reply.writes.isascii() and reply.writes.isdigit() and int(reply.writes) < 1 << 63:
+            writes = int(reply.writes)
+        else:
+            writes = None
         return ObjectHead(reply.etag, Mark.from_hex(reply.mark) if reply.mark else None, writes)
 
     def put(
@@ -485,6 +492,10 @@ class S3Store(FencedStore):
     def _fenced_head(self, record: str, head: ObjectHead) -> Tuple[Mark, int]:
         if head.mark is None:
             raise self._unfenced(record, "no readable mark")
+        if head.writes is None:
+            raise Unfenced(
+                KIND, record, f"{WRITES_HEADER} is not a write count; refusing to overwrite an object no fence wrote"
+            )
         return head.mark, head.writes
 
     def _guarded_write(self, record: str, token: int, payload: bytes) -> Guarded:
