@@ -20,6 +20,7 @@ per-run prefix, so the suite can run again against the same servers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import threading
@@ -344,6 +345,210 @@ def test_errors_say_which_store_and_never_echo_a_password(store):
     text = str(info.value)
     assert text.startswith(f"{kind}: ") and "hunter2" not in text, text
     assert info.value.is_transient(), "an unreachable store may come back"
+
+
+# --- an existing table that is not the reference one -------------------------------------
+#
+# CREATE TABLE IF NOT EXISTS leaves a table of the reference name alone, so
+# connect checks it and refuses it with what differs. PostgreSQL's foreign
+# tables live in a schema of their own (found through search_path); MySQL's
+# user has one database, so the reference table is renamed aside meanwhile.
+
+REFUSED = "drop or rename it, or migrate it to the reference schema"
+
+
+def _refused(connect, url: str, *expected: str) -> str:
+    with pytest.raises(FenceError) as info:
+        connect().close()
+    text = str(info.value)
+    assert "the table latchkey_fenced_rows is not the fence's: " in text and REFUSED in text, text
+    for part in expected:
+        assert part in text, text
+    from urllib.parse import urlsplit
+
+    password = urlsplit(url).password
+    assert not password or password not in text, "the password leaked"
+    assert not info.value.is_transient(), "a foreign table stays foreign"
+    return text
+
+
+@contextlib.contextmanager
+def postgres_schema(*ddl: str):
+    """A fresh schema holding what `ddl` creates; yields a conninfo whose
+    search_path is that schema (so to_regclass finds the table there)."""
+    psycopg = pytest.importorskip("psycopg")
+    from psycopg.conninfo import make_conninfo
+
+    url = _url("postgresql")
+    schema = f"fence_foreign_{RUN}_{secrets.token_hex(2)}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+        try:
+            with psycopg.connect(make_conninfo(url, options=f"-c search_path={schema}"), autocommit=True) as conn:
+                for statement in ddl:
+                    conn.execute(statement)
+            yield make_conninfo(url, options=f"-c search_path={schema}")
+        finally:
+            admin.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+REFERENCE_PG = (
+    "CREATE TABLE latchkey_fenced_rows (id text PRIMARY KEY, fence bigint NOT NULL, payload text NOT NULL, "
+    "writes bigint NOT NULL)"
+)
+
+
+def test_postgres_refuses_a_foreign_table_with_what_differs():
+    from latchkey.fence.postgres import PostgresStore
+
+    older = "CREATE TABLE latchkey_fenced_rows (id text PRIMARY KEY, fence text, payload text)"
+    with postgres_schema(older) as conninfo:
+        _refused(
+            lambda: PostgresStore.connect(conninfo),
+            _url("postgresql"),
+            "its `fence` column is text, not bigint",
+            "it has no `writes` column",
+        )
+    with postgres_schema(REFERENCE_PG + "; ALTER TABLE latchkey_fenced_rows ADD extra int DEFAULT 0") as conninfo:
+        with PostgresStore.connect(conninfo) as store:  # the reference columns and more: accepted
+            assert isinstance(store.guarded_write("a", EPOCH, b"x"), Applied)
+
+
+def test_postgres_refuses_before_row_triggers():
+    from latchkey.fence.postgres import PostgresStore
+
+    keep_mark = (
+        "CREATE FUNCTION keep_mark() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN NEW.fence := OLD.fence; RETURN NEW; END $$"
+    )
+    trigger = "CREATE TRIGGER keep_mark BEFORE UPDATE ON latchkey_fenced_rows FOR EACH ROW EXECUTE FUNCTION keep_mark()"
+    with postgres_schema(REFERENCE_PG, keep_mark, trigger) as conninfo:
+        _refused(lambda: PostgresStore.connect(conninfo), _url("postgresql"), "BEFORE row triggers (keep_mark)")
+    # AFTER row triggers and statement-level BEFORE triggers change no row the statement sets.
+    audit = "CREATE FUNCTION audit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$"
+    after = "CREATE TRIGGER audit AFTER UPDATE ON latchkey_fenced_rows FOR EACH ROW EXECUTE FUNCTION audit()"
+    statement = "CREATE TRIGGER once BEFORE UPDATE ON latchkey_fenced_rows FOR EACH STATEMENT EXECUTE FUNCTION audit()"
+    with postgres_schema(REFERENCE_PG, audit, after, statement) as conninfo:
+        PostgresStore.connect(conninfo).close()
+
+
+def test_postgres_a_write_count_that_is_not_positive_is_no_version(name):
+    store = _opened.get("postgresql") or fence.connect(_url("postgresql"))
+    _opened["postgresql"] = store
+    assert store.guarded_write(name, EPOCH + 1, b"one") == Applied(1)
+    store.connection.execute("UPDATE latchkey_fenced_rows SET writes = -1 WHERE id = $1", (name,))
+    token = EPOCH + 2
+    with pytest.raises(Unfenced) as info:
+        store.guarded_write(name, token, b"two")  # writes becomes 0: not version 0
+    text = str(info.value)
+    assert "not a positive count" in text and name in text and not leaks(text, token)
+    assert store.read(name).payload == b"two", "the write landed; only its version is unknown"
+
+
+@contextlib.contextmanager
+def mysql_table(*ddl: str, drop: Tuple[str, ...] = ()):
+    """The reference table renamed aside while `ddl` creates another one of
+    its name; afterwards that one (and the `drop` tables) goes and the
+    reference table comes back."""
+    pymysql = pytest.importorskip("pymysql")
+    from latchkey.fence.mysql import parse_url
+
+    kept = f"latchkey_fenced_rows_kept_{RUN}"
+    conn = pymysql.connect(autocommit=True, **parse_url(_url("mysql")))
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT COUNT(*) FROM information_schema.TABLES "
+                "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows'"
+            )
+            had = cur.fetchone()[0] == 1
+            if had:
+                cur.execute(f"RENAME TABLE latchkey_fenced_rows TO {kept}")
+            try:
+                for statement in ddl:
+                    cur.execute(statement)
+                yield
+            finally:
+                cur.execute("DROP TABLE IF EXISTS latchkey_fenced_rows")
+                for table in drop:
+                    cur.execute(f"DROP TABLE IF EXISTS {table}")
+                if had:
+                    cur.execute(f"RENAME TABLE {kept} TO latchkey_fenced_rows")
+    finally:
+        conn.close()
+
+
+def _mysql_reference(id_type: str = "VARBINARY(255)", extra: str = "") -> str:
+    return (
+        f"CREATE TABLE latchkey_fenced_rows (id {id_type} NOT NULL PRIMARY KEY, fence BIGINT UNSIGNED NULL, "
+        f"payload LONGBLOB NOT NULL, writes BIGINT UNSIGNED NOT NULL DEFAULT 0{extra}) ENGINE=InnoDB"
+    )
+
+
+def test_mysql_refuses_a_foreign_table_with_what_differs():
+    url = _url("mysql")
+    older = "CREATE TABLE latchkey_fenced_rows (id VARCHAR(255) PRIMARY KEY, fence BIGINT, payload LONGBLOB)"
+    with mysql_table(older):
+        _refused(
+            lambda: fence.connect(url),
+            url,
+            "its `id` column is varchar(255), not varbinary",
+            "its `fence` column is bigint(20), not bigint unsigned",
+            "it has no `writes` column",
+        )
+
+
+def test_mysql_refuses_a_short_varbinary_id():
+    url = _url("mysql")
+    with mysql_table(_mysql_reference("VARBINARY(16)")):
+        text = _refused(lambda: fence.connect(url), url, "its `id` column is varbinary(16), shorter than the 255 bytes")
+        assert "not varbinary" not in text, "the type is right, only its length is not"
+
+
+def test_mysql_refuses_an_auto_increment_column():
+    url = _url("mysql")
+    with mysql_table(_mysql_reference(extra=", seq BIGINT NOT NULL AUTO_INCREMENT, KEY (seq)")):
+        _refused(lambda: fence.connect(url), url, "its `seq` column is AUTO_INCREMENT")
+
+
+def test_mysql_refuses_before_triggers_and_reads_the_version_past_an_after_trigger(name):
+    url = _url("mysql")
+    keep_mark = (
+        "CREATE TRIGGER keep_mark BEFORE UPDATE ON latchkey_fenced_rows FOR EACH ROW SET NEW.fence = OLD.fence"
+    )
+    with mysql_table(_mysql_reference(), keep_mark):
+        _refused(lambda: fence.connect(url), url, "BEFORE triggers (keep_mark)")
+    # An AFTER trigger that inserts elsewhere leaves the OK packet's last-insert
+    # id 0: the version is read from the session's LAST_INSERT_ID() instead.
+    audit_table = f"fence_audit_{RUN}"
+    audit = (
+        f"CREATE TRIGGER audit AFTER UPDATE ON latchkey_fenced_rows FOR EACH ROW "
+        f"INSERT INTO {audit_table} (id) VALUES (NEW.id)"
+    )
+    create_audit = f"CREATE TABLE {audit_table} (n BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, id VARBINARY(255))"
+    with mysql_table(_mysql_reference(), create_audit, audit, drop=(audit_table,)):
+        with fence.connect(url) as store:
+            assert store.guarded_write(name, EPOCH + 1, b"one") == Applied(1)
+            assert store.guarded_write(name, EPOCH + 2, b"two") == Applied(2)
+            assert store.guarded_write(name, EPOCH + 3, b"three") == Applied(3)
+
+
+def test_mysql_sessions_are_strict_after_connecting_and_after_a_reconnect(name):
+    import warnings
+
+    def session_mode(store) -> str:
+        with store.connection.cursor() as cur:
+            cur.execute("SELECT @@SESSION.sql_mode")
+            return cur.fetchone()[0]
+
+    with fence.connect(_url("mysql")) as store:
+        assert "STRICT_ALL_TABLES" in session_mode(store).split(",")
+        store.connection.close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # PyMySQL deprecates reconnect=True
+            store.connection.ping(reconnect=True)
+        assert isinstance(store.guarded_write(name, EPOCH, b"x"), Applied)
+        assert session_mode(store).split(",").count("STRICT_ALL_TABLES") == 1
 
 
 def test_etcd_logs_in_and_its_refusals_hold_no_token_or_password():

@@ -329,18 +329,62 @@ def test_schema_checks_name_what_differs():
     assert "`fence` column is text, not bigint" in why and "no `writes` column" in why
 
     reference = [
-        ("id", "varbinary", "varbinary(255)"),
-        ("fence", "bigint", "bigint(20) unsigned"),
-        ("payload", "longblob", "longblob"),
-        ("writes", "bigint", "bigint(20) unsigned"),
+        ("id", "varbinary", "varbinary(255)", 255, ""),
+        ("fence", "bigint", "bigint(20) unsigned", 0, ""),
+        ("payload", "longblob", "longblob", 4294967295, ""),
+        ("writes", "bigint", "bigint(20) unsigned", 0, ""),
     ]
     primary = [("PRIMARY", "id")]
     assert mysql.schema_problems(reference, primary) is None
-    older = [("id", "varchar", "varchar(255)"), ("fence", "bigint", "bigint(20)"), ("payload", "longblob", "longblob")]
+    older = [
+        ("id", "varchar", "varchar(255)", 255, ""),
+        ("fence", "bigint", "bigint(20)", 0, ""),
+        ("payload", "longblob", "longblob", 4294967295, ""),
+    ]
     why = mysql.schema_problems(older, primary + [("one_payload", "payload")])
-    assert "`id` column is varchar(255)" in why and "not bigint unsigned" in why
+    assert "`id` column is varchar(255)" in why and "`fence` column is bigint(20), not bigint unsigned" in why
     assert "no `writes` column" in why and "one_payload(payload)" in why
     assert "primary key is not `id`" in mysql.schema_problems(reference, [])
+
+
+def test_postgres_schema_refuses_before_row_triggers():
+    columns = [("id", "character varying"), ("fence", "bigint"), ("payload", "text"), ("writes", "bigint"), ("x", "int")]
+    assert postgres.schema_problems(columns, []) is None
+    why = postgres.schema_problems(columns, ["keep_mark", "audit"])
+    assert "BEFORE row triggers (keep_mark, audit)" in why and "write count" in why
+    assert "(tgtype & 3) = 3" in postgres.BEFORE_TRIGGERS_SQL, "row (1) and BEFORE (2) triggers"
+
+
+def test_mysql_schema_refuses_short_ids_binary_ids_auto_increment_and_before_triggers():
+    """A short id aliases records on a lax server; BINARY pads; an
+    AUTO_INCREMENT column and BEFORE triggers corrupt the answer."""
+    reference = [
+        ("id", "varbinary", "varbinary(255)", 255, ""),
+        ("fence", "bigint", "bigint(20) unsigned", 0, ""),
+        ("payload", "longblob", "longblob", 4294967295, ""),
+        ("writes", "bigint", "bigint(20) unsigned", 0, ""),
+    ]
+    primary = [("PRIMARY", "id")]
+    wider = [("id", "varbinary", "varbinary(1024)", 1024, "")] + reference[1:]
+    assert mysql.schema_problems(wider, primary, []) is None
+
+    short = [("id", "varbinary", "varbinary(16)", 16, "")] + reference[1:]
+    why = mysql.schema_problems(short, primary)
+    assert why == "its `id` column is varbinary(16), shorter than the 255 bytes a record name may have"
+    padded = [("id", "binary", "binary(255)", 255, "")] + reference[1:]
+    assert "`id` column is binary(255), not varbinary" in mysql.schema_problems(padded, primary)
+
+    counted = reference + [("seq", "bigint", "bigint(20)", 0, "auto_increment")]
+    why = mysql.schema_problems(counted, primary + [("seq", "seq")])
+    assert "`seq` column is AUTO_INCREMENT" in why and "seq(seq)" in why
+
+    why = mysql.schema_problems(reference, primary, ["keep_mark"])
+    assert why == (
+        "it has BEFORE triggers (keep_mark), which can change the mark or the write count the guarded "
+        "statement sets"
+    )
+    assert "ACTION_TIMING = 'BEFORE'" in mysql.BEFORE_TRIGGERS_SQL
+    assert "CHARACTER_MAXIMUM_LENGTH" in mysql.COLUMNS_SQL and "EXTRA" in mysql.COLUMNS_SQL
 
 
 def test_the_statements_compare_strictly_in_one_statement():
@@ -639,7 +683,10 @@ def _rust_const(path: str, name: str) -> str:
     if raw:
         return raw.group(1)
     plain = re.search(r'pub const %s: &(?:str|\[u8\]) =\s*b?"((?:[^"\\]|\\.)*)";' % name, text, re.S)
-    return plain.group(1) if plain else f"<no {name} in {path}>".replace('\\"', '"').replace("\\\\", "\\")
+    if plain:
+        # A backslash at a line's end continues the string past the next line's indent.
+        return re.sub(r"\\\n\s*", "", plain.group(1))
+    return f"<no {name} in {path}>"
 
 
 @pytest.mark.parametrize(
@@ -653,6 +700,7 @@ def _rust_const(path: str, name: str) -> str:
         ("fence/mysql/src/lib.rs", "GUARDED_WRITE_SQL", mysql.GUARDED_WRITE_SQL),
         ("fence/mysql/src/lib.rs", "READ_SQL", mysql.READ_SQL),
         ("fence/mysql/src/lib.rs", "PLAIN_WRITE_SQL", mysql.PLAIN_WRITE_SQL),
+        ("fence/mysql/src/lib.rs", "STRICT_SQL", mysql.STRICT_SQL),
         ("fence/redis/src/lib.rs", "GUARDED_WRITE_LUA", redis_fence.GUARDED_WRITE_LUA),
         ("fence/redis/src/lib.rs", "READ_LUA", redis_fence.READ_LUA),
         ("fence/redis/src/lib.rs", "PLAIN_WRITE_LUA", redis_fence.PLAIN_WRITE_LUA),

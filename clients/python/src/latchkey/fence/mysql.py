@@ -23,6 +23,16 @@ them. The applied write's version is the record's write count, which
 PyMySQL interpolates parameters into the statement text on the client, so a
 server error can echo the token: every driver message is scrubbed.
 
+Every session the store uses turns on ``STRICT_ALL_TABLES`` first
+(:data:`STRICT_SQL`, again after a reconnect), so a value too long for its
+column is an error rather than cut. An existing table of the reference name
+is checked before anything is written, and refused with what differs: the
+reference column types (``id`` a ``VARBINARY`` of at least 255 bytes,
+``fence`` and ``writes`` ``BIGINT UNSIGNED``, a blob ``payload``), ``id`` its
+only unique key, no ``AUTO_INCREMENT`` column (its last-insert id would be
+read as the write count) and no BEFORE triggers (one that keeps the old mark
+lets a stale write land and read as applied).
+
 Needs ``pip install 'latchkey[mysql]'`` (PyMySQL).
 """
 
@@ -72,16 +82,35 @@ READ_SQL = "SELECT fence, payload FROM latchkey_fenced_rows WHERE id = ?"
 PLAIN_WRITE_SQL = """INSERT INTO latchkey_fenced_rows (id, fence, payload, writes) VALUES (?, 0, ?, 1)
 ON DUPLICATE KEY UPDATE payload = ?, writes = writes + 1"""
 
+#: Turns on ``STRICT_ALL_TABLES`` for the session, keeping its other modes:
+#: a record name or payload too long for its column is an error, never cut
+#: onto another record or short. Run on every session the store uses (after
+#: connecting and after any reconnect).
+STRICT_SQL = (
+    "SET SESSION sql_mode = IF(@@SESSION.sql_mode = '', "
+    "'STRICT_ALL_TABLES', CONCAT(@@SESSION.sql_mode, ',STRICT_ALL_TABLES'))"
+)
+
 #: name, the DATA_TYPEs accepted, whether COLUMN_TYPE must be unsigned.
 REQUIRED_COLUMNS: Sequence[Tuple[str, Sequence[str], bool]] = (
-    ("id", ("varbinary", "binary"), False),
+    # VARBINARY: record names compare byte for byte (BINARY pads with zero
+    # bytes, so `a` and `a\0` would be one record).
+    ("id", ("varbinary",), False),
     ("fence", ("bigint",), True),
     ("payload", ("longblob", "mediumblob", "blob", "varbinary"), False),
     ("writes", ("bigint",), True),
 )
 
-COLUMNS_SQL = """SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE FROM information_schema.COLUMNS
+COLUMNS_SQL = """SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE, \
+CAST(COALESCE(CHARACTER_MAXIMUM_LENGTH, 0) AS UNSIGNED), EXTRA FROM information_schema.COLUMNS
  WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows'"""
+
+#: Triggers that run before a row is written: they can change the mark or the
+#: write count the statement set (``SET NEW.fence = OLD.fence`` lets a stale
+#: write land and read as applied).
+BEFORE_TRIGGERS_SQL = """SELECT TRIGGER_NAME FROM information_schema.TRIGGERS
+ WHERE EVENT_OBJECT_SCHEMA = DATABASE() AND EVENT_OBJECT_TABLE = 'latchkey_fenced_rows'
+   AND ACTION_TIMING = 'BEFORE'"""
 
 UNIQUE_SQL = """SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS
  WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows' AND NON_UNIQUE = 0"""
@@ -113,12 +142,19 @@ def _pyformat(sql: str) -> str:
     return sql.replace("%", "%%").replace("?", "%s")
 
 
-def schema_problems(columns: Sequence[Tuple[str, str, str]], unique: Sequence[Tuple[str, str]]) -> Optional[str]:
-    """What differs between the table's columns (name, DATA_TYPE,
-    COLUMN_TYPE) and unique index columns (index, column) and the reference."""
+def schema_problems(
+    columns: Sequence[Tuple[str, str, str, int, str]],
+    unique: Sequence[Tuple[str, str]],
+    before_triggers: Sequence[str] = (),
+) -> Optional[str]:
+    """What differs between the table and the reference one, or None.
+
+    ``columns`` are (name, DATA_TYPE, COLUMN_TYPE, CHARACTER_MAXIMUM_LENGTH
+    or 0, EXTRA); ``unique`` (index, column) for every unique index;
+    ``before_triggers`` the names of its BEFORE triggers."""
     wrong: List[str] = []
     for name, types, unsigned in REQUIRED_COLUMNS:
-        found = [(d, c) for n, d, c in columns if n.lower() == name]
+        found = [(c[1], c[2]) for c in columns if c[0].lower() == name]
         if not found:
             wrong.append(f"it has no `{name}` column")
             continue
@@ -127,6 +163,21 @@ def schema_problems(columns: Sequence[Tuple[str, str, str]], unique: Sequence[Tu
             wrong.append(
                 f"its `{name}` column is {column_type}, not {' or '.join(types)}{' unsigned' if unsigned else ''}"
             )
+    ids = [c for c in columns if c[0].lower() == "id"]
+    if ids and int(ids[0][3] or 0) < MAX_RECORD_BYTES:
+        wrong.append(
+            f"its `id` column is {ids[0][2]}, shorter than the {MAX_RECORD_BYTES} bytes a record name may have"
+        )
+    for column in columns:
+        if "auto_increment" in str(column[4] or "").lower():
+            wrong.append(
+                f"its `{column[0]}` column is AUTO_INCREMENT, whose last-insert id would be read as the write count"
+            )
+    if before_triggers:
+        wrong.append(
+            f"it has BEFORE triggers ({', '.join(before_triggers)}), which can change the mark or the write "
+            "count the guarded statement sets"
+        )
     others = [f"{i}({c})" for i, c in unique if not (i == "PRIMARY" and c.lower() == "id")]
     if others:
         wrong.append(
@@ -136,6 +187,13 @@ def schema_problems(columns: Sequence[Tuple[str, str, str]], unique: Sequence[Tu
     if not any(i == "PRIMARY" and c.lower() == "id" for i, c in unique):
         wrong.append("its primary key is not `id`")
     return "; ".join(wrong) or None
+
+
+def _text(value) -> str:
+    """An information_schema value as text (some servers answer bytes)."""
+    if value is None:
+        return ""
+    return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
 
 
 def _found_rows_refused(why: str) -> FenceError:
@@ -188,7 +246,9 @@ class MysqlStore(FencedStore):
         """Wraps an open PyMySQL connection in autocommit mode. Refuses a
         connection with CLIENT_FOUND_ROWS (or without autocommit); unless
         ``checked``, creates and checks the reference table and the server's
-        affected-row counts."""
+        affected-row counts. Turns on ``STRICT_ALL_TABLES`` for the
+        connection's session (:data:`STRICT_SQL`) before its first statement
+        and again after any reconnect (``ping(reconnect=True)``)."""
         pymysql = _pymysql()
         if connection.client_flag & pymysql.constants.CLIENT.FOUND_ROWS:
             raise _found_rows_refused("the connection sets CLIENT_FOUND_ROWS")
@@ -199,6 +259,9 @@ class MysqlStore(FencedStore):
             )
         self._conn = connection
         self._lock = threading.Lock()
+        # The socket whose session has STRICT_SQL applied (held, so that a
+        # reconnect's new socket can never compare equal to it).
+        self._strict_sock = None
         if not checked:
             self.ensure_schema()
 
@@ -251,12 +314,24 @@ class MysqlStore(FencedStore):
         may hold the token) rides along as the error's context."""
         pymysql = _pymysql()
         try:
+            self._ensure_strict()
             with self._conn.cursor() as cur:
                 affected = cur.execute(sql, params)
                 return affected, cur.lastrowid, cur.fetchall()
         except pymysql.MySQLError as e:
             err = self._error(op, e, secrets)
         raise err
+
+    def _ensure_strict(self) -> None:
+        """Runs STRICT_SQL once per session: on the first statement, and on
+        the first after the connection was re-established (a new socket).
+        Without it a lax server cuts a too-long value instead of refusing."""
+        sock = getattr(self._conn, "_sock", None)
+        if sock is not None and sock is self._strict_sock:
+            return
+        with self._conn.cursor() as cur:
+            cur.execute(STRICT_SQL)
+        self._strict_sock = sock
 
     def ensure_schema(self) -> None:
         """Creates the reference table if missing; refuses a table of that
@@ -266,9 +341,11 @@ class MysqlStore(FencedStore):
             op = "checking the reference table"
             _, _, columns = self._run(op, COLUMNS_SQL, None)
             _, _, unique = self._run(op, UNIQUE_SQL, None)
+            _, _, triggers = self._run(op, BEFORE_TRIGGERS_SQL, None)
             why = schema_problems(
-                [tuple(str(v) if not isinstance(v, bytes) else v.decode() for v in row) for row in columns],
-                [tuple(str(v) if not isinstance(v, bytes) else v.decode() for v in row) for row in unique],
+                [(_text(n), _text(d), _text(c), int(length or 0), _text(x)) for n, d, c, length, x in columns],
+                [(_text(i), _text(c)) for i, c in unique],
+                [_text(t) for (t,) in triggers],
             )
             if why:
                 raise FenceError(
@@ -310,11 +387,19 @@ class MysqlStore(FencedStore):
             )
             if affected in (1, 2):
                 if not last_id:
+                    # A trigger on the table (an audit trigger that inserts
+                    # elsewhere) leaves the OK packet's id 0; the session's
+                    # LAST_INSERT_ID() still holds the statement's value.
+                    _, _, rows = self._run("reading the write count", "SELECT LAST_INSERT_ID()", None, (token,))
+                    last_id = rows[0][0] if rows else None
+                if not isinstance(last_id, int) or last_id <= 0:
+                    # The write landed; only its version is unknown. Not a
+                    # fence answer to guess at.
                     raise FenceError(
                         KIND,
                         op,
-                        "the write was applied but the server returned no last-insert id (the record's "
-                        "write count): a proxy between the driver and the server may drop it",
+                        "the write was applied but the server reports no last-insert id (the record's "
+                        "write count)",
                     )
                 return Applied(version=int(last_id))
             if affected != 0:

@@ -14,6 +14,12 @@ The statements are sent with PostgreSQL's own ``$n`` placeholders
 (psycopg's ``RawCursor``), so their text is the Rust crate's. Payloads are
 the table's ``text`` column: they must be UTF-8 without NUL bytes.
 
+An existing table of the reference name (``CREATE TABLE IF NOT EXISTS``
+leaves it alone) is checked before anything is written and refused with
+what differs: other column types, or BEFORE row triggers (they can change
+the mark or the write count the statement sets). An applied write whose
+``writes`` comes back not positive has no version: :class:`Unfenced`.
+
 Needs ``pip install 'latchkey[postgres]'`` (psycopg 3 with its binary libpq).
 """
 
@@ -77,6 +83,13 @@ COLUMNS_SQL = """SELECT a.attname::text, format_type(a.atttypid, NULL)
   FROM pg_attribute a
  WHERE a.attrelid = to_regclass('latchkey_fenced_rows') AND a.attnum > 0 AND NOT a.attisdropped"""
 
+#: Row triggers that run BEFORE the write (``tgtype`` bits: 1 row, 2 before):
+#: they can change the mark or the write count the statement sets (one that
+#: keeps the old mark lets a stale write land and read as applied).
+BEFORE_TRIGGERS_SQL = """SELECT tgname::text FROM pg_trigger
+ WHERE tgrelid = to_regclass('latchkey_fenced_rows') AND NOT tgisinternal
+   AND (tgtype & 3) = 3"""
+
 _BIGINT_MAX = (1 << 63) - 1
 
 
@@ -88,8 +101,9 @@ def _psycopg():
     return psycopg
 
 
-def schema_problems(columns: Sequence[Tuple[str, str]]) -> Optional[str]:
-    """What differs between ``columns`` (name, type) and the reference table."""
+def schema_problems(columns: Sequence[Tuple[str, str]], before_triggers: Sequence[str] = ()) -> Optional[str]:
+    """What differs between the table (``columns`` as (name, type), the names
+    of its BEFORE row triggers) and the reference table, or None."""
     wrong: List[str] = []
     for name, types in REQUIRED_COLUMNS:
         found = [t for n, t in columns if n == name]
@@ -97,6 +111,11 @@ def schema_problems(columns: Sequence[Tuple[str, str]]) -> Optional[str]:
             wrong.append(f"it has no `{name}` column")
         elif found[0] not in types:
             wrong.append(f"its `{name}` column is {found[0]}, not {' or '.join(types)}")
+    if before_triggers:
+        wrong.append(
+            f"it has BEFORE row triggers ({', '.join(before_triggers)}), which can change the mark or "
+            "the write count the guarded statement sets"
+        )
     return "; ".join(wrong) or None
 
 
@@ -190,10 +209,13 @@ class PostgresStore(FencedStore):
 
     def ensure_schema(self) -> None:
         """Creates the reference table (idempotent) and refuses a table of
-        that name that is not the reference one."""
+        that name that is not the reference one: other column types, or
+        BEFORE row triggers (``CREATE TABLE IF NOT EXISTS`` leaves an older or
+        foreign table alone)."""
         self._execute("creating the reference table", CREATE_TABLE_SQL, ())
         rows = self._execute("reading the fenced table's columns", COLUMNS_SQL, ()) or []
-        why = schema_problems([(str(n), str(t)) for n, t in rows])
+        triggers = self._execute("reading the fenced table's triggers", BEFORE_TRIGGERS_SQL, ()) or []
+        why = schema_problems([(str(n), str(t)) for n, t in rows], [str(t) for (t,) in triggers])
         if why:
             raise FenceError(
                 KIND,
@@ -218,7 +240,18 @@ class PostgresStore(FencedStore):
             raise TokenOutOfRange(KIND)
         rows = self._execute("guarded write", GUARDED_WRITE_SQL, (record, token, text), (token,))
         if rows:
-            return Applied(version=int(rows[0][0]))
+            # The write count is at least 1 (`writes = 1` on create); one that
+            # is not (a row someone set to -5) cannot order anything: the
+            # write landed, its version is unknown.
+            writes = rows[0][0]
+            if not isinstance(writes, int) or writes <= 0:
+                raise Unfenced(
+                    KIND,
+                    record,
+                    "the write landed, but its writes column is not a positive count, so the write "
+                    "has no version; repair the column",
+                )
+            return Applied(version=writes)
         # No row back: the WHERE refused the update. The read only reports.
         found = self._read(record)
         if found is None:
