@@ -65,7 +65,7 @@ pub struct WorkerArgs {
     #[arg(
         long,
         env = "LATCHKEY_GATE_FENCE_STORES",
-        value_delimiter = ',',
+        value_delimiter = ' ',
         hide_env_values = true
     )]
     pub fence_stores: Vec<String>,
@@ -571,5 +571,46 @@ pub(crate) fn detail(e: &Error) -> Fields {
     Fields {
         detail: Some(e.to_string()),
         ..Fields::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        worker: WorkerArgs,
+    }
+
+    /// The gate passes the stores space-separated (a comma may be in a
+    /// password or an etcd host list): each URL arrives whole.
+    #[test]
+    fn fence_stores_split_on_spaces_only() {
+        let cli = Cli::try_parse_from([
+            "gate-worker",
+            "--arbiter=https://127.0.0.1:1",
+            "--ca=ca",
+            "--cert=c",
+            "--key=k",
+            "--keys=a,b",
+            "--class=gate",
+            "--postgres=postgresql://u@h/db",
+            "--history=h",
+            "--process=w1.0",
+            "--seed=1",
+            "--stop-file=s",
+            "--fence-stores",
+            "redis://:p,w@127.0.0.1:1/0 etcd://h1:1,h2:2/fenced",
+        ])
+        .unwrap();
+        assert_eq!(
+            cli.worker.fence_stores,
+            ["redis://:p,w@127.0.0.1:1/0", "etcd://h1:1,h2:2/fenced"]
+        );
+        assert_eq!(cli.worker.keys, ["a", "b"]);
     }
 }

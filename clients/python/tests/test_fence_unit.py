@@ -348,8 +348,17 @@ def test_schema_checks_name_what_differs():
 
 
 def test_postgres_schema_refuses_before_row_triggers():
-    columns = [("id", "character varying"), ("fence", "bigint"), ("payload", "text"), ("writes", "bigint"), ("x", "int")]
+    columns = [("id", "text"), ("fence", "bigint"), ("payload", "text"), ("writes", "bigint"), ("x", "int")]
     assert postgres.schema_problems(columns, []) is None
+    varchar = [("id", "character varying")] + columns[1:]
+    assert "not text" in postgres.schema_problems(varchar, []), "a varchar id trims trailing spaces"
+    for relation, says in [
+        (("v", False, True), "not a plain table"),
+        (("p", False, True), "not a plain table"),
+        (("r", True, True), "inherit"),
+        (("r", False, False), "not deterministic"),
+    ]:
+        assert says in postgres.schema_problems(columns, [], relation)
     why = postgres.schema_problems(columns, ["keep_mark", "audit"])
     assert "BEFORE row triggers (keep_mark, audit)" in why and "write count" in why
     assert "(tgtype & 3) = 3" in postgres.BEFORE_TRIGGERS_SQL, "row (1) and BEFORE (2) triggers"

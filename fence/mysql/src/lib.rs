@@ -154,7 +154,10 @@ impl MysqlStore {
         // record name or payload too long for its column is an error, never
         // cut onto another record or short (the hostile review).
         let mut setup = opts.setup().to_vec();
-        setup.push(STRICT_SQL.to_owned());
+        // mysql_async runs setup commands last to first: ours goes first in
+        // the list so it runs after the caller's (a caller's `sql_mode = ''`
+        // must not undo it: the second hostile review).
+        setup.insert(0, STRICT_SQL.to_owned());
         let opts: Opts = OptsBuilder::from_opts(opts).setup(setup).into();
         let pool = Pool::new(opts);
         let mut conn = pool
@@ -251,8 +254,15 @@ const BEFORE_TRIGGERS_SQL: &str = "SELECT TRIGGER_NAME FROM information_schema.T
    AND ACTION_TIMING = 'BEFORE'";
 
 /// Every unique index's columns, one row per (index, column).
-const UNIQUE_SQL: &str = "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS
+const UNIQUE_SQL: &str =
+    "SELECT INDEX_NAME, COLUMN_NAME, SUB_PART IS NOT NULL FROM information_schema.STATISTICS
  WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows' AND NON_UNIQUE = 0";
+
+/// The table's storage engine: InnoDB locks the row for the statement and
+/// keeps a committed mark through a crash (BLACKHOLE keeps nothing; MyISAM
+/// and MEMORY lose marks).
+const ENGINE_SQL: &str = "SELECT ENGINE FROM information_schema.TABLES
+ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows'";
 
 /// Checks that the table the statements write is the reference one: the
 /// columns' types ([`REQUIRED_COLUMNS`]) and `id` as its only unique key
@@ -265,8 +275,12 @@ pub async fn check_schema(conn: &mut Conn) -> Result<(), FenceError> {
         .query(COLUMNS_SQL)
         .await
         .map_err(|e| store_error(OP, &e, &[]))?;
-    let unique: Vec<(String, String)> = conn
+    let unique: Vec<(String, String, bool)> = conn
         .query(UNIQUE_SQL)
+        .await
+        .map_err(|e| store_error(OP, &e, &[]))?;
+    let engine: Option<String> = conn
+        .query_first(ENGINE_SQL)
         .await
         .map_err(|e| store_error(OP, &e, &[]))?;
     let before_triggers: Vec<String> = conn
@@ -277,6 +291,7 @@ pub async fn check_schema(conn: &mut Conn) -> Result<(), FenceError> {
         columns,
         unique,
         before_triggers,
+        engine,
     };
     schema_problems(&table).map_or(Ok(()), |why| {
         Err(FenceError::store(
@@ -297,9 +312,10 @@ struct Table {
     /// Name, `DATA_TYPE`, `COLUMN_TYPE`, `CHARACTER_MAXIMUM_LENGTH` (0 if
     /// none), `EXTRA`.
     columns: Vec<(String, String, String, u64, String)>,
-    /// (index, column) of every unique index.
-    unique: Vec<(String, String)>,
+    /// (index, column, indexes only a prefix of it) of every unique index.
+    unique: Vec<(String, String, bool)>,
     before_triggers: Vec<String>,
+    engine: Option<String>,
 }
 
 /// What differs from the reference table, if anything.
@@ -349,8 +365,8 @@ fn schema_problems(table: &Table) -> Option<String> {
     }
     let keys: Vec<String> = unique
         .iter()
-        .filter(|(index, column)| !(index == "PRIMARY" && column.eq_ignore_ascii_case("id")))
-        .map(|(index, column)| format!("{index}({column})"))
+        .filter(|(index, column, _)| !(index == "PRIMARY" && column.eq_ignore_ascii_case("id")))
+        .map(|(index, column, _)| format!("{index}({column})"))
         .collect();
     if !keys.is_empty() {
         wrong.push(format!(
@@ -361,9 +377,24 @@ fn schema_problems(table: &Table) -> Option<String> {
     }
     if !unique
         .iter()
-        .any(|(index, column)| index == "PRIMARY" && column.eq_ignore_ascii_case("id"))
+        .any(|(index, column, _)| index == "PRIMARY" && column.eq_ignore_ascii_case("id"))
     {
         wrong.push("its primary key is not `id`".to_owned());
+    }
+    if unique.iter().any(|(_, _, prefix)| *prefix) {
+        wrong.push(
+            "a unique key indexes only a prefix of its column (`id(4)`), so records sharing the \
+             prefix are one row"
+                .to_owned(),
+        );
+    }
+    match table.engine.as_deref() {
+        Some(engine) if engine.eq_ignore_ascii_case("InnoDB") => {}
+        Some(engine) => wrong.push(format!(
+            "its engine is {engine}, not InnoDB (which locks the row for the statement and keeps \
+             a committed mark through a crash)"
+        )),
+        None => wrong.push("its engine is unknown".to_owned()),
     }
     (!wrong.is_empty()).then(|| wrong.join("; "))
 }
@@ -612,11 +643,12 @@ mod tests {
             col("payload", "longblob", "longblob", 4294967295),
             col("writes", "bigint", "bigint(20) unsigned", 0),
         ];
-        let primary = vec![("PRIMARY".to_owned(), "id".to_owned())];
+        let primary = vec![("PRIMARY".to_owned(), "id".to_owned(), false)];
         let table = |columns: Vec<_>, unique: Vec<_>, before_triggers: Vec<String>| Table {
             columns,
             unique,
             before_triggers,
+            engine: Some("InnoDB".to_owned()),
         };
         assert_eq!(
             schema_problems(&table(reference.clone(), primary.clone(), vec![])),
@@ -629,7 +661,7 @@ mod tests {
             col("payload", "longblob", "longblob", 4294967295),
         ];
         let mut unique = primary.clone();
-        unique.push(("one_payload".to_owned(), "payload".to_owned()));
+        unique.push(("one_payload".to_owned(), "payload".to_owned(), false));
         let why = schema_problems(&table(older, unique, vec![])).unwrap();
         assert!(why.contains("`id` column is varchar(255)"), "{why}");
         assert!(
@@ -662,6 +694,32 @@ mod tests {
         assert!(why.contains("`seq` column is AUTO_INCREMENT"), "{why}");
         let why = schema_problems(&table(reference, primary, vec!["keep_mark".into()])).unwrap();
         assert!(why.contains("BEFORE triggers (keep_mark)"), "{why}");
+
+        // A prefix primary key (`id(4)`) makes `acct-1` and `acct-2` one row;
+        // a BLACKHOLE table keeps no mark.
+        let prefix = vec![("PRIMARY".to_owned(), "id".to_owned(), true)];
+        let why = schema_problems(&table(reference_for_tests(), prefix, vec![])).unwrap();
+        assert!(why.contains("only a prefix"), "{why}");
+        let mut blackhole = table(
+            reference_for_tests(),
+            vec![("PRIMARY".to_owned(), "id".to_owned(), false)],
+            vec![],
+        );
+        blackhole.engine = Some("BLACKHOLE".to_owned());
+        let why = schema_problems(&blackhole).unwrap();
+        assert!(why.contains("engine is BLACKHOLE"), "{why}");
+    }
+
+    fn reference_for_tests() -> Vec<(String, String, String, u64, String)> {
+        [
+            ("id", "varbinary", "varbinary(255)", 255),
+            ("fence", "bigint", "bigint(20) unsigned", 0),
+            ("payload", "longblob", "longblob", 4294967295),
+            ("writes", "bigint", "bigint(20) unsigned", 0),
+        ]
+        .into_iter()
+        .map(|(n, d, c, l)| (n.to_owned(), d.to_owned(), c.to_owned(), l, String::new()))
+        .collect()
     }
 
     #[test]

@@ -154,6 +154,8 @@ pub fn locator(url: &str) -> String {
     // safe (the hostile review). A path or query with an '@' loses its
     // front: less said, never a secret.
     let rest = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
+    // Then a fragment, which is never the store's (and may hold a secret).
+    let rest = rest.split_once('#').map_or(rest, |(before, _)| before);
     let (before_query, query) = match rest.split_once(['?', '#']) {
         Some((b, q)) => (b, Some(q)),
         None => (rest, None),
@@ -168,11 +170,29 @@ pub fn locator(url: &str) -> String {
         out.push_str(path);
     }
     if scheme == "s3" {
-        let kept: Vec<&str> = query
-            .unwrap_or("")
-            .split('&')
-            .filter(|kv| kv.starts_with("endpoint=") || kv.starts_with("region="))
-            .collect();
+        // Only values that cannot hide anything: a region of its own
+        // characters, an endpoint of a scheme and a host[:port].
+        let mut kept = Vec::new();
+        for kv in query.unwrap_or("").split('&') {
+            if let Some(region) = kv.strip_prefix("region=")
+                && !region.is_empty()
+                && region
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            {
+                kept.push(kv.to_owned());
+            }
+            if let Some(endpoint) = kv.strip_prefix("endpoint=")
+                && let Some((scheme, host)) = endpoint.split_once("://")
+                && matches!(scheme, "http" | "https")
+                && !host.is_empty()
+                && host
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':'))
+            {
+                kept.push(format!("endpoint={scheme}://{host}"));
+            }
+        }
         if !kept.is_empty() {
             out.push('?');
             out.push_str(&kept.join("&"));
@@ -224,6 +244,11 @@ mod tests {
             "etcd://10.0.0.1:2379/fenced"
         );
         assert!(!locator("s3://b/p?endpoint=http://minio:minio-secret@h:9000").contains("secret"));
+        assert!(!locator("s3://b/p?region=us-east-1#hunter2").contains("hunter2"));
+        assert!(
+            !locator("s3://b/p?endpoint=http%3A%2F%2FAKIA%3Ahunter2%40h&region=x")
+                .contains("hunter2")
+        );
     }
 
     #[test]

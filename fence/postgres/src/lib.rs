@@ -194,7 +194,9 @@ pub fn token_param(token: u64) -> Result<i64, FenceError> {
 /// The reference table's columns and their types, as `format_type` names
 /// them. Other columns may exist (with defaults); these must.
 pub const REQUIRED_COLUMNS: [(&str, &[&str]); 4] = [
-    ("id", &["text", "character varying"]),
+    // `text`: a `varchar(3)` silently trims trailing spaces, so `'abc  '`
+    // and `abc` are one record (the second hostile review).
+    ("id", &["text"]),
     ("fence", &["bigint"]),
     ("payload", &["text"]),
     ("writes", &["bigint"]),
@@ -205,6 +207,17 @@ pub const REQUIRED_COLUMNS: [(&str, &[&str]); 4] = [
 const COLUMNS_SQL: &str = "SELECT a.attname::text, format_type(a.atttypid, NULL)
   FROM pg_attribute a
  WHERE a.attrelid = to_regclass('latchkey_fenced_rows') AND a.attnum > 0 AND NOT a.attisdropped";
+
+/// The relation the name resolves to: its kind (`r` a plain table; a view
+/// or a partitioned table routes writes elsewhere), whether tables inherit
+/// from it, and whether `id`'s collation is deterministic (a
+/// case-insensitive ICU collation makes `Orders` and `orders` one record).
+const RELATION_SQL: &str = "SELECT c.relkind::text,
+       EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhparent = c.oid),
+       COALESCE((SELECT coll.collisdeterministic FROM pg_attribute a
+                   JOIN pg_collation coll ON coll.oid = a.attcollation
+                  WHERE a.attrelid = c.oid AND a.attname = 'id'), true)
+  FROM pg_class c WHERE c.oid = to_regclass('latchkey_fenced_rows')";
 
 /// Row triggers that run BEFORE the write (`tgtype` bits: 1 row, 2 before);
 /// they can change the mark or the write count the statement sets.
@@ -235,6 +248,16 @@ pub async fn ensure_schema(client: &Client) -> Result<(), FenceError> {
         columns.push((name, ty));
     }
     check_columns(&columns)?;
+    let relation = client
+        .query_opt(RELATION_SQL, &[])
+        .await
+        .map_err(|e| FenceError::from_postgres("reading the fenced table's kind", &e, None))?;
+    if let Some(row) = relation {
+        let kind: String = row.try_get(0).unwrap_or_default();
+        let inherited: bool = row.try_get(1).unwrap_or(true);
+        let deterministic: bool = row.try_get(2).unwrap_or(false);
+        check_relation(&kind, inherited, deterministic)?;
+    }
     let triggers = client
         .query(BEFORE_TRIGGERS_SQL, &[])
         .await
@@ -252,6 +275,35 @@ pub async fn ensure_schema(client: &Client) -> Result<(), FenceError> {
                  the guarded statement sets",
                 names.join(", ")
             ),
+        })
+    }
+}
+
+/// A plain table, nothing inheriting from it, and a deterministic `id`
+/// collation.
+pub fn check_relation(kind: &str, inherited: bool, deterministic: bool) -> Result<(), FenceError> {
+    let mut wrong = Vec::new();
+    if kind != "r" {
+        wrong.push(format!(
+            "it is not a plain table (pg_class.relkind {kind:?}: a view or a partitioned table \
+             routes the write to a table whose triggers and keys are not checked)"
+        ));
+    }
+    if inherited {
+        wrong.push("other tables inherit from it".to_owned());
+    }
+    if !deterministic {
+        wrong.push(
+            "its `id` collation is not deterministic (a case-insensitive collation makes two \
+             record names one record)"
+                .to_owned(),
+        );
+    }
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        Err(FenceError::Schema {
+            why: wrong.join("; "),
         })
     }
 }
@@ -390,6 +442,29 @@ mod tests {
         assert!(err.contains("`fence` column is text, not bigint"), "{err}");
         assert!(err.contains("no `writes` column"), "{err}");
         assert!(err.contains("drop or rename it"), "{err}");
+    }
+
+    #[test]
+    fn views_partitions_children_and_loose_collations_are_refused() {
+        assert!(check_relation("r", false, true).is_ok());
+        for (kind, inherited, deterministic, says) in [
+            ("v", false, true, "not a plain table"),
+            ("p", false, true, "not a plain table"),
+            ("r", true, true, "inherit"),
+            ("r", false, false, "not deterministic"),
+        ] {
+            let err = check_relation(kind, inherited, deterministic)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(says), "{err}");
+        }
+        let varchar = [
+            ("id".to_owned(), "character varying".to_owned()),
+            ("fence".to_owned(), "bigint".to_owned()),
+            ("payload".to_owned(), "text".to_owned()),
+            ("writes".to_owned(), "bigint".to_owned()),
+        ];
+        assert!(check_columns(&varchar).is_err());
     }
 
     #[test]

@@ -157,10 +157,11 @@ impl S3Store {
             || base.password().is_some()
             || base.query().is_some()
             || base.fragment().is_some()
+            || base.path() != "/"
         {
             return Err(config_error(
-                "the endpoint must be http(s)://host[:port] without a user, password, query or \
-                 fragment (credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
+                "the endpoint must be http(s)://host[:port] without a path, user, password, query \
+                 or fragment (credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
             ));
         }
         if !config.path_style {
@@ -237,7 +238,11 @@ impl S3Store {
                     mark: r.mark.as_deref().and_then(Mark::from_hex),
                     writes: match r.writes.as_deref() {
                         None => Some(0),
-                        Some(w) => w.parse::<u64>().ok().filter(|n| *n < 1 << 63),
+                        // Digits only (`parse` would take "+5").
+                        Some(w) if !w.is_empty() && w.bytes().all(|b| b.is_ascii_digit()) => {
+                            w.parse::<u64>().ok().filter(|n| *n < 1 << 63)
+                        }
+                        Some(_) => None,
                     },
                 }))
             }

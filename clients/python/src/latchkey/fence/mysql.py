@@ -112,8 +112,14 @@ BEFORE_TRIGGERS_SQL = """SELECT TRIGGER_NAME FROM information_schema.TRIGGERS
  WHERE EVENT_OBJECT_SCHEMA = DATABASE() AND EVENT_OBJECT_TABLE = 'latchkey_fenced_rows'
    AND ACTION_TIMING = 'BEFORE'"""
 
-UNIQUE_SQL = """SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS
+UNIQUE_SQL = """SELECT INDEX_NAME, COLUMN_NAME, SUB_PART IS NOT NULL FROM information_schema.STATISTICS
  WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows' AND NON_UNIQUE = 0"""
+
+#: The table's storage engine: InnoDB locks the row for the statement and
+#: keeps a committed mark through a crash (BLACKHOLE keeps nothing; MyISAM
+#: and MEMORY lose marks).
+ENGINE_SQL = """SELECT ENGINE FROM information_schema.TABLES
+ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows'"""
 
 _PROBE_TABLE = "CREATE TEMPORARY TABLE latchkey_fence_probe (id INT PRIMARY KEY, fence BIGINT UNSIGNED)"
 _PROBE = (
@@ -144,14 +150,16 @@ def _pyformat(sql: str) -> str:
 
 def schema_problems(
     columns: Sequence[Tuple[str, str, str, int, str]],
-    unique: Sequence[Tuple[str, str]],
+    unique: Sequence[Tuple],
     before_triggers: Sequence[str] = (),
+    engine: Optional[str] = "InnoDB",
 ) -> Optional[str]:
     """What differs between the table and the reference one, or None.
 
     ``columns`` are (name, DATA_TYPE, COLUMN_TYPE, CHARACTER_MAXIMUM_LENGTH
-    or 0, EXTRA); ``unique`` (index, column) for every unique index;
-    ``before_triggers`` the names of its BEFORE triggers."""
+    or 0, EXTRA); ``unique`` (index, column[, indexes only a prefix]) for
+    every unique index; ``before_triggers`` the names of its BEFORE
+    triggers; ``engine`` its storage engine."""
     wrong: List[str] = []
     for name, types, unsigned in REQUIRED_COLUMNS:
         found = [(c[1], c[2]) for c in columns if c[0].lower() == name]
@@ -178,6 +186,8 @@ def schema_problems(
             f"it has BEFORE triggers ({', '.join(before_triggers)}), which can change the mark or the write "
             "count the guarded statement sets"
         )
+    prefixes = [u for u in unique if len(u) > 2 and u[2]]
+    unique = [(u[0], u[1]) for u in unique]
     others = [f"{i}({c})" for i, c in unique if not (i == "PRIMARY" and c.lower() == "id")]
     if others:
         wrong.append(
@@ -186,6 +196,18 @@ def schema_problems(
         )
     if not any(i == "PRIMARY" and c.lower() == "id" for i, c in unique):
         wrong.append("its primary key is not `id`")
+    if prefixes:
+        wrong.append(
+            "a unique key indexes only a prefix of its column (`id(4)`), so records sharing the "
+            "prefix are one row"
+        )
+    if engine is None:
+        wrong.append("its engine is unknown")
+    elif engine.lower() != "innodb":
+        wrong.append(
+            f"its engine is {engine}, not InnoDB (which locks the row for the statement and keeps "
+            "a committed mark through a crash)"
+        )
     return "; ".join(wrong) or None
 
 
@@ -342,10 +364,12 @@ class MysqlStore(FencedStore):
             _, _, columns = self._run(op, COLUMNS_SQL, None)
             _, _, unique = self._run(op, UNIQUE_SQL, None)
             _, _, triggers = self._run(op, BEFORE_TRIGGERS_SQL, None)
+            _, _, engines = self._run(op, ENGINE_SQL, None)
             why = schema_problems(
                 [(_text(n), _text(d), _text(c), int(length or 0), _text(x)) for n, d, c, length, x in columns],
-                [(_text(i), _text(c)) for i, c in unique],
+                [(_text(i), _text(c), bool(int(p or 0))) for i, c, p in unique],
                 [_text(t) for (t,) in triggers],
+                _text(engines[0][0]) if engines else None,
             )
             if why:
                 raise FenceError(

@@ -73,7 +73,8 @@ ON CONFLICT (id) DO UPDATE
 #: The columns the statements need, with the types ``format_type`` names
 #: (other columns may exist).
 REQUIRED_COLUMNS: Sequence[Tuple[str, Sequence[str]]] = (
-    ("id", ("text", "character varying")),
+    # text: a varchar(3) silently trims trailing spaces ('abc  ' is abc).
+    ("id", ("text",)),
     ("fence", ("bigint",)),
     ("payload", ("text",)),
     ("writes", ("bigint",)),
@@ -90,6 +91,17 @@ BEFORE_TRIGGERS_SQL = """SELECT tgname::text FROM pg_trigger
  WHERE tgrelid = to_regclass('latchkey_fenced_rows') AND NOT tgisinternal
    AND (tgtype & 3) = 3"""
 
+#: The relation the name resolves to: its kind ('r' a plain table; a view or
+#: a partitioned table routes writes elsewhere), whether tables inherit from
+#: it, and whether id's collation is deterministic (a case-insensitive ICU
+#: collation makes two record names one record).
+RELATION_SQL = """SELECT c.relkind::text,
+       EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhparent = c.oid),
+       COALESCE((SELECT coll.collisdeterministic FROM pg_attribute a
+                   JOIN pg_collation coll ON coll.oid = a.attcollation
+                  WHERE a.attrelid = c.oid AND a.attname = 'id'), true)
+  FROM pg_class c WHERE c.oid = to_regclass('latchkey_fenced_rows')"""
+
 _BIGINT_MAX = (1 << 63) - 1
 
 
@@ -101,10 +113,28 @@ def _psycopg():
     return psycopg
 
 
-def schema_problems(columns: Sequence[Tuple[str, str]], before_triggers: Sequence[str] = ()) -> Optional[str]:
+def schema_problems(
+    columns: Sequence[Tuple[str, str]],
+    before_triggers: Sequence[str] = (),
+    relation: Tuple[str, bool, bool] = ("r", False, True),
+) -> Optional[str]:
     """What differs between the table (``columns`` as (name, type), the names
-    of its BEFORE row triggers) and the reference table, or None."""
+    of its BEFORE row triggers, ``relation`` as (relkind, inherited from,
+    id collation deterministic)) and the reference table, or None."""
     wrong: List[str] = []
+    kind, inherited, deterministic = relation
+    if kind != "r":
+        wrong.append(
+            f"it is not a plain table (pg_class.relkind {kind!r}: a view or a partitioned table "
+            "routes the write to a table whose triggers and keys are not checked)"
+        )
+    if inherited:
+        wrong.append("other tables inherit from it")
+    if not deterministic:
+        wrong.append(
+            "its `id` collation is not deterministic (a case-insensitive collation makes two "
+            "record names one record)"
+        )
     for name, types in REQUIRED_COLUMNS:
         found = [t for n, t in columns if n == name]
         if not found:
@@ -215,7 +245,12 @@ class PostgresStore(FencedStore):
         self._execute("creating the reference table", CREATE_TABLE_SQL, ())
         rows = self._execute("reading the fenced table's columns", COLUMNS_SQL, ()) or []
         triggers = self._execute("reading the fenced table's triggers", BEFORE_TRIGGERS_SQL, ()) or []
-        why = schema_problems([(str(n), str(t)) for n, t in rows], [str(t) for (t,) in triggers])
+        relation = self._execute("reading the fenced table's kind", RELATION_SQL, ()) or []
+        why = schema_problems(
+            [(str(n), str(t)) for n, t in rows],
+            [str(t) for (t,) in triggers],
+            (str(relation[0][0]), bool(relation[0][1]), bool(relation[0][2])) if relation else ("r", False, True),
+        )
         if why:
             raise FenceError(
                 KIND,

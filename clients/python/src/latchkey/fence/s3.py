@@ -255,10 +255,22 @@ class S3Store(FencedStore):
         parts = urlsplit(config.endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise _config_error("endpoint must be http(s)://host[:port]")
+        # Credentials go by environment only, and an endpoint has no path,
+        # query or fragment (as the Rust adapter). Not echoed: it may hold a
+        # secret.
+        if parts.username is not None or parts.password is not None or parts.query or parts.fragment or parts.path not in ("", "/"):
+            raise _config_error(
+                "the endpoint must be http(s)://host[:port] without a path, user, password, query or "
+                "fragment (credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+            )
         try:
             port = parts.port
         except ValueError:
             raise _config_error("the endpoint's port is not a number") from None
+        # A prefix names a "directory": `fences` and record `-x` must not
+        # make `fences-x`.
+        if config.prefix and not config.prefix.endswith("/"):
+            config = dataclasses.replace(config, prefix=config.prefix + "/")
         self.config = config
         self._https = parts.scheme == "https"
         host = parts.hostname if config.path_style else f"{config.bucket}.{parts.hostname}"
