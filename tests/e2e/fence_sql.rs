@@ -111,6 +111,18 @@ async fn postgres_store_keeps_the_contract() -> anyhow::Result<()> {
     db.batch_execute("DROP TRIGGER keep_mark ON latchkey_fenced_rows")
         .await?;
 
+    // A second unique index on `id` (here case-folded): `ON CONFLICT (id)`
+    // may take it, and `Orders` would land on `orders`. Refused at connect.
+    db.batch_execute("CREATE UNIQUE INDEX folded ON latchkey_fenced_rows (lower(id))")
+        .await?;
+    let err = match PostgresStore::connect(&pg.url()).await {
+        Ok(_) => anyhow::bail!("a second unique index was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("2 unique indexes"), "{err}");
+    db.batch_execute("DROP INDEX folded").await?;
+    assert!(PostgresStore::connect(&pg.url()).await.is_ok());
+
     // A table of the reference name that is not the fence's (an older
     // version's, someone else's) is refused at connect, saying what differs.
     db.batch_execute(
@@ -124,6 +136,18 @@ async fn postgres_store_keeps_the_contract() -> anyhow::Result<()> {
     };
     assert!(err.contains("`fence` column is text, not bigint"), "{err}");
     assert!(err.contains("no `writes` column"), "{err}");
+
+    // A view of the reference name routes writes to a table nobody checked.
+    db.batch_execute(
+        "DROP TABLE latchkey_fenced_rows; \
+         CREATE VIEW latchkey_fenced_rows AS SELECT * FROM kept",
+    )
+    .await?;
+    let err = match PostgresStore::connect(&pg.url()).await {
+        Ok(_) => anyhow::bail!("a view was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("not a plain table"), "{err}");
     Ok(())
 }
 

@@ -359,6 +359,8 @@ def test_postgres_schema_refuses_before_row_triggers():
         (("r", False, False), "not deterministic"),
     ]:
         assert says in postgres.schema_problems(columns, [], relation)
+    assert "2 unique indexes" in postgres.schema_problems(columns, [], ("r", False, True), (2, True))
+    assert "not `id` alone" in postgres.schema_problems(columns, [], ("r", False, True), (1, False))
     why = postgres.schema_problems(columns, ["keep_mark", "audit"])
     assert "BEFORE row triggers (keep_mark, audit)" in why and "write count" in why
     assert "(tgtype & 3) = 3" in postgres.BEFORE_TRIGGERS_SQL, "row (1) and BEFORE (2) triggers"

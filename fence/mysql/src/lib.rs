@@ -279,10 +279,12 @@ pub async fn check_schema(conn: &mut Conn) -> Result<(), FenceError> {
         .query(UNIQUE_SQL)
         .await
         .map_err(|e| store_error(OP, &e, &[]))?;
+    // NULL for a view: read as no engine (refused), never a panic.
     let engine: Option<String> = conn
-        .query_first(ENGINE_SQL)
+        .query_first::<Option<String>, _>(ENGINE_SQL)
         .await
-        .map_err(|e| store_error(OP, &e, &[]))?;
+        .map_err(|e| store_error(OP, &e, &[]))?
+        .flatten();
     let before_triggers: Vec<String> = conn
         .query(BEFORE_TRIGGERS_SQL)
         .await

@@ -219,6 +219,18 @@ const RELATION_SQL: &str = "SELECT c.relkind::text,
                   WHERE a.attrelid = c.oid AND a.attname = 'id'), true)
   FROM pg_class c WHERE c.oid = to_regclass('latchkey_fenced_rows')";
 
+/// The table's unique indexes, and whether one of them is the primary key on
+/// `id` alone. `ON CONFLICT (id)` uses any unique index on `id`, whatever its
+/// collation (`CREATE UNIQUE INDEX … (id COLLATE ci)` made `orders` and
+/// `ORDERS` one record: the fourth hostile review), so the primary key on
+/// `id` must be the only one.
+const KEYS_SQL: &str = "SELECT count(*),
+       COALESCE(bool_or(ix.indisprimary AND ix.indnatts = 1 AND ix.indexprs IS NULL
+                        AND ix.indpred IS NULL
+                        AND ix.indkey[0] = (SELECT attnum FROM pg_attribute
+                                             WHERE attrelid = ix.indrelid AND attname = 'id')), false)
+  FROM pg_index ix WHERE ix.indrelid = to_regclass('latchkey_fenced_rows') AND ix.indisunique";
+
 /// Row triggers that run BEFORE the write (`tgtype` bits: 1 row, 2 before);
 /// they can change the mark or the write count the statement sets.
 const BEFORE_TRIGGERS_SQL: &str = "SELECT tgname::text FROM pg_trigger
@@ -258,6 +270,13 @@ pub async fn ensure_schema(client: &Client) -> Result<(), FenceError> {
         let deterministic: bool = row.try_get(2).unwrap_or(false);
         check_relation(&kind, inherited, deterministic)?;
     }
+    let keys = client
+        .query_one(KEYS_SQL, &[])
+        .await
+        .map_err(|e| FenceError::from_postgres("reading the fenced table's keys", &e, None))?;
+    let unique: i64 = keys.try_get(0).unwrap_or(-1);
+    let primary_on_id: bool = keys.try_get(1).unwrap_or(false);
+    check_keys(unique, primary_on_id)?;
     let triggers = client
         .query(BEFORE_TRIGGERS_SQL, &[])
         .await
@@ -298,6 +317,28 @@ pub fn check_relation(kind: &str, inherited: bool, deterministic: bool) -> Resul
              record names one record)"
                 .to_owned(),
         );
+    }
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        Err(FenceError::Schema {
+            why: wrong.join("; "),
+        })
+    }
+}
+
+/// The primary key on `id` alone, and no other unique index.
+pub fn check_keys(unique: i64, primary_on_id: bool) -> Result<(), FenceError> {
+    let mut wrong = Vec::new();
+    if !primary_on_id {
+        wrong.push("its primary key is not `id` alone".to_owned());
+    }
+    if unique != 1 {
+        wrong.push(format!(
+            "it has {unique} unique indexes where the fence needs exactly one, the primary key on \
+             `id` (`ON CONFLICT (id)` takes any unique index on `id`, whatever its collation, and \
+             another unique key can refuse or redirect writes)"
+        ));
     }
     if wrong.is_empty() {
         Ok(())
@@ -465,6 +506,19 @@ mod tests {
             ("writes".to_owned(), "bigint".to_owned()),
         ];
         assert!(check_columns(&varchar).is_err());
+        assert!(check_keys(1, true).is_ok());
+        assert!(
+            check_keys(2, true)
+                .unwrap_err()
+                .to_string()
+                .contains("2 unique indexes")
+        );
+        assert!(
+            check_keys(1, false)
+                .unwrap_err()
+                .to_string()
+                .contains("not `id` alone")
+        );
     }
 
     #[test]

@@ -102,6 +102,16 @@ RELATION_SQL = """SELECT c.relkind::text,
                   WHERE a.attrelid = c.oid AND a.attname = 'id'), true)
   FROM pg_class c WHERE c.oid = to_regclass('latchkey_fenced_rows')"""
 
+#: The table's unique indexes, and whether one is the primary key on id
+#: alone: ON CONFLICT (id) uses any unique index on id, whatever its
+#: collation, so the primary key must be the only one (as in Rust).
+KEYS_SQL = """SELECT count(*),
+       COALESCE(bool_or(ix.indisprimary AND ix.indnatts = 1 AND ix.indexprs IS NULL
+                        AND ix.indpred IS NULL
+                        AND ix.indkey[0] = (SELECT attnum FROM pg_attribute
+                                             WHERE attrelid = ix.indrelid AND attname = 'id')), false)
+  FROM pg_index ix WHERE ix.indrelid = to_regclass('latchkey_fenced_rows') AND ix.indisunique"""
+
 _BIGINT_MAX = (1 << 63) - 1
 
 
@@ -117,12 +127,22 @@ def schema_problems(
     columns: Sequence[Tuple[str, str]],
     before_triggers: Sequence[str] = (),
     relation: Tuple[str, bool, bool] = ("r", False, True),
+    keys: Tuple[int, bool] = (1, True),
 ) -> Optional[str]:
     """What differs between the table (``columns`` as (name, type), the names
     of its BEFORE row triggers, ``relation`` as (relkind, inherited from,
     id collation deterministic)) and the reference table, or None."""
     wrong: List[str] = []
     kind, inherited, deterministic = relation
+    unique, primary_on_id = keys
+    if not primary_on_id:
+        wrong.append("its primary key is not `id` alone")
+    if unique != 1:
+        wrong.append(
+            f"it has {unique} unique indexes where the fence needs exactly one, the primary key on `id` "
+            "(`ON CONFLICT (id)` takes any unique index on `id`, whatever its collation, and another "
+            "unique key can refuse or redirect writes)"
+        )
     if kind != "r":
         wrong.append(
             f"it is not a plain table (pg_class.relkind {kind!r}: a view or a partitioned table "
@@ -246,10 +266,12 @@ class PostgresStore(FencedStore):
         rows = self._execute("reading the fenced table's columns", COLUMNS_SQL, ()) or []
         triggers = self._execute("reading the fenced table's triggers", BEFORE_TRIGGERS_SQL, ()) or []
         relation = self._execute("reading the fenced table's kind", RELATION_SQL, ()) or []
+        keys = self._execute("reading the fenced table's keys", KEYS_SQL, ()) or []
         why = schema_problems(
             [(str(n), str(t)) for n, t in rows],
             [str(t) for (t,) in triggers],
             (str(relation[0][0]), bool(relation[0][1]), bool(relation[0][2])) if relation else ("r", False, True),
+            (int(keys[0][0]), bool(keys[0][1])) if keys else (0, False),
         )
         if why:
             raise FenceError(

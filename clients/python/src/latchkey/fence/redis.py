@@ -73,7 +73,7 @@ if redis.call('PTTL', KEYS[1]) >= 0 then
   return {-1, 'the key has an expiry, and its mark would expire with it (a stale write would then land): remove it with PERSIST'}
 end
 local writes = redis.call('HGET', KEYS[1], 'writes')
-if writes and not string.match(writes, '^[0-9]+$') or (writes and string.len(writes) > 18) then
+if writes and (not string.match(writes, '^[0-9]+$') or string.len(writes) > 18 or (string.len(writes) > 1 and string.sub(writes, 1, 1) == '0')) then
   return {-1, 'its writes field is not a count'}
 end
 local mh = tonumber(string.sub(mark, 1, 8), 16)
