@@ -265,7 +265,7 @@ const ENGINE_SQL: &str = "SELECT ENGINE FROM information_schema.TABLES
  WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'latchkey_fenced_rows'";
 
 /// Checks that the table the statements write is the reference one: the
-/// columns' types ([`REQUIRED_COLUMNS`]) and `id` as its only unique key
+/// columns' types (`REQUIRED_COLUMNS`) and `id` as its only unique key
 /// (with a second one, the upsert can collide there and update another
 /// row). A table of the reference name from an older version or from
 /// someone else is refused with what differs, before anything is written.
