@@ -615,7 +615,19 @@ impl LockTable {
                 waited: true,
             }),
             // Dropping the ticket leaves the queue (and releases a grant that
-            // raced with the timeout).
+            // raced with the timeout). A grant transaction for this waiter
+            // that failed without an answer may have committed: then the
+            // session may hold the key, and the answer is not "not granted"
+            // but unknown, so the caller asks again on the same session and
+            // learns its real token (the release gate caught a WAIT_TIMEOUT
+            // beside such a hidden shared grant).
+            Err(_) if ticket.uncertain.load(Ordering::Relaxed) => {
+                Err(ArbiterError::store(format!(
+                    "the wait for key {key:?} ended while a grant transaction for it had \
+                     failed without an answer: it may have committed; ask again on the same \
+                     session to learn whether this session holds the key"
+                )))
+            }
             Err(_) => Err(ArbiterError::WaitTimeout { key }),
         }
     }
@@ -822,10 +834,12 @@ impl LockTable {
             limit,
         )?;
         let queued = book.keys.get(&key).map(|q| q.waiters.len());
+        let uncertain = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let kick = book.join(Waiter {
             id,
             req,
             slot: Arc::new(Mutex::new(Some(tx))),
+            uncertain: uncertain.clone(),
         });
         drop(book);
         if queued.is_none() {
@@ -842,6 +856,7 @@ impl LockTable {
             key,
             id,
             rx: Some(rx),
+            uncertain,
         })
     }
 
@@ -944,6 +959,8 @@ struct Ticket {
     key: String,
     id: u64,
     rx: Option<oneshot::Receiver<Reply>>,
+    /// See [`queues::Waiter::uncertain`].
+    uncertain: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Ticket {

@@ -116,6 +116,8 @@ pub(super) async fn drive(
                 continue;
             }
             Err(e @ ArbiterError::StoreUnavailable { .. }) => {
+                // It may have committed without its answer.
+                head.mark_uncertain();
                 debug!(key = %key, error = %e, "grant attempt failed; polling");
                 watch = None;
                 poll_later(&table, &kick, &stop).await;

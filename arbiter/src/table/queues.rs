@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use parking_lot::Mutex;
 
@@ -29,6 +30,11 @@ pub(super) struct Waiter {
     pub(super) id: u64,
     pub(super) req: GrantRequest,
     pub(super) slot: Slot,
+    /// Set when a grant transaction for this waiter failed without an
+    /// answer (the store erred): it may have committed, so the waiter's
+    /// session may hold the key. A wait that then times out must not say
+    /// "not granted" (WAIT_TIMEOUT) but "unknown".
+    pub(super) uncertain: Arc<AtomicBool>,
 }
 
 pub(super) struct KeyQueue {
@@ -41,6 +47,15 @@ pub(super) struct Head {
     pub id: u64,
     pub req: GrantRequest,
     pub(super) slot: Slot,
+    pub(super) uncertain: Arc<AtomicBool>,
+}
+
+impl Head {
+    /// A grant transaction for this waiter failed without an answer.
+    pub(super) fn mark_uncertain(&self) {
+        self.uncertain
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// The waiting places one identity may take on one key whose class allows
@@ -206,6 +221,7 @@ impl Book {
             id: w.id,
             req: w.req.clone(),
             slot: w.slot.clone(),
+            uncertain: w.uncertain.clone(),
         })
     }
 
@@ -221,6 +237,7 @@ impl Book {
                     id: w.id,
                     req: w.req.clone(),
                     slot: w.slot.clone(),
+                    uncertain: w.uncertain.clone(),
                 })
                 .collect()
         })
@@ -265,6 +282,7 @@ mod tests {
                 bound: String::new(),
             },
             slot: Arc::new(Mutex::new(None)),
+            uncertain: Default::default(),
         }
     }
 

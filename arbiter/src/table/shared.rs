@@ -220,7 +220,12 @@ impl LockTable {
         let answers = self.commit_together(members).await;
         let mut delivered = false;
         for ((head, req, _, state), answer) in ready.into_iter().zip(answers) {
-            let Ok(answer) = answer else { continue };
+            let Ok(answer) = answer else {
+                // Committed or not, unknown: a wait that ends now is not
+                // a plain timeout.
+                head.mark_uncertain();
+                continue;
+            };
             // Anything but a grant (held again, reused, refused): the
             // driver's own attempt for this head answers it.
             if let Ok(Some(Attempt::Granted(grant))) = self
