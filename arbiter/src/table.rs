@@ -288,6 +288,18 @@ enum Attempt {
     Gated,
 }
 
+/// Who asks in a grant attempt: the caller itself (its call is running),
+/// or a queue's driver for a waiter — whose caller may have gone (its wait
+/// timed out, or the call was cancelled) while the attempt was on its way,
+/// and whose session may since hold the key through another call. Only the
+/// caller itself may change a hold its session has (a downgrade): a queue's
+/// attempt that finds one waits for it to end like any other waiter.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Asker {
+    Caller,
+    Queue,
+}
+
 /// Where a call goes after an attempt.
 enum Next {
     /// Deliver (a fresh grant, or a session's existing grant this call now
@@ -585,13 +597,17 @@ impl LockTable {
             match held {
                 Some(Some(grant)) => self.reuse(grant).await?,
                 // its own exclusive hold, asked shared: downgraded now
-                Some(None) => self.next_after(self.attempt(&req).await?).await?,
+                Some(None) => {
+                    self.next_after(self.attempt(&req, Asker::Caller).await?)
+                        .await?
+                }
                 None => Next::Queue(None),
             }
         } else if self.gated(&req) {
             Next::Queue(None)
         } else {
-            self.next_after(self.attempt(&req).await?).await?
+            self.next_after(self.attempt(&req, Asker::Caller).await?)
+                .await?
         };
         let watch_from = match next {
             Next::Deliver(grant) => {
@@ -698,8 +714,12 @@ impl LockTable {
                         Ok(None)
                         | Err(ArbiterError::SessionExpired { .. })
                         | Err(ArbiterError::ShardMapAhead { .. }) => {}
-                        // May have committed: as below, the outcome is unknown.
-                        Err(e) => return Err(e),
+                        // May have committed: as below, the outcome is unknown
+                        // (for the head waiter too).
+                        Err(e) => {
+                            head.mark_uncertain();
+                            return Err(e);
+                        }
                     }
                 }
             }
@@ -728,8 +748,12 @@ impl LockTable {
                 // over and answer NOT_HELD for a release that happened. The
                 // outcome is unknown, and the caller hears exactly that. (The
                 // head waiter, if the hand-over did commit, gets the key from
-                // its driver, which finds its session already holding it.)
-                Err(e) => return Err(e),
+                // its driver, which finds its session already holding it; if
+                // its wait ends first, it hears that the outcome is unknown.)
+                Err(e) => {
+                    head.mark_uncertain();
+                    return Err(e);
+                }
             }
         }
         let previous = self.release_owned(&held).await?;

@@ -218,6 +218,55 @@ async fn a_downgrade_is_one_step_and_an_upgrade_is_refused() -> anyhow::Result<(
     Ok(())
 }
 
+/// A queued reader's attempt never changes a hold its session took since
+/// through another call. The simulation caught it: a shared wait timed out
+/// while its attempt was on its way; the session's next call was granted
+/// the lock exclusively; the attempt then found that hold and downgraded it,
+/// and the shared hold (its caller gone) was released as an orphan — the
+/// exclusive holder held nothing, and another writer was granted. Here the
+/// session's exclusive call waits on a second arbiter, which the holder's
+/// release hands the lock to, so the first arbiter's driver finds it.
+#[tokio::test(start_paused = true)]
+async fn a_queued_reader_never_downgrades_its_sessions_newer_exclusive_hold() -> anyhow::Result<()>
+{
+    let log = MemLog::new(47);
+    let (a, b) = (table(&log), table(&log));
+    a.start().await?;
+    b.start().await?;
+    let holder = caller(&a, "holder", "db", false).await;
+    let held = a.acquire(holder.clone(), None, 16).await?.grant;
+    let reader = caller(&a, "app", "db", true).await;
+    let shared = waiting(&a, &reader);
+    queued(&a, "db", 1).await?;
+    let writer = GrantRequest {
+        shared: false,
+        ..reader.clone()
+    };
+    let exclusive = waiting(&b, &writer);
+    queued(&b, "db", 1).await?;
+    // Released through the second arbiter: handed over to its waiter.
+    release(&b, &holder, &held).await?;
+    let ge = exclusive.await??.grant;
+    assert_eq!(ge.key, "db");
+    // The first arbiter's driver sees the hand-over and tries its reader.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let now = b.holder("db").await?.expect("the exclusive hold stays");
+    assert_eq!(now.revision, ge.revision, "the exclusive hold is unchanged");
+    assert!(
+        a.reader_holders("db").await?.is_empty(),
+        "no shared hold beside it"
+    );
+    assert!(!shared.is_finished(), "the reader waits for it to end");
+    // Released, the reader is granted like any other.
+    release(&b, &writer, &ge).await?;
+    let gs = shared.await??.grant;
+    assert_eq!(gs.key, reader_key("db", reader.session));
+    assert!(gs.revision > ge.revision);
+    a.shutdown().await;
+    b.shutdown().await;
+    Ok(())
+}
+
 /// Class facts for the tests: every class's hold lasts at most `max`.
 struct MaxHold(Duration);
 

@@ -324,3 +324,38 @@ async fn a_restart_during_the_loss_replays_live_grants_and_recovery_ships() {
     q.granted_in_log("k/1", 1);
     q.before_log_grant(&req("k/1", "b", 2), None).await.unwrap();
 }
+
+/// A memory Acquire cancelled while its grant line is being spooled leaves
+/// an ordinary grant that ends at its expiry, not a pending hold that keeps
+/// the key from everyone for good (the hostile review of this stop).
+#[tokio::test]
+async fn a_grant_cancelled_while_it_is_spooled_ends_at_its_expiry() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = posture(dir.path(), 1 << 20);
+    let a = req("k/1", "a", 1);
+    {
+        let acquire = q.acquire(&a, None, &FREE);
+        tokio::pin!(acquire);
+        tokio::select! {
+            biased;
+            _ = &mut acquire => panic!("the spool's fsync answered within one poll"),
+            () = std::future::ready(()) => {}
+        }
+        // dropped here, with the grant line on the blocking pool
+    }
+    let other = req("k/1", "b", 2);
+    {
+        let mut holds = q.holds.lock();
+        let hold = holds
+            .get_mut("k/1")
+            .expect("the grant stays until it expires");
+        assert!(
+            !hold.pending,
+            "no longer waiting for an answer nobody hears"
+        );
+        // Its expiry comes (30 s on the clock): then it is over.
+        hold.expires = tokio::time::Instant::now();
+    }
+    assert!(!crate::table::KeyGate::blocked(&q, &other));
+    q.acquire(&other, None, &FREE).await.unwrap();
+}

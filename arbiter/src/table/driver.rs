@@ -8,7 +8,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::queues::Delivery;
-use super::{Attempt, Claim, LockTable};
+use super::{Asker, Attempt, Claim, LockTable};
 use crate::error::ArbiterError;
 use crate::lock_log::{KeyWatch, WatchSignal};
 
@@ -65,9 +65,18 @@ pub(super) async fn drive(
             }
         }
         readers_hold = false;
-        match table.attempt(&head.req).await {
+        match table.attempt(&head.req, Asker::Queue).await {
             Ok(Attempt::Granted(grant)) => {
                 table.deliver(&head, grant);
+                continue;
+            }
+            // The session holds the key already. A claim keeps that hold
+            // from any orphan release and cannot be undone, so it is made
+            // only for a caller still waiting: a waiter whose caller went
+            // away leaves the queue, and the hold stays what it was (a
+            // fresh grant for a gone call still goes as an orphan).
+            Ok(Attempt::Reused(_)) if head.caller_gone() => {
+                table.remove(&key, head.id);
                 continue;
             }
             Ok(Attempt::Reused(grant)) => match table.claim_verified(&grant).await {

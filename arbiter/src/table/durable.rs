@@ -31,14 +31,14 @@
 //! and its call ends within its budget.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::{Acquired, Attempt, Grant, GrantRequest, LockTable, Next};
+use super::{Acquired, Asker, Attempt, Grant, GrantRequest, LockTable, Next};
 use crate::error::ArbiterError;
 use crate::lock_log::{KeyWatch, Kv, QueueTurn, Queued, StoreError, WatchSignal};
 use crate::records::{WaiterRecord, decode, encode};
@@ -101,7 +101,7 @@ impl LockTable {
         max_waiters_per_key: u32,
     ) -> Result<Acquired, ArbiterError> {
         if !self.gated(&req) {
-            let first = self.attempt(&req).await?;
+            let first = self.attempt(&req, Asker::Caller).await?;
             if matches!(first, Attempt::Granted(_) | Attempt::Reused(_))
                 && let Next::Deliver(grant) = self.next_after(first).await?
             {
@@ -134,8 +134,13 @@ impl LockTable {
         let (tx, rx) = oneshot::channel();
         let key = req.key.clone();
         let wait_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX);
-        self.tasks
-            .spawn(self.clone().wait_durable(req, wait_ms, tx, counted));
+        // Set when an attempt for this waiter failed without an answer: it
+        // may have committed, so a timeout is not "not granted".
+        let uncertain = Arc::new(AtomicBool::new(false));
+        self.tasks.spawn(
+            self.clone()
+                .wait_durable(req, wait_ms, tx, counted, uncertain.clone()),
+        );
         let mut ticket = DurableTicket {
             table: self.clone(),
             rx,
@@ -151,6 +156,13 @@ impl LockTable {
             Ok(Err(_)) => Err(ArbiterError::store(
                 "the arbiter stopped while the call waited",
             )),
+            // As `acquire`'s wait: a grant transaction for this waiter that
+            // failed without an answer may have committed.
+            Err(_) if uncertain.load(Ordering::Relaxed) => Err(ArbiterError::store(format!(
+                "the wait for key {key:?} ended while a grant transaction for it had failed \
+                 without an answer: it may have committed; ask again on the same session to \
+                 learn whether this session holds the key"
+            ))),
             Err(_) => Err(ArbiterError::WaitTimeout { key }),
         }
     }
@@ -163,8 +175,9 @@ impl LockTable {
         wait_ms: u64,
         mut tx: oneshot::Sender<DurableReply>,
         counted: Counted,
+        uncertain: Arc<AtomicBool>,
     ) {
-        let answer = self.serve_durable(&req, wait_ms, &mut tx).await;
+        let answer = self.serve_durable(&req, wait_ms, &mut tx, &uncertain).await;
         drop(counted);
         if let Err(Ok((grant, true))) = tx.send(answer) {
             // Its caller went away after the grant committed for it (a
@@ -178,6 +191,7 @@ impl LockTable {
         req: &GrantRequest,
         wait_ms: u64,
         tx: &mut oneshot::Sender<DurableReply>,
+        uncertain: &AtomicBool,
     ) -> Result<(Grant, bool), ArbiterError> {
         let record = encode(&WaiterRecord {
             identity: req.identity.clone(),
@@ -220,6 +234,7 @@ impl LockTable {
                     QueueTurn::Mine {
                         created: queued.created,
                     },
+                    Asker::Queue,
                 )
                 .await
             };
@@ -229,6 +244,11 @@ impl LockTable {
                     place.modified = None; // the grant deleted the record
                     bump(&self.durable.served);
                     return Ok((grant, true));
+                }
+                // Its caller is gone: no claim (one cannot be undone), and
+                // the session's hold stays what it was.
+                Ok(Attempt::Reused(_)) if tx.is_closed() => {
+                    return Err(ArbiterError::store("the caller went away"));
                 }
                 Ok(Attempt::Reused(grant)) => match self.reuse(grant).await? {
                     // Its session holds the key already (a retry): the
@@ -259,6 +279,7 @@ impl LockTable {
                     continue;
                 }
                 Err(e @ ArbiterError::StoreUnavailable { .. }) => {
+                    uncertain.store(true, Ordering::Relaxed);
                     debug!(key = %req.key, error = %e, "durable waiter's attempt failed; polling");
                     hold_watch = None;
                     queue_watch = None;

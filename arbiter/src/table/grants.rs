@@ -9,7 +9,7 @@ use tracing::Instrument as _;
 
 use super::batch::{GrantMember, Member};
 use super::quota::Taking;
-use super::{Attempt, Claim, Grant, GrantRequest, LockTable, Next, Released};
+use super::{Asker, Attempt, Claim, Grant, GrantRequest, LockTable, Next, Released};
 use crate::epoch::EpochState;
 use crate::error::ArbiterError;
 use crate::lock_log::{
@@ -26,11 +26,12 @@ impl LockTable {
     pub(super) async fn attempt(
         self: &Arc<Self>,
         req: &GrantRequest,
+        asker: Asker,
     ) -> Result<Attempt, ArbiterError> {
         match (req.permits, req.shared) {
-            (Some(permits), _) => self.attempt_permit(req, permits).await,
-            (None, true) => self.attempt_shared(req).await,
-            (None, false) => self.attempt_in(req, QueueTurn::Empty).await,
+            (Some(permits), _) => self.attempt_permit(req, permits, asker).await,
+            (None, true) => self.attempt_shared(req, asker).await,
+            (None, false) => self.attempt_in(req, QueueTurn::Empty, asker).await,
         }
     }
 
@@ -39,9 +40,10 @@ impl LockTable {
         self: &Arc<Self>,
         req: &GrantRequest,
         turn: QueueTurn,
+        asker: Asker,
     ) -> Result<Attempt, ArbiterError> {
         for _ in 0..4 {
-            if let Some(attempt) = self.grant_once(req, turn).await? {
+            if let Some(attempt) = self.grant_once(req, turn, asker).await? {
                 return Ok(attempt);
             }
         }
@@ -54,6 +56,7 @@ impl LockTable {
         self: &Arc<Self>,
         req: &GrantRequest,
         turn: QueueTurn,
+        asker: Asker,
     ) -> Result<Option<Attempt>, ArbiterError> {
         // Registered before the gate is looked at (see `writing`). A slot's
         // or a shared hold's grant is also a write of its name, which a
@@ -67,7 +70,7 @@ impl LockTable {
             Err(answered) => return Ok(Some(answered)),
         };
         let answer = self.commit(member).await?;
-        self.granted_or_why(req, turn, &state, answer).await
+        self.granted_or_why(req, turn, &state, answer, asker).await
     }
 
     /// A grant's transaction for `req`, with the epoch state it was made
@@ -119,6 +122,7 @@ impl LockTable {
         turn: QueueTurn,
         state: &EpochState,
         answer: (BatchOutcome, crate::lock_log::Header),
+        asker: Asker,
     ) -> Result<Option<Attempt>, ArbiterError> {
         let (granted, header) = match answer {
             (BatchOutcome::Grant(granted), header) => (granted, header),
@@ -195,7 +199,7 @@ impl LockTable {
             // Held in the other mode: a shared hold's grant found the lock
             // held exclusively, or an exclusive grant found it shared.
             return self
-                .other_mode(req, state, other, header.revision + 1)
+                .other_mode(req, state, other, header.revision + 1, asker)
                 .await
                 .map(Some);
         }

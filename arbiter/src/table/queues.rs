@@ -51,6 +51,13 @@ pub(super) struct Head {
 }
 
 impl Head {
+    /// Whether the waiter's caller is gone (its wait ended, or the call was
+    /// dropped) or it was answered already: nothing may be done for it
+    /// that cannot be undone when nobody hears of it.
+    pub(super) fn caller_gone(&self) -> bool {
+        self.slot.lock().as_ref().is_none_or(|tx| tx.is_closed())
+    }
+
     /// A grant transaction for this waiter failed without an answer.
     pub(super) fn mark_uncertain(&self) {
         self.uncertain

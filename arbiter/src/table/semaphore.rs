@@ -21,7 +21,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use super::quota::usable_below;
-use super::{Attempt, Grant, GrantRequest, HolderView, LockTable, holder_view};
+use super::{Asker, Attempt, Grant, GrantRequest, HolderView, LockTable, holder_view};
 use crate::error::ArbiterError;
 use crate::records::{HolderRecord, decode, slot_key, slots_of, split_slot};
 
@@ -57,6 +57,7 @@ impl LockTable {
         self: &Arc<Self>,
         req: &GrantRequest,
         queued_with: u32,
+        asker: Asker,
     ) -> Result<Attempt, ArbiterError> {
         // A waiter queued before a policy reload is granted by the permits
         // the policies give now (found by the hostile review: a lowered
@@ -128,7 +129,7 @@ impl LockTable {
                 ..req.clone()
             };
             match self
-                .attempt_in(&slot_req, crate::lock_log::QueueTurn::Empty)
+                .attempt_in(&slot_req, crate::lock_log::QueueTurn::Empty, asker)
                 .await
             {
                 // taken in between, or by this process under another

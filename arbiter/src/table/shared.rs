@@ -17,7 +17,10 @@
 //! - A release is never handed over to a reader: the reader's own grant
 //!   takes its key, with the readers behind it.
 //! - A session's shared request of a lock it holds exclusively downgrades
-//!   it in one transaction ([`crate::lock_log::DowngradeTxn`]); an exclusive
+//!   it in one transaction ([`crate::lock_log::DowngradeTxn`]) — only while
+//!   that call runs: a queue's attempt for a waiting reader that finds its
+//!   session's exclusive hold (taken since, by another call) waits for it
+//!   to end instead, since the waiter's caller may be gone; an exclusive
 //!   request of a lock it holds shared is refused (`UPGRADE_REFUSED`): two
 //!   readers upgrading would each wait for the other forever.
 
@@ -25,7 +28,7 @@ use std::sync::Arc;
 
 use super::grants::routed_in_time;
 use super::queues::Head;
-use super::{Attempt, Grant, GrantRequest, HolderView, LockTable, holder_view};
+use super::{Asker, Attempt, Grant, GrantRequest, HolderView, LockTable, holder_view};
 use crate::epoch::EpochState;
 use crate::error::ArbiterError;
 use crate::lock_log::{DowngradeTxn, HeldAt, Kv};
@@ -37,9 +40,14 @@ impl LockTable {
     pub(super) async fn attempt_shared(
         self: &Arc<Self>,
         req: &GrantRequest,
+        asker: Asker,
     ) -> Result<Attempt, ArbiterError> {
-        self.attempt_in(&reader_request(req), crate::lock_log::QueueTurn::Empty)
-            .await
+        self.attempt_in(
+            &reader_request(req),
+            crate::lock_log::QueueTurn::Empty,
+            asker,
+        )
+        .await
     }
 
     /// A grant refused because its lock is held in the other mode (`other`,
@@ -53,6 +61,7 @@ impl LockTable {
         state: &EpochState,
         other: Kv,
         watch_from: i64,
+        asker: Asker,
     ) -> Result<Attempt, ArbiterError> {
         if let Some((name, _)) = split_reader(&req.key) {
             let record = decode::<HolderRecord>(&other.value);
@@ -73,6 +82,17 @@ impl LockTable {
                         instance: req.instance.clone(),
                     });
                 }
+                return Ok(Attempt::Held { watch_from });
+            }
+            if asker == Asker::Queue {
+                // A waiter's caller may be gone, and this exclusive hold
+                // may be another call's of the same session, taken since
+                // (the simulation caught a timed-out shared wait whose
+                // attempt, still on its way, downgraded the exclusive hold
+                // its session's next call had just been granted; that
+                // shared hold was then released as an orphan, and the
+                // exclusive holder was left holding nothing). Wait for it
+                // to end like any reader.
                 return Ok(Attempt::Held { watch_from });
             }
             let held = HeldAt {
@@ -229,7 +249,13 @@ impl LockTable {
             // Anything but a grant (held again, reused, refused): the
             // driver's own attempt for this head answers it.
             if let Ok(Some(Attempt::Granted(grant))) = self
-                .granted_or_why(req, crate::lock_log::QueueTurn::Empty, &state, answer)
+                .granted_or_why(
+                    req,
+                    crate::lock_log::QueueTurn::Empty,
+                    &state,
+                    answer,
+                    Asker::Queue,
+                )
                 .await
             {
                 self.deliver(head, grant);

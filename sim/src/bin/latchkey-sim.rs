@@ -18,7 +18,9 @@
 //! lines when asked (`latchkey-gate --check out.jsonl` re-checks it).
 //! Exit code 0 when the run is safe and live, 1 when it is not, 2 on bad
 //! arguments. `LATCHKEY_SIM_TRACE=trace.txt` also writes every lock-log
-//! call (simulated time, revision, call) for debugging a seed.
+//! call (simulated time, revision, call) for debugging a seed;
+//! `LATCHKEY_SIM_LOG=<filter>` (e.g. `off,latchkey_arbiter::table=debug`)
+//! prints the arbiters' own log lines to stderr.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -124,6 +126,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Ok(filter) = std::env::var("LATCHKEY_SIM_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .without_time()
+            .with_target(false)
+            .init();
+    }
     let began = Instant::now();
     let result = run(&args.cfg);
     let wall = began.elapsed().as_secs_f64();
