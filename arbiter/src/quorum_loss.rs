@@ -127,7 +127,12 @@ struct MemoryHold {
     ttl_seconds: u32,
     id: i64,
     expires: Instant,
-    /// Its spool line is being synced: held, but not yet answered.
+    /// Its spool line is being synced: held, but not yet answered (nor
+    /// "already yours" to its session). It ends at `expires` like any hold,
+    /// so a call cancelled while its line was synced keeps the key from
+    /// others no longer than its TTL (the hostile reviews of this stop: a
+    /// pending hold never expired, and clearing the flag on cancel let the
+    /// session use a grant whose line was not on disk).
     pending: bool,
 }
 

@@ -637,13 +637,11 @@ impl LockTable {
             // but unknown, so the caller asks again on the same session and
             // learns its real token (the release gate caught a WAIT_TIMEOUT
             // beside such a hidden shared grant).
-            Err(_) if ticket.uncertain.load(Ordering::Relaxed) => {
-                Err(ArbiterError::store(format!(
-                    "the wait for key {key:?} ended while a grant transaction for it had \
+            Err(_) if ticket.uncertain.now() => Err(ArbiterError::store(format!(
+                "the wait for key {key:?} ended while a grant transaction for it had \
                      failed without an answer: it may have committed; ask again on the same \
                      session to learn whether this session holds the key"
-                )))
-            }
+            ))),
             Err(_) => Err(ArbiterError::WaitTimeout { key }),
         }
     }
@@ -702,7 +700,13 @@ impl LockTable {
                         revision,
                         owner,
                     };
-                    match self.hand_over(HandOverFrom::Owned(&owned), &head.req).await {
+                    let sending = head.sending();
+                    let handed = self.hand_over(HandOverFrom::Owned(&owned), &head.req).await;
+                    if may_have_committed(&handed) {
+                        head.mark_uncertain();
+                    }
+                    drop(sending);
+                    match handed {
                         Ok(Some((grant, previous))) => {
                             self.free_quota_place(previous.as_ref(), revision);
                             self.deliver(&head, grant);
@@ -726,7 +730,13 @@ impl LockTable {
         }
         let held = self.owned_hold(key, identity, session, revision).await?;
         if let Some(head) = self.ungated_head(key) {
-            match self.hand_over(HandOverFrom::Exact(&held), &head.req).await {
+            let sending = head.sending();
+            let handed = self.hand_over(HandOverFrom::Exact(&held), &head.req).await;
+            if may_have_committed(&handed) {
+                head.mark_uncertain();
+            }
+            drop(sending);
+            match handed {
                 Ok(Some((grant, previous))) => {
                     self.free_quota_place(previous.as_ref(), revision);
                     self.deliver(&head, grant);
@@ -858,7 +868,7 @@ impl LockTable {
             limit,
         )?;
         let queued = book.keys.get(&key).map(|q| q.waiters.len());
-        let uncertain = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let uncertain = Arc::new(queues::Unknown::default());
         let kick = book.join(Waiter {
             id,
             req,
@@ -964,6 +974,15 @@ impl LockTable {
     }
 }
 
+/// Whether a hand-over that erred may have committed: anything but the
+/// refusals made before a transaction was sent.
+fn may_have_committed<T>(handed: &Result<T, ArbiterError>) -> bool {
+    matches!(handed, Err(e) if !matches!(
+        e,
+        ArbiterError::SessionExpired { .. } | ArbiterError::ShardMapAhead { .. }
+    ))
+}
+
 fn take(slot: &Slot) -> Option<oneshot::Sender<Reply>> {
     slot.lock().take()
 }
@@ -984,7 +1003,7 @@ struct Ticket {
     id: u64,
     rx: Option<oneshot::Receiver<Reply>>,
     /// See [`queues::Waiter::uncertain`].
-    uncertain: Arc<std::sync::atomic::AtomicBool>,
+    uncertain: Arc<queues::Unknown>,
 }
 
 impl Ticket {

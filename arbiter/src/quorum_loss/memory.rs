@@ -27,8 +27,7 @@ impl crate::table::KeyGate for QuorumLoss {
     fn blocked(&self, req: &GrantRequest) -> bool {
         let now = Instant::now();
         self.holds.lock().get(&req.key).is_some_and(|h| {
-            (h.pending || h.expires > now)
-                && !(h.identity == req.identity && h.session == req.session)
+            h.expires > now && !(h.identity == req.identity && h.session == req.session)
         })
     }
 }
@@ -48,38 +47,6 @@ impl Drop for Waiting<'_> {
                 waiting.remove(&self.identity);
             }
         }
-    }
-}
-
-/// A memory grant whose call went away while its grant line was being
-/// spooled (the call cancelled, its future dropped). A pending hold never
-/// expires and keeps its key from every other session, so on drop before
-/// the answer it becomes an ordinary memory grant: the grant line may well
-/// reach the spool (the blocking append runs on), and the hold ends at its
-/// expiry like any grant whose holder went silent (the hostile review of
-/// this stop: one cancelled call lost the key to everyone for good).
-struct Cancelled<'a> {
-    owner: &'a QuorumLoss,
-    key: String,
-    id: i64,
-    armed: bool,
-}
-
-impl Drop for Cancelled<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        if let Some(hold) = self
-            .owner
-            .holds
-            .lock()
-            .get_mut(&self.key)
-            .filter(|h| h.id == self.id)
-        {
-            hold.pending = false;
-        }
-        self.owner.freed.notify_waiters();
     }
 }
 
@@ -117,7 +84,6 @@ impl QuorumLoss {
         let mut holds = self.holds.lock();
         if let Some(h) = holds.get(&req.key)
             && h.expires <= now
-            && !h.pending
         {
             holds.remove(&req.key);
         }
@@ -241,12 +207,6 @@ impl QuorumLoss {
 
     async fn spool_grant(&self, record: SpoolRecord) -> Result<MemoryGrant, ArbiterError> {
         let line = record.clone();
-        let mut cancelled = Cancelled {
-            owner: self,
-            key: record.key.clone(),
-            id: record.id,
-            armed: true,
-        };
         let written = self
             .on_spool(move |spool| spool.append(&line))
             .await
@@ -259,7 +219,6 @@ impl QuorumLoss {
                     e => ArbiterError::store_caused(e.to_string(), e),
                 })
             });
-        cancelled.armed = false;
         let mut holds = self.holds.lock();
         let ours = holds.get_mut(&record.key).filter(|h| h.id == record.id);
         match (written, ours) {
@@ -361,7 +320,7 @@ impl QuorumLoss {
                 let mut holds = self.holds.lock();
                 match holds.get(&req.key) {
                     None => return Ok(()),
-                    Some(h) if h.expires <= now && !h.pending => {
+                    Some(h) if h.expires <= now => {
                         holds.remove(&req.key);
                         return Ok(());
                     }

@@ -326,8 +326,9 @@ async fn a_restart_during_the_loss_replays_live_grants_and_recovery_ships() {
 }
 
 /// A memory Acquire cancelled while its grant line is being spooled leaves
-/// an ordinary grant that ends at its expiry, not a pending hold that keeps
-/// the key from everyone for good (the hostile review of this stop).
+/// a pending hold that ends at its expiry, not one that keeps the key from
+/// everyone for good, and that its session cannot use (its line may never
+/// reach the disk) — the hostile reviews of this stop.
 #[tokio::test]
 async fn a_grant_cancelled_while_it_is_spooled_ends_at_its_expiry() {
     let dir = tempfile::tempdir().unwrap();
@@ -346,14 +347,14 @@ async fn a_grant_cancelled_while_it_is_spooled_ends_at_its_expiry() {
     let other = req("k/1", "b", 2);
     {
         let mut holds = q.holds.lock();
-        let hold = holds
-            .get_mut("k/1")
-            .expect("the grant stays until it expires");
-        assert!(
-            !hold.pending,
-            "no longer waiting for an answer nobody hears"
-        );
+        let hold = holds.get_mut("k/1").expect("held until it expires");
+        assert!(hold.pending, "never answered, so never its session's");
+    }
+    assert!(crate::table::KeyGate::blocked(&q, &other));
+    {
         // Its expiry comes (30 s on the clock): then it is over.
+        let mut holds = q.holds.lock();
+        let hold = holds.get_mut("k/1").expect("held until it expires");
         hold.expires = tokio::time::Instant::now();
     }
     assert!(!crate::table::KeyGate::blocked(&q, &other));

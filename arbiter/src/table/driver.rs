@@ -65,16 +65,27 @@ pub(super) async fn drive(
             }
         }
         readers_hold = false;
-        match table.attempt(&head.req, Asker::Queue).await {
+        let attempted = {
+            let _sending = head.sending();
+            let attempted = table.attempt(&head.req, Asker::Queue).await;
+            if matches!(attempted, Err(ArbiterError::StoreUnavailable { .. })) {
+                // It may have committed without its answer.
+                head.mark_uncertain();
+            }
+            attempted
+        };
+        match attempted {
             Ok(Attempt::Granted(grant)) => {
                 table.deliver(&head, grant);
                 continue;
             }
             // The session holds the key already. A claim keeps that hold
-            // from any orphan release and cannot be undone, so it is made
-            // only for a caller still waiting: a waiter whose caller went
-            // away leaves the queue, and the hold stays what it was (a
-            // fresh grant for a gone call still goes as an orphan).
+            // from any orphan release and cannot be undone, so it is not
+            // made for a waiter whose caller is seen gone: that waiter
+            // leaves the queue, and the hold stays what it was (a fresh
+            // grant for a gone call still goes as an orphan). A caller that
+            // goes during the claim's round trip leaves a claimed hold,
+            // which ends with its session or the session's next call.
             Ok(Attempt::Reused(_)) if head.caller_gone() => {
                 table.remove(&key, head.id);
                 continue;
@@ -125,8 +136,6 @@ pub(super) async fn drive(
                 continue;
             }
             Err(e @ ArbiterError::StoreUnavailable { .. }) => {
-                // It may have committed without its answer.
-                head.mark_uncertain();
                 debug!(key = %key, error = %e, "grant attempt failed; polling");
                 watch = None;
                 poll_later(&table, &kick, &stop).await;

@@ -31,7 +31,7 @@
 //! and its call ends within its budget.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -136,7 +136,7 @@ impl LockTable {
         let wait_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX);
         // Set when an attempt for this waiter failed without an answer: it
         // may have committed, so a timeout is not "not granted".
-        let uncertain = Arc::new(AtomicBool::new(false));
+        let uncertain = Arc::new(super::queues::Unknown::default());
         self.tasks.spawn(
             self.clone()
                 .wait_durable(req, wait_ms, tx, counted, uncertain.clone()),
@@ -158,7 +158,7 @@ impl LockTable {
             )),
             // As `acquire`'s wait: a grant transaction for this waiter that
             // failed without an answer may have committed.
-            Err(_) if uncertain.load(Ordering::Relaxed) => Err(ArbiterError::store(format!(
+            Err(_) if uncertain.now() => Err(ArbiterError::store(format!(
                 "the wait for key {key:?} ended while a grant transaction for it had failed \
                  without an answer: it may have committed; ask again on the same session to \
                  learn whether this session holds the key"
@@ -175,7 +175,7 @@ impl LockTable {
         wait_ms: u64,
         mut tx: oneshot::Sender<DurableReply>,
         counted: Counted,
-        uncertain: Arc<AtomicBool>,
+        uncertain: Arc<super::queues::Unknown>,
     ) {
         let answer = self.serve_durable(&req, wait_ms, &mut tx, &uncertain).await;
         drop(counted);
@@ -191,7 +191,7 @@ impl LockTable {
         req: &GrantRequest,
         wait_ms: u64,
         tx: &mut oneshot::Sender<DurableReply>,
-        uncertain: &AtomicBool,
+        uncertain: &Arc<super::queues::Unknown>,
     ) -> Result<(Grant, bool), ArbiterError> {
         let record = encode(&WaiterRecord {
             identity: req.identity.clone(),
@@ -229,14 +229,21 @@ impl LockTable {
             } else if behind && let Some(at) = self.older_head(req, queued.created).await {
                 Ok(Attempt::Behind { watch_from: at + 1 })
             } else {
-                self.attempt_in(
-                    req,
-                    QueueTurn::Mine {
-                        created: queued.created,
-                    },
-                    Asker::Queue,
-                )
-                .await
+                let _sending = uncertain.sending();
+                let attempted = self
+                    .attempt_in(
+                        req,
+                        QueueTurn::Mine {
+                            created: queued.created,
+                        },
+                        Asker::Queue,
+                    )
+                    .await;
+                if matches!(attempted, Err(ArbiterError::StoreUnavailable { .. })) {
+                    // It may have committed without its answer.
+                    uncertain.failed();
+                }
+                attempted
             };
             behind = false;
             let from = match attempt {
@@ -279,7 +286,6 @@ impl LockTable {
                     continue;
                 }
                 Err(e @ ArbiterError::StoreUnavailable { .. }) => {
-                    uncertain.store(true, Ordering::Relaxed);
                     debug!(key = %req.key, error = %e, "durable waiter's attempt failed; polling");
                     hold_watch = None;
                     queue_watch = None;

@@ -136,13 +136,21 @@ impl LockTable {
             match granted {
                 Granted::Yes => {
                     self.granted_at(header.revision);
-                    self.seal.make_durable(state, header.revision).await?;
-                    return Ok(Some(Attempt::Granted(Grant {
+                    let grant = Grant {
                         key: req.key.clone(),
                         session: req.session,
                         epoch: state.epoch(),
                         revision: header.revision,
-                    })));
+                    };
+                    if let Err(e) = self.seal.make_durable(state, header.revision).await {
+                        // Committed, but its token may not be handed out:
+                        // the grant goes as an orphan rather than stay a
+                        // hold its session never heard of (the second
+                        // hostile review of this stop).
+                        self.release_orphan(grant);
+                        return Err(e);
+                    }
+                    return Ok(Some(Attempt::Granted(grant)));
                 }
                 Granted::No {
                     holder,

@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use parking_lot::Mutex;
 
@@ -30,11 +30,51 @@ pub(super) struct Waiter {
     pub(super) id: u64,
     pub(super) req: GrantRequest,
     pub(super) slot: Slot,
-    /// Set when a grant transaction for this waiter failed without an
-    /// answer (the store erred): it may have committed, so the waiter's
-    /// session may hold the key. A wait that then times out must not say
-    /// "not granted" (WAIT_TIMEOUT) but "unknown".
-    pub(super) uncertain: Arc<AtomicBool>,
+    /// Whether a grant for this waiter may have committed without it
+    /// hearing: see [`Unknown`].
+    pub(super) uncertain: Arc<Unknown>,
+}
+
+/// Whether a waiter's grant may have committed without the waiter hearing
+/// of it: a grant transaction (or a hand-over) for it failed without an
+/// answer, or one is on its way. A wait that ends then must not say "not
+/// granted" (WAIT_TIMEOUT) but "unknown": the session may hold the key, and
+/// a grant whose answer was lost is never released as an orphan (the
+/// release gate caught a WAIT_TIMEOUT beside such a grant; the second
+/// hostile review of this stop, one whose transaction was still on its way
+/// when the wait ended).
+#[derive(Debug, Default)]
+pub(super) struct Unknown {
+    in_flight: AtomicU32,
+    failed: AtomicBool,
+}
+
+impl Unknown {
+    /// Whether the outcome of some grant for the waiter is unknown now.
+    pub(super) fn now(&self) -> bool {
+        self.failed.load(Ordering::Acquire) || self.in_flight.load(Ordering::Acquire) > 0
+    }
+
+    /// A grant transaction for the waiter failed without an answer.
+    pub(super) fn failed(&self) {
+        self.failed.store(true, Ordering::Release);
+    }
+
+    /// A grant transaction for the waiter is about to be sent: on its way
+    /// until the guard drops (after a failure is marked).
+    pub(super) fn sending(self: &Arc<Self>) -> Sending {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        Sending(self.clone())
+    }
+}
+
+/// A grant transaction on its way ([`Unknown::sending`]).
+pub(super) struct Sending(Arc<Unknown>);
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 pub(super) struct KeyQueue {
@@ -47,7 +87,7 @@ pub(super) struct Head {
     pub id: u64,
     pub req: GrantRequest,
     pub(super) slot: Slot,
-    pub(super) uncertain: Arc<AtomicBool>,
+    pub(super) uncertain: Arc<Unknown>,
 }
 
 impl Head {
@@ -60,8 +100,13 @@ impl Head {
 
     /// A grant transaction for this waiter failed without an answer.
     pub(super) fn mark_uncertain(&self) {
-        self.uncertain
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.uncertain.failed();
+    }
+
+    /// A grant transaction for this waiter is on its way until the guard
+    /// drops.
+    pub(super) fn sending(&self) -> Sending {
+        self.uncertain.sending()
     }
 }
 

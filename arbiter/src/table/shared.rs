@@ -237,6 +237,7 @@ impl LockTable {
             return false;
         }
         let members = ready.iter().map(|(_, _, m, _)| m.clone()).collect();
+        let _sending: Vec<_> = ready.iter().map(|(head, ..)| head.sending()).collect();
         let answers = self.commit_together(members).await;
         let mut delivered = false;
         for ((head, req, _, state), answer) in ready.into_iter().zip(answers) {
