@@ -288,6 +288,12 @@ enum Attempt {
     Gated,
 }
 
+/// How long a wait that reached its budget waits for a grant transaction
+/// already on its way for it to land (one etcd round trip, usually a few
+/// milliseconds); within the ~50 ms the budget leaves before the caller's
+/// deadline.
+const SETTLE: Duration = Duration::from_millis(30);
+
 /// Who asks in a grant attempt: the caller itself (its call is running),
 /// or a queue's driver for a waiter — whose caller may have gone (its wait
 /// timed out, or the call was cancelled) while the attempt was on its way,
@@ -630,19 +636,38 @@ impl LockTable {
                 grant: delivery.grant,
                 waited: true,
             }),
-            // Dropping the ticket leaves the queue (and releases a grant that
-            // raced with the timeout). A grant transaction for this waiter
-            // that failed without an answer may have committed: then the
-            // session may hold the key, and the answer is not "not granted"
-            // but unknown, so the caller asks again on the same session and
-            // learns its real token (the release gate caught a WAIT_TIMEOUT
-            // beside such a hidden shared grant).
-            Err(_) if ticket.uncertain.now() => Err(ArbiterError::store(format!(
-                "the wait for key {key:?} ended while a grant transaction for it had \
-                     failed without an answer: it may have committed; ask again on the same \
-                     session to learn whether this session holds the key"
-            ))),
-            Err(_) => Err(ArbiterError::WaitTimeout { key }),
+            Err(_) => {
+                // No attempt starts for it any more; one on its way decides
+                // if it lands within the call's last moments (the budget
+                // ends ~50 ms before the caller's deadline), and its grant
+                // is the answer.
+                self.remove(&key, ticket.id);
+                if ticket.uncertain.settle(SETTLE).await
+                    && let Some(reply) = ticket.answered()
+                {
+                    return reply.map(|delivery| Acquired {
+                        grant: delivery.grant,
+                        waited: true,
+                    });
+                }
+                // Dropping the ticket releases a grant that raced with this
+                // (as an orphan). A grant transaction for this waiter that
+                // failed without an answer, or is still on its way, may
+                // commit without anyone hearing: then the session may hold
+                // the key, and the answer is not "not granted" but unknown,
+                // so the caller asks again on the same session and learns
+                // its real token (the release gate caught a WAIT_TIMEOUT
+                // beside such a hidden shared grant).
+                if ticket.uncertain.now() {
+                    return Err(ArbiterError::store(format!(
+                        "the wait for key {key:?} ended while a grant transaction for it \
+                         had failed without an answer or was still on its way: it may have \
+                         committed; ask again on the same session to learn whether this \
+                         session holds the key"
+                    )));
+                }
+                Err(ArbiterError::WaitTimeout { key })
+            }
         }
     }
 
@@ -700,12 +725,12 @@ impl LockTable {
                         revision,
                         owner,
                     };
-                    let sending = head.sending();
+                    // On its way until delivered (the block's end).
+                    let _sending = head.sending();
                     let handed = self.hand_over(HandOverFrom::Owned(&owned), &head.req).await;
                     if may_have_committed(&handed) {
                         head.mark_uncertain();
                     }
-                    drop(sending);
                     match handed {
                         Ok(Some((grant, previous))) => {
                             self.free_quota_place(previous.as_ref(), revision);
@@ -735,7 +760,9 @@ impl LockTable {
             if may_have_committed(&handed) {
                 head.mark_uncertain();
             }
-            drop(sending);
+            if !matches!(handed, Ok(Some(_))) {
+                drop(sending);
+            }
             match handed {
                 Ok(Some((grant, previous))) => {
                     self.free_quota_place(previous.as_ref(), revision);
@@ -1007,6 +1034,14 @@ struct Ticket {
 }
 
 impl Ticket {
+    /// The reply already delivered, if any (taken: the ticket's drop then
+    /// has nothing to release).
+    fn answered(&mut self) -> Option<Reply> {
+        let reply = self.rx.as_mut()?.try_recv().ok()?;
+        self.rx = None;
+        Some(reply)
+    }
+
     async fn wait(&mut self) -> Reply {
         match self.rx.as_mut() {
             Some(rx) => {

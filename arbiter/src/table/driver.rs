@@ -65,15 +65,14 @@ pub(super) async fn drive(
             }
         }
         readers_hold = false;
-        let attempted = {
-            let _sending = head.sending();
-            let attempted = table.attempt(&head.req, Asker::Queue).await;
-            if matches!(attempted, Err(ArbiterError::StoreUnavailable { .. })) {
-                // It may have committed without its answer.
-                head.mark_uncertain();
-            }
-            attempted
-        };
+        // On its way until the waiter is answered, or the attempt settled
+        // on waiting (a wait that ends meanwhile settles on it first).
+        let sending = head.sending();
+        let attempted = table.attempt(&head.req, Asker::Queue).await;
+        if matches!(attempted, Err(ArbiterError::StoreUnavailable { .. })) {
+            // It may have committed without its answer.
+            head.mark_uncertain();
+        }
         match attempted {
             Ok(Attempt::Granted(grant)) => {
                 table.deliver(&head, grant);
@@ -103,12 +102,14 @@ pub(super) async fn drive(
                 Ok(Claim::Gone) => continue,
                 Err(e) => {
                     debug!(key = %key, error = %e, "re-reading a reused grant failed; polling");
+                    drop(sending);
                     watch = None;
                     poll_later(&table, &kick, &stop).await;
                     continue;
                 }
             },
             Ok(Attempt::Held { watch_from }) => {
+                drop(sending);
                 // Held exclusively now: a watch on the shared holds would
                 // miss its end (the hostile review).
                 if watch.is_some() && watching != watched(&key, &head.req, readers_hold) {
@@ -119,6 +120,7 @@ pub(super) async fn drive(
                 }
             }
             Ok(Attempt::Readers { watch_from }) => {
+                drop(sending);
                 readers_hold = true;
                 if watch.is_some() && watching != watched(&key, &head.req, readers_hold) {
                     watch = None;
@@ -131,11 +133,13 @@ pub(super) async fn drive(
                 // Durable waiters first (a key whose callers mix classes):
                 // their comings and goings do not touch the holder record
                 // this driver watches, so poll.
+                drop(sending);
                 watch = None;
                 poll_later(&table, &kick, &stop).await;
                 continue;
             }
             Err(e @ ArbiterError::StoreUnavailable { .. }) => {
+                drop(sending);
                 debug!(key = %key, error = %e, "grant attempt failed; polling");
                 watch = None;
                 poll_later(&table, &kick, &stop).await;

@@ -156,14 +156,28 @@ impl LockTable {
             Ok(Err(_)) => Err(ArbiterError::store(
                 "the arbiter stopped while the call waited",
             )),
-            // As `acquire`'s wait: a grant transaction for this waiter that
-            // failed without an answer may have committed.
-            Err(_) if uncertain.now() => Err(ArbiterError::store(format!(
-                "the wait for key {key:?} ended while a grant transaction for it had failed \
-                 without an answer: it may have committed; ask again on the same session to \
-                 learn whether this session holds the key"
-            ))),
-            Err(_) => Err(ArbiterError::WaitTimeout { key }),
+            Err(_) => {
+                // As `acquire`'s wait: a transaction on its way decides if
+                // it lands at once; one that failed without an answer, or
+                // is still on its way, may have committed.
+                if uncertain.settle(super::SETTLE).await
+                    && let Ok(answer) = ticket.rx.try_recv()
+                {
+                    return answer.map(|(grant, _)| Acquired {
+                        grant,
+                        waited: true,
+                    });
+                }
+                if uncertain.now() {
+                    return Err(ArbiterError::store(format!(
+                        "the wait for key {key:?} ended while a grant transaction for it had \
+                         failed without an answer or was still on its way: it may have \
+                         committed; ask again on the same session to learn whether this \
+                         session holds the key"
+                    )));
+                }
+                Err(ArbiterError::WaitTimeout { key })
+            }
         }
     }
 

@@ -47,6 +47,8 @@ pub(super) struct Waiter {
 pub(super) struct Unknown {
     in_flight: AtomicU32,
     failed: AtomicBool,
+    /// Woken when the last transaction on its way lands.
+    settled: Notify,
 }
 
 impl Unknown {
@@ -58,6 +60,23 @@ impl Unknown {
     /// A grant transaction for the waiter failed without an answer.
     pub(super) fn failed(&self) {
         self.failed.store(true, Ordering::Release);
+    }
+
+    /// Waits up to `bound` for every transaction on its way to land;
+    /// whether they all did.
+    pub(super) async fn settle(&self, bound: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            let landed = self.settled.notified();
+            tokio::pin!(landed);
+            landed.as_mut().enable();
+            if self.in_flight.load(Ordering::Acquire) == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, landed).await.is_err() {
+                return self.in_flight.load(Ordering::Acquire) == 0;
+            }
+        }
     }
 
     /// A grant transaction for the waiter is about to be sent: on its way
@@ -73,7 +92,9 @@ pub(super) struct Sending(Arc<Unknown>);
 
 impl Drop for Sending {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.settled.notify_waiters();
+        }
     }
 }
 
