@@ -449,15 +449,36 @@ fn seed_from_env() {
 }
 
 /// A seed is a run: the same seed twice gives the same history, byte for
-/// byte (and so the same verdict).
+/// byte (and so the same verdict). Both runs are in this process, but each
+/// draws its own session ids and hash-map seeds, as a run in a fresh
+/// process does. `shared` (reader keys spell the arbiter's random session
+/// ids) and the whole arbiter (`quorum-loss`: the hold and session counts
+/// follow the log through prefix watches) each had a source
+/// of their own; `shared` runs long enough that its first divergence,
+/// within milliseconds of the start, would show whatever its seed.
 #[test]
 fn the_same_seed_gives_the_same_history() {
-    for preset in ["default", "state-loss", "witnessed", "fenced"] {
+    for (preset, ops) in [
+        ("default", 1500),
+        ("state-loss", 1500),
+        ("witnessed", 1500),
+        ("fenced", 1500),
+        ("shared", 3000),
+        ("quorum-loss", 1500),
+    ] {
         let mut cfg = SimConfig::preset(preset, 0x5EED).expect("preset");
-        cfg.min_ops = 1500;
+        cfg.min_ops = ops;
         let first = run(&cfg);
         let second = run(&cfg);
-        assert!(first.ops >= 1500, "{}", first.summary());
+        assert!(first.ops >= ops, "{}", first.summary());
+        assert_eq!(
+            (first.ops, first.simulated),
+            (second.ops, second.simulated),
+            "preset {preset}: two runs of seed {} differ in length:\n  {}\n  {}",
+            cfg.seed,
+            first.summary(),
+            second.summary()
+        );
         let (a, b) = (
             first.history.to_jsonl_string(),
             second.history.to_jsonl_string(),

@@ -122,6 +122,36 @@ impl IdLog {
         self.key_in(key)
     }
 
+    /// `text` (an error's detail for the history) with every shared hold's
+    /// key in it spelled as [`IdLog::history_key`] spells it: an error that
+    /// names a reader key names the arbiter's random session id.
+    pub(crate) fn history_text(&self, text: &str) -> String {
+        const MARK: &str = "//r/";
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        while let Some(at) = rest.find(MARK) {
+            let (before, after) = rest.split_at(at + MARK.len());
+            out.push_str(before);
+            let spelled = after
+                .get(..16)
+                .filter(|d| {
+                    d.bytes()
+                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+                })
+                .and_then(|d| u64::from_str_radix(d, 16).ok());
+            match spelled {
+                Some(session) => {
+                    let stored = self.store_id(session as i64);
+                    out.push_str(&format!("{:016x}", stored as u64));
+                    rest = after.get(16..).unwrap_or("");
+                }
+                None => rest = after,
+            }
+        }
+        out.push_str(rest);
+        out
+    }
+
     fn key_in(&self, key: &str) -> String {
         match latchkey_records::split_reader(key) {
             Some((name, session)) => latchkey_records::reader_key(name, self.store_id(session)),
@@ -237,12 +267,16 @@ impl FollowLog for IdLog {
             each(&reader_key_back(&self.ids, &key), &self.kv_back(kv));
         }
         let ids = self.ids.clone();
+        // Woken in a fixed order as every other watch (`ordered`): the
+        // hold and session counts of every arbiter follow the log, and a
+        // change (or a broken watch) woke their tasks in tokio's random
+        // order, so they read the log again in a different order each run.
         let watch = watch.map(|watch| {
-            Box::new(IdPrefixWatch {
+            self.watches.wrap_prefix(Box::new(IdPrefixWatch {
                 ids,
                 watch,
                 keys: WatchedKeys::AsStored,
-            }) as Box<dyn PrefixWatch>
+            }))
         });
         Ok((revision, watch))
     }
@@ -340,7 +374,13 @@ impl PrefixWatch for IdPrefixWatch {
 #[async_trait]
 impl HoldLog for IdLog {
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
-        self.t(|| format!("grant {} {}", txn.key, self.store_id(txn.session)));
+        self.t(|| {
+            format!(
+                "grant {} {}",
+                self.key_in(txn.key),
+                self.store_id(txn.session)
+            )
+        });
         let key = self.key_in(txn.key);
         let txn = GrantTxn {
             key: &key,
@@ -376,7 +416,7 @@ impl HoldLog for IdLog {
     }
 
     async fn downgrade(&self, txn: DowngradeTxn<'_>) -> LogResult<bool> {
-        self.t(|| format!("downgrade {}", txn.held.key));
+        self.t(|| format!("downgrade {}", self.key_in(&txn.held.key)));
         let held = self.held(txn.held);
         let reader = self.key_in(txn.reader_key);
         let txn = DowngradeTxn {
@@ -400,7 +440,7 @@ impl HoldLog for IdLog {
     }
 
     async fn release_if_owned(&self, txn: &ReleaseTxn) -> LogResult<ReleasedIf> {
-        self.t(|| format!("release_if_owned {}", txn.key));
+        self.t(|| format!("release_if_owned {}", self.key_in(&txn.key)));
         let txn = self.release_txn(txn);
         let answer = self
             .log
@@ -416,7 +456,7 @@ impl HoldLog for IdLog {
 
     async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
         self.t(|| {
-            let keys: Vec<&str> = ops.iter().map(BatchOp::key).collect();
+            let keys: Vec<String> = ops.iter().map(|op| self.key_in(op.key())).collect();
             format!("batch {}", keys.join(" "))
         });
         let grant_keys: Vec<String> = ops
@@ -462,7 +502,7 @@ impl HoldLog for IdLog {
     }
 
     async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
-        self.t(|| format!("claim {key}"));
+        self.t(|| format!("claim {}", self.key_in(key)));
         self.log
             .claim(&self.key_in(key), self.store_id(session), revision)
             .await
@@ -478,7 +518,7 @@ impl HoldLog for IdLog {
     }
 
     async fn force_end(&self, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
-        self.t(|| format!("force_end {}", txn.key));
+        self.t(|| format!("force_end {}", self.key_in(txn.key)));
         let key = self.key_in(txn.key);
         let txn = ForceEndTxn {
             key: &key,
@@ -523,7 +563,7 @@ impl HoldLog for IdLog {
     }
 
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
-        self.t(|| format!("holder {key}"));
+        self.t(|| format!("holder {}", self.key_in(key)));
         let answer = self.log.holder(&self.key_in(key)).await?;
         Ok(answer.map(|kv| kv.map(|kv| self.kv_back(kv))))
     }
@@ -545,7 +585,7 @@ impl HoldLog for IdLog {
     }
 
     async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
-        self.t(|| format!("watch {key} {from_revision}"));
+        self.t(|| format!("watch {} {from_revision}", self.key_in(key)));
         let watch = self.log.watch(key, from_revision).await?;
         Ok(self.watches.wrap(watch))
     }

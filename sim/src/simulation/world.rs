@@ -313,6 +313,7 @@ impl World {
         *counter += 1;
         let op = *counter;
         let invoke_time = rec.ns(at);
+        let detail = detail.map(|d| self.idlog.history_text(&d));
         rec.ops.push(Operation {
             process: process.to_string(),
             op,
@@ -347,6 +348,7 @@ impl World {
         seq: Option<i64>,
         detail: Option<String>,
     ) {
+        let detail = detail.map(|d| self.idlog.history_text(&d));
         let mut rec = lock(&self.recorder);
         let time = rec.ns(Instant::now());
         let Some(o) = rec.ops.get_mut(op.0) else {
@@ -414,9 +416,16 @@ impl World {
     /// An arbiter for a call about `key`: its home arbiter (a stable hash
     /// of the key, as the edge's ring hash routes) unless `stray` or the
     /// home is down, then any arbiter that is up.
+    ///
+    /// The key is hashed as the store spells it: a shared hold's key names
+    /// its session, and the arbiter draws session ids at random, so hashing
+    /// the arbiter's spelling sent a reader's release to a different
+    /// arbiter on every run (whether that arbiter's queue of the lock was
+    /// kicked at once or waited for the watch), and a seed did not replay.
     pub(crate) fn route(&self, key: &str, stray: bool, rng: &mut Rng) -> Option<Arbiter> {
         let n = self.arbiters.len();
-        let home = usize::try_from(fnv1a(key) % n.max(1) as u64).unwrap_or(0);
+        let home =
+            usize::try_from(fnv1a(&self.idlog.history_key(key)) % n.max(1) as u64).unwrap_or(0);
         if !stray && let Some(a) = self.arbiter(home) {
             return Some(a);
         }
