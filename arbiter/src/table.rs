@@ -288,10 +288,10 @@ enum Attempt {
     Gated,
 }
 
-/// How long a wait that reached its budget waits for a grant transaction
-/// already on its way for it to land (one etcd round trip, usually a few
-/// milliseconds); within the ~50 ms the budget leaves before the caller's
-/// deadline.
+/// How much of a wait's budget (at most a quarter) is kept for a grant
+/// transaction already on its way when the wait ends, to land (one etcd
+/// round trip, usually a few milliseconds): its grant is then the answer,
+/// within the budget.
 const SETTLE: Duration = Duration::from_millis(30);
 
 /// Who asks in a grant attempt: the caller itself (its call is running),
@@ -631,7 +631,10 @@ impl LockTable {
         let mut ticket = self.enqueue(req, watch_from, max_waiters_per_key)?;
         // Waiting is not new work: the call's admission place goes back.
         crate::overload::parked();
-        match tokio::time::timeout(budget, ticket.wait()).await {
+        // The last moments of the budget are kept for a transaction on its
+        // way when the wait ends, so the answer still beats the deadline.
+        let settle = SETTLE.min(budget / 4);
+        match tokio::time::timeout(budget - settle, ticket.wait()).await {
             Ok(reply) => reply.map(|delivery| Acquired {
                 grant: delivery.grant,
                 waited: true,
@@ -642,9 +645,8 @@ impl LockTable {
                 // ends ~50 ms before the caller's deadline), and its grant
                 // is the answer.
                 self.remove(&key, ticket.id);
-                if ticket.uncertain.settle(SETTLE).await
-                    && let Some(reply) = ticket.answered()
-                {
+                ticket.uncertain.settle(settle).await;
+                if let Some(reply) = ticket.answered() {
                     return reply.map(|delivery| Acquired {
                         grant: delivery.grant,
                         waited: true,
@@ -725,16 +727,16 @@ impl LockTable {
                         revision,
                         owner,
                     };
-                    // On its way until delivered (the block's end).
-                    let _sending = head.sending();
+                    // On its way until delivered; dropped unfinished (an
+                    // error, or this Release cancelled mid-way), the head's
+                    // outcome is unknown.
+                    let sending = head.sending();
                     let handed = self.hand_over(HandOverFrom::Owned(&owned), &head.req).await;
-                    if may_have_committed(&handed) {
-                        head.mark_uncertain();
-                    }
                     match handed {
                         Ok(Some((grant, previous))) => {
                             self.free_quota_place(previous.as_ref(), revision);
                             self.deliver(&head, grant);
+                            sending.done();
                             return Ok(Released {
                                 handed_over: true,
                                 previous,
@@ -742,13 +744,10 @@ impl LockTable {
                         }
                         Ok(None)
                         | Err(ArbiterError::SessionExpired { .. })
-                        | Err(ArbiterError::ShardMapAhead { .. }) => {}
+                        | Err(ArbiterError::ShardMapAhead { .. }) => sending.done(),
                         // May have committed: as below, the outcome is unknown
-                        // (for the head waiter too).
-                        Err(e) => {
-                            head.mark_uncertain();
-                            return Err(e);
-                        }
+                        // (for the head waiter too: `sending` drops unfinished).
+                        Err(e) => return Err(e),
                     }
                 }
             }
@@ -757,16 +756,11 @@ impl LockTable {
         if let Some(head) = self.ungated_head(key) {
             let sending = head.sending();
             let handed = self.hand_over(HandOverFrom::Exact(&held), &head.req).await;
-            if may_have_committed(&handed) {
-                head.mark_uncertain();
-            }
-            if !matches!(handed, Ok(Some(_))) {
-                drop(sending);
-            }
             match handed {
                 Ok(Some((grant, previous))) => {
                     self.free_quota_place(previous.as_ref(), revision);
                     self.deliver(&head, grant);
+                    sending.done();
                     return Ok(Released {
                         handed_over: true,
                         previous,
@@ -779,18 +773,16 @@ impl LockTable {
                 // only stops grants.)
                 Ok(None)
                 | Err(ArbiterError::SessionExpired { .. })
-                | Err(ArbiterError::ShardMapAhead { .. }) => {}
+                | Err(ArbiterError::ShardMapAhead { .. }) => sending.done(),
                 // Anything else may have committed (an answer lost after the
                 // commit): a plain release would then find the hold handed
                 // over and answer NOT_HELD for a release that happened. The
                 // outcome is unknown, and the caller hears exactly that. (The
                 // head waiter, if the hand-over did commit, gets the key from
                 // its driver, which finds its session already holding it; if
-                // its wait ends first, it hears that the outcome is unknown.)
-                Err(e) => {
-                    head.mark_uncertain();
-                    return Err(e);
-                }
+                // its wait ends first, it hears that the outcome is unknown:
+                // `sending` drops unfinished.)
+                Err(e) => return Err(e),
             }
         }
         let previous = self.release_owned(&held).await?;
@@ -999,15 +991,6 @@ impl LockTable {
         let extra = self.jitter.lock().u64(0..=ms);
         Duration::from_millis(ms / 2 + extra)
     }
-}
-
-/// Whether a hand-over that erred may have committed: anything but the
-/// refusals made before a transaction was sent.
-fn may_have_committed<T>(handed: &Result<T, ArbiterError>) -> bool {
-    matches!(handed, Err(e) if !matches!(
-        e,
-        ArbiterError::SessionExpired { .. } | ArbiterError::ShardMapAhead { .. }
-    ))
 }
 
 fn take(slot: &Slot) -> Option<oneshot::Sender<Reply>> {

@@ -76,6 +76,7 @@ pub(super) async fn drive(
         match attempted {
             Ok(Attempt::Granted(grant)) => {
                 table.deliver(&head, grant);
+                sending.done();
                 continue;
             }
             // The session holds the key already. A claim keeps that hold
@@ -87,6 +88,7 @@ pub(super) async fn drive(
             // which ends with its session or the session's next call.
             Ok(Attempt::Reused(_)) if head.caller_gone() => {
                 table.remove(&key, head.id);
+                sending.done();
                 continue;
             }
             Ok(Attempt::Reused(grant)) => match table.claim_verified(&grant).await {
@@ -96,12 +98,17 @@ pub(super) async fn drive(
                         fresh: false,
                     };
                     table.answer(&head, Ok(delivery));
+                    sending.done();
                     continue;
                 }
                 // Gone since the read: the next attempt sees what is there now.
-                Ok(Claim::Gone) => continue,
+                Ok(Claim::Gone) => {
+                    sending.done();
+                    continue;
+                }
                 Err(e) => {
                     debug!(key = %key, error = %e, "re-reading a reused grant failed; polling");
+                    // The claim may have committed: the outcome is unknown.
                     drop(sending);
                     watch = None;
                     poll_later(&table, &kick, &stop).await;
@@ -109,7 +116,7 @@ pub(super) async fn drive(
                 }
             },
             Ok(Attempt::Held { watch_from }) => {
-                drop(sending);
+                sending.done();
                 // Held exclusively now: a watch on the shared holds would
                 // miss its end (the hostile review).
                 if watch.is_some() && watching != watched(&key, &head.req, readers_hold) {
@@ -120,7 +127,7 @@ pub(super) async fn drive(
                 }
             }
             Ok(Attempt::Readers { watch_from }) => {
-                drop(sending);
+                sending.done();
                 readers_hold = true;
                 if watch.is_some() && watching != watched(&key, &head.req, readers_hold) {
                     watch = None;
@@ -133,13 +140,13 @@ pub(super) async fn drive(
                 // Durable waiters first (a key whose callers mix classes):
                 // their comings and goings do not touch the holder record
                 // this driver watches, so poll.
-                drop(sending);
+                sending.done();
                 watch = None;
                 poll_later(&table, &kick, &stop).await;
                 continue;
             }
             Err(e @ ArbiterError::StoreUnavailable { .. }) => {
-                drop(sending);
+                drop(sending); // marked: it may have committed
                 debug!(key = %key, error = %e, "grant attempt failed; polling");
                 watch = None;
                 poll_later(&table, &kick, &stop).await;
@@ -147,6 +154,7 @@ pub(super) async fn drive(
             }
             Err(e) => {
                 table.answer(&head, Err(e));
+                sending.done();
                 continue;
             }
         }

@@ -148,7 +148,8 @@ impl LockTable {
         // Waiting is not new work: the call's admission place goes back
         // (the waiter's record is bounded by the waiter bounds above).
         crate::overload::parked();
-        match tokio::time::timeout(budget, &mut ticket.rx).await {
+        let settle = super::SETTLE.min(budget / 4);
+        match tokio::time::timeout(budget - settle, &mut ticket.rx).await {
             Ok(Ok(answer)) => answer.map(|(grant, _)| Acquired {
                 grant,
                 waited: true,
@@ -160,9 +161,8 @@ impl LockTable {
                 // As `acquire`'s wait: a transaction on its way decides if
                 // it lands at once; one that failed without an answer, or
                 // is still on its way, may have committed.
-                if uncertain.settle(super::SETTLE).await
-                    && let Ok(answer) = ticket.rx.try_recv()
-                {
+                uncertain.settle(settle).await;
+                if let Ok(answer) = ticket.rx.try_recv() {
                     return answer.map(|(grant, _)| Acquired {
                         grant,
                         waited: true,
@@ -191,12 +191,30 @@ impl LockTable {
         counted: Counted,
         uncertain: Arc<super::queues::Unknown>,
     ) {
-        let answer = self.serve_durable(&req, wait_ms, &mut tx, &uncertain).await;
+        // A grant or claim made for the caller stays "on its way" until
+        // the answer is in the caller's ticket (or released as an orphan).
+        let mut pending = None;
+        let answer = self
+            .serve_durable(&req, wait_ms, &mut tx, &uncertain, &mut pending)
+            .await;
         drop(counted);
-        if let Err(Ok((grant, true))) = tx.send(answer) {
-            // Its caller went away after the grant committed for it (a
-            // session's existing hold, claimed, stays its session's).
-            self.release_orphan(grant);
+        match tx.send(answer) {
+            Ok(()) => {
+                if let Some(sending) = pending {
+                    sending.done();
+                }
+            }
+            Err(Ok((grant, true))) => {
+                // Its caller went away after the grant committed for it.
+                self.release_orphan(grant);
+                if let Some(sending) = pending {
+                    sending.done();
+                }
+            }
+            // A session's existing hold, claimed, stays its session's: if
+            // a claim was made for a caller gone meanwhile, `pending` drops
+            // unfinished (nobody is left to hear it, but the rule holds).
+            Err(_) => {}
         }
     }
 
@@ -206,6 +224,7 @@ impl LockTable {
         wait_ms: u64,
         tx: &mut oneshot::Sender<DurableReply>,
         uncertain: &Arc<super::queues::Unknown>,
+        pending: &mut Option<super::queues::Sending>,
     ) -> Result<(Grant, bool), ArbiterError> {
         let record = encode(&WaiterRecord {
             identity: req.identity.clone(),
@@ -243,7 +262,7 @@ impl LockTable {
             } else if behind && let Some(at) = self.older_head(req, queued.created).await {
                 Ok(Attempt::Behind { watch_from: at + 1 })
             } else {
-                let _sending = uncertain.sending();
+                let sending = uncertain.sending();
                 let attempted = self
                     .attempt_in(
                         req,
@@ -253,9 +272,12 @@ impl LockTable {
                         Asker::Queue,
                     )
                     .await;
-                if matches!(attempted, Err(ArbiterError::StoreUnavailable { .. })) {
+                match &attempted {
+                    // on its way until the caller has it
+                    Ok(Attempt::Granted(_)) => *pending = Some(sending),
                     // It may have committed without its answer.
-                    uncertain.failed();
+                    Err(ArbiterError::StoreUnavailable { .. }) => drop(sending),
+                    _ => sending.done(),
                 }
                 attempted
             };
@@ -271,12 +293,23 @@ impl LockTable {
                 Ok(Attempt::Reused(_)) if tx.is_closed() => {
                     return Err(ArbiterError::store("the caller went away"));
                 }
-                Ok(Attempt::Reused(grant)) => match self.reuse(grant).await? {
-                    // Its session holds the key already (a retry): the
-                    // record goes with `place`.
-                    Next::Deliver(grant) => return Ok((grant, false)),
-                    Next::Queue(from) => from,
-                },
+                Ok(Attempt::Reused(grant)) => {
+                    // The claim is on its way until the caller has it; an
+                    // error leaves it unknown (`sending` drops unfinished).
+                    let sending = uncertain.sending();
+                    match self.reuse(grant).await? {
+                        // Its session holds the key already (a retry): the
+                        // record goes with `place`.
+                        Next::Deliver(grant) => {
+                            *pending = Some(sending);
+                            return Ok((grant, false));
+                        }
+                        Next::Queue(from) => {
+                            sending.done();
+                            from
+                        }
+                    }
+                }
                 // (shared holds on a durable class's key: only after its
                 // class changed; the hold watch then misses their ends and
                 // the poll finds them)

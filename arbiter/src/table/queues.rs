@@ -83,17 +83,38 @@ impl Unknown {
     /// until the guard drops (after a failure is marked).
     pub(super) fn sending(self: &Arc<Self>) -> Sending {
         self.in_flight.fetch_add(1, Ordering::AcqRel);
-        Sending(self.clone())
+        Sending {
+            unknown: self.clone(),
+            armed: true,
+        }
     }
 }
 
-/// A grant transaction on its way ([`Unknown::sending`]).
-pub(super) struct Sending(Arc<Unknown>);
+/// A grant transaction on its way ([`Unknown::sending`]). Ended with
+/// [`Sending::done`] once its outcome is known and the waiter answered (or
+/// it settled on waiting); dropped without that (an error, or the future
+/// that sent it dropped — a cancelled Release mid-hand-over, a driver
+/// stopped), the outcome is unknown and the waiter's wait says so (the
+/// third hostile review of this stop).
+pub(super) struct Sending {
+    unknown: Arc<Unknown>,
+    armed: bool,
+}
+
+impl Sending {
+    /// The transaction's outcome is known and was acted on.
+    pub(super) fn done(mut self) {
+        self.armed = false;
+    }
+}
 
 impl Drop for Sending {
     fn drop(&mut self) {
-        if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.settled.notify_waiters();
+        if self.armed {
+            self.unknown.failed();
+        }
+        if self.unknown.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.unknown.settled.notify_waiters();
         }
     }
 }

@@ -237,16 +237,18 @@ impl LockTable {
             return false;
         }
         let members = ready.iter().map(|(_, _, m, _)| m.clone()).collect();
-        let _sending: Vec<_> = ready.iter().map(|(head, ..)| head.sending()).collect();
+        // Each on its way until its reader is answered; one dropped
+        // unfinished (an error, or this future dropped) leaves its outcome
+        // unknown.
+        let sending: Vec<_> = ready.iter().map(|(head, ..)| head.sending()).collect();
         let answers = self.commit_together(members).await;
         let mut delivered = false;
-        for ((head, req, _, state), answer) in ready.into_iter().zip(answers) {
-            let Ok(answer) = answer else {
-                // Committed or not, unknown: a wait that ends now is not
-                // a plain timeout.
-                head.mark_uncertain();
-                continue;
-            };
+        for (((head, req, _, state), answer), sending) in
+            ready.into_iter().zip(answers).zip(sending)
+        {
+            // Committed or not, unknown: a wait that ends now is not a
+            // plain timeout (`sending` drops unfinished).
+            let Ok(answer) = answer else { continue };
             // Anything but a grant (held again, reused, refused): the
             // driver's own attempt for this head answers it.
             if let Ok(Some(Attempt::Granted(grant))) = self
@@ -262,6 +264,7 @@ impl LockTable {
                 self.deliver(head, grant);
                 delivered = true;
             }
+            sending.done();
         }
         delivered
     }
