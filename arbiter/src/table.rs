@@ -294,6 +294,11 @@ enum Attempt {
 /// within the budget.
 const SETTLE: Duration = Duration::from_millis(30);
 
+/// The part of `budget` kept for settling ([`SETTLE`]).
+fn settle_time(budget: Duration) -> Duration {
+    SETTLE.min(budget / 4)
+}
+
 /// Who asks in a grant attempt: the caller itself (its call is running),
 /// or a queue's driver for a waiter — whose caller may have gone (its wait
 /// timed out, or the call was cancelled) while the attempt was on its way,
@@ -633,7 +638,7 @@ impl LockTable {
         crate::overload::parked();
         // The last moments of the budget are kept for a transaction on its
         // way when the wait ends, so the answer still beats the deadline.
-        let settle = SETTLE.min(budget / 4);
+        let settle = settle_time(budget);
         match tokio::time::timeout(budget - settle, ticket.wait()).await {
             Ok(reply) => reply.map(|delivery| Acquired {
                 grant: delivery.grant,
@@ -655,20 +660,9 @@ impl LockTable {
                 // Dropping the ticket releases a grant that raced with this
                 // (as an orphan). A grant transaction for this waiter that
                 // failed without an answer, or is still on its way, may
-                // commit without anyone hearing: then the session may hold
-                // the key, and the answer is not "not granted" but unknown,
-                // so the caller asks again on the same session and learns
-                // its real token (the release gate caught a WAIT_TIMEOUT
-                // beside such a hidden shared grant).
-                if ticket.uncertain.now() {
-                    return Err(ArbiterError::store(format!(
-                        "the wait for key {key:?} ended while a grant transaction for it \
-                         had failed without an answer or was still on its way: it may have \
-                         committed; ask again on the same session to learn whether this \
-                         session holds the key"
-                    )));
-                }
-                Err(ArbiterError::WaitTimeout { key })
+                // commit without anyone hearing (the release gate caught a
+                // WAIT_TIMEOUT beside such a hidden shared grant).
+                Err(ticket.uncertain.timed_out(key))
             }
         }
     }

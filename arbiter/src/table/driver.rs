@@ -68,12 +68,7 @@ pub(super) async fn drive(
         // On its way until the waiter is answered, or the attempt settled
         // on waiting (a wait that ends meanwhile settles on it first).
         let sending = head.sending();
-        let attempted = table.attempt(&head.req, Asker::Queue).await;
-        if matches!(attempted, Err(ArbiterError::StoreUnavailable { .. })) {
-            // It may have committed without its answer.
-            head.mark_uncertain();
-        }
-        match attempted {
+        match table.attempt(&head.req, Asker::Queue).await {
             Ok(Attempt::Granted(grant)) => {
                 table.deliver(&head, grant);
                 sending.done();
@@ -146,7 +141,9 @@ pub(super) async fn drive(
                 continue;
             }
             Err(e @ ArbiterError::StoreUnavailable { .. }) => {
-                drop(sending); // marked: it may have committed
+                // It may have committed without its answer: `sending` drops
+                // unfinished, so the outcome is unknown.
+                drop(sending);
                 debug!(key = %key, error = %e, "grant attempt failed; polling");
                 watch = None;
                 poll_later(&table, &kick, &stop).await;

@@ -148,7 +148,7 @@ impl LockTable {
         // Waiting is not new work: the call's admission place goes back
         // (the waiter's record is bounded by the waiter bounds above).
         crate::overload::parked();
-        let settle = super::SETTLE.min(budget / 4);
+        let settle = super::settle_time(budget);
         match tokio::time::timeout(budget - settle, &mut ticket.rx).await {
             Ok(Ok(answer)) => answer.map(|(grant, _)| Acquired {
                 grant,
@@ -168,15 +168,7 @@ impl LockTable {
                         waited: true,
                     });
                 }
-                if uncertain.now() {
-                    return Err(ArbiterError::store(format!(
-                        "the wait for key {key:?} ended while a grant transaction for it had \
-                         failed without an answer or was still on its way: it may have \
-                         committed; ask again on the same session to learn whether this \
-                         session holds the key"
-                    )));
-                }
-                Err(ArbiterError::WaitTimeout { key })
+                Err(uncertain.timed_out(key))
             }
         }
     }

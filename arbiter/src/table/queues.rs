@@ -58,8 +58,23 @@ impl Unknown {
     }
 
     /// A grant transaction for the waiter failed without an answer.
-    pub(super) fn failed(&self) {
+    fn failed(&self) {
         self.failed.store(true, Ordering::Release);
+    }
+
+    /// The answer to a wait for `key` that ended ungranted (after
+    /// [`Self::settle`]): WAIT_TIMEOUT only when no grant for it can have
+    /// committed; otherwise unknown, and the caller asks again on the same
+    /// session and learns its real token.
+    pub(super) fn timed_out(&self, key: String) -> ArbiterError {
+        if !self.now() {
+            return ArbiterError::WaitTimeout { key };
+        }
+        ArbiterError::store(format!(
+            "the wait for key {key:?} ended while a grant transaction for it had failed \
+             without an answer or was still on its way: it may have committed; ask again on \
+             the same session to learn whether this session holds the key"
+        ))
     }
 
     /// Waits up to `bound` for every transaction on its way to land;
@@ -138,11 +153,6 @@ impl Head {
     /// that cannot be undone when nobody hears of it.
     pub(super) fn caller_gone(&self) -> bool {
         self.slot.lock().as_ref().is_none_or(|tx| tx.is_closed())
-    }
-
-    /// A grant transaction for this waiter failed without an answer.
-    pub(super) fn mark_uncertain(&self) {
-        self.uncertain.failed();
     }
 
     /// A grant transaction for this waiter is on its way until the guard
