@@ -173,6 +173,10 @@ pub enum Granted {
         /// shared holds ([`crate::records::reader_key`]). A writer is
         /// never beside a reader, and every grant compares it.
         other_mode: Option<Kv>,
+        /// For a shared hold's grant: the oldest writer's intent on the
+        /// lock ([`DurableQueueLog::put_intent`]), which every shared grant
+        /// compares absent; `None` for other grants.
+        intent: Option<Kv>,
     },
 }
 
@@ -719,6 +723,38 @@ pub trait DurableQueueLog: Send + Sync + 'static {
     /// Deletes `session`'s waiter record for `key` if it was last written
     /// at `modified`; whether it did.
     async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool>;
+    /// Puts `session`'s writer intent on lock `name` (issue 34: a writer
+    /// waiting for the lock's shared holds to end, whichever arbiter it
+    /// waits on) on the session's lease, if the session's record is
+    /// `session_record`; `None` if it is not. Every shared grant of `name`
+    /// compares the lock's intents absent, so readers that come later wait
+    /// behind the writer instead of starving it. `record` is a
+    /// [`crate::records::WaiterRecord`] (how long the writer waits: an
+    /// intent left by a call that ended is removed as stale, as durable
+    /// waiters are).
+    async fn put_intent(
+        &self,
+        name: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>>;
+    /// Deletes `session`'s intent on `name` if it was last written at
+    /// `modified`; whether it did.
+    async fn drop_intent(&self, name: &str, session: i64, modified: i64) -> LogResult<bool>;
+    /// Watches the intents on lock `name` from `from_revision`
+    /// (inclusive): any change is a hint. A log without it answers an
+    /// error and its readers poll.
+    async fn watch_intents(
+        &self,
+        name: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn KeyWatch>, StoreError> {
+        let _ = (name, from_revision);
+        Err(StoreError::Malformed(
+            "this log does not watch writers' intents".into(),
+        ))
+    }
     /// Watches `key`'s durable queue from `from_revision` (inclusive): any
     /// change is a hint. A log without it answers an error and its waiters
     /// poll.

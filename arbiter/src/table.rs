@@ -34,6 +34,7 @@ mod batch;
 mod driver;
 pub mod durable;
 mod grants;
+mod intent;
 pub mod max_hold;
 mod queues;
 mod quota;
@@ -273,6 +274,12 @@ enum Attempt {
     /// Held shared by other sessions, and asked exclusively: watch the
     /// shared holds ([`crate::records::readers_of`]) from `watch_from`.
     Readers {
+        watch_from: i64,
+    },
+    /// Asked shared, and a writer waits for the lock's shared holds to end
+    /// (its intent, on any arbiter): watch the lock's intents from
+    /// `watch_from`.
+    Intent {
         watch_from: i64,
     },
     /// Free, but a durable waiter was queued first. Watch as for `Held`.
@@ -633,7 +640,8 @@ impl LockTable {
             return Err(ArbiterError::Held { key: req.key });
         };
         let key = req.key.clone();
-        let mut ticket = self.enqueue(req, watch_from, max_waiters_per_key)?;
+        let until = tokio::time::Instant::now() + budget;
+        let mut ticket = self.enqueue(req, watch_from, max_waiters_per_key, until)?;
         // Waiting is not new work: the call's admission place goes back.
         crate::overload::parked();
         // The last moments of the budget are kept for a transaction on its
@@ -859,6 +867,7 @@ impl LockTable {
         req: GrantRequest,
         watch_from: Option<i64>,
         limit: u32,
+        until: tokio::time::Instant,
     ) -> Result<Ticket, ArbiterError> {
         if self.stop.is_cancelled() || self.waits_end.is_cancelled() {
             return Err(ArbiterError::store("the arbiter is shutting down"));
@@ -882,11 +891,14 @@ impl LockTable {
         )?;
         let queued = book.keys.get(&key).map(|q| q.waiters.len());
         let uncertain = Arc::new(queues::Unknown::default());
+        let intent = intent::Intent::new(until);
+        let session = req.session;
         let kick = book.join(Waiter {
             id,
             req,
             slot: Arc::new(Mutex::new(Some(tx))),
             uncertain: uncertain.clone(),
+            intent: intent.clone(),
         });
         drop(book);
         if queued.is_none() {
@@ -902,8 +914,10 @@ impl LockTable {
             table: self.clone(),
             key,
             id,
+            session,
             rx: Some(rx),
             uncertain,
+            intent,
         })
     }
 
@@ -1005,9 +1019,12 @@ struct Ticket {
     table: Arc<LockTable>,
     key: String,
     id: u64,
+    session: i64,
     rx: Option<oneshot::Receiver<Reply>>,
     /// See [`queues::Waiter::uncertain`].
     uncertain: Arc<queues::Unknown>,
+    /// See [`queues::Waiter::intent`].
+    intent: Arc<intent::Intent>,
 }
 
 impl Ticket {
@@ -1038,6 +1055,7 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         self.table.remove(&self.key, self.id);
+        self.table.end_intent(&self.key, self.session, &self.intent);
         if let Some(mut rx) = self.rx.take() {
             rx.close();
             if let Ok(Ok(delivery)) = rx.try_recv()

@@ -223,6 +223,10 @@ pub mod keys {
     pub const CLAIMS: &str = "c/";
     /// Durable waiters (`q/<key>//<lease:016x>`).
     pub const QUEUES: &str = "q/";
+    /// Writers' intents (`w/<name>//<lease:016x>`): a writer waiting for a
+    /// lock's shared holds to end, on its session's lease; a shared grant
+    /// compares the lock's range empty (issue 34).
+    pub const INTENTS: &str = "w/";
     /// Quota places (`p/<class>/<hex(subject)>/<index:04x>`).
     pub const QUOTA_PLACES: &str = "p/";
     /// Elections (latchkey.election.v1): `e/<name>//lead` (the leader, on
@@ -322,6 +326,15 @@ impl Layout {
     /// `session`'s waiter record on `key`.
     pub fn waiter(&self, key: &str, session: i64) -> String {
         format!("{}{session:016x}", self.queue_of(key))
+    }
+    /// The writers' intents on lock `name`: a prefix (`//` cannot occur in
+    /// a key).
+    pub fn intents_of(&self, name: &str) -> String {
+        format!("{}/{}{name}//", self.prefix, keys::INTENTS)
+    }
+    /// `session`'s writer intent on lock `name`.
+    pub fn intent(&self, name: &str, session: i64) -> String {
+        format!("{}{session:016x}", self.intents_of(name))
     }
     pub fn durable_waiters(&self) -> String {
         format!("{}/{}", self.prefix, keys::QUEUES)

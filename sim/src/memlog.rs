@@ -52,8 +52,8 @@ use parking_lot::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
-    Answer, Counted, DurableQueueLog, EpochLog, FollowLog, Header, Kv, LogResult, PrefixWatch,
-    Queued, Records, Renewal, SessionLog, StoreError,
+    Answer, Counted, DurableQueueLog, EpochLog, FollowLog, Header, KeyWatch, Kv, LogResult,
+    PrefixWatch, Queued, Records, Renewal, SessionLog, StoreError,
 };
 use latchkey_records::{decode_map_fence, encode_map_fence};
 use tokio::time::{Duration, Instant};
@@ -614,20 +614,40 @@ impl DurableQueueLog for MemLog {
         record: Vec<u8>,
     ) -> LogResult<Option<Queued>> {
         let waiter = keys::waiter(key, session);
-        let own = Compare::Value(keys::session(session), session_record.to_vec());
-        self.call("enqueue", |inner, _| {
-            if !inner.store.all(&[own]) {
-                return inner.answer(None);
-            }
-            commit(&mut inner.store, vec![put(waiter.clone(), record, session)])?;
-            let queued = inner.store.get(&waiter).map(|kv| Queued {
-                created: kv.create_revision,
-                modified: kv.mod_revision,
-            });
-            let queued = queued.ok_or_else(|| StoreError::Malformed("a put not stored".into()))?;
-            inner.answer(Some(queued))
-        })
-        .await
+        self.put_on_lease("enqueue", waiter, session, session_record, record)
+            .await
+    }
+
+    async fn put_intent(
+        &self,
+        name: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        let intent = keys::intent(name, session);
+        self.put_on_lease("put intent", intent, session, session_record, record)
+            .await
+    }
+
+    async fn drop_intent(&self, name: &str, session: i64, modified: i64) -> LogResult<bool> {
+        self.delete_at("drop intent", keys::intent(name, session), modified)
+            .await
+    }
+
+    async fn watch_intents(
+        &self,
+        name: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn KeyWatch>, StoreError> {
+        let intents = keys::intents_of(name);
+        let rx = self.shared.changed.subscribe();
+        let id = self
+            .call("watch intents", |inner, _| {
+                Ok(inner.store.open_watch(&intents, from_revision))
+            })
+            .await?;
+        Ok(Box::new(watch::MemWatch::new(self.shared.clone(), id, rx)))
     }
 
     async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>> {
@@ -649,13 +669,47 @@ impl DurableQueueLog for MemLog {
     }
 
     async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
-        let waiter = keys::waiter(key, session);
-        self.call("dequeue", |inner, _| {
+        self.delete_at("dequeue", keys::waiter(key, session), modified)
+            .await
+    }
+}
+
+impl MemLog {
+    /// Puts `record` at `key` on `session`'s lease if the session record is
+    /// `session_record` (a put over an existing record keeps its create
+    /// revision).
+    async fn put_on_lease(
+        &self,
+        what: &'static str,
+        key: String,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        let own = Compare::Value(keys::session(session), session_record.to_vec());
+        self.call(what, |inner, _| {
+            if !inner.store.all(&[own]) {
+                return inner.answer(None);
+            }
+            commit(&mut inner.store, vec![put(key.clone(), record, session)])?;
+            let queued = inner.store.get(&key).map(|kv| Queued {
+                created: kv.create_revision,
+                modified: kv.mod_revision,
+            });
+            let queued = queued.ok_or_else(|| StoreError::Malformed("a put not stored".into()))?;
+            inner.answer(Some(queued))
+        })
+        .await
+    }
+
+    /// Deletes `key` if it was last written at `modified`; whether it did.
+    async fn delete_at(&self, what: &'static str, key: String, modified: i64) -> LogResult<bool> {
+        self.call(what, |inner, _| {
             let ok = inner
                 .store
-                .all(&[Compare::ModRevision(waiter.clone(), modified)]);
+                .all(&[Compare::ModRevision(key.clone(), modified)]);
             if ok {
-                commit(&mut inner.store, vec![Op::Delete(waiter)])?;
+                commit(&mut inner.store, vec![Op::Delete(key)])?;
             }
             inner.answer(ok)
         })

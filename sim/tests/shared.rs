@@ -267,6 +267,105 @@ async fn a_queued_reader_never_downgrades_its_sessions_newer_exclusive_hold() ->
     Ok(())
 }
 
+/// A writer waiting on one arbiter keeps readers that ask another out (its
+/// intent in the log, issue 34): without it the second arbiter granted them
+/// beside the readers already there, and renewing readers starved the
+/// writer. The writer goes next, the late reader after it, and the intent
+/// is gone once the writer's wait ends.
+#[tokio::test(start_paused = true)]
+async fn a_writer_waiting_on_one_arbiter_keeps_readers_of_another_out() -> anyhow::Result<()> {
+    let log = MemLog::new(53);
+    let (a, b) = (table(&log), table(&log));
+    a.start().await?;
+    b.start().await?;
+    let r1 = caller(&a, "reader-1", "db", true).await;
+    let g1 = a.acquire(r1.clone(), None, 16).await?.grant;
+    let w = caller(&b, "writer", "db", false).await;
+    let writer = waiting(&b, &w);
+    queued(&b, "db", 1).await?;
+    // The writer's driver finds the reader and says so in the log.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r2 = caller(&a, "reader-2", "db", true).await;
+    assert!(
+        matches!(
+            a.acquire(r2.clone(), None, 16).await,
+            Err(ArbiterError::Held { .. })
+        ),
+        "a reader beside a writer waiting on another arbiter"
+    );
+    let late = waiting(&a, &r2);
+    queued(&a, "db", 1).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !late.is_finished(),
+        "the late reader waits behind the writer"
+    );
+    assert!(!writer.is_finished(), "the writer waits for reader-1");
+
+    release(&a, &r1, &g1).await?;
+    let gw = writer.await??.grant;
+    assert_eq!(gw.key, "db");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!late.is_finished(), "the late reader beside the writer");
+    release(&b, &w, &gw).await?;
+    let g2 = late.await??.grant;
+    assert_eq!(g2.key, reader_key("db", r2.session));
+    assert!(g2.token() > gw.token());
+    // The writer's intent went with its wait: a new reader is let in at
+    // once beside reader-2.
+    let r3 = caller(&a, "reader-3", "db", true).await;
+    a.acquire(r3, None, 16).await?;
+    a.shutdown().await;
+    b.shutdown().await;
+    Ok(())
+}
+
+/// An intent whose writer's call ended without deleting it (its arbiter
+/// died) is removed by a reader's arbiter once it has seen it unchanged for
+/// longer than the writer's wait and `STALE_AFTER`, while the writer's
+/// session lives on; before that the reader waits.
+#[tokio::test(start_paused = true)]
+async fn a_writers_intent_left_behind_is_removed_as_stale() -> anyhow::Result<()> {
+    use latchkey_arbiter::lock_log::DurableQueueLog;
+    use latchkey_arbiter::records::{SessionRecord, WaiterRecord, encode};
+    use latchkey_arbiter::table::durable::STALE_AFTER;
+    let log = MemLog::new(59);
+    let t = table(&log);
+    t.start().await?;
+    let w = caller(&t, "writer", "db", false).await;
+    let _alive = renewing(&t, w.session);
+    let own = encode(&SessionRecord {
+        identity: w.identity.clone(),
+        ttl_seconds: TTL,
+    });
+    let wait = Duration::from_secs(3);
+    let record = encode(&WaiterRecord {
+        identity: w.identity.clone(),
+        session: w.session,
+        class: w.class.clone(),
+        wait_ms: 3000,
+    });
+    let put = log.put_intent("db", w.session, &own, record).await?;
+    assert!(put.value.is_some(), "the intent was put");
+    let r = caller(&t, "reader", "db", true).await;
+    let _reader_alive = renewing(&t, r.session);
+    let started = tokio::time::Instant::now();
+    let reader = waiting(&t, &r);
+    queued(&t, "db", 1).await?;
+    tokio::time::sleep(wait).await;
+    assert!(!reader.is_finished(), "the reader waits behind the intent");
+    let g = reader.await??.grant;
+    assert_eq!(g.key, reader_key("db", r.session));
+    let waited = started.elapsed();
+    assert!(
+        waited >= wait + STALE_AFTER && waited < wait + STALE_AFTER + Duration::from_secs(5),
+        "removed after the writer's wait and STALE_AFTER: {waited:?}"
+    );
+    assert_eq!(t.durable_stats().stale_removed, 1);
+    t.shutdown().await;
+    Ok(())
+}
+
 /// Class facts for the tests: every class's hold lasts at most `max`.
 struct MaxHold(Duration);
 

@@ -515,6 +515,30 @@ impl DurableQueueLog for FaultyLog {
         self.inner.dequeue(key, session, modified).await
     }
 
+    async fn put_intent(
+        &self,
+        name: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        self.inner
+            .put_intent(name, session, session_record, record)
+            .await
+    }
+
+    async fn drop_intent(&self, name: &str, session: i64, modified: i64) -> LogResult<bool> {
+        self.inner.drop_intent(name, session, modified).await
+    }
+
+    async fn watch_intents(
+        &self,
+        name: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn KeyWatch>, StoreError> {
+        self.inner.watch_intents(name, from_revision).await
+    }
+
     async fn count_queued(&self, key: &str) -> LogResult<i64> {
         self.inner.count_queued(key).await
     }
@@ -847,6 +871,7 @@ mod tests {
                         fence_at: 0,
                         other_kind: false,
                         other_mode: None,
+                        intent: None,
                     },
                 );
             }
@@ -988,6 +1013,20 @@ mod tests {
         }
 
         async fn dequeue(&self, _: &str, _: i64, _: i64) -> LogResult<bool> {
+            unused()
+        }
+
+        async fn put_intent(
+            &self,
+            _: &str,
+            _: i64,
+            _: &[u8],
+            _: Vec<u8>,
+        ) -> LogResult<Option<Queued>> {
+            unused()
+        }
+
+        async fn drop_intent(&self, _: &str, _: i64, _: i64) -> LogResult<bool> {
             unused()
         }
 

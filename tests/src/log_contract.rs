@@ -51,7 +51,10 @@ use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
     StoreError, WatchSignal,
 };
-use modes::{a_downgrade_is_one_transaction, a_writer_is_never_beside_a_reader};
+use modes::{
+    a_downgrade_is_one_transaction, a_writer_is_never_beside_a_reader,
+    a_writers_intent_keeps_readers_out,
+};
 use queue::{
     a_durable_queue_stops_hand_overs_and_ends_with_its_session,
     durable_waiters_go_in_create_revision_order,
@@ -101,6 +104,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(a_key_is_one_kind_at_a_time);
     case!(a_writer_is_never_beside_a_reader);
     case!(a_downgrade_is_one_transaction);
+    case!(a_writers_intent_keeps_readers_out);
     case!(a_forced_end_ends_only_the_named_hold);
     case!(release_orphan_is_conditional);
     case!(a_claim_stops_the_orphan_release);
@@ -420,6 +424,7 @@ pub async fn grant_on_a_held_key(log: &dyn LockLog) -> anyhow::Result<()> {
         fence_at: 0,
         other_kind: false,
         other_mode: None,
+        intent: None,
     };
     ensure!(answer.value == expected, "{:?}", answer.value);
     // the holder's own session again: refused the same way
@@ -477,6 +482,7 @@ pub async fn grant_with_the_wrong_epoch(log: &dyn LockLog) -> anyhow::Result<()>
                 fence_at: 0,
                 other_kind: false,
                 other_mode: None,
+                intent: None,
             },
         "{:?}",
         answer.value
@@ -520,6 +526,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
                 fence_at: 0,
                 other_kind: false,
                 other_mode: None,
+                intent: None,
             },
         "wrong record: {:?}",
         wrong.value
@@ -547,6 +554,7 @@ pub async fn grant_with_a_wrong_or_missing_session_record(log: &dyn LockLog) -> 
                 fence_at: 0,
                 other_kind: false,
                 other_mode: None,
+                intent: None,
             },
         "no record: {:?}",
         missing.value
@@ -588,6 +596,7 @@ pub async fn grant_on_a_revoked_lease(log: &dyn LockLog) -> anyhow::Result<()> {
                 fence_at: 0,
                 other_kind: false,
                 other_mode: None,
+                intent: None,
             },
         "{:?}",
         answer.value
@@ -1313,6 +1322,7 @@ pub async fn grant_while_sealed(log: &dyn LockLog) -> anyhow::Result<()> {
                 fence_at: 0,
                 other_kind: false,
                 other_mode: None,
+                intent: None,
             },
         "{:?}",
         answer.value

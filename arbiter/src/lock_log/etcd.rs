@@ -284,6 +284,28 @@ impl DurableQueueLog for EtcdLog {
         queue::dequeue(self, key, session, modified).await
     }
 
+    async fn put_intent(
+        &self,
+        name: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        queue::put_intent(self, name, session, session_record, record).await
+    }
+
+    async fn drop_intent(&self, name: &str, session: i64, modified: i64) -> LogResult<bool> {
+        queue::drop_intent(self, name, session, modified).await
+    }
+
+    async fn watch_intents(
+        &self,
+        name: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn KeyWatch>, StoreError> {
+        watch::watch_intents(self, name, from_revision).await
+    }
+
     async fn count_queued(&self, key: &str) -> LogResult<i64> {
         queue::count_queued(self, key).await
     }

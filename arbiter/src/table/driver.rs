@@ -35,18 +35,17 @@ pub(super) async fn drive(
     stop: CancellationToken,
 ) {
     let mut watch: Option<Box<dyn KeyWatch>> = None;
-    // What the watch is on: the key, its shared holds, or a semaphore's
-    // slots (`watched`).
-    let mut watching = String::new();
+    // What the watch is on: the key, its shared holds, its writers'
+    // intents, or a semaphore's slots (`watched`).
+    let mut watching = Watched::default();
     let mut from = watch_from;
-    // The last attempt found the key held shared (an exclusive head waits
-    // for the shared holds to end).
-    let mut readers_hold = false;
+    // What the last attempt found in the way.
+    let mut blocked = Blocked::Holder;
     while let Some(head) = table.head_or_retire(&key) {
         if stop.is_cancelled() {
             return;
         }
-        if watch.is_some() && watching != watched(&key, &head.req, readers_hold) {
+        if watch.is_some() && watching != watched(&key, &head.req, blocked) {
             // The head waits on something else than the watch was opened
             // for (a new head of another kind or mode): watch that.
             watch = None;
@@ -64,7 +63,7 @@ pub(super) async fn drive(
                 continue;
             }
         }
-        readers_hold = false;
+        blocked = Blocked::Holder;
         // On its way until the waiter is answered, or the attempt settled
         // on waiting (a wait that ends meanwhile settles on it first).
         let sending = head.sending();
@@ -110,21 +109,25 @@ pub(super) async fn drive(
                     continue;
                 }
             },
-            Ok(Attempt::Held { watch_from }) => {
+            Ok(
+                attempt @ (Attempt::Held { watch_from }
+                | Attempt::Readers { watch_from }
+                | Attempt::Intent { watch_from }),
+            ) => {
                 sending.done();
+                blocked = match attempt {
+                    Attempt::Readers { .. } => Blocked::Readers,
+                    Attempt::Intent { .. } => Blocked::Intent,
+                    _ => Blocked::Holder,
+                };
+                if blocked == Blocked::Readers {
+                    // A writer waiting for shared holds: readers that come
+                    // later, on any arbiter, wait behind it.
+                    table.declare_intent(&head).await;
+                }
                 // Held exclusively now: a watch on the shared holds would
                 // miss its end (the hostile review).
-                if watch.is_some() && watching != watched(&key, &head.req, readers_hold) {
-                    watch = None;
-                }
-                if from.is_none() || watch.is_none() {
-                    from = Some(watch_from);
-                }
-            }
-            Ok(Attempt::Readers { watch_from }) => {
-                sending.done();
-                readers_hold = true;
-                if watch.is_some() && watching != watched(&key, &head.req, readers_hold) {
+                if watch.is_some() && watching != watched(&key, &head.req, blocked) {
                     watch = None;
                 }
                 if from.is_none() || watch.is_none() {
@@ -158,8 +161,11 @@ pub(super) async fn drive(
         if watch.is_none()
             && let Some(rev) = from.take()
         {
-            watching = watched(&key, &head.req, readers_hold);
-            watch = table.log.watch(&watching, rev).await.ok();
+            watching = watched(&key, &head.req, blocked);
+            watch = match &watching {
+                Watched::Intents(name) => table.log.watch_intents(name, rev).await.ok(),
+                Watched::Holds(of) => table.log.watch(of, rev).await.ok(),
+            };
         }
         // Wait for a hint.
         match watch.as_mut() {
@@ -183,13 +189,41 @@ pub(super) async fn drive(
     }
 }
 
+/// What the head's last attempt found in its way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Blocked {
+    /// A hold of the key (or nothing: the first attempt).
+    Holder,
+    /// Shared holds, and the head asks exclusively.
+    Readers,
+    /// A writer's intent, and the head asks shared.
+    Intent,
+}
+
+/// What a driver watches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Watched {
+    /// Holder records: one key's, or every one under a prefix.
+    Holds(String),
+    /// The writers' intents on a lock.
+    Intents(String),
+}
+
+impl Default for Watched {
+    fn default() -> Self {
+        Self::Holds(String::new())
+    }
+}
+
 /// What a head waiting on `key` watches: a semaphore's waiter any of its
-/// slots, an exclusive waiter held up by shared holds those holds, any
-/// other waiter the key's exclusive hold.
-fn watched(key: &str, head: &super::GrantRequest, readers_hold: bool) -> String {
-    match (head.permits, readers_hold && !head.shared) {
-        (Some(_), _) => crate::records::slots_of(key),
-        (None, true) => crate::records::readers_of(key),
-        (None, false) => key.to_string(),
+/// slots, an exclusive waiter held up by shared holds those holds, a
+/// reader held up by a writer's intent the lock's intents, any other
+/// waiter the key's exclusive hold.
+fn watched(key: &str, head: &super::GrantRequest, blocked: Blocked) -> Watched {
+    match (head.permits, blocked, head.shared) {
+        (Some(_), ..) => Watched::Holds(crate::records::slots_of(key)),
+        (None, Blocked::Readers, false) => Watched::Holds(crate::records::readers_of(key)),
+        (None, Blocked::Intent, true) => Watched::Intents(key.to_string()),
+        _ => Watched::Holds(key.to_string()),
     }
 }

@@ -57,7 +57,8 @@ pub struct DurableStats {
     pub served: u64,
     /// Waiters whose record was gone and who queued again.
     pub requeued: u64,
-    /// Stale records of others removed.
+    /// Stale records of others removed (durable waiters, and writers'
+    /// intents).
     pub stale_removed: u64,
 }
 
@@ -305,9 +306,11 @@ impl LockTable {
                 // (shared holds on a durable class's key: only after its
                 // class changed; the hold watch then misses their ends and
                 // the poll finds them)
-                Ok(Attempt::Held { watch_from } | Attempt::Readers { watch_from }) => {
-                    Some(watch_from)
-                }
+                Ok(
+                    Attempt::Held { watch_from }
+                    | Attempt::Readers { watch_from }
+                    | Attempt::Intent { watch_from },
+                ) => Some(watch_from),
                 // Kept from it by a memory grant made a moment ago: as the
                 // gated wait above.
                 Ok(Attempt::Gated) => Some(queued.modified + 1),
@@ -394,20 +397,38 @@ impl LockTable {
     /// `session` found it, and removes it once this arbiter has seen it
     /// unchanged for longer than its call's budget and [`STALE_AFTER`].
     pub(super) async fn note_head(&self, key: &str, session: i64, head: &Kv) {
+        self.note_stale(Stale::Waiter, key, session, head).await;
+    }
+
+    /// Notes `intent`, the oldest writer's intent on lock `name` as a
+    /// reader of `session` found it, and removes it by the same rule: an
+    /// intent whose writer's call ended without removing it (its arbiter
+    /// died) would keep readers out while the writer's session lives.
+    pub(super) async fn note_intent(&self, name: &str, session: i64, intent: &Kv) {
+        self.note_stale(Stale::Intent, name, session, intent).await;
+    }
+
+    async fn note_stale(&self, stale: Stale, key: &str, session: i64, head: &Kv) {
         let Some(record) = decode::<WaiterRecord>(&head.value) else {
             return;
         };
         if record.session == session {
             return;
         }
+        // One entry per key and range (`//` occurs in no key).
+        let seen_as = match stale {
+            Stale::Waiter => key.to_string(),
+            Stale::Intent => format!("{key}//w"),
+        };
+        let key_seen = seen_as.as_str();
         let since = {
             let mut heads = self.stale_heads.lock();
-            match heads.get(key) {
+            match heads.get(key_seen) {
                 Some(s) if s.session == record.session && s.modified == head.mod_revision => {
                     s.since
                 }
                 _ => {
-                    if heads.len() >= STALE_HEADS_KEPT && !heads.contains_key(key) {
+                    if heads.len() >= STALE_HEADS_KEPT && !heads.contains_key(key_seen) {
                         // Bounded: forget the longest-watched (its clock
                         // starts again if it is seen again).
                         let oldest = heads
@@ -419,7 +440,7 @@ impl LockTable {
                         }
                     }
                     heads.insert(
-                        key.to_string(),
+                        seen_as.clone(),
                         Seen {
                             session: record.session,
                             modified: head.mod_revision,
@@ -434,23 +455,41 @@ impl LockTable {
         if since.elapsed() < budget {
             return;
         }
-        debug!(key, "removing a durable waiter whose call ended long ago");
-        if let Ok(answer) = self
-            .log
-            .dequeue(key, record.session, head.mod_revision)
-            .await
+        let removed = match stale {
+            Stale::Waiter => {
+                debug!(key, "removing a durable waiter whose call ended long ago");
+                self.log
+                    .dequeue(key, record.session, head.mod_revision)
+                    .await
+            }
+            Stale::Intent => {
+                debug!(key, "removing a writer's intent whose call ended long ago");
+                self.log
+                    .drop_intent(key, record.session, head.mod_revision)
+                    .await
+            }
+        };
+        if let Ok(answer) = removed
             && answer.value
         {
             bump(&self.durable.stale_removed);
         }
         let mut heads = self.stale_heads.lock();
         if heads
-            .get(key)
+            .get(key_seen)
             .is_some_and(|s| s.session == record.session && s.modified == head.mod_revision)
         {
-            heads.remove(key);
+            heads.remove(key_seen);
         }
     }
+}
+
+/// Which record [`LockTable::note_stale`] watches: a durable queue's head,
+/// or a lock's oldest writer's intent.
+#[derive(Clone, Copy)]
+enum Stale {
+    Waiter,
+    Intent,
 }
 
 /// How many keys' queue heads a table keeps watching for staleness.

@@ -132,39 +132,50 @@ impl LockTable {
                 ));
             }
         };
-        let (holder, epoch_now, sealed, session, queue_head, fence_at, other_kind, other_mode) =
-            match granted {
-                Granted::Yes => {
-                    self.granted_at(header.revision);
-                    let grant = Grant {
-                        key: req.key.clone(),
-                        session: req.session,
-                        epoch: state.epoch(),
-                        revision: header.revision,
-                    };
-                    if let Err(e) = self.seal.make_durable(state, header.revision).await {
-                        // Committed, but its token may not be handed out:
-                        // the grant goes as an orphan rather than stay a
-                        // hold its session never heard of (the second
-                        // hostile review of this stop).
-                        self.release_orphan(grant);
-                        return Err(e);
-                    }
-                    return Ok(Some(Attempt::Granted(grant)));
+        let (
+            holder,
+            epoch_now,
+            sealed,
+            session,
+            queue_head,
+            fence_at,
+            other_kind,
+            other_mode,
+            intent,
+        ) = match granted {
+            Granted::Yes => {
+                self.granted_at(header.revision);
+                let grant = Grant {
+                    key: req.key.clone(),
+                    session: req.session,
+                    epoch: state.epoch(),
+                    revision: header.revision,
+                };
+                if let Err(e) = self.seal.make_durable(state, header.revision).await {
+                    // Committed, but its token may not be handed out:
+                    // the grant goes as an orphan rather than stay a
+                    // hold its session never heard of (the second
+                    // hostile review of this stop).
+                    self.release_orphan(grant);
+                    return Err(e);
                 }
-                Granted::No {
-                    holder,
-                    epoch,
-                    sealed,
-                    session,
-                    queue_head,
-                    fence_at,
-                    other_kind,
-                    other_mode,
-                } => (
-                    holder, epoch, sealed, session, queue_head, fence_at, other_kind, other_mode,
-                ),
-            };
+                return Ok(Some(Attempt::Granted(grant)));
+            }
+            Granted::No {
+                holder,
+                epoch,
+                sealed,
+                session,
+                queue_head,
+                fence_at,
+                other_kind,
+                other_mode,
+                intent,
+            } => (
+                holder, epoch, sealed, session, queue_head, fence_at, other_kind, other_mode,
+                intent,
+            ),
+        };
         if sealed
             || epoch_now.as_deref() != Some(state.bytes.as_slice())
             || fence_at != state.fence_at
@@ -210,6 +221,15 @@ impl LockTable {
                 .other_mode(req, state, other, header.revision + 1, asker)
                 .await
                 .map(Some);
+        }
+        if let (None, Some(intent)) = (&holder, intent) {
+            // A shared grant kept out by a writer waiting (on any arbiter)
+            // for the lock's shared holds to end: wait for its intent to go.
+            let name = crate::records::named_key(&req.key);
+            self.note_intent(name, req.session, &intent).await;
+            return Ok(Some(Attempt::Intent {
+                watch_from: header.revision + 1,
+            }));
         }
         let Some(holder) = holder else {
             // Free: the durable queue refused it, or (everything matching
@@ -300,6 +320,7 @@ impl LockTable {
             Attempt::Reused(grant) => self.reuse(grant).await?,
             Attempt::Held { watch_from }
             | Attempt::Readers { watch_from }
+            | Attempt::Intent { watch_from }
             | Attempt::Behind { watch_from, .. } => Next::Queue(Some(watch_from)),
             Attempt::Gated => Next::Queue(None),
             Attempt::Unqueued => {

@@ -33,6 +33,22 @@ pub(super) struct Waiter {
     /// Whether a grant for this waiter may have committed without it
     /// hearing: see [`Unknown`].
     pub(super) uncertain: Arc<Unknown>,
+    /// A writer's intent on the lock while it waits for shared holds to
+    /// end (`super::intent`).
+    pub(super) intent: Arc<super::intent::Intent>,
+}
+
+impl Waiter {
+    /// The driver's handle on this waiter.
+    fn head(&self) -> Head {
+        Head {
+            id: self.id,
+            req: self.req.clone(),
+            slot: self.slot.clone(),
+            uncertain: self.uncertain.clone(),
+            intent: self.intent.clone(),
+        }
+    }
 }
 
 /// Whether a waiter's grant may have committed without the waiter hearing
@@ -145,6 +161,7 @@ pub(super) struct Head {
     pub req: GrantRequest,
     pub(super) slot: Slot,
     pub(super) uncertain: Arc<Unknown>,
+    pub(super) intent: Arc<super::intent::Intent>,
 }
 
 impl Head {
@@ -321,12 +338,7 @@ impl Book {
 
     pub(super) fn head(&self, key: &str) -> Option<Head> {
         let w = self.keys.get(key)?.waiters.front()?;
-        Some(Head {
-            id: w.id,
-            req: w.req.clone(),
-            slot: w.slot.clone(),
-            uncertain: w.uncertain.clone(),
-        })
+        Some(w.head())
     }
 
     /// The shared waiters at the head of `key`'s queue, in order (every
@@ -337,12 +349,7 @@ impl Book {
                 .iter()
                 .take_while(|w| w.req.shared)
                 .take(limit)
-                .map(|w| Head {
-                    id: w.id,
-                    req: w.req.clone(),
-                    slot: w.slot.clone(),
-                    uncertain: w.uncertain.clone(),
-                })
+                .map(Waiter::head)
                 .collect()
         })
     }
@@ -387,6 +394,7 @@ mod tests {
             },
             slot: Arc::new(Mutex::new(None)),
             uncertain: Default::default(),
+            intent: super::super::intent::Intent::new(tokio::time::Instant::now()),
         }
     }
 

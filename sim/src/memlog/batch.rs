@@ -123,8 +123,8 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
 
 /// One kind, and one mode, at a time under a name, as the etcd log
 /// compares it: an exclusive grant finds nothing under `<name>//`; a shared
-/// hold's grant no exclusive hold and no slot; a slot's grant no exclusive
-/// hold and no shared one.
+/// hold's grant no exclusive hold, no slot and no writer's intent; a slot's
+/// grant no exclusive hold and no shared one.
 pub(crate) fn kind_and_mode(key: &str) -> Vec<Compare> {
     use latchkey_records::{HoldKind, hold_kind, readers_of, slots_of, under_name};
     match hold_kind(key) {
@@ -132,6 +132,7 @@ pub(crate) fn kind_and_mode(key: &str) -> Vec<Compare> {
         (HoldKind::Shared, name) => vec![
             Compare::CreateRevision(keys::holder(name), 0),
             Compare::NoneUnder(keys::holder(&slots_of(name))),
+            Compare::NoneUnder(keys::intents_of(name)),
         ],
         (HoldKind::Slot, name) => vec![
             Compare::CreateRevision(keys::holder(name), 0),
@@ -240,6 +241,7 @@ fn failure(store: &Store, kind: &Kind) -> BatchOutcome {
             fence_at: store.get(&keys::map_fence()).map_or(0, |s| s.mod_revision),
             other_kind: other_kind(store, holder),
             other_mode: other_mode(store, holder),
+            intent: intent(store, holder),
         }),
         Kind::Release { holder } => BatchOutcome::Release(ReleasedIf::No { holder: kv(holder) }),
     }
@@ -271,6 +273,16 @@ fn other_mode(store: &Store, holder: &str) -> Option<Kv> {
         (HoldKind::Exclusive, name) => store.first_under(&keys::holder(&readers_of(name))),
         (HoldKind::Shared, name) => store.get(&keys::holder(name)).map(|s| s.kv()),
         (HoldKind::Slot, _) => None,
+    }
+}
+
+/// The oldest writer's intent a shared hold's grant reads on failure.
+fn intent(store: &Store, holder: &str) -> Option<Kv> {
+    use latchkey_records::{HoldKind, hold_kind};
+    let key = holder.strip_prefix(keys::HOLDERS).unwrap_or(holder);
+    match hold_kind(key) {
+        (HoldKind::Shared, name) => store.oldest_under(&keys::intents_of(name)),
+        _ => None,
     }
 }
 

@@ -46,6 +46,14 @@ pub fn queue_of(key: &str) -> String {
 pub fn waiter(key: &str, session: i64) -> String {
     format!("{}{session:016x}", queue_of(key))
 }
+/// The writers' intents on lock `name` (`//` cannot occur in a key).
+pub const INTENTS: &str = "w/";
+pub fn intents_of(name: &str) -> String {
+    format!("{INTENTS}{name}//")
+}
+pub fn intent(name: &str, session: i64) -> String {
+    format!("{}{session:016x}", intents_of(name))
+}
 /// Every quota place (what an epoch advance deletes).
 pub const QUOTA_PLACES: &str = "p/";
 /// Every place of `subject`'s quota in `class` (hex subject, as etcd's layout).

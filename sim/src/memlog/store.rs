@@ -867,4 +867,8 @@ fn secs(ttl: i64) -> Duration {
 fn watches(watched: &str, key: &str) -> bool {
     watched == key
         || ((watched.ends_with("//s/") || watched.ends_with("//r/")) && key.starts_with(watched))
+        // a lock's writers' intents (`w/<name>//`: no lock key ends in `//`)
+        || (watched.starts_with(super::keys::INTENTS)
+            && watched.ends_with("//")
+            && key.starts_with(watched))
 }

@@ -204,6 +204,7 @@ impl IdLog {
                 fence_at,
                 other_kind,
                 other_mode,
+                intent,
             } => Granted::No {
                 holder: holder.map(|kv| self.kv_back(kv)),
                 epoch,
@@ -213,6 +214,7 @@ impl IdLog {
                 fence_at,
                 other_kind,
                 other_mode: other_mode.map(|kv| self.kv_back(kv)),
+                intent: intent.map(|kv| self.kv_back(kv)),
             },
             yes => yes,
         }
@@ -672,6 +674,37 @@ impl DurableQueueLog for IdLog {
             .dequeue(key, self.store_id(session), modified)
             .await
             .map_err(|e| self.error_back(e))
+    }
+
+    async fn put_intent(
+        &self,
+        name: &str,
+        session: i64,
+        session_record: &[u8],
+        record: Vec<u8>,
+    ) -> LogResult<Option<Queued>> {
+        self.t(|| format!("put_intent {name} {}", self.store_id(session)));
+        self.log
+            .put_intent(name, self.store_id(session), session_record, record)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn drop_intent(&self, name: &str, session: i64, modified: i64) -> LogResult<bool> {
+        self.t(|| format!("drop_intent {name} {}", self.store_id(session)));
+        self.log
+            .drop_intent(name, self.store_id(session), modified)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn watch_intents(
+        &self,
+        name: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn KeyWatch>, StoreError> {
+        self.t(|| format!("watch_intents {name}"));
+        self.log.watch_intents(name, from_revision).await
     }
 }
 

@@ -308,6 +308,7 @@ pub async fn a_batch_answers_each_member(log: &dyn LockLog) -> anyhow::Result<()
             fence_at: 0,
             other_kind: false,
             other_mode: None,
+            intent: None,
         }),
         BatchOutcome::Grant(Granted::Yes),
         BatchOutcome::Release(ReleasedIf::No {
@@ -322,6 +323,7 @@ pub async fn a_batch_answers_each_member(log: &dyn LockLog) -> anyhow::Result<()
             fence_at: 0,
             other_kind: false,
             other_mode: None,
+            intent: None,
         }),
     ];
     ensure!(answer.value == expected, "{:?}", answer.value);

@@ -129,6 +129,7 @@ pub async fn a_grant_compares_the_map_fence(log: &dyn LockLog) -> anyhow::Result
                 fence_at: 0,
                 other_kind: false,
                 other_mode: None,
+                intent: None,
             },
         "a grant naming a fence on a cluster with none: {:?}",
         named.value
@@ -152,6 +153,7 @@ pub async fn a_grant_compares_the_map_fence(log: &dyn LockLog) -> anyhow::Result
                 fence_at: at,
                 other_kind: false,
                 other_mode: None,
+                intent: None,
             },
         "a grant naming no fence after a raise: {:?}",
         stale.value
@@ -277,6 +279,7 @@ pub async fn a_batch_member_with_a_stale_fence_is_refused(log: &dyn LockLog) -> 
             fence_at: now,
             other_kind: false,
             other_mode: None,
+            intent: None,
         }),
         BatchOutcome::Release(ReleasedIf::Yes(holder_record(keys[0], id))),
     ];

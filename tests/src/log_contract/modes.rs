@@ -203,3 +203,155 @@ pub async fn a_downgrade_is_one_transaction(log: &dyn LockLog) -> anyhow::Result
     revoke_all(log, &[a]).await?;
     Ok(())
 }
+
+/// A writer's intent (issue 34) keeps shared grants out, and only them: a
+/// reader is refused with the oldest intent read in the same transaction
+/// (nothing written), in a batch as alone; an exclusive grant ignores it;
+/// the intent is put only on the caller's own session, keeps its create
+/// revision when put again, is deleted only at its last write, and goes
+/// with its session's lease. A watch on the intents sees each change.
+pub async fn a_writers_intent_keeps_readers_out(log: &dyn LockLog) -> anyhow::Result<()> {
+    use latchkey_arbiter::lock_log::{BatchOutcome, WatchSignal};
+    let epoch = epoch(log).await?;
+    let identity = "spiffe://contract/intent";
+    let (w, v, r, x) = (lease(93, 1), lease(93, 2), lease(93, 3), lease(93, 4));
+    let rw = open(log, w, identity).await?;
+    // Another identity: its session record differs from the writer's.
+    let rv = open(log, v, "spiffe://contract/intent-2").await?;
+    let rr = open(log, r, identity).await?;
+    open(log, x, identity).await?;
+    let name = "contract/intent/rw";
+    let read_r = reader_key(name, r);
+    let from = revision(log).await? + 1;
+    let mut watch = log.watch_intents(name, from).await?;
+
+    // Not the caller's session: nothing is put.
+    let before = revision(log).await?;
+    let refused = log
+        .put_intent(name, w, &rv, b"intent".to_vec())
+        .await?
+        .value;
+    ensure!(
+        refused.is_none(),
+        "an intent on another's session: {refused:?}"
+    );
+    unchanged(log, before, "an intent on another's session").await?;
+
+    let put = log.put_intent(name, w, &rw, b"first".to_vec()).await?;
+    let Some(first) = put.value else {
+        anyhow::bail!("the writer's own intent was not put");
+    };
+    ensure!(
+        first.created == put.header.revision && first.modified == put.header.revision,
+        "a new intent is created at its put: {first:?} at {}",
+        put.header.revision
+    );
+    let signal = super::next_signal(&mut watch, "the intent's put").await?;
+    ensure!(
+        signal == WatchSignal::Changed,
+        "the intent's put: {signal:?}"
+    );
+    let again = log.put_intent(name, w, &rw, b"again".to_vec()).await?;
+    let Some(again) = again.value else {
+        anyhow::bail!("the intent was not put again");
+    };
+    ensure!(
+        again.created == first.created && again.modified > first.modified,
+        "put again keeps its create revision: {again:?} after {first:?}"
+    );
+    let signal = super::next_signal(&mut watch, "the intent put again").await?;
+    ensure!(
+        signal == WatchSignal::Changed,
+        "the intent put again: {signal:?}"
+    );
+    // A second writer's intent, younger.
+    let Some(_) = log
+        .put_intent(name, v, &rv, b"second".to_vec())
+        .await?
+        .value
+    else {
+        anyhow::bail!("the second writer's intent was not put");
+    };
+    let signal = super::next_signal(&mut watch, "the second intent").await?;
+    ensure!(
+        signal == WatchSignal::Changed,
+        "the second intent: {signal:?}"
+    );
+
+    let before = revision(log).await?;
+    let refused = log.grant(txn(&read_r, r, &epoch, &rr)).await?.value;
+    let Granted::No {
+        holder: None,
+        other_mode: None,
+        intent: Some(oldest),
+        ..
+    } = &refused
+    else {
+        anyhow::bail!("a reader beside a writer's intent: {refused:?}");
+    };
+    ensure!(
+        oldest.lease == w && oldest.value == b"again" && oldest.create_revision == first.created,
+        "the oldest intent is read back: {oldest:?}"
+    );
+    let batch = log
+        .batch(vec![BatchOp::Grant(txn(&read_r, r, &epoch, &rr))])
+        .await?
+        .value;
+    ensure!(
+        matches!(
+            batch.as_slice(),
+            [BatchOutcome::Grant(Granted::No {
+                intent: Some(_),
+                ..
+            })]
+        ),
+        "a reader in a batch beside a writer's intent: {batch:?}"
+    );
+    unchanged(log, before, "a reader's grant beside an intent").await?;
+
+    // An exclusive grant does not compare intents (a writer's own grant
+    // must pass its intent), and its refusal reads none.
+    let held = take(log, name, x, identity, &epoch).await?;
+    let refused = log.grant(txn(name, w, &epoch, &rw)).await?.value;
+    ensure!(
+        matches!(
+            &refused,
+            Granted::No {
+                holder: Some(_),
+                intent: None,
+                ..
+            }
+        ),
+        "a writer's grant over a writer: {refused:?}"
+    );
+    let released = log.release(&held).await?.value;
+    ensure!(released.is_some(), "the writer's hold was not released");
+
+    // Deleted only at its last write.
+    let before = revision(log).await?;
+    let stale = log.drop_intent(name, w, first.modified).await?.value;
+    ensure!(!stale, "an intent deleted at an older write");
+    unchanged(log, before, "a stale intent delete").await?;
+    ensure!(
+        log.drop_intent(name, w, again.modified).await?.value,
+        "the intent was not deleted"
+    );
+    let signal = super::next_signal(&mut watch, "the intent deleted").await?;
+    ensure!(
+        signal == WatchSignal::Freed,
+        "the intent deleted: {signal:?}"
+    );
+    // The second writer's session ends: its intent with it.
+    revoke_all(log, &[v]).await?;
+    let signal = super::next_signal(&mut watch, "the second intent's lease").await?;
+    ensure!(
+        signal == WatchSignal::Freed,
+        "the second intent's lease: {signal:?}"
+    );
+    let granted = log.grant(txn(&read_r, r, &epoch, &rr)).await?.value;
+    ensure!(
+        granted == Granted::Yes,
+        "a reader once no intent is left: {granted:?}"
+    );
+    revoke_all(log, &[w, r, x]).await
+}

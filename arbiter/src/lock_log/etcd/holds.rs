@@ -119,8 +119,10 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
 ///   (`l/<key>//`: its shared holds, or a semaphore's slots) empty — etcd
 ///   compares an empty range as one missing key, version 0 — and reads the
 ///   first record there;
-/// - a shared hold's grant compares the lock's name not held exclusively
-///   and no slot under it, and reads the exclusive hold;
+/// - a shared hold's grant compares the lock's name not held exclusively,
+///   no slot under it and no writer's intent on it (issue 34: a writer
+///   waiting on any arbiter keeps later readers out), and reads the
+///   exclusive hold and the oldest intent;
 /// - a slot's grant compares its semaphore's name not held as a lock,
 ///   exclusively or shared.
 ///
@@ -147,10 +149,23 @@ fn kind_and_mode(log: &EtcdLog, key: &str) -> (Vec<Compare>, Vec<TxnOp>) {
             vec![first_under(&under_name(name), false)],
         ),
         (HoldKind::Shared, name) => (
-            vec![absent(name), none_under(&slots_of(name))],
+            vec![
+                absent(name),
+                none_under(&slots_of(name)),
+                Compare::version(log.layout.intents_of(name), CompareOp::Equal, 0).with_prefix(),
+            ],
             vec![
                 TxnOp::get(log.layout.holder(name), None),
                 first_under(&slots_of(name), true),
+                TxnOp::get(
+                    log.layout.intents_of(name),
+                    Some(
+                        GetOptions::new()
+                            .with_prefix()
+                            .with_sort(SortTarget::Create, SortOrder::Ascend)
+                            .with_limit(1),
+                    ),
+                ),
             ],
         ),
         (HoldKind::Slot, name) => (
@@ -196,8 +211,8 @@ impl KindRead {
         }
     }
 
-    /// (other kind, other mode) from the kind's reads.
-    fn read(&self, reads: &[TxnOpResponse]) -> (bool, Option<Kv>) {
+    /// (other kind, other mode, intent) from the kind's reads.
+    fn read(&self, reads: &[TxnOpResponse]) -> (bool, Option<Kv>, Option<Kv>) {
         use crate::records::HoldKind;
         let first = |at: usize| reads.get(at).and_then(first_kv);
         match self.kind {
@@ -205,14 +220,14 @@ impl KindRead {
                 let under = reads.first().and_then(latchkey_etcd::txn::first_kv);
                 match under {
                     Some(found) if found.key().starts_with(self.readers.as_bytes()) => {
-                        (false, Some(super::kv(found)))
+                        (false, Some(super::kv(found)), None)
                     }
-                    Some(_) => (true, None),
-                    None => (false, None),
+                    Some(_) => (true, None, None),
+                    None => (false, None, None),
                 }
             }
-            HoldKind::Shared => (first(1).is_some(), first(0)),
-            HoldKind::Slot => (first(0).is_some() || first(1).is_some(), None),
+            HoldKind::Shared => (first(1).is_some(), first(0), first(2)),
+            HoldKind::Slot => (first(0).is_some() || first(1).is_some(), None, None),
         }
     }
 }
@@ -222,7 +237,7 @@ fn granted(succeeded: bool, ops: Vec<TxnOpResponse>, read: &KindRead) -> Granted
     if succeeded {
         return Granted::Yes;
     }
-    let (other_kind, other_mode) = read.read(ops.get(6..).unwrap_or_default());
+    let (other_kind, other_mode, intent) = read.read(ops.get(6..).unwrap_or_default());
     Granted::No {
         holder: ops.first().and_then(first_kv),
         epoch: ops.get(1).and_then(first_kv).map(|kv| kv.value),
@@ -235,6 +250,7 @@ fn granted(succeeded: bool, ops: Vec<TxnOpResponse>, read: &KindRead) -> Granted
             .map_or(0, |kv| kv.mod_revision),
         other_kind,
         other_mode,
+        intent,
     }
 }
 

@@ -18,6 +18,37 @@ pub(super) async fn enqueue(
     session_record: &[u8],
     record: Vec<u8>,
 ) -> LogResult<Option<Queued>> {
+    let waiter = log.layout.waiter(key, session);
+    put_on_lease(log, waiter, session, session_record, record)
+        .await
+        .map_err(|e| unavailable_on("cannot queue a durable waiter", session, e))?
+}
+
+/// Puts `session`'s writer intent on lock `name` (a waiter record's twin
+/// in its own range: see `DurableQueueLog::put_intent`).
+pub(super) async fn put_intent(
+    log: &EtcdLog,
+    name: &str,
+    session: i64,
+    session_record: &[u8],
+    record: Vec<u8>,
+) -> LogResult<Option<Queued>> {
+    let intent = log.layout.intent(name, session);
+    put_on_lease(log, intent, session, session_record, record)
+        .await
+        .map_err(|e| unavailable_on("cannot put a writer's intent", session, e))?
+}
+
+/// Puts `record` at `key` on `session`'s lease if the session record is
+/// `session_record`; over an existing record etcd keeps its create
+/// revision.
+async fn put_on_lease(
+    log: &EtcdLog,
+    key: String,
+    session: i64,
+    session_record: &[u8],
+    record: Vec<u8>,
+) -> Result<LogResult<Option<Queued>>, latchkey_etcd::Error> {
     let txn = Txn::new()
         .when([Compare::value(
             log.layout.session(session),
@@ -25,13 +56,15 @@ pub(super) async fn enqueue(
             session_record,
         )])
         .and_then([TxnOp::put(
-            log.layout.waiter(key, session),
+            key,
             record,
             Some(PutOptions::new().with_lease(session).with_prev_key()),
         )]);
-    let resp = txn::run(&log.client, txn)
-        .await
-        .map_err(|e| unavailable_on("cannot queue a durable waiter", session, e))?;
+    let resp = txn::run(&log.client, txn).await?;
+    Ok(queued(resp))
+}
+
+fn queued(resp: latchkey_etcd::txn::TxnResponse) -> LogResult<Option<Queued>> {
     let modified = txn::revision(&resp)
         .ok_or_else(|| StoreError::Malformed("etcd answered a txn without a header".into()))?;
     let queued = match (resp.succeeded(), resp.op_responses().first()) {
@@ -85,16 +118,37 @@ pub(super) async fn dequeue(
     session: i64,
     modified: i64,
 ) -> LogResult<bool> {
-    let waiter = log.layout.waiter(key, session);
+    delete_at(log, log.layout.waiter(key, session), modified)
+        .await
+        .map_err(|e| unavailable("cannot remove a durable waiter", e))?
+}
+
+/// Deletes `session`'s intent on lock `name` if it was last written at
+/// `modified`.
+pub(super) async fn drop_intent(
+    log: &EtcdLog,
+    name: &str,
+    session: i64,
+    modified: i64,
+) -> LogResult<bool> {
+    delete_at(log, log.layout.intent(name, session), modified)
+        .await
+        .map_err(|e| unavailable("cannot remove a writer's intent", e))?
+}
+
+/// Deletes `key` if it was last written at `modified`; whether it did.
+async fn delete_at(
+    log: &EtcdLog,
+    key: String,
+    modified: i64,
+) -> Result<LogResult<bool>, latchkey_etcd::Error> {
     let txn = Txn::new()
         .when([Compare::mod_revision(
-            waiter.clone(),
+            key.clone(),
             CompareOp::Equal,
             modified,
         )])
-        .and_then([TxnOp::delete(waiter, None)]);
-    let resp = txn::run(&log.client, txn)
-        .await
-        .map_err(|e| unavailable("cannot remove a durable waiter", e))?;
-    answer(resp.header(), resp.succeeded())
+        .and_then([TxnOp::delete(key, None)]);
+    let resp = txn::run(&log.client, txn).await?;
+    Ok(answer(resp.header(), resp.succeeded()))
 }

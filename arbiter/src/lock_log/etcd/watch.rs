@@ -40,6 +40,19 @@ pub(super) async fn watch_queue(
         .map_err(|e| unavailable("cannot watch a durable queue", e))
 }
 
+/// Watches the writers' intents on lock `name` from `from_revision`
+/// (inclusive): an intent leaving may let readers in.
+pub(super) async fn watch_intents(
+    log: &EtcdLog,
+    name: &str,
+    from_revision: i64,
+) -> Result<Box<dyn KeyWatch>, StoreError> {
+    let prefix = WatchOptions::new().with_prefix();
+    open(log, log.layout.intents_of(name), prefix, from_revision)
+        .await
+        .map_err(|e| unavailable("cannot watch writers' intents", e))
+}
+
 async fn open(
     log: &EtcdLog,
     key: String,
