@@ -392,6 +392,8 @@ pub fn batch_is_distinct(ops: &[BatchOp<'_>]) -> Result<(), StoreError> {
 
 /// How one member of a batch ended: what its own transaction would have
 /// answered.
+// Large only on a refused grant, read once and dropped (as `Granted`).
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BatchOutcome {
     Grant(Granted),

@@ -396,6 +396,10 @@ impl Layout {
     pub fn quota_place(&self, class: &str, subject: &str, index: u32) -> String {
         format!("{}{index:04x}", self.quota_places(class, subject))
     }
+    /// Every writer's intent (what an epoch advance deletes).
+    pub fn all_intents(&self) -> String {
+        format!("{}/{}", self.prefix, keys::INTENTS)
+    }
     /// Every quota place (what an epoch advance deletes).
     pub fn all_quota_places(&self) -> String {
         format!("{}/{}", self.prefix, keys::QUOTA_PLACES)

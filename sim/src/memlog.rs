@@ -562,6 +562,7 @@ impl EpochLog for MemLog {
                     // every leadership and candidacy ends, as on etcd
                     Op::DeletePrefix(keys::ELECTIONS.into()),
                     Op::DeletePrefix(keys::QUOTA_PLACES.into()),
+                    Op::DeletePrefix(keys::INTENTS.into()),
                 ],
             )?;
             let deleted = match results.get(1) {

@@ -366,6 +366,80 @@ async fn a_writers_intent_left_behind_is_removed_as_stale() -> anyhow::Result<()
     Ok(())
 }
 
+fn waiting_durable(
+    t: &Arc<LockTable>,
+    r: &GrantRequest,
+) -> JoinHandle<Result<Acquired, ArbiterError>> {
+    let (t, r) = (t.clone(), r.clone());
+    tokio::spawn(async move { t.acquire_durable(r, WAIT, 16).await })
+}
+
+async fn queued_durable(t: &LockTable, key: &str, n: u32) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    while t.durable_waiting(key).await? < n {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{key} has fewer than {n} durable waiters"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
+/// A durable class takes shared holds: readers hold together, a writer
+/// queued in the log (through another arbiter) keeps later readers behind
+/// it, and they follow it in queue order; a writer's downgrade with a
+/// reader queued behind it is one step, and that reader joins.
+#[tokio::test(start_paused = true)]
+async fn a_durable_queue_orders_readers_and_writers_across_arbiters() -> anyhow::Result<()> {
+    let log = MemLog::new(61);
+    let (a, b) = (table(&log), table(&log));
+    a.start().await?;
+    b.start().await?;
+    let r1 = caller(&a, "reader-1", "db", true).await;
+    let g1 = a.acquire_durable(r1.clone(), None, 16).await?.grant;
+    assert_eq!(g1.key, reader_key("db", r1.session));
+    let w = caller(&b, "writer", "db", false).await;
+    let writer = waiting_durable(&b, &w);
+    queued_durable(&b, "db", 1).await?;
+    let r2 = caller(&a, "reader-2", "db", true).await;
+    assert!(
+        matches!(
+            a.acquire_durable(r2.clone(), None, 16).await,
+            Err(ArbiterError::Held { .. })
+        ),
+        "a reader's try-lock passes a queued writer"
+    );
+    let late = waiting_durable(&a, &r2);
+    queued_durable(&a, "db", 2).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!writer.is_finished() && !late.is_finished());
+
+    release(&a, &r1, &g1).await?;
+    let gw = writer.await??.grant;
+    assert_eq!(gw.key, "db");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!late.is_finished(), "the late reader beside the writer");
+
+    // The writer downgrades while reader-2 is queued behind it: at once,
+    // and reader-2 joins.
+    let down = GrantRequest {
+        shared: true,
+        ..w.clone()
+    };
+    let gd = b.acquire_durable(down.clone(), None, 16).await?.grant;
+    assert_eq!(gd.key, reader_key("db", w.session));
+    assert!(gd.token() > gw.token());
+    let g2 = late.await??.grant;
+    assert_eq!(g2.key, reader_key("db", r2.session));
+    assert!(g2.token() > gw.token());
+    assert_eq!(a.reader_holders("db").await?.len(), 2);
+    assert_eq!(a.durable_waiting("db").await?, 0);
+    a.shutdown().await;
+    b.shutdown().await;
+    Ok(())
+}
+
 /// Class facts for the tests: every class's hold lasts at most `max`.
 struct MaxHold(Duration);
 

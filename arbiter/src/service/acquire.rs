@@ -248,12 +248,6 @@ impl Arbiter {
                 super::truncate(&class.name, 64)
             )));
         }
-        if shared && class.fairness == latchkey_policies::Fairness::Durable {
-            return Err(ArbiterError::BadRequest(format!(
-                "class {:?} keeps a durable queue (fairness = \"durable\"), which takes no shared holds yet: acquire exclusively, or use a class with fairness = \"arbiter\"",
-                super::truncate(&class.name, 64)
-            )));
-        }
         let metadata: BTreeMap<String, String> = req.metadata.into_iter().collect();
         check_metadata(&metadata)?;
         let instance = checked_instance(&req.instance)?;

@@ -236,6 +236,9 @@ impl LockTable {
         let mut queue_watch: Option<Box<dyn KeyWatch>> = None;
         // Someone older was ahead at the last look: read before trying.
         let mut behind = false;
+        // The hold watch is on the lock's shared holds (`readers_of`), not
+        // its exclusive hold.
+        let mut watch_readers = false;
         loop {
             if self.waits_end.is_cancelled() {
                 // The record stays: the caller's retry (through another
@@ -256,15 +259,18 @@ impl LockTable {
                 Ok(Attempt::Behind { watch_from: at + 1 })
             } else {
                 let sending = uncertain.sending();
-                let attempted = self
-                    .attempt_in(
-                        req,
-                        QueueTurn::Mine {
-                            created: queued.created,
-                        },
-                        Asker::Queue,
-                    )
-                    .await;
+                let turn = QueueTurn::Mine {
+                    created: queued.created,
+                };
+                // A reader's grant is of its own reader key, at its place
+                // in the lock's queue.
+                let attempted = match req.shared {
+                    true => {
+                        let reader = super::shared::reader_request(req);
+                        self.attempt_in(&reader, turn, Asker::Queue).await
+                    }
+                    false => self.attempt_in(req, turn, Asker::Queue).await,
+                };
                 match &attempted {
                     // on its way until the caller has it
                     Ok(Attempt::Granted(_)) => *pending = Some(sending),
@@ -303,14 +309,24 @@ impl LockTable {
                         }
                     }
                 }
-                // (shared holds on a durable class's key: only after its
-                // class changed; the hold watch then misses their ends and
-                // the poll finds them)
-                Ok(
-                    Attempt::Held { watch_from }
-                    | Attempt::Readers { watch_from }
-                    | Attempt::Intent { watch_from },
-                ) => Some(watch_from),
+                // A writer held up by shared holds watches them; anyone
+                // else the lock's exclusive hold. (A writer's intent is
+                // for in-memory queues: a durable queue keeps its readers
+                // behind its writer itself.)
+                Ok(Attempt::Readers { watch_from }) => {
+                    if !watch_readers {
+                        hold_watch = None;
+                    }
+                    watch_readers = true;
+                    Some(watch_from)
+                }
+                Ok(Attempt::Held { watch_from } | Attempt::Intent { watch_from }) => {
+                    if watch_readers {
+                        hold_watch = None;
+                    }
+                    watch_readers = false;
+                    Some(watch_from)
+                }
                 // Kept from it by a memory grant made a moment ago: as the
                 // gated wait above.
                 Ok(Attempt::Gated) => Some(queued.modified + 1),
@@ -337,7 +353,11 @@ impl LockTable {
             };
             if let Some(rev) = from {
                 if hold_watch.is_none() {
-                    hold_watch = self.log.watch(&req.key, rev).await.ok();
+                    let watched = match watch_readers {
+                        true => crate::records::readers_of(&req.key),
+                        false => req.key.clone(),
+                    };
+                    hold_watch = self.log.watch(&watched, rev).await.ok();
                 }
                 if queue_watch.is_none() {
                     queue_watch = self.log.watch_queue(&req.key, rev).await.ok();
@@ -412,7 +432,10 @@ impl LockTable {
         let Some(record) = decode::<WaiterRecord>(&head.value) else {
             return;
         };
-        if record.session == session {
+        // A session's own waiter record is its place; its own intent is
+        // removed by the same rule (a live one lasts at most its wait), or
+        // a leftover one would keep the session's own readers out.
+        if record.session == session && matches!(stale, Stale::Waiter) {
             return;
         }
         // One entry per key and range (`//` occurs in no key).

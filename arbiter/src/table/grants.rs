@@ -237,13 +237,15 @@ impl LockTable {
             // another attempt decides.
             return Ok(match (turn, queue_head) {
                 (QueueTurn::Empty, Some(head)) => {
-                    self.note_head(&req.key, req.session, &head).await;
+                    self.note_head(crate::records::named_key(&req.key), req.session, &head)
+                        .await;
                     Some(Attempt::Behind {
                         watch_from: header.revision + 1,
                     })
                 }
                 (QueueTurn::Mine { created }, Some(head)) if head.create_revision < created => {
-                    self.note_head(&req.key, req.session, &head).await;
+                    self.note_head(crate::records::named_key(&req.key), req.session, &head)
+                        .await;
                     Some(Attempt::Behind {
                         watch_from: header.revision + 1,
                     })

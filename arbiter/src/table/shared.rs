@@ -272,7 +272,7 @@ impl LockTable {
 
 /// The grant request of `req`'s shared hold: the same request for the
 /// session's own reader key.
-fn reader_request(req: &GrantRequest) -> GrantRequest {
+pub(super) fn reader_request(req: &GrantRequest) -> GrantRequest {
     GrantRequest {
         key: reader_key(&req.key, req.session),
         ..req.clone()

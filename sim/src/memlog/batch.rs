@@ -84,6 +84,10 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
         value: txn.holder_record.clone(),
         lease: txn.session,
     }];
+    if let (latchkey_records::HoldKind::Exclusive, name) = latchkey_records::hold_kind(txn.key) {
+        // the writer's own intent, as etcd's grant deletes it
+        writes.push(Op::Delete(keys::intent(name, txn.session)));
+    }
     if let Some(take) = &txn.quota {
         let place = keys::quota_place(&take.class, &take.subject, take.index);
         match &take.was {
@@ -102,7 +106,7 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
     match txn.queue {
         QueueTurn::Empty => compares.push(Compare::NoneUnder(queue.clone())),
         QueueTurn::Mine { created } => {
-            let mine = keys::waiter(txn.key, txn.session);
+            let mine = keys::waiter(latchkey_records::named_key(txn.key), txn.session);
             compares.extend([
                 Compare::AllCreatedAfter(queue.clone(), created - 1),
                 Compare::CreateRevision(mine.clone(), created),

@@ -99,6 +99,10 @@ impl HoldLog for MemLog {
                 vec![
                     put(holder, txn.holder_record, txn.next_session),
                     Op::DeletePrefix(keys::claims_of(&key)),
+                    Op::Delete(keys::intent(
+                        latchkey_records::named_key(&key),
+                        txn.next_session,
+                    )),
                 ],
             )?;
             let previous = match results.first() {
@@ -120,10 +124,11 @@ impl HoldLog for MemLog {
             Compare::ModRevision(keys::map_fence(), txn.fence_at),
             Compare::Value(keys::session(txn.held.session), txn.session_record.to_vec()),
         ]);
-        // the shared hold's own compares but the exclusive hold's absence,
-        // which this transaction ends
-        compares.extend(batch::kind_and_mode(txn.reader_key).into_iter().skip(1));
-        compares.push(Compare::NoneUnder(keys::queue_of(&txn.held.key)));
+        // no slot under the name; not the exclusive hold's absence (this
+        // transaction ends it), the durable queue or a writer's intent:
+        // converting the session's own hold lets nobody else in (as etcd's)
+        let slots = latchkey_records::slots_of(&txn.held.key);
+        compares.push(Compare::NoneUnder(keys::holder(&slots)));
         let key = txn.held.key.clone();
         let session = txn.held.session;
         self.call("downgrade", |inner, _| {

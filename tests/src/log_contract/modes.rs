@@ -206,7 +206,8 @@ pub async fn a_downgrade_is_one_transaction(log: &dyn LockLog) -> anyhow::Result
 
 /// A writer's intent (issue 34) keeps shared grants out, and only them: a
 /// reader is refused with the oldest intent read in the same transaction
-/// (nothing written), in a batch as alone; an exclusive grant ignores it;
+/// (nothing written), in a batch as alone; an exclusive grant ignores
+/// others' intents and deletes its own;
 /// the intent is put only on the caller's own session, keeps its create
 /// revision when put again, is deleted only at its last write, and goes
 /// with its session's lease. A watch on the intents sees each change.
@@ -352,6 +353,27 @@ pub async fn a_writers_intent_keeps_readers_out(log: &dyn LockLog) -> anyhow::Re
     ensure!(
         granted == Granted::Yes,
         "a reader once no intent is left: {granted:?}"
+    );
+
+    // A writer's exclusive grant deletes its own intent in the same
+    // transaction (one left by a wait that ended elsewhere goes too).
+    let own = "contract/intent/own";
+    ensure!(
+        log.put_intent(own, w, &rw, b"own".to_vec())
+            .await?
+            .value
+            .is_some(),
+        "the intent on the second lock was not put"
+    );
+    let held = take(log, own, w, identity, &epoch).await?;
+    ensure!(log.release(&held).await?.value.is_some(), "not released");
+    let granted = log
+        .grant(txn(&reader_key(own, r), r, &epoch, &rr))
+        .await?
+        .value;
+    ensure!(
+        granted == Granted::Yes,
+        "a reader after the writer's grant took its intent: {granted:?}"
     );
     revoke_all(log, &[w, r, x]).await
 }

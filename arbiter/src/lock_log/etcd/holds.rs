@@ -55,6 +55,11 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
         txn.holder_record,
         Some(PutOptions::new().with_lease(txn.session)),
     )];
+    if let (crate::records::HoldKind::Exclusive, name) = crate::records::hold_kind(txn.key) {
+        // The writer's own intent, if it put one, ends with its wait
+        // (deleting a missing key writes nothing).
+        writes.push(TxnOp::delete(log.layout.intent(name, txn.session), None));
+    }
     if let Some(take) = txn.quota.map(|take| *take) {
         let place = log
             .layout
@@ -81,7 +86,8 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
             // No record older than the session's own, and the session's
             // own still the one it queued (a compare on a range holds for
             // every key in it).
-            let mine = log.layout.waiter(txn.key, txn.session);
+            // A shared hold's waiter record is its lock's (`queued_on`).
+            let mine = log.layout.waiter(queued_on, txn.session);
             compares.extend([
                 Compare::create_revision(queue.clone(), CompareOp::Greater, created - 1)
                     .with_prefix(),
@@ -456,6 +462,12 @@ pub(super) async fn hand_over(
             log.layout.claims_of(txn.from.key()),
             Some(DeleteOptions::new().with_prefix()),
         ),
+        // The next holder's intent, as its grant would.
+        TxnOp::delete(
+            log.layout
+                .intent(crate::records::named_key(txn.from.key()), txn.next_session),
+            None,
+        ),
     ]);
     let resp =
         log.client.kv_client().txn(etcd_txn).await.map_err(|e| {
@@ -474,7 +486,6 @@ pub(super) async fn hand_over(
 /// shard-map fence, the session's record) and the shared hold's own (its
 /// key absent; no slot under the name).
 pub(super) async fn downgrade(log: &EtcdLog, txn: DowngradeTxn<'_>) -> LogResult<bool> {
-    let (kind_compares, _) = kind_and_mode(log, txn.reader_key);
     let reader = log.layout.holder(txn.reader_key);
     let mut compares = still_held(log, txn.held).to_vec();
     compares.extend([
@@ -488,10 +499,13 @@ pub(super) async fn downgrade(log: &EtcdLog, txn: DowngradeTxn<'_>) -> LogResult
             txn.session_record,
         ),
     ]);
-    // The shared hold's own compares but the exclusive hold's absence,
-    // which this transaction ends; and no durable waiter first.
-    compares.extend(kind_compares.into_iter().skip(1));
-    compares.push(queue_empty(log, &txn.held.key));
+    // No slot under the name (a key is one kind at a time). Not the
+    // exclusive hold's absence, which this transaction ends, nor the
+    // durable queue or a writer's intent: the session holds the lock
+    // already, so converting its hold lets nobody else in, and a waiting
+    // writer waits for the shared hold as it did for the exclusive one.
+    let slots = crate::records::slots_of(&txn.held.key);
+    compares.push(Compare::version(log.layout.holder(&slots), CompareOp::Equal, 0).with_prefix());
     let etcd_txn = Txn::new().when(compares).and_then([
         TxnOp::delete(log.layout.holder(&txn.held.key), None),
         TxnOp::delete(

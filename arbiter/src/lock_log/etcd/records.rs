@@ -138,6 +138,11 @@ pub(super) async fn advance(
                 log.layout.all_quota_places(),
                 Some(DeleteOptions::new().with_prefix()),
             ),
+            // Every writer's intent: no arbiter's wait knows them now.
+            TxnOp::delete(
+                log.layout.all_intents(),
+                Some(DeleteOptions::new().with_prefix()),
+            ),
         ]);
     let resp = txn::run(&log.client, txn)
         .await
