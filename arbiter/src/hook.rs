@@ -37,6 +37,12 @@ pub struct HookInput<'a> {
     /// Locks the identity holds in the class (every arbiter's), read from
     /// etcd only when the hook asks for it.
     pub hold_count: Option<u32>,
+    /// The Acquire asks for a shared hold (`MODE_SHARED`); `false`:
+    /// exclusive. A Wasm hook sees it only when its class lists `"mode"` in
+    /// `inputs` (the host leaves it out otherwise).
+    pub shared: bool,
+    /// The class's permits, for a semaphore class; `None` for a lock.
+    pub permits: Option<u32>,
 }
 
 /// Who holds a key now.

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use futures::FutureExt;
-use latchkey_hook_abi::{ABI_VERSION, DenyCode, HookRequest};
+use latchkey_hook_abi::{ABI_VERSION, DenyCode, HookMode, HookRequest};
 use latchkey_hook_host::{HookHost, HookOutcome};
 use tokio::sync::Semaphore;
 use tokio::task::JoinError;
@@ -168,6 +168,14 @@ fn request(input: &HookInput<'_>) -> HookRequest {
         now_unix_ms: input.now_unix_ms,
         now_monotonic_ns: input.now_monotonic_ns,
         hold_count: input.hold_count,
+        // The host leaves both out for a hook that did not list "mode" in
+        // its inputs (one built before they existed refuses them).
+        mode: Some(if input.shared {
+            HookMode::Shared
+        } else {
+            HookMode::Exclusive
+        }),
+        permits: input.permits,
         // The host fills in the config of the module it runs.
         config: serde_json::Value::Null,
     }

@@ -23,7 +23,9 @@ pub struct ClassHook {
     /// Path of the `.wasm` file; relative paths are resolved against the
     /// policy directory.
     pub module: String,
-    /// Inputs that cost an etcd read, fetched only when listed here.
+    /// Optional inputs, sent only when listed here: the ones that cost an
+    /// etcd read, and the ones a hook built before they existed could not
+    /// read (ABI v1 refuses unknown fields).
     #[serde(default)]
     pub inputs: Vec<HookInputKind>,
     /// Execution deadline per call.
@@ -43,7 +45,9 @@ pub struct ClassHook {
     pub config: toml::Table,
 }
 
-/// Optional inputs, each an etcd read on the request path.
+/// Optional inputs: `holder` and `holdCount` are each an etcd read on the
+/// request path; `mode` costs nothing but is sent only to a hook that asks,
+/// since a hook built before it existed refuses unknown fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum HookInputKind {
@@ -51,6 +55,9 @@ pub enum HookInputKind {
     Holder,
     /// How many locks of the class the caller's identity holds now.
     HoldCount,
+    /// The Acquire's mode (exclusive or shared) and, for a semaphore class,
+    /// its permits.
+    Mode,
 }
 
 fn default_deadline_ms() -> u32 {
@@ -132,9 +139,12 @@ mod tests {
                 .unwrap();
         assert!(h.needs(HookInputKind::HoldCount));
         assert!(!h.needs(HookInputKind::Holder));
+        assert!(!h.needs(HookInputKind::Mode));
         assert_eq!(
             h.config.get("maxHolds").and_then(|v| v.as_integer()),
             Some(2)
         );
+        let m: ClassHook = toml::from_str("module = \"m.wasm\"\ninputs = [\"mode\"]").unwrap();
+        assert!(m.needs(HookInputKind::Mode));
     }
 }

@@ -522,3 +522,123 @@ async fn a_hot_reload_under_concurrent_acquires_loses_no_request() -> anyhow::Re
     assert_eq!(a.hooks().loaded_digest("live"), Some(first));
     Ok(())
 }
+
+/// A hook that lists `"mode"` in its inputs is told each Acquire's mode:
+/// the misbehave fixture's
+/// `exclusive-only` refuses shared acquires — a session's downgrade of its
+/// exclusive hold among them, which leaves that hold as it was — and
+/// allows exclusive ones. A class that does not ask sees no mode (a hook
+/// built before the field existed would refuse it).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_that_asks_for_the_mode_refuses_shared_acquires_only() -> anyhow::Result<()> {
+    use latchkey_proto::lockv1::Mode;
+
+    let misbehave = hook_wasm("latchkey-hook-misbehave")?;
+    let dir = dev_policies_copy()?;
+    std::fs::write(
+        dir.path().join("classes/modes.toml"),
+        class(
+            "writers-only",
+            &misbehave,
+            "inputs = [\"mode\"]\n[class.hook.config]\nbehavior = \"exclusive-only\"",
+        ) + &class(
+            "blind",
+            &misbehave,
+            "[class.hook.config]\nbehavior = \"show-mode\"",
+        ),
+    )?;
+    let (_etcd, a) = hooked(dir.path()).await?;
+    let mut alice = a.lock("workload/alice").await?;
+    let annotations = |c: &mut Client, key: &'static str| {
+        let mut c = c.clone();
+        async move {
+            let seen = c
+                .inspect(InspectRequest { key: key.into() })
+                .await?
+                .into_inner();
+            let holder = seen
+                .holder
+                .or_else(|| seen.shared_holders.into_iter().next())
+                .ok_or_else(|| anyhow::anyhow!("{key} is not held"))?;
+            Ok::<_, anyhow::Error>(holder.annotations)
+        }
+    };
+    let mode = |a: &HashMap<String, String>| a.get("mode").cloned().unwrap_or_default();
+
+    let s = open(&mut alice, "writers-only").await?;
+    let shared = |c: &mut Client, key: &str, session: i64| {
+        let mut c = c.clone();
+        let key = key.to_string();
+        async move {
+            latchkey_tests::lock_calls::acquire_in_mode(
+                &mut c,
+                &key,
+                "writers-only",
+                session,
+                "",
+                None,
+                Mode::Shared.into(),
+            )
+            .await
+        }
+    };
+    let (code, reason, hook_reason, message) =
+        hook_refusal(shared(&mut alice, "demo/modes", s).await)?;
+    assert_eq!(
+        (code, reason.as_str(), hook_reason.as_str()),
+        (Code::PermissionDenied, "HOOK_DENIED", "SHARED_REFUSED")
+    );
+    assert!(message.contains("exclusive acquires only"), "{message}");
+    let held = alice
+        .inspect(InspectRequest {
+            key: "demo/modes".into(),
+        })
+        .await?
+        .into_inner();
+    assert!(
+        held.holder.is_none() && held.shared_holders.is_empty(),
+        "a denied shared acquire wrote nothing: {held:?}"
+    );
+
+    let g = acquire(&mut alice, "demo/modes", "writers-only", s, &[]).await?;
+    assert_eq!(g.mode, i32::from(Mode::Exclusive));
+    assert_eq!(
+        mode(&annotations(&mut alice, "demo/modes").await?),
+        "exclusive"
+    );
+    // The session's downgrade is a shared Acquire too: refused, and the
+    // exclusive hold stays exactly as it was.
+    let (_, _, hook_reason, _) = hook_refusal(shared(&mut alice, "demo/modes", s).await)?;
+    assert_eq!(hook_reason, "SHARED_REFUSED");
+    let held = alice
+        .inspect(InspectRequest {
+            key: "demo/modes".into(),
+        })
+        .await?
+        .into_inner();
+    assert!(
+        held.holder.is_some() && held.shared_holders.is_empty(),
+        "the refused downgrade left the exclusive hold: {held:?}"
+    );
+    release(&mut alice, &g).await?;
+
+    // Not asked for: the hook sees no mode, whichever was asked.
+    let sb = open(&mut alice, "blind").await?;
+    let g = latchkey_tests::lock_calls::acquire_in_mode(
+        &mut alice,
+        "demo/blind",
+        "blind",
+        sb,
+        "",
+        None,
+        Mode::Shared.into(),
+    )
+    .await?;
+    assert_eq!(
+        mode(&annotations(&mut alice, "demo/blind").await?),
+        "absent"
+    );
+    release(&mut alice, &g).await?;
+
+    Ok(())
+}

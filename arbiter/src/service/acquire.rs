@@ -325,6 +325,11 @@ impl Arbiter {
                 hook,
                 holder,
                 hold_count,
+                shared,
+                permits: match class.kind {
+                    latchkey_policies::ClassKind::Semaphore => class.permits,
+                    _ => None,
+                },
             })
             .instrument(tracing::trace_span!(
                 target: crate::telemetry::TARGET,

@@ -72,9 +72,35 @@ pub struct HookRequest {
     /// pod's); present only when the hook lists `"holdCount"` in `inputs`.
     #[serde(default)]
     pub hold_count: Option<u32>,
-    /// The class's `[class.hook.config]` table, as JSON.
+    /// The mode the Acquire asks for; present only when the class's hook
+    /// lists `"mode"` in `inputs` (so a hook built before the field existed,
+    /// which refuses unknown fields, never sees it). Absent: the hook did
+    /// not ask, not "exclusive".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<HookMode>,
+    /// The class's permits when it is a semaphore (`kind = "semaphore"`):
+    /// the Acquire asks for one of its slots, `0..permits` (the slot is
+    /// chosen by the grant transaction, after the hook). Absent for a lock
+    /// class, and whenever `mode` is absent (`inputs` lacks `"mode"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permits: Option<u32>,
+    /// The class's `[class.hook.config]` table, as JSON. Keep it the last
+    /// field: the host splices its encoding in at the end.
     #[serde(default)]
     pub config: serde_json::Value,
+}
+
+/// The mode of an Acquire (`latchkey.lock.v1.Mode`), in [`HookRequest::mode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HookMode {
+    /// One holder (`MODE_EXCLUSIVE`): a lock's writer, or one slot of a
+    /// semaphore (a semaphore takes exclusive requests only).
+    Exclusive,
+    /// One of many readers (`MODE_SHARED`), never beside an exclusive
+    /// holder. A session's shared request of a lock it holds exclusively
+    /// is a downgrade and comes through the hook like any Acquire.
+    Shared,
 }
 
 /// Who holds the key now.
@@ -351,8 +377,69 @@ mod tests {
             now_unix_ms: 1,
             now_monotonic_ns: 2,
             hold_count: Some(3),
+            mode: None,
+            permits: None,
             config: serde_json::json!({"pattern": "CHG-"}),
         }
+    }
+
+    /// `HookRequest` as ABI v1 first shipped it, unknown fields refused: a
+    /// hook built then must still read every request whose class does not
+    /// list `"mode"` in `inputs`.
+    #[derive(Debug, Deserialize)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct FirstHookRequest {
+        version: u32,
+        class: String,
+        identity: String,
+        key: String,
+        session: i64,
+        #[serde(default)]
+        metadata: BTreeMap<String, String>,
+        #[serde(default)]
+        holder: Option<HolderSummary>,
+        waiters: u32,
+        now_unix_ms: i64,
+        now_monotonic_ns: u64,
+        #[serde(default)]
+        hold_count: Option<u32>,
+        #[serde(default)]
+        config: serde_json::Value,
+    }
+
+    #[test]
+    fn mode_and_permits_are_sent_only_when_set_so_older_hooks_still_read_the_rest() {
+        let text = serde_json::to_string(&request()).unwrap();
+        assert!(
+            !text.contains("mode") && !text.contains("permits"),
+            "{text}"
+        );
+        serde_json::from_str::<FirstHookRequest>(&text).unwrap();
+
+        let mut asked = request();
+        asked.mode = Some(HookMode::Shared);
+        let text = serde_json::to_string(&asked).unwrap();
+        assert!(text.contains("\"mode\":\"shared\""), "{text}");
+        assert!(
+            text.ends_with(r#""config":{"pattern":"CHG-"}}"#),
+            "config stays last: {text}"
+        );
+        assert_eq!(serde_json::from_str::<HookRequest>(&text).unwrap(), asked);
+
+        let mut slot = request();
+        slot.mode = Some(HookMode::Exclusive);
+        slot.permits = Some(8);
+        let text = serde_json::to_string(&slot).unwrap();
+        assert!(text.contains(r#""mode":"exclusive","permits":8"#), "{text}");
+        assert_eq!(serde_json::from_str::<HookRequest>(&text).unwrap(), slot);
+        // Written by hand, as a test or another host might: absent is None.
+        let bare: HookRequest = serde_json::from_value(serde_json::json!({
+            "version": 1, "class": "c", "identity": "i", "key": "k", "session": 1,
+            "waiters": 0, "nowUnixMs": 0, "nowMonotonicNs": 0
+        }))
+        .unwrap();
+        assert_eq!((bare.mode, bare.permits), (None, None));
     }
 
     #[test]

@@ -87,6 +87,8 @@ fn request(class: &str) -> HookRequest {
         now_unix_ms: 1_767_409_200_000,
         now_monotonic_ns: 81_234_567,
         hold_count: Some(0),
+        mode: None,
+        permits: None,
         config: serde_json::Value::Null,
     }
 }

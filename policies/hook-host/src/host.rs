@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use latchkey_hook_abi::{
     ABI_VERSION, DenyCode, EXPORT_ABI_VERSION, EXPORT_AFTER_RELEASE, EXPORT_ALLOC,
-    EXPORT_BEFORE_GRANT, EXPORT_FREE, EXPORT_MEMORY, HookRequest, ReleaseNotice, Verdict,
+    EXPORT_BEFORE_GRANT, EXPORT_FREE, EXPORT_MEMORY, HookMode, HookRequest, ReleaseNotice, Verdict,
 };
 use latchkey_policies::{ClassHook, PolicySet};
 use tracing::{debug, info, warn};
@@ -420,6 +420,11 @@ impl HookHost {
                 .spec
                 .needs(latchkey_policies::HookInputKind::HoldCount)
                 .then_some(0),
+            mode: loaded
+                .spec
+                .needs(latchkey_policies::HookInputKind::Mode)
+                .then_some(HookMode::Exclusive),
+            permits: None,
             config: loaded.config.clone(),
         };
         let Ok(input) = serde_json::to_vec(&request) else {
@@ -484,6 +489,12 @@ impl HookHost {
                 );
             }
         };
+        if !loaded.spec.needs(latchkey_policies::HookInputKind::Mode) {
+            // A hook that did not ask for the mode may be one built before
+            // the field existed, which refuses unknown fields.
+            request.mode = None;
+            request.permits = None;
+        }
         let input = match encode_request(&mut request, &loaded.config, &loaded.config_json) {
             Ok(i) => i,
             Err(e) => {
@@ -795,6 +806,8 @@ mod tests {
             now_unix_ms: 5,
             now_monotonic_ns: 6,
             hold_count: Some(1),
+            mode: Some(latchkey_hook_abi::HookMode::Shared),
+            permits: Some(4),
             config: serde_json::Value::Null,
         };
         let bytes = encode_request(&mut request, &config, &config_json).unwrap();

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use latchkey_hook_abi::{ABI_VERSION, DenyCode, HookRequest};
+use latchkey_hook_abi::{ABI_VERSION, DenyCode, HookMode, HookRequest};
 use latchkey_hook_host::{FailureKind, HookHost, HookOutcome, HostSettings};
 use latchkey_policies::{Date, PolicyFile, PolicySet};
 
@@ -126,6 +126,8 @@ fn request(class: &str, metadata: std::collections::BTreeMap<String, String>) ->
         now_unix_ms: 1_767_409_200_000,
         now_monotonic_ns: 0,
         hold_count: Some(0),
+        mode: None,
+        permits: None,
         config: serde_json::Value::Null,
     }
 }
@@ -807,5 +809,79 @@ fn a_slow_version_trial_does_not_refuse_the_module_but_calls_keep_their_deadline
         t.elapsed() < Duration::from_millis(500),
         "{:?}",
         t.elapsed()
+    );
+}
+
+/// `"mode"` in `inputs`: the guest is told the Acquire's mode (and a
+/// semaphore's permits) and can refuse shared acquires only. A class that
+/// does not list it gets neither field, whatever the arbiter filled in: a
+/// hook built before they existed refuses unknown fields.
+#[test]
+fn a_hook_that_asks_for_the_mode_can_refuse_shared_acquires_only() {
+    let module = guest("latchkey_hook_misbehave");
+    let f = Fixture::new();
+    let m = module.display().to_string();
+    let refused = f.sync(&[
+        (
+            "readers-refused",
+            &m,
+            "inputs = [\"mode\"]\n[class.hook.config]\nbehavior = \"exclusive-only\"",
+        ),
+        ("blind", &m, "[class.hook.config]\nbehavior = \"show-mode\""),
+        (
+            "misconfigured",
+            &m,
+            "[class.hook.config]\nbehavior = \"exclusive-only\"",
+        ),
+    ]);
+    // exclusive-only without the input cannot tell the modes apart: its
+    // trial call says HOOK_MISCONFIGURED and the module is refused at load.
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert!(
+        refused[0].contains("misconfigured") && refused[0].contains("HOOK_MISCONFIGURED"),
+        "{refused:?}"
+    );
+
+    let asking = |class: &str, mode: HookMode, permits: Option<u32>| {
+        let mut r = request(class, Default::default());
+        r.mode = Some(mode);
+        r.permits = permits;
+        f.host.before_grant(r)
+    };
+    match asking("readers-refused", HookMode::Shared, None) {
+        HookOutcome::Deny {
+            code,
+            reason,
+            failure: None,
+            ..
+        } => {
+            assert_eq!(code, DenyCode::PermissionDenied);
+            assert_eq!(reason, "SHARED_REFUSED");
+        }
+        other => panic!("a shared acquire must be refused: {other:?}"),
+    }
+    assert_eq!(
+        asking("readers-refused", HookMode::Exclusive, None),
+        HookOutcome::Allow {
+            annotations: [("mode".to_string(), "exclusive".to_string())].into()
+        }
+    );
+    // A semaphore class's acquire: exclusive, with the class's permits.
+    assert_eq!(
+        asking("readers-refused", HookMode::Exclusive, Some(8)),
+        HookOutcome::Allow {
+            annotations: [
+                ("mode".to_string(), "exclusive".to_string()),
+                ("permits".to_string(), "8".to_string())
+            ]
+            .into()
+        }
+    );
+    // Not asked for: left out by the host, even when the request has it.
+    assert_eq!(
+        asking("blind", HookMode::Shared, Some(8)),
+        HookOutcome::Allow {
+            annotations: [("mode".to_string(), "absent".to_string())].into()
+        }
     );
 }

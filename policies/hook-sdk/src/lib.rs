@@ -31,7 +31,7 @@
 #![deny(clippy::indexing_slicing)]
 
 pub use latchkey_hook_abi::{
-    ABI_VERSION, DenyCode, HolderSummary, HookRequest, HookResponse, ReleaseNotice,
+    ABI_VERSION, DenyCode, HolderSummary, HookMode, HookRequest, HookResponse, ReleaseNotice,
 };
 
 pub mod heap;

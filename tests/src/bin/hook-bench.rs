@@ -179,6 +179,8 @@ async fn stage(
                 hook: with_hook.then_some(spec),
                 holder: None,
                 hold_count: Some(0),
+                shared: false,
+                permits: None,
             };
             let t = Instant::now();
             let decision = hooks.before_grant(&input).await;
@@ -320,6 +322,8 @@ async fn dispatch(dir: &std::path::Path, calls: u32) -> anyhow::Result<()> {
                 now_unix_ms: 1_767_409_200_000,
                 now_monotonic_ns: monotonic_ns(),
                 hold_count: Some(0),
+                mode: None,
+                permits: None,
                 config: serde_json::Value::Null,
             };
             let mut hs = [histogram()?, histogram()?, histogram()?];

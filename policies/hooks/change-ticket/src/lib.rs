@@ -96,6 +96,8 @@ mod tests {
             now_unix_ms: 0,
             now_monotonic_ns: 0,
             hold_count: None,
+            mode: None,
+            permits: None,
             config: serde_json::json!({"pattern": "^CHG-[0-9]{4,10}$"}),
         }
     }

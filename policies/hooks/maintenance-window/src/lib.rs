@@ -172,6 +172,8 @@ mod tests {
             now_unix_ms: now,
             now_monotonic_ns: 0,
             hold_count: None,
+            mode: None,
+            permits: None,
             config,
         }
     }

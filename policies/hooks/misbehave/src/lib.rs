@@ -5,13 +5,19 @@
 //! - `"allow"`: allows, after logging one line through the host;
 //! - `"loop"`: never returns (the deadline must cut it off);
 //! - `"bomb"`: allocates until memory runs out (the memory cap must stop it);
-//! - `"panic"`: panics (a trap, with `panic = "abort"`).
+//! - `"panic"`: panics (a trap, with `panic = "abort"`);
+//! - `"show-mode"`: allows, annotating the `mode` it was sent (`exclusive`,
+//!   `shared`, or `absent` when the class's `inputs` lack `"mode"`) and the
+//!   `permits`, if any;
+//! - `"exclusive-only"`: refuses shared Acquires (`SHARED_REFUSED`), allows
+//!   the rest as `"show-mode"` does; without the `"mode"` input it cannot
+//!   tell them apart and says so (`HOOK_MISCONFIGURED`, refused at load).
 
 // On the Wasm path a panic takes the VM down; the workspace lints
 // (Cargo.toml) deny unwrap/expect/panic, this crate indexing too.
 #![deny(clippy::indexing_slicing)]
 
-use latchkey_hook_sdk::{DenyCode, HookRequest, HookResponse, log};
+use latchkey_hook_sdk::{DenyCode, HookMode, HookRequest, HookResponse, log};
 
 pub fn before_grant(req: &HookRequest) -> HookResponse {
     let behavior = req
@@ -42,11 +48,42 @@ pub fn before_grant(req: &HookRequest) -> HookResponse {
         }
         #[allow(clippy::panic)]
         "panic" => panic!("asked to panic"),
+        "show-mode" => show_mode(req),
+        "exclusive-only" => match req.mode {
+            Some(HookMode::Shared) => HookResponse::deny(
+                DenyCode::PermissionDenied,
+                "SHARED_REFUSED",
+                format!(
+                    "class {:?} takes exclusive acquires only: acquire without shared",
+                    req.class
+                ),
+            ),
+            Some(HookMode::Exclusive) => show_mode(req),
+            None => HookResponse::deny(
+                DenyCode::FailedPrecondition,
+                "HOOK_MISCONFIGURED",
+                "exclusive-only needs the Acquire's mode: list \"mode\" in the class's hook inputs",
+            ),
+        },
         other => HookResponse::deny(
             DenyCode::FailedPrecondition,
             "UNKNOWN_BEHAVIOR",
             format!("unknown behavior {other:?}"),
         ),
+    }
+}
+
+/// Allows, annotating the mode and permits the hook was sent.
+fn show_mode(req: &HookRequest) -> HookResponse {
+    let mode = match req.mode {
+        Some(HookMode::Exclusive) => "exclusive",
+        Some(HookMode::Shared) => "shared",
+        None => "absent",
+    };
+    let allow = HookResponse::allow().annotate("mode", mode);
+    match req.permits {
+        Some(permits) => allow.annotate("permits", permits.to_string()),
+        None => allow,
     }
 }
 
@@ -70,5 +107,39 @@ mod tests {
                 .map(String::as_str),
             Some("allow")
         );
+    }
+
+    fn asking(mode: Option<&str>, permits: Option<u32>) -> HookRequest {
+        let mut req = serde_json::json!({
+            "version": 1, "class": "c", "identity": "i", "key": "k", "session": 1,
+            "waiters": 0, "nowUnixMs": 0, "nowMonotonicNs": 0,
+            "config": {"behavior": "exclusive-only"}
+        });
+        if let Some(mode) = mode {
+            req["mode"] = mode.into();
+        }
+        if let Some(permits) = permits {
+            req["permits"] = permits.into();
+        }
+        serde_json::from_value(req).unwrap()
+    }
+
+    #[test]
+    fn exclusive_only_refuses_shared_acquires_only() {
+        let denied = before_grant(&asking(Some("shared"), None));
+        assert_eq!(denied.reason.as_deref(), Some("SHARED_REFUSED"));
+        assert_eq!(denied.code, Some(DenyCode::PermissionDenied));
+        let allowed = before_grant(&asking(Some("exclusive"), Some(8)));
+        assert_eq!(allowed.reason, None);
+        assert_eq!(
+            allowed.annotations.get("mode").map(String::as_str),
+            Some("exclusive")
+        );
+        assert_eq!(
+            allowed.annotations.get("permits").map(String::as_str),
+            Some("8")
+        );
+        let blind = before_grant(&asking(None, None));
+        assert_eq!(blind.reason.as_deref(), Some("HOOK_MISCONFIGURED"));
     }
 }

@@ -91,6 +91,8 @@ mod tests {
             now_unix_ms: 0,
             now_monotonic_ns: 0,
             hold_count: held,
+            mode: None,
+            permits: None,
             config: serde_json::json!({"maxHolds": 2}),
         }
     }
