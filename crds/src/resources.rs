@@ -453,12 +453,15 @@ pub enum Fairness {
     Durable,
 }
 
-/// Optional hook inputs, each an etcd read on the request path.
+/// Optional hook inputs: `holder` and `holdCount` are each an etcd read on
+/// the request path; `mode` (the Acquire's mode, and a semaphore's permits)
+/// costs nothing.
 #[derive(JsonSchema, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub enum HookInput {
     Holder,
     HoldCount,
+    Mode,
 }
 
 fn default_ttl_seconds() -> u32 {
