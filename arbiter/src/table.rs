@@ -140,11 +140,16 @@ impl GrantRequest {
     }
 
     fn holder_bytes(&self, quota_place: Option<u32>) -> Vec<u8> {
+        self.holder_bytes_at(quota_place, now_unix_ms())
+    }
+
+    /// [`Self::holder_bytes`] granted at `acquired_at_unix_ms`.
+    fn holder_bytes_at(&self, quota_place: Option<u32>, acquired_at_unix_ms: i64) -> Vec<u8> {
         encode(&HolderRecord {
             identity: self.identity.clone(),
             session: self.session,
             class: self.class.clone(),
-            acquired_at_unix_ms: now_unix_ms(),
+            acquired_at_unix_ms,
             annotations: self.annotations.clone(),
             instance: self.instance.clone(),
             bound: self.bound.clone(),

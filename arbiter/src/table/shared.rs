@@ -84,6 +84,17 @@ impl LockTable {
                 }
                 return Ok(Attempt::Held { watch_from });
             }
+            if let Some(r) = &record
+                && r.class != req.class
+            {
+                // A downgrade keeps the hold's class: its hooks, quota and
+                // bounds were the ones it was granted under (the hostile
+                // review: a shared request naming another class changed it).
+                return Err(ArbiterError::BadRequest(format!(
+                    "key {name:?} is held by this session under class {:?}: downgrade it in that class",
+                    r.class
+                )));
+            }
             if asker == Asker::Queue {
                 // A waiter's caller may be gone, and this exclusive hold
                 // may be another call's of the same session, taken since
@@ -95,13 +106,16 @@ impl LockTable {
                 // to end like any reader.
                 return Ok(Attempt::Held { watch_from });
             }
+            let acquired_at = record.as_ref().map(|r| r.acquired_at_unix_ms);
             let held = HeldAt {
                 key: name.to_string(),
                 session: req.session,
                 revision: other.mod_revision,
                 value: other.value,
             };
-            return self.downgrade(req, state, &held, watch_from).await;
+            return self
+                .downgrade(req, state, &held, acquired_at, watch_from)
+                .await;
         }
         if self.holds_shared(req).await? {
             return Err(ArbiterError::UpgradeRefused {
@@ -114,11 +128,15 @@ impl LockTable {
     /// The caller's exclusive hold `held` becomes its shared hold `req.key`
     /// (a reader key) in one transaction. A class with a quota refuses it:
     /// the shared hold would take no place (release, then acquire shared).
+    /// The shared record keeps the exclusive one's grant time
+    /// (`acquired_at`), so a class's `maxHoldSeconds` counts from the
+    /// first grant: a downgrade does not restart it (the hostile review).
     async fn downgrade(
         self: &Arc<Self>,
         req: &GrantRequest,
         state: &EpochState,
         held: &HeldAt,
+        acquired_at: Option<i64>,
         watch_from: i64,
     ) -> Result<Attempt, ArbiterError> {
         if req.quota.is_some() {
@@ -135,7 +153,10 @@ impl LockTable {
                 self.log.downgrade(DowngradeTxn {
                     held,
                     reader_key: &req.key,
-                    holder_record: req.holder_bytes(None),
+                    holder_record: match acquired_at {
+                        Some(at) => req.holder_bytes_at(None, at),
+                        None => req.holder_bytes(None),
+                    },
                     epoch: &state.bytes,
                     fence_at: state.fence_at,
                     session_record: &session_record,

@@ -78,7 +78,14 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
         Compare::ModRevision(keys::map_fence(), txn.fence_at),
         Compare::Value(session.clone(), txn.session_record.to_vec()),
     ];
-    compares.extend(kind_and_mode(txn.key));
+    let mut kind = kind_and_mode(txn.key);
+    if let (QueueTurn::Mine { .. }, latchkey_records::HoldKind::Shared) =
+        (txn.queue, latchkey_records::hold_kind(txn.key).0)
+    {
+        // a durable reader at its turn compares no intent (as etcd's)
+        kind.pop();
+    }
+    compares.extend(kind);
     let mut writes = vec![Op::Put {
         key: holder.clone(),
         value: txn.holder_record.clone(),

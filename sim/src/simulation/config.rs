@@ -405,6 +405,7 @@ pub const PRESETS: &[&str] = &[
     "semaphores-three-arbiters",
     "shared",
     "shared-three-arbiters",
+    "shared-durable",
 ];
 
 impl SimConfig {
@@ -454,6 +455,8 @@ impl SimConfig {
     ///   over 3 keys, 60 % of acquires shared ([`SimConfig::shared_percent`]):
     ///   readers, writers, downgrades never asked (a session asks one mode
     ///   per acquire), phase-fair queues and readers granted in one batch.
+    /// - `shared-durable`: `shared-three-arbiters` where 2 of the 3 keys are
+    ///   of a durable class: readers and writers queued in the log.
     /// - `renewal-outages`: the whole arbiter, every fault, force-releases,
     ///   windows in which no lease renewal succeeds for longer than a TTL
     ///   ([`FaultKnobs::renewal_outages`]), and 3% long holds writing until
@@ -543,6 +546,15 @@ impl SimConfig {
                 arbiters: 3,
                 clients: 12,
                 keys: 3,
+                shared_percent: 60,
+                faults: FaultKnobs::forced(),
+                ..base
+            },
+            "shared-durable" => Self {
+                arbiters: 3,
+                clients: 12,
+                keys: 3,
+                durable_keys: 2,
                 shared_percent: 60,
                 faults: FaultKnobs::forced(),
                 ..base

@@ -41,7 +41,17 @@ fn grant_txn(log: &EtcdLog, txn: GrantTxn<'_>) -> Txn {
     // hostile review: its own key's queue is always empty).
     let queued_on = crate::records::named_key(txn.key);
     let queue = log.layout.queue_of(queued_on);
-    let (kind_compares, kind_reads) = kind_and_mode(log, txn.key);
+    let (mut kind_compares, kind_reads) = kind_and_mode(log, txn.key);
+    if let (QueueTurn::Mine { .. }, crate::records::HoldKind::Shared) =
+        (txn.queue, crate::records::hold_kind(txn.key).0)
+    {
+        // A durable reader at its turn: the durable queue orders it behind
+        // any writer queued there, and an in-memory writer's intent (a key
+        // reached through classes of both kinds) must not block the head
+        // of a queue that the writer's own grant waits for (the hostile
+        // review: each waited for the other). The intent compare is last.
+        kind_compares.pop();
+    }
     let mut compares = vec![
         Compare::create_revision(holder_key.clone(), CompareOp::Equal, 0),
         Compare::value(epoch_key.clone(), CompareOp::Equal, txn.epoch),
