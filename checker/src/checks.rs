@@ -1,4 +1,5 @@
-//! Direct checks outside the search: token order and fenced writes. They
+//! Direct checks outside the search: token order, fenced writes and
+//! shared holders' guarded reads. They
 //! are cheap, exact, and name the operations involved in plain words, so a
 //! violation the search also finds reads clearly here.
 
@@ -92,6 +93,8 @@ impl KeyOps<'_> {
         self.check_terms(&mut found);
         self.check_writes(&mut found);
         self.check_refusals(&mut found);
+        self.check_reads(&mut found);
+        self.check_read_refusals(&mut found);
         found.finish(self.key)
     }
 
@@ -504,25 +507,36 @@ impl KeyOps<'_> {
             ));
         }
     }
-    /// A refused write is legal only if the record's mark was already at or
-    /// above its token: some other write with such a token (accepted, or
-    /// with an unknown outcome, so perhaps committed) was invoked before the
-    /// refusal came back. Otherwise the fence said no to a write the
+    /// A refused write is legal only if the record's mark (or read mark) was
+    /// already at or above its token: some other write, or a guarded read,
+    /// with such a token (accepted, or with an unknown outcome, so perhaps
+    /// committed) was invoked before the refusal came back. Otherwise the fence said no to a write the
     /// reference statement accepts.
     fn check_refusals(&self, found: &mut Findings) {
         // Writes that may have reached the record (accepted or unknown), by
         // invoke time, with running maxima of their tokens: over all of them
         // (could the mark be at or above t?) and over the accepted ones
         // (which write to name as the mark).
+        // A guarded read (accepted or unknown) raised the record's read mark
+        // to its token, which fences out writes at or below it: it covers a
+        // refusal like a write does, but is never named as the mark a write
+        // met (`false`: not an accepted write).
         let mut reach: Vec<(u64, u64, usize, bool)> = self
             .mine
             .iter()
             .filter_map(|&x| {
                 let o = self.op(x);
-                if o.f != Function::Write || o.outcome() == Some(Outcome::Fail) {
+                if !matches!(o.f, Function::Write | Function::Read)
+                    || o.outcome() == Some(Outcome::Fail)
+                {
                     return None;
                 }
-                Some((o.invoke_time, o.token?, x, o.is_ok()))
+                Some((
+                    o.invoke_time,
+                    o.token?,
+                    x,
+                    o.f == Function::Write && o.is_ok(),
+                ))
             })
             .collect();
         reach.sort_unstable();
@@ -576,6 +590,248 @@ impl KeyOps<'_> {
                     self.name(w)
                 ),
                 &ops,
+            ));
+        }
+    }
+
+    /// Guarded reads held to the reference fence's rule for readers
+    /// (docs/fencing.md, "Fenced reads"): a read with token `t` is accepted
+    /// only if no write with a larger token has landed, and raises the read
+    /// mark to `t`, after which no write with a token at or below `t` lands.
+    /// So, for an accepted read `r` with token `t` and an accepted write `w`:
+    /// - `w`'s token is above `t` and `w` landed before `r` (its seq is at or
+    ///   below the write count `r` saw, or it completed before `r` was
+    ///   invoked): [`ViolationKind::StaleReadAccepted`];
+    /// - `w`'s token is at or below `t` and `w` landed after `r` (its seq is
+    ///   above the write count `r` saw, or it was invoked after `r`
+    ///   completed): [`ViolationKind::StaleWriteAfterRead`].
+    ///
+    /// A read that came after a writer's *grant* but before that writer's
+    /// first write is accepted, rightly: the fence sees writes, not grants,
+    /// and the read returned the state no writer had changed yet.
+    fn check_reads(&self, found: &mut Findings) {
+        let reads: Vec<usize> = self
+            .mine
+            .iter()
+            .copied()
+            .filter(|&i| self.op(i).f == Function::Read && self.op(i).is_ok())
+            .collect();
+        if reads.is_empty() {
+            return;
+        }
+        let writes: Vec<usize> = self
+            .mine
+            .iter()
+            .copied()
+            .filter(|&i| self.op(i).f == Function::Write && self.op(i).is_ok())
+            .collect();
+        let granted: HashSet<(&str, u64)> = self
+            .grants()
+            .into_iter()
+            .map(|(i, t)| (self.op(i).process.as_str(), t))
+            .collect();
+        let mut tokenless = 0usize;
+        for &r in &reads {
+            let o = self.op(r);
+            match o.token {
+                None => tokenless += 1,
+                Some(t) if !granted.contains(&(o.process.as_str(), t)) => {
+                    found.push(self.violation(
+                        ViolationKind::UngrantedReadToken,
+                        format!(
+                            "guarded read with a token never granted to that process on {}: {} \
+                             was accepted, but {} never acquired {} there",
+                            self.key,
+                            self.name(r),
+                            o.process,
+                            format_token(t)
+                        ),
+                        &[r],
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        if tokenless > 0 {
+            found.notes.push(format!(
+                "{tokenless} accepted guarded reads on {} carry no token; they were not checked",
+                self.key
+            ));
+        }
+
+        // Running maxima of the writes' tokens, in commit order (seq) and in
+        // order of completion: the newest token that had landed by a point.
+        let newest = |mut points: Vec<(u64, u64, usize)>| {
+            points.sort_unstable();
+            let mut best: Vec<(u64, usize)> = Vec::with_capacity(points.len());
+            for &(_, t, x) in &points {
+                let prev = best.last().copied();
+                best.push(match prev {
+                    Some((bt, bx)) if bt >= t => (bt, bx),
+                    _ => (t, x),
+                });
+            }
+            (points, best)
+        };
+        let seq_key = |s: i64| u64::try_from(s).unwrap_or(0);
+        let (w_by_seq, w_best_seq) = newest(
+            writes
+                .iter()
+                .filter_map(|&w| {
+                    let o = self.op(w);
+                    Some((seq_key(o.seq()?), o.token?, w))
+                })
+                .collect(),
+        );
+        let (w_by_ret, w_best_ret) = newest(
+            writes
+                .iter()
+                .filter_map(|&w| {
+                    let o = self.op(w);
+                    Some((o.complete_time()?, o.token?, w))
+                })
+                .collect(),
+        );
+        for &r in &reads {
+            let o = self.op(r);
+            let Some(t) = o.token else { continue };
+            // Landed before the read by the record's write count...
+            let by_seq = o.seq().and_then(|v| {
+                let upto = w_by_seq.partition_point(|&(s, _, _)| s <= seq_key(v));
+                upto.checked_sub(1)
+                    .map(|i| (w_best_seq[i], "by the record's write count"))
+            });
+            // ...or by real time.
+            let by_time = {
+                let before = w_by_ret.partition_point(|&(ret, _, _)| ret < o.invoke_time);
+                before
+                    .checked_sub(1)
+                    .map(|i| (w_best_ret[i], "in real time"))
+            };
+            let Some(((_, w), how)) = [by_seq, by_time]
+                .into_iter()
+                .flatten()
+                .find(|((nt, _), _)| *nt > t)
+            else {
+                continue;
+            };
+            found.push(self.violation(
+                ViolationKind::StaleReadAccepted,
+                format!(
+                    "stale fenced read accepted on {}: {} was accepted after {} had landed \
+                     ({how}) with a newer token: a writer granted after this reader had written, \
+                     so the reader's hold was over",
+                    self.key,
+                    self.name(r),
+                    self.name(w)
+                ),
+                &[r, w],
+            ));
+        }
+
+        // The reads' tokens, by the write count they saw and by completion:
+        // the greatest read mark set by a point.
+        let (r_by_seq, r_best_seq) = newest(
+            reads
+                .iter()
+                .filter_map(|&r| {
+                    let o = self.op(r);
+                    Some((seq_key(o.seq()?), o.token?, r))
+                })
+                .collect(),
+        );
+        let (r_by_ret, r_best_ret) = newest(
+            reads
+                .iter()
+                .filter_map(|&r| {
+                    let o = self.op(r);
+                    Some((o.complete_time()?, o.token?, r))
+                })
+                .collect(),
+        );
+        for &w in &writes {
+            let o = self.op(w);
+            let Some(t) = o.token else { continue };
+            // Reads that saw fewer writes than this one's count came first.
+            let by_seq = o.seq().and_then(|s| {
+                let before = r_by_seq.partition_point(|&(v, _, _)| v < seq_key(s));
+                before
+                    .checked_sub(1)
+                    .map(|i| (r_best_seq[i], "by the record's write count"))
+            });
+            let by_time = {
+                let before = r_by_ret.partition_point(|&(ret, _, _)| ret < o.invoke_time);
+                before
+                    .checked_sub(1)
+                    .map(|i| (r_best_ret[i], "in real time"))
+            };
+            let Some(((_, r), how)) = [by_seq, by_time]
+                .into_iter()
+                .flatten()
+                .find(|((rt, _), _)| *rt >= t)
+            else {
+                continue;
+            };
+            found.push(self.violation(
+                ViolationKind::StaleWriteAfterRead,
+                format!(
+                    "stale fenced write accepted after a read on {}: {} landed after {} ({how}), \
+                     whose token is {}: the read mark must fence out a write at or below it",
+                    self.key,
+                    self.name(w),
+                    self.name(r),
+                    if self.op(r).token == Some(t) {
+                        "the same"
+                    } else {
+                        "newer"
+                    }
+                ),
+                &[w, r],
+            ));
+        }
+    }
+
+    /// A refused guarded read is legal only if a write with a larger token
+    /// (accepted, or unknown, so perhaps committed) was invoked before the
+    /// refusal came back. Otherwise the fence refused a current read.
+    fn check_read_refusals(&self, found: &mut Findings) {
+        let mut reach: Vec<(u64, u64)> = self
+            .mine
+            .iter()
+            .filter_map(|&x| {
+                let o = self.op(x);
+                if o.f != Function::Write || o.outcome() == Some(Outcome::Fail) {
+                    return None;
+                }
+                Some((o.invoke_time, o.token?))
+            })
+            .collect();
+        reach.sort_unstable();
+        let mut any_max: Vec<u64> = Vec::with_capacity(reach.len());
+        for &(_, t) in &reach {
+            any_max.push(any_max.last().copied().unwrap_or(0).max(t));
+        }
+        for &r in &self.mine {
+            let o = self.op(r);
+            if o.f != Function::Read || o.outcome() != Some(Outcome::Fail) {
+                continue;
+            }
+            let (Some(t), Some(ret)) = (o.token, o.complete_time()) else {
+                continue;
+            };
+            let before = reach.partition_point(|&(call, _)| call <= ret);
+            if before > 0 && any_max[before - 1] > t {
+                continue;
+            }
+            found.push(self.violation(
+                ViolationKind::FreshReadRefused,
+                format!(
+                    "fenced read refused on {}: {} was refused, but no write with a newer token \
+                     could have reached the record before the refusal",
+                    self.key,
+                    self.name(r)
+                ),
+                &[r],
             ));
         }
     }

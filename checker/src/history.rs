@@ -34,6 +34,12 @@ pub enum Function {
     Release,
     Expire,
     Write,
+    /// A shared holder's guarded read through the reference fence (its
+    /// token on the invoke; on an `ok`, `seq` is the record's write count
+    /// it saw, 0 before any write; `fail` is the fence's refusal: a write
+    /// with a larger token had landed). Histories before fenced reads have
+    /// none.
+    Read,
     Advance,
     Fault,
 }
@@ -43,7 +49,11 @@ impl Function {
     pub fn needs_key(self) -> bool {
         matches!(
             self,
-            Function::Acquire | Function::Release | Function::Expire | Function::Write
+            Function::Acquire
+                | Function::Release
+                | Function::Expire
+                | Function::Write
+                | Function::Read
         )
     }
 }
@@ -55,6 +65,7 @@ impl fmt::Display for Function {
             Function::Release => "release",
             Function::Expire => "expire",
             Function::Write => "write",
+            Function::Read => "read",
             Function::Advance => "advance",
             Function::Fault => "fault",
         })
@@ -154,7 +165,8 @@ pub struct Completion {
     pub time: u64,
     /// The grant's token on an acquire ok.
     pub token: Option<u64>,
-    /// The resource's commit sequence number of an accepted write.
+    /// The resource's commit sequence number of an accepted write; of an
+    /// accepted guarded read, the record's write count it saw.
     pub seq: Option<i64>,
     /// An election's acquire ok (a Campaign's leadership): its term.
     #[serde(default)]
@@ -712,6 +724,22 @@ impl HistoryBuilder {
 
     pub fn write(&mut self, process: &str, key: &str, token: u64) -> OpRef {
         self.invoke(process, Function::Write, Some(key), Some(token))
+    }
+
+    /// A shared holder's guarded read of `key`'s record with `token`
+    /// (complete it with [`HistoryBuilder::accepted`] and the write count it
+    /// saw, or [`HistoryBuilder::fail`] for the fence's refusal).
+    pub fn read(&mut self, process: &str, key: &str, token: u64) -> OpRef {
+        let op = self.invoke(process, Function::Read, Some(key), Some(token));
+        self.shared(op);
+        op
+    }
+
+    /// A sequential guarded read the fence accepted, after `seq` writes.
+    pub fn read_current(&mut self, process: &str, key: &str, token: u64, seq: i64) -> OpRef {
+        let op = self.read(process, key, token);
+        self.accepted(op, seq);
+        op
     }
 
     pub fn advance(&mut self) -> OpRef {

@@ -34,8 +34,14 @@
 //! grants, and fenced writes held to the reference fence's `fence < token`:
 //! accepted tokens strictly increase in commit order (`seq`) and in real
 //! time, so one token is never accepted twice; a refused write needs a write
-//! with an equal or newer token that could have landed before it; every
-//! accepted token was granted to the writer on that key.
+//! with an equal or newer token (or a guarded read's, which raised the read
+//! mark) that could have landed before it; every accepted token was granted
+//! to the writer on that key. Shared holders' guarded reads are held to the
+//! fence's rule for readers: an accepted read with token `t` never comes
+//! after an accepted write with a larger token, no accepted write with a
+//! token at or below `t` comes after it (each ordered by the record's write
+//! count the read saw, or by real time), a refused read needs a newer write
+//! that could have landed first, and its token was granted to the reader.
 
 mod checks;
 mod history;

@@ -344,8 +344,8 @@ pub(crate) struct Partition {
     pub(crate) ops: Vec<ModelOp>,
 }
 
-/// Splits the history per key. Writes and faults are not part of the lock
-/// model; failed acquires, releases and advances change nothing and are left
+/// Splits the history per key. Writes, guarded reads and faults are not
+/// part of the lock model; failed acquires, releases and advances change nothing and are left
 /// out (dropping a no-op cannot change whether a history linearizes: real
 /// time order is an interval order, so it stays transitive without it).
 pub(crate) fn partitions(history: &History) -> BTreeMap<String, Partition> {
@@ -391,7 +391,7 @@ pub(crate) fn partitions(history: &History) -> BTreeMap<String, Partition> {
             ),
             (Function::Advance, Some(Outcome::Fail)) => continue,
             (Function::Advance, _) => (Effect::Advance, definite),
-            (Function::Write | Function::Fault, _) => continue,
+            (Function::Write | Function::Read | Function::Fault, _) => continue,
         };
         let call = o.invoke_time;
         let ret = if required {

@@ -101,6 +101,21 @@ pub enum ViolationKind {
     TermOrder,
     /// A semaphore grant named a slot outside `0..permits`.
     SlotOutOfRange,
+    /// A guarded read accepted with token `t` although a write with a
+    /// larger token had landed before it (committed earlier by the record's
+    /// write count, or completed before the read was invoked): a reader
+    /// whose hold a later writer had ended was told its read was current.
+    StaleReadAccepted,
+    /// A write with a token at or below an accepted guarded read's token
+    /// landed after that read (by the record's write count, or invoked
+    /// after the read completed): a stale writer changed the record under
+    /// a reader the fence had told its read was current.
+    StaleWriteAfterRead,
+    /// A refused guarded read with no write above its token that could have
+    /// landed before the refusal: the fence refused a read it must accept.
+    FreshReadRefused,
+    /// An accepted guarded read whose token that process was never granted.
+    UngrantedReadToken,
 }
 
 impl fmt::Display for ViolationKind {
@@ -115,6 +130,10 @@ impl fmt::Display for ViolationKind {
             ViolationKind::UngrantedWriteToken => "write with an ungranted token",
             ViolationKind::TermOrder => "election terms out of order",
             ViolationKind::SlotOutOfRange => "semaphore slot out of range",
+            ViolationKind::StaleReadAccepted => "stale fenced read accepted",
+            ViolationKind::StaleWriteAfterRead => "stale fenced write accepted after a read",
+            ViolationKind::FreshReadRefused => "fenced read refused at or above the mark",
+            ViolationKind::UngrantedReadToken => "read with an ungranted token",
         })
     }
 }

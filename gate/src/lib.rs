@@ -199,6 +199,11 @@ pub struct ModeCounts {
     pub shared_overlaps: usize,
     pub semaphore_grants: usize,
     pub slots: std::collections::BTreeSet<u32>,
+    /// Readers' guarded reads through the reference fence: accepted,
+    /// refused by the fence (a newer writer had written), outcome unknown.
+    pub reads_accepted: usize,
+    pub reads_refused: usize,
+    pub reads_unknown: usize,
 }
 
 /// Pairs of shared holds of one key held at the same time for sure: each
@@ -243,6 +248,14 @@ impl ModeCounts {
         let mut counts = ModeCounts::default();
         let mut shared_tokens: BTreeMap<(&str, u64), usize> = BTreeMap::new();
         for o in history.ops() {
+            if o.f == latchkey_checker::Function::Read {
+                match o.outcome() {
+                    Some(latchkey_checker::Outcome::Ok) => counts.reads_accepted += 1,
+                    Some(latchkey_checker::Outcome::Fail) => counts.reads_refused += 1,
+                    _ => counts.reads_unknown += 1,
+                }
+                continue;
+            }
             if o.f != latchkey_checker::Function::Acquire || !o.is_ok() {
                 continue;
             }
@@ -317,6 +330,11 @@ impl fmt::Display for GateOutcome {
             self.modes.shared_overlaps,
             self.modes.semaphore_grants,
             self.modes.slots
+        )?;
+        writeln!(
+            f,
+            "readers' guarded reads (reference fence): {} accepted / {} refused / {} unknown",
+            self.modes.reads_accepted, self.modes.reads_refused, self.modes.reads_unknown
         )?;
         let per_store: Vec<String> = self
             .stores

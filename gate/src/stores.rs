@@ -5,7 +5,9 @@
 //! live in one store for the whole run (the worker picks it by the key's
 //! place in its key list, plus the slot), so the checker judges each
 //! store's accepted writes in that store's own commit order: the version
-//! its adapter returns (a per-record write count, etcd's revision).
+//! its adapter returns (a per-record write count, etcd's revision). The
+//! keys readers take stay on the reference fence, whose guarded read the
+//! readers use (the worker's `Fences`).
 
 use std::collections::BTreeMap;
 

@@ -1,8 +1,10 @@
 //! One gate workload process: acquire a random key through the client
-//! library, write to the PostgreSQL reference fence with the grant's token,
-//! release; every step recorded. The nemesis may SIGSTOP this process at any
-//! moment, which is the point: a holder frozen inside its unit of work wakes
-//! up with a stale token, and the fence must refuse its write.
+//! library, write to the PostgreSQL reference fence with the grant's token
+//! (a shared holder instead reads its key's record through the fence's
+//! guarded read), release; every step recorded. The nemesis may SIGSTOP
+//! this process at any moment, which is the point: a holder frozen inside
+//! its unit of work wakes up with a stale token, and the fence must refuse
+//! its write (or its read).
 //!
 //! Any outcome the worker cannot know (a transport error, a refused release)
 //! ends the process with [`EXIT_TAINTED`] after recording what may still
@@ -25,7 +27,7 @@ use std::time::Duration;
 use anyhow::Context;
 use latchkey_client::{Client, ClientConfig, Error, LockGuard, Session, TlsFiles};
 use latchkey_fence::{FencedStore, Guarded, guarded_write_retrying};
-use latchkey_fence_postgres::PostgresStore;
+use latchkey_fence_postgres::{PostgresStore, ReadOutcome};
 use latchkey_proto::lockv1::Reason;
 
 use super::record::{Fields, Outcome, Recorder, mono_of};
@@ -59,9 +61,10 @@ pub struct WorkerArgs {
     /// an order every worker shares, separated by spaces (URLs hold
     /// none; a comma may be in a password or a host list); the record of
     /// the i-th key of `--keys`
-    /// (plus its slot) goes to store i mod n. Empty: every write goes to
-    /// the reference fence at `--postgres`. From the environment, as URLs
-    /// may hold passwords.
+    /// (plus its slot) goes to store i mod n, but for the readers' keys
+    /// (`--shared-every`), whose records stay on the reference fence.
+    /// Empty: every write goes to the reference fence at `--postgres`.
+    /// From the environment, as URLs may hold passwords.
     #[arg(
         long,
         env = "LATCHKEY_GATE_FENCE_STORES",
@@ -93,8 +96,10 @@ pub struct WorkerArgs {
     #[arg(long)]
     pub elect: bool,
     /// One acquire in this many asks for a shared hold, of one of the
-    /// first [`SHARED_KEYS`] keys, and does no write (0: never). Readers
-    /// and writers of those keys are judged together.
+    /// first [`SHARED_KEYS`] keys, and does no write but one guarded read
+    /// of the key's record through the reference fence (0: never). Readers
+    /// and writers of those keys are judged together, and those keys'
+    /// records stay on the reference fence (the readers' fence).
     #[arg(long, default_value_t = 0)]
     pub shared_every: u64,
     /// `--class` is a semaphore of this many permits: each grant carries
@@ -153,22 +158,26 @@ impl Hold {
 const WRITE_ATTEMPTS: usize = 4;
 
 /// The stores a worker writes its records to: the reference fence alone, or
-/// every adapter of `--fence-stores` in rotation by key.
+/// every adapter of `--fence-stores` in rotation by key. The records of the
+/// keys readers take (the first [`SHARED_KEYS`] with `--shared-every`) stay
+/// on the reference fence in either case: a reader's guarded read goes
+/// through it (the other adapters have none), so the writes it is judged
+/// against must land there too, on the same record.
 pub struct Fences {
-    stores: Vec<Box<dyn FencedStore>>,
+    reference: PostgresStore,
+    /// `--fence-stores`, in order; empty: every record on `reference`.
+    rotation: Vec<Box<dyn FencedStore>>,
     keys: Vec<String>,
+    /// The first this many of `keys` are the readers' keys.
+    reader_keys: usize,
 }
 
 impl Fences {
     async fn open(args: &WorkerArgs) -> anyhow::Result<Self> {
+        let reference = PostgresStore::connect(&args.postgres)
+            .await
+            .context("connecting to the fenced resource")?;
         let mut stores: Vec<Box<dyn FencedStore>> = Vec::new();
-        if args.fence_stores.is_empty() {
-            stores.push(Box::new(
-                PostgresStore::connect(&args.postgres)
-                    .await
-                    .context("connecting to the fenced resource")?,
-            ));
-        }
         for url in &args.fence_stores {
             stores.push(latchkey_fence_open::open(url).await.with_context(|| {
                 format!(
@@ -178,16 +187,32 @@ impl Fences {
             })?);
         }
         Ok(Self {
-            stores,
+            reference,
+            rotation: stores,
             keys: args.keys.clone(),
+            reader_keys: match args.shared_every {
+                0 => 0,
+                _ => SHARED_KEYS,
+            },
         })
     }
 
     /// The store of `key`'s record (of its `slot`'s, for a semaphore).
     pub(crate) fn store_for(&self, key: &str, slot: Option<u32>) -> &dyn FencedStore {
         let position = self.keys.iter().position(|k| k == key).unwrap_or(0);
-        let index = (position + slot.unwrap_or(0) as usize) % self.stores.len();
-        self.stores[index].as_ref()
+        if position < self.reader_keys && slot.is_none() {
+            return &self.reference;
+        }
+        let index = (position + slot.unwrap_or(0) as usize) % self.rotation.len().max(1);
+        match self.rotation.get(index) {
+            Some(store) => store.as_ref(),
+            None => &self.reference,
+        }
+    }
+
+    /// The fence a reader's guarded read of `key`'s record goes through.
+    pub(crate) fn readers_fence(&self) -> &PostgresStore {
+        &self.reference
     }
 }
 
@@ -372,10 +397,21 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<i32> {
         let token = guard.token().get();
 
         if shared {
-            // A reader does no fenced write (the reference fence takes
-            // writers); it holds for up to five units of work, so readers
-            // of a key meet each other.
-            tokio::time::sleep(Duration::from_millis(rng.u64(0..=args.unit_ms * 5))).await;
+            // A reader does no fenced write; it holds for up to five units
+            // of work, so readers of a key meet each other, and reads its
+            // key's record once through the reference fence's guarded read
+            // somewhere in that hold (a SIGSTOP before it wakes up past the
+            // lease: the fence must refuse it once a writer has written).
+            // Whether to read is decided at the start, as a writer decides
+            // its unit of work: a reader frozen since reads all the same.
+            let hold_ms = rng.u64(0..=args.unit_ms * 5);
+            let read_at = rng.u64(0..=hold_ms);
+            let reads = guard.can_start();
+            tokio::time::sleep(Duration::from_millis(read_at)).await;
+            if reads {
+                guarded_read(&mut rec, &fences, &key, hold, token).await?;
+            }
+            tokio::time::sleep(Duration::from_millis(hold_ms - read_at)).await;
         } else if guard.can_start() {
             // A SIGSTOP inside the unit of work wakes up past the lease: the
             // write then carries a stale token.
@@ -492,6 +528,58 @@ pub(crate) async fn unit_of_work(
         )?,
     }
     Ok(op)
+}
+
+/// A reader's guarded read of `key`'s record through the reference fence
+/// with its shared grant's `token`, recorded: `ok` with the record's write
+/// count it saw as `seq` (the writes' own numbering, so the checker orders
+/// it among them), `fail` when the fence refused it (a write with a larger
+/// token had landed), `unknown` on an error (it may have raised the read
+/// mark). The payload is not kept: the checker judges the fence's answer.
+async fn guarded_read(
+    rec: &mut Recorder,
+    fences: &Fences,
+    key: &str,
+    hold: Hold,
+    token: u64,
+) -> anyhow::Result<()> {
+    let op = rec.invoke(
+        "read",
+        Fields {
+            token: Some(token),
+            ..hold.fields(key)
+        },
+    )?;
+    match fences
+        .readers_fence()
+        .guarded_read(&hold.record(key), token)
+        .await
+    {
+        Ok(ReadOutcome::Current { write_seq, .. }) => rec.complete(
+            op,
+            Outcome::Ok,
+            Fields {
+                seq: Some(write_seq),
+                ..Fields::default()
+            },
+        ),
+        Ok(ReadOutcome::WrittenSince) => rec.complete(
+            op,
+            Outcome::Fail,
+            Fields {
+                detail: Some(ReadOutcome::WrittenSince.to_string()),
+                ..Fields::default()
+            },
+        ),
+        Err(e) => rec.complete(
+            op,
+            Outcome::Unknown,
+            Fields {
+                detail: Some(e.to_string()),
+                ..Fields::default()
+            },
+        ),
+    }
 }
 
 /// What asking again on the same session showed.

@@ -141,6 +141,13 @@ async fn short_gate_every_fault_kind_history_checks_out() -> anyhow::Result<()> 
         "no shared holds were granted, or none were held at once: {:?}",
         outcome.modes
     );
+    // The readers read through the reference fence's guarded read, and
+    // the checker judged those reads against the writes of their keys.
+    assert!(
+        outcome.modes.reads_accepted > 0,
+        "no reader's guarded read was accepted: {:?}",
+        outcome.modes
+    );
     assert_eq!(
         outcome.modes.slots,
         (0..gate::SEMAPHORE_PERMITS).collect(),

@@ -16,6 +16,7 @@ mod etcd_harness;
 mod etcd_members;
 mod etcd_tls;
 mod fence_kv;
+mod fence_reads;
 mod fence_s3;
 mod fence_sql;
 mod force_release;

@@ -24,6 +24,15 @@
 //! or a log line, and PostgreSQL's error text is scrubbed of the token before
 //! it is kept (a constraint violation's DETAIL can echo the parameters).
 //!
+//! A shared holder (a reader) fences its *read* with [`guarded_read`]: one
+//! `INSERT ... ON CONFLICT DO UPDATE ... WHERE t.fence <= $token RETURNING`
+//! returns the record only if no write with a larger token has landed (the
+//! reader's hold was not superseded by a writer that wrote), and raises the
+//! record's *read mark* (`read_fence`) to the token in the same statement,
+//! so a stale writer whose token is at or below it can no longer write the
+//! record afterwards: both guarded write statements compare the read mark
+//! too. The rule and its reasoning: docs/fencing.md, "Fenced reads".
+//!
 //! [`PostgresStore`] is the same fence behind the adapter contract
 //! (`latchkey_fence::FencedStore`), for callers that pick a store at run
 //! time (`latchctl pause-test --resource-url postgresql://…`).
@@ -33,33 +42,44 @@ use std::fmt;
 use tokio_postgres::Client;
 
 mod store;
-pub use store::{KIND, PLAIN_WRITE_SQL, PostgresStore, READ_SQL};
+pub use store::{KIND, MARKS_SQL, PLAIN_WRITE_SQL, PostgresStore, READ_SQL};
 use tokio_postgres::error::SqlState;
 
 /// The reference table. Copy the pattern (a `fence bigint` per record, the
 /// guarded statement below) into your own table rather than using this one.
 pub const TABLE: &str = "latchkey_fenced_rows";
 
-/// Creates the reference table if it is missing.
+/// Creates the reference table if it is missing. `read_fence` is the read
+/// mark: the greatest token a [`guarded_read`] was accepted with (0: none).
+/// It is last and has a default, so an older table gains it in place
+/// ([`ADD_READ_FENCE_SQL`]) and inserts that name four columns still work.
 pub const CREATE_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS latchkey_fenced_rows (
-    id      text   PRIMARY KEY,
-    fence   bigint NOT NULL,
-    payload text   NOT NULL,
-    writes  bigint NOT NULL
+    id         text   PRIMARY KEY,
+    fence      bigint NOT NULL,
+    payload    text   NOT NULL,
+    writes     bigint NOT NULL,
+    read_fence bigint NOT NULL DEFAULT 0
 )";
+
+/// Adds the read mark to a reference table made before fenced reads (every
+/// row starts at 0: no read yet). [`ensure_schema`] runs it only when the
+/// table is otherwise the reference one and lacks the column.
+pub const ADD_READ_FENCE_SQL: &str = "ALTER TABLE latchkey_fenced_rows ADD COLUMN IF NOT EXISTS read_fence bigint NOT NULL DEFAULT 0";
 
 /// The guarded upsert: `$1` id, `$2` token (bigint), `$3` payload. Creates a
 /// missing record; otherwise writes only if the record's mark is strictly
-/// below the token, and raises the mark in the same statement. A negative
-/// mark is no token's (a table that marks unfenced rows with -1): such a
-/// record is never overwritten. One row back
-/// (the record's write count) means accepted; zero rows means fenced out.
+/// below the token *and* its read mark is too (no reader with this or a
+/// later token has read it: a writer granted before that reader is stale),
+/// and raises the mark in the same statement. A negative mark is no token's
+/// (a table that marks unfenced rows with -1): such a record is never
+/// overwritten. One row back (the record's write count) means accepted;
+/// zero rows means fenced out.
 pub const GUARDED_WRITE_SQL: &str =
     "INSERT INTO latchkey_fenced_rows AS t (id, fence, payload, writes)
 VALUES ($1, $2, $3, 1)
 ON CONFLICT (id) DO UPDATE
    SET fence = EXCLUDED.fence, payload = EXCLUDED.payload, writes = t.writes + 1
- WHERE t.fence < EXCLUDED.fence AND t.fence >= 0
+ WHERE t.fence < EXCLUDED.fence AND t.read_fence < EXCLUDED.fence AND t.fence >= 0
 RETURNING writes";
 
 /// The plain guarded update for a record that already exists: `$1` id, `$2`
@@ -67,7 +87,28 @@ RETURNING writes";
 /// 0 = fenced out (or no such record — this form never creates one).
 pub const GUARDED_UPDATE_SQL: &str = "UPDATE latchkey_fenced_rows
    SET payload = $3, fence = $2, writes = writes + 1
- WHERE id = $1 AND fence < $2 AND fence >= 0";
+ WHERE id = $1 AND fence < $2 AND read_fence < $2 AND fence >= 0";
+
+/// The guarded read of a shared holder: `$1` id, `$2` the reader's token
+/// (bigint). Accepted if and only if the record's mark is at or below the
+/// token (no write with a larger token has landed: no writer granted after
+/// this reader has written), and then the read mark is raised to the token
+/// (never lowered: readers do not refuse each other) in the same statement,
+/// under the same row lock as the writes. A missing record is created
+/// empty (mark 0, write count 0, the read mark the token), so that a stale
+/// writer cannot create it after the read either. One row back (payload and
+/// write count; 0 writes: nothing written yet) means accepted; zero rows
+/// means refused ([`ReadOutcome::WrittenSince`]). `<=`, not `<`: a mark equal
+/// to the token is no later writer's (a writer's token is above every
+/// earlier grant, a reader's above the last writer's), but the reader's own
+/// write made as a writer before it downgraded, or a misused reader token.
+pub const GUARDED_READ_SQL: &str =
+    "INSERT INTO latchkey_fenced_rows AS t (id, fence, payload, writes, read_fence)
+VALUES ($1, 0, '', 0, $2)
+ON CONFLICT (id) DO UPDATE
+   SET read_fence = GREATEST(t.read_fence, EXCLUDED.read_fence)
+ WHERE t.fence <= EXCLUDED.read_fence AND t.fence >= 0
+RETURNING payload, writes";
 
 /// What a [`guarded_write`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +124,62 @@ pub enum WriteOutcome {
 impl WriteOutcome {
     pub fn is_accepted(self) -> bool {
         matches!(self, WriteOutcome::Accepted { .. })
+    }
+}
+
+/// What a [`guarded_read`] found.
+#[derive(Clone, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// No write with a larger token than the reader's has landed: what was
+    /// read is current for this shared hold. `payload` is `None` when no
+    /// write has landed yet; `write_seq` counts the writes the record has
+    /// accepted (0: none), the same count [`WriteOutcome::Accepted`] gives,
+    /// so a read is ordered among the writes. The record's read mark is now
+    /// at least the token: a writer with a token at or below it is fenced out
+    /// from here on.
+    Current {
+        payload: Option<String>,
+        write_seq: i64,
+    },
+    /// Refused: a writer granted after this reader has written the record,
+    /// so this reader's shared hold is over. Discard what it read and stop;
+    /// nothing changed.
+    WrittenSince,
+}
+
+impl ReadOutcome {
+    pub fn is_current(&self) -> bool {
+        matches!(self, ReadOutcome::Current { .. })
+    }
+}
+
+impl fmt::Debug for ReadOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReadOutcome::Current { payload, write_seq } => f
+                .debug_struct("Current")
+                .field("payload_bytes", &payload.as_ref().map(String::len))
+                .field("write_seq", write_seq)
+                .finish(),
+            ReadOutcome::WrittenSince => f.write_str("WrittenSince"),
+        }
+    }
+}
+
+/// The refusal reason of a [`ReadOutcome::WrittenSince`], in words (no
+/// token, no mark).
+pub const READ_REFUSED: &str = "guarded read refused: a writer granted after this reader has \
+                                written the record, so the shared hold is over";
+
+impl fmt::Display for ReadOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReadOutcome::Current { write_seq: 0, .. } => f.write_str("current (no write yet)"),
+            ReadOutcome::Current { write_seq, .. } => {
+                write!(f, "current (after write #{write_seq})")
+            }
+            ReadOutcome::WrittenSince => f.write_str(READ_REFUSED),
+        }
     }
 }
 
@@ -202,6 +299,10 @@ pub const REQUIRED_COLUMNS: [(&str, &[&str]); 4] = [
     ("writes", &["bigint"]),
 ];
 
+/// The read mark's column: added by [`ensure_schema`] when missing, and
+/// `bigint` when present (a text read mark would compare `"9" > "10"`).
+pub const READ_FENCE_COLUMN: (&str, &[&str]) = ("read_fence", &["bigint"]);
+
 /// The columns of the table the unqualified name resolves to (the one the
 /// statements write), with their types.
 const COLUMNS_SQL: &str = "SELECT a.attname::text, format_type(a.atttypid, NULL)
@@ -285,17 +386,25 @@ pub async fn ensure_schema(client: &Client) -> Result<(), FenceError> {
         .iter()
         .filter_map(|row| row.try_get::<_, String>(0).ok())
         .collect();
-    if names.is_empty() {
-        Ok(())
-    } else {
-        Err(FenceError::Schema {
+    if !names.is_empty() {
+        return Err(FenceError::Schema {
             why: format!(
                 "it has BEFORE row triggers ({}), which can change the mark or the write count \
                  the guarded statement sets",
                 names.join(", ")
             ),
-        })
+        });
     }
+    // A reference table made before fenced reads: add the read mark, only
+    // now that everything else about the table is known to be the fence's
+    // (a foreign table is refused above, never altered).
+    if !columns.iter().any(|(n, _)| n == READ_FENCE_COLUMN.0) {
+        client
+            .batch_execute(ADD_READ_FENCE_SQL)
+            .await
+            .map_err(|e| FenceError::from_postgres("adding the read mark column", &e, None))?;
+    }
+    Ok(())
 }
 
 /// A plain table, nothing inheriting from it, and a deterministic `id`
@@ -362,6 +471,15 @@ pub fn check_columns(columns: &[(String, String)]) -> Result<(), FenceError> {
             Some(_) => {}
         }
     }
+    let (name, types) = READ_FENCE_COLUMN;
+    if let Some((_, ty)) = columns.iter().find(|(n, _)| n == name)
+        && !types.contains(&ty.as_str())
+    {
+        wrong.push(format!(
+            "its `{name}` column is {ty}, not {}",
+            types.join(" or ")
+        ));
+    }
     if wrong.is_empty() {
         Ok(())
     } else {
@@ -395,6 +513,44 @@ pub async fn guarded_write(
             Ok(WriteOutcome::Accepted { write_seq })
         }
     }
+}
+
+/// The guarded read of a shared holder whose grant's token is `token`:
+/// the record's payload if and only if no write with a larger token has
+/// landed, raising the record's read mark to `token` in the same statement
+/// ([`GUARDED_READ_SQL`]). Pass `guard.token().get()` of the shared grant
+/// under which the read is made; act on the payload only if this answers
+/// [`ReadOutcome::Current`]. A shared holder must never call
+/// [`guarded_write`] (its token would pass, and raise the mark above the
+/// next writer's).
+pub async fn guarded_read(
+    client: &Client,
+    id: &str,
+    token: u64,
+) -> Result<ReadOutcome, FenceError> {
+    let fence = token_param(token)?;
+    let rows = client
+        .query(GUARDED_READ_SQL, &[&id, &fence])
+        .await
+        .map_err(|e| FenceError::from_postgres("guarded read", &e, Some(token)))?;
+    // The row-count check, as for the write: no row back is the refusal.
+    let Some(row) = rows.first() else {
+        return Ok(ReadOutcome::WrittenSince);
+    };
+    let (payload, write_seq): (String, i64) = match (row.try_get(0), row.try_get(1)) {
+        (Ok(p), Ok(w)) => (p, w),
+        (Err(e), _) | (_, Err(e)) => {
+            return Err(FenceError::from_postgres(
+                "reading the guarded read's row",
+                &e,
+                Some(token),
+            ));
+        }
+    };
+    Ok(ReadOutcome::Current {
+        payload: (write_seq != 0).then_some(payload),
+        write_seq,
+    })
 }
 
 /// The plain guarded `UPDATE` (see [`GUARDED_UPDATE_SQL`]): the affected row
@@ -455,12 +611,56 @@ mod tests {
     fn the_statements_compare_strictly_and_in_one_statement() {
         for sql in [GUARDED_WRITE_SQL, GUARDED_UPDATE_SQL] {
             assert!(sql.contains("fence <"), "{sql}");
+            // Writers meet the readers' mark too, strictly.
+            assert!(sql.contains("read_fence <"), "{sql}");
             assert!(!sql.contains("<="), "{sql}");
             assert_eq!(sql.matches(';').count(), 0, "one statement: {sql}");
         }
         assert!(GUARDED_WRITE_SQL.contains("RETURNING writes"));
         assert!(GUARDED_WRITE_SQL.contains("t.fence >= 0"));
         assert!(GUARDED_UPDATE_SQL.contains("fence >= 0"));
+    }
+
+    #[test]
+    fn the_guarded_read_compares_and_raises_in_one_statement() {
+        let sql = GUARDED_READ_SQL;
+        assert_eq!(sql.matches(';').count(), 0, "one statement: {sql}");
+        // At or below: a mark equal to the reader's token is no later writer's.
+        assert!(sql.contains("t.fence <= EXCLUDED.read_fence"), "{sql}");
+        assert!(sql.contains("t.fence >= 0"), "{sql}");
+        // Raised, never lowered: readers do not refuse each other.
+        assert!(
+            sql.contains("read_fence = GREATEST(t.read_fence, EXCLUDED.read_fence)"),
+            "{sql}"
+        );
+        // The writes' mark is left alone.
+        assert!(!sql.contains("SET fence"), "{sql}");
+        assert!(sql.contains("RETURNING payload, writes"), "{sql}");
+        assert!(CREATE_TABLE_SQL.contains("read_fence bigint NOT NULL DEFAULT 0"));
+    }
+
+    #[test]
+    fn read_outcomes_never_print_the_payload_and_say_why() {
+        let current = ReadOutcome::Current {
+            payload: Some("secret ledger line".to_owned()),
+            write_seq: 4,
+        };
+        assert!(current.is_current());
+        assert!(!format!("{current:?}").contains("secret"));
+        assert_eq!(current.to_string(), "current (after write #4)");
+        let empty = ReadOutcome::Current {
+            payload: None,
+            write_seq: 0,
+        };
+        assert_eq!(empty.to_string(), "current (no write yet)");
+        let refused = ReadOutcome::WrittenSince;
+        assert!(!refused.is_current());
+        assert!(
+            refused
+                .to_string()
+                .contains("a writer granted after this reader"),
+            "{refused}"
+        );
     }
 
     #[test]
@@ -478,6 +678,23 @@ mod tests {
             ("extra", "integer"),
         ]);
         assert!(check_columns(&reference).is_ok());
+        // The read mark may be missing (ensure_schema adds it), never of
+        // another type.
+        let mut with_read_mark = reference.clone();
+        with_read_mark.push(("read_fence".to_owned(), "bigint".to_owned()));
+        assert!(check_columns(&with_read_mark).is_ok());
+        let text_read_mark = cols(&[
+            ("id", "text"),
+            ("fence", "bigint"),
+            ("payload", "text"),
+            ("writes", "bigint"),
+            ("read_fence", "text"),
+        ]);
+        let err = check_columns(&text_read_mark).unwrap_err().to_string();
+        assert!(
+            err.contains("`read_fence` column is text, not bigint"),
+            "{err}"
+        );
         let older = cols(&[("id", "text"), ("fence", "text"), ("payload", "text")]);
         let err = check_columns(&older).unwrap_err().to_string();
         assert!(err.contains("`fence` column is text, not bigint"), "{err}");

@@ -6,17 +6,26 @@
 //! statement ([`crate::GUARDED_WRITE_SQL`]): the decision is that one
 //! statement's. A fenced-out write reads the record's mark afterwards, only
 //! to report it ([`Guarded::FencedOut`]); nothing is decided by that read.
+//! [`PostgresStore::guarded_read`] is the readers' half
+//! ([`crate::GUARDED_READ_SQL`]), outside the contract: the other adapters
+//! have no fenced read yet.
 
 use latchkey_fence::{self as contract, BoxFuture, FencedStore, Guarded, Mark, Record};
 use tokio_postgres::Client;
 
-use crate::{FenceError, WriteOutcome};
+use crate::{FenceError, ReadOutcome, WriteOutcome};
 
 /// The store kind, as in `postgresql://…`.
 pub const KIND: &str = "postgresql";
 
-/// Reads a record's mark and payload.
-pub const READ_SQL: &str = "SELECT fence, payload FROM latchkey_fenced_rows WHERE id = $1";
+/// Reads a record's mark and payload. A row only a guarded read made (no
+/// write yet: `writes = 0`) is no record.
+pub const READ_SQL: &str =
+    "SELECT fence, payload FROM latchkey_fenced_rows WHERE id = $1 AND writes <> 0";
+
+/// What refused a write, to report it: the record's write mark and read
+/// mark (a write is fenced out by the greater of the two).
+pub const MARKS_SQL: &str = "SELECT fence, read_fence FROM latchkey_fenced_rows WHERE id = $1";
 
 /// The naive writer: overwrites the payload, never compares or raises the
 /// mark (a record it creates gets mark 0). For the pause test's "a naive
@@ -61,6 +70,68 @@ impl PostgresStore {
 
     pub fn client(&self) -> &Client {
         &self.client
+    }
+
+    /// The guarded read of a shared holder ([`crate::guarded_read`]): the
+    /// record as it is if no write with a larger token than `token` has
+    /// landed, raising its read mark to `token`; or the refusal. Errors are
+    /// the contract's, scrubbed of the token.
+    pub async fn guarded_read(
+        &self,
+        record: &str,
+        token: u64,
+    ) -> Result<ReadOutcome, contract::FenceError> {
+        match crate::guarded_read(&self.client, record, token).await {
+            Ok(ReadOutcome::WrittenSince) => {
+                // The statement refuses a negative mark too: that record
+                // was never the fence's, and saying "written since" would
+                // hide it.
+                match self.marks(record, token).await? {
+                    Some((write_mark, _)) if write_mark < 0 => {
+                        Err(contract::FenceError::Unfenced {
+                            store: KIND,
+                            record: record.to_owned(),
+                            why: "its fence column is negative, which no token is".to_owned(),
+                        })
+                    }
+                    _ => Ok(ReadOutcome::WrittenSince),
+                }
+            }
+            Ok(current) => Ok(current),
+            Err(e) => Err(to_contract("guarded read", e, &[token])),
+        }
+    }
+
+    /// The record's write mark and read mark, as stored.
+    async fn marks(
+        &self,
+        record: &str,
+        token: u64,
+    ) -> Result<Option<(i64, i64)>, contract::FenceError> {
+        let failed = |e: &tokio_postgres::Error| {
+            to_contract(
+                "reading a record's marks",
+                FenceError::from_postgres("reading a record's marks", e, Some(token)),
+                &[token],
+            )
+        };
+        let row = self
+            .client
+            .query_opt(MARKS_SQL, &[&record])
+            .await
+            .map_err(|e| failed(&e))?;
+        let Some(row) = row else { return Ok(None) };
+        // The reference table's columns are NOT NULL; a copy's may not be.
+        let write_mark: Option<i64> = row.try_get(0).map_err(|e| failed(&e))?;
+        let read_mark: Option<i64> = row.try_get(1).map_err(|e| failed(&e))?;
+        let Some(write_mark) = write_mark else {
+            return Err(contract::FenceError::Unfenced {
+                store: KIND,
+                record: record.to_owned(),
+                why: "its fence column is NULL".to_owned(),
+            });
+        };
+        Ok(Some((write_mark, read_mark.unwrap_or(0))))
     }
 
     async fn read_record(&self, record: &str) -> Result<Option<Record>, contract::FenceError> {
@@ -170,8 +241,20 @@ impl FencedStore for PostgresStore {
                             .to_owned(),
                     }),
                 },
-                Ok(WriteOutcome::FencedOut) => match self.read_record(record).await? {
-                    Some(found) => Ok(Guarded::FencedOut { mark: found.mark }),
+                // Refused by the write mark or the read mark (a reader with
+                // this or a later token read the record): the greater one is
+                // the mark it met.
+                Ok(WriteOutcome::FencedOut) => match self.marks(record, token).await? {
+                    Some((write_mark, read_mark)) => match u64::try_from(write_mark) {
+                        Ok(write_mark) => Ok(Guarded::FencedOut {
+                            mark: Mark::new(write_mark.max(u64::try_from(read_mark).unwrap_or(0))),
+                        }),
+                        Err(_) => Err(contract::FenceError::Unfenced {
+                            store: KIND,
+                            record: record.to_owned(),
+                            why: "its fence column is negative, which no token is".to_owned(),
+                        }),
+                    },
                     // Deleted since: nothing changed, and the same write may land now.
                     None => Ok(Guarded::Retry),
                 },
