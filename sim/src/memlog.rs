@@ -14,7 +14,7 @@
 //! - leases on tokio's clock: under paused time the simulation decides when
 //!   they expire. An expired lease is revoked at its deadline, its keys
 //!   deleted at one new revision, before anything else the store does
-//!   after that instant, and a watch blocked in [`KeyWatch::next`](latchkey_arbiter::lock_log::KeyWatch::next) wakes at
+//!   after that instant, and a watch blocked in [`KeyWatch::next`] wakes at
 //!   the deadline by itself (no background task);
 //! - watches from a revision: a per-key history replayed from there, then
 //!   live events; compaction drops history, and a watch from below it is
