@@ -115,6 +115,7 @@
 //! | connect | [`Client::connect`] with [`ClientConfig::tls`] (or [`ClientConfig::insecure_dev`]) |
 //! | take a key | [`Client::lock`] → [`LockBuilder::acquire`] → [`LockGuard`] |
 //! | give it back | [`LockGuard::release`] (or drop the guard), [`LockGuard::detach`] to keep it |
+//! | read beside others | [`LockBuilder::shared`]; [`LockGuard::downgrade`] turns a held exclusive lock shared |
 //! | check before work | [`LockGuard::can_start`], [`LockGuard::fence_deadline`] |
 //! | group holds on one lease | [`Client::open_session`], [`LockBuilder::session`], [`Session::close`] |
 //! | see who holds a key | [`Client::inspect`] |

@@ -67,7 +67,8 @@ impl LockBuilder {
     /// exclusive grant of the key: fence reads with "no writer since my
     /// token" (docs/fencing.md). A session holding the key in the other
     /// mode is refused (`UPGRADE_REFUSED` for an exclusive request of a key
-    /// held shared).
+    /// held shared); to turn a held exclusive lock shared, use
+    /// [`LockGuard::downgrade`].
     pub fn shared(mut self) -> Self {
         self.shared = true;
         self
@@ -165,8 +166,13 @@ impl LockBuilder {
                                 Reason::UpgradeRefused
                             },
                             message: format!(
-                                "this session holds {:?} {held} already: release it before acquiring it in the other mode",
-                                self.key
+                                "this session holds {:?} {held} already: release it before acquiring it in the other mode{}",
+                                self.key,
+                                if self.shared {
+                                    " (or downgrade its guard: LockGuard::downgrade)"
+                                } else {
+                                    ""
+                                }
                             ),
                             wire_reason: String::new(),
                             source: None,
@@ -237,6 +243,8 @@ impl LockBuilder {
         );
         hold.slot = grant.slot;
         hold.shared = grant.mode == Mode::Shared as i32;
+        hold.class = self.class.clone();
+        hold.metadata = self.metadata.clone();
         let hold = Arc::new(hold);
         pending.settled = true;
         let guard_id = core.granted(Arc::clone(&hold), on_fence)?;
@@ -338,7 +346,8 @@ impl LockGuard {
         self.hold.slot
     }
 
-    /// Whether the hold is shared ([`LockBuilder::shared`]).
+    /// Whether the hold is shared ([`LockBuilder::shared`], or after
+    /// [`LockGuard::downgrade`]).
     pub fn is_shared(&self) -> bool {
         self.hold.shared
     }
@@ -374,6 +383,130 @@ impl LockGuard {
     /// said the hold ended ([`FenceReason::HoldEnded`]).
     pub fn is_fenced(&self) -> bool {
         self.hold.has_ended() || self.session.core.fenced().is_some()
+    }
+
+    /// Turns this exclusive hold into a shared one, atomically at the
+    /// arbiter: one transaction ends the exclusive hold and grants the
+    /// shared one, so no writer comes between (docs/fencing.md). Readers
+    /// queued behind the writer are let in at once; a writer still waits
+    /// until this shared hold ends. The guard then holds the key shared:
+    /// [`LockGuard::token`] is the shared grant's, a new token above the
+    /// exclusive one, and [`LockGuard::is_shared`] is true. Release it as
+    /// any guard; `on_fence` stays the same.
+    ///
+    /// It is an Acquire of the key in mode SHARED on the same session,
+    /// with the class and metadata of the acquire that was granted, so the
+    /// class's hooks are asked again (as a shared request). It never waits.
+    ///
+    /// Refused, with the guard left as it was:
+    /// - [`Error::Fenced`]: the hold is already lost (its session fenced,
+    ///   or the arbiter said it ended);
+    /// - `FAILED_PRECONDITION` / `BAD_REQUEST`, without a call: the hold is
+    ///   shared already, a semaphore's slot, or has other guards (nested
+    ///   acquires, each expecting the exclusive hold);
+    /// - by the arbiter: a class with a quota (`maxHoldsPerSubject`) or a
+    ///   durable queue takes no downgrade (`BAD_REQUEST`), a hook may deny
+    ///   the shared request, and `HELD` when the exclusive hold ended at
+    ///   the arbiter before the call (its notice, on its way, fences it).
+    ///
+    /// An error whose outcome is unknown ([`Error::is_transient`]: the
+    /// answer was lost) may follow a downgrade that landed: the guard keeps
+    /// the exclusive hold as far as this client knows. Call `downgrade`
+    /// again: a session's shared request of a key it holds shared is
+    /// answered with that hold. Until then, fence nothing with the
+    /// exclusive token that a reader's token must not see.
+    ///
+    /// ```no_run
+    /// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
+    /// let mut guard = client.lock("config/app", "demo").acquire(|_| {}).await?;
+    /// let writer: u64 = guard.token().get();
+    /// // ... write the new config, fenced with `writer` ...
+    /// guard.downgrade().await?;
+    /// assert!(guard.is_shared() && guard.token().get() > writer);
+    /// // ... read it back beside other readers, no writer in between ...
+    /// guard.release().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn downgrade(&mut self) -> Result<(), Error> {
+        let core = &self.session.core;
+        let refuse = |why: &str| Error::Refused {
+            code: tonic::Code::FailedPrecondition,
+            reason: Reason::BadRequest,
+            message: format!("{:?} cannot be downgraded: {why}", self.hold.key),
+            wire_reason: String::new(),
+            source: None,
+        };
+        if let Some(reason) = core.fenced() {
+            return Err(core.dead_error(reason));
+        }
+        if self.hold.has_ended() {
+            return Err(core.dead_error(FenceReason::HoldEnded));
+        }
+        if self.hold.shared {
+            return Err(refuse(
+                "it is held shared already (a downgrade turns an exclusive hold into a shared one)",
+            ));
+        }
+        if self.hold.slot.is_some() {
+            return Err(refuse("it is a semaphore's slot, which has no shared mode"));
+        }
+        core.begin_downgrade(&self.hold)?;
+        // From here the key is Downgrading in the table; whatever happens
+        // to this future, the entry must be settled.
+        let mut pending = PendingDowngrade {
+            session: &self.session,
+            key: &self.hold.key,
+            settled: false,
+        };
+        let rpc = &self.session.rpc;
+        let grant = rpc
+            .lock()
+            .acquire(rpc.unary(AcquireRequest {
+                key: self.hold.key.clone(),
+                class: self.hold.class.clone(),
+                session_id: core.id,
+                wait: WaitMode::WaitNone as i32,
+                metadata: self.hold.metadata.clone(),
+                instance: rpc.instance.clone(),
+                mode: Mode::Shared as i32,
+            }))
+            .await?
+            .into_inner()
+            .grant
+            .ok_or(Error::Protocol {
+                rpc: "Acquire",
+                problem: "OK without a grant",
+            })?;
+        if grant.session_id != core.id || grant.key != self.hold.key {
+            return Err(Error::Protocol {
+                rpc: "Acquire",
+                problem: "grant for another session or key",
+            });
+        }
+        if grant.mode != Mode::Shared as i32 || grant.slot.is_some() {
+            return Err(Error::Protocol {
+                rpc: "Acquire",
+                problem: "a downgrade granted other than shared",
+            });
+        }
+        let mut hold = Hold::new(
+            grant.key,
+            grant.session_id,
+            FencingToken::new(grant.token),
+            grant.epoch,
+            grant.revision,
+        );
+        hold.shared = true;
+        hold.class = self.hold.class.clone();
+        hold.metadata = self.hold.metadata.clone();
+        let hold = Arc::new(hold);
+        pending.settled = true;
+        drop(pending);
+        let replaced = core.downgraded(Arc::clone(&hold));
+        self.hold = hold;
+        tracing::debug!(key = %self.hold.key, session_id = core.id, epoch = self.hold.epoch, "downgraded");
+        replaced
     }
 
     /// Counts this guard down; the last one sends Release. Fails with
@@ -442,6 +575,22 @@ async fn send_release(session: &SessionInner, hold: &Hold) -> Result<(), Error> 
         .await?;
     tracing::debug!(key = %hold.key, session_id = hold.session_id, "released");
     Ok(())
+}
+
+/// Settles a downgrade in the table if it did not complete (an error, or
+/// its future dropped): the exclusive hold is the key's again.
+struct PendingDowngrade<'a> {
+    session: &'a SessionInner,
+    key: &'a str,
+    settled: bool,
+}
+
+impl Drop for PendingDowngrade<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.session.core.downgrade_failed(self.key);
+        }
+    }
 }
 
 /// Settles a final release in the table even if its future is dropped.

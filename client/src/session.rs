@@ -21,7 +21,7 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use holds::Holds;
-pub(crate) use holds::{Begin, Decrement, Hold};
+pub(crate) use holds::{Begin, Decrement, Hold, NoDowngrade};
 use leaderships::Leaderships;
 pub(crate) use leaderships::{BeginCampaign, Lead, Stepdown};
 use liveness::Liveness;
@@ -167,18 +167,61 @@ impl SessionCore {
             if !state.holds.ended(key, revision) {
                 return;
             }
-            let guards: Vec<u64> = state
-                .on_fence
-                .iter()
-                .filter(|(_, (k, _))| k.as_deref() == Some(key))
-                .map(|(id, _)| *id)
-                .collect();
-            guards
-                .into_iter()
-                .filter_map(|id| state.on_fence.remove(&id))
-                .map(|(_, callback)| callback)
-                .collect::<Vec<_>>()
+            state.take_callbacks(key)
         };
+        self.fire_hold_ended(key, callbacks);
+    }
+
+    /// Starts a downgrade of `hold` (its only guard's): see
+    /// [`holds::Holds::begin_downgrade`].
+    pub(crate) fn begin_downgrade(&self, hold: &Arc<Hold>) -> Result<(), Error> {
+        let mut state = self.state();
+        if let Some(reason) = state.liveness.dead() {
+            return Err(self.dead_error(reason));
+        }
+        state.holds.begin_downgrade(hold).map_err(|why| match why {
+            NoDowngrade::NotHeld => self.dead_error(FenceReason::HoldEnded),
+            NoDowngrade::Nested(guards) => Error::Refused {
+                code: tonic::Code::FailedPrecondition,
+                reason: latchkey_proto::lockv1::Reason::BadRequest,
+                message: format!(
+                    "{:?} has {guards} guards on this session (nested acquires, each expecting the exclusive hold): downgrade only with the last one",
+                    hold.key
+                ),
+                wire_reason: String::new(),
+                source: None,
+            },
+        })
+    }
+
+    /// The arbiter granted the downgrade: `shared` replaces the exclusive
+    /// hold under the same guard. Fails (with the hold replaced all the
+    /// same) if the session was fenced meanwhile.
+    pub(crate) fn downgraded(&self, shared: Arc<Hold>) -> Result<(), Error> {
+        let mut state = self.state();
+        state.holds.downgraded(shared);
+        match state.liveness.dead() {
+            Some(reason) => Err(self.dead_error(reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// The downgrade of `key` failed (or its future was dropped): the
+    /// exclusive hold stays, unless the arbiter said meanwhile that it
+    /// ended; then it is fenced now, as [`SessionCore::hold_ended`] would
+    /// have done.
+    pub(crate) fn downgrade_failed(&self, key: &str) {
+        let callbacks = {
+            let mut state = self.state();
+            if !state.holds.downgrade_failed(key) {
+                return;
+            }
+            state.take_callbacks(key)
+        };
+        self.fire_hold_ended(key, callbacks);
+    }
+
+    fn fire_hold_ended(&self, key: &str, callbacks: Vec<FenceCallback>) {
         tracing::warn!(
             session_id = self.id,
             %key,
@@ -309,6 +352,21 @@ impl CoreState {
         self.on_fence
             .insert(id, (Some(key.to_owned()), Arc::clone(on_fence)));
         id
+    }
+
+    /// The callbacks of `key`'s guards, taken out so that they fire once.
+    fn take_callbacks(&mut self, key: &str) -> Vec<FenceCallback> {
+        let guards: Vec<u64> = self
+            .on_fence
+            .iter()
+            .filter(|(_, (k, _))| k.as_deref() == Some(key))
+            .map(|(id, _)| *id)
+            .collect();
+        guards
+            .into_iter()
+            .filter_map(|id| self.on_fence.remove(&id))
+            .map(|(_, callback)| callback)
+            .collect()
     }
 }
 

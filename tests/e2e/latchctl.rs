@@ -415,3 +415,90 @@ async fn latchctl_admin_shards_adds_a_shard_and_reports_the_map() -> anyhow::Res
     );
     Ok(())
 }
+
+/// `latchctl acquire` holding a key exclusively downgrades it on a line
+/// `downgrade` on its input: the arbiter then has one shared hold of
+/// latchctl's session, another reader is granted beside it and a writer is
+/// not; the end of input releases it. The token is printed once, at the
+/// grant, never for the downgrade.
+#[tokio::test(flavor = "multi_thread")]
+async fn latchctl_acquire_downgrades_its_hold_on_a_downgrade_line() -> anyhow::Result<()> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+    let s = stack().await?;
+    let addr = s.arbiter.addr();
+    let bob = connect(addr, "workload/bob").await?;
+    let key = "demo/cli-downgrade";
+    let mut child = latchctl(addr, "workload/alice")?
+        .args(["acquire", key, "--class", "demo", "--json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("spawn latchctl")?;
+    let (Some(mut input), Some(stdout), Some(mut stderr_pipe)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
+    else {
+        anyhow::bail!("latchctl's stdio is piped");
+    };
+    let mut lines = BufReader::new(stdout).lines();
+    let mut next = async || -> anyhow::Result<serde_json::Value> {
+        let line = timeout(Duration::from_secs(20), lines.next_line())
+            .await
+            .context("latchctl printed nothing in 20 s")??
+            .context("latchctl's stdout ended")?;
+        serde_json::from_str(&line).with_context(|| format!("--json output: {line}"))
+    };
+    let grant = next().await?;
+    assert_eq!(grant["mode"], "exclusive", "{grant}");
+    let exclusive = grant["token"].as_u64().context("token")?;
+    match bob.lock(key, "demo").shared().acquire(|_| {}).await {
+        Err(e) if e.reason() == latchkey_client::Reason::Held => {}
+        other => anyhow::bail!("a reader beside latchctl's writer: {other:?}"),
+    }
+
+    input.write_all(b"downgrade\n").await?;
+    let downgraded = next().await?;
+    assert_eq!(downgraded["downgraded"], true, "{downgraded}");
+    assert_eq!(downgraded["mode"], "shared", "{downgraded}");
+    assert!(
+        downgraded.get("token").is_none() && downgraded.get("revision").is_none(),
+        "no token printed for the downgrade: {downgraded}"
+    );
+    let view = bob.inspect(key).await?;
+    assert!(
+        view.holder.is_none() && view.shared_holders.len() == 1,
+        "latchctl's hold is shared now: {view:?}"
+    );
+    let reader = bob.lock(key, "demo").shared().acquire(|_| {}).await?;
+    assert!(
+        reader.token().get() > exclusive,
+        "above the exclusive grant"
+    );
+    let writer = connect(addr, "workload/demo").await?;
+    match writer.lock(key, "demo").acquire(|_| {}).await {
+        Err(e) if e.reason() == latchkey_client::Reason::Held => {}
+        other => anyhow::bail!("a writer beside the readers: {other:?}"),
+    }
+
+    // A second downgrade is refused; latchctl goes on holding.
+    input.write_all(b"downgrade\n").await?;
+    // End of input: latchctl releases its (shared) hold and exits.
+    drop(input);
+    let released = next().await?;
+    assert_eq!(released["released"], true, "{released}");
+    let status = timeout(Duration::from_secs(20), child.wait())
+        .await
+        .context("latchctl did not exit at the end of its input")??;
+    let mut stderr = String::new();
+    stderr_pipe.read_to_string(&mut stderr).await?;
+    ensure!(status.success(), "latchctl acquire: {stderr}");
+    assert!(
+        stderr.contains("downgrade_refused") && stderr.contains("shared already"),
+        "{stderr}"
+    );
+    let view = bob.inspect(key).await?;
+    assert_eq!(view.shared_holders.len(), 1, "only bob's reader: {view:?}");
+    reader.release().await?;
+    Ok(())
+}

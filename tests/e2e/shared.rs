@@ -357,3 +357,124 @@ async fn a_renewing_reader_ends_at_its_classs_max_hold() -> anyhow::Result<()> {
     ensure!(other.session_id() == reader.session_id());
     Ok(())
 }
+
+/// The client's downgrade ([`latchkey_client::LockGuard::downgrade`])
+/// through Envoy and its filter to the arbiter: the guard's exclusive hold
+/// becomes shared with a new token above the exclusive one
+/// (docs/fencing.md), another reader is granted beside it, a writer is not
+/// (neither at once nor from the queue) until the downgraded hold ends, and
+/// nothing is fenced on the way.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_clients_downgrade_lets_readers_in_and_keeps_writers_out_through_the_edge()
+-> anyhow::Result<()> {
+    use latchkey_client::{Error, Reason};
+
+    let dir = policies()?;
+    let edge = crate::edge::edge_with(
+        ArbiterOptions {
+            policies_dir: dir.path().to_path_buf(),
+            ..ArbiterOptions::default()
+        },
+        serde_json::json!({}),
+    )
+    .await?;
+    let addr = edge.envoy.addr();
+    let alice = crate::client::connect(addr, "workload/alice").await?;
+    let bob = crate::client::connect(addr, "workload/bob").await?;
+    let writer = crate::client::connect(addr, "workload/demo").await?;
+    let key = "demo/client-downgrade";
+    let held = |r: Result<latchkey_client::LockGuard, Error>, who: &str| match r {
+        Err(e) if e.reason() == Reason::Held => Ok(()),
+        other => Err(anyhow::anyhow!("{who}: expected HELD, got {other:?}")),
+    };
+
+    let fired: crate::client::Fired = Default::default();
+    let mut guard = alice
+        .lock(key, RW)
+        .acquire(crate::client::recorder(&fired))
+        .await?;
+    let exclusive = guard.token();
+    held(
+        bob.lock(key, RW).shared().acquire(|_| {}).await,
+        "a reader beside the writer",
+    )?;
+
+    guard.downgrade().await?;
+    ensure!(guard.is_shared(), "the guard holds the key shared now");
+    ensure!(
+        guard.token() > exclusive,
+        "the downgraded token is above the exclusive one"
+    );
+    let seen = alice.inspect(key).await?;
+    ensure!(
+        seen.holder.is_none() && seen.shared_holders.len() == 1,
+        "the exclusive hold became one shared hold: {seen:?}"
+    );
+
+    // Another reader is granted while the downgraded hold lives; its token
+    // too is above the last exclusive grant.
+    let reader = bob.lock(key, RW).shared().acquire(|_| {}).await?;
+    ensure!(reader.is_shared() && reader.token() > exclusive);
+    let seen = alice.inspect(key).await?;
+    ensure!(
+        seen.holder.is_none() && seen.shared_holders.len() == 2,
+        "two readers: {seen:?}"
+    );
+    // A writer is not: refused at once...
+    held(
+        writer.lock(key, RW).acquire(|_| {}).await,
+        "a writer beside the readers",
+    )?;
+    // ...and a second downgrade is refused without a call.
+    match guard.downgrade().await {
+        Err(Error::Refused {
+            code: Code::FailedPrecondition,
+            reason: Reason::BadRequest,
+            message,
+            ..
+        }) => ensure!(message.contains("shared already"), "{message}"),
+        other => anyhow::bail!("a downgrade of a shared hold: {other:?}"),
+    }
+
+    // A queued writer waits for the downgraded hold, not only for bob's.
+    let queued = {
+        let writer = writer.clone();
+        tokio::spawn(async move {
+            writer
+                .lock(key, RW)
+                .wait(Duration::from_secs(20))
+                .acquire(|_| {})
+                .await
+        })
+    };
+    latchkey_tests::eventually("the writer to queue", Duration::from_secs(10), || {
+        let alice = alice.clone();
+        async move {
+            let waiters = alice.inspect(key).await?.waiters;
+            ensure!(waiters == 1, "{waiters} waiting");
+            Ok(())
+        }
+    })
+    .await?;
+    let (reader_token, shared_token) = (reader.token(), guard.token());
+    reader.release().await?;
+    let seen = alice.inspect(key).await?;
+    ensure!(
+        seen.holder.is_none() && seen.shared_holders.len() == 1 && seen.waiters == 1,
+        "the downgraded hold alone keeps the writer queued: {seen:?}"
+    );
+    ensure!(!queued.is_finished(), "a writer beside the downgraded hold");
+
+    guard.release().await?;
+    let granted = tokio::time::timeout(Duration::from_secs(10), queued).await???;
+    ensure!(
+        !granted.is_shared() && granted.token() > shared_token && granted.token() > reader_token,
+        "the writer is granted above every reader"
+    );
+    granted.release().await?;
+    ensure!(
+        crate::client::snapshot(&fired).is_empty(),
+        "the downgrade fenced nothing"
+    );
+    Ok(())
+}

@@ -1,7 +1,9 @@
 //! ADR-13's re-entrancy count: per key within one session, kept here and
 //! never in the lock log. Only the outermost acquire and the final release
 //! reach the arbiter; while either is in flight, other acquirers of the key
-//! wait for it to settle.
+//! wait for it to settle. A downgrade (exclusive to shared) of a hold with
+//! one guard is in flight the same way: the key's entry is the old hold
+//! until the arbiter's answer replaces it with the shared one.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,6 +26,10 @@ pub(crate) struct Hold {
     pub(crate) slot: Option<u32>,
     /// A shared hold (`Mode::Shared`); `false`: exclusive.
     pub(crate) shared: bool,
+    /// The class and metadata of the acquire that was granted: a downgrade
+    /// is an Acquire of the key again, which the class's hooks see too.
+    pub(crate) class: String,
+    pub(crate) metadata: HashMap<String, String>,
     /// Changed only under the session's state lock; read anywhere.
     count: AtomicU32,
     /// The arbiter said this hold ended before it was released.
@@ -48,6 +54,8 @@ impl Hold {
             count: AtomicU32::new(0),
             ended: AtomicBool::new(false),
             shared: false,
+            class: String::new(),
+            metadata: HashMap::new(),
         }
     }
 
@@ -85,6 +93,25 @@ enum Entry {
     Acquiring(Arc<Notify>),
     Held(Arc<Hold>),
     Releasing(Arc<Notify>),
+    /// `hold`, held exclusively with one guard, is being downgraded.
+    /// `ended`: the arbiter said meanwhile that `hold` ended — what a
+    /// downgrade that landed looks like too, so it is acted on only if the
+    /// downgrade fails.
+    Downgrading {
+        hold: Arc<Hold>,
+        settled: Arc<Notify>,
+        ended: bool,
+    },
+}
+
+/// Why a hold cannot be downgraded now.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum NoDowngrade {
+    /// It is not the key's current hold (it ended, or was released).
+    NotHeld,
+    /// Other guards of the hold (nested acquires) exist: each expects the
+    /// exclusive hold it acquired.
+    Nested(u32),
 }
 
 #[derive(Default)]
@@ -101,7 +128,9 @@ impl Holds {
             }
             // The Notified is created under the caller's lock, so a
             // notify_waiters between unlock and await is not lost.
-            Some(Entry::Acquiring(settled)) | Some(Entry::Releasing(settled)) => {
+            Some(Entry::Acquiring(settled))
+            | Some(Entry::Releasing(settled))
+            | Some(Entry::Downgrading { settled, .. }) => {
                 Begin::Wait(Arc::clone(settled).notified_owned())
             }
             None => {
@@ -122,14 +151,74 @@ impl Holds {
     /// key's current hold, it leaves (its guards count down to nothing and
     /// send no Release). Whether it was.
     pub(crate) fn ended(&mut self, key: &str, revision: i64) -> bool {
-        match self.keys.get(key) {
+        match self.keys.get_mut(key) {
             Some(Entry::Held(hold)) if hold.revision == revision => {
                 hold.ended.store(true, Ordering::Release);
                 self.keys.remove(key);
                 true
             }
+            // The downgrade's own end of the exclusive hold, or another:
+            // which one is known when the downgrade is answered.
+            Some(Entry::Downgrading { hold, ended, .. }) if hold.revision == revision => {
+                *ended = true;
+                false
+            }
             _ => false,
         }
+    }
+
+    /// Starts a downgrade of `hold`: it must be the key's current hold and
+    /// have no other guard. Until [`Holds::downgraded`] or
+    /// [`Holds::downgrade_failed`], other acquirers of the key wait.
+    pub(crate) fn begin_downgrade(&mut self, hold: &Arc<Hold>) -> Result<(), NoDowngrade> {
+        let Some(Entry::Held(current)) = self.keys.get(&hold.key) else {
+            return Err(NoDowngrade::NotHeld);
+        };
+        if !Arc::ptr_eq(current, hold) {
+            return Err(NoDowngrade::NotHeld);
+        }
+        let count = hold.count();
+        if count > 1 {
+            return Err(NoDowngrade::Nested(count));
+        }
+        self.keys.insert(
+            hold.key.clone(),
+            Entry::Downgrading {
+                hold: Arc::clone(hold),
+                settled: Arc::new(Notify::new()),
+                ended: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// The arbiter granted the downgrade: `shared` is the key's hold now,
+    /// with the one guard the exclusive hold had.
+    pub(crate) fn downgraded(&mut self, shared: Arc<Hold>) {
+        if !matches!(self.keys.get(&shared.key), Some(Entry::Downgrading { .. })) {
+            return;
+        }
+        shared.count.store(1, Ordering::Release);
+        let previous = self.keys.insert(shared.key.clone(), Entry::Held(shared));
+        wake(previous);
+    }
+
+    /// The downgrade of `key` failed: its exclusive hold is the key's hold
+    /// again — unless the arbiter said meanwhile that it ended; then it
+    /// leaves, as [`Holds::ended`] would have done. Whether it ended.
+    pub(crate) fn downgrade_failed(&mut self, key: &str) -> bool {
+        let Some(Entry::Downgrading { hold, ended, .. }) = self.keys.get(key) else {
+            return false;
+        };
+        let (hold, ended) = (Arc::clone(hold), *ended);
+        let previous = if ended {
+            hold.ended.store(true, Ordering::Release);
+            self.keys.remove(key)
+        } else {
+            self.keys.insert(key.to_owned(), Entry::Held(hold))
+        };
+        wake(previous);
+        ended
     }
 
     pub(crate) fn failed(&mut self, key: &str) {
@@ -167,7 +256,10 @@ impl Holds {
 }
 
 fn wake(entry: Option<Entry>) {
-    if let Some(Entry::Acquiring(settled) | Entry::Releasing(settled)) = entry {
+    if let Some(
+        Entry::Acquiring(settled) | Entry::Releasing(settled) | Entry::Downgrading { settled, .. },
+    ) = entry
+    {
         settled.notify_waiters();
     }
 }
@@ -260,6 +352,62 @@ mod tests {
         holds.released("k");
         assert!(waiter.now_or_never().is_some());
         assert!(matches!(holds.begin("k"), Begin::Outermost));
+    }
+
+    fn shared(key: &str, revision: i64) -> Arc<Hold> {
+        let mut h = Hold::new(
+            key.into(),
+            7,
+            FencingToken::new(revision as u64),
+            1,
+            revision,
+        );
+        h.shared = true;
+        Arc::new(h)
+    }
+
+    #[test]
+    fn a_downgrade_replaces_the_hold_and_acquirers_wait_for_it() {
+        let mut holds = Holds::default();
+        assert!(matches!(holds.begin("k"), Begin::Outermost));
+        let old = hold("k");
+        holds.granted(Arc::clone(&old));
+        holds.begin_downgrade(&old).unwrap();
+        let Begin::Wait(waiter) = holds.begin("k") else {
+            panic!("an acquirer must wait for the downgrade");
+        };
+        // The arbiter's notice of the exclusive hold's end (the downgrade's
+        // own) fences nothing while the downgrade is in flight.
+        assert!(!holds.ended("k", 42));
+        let new = shared("k", 50);
+        holds.downgraded(Arc::clone(&new));
+        assert!(waiter.now_or_never().is_some());
+        assert!(!old.has_ended());
+        assert_eq!(new.count(), 1);
+        // The old hold's guard is stale; the new one counts down.
+        assert_eq!(holds.decrement(&old), Decrement::NotHeld);
+        assert_eq!(holds.decrement(&new), Decrement::Last);
+    }
+
+    #[test]
+    fn a_failed_downgrade_keeps_the_exclusive_hold_unless_it_ended_meanwhile() {
+        let mut holds = Holds::default();
+        assert!(matches!(holds.begin("k"), Begin::Outermost));
+        let old = hold("k");
+        holds.granted(Arc::clone(&old));
+        holds.begin_downgrade(&old).unwrap();
+        assert!(!holds.downgrade_failed("k"));
+        assert!(!old.has_ended());
+        assert!(matches!(holds.begin("k"), Begin::Reentered(_)));
+        assert_eq!(holds.begin_downgrade(&old), Err(NoDowngrade::Nested(2)));
+        assert_eq!(holds.decrement(&old), Decrement::Remaining(1));
+
+        holds.begin_downgrade(&old).unwrap();
+        assert!(!holds.ended("k", 42));
+        assert!(holds.downgrade_failed("k"));
+        assert!(old.has_ended());
+        assert!(holds.is_empty());
+        assert_eq!(holds.begin_downgrade(&old), Err(NoDowngrade::NotHeld));
     }
 
     #[test]

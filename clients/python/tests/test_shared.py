@@ -29,6 +29,11 @@ class FakeArbiter(lock_pb2_grpc.LockServicer):
         self.releases: "list[lock_pb2.ReleaseRequest]" = []
         self._revision = 100
         self._lock = threading.Lock()
+        #: Runs inside each shared Acquire before it is answered (a notice
+        #: arriving while a downgrade is in flight, say).
+        self.during_shared = None
+        #: A shared Acquire is refused with this (code, reason) instead.
+        self.refuse_shared = None
 
     def OpenSession(self, request, context):
         return lock_pb2.OpenSessionResponse(session_id=SESSION, ttl_seconds=TTL, keepalive_interval_ms=10_000)
@@ -45,6 +50,11 @@ class FakeArbiter(lock_pb2_grpc.LockServicer):
             self.acquires.append(request)
             self._revision += 1
             revision = self._revision
+        if request.mode == lock_pb2.MODE_SHARED:
+            if self.during_shared is not None:
+                self.during_shared()
+            if self.refuse_shared is not None:
+                _refuse(context, *self.refuse_shared)
         grant = lock_pb2.Grant(
             key=request.key,
             token=(1 << 48) + revision,
@@ -71,6 +81,17 @@ class FakeArbiter(lock_pb2_grpc.LockServicer):
             key=request.key,
             shared_holders=[reader("spiffe://t/a", SESSION), reader("spiffe://t/b", 0)],
         )
+
+
+def _refuse(context, code: grpc.StatusCode, reason: str) -> None:
+    """Aborts the call as the arbiter refuses: the code, and an ErrorInfo
+    reason in the status details trailer."""
+    from google.rpc import error_details_pb2, status_pb2
+
+    status = status_pb2.Status(code=code.value[0], message=f"refused: {reason}")
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason, domain="latchkey.dev"))
+    context.set_trailing_metadata((("grpc-status-details-bin", status.SerializeToString()),))
+    context.abort(code, f"refused: {reason}")
 
 
 @pytest.fixture
@@ -174,3 +195,113 @@ def test_inspect_lists_shared_holders(fake):
         ("spiffe://t/a", SESSION, True, None),
         ("spiffe://t/b", 0, True, None),
     ]
+
+
+def test_a_downgrade_is_a_shared_acquire_whose_grant_replaces_the_hold(fake):
+    servicer, client = fake
+    fenced = []
+    guard = client.acquire("demo/d", metadata={"ticket": "CHG-1"}, on_fence=fenced.append)
+    writer = guard.token
+    guard.downgrade()
+    assert guard.shared and "shared=True" in repr(guard)
+    assert guard.token > writer, "the shared grant's token is above the exclusive one"
+    exclusive, downgrade = servicer.acquires
+    assert exclusive.mode == lock_pb2.MODE_EXCLUSIVE
+    assert downgrade.mode == lock_pb2.MODE_SHARED
+    assert downgrade.wait == lock_pb2.WAIT_NONE, "a downgrade never queues"
+    assert (downgrade.key, downgrade.session_id, getattr(downgrade, "class")) == ("demo/d", SESSION, "demo")
+    assert dict(downgrade.metadata) == {"ticket": "CHG-1"}, "the class's hooks see the same request"
+    assert downgrade.instance == exclusive.instance
+    # Re-entered in its new mode only.
+    with pytest.raises(latchkey.UpgradeRefused):
+        client.acquire("demo/d")
+    inner = client.acquire("demo/d", shared=True)
+    assert inner.token == guard.token and guard.hold_count == 2
+    inner.release()
+    guard.release()
+    (release,) = servicer.releases
+    assert release.mode == lock_pb2.MODE_SHARED
+    assert release.token == guard.token.value, "released with the shared grant's token"
+    assert fenced == []
+
+
+def test_the_notice_that_the_exclusive_hold_ended_fences_nothing_when_the_downgrade_lands(fake):
+    servicer, client = fake
+    fenced = []
+    guard = client.acquire("demo/d", on_fence=fenced.append)
+    old_revision = guard.revision
+    # The downgrade ends the exclusive hold at the arbiter, whose notice of
+    # that may beat the answer to the client.
+    servicer.during_shared = lambda: guard.session._hold_ended("demo/d", old_revision)
+    guard.downgrade()
+    assert guard.shared and not guard.is_fenced and fenced == []
+    guard.session._hold_ended("demo/d", old_revision)  # or come after it
+    assert not guard.is_fenced and fenced == []
+    guard.release()
+    assert [r.mode for r in servicer.releases] == [lock_pb2.MODE_SHARED]
+
+
+def test_a_refused_downgrade_leaves_the_exclusive_hold(fake):
+    servicer, client = fake
+    guard = client.acquire("demo/d")
+    writer = guard.token
+    servicer.refuse_shared = (grpc.StatusCode.PERMISSION_DENIED, "HOOK_DENIED")
+    with pytest.raises(latchkey.Refused) as refused:
+        guard.downgrade()
+    assert refused.value.reason == "HOOK_DENIED"
+    assert not guard.shared and guard.token == writer and not guard.is_fenced
+    # The key is still this thread's, exclusively: re-entered, no call.
+    with client.lock("demo/d") as inner:
+        assert inner.token == writer
+    guard.release()
+    assert [(r.mode, r.token) for r in servicer.releases] == [(lock_pb2.MODE_EXCLUSIVE, writer.value)]
+
+
+def test_a_failed_downgrade_whose_hold_ended_meanwhile_is_fenced(fake):
+    servicer, client = fake
+    fenced = []
+    guard = client.acquire("demo/d", on_fence=fenced.append)
+    old_revision = guard.revision
+    servicer.during_shared = lambda: guard.session._hold_ended("demo/d", old_revision)
+    servicer.refuse_shared = (grpc.StatusCode.ABORTED, "HELD")
+    with pytest.raises(latchkey.Held):
+        guard.downgrade()
+    assert guard.is_fenced and fenced == [latchkey.FenceReason.HOLD_ENDED]
+    with pytest.raises(latchkey.Fenced):
+        guard.downgrade()
+    with pytest.raises(latchkey.Fenced):
+        guard.release()
+    assert servicer.releases == []
+
+
+def test_what_cannot_be_downgraded_is_refused_without_a_call(fake):
+    servicer, client = fake
+    reader = client.acquire("demo/r", shared=True)
+    with pytest.raises(latchkey.FailedPrecondition) as refused:
+        reader.downgrade()
+    assert refused.value.reason == "BAD_REQUEST"
+    assert "shared already" in str(refused.value)
+    reader.release()
+
+    outer = client.acquire("demo/w")
+    inner = client.acquire("demo/w")
+    with pytest.raises(latchkey.FailedPrecondition) as refused:
+        inner.downgrade()
+    assert "2 guards" in str(refused.value)
+    assert outer.hold_count == 2 and not outer.shared
+    inner.release()
+    released = outer
+    released.release()
+    with pytest.raises(latchkey.FailedPrecondition):
+        released.downgrade()
+
+    lost = client.acquire("demo/l")
+    lost.session._hold_ended("demo/l", lost.revision)
+    with pytest.raises(latchkey.Fenced) as fenced:
+        lost.downgrade()
+    assert fenced.value.reason == latchkey.FenceReason.HOLD_ENDED
+    assert [a.mode for a in servicer.acquires] == [
+        lock_pb2.MODE_SHARED,
+        lock_pb2.MODE_EXCLUSIVE,
+        lock_pb2.MODE_EXCLUSIVE,
+    ], "no downgrade was asked of the arbiter"

@@ -391,6 +391,36 @@ def test_shared_holds_exclude_only_exclusive_holders(connect):
         assert seen.shared_holders == []
 
 
+def test_a_downgraded_writer_reads_beside_other_readers_and_keeps_writers_out(connect):
+    key = "demo/py/downgrade"
+    a = connect("ALICE", default_class="demo")
+    b = connect("BOB", default_class="demo")
+    writer = connect("ALICE", default_class="demo", instance="py-downgrade-writer")
+    fenced = []
+    guard = a.acquire(key, on_fence=fenced.append)
+    exclusive_token = guard.token
+    with pytest.raises(latchkey.Held):
+        b.acquire(key, shared=True)
+    guard.downgrade()
+    assert guard.shared
+    # docs/fencing.md: a shared token is above the last exclusive grant.
+    assert guard.token > exclusive_token
+    reader = b.acquire(key, shared=True)
+    assert reader.shared and reader.token > exclusive_token
+    with pytest.raises(latchkey.Held):
+        writer.acquire(key)
+    seen = a.inspect(key)
+    assert seen.holder is None, "the exclusive hold is gone"
+    assert sorted(h.identity for h in seen.shared_holders) == [ALICE, BOB]
+    with pytest.raises(latchkey.FailedPrecondition):
+        guard.downgrade()
+    guard.release()
+    reader.release()
+    with writer.lock(key, timeout=10) as exclusive:
+        assert exclusive.token > guard.token and exclusive.token > reader.token
+    assert fenced == [], "the downgrade fenced nothing"
+
+
 def test_a_semaphore_takes_no_shared_holds(connect):
     with pytest.raises(latchkey.InvalidArgument) as refused:
         connect("ALICE", default_class="builds").acquire("demo/py/shared-pool", shared=True)

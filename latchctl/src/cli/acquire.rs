@@ -1,13 +1,13 @@
 //! `latchctl acquire` and `latchctl release`.
 
-use std::io::Read;
+use std::io::BufRead;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
 use latchkey_client::{Client, FenceReason, FencingToken, LockGuard, Session};
 use serde_json::json;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::{Failure, Output, duration, parse_meta};
 
@@ -22,6 +22,9 @@ pub struct AcquireArgs {
     #[arg(long, value_parser = duration::parse, value_name = "DURATION")]
     pub wait: Option<Duration>,
     /// Exit right after the grant; the hold then ends with the session's TTL.
+    /// Without it, latchctl holds the key until Ctrl-C or the end of its
+    /// input; a line `downgrade` on its input turns an exclusive hold shared
+    /// (one transaction: readers join, no writer comes between).
     #[arg(long)]
     pub detach: bool,
     /// Metadata for the class's hooks.
@@ -136,15 +139,28 @@ pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<E
     }
 
     if !out.json {
-        println!("holding; Ctrl-C or end of input releases");
+        if guard.is_shared() {
+            println!("holding; Ctrl-C or end of input releases");
+        } else {
+            println!(
+                "holding; Ctrl-C or end of input releases, a line `downgrade` holds it shared"
+            );
+        }
     }
-    let stdin_closed = stdin_eof();
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = stdin_closed => {}
-        reason = fenced.recv() => {
-            let reason = reason.map_or_else(|| "unknown".to_owned(), |r| r.to_string());
-            return Err(Failure::Other(anyhow::anyhow!("lock on {} lost: {reason}", args.key)));
+    let mut guard = guard;
+    let mut input = stdin_lines();
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break,
+            line = input.recv() => match line {
+                None => break,
+                Some(line) if line.trim() == "downgrade" => downgrade(&mut guard, &out).await?,
+                Some(_) => {}
+            },
+            reason = fenced.recv() => {
+                let reason = reason.map_or_else(|| "unknown".to_owned(), |r| r.to_string());
+                return Err(Failure::Other(anyhow::anyhow!("lock on {} lost: {reason}", args.key)));
+            }
         }
     }
     let key = guard.key().to_owned();
@@ -158,19 +174,65 @@ pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<E
     Ok(ExitCode::SUCCESS)
 }
 
-/// Resolves when stdin reaches end of input. A plain thread, not Tokio's
-/// blocking pool, so a pending read never holds up the exit.
-pub fn stdin_eof() -> oneshot::Receiver<()> {
-    let (tx, rx) = oneshot::channel();
+/// `latchctl acquire`'s `downgrade` line: the hold turns shared, or the
+/// refusal is shown and the hold goes on as it was — unless it is lost.
+async fn downgrade(guard: &mut LockGuard, out: &Output) -> Result<(), Failure> {
+    match guard.downgrade().await {
+        Ok(()) => {
+            // Not the token (nor the revision, which with the epoch spells
+            // it): this process releases the hold itself.
+            if out.json {
+                out.line(json!({ "key": guard.key(), "downgraded": true, "mode": "shared" }));
+            } else {
+                println!(
+                    "downgraded {}: held shared now (a new grant, its token above the exclusive one; fence reads with it)",
+                    guard.key()
+                );
+            }
+            Ok(())
+        }
+        Err(e @ latchkey_client::Error::Fenced { .. }) => Err(Failure::Other(anyhow::anyhow!(
+            "lock on {} lost: {e}",
+            guard.key()
+        ))),
+        Err(e) => {
+            out.note(
+                json!({ "event": "downgrade_refused", "key": guard.key(), "error": e.to_string() }),
+                format_args!(
+                    "latchctl: downgrade of {} refused ({e}); still holding it {}",
+                    guard.key(),
+                    if guard.is_shared() {
+                        "shared"
+                    } else {
+                        "exclusively"
+                    }
+                ),
+            );
+            Ok(())
+        }
+    }
+}
+
+/// The lines of stdin, until its end of input (then the channel closes). A
+/// plain thread, not Tokio's blocking pool, so a pending read never holds
+/// up the exit.
+fn stdin_lines() -> mpsc::UnboundedReceiver<String> {
+    let (tx, rx) = mpsc::unbounded_channel();
     std::thread::spawn(move || {
-        let mut sink = [0u8; 1024];
         let mut stdin = std::io::stdin().lock();
-        while let Ok(n) = stdin.read(&mut sink) {
-            if n == 0 {
+        let mut line = Vec::new();
+        // Bytes, not `lines()`: input that is not UTF-8 is ignored as
+        // before, never taken for the end of input.
+        while let Ok(n) = stdin.read_until(b'\n', &mut line) {
+            if n == 0
+                || tx
+                    .send(String::from_utf8_lossy(&line).into_owned())
+                    .is_err()
+            {
                 break;
             }
+            line.clear();
         }
-        let _ = tx.send(());
     });
     rx
 }

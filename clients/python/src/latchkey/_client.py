@@ -31,7 +31,7 @@ from ._errors import (
 )
 from . import _election
 from ._election import Candidate, ElectionTable, Leader, Leadership, LostCallback, Observation
-from ._holds import LAST, NOT_HELD, OTHER_MODE, OTHER_THREAD, OUTERMOST, REENTERED, Hold
+from ._holds import LAST, NESTED, NOT_HELD, OTHER_MODE, OTHER_THREAD, OUTERMOST, REENTERED, Hold
 from ._liveness import keepalive_interval
 from ._session import FenceCallback, Session, SessionDead
 from ._token import FencingToken
@@ -251,7 +251,8 @@ class Client:
         A key this thread holds in the other mode is refused without a call:
         :class:`UpgradeRefused` for an exclusive request of a shared hold,
         :class:`FailedPrecondition` (``BAD_REQUEST``) for a shared request of
-        an exclusive one. Release first, then acquire in the other mode. A
+        an exclusive one. Release first, then acquire in the other mode (or
+        turn a held exclusive lock shared with :meth:`LockGuard.downgrade`). A
         semaphore class takes no shared requests (:class:`InvalidArgument`).
 
         ``on_fence(reason)`` is called once if the hold is lost while this guard
@@ -320,6 +321,7 @@ class Client:
                 message = (
                     f"this session holds {key!r} {'shared' if value.shared else 'exclusively'} already: "
                     "release it before acquiring it in the other mode"
+                    + ("" if value.shared else " (or downgrade its guard: guard.downgrade())")
                 )
                 if value.shared:
                     raise UpgradeRefused(grpc.StatusCode.FAILED_PRECONDITION, "UPGRADE_REFUSED", message)
@@ -371,6 +373,8 @@ class Client:
             # The mode granted (a downgrade of this session's exclusive hold
             # is granted shared, with a new token).
             hold.shared = grant.mode == lock_pb2.MODE_SHARED
+            hold.lock_class = lock_class
+            hold.metadata = dict(metadata or {})
             settled = True
             guard_id = session._granted(hold, on_fence)
         finally:
@@ -557,6 +561,32 @@ class Client:
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
+    def _downgrade(self, session: Session, hold: Hold) -> Hold:
+        """Acquire in mode SHARED of `hold`'s key on its session: the arbiter
+        turns the exclusive hold into a shared one in one transaction."""
+        request = lock_pb2.AcquireRequest(
+            key=hold.key,
+            session_id=session.id,
+            wait=lock_pb2.WAIT_NONE,
+            metadata=dict(hold.metadata),
+            instance=self._instance,
+            mode=lock_pb2.MODE_SHARED,
+            **{"class": hold.lock_class},
+        )
+        grant = self._call(self._stub.Acquire, request).grant
+        if not grant.key:
+            raise ProtocolError("malformed reply to Acquire: OK without a grant")
+        if grant.session_id != session.id or grant.key != hold.key:
+            raise ProtocolError("malformed reply to Acquire: grant for another session or key")
+        if grant.mode != lock_pb2.MODE_SHARED or grant.HasField("slot"):
+            raise ProtocolError("malformed reply to Acquire: a downgrade granted other than shared")
+        shared = Hold(hold.key, grant.session_id, FencingToken(grant.token), grant.epoch, grant.revision)
+        shared.shared = True
+        shared.lock_class = hold.lock_class
+        shared.metadata = dict(hold.metadata)
+        log.debug("downgraded %s (session %d, epoch %d)", hold.key, session.id, shared.epoch)
+        return shared
+
     def _release(self, hold: Hold) -> None:
         request = lock_pb2.ReleaseRequest(key=hold.key, session_id=hold.session_id, token=hold.token.value)
         if hold.slot is not None:
@@ -686,6 +716,74 @@ class LockGuard:
     def is_fenced(self) -> bool:
         """Whether this hold is lost: its session was fenced, or the arbiter said the hold ended."""
         return self._hold.ended or self._session.is_fenced
+
+    def downgrade(self) -> None:
+        """Turns this exclusive hold into a shared one, atomically at the
+        arbiter: one transaction ends the exclusive hold and grants the shared
+        one, so no writer comes between. Readers queued behind are let in at
+        once; a writer waits until this shared hold ends. The guard then holds
+        the key shared: :attr:`token` is the shared grant's (a new token,
+        above the exclusive one) and :attr:`shared` is True. Release it as any
+        guard; ``on_fence`` stays the same.
+
+        It is an Acquire of the key with ``shared=True`` on the same session,
+        with the class and metadata of the acquire that was granted (so the
+        class's hooks are asked again, as a shared request). It never waits.
+
+        Raises, with the guard left as it was:
+
+        - :class:`Fenced`: the hold is already lost (its session fenced, or
+          the arbiter said it ended);
+        - :class:`FailedPrecondition` (``BAD_REQUEST``), without a call: the
+          hold is shared already, a semaphore's slot, unprotected, released,
+          or has other guards (nested acquires, each expecting the exclusive
+          hold);
+        - the arbiter's refusal: a class with a quota or a durable queue takes
+          no downgrade, a hook may deny the shared request, and :class:`Held`
+          when the exclusive hold ended at the arbiter before the call (its
+          notice, on its way, fences it).
+
+        An error whose outcome is unknown (:class:`Unavailable`, a deadline)
+        may follow a downgrade that landed: the guard keeps the exclusive hold
+        as far as this client knows. Call ``downgrade()`` again: the arbiter
+        answers a session's shared request of a key it holds shared with that
+        hold.
+        """
+        hold, session = self._hold, self._session
+
+        def refuse(why: str) -> FailedPrecondition:
+            return FailedPrecondition(
+                grpc.StatusCode.FAILED_PRECONDITION, "BAD_REQUEST", f"{hold.key!r} cannot be downgraded: {why}"
+            )
+
+        if not self._armed:
+            raise refuse("this guard was released or detached")
+        reason = session.fence_reason
+        if reason is not None:
+            raise Fenced(session.id, reason)
+        if hold.ended:
+            raise Fenced(session.id, FenceReason.HOLD_ENDED)
+        if hold.shared:
+            raise refuse("it is held shared already (a downgrade turns an exclusive hold into a shared one)")
+        if hold.slot is not None:
+            raise refuse("it is a semaphore's slot, which has no shared mode")
+        if hold.unprotected:
+            raise refuse("it was granted from an arbiter's memory without quorum; shared holds never are")
+        why = session._begin_downgrade(hold)
+        if why == NOT_HELD:
+            raise Fenced(session.id, FenceReason.HOLD_ENDED)
+        if why == NESTED:
+            raise refuse(
+                f"it has {hold.count} guards on this thread (nested acquires, each expecting the exclusive hold): "
+                "downgrade only with the last one"
+            )
+        try:
+            shared = self._client._downgrade(session, hold)
+        except BaseException:
+            session._downgrade_failed(hold.key)
+            raise
+        self._hold = shared
+        session._downgraded(shared)
 
     def release(self) -> None:
         """Counts this guard down; the last one sends Release. Raises

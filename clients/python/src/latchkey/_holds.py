@@ -11,8 +11,10 @@ the hold to leave the table, or is refused, like any other caller. It cannot
 ask the arbiter instead: the arbiter sees one session and one instance, and
 re-entrancy is the client's alone. A hold is re-entered only in its own
 mode: the same thread asking for it in the other mode (shared vs exclusive)
-is refused (``OTHER_MODE``), since the session holds the key once. Every
-method is called under the session's lock."""
+is refused (``OTHER_MODE``), since the session holds the key once. A
+downgrade (exclusive to shared) of a hold with one guard is in flight like an
+acquire: until the arbiter answers, the key's entry is ``_Downgrading`` and
+other acquirers wait. Every method is called under the session's lock."""
 
 from __future__ import annotations
 
@@ -45,9 +47,13 @@ class Hold:
     #: The thread whose acquire reached the arbiter: the one that re-enters.
     owner: Optional[threading.Thread] = None
     #: Set when the hold leaves the table (its final release starts, the
-    #: arbiter ended it, the session died): other threads waiting for the key
-    #: look again.
+    #: arbiter ended it, the session died, a downgrade replaced it): other
+    #: threads waiting for the key look again.
     left: threading.Event = field(default_factory=threading.Event)
+    #: The class and metadata of the acquire that was granted: a downgrade
+    #: is an Acquire of the key again, which the class's hooks see too.
+    lock_class: str = ""
+    metadata: Dict[str, str] = field(default_factory=dict)
 
     def __repr__(self) -> str:  # never the token, nor the revision (with the epoch it spells it)
         return (
@@ -69,6 +75,9 @@ OTHER_MODE = "other_mode"
 LAST = "last"
 #: decrement(): the guard's hold is not the key's current hold (already settled)
 NOT_HELD = "not_held"
+#: begin_downgrade(): other guards of the hold exist (nested acquires, each
+#: expecting the exclusive hold)
+NESTED = "nested"
 
 
 @dataclass
@@ -80,9 +89,20 @@ class _Settling:
     settled: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass
+class _Downgrading:
+    """A downgrade of `hold` in flight. `ended`: the arbiter said meanwhile
+    that `hold` ended, which a downgrade that landed looks like too, so it is
+    acted on only if the downgrade fails."""
+
+    hold: Hold
+    ended: bool = False
+    settled: threading.Event = field(default_factory=threading.Event)
+
+
 class Holds:
     def __init__(self) -> None:
-        self._keys: Dict[str, Union[Hold, _Settling]] = {}
+        self._keys: Dict[str, Union[Hold, _Settling, _Downgrading]] = {}
 
     def begin(
         self, key: str, thread: threading.Thread, shared: bool = False
@@ -99,7 +119,7 @@ class Holds:
                 return (OTHER_MODE, entry)
             entry.count += 1
             return (REENTERED, entry)
-        if isinstance(entry, _Settling):
+        if isinstance(entry, (_Settling, _Downgrading)):
             return (WAIT, entry.settled)
         self._keys[key] = _Settling(releasing=False, owner=thread)
         return (OUTERMOST, None)
@@ -122,7 +142,50 @@ class Holds:
             del self._keys[key]
             entry.left.set()
             return True
+        if isinstance(entry, _Downgrading) and entry.hold.revision == revision:
+            # The downgrade's own end of the exclusive hold, or another:
+            # which one is known when the downgrade is answered.
+            entry.ended = True
         return False
+
+    def begin_downgrade(self, hold: Hold) -> Optional[str]:
+        """Starts a downgrade of `hold`: None, or NOT_HELD (not the key's
+        current hold) or NESTED (it has other guards). Until downgraded() or
+        downgrade_failed(), other acquirers of the key wait."""
+        if self._keys.get(hold.key) is not hold:
+            return NOT_HELD
+        if hold.count > 1:
+            return NESTED
+        self._keys[hold.key] = _Downgrading(hold)
+        return None
+
+    def downgraded(self, shared: Hold) -> None:
+        """The arbiter granted the downgrade: `shared` is the key's hold now,
+        with the one guard (and the owner) the exclusive hold had."""
+        entry = self._keys.get(shared.key)
+        if not isinstance(entry, _Downgrading):
+            return
+        shared.count = 1
+        shared.owner = entry.hold.owner
+        self._keys[shared.key] = shared
+        entry.hold.left.set()
+        entry.settled.set()
+
+    def downgrade_failed(self, key: str) -> bool:
+        """The downgrade of `key` failed: its exclusive hold is the key's hold
+        again, unless the arbiter said meanwhile that it ended; then it leaves
+        as ended() would have done. Whether it ended."""
+        entry = self._keys.get(key)
+        if not isinstance(entry, _Downgrading):
+            return False
+        if entry.ended:
+            entry.hold.ended = True
+            del self._keys[key]
+            entry.hold.left.set()
+        else:
+            self._keys[key] = entry.hold
+        entry.settled.set()
+        return entry.ended
 
     def failed(self, key: str) -> None:
         entry = self._keys.get(key)
@@ -154,6 +217,8 @@ class Holds:
                 entry.left.set()
             else:
                 entry.settled.set()
+                if isinstance(entry, _Downgrading):
+                    entry.hold.left.set()
 
     def __len__(self) -> int:
         return len(self._keys)

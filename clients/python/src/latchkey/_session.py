@@ -150,8 +150,37 @@ class Session:
         with self._lock:
             if not self._holds.ended(key, revision):
                 return
-            ids = [gid for gid, (k, _) in self._on_fence.items() if k == key]
-            callbacks = [self._on_fence.pop(gid)[1] for gid in ids]
+            callbacks = self._take_callbacks(key)
+        log.warning("hold of %s ended at the arbiter; fenced (session %d, %d guards)", key, self.id, len(callbacks))
+        _call_all(callbacks, FenceReason.HOLD_ENDED, self.id)
+
+    def _take_callbacks(self, key: str):
+        ids = [gid for gid, (k, _) in self._on_fence.items() if k == key]
+        return [self._on_fence.pop(gid)[1] for gid in ids]
+
+    def _begin_downgrade(self, hold: Hold) -> Optional[str]:
+        """None, or why `hold` cannot be downgraded (NOT_HELD, NESTED);
+        raises SessionDead on a dead session, before anything is sent."""
+        with self._lock:
+            if self._liveness.dead is not None:
+                raise SessionDead(self.id, self._liveness.dead)
+            return self._holds.begin_downgrade(hold)
+
+    def _downgraded(self, shared: Hold) -> None:
+        """`shared` replaces the exclusive hold (under the same guard); raises
+        Fenced, with the hold replaced all the same, if the session died."""
+        with self._lock:
+            self._holds.downgraded(shared)
+            if self._liveness.dead is not None:
+                raise Fenced(self.id, self._liveness.dead)
+
+    def _downgrade_failed(self, key: str) -> None:
+        """The exclusive hold stays, unless the arbiter said meanwhile that it
+        ended: then it is fenced now, as _hold_ended would have done."""
+        with self._lock:
+            if not self._holds.downgrade_failed(key):
+                return
+            callbacks = self._take_callbacks(key)
         log.warning("hold of %s ended at the arbiter; fenced (session %d, %d guards)", key, self.id, len(callbacks))
         _call_all(callbacks, FenceReason.HOLD_ENDED, self.id)
 
