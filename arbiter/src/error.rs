@@ -94,6 +94,10 @@ pub enum ArbiterError {
     #[error("key {key:?} is not held by session {session:#x} (released, expired or never granted)")]
     NotHeld { key: String, session: i64 },
     #[error(
+        "nothing downgraded: key {key:?} is not held exclusively by this session at the token downgrade_from names (the hold ended: released, expired, maxHoldSeconds, force-released, epoch advanced), nor shared by that downgrade; a writer may have held it since, so acquire it again and read afresh"
+    )]
+    DowngradeNotHeld { key: String },
+    #[error(
         "the grant that covers this key is for class(es) {allowed:?} only, not {class:?}: acquire it with one of them"
     )]
     ClassNotGranted { class: String, allowed: Vec<String> },
@@ -226,7 +230,7 @@ impl ArbiterError {
                 Reason::QueueFull
             }
             Self::IdentityLimit { .. } => Reason::IdentityLimit,
-            Self::NotHeld { .. } => Reason::NotHeld,
+            Self::NotHeld { .. } | Self::DowngradeNotHeld { .. } => Reason::NotHeld,
             Self::QuotaExceeded { .. } => Reason::QuotaExceeded,
             Self::KindInUse { .. } | Self::ClassInUse { .. } => Reason::KindInUse,
             Self::BadSlot(_) => Reason::BadSlot,
@@ -269,6 +273,7 @@ impl ArbiterError {
             Self::Leak { .. }
             | Self::SessionExpired { .. }
             | Self::NotHeld { .. }
+            | Self::DowngradeNotHeld { .. }
             | Self::QuotaExceeded { .. }
             | Self::KindInUse { .. }
             | Self::ClassInUse { .. }

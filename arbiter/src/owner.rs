@@ -203,6 +203,37 @@ impl KeyOwner {
         })
     }
 
+    /// A downgrade named by its exclusive hold's token
+    /// (`AcquireRequest.downgrade_from`, [`LockTable::downgrade_from`]):
+    /// made in the lock log only, never waits, never a fresh grant.
+    pub async fn downgrade(
+        &self,
+        admission: Admission,
+        req: GrantRequest,
+        token: u64,
+        before_log: impl Future<Output = Result<(), ArbiterError>>,
+    ) -> Result<Granted, ArbiterError> {
+        let Some(admitted) = admission.holds else {
+            // Shared holds are never granted from memory (a writer on
+            // another arbiter would not see them).
+            return Err(ArbiterError::store(
+                "the cluster has no quorum: a downgrade is made in the lock log only; retry once it is back",
+            ));
+        };
+        before_log.await?;
+        self.quorum.before_log_grant(&req, None).await?;
+        let grant = self.table.downgrade_from(&req, token).await?;
+        admitted.written(grant.revision);
+        self.quorum.granted_in_log(
+            crate::records::named_key(&grant.key),
+            grant.session,
+        );
+        Ok(Granted::Log {
+            grant,
+            waited: false,
+        })
+    }
+
     /// A grant from memory (the cluster has no quorum, the class is open):
     /// never of a key the log shows held by another session.
     async fn grant_from_memory(

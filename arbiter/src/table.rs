@@ -145,7 +145,11 @@ impl GrantRequest {
 
     /// [`Self::holder_bytes`] granted at `acquired_at_unix_ms`.
     fn holder_bytes_at(&self, quota_place: Option<u32>, acquired_at_unix_ms: i64) -> Vec<u8> {
-        encode(&HolderRecord {
+        encode(&self.holder_record(quota_place, acquired_at_unix_ms))
+    }
+
+    fn holder_record(&self, quota_place: Option<u32>, acquired_at_unix_ms: i64) -> HolderRecord {
+        HolderRecord {
             identity: self.identity.clone(),
             session: self.session,
             class: self.class.clone(),
@@ -154,7 +158,18 @@ impl GrantRequest {
             instance: self.instance.clone(),
             bound: self.bound.clone(),
             quota_place,
-        })
+            downgraded_from: None,
+        }
+    }
+
+    /// The record of the shared hold a downgrade of the exclusive hold at
+    /// `from` (its revision) makes: granted at the exclusive hold's time
+    /// (`acquired_at_unix_ms`, `maxHoldSeconds` is not restarted), and
+    /// naming `from`, so a repeat of that downgrade finds it.
+    fn downgraded_bytes(&self, acquired_at_unix_ms: Option<i64>, from: i64) -> Vec<u8> {
+        let mut record = self.holder_record(None, acquired_at_unix_ms.unwrap_or_else(now_unix_ms));
+        record.downgraded_from = Some(from);
+        encode(&record)
     }
 }
 

@@ -214,6 +214,7 @@ impl LockBuilder {
             } else {
                 Mode::Exclusive
             } as i32,
+           downgrade_from: None,
         });
         if let Some(wait) = self.wait {
             request.set_timeout(wait);
@@ -392,11 +393,16 @@ impl LockGuard {
     /// until this shared hold ends. The guard then holds the key shared:
     /// [`LockGuard::token`] is the shared grant's, a new token above the
     /// exclusive one, and [`LockGuard::is_shared`] is true. Release it as
-    /// any guard; `on_fence` stays the same.
+    /// any guard; `on_fence` stays the same. The class's `maxHoldSeconds`
+    /// still counts from the exclusive grant.
     ///
-    /// It is an Acquire of the key in mode SHARED on the same session,
-    /// with the class and metadata of the acquire that was granted, so the
-    /// class's hooks are asked again (as a shared request). It never waits.
+    /// It is an Acquire of the key in mode SHARED on the same session that
+    /// names the exclusive hold's token (`downgrade_from`), with the class
+    /// and metadata of the acquire that was granted, so the class's hooks
+    /// are asked again (as a shared request). It never waits, and the
+    /// arbiter never answers it with a fresh shared hold: unless the
+    /// session still holds the key exclusively at that token, it is
+    /// refused `NOT_HELD`.
     ///
     /// Refused, with the guard left as it was:
     /// - [`Error::Fenced`]: the hold is already lost (its session fenced,
@@ -404,17 +410,25 @@ impl LockGuard {
     /// - `FAILED_PRECONDITION` / `BAD_REQUEST`, without a call: the hold is
     ///   shared already, a semaphore's slot, or has other guards (nested
     ///   acquires, each expecting the exclusive hold);
-    /// - by the arbiter: a class with a quota (`maxHoldsPerSubject`) or a
-    ///   durable queue takes no downgrade (`BAD_REQUEST`), a hook may deny
-    ///   the shared request, and `HELD` when the exclusive hold ended at
-    ///   the arbiter before the call (its notice, on its way, fences it).
+    /// - by the arbiter: a class with a quota (`maxHoldsPerSubject`) takes
+    ///   no downgrade (`BAD_REQUEST`), and a hook may deny the shared
+    ///   request.
     ///
-    /// An error whose outcome is unknown ([`Error::is_transient`]: the
-    /// answer was lost) may follow a downgrade that landed: the guard keeps
-    /// the exclusive hold as far as this client knows. Call `downgrade`
-    /// again: a session's shared request of a key it holds shared is
-    /// answered with that hold. Until then, fence nothing with the
-    /// exclusive token that a reader's token must not see.
+    /// Refused `NOT_HELD` (`FAILED_PRECONDITION`): the exclusive hold had
+    /// ended at the arbiter (expiry, `maxHoldSeconds`, force-release, an
+    /// epoch advance) before its notice reached this client. A writer may
+    /// have held the key since: the guard is fenced (`on_fence` fires with
+    /// [`FenceReason::HoldEnded`]) and holds nothing.
+    ///
+    /// When the answer is lost (an error of unknown outcome,
+    /// [`Error::is_transient`]), the downgrade may have landed: it is sent
+    /// again, a few times, and a repeat is answered with the shared hold
+    /// that downgrade made (or `NOT_HELD`). If no attempt settles it, or
+    /// this future is dropped while a call is out, the guard is fenced
+    /// ([`FenceReason::HoldEnded`]) and the hold cleaned up in the
+    /// background: the downgrade is asked again until it is answered, and
+    /// a shared hold it made is released. Either way the guard never holds
+    /// a hold this client has not heard of.
     ///
     /// ```no_run
     /// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
@@ -456,57 +470,45 @@ impl LockGuard {
         // to this future, the entry must be settled.
         let mut pending = PendingDowngrade {
             session: &self.session,
-            key: &self.hold.key,
-            settled: false,
+            hold: &self.hold,
+            state: Outcome::Unknown,
         };
-        let rpc = &self.session.rpc;
-        let grant = rpc
-            .lock()
-            .acquire(rpc.unary(AcquireRequest {
-                key: self.hold.key.clone(),
-                class: self.hold.class.clone(),
-                session_id: core.id,
-                wait: WaitMode::WaitNone as i32,
-                metadata: self.hold.metadata.clone(),
-                instance: rpc.instance.clone(),
-                mode: Mode::Shared as i32,
-            }))
-            .await?
-            .into_inner()
-            .grant
-            .ok_or(Error::Protocol {
-                rpc: "Acquire",
-                problem: "OK without a grant",
-            })?;
-        if grant.session_id != core.id || grant.key != self.hold.key {
-            return Err(Error::Protocol {
-                rpc: "Acquire",
-                problem: "grant for another session or key",
-            });
+        let mut last = None;
+        for attempt in 0..DOWNGRADE_TRIES {
+            if attempt > 0 {
+                tokio::time::sleep(DOWNGRADE_RETRY * attempt).await;
+            }
+            match send_downgrade(&self.session, &self.hold).await {
+                Ok(shared) => {
+                    pending.state = Outcome::Settled;
+                    drop(pending);
+                    let replaced = core.downgraded(Arc::clone(&shared));
+                    self.hold = shared;
+                    tracing::debug!(key = %self.hold.key, session_id = core.id, epoch = self.hold.epoch, "downgraded");
+                    return replaced;
+                }
+                // The exclusive hold is gone at the arbiter and no shared
+                // hold of this downgrade exists: a writer may have come
+                // between. Fenced, never restored.
+                Err(e) if e.reason() == Reason::NotHeld => {
+                    pending.state = Outcome::Ended;
+                    return Err(e);
+                }
+                // Answered, nothing written — as long as no earlier attempt
+                // may have landed (then only a grant or NOT_HELD settles it).
+                Err(e) if !e.is_transient() && last.is_none() => {
+                    pending.state = Outcome::Refused;
+                    return Err(e);
+                }
+                Err(e) if !e.is_transient() => return Err(e),
+                Err(e) => last = Some(e),
+            }
         }
-        if grant.mode != Mode::Shared as i32 || grant.slot.is_some() {
-            return Err(Error::Protocol {
-                rpc: "Acquire",
-                problem: "a downgrade granted other than shared",
-            });
-        }
-        let mut hold = Hold::new(
-            grant.key,
-            grant.session_id,
-            FencingToken::new(grant.token),
-            grant.epoch,
-            grant.revision,
-        );
-        hold.shared = true;
-        hold.class = self.hold.class.clone();
-        hold.metadata = self.hold.metadata.clone();
-        let hold = Arc::new(hold);
-        pending.settled = true;
-        drop(pending);
-        let replaced = core.downgraded(Arc::clone(&hold));
-        self.hold = hold;
-        tracing::debug!(key = %self.hold.key, session_id = core.id, epoch = self.hold.epoch, "downgraded");
-        replaced
+        // Still unknown: `pending` fences the guard and cleans up.
+        Err(last.unwrap_or(Error::Protocol {
+            rpc: "Acquire",
+            problem: "a downgrade with no attempt",
+        }))
     }
 
     /// Counts this guard down; the last one sends Release. Fails with
@@ -577,20 +579,130 @@ async fn send_release(session: &SessionInner, hold: &Hold) -> Result<(), Error> 
     Ok(())
 }
 
-/// Settles a downgrade in the table if it did not complete (an error, or
-/// its future dropped): the exclusive hold is the key's again.
+/// How often a downgrade is sent while its outcome is unknown, and the
+/// pause before each repeat (times the attempt).
+const DOWNGRADE_TRIES: u32 = 4;
+const DOWNGRADE_RETRY: Duration = Duration::from_millis(200);
+/// The background clean-up of a downgrade left unknown: at most this many
+/// more attempts, a second apart.
+const DOWNGRADE_CLEANUP_TRIES: u32 = 30;
+
+/// Sends the downgrade of `hold` (exclusive) and checks the answer: the
+/// shared hold that replaces it.
+async fn send_downgrade(session: &SessionInner, hold: &Hold) -> Result<Arc<Hold>, Error> {
+    let rpc = &session.rpc;
+    let grant = rpc
+        .lock()
+        .acquire(rpc.unary(AcquireRequest {
+            key: hold.key.clone(),
+            class: hold.class.clone(),
+            session_id: session.core.id,
+            wait: WaitMode::WaitNone as i32,
+            metadata: hold.metadata.clone(),
+            instance: rpc.instance.clone(),
+            mode: Mode::Shared as i32,
+            downgrade_from: Some(hold.token.get()),
+        }))
+        .await?
+        .into_inner()
+        .grant
+        .ok_or(Error::Protocol {
+            rpc: "Acquire",
+            problem: "OK without a grant",
+        })?;
+    if grant.session_id != session.core.id || grant.key != hold.key {
+        return Err(Error::Protocol {
+            rpc: "Acquire",
+            problem: "grant for another session or key",
+        });
+    }
+    if grant.mode != Mode::Shared as i32 || grant.slot.is_some() {
+        return Err(Error::Protocol {
+            rpc: "Acquire",
+            problem: "a downgrade granted other than shared",
+        });
+    }
+    let mut shared = Hold::new(
+        grant.key,
+        grant.session_id,
+        FencingToken::new(grant.token),
+        grant.epoch,
+        grant.revision,
+    );
+    shared.shared = true;
+    shared.class = hold.class.clone();
+    shared.metadata = hold.metadata.clone();
+    Ok(Arc::new(shared))
+}
+
+/// What is known of a downgrade as its future ends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Granted: the table has the shared hold already.
+    Settled,
+    /// Refused with nothing written: the exclusive hold stays.
+    Refused,
+    /// The exclusive hold is gone (NOT_HELD): fenced.
+    Ended,
+    /// It may have landed (answers lost, or the future dropped mid-call).
+    Unknown,
+}
+
+/// Settles a downgrade in the table however its future ends: refused, the
+/// exclusive hold is the key's again; ended, it is fenced; unknown, it is
+/// fenced too and the downgrade is asked again in the background until it
+/// is answered, a shared hold it made released (so the session never keeps
+/// a hold its client has not heard of).
 struct PendingDowngrade<'a> {
-    session: &'a SessionInner,
-    key: &'a str,
-    settled: bool,
+    session: &'a Arc<SessionInner>,
+    hold: &'a Arc<Hold>,
+    state: Outcome,
 }
 
 impl Drop for PendingDowngrade<'_> {
     fn drop(&mut self) {
-        if !self.settled {
-            self.session.core.downgrade_failed(self.key);
+        let core = &self.session.core;
+        match self.state {
+            Outcome::Settled => {}
+            Outcome::Refused => core.downgrade_failed(&self.hold.key),
+            Outcome::Ended => core.downgrade_lost(&self.hold.key, false),
+            Outcome::Unknown => match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    core.downgrade_lost(&self.hold.key, true);
+                    let session = Arc::clone(self.session);
+                    let hold = Arc::clone(self.hold);
+                    runtime.spawn(async move {
+                        clean_up_downgrade(&session, &hold).await;
+                        session.core.downgrade_cleaned(&hold.key);
+                    });
+                }
+                // No runtime: no keepalive either; the session ends with
+                // its TTL, and any hold with it.
+                Err(_) => core.downgrade_lost(&self.hold.key, false),
+            },
         }
     }
+}
+
+/// Asks a downgrade of unknown outcome again until it is answered: a shared
+/// hold it made (or makes now) is released, since its guard is fenced.
+async fn clean_up_downgrade(session: &SessionInner, hold: &Hold) {
+    for _ in 0..DOWNGRADE_CLEANUP_TRIES {
+        if session.core.fenced().is_some() {
+            return;
+        }
+        match send_downgrade(session, hold).await {
+            Ok(shared) => {
+                if let Err(err) = send_release(session, &shared).await {
+                    tracing::warn!(key = %hold.key, session_id = hold.session_id, error = %err, "releasing the shared hold of a downgrade of unknown outcome failed; it ends with the session");
+                }
+                return;
+            }
+            Err(e) if !e.is_transient() => return,
+            Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
+        }
+    }
+    tracing::warn!(key = %hold.key, session_id = hold.session_id, "a downgrade's outcome stayed unknown; a shared hold it made ends with the session");
 }
 
 /// Settles a final release in the table even if its future is dropped.

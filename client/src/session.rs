@@ -206,7 +206,7 @@ impl SessionCore {
         }
     }
 
-    /// The downgrade of `key` failed (or its future was dropped): the
+    /// The downgrade of `key` was refused with nothing written: the
     /// exclusive hold stays, unless the arbiter said meanwhile that it
     /// ended; then it is fenced now, as [`SessionCore::hold_ended`] would
     /// have done.
@@ -219,6 +219,28 @@ impl SessionCore {
             state.take_callbacks(key)
         };
         self.fire_hold_ended(key, callbacks);
+    }
+
+    /// The downgrade of `key` ended without a hold for its guard (NOT_HELD:
+    /// the exclusive hold was gone), or with an outcome that stays unknown
+    /// (`cleaning`): the guard is fenced now. While `cleaning`, the key
+    /// stays in flight (other acquirers of it on this session wait) until
+    /// [`SessionCore::downgrade_cleaned`].
+    pub(crate) fn downgrade_lost(&self, key: &str, cleaning: bool) {
+        let callbacks = {
+            let mut state = self.state();
+            if !state.holds.downgrade_lost(key, cleaning) {
+                return;
+            }
+            state.take_callbacks(key)
+        };
+        self.fire_hold_ended(key, callbacks);
+    }
+
+    /// The clean-up of a downgrade of unknown outcome is over: the key is
+    /// free for this session's acquirers again.
+    pub(crate) fn downgrade_cleaned(&self, key: &str) {
+        self.state().holds.downgrade_cleaned(key);
     }
 
     fn fire_hold_ended(&self, key: &str, callbacks: Vec<FenceCallback>) {

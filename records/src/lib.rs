@@ -124,6 +124,12 @@ pub struct HolderRecord {
     /// the same transaction at the same revision: what a release frees.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quota_place: Option<u32>,
+    /// A shared hold made by a downgrade: the revision of the exclusive
+    /// hold it replaced (in the same transaction). A downgrade asked again
+    /// with that hold's token (`AcquireRequest.downgrade_from`, its answer
+    /// lost) is answered with this hold and never with another.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downgraded_from: Option<i64>,
 }
 
 /// One place of a class's per-subject quota (`maxHoldsPerSubject`), at
@@ -807,6 +813,7 @@ mod tests {
             instance: String::new(),
             bound: String::new(),
             quota_place: None,
+            downgraded_from: None,
             identity: identity.into(),
             session,
             class: "demo".into(),

@@ -297,6 +297,25 @@ impl SimRun {
         out
     }
 
+    /// The workers' downgrades ([`SimConfig::downgrade_percent`]): made,
+    /// refused (the exclusive hold had ended: NOT_HELD), outcome unknown.
+    pub fn downgrades(&self) -> [usize; 3] {
+        let mut counts = [0; 3];
+        for o in self.history.ops() {
+            if o.f == latchkey_checker::Function::Release
+                && o.detail.as_deref() == Some("downgrade")
+            {
+                let at = match o.outcome() {
+                    Some(latchkey_checker::Outcome::Ok) => 0,
+                    Some(latchkey_checker::Outcome::Fail) => 1,
+                    _ => 2,
+                };
+                counts[at] += 1;
+            }
+        }
+        counts
+    }
+
     /// One line: seed, operations, simulated time, faults.
     pub fn summary(&self) -> String {
         let faults = self
@@ -320,8 +339,9 @@ impl SimRun {
             )
         });
         let (b, lb) = (self.batches, self.log_batches);
+        let downgrades = self.downgrades();
         format!(
-            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}{}{}{}, {}",
+            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}{}{}{}{}, {}",
             self.seed,
             self.ops,
             self.simulated.as_secs_f64(),
@@ -339,6 +359,14 @@ impl SimRun {
             lb.mixed,
             lb.lost,
             lb.restored_under,
+            if downgrades.iter().sum::<usize>() > 0 {
+                format!(
+                    "; downgrades: {} made, {} refused, {} of unknown outcome",
+                    downgrades[0], downgrades[1], downgrades[2]
+                )
+            } else {
+                String::new()
+            },
             if self.durable.queued > 0 {
                 format!(
                     "; durable waiters: {} queued, {} served at their turn, {} queued again, {} stale removed",

@@ -218,6 +218,78 @@ async fn a_downgrade_is_one_step_and_an_upgrade_is_refused() -> anyhow::Result<(
     Ok(())
 }
 
+/// A downgrade that names its exclusive hold's token (what the clients
+/// send) converts that hold and nothing else: another token, another
+/// session, or a hold that ended (a writer holding the key since) is
+/// refused NOT_HELD with nothing written, never granted a fresh reader; a
+/// repeat, on this arbiter or another, is answered with the hold the
+/// downgrade made while it lives.
+#[tokio::test(start_paused = true)]
+async fn a_downgrade_from_converts_its_own_hold_and_nothing_else() -> anyhow::Result<()> {
+    let log = MemLog::new(47);
+    let t = table(&log);
+    t.start().await?;
+    let t2 = table(&log);
+    t2.start().await?;
+    let not_held = |r: Result<Grant, ArbiterError>, what: &str| {
+        assert!(
+            matches!(r, Err(ArbiterError::DowngradeNotHeld { .. })),
+            "{what}: {r:?}"
+        );
+    };
+    let w = caller(&t, "writer", "db", false).await;
+    let down = GrantRequest {
+        shared: true,
+        ..w.clone()
+    };
+    let gw = t.acquire(w.clone(), None, 16).await?.grant;
+    let token = gw.token().unwrap();
+    let before = log.revision();
+    not_held(t.downgrade_from(&down, token + 1).await, "another revision");
+    let stranger = caller(&t, "writer", "db", true).await;
+    not_held(
+        t.downgrade_from(&stranger, token).await,
+        "another session naming the token",
+    );
+    assert_eq!(log.revision(), before, "a refused downgrade writes nothing");
+
+    let gd = t.downgrade_from(&down, token).await?;
+    assert_eq!(gd.key, reader_key("db", w.session));
+    assert!(gd.revision > gw.revision);
+    assert!(t.holder("db").await?.is_none(), "the exclusive hold ended");
+    let again = t2.downgrade_from(&down, token).await?;
+    assert_eq!(
+        (again.key.as_str(), again.revision),
+        (gd.key.as_str(), gd.revision),
+        "a repeat on another arbiter is answered with the same hold"
+    );
+    release(&t, &down, &gd).await?;
+    let before = log.revision();
+    not_held(
+        t.downgrade_from(&down, token).await,
+        "a repeat after the shared hold ended",
+    );
+    assert_eq!(log.revision(), before, "a refused downgrade writes nothing");
+
+    // The hold ended before its downgrade came, and a writer holds the key.
+    let gw2 = t.acquire(w.clone(), None, 16).await?.grant;
+    release(&t, &w, &gw2).await?;
+    let x = caller(&t2, "other", "db", false).await;
+    let gx = t2.acquire(x.clone(), None, 16).await?.grant;
+    let before = log.revision();
+    not_held(
+        t.downgrade_from(&down, gw2.token().unwrap()).await,
+        "a downgrade of a hold that ended",
+    );
+    assert_eq!(log.revision(), before, "a refused downgrade writes nothing");
+    assert_eq!(t.holder("db").await?.map(|h| h.lease), Some(x.session));
+    assert!(t.reader_holders("db").await?.is_empty(), "no reader beside the writer");
+    release(&t2, &x, &gx).await?;
+    t.shutdown().await;
+    t2.shutdown().await;
+    Ok(())
+}
+
 /// A queued reader's attempt never changes a hold its session took since
 /// through another call. The simulation caught it: a shared wait timed out
 /// while its attempt was on its way; the session's next call was granted

@@ -562,6 +562,7 @@ async fn try_shared(c: &mut Client, key: &str, session: i64) -> anyhow::Result<G
             metadata: Default::default(),
             instance: String::new(),
             mode: Mode::Shared.into(),
+            downgrade_from: None,
         })
         .await?
         .into_inner()

@@ -27,7 +27,7 @@ pub(crate) const SHORT_TTL: Duration = Duration::from_secs(5);
 /// ADR-12's margin between the local deadline and the arbiter's expiry.
 pub(crate) const FENCE_MARGIN: Duration = Duration::from_secs(1);
 
-fn tls(name: &str) -> anyhow::Result<TlsFiles> {
+pub(crate) fn tls(name: &str) -> anyhow::Result<TlsFiles> {
     let certs = certs()?;
     let svid = certs.svid(name);
     Ok(TlsFiles {

@@ -278,6 +278,7 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
         metadata: Default::default(),
         instance: String::new(),
         mode: 0,
+        downgrade_from: None,
     };
     req.metadata.insert("ticket".into(), "x".repeat(300));
     expect_refusal(

@@ -46,6 +46,7 @@ async fn acquire(
                 .collect::<HashMap<_, _>>(),
             instance: String::new(),
             mode: 0,
+            downgrade_from: None,
         })
         .await?;
     resp.into_inner()

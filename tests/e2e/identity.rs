@@ -88,6 +88,7 @@ async fn only_the_edge_may_name_the_caller_and_a_forged_header_is_refused() -> a
             metadata: Default::default(),
             instance: String::new(),
             mode: 0,
+            downgrade_from: None,
         })
         .await?
         .into_inner()
@@ -325,6 +326,7 @@ async fn insecure_dev_mode_takes_the_caller_from_its_header() -> anyhow::Result<
             metadata: Default::default(),
             instance: String::new(),
             mode: 0,
+            downgrade_from: None,
         })
         .await?
         .into_inner();

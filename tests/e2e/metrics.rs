@@ -119,6 +119,7 @@ async fn metrics_count_calls_by_namespace_and_class_and_never_name_a_key_or_toke
             metadata: Default::default(),
             instance: String::new(),
             mode: 0,
+            downgrade_from: None,
         })
         .await;
     let denied = denied.map(|r| r.into_inner());

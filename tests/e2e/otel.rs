@@ -253,6 +253,7 @@ async fn otlp_spans_follow_the_callers_trace_and_never_name_a_key_token_or_ident
             metadata: Default::default(),
             instance: String::new(),
             mode: 0,
+            downgrade_from: None,
         }))
         .await?
         .into_inner()
@@ -267,6 +268,7 @@ async fn otlp_spans_follow_the_callers_trace_and_never_name_a_key_token_or_ident
         metadata: Default::default(),
         instance: String::new(),
         mode: 0,
+        downgrade_from: None,
     });
     wait.set_timeout(Duration::from_secs(20));
     let waiting = tokio::spawn(async move { bob_waits.acquire(wait).await });
@@ -470,6 +472,7 @@ async fn otlp_spans_through_envoy_keep_the_callers_trace() -> anyhow::Result<()>
         metadata: Default::default(),
         instance: String::new(),
         mode: 0,
+        downgrade_from: None,
     });
     acquire.metadata_mut().insert("x-lock-key", key.parse()?);
     let grant = alice

@@ -252,6 +252,7 @@ async fn a_downgrade_is_a_new_grant_and_bad_modes_are_refused() -> anyhow::Resul
         metadata: Default::default(),
         instance: String::new(),
         mode,
+        downgrade_from: None,
     };
     let refused = alice.acquire(bad(7)).await;
     let status = expect_refusal(refused, Code::InvalidArgument, "BAD_REQUEST")?;
@@ -295,6 +296,199 @@ async fn a_downgrade_is_a_new_grant_and_bad_modes_are_refused() -> anyhow::Resul
         .map_err(|s| anyhow::anyhow!("a durable class's shared hold: {s:?}"))?;
     ensure!(gs.mode == 1, "a shared grant says its mode: {gs:?}");
     release(&mut alice, &gs).await?;
+    Ok(())
+}
+
+/// A downgrade that names its exclusive hold's token (`downgrade_from`, what
+/// the clients send) converts exactly that hold and never grants afresh:
+/// another revision, another session's hold, an exclusive mode or another
+/// class are refused and write nothing; a repeat whose answer was lost is
+/// answered with the shared hold that downgrade made; once that hold ended,
+/// or when a writer held the key since, the answer is NOT_HELD with nothing
+/// written (the hostile review: a plain shared Acquire there granted a new
+/// reader the client took for its downgrade, beside a writer it never saw).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_downgrade_from_converts_only_its_own_hold() -> anyhow::Result<()> {
+    use latchkey_tests::lock_calls::downgrade_from;
+    latchkey_tests::init_tracing();
+    let etcd = EtcdServer::start().await?;
+    let dir = policies()?;
+    let opts = ArbiterOptions {
+        policies_dir: dir.path().to_path_buf(),
+        ..ArbiterOptions::default()
+    };
+    let a = Arbiter::start(&etcd, opts).await?;
+    let mut alice = a.lock("workload/alice").await?;
+    let key = "demo/down-from";
+    let shared_mode = i32::from(Mode::Shared);
+    let not_held = |r: Result<Grant, Status>, what: &str| {
+        expect_refusal(r, Code::FailedPrecondition, "NOT_HELD")
+            .map_err(|e| anyhow::anyhow!("{what}: {e}"))
+    };
+
+    let s = open(&mut alice, RW).await?;
+    let gw = try_lock(&mut alice, key, RW, s).await?;
+    let before = revision(&etcd).await?;
+    let status = expect_refusal(
+        downgrade_from(&mut alice, key, RW, s, gw.token, Mode::Exclusive.into()).await,
+        Code::InvalidArgument,
+        "BAD_REQUEST",
+    )?;
+    ensure!(
+        status.message().contains("MODE_SHARED"),
+        "{}",
+        status.message()
+    );
+    let status = not_held(
+        downgrade_from(&mut alice, key, RW, s, gw.token + 1, shared_mode).await,
+        "another revision",
+    )?;
+    ensure!(
+        status.message().contains("acquire it again"),
+        "the refusal says what to do: {}",
+        status.message()
+    );
+    let status = expect_refusal(
+        downgrade_from(&mut alice, key, DURABLE, s, gw.token, shared_mode).await,
+        Code::InvalidArgument,
+        "BAD_REQUEST",
+    )?;
+    ensure!(
+        status.message().contains("under class"),
+        "{}",
+        status.message()
+    );
+    let other = open(&mut alice, RW).await?;
+    not_held(
+        downgrade_from(&mut alice, key, RW, other, gw.token, shared_mode).await,
+        "another session naming the hold's token",
+    )?;
+    ensure!(revision(&etcd).await? == before, "a refused downgrade wrote");
+
+    let gd = downgrade_from(&mut alice, key, RW, s, gw.token, shared_mode).await?;
+    ensure!(
+        gd.mode == shared_mode && gd.token > gw.token,
+        "a downgrade is a new shared grant: {gd:?} after {gw:?}"
+    );
+    let again = downgrade_from(&mut alice, key, RW, s, gw.token, shared_mode).await?;
+    ensure!(
+        again.token == gd.token && again.mode == shared_mode,
+        "a repeat is answered with the hold the downgrade made: {again:?} vs {gd:?}"
+    );
+    release(&mut alice, &gd).await?;
+
+    // That shared hold ended: a repeat now grants nothing.
+    let before = revision(&etcd).await?;
+    not_held(
+        downgrade_from(&mut alice, key, RW, s, gw.token, shared_mode).await,
+        "a repeat after the downgraded hold ended",
+    )?;
+    ensure!(revision(&etcd).await? == before, "a refused downgrade wrote");
+
+    // An exclusive hold that ended before its downgrade came, a writer of
+    // another session holding the key since: NOT_HELD, the writer's hold
+    // untouched, no reader beside it.
+    let gw2 = try_lock(&mut alice, key, RW, s).await?;
+    release(&mut alice, &gw2).await?;
+    let gb = try_lock(&mut alice, key, RW, other).await?;
+    let before = revision(&etcd).await?;
+    not_held(
+        downgrade_from(&mut alice, key, RW, s, gw2.token, shared_mode).await,
+        "a downgrade of a hold that ended",
+    )?;
+    ensure!(revision(&etcd).await? == before, "a refused downgrade wrote");
+    let seen = alice
+        .inspect(InspectRequest { key: key.into() })
+        .await?
+        .into_inner();
+    ensure!(
+        seen.holder.as_ref().map(|h| h.session_id) == Some(other)
+            && seen.shared_holders.is_empty(),
+        "the writer alone holds the key: {seen:?}"
+    );
+    release(&mut alice, &gb).await?;
+    Ok(())
+}
+
+/// The client's downgrade whose answers are all lost (its path goes dark
+/// for longer than its attempts): the guard is fenced at once, since the
+/// downgrade may have landed and it knows no token of the hold it would
+/// have; once the path is back, the client's clean-up asks the downgrade
+/// again and releases the shared hold it is answered with. The key ends
+/// free (a writer is granted at once, above the exclusive token) and the
+/// session lives on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_clients_downgrade_of_unknown_outcome_is_fenced_and_cleaned_up() -> anyhow::Result<()> {
+    use latchkey_client::{Client, ClientConfig, FenceReason};
+    use latchkey_tests::proxy::Proxy;
+
+    latchkey_tests::init_tracing();
+    let etcd = EtcdServer::start().await?;
+    let dir = policies()?;
+    let opts = ArbiterOptions {
+        policies_dir: dir.path().to_path_buf(),
+        ..ArbiterOptions::default()
+    };
+    let a = Arbiter::start(&etcd, opts).await?;
+    let proxy = Proxy::start(a.addr()).await?;
+    let mut config = ClientConfig::tls(
+        format!("https://{}", proxy.addr()),
+        crate::client::tls("workload/alice")?,
+    );
+    config.connect_timeout = Duration::from_secs(5);
+    config.request_timeout = Duration::from_millis(300);
+    let alice = Client::connect(config).await?;
+    let bob = crate::client::connect(a.addr(), "workload/bob").await?;
+    let key = "demo/downgrade-unknown";
+
+    let fired: crate::client::Fired = Default::default();
+    let mut guard = alice
+        .lock(key, RW)
+        .acquire(crate::client::recorder(&fired))
+        .await?;
+    let exclusive = guard.token();
+    proxy.block();
+    let err = match guard.downgrade().await {
+        Err(e) => e,
+        Ok(()) => anyhow::bail!("a downgrade answered through a dark path"),
+    };
+    ensure!(err.is_transient(), "an outcome unknown: {err:?}");
+    ensure!(
+        guard.is_fenced(),
+        "a downgrade of unknown outcome fences its guard"
+    );
+    let got = crate::client::snapshot(&fired);
+    ensure!(
+        got.iter().map(|(_, r)| *r).collect::<Vec<_>>() == vec![FenceReason::HoldEnded],
+        "on_fence fired once, HoldEnded: {got:?}"
+    );
+    proxy.unblock();
+
+    latchkey_tests::eventually(
+        "the clean-up to leave the key free",
+        Duration::from_secs(20),
+        || {
+            let bob = bob.clone();
+            async move {
+                let seen = bob.inspect(key).await?;
+                ensure!(
+                    seen.holder.is_none() && seen.shared_holders.is_empty(),
+                    "{seen:?}"
+                );
+                Ok(())
+            }
+        },
+    )
+    .await?;
+    let writer = bob.lock(key, RW).acquire(|_| {}).await?;
+    ensure!(writer.token() > exclusive, "granted above the old writer");
+    writer.release().await?;
+    let again = alice.lock(key, RW).acquire(|_| {}).await?;
+    ensure!(
+        !again.is_fenced() && again.token() > exclusive,
+        "the session lives on"
+    );
+    again.release().await?;
     Ok(())
 }
 

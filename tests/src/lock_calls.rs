@@ -85,11 +85,40 @@ pub async fn acquire_in_mode(
         metadata: Default::default(),
         instance: instance.into(),
         mode,
+        downgrade_from: None,
     });
     if let Some(timeout) = wait {
         req.set_timeout(timeout);
     }
     let resp = c.acquire(req).await?;
+    resp.into_inner()
+        .grant
+        .ok_or_else(|| Status::internal("no grant in an OK response"))
+}
+
+/// A downgrade as the clients send it: a shared Acquire of `key` that names
+/// the session's exclusive hold by its token (`downgrade_from`), in `mode`
+/// (MODE_SHARED unless a test checks the refusal of another).
+pub async fn downgrade_from(
+    c: &mut Client,
+    key: &str,
+    class: &str,
+    session: i64,
+    token: u64,
+    mode: i32,
+) -> Result<Grant, Status> {
+    let resp = c
+        .acquire(AcquireRequest {
+            key: key.into(),
+            class: class.into(),
+            session_id: session,
+            wait: WaitMode::WaitNone.into(),
+            metadata: Default::default(),
+            instance: String::new(),
+            mode,
+            downgrade_from: Some(token),
+        })
+        .await?;
     resp.into_inner()
         .grant
         .ok_or_else(|| Status::internal("no grant in an OK response"))

@@ -110,6 +110,7 @@ impl ForceStore {
                 instance: String::new(),
                 bound: String::new(),
                 quota_place: None,
+                downgraded_from: None,
             }),
             lease: kv.lease(),
             mod_revision: kv.mod_revision(),

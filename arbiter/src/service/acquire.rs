@@ -242,6 +242,14 @@ impl Arbiter {
                 )));
             }
         };
+        // A downgrade turns the session's exclusive hold shared: it names
+        // that hold's token and asks for the shared mode.
+        let downgrade_from = req.downgrade_from;
+        if downgrade_from.is_some() && !shared {
+            return Err(ArbiterError::BadRequest(
+                "downgrade_from names the exclusive hold a downgrade turns shared: send it with mode MODE_SHARED".to_string(),
+            ));
+        }
         if shared && class.kind == latchkey_policies::ClassKind::Semaphore {
             return Err(ArbiterError::BadRequest(format!(
                 "class {:?} is a semaphore, whose permits are held one per slot: acquire it in mode MODE_EXCLUSIVE",
@@ -393,11 +401,21 @@ impl Arbiter {
                 None => Ok(()),
             }
         };
-        let granted = cluster
-            .owner
-            .acquire(admission, grant_req, wait, &terms, shadow)
-            .await
-            .inspect_err(|e| match e {
+        let granted = match downgrade_from {
+            Some(token) => {
+                cluster
+                    .owner
+                    .downgrade(admission, grant_req, token, shadow)
+                    .await
+            }
+            None => {
+                cluster
+                    .owner
+                    .acquire(admission, grant_req, wait, &terms, shadow)
+                    .await
+            }
+        };
+        let granted = granted.inspect_err(|e| match e {
                 ArbiterError::TooManyWaiters { .. } => {
                     self.metrics.identity_bound_refused("waiters");
                 }

@@ -588,6 +588,7 @@ pub(super) fn owner_prefix(identity: &str, session: i64) -> Option<Vec<u8>> {
         instance: String::new(),
         bound: String::new(),
         quota_place: None,
+        downgraded_from: None,
     });
     let owner = record.strip_suffix(REST)?;
     owner.ends_with(b",").then(|| owner.to_vec())
@@ -609,6 +610,7 @@ mod tests {
             instance: "pod-7:12".into(),
             bound: "spiffe://td/ns/a/*".into(),
             quota_place: None,
+            downgraded_from: None,
         })
     }
 

@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use super::grants::routed_in_time;
 use super::queues::Head;
-use super::{Asker, Attempt, Grant, GrantRequest, HolderView, LockTable, holder_view};
+use super::{Asker, Attempt, Claim, Grant, GrantRequest, HolderView, LockTable, holder_view};
 use crate::epoch::EpochState;
 use crate::error::ArbiterError;
 use crate::lock_log::{DowngradeTxn, HeldAt, Kv};
@@ -153,10 +153,7 @@ impl LockTable {
                 self.log.downgrade(DowngradeTxn {
                     held,
                     reader_key: &req.key,
-                    holder_record: match acquired_at {
-                        Some(at) => req.holder_bytes_at(None, at),
-                        None => req.holder_bytes(None),
-                    },
+                    holder_record: req.downgraded_bytes(acquired_at, held.revision),
                     epoch: &state.bytes,
                     fence_at: state.fence_at,
                     session_record: &session_record,
@@ -179,6 +176,105 @@ impl LockTable {
             epoch: state.epoch(),
             revision: header.revision,
         }))
+    }
+
+    /// A downgrade named by its exclusive hold's token
+    /// (`AcquireRequest.downgrade_from`): only the downgrade path, never a
+    /// fresh shared grant and never a wait. The session must hold lock
+    /// `req.key` exclusively at exactly `token` (this epoch, that revision,
+    /// its lease and identity): then one transaction turns that hold into
+    /// the session's shared hold ([`Self::downgrade`]). Otherwise the
+    /// answer is the shared hold that this very downgrade made, if the
+    /// session still holds it (its record names the exclusive hold's
+    /// revision: a repeat after a lost answer), else `DowngradeNotHeld`
+    /// (NOT_HELD) with nothing written — the exclusive hold ended some
+    /// other way (expiry, `maxHoldSeconds`, force-release, epoch advance),
+    /// and a writer may have held the key since (the hostile review: a
+    /// shared Acquire then granted a fresh hold the client took for its
+    /// downgrade).
+    pub async fn downgrade_from(
+        self: &Arc<Self>,
+        req: &GrantRequest,
+        token: u64,
+    ) -> Result<Grant, ArbiterError> {
+        let not_held = || ArbiterError::DowngradeNotHeld {
+            key: req.key.clone(),
+        };
+        if !req.shared || req.permits.is_some() || split_reader(&req.key).is_some() {
+            return Err(ArbiterError::internal(
+                "a downgrade is a shared request of a lock",
+            ));
+        }
+        let (epoch, revision) = crate::token::unpack(token);
+        let reader = reader_request(req);
+        // Registered as a grant's are (see `writing`): a memory grant of
+        // the name waits for it.
+        let _writing = self.write_on(&req.key);
+        let _writing_reader = self.write_on(&reader.key);
+        for _ in 0..4 {
+            let state = self.seal.serving_epoch().await?;
+            if state.epoch() != epoch || revision <= 0 {
+                // A hold of another epoch ended with it (or none had it).
+                return Err(not_held());
+            }
+            routed_in_time(&state, req)?;
+            let (kv, _) = self.seal.checked(self.log.holder(&req.key)).await?;
+            if let Some(kv) = kv.filter(|kv| kv.lease == req.session && kv.mod_revision == revision)
+            {
+                let record = decode::<HolderRecord>(&kv.value);
+                if let Some(r) = &record
+                    && r.session == req.session
+                    && r.identity == req.identity
+                {
+                    if r.class != req.class {
+                        return Err(ArbiterError::BadRequest(format!(
+                            "key {:?} is held by this session under class {:?}: downgrade it in that class",
+                            req.key, r.class
+                        )));
+                    }
+                    let held = HeldAt {
+                        key: req.key.clone(),
+                        session: req.session,
+                        revision,
+                        value: kv.value,
+                    };
+                    let acquired_at = Some(r.acquired_at_unix_ms);
+                    match self
+                        .downgrade(&reader, &state, &held, acquired_at, 0)
+                        .await?
+                    {
+                        Attempt::Granted(grant) => return Ok(grant),
+                        // Changed under it (released, expired, the epoch or
+                        // fence moved): read again.
+                        _ => continue,
+                    }
+                }
+            }
+            // Not held exclusively at that token: a repeat of this very
+            // downgrade, which landed (its answer lost)?
+            if let Some(h) = self.holder(&reader.key).await?
+                && h.lease == req.session
+                && h.record.session == req.session
+                && h.record.identity == req.identity
+                && h.record.downgraded_from == Some(revision)
+            {
+                let grant = Grant {
+                    key: reader.key,
+                    session: req.session,
+                    epoch: state.epoch(),
+                    revision: h.revision,
+                };
+                // Claimed for this call as any existing grant answered again.
+                return match self.claim_verified(&grant).await? {
+                    Claim::Claimed => Ok(grant),
+                    Claim::Gone => Err(not_held()),
+                };
+            }
+            return Err(not_held());
+        }
+        Err(ArbiterError::store(
+            "the lock log kept changing under the downgrade",
+        ))
     }
 
     /// With waiters queued on lock `req.key`, a shared request is answered

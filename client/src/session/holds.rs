@@ -221,6 +221,31 @@ impl Holds {
         ended
     }
 
+    /// The downgrade of `key` left its guard without a hold: the exclusive
+    /// hold ends here (its guard is fenced). With `cleaning`, the key stays
+    /// in flight until [`Holds::downgrade_cleaned`] (the downgrade may have
+    /// landed, and is asked again so that its shared hold is released; a
+    /// new acquire of the key meanwhile could be answered with a hold that
+    /// clean-up is about to convert). Whether it was the key's downgrade.
+    pub(crate) fn downgrade_lost(&mut self, key: &str, cleaning: bool) -> bool {
+        let Some(Entry::Downgrading { hold, .. }) = self.keys.get(key) else {
+            return false;
+        };
+        hold.ended.store(true, Ordering::Release);
+        if !cleaning {
+            wake(self.keys.remove(key));
+        }
+        true
+    }
+
+    /// See [`Holds::downgrade_lost`].
+    pub(crate) fn downgrade_cleaned(&mut self, key: &str) {
+        if matches!(self.keys.get(key), Some(Entry::Downgrading { hold, .. }) if hold.has_ended())
+        {
+            wake(self.keys.remove(key));
+        }
+    }
+
     pub(crate) fn failed(&mut self, key: &str) {
         if matches!(self.keys.get(key), Some(Entry::Acquiring(_))) {
             wake(self.keys.remove(key));
@@ -408,6 +433,35 @@ mod tests {
         assert!(old.has_ended());
         assert!(holds.is_empty());
         assert_eq!(holds.begin_downgrade(&old), Err(NoDowngrade::NotHeld));
+    }
+
+    #[test]
+    fn a_lost_downgrade_fences_its_hold_and_a_cleaning_one_keeps_acquirers_waiting() {
+        let mut holds = Holds::default();
+        assert!(matches!(holds.begin("k"), Begin::Outermost));
+        let old = hold("k");
+        holds.granted(Arc::clone(&old));
+        holds.begin_downgrade(&old).unwrap();
+        // NOT_HELD: fenced, the key free at once.
+        assert!(holds.downgrade_lost("k", false));
+        assert!(old.has_ended());
+        assert!(holds.is_empty());
+        assert_eq!(holds.decrement(&old), Decrement::NotHeld);
+
+        assert!(matches!(holds.begin("k"), Begin::Outermost));
+        let next = hold("k");
+        holds.granted(Arc::clone(&next));
+        holds.begin_downgrade(&next).unwrap();
+        // Unknown: fenced now, the key in flight until the clean-up ends.
+        assert!(holds.downgrade_lost("k", true));
+        assert!(next.has_ended());
+        let Begin::Wait(waiter) = holds.begin("k") else {
+            panic!("an acquirer must wait for the clean-up");
+        };
+        holds.downgrade_cleaned("k");
+        assert!(waiter.now_or_never().is_some());
+        assert!(holds.is_empty());
+        assert!(matches!(holds.begin("k"), Begin::Outermost));
     }
 
     #[test]

@@ -32,8 +32,10 @@ class FakeArbiter(lock_pb2_grpc.LockServicer):
         #: Runs inside each shared Acquire before it is answered (a notice
         #: arriving while a downgrade is in flight, say).
         self.during_shared = None
-        #: A shared Acquire is refused with this (code, reason) instead.
+        #: A shared Acquire is refused with this (code, reason) instead...
         self.refuse_shared = None
+        #: ...this many times (None: every time).
+        self.refuse_times = None
 
     def OpenSession(self, request, context):
         return lock_pb2.OpenSessionResponse(session_id=SESSION, ttl_seconds=TTL, keepalive_interval_ms=10_000)
@@ -53,7 +55,9 @@ class FakeArbiter(lock_pb2_grpc.LockServicer):
         if request.mode == lock_pb2.MODE_SHARED:
             if self.during_shared is not None:
                 self.during_shared()
-            if self.refuse_shared is not None:
+            if self.refuse_shared is not None and self.refuse_times != 0:
+                if self.refuse_times is not None:
+                    self.refuse_times -= 1
                 _refuse(context, *self.refuse_shared)
         grant = lock_pb2.Grant(
             key=request.key,
@@ -211,6 +215,10 @@ def test_a_downgrade_is_a_shared_acquire_whose_grant_replaces_the_hold(fake):
     assert downgrade.wait == lock_pb2.WAIT_NONE, "a downgrade never queues"
     assert (downgrade.key, downgrade.session_id, getattr(downgrade, "class")) == ("demo/d", SESSION, "demo")
     assert dict(downgrade.metadata) == {"ticket": "CHG-1"}, "the class's hooks see the same request"
+    assert downgrade.HasField("downgrade_from") and downgrade.downgrade_from == writer.value, (
+        "it names the exclusive hold it converts: never a fresh shared grant"
+    )
+    assert not exclusive.HasField("downgrade_from")
     assert downgrade.instance == exclusive.instance
     # Re-entered in its new mode only.
     with pytest.raises(latchkey.UpgradeRefused):
@@ -305,3 +313,103 @@ def test_what_cannot_be_downgraded_is_refused_without_a_call(fake):
         lock_pb2.MODE_EXCLUSIVE,
         lock_pb2.MODE_EXCLUSIVE,
     ], "no downgrade was asked of the arbiter"
+
+
+def test_a_downgrade_refused_not_held_fences_the_guard(fake):
+    """NOT_HELD: the exclusive hold had ended at the arbiter before its notice
+    came; a writer may have held the key since, so the guard holds nothing."""
+    servicer, client = fake
+    fenced = []
+    guard = client.acquire("demo/d", on_fence=fenced.append)
+    servicer.refuse_shared = (grpc.StatusCode.FAILED_PRECONDITION, "NOT_HELD")
+    with pytest.raises(latchkey.NotHeld):
+        guard.downgrade()
+    assert guard.is_fenced and fenced == [latchkey.FenceReason.HOLD_ENDED]
+    assert len(servicer.acquires) == 2, "NOT_HELD is an answer: not asked again"
+    with pytest.raises(latchkey.Fenced):
+        guard.release()
+    assert servicer.releases == []
+    # The key is free for this session again: a new acquire is a new call.
+    servicer.refuse_shared = None
+    with client.lock("demo/d") as again:
+        assert again.token > guard.token
+    assert len(servicer.acquires) == 3
+
+
+def test_a_downgrade_whose_answer_was_lost_is_sent_again(fake):
+    servicer, client = fake
+    fenced = []
+    guard = client.acquire("demo/d", on_fence=fenced.append)
+    writer = guard.token
+    servicer.refuse_shared = (grpc.StatusCode.UNAVAILABLE, "")
+    servicer.refuse_times = 2
+    guard.downgrade()
+    assert guard.shared and guard.token > writer and fenced == []
+    repeats = servicer.acquires[1:]
+    assert len(repeats) == 3 and all(r.downgrade_from == writer.value for r in repeats), (
+        "every repeat names the same exclusive hold"
+    )
+    guard.release()
+    assert [r.mode for r in servicer.releases] == [lock_pb2.MODE_SHARED]
+
+
+def test_a_downgrade_that_stays_unknown_fences_the_guard_and_cleans_up(fake):
+    """No attempt answered: the downgrade may have landed, so the guard is
+    fenced (it never holds a hold this client has not heard of), and a thread
+    asks the downgrade again and releases the shared hold it is answered
+    with. Until then the key's other acquirers on the session wait."""
+    import time
+
+    servicer, client = fake
+    fenced = []
+    guard = client.acquire("demo/d", on_fence=fenced.append)
+    writer = guard.token
+    servicer.refuse_shared = (grpc.StatusCode.UNAVAILABLE, "")
+    servicer.refuse_times = 5  # the 4 attempts, and the clean-up's first
+    with pytest.raises(latchkey.Unavailable):
+        guard.downgrade()
+    assert guard.is_fenced and fenced == [latchkey.FenceReason.HOLD_ENDED]
+    with pytest.raises(latchkey.Fenced):
+        guard.release()
+    # The clean-up's second try is answered; it releases that shared hold.
+    deadline = time.monotonic() + 10
+    while not servicer.releases:
+        assert time.monotonic() < deadline, "the clean-up never released the downgrade's hold"
+        time.sleep(0.05)
+    (release,) = servicer.releases
+    assert release.mode == lock_pb2.MODE_SHARED and release.token > writer.value
+    assert all(r.downgrade_from == writer.value for r in servicer.acquires[1:])
+    # Then the key is the session's to acquire again.
+    with client.lock("demo/d") as again:
+        assert not again.shared
+    assert len(servicer.releases) == 2
+
+
+def test_a_release_racing_a_downgrade_waits_for_it(fake):
+    """downgrade() and release() on one guard take turns: a release from
+    another thread while the downgrade is in flight releases the shared hold
+    the downgrade installs, never the exclusive hold it replaced."""
+    servicer, client = fake
+    guard = client.acquire("demo/d")
+    writer = guard.token
+    in_flight = threading.Event()
+    go = threading.Event()
+
+    def hold_the_answer() -> None:
+        in_flight.set()
+        assert go.wait(5)
+
+    servicer.during_shared = hold_the_answer
+    downgrading = threading.Thread(target=guard.downgrade)
+    downgrading.start()
+    assert in_flight.wait(5)
+    releasing = threading.Thread(target=guard.release)
+    releasing.start()
+    releasing.join(0.3)
+    assert releasing.is_alive(), "the release waits for the downgrade in flight"
+    go.set()
+    downgrading.join(5)
+    releasing.join(5)
+    assert not downgrading.is_alive() and not releasing.is_alive()
+    (release,) = servicer.releases
+    assert release.mode == lock_pb2.MODE_SHARED and release.token > writer.value

@@ -231,6 +231,9 @@ pub fn decode(method: Method, message: &[u8]) -> Result<KeyedRequest<'_>, Reques
             (Method::Release, 3) => check_fixed64(value, field)?,
             // The mode (an enum: a varint, its value the arbiter's to judge).
             (Method::Acquire, 7) => check_varint(value, field)?,
+            // A downgrade's exclusive token (`downgrade_from`, a fixed64):
+            // the arbiter's to judge, passed on as the client sent it.
+            (Method::Acquire, 8) => check_fixed64(value, field)?,
             // A semaphore grant's slot (a uint32: prost truncates the
             // varint), and the mode.
             (Method::Release, 4 | 5) => check_varint(value, field)?,
@@ -627,6 +630,7 @@ mod tests {
         };
         for (method, tail) in [
             (Method::Acquire, string(7)),   // mode
+            (Method::Acquire, varint(8)),   // downgrade_from (fixed64)
             (Method::Release, string(5)),   // mode
             (Method::Campaign, varint(2)),  // class
             (Method::Campaign, fixed64(3)), // session_id
@@ -749,6 +753,7 @@ mod tests {
                 metadata: meta.into_iter().collect(),
                 instance: String::new(),
                 mode: 1,
+                downgrade_from: Some(session as u64),
             };
             let message = req.encode_to_vec();
             let ours = decode(Method::Acquire, &message).unwrap();

@@ -175,7 +175,8 @@ pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<E
 }
 
 /// `latchctl acquire`'s `downgrade` line: the hold turns shared, or the
-/// refusal is shown and the hold goes on as it was — unless it is lost.
+/// refusal is shown and the hold goes on as it was — unless it is lost
+/// (fenced before the call, refused NOT_HELD, or of unknown outcome).
 async fn downgrade(guard: &mut LockGuard, out: &Output) -> Result<(), Failure> {
     match guard.downgrade().await {
         Ok(()) => {
@@ -191,10 +192,14 @@ async fn downgrade(guard: &mut LockGuard, out: &Output) -> Result<(), Failure> {
             }
             Ok(())
         }
-        Err(e @ latchkey_client::Error::Fenced { .. }) => Err(Failure::Other(anyhow::anyhow!(
-            "lock on {} lost: {e}",
-            guard.key()
-        ))),
+        // Fenced before the call, or by it: NOT_HELD (the exclusive hold had
+        // ended at the arbiter) or an outcome that stayed unknown.
+        Err(e) if matches!(e, latchkey_client::Error::Fenced { .. }) || guard.is_fenced() => {
+            Err(Failure::Other(anyhow::anyhow!(
+                "lock on {} lost: {e}",
+                guard.key()
+            )))
+        }
         Err(e) => {
             out.note(
                 json!({ "event": "downgrade_refused", "key": guard.key(), "error": e.to_string() }),

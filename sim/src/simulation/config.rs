@@ -319,6 +319,11 @@ pub struct SimConfig {
     /// of every run never to hold a key exclusively beside anything under
     /// its name (table only).
     pub shared_percent: u32,
+    /// Percent of exclusive holds downgraded (issue 34) as the clients do
+    /// it, naming the hold's token: the hold turns shared, or the
+    /// downgrade is refused NOT_HELD when the hold had ended (force-release,
+    /// expiry, an epoch advance), never a fresh reader.
+    pub downgrade_percent: u32,
     pub faults: FaultKnobs,
 }
 
@@ -354,6 +359,7 @@ impl SimConfig {
             quota: None,
             permits: None,
             shared_percent: 0,
+            downgrade_percent: 0,
             faults: FaultKnobs::all(),
         }
     }
@@ -453,8 +459,9 @@ impl SimConfig {
     ///   ([`SimConfig::permits`]), so a dozen clients contend for 9 slots.
     /// - `shared`, `shared-three-arbiters`: `forced` (and with 3 arbiters)
     ///   over 3 keys, 60 % of acquires shared ([`SimConfig::shared_percent`]):
-    ///   readers, writers, downgrades never asked (a session asks one mode
-    ///   per acquire), phase-fair queues and readers granted in one batch.
+    ///   readers, writers, phase-fair queues and readers granted in one
+    ///   batch; 30 % of exclusive holds downgraded
+    ///   ([`SimConfig::downgrade_percent`]).
     /// - `shared-durable`: `shared-three-arbiters` where 2 of the 3 keys are
     ///   of a durable class: readers and writers queued in the log.
     /// - `renewal-outages`: the whole arbiter, every fault, force-releases,
@@ -539,6 +546,7 @@ impl SimConfig {
             "shared" => Self {
                 keys: 3,
                 shared_percent: 60,
+                downgrade_percent: 30,
                 faults: FaultKnobs::forced(),
                 ..base
             },
@@ -547,6 +555,7 @@ impl SimConfig {
                 clients: 12,
                 keys: 3,
                 shared_percent: 60,
+                downgrade_percent: 30,
                 faults: FaultKnobs::forced(),
                 ..base
             },
@@ -556,6 +565,7 @@ impl SimConfig {
                 keys: 3,
                 durable_keys: 2,
                 shared_percent: 60,
+                downgrade_percent: 30,
                 faults: FaultKnobs::forced(),
                 ..base
             },

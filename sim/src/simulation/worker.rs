@@ -27,7 +27,7 @@ mod calls;
 pub(crate) mod elector;
 mod renewals;
 use crate::rng::Rng;
-use calls::{Got, acquire, request};
+use calls::{Got, acquire, downgrade, request};
 use renewals::{keep_alive, renew};
 
 /// Sessions an identity may have open; dead incarnations' sessions linger
@@ -51,6 +51,7 @@ fn is_definite_refusal(e: &ArbiterError) -> bool {
             | ArbiterError::QueueFull { .. }
             | ArbiterError::TooManyWaiters { .. }
             | ArbiterError::NotHeld { .. }
+            | ArbiterError::DowngradeNotHeld { .. }
             | ArbiterError::TokenMismatch { .. }
             | ArbiterError::SessionExpired { .. }
             | ArbiterError::ClosedOnQuorumLoss { .. }
@@ -372,6 +373,8 @@ impl Incarnation<'_> {
                 None => String::new(),
             },
         };
+        // Kept for a downgrade of the hold, which asks it again in mode SHARED.
+        let asked = req.clone();
         let answer = acquire(&arbiter, req, wait, cancel_after, durable).await;
         let token = match answer {
             Call::Answered(Ok(Got::Log(grant))) => match grant.token() {
@@ -530,6 +533,28 @@ impl Incarnation<'_> {
                 }
             }
         }
+        // A downgrade of the exclusive hold (the shared presets): the hold
+        // turns shared, named by its token, and is then read under and
+        // released as a reader's.
+        let mut token = token;
+        if !paused
+            && cfg.downgrade_percent > 0
+            && !asked.shared
+            && cfg.permits.is_none()
+            && self.rng.chance(cfg.downgrade_percent)
+        {
+            match self.downgrade(asked, token, session).await {
+                Some((reader, shared)) => {
+                    (key, token) = (reader, shared);
+                    let unit = self.rng.below(cfg.unit_ms + 1);
+                    tokio::time::sleep(Duration::from_millis(unit)).await;
+                }
+                None => {
+                    *renewer = None;
+                    return Next::End;
+                }
+            }
+        }
         let think = self.rng.below(cfg.unit_ms / 3 + 1);
         tokio::time::sleep(Duration::from_millis(think)).await;
 
@@ -654,6 +679,83 @@ impl Incarnation<'_> {
             Some(seq) => self.world.complete(op, Outcome::Ok, None, Some(seq), None),
             None => self.world.complete(op, Outcome::Fail, None, None, None),
         }
+    }
+
+    /// Downgrades the exclusive hold `asked` was granted (token `token`) as
+    /// the clients do, naming the hold by its token. The history records it
+    /// as the exclusive hold's release and the reader key's grant (each
+    /// judged as a lock of its own; the log itself is checked after every
+    /// commit never to hold the key exclusively beside a reader). The
+    /// reader key and its token, or `None` when the incarnation ends: the
+    /// downgrade was refused (NOT_HELD: the hold had ended) or its outcome
+    /// is unknown, and an `expire` was recorded.
+    async fn downgrade(
+        &mut self,
+        asked: GrantRequest,
+        token: u64,
+        session: &Arc<Mutex<Session>>,
+    ) -> Option<(String, u64)> {
+        let key = asked.key.clone();
+        let deadline = lock(session).deadline();
+        let stray = self.stray();
+        let arbiter = loop {
+            if let Some(a) = self.world.route(&key, stray, self.rng) {
+                break a;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let op = self.world.invoke(
+            &self.process,
+            Function::Release,
+            Some(&key),
+            Some(token),
+            Some("downgrade".into()),
+            Instant::now(),
+        );
+        let (outcome, detail) = match downgrade(&arbiter, asked, token).await {
+            Call::Answered(Ok(grant)) => match grant.token() {
+                Some(shared) if grant.key != key => {
+                    self.world.complete(op, Outcome::Ok, None, None, None);
+                    let got = self.world.invoke(
+                        &self.process,
+                        Function::Acquire,
+                        Some(&grant.key),
+                        None,
+                        Some("downgrade".into()),
+                        Instant::now(),
+                    );
+                    lock(&self.world.fences).granted(arbiter.index, &grant);
+                    self.world
+                        .complete(got, Outcome::Ok, Some(shared), None, None);
+                    return Some((grant.key, shared));
+                }
+                _ => (
+                    Outcome::Unknown,
+                    format!("a downgrade granted other than a reader key: {grant:?}"),
+                ),
+            },
+            Call::Answered(Err(e)) if is_definite_refusal(&e) => (Outcome::Fail, describe(&e)),
+            Call::Answered(Err(e)) => (Outcome::Unknown, describe(&e)),
+            Call::Killed | Call::Cancelled => (
+                Outcome::Unknown,
+                format!("arbiter-{} died with the call in flight", arbiter.index),
+            ),
+        };
+        self.world.complete(op, outcome, None, None, Some(detail));
+        // As a release that did not succeed: the exclusive hold may linger
+        // until its lease ends (a shared hold the downgrade made, unknown
+        // to the history, ends with it too, and the reader key is this
+        // session's alone).
+        let from = deadline.min(Instant::now());
+        self.world.invoke(
+            &self.process,
+            Function::Expire,
+            Some(&key),
+            Some(token),
+            None,
+            from,
+        );
+        None
     }
 
     /// Releases the hold; whether the incarnation must end (the release did

@@ -188,6 +188,7 @@ async fn measure(
                         metadata: Default::default(),
                         instance: String::new(),
                         mode: 0,
+                        downgrade_from: None,
                     };
                     let grant = c
                         .acquire(keyed(acquire, &key, header)?)

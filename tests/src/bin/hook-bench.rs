@@ -404,6 +404,7 @@ async fn run_class(
                         metadata: metadata.clone(),
                         instance: String::new(),
                         mode: 0,
+                        downgrade_from: None,
                     })
                     .await?
                     .into_inner()

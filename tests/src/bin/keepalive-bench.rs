@@ -460,6 +460,7 @@ async fn latchkey(
                         metadata: Default::default(),
                         instance: String::new(),
                         mode: 0,
+                        downgrade_from: None,
                     })
                     .await?
                     .into_inner()
@@ -646,6 +647,7 @@ async fn take_holds(
                 metadata: Default::default(),
                 instance: String::new(),
                 mode: 0,
+                downgrade_from: None,
             })
             .await
             .map(|_| ())

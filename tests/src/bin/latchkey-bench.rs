@@ -764,6 +764,7 @@ async fn acquire(
         metadata: Default::default(),
         instance: String::new(),
         mode: mode.into(),
+        downgrade_from: None,
     });
     if let Some(budget) = budget {
         request.set_timeout(budget);

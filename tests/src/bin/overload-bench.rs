@@ -497,6 +497,7 @@ async fn flood_worker(
                 metadata: Default::default(),
                 instance: format!("flood-{w}"),
                 mode: 0,
+                downgrade_from: None,
             })
             .await;
         match acquired {

@@ -267,6 +267,7 @@ impl Worker {
                 metadata: Default::default(),
                 instance: String::new(),
                 mode: 0,
+                downgrade_from: None,
             })
             .await
             .with_context(|| format!("acquire {key}"))?

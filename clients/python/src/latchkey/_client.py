@@ -22,6 +22,7 @@ from ._errors import (
     Fenced,
     Held,
     LatchkeyError,
+    NotHeld,
     ProtocolError,
     Refused,
     Unavailable,
@@ -562,8 +563,9 @@ class Client:
             raise from_rpc_error(error) from None
 
     def _downgrade(self, session: Session, hold: Hold) -> Hold:
-        """Acquire in mode SHARED of `hold`'s key on its session: the arbiter
-        turns the exclusive hold into a shared one in one transaction."""
+        """Acquire in mode SHARED of `hold`'s key on its session, naming the
+        exclusive hold's token: the arbiter turns that hold into a shared one in
+        one transaction, or answers NOT_HELD (never a fresh shared hold)."""
         request = lock_pb2.AcquireRequest(
             key=hold.key,
             session_id=session.id,
@@ -571,6 +573,7 @@ class Client:
             metadata=dict(hold.metadata),
             instance=self._instance,
             mode=lock_pb2.MODE_SHARED,
+            downgrade_from=hold.token.value,
             **{"class": hold.lock_class},
         )
         grant = self._call(self._stub.Acquire, request).grant
@@ -630,6 +633,25 @@ class Client:
         return f"Client(endpoint={self._endpoint!r}, sessions={ids})"
 
 
+#: How often a downgrade is sent while its outcome is unknown, and the pause
+#: before each repeat (times the attempt), in seconds.
+_DOWNGRADE_TRIES = 4
+_DOWNGRADE_RETRY = 0.2
+#: The background clean-up of a downgrade left unknown: at most this many
+#: more attempts, a second apart.
+_DOWNGRADE_CLEANUP_TRIES = 30
+
+
+def _unsettled(error: BaseException, unknown: Optional[BaseException]) -> bool:
+    """Whether `error`, raised out of a downgrade's attempts, leaves its
+    outcome unknown (the table not yet settled by the attempt loop)."""
+    if isinstance(error, NotHeld):
+        return False
+    if isinstance(error, Refused):
+        return error.is_transient() or unknown is not None
+    return True
+
+
 class LockGuard:
     """A hold on a key. Nested acquires of the same key by the same thread
     return more guards of the same hold; the arbiter hears only of the first
@@ -637,7 +659,7 @@ class LockGuard:
     it as a context manager (from any thread: the count is the hold's, the
     right to re-enter its acquiring thread's)."""
 
-    __slots__ = ("_hold", "_session", "_guard_id", "_client", "_armed")
+    __slots__ = ("_hold", "_session", "_guard_id", "_client", "_armed", "_turn")
 
     def __init__(self, hold: Hold, session: Session, guard_id: int, client: Client) -> None:
         self._hold = hold
@@ -645,6 +667,10 @@ class LockGuard:
         self._guard_id = guard_id
         self._client = client
         self._armed = True
+        # downgrade(), release() and detach() take turns on one guard: a
+        # release racing a downgrade would count down the hold the downgrade
+        # is replacing, and leak the shared hold it then installs.
+        self._turn = threading.Lock()
 
     @property
     def token(self) -> FencingToken:
@@ -724,11 +750,17 @@ class LockGuard:
         once; a writer waits until this shared hold ends. The guard then holds
         the key shared: :attr:`token` is the shared grant's (a new token,
         above the exclusive one) and :attr:`shared` is True. Release it as any
-        guard; ``on_fence`` stays the same.
+        guard; ``on_fence`` stays the same. The class's ``maxHoldSeconds``
+        still counts from the exclusive grant.
 
-        It is an Acquire of the key with ``shared=True`` on the same session,
-        with the class and metadata of the acquire that was granted (so the
-        class's hooks are asked again, as a shared request). It never waits.
+        It is an Acquire of the key with ``shared=True`` on the same session
+        that names the exclusive hold's token (``downgrade_from``), with the
+        class and metadata of the acquire that was granted (so the class's
+        hooks are asked again, as a shared request). It never waits, and the
+        arbiter never answers it with a fresh shared hold. Calls on one guard
+        from several threads take turns: a ``release()`` or a second
+        ``downgrade()`` waits for a downgrade in flight, then acts on the hold
+        it left.
 
         Raises, with the guard left as it was:
 
@@ -738,17 +770,27 @@ class LockGuard:
           hold is shared already, a semaphore's slot, unprotected, released,
           or has other guards (nested acquires, each expecting the exclusive
           hold);
-        - the arbiter's refusal: a class with a quota or a durable queue takes
-          no downgrade, a hook may deny the shared request, and :class:`Held`
-          when the exclusive hold ended at the arbiter before the call (its
-          notice, on its way, fences it).
+        - the arbiter's refusal: a class with a quota takes no downgrade, and
+          a hook may deny the shared request.
 
-        An error whose outcome is unknown (:class:`Unavailable`, a deadline)
-        may follow a downgrade that landed: the guard keeps the exclusive hold
-        as far as this client knows. Call ``downgrade()`` again: the arbiter
-        answers a session's shared request of a key it holds shared with that
-        hold.
+        Raises :class:`NotHeld` (``NOT_HELD``), with the guard fenced
+        (``on_fence(HOLD_ENDED)``): the exclusive hold had ended at the
+        arbiter (expiry, ``maxHoldSeconds``, force-release, an epoch advance)
+        before its notice reached this client; a writer may have held the key
+        since.
+
+        When the answer is lost (:class:`Unavailable`, a deadline), the
+        downgrade may have landed: it is sent again a few times, and a repeat
+        is answered with the shared hold that downgrade made (or
+        ``NOT_HELD``). If none settles it (or the call is interrupted), the
+        guard is fenced (``HOLD_ENDED``) and the error raised, and a thread
+        asks the downgrade again until it is answered, releasing a shared hold
+        it made: the guard never holds a hold this client has not heard of.
         """
+        with self._turn:
+            self._downgrade_in_turn()
+
+    def _downgrade_in_turn(self) -> None:
         hold, session = self._hold, self._session
 
         def refuse(why: str) -> FailedPrecondition:
@@ -777,17 +819,92 @@ class LockGuard:
                 f"it has {hold.count} guards on this thread (nested acquires, each expecting the exclusive hold): "
                 "downgrade only with the last one"
             )
+        # From here the key is in flight; every way out settles it.
+        unknown: Optional[BaseException] = None
+        shared: Optional[Hold] = None
         try:
-            shared = self._client._downgrade(session, hold)
-        except BaseException:
-            session._downgrade_failed(hold.key)
+            for attempt in range(_DOWNGRADE_TRIES):
+                if attempt:
+                    time.sleep(_DOWNGRADE_RETRY * attempt)
+                try:
+                    shared = self._client._downgrade(session, hold)
+                except NotHeld:
+                    # The exclusive hold is gone at the arbiter, and no
+                    # shared hold of this downgrade exists: fenced.
+                    session._downgrade_lost(hold.key, cleaning=False)
+                    raise
+                except Refused as error:
+                    if error.is_transient():
+                        unknown = error
+                        continue
+                    if unknown is None:
+                        # Answered, nothing written: the exclusive hold stays.
+                        session._downgrade_failed(hold.key)
+                        raise
+                    # An earlier attempt may have landed: only a grant or
+                    # NOT_HELD settles it.
+                    unknown = error
+                    break
+                break
+        except BaseException as error:
+            if isinstance(error, (NotHeld, Refused)) and not _unsettled(error, unknown):
+                raise
+            # Interrupted, or a reply this client cannot use: unknown.
+            self._clean_up_downgrade(hold)
             raise
+        if shared is None:
+            self._clean_up_downgrade(hold)
+            raise unknown if unknown is not None else ProtocolError("a downgrade with no attempt")
         self._hold = shared
         session._downgraded(shared)
 
+    def _clean_up_downgrade(self, hold: Hold) -> None:
+        """A downgrade of unknown outcome: the guard is fenced now, and a
+        thread asks the downgrade again until it is answered, releasing the
+        shared hold it made; until then the key's other acquirers on this
+        session wait."""
+        session, client = self._session, self._client
+        session._downgrade_lost(hold.key, cleaning=True)
+
+        def clean_up() -> None:
+            try:
+                for _ in range(_DOWNGRADE_CLEANUP_TRIES):
+                    if session.fence_reason is not None:
+                        return
+                    try:
+                        shared = client._downgrade(session, hold)
+                    except Refused as error:
+                        if not error.is_transient():
+                            return
+                        time.sleep(1.0)
+                        continue
+                    except LatchkeyError:
+                        return
+                    try:
+                        client._release(shared)
+                    except LatchkeyError as error:
+                        log.warning(
+                            "releasing the shared hold of a downgrade of unknown outcome of %s failed; "
+                            "it ends with session %d: %s",
+                            hold.key,
+                            session.id,
+                            error,
+                        )
+                    return
+                log.warning("a downgrade of %s stayed unknown; a shared hold it made ends with session %d", hold.key, session.id)
+            finally:
+                session._downgrade_cleaned(hold.key)
+
+        threading.Thread(target=clean_up, name=f"latchkey-downgrade-{session.id}", daemon=True).start()
+
     def release(self) -> None:
         """Counts this guard down; the last one sends Release. Raises
-        :class:`Fenced` if the hold was already lost."""
+        :class:`Fenced` if the hold was already lost. Waits for a
+        :meth:`downgrade` in flight on another thread."""
+        with self._turn:
+            self._release_in_turn()
+
+    def _release_in_turn(self) -> None:
         if not self._armed:
             return
         self._armed = False
@@ -813,11 +930,12 @@ class LockGuard:
     def detach(self) -> None:
         """Forgets this guard without sending Release: the hold stays until the
         session ends."""
-        if not self._armed:
-            return
-        self._armed = False
-        if self._session._release_one(self._hold, self._guard_id) == LAST:
-            self._session._released(self._hold.key)
+        with self._turn:
+            if not self._armed:
+                return
+            self._armed = False
+            if self._session._release_one(self._hold, self._guard_id) == LAST:
+                self._session._released(self._hold.key)
 
     def __enter__(self) -> "LockGuard":
         return self

@@ -187,6 +187,31 @@ class Holds:
         entry.settled.set()
         return entry.ended
 
+    def downgrade_lost(self, key: str, cleaning: bool) -> bool:
+        """The downgrade of `key` left its guard without a hold (NOT_HELD: the
+        exclusive hold was gone; or its outcome stayed unknown): the exclusive
+        hold ends here. With `cleaning` the key stays in flight until
+        downgrade_cleaned(): the downgrade may have landed and is asked again
+        so that its shared hold is released, and a new acquire of the key
+        meanwhile could be answered with the hold that clean-up converts.
+        Whether it was the key's downgrade."""
+        entry = self._keys.get(key)
+        if not isinstance(entry, _Downgrading):
+            return False
+        entry.hold.ended = True
+        entry.hold.left.set()
+        if not cleaning:
+            del self._keys[key]
+            entry.settled.set()
+        return True
+
+    def downgrade_cleaned(self, key: str) -> None:
+        """See downgrade_lost()."""
+        entry = self._keys.get(key)
+        if isinstance(entry, _Downgrading) and entry.hold.ended:
+            del self._keys[key]
+            entry.settled.set()
+
     def failed(self, key: str) -> None:
         entry = self._keys.get(key)
         if isinstance(entry, _Settling) and not entry.releasing:

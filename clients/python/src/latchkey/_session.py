@@ -184,6 +184,21 @@ class Session:
         log.warning("hold of %s ended at the arbiter; fenced (session %d, %d guards)", key, self.id, len(callbacks))
         _call_all(callbacks, FenceReason.HOLD_ENDED, self.id)
 
+    def _downgrade_lost(self, key: str, cleaning: bool) -> None:
+        """The downgrade left its guard without a hold: fenced now (see
+        Holds.downgrade_lost; with `cleaning`, until _downgrade_cleaned the
+        key's other acquirers on this session wait)."""
+        with self._lock:
+            if not self._holds.downgrade_lost(key, cleaning):
+                return
+            callbacks = self._take_callbacks(key)
+        log.warning("downgrade of %s left no hold; fenced (session %d, %d guards)", key, self.id, len(callbacks))
+        _call_all(callbacks, FenceReason.HOLD_ENDED, self.id)
+
+    def _downgrade_cleaned(self, key: str) -> None:
+        with self._lock:
+            self._holds.downgrade_cleaned(key)
+
     def _register(self, key: str, on_fence: FenceCallback) -> int:
         guard_id = self._next_guard
         self._next_guard += 1

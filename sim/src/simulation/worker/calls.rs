@@ -104,3 +104,43 @@ pub(super) async fn acquire(
         () = cancel => Call::Cancelled,
     }
 }
+
+/// A downgrade as the clients send it: a shared Acquire of the lock that
+/// names the session's exclusive hold by its token (`downgrade_from`),
+/// through the handlers with the whole arbiter, else the table's
+/// [`latchkey_arbiter::table::LockTable::downgrade_from`]. `req` is the
+/// exclusive hold's request, asked again in mode SHARED.
+pub(super) async fn downgrade(arbiter: &Arbiter, mut req: GrantRequest, token: u64) -> Call<Grant> {
+    req.shared = true;
+    let table = arbiter.table.clone();
+    let service = arbiter.service.clone();
+    let call = async {
+        let Some(service) = service else {
+            return table.downgrade_from(&req, token).await;
+        };
+        let acquire = AcquireRequest {
+            key: req.key.clone(),
+            class: req.class.clone(),
+            session_id: req.session,
+            wait: WaitMode::WaitNone as i32,
+            mode: 1,
+            downgrade_from: Some(token),
+            ..AcquireRequest::default()
+        };
+        let answer = service.acquire(request(&req.identity, None, acquire)).await?;
+        let grant = answer
+            .grant
+            .ok_or_else(|| ArbiterError::internal("an Acquire answered without a grant"))?;
+        Ok(Grant {
+            key: grant.key,
+            session: grant.session_id,
+            epoch: grant.epoch,
+            revision: grant.revision,
+        })
+    };
+    tokio::select! {
+        biased;
+        () = arbiter.killed.cancelled() => Call::Killed,
+        r = call => Call::Answered(r),
+    }
+}

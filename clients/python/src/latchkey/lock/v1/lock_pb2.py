@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1blatchkey/lock/v1/lock.proto\x12\x10latchkey.lock.v1\">\n\x12OpenSessionRequest\x12\r\n\x05\x63lass\x18\x01 \x01(\t\x12\x19\n\x11reuse_session_ids\x18\x02 \x03(\x03\"m\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x03\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\r\x12\x1d\n\x15keepalive_interval_ms\x18\x03 \x01(\r\x12\x0e\n\x06reused\x18\x04 \x01(\x08\";\n\x10KeepAliveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x03\x12\x13\n\x0bsession_ids\x18\x02 \x03(\x03\"x\n\x11KeepAliveResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x03\x12\x1d\n\x15remaining_ttl_seconds\x18\x02 \x01(\x03\x12\x30\n\x0b\x65nded_holds\x18\x03 \x03(\x0b\x32\x1b.latchkey.lock.v1.EndedHold\"l\n\tEndedHold\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x11\n\x04slot\x18\x03 \x01(\rH\x00\x88\x01\x01\x12$\n\x04mode\x18\x04 \x01(\x0e\x32\x16.latchkey.lock.v1.ModeB\x07\n\x05_slot\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x03\"\x16\n\x14\x43loseSessionResponse\"\x95\x02\n\x0e\x41\x63quireRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x63lass\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\x03\x12(\n\x04wait\x18\x04 \x01(\x0e\x32\x1a.latchkey.lock.v1.WaitMode\x12@\n\x08metadata\x18\x05 \x03(\x0b\x32..latchkey.lock.v1.AcquireRequest.MetadataEntry\x12\x10\n\x08instance\x18\x06 \x01(\t\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.latchkey.lock.v1.Mode\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xaf\x01\n\x05Grant\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x06\x12\r\n\x05\x65poch\x18\x03 \x01(\r\x12\x10\n\x08revision\x18\x04 \x01(\x03\x12\x12\n\nsession_id\x18\x05 \x01(\x03\x12\x13\n\x0bunprotected\x18\x06 \x01(\x08\x12\x11\n\x04slot\x18\x07 \x01(\rH\x00\x88\x01\x01\x12$\n\x04mode\x18\x08 \x01(\x0e\x32\x16.latchkey.lock.v1.ModeB\x07\n\x05_slot\"9\n\x0f\x41\x63quireResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x17.latchkey.lock.v1.Grant\"\x82\x01\n\x0eReleaseRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\x06\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12$\n\x04mode\x18\x05 \x01(\x0e\x32\x16.latchkey.lock.v1.ModeB\x07\n\x05_slot\"\x11\n\x0fReleaseResponse\"\x1d\n\x0eInspectRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\xa3\x02\n\x06Holder\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\x03\x12\r\n\x05\x63lass\x18\x03 \x01(\t\x12\x11\n\x05token\x18\x04 \x01(\x06\x42\x02\x18\x01\x12\x1b\n\x13\x61\x63quired_at_unix_ms\x18\x05 \x01(\x03\x12>\n\x0b\x61nnotations\x18\x06 \x03(\x0b\x32).latchkey.lock.v1.Holder.AnnotationsEntry\x12\x11\n\x04slot\x18\x07 \x01(\rH\x00\x88\x01\x01\x12$\n\x04mode\x18\x08 \x01(\x0e\x32\x16.latchkey.lock.v1.Mode\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_slot\"\xf1\x01\n\x0fInspectResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x06holder\x18\x02 \x01(\x0b\x32\x18.latchkey.lock.v1.Holder\x12\x0f\n\x07waiters\x18\x03 \x01(\r\x12\x17\n\x0f\x64urable_waiters\x18\x04 \x01(\r\x12.\n\x0cslot_holders\x18\x05 \x03(\x0b\x32\x18.latchkey.lock.v1.Holder\x12\x30\n\x0eshared_holders\x18\x06 \x03(\x0b\x32\x18.latchkey.lock.v1.Holder\x12\x1b\n\x13shared_holder_count\x18\x07 \x01(\r*2\n\x08WaitMode\x12\r\n\tWAIT_NONE\x10\x00\x12\x17\n\x13WAIT_UNTIL_DEADLINE\x10\x01*+\n\x04Mode\x12\x12\n\x0eMODE_EXCLUSIVE\x10\x00\x12\x0f\n\x0bMODE_SHARED\x10\x01*\xef\x06\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x0f\n\x0bREASON_HELD\x10\x01\x12\x0f\n\x0bREASON_LEAK\x10\x02\x12\x11\n\rREASON_SEALED\x10\x03\x12\x19\n\x15REASON_NOT_AUTHORISED\x10\x04\x12\x12\n\x0eREASON_BAD_KEY\x10\x05\x12\x18\n\x14REASON_UNKNOWN_CLASS\x10\x06\x12\x1a\n\x16REASON_SESSION_EXPIRED\x10\x07\x12!\n\x1dREASON_SESSION_CLASS_MISMATCH\x10\x08\x12\x19\n\x15REASON_TOKEN_MISMATCH\x10\t\x12\x13\n\x0fREASON_NOT_HELD\x10\n\x12\x1a\n\x16REASON_UNAUTHENTICATED\x10\x0b\x12\x1c\n\x18REASON_STORE_UNAVAILABLE\x10\x0c\x12\x15\n\x11REASON_QUEUE_FULL\x10\r\x12\x16\n\x12REASON_BAD_REQUEST\x10\x0e\x12\x16\n\x12REASON_HOOK_DENIED\x10\x0f\x12\x17\n\x13REASON_WAIT_TIMEOUT\x10\x10\x12\x19\n\x15REASON_IDENTITY_LIMIT\x10\x11\x12\x1b\n\x17REASON_POLICY_NOT_READY\x10\x12\x12\x17\n\x13REASON_POLICY_STALE\x10\x13\x12\x14\n\x10REASON_EDGE_BUSY\x10\x14\x12\x1a\n\x16REASON_RESERVED_HEADER\x10\x15\x12\x1b\n\x17REASON_TOO_MANY_STREAMS\x10\x16\x12\x15\n\x11REASON_WRONG_TIER\x10\x17\x12\x16\n\x12REASON_TIER_MOVING\x10\x18\x12\x17\n\x13REASON_RANGE_MOVING\x10\x19\x12\x1c\n\x18REASON_SHARD_MAP_CHANGED\x10\x1a\x12\x15\n\x11REASON_OVERLOADED\x10\x1b\x12\x15\n\x11REASON_NOT_LEADER\x10\x1c\x12\x15\n\x11REASON_WRONG_KIND\x10\x1d\x12\x17\n\x13REASON_NO_CANDIDATE\x10\x1e\x12\x19\n\x15REASON_QUOTA_EXCEEDED\x10\x1f\x12\x16\n\x12REASON_KIND_IN_USE\x10 \x12\x13\n\x0fREASON_BAD_SLOT\x10!\x12\x1a\n\x16REASON_UPGRADE_REFUSED\x10\"2\x8b\x04\n\x04Lock\x12Z\n\x0bOpenSession\x12$.latchkey.lock.v1.OpenSessionRequest\x1a%.latchkey.lock.v1.OpenSessionResponse\x12X\n\tKeepAlive\x12\".latchkey.lock.v1.KeepAliveRequest\x1a#.latchkey.lock.v1.KeepAliveResponse(\x01\x30\x01\x12]\n\x0c\x43loseSession\x12%.latchkey.lock.v1.CloseSessionRequest\x1a&.latchkey.lock.v1.CloseSessionResponse\x12N\n\x07\x41\x63quire\x12 .latchkey.lock.v1.AcquireRequest\x1a!.latchkey.lock.v1.AcquireResponse\x12N\n\x07Release\x12 .latchkey.lock.v1.ReleaseRequest\x1a!.latchkey.lock.v1.ReleaseResponse\x12N\n\x07Inspect\x12 .latchkey.lock.v1.InspectRequest\x1a!.latchkey.lock.v1.InspectResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1blatchkey/lock/v1/lock.proto\x12\x10latchkey.lock.v1\">\n\x12OpenSessionRequest\x12\r\n\x05\x63lass\x18\x01 \x01(\t\x12\x19\n\x11reuse_session_ids\x18\x02 \x03(\x03\"m\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x03\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\r\x12\x1d\n\x15keepalive_interval_ms\x18\x03 \x01(\r\x12\x0e\n\x06reused\x18\x04 \x01(\x08\";\n\x10KeepAliveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x03\x12\x13\n\x0bsession_ids\x18\x02 \x03(\x03\"x\n\x11KeepAliveResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x03\x12\x1d\n\x15remaining_ttl_seconds\x18\x02 \x01(\x03\x12\x30\n\x0b\x65nded_holds\x18\x03 \x03(\x0b\x32\x1b.latchkey.lock.v1.EndedHold\"l\n\tEndedHold\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x11\n\x04slot\x18\x03 \x01(\rH\x00\x88\x01\x01\x12$\n\x04mode\x18\x04 \x01(\x0e\x32\x16.latchkey.lock.v1.ModeB\x07\n\x05_slot\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x03\"\x16\n\x14\x43loseSessionResponse\"\xc5\x02\n\x0e\x41\x63quireRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x63lass\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\x03\x12(\n\x04wait\x18\x04 \x01(\x0e\x32\x1a.latchkey.lock.v1.WaitMode\x12@\n\x08metadata\x18\x05 \x03(\x0b\x32..latchkey.lock.v1.AcquireRequest.MetadataEntry\x12\x10\n\x08instance\x18\x06 \x01(\t\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.latchkey.lock.v1.Mode\x12\x1b\n\x0e\x64owngrade_from\x18\x08 \x01(\x06H\x00\x88\x01\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x11\n\x0f_downgrade_from\"\xaf\x01\n\x05Grant\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x06\x12\r\n\x05\x65poch\x18\x03 \x01(\r\x12\x10\n\x08revision\x18\x04 \x01(\x03\x12\x12\n\nsession_id\x18\x05 \x01(\x03\x12\x13\n\x0bunprotected\x18\x06 \x01(\x08\x12\x11\n\x04slot\x18\x07 \x01(\rH\x00\x88\x01\x01\x12$\n\x04mode\x18\x08 \x01(\x0e\x32\x16.latchkey.lock.v1.ModeB\x07\n\x05_slot\"9\n\x0f\x41\x63quireResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x17.latchkey.lock.v1.Grant\"\x82\x01\n\x0eReleaseRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\x06\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12$\n\x04mode\x18\x05 \x01(\x0e\x32\x16.latchkey.lock.v1.ModeB\x07\n\x05_slot\"\x11\n\x0fReleaseResponse\"\x1d\n\x0eInspectRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\xa3\x02\n\x06Holder\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\x03\x12\r\n\x05\x63lass\x18\x03 \x01(\t\x12\x11\n\x05token\x18\x04 \x01(\x06\x42\x02\x18\x01\x12\x1b\n\x13\x61\x63quired_at_unix_ms\x18\x05 \x01(\x03\x12>\n\x0b\x61nnotations\x18\x06 \x03(\x0b\x32).latchkey.lock.v1.Holder.AnnotationsEntry\x12\x11\n\x04slot\x18\x07 \x01(\rH\x00\x88\x01\x01\x12$\n\x04mode\x18\x08 \x01(\x0e\x32\x16.latchkey.lock.v1.Mode\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_slot\"\xf1\x01\n\x0fInspectResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x06holder\x18\x02 \x01(\x0b\x32\x18.latchkey.lock.v1.Holder\x12\x0f\n\x07waiters\x18\x03 \x01(\r\x12\x17\n\x0f\x64urable_waiters\x18\x04 \x01(\r\x12.\n\x0cslot_holders\x18\x05 \x03(\x0b\x32\x18.latchkey.lock.v1.Holder\x12\x30\n\x0eshared_holders\x18\x06 \x03(\x0b\x32\x18.latchkey.lock.v1.Holder\x12\x1b\n\x13shared_holder_count\x18\x07 \x01(\r*2\n\x08WaitMode\x12\r\n\tWAIT_NONE\x10\x00\x12\x17\n\x13WAIT_UNTIL_DEADLINE\x10\x01*+\n\x04Mode\x12\x12\n\x0eMODE_EXCLUSIVE\x10\x00\x12\x0f\n\x0bMODE_SHARED\x10\x01*\xef\x06\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x0f\n\x0bREASON_HELD\x10\x01\x12\x0f\n\x0bREASON_LEAK\x10\x02\x12\x11\n\rREASON_SEALED\x10\x03\x12\x19\n\x15REASON_NOT_AUTHORISED\x10\x04\x12\x12\n\x0eREASON_BAD_KEY\x10\x05\x12\x18\n\x14REASON_UNKNOWN_CLASS\x10\x06\x12\x1a\n\x16REASON_SESSION_EXPIRED\x10\x07\x12!\n\x1dREASON_SESSION_CLASS_MISMATCH\x10\x08\x12\x19\n\x15REASON_TOKEN_MISMATCH\x10\t\x12\x13\n\x0fREASON_NOT_HELD\x10\n\x12\x1a\n\x16REASON_UNAUTHENTICATED\x10\x0b\x12\x1c\n\x18REASON_STORE_UNAVAILABLE\x10\x0c\x12\x15\n\x11REASON_QUEUE_FULL\x10\r\x12\x16\n\x12REASON_BAD_REQUEST\x10\x0e\x12\x16\n\x12REASON_HOOK_DENIED\x10\x0f\x12\x17\n\x13REASON_WAIT_TIMEOUT\x10\x10\x12\x19\n\x15REASON_IDENTITY_LIMIT\x10\x11\x12\x1b\n\x17REASON_POLICY_NOT_READY\x10\x12\x12\x17\n\x13REASON_POLICY_STALE\x10\x13\x12\x14\n\x10REASON_EDGE_BUSY\x10\x14\x12\x1a\n\x16REASON_RESERVED_HEADER\x10\x15\x12\x1b\n\x17REASON_TOO_MANY_STREAMS\x10\x16\x12\x15\n\x11REASON_WRONG_TIER\x10\x17\x12\x16\n\x12REASON_TIER_MOVING\x10\x18\x12\x17\n\x13REASON_RANGE_MOVING\x10\x19\x12\x1c\n\x18REASON_SHARD_MAP_CHANGED\x10\x1a\x12\x15\n\x11REASON_OVERLOADED\x10\x1b\x12\x15\n\x11REASON_NOT_LEADER\x10\x1c\x12\x15\n\x11REASON_WRONG_KIND\x10\x1d\x12\x17\n\x13REASON_NO_CANDIDATE\x10\x1e\x12\x19\n\x15REASON_QUOTA_EXCEEDED\x10\x1f\x12\x16\n\x12REASON_KIND_IN_USE\x10 \x12\x13\n\x0fREASON_BAD_SLOT\x10!\x12\x1a\n\x16REASON_UPGRADE_REFUSED\x10\"2\x8b\x04\n\x04Lock\x12Z\n\x0bOpenSession\x12$.latchkey.lock.v1.OpenSessionRequest\x1a%.latchkey.lock.v1.OpenSessionResponse\x12X\n\tKeepAlive\x12\".latchkey.lock.v1.KeepAliveRequest\x1a#.latchkey.lock.v1.KeepAliveResponse(\x01\x30\x01\x12]\n\x0c\x43loseSession\x12%.latchkey.lock.v1.CloseSessionRequest\x1a&.latchkey.lock.v1.CloseSessionResponse\x12N\n\x07\x41\x63quire\x12 .latchkey.lock.v1.AcquireRequest\x1a!.latchkey.lock.v1.AcquireResponse\x12N\n\x07Release\x12 .latchkey.lock.v1.ReleaseRequest\x1a!.latchkey.lock.v1.ReleaseResponse\x12N\n\x07Inspect\x12 .latchkey.lock.v1.InspectRequest\x1a!.latchkey.lock.v1.InspectResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,12 +37,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HOLDER_ANNOTATIONSENTRY']._serialized_options = b'8\001'
   _globals['_HOLDER'].fields_by_name['token']._loaded_options = None
   _globals['_HOLDER'].fields_by_name['token']._serialized_options = b'\030\001'
-  _globals['_WAITMODE']._serialized_start=1822
-  _globals['_WAITMODE']._serialized_end=1872
-  _globals['_MODE']._serialized_start=1874
-  _globals['_MODE']._serialized_end=1917
-  _globals['_REASON']._serialized_start=1920
-  _globals['_REASON']._serialized_end=2799
+  _globals['_WAITMODE']._serialized_start=1870
+  _globals['_WAITMODE']._serialized_end=1920
+  _globals['_MODE']._serialized_start=1922
+  _globals['_MODE']._serialized_end=1965
+  _globals['_REASON']._serialized_start=1968
+  _globals['_REASON']._serialized_end=2847
   _globals['_OPENSESSIONREQUEST']._serialized_start=49
   _globals['_OPENSESSIONREQUEST']._serialized_end=111
   _globals['_OPENSESSIONRESPONSE']._serialized_start=113
@@ -58,25 +58,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSESESSIONRESPONSE']._serialized_start=560
   _globals['_CLOSESESSIONRESPONSE']._serialized_end=582
   _globals['_ACQUIREREQUEST']._serialized_start=585
-  _globals['_ACQUIREREQUEST']._serialized_end=862
-  _globals['_ACQUIREREQUEST_METADATAENTRY']._serialized_start=815
-  _globals['_ACQUIREREQUEST_METADATAENTRY']._serialized_end=862
-  _globals['_GRANT']._serialized_start=865
-  _globals['_GRANT']._serialized_end=1040
-  _globals['_ACQUIRERESPONSE']._serialized_start=1042
-  _globals['_ACQUIRERESPONSE']._serialized_end=1099
-  _globals['_RELEASEREQUEST']._serialized_start=1102
-  _globals['_RELEASEREQUEST']._serialized_end=1232
-  _globals['_RELEASERESPONSE']._serialized_start=1234
-  _globals['_RELEASERESPONSE']._serialized_end=1251
-  _globals['_INSPECTREQUEST']._serialized_start=1253
-  _globals['_INSPECTREQUEST']._serialized_end=1282
-  _globals['_HOLDER']._serialized_start=1285
-  _globals['_HOLDER']._serialized_end=1576
-  _globals['_HOLDER_ANNOTATIONSENTRY']._serialized_start=1517
-  _globals['_HOLDER_ANNOTATIONSENTRY']._serialized_end=1567
-  _globals['_INSPECTRESPONSE']._serialized_start=1579
-  _globals['_INSPECTRESPONSE']._serialized_end=1820
-  _globals['_LOCK']._serialized_start=2802
-  _globals['_LOCK']._serialized_end=3325
+  _globals['_ACQUIREREQUEST']._serialized_end=910
+  _globals['_ACQUIREREQUEST_METADATAENTRY']._serialized_start=844
+  _globals['_ACQUIREREQUEST_METADATAENTRY']._serialized_end=891
+  _globals['_GRANT']._serialized_start=913
+  _globals['_GRANT']._serialized_end=1088
+  _globals['_ACQUIRERESPONSE']._serialized_start=1090
+  _globals['_ACQUIRERESPONSE']._serialized_end=1147
+  _globals['_RELEASEREQUEST']._serialized_start=1150
+  _globals['_RELEASEREQUEST']._serialized_end=1280
+  _globals['_RELEASERESPONSE']._serialized_start=1282
+  _globals['_RELEASERESPONSE']._serialized_end=1299
+  _globals['_INSPECTREQUEST']._serialized_start=1301
+  _globals['_INSPECTREQUEST']._serialized_end=1330
+  _globals['_HOLDER']._serialized_start=1333
+  _globals['_HOLDER']._serialized_end=1624
+  _globals['_HOLDER_ANNOTATIONSENTRY']._serialized_start=1565
+  _globals['_HOLDER_ANNOTATIONSENTRY']._serialized_end=1615
+  _globals['_INSPECTRESPONSE']._serialized_start=1627
+  _globals['_INSPECTRESPONSE']._serialized_end=1868
+  _globals['_LOCK']._serialized_start=2850
+  _globals['_LOCK']._serialized_end=3373
 # @@protoc_insertion_point(module_scope)

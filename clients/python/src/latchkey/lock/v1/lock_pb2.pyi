@@ -154,7 +154,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("key", "session_id", "wait", "metadata", "instance", "mode")
+    __slots__ = ("key", "session_id", "wait", "metadata", "instance", "mode", "downgrade_from")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,13 +169,15 @@ class AcquireRequest(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    DOWNGRADE_FROM_FIELD_NUMBER: _ClassVar[int]
     key: str
     session_id: int
     wait: WaitMode
     metadata: _containers.ScalarMap[str, str]
     instance: str
     mode: Mode
-    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., wait: _Optional[_Union[WaitMode, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., instance: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., **kwargs) -> None: ...
+    downgrade_from: int
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., wait: _Optional[_Union[WaitMode, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., instance: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., downgrade_from: _Optional[int] = ..., **kwargs) -> None: ...
 
 class Grant(_message.Message):
     __slots__ = ("key", "token", "epoch", "revision", "session_id", "unprotected", "slot", "mode")
