@@ -214,6 +214,19 @@ impl LockTable {
                 asked_as,
             });
         }
+        if let (QueueTurn::Mine { created }, None, Some(head)) = (turn, &holder, &queue_head)
+            && head.create_revision < created
+        {
+            // A durable waiter not yet first: whatever else is in the way
+            // (the other mode's holds, an intent), it reads the queue's
+            // head until its turn instead of sending a grant on every hint
+            // (the second hostile review).
+            self.note_head(crate::records::named_key(&req.key), req.session, head)
+                .await;
+            return Ok(Some(Attempt::Behind {
+                watch_from: header.revision + 1,
+            }));
+        }
         if let (None, Some(other)) = (&holder, other_mode) {
             // Held in the other mode: a shared hold's grant found the lock
             // held exclusively, or an exclusive grant found it shared.
