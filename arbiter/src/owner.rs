@@ -203,31 +203,49 @@ impl KeyOwner {
         })
     }
 
+    /// A repeat of a downgrade that landed, its answer lost
+    /// ([`LockTable::downgraded_already`]): asked before the downgrade's
+    /// hooks, so it is answered with the session's hold whatever they would
+    /// say now.
+    pub async fn downgraded_already(
+        &self,
+        identity: &str,
+        key: &str,
+        session: i64,
+        token: u64,
+    ) -> Result<Option<Grant>, ArbiterError> {
+        if self.quorum.is_lost() {
+            return Ok(None);
+        }
+        self.table
+            .downgraded_already(identity, key, session, token)
+            .await
+    }
+
     /// A downgrade named by its exclusive hold's token
     /// (`AcquireRequest.downgrade_from`, [`LockTable::downgrade_from`]):
     /// made in the lock log only, never waits, never a fresh grant.
+    ///
+    /// No admission: it turns a hold the session has into another, so the
+    /// hold count does not grow (a subject at its bound still downgrades).
+    /// No shadow either: a key homed on another shard that the session
+    /// holds there has its shadow already; one it does not hold is refused
+    /// NOT_HELD, and a refusal writes nothing.
     pub async fn downgrade(
         &self,
-        admission: Admission,
         req: GrantRequest,
         token: u64,
-        before_log: impl Future<Output = Result<(), ArbiterError>>,
+        terms: &Terms<'_>,
     ) -> Result<Granted, ArbiterError> {
-        let Some(admitted) = admission.holds else {
+        if self.quorum.is_lost() {
             // Shared holds are never granted from memory (a writer on
             // another arbiter would not see them).
-            return Err(ArbiterError::store(
-                "the cluster has no quorum: a downgrade is made in the lock log only; retry once it is back",
-            ));
-        };
-        before_log.await?;
+            return Err(self.quorum.shared_refusal(terms.class));
+        }
         self.quorum.before_log_grant(&req, None).await?;
         let grant = self.table.downgrade_from(&req, token).await?;
-        admitted.written(grant.revision);
-        self.quorum.granted_in_log(
-            crate::records::named_key(&grant.key),
-            grant.session,
-        );
+        self.quorum
+            .granted_in_log(crate::records::named_key(&grant.key), grant.session);
         Ok(Granted::Log {
             grant,
             waited: false,

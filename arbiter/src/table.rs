@@ -710,7 +710,14 @@ impl LockTable {
     ) -> Result<Released, ArbiterError> {
         let (epoch, revision) = token::unpack(token);
         let current = self.seal.guard().state().map(|s| s.epoch());
-        if current != Some(epoch) || revision <= 0 {
+        // This arbiter served a later epoch: every hold of `epoch` ended at
+        // that advance, even if the log now shows one again — restored to a
+        // backup from before the advance, its epoch record with it (the
+        // simulation, seed 47 of `durable-three-arbiters`: a release of a
+        // hold so brought back was answered OK). Nothing is written: the
+        // seal and the next advance clear what the restore brought back.
+        let ended_with_its_epoch = self.seal.high_water().is_some_and(|m| m.epoch > epoch);
+        if current != Some(epoch) || revision <= 0 || ended_with_its_epoch {
             // A token no hold of this epoch can have. The answer is the one
             // any wrong token gets: TOKEN_MISMATCH only for the caller's own
             // hold, NOT_HELD for anyone else's or none (no revision

@@ -214,7 +214,7 @@ impl LockBuilder {
             } else {
                 Mode::Exclusive
             } as i32,
-           downgrade_from: None,
+            downgrade_from: None,
         });
         if let Some(wait) = self.wait {
             request.set_timeout(wait);
@@ -408,11 +408,13 @@ impl LockGuard {
     /// - [`Error::Fenced`]: the hold is already lost (its session fenced,
     ///   or the arbiter said it ended);
     /// - `FAILED_PRECONDITION` / `BAD_REQUEST`, without a call: the hold is
-    ///   shared already, a semaphore's slot, or has other guards (nested
-    ///   acquires, each expecting the exclusive hold);
-    /// - by the arbiter: a class with a quota (`maxHoldsPerSubject`) takes
-    ///   no downgrade (`BAD_REQUEST`), and a hook may deny the shared
-    ///   request.
+    ///   shared already, a semaphore's slot, a grant from memory (token 0),
+    ///   or has other guards (nested acquires, each expecting the exclusive
+    ///   hold);
+    /// - by the arbiter, before it writes anything: a class with a quota
+    ///   (`maxHoldsPerSubject`) takes no downgrade (`BAD_REQUEST`), a hook
+    ///   may deny the shared request, a policy refusal. Any other error is
+    ///   taken as an unknown outcome (below).
     ///
     /// Refused `NOT_HELD` (`FAILED_PRECONDITION`): the exclusive hold had
     /// ended at the arbiter (expiry, `maxHoldSeconds`, force-release, an
@@ -425,10 +427,11 @@ impl LockGuard {
     /// again, a few times, and a repeat is answered with the shared hold
     /// that downgrade made (or `NOT_HELD`). If no attempt settles it, or
     /// this future is dropped while a call is out, the guard is fenced
-    /// ([`FenceReason::HoldEnded`]) and the hold cleaned up in the
-    /// background: the downgrade is asked again until it is answered, and
-    /// a shared hold it made is released. Either way the guard never holds
-    /// a hold this client has not heard of.
+    /// ([`FenceReason::HoldEnded`]) and the error returned, and a task
+    /// cleans up while the session lives: it releases the exclusive hold,
+    /// or — if that is gone — asks the downgrade again and releases the
+    /// shared hold it is answered with. Either way the guard never holds a
+    /// hold this client has not heard of, and nothing is left held.
     ///
     /// ```no_run
     /// # async fn run(client: latchkey_client::Client) -> Result<(), latchkey_client::Error> {
@@ -465,6 +468,11 @@ impl LockGuard {
         if self.hold.slot.is_some() {
             return Err(refuse("it is a semaphore's slot, which has no shared mode"));
         }
+        if self.hold.token.get() == 0 {
+            return Err(refuse(
+                "it was granted from memory during a quorum loss (unprotected, token 0), and shared holds are made in the lock log only",
+            ));
+        }
         core.begin_downgrade(&self.hold)?;
         // From here the key is Downgrading in the table; whatever happens
         // to this future, the entry must be settled.
@@ -494,14 +502,20 @@ impl LockGuard {
                     pending.state = Outcome::Ended;
                     return Err(e);
                 }
-                // Answered, nothing written — as long as no earlier attempt
-                // may have landed (then only a grant or NOT_HELD settles it).
-                Err(e) if !e.is_transient() && last.is_none() => {
+                // Refused before anything was written — as long as no
+                // earlier attempt may have landed (then only a grant or
+                // NOT_HELD settles it).
+                Err(e) if last.is_none() && refused_before_writing(&e) => {
                     pending.state = Outcome::Refused;
                     return Err(e);
                 }
-                Err(e) if !e.is_transient() => return Err(e),
-                Err(e) => last = Some(e),
+                Err(e) if e.is_transient() => last = Some(e),
+                // Anything else may follow a commit (an answer this client
+                // cannot read, an error after the write): unknown.
+                Err(e) => {
+                    last = Some(e);
+                    break;
+                }
             }
         }
         // Still unknown: `pending` fences the guard and cleans up.
@@ -583,9 +597,37 @@ async fn send_release(session: &SessionInner, hold: &Hold) -> Result<(), Error> 
 /// pause before each repeat (times the attempt).
 const DOWNGRADE_TRIES: u32 = 4;
 const DOWNGRADE_RETRY: Duration = Duration::from_millis(200);
-/// The background clean-up of a downgrade left unknown: at most this many
-/// more attempts, a second apart.
-const DOWNGRADE_CLEANUP_TRIES: u32 = 30;
+/// The background clean-up of a downgrade left unknown: the pause after a
+/// failed try, doubling up to the longest.
+const CLEANUP_FIRST_PAUSE: Duration = Duration::from_millis(500);
+const CLEANUP_LONGEST_PAUSE: Duration = Duration::from_secs(10);
+
+/// A refusal the arbiter (or the edge in front of it) makes before it
+/// writes anything: a downgrade so refused did not happen, and the
+/// exclusive hold stays. Any other error may follow a commit.
+fn refused_before_writing(e: &Error) -> bool {
+    !e.is_transient()
+        && matches!(
+            e.reason(),
+            Reason::BadRequest
+                | Reason::BadKey
+                | Reason::UnknownClass
+                | Reason::NotAuthorised
+                | Reason::Unauthenticated
+                | Reason::SessionClassMismatch
+                | Reason::HookDenied
+                | Reason::IdentityLimit
+                | Reason::Held
+                | Reason::Sealed
+                | Reason::PolicyNotReady
+                | Reason::PolicyStale
+                | Reason::WrongTier
+                | Reason::WrongKind
+                | Reason::QuotaExceeded
+                | Reason::KindInUse
+                | Reason::UpgradeRefused
+        )
+}
 
 /// Sends the downgrade of `hold` (exclusive) and checks the answer: the
 /// shared hold that replaces it.
@@ -684,25 +726,48 @@ impl Drop for PendingDowngrade<'_> {
     }
 }
 
-/// Asks a downgrade of unknown outcome again until it is answered: a shared
-/// hold it made (or makes now) is released, since its guard is fenced.
+/// Ends whatever a downgrade of unknown outcome left, while the session
+/// lives (its guard is fenced): first a release of the exclusive hold —
+/// answered, the downgrade never landed and the hold is gone; refused
+/// NOT_HELD (or TOKEN_MISMATCH), the exclusive hold is gone, so the
+/// downgrade is asked again, which answers the shared hold it made (then
+/// released) or NOT_HELD (nothing left). Releases pass no hook and no
+/// admission, and the repeat is answered before them, so only a way to
+/// the arbiter is needed: any other error is tried again, backing off.
 async fn clean_up_downgrade(session: &SessionInner, hold: &Hold) {
-    for _ in 0..DOWNGRADE_CLEANUP_TRIES {
-        if session.core.fenced().is_some() {
+    let mut pause = CLEANUP_FIRST_PAUSE;
+    let mut exclusive_gone = false;
+    loop {
+        if session.core.fenced().is_some() || Instant::now() >= session.core.deadline() {
+            // The session is over (or going): its holds end with its lease.
             return;
         }
-        match send_downgrade(session, hold).await {
-            Ok(shared) => {
-                if let Err(err) = send_release(session, &shared).await {
-                    tracing::warn!(key = %hold.key, session_id = hold.session_id, error = %err, "releasing the shared hold of a downgrade of unknown outcome failed; it ends with the session");
-                }
-                return;
+        let step = if exclusive_gone {
+            match send_downgrade(session, hold).await {
+                Ok(shared) => send_release(session, &shared).await.map(|()| true),
+                Err(e) if e.reason() == Reason::NotHeld => Ok(true),
+                Err(e) => Err(e),
             }
-            Err(e) if !e.is_transient() => return,
-            Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
+        } else {
+            match send_release(session, hold).await {
+                Ok(()) => Ok(true),
+                Err(e) if matches!(e.reason(), Reason::NotHeld | Reason::TokenMismatch) => {
+                    exclusive_gone = true;
+                    Ok(false)
+                }
+                Err(e) => Err(e),
+            }
+        };
+        match step {
+            Ok(true) => return,
+            Ok(false) => continue,
+            Err(err) => {
+                tracing::debug!(key = %hold.key, session_id = hold.session_id, error = %err, "cleaning up a downgrade of unknown outcome; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(CLEANUP_LONGEST_PAUSE);
+            }
         }
     }
-    tracing::warn!(key = %hold.key, session_id = hold.session_id, "a downgrade's outcome stayed unknown; a shared hold it made ends with the session");
 }
 
 /// Settles a final release in the table even if its future is dropped.

@@ -196,11 +196,23 @@ impl SessionCore {
 
     /// The arbiter granted the downgrade: `shared` replaces the exclusive
     /// hold under the same guard. Fails (with the hold replaced all the
-    /// same) if the session was fenced meanwhile.
+    /// same) if the session was fenced meanwhile, or the arbiter said
+    /// already that the shared hold ended (its guard fenced now).
     pub(crate) fn downgraded(&self, shared: Arc<Hold>) -> Result<(), Error> {
-        let mut state = self.state();
-        state.holds.downgraded(shared);
-        match state.liveness.dead() {
+        let key = shared.key.clone();
+        let (dead, ended) = {
+            let mut state = self.state();
+            let ended = state
+                .holds
+                .downgraded(shared)
+                .then(|| state.take_callbacks(&key));
+            (state.liveness.dead(), ended)
+        };
+        if let Some(callbacks) = ended {
+            self.fire_hold_ended(&key, callbacks);
+            return Err(self.dead_error(FenceReason::HoldEnded));
+        }
+        match dead {
             Some(reason) => Err(self.dead_error(reason)),
             None => Ok(()),
         }

@@ -244,9 +244,9 @@ async fn a_downgrade_from_converts_its_own_hold_and_nothing_else() -> anyhow::Re
     };
     let gw = t.acquire(w.clone(), None, 16).await?.grant;
     let token = gw.token().unwrap();
+    let stranger = caller(&t, "writer", "db", true).await;
     let before = log.revision();
     not_held(t.downgrade_from(&down, token + 1).await, "another revision");
-    let stranger = caller(&t, "writer", "db", true).await;
     not_held(
         t.downgrade_from(&stranger, token).await,
         "another session naming the token",
@@ -283,7 +283,10 @@ async fn a_downgrade_from_converts_its_own_hold_and_nothing_else() -> anyhow::Re
     );
     assert_eq!(log.revision(), before, "a refused downgrade writes nothing");
     assert_eq!(t.holder("db").await?.map(|h| h.lease), Some(x.session));
-    assert!(t.reader_holders("db").await?.is_empty(), "no reader beside the writer");
+    assert!(
+        t.reader_holders("db").await?.is_empty(),
+        "no reader beside the writer"
+    );
     release(&t2, &x, &gx).await?;
     t.shutdown().await;
     t2.shutdown().await;

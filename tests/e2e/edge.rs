@@ -125,9 +125,7 @@ pub(crate) fn acquire_request(
         metadata: Default::default(),
         instance: crate::support::TEST_INSTANCE.into(),
         mode: 0,
-    },
-    downgrade_from: None,
-  downgrade_from: None,
+        downgrade_from: None,
     }
 }
 

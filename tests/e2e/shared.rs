@@ -327,6 +327,7 @@ async fn a_downgrade_from_converts_only_its_own_hold() -> anyhow::Result<()> {
     };
 
     let s = open(&mut alice, RW).await?;
+    let other = open(&mut alice, RW).await?;
     let gw = try_lock(&mut alice, key, RW, s).await?;
     let before = revision(&etcd).await?;
     let status = expect_refusal(
@@ -358,12 +359,14 @@ async fn a_downgrade_from_converts_only_its_own_hold() -> anyhow::Result<()> {
         "{}",
         status.message()
     );
-    let other = open(&mut alice, RW).await?;
     not_held(
         downgrade_from(&mut alice, key, RW, other, gw.token, shared_mode).await,
         "another session naming the hold's token",
     )?;
-    ensure!(revision(&etcd).await? == before, "a refused downgrade wrote");
+    ensure!(
+        revision(&etcd).await? == before,
+        "a refused downgrade wrote"
+    );
 
     let gd = downgrade_from(&mut alice, key, RW, s, gw.token, shared_mode).await?;
     ensure!(
@@ -383,7 +386,10 @@ async fn a_downgrade_from_converts_only_its_own_hold() -> anyhow::Result<()> {
         downgrade_from(&mut alice, key, RW, s, gw.token, shared_mode).await,
         "a repeat after the downgraded hold ended",
     )?;
-    ensure!(revision(&etcd).await? == before, "a refused downgrade wrote");
+    ensure!(
+        revision(&etcd).await? == before,
+        "a refused downgrade wrote"
+    );
 
     // An exclusive hold that ended before its downgrade came, a writer of
     // another session holding the key since: NOT_HELD, the writer's hold
@@ -396,14 +402,16 @@ async fn a_downgrade_from_converts_only_its_own_hold() -> anyhow::Result<()> {
         downgrade_from(&mut alice, key, RW, s, gw2.token, shared_mode).await,
         "a downgrade of a hold that ended",
     )?;
-    ensure!(revision(&etcd).await? == before, "a refused downgrade wrote");
+    ensure!(
+        revision(&etcd).await? == before,
+        "a refused downgrade wrote"
+    );
     let seen = alice
         .inspect(InspectRequest { key: key.into() })
         .await?
         .into_inner();
     ensure!(
-        seen.holder.as_ref().map(|h| h.session_id) == Some(other)
-            && seen.shared_holders.is_empty(),
+        seen.holder.as_ref().map(|h| h.session_id) == Some(other) && seen.shared_holders.is_empty(),
         "the writer alone holds the key: {seen:?}"
     );
     release(&mut alice, &gb).await?;

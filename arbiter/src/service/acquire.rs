@@ -274,26 +274,45 @@ impl Arbiter {
             shared,
         };
         // Bounded before anything else is spent on the call (a hook, a
-        // queue place); refused if the class cannot be served now.
-        let admission = cluster
-            .owner
-            .admit(
-                &subject,
-                key.as_str(),
-                self.holds_elsewhere(cluster, &subject),
-                count_wait,
-                &terms,
-            )
-            .await
-            .inspect_err(|e| {
-                if matches!(e, ArbiterError::IdentityLimit { .. }) {
-                    self.metrics.identity_bound_refused("holds");
-                }
-            })?;
+        // queue place); refused if the class cannot be served now. A
+        // downgrade adds no hold (it turns one into another): not counted.
+        let admission = match downgrade_from {
+            Some(_) => None,
+            None => Some(
+                cluster
+                    .owner
+                    .admit(
+                        &subject,
+                        key.as_str(),
+                        self.holds_elsewhere(cluster, &subject),
+                        count_wait,
+                        &terms,
+                    )
+                    .await
+                    .inspect_err(|e| {
+                        if matches!(e, ArbiterError::IdentityLimit { .. }) {
+                            self.metrics.identity_bound_refused("holds");
+                        }
+                    })?,
+            ),
+        };
+        // A downgrade asked again after it landed (its answer lost) is
+        // answered with the hold it made, before the hooks: the hold is the
+        // session's already, and a hook that says no now (or cannot be
+        // reached) must not leave the client unable to learn of it.
+        let repeated = match downgrade_from {
+            Some(token) => {
+                cluster
+                    .owner
+                    .downgraded_already(&caller.identity, key.as_str(), session, token)
+                    .await?
+            }
+            None => None,
+        };
 
         let waiting = cluster.owner.waiting(key.as_str());
         // Inputs that cost an etcd read are fetched only for a hook that asks.
-        let hook = class.hook.as_ref();
+        let hook = class.hook.as_ref().filter(|_| repeated.is_none());
         let holder = match hook.filter(|h| h.needs(HookInputKind::Holder)) {
             Some(_) => cluster
                 .owner
@@ -401,27 +420,29 @@ impl Arbiter {
                 None => Ok(()),
             }
         };
-        let granted = match downgrade_from {
-            Some(token) => {
-                cluster
-                    .owner
-                    .downgrade(admission, grant_req, token, shadow)
-                    .await
-            }
-            None => {
+        let granted = match (repeated, downgrade_from, admission) {
+            (Some(grant), ..) => Ok(crate::owner::Granted::Log {
+                grant,
+                waited: false,
+            }),
+            (None, Some(token), _) => cluster.owner.downgrade(grant_req, token, &terms).await,
+            (None, None, Some(admission)) => {
                 cluster
                     .owner
                     .acquire(admission, grant_req, wait, &terms, shadow)
                     .await
             }
+            (None, None, None) => Err(ArbiterError::internal(
+                "an Acquire that is no downgrade was not admitted",
+            )),
         };
         let granted = granted.inspect_err(|e| match e {
-                ArbiterError::TooManyWaiters { .. } => {
-                    self.metrics.identity_bound_refused("waiters");
-                }
-                ArbiterError::WaitTimeout { .. } => scope.waited = true,
-                _ => {}
-            })?;
+            ArbiterError::TooManyWaiters { .. } => {
+                self.metrics.identity_bound_refused("waiters");
+            }
+            ArbiterError::WaitTimeout { .. } => scope.waited = true,
+            _ => {}
+        })?;
         let (grant, waited) = match granted {
             Granted::Memory(memory) => {
                 return Ok(AcquireResponse {

@@ -167,15 +167,30 @@ impl LockTable {
             return Ok(Attempt::Held { watch_from });
         }
         self.granted_at(header.revision);
-        self.seal.make_durable(state, header.revision).await?;
-        // Readers queued behind the exclusive hold may join now.
-        self.kick(&held.key);
-        Ok(Attempt::Granted(Grant {
+        let grant = Grant {
             key: req.key.clone(),
             session: req.session,
             epoch: state.epoch(),
             revision: header.revision,
-        }))
+        };
+        if let Err(e) = self.seal.make_durable(state, header.revision).await {
+            // Committed, but its token may not be handed out: the shared
+            // hold goes as an orphan (as a grant's does), and the caller
+            // hears an outcome it cannot know — never a refusal, after
+            // which a client would take the exclusive hold for its own
+            // (the third hostile review).
+            self.release_orphan(grant);
+            self.kick(&held.key);
+            return Err(match e {
+                e @ ArbiterError::StoreUnavailable { .. } => e,
+                other => ArbiterError::store(format!(
+                    "the downgrade committed but could not be made durable ({other}); its outcome is unknown: ask again"
+                )),
+            });
+        }
+        // Readers queued behind the exclusive hold may join now.
+        self.kick(&held.key);
+        Ok(Attempt::Granted(grant))
     }
 
     /// A downgrade named by its exclusive hold's token
@@ -252,29 +267,63 @@ impl LockTable {
             }
             // Not held exclusively at that token: a repeat of this very
             // downgrade, which landed (its answer lost)?
-            if let Some(h) = self.holder(&reader.key).await?
-                && h.lease == req.session
-                && h.record.session == req.session
-                && h.record.identity == req.identity
-                && h.record.downgraded_from == Some(revision)
+            return match self
+                .downgraded_already(&req.identity, &req.key, req.session, token)
+                .await?
             {
-                let grant = Grant {
-                    key: reader.key,
-                    session: req.session,
-                    epoch: state.epoch(),
-                    revision: h.revision,
-                };
-                // Claimed for this call as any existing grant answered again.
-                return match self.claim_verified(&grant).await? {
-                    Claim::Claimed => Ok(grant),
-                    Claim::Gone => Err(not_held()),
-                };
-            }
-            return Err(not_held());
+                Some(grant) => Ok(grant),
+                None => Err(not_held()),
+            };
         }
         Err(ArbiterError::store(
             "the lock log kept changing under the downgrade",
         ))
+    }
+
+    /// A repeat of the downgrade of lock `key`'s exclusive hold at `token`
+    /// by `session` (of `identity`) that landed, its answer lost: the
+    /// shared hold it made (its record names the exclusive hold's
+    /// revision), made durable and claimed for this call, while the session
+    /// holds it. `None` — with nothing written — if there is none: not a
+    /// repeat, or that shared hold ended. The Acquire handler asks this
+    /// before a downgrade's admission and hooks, so a repeat is answered
+    /// whatever they would say now (the hold is the session's already).
+    pub async fn downgraded_already(
+        self: &Arc<Self>,
+        identity: &str,
+        key: &str,
+        session: i64,
+        token: u64,
+    ) -> Result<Option<Grant>, ArbiterError> {
+        let (epoch, revision) = crate::token::unpack(token);
+        let state = self.seal.serving_epoch().await?;
+        if state.epoch() != epoch || revision <= 0 || split_reader(key).is_some() {
+            return Ok(None);
+        }
+        let reader = crate::records::reader_key(key, session);
+        let Some(h) = self.holder(&reader).await? else {
+            return Ok(None);
+        };
+        if h.lease != session
+            || h.record.session != session
+            || h.record.identity != identity
+            || h.record.downgraded_from != Some(revision)
+        {
+            return Ok(None);
+        }
+        let grant = Grant {
+            key: reader,
+            session,
+            epoch: state.epoch(),
+            revision: h.revision,
+        };
+        // Its token is handed out now: durable first, as a grant's.
+        self.seal.make_durable(&state, h.revision).await?;
+        // Claimed for this call as any existing grant answered again.
+        Ok(match self.claim_verified(&grant).await? {
+            Claim::Claimed => Some(grant),
+            Claim::Gone => None,
+        })
     }
 
     /// With waiters queued on lock `req.key`, a shared request is answered

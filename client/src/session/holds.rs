@@ -96,11 +96,15 @@ enum Entry {
     /// `hold`, held exclusively with one guard, is being downgraded.
     /// `ended`: the arbiter said meanwhile that `hold` ended — what a
     /// downgrade that landed looks like too, so it is acted on only if the
-    /// downgrade fails.
+    /// downgrade fails. `ended_after`: the arbiter said a later hold of the
+    /// key ended (at that revision) — the downgrade's own shared hold, whose
+    /// notice can beat the answer (its `maxHoldSeconds` counts from the
+    /// exclusive grant): acted on when the downgrade is answered.
     Downgrading {
         hold: Arc<Hold>,
         settled: Arc<Notify>,
         ended: bool,
+        ended_after: Option<i64>,
     },
 }
 
@@ -163,6 +167,12 @@ impl Holds {
                 *ended = true;
                 false
             }
+            Some(Entry::Downgrading {
+                hold, ended_after, ..
+            }) if revision > hold.revision => {
+                *ended_after = Some(revision);
+                false
+            }
             _ => false,
         }
     }
@@ -187,20 +197,29 @@ impl Holds {
                 hold: Arc::clone(hold),
                 settled: Arc::new(Notify::new()),
                 ended: false,
+                ended_after: None,
             },
         );
         Ok(())
     }
 
     /// The arbiter granted the downgrade: `shared` is the key's hold now,
-    /// with the one guard the exclusive hold had.
-    pub(crate) fn downgraded(&mut self, shared: Arc<Hold>) {
-        if !matches!(self.keys.get(&shared.key), Some(Entry::Downgrading { .. })) {
-            return;
-        }
+    /// with the one guard the exclusive hold had — unless the arbiter said
+    /// already that it ended: then it leaves at once, as [`Holds::ended`]
+    /// would have done. Whether it ended.
+    pub(crate) fn downgraded(&mut self, shared: Arc<Hold>) -> bool {
+        let Some(Entry::Downgrading { ended_after, .. }) = self.keys.get(&shared.key) else {
+            return false;
+        };
         shared.count.store(1, Ordering::Release);
+        if *ended_after == Some(shared.revision) {
+            shared.ended.store(true, Ordering::Release);
+            wake(self.keys.remove(&shared.key));
+            return true;
+        }
         let previous = self.keys.insert(shared.key.clone(), Entry::Held(shared));
         wake(previous);
+        false
     }
 
     /// The downgrade of `key` failed: its exclusive hold is the key's hold
@@ -240,8 +259,7 @@ impl Holds {
 
     /// See [`Holds::downgrade_lost`].
     pub(crate) fn downgrade_cleaned(&mut self, key: &str) {
-        if matches!(self.keys.get(key), Some(Entry::Downgrading { hold, .. }) if hold.has_ended())
-        {
+        if matches!(self.keys.get(key), Some(Entry::Downgrading { hold, .. }) if hold.has_ended()) {
             wake(self.keys.remove(key));
         }
     }
@@ -433,6 +451,47 @@ mod tests {
         assert!(old.has_ended());
         assert!(holds.is_empty());
         assert_eq!(holds.begin_downgrade(&old), Err(NoDowngrade::NotHeld));
+    }
+
+    #[test]
+    fn the_shared_holds_end_heard_before_the_downgrades_answer_ends_it() {
+        let mut holds = Holds::default();
+        assert!(matches!(holds.begin("k"), Begin::Outermost));
+        let old = hold("k");
+        holds.granted(Arc::clone(&old));
+        holds.begin_downgrade(&old).unwrap();
+        // The shared hold's end (a later revision) comes first.
+        assert!(!holds.ended("k", old.revision + 5));
+        let mut shared = Hold::new(
+            "k".into(),
+            old.session_id,
+            crate::token::FencingToken::new(old.token.get() + 5),
+            old.epoch,
+            old.revision + 5,
+        );
+        shared.shared = true;
+        let shared = Arc::new(shared);
+        assert!(holds.downgraded(Arc::clone(&shared)), "it ended already");
+        assert!(shared.has_ended());
+        assert!(holds.is_empty());
+
+        // A notice of another revision leaves the downgraded hold alone.
+        assert!(matches!(holds.begin("k"), Begin::Outermost));
+        let next = hold("k");
+        holds.granted(Arc::clone(&next));
+        holds.begin_downgrade(&next).unwrap();
+        assert!(!holds.ended("k", next.revision + 1));
+        let mut shared = Hold::new(
+            "k".into(),
+            next.session_id,
+            crate::token::FencingToken::new(next.token.get() + 2),
+            next.epoch,
+            next.revision + 2,
+        );
+        shared.shared = true;
+        let shared = Arc::new(shared);
+        assert!(!holds.downgraded(Arc::clone(&shared)));
+        assert!(!shared.has_ended());
     }
 
     #[test]

@@ -442,7 +442,107 @@ def test_postgres_a_write_count_that_is_not_positive_is_no_version(name):
         store.guarded_write(name, token, b"two")  # writes becomes 0: not version 0
     text = str(info.value)
     assert "not a positive count" in text and name in text and not leaks(text, token)
-    assert store.read(name).payload == b"two", "the write landed; only its version is unknown"
+    # The write landed; only its version is unknown. (With writes at 0 the
+    # row reads as no record, like a row only a guarded read made: READ_SQL,
+    # as the Rust crate's, so it is checked here directly.)
+    row = store.connection.execute("SELECT fence, payload FROM latchkey_fenced_rows WHERE id = $1", (name,)).fetchone()
+    assert row == (token, "two") and store.read(name) is None
+
+
+def _postgres_store():
+    store = _opened.get("postgresql") or fence.connect(_url("postgresql"))
+    _opened["postgresql"] = store
+    return store
+
+
+def _read_mark(store, record: str) -> int:
+    return store.connection.execute("SELECT read_fence FROM latchkey_fenced_rows WHERE id = $1", (record,)).fetchone()[0]
+
+
+def test_postgres_guarded_reads_refuse_after_a_newer_write_and_fence_out_stale_writers(name):
+    """docs/fencing.md, "Fenced reads": a read with token t is accepted only
+    while the record's write mark is at or below t, and raises the read mark
+    to t in the same statement; after it no write at or below it lands (as
+    tests/e2e/fence_reads.rs on the Rust adapter)."""
+    from latchkey.fence.postgres import READ_REFUSED, Current, WrittenSince
+
+    store = _postgres_store()
+    base = EPOCH
+
+    # A record no write has created: current, nothing written yet. The read
+    # leaves a row carrying its read mark, which plain reads do not see.
+    assert store.guarded_read(name, base + 10) == Current(None, 0)
+    assert store.read(name) is None, "a read-only row is no record"
+    assert _read_mark(store, name) == base + 10
+
+    # A stale writer (granted before the reader) is fenced out by the read
+    # mark alone, reporting it; so is one with the reader's token.
+    for stale in (base + 5, base + 10):
+        assert store.guarded_write(name, stale, b"stale") == FencedOut(Mark(base + 10))
+    assert store.read(name) is None, "nothing was written"
+
+    # A writer granted after the reader writes; the reader it ended is refused.
+    assert store.guarded_write(name, base + 20, b"twenty") == Applied(1)
+    refused = store.guarded_read(name, FencingToken(base + 15))
+    assert refused == WrittenSince() and str(refused) == READ_REFUSED and not leaks(str(refused), base + 15)
+
+    # Readers granted after that writer read it (the mark's own token is no
+    # later writer's); readers do not refuse each other, the read mark is
+    # never lowered.
+    for t in (base + 20, base + 25, base + 22):
+        assert store.guarded_read(name, t) == Current(b"twenty", 1)
+    assert _read_mark(store, name) == base + 25
+
+    # Writers meet the read mark: below it fenced out, above it written.
+    assert store.guarded_write(name, base + 23, b"stale again") == FencedOut(Mark(base + 25))
+    assert store.guarded_write(name, base + 30, b"thirty") == Applied(2)
+    assert store.guarded_read(name, base + 25) == WrittenSince(), "the last readers' hold is over"
+    assert _read_mark(store, name) == base + 25, "a refused read changes nothing"
+    found = store.read(name)
+    assert found.mark == Mark(base + 30) and found.payload == b"thirty"
+
+    # A token above bigint is refused before PostgreSQL sees it, and never printed.
+    with pytest.raises(TokenOutOfRange) as info:
+        store.guarded_read(name, 2**64 - 12)
+    assert not leaks(str(info.value), 2**64 - 12)
+
+    # A negative mark is no token's: refused as unfenced, not "written since".
+    plant_foreign_record(store, f"{name}/negative")
+    token = base + 50
+    with pytest.raises(Unfenced) as info:
+        store.guarded_read(f"{name}/negative", token)
+    assert not leaks(str(info.value), token) and f"{name}/negative" in str(info.value)
+
+
+def test_postgres_an_older_reference_table_gains_the_read_mark():
+    """A table made before fenced reads (no read_fence) gains the read mark at
+    connect, its rows at 0; a read_fence that is not bigint is refused."""
+    from latchkey.fence.postgres import Current, PostgresStore
+
+    keep = "INSERT INTO latchkey_fenced_rows VALUES ('old/r1', 281474976710666, 'kept', 3)"
+    with postgres_schema(REFERENCE_PG, keep) as conninfo:
+        with PostgresStore.connect(conninfo) as store:
+            assert _read_mark(store, "old/r1") == 0
+            assert store.guarded_read("old/r1", EPOCH + 12) == Current(b"kept", 3)
+            assert isinstance(store.guarded_write("old/r1", EPOCH + 11, b"stale"), FencedOut)
+            # Connecting again changes nothing.
+            PostgresStore.connect(conninfo).close()
+            assert _read_mark(store, "old/r1") == EPOCH + 12
+            store.connection.execute("ALTER TABLE latchkey_fenced_rows DROP COLUMN read_fence")
+            store.connection.execute("ALTER TABLE latchkey_fenced_rows ADD COLUMN read_fence text NOT NULL DEFAULT '0'")
+        _refused(lambda: PostgresStore.connect(conninfo), _url("postgresql"), "its `read_fence` column is text, not bigint")
+    # A foreign table is refused, never altered.
+    older = "CREATE TABLE latchkey_fenced_rows (id text PRIMARY KEY, fence text, payload text)"
+    with postgres_schema(older) as conninfo:
+        _refused(lambda: PostgresStore.connect(conninfo), _url("postgresql"), "its `fence` column is text")
+        psycopg = pytest.importorskip("psycopg")
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            columns = conn.execute(
+                "SELECT count(*) FROM information_schema.columns "
+                "WHERE table_name = 'latchkey_fenced_rows' AND column_name = 'read_fence' "
+                "AND table_schema = current_schema()"
+            ).fetchone()[0]
+        assert columns == 0
 
 
 @contextlib.contextmanager

@@ -399,9 +399,12 @@ def test_mysql_schema_refuses_short_ids_binary_ids_auto_increment_and_before_tri
 
 
 def test_the_statements_compare_strictly_in_one_statement():
-    for sql in (postgres.GUARDED_WRITE_SQL, mysql.GUARDED_WRITE_SQL):
+    for sql in (postgres.GUARDED_WRITE_SQL, postgres.GUARDED_UPDATE_SQL, mysql.GUARDED_WRITE_SQL):
         assert "<=" not in sql and ";" not in sql
-    assert "t.fence < EXCLUDED.fence AND t.fence >= 0" in postgres.GUARDED_WRITE_SQL
+    # PostgreSQL's writers meet the readers' mark too, strictly (as the Rust crate's test).
+    assert "t.fence < EXCLUDED.fence AND t.read_fence < EXCLUDED.fence AND t.fence >= 0" in postgres.GUARDED_WRITE_SQL
+    assert "fence < $2 AND read_fence < $2 AND fence >= 0" in postgres.GUARDED_UPDATE_SQL
+    assert postgres.GUARDED_WRITE_SQL.endswith("RETURNING writes")
     sql = mysql.GUARDED_WRITE_SQL
     assert sql.count("fence < ?") == 3 and sql.count("?") == 8
     assert sql.index("payload = IF") < sql.index("writes  = IF") < sql.index("fence   = IF")
@@ -410,6 +413,154 @@ def test_the_statements_compare_strictly_in_one_statement():
     lua = redis_fence.GUARDED_WRITE_LUA
     assert "'payload', ARGV[2], 'writes', 1)" in lua and "return {1, redis.call('HINCRBY', KEYS[1], 'writes', 1)}" in lua
     assert "PTTL" in lua, "a key with an expiry is refused: its mark would expire with it"
+
+
+def test_the_postgres_guarded_read_compares_and_raises_in_one_statement():
+    sql = postgres.GUARDED_READ_SQL
+    assert ";" not in sql, "one statement"
+    # At or below: a mark equal to the reader's token is no later writer's.
+    assert "t.fence <= EXCLUDED.read_fence AND t.fence >= 0" in sql
+    # Raised, never lowered: readers do not refuse each other.
+    assert "read_fence = GREATEST(t.read_fence, EXCLUDED.read_fence)" in sql
+    assert "SET fence" not in sql, "the writes' mark is left alone"
+    assert "VALUES ($1, 0, '', 0, $2)" in sql, "a missing record is created empty, its read mark the token"
+    assert sql.endswith("RETURNING payload, writes")
+    assert "read_fence bigint NOT NULL DEFAULT 0\n)" in postgres.CREATE_TABLE_SQL
+    assert "writes <> 0" in postgres.READ_SQL, "a row only a guarded read made is no record"
+    assert "ADD COLUMN IF NOT EXISTS read_fence bigint NOT NULL DEFAULT 0" in postgres.ADD_READ_FENCE_SQL
+
+
+def test_postgres_read_outcomes_never_print_the_payload_and_say_why():
+    current = postgres.Current(b"secret ledger line", 4)
+    assert "secret" not in repr(current) and "payload_bytes=18" in repr(current)
+    assert str(current) == "current (after write #4)"
+    assert str(postgres.Current(None, 0)) == "current (no write yet)"
+    refused = postgres.WrittenSince()
+    assert str(refused) == postgres.READ_REFUSED and "a writer granted after this reader" in str(refused)
+    assert refused == postgres.WrittenSince() != current
+
+
+class ScriptedPostgres(postgres.PostgresStore):
+    """The PostgreSQL adapter with its statements answered from a script (no
+    server): for what the adapter makes of the rows back. The statements
+    themselves run on a real server in test_fence_stores.py."""
+
+    def __init__(self, answers: Dict[str, object]) -> None:
+        self.answers = answers
+        self.sent: List[Tuple[str, tuple]] = []
+
+    def _execute(self, op, sql, params, secrets=()):
+        self.sent.append((sql, tuple(params)))
+        for key, rows in self.answers.items():
+            if sql == key:
+                if isinstance(rows, BaseException):
+                    raise rows
+                return rows
+        raise AssertionError(f"unexpected statement: {sql}")
+
+    def statements(self) -> List[str]:
+        return [sql for sql, _ in self.sent]
+
+
+REFERENCE_PG_COLUMNS = [("id", "text"), ("fence", "bigint"), ("payload", "text"), ("writes", "bigint")]
+
+
+def _schema_answers(columns) -> Dict[str, object]:
+    return {
+        postgres.CREATE_TABLE_SQL: None,
+        postgres.COLUMNS_SQL: columns,
+        postgres.BEFORE_TRIGGERS_SQL: [],
+        postgres.RELATION_SQL: [("r", False, True)],
+        postgres.KEYS_SQL: [(1, True)],
+        postgres.ADD_READ_FENCE_SQL: None,
+    }
+
+
+def test_postgres_adds_the_read_mark_to_an_older_reference_table_only():
+    older = ScriptedPostgres(_schema_answers(REFERENCE_PG_COLUMNS))
+    older.ensure_schema()
+    assert older.statements()[-1] == postgres.ADD_READ_FENCE_SQL
+    current = ScriptedPostgres(_schema_answers(REFERENCE_PG_COLUMNS + [("read_fence", "bigint")]))
+    current.ensure_schema()
+    assert postgres.ADD_READ_FENCE_SQL not in current.statements()
+    # A foreign table is refused, never altered; a text read mark is refused.
+    for columns, says in [
+        ([("id", "text"), ("fence", "text"), ("payload", "text")], "`fence` column is text, not bigint"),
+        (REFERENCE_PG_COLUMNS + [("read_fence", "text")], "`read_fence` column is text, not bigint"),
+    ]:
+        foreign = ScriptedPostgres(_schema_answers(columns))
+        with pytest.raises(FenceError) as info:
+            foreign.ensure_schema()
+        assert says in str(info.value) and "drop or rename it" in str(info.value)
+        assert postgres.ADD_READ_FENCE_SQL not in foreign.statements()
+
+
+def test_postgres_schema_checks_the_read_mark_type_when_present():
+    assert postgres.schema_problems(REFERENCE_PG_COLUMNS) is None, "missing: ensure_schema adds it"
+    assert postgres.schema_problems(REFERENCE_PG_COLUMNS + [("read_fence", "bigint")]) is None
+    why = postgres.schema_problems(REFERENCE_PG_COLUMNS + [("read_fence", "text")])
+    assert why == "its `read_fence` column is text, not bigint"
+
+
+@pytest.mark.parametrize(
+    "marks, expected",
+    [
+        ([(VALUE, 0)], FencedOut(Mark(VALUE))),
+        ([(VALUE, VALUE + 9)], FencedOut(Mark(VALUE + 9))),  # fenced out by a reader: its read mark
+        ([(0, VALUE + 9)], FencedOut(Mark(VALUE + 9))),  # a row only a guarded read made
+        ([(VALUE, None)], FencedOut(Mark(VALUE))),
+        ([], Retry()),  # deleted since: nothing changed
+    ],
+)
+def test_a_fenced_out_postgres_write_reports_the_greater_mark(marks, expected):
+    store = ScriptedPostgres({postgres.GUARDED_WRITE_SQL: [], postgres.MARKS_SQL: marks})
+    assert store.guarded_write("orders", VALUE - 1, b"stale") == expected
+    assert store.statements() == [postgres.GUARDED_WRITE_SQL, postgres.MARKS_SQL]
+
+
+@pytest.mark.parametrize("marks, why", [([(-1, 0)], "negative"), ([(None, 0)], "NULL")])
+def test_a_refused_postgres_write_or_read_on_an_unfenced_mark_is_unfenced(marks, why):
+    token = VALUE + 1
+    for call in ("guarded_write", "guarded_read"):
+        store = ScriptedPostgres({postgres.GUARDED_WRITE_SQL: [], postgres.GUARDED_READ_SQL: [], postgres.MARKS_SQL: marks})
+        with pytest.raises(Unfenced) as info:
+            if call == "guarded_write":
+                store.guarded_write("orders", token, b"x")
+            else:
+                store.guarded_read("orders", token)
+        assert why in str(info.value) and "orders" in str(info.value) and not leaks(str(info.value), token)
+
+
+def test_postgres_guarded_reads_answer_current_or_written_since():
+    store = ScriptedPostgres({postgres.GUARDED_READ_SQL: [("", 0)]})
+    assert store.guarded_read("orders", FencingToken(VALUE)) == postgres.Current(None, 0)
+    assert store.sent == [(postgres.GUARDED_READ_SQL, ("orders", VALUE))]
+    store = ScriptedPostgres({postgres.GUARDED_READ_SQL: [("paid", 3)]})
+    assert store.guarded_read("orders", VALUE) == postgres.Current(b"paid", 3)
+    # No row back: refused. The marks are read only to tell a negative mark apart.
+    for marks in ([(VALUE + 1, VALUE)], []):
+        store = ScriptedPostgres({postgres.GUARDED_READ_SQL: [], postgres.MARKS_SQL: marks})
+        assert store.guarded_read("orders", VALUE) == postgres.WrittenSince()
+
+
+def test_postgres_guarded_reads_check_their_input_before_sending_anything():
+    store = ScriptedPostgres({})
+    with pytest.raises(TokenOutOfRange) as info:
+        store.guarded_read("orders", 2**63)
+    assert not leaks(str(info.value), 2**63)
+    for record, token, error in [("orders", 0, ValueError), ("orders", True, TypeError), ("", VALUE, ValueError), (7, VALUE, TypeError)]:
+        with pytest.raises(error):
+            store.guarded_read(record, token)
+    assert store.sent == []
+
+
+def test_postgres_guarded_read_errors_hold_no_token():
+    store = ScriptedPostgres(
+        {postgres.GUARDED_READ_SQL: FenceError.scrubbed("postgresql", "guarded read", f"ERROR: bad {VALUE}", True, [VALUE])}
+    )
+    with pytest.raises(FenceError) as info:
+        store.guarded_read("orders", VALUE)
+    assert not leaks(str(info.value)) and info.value.is_transient()
 
 
 def test_redis_servers_that_may_evict_any_key_are_refused():
@@ -707,6 +858,12 @@ def _rust_const(path: str, name: str) -> str:
         ("fence/postgres/src/store.rs", "READ_SQL", postgres.READ_SQL),
         ("fence/postgres/src/store.rs", "PLAIN_WRITE_SQL", postgres.PLAIN_WRITE_SQL),
         ("fence/postgres/src/lib.rs", "GUARDED_WRITE_SQL", postgres.GUARDED_WRITE_SQL),
+        ("fence/postgres/src/lib.rs", "TABLE", postgres.TABLE),
+        ("fence/postgres/src/lib.rs", "ADD_READ_FENCE_SQL", postgres.ADD_READ_FENCE_SQL),
+        ("fence/postgres/src/lib.rs", "GUARDED_UPDATE_SQL", postgres.GUARDED_UPDATE_SQL),
+        ("fence/postgres/src/lib.rs", "GUARDED_READ_SQL", postgres.GUARDED_READ_SQL),
+        ("fence/postgres/src/lib.rs", "READ_REFUSED", postgres.READ_REFUSED),
+        ("fence/postgres/src/store.rs", "MARKS_SQL", postgres.MARKS_SQL),
         ("fence/mysql/src/lib.rs", "CREATE_TABLE_SQL", mysql.CREATE_TABLE_SQL),
         ("fence/mysql/src/lib.rs", "GUARDED_WRITE_SQL", mysql.GUARDED_WRITE_SQL),
         ("fence/mysql/src/lib.rs", "READ_SQL", mysql.READ_SQL),

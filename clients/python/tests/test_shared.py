@@ -36,6 +36,8 @@ class FakeArbiter(lock_pb2_grpc.LockServicer):
         self.refuse_shared = None
         #: ...this many times (None: every time).
         self.refuse_times = None
+        #: Releases of these tokens are refused NOT_HELD.
+        self.not_held_tokens = set()
 
     def OpenSession(self, request, context):
         return lock_pb2.OpenSessionResponse(session_id=SESSION, ttl_seconds=TTL, keepalive_interval_ms=10_000)
@@ -70,6 +72,8 @@ class FakeArbiter(lock_pb2_grpc.LockServicer):
         return lock_pb2.AcquireResponse(grant=grant)
 
     def Release(self, request, context):
+        if request.token in self.not_held_tokens:
+            _refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "NOT_HELD")
         with self._lock:
             self.releases.append(request)
         return lock_pb2.ReleaseResponse()
@@ -353,36 +357,94 @@ def test_a_downgrade_whose_answer_was_lost_is_sent_again(fake):
     assert [r.mode for r in servicer.releases] == [lock_pb2.MODE_SHARED]
 
 
+def _eventually(what, predicate, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def test_a_downgrade_that_stays_unknown_fences_the_guard_and_cleans_up(fake):
     """No attempt answered: the downgrade may have landed, so the guard is
     fenced (it never holds a hold this client has not heard of), and a thread
-    asks the downgrade again and releases the shared hold it is answered
-    with. Until then the key's other acquirers on the session wait."""
-    import time
-
+    ends whatever is left: here the downgrade never landed, so releasing the
+    exclusive hold does. Until then the key's other acquirers wait."""
     servicer, client = fake
     fenced = []
     guard = client.acquire("demo/d", on_fence=fenced.append)
     writer = guard.token
     servicer.refuse_shared = (grpc.StatusCode.UNAVAILABLE, "")
-    servicer.refuse_times = 5  # the 4 attempts, and the clean-up's first
     with pytest.raises(latchkey.Unavailable):
         guard.downgrade()
     assert guard.is_fenced and fenced == [latchkey.FenceReason.HOLD_ENDED]
     with pytest.raises(latchkey.Fenced):
         guard.release()
-    # The clean-up's second try is answered; it releases that shared hold.
-    deadline = time.monotonic() + 10
-    while not servicer.releases:
-        assert time.monotonic() < deadline, "the clean-up never released the downgrade's hold"
-        time.sleep(0.05)
+    _eventually("the clean-up never released the exclusive hold", lambda: servicer.releases)
     (release,) = servicer.releases
-    assert release.mode == lock_pb2.MODE_SHARED and release.token > writer.value
-    assert all(r.downgrade_from == writer.value for r in servicer.acquires[1:])
+    assert (release.mode, release.token) == (lock_pb2.MODE_EXCLUSIVE, writer.value)
+    assert len(servicer.acquires) == 1 + 4, "the four attempts, no repeat: the release settled it"
     # Then the key is the session's to acquire again.
+    servicer.refuse_shared = None
     with client.lock("demo/d") as again:
         assert not again.shared
     assert len(servicer.releases) == 2
+
+
+def test_a_downgrade_of_unknown_outcome_that_landed_is_found_and_released(fake):
+    """The exclusive hold is gone at the arbiter (NOT_HELD to its release):
+    the clean-up asks the downgrade again, which is answered with the shared
+    hold it made, and releases that."""
+    servicer, client = fake
+    guard = client.acquire("demo/d")
+    writer = guard.token
+    servicer.refuse_shared = (grpc.StatusCode.DEADLINE_EXCEEDED, "")
+    servicer.refuse_times = 4
+    servicer.not_held_tokens.add(writer.value)
+    with pytest.raises(latchkey.DeadlineExceeded):
+        guard.downgrade()
+    assert guard.is_fenced
+    _eventually("the clean-up never released the downgrade's hold", lambda: servicer.releases)
+    (release,) = servicer.releases
+    assert release.mode == lock_pb2.MODE_SHARED and release.token > writer.value
+    assert all(r.downgrade_from == writer.value for r in servicer.acquires[1:])
+
+
+def test_an_error_that_may_follow_a_commit_is_an_unknown_outcome(fake):
+    """Only refusals made before anything is written leave the exclusive hold
+    to the guard; an INTERNAL error may follow the downgrade's commit."""
+    servicer, client = fake
+    fenced = []
+    guard = client.acquire("demo/d", on_fence=fenced.append)
+    servicer.refuse_shared = (grpc.StatusCode.INTERNAL, "")
+    with pytest.raises(latchkey.Refused):
+        guard.downgrade()
+    assert len(servicer.acquires) == 2, "not sent again: it is no transient error"
+    assert guard.is_fenced and fenced == [latchkey.FenceReason.HOLD_ENDED]
+    _eventually("the clean-up never ran", lambda: servicer.releases)
+
+
+def test_on_fence_may_release_its_guard_while_the_downgrade_fails(fake):
+    """on_fence runs after the downgrade's turn on the guard: a callback that
+    releases (or detaches) that guard does not wait for itself."""
+    servicer, client = fake
+    guards = []
+
+    def on_fence(reason):
+        guards[0].detach()
+
+    guards.append(client.acquire("demo/d", on_fence=on_fence))
+    servicer.refuse_shared = (grpc.StatusCode.FAILED_PRECONDITION, "NOT_HELD")
+    done = threading.Event()
+
+    def downgrade():
+        with pytest.raises(latchkey.NotHeld):
+            guards[0].downgrade()
+        done.set()
+
+    threading.Thread(target=downgrade, daemon=True).start()
+    assert done.wait(5), "the downgrade deadlocked in its own on_fence"
 
 
 def test_a_release_racing_a_downgrade_waits_for_it(fake):
@@ -413,3 +475,22 @@ def test_a_release_racing_a_downgrade_waits_for_it(fake):
     assert not downgrading.is_alive() and not releasing.is_alive()
     (release,) = servicer.releases
     assert release.mode == lock_pb2.MODE_SHARED and release.token > writer.value
+
+
+def test_the_shared_holds_end_heard_before_the_downgrades_answer_fences_it(fake):
+    """The notice that the downgrade's shared hold ended (its maxHoldSeconds
+    counts from the exclusive grant) may beat the answer: the guard is fenced
+    when the answer comes, never left holding an ended hold."""
+    servicer, client = fake
+    fenced = []
+    guard = client.acquire("demo/d", on_fence=fenced.append)
+    servicer.during_shared = lambda: guard.session._hold_ended("demo/d", servicer._revision)
+    with pytest.raises(latchkey.Fenced):
+        guard.downgrade()
+    assert guard.is_fenced and fenced == [latchkey.FenceReason.HOLD_ENDED]
+    with pytest.raises(latchkey.Fenced):
+        guard.release()
+    assert servicer.releases == []
+    servicer.during_shared = None
+    with client.lock("demo/d") as again:
+        assert not again.is_fenced

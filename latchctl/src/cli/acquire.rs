@@ -1,6 +1,6 @@
 //! `latchctl acquire` and `latchctl release`.
 
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -194,12 +194,9 @@ async fn downgrade(guard: &mut LockGuard, out: &Output) -> Result<(), Failure> {
         }
         // Fenced before the call, or by it: NOT_HELD (the exclusive hold had
         // ended at the arbiter) or an outcome that stayed unknown.
-        Err(e) if matches!(e, latchkey_client::Error::Fenced { .. }) || guard.is_fenced() => {
-            Err(Failure::Other(anyhow::anyhow!(
-                "lock on {} lost: {e}",
-                guard.key()
-            )))
-        }
+        Err(e) if matches!(e, latchkey_client::Error::Fenced { .. }) || guard.is_fenced() => Err(
+            Failure::Other(anyhow::anyhow!("lock on {} lost: {e}", guard.key())),
+        ),
         Err(e) => {
             out.note(
                 json!({ "event": "downgrade_refused", "key": guard.key(), "error": e.to_string() }),
@@ -221,17 +218,21 @@ async fn downgrade(guard: &mut LockGuard, out: &Output) -> Result<(), Failure> {
 /// The lines of stdin, until its end of input (then the channel closes). A
 /// plain thread, not Tokio's blocking pool, so a pending read never holds
 /// up the exit.
-fn stdin_lines() -> mpsc::UnboundedReceiver<String> {
-    let (tx, rx) = mpsc::unbounded_channel();
+fn stdin_lines() -> mpsc::Receiver<String> {
+    // A line is at most this long (a longer one arrives in pieces, none of
+    // them a command), and few wait to be read: input without newlines, or
+    // faster than it is read, never grows this process's memory.
+    const LINE_LIMIT: u64 = 1024;
+    let (tx, rx) = mpsc::channel(16);
     std::thread::spawn(move || {
         let mut stdin = std::io::stdin().lock();
         let mut line = Vec::new();
         // Bytes, not `lines()`: input that is not UTF-8 is ignored as
         // before, never taken for the end of input.
-        while let Ok(n) = stdin.read_until(b'\n', &mut line) {
+        while let Ok(n) = (&mut stdin).take(LINE_LIMIT).read_until(b'\n', &mut line) {
             if n == 0
                 || tx
-                    .send(String::from_utf8_lossy(&line).into_owned())
+                    .blocking_send(String::from_utf8_lossy(&line).into_owned())
                     .is_err()
             {
                 break;

@@ -637,19 +637,38 @@ class Client:
 #: before each repeat (times the attempt), in seconds.
 _DOWNGRADE_TRIES = 4
 _DOWNGRADE_RETRY = 0.2
-#: The background clean-up of a downgrade left unknown: at most this many
-#: more attempts, a second apart.
-_DOWNGRADE_CLEANUP_TRIES = 30
+#: The background clean-up of a downgrade left unknown: the pause after a
+#: failed try, doubling up to the longest, in seconds.
+_CLEANUP_FIRST_PAUSE = 0.5
+_CLEANUP_LONGEST_PAUSE = 10.0
+
+#: Refusals the arbiter (or the edge) makes before it writes anything: a
+#: downgrade so refused did not happen. Any other error may follow a commit.
+_BEFORE_WRITING = frozenset(
+    {
+        "BAD_REQUEST",
+        "BAD_KEY",
+        "UNKNOWN_CLASS",
+        "NOT_AUTHORISED",
+        "UNAUTHENTICATED",
+        "SESSION_CLASS_MISMATCH",
+        "HOOK_DENIED",
+        "IDENTITY_LIMIT",
+        "HELD",
+        "SEALED",
+        "POLICY_NOT_READY",
+        "POLICY_STALE",
+        "WRONG_TIER",
+        "WRONG_KIND",
+        "QUOTA_EXCEEDED",
+        "KIND_IN_USE",
+        "UPGRADE_REFUSED",
+    }
+)
 
 
-def _unsettled(error: BaseException, unknown: Optional[BaseException]) -> bool:
-    """Whether `error`, raised out of a downgrade's attempts, leaves its
-    outcome unknown (the table not yet settled by the attempt loop)."""
-    if isinstance(error, NotHeld):
-        return False
-    if isinstance(error, Refused):
-        return error.is_transient() or unknown is not None
-    return True
+def _refused_before_writing(error: Refused) -> bool:
+    return not error.is_transient() and error.reason in _BEFORE_WRITING
 
 
 class LockGuard:
@@ -770,8 +789,10 @@ class LockGuard:
           hold is shared already, a semaphore's slot, unprotected, released,
           or has other guards (nested acquires, each expecting the exclusive
           hold);
-        - the arbiter's refusal: a class with a quota takes no downgrade, and
-          a hook may deny the shared request.
+        - the arbiter's refusal before it writes anything: a class with a
+          quota takes no downgrade, a hook may deny the shared request, a
+          policy refusal. Any other error is taken as an unknown outcome
+          (below).
 
         Raises :class:`NotHeld` (``NOT_HELD``), with the guard fenced
         (``on_fence(HOLD_ENDED)``): the exclusive hold had ended at the
@@ -784,14 +805,28 @@ class LockGuard:
         is answered with the shared hold that downgrade made (or
         ``NOT_HELD``). If none settles it (or the call is interrupted), the
         guard is fenced (``HOLD_ENDED``) and the error raised, and a thread
-        asks the downgrade again until it is answered, releasing a shared hold
-        it made: the guard never holds a hold this client has not heard of.
+        cleans up while the session lives: it releases the exclusive hold, or
+        if that is gone asks the downgrade again and releases the shared hold
+        it is answered with. The guard never holds a hold this client has not
+        heard of, and nothing is left held. ``on_fence`` runs after the call's
+        turn on the guard is over, so it may release or detach the guard.
         """
-        with self._turn:
-            self._downgrade_in_turn()
+        # on_fence callbacks fire after the turn is over: one may release or
+        # detach this very guard.
+        fire: List[Callable[[], None]] = []
+        try:
+            with self._turn:
+                self._downgrade_in_turn(fire)
+        finally:
+            for f in fire:
+                f()
 
-    def _downgrade_in_turn(self) -> None:
+    def _downgrade_in_turn(self, fire: List[Callable[[], None]]) -> None:
         hold, session = self._hold, self._session
+
+        def later(f: Optional[Callable[[], None]]) -> None:
+            if f is not None:
+                fire.append(f)
 
         def refuse(why: str) -> FailedPrecondition:
             return FailedPrecondition(
@@ -831,71 +866,76 @@ class LockGuard:
                 except NotHeld:
                     # The exclusive hold is gone at the arbiter, and no
                     # shared hold of this downgrade exists: fenced.
-                    session._downgrade_lost(hold.key, cleaning=False)
+                    later(session._downgrade_lost(hold.key, cleaning=False))
                     raise
                 except Refused as error:
-                    if error.is_transient():
-                        unknown = error
-                        continue
-                    if unknown is None:
-                        # Answered, nothing written: the exclusive hold stays.
-                        session._downgrade_failed(hold.key)
+                    if unknown is None and _refused_before_writing(error):
+                        # Nothing written: the exclusive hold stays.
+                        later(session._downgrade_failed(hold.key))
                         raise
-                    # An earlier attempt may have landed: only a grant or
-                    # NOT_HELD settles it.
                     unknown = error
+                    if error.is_transient():
+                        continue
+                    # It may follow a commit, or an earlier attempt may have
+                    # landed: only a grant or NOT_HELD settles it.
                     break
                 break
         except BaseException as error:
-            if isinstance(error, (NotHeld, Refused)) and not _unsettled(error, unknown):
+            if isinstance(error, Refused) and (
+                isinstance(error, NotHeld) or (unknown is None and _refused_before_writing(error))
+            ):
                 raise
             # Interrupted, or a reply this client cannot use: unknown.
-            self._clean_up_downgrade(hold)
+            later(self._clean_up_downgrade(hold))
             raise
         if shared is None:
-            self._clean_up_downgrade(hold)
+            later(self._clean_up_downgrade(hold))
             raise unknown if unknown is not None else ProtocolError("a downgrade with no attempt")
         self._hold = shared
-        session._downgraded(shared)
+        ended = session._downgraded(shared)
+        if ended is not None:
+            later(ended)
+            raise Fenced(session.id, FenceReason.HOLD_ENDED)
 
-    def _clean_up_downgrade(self, hold: Hold) -> None:
-        """A downgrade of unknown outcome: the guard is fenced now, and a
-        thread asks the downgrade again until it is answered, releasing the
-        shared hold it made; until then the key's other acquirers on this
-        session wait."""
+    def _clean_up_downgrade(self, hold: Hold) -> Optional[Callable[[], None]]:
+        """A downgrade of unknown outcome: the guard is fenced now (the
+        returned callable fires its on_fence), and a thread ends whatever the
+        downgrade left while the session lives: it releases the exclusive
+        hold; if that is gone (NOT_HELD), it asks the downgrade again and
+        releases the shared hold it is answered with (the repeat is answered
+        before hooks and admission). Any other error is tried again, backing
+        off. Until it is done the key's other acquirers on this session wait."""
         session, client = self._session, self._client
-        session._downgrade_lost(hold.key, cleaning=True)
+        fire = session._downgrade_lost(hold.key, cleaning=True)
 
         def clean_up() -> None:
+            pause = _CLEANUP_FIRST_PAUSE
+            exclusive_gone = False
             try:
-                for _ in range(_DOWNGRADE_CLEANUP_TRIES):
-                    if session.fence_reason is not None:
-                        return
+                while session.fence_reason is None and time.monotonic() < session.fence_deadline:
                     try:
-                        shared = client._downgrade(session, hold)
-                    except Refused as error:
-                        if not error.is_transient():
+                        if not exclusive_gone:
+                            try:
+                                client._release(hold)
+                                return
+                            except NotHeld:
+                                exclusive_gone = True
+                                continue
+                        try:
+                            shared = client._downgrade(session, hold)
+                        except NotHeld:
                             return
-                        time.sleep(1.0)
-                        continue
-                    except LatchkeyError:
-                        return
-                    try:
                         client._release(shared)
+                        return
                     except LatchkeyError as error:
-                        log.warning(
-                            "releasing the shared hold of a downgrade of unknown outcome of %s failed; "
-                            "it ends with session %d: %s",
-                            hold.key,
-                            session.id,
-                            error,
-                        )
-                    return
-                log.warning("a downgrade of %s stayed unknown; a shared hold it made ends with session %d", hold.key, session.id)
+                        log.debug("cleaning up a downgrade of %s (session %d): %s; trying again", hold.key, session.id, error)
+                        time.sleep(pause)
+                        pause = min(pause * 2, _CLEANUP_LONGEST_PAUSE)
             finally:
                 session._downgrade_cleaned(hold.key)
 
         threading.Thread(target=clean_up, name=f"latchkey-downgrade-{session.id}", daemon=True).start()
+        return fire
 
     def release(self) -> None:
         """Counts this guard down; the last one sends Release. Raises

@@ -98,6 +98,10 @@ class _Downgrading:
     hold: Hold
     ended: bool = False
     settled: threading.Event = field(default_factory=threading.Event)
+    #: The arbiter said a later hold of the key ended (at this revision): the
+    #: downgrade's own shared hold, whose notice can beat the answer; acted
+    #: on when the downgrade is answered.
+    ended_after: Optional[int] = None
 
 
 class Holds:
@@ -146,6 +150,8 @@ class Holds:
             # The downgrade's own end of the exclusive hold, or another:
             # which one is known when the downgrade is answered.
             entry.ended = True
+        elif isinstance(entry, _Downgrading) and revision > entry.hold.revision:
+            entry.ended_after = revision
         return False
 
     def begin_downgrade(self, hold: Hold) -> Optional[str]:
@@ -159,17 +165,26 @@ class Holds:
         self._keys[hold.key] = _Downgrading(hold)
         return None
 
-    def downgraded(self, shared: Hold) -> None:
+    def downgraded(self, shared: Hold) -> bool:
         """The arbiter granted the downgrade: `shared` is the key's hold now,
-        with the one guard (and the owner) the exclusive hold had."""
+        with the one guard (and the owner) the exclusive hold had — unless the
+        arbiter said already that it ended: then it leaves at once, as ended()
+        would have done. Whether it ended."""
         entry = self._keys.get(shared.key)
         if not isinstance(entry, _Downgrading):
-            return
+            return False
         shared.count = 1
         shared.owner = entry.hold.owner
-        self._keys[shared.key] = shared
         entry.hold.left.set()
+        if entry.ended_after == shared.revision:
+            shared.ended = True
+            shared.left.set()
+            del self._keys[shared.key]
+            entry.settled.set()
+            return True
+        self._keys[shared.key] = shared
         entry.settled.set()
+        return False
 
     def downgrade_failed(self, key: str) -> bool:
         """The downgrade of `key` failed: its exclusive hold is the key's hold

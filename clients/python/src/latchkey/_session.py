@@ -166,34 +166,45 @@ class Session:
                 raise SessionDead(self.id, self._liveness.dead)
             return self._holds.begin_downgrade(hold)
 
-    def _downgraded(self, shared: Hold) -> None:
+    def _downgraded(self, shared: Hold) -> Optional[Callable[[], None]]:
         """`shared` replaces the exclusive hold (under the same guard); raises
-        Fenced, with the hold replaced all the same, if the session died."""
+        Fenced, with the hold replaced all the same, if the session died. If
+        the arbiter said already that `shared` ended, it is fenced now: returns
+        what fires its on_fence callbacks (as _downgrade_failed does)."""
         with self._lock:
-            self._holds.downgraded(shared)
-            if self._liveness.dead is not None:
-                raise Fenced(self.id, self._liveness.dead)
+            ended = self._holds.downgraded(shared)
+            callbacks = self._take_callbacks(shared.key) if ended else []
+            dead = self._liveness.dead
+        if ended:
+            log.warning("hold of %s ended at the arbiter; fenced (session %d, %d guards)", shared.key, self.id, len(callbacks))
+            return lambda: _call_all(callbacks, FenceReason.HOLD_ENDED, self.id)
+        if dead is not None:
+            raise Fenced(self.id, dead)
+        return None
 
-    def _downgrade_failed(self, key: str) -> None:
+    def _downgrade_failed(self, key: str) -> Optional[Callable[[], None]]:
         """The exclusive hold stays, unless the arbiter said meanwhile that it
-        ended: then it is fenced now, as _hold_ended would have done."""
+        ended: then it is fenced now, as _hold_ended would have done. Returns
+        what fires its on_fence callbacks, for the caller to run once it holds
+        no lock of its own (a callback may release or detach the guard)."""
         with self._lock:
             if not self._holds.downgrade_failed(key):
-                return
+                return None
             callbacks = self._take_callbacks(key)
         log.warning("hold of %s ended at the arbiter; fenced (session %d, %d guards)", key, self.id, len(callbacks))
-        _call_all(callbacks, FenceReason.HOLD_ENDED, self.id)
+        return lambda: _call_all(callbacks, FenceReason.HOLD_ENDED, self.id)
 
-    def _downgrade_lost(self, key: str, cleaning: bool) -> None:
+    def _downgrade_lost(self, key: str, cleaning: bool) -> Optional[Callable[[], None]]:
         """The downgrade left its guard without a hold: fenced now (see
         Holds.downgrade_lost; with `cleaning`, until _downgrade_cleaned the
-        key's other acquirers on this session wait)."""
+        key's other acquirers on this session wait). Returns what fires the
+        on_fence callbacks, as _downgrade_failed does."""
         with self._lock:
             if not self._holds.downgrade_lost(key, cleaning):
-                return
+                return None
             callbacks = self._take_callbacks(key)
         log.warning("downgrade of %s left no hold; fenced (session %d, %d guards)", key, self.id, len(callbacks))
-        _call_all(callbacks, FenceReason.HOLD_ENDED, self.id)
+        return lambda: _call_all(callbacks, FenceReason.HOLD_ENDED, self.id)
 
     def _downgrade_cleaned(self, key: str) -> None:
         with self._lock:

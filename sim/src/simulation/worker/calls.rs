@@ -127,12 +127,20 @@ pub(super) async fn downgrade(arbiter: &Arbiter, mut req: GrantRequest, token: u
             downgrade_from: Some(token),
             ..AcquireRequest::default()
         };
-        let answer = service.acquire(request(&req.identity, None, acquire)).await?;
+        let answer = service
+            .acquire(request(&req.identity, None, acquire))
+            .await?;
         let grant = answer
             .grant
             .ok_or_else(|| ArbiterError::internal("an Acquire answered without a grant"))?;
+        if grant.mode != 1 {
+            return Err(ArbiterError::internal(
+                "a downgrade answered other than shared",
+            ));
+        }
         Ok(Grant {
-            key: grant.key,
+            // The wire names the lock; the hold is the session's reader key.
+            key: latchkey_arbiter::records::reader_key(&grant.key, grant.session_id),
             session: grant.session_id,
             epoch: grant.epoch,
             revision: grant.revision,

@@ -1,14 +1,26 @@
-"""The PostgreSQL fence (psycopg 3): the reference table and statement of the
-Rust crate ``latchkey-fence-postgres``, byte for byte.
+"""The PostgreSQL fence (psycopg 3): the reference table and statements of
+the Rust crate ``latchkey-fence-postgres``, byte for byte.
 
 One ``INSERT … ON CONFLICT DO UPDATE … WHERE t.fence < EXCLUDED.fence AND
-t.fence >= 0 RETURNING writes`` creates the record, or overwrites it and
-raises its mark to the token, or changes nothing and returns no row (fenced
-out). PostgreSQL's row lock makes the comparison and the write one step; the
-returned write count is the applied write's version. A negative ``fence`` is
-no token's (a table that marks unfenced rows with -1): never overwritten,
-reported as :class:`~latchkey.fence.Unfenced`. Tokens above 2**63-1 do not
-fit ``bigint`` and are refused (:class:`~latchkey.fence.TokenOutOfRange`).
+t.read_fence < EXCLUDED.fence AND t.fence >= 0 RETURNING writes`` creates the
+record, or overwrites it and raises its mark to the token, or changes nothing
+and returns no row (fenced out). PostgreSQL's row lock makes the comparison
+and the write one step; the returned write count is the applied write's
+version. A negative ``fence`` is no token's (a table that marks unfenced rows
+with -1): never overwritten, reported as :class:`~latchkey.fence.Unfenced`.
+Tokens above 2**63-1 do not fit ``bigint`` and are refused
+(:class:`~latchkey.fence.TokenOutOfRange`).
+
+Shared holders (readers) fence their reads with
+:meth:`PostgresStore.guarded_read` (:data:`GUARDED_READ_SQL`): accepted
+(:class:`Current`) only while the record's mark is at or below the reader's
+token, i.e. no writer granted after the reader has written, and it raises the
+record's *read mark* (``read_fence``) to the token in the same statement, so
+a stale writer whose token is at or below it can no longer write the record:
+the guarded write compares the read mark too. A refusal is
+:class:`WrittenSince` (its text is :data:`READ_REFUSED`). A fenced-out write
+reports the greater of the write and read marks. docs/fencing.md, "Fenced
+reads", has the rule and why.
 
 The statements are sent with PostgreSQL's own ``$n`` placeholders
 (psycopg's ``RawCursor``), so their text is the Rust crate's. Payloads are
@@ -16,18 +28,23 @@ the table's ``text`` column: they must be UTF-8 without NUL bytes.
 
 An existing table of the reference name (``CREATE TABLE IF NOT EXISTS``
 leaves it alone) is checked before anything is written and refused with
-what differs: other column types, or BEFORE row triggers (they can change
-the mark or the write count the statement sets). An applied write whose
-``writes`` comes back not positive has no version: :class:`Unfenced`.
+what differs: other column types (a ``read_fence`` that is not ``bigint``
+too), or BEFORE row triggers (they can change the mark or the write count
+the statement sets). A reference table made before fenced reads gains the
+read mark (:data:`ADD_READ_FENCE_SQL`) once it has passed every other check;
+a foreign table is refused, never altered. An applied write whose ``writes``
+comes back not positive has no version: :class:`Unfenced`.
 
 Needs ``pip install 'latchkey[postgres]'`` (psycopg 3 with its binary libpq).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import dataclasses
+from typing import List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
+from .._token import FencingToken
 from ._contract import (
     Applied,
     FencedOut,
@@ -39,29 +56,80 @@ from ._contract import (
     Retry,
     TokenOutOfRange,
     Unfenced,
+    check_input,
     missing_driver,
+    token_value,
 )
 
 KIND = "postgresql"
 TABLE = "latchkey_fenced_rows"
 
+#: ``read_fence`` is the read mark: the greatest token a guarded read was
+#: accepted with (0: none). It is last and has a default, so an older table
+#: gains it in place (:data:`ADD_READ_FENCE_SQL`) and inserts that name four
+#: columns still work.
 CREATE_TABLE_SQL = """CREATE TABLE IF NOT EXISTS latchkey_fenced_rows (
-    id      text   PRIMARY KEY,
-    fence   bigint NOT NULL,
-    payload text   NOT NULL,
-    writes  bigint NOT NULL
+    id         text   PRIMARY KEY,
+    fence      bigint NOT NULL,
+    payload    text   NOT NULL,
+    writes     bigint NOT NULL,
+    read_fence bigint NOT NULL DEFAULT 0
 )"""
 
-#: ``$1`` id, ``$2`` token, ``$3`` payload. One row back (the record's write
+#: Adds the read mark to a reference table made before fenced reads (every
+#: row starts at 0: no read yet). :meth:`PostgresStore.ensure_schema` runs it
+#: only when the table is otherwise the reference one and lacks the column.
+ADD_READ_FENCE_SQL = (
+    "ALTER TABLE latchkey_fenced_rows ADD COLUMN IF NOT EXISTS read_fence bigint NOT NULL DEFAULT 0"
+)
+
+#: ``$1`` id, ``$2`` token, ``$3`` payload. Creates a missing record;
+#: otherwise writes only if the record's mark *and* its read mark are strictly
+#: below the token (a reader with this or a later token has read it: a writer
+#: granted before that reader is stale). One row back (the record's write
 #: count) means applied; no row means fenced out.
 GUARDED_WRITE_SQL = """INSERT INTO latchkey_fenced_rows AS t (id, fence, payload, writes)
 VALUES ($1, $2, $3, 1)
 ON CONFLICT (id) DO UPDATE
    SET fence = EXCLUDED.fence, payload = EXCLUDED.payload, writes = t.writes + 1
- WHERE t.fence < EXCLUDED.fence AND t.fence >= 0
+ WHERE t.fence < EXCLUDED.fence AND t.read_fence < EXCLUDED.fence AND t.fence >= 0
 RETURNING writes"""
 
-READ_SQL = "SELECT fence, payload FROM latchkey_fenced_rows WHERE id = $1"
+#: The plain guarded update for a record that already exists (``$1`` id,
+#: ``$2`` token, ``$3`` payload): the affected row count is the answer (1
+#: written, 0 fenced out or no such record). The adapter does not run it; it
+#: is here, as in the Rust crate, to be copied with the read mark compare.
+GUARDED_UPDATE_SQL = """UPDATE latchkey_fenced_rows
+   SET payload = $3, fence = $2, writes = writes + 1
+ WHERE id = $1 AND fence < $2 AND read_fence < $2 AND fence >= 0"""
+
+#: The guarded read of a shared holder: ``$1`` id, ``$2`` the reader's token.
+#: Accepted if and only if the record's mark is at or below the token (no
+#: writer granted after this reader has written), and then the read mark is
+#: raised to the token (never lowered: readers do not refuse each other) in
+#: the same statement. A missing record is created empty (mark 0, write count
+#: 0, the read mark the token), so a stale writer cannot create it after the
+#: read either. One row back (payload and write count) means accepted; no row
+#: means refused.
+GUARDED_READ_SQL = """INSERT INTO latchkey_fenced_rows AS t (id, fence, payload, writes, read_fence)
+VALUES ($1, 0, '', 0, $2)
+ON CONFLICT (id) DO UPDATE
+   SET read_fence = GREATEST(t.read_fence, EXCLUDED.read_fence)
+ WHERE t.fence <= EXCLUDED.read_fence AND t.fence >= 0
+RETURNING payload, writes"""
+
+#: Reads a record's mark and payload. A row only a guarded read made (no
+#: write yet: ``writes = 0``) is no record.
+READ_SQL = "SELECT fence, payload FROM latchkey_fenced_rows WHERE id = $1 AND writes <> 0"
+
+#: What refused a write, to report it: the record's write mark and read mark
+#: (a write is fenced out by the greater of the two).
+MARKS_SQL = "SELECT fence, read_fence FROM latchkey_fenced_rows WHERE id = $1"
+
+#: The refusal reason of a :class:`WrittenSince`, in words (no token, no mark).
+READ_REFUSED = (
+    "guarded read refused: a writer granted after this reader has written the record, so the shared hold is over"
+)
 
 #: The naive writer: overwrites the payload, never compares or raises the
 #: mark (a record it creates gets mark 0). Tests and benchmarks only.
@@ -79,6 +147,11 @@ REQUIRED_COLUMNS: Sequence[Tuple[str, Sequence[str]]] = (
     ("payload", ("text",)),
     ("writes", ("bigint",)),
 )
+
+#: The read mark's column: added by :meth:`PostgresStore.ensure_schema` when
+#: missing, and ``bigint`` when present (a text read mark would compare
+#: ``"9" > "10"``).
+READ_FENCE_COLUMN: Tuple[str, Sequence[str]] = ("read_fence", ("bigint",))
 
 COLUMNS_SQL = """SELECT a.attname::text, format_type(a.atttypid, NULL)
   FROM pg_attribute a
@@ -113,6 +186,48 @@ KEYS_SQL = """SELECT count(*),
   FROM pg_index ix WHERE ix.indrelid = to_regclass('latchkey_fenced_rows') AND ix.indisunique"""
 
 _BIGINT_MAX = (1 << 63) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Current:
+    """A :meth:`PostgresStore.guarded_read` was accepted: no write with a
+    larger token than the reader's has landed, so what was read is current
+    for this shared hold (the Rust ``ReadOutcome::Current``).
+
+    ``payload`` is ``None`` when no write has landed yet; ``write_seq``
+    counts the writes the record has accepted (0: none), the same count an
+    :class:`~latchkey.fence.Applied` write's ``version`` gives, so a read is
+    ordered among the writes. The record's read mark is now at least the
+    token: a writer with a token at or below it is fenced out from here on.
+    Its repr shows the payload's length, never the payload."""
+
+    payload: Optional[bytes]
+    write_seq: int
+
+    def __repr__(self) -> str:
+        size = None if self.payload is None else len(self.payload)
+        return f"Current(payload_bytes={size}, write_seq={self.write_seq})"
+
+    def __str__(self) -> str:
+        if self.write_seq == 0:
+            return "current (no write yet)"
+        return f"current (after write #{self.write_seq})"
+
+
+@dataclasses.dataclass(frozen=True)
+class WrittenSince:
+    """A :meth:`PostgresStore.guarded_read` was refused: a writer granted
+    after this reader has written the record, so the reader's shared hold is
+    over. Discard what it read and stop (do not retry with the same token);
+    nothing changed. The Rust ``ReadOutcome::WrittenSince``; its text is
+    :data:`READ_REFUSED`."""
+
+    def __str__(self) -> str:
+        return READ_REFUSED
+
+
+#: What :meth:`PostgresStore.guarded_read` answers.
+ReadOutcome = Union[Current, WrittenSince]
 
 
 def _psycopg():
@@ -161,6 +276,10 @@ def schema_problems(
             wrong.append(f"it has no `{name}` column")
         elif found[0] not in types:
             wrong.append(f"its `{name}` column is {found[0]}, not {' or '.join(types)}")
+    name, types = READ_FENCE_COLUMN
+    found = [t for n, t in columns if n == name]
+    if found and found[0] not in types:
+        wrong.append(f"its `{name}` column is {found[0]}, not {' or '.join(types)}")
     if before_triggers:
         wrong.append(
             f"it has BEFORE row triggers ({', '.join(before_triggers)}), which can change the mark or "
@@ -261,7 +380,8 @@ class PostgresStore(FencedStore):
         """Creates the reference table (idempotent) and refuses a table of
         that name that is not the reference one: other column types, or
         BEFORE row triggers (``CREATE TABLE IF NOT EXISTS`` leaves an older or
-        foreign table alone)."""
+        foreign table alone). A reference table made before fenced reads
+        gains the read mark (:data:`ADD_READ_FENCE_SQL`), and only then."""
         self._execute("creating the reference table", CREATE_TABLE_SQL, ())
         rows = self._execute("reading the fenced table's columns", COLUMNS_SQL, ()) or []
         triggers = self._execute("reading the fenced table's triggers", BEFORE_TRIGGERS_SQL, ()) or []
@@ -280,6 +400,11 @@ class PostgresStore(FencedStore):
                 f"the table {TABLE} is not the fence's: {why}; drop or rename it, "
                 "or migrate it to the reference schema",
             )
+        # A reference table made before fenced reads: add the read mark, only
+        # now that everything else about the table is known to be the fence's
+        # (a foreign table is refused above, never altered).
+        if not any(str(n) == READ_FENCE_COLUMN[0] for n, _ in rows):
+            self._execute("adding the read mark column", ADD_READ_FENCE_SQL, ())
 
     @staticmethod
     def _text(payload: bytes) -> str:
@@ -309,12 +434,59 @@ class PostgresStore(FencedStore):
                     "has no version; repair the column",
                 )
             return Applied(version=writes)
-        # No row back: the WHERE refused the update. The read only reports.
-        found = self._read(record)
-        if found is None:
+        # No row back: the WHERE refused the update, by the write mark or the
+        # read mark (a reader with this or a later token read the record): the
+        # greater one is the mark it met. The read only reports.
+        marks = self._marks(record, token)
+        if marks is None:
             # Deleted since: nothing changed, and the same write may land now.
             return Retry()
-        return FencedOut(found.mark)
+        write_mark, read_mark = marks
+        if write_mark < 0:
+            raise Unfenced(KIND, record, "its fence column is negative, which no token is")
+        return FencedOut(Mark(max(write_mark, read_mark, 0)))
+
+    def guarded_read(self, record: str, token: Union[int, FencingToken]) -> ReadOutcome:
+        """The guarded read of a shared holder whose grant's token is
+        ``token`` (``guard.token`` of the shared grant): :class:`Current` with
+        the record's payload and write count if and only if no write with a
+        larger token has landed, raising the record's read mark to ``token``
+        in the same statement (:data:`GUARDED_READ_SQL`); otherwise
+        :class:`WrittenSince`. Act on the payload only if it is
+        :class:`Current`. A shared holder must never call
+        :meth:`guarded_write` (its token would pass, and raise the mark above
+        the next writer's).
+
+        A record whose mark is negative is :class:`Unfenced`; a token above
+        2**63-1 is :class:`TokenOutOfRange`; errors never hold the token."""
+        value = token_value(token)
+        record, _ = check_input(record)
+        self._check_record(record)
+        if value > _BIGINT_MAX:
+            raise TokenOutOfRange(KIND)
+        rows = self._execute("guarded read", GUARDED_READ_SQL, (record, value), (value,))
+        if not rows:
+            # The row-count check, as for the write: no row back is the
+            # refusal. The statement refuses a negative mark too: that record
+            # was never the fence's, and saying "written since" would hide it.
+            marks = self._marks(record, value)
+            if marks is not None and marks[0] < 0:
+                raise Unfenced(KIND, record, "its fence column is negative, which no token is")
+            return WrittenSince()
+        payload, writes = rows[0]
+        return Current(None if writes == 0 else str(payload).encode("utf-8"), int(writes))
+
+    def _marks(self, record: str, token: int) -> Optional[Tuple[int, int]]:
+        """The record's write mark and read mark as stored, or None when it
+        does not exist. Only reports: nothing is decided by this read."""
+        rows = self._execute("reading a record's marks", MARKS_SQL, (record,), (token,))
+        if not rows:
+            return None
+        write_mark, read_mark = rows[0]
+        # The reference table's columns are NOT NULL; a copy's may not be.
+        if write_mark is None:
+            raise Unfenced(KIND, record, "its fence column is NULL")
+        return int(write_mark), 0 if read_mark is None else int(read_mark)
 
     def _read(self, record: str) -> Optional[Record]:
         rows = self._execute("reading a record", READ_SQL, (record,))
