@@ -213,12 +213,32 @@ impl KeyOwner {
         key: &str,
         session: i64,
         token: u64,
+        class: &str,
     ) -> Result<Option<Grant>, ArbiterError> {
         if self.quorum.is_lost() {
             return Ok(None);
         }
         self.table
-            .downgraded_already(identity, key, session, token)
+            .downgraded_already(identity, key, session, token, class)
+            .await
+    }
+
+    /// Whether `session` (of `identity`) holds lock `key` exclusively at
+    /// exactly `token` ([`LockTable::holds_exclusively_at`]): what a
+    /// downgrade naming it converts. Read only.
+    pub async fn holds_exclusively_at(
+        &self,
+        identity: &str,
+        key: &str,
+        session: i64,
+        token: u64,
+    ) -> Result<bool, ArbiterError> {
+        if self.quorum.is_lost() {
+            // Answered by the downgrade itself (refused without quorum).
+            return Ok(true);
+        }
+        self.table
+            .holds_exclusively_at(identity, key, session, token)
             .await
     }
 

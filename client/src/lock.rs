@@ -618,7 +618,6 @@ fn refused_before_writing(e: &Error) -> bool {
                 | Reason::HookDenied
                 | Reason::IdentityLimit
                 | Reason::Held
-                | Reason::Sealed
                 | Reason::PolicyNotReady
                 | Reason::PolicyStale
                 | Reason::WrongTier
@@ -711,11 +710,15 @@ impl Drop for PendingDowngrade<'_> {
             Outcome::Unknown => match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => {
                     core.downgrade_lost(&self.hold.key, true);
-                    let session = Arc::clone(self.session);
+                    // Weak: a clean-up keeps no session alive (dropped with
+                    // its client, the session's lease ends, and its holds).
+                    let session = Arc::downgrade(self.session);
                     let hold = Arc::clone(self.hold);
                     runtime.spawn(async move {
                         clean_up_downgrade(&session, &hold).await;
-                        session.core.downgrade_cleaned(&hold.key);
+                        if let Some(session) = session.upgrade() {
+                            session.core.downgrade_cleaned(&hold.key);
+                        }
                     });
                 }
                 // No runtime: no keepalive either; the session ends with
@@ -731,25 +734,30 @@ impl Drop for PendingDowngrade<'_> {
 /// answered, the downgrade never landed and the hold is gone; refused
 /// NOT_HELD (or TOKEN_MISMATCH), the exclusive hold is gone, so the
 /// downgrade is asked again, which answers the shared hold it made (then
-/// released) or NOT_HELD (nothing left). Releases pass no hook and no
-/// admission, and the repeat is answered before them, so only a way to
-/// the arbiter is needed: any other error is tried again, backing off.
-async fn clean_up_downgrade(session: &SessionInner, hold: &Hold) {
+/// released) or NOT_HELD (nothing left; the arbiter says so before any
+/// hook). An error of unknown outcome is tried again, backing off; any
+/// other refusal ends the clean-up (a hold it could not end ends with the
+/// session). It holds the session weakly: a dropped client's session is
+/// not kept alive by it.
+async fn clean_up_downgrade(session: &std::sync::Weak<SessionInner>, hold: &Hold) {
     let mut pause = CLEANUP_FIRST_PAUSE;
     let mut exclusive_gone = false;
     loop {
+        let Some(session) = session.upgrade() else {
+            return;
+        };
         if session.core.fenced().is_some() || Instant::now() >= session.core.deadline() {
             // The session is over (or going): its holds end with its lease.
             return;
         }
         let step = if exclusive_gone {
-            match send_downgrade(session, hold).await {
-                Ok(shared) => send_release(session, &shared).await.map(|()| true),
+            match send_downgrade(&session, hold).await {
+                Ok(shared) => send_release(&session, &shared).await.map(|()| true),
                 Err(e) if e.reason() == Reason::NotHeld => Ok(true),
                 Err(e) => Err(e),
             }
         } else {
-            match send_release(session, hold).await {
+            match send_release(&session, hold).await {
                 Ok(()) => Ok(true),
                 Err(e) if matches!(e.reason(), Reason::NotHeld | Reason::TokenMismatch) => {
                     exclusive_gone = true;
@@ -758,9 +766,14 @@ async fn clean_up_downgrade(session: &SessionInner, hold: &Hold) {
                 Err(e) => Err(e),
             }
         };
+        drop(session);
         match step {
             Ok(true) => return,
             Ok(false) => continue,
+            Err(err) if !err.is_transient() => {
+                tracing::warn!(key = %hold.key, session_id = hold.session_id, error = %err, "a downgrade of unknown outcome could not be cleaned up; what it left ends with the session");
+                return;
+            }
             Err(err) => {
                 tracing::debug!(key = %hold.key, session_id = hold.session_id, error = %err, "cleaning up a downgrade of unknown outcome; trying again");
                 tokio::time::sleep(pause).await;

@@ -243,6 +243,23 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     // (a driver's wake-ups differ between runs; the verdict has held).
     (132, "shared", 5000),
     (133, "shared-three-arbiters", 5000),
+    // 30 % of their exclusive holds downgraded as the clients do it, naming
+    // the hold's token (issue 34). Put back the bug the named downgrade
+    // fixed — a downgrade of a hold that had already ended (force-released,
+    // expired, an epoch advance) answered with a fresh shared grant — and
+    // each of these three fails (the downgrade, recorded as the exclusive
+    // hold's release, releases a hold nobody held), as do 39 of 96 runs of
+    // the three presets over seeds 132, 133 and 1000 to 1029; 132 and 133
+    // alone did not catch it.
+    (134, "shared-durable", 5000),
+    (135, "shared", 5000),
+    (136, "shared-three-arbiters", 5000),
+    // Found by a sweep: a second restore of one snapshot brought back, with
+    // the epoch record, a hold the first advance had ended, and a release
+    // of it was answered OK (the checker: a release of a hold nobody
+    // held). A release naming an epoch the arbiter has served past now
+    // answers as an ended hold. Fails without that rule.
+    (47, "durable-three-arbiters", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;

@@ -378,6 +378,10 @@ async fn a_downgrade_from_converts_only_its_own_hold() -> anyhow::Result<()> {
         again.token == gd.token && again.mode == shared_mode,
         "a repeat is answered with the hold the downgrade made: {again:?} vs {gd:?}"
     );
+    not_held(
+        downgrade_from(&mut alice, key, DURABLE, s, gw.token, shared_mode).await,
+        "a repeat naming another class",
+    )?;
     release(&mut alice, &gd).await?;
 
     // That shared hold ended: a repeat now grants nothing.

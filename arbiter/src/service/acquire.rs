@@ -300,12 +300,26 @@ impl Arbiter {
         // answered with the hold it made, before the hooks: the hold is the
         // session's already, and a hook that says no now (or cannot be
         // reached) must not leave the client unable to learn of it.
+        // Neither a repeat nor the session's exclusive hold at that token:
+        // NOT_HELD before the hooks, with nothing written (a client's
+        // clean-up asks again after its hold ended; no hook decides that).
         let repeated = match downgrade_from {
             Some(token) => {
-                cluster
+                let repeated = cluster
                     .owner
-                    .downgraded_already(&caller.identity, key.as_str(), session, token)
-                    .await?
+                    .downgraded_already(&caller.identity, key.as_str(), session, token, &class.name)
+                    .await?;
+                if repeated.is_none()
+                    && !cluster
+                        .owner
+                        .holds_exclusively_at(&caller.identity, key.as_str(), session, token)
+                        .await?
+                {
+                    return Err(ArbiterError::DowngradeNotHeld {
+                        key: key.as_str().to_string(),
+                    });
+                }
+                repeated
             }
             None => None,
         };
@@ -338,33 +352,40 @@ impl Arbiter {
             }
             None => None,
         };
-        let annotations = match self
-            .hooks
-            .before_grant(&HookInput {
-                identity: &caller.identity,
-                key: key.as_str(),
-                class: &class.name,
-                session,
-                metadata: &metadata,
-                waiters: waiting,
-                now_unix_ms: now_unix_ms(),
-                now_monotonic_ns: monotonic_ns(),
-                hook,
-                holder,
-                hold_count,
-                shared,
-                permits: match class.kind {
-                    latchkey_policies::ClassKind::Semaphore => class.permits,
-                    _ => None,
-                },
-            })
-            .instrument(tracing::trace_span!(
-                target: crate::telemetry::TARGET,
-                "hook.before_grant",
-                class = %scope.labels().1,
-            ))
-            .await
-        {
+        // A repeat asks no hook at all (the hold is the session's already).
+        let decision = match repeated {
+            Some(_) => HookDecision::Allow {
+                annotations: Default::default(),
+            },
+            None => {
+                self.hooks
+                    .before_grant(&HookInput {
+                        identity: &caller.identity,
+                        key: key.as_str(),
+                        class: &class.name,
+                        session,
+                        metadata: &metadata,
+                        waiters: waiting,
+                        now_unix_ms: now_unix_ms(),
+                        now_monotonic_ns: monotonic_ns(),
+                        hook,
+                        holder,
+                        hold_count,
+                        shared,
+                        permits: match class.kind {
+                            latchkey_policies::ClassKind::Semaphore => class.permits,
+                            _ => None,
+                        },
+                    })
+                    .instrument(tracing::trace_span!(
+                        target: crate::telemetry::TARGET,
+                        "hook.before_grant",
+                        class = %scope.labels().1,
+                    ))
+                    .await
+            }
+        };
+        let annotations = match decision {
             HookDecision::Allow { annotations } => annotations,
             HookDecision::Deny {
                 code,

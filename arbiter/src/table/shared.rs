@@ -160,7 +160,16 @@ impl LockTable {
                 }),
                 |done| *done,
             )
-            .await?;
+            .await
+            .map_err(|e| match e {
+                // A seal found with (or after) the write may follow its
+                // commit: the outcome is unknown, never "refused" (a client
+                // takes a refusal for "the exclusive hold stays").
+                ArbiterError::Sealed { .. } => ArbiterError::store(format!(
+                    "the lock log was found sealed as the downgrade was written ({e}); its outcome is unknown: ask again once the epoch is advanced"
+                )),
+                e => e,
+            })?;
         if !done {
             // The exclusive hold changed since it was read (released,
             // expired): wait for the key as any reader.
@@ -268,7 +277,7 @@ impl LockTable {
             // Not held exclusively at that token: a repeat of this very
             // downgrade, which landed (its answer lost)?
             return match self
-                .downgraded_already(&req.identity, &req.key, req.session, token)
+                .downgraded_already(&req.identity, &req.key, req.session, token, &req.class)
                 .await?
             {
                 Some(grant) => Ok(grant),
@@ -278,6 +287,31 @@ impl LockTable {
         Err(ArbiterError::store(
             "the lock log kept changing under the downgrade",
         ))
+    }
+
+    /// Whether `session` (of `identity`) holds lock `key` exclusively at
+    /// exactly `token` (this epoch, that revision, its lease): what a
+    /// downgrade naming the token converts. Read only; the downgrade's
+    /// transaction compares the hold again.
+    pub async fn holds_exclusively_at(
+        &self,
+        identity: &str,
+        key: &str,
+        session: i64,
+        token: u64,
+    ) -> Result<bool, ArbiterError> {
+        let (epoch, revision) = crate::token::unpack(token);
+        let state = self.seal.serving_epoch().await?;
+        if state.epoch() != epoch || revision <= 0 || split_reader(key).is_some() {
+            return Ok(false);
+        }
+        let (kv, _) = self.seal.checked(self.log.holder(key)).await?;
+        Ok(kv.is_some_and(|kv| {
+            kv.lease == session
+                && kv.mod_revision == revision
+                && decode::<HolderRecord>(&kv.value)
+                    .is_some_and(|r| r.session == session && r.identity == identity)
+        }))
     }
 
     /// A repeat of the downgrade of lock `key`'s exclusive hold at `token`
@@ -294,6 +328,7 @@ impl LockTable {
         key: &str,
         session: i64,
         token: u64,
+        class: &str,
     ) -> Result<Option<Grant>, ArbiterError> {
         let (epoch, revision) = crate::token::unpack(token);
         let state = self.seal.serving_epoch().await?;
@@ -307,6 +342,7 @@ impl LockTable {
         if h.lease != session
             || h.record.session != session
             || h.record.identity != identity
+            || h.record.class != class
             || h.record.downgraded_from != Some(revision)
         {
             return Ok(None);

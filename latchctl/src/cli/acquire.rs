@@ -219,21 +219,34 @@ async fn downgrade(guard: &mut LockGuard, out: &Output) -> Result<(), Failure> {
 /// plain thread, not Tokio's blocking pool, so a pending read never holds
 /// up the exit.
 fn stdin_lines() -> mpsc::Receiver<String> {
-    // A line is at most this long (a longer one arrives in pieces, none of
-    // them a command), and few wait to be read: input without newlines, or
-    // faster than it is read, never grows this process's memory.
+    // A line is at most this long (a longer one is dropped whole, never
+    // read as a command in pieces), and few wait to be read: input without
+    // newlines, or faster than it is read, never grows this process's
+    // memory.
     const LINE_LIMIT: u64 = 1024;
     let (tx, rx) = mpsc::channel(16);
     std::thread::spawn(move || {
         let mut stdin = std::io::stdin().lock();
         let mut line = Vec::new();
+        let mut overlong = false;
         // Bytes, not `lines()`: input that is not UTF-8 is ignored as
         // before, never taken for the end of input.
         while let Ok(n) = (&mut stdin).take(LINE_LIMIT).read_until(b'\n', &mut line) {
-            if n == 0
-                || tx
-                    .blocking_send(String::from_utf8_lossy(&line).into_owned())
-                    .is_err()
+            if n == 0 {
+                break;
+            }
+            let ended = line.ends_with(b"\n");
+            // The limit reached without the line's end: over the limit.
+            let cut = !ended && n as u64 == LINE_LIMIT;
+            if overlong || cut {
+                // Part of a line over the limit: dropped to its end.
+                overlong = !ended;
+                line.clear();
+                continue;
+            }
+            if tx
+                .blocking_send(String::from_utf8_lossy(&line).into_owned())
+                .is_err()
             {
                 break;
             }

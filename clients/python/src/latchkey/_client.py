@@ -655,7 +655,6 @@ _BEFORE_WRITING = frozenset(
         "HOOK_DENIED",
         "IDENTITY_LIMIT",
         "HELD",
-        "SEALED",
         "POLICY_NOT_READY",
         "POLICY_STALE",
         "WRONG_TIER",
@@ -902,9 +901,10 @@ class LockGuard:
         returned callable fires its on_fence), and a thread ends whatever the
         downgrade left while the session lives: it releases the exclusive
         hold; if that is gone (NOT_HELD), it asks the downgrade again and
-        releases the shared hold it is answered with (the repeat is answered
-        before hooks and admission). Any other error is tried again, backing
-        off. Until it is done the key's other acquirers on this session wait."""
+        releases the shared hold it is answered with (the repeat, or NOT_HELD,
+        is answered before hooks and admission). An error of unknown outcome
+        is tried again, backing off; any other refusal ends the clean-up (what
+        it could not end ends with the session). Until it is done the key's other acquirers on this session wait."""
         session, client = self._session, self._client
         fire = session._downgrade_lost(hold.key, cleaning=True)
 
@@ -928,6 +928,15 @@ class LockGuard:
                         client._release(shared)
                         return
                     except LatchkeyError as error:
+                        if not (isinstance(error, Refused) and error.is_transient()):
+                            log.warning(
+                                "a downgrade of %s of unknown outcome could not be cleaned up (%s); "
+                                "what it left ends with session %d",
+                                hold.key,
+                                error,
+                                session.id,
+                            )
+                            return
                         log.debug("cleaning up a downgrade of %s (session %d): %s; trying again", hold.key, session.id, error)
                         time.sleep(pause)
                         pause = min(pause * 2, _CLEANUP_LONGEST_PAUSE)
