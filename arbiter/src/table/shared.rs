@@ -207,7 +207,7 @@ impl LockTable {
     /// fresh shared grant and never a wait. The session must hold lock
     /// `req.key` exclusively at exactly `token` (this epoch, that revision,
     /// its lease and identity): then one transaction turns that hold into
-    /// the session's shared hold ([`Self::downgrade`]). Otherwise the
+    /// the session's shared hold (`downgrade`). Otherwise the
     /// answer is the shared hold that this very downgrade made, if the
     /// session still holds it (its record names the exclusive hold's
     /// revision: a repeat after a lost answer), else `DowngradeNotHeld`
