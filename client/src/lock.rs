@@ -243,6 +243,7 @@ impl LockBuilder {
             grant.revision,
         );
         hold.slot = grant.slot;
+        hold.permits = grant.permits.filter(|_| grant.slot.is_some());
         hold.shared = grant.mode == Mode::Shared as i32;
         hold.class = self.class.clone();
         hold.metadata = self.metadata.clone();
@@ -345,6 +346,13 @@ impl LockGuard {
     /// slot); `None` for a lock.
     pub fn slot(&self) -> Option<u32> {
         self.hold.slot
+    }
+
+    /// A semaphore's permits (its class's `permits`: slots are
+    /// `0..permits`), as the grant said; `None` for a lock, or from an
+    /// arbiter too old to say.
+    pub fn permits(&self) -> Option<u32> {
+        self.hold.permits
     }
 
     /// Whether the hold is shared ([`LockBuilder::shared`], or after

@@ -234,12 +234,16 @@ async fn a_semaphore_grants_its_permits_one_slot_each() -> anyhow::Result<()> {
     // Once the lock is released, the key may be a semaphore.
     release(&mut bob, &held).await?;
     let g = try_lock(&mut alice, "demo/plain", SEMAPHORE, s).await?;
-    ensure!(g.slot.is_some_and(|s| s < 3), "{g:?}");
+    ensure!(
+        g.slot.is_some_and(|s| s < 3) && g.permits == Some(3),
+        "a semaphore's grant names its slot and its class's permits: {g:?}"
+    );
     latchctl_speaks_slots(a.addr()).await
 }
 
 /// `latchctl acquire` prints the slot and `release --slot` releases it;
-/// `inspect` and `why` list slot holders; `hold` gives its command the slot.
+/// `inspect` and `why` list slot holders; `hold` gives its command the slot
+/// and the permits, and `hold --permits N` refuses a class of other than N.
 async fn latchctl_speaks_slots(addr: SocketAddr) -> anyhow::Result<()> {
     use crate::latchctl::{latchctl, run};
     let as_alice = || latchctl(addr, "workload/alice");
@@ -307,6 +311,63 @@ async fn latchctl_speaks_slots(addr: SocketAddr) -> anyhow::Result<()> {
     ensure!(
         out.status.success() && ["slot=0", "slot=1", "slot=2"].contains(&said.as_str()),
         "hold: {out:?}"
+    );
+    // `--permits N`: the grant says the class's permits (3 here), which the
+    // command sees; any other N is refused before the command runs, the
+    // permit released.
+    let out = run(as_alice()?.args([
+        "hold",
+        "demo/cli-sem",
+        "--class",
+        SEMAPHORE,
+        "--permits",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "echo permits=$LATCHKEY_PERMITS",
+    ]))
+    .await?;
+    let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    ensure!(
+        out.status.success() && said == "permits=3",
+        "hold --permits 3: {out:?}"
+    );
+    for (class, permits, says) in [
+        (SEMAPHORE, "4", "a semaphore of 3 permits"),
+        ("demo", "3", "a lock, not a semaphore"),
+    ] {
+        let key = if class == SEMAPHORE {
+            "demo/cli-sem"
+        } else {
+            "demo/cli-not-sem"
+        };
+        let out = run(as_alice()?.args([
+            "hold",
+            key,
+            "--class",
+            class,
+            "--permits",
+            permits,
+            "--",
+            "sh",
+            "-c",
+            "echo ran",
+        ]))
+        .await?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            !out.status.success()
+                && err.contains(says)
+                && !String::from_utf8_lossy(&out.stdout).contains("ran"),
+            "hold {key} --permits {permits}: {out:?}"
+        );
+    }
+    let out = run(as_alice()?.args(["--json", "inspect", "demo/cli-sem"])).await?;
+    let seen: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(
+        seen["slot_holders"].as_array().is_some_and(Vec::is_empty),
+        "a refused --permits released its permit: {seen}"
     );
     Ok(())
 }

@@ -138,6 +138,8 @@ pub(crate) fn wire_grant(grant: &Grant) -> Result<WireGrant, ArbiterError> {
         unprotected: false,
         slot,
         mode: mode.into(),
+        // The class's, set by the handler that knows it.
+        permits: None,
     })
 }
 
@@ -153,6 +155,7 @@ fn wire_memory_grant(grant: &crate::owner::MemoryGrant) -> WireGrant {
         unprotected: true,
         slot: None,
         mode: Mode::Exclusive.into(),
+        permits: None,
     }
 }
 
@@ -486,9 +489,11 @@ impl Arbiter {
         // Per call: DEBUG (issue 31: INFO is for what an operator acts on;
         // the metrics count grants).
         debug!(identity = %caller.identity, key = %grant.key, class = %class.name, waited, "granted");
-        Ok(AcquireResponse {
-            grant: Some(wire_grant(&grant)?),
-        })
+        let mut wire = wire_grant(&grant)?;
+        if wire.slot.is_some() {
+            wire.permits = class.permits;
+        }
+        Ok(AcquireResponse { grant: Some(wire) })
     }
 }
 

@@ -24,6 +24,8 @@ pub(crate) struct Hold {
     pub(crate) revision: i64,
     /// The semaphore slot held (a semaphore class's grant); `None`: a lock.
     pub(crate) slot: Option<u32>,
+    /// A semaphore class's permits, as its grant said (`Grant.permits`).
+    pub(crate) permits: Option<u32>,
     /// A shared hold (`Mode::Shared`); `false`: exclusive.
     pub(crate) shared: bool,
     /// The class and metadata of the acquire that was granted: a downgrade
@@ -51,6 +53,7 @@ impl Hold {
             epoch,
             revision,
             slot: None,
+            permits: None,
             count: AtomicU32::new(0),
             ended: AtomicBool::new(false),
             shared: false,

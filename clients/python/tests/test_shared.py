@@ -69,6 +69,10 @@ class FakeArbiter(lock_pb2_grpc.LockServicer):
             session_id=request.session_id,
             mode=request.mode,
         )
+        if getattr(request, "class") == "slots":
+            # A semaphore class of 3 permits: the grant names its slot.
+            grant.slot = 1
+            grant.permits = 3
         return lock_pb2.AcquireResponse(grant=grant)
 
     def Release(self, request, context):
@@ -494,3 +498,11 @@ def test_the_shared_holds_end_heard_before_the_downgrades_answer_fences_it(fake)
     servicer.during_shared = None
     with client.lock("demo/d") as again:
         assert not again.is_fenced
+
+
+def test_a_semaphores_grant_says_its_slot_and_permits(fake):
+    _, client = fake
+    with client.lock("demo/s", lock_class="slots") as guard:
+        assert (guard.slot, guard.permits) == (1, 3)
+    with client.lock("demo/l") as guard:
+        assert (guard.slot, guard.permits) == (None, None)

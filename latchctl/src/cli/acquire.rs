@@ -102,6 +102,7 @@ pub async fn acquire(client: Client, args: AcquireArgs, out: Output) -> Result<E
             "revision": guard.revision(),
             "session_id": guard.session_id(),
             "slot": guard.slot(),
+            "permits": guard.permits(),
             "mode": if guard.is_shared() { "shared" } else { "exclusive" },
             "ttl_seconds": ttl,
             "detached": args.detach,

@@ -34,6 +34,12 @@ pub struct HoldArgs {
     /// exclusive one): the command only reads what the lock guards.
     #[arg(long)]
     pub shared: bool,
+    /// Hold one of a semaphore's N permits, and check it has N: refused
+    /// (the permit released before the command runs) unless the class is
+    /// a semaphore whose `permits` are N. The command gets
+    /// `LATCHKEY_PERMITS` (and `LATCHKEY_SLOT`) either way for a semaphore.
+    #[arg(long, value_name = "N", conflicts_with = "shared")]
+    pub permits: Option<u32>,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, num_args = 1.., value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -52,6 +58,24 @@ pub async fn hold(client: Client, args: HoldArgs, out: Output) -> Result<ExitCod
         args.shared,
     )
     .await?;
+    if let Some(expected) = args.permits {
+        let has = guard.permits();
+        if has != Some(expected) {
+            let what = match has {
+                Some(n) => format!("a semaphore of {n} permits"),
+                None if guard.slot().is_some() => {
+                    "a semaphore whose arbiter does not say its permits".to_string()
+                }
+                None => "a lock, not a semaphore".to_string(),
+            };
+            let key = guard.key().to_string();
+            guard.release().await?;
+            return Err(Failure::Other(anyhow::anyhow!(
+                "--permits {expected}: class {:?} makes {key:?} {what}; released it without running the command (fix --permits, or the class in the policies)",
+                args.class
+            )));
+        }
+    }
     // stdout belongs to the command: our messages go to stderr.
     let slot = match (guard.slot(), guard.is_shared()) {
         (Some(s), _) => format!(", slot {s}"),
@@ -59,7 +83,7 @@ pub async fn hold(client: Client, args: HoldArgs, out: Output) -> Result<ExitCod
         (None, false) => String::new(),
     };
     out.note(
-        json!({ "event": "acquired", "key": guard.key(), "epoch": guard.epoch(), "session_id": guard.session_id(), "slot": guard.slot() }),
+        json!({ "event": "acquired", "key": guard.key(), "epoch": guard.epoch(), "session_id": guard.session_id(), "slot": guard.slot(), "permits": guard.permits() }),
         format_args!(
             "latchctl: holding {}{slot} (epoch {}, session {}); running {program}",
             guard.key(),
@@ -81,6 +105,9 @@ pub async fn hold(client: Client, args: HoldArgs, out: Output) -> Result<ExitCod
         // A semaphore's grant: the command partitions its work by slot,
         // and fences each slot's resource with that slot's token.
         command.env("LATCHKEY_SLOT", slot.to_string());
+    }
+    if let Some(permits) = guard.permits() {
+        command.env("LATCHKEY_PERMITS", permits.to_string());
     }
     let mut child = command
         .args(program_args)

@@ -371,6 +371,8 @@ class Client:
             hold.unprotected = bool(getattr(grant, "unprotected", False))
             if grant.HasField("slot"):
                 hold.slot = grant.slot
+                if grant.HasField("permits"):
+                    hold.permits = grant.permits
             # The mode granted (a downgrade of this session's exclusive hold
             # is granted shared, with a new token).
             hold.shared = grant.mode == lock_pb2.MODE_SHARED
@@ -713,6 +715,12 @@ class LockGuard:
         token is that slot's, so fence a resource partitioned by slot per
         slot); None for a lock."""
         return self._hold.slot
+
+    @property
+    def permits(self) -> Optional[int]:
+        """A semaphore's permits (its class's: slots are ``0..permits-1``), as
+        the grant said; None for a lock (or from an arbiter too old to say)."""
+        return self._hold.permits
 
     @property
     def shared(self) -> bool:

@@ -42,6 +42,8 @@ class Hold:
     unprotected: bool = False
     #: The slot held, for a semaphore class's grant (0..permits-1); None for a lock.
     slot: Optional[int] = None
+    #: A semaphore class's permits, as its grant said (Grant.permits).
+    permits: Optional[int] = None
     #: A shared hold (MODE_SHARED); False: exclusive.
     shared: bool = False
     #: The thread whose acquire reached the arbiter: the one that re-enters.

@@ -180,7 +180,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., session_id: _Optional[int] = ..., wait: _Optional[_Union[WaitMode, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., instance: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., downgrade_from: _Optional[int] = ..., **kwargs) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("key", "token", "epoch", "revision", "session_id", "unprotected", "slot", "mode")
+    __slots__ = ("key", "token", "epoch", "revision", "session_id", "unprotected", "slot", "mode", "permits")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class Grant(_message.Message):
     UNPROTECTED_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    PERMITS_FIELD_NUMBER: _ClassVar[int]
     key: str
     token: int
     epoch: int
@@ -197,7 +198,8 @@ class Grant(_message.Message):
     unprotected: bool
     slot: int
     mode: Mode
-    def __init__(self, key: _Optional[str] = ..., token: _Optional[int] = ..., epoch: _Optional[int] = ..., revision: _Optional[int] = ..., session_id: _Optional[int] = ..., unprotected: _Optional[bool] = ..., slot: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    permits: int
+    def __init__(self, key: _Optional[str] = ..., token: _Optional[int] = ..., epoch: _Optional[int] = ..., revision: _Optional[int] = ..., session_id: _Optional[int] = ..., unprotected: _Optional[bool] = ..., slot: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., permits: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("grant",)
