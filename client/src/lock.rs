@@ -219,35 +219,14 @@ impl LockBuilder {
         if let Some(wait) = self.wait {
             request.set_timeout(wait);
         }
-        let grant = rpc
-            .lock()
-            .acquire(request)
-            .await?
-            .into_inner()
-            .grant
-            .ok_or(Error::Protocol {
-                rpc: "Acquire",
-                problem: "OK without a grant",
-            })?;
-        if grant.session_id != core.id || grant.key != self.key {
-            return Err(Error::Protocol {
-                rpc: "Acquire",
-                problem: "grant for another session or key",
-            });
-        }
-        let mut hold = Hold::new(
-            grant.key,
-            grant.session_id,
-            FencingToken::new(grant.token),
-            grant.epoch,
-            grant.revision,
-        );
-        hold.slot = grant.slot;
-        hold.permits = grant.permits.filter(|_| grant.slot.is_some());
-        hold.shared = grant.mode == Mode::Shared as i32;
-        hold.class = self.class.clone();
-        hold.metadata = self.metadata.clone();
-        let hold = Arc::new(hold);
+        let grant = rpc.lock().acquire(request).await?.into_inner().grant;
+        let hold = Arc::new(granted_hold(
+            grant,
+            core.id,
+            &self.key,
+            &self.class,
+            &self.metadata,
+        )?);
         pending.settled = true;
         let guard_id = core.granted(Arc::clone(&hold), on_fence)?;
         tracing::debug!(key = %self.key, session_id = core.id, epoch = hold.epoch, "acquired");
@@ -654,34 +633,56 @@ async fn send_downgrade(session: &SessionInner, hold: &Hold) -> Result<Arc<Hold>
         }))
         .await?
         .into_inner()
-        .grant
-        .ok_or(Error::Protocol {
-            rpc: "Acquire",
-            problem: "OK without a grant",
-        })?;
-    if grant.session_id != session.core.id || grant.key != hold.key {
-        return Err(Error::Protocol {
-            rpc: "Acquire",
-            problem: "grant for another session or key",
-        });
-    }
-    if grant.mode != Mode::Shared as i32 || grant.slot.is_some() {
+        .grant;
+    let shared = granted_hold(
+        grant,
+        session.core.id,
+        &hold.key,
+        &hold.class,
+        &hold.metadata,
+    )?;
+    if !shared.shared || shared.slot.is_some() {
         return Err(Error::Protocol {
             rpc: "Acquire",
             problem: "a downgrade granted other than shared",
         });
     }
-    let mut shared = Hold::new(
+    Ok(Arc::new(shared))
+}
+
+/// The hold an Acquire's answer grants, checked: a grant, for `session_id`
+/// and `key`; with the class and metadata asked (a downgrade asks them
+/// again).
+fn granted_hold(
+    grant: Option<latchkey_proto::lockv1::Grant>,
+    session_id: i64,
+    key: &str,
+    class: &str,
+    metadata: &HashMap<String, String>,
+) -> Result<Hold, Error> {
+    let grant = grant.ok_or(Error::Protocol {
+        rpc: "Acquire",
+        problem: "OK without a grant",
+    })?;
+    if grant.session_id != session_id || grant.key != key {
+        return Err(Error::Protocol {
+            rpc: "Acquire",
+            problem: "grant for another session or key",
+        });
+    }
+    let mut hold = Hold::new(
         grant.key,
         grant.session_id,
         FencingToken::new(grant.token),
         grant.epoch,
         grant.revision,
     );
-    shared.shared = true;
-    shared.class = hold.class.clone();
-    shared.metadata = hold.metadata.clone();
-    Ok(Arc::new(shared))
+    hold.slot = grant.slot;
+    hold.permits = grant.permits.filter(|_| grant.slot.is_some());
+    hold.shared = grant.mode == Mode::Shared as i32;
+    hold.class = class.to_string();
+    hold.metadata = metadata.clone();
+    Ok(hold)
 }
 
 /// What is known of a downgrade as its future ends.
