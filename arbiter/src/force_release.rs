@@ -58,7 +58,9 @@ use crate::election::{Elections, ForcedTerm};
 use crate::error::ArbiterError;
 use crate::lock_log::StoreError;
 use crate::oidc::{OidcConfig, OidcError, OidcVerifier, SignedIn};
-use crate::owner::{ForceEndTxn, ForceEnded, ForceRecords, KeyOwner};
+use crate::owner::{
+    ForceEndTxn, ForceEnded, ForceRecords, KeyOwner, RevokeSessionTxn, SessionRevoked,
+};
 use crate::records::encode;
 
 /// How long a request waits for its approver by default.
@@ -602,11 +604,24 @@ impl ForceRelease {
                     holder_identity: request.holder_identity.clone(),
                     revoked_at_unix_ms: crate::records::now_unix_ms(),
                 };
-                Some(
-                    self.store
-                        .revoke_session(request.holder_session, &request.holder_identity, &marker)
-                        .await,
-                )
+                let revoked = owner
+                    .revoke_session(RevokeSessionTxn {
+                        session: request.holder_session,
+                        counted_as: &request.holder_identity,
+                        marker: &encode(&marker),
+                        marker_ttl_seconds: u32::try_from(FORCE_RECORD_TTL.as_secs())
+                            .unwrap_or(u32::MAX),
+                    })
+                    .await;
+                Some(match revoked {
+                    Ok(SessionRevoked::Revoked) => Ok(()),
+                    Ok(SessionRevoked::RecordGone) => Err(
+                        "the session's record was already gone (closed or expiring); its lease is revoked"
+                            .to_string(),
+                    ),
+                    Ok(SessionRevoked::Ended) => Err("the session had already ended".to_string()),
+                    Err(e) => Err(e.detail()),
+                })
             }
             false => None,
         };

@@ -18,6 +18,7 @@
 //! store is the implementation's business.
 
 pub mod etcd;
+pub mod fallback;
 
 use std::time::Instant;
 
@@ -535,42 +536,15 @@ pub trait HoldLog: Send + Sync + 'static {
     /// revision), with the key's claims: the deleted record's bytes, `None`
     /// when a compare failed.
     async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>>;
-    /// One [`ReleaseTxn`]. The default reads the hold, checks it, then
-    /// releases exactly what it read (two requests; the answer carries the
-    /// header of the last): a log that can compare a record's beginning does
-    /// it in one transaction.
-    async fn release_if_owned(&self, txn: &ReleaseTxn) -> LogResult<ReleasedIf> {
-        let read = self.holder(&txn.key).await?;
-        let owned = read.value.as_ref().is_some_and(|kv| {
-            kv.lease == txn.session
-                && kv.mod_revision == txn.revision
-                && kv.value.starts_with(&txn.owner)
-        });
-        let Some(kv) = read.value.clone().filter(|_| owned) else {
-            return Ok(read.map(|holder| ReleasedIf::No { holder }));
-        };
-        let held = HeldAt {
-            key: txn.key.clone(),
-            session: txn.session,
-            revision: txn.revision,
-            value: kv.value,
-        };
-        let released = self.release(&held).await?;
-        Ok(Answer {
-            header: released.header,
-            value: match released.value {
-                Some(bytes) => ReleasedIf::Yes(bytes),
-                // changed since the read: report it as it was read
-                None => ReleasedIf::No { holder: read.value },
-            },
-        })
-    }
+    /// One [`ReleaseTxn`]: releases the hold only if it is still the
+    /// owner's, in one transaction where the log can compare a record's
+    /// beginning ([`fallback::release_if_owned`] is the two-request form for
+    /// a log that cannot).
+    async fn release_if_owned(&self, txn: &ReleaseTxn) -> LogResult<ReleasedIf>;
 
-    /// The most members [`Self::batch`] takes; 1 (the default): this log
-    /// does not batch, and every batch is one of its single transactions.
-    fn batch_limit(&self) -> usize {
-        1
-    }
+    /// The most members [`Self::batch`] takes; 1: this log does not batch,
+    /// and every batch is one of its single transactions.
+    fn batch_limit(&self) -> usize;
     /// Grants and releases on distinct keys in ONE transaction, each member
     /// a nested transaction with its own compares: every member that
     /// commits does so at the answer's revision, each outcome is what its
@@ -578,20 +552,10 @@ pub trait HoldLog: Send + Sync + 'static {
     /// [`Self::batch_limit`] members, or two on one key, are
     /// [`StoreError::Refused`] (nothing written); so is a put on a lease the
     /// store no longer has (it refuses the whole transaction, and cannot
-    /// say whose lease it was). The default runs a batch of one as that
-    /// member's own transaction.
-    async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
-        let mut ops = ops.into_iter();
-        match (ops.next(), ops.next()) {
-            (Some(op), None) => Ok(alone(self, op).await?.map(|outcome| vec![outcome])),
-            (None, _) => Err(StoreError::Refused {
-                context: "an empty batch".into(),
-            }),
-            (Some(_), Some(_)) => Err(StoreError::Refused {
-                context: "this log runs one transaction at a time".into(),
-            }),
-        }
-    }
+    /// say whose lease it was). A log that does not batch answers with
+    /// [`fallback::batch`] (a batch of one as that member's own
+    /// transaction).
+    async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>>;
     /// Ends the hold a force-release names ([`ForceEndTxn`]): one
     /// transaction, run with the force-release path's own credentials where
     /// the log has them (etcd: the restricted force-release user).
@@ -610,20 +574,8 @@ pub trait HoldLog: Send + Sync + 'static {
     /// The holds on `keys`, in order (`None`: not held): what a full
     /// quota's places are checked against. At most
     /// [`HOLDERS_OF_AT_ONCE`] keys per request (the answer's header is the
-    /// last request's). The default reads them one by one.
-    async fn holders_of(&self, keys: &[String]) -> LogResult<Vec<Option<Kv>>> {
-        let mut out = Vec::with_capacity(keys.len());
-        let mut header = None;
-        for key in keys {
-            let read = self.holder(key).await?;
-            header = Some(read.header);
-            out.push(read.value);
-        }
-        match header {
-            Some(header) => Ok(Answer { header, value: out }),
-            None => Ok(self.count_holds().await?.map(|_| out)),
-        }
-    }
+    /// last request's); [`fallback::holders_of`] reads them one by one.
+    async fn holders_of(&self, keys: &[String]) -> LogResult<Vec<Option<Kv>>>;
     /// Every taken place of `subject`'s quota in `class`, by index.
     async fn quota_places(&self, class: &str, subject: &str) -> LogResult<Vec<(u32, Kv)>>;
     /// Deletes place `index` of `subject`'s quota in `class` if it is still
@@ -641,18 +593,9 @@ pub trait HoldLog: Send + Sync + 'static {
     async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>>;
     /// Up to `limit` held lock keys after `after` (all from the first with
     /// `None`), in key order, keys only: a scan of every hold in pages of
-    /// bounded size. The default reads every hold (in-memory logs).
-    async fn held_keys_page(&self, after: Option<&str>, limit: usize) -> LogResult<Vec<String>> {
-        let all = self.holders_under("").await?;
-        Ok(all.map(|holds| {
-            holds
-                .into_iter()
-                .map(|(k, _)| k)
-                .filter(|k| after.is_none_or(|a| k.as_str() > a))
-                .take(limit)
-                .collect()
-        }))
-    }
+    /// bounded size ([`fallback::held_keys_page`] reads every hold, for
+    /// in-memory logs).
+    async fn held_keys_page(&self, after: Option<&str>, limit: usize) -> LogResult<Vec<String>>;
     /// How many keys are held.
     async fn count_holds(&self) -> LogResult<i64>;
     /// Watches `key` from `from_revision` (inclusive); a semaphore's slots
@@ -745,31 +688,21 @@ pub trait DurableQueueLog: Send + Sync + 'static {
     /// `modified`; whether it did.
     async fn drop_intent(&self, name: &str, session: i64, modified: i64) -> LogResult<bool>;
     /// Watches the intents on lock `name` from `from_revision`
-    /// (inclusive): any change is a hint. A log without it answers an
-    /// error and its readers poll.
+    /// (inclusive): any change is a hint. A log without it answers
+    /// [`fallback::no_intent_watch`] and its readers poll.
     async fn watch_intents(
         &self,
         name: &str,
         from_revision: i64,
-    ) -> Result<Box<dyn KeyWatch>, StoreError> {
-        let _ = (name, from_revision);
-        Err(StoreError::Malformed(
-            "this log does not watch writers' intents".into(),
-        ))
-    }
+    ) -> Result<Box<dyn KeyWatch>, StoreError>;
     /// Watches `key`'s durable queue from `from_revision` (inclusive): any
-    /// change is a hint. A log without it answers an error and its waiters
-    /// poll.
+    /// change is a hint. A log without it answers
+    /// [`fallback::no_queue_watch`] and its waiters poll.
     async fn watch_queue(
         &self,
         key: &str,
         from_revision: i64,
-    ) -> Result<Box<dyn KeyWatch>, StoreError> {
-        let _ = (key, from_revision);
-        Err(StoreError::Malformed(
-            "this log does not watch durable queues".into(),
-        ))
-    }
+    ) -> Result<Box<dyn KeyWatch>, StoreError>;
 }
 
 /// Sessions: leases, their records and the per-subject count entries.
@@ -787,20 +720,11 @@ pub trait SessionLog: Send + Sync + 'static {
     async fn session(&self, session: i64) -> LogResult<Option<Kv>>;
     /// Marks that `session` has a shadow on entity shard `shard` (ADR-09):
     /// a key on the session's lease, so the mark ends with the session.
-    /// Logs that never serve shards need not keep marks.
-    async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()> {
-        let _ = (session, shard);
-        Err(StoreError::unavailable(
-            "this lock log keeps no shadow marks",
-        ))
-    }
+    /// Logs that never serve shards keep no marks and answer
+    /// [`fallback::no_shadow_marks`].
+    async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()>;
     /// The shards `session` has marked shadows on, in name order.
-    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
-        let _ = session;
-        Err(StoreError::unavailable(
-            "this lock log keeps no shadow marks",
-        ))
-    }
+    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>>;
     /// How many sessions are counted against grant subject `identity` (the
     /// `counted_as` of [`Self::put_session`]).
     async fn count_sessions_of(&self, identity: &str) -> LogResult<u32>;
@@ -819,6 +743,40 @@ pub trait SessionLog: Send + Sync + 'static {
     async fn revoke(&self, lease: i64) -> Result<(), StoreError>;
     /// Renews the lease once.
     async fn renew(&self, lease: i64) -> Result<Renewal, StoreError>;
+    /// An operator's revocation of a session (a force-release that names
+    /// it, [`RevokeSessionTxn`]): ONE transaction deletes the session's
+    /// record and its count entry, if the record is still on that lease, so
+    /// no grant can be made on it from then on (every grant compares that
+    /// record), and puts the revocation marker on a lease of its own; then
+    /// the session's lease is revoked, and its holds go. A record already
+    /// gone gets no marker; the lease is revoked anyway.
+    async fn revoke_session(&self, txn: RevokeSessionTxn<'_>)
+    -> Result<SessionRevoked, StoreError>;
+}
+
+/// What [`SessionLog::revoke_session`] ends and what it leaves behind.
+#[derive(Debug, Clone, Copy)]
+pub struct RevokeSessionTxn<'a> {
+    pub session: i64,
+    /// The grant subject the session is counted against (its count entry).
+    pub counted_as: &'a str,
+    /// The revocation marker (`sys/revoked/<session>`), which tells the
+    /// audit tailer the lease's deletions from an expiry.
+    pub marker: &'a [u8],
+    /// How long the marker stays.
+    pub marker_ttl_seconds: u32,
+}
+
+/// How a [`SessionLog::revoke_session`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionRevoked {
+    /// Record deleted, marker put, lease revoked.
+    Revoked,
+    /// The session's record was already gone (closed or expiring): no
+    /// marker; its lease is revoked.
+    RecordGone,
+    /// The store no longer had the session's lease: it had ended.
+    Ended,
 }
 
 /// One batch member as its own transaction ([`HoldLog::grant`] or

@@ -22,7 +22,9 @@ use tracing::debug;
 
 use crate::error::ArbiterError;
 use crate::hold_counts::HoldCounts;
-pub use crate::lock_log::{ForceEndTxn, ForceEnded, ForceRecords};
+pub use crate::lock_log::{
+    ForceEndTxn, ForceEnded, ForceRecords, RevokeSessionTxn, SessionRevoked, StoreError,
+};
 pub use crate::quorum_loss::MemoryGrant;
 use crate::quorum_loss::QuorumLoss;
 use crate::subject_counts::Admitted;
@@ -334,6 +336,18 @@ impl KeyOwner {
     /// the loss does.
     pub async fn force_end(&self, txn: ForceEndTxn<'_>) -> Result<(ForceEnded, i64), ArbiterError> {
         self.table.force_end(txn).await
+    }
+
+    /// An operator's revocation of the session whose hold (or leadership)
+    /// a force-release ended, in this cluster's log
+    /// ([`crate::lock_log::SessionLog::revoke_session`]): its record goes
+    /// first, so it grants nothing more, then its lease and every hold on
+    /// it.
+    pub async fn revoke_session(
+        &self,
+        txn: RevokeSessionTxn<'_>,
+    ) -> Result<SessionRevoked, StoreError> {
+        self.table.log().revoke_session(txn).await
     }
 
     /// Calls waiting for `key` here (a hook's input).

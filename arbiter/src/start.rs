@@ -507,7 +507,7 @@ async fn force_release(
     Ok(Some((
         force_release::ForceRelease::new(
             verifier,
-            force_release::etcd::ForceStore::new(main, force.clone(), &config.prefix),
+            force_release::etcd::ForceStore::new(force.clone(), &config.prefix),
             settings.request_ttl,
         ),
         force,

@@ -53,7 +53,8 @@ use parking_lot::{Mutex, MutexGuard};
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
     Answer, Counted, DurableQueueLog, EpochLog, FollowLog, Header, KeyWatch, Kv, LogResult,
-    PrefixWatch, Queued, Records, Renewal, SessionLog, StoreError,
+    PrefixWatch, Queued, Records, Renewal, RevokeSessionTxn, SessionLog, SessionRevoked,
+    StoreError, fallback,
 };
 use latchkey_records::{decode_map_fence, encode_map_fence};
 use tokio::time::{Duration, Instant};
@@ -607,6 +608,15 @@ impl EpochLog for MemLog {
 
 #[async_trait]
 impl DurableQueueLog for MemLog {
+    /// Not watched: the simulation's durable waiters poll.
+    async fn watch_queue(
+        &self,
+        _key: &str,
+        _from_revision: i64,
+    ) -> Result<Box<dyn KeyWatch>, StoreError> {
+        fallback::no_queue_watch()
+    }
+
     async fn enqueue(
         &self,
         key: &str,
@@ -720,6 +730,15 @@ impl MemLog {
 
 #[async_trait]
 impl SessionLog for MemLog {
+    /// No shadow marks: the simulation serves no entity shards.
+    async fn mark_shadow(&self, _session: i64, _shard: &str) -> LogResult<()> {
+        Err(fallback::no_shadow_marks())
+    }
+
+    async fn shadow_marks(&self, _session: i64) -> LogResult<Vec<String>> {
+        Err(fallback::no_shadow_marks())
+    }
+
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
         self.call("grant lease", |inner, now| {
             if id == 0 {
@@ -797,6 +816,48 @@ impl SessionLog for MemLog {
             Ok(())
         })
         .await
+    }
+
+    async fn revoke_session(
+        &self,
+        txn: RevokeSessionTxn<'_>,
+    ) -> Result<SessionRevoked, StoreError> {
+        let session = txn.session;
+        let key = keys::session(session);
+        let entry = keys::identity_session(txn.counted_as, session);
+        let marker = txn.marker.to_vec();
+        let ttl = txn.marker_ttl_seconds;
+        let marked = self
+            .call("revoke session: end its record", |inner, now| {
+                if !inner.store.all(&[Compare::Lease(key.clone(), session)]) {
+                    return Ok(false);
+                }
+                // the marker's own lease: ids far from the sessions'
+                let mut lease = 0x4000_0000_0000_0000 ^ session;
+                while !inner.store.grant_lease(lease, ttl, now) {
+                    lease += 1;
+                }
+                commit(
+                    &mut inner.store,
+                    vec![
+                        Op::Delete(key),
+                        Op::Delete(entry),
+                        put(keys::revoked(session), marker, lease),
+                    ],
+                )?;
+                Ok(true)
+            })
+            .await?;
+        let had_lease = self
+            .call("revoke session: its lease", |inner, _| {
+                Ok(inner.store.revoke(session))
+            })
+            .await?;
+        Ok(match (marked, had_lease) {
+            (true, _) => SessionRevoked::Revoked,
+            (false, true) => SessionRevoked::RecordGone,
+            (false, false) => SessionRevoked::Ended,
+        })
     }
 
     async fn renew(&self, lease: i64) -> Result<Renewal, StoreError> {

@@ -33,9 +33,10 @@ use parking_lot::Mutex;
 use async_trait::async_trait;
 use latchkey_arbiter::LogLayer;
 use latchkey_arbiter::lock_log::{
-    Claimed, Counted, DowngradeTxn, DurableQueueLog, EpochLog, FollowLog, ForceEndTxn, ForceEnded,
-    GrantTxn, Granted, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LockLog, LogResult, PrefixWatch,
-    Queued, Records, Renewal, SessionLog, StoreError, WatchSignal,
+    BatchOp, BatchOutcome, Claimed, Counted, DowngradeTxn, DurableQueueLog, EpochLog, FollowLog,
+    ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv,
+    LockLog, LogResult, PrefixWatch, Queued, Records, ReleaseTxn, ReleasedIf, Renewal,
+    RevokeSessionTxn, SessionLog, SessionRevoked, StoreError, WatchSignal,
 };
 use tracing::debug;
 
@@ -239,84 +240,181 @@ impl FaultyLog {
     /// has on the key is deleted first (as if released), then the real
     /// transaction runs and finds the key free.
     async fn grant_on_watch(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
-        let held = self.inner.holder(txn.key).await?;
+        self.take_as_released(txn.key, txn.session).await?;
+        self.inner.grant(txn).await
+    }
+
+    /// [`TestFault::GrantOnWatch`]'s first step: another session's hold on
+    /// `key` is deleted as if released.
+    async fn take_as_released(&self, key: &str, session: i64) -> Result<(), StoreError> {
+        let held = self.inner.holder(key).await?;
         if let Some(kv) = held.value
-            && kv.lease != txn.session
+            && kv.lease != session
         {
             // Whether it deleted it or not (gone already, or changed again),
             // the grant transaction decides now.
             let deleted = self
                 .inner
-                .release_orphan(txn.key, kv.lease, kv.mod_revision)
+                .release_orphan(key, kv.lease, kv.mod_revision)
                 .await?
                 .value;
             debug!(
-                key = txn.key,
+                key,
                 holder = kv.lease,
                 deleted,
                 "test fault grant-on-watch: a watch event, so the hold goes before the grant"
             );
         }
-        self.inner.grant(txn).await
+        Ok(())
+    }
+
+    /// [`TestFault::ForgetHidden`]'s first step: another session's grant
+    /// transaction on a key whose hold's answer was lost first deletes that
+    /// hold, as if it had never been granted.
+    async fn forget_hidden(&self, key: &str, session: i64) -> Result<(), StoreError> {
+        if self.fault != TestFault::ForgetHidden {
+            return Ok(());
+        }
+        let stale = {
+            let mut forgotten = self.forgotten.lock();
+            match forgotten.get(key) {
+                Some(held) if held.session != session => forgotten.remove(key),
+                _ => None,
+            }
+        };
+        if let Some(held) = stale {
+            // Deleted if it is still exactly that hold; either way the
+            // grant transaction decides now.
+            let deleted = self.inner.release(&held).await?.value.is_some();
+            debug!(
+                key,
+                holder = held.session,
+                session,
+                deleted,
+                "test fault forget-hidden: a grant whose answer was lost counts as not held"
+            );
+        }
+        Ok(())
+    }
+
+    /// Counts a committed grant: whether its answer is the one in
+    /// [`LOSE_EVERY`] that is lost.
+    fn loses_answer(&self) -> bool {
+        self.committed.fetch_add(1, Ordering::Relaxed) % LOSE_EVERY == LOSE_EVERY - 1
+    }
+
+    /// The error a lost answer is, after [`TestFault::ForgetHidden`] noted
+    /// `lost` (the holds granted in it) as forgotten.
+    fn lost_answer(&self, lost: Vec<HeldAt>) -> StoreError {
+        for held in lost {
+            debug!(
+                key = %held.key,
+                session = held.session,
+                revision = held.revision,
+                "test fault {}: the grant committed; its answer is lost",
+                self.fault
+            );
+            if self.fault == TestFault::ForgetHidden {
+                self.forgotten.lock().insert(held.key.clone(), held);
+            }
+        }
+        StoreError::unavailable(format!(
+            "test fault {}: the grant transaction's answer was lost",
+            self.fault
+        ))
     }
 
     /// [`TestFault::LoseGrantAnswers`] and [`TestFault::ForgetHidden`]: the
     /// real grant transaction, whose answer is lost once in [`LOSE_EVERY`]
-    /// commits. With `ForgetHidden`, another session's grant transaction on
-    /// a key whose hold's answer was lost first deletes that hold, as if it
-    /// had never been granted.
+    /// commits (with `ForgetHidden`, see [`Self::forget_hidden`]).
     async fn grant_losing_answers(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
         let (key, session) = (txn.key.to_owned(), txn.session);
-        if self.fault == TestFault::ForgetHidden {
-            let stale = {
-                let mut forgotten = self.forgotten.lock();
-                match forgotten.get(&key) {
-                    Some(held) if held.session != session => forgotten.remove(&key),
-                    _ => None,
-                }
-            };
-            if let Some(held) = stale {
-                // Deleted if it is still exactly that hold; either way the
-                // grant transaction decides now.
-                let deleted = self.inner.release(&held).await?.value.is_some();
-                debug!(
-                    key = %key,
-                    holder = held.session,
-                    session,
-                    deleted,
-                    "test fault forget-hidden: a grant whose answer was lost counts as not held"
-                );
-            }
-        }
+        self.forget_hidden(&key, session).await?;
         let record = txn.holder_record.clone();
         let answer = self.inner.grant(txn).await?;
-        if answer.value != Granted::Yes
-            || self.committed.fetch_add(1, Ordering::Relaxed) % LOSE_EVERY != LOSE_EVERY - 1
-        {
+        if answer.value != Granted::Yes || !self.loses_answer() {
             return Ok(answer);
         }
-        if self.fault == TestFault::ForgetHidden {
-            self.forgotten.lock().insert(
-                key.clone(),
-                HeldAt {
-                    key: key.clone(),
-                    session,
-                    revision: answer.header.revision,
-                    value: record,
-                },
-            );
-        }
-        debug!(
-            key = %key,
+        Err(self.lost_answer(vec![HeldAt {
+            key,
             session,
-            revision = answer.header.revision,
-            "test fault {}: the grant committed; its answer is lost",
-            self.fault
-        );
-        Err(StoreError::unavailable(format!(
-            "test fault {}: the grant transaction's answer was lost",
-            self.fault
-        )))
+            revision: answer.header.revision,
+            value: record,
+        }]))
+    }
+
+    /// A batch under a fault of grant transactions: each grant member meets
+    /// the fault as a lone grant would (the whole batch's answer is lost
+    /// when one of its committed grants' is, as a lost answer is).
+    async fn faulty_batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
+        let grants: Vec<Option<(String, i64, Vec<u8>)>> = ops
+            .iter()
+            .map(|op| match op {
+                BatchOp::Grant(txn) => {
+                    Some((txn.key.to_owned(), txn.session, txn.holder_record.clone()))
+                }
+                BatchOp::Release(_) => None,
+            })
+            .collect();
+        for (key, session, _) in grants.iter().flatten() {
+            match self.fault {
+                TestFault::GrantOnWatch if self.take_signal(key) => {
+                    self.take_as_released(key, *session).await?
+                }
+                TestFault::ForgetHidden => self.forget_hidden(key, *session).await?,
+                _ => {}
+            }
+        }
+        let answer = self.inner.batch(ops).await?;
+        let members = answer.value.iter().zip(&grants);
+        match self.fault {
+            TestFault::SlowReuse => {
+                let own = members
+                    .into_iter()
+                    .any(|(outcome, grant)| match (outcome, grant) {
+                        (
+                            BatchOutcome::Grant(Granted::No { holder, .. }),
+                            Some((_, session, _)),
+                        ) => own_hold(holder.as_ref(), *session),
+                        _ => false,
+                    });
+                if own {
+                    debug!(
+                        "test fault slow-reuse: holding back a batch with a session's own grant"
+                    );
+                    tokio::time::sleep(SLOW_REUSE).await;
+                }
+                Ok(answer)
+            }
+            TestFault::LoseGrantAnswers | TestFault::ForgetHidden => {
+                let committed: Vec<HeldAt> = members
+                    .filter_map(|(outcome, grant)| match (outcome, grant) {
+                        (BatchOutcome::Grant(Granted::Yes), Some((key, session, record))) => {
+                            Some(HeldAt {
+                                key: key.clone(),
+                                session: *session,
+                                revision: answer.header.revision,
+                                value: record.clone(),
+                            })
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                // every committed grant counts, as each would alone
+                let lose = committed
+                    .iter()
+                    .fold(false, |lose, _| self.loses_answer() || lose);
+                if lose {
+                    Err(self.lost_answer(committed))
+                } else {
+                    Ok(answer)
+                }
+            }
+            TestFault::None
+            | TestFault::GrantOnWatch
+            | TestFault::SlowSessionWrites
+            | TestFault::SlowWithdraw => Ok(answer),
+        }
     }
 }
 
@@ -398,6 +496,18 @@ impl HoldLog for FaultyLog {
         self.inner.release(held).await
     }
 
+    async fn release_if_owned(&self, txn: &ReleaseTxn) -> LogResult<ReleasedIf> {
+        self.inner.release_if_owned(txn).await
+    }
+
+    fn batch_limit(&self) -> usize {
+        self.inner.batch_limit()
+    }
+
+    async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
+        self.faulty_batch(ops).await
+    }
+
     async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
         self.inner.claim(key, session, revision).await
     }
@@ -412,6 +522,14 @@ impl HoldLog for FaultyLog {
 
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
         self.inner.holder(key).await
+    }
+
+    async fn holders_of(&self, keys: &[String]) -> LogResult<Vec<Option<Kv>>> {
+        self.inner.holders_of(keys).await
+    }
+
+    async fn held_keys_page(&self, after: Option<&str>, limit: usize) -> LogResult<Vec<String>> {
+        self.inner.held_keys_page(after, limit).await
     }
 
     async fn quota_places(&self, class: &str, subject: &str) -> LogResult<Vec<(u32, Kv)>> {
@@ -558,6 +676,21 @@ impl DurableQueueLog for FaultyLog {
 
 #[async_trait]
 impl SessionLog for FaultyLog {
+    async fn revoke_session(
+        &self,
+        txn: RevokeSessionTxn<'_>,
+    ) -> Result<SessionRevoked, StoreError> {
+        self.inner.revoke_session(txn).await
+    }
+
+    async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()> {
+        self.inner.mark_shadow(session, shard).await
+    }
+
+    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
+        self.inner.shadow_marks(session).await
+    }
+
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
         self.inner.grant_lease(id, ttl_seconds).await
     }
@@ -662,7 +795,7 @@ impl latchkey_arbiter::lock_log::ElectionLog for FaultyLog {
 mod tests {
     use std::collections::{BTreeMap, VecDeque};
 
-    use latchkey_arbiter::lock_log::{Answer, Header};
+    use latchkey_arbiter::lock_log::{Answer, Header, fallback};
 
     use super::*;
 
@@ -856,6 +989,30 @@ mod tests {
 
     #[async_trait]
     impl HoldLog for FakeLog {
+        async fn release_if_owned(&self, txn: &ReleaseTxn) -> LogResult<ReleasedIf> {
+            fallback::release_if_owned(self, txn).await
+        }
+
+        fn batch_limit(&self) -> usize {
+            1
+        }
+
+        async fn batch(&self, ops: Vec<BatchOp<'_>>) -> LogResult<Vec<BatchOutcome>> {
+            fallback::batch(self, ops).await
+        }
+
+        async fn holders_of(&self, keys: &[String]) -> LogResult<Vec<Option<Kv>>> {
+            fallback::holders_of(self, keys).await
+        }
+
+        async fn held_keys_page(
+            &self,
+            after: Option<&str>,
+            limit: usize,
+        ) -> LogResult<Vec<String>> {
+            fallback::held_keys_page(self, after, limit).await
+        }
+
         async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
             let mut s = self.state.lock();
             if let Some(kv) = s.holds.get(txn.key) {
@@ -1002,6 +1159,14 @@ mod tests {
 
     #[async_trait]
     impl DurableQueueLog for FakeLog {
+        async fn watch_intents(&self, _: &str, _: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
+            fallback::no_intent_watch()
+        }
+
+        async fn watch_queue(&self, _: &str, _: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
+            fallback::no_queue_watch()
+        }
+
         async fn enqueue(
             &self,
             _: &str,
@@ -1041,6 +1206,21 @@ mod tests {
 
     #[async_trait]
     impl SessionLog for FakeLog {
+        async fn revoke_session(
+            &self,
+            _: RevokeSessionTxn<'_>,
+        ) -> Result<SessionRevoked, StoreError> {
+            unused()
+        }
+
+        async fn mark_shadow(&self, _: i64, _: &str) -> LogResult<()> {
+            Err(fallback::no_shadow_marks())
+        }
+
+        async fn shadow_marks(&self, _: i64) -> LogResult<Vec<String>> {
+            Err(fallback::no_shadow_marks())
+        }
+
         async fn grant_lease(&self, _: i64, _: u32) -> LogResult<()> {
             unused()
         }
@@ -1231,5 +1411,100 @@ mod tests {
         let (answer, took) = timed(1).await;
         assert!(matches!(answer, Granted::No { holder: Some(ref kv), .. } if kv.lease == 1));
         assert!(took >= SLOW_REUSE, "{took:?}");
+    }
+
+    /// A MemLog (the simulation's, which batches) with an epoch and
+    /// sessions 1..=n, each with the session record [`txn`] compares.
+    async fn batching_log(n: i64) -> Arc<latchkey_sim::memlog::MemLog> {
+        let mem = Arc::new(latchkey_sim::memlog::MemLog::new(7));
+        mem.create_epoch(b"epoch".to_vec()).await.unwrap();
+        for session in 1..=n {
+            mem.grant_lease(session, 60).await.unwrap();
+            mem.put_session(session, "spiffe://t/w", b"session".to_vec())
+                .await
+                .unwrap();
+        }
+        mem
+    }
+
+    /// One batch of grants of `keys` to `session`: the outcomes, or `None`
+    /// when the answer was lost.
+    async fn batch_grants(
+        log: &Arc<dyn LockLog>,
+        keys: &[&str],
+        session: i64,
+    ) -> Option<Vec<BatchOutcome>> {
+        let ops = keys
+            .iter()
+            .map(|k| BatchOp::Grant(txn(k, session)))
+            .collect();
+        log.batch(ops).await.ok().map(|a| a.value)
+    }
+
+    /// A layer that batched less than its log (the old defaults) ran every
+    /// faulted arbiter on a path production never takes: every layer now
+    /// batches as its inner log does, and a fault of grant transactions
+    /// meets a batch's grant members as it meets lone grants.
+    #[tokio::test(start_paused = true)]
+    async fn every_fault_batches_as_its_log_does_and_meets_batched_grants() {
+        for fault in TestFault::ALL {
+            if let Some(layer) = layer(fault) {
+                let mem = batching_log(0).await;
+                let log = (layer.wrap)(Arc::clone(&mem) as Arc<dyn LockLog>);
+                assert!(mem.batch_limit() > 1);
+                assert_eq!(log.batch_limit(), mem.batch_limit(), "{fault}");
+            }
+        }
+
+        // lose-grant-answers: the batch carrying the fourth committed grant
+        // loses its answer, and its grants are written
+        let mem = batching_log(3).await;
+        let log = (layer(TestFault::LoseGrantAnswers).unwrap().wrap)(
+            Arc::clone(&mem) as Arc<dyn LockLog>
+        );
+        let first = batch_grants(&log, &["a", "b", "c"], 1).await.unwrap();
+        assert!(first.iter().all(BatchOutcome::committed), "{first:?}");
+        assert_eq!(batch_grants(&log, &["d", "e"], 2).await, None);
+        assert_eq!(holder_lease(&log, "d").await, Some(2));
+        assert_eq!(holder_lease(&log, "e").await, Some(2));
+
+        // forget-hidden: a grant in a lost batch is taken from its session
+        // by another session's batched grant
+        let mem = batching_log(3).await;
+        let log =
+            (layer(TestFault::ForgetHidden).unwrap().wrap)(Arc::clone(&mem) as Arc<dyn LockLog>);
+        batch_grants(&log, &["a", "b", "c"], 1).await.unwrap();
+        assert_eq!(batch_grants(&log, &["d"], 2).await, None);
+        assert_eq!(holder_lease(&log, "d").await, Some(2));
+        let taken = batch_grants(&log, &["d", "x"], 3).await.unwrap();
+        assert!(taken.iter().all(BatchOutcome::committed), "{taken:?}");
+        assert_eq!(holder_lease(&log, "d").await, Some(3));
+
+        // grant-on-watch: a watch event lets a batched grant take a held key
+        let mem = batching_log(2).await;
+        let log =
+            (layer(TestFault::GrantOnWatch).unwrap().wrap)(Arc::clone(&mem) as Arc<dyn LockLog>);
+        batch_grants(&log, &["k"], 1).await.unwrap();
+        let refused = batch_grants(&log, &["k"], 2).await.unwrap();
+        assert!(!refused[0].committed(), "{refused:?}");
+        // session 1 lets go and takes it again: a watch event, and held
+        let from = mem.records().await.unwrap().header.revision + 1;
+        let mut w = log.watch("k", from).await.unwrap();
+        let kv = mem.holder("k").await.unwrap().value.unwrap();
+        assert!(
+            mem.release_orphan("k", 1, kv.mod_revision)
+                .await
+                .unwrap()
+                .value
+        );
+        assert_eq!(mem.grant(txn("k", 1)).await.unwrap().value, Granted::Yes);
+        assert!(matches!(
+            w.next().await,
+            WatchSignal::Freed | WatchSignal::Changed
+        ));
+        assert_eq!(holder_lease(&log, "k").await, Some(1));
+        let taken = batch_grants(&log, &["k"], 2).await.unwrap();
+        assert!(taken[0].committed(), "{taken:?}");
+        assert_eq!(holder_lease(&log, "k").await, Some(2));
     }
 }

@@ -45,7 +45,9 @@ use fence::{
     a_hand_over_compares_the_map_fence, raising_the_map_fence_never_lowers_it,
 };
 use follow::a_follow_reads_then_reports_every_change;
-use force::a_forced_end_ends_only_the_named_hold;
+use force::{
+    a_forced_end_ends_only_the_named_hold, an_operators_revocation_ends_the_session_record_first,
+};
 use kinds::a_key_is_one_kind_at_a_time;
 use latchkey_arbiter::lock_log::{
     Claimed, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, KeyWatch, Kv, LockLog,
@@ -106,6 +108,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(a_downgrade_is_one_transaction);
     case!(a_writers_intent_keeps_readers_out);
     case!(a_forced_end_ends_only_the_named_hold);
+    case!(an_operators_revocation_ends_the_session_record_first);
     case!(release_orphan_is_conditional);
     case!(a_claim_stops_the_orphan_release);
     case!(release_if_owned_compares_the_owner);

@@ -1,14 +1,14 @@
 //! The force-release path's etcd requests (through [`latchkey_etcd`], like
 //! the lock log and the holds' watch): reads of a hold or of an election's
-//! leadership, the request records, their listing and the holder's session
-//! revocation. The transaction that ends the hold is the lock log's
+//! leadership, the request records and their listing. The transaction that ends the hold is the lock log's
 //! (`HoldLog::force_end`), run by the key's owner; a leadership's is
 //! `ElectionLog::force_end_term`, run by the election's owner.
 //!
-//! Two clients: `force`, logged in as the restricted force-release user
-//! when one is configured (every request here but the session revocation),
-//! and `main`, the arbiter's own, for `LeaseRevoke` (etcd lets a user revoke
-//! a lease only with write permission on every key attached to it).
+//! One client, `force`: logged in as the restricted force-release user
+//! when one is configured. The holder's session revocation is not here:
+//! it is the lock log's (`SessionLog::revoke_session`, run by the key's
+//! owner with the arbiter's own client, as etcd lets a user revoke a lease
+//! only with write permission on every key attached to it).
 
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use latchkey_etcd::txn::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use latchkey_etcd::{Client, ErrorKind};
 use tracing::warn;
 
-use super::{ForceError, ForceRecord, RequestRecord, RevokeRecord};
+use super::{ForceError, ForceRecord, RequestRecord};
 use crate::lock_log::Kv;
 use crate::records::{HolderRecord, Layout, decode, encode, keys};
 use latchkey_records::LeadRecord;
@@ -41,7 +41,6 @@ pub struct Led {
 
 #[derive(Clone)]
 pub struct ForceStore {
-    main: Client,
     force: Client,
     prefix: String,
     layout: Layout,
@@ -72,9 +71,8 @@ fn ttl_seconds(ttl: Duration) -> i64 {
 }
 
 impl ForceStore {
-    pub fn new(main: Client, force: Client, prefix: &str) -> Self {
+    pub fn new(force: Client, prefix: &str) -> Self {
         Self {
-            main,
             force,
             prefix: prefix.trim_end_matches('/').to_string(),
             layout: Layout::new(prefix),
@@ -402,76 +400,6 @@ impl ForceStore {
     /// `{prefix}/sys/revoked/`: sessions an operator's force-release revoked.
     pub fn revoked_dir(&self) -> String {
         format!("{}/{}", self.prefix, crate::records::keys::REVOKED)
-    }
-
-    /// Revokes the holder's session with the arbiter's own client, so that
-    /// the audit trail can tell it from an expiry: first ONE transaction
-    /// that deletes the session's record (and its count entry), as
-    /// CloseSession does, so no grant can be made on it from here on (every
-    /// grant compares that record), and puts `sys/revoked/<lease>` on a 24 h
-    /// lease of its own; then `LeaseRevoke`, whose deletions the tailer reads
-    /// against that marker as `force-revoked`. A session whose record is
-    /// already gone (closed, expired, or revoked meanwhile) gets no marker;
-    /// the revoke still runs.
-    pub async fn revoke_session(
-        &self,
-        session: i64,
-        holder_identity: &str,
-        marker: &RevokeRecord,
-    ) -> Result<(), String> {
-        let marker_lease = self
-            .main
-            .lease_client()
-            .grant(ttl_seconds(super::FORCE_RECORD_TTL), None)
-            .await
-            .map_err(|e| format!("etcd: granting the revocation record's lease: {e}"))?
-            .id();
-        let session_key = self.layout.session(session);
-        let txn = Txn::new()
-            .when(vec![Compare::lease(
-                session_key.as_str(),
-                CompareOp::Equal,
-                session,
-            )])
-            .and_then(vec![
-                TxnOp::delete(session_key.as_str(), None),
-                TxnOp::delete(self.layout.identity_session(holder_identity, session), None),
-                TxnOp::put(
-                    format!("{}{session:016x}", self.revoked_dir()),
-                    encode(marker),
-                    Some(PutOptions::new().with_lease(marker_lease)),
-                ),
-            ]);
-        let marked = match self.main.kv_client().txn(txn).await {
-            Ok(r) => r.succeeded(),
-            Err(e) => {
-                self.drop_main_lease(marker_lease).await;
-                return Err(format!("etcd: ending the session's record: {e}"));
-            }
-        };
-        if !marked {
-            self.drop_main_lease(marker_lease).await;
-        }
-        let revoked = self.main.lease_client().revoke(session).await;
-        match revoked.map_err(latchkey_etcd::Error::from) {
-            Ok(_) if marked => Ok(()),
-            Ok(_) => Err(
-                "the session's record was already gone (closed or expiring); its lease is revoked"
-                    .into(),
-            ),
-            Err(e) if e.grpc_message().is_some_and(|m| m.contains("not found")) => {
-                Err("the session had already ended".into())
-            }
-            Err(e) => Err(format!(
-                "etcd: {e} (the session's record is deleted, so it grants nothing more; its holds end when its lease lapses)"
-            )),
-        }
-    }
-
-    async fn drop_main_lease(&self, lease: i64) {
-        if let Err(e) = self.main.lease_client().revoke(lease).await {
-            warn!(lease, error = %e, "could not revoke an unused revocation-record lease (it expires by itself)");
-        }
     }
 
     /// Pending requests and force records.

@@ -42,7 +42,7 @@ use latchkey_etcd::{Client, Connection, ErrorKind, KeyValue, Login, ResponseHead
 use super::{
     Answer, BatchOp, BatchOutcome, Claimed, DowngradeTxn, ForceEndTxn, ForceEnded, GrantTxn,
     Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn,
-    ReleasedIf, Renewal, StoreError,
+    ReleasedIf, Renewal, RevokeSessionTxn, SessionRevoked, StoreError,
 };
 use crate::records::Layout;
 /// The etcd client handle the log and its followers connect with.
@@ -364,6 +364,13 @@ impl SessionLog for EtcdLog {
 
     async fn renew(&self, lease: i64) -> Result<Renewal, StoreError> {
         self.renewals.renew(lease).await
+    }
+
+    async fn revoke_session(
+        &self,
+        txn: RevokeSessionTxn<'_>,
+    ) -> Result<SessionRevoked, StoreError> {
+        sessions::revoke_session(self, txn).await
     }
 }
 

@@ -5,7 +5,7 @@ use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
     BatchOp, BatchOutcome, Claimed, DowngradeTxn, ForceEndTxn, ForceEnded, GrantTxn, Granted,
     HandOverFrom, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv, LogResult, ReleaseTxn, ReleasedIf,
-    StoreError,
+    StoreError, fallback,
 };
 
 use super::store::{Compare, NoLease, Op, OpResult};
@@ -27,6 +27,14 @@ fn still_held(held: &HeldAt) -> [Compare; 3] {
 
 #[async_trait]
 impl HoldLog for MemLog {
+    async fn holders_of(&self, keys: &[String]) -> LogResult<Vec<Option<Kv>>> {
+        fallback::holders_of(self, keys).await
+    }
+
+    async fn held_keys_page(&self, after: Option<&str>, limit: usize) -> LogResult<Vec<String>> {
+        fallback::held_keys_page(self, after, limit).await
+    }
+
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
         let planned = batch::plan_grant(&txn);
         self.call("grant", |inner, _| {

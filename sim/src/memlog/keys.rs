@@ -105,3 +105,7 @@ pub fn elections_of(subject: &str) -> String {
 pub fn election_entry(subject: &str, name: &str) -> String {
     format!("{}{name}", elections_of(subject))
 }
+/// An operator's revocation marker of `session` (`sys/revoked/`).
+pub fn revoked(session: i64) -> String {
+    format!("sys/revoked/{session:016x}")
+}

@@ -28,7 +28,7 @@ use latchkey_arbiter::lock_log::{
     ElectionRead, EpochLog, FollowEvent, FollowLog, FollowSignal, ForceEndTxn, ForceEnded,
     ForceTermTxn, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv,
     LeadFrom, LeadTo, LeadTxn, LogResult, PrefixWatch, ProclaimTxn, Queued, Records, ReleaseTxn,
-    ReleasedIf, Renewal, SessionLog, StoreError,
+    ReleasedIf, Renewal, RevokeSessionTxn, SessionLog, SessionRevoked, StoreError, fallback,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -375,6 +375,15 @@ impl PrefixWatch for IdPrefixWatch {
 
 #[async_trait]
 impl HoldLog for IdLog {
+    async fn holders_of(&self, keys: &[String]) -> LogResult<Vec<Option<Kv>>> {
+        // one by one through this log, so every hold's lease is mapped back
+        fallback::holders_of(self, keys).await
+    }
+
+    async fn held_keys_page(&self, after: Option<&str>, limit: usize) -> LogResult<Vec<String>> {
+        fallback::held_keys_page(self, after, limit).await
+    }
+
     async fn grant(&self, txn: GrantTxn<'_>) -> LogResult<Granted> {
         self.t(|| {
             format!(
@@ -643,6 +652,15 @@ impl EpochLog for IdLog {
 
 #[async_trait]
 impl DurableQueueLog for IdLog {
+    async fn watch_queue(
+        &self,
+        key: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn KeyWatch>, StoreError> {
+        self.t(|| format!("watch_queue {key}"));
+        self.log.watch_queue(key, from_revision).await
+    }
+
     async fn enqueue(
         &self,
         key: &str,
@@ -710,6 +728,35 @@ impl DurableQueueLog for IdLog {
 
 #[async_trait]
 impl SessionLog for IdLog {
+    async fn revoke_session(
+        &self,
+        txn: RevokeSessionTxn<'_>,
+    ) -> Result<SessionRevoked, StoreError> {
+        self.t(|| format!("revoke_session {}", self.store_id(txn.session)));
+        let txn = RevokeSessionTxn {
+            session: self.store_id(txn.session),
+            ..txn
+        };
+        self.log
+            .revoke_session(txn)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()> {
+        self.log
+            .mark_shadow(self.store_id(session), shard)
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
+    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
+        self.log
+            .shadow_marks(self.store_id(session))
+            .await
+            .map_err(|e| self.error_back(e))
+    }
+
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
         self.t(|| "grant_lease".into());
         let mapped = self.grant_id(id);

@@ -5,6 +5,7 @@
 use anyhow::{Context, ensure};
 use latchkey_arbiter::lock_log::{
     ForceEndTxn, ForceEnded, ForceRecords, HandOverFrom, HandOverTxn, HeldAt, LockLog,
+    RevokeSessionTxn, SessionRevoked,
 };
 
 use super::{epoch, holder_record, lease, one_write, open, revision, revoke_all, take, unchanged};
@@ -131,4 +132,88 @@ pub async fn a_forced_end_ends_only_the_named_hold(log: &dyn LockLog) -> anyhow:
     let (ended, _) = force_end(log, &b_held, &ForceRecords::default()).await?;
     ensure!(ended == ForceEnded::HoldChanged { now: None }, "{ended:?}");
     revoke_all(log, &[ia, ib]).await
+}
+
+/// An operator's revocation of a session: its record and count entry go at
+/// once (no grant can be made on it from then on), then its lease and every
+/// hold on it. A session whose record is already gone is `RecordGone`, its
+/// lease revoked all the same; one whose lease is gone is `Ended`.
+pub async fn an_operators_revocation_ends_the_session_record_first(
+    log: &dyn LockLog,
+) -> anyhow::Result<()> {
+    let epoch = epoch(log).await?;
+    let (a, b) = ("spiffe://contract/revoke/a", "spiffe://contract/revoke/b");
+    let (ia, ib) = (lease(75, 0), lease(75, 1));
+    let record_a = open(log, ia, a).await?;
+    open(log, ib, b).await?;
+    let key = "contract/revoke/k";
+    take(log, key, ia, a, &epoch).await?;
+    let other = take(log, "contract/revoke/other", ib, b, &epoch).await?;
+    ensure!(
+        log.count_sessions_of(a).await?.value == 1,
+        "a's session is not counted"
+    );
+
+    let revoke = |session, counted_as| RevokeSessionTxn {
+        session,
+        counted_as,
+        marker: b"revoked by an operator",
+        marker_ttl_seconds: 600,
+    };
+    let revoked = log.revoke_session(revoke(ia, a)).await?;
+    ensure!(revoked == SessionRevoked::Revoked, "{revoked:?}");
+    ensure!(
+        log.session(ia).await?.value.is_none(),
+        "the revoked session's record is still there"
+    );
+    ensure!(
+        log.count_sessions_of(a).await?.value == 0,
+        "the revoked session is still counted"
+    );
+    ensure!(
+        log.holder(key).await?.value.is_none(),
+        "the revoked session's hold is still there"
+    );
+    // no grant on it from then on
+    log.grant_lease(ia, 60)
+        .await
+        .context("the revoked session's lease id is free again")?;
+    let refused = log
+        .grant(latchkey_arbiter::lock_log::GrantTxn {
+            key,
+            session: ia,
+            holder_record: holder_record(key, ia),
+            epoch: &epoch,
+            fence_at: 0,
+            session_record: &record_a,
+            queue: Default::default(),
+            quota: None,
+        })
+        .await?
+        .value;
+    ensure!(
+        refused != latchkey_arbiter::lock_log::Granted::Yes,
+        "a grant on the revoked session's record: {refused:?}"
+    );
+    log.revoke(ia).await?;
+
+    // the other session is untouched
+    ensure!(
+        log.holder(&other.key).await?.value.map(|kv| kv.lease) == Some(ib),
+        "another session's hold went with the revocation"
+    );
+    // again: the lease is gone now
+    let again = log.revoke_session(revoke(ia, a)).await?;
+    ensure!(again == SessionRevoked::Ended, "{again:?}");
+
+    // a record already gone (closed, or expiring): no marker, lease revoked
+    let rb = super::session_record(b);
+    ensure!(log.delete_session(ib, b, rb).await?.value, "close of b");
+    let gone = log.revoke_session(revoke(ib, b)).await?;
+    ensure!(gone == SessionRevoked::RecordGone, "{gone:?}");
+    ensure!(
+        log.holder(&other.key).await?.value.is_none(),
+        "a revoked lease's hold is still there"
+    );
+    Ok(())
 }

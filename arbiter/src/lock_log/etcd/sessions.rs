@@ -8,7 +8,7 @@ use latchkey_etcd::lease::LeaseGrantOptions;
 use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp};
 
 use super::{EtcdLog, answer, kv, unavailable, unavailable_on};
-use crate::lock_log::{Kv, LogResult, StoreError};
+use crate::lock_log::{Kv, LogResult, RevokeSessionTxn, SessionRevoked, StoreError};
 
 /// Grants lease `id`. etcd's "lease already exists" is
 /// [`StoreError::LeaseExists`], so the caller can draw another id; a lease
@@ -118,6 +118,70 @@ pub(super) async fn revoke(log: &EtcdLog, lease: i64) -> Result<(), StoreError> 
         Ok(_) => Ok(()),
         Err(e) if not_found(&e) => Ok(()),
         Err(e) => Err(unavailable("cannot revoke a session lease", e)),
+    }
+}
+
+/// [`crate::lock_log::SessionLog::revoke_session`] with the arbiter's own
+/// client (etcd lets a user revoke a lease only with write permission on
+/// every key attached to it).
+pub(super) async fn revoke_session(
+    log: &EtcdLog,
+    txn: RevokeSessionTxn<'_>,
+) -> Result<SessionRevoked, StoreError> {
+    let session = txn.session;
+    let marker_lease = log
+        .client
+        .lease_client()
+        .grant(i64::from(txn.marker_ttl_seconds.max(1)), None)
+        .await
+        .map_err(|e| unavailable("cannot grant the revocation marker's lease", e))?
+        .id();
+    let session_key = log.layout.session(session);
+    let ending = Txn::new()
+        .when([Compare::lease(
+            session_key.as_str(),
+            CompareOp::Equal,
+            session,
+        )])
+        .and_then([
+            TxnOp::delete(session_key.as_str(), None),
+            TxnOp::delete(log.layout.identity_session(txn.counted_as, session), None),
+            TxnOp::put(
+                format!(
+                    "{}{session:016x}",
+                    log.layout.under(crate::records::keys::REVOKED)
+                ),
+                txn.marker.to_vec(),
+                Some(PutOptions::new().with_lease(marker_lease)),
+            ),
+        ]);
+    let marked = match txn::run(&log.client, ending).await {
+        Ok(resp) => resp.succeeded(),
+        Err(e) => {
+            drop_lease(log, marker_lease).await;
+            return Err(unavailable("cannot end the session's record", e));
+        }
+    };
+    if !marked {
+        drop_lease(log, marker_lease).await;
+    }
+    let revoked = log.client.lease_client().revoke(session).await;
+    match revoked.map_err(latchkey_etcd::Error::from) {
+        Ok(_) if marked => Ok(SessionRevoked::Revoked),
+        Ok(_) => Ok(SessionRevoked::RecordGone),
+        Err(e) if not_found(&e) => Ok(SessionRevoked::Ended),
+        Err(e) => Err(unavailable(
+            "cannot revoke the session's lease (its record is deleted, so it grants nothing more; its holds end when the lease lapses)",
+            e,
+        )),
+    }
+}
+
+/// Revokes a lease this log granted and no longer needs; it expires by
+/// itself if the revoke fails.
+async fn drop_lease(log: &EtcdLog, lease: i64) {
+    if let Err(e) = log.client.lease_client().revoke(lease).await {
+        tracing::warn!(lease, error = %e, "could not revoke an unused lease (it expires by itself)");
     }
 }
 
