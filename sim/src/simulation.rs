@@ -96,7 +96,10 @@
 //! lease and revision read), recorded as an `expire` of that grant for the
 //! process it was granted to ([`SimRun::forced`]). A hold released, handed
 //! over or granted again in between must be left alone, or its holder and
-//! the next client hold the key together and the checker says so.
+//! the next client hold the key together and the checker says so. Some
+//! approvals also revoke the holder's session through the key's owner
+//! ([`FaultKnobs::force_revokes_percent`]), every hold still on it recorded
+//! as an `expire` first.
 //!
 //! **Batches.** Every log call takes a round trip of 1–2 ms
 //! ([`SimConfig::log_latency`]), so grants and releases that arrive while
@@ -208,6 +211,9 @@ pub struct ForcedEnds {
     /// Found the hold changed since it was read (released, handed over,
     /// granted again): nothing ended.
     pub changed: u64,
+    /// Forced ends whose approval also revoked the holder's session, and
+    /// it ended then ([`FaultKnobs::force_revokes_percent`]).
+    pub revoked: u64,
 }
 
 /// The restores of the coord cluster in a run (faults whose description
@@ -388,8 +394,8 @@ impl SimRun {
             },
             if self.forced.ended + self.forced.changed > 0 {
                 format!(
-                    "; force-releases: {} ended their hold, {} found it changed",
-                    self.forced.ended, self.forced.changed
+                    "; force-releases: {} ended their hold ({} revoked its session), {} found it changed",
+                    self.forced.ended, self.forced.revoked, self.forced.changed
                 )
             } else {
                 String::new()

@@ -718,6 +718,35 @@ fn a_forced_end_of_a_hold_granted_since_is_found() {
     }
 }
 
+/// The simulation's session revocations have teeth: with
+/// [`FaultKnobs::force_revokes_reread`] the approval revokes the session
+/// that holds the key right after the forced end (often the next waiter's,
+/// just handed the key), not the one it approved, so a hold nobody was told
+/// of ends under its client and the checker finds the key granted to two
+/// clients at once. The same seed with the revocation as built passes.
+///
+/// [`FaultKnobs::force_revokes_reread`]: latchkey_sim::simulation::FaultKnobs::force_revokes_reread
+#[test]
+fn a_revocation_of_a_session_not_approved_is_found() {
+    const SEED: u64 = 112;
+    const PRESET: &str = "forced";
+    const OPS: usize = 5000;
+    let mut cfg = SimConfig::preset(PRESET, SEED).expect("preset");
+    cfg.min_ops = OPS;
+    cfg.faults.force_revokes_reread = true;
+    let result = run(&cfg);
+    println!("{} [{PRESET}, revocations re-read]", result.summary());
+    assert!(
+        !result.ok(),
+        "no violation found with revocations of the session holding the key now ({:?})",
+        result.forced
+    );
+    let (_, failure) = run_one(SEED, PRESET, OPS);
+    if let Some(f) = failure {
+        panic!("seed {SEED} fails with the revocations as built too:\n{f}");
+    }
+}
+
 /// The quorum-loss judge has teeth: with
 /// [`FaultKnobs::blind_hold_follower`] the arbiters' hold counts see no hold
 /// in the log, so a grant from memory during a quorum loss takes keys the

@@ -84,6 +84,16 @@ pub struct FaultKnobs {
     /// against. Its runs must show violations (only to show that the
     /// simulation notices; off in every preset).
     pub force_releases_reread: bool,
+    /// Of the force-releases that ended their hold, the share (percent)
+    /// whose approval also revokes the holder's session
+    /// (`KeyOwner::revoke_session`): every hold still on it is recorded as
+    /// an `expire` first, as the forced end is.
+    pub force_revokes_percent: u32,
+    /// The revocation names the session that holds the key right after the
+    /// forced end (often the next waiter's, handed the key), not the one
+    /// approved: its runs must show violations (only to show that the
+    /// simulation notices; off in every preset).
+    pub force_revokes_reread: bool,
     /// Windows in which the lock log loses its majority (every call fails,
     /// no lease expires; on return every lease gets its whole TTL), now and
     /// then with the watch streams broken right before or an arbiter
@@ -128,6 +138,8 @@ impl FaultKnobs {
             map_fences_unenforced: false,
             force_releases: false,
             force_releases_reread: false,
+            force_revokes_percent: 0,
+            force_revokes_reread: false,
             quorum_losses: false,
             blind_hold_follower: false,
             renewal_outages: false,
@@ -146,6 +158,7 @@ impl FaultKnobs {
     pub fn forced() -> Self {
         Self {
             force_releases: true,
+            force_revokes_percent: 30,
             ..Self::all()
         }
     }
@@ -156,6 +169,7 @@ impl FaultKnobs {
         Self {
             quorum_losses: true,
             force_releases: true,
+            force_revokes_percent: 30,
             ..Self::all()
         }
     }
@@ -167,6 +181,7 @@ impl FaultKnobs {
         Self {
             renewal_outages: true,
             force_releases: true,
+            force_revokes_percent: 30,
             ..Self::all()
         }
     }
@@ -233,6 +248,8 @@ impl FaultKnobs {
             map_fences_unenforced: false,
             force_releases: false,
             force_releases_reread: false,
+            force_revokes_percent: 0,
+            force_revokes_reread: false,
             quorum_losses: false,
             blind_hold_follower: false,
             renewal_outages: false,

@@ -58,6 +58,9 @@ pub(crate) struct MemoryGrants {
     /// The log's holds as the last quorum loss began: what every arbiter's
     /// hold count had seen (nothing commits while the log has no majority).
     at_loss: Holders,
+    /// Sessions an operator revoked: their leases end before their
+    /// clients' fence deadlines, as a revocation must.
+    revoked: std::collections::BTreeSet<i64>,
     report: MemoryReport,
 }
 
@@ -185,10 +188,24 @@ impl MemoryGrants {
     /// answered that the lease did not get. Not a grant from memory, but
     /// the same kind of promise the checker cannot see (a fenced write
     /// stays safe; a client that trusts its deadline does not).
-    pub(crate) fn deadline_outlived_lease(&mut self, process: &str, key: &str, ms: f64) {
+    pub(crate) fn deadline_outlived_lease(
+        &mut self,
+        process: &str,
+        session: i64,
+        key: &str,
+        ms: f64,
+    ) {
+        if self.revoked.contains(&session) {
+            return;
+        }
         self.report.violations.push(format!(
             "at {ms:.0} ms {process} was about to write {key} before its fence deadline, and its session's lease was gone: a renewal answered for a lease that was not renewed"
         ));
+    }
+
+    /// An operator is revoking `session` (its lease may go at any moment).
+    pub(crate) fn revoking(&mut self, session: i64) {
+        self.revoked.insert(session);
     }
 
     pub(crate) fn report(&self) -> MemoryReport {

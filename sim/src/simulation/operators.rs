@@ -5,12 +5,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use latchkey_arbiter::lock_log::{ForceEndTxn, ForceEnded, ForceRecords};
+use latchkey_arbiter::lock_log::{
+    ForceEndTxn, ForceEnded, ForceRecords, RevokeSessionTxn, SessionRevoked,
+};
 use latchkey_checker::{Function, Outcome};
 use tokio::time::Instant;
 
 use super::nemesis::{done, fault, pause};
-use super::world::{World, lock};
+use super::world::{Arbiter, World, lock};
 use crate::rng::Rng;
 
 /// The lock log loses its majority for 2–8 s: every call fails, no lease
@@ -190,6 +192,90 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
         } else if outcome == Outcome::Fail {
             lock(&world.forced).changed += 1;
         }
+        if outcome == Outcome::Ok && rng.chance(world.cfg.faults.force_revokes_percent) {
+            // a separate call, a moment after the forced end
+            if !pause(world, Duration::from_millis(rng.below(100))).await {
+                return;
+            }
+            let mut session = lease;
+            if world.cfg.faults.force_revokes_reread
+                && let Ok(answer) = world.log.holder(&key).await
+                && let Some(now) = answer.value
+            {
+                session = now.lease;
+            }
+            revoke_session(world, &ender, lease, session, epoch).await;
+        }
+    }
+}
+
+/// The approval's revocation of the holder's session (`approved`), right
+/// after its forced end: every hold still on that session whose grant the
+/// history knows is recorded as an `expire` first (`ok` once the session
+/// ended, `fail` when it had ended before, `unknown` without an answer),
+/// then the key's owner revokes it. `session` is the one revoked: the
+/// approved one, but for [`FaultKnobs::force_revokes_reread`].
+///
+/// [`FaultKnobs::force_revokes_reread`]: super::FaultKnobs::force_revokes_reread
+async fn revoke_session(world: &World, ender: &Arbiter, approved: i64, session: i64, epoch: u32) {
+    let holds = tokio::select! {
+        biased;
+        () = ender.killed.cancelled() => return,
+        r = world.log.holders_under("") => match r {
+            Ok(answer) => answer.value,
+            Err(_) => return,
+        },
+    };
+    let mut ops = Vec::new();
+    for (key, kv) in holds.iter().filter(|(_, kv)| kv.lease == approved) {
+        let Some(token) = latchkey_arbiter::token::pack(epoch, kv.mod_revision) else {
+            continue;
+        };
+        let Some((process, granted)) = lock(&world.granted_to).get(&(key.clone(), token)).cloned()
+        else {
+            continue;
+        };
+        if granted != approved {
+            continue;
+        }
+        ops.push(world.invoke(
+            &process,
+            Function::Expire,
+            Some(key),
+            Some(token),
+            Some("session revoked".into()),
+            Instant::now(),
+        ));
+    }
+    lock(&world.memory).revoking(session);
+    let marker = format!("revoked by the sim's operators: {session}");
+    let txn = RevokeSessionTxn {
+        session,
+        counted_as: "",
+        marker: marker.as_bytes(),
+        marker_ttl_seconds: 60,
+    };
+    let revoke = async {
+        match &ender.owner {
+            Some(owner) => owner.owner().revoke_session(txn).await,
+            None => ender.table.log().revoke_session(txn).await,
+        }
+    };
+    let revoked = tokio::select! {
+        biased;
+        () = ender.killed.cancelled() => None,
+        r = revoke => Some(r),
+    };
+    let outcome = match revoked {
+        Some(Ok(SessionRevoked::Revoked | SessionRevoked::RecordGone)) => {
+            lock(&world.forced).revoked += 1;
+            Outcome::Ok
+        }
+        Some(Ok(SessionRevoked::Ended)) => Outcome::Fail,
+        Some(Err(_)) | None => Outcome::Unknown,
+    };
+    for op in ops {
+        world.complete(op, outcome, None, None, Some("session revoked".into()));
     }
 }
 

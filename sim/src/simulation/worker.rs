@@ -662,7 +662,7 @@ impl Incarnation<'_> {
             && !self.world.idlog.lease_alive(id)
         {
             let ms = self.world.ms(Instant::now());
-            lock(&self.world.memory).deadline_outlived_lease(&self.process, key, ms);
+            lock(&self.world.memory).deadline_outlived_lease(&self.process, id, key, ms);
         }
         let op = self.world.invoke(
             &self.process,
