@@ -245,37 +245,55 @@ pub mod keys {
     pub const ELECTIONS: &str = "e/";
 }
 
+/// Where each record lives: every key below a prefix ([`Layout::new`], the
+/// arbiter's etcd layout), or the same keys with no prefix at all
+/// ([`Layout::bare`], the simulation's in-memory store, and what a reader
+/// that strips the prefix sees).
 #[derive(Debug, Clone)]
 pub struct Layout {
-    prefix: String,
+    /// What every key begins with: the prefix and its `/`, or nothing.
+    root: String,
 }
 
 impl Layout {
+    /// The layout below `prefix` (a trailing `/` or none: the same layout).
     pub fn new(prefix: &str) -> Self {
         Self {
-            prefix: prefix.trim_end_matches('/').to_string(),
+            root: format!("{}/", prefix.trim_end_matches('/')),
+        }
+    }
+    /// The layout with no prefix: every key is its name below the prefix
+    /// (`l/<key>`, `s/<lease:016x>`, `sys/epoch`, ...), the prefixed
+    /// layout's key with the prefix and its `/` stripped.
+    pub const fn bare() -> Self {
+        Self {
+            root: String::new(),
         }
     }
     /// A record below the prefix by its name there (`keys::*` spell them:
-    /// `sys/force/<id>`, ...).
+    /// `sys/force/<id>`, ...); the bare layout's is the name itself.
     pub fn under(&self, name: &str) -> String {
-        format!("{}/{name}", self.prefix)
+        format!("{}{name}", self.root)
     }
     pub fn epoch(&self) -> String {
-        format!("{}/{}", self.prefix, keys::EPOCH)
+        format!("{}{}", self.root, keys::EPOCH)
     }
     pub fn seal(&self) -> String {
-        format!("{}/{}", self.prefix, keys::SEAL)
+        format!("{}{}", self.root, keys::SEAL)
     }
     pub fn coord_seen(&self) -> String {
-        format!("{}/{}", self.prefix, keys::COORD_SEEN)
+        format!("{}{}", self.root, keys::COORD_SEEN)
     }
     /// The shard-map fence (see the module doc).
     pub fn map_fence(&self) -> String {
-        format!("{}/{}", self.prefix, keys::MAP_FENCE)
+        format!("{}{}", self.root, keys::MAP_FENCE)
     }
     pub fn session(&self, lease: i64) -> String {
-        format!("{}/{}{lease:016x}", self.prefix, keys::SESSIONS)
+        format!("{}{}{lease:016x}", self.root, keys::SESSIONS)
+    }
+    /// Every session record.
+    pub fn sessions(&self) -> String {
+        format!("{}{}", self.root, keys::SESSIONS)
     }
     /// The session's shadow on entity shard `shard` (ADR-09), on the
     /// session's lease on the lock cluster: which shards its renewals must
@@ -285,7 +303,7 @@ impl Layout {
     }
     /// Every shadow mark of `session`.
     pub fn shadow_marks(&self, session: i64) -> String {
-        format!("{}/{}{session:016x}/", self.prefix, keys::SHADOW_MARKS)
+        format!("{}{}{session:016x}/", self.root, keys::SHADOW_MARKS)
     }
     /// One open session of `identity` (hex, so no identity is a prefix of
     /// another's entries).
@@ -305,13 +323,13 @@ impl Layout {
     /// Every subject's session entries: the prefix the session counts
     /// follow (the arbiter's `session_counts`).
     pub fn session_index(&self) -> String {
-        format!("{}/{}", self.prefix, keys::SESSION_INDEX)
+        format!("{}{}", self.root, keys::SESSION_INDEX)
     }
     pub fn holder(&self, key: &str) -> String {
-        format!("{}/{}{key}", self.prefix, keys::HOLDERS)
+        format!("{}{}{key}", self.root, keys::HOLDERS)
     }
     pub fn holders(&self) -> String {
-        format!("{}/{}", self.prefix, keys::HOLDERS)
+        format!("{}{}", self.root, keys::HOLDERS)
     }
     /// The claim on `key`'s hold at `revision` (see the module doc).
     pub fn claim(&self, key: &str, revision: i64) -> String {
@@ -319,15 +337,15 @@ impl Layout {
     }
     /// Every claim on `key`'s holds: a prefix to delete with the hold.
     pub fn claims_of(&self, key: &str) -> String {
-        format!("{}/{}{key}//", self.prefix, keys::CLAIMS)
+        format!("{}{}{key}//", self.root, keys::CLAIMS)
     }
     /// Every claim.
     pub fn claims(&self) -> String {
-        format!("{}/{}", self.prefix, keys::CLAIMS)
+        format!("{}{}", self.root, keys::CLAIMS)
     }
     /// `key`'s durable queue: a prefix (`//` cannot occur in a key).
     pub fn queue_of(&self, key: &str) -> String {
-        format!("{}/{}{key}//", self.prefix, keys::QUEUES)
+        format!("{}{}{key}//", self.root, keys::QUEUES)
     }
     /// `session`'s waiter record on `key`.
     pub fn waiter(&self, key: &str, session: i64) -> String {
@@ -336,19 +354,19 @@ impl Layout {
     /// The writers' intents on lock `name`: a prefix (`//` cannot occur in
     /// a key).
     pub fn intents_of(&self, name: &str) -> String {
-        format!("{}/{}{name}//", self.prefix, keys::INTENTS)
+        format!("{}{}{name}//", self.root, keys::INTENTS)
     }
     /// `session`'s writer intent on lock `name`.
     pub fn intent(&self, name: &str, session: i64) -> String {
         format!("{}{session:016x}", self.intents_of(name))
     }
     pub fn durable_waiters(&self) -> String {
-        format!("{}/{}", self.prefix, keys::QUEUES)
+        format!("{}{}", self.root, keys::QUEUES)
     }
     /// Every record of election `name`: a prefix (`//` cannot occur in a
     /// name, which is a lock key).
     pub fn election(&self, name: &str) -> String {
-        format!("{}/{}{name}//", self.prefix, keys::ELECTIONS)
+        format!("{}{}{name}//", self.root, keys::ELECTIONS)
     }
     /// Election `name`'s leader record.
     pub fn election_lead(&self, name: &str) -> String {
@@ -361,14 +379,14 @@ impl Layout {
     /// Election `name`'s candidates: a prefix, ordered by rank (the
     /// priority, highest first) in the key, then by create revision.
     pub fn candidates(&self, name: &str) -> String {
-        format!("{}c/", self.election(name))
+        format!("{}{CANDIDATES}", self.election(name))
     }
     /// `session`'s candidate record in election `name` at `priority`.
     pub fn candidate(&self, name: &str, priority: u32, session: i64) -> String {
         format!(
-            "{}{:08x}/{session:016x}",
+            "{}{}",
             self.candidates(name),
-            candidate_rank(priority)
+            candidate_entry(priority, session)
         )
     }
     /// `subject`'s entry for its leadership of election `name` (a name never
@@ -379,7 +397,7 @@ impl Layout {
     /// Every leadership entry of `subject`: a prefix to count.
     pub fn leaderships_of(&self, subject: &str) -> String {
         let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
-        format!("{}/{}/i/{hex}/", self.prefix, keys::ELECTIONS)
+        format!("{}{}/i/{hex}/", self.root, keys::ELECTIONS)
     }
     /// `subject`'s entry for election `name`'s term record (no lease: it
     /// lasts as the term record does).
@@ -389,7 +407,7 @@ impl Layout {
     /// Every term record entry of `subject`: a prefix to count.
     pub fn elections_of(&self, subject: &str) -> String {
         let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
-        format!("{}/{}/t/{hex}/", self.prefix, keys::ELECTIONS)
+        format!("{}{}/t/{hex}/", self.root, keys::ELECTIONS)
     }
     /// Every quota place of grant subject `subject` in class `class` (a
     /// class name has no '/'; the subject is hex, so no subject's places
@@ -404,15 +422,15 @@ impl Layout {
     }
     /// Every writer's intent (what an epoch advance deletes).
     pub fn all_intents(&self) -> String {
-        format!("{}/{}", self.prefix, keys::INTENTS)
+        format!("{}{}", self.root, keys::INTENTS)
     }
     /// Every quota place (what an epoch advance deletes).
     pub fn all_quota_places(&self) -> String {
-        format!("{}/{}", self.prefix, keys::QUOTA_PLACES)
+        format!("{}{}", self.root, keys::QUOTA_PLACES)
     }
     /// Every election's records (what an epoch advance deletes).
     pub fn elections(&self) -> String {
-        format!("{}/{}", self.prefix, keys::ELECTIONS)
+        format!("{}{}", self.root, keys::ELECTIONS)
     }
 }
 
@@ -422,27 +440,21 @@ impl Layout {
 /// exclusive grant of `name` compares empty (a key is a lock or a
 /// semaphore, never both at once).
 pub fn slot_key(name: &str, slot: u32) -> String {
-    format!("{name}//s/{slot:04x}")
+    format!("{name}{SLOTS}{slot:04x}")
 }
 
 /// Every slot of semaphore `name`: a prefix of lock keys.
 pub fn slots_of(name: &str) -> String {
-    format!("{name}//s/")
+    format!("{name}{SLOTS}")
 }
 
 /// The semaphore and slot a slot's lock key names; `None` for a lock's
 /// own key.
 pub fn split_slot(key: &str) -> Option<(&str, u32)> {
-    let (name, rest) = key.split_once("//s/")?;
+    let (name, rest) = key.split_once(SLOTS)?;
     // exactly as `slot_key` spells it: four lowercase hex digits
-    let spelled = rest.len() == 4
-        && rest
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    (spelled && !name.is_empty())
-        .then(|| u32::from_str_radix(rest, 16).ok())
-        .flatten()
-        .map(|slot| (name, slot))
+    let slot = lower_hex(rest, 4)?;
+    (!name.is_empty()).then_some((name, slot as u32))
 }
 
 /// Where `session`'s shared hold of `name` is held: a lock key of its own
@@ -454,12 +466,25 @@ pub fn split_slot(key: &str) -> Option<(&str, u32)> {
 pub fn reader_key(name: &str, session: i64) -> String {
     // a session id is a lease id: spelled as its 64 bits, so no two differ
     // only in a sign
-    format!("{name}//r/{:016x}", session as u64)
+    format!("{name}{READERS}{:016x}", session as u64)
 }
 
 /// Every shared hold of `name`: a prefix of lock keys.
 pub fn readers_of(name: &str) -> String {
-    format!("{name}//r/")
+    format!("{name}{READERS}")
+}
+
+/// What sets a shared hold's lock key apart: `<name>//r/<session:016x>`.
+pub const READERS: &str = "//r/";
+
+/// What sets a slot's lock key apart: `<name>//s/<slot:04x>`.
+pub const SLOTS: &str = "//s/";
+
+/// Whether `key` (a lock key, or a holder record's key) is a prefix of
+/// several holds, to watch as one: a semaphore's slots ([`slots_of`]) or a
+/// lock's shared holds ([`readers_of`]). No lock key ends so.
+pub fn is_holds_prefix(key: &str) -> bool {
+    key.ends_with(SLOTS) || key.ends_with(READERS)
 }
 
 /// Everything held under `name` besides its exclusive hold (its shared
@@ -472,16 +497,10 @@ pub fn under_name(name: &str) -> String {
 /// The name and session a shared hold's lock key names; `None` for any
 /// other key.
 pub fn split_reader(key: &str) -> Option<(&str, i64)> {
-    let (name, rest) = key.split_once("//r/")?;
+    let (name, rest) = key.split_once(READERS)?;
     // exactly as `reader_key` spells it: sixteen lowercase hex digits
-    let spelled = rest.len() == 16
-        && rest
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    (spelled && !name.is_empty())
-        .then(|| u64::from_str_radix(rest, 16).ok())
-        .flatten()
-        .map(|session| (name, session as i64))
+    let session = lower_hex(rest, 16)?;
+    (!name.is_empty()).then_some((name, session as i64))
 }
 
 /// How a lock key is held, from its spelling.
@@ -521,6 +540,44 @@ pub fn quota_place_index(key: &str) -> Option<u32> {
 /// A candidate's rank in its record's key: higher priorities sort first.
 pub fn candidate_rank(priority: u32) -> u32 {
     u32::MAX - priority
+}
+
+/// An election's candidates below its prefix ([`Layout::election`]):
+/// `c/<rank:08x>/<session:016x>`.
+pub const CANDIDATES: &str = "c/";
+
+/// `session`'s candidate record at `priority` below its election's
+/// candidates prefix ([`Layout::candidates`]): `<rank:08x>/<session:016x>`
+/// ([`candidate_rank`]).
+pub fn candidate_entry(priority: u32, session: i64) -> String {
+    format!("{:08x}/{session:016x}", candidate_rank(priority))
+}
+
+/// `session`'s candidate record at `priority` below its election's prefix
+/// ([`Layout::election`]): `c/<rank:08x>/<session:016x>`.
+pub fn election_candidate(priority: u32, session: i64) -> String {
+    format!("{CANDIDATES}{}", candidate_entry(priority, session))
+}
+
+/// The priority and session a candidate's key below its election's
+/// candidates prefix names ([`candidate_entry`]); `None` for any other
+/// key.
+pub fn split_candidate_entry(entry: &str) -> Option<(u32, i64)> {
+    let (rank, session) = entry.split_once('/')?;
+    let rank = lower_hex(rank, 8).and_then(|r| u32::try_from(r).ok())?;
+    // a session is a lease id, spelled as `{:016x}` spells an i64: its 64 bits
+    let session = lower_hex(session, 16)? as i64;
+    Some((u32::MAX - rank, session))
+}
+
+/// `digits` as `{:0<width>x}` spells a number: exactly `width` lowercase
+/// hex digits.
+fn lower_hex(digits: &str, width: usize) -> Option<u64> {
+    let spelled = digits.len() == width
+        && digits
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    spelled.then(|| u64::from_str_radix(digits, 16).ok())?
 }
 
 /// The leader of an election (`e/<name>//lead`, on the leader's session
@@ -806,6 +863,171 @@ mod tests {
             !l.identity_session("spiffe://td/a/b", 1)
                 .starts_with(&l.identity_sessions("spiffe://td/a"))
         );
+    }
+
+    /// Every key of the layout, by what names it.
+    fn every_key(l: &Layout) -> Vec<(&'static str, String)> {
+        let (key, name, subject) = ("jobs/a", "ns/leader", "spiffe://td/a/*");
+        vec![
+            ("under", l.under("sys/force/x")),
+            ("epoch", l.epoch()),
+            ("seal", l.seal()),
+            ("coord_seen", l.coord_seen()),
+            ("map_fence", l.map_fence()),
+            ("session", l.session(0x1f)),
+            ("sessions", l.sessions()),
+            ("shadow_mark", l.shadow_mark(0x1f, "shard-1")),
+            ("shadow_marks", l.shadow_marks(0x1f)),
+            ("identity_session", l.identity_session(subject, 0x1f)),
+            ("identity_sessions", l.identity_sessions(subject)),
+            ("session_index", l.session_index()),
+            ("holder", l.holder(key)),
+            ("holder of a slot", l.holder(&slot_key(key, 2))),
+            ("holder of a reader", l.holder(&reader_key(key, 0x1f))),
+            ("holders", l.holders()),
+            ("claim", l.claim(key, 16)),
+            ("claims_of", l.claims_of(key)),
+            ("claims", l.claims()),
+            ("queue_of", l.queue_of(key)),
+            ("waiter", l.waiter(key, 0x1f)),
+            ("intents_of", l.intents_of(key)),
+            ("intent", l.intent(key, 0x1f)),
+            ("durable_waiters", l.durable_waiters()),
+            ("election", l.election(name)),
+            ("election_lead", l.election_lead(name)),
+            ("election_term", l.election_term(name)),
+            ("candidates", l.candidates(name)),
+            ("candidate", l.candidate(name, 7, 0xab)),
+            ("leadership_entry", l.leadership_entry(subject, name)),
+            ("leaderships_of", l.leaderships_of(subject)),
+            ("election_entry", l.election_entry(subject, name)),
+            ("elections_of", l.elections_of(subject)),
+            ("quota_places", l.quota_places("batch", subject)),
+            ("quota_place", l.quota_place("batch", subject, 3)),
+            ("all_intents", l.all_intents()),
+            ("all_quota_places", l.all_quota_places()),
+            ("elections", l.elections()),
+        ]
+    }
+
+    #[test]
+    fn every_bare_key_is_the_prefixed_key_below_its_prefix() {
+        let bare = every_key(&Layout::bare());
+        for prefix in ["/latchkey", "/latchkey/", "/p", "/a/b/", "", "/"] {
+            let below = format!("{}/", prefix.trim_end_matches('/'));
+            let prefixed = every_key(&Layout::new(prefix));
+            assert_eq!(prefixed.len(), bare.len());
+            for ((what, key), (_, bare)) in prefixed.iter().zip(&bare) {
+                assert_eq!(
+                    key.strip_prefix(&below),
+                    Some(bare.as_str()),
+                    "{what} {prefix:?}"
+                );
+            }
+        }
+        // the bare names are the `keys` module's, as a reader that strips
+        // the prefix matches them
+        let l = Layout::bare();
+        assert_eq!(l.under("sys/force/x"), "sys/force/x");
+        assert_eq!(l.epoch(), keys::EPOCH);
+        assert_eq!(l.seal(), keys::SEAL);
+        assert_eq!(l.coord_seen(), keys::COORD_SEEN);
+        assert_eq!(l.map_fence(), keys::MAP_FENCE);
+        assert_eq!(l.session_index(), keys::SESSION_INDEX);
+        assert_eq!(l.holders(), keys::HOLDERS);
+        assert_eq!(l.claims(), keys::CLAIMS);
+        assert_eq!(l.durable_waiters(), keys::QUEUES);
+        assert_eq!(l.all_intents(), keys::INTENTS);
+        assert_eq!(l.all_quota_places(), keys::QUOTA_PLACES);
+        assert_eq!(l.elections(), keys::ELECTIONS);
+        assert_eq!(l.sessions(), keys::SESSIONS);
+        assert!(l.session(1).starts_with(&l.sessions()));
+        assert!(l.shadow_marks(1).starts_with(keys::SHADOW_MARKS));
+        // the spellings, byte for byte
+        let spelled: Vec<(&str, &str)> = vec![
+            ("session", "s/000000000000001f"),
+            ("shadow_mark", "sh/000000000000001f/shard-1"),
+            (
+                "identity_session",
+                "si/7370696666653a2f2f74642f612f2a/000000000000001f",
+            ),
+            ("holder", "l/jobs/a"),
+            ("holder of a slot", "l/jobs/a//s/0002"),
+            ("holder of a reader", "l/jobs/a//r/000000000000001f"),
+            ("claim", "c/jobs/a//0000000000000010"),
+            ("waiter", "q/jobs/a//000000000000001f"),
+            ("intent", "w/jobs/a//000000000000001f"),
+            ("election_lead", "e/ns/leader//lead"),
+            ("election_term", "e/ns/leader//term"),
+            ("candidate", "e/ns/leader//c/fffffff8/00000000000000ab"),
+            (
+                "leadership_entry",
+                "e//i/7370696666653a2f2f74642f612f2a/ns/leader",
+            ),
+            (
+                "election_entry",
+                "e//t/7370696666653a2f2f74642f612f2a/ns/leader",
+            ),
+            ("quota_place", "p/batch/7370696666653a2f2f74642f612f2a/0003"),
+        ];
+        for (what, key) in spelled {
+            let found = bare
+                .iter()
+                .find(|(w, _)| *w == what)
+                .map(|(_, k)| k.as_str());
+            assert_eq!(found, Some(key), "{what}");
+        }
+    }
+
+    #[test]
+    fn a_candidate_key_names_its_priority_and_session() {
+        let l = Layout::new("/latchkey");
+        let key = l.candidate("e", 7, 0xab);
+        assert_eq!(
+            key.strip_prefix(&l.election("e")),
+            Some(election_candidate(7, 0xab).as_str())
+        );
+        assert_eq!(
+            key.strip_prefix(&l.candidates("e")),
+            Some(candidate_entry(7, 0xab).as_str())
+        );
+        assert_eq!(election_candidate(1, 0xab), "c/fffffffe/00000000000000ab");
+        for (priority, session) in [(0, 1), (7, 0xab), (u32::MAX, i64::MAX), (3, -5)] {
+            let entry = candidate_entry(priority, session);
+            assert_eq!(split_candidate_entry(&entry), Some((priority, session)));
+        }
+        for bad in [
+            "",
+            "lead",
+            "term",
+            "x/yy",
+            "fffffffe/ab",
+            "fffffffe/00000000000000AB",
+            "FFFFFFFE/00000000000000ab",
+            "ffffffe/00000000000000ab",
+            "fffffffe/00000000000000ab/",
+            "c/fffffffe/00000000000000ab",
+        ] {
+            assert_eq!(split_candidate_entry(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_holds_prefix_is_a_semaphores_slots_or_a_locks_readers() {
+        assert!(is_holds_prefix(&slots_of("a/b")));
+        assert!(is_holds_prefix(&readers_of("a/b")));
+        let l = Layout::bare();
+        assert!(is_holds_prefix(&l.holder(&slots_of("a"))));
+        assert!(is_holds_prefix(&l.holder(&readers_of("a"))));
+        for key in [
+            "a/b",
+            "a//s",
+            "a/s/",
+            &slot_key("a", 1),
+            &reader_key("a", 1),
+        ] {
+            assert!(!is_holds_prefix(key), "{key}");
+        }
     }
 
     fn hold(identity: &str, session: i64) -> HolderRecord {

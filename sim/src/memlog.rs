@@ -40,7 +40,6 @@ mod batch;
 mod call;
 mod elections;
 mod holds;
-mod keys;
 mod store;
 #[cfg(test)]
 mod tests;
@@ -56,13 +55,17 @@ use latchkey_arbiter::lock_log::{
     PrefixWatch, Queued, Records, Renewal, RevokeSessionTxn, SessionLog, SessionRevoked,
     StoreError, fallback,
 };
-use latchkey_records::{decode_map_fence, encode_map_fence};
+use latchkey_records::{Layout, decode_map_fence, encode_map_fence};
 use tokio::time::{Duration, Instant};
 
 use crate::rng::Rng;
 pub use batch::BatchCounts;
 pub use store::CompactError;
 use store::{Compare, Image, NoLease, Op, OpResult, Store};
+
+/// Where each record lives in the store: the arbiter's etcd layout
+/// without its prefix (`l/<key>`, `s/<lease:016x>`, `sys/epoch`, ...).
+pub(crate) static LAYOUT: Layout = Layout::bare();
 
 /// How often, in percent of calls, each fault strikes. Every call of the
 /// [`LockLog`] draws its fate once, whatever the rates, so changing one rate
@@ -389,7 +392,7 @@ impl MemLog {
 
     /// The holder record of lock key `key` as stored now, if it is held.
     pub fn holder_now(&self, key: &str) -> Option<Kv> {
-        self.stored(&keys::holder(key))
+        self.stored(&LAYOUT.holder(key))
     }
 
     pub fn revision(&self) -> i64 {
@@ -462,8 +465,8 @@ impl FollowLog for MemLog {
         // Deletes always carry their value here (etcd's prev_kv, asked
         // for or not: a follower that did not ask ignores it).
         let prefix = match counted {
-            Counted::Holds => keys::HOLDERS.to_string(),
-            Counted::SessionIndex => keys::SESSION_INDEX.to_string(),
+            Counted::Holds => LAYOUT.holders(),
+            Counted::SessionIndex => LAYOUT.session_index(),
         };
         // The call's fate first (a failure, a delay); then the read and
         // the watch together, so a lost answer cannot leave a watch open
@@ -485,10 +488,10 @@ impl EpochLog for MemLog {
     async fn records(&self) -> LogResult<Records> {
         self.call("records", |inner, _| {
             let records = Records {
-                epoch: kv_of(&inner.store, &keys::epoch()),
-                seal: kv_of(&inner.store, &keys::seal()),
-                coord_seen: kv_of(&inner.store, &keys::coord_seen()),
-                map_fence: kv_of(&inner.store, &keys::map_fence()),
+                epoch: kv_of(&inner.store, &LAYOUT.epoch()),
+                seal: kv_of(&inner.store, &LAYOUT.seal()),
+                coord_seen: kv_of(&inner.store, &LAYOUT.coord_seen()),
+                map_fence: kv_of(&inner.store, &LAYOUT.map_fence()),
             };
             inner.answer(records)
         })
@@ -499,9 +502,9 @@ impl EpochLog for MemLog {
         self.call("create epoch", |inner, _| {
             let created = inner
                 .store
-                .all(&[Compare::CreateRevision(keys::epoch(), 0)]);
+                .all(&[Compare::CreateRevision(LAYOUT.epoch(), 0)]);
             if created {
-                commit(&mut inner.store, vec![put(keys::epoch(), record, 0)])?;
+                commit(&mut inner.store, vec![put(LAYOUT.epoch(), record, 0)])?;
             }
             inner.answer(created)
         })
@@ -516,11 +519,11 @@ impl EpochLog for MemLog {
     ) -> LogResult<bool> {
         self.call("put seal", |inner, _| {
             let ok = inner.store.all(&[
-                at_revision(keys::seal(), seal_at),
-                at_revision(keys::epoch(), epoch_at),
+                at_revision(LAYOUT.seal(), seal_at),
+                at_revision(LAYOUT.epoch(), epoch_at),
             ]);
             if ok {
-                commit(&mut inner.store, vec![put(keys::seal(), record, 0)])?;
+                commit(&mut inner.store, vec![put(LAYOUT.seal(), record, 0)])?;
             }
             inner.answer(ok)
         })
@@ -529,9 +532,9 @@ impl EpochLog for MemLog {
 
     async fn put_coord_seen(&self, record: Vec<u8>, at: Option<i64>) -> LogResult<bool> {
         self.call("put coord-seen", |inner, _| {
-            let ok = inner.store.all(&[at_revision(keys::coord_seen(), at)]);
+            let ok = inner.store.all(&[at_revision(LAYOUT.coord_seen(), at)]);
             if ok {
-                commit(&mut inner.store, vec![put(keys::coord_seen(), record, 0)])?;
+                commit(&mut inner.store, vec![put(LAYOUT.coord_seen(), record, 0)])?;
             }
             inner.answer(ok)
         })
@@ -546,8 +549,8 @@ impl EpochLog for MemLog {
     ) -> LogResult<Option<i64>> {
         self.call("advance", |inner, _| {
             let ok = inner.store.all(&[
-                Compare::Value(keys::epoch(), expected),
-                at_revision(keys::seal(), seal_at),
+                Compare::Value(LAYOUT.epoch(), expected),
+                at_revision(LAYOUT.seal(), seal_at),
             ]);
             if !ok {
                 return inner.answer(None);
@@ -555,15 +558,15 @@ impl EpochLog for MemLog {
             let results = commit(
                 &mut inner.store,
                 vec![
-                    put(keys::epoch(), record, 0),
-                    Op::DeletePrefix(keys::HOLDERS.into()),
-                    Op::DeletePrefix(keys::WAITERS.into()),
-                    Op::Delete(keys::seal()),
-                    Op::DeletePrefix(keys::CLAIMS.into()),
+                    put(LAYOUT.epoch(), record, 0),
+                    Op::DeletePrefix(LAYOUT.holders()),
+                    Op::DeletePrefix(LAYOUT.durable_waiters()),
+                    Op::Delete(LAYOUT.seal()),
+                    Op::DeletePrefix(LAYOUT.claims()),
                     // every leadership and candidacy ends, as on etcd
-                    Op::DeletePrefix(keys::ELECTIONS.into()),
-                    Op::DeletePrefix(keys::QUOTA_PLACES.into()),
-                    Op::DeletePrefix(keys::INTENTS.into()),
+                    Op::DeletePrefix(LAYOUT.elections()),
+                    Op::DeletePrefix(LAYOUT.all_quota_places()),
+                    Op::DeletePrefix(LAYOUT.all_intents()),
                 ],
             )?;
             let deleted = match results.get(1) {
@@ -579,7 +582,7 @@ impl EpochLog for MemLog {
         // One call is one step of the store: the read and the
         // compare-and-put the etcd log makes cannot be raced here.
         self.call("raise map fence", |inner, _| {
-            let key = keys::map_fence();
+            let key = LAYOUT.map_fence();
             if let Some(found) = inner.store.get(&key) {
                 let current = decode_map_fence(&found.value).ok_or_else(|| {
                     StoreError::Malformed("the shard-map fence is not a 20-digit version".into())
@@ -599,7 +602,7 @@ impl EpochLog for MemLog {
 
     async fn map_fence(&self) -> LogResult<Option<Kv>> {
         self.call("map fence", |inner, _| {
-            let kv = kv_of(&inner.store, &keys::map_fence());
+            let kv = kv_of(&inner.store, &LAYOUT.map_fence());
             inner.answer(kv)
         })
         .await
@@ -624,7 +627,7 @@ impl DurableQueueLog for MemLog {
         session_record: &[u8],
         record: Vec<u8>,
     ) -> LogResult<Option<Queued>> {
-        let waiter = keys::waiter(key, session);
+        let waiter = LAYOUT.waiter(key, session);
         self.put_on_lease("enqueue", waiter, session, session_record, record)
             .await
     }
@@ -636,13 +639,13 @@ impl DurableQueueLog for MemLog {
         session_record: &[u8],
         record: Vec<u8>,
     ) -> LogResult<Option<Queued>> {
-        let intent = keys::intent(name, session);
+        let intent = LAYOUT.intent(name, session);
         self.put_on_lease("put intent", intent, session, session_record, record)
             .await
     }
 
     async fn drop_intent(&self, name: &str, session: i64, modified: i64) -> LogResult<bool> {
-        self.delete_at("drop intent", keys::intent(name, session), modified)
+        self.delete_at("drop intent", LAYOUT.intent(name, session), modified)
             .await
     }
 
@@ -651,7 +654,7 @@ impl DurableQueueLog for MemLog {
         name: &str,
         from_revision: i64,
     ) -> Result<Box<dyn KeyWatch>, StoreError> {
-        let intents = keys::intents_of(name);
+        let intents = LAYOUT.intents_of(name);
         let rx = self.shared.changed.subscribe();
         let id = self
             .call("watch intents", |inner, _| {
@@ -662,7 +665,7 @@ impl DurableQueueLog for MemLog {
     }
 
     async fn queue_head(&self, key: &str) -> LogResult<Option<Kv>> {
-        let queue = keys::queue_of(key);
+        let queue = LAYOUT.queue_of(key);
         self.call("queue head", |inner, _| {
             let head = inner.store.oldest_under(&queue);
             inner.answer(head)
@@ -671,7 +674,7 @@ impl DurableQueueLog for MemLog {
     }
 
     async fn count_queued(&self, key: &str) -> LogResult<i64> {
-        let queue = keys::queue_of(key);
+        let queue = LAYOUT.queue_of(key);
         self.call("count queued", |inner, _| {
             let n = inner.store.count(&queue);
             inner.answer(n)
@@ -680,7 +683,7 @@ impl DurableQueueLog for MemLog {
     }
 
     async fn dequeue(&self, key: &str, session: i64, modified: i64) -> LogResult<bool> {
-        self.delete_at("dequeue", keys::waiter(key, session), modified)
+        self.delete_at("dequeue", LAYOUT.waiter(key, session), modified)
             .await
     }
 }
@@ -697,7 +700,7 @@ impl MemLog {
         session_record: &[u8],
         record: Vec<u8>,
     ) -> LogResult<Option<Queued>> {
-        let own = Compare::Value(keys::session(session), session_record.to_vec());
+        let own = Compare::Value(LAYOUT.session(session), session_record.to_vec());
         self.call(what, |inner, _| {
             if !inner.store.all(&[own]) {
                 return inner.answer(None);
@@ -756,9 +759,9 @@ impl SessionLog for MemLog {
 
     async fn put_session(&self, session: i64, identity: &str, record: Vec<u8>) -> LogResult<()> {
         let ops = vec![
-            put(keys::session(session), record, session),
+            put(LAYOUT.session(session), record, session),
             put(
-                keys::identity_session(identity, session),
+                LAYOUT.identity_session(identity, session),
                 Vec::new(),
                 session,
             ),
@@ -771,7 +774,7 @@ impl SessionLog for MemLog {
     }
 
     async fn session(&self, session: i64) -> LogResult<Option<Kv>> {
-        let key = keys::session(session);
+        let key = LAYOUT.session(session);
         self.call("session", |inner, _| {
             let kv = kv_of(&inner.store, &key);
             inner.answer(kv)
@@ -780,7 +783,7 @@ impl SessionLog for MemLog {
     }
 
     async fn count_sessions_of(&self, identity: &str) -> LogResult<u32> {
-        let prefix = keys::identity_sessions(identity);
+        let prefix = LAYOUT.identity_sessions(identity);
         self.call("count sessions", |inner, _| {
             let n = u32::try_from(inner.store.count(&prefix)).unwrap_or(u32::MAX);
             inner.answer(n)
@@ -794,8 +797,8 @@ impl SessionLog for MemLog {
         identity: &str,
         record: Vec<u8>,
     ) -> LogResult<bool> {
-        let key = keys::session(session);
-        let entry = keys::identity_session(identity, session);
+        let key = LAYOUT.session(session);
+        let entry = LAYOUT.identity_session(identity, session);
         self.call("delete session", |inner, _| {
             let ok = inner.store.all(&[
                 Compare::Value(key.clone(), record),
@@ -823,8 +826,8 @@ impl SessionLog for MemLog {
         txn: RevokeSessionTxn<'_>,
     ) -> Result<SessionRevoked, StoreError> {
         let session = txn.session;
-        let key = keys::session(session);
-        let entry = keys::identity_session(txn.counted_as, session);
+        let key = LAYOUT.session(session);
+        let entry = LAYOUT.identity_session(txn.counted_as, session);
         let marker = txn.marker.to_vec();
         let ttl = txn.marker_ttl_seconds;
         let marked = self
@@ -842,7 +845,7 @@ impl SessionLog for MemLog {
                     vec![
                         Op::Delete(key),
                         Op::Delete(entry),
-                        put(keys::revoked(session), marker, lease),
+                        put(format!("{}{session:016x}", LAYOUT.under(latchkey_records::keys::REVOKED)), marker, lease),
                     ],
                 )?;
                 Ok(true)

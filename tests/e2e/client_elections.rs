@@ -21,6 +21,7 @@ use tokio::time::{Instant, timeout};
 
 use crate::client::connect;
 use crate::elections::{CLASS, TTL, policies, stack};
+use crate::support::layout;
 
 fn waiting(wait: Duration) -> CampaignOptions {
     CampaignOptions {
@@ -347,7 +348,7 @@ async fn client_elections_observe_sees_the_sequence_and_a_leader_forced_out_hear
     s.etcd
         .client()
         .await?
-        .delete(format!("/latchkey/e/{election}//lead"), None)
+        .delete(layout().election_lead(election), None)
         .await?;
     let reason = timeout(Duration::from_secs(3), l3.lost())
         .await

@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::ensure;
 use latchkey_etcd::kv::{GetOptions, PutOptions, SortOrder, SortTarget};
 use latchkey_proto::lockv1::InspectRequest;
+use latchkey_records::Layout;
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::{copy_dev_policies, eventually, init_tracing};
@@ -75,7 +76,7 @@ impl Rig {
         let mut etcd = self.etcd.client().await?;
         let resp = etcd
             .get(
-                format!("{PREFIX}/q/{key}//"),
+                Layout::new(PREFIX).queue_of(key),
                 Some(
                     GetOptions::new()
                         .with_prefix()
@@ -263,7 +264,7 @@ async fn a_stale_durable_waiter_record_is_removed_after_its_budget_and_the_grace
         })
         .to_string()
     };
-    let leftover = format!("{PREFIX}/q/{key}//{lease:016x}");
+    let leftover = Layout::new(PREFIX).waiter(key, lease);
     // Its call waits a minute: demo waits behind it and gives up.
     etcd.put(
         leftover.clone(),

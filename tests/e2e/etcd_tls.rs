@@ -50,10 +50,10 @@ async fn grant_and_release(etcd: &EtcdServer, arbiter: &Arbiter) -> anyhow::Resu
     let g = try_lock(&mut alice, "demo/tls", "demo", session).await?;
     assert!(g.token > 0);
     let mut client = etcd.client().await?;
-    let held = client.get("/latchkey/l/demo/tls", None).await?;
+    let held = client.get(layout().holder("demo/tls"), None).await?;
     assert_eq!(held.kvs().len(), 1, "the grant is in etcd");
     release(&mut alice, &g).await?;
-    let held = client.get("/latchkey/l/demo/tls", None).await?;
+    let held = client.get(layout().holder("demo/tls"), None).await?;
     assert!(held.kvs().is_empty(), "the release is in etcd");
     let again = try_lock(&mut alice, "demo/tls", "demo", session).await?;
     assert!(again.token > g.token, "tokens grow");

@@ -29,7 +29,7 @@ async fn a_grant_is_one_transaction_and_its_token_is_epoch_and_revision() -> any
     );
     // the holder record sits on the session lease, written by that transaction
     let mut etcd = s.etcd.client().await?;
-    let kv = etcd.get("/latchkey/l/demo/report", None).await?;
+    let kv = etcd.get(layout().holder("demo/report"), None).await?;
     let kv = kv
         .kvs()
         .first()
@@ -326,7 +326,7 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() -> anyhow::Result<()>
         "NOT_HELD",
     )?;
     let etcd = s.etcd.client().await?;
-    let held = latchkey_etcd::kv::count_prefix(&etcd, "/latchkey/l/").await?;
+    let held = latchkey_etcd::kv::count_prefix(&etcd, layout().holders()).await?;
     assert_eq!(held.value, 0);
     Ok(())
 }

@@ -17,7 +17,7 @@ use crate::support::*;
 /// (lease, mod revision) of the holder record of `key`, read from etcd itself.
 async fn holder_in_etcd(s: &Stack, key: &str) -> anyhow::Result<Option<(i64, i64)>> {
     let mut etcd = s.etcd.client().await?;
-    let resp = etcd.get(format!("/latchkey/l/{key}"), None).await?;
+    let resp = etcd.get(layout().holder(key), None).await?;
     Ok(resp.kvs().first().map(|kv| (kv.lease(), kv.mod_revision())))
 }
 

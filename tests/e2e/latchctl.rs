@@ -15,7 +15,7 @@ use tokio::process::Command;
 use tokio::time::{Instant, timeout};
 
 use crate::client::{FENCE_MARGIN, SHORT_TTL, connect};
-use crate::support::stack;
+use crate::support::{layout, stack};
 
 pub(crate) fn latchctl(addr: SocketAddr, name: &str) -> anyhow::Result<Command> {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"));
@@ -257,7 +257,7 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
         .etcd
         .client()
         .await?
-        .get(format!("/latchkey/l/{KEY}"), None)
+        .get(layout().holder(KEY), None)
         .await?
         .kvs()
         .first()

@@ -14,7 +14,7 @@ use tokio::time::timeout;
 
 use crate::client::{Fired, connect, recorder, snapshot};
 use crate::latchctl::latchctl_hold;
-use crate::support::stack;
+use crate::support::{layout, stack};
 
 const CLASS: &str = "batch-report";
 /// Far below the class's fence deadline (TTL 60 s less a second).
@@ -54,7 +54,7 @@ async fn a_hold_removed_from_the_log_is_fenced_at_once_and_the_session_lives_on(
     s.etcd
         .client()
         .await?
-        .delete("/latchkey/l/demo/ll-a", None)
+        .delete(layout().holder("demo/ll-a"), None)
         .await?;
     eventually("alice to hear that her hold ended", PUSHED, || async {
         fired_with(&fired_a, FenceReason::HoldEnded)
@@ -149,7 +149,7 @@ async fn latchctl_hold_stops_its_command_when_its_hold_is_removed() -> anyhow::R
     s.etcd
         .client()
         .await?
-        .delete(format!("/latchkey/l/{KEY}"), None)
+        .delete(layout().holder(KEY), None)
         .await?;
     let status = match timeout(PUSHED, child.wait()).await {
         Ok(status) => status?,

@@ -50,7 +50,7 @@ fn options(renewal_target: Duration) -> ArbiterOptions {
 /// Session records in etcd now.
 async fn session_records(s: &Stack) -> anyhow::Result<u64> {
     let etcd = s.etcd.client().await?;
-    let r = latchkey_etcd::kv::count_prefix(&etcd, "/latchkey/s/").await?;
+    let r = latchkey_etcd::kv::count_prefix(&etcd, layout().sessions()).await?;
     Ok(u64::try_from(r.value)?)
 }
 

@@ -31,7 +31,7 @@ use tempfile::TempDir;
 use tokio::process::Command;
 use tokio::time::{Instant, sleep};
 
-use crate::support::stack_with;
+use crate::support::{layout, stack_with};
 
 /// The whole suite; it takes ~35 s, most of it TTLs running out (the fence
 /// test's 5 s, a crashed leader's 5 s).
@@ -183,7 +183,7 @@ async fn act(command: &str, etcd: &EtcdServer, path: &Proxy) -> anyhow::Result<S
             let deleted = etcd
                 .client()
                 .await?
-                .delete(format!("/latchkey/l/{key}"), None)
+                .delete(layout().holder(key), None)
                 .await?
                 .deleted();
             ensure!(deleted == 1, "no hold of {key} in the log");
@@ -196,7 +196,7 @@ async fn act(command: &str, etcd: &EtcdServer, path: &Proxy) -> anyhow::Result<S
             let deleted = etcd
                 .client()
                 .await?
-                .delete(format!("/latchkey/e/{election}//lead"), None)
+                .delete(layout().election_lead(election), None)
                 .await?
                 .deleted();
             ensure!(deleted == 1, "no leader of {election} in the log");

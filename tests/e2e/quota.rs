@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::ensure;
 use latchkey_proto::lockv1::{CloseSessionRequest, Grant};
+use latchkey_records::Layout;
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions};
 use latchkey_tests::etcd::EtcdServer;
 use latchkey_tests::{copy_dev_policies, eventually, init_tracing};
@@ -56,11 +57,10 @@ async fn rig() -> anyhow::Result<Rig> {
 impl Rig {
     /// The quota places of `identity` in etcd: (index, lease).
     async fn places(&self, identity: &str) -> anyhow::Result<Vec<(String, i64)>> {
-        let hex: String = identity.bytes().map(|b| format!("{b:02x}")).collect();
         let mut etcd = self.etcd.client().await?;
         let resp = etcd
             .get(
-                format!("{PREFIX}/p/{CLASS}/{hex}/"),
+                Layout::new(PREFIX).quota_places(CLASS, identity),
                 Some(latchkey_etcd::kv::GetOptions::new().with_prefix()),
             )
             .await?;
@@ -175,7 +175,8 @@ async fn a_burst_of_twelve_acquires_is_granted_exactly_the_quota() -> anyhow::Re
     // A hold deleted behind the arbiter's back (as an operator's
     // force-release does) leaves its place stale: taken again.
     let mut etcd = rig.etcd.client().await?;
-    etcd.delete(format!("{PREFIX}/l/{}", g4.key), None).await?;
+    etcd.delete(Layout::new(PREFIX).holder(&g4.key), None)
+        .await?;
     ensure!(
         rig.places(&spiffe("workload/alice")).await?.len() == 2,
         "the place went with the hold"

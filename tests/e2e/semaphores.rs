@@ -19,6 +19,7 @@ use anyhow::{Context, ensure};
 use latchkey_etcd::watch::{EventType, WatchOptions, watch_from};
 use latchkey_proto::lockv1::lock_client::LockClient;
 use latchkey_proto::lockv1::{CloseSessionRequest, Grant, InspectRequest, ReleaseRequest};
+use latchkey_records::{Layout, slots_of, under_name};
 use latchkey_tests::arbiter::{Arbiter, ArbiterOptions, ArbiterProcess, channel};
 use latchkey_tests::cluster::{ClusterOptions, EtcdCluster};
 use latchkey_tests::etcd::EtcdServer;
@@ -226,7 +227,7 @@ async fn a_semaphore_grants_its_permits_one_slot_each() -> anyhow::Result<()> {
     let mut etcd_client = etcd.client().await?;
     let under = etcd_client
         .get(
-            format!("{PREFIX}/l/demo/plain//"),
+            Layout::new(PREFIX).holder(&under_name("demo/plain")),
             Some(latchkey_etcd::kv::GetOptions::new().with_prefix()),
         )
         .await?;
@@ -483,7 +484,7 @@ async fn census(
     permits: usize,
     until: Arc<tokio::sync::watch::Sender<i64>>,
 ) -> anyhow::Result<Census> {
-    let prefix = format!("{PREFIX}/l/demo/pool//s/");
+    let prefix = Layout::new(PREFIX).holder(&slots_of("demo/pool"));
     let mut c = Census {
         held: BTreeSet::new(),
         most: 0,

@@ -32,7 +32,7 @@ const RANGES: usize = 40;
 /// The holder record of `key` on `etcd`, as its mod revision.
 async fn held_at(etcd: &EtcdServer, key: &str) -> anyhow::Result<Option<i64>> {
     let mut kv = etcd.client().await?.kv_client();
-    let resp = kv.get(format!("/latchkey/l/{key}"), None).await?;
+    let resp = kv.get(layout().holder(key), None).await?;
     Ok(resp.kvs().first().map(|kv| kv.mod_revision()))
 }
 
@@ -328,7 +328,7 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
     // One session holds on both shards: a renewal renews its shadow too,
     // and closing it ends the holds on both.
     // The session marks its shadow on the lock cluster, on its lease.
-    let mark = format!("/latchkey/sh/{session:016x}/entity-b");
+    let mark = layout().shadow_mark(session, "entity-b");
     let mut kv = home.client().await?.kv_client();
     let marked = kv.get(mark.as_str(), None).await?;
     assert_eq!(
@@ -451,7 +451,7 @@ async fn a_moved_range_drains_then_issues_tokens_above_its_old_home() -> anyhow:
     // cluster's map went back, as a restore would): no change publishes a
     // second map under a version the shards have seen.
     let mut kv = home.client().await?.kv_client();
-    kv.put("/latchkey/sys/shardmap", format!("{:020}", 100), None)
+    kv.put(layout().map_fence(), format!("{:020}", 100), None)
         .await?;
     let coord_before = coord.revision().await?;
     let refused = op

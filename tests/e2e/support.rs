@@ -30,6 +30,12 @@ pub async fn stack_with(opts: ArbiterOptions) -> anyhow::Result<Stack> {
     Ok(Stack { etcd, arbiter })
 }
 
+/// The key layout of the scenarios' arbiters, below their default prefix
+/// (`ArbiterOptions::default().prefix`).
+pub fn layout() -> latchkey_records::Layout {
+    latchkey_records::Layout::new("/latchkey")
+}
+
 /// (code, ErrorInfo.reason) of a refusal.
 pub fn refusal(s: &Status) -> (Code, String) {
     let reason = s

@@ -27,7 +27,7 @@ const ENTITY_CLASS: &str = "batch-report";
 /// The holder record of `key` on `etcd`, as its mod revision.
 async fn held_at(etcd: &EtcdServer, key: &str) -> anyhow::Result<Option<i64>> {
     let mut kv = etcd.client().await?.kv_client();
-    let resp = kv.get(format!("/latchkey/l/{key}"), None).await?;
+    let resp = kv.get(layout().holder(key), None).await?;
     Ok(resp.kvs().first().map(|kv| kv.mod_revision()))
 }
 
@@ -734,7 +734,7 @@ async fn a_session_from_before_the_split_with_the_coord_bit_still_works() -> any
     let record =
         format!(r#"{{"identity":"spiffe://dev.latchkey/workload/demo","ttlSeconds":{ttl}}}"#);
     etcd.put(
-        format!("/latchkey/s/{legacy:016x}"),
+        layout().session(legacy),
         record,
         Some(latchkey_etcd::kv::PutOptions::new().with_lease(legacy)),
     )

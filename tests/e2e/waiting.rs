@@ -159,7 +159,7 @@ async fn an_expired_session_releases_every_hold_in_one_entry_and_the_next_waiter
     let g2 = try_lock(&mut alice, "demo/e2", "short", sa).await?;
     let etcd = s.etcd.client().await?;
     let options = WatchOptions::new().with_prefix();
-    let mut watch = watch_from(&etcd, "/latchkey/l/", g2.revision + 1, options).await?;
+    let mut watch = watch_from(&etcd, layout().holders(), g2.revision + 1, options).await?;
     let mut b = bob.clone();
     // bob keeps his own session alive while he waits
     let keep = tokio::spawn(async move {
@@ -284,7 +284,7 @@ async fn a_lease_etcd_no_longer_has_is_session_expired_and_the_stream_goes_on() 
     let sa = open(&mut alice, "demo").await?;
     let mut etcd = s.etcd.client().await?;
     let record = etcd
-        .get(format!("/latchkey/s/{sa:016x}"), None)
+        .get(layout().session(sa), None)
         .await?
         .kvs()
         .first()
@@ -293,8 +293,7 @@ async fn a_lease_etcd_no_longer_has_is_session_expired_and_the_stream_goes_on() 
     // A lease id etcd never granted, on another renewal lane than sa's (the
     // arbiter shares a few keep-alive streams; a fresh one opens with it).
     let gone = 0x5eed_0000_i64 + (sa + 1) % 4;
-    etcd.put(format!("/latchkey/s/{gone:016x}"), record, None)
-        .await?;
+    etcd.put(layout().session(gone), record, None).await?;
     expect_refusal(
         try_lock(&mut alice, "demo/gone", "demo", gone).await,
         Code::FailedPrecondition,

@@ -11,7 +11,9 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use latchkey_records::election::{RecordChange, TermChange, term_changes};
-use latchkey_records::{CandidateRecord, EpochRecord, decode, term_of};
+use latchkey_records::{
+    CANDIDATES, CandidateRecord, EpochRecord, decode, election_candidate, term_of,
+};
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
 use tokio_util::task::AbortOnDrop;
@@ -111,7 +113,7 @@ impl Known {
         }
         for c in &read.candidates {
             known.candidates.insert(
-                candidate_key(c.record.priority, c.record.session),
+                election_candidate(c.record.priority, c.record.session),
                 (c.record.priority, c.record.session),
             );
         }
@@ -446,7 +448,7 @@ async fn epoch_now(table: &LockTable) -> Option<u32> {
 /// advance's, which the watch task tells by the epoch record).
 fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
     for event in events {
-        if !event.key.starts_with("c/") {
+        if !event.key.starts_with(CANDIDATES) {
             continue;
         }
         match &event.put {
@@ -515,14 +517,6 @@ fn translate(known: &mut Known, events: &[FollowEvent]) -> Vec<Observation> {
         out.push(request);
     }
     out
-}
-
-/// A candidate's key below its election, as the log writes it.
-fn candidate_key(priority: u32, session: i64) -> String {
-    format!(
-        "c/{:08x}/{session:016x}",
-        latchkey_records::candidate_rank(priority)
-    )
 }
 
 #[cfg(test)]

@@ -11,7 +11,9 @@ use latchkey_arbiter::lock_log::{
     StoreError,
 };
 
-use super::keys;
+use latchkey_records::keys;
+
+use super::LAYOUT;
 use super::store::{Compare, NoLease, Op, OpResult, Store};
 
 /// What happened to the batches of more than one member (the simulation
@@ -66,16 +68,16 @@ enum Kind {
 }
 
 pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
-    let holder = keys::holder(txn.key);
-    let session = keys::session(txn.session);
+    let holder = LAYOUT.holder(txn.key);
+    let session = LAYOUT.session(txn.session);
     // a shared hold defers to its lock's durable queue, as in the etcd log
-    let queue = keys::queue_of(latchkey_records::named_key(txn.key));
+    let queue = LAYOUT.queue_of(latchkey_records::named_key(txn.key));
     let mut compares = vec![
         Compare::CreateRevision(holder.clone(), 0),
-        Compare::Value(keys::epoch(), txn.epoch.to_vec()),
-        Compare::CreateRevision(keys::seal(), 0),
+        Compare::Value(LAYOUT.epoch(), txn.epoch.to_vec()),
+        Compare::CreateRevision(LAYOUT.seal(), 0),
         // a missing fence compares as mod revision 0, as in etcd
-        Compare::ModRevision(keys::map_fence(), txn.fence_at),
+        Compare::ModRevision(LAYOUT.map_fence(), txn.fence_at),
         Compare::Value(session.clone(), txn.session_record.to_vec()),
     ];
     let mut kind = kind_and_mode(txn.key);
@@ -93,15 +95,15 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
     }];
     if let (latchkey_records::HoldKind::Exclusive, name) = latchkey_records::hold_kind(txn.key) {
         // the writer's own intent, as etcd's grant deletes it
-        writes.push(Op::Delete(keys::intent(name, txn.session)));
+        writes.push(Op::Delete(LAYOUT.intent(name, txn.session)));
     }
     if let Some(take) = &txn.quota {
-        let place = keys::quota_place(&take.class, &take.subject, take.index);
+        let place = LAYOUT.quota_place(&take.class, &take.subject, take.index);
         match &take.was {
             PlaceWas::Free => compares.push(Compare::CreateRevision(place.clone(), 0)),
             PlaceWas::Stale { revision, key } => compares.extend([
                 Compare::ModRevision(place.clone(), *revision),
-                Compare::ModRevisionNot(keys::holder(key), *revision),
+                Compare::ModRevisionNot(LAYOUT.holder(key), *revision),
             ]),
         }
         writes.push(Op::Put {
@@ -113,7 +115,7 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
     match txn.queue {
         QueueTurn::Empty => compares.push(Compare::NoneUnder(queue.clone())),
         QueueTurn::Mine { created } => {
-            let mine = keys::waiter(latchkey_records::named_key(txn.key), txn.session);
+            let mine = LAYOUT.waiter(latchkey_records::named_key(txn.key), txn.session);
             compares.extend([
                 Compare::AllCreatedAfter(queue.clone(), created - 1),
                 Compare::CreateRevision(mine.clone(), created),
@@ -139,15 +141,15 @@ pub(crate) fn plan_grant(txn: &GrantTxn<'_>) -> Planned {
 pub(crate) fn kind_and_mode(key: &str) -> Vec<Compare> {
     use latchkey_records::{HoldKind, hold_kind, readers_of, slots_of, under_name};
     match hold_kind(key) {
-        (HoldKind::Exclusive, name) => vec![Compare::NoneUnder(keys::holder(&under_name(name)))],
+        (HoldKind::Exclusive, name) => vec![Compare::NoneUnder(LAYOUT.holder(&under_name(name)))],
         (HoldKind::Shared, name) => vec![
-            Compare::CreateRevision(keys::holder(name), 0),
-            Compare::NoneUnder(keys::holder(&slots_of(name))),
-            Compare::NoneUnder(keys::intents_of(name)),
+            Compare::CreateRevision(LAYOUT.holder(name), 0),
+            Compare::NoneUnder(LAYOUT.holder(&slots_of(name))),
+            Compare::NoneUnder(LAYOUT.intents_of(name)),
         ],
         (HoldKind::Slot, name) => vec![
-            Compare::CreateRevision(keys::holder(name), 0),
-            Compare::NoneUnder(keys::holder(&readers_of(name))),
+            Compare::CreateRevision(LAYOUT.holder(name), 0),
+            Compare::NoneUnder(LAYOUT.holder(&readers_of(name))),
         ],
     }
 }
@@ -155,7 +157,7 @@ pub(crate) fn kind_and_mode(key: &str) -> Vec<Compare> {
 /// etcd compares whole values, byte-wise: "begins with `owner`" is
 /// `owner < value < owner⁺`, which is what the etcd log sends.
 pub(crate) fn plan_release(txn: &ReleaseTxn) -> Result<Planned, StoreError> {
-    let holder = keys::holder(&txn.key);
+    let holder = LAYOUT.holder(&txn.key);
     let above = owner_bound(&txn.owner).ok_or_else(|| StoreError::Refused {
         context: "an owner prefix that ends in 0xff, or is empty, cannot be compared".into(),
     })?;
@@ -168,7 +170,7 @@ pub(crate) fn plan_release(txn: &ReleaseTxn) -> Result<Planned, StoreError> {
         ],
         writes: vec![
             Op::Delete(holder.clone()),
-            Op::DeletePrefix(keys::claims_of(&txn.key)),
+            Op::DeletePrefix(LAYOUT.claims_of(&txn.key)),
         ],
         kind: Kind::Release { holder },
     })
@@ -245,11 +247,11 @@ fn failure(store: &Store, kind: &Kind) -> BatchOutcome {
             queue,
         } => BatchOutcome::Grant(Granted::No {
             holder: kv(holder),
-            epoch: kv(&keys::epoch()).map(|k: Kv| k.value),
-            sealed: store.get(&keys::seal()).is_some(),
+            epoch: kv(&LAYOUT.epoch()).map(|k: Kv| k.value),
+            sealed: store.get(&LAYOUT.seal()).is_some(),
             session: kv(session).map(|k| k.value),
             queue_head: store.oldest_under(queue),
-            fence_at: store.get(&keys::map_fence()).map_or(0, |s| s.mod_revision),
+            fence_at: store.get(&LAYOUT.map_fence()).map_or(0, |s| s.mod_revision),
             other_kind: other_kind(store, holder),
             other_mode: other_mode(store, holder),
             intent: intent(store, holder),
@@ -263,8 +265,8 @@ fn failure(store: &Store, kind: &Kind) -> BatchOutcome {
 fn other_kind(store: &Store, holder: &str) -> bool {
     use latchkey_records::{HoldKind, hold_kind, readers_of, slots_of, under_name};
     let key = holder.strip_prefix(keys::HOLDERS).unwrap_or(holder);
-    let held = |k: &str| store.get(&keys::holder(k)).is_some();
-    let any_under = |p: &str| store.oldest_under(&keys::holder(p)).is_some();
+    let held = |k: &str| store.get(&LAYOUT.holder(k)).is_some();
+    let any_under = |p: &str| store.oldest_under(&LAYOUT.holder(p)).is_some();
     match hold_kind(key) {
         (HoldKind::Exclusive, name) => {
             any_under(&under_name(name)) && !any_under(&readers_of(name))
@@ -281,8 +283,8 @@ fn other_mode(store: &Store, holder: &str) -> Option<Kv> {
     use latchkey_records::{HoldKind, hold_kind, readers_of};
     let key = holder.strip_prefix(keys::HOLDERS).unwrap_or(holder);
     match hold_kind(key) {
-        (HoldKind::Exclusive, name) => store.first_under(&keys::holder(&readers_of(name))),
-        (HoldKind::Shared, name) => store.get(&keys::holder(name)).map(|s| s.kv()),
+        (HoldKind::Exclusive, name) => store.first_under(&LAYOUT.holder(&readers_of(name))),
+        (HoldKind::Shared, name) => store.get(&LAYOUT.holder(name)).map(|s| s.kv()),
         (HoldKind::Slot, _) => None,
     }
 }
@@ -292,7 +294,7 @@ fn intent(store: &Store, holder: &str) -> Option<Kv> {
     use latchkey_records::{HoldKind, hold_kind};
     let key = holder.strip_prefix(keys::HOLDERS).unwrap_or(holder);
     match hold_kind(key) {
-        (HoldKind::Shared, name) => store.oldest_under(&keys::intents_of(name)),
+        (HoldKind::Shared, name) => store.oldest_under(&LAYOUT.intents_of(name)),
         _ => None,
     }
 }

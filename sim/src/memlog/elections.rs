@@ -9,14 +9,14 @@ use latchkey_arbiter::lock_log::{
 };
 
 use super::store::{Compare, Op};
-use super::{MemLog, commit, keys, kv_of, put, watch};
+use super::{LAYOUT, MemLog, commit, kv_of, put, watch};
 
 #[async_trait]
 impl ElectionLog for MemLog {
     async fn election(&self, election: &str, limit: usize) -> LogResult<ElectionRead> {
-        let lead = keys::election_lead(election);
-        let term = keys::election_term(election);
-        let candidates = keys::candidates(election);
+        let lead = LAYOUT.election_lead(election);
+        let term = LAYOUT.election_term(election);
+        let candidates = LAYOUT.candidates(election);
         self.call("election", |inner, _| {
             let read = ElectionRead {
                 lead: kv_of(&inner.store, &lead),
@@ -44,8 +44,8 @@ impl ElectionLog for MemLog {
         session_record: &[u8],
         record: Vec<u8>,
     ) -> LogResult<Option<Queued>> {
-        let candidate = keys::candidate(election, priority, session);
-        let own = Compare::Value(keys::session(session), session_record.to_vec());
+        let candidate = LAYOUT.candidate(election, priority, session);
+        let own = Compare::Value(LAYOUT.session(session), session_record.to_vec());
         self.call("stand", |inner, _| {
             if !inner.store.all(&[own]) {
                 return inner.answer(None);
@@ -72,7 +72,7 @@ impl ElectionLog for MemLog {
         priority: u32,
         modified: i64,
     ) -> LogResult<bool> {
-        let candidate = keys::candidate(election, priority, session);
+        let candidate = LAYOUT.candidate(election, priority, session);
         self.call("withdraw", |inner, _| {
             let ok = inner
                 .store
@@ -86,20 +86,20 @@ impl ElectionLog for MemLog {
     }
 
     async fn lead(&self, txn: LeadTxn<'_>) -> LogResult<bool> {
-        let lead = keys::election_lead(txn.election);
-        let term = keys::election_term(txn.election);
+        let lead = LAYOUT.election_lead(txn.election);
+        let term = LAYOUT.election_term(txn.election);
         let mut compares = vec![
-            Compare::Value(keys::epoch(), txn.epoch.to_vec()),
-            Compare::CreateRevision(keys::seal(), 0),
+            Compare::Value(LAYOUT.epoch(), txn.epoch.to_vec()),
+            Compare::CreateRevision(LAYOUT.seal(), 0),
             // a missing key compares as mod revision 0, as in etcd
-            Compare::ModRevision(keys::map_fence(), txn.fence_at),
+            Compare::ModRevision(LAYOUT.map_fence(), txn.fence_at),
             Compare::ModRevision(term.clone(), txn.term_at),
         ];
         let mut ending = None;
         compares.push(match txn.from {
             LeadFrom::Vacant => Compare::CreateRevision(lead.clone(), 0),
             LeadFrom::Leader { session, subject } => {
-                ending = Some(keys::leadership_entry(subject, txn.election));
+                ending = Some(LAYOUT.leadership_entry(subject, txn.election));
                 Compare::Lease(lead.clone(), session)
             }
         });
@@ -107,13 +107,13 @@ impl ElectionLog for MemLog {
         let mut writes = vec![put(term, txn.term_record, 0)];
         match txn.to {
             Some(to) => {
-                let candidate = keys::candidate(txn.election, to.priority, to.session);
+                let candidate = LAYOUT.candidate(txn.election, to.priority, to.session);
                 compares.push(Compare::CreateRevision(candidate.clone(), to.created));
                 compares.push(Compare::Lease(candidate.clone(), to.session));
                 if let Some(record) = to.session_record {
-                    compares.push(Compare::Value(keys::session(to.session), record.to_vec()));
+                    compares.push(Compare::Value(LAYOUT.session(to.session), record.to_vec()));
                 }
-                let entry = keys::leadership_entry(to.subject, txn.election);
+                let entry = LAYOUT.leadership_entry(to.subject, txn.election);
                 if ending.as_ref() == Some(&entry) {
                     ending = None;
                 }
@@ -128,7 +128,7 @@ impl ElectionLog for MemLog {
         }
         if let Some(subject) = txn.creates_for {
             writes.push(put(
-                keys::election_entry(subject, txn.election),
+                LAYOUT.election_entry(subject, txn.election),
                 Vec::new(),
                 0,
             ));
@@ -144,11 +144,11 @@ impl ElectionLog for MemLog {
     }
 
     async fn proclaim(&self, txn: ProclaimTxn<'_>) -> LogResult<bool> {
-        let lead = keys::election_lead(txn.election);
+        let lead = LAYOUT.election_lead(txn.election);
         let compares = [
-            Compare::Value(keys::epoch(), txn.epoch.to_vec()),
-            Compare::CreateRevision(keys::seal(), 0),
-            Compare::ModRevision(keys::election_term(txn.election), txn.term_at),
+            Compare::Value(LAYOUT.epoch(), txn.epoch.to_vec()),
+            Compare::CreateRevision(LAYOUT.seal(), 0),
+            Compare::ModRevision(LAYOUT.election_term(txn.election), txn.term_at),
             Compare::Lease(lead.clone(), txn.session),
         ];
         self.call("proclaim", |inner, _| {
@@ -165,9 +165,9 @@ impl ElectionLog for MemLog {
     }
 
     async fn force_end_term(&self, txn: ForceTermTxn<'_>) -> LogResult<ForceEnded> {
-        let lead = keys::election_lead(txn.election);
-        let term = keys::election_term(txn.election);
-        let entry = keys::leadership_entry(txn.subject, txn.election);
+        let lead = LAYOUT.election_lead(txn.election);
+        let term = LAYOUT.election_term(txn.election);
+        let entry = LAYOUT.leadership_entry(txn.subject, txn.election);
         let records = txn.records.clone();
         let (session, term_at, term_record) = (txn.session, txn.term_at, txn.term_record);
         self.call("force end term", move |inner, now| {
@@ -215,7 +215,7 @@ impl ElectionLog for MemLog {
     }
 
     async fn count_leaderships(&self, subject: &str) -> LogResult<i64> {
-        let prefix = keys::leaderships_of(subject);
+        let prefix = LAYOUT.leaderships_of(subject);
         self.call("count leaderships", |inner, _| {
             let n = inner.store.count(&prefix);
             inner.answer(n)
@@ -224,7 +224,7 @@ impl ElectionLog for MemLog {
     }
 
     async fn count_elections(&self, subject: &str) -> LogResult<i64> {
-        let prefix = keys::elections_of(subject);
+        let prefix = LAYOUT.elections_of(subject);
         self.call("count elections", |inner, _| {
             let n = inner.store.count(&prefix);
             inner.answer(n)
@@ -237,7 +237,7 @@ impl ElectionLog for MemLog {
         election: &str,
         from_revision: i64,
     ) -> Result<Box<dyn PrefixWatch>, StoreError> {
-        let prefix = keys::election(election);
+        let prefix = LAYOUT.election(election);
         // The call's fate first; then the watch, so a lost answer cannot
         // leave a watch open that nobody reads (as `follow`).
         self.call("watch election", |_, _| Ok(())).await?;

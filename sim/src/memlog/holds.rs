@@ -9,7 +9,9 @@ use latchkey_arbiter::lock_log::{
 };
 
 use super::store::{Compare, NoLease, Op, OpResult};
-use super::{MemLog, batch, commit, keys, kv_of, lease_gone, put, watch};
+use latchkey_records::keys;
+
+use super::{LAYOUT, MemLog, batch, commit, kv_of, lease_gone, put, watch};
 
 /// The high bits of the leases a forced end puts its records on.
 pub(super) const FORCE_LEASES: i64 = 0x3f << 56;
@@ -17,7 +19,7 @@ pub(super) const FORCE_LEASES: i64 = 0x3f << 56;
 /// The compares that make a release or hand-over act only on `held`: the
 /// same record bytes, on the same lease, at the same revision.
 fn still_held(held: &HeldAt) -> [Compare; 3] {
-    let key = keys::holder(&held.key);
+    let key = LAYOUT.holder(&held.key);
     [
         Compare::ModRevision(key.clone(), held.revision),
         Compare::Lease(key.clone(), held.session),
@@ -87,17 +89,17 @@ impl HoldLog for MemLog {
             HandOverFrom::Owned(owned) => batch::plan_release(owned)?.compares,
         };
         compares.extend([
-            Compare::Value(keys::epoch(), txn.epoch.to_vec()),
-            Compare::CreateRevision(keys::seal(), 0),
-            Compare::ModRevision(keys::map_fence(), txn.fence_at),
+            Compare::Value(LAYOUT.epoch(), txn.epoch.to_vec()),
+            Compare::CreateRevision(LAYOUT.seal(), 0),
+            Compare::ModRevision(LAYOUT.map_fence(), txn.fence_at),
             Compare::Value(
-                keys::session(txn.next_session),
+                LAYOUT.session(txn.next_session),
                 txn.next_session_record.to_vec(),
             ),
-            Compare::NoneUnder(keys::queue_of(txn.from.key())),
+            Compare::NoneUnder(LAYOUT.queue_of(txn.from.key())),
         ]);
         let key = txn.from.key().to_string();
-        let holder = keys::holder(&key);
+        let holder = LAYOUT.holder(&key);
         self.call("hand over", |inner, _| {
             if !inner.store.all(&compares) {
                 return inner.answer(None);
@@ -106,11 +108,8 @@ impl HoldLog for MemLog {
                 &mut inner.store,
                 vec![
                     put(holder, txn.holder_record, txn.next_session),
-                    Op::DeletePrefix(keys::claims_of(&key)),
-                    Op::Delete(keys::intent(
-                        latchkey_records::named_key(&key),
-                        txn.next_session,
-                    )),
+                    Op::DeletePrefix(LAYOUT.claims_of(&key)),
+                    Op::Delete(LAYOUT.intent(latchkey_records::named_key(&key), txn.next_session)),
                 ],
             )?;
             let previous = match results.first() {
@@ -123,20 +122,23 @@ impl HoldLog for MemLog {
     }
 
     async fn downgrade(&self, txn: DowngradeTxn<'_>) -> LogResult<bool> {
-        let reader = keys::holder(txn.reader_key);
+        let reader = LAYOUT.holder(txn.reader_key);
         let mut compares = still_held(txn.held).to_vec();
         compares.extend([
             Compare::CreateRevision(reader.clone(), 0),
-            Compare::Value(keys::epoch(), txn.epoch.to_vec()),
-            Compare::CreateRevision(keys::seal(), 0),
-            Compare::ModRevision(keys::map_fence(), txn.fence_at),
-            Compare::Value(keys::session(txn.held.session), txn.session_record.to_vec()),
+            Compare::Value(LAYOUT.epoch(), txn.epoch.to_vec()),
+            Compare::CreateRevision(LAYOUT.seal(), 0),
+            Compare::ModRevision(LAYOUT.map_fence(), txn.fence_at),
+            Compare::Value(
+                LAYOUT.session(txn.held.session),
+                txn.session_record.to_vec(),
+            ),
         ]);
         // no slot under the name; not the exclusive hold's absence (this
         // transaction ends it), the durable queue or a writer's intent:
         // converting the session's own hold lets nobody else in (as etcd's)
         let slots = latchkey_records::slots_of(&txn.held.key);
-        compares.push(Compare::NoneUnder(keys::holder(&slots)));
+        compares.push(Compare::NoneUnder(LAYOUT.holder(&slots)));
         let key = txn.held.key.clone();
         let session = txn.held.session;
         self.call("downgrade", |inner, _| {
@@ -146,8 +148,8 @@ impl HoldLog for MemLog {
             commit(
                 &mut inner.store,
                 vec![
-                    Op::Delete(keys::holder(&key)),
-                    Op::DeletePrefix(keys::claims_of(&key)),
+                    Op::Delete(LAYOUT.holder(&key)),
+                    Op::DeletePrefix(LAYOUT.claims_of(&key)),
                     put(reader, txn.holder_record, session),
                 ],
             )?;
@@ -158,7 +160,7 @@ impl HoldLog for MemLog {
 
     async fn release(&self, held: &HeldAt) -> LogResult<Option<Vec<u8>>> {
         let compares = still_held(held);
-        let holder = keys::holder(&held.key);
+        let holder = LAYOUT.holder(&held.key);
         self.call("release", |inner, _| {
             if !inner.store.all(&compares) {
                 return inner.answer(None);
@@ -167,7 +169,7 @@ impl HoldLog for MemLog {
                 &mut inner.store,
                 vec![
                     Op::Delete(holder),
-                    Op::DeletePrefix(keys::claims_of(&held.key)),
+                    Op::DeletePrefix(LAYOUT.claims_of(&held.key)),
                 ],
             )?;
             let previous = match results.first() {
@@ -181,8 +183,8 @@ impl HoldLog for MemLog {
     }
 
     async fn claim(&self, key: &str, session: i64, revision: i64) -> LogResult<Claimed> {
-        let holder = keys::holder(key);
-        let claim = keys::claim(key, revision);
+        let holder = LAYOUT.holder(key);
+        let claim = LAYOUT.claim(key, revision);
         self.call("claim", |inner, _| {
             let held = inner.store.all(&[
                 Compare::ModRevision(holder.clone(), revision),
@@ -205,8 +207,8 @@ impl HoldLog for MemLog {
     }
 
     async fn release_orphan(&self, key: &str, session: i64, revision: i64) -> LogResult<bool> {
-        let holder = keys::holder(key);
-        let claim = keys::claim(key, revision);
+        let holder = LAYOUT.holder(key);
+        let claim = LAYOUT.claim(key, revision);
         self.call("release orphan", |inner, _| {
             let ok = inner.store.all(&[
                 Compare::ModRevision(holder.clone(), revision),
@@ -222,7 +224,7 @@ impl HoldLog for MemLog {
     }
 
     async fn force_end(&self, txn: ForceEndTxn<'_>) -> LogResult<ForceEnded> {
-        let holder = keys::holder(txn.key);
+        let holder = LAYOUT.holder(txn.key);
         let records = txn.records.clone();
         let (key, lease, revision) = (txn.key.to_string(), txn.lease, txn.revision);
         self.call("force end", move |inner, now| {
@@ -243,7 +245,7 @@ impl HoldLog for MemLog {
                 let now = kv_of(&inner.store, &holder);
                 return inner.answer(ForceEnded::HoldChanged { now });
             }
-            let mut ops = vec![Op::Delete(holder), Op::DeletePrefix(keys::claims_of(&key))];
+            let mut ops = vec![Op::Delete(holder), Op::DeletePrefix(LAYOUT.claims_of(&key))];
             if !records.put.is_empty() {
                 // A lease of its own, as etcd grants one (ids far above
                 // any session's, one per revision, so never taken).
@@ -266,7 +268,7 @@ impl HoldLog for MemLog {
     }
 
     async fn holder(&self, key: &str) -> LogResult<Option<Kv>> {
-        let holder = keys::holder(key);
+        let holder = LAYOUT.holder(key);
         self.call("holder", |inner, _| {
             let kv = kv_of(&inner.store, &holder);
             inner.answer(kv)
@@ -275,7 +277,7 @@ impl HoldLog for MemLog {
     }
 
     async fn quota_places(&self, class: &str, subject: &str) -> LogResult<Vec<(u32, Kv)>> {
-        let under = keys::quota_places(class, subject);
+        let under = LAYOUT.quota_places(class, subject);
         self.call("quota places", |inner, _| {
             let places = inner
                 .store
@@ -300,7 +302,7 @@ impl HoldLog for MemLog {
         index: u32,
         revision: i64,
     ) -> LogResult<bool> {
-        let place = keys::quota_place(class, subject, index);
+        let place = LAYOUT.quota_place(class, subject, index);
         self.call("free quota place", |inner, _| {
             let freed = inner
                 .store
@@ -314,7 +316,7 @@ impl HoldLog for MemLog {
     }
 
     async fn holders_under(&self, prefix: &str) -> LogResult<Vec<(String, Kv)>> {
-        let under = keys::holder(prefix);
+        let under = LAYOUT.holder(prefix);
         self.call("holders under", |inner, _| {
             let holds = inner
                 .store
@@ -338,7 +340,7 @@ impl HoldLog for MemLog {
     }
 
     async fn watch(&self, key: &str, from_revision: i64) -> Result<Box<dyn KeyWatch>, StoreError> {
-        let holder = keys::holder(key);
+        let holder = LAYOUT.holder(key);
         let rx = self.shared.changed.subscribe();
         let id = self
             .call("watch", |inner, _| {

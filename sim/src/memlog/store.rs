@@ -9,6 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use latchkey_arbiter::lock_log::{FollowEvent, FollowSignal, Kv, WatchSignal};
+use latchkey_records::keys;
 use tokio::time::{Duration, Instant};
 
 /// A stored key as etcd keeps it (the version counter is left out: no
@@ -337,8 +338,8 @@ impl Store {
             return;
         };
         let mut held: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
-        for (key, _) in self.range(super::keys::HOLDERS) {
-            let key = key.strip_prefix(super::keys::HOLDERS).unwrap_or(key);
+        for (key, _) in self.range(keys::HOLDERS) {
+            let key = key.strip_prefix(keys::HOLDERS).unwrap_or(key);
             if let Some((name, slot)) = latchkey_records::split_slot(key) {
                 held.entry(name).or_default().push(slot);
             }
@@ -360,8 +361,8 @@ impl Store {
     fn check_modes(&mut self, rev: i64) {
         use latchkey_records::{HoldKind, hold_kind};
         let mut kinds: BTreeMap<&str, BTreeMap<HoldKind, usize>> = BTreeMap::new();
-        for (key, _) in self.range(super::keys::HOLDERS) {
-            let key = key.strip_prefix(super::keys::HOLDERS).unwrap_or(key);
+        for (key, _) in self.range(keys::HOLDERS) {
+            let key = key.strip_prefix(keys::HOLDERS).unwrap_or(key);
             let (kind, name) = hold_kind(key);
             *kinds.entry(name).or_default().entry(kind).or_insert(0) += 1;
         }
@@ -378,7 +379,7 @@ impl Store {
             return;
         };
         let mut held: BTreeMap<String, Vec<&str>> = BTreeMap::new();
-        for (key, stored) in self.range(super::keys::HOLDERS) {
+        for (key, stored) in self.range(keys::HOLDERS) {
             if let Some(h) =
                 latchkey_records::decode::<latchkey_records::HolderRecord>(&stored.value)
                 && h.class == *class
@@ -861,14 +862,14 @@ fn secs(ttl: i64) -> Duration {
 }
 
 /// Whether a key watch opened on `watched` sees a change of `key`: the key
-/// itself, or any slot under a semaphore's slots prefix
-/// (`latchkey_records::slots_of`, which no lock key ends with), or any
-/// shared hold under a lock's (`latchkey_records::readers_of`).
+/// itself, or any hold under a prefix of holds
+/// ([`latchkey_records::is_holds_prefix`]: a semaphore's slots, a lock's
+/// shared holds).
 fn watches(watched: &str, key: &str) -> bool {
     watched == key
-        || ((watched.ends_with("//s/") || watched.ends_with("//r/")) && key.starts_with(watched))
+        || (latchkey_records::is_holds_prefix(watched) && key.starts_with(watched))
         // a lock's writers' intents (`w/<name>//`: no lock key ends in `//`)
-        || (watched.starts_with(super::keys::INTENTS)
+        || (watched.starts_with(keys::INTENTS)
             && watched.ends_with("//")
             && key.starts_with(watched))
 }

@@ -423,35 +423,34 @@ mod elections {
     use latchkey_arbiter::lock_log::{
         ElectionLog, FollowSignal, LeadFrom, LeadTo, LeadTxn, PrefixWatch,
     };
-    use latchkey_records::Layout;
 
     use super::*;
-
-    #[test]
-    fn the_keys_are_the_etcd_layouts_below_its_prefix() {
-        let layout = Layout::new("/p");
-        let below = |key: String| key.strip_prefix("/p/").map(str::to_string);
-        let name = "ns/leader";
-        assert_eq!(below(layout.elections()), Some(keys::ELECTIONS.into()));
-        assert_eq!(below(layout.election(name)), Some(keys::election(name)));
-        assert_eq!(
-            below(layout.election_lead(name)),
-            Some(keys::election_lead(name))
-        );
-        assert_eq!(
-            below(layout.election_term(name)),
-            Some(keys::election_term(name))
-        );
-        assert_eq!(below(layout.candidates(name)), Some(keys::candidates(name)));
-        assert_eq!(
-            below(layout.candidate(name, 7, 0xab)),
-            Some(keys::candidate(name, 7, 0xab))
-        );
-    }
 
     async fn stand(log: &MemLog, lease: i64, identity: &str) -> LogResult<Option<Queued>> {
         log.stand("e", lease, 1, &record(identity), b"candidate".to_vec())
             .await
+    }
+
+    /// The store keeps each record where the etcd log does, below its
+    /// prefix (the layouts' keys agree: `latchkey-records`' own test).
+    #[tokio::test(start_paused = true)]
+    async fn records_are_where_the_etcd_layout_puts_them_below_its_prefix() {
+        let log = MemLog::new(19);
+        ready(&log).await;
+        with_session(&log, 91, "hal").await;
+        grant(&log, "k", 91, "hal").await.unwrap();
+        stand(&log, 91, "hal").await.unwrap();
+        let etcd = latchkey_records::Layout::new("/latchkey");
+        for key in [
+            etcd.epoch(),
+            etcd.session(91),
+            etcd.identity_session("hal", 91),
+            etcd.holder("k"),
+            etcd.candidate("e", 1, 91),
+        ] {
+            let below = key.strip_prefix("/latchkey/").unwrap_or_default();
+            assert!(log.stored(below).is_some(), "{key}");
+        }
     }
 
     fn lead_txn(to: i64, created: i64) -> LeadTxn<'static> {

@@ -126,7 +126,7 @@ impl IdLog {
     /// key in it spelled as [`IdLog::history_key`] spells it: an error that
     /// names a reader key names the arbiter's random session id.
     pub(crate) fn history_text(&self, text: &str) -> String {
-        const MARK: &str = "//r/";
+        const MARK: &str = latchkey_records::READERS;
         let mut out = String::with_capacity(text.len());
         let mut rest = text;
         while let Some(at) = rest.find(MARK) {
@@ -310,25 +310,20 @@ fn reader_key_back(ids: &Mutex<Ids>, key: &str) -> String {
 }
 
 /// A candidate record's key below an election's candidates prefix
-/// (`<rank:08x>/<lease:016x>`), or below the election's prefix
-/// (`c/<rank:08x>/<lease:016x>`), with the lease as the arbiter names it;
-/// any other key as it is.
+/// ([`latchkey_records::candidate_entry`]), or below the election's prefix
+/// ([`latchkey_records::election_candidate`]), with the lease as the
+/// arbiter names it; any other key as it is.
 fn candidate_key_back(ids: &Mutex<Ids>, key: &str) -> String {
-    let (head, below) = match key.strip_prefix("c/") {
-        Some(below) => ("c/", below),
+    use latchkey_records::{CANDIDATES, candidate_entry, split_candidate_entry};
+    let (head, entry) = match key.strip_prefix(CANDIDATES) {
+        Some(entry) => (CANDIDATES, entry),
         None => ("", key),
     };
-    let Some((rank, lease)) = below.split_once('/') else {
-        return key.to_string();
-    };
-    let Some(stored) = (lease.len() == 16)
-        .then(|| i64::from_str_radix(lease, 16).ok())
-        .flatten()
-    else {
+    let Some((priority, stored)) = split_candidate_entry(entry) else {
         return key.to_string();
     };
     match ids.lock().to_arbiter.get(&stored) {
-        Some(arbiter) => format!("{head}{rank}/{arbiter:016x}"),
+        Some(arbiter) => format!("{head}{}", candidate_entry(priority, *arbiter)),
         None => key.to_string(),
     }
 }

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::fences::Window;
 use super::world::{World, lock};
-use crate::memlog::{ClusterId, FaultRates, Snapshot};
+use crate::memlog::{ClusterId, FaultRates, LAYOUT, Snapshot};
 use crate::rng::Rng;
 use crate::witness::{MemWitness, WitnessSnapshot};
 
@@ -373,7 +373,7 @@ fn detectable(log: &Backup, coord: &Backup) -> bool {
     };
     let recorded = log
         .log
-        .value("sys/coord-seen")
+        .value(&LAYOUT.coord_seen())
         .and_then(decode::<CoordSeenRecord>)
         .filter(|r| r.lock_epoch == epoch)
         .map(|r| witnessed_of(&r));
@@ -393,7 +393,7 @@ fn detectable(log: &Backup, coord: &Backup) -> bool {
 fn remembers(log: &Backup, coord: &Backup, serving: u32) -> bool {
     let recorded = log
         .log
-        .value("sys/coord-seen")
+        .value(&LAYOUT.coord_seen())
         .and_then(decode::<CoordSeenRecord>)
         .map(|r| witnessed_of(&r));
     let known = [
@@ -412,7 +412,7 @@ fn remembers(log: &Backup, coord: &Backup, serving: u32) -> bool {
 
 /// The epoch in a lock log snapshot's epoch record.
 fn epoch_of(log: &Snapshot) -> Option<u32> {
-    log.value("sys/epoch")
+    log.value(&LAYOUT.epoch())
         .and_then(decode::<EpochRecord>)
         .map(|r| r.epoch)
 }
@@ -592,11 +592,11 @@ async fn map_fence(world: &World, rng: &mut Rng) {
     }
     let raised = world
         .memlog
-        .stored("sys/shardmap")
+        .stored(&LAYOUT.map_fence())
         .map(|kv| kv.mod_revision);
     let epoch = world
         .memlog
-        .stored("sys/epoch")
+        .stored(&LAYOUT.epoch())
         .and_then(|kv| decode::<EpochRecord>(&kv.value))
         .map(|r| r.epoch);
     let (Some(raised), Some(epoch)) = (raised, epoch) else {

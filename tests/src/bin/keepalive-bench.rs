@@ -501,9 +501,12 @@ async fn latchkey(
         period.as_secs()
     );
     // sessions whose record is gone from etcd were lost
-    let records = latchkey_etcd::kv::count_prefix(&etcd.client().await?, "/latchkey/s/")
-        .await?
-        .value;
+    let records = latchkey_etcd::kv::count_prefix(
+        &etcd.client().await?,
+        latchkey_records::Layout::new("/latchkey").sessions(),
+    )
+    .await?
+    .value;
     let missing = n.saturating_sub(usize::try_from(records)?);
     let m = finish(
         "Latchkey",

@@ -9,7 +9,7 @@ use latchkey_arbiter::lock_log::{
     ElectionRead, FollowEvent, FollowSignal, Kv, LeadFrom, LeadTo, LeadTxn, LockLog, PrefixWatch,
     ProclaimTxn, Queued,
 };
-use latchkey_records::candidate_rank;
+use latchkey_records::{candidate_entry, election_candidate};
 
 use super::{
     WATCH_WAIT, epoch, lease, lift_seal, one_write, open, revision, revoke_all, unchanged,
@@ -28,11 +28,6 @@ fn lead_record(election: &str, session: i64, note: &str) -> Vec<u8> {
 
 fn term_record(count: u32) -> Vec<u8> {
     format!("term {count}").into_bytes()
-}
-
-/// A candidate's key below the election's candidates prefix.
-fn candidate_key(priority: u32, session: i64) -> String {
-    format!("{:08x}/{session:016x}", candidate_rank(priority))
 }
 
 /// The shard-map fence's mod revision now (0: absent), as a grantor reads it.
@@ -221,7 +216,7 @@ pub async fn a_vacancy_is_led_by_one_of_two_racing_lead_txns(
     );
     ensure!(
         found.candidates.len() == 1
-            && found.candidates[0].0 == candidate_key(5, loser)
+            && found.candidates[0].0 == candidate_entry(5, loser)
             && found.candidates[0].1.create_revision == lost_q.created,
         "{:?}",
         found.candidates
@@ -619,13 +614,13 @@ pub async fn candidates_come_back_by_rank_then_session(log: &dyn LockLog) -> any
     let keys: Vec<&str> = found.candidates.iter().map(|(k, _)| k.as_str()).collect();
     let want: Vec<String> = expected
         .iter()
-        .map(|(n, p)| candidate_key(*p, ids[*n]))
+        .map(|(n, p)| candidate_entry(*p, ids[*n]))
         .collect();
     ensure!(keys == want, "{keys:?}, not {want:?}");
     for (key, kv) in &found.candidates {
         let (n, _, q) = queued
             .iter()
-            .find(|(n, p, _)| candidate_key(*p, ids[*n]) == *key)
+            .find(|(n, p, _)| candidate_entry(*p, ids[*n]) == *key)
             .context("a candidate nobody stood")?;
         ensure!(
             *kv == Kv {
@@ -693,7 +688,7 @@ pub async fn candidates_come_back_by_rank_then_session(log: &dyn LockLog) -> any
         .map(|(k, _)| k)
         .collect();
     ensure!(
-        left == [candidate_key(5, ids[1]), candidate_key(1, ids[2])],
+        left == [candidate_entry(5, ids[1]), candidate_entry(1, ids[2])],
         "{left:?}"
     );
     revoke_all(log, &ids).await
@@ -857,10 +852,7 @@ pub async fn an_election_watch_reports_every_change_from_a_revision(
         epoch: &epoch,
         fence_at: fence_at(log).await?,
     };
-    let (ka, kb) = (
-        format!("c/{}", candidate_key(6, ia)),
-        format!("c/{}", candidate_key(6, ib)),
-    );
+    let (ka, kb) = (election_candidate(6, ia), election_candidate(6, ib));
 
     let qa = stand(log, name, ia, 6, &ra).await?;
     stand(log, other, ib, 6, &rb).await?;

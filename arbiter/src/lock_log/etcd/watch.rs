@@ -9,16 +9,16 @@ use super::{EtcdLog, unavailable};
 use crate::lock_log::{KeyWatch, StoreError, WatchSignal};
 
 /// Watches `key`'s holder record from `from_revision` (inclusive), so
-/// nothing between a failed grant and the watch is missed. A semaphore's
-/// slots prefix (`records::slots_of`, `<name>//s/`, which no lock key ends
-/// with) watches every slot of it; a lock's shared holds prefix
-/// (`records::readers_of`, `<name>//r/`) every shared hold of it.
+/// nothing between a failed grant and the watch is missed. A prefix of
+/// holds ([`latchkey_records::is_holds_prefix`]: a semaphore's slots
+/// prefix, `<name>//s/`, or a lock's shared holds prefix, `<name>//r/`,
+/// which no lock key ends with) watches every hold under it.
 pub(super) async fn watch(
     log: &EtcdLog,
     key: &str,
     from_revision: i64,
 ) -> Result<Box<dyn KeyWatch>, StoreError> {
-    let options = match key.ends_with("//s/") || key.ends_with("//r/") {
+    let options = match latchkey_records::is_holds_prefix(key) {
         true => WatchOptions::new().with_prefix(),
         false => WatchOptions::new(),
     };
