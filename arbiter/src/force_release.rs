@@ -49,7 +49,6 @@ use std::time::Duration;
 
 use latchkey_policies::Enforcement;
 use latchkey_proto::ERROR_DOMAIN;
-use serde::{Deserialize, Serialize};
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -62,6 +61,7 @@ use crate::owner::{
     ForceEndTxn, ForceEnded, ForceRecords, KeyOwner, RevokeSessionTxn, SessionRevoked,
 };
 use crate::records::encode;
+use latchkey_records::force as force_names;
 
 /// How long a request waits for its approver by default.
 pub const DEFAULT_REQUEST_TTL: Duration = Duration::from_secs(15 * 60);
@@ -92,102 +92,10 @@ impl Default for ForceReleaseConfig {
     }
 }
 
-/// A pending request, as stored (JSON, camelCase, fixed field order).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct RequestRecord {
-    pub id: String,
-    pub key: String,
-    pub holder_identity: String,
-    pub holder_session: i64,
-    /// The lease the holder record was on and its mod revision: the
-    /// approval's transaction compares both.
-    pub hold_lease: i64,
-    pub hold_revision: i64,
-    pub class: String,
-    pub enforcement: String,
-    pub reason: String,
-    pub revoke_session: bool,
-    pub requester_subject: String,
-    pub requester_identity: String,
-    pub requested_at_unix_ms: i64,
-    pub expires_at_unix_ms: i64,
-    /// Which of its requester's [`MAX_PENDING_PER_OPERATOR`] places the
-    /// request takes (`{prefix}/sys/force-req/place/op/...`, see
-    /// [`etcd::ForceStore::put_request`]); `None` for a request written
-    /// before places existed, whose approval then deletes no place (it
-    /// could be another request's).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub place: Option<u32>,
-    /// The request names an election's leadership, not a hold: `key` is
-    /// the election, the holder its leader, `hold_lease` the leader
-    /// record's lease and `hold_revision` the term record's mod revision
-    /// (with the epoch, the leader's token: compared by the approval and
-    /// never shown, logged or put in the force record).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub election: bool,
-    /// The term the request names (`epoch * 2^32 + count`); 0 for a hold.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub term: u64,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
-/// A force-release that happened, as stored under `{prefix}/sys/force/<id>`
-/// for the audit tailer (the first fields are the ones it requires).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ForceRecord {
-    pub key: String,
-    pub hold_revision: i64,
-    pub request_id: String,
-    /// OIDC subjects of the requester and the approver.
-    pub requested_by: String,
-    pub approved_by: String,
-    pub reason: String,
-    pub enforcement: String,
-    pub holder_identity: String,
-    pub holder_session: i64,
-    pub class: String,
-    pub revoke_session: bool,
-    pub requested_at_unix_ms: i64,
-    pub approved_at_unix_ms: i64,
-    /// The approval goes on to revoke the holder's session (right after the
-    /// transaction, with the arbiter's own credentials).
-    pub revoked_session: bool,
-    pub issuer: String,
-    /// The operators' channel identities (SVIDs).
-    pub requester_identity: String,
-    pub approver_identity: String,
-    /// An election's leadership was ended, not a hold: `key` is the
-    /// election, `term` the term ended, the holder its leader, and
-    /// `hold_revision` 0 (the term's revision is its token's).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub election: bool,
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub term: u64,
-}
-
-/// A session an operator's force-release revoked, as stored under
-/// `{prefix}/sys/revoked/<lease, 16 hex digits>` on a 24 h lease, written in
-/// the transaction that deletes the session's record, before the lease is
-/// revoked: the audit tailer reads the revoke's deletions against it as
-/// `force-revoked` rather than an expiry.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct RevokeRecord {
-    pub session: i64,
-    /// The key whose force-release asked for the revocation.
-    pub key: String,
-    pub request_id: String,
-    pub requested_by: String,
-    pub approved_by: String,
-    pub reason: String,
-    pub holder_identity: String,
-    pub revoked_at_unix_ms: i64,
-}
+/// The stored records: a pending request, a force record and a revoked
+/// session's marker (`latchkey_records::force`, shared with the audit
+/// tailer, with their keys).
+pub use latchkey_records::force::{ForceRecord, RequestRecord, RevokeRecord};
 
 /// Pending (unapproved, unexpired) force-release requests one operator may
 /// have at once.
@@ -543,14 +451,11 @@ impl ForceRelease {
             term: request.term,
         };
         let records = ForceRecords {
-            unchanged: vec![(
-                etcd::ForceStore::request_name(&request.id),
-                request_revision,
-            )],
-            put: vec![(etcd::ForceStore::record_name(&request.id), encode(&record))],
+            unchanged: vec![(force_names::request_name(&request.id), request_revision)],
+            put: vec![(force_names::record_name(&request.id), encode(&record))],
             ttl_seconds: u32::try_from(FORCE_RECORD_TTL.as_secs()).unwrap_or(u32::MAX),
-            delete: std::iter::once(etcd::ForceStore::request_name(&request.id))
-                .chain(etcd::ForceStore::place_names_of(&request))
+            delete: std::iter::once(force_names::request_name(&request.id))
+                .chain(request.place_names())
                 .collect(),
         };
         let ended = match request.election {

@@ -36,7 +36,7 @@ use tracing::info;
 use crate::error::{ArbiterError, IdentityBound};
 use crate::follow::{Event, Followed};
 use crate::lock_log::Kv;
-use crate::records::session_entry;
+use crate::records::{session_entry, session_entry_name};
 use crate::subject_counts::{Admitted, Change, SubjectCounts};
 
 pub struct SessionCounts {
@@ -45,11 +45,6 @@ pub struct SessionCounts {
     /// it: which entry a close deletes (the subject the open was bounded
     /// as, whatever the grants say now). Sessions leave with their entry.
     subjects: Mutex<HashMap<i64, String>>,
-}
-
-/// A session's entry as the counts name it (the key below the subject).
-fn entry_key(session: i64) -> String {
-    format!("{session:016x}")
 }
 
 impl SessionCounts {
@@ -85,14 +80,14 @@ impl SessionCounts {
     /// knows it (seen by the watch, or opened here).
     pub fn subject_of(&self, session: i64) -> Option<String> {
         let seen = self.subjects.lock().get(&session).cloned();
-        seen.or_else(|| self.counts.admitted_as(&entry_key(session)))
+        seen.or_else(|| self.counts.admitted_as(&session_entry_name(session)))
     }
 
     /// This arbiter deleted `session`'s entry under `subject` (one
     /// [`Self::subject_of`] named) at `revision`: it stops counting now.
     pub fn closed_here(&self, subject: &str, session: i64, revision: i64) {
         self.counts
-            .ended_here(subject, &entry_key(session), revision);
+            .ended_here(subject, &session_entry_name(session), revision);
     }
 
     /// Every subject's sessions in the log as counted; `None` while there
@@ -119,7 +114,7 @@ impl Opening {
     /// or its deadline passed) may still have written it (a hostile review
     /// passed the bound so, by cancelling opens).
     pub fn writing(&mut self, session: i64, ttl: Duration) {
-        self.0.writing(&entry_key(session));
+        self.0.writing(&session_entry_name(session));
         self.0
             .until_unless_written(tokio::time::Instant::now() + ttl);
     }
@@ -189,7 +184,7 @@ impl Followed for SessionCounts {
                     }
                 };
                 changes.push(Change {
-                    key: entry_key(session),
+                    key: session_entry_name(session),
                     before,
                     after,
                 });

@@ -11,7 +11,7 @@
 //! |----------------------------------------------------------|-------|
 //! | puts `l/K` where there was no hold                       | grant |
 //! | puts `l/K` over another hold                             | hand-over |
-//! | deletes `l/K` and puts `sys/force/K//…`                  | force-release |
+//! | deletes `l/K` and puts `sys/force/<id>` naming `K`         | force-release |
 //! | puts `sys/epoch` over an epoch and deletes `l/…`         | epoch-advance, per hold and on `/sys/epoch` |
 //! | deletes `l/K` and the record `s/L` of its lease          | expiry, `expired-or-revoked` |
 //! | deletes `l/K` of a lease with a `sys/revoked/L` marker   | release, `force-revoked` |
@@ -134,7 +134,7 @@ fn role(key: &str) -> Role<'_> {
     match key {
         keys::EPOCH => Role::Epoch,
         keys::SEAL => Role::Seal,
-        k if k.starts_with(force::REVOKED_DIR) => match force::parse_revoked_key(k) {
+        k if k.starts_with(force::REVOKED_DIR) => match force::parse_revoked_name(k) {
             Some(lease) => Role::Revoked(lease),
             None => Role::Other,
         },
@@ -178,7 +178,7 @@ impl LogState {
                     let record = decode::<RevokeRecord>(value);
                     state
                         .revoked
-                        .insert(lease, RevokeRecord::detail(record.as_ref()));
+                        .insert(lease, force::revoke_detail(record.as_ref()));
                 }
                 Role::Lead(name) => {
                     if let Some(record) = decode::<LeadRecord>(value) {
@@ -264,7 +264,7 @@ impl LogState {
                 (Role::Revoked(lease), Op::Put) => {
                     let record = decode::<RevokeRecord>(&change.value);
                     self.revoked
-                        .insert(lease, RevokeRecord::detail(record.as_ref()));
+                        .insert(lease, force::revoke_detail(record.as_ref()));
                 }
                 (Role::Revoked(lease), Op::Delete) => revoked_deleted.push(lease),
                 _ => {}
@@ -351,7 +351,7 @@ impl LogState {
             if let Some(event) = events.iter_mut().find(|e| {
                 e.kind == Kind::Vacancy && e.key == f.key && e.ended == Ended::ForceReleased
             }) {
-                let mut detail = f.detail();
+                let mut detail = force::detail(&f);
                 if let (Some(map), Some(own)) = (detail.as_object_mut(), event.detail.as_object()) {
                     for (k, v) in own {
                         map.insert(k.clone(), v.clone());
@@ -562,24 +562,26 @@ fn force_into(event: &mut Event, record: &ForceRecord, known: bool) {
         event.class = record.class.clone();
         event.hold_revision = record.hold_revision;
     }
-    let mut detail = record.detail();
+    let mut detail = force::detail(record);
     if let Some(map) = detail.as_object_mut() {
         map.insert("holdDeleted".into(), known.into());
     }
     event.detail = detail;
 }
 
-/// The record a force put carries; one that does not decode still names
-/// its hold in its key.
+/// The record a force put carries. One that does not decode is still
+/// recorded, under its own key: its key names only its request
+/// (`sys/force/<id>`), not the hold it ended.
 fn force_record(change: &Change) -> ForceRecord {
-    if let Ok(record) = serde_json::from_slice::<ForceRecord>(&change.value) {
+    if let Some(record) = decode::<ForceRecord>(&change.value) {
         return record;
     }
-    let (key, hold_revision) = force::parse_key(&change.key).unwrap_or((&change.key, 0));
     ForceRecord {
-        key: key.to_string(),
-        hold_revision,
-        request_id: String::new(),
+        key: change.key.clone(),
+        hold_revision: 0,
+        request_id: force::parse_record_name(&change.key)
+            .unwrap_or_default()
+            .to_string(),
         requested_by: String::new(),
         approved_by: String::new(),
         reason: "(undecodable force record)".into(),
@@ -590,6 +592,10 @@ fn force_record(change: &Change) -> ForceRecord {
         revoke_session: false,
         requested_at_unix_ms: 0,
         approved_at_unix_ms: 0,
+        revoked_session: false,
+        issuer: String::new(),
+        requester_identity: String::new(),
+        approver_identity: String::new(),
         election: false,
         term: 0,
     }

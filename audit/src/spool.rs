@@ -20,36 +20,20 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
-
 use crate::event::{Ended, Event, Kind};
 
 /// Where unprotected events' revisions start: far below zero, so that
 /// `base + 2 * id` stays negative for every id (ids are below 2^55).
 pub const SPOOL_REVISION_BASE: i64 = i64::MIN / 2;
 
-/// One spool line as the arbiter writes it (`arbiter/src/quorum_loss/spool.rs`).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SpoolLine {
-    pub id: i64,
-    /// `grant` or `release`.
-    pub kind: String,
-    pub key: String,
-    pub identity: String,
-    pub session: i64,
-    pub class: String,
-    pub ttl_seconds: u32,
-    pub at_unix_ms: i64,
-    pub token: u64,
-    pub unprotected: bool,
-    pub arbiter: String,
-    #[serde(default)]
-    pub cluster_id: u64,
-}
+/// One spool line: the arbiter's own type (`latchkey_records::spool`),
+/// which reads lines from before `bound`, `instance` and `clusterId`.
+pub use latchkey_records::spool::{SpoolKind, SpoolRecord as SpoolLine};
 
 /// Every whole line of a spool file. A last line without its newline was
-/// torn by a crash (never synced, so never answered) and is skipped.
+/// torn by a crash (never synced, so never answered) and is skipped, and
+/// so is a line of a kind this tailer does not know (a newer arbiter's:
+/// it has no event here).
 pub fn read(path: &Path) -> io::Result<Vec<SpoolLine>> {
     let bytes = std::fs::read(path)?;
     let mut lines = Vec::new();
@@ -60,7 +44,7 @@ pub fn read(path: &Path) -> io::Result<Vec<SpoolLine>> {
         if line.is_empty() {
             continue;
         }
-        lines.push(serde_json::from_slice(line).map_err(|source| {
+        let bad = |source| {
             io::Error::new(
                 io::ErrorKind::InvalidData,
                 NotASpoolLine {
@@ -68,7 +52,13 @@ pub fn read(path: &Path) -> io::Result<Vec<SpoolLine>> {
                     source,
                 },
             )
-        })?);
+        };
+        let value: serde_json::Value = serde_json::from_slice(line).map_err(bad)?;
+        let kind = value.get("kind").cloned().unwrap_or_default();
+        if kind.is_string() && serde_json::from_value::<SpoolKind>(kind).is_err() {
+            continue;
+        }
+        lines.push(serde_json::from_value(value).map_err(bad)?);
     }
     Ok(lines)
 }
@@ -87,10 +77,9 @@ pub fn events(lines: &[SpoolLine], file: &str) -> Vec<(u64, Event)> {
         .iter()
         .filter_map(|l| {
             let grant = SPOOL_REVISION_BASE.checked_add(l.id.checked_mul(2)?)?;
-            let (kind, ended, revision) = match l.kind.as_str() {
-                "grant" => (Kind::Grant, Ended::No, grant),
-                "release" => (Kind::Release, Ended::Released, grant.checked_add(1)?),
-                _ => return None,
+            let (kind, ended, revision) = match l.kind {
+                SpoolKind::Grant => (Kind::Grant, Ended::No, grant),
+                SpoolKind::Release => (Kind::Release, Ended::Released, grant.checked_add(1)?),
             };
             if revision >= 0 {
                 return None;
@@ -237,6 +226,34 @@ mod tests {
             dir.join("shipped").join("1-1-1.jsonl")
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Lines as arbiters wrote them decode into the one type: without
+    /// `clusterId` (older spools), with `bound` and `instance` (newer
+    /// ones); a kind this tailer does not know is skipped, as before.
+    #[test]
+    fn old_and_new_arbiter_lines_are_read() {
+        let dir = std::env::temp_dir().join(format!("latchkey-spool-old-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("1-1-1.jsonl");
+        let older = GRANT.replace(r#","clusterId":9"#, "");
+        let newer = RELEASE.replace(
+            r#""session":7"#,
+            r#""bound":"spiffe://dev.latchkey/workload/*","instance":"pod-1","session":7"#,
+        );
+        let unknown = GRANT.replace(r#""kind":"grant""#, r#""kind":"renew""#);
+        std::fs::write(&file, format!("{older}\n{unknown}\n{newer}\n")).unwrap();
+        let lines = read(&file).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert_eq!((lines[0].kind, lines[0].cluster_id), (SpoolKind::Grant, 0));
+        assert_eq!(lines[1].kind, SpoolKind::Release);
+        assert_eq!(lines[1].bound, "spiffe://dev.latchkey/workload/*");
+        assert_eq!(lines[1].instance, "pod-1");
+        let events = events(&lines, "1-1-1.jsonl");
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[0].0, 0);
+        assert_eq!(events[1].1.kind, Kind::Release);
     }
 
     /// Issue 32: a line that does not decode keeps the decoder's error as

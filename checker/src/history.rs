@@ -14,16 +14,24 @@ use serde::{Deserialize, Serialize};
 /// Bits of a fencing token that hold the etcd revision (ADR-02): the
 /// layout's one definition, `latchkey_records::token`.
 pub use latchkey_records::token::REVISION_BITS;
-const REVISION_MASK: u64 = (1 << REVISION_BITS) - 1;
+use latchkey_records::token::{pack, unpack};
 
-/// Packs a fencing token: `epoch × 2^48 + revision`.
+/// Packs a fencing token, `epoch × 2^48 + revision`, as the arbiter does
+/// (`latchkey_records::token::pack`). A pair no arbiter could grant (epoch
+/// 0 or at least 2^15, revision 0 or at least 2^48) is 0, which no grant
+/// carries: never another pair's token.
 pub fn token(epoch: u32, revision: u64) -> u64 {
-    (u64::from(epoch) << REVISION_BITS) | (revision & REVISION_MASK)
+    i64::try_from(revision)
+        .ok()
+        .and_then(|revision| pack(epoch, revision))
+        .unwrap_or(0)
 }
 
-/// A token as people read it: `e<epoch>:r<revision>`.
+/// A token as people read it: `e<epoch>:r<revision>`. Any u64 reads (a
+/// history may carry anything): its top 16 bits are the epoch.
 pub fn format_token(token: u64) -> String {
-    format!("e{}:r{}", token >> REVISION_BITS, token & REVISION_MASK)
+    let (epoch, revision) = unpack(token);
+    format!("e{epoch}:r{revision}")
 }
 
 /// What an operation does (`f` in the history).
@@ -995,5 +1003,20 @@ mod tests {
     fn tokens_print_as_epoch_and_revision() {
         assert_eq!(format_token(token(1, 5512)), "e1:r5512");
         assert_eq!(format_token(281474976710699), "e1:r43");
+        // anything a history carries reads, bits as they are
+        assert_eq!(format_token(0), "e0:r0");
+        assert_eq!(format_token(u64::MAX), "e65535:r281474976710655");
+    }
+
+    /// The arbiter's packing: what it refuses to pack is 0 here, never a
+    /// wrapped revision that would be another pair's token.
+    #[test]
+    fn tokens_pack_as_the_arbiter_packs() {
+        assert_eq!(token(1, 43), 281474976710699);
+        assert_eq!(token(2, 3), latchkey_records::token::pack(2, 3).unwrap());
+        assert!(token(1, (1 << 48) - 1) < token(2, 1));
+        for (epoch, revision) in [(0, 5), (1 << 15, 5), (1, 0), (1, 1 << 48), (1, u64::MAX)] {
+            assert_eq!(token(epoch, revision), 0, "({epoch}, {revision})");
+        }
     }
 }

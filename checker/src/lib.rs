@@ -60,6 +60,15 @@ pub use history::{
 };
 pub use report::{Fault, KeyReport, OpSummary, Report, Verdict, Violation, ViolationKind};
 
+/// The fenced record a holder of slot `slot` of semaphore `key` writes (the
+/// gate's workers), and the name the checker judges that slot under:
+/// `{key}//s/{slot}`, the slot in decimal. Not the arbiter's lock key for
+/// the slot (`latchkey_records::slot_key`, four hex digits): this one names
+/// a record in the fenced stores.
+pub fn slot_record(key: &str, slot: u32) -> String {
+    format!("{key}//s/{slot}")
+}
+
 use crate::checks::KeyOps;
 use crate::model::{Effect, Kind, LockState, Partition};
 use crate::search::{Failure, Limits, SearchResult};
@@ -110,7 +119,8 @@ pub fn check(history: &History, opts: &CheckOptions) -> Report {
         .collect();
     let mut mine: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
     // A semaphore's slots, each checked directly as an exclusive lock:
-    // `S//s/n` (the arbiter's own name for slot n of S) -> its operations.
+    // `S//s/n` (the record slot n of S writes, `slot_record`) -> its
+    // operations.
     let mut slots: BTreeMap<&str, BTreeMap<String, Vec<usize>>> = BTreeMap::new();
     let mut advances: Vec<usize> = Vec::new();
     for (i, o) in ops.iter().enumerate() {
@@ -124,7 +134,7 @@ pub fn check(history: &History, opts: &CheckOptions) -> Report {
                 slots
                     .entry(k)
                     .or_default()
-                    .entry(format!("{k}//s/{n}"))
+                    .entry(slot_record(k, n))
                     .or_default()
                     .push(i);
             }
@@ -397,6 +407,18 @@ mod tests {
 
     fn run(h: &History) -> Report {
         check(h, &CheckOptions::default())
+    }
+
+    /// The gate's slot records and the checker's slots are one name: the
+    /// slot in decimal under the semaphore's `//s/`.
+    #[test]
+    fn a_slot_s_record_is_named_in_decimal() {
+        assert_eq!(slot_record("bench/gate/s", 0), "bench/gate/s//s/0");
+        assert_eq!(slot_record("bench/gate/s", 10), "bench/gate/s//s/10");
+        assert_ne!(
+            slot_record("bench/gate/s", 10),
+            latchkey_records::slot_key("bench/gate/s", 10)
+        );
     }
 
     fn names(v: &Violation) -> Vec<String> {

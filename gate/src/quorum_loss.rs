@@ -137,7 +137,10 @@ pub(crate) fn spooled_grants(
         for line in latchkey_audit::spool::read(&file)
             .with_context(|| format!("reading the spool {}", file.display()))?
         {
-            if line.kind == "grant" && line.token == 0 && line.unprotected {
+            if line.kind == latchkey_audit::spool::SpoolKind::Grant
+                && line.token == 0
+                && line.unprotected
+            {
                 grants.insert((line.key, line.identity));
             }
         }

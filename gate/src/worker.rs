@@ -147,7 +147,7 @@ impl Hold {
     /// The record a holder of `key` writes: a semaphore slot's own.
     pub(crate) fn record(&self, key: &str) -> String {
         match self.slot {
-            Some(n) => format!("{key}//s/{n}"),
+            Some(n) => latchkey_checker::slot_record(key, n),
             None => key.to_owned(),
         }
     }

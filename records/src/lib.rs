@@ -31,11 +31,22 @@
 //!   of a class with a quota, taken in the grant transaction of the hold it
 //!   names, at that hold's revision (deleted by an epoch advance).
 //!
+//! - `{prefix}/sys/force-req/…`, `{prefix}/sys/force/{id}`,
+//!   `{prefix}/sys/revoked/{lease}` — two-person force-release's requests,
+//!   approvals and revoked sessions ([`force`]).
+//!
+//! The quorum-loss spool's lines, kept in files and not in etcd, are
+//! [`spool`]'s.
+//!
 //! Records are JSON with a fixed field order, so the bytes the arbiter writes
 //! are the bytes it can compare in a transaction.
 
 pub mod election;
+pub mod force;
+pub mod spool;
 pub mod token;
+
+pub use force::{ForceRecord, RequestRecord, RevokeRecord};
 
 use std::collections::BTreeMap;
 
@@ -695,6 +706,12 @@ pub struct CandidateRecord {
     pub yields: bool,
 }
 
+/// A session's entry's name below its subject's entries (the last segment
+/// of [`Layout::identity_session`]): the lease, 16 hex digits.
+pub fn session_entry_name(session: i64) -> String {
+    format!("{session:016x}")
+}
+
 /// The grant subject and session (lease) of a session entry, from its key
 /// below [`Layout::session_index`] (`{hex(subject)}/{lease:016x}`); `None`
 /// for a key no arbiter wrote.
@@ -841,6 +858,10 @@ mod tests {
         assert_eq!(
             l.identity_session("s://a", 1),
             "/latchkey/si/733a2f2f61/0000000000000001"
+        );
+        assert!(
+            l.identity_session("s://a", 0x1f)
+                .ends_with(&session_entry_name(0x1f))
         );
         // an entry's key names its subject and session again
         let entry = l.identity_session("spiffe://td/a/*", 0x1f);

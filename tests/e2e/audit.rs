@@ -425,6 +425,10 @@ async fn expiries_closed_sessions_and_force_releases_are_recorded() -> anyhow::R
         revoke_session: false,
         requested_at_unix_ms: 1,
         approved_at_unix_ms: 2,
+        revoked_session: false,
+        issuer: "https://sso.example".into(),
+        requester_identity: latchkey_tests::arbiter::spiffe("operator/one"),
+        approver_identity: latchkey_tests::arbiter::spiffe("operator/two"),
         election: false,
         term: 0,
     };
@@ -444,7 +448,7 @@ async fn expiries_closed_sessions_and_force_releases_are_recorded() -> anyhow::R
                 Some(DeleteOptions::new().with_prefix()),
             ),
             TxnOp::put(
-                format!("/latchkey/{}", record.relative_key()),
+                latchkey_records::Layout::new("/latchkey").force_record(&record.request_id),
                 serde_json::to_vec(&record)?,
                 Some(PutOptions::new().with_lease(lease)),
             ),
@@ -1291,7 +1295,7 @@ async fn no_trace_of_a_live_token(audit: &Audit, tables: Tables<'_>) -> anyhow::
     grant_and_release(&mut alice, "workload/alice", session, 0, 2, &mut done).await?;
     let live = try_lock(&mut alice, "demo/audit-live", CLASS, session).await?;
     ensure!(
-        live.token == (u64::from(live.epoch) << 48) | u64::try_from(live.revision)?,
+        Some(live.token) == latchkey_records::token::pack(live.epoch, live.revision),
         "{live:?}"
     );
     let id = audit.hold(cluster, live.revision, &live.key);
@@ -1947,7 +1951,7 @@ async fn observed_as_recorded(audit: &Audit, reader: Option<&str>) -> anyhow::Re
         .map(i64::to_string)
         .collect();
     for token in &tokens {
-        let revision = token & ((1u64 << latchkey_records::token::REVISION_BITS) - 1);
+        let (_, revision) = latchkey_records::token::unpack(*token);
         secrets.extend([token.to_string(), revision.to_string()]);
     }
     for e in events.iter().filter(|e| e.event.kind.is_election()) {

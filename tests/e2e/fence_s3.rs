@@ -17,9 +17,13 @@ use latchkey_tests::s3::S3Server;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-/// Tokens as the arbiter mints them: epoch × 2^48 + etcd revision.
-fn token(epoch: u64, revision: u64) -> u64 {
-    (epoch << 48) + revision
+/// Tokens as the arbiter mints them (`latchkey_records::token::pack`):
+/// every pair here is one it mints (0, no token, for one it refuses).
+fn token(epoch: u32, revision: u64) -> u64 {
+    i64::try_from(revision)
+        .ok()
+        .and_then(|revision| latchkey_records::token::pack(epoch, revision))
+        .unwrap_or_default()
 }
 
 /// `text` holds neither `secret`'s decimal digits nor its 16-digit hex.

@@ -180,7 +180,7 @@ async fn until_standing(client: &Client, election: &str, n: usize) -> anyhow::Re
 /// No token of `tokens` (decimal, or its revision half) in `text`.
 fn no_token_in(text: &str, tokens: &[u64]) -> anyhow::Result<()> {
     for t in tokens {
-        let revision = t & ((1 << 48) - 1);
+        let (_, revision) = latchkey_records::token::unpack(*t);
         for needle in [t.to_string(), revision.to_string()] {
             let whole_word = text
                 .split(|c: char| !c.is_ascii_alphanumeric())

@@ -12,6 +12,8 @@ use latchkey_proto::lockv1::{
 use latchkey_tests::eventually;
 use tonic::Code;
 
+use latchkey_records::token::unpack;
+
 use crate::support::*;
 
 /// (lease, mod revision) of the holder record of `key`, read from etcd itself.
@@ -845,7 +847,7 @@ async fn a_token_from_another_epoch_says_nothing_about_anyone_elses_hold() -> an
         .release(ReleaseRequest {
             key: g.key.clone(),
             session_id: sb,
-            token: g.token & ((1 << 48) - 1),
+            token: u64::try_from(unpack(g.token).1)?,
             slot: None,
             mode: 0,
         })

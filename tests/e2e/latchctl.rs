@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use latchkey_policies::{Date, PolicySet};
+use latchkey_records::token::{pack, unpack};
 use latchkey_tests::arbiter::{spiffe, svid_flags};
 use latchkey_tests::eventually;
 use latchkey_tests::proxy::Proxy;
@@ -122,7 +123,7 @@ async fn latchctl_holds_acquires_inspects_and_releases_on_the_real_arbiter() -> 
         .trim()
         .parse()
         .context("LATCHKEY_TOKEN is a number")?;
-    assert_eq!(token >> 48, 1, "epoch 1 in the token's high bits");
+    assert_eq!(unpack(token).0, 1, "epoch 1 in the token's high bits");
     assert!(
         !text(&out.stderr).contains(&token.to_string()),
         "hold must not print the token"
@@ -314,7 +315,7 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
         "bob was granted {:?} before latchctl stopped its command",
         exited_at - granted_at
     );
-    assert!(granted.token().get() > (1u64 << 48) + u64::try_from(held_at)?);
+    assert!(granted.token().get() > pack(1, held_at).context("a token of epoch 1")?);
     granted.release().await?;
     Ok(())
 }

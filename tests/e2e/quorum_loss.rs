@@ -155,7 +155,10 @@ async fn two_of_three_down_closed_refuses_open_grants_unprotected_and_spools() -
     // A second open grant, released during the loss: both in the spool.
     let other = try_lock(&mut bob, "shared/quorum/b", "spare-capacity", bob_open).await?;
     release(&mut bob, &other).await?;
-    let kinds: Vec<String> = spool_lines(&spool)?.into_iter().map(|l| l.kind).collect();
+    let kinds: Vec<&str> = spool_lines(&spool)?
+        .into_iter()
+        .map(|l| l.kind.as_str())
+        .collect();
     assert_eq!(kinds, ["grant", "grant", "release"]);
 
     // Operators see the loss: admin status answers without etcd, and the

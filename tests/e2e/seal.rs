@@ -14,6 +14,8 @@ use latchkey_tests::etcd::RestoreFlags;
 use latchkey_tests::eventually;
 use tonic::Code;
 
+use latchkey_records::token::unpack;
+
 use crate::support::*;
 
 async fn restore_is_sealed_until_the_epoch_advances(flags: RestoreFlags) -> anyhow::Result<()> {
@@ -182,7 +184,7 @@ async fn a_restore_to_before_an_epoch_advance_is_sealed_too() -> anyhow::Result<
     .await?;
     let session = open(&mut alice, "demo").await?;
     let high = churn(&mut alice, session, 2).await?;
-    assert_eq!(high >> 48, 2);
+    assert_eq!(unpack(high).0, 2);
     s.etcd.restore(snapshot.path(), RestoreFlags::Same).await?;
     wait_sealed(&alice).await
 }
@@ -239,7 +241,7 @@ async fn a_second_restore_of_the_same_snapshot_never_reuses_an_epoch() -> anyhow
     assert_eq!(first.epoch, 2);
     let session = open(&mut alice, "demo").await?;
     let epoch2_high = churn(&mut alice, session, 30).await?;
-    assert_eq!(epoch2_high >> 48, 2);
+    assert_eq!(unpack(epoch2_high).0, 2);
 
     // second restore of the same snapshot: etcd says epoch 1 again
     s.etcd.restore(snapshot.path(), RestoreFlags::Same).await?;

@@ -19,6 +19,8 @@ use latchkey_tests::arbiter::{Arbiter, ArbiterOptions, Coord};
 use latchkey_tests::etcd::EtcdServer;
 use tonic::Code;
 
+use latchkey_records::token::unpack;
+
 use crate::support::*;
 
 const COORD_CLASS: &str = "leader";
@@ -120,8 +122,8 @@ async fn each_key_lives_on_its_tiers_cluster_and_the_other_tier_is_refused() -> 
     assert_eq!(held_at(&lock, "demo/tiers/a").await?, Some(entity.revision));
     assert_eq!(held_at(&coord, "demo/tiers/a").await?, None);
     // Each token is its own cluster's revision under that cluster's epoch.
-    assert_eq!(leader.token & ((1 << 48) - 1), leader.revision as u64);
-    assert_eq!(entity.token & ((1 << 48) - 1), entity.revision as u64);
+    assert_eq!(unpack(leader.token).1, leader.revision);
+    assert_eq!(unpack(entity.token).1, entity.revision);
 
     // The other tier's class or session is refused, and writes nothing.
     let (lock_before, coord_before) = (lock.revision().await?, coord.revision().await?);

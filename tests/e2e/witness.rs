@@ -28,8 +28,10 @@ use tonic::Code;
 
 use crate::support::*;
 
-/// The revision part of a token (`epoch × 2^48 + revision`).
-const REVISION_BITS: u64 = (1 << 48) - 1;
+/// The revision half of a token (`latchkey_records::token::unpack`).
+fn revision_of(token: u64) -> i64 {
+    latchkey_records::token::unpack(token).1
+}
 
 /// An arbiter on `lock` with `state_dir`, witnessed by `coord` when given.
 async fn arbiter(
@@ -95,10 +97,7 @@ async fn status(arbiter: &Arbiter) -> anyhow::Result<GetStatusResponse> {
 /// cluster remembers it.
 async fn wait_coord_seen(arbiter: &Arbiter, token: u64) -> anyhow::Result<GetStatusResponse> {
     let op = arbiter.admin("latchkey/operator").await?;
-    let (epoch, revision) = (
-        u32::try_from(token >> 48)?,
-        i64::try_from(token & REVISION_BITS)?,
-    );
+    let (epoch, revision) = latchkey_records::token::unpack(token);
     eventually(
         &format!("the lock cluster to record the coord mark e{epoch}:r{revision}"),
         Duration::from_secs(10),
@@ -197,7 +196,7 @@ async fn a_restore_after_every_arbiter_lost_its_state_is_sealed_by_the_coord_wit
     assert!(status.witness.contains("coord etcd"), "{status:?}");
     assert_eq!(
         (status.witnessed_mark_epoch, status.witnessed_revision),
-        (1, i64::try_from(before_restore & REVISION_BITS)?),
+        (1, revision_of(before_restore)),
         "the coord cluster vouches for the last grant: {status:?}"
     );
     stop_and_forget(first).await?;
@@ -241,11 +240,11 @@ async fn a_restore_after_every_arbiter_lost_its_state_is_sealed_by_the_coord_wit
         .max(after_advance.token);
     eprintln!(
         "witness e2e: before snapshot e1:r{}, before restore e1:r{}, after the advance e{}:r{}, epoch 2 up to r{}",
-        before_snapshot & REVISION_BITS,
-        before_restore & REVISION_BITS,
+        revision_of(before_snapshot),
+        revision_of(before_restore),
         after_advance.epoch,
-        after_advance.token & REVISION_BITS,
-        epoch2_high & REVISION_BITS
+        revision_of(after_advance.token),
+        revision_of(epoch2_high)
     );
     stop_and_forget(second).await?;
 
@@ -292,7 +291,7 @@ async fn a_restore_after_every_arbiter_lost_its_state_is_sealed_by_the_coord_wit
     eprintln!(
         "witness e2e: after the second restore and advance e{}:r{}",
         g.epoch,
-        g.token & REVISION_BITS
+        revision_of(g.token)
     );
     release(&mut alice, &g).await?;
     Ok(())
@@ -363,9 +362,9 @@ async fn without_a_witness_a_stateless_arbiter_refuses_until_an_operator_says_so
     let g = try_lock(&mut alice, "demo/r0", "demo", session).await?;
     eprintln!(
         "single cluster, --trust-unwitnessed-log: e1:r{} handed out before the restore, e{}:r{} after it",
-        before_restore & REVISION_BITS,
+        revision_of(before_restore),
         g.epoch,
-        g.token & REVISION_BITS
+        revision_of(g.token)
     );
     assert!(
         g.token < before_restore,
@@ -496,13 +495,13 @@ async fn a_restore_of_the_coord_cluster_is_sealed_by_the_lock_clusters_record() 
     );
     eprintln!(
         "coord restore: coord snapshot after e1:r{}, coord-seen e{}:r{} (epoch {}), before restore e1:r{}, after the advance e{}:r{}",
-        before_snapshot & REVISION_BITS,
+        revision_of(before_snapshot),
         seen.coord_seen_mark_epoch,
         seen.coord_seen_revision,
         seen.coord_seen_epoch,
-        before_restore & REVISION_BITS,
+        revision_of(before_restore),
         g.epoch,
-        g.token & REVISION_BITS
+        revision_of(g.token)
     );
     Ok(())
 }
@@ -540,7 +539,7 @@ async fn a_running_arbiter_sees_the_coord_cluster_go_back() -> anyhow::Result<()
                 "granted {:#x} (e{}:r{}) after the coord cluster went back",
                 g.token,
                 g.epoch,
-                g.token & REVISION_BITS
+                revision_of(g.token)
             ),
             Err(s) if refusal(&s) == (Code::FailedPrecondition, "SEALED".into()) => break,
             Err(s) if s.code() == Code::Unavailable => {
@@ -576,10 +575,10 @@ async fn a_running_arbiter_sees_the_coord_cluster_go_back() -> anyhow::Result<()
     );
     eprintln!(
         "coord restore under a running arbiter: coord snapshot after e1:r{}, before restore e1:r{}, sealed after {attempts} attempts, after the advance e{}:r{}",
-        before_snapshot & REVISION_BITS,
-        before_restore & REVISION_BITS,
+        revision_of(before_snapshot),
+        revision_of(before_restore),
         g.epoch,
-        g.token & REVISION_BITS
+        revision_of(g.token)
     );
     Ok(())
 }
@@ -670,11 +669,11 @@ async fn restore_both(older: Older) -> anyhow::Result<()> {
     );
     eprintln!(
         "both restored, {older:?} snapshot older: before it e1:r{}, between the snapshots up to e1:r{}, after both up to e1:r{}, after the advance e{}:r{}",
-        before_older & REVISION_BITS,
-        between & REVISION_BITS,
-        after_both & REVISION_BITS,
+        revision_of(before_older),
+        revision_of(between),
+        revision_of(after_both),
         g.epoch,
-        g.token & REVISION_BITS
+        revision_of(g.token)
     );
     Ok(())
 }
@@ -717,11 +716,11 @@ async fn a_coord_restore_that_lost_nothing_does_not_seal() -> anyhow::Result<()>
     );
     eprintln!(
         "coord restore that lost nothing: up to e1:r{} before the snapshot, coord-seen e{}:r{}, after the restore e{}:r{}",
-        before_snapshot & REVISION_BITS,
+        revision_of(before_snapshot),
         seen.coord_seen_mark_epoch,
         seen.coord_seen_revision,
         g.epoch,
-        g.token & REVISION_BITS
+        revision_of(g.token)
     );
     Ok(())
 }
@@ -809,9 +808,9 @@ async fn after_both_clusters_lost_an_epoch_the_operators_floor_puts_tokens_above
     );
     eprintln!(
         "witness e2e: both restored from one moment; fenced e2:r{}, after the operator's floor e{}:r{}",
-        highest_fenced & REVISION_BITS,
+        revision_of(highest_fenced),
         g.epoch,
-        g.token & REVISION_BITS
+        revision_of(g.token)
     );
     Ok(())
 }

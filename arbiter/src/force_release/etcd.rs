@@ -19,7 +19,7 @@ use tracing::warn;
 
 use super::{ForceError, ForceRecord, RequestRecord};
 use crate::lock_log::Kv;
-use crate::records::{HolderRecord, Layout, decode, encode, keys};
+use crate::records::{HolderRecord, Layout, decode, encode};
 use latchkey_records::LeadRecord;
 
 /// A holder record as read: what it says, its lease, its mod revision.
@@ -81,12 +81,12 @@ impl ForceStore {
 
     /// `{prefix}/sys/force-req/`: pending requests.
     pub fn requests_dir(&self) -> String {
-        format!("{}/{}", self.prefix, crate::records::keys::FORCE_REQUESTS)
+        self.layout.force_requests()
     }
 
     /// `{prefix}/sys/force/`: force records.
     pub fn records_dir(&self) -> String {
-        format!("{}/{}", self.prefix, crate::records::keys::FORCE)
+        self.layout.force_records()
     }
 
     /// The hold on `key` now, if any.
@@ -157,73 +157,9 @@ impl ForceStore {
         }))
     }
 
-    /// `sys/force-req/<id>` (below the prefix): a pending request.
-    pub fn request_name(id: &str) -> String {
-        format!("{}{id}", keys::FORCE_REQUESTS)
-    }
-
-    /// `sys/force/<id>` (below the prefix): the record of an approval.
-    pub fn record_name(id: &str) -> String {
-        format!("{}{id}", keys::FORCE)
-    }
-
-    /// `sys/force-req/place/hold/<hold revision>/<key>`: the one pending
-    /// request a hold may have. Its value is the request's id.
-    fn hold_place_name(key: &str, hold_revision: i64) -> String {
-        format!("{}place/hold/{hold_revision}/{key}", keys::FORCE_REQUESTS)
-    }
-
-    /// `sys/force-req/place/term/<term>/<election>`: the one pending
-    /// request a leadership may have (a place of its own kind, so a key's
-    /// and an election's of one name never share one). Named by the term
-    /// number, not the term record's revision: that is the leader's
-    /// token's, and key names are listed by more readers than values.
-    fn term_place_name(election: &str, term: u64) -> String {
-        format!("{}place/term/{term}/{election}", keys::FORCE_REQUESTS)
-    }
-
-    /// The place of the target `request` names: its hold's or its term's.
-    fn target_place_name(request: &RequestRecord) -> String {
-        match request.election {
-            true => Self::term_place_name(&request.key, request.term),
-            false => Self::hold_place_name(&request.key, request.hold_revision),
-        }
-    }
-
-    /// `sys/force-req/place/op/<subject, hex>/`: the places of one
-    /// operator's pending requests, `0..MAX_PENDING_PER_OPERATOR`.
-    fn operator_places_name(subject: &str) -> String {
-        let hex: String = subject.bytes().map(|b| format!("{b:02x}")).collect();
-        format!("{}place/op/{hex}/", keys::FORCE_REQUESTS)
-    }
-
-    fn operator_places(&self, subject: &str) -> String {
-        self.layout.under(&Self::operator_places_name(subject))
-    }
-
-    fn operator_place(&self, subject: &str, place: u32) -> String {
-        format!("{}{place}", self.operator_places(subject))
-    }
-
-    /// The places `request` took, by name below the prefix (none for one
-    /// written before places existed: deleting place 0 then could free
-    /// another request's).
-    pub fn place_names_of(request: &RequestRecord) -> Vec<String> {
-        match request.place {
-            Some(place) => vec![
-                Self::target_place_name(request),
-                format!(
-                    "{}{place}",
-                    Self::operator_places_name(&request.requester_subject)
-                ),
-            ],
-            None => Vec::new(),
-        }
-    }
-
     /// The places `subject`'s pending requests take now.
     pub async fn taken_places(&self, subject: &str) -> Result<Vec<u32>, ForceError> {
-        let dir = self.operator_places(subject);
+        let dir = self.layout.operator_places(subject);
         let resp = self
             .force
             .kv_client()
@@ -281,12 +217,12 @@ impl ForceStore {
                 Some(self.layout.election_term(&request.key)),
             ),
         };
-        let hold_place = self.layout.under(&Self::target_place_name(request));
+        let hold_place = self.layout.force_target_place(request);
         let on_lease = || Some(PutOptions::new().with_lease(lease));
         // Each retry follows a place another request took meanwhile: more
         // than the places there are means the store keeps changing under us.
         for _ in 0..=super::MAX_PENDING_PER_OPERATOR {
-            let place = self.operator_place(
+            let place = self.layout.operator_place(
                 &request.requester_subject,
                 request.place.unwrap_or_default(),
             );
@@ -303,7 +239,7 @@ impl ForceStore {
                 .when(when)
                 .and_then(vec![
                     TxnOp::put(
-                        format!("{}{}", self.requests_dir(), request.id),
+                        self.layout.force_request(&request.id),
                         encode(&*request),
                         on_lease(),
                     ),
@@ -388,7 +324,7 @@ impl ForceStore {
         let resp = self
             .force
             .kv_client()
-            .get(format!("{}{id}", self.requests_dir()), None)
+            .get(self.layout.force_request(id), None)
             .await
             .map_err(|e| store_error("reading the request", e))?;
         Ok(resp

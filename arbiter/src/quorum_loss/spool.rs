@@ -25,66 +25,14 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
 /// The open spool's file name.
 pub const SPOOL_FILE: &str = "spool.jsonl";
 /// Where closed spools wait for the audit tailer.
 pub const READY_DIR: &str = "ready";
 
-/// What a spool line records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SpoolKind {
-    /// A grant from memory (token 0).
-    Grant,
-    /// The holder released it.
-    Release,
-}
-
-/// One line of the spool. Never a real token: memory grants have token 0.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SpoolRecord {
-    /// Unique per arbiter: `unix_ms << 12 | seq & 0xfff` of the grant; a
-    /// release carries its grant's id.
-    pub id: i64,
-    pub kind: SpoolKind,
-    pub key: String,
-    pub identity: String,
-    /// The grant subject the grant counts against, when it is not
-    /// `identity` itself (a pattern grant's per-pod identity, issue 30):
-    /// the spool share and, after a restart, the restored hold's bounds
-    /// are the subject's. Absent in spools written before it.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub bound: String,
-    /// The client instance it was granted to (a restored hold then tells a
-    /// LEAK from a replica's contention as before the restart).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub instance: String,
-    pub session: i64,
-    pub class: String,
-    pub ttl_seconds: u32,
-    pub at_unix_ms: i64,
-    /// Always 0: an unprotected grant has no fencing token.
-    pub token: u64,
-    /// Always true: nothing but this arbiter's memory kept it exclusive.
-    pub unprotected: bool,
-    /// The arbiter that granted it (its state directory's name for it).
-    pub arbiter: String,
-    /// The lock cluster whose quorum was lost (etcd's cluster id).
-    pub cluster_id: u64,
-}
-
-impl SpoolRecord {
-    /// The grant subject the record counts against.
-    pub fn bounded_as(&self) -> &str {
-        match self.bound.is_empty() {
-            true => &self.identity,
-            false => &self.bound,
-        }
-    }
-}
+/// The spool's lines: one definition with the audit tailer, which reads
+/// them (`latchkey_records::spool`).
+pub use latchkey_records::spool::{SpoolKind, SpoolRecord};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpoolError {

@@ -4,7 +4,7 @@
 use serde_json::json;
 
 use super::*;
-use crate::force::ForceRecord;
+use crate::force::{ForceRecord, record_name};
 
 const ALICE: &str = "spiffe://td/alice";
 const BOB: &str = "spiffe://td/bob";
@@ -257,7 +257,7 @@ fn a_force_release_or_an_advance_of_a_shared_hold_is_under_the_locks_name() {
         &[
             del(&reader("k", 7)),
             put(
-                &record.relative_key(),
+                &record_name(&record.request_id),
                 serde_json::to_vec(&record).unwrap(),
                 99,
             ),
@@ -546,6 +546,10 @@ fn force(key: &str, hold_revision: i64) -> ForceRecord {
         revoke_session: false,
         requested_at_unix_ms: 1,
         approved_at_unix_ms: 2,
+        revoked_session: false,
+        issuer: "https://sso".into(),
+        requester_identity: "spiffe://td/op-alice".into(),
+        approver_identity: "spiffe://td/op-bob".into(),
         election: false,
         term: 0,
     }
@@ -561,7 +565,7 @@ fn a_force_release_is_the_hold_deleted_with_a_force_record() {
         &[
             del("l/k"),
             put(
-                &record.relative_key(),
+                &record_name(&record.request_id),
                 serde_json::to_vec(&record).unwrap(),
                 99,
             ),
@@ -586,12 +590,42 @@ fn a_force_release_is_the_hold_deleted_with_a_force_record() {
 fn a_force_record_alone_is_still_recorded() {
     let mut state = started();
     let record = force("gone", 5);
-    let events = state.apply(11, &[put(&record.relative_key(), b"not json".to_vec(), 99)]);
+    let events = state.apply(
+        11,
+        &[put(
+            &record_name(&record.request_id),
+            serde_json::to_vec(&record).unwrap(),
+            99,
+        )],
+    );
     assert_eq!(
         kinds(&events),
         [("gone", Kind::ForceRelease, Ended::ForceReleased)]
     );
     assert_eq!(events[0].hold_revision, 5);
+    assert_eq!(events[0].detail["holdDeleted"], false);
+    assert_eq!(events[0].detail["requestId"], "fr-1");
+}
+
+/// A force record that does not decode is still the operators' act: its
+/// key, as the arbiter spells it (`sys/force/<request id>`), names the
+/// request, and nothing names the hold (issue 32: the tailer once parsed
+/// a key no arbiter wrote, `sys/force/<key>//<revision>`).
+#[test]
+fn an_undecodable_force_record_is_recorded_by_its_request() {
+    let mut state = started();
+    let name = record_name("0123456789abcdef0123456789abcdef");
+    let events = state.apply(11, &[put(&name, b"not json".to_vec(), 99)]);
+    assert_eq!(
+        kinds(&events),
+        [(name.as_str(), Kind::ForceRelease, Ended::ForceReleased)]
+    );
+    assert_eq!(events[0].hold_revision, 0);
+    assert_eq!(
+        events[0].detail["requestId"],
+        "0123456789abcdef0123456789abcdef"
+    );
+    assert_eq!(events[0].detail["reason"], "(undecodable force record)");
     assert_eq!(events[0].detail["holdDeleted"], false);
 }
 
