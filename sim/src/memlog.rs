@@ -845,7 +845,7 @@ impl SessionLog for MemLog {
                     vec![
                         Op::Delete(key),
                         Op::Delete(entry),
-                        put(format!("{}{session:016x}", LAYOUT.under(latchkey_records::keys::REVOKED)), marker, lease),
+                        put(LAYOUT.revoked_session(session), marker, lease),
                     ],
                 )?;
                 Ok(true)

@@ -333,11 +333,6 @@ impl ForceStore {
             .and_then(|kv| decode(kv.value()).map(|r| (r, kv.mod_revision()))))
     }
 
-    /// `{prefix}/sys/revoked/`: sessions an operator's force-release revoked.
-    pub fn revoked_dir(&self) -> String {
-        format!("{}/{}", self.prefix, crate::records::keys::REVOKED)
-    }
-
     /// Pending requests and force records.
     /// Every request record (pending until approved or expired).
     pub async fn pending_requests(&self) -> Result<Vec<RequestRecord>, ForceError> {

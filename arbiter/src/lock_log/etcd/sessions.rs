@@ -147,10 +147,7 @@ pub(super) async fn revoke_session(
             TxnOp::delete(session_key.as_str(), None),
             TxnOp::delete(log.layout.identity_session(txn.counted_as, session), None),
             TxnOp::put(
-                format!(
-                    "{}{session:016x}",
-                    log.layout.under(crate::records::keys::REVOKED)
-                ),
+                log.layout.revoked_session(session),
                 txn.marker.to_vec(),
                 Some(PutOptions::new().with_lease(marker_lease)),
             ),
