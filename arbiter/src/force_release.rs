@@ -231,8 +231,43 @@ pub struct Approved {
     pub request: RequestRecord,
     pub record: ForceRecord,
     pub revision: i64,
-    /// `Some(Ok)`: revoked; `Some(Err)`: asked for and failed; `None`: not asked.
-    pub session_revoked: Option<Result<(), String>>,
+    /// The revocation marker, when the request also revokes the holder's
+    /// session: [`revoke_session`] with it, on the session's home cluster.
+    pub revoke: Option<RevokeRecord>,
+}
+
+/// Revokes the session an approved force-release names, through `owner`,
+/// the key owner of the cluster the session lives on (its home: the
+/// entity or coord cluster, never a shard that holds only its shadow),
+/// with the marker the approval made. `counted_as`: the grant subject the
+/// session is counted against.
+pub async fn revoke_session(
+    owner: &KeyOwner,
+    counted_as: &str,
+    marker: &RevokeRecord,
+) -> Result<SessionRevoked, StoreError> {
+    owner
+        .revoke_session(RevokeSessionTxn {
+            session: marker.session,
+            counted_as,
+            marker: &encode(marker),
+            marker_ttl_seconds: u32::try_from(FORCE_RECORD_TTL.as_secs()).unwrap_or(u32::MAX),
+        })
+        .await
+}
+
+/// A revocation's outcome as the admin API says it: `Ok` revoked now,
+/// `Err` why not.
+pub fn revocation_said(revoked: &Result<SessionRevoked, StoreError>) -> Result<(), String> {
+    match revoked {
+        Ok(SessionRevoked::Revoked) => Ok(()),
+        Ok(SessionRevoked::RecordGone) => Err(
+            "the session's record was already gone (closed or expiring); its lease is revoked"
+                .to_string(),
+        ),
+        Ok(SessionRevoked::Ended) => Err("the session had already ended".to_string()),
+        Err(e) => Err(e.detail()),
+    }
 }
 
 /// The force-release path: token checks, then the store.
@@ -497,44 +532,24 @@ impl ForceRelease {
                 });
             }
         }
-        let session_revoked = match request.revoke_session {
-            true => {
-                let marker = RevokeRecord {
-                    session: request.holder_session,
-                    key: request.key.clone(),
-                    request_id: request.id.clone(),
-                    requested_by: request.requester_subject.clone(),
-                    approved_by: approver.subject.clone(),
-                    reason: request.reason.clone(),
-                    holder_identity: request.holder_identity.clone(),
-                    revoked_at_unix_ms: crate::records::now_unix_ms(),
-                };
-                let revoked = owner
-                    .revoke_session(RevokeSessionTxn {
-                        session: request.holder_session,
-                        counted_as: &request.holder_identity,
-                        marker: &encode(&marker),
-                        marker_ttl_seconds: u32::try_from(FORCE_RECORD_TTL.as_secs())
-                            .unwrap_or(u32::MAX),
-                    })
-                    .await;
-                Some(match revoked {
-                    Ok(SessionRevoked::Revoked) => Ok(()),
-                    Ok(SessionRevoked::RecordGone) => Err(
-                        "the session's record was already gone (closed or expiring); its lease is revoked"
-                            .to_string(),
-                    ),
-                    Ok(SessionRevoked::Ended) => Err("the session had already ended".to_string()),
-                    Err(e) => Err(e.detail()),
-                })
-            }
-            false => None,
-        };
+        // The session is revoked on its own cluster (its home, where its
+        // record and lease are), which need not be the key's: the caller
+        // does it (`revoke_session`), with the marker made here.
+        let revoke = request.revoke_session.then(|| RevokeRecord {
+            session: request.holder_session,
+            key: request.key.clone(),
+            request_id: request.id.clone(),
+            requested_by: request.requester_subject.clone(),
+            approved_by: approver.subject.clone(),
+            reason: request.reason.clone(),
+            holder_identity: request.holder_identity.clone(),
+            revoked_at_unix_ms: crate::records::now_unix_ms(),
+        });
         Ok(Approved {
             request,
             record,
             revision,
-            session_revoked,
+            revoke,
         })
     }
 

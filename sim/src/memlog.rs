@@ -856,10 +856,11 @@ impl SessionLog for MemLog {
                 Ok(inner.store.revoke(session))
             })
             .await?;
+        // as etcd answers: a lease the revoke did not find had ended
         Ok(match (marked, had_lease) {
-            (true, _) => SessionRevoked::Revoked,
+            (_, false) => SessionRevoked::Ended,
+            (true, true) => SessionRevoked::Revoked,
             (false, true) => SessionRevoked::RecordGone,
-            (false, false) => SessionRevoked::Ended,
         })
     }
 

@@ -313,7 +313,11 @@ impl Arbiter {
                 return Err(e.into());
             }
         };
-        let (session_revoked, session_revoke_error) = match &approved.session_revoked {
+        let revoked = match &approved.revoke {
+            Some(marker) => Some(self.revoke_holder_session(marker).await),
+            None => None,
+        };
+        let (session_revoked, session_revoke_error) = match &revoked {
             Some(Ok(())) => (true, String::new()),
             Some(Err(e)) => {
                 warn!(session = approved.request.holder_session, error = %e, "force-release: the hold is released but the session could not be revoked");
@@ -347,6 +351,38 @@ impl Arbiter {
             session_revoked,
             session_revoke_error,
         })
+    }
+
+    /// The holder's session an approved force-release revokes: on its home
+    /// cluster (the key may be on a shard that holds only its shadow), as
+    /// CloseSession ends one: its shadows on other shards go too, and its
+    /// next renewal must reach etcd (and fail).
+    async fn revoke_holder_session(
+        &self,
+        marker: &force_release::RevokeRecord,
+    ) -> Result<(), String> {
+        let session = marker.session;
+        let cluster = match self.tiers.session_cluster(session).await {
+            Ok(cluster) => cluster.clone(),
+            Err(e) => return Err(format!("finding the session's cluster: {e}")),
+        };
+        let home = std::ptr::eq(cluster.as_ref(), self.tiers.entity().as_ref());
+        // Read before the revocation: the marks end with the session's lease.
+        let marked = match home && self.has_shadows() {
+            true => self.shadow_marks(session).await.ok(),
+            false => Some(Vec::new()),
+        };
+        let counted_as = cluster
+            .sessions
+            .subject_of(session)
+            .unwrap_or_else(|| marker.holder_identity.clone());
+        let revoked = force_release::revoke_session(&cluster.owner, &counted_as, marker).await;
+        self.bounds.forget_renewal(session);
+        // The session has ended (now or before) unless the store failed.
+        if home && revoked.is_ok() {
+            self.end_shadows(session, marked).await;
+        }
+        force_release::revocation_said(&revoked)
     }
 
     pub async fn list_force_releases(

@@ -208,6 +208,12 @@ impl MemoryGrants {
         self.revoked.insert(session);
     }
 
+    /// The revocation of `session` ended nothing (its lease had gone
+    /// before, or is still there).
+    pub(crate) fn not_revoked(&mut self, session: i64) {
+        self.revoked.remove(&session);
+    }
+
     pub(crate) fn report(&self) -> MemoryReport {
         self.report.clone()
     }
