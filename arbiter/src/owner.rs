@@ -53,6 +53,9 @@ pub struct Terms<'a> {
     /// memory cannot keep a writer on another from the readers), so an
     /// open class refuses it during a loss as a closed one does.
     pub shared: bool,
+    /// The class's `maxHoldSeconds`: a hold in the log ends that long
+    /// after its grant (one timer per hold, from the grant's own time).
+    pub max_hold: Option<Duration>,
 }
 
 /// An Acquire the owner let in, not yet granted. Dropped, it gives back
@@ -199,10 +202,40 @@ impl KeyOwner {
             crate::records::named_key(&acquired.grant.key),
             acquired.grant.session,
         );
+        self.bound(&acquired.grant, terms);
         Ok(Granted::Log {
             grant: acquired.grant,
             waited: acquired.waited,
         })
+    }
+
+    /// What a downgrade naming `token` finds before its hooks: `Some`, a
+    /// repeat of one that landed (answered with the hold it made);
+    /// `None`, the session's exclusive hold at that token, to convert;
+    /// neither is [`ArbiterError::DowngradeNotHeld`], with nothing written
+    /// (a client's clean-up asks again after its hold ended; no hook
+    /// decides that).
+    pub async fn downgrade_asked(
+        &self,
+        identity: &str,
+        key: &str,
+        session: i64,
+        token: u64,
+        terms: &Terms<'_>,
+    ) -> Result<Option<Grant>, ArbiterError> {
+        let repeated = self
+            .downgraded_already(identity, key, session, token, terms)
+            .await?;
+        if repeated.is_none()
+            && !self
+                .holds_exclusively_at(identity, key, session, token)
+                .await?
+        {
+            return Err(ArbiterError::DowngradeNotHeld {
+                key: key.to_string(),
+            });
+        }
+        Ok(repeated)
     }
 
     /// A repeat of a downgrade that landed, its answer lost
@@ -215,14 +248,20 @@ impl KeyOwner {
         key: &str,
         session: i64,
         token: u64,
-        class: &str,
+        terms: &Terms<'_>,
     ) -> Result<Option<Grant>, ArbiterError> {
         if self.quorum.is_lost() {
             return Ok(None);
         }
-        self.table
-            .downgraded_already(identity, key, session, token, class)
-            .await
+        let grant = self
+            .table
+            .downgraded_already(identity, key, session, token, terms.class)
+            .await?;
+        if let Some(grant) = &grant {
+            // as the downgrade that made it (perhaps on another arbiter)
+            self.bound(grant, terms);
+        }
+        Ok(grant)
     }
 
     /// Whether `session` (of `identity`) holds lock `key` exclusively at
@@ -268,10 +307,20 @@ impl KeyOwner {
         let grant = self.table.downgrade_from(&req, token).await?;
         self.quorum
             .granted_in_log(crate::records::named_key(&grant.key), grant.session);
+        self.bound(&grant, terms);
         Ok(Granted::Log {
             grant,
             waited: false,
         })
+    }
+
+    /// The class's `maxHoldSeconds` for a hold in the log: it ends that
+    /// long after its grant.
+    fn bound(&self, grant: &Grant, terms: &Terms<'_>) {
+        if let Some(max) = terms.max_hold {
+            self.table
+                .end_after(&grant.key, grant.session, grant.revision, max);
+        }
     }
 
     /// A grant from memory (the cluster has no quorum, the class is open):

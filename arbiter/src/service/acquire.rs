@@ -233,32 +233,11 @@ impl Arbiter {
             });
         }
         let session = session_id(req.session_id)?;
-        let wait = WaitMode::try_from(req.wait)
-            .map_err(|_| ArbiterError::BadRequest(format!("unknown wait mode {}", req.wait)))?;
-        let shared = match Mode::try_from(req.mode) {
-            Ok(Mode::Exclusive) => false,
-            Ok(Mode::Shared) => true,
-            Err(_) => {
-                return Err(ArbiterError::BadRequest(format!(
-                    "unknown mode {}: MODE_EXCLUSIVE (0) or MODE_SHARED (1)",
-                    req.mode
-                )));
-            }
-        };
-        // A downgrade turns the session's exclusive hold shared: it names
-        // that hold's token and asks for the shared mode.
-        let downgrade_from = req.downgrade_from;
-        if downgrade_from.is_some() && !shared {
-            return Err(ArbiterError::BadRequest(
-                "downgrade_from names the exclusive hold a downgrade turns shared: send it with mode MODE_SHARED".to_string(),
-            ));
-        }
-        if shared && class.kind == latchkey_policies::ClassKind::Semaphore {
-            return Err(ArbiterError::BadRequest(format!(
-                "class {:?} is a semaphore, whose permits are held one per slot: acquire it in mode MODE_EXCLUSIVE",
-                super::truncate(&class.name, 64)
-            )));
-        }
+        let Modes {
+            wait,
+            shared,
+            downgrade_from,
+        } = modes(&req, class)?;
         let metadata: BTreeMap<String, String> = req.metadata.into_iter().collect();
         check_metadata(&metadata)?;
         let instance = checked_instance(&req.instance)?;
@@ -275,6 +254,9 @@ impl Arbiter {
             durable: class.fairness == latchkey_policies::Fairness::Durable,
             max_waiters_per_key: class.max_waiters_per_key,
             shared,
+            max_hold: class
+                .max_hold_seconds
+                .map(|max| Duration::from_secs(u64::from(max))),
         };
         // Bounded before anything else is spent on the call (a hook, a
         // queue place); refused if the class cannot be served now. A
@@ -308,98 +290,33 @@ impl Arbiter {
         // clean-up asks again after its hold ended; no hook decides that).
         let repeated = match downgrade_from {
             Some(token) => {
-                let repeated = cluster
+                cluster
                     .owner
-                    .downgraded_already(&caller.identity, key.as_str(), session, token, &class.name)
-                    .await?;
-                if repeated.is_none()
-                    && !cluster
-                        .owner
-                        .holds_exclusively_at(&caller.identity, key.as_str(), session, token)
-                        .await?
-                {
-                    return Err(ArbiterError::DowngradeNotHeld {
-                        key: key.as_str().to_string(),
-                    });
-                }
-                repeated
+                    .downgrade_asked(&caller.identity, key.as_str(), session, token, &terms)
+                    .await?
             }
             None => None,
         };
 
-        let waiting = cluster.owner.waiting(key.as_str());
-        // Inputs that cost an etcd read are fetched only for a hook that asks.
-        let hook = class.hook.as_ref().filter(|_| repeated.is_none());
-        let holder = match hook.filter(|h| h.needs(HookInputKind::Holder)) {
-            Some(_) => cluster
-                .owner
-                .holder(key.as_str())
-                .await?
-                .map(|h| HolderSummary {
-                    identity: h.record.identity,
-                    session: h.record.session,
-                    class: h.record.class,
-                    acquired_at_unix_ms: h.record.acquired_at_unix_ms,
-                }),
-            None => None,
-        };
-        let hold_count = match hook.filter(|h| h.needs(HookInputKind::HoldCount)) {
-            Some(_) => {
-                let prefixes: Vec<&str> = policies.grants().prefixes(&caller.identity).collect();
-                Some(
-                    cluster
-                        .owner
-                        .count_holds_of(&subject, &class.name, &prefixes)
-                        .await?,
-                )
-            }
-            None => None,
-        };
         // A repeat asks no hook at all (the hold is the session's already).
-        let decision = match repeated {
-            Some(_) => HookDecision::Allow {
-                annotations: Default::default(),
-            },
+        let annotations = match repeated {
+            Some(_) => Default::default(),
             None => {
-                self.hooks
-                    .before_grant(&HookInput {
+                self.before_grant(
+                    HookCall {
+                        cluster,
+                        policies: &policies,
                         identity: &caller.identity,
+                        subject: &subject,
                         key: key.as_str(),
-                        class: &class.name,
+                        class,
                         session,
                         metadata: &metadata,
-                        waiters: waiting,
-                        now_unix_ms: now_unix_ms(),
-                        now_monotonic_ns: monotonic_ns(),
-                        hook,
-                        holder,
-                        hold_count,
                         shared,
-                        permits: match class.kind {
-                            latchkey_policies::ClassKind::Semaphore => class.permits,
-                            _ => None,
-                        },
-                    })
-                    .instrument(tracing::trace_span!(
-                        target: crate::telemetry::TARGET,
-                        "hook.before_grant",
-                        class = %scope.labels().1,
-                    ))
-                    .await
-            }
-        };
-        let annotations = match decision {
-            HookDecision::Allow { annotations } => annotations,
-            HookDecision::Deny {
-                code,
-                reason,
-                message,
-            } => {
-                return Err(ArbiterError::HookDenied {
-                    code,
-                    reason_code: reason,
-                    message,
-                });
+                    },
+                    scope,
+                )
+                .await?
             }
         };
         let grant_req = GrantRequest {
@@ -475,16 +392,6 @@ impl Arbiter {
             }
             Granted::Log { grant, waited } => (grant, waited),
         };
-        // A class's maxHoldSeconds: the hold ends that long after its grant
-        // (one timer per hold, from the grant's own time).
-        if let Some(max) = class.max_hold_seconds {
-            cluster.table.end_after(
-                &grant.key,
-                grant.session,
-                grant.revision,
-                Duration::from_secs(u64::from(max)),
-            );
-        }
         scope.waited = waited;
         // Per call: DEBUG (issue 31: INFO is for what an operator acts on;
         // the metrics count grants).
@@ -495,6 +402,148 @@ impl Arbiter {
         }
         Ok(AcquireResponse { grant: Some(wire) })
     }
+
+    /// The class's hook on an Acquire: its annotations for the hold, or
+    /// its refusal. Inputs that cost an etcd read are fetched only for a
+    /// hook that asks for them.
+    async fn before_grant(
+        &self,
+        call: HookCall<'_>,
+        scope: &Scope,
+    ) -> Result<BTreeMap<String, String>, ArbiterError> {
+        let HookCall {
+            cluster,
+            policies,
+            identity,
+            subject,
+            key,
+            class,
+            session,
+            metadata,
+            shared,
+        } = call;
+        let waiting = cluster.owner.waiting(key);
+        let hook = class.hook.as_ref();
+        let holder = match hook.filter(|h| h.needs(HookInputKind::Holder)) {
+            Some(_) => cluster.owner.holder(key).await?.map(|h| HolderSummary {
+                identity: h.record.identity,
+                session: h.record.session,
+                class: h.record.class,
+                acquired_at_unix_ms: h.record.acquired_at_unix_ms,
+            }),
+            None => None,
+        };
+        let hold_count = match hook.filter(|h| h.needs(HookInputKind::HoldCount)) {
+            Some(_) => {
+                let prefixes: Vec<&str> = policies.grants().prefixes(identity).collect();
+                Some(
+                    cluster
+                        .owner
+                        .count_holds_of(subject, &class.name, &prefixes)
+                        .await?,
+                )
+            }
+            None => None,
+        };
+        let decision = self
+            .hooks
+            .before_grant(&HookInput {
+                identity,
+                key,
+                class: &class.name,
+                session,
+                metadata,
+                waiters: waiting,
+                now_unix_ms: now_unix_ms(),
+                now_monotonic_ns: monotonic_ns(),
+                hook,
+                holder,
+                hold_count,
+                shared,
+                permits: match class.kind {
+                    latchkey_policies::ClassKind::Semaphore => class.permits,
+                    _ => None,
+                },
+            })
+            .instrument(tracing::trace_span!(
+                target: crate::telemetry::TARGET,
+                "hook.before_grant",
+                class = %scope.labels().1,
+            ))
+            .await;
+        match decision {
+            HookDecision::Allow { annotations } => Ok(annotations),
+            HookDecision::Deny {
+                code,
+                reason,
+                message,
+            } => Err(ArbiterError::HookDenied {
+                code,
+                reason_code: reason,
+                message,
+            }),
+        }
+    }
+}
+
+/// What the class's hook is asked about an Acquire.
+struct HookCall<'a> {
+    cluster: &'a crate::tiers::Cluster,
+    policies: &'a latchkey_policies::PolicySet,
+    identity: &'a str,
+    /// The grant subject the caller is bounded as.
+    subject: &'a str,
+    key: &'a str,
+    class: &'a latchkey_policies::LockClass,
+    session: i64,
+    metadata: &'a BTreeMap<String, String>,
+    shared: bool,
+}
+
+/// How an Acquire asks: its wait mode, whether it asks a shared hold, and
+/// the exclusive hold a downgrade names.
+struct Modes {
+    wait: WaitMode,
+    shared: bool,
+    downgrade_from: Option<u64>,
+}
+
+/// The request's modes, checked against each other and the class.
+fn modes(
+    req: &AcquireRequest,
+    class: &latchkey_policies::LockClass,
+) -> Result<Modes, ArbiterError> {
+    let wait = WaitMode::try_from(req.wait)
+        .map_err(|_| ArbiterError::BadRequest(format!("unknown wait mode {}", req.wait)))?;
+    let shared = match Mode::try_from(req.mode) {
+        Ok(Mode::Exclusive) => false,
+        Ok(Mode::Shared) => true,
+        Err(_) => {
+            return Err(ArbiterError::BadRequest(format!(
+                "unknown mode {}: MODE_EXCLUSIVE (0) or MODE_SHARED (1)",
+                req.mode
+            )));
+        }
+    };
+    // A downgrade turns the session's exclusive hold shared: it names
+    // that hold's token and asks for the shared mode.
+    let downgrade_from = req.downgrade_from;
+    if downgrade_from.is_some() && !shared {
+        return Err(ArbiterError::BadRequest(
+            "downgrade_from names the exclusive hold a downgrade turns shared: send it with mode MODE_SHARED".to_string(),
+        ));
+    }
+    if shared && class.kind == latchkey_policies::ClassKind::Semaphore {
+        return Err(ArbiterError::BadRequest(format!(
+            "class {:?} is a semaphore, whose permits are held one per slot: acquire it in mode MODE_EXCLUSIVE",
+            super::truncate(&class.name, 64)
+        )));
+    }
+    Ok(Modes {
+        wait,
+        shared,
+        downgrade_from,
+    })
 }
 
 #[cfg(test)]
