@@ -64,8 +64,6 @@ pub fn idle_hook_host() -> Arc<HookHost> {
 /// force-release approvals call).
 pub fn arbiter(parts: ArbiterParts) -> (Arc<Arbiter>, Arc<OwnerHandle>) {
     let c = parts.cluster;
-    // A live memory grant keeps its key from the table's grants.
-    c.table.set_gate(c.quorum.clone());
     c.table.set_permits_source(parts.policies.clone());
     let owner = KeyOwner::new(c.table.clone(), c.holds.clone(), c.quorum.clone());
     let cluster = Arc::new(Cluster {

@@ -88,7 +88,11 @@ pub struct Ended {
 }
 
 impl KeyOwner {
+    /// The owner of `table`'s keys. It installs the quorum-loss posture as
+    /// the table's key gate, so a live memory grant keeps its key from the
+    /// table's grants and hand-overs: one place wires it.
     pub fn new(table: Arc<LockTable>, holds: Arc<HoldCounts>, quorum: Arc<QuorumLoss>) -> Self {
+        table.set_gate(quorum.clone());
         Self {
             table,
             holds,
@@ -385,6 +389,30 @@ impl KeyOwner {
     /// the loss does.
     pub async fn force_end(&self, txn: ForceEndTxn<'_>) -> Result<(ForceEnded, i64), ArbiterError> {
         self.table.force_end(txn).await
+    }
+
+    /// The caller's CloseSession ([`LockTable::close_session`]): the
+    /// session's record goes first, if it is still `identity`'s, then its
+    /// lease and every hold on it, in one entry. The revision of the
+    /// record's delete. A memory grant of the session (no quorum) is not in
+    /// the log: the close cannot reach the log either, so it ends with its
+    /// TTL or the loss.
+    pub async fn close_session(
+        &self,
+        identity: &str,
+        counted_as: &str,
+        session: i64,
+    ) -> Result<i64, ArbiterError> {
+        self.table
+            .close_session(identity, counted_as, session)
+            .await
+    }
+
+    /// Ends `session`'s shadow in this cluster (ADR-09: a shard holding
+    /// only the shadow of a session homed elsewhere, whose home session
+    /// has ended): its lease, and every hold on it.
+    pub async fn end_shadow(&self, session: i64) -> Result<(), StoreError> {
+        self.table.log().revoke(session).await
     }
 
     /// An operator's revocation of the session whose hold (or leadership)

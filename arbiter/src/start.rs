@@ -432,7 +432,6 @@ async fn build_cluster(config: &Config, spec: ClusterSpec<'_>) -> Result<tiers::
         .map_err(RunError::QuorumLossSpool)?,
     );
     quorum.set_cluster_id(state.cluster_id);
-    table.set_gate(quorum.clone());
     let quorum_probe = quorum.spawn_probe(table.log().clone());
     Ok(tiers::Cluster {
         tier: spec.tier,

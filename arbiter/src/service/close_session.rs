@@ -38,7 +38,7 @@ impl Arbiter {
                 .to_string(),
         };
         let deleted_at = cluster
-            .table
+            .owner
             .close_session(&caller.identity, &subject, session)
             .await?;
         // Counted off now, not when the watch shows it: a close and an open

@@ -121,7 +121,7 @@ impl Arbiter {
             None => shards.others(),
         };
         for cluster in clusters {
-            if let Err(e) = cluster.table.log().revoke(session).await {
+            if let Err(e) = cluster.owner.end_shadow(session).await {
                 tracing::warn!(error = %e, "could not revoke a session's shadow on another shard; it expires with its TTL");
             }
         }

@@ -152,15 +152,6 @@ impl LockTable {
     }
 }
 
-impl From<StoreError> for ArbiterError {
-    fn from(e: StoreError) -> Self {
-        match e {
-            StoreError::LeaseGone { lease } => ArbiterError::SessionExpired { session: lease },
-            other => ArbiterError::store_caused(other.detail(), other),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
