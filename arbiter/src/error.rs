@@ -436,6 +436,21 @@ impl From<ArbiterError> for Status {
     }
 }
 
+/// A lock log's error where it becomes the arbiter's: a lease gone is the
+/// session's end; anything else is the store failing, its cause kept as the
+/// source (a malformed answer included: the caller may retry, and the
+/// detail says what was wrong).
+impl From<crate::lock_log::StoreError> for ArbiterError {
+    fn from(e: crate::lock_log::StoreError) -> Self {
+        match e {
+            crate::lock_log::StoreError::LeaseGone { lease } => {
+                ArbiterError::SessionExpired { session: lease }
+            }
+            other => ArbiterError::store_caused(other.detail(), other),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -476,20 +491,5 @@ mod tests {
         let status: Status = ArbiterError::NotAuthorised.into();
         assert_eq!(status.code(), Code::PermissionDenied);
         assert_eq!(status.message(), NOT_AUTHORISED_MESSAGE);
-    }
-}
-
-/// A lock log's error where it becomes the arbiter's: a lease gone is the
-/// session's end; anything else is the store failing, its cause kept as the
-/// source (a malformed answer included: the caller may retry, and the
-/// detail says what was wrong).
-impl From<crate::lock_log::StoreError> for ArbiterError {
-    fn from(e: crate::lock_log::StoreError) -> Self {
-        match e {
-            crate::lock_log::StoreError::LeaseGone { lease } => {
-                ArbiterError::SessionExpired { session: lease }
-            }
-            other => ArbiterError::store_caused(other.detail(), other),
-        }
     }
 }
