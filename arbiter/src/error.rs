@@ -413,8 +413,42 @@ pub fn reason_name(reason: Reason) -> &'static str {
     name.strip_prefix("REASON_").unwrap_or(name)
 }
 
+/// The causes under `err`, each in its own words, outermost first, joined
+/// by ": " (empty: nothing underneath). For the logs: a status says only the
+/// error's own message.
+pub fn source_chain(err: &dyn std::error::Error) -> String {
+    let mut chain = String::new();
+    let mut next = err.source();
+    while let Some(cause) = next {
+        if !chain.is_empty() {
+            chain.push_str(": ");
+        }
+        chain.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    chain
+}
+
 impl From<ArbiterError> for Status {
     fn from(err: ArbiterError) -> Status {
+        // Where the cause is kept for: logged once, here, as the error
+        // becomes a status (which says only the error's own message). No
+        // error of these kinds carries a token.
+        match &err {
+            ArbiterError::Internal { .. } => tracing::warn!(
+                error = %err,
+                source_chain = %source_chain(&err),
+                "internal error answered"
+            ),
+            // Per call, as the store's other refusals (an outage answers
+            // every call with one).
+            ArbiterError::StoreUnavailable { .. } => tracing::debug!(
+                error = %err,
+                source_chain = %source_chain(&err),
+                "lock log unavailable answered"
+            ),
+            _ => {}
+        }
         let mut details = ErrorDetails::new();
         let mut metadata = std::collections::HashMap::new();
         if let ArbiterError::HookDenied { reason_code, .. } = &err {
@@ -484,6 +518,30 @@ mod tests {
             "{}",
             status.message()
         );
+    }
+
+    /// Issue 32: a cause kept as the source changes nothing a client sees,
+    /// and the chain under it is there for the log.
+    #[test]
+    fn a_kept_cause_leaves_the_status_as_it_was() {
+        let io = || std::io::Error::other("disk full");
+        for (bare, caused) in [
+            (
+                ArbiterError::internal("cannot write: disk full"),
+                ArbiterError::internal_caused("cannot write: disk full", io()),
+            ),
+            (
+                ArbiterError::store("cannot write: disk full"),
+                ArbiterError::store_caused("cannot write: disk full", io()),
+            ),
+        ] {
+            assert_eq!(source_chain(&bare), "");
+            assert_eq!(source_chain(&caused), "disk full");
+            let (bare, caused): (Status, Status) = (bare.into(), caused.into());
+            assert_eq!(bare.code(), caused.code());
+            assert_eq!(bare.message(), caused.message());
+            assert_eq!(bare.details(), caused.details());
+        }
     }
 
     #[test]

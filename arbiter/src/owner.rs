@@ -181,9 +181,12 @@ impl KeyOwner {
                                 ArbiterError::StoreUnavailable { detail, .. } => detail.as_str(),
                                 _ => "no answer",
                             };
-                            ArbiterError::store(format!(
+                            let detail = format!(
                                 "{detail}; then, with the quorum lost, not granted from memory either: {refused}"
-                            ))
+                            );
+                            // The store's failure stays the source (the
+                            // refusal from memory is said in the detail).
+                            ArbiterError::store_caused(detail, e)
                         }),
                     None => {
                         debug!(error = %e, "refused: quorum lost");

@@ -22,6 +22,7 @@ pub const COORD_SESSION_BIT: i64 = 1 << 52;
 pub fn random_lease_id() -> Result<i64, ArbiterError> {
     let mut bytes = [0u8; 8];
     getrandom::getrandom(&mut bytes)
+        // getrandom's error (no_std) is not a std error: its text is all.
         .map_err(|e| ArbiterError::internal(format!("no randomness for a session id: {e}")))?;
     let id = i64::from_le_bytes(bytes) & (COORD_SESSION_BIT - 1);
     // 0 means "let etcd choose" to LeaseGrant: draw again rather than allow it

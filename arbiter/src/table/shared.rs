@@ -165,9 +165,12 @@ impl LockTable {
                 // A seal found with (or after) the write may follow its
                 // commit: the outcome is unknown, never "refused" (a client
                 // takes a refusal for "the exclusive hold stays").
-                ArbiterError::Sealed { .. } => ArbiterError::store(format!(
-                    "the lock log was found sealed as the downgrade was written ({e}); its outcome is unknown: ask again once the epoch is advanced"
-                )),
+                e @ ArbiterError::Sealed { .. } => ArbiterError::store_caused(
+                    format!(
+                        "the lock log was found sealed as the downgrade was written ({e}); its outcome is unknown: ask again once the epoch is advanced"
+                    ),
+                    e,
+                ),
                 e => e,
             })?;
         if !done {
@@ -192,9 +195,12 @@ impl LockTable {
             self.kick(&held.key);
             return Err(match e {
                 e @ ArbiterError::StoreUnavailable { .. } => e,
-                other => ArbiterError::store(format!(
-                    "the downgrade committed but could not be made durable ({other}); its outcome is unknown: ask again"
-                )),
+                other => ArbiterError::store_caused(
+                    format!(
+                        "the downgrade committed but could not be made durable ({other}); its outcome is unknown: ask again"
+                    ),
+                    other,
+                ),
             });
         }
         // Readers queued behind the exclusive hold may join now.
