@@ -5,9 +5,11 @@
 //! table, the hold and session counts following it, the quorum-loss
 //! posture with its probe) and assembles them here into the arbiter whose
 //! handlers its clients call: the handlers it runs are the ones tonic
-//! serves. One tier (the entity cluster serves every class), no shards, no
-//! class hooks, no force-release credentials, workloads calling directly
-//! in the insecure dev mode (identity from the dev header).
+//! serves. One tier (the entity cluster serves every class), shards of it
+//! when the parts name them (their map kept where [`ShardParts::maps`]
+//! says, their clusters made by [`ShardParts::connect`] with [`cluster`]),
+//! no class hooks, no force-release credentials, workloads calling
+//! directly in the insecure dev mode (identity from the dev header).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,7 +27,9 @@ use crate::policy::Policies;
 use crate::quorum_loss::QuorumLoss;
 use crate::service::Arbiter;
 use crate::session_counts::SessionCounts;
-use crate::table::LockTable;
+use crate::shards::ShardMaps;
+use crate::shards::routing::{Connect, ShardRouting};
+use crate::table::{LockTable, MapVersion};
 use crate::tiers::{Cluster, Tiers};
 
 /// One cluster's parts.
@@ -38,9 +42,26 @@ pub struct ClusterParts {
     pub tasks: Vec<AbortOnDrop>,
 }
 
-/// An arbiter's parts around its one cluster.
+/// The entity tier's shards (ADR-09): the lock cluster is the shard named
+/// `home_name`; the others are connected as the map names them.
+pub struct ShardParts {
+    pub home_name: String,
+    /// The lock cluster's endpoints, as a first map names its shard.
+    pub home_endpoints: Vec<String>,
+    /// Where the shard map is kept and followed.
+    pub maps: Arc<dyn ShardMaps>,
+    /// Makes the cluster of a shard the map names (with [`cluster`]).
+    pub connect: Arc<dyn Connect>,
+    /// The map version this arbiter routes by, as every entity table
+    /// compares it with its cluster's map fence.
+    pub map_version: MapVersion,
+}
+
+/// An arbiter's parts around its lock cluster.
 pub struct ArbiterParts {
     pub cluster: ClusterParts,
+    /// The entity tier's other shards, if it has any.
+    pub shards: Option<ShardParts>,
     pub policies: Arc<Policies>,
     /// The trust domain the dev header's SPIFFE IDs must be in.
     pub trust_domain: String,
@@ -60,24 +81,49 @@ pub fn idle_hook_host() -> Arc<HookHost> {
     }))
 }
 
-/// The assembled arbiter, and the owner of its one cluster's keys (what
-/// force-release approvals call).
-pub fn arbiter(parts: ArbiterParts) -> (Arc<Arbiter>, Arc<OwnerHandle>) {
-    let c = parts.cluster;
-    c.table.set_permits_source(parts.policies.clone());
+/// One cluster of the entity tier around its parts: the owner of its keys
+/// (with the table's key gate), its elections.
+pub fn cluster(parts: ClusterParts, policies: &Arc<Policies>) -> Arc<Cluster> {
+    let c = parts;
+    c.table.set_permits_source(policies.clone());
     let owner = KeyOwner::new(c.table.clone(), c.holds.clone(), c.quorum.clone());
-    let cluster = Arc::new(Cluster {
+    Arc::new(Cluster {
         tier: Tier::Entity,
         owner,
         elections: Arc::new(crate::election::Elections::new(c.table.clone())),
-        table: c.table.clone(),
+        table: c.table,
         holds: c.holds,
         sessions: c.sessions,
-        quorum: c.quorum.clone(),
+        quorum: c.quorum,
         force: None,
         _tasks: c.tasks,
-    });
-    let tiers = Tiers::new(cluster.clone(), None, None);
+    })
+}
+
+/// The assembled arbiter, and the owner of its lock cluster's keys (what
+/// force-release approvals call). With shards, the map is read before this
+/// returns and followed after; an arbiter that cannot read it does not
+/// serve (as `start.rs`: it would route every key to its lock cluster).
+pub async fn arbiter(
+    parts: ArbiterParts,
+) -> Result<(Arc<Arbiter>, Arc<OwnerHandle>), crate::lock_log::StoreError> {
+    let cluster = self::cluster(parts.cluster, &parts.policies);
+    let c = &cluster;
+    let mut tiers = Tiers::new(cluster.clone(), None, None);
+    if let Some(shards) = parts.shards {
+        let routing = Arc::new(ShardRouting::new(
+            &shards.home_name,
+            shards.home_endpoints,
+            cluster.clone(),
+            shards.maps,
+            shards.connect,
+            shards.map_version,
+        ));
+        routing.load().await?;
+        let follow = routing.follow();
+        tiers = tiers.with_shards(routing, follow);
+    }
+    let tiers = tiers;
     let metrics = {
         let table = c.table.clone();
         let quorum = c.quorum.clone();
@@ -109,14 +155,32 @@ pub fn arbiter(parts: ArbiterParts) -> (Arc<Arbiter>, Arc<OwnerHandle>) {
         max_campaigns_per_subject: crate::table::DEFAULT_MAX_WAITERS_PER_IDENTITY,
         max_leaderships: crate::hold_counts::DEFAULT_MAX_HOLDS_PER_IDENTITY,
     });
-    (arbiter, Arc::new(OwnerHandle(cluster)))
+    Ok((arbiter.clone(), Arc::new(OwnerHandle { cluster, arbiter })))
 }
 
 /// The owner of an assembled arbiter's keys.
-pub struct OwnerHandle(Arc<Cluster>);
+pub struct OwnerHandle {
+    cluster: Arc<Cluster>,
+    arbiter: Arc<Arbiter>,
+}
 
 impl OwnerHandle {
+    /// The owner of the lock cluster's keys (every key, unsharded).
     pub fn owner(&self) -> &KeyOwner {
-        &self.0.owner
+        &self.cluster.owner
+    }
+
+    /// The cluster holding `key` now (its shard by the map this arbiter
+    /// routes by), whose [`Cluster::owner`] decides its fate.
+    pub async fn cluster_of(&self, key: &str) -> Result<Arc<Cluster>, crate::error::ArbiterError> {
+        let key = latchkey_policies::LockKey::parse(key)
+            .map_err(|e| crate::error::ArbiterError::BadKey(e.to_string()))?;
+        self.arbiter.tiers.for_key(&key).await
+    }
+
+    /// The entity tier's clusters: the lock cluster, then every other
+    /// connected shard.
+    pub fn entity_clusters(&self) -> Vec<Arc<Cluster>> {
+        self.arbiter.tiers.entity_clusters()
     }
 }

@@ -27,6 +27,74 @@ pub mod routing;
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::lock_log::StoreError;
+
+/// Where the shard map is kept and followed: one document, changed only by
+/// a compare-and-swap on its revision. On the coord cluster in production
+/// ([`etcd::ShardMapStore`]); in memory in the simulation.
+#[async_trait::async_trait]
+pub trait ShardMaps: Send + Sync + 'static {
+    /// The id of the cluster keeping the map (a shard may not be it).
+    async fn cluster_id(&self) -> Result<u64, StoreError>;
+
+    /// The map and its revision; `None` before the first publish.
+    async fn load(&self) -> Result<Option<(ShardMap, i64)>, StoreError>;
+
+    /// Publishes `next` as the change that follows the map read at
+    /// `read_at` (`None`: there was none, and `next` is version 1).
+    /// Refused without writing if the map changed since, or if `next` does
+    /// not follow the map as it is ([`check_publish`]).
+    async fn publish(
+        &self,
+        current: Option<&ShardMap>,
+        read_at: Option<i64>,
+        next: &ShardMap,
+    ) -> Result<(), PublishError>;
+
+    /// Follows the map: `tx` gets every version as it lands (and the map
+    /// as it is at the start, [`newer`]). Runs until `tx` has no receivers.
+    async fn follow(&self, tx: watch::Sender<Option<ShardMap>>);
+}
+
+/// Why a change of the map was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("{0}")]
+    Invalid(#[from] MapError),
+    #[error(
+        "the shard map changed since it was read (now version {current}): read it again and retry"
+    )]
+    Raced { current: u64 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Whether `next` may follow `current` (`None`: no map yet, and `next` must
+/// be version 1): what every [`ShardMaps::publish`] checks before it writes.
+pub fn check_publish(current: Option<&ShardMap>, next: &ShardMap) -> Result<(), MapError> {
+    match current {
+        Some(map) => map.check_next(next),
+        None if next.version != 1 => Err(MapError::Version {
+            current: 0,
+            next: next.version,
+        }),
+        None => next.check(),
+    }
+}
+
+/// Sends `map` if it is newer than what `tx` holds: versions only go up.
+pub fn newer(tx: &watch::Sender<Option<ShardMap>>, map: Option<ShardMap>) {
+    let Some(map) = map else { return };
+    tx.send_if_modified(|held| match held {
+        Some(h) if h.version >= map.version => false,
+        _ => {
+            *held = Some(map);
+            true
+        }
+    });
+}
 
 /// One etcd cluster of the entity tier.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -179,7 +179,7 @@ pub async fn build(config: &Config) -> Result<Arc<Arbiter>, RunError> {
             &config.lock_cluster_name,
             config.etcd_endpoints.clone(),
             entity,
-            ShardMapStore::new(client, &config.coord_prefix),
+            Arc::new(ShardMapStore::new(client, &config.coord_prefix)),
             connect,
             map_version,
         ));

@@ -69,6 +69,11 @@ impl Cluster {
         &self.table
     }
 
+    /// The owner of this cluster's keys.
+    pub fn owner(&self) -> &crate::owner::KeyOwner {
+        &self.owner
+    }
+
     /// The tier's name, for errors and logs.
     pub fn name(&self) -> &'static str {
         tier_name(self.tier)
@@ -198,7 +203,14 @@ impl Tiers {
     /// those from before bindings existed, on the entity cluster.
     pub async fn for_key(&self, key: &LockKey) -> Result<Arc<Cluster>, ArbiterError> {
         let Some(bindings) = &self.bindings else {
-            return Ok(self.entity.clone());
+            // No coord cluster, no bindings: every key is an entity key,
+            // on its shard when the entity tier is sharded (an arbiter
+            // assembled over shards without a coord cluster: the
+            // simulation's).
+            return match &self.shards {
+                Some(shards) => Ok(shards.holding(key.as_str())?.cluster),
+                None => Ok(self.entity.clone()),
+            };
         };
         match bindings
             .bound(key.namespace())

@@ -733,13 +733,32 @@ impl MemLog {
 
 #[async_trait]
 impl SessionLog for MemLog {
-    /// No shadow marks: the simulation serves no entity shards.
-    async fn mark_shadow(&self, _session: i64, _shard: &str) -> LogResult<()> {
-        Err(fallback::no_shadow_marks())
+    /// On the session's lease, as etcd: a session gone answers
+    /// [`StoreError::LeaseGone`].
+    async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()> {
+        let mark = LAYOUT.shadow_mark(session, shard);
+        self.call("mark shadow", |inner, _| {
+            commit(
+                &mut inner.store,
+                vec![put(mark.clone(), Vec::new(), session)],
+            )?;
+            inner.answer(())
+        })
+        .await
     }
 
-    async fn shadow_marks(&self, _session: i64) -> LogResult<Vec<String>> {
-        Err(fallback::no_shadow_marks())
+    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
+        let prefix = LAYOUT.shadow_marks(session);
+        self.call("shadow marks", |inner, _| {
+            let shards = inner
+                .store
+                .range(&prefix)
+                .filter_map(|(k, _)| k.strip_prefix(prefix.as_str()))
+                .map(str::to_string)
+                .collect();
+            inner.answer(shards)
+        })
+        .await
     }
 
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {

@@ -140,6 +140,7 @@ mod nemesis;
 mod operators;
 mod ordered;
 mod policies;
+mod shards;
 mod worker;
 mod world;
 
@@ -529,12 +530,38 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         let traced: Arc<dyn Witness> = Arc::new(idlog::TracedWitness::new(w, idlog.clone()));
         traced
     });
+    // The other shards' logs, when the run has them: seeded from the run's
+    // seed, not from `rng`, so a run without them draws what it always drew.
+    let shard_logs = match cfg.whole_arbiter {
+        true => (1..=cfg.shards)
+            .map(|n| {
+                let memlog = MemLog::with_config(MemLogConfig {
+                    seed: cfg.seed ^ (0x5AAD_0000_0000_0000 + n as u64),
+                    cluster_id: None,
+                    faults: FaultRates::NONE,
+                    history_revisions: Some(10_000),
+                    min_ttl_seconds: 2,
+                    latency: cfg.log_latency,
+                });
+                let idlog = Arc::new(idlog::IdLog::sharing(memlog.clone(), &idlog));
+                let witness = MemWitness::new(cfg.seed ^ (0xC00D_5AAD_0000_0000 + n as u64));
+                shards::ShardLog {
+                    name: format!("s{n}"),
+                    memlog,
+                    witness: Arc::new(idlog::TracedWitness::new(witness, idlog.clone())),
+                    idlog,
+                }
+            })
+            .collect(),
+        false => Vec::new(),
+    };
     let world = Arc::new(World::new(
         cfg.clone(),
         memlog,
         idlog.clone(),
         memwitness,
         witness,
+        shard_logs,
     ));
     for i in 0..world.arbiters.len() {
         world.start_arbiter(i, false, rng.next_u64()).await;
@@ -560,6 +587,9 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             Rng::new(rng.next_u64()),
         ))
     });
+    // Drawn only with shard moves: the runs without them draw what they always drew.
+    let mover = (cfg.faults.shard_moves && world.shard_maps.is_some())
+        .then(|| tokio::spawn(shards::mover(world.clone(), Rng::new(rng.next_u64()))));
 
     let mut stuck = None;
     loop {
@@ -603,6 +633,9 @@ async fn simulate(cfg: SimConfig) -> Outcome {
     if let Some(operators) = operators {
         finish(operators, drain_until).await;
     }
+    if let Some(mover) = mover {
+        finish(mover, drain_until).await;
+    }
     let simulated = Instant::now() - world.start;
     world.stop_arbiters().await;
     if let Some(path) = trace {
@@ -613,6 +646,17 @@ async fn simulate(cfg: SimConfig) -> Outcome {
                 path.to_string_lossy()
             ));
         }
+    }
+    if let Some(map) = world.shard_maps.as_ref().and_then(|m| m.current()) {
+        let granted = world.granted_keys();
+        let elsewhere = granted
+            .iter()
+            .filter(|k| map.home(k).name != world::HOME_SHARD)
+            .count();
+        world.note(format!(
+            "shards: {elsewhere} of {} grants on a shard other than the lock cluster (held on the session's shadow there)",
+            granted.len()
+        ));
     }
     // The state dirs (quorum-loss spools) go with the run.
     let _ = std::fs::remove_dir_all(&world.scratch);

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use latchkey_arbiter::shards::ShardMap;
+use latchkey_arbiter::shards::ShardMaps as _;
 use latchkey_arbiter::shards::etcd::ShardMapStore;
 use latchkey_proto::adminv1::admin_client::AdminClient;
 use latchkey_proto::adminv1::change_shards_request::Change;

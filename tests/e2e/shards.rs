@@ -6,8 +6,9 @@
 
 use std::time::Duration;
 
-use latchkey_arbiter::shards::etcd::{PublishError, ShardMapStore};
+use latchkey_arbiter::shards::etcd::ShardMapStore;
 use latchkey_arbiter::shards::{MapError, Shard, ShardMap};
+use latchkey_arbiter::shards::{PublishError, ShardMaps as _};
 use latchkey_tests::etcd::EtcdServer;
 
 fn map(version: u64, names: &[&str]) -> ShardMap {

@@ -13,6 +13,7 @@ use tracing::{debug, warn};
 use super::{Arbiter, session_id};
 use crate::error::ArbiterError;
 use crate::force_release::{self, ForceError, ForceRelease, RequestRecord};
+use crate::lock_log::{SessionRevoked, StoreError};
 use crate::oidc::SignedIn;
 
 impl Arbiter {
@@ -361,11 +362,23 @@ impl Arbiter {
         &self,
         marker: &force_release::RevokeRecord,
     ) -> Result<(), String> {
+        match self.revoke_approved_session(marker).await {
+            Ok(revoked) => force_release::revocation_said(&revoked),
+            Err(e) => Err(format!("finding the session's cluster: {e}")),
+        }
+    }
+
+    /// An approval's revocation of the holder's session (`marker.session`),
+    /// as CloseSession ends one: on its home cluster (the key may be on a
+    /// shard holding only its shadow), counted as the session counts say,
+    /// its renewal forgotten, its shadows on other shards ended once it has
+    /// ended. `Err`: its cluster could not be found, nothing was revoked.
+    pub async fn revoke_approved_session(
+        &self,
+        marker: &force_release::RevokeRecord,
+    ) -> Result<Result<SessionRevoked, StoreError>, ArbiterError> {
         let session = marker.session;
-        let cluster = match self.tiers.session_cluster(session).await {
-            Ok(cluster) => cluster.clone(),
-            Err(e) => return Err(format!("finding the session's cluster: {e}")),
-        };
+        let cluster = self.tiers.session_cluster(session).await?.clone();
         let home = std::ptr::eq(cluster.as_ref(), self.tiers.entity().as_ref());
         // Read before the revocation: the marks end with the session's lease.
         let marked = match home && self.has_shadows() {
@@ -382,7 +395,7 @@ impl Arbiter {
         if home && revoked.is_ok() {
             self.end_shadows(session, marked).await;
         }
-        force_release::revocation_said(&revoked)
+        Ok(revoked)
     }
 
     pub async fn list_force_releases(

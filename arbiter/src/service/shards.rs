@@ -34,7 +34,7 @@ use tracing::{info, warn};
 use super::Arbiter;
 use crate::error::ArbiterError;
 use crate::records::now_unix_ms;
-use crate::shards::etcd::PublishError;
+use crate::shards::PublishError;
 use crate::shards::routing::{ConnectError, ShardRouting};
 use crate::shards::{Move, Shard, ShardMap};
 use crate::tiers::Cluster;

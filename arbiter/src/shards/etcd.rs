@@ -10,22 +10,10 @@ use latchkey_etcd::watch::{EventType, WatchOptions, watch_from};
 use tokio::sync::watch;
 use tracing::warn;
 
-use super::{MapError, ShardMap};
+pub use super::PublishError;
+use super::{ShardMap, ShardMaps, newer};
 use crate::lock_log::StoreError;
 use crate::lock_log::etcd::{StoreConfig, connect_client, unavailable};
-
-/// Why a change of the map was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum PublishError {
-    #[error("{0}")]
-    Invalid(#[from] MapError),
-    #[error(
-        "the shard map changed since it was read (now version {current}): read it again and retry"
-    )]
-    Raced { current: u64 },
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
 
 /// The shard map's home on the coord cluster.
 pub struct ShardMapStore {
@@ -49,17 +37,18 @@ impl ShardMapStore {
     pub fn key(&self) -> &str {
         &self.key
     }
+}
 
-    /// The coord cluster's id (a count-only read of the map's key).
-    pub async fn cluster_id(&self) -> Result<u64, StoreError> {
+#[async_trait::async_trait]
+impl ShardMaps for ShardMapStore {
+    async fn cluster_id(&self) -> Result<u64, StoreError> {
         let header = head(&self.client, self.key.as_str())
             .await
             .map_err(|e| unavailable("cannot read the coord cluster's id", e))?;
         Ok(header.map_or(0, |h| h.cluster_id()))
     }
 
-    /// The map and its mod revision; `None` before the first publish.
-    pub async fn load(&self) -> Result<Option<(ShardMap, i64)>, StoreError> {
+    async fn load(&self) -> Result<Option<(ShardMap, i64)>, StoreError> {
         let read = get_one(&self.client, self.key.as_str())
             .await
             .map_err(|e| unavailable("cannot read the shard map", e))?;
@@ -72,27 +61,13 @@ impl ShardMapStore {
         }
     }
 
-    /// Publishes `next` as the change that follows the map read at
-    /// `read_at` (`None`: there was none, and `next` is version 1).
-    /// Refused without writing if the map changed since, or if `next` does
-    /// not follow the map as it is.
-    pub async fn publish(
+    async fn publish(
         &self,
         current: Option<&ShardMap>,
         read_at: Option<i64>,
         next: &ShardMap,
     ) -> Result<(), PublishError> {
-        match current {
-            Some(map) => map.check_next(next)?,
-            None if next.version != 1 => {
-                return Err(MapError::Version {
-                    current: 0,
-                    next: next.version,
-                }
-                .into());
-            }
-            None => next.check()?,
-        }
+        super::check_publish(current, next)?;
         let body = serde_json::to_vec(next).map_err(|e| StoreError::Unavailable {
             context: format!("cannot encode the shard map: {e}"),
             source: None,
@@ -120,9 +95,7 @@ impl ShardMapStore {
         Err(PublishError::Raced { current })
     }
 
-    /// Follows the map: `tx` gets every version as it lands (and the map
-    /// as it is at the start). Runs until `tx` has no receivers.
-    pub async fn follow(&self, tx: watch::Sender<Option<ShardMap>>) {
+    async fn follow(&self, tx: watch::Sender<Option<ShardMap>>) {
         loop {
             if let Err(e) = self.follow_once(&tx).await {
                 warn!(error = %e, "lost the shard map's watch; reading it again");
@@ -133,7 +106,9 @@ impl ShardMapStore {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
     }
+}
 
+impl ShardMapStore {
     async fn follow_once(&self, tx: &watch::Sender<Option<ShardMap>>) -> Result<(), StoreError> {
         let read = get_one(&self.client, self.key.as_str())
             .await
@@ -170,18 +145,6 @@ impl ShardMapStore {
         }
         Ok(())
     }
-}
-
-/// Sends `map` if it is newer than what `tx` holds: versions only go up.
-fn newer(tx: &watch::Sender<Option<ShardMap>>, map: Option<ShardMap>) {
-    let Some(map) = map else { return };
-    tx.send_if_modified(|held| match held {
-        Some(h) if h.version >= map.version => false,
-        _ => {
-            *held = Some(map);
-            true
-        }
-    });
 }
 
 fn parse(bytes: &[u8]) -> Result<ShardMap, StoreError> {

@@ -25,8 +25,7 @@ use tokio::sync::watch;
 use tokio_util::task::AbortOnDrop;
 use tracing::{info, warn};
 
-use super::etcd::ShardMapStore;
-use super::{Shard, ShardMap, range_of};
+use super::{Shard, ShardMap, ShardMaps, range_of};
 use crate::RunError;
 use crate::error::ArbiterError;
 use crate::table::MapVersion;
@@ -75,7 +74,7 @@ pub struct ShardRouting {
     home_endpoints: Vec<String>,
     home: Arc<Cluster>,
     connect: Arc<dyn Connect>,
-    store: Arc<ShardMapStore>,
+    store: Arc<dyn ShardMaps>,
     routed: RwLock<Routed>,
     /// The version routed by, for whoever waits for the map to move on.
     version: watch::Sender<u64>,
@@ -89,7 +88,7 @@ impl ShardRouting {
         home_name: &str,
         home_endpoints: Vec<String>,
         home: Arc<Cluster>,
-        store: ShardMapStore,
+        store: Arc<dyn ShardMaps>,
         connect: Arc<dyn Connect>,
         tables_version: MapVersion,
     ) -> Self {
@@ -98,14 +97,14 @@ impl ShardRouting {
             home_endpoints,
             home,
             connect,
-            store: Arc::new(store),
+            store,
             routed: RwLock::new(Routed::default()),
             version: watch::channel(0).0,
             tables_version,
         }
     }
 
-    pub fn store(&self) -> &Arc<ShardMapStore> {
+    pub fn store(&self) -> &Arc<dyn ShardMaps> {
         &self.store
     }
 

@@ -94,6 +94,25 @@ pub struct FaultKnobs {
     /// approved: its runs must show violations (only to show that the
     /// simulation notices; off in every preset).
     pub force_revokes_reread: bool,
+    /// The revocation is sent to the cluster holding the key, not to the
+    /// session's home: with shards, a key on another shard is held on the
+    /// session's shadow there, so the session itself lives on (the bug a
+    /// hostile review found in the approval before it revoked on the home
+    /// cluster). Its sharded runs must show violations (only to show that
+    /// the simulation notices; off in every preset).
+    pub force_revokes_on_key_cluster: bool,
+    /// With shards ([`SimConfig::shards`]): the last shard is not in the
+    /// first map, and an operator adds it and moves ranges to it through
+    /// the admin handlers (`ChangeShards`, then `StepShardMove` until the
+    /// move finishes: fence, drain, epoch raise, new homes), or cancels the
+    /// move if it has not finished in a minute.
+    pub shard_moves: bool,
+    /// The operator publishes the move's new homes at once, with no fence,
+    /// no drain and no epoch raised: the moved ranges are granted on their
+    /// new shard while their old one still holds them, with smaller tokens.
+    /// Its runs must show violations (only to show that the simulation
+    /// notices; off in every preset).
+    pub shard_moves_unfenced: bool,
     /// Windows in which the lock log loses its majority (every call fails,
     /// no lease expires; on return every lease gets its whole TTL), now and
     /// then with the watch streams broken right before or an arbiter
@@ -140,6 +159,9 @@ impl FaultKnobs {
             force_releases_reread: false,
             force_revokes_percent: 0,
             force_revokes_reread: false,
+            force_revokes_on_key_cluster: false,
+            shard_moves: false,
+            shard_moves_unfenced: false,
             quorum_losses: false,
             blind_hold_follower: false,
             renewal_outages: false,
@@ -182,6 +204,18 @@ impl FaultKnobs {
             renewal_outages: true,
             force_releases: true,
             force_revokes_percent: 30,
+            ..Self::all()
+        }
+    }
+
+    /// Every fault, force-releases revoking sessions, and more sessions
+    /// closed (their shadows end with them) for a sharded run.
+    pub fn sharded() -> Self {
+        Self {
+            force_releases: true,
+            force_revokes_percent: 40,
+            close_session_percent: 4,
+            shard_moves: true,
             ..Self::all()
         }
     }
@@ -250,6 +284,9 @@ impl FaultKnobs {
             force_releases_reread: false,
             force_revokes_percent: 0,
             force_revokes_reread: false,
+            force_revokes_on_key_cluster: false,
+            shard_moves: false,
+            shard_moves_unfenced: false,
             quorum_losses: false,
             blind_hold_follower: false,
             renewal_outages: false,
@@ -341,6 +378,15 @@ pub struct SimConfig {
     /// downgrade is refused NOT_HELD when the hold had ended (force-release,
     /// expiry, an epoch advance), never a fresh reader.
     pub downgrade_percent: u32,
+    /// Entity shards beside the lock cluster (ADR-09; only with
+    /// [`Self::whole_arbiter`]): the lock cluster is shard `home`, these
+    /// are `s1`, `s2`, … with logs of their own (no faults: the nemesis
+    /// acts on the lock cluster), all in the first shard map, which the
+    /// arbiters follow. Keys then have three segments (`sim/k3/x`), so
+    /// that each is a range of its own and the ranges spread over the
+    /// shards; a session's holds on another shard are held on its shadow
+    /// there, renewed with it, ended with it.
+    pub shards: usize,
     pub faults: FaultKnobs,
 }
 
@@ -377,8 +423,27 @@ impl SimConfig {
             permits: None,
             shared_percent: 0,
             downgrade_percent: 0,
+            shards: 0,
             faults: FaultKnobs::all(),
         }
+    }
+
+    /// Key number `n` as the clients name it (see [`Self::shards`]).
+    pub fn key(&self, n: u64) -> String {
+        match self.shards {
+            0 => format!("sim/k{n}"),
+            _ => format!("sim/k{n}/x"),
+        }
+    }
+
+    /// The number of a key [`Self::key`] named.
+    pub fn key_number(&self, key: &str) -> Option<usize> {
+        let rest = key.strip_prefix("sim/k")?;
+        let n = match self.shards {
+            0 => rest,
+            _ => rest.strip_suffix("/x")?,
+        };
+        n.parse().ok()
     }
 }
 
@@ -429,6 +494,8 @@ pub const PRESETS: &[&str] = &[
     "shared",
     "shared-three-arbiters",
     "shared-durable",
+    "shards",
+    "shards-three-arbiters",
 ];
 
 impl SimConfig {
@@ -485,6 +552,13 @@ impl SimConfig {
     ///   windows in which no lease renewal succeeds for longer than a TTL
     ///   ([`FaultKnobs::renewal_outages`]), and 3% long holds writing until
     ///   their fence deadline ([`SimConfig::long_hold_percent`]).
+    /// - `shards`, `shards-three-arbiters`: the whole arbiter over entity
+    ///   shards ([`SimConfig::shards`]): the lock cluster and `s1` in the
+    ///   first map, `s2` added by an operator who moves ranges to it
+    ///   ([`FaultKnobs::shard_moves`]); every shard witnessed on the coord
+    ///   cluster, as a sharded arbiter is; every fault on the lock cluster,
+    ///   force-releases of holds on any shard revoking the holder's session
+    ///   on its home (its shadows ended), closed sessions.
     pub fn preset(name: &str, seed: u64) -> Option<Self> {
         let base = Self::new(seed);
         Some(match name {
@@ -546,6 +620,20 @@ impl SimConfig {
             "renewal-outages" => Self {
                 long_hold_percent: 3,
                 faults: FaultKnobs::renewal_outages(),
+                ..Self::whole(base)
+            },
+            "shards" => Self {
+                shards: 2,
+                witness: true,
+                faults: FaultKnobs::sharded(),
+                ..Self::whole(base)
+            },
+            "shards-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                shards: 2,
+                witness: true,
+                faults: FaultKnobs::sharded(),
                 ..Self::whole(base)
             },
             "quota" => Self {

@@ -75,6 +75,19 @@ impl IdLog {
         }
     }
 
+    /// Another cluster's log (a shard) with the same ids as `other`: a
+    /// session's shadow there has the session's id, in the store and in
+    /// the history alike.
+    pub(crate) fn sharing(log: MemLog, other: &IdLog) -> Self {
+        Self {
+            log,
+            ids: other.ids.clone(),
+            trace: other.trace.as_ref().map(|_| Mutex::new(Vec::new())),
+            start: other.start,
+            watches: other.watches.clone(),
+        }
+    }
+
     fn ids(&self) -> parking_lot::MutexGuard<'_, Ids> {
         self.ids.lock()
     }

@@ -411,7 +411,7 @@ fn remembers(log: &Backup, coord: &Backup, serving: u32) -> bool {
 }
 
 /// The epoch in a lock log snapshot's epoch record.
-fn epoch_of(log: &Snapshot) -> Option<u32> {
+pub(super) fn epoch_of(log: &Snapshot) -> Option<u32> {
     log.value(&LAYOUT.epoch())
         .and_then(decode::<EpochRecord>)
         .map(|r| r.epoch)
@@ -789,16 +789,27 @@ async fn restore(
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
 
-    let adv = world.invoke(
-        "nemesis",
-        Function::Advance,
-        None,
-        None,
-        None,
-        Instant::now(),
-    );
+    // The lock cluster's advance: with shards, it ends the holds of the
+    // keys homed there only (one advance per key, scoped to it).
+    let now = Instant::now();
+    let advances: Vec<_> = world
+        .advance_scopes()
+        .iter()
+        .map(|scope| {
+            world.invoke(
+                "nemesis",
+                Function::Advance,
+                scope.as_deref(),
+                None,
+                None,
+                now,
+            )
+        })
+        .collect();
     let detail = advance(world, rng).await;
-    world.complete(adv, Outcome::Ok, None, None, Some(detail));
+    for adv in advances {
+        world.complete(adv, Outcome::Ok, None, None, Some(detail.clone()));
+    }
     {
         let mut live = lock(&world.liveness);
         live.last_advance = Some(Instant::now());

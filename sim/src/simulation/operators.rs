@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use latchkey_arbiter::force_release::RevokeRecord;
 use latchkey_arbiter::lock_log::{
-    ForceEndTxn, ForceEnded, ForceRecords, RevokeSessionTxn, SessionRevoked,
+    ForceEndTxn, ForceEnded, ForceRecords, LockLog, RevokeSessionTxn, SessionRevoked, StoreError,
 };
 use latchkey_checker::{Function, Outcome};
 use tokio::time::Instant;
@@ -109,14 +110,24 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
         let Some(arbiter) = world.any(rng) else {
             return;
         };
-        let key = format!("sim/k{}", rng.below(world.cfg.keys.max(1) as u64));
-        let Some(epoch) = arbiter.table.seal().guard().state().map(|s| s.epoch()) else {
+        let key = world.cfg.key(rng.below(world.cfg.keys.max(1) as u64));
+        // The key's cluster as this arbiter routes it (its shard's, with
+        // shards), and the log that cluster is.
+        let table = match &arbiter.owner {
+            Some(owner) => match owner.cluster_of(&key).await {
+                Ok(cluster) => cluster.table().clone(),
+                Err(_) => continue,
+            },
+            None => arbiter.table.clone(),
+        };
+        let Some(epoch) = table.seal().guard().state().map(|s| s.epoch()) else {
             continue;
         };
+        let log: Arc<dyn LockLog> = world.idlog_of(&key).clone();
         let read = tokio::select! {
             biased;
             () = arbiter.killed.cancelled() => None,
-            r = world.log.holder(&key) => r.ok().and_then(|a| a.value),
+            r = log.holder(&key) => r.ok().and_then(|a| a.value),
         };
         let Some(hold) = read else {
             continue;
@@ -150,7 +161,7 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
         };
         let (mut lease, mut revision) = (hold.lease, hold.mod_revision);
         if world.cfg.faults.force_releases_reread
-            && let Ok(answer) = world.log.holder(&key).await
+            && let Ok(answer) = log.holder(&key).await
             && let Some(now) = answer.value
         {
             (lease, revision) = (now.lease, now.mod_revision);
@@ -171,7 +182,10 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
         // the whole arbiter.
         let end = async {
             match &ender.owner {
-                Some(owner) => owner.owner().force_end(txn).await,
+                Some(owner) => match owner.cluster_of(&key).await {
+                    Ok(cluster) => cluster.owner().force_end(txn).await,
+                    Err(e) => Err(e),
+                },
                 None => ender.table.force_end(txn).await,
             }
         };
@@ -199,56 +213,88 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
             }
             let mut session = lease;
             if world.cfg.faults.force_revokes_reread
-                && let Ok(answer) = world.log.holder(&key).await
+                && let Ok(answer) = log.holder(&key).await
                 && let Some(now) = answer.value
             {
                 session = now.lease;
             }
-            revoke_session(world, &ender, lease, session, epoch).await;
+            revoke_session(world, &ender, lease, session, epoch, &key, &process).await;
         }
     }
 }
 
 /// The approval's revocation of the holder's session (`approved`), right
-/// after its forced end: every hold still on that session whose grant the
-/// history knows is recorded as an `expire` first (`ok` once the session
-/// ended, `fail` when it had ended before, `unknown` without an answer),
-/// then the key's owner revokes it. `session` is the one revoked: the
-/// approved one, but for [`FaultKnobs::force_revokes_reread`].
+/// after its forced end of `key`: every hold still on that session whose
+/// grant the history knows (on every shard) is recorded as an `expire`
+/// first (`ok` once the session ended, `fail` when it had ended before,
+/// `unknown` without an answer), then the session is revoked as the
+/// approval revokes it: with the whole arbiter by its admin path (the
+/// session's home cluster, its count, its shadows on other shards ended),
+/// else through the table's log. `session` is the one revoked: the approved
+/// one, but for [`FaultKnobs::force_revokes_reread`].
 ///
 /// [`FaultKnobs::force_revokes_reread`]: super::FaultKnobs::force_revokes_reread
-async fn revoke_session(world: &World, ender: &Arbiter, approved: i64, session: i64, epoch: u32) {
-    let holds = tokio::select! {
-        biased;
-        () = ender.killed.cancelled() => return,
-        r = world.log.holders_under("") => match r {
-            Ok(answer) => answer.value,
-            Err(_) => return,
-        },
-    };
+async fn revoke_session(
+    world: &World,
+    ender: &Arbiter,
+    approved: i64,
+    session: i64,
+    epoch: u32,
+    key: &str,
+    process: &str,
+) {
     let mut ops = Vec::new();
-    for (key, kv) in holds.iter().filter(|(_, kv)| kv.lease == approved) {
-        let Some(token) = latchkey_arbiter::token::pack(epoch, kv.mod_revision) else {
-            continue;
+    for (n, idlog) in world.idlogs().into_iter().enumerate() {
+        // The lock cluster's holds at the epoch the operator saw; another
+        // shard's at its own (the nemesis never advances one).
+        let epoch = match n {
+            0 => Some(epoch),
+            _ => world.shards.get(n - 1).and_then(|s| s.epoch()),
         };
-        let Some((process, granted)) = lock(&world.granted_to).get(&(key.clone(), token)).cloned()
-        else {
-            continue;
+        let Some(epoch) = epoch else { continue };
+        let log: Arc<dyn LockLog> = idlog.clone();
+        let holds = tokio::select! {
+            biased;
+            () = ender.killed.cancelled() => return,
+            r = log.holders_under("") => match r {
+                Ok(answer) => answer.value,
+                Err(_) => return,
+            },
         };
-        if granted != approved {
-            continue;
+        for (key, kv) in holds.iter().filter(|(_, kv)| kv.lease == approved) {
+            let Some(token) = latchkey_arbiter::token::pack(epoch, kv.mod_revision) else {
+                continue;
+            };
+            let Some((process, granted)) =
+                lock(&world.granted_to).get(&(key.clone(), token)).cloned()
+            else {
+                continue;
+            };
+            if granted != approved {
+                continue;
+            }
+            ops.push(world.invoke(
+                &process,
+                Function::Expire,
+                Some(key),
+                Some(token),
+                Some("session revoked".into()),
+                Instant::now(),
+            ));
         }
-        ops.push(world.invoke(
-            &process,
-            Function::Expire,
-            Some(key),
-            Some(token),
-            Some("session revoked".into()),
-            Instant::now(),
-        ));
     }
     lock(&world.memory).revoking(session);
     let marker = format!("revoked by the sim's operators: {session}");
+    let record = RevokeRecord {
+        session,
+        key: key.to_string(),
+        request_id: format!("sim-{session}"),
+        requested_by: "sim-operator-a".into(),
+        approved_by: "sim-operator-b".into(),
+        reason: marker.clone(),
+        holder_identity: holder_identity(process),
+        revoked_at_unix_ms: 0,
+    };
     let txn = RevokeSessionTxn {
         session,
         counted_as: "",
@@ -256,8 +302,25 @@ async fn revoke_session(world: &World, ender: &Arbiter, approved: i64, session: 
         marker_ttl_seconds: 60,
     };
     let revoke = async {
-        match &ender.owner {
-            Some(owner) => owner.owner().revoke_session(txn).await,
+        if world.cfg.faults.force_revokes_on_key_cluster
+            && let Some(owner) = &ender.owner
+        {
+            return match owner.cluster_of(key).await {
+                Ok(cluster) => cluster.owner().revoke_session(txn).await,
+                Err(e) => Err(StoreError::Unavailable {
+                    context: e.to_string(),
+                    source: None,
+                }),
+            };
+        }
+        match &ender.service {
+            Some(service) => match service.revoke_approved_session(&record).await {
+                Ok(revoked) => revoked,
+                Err(e) => Err(StoreError::Unavailable {
+                    context: e.to_string(),
+                    source: None,
+                }),
+            },
             None => ender.table.log().revoke_session(txn).await,
         }
     };
@@ -284,6 +347,18 @@ async fn revoke_session(world: &World, ender: &Arbiter, approved: i64, session: 
     for op in ops {
         world.complete(op, outcome, None, None, Some("session revoked".into()));
     }
+}
+
+/// The SPIFFE ID of the worker a history process (`w{index}.{incarnation}`)
+/// is: what the approval records as the holder (the session count's
+/// subject is the one it revokes as).
+fn holder_identity(process: &str) -> String {
+    let index = process
+        .strip_prefix('w')
+        .and_then(|p| p.split('.').next())
+        .and_then(|i| i.parse().ok())
+        .unwrap_or(0);
+    super::policies::identity(index)
 }
 
 /// Every lease renewal fails for one TTL and 1–5 s more, the rest of the

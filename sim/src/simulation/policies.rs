@@ -25,6 +25,9 @@ pub(crate) const OPEN_CLASS: &str = "sim-open";
 pub(crate) const ELECTION_CLASS: &str = "sim-election";
 
 /// A worker's SPIFFE ID.
+/// The operator who moves shards (admin.v1, in the dev mode's header).
+pub(crate) const OPERATOR: &str = "spiffe://sim.test/operator";
+
 pub(crate) fn identity(worker: usize) -> String {
     format!("spiffe://{TRUST_DOMAIN}/w/{worker}")
 }
@@ -54,7 +57,9 @@ pub(crate) fn write(dir: &Path, ttl_seconds: u32) -> std::io::Result<()> {
     )?;
     std::fs::write(
         dir.join("grants/sim.toml"),
-        format!("[[grant]]\nidentity = \"spiffe://{TRUST_DOMAIN}/w/*\"\nprefixes = [\"sim\"]\n"),
+        format!(
+            "[[grant]]\nidentity = \"spiffe://{TRUST_DOMAIN}/w/*\"\nprefixes = [\"sim\"]\n\n[[operator]]\nidentity = \"{OPERATOR}\"\n"
+        ),
     )?;
     for name in [CLASS, DURABLE_CLASS, ELECTION_CLASS] {
         let result = format!(

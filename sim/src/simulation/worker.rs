@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use super::world::{Arbiter, World, lock};
 
-mod calls;
+pub(crate) mod calls;
 pub(crate) mod elector;
 mod renewals;
 use crate::rng::Rng;
@@ -48,6 +48,9 @@ fn is_definite_refusal(e: &ArbiterError) -> bool {
             | ArbiterError::WaitTimeout { .. }
             | ArbiterError::Sealed { .. }
             | ArbiterError::ShardMapAhead { .. }
+            // A moving range is refused by its route, before anything is
+            // written.
+            | ArbiterError::RangeMoving(_)
             | ArbiterError::QueueFull { .. }
             | ArbiterError::TooManyWaiters { .. }
             | ArbiterError::NotHeld { .. }
@@ -296,10 +299,7 @@ impl Incarnation<'_> {
         let cfg = self.world.cfg.clone();
         let (mut key, retrying) = match self.retry.take() {
             Some(key) => (key, true),
-            None => (
-                format!("sim/k{}", self.rng.below(cfg.keys.max(1) as u64)),
-                false,
-            ),
+            None => (cfg.key(self.rng.below(cfg.keys.max(1) as u64)), false),
         };
         let stray = self.stray();
         let Some(arbiter) = self.world.route(&key, stray, self.rng) else {
@@ -343,9 +343,7 @@ impl Incarnation<'_> {
             None,
             invoked,
         );
-        let number = key
-            .strip_prefix("sim/k")
-            .and_then(|n| n.parse::<usize>().ok());
+        let number = cfg.key_number(&key);
         let durable = number.is_some_and(|n| n < cfg.durable_keys);
         let open = number.is_some_and(|n| n + cfg.open_keys >= cfg.keys);
         let req = GrantRequest {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use parking_lot::{Mutex, MutexGuard};
 
 use latchkey_arbiter::Arbiter as Service;
-use latchkey_arbiter::assemble::{self, ArbiterParts, ClusterParts, OwnerHandle};
+use latchkey_arbiter::assemble::{self, ArbiterParts, ClusterParts, OwnerHandle, ShardParts};
 use latchkey_arbiter::epoch::EpochGuard;
 use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::high_water::{HighWater, Mark};
@@ -34,6 +34,7 @@ use super::elections::ElectionLedger;
 use super::fences::Fences;
 use super::idlog::IdLog;
 use super::memory::MemoryGrants;
+use super::shards::{MemShardMaps, ShardLog};
 use crate::memlog::MemLog;
 use crate::rng::Rng;
 use crate::witness::MemWitness;
@@ -180,8 +181,6 @@ pub(crate) struct World {
     /// reuse a revision, and a stale arbiter an epoch).
     pub(crate) granted_to: Mutex<BTreeMap<(String, u64), (String, i64)>>,
     pub(crate) forced: Mutex<super::ForcedEnds>,
-    /// The log as the hold counts follow it (the same [`IdLog`]).
-    pub(crate) follow_log: Arc<dyn FollowLog>,
     /// Which session holds a key in the log now, read past every fault
     /// (the judge's ground truth), in the arbiters' session ids.
     pub(crate) idlog: Arc<IdLog>,
@@ -194,6 +193,10 @@ pub(crate) struct World {
     pub(crate) scratch: PathBuf,
     /// The policy files the whole arbiter's handlers read.
     pub(crate) policies: Option<Arc<Policies>>,
+    /// The entity shards other than the lock cluster ([`SimConfig::shards`]).
+    pub(crate) shards: Vec<ShardLog>,
+    /// The shard map the arbiters follow, with shards.
+    pub(crate) shard_maps: Option<Arc<MemShardMaps>>,
     pub(crate) hook_host: Arc<HookHost>,
 }
 
@@ -204,11 +207,16 @@ impl World {
         idlog: Arc<IdLog>,
         memwitness: Option<MemWitness>,
         witness: Option<Arc<dyn Witness>>,
+        shards: Vec<ShardLog>,
     ) -> Self {
+        // With moves, the last shard is added by the operator, not mapped.
+        let mapped = shards.len() - usize::from(cfg.faults.shard_moves && !shards.is_empty());
+        let first: Vec<&ShardLog> = shards.iter().take(mapped).collect();
+        let shard_maps = (!shards.is_empty())
+            .then(|| Arc::new(MemShardMaps::with(super::shards::first_map(&first))));
         let start = Instant::now();
         let scratch = scratch_dir(cfg.seed);
         let log: Arc<dyn LockLog> = idlog.clone();
-        let follow_log: Arc<dyn FollowLog> = idlog.clone();
         let mut notes = Vec::new();
         let policies = match cfg.whole_arbiter {
             true => {
@@ -263,13 +271,14 @@ impl World {
             fences: Mutex::new(Fences::default()),
             granted_to: Mutex::new(BTreeMap::new()),
             forced: Mutex::new(super::ForcedEnds::default()),
-            follow_log,
             idlog,
             memory: Mutex::new(MemoryGrants::default()),
             elections: Mutex::default(),
             policies,
             scratch,
             hook_host: assemble::idle_hook_host(),
+            shards,
+            shard_maps,
         }
     }
 
@@ -288,6 +297,21 @@ impl World {
 
     pub(crate) fn ops_recorded(&self) -> usize {
         lock(&self.recorder).ops.len()
+    }
+
+    /// The keys of every acquire answered with a grant so far.
+    pub(crate) fn granted_keys(&self) -> Vec<String> {
+        lock(&self.recorder)
+            .ops
+            .iter()
+            .filter(|o| {
+                o.f == latchkey_checker::Function::Acquire
+                    && o.completion
+                        .as_ref()
+                        .is_some_and(|c| c.outcome == Outcome::Ok)
+            })
+            .filter_map(|o| o.key.clone())
+            .collect()
     }
 
     pub(crate) fn take_ops(&self) -> Vec<Operation> {
@@ -495,7 +519,7 @@ impl World {
             }
         }
         let service = match self.cfg.whole_arbiter {
-            true => self.whole(i, &table, &state_dir),
+            true => self.whole(i, &table, &state_dir, seed).await,
             false => None,
         };
         let mut slot = lock(slot);
@@ -508,84 +532,89 @@ impl World {
     /// builds it: the hold and session counts following the log, the
     /// quorum-loss posture (its spool in the state dir, replayed) and its
     /// probe, assembled with the policy files into the arbiter whose
-    /// handlers the clients call.
-    fn whole(
+    /// handlers the clients call; with shards, the map followed and every
+    /// other shard's cluster built by [`SimConnect`].
+    async fn whole(
         &self,
         i: usize,
         table: &Arc<LockTable>,
         state_dir: &std::path::Path,
+        seed: u64,
     ) -> Option<(Arc<Service>, Arc<OwnerHandle>)> {
         let Some(policies) = self.policies.clone() else {
             self.note(format!("arbiter-{i}: no policies"));
             return None;
         };
-        let sessions = SessionCounts::new(MAX_SESSIONS_PER_IDENTITY);
-        let session_counts = tokio::spawn(latchkey_arbiter::follow::follow(
-            sessions.clone(),
-            self.follow_log.clone(),
-            Counted::SessionIndex,
-        ));
-        let holds = HoldCounts::new(DEFAULT_MAX_HOLDS_PER_IDENTITY);
-        let follow_log: Arc<dyn FollowLog> = if self.cfg.faults.blind_hold_follower {
-            Arc::new(BlindFollower(self.follow_log.clone()))
-        } else {
-            self.follow_log.clone()
-        };
-        let counts = tokio::spawn(latchkey_arbiter::follow::follow(
-            holds.clone(),
-            follow_log,
-            Counted::Holds,
-        ));
-        let start = self.start;
-        let seams = Seams {
-            // The paused clock, as wall time from a fixed moment.
-            wall_ms: Arc::new(move || {
-                SIM_EPOCH_MS
-                    + i64::try_from(Instant::now().saturating_duration_since(start).as_millis())
-                        .unwrap_or(i64::MAX / 2)
-            }),
-            inline_io: true,
-        };
-        let quorum = match QuorumLoss::with_seams(
-            QuorumLossConfig::default(),
-            state_dir,
-            DEFAULT_MAX_HOLDS_PER_IDENTITY,
-            MAX_MEMORY_WAITERS,
-            seams,
-        ) {
-            Ok(q) => Arc::new(q),
+        let kit = self.kit(self.idlog.clone());
+        let cluster = match kit.parts(table, state_dir, true) {
+            Ok(parts) => parts,
             Err(e) => {
-                self.note(format!("arbiter-{i}: cannot open its spool: {e}"));
+                self.note(format!("arbiter-{i}: {e}"));
                 return None;
             }
         };
-        let probe = quorum.spawn_probe(self.log.clone());
-        let (service, owner) = assemble::arbiter(ArbiterParts {
-            cluster: ClusterParts {
-                table: table.clone(),
-                holds,
-                sessions,
-                quorum,
-                tasks: vec![
-                    AbortOnDrop::new(counts.abort_handle()),
-                    AbortOnDrop::new(session_counts.abort_handle()),
-                    probe,
-                ],
-            },
+        let map_version = self
+            .arbiters
+            .get(i)
+            .map(|slot| lock(slot).map_version.clone())
+            .unwrap_or_default();
+        let shards = self.shard_maps.as_ref().map(|maps| ShardParts {
+            home_name: HOME_SHARD.into(),
+            home_endpoints: vec![shard_endpoint(HOME_SHARD)],
+            maps: maps.clone(),
+            connect: Arc::new(SimConnect {
+                shards: self
+                    .shards
+                    .iter()
+                    .map(|s| {
+                        (
+                            s.name.clone(),
+                            (self.kit(s.idlog.clone()), s.witness.clone()),
+                        )
+                    })
+                    .collect(),
+                state_dir: state_dir.to_path_buf(),
+                map_version: map_version.clone(),
+                policies: policies.clone(),
+                poll: self.cfg.poll,
+                batch_limit: self.cfg.batch_limit,
+                seed,
+            }),
+            map_version,
+        });
+        let assembled = assemble::arbiter(ArbiterParts {
+            cluster,
+            shards,
             policies,
             trust_domain: super::policies::TRUST_DOMAIN.into(),
             max_wait: Duration::from_secs(300),
             max_sessions: MAX_SESSIONS_PER_IDENTITY,
             hook_host: self.hook_host.clone(),
-        });
-        Some((service, owner))
+        })
+        .await;
+        match assembled {
+            Ok(whole) => Some(whole),
+            Err(e) => {
+                self.note(format!("arbiter-{i}: cannot read the shard map: {e}"));
+                None
+            }
+        }
+    }
+
+    /// What a cluster of an arbiter is built from, over `log`.
+    fn kit(&self, log: Arc<IdLog>) -> ClusterKit {
+        ClusterKit {
+            log,
+            blind_follower: self.cfg.faults.blind_hold_follower,
+            start: self.start,
+        }
     }
 
     /// Every key's holder in the log now (the arbiters' session ids).
     pub(crate) fn holders_now(&self) -> BTreeMap<String, i64> {
         (0..self.cfg.keys)
             .filter_map(|n| {
-                let key = format!("sim/k{n}");
+                let key = self.cfg.key(n as u64);
                 self.held_in_log(&key).map(|s| (key, s))
             })
             .collect()
@@ -594,7 +623,41 @@ impl World {
     /// Which session (the arbiters' id) holds `key` in the log now, read
     /// past every fault: the judge's ground truth.
     pub(crate) fn held_in_log(&self, key: &str) -> Option<i64> {
-        self.idlog.holder_now(key)
+        self.idlog_of(key).holder_now(key)
+    }
+
+    /// The log of the shard `key` is homed on (the lock cluster's without
+    /// shards): by the map as it is now.
+    pub(crate) fn idlog_of(&self, key: &str) -> &Arc<IdLog> {
+        let home = self
+            .shard_maps
+            .as_ref()
+            .and_then(|maps| maps.current())
+            .map(|map| map.home(key).name.clone());
+        home.and_then(|name| self.shards.iter().find(|s| s.name == name))
+            .map_or(&self.idlog, |s| &s.idlog)
+    }
+
+    /// What an epoch advance of the lock cluster ends, as the history's
+    /// advance scopes: every hold (one advance, no scope) without shards;
+    /// with shards, the holds of each key homed on the lock cluster now
+    /// (one advance per key): another shard's epoch does not move.
+    pub(crate) fn advance_scopes(&self) -> Vec<Option<String>> {
+        match self.shard_maps.as_ref().and_then(|m| m.current()) {
+            None => vec![None],
+            Some(map) => (0..self.cfg.keys)
+                .map(|n| self.cfg.key(n as u64))
+                .filter(|k| map.home(k).name == HOME_SHARD)
+                .map(Some)
+                .collect(),
+        }
+    }
+
+    /// Every cluster's log: the lock cluster's, then the other shards'.
+    pub(crate) fn idlogs(&self) -> Vec<&Arc<IdLog>> {
+        std::iter::once(&self.idlog)
+            .chain(self.shards.iter().map(|s| &s.idlog))
+            .collect()
     }
 
     /// Kills arbiter `i`: every call in flight through it ends (its clients
@@ -604,17 +667,30 @@ impl World {
         let Some(slot) = self.arbiters.get(i) else {
             return;
         };
-        let (table, killed) = {
+        let (table, killed, shard_tables) = {
             let mut slot = lock(slot);
             slot.restarts += 1;
-            slot.service = None;
-            (slot.table.take(), slot.killed.clone())
+            // The other shards' tables die with it (their clusters were
+            // connected by its routing).
+            let shard_tables: Vec<Arc<LockTable>> = slot
+                .service
+                .take()
+                .map(|(_, owner)| owner.entity_clusters())
+                .unwrap_or_default()
+                .into_iter()
+                .skip(1)
+                .map(|c| c.table().clone())
+                .collect();
+            (slot.table.take(), slot.killed.clone(), shard_tables)
         };
         killed.cancel();
         // Let every client whose call was cut off drop it (leaving the
         // table's queues) before the table answers the waiters that are
         // left: the shutdown would answer them in hash-map order.
         tokio::time::sleep(Duration::from_millis(1)).await;
+        for table in shard_tables {
+            table.shutdown().await;
+        }
         if let Some(table) = table {
             table.shutdown().await;
             let done = table.batch_stats();
@@ -638,6 +714,156 @@ impl World {
         for i in 0..self.arbiters.len() {
             self.kill_arbiter(i).await;
         }
+    }
+}
+
+/// What one arbiter's cluster is built from (its lock cluster, or one of
+/// the other shards): the log, and how the hold count follows it.
+#[derive(Clone)]
+pub(crate) struct ClusterKit {
+    log: Arc<IdLog>,
+    blind_follower: bool,
+    start: Instant,
+}
+
+impl ClusterKit {
+    /// The parts around a started `table`, as `start.rs` builds a cluster:
+    /// the hold count following the log, the session count too when
+    /// sessions are opened there (the lock cluster; other shards hold only
+    /// shadows), the quorum-loss posture with its spool in `state_dir` and
+    /// its probe.
+    fn parts(
+        &self,
+        table: &Arc<LockTable>,
+        state_dir: &std::path::Path,
+        opens_sessions: bool,
+    ) -> Result<ClusterParts, String> {
+        let mut tasks = Vec::new();
+        let follow: Arc<dyn FollowLog> = self.log.clone();
+        let sessions = SessionCounts::new(MAX_SESSIONS_PER_IDENTITY);
+        if opens_sessions {
+            let session_counts = tokio::spawn(latchkey_arbiter::follow::follow(
+                sessions.clone(),
+                follow.clone(),
+                Counted::SessionIndex,
+            ));
+            tasks.push(AbortOnDrop::new(session_counts.abort_handle()));
+        }
+        let holds = HoldCounts::new(DEFAULT_MAX_HOLDS_PER_IDENTITY);
+        let follow_log: Arc<dyn FollowLog> = match self.blind_follower {
+            true => Arc::new(BlindFollower(follow)),
+            false => follow,
+        };
+        let counts = tokio::spawn(latchkey_arbiter::follow::follow(
+            holds.clone(),
+            follow_log,
+            Counted::Holds,
+        ));
+        tasks.push(AbortOnDrop::new(counts.abort_handle()));
+        let start = self.start;
+        let seams = Seams {
+            // The paused clock, as wall time from a fixed moment.
+            wall_ms: Arc::new(move || {
+                SIM_EPOCH_MS
+                    + i64::try_from(Instant::now().saturating_duration_since(start).as_millis())
+                        .unwrap_or(i64::MAX / 2)
+            }),
+            inline_io: true,
+        };
+        let quorum = QuorumLoss::with_seams(
+            QuorumLossConfig::default(),
+            state_dir,
+            DEFAULT_MAX_HOLDS_PER_IDENTITY,
+            MAX_MEMORY_WAITERS,
+            seams,
+        )
+        .map(Arc::new)
+        .map_err(|e| format!("cannot open its spool: {e}"))?;
+        let log: Arc<dyn LockLog> = self.log.clone();
+        tasks.push(quorum.spawn_probe(log));
+        Ok(ClusterParts {
+            table: table.clone(),
+            holds,
+            sessions,
+            quorum,
+            tasks,
+        })
+    }
+}
+
+/// The lock cluster's name as a shard.
+pub(crate) const HOME_SHARD: &str = "home";
+
+/// A shard's endpoints in the map (never dialled: [`SimConnect`] builds
+/// the cluster over the shard's log by name).
+pub(crate) fn shard_endpoint(name: &str) -> String {
+    format!("http://{name}.sim.test:2379")
+}
+
+/// Connects an arbiter to the other shards the map names, as `start.rs`'s
+/// connector does: a table of its own over the shard's log with the
+/// shard's witness, started, with the cluster's parts around it and a
+/// state directory of its own under the arbiter's.
+struct SimConnect {
+    shards: BTreeMap<String, (ClusterKit, Arc<dyn Witness>)>,
+    state_dir: PathBuf,
+    map_version: MapVersion,
+    policies: Arc<Policies>,
+    poll: Duration,
+    batch_limit: usize,
+    seed: u64,
+}
+
+impl latchkey_arbiter::shards::routing::Connect for SimConnect {
+    fn connect(
+        &self,
+        shard: latchkey_arbiter::shards::Shard,
+    ) -> futures::future::BoxFuture<
+        'static,
+        Result<Arc<latchkey_arbiter::tiers::Cluster>, Box<latchkey_arbiter::RunError>>,
+    > {
+        let kit = self.shards.get(&shard.name).cloned();
+        let state_dir = self.state_dir.join("shards").join(&shard.name);
+        let (map_version, policies) = (self.map_version.clone(), self.policies.clone());
+        let options = TableOptions {
+            poll: self.poll,
+            max_waiters_per_identity: 64,
+            seed: self.seed ^ fnv1a(&shard.name),
+            batch_limit: self.batch_limit,
+            batches_in_flight: latchkey_arbiter::table::DEFAULT_BATCHES_IN_FLIGHT,
+            session_tag: 0,
+            map_version,
+        };
+        Box::pin(async move {
+            let unreachable = |what: String| {
+                Box::new(latchkey_arbiter::RunError::Store(
+                    StoreError::Unavailable {
+                        context: what,
+                        source: None,
+                    }
+                    .into(),
+                ))
+            };
+            let Some((kit, witness)) = kit else {
+                return Err(unreachable(format!(
+                    "no shard named {:?} in the run",
+                    shard.name
+                )));
+            };
+            let table = LockTable::witnessed(
+                kit.log.clone(),
+                Arc::new(EpochGuard::default()),
+                Arc::new(HighWater::in_memory(None)),
+                Some(witness),
+                options,
+            );
+            // As the lock cluster's: it serves once it has read the epoch.
+            while table.start().await.is_err() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let parts = kit.parts(&table, &state_dir, false).map_err(unreachable)?;
+            Ok(assemble::cluster(parts, &policies))
+        })
     }
 }
 

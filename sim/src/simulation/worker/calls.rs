@@ -17,7 +17,7 @@ use crate::simulation::world::Arbiter;
 /// A call in the insecure dev mode: the caller's SPIFFE ID in the dev
 /// header of its initial headers (as the identity channel's layer hands it
 /// to the handlers), and the call's deadline.
-pub(super) fn request<T>(identity: &str, deadline: Option<Duration>, message: T) -> Request<T> {
+pub(crate) fn request<T>(identity: &str, deadline: Option<Duration>, message: T) -> Request<T> {
     let mut request = Request::new(message);
     request.extensions_mut().insert(ForwardedIdentity {
         edge: Named::Absent,
