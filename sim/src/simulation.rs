@@ -197,11 +197,25 @@ pub struct SimRun {
     pub memory: MemoryReport,
     /// The leaderships of the electors, and what they broke.
     pub elections: ElectionReport,
+    /// The entity shards: grants on them, and the moves finished.
+    pub shards: ShardReport,
     /// Commits after which a grant subject held more keys of the quota
     /// class than [`SimConfig::quota`] (the log's state, counted at every
     /// commit).
     pub quota_violations: Vec<String>,
     pub notes: Vec<String>,
+}
+
+/// The entity shards of a run ([`SimConfig::shards`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShardReport {
+    /// Grants answered (through the log).
+    pub grants: usize,
+    /// Of them, grants of keys homed on another shard than the lock
+    /// cluster (by the last map): held on the session's shadow there.
+    pub elsewhere: usize,
+    /// Moves of ranges to an added shard that finished.
+    pub moves: usize,
 }
 
 /// Two-person force-releases in a run.
@@ -348,7 +362,7 @@ impl SimRun {
         let (b, lb) = (self.batches, self.log_batches);
         let downgrades = self.downgrades();
         format!(
-            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}{}{}{}{}, {}",
+            "seed {}: {} ops in {:.1} s simulated, {} faults ({} log calls: {} failed before commit, {} answers lost, {} delayed){witness}; {} batches of {} members, {} shared (largest {}, {} split; in the log {} with failed compares, {} mixed, {} answers lost, {} restores under one){}{}{}{}{}{}{}, {}",
             self.seed,
             self.ops,
             self.simulated.as_secs_f64(),
@@ -393,6 +407,14 @@ impl SimRun {
             } else {
                 String::new()
             },
+            if self.shards.grants > 0 {
+                format!(
+                    "; shards: {} of {} grants on a shard other than the lock cluster (on the session's shadow), {} moves finished",
+                    self.shards.elsewhere, self.shards.grants, self.shards.moves
+                )
+            } else {
+                String::new()
+            },
             if self.forced.ended + self.forced.changed > 0 {
                 format!(
                     "; force-releases: {} ended their hold ({} revoked its session), {} found it changed",
@@ -428,31 +450,32 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         .enable_all()
         .start_paused(true)
         .build();
-    let (ops, stuck, simulated, log_faults, witness, notes, batches, fences) = match runtime {
-        Ok(rt) => {
-            let out = rt.block_on(simulate(cfg.clone()));
-            drop(rt);
-            out
-        }
-        Err(e) => (
-            Vec::new(),
-            Some(format!("could not build the runtime: {e}")),
-            Duration::ZERO,
-            FaultCounts::default(),
-            None,
-            Vec::new(),
-            (
-                BatchStats::default(),
-                BatchCounts::default(),
-                DurableStats::default(),
-                ForcedEnds::default(),
-                MemoryReport::default(),
-                ElectionReport::default(),
+    let (ops, stuck, simulated, log_faults, witness, notes, batches, (fences, shards)) =
+        match runtime {
+            Ok(rt) => {
+                let out = rt.block_on(simulate(cfg.clone()));
+                drop(rt);
+                out
+            }
+            Err(e) => (
                 Vec::new(),
+                Some(format!("could not build the runtime: {e}")),
+                Duration::ZERO,
+                FaultCounts::default(),
+                None,
+                Vec::new(),
+                (
+                    BatchStats::default(),
+                    BatchCounts::default(),
+                    DurableStats::default(),
+                    ForcedEnds::default(),
+                    MemoryReport::default(),
+                    ElectionReport::default(),
+                    Vec::new(),
+                ),
+                (FenceReport::default(), ShardReport::default()),
             ),
-            FenceReport::default(),
-        ),
-    };
+        };
     let built = History::from_ops(ops);
     // Judge what a file of it would say: read back, the discipline checked.
     let (history, invalid_history) = match History::from_jsonl(built.to_jsonl_string().as_bytes()) {
@@ -479,6 +502,7 @@ pub fn run(cfg: &SimConfig) -> SimRun {
         elections: batches.5,
         quota_violations: batches.6,
         fences,
+        shards,
     }
 }
 
@@ -498,7 +522,7 @@ type Outcome = (
         ElectionReport,
         Vec<String>,
     ),
-    FenceReport,
+    (FenceReport, ShardReport),
 );
 
 async fn simulate(cfg: SimConfig) -> Outcome {
@@ -647,16 +671,17 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             ));
         }
     }
+    let mut shards = ShardReport {
+        moves: *lock(&world.shard_moves),
+        ..ShardReport::default()
+    };
     if let Some(map) = world.shard_maps.as_ref().and_then(|m| m.current()) {
         let granted = world.granted_keys();
-        let elsewhere = granted
+        shards.grants = granted.len();
+        shards.elsewhere = granted
             .iter()
             .filter(|k| map.home(k).name != world::HOME_SHARD)
             .count();
-        world.note(format!(
-            "shards: {elsewhere} of {} grants on a shard other than the lock cluster (held on the session's shadow there)",
-            granted.len()
-        ));
     }
     // The state dirs (quorum-loss spools) go with the run.
     let _ = std::fs::remove_dir_all(&world.scratch);
@@ -682,7 +707,7 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             lock(&world.elections).report(),
             world.memlog.quota_violations(),
         ),
-        lock(&world.fences).report(),
+        (lock(&world.fences).report(), shards),
     )
 }
 

@@ -19,15 +19,16 @@ use std::time::Instant;
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_sim::BatchCounts;
 use latchkey_sim::simulation::{
-    CoordRestores, ElectionReport, FenceReport, ForcedEnds, MemoryReport, PRESETS, SimConfig,
-    SimRun, run,
+    CoordRestores, ElectionReport, FenceReport, ForcedEnds, MemoryReport, PRESETS, ShardReport,
+    SimConfig, SimRun, run,
 };
 
 /// (seed, preset, operations): seeds 1 to 80 over the presets without a
 /// witness in turn, then 81 to 98 over the witnessed ones, 99 to 106 over
 /// the durable ones, 107 to 110 over the fenced ones, 111 to 114 over
-/// the forced ones, 115 to 118 and 121 over the quorum-loss ones, and 122
-/// and 123 over the renewal outages, 5,000 operations each, ~610,000 in
+/// the forced ones, 115 to 118 and 121 over the quorum-loss ones, 122
+/// and 123 over the renewal outages, and 137 and 138 over the shards
+/// (with a move), 5,000 operations each, ~610,000 in
 /// all (CI promises at least
 /// [`MIN_CI_OPS`]); the state-loss runs without a witness have no
 /// restores (issue 15: see
@@ -260,6 +261,12 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     // held). A release naming an epoch the arbiter has served past now
     // answers as an ended hold. Fails without that rule.
     (47, "durable-three-arbiters", 5000),
+    // Issue 32: the whole arbiter over entity shards, a shard added and
+    // ranges moved to it by the admin handlers. A shard added by
+    // publishing the next map at once (no fence, no drain, no epoch raised)
+    // fails both (and every one of seeds 1-8 of `shards`).
+    (137, "shards", 5000),
+    (138, "shards-three-arbiters", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;
@@ -315,8 +322,12 @@ fn ci_seeds_check_out() {
     let mut forced = ForcedEnds::default();
     let mut memory = MemoryReport::default();
     let mut elections = ElectionReport::default();
+    let mut shards = ShardReport::default();
     for &(seed, preset, ops) in CI_RUNS {
         let (result, failure) = run_one(seed, preset, ops);
+        shards.grants += result.shards.grants;
+        shards.elsewhere += result.shards.elsewhere;
+        shards.moves += result.shards.moves;
         elections.leaderships += result.elections.leaderships;
         elections.handed_over += result.elections.handed_over;
         memory.losses += result.memory.losses;
@@ -428,6 +439,14 @@ fn ci_seeds_check_out() {
     assert!(
         memory.losses > 0 && memory.granted > 0 && memory.kept_from_log > 0,
         "the CI seeds' quorum losses granted nothing from memory, or no memory grant kept its key from the log: {memory:?}"
+    );
+    // The shards' control: keys were granted on shards other than the lock
+    // cluster (on the sessions' shadows), and an added shard's move
+    // finished, so the judge saw holds before and after it.
+    println!("shards: {shards:?}");
+    assert!(
+        shards.elsewhere > 0 && shards.elsewhere < shards.grants && shards.moves > 0,
+        "the CI seeds granted no key on another shard, only on other shards, or finished no move: {shards:?}"
     );
     // The electors' control: leaderships started over vacancies and by
     // hand-overs, so the election ledger judged both.
@@ -772,5 +791,34 @@ fn a_memory_grant_of_a_key_held_in_the_log_is_found() {
     let (_, failure) = run_one(SEED, PRESET, OPS);
     if let Some(f) = failure {
         panic!("seed {SEED} fails with the hold counts as built too:\n{f}");
+    }
+}
+
+/// The shard moves' judge has teeth: with
+/// [`FaultKnobs::shard_moves_unfenced`] the operator adds the shard by
+/// publishing the next map at once (no fence on the old shards, no drain
+/// of the moving ranges, no epoch raised on the new shard), so a moved key
+/// is granted on its new shard while its old one still holds it, with a
+/// smaller token, and the checker finds it. The same seed with the move as built passes.
+///
+/// [`FaultKnobs::shard_moves_unfenced`]: latchkey_sim::simulation::FaultKnobs::shard_moves_unfenced
+#[test]
+fn an_unfenced_shard_move_is_found() {
+    const SEED: u64 = 137;
+    const PRESET: &str = "shards";
+    const OPS: usize = 5000;
+    let mut cfg = SimConfig::preset(PRESET, SEED).expect("preset");
+    cfg.min_ops = OPS;
+    cfg.faults.shard_moves_unfenced = true;
+    let result = run(&cfg);
+    println!("{} [{PRESET}, unfenced shard moves]", result.summary());
+    assert!(
+        !result.ok(),
+        "no violation found with a shard move published at once ({:?})",
+        result.shards
+    );
+    let (_, failure) = run_one(SEED, PRESET, OPS);
+    if let Some(f) = failure {
+        panic!("seed {SEED} fails with the move as built too:\n{f}");
     }
 }

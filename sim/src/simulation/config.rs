@@ -94,24 +94,17 @@ pub struct FaultKnobs {
     /// approved: its runs must show violations (only to show that the
     /// simulation notices; off in every preset).
     pub force_revokes_reread: bool,
-    /// The revocation is sent to the cluster holding the key, not to the
-    /// session's home: with shards, a key on another shard is held on the
-    /// session's shadow there, so the session itself lives on (the bug a
-    /// hostile review found in the approval before it revoked on the home
-    /// cluster). Its sharded runs must show violations (only to show that
-    /// the simulation notices; off in every preset).
-    pub force_revokes_on_key_cluster: bool,
     /// With shards ([`SimConfig::shards`]): the last shard is not in the
     /// first map, and an operator adds it and moves ranges to it through
     /// the admin handlers (`ChangeShards`, then `StepShardMove` until the
     /// move finishes: fence, drain, epoch raise, new homes), or cancels the
     /// move if it has not finished in a minute.
     pub shard_moves: bool,
-    /// The operator publishes the move's new homes at once, with no fence,
-    /// no drain and no epoch raised: the moved ranges are granted on their
-    /// new shard while their old one still holds them, with smaller tokens.
-    /// Its runs must show violations (only to show that the simulation
-    /// notices; off in every preset).
+    /// The operator adds the shard by publishing the next map with it at
+    /// once: no move, so no fence, no drain and no epoch raised; the ranges
+    /// it homes are granted there while their old shard still holds them,
+    /// with smaller tokens. Its runs must show violations (only to show
+    /// that the simulation notices; off in every preset).
     pub shard_moves_unfenced: bool,
     /// Windows in which the lock log loses its majority (every call fails,
     /// no lease expires; on return every lease gets its whole TTL), now and
@@ -159,7 +152,6 @@ impl FaultKnobs {
             force_releases_reread: false,
             force_revokes_percent: 0,
             force_revokes_reread: false,
-            force_revokes_on_key_cluster: false,
             shard_moves: false,
             shard_moves_unfenced: false,
             quorum_losses: false,
@@ -284,7 +276,6 @@ impl FaultKnobs {
             force_releases_reread: false,
             force_revokes_percent: 0,
             force_revokes_reread: false,
-            force_revokes_on_key_cluster: false,
             shard_moves: false,
             shard_moves_unfenced: false,
             quorum_losses: false,

@@ -302,17 +302,6 @@ async fn revoke_session(
         marker_ttl_seconds: 60,
     };
     let revoke = async {
-        if world.cfg.faults.force_revokes_on_key_cluster
-            && let Some(owner) = &ender.owner
-        {
-            return match owner.cluster_of(key).await {
-                Ok(cluster) => cluster.owner().revoke_session(txn).await,
-                Err(e) => Err(StoreError::Unavailable {
-                    context: e.to_string(),
-                    source: None,
-                }),
-            };
-        }
         match &ender.service {
             Some(service) => match service.revoke_approved_session(&record).await {
                 Ok(revoked) => revoked,

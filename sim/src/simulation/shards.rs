@@ -163,12 +163,19 @@ pub(crate) async fn mover(world: Arc<World>, mut rng: Rng) {
         .collect();
     for name in unmapped {
         let op = fault(world, format!("shard {name} added: ranges move to it"));
-        let added = add(world, rng, &maps, &name).await;
-        let finished = match added {
-            false => false,
-            true if world.cfg.faults.shard_moves_unfenced => publish_target(&maps),
-            true => step_until_done(world, rng, &maps, &name).await,
+        let (added, finished) = match world.cfg.faults.shard_moves_unfenced {
+            true => {
+                let published = publish_with(&maps, &name);
+                (published, published)
+            }
+            false => match add(world, rng, &maps, &name).await {
+                true => (true, step_until_done(world, rng, &maps, &name).await),
+                false => (false, false),
+            },
         };
+        if finished {
+            *super::world::lock(&world.shard_moves) += 1;
+        }
         world.note(format!(
             "shard {name}: {}",
             match (added, finished) {
@@ -247,19 +254,27 @@ async fn step_until_done(world: &World, rng: &mut Rng, maps: &MemShardMaps, name
     }
 }
 
-/// The bug [`FaultKnobs::shard_moves_unfenced`] puts in: the move's target
-/// published as the next map at once.
+/// The bug [`FaultKnobs::shard_moves_unfenced`] puts in: the next map,
+/// with `name` added and whatever ranges it homes moved to it, published
+/// at once.
 ///
 /// [`FaultKnobs::shard_moves_unfenced`]: super::FaultKnobs::shard_moves_unfenced
-fn publish_target(maps: &MemShardMaps) -> bool {
-    let Some(map) = maps.current() else {
-        return false;
-    };
-    let Some(target) = map.target() else {
-        return false;
-    };
+fn publish_with(maps: &MemShardMaps, name: &str) -> bool {
     let mut state = maps.state.lock();
-    *state = (Some(target.clone()), state.1 + 1);
-    maps.published.send_replace(Some(target));
+    let Some(map) = state.0.clone() else {
+        return false;
+    };
+    let mut next = ShardMap {
+        version: map.version + 1,
+        moving: None,
+        ..map
+    };
+    next.shards.push(Shard {
+        name: name.to_string(),
+        endpoints: vec![shard_endpoint(name)],
+        weight: 1,
+    });
+    *state = (Some(next.clone()), state.1 + 1);
+    maps.published.send_replace(Some(next));
     true
 }

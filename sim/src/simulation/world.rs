@@ -197,6 +197,8 @@ pub(crate) struct World {
     pub(crate) shards: Vec<ShardLog>,
     /// The shard map the arbiters follow, with shards.
     pub(crate) shard_maps: Option<Arc<MemShardMaps>>,
+    /// Shard moves that finished.
+    pub(crate) shard_moves: Mutex<usize>,
     pub(crate) hook_host: Arc<HookHost>,
 }
 
@@ -279,6 +281,7 @@ impl World {
             hook_host: assemble::idle_hook_host(),
             shards,
             shard_maps,
+            shard_moves: Mutex::new(0),
         }
     }
 
