@@ -212,7 +212,8 @@ pub struct ShardReport {
     /// Grants answered (through the log).
     pub grants: usize,
     /// Of them, grants of keys homed on another shard than the lock
-    /// cluster (by the last map): held on the session's shadow there.
+    /// cluster (by the map when each was answered): held on the session's
+    /// shadow there.
     pub elsewhere: usize,
     /// Moves of ranges to an added shard that finished.
     pub moves: usize,
@@ -671,18 +672,12 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             ));
         }
     }
-    let mut shards = ShardReport {
+    let (grants, elsewhere) = *lock(&world.shard_grants);
+    let shards = ShardReport {
+        grants,
+        elsewhere,
         moves: *lock(&world.shard_moves),
-        ..ShardReport::default()
     };
-    if let Some(map) = world.shard_maps.as_ref().and_then(|m| m.current()) {
-        let granted = world.granted_keys();
-        shards.grants = granted.len();
-        shards.elsewhere = granted
-            .iter()
-            .filter(|k| map.home(k).name != world::HOME_SHARD)
-            .count();
-    }
     // The state dirs (quorum-loss spools) go with the run.
     let _ = std::fs::remove_dir_all(&world.scratch);
     let notes = std::mem::take(&mut *lock(&world.notes));

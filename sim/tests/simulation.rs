@@ -28,7 +28,7 @@ use latchkey_sim::simulation::{
 /// the durable ones, 107 to 110 over the fenced ones, 111 to 114 over
 /// the forced ones, 115 to 118 and 121 over the quorum-loss ones, 122
 /// and 123 over the renewal outages, and 137 and 138 over the shards
-/// (with a move), 5,000 operations each, ~610,000 in
+/// (with a move), 5,000 operations each, ~690,000 in
 /// all (CI promises at least
 /// [`MIN_CI_OPS`]); the state-loss runs without a witness have no
 /// restores (issue 15: see

@@ -121,6 +121,7 @@ pub async fn run_all(log: std::sync::Arc<dyn LockLog>, ttl: TtlClock) -> anyhow:
     case!(holders_under_a_prefix_and_count);
     case!(held_keys_come_in_bounded_pages);
     case!(sessions_and_their_count);
+    case!(a_sessions_shadow_marks_end_with_its_lease);
     case!(revoke_deletes_every_key_in_one_revision);
     case!(renewals);
     case!(watch_from_a_revision);
@@ -1025,6 +1026,36 @@ pub async fn sessions_and_their_count(log: &dyn LockLog) -> anyhow::Result<()> {
     revoke_all(log, &[i1, i2, i3]).await?;
     ensure!(log.count_sessions_of(a).await?.value == 0);
     ensure!(log.count_sessions_of(a_b).await?.value == 0);
+    Ok(())
+}
+
+/// A session's shadow marks (ADR-09: the shards it has shadows on) are on
+/// its lease: listed in name order, a mark put twice is one, and they end
+/// with the lease; a mark for a session gone is `LeaseGone`, nothing written.
+pub async fn a_sessions_shadow_marks_end_with_its_lease(log: &dyn LockLog) -> anyhow::Result<()> {
+    let (identity, id, other) = ("spiffe://contract/shadows", lease(41, 0), lease(41, 1));
+    open(log, id, identity).await?;
+    open(log, other, identity).await?;
+    ensure!(log.shadow_marks(id).await?.value.is_empty());
+    log.mark_shadow(id, "s2").await?;
+    log.mark_shadow(id, "s1").await?;
+    log.mark_shadow(id, "s1").await?;
+    log.mark_shadow(other, "s3").await?;
+    let marks = log.shadow_marks(id).await?.value;
+    ensure!(marks == ["s1", "s2"], "the marks of one session: {marks:?}");
+    log.revoke(id).await?;
+    ensure!(
+        log.shadow_marks(id).await?.value.is_empty(),
+        "the marks outlived their lease"
+    );
+    ensure!(log.shadow_marks(other).await?.value == ["s3"]);
+    let before = revision(log).await?;
+    match log.mark_shadow(id, "s4").await {
+        Err(StoreError::LeaseGone { lease }) => ensure!(lease == id, "LeaseGone names {lease:x}"),
+        other => bail!("a mark for a session gone: {other:?}"),
+    }
+    unchanged(log, before, "a mark for a session gone").await?;
+    revoke_all(log, &[other]).await?;
     Ok(())
 }
 

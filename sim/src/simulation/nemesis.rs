@@ -791,24 +791,33 @@ async fn restore(
 
     // The lock cluster's advance: with shards, it ends the holds of the
     // keys homed there only (one advance per key, scoped to it).
+    // A key that moved to another shard while the advance ran is judged
+    // as if it had not ended its holds (a failed advance frees nothing):
+    // strict, so no double grant on its new shard is excused.
     let now = Instant::now();
     let advances: Vec<_> = world
         .advance_scopes()
-        .iter()
+        .into_iter()
         .map(|scope| {
-            world.invoke(
+            let op = world.invoke(
                 "nemesis",
                 Function::Advance,
                 scope.as_deref(),
                 None,
                 None,
                 now,
-            )
+            );
+            (op, scope)
         })
         .collect();
     let detail = advance(world, rng).await;
-    for adv in advances {
-        world.complete(adv, Outcome::Ok, None, None, Some(detail.clone()));
+    let still = world.advance_scopes();
+    for (adv, scope) in advances {
+        let outcome = match still.contains(&scope) {
+            true => Outcome::Ok,
+            false => Outcome::Fail,
+        };
+        world.complete(adv, outcome, None, None, Some(detail.clone()));
     }
     {
         let mut live = lock(&world.liveness);

@@ -123,6 +123,9 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
         let Some(epoch) = table.seal().guard().state().map(|s| s.epoch()) else {
             continue;
         };
+        // The lock cluster's epoch as this arbiter knows it (the key's,
+        // without shards): what the revocation packs the holds there with.
+        let home_epoch = arbiter.table.seal().guard().state().map(|s| s.epoch());
         let log: Arc<dyn LockLog> = world.idlog_of(&key).clone();
         let read = tokio::select! {
             biased;
@@ -218,7 +221,7 @@ pub(crate) async fn operators(world: Arc<World>, mut rng: Rng) {
             {
                 session = now.lease;
             }
-            revoke_session(world, &ender, lease, session, epoch, &key, &process).await;
+            revoke_session(world, &ender, lease, session, home_epoch, &key, &process).await;
         }
     }
 }
@@ -239,7 +242,7 @@ async fn revoke_session(
     ender: &Arbiter,
     approved: i64,
     session: i64,
-    epoch: u32,
+    home_epoch: Option<u32>,
     key: &str,
     process: &str,
 ) {
@@ -248,7 +251,7 @@ async fn revoke_session(
         // The lock cluster's holds at the epoch the operator saw; another
         // shard's at its own (the nemesis never advances one).
         let epoch = match n {
-            0 => Some(epoch),
+            0 => home_epoch,
             _ => world.shards.get(n - 1).and_then(|s| s.epoch()),
         };
         let Some(epoch) = epoch else { continue };

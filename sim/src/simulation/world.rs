@@ -199,6 +199,9 @@ pub(crate) struct World {
     pub(crate) shard_maps: Option<Arc<MemShardMaps>>,
     /// Shard moves that finished.
     pub(crate) shard_moves: Mutex<usize>,
+    /// Grants answered with shards, and of them those on a shard other
+    /// than the lock cluster (by the map when they were answered).
+    pub(crate) shard_grants: Mutex<(usize, usize)>,
     pub(crate) hook_host: Arc<HookHost>,
 }
 
@@ -282,6 +285,7 @@ impl World {
             shards,
             shard_maps,
             shard_moves: Mutex::new(0),
+            shard_grants: Mutex::new((0, 0)),
         }
     }
 
@@ -300,21 +304,6 @@ impl World {
 
     pub(crate) fn ops_recorded(&self) -> usize {
         lock(&self.recorder).ops.len()
-    }
-
-    /// The keys of every acquire answered with a grant so far.
-    pub(crate) fn granted_keys(&self) -> Vec<String> {
-        lock(&self.recorder)
-            .ops
-            .iter()
-            .filter(|o| {
-                o.f == latchkey_checker::Function::Acquire
-                    && o.completion
-                        .as_ref()
-                        .is_some_and(|c| c.outcome == Outcome::Ok)
-            })
-            .filter_map(|o| o.key.clone())
-            .collect()
     }
 
     pub(crate) fn take_ops(&self) -> Vec<Operation> {
@@ -385,6 +374,16 @@ impl World {
             let mut live = lock(&self.liveness);
             live.last_grant = Some(Instant::now());
             live.tried_since = false;
+            // Where it was granted, by the map as it is now.
+            if let Some(map) = self.shard_maps.as_ref().and_then(|m| m.current())
+                && let Some(key) = &o.key
+            {
+                let mut shards = lock(&self.shard_grants);
+                shards.0 += 1;
+                if map.home(key).name != HOME_SHARD {
+                    shards.1 += 1;
+                }
+            }
         }
         o.completion = Some(Completion {
             outcome,
