@@ -131,6 +131,7 @@
 //! `LATCHKEY_SIM_TRACE=<file>` writes every log call of a run (simulated
 //! time, revision, call) for debugging a seed.
 
+mod clusters;
 mod config;
 pub(crate) mod elections;
 mod fences;

@@ -17,11 +17,12 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::clusters::{HOME_SHARD, shard_endpoint};
 use super::idlog::IdLog;
 use super::nemesis::{done, fault, pause};
 use super::policies::OPERATOR;
 use super::worker::calls::request;
-use super::world::{HOME_SHARD, World, shard_endpoint};
+use super::world::World;
 use crate::memlog::MemLog;
 use crate::rng::Rng;
 
