@@ -644,7 +644,7 @@ impl Incarnation<'_> {
     /// A write through the fenced resource, taking a little time each way.
     /// With the whole arbiter, a write before the fence deadline (every
     /// write the worker makes) is judged against the log's leases: the
-    /// session's must still be there.
+    /// session's must still be there, and its shadow's on the key's shard.
     async fn write(&mut self, key: &str, token: u64, believed: Option<(i64, Instant)>) {
         // `believed`: the session and when it was opened, if the worker
         // writes believing it alive. A restore since then may have taken a
@@ -654,10 +654,20 @@ impl Incarnation<'_> {
                 .last_restore
                 .is_some_and(|r| r >= opened)
         };
+        // A key on another shard is held on the session's shadow there,
+        // whose lease no restore of the lock cluster takes back: judged
+        // unless the session itself went with a restore (its shadows are
+        // then ended as the session's are).
+        let log = self.world.idlog_of_grant(key, token);
+        let on_shadow = !Arc::ptr_eq(log, &self.world.idlog);
+        let judged = |id: i64, opened: Instant| match on_shadow {
+            true => !restored_since(opened) || self.world.idlog.lease_alive(id),
+            false => !restored_since(opened),
+        };
         if self.world.cfg.whole_arbiter
             && let Some((id, opened)) = believed
-            && !restored_since(opened)
-            && !self.world.idlog.lease_alive(id)
+            && judged(id, opened)
+            && !log.lease_alive(id)
         {
             let ms = self.world.ms(Instant::now());
             lock(&self.world.memory).deadline_outlived_lease(&self.process, id, key, ms);

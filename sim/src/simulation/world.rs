@@ -199,6 +199,9 @@ pub(crate) struct World {
     /// Grants answered with shards, and of them those on a shard other
     /// than the lock cluster (by the map when they were answered).
     pub(crate) shard_grants: Mutex<(usize, usize)>,
+    /// With shards, the shard each grant answered with a token was made on
+    /// (by the map when it was answered), by (key, token).
+    granted_on: Mutex<BTreeMap<(String, u64), String>>,
     pub(crate) hook_host: Arc<HookHost>,
 }
 
@@ -283,6 +286,7 @@ impl World {
             shard_maps,
             shard_moves: Mutex::new(0),
             shard_grants: Mutex::new((0, 0)),
+            granted_on: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -375,10 +379,14 @@ impl World {
             if let Some(map) = self.shard_maps.as_ref().and_then(|m| m.current())
                 && let Some(key) = &o.key
             {
+                let shard = map.home(key).name.clone();
                 let mut shards = lock(&self.shard_grants);
                 shards.0 += 1;
-                if map.home(key).name != HOME_SHARD {
+                if shard != HOME_SHARD {
                     shards.1 += 1;
+                }
+                if let Some(token) = token {
+                    lock(&self.granted_on).insert((key.clone(), token), shard);
                 }
             }
         }
@@ -649,6 +657,23 @@ impl World {
                 .filter(|k| map.home(k).name == HOME_SHARD)
                 .map(Some)
                 .collect(),
+        }
+    }
+
+    /// The log the grant of `key` answered with `token` was made on: the
+    /// shard it was homed on then (a move since may have homed its range
+    /// elsewhere; the hold stayed where it was made).
+    pub(crate) fn idlog_of_grant(&self, key: &str, token: u64) -> &Arc<IdLog> {
+        let shard = lock(&self.granted_on)
+            .get(&(key.to_string(), token))
+            .cloned();
+        match shard {
+            Some(name) => self
+                .shards
+                .iter()
+                .find(|s| s.name == name)
+                .map_or(&self.idlog, |s| &s.idlog),
+            None => self.idlog_of(key),
         }
     }
 
