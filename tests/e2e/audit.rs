@@ -786,7 +786,7 @@ async fn a_force_release_that_revokes_the_session_reads_as_a_revocation() -> any
         .etcd
         .client()
         .await?
-        .get(format!("/latchkey/sys/revoked/{session:016x}"), None)
+        .get(layout().revoked_session(session), None)
         .await?;
     let kv = marker.kvs().first().context("no sys/revoked marker")?;
     ensure!(kv.lease() != 0 && kv.lease() != session, "{kv:?}");

@@ -225,7 +225,7 @@ async fn two_operators_force_release_a_hold_and_the_holder_is_fenced_at_once() -
     // the force record: JSON for the audit tailer, on a 24 h lease
     let mut etcd = w.s.etcd.client().await?;
     let got = etcd
-        .get(format!("/latchkey/sys/force/{}", req.request_id), None)
+        .get(crate::support::layout().force_record(&req.request_id), None)
         .await?;
     let kv = got.kvs().first().context("no force record")?;
     let record: serde_json::Value = serde_json::from_slice(kv.value())?;
@@ -251,7 +251,10 @@ async fn two_operators_force_release_a_hold_and_the_holder_is_fenced_at_once() -
         "no ID token in the record"
     );
     let pending = etcd
-        .get(format!("/latchkey/sys/force-req/{}", req.request_id), None)
+        .get(
+            crate::support::layout().force_request(&req.request_id),
+            None,
+        )
         .await?;
     assert!(
         pending.kvs().is_empty(),
@@ -306,7 +309,7 @@ async fn revoke_session_ends_every_hold_of_the_holders_session() -> anyhow::Resu
         w.s.etcd
             .client()
             .await?
-            .get(format!("/latchkey/sys/force/{}", req.request_id), None)
+            .get(crate::support::layout().force_record(&req.request_id), None)
             .await?;
     let kv = record.kvs().first().context("no force record")?;
     let record: serde_json::Value = serde_json::from_slice(kv.value())?;
@@ -900,7 +903,8 @@ async fn the_force_release_role_deletes_holds_and_cannot_write_a_grant() -> anyh
     let held = alice.lock("demo/fr-role", FENCED).acquire(|_| {}).await?;
     let session = held.session_id();
     let mut f = force_client(&w.s.etcd).await?;
-    f.put("/latchkey/sys/force/probe", "{}", None).await?;
+    f.put(crate::support::layout().force_record("probe"), "{}", None)
+        .await?;
     f.delete("/latchkey/l/demo/fr-role", None).await?;
     assert!(!w.held("demo/fr-role").await?);
     // ...and cannot write a grant: a holder record on a session's lease
@@ -915,21 +919,25 @@ async fn the_force_release_role_deletes_holds_and_cannot_write_a_grant() -> anyh
     let grant = Txn::new()
         .when(vec![
             Compare::version("/latchkey/l/demo/forged", CompareOp::Equal, 0),
-            Compare::version(format!("/latchkey/s/{session:016x}"), CompareOp::Greater, 0),
-            Compare::version("/latchkey/sys/epoch", CompareOp::Greater, 0),
+            Compare::version(
+                crate::support::layout().session(session),
+                CompareOp::Greater,
+                0,
+            ),
+            Compare::version(crate::support::layout().epoch(), CompareOp::Greater, 0),
         ])
         .and_then(vec![TxnOp::put("/latchkey/l/demo/forged", "{}", on_lease)]);
     assert!(permission_denied(f.txn(grant).await));
     // nor touch sessions, the epoch or the seal
     assert!(permission_denied(
-        f.put(format!("/latchkey/s/{session:016x}"), "x", None)
+        f.put(crate::support::layout().session(session), "x", None)
             .await
     ));
     assert!(permission_denied(
-        f.put("/latchkey/sys/epoch", "x", None).await
+        f.put(crate::support::layout().epoch(), "x", None).await
     ));
     assert!(permission_denied(
-        f.put("/latchkey/sys/seal", "x", None).await
+        f.put(crate::support::layout().seal(), "x", None).await
     ));
     assert!(permission_denied(f.lease_client().revoke(session).await));
     assert!(!w.held("demo/forged").await?);
@@ -1272,7 +1280,7 @@ async fn latchctl_shows_a_stored_reason_with_its_control_characters_escaped() ->
     };
     etcd.clone()
         .put(
-            format!("/latchkey/sys/force-req/{id}"),
+            crate::support::layout().force_request(id),
             serde_json::to_vec(&raw)?,
             None,
         )

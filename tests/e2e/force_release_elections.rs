@@ -325,7 +325,7 @@ async fn two_operators_force_release_a_leadership_and_the_next_candidate_leads()
     // The force record says it was an election and its term; no token.
     let mut etcd = w.s.etcd.client().await?;
     let got = etcd
-        .get(format!("/latchkey/sys/force/{}", req.request_id), None)
+        .get(crate::support::layout().force_record(&req.request_id), None)
         .await?;
     let kv = got.kvs().first().context("no force record")?;
     let record: serde_json::Value = serde_json::from_slice(kv.value())?;
@@ -340,7 +340,7 @@ async fn two_operators_force_release_a_leadership_and_the_next_candidate_leads()
     ensure!(!text.contains(&a) && !text.contains(&b), "an ID token");
     let pending = etcd
         .get(
-            format!("/latchkey/sys/force-req/{}", req.request_id),
+            crate::support::layout().force_request(&req.request_id),
             Some(latchkey_etcd::kv::GetOptions::new().with_prefix()),
         )
         .await?;
