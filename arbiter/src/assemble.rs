@@ -123,7 +123,6 @@ pub async fn arbiter(
         let follow = routing.follow();
         tiers = tiers.with_shards(routing, follow);
     }
-    let tiers = tiers;
     let metrics = {
         let table = c.table.clone();
         let quorum = c.quorum.clone();

@@ -167,13 +167,10 @@ mod tests {
             source: Some(Box::new(io)),
         };
         let err = ArbiterError::from(store);
-        let mut chain = Vec::new();
-        let mut next = std::error::Error::source(&err);
-        while let Some(e) = next {
-            chain.push(e.to_string());
-            next = e.source();
-        }
-        assert_eq!(chain, ["the grant transaction", "reset by peer"]);
+        assert_eq!(
+            crate::error::source_chain(&err),
+            "the grant transaction: reset by peer"
+        );
         // The message a person reads is what it was.
         assert!(err.to_string().contains("the grant transaction"), "{err}");
     }

@@ -145,11 +145,7 @@ impl latchkey_arbiter::shards::routing::Connect for SimConnect {
         Box::pin(async move {
             let unreachable = |what: String| {
                 Box::new(latchkey_arbiter::RunError::Store(
-                    StoreError::Unavailable {
-                        context: what,
-                        source: None,
-                    }
-                    .into(),
+                    StoreError::unavailable(what).into(),
                 ))
             };
             let Some((kit, witness)) = kit else {

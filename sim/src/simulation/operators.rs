@@ -308,10 +308,7 @@ async fn revoke_session(
         match &ender.service {
             Some(service) => match service.revoke_approved_session(&record).await {
                 Ok(revoked) => revoked,
-                Err(e) => Err(StoreError::Unavailable {
-                    context: e.to_string(),
-                    source: None,
-                }),
+                Err(e) => Err(StoreError::unavailable(e.to_string())),
             },
             None => ender.table.log().revoke_session(txn).await,
         }

@@ -63,19 +63,29 @@ impl MemShardMaps {
         }
     }
 
+    /// Writes `map` as the next revision and sends it to every follower.
+    fn put(&self, state: &mut (Option<ShardMap>, i64), map: ShardMap) {
+        *state = (Some(map.clone()), state.1 + 1);
+        self.published.send_replace(Some(map));
+    }
+
     /// The map as it is now.
     pub(crate) fn current(&self) -> Option<ShardMap> {
         self.state.lock().0.clone()
     }
 }
 
-/// The first map: the lock cluster and `others`, weight 1 each.
-pub(crate) fn first_map(others: &[&ShardLog]) -> ShardMap {
-    let shard = |name: &str| Shard {
+/// Shard `name` as a map names it: its endpoint, weight 1.
+fn shard(name: &str) -> Shard {
+    Shard {
         name: name.to_string(),
         endpoints: vec![shard_endpoint(name)],
         weight: 1,
-    };
+    }
+}
+
+/// The first map: the lock cluster and `others`.
+pub(crate) fn first_map(others: &[&ShardLog]) -> ShardMap {
     ShardMap {
         version: 1,
         shards: std::iter::once(shard(HOME_SHARD))
@@ -114,8 +124,7 @@ impl ShardMaps for MemShardMaps {
                 current: state.0.as_ref().map_or(0, |m| m.version),
             });
         }
-        *state = (Some(next.clone()), state.1 + 1);
-        self.published.send_replace(Some(next.clone()));
+        self.put(&mut state, next.clone());
         Ok(())
     }
 
@@ -270,12 +279,7 @@ fn publish_with(maps: &MemShardMaps, name: &str) -> bool {
         moving: None,
         ..map
     };
-    next.shards.push(Shard {
-        name: name.to_string(),
-        endpoints: vec![shard_endpoint(name)],
-        weight: 1,
-    });
-    *state = (Some(next.clone()), state.1 + 1);
-    maps.published.send_replace(Some(next));
+    next.shards.push(shard(name));
+    maps.put(&mut state, next);
     true
 }

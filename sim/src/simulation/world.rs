@@ -508,7 +508,7 @@ impl World {
                 batch_limit: self.cfg.batch_limit,
                 batches_in_flight: latchkey_arbiter::table::DEFAULT_BATCHES_IN_FLIGHT,
                 session_tag: 0,
-                map_version,
+                map_version: map_version.clone(),
             },
         );
         // An arbiter that cannot read the epoch record does not serve: it
@@ -526,7 +526,7 @@ impl World {
             }
         }
         let service = match self.cfg.whole_arbiter {
-            true => self.whole(i, &table, &state_dir, seed).await,
+            true => self.whole(i, &table, &state_dir, map_version, seed).await,
             false => None,
         };
         let mut slot = lock(slot);
@@ -546,6 +546,7 @@ impl World {
         i: usize,
         table: &Arc<LockTable>,
         state_dir: &std::path::Path,
+        map_version: MapVersion,
         seed: u64,
     ) -> Option<(Arc<Service>, Arc<OwnerHandle>)> {
         let Some(policies) = self.policies.clone() else {
@@ -560,11 +561,6 @@ impl World {
                 return None;
             }
         };
-        let map_version = self
-            .arbiters
-            .get(i)
-            .map(|slot| lock(slot).map_version.clone())
-            .unwrap_or_default();
         let shards = self.shard_maps.as_ref().map(|maps| ShardParts {
             home_name: HOME_SHARD.into(),
             home_endpoints: vec![shard_endpoint(HOME_SHARD)],
@@ -641,7 +637,14 @@ impl World {
             .as_ref()
             .and_then(|maps| maps.current())
             .map(|map| map.home(key).name.clone());
-        home.and_then(|name| self.shards.iter().find(|s| s.name == name))
+        self.idlog_named(home.as_deref())
+    }
+
+    /// The log of the shard named `shard` (the lock cluster's for its own
+    /// name, or none).
+    fn idlog_named(&self, shard: Option<&str>) -> &Arc<IdLog> {
+        shard
+            .and_then(|name| self.shards.iter().find(|s| s.name == name))
             .map_or(&self.idlog, |s| &s.idlog)
     }
 
@@ -668,11 +671,7 @@ impl World {
             .get(&(key.to_string(), token))
             .cloned();
         match shard {
-            Some(name) => self
-                .shards
-                .iter()
-                .find(|s| s.name == name)
-                .map_or(&self.idlog, |s| &s.idlog),
+            Some(name) => self.idlog_named(Some(&name)),
             None => self.idlog_of(key),
         }
     }
