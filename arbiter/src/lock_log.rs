@@ -57,6 +57,35 @@ pub struct Kv {
     pub lease: i64,
 }
 
+/// A session's shadow marks on the lock cluster (ADR-09) and the
+/// revisions that say whether a restore may have taken some back.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ShadowMarks {
+    /// The shards marked, in name order.
+    pub shards: Vec<String>,
+    /// Since when the marks are known to be complete: the newer of the
+    /// session record's creation and the marks' last vouch (0: neither).
+    pub since: i64,
+    /// The epoch record's last write (0: none). Every restore of the lock
+    /// cluster is followed by an epoch advance, which writes it at a
+    /// revision above everything the restore put back.
+    pub epoch_at: i64,
+    /// The lock cluster is sealed (an arbiter noticed a restore, or
+    /// another reason): until the advance, marks are not to be trusted.
+    pub sealed: bool,
+}
+
+impl ShadowMarks {
+    /// Whether the marks name every shard the session has a shadow on:
+    /// the session opened, or its marks were vouched for, after the last
+    /// epoch advance, and no seal waits for the next one. A session the
+    /// lock cluster got back from a snapshot may have marked shards after
+    /// the snapshot was taken.
+    pub fn complete(&self) -> bool {
+        !self.sealed && self.since > self.epoch_at
+    }
+}
+
 /// The epoch record and the seal record, read together.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Records {
@@ -723,8 +752,18 @@ pub trait SessionLog: Send + Sync + 'static {
     /// Logs that never serve shards keep no marks and answer
     /// [`fallback::no_shadow_marks`].
     async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()>;
-    /// The shards `session` has marked shadows on, in name order.
-    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>>;
+    /// The shards `session` has marked shadows on, in name order, read in
+    /// one revision with what says whether they are all its shadows
+    /// ([`ShadowMarks::complete`]).
+    async fn shadow_marks(&self, session: i64) -> LogResult<ShadowMarks>;
+    /// Vouches that `session`'s marks name every shard it has a shadow on
+    /// (the caller found each and marked it after reading the marks): a
+    /// key beside the marks, on the session's lease, written only if the
+    /// epoch record is still as the read saw it (`epoch_at`, 0: absent)
+    /// and there is no seal; whether it was ([`StoreError::LeaseGone`] if
+    /// the session expired). An advance after the read (a restore may have
+    /// taken a mark back since) leaves the marks unvouched.
+    async fn vouch_shadows(&self, session: i64, epoch_at: i64) -> LogResult<bool>;
     /// How many sessions are counted against grant subject `identity` (the
     /// `counted_as` of [`Self::put_session`]).
     async fn count_sessions_of(&self, identity: &str) -> LogResult<u32>;

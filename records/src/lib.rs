@@ -234,6 +234,8 @@ pub mod keys {
     pub const SESSION_INDEX: &str = "si/";
     /// Shadow marks (`sh/<session:016x>/<shard>`).
     pub const SHADOW_MARKS: &str = "sh/";
+    /// The vouch's name under a session's shadow marks.
+    pub const SHADOW_VOUCH: &str = "#all";
     /// Holds (`l/<key>`).
     pub const HOLDERS: &str = "l/";
     /// Claims (`c/<key>//<revision:016x>`).
@@ -312,9 +314,18 @@ impl Layout {
     pub fn shadow_mark(&self, session: i64, shard: &str) -> String {
         format!("{}{shard}", self.shadow_marks(session))
     }
-    /// Every shadow mark of `session`.
+    /// Every shadow mark of `session` (and its vouch, [`Self::shadow_vouch`]).
     pub fn shadow_marks(&self, session: i64) -> String {
         format!("{}{}{session:016x}/", self.root, keys::SHADOW_MARKS)
+    }
+    /// Beside `session`'s shadow marks, on its lease: written after a
+    /// renewal found every shadow the session has on any shard and marked
+    /// it. Its revision says since when the marks are known complete (a
+    /// restore of the lock cluster may take marks back; the epoch advance
+    /// after it is newer than any vouch it restored). `#` is in no shard
+    /// name, so it is never read as a mark.
+    pub fn shadow_vouch(&self, session: i64) -> String {
+        format!("{}{}", self.shadow_marks(session), keys::SHADOW_VOUCH)
     }
     /// One open session of `identity` (hex, so no identity is a prefix of
     /// another's entries).
@@ -899,6 +910,7 @@ mod tests {
             ("sessions", l.sessions()),
             ("shadow_mark", l.shadow_mark(0x1f, "shard-1")),
             ("shadow_marks", l.shadow_marks(0x1f)),
+            ("shadow_vouch", l.shadow_vouch(0x1f)),
             ("identity_session", l.identity_session(subject, 0x1f)),
             ("identity_sessions", l.identity_sessions(subject)),
             ("session_index", l.session_index()),
@@ -968,6 +980,7 @@ mod tests {
         let spelled: Vec<(&str, &str)> = vec![
             ("session", "s/000000000000001f"),
             ("shadow_mark", "sh/000000000000001f/shard-1"),
+            ("shadow_vouch", "sh/000000000000001f/#all"),
             (
                 "identity_session",
                 "si/7370696666653a2f2f74642f612f2a/000000000000001f",

@@ -53,9 +53,9 @@ use async_trait::async_trait;
 use latchkey_arbiter::lock_log::{
     Answer, Counted, DurableQueueLog, EpochLog, FollowLog, Header, KeyWatch, Kv, LogResult,
     PrefixWatch, Queued, Records, Renewal, RevokeSessionTxn, SessionLog, SessionRevoked,
-    StoreError, fallback,
+    ShadowMarks, StoreError, fallback,
 };
-use latchkey_records::{Layout, decode_map_fence, encode_map_fence};
+use latchkey_records::{Layout, decode_map_fence, encode_map_fence, keys};
 use tokio::time::{Duration, Instant};
 
 use crate::rng::Rng;
@@ -747,16 +747,48 @@ impl SessionLog for MemLog {
         .await
     }
 
-    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
+    async fn shadow_marks(&self, session: i64) -> LogResult<ShadowMarks> {
         let prefix = LAYOUT.shadow_marks(session);
+        let record = LAYOUT.session(session);
         self.call("shadow marks", |inner, _| {
-            let shards = inner
-                .store
-                .range(&prefix)
-                .filter_map(|(k, _)| k.strip_prefix(prefix.as_str()))
-                .map(str::to_string)
-                .collect();
-            inner.answer(shards)
+            let mut marks = ShadowMarks::default();
+            for (key, stored) in inner.store.range(&prefix) {
+                let Some(name) = key.strip_prefix(prefix.as_str()) else {
+                    continue;
+                };
+                match name == keys::SHADOW_VOUCH {
+                    true => marks.since = marks.since.max(stored.kv().mod_revision),
+                    false => marks.shards.push(name.to_string()),
+                }
+            }
+            if let Some(kv) = kv_of(&inner.store, &record) {
+                marks.since = marks.since.max(kv.create_revision);
+            }
+            marks.epoch_at = kv_of(&inner.store, &LAYOUT.epoch()).map_or(0, |kv| kv.mod_revision);
+            marks.sealed = kv_of(&inner.store, &LAYOUT.seal()).is_some();
+            inner.answer(marks)
+        })
+        .await
+    }
+
+    /// On the session's lease, as etcd: a session gone answers
+    /// [`StoreError::LeaseGone`] (when the compares hold).
+    async fn vouch_shadows(&self, session: i64, epoch_at: i64) -> LogResult<bool> {
+        let vouch = LAYOUT.shadow_vouch(session);
+        self.call("vouch shadows", |inner, _| {
+            let unchanged = match epoch_at {
+                0 => Compare::CreateRevision(LAYOUT.epoch(), 0),
+                at => Compare::ModRevision(LAYOUT.epoch(), at),
+            };
+            let unsealed = Compare::CreateRevision(LAYOUT.seal(), 0);
+            let holds = inner.store.all(&[unchanged, unsealed]);
+            if holds {
+                commit(
+                    &mut inner.store,
+                    vec![put(vouch.clone(), Vec::new(), session)],
+                )?;
+            }
+            inner.answer(holds)
         })
         .await
     }

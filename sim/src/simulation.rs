@@ -546,7 +546,10 @@ async fn simulate(cfg: SimConfig) -> Outcome {
     let watches = Arc::new(ordered::Dispatch::default());
     tokio::spawn(watches.clone().run());
     let trace = std::env::var_os("LATCHKEY_SIM_TRACE");
-    let idlog = Arc::new(idlog::IdLog::new(memlog.clone(), watches, trace.is_some()));
+    let idlog = Arc::new(
+        idlog::IdLog::new(memlog.clone(), watches, trace.is_some())
+            .with_marks_trusted(cfg.faults.shadow_marks_trusted),
+    );
     // The coord cluster, when there is one: seeded from the run's seed, not
     // from `rng`, so a run without it draws what it always drew.
     let memwitness = cfg
@@ -665,8 +668,19 @@ async fn simulate(cfg: SimConfig) -> Outcome {
     let simulated = Instant::now() - world.start;
     world.stop_arbiters().await;
     if let Some(path) = trace {
-        let lines = idlog.take_trace().join("\n");
-        if let Err(e) = std::fs::write(&path, lines) {
+        // The lock cluster's calls, then each shard's (`[name]` before each).
+        let mut lines = idlog.take_trace();
+        for shard in &world.shards {
+            let name = &shard.name;
+            lines.extend(
+                shard
+                    .idlog
+                    .take_trace()
+                    .into_iter()
+                    .map(|l| format!("[{name}] {l}")),
+            );
+        }
+        if let Err(e) = std::fs::write(&path, lines.join("\n")) {
             world.note(format!(
                 "could not write the trace to {}: {e}",
                 path.to_string_lossy()

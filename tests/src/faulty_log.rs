@@ -36,7 +36,7 @@ use latchkey_arbiter::lock_log::{
     BatchOp, BatchOutcome, Claimed, Counted, DowngradeTxn, DurableQueueLog, EpochLog, FollowLog,
     ForceEndTxn, ForceEnded, GrantTxn, Granted, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv,
     LockLog, LogResult, PrefixWatch, Queued, Records, ReleaseTxn, ReleasedIf, Renewal,
-    RevokeSessionTxn, SessionLog, SessionRevoked, StoreError, WatchSignal,
+    RevokeSessionTxn, SessionLog, SessionRevoked, ShadowMarks, StoreError, WatchSignal,
 };
 use tracing::debug;
 
@@ -687,8 +687,12 @@ impl SessionLog for FaultyLog {
         self.inner.mark_shadow(session, shard).await
     }
 
-    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
+    async fn shadow_marks(&self, session: i64) -> LogResult<ShadowMarks> {
         self.inner.shadow_marks(session).await
+    }
+
+    async fn vouch_shadows(&self, session: i64, epoch_at: i64) -> LogResult<bool> {
+        self.inner.vouch_shadows(session, epoch_at).await
     }
 
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {

@@ -277,6 +277,17 @@ async fn seal_at(log: &dyn LockLog) -> anyhow::Result<Option<i64>> {
     Ok(log.records().await?.value.seal.map(|s| s.mod_revision))
 }
 
+/// The epoch record's mod revision.
+async fn records_epoch_at(log: &dyn LockLog) -> anyhow::Result<i64> {
+    Ok(log
+        .records()
+        .await?
+        .value
+        .epoch
+        .context("no epoch record")?
+        .mod_revision)
+}
+
 /// Lifts the seal by an advance to a new record; the new epoch bytes.
 async fn lift_seal(log: &dyn LockLog, case: &str) -> anyhow::Result<Vec<u8>> {
     let records = log.records().await?.value;
@@ -1032,29 +1043,93 @@ pub async fn sessions_and_their_count(log: &dyn LockLog) -> anyhow::Result<()> {
 /// A session's shadow marks (ADR-09: the shards it has shadows on) are on
 /// its lease: listed in name order, a mark put twice is one, and they end
 /// with the lease; a mark for a session gone is `LeaseGone`, nothing written.
+/// They are complete while the session opened, or they were vouched for,
+/// after the epoch record's last write: an advance (every restore of the
+/// lock cluster is followed by one) makes them incomplete until a vouch;
+/// the vouch is on the lease too and is never read as a mark.
 pub async fn a_sessions_shadow_marks_end_with_its_lease(log: &dyn LockLog) -> anyhow::Result<()> {
     let (identity, id, other) = ("spiffe://contract/shadows", lease(41, 0), lease(41, 1));
+    epoch(log).await?;
     open(log, id, identity).await?;
     open(log, other, identity).await?;
-    ensure!(log.shadow_marks(id).await?.value.is_empty());
+    let fresh = log.shadow_marks(id).await?.value;
+    ensure!(fresh.shards.is_empty(), "{fresh:?}");
+    ensure!(
+        fresh.complete(),
+        "a session opened after the advance: {fresh:?}"
+    );
     log.mark_shadow(id, "s2").await?;
     log.mark_shadow(id, "s1").await?;
     log.mark_shadow(id, "s1").await?;
     log.mark_shadow(other, "s3").await?;
     let marks = log.shadow_marks(id).await?.value;
-    ensure!(marks == ["s1", "s2"], "the marks of one session: {marks:?}");
-    log.revoke(id).await?;
     ensure!(
-        log.shadow_marks(id).await?.value.is_empty(),
-        "the marks outlived their lease"
+        marks.shards == ["s1", "s2"],
+        "the marks of one session: {marks:?}"
     );
-    ensure!(log.shadow_marks(other).await?.value == ["s3"]);
+    ensure!(marks.complete());
+
+    // An advance: every session opened before it has marks a restore may
+    // have taken back, until they are vouched for.
+    let before_advance = log.shadow_marks(id).await?.value;
+    lift_seal(log, "the shadow marks").await?;
+    let after = log.shadow_marks(id).await?.value;
+    ensure!(!after.complete(), "marks from before an advance: {after:?}");
+    ensure!(after.shards == ["s1", "s2"], "{after:?}");
+    // A vouch on a read from before the advance does not count.
+    ensure!(
+        !log.vouch_shadows(id, before_advance.epoch_at).await?.value,
+        "a vouch on marks read before an advance"
+    );
+    ensure!(!log.shadow_marks(id).await?.value.complete());
+    ensure!(log.vouch_shadows(id, after.epoch_at).await?.value);
+    ensure!(log.vouch_shadows(id, after.epoch_at).await?.value);
+    let vouched = log.shadow_marks(id).await?.value;
+    ensure!(vouched.complete(), "vouched after the advance: {vouched:?}");
+    ensure!(
+        vouched.shards == ["s1", "s2"],
+        "the vouch read as a mark: {vouched:?}"
+    );
+    ensure!(!log.shadow_marks(other).await?.value.complete());
+
+    // A seal (a restore noticed, the advance to come): not complete, and
+    // no vouch, until the advance; then a vouch again.
+    let epoch_at = records_epoch_at(log).await?;
+    ensure!(
+        log.put_seal(
+            b"contract seal: shadow marks".to_vec(),
+            None,
+            Some(epoch_at)
+        )
+        .await?
+        .value
+    );
+    let sealed = log.shadow_marks(id).await?.value;
+    ensure!(sealed.sealed && !sealed.complete(), "{sealed:?}");
+    ensure!(!log.vouch_shadows(id, sealed.epoch_at).await?.value);
+    lift_seal(log, "the shadow marks' seal").await?;
+    let lifted = log.shadow_marks(id).await?.value;
+    ensure!(!lifted.sealed && !lifted.complete(), "{lifted:?}");
+    ensure!(log.vouch_shadows(id, lifted.epoch_at).await?.value);
+    ensure!(log.shadow_marks(id).await?.value.complete());
+
+    log.revoke(id).await?;
+    let gone = log.shadow_marks(id).await?.value;
+    ensure!(
+        gone.shards.is_empty() && !gone.complete(),
+        "the marks or the vouch outlived their lease: {gone:?}"
+    );
+    ensure!(log.shadow_marks(other).await?.value.shards == ["s3"]);
     let before = revision(log).await?;
     match log.mark_shadow(id, "s4").await {
         Err(StoreError::LeaseGone { lease }) => ensure!(lease == id, "LeaseGone names {lease:x}"),
         other => bail!("a mark for a session gone: {other:?}"),
     }
-    unchanged(log, before, "a mark for a session gone").await?;
+    match log.vouch_shadows(id, records_epoch_at(log).await?).await {
+        Err(StoreError::LeaseGone { lease }) => ensure!(lease == id, "LeaseGone names {lease:x}"),
+        other => bail!("a vouch for a session gone: {other:?}"),
+    }
+    unchanged(log, before, "a mark or a vouch for a session gone").await?;
     revoke_all(log, &[other]).await?;
     Ok(())
 }

@@ -42,7 +42,7 @@ use latchkey_etcd::{Client, Connection, ErrorKind, KeyValue, Login, ResponseHead
 use super::{
     Answer, BatchOp, BatchOutcome, Claimed, DowngradeTxn, ForceEndTxn, ForceEnded, GrantTxn,
     Granted, HandOverTxn, Header, HeldAt, KeyWatch, Kv, LogResult, Queued, Records, ReleaseTxn,
-    ReleasedIf, Renewal, RevokeSessionTxn, SessionRevoked, StoreError,
+    ReleasedIf, Renewal, RevokeSessionTxn, SessionRevoked, ShadowMarks, StoreError,
 };
 use crate::records::Layout;
 /// The etcd client handle the log and its followers connect with.
@@ -329,8 +329,12 @@ impl SessionLog for EtcdLog {
         sessions::mark_shadow(self, session, shard).await
     }
 
-    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
+    async fn shadow_marks(&self, session: i64) -> LogResult<ShadowMarks> {
         sessions::shadow_marks(self, session).await
+    }
+
+    async fn vouch_shadows(&self, session: i64, epoch_at: i64) -> LogResult<bool> {
+        sessions::vouch_shadows(self, session, epoch_at).await
     }
 
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {

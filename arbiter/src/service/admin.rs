@@ -382,7 +382,7 @@ impl Arbiter {
         let home = std::ptr::eq(cluster.as_ref(), self.tiers.entity().as_ref());
         // Read before the revocation: the marks end with the session's lease.
         let marked = match home && self.has_shadows() {
-            true => self.shadow_marks(session).await.ok(),
+            true => self.shadows_to_end(session).await,
             false => Some(Vec::new()),
         };
         let counted_as = cluster

@@ -420,15 +420,17 @@ impl Arbiter {
     /// Renews an entity session and its shadows on the other shards: alive
     /// for the shortest time left among them, each counted from its own
     /// renewal's send (the home lane's memo may answer for the home lease;
-    /// the other shards' lanes have none); gone, with its shadows revoked,
-    /// when the session is.
+    /// the other shards' lanes have none); gone when the session is.
     async fn renew_with_shadows(&self, session: i64) -> Result<Renewal, ArbiterError> {
         let home = &self.tiers.entity().table;
         for _ in 0..2 {
             let renewed = home.renew(session).await?;
             if renewed.ttl_seconds <= 0 {
-                // Its marks went with its lease: every connected shard.
-                self.end_shadows(session, None).await;
+                // Its shadows are left to expire, not revoked: the holder
+                // was told its session lives until the shortest of them
+                // ends, and a lease the lock cluster lost to a restore
+                // (restored to before the session opened) ended before
+                // that. A session that expired had them renewed with it.
                 return Ok(Renewal::Gone);
             }
             let mut left = super::shadow::time_left(&renewed);

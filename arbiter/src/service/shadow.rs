@@ -13,8 +13,21 @@
 //!   cluster's renewals only.
 //! - **At most one TTL longer.** A shadow made just before the session ended
 //!   outlives it by up to its TTL (a liveness cost: its holds are freed when
-//!   it expires). Closing a session, or finding it gone on renewal,
-//!   revokes its shadows.
+//!   it expires). Closing a session, or an operator's revocation of it,
+//!   revokes its shadows; a session a renewal finds gone has them left to
+//!   expire (it may have been lost to a restore of the lock cluster before
+//!   the holder's deadline, which its shadows' last renewal set).
+//! - **Marked, and the marks vouched for.** Renewals find a session's
+//!   shadows by its marks on the lock cluster. A restore of the lock
+//!   cluster may take marks back while their shadows live on, so marks are
+//!   trusted only when the session opened, or its marks were vouched for,
+//!   after the last epoch advance (every restore is followed by one:
+//!   ADR-03), and while no seal waits for the next advance. Otherwise a
+//!   renewal renews the session on every shard the map names, marks each
+//!   that has its shadow, and then vouches, if the epoch record is still
+//!   the one its read saw. A shadow's session record is put on its shard
+//!   only after the shadow is marked again (a first mark a restore took
+//!   back), so no hold is granted on a shadow a vouch could have missed.
 //! - **Owned like the session.** The shadow's record is the session's record,
 //!   byte for byte, so the grant transaction's compare of the session record
 //!   and every ownership check work unchanged; it is made only for the
@@ -23,7 +36,7 @@
 
 use super::Arbiter;
 use crate::error::ArbiterError;
-use crate::lock_log::{Renewal, StoreError};
+use crate::lock_log::{Renewal, ShadowMarks, StoreError};
 use crate::records::{SessionRecord, decode};
 use crate::tiers::Cluster;
 
@@ -62,26 +75,59 @@ impl Arbiter {
             Ok(_) | Err(StoreError::LeaseExists { .. }) => {}
             Err(e) => return Err(e.into()),
         }
+        // Marked again now that the lease exists: a restore of the lock
+        // cluster since the first mark may have taken it back, and a
+        // renewal that found no lease here may have vouched for the marks
+        // since. Only then the record, without which nothing is granted on
+        // the shadow (the grant compares it), and which a later Acquire
+        // takes as the shadow being there.
+        self.mark_found_shadow(session, shard).await?;
         table.log().put_session(session, identity, value).await?;
         Ok(())
     }
 
-    /// Renews `session`'s shadows on the shards it has marked: the shortest
-    /// time left among them, counted from each renewal's send (`None`: no
-    /// shadow anywhere). A marked shard this arbiter is not connected to, or
-    /// cannot renew on, fails the renewal: a shadow there would expire
-    /// unseen. Other shards, down or not, do not matter to this session.
+    /// Renews `session`'s shadows: the shortest time left among them,
+    /// counted from each renewal's send (`None`: no shadow anywhere).
+    ///
+    /// With its marks complete ([`ShadowMarks::complete`]), on the shards
+    /// it has marked only: other shards, down or not, do not matter to this
+    /// session. Otherwise on every shard the map names, marking each that
+    /// has the shadow, then vouching for the marks. A shard to renew on
+    /// that this arbiter is not connected to, or cannot renew on, fails the
+    /// renewal: a shadow there would expire unseen.
     pub(crate) async fn renew_shadows(&self, session: i64) -> Result<Option<i64>, ArbiterError> {
         let Some(shards) = self.tiers.shards() else {
             return Ok(None);
         };
+        let marks = self.shadow_marks(session).await?;
+        let complete = marks.complete();
+        let names = match complete {
+            true => marks.shards.clone(),
+            false => {
+                tracing::debug!(
+                    session,
+                    "shadow marks not vouched for since the last epoch advance: renewing on every shard"
+                );
+                let mut all = shards.other_names();
+                all.extend(marks.shards.iter().cloned());
+                all.sort();
+                all.dedup();
+                all
+            }
+        };
+        let home = &self.tiers.entity().table;
         let mut shortest: Option<i64> = None;
         let asked = std::time::Instant::now();
-        for name in self.shadow_marks(session).await? {
+        for name in names {
             let cluster = shards.cluster(&name).ok_or_else(|| {
-                ArbiterError::store(format!(
-                    "shard {name:?}, where the session has a shadow, is not connected to this arbiter, so the shadow cannot be renewed"
-                ))
+                ArbiterError::store(match complete {
+                    true => format!(
+                        "shard {name:?}, where the session has a shadow, is not connected to this arbiter, so the shadow cannot be renewed"
+                    ),
+                    false => format!(
+                        "shard {name:?} is not connected to this arbiter, and the session's shadow marks are not vouched for since the last epoch advance, so a shadow there could not be renewed"
+                    ),
+                })
             })?;
             let mut r = cluster.table.renew(session).await?;
             if r.ttl_seconds <= 0 && r.sent < asked {
@@ -91,22 +137,61 @@ impl Arbiter {
             }
             // No lease: not made yet (the mark comes first), or gone.
             if r.ttl_seconds > 0 {
+                if !complete && !marks.shards.contains(&name) {
+                    self.mark_found_shadow(session, &name).await?;
+                }
                 let left = time_left(&r);
                 shortest = Some(shortest.map_or(left, |s| s.min(left)));
+            }
+        }
+        // Not while sealed (the advance is to come), and only if the epoch
+        // record is still the one the read saw: an advance since may
+        // follow a restore that took back a mark this pass trusted.
+        if !complete && !marks.sealed {
+            match home.log().vouch_shadows(session, marks.epoch_at).await {
+                Ok(answer) if !answer.value => {
+                    tracing::debug!(
+                        session,
+                        "shadow marks not vouched for: the epoch record changed since they were read"
+                    );
+                }
+                Ok(_) => {}
+                Err(StoreError::LeaseGone { .. }) => {
+                    return Err(ArbiterError::SessionExpired { session });
+                }
+                Err(e) => return Err(e.into()),
             }
         }
         Ok(shortest)
     }
 
-    /// The shards `session` has shadows on, as its marks on the lock
-    /// cluster say (a linearizable read).
-    pub(crate) async fn shadow_marks(&self, session: i64) -> Result<Vec<String>, ArbiterError> {
+    /// Marks `session`'s shadow on `shard` again: a renewal found it
+    /// without a mark, or its Acquire made its lease (a restore of the
+    /// lock cluster may have taken the first mark back).
+    async fn mark_found_shadow(&self, session: i64, shard: &str) -> Result<(), ArbiterError> {
+        let home = &self.tiers.entity().table;
+        match home.log().mark_shadow(session, shard).await {
+            Ok(_) => Ok(()),
+            Err(StoreError::LeaseGone { .. }) => Err(ArbiterError::SessionExpired { session }),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `session`'s marks on the lock cluster (a linearizable read).
+    pub(crate) async fn shadow_marks(&self, session: i64) -> Result<ShadowMarks, ArbiterError> {
         let home = &self.tiers.entity().table;
         let (marks, _) = home
             .seal()
             .checked(home.log().shadow_marks(session))
             .await?;
         Ok(marks)
+    }
+
+    /// The shards whose shadows of `session` to end when it ends: its
+    /// marks if they are complete, else `None` (every connected shard).
+    pub(crate) async fn shadows_to_end(&self, session: i64) -> Option<Vec<String>> {
+        let marks = self.shadow_marks(session).await.ok()?;
+        marks.complete().then_some(marks.shards)
     }
 
     /// Revokes `session`'s shadows on `marked` shards, or on every other

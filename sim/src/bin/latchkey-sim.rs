@@ -6,8 +6,12 @@
 //!                        witnessed|witnessed-three-arbiters|witnessed-state-loss|
 //!                        unwitnessed-state-loss|durable|durable-three-arbiters|
 //!                        fenced|fenced-three-arbiters|forced|forced-three-arbiters|
-//!                        quorum-loss|quorum-loss-three-arbiters|renewal-outages|elections|elections-three-arbiters|quota|quota-three-arbiters]
+//!                        quorum-loss|quorum-loss-three-arbiters|renewal-outages|elections|
+//!                        elections-three-arbiters|quota|quota-three-arbiters|semaphores|
+//!                        semaphores-three-arbiters|shared|shared-three-arbiters|
+//!                        shared-durable|shards|shards-three-arbiters]
 //!              [--ops 10000] [--arbiters 2] [--clients 10] [--keys 8]
+//!              [--long-holds 3] [--bug shadow-marks-trusted|...]
 //!              [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|
 //!                        quorum-loss|none]
 //!              [--witness on|off] [--history out.jsonl]
@@ -29,7 +33,7 @@ use std::time::Instant;
 
 use latchkey_sim::simulation::{FaultKnobs, PRESETS, SimConfig, run};
 
-const USAGE: &str = "usage: latchkey-sim --seed N [--preset default|three-arbiters|one-arbiter|state-loss|witnessed|witnessed-three-arbiters|witnessed-state-loss|unwitnessed-state-loss|durable|durable-three-arbiters|fenced|fenced-three-arbiters|forced|forced-three-arbiters|quorum-loss|quorum-loss-three-arbiters|renewal-outages|elections|elections-three-arbiters|quota|quota-three-arbiters] [--ops M] [--arbiters A] [--clients C] [--keys K] [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|quorum-loss|none] [--witness on|off] [--history out.jsonl]";
+const USAGE: &str = "usage: latchkey-sim --seed N [--preset P] [--ops M] [--arbiters A] [--clients C] [--keys K] [--long-holds PERCENT] [--bug map-fences-unenforced|force-releases-reread|force-revokes-reread|shard-moves-unfenced|shadow-marks-trusted|blind-hold-follower] [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|quorum-loss|none] [--witness on|off] [--history out.jsonl]\n(presets: `--preset list`, or the error for an unknown one)";
 
 struct Args {
     cfg: SimConfig,
@@ -79,6 +83,9 @@ fn parse() -> Result<Args, String> {
             "--arbiters" => cfg.arbiters = count()?.max(1),
             "--clients" => cfg.clients = count()?.max(1),
             "--keys" => cfg.keys = count()?.max(1),
+            "--long-holds" => {
+                cfg.long_hold_percent = u32::try_from(number()?.min(100)).unwrap_or(100);
+            }
             "--faults" => {
                 cfg.faults = match value.as_str() {
                     "all" => FaultKnobs::all(),
@@ -100,6 +107,16 @@ fn parse() -> Result<Args, String> {
                 }
             }
             "--history" => history = Some(PathBuf::from(value)),
+            // The bugs the knob tests put in, to look for seeds that show them.
+            "--bug" => match value.as_str() {
+                "map-fences-unenforced" => cfg.faults.map_fences_unenforced = true,
+                "force-releases-reread" => cfg.faults.force_releases_reread = true,
+                "force-revokes-reread" => cfg.faults.force_revokes_reread = true,
+                "shard-moves-unfenced" => cfg.faults.shard_moves_unfenced = true,
+                "shadow-marks-trusted" => cfg.faults.shadow_marks_trusted = true,
+                "blind-hold-follower" => cfg.faults.blind_hold_follower = true,
+                other => return Err(format!("--bug {other}: not a bug knob\n{USAGE}")),
+            },
             other => return Err(format!("unknown flag {other}\n{USAGE}")),
         }
     }

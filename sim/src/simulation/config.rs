@@ -106,6 +106,13 @@ pub struct FaultKnobs {
     /// with smaller tokens. Its runs must show violations (only to show
     /// that the simulation notices; off in every preset).
     pub shard_moves_unfenced: bool,
+    /// Renewals trust a session's shadow marks after a restore of the lock
+    /// cluster (the marks' read never shows the epoch advance), so a mark
+    /// the restore took back is never made again: the shadow it named
+    /// expires while KeepAlive answers the session alive. Its runs must
+    /// show violations with long holds (only to show that the simulation
+    /// notices; off in every preset).
+    pub shadow_marks_trusted: bool,
     /// Windows in which the lock log loses its majority (every call fails,
     /// no lease expires; on return every lease gets its whole TTL), now and
     /// then with the watch streams broken right before or an arbiter
@@ -154,6 +161,7 @@ impl FaultKnobs {
             force_revokes_reread: false,
             shard_moves: false,
             shard_moves_unfenced: false,
+            shadow_marks_trusted: false,
             quorum_losses: false,
             blind_hold_follower: false,
             renewal_outages: false,
@@ -278,6 +286,7 @@ impl FaultKnobs {
             force_revokes_reread: false,
             shard_moves: false,
             shard_moves_unfenced: false,
+            shadow_marks_trusted: false,
             quorum_losses: false,
             blind_hold_follower: false,
             renewal_outages: false,

@@ -28,7 +28,8 @@ use latchkey_arbiter::lock_log::{
     ElectionRead, EpochLog, FollowEvent, FollowLog, FollowSignal, ForceEndTxn, ForceEnded,
     ForceTermTxn, GrantTxn, Granted, HandOverFrom, HandOverTxn, HeldAt, HoldLog, KeyWatch, Kv,
     LeadFrom, LeadTo, LeadTxn, LogResult, PrefixWatch, ProclaimTxn, Queued, Records, ReleaseTxn,
-    ReleasedIf, Renewal, RevokeSessionTxn, SessionLog, SessionRevoked, StoreError, fallback,
+    ReleasedIf, Renewal, RevokeSessionTxn, SessionLog, SessionRevoked, ShadowMarks, StoreError,
+    fallback,
 };
 
 use latchkey_arbiter::witness::{Witness, Witnessed};
@@ -59,6 +60,9 @@ pub(crate) struct IdLog {
     trace: Option<Mutex<Vec<String>>>,
     start: tokio::time::Instant,
     watches: Arc<Dispatch>,
+    /// [`FaultKnobs::shadow_marks_trusted`](super::FaultKnobs::shadow_marks_trusted):
+    /// the marks' read never shows an epoch advance.
+    marks_trusted: bool,
 }
 
 impl IdLog {
@@ -72,7 +76,17 @@ impl IdLog {
             trace: trace.then(|| Mutex::new(Vec::new())),
             start: tokio::time::Instant::now(),
             watches,
+            marks_trusted: false,
         }
+    }
+
+    /// The bug [`FaultKnobs::shadow_marks_trusted`] puts in: every read of
+    /// a session's shadow marks says they are complete.
+    ///
+    /// [`FaultKnobs::shadow_marks_trusted`]: super::FaultKnobs::shadow_marks_trusted
+    pub(crate) fn with_marks_trusted(mut self, trusted: bool) -> Self {
+        self.marks_trusted = trusted;
+        self
     }
 
     /// Another cluster's log (a shard) with the same ids as `other`: a
@@ -85,6 +99,7 @@ impl IdLog {
             trace: other.trace.as_ref().map(|_| Mutex::new(Vec::new())),
             start: other.start,
             watches: other.watches.clone(),
+            marks_trusted: false,
         }
     }
 
@@ -752,22 +767,38 @@ impl SessionLog for IdLog {
     }
 
     async fn mark_shadow(&self, session: i64, shard: &str) -> LogResult<()> {
+        self.t(|| format!("mark_shadow {} {shard}", self.store_id(session)));
         self.log
             .mark_shadow(self.store_id(session), shard)
             .await
             .map_err(|e| self.error_back(e))
     }
 
-    async fn shadow_marks(&self, session: i64) -> LogResult<Vec<String>> {
-        self.log
+    async fn shadow_marks(&self, session: i64) -> LogResult<ShadowMarks> {
+        self.t(|| format!("shadow_marks {}", self.store_id(session)));
+        let mut answer = self
+            .log
             .shadow_marks(self.store_id(session))
+            .await
+            .map_err(|e| self.error_back(e))?;
+        if self.marks_trusted {
+            answer.value.epoch_at = 0;
+            answer.value.sealed = false;
+        }
+        Ok(answer)
+    }
+
+    async fn vouch_shadows(&self, session: i64, epoch_at: i64) -> LogResult<bool> {
+        self.t(|| format!("vouch_shadows {} at {epoch_at}", self.store_id(session)));
+        self.log
+            .vouch_shadows(self.store_id(session), epoch_at)
             .await
             .map_err(|e| self.error_back(e))
     }
 
     async fn grant_lease(&self, id: i64, ttl_seconds: u32) -> LogResult<()> {
-        self.t(|| "grant_lease".into());
         let mapped = self.grant_id(id);
+        self.t(|| format!("grant_lease {mapped}"));
         self.log
             .grant_lease(mapped, ttl_seconds)
             .await
@@ -807,7 +838,7 @@ impl SessionLog for IdLog {
     }
 
     async fn revoke(&self, lease: i64) -> Result<(), StoreError> {
-        self.t(|| "revoke".into());
+        self.t(|| format!("revoke {}", self.store_id(lease)));
         self.log
             .revoke(self.store_id(lease))
             .await
@@ -816,10 +847,15 @@ impl SessionLog for IdLog {
 
     async fn renew(&self, lease: i64) -> Result<Renewal, StoreError> {
         self.t(|| format!("renew {}", self.store_id(lease)));
-        self.log
+        let answer = self
+            .log
             .renew(self.store_id(lease))
             .await
-            .map_err(|e| self.error_back(e))
+            .map_err(|e| self.error_back(e));
+        if let Ok(r) = &answer {
+            self.t(|| format!("renewed {}: ttl {}", self.store_id(lease), r.ttl_seconds));
+        }
+        answer
     }
 }
 

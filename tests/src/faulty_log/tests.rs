@@ -399,7 +399,11 @@ impl SessionLog for FakeLog {
         Err(fallback::no_shadow_marks())
     }
 
-    async fn shadow_marks(&self, _: i64) -> LogResult<Vec<String>> {
+    async fn shadow_marks(&self, _: i64) -> LogResult<ShadowMarks> {
+        Err(fallback::no_shadow_marks())
+    }
+
+    async fn vouch_shadows(&self, _: i64, _: i64) -> LogResult<bool> {
         Err(fallback::no_shadow_marks())
     }
 

@@ -2,13 +2,14 @@
 //! its entry in the identity's session count (both on the lease), the
 //! close, the revoke and the renewals.
 
+use crate::records::keys;
 use latchkey_etcd::ErrorKind;
 use latchkey_etcd::kv::{GetOptions, PutOptions, count_prefix, get_one};
 use latchkey_etcd::lease::LeaseGrantOptions;
-use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp};
+use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 
 use super::{EtcdLog, answer, kv, unavailable, unavailable_on};
-use crate::lock_log::{Kv, LogResult, RevokeSessionTxn, SessionRevoked, StoreError};
+use crate::lock_log::{Kv, LogResult, RevokeSessionTxn, SessionRevoked, ShadowMarks, StoreError};
 
 /// Grants lease `id`. etcd's "lease already exists" is
 /// [`StoreError::LeaseExists`], so the caller can draw another id; a lease
@@ -205,26 +206,78 @@ pub(super) async fn mark_shadow(log: &EtcdLog, session: i64, shard: &str) -> Log
     answer(resp.header(), ())
 }
 
-/// The shards `session` has marked shadows on (keys only).
-pub(super) async fn shadow_marks(log: &EtcdLog, session: i64) -> LogResult<Vec<String>> {
+/// The shards `session` has marked shadows on, its vouch, its record and
+/// the epoch record, keys only, in one transaction (one revision).
+pub(super) async fn shadow_marks(log: &EtcdLog, session: i64) -> LogResult<ShadowMarks> {
     let prefix = log.layout.shadow_marks(session);
-    let resp = log
-        .client
-        .kv_client()
-        .get(
+    let keys_only = || Some(GetOptions::new().with_keys_only());
+    let txn = Txn::new().and_then([
+        TxnOp::get(
             prefix.as_str(),
             Some(GetOptions::new().with_prefix().with_keys_only()),
-        )
+        ),
+        TxnOp::get(log.layout.session(session), keys_only()),
+        TxnOp::get(log.layout.epoch(), keys_only()),
+        TxnOp::get(log.layout.seal(), keys_only()),
+    ]);
+    let resp = txn::run(&log.client, txn)
         .await
         .map_err(|e| unavailable("cannot read a session's shadow marks", e))?;
-    let shards = resp
-        .kvs()
-        .iter()
-        .filter_map(|kv| std::str::from_utf8(kv.key()).ok())
-        .filter_map(|k| k.strip_prefix(prefix.as_str()))
-        .map(str::to_string)
-        .collect();
-    answer(resp.header(), shards)
+    let ops = resp.op_responses();
+    let mut marks = ShadowMarks::default();
+    if let Some(TxnOpResponse::Get(get)) = ops.first() {
+        for entry in get.kvs() {
+            let Some(name) = entry
+                .key_str()
+                .ok()
+                .and_then(|k| k.strip_prefix(prefix.as_str()))
+            else {
+                continue;
+            };
+            match name == keys::SHADOW_VOUCH {
+                true => marks.since = marks.since.max(entry.mod_revision()),
+                false => marks.shards.push(name.to_string()),
+            }
+        }
+    }
+    if let Some(record) = ops.get(1).and_then(txn::first_kv) {
+        marks.since = marks.since.max(record.create_revision());
+    }
+    marks.epoch_at = ops
+        .get(2)
+        .and_then(txn::first_kv)
+        .map_or(0, |kv| kv.mod_revision());
+    marks.sealed = ops.get(3).and_then(txn::first_kv).is_some();
+    answer(resp.header(), marks)
+}
+
+/// Vouches for `session`'s marks: a key beside them, on its lease, if the
+/// epoch record is still at `epoch_at` (0: absent) and there is no seal.
+/// A session gone answers [`StoreError::LeaseGone`].
+pub(super) async fn vouch_shadows(log: &EtcdLog, session: i64, epoch_at: i64) -> LogResult<bool> {
+    let epoch = log.layout.epoch();
+    let unchanged = match epoch_at {
+        0 => Compare::create_revision(epoch.as_str(), CompareOp::Equal, 0),
+        at => Compare::mod_revision(epoch.as_str(), CompareOp::Equal, at),
+    };
+    let txn = Txn::new()
+        .when([
+            unchanged,
+            Compare::create_revision(log.layout.seal(), CompareOp::Equal, 0),
+        ])
+        .and_then([TxnOp::put(
+            log.layout.shadow_vouch(session),
+            "",
+            Some(PutOptions::new().with_lease(session)),
+        )]);
+    let resp = txn::run(&log.client, txn).await.map_err(|e| {
+        if not_found(&e) {
+            StoreError::LeaseGone { lease: session }
+        } else {
+            unavailable("cannot vouch for a session's shadow marks", e)
+        }
+    })?;
+    answer(resp.header(), resp.succeeded())
 }
 
 /// Any NotFound answer: to a revoke, the lease is gone already; to a put on
