@@ -5,11 +5,13 @@
 //! table, the hold and session counts following it, the quorum-loss
 //! posture with its probe) and assembles them here into the arbiter whose
 //! handlers its clients call: the handlers it runs are the ones tonic
-//! serves. One tier (the entity cluster serves every class), shards of it
-//! when the parts name them (their map kept where [`ShardParts::maps`]
-//! says, their clusters made by [`ShardParts::connect`] with [`cluster`]),
-//! no class hooks, no force-release credentials, workloads calling
-//! directly in the insecure dev mode (identity from the dev header).
+//! serves. The entity tier, shards of it when the parts name them (their
+//! map kept where [`ShardParts::maps`] says, their clusters made by
+//! [`ShardParts::connect`] with [`cluster`]), the coord tier on a cluster
+//! of its own when they name one ([`CoordParts`]: keys routed between the
+//! tiers by the namespace bindings), no class hooks, no force-release
+//! credentials, workloads calling directly in the insecure dev mode
+//! (identity from the dev header).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +32,7 @@ use crate::session_counts::SessionCounts;
 use crate::shards::ShardMaps;
 use crate::shards::routing::{Connect, ShardRouting};
 use crate::table::{LockTable, MapVersion};
+use crate::tiers::bindings::Bindings;
 use crate::tiers::{Cluster, Tiers};
 
 /// One cluster's parts.
@@ -57,11 +60,22 @@ pub struct ShardParts {
     pub map_version: MapVersion,
 }
 
+/// The coord tier on a cluster of its own (ADR-07, `--split-tiers`): its
+/// parts (a table whose session ids carry
+/// [`COORD_SESSION_BIT`](crate::tiers::COORD_SESSION_BIT)), and the
+/// namespace bindings every key is routed by.
+pub struct CoordParts {
+    pub cluster: ClusterParts,
+    pub bindings: Bindings,
+}
+
 /// An arbiter's parts around its lock cluster.
 pub struct ArbiterParts {
     pub cluster: ClusterParts,
     /// The entity tier's other shards, if it has any.
     pub shards: Option<ShardParts>,
+    /// The coord tier, when it is split off.
+    pub coord: Option<CoordParts>,
     pub policies: Arc<Policies>,
     /// The trust domain the dev header's SPIFFE IDs must be in.
     pub trust_domain: String,
@@ -84,11 +98,16 @@ pub fn idle_hook_host() -> Arc<HookHost> {
 /// One cluster of the entity tier around its parts: the owner of its keys
 /// (with the table's key gate), its elections.
 pub fn cluster(parts: ClusterParts, policies: &Arc<Policies>) -> Arc<Cluster> {
+    cluster_of(Tier::Entity, parts, policies)
+}
+
+/// One cluster of `tier` around its parts.
+fn cluster_of(tier: Tier, parts: ClusterParts, policies: &Arc<Policies>) -> Arc<Cluster> {
     let c = parts;
     c.table.set_permits_source(policies.clone());
     let owner = KeyOwner::new(c.table.clone(), c.holds.clone(), c.quorum.clone());
     Arc::new(Cluster {
-        tier: Tier::Entity,
+        tier,
         owner,
         elections: Arc::new(crate::election::Elections::new(c.table.clone())),
         table: c.table,
@@ -104,12 +123,21 @@ pub fn cluster(parts: ClusterParts, policies: &Arc<Policies>) -> Arc<Cluster> {
 /// force-release approvals call). With shards, the map is read before this
 /// returns and followed after; an arbiter that cannot read it does not
 /// serve (as `start.rs`: it would route every key to its lock cluster).
+/// With the coord tier, the bindings are read first too.
 pub async fn arbiter(
     parts: ArbiterParts,
 ) -> Result<(Arc<Arbiter>, Arc<OwnerHandle>), crate::lock_log::StoreError> {
     let cluster = self::cluster(parts.cluster, &parts.policies);
     let c = &cluster;
-    let mut tiers = Tiers::new(cluster.clone(), None, None);
+    let (coord, bindings) = match parts.coord {
+        Some(coord) => {
+            coord.bindings.load().await?;
+            let cluster = cluster_of(Tier::Coord, coord.cluster, &parts.policies);
+            (Some(cluster), Some(coord.bindings))
+        }
+        None => (None, None),
+    };
+    let mut tiers = Tiers::new(cluster.clone(), coord, bindings);
     if let Some(shards) = parts.shards {
         let routing = Arc::new(ShardRouting::new(
             &shards.home_name,
@@ -133,6 +161,13 @@ pub async fn arbiter(
             Arc::new(move || quorum.snapshot()),
         )
     };
+    if let Some(coord) = tiers.coord() {
+        let quorum = coord.quorum.clone();
+        metrics.set_coord_tier(
+            coord.table.seal().guard_shared(),
+            Arc::new(move || quorum.snapshot()),
+        );
+    }
     let metrics = Arc::new(metrics);
     let admission = crate::overload::Admission::new(crate::overload::OverloadConfig::default());
     metrics.set_admission(Arc::clone(&admission));

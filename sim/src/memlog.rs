@@ -688,6 +688,47 @@ impl DurableQueueLog for MemLog {
     }
 }
 
+/// Keys outside the lock protocol, as a client of the cluster reads and
+/// writes them (the tier bindings' copies, `sim::simulation::tiers`):
+/// each a call with the log's faults and delays.
+impl MemLog {
+    /// The value at `key`.
+    pub async fn plain_get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.call("plain get", |inner, _| {
+            Ok(inner.store.get(key).map(|kv| kv.kv().value))
+        })
+        .await
+    }
+
+    /// Puts `value` at `key` if nothing is there (no lease); the value
+    /// there after, either way.
+    pub async fn plain_create(&self, key: &str, value: Vec<u8>) -> Result<Vec<u8>, StoreError> {
+        self.call("plain create", |inner, _| {
+            if let Some(there) = inner.store.get(key) {
+                return Ok(there.kv().value);
+            }
+            commit(
+                &mut inner.store,
+                vec![put(key.to_string(), value.clone(), 0)],
+            )?;
+            Ok(value)
+        })
+        .await
+    }
+
+    /// Every key under `prefix` and its value.
+    pub async fn plain_under(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        self.call("plain range", |inner, _| {
+            Ok(inner
+                .store
+                .range(prefix)
+                .map(|(k, v)| (k.clone(), v.kv().value))
+                .collect())
+        })
+        .await
+    }
+}
+
 impl MemLog {
     /// Puts `record` at `key` on `session`'s lease if the session record is
     /// `session_record` (a put over an existing record keeps its create

@@ -142,6 +142,7 @@ mod operators;
 mod ordered;
 mod policies;
 mod shards;
+mod tiers;
 mod worker;
 mod world;
 
@@ -584,6 +585,25 @@ async fn simulate(cfg: SimConfig) -> Outcome {
             .collect(),
         false => Vec::new(),
     };
+    // The coord tier's cluster, when split off: seeded from the run's
+    // seed, not from `rng`, so a run without it draws what it always drew.
+    let coord_log = (cfg.whole_arbiter && cfg.coord_keys > 0).then(|| {
+        let memlog = MemLog::with_config(MemLogConfig {
+            seed: cfg.seed ^ 0xC00D_7133_0000_0000,
+            cluster_id: None,
+            faults: FaultRates::NONE,
+            history_revisions: Some(10_000),
+            min_ttl_seconds: 2,
+            latency: cfg.log_latency,
+        });
+        let idlog = Arc::new(idlog::IdLog::sharing(memlog.clone(), &idlog));
+        let witness = MemWitness::new(cfg.seed ^ 0xC00D_7133_5EE5_0000);
+        tiers::CoordLog {
+            memlog,
+            witness: Arc::new(idlog::TracedWitness::new(witness, idlog.clone())),
+            idlog,
+        }
+    });
     let world = Arc::new(World::new(
         cfg.clone(),
         memlog,
@@ -591,6 +611,7 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         memwitness,
         witness,
         shard_logs,
+        coord_log,
     ));
     for i in 0..world.arbiters.len() {
         world.start_arbiter(i, false, rng.next_u64()).await;
@@ -668,7 +689,8 @@ async fn simulate(cfg: SimConfig) -> Outcome {
     let simulated = Instant::now() - world.start;
     world.stop_arbiters().await;
     if let Some(path) = trace {
-        // The lock cluster's calls, then each shard's (`[name]` before each).
+        // The lock cluster's calls, then each shard's (`[name]` before
+        // each), then the coord tier's (`[coord]`).
         let mut lines = idlog.take_trace();
         for shard in &world.shards {
             let name = &shard.name;
@@ -678,6 +700,15 @@ async fn simulate(cfg: SimConfig) -> Outcome {
                     .take_trace()
                     .into_iter()
                     .map(|l| format!("[{name}] {l}")),
+            );
+        }
+        if let Some(coord) = &world.coord {
+            lines.extend(
+                coord
+                    .idlog
+                    .take_trace()
+                    .into_iter()
+                    .map(|l| format!("[coord] {l}")),
             );
         }
         if let Err(e) = std::fs::write(&path, lines.join("\n")) {

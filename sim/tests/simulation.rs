@@ -27,8 +27,9 @@ use latchkey_sim::simulation::{
 /// witness in turn, then 81 to 98 over the witnessed ones, 99 to 106 over
 /// the durable ones, 107 to 110 over the fenced ones, 111 to 114 over
 /// the forced ones, 115 to 118 and 121 over the quorum-loss ones, 122
-/// and 123 over the renewal outages, and 137 and 138 over the shards
-/// (with a move), 5,000 operations each, ~690,000 in
+/// and 123 over the renewal outages, 137 and 138 over the shards
+/// (with a move), and 139 and 140 over the split tiers, 5,000 operations
+/// each, ~700,000 in
 /// all (CI promises at least
 /// [`MIN_CI_OPS`]); the state-loss runs without a witness have no
 /// restores (issue 15: see
@@ -267,6 +268,12 @@ const CI_RUNS: &[(u64, &str, usize)] = &[
     // fails both (and every one of seeds 1-8 of `shards`).
     (137, "shards", 5000),
     (138, "shards-three-arbiters", 5000),
+    // Issue 32: the whole arbiter with the coord tier split off, keys
+    // routed between the tiers by the namespace bindings (their entity
+    // copy restored with the lock cluster). sim/tests/tiers.rs runs a
+    // policy rollout and shows unshared bindings are found.
+    (139, "tiers", 5000),
+    (140, "tiers-three-arbiters", 5000),
 ];
 
 const MIN_CI_OPS: usize = 10_000;

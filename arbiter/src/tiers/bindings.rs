@@ -27,9 +27,15 @@
 //! clusters (the coord cluster's copy per lock cluster name, the entity
 //! cluster's under its prefix): a restore of one cluster loses no binding,
 //! and a binding found on one only is written back to the other.
+//!
+//! Each copy is a [`BindingCopy`]: [`EtcdCopy`] on a cluster in
+//! production; the simulation keeps its copies in its in-memory logs, so
+//! a restore of its lock cluster takes the entity copy back with it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
+use async_trait::async_trait;
 use latchkey_etcd::Client;
 use latchkey_etcd::kv::{GetOptions, get_one};
 use latchkey_etcd::txn::{self, Compare, CompareOp, Txn, TxnOp};
@@ -49,18 +55,33 @@ fn parse(bytes: &[u8]) -> Option<Tier> {
     }
 }
 
-/// One copy of the bindings: a cluster and the prefix its records are under.
-struct Copy {
+/// One copy of the bindings: where a namespace's record is read and
+/// created.
+#[async_trait]
+pub trait BindingCopy: Send + Sync {
+    /// The tier `namespace` is bound to in this copy (`None`: no record).
+    async fn get(&self, namespace: &str) -> Result<Option<Tier>, StoreError>;
+    /// Writes `tier` unless a record is there; the record either way.
+    async fn create(&self, namespace: &str, tier: Tier) -> Result<Tier, StoreError>;
+    /// Every record of this copy (read at start).
+    async fn all(&self) -> Result<Vec<(String, Tier)>, StoreError>;
+}
+
+/// A copy on an etcd cluster, under a prefix.
+pub struct EtcdCopy {
     client: Client,
     prefix: String,
     what: &'static str,
 }
 
-impl Copy {
+impl EtcdCopy {
     fn key(&self, namespace: &str) -> String {
         format!("{}{namespace}", self.prefix)
     }
+}
 
+#[async_trait]
+impl BindingCopy for EtcdCopy {
     async fn get(&self, namespace: &str) -> Result<Option<Tier>, StoreError> {
         let key = self.key(namespace);
         let read = get_one(&self.client, key.as_str()).await.map_err(|e| {
@@ -72,7 +93,6 @@ impl Copy {
         }
     }
 
-    /// Writes `tier` unless a binding is there; the binding either way.
     async fn create(&self, namespace: &str, tier: Tier) -> Result<Tier, StoreError> {
         let key = self.key(namespace);
         let txn = Txn::new()
@@ -93,6 +113,30 @@ impl Copy {
             .find_map(|op| txn::first_kv(op).and_then(|kv| parse(kv.value())))
             .ok_or_else(|| malformed(&key))
     }
+
+    async fn all(&self) -> Result<Vec<(String, Tier)>, StoreError> {
+        let resp = self
+            .client
+            .kv_client()
+            .get(self.prefix.as_str(), Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(|e| unavailable("cannot read the tier bindings", e))?;
+        Ok(resp
+            .kvs()
+            .iter()
+            .filter_map(|kv| {
+                let key = String::from_utf8_lossy(kv.key());
+                let namespace = key.strip_prefix(&self.prefix)?.to_string();
+                Some((namespace, parse(kv.value())?))
+            })
+            .collect())
+    }
+}
+
+/// The spelling of a binding's value (`"coord"` or `"entity"`); `None`
+/// for anything else. Public for the copies kept elsewhere.
+pub fn parse_tier(bytes: &[u8]) -> Option<Tier> {
+    parse(bytes)
 }
 
 fn malformed(key: &str) -> StoreError {
@@ -105,8 +149,8 @@ fn malformed(key: &str) -> StoreError {
 /// entity cluster) so that a restore of either one alone loses none, and
 /// cached.
 pub struct Bindings {
-    coord: Copy,
-    entity: Copy,
+    coord: Arc<dyn BindingCopy>,
+    entity: Arc<dyn BindingCopy>,
     cache: RwLock<HashMap<String, Tier>>,
 }
 
@@ -120,45 +164,37 @@ impl Bindings {
         entity: Client,
         prefix: &str,
     ) -> Self {
-        Self {
-            coord: Copy {
+        Self::over(
+            Arc::new(EtcdCopy {
                 client: coord,
                 prefix: format!(
                     "{}/sys/tiers/{lock_cluster_name}/",
                     coord_prefix.trim_end_matches('/')
                 ),
                 what: "the coord cluster",
-            },
-            entity: Copy {
+            }),
+            Arc::new(EtcdCopy {
                 client: entity,
                 prefix: format!("{}/sys/tiers/", prefix.trim_end_matches('/')),
                 what: "the entity cluster",
-            },
+            }),
+        )
+    }
+
+    /// Bindings kept in `coord` and `entity` (the simulation's copies).
+    pub fn over(coord: Arc<dyn BindingCopy>, entity: Arc<dyn BindingCopy>) -> Self {
+        Self {
+            coord,
+            entity,
             cache: RwLock::new(HashMap::new()),
         }
     }
 
     /// Reads the coord cluster's bindings into the cache (at start).
     pub async fn load(&self) -> Result<usize, StoreError> {
-        let resp = self
-            .coord
-            .client
-            .kv_client()
-            .get(
-                self.coord.prefix.as_str(),
-                Some(GetOptions::new().with_prefix()),
-            )
-            .await
-            .map_err(|e| unavailable("cannot read the tier bindings", e))?;
+        let all = self.coord.all().await?;
         let mut cache = self.cache.write();
-        for kv in resp.kvs() {
-            let key = String::from_utf8_lossy(kv.key());
-            if let (Some(ns), Some(tier)) =
-                (key.strip_prefix(&self.coord.prefix), parse(kv.value()))
-            {
-                cache.insert(ns.to_string(), tier);
-            }
-        }
+        cache.extend(all);
         Ok(cache.len())
     }
 

@@ -11,7 +11,7 @@
 //!                        semaphores-three-arbiters|shared|shared-three-arbiters|
 //!                        shared-durable|shards|shards-three-arbiters]
 //!              [--ops 10000] [--arbiters 2] [--clients 10] [--keys 8]
-//!              [--long-holds 3] [--bug shadow-marks-trusted|...]
+//!              [--long-holds 3] [--bug shadow-marks-trusted|...] [--coord-rollout on]
 //!              [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|
 //!                        quorum-loss|none]
 //!              [--witness on|off] [--history out.jsonl]
@@ -33,7 +33,7 @@ use std::time::Instant;
 
 use latchkey_sim::simulation::{FaultKnobs, PRESETS, SimConfig, run};
 
-const USAGE: &str = "usage: latchkey-sim --seed N [--preset P] [--ops M] [--arbiters A] [--clients C] [--keys K] [--long-holds PERCENT] [--bug map-fences-unenforced|force-releases-reread|force-revokes-reread|shard-moves-unfenced|shadow-marks-trusted|blind-hold-follower] [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|quorum-loss|none] [--witness on|off] [--history out.jsonl]\n(presets: `--preset list`, or the error for an unknown one)";
+const USAGE: &str = "usage: latchkey-sim --seed N [--preset P] [--ops M] [--arbiters A] [--clients C] [--keys K] [--long-holds PERCENT] [--bug map-fences-unenforced|force-releases-reread|force-revokes-reread|shard-moves-unfenced|shadow-marks-trusted|blind-hold-follower|tier-bindings-unshared] [--coord-rollout on|off] [--faults all|state-loss|witnessed|witnessed-state-loss|fenced|forced|quorum-loss|none] [--witness on|off] [--history out.jsonl]\n(presets: `--preset list`, or the error for an unknown one)";
 
 struct Args {
     cfg: SimConfig,
@@ -107,6 +107,13 @@ fn parse() -> Result<Args, String> {
                 }
             }
             "--history" => history = Some(PathBuf::from(value)),
+            "--coord-rollout" => {
+                cfg.coord_rollout = match value.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    other => return Err(format!("--coord-rollout {other}: on or off\n{USAGE}")),
+                }
+            }
             // The bugs the knob tests put in, to look for seeds that show them.
             "--bug" => match value.as_str() {
                 "map-fences-unenforced" => cfg.faults.map_fences_unenforced = true,
@@ -115,6 +122,7 @@ fn parse() -> Result<Args, String> {
                 "shard-moves-unfenced" => cfg.faults.shard_moves_unfenced = true,
                 "shadow-marks-trusted" => cfg.faults.shadow_marks_trusted = true,
                 "blind-hold-follower" => cfg.faults.blind_hold_follower = true,
+                "tier-bindings-unshared" => cfg.faults.tier_bindings_unshared = true,
                 other => return Err(format!("--bug {other}: not a bug knob\n{USAGE}")),
             },
             other => return Err(format!("unknown flag {other}\n{USAGE}")),

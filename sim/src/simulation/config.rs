@@ -113,6 +113,13 @@ pub struct FaultKnobs {
     /// show violations with long holds (only to show that the simulation
     /// notices; off in every preset).
     pub shadow_marks_trusted: bool,
+    /// Each arbiter keeps the namespace bindings in a store of its own
+    /// (none shared), so each routes a namespace by the policies it read:
+    /// with [`SimConfig::coord_rollout`], one arbiter grants a coord key
+    /// on the coord tier while another grants it on the entity cluster.
+    /// Its runs must show violations (only to show that the simulation
+    /// notices; off in every preset).
+    pub tier_bindings_unshared: bool,
     /// Windows in which the lock log loses its majority (every call fails,
     /// no lease expires; on return every lease gets its whole TTL), now and
     /// then with the watch streams broken right before or an arbiter
@@ -162,6 +169,7 @@ impl FaultKnobs {
             shard_moves: false,
             shard_moves_unfenced: false,
             shadow_marks_trusted: false,
+            tier_bindings_unshared: false,
             quorum_losses: false,
             blind_hold_follower: false,
             renewal_outages: false,
@@ -204,6 +212,17 @@ impl FaultKnobs {
             renewal_outages: true,
             force_releases: true,
             force_revokes_percent: 30,
+            ..Self::all()
+        }
+    }
+
+    /// Every fault, force-releases revoking sessions, and more sessions
+    /// closed (for the tiers: the coord tier's sessions too).
+    pub fn forced_revoking() -> Self {
+        Self {
+            force_releases: true,
+            force_revokes_percent: 40,
+            close_session_percent: 4,
             ..Self::all()
         }
     }
@@ -287,6 +306,7 @@ impl FaultKnobs {
             shard_moves: false,
             shard_moves_unfenced: false,
             shadow_marks_trusted: false,
+            tier_bindings_unshared: false,
             quorum_losses: false,
             blind_hold_follower: false,
             renewal_outages: false,
@@ -387,6 +407,20 @@ pub struct SimConfig {
     /// shards; a session's holds on another shard are held on its shadow
     /// there, renewed with it, ended with it.
     pub shards: usize,
+    /// The last this many keys are coord keys (ADR-07; only with
+    /// [`Self::whole_arbiter`]): in namespace `simc`, which a coord-tier
+    /// class names, served by the coord tier on a cluster of its own, with
+    /// the namespace bindings routing every key. Half the workers'
+    /// incarnations open their session for the coord class and use coord
+    /// keys only; the others use the entity keys.
+    pub coord_keys: usize,
+    /// With coord keys: a policy change half rolled out. The odd-numbered
+    /// arbiters read files in which no coord-tier class names the coord
+    /// keys' namespace any more (their `sim-coord` is an entity-tier
+    /// class), the even ones the files before the change. The namespace's
+    /// binding, written by whichever serves it first, decides for all;
+    /// the others refuse its keys (`TIER_BOUND`, `SESSION_WRONG_TIER`).
+    pub coord_rollout: bool,
     pub faults: FaultKnobs,
 }
 
@@ -424,21 +458,34 @@ impl SimConfig {
             shared_percent: 0,
             downgrade_percent: 0,
             shards: 0,
+            coord_keys: 0,
+            coord_rollout: false,
             faults: FaultKnobs::all(),
         }
     }
 
     /// Key number `n` as the clients name it (see [`Self::shards`]).
     pub fn key(&self, n: u64) -> String {
+        let namespace = match self.is_coord_key(n) {
+            true => "simc",
+            false => "sim",
+        };
         match self.shards {
-            0 => format!("sim/k{n}"),
-            _ => format!("sim/k{n}/x"),
+            0 => format!("{namespace}/k{n}"),
+            _ => format!("{namespace}/k{n}/x"),
         }
+    }
+
+    /// Whether key number `n` is a coord key ([`Self::coord_keys`]).
+    pub fn is_coord_key(&self, n: u64) -> bool {
+        n as usize + self.coord_keys >= self.keys && self.coord_keys > 0
     }
 
     /// The number of a key [`Self::key`] named.
     pub fn key_number(&self, key: &str) -> Option<usize> {
-        let rest = key.strip_prefix("sim/k")?;
+        let rest = key
+            .strip_prefix("sim/k")
+            .or_else(|| key.strip_prefix("simc/k"))?;
         let n = match self.shards {
             0 => rest,
             _ => rest.strip_suffix("/x")?,
@@ -496,6 +543,8 @@ pub const PRESETS: &[&str] = &[
     "shared-durable",
     "shards",
     "shards-three-arbiters",
+    "tiers",
+    "tiers-three-arbiters",
 ];
 
 impl SimConfig {
@@ -559,6 +608,12 @@ impl SimConfig {
     ///   cluster, as a sharded arbiter is; every fault on the lock cluster,
     ///   force-releases of holds on any shard revoking the holder's session
     ///   on its home (its shadows ended), closed sessions.
+    /// - `tiers`, `tiers-three-arbiters`: the whole arbiter with the coord
+    ///   tier split off ([`SimConfig::coord_keys`]): 5 of the 12 keys in a
+    ///   coord-tier namespace, on the coord tier's own cluster, routed by
+    ///   the namespace bindings (their entity copy in the lock cluster, so
+    ///   restores take it back); every fault on the lock cluster,
+    ///   force-releases on either tier revoking the holder's session.
     pub fn preset(name: &str, seed: u64) -> Option<Self> {
         let base = Self::new(seed);
         Some(match name {
@@ -626,6 +681,20 @@ impl SimConfig {
                 shards: 2,
                 witness: true,
                 faults: FaultKnobs::sharded(),
+                ..Self::whole(base)
+            },
+            "tiers" => Self {
+                coord_keys: 5,
+                witness: true,
+                faults: FaultKnobs::forced_revoking(),
+                ..Self::whole(base)
+            },
+            "tiers-three-arbiters" => Self {
+                arbiters: 3,
+                clients: 12,
+                coord_keys: 5,
+                witness: true,
+                faults: FaultKnobs::forced_revoking(),
                 ..Self::whole(base)
             },
             "shards-three-arbiters" => Self {

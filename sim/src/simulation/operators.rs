@@ -325,7 +325,7 @@ async fn revoke_session(
         }
         Some(Ok(SessionRevoked::Ended)) => Outcome::Fail,
         // no answer: the lease still there says nothing was revoked
-        Some(Err(_)) | None if world.idlog.lease_alive(session) => Outcome::Fail,
+        Some(Err(_)) | None if world.session_log(session).lease_alive(session) => Outcome::Fail,
         Some(Err(_)) | None => Outcome::Unknown,
     };
     if outcome == Outcome::Fail {

@@ -3,11 +3,12 @@
 //! them, in the run's scratch directory.
 //!
 //! Three classes of the TTL the workers renew by (30 s or more: the open
-//! class is advisory), all on the entity tier:
+//! class is advisory) on the entity tier, and `sim-coord` (fenced) on the
+//! coord tier for the `simc` namespace (`SimConfig::coord_keys`):
 //! `sim` (fenced: its pause test is the simulation's own fenced resource,
 //! which accepts only a token above the key's mark), `sim-durable` (fenced,
 //! waiters queued in the log) and `sim-open` (advisory, open on quorum
-//! loss); one grant of the `sim` namespace to every worker's identity
+//! loss); one grant of the `sim` and `simc` namespaces to every worker's identity
 //! (`spiffe://sim.test/w/<n>`, a per-pod pattern, so the workers share
 //! one grant subject).
 //!
@@ -23,6 +24,11 @@ pub(crate) const DURABLE_CLASS: &str = "sim-durable";
 pub(crate) const OPEN_CLASS: &str = "sim-open";
 /// The electors' class (kind = "election", fenced like `sim`).
 pub(crate) const ELECTION_CLASS: &str = "sim-election";
+/// The coord keys' class (coord tier, fenced like `sim`), naming
+/// [`COORD_NAMESPACE`].
+pub(crate) const COORD_CLASS: &str = "sim-coord";
+/// The namespace of the coord keys (`SimConfig::coord_keys`).
+pub(crate) const COORD_NAMESPACE: &str = "simc";
 
 /// A worker's SPIFFE ID.
 /// The operator who moves shards (admin.v1, in the dev mode's header).
@@ -32,8 +38,12 @@ pub(crate) fn identity(worker: usize) -> String {
     format!("spiffe://{TRUST_DOMAIN}/w/{worker}")
 }
 
-/// Writes `dir/classes`, `dir/grants` and `dir/pause-tests`.
-pub(crate) fn write(dir: &Path, ttl_seconds: u32) -> std::io::Result<()> {
+/// Writes `dir/classes`, `dir/grants` and `dir/pause-tests`. `rollout`:
+/// the files of a policy change half rolled out, in which no coord-tier
+/// class names [`COORD_NAMESPACE`] any more (`sim-coord` is an entity-tier
+/// class), as some arbiters read them while the others still read the
+/// files before it (`SimConfig::coord_rollout`).
+pub(crate) fn write(dir: &Path, ttl_seconds: u32, rollout: bool) -> std::io::Result<()> {
     for sub in ["classes", "grants", "pause-tests"] {
         std::fs::create_dir_all(dir.join(sub))?;
     }
@@ -56,12 +66,22 @@ pub(crate) fn write(dir: &Path, ttl_seconds: u32) -> std::io::Result<()> {
         ),
     )?;
     std::fs::write(
-        dir.join("grants/sim.toml"),
+        dir.join("classes/sim-coord.toml"),
         format!(
-            "[[grant]]\nidentity = \"spiffe://{TRUST_DOMAIN}/w/*\"\nprefixes = [\"sim\"]\n\n[[operator]]\nidentity = \"{OPERATOR}\"\n"
+            "[[class]]\nname = \"{COORD_CLASS}\"\ndescription = \"The simulation's coord keys.\"\n{}\nenforcement = \"fenced\"\nttlSeconds = {ttl_seconds}\nmaxWaitersPerKey = 16\n[class.pauseTest]\nresource = \"sim:memory\"\nresult = \"pause-tests/{COORD_CLASS}.json\"\n",
+            match rollout {
+                true => "tier = \"entity\"".to_string(),
+                false => format!("tier = \"coord\"\nnamespaces = [\"{COORD_NAMESPACE}\"]"),
+            }
         ),
     )?;
-    for name in [CLASS, DURABLE_CLASS, ELECTION_CLASS] {
+    std::fs::write(
+        dir.join("grants/sim.toml"),
+        format!(
+            "[[grant]]\nidentity = \"spiffe://{TRUST_DOMAIN}/w/*\"\nprefixes = [\"sim\", \"{COORD_NAMESPACE}\"]\n\n[[operator]]\nidentity = \"{OPERATOR}\"\n"
+        ),
+    )?;
+    for name in [CLASS, DURABLE_CLASS, ELECTION_CLASS, COORD_CLASS] {
         let result = format!(
             "{{\"version\":1,\"class\":\"{name}\",\"resource\":\"sim:memory\",\"startedAt\":\"{today}T00:00:00Z\",\"finishedAt\":\"{today}T00:00:01Z\",\"outcome\":\"pass\",\"kit\":\"latchkey-sim\",\"evidence\":{{\"ttlSeconds\":{ttl_seconds},\"pausedForMs\":{},\"firstWrite\":\"accepted\",\"secondHolderWrite\":\"accepted\",\"secondTokenGreater\":true,\"staleWriteAfterResume\":\"rejected\",\"finalRowFrom\":\"second-holder\"}},\"failure\":null}}\n",
             u64::from(ttl_seconds) * 1000 + 500

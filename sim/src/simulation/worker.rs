@@ -34,7 +34,8 @@ use renewals::{keep_alive, renew};
 /// until their TTL, so this is generous.
 const MAX_SESSIONS: u32 = 10_000;
 const MAX_WAITERS_PER_KEY: u32 = 16;
-use super::policies::{CLASS, DURABLE_CLASS, OPEN_CLASS};
+use super::SimConfig;
+use super::policies::{CLASS, COORD_CLASS, DURABLE_CLASS, OPEN_CLASS};
 
 /// The reasons the arbiter gives before writing anything: the gate's list
 /// (`is_definite_refusal` in gate/src/worker.rs), and a shard-map
@@ -119,12 +120,15 @@ pub(crate) async fn run(world: Arc<World>, index: usize, mut rng: Rng) {
         incarnation += 1;
         let process = format!("w{index}.{incarnation}");
         let renew_seed = rng.next_u64();
+        // Drawn only with coord keys: other runs draw what they always drew.
+        let coord = world.cfg.coord_keys > 0 && rng.chance(50);
         Incarnation {
             world: world.clone(),
             identity: identity.clone(),
             process,
             rng: &mut rng,
             retry: None,
+            coord,
         }
         .run(renew_seed)
         .await;
@@ -140,6 +144,9 @@ struct Incarnation<'a> {
     /// the last acquire ran out of its wait budget (or, retrying, found it
     /// held).
     retry: Option<String>,
+    /// Its session is the coord tier's, and it asks for coord keys only
+    /// (`SimConfig::coord_keys`).
+    coord: bool,
 }
 
 /// Stops the renewal task when the incarnation ends, however it ends.
@@ -216,7 +223,11 @@ impl Incarnation<'_> {
                             &identity,
                             None,
                             OpenSessionRequest {
-                                class: CLASS.into(),
+                                class: match self.coord {
+                                    true => COORD_CLASS,
+                                    false => CLASS,
+                                }
+                                .into(),
                                 reuse_session_ids: Vec::new(),
                             },
                         ))
@@ -285,6 +296,19 @@ impl Incarnation<'_> {
         }
     }
 
+    /// A key of the incarnation's tier: any key without coord keys.
+    fn draw_key(&mut self, cfg: &SimConfig) -> String {
+        let keys = cfg.keys.max(1) as u64;
+        let coord = cfg.coord_keys.min(cfg.keys) as u64;
+        if coord == 0 {
+            return cfg.key(self.rng.below(keys));
+        }
+        match self.coord {
+            true => cfg.key(keys - coord + self.rng.below(coord)),
+            false => cfg.key(self.rng.below((keys - coord).max(1))),
+        }
+    }
+
     fn stray(&mut self) -> bool {
         self.rng.chance(self.world.cfg.faults.stray_percent)
     }
@@ -299,7 +323,7 @@ impl Incarnation<'_> {
         let cfg = self.world.cfg.clone();
         let (mut key, retrying) = match self.retry.take() {
             Some(key) => (key, true),
-            None => (cfg.key(self.rng.below(cfg.keys.max(1) as u64)), false),
+            None => (self.draw_key(&cfg), false),
         };
         let stray = self.stray();
         let Some(arbiter) = self.world.route(&key, stray, self.rng) else {
@@ -346,14 +370,16 @@ impl Incarnation<'_> {
         let number = cfg.key_number(&key);
         let durable = number.is_some_and(|n| n < cfg.durable_keys);
         let open = number.is_some_and(|n| n + cfg.open_keys >= cfg.keys);
+        let coord = number.is_some_and(|n| cfg.is_coord_key(n as u64));
         let req = GrantRequest {
             key: key.clone(),
             identity: self.identity.clone(),
             session: id,
-            class: match (open, durable) {
-                (true, _) => OPEN_CLASS,
-                (false, true) => DURABLE_CLASS,
-                (false, false) => CLASS,
+            class: match (coord, open, durable) {
+                (true, _, _) => COORD_CLASS,
+                (false, true, _) => OPEN_CLASS,
+                (false, false, true) => DURABLE_CLASS,
+                (false, false, false) => CLASS,
             }
             .into(),
             ttl_seconds: cfg.ttl_seconds,
@@ -658,11 +684,21 @@ impl Incarnation<'_> {
         // whose lease no restore of the lock cluster takes back: judged
         // unless the session itself went with a restore (its shadows are
         // then ended as the session's are).
-        let log = self.world.idlog_of_grant(key, token);
-        let on_shadow = !Arc::ptr_eq(log, &self.world.idlog);
-        let judged = |id: i64, opened: Instant| match on_shadow {
-            true => !restored_since(opened) || self.world.idlog.lease_alive(id),
-            false => !restored_since(opened),
+        let log = self
+            .world
+            .idlog_of_hold(key, token, believed.map(|(id, _)| id));
+        let coord = self
+            .world
+            .coord
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(log, &c.idlog));
+        let on_shadow = !Arc::ptr_eq(log, &self.world.idlog) && !coord;
+        // A coord session's hold is on its lease in the coord tier's log,
+        // which no restore of the lock cluster touches: always judged.
+        let judged = |id: i64, opened: Instant| match (coord, on_shadow) {
+            (true, _) => true,
+            (false, true) => !restored_since(opened) || self.world.idlog.lease_alive(id),
+            (false, false) => !restored_since(opened),
         };
         if self.world.cfg.whole_arbiter
             && let Some((id, opened)) = believed

@@ -9,7 +9,7 @@ use std::time::Duration;
 use parking_lot::{Mutex, MutexGuard};
 
 use latchkey_arbiter::Arbiter as Service;
-use latchkey_arbiter::assemble::{self, ArbiterParts, OwnerHandle, ShardParts};
+use latchkey_arbiter::assemble::{self, ArbiterParts, CoordParts, OwnerHandle, ShardParts};
 use latchkey_arbiter::epoch::EpochGuard;
 use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::high_water::{HighWater, Mark};
@@ -17,6 +17,7 @@ use latchkey_arbiter::lock_log::LockLog;
 use latchkey_arbiter::policy::Policies;
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_arbiter::table::{BatchStats, LockTable, MapVersion, TableOptions};
+use latchkey_arbiter::tiers::bindings::Bindings;
 use latchkey_arbiter::witness::Witness;
 use latchkey_checker::{Completion, Function, Mode, Operation, Outcome};
 use latchkey_hook_host::HookHost;
@@ -32,6 +33,7 @@ use super::fences::Fences;
 use super::idlog::IdLog;
 use super::memory::MemoryGrants;
 use super::shards::{MemShardMaps, ShardLog};
+use super::tiers::{CoordLog, MemBindingCopy};
 use crate::memlog::MemLog;
 use crate::rng::Rng;
 use crate::witness::MemWitness;
@@ -190,6 +192,9 @@ pub(crate) struct World {
     pub(crate) scratch: PathBuf,
     /// The policy files the whole arbiter's handlers read.
     pub(crate) policies: Option<Arc<Policies>>,
+    /// The files the odd-numbered arbiters read instead, with
+    /// [`SimConfig::coord_rollout`].
+    rollout: Option<Arc<Policies>>,
     /// The entity shards other than the lock cluster ([`SimConfig::shards`]).
     pub(crate) shards: Vec<ShardLog>,
     /// The shard map the arbiters follow, with shards.
@@ -203,6 +208,8 @@ pub(crate) struct World {
     /// (by the map when it was answered), by (key, token).
     granted_on: Mutex<BTreeMap<(String, u64), String>>,
     pub(crate) hook_host: Arc<HookHost>,
+    /// The coord tier's cluster ([`SimConfig::coord_keys`]).
+    pub(crate) coord: Option<CoordLog>,
 }
 
 impl World {
@@ -213,6 +220,7 @@ impl World {
         memwitness: Option<MemWitness>,
         witness: Option<Arc<dyn Witness>>,
         shards: Vec<ShardLog>,
+        coord: Option<CoordLog>,
     ) -> Self {
         // With moves, the last shard is added by the operator, not mapped.
         let mapped = shards.len() - usize::from(cfg.faults.shard_moves && !shards.is_empty());
@@ -223,22 +231,23 @@ impl World {
         let scratch = scratch_dir(cfg.seed);
         let log: Arc<dyn LockLog> = idlog.clone();
         let mut notes = Vec::new();
-        let policies = match cfg.whole_arbiter {
-            true => {
-                let dir = scratch.join("policies");
-                let loaded = super::policies::write(&dir, cfg.ttl_seconds)
-                    .map_err(|e| e.to_string())
-                    .and_then(|()| Policies::load(&dir).map_err(|e| e.to_string()));
-                match loaded {
-                    Ok(p) => Some(Arc::new(p)),
-                    Err(e) => {
-                        notes.push(format!("cannot load the policy files: {e}"));
-                        None
-                    }
+        let mut load = |dir: &str, rollout: bool| {
+            let dir = scratch.join(dir);
+            let loaded = super::policies::write(&dir, cfg.ttl_seconds, rollout)
+                .map_err(|e| e.to_string())
+                .and_then(|()| Policies::load(&dir).map_err(|e| e.to_string()));
+            match loaded {
+                Ok(p) => Some(Arc::new(p)),
+                Err(e) => {
+                    notes.push(format!("cannot load the policy files: {e}"));
+                    None
                 }
             }
-            false => None,
         };
+        let policies = cfg.whole_arbiter.then(|| load("policies", false)).flatten();
+        let rollout = (cfg.whole_arbiter && cfg.coord_rollout)
+            .then(|| load("policies-rollout", true))
+            .flatten();
         let arbiters = (0..cfg.arbiters.max(1))
             .map(|i| {
                 Mutex::new(ArbiterSlot {
@@ -280,6 +289,7 @@ impl World {
             memory: Mutex::new(MemoryGrants::default()),
             elections: Mutex::default(),
             policies,
+            rollout,
             scratch,
             hook_host: assemble::idle_hook_host(),
             shards,
@@ -287,6 +297,7 @@ impl World {
             shard_moves: Mutex::new(0),
             shard_grants: Mutex::new((0, 0)),
             granted_on: Mutex::new(BTreeMap::new()),
+            coord,
         }
     }
 
@@ -549,7 +560,11 @@ impl World {
         map_version: MapVersion,
         seed: u64,
     ) -> Option<(Arc<Service>, Arc<OwnerHandle>)> {
-        let Some(policies) = self.policies.clone() else {
+        let policies = match (&self.rollout, i % 2) {
+            (Some(rollout), 1) => Some(rollout.clone()),
+            _ => self.policies.clone(),
+        };
+        let Some(policies) = policies else {
             self.note(format!("arbiter-{i}: no policies"));
             return None;
         };
@@ -585,9 +600,14 @@ impl World {
             }),
             map_version,
         });
+        let coord = match &self.coord {
+            Some(coord) => Some(self.coord_parts(i, coord, state_dir, seed).await?),
+            None => None,
+        };
         let assembled = assemble::arbiter(ArbiterParts {
             cluster,
             shards,
+            coord,
             policies,
             trust_domain: super::policies::TRUST_DOMAIN.into(),
             max_wait: Duration::from_secs(300),
@@ -602,6 +622,71 @@ impl World {
                 None
             }
         }
+    }
+
+    /// The coord tier's parts for arbiter `i`, as `start.rs` builds them
+    /// with `--split-tiers`: a table of its own over the coord tier's log
+    /// (session ids with the coord bit, its own witness, its state under
+    /// the arbiter's), started; the bindings' copies in the coord tier's
+    /// log and in the lock cluster's.
+    async fn coord_parts(
+        &self,
+        i: usize,
+        coord: &CoordLog,
+        state_dir: &std::path::Path,
+        seed: u64,
+    ) -> Option<CoordParts> {
+        let table = LockTable::witnessed(
+            coord.idlog.clone(),
+            Arc::new(EpochGuard::default()),
+            Arc::new(HighWater::in_memory(None)),
+            Some(coord.witness.clone()),
+            TableOptions {
+                poll: self.cfg.poll,
+                max_waiters_per_identity: 64,
+                seed: seed ^ fnv1a("coord-tier"),
+                batch_limit: self.cfg.batch_limit,
+                batches_in_flight: latchkey_arbiter::table::DEFAULT_BATCHES_IN_FLIGHT,
+                session_tag: latchkey_arbiter::tiers::COORD_SESSION_BIT,
+                map_version: MapVersion::default(),
+            },
+        );
+        while table.start().await.is_err() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let parts =
+            match self
+                .kit(coord.idlog.clone())
+                .parts(&table, &state_dir.join("coord-tier"), true)
+            {
+                Ok(parts) => parts,
+                Err(e) => {
+                    self.note(format!("arbiter-{i} coord tier: {e}"));
+                    return None;
+                }
+            };
+        let (coord_copy, entity_copy) = match self.cfg.faults.tier_bindings_unshared {
+            // The bug: a store of this arbiter's own (this start's).
+            true => {
+                let own = MemLog::new(seed ^ fnv1a("bindings"));
+                (own.clone(), own)
+            }
+            false => (coord.memlog.clone(), self.memlog.clone()),
+        };
+        let bindings = Bindings::over(
+            Arc::new(MemBindingCopy {
+                log: coord_copy,
+                prefix: format!("sys/tiers/{HOME_SHARD}/"),
+            }),
+            Arc::new(MemBindingCopy {
+                log: entity_copy,
+                prefix: "sys/tiers/".into(),
+            }),
+        );
+        Some(CoordParts {
+            cluster: parts,
+            bindings,
+        })
     }
 
     /// What a cluster of an arbiter is built from, over `log`.
@@ -630,14 +715,65 @@ impl World {
     }
 
     /// The log of the shard `key` is homed on (the lock cluster's without
-    /// shards): by the map as it is now.
+    /// shards): by the map as it is now; a coord key's, the coord tier's.
     pub(crate) fn idlog_of(&self, key: &str) -> &Arc<IdLog> {
+        if let Some(coord) = self.coord.as_ref().filter(|_| self.is_coord_key(key))
+            && self.bound_to_coord(coord)
+        {
+            return &coord.idlog;
+        }
         let home = self
             .shard_maps
             .as_ref()
             .and_then(|maps| maps.current())
             .map(|map| map.home(key).name.clone());
         self.idlog_named(home.as_deref())
+    }
+
+    /// The log a session lives in: the coord tier's for an id with the
+    /// coord bit, when the run has one; the lock cluster's.
+    pub(crate) fn session_log(&self, session: i64) -> &Arc<IdLog> {
+        match &self.coord {
+            Some(coord) if session & latchkey_arbiter::tiers::COORD_SESSION_BIT != 0 => {
+                &coord.idlog
+            }
+            _ => &self.idlog,
+        }
+    }
+
+    /// Where `key` is held, for a hold of `session` granted with `token`:
+    /// a coord session's holds are in the coord tier's log; an entity
+    /// session's hold of a coord key is on the lock cluster (its namespace
+    /// bound to the entity tier, [`SimConfig::coord_rollout`]); any other
+    /// as [`Self::idlog_of_grant`] says.
+    pub(crate) fn idlog_of_hold(&self, key: &str, token: u64, session: Option<i64>) -> &Arc<IdLog> {
+        match (&self.coord, session) {
+            (Some(coord), Some(id)) if id & latchkey_arbiter::tiers::COORD_SESSION_BIT != 0 => {
+                &coord.idlog
+            }
+            (Some(_), Some(_)) if self.is_coord_key(key) => &self.idlog,
+            _ => self.idlog_of_grant(key, token),
+        }
+    }
+
+    /// Whether a coord key's namespace is bound to the coord tier, or not
+    /// bound yet, as the coord tier's copy of the bindings says now.
+    fn bound_to_coord(&self, coord: &CoordLog) -> bool {
+        let key = format!(
+            "sys/tiers/{HOME_SHARD}/{}",
+            super::policies::COORD_NAMESPACE
+        );
+        coord.memlog.stored(&key).map(|kv| kv.value).as_deref() != Some(b"entity".as_slice())
+    }
+
+    /// Whether `key` is a coord key (in the namespace the coord-tier class
+    /// names; served by the coord tier's cluster unless bound elsewhere).
+    pub(crate) fn is_coord_key(&self, key: &str) -> bool {
+        self.coord.is_some()
+            && self
+                .cfg
+                .key_number(key)
+                .is_some_and(|n| self.cfg.is_coord_key(n as u64))
     }
 
     /// The log of the shard named `shard` (the lock cluster's for its own
@@ -649,11 +785,20 @@ impl World {
     }
 
     /// What an epoch advance of the lock cluster ends, as the history's
-    /// advance scopes: every hold (one advance, no scope) without shards;
-    /// with shards, the holds of each key homed on the lock cluster now
-    /// (one advance per key): another shard's epoch does not move.
+    /// advance scopes: every hold (one advance, no scope) without shards
+    /// or a coord tier; with shards, the holds of each key homed on the
+    /// lock cluster now (one advance per key): another shard's epoch does
+    /// not move; with a coord tier, the holds of the keys held on the lock
+    /// cluster only.
     pub(crate) fn advance_scopes(&self) -> Vec<Option<String>> {
         match self.shard_maps.as_ref().and_then(|m| m.current()) {
+            // A coord key bound to the entity tier (a policy rollout) is
+            // held on the lock cluster: its advance ends it too.
+            Some(_) | None if self.coord.is_some() => (0..self.cfg.keys)
+                .map(|n| self.cfg.key(n as u64))
+                .filter(|k| Arc::ptr_eq(self.idlog_of(k), &self.idlog))
+                .map(Some)
+                .collect(),
             None => vec![None],
             Some(map) => (0..self.cfg.keys)
                 .map(|n| self.cfg.key(n as u64))
