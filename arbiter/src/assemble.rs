@@ -217,4 +217,10 @@ impl OwnerHandle {
     pub fn entity_clusters(&self) -> Vec<Arc<Cluster>> {
         self.arbiter.tiers.entity_clusters()
     }
+
+    /// Every cluster but the lock cluster: the coord tier's (split off),
+    /// then the other connected shards.
+    pub fn other_clusters(&self) -> Vec<Arc<Cluster>> {
+        self.arbiter.tiers.all().into_iter().skip(1).collect()
+    }
 }

@@ -560,50 +560,8 @@ async fn simulate(cfg: SimConfig) -> Outcome {
         let traced: Arc<dyn Witness> = Arc::new(idlog::TracedWitness::new(w, idlog.clone()));
         traced
     });
-    // The other shards' logs, when the run has them: seeded from the run's
-    // seed, not from `rng`, so a run without them draws what it always drew.
-    let shard_logs = match cfg.whole_arbiter {
-        true => (1..=cfg.shards)
-            .map(|n| {
-                let memlog = MemLog::with_config(MemLogConfig {
-                    seed: cfg.seed ^ (0x5AAD_0000_0000_0000 + n as u64),
-                    cluster_id: None,
-                    faults: FaultRates::NONE,
-                    history_revisions: Some(10_000),
-                    min_ttl_seconds: 2,
-                    latency: cfg.log_latency,
-                });
-                let idlog = Arc::new(idlog::IdLog::sharing(memlog.clone(), &idlog));
-                let witness = MemWitness::new(cfg.seed ^ (0xC00D_5AAD_0000_0000 + n as u64));
-                shards::ShardLog {
-                    name: format!("s{n}"),
-                    memlog,
-                    witness: Arc::new(idlog::TracedWitness::new(witness, idlog.clone())),
-                    idlog,
-                }
-            })
-            .collect(),
-        false => Vec::new(),
-    };
-    // The coord tier's cluster, when split off: seeded from the run's
-    // seed, not from `rng`, so a run without it draws what it always drew.
-    let coord_log = (cfg.whole_arbiter && cfg.coord_keys > 0).then(|| {
-        let memlog = MemLog::with_config(MemLogConfig {
-            seed: cfg.seed ^ 0xC00D_7133_0000_0000,
-            cluster_id: None,
-            faults: FaultRates::NONE,
-            history_revisions: Some(10_000),
-            min_ttl_seconds: 2,
-            latency: cfg.log_latency,
-        });
-        let idlog = Arc::new(idlog::IdLog::sharing(memlog.clone(), &idlog));
-        let witness = MemWitness::new(cfg.seed ^ 0xC00D_7133_5EE5_0000);
-        tiers::CoordLog {
-            memlog,
-            witness: Arc::new(idlog::TracedWitness::new(witness, idlog.clone())),
-            idlog,
-        }
-    });
+    let shard_logs = shards::logs(&cfg, &idlog);
+    let coord_log = tiers::coord_log(&cfg, &idlog);
     let world = Arc::new(World::new(
         cfg.clone(),
         memlog,

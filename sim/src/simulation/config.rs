@@ -2,6 +2,8 @@
 //! operations), the faults it may meet ([`FaultKnobs`]) and the named
 //! presets the CI seeds run.
 
+mod keys;
+
 use std::time::Duration;
 
 /// What the nemesis and the clients may do wrong.
@@ -462,35 +464,6 @@ impl SimConfig {
             coord_rollout: false,
             faults: FaultKnobs::all(),
         }
-    }
-
-    /// Key number `n` as the clients name it (see [`Self::shards`]).
-    pub fn key(&self, n: u64) -> String {
-        let namespace = match self.is_coord_key(n) {
-            true => "simc",
-            false => "sim",
-        };
-        match self.shards {
-            0 => format!("{namespace}/k{n}"),
-            _ => format!("{namespace}/k{n}/x"),
-        }
-    }
-
-    /// Whether key number `n` is a coord key ([`Self::coord_keys`]).
-    pub fn is_coord_key(&self, n: u64) -> bool {
-        n as usize + self.coord_keys >= self.keys && self.coord_keys > 0
-    }
-
-    /// The number of a key [`Self::key`] named.
-    pub fn key_number(&self, key: &str) -> Option<usize> {
-        let rest = key
-            .strip_prefix("sim/k")
-            .or_else(|| key.strip_prefix("simc/k"))?;
-        let n = match self.shards {
-            0 => rest,
-            _ => rest.strip_suffix("/x")?,
-        };
-        n.parse().ok()
     }
 }
 

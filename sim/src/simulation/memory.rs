@@ -199,7 +199,7 @@ impl MemoryGrants {
             return;
         }
         self.report.violations.push(format!(
-            "at {ms:.0} ms {process} was about to write {key} before its fence deadline, and its session {session:#x}'s lease was gone: a renewal answered for a lease that was not renewed"
+            "at {ms:.0} ms {process} was about to write {key} before its fence deadline, and its session's lease was gone: a renewal answered for a lease that was not renewed"
         ));
     }
 

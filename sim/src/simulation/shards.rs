@@ -18,13 +18,14 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::clusters::{HOME_SHARD, shard_endpoint};
-use super::idlog::IdLog;
+use super::idlog::{IdLog, TracedWitness};
 use super::nemesis::{done, fault, pause};
 use super::policies::OPERATOR;
 use super::worker::calls::request;
 use super::world::World;
-use crate::memlog::MemLog;
+use crate::memlog::{FaultRates, MemLog, MemLogConfig};
 use crate::rng::Rng;
+use crate::witness::MemWitness;
 
 /// One shard other than the lock cluster: its log, and the same log with
 /// the run's lease ids (a shadow has its session's id).
@@ -42,6 +43,37 @@ impl ShardLog {
     pub(crate) fn epoch(&self) -> Option<u32> {
         super::nemesis::epoch_of(&self.memlog.snapshot())
     }
+}
+
+/// The other shards' logs, when the run has them ([`SimConfig::shards`],
+/// with the whole arbiter): seeded from the run's seed, not from its rng,
+/// so a run without them draws what it always drew.
+///
+/// [`SimConfig::shards`]: super::SimConfig::shards
+pub(crate) fn logs(cfg: &super::SimConfig, idlog: &Arc<IdLog>) -> Vec<ShardLog> {
+    if !cfg.whole_arbiter {
+        return Vec::new();
+    }
+    (1..=cfg.shards)
+        .map(|n| {
+            let memlog = MemLog::with_config(MemLogConfig {
+                seed: cfg.seed ^ (0x5AAD_0000_0000_0000 + n as u64),
+                cluster_id: None,
+                faults: FaultRates::NONE,
+                history_revisions: Some(10_000),
+                min_ttl_seconds: 2,
+                latency: cfg.log_latency,
+            });
+            let idlog = Arc::new(IdLog::sharing(memlog.clone(), idlog));
+            let witness = MemWitness::new(cfg.seed ^ (0xC00D_5AAD_0000_0000 + n as u64));
+            ShardLog {
+                name: format!("s{n}"),
+                memlog,
+                witness: Arc::new(TracedWitness::new(witness, idlog.clone())),
+                idlog,
+            }
+        })
+        .collect()
 }
 
 /// The coord cluster's id as the map's store answers it (no shard's).

@@ -60,6 +60,11 @@ fn is_definite_refusal(e: &ArbiterError) -> bool {
             | ArbiterError::SessionExpired { .. }
             | ArbiterError::ClosedOnQuorumLoss { .. }
             | ArbiterError::QuotaExceeded { .. }
+            // The tiers' routing refuses before any hold is written.
+            | ArbiterError::WrongTier(_)
+            | ArbiterError::TierBound(_)
+            | ArbiterError::TierMoving(_)
+            | ArbiterError::SessionWrongTier(_)
     )
 }
 
@@ -71,6 +76,7 @@ fn describe(e: &ArbiterError) -> String {
         ArbiterError::NotHeld { key, .. } => format!("NOT_HELD {key}"),
         ArbiterError::Leak { key, .. } => format!("LEAK {key}"),
         ArbiterError::SessionClassMismatch { .. } => "SESSION_CLASS_MISMATCH".into(),
+        ArbiterError::SessionWrongTier(_) => "SESSION_WRONG_TIER".into(),
         other => other.to_string(),
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use parking_lot::{Mutex, MutexGuard};
 
 use latchkey_arbiter::Arbiter as Service;
-use latchkey_arbiter::assemble::{self, ArbiterParts, CoordParts, OwnerHandle, ShardParts};
+use latchkey_arbiter::assemble::{self, ArbiterParts, OwnerHandle, ShardParts};
 use latchkey_arbiter::epoch::EpochGuard;
 use latchkey_arbiter::error::ArbiterError;
 use latchkey_arbiter::high_water::{HighWater, Mark};
@@ -17,7 +17,6 @@ use latchkey_arbiter::lock_log::LockLog;
 use latchkey_arbiter::policy::Policies;
 use latchkey_arbiter::table::durable::DurableStats;
 use latchkey_arbiter::table::{BatchStats, LockTable, MapVersion, TableOptions};
-use latchkey_arbiter::tiers::bindings::Bindings;
 use latchkey_arbiter::witness::Witness;
 use latchkey_checker::{Completion, Function, Mode, Operation, Outcome};
 use latchkey_hook_host::HookHost;
@@ -33,7 +32,7 @@ use super::fences::Fences;
 use super::idlog::IdLog;
 use super::memory::MemoryGrants;
 use super::shards::{MemShardMaps, ShardLog};
-use super::tiers::{CoordLog, MemBindingCopy};
+use super::tiers::CoordLog;
 use crate::memlog::MemLog;
 use crate::rng::Rng;
 use crate::witness::MemWitness;
@@ -618,79 +617,16 @@ impl World {
         match assembled {
             Ok(whole) => Some(whole),
             Err(e) => {
-                self.note(format!("arbiter-{i}: cannot read the shard map: {e}"));
+                self.note(format!(
+                    "arbiter-{i}: cannot read the shard map or the tier bindings: {e}"
+                ));
                 None
             }
         }
     }
 
-    /// The coord tier's parts for arbiter `i`, as `start.rs` builds them
-    /// with `--split-tiers`: a table of its own over the coord tier's log
-    /// (session ids with the coord bit, its own witness, its state under
-    /// the arbiter's), started; the bindings' copies in the coord tier's
-    /// log and in the lock cluster's.
-    async fn coord_parts(
-        &self,
-        i: usize,
-        coord: &CoordLog,
-        state_dir: &std::path::Path,
-        seed: u64,
-    ) -> Option<CoordParts> {
-        let table = LockTable::witnessed(
-            coord.idlog.clone(),
-            Arc::new(EpochGuard::default()),
-            Arc::new(HighWater::in_memory(None)),
-            Some(coord.witness.clone()),
-            TableOptions {
-                poll: self.cfg.poll,
-                max_waiters_per_identity: 64,
-                seed: seed ^ fnv1a("coord-tier"),
-                batch_limit: self.cfg.batch_limit,
-                batches_in_flight: latchkey_arbiter::table::DEFAULT_BATCHES_IN_FLIGHT,
-                session_tag: latchkey_arbiter::tiers::COORD_SESSION_BIT,
-                map_version: MapVersion::default(),
-            },
-        );
-        while table.start().await.is_err() {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let parts =
-            match self
-                .kit(coord.idlog.clone())
-                .parts(&table, &state_dir.join("coord-tier"), true)
-            {
-                Ok(parts) => parts,
-                Err(e) => {
-                    self.note(format!("arbiter-{i} coord tier: {e}"));
-                    return None;
-                }
-            };
-        let (coord_copy, entity_copy) = match self.cfg.faults.tier_bindings_unshared {
-            // The bug: a store of this arbiter's own (this start's).
-            true => {
-                let own = MemLog::new(seed ^ fnv1a("bindings"));
-                (own.clone(), own)
-            }
-            false => (coord.memlog.clone(), self.memlog.clone()),
-        };
-        let bindings = Bindings::over(
-            Arc::new(MemBindingCopy {
-                log: coord_copy,
-                prefix: format!("sys/tiers/{HOME_SHARD}/"),
-            }),
-            Arc::new(MemBindingCopy {
-                log: entity_copy,
-                prefix: "sys/tiers/".into(),
-            }),
-        );
-        Some(CoordParts {
-            cluster: parts,
-            bindings,
-        })
-    }
-
     /// What a cluster of an arbiter is built from, over `log`.
-    fn kit(&self, log: Arc<IdLog>) -> ClusterKit {
+    pub(crate) fn kit(&self, log: Arc<IdLog>) -> ClusterKit {
         ClusterKit {
             log,
             blind_follower: self.cfg.faults.blind_hold_follower,
@@ -728,52 +664,6 @@ impl World {
             .and_then(|maps| maps.current())
             .map(|map| map.home(key).name.clone());
         self.idlog_named(home.as_deref())
-    }
-
-    /// The log a session lives in: the coord tier's for an id with the
-    /// coord bit, when the run has one; the lock cluster's.
-    pub(crate) fn session_log(&self, session: i64) -> &Arc<IdLog> {
-        match &self.coord {
-            Some(coord) if session & latchkey_arbiter::tiers::COORD_SESSION_BIT != 0 => {
-                &coord.idlog
-            }
-            _ => &self.idlog,
-        }
-    }
-
-    /// Where `key` is held, for a hold of `session` granted with `token`:
-    /// a coord session's holds are in the coord tier's log; an entity
-    /// session's hold of a coord key is on the lock cluster (its namespace
-    /// bound to the entity tier, [`SimConfig::coord_rollout`]); any other
-    /// as [`Self::idlog_of_grant`] says.
-    pub(crate) fn idlog_of_hold(&self, key: &str, token: u64, session: Option<i64>) -> &Arc<IdLog> {
-        match (&self.coord, session) {
-            (Some(coord), Some(id)) if id & latchkey_arbiter::tiers::COORD_SESSION_BIT != 0 => {
-                &coord.idlog
-            }
-            (Some(_), Some(_)) if self.is_coord_key(key) => &self.idlog,
-            _ => self.idlog_of_grant(key, token),
-        }
-    }
-
-    /// Whether a coord key's namespace is bound to the coord tier, or not
-    /// bound yet, as the coord tier's copy of the bindings says now.
-    fn bound_to_coord(&self, coord: &CoordLog) -> bool {
-        let key = format!(
-            "sys/tiers/{HOME_SHARD}/{}",
-            super::policies::COORD_NAMESPACE
-        );
-        coord.memlog.stored(&key).map(|kv| kv.value).as_deref() != Some(b"entity".as_slice())
-    }
-
-    /// Whether `key` is a coord key (in the namespace the coord-tier class
-    /// names; served by the coord tier's cluster unless bound elsewhere).
-    pub(crate) fn is_coord_key(&self, key: &str) -> bool {
-        self.coord.is_some()
-            && self
-                .cfg
-                .key_number(key)
-                .is_some_and(|n| self.cfg.is_coord_key(n as u64))
     }
 
     /// The log of the shard named `shard` (the lock cluster's for its own
@@ -821,10 +711,12 @@ impl World {
         }
     }
 
-    /// Every cluster's log: the lock cluster's, then the other shards'.
+    /// Every cluster's log: the lock cluster's, then the other shards',
+    /// then the coord tier's.
     pub(crate) fn idlogs(&self) -> Vec<&Arc<IdLog>> {
         std::iter::once(&self.idlog)
             .chain(self.shards.iter().map(|s| &s.idlog))
+            .chain(self.coord.iter().map(|c| &c.idlog))
             .collect()
     }
 
@@ -838,15 +730,15 @@ impl World {
         let (table, killed, shard_tables) = {
             let mut slot = lock(slot);
             slot.restarts += 1;
-            // The other shards' tables die with it (their clusters were
-            // connected by its routing).
+            // The other shards' tables and the coord tier's die with it
+            // (their clusters were connected by its routing, or built
+            // with it).
             let shard_tables: Vec<Arc<LockTable>> = slot
                 .service
                 .take()
-                .map(|(_, owner)| owner.entity_clusters())
+                .map(|(_, owner)| owner.other_clusters())
                 .unwrap_or_default()
                 .into_iter()
-                .skip(1)
                 .map(|c| c.table().clone())
                 .collect();
             (slot.table.take(), slot.killed.clone(), shard_tables)
