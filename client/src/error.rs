@@ -115,7 +115,15 @@ pub enum Error {
 
 impl Error {
     /// Worth retrying as is: the network or the store, not the request.
+    /// A TLS setup this side cannot complete ([`Self::tls_problem`]: a CA
+    /// that does not sign the server's certificate, a server name the
+    /// certificate does not name, a key that is not the certificate's, a
+    /// certificate the server refuses) is not: it fails the same way
+    /// every time.
     pub fn is_transient(&self) -> bool {
+        if self.tls_problem().is_some() {
+            return false;
+        }
         match self {
             Error::Refused { code, reason, .. } => {
                 matches!(reason, Reason::StoreUnavailable)
@@ -129,6 +137,38 @@ impl Error {
             | Error::LeadershipLost { .. }
             | Error::Protocol { .. } => false,
         }
+    }
+
+    /// What is wrong with the TLS setup, when the connection failed in
+    /// its handshake for a reason of configuration rather than the network:
+    /// the line of the cause chain that says so (e.g. `invalid peer
+    /// certificate: UnknownIssuer`). `None` for every other error, answers
+    /// from the arbiter or the edge included.
+    pub fn tls_problem(&self) -> Option<String> {
+        let local: &(dyn std::error::Error + 'static) = match self {
+            Error::Transport { source, .. } => source,
+            Error::Refused {
+                source: Some(source),
+                ..
+            } => source,
+            _ => return None,
+        };
+        let mut next = Some(local);
+        while let Some(err) = next {
+            let line = match err
+                .downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+            {
+                // An I/O error's own source skips the error it wraps.
+                Some(inner) => inner.to_string(),
+                None => err.to_string(),
+            };
+            if TLS_CONFIG_MARKERS.iter().any(|m| line.contains(m)) {
+                return Some(line);
+            }
+            next = err.source();
+        }
+        None
     }
 
     /// The refusal reason, `Unspecified` for errors that are not refusals.
@@ -186,6 +226,25 @@ impl From<tonic::Status> for Error {
         }
     }
 }
+
+/// How rustls and tonic say a handshake failed for a reason of
+/// configuration (the CA, the server name, the client's key or
+/// certificate), as their errors print. A network failure says none.
+const TLS_CONFIG_MARKERS: &[&str] = &[
+    "invalid peer certificate",
+    "peer sent no certificates",
+    "received fatal alert: BadCertificate",
+    "received fatal alert: UnknownCA",
+    "received fatal alert: CertificateRequired",
+    "received fatal alert: CertificateUnknown",
+    "received fatal alert: DecryptError",
+    "received fatal alert: AccessDenied",
+    "InconsistentKeys",
+    "keys may not be consistent",
+    "KeyMismatch",
+    "private key",
+    "invalid certificate",
+];
 
 /// The error under a status tonic made itself (see [`Error::Refused`]).
 ///

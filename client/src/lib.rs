@@ -150,6 +150,8 @@ pub use lock::{LockBuilder, LockGuard};
 pub use rpc::DEV_IDENTITY_HEADER;
 pub use session::{FenceReason, Session};
 pub use token::FencingToken;
+/// The gRPC status code of a refusal ([`Error::Refused`]'s `code`).
+pub use tonic::Code;
 
 /// The README's client example, compiled by `cargo test --doc` so it stays
 /// true to this crate's API.

@@ -3,9 +3,11 @@
 //! lock classes, make dev certificates, and run the operator calls. It lives in the library so that the `latchctl` binary and the e2e
 //! tests' copy of it (`latchctl-under-test`) are the same code.
 //!
-//! Errors print as `latchctl: <gRPC code>: <REASON>: <message>` on stderr
-//! with exit code 1, followed by a line saying to retry when the refusal is
-//! temporary (e.g. the edge's `POLICY_NOT_READY`); usage errors exit 2.
+//! Errors print as `latchctl: <gRPC code>: <REASON>: <message>` on stderr,
+//! followed by a line saying to retry when the refusal is temporary (e.g.
+//! the edge's `POLICY_NOT_READY`), or what to check when the TLS setup is
+//! wrong; with `--json`, as one JSON object on stderr. The exit status says
+//! which kind of failure it was ([`status`], docs/operations.md).
 
 mod acquire;
 mod admin;
@@ -42,12 +44,13 @@ struct Cli {
 
 #[derive(Debug, Args)]
 struct Global {
-    /// The arbiter (its Envoy).
+    /// The edge: the Envoy sidecar in front of the arbiter (workloads and
+    /// operators call through it; dev-up's listens on 127.0.0.1:8443).
     #[arg(
         long,
         global = true,
         env = "LATCHKEY_ENDPOINT",
-        default_value = "https://127.0.0.1:7443"
+        default_value = "https://127.0.0.1:8443"
     )]
     endpoint: String,
     /// Trust bundle (PEM).
@@ -120,15 +123,65 @@ enum Command {
     PauseTestHolder(pause_test::HolderArgs),
 }
 
+/// latchctl's exit statuses: what a script can tell apart without reading
+/// stderr (docs/operations.md, "latchctl's exit statuses"). `hold` and
+/// `elect` exit with their command's status when it ran to its end.
+pub mod status {
+    /// Anything not below (an unexpected answer, a local error).
+    pub const FAILURE: u8 = 1;
+    /// The command line or the configuration it names is wrong.
+    pub const USAGE: u8 = 2;
+    /// The key is held (a try-lock, or LEAK: held by this identity's
+    /// other session).
+    pub const HELD: u8 = 3;
+    /// The wait (`--wait`) or the call's deadline ran out.
+    pub const TIMED_OUT: u8 = 4;
+    /// Refused for good: not authorised, a bad key or class, a hook said
+    /// no, a session or hold that is not the caller's or not there.
+    pub const REFUSED: u8 = 5;
+    /// Temporary: the arbiter, the edge or etcd could not serve it now;
+    /// retrying later may work.
+    pub const UNAVAILABLE: u8 = 6;
+    /// The lock or leadership was lost while the command ran (it was
+    /// stopped), or the session was fenced.
+    pub const LOST: u8 = 7;
+    /// The TLS setup cannot work (the CA, the server name, the SVID or its
+    /// key): fix it, retrying will not help.
+    pub const TLS: u8 = 8;
+}
+
 /// Why latchctl stops with a non-zero status.
 pub(crate) enum Failure {
     /// Exit 2.
     Usage(String),
     /// A Latchkey call failed; refusals print as `CODE: REASON: message`.
     Lock(latchkey_client::Error),
+    /// The lock or leadership was lost while its command ran: printed as
+    /// is, exit [`status::LOST`].
+    Lost(String),
     /// Printed as is.
     Plain(String),
     Other(anyhow::Error),
+}
+
+/// The exit status for a failed Latchkey call.
+fn status_of(err: &latchkey_client::Error) -> u8 {
+    use latchkey_client::{Code, Error, Reason};
+    if err.tls_problem().is_some() {
+        return status::TLS;
+    }
+    match err {
+        Error::Config { .. } | Error::ReadFile { .. } => status::USAGE,
+        Error::Fenced { .. } | Error::LeadershipLost { .. } => status::LOST,
+        Error::Protocol { .. } => status::FAILURE,
+        Error::Refused { code, reason, .. } => match (reason, code) {
+            (Reason::Held | Reason::Leak, _) => status::HELD,
+            (Reason::WaitTimeout, _) | (_, Code::DeadlineExceeded) => status::TIMED_OUT,
+            _ if err.retry_hint().is_some() => status::UNAVAILABLE,
+            _ => status::REFUSED,
+        },
+        Error::Transport { .. } => status::UNAVAILABLE,
+    }
 }
 
 impl From<latchkey_client::Error> for Failure {
@@ -249,30 +302,109 @@ pub async fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
         )
         .try_init();
+    let json = cli.global.json;
     match run(cli).await {
         Ok(code) => code,
-        Err(Failure::Usage(message)) => {
-            eprintln!("latchctl: {message}");
-            ExitCode::from(2)
-        }
-        // A server's message may quote what someone else wrote: shown with
-        // control and format characters escaped (latchkey_proto::text).
-        Err(Failure::Lock(err)) => {
-            eprintln!("latchctl: {}", Shown(&chain(&err)));
-            if let Some(hint) = err.retry_hint() {
-                eprintln!("latchctl: {hint}");
+        Err(failure) => {
+            let (status, lines, fields) = described(&failure);
+            if json {
+                let mut error = serde_json::json!({ "exit": status });
+                if let (Some(obj), serde_json::Value::Object(more)) =
+                    (error.as_object_mut(), fields)
+                {
+                    obj.extend(more);
+                }
+                eprintln!("{}", serde_json::json!({ "error": error }));
+            } else {
+                for line in lines {
+                    eprintln!("latchctl: {line}");
+                }
             }
-            ExitCode::FAILURE
-        }
-        Err(Failure::Plain(message)) => {
-            eprintln!("latchctl: {}", Shown(&message));
-            ExitCode::FAILURE
-        }
-        Err(Failure::Other(err)) => {
-            eprintln!("latchctl: {err:#}");
-            ExitCode::FAILURE
+            ExitCode::from(status)
         }
     }
+}
+
+/// A failure's exit status, its lines for a person, and its fields for
+/// `--json` (`kind`, `message`, and for a call's failure `code`, `reason`,
+/// `temporary`, `hint`).
+fn described(failure: &Failure) -> (u8, Vec<String>, serde_json::Value) {
+    use serde_json::json;
+    match failure {
+        Failure::Usage(message) => (
+            status::USAGE,
+            vec![message.clone()],
+            json!({ "kind": "usage", "message": message }),
+        ),
+        // A server's message may quote what someone else wrote: shown with
+        // control and format characters escaped (latchkey_proto::text).
+        Failure::Lock(err) => {
+            let text = Shown(&chain(err)).to_string();
+            let tls = err.tls_problem();
+            let hint = match (&tls, err.retry_hint()) {
+                (Some(_), _) => Some(
+                    "the TLS setup is wrong, and retrying will not help: check --ca (it must sign the server's certificate), --tls-domain (a name the server's certificate has), and that --cert and --key are one SVID".to_string(),
+                ),
+                (None, hint) => hint.map(str::to_string),
+            };
+            let (code, reason) = match err {
+                latchkey_client::Error::Refused {
+                    code, wire_reason, ..
+                } => (format!("{code:?}"), wire_reason.clone()),
+                _ => (String::new(), String::new()),
+            };
+            let mut lines = vec![text.clone()];
+            lines.extend(hint.clone());
+            (
+                status_of(err),
+                lines,
+                json!({
+                    "kind": "call",
+                    "code": code_name(&code),
+                    "reason": reason,
+                    "message": text,
+                    "temporary": err.is_transient(),
+                    "hint": hint,
+                }),
+            )
+        }
+        Failure::Lost(message) => {
+            let text = Shown(message).to_string();
+            (
+                status::LOST,
+                vec![text.clone()],
+                json!({ "kind": "lost", "message": text }),
+            )
+        }
+        Failure::Plain(message) => {
+            let text = Shown(message).to_string();
+            (
+                status::FAILURE,
+                vec![text.clone()],
+                json!({ "kind": "failure", "message": text }),
+            )
+        }
+        Failure::Other(err) => {
+            let text = format!("{err:#}");
+            (
+                status::FAILURE,
+                vec![text.clone()],
+                json!({ "kind": "failure", "message": text }),
+            )
+        }
+    }
+}
+
+/// tonic's `Code` as gRPC spells it (`Unavailable` -> `UNAVAILABLE`).
+fn code_name(debug: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in debug.chars().enumerate() {
+        if c.is_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_uppercase());
+    }
+    out
 }
 
 #[cfg(test)]

@@ -984,7 +984,7 @@ async fn before_its_first_grant_table_the_edge_says_retry_never_permission_denie
     )
     .await??;
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(out.status.code(), Some(6), "temporary exits 6: {stderr}");
     assert!(
         stderr.contains("UNAVAILABLE: POLICY_NOT_READY") && stderr.contains("retry"),
         "{stderr}"

@@ -172,7 +172,7 @@ async fn latchctl_holds_acquires_inspects_and_releases_on_the_real_arbiter() -> 
     let view = alice.inspect("demo/cli2").await?;
     assert!(view.holder.is_none(), "free after release: {view:?}");
 
-    // mallory: refused with the code and reason on stderr, exit 1.
+    // mallory: refused with the code and reason on stderr, exit 5.
     let out = run(latchctl(addr, "workload/mallory")?.args([
         "acquire",
         "demo/cli3",
@@ -182,7 +182,7 @@ async fn latchctl_holds_acquires_inspects_and_releases_on_the_real_arbiter() -> 
     ]))
     .await?;
     let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(out.status.code(), Some(5), "REFUSED exits 5: {stderr}");
     assert!(
         stderr.contains("PERMISSION_DENIED") && stderr.contains("NOT_AUTHORISED"),
         "{stderr}"
@@ -208,6 +208,99 @@ async fn latchctl_holds_acquires_inspects_and_releases_on_the_real_arbiter() -> 
             .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["epoch", "1"]),
         "{human}"
     );
+    Ok(())
+}
+
+/// A TLS setup that cannot work fails at once with exit 8, the cause named
+/// and never called temporary: a CA that did not sign the server's
+/// certificate, a server name the certificate does not have, a key that is
+/// not the certificate's.
+#[tokio::test(flavor = "multi_thread")]
+async fn latchctl_names_a_wrong_tls_setup_and_does_not_call_it_temporary() -> anyhow::Result<()> {
+    let s = stack().await?;
+    let addr = s.arbiter.addr();
+    let certs = latchkey_tests::arbiter::certs()?;
+    let alice = certs.svid("workload/alice");
+    let bob = certs.svid("workload/bob");
+    let other = tempfile::tempdir()?;
+    let made = run(Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"))
+        .args([
+            "dev-certs",
+            "--trust-domain",
+            "other.test",
+            "--name",
+            "x",
+            "--out",
+        ])
+        .arg(other.path()))
+    .await?;
+    ensure!(made.status.success(), "dev-certs: {}", text(&made.stderr));
+    let other_ca = other.path().join("ca.pem");
+    ensure!(other_ca.exists(), "no ca.pem in {}", other.path().display());
+    let base = || {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"));
+        cmd.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .arg("--endpoint")
+            .arg(format!("https://{addr}"))
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        cmd
+    };
+    let cases: [(&str, Vec<std::ffi::OsString>, &str); 3] = [
+        (
+            "a CA that did not sign the server's certificate",
+            vec![
+                "--ca".into(),
+                other_ca.clone().into(),
+                "--cert".into(),
+                alice.cert.clone().into(),
+                "--key".into(),
+                alice.key.clone().into(),
+            ],
+            "UnknownIssuer",
+        ),
+        (
+            "a server name the certificate does not have",
+            vec![
+                "--ca".into(),
+                certs.ca().into(),
+                "--cert".into(),
+                alice.cert.clone().into(),
+                "--key".into(),
+                alice.key.clone().into(),
+                "--tls-domain".into(),
+                "not-the-arbiter.example".into(),
+            ],
+            "not valid for name",
+        ),
+        (
+            "a key that is not the certificate's",
+            vec![
+                "--ca".into(),
+                certs.ca().into(),
+                "--cert".into(),
+                alice.cert.clone().into(),
+                "--key".into(),
+                bob.key.clone().into(),
+            ],
+            "KeyMismatch",
+        ),
+    ];
+    for (what, flags, cause) in cases {
+        let began = Instant::now();
+        let out = run(base().args(flags).args(["inspect", "demo/tls"])).await?;
+        let stderr = text(&out.stderr);
+        eprintln!(
+            "{what}: {:?} in {:?}: {stderr}",
+            out.status.code(),
+            began.elapsed()
+        );
+        assert_eq!(out.status.code(), Some(8), "{what}: {stderr}");
+        assert!(stderr.contains(cause), "{what}: {stderr}");
+        assert!(!stderr.contains("temporary"), "{what}: {stderr}");
+        assert!(stderr.contains("TLS setup"), "{what}: {stderr}");
+    }
     Ok(())
 }
 
@@ -290,7 +383,7 @@ async fn latchctl_hold_stops_its_command_when_the_session_is_lost() -> anyhow::R
     let exited_after = blocked_at.elapsed();
     let stderr = stderr();
     eprintln!("latchctl hold exited {exited_after:?} after the block: {stderr}");
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert_eq!(status.code(), Some(7), "LOST exits 7: {stderr}");
     assert!(stderr.contains(&format!("lock on {KEY} lost")), "{stderr}");
     assert!(
         exited_after <= SHORT_TTL - FENCE_MARGIN + Duration::from_secs(1),

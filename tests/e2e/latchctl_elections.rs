@@ -175,7 +175,10 @@ async fn latchctl_elect_stops_its_command_when_the_leadership_is_lost() -> anyho
     if let Some(mut pipe) = child.stderr.take() {
         tokio::io::AsyncReadExt::read_to_string(&mut pipe, &mut stderr).await?;
     }
-    ensure!(status.code() == Some(1), "{stderr}");
+    ensure!(
+        status.code() == Some(7),
+        "a lost leadership exits 7: {stderr}"
+    );
     ensure!(
         stderr.contains(&format!("leadership of {election}")) && stderr.contains("lost"),
         "{stderr}"
@@ -370,7 +373,7 @@ async fn latchctl_leader_and_candidates_print_what_the_api_says() -> anyhow::Res
 
     // mallory has no grant on demo/: refused with the code and reason.
     let out = run(latchctl(addr, "workload/mallory")?.args(["candidates", election])).await?;
-    ensure!(out.status.code() == Some(1));
+    ensure!(out.status.code() == Some(5), "REFUSED exits 5");
     let stderr = text(&out.stderr);
     ensure!(
         stderr.contains("PERMISSION_DENIED") && stderr.contains("NOT_AUTHORISED"),

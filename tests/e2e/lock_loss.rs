@@ -162,7 +162,7 @@ async fn latchctl_hold_stops_its_command_when_its_hold_is_removed() -> anyhow::R
         }
     };
     let stderr = stderr();
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert_eq!(status.code(), Some(7), "LOST exits 7: {stderr}");
     assert!(stderr.contains(&format!("lock on {KEY} lost")), "{stderr}");
     assert_eq!(
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),

@@ -32,7 +32,7 @@ and exits with the command's status.
 When the leadership is lost while the command runs (the session's fence
 deadline passes without a successful keepalive, the arbiter expires the
 session, or another term starts or the election is vacated), latchctl sends
-the command SIGTERM, then SIGKILL 2 s later, and exits 1. Like etcdctl
+the command SIGTERM, then SIGKILL 2 s later, and exits 7 (LOST). Like etcdctl
 elect, it does not campaign again: run it under a supervisor (or use the
 client library's Client::lead, which re-campaigns) to stand again.
 
@@ -53,7 +53,7 @@ pub struct ElectArgs {
     /// priority.
     #[arg(long, default_value_t = 0)]
     pub priority: u32,
-    /// Give up (exit 1, WAIT_TIMEOUT) unless leading within this long.
+    /// Give up (exit 4, WAIT_TIMEOUT) unless leading within this long.
     #[arg(long, value_parser = duration::parse, value_name = "DURATION")]
     pub wait: Option<Duration>,
     /// The command and its arguments, after `--`.
@@ -219,7 +219,7 @@ pub async fn elect(client: Client, args: ElectArgs, out: Output) -> Result<ExitC
             );
             stop(&mut child).await;
             let _ = session.close().await;
-            Err(Failure::Plain(format!(
+            Err(Failure::Lost(format!(
                 "leadership of {} (term {term}) lost: {reason}; {program} was stopped",
                 args.name
             )))

@@ -158,7 +158,7 @@ pub async fn hold(client: Client, args: HoldArgs, out: Output) -> Result<ExitCod
                 ),
             );
             stop(&mut child).await;
-            Err(Failure::Other(anyhow::anyhow!(
+            Err(Failure::Lost(format!(
                 "lock on {} lost: {reason}; {program} was stopped",
                 guard.key()
             )))

@@ -524,7 +524,7 @@ async fn kit(
         Err(Failure::Lock(e)) => {
             return Err(cannot_run!("cannot reach the arbiter: {}", chain(&e)));
         }
-        Err(Failure::Usage(m) | Failure::Plain(m)) => return Err(CannotRun(m)),
+        Err(Failure::Usage(m) | Failure::Plain(m) | Failure::Lost(m)) => return Err(CannotRun(m)),
         Err(Failure::Other(e)) => return Err(cannot_run!("{e:#}")),
     };
     // The result must say what was proven: a `redis:…` resource from a

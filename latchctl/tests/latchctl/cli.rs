@@ -70,7 +70,7 @@ async fn hold_runs_the_command_with_the_grant_and_exits_with_its_status() {
 }
 
 #[tokio::test]
-async fn refusals_print_code_reason_message_and_exit_1() {
+async fn refusals_print_code_reason_message_and_exit_with_their_kind() {
     let arbiter = FakeArbiter::new(&[("jobs", 15)]);
     let addr = arbiter.serve().await;
     let first =
@@ -85,11 +85,24 @@ async fn refusals_print_code_reason_message_and_exit_1() {
     assert!(grant["token"].as_u64().is_some());
 
     let second = run(latchctl(addr).args(["acquire", "jobs/x", "--class", "jobs"])).await;
-    assert_eq!(second.status.code(), Some(1));
+    assert_eq!(second.status.code(), Some(3), "HELD exits 3");
     assert_eq!(
         text(&second.stderr).trim(),
         "latchctl: ABORTED: HELD: the key is held"
     );
+    // With --json the error is one JSON object on stderr; stdout stays empty.
+    let third = run(latchctl(addr).args(["--json", "acquire", "jobs/x", "--class", "jobs"])).await;
+    assert_eq!(third.status.code(), Some(3));
+    assert!(third.stdout.is_empty(), "{}", text(&third.stdout));
+    let error: serde_json::Value = match serde_json::from_slice(&third.stderr) {
+        Ok(v) => v,
+        Err(e) => panic!("--json error: {e}: {}", text(&third.stderr)),
+    };
+    assert_eq!(error["error"]["exit"], 3, "{error}");
+    assert_eq!(error["error"]["kind"], "call", "{error}");
+    assert_eq!(error["error"]["code"], "ABORTED", "{error}");
+    assert_eq!(error["error"]["reason"], "HELD", "{error}");
+    assert_eq!(error["error"]["temporary"], false, "{error}");
 
     let token = grant["token"].as_u64().unwrap_or_default().to_string();
     let session = grant["session_id"].as_i64().unwrap_or_default().to_string();
@@ -103,6 +116,27 @@ async fn refusals_print_code_reason_message_and_exit_1() {
     ]))
     .await;
     assert!(release.status.success(), "{}", text(&release.stderr));
+}
+
+/// Nothing listening: UNAVAILABLE, exit 6, with the retry hint (under
+/// `--json`: `temporary` true).
+#[tokio::test]
+async fn an_unreachable_endpoint_exits_6_and_says_to_retry() {
+    let closed = match std::net::TcpListener::bind("127.0.0.1:0") {
+        Ok(l) => l.local_addr().expect("addr"),
+        Err(e) => panic!("bind: {e}"),
+    };
+    let out = run(latchctl(closed).args(["inspect", "jobs/x"])).await;
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(6), "{stderr}");
+    assert!(stderr.contains("temporary"), "{stderr}");
+    let out = run(latchctl(closed).args(["--json", "inspect", "jobs/x"])).await;
+    let error: serde_json::Value = match serde_json::from_slice(&out.stderr) {
+        Ok(v) => v,
+        Err(e) => panic!("--json error: {e}: {}", text(&out.stderr)),
+    };
+    assert_eq!(error["error"]["exit"], 6, "{error}");
+    assert_eq!(error["error"]["temporary"], true, "{error}");
 }
 
 #[tokio::test]
@@ -144,6 +178,6 @@ async fn hold_stops_the_command_when_the_lock_is_lost() {
         Err(_) => panic!("latchctl kept running after the lock was lost"),
     };
     let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(out.status.code(), Some(7), "a lost lock exits 7: {stderr}");
     assert!(stderr.contains("lock on jobs/long lost"), "{stderr}");
 }
