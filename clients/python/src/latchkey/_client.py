@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -96,6 +97,71 @@ def _target(endpoint: str) -> str:
     return target.rstrip("/")
 
 
+def _tls_preflight(target: str, ca: bytes, cert, key, server_name: str, timeout: float) -> None:
+    """Names a TLS setup that cannot work before gRPC would wait it out.
+
+    gRPC reports a failed handshake only as a channel that never becomes
+    ready (``connect_timeout`` later, with no cause). So the client checks
+    first, with Python's own TLS: the key must be the certificate's (no
+    network), and one handshake with the endpoint must verify the server's
+    certificate against ``ca`` for ``server_name`` and be accepted. A
+    :class:`ConfigError` names what is wrong; an endpoint that cannot be
+    reached at all is left to gRPC's connect (retrying may help there).
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["h2"])
+    try:
+        context.load_verify_locations(cadata=ca.decode("utf-8", "replace"))
+    except (ssl.SSLError, ValueError) as error:
+        raise ConfigError(f"the CA bundle holds no usable certificate: {error}") from None
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as error:
+        if "KEY_VALUES_MISMATCH" in str(error):
+            raise ConfigError(
+                f"the SVID key {key} is not the key of the SVID certificate {cert}: "
+                "pass the key that was issued with the certificate"
+            ) from None
+        raise ConfigError(f"the SVID certificate {cert} or key {key} cannot be used: {error}") from None
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=timeout)
+    except (OSError, ValueError):
+        return
+    try:
+        with context.wrap_socket(raw, server_hostname=server_name or host) as tls:
+            # TLS 1.3: the server judges the client's certificate after the
+            # client's Finished; a read brings its alert back, if it sends one.
+            tls.settimeout(min(timeout, 0.5))
+            try:
+                tls.recv(1)
+            except (socket.timeout, ssl.SSLWantReadError):
+                pass
+    except ssl.SSLCertVerificationError as error:
+        reason = error.verify_message or str(error)
+        if "hostname" in reason.lower() or "ip address mismatch" in reason.lower():
+            raise ConfigError(
+                f"the server's certificate at {target} does not name {server_name or host!r} ({reason}): "
+                "pass server_name= a name the certificate has"
+            ) from None
+        raise ConfigError(
+            f"the server's certificate at {target} does not verify against the CA bundle ({reason}): "
+            "pass the trust bundle of the server's trust domain as ca="
+        ) from None
+    except ssl.SSLError as error:
+        text = str(error)
+        if "ALERT" in text.upper() or "CERTIFICATE" in text.upper():
+            raise ConfigError(
+                f"the server at {target} refused this client's TLS setup ({text}): "
+                "check that cert= is an SVID the server's trust domain issued"
+            ) from None
+    except OSError:
+        # Reset or timed out: the network's, not the configuration's.
+        return
+
+
 class Client:
     """A connection to the arbiter's Envoy under this workload's SPIFFE identity.
 
@@ -132,11 +198,16 @@ class Client:
         # share one SPIFFE ID name different instances and simply contend.
         # A diagnostic the client asserts about itself, never an identity.
         self._instance = _clean_instance(instance if instance is not None else default_instance())
+        ca_pem = _read("CA bundle", ca)
         credentials = grpc.ssl_channel_credentials(
-            root_certificates=_read("CA bundle", ca),
+            root_certificates=ca_pem,
             private_key=_read("SVID key", key),
             certificate_chain=_read("SVID certificate", cert),
         )
+        # A TLS setup that cannot work fails here, at once and with its
+        # cause; gRPC would wait connect_timeout and say only "could not
+        # connect".
+        _tls_preflight(target, ca_pem, cert, key, server_name, connect_timeout)
         options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         self._endpoint = endpoint
         self._default_class = default_class
