@@ -206,7 +206,9 @@ class Client:
         )
         # A TLS setup that cannot work fails here, at once and with its
         # cause; gRPC would wait connect_timeout and say only "could not
-        # connect".
+        # connect". One connect_timeout covers both: an endpoint that does
+        # not answer is Unavailable after it, not after two.
+        connect_by = time.monotonic() + connect_timeout
         _tls_preflight(target, ca_pem, cert, key, server_name, connect_timeout)
         options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         self._endpoint = endpoint
@@ -214,7 +216,8 @@ class Client:
         self._request_timeout = request_timeout
         self._channel = grpc.secure_channel(target, credentials, options=options)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+            left = max(connect_by - time.monotonic(), 0.1)
+            grpc.channel_ready_future(self._channel).result(timeout=left)
         except grpc.FutureTimeoutError:
             self._channel.close()
             raise Unavailable(
