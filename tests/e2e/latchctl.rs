@@ -247,43 +247,33 @@ async fn latchctl_names_a_wrong_tls_setup_and_does_not_call_it_temporary() -> an
             .kill_on_drop(true);
         cmd
     };
+    let files = |ca: &std::path::Path, key: &std::path::Path| -> Vec<std::ffi::OsString> {
+        vec![
+            "--ca".into(),
+            ca.into(),
+            "--cert".into(),
+            alice.cert.clone().into(),
+            "--key".into(),
+            key.into(),
+        ]
+    };
+    let ca = certs.ca();
+    let mut wrong_name = files(&ca, &alice.key);
+    wrong_name.extend(["--tls-domain".into(), "not-the-arbiter.example".into()]);
     let cases: [(&str, Vec<std::ffi::OsString>, &str); 3] = [
         (
             "a CA that did not sign the server's certificate",
-            vec![
-                "--ca".into(),
-                other_ca.clone().into(),
-                "--cert".into(),
-                alice.cert.clone().into(),
-                "--key".into(),
-                alice.key.clone().into(),
-            ],
+            files(&other_ca, &alice.key),
             "UnknownIssuer",
         ),
         (
             "a server name the certificate does not have",
-            vec![
-                "--ca".into(),
-                certs.ca().into(),
-                "--cert".into(),
-                alice.cert.clone().into(),
-                "--key".into(),
-                alice.key.clone().into(),
-                "--tls-domain".into(),
-                "not-the-arbiter.example".into(),
-            ],
+            wrong_name,
             "not valid for name",
         ),
         (
             "a key that is not the certificate's",
-            vec![
-                "--ca".into(),
-                certs.ca().into(),
-                "--cert".into(),
-                alice.cert.clone().into(),
-                "--key".into(),
-                bob.key.clone().into(),
-            ],
+            files(&ca, &bob.key),
             "KeyMismatch",
         ),
     ];

@@ -64,13 +64,7 @@ impl Arbiter {
         let value = kv.map(|kv| kv.value).unwrap_or_default();
         // The mark first, on the session's lease: a renewal that begins
         // once the shadow exists reads it, and renews the shadow.
-        match home.log().mark_shadow(session, shard).await {
-            Ok(_) => {}
-            Err(StoreError::LeaseGone { .. }) => {
-                return Err(ArbiterError::SessionExpired { session });
-            }
-            Err(e) => return Err(e.into()),
-        }
+        self.mark_found_shadow(session, shard).await?;
         match table.log().grant_lease(session, record.ttl_seconds).await {
             Ok(_) | Err(StoreError::LeaseExists { .. }) => {}
             Err(e) => return Err(e.into()),

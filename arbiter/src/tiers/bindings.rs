@@ -47,7 +47,9 @@ use crate::lock_log::etcd::unavailable;
 
 use super::tier_name;
 
-fn parse(bytes: &[u8]) -> Option<Tier> {
+/// The spelling of a binding's value (`"coord"` or `"entity"`); `None`
+/// for anything else.
+pub fn parse_tier(bytes: &[u8]) -> Option<Tier> {
     match bytes {
         b"coord" => Some(Tier::Coord),
         b"entity" => Some(Tier::Entity),
@@ -89,7 +91,9 @@ impl BindingCopy for EtcdCopy {
         })?;
         match read.value {
             None => Ok(None),
-            Some(kv) => parse(kv.value()).map(Some).ok_or_else(|| malformed(&key)),
+            Some(kv) => parse_tier(kv.value())
+                .map(Some)
+                .ok_or_else(|| malformed(&key)),
         }
     }
 
@@ -110,7 +114,7 @@ impl BindingCopy for EtcdCopy {
         }
         resp.op_responses()
             .iter()
-            .find_map(|op| txn::first_kv(op).and_then(|kv| parse(kv.value())))
+            .find_map(|op| txn::first_kv(op).and_then(|kv| parse_tier(kv.value())))
             .ok_or_else(|| malformed(&key))
     }
 
@@ -127,19 +131,14 @@ impl BindingCopy for EtcdCopy {
             .filter_map(|kv| {
                 let key = String::from_utf8_lossy(kv.key());
                 let namespace = key.strip_prefix(&self.prefix)?.to_string();
-                Some((namespace, parse(kv.value())?))
+                Some((namespace, parse_tier(kv.value())?))
             })
             .collect())
     }
 }
 
-/// The spelling of a binding's value (`"coord"` or `"entity"`); `None`
-/// for anything else. Public for the copies kept elsewhere.
-pub fn parse_tier(bytes: &[u8]) -> Option<Tier> {
-    parse(bytes)
-}
-
-fn malformed(key: &str) -> StoreError {
+/// A binding record at `key` that [`parse_tier`] cannot read.
+pub fn malformed(key: &str) -> StoreError {
     StoreError::Malformed(format!(
         "the tier binding {key} is neither \"coord\" nor \"entity\""
     ))

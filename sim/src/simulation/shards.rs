@@ -56,14 +56,7 @@ pub(crate) fn logs(cfg: &super::SimConfig, idlog: &Arc<IdLog>) -> Vec<ShardLog> 
     }
     (1..=cfg.shards)
         .map(|n| {
-            let memlog = MemLog::with_config(MemLogConfig {
-                seed: cfg.seed ^ (0x5AAD_0000_0000_0000 + n as u64),
-                cluster_id: None,
-                faults: FaultRates::NONE,
-                history_revisions: Some(10_000),
-                min_ttl_seconds: 2,
-                latency: cfg.log_latency,
-            });
+            let memlog = untouched_log(cfg, cfg.seed ^ (0x5AAD_0000_0000_0000 + n as u64));
             let idlog = Arc::new(IdLog::sharing(memlog.clone(), idlog));
             let witness = MemWitness::new(cfg.seed ^ (0xC00D_5AAD_0000_0000 + n as u64));
             ShardLog {
@@ -74,6 +67,19 @@ pub(crate) fn logs(cfg: &super::SimConfig, idlog: &Arc<IdLog>) -> Vec<ShardLog> 
             }
         })
         .collect()
+}
+
+/// The log of a cluster the nemesis leaves alone (another shard, the coord
+/// tier's): no faults, the run's latency.
+pub(crate) fn untouched_log(cfg: &super::SimConfig, seed: u64) -> MemLog {
+    MemLog::with_config(MemLogConfig {
+        seed,
+        cluster_id: None,
+        faults: FaultRates::NONE,
+        history_revisions: Some(10_000),
+        min_ttl_seconds: 2,
+        latency: cfg.log_latency,
+    })
 }
 
 /// The coord cluster's id as the map's store answers it (no shard's).

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use latchkey_arbiter::lock_log::StoreError;
-use latchkey_arbiter::tiers::bindings::{BindingCopy, parse_tier};
+use latchkey_arbiter::tiers::bindings::{BindingCopy, malformed, parse_tier};
 use latchkey_arbiter::tiers::tier_name;
 use latchkey_arbiter::witness::Witness;
 use latchkey_policies::Tier;
@@ -35,7 +35,7 @@ use tokio::time::Duration;
 use super::clusters::HOME_SHARD;
 use super::idlog::{IdLog, TracedWitness};
 use super::world::{World, fnv1a};
-use crate::memlog::{FaultRates, MemLog, MemLogConfig};
+use crate::memlog::MemLog;
 use crate::witness::MemWitness;
 
 /// The coord tier's cluster: its log, and the same log with the run's
@@ -55,14 +55,7 @@ pub(crate) struct CoordLog {
 /// [`SimConfig::coord_keys`]: super::SimConfig::coord_keys
 pub(crate) fn coord_log(cfg: &super::SimConfig, idlog: &Arc<IdLog>) -> Option<CoordLog> {
     (cfg.whole_arbiter && cfg.coord_keys > 0).then(|| {
-        let memlog = MemLog::with_config(MemLogConfig {
-            seed: cfg.seed ^ 0xC00D_7133_0000_0000,
-            cluster_id: None,
-            faults: FaultRates::NONE,
-            history_revisions: Some(10_000),
-            min_ttl_seconds: 2,
-            latency: cfg.log_latency,
-        });
+        let memlog = super::shards::untouched_log(cfg, cfg.seed ^ 0xC00D_7133_0000_0000);
         let idlog = Arc::new(IdLog::sharing(memlog.clone(), idlog));
         let witness = MemWitness::new(cfg.seed ^ 0xC00D_7133_5EE5_0000);
         CoordLog {
@@ -85,10 +78,7 @@ impl MemBindingCopy {
     }
 
     fn malformed(&self, namespace: &str) -> StoreError {
-        StoreError::Malformed(format!(
-            "the tier binding {} is neither \"coord\" nor \"entity\"",
-            self.key(namespace)
-        ))
+        malformed(&self.key(namespace))
     }
 }
 
