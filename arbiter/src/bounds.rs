@@ -81,6 +81,20 @@ impl Bounds {
             .note(session, sent, ttl_seconds, Instant::now());
     }
 
+    /// When this arbiter last renewed `session` in etcd and the TTL it had
+    /// left from then (what the console shows), while the memo still has
+    /// it (it keeps renewals for a quarter TTL, pruned every 10 s: the
+    /// console adds nothing to the renewal path); `None`: not known here.
+    pub fn last_renewal(&self, session: i64) -> Option<LastRenewal> {
+        let memo = self.renewals.lock();
+        let r = memo.entries.get(&session)?;
+        let ago = r.at.elapsed();
+        (ago < r.ttl).then(|| LastRenewal {
+            ago,
+            ttl_left: r.ttl - ago,
+        })
+    }
+
     /// Forgets `session` (closed): its next renewal goes to etcd.
     pub fn forget_renewal(&self, session: i64) {
         self.renewals.lock().entries.remove(&session);
@@ -113,6 +127,14 @@ impl crate::lock_log::etcd::RenewalMemo for Bounds {
     }
 }
 
+/// A session's last renewal in etcd by this arbiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LastRenewal {
+    pub ago: Duration,
+    /// At least this much of the lease's TTL is left.
+    pub ttl_left: Duration,
+}
+
 #[derive(Default)]
 struct RenewalMemo {
     entries: HashMap<i64, Renewed>,
@@ -130,6 +152,7 @@ impl Renewed {
     fn fresh(&self, now: Instant) -> bool {
         now.saturating_duration_since(self.at) < self.ttl / 4
     }
+
 }
 
 impl RenewalMemo {

@@ -175,6 +175,40 @@ struct Args {
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
+    /// Serve the operator console (web pages: holders, queues, hot keys,
+    /// the audit timeline, force-release) on this address, over plain
+    /// HTTP: keep it on loopback or behind your ingress's TLS. Operators
+    /// sign in with the --oidc-issuer provider.
+    #[arg(long, value_name = "ADDR", requires = "oidc_issuer")]
+    console_listen: Option<String>,
+    /// The URL browsers reach the console at (its sign-in redirect URI is
+    /// <URL>/callback, to be registered with the provider); default
+    /// http://<--console-listen>.
+    #[arg(long, value_name = "URL", requires = "console_listen")]
+    console_url: Option<String>,
+    /// The role (in --oidc-role-claim) that lets a signed-in person read
+    /// the console; --oidc-role also acts (force-release).
+    #[arg(long, value_name = "ROLE", default_value = crate::console::DEFAULT_VIEWER_ROLE)]
+    console_viewer_role: String,
+    /// The console's OIDC client secret, from this file, when the provider
+    /// requires one (without it the console signs in as a public client,
+    /// with PKCE). The client id is --oidc-audience.
+    #[arg(long, value_name = "PATH", requires = "console_listen")]
+    console_client_secret_file: Option<PathBuf>,
+    /// The audit store whose timeline the console's Key page shows:
+    /// postgresql://READER@host/db or clickhouse://READER@host:8123/db
+    /// (a read-only user; the password in the next flag).
+    #[arg(long, value_name = "URL", requires = "console_listen", env = "LATCHKEY_CONSOLE_AUDIT_STORE", hide_env_values = true)]
+    console_audit_store: Option<String>,
+    /// Let operators request and approve force-releases in the console. A
+    /// sign-in with the operator role then acts without the operator SVID
+    /// latchctl needs: give it only where the console is reached through
+    /// an authenticated front (SSO or mTLS at the ingress) or on loopback.
+    #[arg(long, requires = "console_listen")]
+    console_force_release: bool,
+    /// File holding the console's audit store user's password.
+    #[arg(long, value_name = "PATH", requires = "console_audit_store")]
+    console_audit_store_password_file: Option<PathBuf>,
     /// The OIDC provider operators sign in with for force-release (ADR-20),
     /// exactly as its ID tokens' `iss` says; https:// (http:// only on a
     /// loopback address). Without it force-release is refused.
@@ -419,6 +453,16 @@ pub async fn main_with(
     config.metrics_listen = args.metrics_listen;
     config.log_layer = log_layer;
     config.force_release = force_release;
+    config.console = args.console_listen.clone().map(|listen| {
+        let mut console = crate::console::ConsoleConfig::new(listen);
+        console.public_url = args.console_url.clone();
+        console.viewer_role = args.console_viewer_role.clone();
+        console.client_secret_file = args.console_client_secret_file.clone();
+        console.audit_store = args.console_audit_store.clone();
+        console.audit_store_password_file = args.console_audit_store_password_file.clone();
+        console.force_release = args.console_force_release;
+        console
+    });
     let listener = TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;

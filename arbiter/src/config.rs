@@ -325,6 +325,8 @@ pub struct Config {
     pub metrics_listen: Option<String>,
     /// Two-person force-release (ADR-20): off unless an OIDC provider is set.
     pub force_release: crate::force_release::ForceReleaseConfig,
+    /// The operator console (`--console-listen`); none: not served.
+    pub console: Option<crate::console::ConsoleConfig>,
     /// ADR-04: how quorum loss is decided, and the open classes' spool bound.
     pub quorum_loss: crate::quorum_loss::QuorumLossConfig,
     /// New work's admission under overload (renewals first).
@@ -366,6 +368,7 @@ impl Config {
             log_layer: None,
             metrics_listen: None,
             force_release: crate::force_release::ForceReleaseConfig::default(),
+            console: None,
             quorum_loss: crate::quorum_loss::QuorumLossConfig::default(),
             overload: crate::overload::OverloadConfig::default(),
         }

@@ -24,6 +24,7 @@ pub use mimalloc::MiMalloc as Allocator;
 pub mod assemble;
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod election;
 pub mod epoch;
 pub mod error;
@@ -142,6 +143,8 @@ pub enum RunError {
     QuorumLossSpool(#[source] quorum_loss::spool::SpoolError),
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("console: {0}")]
+    Console(#[from] console::ConsoleError),
     #[error("cannot listen for metrics on {addr}: {source}")]
     MetricsListen {
         addr: String,
@@ -258,11 +261,30 @@ pub async fn run(
         }
         None => None,
     };
+    let console_listener = match &config.console {
+        Some(console) if config.force_release.oidc.is_none() => {
+            let _ = console;
+            return Err(console::ConsoleError::NoOidc.into());
+        }
+        Some(console) => Some(console::bind(console).await?),
+        None => None,
+    };
     let arbiter = build(&config).await?;
     let stop = CancellationToken::new();
     let tasks = TaskTracker::new();
     if let Some(listener) = metrics_listener {
         spawn_metrics_server(listener, arbiter.clone(), stop.clone(), &tasks);
+    }
+    if let (Some(listener), Some(console)) = (console_listener, &config.console) {
+        console::start(
+            listener,
+            console,
+            config.force_release.oidc.as_ref(),
+            arbiter.clone(),
+            stop.clone(),
+            &tasks,
+        )
+        .await?;
     }
     arbiter
         .policies

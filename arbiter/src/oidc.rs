@@ -21,6 +21,8 @@ use serde::Deserialize;
 use tokio::sync::Mutex;
 use tracing::{info, warn};
 
+/// How long the provider's sign-in endpoints are kept before they are read again.
+pub const FLOW_ENDPOINTS_FOR: Duration = Duration::from_secs(300);
 /// The shortest time between two JWKS fetches caused by unknown key ids.
 pub const REFETCH_COOLDOWN: Duration = Duration::from_secs(10);
 /// `--oidc-role-claim`'s default.
@@ -94,17 +96,9 @@ impl OidcConfig {
     /// on the same machine, for dev and tests): over plain http anyone on
     /// the path could hand the arbiter their own signing keys.
     pub fn check(&self) -> Result<(), String> {
-        let issuer = self.issuer.trim_end_matches('/');
-        let loopback = ["http://127.0.0.1", "http://localhost", "http://[::1]"]
-            .iter()
-            .any(|p| {
-                issuer
-                    .strip_prefix(p)
-                    .is_some_and(|rest| rest.is_empty() || rest.starts_with([':', '/']))
-            });
-        if !issuer.starts_with("https://") && !loopback {
+        if !safe_url(&self.issuer) {
             return Err(format!(
-                "--oidc-issuer {:?} must be an https:// URL (plain http only on a loopback address)",
+                "--oidc-issuer {:?} must be an https:// URL (plain http only on a loopback address), without a user or password",
                 self.issuer
             ));
         }
@@ -115,6 +109,28 @@ impl OidcConfig {
             return Err("--oidc-role-claim and --oidc-role must not be empty".into());
         }
         Ok(())
+    }
+}
+
+/// Whether `url` may be trusted to reach the provider: https, or plain
+/// http to a loopback address (a provider on the same machine), and no
+/// user or password in it (`http://127.0.0.1:1@evil.example` is evil's).
+pub fn safe_url(url: &str) -> bool {
+    let Ok(parsed) = url::Url::parse(url) else {
+        return false;
+    };
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return false;
+    }
+    match parsed.scheme() {
+        "https" => parsed.host().is_some(),
+        "http" => match parsed.host() {
+            Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+            Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+            Some(url::Host::Domain(d)) => d == "localhost",
+            None => false,
+        },
+        _ => false,
     }
 }
 
@@ -230,6 +246,9 @@ pub struct OidcVerifier {
     config: OidcConfig,
     http: reqwest::Client,
     cache: Mutex<KeyCache>,
+    /// The browser flow's endpoints, or the failure, and when either was
+    /// had: apart from the keys, so a sign-in never waits on a token check.
+    flow: Mutex<Option<(Result<FlowEndpoints, OidcError>, Instant)>>,
 }
 
 impl std::fmt::Debug for OidcVerifier {
@@ -244,6 +263,20 @@ impl std::fmt::Debug for OidcVerifier {
 struct Discovery {
     issuer: String,
     jwks_uri: String,
+    /// Where a browser signs in (the console's authorization-code flow).
+    #[serde(default)]
+    authorization_endpoint: Option<String>,
+    /// Where a sign-in's code is traded for its tokens.
+    #[serde(default)]
+    token_endpoint: Option<String>,
+}
+
+/// The provider's endpoints for a browser's sign-in (the authorization-code
+/// flow), from its discovery document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlowEndpoints {
+    pub authorization: String,
+    pub token: String,
 }
 
 impl OidcVerifier {
@@ -257,6 +290,7 @@ impl OidcVerifier {
         Ok(Self {
             config,
             http,
+            flow: Mutex::new(None),
             cache: Mutex::new(KeyCache {
                 jwks_uri: None,
                 keys: JwkSet { keys: Vec::new() },
@@ -271,6 +305,33 @@ impl OidcVerifier {
 
     /// Verifies `token` and the claims force-release needs.
     pub async fn verify(&self, token: &str) -> Result<SignedIn, OidcError> {
+        let (signed_in, claims) = self.verify_claims(token).await?;
+        self.judge_role(&claims)?;
+        Ok(signed_in)
+    }
+
+    /// Whether verified `claims` carry the operator role (and a second
+    /// factor when the arbiter requires one).
+    pub fn judge_role(&self, claims: &serde_json::Value) -> Result<(), OidcError> {
+        if !has_role(claims, &self.config.role_claim, &self.config.role) {
+            return Err(OidcError::NoRole {
+                claim: self.config.role_claim.clone(),
+                role: self.config.role.clone(),
+            });
+        }
+        if self.config.require_mfa && !has_mfa(claims) {
+            return Err(OidcError::NoMfa);
+        }
+        Ok(())
+    }
+
+    /// Verifies `token`'s signature, issuer, audience, expiry and age, and
+    /// answers its claims without judging any role: the console signs in
+    /// people who may only read.
+    pub async fn verify_claims(
+        &self,
+        token: &str,
+    ) -> Result<(SignedIn, serde_json::Value), OidcError> {
         let token = token.trim();
         if token.is_empty() {
             return Err(OidcError::Missing);
@@ -295,7 +356,7 @@ impl OidcVerifier {
                 continue;
             };
             match decode::<serde_json::Value>(token, &key, &validation) {
-                Ok(data) => return self.judge(&data.claims),
+                Ok(data) => return self.judge(&data.claims).map(|s| (s, data.claims)),
                 Err(e) => {
                     last = self.classify(&e);
                     // Anything but a signature that fails under this key is
@@ -332,7 +393,7 @@ impl OidcVerifier {
         }
     }
 
-    /// The claims beyond the signature: a subject, the role, MFA.
+    /// The claims beyond the signature: a subject, and an age.
     fn judge(&self, claims: &serde_json::Value) -> Result<SignedIn, OidcError> {
         let subject = claims
             .get("sub")
@@ -359,15 +420,6 @@ impl OidcVerifier {
                 age_minutes: age / 60,
                 max_minutes: self.config.max_age.as_secs() / 60,
             });
-        }
-        if !has_role(claims, &self.config.role_claim, &self.config.role) {
-            return Err(OidcError::NoRole {
-                claim: self.config.role_claim.clone(),
-                role: self.config.role.clone(),
-            });
-        }
-        if self.config.require_mfa && !has_mfa(claims) {
-            return Err(OidcError::NoMfa);
         }
         Ok(SignedIn {
             subject: subject.to_string(),
@@ -401,6 +453,62 @@ impl OidcVerifier {
             .into_iter()
             .filter(|k| !matches!(k.algorithm, AlgorithmParameters::OctetKey(_)))
             .collect())
+    }
+
+    /// The provider's authorization and token endpoints (its discovery
+    /// document, read again after [`FLOW_ENDPOINTS_FOR`]): every sign-in
+    /// asks, and nobody signed in yet must be able to make the arbiter
+    /// fetch the document at will.
+    pub async fn flow_endpoints(&self) -> Result<FlowEndpoints, OidcError> {
+        let mut flow = self.flow.lock().await;
+        if let Some((had, at)) = &*flow {
+            let keep = match had {
+                Ok(_) => FLOW_ENDPOINTS_FOR,
+                Err(_) => REFETCH_COOLDOWN,
+            };
+            if at.elapsed() < keep {
+                return had.clone();
+            }
+        }
+        let read = self.read_flow_endpoints().await;
+        *flow = Some((read.clone(), Instant::now()));
+        read
+    }
+
+    async fn read_flow_endpoints(&self) -> Result<FlowEndpoints, OidcError> {
+        let url = format!(
+            "{}/.well-known/openid-configuration",
+            self.config.issuer.trim_end_matches('/')
+        );
+        let found: Discovery = self.get_json(&url).await?;
+        let wrong = |what: String| {
+            OidcError::Provider(ProviderError::new(format!(
+                "the discovery document at {url} {what}: the console's sign-in needs it"
+            )))
+        };
+        if found.issuer != self.config.issuer {
+            return Err(wrong(format!(
+                "names issuer {:?}, not {:?}",
+                found.issuer, self.config.issuer
+            )));
+        }
+        let endpoint = |name: &str, value: Option<String>| match value {
+            Some(v) if safe_url(&v) => Ok(v),
+            Some(v) => Err(wrong(format!(
+                "names {name} {v:?}, which is not https (or http on a loopback address)"
+            ))),
+            None => Err(wrong(format!("names no {name}"))),
+        };
+        Ok(FlowEndpoints {
+            authorization: endpoint("authorization_endpoint", found.authorization_endpoint)?,
+            token: endpoint("token_endpoint", found.token_endpoint)?,
+        })
+    }
+
+    /// The HTTP client the verifier asks the provider with (5 s timeout,
+    /// no redirects followed).
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
     }
 
     async fn refresh(&self, cache: &mut KeyCache) -> Result<(), OidcError> {
@@ -539,6 +647,9 @@ mod tests {
         assert!(ok("http://sso.example.com").is_err());
         assert!(ok("http://127.0.0.1.evil.example").is_err());
         assert!(ok("http://localhost.evil.example").is_err());
+        assert!(ok("http://127.0.0.1:1@evil.example").is_err());
+        assert!(ok("https://user:pw@sso.example.com").is_err());
+        assert!(ok("ftp://127.0.0.1").is_err());
         let err = OidcConfig::new("https://sso".into(), String::new())
             .check()
             .unwrap_err();

@@ -42,6 +42,7 @@ pub mod seal;
 mod semaphore;
 pub mod sessions;
 mod shared;
+mod waiters;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -64,6 +65,7 @@ use crate::token;
 use crate::witness::Witness;
 use batch::Batches;
 pub use batch::{BatchStats, DEFAULT_BATCH_LIMIT, DEFAULT_BATCHES_IN_FLIGHT};
+pub use waiters::{QueueView, WaiterView};
 use queues::Head;
 use queues::{Book, Delivery, Reply, Slot, Waiter};
 use seal::Seal;
@@ -922,6 +924,7 @@ impl LockTable {
         let session = req.session;
         let kick = book.join(Waiter {
             id,
+            since: std::time::Instant::now(),
             req,
             slot: Arc::new(Mutex::new(Some(tx))),
             uncertain: uncertain.clone(),

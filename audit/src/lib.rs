@@ -26,6 +26,7 @@ pub mod force;
 pub mod pseudonym;
 pub mod spool;
 pub mod store;
+pub mod text;
 
 #[cfg(feature = "tailer")]
 pub mod cli;

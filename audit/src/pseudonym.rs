@@ -217,8 +217,9 @@ fn unkeyed(label: &str, parts: &[&[u8]]) -> [u8; 32] {
     Sha256::digest(message(label, parts)).into()
 }
 
-/// HMAC-SHA256 (RFC 2104) over the workspace's `sha2`.
-fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
+/// HMAC-SHA256 (RFC 2104) over the workspace's `sha2`, checked against
+/// RFC 4231's vectors below.
+pub fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
     const BLOCK: usize = 64;
     let mut block = [0u8; BLOCK];
     if key.len() > BLOCK {

@@ -41,7 +41,7 @@ const WAIT: Duration = Duration::from_secs(30);
 const CLASS: &str = "batch-report";
 
 /// A `latchkey-audit` process (the tests' copy), killed on drop.
-struct Tailer {
+pub(crate) struct Tailer {
     child: Child,
     log: PathBuf,
     metrics: std::net::SocketAddr,
@@ -49,7 +49,7 @@ struct Tailer {
 }
 
 impl Tailer {
-    fn start(etcd: &EtcdServer, audit: &Audit, extra: &[&str]) -> anyhow::Result<Self> {
+    pub(crate) fn start(etcd: &EtcdServer, audit: &Audit, extra: &[&str]) -> anyhow::Result<Self> {
         let dir = TempDir::new()?;
         let log = dir.path().join("audit.log");
         let out = std::fs::File::create(&log)?;
@@ -109,7 +109,7 @@ impl Drop for Tailer {
 
 /// The store as the tailer writes it: the writer's URL and password file,
 /// and the audit key (the test keeps it too, to name the holds it made).
-struct Audit {
+pub(crate) struct Audit {
     url: String,
     password_file: Option<PathBuf>,
     key: AuditKey,
@@ -134,7 +134,7 @@ impl Audit {
         })
     }
 
-    fn postgres(pg: &PostgresServer) -> anyhow::Result<Self> {
+    pub(crate) fn postgres(pg: &PostgresServer) -> anyhow::Result<Self> {
         Self::new(pg.url(), None)
     }
 

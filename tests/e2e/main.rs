@@ -8,6 +8,7 @@ mod classes_crd;
 mod client;
 mod client_elections;
 mod cluster;
+mod console;
 mod deploy;
 mod durable_waiters;
 mod edge;

@@ -102,6 +102,8 @@ pub struct ArbiterOptions {
     /// Force-release (`--oidc-*`, `--force-etcd-*`); off by default. In
     /// process only.
     pub force_release: latchkey_arbiter::force_release::ForceReleaseConfig,
+    /// The operator console (`--console-*`); none by default. In process only.
+    pub console: Option<latchkey_arbiter::console::ConsoleConfig>,
     /// The arbiter's own certificate, key and client CA files; the dev
     /// trust domain's `latchkey/arbiter` SVID when `None`. In process only.
     pub tls: Option<latchkey_arbiter::TlsFiles>,
@@ -171,6 +173,7 @@ impl Default for ArbiterOptions {
             max_holds_per_identity: None,
             max_sessions_per_identity: None,
             force_release: Default::default(),
+            console: None,
             tls: None,
             overload: None,
         }
@@ -228,6 +231,7 @@ impl Arbiter {
             config.max_sessions_per_identity = max;
         }
         config.force_release = opts.force_release.clone();
+        config.console = opts.console.clone();
         if let Some(overload) = &opts.overload {
             config.overload = overload.clone();
         }

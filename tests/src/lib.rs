@@ -21,6 +21,7 @@ use tempfile::TempDir;
 use tokio::time::Instant;
 
 pub mod arbiter;
+pub mod browser;
 pub mod buf;
 pub mod clickhouse;
 pub mod cluster;

@@ -24,6 +24,15 @@ impl Arbiter {
         let caller = self.caller(&request)?;
         self.require_operator(&caller)?;
         let cluster = self.tier_named(&request.get_ref().tier)?;
+        self.status_of(cluster).await
+    }
+
+    /// `cluster`'s epoch, seal, witness and quorum posture (GetStatus, and
+    /// the console's System page).
+    pub(crate) async fn status_of(
+        &self,
+        cluster: &crate::tiers::Cluster,
+    ) -> Result<GetStatusResponse, ArbiterError> {
         let table = &cluster.table;
         // A fresh read: it also re-checks the header against the epoch.
         // During a quorum loss etcd cannot answer: the status still does,
@@ -195,7 +204,19 @@ impl Arbiter {
         let (_, operator, requester) = self
             .force_caller(&request, &request.get_ref().id_token)
             .await?;
-        let req = request.into_inner();
+        self.force_request_as(&requester, &operator, request.into_inner())
+            .await
+    }
+
+    /// A force-release request by `requester` (signed in; the operator
+    /// role judged by the caller), through `operator` (the SVID on the
+    /// channel, or the console): RequestForceRelease and the console's.
+    pub(crate) async fn force_request_as(
+        &self,
+        requester: &SignedIn,
+        operator: &str,
+        req: RequestForceReleaseRequest,
+    ) -> Result<ForceReleaseRequest, Status> {
         // An election's name is a lock key too (its own records, though).
         let key = LockKey::parse(&req.key).map_err(|e| ArbiterError::BadKey(e.to_string()))?;
         let target = match req.election {
@@ -244,8 +265,8 @@ impl Arbiter {
             .ok_or(ForceError::Disabled)?;
         let record = force
             .request(
-                &requester,
-                &operator,
+                requester,
+                operator,
                 target,
                 &held,
                 &req.reason,
@@ -278,6 +299,18 @@ impl Arbiter {
             .force_caller(&request, &request.get_ref().id_token)
             .await?;
         let id = request.into_inner().request_id;
+        self.force_approve_as(&approver, &operator, &id).await
+    }
+
+    /// Approves request `id` as `approver` (signed in; the operator role
+    /// judged by the caller), through `operator`: ApproveForceRelease and
+    /// the console's.
+    pub(crate) async fn force_approve_as(
+        &self,
+        approver: &SignedIn,
+        operator: &str,
+        id: &str,
+    ) -> Result<ApproveForceReleaseResponse, Status> {
         // The request is on its key's cluster: ask each until one has it.
         // A cluster that cannot answer does not stop the one that has it.
         let (mut found, mut unknown, mut store) = (None, None, None);
@@ -289,8 +322,8 @@ impl Arbiter {
                 .approve(
                     &cluster.owner,
                     &cluster.elections,
-                    &approver,
-                    &operator,
+                    approver,
+                    operator,
                     id.trim(),
                 )
                 .await
@@ -398,6 +431,20 @@ impl Arbiter {
         Ok(revoked)
     }
 
+    /// Pending force-release requests and the force records still kept,
+    /// over every cluster.
+    pub(crate) async fn force_list(
+        &self,
+    ) -> Result<(Vec<RequestRecord>, Vec<force_release::ForceRecord>), ForceError> {
+        let (mut pending, mut done) = (Vec::new(), Vec::new());
+        for force in self.tiers.all().into_iter().filter_map(|c| c.force.clone()) {
+            let (p, d) = force.list().await?;
+            pending.extend(p);
+            done.extend(d);
+        }
+        Ok((pending, done))
+    }
+
     pub async fn list_force_releases(
         &self,
         request: Request<ListForceReleasesRequest>,
@@ -405,12 +452,7 @@ impl Arbiter {
         let (_, operator, subject) = self
             .force_caller(&request, &request.get_ref().id_token)
             .await?;
-        let (mut pending, mut done) = (Vec::new(), Vec::new());
-        for force in self.tiers.all().into_iter().filter_map(|c| c.force.clone()) {
-            let (p, d) = force.list().await?;
-            pending.extend(p);
-            done.extend(d);
-        }
+        let (pending, done) = self.force_list().await?;
         debug!(operator = %operator, subject = ?subject.subject, pending = pending.len(), "force-release requests listed");
         Ok(ListForceReleasesResponse {
             pending: pending.iter().map(request_view).collect(),
@@ -439,7 +481,7 @@ impl Arbiter {
 }
 
 /// What an approver sees of a request, warning included.
-fn request_view(r: &RequestRecord) -> ForceReleaseRequest {
+pub(crate) fn request_view(r: &RequestRecord) -> ForceReleaseRequest {
     let (kind, name) = crate::records::hold_kind(&r.key);
     let slot = crate::records::split_slot(&r.key).map(|(_, slot)| slot);
     let key = name.to_string();

@@ -54,6 +54,16 @@ impl Arbiter {
         Ok(status(routing, map.as_ref(), "").await)
     }
 
+    /// The shard map and each shard's state (the console's System page);
+    /// `None`: the entity tier is not sharded.
+    pub(crate) async fn shard_status(&self) -> Result<Option<ShardStatus>, ArbiterError> {
+        let Some(routing) = self.tiers.shards() else {
+            return Ok(None);
+        };
+        let map = routing.store().load().await?.map(|(m, _)| m);
+        Ok(Some(status(routing, map.as_ref(), "").await))
+    }
+
     pub async fn change_shards(
         &self,
         request: Request<ChangeShardsRequest>,

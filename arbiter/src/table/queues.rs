@@ -28,6 +28,8 @@ pub(super) type Slot = Arc<Mutex<Option<oneshot::Sender<Reply>>>>;
 
 pub(super) struct Waiter {
     pub(super) id: u64,
+    /// When it joined the queue (the console shows each waiter's age).
+    pub(super) since: std::time::Instant,
     pub(super) req: GrantRequest,
     pub(super) slot: Slot,
     /// Whether a grant for this waiter may have committed without it
@@ -378,6 +380,7 @@ mod tests {
     fn waiter(id: u64, identity: &str, key: &str) -> Waiter {
         Waiter {
             id,
+            since: std::time::Instant::now(),
             req: GrantRequest {
                 key: key.into(),
                 identity: identity.into(),

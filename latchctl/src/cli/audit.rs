@@ -17,11 +17,11 @@ use std::time::Duration;
 
 use clap::Args;
 use latchkey_audit::event::now_unix_ms;
-use latchkey_audit::{AuditStore, Ended, HistoryQuery, Kind, StoreOptions, StoredEvent};
+use latchkey_audit::text::{describe, utc};
+use latchkey_audit::{AuditStore, HistoryQuery, StoreOptions, StoredEvent};
 use latchkey_proto::text::Shown;
 use serde_json::json;
 
-use super::inspect::utc;
 use super::{Failure, Output};
 use latchkey_client::Client;
 
@@ -215,123 +215,6 @@ pub async fn why(client: Client, args: WhyArgs, out: Output) -> Result<ExitCode,
     Ok(ExitCode::SUCCESS)
 }
 
-/// One event as a line: when the tailer saw it, what happened and to
-/// whom, and which hold (its id: a grant and its end share it). Never a
-/// token, nor a revision (with the epoch, it is one): the store has none.
-fn describe(stored: &StoredEvent) -> String {
-    let e = &stored.event;
-    let at = utc(stored.observed_at_unix_ms);
-    let head = format!("{at}  e{:<3} {:<13}", e.epoch, e.kind.as_str());
-    let detail = |name: &str| e.detail[name].as_str().unwrap_or("").to_string();
-    let who = if e.identity.is_empty() {
-        "(holder unknown)".to_string()
-    } else {
-        format!("{} session {:#x}", e.identity, e.session)
-    };
-    let who = format!("{who}{}", held_as(e));
-    let hold = |id: &str| {
-        if id.is_empty() {
-            "hold (not seen granted)".to_string()
-        } else {
-            format!("hold {id}")
-        }
-    };
-    match e.kind {
-        Kind::Grant => format!("{head} {who} class {}, {}", e.class, hold(&e.hold_id)),
-        Kind::HandOver => format!(
-            "{head} {who} class {}, {}, handed over from {} session {:#x} ({} ended)",
-            e.class,
-            hold(&e.hold_id),
-            e.prev_identity,
-            e.prev_session,
-            hold(&e.prev_hold_id)
-        ),
-        Kind::Release | Kind::Expiry | Kind::EpochAdvance if !e.key.starts_with('/') => {
-            format!("{head} {who} {}: {}", hold(&e.hold_id), ended(e.ended))
-        }
-        Kind::ForceRelease => format!(
-            "{head} {who} {}: by {}, approved by {} ({}): {}",
-            hold(&e.hold_id),
-            detail("requestedBy"),
-            detail("approvedBy"),
-            detail("enforcement"),
-            detail("reason")
-        ),
-        Kind::Gap => format!(
-            "{head} {} revisions were compacted before the tailer read them",
-            e.detail["revisions"]
-        ),
-        // An election's events name its leader and term, never a session.
-        Kind::TermStart => {
-            let over = match e.detail["previousTerm"].as_u64() {
-                Some(previous) => format!(", taking over term {previous} from {}", e.prev_identity),
-                None => String::new(),
-            };
-            format!(
-                "{head} {} leads term {}, class {}, priority {}, value {:?}{over}",
-                e.identity,
-                e.detail["term"],
-                e.class,
-                e.detail["priority"],
-                detail("value")
-            )
-        }
-        Kind::Proclaim => format!(
-            "{head} {} proclaimed {:?} in term {}",
-            e.identity,
-            detail("value"),
-            e.detail["term"]
-        ),
-        Kind::Vacancy => format!(
-            "{head} {}'s term {} ended: {}",
-            e.identity,
-            e.detail["term"],
-            ended(e.ended)
-        ),
-        _ => format!("{head} {}", detail("reason")),
-    }
-}
-
-/// Which hold of the key an event is about, from its detail: a semaphore's
-/// slot, or a shared hold (with its session, which the detail names even
-/// where the tailer never saw the holder); a downgrade's two events say so.
-/// Empty for an exclusive hold.
-fn held_as(e: &latchkey_audit::RecordedEvent) -> String {
-    let mut tags = Vec::new();
-    if let Some(slot) = e.detail["slot"].as_u64() {
-        tags.push(format!("slot {slot}"));
-    }
-    if e.detail["mode"].as_str() == Some(latchkey_audit::event::MODE_SHARED) {
-        match e.detail["session"].as_i64() {
-            Some(session) if e.session == 0 => tags.push(format!("shared, session {session:#x}")),
-            _ => tags.push("shared".into()),
-        }
-    }
-    if e.detail["downgrade"].as_bool() == Some(true) {
-        tags.push("downgrade".into());
-    }
-    match tags.is_empty() {
-        true => String::new(),
-        false => format!(" [{}]", tags.join(", ")),
-    }
-}
-
-fn ended(ended: Ended) -> &'static str {
-    match ended {
-        Ended::Released => "released by its holder",
-        Ended::SessionClosed => "its session was closed",
-        Ended::ExpiredOrRevoked => "its session's lease expired (or was revoked by hand)",
-        Ended::ForceReleased => "force-released",
-        Ended::ForceRevoked => "its session was revoked by an operator's force-release",
-        Ended::EpochAdvance => "dropped by an epoch advance",
-        Ended::HandedOver => "handed over",
-        Ended::Unknown => "ended (the tailer had not seen it granted)",
-        Ended::Resigned => "resigned",
-        Ended::SessionEnded => "its session ended (closed, expired or revoked)",
-        Ended::No => "",
-    }
-}
-
 fn event_json(stored: &StoredEvent) -> serde_json::Value {
     let e = &stored.event;
     json!({
@@ -357,7 +240,7 @@ fn event_json(stored: &StoredEvent) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use latchkey_audit::RecordedEvent;
+    use latchkey_audit::{Ended, Kind, RecordedEvent};
 
     fn stored(kind: Kind, ended: Ended) -> StoredEvent {
         StoredEvent {
