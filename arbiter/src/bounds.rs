@@ -152,7 +152,6 @@ impl Renewed {
     fn fresh(&self, now: Instant) -> bool {
         now.saturating_duration_since(self.at) < self.ttl / 4
     }
-
 }
 
 impl RenewalMemo {

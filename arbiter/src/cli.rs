@@ -198,7 +198,13 @@ struct Args {
     /// The audit store whose timeline the console's Key page shows:
     /// postgresql://READER@host/db or clickhouse://READER@host:8123/db
     /// (a read-only user; the password in the next flag).
-    #[arg(long, value_name = "URL", requires = "console_listen", env = "LATCHKEY_CONSOLE_AUDIT_STORE", hide_env_values = true)]
+    #[arg(
+        long,
+        value_name = "URL",
+        requires = "console_listen",
+        env = "LATCHKEY_CONSOLE_AUDIT_STORE",
+        hide_env_values = true
+    )]
     console_audit_store: Option<String>,
     /// Let operators request and approve force-releases in the console. A
     /// sign-in with the operator role then acts without the operator SVID

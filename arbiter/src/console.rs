@@ -3,7 +3,7 @@
 //!
 //! Served by the arbiter itself on `--console-listen` (plain HTTP: put it
 //! behind the ingress's TLS, or keep it on loopback), from pages rendered
-//! here and one small script of this crate's own ([`assets`]); nothing is
+//! here and one small script of this crate's own (`console/assets`); nothing is
 //! fetched from elsewhere at run time. Operators sign in with the OIDC
 //! provider force-release already trusts (the authorization-code flow with
 //! PKCE, state and nonce); the console keeps their session server-side
@@ -16,6 +16,13 @@
 //! allows. Everything a caller can make it keep is bounded: connections,
 //! sign-ins in progress, signed-in sessions (in all and per person), and
 //! live-update streams.
+
+// Handlers answer a refusal as the response itself (`Result<_, Response>`),
+// once per request: boxing it would only add an allocation.
+#![allow(
+    clippy::result_large_err,
+    reason = "a refusal is the handler's whole answer, made once per request"
+)]
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -108,6 +115,8 @@ pub(crate) struct Console {
     verifier: OidcVerifier,
     /// Browser-facing base URL, without a trailing slash.
     base_url: String,
+    /// Its host and port, as browsers send them in `Host`.
+    authority: String,
     /// Cookies marked `Secure` (the base URL is https).
     secure: bool,
     /// The session cookie's name (`__Host-` over https).
@@ -123,6 +132,8 @@ pub(crate) struct Console {
     sessions: auth::Sessions,
     streams: Arc<live::Streams>,
     holds: view::HoldsCache,
+    /// Sign-in codes traded with the provider at once.
+    trades: tokio::sync::Semaphore,
     stop: CancellationToken,
 }
 
@@ -162,6 +173,19 @@ pub async fn start(
             "--console-url {base_url:?} must be an http:// or https:// URL (where browsers reach the console)"
         )));
     }
+    let authority = match url::Url::parse(&base_url) {
+        Ok(u) if matches!(u.path(), "" | "/") && u.query().is_none() && u.host().is_some() => {
+            match u.port() {
+                Some(port) => format!("{}:{port}", u.host_str().unwrap_or_default()),
+                None => u.host_str().unwrap_or_default().to_string(),
+            }
+        }
+        _ => {
+            return Err(ConsoleError::Config(format!(
+                "--console-url {base_url:?} must be a scheme and a host (and port), without a path: the console's pages and cookies are at its root"
+            )));
+        }
+    };
     if !base_url.starts_with("https://") && !addr.ip().is_loopback() {
         return Err(ConsoleError::Config(format!(
             "--console-listen {addr} is not a loopback address and --console-url is not https: the console speaks plain HTTP, so put it behind TLS (your ingress) and give --console-url https://…, or listen on 127.0.0.1"
@@ -209,7 +233,12 @@ pub async fn start(
         arbiter,
         verifier,
         secure,
-        cookie: if secure { auth::SECURE_COOKIE } else { auth::COOKIE },
+        authority,
+        cookie: if secure {
+            auth::SECURE_COOKIE
+        } else {
+            auth::COOKIE
+        },
         login_key,
         force_release: config.force_release,
         base_url,
@@ -220,6 +249,7 @@ pub async fn start(
         sessions: auth::Sessions::default(),
         streams: Arc::default(),
         holds: view::HoldsCache::default(),
+        trades: tokio::sync::Semaphore::new(auth::MAX_TRADES),
         stop: stop.clone(),
     });
     let app = router(console.clone());
@@ -257,6 +287,10 @@ fn router(console: Arc<Console>) -> axum::Router {
         .route("/static/console.css", get(assets::style))
         .fallback(pages::not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn_with_state(
+            console.clone(),
+            only_our_host,
+        ))
         .with_state(console)
 }
 
@@ -297,6 +331,31 @@ impl AuditSource {
             }
         }
     }
+}
+
+/// Refuses a request whose `Host` is not the console's own (`--console-url`):
+/// a page reached by another name (DNS rebinding) must not be served, with
+/// or without the person's cookies.
+async fn only_our_host(
+    axum::extract::State(console): axum::extract::State<Arc<Console>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let host = request
+        .headers()
+        .get(axum::http::header::HOST)
+        .and_then(|h| h.to_str().ok());
+    if host.is_some_and(|h| !h.eq_ignore_ascii_case(&console.authority)) {
+        return pages::error_page(
+            axum::http::StatusCode::MISDIRECTED_REQUEST,
+            "Wrong address",
+            &format!(
+                "the console answers at {} only (--console-url)",
+                console.base_url
+            ),
+        );
+    }
+    next.run(request).await
 }
 
 /// Opens the audit store to read (never with an audit key).

@@ -21,6 +21,8 @@ use serde::Deserialize;
 use tokio::sync::Mutex;
 use tracing::{info, warn};
 
+/// The largest discovery document or key set read from the provider.
+pub const MAX_PROVIDER_ANSWER: usize = 1024 * 1024;
 /// How long the provider's sign-in endpoints are kept before they are read again.
 pub const FLOW_ENDPOINTS_FOR: Duration = Duration::from_secs(300);
 /// The shortest time between two JWKS fetches caused by unknown key ids.
@@ -527,6 +529,12 @@ impl OidcVerifier {
                         found.issuer, self.config.issuer
                     ))));
                 }
+                if !safe_url(&found.jwks_uri) {
+                    return Err(OidcError::Provider(ProviderError::new(format!(
+                        "the discovery document at {url} names jwks_uri {:?}, which is not https (or http on a loopback address): its keys could be anyone's",
+                        found.jwks_uri
+                    ))));
+                }
                 cache.jwks_uri = Some(found.jwks_uri.clone());
                 found.jwks_uri
             }
@@ -553,9 +561,24 @@ impl OidcVerifier {
                 response.status()
             ))));
         }
-        response.json().await.map_err(|e| {
-            let detail = format!("GET {url}: not the expected JSON ({e})");
-            OidcError::Provider(ProviderError::caused(detail, e))
+        let mut response = response;
+        let mut body = Vec::new();
+        while let Some(chunk) = response
+            .chunk()
+            .await
+            .map_err(|e| OidcError::Provider(ProviderError::caused(format!("GET {url}: {e}"), e)))?
+        {
+            body.extend_from_slice(&chunk);
+            if body.len() > MAX_PROVIDER_ANSWER {
+                return Err(OidcError::Provider(ProviderError::new(format!(
+                    "GET {url}: the answer is over {MAX_PROVIDER_ANSWER} bytes"
+                ))));
+            }
+        }
+        serde_json::from_slice(&body).map_err(|e| {
+            OidcError::Provider(ProviderError::new(format!(
+                "GET {url}: not the expected JSON ({e})"
+            )))
         })
     }
 }

@@ -65,10 +65,10 @@ use crate::token;
 use crate::witness::Witness;
 use batch::Batches;
 pub use batch::{BatchStats, DEFAULT_BATCH_LIMIT, DEFAULT_BATCHES_IN_FLIGHT};
-pub use waiters::{QueueView, WaiterView};
 use queues::Head;
 use queues::{Book, Delivery, Reply, Slot, Waiter};
 use seal::Seal;
+pub use waiters::{QueueView, WaiterView};
 
 /// The default `--max-waiters-per-identity`: the edge's own per-identity
 /// bound, so a direct caller gets no more than one through the edge.

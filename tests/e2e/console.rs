@@ -8,7 +8,8 @@
 //! ana requests a force-release of bob's hold in the console, ben approves
 //! it there, and bob's `latchctl hold` is stopped; the key's timeline is
 //! what `latchctl audit` prints. mallory (a workload's role, no viewer or
-//! operator role) is refused; vera (viewer) reads and cannot act.
+//! operator role) is refused; vera (viewer) reads and cannot act. An
+//! election's page shows its leader.
 //! Screenshots of each page land in target/test-artifacts/console/.
 
 use std::net::SocketAddr;
@@ -133,10 +134,7 @@ async fn texts(b: &mut Browser, selector: &str) -> anyhow::Result<Vec<String>> {
 async fn waiters(s: &crate::support::Stack) -> anyhow::Result<u32> {
     let mut lock = s.arbiter.lock("workload/alice").await?;
     let r = lock
-        .inspect(InspectRequest {
-            key: KEY.into(),
-            ..InspectRequest::default()
-        })
+        .inspect(InspectRequest { key: KEY.into() })
         .await?
         .into_inner();
     Ok(r.waiters)
@@ -180,9 +178,19 @@ async fn operators_watch_and_force_release_in_a_real_browser() -> anyhow::Result
     let mut b = Browser::start().await?;
 
     // ana signs in and watches the key's page.
-    sign_in(&mut b, &url, "ana", &format!("/key?k={}", "demo%2Fconsole-1")).await?;
-    b.wait_for("the key page", "document.getElementById('why') !== null", WAIT)
-        .await?;
+    sign_in(
+        &mut b,
+        &url,
+        "ana",
+        &format!("/key?k={}", "demo%2Fconsole-1"),
+    )
+    .await?;
+    b.wait_for(
+        "the key page",
+        "document.getElementById('why') !== null",
+        WAIT,
+    )
+    .await?;
     b.wait_for(
         "live updates to be on",
         "document.getElementById('live-state').textContent.startsWith('on')",
@@ -221,7 +229,8 @@ async fn operators_watch_and_force_release_in_a_real_browser() -> anyhow::Result
         LIVE,
     )
     .await?;
-    b.screenshot(&shots.join("key-alice-holds-bob-waits.png")).await?;
+    b.screenshot(&shots.join("key-alice-holds-bob-waits.png"))
+        .await?;
     b.goto(&format!("{url}/keys")).await?;
     b.wait_for(
         "the keys page lists the hold",
@@ -247,14 +256,52 @@ async fn operators_watch_and_force_release_in_a_real_browser() -> anyhow::Result
     .await?;
     b.screenshot(&shots.join("sessions.png")).await?;
     b.goto(&format!("{url}/system")).await?;
-    b.wait_for("the system page", "document.getElementById('epoch') !== null", WAIT)
-        .await?;
+    b.wait_for(
+        "the system page",
+        "document.getElementById('epoch') !== null",
+        WAIT,
+    )
+    .await?;
     b.screenshot(&shots.join("system.png")).await?;
+    // alice leads an election: its page shows her, with the term latchctl shows.
+    let mut leader = Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"));
+    leader
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .arg("--endpoint")
+        .arg(format!("https://{addr}"))
+        .args(svid_flags("workload/alice")?)
+        .args([
+            "elect",
+            "demo/console-leader",
+            "--value",
+            "replica-a",
+            "--",
+            "sleep",
+            "600",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    let _leader = leader.spawn().context("spawn latchctl elect")?;
+    b.goto(&format!("{url}/elections?e=demo%2Fconsole-leader"))
+        .await?;
+    b.wait_for(
+        "alice as the leader",
+        "document.getElementById('leader').innerText.includes('workload/alice')",
+        WAIT,
+    )
+    .await?;
+    b.screenshot(&shots.join("elections.png")).await?;
 
     // alice lets go: bob holds.
     alice.release()?;
     let bob_token = bob.token().await?;
-    ensure!(bob_token > alice_token, "bob's token {bob_token} is not above alice's");
+    ensure!(
+        bob_token > alice_token,
+        "bob's token {bob_token} is not above alice's"
+    );
 
     // ana requests the force-release of bob's hold, in the console.
     b.goto(&format!("{url}/key?k=demo%2Fconsole-1")).await?;
@@ -269,19 +316,36 @@ async fn operators_watch_and_force_release_in_a_real_browser() -> anyhow::Result
          document.getElementById('request').click(); true",
     )
     .await?;
-    b.wait_for("the request", "document.getElementById('requested') !== null", WAIT)
-        .await?;
+    b.wait_for(
+        "the request",
+        "document.getElementById('requested') !== null",
+        WAIT,
+    )
+    .await?;
     let requested = b.text().await?;
-    ensure!(requested.contains("FENCED"), "the request page: {requested}");
-    b.screenshot(&shots.join("force-release-requested.png")).await?;
+    ensure!(
+        requested.contains("FENCED"),
+        "the request page: {requested}"
+    );
+    b.screenshot(&shots.join("force-release-requested.png"))
+        .await?;
 
     // ana cannot approve her own request.
     b.goto(&format!("{url}/force-release")).await?;
-    b.wait_for("the pending request", "document.querySelector('a.review') !== null", WAIT)
+    b.wait_for(
+        "the pending request",
+        "document.querySelector('a.review') !== null",
+        WAIT,
+    )
+    .await?;
+    b.eval("document.querySelector('a.review').click(); true")
         .await?;
-    b.eval("document.querySelector('a.review').click(); true").await?;
-    b.wait_for("the confirm page", "document.getElementById('confirm') !== null", WAIT)
-        .await?;
+    b.wait_for(
+        "the confirm page",
+        "document.getElementById('confirm') !== null",
+        WAIT,
+    )
+    .await?;
     ensure!(
         b.eval("document.getElementById('own-request') !== null && document.querySelector('button.approve') === null").await? == true,
         "ana is offered to approve her own request"
@@ -289,25 +353,41 @@ async fn operators_watch_and_force_release_in_a_real_browser() -> anyhow::Result
 
     // ben signs in, sees FENCED before approving, and approves.
     sign_in(&mut b, &url, "ben", "/force-release").await?;
-    b.wait_for("the pending request", "document.querySelector('a.review') !== null", WAIT)
-        .await?;
+    b.wait_for(
+        "the pending request",
+        "document.querySelector('a.review') !== null",
+        WAIT,
+    )
+    .await?;
     let pending = texts(&mut b, "section.request").await?;
     ensure!(
         pending.len() == 1 && pending[0].contains("FENCED") && pending[0].contains("workload/bob"),
         "{pending:?}"
     );
-    b.screenshot(&shots.join("force-release-pending.png")).await?;
-    b.eval("document.querySelector('a.review').click(); true").await?;
-    b.wait_for("the approve button", "document.getElementById('approve') !== null", WAIT)
+    b.screenshot(&shots.join("force-release-pending.png"))
         .await?;
+    b.eval("document.querySelector('a.review').click(); true")
+        .await?;
+    b.wait_for(
+        "the approve button",
+        "document.getElementById('approve') !== null",
+        WAIT,
+    )
+    .await?;
     let confirm = b.text().await?;
     ensure!(confirm.contains("FENCED"), "the confirm page: {confirm}");
-    b.screenshot(&shots.join("force-release-confirm.png")).await?;
+    b.screenshot(&shots.join("force-release-confirm.png"))
+        .await?;
     b.eval("document.getElementById('approve').click(); true")
         .await?;
-    b.wait_for("the approval", "document.getElementById('approved') !== null", WAIT)
+    b.wait_for(
+        "the approval",
+        "document.getElementById('approved') !== null",
+        WAIT,
+    )
+    .await?;
+    b.screenshot(&shots.join("force-release-approved.png"))
         .await?;
-    b.screenshot(&shots.join("force-release-approved.png")).await?;
 
     // bob's latchctl hold is stopped.
     let mut bob = bob;
@@ -346,11 +426,17 @@ async fn operators_watch_and_force_release_in_a_real_browser() -> anyhow::Result
 
     // vera reads, but cannot act.
     sign_in(&mut b, &url, "vera", "/keys").await?;
-    b.wait_for("vera's keys page", "document.getElementById('holds') !== null", WAIT)
-        .await?;
+    b.wait_for(
+        "vera's keys page",
+        "document.getElementById('holds') !== null",
+        WAIT,
+    )
+    .await?;
     b.goto(&format!("{url}/key?k=demo%2Fconsole-1")).await?;
     ensure!(
-        b.eval("document.getElementById('request-form') === null").await? == true,
+        b.eval("document.getElementById('request-form') === null")
+            .await?
+            == true,
         "a viewer is offered the force-release form"
     );
     let refused = b
@@ -383,9 +469,17 @@ async fn operators_watch_and_force_release_in_a_real_browser() -> anyhow::Result
 
     // No token handed out in the run is in anything the console served.
     let served = proxy.served();
-    ensure!(served.len() > 10_000, "the proxy saw only {} bytes", served.len());
+    ensure!(
+        served.len() > 10_000,
+        "the proxy saw only {} bytes",
+        served.len()
+    );
     for token in [alice_token, bob_token] {
-        for form in [token.to_string(), format!("{token:x}"), format!("{token:#x}")] {
+        for form in [
+            token.to_string(),
+            format!("{token:x}"),
+            format!("{token:#x}"),
+        ] {
             ensure!(
                 !contains(&served, form.as_bytes()),
                 "a token ({form}) is in what the console served"

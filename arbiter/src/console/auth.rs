@@ -36,8 +36,19 @@ use crate::oidc::{SignedIn, has_role};
 /// where the `__Host-` prefix keeps sibling hosts from setting it.
 pub(super) const COOKIE: &str = "latchkey_console";
 pub(super) const SECURE_COOKIE: &str = "__Host-latchkey_console";
-/// The sign-in in progress's cookie (path /callback).
+/// The sign-in in progress's cookie: over http for /callback only; over
+/// https `__Host-` (whose rules want path /), so no sibling host sets it.
 const LOGIN_COOKIE: &str = "latchkey_login";
+const SECURE_LOGIN_COOKIE: &str = "__Host-latchkey_login";
+/// Sign-ins finished in the last [`LOGIN_TTL`], remembered so that each
+/// is traded at most once; past this many at once, sign-ins wait.
+const MAX_SPENT: usize = 4096;
+/// Codes traded with the provider at once (each a request carrying the
+/// client secret): a flood of callbacks does not become one at the provider.
+pub(super) const MAX_TRADES: usize = 4;
+/// Page renders a signed-in session may ask for: a burst, then per second.
+const RENDER_BURST: f64 = 20.0;
+const RENDERS_PER_SECOND: f64 = 5.0;
 /// A sign-in must come back within this long.
 const LOGIN_TTL: Duration = Duration::from_secs(10 * 60);
 /// Signed-in sessions at once, and per person (the oldest goes).
@@ -56,8 +67,11 @@ pub(super) struct Who {
     pub operator: bool,
     /// The operator role was there but a required second factor was not.
     pub operator_without_mfa: bool,
-    /// When they signed in (the ID token's age is counted from here).
+    /// When they signed in (orders sessions for eviction).
     pub at: Instant,
+    /// When the provider issued their ID token (Unix seconds): acting is
+    /// allowed within `--oidc-max-token-age-seconds` of it, by the clock.
+    pub issued_unix: u64,
     /// Sent with every form and compared on every POST.
     pub csrf: String,
     /// Their session's id (the cookie's value): live streams end with it.
@@ -78,6 +92,8 @@ struct Login {
 struct Session {
     who: Who,
     expires: Instant,
+    /// Renders left, and when they were last counted.
+    renders: (f64, Instant),
 }
 
 #[derive(Default)]
@@ -88,6 +104,8 @@ pub(super) struct Sessions {
 #[derive(Default)]
 struct Inner {
     sessions: HashMap<Arc<str>, Session>,
+    /// Sign-ins traded (their state), with when.
+    spent: HashMap<String, Instant>,
 }
 
 impl Sessions {
@@ -116,9 +134,50 @@ impl Sessions {
         {
             inner.sessions.remove(&oldest);
         }
-        inner
-            .sessions
-            .insert(who.id.clone(), Session { who, expires });
+        inner.sessions.insert(
+            who.id.clone(),
+            Session {
+                who,
+                expires,
+                renders: (RENDER_BURST, now),
+            },
+        );
+    }
+
+    /// Whether session `id` may have one more page rendered now (a
+    /// scripted loop over keys would otherwise read etcd at will).
+    pub(super) fn may_render(&self, id: &str) -> bool {
+        let mut inner = self.inner.lock();
+        let Some(s) = inner.sessions.get_mut(id) else {
+            return false;
+        };
+        let (left, at) = &mut s.renders;
+        let now = Instant::now();
+        *left =
+            (*left + now.duration_since(*at).as_secs_f64() * RENDERS_PER_SECOND).min(RENDER_BURST);
+        *at = now;
+        if *left < 1.0 {
+            return false;
+        }
+        *left -= 1.0;
+        true
+    }
+
+    /// Marks sign-in `state` traded; `false`: it was already, or too many
+    /// sign-ins are finishing at once.
+    fn spend(&self, state: &str) -> bool {
+        let mut inner = self.inner.lock();
+        if inner.spent.contains_key(state) {
+            return false;
+        }
+        if inner.spent.len() >= MAX_SPENT {
+            inner.spent.retain(|_, at| at.elapsed() < LOGIN_TTL);
+            if inner.spent.len() >= MAX_SPENT {
+                return false;
+            }
+        }
+        inner.spent.insert(state.to_string(), Instant::now());
+        true
     }
 
     /// The person behind `id`, while their session lasts.
@@ -242,17 +301,12 @@ pub(super) async fn login(
     };
     let mut response = pages::redirect(url.as_str());
     let value = console.seal_login(&login);
-    console.set_cookie(
-        &mut response,
-        LOGIN_COOKIE,
-        &value,
-        "/callback",
-        Some(LOGIN_TTL.as_secs()),
-    );
+    let (name, path) = console.login_cookie();
+    console.set_cookie(&mut response, name, &value, path, Some(LOGIN_TTL.as_secs()));
     response
 }
 
-fn unix_now() -> u64 {
+pub(super) fn unix_now() -> u64 {
     u64::try_from(crate::records::now_unix_ms() / 1000).unwrap_or(0)
 }
 
@@ -289,7 +343,9 @@ pub(super) async fn callback(
             .collect();
         return refused(
             "Sign-in refused",
-            &format!("the provider answered {code:?}: sign in again, or ask your identity administrators"),
+            &format!(
+                "the provider answered {code:?}: sign in again, or ask your identity administrators"
+            ),
         );
     }
     let (Some(code), Some(state)) = (q.code.as_deref(), q.state.as_deref()) else {
@@ -298,7 +354,7 @@ pub(super) async fn callback(
             "the provider's answer has no code or no state: sign in again",
         );
     };
-    let login = cookie(&headers, LOGIN_COOKIE).and_then(|c| console.open_login(c));
+    let login = cookie(&headers, console.login_cookie().0).and_then(|c| console.open_login(c));
     let Some(login) = login.filter(|l| {
         constant_time_eq(l.state.as_bytes(), state.as_bytes())
             && unix_now().saturating_sub(l.at) < LOGIN_TTL.as_secs()
@@ -306,6 +362,21 @@ pub(super) async fn callback(
         return refused(
             "Sign-in expired",
             "this sign-in was not started in this browser, or is older than 10 minutes: sign in again",
+        );
+    };
+    if !console.sessions.spend(&login.state) {
+        return refused(
+            "Sign-in already used",
+            "this sign-in was finished already (or too many are finishing at once): sign in again",
+        );
+    }
+    // At most a few trades at once: a flood of callbacks waits here.
+    let Ok(_trading) = tokio::time::timeout(Duration::from_secs(5), console.trades.acquire()).await
+    else {
+        return pages::error_page(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Busy",
+            "too many sign-ins are finishing at once: sign in again in a moment",
         );
     };
     let id_token = match console.trade(code, &login.verifier).await {
@@ -356,15 +427,20 @@ pub(super) async fn callback(
     let token_left = claims
         .get("exp")
         .and_then(serde_json::Value::as_u64)
-        .map_or(Duration::ZERO, |exp| Duration::from_secs(exp.saturating_sub(unix)));
+        .map_or(Duration::ZERO, |exp| {
+            Duration::from_secs(exp.saturating_sub(unix))
+        });
     let expires = now + token_left.min(SESSION_TTL);
     // The sign-in counts from when the provider issued the token (acting
     // is bounded by the token's age, as latchctl's token is).
     let issued_ago = claims
         .get("iat")
         .and_then(serde_json::Value::as_u64)
-        .map_or(Duration::ZERO, |iat| Duration::from_secs(unix.saturating_sub(iat)));
-    let at = now.checked_sub(issued_ago).unwrap_or(now);
+        .map_or(Duration::ZERO, |iat| {
+            Duration::from_secs(unix.saturating_sub(iat))
+        });
+    let at = now;
+    let issued_unix = unix.saturating_sub(issued_ago.as_secs());
     info!(subject = ?signed_in.subject, operator, viewer, "signed in to the console");
     console.sessions.open(
         Who {
@@ -372,6 +448,7 @@ pub(super) async fn callback(
             operator,
             operator_without_mfa: operator_role && !operator,
             at,
+            issued_unix,
             csrf,
             id: id.clone(),
         },
@@ -383,7 +460,8 @@ pub(super) async fn callback(
     }
     let mut response = pages::redirect(&login.next);
     console.set_cookie(&mut response, console.cookie, &id, "/", None);
-    console.set_cookie(&mut response, LOGIN_COOKIE, "", "/callback", Some(0));
+    let (login_name, login_path) = console.login_cookie();
+    console.set_cookie(&mut response, login_name, "", login_path, Some(0));
     response
 }
 
@@ -421,13 +499,7 @@ pub(super) fn checked_form(
     who: &Who,
     csrf: &str,
 ) -> Result<(), Response> {
-    let forbidden = |detail: &str| {
-        Err(pages::error_page(
-            StatusCode::FORBIDDEN,
-            "Refused",
-            detail,
-        ))
-    };
+    let forbidden = |detail: &str| Err(pages::error_page(StatusCode::FORBIDDEN, "Refused", detail));
     if let Some(origin) = headers.get(header::ORIGIN) {
         let own = console.origin();
         if origin.to_str().ok() != Some(own.as_str()) {
@@ -435,7 +507,9 @@ pub(super) fn checked_form(
         }
     }
     if !constant_time_eq(csrf.as_bytes(), who.csrf.as_bytes()) {
-        return forbidden("the form is not from your current console session (reload the page and try again): nothing was done");
+        return forbidden(
+            "the form is not from your current console session (reload the page and try again): nothing was done",
+        );
     }
     Ok(())
 }
@@ -445,6 +519,14 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 impl Console {
+    /// The sign-in cookie's name and path.
+    fn login_cookie(&self) -> (&'static str, &'static str) {
+        match self.secure {
+            true => (SECURE_LOGIN_COOKIE, "/"),
+            false => (LOGIN_COOKIE, "/callback"),
+        }
+    }
+
     /// Sets cookie `name` (HttpOnly, SameSite=Lax; Secure over https).
     fn set_cookie(
         &self,
@@ -552,8 +634,9 @@ impl Console {
         }
         let body: TokenAnswer = serde_json::from_slice(&bytes)
             .map_err(|e| format!("the provider's token endpoint answered no JSON: {e}"))?;
-        body.id_token
-            .ok_or_else(|| "the provider answered no id_token (is the openid scope allowed?)".into())
+        body.id_token.ok_or_else(|| {
+            "the provider answered no id_token (is the openid scope allowed?)".into()
+        })
     }
 }
 
@@ -564,7 +647,13 @@ mod tests {
     #[test]
     fn a_sign_in_returns_only_to_a_path_of_the_console() {
         assert_eq!(local_path(Some("/key?k=a%2Fb")), "/key?k=a%2Fb");
-        for bad in ["//evil.example/x", "https://evil.example", "/\\evil", "keys", "/a b"] {
+        for bad in [
+            "//evil.example/x",
+            "https://evil.example",
+            "/\\evil",
+            "keys",
+            "/a b",
+        ] {
             assert_eq!(local_path(Some(bad)), "/keys", "{bad}");
         }
         assert_eq!(local_path(None), "/keys");
@@ -573,10 +662,16 @@ mod tests {
     #[test]
     fn the_cookie_is_found_among_others_and_only_alone() {
         let mut h = HeaderMap::new();
-        h.insert(header::COOKIE, HeaderValue::from_static("a=1; latchkey_console=xyz; b=2"));
+        h.insert(
+            header::COOKIE,
+            HeaderValue::from_static("a=1; latchkey_console=xyz; b=2"),
+        );
         assert_eq!(cookie(&h, COOKIE), Some("xyz"));
         let mut h = HeaderMap::new();
-        h.insert(header::COOKIE, HeaderValue::from_static("latchkey_consoleX=1"));
+        h.insert(
+            header::COOKIE,
+            HeaderValue::from_static("latchkey_consoleX=1"),
+        );
         assert_eq!(cookie(&h, COOKIE), None);
         // a second one of the same name (tossed in by a sibling host): neither
         let mut h = HeaderMap::new();
@@ -600,13 +695,21 @@ mod tests {
                 operator: false,
                 operator_without_mfa: false,
                 at: Instant::now(),
+                issued_unix: 0,
                 csrf: String::new(),
                 id: format!("s{i}").into(),
             };
             sessions.open(who, far);
         }
-        assert_eq!(sessions.inner.lock().sessions.len(), MAX_SESSIONS_PER_SUBJECT);
+        assert_eq!(
+            sessions.inner.lock().sessions.len(),
+            MAX_SESSIONS_PER_SUBJECT
+        );
         assert!(sessions.get("s0").is_none(), "the oldest went");
-        assert!(sessions.get(&format!("s{}", MAX_SESSIONS_PER_SUBJECT + 2)).is_some());
+        assert!(
+            sessions
+                .get(&format!("s{}", MAX_SESSIONS_PER_SUBJECT + 2))
+                .is_some()
+        );
     }
 }

@@ -2,10 +2,16 @@
 //! once, and fewer from any one client address. Anyone who can reach the
 //! port can open connections before signing in, so their count is bounded
 //! here (the next one waits in the kernel's backlog until an open one
-//! closes; one past an address's share is closed at once), and a
-//! connection that sends and receives nothing for [`IDLE`] is closed, so
-//! idle ones cannot keep the places (hyper's own header timeout needs a
-//! timer `axum::serve` does not give it).
+//! closes; one past an address's share is closed at once). Places are not
+//! kept by doing nothing, nor by doing little: a connection that sends and
+//! receives nothing for [`IDLE`] is closed, and so is one whose request
+//! has not been answered [`REQUEST_DEADLINE`] after its first byte (a
+//! request sent a byte at a time; hyper's own header timeout needs a timer
+//! `axum::serve` does not give it).
+//!
+//! The share per address is above every live stream the console allows
+//! ([`super::live::MAX_STREAMS`]): behind an ingress or a tunnel, every
+//! browser comes from one address.
 
 use std::collections::HashMap;
 use std::io;
@@ -22,7 +28,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
 /// Connections from one client address at once.
-pub(super) const MAX_PER_ADDRESS: usize = 16;
+pub(super) const MAX_PER_ADDRESS: usize = 96;
+/// A request must have arrived whole (its answer begun) this long after
+/// its first byte.
+pub(super) const REQUEST_DEADLINE: Duration = Duration::from_secs(20);
 /// A connection with no byte either way for this long is closed (a live
 /// stream sends a keep-alive comment every 15 s).
 pub(super) const IDLE: Duration = Duration::from_secs(60);
@@ -47,6 +56,9 @@ impl Bounded {
 pub(super) struct Counted {
     stream: TcpStream,
     idle: Pin<Box<Sleep>>,
+    /// Armed by a request's first byte, disarmed by the answer's first:
+    /// reads do not push it back.
+    request: Option<Pin<Box<Sleep>>>,
     _place: Place,
 }
 
@@ -106,6 +118,7 @@ impl axum::serve::Listener for Bounded {
                 Counted {
                     stream,
                     idle: Box::pin(tokio::time::sleep(IDLE)),
+                    request: None,
                     _place: place,
                 },
                 addr,
@@ -119,19 +132,36 @@ impl axum::serve::Listener for Bounded {
 }
 
 impl Counted {
-    fn active(&mut self) {
+    fn read_some(&mut self) {
         self.idle.as_mut().reset(Instant::now() + IDLE);
+        if self.request.is_none() {
+            self.request = Some(Box::pin(tokio::time::sleep(REQUEST_DEADLINE)));
+        }
     }
 
-    /// `Ready(Err)` once the connection has been idle too long.
+    fn wrote_some(&mut self) {
+        self.idle.as_mut().reset(Instant::now() + IDLE);
+        self.request = None;
+    }
+
+    /// `Ready(Err)` once the connection has been idle too long, or its
+    /// request has taken too long to arrive.
     fn timed_out(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.idle.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+        if self.idle.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 "the console closes connections idle for 60 s",
-            ))),
-            Poll::Pending => Poll::Pending,
+            )));
         }
+        if let Some(deadline) = &mut self.request
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the console closes a connection whose request takes over 20 s to arrive",
+            )));
+        }
+        Poll::Pending
     }
 }
 
@@ -145,7 +175,7 @@ impl AsyncRead for Counted {
         match Pin::new(&mut self.stream).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
-                    self.active();
+                    self.read_some();
                 }
                 Poll::Ready(Ok(()))
             }
@@ -164,7 +194,7 @@ impl AsyncWrite for Counted {
         match Pin::new(&mut self.stream).poll_write(cx, buf) {
             Poll::Ready(Ok(n)) => {
                 if n > 0 {
-                    self.active();
+                    self.wrote_some();
                 }
                 Poll::Ready(Ok(n))
             }

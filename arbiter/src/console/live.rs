@@ -36,7 +36,7 @@ pub(super) struct Streams {
     per_subject: Mutex<std::collections::HashMap<Arc<str>, usize>>,
     /// The last render of each (page, operator) followed: shared by every
     /// stream of it within a tick. At most one entry per open stream.
-    renders: Mutex<std::collections::HashMap<(View, bool), (Instant, Arc<String>)>>,
+    renders: Mutex<std::collections::HashMap<(View, bool), Rendered>>,
 }
 
 impl Streams {
@@ -59,19 +59,22 @@ impl Streams {
     }
 
     /// A render of `view` for `operator` made within half a tick, if any.
-    fn shared(&self, view: &View, operator: bool) -> Option<Arc<String>> {
+    pub(super) fn shared(&self, view: &View, operator: bool) -> Option<Arc<String>> {
         let renders = self.renders.lock();
         let (at, html) = renders.get(&(view.clone(), operator))?;
         (at.elapsed() < TICK / 2).then(|| html.clone())
     }
 
-    fn keep(&self, view: &View, operator: bool, html: Arc<String>) {
+    pub(super) fn keep(&self, view: &View, operator: bool, html: Arc<String>) {
         let mut renders = self.renders.lock();
         // Entries nobody asked for lately go (at most one per stream stays).
         renders.retain(|_, (at, _)| at.elapsed() < TICK * 4);
         renders.insert((view.clone(), operator), (Instant::now(), html));
     }
 }
+
+/// A page's `<main>` and when it was rendered.
+type Rendered = (Instant, Arc<String>);
 
 /// A stream's place among the bounded ones, given back when it ends.
 struct Place {
@@ -97,14 +100,26 @@ pub(super) struct LiveQuery {
     path: String,
 }
 
+impl Console {
+    /// `view`'s `<main>` for someone of `who`'s role: a render made within
+    /// half a tick for any page or stream of the same, or a new one.
+    pub(super) async fn main_shared(&self, who: &auth::Who, view: &View) -> Arc<String> {
+        if let Some(html) = self.streams.shared(view, who.operator) {
+            return html;
+        }
+        let html = Arc::new(pages::main_of(self, who, view).await);
+        self.streams.keep(view, who.operator, html.clone());
+        html
+    }
+}
+
 pub(super) async fn stream(
     State(console): State<Arc<Console>>,
     headers: HeaderMap,
     Query(q): Query<LiveQuery>,
 ) -> Response {
-    let refused = |status: StatusCode, text: &'static str| {
-        pages::secured((status, text).into_response())
-    };
+    let refused =
+        |status: StatusCode, text: &'static str| pages::secured((status, text).into_response());
     let Some(id) = auth::cookie(&headers, console.cookie).map(Arc::<str>::from) else {
         return refused(StatusCode::UNAUTHORIZED, "sign in first\n");
     };
@@ -135,14 +150,7 @@ pub(super) async fn stream(
                 }
                 // The session may have ended (signed out, expired): so does its stream.
                 let who = console.sessions.get(&id)?;
-                let main = match console.streams.shared(&view, who.operator) {
-                    Some(html) => html,
-                    None => {
-                        let html = Arc::new(pages::main_of(&console, &who, &view).await);
-                        console.streams.keep(&view, who.operator, html.clone());
-                        html
-                    }
-                };
+                let main = console.main_shared(&who, &view).await;
                 if main != last {
                     let event = Event::default().event("main").data(main.as_str());
                     return Some((

@@ -63,10 +63,16 @@ pub(super) fn secured(mut response: Response) -> Response {
             "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
         ),
     );
-    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
     // Not no-referrer: under it a browser sends `Origin: null` with a
     // form's POST, which the forms' Origin check refuses.
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("same-origin"),
+    );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     response
@@ -86,9 +92,31 @@ pub(super) fn redirect(to: &str) -> Response {
 }
 
 /// `text` with every number replaced by `N`: seal reasons and store errors
-/// name revisions, and with the epoch a revision is a fencing token.
+/// name revisions, and with the epoch a revision is a fencing token. A
+/// word with a digit in it goes whole (`0x1b3f`, `e3:r88`'s parts), and so
+/// does a run of six or more hex letters (a hex revision without digits).
 fn numberless(text: &str) -> String {
-    latchkey_audit::event::without_numbers(text)
+    let mut out = String::with_capacity(text.len());
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        let numeric = word.chars().any(|c| c.is_ascii_digit())
+            || (word.len() >= 6 && word.chars().all(|c| c.is_ascii_hexdigit()));
+        match numeric {
+            true => out.push('N'),
+            false => out.push_str(word),
+        }
+        word.clear();
+    };
+    for c in text.chars() {
+        if c.is_ascii_alphanumeric() {
+            word.push(c);
+        } else {
+            flush(&mut word, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
 }
 
 pub(super) fn error_page(status: StatusCode, title: &str, detail: &str) -> Response {
@@ -102,7 +130,11 @@ pub(super) fn error_page(status: StatusCode, title: &str, detail: &str) -> Respo
 }
 
 pub(super) async fn not_found() -> Response {
-    error_page(StatusCode::NOT_FOUND, "Not found", "the console has no such page")
+    error_page(
+        StatusCode::NOT_FOUND,
+        "Not found",
+        "the console has no such page",
+    )
 }
 
 /// A whole page around a `<main>`.
@@ -129,7 +161,11 @@ impl Page {
             ("/force-release", "Force-release"),
             ("/system", "System"),
         ] {
-            let here = if view.nav() == href { " class=\"here\"" } else { "" };
+            let here = if view.nav() == href {
+                " class=\"here\""
+            } else {
+                ""
+            };
             let _ = write!(nav, "<a href=\"{href}\"{here}>{name}</a>");
         }
         let role = if who.operator {
@@ -158,13 +194,7 @@ impl Page {
 }
 
 fn html_response(html: String) -> Response {
-    secured(
-        (
-            [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
-            html,
-        )
-            .into_response(),
-    )
+    secured(([(header::CONTENT_TYPE, "text/html; charset=utf-8")], html).into_response())
 }
 
 /// Which page, with its filters: parsed from a page's path and query, by
@@ -272,7 +302,12 @@ fn serde_urlencoded_filter(query: &str) -> Filter {
 }
 
 /// A page: signed in, then rendered.
-async fn page(console: &Console, headers: &HeaderMap, uri: &axum::http::Uri, view: View) -> Response {
+async fn page(
+    console: &Console,
+    headers: &HeaderMap,
+    uri: &axum::http::Uri,
+    view: View,
+) -> Response {
     let here = uri
         .path_and_query()
         .map_or("/keys", |p| p.as_str())
@@ -281,7 +316,19 @@ async fn page(console: &Console, headers: &HeaderMap, uri: &axum::http::Uri, vie
         Ok(who) => who,
         Err(r) => return r,
     };
-    let main = main_of(console, &who, &view).await;
+    // A render another page or stream made a moment ago costs nothing; a
+    // new one reads the log, so a session's new renders are rate-limited.
+    let main = match console.streams.shared(&view, who.operator) {
+        Some(main) => main,
+        None if !console.sessions.may_render(&who.id) => {
+            return error_page(
+                StatusCode::TOO_MANY_REQUESTS,
+                "Slow down",
+                "more than 5 new pages a second from this session: wait a moment (live pages update by themselves)",
+            );
+        }
+        None => console.main_shared(&who, &view).await,
+    };
     let extra = extra_of(console, &who, &view);
     Page::full(&who, &view, &main, &extra, true)
 }
@@ -310,7 +357,13 @@ pub(super) async fn key(
     headers: HeaderMap,
     Query(q): Query<KeyQuery>,
 ) -> Response {
-    page(&console, &headers, &uri, View::Key(short(&q.k, MAX_KEY_CHARS))).await
+    page(
+        &console,
+        &headers,
+        &uri,
+        View::Key(short(&q.k, MAX_KEY_CHARS)),
+    )
+    .await
 }
 
 pub(super) async fn hot(
@@ -443,11 +496,7 @@ fn session_cell(who: &Who, session: i64) -> String {
 
 fn renewal_cells(row: &HoldRow) -> String {
     match row.renewal {
-        Some(r) => format!(
-            "<td>{}</td><td>{} ago</td>",
-            ago(r.ttl_left),
-            ago(r.ago)
-        ),
+        Some(r) => format!("<td>{}</td><td>{} ago</td>", ago(r.ttl_left), ago(r.ago)),
         None => "<td colspan=\"2\">not renewed on this arbiter</td>".into(),
     }
 }
@@ -460,11 +509,14 @@ fn key_link(key: &str) -> String {
     )
 }
 
-async fn keys_main(console: &Console, who: &Who, filter: &Filter) -> Result<String, crate::ArbiterError> {
+async fn keys_main(
+    console: &Console,
+    who: &Who,
+    filter: &Filter,
+) -> Result<String, crate::ArbiterError> {
     let holds = console.holds().await?;
     let queues = console.queues();
-    let held: std::collections::HashSet<&str> =
-        holds.rows.iter().map(|r| r.key.as_str()).collect();
+    let held: std::collections::HashSet<&str> = holds.rows.iter().map(|r| r.key.as_str()).collect();
     let waiting = |key: &str| {
         queues
             .iter()
@@ -475,7 +527,11 @@ async fn keys_main(console: &Console, who: &Who, filter: &Filter) -> Result<Stri
     let mut html = format!(
         "<h1>Keys</h1><p id=\"count\">{} holds{}; showing {}.</p>",
         rows.len(),
-        if filter == &Filter::default() { String::new() } else { format!(" match (of {})", holds.rows.len()) },
+        if filter == &Filter::default() {
+            String::new()
+        } else {
+            format!(" match (of {})", holds.rows.len())
+        },
         rows.len().min(MAX_ROWS)
     );
     html.push_str(
@@ -547,7 +603,11 @@ async fn key_main(console: &Console, who: &Who, key: &str) -> Result<String, cra
             html,
             "<p>Session TTL left: {}.</p>",
             match h.renewal {
-                Some(r) => format!("at least {} (renewed here {} ago)", ago(r.ttl_left), ago(r.ago)),
+                Some(r) => format!(
+                    "at least {} (renewed here {} ago)",
+                    ago(r.ttl_left),
+                    ago(r.ago)
+                ),
                 None => "not renewed on this arbiter".into(),
             }
         );
@@ -666,7 +726,11 @@ async fn hot_main(console: &Console, who: &Who) -> Result<String, crate::Arbiter
     html.push_str("</tbody></table>");
     queues.sort_by_key(|q| std::cmp::Reverse(oldest(q)));
     html.push_str("<h2>Oldest waiters here</h2><table id=\"oldest-waiters\"><thead><tr><th>key</th><th>waiter</th><th>waiting for</th></tr></thead><tbody>");
-    for q in queues.iter().filter(|q| !q.waiters.is_empty()).take(HOT_ROWS) {
+    for q in queues
+        .iter()
+        .filter(|q| !q.waiters.is_empty())
+        .take(HOT_ROWS)
+    {
         if let Some(w) = q.waiters.iter().max_by_key(|w| w.waited) {
             let _ = write!(
                 html,
@@ -696,12 +760,20 @@ async fn hot_main(console: &Console, who: &Who) -> Result<String, crate::Arbiter
     Ok(html)
 }
 
-async fn sessions_main(console: &Console, who: &Who, filter: &Filter) -> Result<String, crate::ArbiterError> {
+async fn sessions_main(
+    console: &Console,
+    who: &Who,
+    filter: &Filter,
+) -> Result<String, crate::ArbiterError> {
     let holds = console.holds().await?;
     let mut by: std::collections::BTreeMap<&str, std::collections::BTreeMap<i64, Vec<&HoldRow>>> =
         Default::default();
     for r in holds.rows.iter().filter(|r| filter.keeps(r)) {
-        by.entry(&r.identity).or_default().entry(r.session).or_default().push(r);
+        by.entry(&r.identity)
+            .or_default()
+            .entry(r.session)
+            .or_default()
+            .push(r);
     }
     let mut html = format!(
         "<h1>Sessions</h1><p>Sessions that hold something, by identity: {} identities.</p>",
@@ -794,7 +866,9 @@ async fn force_main(console: &Console, who: &Who) -> Result<String, crate::Arbit
             ));
         }
     };
-    let mut html = String::from("<h1>Force-release</h1><p>A request names a hold; a different operator approves it. What the class's enforcement means for the resource is shown before anyone approves.</p><h2>Waiting for approval</h2>");
+    let mut html = String::from(
+        "<h1>Force-release</h1><p>A request names a hold; a different operator approves it. What the class's enforcement means for the resource is shown before anyone approves.</p><h2>Waiting for approval</h2>",
+    );
     if pending.is_empty() {
         html.push_str("<p id=\"no-pending\">No pending requests.</p>");
     }
@@ -812,7 +886,11 @@ async fn force_main(console: &Console, who: &Who) -> Result<String, crate::Arbit
              <p class=\"enforcement {lower}\"><strong>{enforcement}</strong> {warning}</p>\
              <p>Held by <span class=\"identity\">{holder}</span>, class {class}, session {session}. Requested by {by} ({reason}); expires {expires}.{revoke}</p>{approve}</section>",
             id = esc(&r.id),
-            what = if r.election { "Leadership of election" } else { "Hold on" },
+            what = if r.election {
+                "Leadership of election"
+            } else {
+                "Hold on"
+            },
             key = esc(crate::records::named_key(&r.key)),
             lower = esc(&r.enforcement),
             warning = esc(warning),
@@ -822,7 +900,11 @@ async fn force_main(console: &Console, who: &Who) -> Result<String, crate::Arbit
             by = esc(&r.requester_subject),
             reason = esc(&format!("{:?}", r.reason)),
             expires = latchkey_audit::text::utc(r.expires_at_unix_ms),
-            revoke = if r.revoke_session { " Approval also revokes the holder's session." } else { "" },
+            revoke = if r.revoke_session {
+                " Approval also revokes the holder's session."
+            } else {
+                ""
+            },
         );
     }
     html.push_str("<h2>Done (kept 24 h)</h2>");
@@ -852,7 +934,11 @@ async fn system_main(console: &Console) -> Result<String, crate::ArbiterError> {
     let arbiter = &console.arbiter;
     let mut html = String::from("<h1>System</h1>");
     for cluster in arbiter.tiers.all() {
-        let _ = write!(html, "<section class=\"cluster\"><h2>{} cluster</h2>", esc(cluster.name()));
+        let _ = write!(
+            html,
+            "<section class=\"cluster\"><h2>{} cluster</h2>",
+            esc(cluster.name())
+        );
         match arbiter.status_of(&cluster).await {
             Ok(s) => {
                 let _ = write!(
@@ -862,22 +948,41 @@ async fn system_main(console: &Console) -> Result<String, crate::ArbiterError> {
                      <dt>coord cluster's epoch</dt><dd>{cepoch}</dd><dt>quorum</dt><dd id=\"quorum\">{quorum}</dd>\
                      <dt>memory grants (quorum loss)</dt><dd>{memory}</dd><dt>policies</dt><dd>grants version {version}{perr}</dd></dl>",
                     epoch = s.epoch,
-                    sealed = if s.sealed { format!("yes: {}", esc(&numberless(&s.seal_reason))) } else { "no".into() },
+                    sealed = if s.sealed {
+                        format!("yes: {}", esc(&numberless(&s.seal_reason)))
+                    } else {
+                        "no".into()
+                    },
                     witness = esc(&s.witness),
                     wepoch = s.witnessed_epoch,
                     cepoch = s.coord_seen_epoch,
                     quorum = if s.quorum_lost {
-                        format!("LOST for {} ({})", ago(std::time::Duration::from_millis(s.quorum_lost_for_ms)), esc(&numberless(&s.quorum_last_error)))
+                        format!(
+                            "LOST for {} ({})",
+                            ago(std::time::Duration::from_millis(s.quorum_lost_for_ms)),
+                            esc(&numberless(&s.quorum_last_error))
+                        )
                     } else {
                         "held".into()
                     },
                     memory = s.unprotected_memory_grants,
                     version = s.grants_version,
-                    perr = if s.policy_error.is_empty() { String::new() } else { format!("; the last reload failed: {}", esc(&numberless(&s.policy_error))) },
+                    perr = if s.policy_error.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            "; the last reload failed: {}",
+                            esc(&numberless(&s.policy_error))
+                        )
+                    },
                 );
             }
             Err(e) => {
-                let _ = write!(html, "<p class=\"error\">{}</p>", esc(&numberless(&e.to_string())));
+                let _ = write!(
+                    html,
+                    "<p class=\"error\">{}</p>",
+                    esc(&numberless(&e.to_string()))
+                );
             }
         }
         let (keys, waiters) = cluster.table.totals();
@@ -887,9 +992,14 @@ async fn system_main(console: &Console) -> Result<String, crate::ArbiterError> {
         );
     }
     match arbiter.shard_status().await {
-        Ok(None) => html.push_str("<section><h2>Shards</h2><p>The entity tier is not sharded.</p></section>"),
+        Ok(None) => html
+            .push_str("<section><h2>Shards</h2><p>The entity tier is not sharded.</p></section>"),
         Ok(Some(status)) => {
-            let _ = write!(html, "<section id=\"shards\"><h2>Shards (map version {})</h2><table><thead><tr><th>shard</th><th>weight</th><th>epoch</th><th>holds</th><th>moving</th><th>sealed</th><th>error</th></tr></thead><tbody>", status.version);
+            let _ = write!(
+                html,
+                "<section id=\"shards\"><h2>Shards (map version {})</h2><table><thead><tr><th>shard</th><th>weight</th><th>epoch</th><th>holds</th><th>moving</th><th>sealed</th><th>error</th></tr></thead><tbody>",
+                status.version
+            );
             for s in &status.shards {
                 let _ = write!(
                     html,
@@ -916,7 +1026,11 @@ async fn system_main(console: &Console) -> Result<String, crate::ArbiterError> {
             html.push_str("</section>");
         }
         Err(e) => {
-            let _ = write!(html, "<section><h2>Shards</h2><p class=\"error\">{}</p></section>", esc(&numberless(&e.to_string())));
+            let _ = write!(
+                html,
+                "<section><h2>Shards</h2><p class=\"error\">{}</p></section>",
+                esc(&numberless(&e.to_string()))
+            );
         }
     }
     let _ = write!(
@@ -961,8 +1075,10 @@ fn acting(console: &Console, headers: &HeaderMap, csrf: &str) -> Result<Who, Res
             ),
         ));
     }
-    let max_age = console.verifier.config().max_age;
-    if who.at.elapsed() > max_age {
+    let oidc = console.verifier.config();
+    let max_age = oidc.max_age;
+    let age = auth::unix_now().saturating_sub(who.issued_unix);
+    if age > max_age.as_secs().saturating_add(oidc.leeway.as_secs()) {
         return Err(error_page(
             StatusCode::UNAUTHORIZED,
             "Sign in again",
@@ -989,7 +1105,12 @@ pub(super) async fn request_force(
         "" => None,
         s => match s.parse::<u32>() {
             Ok(n) => Some(n),
-            Err(_) => return bad(format!("slot {:?} is not a number. Nothing was done.", short(s, 32))),
+            Err(_) => {
+                return bad(format!(
+                    "slot {:?} is not a number. Nothing was done.",
+                    short(s, 32)
+                ));
+            }
         },
     };
     let shared_session = match form.shared_session.trim() {
@@ -997,7 +1118,12 @@ pub(super) async fn request_force(
         s => match u64::from_str_radix(s.trim_start_matches("0x"), 16) {
             // A session id is a lease id's 64 bits, as `{:#x}` shows them.
             Ok(n) => Some(i64::from_ne_bytes(n.to_ne_bytes())),
-            Err(_) => return bad(format!("shared session {:?} is not a hex session id. Nothing was done.", short(s, 32))),
+            Err(_) => {
+                return bad(format!(
+                    "shared session {:?} is not a hex session id. Nothing was done.",
+                    short(s, 32)
+                ));
+            }
         },
     };
     let request = latchkey_proto::adminv1::RequestForceReleaseRequest {
@@ -1029,7 +1155,7 @@ pub(super) async fn request_force(
         Err(status) => error_page(
             http_status(status.code()),
             "Not requested",
-            &format!("{} Nothing was done.", status.message()),
+            &format!("{} Nothing was done.", numberless(status.message())),
         ),
     }
 }
@@ -1048,7 +1174,9 @@ pub(super) async fn confirm_force(
     headers: HeaderMap,
     Query(q): Query<ConfirmQuery>,
 ) -> Response {
-    let here = uri.path_and_query().map_or("/force-release", |p| p.as_str());
+    let here = uri
+        .path_and_query()
+        .map_or("/force-release", |p| p.as_str());
     let who = match auth::who(&console, &headers, here) {
         Ok(who) => who,
         Err(r) => return r,
@@ -1078,7 +1206,8 @@ pub(super) async fn confirm_force(
     let action = if !console.force_release {
         "<p>Force-release is not offered in this console (the arbiter runs without --console-force-release): approve with <code>latchctl admin force-release approve</code>.</p>".to_string()
     } else if r.requester_subject == who.signed_in.subject {
-        "<p id=\"own-request\">You requested this: a different operator must approve it.</p>".to_string()
+        "<p id=\"own-request\">You requested this: a different operator must approve it.</p>"
+            .to_string()
     } else {
         format!(
             "<form method=\"post\" action=\"/force-release/approve\"><input type=\"hidden\" name=\"csrf\" value=\"{}\"><input type=\"hidden\" name=\"request_id\" value=\"{}\"><button class=\"approve\" id=\"approve\">Approve: force-release {}</button></form>",
@@ -1091,7 +1220,11 @@ pub(super) async fn confirm_force(
         "<h1>Approve a force-release?</h1><section class=\"request\" id=\"confirm\"><h3>{what} <code>{key}</code></h3>\
          <p class=\"enforcement {lower}\"><strong>{enforcement}</strong> {warning}</p>\
          <p>Held by <span class=\"identity\">{holder}</span>, class {class}, session {session:#x}. Requested by {by}: {reason}; expires {expires}.{revoke}</p>{action}</section>",
-        what = if r.election { "Leadership of election" } else { "Hold on" },
+        what = if r.election {
+            "Leadership of election"
+        } else {
+            "Hold on"
+        },
         key = esc(crate::records::named_key(&r.key)),
         lower = esc(&r.enforcement),
         enforcement = esc(&r.enforcement.to_uppercase()),
@@ -1102,7 +1235,11 @@ pub(super) async fn confirm_force(
         by = esc(&r.requester_subject),
         reason = esc(&format!("{:?}", r.reason)),
         expires = latchkey_audit::text::utc(r.expires_at_unix_ms),
-        revoke = if r.revoke_session { " Approval also revokes the holder's session." } else { "" },
+        revoke = if r.revoke_session {
+            " Approval also revokes the holder's session."
+        } else {
+            ""
+        },
     );
     Page::full(&who, &view, &body, "", false)
 }
@@ -1132,7 +1269,10 @@ pub(super) async fn approve_force(
             let revoked = match (request.revoke_session, a.session_revoked) {
                 (false, _) => String::new(),
                 (true, true) => " The holder's session was revoked.".into(),
-                (true, false) => format!(" The holder's session could not be revoked: {}", esc(&a.session_revoke_error)),
+                (true, false) => format!(
+                    " The holder's session could not be revoked: {}",
+                    esc(&numberless(&a.session_revoke_error))
+                ),
             };
             let body = format!(
                 "<p id=\"approved\">Force-released <code>{}</code> (held by {}), approved by {}.{revoked}</p><p><a href=\"/key?k={}\">The key now</a> · <a href=\"/force-release\">Force-release</a></p>",
@@ -1146,7 +1286,7 @@ pub(super) async fn approve_force(
         Err(status) => error_page(
             http_status(status.code()),
             "Not approved",
-            &format!("{} Nothing was done.", status.message()),
+            &format!("{} Nothing was done.", numberless(status.message())),
         ),
     }
 }
@@ -1176,6 +1316,18 @@ mod tests {
             "&lt;script&gt;&quot;x&quot; &amp; &#39;y&#39;&lt;/script&gt;"
         );
         assert_eq!(esc("a\u{1b}[2Jb"), "a\u{FFFD}[2Jb");
+    }
+
+    #[test]
+    fn numbers_and_hex_words_never_reach_a_page() {
+        assert_eq!(
+            numberless("sealed: mark e3:r88 is behind 0x1b3f, abcdef and 0000000000abcdef"),
+            "sealed: mark N:N is behind N, N and N"
+        );
+        assert_eq!(
+            numberless("the lock log is sealed"),
+            "the lock log is sealed"
+        );
     }
 
     #[test]

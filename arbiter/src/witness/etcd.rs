@@ -301,10 +301,15 @@ fn decode_mark(bytes: &[u8]) -> Result<Mark, String> {
     let (Some(epoch), Some(revision), Some(cluster_id), None) =
         (parts.next(), parts.next(), parts.next(), parts.next())
     else {
-        return Err(format!("{text:?} is not epoch:revision:cluster_id"));
+        // Not quoted: a mark's parts are a token's (its epoch and revision).
+        return Err(format!(
+            "it is not epoch:revision:cluster_id ({} bytes, {} parts)",
+            text.len(),
+            text.split(':').count()
+        ));
     };
     let revision = i64::try_from(hex::<u64>(revision, 16)?)
-        .map_err(|_| format!("revision {revision} is out of range"))?;
+        .map_err(|_| "its revision is out of range".to_string())?;
     Ok(Mark {
         epoch: hex::<u32>(epoch, 8)?,
         cluster_id: hex::<u64>(cluster_id, 16)?,
@@ -324,10 +329,14 @@ fn decode_epoch(bytes: &[u8]) -> Result<u32, String> {
 /// Exactly `width` lowercase hex digits: any other spelling would break the
 /// byte-wise order etcd compares by.
 fn hex<T: FromHex>(text: &str, width: usize) -> Result<T, String> {
+    // The part is not quoted: it may be a token's half.
     if text.len() != width || !text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
-        return Err(format!("{text:?} is not {width} lowercase hex digits"));
+        return Err(format!(
+            "a part of {} characters is not {width} lowercase hex digits",
+            text.len()
+        ));
     }
-    T::from_hex(text).ok_or_else(|| format!("{text:?} is out of range"))
+    T::from_hex(text).ok_or_else(|| "a part is out of range".to_string())
 }
 
 trait FromHex: Sized {

@@ -7,9 +7,9 @@
 //! `workload/bench`'s, on `--sessions` sessions renewed in one KeepAlive
 //! stream. Then:
 //!
-//! 1. **Keys page, each a fresh read** (`--fresh`, 40): requests 450 ms apart,
-//!    past the console's shared read of every hold (400 ms), so each reads the
-//!    lock log again and renders every row.
+//! 1. **Keys page, each a fresh read** (`--fresh`, 40): requests 300 ms apart,
+//!    past the console's shared read of every hold and shared render (250 ms),
+//!    so each reads the lock log again and renders every row.
 //! 2. **Keys page, back to back** (`--back-to-back`, 200): as a page reloaded
 //!    at once, or several operators at once, which share that read.
 //! 3. **`latchctl why KEY`** (`--why`, 20): one key's holder and waiters, the
@@ -58,7 +58,10 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    ensure!(args.sessions > 0 && args.holds >= args.sessions, "--holds must be at least --sessions");
+    ensure!(
+        args.sessions > 0 && args.holds >= args.sessions,
+        "--holds must be at least --sessions"
+    );
     let latchctl = latchkey_tests::workspace_bins::build_as_shipped(&["latchctl"])?
         .pop()
         .context("no latchctl")?;
@@ -167,11 +170,14 @@ async fn main() -> anyhow::Result<()> {
         "the Keys page does not count {} holds",
         args.holds
     );
-    println!("Keys page: {} KiB of HTML (the first 500 rows and the count)", body.len() / 1024);
+    println!(
+        "Keys page: {} KiB of HTML (the first 500 rows and the count)",
+        body.len() / 1024
+    );
 
     let mut fresh = histogram()?;
     for _ in 0..args.fresh {
-        tokio::time::sleep(Duration::from_millis(450)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         fresh.record(micros(page(&http).await?.0))?;
     }
     let mut shared = histogram()?;
@@ -232,7 +238,11 @@ async fn sign_in(http: &reqwest::Client, base: &str, sub: &str) -> anyhow::Resul
         .header(reqwest::header::COOKIE, login_cookie)
         .send()
         .await?;
-    ensure!(r.status().is_redirection(), "the callback answered HTTP {}", r.status());
+    ensure!(
+        r.status().is_redirection(),
+        "the callback answered HTTP {}",
+        r.status()
+    );
     set_cookie(&r, "latchkey_console")
 }
 
