@@ -241,6 +241,14 @@ impl Client {
         }
     }
 
+    /// How many SVID rotations this client has taken up: the TLS files are
+    /// looked at again (at most once a second, from the calls), and once a
+    /// change has stayed put for a look, later calls and streams present
+    /// the new certificate. Calls and streams already open keep theirs.
+    pub fn svid_reloads(&self) -> u64 {
+        self.inner.rpc.svid_reloads()
+    }
+
     /// A session of this client by id, if it is still open.
     ///
     /// ```no_run

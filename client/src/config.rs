@@ -51,6 +51,13 @@ pub struct ClientConfig {
     /// is a diagnostic the client asserts about itself, never an identity:
     /// it grants nothing and bounds nothing. Empty: never a LEAK.
     pub instance: String,
+    /// The longest one Acquire waits at the arbiter
+    /// ([`DEFAULT_WAIT_ASK`](Self::DEFAULT_WAIT_ASK), 50 s: below the
+    /// edge's route timeout, 90 s in dev-up and deploy/, and deploy/'s
+    /// `--max-wait-seconds`, 60 s). A longer wait asks again, on the same
+    /// session, until its own deadline. Each ask joins the key's queue at
+    /// its tail.
+    pub wait_ask: Duration,
 }
 
 /// The instance name a client takes unless told otherwise: `LATCHKEY_INSTANCE`
@@ -128,6 +135,8 @@ impl ClientConfig {
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
     /// [`ClientConfig::request_timeout`] unless set: 10 s.
     pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+    /// [`ClientConfig::wait_ask`] unless set: 50 s.
+    pub const DEFAULT_WAIT_ASK: Duration = Duration::from_secs(50);
 
     /// mTLS with the given files.
     pub fn tls(endpoint: impl Into<String>, tls: TlsFiles) -> Self {
@@ -139,6 +148,7 @@ impl ClientConfig {
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
             request_timeout: Self::DEFAULT_REQUEST_TIMEOUT,
             instance: default_instance(),
+            wait_ask: Self::DEFAULT_WAIT_ASK,
         }
     }
 
@@ -161,6 +171,7 @@ impl ClientConfig {
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
             request_timeout: Self::DEFAULT_REQUEST_TIMEOUT,
             instance: default_instance(),
+            wait_ask: Self::DEFAULT_WAIT_ASK,
         }
     }
 }

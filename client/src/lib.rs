@@ -67,6 +67,14 @@
 //! [`FenceReason`]. Releasing (or dropping) the last guard of a hold sends
 //! Release.
 //!
+//! The SVID files are looked at again, at most once a second, from the
+//! calls themselves: SPIRE rotates an SVID every hour, and a client lives
+//! longer. Once changed files have stayed as they are for one look, later
+//! calls and streams present the new certificate on a new channel; calls and
+//! streams already open keep theirs, and no hold is fenced for it
+//! ([`Client::svid_reloads`] counts the rotations taken up). latchctl, built
+//! on this library, does the same.
+//!
 //! # How a leadership flows through the library
 //!
 //! [`Client::campaign`]`(election, class, value, options)` runs on the same

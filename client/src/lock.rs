@@ -199,7 +199,7 @@ impl LockBuilder {
             settled: false,
         };
         let rpc = &session.rpc;
-        let mut request = rpc.unary(AcquireRequest {
+        let message = AcquireRequest {
             key: self.key.clone(),
             class: self.class.clone(),
             session_id: core.id,
@@ -215,11 +215,31 @@ impl LockBuilder {
                 Mode::Exclusive
             } as i32,
             downgrade_from: None,
-        });
-        if let Some(wait) = self.wait {
-            request.set_timeout(wait);
-        }
-        let grant = rpc.lock().acquire(request).await?.into_inner().grant;
+        };
+        // One ask waits at most `wait_ask` (below the edge's route timeout
+        // and the arbiter's maximum wait); a longer wait asks again on the
+        // same session until its deadline. A grant that landed as an ask
+        // ended is answered to the next ask, never as a second hold.
+        let deadline = self.wait.map(|w| Instant::now() + w);
+        let grant = loop {
+            let mut request = rpc.unary(message.clone());
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if let Some(left) = left {
+                request.set_timeout(left.min(rpc.wait_ask).max(Duration::from_millis(1)));
+            }
+            match rpc.lock().acquire(request).await {
+                Ok(reply) => break reply.into_inner().grant,
+                Err(status) => {
+                    let again = status.code() == tonic::Code::DeadlineExceeded
+                        && left.is_some_and(|l| l > rpc.wait_ask)
+                        && deadline.is_some_and(|d| d > Instant::now() + Duration::from_millis(1));
+                    if !again {
+                        return Err(status.into());
+                    }
+                    tracing::debug!(key = %self.key, "no grant within one ask; asking again");
+                }
+            }
+        };
         let hold = Arc::new(granted_hold(
             grant,
             core.id,

@@ -129,7 +129,10 @@ def _client(channel) -> Client:
     client._default_class = "demo"
     client._request_timeout = 2.0
     client._channel = channel
-    client._stub = lock_pb2_grpc.LockStub(channel)
+    client._stubs = (lock_pb2_grpc.LockStub(channel), None)
+    client._retired = []
+    # No SVID files to look at.
+    client._next_tls_check = float("inf")
     client._observations = weakref.WeakSet()
     client._lock = threading.Lock()
     client._opening = threading.Lock()

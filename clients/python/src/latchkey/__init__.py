@@ -26,7 +26,9 @@ is known (resigned, NOT_LEADER, or another term seen on its Observe stream).
 ``repr``, ``str``, exceptions or logs.
 """
 
-from ._client import Client, Holder, Inspection, LockGuard, default_instance
+import logging as _logging
+
+from ._client import FOREVER, WAIT_ASK, Client, Holder, Inspection, LockGuard, default_instance
 from ._election import (
     Candidate,
     Gap,
@@ -72,6 +74,8 @@ from ._session import Session
 from ._token import FencingToken
 
 __all__ = [
+    "FOREVER",
+    "WAIT_ASK",
     "Aborted",
     "Candidate",
     "Client",
@@ -119,3 +123,7 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# A library is quiet unless the application configures logging: its
+# records go to the "latchkey" logger, and nowhere by default.
+_logging.getLogger("latchkey").addHandler(_logging.NullHandler())

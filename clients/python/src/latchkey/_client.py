@@ -4,6 +4,7 @@ and the guard that is a hold."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import ssl
@@ -43,6 +44,29 @@ from .lock.v1 import lock_pb2, lock_pb2_grpc
 log = logging.getLogger("latchkey")
 
 _now = time.monotonic
+
+#: ``wait=FOREVER`` (and ``lock(timeout=None)``): wait until granted.
+FOREVER = math.inf
+
+#: The longest one Acquire waits at the arbiter: below the edge's route
+#: timeout (90 s in dev-up and deploy/, Envoy's "downstream duration
+#: timeout") and deploy/'s ``--max-wait-seconds`` (60 s). A longer wait asks
+#: again, on the same session, until its deadline (see ``acquire``).
+WAIT_ASK = 50.0
+
+#: How often the SVID files are looked at for a rotation (at most).
+TLS_CHECK_EVERY = 1.0
+#: Channels of earlier SVIDs kept open for the streams still on them.
+MAX_RETIRED_CHANNELS = 2
+
+#: The environment latchctl reads its connection from (``Client.from_env``).
+ENV_ENDPOINT = "LATCHKEY_ENDPOINT"
+ENV_CA = "LATCHKEY_CA"
+ENV_CERT = "LATCHKEY_CERT"
+ENV_KEY = "LATCHKEY_KEY"
+ENV_TLS_DOMAIN = "LATCHKEY_TLS_DOMAIN"
+#: latchctl's default endpoint: the edge of the dev stack.
+DEFAULT_ENDPOINT = "https://127.0.0.1:8443"
 
 
 def _ignore(_reason: FenceReason) -> None:
@@ -86,6 +110,27 @@ def _read(what: str, path) -> bytes:
             return f.read()
     except OSError as error:
         raise ConfigError(f"reading {what} {path}: {error.strerror or error}") from None
+
+
+def _signature(paths) -> tuple:
+    """What tells that a file was replaced or rewritten (a rotation)."""
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def _check_pair(cert, key) -> None:
+    """Raises ConfigError unless `key` is the private key of `cert` (no network)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as error:
+        raise ConfigError(f"the SVID certificate {cert} and key {key} are not a usable pair: {error}") from None
 
 
 def _target(endpoint: str) -> str:
@@ -176,6 +221,29 @@ class Client:
     #: The dev stack's election class (policies/dev/classes/elections.toml).
     DEFAULT_ELECTION_CLASS = "election"
 
+    @classmethod
+    def from_env(cls, **options) -> "Client":
+        """A client configured as latchctl is, from the environment:
+        ``LATCHKEY_ENDPOINT`` (default the dev stack's edge,
+        ``https://127.0.0.1:8443``), ``LATCHKEY_CA``, ``LATCHKEY_CERT`` and
+        ``LATCHKEY_KEY`` (file paths, required) and ``LATCHKEY_TLS_DOMAIN``
+        (the name the edge's certificate must have; default ``localhost``).
+        Keyword arguments are passed on and win over the environment."""
+        env = os.environ
+        named = {ENV_CA: "ca", ENV_CERT: "cert", ENV_KEY: "key"}
+        missing = [v for v, name in named.items() if name not in options and not env.get(v)]
+        if missing:
+            raise ConfigError(
+                f"{', '.join(missing)} unset: set the trust bundle, SVID and key paths as for latchctl "
+                "(or pass ca=, cert=, key=)"
+            )
+        endpoint = options.pop("endpoint", None) or env.get(ENV_ENDPOINT) or DEFAULT_ENDPOINT
+        for variable, name in named.items():
+            options.setdefault(name, env.get(variable, ""))
+        if env.get(ENV_TLS_DOMAIN):
+            options.setdefault("server_name", env[ENV_TLS_DOMAIN])
+        return cls(endpoint, **options)
+
     def __init__(
         self,
         endpoint: str,
@@ -223,8 +291,23 @@ class Client:
             raise Unavailable(
                 grpc.StatusCode.UNAVAILABLE, "", f"could not connect to {endpoint} within {connect_timeout:g} s (mTLS)"
             ) from None
-        self._stub = lock_pb2_grpc.LockStub(self._channel)
-        self._election_stub = election_pb2_grpc.ElectionServiceStub(self._channel)
+        self._stubs = (
+            lock_pb2_grpc.LockStub(self._channel),
+            election_pb2_grpc.ElectionServiceStub(self._channel),
+        )
+        # SVID rotation (SPIRE's SVIDs last an hour): the files are looked at
+        # at most once a second, from the calls themselves; a change that
+        # forms a usable pair makes a new channel for every later call and
+        # stream. Streams open on an older channel go on there.
+        self._target = target
+        self._channel_options = options
+        self._tls_paths = (ca, cert, key)
+        self._tls_signature = _signature(self._tls_paths)
+        self._tls_lock = threading.Lock()
+        self._next_tls_check = _now() + TLS_CHECK_EVERY
+        self._retired: List[grpc.Channel] = []
+        #: How many times the SVID files were reloaded.
+        self.svid_reloads = 0
         self._default_election_class = default_election_class
         # One Observe stream per leadership: how a leadership that ends at
         # the arbiter while its session lives (forced out, an epoch advance)
@@ -261,7 +344,7 @@ class Client:
                 session = self._sessions.get(reply.session_id)
                 if session is None or session.is_fenced:
                     session = Session(
-                        self._stub,
+                        lambda: self._stub,
                         reply.session_id,
                         float(reply.ttl_seconds),
                         keepalive_interval(reply.ttl_seconds, reply.keepalive_interval_ms),
@@ -314,7 +397,13 @@ class Client:
 
         ``wait=None`` is a try-lock: a held key raises :class:`Held` at once.
         ``wait=seconds`` queues at the arbiter (FIFO per key) until granted or
-        until that deadline (:class:`WaitTimeout` / :class:`DeadlineExceeded`).
+        until that deadline (:class:`WaitTimeout` / :class:`DeadlineExceeded`);
+        ``wait=latchkey.FOREVER`` until granted. One Acquire waits at most
+        :data:`WAIT_ASK` (50 s: below the edge's route timeout and the
+        arbiter's maximum wait); a longer wait asks again on the same session
+        until its deadline. Each ask joins the key's queue at its tail, so
+        under constant contention a waiter older than one ask can be
+        overtaken by one that came later.
         A key this thread already holds on the session returns another guard
         of the same hold at once, without a call (ADR-13). A key another
         thread of this client holds is held as for any other caller: a
@@ -371,15 +460,17 @@ class Client:
         key: str,
         lock_class: Optional[str] = None,
         *,
-        timeout: float = 30.0,
+        timeout: Optional[float] = 30.0,
         on_fence: Optional[FenceCallback] = None,
         metadata: Optional[Mapping[str, str]] = None,
         shared: bool = False,
     ) -> "_LockContext":
         """``with client.lock("demo/x") as guard:`` — a blocking acquire that
-        waits up to `timeout` seconds for the key, released when the block ends.
+        waits up to `timeout` seconds for the key (``None``: until granted, as
+        redis-py's and kazoo's locks do), released when the block ends.
         ``shared=True`` takes a shared hold (see :meth:`acquire`)."""
-        return _LockContext(self, key, lock_class, timeout, on_fence, metadata, shared)
+        wait = FOREVER if timeout is None else timeout
+        return _LockContext(self, key, lock_class, wait, on_fence, metadata, shared)
 
     def _acquire_on(self, session, key, lock_class, deadline, on_fence, metadata, shared=False) -> "LockGuard":
         while True:
@@ -434,8 +525,7 @@ class Client:
                 mode=lock_pb2.MODE_SHARED if shared else lock_pb2.MODE_EXCLUSIVE,
                 **{"class": lock_class},
             )
-            timeout = max(0.001, deadline - _now()) if deadline is not None else None
-            grant = self._call(self._stub.Acquire, request, timeout=timeout).grant
+            grant = self._ask(request, key, deadline)
             if not grant.key:
                 raise ProtocolError("malformed reply to Acquire: OK without a grant")
             if grant.session_id != session.id or grant.key != key:
@@ -459,6 +549,75 @@ class Client:
                 session._acquire_failed(key)
         log.debug("acquired %s%s (session %d, epoch %d)", key, " shared" if hold.shared else "", session.id, hold.epoch)
         return LockGuard(hold, session, guard_id, self)
+
+    @property
+    def _stub(self):
+        self._maybe_reload()
+        return self._stubs[0]
+
+    @property
+    def _election_stub(self):
+        self._maybe_reload()
+        return self._stubs[1]
+
+    def _maybe_reload(self) -> None:
+        """Takes up the SVID files again if they changed (looked at once a
+        second at most): a rotated certificate is what the next call and
+        the next stream present. A pair that does not match (a rotation
+        half-written) is left for the next look."""
+        now = _now()
+        if now < self._next_tls_check or self._closed:
+            return
+        with self._tls_lock:
+            if now < self._next_tls_check:
+                return
+            self._next_tls_check = now + TLS_CHECK_EVERY
+            signature = _signature(self._tls_paths)
+            if signature == self._tls_signature:
+                return
+            ca, cert, key = self._tls_paths
+            try:
+                _check_pair(cert, key)
+                credentials = grpc.ssl_channel_credentials(
+                    root_certificates=_read("CA bundle", ca),
+                    private_key=_read("SVID key", key),
+                    certificate_chain=_read("SVID certificate", cert),
+                )
+            except ConfigError as error:
+                log.debug("the SVID files changed but are not usable yet (%s); looking again", error)
+                return
+            channel = grpc.secure_channel(self._target, credentials, options=self._channel_options)
+            self._retired.append(self._channel)
+            self._channel = channel
+            self._stubs = (
+                lock_pb2_grpc.LockStub(channel),
+                election_pb2_grpc.ElectionServiceStub(channel),
+            )
+            self._tls_signature = signature
+            self.svid_reloads += 1
+            # The oldest channels go: a stream still on one breaks and is
+            # reopened (a session's within its TTL, without a fence).
+            while len(self._retired) > MAX_RETIRED_CHANNELS:
+                self._retired.pop(0).close()
+            log.info("the SVID files changed: new calls and streams present the new certificate (%s)", cert)
+
+    def _ask(self, request, key: str, deadline: Optional[float]):
+        """Sends Acquire until granted, refused, or `deadline` passes: one
+        ask waits at most :data:`WAIT_ASK`. A wait cut short before the
+        deadline (the arbiter's maximum wait, the edge's route timeout, this
+        ask's own) asks again on the same session: a grant that landed as the
+        ask ended is answered to it again, never a second hold."""
+        while True:
+            if deadline is None:
+                return self._call(self._stub.Acquire, request).grant
+            left = deadline - _now()
+            ask = max(0.001, min(left, WAIT_ASK))
+            try:
+                return self._call(self._stub.Acquire, request, timeout=ask).grant
+            except (WaitTimeout, DeadlineExceeded) as error:
+                if deadline - _now() <= 0.001 or left <= WAIT_ASK:
+                    raise
+                log.debug("no grant of %s within one ask (%s); asking again", key, error.reason or error.code)
 
     # -- elections --------------------------------------------------------
 
@@ -696,6 +855,8 @@ class Client:
             except LatchkeyError as error:
                 log.debug("closing session %d: %s", session.id, error)
         self._channel.close()
+        for channel in self._retired:
+            channel.close()
 
     def __enter__(self) -> "Client":
         return self

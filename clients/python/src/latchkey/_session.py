@@ -51,7 +51,9 @@ class Session:
         self.ttl = ttl
         self.keepalive_interval = keepalive_interval
         self.reused = reused
-        self._stub = stub
+        # The client's current stub (a callable: it changes when the SVID
+        # files are reloaded), or a stub.
+        self._stub_source = stub if callable(stub) else (lambda: stub)
         self._request_timeout = request_timeout
         self._lock = threading.Lock()
         self._liveness = Liveness(opened_at, ttl)
@@ -140,7 +142,9 @@ class Session:
             # go to a live session.
             self._holds.wake_all()
         self._shutdown()
-        log.warning("session %d fenced (%s holds): %s", self.id, len(callbacks), reason)
+        # A close is the caller's own doing: nothing to warn about.
+        level = logging.DEBUG if reason is FenceReason.CLOSED else logging.WARNING
+        log.log(level, "session %d fenced (%s holds): %s", self.id, len(callbacks), reason)
         _call_all(callbacks, reason, self.id)
 
     def _hold_ended(self, key: str, revision: int) -> None:
@@ -290,6 +294,10 @@ class Session:
             reason = None
         if reason is not None:
             self._fence(reason)
+
+    @property
+    def _stub(self):
+        return self._stub_source()
 
     def _renew(self) -> Optional[FenceReason]:
         """Renews until the arbiter says the session is gone (returns EXPIRED)
