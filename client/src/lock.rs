@@ -220,23 +220,39 @@ impl LockBuilder {
         // and the arbiter's maximum wait); a longer wait asks again on the
         // same session until its deadline. A grant that landed as an ask
         // ended is answered to the next ask, never as a second hold.
-        let deadline = self.wait.map(|w| Instant::now() + w);
+        // A wait too long to add to now (`Duration::MAX`) has no end.
+        let deadline = self.wait.map(|w| Instant::now().checked_add(w));
         let grant = loop {
+            let started = Instant::now();
             let mut request = rpc.unary(message.clone());
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            if let Some(left) = left {
+            if let Some(deadline) = deadline {
+                let left = deadline.map_or(rpc.wait_ask, |d| d.saturating_duration_since(started));
                 request.set_timeout(left.min(rpc.wait_ask).max(Duration::from_millis(1)));
             }
             match rpc.lock().acquire(request).await {
                 Ok(reply) => break reply.into_inner().grant,
                 Err(status) => {
-                    let again = status.code() == tonic::Code::DeadlineExceeded
-                        && left.is_some_and(|l| l > rpc.wait_ask)
-                        && deadline.is_some_and(|d| d > Instant::now() + Duration::from_millis(1));
-                    if !again {
+                    // A wait that ended (the arbiter's WAIT_TIMEOUT, the edge's
+                    // route timeout, or tonic's own deadline, which it says as
+                    // CANCELLED) with more than a moment left asks again.
+                    let ended = matches!(
+                        status.code(),
+                        tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+                    );
+                    let left = match deadline {
+                        None => Duration::ZERO,
+                        Some(None) => Duration::MAX,
+                        Some(Some(d)) => d.saturating_duration_since(Instant::now()),
+                    };
+                    if !ended || left <= ASK_AGAIN_ABOVE {
                         return Err(status.into());
                     }
                     tracing::debug!(key = %self.key, "no grant within one ask; asking again");
+                    // At most one ask a second, however soon an ask ends.
+                    let pause = ASK_AT_MOST_EVERY
+                        .saturating_sub(started.elapsed())
+                        .min(left - ASK_AGAIN_ABOVE);
+                    tokio::time::sleep(pause).await;
                 }
             }
         };
@@ -253,6 +269,11 @@ impl LockBuilder {
         Ok(LockGuard::new(hold, Arc::clone(session), guard_id))
     }
 }
+
+/// A wait that ended with no more than this left is over.
+const ASK_AGAIN_ABOVE: Duration = Duration::from_millis(100);
+/// Asks of one wait start at least this far apart.
+const ASK_AT_MOST_EVERY: Duration = Duration::from_secs(1);
 
 pub(crate) fn stale_session(err: &Error) -> bool {
     matches!(

@@ -135,10 +135,8 @@ impl Rpc {
     /// The channel for a new call or stream: a new one when the SVID files
     /// have rotated since.
     fn channel(&self) -> Channel {
-        if let Some(reload) = &self.reload
-            && let Some(channel) = reload.check()
-        {
-            *self.channel.write() = channel;
+        if let Some(reload) = &self.reload {
+            reload.check(&self.channel);
         }
         self.channel.read().clone()
     }
@@ -306,24 +304,28 @@ impl std::fmt::Debug for Reload {
 }
 
 impl Reload {
-    /// A channel with the rotated SVID, when the files changed and have
-    /// stayed as they are since the last look.
-    fn check(&self) -> Option<Channel> {
-        let mut state = self.state.lock();
+    /// Installs a channel with the rotated SVID in `current`, when the
+    /// files changed and have stayed as they are since the last look. A
+    /// call that finds another looking goes on with the current channel:
+    /// no call waits on the files (a slow or hung file system included).
+    fn check(&self, current: &parking_lot::RwLock<Channel>) {
+        let Some(mut state) = self.state.try_lock() else {
+            return;
+        };
         let now = Instant::now();
         if now < state.next_check {
-            return None;
+            return;
         }
         state.next_check = now + CHECK_EVERY;
         let signature = signature(&self.files);
         if signature == state.current {
             state.seen = None;
-            return None;
+            return;
         }
         if state.seen != Some(signature) {
             // Changed since the last look: maybe only half written yet.
             state.seen = Some(signature);
-            return None;
+            return;
         }
         match with_tls(self.endpoint.clone(), &self.files, &self.domain) {
             Ok(endpoint) => {
@@ -334,16 +336,16 @@ impl Reload {
                     cert = %self.files.cert.display(),
                     "the SVID files changed: new calls and streams present the new certificate"
                 );
-                Some(endpoint.connect_lazy())
+                // Swapped while the state is held: a later rotation's
+                // channel can never be replaced by this older one.
+                *current.write() = endpoint.connect_lazy();
             }
             Err(Made::File(e)) => {
                 tracing::debug!(error = %e, "the SVID files changed but cannot be read yet; looking again");
-                None
             }
             Err(Made::Tls(e)) => {
                 tracing::warn!(error = %e, "the rotated SVID files are not a usable TLS identity; keeping the current one");
                 state.current = signature;
-                None
             }
         }
     }

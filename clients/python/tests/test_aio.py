@@ -28,6 +28,7 @@ def test_a_hold_belongs_to_its_task(stack_env):
     async def main():
         async with await _connect(stack_env) as client:
             order = []
+            first_holds = asyncio.Event()
 
             async def first():
                 async with client.lock("demo/py/aio") as guard:
@@ -35,11 +36,12 @@ def test_a_hold_belongs_to_its_task(stack_env):
                     async with client.lock("demo/py/aio") as again:
                         assert again.hold_count == 2 and again.token == guard.token
                     order.append("first in")
+                    first_holds.set()
                     await asyncio.sleep(1.0)
                     order.append("first out")
 
             async def second():
-                await asyncio.sleep(0.2)
+                await first_holds.wait()
                 # Another task of the same client: a try-lock is refused...
                 with pytest.raises(latchkey.Held):
                     await client.acquire("demo/py/aio")
@@ -81,7 +83,52 @@ def test_a_cancelled_wait_keeps_nothing(stack_env):
                 await asyncio.sleep(0.1)
             view = await alice.inspect("demo/py/aio-cancel")
             assert view.holder is None, view
-            again = await alice.acquire("demo/py/aio-cancel")
+            # A grant committed just then is given back a moment later.
+            for _ in range(100):
+                try:
+                    again = await alice.acquire("demo/py/aio-cancel")
+                    break
+                except latchkey.Held:
+                    await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the key never came back")
             await again.release()
+
+    asyncio.run(main())
+
+
+def test_a_task_goes_on_at_once_after_its_wait_is_cancelled(stack_env):
+    async def main():
+        async with await _connect(stack_env) as alice, await _connect(stack_env, "BOB") as bob:
+            held = await alice.acquire("demo/py/aio-carry-on")
+            mine = await bob.acquire("demo/py/aio-mine")
+            # A wait without end, cancelled in this very task (asyncio.timeout
+            # cancels the task and goes on): the task's next call runs at
+            # once, not behind the abandoned wait.
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await bob.acquire("demo/py/aio-carry-on", wait=latchkey.FOREVER)
+            started = time.monotonic()
+            await mine.release()
+            assert time.monotonic() - started < 5
+            await held.release()
+
+    if not hasattr(asyncio, "timeout"):
+        pytest.skip("asyncio.timeout is Python 3.11+")
+    asyncio.run(main())
+
+
+def test_tasks_waiting_without_end_take_turns(stack_env):
+    async def main():
+        async with await _connect(stack_env) as client:
+            order = []
+
+            async def worker(name):
+                async with client.lock("demo/py/aio-forever", timeout=None):
+                    order.append(name)
+                    await asyncio.sleep(0.3)
+
+            await asyncio.gather(worker("a"), worker("b"), worker("c"))
+            assert sorted(order) == ["a", "b", "c"]
 
     asyncio.run(main())

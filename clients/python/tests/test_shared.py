@@ -131,6 +131,7 @@ def _client(channel) -> Client:
     client._channel = channel
     client._stubs = (lock_pb2_grpc.LockStub(channel), None)
     client._retired = []
+    client._tls_lock = threading.Lock()
     # No SVID files to look at.
     client._next_tls_check = float("inf")
     client._observations = weakref.WeakSet()

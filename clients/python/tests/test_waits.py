@@ -17,9 +17,10 @@ from conftest import eventually
 
 
 def _waiter(client, key, timeout, got):
+    started = time.monotonic()
+
     def run():
         try:
-            started = time.monotonic()
             with client.lock(key, timeout=timeout) as guard:
                 got["waited"] = time.monotonic() - started
                 got["token"] = guard.token
@@ -78,7 +79,7 @@ def test_closing_a_client_is_quiet(connect, caplog):
         client.close()
     # Only this client's records: other tests' clients' threads may still
     # be saying their last words.
-    ours = [r for r in caplog.records if str(session) in r.getMessage()]
+    ours = [r for r in caplog.records if f"session {session} " in r.getMessage()]
     assert ours, "the close was not logged at all (at DEBUG)"
     loud = [r for r in ours if r.levelno >= logging.WARNING]
     assert not loud, [r.getMessage() for r in loud]
@@ -105,3 +106,16 @@ def test_on_fence_runs_after_every_thread_sees_the_hold_lost(connect, harness):
     harness.remove_hold("demo/py/fence-order")
     eventually("on_fence", 10, lambda: "other_thread_fenced" in seen)
     assert seen == {"fenced": True, "can_start": False, "other_thread_fenced": True}
+
+
+def test_without_a_timeout_a_thread_waits_for_another_thread_of_its_client(alice):
+    # The other thread's hold is waited for here, without an end.
+    held = alice.acquire("demo/py/forever-thread")
+    got: dict = {}
+    waiter = _waiter(alice, "demo/py/forever-thread", None, got)
+    time.sleep(0.5)
+    assert not got, got
+    held.release()
+    waiter.join(10)
+    assert "error" not in got, got.get("error")
+    assert got["token"] > held.token

@@ -112,6 +112,14 @@ def _read(what: str, path) -> bytes:
         raise ConfigError(f"reading {what} {path}: {error.strerror or error}") from None
 
 
+def _left(deadline: float) -> Optional[float]:
+    """Seconds until `deadline` for a thread wait: None for no end
+    (``FOREVER``), and never more than a thread wait takes."""
+    if math.isinf(deadline):
+        return None
+    return max(0.0, min(deadline - _now(), threading.TIMEOUT_MAX))
+
+
 def _signature(paths) -> tuple:
     """What tells that a file was replaced or rewritten (a rotation)."""
     out = []
@@ -128,7 +136,8 @@ def _check_pair(cert, key) -> None:
     """Raises ConfigError unless `key` is the private key of `cert` (no network)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
-        context.load_cert_chain(cert, key)
+        # An encrypted key fails here instead of asking a terminal for its passphrase.
+        context.load_cert_chain(cert, key, password=lambda: b"")
     except (ssl.SSLError, OSError) as error:
         raise ConfigError(f"the SVID certificate {cert} and key {key} are not a usable pair: {error}") from None
 
@@ -266,6 +275,8 @@ class Client:
         # share one SPIFFE ID name different instances and simply contend.
         # A diagnostic the client asserts about itself, never an identity.
         self._instance = _clean_instance(instance if instance is not None else default_instance())
+        # Before the files are read: a rotation while connecting is taken up later.
+        signature_at_start = _signature((ca, cert, key))
         ca_pem = _read("CA bundle", ca)
         credentials = grpc.ssl_channel_credentials(
             root_certificates=ca_pem,
@@ -302,7 +313,8 @@ class Client:
         self._target = target
         self._channel_options = options
         self._tls_paths = (ca, cert, key)
-        self._tls_signature = _signature(self._tls_paths)
+        self._tls_signature = signature_at_start
+        self._tls_seen: Optional[tuple] = None
         self._tls_lock = threading.Lock()
         self._next_tls_check = _now() + TLS_CHECK_EVERY
         self._retired: List[grpc.Channel] = []
@@ -392,6 +404,7 @@ class Client:
         metadata: Optional[Mapping[str, str]] = None,
         session: Optional[Session] = None,
         shared: bool = False,
+        _stop: Optional[threading.Event] = None,
     ) -> "LockGuard":
         """Acquires `key` under `lock_class` (the client's default class if omitted).
 
@@ -433,7 +446,7 @@ class Client:
         retried = False
         while True:
             try:
-                return self._acquire_on(current, key, lock_class, deadline, callback, metadata, shared)
+                return self._acquire_on(current, key, lock_class, deadline, callback, metadata, shared, _stop)
             except SessionDead:
                 # The class's session died before this acquire sent anything
                 # (e.g. while it waited for another thread's hold): once, on
@@ -472,7 +485,7 @@ class Client:
         wait = FOREVER if timeout is None else timeout
         return _LockContext(self, key, lock_class, wait, on_fence, metadata, shared)
 
-    def _acquire_on(self, session, key, lock_class, deadline, on_fence, metadata, shared=False) -> "LockGuard":
+    def _acquire_on(self, session, key, lock_class, deadline, on_fence, metadata, shared=False, stop=None) -> "LockGuard":
         while True:
             kind, value, guard_id = session._begin_acquire(key, on_fence, shared)
             if kind == REENTERED:
@@ -500,7 +513,7 @@ class Client:
                 # leave, then asks the arbiter like anyone else.
                 if deadline is None:
                     raise Held(grpc.StatusCode.ABORTED, "HELD", f"key {key!r} is held by another thread of this client")
-                if not value.wait(max(0.0, deadline - _now())):
+                if not _election._wait(value, _left(deadline), stop):
                     raise WaitTimeout(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         "WAIT_TIMEOUT",
@@ -509,8 +522,8 @@ class Client:
                 continue
             # Another thread's outermost acquire or final release of the key
             # on this session is in flight: wait for it to settle.
-            limit = (deadline - _now()) if deadline is not None else self._request_timeout
-            if limit <= 0 or not value.wait(limit):
+            limit = _left(deadline) if deadline is not None else self._request_timeout
+            if (limit is not None and limit <= 0) or not _election._wait(value, limit, stop):
                 raise DeadlineExceeded(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "", f"another acquire or release of {key} on this session is still in flight"
                 )
@@ -525,7 +538,7 @@ class Client:
                 mode=lock_pb2.MODE_SHARED if shared else lock_pb2.MODE_EXCLUSIVE,
                 **{"class": lock_class},
             )
-            grant = self._ask(request, key, deadline)
+            grant = self._ask(request, key, deadline, stop)
             if not grant.key:
                 raise ProtocolError("malformed reply to Acquire: OK without a grant")
             if grant.session_id != session.id or grant.key != key:
@@ -569,23 +582,29 @@ class Client:
         if now < self._next_tls_check or self._closed:
             return
         with self._tls_lock:
-            if now < self._next_tls_check:
+            if now < self._next_tls_check or self._closed:
                 return
             self._next_tls_check = now + TLS_CHECK_EVERY
             signature = _signature(self._tls_paths)
             if signature == self._tls_signature:
+                self._tls_seen = None
+                return
+            if signature != self._tls_seen:
+                # Changed since the last look: maybe only half written yet.
+                self._tls_seen = signature
                 return
             ca, cert, key = self._tls_paths
             try:
+                pems = (_read("CA bundle", ca), _read("SVID key", key), _read("SVID certificate", cert))
                 _check_pair(cert, key)
-                credentials = grpc.ssl_channel_credentials(
-                    root_certificates=_read("CA bundle", ca),
-                    private_key=_read("SVID key", key),
-                    certificate_chain=_read("SVID certificate", cert),
-                )
             except ConfigError as error:
                 log.debug("the SVID files changed but are not usable yet (%s); looking again", error)
                 return
+            if _signature(self._tls_paths) != signature:
+                return  # changed while being read: the next look takes it
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=pems[0], private_key=pems[1], certificate_chain=pems[2]
+            )
             channel = grpc.secure_channel(self._target, credentials, options=self._channel_options)
             self._retired.append(self._channel)
             self._channel = channel
@@ -601,23 +620,50 @@ class Client:
                 self._retired.pop(0).close()
             log.info("the SVID files changed: new calls and streams present the new certificate (%s)", cert)
 
-    def _ask(self, request, key: str, deadline: Optional[float]):
+    def _ask(self, request, key: str, deadline: Optional[float], stop: Optional[threading.Event] = None):
         """Sends Acquire until granted, refused, or `deadline` passes: one
         ask waits at most :data:`WAIT_ASK`. A wait cut short before the
         deadline (the arbiter's maximum wait, the edge's route timeout, this
-        ask's own) asks again on the same session: a grant that landed as the
-        ask ended is answered to it again, never a second hold."""
+        ask's own) asks again on the same session, at most once a second: a
+        grant that landed as the ask ended is answered to it again, never a
+        second hold. `stop` (set by another thread) cancels the call: the
+        arbiter ends the wait with it (raises ``_election._Stopped``)."""
         while True:
             if deadline is None:
-                return self._call(self._stub.Acquire, request).grant
-            left = deadline - _now()
+                return self._acquire_call(request, None, stop).grant
+            started = _now()
+            left = deadline - started
             ask = max(0.001, min(left, WAIT_ASK))
             try:
-                return self._call(self._stub.Acquire, request, timeout=ask).grant
+                return self._acquire_call(request, ask, stop).grant
             except (WaitTimeout, DeadlineExceeded) as error:
-                if deadline - _now() <= 0.001 or left <= WAIT_ASK:
+                if deadline - _now() <= 0.1:
                     raise
                 log.debug("no grant of %s within one ask (%s); asking again", key, error.reason or error.code)
+                pause = max(0.0, min(1.0 - (_now() - started), deadline - _now() - 0.1))
+                if pause > 0 and stop is not None and stop.wait(pause):
+                    raise _election._Stopped()
+                if pause > 0 and stop is None:
+                    time.sleep(pause)
+
+    def _acquire_call(self, request, timeout: Optional[float], stop: Optional[threading.Event]):
+        """One Acquire; with `stop`, cancelled when it is set."""
+        if stop is None:
+            return self._call(self._stub.Acquire, request, timeout=timeout)
+        future = self._stub.Acquire.future(
+            request, timeout=timeout if timeout is not None else self._request_timeout
+        )
+        done = threading.Event()
+        future.add_done_callback(lambda _f: done.set())
+        try:
+            _election._wait(done, None, stop)
+        except _election._Stopped:
+            future.cancel()
+            raise
+        try:
+            return future.result()
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
 
     # -- elections --------------------------------------------------------
 
@@ -854,9 +900,10 @@ class Client:
                 session.close()
             except LatchkeyError as error:
                 log.debug("closing session %d: %s", session.id, error)
-        self._channel.close()
-        for channel in self._retired:
-            channel.close()
+        with self._tls_lock:
+            self._channel.close()
+            for channel in self._retired:
+                channel.close()
 
     def __enter__(self) -> "Client":
         return self

@@ -323,9 +323,11 @@ class _LeadershipWatch:
 
     def _observe(self) -> None:
         term = self._term
-        stub = term.client._election_stub
         backoff = MIN_BACKOFF
         while not self._stop.is_set():
+            # The client's current stub: a rotated SVID's channel, not a
+            # retired one.
+            stub = term.client._election_stub
             call = stub.Observe(election_pb2.ObserveRequest(election=term.election, from_term=0, transfer_requests=True))
             with self._lock:
                 self._call = call

@@ -12,9 +12,16 @@ thread:
 The event loop never blocks. Keepalive, the fence deadline and the lock-loss
 push are the threaded client's, unchanged.
 
-A task cancelled while it waits for a key does not keep what the wait might
-still be granted. The grant is released as soon as the call returns, and the
-key goes to the next waiter.
+A task cancelled while it waits for a key stops waiting at once: the call at
+the arbiter is cancelled, and the task's thread is free for its next call. A
+grant that arrives as the wait is cancelled is released, and the key goes to
+the next waiter.
+
+Ownership is per task. A hold taken inside a child task (``asyncio.wait_for``
+before Python 3.12 runs its argument in one, as do ``gather`` and
+``create_task``) belongs to that child: the parent re-entering the key waits
+for it like another task would. A guard that is neither released nor left
+with ``async with`` stays held until the client closes (or the session ends).
 
 ::
 
@@ -28,11 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Optional
 
 from . import _client
+from ._election import _Stopped
 from ._errors import LatchkeyError
 from ._token import FencingToken
 
@@ -97,18 +106,48 @@ class Client:
     ) -> "LockGuard":
         """As :meth:`latchkey.Client.acquire`, for this task."""
         loop = asyncio.get_running_loop()
-        executor = self._thread()
-        call = functools.partial(
-            self._sync.acquire, key, lock_class, wait=wait, on_fence=on_fence, metadata=metadata, shared=shared
-        )
-        future = loop.run_in_executor(executor, call)
+        # Set when the task is cancelled: the call at the arbiter is
+        # cancelled with it, so the task's thread is free again at once.
+        stop = threading.Event()
+        handing = threading.Lock()
+        handed = []
+
+        def attempt():
+            try:
+                guard = self._sync.acquire(
+                    key,
+                    lock_class,
+                    wait=wait,
+                    on_fence=on_fence,
+                    metadata=metadata,
+                    shared=shared,
+                    _stop=stop,
+                )
+            except _Stopped:
+                return None
+            with handing:
+                if not stop.is_set():
+                    handed.append(guard)
+                    return guard
+            # Granted as the wait was cancelled: given back here, on the
+            # task's own thread, so the key goes to the next waiter.
+            _release_quietly(guard)
+            return None
+
+        future = loop.run_in_executor(self._thread(), attempt)
         try:
             guard = await asyncio.shield(future)
         except asyncio.CancelledError:
-            # The call goes on in its thread: whatever it is granted is given
-            # back there, at once, so the key goes to the next waiter.
-            future.add_done_callback(functools.partial(_give_back, executor))
+            with handing:
+                stop.set()
+                late = list(handed)
+            # Handed over just as the task was cancelled: given back off
+            # the event loop.
+            for g in late:
+                threading.Thread(target=_release_quietly, args=(g,), daemon=True).start()
             raise
+        if guard is None:  # stopped: only a cancel sets `stop`
+            raise asyncio.CancelledError()
         return LockGuard(self, guard)
 
     def lock(
@@ -142,17 +181,11 @@ class Client:
         return f"aio.{self._sync!r}"
 
 
-def _give_back(executor: ThreadPoolExecutor, future) -> None:
-    if future.cancelled() or future.exception() is not None:
-        return
-    guard = future.result()
+def _release_quietly(guard: _client.LockGuard) -> None:
     try:
-        executor.submit(guard.release)
-    except RuntimeError:  # the task's thread is gone: release from here
-        try:
-            guard.release()
-        except LatchkeyError:
-            pass
+        guard.release()
+    except LatchkeyError:
+        pass
 
 
 class LockGuard:
