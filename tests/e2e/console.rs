@@ -155,24 +155,36 @@ async fn operators_watch_and_force_release_in_a_real_browser() -> anyhow::Result
     let pg = PostgresServer::start().await?;
     let audit = Audit::postgres(&pg)?;
 
-    // The console behind the recording proxy: browsers reach it there.
-    let console_addr: SocketAddr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-    let proxy = RecordingProxy::start(console_addr).await?;
-    let url = format!("http://{}", proxy.addr());
+    // The console behind the recording proxy: browsers reach it there. Its
+    // port is one that was free a moment ago (the proxy and the console's
+    // public URL must name it before the arbiter starts): another test may
+    // take it first, so a start that finds it taken picks another.
     let secret_dir = tempfile::tempdir()?;
     let secret = secret_dir.path().join("client-secret");
     std::fs::write(&secret, "console-secret\n")?;
-    let mut console = ConsoleConfig::new(console_addr.to_string());
-    console.public_url = Some(url.clone());
-    console.audit_store = Some(pg.url());
-    console.client_secret_file = Some(secret);
-    console.force_release = true;
-    let s = stack_with(ArbiterOptions {
-        force_release: crate::force_release::config(&oidc, false),
-        console: Some(console),
-        ..ArbiterOptions::default()
-    })
-    .await?;
+    let mut attempt = 0;
+    let (s, proxy, url) = loop {
+        attempt += 1;
+        let console_addr: SocketAddr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        let proxy = RecordingProxy::start(console_addr).await?;
+        let url = format!("http://{}", proxy.addr());
+        let mut console = ConsoleConfig::new(console_addr.to_string());
+        console.public_url = Some(url.clone());
+        console.audit_store = Some(pg.url());
+        console.client_secret_file = Some(secret.clone());
+        console.force_release = true;
+        let started = stack_with(ArbiterOptions {
+            force_release: crate::force_release::config(&oidc, false),
+            console: Some(console),
+            ..ArbiterOptions::default()
+        })
+        .await;
+        match started {
+            Ok(s) => break (s, proxy, url),
+            Err(e) if attempt < 5 && format!("{e:#}").contains("Address already in use") => {}
+            Err(e) => return Err(e),
+        }
+    };
     let _tailer = Tailer::start(&s.etcd, &audit, &[])?;
     let addr = s.arbiter.addr();
     let mut b = Browser::start().await?;
