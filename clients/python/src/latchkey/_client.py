@@ -659,11 +659,38 @@ class Client:
             _election._wait(done, None, stop)
         except _election._Stopped:
             future.cancel()
+            self._give_back_if_granted(request)
             raise
         try:
             return future.result()
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
+
+    def _give_back_if_granted(self, request) -> None:
+        """After a cancelled wait: the arbiter may have granted the key as
+        the cancel travelled. Asked again without waiting, on the same
+        session, it answers that grant (never a new one while another holds
+        the key); a grant found is released at once. Best effort: a grant
+        that lands after this ask stays with the session until it ends."""
+        probe = lock_pb2.AcquireRequest()
+        probe.CopyFrom(request)
+        probe.wait = lock_pb2.WAIT_NONE
+        try:
+            grant = self._call(self._stub.Acquire, probe).grant
+        except LatchkeyError:
+            return
+        if not grant.key:
+            return
+        release = lock_pb2.ReleaseRequest(key=grant.key, session_id=grant.session_id, token=grant.token)
+        if grant.HasField("slot"):
+            release.slot = grant.slot
+        if grant.mode == lock_pb2.MODE_SHARED:
+            release.mode = lock_pb2.MODE_SHARED
+        try:
+            self._call(self._stub.Release, release)
+            log.debug("gave back %s, granted as its wait was cancelled", grant.key)
+        except LatchkeyError as error:
+            log.debug("giving back %s after a cancelled wait: %s", grant.key, error)
 
     # -- elections --------------------------------------------------------
 

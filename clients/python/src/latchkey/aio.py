@@ -13,9 +13,11 @@ The event loop never blocks. Keepalive, the fence deadline and the lock-loss
 push are the threaded client's, unchanged.
 
 A task cancelled while it waits for a key stops waiting at once: the call at
-the arbiter is cancelled, and the task's thread is free for its next call. A
-grant that arrives as the wait is cancelled is released, and the key goes to
-the next waiter.
+the arbiter is cancelled, and the task's thread is free for its next call.
+Then the client asks once more, without waiting, on the same session: a grant
+the arbiter made as the cancel travelled is answered to that ask and released,
+so the key goes to the next waiter. A grant that lands after that ask (the
+cancel still on its way) stays with the session until the session ends.
 
 Ownership is per task. A hold taken inside a child task (``asyncio.wait_for``
 before Python 3.12 runs its argument in one, as do ``gather`` and
