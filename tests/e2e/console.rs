@@ -20,7 +20,7 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use latchkey_arbiter::console::ConsoleConfig;
 use latchkey_proto::lockv1::InspectRequest;
-use latchkey_tests::arbiter::{ArbiterOptions, svid_flags};
+use latchkey_tests::arbiter::ArbiterOptions;
 use latchkey_tests::browser::{Browser, RecordingProxy, contains};
 use latchkey_tests::eventually;
 use latchkey_tests::oidc::OidcProvider;
@@ -29,6 +29,7 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 use crate::audit::{Audit, Tailer};
+use crate::latchctl::latchctl;
 use crate::support::stack_with;
 
 const KEY: &str = "demo/console-1";
@@ -49,13 +50,8 @@ impl Held {
     async fn start(addr: SocketAddr, name: &str, wait: Option<&str>) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let d = dir.path().display();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"));
-        cmd.env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .arg("--endpoint")
-            .arg(format!("https://{addr}"))
-            .args(svid_flags(name)?)
-            .args(["hold", KEY, "--class", CLASS]);
+        let mut cmd = latchctl(addr, name)?;
+        cmd.args(["hold", KEY, "--class", CLASS]);
         if let Some(wait) = wait {
             cmd.args(["--wait", wait]);
         }
@@ -64,10 +60,8 @@ impl Held {
                 "echo $LATCHKEY_TOKEN > {d}/token.tmp && mv {d}/token.tmp {d}/token; echo $$ > {d}/pid; \
                  while [ ! -e {d}/release ]; do sleep 0.05; done"
             ))
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("stderr"))?)
-            .kill_on_drop(true);
+            .stderr(std::fs::File::create(dir.path().join("stderr"))?);
         let child = cmd.spawn().context("spawn latchctl hold")?;
         Ok(Self { child, dir })
     }
@@ -276,13 +270,8 @@ async fn operators_watch_and_force_release_in_a_real_browser() -> anyhow::Result
     .await?;
     b.screenshot(&shots.join("system.png")).await?;
     // alice leads an election: its page shows her, with the term latchctl shows.
-    let mut leader = Command::new(env!("CARGO_BIN_EXE_latchctl-under-test"));
+    let mut leader = latchctl(addr, "workload/alice")?;
     leader
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .arg("--endpoint")
-        .arg(format!("https://{addr}"))
-        .args(svid_flags("workload/alice")?)
         .args([
             "elect",
             "demo/console-leader",
@@ -292,10 +281,8 @@ async fn operators_watch_and_force_release_in_a_real_browser() -> anyhow::Result
             "sleep",
             "600",
         ])
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true);
+        .stderr(Stdio::null());
     let _leader = leader.spawn().context("spawn latchctl elect")?;
     b.goto(&format!("{url}/elections?e=demo%2Fconsole-leader"))
         .await?;

@@ -69,7 +69,9 @@ def test_a_cancelled_wait_keeps_nothing(stack_env):
         async with await _connect(stack_env) as alice, await _connect(stack_env, "BOB") as bob:
             held = await alice.acquire("demo/py/aio-cancel")
             waiting = asyncio.ensure_future(bob.acquire("demo/py/aio-cancel", wait=20))
-            await asyncio.sleep(0.5)
+            deadline = time.monotonic() + 10
+            while (await alice.inspect("demo/py/aio-cancel")).waiters == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting

@@ -25,24 +25,28 @@ def _install(env, who: str, into) -> None:
         tmp.replace(target)
 
 
+def _client(env, files) -> latchkey.Client:
+    """A client reading its SVID from `files`, where the test rotates it."""
+    return latchkey.Client(
+        env["ENDPOINT"],
+        ca=env["CA"],
+        cert=str(files / "svid.cert"),
+        key=str(files / "svid.key"),
+        default_class="demo",
+        connect_timeout=10.0,
+    )
+
+
 def test_a_rotated_svid_is_taken_up_without_a_fence(stack_env, tmp_path, monkeypatch):
     monkeypatch.setattr(client_module, "TLS_CHECK_EVERY", 0.1)
     _install(stack_env, "ALICE", tmp_path)
     lost = []
-    with latchkey.Client(
-        stack_env["ENDPOINT"],
-        ca=stack_env["CA"],
-        cert=str(tmp_path / "svid.cert"),
-        key=str(tmp_path / "svid.key"),
-        default_class="demo",
-        connect_timeout=10.0,
-    ) as client:
+    with _client(stack_env, tmp_path) as client:
         guard = client.acquire("demo/py/rotation", on_fence=lost.append)
         assert client.inspect("demo/py/rotation").holder.session_id == guard.session_id
 
         # Rotated to bob's SVID: the next calls are bob's, who may not see the session.
         _install(stack_env, "BOB", tmp_path)
-        time.sleep(0.2)
         eventually(
             "calls to present the new certificate",
             10,
@@ -52,7 +56,6 @@ def test_a_rotated_svid_is_taken_up_without_a_fence(stack_env, tmp_path, monkeyp
 
         # And back: alice's calls again, her hold as it was.
         _install(stack_env, "ALICE", tmp_path)
-        time.sleep(0.2)
         eventually(
             "calls to present alice's certificate again",
             10,
@@ -68,14 +71,7 @@ def test_a_rotated_svid_is_taken_up_without_a_fence(stack_env, tmp_path, monkeyp
 def test_a_half_written_rotation_is_not_taken_up(stack_env, tmp_path, monkeypatch):
     monkeypatch.setattr(client_module, "TLS_CHECK_EVERY", 0.1)
     _install(stack_env, "ALICE", tmp_path)
-    with latchkey.Client(
-        stack_env["ENDPOINT"],
-        ca=stack_env["CA"],
-        cert=str(tmp_path / "svid.cert"),
-        key=str(tmp_path / "svid.key"),
-        default_class="demo",
-        connect_timeout=10.0,
-    ) as client:
+    with _client(stack_env, tmp_path) as client:
         # bob's certificate with alice's key: not a pair.
         shutil.copyfile(stack_env["BOB_CERT"], tmp_path / "svid.cert")
         time.sleep(0.2)
